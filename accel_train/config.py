@@ -1,0 +1,227 @@
+"""The one typed training configuration.
+
+Every training option is a field of `TrainConfig`; the command line (cli.py) and the optional run
+YAML (`--config run.yaml`) are generated from these fields, so there is no second dictionary of
+hyperparameters anywhere.  `__post_init__` validates values and raises `UsageError` with a message
+that names the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from .errors import UsageError
+
+PRECISIONS = ("no", "fp16", "bf16")
+OPTIMIZERS = ("sgd", "adamw")
+IN_MEMORY_MODES = ("auto", "always", "never")
+SYNTHETIC_DATASET = "synthetic"
+
+
+def option(default, help: str, group: str, flags: tuple[str, ...] = (), **kw):
+    """A config field with what the CLI needs to expose it.
+
+    `flags` are extra spellings; every field also gets --dash-name and --underscore_name.
+    """
+    meta = {"help": help, "group": group, "flags": flags, **kw}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainConfig:
+    # -- data ---------------------------------------------------------------------------------
+    dataset: str = option(SYNTHETIC_DATASET, "Hugging Face hub dataset id, or 'synthetic' for the "
+                          "embedded generated dataset (no download).", "data")
+    data_dir: Optional[str] = option(None, "Local data: a folder of parquet files (train/test), a "
+                                     "datasets save_to_disk folder, or an image folder (class "
+                                     "subfolders, optionally under train/ val/ test/). Overrides "
+                                     "--dataset.", "data")
+    image_column: Optional[str] = option(None, "Image column (default: found by name/type).", "data")
+    label_column: Optional[str] = option(None, "Label column (default: found by name/type).", "data")
+    val_fraction: float = option(0.1, "Fraction of train carved off (deterministically, seed 0) "
+                                 "as held-out data when the data has no validation/test split.",
+                                 "data")
+    max_train_samples: Optional[int] = option(None, "Use only the first N training samples.", "data")
+    max_eval_samples: Optional[int] = option(None, "Use only the first N held-out samples.", "data")
+    synthetic_train_size: int = option(4000, "Training images in the synthetic dataset.", "data")
+    in_memory: str = option("auto", "Decode images once into memory and augment tensors "
+                            "(auto: when the data fits in --in-memory-limit-gb and images share a "
+                            "size).", "data", choices=IN_MEMORY_MODES)
+    in_memory_limit_gb: float = option(8.0, "Memory budget for --in-memory auto.", "data")
+    num_workers: Optional[int] = option(None, "DataLoader worker processes per process (default: "
+                                        "0 for in-memory data, else min(4, cpus per process)).",
+                                        "data")
+    prefetch_factor: int = option(2, "Batches each worker prepares ahead.", "data")
+    persistent_workers: bool = option(True, "Keep loader workers alive across epochs.", "data")
+    augment: bool = option(True, "Random crop + horizontal flip on training images "
+                           "(--no-augment turns it off).", "data")
+
+    # -- model --------------------------------------------------------------------------------
+    model: str = option("resnet18", "Any timm model name.", "model")
+    image_size: Optional[int] = option(None, "Input resolution (default: the dataset's native "
+                                       "size).", "model")
+    pretrained: Optional[str] = option(None, "Pretrained weights: a local .safetensors/.pth file, "
+                                       "or 'hub' for timm's hub weights (needs network or cache).",
+                                       "model")
+    freeze_backbone: bool = option(False, "Train only the classifier head (transfer learning).",
+                                   "model")
+    sync_bn: bool = option(False, "Synchronize BatchNorm statistics across processes (gloo on "
+                           "CPU, torch SyncBatchNorm on CUDA).", "model", flags=("--sync_batchnorm",))
+    channels_last: bool = option(False, "Use channels_last memory format for images and model.",
+                                 "model")
+    drop_rate: float = option(0.0, "Dropout before the classifier.", "model")
+
+    # -- optimization -------------------------------------------------------------------------
+    epochs: int = option(10, "Training epochs.", "optimization")
+    batch_size: int = option(64, "Batch size PER PROCESS (global batch = batch_size x processes "
+                             "x accumulation_steps).", "optimization")
+    learning_rate: float = option(0.05, "Peak learning rate (after warmup).", "optimization",
+                                  flags=("--lr",))
+    optimizer: str = option("sgd", "Optimizer.", "optimization", choices=OPTIMIZERS)
+    momentum: float = option(0.9, "SGD momentum (Nesterov).", "optimization")
+    weight_decay: float = option(5e-4, "Weight decay.", "optimization")
+    warmup_epochs: float = option(1.0, "Linear warmup length in epochs (may be fractional); "
+                                  "cosine decay follows.", "optimization")
+    label_smoothing: float = option(0.1, "Label smoothing for the cross-entropy loss.",
+                                    "optimization")
+    grad_clip: Optional[float] = option(None, "Clip the gradient norm to this value.",
+                                        "optimization")
+    accumulation_steps: int = option(1, "Micro-batches per optimizer step (gradient "
+                                     "accumulation).", "optimization",
+                                     flags=("--gradient_accumulation_steps",))
+    mixed_precision: str = option("no", "Mixed precision. fp16 needs CUDA: elsewhere the run "
+                                  "says so and trains in fp32.", "optimization",
+                                  choices=PRECISIONS)
+    max_steps: Optional[int] = option(None, "Stop after this many optimizer steps.",
+                                      "optimization")
+    seed: int = option(0, "Seed for model init, data order and augmentation.", "optimization")
+
+    # -- output and checkpoints ---------------------------------------------------------------
+    output_dir: Optional[str] = option(None, "Run directory (default: runs/<timestamp>).",
+                                       "output")
+    checkpoint: Optional[str] = option(None, "Checkpoint directory (default: "
+                                       "<output-dir>/checkpoints).", "output",
+                                       flags=("--checkpoint-dir", "--checkpoint_dir"))
+    checkpoint_every: int = option(0, "Also checkpoint every N optimizer steps (0: only at "
+                                   "epoch ends).", "output")
+    keep_checkpoints: int = option(3, "Keep the newest K checkpoints.", "output")
+    resume: Optional[str] = option(None, "'auto' (newest valid checkpoint) or a checkpoint path.",
+                                   "output")
+    log_every: int = option(20, "Log a metrics line every N optimizer steps.", "output")
+    report_to: list = option([], "Extra trackers (tensorboard, wandb, ...): metrics.jsonl is "
+                             "always written.", "output", nargs="*")
+    plots: bool = option(True, "Write PNG curves to <output-dir>/plots at the end.", "output")
+    progress: str = option("auto", "Progress display: bar, log lines, or auto (bar on a "
+                           "terminal).", "output", choices=("auto", "bar", "log"))
+
+    # -- the seed manual's distributed flags: checked against the launcher, never ignored -------
+    world_size: Optional[int] = option(None, "Expected total number of processes (checked "
+                                       "against the launcher's WORLD_SIZE).", "distributed")
+    rank: Optional[int] = option(None, "Expected global rank of this process (checked against "
+                                 "the launcher's RANK).", "distributed")
+    local_rank: Optional[int] = option(None, "Set by python -m torch.distributed.launch; checked "
+                                       "against LOCAL_RANK.", "distributed")
+    gpu_ids: Optional[str] = option(None, "Comma-separated GPU ids this machine's processes use "
+                                    "(local rank i uses the i-th).", "distributed")
+    dist_url: Optional[str] = option(None, "tcp://HOST:PORT of the rank-0 machine (checked "
+                                     "against MASTER_ADDR/MASTER_PORT).", "distributed")
+
+    def __post_init__(self):
+        self._check_ranges()
+
+    # Each check names the flag and says what would work.
+    def _check_ranges(self):
+        positive_ints = ("epochs", "batch_size", "accumulation_steps", "log_every",
+                         "prefetch_factor", "keep_checkpoints", "synthetic_train_size")
+        for name in positive_ints:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(f"{flag(name)} must be a whole number >= 1 (got {value!r})")
+        for name in ("max_steps", "max_train_samples", "max_eval_samples", "image_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise UsageError(f"{flag(name)} must be a whole number >= 1 (got {value!r})")
+        if self.image_size is not None and self.image_size < 8:
+            raise UsageError(f"--image-size {self.image_size} is too small: use 8 or more")
+        if not (isinstance(self.learning_rate, (int, float)) and self.learning_rate > 0
+                and math.isfinite(self.learning_rate)):
+            raise UsageError(f"--learning_rate must be a number > 0 (got {self.learning_rate!r})")
+        for name in ("weight_decay", "momentum", "label_smoothing", "warmup_epochs", "drop_rate",
+                     "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{flag(name)} must be >= 0 (got {getattr(self, name)!r})")
+        if self.label_smoothing >= 1 or self.drop_rate >= 1:
+            raise UsageError("--label-smoothing and --drop-rate must be below 1")
+        if not 0 < self.val_fraction < 1:
+            raise UsageError(f"--val-fraction must be between 0 and 1 (got {self.val_fraction})")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise UsageError(f"--grad-clip must be > 0 (got {self.grad_clip}); omit it to not clip")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise UsageError(f"--num-workers must be >= 0 (got {self.num_workers})")
+        for name, allowed in (("mixed_precision", PRECISIONS), ("optimizer", OPTIMIZERS),
+                              ("in_memory", IN_MEMORY_MODES)):
+            if getattr(self, name) not in allowed:
+                raise UsageError(f"{flag(name)} {getattr(self, name)!r} is not supported: "
+                                 f"choose one of {', '.join(allowed)}")
+        if self.world_size is not None and self.world_size < 1:
+            raise UsageError(f"--world_size must be >= 1 (got {self.world_size})")
+        if self.rank is not None and self.rank < 0:
+            raise UsageError(f"--rank must be >= 0 (got {self.rank})")
+        if self.gpu_ids is not None:
+            parse_gpu_ids(self.gpu_ids)
+
+    # -- conversions ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise UsageError(f"{source}: unknown option(s) {', '.join(unknown)}; "
+                             f"see `python -m accel_train --help` for the names")
+        return cls(**values)
+
+
+def flag(name: str) -> str:
+    """The documented spelling of a field's flag, for messages."""
+    return "--" + name.replace("_", "-")
+
+
+def parse_gpu_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip() != ""]
+    except ValueError:
+        ids = []
+    if not ids or any(i < 0 for i in ids):
+        raise UsageError(f"--gpu_ids {text!r} is not a comma-separated list of GPU numbers, "
+                         f"e.g. --gpu_ids 0,1")
+    return ids
+
+
+def load_run_yaml(path: str) -> dict[str, Any]:
+    """Read a run config YAML (training options by field name) for use as CLI defaults.
+
+    A resolved `config.yaml` from a run directory also works: its `train` section is used.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UsageError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if isinstance(data, dict) and isinstance(data.get("train"), dict):
+        data = data["train"]
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: expected a mapping of option: value")
+    return {key.replace("-", "_"): value for key, value in data.items()}

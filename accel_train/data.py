@@ -1,0 +1,113 @@
+"""Torch datasets, the epoch sampler and DataLoaders (before `accelerator.prepare`).
+
+Data order is a function of (seed, epoch) only.  The training sampler yields keys
+`epoch * N + index` so that the dataset (possibly in a persistent worker process that never sees
+`set_epoch`) knows the epoch for its seeded augmentation.  Each epoch is cut to a whole number of
+*global* batches (batch x processes x accumulation): every optimizer step then sees exactly one
+global batch, whatever the world size, which is what lets a run resume on a different number of
+processes and still use each sample of the interrupted epoch exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .sources import ArraySource, ImageSource
+from .transforms import ImageTransform, sample_generator
+
+STATS_SAMPLE = 5000  # images used to estimate the dataset's mean/std
+
+
+class TrainImages(Dataset):
+    """Indexed by sampler keys `epoch * N + index`; returns (image tensor, label)."""
+
+    def __init__(self, source: ImageSource, transform: ImageTransform, seed: int):
+        self.source, self.transform, self.seed = source, transform, seed
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, key: int):
+        epoch, index = divmod(int(key), len(self.source))
+        generator = sample_generator(self.seed, epoch, index) if self.transform.augment else None
+        return self.transform(self.source.image(index), generator), self.source.labels[index]
+
+
+class EvalImages(Dataset):
+    def __init__(self, source: ImageSource, transform: ImageTransform):
+        self.source, self.transform = source, transform
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int):
+        return self.transform(self.source.image(index)), self.source.labels[index]
+
+
+class EpochSampler(Sampler[int]):
+    """A seeded permutation per epoch, cut to a multiple of the global batch, as epoch keys."""
+
+    def __init__(self, num_samples: int, global_batch: int, seed: int, shuffle: bool = True):
+        self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
+        self.usable = (num_samples // global_batch) * global_batch
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.usable)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=generator)[: self.usable]
+
+    def __iter__(self) -> Iterator[int]:
+        offset = self.epoch * self.num_samples
+        return iter((self.order(self.epoch) + offset).tolist())
+
+    def __len__(self) -> int:
+        return self.usable
+
+
+def dataset_mean_std(source: ImageSource) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std of (a deterministic sample of) the training images, in [0, 1]."""
+    count = min(len(source), STATS_SAMPLE)
+    if isinstance(source, ArraySource):
+        pixels = source.images[:count].float().div_(255)
+        mean = pixels.mean(dim=(0, 2, 3))
+        std = pixels.std(dim=(0, 2, 3))
+    else:  # images may differ in size: accumulate per-channel sums
+        total = torch.zeros(3, dtype=torch.float64)
+        total_sq = torch.zeros(3, dtype=torch.float64)
+        num_pixels = 0
+        for index in range(min(count, 500)):
+            image = source.image(index).double().div_(255)
+            total += image.sum(dim=(1, 2))
+            total_sq += (image * image).sum(dim=(1, 2))
+            num_pixels += image.shape[1] * image.shape[2]
+        mean = total / num_pixels
+        std = (total_sq / num_pixels - mean * mean).clamp_min(1e-12).sqrt()
+    return tuple(round(float(v), 4) for v in mean), tuple(round(float(max(v, 1e-3)), 4) for v in std)
+
+
+def default_num_workers(source: ImageSource, processes_per_machine: int) -> int:
+    """No workers for in-memory data (decoding is already done; workers would only add IPC);
+    otherwise a share of this machine's cores, at most 4 per process."""
+    if isinstance(source, ArraySource):
+        return 0
+    cores = os.cpu_count() or 1
+    return max(1, min(4, cores // max(1, processes_per_machine)))
+
+
+def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_factor: int,
+                persistent_workers: bool, pin_memory: bool, sampler: Sampler | None = None,
+                drop_last: bool = False) -> DataLoader:
+    extra = {}
+    if num_workers > 0:
+        extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
+                      drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory, **extra)

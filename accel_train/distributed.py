@@ -1,0 +1,190 @@
+"""Process-group start-up and the launcher's environment.
+
+This is the only module that reads the launcher's variables (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*).  It starts the process group itself, before
+Accelerate does, for two reasons found on these machines (see DESIGN.md):
+
+* On a machine without CUDA, `accelerate launch --multi_gpu` workers otherwise each train alone
+  with world size 1; a gloo group started here is picked up by `Accelerator(cpu=True)`.
+* After an elastic restart under gloo, new workers read the dead round's peer addresses from the
+  agent's store and fail with "Connection refused".  Keying the store by run id and restart
+  attempt (a `PrefixStore`) gives each round a clean namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping, Optional
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from .config import TrainConfig, parse_gpu_ids
+from .errors import UsageError
+
+LAUNCHER_HELP = ("torchrun/accelerate launch set WORLD_SIZE = nnodes x nproc-per-node, RANK and "
+                 "LOCAL_RANK per process, and MASTER_ADDR/MASTER_PORT from --master-addr/"
+                 "--master-port (or the accelerate YAML's main_process_ip/port)")
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class LauncherEnv:
+    """What the launcher told this process; launched=False for a plain `python -m accel_train`."""
+
+    launched: bool
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    restart_count: int = 0
+    run_id: str = "none"
+    agent_store: bool = False
+    max_restarts: int = 0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "LauncherEnv":
+        env = os.environ if environ is None else environ
+        if "WORLD_SIZE" not in env or "RANK" not in env:
+            return cls(launched=False)
+        port = env.get("MASTER_PORT")
+        return cls(
+            launched=True,
+            world_size=int(env["WORLD_SIZE"]),
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(port) if port else None,
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)),
+        )
+
+
+def _same_host(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return socket.gethostbyname(a) == socket.gethostbyname(b)
+    except OSError:
+        return False
+
+
+def _parse_dist_url(url: str) -> tuple[str, int]:
+    parsed = urlparse(url)
+    if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
+        raise UsageError(f"--dist_url {url!r} is not of the form tcp://HOST:PORT, "
+                         f"e.g. tcp://127.0.0.1:23456")
+    return parsed.hostname, parsed.port
+
+
+def check_manual_flags(config: TrainConfig, env: LauncherEnv, cuda_count: int) -> None:
+    """The seed manual's --world_size/--rank/--local_rank/--dist_url/--gpu_ids, checked.
+
+    With a launcher they must agree with what it set; without one, --world_size > 1 needs
+    --rank and --dist_url (the classic manual start, one command per process).
+    """
+    if env.launched:
+        pairs = (("world_size", config.world_size, env.world_size, "WORLD_SIZE"),
+                 ("rank", config.rank, env.rank, "RANK"),
+                 ("local_rank", config.local_rank, env.local_rank, "LOCAL_RANK"))
+        for name, given, actual, var in pairs:
+            if given is not None and given != actual:
+                raise UsageError(f"--{name} {given} contradicts the launcher's {var}={actual} "
+                                 f"({LAUNCHER_HELP}); drop --{name} or fix the launch command")
+        if config.dist_url and env.master_addr and env.master_port:
+            host, port = _parse_dist_url(config.dist_url)
+            if port != env.master_port or not _same_host(host, env.master_addr):
+                raise UsageError(f"--dist_url {config.dist_url} contradicts the launcher's "
+                                 f"MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port}; "
+                                 f"drop --dist_url or pass the same address to the launcher")
+    elif (config.world_size or 1) > 1:
+        if config.rank is None or config.dist_url is None:
+            raise UsageError(f"--world_size {config.world_size} without a launcher needs --rank "
+                             f"and --dist_url on each process; or start with torchrun "
+                             f"--nproc-per-node {config.world_size} / accelerate launch")
+        if config.rank >= config.world_size:
+            raise UsageError(f"--rank {config.rank} must be below --world_size "
+                             f"{config.world_size}")
+        _parse_dist_url(config.dist_url)
+    elif config.rank not in (None, 0):
+        raise UsageError(f"--rank {config.rank} given for a single process; add --world_size "
+                         f"and --dist_url, or use a launcher")
+
+    if config.gpu_ids is not None:
+        ids = parse_gpu_ids(config.gpu_ids)
+        if cuda_count == 0:
+            raise UsageError(f"--gpu_ids {config.gpu_ids} given but this machine has no CUDA "
+                             f"device; drop --gpu_ids to train on the CPU")
+        if len(ids) < env.local_world_size:
+            raise UsageError(f"--gpu_ids {config.gpu_ids} lists {len(ids)} GPU(s) for "
+                             f"{env.local_world_size} processes on this machine; list one per "
+                             f"process")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        wanted = ",".join(str(i) for i in ids)
+        if visible not in (None, wanted):
+            raise UsageError(f"--gpu_ids {config.gpu_ids} contradicts CUDA_VISIBLE_DEVICES="
+                             f"{visible}; set only one of them")
+
+
+def _env_from_manual_flags(config: TrainConfig) -> LauncherEnv:
+    """The classic start without a launcher: --world_size N --rank R --dist_url tcp://H:P."""
+    host, port = _parse_dist_url(config.dist_url)
+    local_rank = config.local_rank if config.local_rank is not None else 0
+    for key, value in (("WORLD_SIZE", config.world_size), ("RANK", config.rank),
+                       ("LOCAL_RANK", local_rank), ("MASTER_ADDR", host), ("MASTER_PORT", port)):
+        os.environ[key] = str(value)  # so Accelerate and any library see the same world
+    return LauncherEnv(launched=True, world_size=config.world_size, rank=config.rank,
+                       local_rank=local_rank, master_addr=host, master_port=port)
+
+
+def _make_store(env: LauncherEnv) -> dist.Store:
+    """A TCP store namespaced by run id and restart attempt (see the module docstring)."""
+    if not env.master_addr or not env.master_port:
+        raise UsageError("the launcher set WORLD_SIZE but not MASTER_ADDR/MASTER_PORT; launch "
+                         "with torchrun or accelerate launch, or pass --dist_url")
+    # Under torchelastic the agent hosts the store; otherwise rank 0 does.
+    is_master = (not env.agent_store) and env.rank == 0
+    base = dist.TCPStore(env.master_addr, env.master_port, None if not is_master else env.world_size,
+                         is_master, timeout=DEFAULT_TIMEOUT, wait_for_workers=False)
+    return dist.PrefixStore(f"accel_train/{env.run_id}/attempt_{env.restart_count}", base)
+
+
+def setup(config: TrainConfig) -> LauncherEnv:
+    """Check the manual's flags and start the process group when there is more than one process.
+
+    Must run before anything touches CUDA (it may set CUDA_VISIBLE_DEVICES from --gpu_ids).
+    """
+    env = LauncherEnv.from_environ()
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_manual_flags(config, env, cuda_count)
+    if config.gpu_ids is not None:
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES",
+                              ",".join(str(i) for i in parse_gpu_ids(config.gpu_ids)))
+    if not env.launched and (config.world_size or 1) > 1:
+        env = _env_from_manual_flags(config)
+    if env.world_size > 1 and not dist.is_initialized():
+        use_cuda = cuda_count > 0
+        if use_cuda:
+            torch.cuda.set_device(env.local_rank)
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=_make_store(env),
+                                rank=env.rank, world_size=env.world_size, timeout=DEFAULT_TIMEOUT)
+    return env
+
+
+def is_elastic_restart() -> bool:
+    """True in a worker that torchelastic restarted after a failure: it should resume."""
+    return LauncherEnv.from_environ().restart_count > 0
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

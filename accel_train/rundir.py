@@ -1,0 +1,85 @@
+"""The run directory: choosing it safely and recording what ran.
+
+A run directory holds config.yaml (the options, what was resolved from them, package versions and
+the git revision), metrics.jsonl, logs/, checkpoints/, model.safetensors + model_config.json.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+from .config import TrainConfig
+from .errors import UsageError
+
+RUN_MARKERS = ("metrics.jsonl", "model.safetensors", "checkpoints", "config.yaml")
+PACKAGES = ("accel_train", "torch", "torchvision", "accelerate", "timm", "datasets",
+            "safetensors", "numpy")
+
+
+def _holds_a_run(path: Path) -> bool:
+    return path.is_dir() and any((path / marker).exists() for marker in RUN_MARKERS)
+
+
+def prepare_output_dir(config: TrainConfig, resume, env) -> str:
+    """Pick the run directory without creating or touching anything (a failed start must leave
+    no trace), refusing to start a new run on top of an old one."""
+    if config.output_dir is None:
+        if env.max_restarts > 0:
+            raise UsageError("elastic restarts (--max-restarts) need a fixed --output-dir so that "
+                             "restarted workers find the checkpoints; add --output-dir PATH")
+        base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        path, suffix = base, 1
+        while path.exists():
+            suffix += 1
+            path = base.with_name(f"{base.name}-{suffix}")
+        return str(path)
+    path = Path(config.output_dir)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--output-dir {path} is a file; pass a folder")
+    if resume is None and _holds_a_run(path):
+        raise UsageError(f"--output-dir {path} already holds a run; pass --resume auto to "
+                         f"continue it, or choose a new --output-dir")
+    return str(path)
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": sys.version.split()[0]}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def git_revision() -> str | None:
+    source = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict) -> Path:
+    """config.yaml on the first start; a resumed start records itself beside it instead of
+    rewriting what the original run was."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    record = {"train": config.to_dict(), "resolved": resolved, "versions": package_versions(),
+              "git_revision": git_revision(), "command": sys.argv}
+    path = output_dir / "config.yaml"
+    if path.exists():
+        path = output_dir / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
+    path.write_text(yaml.safe_dump(record, sort_keys=False))
+    return path

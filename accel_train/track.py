@@ -1,0 +1,111 @@
+"""What a run tells the user and records: metrics.jsonl, the progress display, per-rank logs.
+
+Only the main process writes shared files and prints; every process keeps its own log file in
+`<output-dir>/logs/rank<R>.log`, so a failure on rank 3 can be read after the fact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from tqdm.auto import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    """Append-only JSON lines, one per logged step and per epoch (main process only)."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled = Path(path), enabled
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                  for k, v in record.items()}
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop what was logged after the checkpoint's step, so the log reads as if
+        the run had never stopped (the steps after it are about to be redone)."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def rank_logger(log_dir: Path, rank: int) -> logging.Logger:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger(f"accel_train.rank{rank}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    handler = logging.FileHandler(log_dir / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    return logger
+
+
+def _format_eta(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """A tqdm bar on a terminal, plain periodic lines otherwise (CI logs, files, launchers)."""
+
+    def __init__(self, enabled: bool, mode: str, total_steps: int, initial_step: int):
+        self.enabled = enabled
+        use_bar = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
+        self.total, self.start_step = total_steps, initial_step
+        self.started = time.perf_counter()
+        self.bar: Optional[tqdm] = None
+        if enabled and use_bar:
+            self.bar = tqdm(total=total_steps, initial=initial_step, unit="step",
+                            dynamic_ncols=True, leave=True)
+
+    def update(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        shown = {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.3g}",
+                 "img/s": f"{metrics['img_per_s']:.0f}"}
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix(shown, refresh=True)
+            return
+        done = step - self.start_step
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / done * (self.total - step) if done else float("nan")
+        eta_text = _format_eta(eta) if math.isfinite(eta) else "?"
+        print(f"step {step}/{self.total} epoch {metrics['epoch']} loss {shown['loss']} "
+              f"lr {shown['lr']} img/s {shown['img/s']} data-wait "
+              f"{metrics['data_wait']:.1%} eta {eta_text}", flush=True)
+
+    def write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

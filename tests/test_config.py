@@ -1,0 +1,86 @@
+"""Config validation and the command line: pure functions, no training."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from accel_train.cli import build_train_parser, config_from_args, main
+from accel_train.config import TrainConfig
+from accel_train.errors import UsageError
+
+
+def parse(*argv: str) -> TrainConfig:
+    return config_from_args(build_train_parser().parse_args(list(argv)))
+
+
+def test_defaults_are_valid():
+    config = TrainConfig()
+    assert config.model == "resnet18" and config.dataset == "synthetic"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--batch_size", "0"], "--batch-size must be a whole number >= 1"),
+    (["--batch-size", "-3"], "--batch-size must be a whole number >= 1"),
+    (["--epochs", "0"], "--epochs must be a whole number >= 1"),
+    (["--learning_rate", "0"], "--learning_rate must be a number > 0"),
+    (["--learning-rate", "-0.1"], "--learning_rate must be a number > 0"),
+    (["--accumulation_steps", "0"], "--accumulation-steps must be a whole number >= 1"),
+    (["--val-fraction", "1.5"], "--val-fraction must be between 0 and 1"),
+    (["--image-size", "4"], "--image-size 4 is too small"),
+    (["--grad-clip", "0"], "--grad-clip must be > 0"),
+    (["--gpu_ids", "a,b"], "--gpu_ids 'a,b' is not a comma-separated list"),
+    (["--mixed-precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--optimizer", "lamb"], "invalid choice: 'lamb'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_bad_values_name_the_flag(argv, expected):
+    with pytest.raises(UsageError, match=expected.replace("(", r"\(").replace("[", r"\[")):
+        parse(*argv)
+
+
+def test_manual_flags_in_both_spellings():
+    manual = parse("--epochs", "3", "--batch_size", "8", "--learning_rate", "0.01",
+                   "--accumulation_steps", "2", "--checkpoint", "ck", "--world_size", "1",
+                   "--rank", "0", "--gpu_ids", "0,1", "--dist_url", "tcp://127.0.0.1:23456")
+    dashed = parse("--epochs", "3", "--batch-size", "8", "--learning-rate", "0.01",
+                   "--accumulation-steps", "2", "--checkpoint-dir", "ck", "--world-size", "1",
+                   "--rank", "0", "--gpu-ids", "0,1", "--dist-url", "tcp://127.0.0.1:23456")
+    assert manual == dashed
+    assert (manual.batch_size, manual.accumulation_steps, manual.checkpoint) == (8, 2, "ck")
+
+
+def test_boolean_flags_and_lists():
+    config = parse("--no-augment", "--freeze-backbone", "--sync-bn", "--report-to", "tensorboard")
+    assert not config.augment and config.freeze_backbone and config.sync_bn
+    assert config.report_to == ["tensorboard"]
+
+
+def test_help_lists_every_option_with_its_default(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(TrainConfig):
+        assert "--" + f.name.replace("_", "-") in text, f.name
+    assert text.count("(default:") >= len(dataclasses.fields(TrainConfig))
+    for title in ("data:", "model:", "optimization:", "distributed"):
+        assert title in text
+
+
+def test_cli_turns_bad_input_into_one_line_and_exit_2(capsys):
+    assert main(["--batch_size", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert err.startswith("accel_train: error: --batch-size must be")
+
+
+def test_run_yaml_gives_defaults_and_flags_override(tmp_path):
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text("batch-size: 12\nepochs: 7\nmodel: test_resnet\n")
+    config = parse("--config", str(run_yaml), "--epochs", "2")
+    assert (config.batch_size, config.epochs, config.model) == (12, 2, "test_resnet")
+    run_yaml.write_text("batch_sise: 12\n")
+    with pytest.raises(UsageError, match="unknown option.*batch_sise"):
+        parse("--config", str(run_yaml))

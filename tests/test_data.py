@@ -1,0 +1,195 @@
+"""Data sources, columns, image modes, splits, sampler and augmentation determinism."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from accel_train import synthetic
+from accel_train.config import TrainConfig
+from accel_train.data import EpochSampler, TrainImages, dataset_mean_std
+from accel_train.errors import UsageError
+from accel_train.sources import ArraySource, HFSource, load_data
+from accel_train.transforms import ImageTransform
+
+CLASSES = ["cat", "dog", "fish"]
+
+
+def _image(label: int, index: int, mode: str = "RGB", size: int = 12) -> Image.Image:
+    rng = np.random.default_rng(index)
+    pixels = (rng.uniform(0, 60, (size, size, 3)) + 80 * label).clip(0, 255).astype(np.uint8)
+    image = Image.fromarray(pixels, "RGB")
+    return image.convert(mode) if mode != "RGB" else image
+
+
+def _png_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def _hf_dataset(num: int, modes=("RGB",), image_col="image", label_col="label") -> datasets.Dataset:
+    rows = {image_col: [], label_col: []}
+    for i in range(num):
+        label = i % len(CLASSES)
+        rows[image_col].append(_image(label, i, modes[i % len(modes)]))
+        rows[label_col].append(label)
+    features = datasets.Features({image_col: datasets.Image(),
+                                  label_col: datasets.ClassLabel(names=CLASSES)})
+    return datasets.Dataset.from_dict(rows, features=features)
+
+
+def config(**kwargs) -> TrainConfig:
+    return TrainConfig(**kwargs)
+
+
+def test_synthetic_is_deterministic_balanced_and_held_out():
+    images, labels = synthetic.generate(200, seed=5)
+    again, _ = synthetic.generate(200, seed=5)
+    assert images.shape == (200, 32, 32, 3) and images.dtype == np.uint8
+    assert np.array_equal(images, again)
+    assert np.bincount(labels).tolist() == [20] * 10
+    data = load_data(config(synthetic_train_size=300, max_eval_samples=50))
+    assert isinstance(data.train, ArraySource) and len(data.train) == 300 and len(data.eval) == 50
+    assert data.class_names == synthetic.CLASS_NAMES
+    assert not torch.equal(data.train.images[:50], data.eval.images)
+
+
+def test_shared_cifar10_parquet(shared_cifar10):
+    data = load_data(config(data_dir=str(shared_cifar10), max_train_samples=256,
+                            max_eval_samples=100))
+    assert data.class_names[:3] == ["airplane", "automobile", "bird"]
+    assert len(data.train) == 256 and len(data.eval) == 100
+    assert isinstance(data.train, ArraySource) and data.train.images.shape[1:] == (3, 32, 32)
+    assert "test" in data.description  # the shared copy's own test split is the held-out one
+    assert 0 <= int(data.train.labels.min()) and int(data.train.labels.max()) <= 9
+
+
+def test_parquet_folder_with_mixed_image_modes(tmp_path):
+    ds = _hf_dataset(12, modes=("RGB", "L", "P", "CMYK", "RGBA"))
+    ds.to_parquet(str(tmp_path / "train.parquet"))
+    data = load_data(config(data_dir=str(tmp_path)))
+    # No held-out split in the folder: 10% is carved off, the same way every time.
+    assert len(data.train) + len(data.eval) == 12 and len(data.eval) >= 1
+    again = load_data(config(data_dir=str(tmp_path), seed=99))
+    assert torch.equal(data.eval.labels, again.eval.labels)
+    assert data.train.image(0).shape == (3, 12, 12)  # every mode became 3-channel RGB
+
+
+def test_save_to_disk_and_label_column_flags(tmp_path):
+    ds = _hf_dataset(9, image_col="picture", label_col="kind")
+    datasets.DatasetDict(train=ds, validation=ds.select(range(3))).save_to_disk(str(tmp_path / "d"))
+    data = load_data(config(data_dir=str(tmp_path / "d")))  # found by feature type
+    assert len(data.train) == 9 and len(data.eval) == 3 and data.class_names == CLASSES
+    with pytest.raises(UsageError, match="--label-column 'nope' is not a column.*picture, kind"):
+        load_data(config(data_dir=str(tmp_path / "d"), label_column="nope"))
+
+
+def test_string_labels_become_sorted_class_names(tmp_path):
+    ds = datasets.Dataset.from_dict(
+        {"image": [_image(i % 2, i) for i in range(6)], "label": ["b", "a"] * 3},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("string")}))
+    ds.to_parquet(str(tmp_path / "train.parquet"))
+    ds.to_parquet(str(tmp_path / "test.parquet"))
+    data = load_data(config(data_dir=str(tmp_path)))
+    assert data.class_names == ["a", "b"]
+    assert data.train.labels.tolist() == [1, 0] * 3
+
+
+def _write_class_folders(root: Path, per_class: int, size: int = 12):
+    for label, name in enumerate(CLASSES):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            _image(label, i, size=size).save(root / name / f"{i}.png")
+
+
+def test_image_folder_flat_and_with_split_folders(tmp_path):
+    _write_class_folders(tmp_path / "flat", 4)
+    flat = load_data(config(data_dir=str(tmp_path / "flat")))
+    assert flat.class_names == CLASSES and len(flat.train) + len(flat.eval) == 12
+    _write_class_folders(tmp_path / "split" / "train", 4)
+    _write_class_folders(tmp_path / "split" / "val", 2)
+    split = load_data(config(data_dir=str(tmp_path / "split")))
+    assert (len(split.train), len(split.eval)) == (12, 6)
+
+
+def test_mixed_sizes_stay_on_disk_and_decode_per_sample(tmp_path):
+    _write_class_folders(tmp_path / "train", 3, size=12)
+    _write_class_folders(tmp_path / "test", 1, size=20)
+    _image(0, 99, size=30).save(tmp_path / "train" / "cat" / "big.png")
+    data = load_data(config(data_dir=str(tmp_path)))
+    assert isinstance(data.train, HFSource)
+    transform = ImageTransform(16, (0.5,) * 3, (0.25,) * 3)
+    assert {tuple(transform(data.train.image(i)).shape) for i in range(len(data.train))} == \
+        {(3, 16, 16)}
+    with pytest.raises(UsageError, match="--in-memory always"):
+        load_data(config(data_dir=str(tmp_path), in_memory="always"))
+
+
+def test_unreadable_image_is_named(tmp_path):
+    rows = {"image": [{"bytes": _png_bytes(_image(0, 0)), "path": None},
+                      {"bytes": b"not an image", "path": None}], "label": [0, 1]}
+    ds = datasets.Dataset.from_dict(rows, features=datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES[:2])}))
+    ds.to_parquet(str(tmp_path / "train.parquet"))
+    ds.to_parquet(str(tmp_path / "test.parquet"))
+    with pytest.raises(UsageError, match="image 1 of split 'train' cannot be decoded"):
+        load_data(config(data_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize("setup, expected", [
+    ("missing", "no such folder"),
+    ("empty", "holds no files"),
+    ("file", "is a file"),
+])
+def test_bad_data_dirs(tmp_path, setup, expected):
+    path = tmp_path / "data"
+    if setup == "empty":
+        path.mkdir()
+    elif setup == "file":
+        path.write_text("x")
+    with pytest.raises(UsageError, match=expected):
+        load_data(config(data_dir=str(path)))
+
+
+def test_hub_dataset_offline_names_data_dir(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UsageError, match="--dataset someone/imagenet-ish.*--data-dir"):
+        load_data(config(dataset="someone/imagenet-ish"))
+
+
+def test_epoch_sampler_is_a_function_of_seed_and_epoch():
+    sampler = EpochSampler(103, global_batch=10, seed=3)
+    assert len(sampler) == 100  # cut to whole global batches
+    sampler.set_epoch(2)
+    keys = list(sampler)
+    assert all(2 * 103 <= k < 3 * 103 for k in keys) and len(set(keys)) == 100
+    assert [k % 103 for k in keys] == EpochSampler(103, 10, 3).order(2).tolist()
+    assert EpochSampler(103, 10, 3).order(1).tolist() != EpochSampler(103, 10, 3).order(2).tolist()
+
+
+def test_augmentation_depends_on_seed_epoch_index_only():
+    source = ArraySource(torch.randint(0, 255, (4, 3, 32, 32), dtype=torch.uint8),
+                         torch.tensor([0, 1, 0, 1]))
+    transform = ImageTransform(32, (0.5,) * 3, (0.25,) * 3, augment=True)
+    images = TrainImages(source, transform, seed=7)
+    key = 5 * len(source) + 2  # epoch 5, sample 2
+    torch.manual_seed(0)
+    first = images[key][0]
+    torch.manual_seed(1)  # the global RNG must not matter
+    assert torch.equal(first, images[key][0])
+    assert not all(torch.equal(first, images[6 * len(source) + 2][0]) for _ in range(1))
+
+
+def test_dataset_statistics():
+    images = torch.full((10, 3, 4, 4), 51, dtype=torch.uint8)
+    mean, std = dataset_mean_std(ArraySource(images, torch.zeros(10, dtype=torch.long)))
+    assert mean == pytest.approx((0.2, 0.2, 0.2), abs=1e-4)
+    assert std == pytest.approx((0.001,) * 3)  # clamped: never divide by zero

@@ -1,0 +1,146 @@
+"""The single-process path end to end: real training, export and reload, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from accelerate.state import AcceleratorState
+from safetensors.torch import load_file, save_file
+
+from accel_train.cli import main
+from accel_train.config import TrainConfig
+from accel_train.model import ModelSpec, build_from_spec, create_model
+from accel_train.track import read_metrics
+from accel_train.trainer import Trainer, run_training
+from accel_train import distributed
+
+from conftest import accel_train
+
+QUICK = dict(dataset="synthetic", synthetic_train_size=256, max_eval_samples=64,
+             model="test_resnet", batch_size=32, epochs=1, progress="log", plots=False)
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state(monkeypatch):
+    """Accelerate keeps process-wide singletons; each in-process run starts clean."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_training_in_a_subprocess_improves_accuracy(tmp_path):
+    out = tmp_path / "run"
+    result = accel_train("--model", "test_resnet", "--synthetic-train-size", "1000",
+                         "--epochs", "2", "--batch_size", "32", "--output-dir", str(out),
+                         "--progress", "log", "--log-every", "10", "--no-plots", check=True)
+    epochs = [m for m in read_metrics(out / "metrics.jsonl") if m["type"] == "epoch"]
+    assert [e["epoch"] for e in epochs] == [1, 2]
+    assert epochs[-1]["eval_top1"] > max(0.5, epochs[0]["eval_top1"])  # chance is 0.1
+    assert all(e["eval_count"] == 1000 for e in epochs)  # the whole held-out split, once
+    steps = [m for m in read_metrics(out / "metrics.jsonl") if m["type"] == "train"]
+    assert steps and all(m["img_per_s"] > 0 and 0 <= m["data_wait"] <= 1 for m in steps)
+    assert "Epoch 1 Time" in result.stdout and "Training took" in result.stdout
+    assert "global batch 32 = 32 per process x 1 x 1 accumulation" in result.stdout
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["train"]["epochs"] == 2 and resolved["resolved"]["precision_used"] == "fp32"
+    assert resolved["versions"]["torch"] == torch.__version__.split("+")[0] or \
+        resolved["versions"]["torch"].startswith(torch.__version__.split("+")[0])
+    assert (out / "logs" / "rank0.log").exists()
+
+
+def test_exported_weights_rebuild_the_same_model(tmp_path):
+    config = TrainConfig(**QUICK, output_dir=str(tmp_path / "run"))
+    env = distributed.setup(config)
+    trainer = Trainer(config, env)
+    assert trainer.train() == 0
+    trained = trainer.accelerator.unwrap_model(trainer.model).eval()
+    trainer.close()
+
+    spec = ModelSpec.load(tmp_path / "run")
+    assert spec.class_names[:2] == ["disk", "square"] and spec.image_size == 32
+    rebuilt = build_from_spec(spec)
+    rebuilt.load_state_dict(load_file(str(tmp_path / "run" / "model.safetensors")))
+    rebuilt.eval()
+    images = torch.randn(8, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(trained(images), rebuilt(images))
+
+
+def test_fp16_on_cpu_says_so_and_records_fp32(tmp_path, capsys):
+    config = TrainConfig(**QUICK, output_dir=str(tmp_path / "run"), mixed_precision="fp16",
+                         max_steps=2)
+    assert run_training(config) == 0
+    assert "fp16 needs a CUDA device; this run trains in fp32" in capsys.readouterr().out
+    resolved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["resolved"]
+    assert (resolved["precision_requested"], resolved["precision_used"]) == ("fp16", "fp32")
+
+
+def test_pretrained_local_weights_and_frozen_backbone(tmp_path):
+    # "Pretrained" weights: a model with a different head (1000 classes), saved as safetensors.
+    torch.manual_seed(123)
+    source = create_model("test_resnet", num_classes=1000)
+    weights = tmp_path / "pretrained.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(weights))
+
+    config = TrainConfig(**QUICK, output_dir=str(tmp_path / "run"), pretrained=str(weights),
+                         freeze_backbone=True, learning_rate=0.5)
+    assert run_training(config) == 0
+    trained = load_file(str(tmp_path / "run" / "model.safetensors"))
+    spec = json.loads((tmp_path / "run" / "model_config.json").read_text())
+    assert spec["mean"] == list(source.pretrained_cfg["mean"])  # normalization of the weights
+    head = {k for k in trained if k.startswith(source.default_cfg["classifier"])}
+    assert head and all(trained[k].shape[0] == 10 for k in head if k.endswith("weight"))
+    for name, tensor in source.state_dict().items():
+        if name not in head:  # backbone weights AND BatchNorm statistics did not move
+            assert torch.equal(trained[name], tensor), name
+
+
+BAD_INPUTS = [
+    (["--model", "resnet_does_not_exist"], "--model 'resnet_does_not_exist' is not a timm model"),
+    (["--data-dir", "/nonexistent/data"], "--data-dir /nonexistent/data: no such folder"),
+    (["--batch_size", "0"], "--batch-size must be a whole number >= 1"),
+    (["--learning_rate", "-1"], "--learning_rate must be a number > 0"),
+    (["--mixed-precision", "fp64"], "invalid choice: 'fp64'"),
+    (["--model", "test_vit", "--image-size", "40"], "--image-size 40 does not work with test_vit"),
+    (["--pretrained", "/nonexistent.safetensors"], "--pretrained /nonexistent.safetensors: no such"),
+    (["--world_size", "2"], "--world_size 2 without a launcher needs --rank and --dist_url"),
+    (["--gpu_ids", "0,1"], "--gpu_ids 0,1 given but this machine has no CUDA device"),
+    (["--batch_size", "512", "--synthetic-train-size", "100"], "fewer than one global batch"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[m[:30] for _, m in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2_and_leaves_outputs_alone(tmp_path, capsys, argv, message):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert main(argv + ["--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.count("\n") == 0, err
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_bad_input_from_a_real_process_has_no_traceback(tmp_path, shared_cifar10):
+    result = accel_train("--data-dir", str(shared_cifar10), "--label-column", "nope",
+                         "--max-train-samples", "64", "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "accel_train: error: --label-column 'nope' is not a column of this dataset; its columns "
+        "are: img, label"]
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_an_existing_run_is_never_overwritten(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"type": "epoch", "step": 5}\n')
+    assert main(["--output-dir", str(out)]) == 2
+    assert "already holds a run; pass --resume auto" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == '{"type": "epoch", "step": 5}\n'

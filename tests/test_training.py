@@ -144,3 +144,23 @@ def test_an_existing_run_is_never_overwritten(tmp_path, capsys):
     assert main(["--output-dir", str(out)]) == 2
     assert "already holds a run; pass --resume auto" in capsys.readouterr().err
     assert (out / "metrics.jsonl").read_text() == '{"type": "epoch", "step": 5}\n'
+
+
+def test_unreadable_image_when_decoding_per_step(tmp_path, capsys):
+    import datasets
+    from test_data import CLASSES, _image, _png_bytes
+    rows = {"image": [{"bytes": _png_bytes(_image(i % 2, i)), "path": None} for i in range(8)],
+            "label": [i % 2 for i in range(8)]}
+    rows["image"][5] = {"bytes": b"\x89PNG broken", "path": None}
+    ds = datasets.Dataset.from_dict(rows, features=datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES[:2])}))
+    ds.to_parquet(str(tmp_path / "train.parquet"))
+    ds.select(range(4)).to_parquet(str(tmp_path / "test.parquet"))
+    capsys.readouterr()  # drop the parquet writer's progress bars
+    code = main(["--data-dir", str(tmp_path), "--in-memory", "never", "--num-workers", "1",
+                 "--model", "test_resnet", "--batch_size", "4", "--output-dir",
+                 str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()  # datasets' own progress bars may precede it
+    assert code == 2 and "Traceback" not in err
+    assert "image 5 of split 'train' cannot be decoded" in err.splitlines()[-1]
+    assert err.splitlines()[-1].startswith("accel_train: error: ")

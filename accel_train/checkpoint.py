@@ -3,10 +3,14 @@
 Layout: `<dir>/step_XXXXXXXX/` holding what `accelerator.save_state` writes (model as safetensors,
 optimizer, scheduler, grad scaler, every rank's RNG state), our `trainer_state.json`, and
 `manifest.json` with the SHA-256 of every file, written last.  A save goes to `.tmp-step_...`
-and is renamed into place only when complete; older checkpoints are pruned only after that.
+and is renamed into place only once its manifest is written; older checkpoints are pruned only
+after that.  A `.tmp-` folder whose manifest verifies is a finished save that was killed before
+its rename: the next start completes the rename.  Any other `.tmp-` folder is discarded.
+
 Loading verifies the manifest first and goes through Accelerate's `load`, which unpickles with
-`weights_only=True`: a checkpoint cannot run code (nothing is registered with
-`register_for_checkpointing`, whose objects Accelerate loads with `weights_only=False`).
+`weights_only=True`: a checkpoint cannot run code.  Nothing is registered with
+`register_for_checkpointing` (Accelerate loads those objects with `weights_only=False`), and the
+RNG file, which Accelerate would silently skip if it failed to load, is vetted here first.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import UsageError
+from .testhooks import maybe_stall_save
 
 MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.json"
 NAME_PATTERN = re.compile(r"^step_(\d{8,})$")
 TMP_PREFIX = ".tmp-"
+SUPERSEDED_PREFIX = "superseded-"
+RNG_FILE = "random_states_{rank}.pkl"  # Accelerate's name for each rank's RNG state
 
 
 @dataclass
@@ -88,6 +95,7 @@ def write_manifest(directory: Path, state: TrainerState) -> None:
     tmp.write_text(json.dumps({"step": state.step, "files": files}, indent=2) + "\n")
     _fsync(tmp)
     os.replace(tmp, directory / MANIFEST)
+    _fsync(directory)
 
 
 def verify(directory: Path) -> Optional[str]:
@@ -98,16 +106,18 @@ def verify(directory: Path) -> Optional[str]:
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
+        if not isinstance(files, dict):
+            raise TypeError
     except (ValueError, KeyError, TypeError):
         return "unreadable manifest"
+    if STATE_FILE not in files:
+        return f"{STATE_FILE} is not in the manifest"
     for name, expected in files.items():
         path = directory / name
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != expected["bytes"] or _sha256(path) != expected["sha256"]:
             return f"{name} does not match its checksum (truncated or modified)"
-    if STATE_FILE not in files:
-        return f"{STATE_FILE} is missing"
     return None
 
 
@@ -133,18 +143,99 @@ def read_state(directory: Path) -> TrainerState:
     return TrainerState.from_json(json.loads((directory / STATE_FILE).read_text()))
 
 
+def recover_interrupted_saves(root: Path, warn: Callable[[str], None]) -> None:
+    """Main process, before anything reads the folder: finish or discard what a killed save left.
+
+    A save is complete once its manifest verifies; only the rename may be missing.
+    """
+    if not root.is_dir():
+        return
+    for tmp in sorted(root.glob(TMP_PREFIX + "*")):
+        final = root / tmp.name[len(TMP_PREFIX):]
+        if tmp.is_dir() and NAME_PATTERN.match(final.name) and not final.exists() \
+                and verify(tmp) is None:
+            os.replace(tmp, final)
+            warn(f"completed the interrupted save of {final} (its manifest verifies)")
+        elif tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+    _fsync(root)
+
+
+def set_aside_newer(root: Path, step: int, warn: Callable[[str], None]) -> None:
+    """Main process, when resuming from `step`: checkpoints of later steps belong to a future
+    that is about to be redone.  Left in place they would be taken by the next `--resume auto`
+    (if valid) or outrank the new ones when pruning (if not); renamed, they are kept for
+    inspection but never loaded or pruned."""
+    for path in list_checkpoints(root):
+        if int(NAME_PATTERN.match(path.name).group(1)) <= step:
+            continue
+        target = root / (SUPERSEDED_PREFIX + path.name)
+        suffix = 1
+        while target.exists():
+            suffix += 1
+            target = root / f"{SUPERSEDED_PREFIX}{path.name}.{suffix}"
+        os.replace(path, target)
+        warn(f"{path} is newer than the checkpoint resumed from: moved it to {target.name}")
+
+
+def resolve_resume(root: Path, resume: str, warn: Callable[[str], None]) -> Optional[Path]:
+    """'auto' -> newest valid checkpoint under root, or None; a path -> that checkpoint (or the
+    newest valid one in that folder), verified, else a UsageError.  Main process only."""
+    recover_interrupted_saves(root, warn)
+    if resume == "auto":
+        return find_latest_valid(root, warn)
+    path = Path(resume)
+    if NAME_PATTERN.match(path.name) is None and list_checkpoints(path):
+        latest = find_latest_valid(path, warn)  # a checkpoints folder was given
+        if latest is None:
+            raise UsageError(f"--resume {resume}: no valid checkpoint in that folder; pass "
+                             f"another folder, or --resume auto to start over if none is left")
+        return latest
+    if not path.is_dir():
+        raise UsageError(f"--resume {resume}: no such checkpoint folder; pass a step_XXXXXXXX "
+                         f"folder, its parent, or 'auto'")
+    problem = verify(path)
+    if problem is not None:
+        raise UsageError(f"--resume {resume}: checkpoint is not usable ({problem}); pass "
+                         f"another one or --resume auto")
+    return path
+
+
+def accumulation_for(previous: TrainerState, batch_size: int, num_processes: int) -> int:
+    """The accumulation steps that keep the checkpoint's global batch with this batch size and
+    process count; a UsageError naming settings that would work when none does."""
+    target = previous.global_batch
+    per_step = batch_size * num_processes
+    if target % per_step == 0:
+        return target // per_step
+    batch_options = []
+    if target % num_processes == 0:
+        per_proc = target // num_processes
+        batch_options = [b for b in range(per_proc, 0, -1) if per_proc % b == 0][:4]
+    proc_options = [p for p in range(1, target // batch_size + 1)
+                    if target % (batch_size * p) == 0][-4:]
+    hints = []
+    if batch_options:
+        hints.append(f"--batch-size {' or '.join(map(str, batch_options))} on {num_processes} "
+                     f"process(es)")
+    if proc_options:
+        hints.append(f"{' or '.join(map(str, proc_options))} process(es) with --batch-size "
+                     f"{batch_size}")
+    hint = "; or ".join(hints) if hints else f"a batch size and process count dividing {target}"
+    raise UsageError(
+        f"the checkpoint was trained with a global batch of {target} ({previous.batch_size} x "
+        f"{previous.world_size} process(es) x {previous.accumulation_steps} accumulation), which "
+        f"--batch-size {batch_size} on {num_processes} process(es) cannot make with whole "
+        f"accumulation steps; use {hint}")
+
+
 class Checkpointer:
     """Saves and loads through the Accelerator; every rank calls save/load together."""
 
     def __init__(self, accelerator, root: Path, keep: int, warn: Callable[[str], None]):
         self.accelerator, self.root, self.keep, self.warn = accelerator, Path(root), keep, warn
-
-    def clean_stale_temporaries(self) -> None:
-        """Half-written saves from a killed run are never valid; remove them (main process)."""
-        if self.accelerator.is_main_process and self.root.is_dir():
-            for path in self.root.glob(TMP_PREFIX + "*"):
-                shutil.rmtree(path, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
 
     def save(self, state: TrainerState) -> Path:
         acc = self.accelerator
@@ -157,43 +248,71 @@ class Checkpointer:
         acc.save_state(str(tmp), safe_serialization=True)
         acc.wait_for_everyone()  # every rank's RNG file is on disk before the manifest
         if acc.is_main_process:
+            maybe_stall_save(state.step, self.warn)
             write_manifest(tmp, state)
-            if final.exists():  # the same step saved before (e.g. a pre-emption save)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync(self.root)
+            self._publish(tmp, final)
             self._prune()
         acc.wait_for_everyone()
         return final
 
-    def _prune(self) -> None:
-        valid = [p for p in list_checkpoints(self.root) if (p / MANIFEST).is_file()]
-        for old in valid[self.keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """Rename the finished save into place.  The same step may be saved twice (a pre-emption
+        save at an epoch's last step, then the epoch-end save): the old one is moved aside, not
+        deleted, until the new one is in place, so a kill in between loses nothing."""
+        replaced = None
+        if final.exists():
+            replaced = self.root / f"{TMP_PREFIX}replaced-{final.name}"
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
+        os.replace(tmp, final)
+        _fsync(self.root)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
 
-    def resolve(self, resume: str) -> Optional[Path]:
-        """'auto' -> newest valid checkpoint or None; a path -> that checkpoint, verified."""
-        if resume == "auto":
-            return find_latest_valid(self.root, self.warn)
-        path = Path(resume)
-        if NAME_PATTERN.match(path.name) is None and list_checkpoints(path):
-            latest = find_latest_valid(path, self.warn)  # a checkpoints folder was given
-            if latest is None:
-                raise UsageError(f"--resume {resume}: no valid checkpoint in that folder")
-            return latest
-        if not path.is_dir():
-            raise UsageError(f"--resume {resume}: no such checkpoint folder; pass a step_XXXXXXXX "
-                             f"folder, its parent, or 'auto'")
-        problem = verify(path)
-        if problem is not None:
-            raise UsageError(f"--resume {resume}: checkpoint is not usable ({problem}); pass "
-                             f"another one or --resume auto")
-        return path
+    def _prune(self) -> None:
+        """Keep the newest K complete checkpoints.  Each old one is renamed first and deleted
+        after, so a kill mid-delete leaves a `.tmp-` folder, never a half-deleted checkpoint."""
+        complete = [p for p in list_checkpoints(self.root) if (p / MANIFEST).is_file()]
+        for old in complete[self.keep:]:
+            doomed = self.root / f"{TMP_PREFIX}pruned-{old.name}"
+            os.replace(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
     def load(self, path: Path) -> TrainerState:
+        """Load a checkpoint that `resolve_resume` verified; a UsageError if it holds anything
+        but plain tensors."""
+        self._vet_rng_file(path)
         try:
             self.accelerator.load_state(str(path))
         except pickle.UnpicklingError as err:
-            raise UsageError(f"checkpoint {path} holds a pickled object that is not plain tensors "
-                             f"({str(err).splitlines()[0][:120]}); refusing to load it") from None
+            raise UsageError(_refusal(path, err)) from None
         return read_state(path)
+
+    def _vet_rng_file(self, path: Path) -> None:
+        """Accelerate loads this rank's RNG state inside a try/except that ignores every error;
+        load it here first so that a refused file is reported, not silently skipped."""
+        from accelerate.utils import load  # weights_only=True plus numpy's safe globals
+
+        rng_file = path / RNG_FILE.format(rank=self.accelerator.process_index)
+        if not rng_file.is_file():
+            self.warn(f"{path} has no RNG state for rank {self.accelerator.process_index} (it was "
+                      f"written by {read_state(path).world_size} process(es)); this rank keeps "
+                      f"its fresh RNG state (data order and augmentation do not depend on it)")
+            return
+        try:
+            load(rng_file)
+        except pickle.UnpicklingError as err:
+            raise UsageError(_refusal(path, err)) from None
+
+
+def _refusal(path: Path, err: Exception) -> str:
+    first_line = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+    return (f"checkpoint {path} holds a pickled object that is not plain tensors; refusing to "
+            f"load it ({first_line})")
+
+
+def check_fresh_checkpoint_dir(root: Path) -> None:
+    """A new run must not write into (and prune) another run's checkpoints."""
+    if list_checkpoints(root):
+        raise UsageError(f"--checkpoint {root} already holds checkpoints of another run; pass "
+                         f"--resume auto to continue it, or choose another --checkpoint folder")

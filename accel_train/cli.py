@@ -13,7 +13,7 @@ import sys
 from dataclasses import MISSING, fields
 from typing import Callable, Sequence
 
-from .config import TrainConfig, load_run_yaml
+from .config import PRECISIONS, TrainConfig, load_run_yaml
 from .errors import UsageError
 
 GROUP_TITLES = {
@@ -24,6 +24,7 @@ GROUP_TITLES = {
     "distributed": "distributed (the seed manual's flags; launchers set the real values)",
 }
 _TYPES = {"int": int, "float": float, "str": str}
+TRAIN_SUMMARY = "train an image classifier (the default; options below)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,10 +34,23 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
-def _field_flags(f) -> list[str]:
+def _field_flags(f) -> tuple[list[str], list[str]]:
+    """(spellings shown in --help, accepted-but-hidden spellings): every option also takes the
+    seed manual's --under_score form; listing both doubled the help's length."""
     dash = "--" + f.name.replace("_", "-")
-    under = "--" + f.name
-    return list(dict.fromkeys([dash, under, *f.metadata.get("flags", ())]))
+    spellings = list(dict.fromkeys([dash, "--" + f.name, *f.metadata.get("flags", ())]))
+    shown = [flag for flag in spellings if "_" not in flag]
+    return shown, [flag for flag in spellings if flag not in shown]
+
+
+def _describe_default(value) -> str:
+    if value is None:
+        return "not set"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return " ".join(map(str, value)) or "none"
+    return str(value)
 
 
 def _field_default(f):
@@ -52,7 +66,9 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
     for f in fields(TrainConfig):
         meta = f.metadata
         default = _field_default(f)
-        help_text = f"{meta['help']} (default: {default!r})"
+        help_text = meta["help"]
+        if "(default:" not in help_text:  # some helps explain their default in words
+            help_text += f" (default: {_describe_default(default)})"
         kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
         type_name = str(f.type).replace("Optional[", "").rstrip("]")
         if type_name == "bool":
@@ -65,12 +81,30 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
             kwargs.pop("metavar", None)
-        groups[meta["group"]].add_argument(*_field_flags(f), **kwargs)
+        shown, hidden = _field_flags(f)
+        groups[meta["group"]].add_argument(*shown, **kwargs)
+        if hidden:
+            groups[meta["group"]].add_argument(*hidden, **{**kwargs, "help": argparse.SUPPRESS})
 
 
-def config_from_args(namespace: argparse.Namespace) -> TrainConfig:
-    """Dataclass defaults < run YAML (--config) < flags given on the command line."""
-    values = {}
+def launcher_defaults(environ) -> dict:
+    """Training options that `accelerate launch` passes from its config file (as environment
+    variables).  Only the precision is also a training option: taking it means a user who chose
+    bf16 in `accelerate config` trains in bf16 instead of silently in fp32."""
+    precision = environ.get("ACCELERATE_MIXED_PRECISION")
+    if precision is None:
+        return {}
+    if precision not in PRECISIONS:
+        raise UsageError(f"the accelerate config asks for mixed_precision {precision!r}, which "
+                         f"accel_train does not support; pass --mixed-precision "
+                         f"{'/'.join(PRECISIONS)} or change it with `accelerate config`")
+    return {"mixed_precision": precision}
+
+
+def config_from_args(namespace: argparse.Namespace, environ=None) -> TrainConfig:
+    """Dataclass defaults < accelerate launch's config < run YAML (--config) < command-line
+    flags."""
+    values = launcher_defaults(os.environ if environ is None else environ)
     if getattr(namespace, "config", None):
         values.update(load_run_yaml(namespace.config))
     names = {f.name for f in fields(TrainConfig)}
@@ -79,10 +113,14 @@ def config_from_args(namespace: argparse.Namespace) -> TrainConfig:
 
 
 def build_train_parser(prog: str = "accel-train train") -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, description="Train an image classifier (any timm model) with "
+    parser = _Parser(prog=prog, usage="%(prog)s [--config RUN.yaml] [options]",
+                     description="Train an image classifier (any timm model) with "
                      "Hugging Face Accelerate, on one device or many.",
                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                     epilog="Launch on many processes with accelerate launch, torchrun or python "
+                     epilog="Every option also takes the seed manual's spelling with underscores "
+                            "(--batch_size, --learning_rate, ...), and\n"
+                            "--gradient_accumulation_steps and --sync_batchnorm are accepted.\n"
+                            "Launch on many processes with accelerate launch, torchrun or python "
                             "-m torch.distributed.launch; see README.md.")
     add_train_options(parser)
     return parser
@@ -95,7 +133,17 @@ def _run_train(argv: Sequence[str]) -> int:
 
 
 def _subcommands() -> dict[str, Callable[[Sequence[str]], int]]:
-    return {"train": _run_train}
+    from .commands import subcommands
+    return {"train": _run_train, **subcommands()}
+
+
+def _one_line(err: UsageError) -> str:
+    """The message alone.  A UsageError raised inside a DataLoader worker comes back with the
+    worker's traceback folded into its text; its last line is the message we raised."""
+    text = str(err).strip()
+    if "Traceback" in text:
+        text = text.splitlines()[-1].split("UsageError: ", 1)[-1]
+    return " ".join(text.split("\n"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,8 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:  # `python -m accel_train --epochs 3` means train, as the seed scripts did
         name, rest = "train", argv
     if argv[:1] in (["-h"], ["--help"]) and len(commands) > 1:
-        print(f"subcommands: {', '.join(commands)} (default: train); "
-              f"`accel-train SUBCOMMAND --help` for each.\n", file=sys.stdout)
+        from .commands import SUMMARIES
+        lines = [f"  {n:<8} {text}" for n, text in {"train": TRAIN_SUMMARY, **SUMMARIES}.items()]
+        print("usage: accel-train SUBCOMMAND [options]   (no subcommand: train)\n"
+              + "\n".join(lines) + "\n`accel-train SUBCOMMAND --help` for each; the train "
+              "options follow.\n", file=sys.stdout)
     try:
         return commands[name](rest) or 0
     except UsageError as err:
@@ -115,11 +166,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank = os.environ.get("RANK")
         if rank not in (None, "0"):
             prefix = f"accel_train: error (rank {rank}): "
-        print(prefix + str(err).replace("\n", " "), file=sys.stderr)
+        print(prefix + _one_line(err), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("accel_train: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left early (`accel-train predict ... | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 141  # 128 + SIGPIPE, as `yes | head` reports it
 
 
 if __name__ == "__main__":

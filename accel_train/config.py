@@ -78,6 +78,8 @@ class TrainConfig:
     channels_last: bool = option(False, "Use channels_last memory format for images and model.",
                                  "model")
     drop_rate: float = option(0.0, "Dropout before the classifier.", "model")
+    compile: bool = option(False, "torch.compile the model (inductor; after DDP wrapping, through "
+                           "Accelerate). The first steps pay the compilation.", "model")
 
     # -- optimization -------------------------------------------------------------------------
     epochs: int = option(10, "Training epochs.", "optimization")
@@ -97,8 +99,9 @@ class TrainConfig:
     accumulation_steps: int = option(1, "Micro-batches per optimizer step (gradient "
                                      "accumulation).", "optimization",
                                      flags=("--gradient_accumulation_steps",))
-    mixed_precision: str = option("no", "Mixed precision. fp16 needs CUDA: elsewhere the run "
-                                  "says so and trains in fp32.", "optimization",
+    mixed_precision: str = option("no", "Mixed precision (default: no; under accelerate launch, "
+                                  "its config's mixed_precision). fp16 needs CUDA: elsewhere "
+                                  "the run says so and trains in fp32.", "optimization",
                                   choices=PRECISIONS)
     max_steps: Optional[int] = option(None, "Stop after this many optimizer steps.",
                                       "optimization")
@@ -116,9 +119,12 @@ class TrainConfig:
     resume: Optional[str] = option(None, "'auto' (newest valid checkpoint) or a checkpoint path.",
                                    "output")
     log_every: int = option(20, "Log a metrics line every N optimizer steps.", "output")
-    report_to: list = option([], "Extra trackers (tensorboard, wandb, ...): metrics.jsonl is "
-                             "always written.", "output", nargs="*")
-    plots: bool = option(True, "Write PNG curves to <output-dir>/plots at the end.", "output")
+    report_to: list = option([], "Trackers through accelerate: tensorboard (files in "
+                             "<output-dir>/trackers), wandb, mlflow, ..., or all that are "
+                             "installed; metrics.jsonl is always written.", "output", nargs="*")
+    plots: bool = option(True, "Write PNG curves (loss, learning rate, accuracy, throughput) to "
+                         "<output-dir>/plots at the end; `accel-train plot RUN` redraws them.",
+                         "output")
     progress: str = option("auto", "Progress display: bar, log lines, or auto (bar on a "
                            "terminal).", "output", choices=("auto", "bar", "log"))
 
@@ -133,6 +139,16 @@ class TrainConfig:
                                     "(local rank i uses the i-th).", "distributed")
     dist_url: Optional[str] = option(None, "tcp://HOST:PORT of the rank-0 machine (checked "
                                      "against MASTER_ADDR/MASTER_PORT).", "distributed")
+    # DDP tuning (used with more than one process; see BENCHMARKS.md for what each bought here)
+    ddp_bucket_mb: float = option(25.0, "DDP gradient bucket size in MB: gradients are "
+                                  "all-reduced bucket by bucket while backward runs.",
+                                  "distributed")
+    ddp_grad_as_bucket_view: bool = option(False, "DDP gradient_as_bucket_view: gradients are "
+                                           "views into the all-reduce buckets (saves one copy "
+                                           "and the memory of the gradients).", "distributed")
+    ddp_static_graph: bool = option(False, "DDP static_graph: the set of used parameters never "
+                                    "changes, so DDP can skip per-step bookkeeping.",
+                                    "distributed")
 
     def __post_init__(self):
         self._check_ranges()
@@ -164,6 +180,9 @@ class TrainConfig:
             raise UsageError(f"--val-fraction must be between 0 and 1 (got {self.val_fraction})")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise UsageError(f"--grad-clip must be > 0 (got {self.grad_clip}); omit it to not clip")
+        if not (isinstance(self.ddp_bucket_mb, (int, float)) and self.ddp_bucket_mb > 0):
+            raise UsageError(f"--ddp-bucket-mb must be a number > 0 (got {self.ddp_bucket_mb!r}); "
+                             f"25 is DDP's default")
         if self.num_workers is not None and self.num_workers < 0:
             raise UsageError(f"--num-workers must be >= 0 (got {self.num_workers})")
         for name, allowed in (("mixed_precision", PRECISIONS), ("optimizer", OPTIMIZERS),

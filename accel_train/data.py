@@ -11,19 +11,47 @@ processes and still use each sample of the interrupted epoch exactly once.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from .sources import ArraySource, ImageSource
-from .transforms import ImageTransform, sample_generator
+from .transforms import ImageTransform, single_threaded
 
 STATS_SAMPLE = 5000  # images used to estimate the dataset's mean/std
 
 
+class SampleBatch(Sequence):
+    """The (image, label) pairs of one batch, built as a batch: a sequence of samples to any
+    reader (default_collate included), while `collate_batch` hands the loader the stacked
+    tensors it already holds, with no unbinding and re-stacking."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, position):
+        if isinstance(position, slice):
+            return [self[i] for i in range(len(self))[position]]
+        return self.images[position], self.labels[position]
+
+
+def collate_batch(samples):
+    if isinstance(samples, SampleBatch):
+        return samples.images, samples.labels
+    return default_collate(samples)
+
+
 class TrainImages(Dataset):
-    """Indexed by sampler keys `epoch * N + index`; returns (image tensor, label)."""
+    """Indexed by sampler keys `epoch * N + index`; returns (image tensor, label).
+
+    The DataLoader asks for a whole batch of keys at once (`__getitems__`): in-memory images are
+    then gathered and augmented as one tensor, which keeps the input pipeline a small fraction of
+    a training step without worker processes (see transforms.py)."""
 
     def __init__(self, source: ImageSource, transform: ImageTransform, seed: int):
         self.source, self.transform, self.seed = source, transform, seed
@@ -33,8 +61,18 @@ class TrainImages(Dataset):
 
     def __getitem__(self, key: int):
         epoch, index = divmod(int(key), len(self.source))
-        generator = sample_generator(self.seed, epoch, index) if self.transform.augment else None
-        return self.transform(self.source.image(index), generator), self.source.labels[index]
+        return (self.transform(self.source.image(index), (self.seed, epoch, index)),
+                self.source.labels[index])
+
+    @single_threaded
+    def __getitems__(self, keys: list[int]):
+        if not isinstance(self.source, ArraySource):
+            return [self[key] for key in keys]
+        keys = torch.as_tensor(keys, dtype=torch.long)
+        epochs, indices = keys // len(self.source), keys % len(self.source)
+        images = self.transform.batch(self.source.images.index_select(0, indices), self.seed, epochs.numpy(),
+                                      indices.numpy())
+        return SampleBatch(images, self.source.labels[indices])
 
 
 class EvalImages(Dataset):
@@ -46,6 +84,14 @@ class EvalImages(Dataset):
 
     def __getitem__(self, index: int):
         return self.transform(self.source.image(index)), self.source.labels[index]
+
+    @single_threaded
+    def __getitems__(self, indices: list[int]):
+        if not isinstance(self.source, ArraySource):
+            return [self[index] for index in indices]
+        indices = torch.as_tensor(indices, dtype=torch.long)
+        return SampleBatch(self.transform.batch(self.source.images.index_select(0, indices)),
+                           self.source.labels[indices])
 
 
 class EpochSampler(Sampler[int]):
@@ -110,4 +156,5 @@ def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_fa
     if num_workers > 0:
         extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
-                      drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory, **extra)
+                      drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
+                      collate_fn=collate_batch, **extra)

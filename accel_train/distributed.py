@@ -155,7 +155,13 @@ def _make_store(env: LauncherEnv) -> dist.Store:
     is_master = (not env.agent_store) and env.rank == 0
     base = dist.TCPStore(env.master_addr, env.master_port, None if not is_master else env.world_size,
                          is_master, timeout=DEFAULT_TIMEOUT, wait_for_workers=False)
-    return dist.PrefixStore(f"accel_train/{env.run_id}/attempt_{env.restart_count}", base)
+    # Only the agent's store outlives a round of workers, so only there can keys go stale.  A
+    # store that rank 0 hosts is new each round (the c10d rendezvous without a shared store picks
+    # a new port), and there the restart count must stay out of the prefix: it is counted per
+    # agent, so a machine that joined later has a lower one and would wait in another namespace
+    # forever (found with `torchrun --nnodes 1:2`, a node leaving and a new one joining).
+    attempt = f"attempt_{env.restart_count}" if env.agent_store else "own_store"
+    return dist.PrefixStore(f"accel_train/{env.run_id}/{attempt}", base)
 
 
 def setup(config: TrainConfig) -> LauncherEnv:
@@ -178,6 +184,34 @@ def setup(config: TrainConfig) -> LauncherEnv:
         dist.init_process_group("nccl" if use_cuda else "gloo", store=_make_store(env),
                                 rank=env.rank, world_size=env.world_size, timeout=DEFAULT_TIMEOUT)
     return env
+
+
+def launcher_facts() -> dict:
+    """What the launcher and the process group told this process, for the run's config.yaml: the
+    proof of how a run was really started (world size, machines, elastic settings that reached
+    the agent), whatever the command line claimed."""
+    env = LauncherEnv.from_environ()
+    group = dist.is_available() and dist.is_initialized()
+    facts = {"launched": env.launched,
+             "process_group_world_size": dist.get_world_size() if group else 1,
+             "backend": dist.get_backend() if group else None,
+             "processes_per_machine": env.local_world_size,
+             "num_machines": max(1, env.world_size // max(1, env.local_world_size)),
+             "master_addr": env.master_addr, "master_port": env.master_port}
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun's agent (accelerate launch too)
+        facts["torchelastic"] = {"run_id": env.run_id, "max_restarts": env.max_restarts,
+                                 "restart_count": env.restart_count,
+                                 "agent_store": env.agent_store}
+    return facts
+
+
+def describe_process() -> str:
+    """One line for each rank's own log: who this process is in the group it really joined."""
+    env = LauncherEnv.from_environ()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return (f"process rank {rank} of {world} (local rank {env.local_rank} of "
+            f"{env.local_world_size}) on {socket.gethostname()}, pid {os.getpid()}, "
+            f"restart {env.restart_count}")
 
 
 def is_elastic_restart() -> bool:

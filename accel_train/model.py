@@ -45,9 +45,12 @@ class ModelSpec:
         if not path.is_file():
             raise UsageError(f"{directory}: no {SPEC_FILE} there; pass a run directory or an "
                              f"export made by accel-train")
-        data = json.loads(path.read_text())
-        data["mean"], data["std"] = tuple(data["mean"]), tuple(data["std"])
-        return cls(**data)
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelSpec":
+        """From model_config.json, or the `resolved: model:` entry of a run's config.yaml."""
+        return cls(**{**data, "mean": tuple(data["mean"]), "std": tuple(data["std"])})
 
 
 def check_model_name(name: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -25,6 +26,7 @@ IMAGE_COLUMN_NAMES = ("img", "image", "images", "pixel_values", "picture", "jpg"
 LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "coarse_label", "class", "target", "y")
 EVAL_SPLIT_NAMES = ("validation", "val", "valid", "test", "eval", "evaluation")
 VAL_CARVE_SEED = 0  # fixed: the held-out set must not change with --seed
+MATERIALIZE_BATCH = 1024  # rows read from Arrow at a time when decoding into memory
 
 
 class ImageSource:
@@ -54,12 +56,60 @@ class ArraySource(ImageSource):
         return int(self.images.shape[-1])
 
 
-def decode_image(value, where: str) -> torch.Tensor:
+_JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+def _jpeg_bytes(value) -> Optional[bytes]:
+    if isinstance(value, dict) and isinstance(value.get("bytes"), bytes) \
+            and value["bytes"].startswith(_JPEG_MAGIC):
+        return value["bytes"]
+    return None
+
+
+def _decode_jpegs(blobs: list[bytes]) -> list[Optional[torch.Tensor]]:
+    """JPEG bytes -> uint8 CHW RGB tensors with torchvision's libjpeg-turbo decoder, in one call
+    for a whole list: about 3x faster than PIL, and pixel-identical to PIL's RGB on the shared
+    CIFAR-10 and on RGB, grayscale, CMYK and progressive test files.  None where it fails, so
+    that PIL (which names the problem) gets those, as it gets everything when torchvision's
+    decoder is gone (it is deprecated in favour of TorchCodec)."""
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except ImportError:
+        return [None] * len(blobs)
+    tensors = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            return list(decode_jpeg(tensors, mode=ImageReadMode.RGB))
+        except (RuntimeError, ValueError):
+            if len(tensors) == 1:
+                return [None]
+    return [_decode_jpegs([blob])[0] for blob in blobs]  # find the bad one(s)
+
+
+def decode_values(values: list, where) -> list[torch.Tensor]:
+    """decode_image over a list, with the JPEGs among them decoded in one batch; `where(i)`
+    names value i in errors."""
+    jpeg_positions = [i for i, value in enumerate(values) if _jpeg_bytes(value) is not None]
+    decoded: list[Optional[torch.Tensor]] = [None] * len(values)
+    if jpeg_positions:
+        fast = _decode_jpegs([_jpeg_bytes(values[i]) for i in jpeg_positions])
+        for position, image in zip(jpeg_positions, fast):
+            decoded[position] = image
+    return [image if image is not None else decode_image(value, where(i), fast=False)
+            for i, (value, image) in enumerate(zip(values, decoded))]
+
+
+def decode_image(value, where: str, fast: bool = True) -> torch.Tensor:
     """A datasets Image value (PIL image, or dict of bytes/path) -> uint8 CHW RGB tensor.
 
     Grayscale, palette, CMYK and RGBA become RGB.  An unreadable image is an error naming it:
     a silently skipped sample would change what "one epoch" means across runs and world sizes.
     """
+    if fast and _jpeg_bytes(value) is not None:
+        decoded = _decode_jpegs([_jpeg_bytes(value)])[0]
+        if decoded is not None:
+            return decoded
     try:
         if isinstance(value, dict):
             if value.get("bytes") is not None:
@@ -98,12 +148,17 @@ class HFSource(ImageSource):
         if first.numel() * len(self) > limit_bytes:
             return None
         images = torch.empty((len(self), *first.shape), dtype=torch.uint8)
-        column = self.dataset.select_columns([self.image_column])
-        for index, row in enumerate(column):
-            image = decode_image(row[self.image_column], f"image {index} of split '{self.split}'")
-            if image.shape != first.shape:
-                return None
-            images[index] = image
+        # Arrow batches: a row-by-row walk through the dataset cost more than the decoding.
+        column = self.dataset.select_columns([self.image_column]).with_format("arrow")
+        start = 0
+        for table in column.iter(batch_size=MATERIALIZE_BATCH):
+            values = table.column(0).to_pylist()
+            decoded = decode_values(values, lambda i: f"image {start + i} of split '{self.split}'")
+            for offset, image in enumerate(decoded):
+                if image.shape != first.shape:
+                    return None
+                images[start + offset] = image
+            start += len(values)
         return ArraySource(images, self.labels)
 
 
@@ -136,10 +191,12 @@ def _find_column(dataset, wanted: Optional[str], names: tuple[str, ...], feature
 def _labels_and_names(splits: dict, label_column: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     from datasets import ClassLabel
     feature = next(iter(splits.values())).features[label_column]
+    # Through Arrow: `ds[column]` is a lazy Column here, and building a tensor from it walked the
+    # rows one by one (over a minute for CIFAR-10's 50,000 labels on a busy machine).
+    values = {k: ds.with_format("arrow")[label_column].to_pylist() for k, ds in splits.items()}
     if isinstance(feature, ClassLabel):
         names = list(feature.names)
-        return {k: torch.tensor(ds[label_column], dtype=torch.long) for k, ds in splits.items()}, names
-    values = {k: list(ds[label_column]) for k, ds in splits.items()}
+        return {k: torch.tensor(vs, dtype=torch.long) for k, vs in values.items()}, names
     distinct = sorted({v for vs in values.values() for v in vs})
     if all(isinstance(v, (int, np.integer)) for v in distinct):
         if distinct and min(distinct) < 0:

@@ -17,7 +17,15 @@ from typing import Optional
 
 from tqdm.auto import tqdm
 
+from .errors import UsageError
+
 METRICS_FILE = "metrics.jsonl"
+TRACKERS_DIR = "trackers"  # <run>/trackers/: where file-writing trackers (tensorboard) write
+# metrics.jsonl record -> tracker scalar names; the prefix groups charts in TensorBoard and wandb.
+_TRACKED = {"train": {"loss": "train/loss", "top1": "train/top1", "lr": "train/lr",
+                      "img_per_s": "train/img_per_s", "data_wait": "train/data_wait"},
+            "epoch": {"eval_loss": "eval/loss", "eval_top1": "eval/top1",
+                      "eval_top5": "eval/top5", "epoch_time": "train/epoch_seconds"}}
 
 
 class MetricsLog:
@@ -44,6 +52,31 @@ class MetricsLog:
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
+
+
+def tracker_scalars(record: dict) -> dict[str, float]:
+    """The scalars of a metrics.jsonl record under their tracker names ("train/loss", ...)."""
+    names = _TRACKED.get(record.get("type"), {})
+    return {names[k]: v for k, v in record.items() if k in names and isinstance(v, (int, float))}
+
+
+def check_trackers(names: list[str]) -> None:
+    """--report-to names that accelerate knows and that are installed, or a one-line error.
+    (Accelerate itself skips an uninstalled tracker with only a debug message.)"""
+    if not names:
+        return
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+    available = sorted(str(t) for t in get_available_trackers())
+    for name in names:
+        if name == "all":
+            continue
+        if name not in LOGGER_TYPE_TO_CLASS:
+            raise UsageError(f"--report-to {name}: not a tracker accelerate knows; choose from "
+                             f"{', '.join(sorted(LOGGER_TYPE_TO_CLASS))} (installed here: "
+                             f"{', '.join(available) or 'none'})")
+        if name not in available:
+            raise UsageError(f"--report-to {name}: its package is not installed; pip install "
+                             f"{name}, or drop it (metrics.jsonl is always written)")
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -84,8 +117,8 @@ class Progress:
     def update(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        shown = {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.3g}",
-                 "img/s": f"{metrics['img_per_s']:.0f}"}
+        shown = {"loss": f"{metrics['loss']:.4f}", "train-top1": f"{metrics['top1']:.0%}",
+                 "lr": f"{metrics['lr']:.3g}", "img/s": f"{metrics['img_per_s']:.0f}"}
         if self.bar is not None:
             self.bar.n = step
             self.bar.set_postfix(shown, refresh=True)
@@ -95,8 +128,8 @@ class Progress:
         eta = elapsed / done * (self.total - step) if done else float("nan")
         eta_text = _format_eta(eta) if math.isfinite(eta) else "?"
         print(f"step {step}/{self.total} epoch {metrics['epoch']} loss {shown['loss']} "
-              f"lr {shown['lr']} img/s {shown['img/s']} data-wait "
-              f"{metrics['data_wait']:.1%} eta {eta_text}", flush=True)
+              f"train-top1 {shown['train-top1']} lr {shown['lr']} img/s {shown['img/s']} "
+              f"data-wait {metrics['data_wait']:.1%} eta {eta_text}", flush=True)
 
     def write(self, text: str) -> None:
         if not self.enabled:

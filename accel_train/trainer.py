@@ -7,30 +7,36 @@ the main process, `wait_for_everyone` precedes reading what another rank wrote.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 from safetensors.torch import save_file
 
 from . import distributed
-from .checkpoint import Checkpointer, TrainerState
+from .checkpoint import (Checkpointer, TrainerState, accumulation_for, check_fresh_checkpoint_dir,
+                         read_state, resolve_resume, set_aside_newer)
 from .config import TrainConfig
 from .data import (EpochSampler, EvalImages, TrainImages, dataset_mean_std, default_num_workers,
                    make_loader)
 from .errors import UsageError
+from .evaluate import evaluate_classifier
 from .model import (WEIGHTS_FILE, ModelSpec, check_image_size, create_model, freeze_backbone,
                     pretrained_normalization, set_train_mode)
 from .optim import build_optimizer, build_scheduler
+from .plots import PLOTS_DIR, write_plots
 from .rundir import prepare_output_dir, write_run_config
 from .sources import ArraySource, load_data
 from .syncbn import convert_sync_batchnorm, num_batchnorm_layers
-from .track import METRICS_FILE, MetricsLog, Progress, rank_logger
+from .testhooks import SampleLog, WithSampleKeys, maybe_sample_log, sample_log_enabled
+from .track import (METRICS_FILE, TRACKERS_DIR, MetricsLog, Progress, check_trackers, rank_logger,
+                    tracker_scalars)
 from .transforms import ImageTransform
 
 
@@ -44,47 +50,76 @@ def resolve_precision(requested: str, cuda: bool) -> tuple[str, Optional[str]]:
     return requested, None
 
 
-def _agree(accelerator: Accelerator, compute):
-    """Run `compute` on the main process and give its result (or its UsageError) to all ranks,
-    so that decisions about shared files are made once and never diverge across ranks."""
+def _agree(compute):
+    """Run `compute` on global rank 0 and give its result (or its UsageError) to all ranks,
+    so that decisions about shared files are made once and never diverge across ranks.
+    Works before the Accelerator exists (distributed.setup has started the process group):
+    the resume decision must be made before the Accelerator fixes the accumulation steps."""
+    group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     result: list = [None]
-    if accelerator.is_main_process:
+    if not group or dist.get_rank() == 0:
         try:
             result[0] = ("ok", compute())
         except UsageError as err:
             result[0] = ("error", str(err))
-    if accelerator.num_processes > 1:
-        broadcast_object_list(result, from_process=0)
+    if group:
+        dist.broadcast_object_list(result, src=0)
     kind, value = result[0]
     if kind == "error":
         raise UsageError(value)
     return value
 
 
+def _print_on_main(accelerator: Optional[Accelerator], text: str):
+    """accelerator.print, also before the Accelerator is built (the resume decision)."""
+    if accelerator is not None:
+        accelerator.print(text, flush=True)
+    elif not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        print(text, flush=True)
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, env: distributed.LauncherEnv):
         self.config = config
+        check_trackers(config.report_to)  # accelerate would ignore a missing one, or raise later
+        self.logger = None  # created once the start is known good: a failed start writes nothing
+        self.accelerator = None  # built once the resume point is known (it fixes accumulation)
+        self._unlogged: list[str] = []  # warnings given before the log file exists
         cuda = torch.cuda.is_available()
         self.precision, precision_warning = resolve_precision(config.mixed_precision, cuda)
-        ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=False)
-        self.accelerator = acc = Accelerator(
-            cpu=not cuda, mixed_precision=self.precision,
-            gradient_accumulation_steps=config.accumulation_steps,
-            step_scheduler_with_optimizer=False,  # we step it once per optimizer step (optim.py)
-            log_with=config.report_to or None, kwargs_handlers=[ddp_kwargs])
-        if acc.num_processes != env.world_size:
-            raise RuntimeError(f"Accelerate sees {acc.num_processes} processes but the launcher "
-                               f"started {env.world_size}: the process group was not shared")
 
         resume = config.resume
         if resume is None and distributed.is_elastic_restart():
             resume = "auto"  # a restarted worker continues from the newest checkpoint
-        self.output_dir = Path(_agree(acc, lambda: prepare_output_dir(config, resume, env)))
+        self.output_dir = Path(_agree(lambda: prepare_output_dir(config, resume, env)))
         self.checkpoint_dir = Path(config.checkpoint) if config.checkpoint else \
             self.output_dir / "checkpoints"
-        self.logger = None  # created once the start is known good: a failed start writes nothing
+        # The checkpoint's global batch decides the accumulation steps on this many processes,
+        # and the Accelerator takes them at construction: choose the resume point first.
+        resume_from = _agree(lambda: self._choose_resume_point(resume))
+        self.resumed = read_state(Path(resume_from)) if resume_from else None
+        if self.resumed is not None:
+            self.config = config = self._keep_global_batch(config, self.resumed, env.world_size)
+
+        ddp_kwargs = DistributedDataParallelKwargs(
+            find_unused_parameters=False, bucket_cap_mb=config.ddp_bucket_mb,
+            gradient_as_bucket_view=config.ddp_grad_as_bucket_view,
+            static_graph=config.ddp_static_graph)
+        self.accelerator = acc = Accelerator(
+            cpu=not cuda, mixed_precision=self.precision,
+            gradient_accumulation_steps=config.accumulation_steps,
+            step_scheduler_with_optimizer=False,  # we step it once per optimizer step (optim.py)
+            log_with=config.report_to or None, kwargs_handlers=[ddp_kwargs],
+            # compiled after DDP wrapping, inside prepare (what DDP's optimizer for dynamo expects)
+            dynamo_backend="inductor" if config.compile else None,
+            # file-writing trackers (tensorboard, ...) write into the run: <run>/trackers/
+            project_config=ProjectConfiguration(logging_dir=str(self.output_dir / TRACKERS_DIR)))
+        if acc.num_processes != env.world_size:
+            raise RuntimeError(f"Accelerate sees {acc.num_processes} processes but the launcher "
+                               f"started {env.world_size}: the process group was not shared")
         self.checkpointer = Checkpointer(acc, self.checkpoint_dir, config.keep_checkpoints,
                                          self.warn)
+        acc.register_save_state_pre_hook(self._save_spec_into_checkpoint)
 
         with acc.main_process_first():  # datasets caches Arrow files: build them once
             self.data = load_data(config)
@@ -98,10 +133,13 @@ class Trainer:
         self.state = TrainerState(world_size=acc.num_processes, batch_size=config.batch_size,
                                   accumulation_steps=config.accumulation_steps, seed=config.seed)
         self.logger = rank_logger(self.output_dir / "logs", acc.process_index)
-        self.checkpointer.clean_stale_temporaries()
+        self.logger.info(distributed.describe_process())  # which rank of which group wrote this
+        for text in self._unlogged:
+            self.logger.warning(text)
         self.metrics = MetricsLog(self.output_dir / METRICS_FILE, acc.is_main_process)
+        self.sample_log = maybe_sample_log(self.output_dir / "logs", acc.process_index)
         if resume is not None:
-            self._maybe_resume(resume)
+            self._maybe_resume(resume_from)
         if acc.is_main_process:
             write_run_config(self.output_dir, config, self._resolved_facts())
         if config.report_to:
@@ -155,7 +193,10 @@ class Trainer:
             default_num_workers(self.data.train, local_procs)
         pin = acc.device.type == "cuda"
         self.sampler = EpochSampler(len(self.data.train), global_batch, config.seed)
-        self.train_loader = make_loader(TrainImages(self.data.train, train_tf, config.seed),
+        train_set = TrainImages(self.data.train, train_tf, config.seed)
+        if sample_log_enabled():  # test hook: each batch also carries its sampler keys
+            train_set = WithSampleKeys(train_set)
+        self.train_loader = make_loader(train_set,
                                         config.batch_size, workers, config.prefetch_factor,
                                         config.persistent_workers, pin, sampler=self.sampler,
                                         drop_last=True)
@@ -178,55 +219,71 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, min(warmup, total), total)
         self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
 
-    def _maybe_resume(self, resume: str):
-        path = _agree(self.accelerator, lambda: self.checkpointer.resolve(resume))
+    def _choose_resume_point(self, resume: Optional[str]) -> Optional[str]:
+        """Main process, before any rank reads the checkpoint folder: the checkpoint to resume
+        from (None: start afresh), with killed saves finished or discarded and checkpoints of
+        a later step set aside (that future is about to be redone)."""
+        if resume is None:
+            check_fresh_checkpoint_dir(self.checkpoint_dir)
+            return None
+        path = resolve_resume(self.checkpoint_dir, resume, self.warn)
+        if path is not None:
+            set_aside_newer(self.checkpoint_dir, read_state(path).step, self.warn)
+        return None if path is None else str(path)
+
+    def _keep_global_batch(self, config: TrainConfig, previous: TrainerState,
+                           num_processes: int) -> TrainConfig:
+        """The global batch is part of the run: on another number of processes (or with another
+        --batch-size) the accumulation steps change so that it stays what it was."""
+        accumulation = accumulation_for(previous, config.batch_size, num_processes)
+        if accumulation == config.accumulation_steps:
+            return config
+        self.print(f"resuming a global batch of {previous.global_batch} on {num_processes} "
+                   f"process(es) x {config.batch_size}: accumulation steps "
+                   f"{config.accumulation_steps} -> {accumulation}")
+        return dataclasses.replace(config, accumulation_steps=accumulation)
+
+    def _maybe_resume(self, path: Optional[str]):
+        acc = self.accelerator
         if path is None:
             self.print("no valid checkpoint found: starting from scratch")
+            # Anything logged belongs to an attempt that left no checkpoint: it will be redone.
+            self._forget_steps_after(0)
             return
         previous = self.checkpointer.load(Path(path))
-        if previous.global_batch != self.global_batch:
-            self._explain_batch_mismatch(previous)
         self.state.step, self.state.epoch = previous.step, previous.epoch
         self.state.samples_in_epoch = previous.samples_in_epoch
         self.state.samples_seen, self.state.best_top1 = previous.samples_seen, previous.best_top1
         # Accelerate counts micro-steps to know when to sync; a resume is always at an optimizer
         # step boundary, and the accumulation count may have changed with the world size.
-        self.accelerator.step = 0
-        self.metrics.truncate_after(previous.step)
+        acc.step = 0
+        self._forget_steps_after(previous.step)
         self.metrics.write({"type": "resume", "step": previous.step, "from": str(path),
-                            "world_size": self.accelerator.num_processes,
-                            "previous_world_size": previous.world_size})
+                            "world_size": acc.num_processes,
+                            "previous_world_size": previous.world_size,
+                            "accumulation_steps": self.config.accumulation_steps})
         self.print(f"resumed from {path} at step {previous.step} (epoch {previous.epoch + 1}, "
                    f"{previous.samples_in_epoch} samples into it)")
 
-    def _explain_batch_mismatch(self, previous: TrainerState):
-        procs = self.accelerator.num_processes
-        target = previous.global_batch
-        per_proc = target // procs if target % procs == 0 else None
-        options = []
-        if per_proc is not None:
-            for accum in range(1, per_proc + 1):
-                if per_proc % accum == 0:
-                    options.append(f"--batch-size {per_proc // accum} --accumulation_steps {accum}")
-                if len(options) == 3:
-                    break
-        hint = ("; ".join(options) if options else
-                f"a process count that divides {target}")
-        raise UsageError(f"the checkpoint was trained with a global batch of {target} "
-                         f"({previous.batch_size} x {previous.world_size} processes x "
-                         f"{previous.accumulation_steps} accumulation) but this run has "
-                         f"{self.global_batch}; with {procs} process(es) use {hint}")
+    def _forget_steps_after(self, step: int):
+        """Logs read as if the run had never stopped: what came after `step` is redone."""
+        self.metrics.truncate_after(step)
+        if self.sample_log is not None and self.accelerator.is_main_process:
+            SampleLog.truncate_after(self.output_dir / "logs", step)
+        self.accelerator.wait_for_everyone()  # before any rank appends again
 
     # -- reporting ----------------------------------------------------------------------------
     def print(self, text: str):
         if self.logger is not None:
             self.logger.info(text)
-        self.accelerator.print(text, flush=True)
+        _print_on_main(self.accelerator, text)
 
     def warn(self, text: str):
         if self.logger is not None:
             self.logger.warning(text)
-        self.accelerator.print(f"warning: {text}", flush=True)
+        else:
+            self._unlogged.append(text)
+        _print_on_main(self.accelerator, f"warning: {text}")
 
     def _resolved_facts(self) -> dict:
         acc = self.accelerator
@@ -240,13 +297,15 @@ class Trainer:
                                                                              ArraySource),
                 "sync_bn": self.sync_bn, "model": self.spec.__dict__,
                 "trainable_parameters": self.num_trainable,
+                "launcher": distributed.launcher_facts(),
                 "output_dir": str(self.output_dir), "checkpoint_dir": str(self.checkpoint_dir)}
 
     def _print_summary(self):
         facts, acc = self._resolved_facts(), self.accelerator
         backend = f", {torch.distributed.get_backend()}" if acc.num_processes > 1 else ""
         self.print(
-            f"accel_train: {self.spec.model_name} on {self.data.description}\n"
+            f"accel_train: {self.spec.model_name} ({self.num_trainable:,} trainable parameters) "
+            f"on {self.data.description}\n"
             f"  device {facts['device']} x {acc.num_processes} process(es){backend}; precision "
             f"{facts['precision_used']}; sync-bn {'on' if self.sync_bn else 'off'}\n"
             f"  data: {facts['train_samples']} train / {facts['eval_samples']} held-out images, "
@@ -256,7 +315,17 @@ class Trainer:
             f"  global batch {self.global_batch} = {self.config.batch_size} per process x "
             f"{acc.num_processes} x {self.config.accumulation_steps} accumulation; "
             f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps in all\n"
-            f"  output: {self.output_dir} (checkpoints in {self.checkpoint_dir})")
+            f"  output: {self.output_dir} (checkpoints in {self.checkpoint_dir})\n"
+            f"  records: {self._records_text()}")
+
+    def _records_text(self) -> str:
+        """What the run records besides checkpoints, and where."""
+        parts = [METRICS_FILE]
+        if self.config.report_to:
+            parts.append(f"{' + '.join(self.config.report_to)} (files in {TRACKERS_DIR}/)")
+        if self.config.plots:
+            parts.append(f"PNG curves at the end in {PLOTS_DIR}/")
+        return ", ".join(parts)
 
     # -- the loop -----------------------------------------------------------------------------
     def train(self) -> int:
@@ -282,6 +351,10 @@ class Trainer:
                 signal.signal(sig, handler)
         self.print(f"Training took {time.perf_counter() - started:.1f}s")
         self.save_model()
+        self._maybe_plot()
+        out = self.output_dir
+        self.print(f"best held-out top-1 {self.state.best_top1 or 0:.2%}; next: accel-train eval "
+                   f"{out}  |  accel-train predict {out} IMAGES...  |  accel-train plot {out}")
         return 0
 
     def train_epoch(self) -> bool:
@@ -300,13 +373,15 @@ class Trainer:
         while state.step < self.total_steps:
             wait_started = time.perf_counter()
             try:
-                images, labels = next(batches)
+                images, labels, *sample_keys = next(batches)
             except StopIteration:
                 break
             window.data_wait += time.perf_counter() - wait_started
+            if self.sample_log is not None:
+                self.sample_log.record(state.step + 1, sample_keys[0])
             with acc.accumulate(self.model):
-                loss = self.train_step(images, labels)
-            window.add(loss, per_micro_step)
+                loss, num_correct = self.train_step(images, labels)
+            window.add(loss, num_correct, per_micro_step)
             state.samples_in_epoch += per_micro_step
             state.samples_seen += per_micro_step
             if not acc.sync_gradients:
@@ -325,18 +400,22 @@ class Trainer:
                 self.save_checkpoint()
         return False
 
-    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One micro-batch: forward, backward, and (on the last micro-step) the update."""
+    def train_step(self, images: torch.Tensor,
+                   labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch: forward, backward, and (on the last micro-step) the update.
+        Returns the loss and how many of the images the model got right (the running train
+        accuracy costs one argmax; it is measured on augmented images, in train mode)."""
         if self.config.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         with self.accelerator.autocast():
-            loss = self.loss_fn(self.model(images), labels)
+            logits = self.model(images)
+            loss = self.loss_fn(logits, labels)
         self.accelerator.backward(loss)
         if self.config.grad_clip and self.accelerator.sync_gradients:
             self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()  # Accelerate makes these no-ops until the accumulation completes
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach(), (logits.detach().argmax(dim=1) == labels).sum()
 
     def _end_epoch(self, epoch_seconds: Optional[float]):
         state = self.state
@@ -347,8 +426,7 @@ class Trainer:
         if epoch_seconds is not None:
             record["epoch_time"] = round(epoch_seconds, 3)
         self.metrics.write(record)
-        self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
-                             step=state.step)
+        self.accelerator.log(tracker_scalars(record), step=state.step)
         timing = f" Time {epoch_seconds:.1f}s" if epoch_seconds is not None else ""
         self.progress.write(f"Epoch {state.epoch + 1}{timing}: eval loss {results['loss']:.4f} "
                             f"top1 {results['top1']:.2%} top5 {results['top5']:.2%} "
@@ -357,54 +435,36 @@ class Trainer:
         state.samples_in_epoch = 0
         self.save_checkpoint()
 
-    @torch.no_grad()
     def evaluate(self, loader=None) -> dict:
-        """Loss, top-1, top-5 and per-class accuracy over the whole held-out split, exactly once
-        per sample: per-sample values go through gather_for_metrics, which drops the samples the
-        distributed sampler repeated to even out the last batch."""
-        acc = self.accelerator
+        """Loss, top-1, top-5 and per-class accuracy over the whole held-out split, each sample
+        once (see evaluate.py; `accel-train eval` computes the same numbers the same way)."""
         loader = self.eval_loader if loader is None else loader
         # The bare module: no DDP buffer broadcast, so no collective inside forward.
-        model = acc.unwrap_model(self.model)
-        was_training = model.training
-        model.eval()
-        parts: dict[str, list] = {"loss": [], "top1": [], "top5": [], "labels": [], "pred": []}
-        for images, labels in loader:
-            if self.config.channels_last:
-                images = images.contiguous(memory_format=torch.channels_last)
-            with acc.autocast():
-                logits = model(images)
-            k = min(5, logits.shape[1])
-            topk = logits.float().topk(k, dim=1).indices
-            values = (F.cross_entropy(logits.float(), labels, reduction="none"),
-                      topk[:, 0] == labels, (topk == labels[:, None]).any(dim=1), labels, topk[:, 0])
-            for key, value in zip(parts, acc.gather_for_metrics(values)):
-                parts[key].append(value.cpu())
-        model.train(was_training)
-        merged = {k: torch.cat(v) for k, v in parts.items()}
-        count = len(merged["labels"])
-        num_classes = self.spec.num_classes
-        per_class_total = torch.bincount(merged["labels"], minlength=num_classes)
-        per_class_correct = torch.bincount(merged["labels"][merged["top1"]], minlength=num_classes)
-        return {"loss": float(merged["loss"].mean()), "top1": float(merged["top1"].float().mean()),
-                "top5": float(merged["top5"].float().mean()), "count": count,
-                "per_class": {"correct": per_class_correct.tolist(),
-                              "total": per_class_total.tolist()}}
+        return evaluate_classifier(self.accelerator, self.accelerator.unwrap_model(self.model),
+                                   loader, self.spec.num_classes, self.config.channels_last)
 
     # -- logging, checkpoints, signals --------------------------------------------------------
     def _log_window(self, window: "_Window"):
         acc, state = self.accelerator, self.state
         loss = acc.reduce(torch.stack(window.losses).mean().to(acc.device), "mean").item()
+        correct = acc.reduce(torch.stack(window.correct).sum().to(acc.device), "sum").item()
         elapsed = time.perf_counter() - window.started
         record = {"type": "train", "step": state.step, "epoch": state.epoch + 1,
-                  "loss": round(loss, 6), "lr": self.scheduler.get_last_lr()[0],
+                  "loss": round(loss, 6), "top1": round(correct / window.samples, 4),
+                  "lr": self.scheduler.get_last_lr()[0],
                   "img_per_s": round(window.samples / elapsed, 2),
                   "data_wait": round(window.data_wait / elapsed, 4),
                   "samples_seen": state.samples_seen}
         self.metrics.write(record)
-        self.accelerator.log({k: v for k, v in record.items() if k not in ("type",)},
-                             step=state.step)
+        self.accelerator.log(tracker_scalars(record), step=state.step)
         self.progress.update(state.step, record)
+
+    def _save_spec_into_checkpoint(self, models, weights, output_dir: str):
+        """Accelerate calls this inside save_state, before our manifest is written: every
+        checkpoint then carries model_config.json, so `accel-train export/eval` can use a
+        checkpoint on its own, wherever its folder has been moved."""
+        if self.accelerator.is_main_process:
+            self.spec.save(Path(output_dir))
 
     def save_checkpoint(self) -> Path:
         path = self.checkpointer.save(self.state)
@@ -412,6 +472,10 @@ class Trainer:
         return path
 
     def _request_stop(self, signum, frame):
+        # The first signal asks for a checkpoint at the next optimizer step; a second Ctrl-C
+        # means "now", at the cost of what was trained since the last checkpoint.
+        if signum == signal.SIGINT and self._stop_signal is not None:
+            raise KeyboardInterrupt
         self._stop_signal = signum
 
     def _stop_requested_anywhere(self) -> bool:
@@ -440,21 +504,39 @@ class Trainer:
             self.print(f"saved {self.output_dir / WEIGHTS_FILE}")
         acc.wait_for_everyone()
 
+    def _maybe_plot(self):
+        """PNG curves in <run>/plots (main process).  Drawing comes after the model is saved and
+        a failure only warns: a finished run must not end as failed over a figure."""
+        if not (self.config.plots and self.accelerator.is_main_process):
+            return
+        try:
+            written = write_plots(self.output_dir)
+        except Exception as err:  # matplotlib/font trouble; the traceback goes to the rank log
+            self.logger.exception("drawing the plots failed")
+            self.warn(f"could not draw the plots ({type(err).__name__}: {err}); try again with "
+                      f"accel-train plot {self.output_dir}")
+            return
+        if written:
+            self.print(f"plots: {', '.join(str(path) for path in written)}")
+
     def close(self):
         self.accelerator.end_training()
 
 
 class _Window:
-    """Accumulates a few logged steps' worth of losses, samples and data-wait time."""
+    """Accumulates a few logged steps' worth of losses, correct answers, samples and data-wait
+    time (tensors stay on the device: no sync per step)."""
 
     def __init__(self):
         self.started = time.perf_counter()
         self.losses: list[torch.Tensor] = []
-        self.samples = 0
+        self.correct: list[torch.Tensor] = []
+        self.samples = 0  # all processes together
         self.data_wait = 0.0
 
-    def add(self, loss: torch.Tensor, samples: int):
+    def add(self, loss: torch.Tensor, num_correct: torch.Tensor, samples: int):
         self.losses.append(loss.float())
+        self.correct.append(num_correct)
         self.samples += samples
 
 

@@ -1,26 +1,75 @@
-"""Per-image transforms on uint8 CHW tensors.
+"""Image transforms on uint8 CHW tensors, one image at a time or a whole batch at once.
 
-Random augmentation draws from a generator seeded by (seed, epoch, sample index), never from the
-global RNG: an image gets the same crop whichever process, worker or resumed run loads it, which
-is what makes a mid-epoch resume and a change of world size reproduce the uninterrupted run.
+Random augmentation is a function of (seed, epoch, sample index) only, never of the global RNG:
+an image gets the same crop whichever process, worker or resumed run loads it, which is what
+makes a mid-epoch resume and a change of world size reproduce the uninterrupted run.
+
+Small images (CIFAR-sized, the in-memory case) take the batched path: the crop offsets and flips
+of a whole batch come from one vectorized hash of (seed, epoch, index) (`augment_bits`), and the
+reflect-pad, crop, flip and normalization are a handful of tensor operations per batch instead of
+a dozen per image.  A single image goes through the very same code as a batch of one, so the two
+paths give identical tensors.  Larger images (random resized crop) draw from a per-sample
+generator (`sample_generator`) and are cropped one at a time.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torchvision.transforms.v2 import functional as TF
 
 SMALL_IMAGE = 64  # at or below: pad-and-crop (CIFAR style); above: random resized crop
 
+_MASK64 = (1 << 64) - 1
+
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     # Distinct large odd multipliers keep (seed, epoch, index) triples from colliding.
     key = (seed * 0x9E3779B1 + epoch * 0x85EBCA77 + index * 0xC2B2AE3D) % (2**63 - 1)
     return torch.Generator().manual_seed(key)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 step on uint64 arrays (wrapping arithmetic, logical shifts)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def augment_bits(seed: int, epochs, indices) -> np.ndarray:
+    """64 well-mixed random bits per sample, a pure function of (seed, epoch, index)."""
+    epochs = np.asarray(epochs, dtype=np.int64).astype(np.uint64)
+    indices = np.asarray(indices, dtype=np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        x = _splitmix64(np.full_like(indices, seed & _MASK64, dtype=np.uint64))
+        x = _splitmix64(x ^ epochs)
+        return _splitmix64(x ^ indices)
+
+
+def single_threaded(method):
+    """Run a transform on one intra-op thread.  Its tensors are small (a batch of CIFAR images is
+    a few hundred kB): splitting each op across cores costs more in synchronization than it
+    saves, and when the cores are busy (training in other processes, a shared machine) the
+    OpenMP barrier waits made the batched CIFAR augmentation 10x slower on two threads than on
+    one.  The training step itself keeps all threads: only the input pipeline is confined."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        threads = torch.get_num_threads()
+        if threads == 1:
+            return method(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+    return wrapper
 
 
 def _uniform(generator: torch.Generator, low: float, high: float) -> float:
@@ -40,35 +89,71 @@ class ImageTransform:
     std: tuple[float, float, float]
     augment: bool = False
 
-    def __call__(self, image: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        size = self.image_size
+    @single_threaded
+    def __call__(self, image: torch.Tensor,
+                 sample: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+        """One uint8 [3, H, W] image -> float [3, S, S]; `sample` = (seed, epoch, index) is
+        required when augmenting (it decides the crop and the flip)."""
+        if self.augment and sample is None:
+            raise ValueError("augmenting needs the sample's (seed, epoch, index)")
+        if self.augment and max(image.shape[-2:]) > SMALL_IMAGE:
+            return self._normalize(self._augment_large(image, sample))
+        seed, epoch, index = sample if sample is not None else (0, 0, 0)
+        return self.batch(image.unsqueeze(0), seed, [epoch], [index])[0]
+
+    @single_threaded
+    def batch(self, images: torch.Tensor, seed: int = 0, epochs: Sequence[int] = (),
+              indices: Sequence[int] = ()) -> torch.Tensor:
+        """A uint8 [B, 3, H, W] batch of same-sized images -> float [B, 3, S, S].  When
+        augmenting, epochs[i] and indices[i] name sample i (its crop and flip depend on them)."""
+        if self.augment and max(images.shape[-2:]) > SMALL_IMAGE:
+            return self._normalize(torch.stack([
+                self._augment_large(image, (seed, int(e), int(i)))
+                for image, e, i in zip(images, epochs, indices)]))
+        images = self._resize(images)
         if self.augment:
-            if generator is None:
-                raise ValueError("augmenting needs a seeded generator")
-            if max(image.shape[-2:]) <= SMALL_IMAGE:
-                image = self._pad_crop(self._resize(image), generator)
-            else:
-                image = self._resized_crop(image, generator)
-            if float(torch.rand((), generator=generator)) < 0.5:
-                image = image.flip(-1)
-        else:
-            image = self._resize(image)
-        out = image.float().div_(255)
-        mean = torch.tensor(self.mean).view(3, 1, 1)
-        std = torch.tensor(self.std).view(3, 1, 1)
-        return out.sub_(mean).div_(std)
+            return self._normalize(self._pad_crop_flip(images, augment_bits(seed, epochs, indices)))
+        return self._normalize(images)
 
-    def _resize(self, image: torch.Tensor) -> torch.Tensor:
-        if tuple(image.shape[-2:]) == (self.image_size, self.image_size):
-            return image
-        return TF.resize(image, [self.image_size, self.image_size], antialias=True)
+    # -- pieces ---------------------------------------------------------------------------------
+    def _normalize(self, images: torch.Tensor) -> torch.Tensor:
+        shape = (3, 1, 1) if images.dim() == 3 else (1, 3, 1, 1)
+        out = images.float().div_(255)  # a copy: the uint8 source is never written
+        return out.sub_(torch.tensor(self.mean).view(shape)).div_(torch.tensor(self.std).view(shape))
 
-    def _pad_crop(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        pad = max(1, self.image_size // 8)
-        padded = F.pad(image.unsqueeze(0).float(), (pad, pad, pad, pad), mode="reflect")
-        top, left = _randint(generator, 2 * pad), _randint(generator, 2 * pad)
-        crop = padded[0, :, top:top + self.image_size, left:left + self.image_size]
-        return crop.to(torch.uint8)
+    def _resize(self, images: torch.Tensor) -> torch.Tensor:
+        if tuple(images.shape[-2:]) == (self.image_size, self.image_size):
+            return images
+        return TF.resize(images, [self.image_size, self.image_size], antialias=True)
+
+    def _pad_crop_flip(self, images: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
+        """CIFAR augmentation for a batch: reflect-pad by size/8, take a random size x size
+        crop, mirror half of the images; offsets and flips from `bits` (one uint64 per image)."""
+        size, count = self.image_size, images.shape[0]
+        pad = max(1, size // 8)
+        span = 2 * pad + 1  # possible offsets per axis
+        bits = torch.from_numpy((bits >> np.uint64(1)).astype(np.int64))  # 63 bits, non-negative
+        top = ((bits & 0xFFFFFF) * span) >> 24
+        left = (((bits >> 24) & 0xFFFFFF) * span) >> 24
+        flip = ((bits >> 62) & 1).bool()
+        padded = F.pad(images, (pad, pad, pad, pad), mode="reflect")    # uint8 [B, 3, P, P]
+        ramp = torch.arange(size)
+        rows = top[:, None] + ramp                                        # [B, S]
+        cols = left[:, None] + torch.where(flip[:, None], size - 1 - ramp, ramp)
+        # One gather over the flattened padded image: faster than advanced indexing or a loop.
+        where = rows[:, :, None] * padded.shape[-1] + cols[:, None, :]     # [B, S, S]
+        channels = padded.shape[1]
+        flat = padded.reshape(count, channels, -1)
+        crops = flat.gather(2, where.reshape(count, 1, -1).expand(count, channels, -1))
+        return crops.reshape(count, channels, size, size)
+
+    def _augment_large(self, image: torch.Tensor, sample: tuple[int, int, int]) -> torch.Tensor:
+        """Random resized crop (scale 0.25-1, ratio 3/4-4/3) and a random flip, uint8 out."""
+        generator = sample_generator(*sample)
+        image = self._resized_crop(image, generator)
+        if float(torch.rand((), generator=generator)) < 0.5:
+            image = image.flip(-1)
+        return image
 
     def _resized_crop(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         height, width = image.shape[-2:]

@@ -1,0 +1,137 @@
+"""What `eval`, `predict` and `export` accept as RUN_OR_CHECKPOINT, turned into a model.
+
+Accepted: a run directory (its final model.safetensors, or its newest valid checkpoint when
+training did not finish), an export folder (model.safetensors + model_config.json), a
+`step_XXXXXXXX` checkpoint folder, or a checkpoints folder (its newest valid checkpoint).
+Weights are only ever read as safetensors, and a checkpoint is verified against its manifest
+first: a truncated or modified checkpoint is refused rather than silently evaluated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import yaml
+from safetensors.torch import load_file
+from torch import nn
+
+from ..checkpoint import NAME_PATTERN, find_latest_valid, list_checkpoints, read_state, verify
+from ..errors import UsageError
+from ..model import SPEC_FILE, WEIGHTS_FILE, ModelSpec, build_from_spec
+
+RUN_CONFIG = "config.yaml"
+# Prefixes that wrappers add to parameter names: DDP (`module.`) and torch.compile (`_orig_mod.`).
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+@dataclass
+class TrainedModel:
+    spec: ModelSpec
+    weights: Path                # a safetensors file
+    run_dir: Optional[Path]      # the run it came from, when known (for its data and options)
+    description: str             # for the user: which weights these are
+    step: Optional[int] = None   # the optimizer step, for a checkpoint
+
+
+def read_run_config(run_dir: Path) -> dict:
+    path = run_dir / RUN_CONFIG
+    if not path.is_file():
+        return {}
+    data = yaml.safe_load(path.read_text()) or {}
+    return data if isinstance(data, dict) else {}
+
+
+def _spec_for_checkpoint(checkpoint: Path, run_dir: Optional[Path]) -> ModelSpec:
+    """The checkpoint's own model_config.json (written into every checkpoint since it exists),
+    else its run's: the final model_config.json, or the model recorded in config.yaml."""
+    if (checkpoint / SPEC_FILE).is_file():
+        return ModelSpec.load(checkpoint)
+    if run_dir is not None:
+        if (run_dir / SPEC_FILE).is_file():
+            return ModelSpec.load(run_dir)
+        recorded = read_run_config(run_dir).get("resolved", {}).get("model")
+        if isinstance(recorded, dict):
+            return ModelSpec.from_dict(recorded)
+    raise UsageError(f"{checkpoint}: cannot tell which model this checkpoint holds (no "
+                     f"{SPEC_FILE} in it and no run directory with one above it); pass the run "
+                     f"directory or an export instead")
+
+
+def _run_dir_of_checkpoint(checkpoint: Path) -> Optional[Path]:
+    """<run>/checkpoints/step_N -> <run>, when that folder holds a run."""
+    candidate = checkpoint.parent.parent
+    if (candidate / RUN_CONFIG).is_file() or (candidate / SPEC_FILE).is_file():
+        return candidate
+    return None
+
+
+def _from_checkpoint(checkpoint: Path, run_dir: Optional[Path], why: str = "") -> TrainedModel:
+    problem = verify(checkpoint)
+    if problem is not None:
+        raise UsageError(f"checkpoint {checkpoint} is not usable ({problem}); pass another "
+                         f"step_XXXXXXXX folder, or the run directory for its newest valid one")
+    run_dir = run_dir or _run_dir_of_checkpoint(checkpoint)
+    step = read_state(checkpoint).step
+    return TrainedModel(_spec_for_checkpoint(checkpoint, run_dir), checkpoint / WEIGHTS_FILE,
+                        run_dir, f"checkpoint {checkpoint} (step {step}){why}", step)
+
+
+def _checkpoint_root(run_dir: Path) -> Path:
+    """A run's checkpoint folder: <run>/checkpoints unless the run chose another (--checkpoint)."""
+    recorded = read_run_config(run_dir).get("resolved", {}).get("checkpoint_dir")
+    if recorded and Path(recorded).is_dir():
+        return Path(recorded)
+    return run_dir / "checkpoints"
+
+
+def find_trained_model(path_text: str, warn: Callable[[str], None]) -> TrainedModel:
+    """Resolve RUN_OR_CHECKPOINT; `warn` is told about skipped (incomplete) checkpoints."""
+    path = Path(path_text)
+    if not path.exists():
+        raise UsageError(f"{path_text}: no such run directory, checkpoint or export folder")
+    if not path.is_dir():
+        raise UsageError(f"{path_text} is a file; pass the run directory, the step_XXXXXXXX "
+                         f"checkpoint folder or the export folder that holds it")
+    if NAME_PATTERN.match(path.name):
+        return _from_checkpoint(path, None)
+    if (path / WEIGHTS_FILE).is_file() and (path / SPEC_FILE).is_file():
+        run_dir = path if (path / RUN_CONFIG).is_file() else None
+        kind = "the final model of run" if run_dir else "export"
+        return TrainedModel(ModelSpec.load(path), path / WEIGHTS_FILE, run_dir, f"{kind} {path}")
+    is_run = (path / RUN_CONFIG).is_file()
+    root = _checkpoint_root(path) if is_run else path
+    if list_checkpoints(root):
+        latest = find_latest_valid(root, warn)
+        if latest is None:
+            raise UsageError(f"{path_text}: none of the checkpoints in {root} is complete; there "
+                             f"is nothing to load")
+        why = ", newest valid: training did not finish" if is_run else ", newest valid"
+        return _from_checkpoint(latest, path if is_run else None, why)
+    raise UsageError(f"{path_text} holds no trained model: expected a run directory (with "
+                     f"{WEIGHTS_FILE} or checkpoints/), a step_XXXXXXXX checkpoint or an export")
+
+
+def strip_wrapper_prefixes(state: dict) -> dict:
+    """Parameter names as the bare model has them; wrappers nest (compile around DDP gives
+    `_orig_mod.module.`), so strip until no wrapper prefix is shared by every name."""
+    while state:
+        prefix = next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state)), None)
+        if prefix is None:
+            break
+        state = {key[len(prefix):]: value for key, value in state.items()}
+    return state
+
+
+def load_model(trained: TrainedModel) -> nn.Module:
+    """The timm model rebuilt from its spec with the trained weights, in eval mode."""
+    model = build_from_spec(trained.spec)
+    state = strip_wrapper_prefixes(load_file(str(trained.weights)))
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise UsageError(f"{trained.weights} does not fit {trained.spec.model_name} with "
+                         f"{trained.spec.num_classes} classes ({str(err).splitlines()[0][:160]}); "
+                         f"was {SPEC_FILE} copied from another run?") from None
+    return model.eval()

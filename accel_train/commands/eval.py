@@ -1,0 +1,182 @@
+"""`accel-train eval RUN_OR_CHECKPOINT`: loss, top-1, top-5 and per-class accuracy.
+
+By default on the run's own held-out data, rebuilt from its config.yaml exactly as training built
+it (same split, same sample limit), so the numbers match the run's last epoch line.  With
+--data-dir/--dataset, on any other labelled data whose class names the model knows.  Launched on
+N processes (torchrun, accelerate launch) it splits the data and counts each image once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+from ..cli import _Parser
+from ..config import PRECISIONS, TrainConfig
+from ..errors import UsageError
+
+SPLITS = {"held-out": "the held-out images", "train": "the training images",
+          "all": "all images (training and held-out together)"}
+# The options that say which data a run used; nothing else of the run matters to eval.
+DATA_OPTIONS = ("dataset", "data_dir", "image_column", "label_column", "val_fraction",
+                "max_train_samples", "max_eval_samples", "synthetic_train_size")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="accel-train eval", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", metavar="RUN_OR_CHECKPOINT",
+                        help="a run directory, a step_XXXXXXXX checkpoint, or an export folder")
+    data = parser.add_argument_group("data (default: the run's own held-out data)")
+    data.add_argument("--data-dir", help="local data, as for training (parquet, save_to_disk, "
+                      "image folder)")
+    data.add_argument("--dataset", help="Hugging Face hub dataset id, or 'synthetic'")
+    data.add_argument("--image-column", help="image column (default: found by name/type)")
+    data.add_argument("--label-column", help="label column (default: found by name/type)")
+    data.add_argument("--split", choices=list(SPLITS), default="held-out",
+                      help="held-out: the validation/test split, or the fraction training carved "
+                           "off; train; all: both (e.g. a folder of labelled images with no "
+                           "splits) (default: held-out)")
+    data.add_argument("--max-samples", type=_positive_or_all, metavar="N|all",
+                      help="evaluate the first N images (default: as many as the run evaluated "
+                           "on its own data; all of other data)")
+    run = parser.add_argument_group("running")
+    run.add_argument("--batch-size", type=int, help="per process (default: the run's)")
+    run.add_argument("--num-workers", type=int, help="data loader workers per process "
+                     "(default: as training chooses)")
+    run.add_argument("--mixed-precision", choices=PRECISIONS, default="no",
+                     help="autocast precision; fp16 needs CUDA (default: no, i.e. fp32)")
+    run.add_argument("--json", action="store_true",
+                     help="print one JSON object instead of the table")
+    return parser
+
+
+def _positive_or_all(text: str):
+    if text == "all":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or 'all', got {text!r}")
+    return int(text)
+
+
+def data_config(trained, args) -> TrainConfig:
+    """The run's data options (or the given data's), as a TrainConfig for `load_data`."""
+    from .artifacts import read_run_config
+    recorded = read_run_config(trained.run_dir).get("train") if trained.run_dir else None
+    other_data = args.data_dir is not None or args.dataset is not None
+    if not other_data and not isinstance(recorded, dict):
+        raise UsageError(f"{trained.description} has no run config.yaml saying what it was "
+                         f"trained on; pass --data-dir PATH or --dataset NAME")
+    values = {} if other_data else {k: recorded[k] for k in DATA_OPTIONS if k in recorded}
+    if values.get("data_dir") and not Path(values["data_dir"]).exists():
+        # config.yaml records the path as typed: relative to wherever training was started
+        raise UsageError(f"the run was trained on --data-dir {values['data_dir']}, which is not "
+                         f"there from this folder; pass --data-dir PATH to that data")
+    if other_data:
+        values.update(dataset=args.dataset or "synthetic", data_dir=args.data_dir)
+    for name in ("image_column", "label_column"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    if args.max_samples is not None:  # a limit given here replaces the run's
+        values.update(max_train_samples=None, max_eval_samples=None)
+    # Decode on demand: eval reads each image once, and need not decode the train split.
+    return TrainConfig.from_dict({**values, "in_memory": "never"}, source="eval")
+
+
+def align_labels(source, data_names: list[str], model_names: list[str], origin: str) -> None:
+    """Re-number the data's labels to the model's class indices, by class name: another data
+    set (an image folder sorts its class names) may list the same classes in another order."""
+    if list(data_names) == list(model_names):
+        return
+    import torch
+    index = {name: i for i, name in enumerate(model_names)}
+    unknown = [name for name in data_names if name not in index]
+    if unknown:
+        raise UsageError(f"{origin}: class(es) {', '.join(unknown[:5])} are not among the "
+                         f"model's {len(model_names)} classes ({', '.join(model_names[:10])}"
+                         f"{', ...' if len(model_names) > 10 else ''}); evaluate on data "
+                         f"labelled with the model's class names")
+    source.labels = torch.tensor([index[name] for name in data_names])[source.labels]
+
+
+def _dataset_for_split(data, split: str, transform, max_samples):
+    from torch.utils.data import ConcatDataset, Subset
+
+    from ..data import EvalImages
+    parts = {"held-out": [data.eval], "train": [data.train], "all": [data.train, data.eval]}
+    datasets = [EvalImages(source, transform) for source in parts[split]]
+    dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
+    if isinstance(max_samples, int) and max_samples < len(dataset):
+        dataset = Subset(dataset, range(max_samples))
+    if len(dataset) == 0:
+        raise UsageError(f"the {split} split of {data.description} is empty; choose another "
+                         f"--split")
+    return dataset
+
+
+def _report(results: dict, trained, data, split: str, num_processes: int, device,
+            as_json: bool) -> str:
+    from ..evaluate import format_results
+    names = trained.spec.class_names
+    if as_json:
+        per_class = results["per_class"]
+        return json.dumps({
+            "model": trained.description, "weights": str(trained.weights),
+            "data": data.description, "split": split, "processes": num_processes,
+            **{k: results[k] for k in ("loss", "top1", "top5", "count")},
+            "per_class": {name: {"correct": c, "images": t, "top1": c / t if t else None}
+                          for name, c, t in zip(names, per_class["correct"], per_class["total"])}})
+    return (f"model: {trained.spec.model_name} ({len(names)} classes) from {trained.description}\n"
+            f"data:  {data.description}; evaluated on {SPLITS[split]}\n"
+            f"       by {num_processes} process(es) on {device}\n\n"
+            + format_results(results, names))
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+    from accelerate import Accelerator
+
+    from .. import distributed
+    from ..data import default_num_workers, make_loader
+    from ..evaluate import evaluate_classifier
+    from ..sources import load_data
+    from ..trainer import resolve_precision
+    from ..transforms import ImageTransform
+    from .artifacts import find_trained_model, load_model, read_run_config
+
+    launcher = distributed.LauncherEnv.from_environ()
+    say = print if launcher.rank == 0 else (lambda text: None)
+    trained = find_trained_model(args.model, lambda text: say(f"warning: {text}"))
+    config = data_config(trained, args)
+    recorded = read_run_config(trained.run_dir).get("train", {}) if trained.run_dir else {}
+    batch_size = args.batch_size or recorded.get("batch_size") or 64
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1 (got {batch_size})")
+    env = distributed.setup(TrainConfig())  # starts the process group when launched
+    try:
+        cuda = torch.cuda.is_available()
+        precision, warning = resolve_precision(args.mixed_precision, cuda)
+        acc = Accelerator(cpu=not cuda, mixed_precision=precision)
+        if warning:
+            acc.print(f"warning: {warning}")
+        with acc.main_process_first():  # datasets caches Arrow files: build them once
+            data = load_data(config)
+        for source in (data.train, data.eval):
+            align_labels(source, data.class_names, trained.spec.class_names, data.description)
+        spec = trained.spec
+        transform = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
+        dataset = _dataset_for_split(data, args.split, transform, args.max_samples)
+        workers = args.num_workers if args.num_workers is not None else \
+            default_num_workers(data.eval, env.local_world_size)
+        loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False,
+                                         acc.device.type == "cuda"))
+        model = load_model(trained).to(acc.device)  # not DDP-wrapped: inference only
+        results = evaluate_classifier(acc, model, loader, spec.num_classes)
+        acc.print(_report(results, trained, data, args.split, acc.num_processes, acc.device,
+                          args.json))
+    finally:
+        distributed.teardown()
+    return 0

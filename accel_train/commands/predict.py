@@ -1,0 +1,110 @@
+"""`accel-train predict RUN_OR_CHECKPOINT IMAGES_OR_FOLDERS...`: the top-k classes of each image.
+
+Images are prepared exactly as training prepared its held-out images (resized to the model's
+size, normalized with its mean/std).  Folders are searched recursively for image files.  Output
+is a table, or with --json one JSON object per line (for scripts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+from ..cli import _Parser
+from ..errors import UsageError
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="accel-train predict", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", metavar="RUN_OR_CHECKPOINT",
+                        help="a run directory, a step_XXXXXXXX checkpoint, or an export folder")
+    parser.add_argument("inputs", nargs="+", metavar="IMAGES_OR_FOLDERS",
+                        help="image files, or folders searched recursively for "
+                             f"{', '.join(sorted(IMAGE_SUFFIXES))} files")
+    parser.add_argument("--top-k", type=int, default=3,
+                        help="classes shown per image (default: 3)")
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="images per forward pass (default: 64)")
+    parser.add_argument("--json", action="store_true",
+                        help='one JSON object per line: {"image": ..., "predictions": '
+                             '[{"class": ..., "index": ..., "probability": ...}, ...]}')
+    return parser
+
+
+def find_images(inputs: Sequence[str]) -> list[Path]:
+    """Files as given; folders expanded (sorted, recursive) to the image files inside."""
+    images: list[Path] = []
+    for text in inputs:
+        path = Path(text)
+        if path.is_file():
+            images.append(path)
+        elif path.is_dir():
+            found = sorted(p for p in path.rglob("*")
+                           if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            if not found:
+                raise UsageError(f"{text}: no image files in that folder (looked for "
+                                 f"{', '.join(sorted(IMAGE_SUFFIXES))})")
+            images.extend(found)
+        else:
+            raise UsageError(f"{text}: no such image file or folder")
+    return list(dict.fromkeys(images))  # a file given twice (or inside two folders) once
+
+
+def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device):
+    """Yields (image path, [(class index, probability), ...] best first)."""
+    import torch
+
+    from ..sources import decode_image
+    from ..transforms import ImageTransform
+    transform = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
+    k = min(top_k, spec.num_classes)
+    for start in range(0, len(images), batch_size):
+        chunk = images[start:start + batch_size]
+        batch = torch.stack([transform(decode_image({"path": str(p), "bytes": None}, str(p)))
+                             for p in chunk]).to(device)
+        with torch.no_grad():
+            probabilities = model(batch).float().softmax(dim=1)
+        best = probabilities.topk(k, dim=1)
+        for path, values, indices in zip(chunk, best.values.tolist(), best.indices.tolist()):
+            yield path, list(zip(indices, values))
+
+
+def _table_header(k: int, path_width: int, name_width: int) -> str:
+    cells = "  ".join(f"{f'top-{rank + 1}':<{name_width + 7}}" for rank in range(k))
+    return f"{'image':<{path_width}}  {cells}".rstrip()
+
+
+def _table_row(path: Path, ranked, names: list[str], path_width: int, name_width: int) -> str:
+    cells = "  ".join(f"{names[i]:<{name_width}} {p:6.1%}" for i, p in ranked)
+    return f"{str(path):<{path_width}}  {cells}"
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.top_k < 1 or args.batch_size < 1:
+        raise UsageError("--top-k and --batch-size must be whole numbers >= 1")
+    images = find_images(args.inputs)
+    import torch
+
+    from .artifacts import find_trained_model, load_model
+    trained = find_trained_model(args.model, lambda text: print(f"warning: {text}"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(trained).to(device)
+    names = trained.spec.class_names
+    path_width = max(len(str(p)) for p in images)
+    name_width = max(len(name) for name in names)
+    if not args.json:
+        print(f"model: {trained.spec.model_name} from {trained.description}; {len(images)} "
+              f"image(s)\n\n{_table_header(min(args.top_k, len(names)), path_width, name_width)}")
+    for path, ranked in predict(model, trained.spec, images, args.top_k, args.batch_size, device):
+        if args.json:
+            print(json.dumps({"image": str(path), "predictions": [
+                {"class": names[i], "index": i, "probability": round(p, 6)} for i, p in ranked]}))
+        else:
+            print(_table_row(path, ranked, names, path_width, name_width))
+    return 0

@@ -1,0 +1,58 @@
+"""Classification metrics over a whole data set, each sample counted once, on one process or many.
+
+The trainer (at each epoch end) and `accel-train eval` both call `evaluate_classifier`, so the
+numbers a run logs and the numbers `eval` prints on the same data and weights are the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@torch.no_grad()
+def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
+                        channels_last: bool = False) -> dict:
+    """Loss, top-1, top-5 and per-class accuracy.
+
+    `model` must be the bare module (not DDP-wrapped): DDP broadcasts buffers at every forward,
+    a collective that would hang if ranks see different numbers of batches.  Per-sample values
+    go through gather_for_metrics, which drops the samples the distributed sampler repeated to
+    even out the last batch (reducing to a scalar first would defeat that).
+    """
+    was_training = model.training
+    model.eval()
+    parts: dict[str, list] = {"loss": [], "top1": [], "top5": [], "labels": []}
+    for images, labels in loader:
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        with accelerator.autocast():
+            logits = model(images)
+        logits = logits.float()
+        topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        values = (F.cross_entropy(logits, labels, reduction="none"), topk[:, 0] == labels,
+                  (topk == labels[:, None]).any(dim=1), labels)
+        for key, value in zip(parts, accelerator.gather_for_metrics(values)):
+            parts[key].append(value.cpu())
+    model.train(was_training)
+    merged = {k: torch.cat(v) for k, v in parts.items()}
+    per_class_total = torch.bincount(merged["labels"], minlength=num_classes)
+    per_class_correct = torch.bincount(merged["labels"][merged["top1"]], minlength=num_classes)
+    return {"loss": float(merged["loss"].mean()), "top1": float(merged["top1"].float().mean()),
+            "top5": float(merged["top5"].float().mean()), "count": len(merged["labels"]),
+            "per_class": {"correct": per_class_correct.tolist(),
+                          "total": per_class_total.tolist()}}
+
+
+def format_results(results: dict, class_names: list[str]) -> str:
+    """The summary line and a per-class accuracy table, for a terminal."""
+    lines = [f"loss {results['loss']:.4f}  top-1 {results['top1']:.2%}  top-5 "
+             f"{results['top5']:.2%}  ({results['count']} images)", ""]
+    width = max([len("class"), *(len(name) for name in class_names)])
+    lines.append(f"{'class':<{width}}  {'correct':>7}  {'images':>6}  {'top-1':>7}")
+    per_class = results["per_class"]
+    for name, correct, total in zip(class_names, per_class["correct"], per_class["total"]):
+        accuracy = f"{correct / total:.1%}" if total else "-"
+        lines.append(f"{name:<{width}}  {correct:>7}  {total:>6}  {accuracy:>7}")
+    return "\n".join(lines)

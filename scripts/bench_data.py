@@ -1,0 +1,273 @@
+"""Data: the input pipeline alone against the model's consumption, decode-once-in-memory against
+decoding JPEG every epoch (the seed tutorial's way), and the trainer's own data-wait on CIFAR-10.
+
+1. Decoding the shared CIFAR-10 (JPEG bytes in parquet): the seed's way per image (PIL +
+   ToTensor, every epoch), PIL to uint8, and accel_train's decode-once (`HFSource.materialize`:
+   Arrow batches + torchvision's libjpeg-turbo decoder), in images per second.
+2. Input pipelines alone (no model), batch 64, images per second out of the DataLoader:
+   in memory + batched augmentation (accel_train's default), in memory + per-sample augmentation
+   (the design before), decode + augment every epoch (`--in-memory never`) with 0 and with the
+   default workers, and the seed's torchvision-style dataset (PIL + ToTensor per sample).
+3. The model's consumption: training steps per second of --model on ready batches, as img/s;
+   the ratio pipeline / model says how many times over the pipeline can feed the model.
+4. The trainer itself on CIFAR-10 with default settings (and with --in-memory never): median
+   data_wait and img/s of its log windows (metrics.jsonl), the figure the issue sets under 5%.
+
+    python scripts/bench_data.py --quick
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+
+# -- 1. decoding ---------------------------------------------------------------------------------
+def decode_rates(args, report) -> dict:
+    import pyarrow.parquet as pq
+    from PIL import Image
+    from torchvision.transforms import functional as TVF
+
+    from accel_train.config import TrainConfig
+    from accel_train.sources import load_data
+    path = benchlib.check_cifar(args.data_dir) / "train.parquet"
+    blobs = pq.read_table(path, columns=["img"]).column("img").combine_chunks() \
+        .field("bytes").to_pylist()[:args.decode_images]
+    count = len(blobs)
+
+    def seed_way():  # torchvision.datasets + transforms.ToTensor(), as in the tutorial
+        for blob in blobs:
+            TVF.to_tensor(Image.open(io.BytesIO(blob)).convert("RGB"))
+
+    def pil_uint8():  # accel_train's decoder before this change
+        for blob in blobs:
+            torch.from_numpy(np.asarray(Image.open(io.BytesIO(blob)).convert("RGB")).copy())
+
+    config = TrainConfig(data_dir=str(args.data_dir), max_train_samples=count,
+                         max_eval_samples=1, in_memory="never")
+    source = load_data(config).train
+    materialized = {}
+
+    def decode_once():
+        materialized["source"] = source.materialize(8 * 2**30)
+
+    rows, result = [], {}
+    for name, fn in (("seed's way: PIL + ToTensor, per image", seed_way),
+                     ("PIL to uint8, per image (accel_train before)", pil_uint8),
+                     ("accel_train decode-once (Arrow batches, libjpeg-turbo)", decode_once)):
+        seconds = benchlib.median([benchlib.timed(fn) for _ in range(args.repeats)])
+        result[name] = count / seconds
+        rows.append([name, count / seconds, seconds * 50_000 / count])
+    base = result["seed's way: PIL + ToTensor, per image"]
+    rows = [row + [result[row[0]] / base] for row in rows]
+    report.table(f"Decoding CIFAR-10 JPEGs ({count} images, median of {args.repeats})",
+                 ["decoder", "img/s", "s per 50k images", "speed vs seed's way"], rows,
+                 notes=["decode-once pays this once per run; the seed's way pays it every epoch "
+                        "(in loader workers, on the same cores as training)"])
+    return result
+
+
+# -- 2. pipelines alone --------------------------------------------------------------------------
+class PerSample(Dataset):
+    """Hides __getitems__: the loader then asks for one sample at a time (the design before)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        return self.dataset[key]
+
+
+class SeedCifar(Dataset):
+    """The tutorial's torchvision.datasets.CIFAR10 + ToTensor, reading the shared parquet."""
+
+    def __init__(self, blobs, labels):
+        self.blobs, self.labels = blobs, labels
+
+    def __len__(self):
+        return len(self.blobs)
+
+    def __getitem__(self, index):
+        from PIL import Image
+        from torchvision.transforms import functional as TVF
+        image = Image.open(io.BytesIO(self.blobs[index])).convert("RGB")
+        return TVF.to_tensor(image), self.labels[index]
+
+
+def pipeline_rate(loader, batches: int) -> float:
+    iterator = iter(loader)
+    next(iterator)  # worker start-up and first-batch costs are not steady state
+    started, images = time.perf_counter(), 0
+    for _ in range(batches):
+        images += len(next(iterator)[0])
+    return images / (time.perf_counter() - started)
+
+
+def pipelines(args, report) -> dict:
+    import pyarrow.parquet as pq
+
+    from accel_train.config import TrainConfig
+    from accel_train.data import EpochSampler, TrainImages, dataset_mean_std, make_loader
+    from accel_train.sources import load_data
+    from accel_train.transforms import ImageTransform
+    count = args.pipeline_images
+    memory = load_data(TrainConfig(data_dir=str(args.data_dir), max_train_samples=count,
+                                   max_eval_samples=1, in_memory="always")).train
+    disk = load_data(TrainConfig(data_dir=str(args.data_dir), max_train_samples=count,
+                                 max_eval_samples=1, in_memory="never")).train
+    mean, std = dataset_mean_std(memory)
+    transform = ImageTransform(32, mean, std, augment=True)
+    batch, batches = 64, args.batches
+    workers = args.workers
+
+    def loader(dataset, num_workers):
+        sampler = EpochSampler(len(dataset), batch, seed=0)
+        return make_loader(dataset, batch, num_workers, 2, False, False, sampler=sampler,
+                           drop_last=True)
+
+    table = pq.read_table(benchlib.check_cifar(args.data_dir) / "train.parquet")
+    blobs = table.column("img").combine_chunks().field("bytes").to_pylist()[:count]
+    labels = table.column("label").to_pylist()[:count]
+    arms = [
+        ("in memory, batched augmentation (default)", lambda: loader(TrainImages(memory, transform, 0), 0)),
+        ("in memory, per-sample augmentation (before)",
+         lambda: loader(PerSample(TrainImages(memory, transform, 0)), 0)),
+        ("decode every epoch (--in-memory never), 0 workers",
+         lambda: loader(TrainImages(disk, transform, 0), 0)),
+        (f"decode every epoch (--in-memory never), {workers} workers (default)",
+         lambda: loader(TrainImages(disk, transform, 0), workers)),
+        (f"seed's way: PIL + ToTensor per sample, {workers} workers",
+         lambda: DataLoader(SeedCifar(blobs, labels), batch_size=batch, shuffle=True,
+                            num_workers=workers, persistent_workers=False)),
+    ]
+    rates = {}
+    for name, build in arms:
+        rates[name] = benchlib.median([pipeline_rate(build(), batches)
+                                       for _ in range(args.repeats)])
+    model_rate = model_consumption(args, mean, std, memory)
+    rows = [[name, rate, rate / model_rate,
+             f"{model_rate / (model_rate + rate):.1%}" if "0 workers" in name or "memory" in name
+             else "overlapped (workers)"] for name, rate in rates.items()]
+    rows.append([f"model consumption: {args.model} training, batch {batch}", model_rate, 1.0, ""])
+    report.table(f"Input pipeline alone vs the model ({count} CIFAR-10 images, {batches} batches "
+                 f"of {batch}, median of {args.repeats}; {torch.get_num_threads()} threads)",
+                 ["pipeline", "img/s", "x model's consumption", "data-wait if run in-line"],
+                 rows, notes=["data-wait if run in-line = pipeline time / (pipeline + model time) "
+                              "per image, for pipelines that run in the training process",
+                              "worker pipelines overlap with training but take CPU from it: on "
+                              f"{benchlib.machine()['cores']} cores, workers and the model "
+                              "share the same cores"])
+    return {"pipelines": rates, "model": model_rate}
+
+
+def model_consumption(args, mean, std, source) -> float:
+    import timm
+    torch.manual_seed(0)
+    model = timm.create_model(args.model, num_classes=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    x = (source.images[:64].float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / \
+        torch.tensor(std).view(1, 3, 1, 1)
+    y = source.labels[:64]
+
+    def steps(n):
+        for _ in range(n):
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    steps(2)
+    seconds = benchlib.median([benchlib.timed(lambda: steps(args.model_steps))
+                               for _ in range(args.repeats)])
+    return 64 * args.model_steps / seconds
+
+
+# -- 4. the trainer's own data-wait --------------------------------------------------------------
+def trainer_data_wait(args, report) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="bench-data-", dir=args.tmp))
+    rows, result = [], {}
+    arms = [("defaults (in memory, batched augmentation, 0 workers)", []),
+            ("--in-memory never (decode every epoch, default workers)", ["--in-memory", "never"])]
+    for name, extra in arms:
+        out = work / f"run{len(rows)}"
+        cmd = [sys.executable, "-m", "accel_train", "--data-dir", str(args.data_dir),
+               "--output-dir", str(out), "--model", args.model, "--max-steps",
+               str(args.trainer_steps), "--log-every", str(args.log_every), "--progress", "log",
+               "--no-plots", "--max-eval-samples", "256", *extra]
+        if args.max_train:
+            cmd += ["--max-train-samples", str(args.max_train)]
+        started = time.perf_counter()
+        benchlib.run(cmd, env=benchlib.child_env())
+        wall = time.perf_counter() - started
+        windows = benchlib.steady_windows(benchlib.read_jsonl(out / "metrics.jsonl"))
+        waits = [w["data_wait"] for w in windows]
+        rates = [w["img_per_s"] for w in windows]
+        result[name] = {"data_wait": benchlib.median(waits), "img_per_s": benchlib.median(rates),
+                        "wall_s": wall}
+        rows.append([name, f"{benchlib.median(waits):.2%}",
+                     f"{min(waits):.2%}-{max(waits):.2%}", benchlib.median(rates), wall])
+    report.table(f"The trainer's own data-wait: accel_train on CIFAR-10, {args.model}, "
+                 f"{args.trainer_steps} steps, windows of {args.log_every} (first dropped)",
+                 ["setting", "data_wait (median)", "range", "img/s (median)",
+                  "process wall s (load + train + eval 256)"], rows,
+                 notes=["data_wait: fraction of each log window spent waiting for the next batch "
+                        "(metrics.jsonl); target < 5% with default settings"])
+    return result
+
+
+def main() -> int:
+    parser = benchlib.make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--decode-images", type=int, default=None)
+    parser.add_argument("--pipeline-images", type=int, default=None)
+    parser.add_argument("--batches", type=int, default=None)
+    parser.add_argument("--model-steps", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--workers", type=int, default=None,
+                        help="loader workers for the worker arms (default: the trainer's)")
+    parser.add_argument("--trainer-steps", type=int, default=None)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--max-train", type=int, default=None,
+                        help="limit the trainer's training set (default: all 50,000)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "pipelines", "trainer"])
+    parser.add_argument("--tmp", default=tempfile.gettempdir())
+    args = parser.parse_args()
+    quick = args.quick
+    args.decode_images = args.decode_images or (2000 if quick else 10000)
+    args.pipeline_images = args.pipeline_images or (2048 if quick else 10000)
+    args.batches = args.batches or (10 if quick else 40)
+    args.model_steps = args.model_steps or (3 if quick else 10)
+    args.repeats = args.repeats or (1 if quick else 3)
+    args.trainer_steps = args.trainer_steps or (30 if quick else 100)
+    if args.workers is None:
+        from accel_train.data import default_num_workers
+        from accel_train.sources import ImageSource
+        args.workers = default_num_workers(ImageSource(), 1)
+    report = benchlib.Report("data", "Data: input pipeline, decode once vs every epoch, "
+                             "data-wait", args)
+    result = {}
+    if "decode" not in args.skip:
+        result["decode"] = decode_rates(args, report)
+    if "pipelines" not in args.skip:
+        result["pipelines"] = pipelines(args, report)
+    if "trainer" not in args.skip:
+        result["trainer"] = trainer_data_wait(args, report)
+    report.data["result"] = result
+    print(f"wrote {report.save()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

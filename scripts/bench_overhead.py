@@ -1,0 +1,228 @@
+"""Overhead: accel_train's training loop against a minimal hand-written PyTorch loop.
+
+Same model (timm, same seed), same batch, same optimizer family (SGD + Nesterov momentum, label-
+smoothed cross-entropy), data already in memory (CIFAR-10 decoded once), one process.
+
+Throughput, in one process: arms alternate in blocks of --steps optimizer steps, rounds in
+shifting order (A B C, C B A, ...), and each round gives a ratio to the hand loop's block
+of that round; the table shows the median over rounds.  Arms:
+
+  hand loop          model(x) / loss / backward / SGD step on a random permutation of the
+                     in-memory tensor, normalized per batch (the least any loop can do)
+  accel_train        Trainer.train_epoch: its DataLoader and sampler, Accelerate's accumulate /
+                     optimizer wrapper, scheduler, train top-1, log windows, stop checks;
+                     --no-augment (the same work on the data as the hand loop)
+  accel_train + aug  the same with the default augmentation (random crop + flip), to show
+                     what the batched augmentation costs on top
+
+Memory, in separate child processes (one per arm, run one after the other): the peak resident
+set (ru_maxrss) of the whole process, and the growth of the resident set while training (peak
+sampled every 5 ms during the steps, minus the resident set just before the first step).  The
+whole-process figure includes what each arm imports (Accelerate, datasets) and the dataset.
+
+    python scripts/bench_overhead.py --quick
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+ARMS = ("hand loop", "accel_train", "accel_train + aug")
+
+
+class HandLoop:
+    """The minimal loop: what someone writes by hand for in-memory tensors."""
+
+    def __init__(self, model_name: str, images: torch.Tensor, labels: torch.Tensor,
+                 batch_size: int, mean, std, seed: int = 0, channels_last: bool = False):
+        import timm
+        torch.manual_seed(seed)
+        self.model = timm.create_model(model_name, num_classes=10)
+        if channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.channels_last = channels_last
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9,
+                                         nesterov=True, weight_decay=5e-4)
+        self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+        self.images, self.labels, self.batch_size = images, labels, batch_size
+        self.mean = torch.tensor(mean).view(1, 3, 1, 1)
+        self.std = torch.tensor(std).view(1, 3, 1, 1)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def run(self, steps: int) -> None:
+        self.model.train()
+        order = torch.randperm(len(self.labels), generator=self.generator)
+        for step in range(steps):
+            index = order[step * self.batch_size:(step + 1) * self.batch_size]
+            x = (self.images[index].float() / 255 - self.mean) / self.std
+            if self.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            loss = self.loss_fn(self.model(x), self.labels[index])
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+def make_trainer(args, augment: bool, out_dir: Path):
+    """A real Trainer whose epoch is exactly --steps optimizer steps of in-memory CIFAR-10."""
+    from accel_train import distributed
+    from accel_train.config import TrainConfig
+    from accel_train.trainer import Trainer
+    from accel_train.track import Progress
+    config = TrainConfig(data_dir=str(benchlib.check_cifar(args.data_dir)), model=args.model,
+                         batch_size=args.batch_size, max_train_samples=args.steps * args.batch_size,
+                         max_eval_samples=args.batch_size, epochs=1_000_000,
+                         log_every=args.log_every, augment=augment, progress="log", plots=False,
+                         channels_last=args.channels_last, output_dir=str(out_dir),
+                         in_memory="always")
+    trainer = Trainer(config, distributed.setup(config))
+    trainer.progress = Progress(False, "log", trainer.total_steps, 0)  # train() would make it
+    return trainer
+
+
+def trainer_block(trainer) -> None:
+    """One epoch of the real loop; the epoch bookkeeping of _end_epoch without its evaluation
+    and checkpoint (the hand loop does neither; checkpoints are bench_checkpoint's subject)."""
+    trainer.train_epoch()
+    trainer.state.epoch += 1
+    trainer.state.samples_in_epoch = 0
+
+
+def throughput(args, report: benchlib.Report) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="bench-overhead-", dir=args.tmp))
+    plain = make_trainer(args, augment=False, out_dir=work / "plain")
+    augmented = make_trainer(args, augment=True, out_dir=work / "aug")
+    data = plain.data.train
+    hand = HandLoop(args.model, data.images, data.labels, args.batch_size, plain.spec.mean,
+                    plain.spec.std, channels_last=args.channels_last)
+    blocks = {"hand loop": lambda: hand.run(args.steps),
+              "accel_train": lambda: trainer_block(plain),
+              "accel_train + aug": lambda: trainer_block(augmented)}
+    for run_block in blocks.values():  # warm-up: allocator, first-call costs
+        run_block()
+    seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for order in benchlib.round_orders(ARMS, args.rounds):
+        for arm in order:
+            seconds[arm].append(benchlib.timed(blocks[arm]))
+    samples = args.steps * args.batch_size
+    rows, result = [], {}
+    for arm in ARMS:
+        ratios = [h / a for h, a in zip(seconds["hand loop"], seconds[arm])]
+        img_s = [samples / s for s in seconds[arm]]
+        result[arm] = {"seconds": seconds[arm], "ratio": benchlib.median(ratios)}
+        rows.append([arm, benchlib.median(img_s), benchlib.median(ratios), benchlib.spread(ratios),
+                     1000 * benchlib.median(seconds[arm]) / args.steps])
+    report.table(f"Throughput: {args.model}, batch {args.batch_size}, {args.steps} steps x "
+                 f"{args.rounds} rounds, {torch.get_num_threads()} threads",
+                 ["arm", "img/s (median)", "ratio to hand loop", "ratio range", "ms/step"], rows,
+                 notes=["ratio = hand-loop block time / arm block time in the same round "
+                        "(> 1: faster than the hand loop); target >= 0.98",
+                        "accel_train: the real Trainer.train_epoch on in-memory data "
+                        f"(data_wait in its last log window: "
+                        f"{_last_data_wait(plain)})"])
+    return result
+
+
+def _last_data_wait(trainer) -> str:
+    path = trainer.output_dir / "metrics.jsonl"
+    records = [r for r in benchlib.read_jsonl(path) if r.get("type") == "train"] \
+        if path.exists() else []
+    return f"{records[-1]['data_wait']:.1%}" if records else "n/a"
+
+
+# -- memory: one child process per arm ---------------------------------------------------------
+def child(args) -> None:
+    """Run one arm for --steps steps and report memory as one JSON line."""
+    work = Path(tempfile.mkdtemp(prefix="bench-overhead-mem-", dir=args.tmp))
+    if args.child == "hand loop":
+        data = benchlib.cifar_in_memory(args.data_dir, args.steps * args.batch_size,
+                                        args.batch_size)
+        from accel_train.data import dataset_mean_std
+        mean, std = dataset_mean_std(data.train)
+        arm = HandLoop(args.model, data.train.images, data.train.labels, args.batch_size, mean,
+                       std, channels_last=args.channels_last)
+        step = lambda: arm.run(args.steps)  # noqa: E731
+    else:
+        trainer = make_trainer(args, augment=args.child == "accel_train + aug", out_dir=work)
+        step = lambda: trainer_block(trainer)  # noqa: E731
+    with benchlib.PeakRSS() as sampled:
+        step()
+    print(json.dumps({"bench": "memory", "arm": args.child, "maxrss_mb": benchlib.max_rss_mb(),
+                      "before_mb": sampled.start, "peak_mb": sampled.peak}), flush=True)
+
+
+def memory(args, report: benchlib.Report) -> dict:
+    results = {}
+    for arm in ARMS:
+        cmd = [sys.executable, __file__, "--child", arm, "--model", args.model, "--batch-size",
+               str(args.batch_size), "--steps", str(args.memory_steps), "--data-dir",
+               args.data_dir, "--tmp", args.tmp]
+        if args.channels_last:
+            cmd.append("--channels-last")
+        results[arm] = benchlib.last_json_line(benchlib.run(cmd, env=benchlib.child_env()).stdout)
+    hand = results["hand loop"]
+    hand_growth = hand["peak_mb"] - hand["before_mb"]
+    rows = []
+    for arm in ARMS:
+        r = results[arm]
+        growth = r["peak_mb"] - r["before_mb"]
+        rows.append([arm, r["before_mb"], r["peak_mb"], r["peak_mb"] / hand["peak_mb"], growth,
+                     growth / hand_growth if hand_growth > 0 else float("nan"), r["maxrss_mb"]])
+    report.table(f"Peak memory: {args.model}, batch {args.batch_size}, {args.memory_steps} steps "
+                 f"(one child process per arm)",
+                 ["arm", "RSS before MB", "peak RSS training MB", "ratio to hand loop",
+                  "growth MB", "growth ratio", "lifetime max RSS MB"], rows,
+                 notes=["peak RSS training: resident set sampled every 5 ms during the steps "
+                        "(imports, the CIFAR-10 subset in memory, model, optimizer, activations); "
+                        "target ratio <= 1.05",
+                        "growth: that peak minus the resident set just before the first step "
+                        "(activations, gradients, momentum buffers, loader batches)",
+                        "lifetime max RSS: ru_maxrss, set by data loading (Arrow + JPEG decoding, "
+                        "the same code in every arm), not by training"])
+    return results
+
+
+def main() -> int:
+    parser = benchlib.make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per block")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--memory-steps", type=int, default=None)
+    parser.add_argument("--log-every", type=int, default=20, help="the trainer's default")
+    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--tmp", default=tempfile.gettempdir())
+    parser.add_argument("--child", choices=ARMS, help=argparse_hidden())
+    args = parser.parse_args()
+    args.steps = args.steps or (10 if args.quick else 30)
+    args.rounds = args.rounds or (3 if args.quick else 7)
+    args.memory_steps = args.memory_steps or (5 if args.quick else 20)
+    if args.child:
+        child(args)
+        return 0
+    report = benchlib.Report("overhead", "Overhead: accel_train vs a hand-written loop", args)
+    result = {"throughput": throughput(args, report)}
+    if not args.skip_memory:
+        result["memory"] = memory(args, report)
+    report.data["result"] = result
+    print(f"wrote {report.save()}")
+    return 0
+
+
+def argparse_hidden():
+    import argparse
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

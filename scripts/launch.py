@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""`accelerate launch` with the elastic and rendezvous settings that its YAML cannot carry.
+
+    python scripts/launch.py --config_file accelerate_configs/2node.yaml \
+        --elastic accelerate_configs/elastic.yaml -- --output-dir /shared/run1 --epochs 30
+
+Accelerate reads `rdzv_backend` and `same_network` from its YAML but ignores them (its
+command-line defaults win), and refuses `max_restarts`, `monitor_interval` and `rdzv_conf` there
+(unknown keys are an error).  This script reads the machine's accelerate YAML (with accelerate's
+own loader, so a file that `accelerate launch` would reject fails here first), adds our small
+elastic file, and runs
+
+    accelerate launch --config_file FILE <elastic flags> [other launch flags] -m accel_train ARGS
+
+Everything before `--` that is not ours goes to `accelerate launch` unchanged (for example
+`--main_process_port 29600` or `--machine_rank 1`); everything after `--` goes to accel_train.
+`--dry-run` prints the command instead of running it.  Bad input: one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import yaml
+
+# The elastic file's keys -> accelerate launch's flags (which it hands to torchrun).
+ELASTIC_KEYS = {
+    "max_restarts": "--max_restarts",          # worker-group restarts before giving up
+    "monitor_interval": "--monitor_interval",  # seconds between the agent's health checks
+    "rdzv_backend": "--rdzv_backend",          # static (fixed machines) or c10d (elastic)
+    "rdzv_conf": "--rdzv_conf",                # e.g. {join_timeout: 900} or "join_timeout=900"
+}
+# Keys that the accelerate YAML accepts but `accelerate launch` ignores: passed on as flags.
+IGNORED_YAML_KEYS = ("rdzv_backend", "same_network")
+
+
+class LaunchError(Exception):
+    """Bad input: the message says what is wrong and what to change."""
+
+
+def read_yaml(path: str, what: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise LaunchError(f"{what} {path}: no such file")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise LaunchError(f"{what} {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise LaunchError(f"{what} {path}: expected a mapping of key: value")
+    return data
+
+
+def check_accelerate_config(path: str) -> dict:
+    """The YAML as accelerate itself would load it (an unknown key fails here, not on a node)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    raw = read_yaml(path, "--config_file")
+    try:
+        load_config_from_file(path)
+    except (TypeError, ValueError) as err:
+        raise LaunchError(f"--config_file {path}: accelerate rejects it ({err}); "
+                          f"recreate it with `accelerate config --config_file {path}`") from None
+    return raw
+
+
+def rdzv_conf_text(value) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{key}={val}" for key, val in value.items())
+    return str(value)
+
+
+def elastic_flags(elastic: dict, source: str) -> list[str]:
+    unknown = sorted(set(elastic) - set(ELASTIC_KEYS))
+    if unknown:
+        raise LaunchError(f"--elastic {source}: unknown key(s) {', '.join(unknown)}; "
+                          f"use {', '.join(ELASTIC_KEYS)}")
+    flags = []
+    for key, flag in ELASTIC_KEYS.items():
+        if key not in elastic or elastic[key] is None:
+            continue
+        value = elastic[key]
+        if key == "max_restarts" and not (isinstance(value, int) and value >= 0):
+            raise LaunchError(f"--elastic {source}: max_restarts must be a whole number >= 0 "
+                              f"(got {value!r})")
+        if key == "monitor_interval" and not (isinstance(value, (int, float)) and value > 0):
+            raise LaunchError(f"--elastic {source}: monitor_interval must be seconds > 0 "
+                              f"(got {value!r})")
+        if key == "rdzv_backend" and value not in ("static", "c10d", "etcd", "etcd-v2"):
+            raise LaunchError(f"--elastic {source}: rdzv_backend {value!r} is not one of "
+                              f"static, c10d, etcd, etcd-v2")
+        flags += [flag, rdzv_conf_text(value) if key == "rdzv_conf" else str(value)]
+    return flags
+
+
+def build_command(config_file: str, elastic_file: str | None, launch_args: list[str],
+                  train_args: list[str]) -> list[str]:
+    accelerate_yaml = check_accelerate_config(config_file)
+    settings = {key: accelerate_yaml[key] for key in IGNORED_YAML_KEYS if key in accelerate_yaml}
+    elastic = read_yaml(elastic_file, "--elastic") if elastic_file else {}
+    flags = []
+    backend = elastic.get("rdzv_backend", settings.get("rdzv_backend"))
+    if backend is not None:  # the elastic file wins over the accelerate YAML
+        elastic = {**elastic, "rdzv_backend": backend}
+    flags += elastic_flags(elastic, elastic_file or config_file)
+    if settings.get("same_network"):
+        flags.append("--same_network")
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
+            *flags, *launch_args, "-m", "accel_train", *train_args]
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
+    if "--" in argv:
+        cut = argv.index("--")
+        ours, train_args = argv[:cut], argv[cut + 1:]
+    else:
+        ours, train_args = argv, []
+    parser = argparse.ArgumentParser(
+        prog="scripts/launch.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+        usage="%(prog)s --config_file ACCELERATE.yaml [--elastic ELASTIC.yaml] [--dry-run] "
+              "[accelerate launch flags] -- [accel_train flags]")
+    parser.add_argument("--config_file", required=True, help="this machine's accelerate YAML")
+    parser.add_argument("--elastic", help="YAML with max_restarts, monitor_interval, "
+                                          "rdzv_backend, rdzv_conf")
+    parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    args, launch_args = parser.parse_known_args(ours)
+    return args, launch_args, train_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, launch_args, train_args = parse(list(sys.argv[1:] if argv is None else argv))
+    try:
+        command = build_command(args.config_file, args.elastic, launch_args, train_args)
+    except LaunchError as err:
+        print(f"launch.py: error: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(shlex.join(command))
+        return 0
+    sys.stdout.flush()
+    # Replace this process: signals (Ctrl-C, a scheduler's SIGTERM) reach the launcher directly.
+    os.execv(command[0], command)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

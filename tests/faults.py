@@ -1,0 +1,196 @@
+"""Helpers for the fault-tolerance tests: start real runs under real launchers, wait for what
+they write, kill exactly the processes we started, compare what they produced.
+
+Nothing here sleeps a fixed time to "let things happen": every wait polls for a file or a log
+line, with a generous deadline (the machine is slow and shared).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import torch
+from safetensors.torch import load_file
+
+from conftest import CONFIGS, REPO, TINY_TRAIN, free_port, test_env
+
+# 256 synthetic images, 2 epochs.  Global batch 32 = 16 x 2 processes (8 steps/epoch) or
+# 16 x 1 process x 2 accumulation; checkpoints every 3 steps and at each epoch end.
+FAULT_TRAIN = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--epochs", "2",
+               "--checkpoint-every", "3", "--log-every", "2", "--keep-checkpoints", "3"]
+STALL_ENV = "ACCEL_TRAIN_FAULT_STALL_SAVE"
+SAMPLE_LOG_ENV = "ACCEL_TRAIN_SAMPLE_LOG"
+DEADLINE = 240.0
+
+
+def python_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "accel_train", *args]
+
+
+def torchrun_cmd(*args: str, nproc: int = 2, max_restarts: int = 0,
+                 port: Optional[int] = None) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+            "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+            "--monitor-interval", "0.5", "--master-addr", "127.0.0.1",
+            "--master-port", str(port or free_port()), "-m", "accel_train", *args]
+
+
+def accelerate_cmd(*args: str, max_restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(CONFIGS / "cpu_2proc.yaml"), "--main_process_port", str(free_port()),
+            "--max_restarts", str(max_restarts), "--monitor_interval", "0.5",
+            "-m", "accel_train", *args]
+
+
+class Run:
+    """A launched command whose output goes to a file; killed (with its children) on close."""
+
+    def __init__(self, cmd: list[str], log: Path, **env: str):
+        self.cmd, self.log = cmd, Path(log)
+        self.handle = self.log.open("w")
+        # Own session: a signal we send to the launcher reaches only what we started.
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=test_env(**env), stdout=self.handle,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float = DEADLINE) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise AssertionError(f"{' '.join(self.cmd)} did not finish in {timeout}s\n"
+                                 f"{self.output[-6000:]}") from None
+
+    def check(self, expected: int = 0, timeout: float = DEADLINE) -> str:
+        code = self.wait(timeout)
+        assert code == expected, f"exit {code}, expected {expected}\n{self.output[-6000:]}"
+        return self.output
+
+    def workers(self) -> dict[int, psutil.Process]:
+        """Training processes started by this launcher, by global rank."""
+        found = {}
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                environ, cmdline = child.environ(), child.cmdline()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if "RANK" in environ and "accel_train" in cmdline:
+                found[int(environ["RANK"])] = child
+        return found
+
+    def kill_all(self) -> None:
+        """SIGKILL the launcher and every process under it, as when a machine dies.  Found
+        through psutil from our own launcher's pid: torchrun starts each worker in a session of
+        its own, so a process-group kill would miss them."""
+        try:
+            tree = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        for process in [psutil.Process(self.proc.pid), *tree] if self.proc.poll() is None \
+                else tree:
+            try:
+                process.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait()
+        psutil.wait_procs(tree, timeout=30)
+
+    def close(self) -> None:
+        self.kill_all()
+        self.handle.close()
+
+
+def wait_until(condition, what: str, run: Optional[Run] = None, timeout: float = DEADLINE):
+    """Poll `condition()` until it is truthy; fail early if `run` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if run is not None and run.proc.poll() is not None:
+            value = condition()
+            if value:
+                return value
+            raise AssertionError(f"exited {run.proc.returncode} before {what}\n"
+                                 f"{run.output[-6000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}" +
+                         (f"\n{run.output[-4000:]}" if run else ""))
+
+
+def log_has(path: Path, text: str):
+    return lambda: path.is_file() and text in path.read_text(errors="replace")
+
+
+def wait_for_stall(run: Run, output_dir: Path, step: int) -> None:
+    """Wait until rank 0 is stalled inside the save of `step` (testhooks.maybe_stall_save)."""
+    wait_until(log_has(output_dir / "logs" / "rank0.log", f"stalling the save of step {step} "),
+               f"the stalled save of step {step}", run)
+
+
+def kill_worker(run: Run, rank: int) -> int:
+    """SIGKILL one worker, as the kernel's OOM killer or a dying machine would."""
+    workers = wait_until(lambda: run.workers().get(rank), f"worker rank {rank}", run)
+    os.kill(workers.pid, signal.SIGKILL)
+    return workers.pid
+
+
+def checkpoint_steps(output_dir: Path) -> list[int]:
+    root = Path(output_dir) / "checkpoints"
+    return sorted(int(p.name[5:]) for p in root.glob("step_*")) if root.is_dir() else []
+
+
+def weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(output_dir) / "model.safetensors"))
+
+
+def max_weight_difference(a_dir: Path, b_dir: Path) -> float:
+    a, b = weights(a_dir), weights(b_dir)
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def assert_metrics_continuous(output_dir: Path, total_steps: int, log_every: int = 2,
+                              epochs: int = 2) -> list[dict]:
+    """metrics.jsonl reads as one run: each logged step and each epoch exactly once, in order."""
+    records = metrics(output_dir)
+    train_steps = [r["step"] for r in records if r["type"] == "train"]
+    assert train_steps == list(range(log_every, total_steps + 1, log_every)), train_steps
+    assert [r["epoch"] for r in records if r["type"] == "epoch"] == list(range(1, epochs + 1))
+    return records
+
+
+def assert_each_sample_once_per_epoch(output_dir: Path, num_samples: int = 256,
+                                      global_batch: int = 32, epochs: int = 2) -> None:
+    """From the sample log (ACCEL_TRAIN_SAMPLE_LOG): every rank's micro-batches together use
+    each sample of each epoch exactly once, and exactly the samples the epoch's order holds."""
+    from accel_train.data import EpochSampler
+    from accel_train.testhooks import read_sample_keys
+
+    keys = read_sample_keys(Path(output_dir) / "logs")
+    counts = Counter(keys)
+    repeated = {k: n for k, n in counts.items() if n > 1}
+    assert not repeated, f"samples used more than once: {sorted(repeated)[:10]}"
+    sampler = EpochSampler(num_samples, global_batch, seed=0)
+    expected = set()
+    for epoch in range(epochs):
+        expected |= set((sampler.order(epoch) + epoch * num_samples).tolist())
+    missing, extra = expected - set(keys), set(keys) - expected
+    assert not missing and not extra, f"missing {sorted(missing)[:10]}, extra {sorted(extra)[:10]}"

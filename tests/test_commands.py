@@ -1,0 +1,220 @@
+"""eval, predict, export and plot on the files of one real tiny run, trained once for the module
+in a subprocess as a user would.  The commands themselves run in-process (`cli.main`) to save
+the ~10 s import of torch/timm/accelerate per call; the two-process eval goes through torchrun."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from PIL import Image
+from safetensors.torch import load_file
+
+from accel_train import synthetic
+from accel_train.cli import main
+from accel_train.track import read_metrics
+import conftest
+from conftest import TINY_TRAIN, accel_train, free_port, run
+
+# The folder the tests write images into lists classes in another order than the model does
+# (alphabetical vs synthetic.CLASS_NAMES), so eval must map labels by class name.
+FOLDER_CLASSES = ["ring", "disk", "square"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("commands") / "run"
+    accel_train(*TINY_TRAIN, "--output-dir", str(out), "--log-every", "4", check=True)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state(monkeypatch):
+    """Accelerate keeps process-wide singletons; each in-process eval starts clean."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory) -> Path:
+    """Synthetic test images saved as PNGs in one folder per class (no splits)."""
+    root = tmp_path_factory.mktemp("images") / "by_class"
+    images, labels = synthetic.generate(40, seed=11)
+    for index, (image, label) in enumerate(zip(images, labels)):
+        name = synthetic.CLASS_NAMES[label]
+        if name in FOLDER_CLASSES:
+            (root / name).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image).save(root / name / f"{index:03d}.png")
+    return root
+
+
+def command(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def eval_json(capsys, *argv: str) -> dict:
+    code, out, err = command(capsys, "eval", *argv, "--json")
+    assert code == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def last_epoch(run_dir: Path) -> dict:
+    return [m for m in read_metrics(run_dir / "metrics.jsonl") if m["type"] == "epoch"][-1]
+
+
+def test_eval_of_a_run_repeats_its_last_epoch_numbers(run_dir, capsys):
+    """The run's own held-out data, rebuilt from config.yaml, and the same numbers."""
+    code, out, err = command(capsys, "eval", str(run_dir))
+    assert code == 0, err
+    epoch = last_epoch(run_dir)
+    assert f"top-1 {epoch['eval_top1']:.2%}" in out and f"loss {epoch['eval_loss']:.4f}" in out
+    assert f"({epoch['eval_count']} images)" in out
+    for name in synthetic.CLASS_NAMES:  # the per-class table names every class
+        assert any(line.split()[:1] == [name] for line in out.splitlines()), name
+    result = eval_json(capsys, str(run_dir))
+    assert result["top1"] == pytest.approx(epoch["eval_top1"])
+    assert result["top5"] == pytest.approx(epoch["eval_top5"])
+    assert sum(c["images"] for c in result["per_class"].values()) == result["count"] == 64
+
+
+def test_eval_of_its_checkpoint_and_of_an_unfinished_run(run_dir, tmp_path, capsys):
+    """The final checkpoint holds the final weights; a run without model.safetensors (training
+    did not finish) is evaluated from its newest valid checkpoint."""
+    checkpoint = run_dir / "checkpoints" / "step_00000016"
+    assert (checkpoint / "model_config.json").is_file()  # every checkpoint carries its spec
+    from_checkpoint = eval_json(capsys, str(checkpoint))
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(run_dir, unfinished, ignore=shutil.ignore_patterns("model.safetensors",
+                                                                      "model_config.json"))
+    code, out, err = command(capsys, "eval", str(unfinished))
+    assert code == 0, err
+    assert "step_00000016 (step 16), newest valid: training did not finish" in out
+    assert from_checkpoint["loss"] == pytest.approx(last_epoch(run_dir)["eval_loss"])
+
+
+def test_eval_on_another_folder_maps_classes_by_name(run_dir, image_folder, capsys):
+    predictions = predict_json(capsys, str(run_dir), str(image_folder), "--top-k", "1")
+    agree = sum(p["predictions"][0]["class"] == Path(p["image"]).parent.name
+                for p in predictions)
+    result = eval_json(capsys, str(run_dir), "--data-dir", str(image_folder), "--split", "all")
+    assert result["count"] == len(predictions) == sum(1 for _ in image_folder.rglob("*.png"))
+    assert result["top1"] == pytest.approx(agree / len(predictions))  # two views, one answer
+    assert {n for n, c in result["per_class"].items() if c["images"]} == set(FOLDER_CLASSES)
+
+
+def predict_json(capsys, *argv: str) -> list[dict]:
+    code, out, err = command(capsys, "predict", *argv, "--json")
+    assert code == 0, err
+    return [json.loads(line) for line in out.strip().splitlines()]
+
+
+def test_predict_table_and_json_lines(run_dir, image_folder, capsys):
+    one = sorted((image_folder / "disk").glob("*.png"))[0]
+    rows = predict_json(capsys, str(run_dir), str(one), str(image_folder / "ring"), str(one),
+                        "--top-k", "3")
+    assert rows[0]["image"] == str(one) and len(rows) == 1 + len(list((image_folder / "ring")
+                                                                      .glob("*.png")))
+    for row in rows:
+        probabilities = [p["probability"] for p in row["predictions"]]
+        assert len(probabilities) == 3 and probabilities == sorted(probabilities, reverse=True)
+        assert 0 < sum(probabilities) <= 1 + 1e-6
+        assert all(p["class"] == synthetic.CLASS_NAMES[p["index"]] for p in row["predictions"])
+    code, out, err = command(capsys, "predict", str(run_dir), str(one), "--top-k", "2")
+    assert code == 0, err
+    header, row = out.strip().splitlines()[-2:]
+    assert header.split() == ["image", "top-1", "top-2"]
+    top = rows[0]["predictions"][0]
+    assert row.startswith(str(one)) and f"{top['class']}" in row
+    assert f"{top['probability']:.1%}" in row
+
+
+def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_path, capsys):
+    export_dir = tmp_path / "export"
+    code, out, err = command(capsys, "export", str(run_dir / "checkpoints" / "step_00000016"),
+                             "--output-dir", str(export_dir))
+    assert code == 0, err
+    assert sorted(p.name for p in export_dir.iterdir()) == ["model.safetensors",
+                                                            "model_config.json"]
+    exported, final = (load_file(str(d / "model.safetensors")) for d in (export_dir, run_dir))
+    assert exported.keys() == final.keys()
+    assert all(torch.equal(exported[k], final[k]) for k in final)  # step 16 is the last step
+    assert json.loads((export_dir / "model_config.json").read_text()) == \
+        json.loads((run_dir / "model_config.json").read_text())
+    epoch = last_epoch(run_dir)
+    on_run_data = eval_json(capsys, str(export_dir), "--dataset", "synthetic",
+                            "--max-samples", "64")
+    assert on_run_data["top1"] == pytest.approx(epoch["eval_top1"])
+    code, _, err = command(capsys, "export", str(run_dir), "-o", str(export_dir))
+    assert code == 2 and "already holds model.safetensors" in err
+
+
+def test_plot_command_writes_the_pngs(run_dir, tmp_path, capsys):
+    code, out, err = command(capsys, "plot", str(run_dir), "--output-dir", str(tmp_path))
+    assert code == 0, err
+    written = [Path(line) for line in out.strip().splitlines()]
+    assert sorted(p.name for p in written) == ["accuracy.png", "loss_lr.png", "throughput.png"]
+    for path in written:
+        with Image.open(path) as image:
+            assert image.format == "PNG" and image.size == (800, 600)
+
+
+def test_bad_input_is_one_line_with_the_fix(run_dir, tmp_path, capsys):
+    broken = tmp_path / "step_00000016"
+    shutil.copytree(run_dir / "checkpoints" / "step_00000016", broken)
+    with (broken / "model.safetensors").open("r+b") as handle:  # one flipped byte
+        handle.seek(-1, 2)
+        last = handle.read(1)
+        handle.seek(-1, 2)
+        handle.write(bytes([last[0] ^ 1]))
+    not_an_image = tmp_path / "notes.png"
+    not_an_image.write_text("not an image")
+    images = synthetic.generate(10, seed=3)[0]
+    for index, image in enumerate(images):  # a class the model does not know, and one it does
+        folder = tmp_path / "other" / ("dog" if index % 2 else "disk")
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(folder / f"{index}.png")
+    cases = [
+        (["eval", str(tmp_path / "nowhere")], "no such run directory, checkpoint or export"),
+        (["export", str(broken), "-o", str(tmp_path / "x")], "does not match its checksum"),
+        (["predict", str(run_dir), str(not_an_image)], "notes.png cannot be decoded"),
+        (["eval", str(run_dir), "--data-dir", str(tmp_path / "other"), "--split", "all"],
+         "class(es) dog are not among the model's 10 classes"),
+        (["plot", str(tmp_path)], "no metrics.jsonl there"),
+        (["eval", str(run_dir), "--max-samples", "0"], "expected a whole number >= 1 or 'all'"),
+    ]
+    for argv, message in cases:
+        code, _, err = command(capsys, *argv)
+        assert code == 2, argv
+        # (datasets may draw a progress bar above it while it reads a folder)
+        errors = [line for line in err.splitlines() if "error" in line]
+        assert len(errors) == 1 and message in errors[0], (argv, err)
+        assert errors[0].startswith("accel_train: error: ") and err.rstrip().endswith(errors[0])
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_eval_on_two_processes_counts_each_image_once(run_dir, capsys):
+    """61 images on 2 ranks with batch 8: the sampler pads the last batch; gather_for_metrics
+    must drop the padding, so both the count and the numbers equal the one-process eval."""
+    args = ["eval", str(run_dir), "--max-samples", "61", "--batch-size", "8", "--json"]
+    single = eval_json(capsys, *args[1:-1])
+    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                  "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                  "-m", "accel_train", *args], env=conftest.test_env(), check=True)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # printed by the main process only
+    double = json.loads(lines[0])
+    assert double["processes"] == 2 and double["count"] == single["count"] == 61
+    assert double["top1"] == pytest.approx(single["top1"])
+    assert double["loss"] == pytest.approx(single["loss"], rel=1e-5)
+    assert double["per_class"] == single["per_class"]

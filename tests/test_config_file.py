@@ -1,0 +1,118 @@
+"""Run config files: the override order (defaults < accelerate launch's config < --config YAML <
+flags), and a run's own config.yaml passed back in repeats the run, here under `accelerate
+launch` with the file that `accelerate config default` writes, made without a terminal."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+
+import pytest
+import torch
+import yaml
+from accelerate.state import AcceleratorState
+from safetensors.torch import load_file
+
+import conftest
+from accel_train.cli import build_train_parser, config_from_args, main
+from accel_train.errors import UsageError
+
+# A run YAML as a user writes one: dashes or underscores, any training option.
+RUN_YAML = """\
+dataset: synthetic
+synthetic-train-size: 128
+max_eval_samples: 32
+model: test_resnet
+batch-size: 16
+epochs: 1
+max_steps: 4
+seed: 3
+augment: false
+progress: log
+plots: false
+"""
+
+
+@contextlib.contextmanager
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def in_process_run():
+    """Accelerate keeps process-wide singletons: start and leave them clean."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def without_terminal(cmd: list[str]) -> subprocess.CompletedProcess:
+    """As from a script or CI: stdin is not a terminal (interactive prompts would fail)."""
+    result = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                            env=conftest.test_env(), cwd=conftest.REPO, timeout=300)
+    assert result.returncode == 0, f"{cmd}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def parse(argv: list[str], environ: dict | None = None):
+    return config_from_args(build_train_parser().parse_args(argv), environ=environ or {})
+
+
+def test_override_order(tmp_path):
+    """Each layer beats the one before it, for the same option."""
+    run_config = tmp_path / "config.yaml"  # shaped like a run directory's: options under train:
+    run_config.write_text(yaml.safe_dump({"train": {"batch_size": 12, "epochs": 7,
+                                                    "mixed_precision": "no"},
+                                          "resolved": {"world_size": 8}, "git_revision": None}))
+    launched_bf16 = {"ACCELERATE_MIXED_PRECISION": "bf16"}  # what `accelerate launch` exports
+
+    assert parse([]).mixed_precision == "no"                            # default
+    assert parse([], launched_bf16).mixed_precision == "bf16"           # accelerate's config
+    from_yaml = parse(["--config", str(run_config)], launched_bf16)
+    assert (from_yaml.mixed_precision, from_yaml.batch_size, from_yaml.epochs) == ("no", 12, 7)
+    flags = parse(["--config", str(run_config), "--epochs", "2", "--mixed-precision", "bf16"],
+                  launched_bf16)
+    assert (flags.mixed_precision, flags.batch_size, flags.epochs) == ("bf16", 12, 2)
+
+
+def test_an_accelerate_precision_we_cannot_run_is_one_clear_error():
+    with pytest.raises(UsageError, match="accelerate config asks for mixed_precision 'fp8'.*"
+                                         "pass --mixed-precision no/fp16/bf16"):
+        parse([], {"ACCELERATE_MIXED_PRECISION": "fp8"})
+
+
+def test_a_runs_config_yaml_repeats_it_under_accelerate_config_default(tmp_path):
+    accelerate_config = tmp_path / "accelerate.yaml"
+    made = without_terminal(["accelerate", "config", "default", "--config_file",
+                             str(accelerate_config)])
+    assert "configuration saved" in made.stdout
+    assert yaml.safe_load(accelerate_config.read_text())["mixed_precision"] == "no"
+
+    (tmp_path / "run.yaml").write_text(RUN_YAML)
+    first, repeat = tmp_path / "first", tmp_path / "repeat"
+    # One thread in both runs (CPU kernels then sum in the same order); the first runs in this
+    # process, to spare a start-up of torch.
+    with in_process_run(), one_thread():
+        assert main(["--config", str(tmp_path / "run.yaml"), "--output-dir", str(first)]) == 0
+    launched = without_terminal(["accelerate", "launch", "--config_file", str(accelerate_config),
+                                 "--num_cpu_threads_per_process", "1", "-m", "accel_train",
+                                 "--config", str(first / "config.yaml"), "--output-dir",
+                                 str(repeat)])
+    assert "accel_train: test_resnet" in launched.stdout
+
+    recorded = [yaml.safe_load((d / "config.yaml").read_text()) for d in (first, repeat)]
+    assert recorded[0]["train"]["seed"] == 3 and recorded[0]["train"]["augment"] is False
+    assert {**recorded[1]["train"], "output_dir": None} == \
+        {**recorded[0]["train"], "output_dir": None}
+    assert recorded[1]["resolved"]["precision_used"] == "fp32"
+    weights = [load_file(str(d / "model.safetensors")) for d in (first, repeat)]
+    assert weights[0].keys() == weights[1].keys()
+    different = [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])]
+    assert not different, f"the repeat differs in {different[:5]}"

@@ -1,0 +1,184 @@
+"""Topology YAMLs, scripts/launch.py (elastic settings), and two "machines" on 127.0.0.1.
+
+The 2-process launch paths on one machine (accelerate launch, torchrun, torch.distributed.launch)
+are tested in test_equivalence.py, where their runs are also compared with one process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import yaml
+from accelerate.commands.config.config_args import load_config_from_file
+
+import conftest
+from conftest import CONFIGS, REPO, free_port
+
+ACCELERATE_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml") if p.name != "elastic.yaml")
+MACHINE_PAIRS = [("2node.yaml", "2node_rank1.yaml"),
+                 ("cpu_2node_rank0.yaml", "cpu_2node_rank1.yaml")]
+
+
+def load_launch_script():
+    spec = importlib.util.spec_from_file_location("accel_train_launch_script",
+                                                  REPO / "scripts" / "launch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+launch = load_launch_script()
+
+
+# -- the YAMLs --------------------------------------------------------------------------------
+
+def test_the_expected_topologies_are_there():
+    assert {"1gpu.yaml", "1node_multigpu.yaml", "2node.yaml", "2node_rank1.yaml",
+            "cpu_2proc.yaml", "cpu_2node_rank0.yaml", "cpu_2node_rank1.yaml"} <= \
+        set(ACCELERATE_CONFIGS)
+
+
+@pytest.mark.parametrize("name", ACCELERATE_CONFIGS)
+def test_each_config_loads_with_accelerates_own_loader(name):
+    config = load_config_from_file(str(CONFIGS / name))  # raises on unknown keys
+    text = (CONFIGS / name).read_text()
+    assert text.startswith("#"), "each file says what it is for"
+    assert config.num_processes >= 1 and config.num_processes % config.num_machines == 0
+    assert 0 <= config.machine_rank < config.num_machines
+    if config.num_machines > 1:
+        assert config.main_process_ip and config.main_process_port
+        # same_network: true would leave a c10d (elastic) rendezvous without an endpoint.
+        assert config.same_network is False
+    if config.num_processes > 1:
+        # MULTI_GPU picks the multi-process launcher; MULTI_CPU/--cpu would start one process.
+        assert str(config.distributed_type.value) == "MULTI_GPU"
+
+
+@pytest.mark.parametrize("rank0, rank1", MACHINE_PAIRS)
+def test_the_two_machine_files_differ_only_in_machine_rank(rank0, rank1):
+    first = yaml.safe_load((CONFIGS / rank0).read_text())
+    second = yaml.safe_load((CONFIGS / rank1).read_text())
+    assert (first.pop("machine_rank"), second.pop("machine_rank")) == (0, 1)
+    assert first == second
+
+
+# -- scripts/launch.py ------------------------------------------------------------------------
+
+def test_launch_script_turns_the_elastic_file_into_launcher_flags():
+    command = launch.build_command(str(CONFIGS / "2node.yaml"), str(CONFIGS / "elastic.yaml"),
+                                   ["--main_process_port", "29600"], ["--epochs", "3"])
+    text = " ".join(command)
+    assert text.startswith(f"{sys.executable} -m accelerate.commands.launch --config_file ")
+    assert "--max_restarts 3 --monitor_interval 5 --rdzv_backend c10d " \
+           "--rdzv_conf join_timeout=900" in text
+    assert "--same_network" not in command
+    assert text.endswith("--main_process_port 29600 -m accel_train --epochs 3")
+
+
+def test_launch_script_honours_the_yaml_keys_accelerate_ignores():
+    # cpu_2proc.yaml says rdzv_backend: static and same_network: true; no elastic file.
+    command = launch.build_command(str(CONFIGS / "cpu_2proc.yaml"), None, [], [])
+    assert command[command.index("--rdzv_backend") + 1] == "static"
+    assert "--same_network" in command and "--max_restarts" not in command
+
+
+@pytest.mark.parametrize("elastic, message", [
+    ("max_restart: 2\n", "unknown key(s) max_restart; use max_restarts"),
+    ("max_restarts: -1\n", "max_restarts must be a whole number >= 0"),
+    ("monitor_interval: soon\n", "monitor_interval must be seconds > 0"),
+    ("rdzv_backend: zookeeper\n", "rdzv_backend 'zookeeper' is not one of"),
+    ("- a list\n", "expected a mapping"),
+    (None, "no such file"),
+])
+def test_launch_script_bad_elastic_file_is_one_line_exit_2(tmp_path, capsys, elastic, message):
+    path = tmp_path / "elastic.yaml"
+    if elastic is not None:
+        path.write_text(elastic)
+    code = launch.main(["--config_file", str(CONFIGS / "cpu_2proc.yaml"), "--elastic", str(path),
+                        "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_launch_script_rejects_what_accelerate_would_reject(tmp_path, capsys):
+    bad = tmp_path / "acc.yaml"
+    bad.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\nmax_restarts: 3\n")
+    code = launch.main(["--config_file", str(bad), "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and "accelerate rejects it" in err and "max_restarts" in err
+    assert err.count("\n") == 1
+
+
+def test_launch_script_dry_run_prints_the_command(capsys):
+    code = launch.main(["--config_file", str(CONFIGS / "cpu_2node_rank1.yaml"), "--elastic",
+                        str(CONFIGS / "elastic.yaml"), "--dry-run", "--main_process_port",
+                        "29999", "--", "--epochs", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "--max_restarts 3" in out and "--main_process_port 29999" in out
+    assert out.strip().endswith("-m accel_train --epochs 2")
+
+
+# -- two machines -----------------------------------------------------------------------------
+
+TINY = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--max-eval-samples", "64",
+        "--model", "test_resnet", "--batch-size", "8", "--epochs", "1", "--max-steps", "4",
+        "--log-every", "1", "--progress", "log", "--no-plots"]
+
+
+@pytest.mark.slow
+def test_two_machines_on_loopback_with_per_machine_elastic_settings(tmp_path):
+    """Two `accelerate launch` invocations through scripts/launch.py, machine ranks 0 and 1, each
+    with its own YAML and its own elastic file; the elastic settings must reach the torchrun
+    agent (its INFO log) and the workers (TORCHELASTIC_MAX_RESTARTS, recorded in config.yaml)."""
+    port, out = free_port(), tmp_path / "run"
+    env = conftest.test_env(LOGLEVEL="INFO")  # the torchrun agent logs its launch settings
+    procs = []
+    for rank in (0, 1):
+        elastic = tmp_path / f"elastic_rank{rank}.yaml"
+        # c10d: the backend accelerate's YAML cannot select.  Both "machines" are 127.0.0.1, so
+        # say which one hosts the rendezvous store (on real machines c10d works it out).
+        elastic.write_text(yaml.safe_dump({
+            "max_restarts": 2, "monitor_interval": 0.5, "rdzv_backend": "c10d",
+            "rdzv_conf": {"join_timeout": 300, "is_host": rank == 0}}))
+        command = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config_file",
+                   str(CONFIGS / f"cpu_2node_rank{rank}.yaml"), "--elastic", str(elastic),
+                   "--main_process_port", str(port), "--", *TINY, "--output-dir", str(out)]
+        procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=420)
+            results.append((proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    for rank, (code, stdout, stderr) in enumerate(results):
+        assert code == 0, f"machine {rank} exited {code}\n{stdout[-3000:]}\n{stderr[-5000:]}"
+        for setting in ("rdzv_backend             : c10d", "max_restarts             : 2",
+                        "monitor_interval         : 0.5", "'join_timeout': '300'"):
+            assert setting in stderr, f"machine {rank}: the agent did not get {setting!r}"
+        # accelerator.print: once per machine, from its local main process.
+        assert stdout.count("accel_train: test_resnet") == 1
+        assert stdout.count("x 2 process(es), gloo") == 1
+
+    resolved = yaml.safe_load((out / "config.yaml").read_text())["resolved"]
+    launcher = resolved["launcher"]
+    assert resolved["world_size"] == 2 and launcher["process_group_world_size"] == 2
+    assert launcher["num_machines"] == 2 and launcher["processes_per_machine"] == 1
+    assert launcher["torchelastic"]["max_restarts"] == 2  # what the worker saw
+    for rank in (0, 1):
+        log = (out / "logs" / f"rank{rank}.log").read_text()
+        assert f"process rank {rank} of 2 (local rank 0 of 1)" in log
+    # Progress comes from the global main process only: on exactly one of the two machines.
+    with_progress = [stdout.count("step 4/4 ") for _, stdout, _ in results]
+    assert sorted(with_progress) == [0, 1]
+    assert (out / "model.safetensors").exists()

@@ -1,0 +1,112 @@
+"""What a run records and tells the user: TensorBoard files through accelerate's tracking API
+(read back with TensorBoard's own reader), metrics.jsonl beside them, the PNG curves drawn at
+the end, and the start-up summary and progress lines.  One tiny run, in-process, for the module."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+from pathlib import Path
+
+import pytest
+from accelerate.state import AcceleratorState
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from accel_train.cli import main
+from accel_train.track import read_metrics
+from conftest import TINY_TRAIN
+
+MAX_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory) -> tuple[Path, str]:
+    """(run directory, everything the run printed)."""
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                     "ACCELERATE_MIXED_PRECISION")
+    assert not any(v in os.environ for v in launcher_vars), "run pytest outside a launcher"
+    out = tmp_path_factory.mktemp("tracking") / "run"
+    printed = io.StringIO()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        with contextlib.redirect_stdout(printed):
+            code = main([*TINY_TRAIN, "--plots", "--report-to", "tensorboard", "--log-every", "2",
+                         "--max-steps", str(MAX_STEPS), "--output-dir", str(out)])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert code == 0, printed.getvalue()
+    return out, printed.getvalue()
+
+
+def test_tensorboard_files_hold_the_logged_scalars(tracked_run):
+    out, _ = tracked_run
+    records = read_metrics(out / "metrics.jsonl")  # always written, trackers or not
+    train = [r for r in records if r["type"] == "train"]
+    epoch = [r for r in records if r["type"] == "epoch"][-1]
+    assert [r["step"] for r in train] == list(range(2, MAX_STEPS + 1, 2))
+
+    events = EventAccumulator(str(out / "trackers" / "accel_train"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/top1", "train/lr", "train/img_per_s", "eval/loss", "eval/top1",
+            "eval/top5"} <= tags
+    for tag, key in (("train/loss", "loss"), ("train/lr", "lr"), ("train/top1", "top1")):
+        logged = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in logged] == [r["step"] for r in train], tag
+        assert [v for _, v in logged] == pytest.approx([r[key] for r in train], rel=1e-5), tag
+    (top1,) = events.Scalars("eval/top1")
+    assert top1.step == MAX_STEPS and top1.value == pytest.approx(epoch["eval_top1"], rel=1e-5)
+
+
+def test_metrics_carry_a_running_train_accuracy(tracked_run):
+    out, _ = tracked_run
+    train = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "train"]
+    # 2 steps x 16 images per logged window: the accuracy is a whole number of 32nds
+    assert all(0 <= r["top1"] <= 1 and (r["top1"] * 32) == pytest.approx(round(r["top1"] * 32),
+                                                                        abs=0.01) for r in train)
+
+
+def test_plots_are_drawn_at_the_end_of_training(tracked_run):
+    out, printed = tracked_run
+    pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert pngs == ["accuracy.png", "loss_lr.png", "throughput.png"]
+    for name in pngs:
+        with Image.open(out / "plots" / name) as image:
+            assert image.format == "PNG" and image.size == (800, 600)
+    assert f"plots: {out / 'plots' / 'loss_lr.png'}" in printed
+
+
+def test_start_up_summary_progress_and_closing_lines(tracked_run):
+    out, printed = tracked_run
+    lines = printed.splitlines()
+    assert lines[0].startswith("accel_train: test_resnet (") and "trainable parameters) on " \
+        "synthetic shapes" in lines[0]
+    summary = "\n".join(lines[:6])
+    for fact in ("device cpu x 1 process(es)", "precision fp32",
+                 "data: 256 train / 64 held-out images, 10 classes, 32px",
+                 "global batch 16 = 16 per process", f"16 steps/epoch, {MAX_STEPS} steps in all",
+                 f"output: {out} (checkpoints in {out / 'checkpoints'})",
+                 "records: metrics.jsonl, tensorboard (files in trackers/), PNG curves"):
+        assert fact in summary, fact
+    progress = [line for line in lines if line.startswith("step ")]
+    assert progress[0].startswith(f"step 2/{MAX_STEPS} epoch 1 loss ") and " train-top1 " in \
+        progress[0] and " eta " in progress[0]
+    assert lines[-1].startswith("best held-out top-1 ") and f"accel-train eval {out}" in lines[-1]
+
+
+@pytest.mark.parametrize("tracker, message", [
+    ("nosuch", "--report-to nosuch: not a tracker accelerate knows; choose from aim,"),
+    ("wandb", "--report-to wandb: its package is not installed; pip install wandb"),
+])
+def test_an_unusable_tracker_is_one_line_before_anything_is_written(tmp_path, capsys, tracker,
+                                                                    message):
+    if tracker == "wandb" and importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    out = tmp_path / "run"
+    assert main([*TINY_TRAIN, "--report-to", tracker, "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("accel_train: error: " + message)
+    assert not out.exists()

@@ -316,3 +316,23 @@ def check_fresh_checkpoint_dir(root: Path) -> None:
     if list_checkpoints(root):
         raise UsageError(f"--checkpoint {root} already holds checkpoints of another run; pass "
                          f"--resume auto to continue it, or choose another --checkpoint folder")
+
+
+# -- which elastic job a run directory belongs to ------------------------------------------------
+JOB_ID_FILE = "elastic_run_id"  # the rendezvous id (--rdzv-id) of the job that started the run
+
+
+def record_elastic_job(output_dir: Path, run_id: str) -> None:
+    """Main process, once the run has started: remember which torchelastic job owns it."""
+    if run_id not in ("", "none") and not (Path(output_dir) / JOB_ID_FILE).exists():
+        (Path(output_dir) / JOB_ID_FILE).write_text(run_id + "\n")
+
+
+def started_by_elastic_job(output_dir: Optional[str], run_id: str) -> bool:
+    """True when `output_dir` holds a run started by the torchelastic job `run_id`: a new round
+    of that job (after a membership change the agents restart workers without counting a
+    restart, and a machine that joins later counts from 0) must continue it, not refuse it."""
+    if not output_dir or run_id in ("", "none"):
+        return False
+    marker = Path(output_dir) / JOB_ID_FILE
+    return marker.is_file() and marker.read_text().strip() == run_id

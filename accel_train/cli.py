@@ -151,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = _subcommands()
     if argv and argv[0] in commands:
         name, rest = argv[0], argv[1:]
+    elif argv and not argv[0].startswith("-"):  # train takes no positional argument
+        print(f"accel_train: error: unknown subcommand {argv[0]!r}; choose from "
+              f"{', '.join(commands)} (see --help)", file=sys.stderr)
+        return 2
     else:  # `python -m accel_train --epochs 3` means train, as the seed scripts did
         name, rest = "train", argv
     if argv[:1] in (["-h"], ["--help"]) and len(commands) > 1:

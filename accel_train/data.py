@@ -66,10 +66,14 @@ class TrainImages(Dataset):
 
     @single_threaded
     def __getitems__(self, keys: list[int]):
-        if not isinstance(self.source, ArraySource):
-            return [self[key] for key in keys]
         keys = torch.as_tensor(keys, dtype=torch.long)
         epochs, indices = keys // len(self.source), keys % len(self.source)
+        if not isinstance(self.source, ArraySource):  # decoded now, one image at a time
+            images = self.source.images_at(indices.tolist())
+            return SampleBatch(torch.stack([
+                self.transform(image, (self.seed, int(epoch), int(index)))
+                for image, epoch, index in zip(images, epochs, indices)]),
+                self.source.labels[indices])
         images = self.transform.batch(self.source.images.index_select(0, indices), self.seed, epochs.numpy(),
                                       indices.numpy())
         return SampleBatch(images, self.source.labels[indices])
@@ -87,9 +91,11 @@ class EvalImages(Dataset):
 
     @single_threaded
     def __getitems__(self, indices: list[int]):
-        if not isinstance(self.source, ArraySource):
-            return [self[index] for index in indices]
         indices = torch.as_tensor(indices, dtype=torch.long)
+        if not isinstance(self.source, ArraySource):
+            images = self.source.images_at(indices.tolist())
+            return SampleBatch(torch.stack([self.transform(image) for image in images]),
+                               self.source.labels[indices])
         return SampleBatch(self.transform.batch(self.source.images.index_select(0, indices)),
                            self.source.labels[indices])
 

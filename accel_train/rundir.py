@@ -76,7 +76,11 @@ def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict) -> P
     """config.yaml on the first start; a resumed start records itself beside it instead of
     rewriting what the original run was."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    record = {"train": config.to_dict(), "resolved": resolved, "versions": package_versions(),
+    options = config.to_dict()
+    for name in ("data_dir", "pretrained"):  # inputs absolute: `eval` may run from elsewhere
+        if options[name] and options[name] != "hub":
+            options[name] = str(Path(options[name]).resolve())
+    record = {"train": options, "resolved": resolved, "versions": package_versions(),
               "git_revision": git_revision(), "command": sys.argv}
     path = output_dir / "config.yaml"
     if path.exists():

@@ -40,6 +40,9 @@ class ImageSource:
     def image(self, index: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def images_at(self, indices) -> list[torch.Tensor]:
+        return [self.image(int(index)) for index in indices]
+
 
 class ArraySource(ImageSource):
     """All images decoded in memory: uint8 [N, 3, H, W]."""
@@ -135,10 +138,18 @@ class HFSource(ImageSource):
         self.image_column = image_column
         self.labels = labels
         self.split = split
+        # Rows of the image column as Arrow: fetching a batch of rows at once is far cheaper
+        # than one Python dict per row (0.3 ms a row here, more than decoding a CIFAR image).
+        self.column = self.dataset.select_columns([image_column]).with_format("arrow")
 
     def image(self, index: int) -> torch.Tensor:
-        value = self.dataset[int(index)][self.image_column]
-        return decode_image(value, f"image {index} of split '{self.split}'")
+        return self.images_at([index])[0]
+
+    def images_at(self, indices) -> list[torch.Tensor]:
+        """The images at these indices (in that order), decoded; one Arrow read for all."""
+        indices = [int(i) for i in indices]
+        values = self.column[indices].column(0).to_pylist()
+        return decode_values(values, lambda i: f"image {indices[i]} of split '{self.split}'")
 
     def materialize(self, limit_bytes: float) -> Optional[ArraySource]:
         """Decode every image once into memory, or None if sizes differ or it would not fit."""

@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 
 from . import distributed
 from .checkpoint import (Checkpointer, TrainerState, accumulation_for, check_fresh_checkpoint_dir,
-                         read_state, resolve_resume, set_aside_newer)
+                         read_state, record_elastic_job, resolve_resume, set_aside_newer,
+                         started_by_elastic_job)
 from .config import TrainConfig
 from .data import (EpochSampler, EvalImages, TrainImages, dataset_mean_std, default_num_workers,
                    make_loader)
@@ -70,10 +71,43 @@ def _agree(compute):
     return value
 
 
-def _print_on_main(accelerator: Optional[Accelerator], text: str):
-    """accelerator.print, also before the Accelerator is built (the resume decision)."""
+def main_first(compute):
+    """Run `compute` on rank 0 first, then on the other ranks (datasets builds its Arrow cache
+    once).  Unlike `accelerator.main_process_first`, a UsageError on rank 0 reaches every rank
+    at once, instead of leaving them at a barrier until the 30-minute collective timeout."""
+    result = {}
+
+    def on_main():
+        result["value"] = compute()
+
+    _agree(on_main)
+    return result["value"] if "value" in result else compute()
+
+
+def _resume_policy(config: TrainConfig, env: distributed.LauncherEnv) -> Optional[str]:
+    """--resume as given; else 'auto' in a new round of a torchelastic job that already trained
+    here: a worker its agent restarted (TORCHELASTIC_RESTART_COUNT > 0), or any worker of the
+    job that started this output directory (see checkpoint.started_by_elastic_job).  Decided by
+    all ranks together: restart counts are per machine, and ranks that disagreed about resuming
+    would deadlock in their first collective."""
+    if config.resume is not None:
+        return config.resume
+    continues = env.restart_count > 0 or started_by_elastic_job(config.output_dir, env.run_id)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        votes: list = [None] * dist.get_world_size()
+        dist.all_gather_object(votes, continues)
+        continues = any(votes)
+    return "auto" if continues else None
+
+
+def print_on_main(accelerator: Optional[Accelerator], text: str):
+    """Print on the global main process only, also before the Accelerator is built (the resume
+    decision).  Not `accelerator.print`: that prints once per *machine* (local main process),
+    so a 2-machine run, or the manual --rank start where every process is local rank 0, would
+    print everything twice."""
     if accelerator is not None:
-        accelerator.print(text, flush=True)
+        if accelerator.is_main_process:
+            print(text, flush=True)
     elif not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         print(text, flush=True)
 
@@ -88,9 +122,7 @@ class Trainer:
         cuda = torch.cuda.is_available()
         self.precision, precision_warning = resolve_precision(config.mixed_precision, cuda)
 
-        resume = config.resume
-        if resume is None and distributed.is_elastic_restart():
-            resume = "auto"  # a restarted worker continues from the newest checkpoint
+        resume = _resume_policy(config, env)
         self.output_dir = Path(_agree(lambda: prepare_output_dir(config, resume, env)))
         self.checkpoint_dir = Path(config.checkpoint) if config.checkpoint else \
             self.output_dir / "checkpoints"
@@ -121,8 +153,7 @@ class Trainer:
                                          self.warn)
         acc.register_save_state_pre_hook(self._save_spec_into_checkpoint)
 
-        with acc.main_process_first():  # datasets caches Arrow files: build them once
-            self.data = load_data(config)
+        self.data = main_first(lambda: load_data(config))
         self._build_model()
         self._build_loaders()
         self._build_optimization()
@@ -142,6 +173,7 @@ class Trainer:
             self._maybe_resume(resume_from)
         if acc.is_main_process:
             write_run_config(self.output_dir, config, self._resolved_facts())
+            record_elastic_job(self.output_dir, env.run_id)
         if config.report_to:
             acc.init_trackers("accel_train", config={k: v for k, v in config.to_dict().items()
                                                      if isinstance(v, (int, float, str, bool))})
@@ -276,14 +308,14 @@ class Trainer:
     def print(self, text: str):
         if self.logger is not None:
             self.logger.info(text)
-        _print_on_main(self.accelerator, text)
+        print_on_main(self.accelerator, text)
 
     def warn(self, text: str):
         if self.logger is not None:
             self.logger.warning(text)
         else:
             self._unlogged.append(text)
-        _print_on_main(self.accelerator, f"warning: {text}")
+        print_on_main(self.accelerator, f"warning: {text}")
 
     def _resolved_facts(self) -> dict:
         acc = self.accelerator
@@ -313,7 +345,8 @@ class Trainer:
             f"{'decoded in memory' if facts['data_in_memory'] else 'decoded per step'}, "
             f"{self.num_workers} loader worker(s)\n"
             f"  global batch {self.global_batch} = {self.config.batch_size} per process x "
-            f"{acc.num_processes} x {self.config.accumulation_steps} accumulation; "
+            f"{acc.num_processes} process(es) x {acc.gradient_accumulation_steps} accumulation "
+            f"step(s); "
             f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps in all\n"
             f"  output: {self.output_dir} (checkpoints in {self.checkpoint_dir})\n"
             f"  records: {self._records_text()}")
@@ -440,8 +473,16 @@ class Trainer:
         once (see evaluate.py; `accel-train eval` computes the same numbers the same way)."""
         loader = self.eval_loader if loader is None else loader
         # The bare module: no DDP buffer broadcast, so no collective inside forward.
-        return evaluate_classifier(self.accelerator, self.accelerator.unwrap_model(self.model),
-                                   loader, self.spec.num_classes, self.config.channels_last)
+        model = self.accelerator.unwrap_model(self.model)
+        if self.accelerator.num_processes > 1:
+            # DDP hands rank 0's buffers (BatchNorm running statistics) to the other ranks only
+            # at the next training forward; until then each rank holds the statistics of its
+            # own last batch.  Every shard is evaluated with rank 0's, the ones the checkpoint
+            # and model.safetensors keep (and the ones training continues with anyway).
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+        return evaluate_classifier(self.accelerator, model, loader, self.spec.num_classes,
+                                   self.config.channels_last)
 
     # -- logging, checkpoints, signals --------------------------------------------------------
     def _log_window(self, window: "_Window"):

@@ -190,6 +190,7 @@ def test_bad_input_is_one_line_with_the_fix(run_dir, tmp_path, capsys):
         (["eval", str(run_dir), "--data-dir", str(tmp_path / "other"), "--split", "all"],
          "class(es) dog are not among the model's 10 classes"),
         (["plot", str(tmp_path)], "no metrics.jsonl there"),
+        (["evl", str(run_dir)], "unknown subcommand 'evl'; choose from train, eval, predict,"),
         (["eval", str(run_dir), "--max-samples", "0"], "expected a whole number >= 1 or 'all'"),
     ]
     for argv, message in cases:
@@ -202,19 +203,29 @@ def test_bad_input_is_one_line_with_the_fix(run_dir, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def torchrun(*args: str):
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                "-m", "accel_train", *args], env=conftest.test_env(), check=True)
+
+
 @pytest.mark.slow
-def test_eval_on_two_processes_counts_each_image_once(run_dir, capsys):
-    """61 images on 2 ranks with batch 8: the sampler pads the last batch; gather_for_metrics
-    must drop the padding, so both the count and the numbers equal the one-process eval."""
-    args = ["eval", str(run_dir), "--max-samples", "61", "--batch-size", "8", "--json"]
-    single = eval_json(capsys, *args[1:-1])
-    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                  "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                  "-m", "accel_train", *args], env=conftest.test_env(), check=True)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+def test_two_process_run_and_eval_agree_with_one_process_eval(tmp_path, capsys):
+    """A run trained on 2 processes, evaluated on 2 and on 1: three views of one model.
+    61 images in batches of 8 on 2 ranks: the sampler pads the last batch and gather_for_metrics
+    must drop the padding.  The training-time eval must use rank 0's BatchNorm statistics (the
+    saved ones), not each rank its own."""
+    out = tmp_path / "ddp"
+    torchrun(*TINY_TRAIN, "--max-steps", "4", "--max-eval-samples", "61", "--batch-size", "8",
+             "--output-dir", str(out))
+    logged = last_epoch(out)
+    printed = torchrun("eval", str(out), "--json").stdout
+    lines = [line for line in printed.splitlines() if line.startswith("{")]
     assert len(lines) == 1  # printed by the main process only
-    double = json.loads(lines[0])
-    assert double["processes"] == 2 and double["count"] == single["count"] == 61
-    assert double["top1"] == pytest.approx(single["top1"])
-    assert double["loss"] == pytest.approx(single["loss"], rel=1e-5)
+    double, single = json.loads(lines[0]), eval_json(capsys, str(out))
+    assert double["processes"] == 2 and single["processes"] == 1
+    assert double["count"] == single["count"] == logged["eval_count"] == 61
+    for key in ("loss", "top1", "top5"):
+        assert double[key] == pytest.approx(single[key], rel=1e-5), key
+        assert single[key] == pytest.approx(logged[f"eval_{key}"], rel=1e-5), key
     assert double["per_class"] == single["per_class"]

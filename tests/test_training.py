@@ -47,7 +47,7 @@ def test_training_in_a_subprocess_improves_accuracy(tmp_path):
     steps = [m for m in read_metrics(out / "metrics.jsonl") if m["type"] == "train"]
     assert steps and all(m["img_per_s"] > 0 and 0 <= m["data_wait"] <= 1 for m in steps)
     assert "Epoch 1 Time" in result.stdout and "Training took" in result.stdout
-    assert "global batch 32 = 32 per process x 1 x 1 accumulation" in result.stdout
+    assert "global batch 32 = 32 per process x 1 process(es) x 1 accumulation step(s)" in result.stdout
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert resolved["train"]["epochs"] == 2 and resolved["resolved"]["precision_used"] == "fp32"
     assert resolved["versions"]["torch"] == torch.__version__.split("+")[0] or \

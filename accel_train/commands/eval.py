@@ -143,7 +143,7 @@ def main(argv: Sequence[str]) -> int:
     from ..data import default_num_workers, make_loader
     from ..evaluate import evaluate_classifier
     from ..sources import load_data
-    from ..trainer import resolve_precision
+    from ..trainer import main_first, print_on_main, resolve_precision
     from ..transforms import ImageTransform
     from .artifacts import find_trained_model, load_model, read_run_config
 
@@ -161,9 +161,8 @@ def main(argv: Sequence[str]) -> int:
         precision, warning = resolve_precision(args.mixed_precision, cuda)
         acc = Accelerator(cpu=not cuda, mixed_precision=precision)
         if warning:
-            acc.print(f"warning: {warning}")
-        with acc.main_process_first():  # datasets caches Arrow files: build them once
-            data = load_data(config)
+            print_on_main(acc, f"warning: {warning}")
+        data = main_first(lambda: load_data(config))
         for source in (data.train, data.eval):
             align_labels(source, data.class_names, trained.spec.class_names, data.description)
         spec = trained.spec
@@ -175,8 +174,8 @@ def main(argv: Sequence[str]) -> int:
                                          acc.device.type == "cuda"))
         model = load_model(trained).to(acc.device)  # not DDP-wrapped: inference only
         results = evaluate_classifier(acc, model, loader, spec.num_classes)
-        acc.print(_report(results, trained, data, args.split, acc.num_processes, acc.device,
-                          args.json))
+        print_on_main(acc, _report(results, trained, data, args.split, acc.num_processes,
+                                   acc.device, args.json))
     finally:
         distributed.teardown()
     return 0

@@ -1,0 +1,182 @@
+"""Checkpoints: save and load time against model size, as a ratio to plain sequential write and
+read bandwidth of the same disk, and the training time lost per checkpoint.
+
+For each model, a real Trainer (embedded synthetic data, a couple of SGD steps so that the
+momentum buffers exist) saves checkpoints through its own `save_checkpoint` (Accelerate's
+save_state with safetensors, then our manifest: SHA-256 of every file and fsync, then an atomic
+rename) and loads them as a resume does (`verify`: re-hash against the manifest, then
+`Checkpointer.load`).  Loads are timed from a cold page cache (the checkpoint's files are
+evicted with posix_fadvise(DONTNEED) first, which touches nothing else on the machine).
+
+The anchor is plain sequential I/O of the same number of bytes in the same folder: one file
+written in 8 MiB chunks and fsynced, then read back cold.  Ratio = plain time / checkpoint time
+(1.0: the checkpoint goes as fast as the disk allows).
+
+Training time lost: the loop waits for the save (it is synchronous), so a checkpoint costs its
+save time; the table gives it in training steps of that model (batch 64 on 32 px images, the
+same process) and as a share of an epoch of CIFAR-10 (781 steps) with one checkpoint per epoch.
+
+    python scripts/bench_checkpoint.py --quick
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+CHUNK = 8 * 2**20
+CIFAR_STEPS_PER_EPOCH = 50_000 // 64
+
+
+def evict(paths) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file()]
+
+
+def plain_io(folder: Path, size: int) -> tuple[float, float]:
+    """Seconds to write `size` bytes sequentially (+ fsync) and to read them back cold."""
+    path = folder / "plain.bin"
+    block = os.urandom(CHUNK)
+    started = time.perf_counter()
+    with open(path, "wb") as handle:
+        left = size
+        while left > 0:
+            handle.write(block[:min(left, CHUNK)])
+            left -= CHUNK
+        handle.flush()
+        os.fsync(handle.fileno())
+    write = time.perf_counter() - started
+    evict([path])
+    started = time.perf_counter()
+    with open(path, "rb") as handle:
+        while handle.read(CHUNK):
+            pass
+    read = time.perf_counter() - started
+    path.unlink()
+    return write, read
+
+
+def make_trainer(model: str, out: Path):
+    from accel_train import distributed
+    from accel_train.config import TrainConfig
+    from accel_train.trainer import Trainer
+    from accel_train.track import Progress
+    config = TrainConfig(dataset="synthetic", synthetic_train_size=128, max_eval_samples=64,
+                         model=model, batch_size=64, epochs=1000, progress="log", plots=False,
+                         output_dir=str(out), keep_checkpoints=2, log_every=1000)
+    trainer = Trainer(config, distributed.setup(config))
+    trainer.progress = Progress(False, "log", trainer.total_steps, 0)
+    return trainer
+
+
+def one_epoch(trainer) -> float:
+    started = time.perf_counter()
+    trainer.train_epoch()
+    seconds = time.perf_counter() - started
+    trainer.state.epoch += 1
+    trainer.state.samples_in_epoch = 0
+    return seconds / trainer.steps_per_epoch
+
+
+def measure(model: str, args, work: Path) -> dict:
+    from accel_train.checkpoint import _sha256, verify
+    trainer = make_trainer(model, work / model)
+    one_epoch(trainer)  # momentum buffers now exist: the checkpoint is full size
+    step_seconds = benchlib.median([one_epoch(trainer) for _ in range(args.step_repeats)])
+    saves, hashes, loads, verifies, paths = [], [], [], [], []
+    for _ in range(args.repeats):
+        trainer.state.step += 1  # a new checkpoint name each time, as in training
+        started = time.perf_counter()
+        path = trainer.save_checkpoint()
+        saves.append(time.perf_counter() - started)
+        paths.append(path)
+        files = files_under(path)
+        started = time.perf_counter()
+        for file in files:  # what the manifest costs (warm cache: the bytes were just written)
+            _sha256(file)
+        hashes.append(time.perf_counter() - started)
+        evict(files)
+        started = time.perf_counter()
+        problem = verify(path)
+        verifies.append(time.perf_counter() - started)
+        assert problem is None, problem
+        evict(files)
+        started = time.perf_counter()
+        trainer.checkpointer.load(path)
+        loads.append(time.perf_counter() - started)
+    size = sum(f.stat().st_size for f in files_under(paths[-1]))
+    weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    plain = [plain_io(work, size) for _ in range(args.repeats)]
+    trainer.close()
+    return {"model": model, "bytes": size, "weight_bytes": weights,
+            "save_s": benchlib.median(saves), "hash_s": benchlib.median(hashes),
+            "verify_s": benchlib.median(verifies), "load_s": benchlib.median(loads),
+            "plain_write_s": benchlib.median([w for w, _ in plain]),
+            "plain_read_s": benchlib.median([r for _, r in plain]), "step_s": step_seconds}
+
+
+def main() -> int:
+    parser = benchlib.make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--step-repeats", type=int, default=None)
+    parser.add_argument("--tmp", default=None, help="folder on the disk to measure "
+                        "(default: bench_out/, the repository's disk)")
+    args = parser.parse_args()
+    args.models = args.models or (["test_resnet", "resnet18"] if args.quick
+                                  else ["test_resnet", "resnet18", "resnet50", "wide_resnet50_2"])
+    args.repeats = args.repeats or (2 if args.quick else 3)
+    args.step_repeats = args.step_repeats or (1 if args.quick else 3)
+    base = Path(args.tmp or args.out)
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=base))
+    report = benchlib.Report("checkpoint", "Checkpoints: save/load vs plain disk I/O", args)
+    results = [measure(model, args, work) for model in args.models]
+    mb = 2**20
+    rows = []
+    for r in results:
+        rows.append([r["model"], r["bytes"] / mb, r["save_s"], r["hash_s"],
+                     r["plain_write_s"] / r["save_s"], r["verify_s"], r["load_s"],
+                     r["plain_read_s"] / r["load_s"], r["bytes"] / mb / r["plain_write_s"],
+                     r["bytes"] / mb / r["plain_read_s"]])
+    report.table(f"Save and load (median of {args.repeats}; disk of {work})",
+                 ["model", "checkpoint MB", "save s", "of which hashing s",
+                  "save ratio (plain write / save)", "verify s (cold)", "load s (cold)",
+                  "load ratio (plain read / load)", "plain write MB/s", "plain read MB/s"], rows,
+                 notes=["checkpoint = weights + SGD momentum + scheduler + RNG + manifest; a "
+                        "resume runs verify (re-hash) then load",
+                        "hashing: SHA-256 of the files for the manifest, read back from the page "
+                        "cache"])
+    rows = []
+    for r in results:
+        rows.append([r["model"], r["save_s"], r["step_s"] * 1000, r["save_s"] / r["step_s"],
+                     f"{r['save_s'] / (r['save_s'] + r['step_s'] * CIFAR_STEPS_PER_EPOCH):.2%}"])
+    report.table("Training time lost per checkpoint",
+                 ["model", "lost per checkpoint s", "train step ms (batch 64, 32 px)",
+                  "= training steps", "share of a CIFAR-10 epoch (1 checkpoint/epoch)"], rows,
+                 notes=["the loop waits for the save: time lost = save time"])
+    report.data["result"] = results
+    print(f"wrote {report.save()}")
+    import shutil
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

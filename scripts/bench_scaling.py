@@ -1,0 +1,187 @@
+"""Scaling: 1 process against 2 processes (DDP over gloo) on the same global batch, with and
+without gradient accumulation; accel_train under the real launcher (`accelerate launch` with
+accelerate_configs/cpu_2proc.yaml) against the seed tutorial's hand-written DDP script
+(DistributedSampler + DDP + plain loop, under torchrun) on identical settings; and the DDP knobs.
+
+Identical settings for both: the same timm model and seed, CIFAR-10 decoded once into memory
+(the first --max-train images), no augmentation (accel_train --no-augment; the script has none),
+SGD with Nesterov momentum 0.9 and weight decay 5e-4, label smoothing 0.1, the same global batch
+(--global-batch = per-process batch x processes x accumulation steps), --steps optimizer steps,
+well inside the first epoch (no evaluation or checkpoint inside the measured windows).  Threads:
+OMP_NUM_THREADS = cores / processes for every arm.
+
+Throughput is measured the same way in both programs: images per second over windows of
+--log-every optimizer steps (accel_train's metrics.jsonl; the script prints the same), the
+first window dropped, the median of the rest.  The accel_train / hand-written pairs run in
+alternating order over --rounds rounds and each round gives a ratio.
+
+    python scripts/bench_scaling.py --quick
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+SEED_SCRIPT = benchlib.ANCHORS / "seed_tutorial.py"
+
+
+class Arm:
+    def __init__(self, name: str, program: str, procs: int, accum: int = 1,
+                 flags: tuple[str, ...] = (), hand_flags: tuple[str, ...] = ()):
+        self.name, self.program, self.procs, self.accum = name, program, procs, accum
+        self.flags, self.hand_flags = flags, hand_flags
+
+
+def arms_for(args) -> list[Arm]:
+    arms = [Arm("accel_train, 1 process", "accel_train", 1),
+            Arm("accel_train, 2 processes", "accel_train", 2),
+            Arm("hand-written DDP, 2 processes", "hand", 2),
+            Arm("accel_train, 2 processes, accumulation 2", "accel_train", 2, accum=2),
+            Arm("hand-written DDP, 2 processes, accumulation 2", "hand", 2, accum=2)]
+    if not args.quick:
+        arms[1:1] = [Arm("hand-written, 1 process", "hand", 1)]
+        arms.append(Arm("accel_train, 1 process, accumulation 2", "accel_train", 1, accum=2))
+    return arms
+
+
+def knob_arms(args) -> list[Arm]:
+    knobs = [Arm("2 processes, --ddp-bucket-mb 1", "accel_train", 2, flags=("--ddp-bucket-mb", "1")),
+             Arm("2 processes, --ddp-bucket-mb 100", "accel_train", 2,
+                 flags=("--ddp-bucket-mb", "100")),
+             Arm("2 processes, --ddp-grad-as-bucket-view", "accel_train", 2,
+                 flags=("--ddp-grad-as-bucket-view",)),
+             Arm("2 processes, --ddp-static-graph", "accel_train", 2,
+                 flags=("--ddp-static-graph",)),
+             Arm("2 processes, --channels-last", "accel_train", 2, flags=("--channels-last",))]
+    if args.compile:
+        knobs.append(Arm("2 processes, --compile", "accel_train", 2, flags=("--compile",)))
+    return knobs
+
+
+def run_arm(arm: Arm, args, work: Path) -> dict:
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // arm.procs)
+    env = benchlib.child_env(threads=threads)
+    per_process = args.global_batch // (arm.procs * arm.accum)
+    port = benchlib.free_port()
+    out = Path(tempfile.mkdtemp(prefix="run-", dir=work))
+    if arm.program == "accel_train":
+        launcher = benchlib.accelerate_launch(arm.procs, port) if arm.procs > 1 else [sys.executable]
+        cmd = [*launcher, "-m", "accel_train", "--data-dir", args.data_dir, "--output-dir",
+               str(out / "run"), "--model", args.model, "--batch-size", str(per_process),
+               "--accumulation-steps", str(arm.accum), "--max-train-samples", str(args.max_train),
+               "--max-eval-samples", "128", "--max-steps", str(args.steps), "--log-every",
+               str(args.log_every), "--no-augment", "--progress", "log", "--no-plots",
+               *arm.flags]
+        benchlib.run(cmd, env=env)
+        windows = benchlib.steady_windows(benchlib.read_jsonl(out / "run" / "metrics.jsonl"))
+        rates = [w["img_per_s"] for w in windows]
+    else:
+        launcher = benchlib.torchrun(arm.procs, port) if arm.procs > 1 else [sys.executable]
+        mode = "ddp" if arm.procs > 1 else "standalone"
+        cmd = [*launcher, str(SEED_SCRIPT), "--mode", mode, "--data-dir", args.data_dir,
+               "--data", "memory", "--model", args.model, "--batch-size", str(per_process),
+               "--accumulation-steps", str(arm.accum), "--max-train-samples", str(args.max_train),
+               "--epochs", "1", "--max-steps", str(args.steps), "--log-every", str(args.log_every),
+               "--optimizer", "sgd", "--lr", "0.05", "--label-smoothing", "0.1", *arm.hand_flags]
+        result = benchlib.last_json_line(benchlib.run(cmd, env=env).stdout)
+        rates = result["img_per_s_windows"][1:] or result["img_per_s_windows"]
+    return {"img_per_s": benchlib.median(rates), "windows": rates, "threads": threads,
+            "per_process_batch": per_process}
+
+
+def main() -> int:
+    parser = benchlib.make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--log-every", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--max-train", type=int, default=8192)
+    parser.add_argument("--knobs", action=argparse_bool(), default=None,
+                        help="also measure the DDP knobs (default: on unless --quick)")
+    parser.add_argument("--compile", action="store_true", help="also --compile (slow to start)")
+    parser.add_argument("--tmp", default=tempfile.gettempdir())
+    args = parser.parse_args()
+    benchlib.check_cifar(args.data_dir)
+    args.steps = args.steps or (18 if args.quick else 60)
+    args.log_every = args.log_every or (6 if args.quick else 10)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.knobs = (not args.quick) if args.knobs is None else args.knobs
+    if args.steps * args.global_batch > args.max_train:
+        parser.error("--steps x --global-batch must fit in --max-train (one epoch)")
+    report = benchlib.Report("scaling", "Scaling: 1 vs 2 processes, accel_train vs the seed's "
+                             "hand-written DDP, DDP knobs", args)
+    work = Path(tempfile.mkdtemp(prefix="bench-scaling-", dir=args.tmp))
+
+    arms = arms_for(args)
+    results: dict[str, list[dict]] = {arm.name: [] for arm in arms}
+    for order in benchlib.round_orders([a.name for a in arms], args.rounds):
+        for name in order:
+            arm = next(a for a in arms if a.name == name)
+            results[name].append(run_arm(arm, args, work))
+    rate = {name: benchlib.median([r["img_per_s"] for r in runs]) for name, runs in results.items()}
+    base = rate["accel_train, 1 process"]
+
+    def pair_ratios(ours: str, theirs: str) -> list[float]:
+        return [a["img_per_s"] / h["img_per_s"] for a, h in zip(results[ours], results[theirs])]
+
+    rows = []
+    for arm in arms:
+        first = results[arm.name][0]
+        rows.append([arm.name, f"{first['per_process_batch']} x {arm.procs} x {arm.accum}",
+                     first["threads"], rate[arm.name], rate[arm.name] / base])
+    report.table(f"Throughput on the same global batch ({args.global_batch}), {args.model}, "
+                 f"{args.steps} steps, median over {args.rounds} round(s)",
+                 ["arm", "batch x procs x accum", "threads/proc", "img/s", "vs accel_train 1 proc"],
+                 rows, notes=["2 processes on this machine share its cores with each other: the "
+                              "2-process figure is what DDP costs or gains on one box, not "
+                              "multi-GPU scaling"])
+
+    pairs = [("accel_train, 2 processes", "hand-written DDP, 2 processes"),
+             ("accel_train, 2 processes, accumulation 2",
+              "hand-written DDP, 2 processes, accumulation 2")]
+    if not args.quick:
+        pairs.insert(0, ("accel_train, 1 process", "hand-written, 1 process"))
+    rows = []
+    for ours, theirs in pairs:
+        ratios = pair_ratios(ours, theirs)
+        rows.append([ours, theirs, benchlib.median(ratios), benchlib.spread(ratios)])
+    report.table("accel_train under its launcher vs the hand-written script, same settings",
+                 ["accel_train arm", "anchor", "throughput ratio (median)", "range over rounds"],
+                 rows, notes=["target >= 0.98"])
+    data = {"arms": results}
+
+    if args.knobs:
+        knobs = knob_arms(args)
+        baseline_name = "accel_train, 2 processes"
+        knob_results = {k.name: run_arm(k, args, work) for k in knobs}
+        again = run_arm(next(a for a in arms if a.name == baseline_name), args, work)
+        reference = benchlib.median([r["img_per_s"] for r in results[baseline_name]] +
+                                    [again["img_per_s"]])
+        rows = [[baseline_name + " (defaults, re-measured)", reference, 1.0]]
+        rows += [[name, r["img_per_s"], r["img_per_s"] / reference]
+                 for name, r in knob_results.items()]
+        report.table(f"DDP knobs (accel_train, 2 processes, {args.model}, global batch "
+                     f"{args.global_batch})", ["setting", "img/s", "vs defaults"], rows,
+                     notes=["one run per knob: differences under ~5% are within this "
+                            "machine's run-to-run noise"])
+        data["knobs"] = knob_results
+    report.data["result"] = data
+    print(f"wrote {report.save()}")
+    return 0
+
+
+def argparse_bool():
+    import argparse
+    return argparse.BooleanOptionalAction
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""checkpoint.py in one process, with a real Accelerator and a tiny model: atomic saves, the
+manifest, finding the newest valid checkpoint, pruning, the refusal of pickled code, and keeping
+the global batch on another number of processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+from accel_train import checkpoint as ck
+from accel_train.checkpoint import (MANIFEST, STATE_FILE, Checkpointer, TrainerState,
+                                    accumulation_for, find_latest_valid, read_state,
+                                    recover_interrupted_saves, resolve_resume, set_aside_newer,
+                                    verify)
+from accel_train.cli import main
+from accel_train.errors import UsageError
+from conftest import TINY_TRAIN
+
+
+class Warnings(list):
+    def __call__(self, text: str):
+        self.append(text)
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    """An Accelerator with a prepared model, optimizer and scheduler, and a Checkpointer."""
+    AcceleratorState._reset_state(True)  # other tests in this process may have built one
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    warnings = Warnings()
+    saver = Checkpointer(acc, tmp_path / "checkpoints", keep=10, warn=warnings)
+
+    def train_step():
+        loss = model(torch.randn(6, 4)).square().mean()
+        acc.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+    yield saver, model, train_step, warnings
+    AcceleratorState._reset_state(True)
+
+
+def state(step: int) -> TrainerState:
+    return TrainerState(step=step, epoch=0, samples_in_epoch=step * 32, samples_seen=step * 32,
+                        world_size=2, batch_size=16, accumulation_steps=1, seed=0)
+
+
+def save_steps(saver: Checkpointer, train_step, *steps: int) -> dict[int, Path]:
+    paths = {}
+    for step in steps:
+        train_step()
+        paths[step] = saver.save(state(step))
+    return paths
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_save_holds_everything_and_its_manifest_verifies(bundle):
+    saver, _, train_step, _ = bundle
+    path = save_steps(saver, train_step, 3)[3]
+    assert path.name == "step_00000003"
+    listed = set(json.loads((path / MANIFEST).read_text())["files"])
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+            STATE_FILE} <= listed
+    assert listed == {p.name for p in path.iterdir()} - {MANIFEST}
+    assert verify(path) is None
+    assert read_state(path).step == 3 and read_state(path).global_batch == 32
+    assert not list(saver.root.glob(".tmp-*"))
+
+
+def test_a_save_that_dies_before_its_manifest_never_appears(bundle, monkeypatch):
+    """The crash lands between save_state and the manifest: the new checkpoint never gets its
+    final name, nothing older is pruned, and the next start discards the temporary folder."""
+    saver, _, train_step, warnings = bundle
+    saver.keep = 1
+    save_steps(saver, train_step, 3)
+    before = tree_digest(saver.root)
+
+    def die(*args):
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(ck, "write_manifest", die)
+    with pytest.raises(KeyboardInterrupt):
+        save_steps(saver, train_step, 6)
+    assert [p.name for p in ck.list_checkpoints(saver.root)] == ["step_00000003"]
+    assert (saver.root / ".tmp-step_00000006" / "model.safetensors").is_file()
+    assert tree_digest(saver.root / "step_00000003") == {
+        k.split("/", 1)[1]: v for k, v in before.items()}
+    assert resolve_resume(saver.root, "auto", warnings).name == "step_00000003"
+    assert not (saver.root / ".tmp-step_00000006").exists()
+
+
+def test_a_finished_save_killed_before_its_rename_is_completed(bundle):
+    saver, _, train_step, warnings = bundle
+    paths = save_steps(saver, train_step, 3, 6)
+    os.replace(paths[6], saver.root / ".tmp-step_00000006")  # manifest written, rename lost
+    (saver.root / ".tmp-step_00000009").mkdir()               # a save that never finished
+    recover_interrupted_saves(saver.root, warnings)
+    assert [p.name for p in ck.list_checkpoints(saver.root)] == ["step_00000006",
+                                                                  "step_00000003"]
+    assert verify(saver.root / "step_00000006") is None
+    assert not list(saver.root.glob(".tmp-*"))
+    assert any("completed the interrupted save" in w for w in warnings)
+
+
+def test_the_newest_valid_checkpoint_is_found_and_bad_ones_are_named(bundle):
+    saver, _, train_step, warnings = bundle
+    paths = save_steps(saver, train_step, 3, 6, 9, 12)
+    weights = paths[12] / "model.safetensors"                  # truncated
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (paths[9] / MANIFEST).unlink()                             # half-written
+    optimizer = paths[6] / "optimizer.bin"                     # tampered, same size
+    data = bytearray(optimizer.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    optimizer.write_bytes(bytes(data))
+
+    assert find_latest_valid(saver.root, warnings) == paths[3]
+    assert len(warnings) == 3
+    assert "step_00000012" in warnings[0] and "model.safetensors does not match" in warnings[0]
+    assert "step_00000009" in warnings[1] and "no manifest" in warnings[1]
+    assert "step_00000006" in warnings[2] and "optimizer.bin does not match" in warnings[2]
+
+
+def test_loading_restores_weights_exactly(bundle):
+    saver, model, train_step, _ = bundle
+    path = save_steps(saver, train_step, 3)[3]
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    train_step()
+    assert any(not torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    assert saver.load(path).step == 3
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+
+
+def test_pruning_keeps_the_newest_k_and_only_after_the_new_one_is_complete(bundle, monkeypatch):
+    saver, _, train_step, _ = bundle
+    saver.keep = 2
+    save_steps(saver, train_step, 1, 2, 3)
+    assert [p.name for p in ck.list_checkpoints(saver.root)] == ["step_00000003", "step_00000002"]
+    monkeypatch.setattr(ck, "write_manifest", lambda *a: (_ for _ in ()).throw(OSError("full")))
+    with pytest.raises(OSError):
+        save_steps(saver, train_step, 4)
+    assert [p.name for p in ck.list_checkpoints(saver.root)] == ["step_00000003", "step_00000002"]
+    assert all(verify(p) is None for p in ck.list_checkpoints(saver.root))
+
+
+def test_saving_the_same_step_twice_replaces_it_whole(bundle):
+    saver, _, train_step, _ = bundle
+    first = save_steps(saver, train_step, 5)[5]
+    again = saver.save(TrainerState(**{**state(5).__dict__, "epoch": 1, "samples_in_epoch": 0}))
+    assert again == first and verify(again) is None and read_state(again).epoch == 1
+    assert not list(saver.root.glob(".tmp-*"))
+
+
+def test_resuming_from_an_older_checkpoint_sets_the_newer_ones_aside(bundle):
+    saver, _, train_step, warnings = bundle
+    save_steps(saver, train_step, 3, 6, 9)
+    set_aside_newer(saver.root, 3, warnings)
+    assert [p.name for p in ck.list_checkpoints(saver.root)] == ["step_00000003"]
+    assert sorted(p.name for p in saver.root.glob("superseded-*")) == [
+        "superseded-step_00000006", "superseded-step_00000009"]
+
+
+@pytest.mark.parametrize("victim", ["optimizer.bin", "random_states_0.pkl"])
+def test_a_planted_pickle_is_refused_and_its_code_never_runs(bundle, tmp_path, victim):
+    """optimizer.bin is loaded by Accelerate; random_states_0.pkl would be, inside a try/except
+    that silently ignores any failure.  Either way the payload must not run, and the refusal
+    must not depend on the checksum: the manifest is rewritten to match the planted file."""
+    saver, _, train_step, _ = bundle
+    path = save_steps(saver, train_step, 3)[3]
+    marker = tmp_path / "pwned"
+    payload = path / victim
+    torch.save({"state": _Payload(str(marker))}, payload)
+    torch.load(payload, weights_only=False)  # the control: unpickled naively, it runs
+    assert marker.exists()
+    marker.unlink()
+    ck.write_manifest(path, read_state(path))
+    assert verify(path) is None
+
+    with pytest.raises(UsageError, match="refusing to load it"):
+        saver.load(path)
+    assert not marker.exists()
+
+
+class _Payload:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('code ran')",))
+
+
+@pytest.mark.parametrize("batch, procs, expected", [(16, 2, 1), (16, 1, 2), (8, 1, 4), (8, 4, 1),
+                                                    (32, 1, 1)])
+def test_the_global_batch_is_kept_by_recomputing_accumulation(batch, procs, expected):
+    assert accumulation_for(state(1), batch, procs) == expected  # 16 x 2 x 1 = 32
+
+
+@pytest.mark.parametrize("batch, procs, hint", [
+    (16, 3, "use 1 or 2 process(es) with --batch-size 16"),
+    (32, 2, "use --batch-size 16 or 8 or 4 or 2 on 2 process(es)"),
+    (12, 1, "use --batch-size 32 or 16 or 8 or 4 on 1 process(es)"),
+])
+def test_a_global_batch_that_cannot_be_kept_says_what_would_work(batch, procs, hint):
+    with pytest.raises(UsageError) as err:
+        accumulation_for(state(1), batch, procs)
+    message = str(err.value)
+    assert "global batch of 32 (16 x 2 process(es) x 1 accumulation)" in message
+    assert hint in message and "\n" not in message
+
+
+def run_cli(capsys, *args: str) -> tuple[int, list[str]]:
+    code = main([*TINY_TRAIN, *args])
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def test_resume_from_a_bad_checkpoint_fails_in_one_line_and_touches_nothing(bundle, tmp_path,
+                                                                           capsys):
+    saver, _, train_step, _ = bundle
+    paths = save_steps(saver, train_step, 3, 6)
+    (paths[6] / STATE_FILE).write_text("{}")  # tampered
+    before = tree_digest(saver.root)
+    out = str(tmp_path / "run")
+
+    code, err = run_cli(capsys, "--output-dir", out, "--checkpoint", str(saver.root),
+                        "--resume", str(paths[6]))
+    assert code == 2 and len(err) == 1, err
+    assert str(paths[6]) in err[0] and "trainer_state.json does not match its checksum" in err[0]
+
+    code, err = run_cli(capsys, "--output-dir", out, "--resume", str(tmp_path / "nowhere"))
+    assert code == 2 and len(err) == 1 and "no such checkpoint folder" in err[0], err
+
+    assert tree_digest(saver.root) == before
+    assert not Path(out).exists()
+
+
+def test_a_new_run_refuses_a_checkpoint_folder_that_holds_checkpoints(bundle, tmp_path, capsys):
+    saver, _, train_step, _ = bundle
+    save_steps(saver, train_step, 3)
+    before = tree_digest(saver.root)
+    code, err = run_cli(capsys, "--output-dir", str(tmp_path / "new"), "--checkpoint",
+                        str(saver.root))
+    assert code == 2 and len(err) == 1 and "already holds checkpoints" in err[0], err
+    assert tree_digest(saver.root) == before

@@ -48,6 +48,7 @@ class TrainerState:
     batch_size: int = 0           # per process
     accumulation_steps: int = 1
     seed: int = 0
+    train_samples: int = 0        # N in the sampler's keys (epoch * N + index); 0: not recorded
     best_top1: Optional[float] = None
 
     @property
@@ -182,10 +183,17 @@ def set_aside_newer(root: Path, step: int, warn: Callable[[str], None]) -> None:
 
 def resolve_resume(root: Path, resume: str, warn: Callable[[str], None]) -> Optional[Path]:
     """'auto' -> newest valid checkpoint under root, or None; a path -> that checkpoint (or the
-    newest valid one in that folder), verified, else a UsageError.  Main process only."""
-    recover_interrupted_saves(root, warn)
+    newest valid one in that folder), verified, else a UsageError.  Main process only.
+    Killed saves under root are finished or discarded first; never when the input is bad."""
     if resume == "auto":
+        recover_interrupted_saves(root, warn)
         return find_latest_valid(root, warn)
+    chosen = _resolve_path(resume, warn)
+    recover_interrupted_saves(root, warn)
+    return chosen
+
+
+def _resolve_path(resume: str, warn: Callable[[str], None]) -> Path:
     path = Path(resume)
     if NAME_PATTERN.match(path.name) is None and list_checkpoints(path):
         latest = find_latest_valid(path, warn)  # a checkpoints folder was given
@@ -229,6 +237,18 @@ def accumulation_for(previous: TrainerState, batch_size: int, num_processes: int
         f"{previous.world_size} process(es) x {previous.accumulation_steps} accumulation), which "
         f"--batch-size {batch_size} on {num_processes} process(es) cannot make with whole "
         f"accumulation steps; use {hint}")
+
+
+def check_same_data_order(previous: TrainerState, seed: int, train_samples: int) -> None:
+    """The epoch's order is a function of the seed and the training set: with either changed,
+    skipping the samples already used would skip other ones, and some would be used twice."""
+    if previous.seed != seed:
+        raise UsageError(f"the checkpoint was trained with --seed {previous.seed}; resume with "
+                         f"the same seed (got {seed}), or start a new run")
+    if previous.train_samples and previous.train_samples != train_samples:
+        raise UsageError(f"the checkpoint was trained on {previous.train_samples} training "
+                         f"images but this start has {train_samples}; resume with the same data "
+                         f"options (--max-train-samples, --val-fraction, ...), or start a new run")
 
 
 class Checkpointer:

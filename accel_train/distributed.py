@@ -8,7 +8,8 @@ Accelerate does, for two reasons found on these machines (see DESIGN.md):
   with world size 1; a gloo group started here is picked up by `Accelerator(cpu=True)`.
 * After an elastic restart under gloo, new workers read the dead round's peer addresses from the
   agent's store and fail with "Connection refused".  Keying the store by run id and restart
-  attempt (a `PrefixStore`) gives each round a clean namespace.
+  attempt (a `PrefixStore`) gives each round a clean namespace (only on the agent's store: see
+  `_make_store`).
 """
 
 from __future__ import annotations

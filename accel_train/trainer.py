@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 
 from . import distributed
 from .checkpoint import (Checkpointer, TrainerState, accumulation_for, check_fresh_checkpoint_dir,
-                         read_state, record_elastic_job, resolve_resume, set_aside_newer,
-                         started_by_elastic_job)
+                         check_same_data_order, read_state, record_elastic_job, resolve_resume,
+                         set_aside_newer, started_by_elastic_job)
 from .config import TrainConfig
 from .data import (EpochSampler, EvalImages, TrainImages, dataset_mean_std, default_num_workers,
                    make_loader)
@@ -162,7 +162,8 @@ class Trainer:
                         self.scheduler)
 
         self.state = TrainerState(world_size=acc.num_processes, batch_size=config.batch_size,
-                                  accumulation_steps=config.accumulation_steps, seed=config.seed)
+                                  accumulation_steps=config.accumulation_steps, seed=config.seed,
+                                  train_samples=len(self.data.train))
         self.logger = rank_logger(self.output_dir / "logs", acc.process_index)
         self.logger.info(distributed.describe_process())  # which rank of which group wrote this
         for text in self._unlogged:
@@ -282,6 +283,7 @@ class Trainer:
             # Anything logged belongs to an attempt that left no checkpoint: it will be redone.
             self._forget_steps_after(0)
             return
+        check_same_data_order(self.resumed, self.config.seed, len(self.data.train))
         previous = self.checkpointer.load(Path(path))
         self.state.step, self.state.epoch = previous.step, previous.epoch
         self.state.samples_in_epoch = previous.samples_in_epoch

@@ -63,8 +63,17 @@ def pilot_rate(flags: list[str], args, work: Path) -> float:
     return args.pilot_steps * trainer.global_batch / seconds
 
 
+def recipe_flags(name: str, args) -> list[str]:
+    flags = list(RECIPES[name])
+    if args.model:  # a recipe that names its own model keeps it (later flags win)
+        flags = ["--model", args.model, *flags]
+    if args.max_train:
+        flags += ["--max-train-samples", str(args.max_train)]
+    return flags
+
+
 def accel_arm(name: str, args, work: Path) -> dict:
-    flags = RECIPES[name]
+    flags = recipe_flags(name, args)
     rate = pilot_rate(flags, args, work)
     batch = int(flags[flags.index("--batch-size") + 1]) if "--batch-size" in flags else 64
     steps = max(LOG_EVERY, int(args.budget * rate / batch) // LOG_EVERY * LOG_EVERY)
@@ -96,6 +105,8 @@ def seed_arm(args) -> dict:
            "1000000"]
     if args.eval_samples:
         cmd += ["--max-eval-samples", str(args.eval_samples)]
+    if args.max_train:
+        cmd += ["--max-train-samples", str(args.max_train)]
     started = time.perf_counter()
     result = benchlib.last_json_line(benchlib.run(cmd, env=benchlib.child_env(),
                                                   timeout=args.budget * 3 + 900).stdout)
@@ -108,6 +119,10 @@ def main() -> int:
     parser = benchlib.make_parser(__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=None, help="seconds of training")
     parser.add_argument("--recipes", nargs="*", default=None, choices=list(RECIPES))
+    parser.add_argument("--model", default=None, help="accel_train's model for every recipe "
+                        "that does not name one (default: accel_train's default, resnet18)")
+    parser.add_argument("--max-train", type=int, default=None,
+                        help="train on the first N images only (default: all 50,000)")
     parser.add_argument("--seed-model", default="resnet18",
                         help="the seed loop's model (the article: resnet50d at 336 px)")
     parser.add_argument("--no-seed", action="store_true", help="skip the seed loop")

@@ -162,17 +162,18 @@ def child(args) -> None:
 
 def memory(args, report: benchlib.Report) -> dict:
     results = {}
-    for arm in ARMS:
+    arms = [arm for arm in ARMS if arm in args.memory_arms]
+    for arm in arms:
         cmd = [sys.executable, __file__, "--child", arm, "--model", args.model, "--batch-size",
                str(args.batch_size), "--steps", str(args.memory_steps), "--data-dir",
                args.data_dir, "--tmp", args.tmp]
         if args.channels_last:
             cmd.append("--channels-last")
         results[arm] = benchlib.last_json_line(benchlib.run(cmd, env=benchlib.child_env()).stdout)
-    hand = results["hand loop"]
+    hand = results.get("hand loop", {"peak_mb": float("nan"), "before_mb": 0.0})
     hand_growth = hand["peak_mb"] - hand["before_mb"]
     rows = []
-    for arm in ARMS:
+    for arm in arms:
         r = results[arm]
         growth = r["peak_mb"] - r["before_mb"]
         rows.append([arm, r["before_mb"], r["peak_mb"], r["peak_mb"] / hand["peak_mb"], growth,
@@ -201,6 +202,7 @@ def main() -> int:
     parser.add_argument("--log-every", type=int, default=20, help="the trainer's default")
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--memory-arms", nargs="*", default=list(ARMS), choices=ARMS)
     parser.add_argument("--tmp", default=tempfile.gettempdir())
     parser.add_argument("--child", choices=ARMS, help=argparse_hidden())
     args = parser.parse_args()

@@ -107,6 +107,8 @@ def main() -> int:
     parser.add_argument("--knobs", action=argparse_bool(), default=None,
                         help="also measure the DDP knobs (default: on unless --quick)")
     parser.add_argument("--compile", action="store_true", help="also --compile (slow to start)")
+    parser.add_argument("--pairs-only", action="store_true",
+                        help="only the 2-process accel_train / hand-written pair (smoke tests)")
     parser.add_argument("--tmp", default=tempfile.gettempdir())
     args = parser.parse_args()
     benchlib.check_cifar(args.data_dir)
@@ -121,13 +123,15 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-scaling-", dir=args.tmp))
 
     arms = arms_for(args)
+    if args.pairs_only:
+        arms = [a for a in arms if a.procs == 2 and a.accum == 1 and not a.flags]
     results: dict[str, list[dict]] = {arm.name: [] for arm in arms}
     for order in benchlib.round_orders([a.name for a in arms], args.rounds):
         for name in order:
             arm = next(a for a in arms if a.name == name)
             results[name].append(run_arm(arm, args, work))
     rate = {name: benchlib.median([r["img_per_s"] for r in runs]) for name, runs in results.items()}
-    base = rate["accel_train, 1 process"]
+    base = rate.get("accel_train, 1 process", float("nan"))
 
     def pair_ratios(ours: str, theirs: str) -> list[float]:
         return [a["img_per_s"] / h["img_per_s"] for a, h in zip(results[ours], results[theirs])]
@@ -149,6 +153,7 @@ def main() -> int:
               "hand-written DDP, 2 processes, accumulation 2")]
     if not args.quick:
         pairs.insert(0, ("accel_train, 1 process", "hand-written, 1 process"))
+    pairs = [(ours, theirs) for ours, theirs in pairs if ours in results and theirs in results]
     rows = []
     for ours, theirs in pairs:
         ratios = pair_ratios(ours, theirs)

@@ -62,6 +62,9 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--workers", type=int, default=None, help="loader workers (seed: 48)")
+    parser.add_argument("--arms", nargs="*", default=None,
+                        choices=["standalone", "dataparallel", "ddp", "accel1", "accel2"],
+                        help="a subset of the arms (default: all)")
     parser.add_argument("--tmp", default=tempfile.gettempdir())
     args = parser.parse_args()
     benchlib.check_cifar(args.data_dir)
@@ -72,13 +75,16 @@ def main() -> int:
                              "DataParallel vs DDP", args)
     work = Path(tempfile.mkdtemp(prefix="bench-seed-", dir=args.tmp))
     gpus = torch.cuda.device_count()
-    arms = [("seed standalone (1 process)", lambda: seed_arm("standalone", 1, args)),
-            ("seed nn.DataParallel (1 process)", lambda: seed_arm("dataparallel", 1, args)),
-            ("seed DDP (torchrun, 2 processes)", lambda: seed_arm("ddp", 2, args)),
-            ("accel_train (1 process)", lambda: accel_arm(1, args, work)),
-            ("accel_train (accelerate launch, 2 processes)", lambda: accel_arm(2, args, work))]
-    results = {name: run() for name, run in arms}
-    standalone = results["seed standalone (1 process)"]["epoch_times"][-1]
+    arms = [("standalone", "seed standalone (1 process)", lambda: seed_arm("standalone", 1, args)),
+            ("dataparallel", "seed nn.DataParallel (1 process)",
+             lambda: seed_arm("dataparallel", 1, args)),
+            ("ddp", "seed DDP (torchrun, 2 processes)", lambda: seed_arm("ddp", 2, args)),
+            ("accel1", "accel_train (1 process)", lambda: accel_arm(1, args, work)),
+            ("accel2", "accel_train (accelerate launch, 2 processes)",
+             lambda: accel_arm(2, args, work))]
+    results = {name: run() for key, name, run in arms if not args.arms or key in args.arms}
+    first = next(iter(results.values()))
+    standalone = results.get("seed standalone (1 process)", first)["epoch_times"][-1]
     rows = []
     for name, r in results.items():
         last = r["epoch_times"][-1]

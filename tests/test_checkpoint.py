@@ -235,6 +235,8 @@ def test_resume_from_a_bad_checkpoint_fails_in_one_line_and_touches_nothing(bund
     saver, _, train_step, _ = bundle
     paths = save_steps(saver, train_step, 3, 6)
     (paths[6] / STATE_FILE).write_text("{}")  # tampered
+    (saver.root / ".tmp-step_00000009").mkdir()  # and a killed save, which a good start removes
+    (saver.root / ".tmp-step_00000009" / "model.safetensors").write_bytes(b"partial")
     before = tree_digest(saver.root)
     out = str(tmp_path / "run")
 
@@ -258,3 +260,17 @@ def test_a_new_run_refuses_a_checkpoint_folder_that_holds_checkpoints(bundle, tm
                         str(saver.root))
     assert code == 2 and len(err) == 1 and "already holds checkpoints" in err[0], err
     assert tree_digest(saver.root) == before
+
+
+def test_a_resume_that_would_change_the_data_order_is_refused(bundle, tmp_path, capsys):
+    saver, _, train_step, _ = bundle
+    out = tmp_path / "run"
+    code = main([*TINY_TRAIN, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir",
+                 str(out)])
+    assert code == 0
+    capsys.readouterr()
+    for flags, message in ((["--seed", "1"], "trained with --seed 0"),
+                           (["--synthetic-train-size", "128"], "but this start has 128")):
+        code, err = run_cli(capsys, *flags, "--max-steps", "2", "--output-dir", str(out),
+                            "--resume", "auto")
+        assert code == 2 and len(err) == 1 and message in err[0], err

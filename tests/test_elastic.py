@@ -91,7 +91,7 @@ def _rank_logs(out) -> str:
 
 
 # -- elastic membership -------------------------------------------------------------------------
-MEMBERSHIP_SAMPLES, MEMBERSHIP_STEPS = 3072, 96  # one epoch, long enough for a node to join
+MEMBERSHIP_SAMPLES, MEMBERSHIP_STEPS = 4096, 128  # one epoch: long enough for a node to join
 
 
 def _node(out, port: int, log) -> Run:

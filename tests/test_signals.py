@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+from types import SimpleNamespace
 
 import pytest
 
@@ -89,3 +90,17 @@ def test_preempted_on_one_then_two_processes_and_finished_on_one(tmp_path, runs)
     assert resumes == [(1, 2), (2, 1)]
     assert_metrics_continuous(out, total_steps=16)
     assert_each_sample_once_per_epoch(out)
+
+
+def test_a_second_ctrl_c_stops_at_once_and_sigterm_only_asks():
+    from accel_train.trainer import Trainer
+
+    trainer = SimpleNamespace(_stop_signal=None)
+    Trainer._request_stop(trainer, signal.SIGTERM, None)
+    Trainer._request_stop(trainer, signal.SIGTERM, None)  # repeated by a scheduler: still a request
+    assert trainer._stop_signal == signal.SIGTERM
+    trainer._stop_signal = None
+    Trainer._request_stop(trainer, signal.SIGINT, None)
+    assert trainer._stop_signal == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt):
+        Trainer._request_stop(trainer, signal.SIGINT, None)

@@ -1,0 +1,79 @@
+"""Smoke test of the benchmark scripts: each runs in its smallest --quick form and prints its
+table (a tiny model, a few steps, only the arms that start distinct programs).  The scripts run
+two at a time (each is mostly Python start-up and imports), about 1.5 minutes on two busy cores.
+
+Nothing here checks a speed or a ratio: those belong in BENCHMARKS.md, measured when the machine
+is quiet, never in a timed test.  This only keeps the scripts runnable as the code changes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import conftest
+from conftest import REPO
+
+SCRIPTS = REPO / "scripts"
+TINY = ["--quick", "--model", "test_resnet"]
+
+CASES = {
+    "overhead": [*TINY, "--steps", "2", "--rounds", "1", "--memory-steps", "1", "--batch-size",
+                 "16", "--memory-arms", "accel_train"],
+    # no loader workers and no trainer runs here: the other cases start those programs
+    "data": [*TINY, "--decode-images", "64", "--pipeline-images", "256", "--batches", "2",
+             "--model-steps", "1", "--workers", "0", "--skip", "trainer"],
+    "scaling": [*TINY, "--pairs-only", "--steps", "4", "--log-every", "2", "--max-train", "512"],
+    "seed": [*TINY, "--arms", "dataparallel", "accel1", "--images", "128", "--epochs", "1",
+             "--workers", "0"],
+    "comm": ["--quick", "--worlds", "2", "--max-bytes", "65536", "--min-seconds", "0.01"],
+    "checkpoint": ["--quick", "--models", "test_resnet", "--repeats", "1", "--step-repeats", "1"],
+    "accuracy": [*TINY, "--recipes", "defaults", "--budget", "3", "--pilot-steps", "1",
+                 "--eval-samples", "64", "--seed-model", "test_resnet", "--workers", "0",
+                 "--max-train", "512"],
+    "gpu": ["--quick", "--allow-cpu", "--model", "test_resnet", "--sizes", "32", "--precisions",
+            "bf16", "--batch", "8", "--steps", "1", "--rounds", "1"],
+}
+# Longest first, so that the two lanes finish together.
+ORDER = ["overhead", "scaling", "accuracy", "seed", "comm", "data", "checkpoint", "gpu"]
+
+
+@pytest.fixture(scope="module")
+def bench_runs(tmp_path_factory):
+    if not (conftest.SHARED_CIFAR10 / "train.parquet").exists():
+        pytest.fail(f"the shared CIFAR-10 copy is missing at {conftest.SHARED_CIFAR10}")
+    env = conftest.test_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning")
+
+    def launch(name):
+        out = tmp_path_factory.mktemp(name)
+        extra = ["--tmp", str(out)] if name not in ("comm", "gpu") else []
+        cmd = [sys.executable, str(SCRIPTS / f"bench_{name}.py"), *CASES[name], "--out",
+               str(out), *extra]
+        try:
+            return out, subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                                       timeout=300)
+        except subprocess.TimeoutExpired as err:
+            return out, err
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(ORDER, pool.map(launch, ORDER)))
+
+
+@pytest.mark.parametrize("name", ORDER)
+def test_benchmark_script_runs(name, bench_runs):
+    out, result = bench_runs[name]
+    assert not isinstance(result, subprocess.TimeoutExpired), f"bench_{name}.py timed out"
+    assert result.returncode == 0, (f"bench_{name}.py exited {result.returncode}\n--- stdout\n"
+                                    f"{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}")
+    markdown = (out / f"{name}.md").read_text()
+    assert "| " in markdown and "load average" in markdown, result.stdout[-2000:]
+    data = json.loads((out / f"{name}.json").read_text())
+    assert data["tables"] and data["machine"]["cores"] >= 1
+
+
+def test_every_benchmark_script_is_smoke_tested():
+    assert sorted(p.stem[len("bench_"):] for p in SCRIPTS.glob("bench_*.py")) == sorted(CASES)

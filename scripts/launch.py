@@ -34,6 +34,10 @@ ELASTIC_KEYS = {
     "rdzv_backend": "--rdzv_backend",          # static (fixed machines) or c10d (elastic)
     "rdzv_conf": "--rdzv_conf",                # e.g. {join_timeout: 900} or "join_timeout=900"
 }
+# Keys with no `accelerate launch` flag, passed to torchrun through its environment instead.
+ELASTIC_ENV_KEYS = {
+    "rdzv_id": "PET_RDZV_ID",  # torchrun's --rdzv-id: the same job id on every machine
+}
 # Keys that the accelerate YAML accepts but `accelerate launch` ignores: passed on as flags.
 IGNORED_YAML_KEYS = ("rdzv_backend", "same_network")
 
@@ -75,10 +79,11 @@ def rdzv_conf_text(value) -> str:
 
 
 def elastic_flags(elastic: dict, source: str) -> list[str]:
-    unknown = sorted(set(elastic) - set(ELASTIC_KEYS))
+    known = {**ELASTIC_KEYS, **ELASTIC_ENV_KEYS}
+    unknown = sorted(set(elastic) - set(known))
     if unknown:
         raise LaunchError(f"--elastic {source}: unknown key(s) {', '.join(unknown)}; "
-                          f"use {', '.join(ELASTIC_KEYS)}")
+                          f"use {', '.join(known)}")
     flags = []
     for key, flag in ELASTIC_KEYS.items():
         if key not in elastic or elastic[key] is None:
@@ -95,6 +100,16 @@ def elastic_flags(elastic: dict, source: str) -> list[str]:
                               f"static, c10d, etcd, etcd-v2")
         flags += [flag, rdzv_conf_text(value) if key == "rdzv_conf" else str(value)]
     return flags
+
+
+def launcher_environment(elastic: dict) -> dict[str, str]:
+    """Environment for the launcher.  With c10d, torch 2.14 by default shares the rendezvous
+    store with the workers; a machine that joins a running job then waits 60 s and fails (seen
+    on loopback), so the sharing is turned off.  rdzv_id lets a joining machine find the job."""
+    env = {var: str(elastic[key]) for key, var in ELASTIC_ENV_KEYS.items() if elastic.get(key)}
+    if elastic.get("rdzv_backend") == "c10d":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
 
 
 def build_command(config_file: str, elastic_file: str | None, launch_args: list[str],
@@ -135,12 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     args, launch_args, train_args = parse(list(sys.argv[1:] if argv is None else argv))
     try:
         command = build_command(args.config_file, args.elastic, launch_args, train_args)
+        elastic = read_yaml(args.elastic, "--elastic") if args.elastic else {}
+        environment = launcher_environment(elastic)
     except LaunchError as err:
         print(f"launch.py: error: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print(shlex.join(command))
+        print(shlex.join([f"{k}={v}" for k, v in environment.items()] + command))
         return 0
+    os.environ.update(environment)
     sys.stdout.flush()
     # Replace this process: signals (Ctrl-C, a scheduler's SIGTERM) reach the launcher directly.
     os.execv(command[0], command)

@@ -80,6 +80,13 @@ def test_launch_script_turns_the_elastic_file_into_launcher_flags():
     assert text.endswith("--main_process_port 29600 -m accel_train --epochs 3")
 
 
+def test_launch_script_passes_rdzv_id_and_unshared_store_through_the_environment():
+    elastic = launch.read_yaml(str(CONFIGS / "elastic.yaml"), "--elastic")
+    assert launch.launcher_environment(elastic) == {
+        "PET_RDZV_ID": "my-job-1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert launch.launcher_environment({"rdzv_backend": "static"}) == {}
+
+
 def test_launch_script_honours_the_yaml_keys_accelerate_ignores():
     # cpu_2proc.yaml says rdzv_backend: static and same_network: true; no elastic file.
     command = launch.build_command(str(CONFIGS / "cpu_2proc.yaml"), None, [], [])
@@ -144,7 +151,7 @@ def test_two_machines_on_loopback_with_per_machine_elastic_settings(tmp_path):
         # say which one hosts the rendezvous store (on real machines c10d works it out).
         elastic.write_text(yaml.safe_dump({
             "max_restarts": 2, "monitor_interval": 0.5, "rdzv_backend": "c10d",
-            "rdzv_conf": {"join_timeout": 300, "is_host": rank == 0}}))
+            "rdzv_id": f"job-{port}", "rdzv_conf": {"join_timeout": 300, "is_host": rank == 0}}))
         command = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config_file",
                    str(CONFIGS / f"cpu_2node_rank{rank}.yaml"), "--elastic", str(elastic),
                    "--main_process_port", str(port), "--", *TINY, "--output-dir", str(out)]
@@ -166,19 +173,17 @@ def test_two_machines_on_loopback_with_per_machine_elastic_settings(tmp_path):
         for setting in ("rdzv_backend             : c10d", "max_restarts             : 2",
                         "monitor_interval         : 0.5", "'join_timeout': '300'"):
             assert setting in stderr, f"machine {rank}: the agent did not get {setting!r}"
-        # accelerator.print: once per machine, from its local main process.
-        assert stdout.count("accel_train: test_resnet") == 1
-        assert stdout.count("x 2 process(es), gloo") == 1
 
     resolved = yaml.safe_load((out / "config.yaml").read_text())["resolved"]
     launcher = resolved["launcher"]
     assert resolved["world_size"] == 2 and launcher["process_group_world_size"] == 2
     assert launcher["num_machines"] == 2 and launcher["processes_per_machine"] == 1
     assert launcher["torchelastic"]["max_restarts"] == 2  # what the worker saw
+    assert launcher["torchelastic"]["run_id"] == f"job-{port}"  # rdzv_id reached torchrun
     for rank in (0, 1):
         log = (out / "logs" / f"rank{rank}.log").read_text()
         assert f"process rank {rank} of 2 (local rank 0 of 1)" in log
-    # Progress comes from the global main process only: on exactly one of the two machines.
-    with_progress = [stdout.count("step 4/4 ") for _, stdout, _ in results]
-    assert sorted(with_progress) == [0, 1]
+    # The summary and progress come from the global main process only: one of the two machines.
+    for printed in ("accel_train: test_resnet", "x 2 process(es), gloo", "step 4/4 "):
+        assert sorted(stdout.count(printed) for _, stdout, _ in results) == [0, 1], printed
     assert (out / "model.safetensors").exists()

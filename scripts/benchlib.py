@@ -48,6 +48,7 @@ def make_parser(description: str) -> argparse.ArgumentParser:
                         help="folder for raw results (JSON) and this run's markdown")
     parser.add_argument("--data-dir", default=str(SHARED_CIFAR10),
                         help="CIFAR-10 parquet folder (train.parquet, test.parquet)")
+    parser.add_argument("--tag", default="", help="suffix for this run's output file names")
     return parser
 
 
@@ -55,6 +56,8 @@ class Report:
     """Collects tables; prints them as they come; writes <out>/<name>.md and <name>.json."""
 
     def __init__(self, name: str, title: str, args: argparse.Namespace):
+        if getattr(args, "tag", ""):
+            name = f"{name}-{args.tag}"
         self.name, self.title, self.args = name, title, args
         self.started = time.time()
         self.lines: list[str] = []
@@ -309,3 +312,11 @@ def timed(fn: Callable[[], object]) -> float:
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
+
+
+def timed_both(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) for one call.  CPU time does not advance while
+    the process waits for a core, so with one thread it is nearly immune to other processes."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu

@@ -68,12 +68,15 @@ class TrainImages(Dataset):
     def __getitems__(self, keys: list[int]):
         keys = torch.as_tensor(keys, dtype=torch.long)
         epochs, indices = keys // len(self.source), keys % len(self.source)
-        if not isinstance(self.source, ArraySource):  # decoded now, one image at a time
+        if not isinstance(self.source, ArraySource):  # decoded now
             images = self.source.images_at(indices.tolist())
-            return SampleBatch(torch.stack([
-                self.transform(image, (self.seed, int(epoch), int(index)))
-                for image, epoch, index in zip(images, epochs, indices)]),
-                self.source.labels[indices])
+            if len({image.shape for image in images}) == 1:  # one size: one batched transform
+                batch = self.transform.batch(torch.stack(images), self.seed, epochs.numpy(),
+                                             indices.numpy())
+            else:
+                batch = torch.stack([self.transform(image, (self.seed, int(epoch), int(index)))
+                                     for image, epoch, index in zip(images, epochs, indices)])
+            return SampleBatch(batch, self.source.labels[indices])
         images = self.transform.batch(self.source.images.index_select(0, indices), self.seed, epochs.numpy(),
                                       indices.numpy())
         return SampleBatch(images, self.source.labels[indices])
@@ -94,8 +97,10 @@ class EvalImages(Dataset):
         indices = torch.as_tensor(indices, dtype=torch.long)
         if not isinstance(self.source, ArraySource):
             images = self.source.images_at(indices.tolist())
-            return SampleBatch(torch.stack([self.transform(image) for image in images]),
-                               self.source.labels[indices])
+            batch = self.transform.batch(torch.stack(images)) \
+                if len({image.shape for image in images}) == 1 \
+                else torch.stack([self.transform(image) for image in images])
+            return SampleBatch(batch, self.source.labels[indices])
         return SampleBatch(self.transform.batch(self.source.images.index_select(0, indices)),
                            self.source.labels[indices])
 

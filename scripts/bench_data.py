@@ -158,8 +158,9 @@ def pipelines(args, report) -> dict:
         rates[name] = benchlib.median([pipeline_rate(build(), batches)
                                        for _ in range(args.repeats)])
     model_rate = model_consumption(args, mean, std, memory)
+    in_line = {name for name, _ in arms if "workers" not in name or "0 workers" in name}
     rows = [[name, rate, rate / model_rate,
-             f"{model_rate / (model_rate + rate):.1%}" if "0 workers" in name or "memory" in name
+             f"{model_rate / (model_rate + rate):.1%}" if name in in_line
              else "overlapped (workers)"] for name, rate in rates.items()]
     rows.append([f"model consumption: {args.model} training, batch {batch}", model_rate, 1.0, ""])
     report.table(f"Input pipeline alone vs the model ({count} CIFAR-10 images, {batches} batches "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -120,6 +121,96 @@ def measure_knobs(args, arms: list[Arm], work: Path, report) -> dict:
     return runs
 
 
+# -- DDP knobs in one pair of processes: the fine-grained, paired measurement -------------------
+KNOB_SETTINGS = {
+    "defaults (bucket 25 MB)": {},
+    "bucket 1 MB": {"bucket_cap_mb": 1},
+    "bucket 100 MB": {"bucket_cap_mb": 100},
+    "gradient_as_bucket_view": {"gradient_as_bucket_view": True},
+    "static_graph": {"static_graph": True},
+    "channels_last": {"channels_last": True},
+}
+
+
+def _knob_worker(rank: int, world: int, port: int, model_name: str, batch: int, steps: int,
+                 rounds: int, queue) -> None:
+    """Every setting wraps its own copy of the same model in DDP inside the same two processes;
+    blocks of `steps` steps alternate between settings, so load changes hit all settings alike."""
+    import copy
+
+    import timm
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(0)
+    base = timm.create_model(model_name, num_classes=10)
+    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+    runs = {}
+    for name, setting in KNOB_SETTINGS.items():
+        setting = dict(setting)
+        model = copy.deepcopy(base)
+        inputs = x
+        if setting.pop("channels_last", False):
+            model = model.to(memory_format=torch.channels_last)
+            inputs = x.contiguous(memory_format=torch.channels_last)
+        ddp = DDP(model, **setting)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+        runs[name] = (ddp, optimizer, inputs)
+    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+
+    def block(name: str, count: int) -> float:
+        ddp, optimizer, inputs = runs[name]
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(count):
+            loss_fn(ddp(inputs), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    for name in runs:  # warm-up (static_graph records its graph on the first iterations)
+        block(name, 3)
+    seconds = {name: [] for name in runs}
+    for order in benchlib.round_orders(list(runs), rounds):
+        for name in order:
+            seconds[name].append(block(name, steps))
+    if rank == 0:
+        queue.put(seconds)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def knobs_in_process(args, report) -> dict:
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    per_process = args.global_batch // 2
+    mp.start_processes(_knob_worker, args=(2, benchlib.free_port(), args.model, per_process,
+                                           args.knob_steps, args.knob_block_rounds, queue),
+                       nprocs=2, join=True, start_method="spawn")
+    seconds = queue.get()
+    base = seconds["defaults (bucket 25 MB)"]
+    rows = []
+    for name, values in seconds.items():
+        ratios = [b / v for b, v in zip(base, values)]
+        rows.append([name, args.global_batch * args.knob_steps / benchlib.median(values),
+                     benchlib.median(ratios), benchlib.spread(ratios)])
+    report.table(f"DDP knobs, paired in one pair of processes ({args.model}, 2 x {per_process}, "
+                 f"blocks of {args.knob_steps} steps x {args.knob_block_rounds} rounds, gloo, "
+                 f"1 thread each)",
+                 ["setting", "img/s (median)", "throughput vs defaults (median)", "range"], rows,
+                 notes=["plain DDP on random 32 px batches: the knobs' effect on DDP itself, "
+                        "every setting measured in the same processes, alternating in blocks; "
+                        "accel_train passes them to DDP as --ddp-bucket-mb, "
+                        "--ddp-grad-as-bucket-view, --ddp-static-graph, --channels-last"])
+    return seconds
+
+
 def main() -> int:
     parser = benchlib.make_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet18")
@@ -132,8 +223,15 @@ def main() -> int:
                         help="also measure the DDP knobs (default: on unless --quick)")
     parser.add_argument("--compile", action="store_true", help="also --compile (slow to start)")
     parser.add_argument("--knob-rounds", type=int, default=None)
+    parser.add_argument("--knob-steps", type=int, default=None,
+                        help="steps per block in the paired in-process knob measurement")
+    parser.add_argument("--knob-block-rounds", type=int, default=None)
     parser.add_argument("--only-knobs", action="store_true",
                         help="skip the scaling arms, measure the knobs only")
+    parser.add_argument("--cli-knobs", action=argparse_bool(), default=True,
+                        help="also run each knob through accelerate launch + accel_train (one "
+                             "launch per knob and round; slower and noisier than the paired "
+                             "in-process measurement)")
     parser.add_argument("--pairs-only", action="store_true",
                         help="only the 2-process accel_train / hand-written pair (smoke tests)")
     parser.add_argument("--tmp", default=tempfile.gettempdir())
@@ -144,6 +242,8 @@ def main() -> int:
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.knobs = (not args.quick) if args.knobs is None else args.knobs
     args.knob_rounds = args.knob_rounds or (1 if args.quick else 2)
+    args.knob_steps = args.knob_steps or (3 if args.quick else 5)
+    args.knob_block_rounds = args.knob_block_rounds or (3 if args.quick else 12)
     if args.steps * args.global_batch > args.max_train:
         parser.error("--steps x --global-batch must fit in --max-train (one epoch)")
     report = benchlib.Report("scaling", "Scaling: 1 vs 2 processes, accel_train vs the seed's "
@@ -152,7 +252,9 @@ def main() -> int:
 
     arms = arms_for(args)
     if args.only_knobs:
-        data = {"knobs": measure_knobs(args, arms, work, report)}
+        data = {"knobs_paired": knobs_in_process(args, report)}
+        if args.cli_knobs:
+            data["knobs"] = measure_knobs(args, arms, work, report)
         report.data["result"] = data
         print(f"wrote {report.save()}")
         return 0
@@ -197,7 +299,9 @@ def main() -> int:
     data = {"arms": results}
 
     if args.knobs:
-        data["knobs"] = measure_knobs(args, arms, work, report)
+        data["knobs_paired"] = knobs_in_process(args, report)
+        if args.cli_knobs:
+            data["knobs"] = measure_knobs(args, arms, work, report)
     report.data["result"] = data
     print(f"wrote {report.save()}")
     return 0

@@ -35,11 +35,13 @@ CASES = {
     "accuracy": [*TINY, "--recipes", "defaults", "--budget", "3", "--pilot-steps", "1",
                  "--eval-samples", "64", "--seed-model", "test_resnet", "--workers", "0",
                  "--max-train", "512"],
+    "threads": [*TINY, "--steps", "1", "--conditions", "quiet"],
     "gpu": ["--quick", "--allow-cpu", "--model", "test_resnet", "--sizes", "32", "--precisions",
             "bf16", "--batch", "8", "--steps", "1", "--rounds", "1"],
 }
 # Longest first, so that the two lanes finish together.
-ORDER = ["overhead", "scaling", "accuracy", "seed", "comm", "data", "checkpoint", "gpu"]
+ORDER = ["overhead", "scaling", "accuracy", "seed", "comm", "data", "threads", "checkpoint",
+         "gpu"]
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +50,13 @@ def bench_runs(tmp_path_factory):
         pytest.fail(f"the shared CIFAR-10 copy is missing at {conftest.SHARED_CIFAR10}")
     env = conftest.test_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning")
 
+    # made here, not in the threads: pytest creates its base temporary folder lazily, and two
+    # threads asking for it at once can each create one (pytest-N and pytest-N+1)
+    outs = {name: tmp_path_factory.mktemp(name) for name in ORDER}
+
     def launch(name):
-        out = tmp_path_factory.mktemp(name)
-        extra = ["--tmp", str(out)] if name not in ("comm", "gpu") else []
+        out = outs[name]
+        extra = ["--tmp", str(out)] if name not in ("comm", "gpu", "threads") else []
         cmd = [sys.executable, str(SCRIPTS / f"bench_{name}.py"), *CASES[name], "--out",
                str(out), *extra]
         try:

@@ -7,6 +7,7 @@ on demand from a Hugging Face dataset (`HFSource`).
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import warnings
@@ -27,6 +28,8 @@ LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "coarse_label", "class", 
 EVAL_SPLIT_NAMES = ("validation", "val", "valid", "test", "eval", "evaluation")
 VAL_CARVE_SEED = 0  # fixed: the held-out set must not change with --seed
 MATERIALIZE_BATCH = 1024  # rows read from Arrow at a time when decoding into memory
+NATIVE_SIZE_PROBE = 32  # images looked at to tell a data set's own image size
+MIXED_SIZE_DEFAULT = 224  # --image-size for data sets of mixed sizes: timm's usual input size
 
 
 class ImageSource:
@@ -43,6 +46,15 @@ class ImageSource:
     def images_at(self, indices) -> list[torch.Tensor]:
         return [self.image(int(index)) for index in indices]
 
+    @functools.cached_property
+    def native_size(self) -> int:
+        """The default --image-size: the images' own (shorter) side when the first few share one
+        size, else 224.  Whether or not the images are decoded in memory: a lazily decoded
+        CIFAR-10 (--in-memory never) is still 32 px."""
+        probe = self.images_at(range(min(len(self), NATIVE_SIZE_PROBE)))
+        shapes = {tuple(image.shape[-2:]) for image in probe}
+        return min(shapes.pop()) if len(shapes) == 1 else MIXED_SIZE_DEFAULT
+
 
 class ArraySource(ImageSource):
     """All images decoded in memory: uint8 [N, 3, H, W]."""
@@ -56,7 +68,7 @@ class ArraySource(ImageSource):
 
     @property
     def native_size(self) -> int:
-        return int(self.images.shape[-1])
+        return int(min(self.images.shape[-2:]))
 
 
 _JPEG_MAGIC = b"\xff\xd8\xff"

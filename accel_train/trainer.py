@@ -181,13 +181,15 @@ class Trainer:
         self._stop_signal: Optional[int] = None
         if precision_warning:
             self.warn(precision_warning)
+        launch_warning = distributed.single_process_launch_warning()
+        if launch_warning:
+            self.warn(launch_warning)
         self._print_summary()
 
     # -- construction -------------------------------------------------------------------------
     def _build_model(self):
         config, data = self.config, self.data
-        native = data.train.native_size if isinstance(data.train, ArraySource) else 224
-        image_size = config.image_size or native
+        image_size = config.image_size or data.train.native_size
         torch.manual_seed(config.seed)  # model init is a function of --seed alone
         model = create_model(config.model, len(data.class_names), config.drop_rate,
                              config.pretrained)

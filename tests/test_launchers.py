@@ -16,6 +16,8 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
+from accel_train import distributed
+
 import conftest
 from conftest import CONFIGS, REPO, free_port
 
@@ -187,3 +189,40 @@ def test_two_machines_on_loopback_with_per_machine_elastic_settings(tmp_path):
     for printed in ("accel_train: test_resnet", "x 2 process(es), gloo", "step 4/4 "):
         assert sorted(stdout.count(printed) for _, stdout, _ in results) == [0, 1], printed
     assert (out / "model.safetensors").exists()
+
+
+# -- accelerate's single-process launcher (--cpu / MULTI_CPU) ----------------------------------
+
+@pytest.mark.parametrize("argv, expected", [
+    (["python", "/venv/bin/accelerate", "launch", "--cpu", "--num_processes", "2", "-m", "x"], 2),
+    (["python", "/venv/bin/accelerate", "launch", "--num-processes=4", "-m", "x"], 4),
+    (["python", "/venv/bin/accelerate", "launch", "-m", "x"], 1),
+])
+def test_processes_requested_are_read_from_the_accelerate_command_line(argv, expected):
+    assert distributed.processes_requested_from_accelerate(argv) == expected
+
+
+def test_no_launch_warning_outside_accelerates_simple_launcher():
+    argv = ["python", "/venv/bin/accelerate", "launch", "--num_processes", "2", "-m", "x"]
+    assert distributed.single_process_launch_warning({}, argv) is None  # plain python
+    assert distributed.single_process_launch_warning(  # the multi-process launcher
+        {"ACCELERATE_USE_CPU": "False", "WORLD_SIZE": "2", "RANK": "0"}, argv) is None
+    assert distributed.single_process_launch_warning(  # mpirun starts them: not ours to judge
+        {"ACCELERATE_USE_CPU": "True"}, [*argv, "--mpirun_hostfile", "hosts"]) is None
+
+
+def test_multi_cpu_yaml_asking_for_two_processes_warns_that_one_trains(tmp_path):
+    """The real thing: accelerate launch with distributed_type MULTI_CPU and num_processes 2
+    starts ONE process (DESIGN.md); the user must be told, with the configuration that works."""
+    config = yaml.safe_load((CONFIGS / "cpu_2proc.yaml").read_text())
+    config.update(distributed_type="MULTI_CPU", use_cpu=True)
+    multi_cpu = tmp_path / "multi_cpu.yaml"
+    multi_cpu.write_text(yaml.safe_dump(config))
+    result = conftest.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(multi_cpu), "-m", "accel_train", *TINY, "--output-dir",
+                           str(tmp_path / "run")], check=True)
+    output = result.stdout + result.stderr
+    assert "asked for 2 processes but started ONE" in output, output[-3000:]
+    assert "cpu_2proc.yaml" in output
+    resolved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert resolved["resolved"]["launcher"]["process_group_world_size"] == 1

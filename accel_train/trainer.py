@@ -41,13 +41,15 @@ from .track import (METRICS_FILE, TRACKERS_DIR, MetricsLog, Progress, check_trac
 from .transforms import ImageTransform
 
 
-def resolve_precision(requested: str, cuda: bool) -> tuple[str, Optional[str]]:
-    """The precision that will really run, and a warning when it is not the one asked for."""
+def resolve_precision(requested: str, cuda: bool,
+                      activity: str = "trains") -> tuple[str, Optional[str]]:
+    """The precision that will really run, and a warning when it is not the one asked for
+    (`activity`: what this run does in that precision, "trains" or "evaluates")."""
     if requested == "fp16" and not cuda:
-        return "no", ("--mixed-precision fp16 needs a CUDA device; this run trains in fp32 "
+        return "no", (f"--mixed-precision fp16 needs a CUDA device; this run {activity} in fp32 "
                       "(use --mixed-precision bf16 for reduced precision on CPU)")
     if requested == "bf16" and cuda and not torch.cuda.is_bf16_supported():
-        return "no", "this GPU has no bf16 support; this run trains in fp32"
+        return "no", f"this GPU has no bf16 support; this run {activity} in fp32"
     return requested, None
 
 

@@ -233,7 +233,10 @@ def main() -> int:
                              "launch per knob and round; slower and noisier than the paired "
                              "in-process measurement)")
     parser.add_argument("--pairs-only", action="store_true",
-                        help="only the 2-process accel_train / hand-written pair (smoke tests)")
+                        help="only the 2-process accel_train / hand-written pair (smoke tests, or "
+                             "more rounds of the comparison that has the target)")
+    parser.add_argument("--with-accumulation", action="store_true",
+                        help="with --pairs-only: also the pair with accumulation 2")
     parser.add_argument("--tmp", default=tempfile.gettempdir())
     args = parser.parse_args()
     benchlib.check_cifar(args.data_dir)
@@ -259,7 +262,8 @@ def main() -> int:
         print(f"wrote {report.save()}")
         return 0
     if args.pairs_only:
-        arms = [a for a in arms if a.procs == 2 and a.accum == 1 and not a.flags]
+        accumulations = (1, 2) if args.with_accumulation else (1,)
+        arms = [a for a in arms if a.procs == 2 and a.accum in accumulations and not a.flags]
     results: dict[str, list[dict]] = {arm.name: [] for arm in arms}
     for order in benchlib.round_orders([a.name for a in arms], args.rounds):
         for name in order:

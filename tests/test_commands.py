@@ -83,6 +83,9 @@ def test_eval_of_a_run_repeats_its_last_epoch_numbers(run_dir, capsys):
         assert any(line.split()[:1] == [name] for line in out.splitlines()), name
     result = eval_json(capsys, str(run_dir))
     assert result["top1"] == pytest.approx(epoch["eval_top1"])
+    if not torch.cuda.is_available():  # fp16 cannot run here: eval says so, in its own words
+        code, out, err = command(capsys, "eval", str(run_dir), "--mixed-precision", "fp16")
+        assert code == 0 and "this run evaluates in fp32" in out + err
     assert result["top5"] == pytest.approx(epoch["eval_top5"])
     assert sum(c["images"] for c in result["per_class"].values()) == result["count"] == 64
 
@@ -136,6 +139,20 @@ def test_predict_table_and_json_lines(run_dir, image_folder, capsys):
     top = rows[0]["predictions"][0]
     assert row.startswith(str(one)) and f"{top['class']}" in row
     assert f"{top['probability']:.1%}" in row
+
+
+def test_predict_reports_an_unreadable_image_and_predicts_the_others(run_dir, image_folder,
+                                                                     tmp_path, capsys):
+    folder = tmp_path / "mixed"
+    shutil.copytree(image_folder / "ring", folder)
+    (folder / "0_broken.png").write_bytes(b"\x89PNG broken")  # sorted first
+    code, out, err = command(capsys, "predict", str(run_dir), str(folder), "--json")
+    rows = [json.loads(line) for line in out.strip().splitlines()]
+    assert code == 2 and rows[0]["image"].endswith("0_broken.png") and "error" in rows[0]
+    predicted = [row for row in rows if "predictions" in row]
+    assert len(predicted) == len(list((image_folder / "ring").glob("*.png"))) > 0
+    assert err.strip().splitlines()[-1].startswith("accel_train: error: 1 of ")
+    assert "0_broken.png cannot be decoded" in err
 
 
 def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_path, capsys):

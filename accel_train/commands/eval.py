@@ -158,7 +158,7 @@ def main(argv: Sequence[str]) -> int:
     env = distributed.setup(TrainConfig())  # starts the process group when launched
     try:
         cuda = torch.cuda.is_available()
-        precision, warning = resolve_precision(args.mixed_precision, cuda)
+        precision, warning = resolve_precision(args.mixed_precision, cuda, "evaluates")
         acc = Accelerator(cpu=not cuda, mixed_precision=precision)
         if warning:
             print_on_main(acc, f"warning: {warning}")

@@ -2,7 +2,8 @@
 
 Images are prepared exactly as training prepared its held-out images (resized to the model's
 size, normalized with its mean/std).  Folders are searched recursively for image files.  Output
-is a table, or with --json one JSON object per line (for scripts).
+is a table, or with --json one JSON object per line (for scripts).  An image that cannot be
+read is reported in its row and the others are still predicted; the exit code is then 2.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def find_images(inputs: Sequence[str]) -> list[Path]:
 
 
 def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device):
-    """Yields (image path, [(class index, probability), ...] best first)."""
+    """Yields (image path, [(class index, probability), ...] best first, None), or for an image
+    that cannot be read (path, None, why): one bad file among thousands must not cost the
+    predictions for the rest."""
     import torch
 
     from ..sources import decode_image
@@ -64,14 +67,21 @@ def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device
     transform = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
     k = min(top_k, spec.num_classes)
     for start in range(0, len(images), batch_size):
-        chunk = images[start:start + batch_size]
-        batch = torch.stack([transform(decode_image({"path": str(p), "bytes": None}, str(p)))
-                             for p in chunk]).to(device)
+        readable, tensors = [], []
+        for path in images[start:start + batch_size]:
+            try:
+                tensors.append(transform(decode_image({"path": str(path), "bytes": None},
+                                                      str(path))))
+                readable.append(path)
+            except UsageError as err:
+                yield path, None, str(err)
+        if not tensors:
+            continue
         with torch.no_grad():
-            probabilities = model(batch).float().softmax(dim=1)
+            probabilities = model(torch.stack(tensors).to(device)).float().softmax(dim=1)
         best = probabilities.topk(k, dim=1)
-        for path, values, indices in zip(chunk, best.values.tolist(), best.indices.tolist()):
-            yield path, list(zip(indices, values))
+        for path, values, indices in zip(readable, best.values.tolist(), best.indices.tolist()):
+            yield path, list(zip(indices, values)), None
 
 
 def _table_header(k: int, path_width: int, name_width: int) -> str:
@@ -101,10 +111,19 @@ def main(argv: Sequence[str]) -> int:
     if not args.json:
         print(f"model: {trained.spec.model_name} from {trained.description}; {len(images)} "
               f"image(s)\n\n{_table_header(min(args.top_k, len(names)), path_width, name_width)}")
-    for path, ranked in predict(model, trained.spec, images, args.top_k, args.batch_size, device):
-        if args.json:
+    failures: list[str] = []
+    for path, ranked, error in predict(model, trained.spec, images, args.top_k,
+                                       args.batch_size, device):
+        if error is not None:
+            failures.append(error)
+            print(json.dumps({"image": str(path), "error": error}) if args.json
+                  else f"{str(path):<{path_width}}  (not predicted: cannot be decoded)")
+        elif args.json:
             print(json.dumps({"image": str(path), "predictions": [
                 {"class": names[i], "index": i, "probability": round(p, 6)} for i, p in ranked]}))
         else:
             print(_table_row(path, ranked, names, path_width, name_width))
+    if failures:  # the others were predicted; the exit code still tells scripts that some were not
+        raise UsageError(f"{len(failures)} of {len(images)} image(s) could not be read, first: "
+                         f"{failures[0]}")
     return 0

@@ -143,7 +143,9 @@ class TrainConfig:
     ddp_bucket_mb: float = option(25.0, "DDP gradient bucket size in MB: gradients are "
                                   "all-reduced bucket by bucket while backward runs.",
                                   "distributed")
-    ddp_grad_as_bucket_view: bool = option(False, "DDP gradient_as_bucket_view: gradients are "
+    # On by default: in every paired measurement here it was the one knob that helped (1.06-1.11x
+    # with 2 gloo processes), and on GPUs it saves a gradient-sized buffer.  Same math either way.
+    ddp_grad_as_bucket_view: bool = option(True, "DDP gradient_as_bucket_view: gradients are "
                                            "views into the all-reduce buckets (saves one copy "
                                            "and the memory of the gradients).", "distributed")
     ddp_static_graph: bool = option(False, "DDP static_graph: the set of used parameters never "

@@ -108,7 +108,7 @@ def seed_arm(args) -> dict:
 
 
 def main() -> int:
-    parser = benchlib.make_parser(__doc__.splitlines()[0])
+    parser = benchlib.make_parser(__doc__)
     parser.add_argument("--budget", type=float, default=None, help="seconds of training")
     parser.add_argument("--recipes", nargs="*", default=None, choices=list(RECIPES))
     parser.add_argument("--model", default=None, help="accel_train's model for every recipe "

@@ -132,7 +132,7 @@ def measure(model: str, args, work: Path) -> dict:
 
 
 def main() -> int:
-    parser = benchlib.make_parser(__doc__.splitlines()[0])
+    parser = benchlib.make_parser(__doc__)
     parser.add_argument("--models", nargs="*", default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--step-repeats", type=int, default=None)

@@ -134,7 +134,7 @@ def human(size: int) -> str:
 
 
 def main() -> int:
-    parser = benchlib.make_parser(__doc__.splitlines()[0])
+    parser = benchlib.make_parser(__doc__)
     parser.add_argument("--model", default="resnet18", help="its gradient size is the largest "
                         "message")
     parser.add_argument("--worlds", type=int, nargs="*", default=None)

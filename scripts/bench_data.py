@@ -229,7 +229,7 @@ def trainer_data_wait(args, report) -> dict:
 
 
 def main() -> int:
-    parser = benchlib.make_parser(__doc__.splitlines()[0])
+    parser = benchlib.make_parser(__doc__)
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--decode-images", type=int, default=None)
     parser.add_argument("--pipeline-images", type=int, default=None)

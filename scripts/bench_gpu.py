@@ -141,7 +141,7 @@ def measure(args, size: int, precision: str, device, work: Path) -> dict:
 
 
 def main() -> int:
-    parser = benchlib.make_parser(__doc__.splitlines()[0])
+    parser = benchlib.make_parser(__doc__)
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--sizes", type=int, nargs="*", default=[224, 336])
     parser.add_argument("--precisions", nargs="*", default=["bf16", "fp16"],

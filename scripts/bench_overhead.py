@@ -207,7 +207,7 @@ def memory(args, report: benchlib.Report) -> dict:
 
 
 def main() -> int:
-    parser = benchlib.make_parser(__doc__.splitlines()[0])
+    parser = benchlib.make_parser(__doc__)
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per block")

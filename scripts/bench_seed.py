@@ -56,7 +56,7 @@ def accel_arm(procs: int, args, work: Path) -> dict:
 
 
 def main() -> int:
-    parser = benchlib.make_parser(__doc__.splitlines()[0])
+    parser = benchlib.make_parser(__doc__)
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--images", type=int, default=None, help="training images per epoch")
     parser.add_argument("--epochs", type=int, default=None)

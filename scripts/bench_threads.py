@@ -73,7 +73,7 @@ def measure(setting: dict, busy: bool, args) -> dict:
 
 
 def main() -> int:
-    parser = benchlib.make_parser(__doc__.splitlines()[0])
+    parser = benchlib.make_parser(__doc__)
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)

@@ -39,7 +39,9 @@ TWO_PROCESS_CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 
 
 # -- command line and output ------------------------------------------------------------------
-def make_parser(description: str) -> argparse.ArgumentParser:
+def make_parser(module_doc: str) -> argparse.ArgumentParser:
+    """The options every benchmark has; --help describes it by its docstring's first paragraph."""
+    description = " ".join(module_doc.split("\n\n")[0].split())
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--quick", action="store_true",

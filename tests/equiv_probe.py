@@ -106,7 +106,9 @@ def accumulation_check(trainer: Trainer) -> dict:
     trainer.train()
     return {"micro_steps": micro_steps, "optimizer_steps": trainer.state.step,
             "world_size": dist.get_world_size(),
-            "accumulation_steps": trainer.config.accumulation_steps}
+            "accumulation_steps": trainer.config.accumulation_steps,
+            # accel_train's default, which must reach the DDP wrapper Accelerate built
+            "gradient_as_bucket_view": trainer.model.gradient_as_bucket_view}
 
 
 def main() -> int:

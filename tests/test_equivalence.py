@@ -287,6 +287,7 @@ def test_accumulation_equals_the_larger_batch_and_skips_the_allreduce(runs, prob
     for rank in probe:
         acc = rank["accumulation"]
         assert acc["world_size"] == 2 and acc["accumulation_steps"] == 2
+        assert acc["gradient_as_bucket_view"] is True, "the default must reach DDP"
         assert acc["optimizer_steps"] == STEPS
         micro = acc["micro_steps"]
         assert len(micro) == 2 * STEPS

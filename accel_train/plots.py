@@ -116,9 +116,11 @@ def _plot_throughput(plt, train, resumes, run_name, path: Path):
         speed_ax.axhline(median, color="tab:blue", linestyle=":", linewidth=1,
                          label=f"median {median:.0f} images/s")
         speed_ax.set_ylim(bottom=0)
-        wait_ax.plot(steps, [100 * r["data_wait"] for r in train], color="tab:red",
-                     marker=marker, markersize=3)
-        wait_ax.set_ylim(0, 101)
+        waits = [100 * r["data_wait"] for r in train]
+        wait_ax.plot(steps, waits, color="tab:red", marker=marker, markersize=3)
+        # Up to 10% on a fixed 0-10 scale, so that 0.5% reads as small but not as nothing and
+        # runs compare at a glance; beyond that the axis follows the data up to 100%.
+        wait_ax.set_ylim(0, min(101, max(10, 1.15 * max(waits))))
 
     _step_figure(plt, path, "Throughput (training images per second)", run_name, resumes,
                  ("images / s", "waiting for data (%)"), draw)

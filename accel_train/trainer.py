@@ -181,6 +181,12 @@ class Trainer:
             acc.init_trackers("accel_train", config={k: v for k, v in config.to_dict().items()
                                                      if isinstance(v, (int, float, str, bool))})
         self._stop_signal: Optional[int] = None
+        # The ranks agree on stopping once per optimizer step.  On a CPU (gloo) group, so that
+        # under NCCL the one-number all-reduce and its .item() do not make the host wait for the
+        # GPU every step (the loop otherwise never syncs per step; see _Window).  Every rank
+        # builds it here, in the same order, as new_group requires.
+        self._control_group = (dist.new_group(backend="gloo") if acc.num_processes > 1
+                               else None)
         if precision_warning:
             self.warn(precision_warning)
         launch_warning = distributed.single_process_launch_warning()
@@ -530,8 +536,9 @@ class Trainer:
         local = 0 if self._stop_signal is None else self._stop_signal
         if self.accelerator.num_processes == 1:
             return local != 0
-        flag = torch.tensor([local], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(flag, "max").item())
+        flag = torch.tensor([local], dtype=torch.int32)  # on the CPU: see _control_group
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control_group)
+        return bool(flag.item())
 
     def _stop_for_signal(self) -> int:
         path = self.save_checkpoint()

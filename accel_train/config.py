@@ -143,8 +143,8 @@ class TrainConfig:
     ddp_bucket_mb: float = option(25.0, "DDP gradient bucket size in MB: gradients are "
                                   "all-reduced bucket by bucket while backward runs.",
                                   "distributed")
-    # On by default: in every paired measurement here it was the one knob that helped (1.06-1.11x
-    # with 2 gloo processes), and on GPUs it saves a gradient-sized buffer.  Same math either way.
+    # On by default: the one knob that helped with 2 gloo processes (1.04-1.11x in three of four
+    # measurements, BENCHMARKS.md), and on GPUs it saves a gradient-sized buffer.  Same math.
     ddp_grad_as_bucket_view: bool = option(True, "DDP gradient_as_bucket_view: gradients are "
                                            "views into the all-reduce buckets (saves one copy "
                                            "and the memory of the gradients).", "distributed")

@@ -534,7 +534,7 @@ class Trainer:
     def _stop_requested_anywhere(self) -> bool:
         """All ranks agree to stop at the same optimizer step (one tiny all-reduce per step)."""
         local = 0 if self._stop_signal is None else self._stop_signal
-        if self.accelerator.num_processes == 1:
+        if self._control_group is None:  # one process: nobody to agree with
             return local != 0
         flag = torch.tensor([local], dtype=torch.int32)  # on the CPU: see _control_group
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control_group)

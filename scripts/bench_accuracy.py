@@ -50,9 +50,8 @@ def pilot_rate(flags: list[str], args, work: Path) -> float:
                   "--output-dir", str(out), "--max-steps", str(steps), "--log-every",
                   str(LOG_EVERY), "--max-eval-samples", "64", "--progress", "log", "--no-plots",
                   *flags], env=benchlib.child_env(), timeout=1800)
-    rates = [r["img_per_s"] for r in benchlib.read_jsonl(out / "metrics.jsonl")
-             if r.get("type") == "train"]
-    return benchlib.median(rates[1:] or rates)
+    windows = benchlib.steady_windows(benchlib.read_jsonl(out / "metrics.jsonl"))
+    return benchlib.median([w["img_per_s"] for w in windows])
 
 
 def recipe_flags(name: str, args) -> list[str]:

@@ -21,12 +21,11 @@ import os
 import pickle
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import UsageError
-from .testhooks import maybe_stall_save
 
 MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.json"
@@ -57,6 +56,13 @@ class TrainerState:
 
     def to_json(self) -> dict:
         return {**asdict(self), "global_batch": self.global_batch}
+
+    def continued_on(self, world_size: int, batch_size: int,
+                     accumulation_steps: int) -> "TrainerState":
+        """This state, taken whole, as the run goes on with another process layout (the same
+        global batch: see resume.py).  Whole, so a field added later is never dropped."""
+        return replace(self, world_size=world_size, batch_size=batch_size,
+                       accumulation_steps=accumulation_steps)
 
     @classmethod
     def from_json(cls, data: dict) -> "TrainerState":
@@ -164,98 +170,16 @@ def recover_interrupted_saves(root: Path, warn: Callable[[str], None]) -> None:
     _fsync(root)
 
 
-def set_aside_newer(root: Path, step: int, warn: Callable[[str], None]) -> None:
-    """Main process, when resuming from `step`: checkpoints of later steps belong to a future
-    that is about to be redone.  Left in place they would be taken by the next `--resume auto`
-    (if valid) or outrank the new ones when pruning (if not); renamed, they are kept for
-    inspection but never loaded or pruned."""
-    for path in list_checkpoints(root):
-        if int(NAME_PATTERN.match(path.name).group(1)) <= step:
-            continue
-        target = root / (SUPERSEDED_PREFIX + path.name)
-        suffix = 1
-        while target.exists():
-            suffix += 1
-            target = root / f"{SUPERSEDED_PREFIX}{path.name}.{suffix}"
-        os.replace(path, target)
-        warn(f"{path} is newer than the checkpoint resumed from: moved it to {target.name}")
-
-
-def resolve_resume(root: Path, resume: str, warn: Callable[[str], None]) -> Optional[Path]:
-    """'auto' -> newest valid checkpoint under root, or None; a path -> that checkpoint (or the
-    newest valid one in that folder), verified, else a UsageError.  Main process only.
-    Killed saves under root are finished or discarded first; never when the input is bad."""
-    if resume == "auto":
-        recover_interrupted_saves(root, warn)
-        return find_latest_valid(root, warn)
-    chosen = _resolve_path(resume, warn)
-    recover_interrupted_saves(root, warn)
-    return chosen
-
-
-def _resolve_path(resume: str, warn: Callable[[str], None]) -> Path:
-    path = Path(resume)
-    if NAME_PATTERN.match(path.name) is None and list_checkpoints(path):
-        latest = find_latest_valid(path, warn)  # a checkpoints folder was given
-        if latest is None:
-            raise UsageError(f"--resume {resume}: no valid checkpoint in that folder; pass "
-                             f"another folder, or --resume auto to start over if none is left")
-        return latest
-    if not path.is_dir():
-        raise UsageError(f"--resume {resume}: no such checkpoint folder; pass a step_XXXXXXXX "
-                         f"folder, its parent, or 'auto'")
-    problem = verify(path)
-    if problem is not None:
-        raise UsageError(f"--resume {resume}: checkpoint is not usable ({problem}); pass "
-                         f"another one or --resume auto")
-    return path
-
-
-def accumulation_for(previous: TrainerState, batch_size: int, num_processes: int) -> int:
-    """The accumulation steps that keep the checkpoint's global batch with this batch size and
-    process count; a UsageError naming settings that would work when none does."""
-    target = previous.global_batch
-    per_step = batch_size * num_processes
-    if target % per_step == 0:
-        return target // per_step
-    batch_options = []
-    if target % num_processes == 0:
-        per_proc = target // num_processes
-        batch_options = [b for b in range(per_proc, 0, -1) if per_proc % b == 0][:4]
-    proc_options = [p for p in range(1, target // batch_size + 1)
-                    if target % (batch_size * p) == 0][-4:]
-    hints = []
-    if batch_options:
-        hints.append(f"--batch-size {' or '.join(map(str, batch_options))} on {num_processes} "
-                     f"process(es)")
-    if proc_options:
-        hints.append(f"{' or '.join(map(str, proc_options))} process(es) with --batch-size "
-                     f"{batch_size}")
-    hint = "; or ".join(hints) if hints else f"a batch size and process count dividing {target}"
-    raise UsageError(
-        f"the checkpoint was trained with a global batch of {target} ({previous.batch_size} x "
-        f"{previous.world_size} process(es) x {previous.accumulation_steps} accumulation), which "
-        f"--batch-size {batch_size} on {num_processes} process(es) cannot make with whole "
-        f"accumulation steps; use {hint}")
-
-
-def check_same_data_order(previous: TrainerState, seed: int, train_samples: int) -> None:
-    """The epoch's order is a function of the seed and the training set: with either changed,
-    skipping the samples already used would skip other ones, and some would be used twice."""
-    if previous.seed != seed:
-        raise UsageError(f"the checkpoint was trained with --seed {previous.seed}; resume with "
-                         f"the same seed (got {seed}), or start a new run")
-    if previous.train_samples and previous.train_samples != train_samples:
-        raise UsageError(f"the checkpoint was trained on {previous.train_samples} training "
-                         f"images but this start has {train_samples}; resume with the same data "
-                         f"options (--max-train-samples, --val-fraction, ...), or start a new run")
-
-
 class Checkpointer:
     """Saves and loads through the Accelerator; every rank calls save/load together."""
 
-    def __init__(self, accelerator, root: Path, keep: int, warn: Callable[[str], None]):
+    def __init__(self, accelerator, root: Path, keep: int, warn: Callable[[str], None],
+                 before_manifest: Optional[Callable[[int, Path], None]] = None):
+        """`before_manifest(step, folder)`, if given, runs on the main process once every file
+        of a save is written and before its manifest makes it count (a seam: the fault tests
+        kill a save there)."""
         self.accelerator, self.root, self.keep, self.warn = accelerator, Path(root), keep, warn
+        self.before_manifest = before_manifest
 
     def save(self, state: TrainerState) -> Path:
         acc = self.accelerator
@@ -268,7 +192,8 @@ class Checkpointer:
         acc.save_state(str(tmp), safe_serialization=True)
         acc.wait_for_everyone()  # every rank's RNG file is on disk before the manifest
         if acc.is_main_process:
-            maybe_stall_save(state.step, self.warn)
+            if self.before_manifest is not None:
+                self.before_manifest(state.step, tmp)
             write_manifest(tmp, state)
             self._publish(tmp, final)
             self._prune()
@@ -331,28 +256,3 @@ def _refusal(path: Path, err: Exception) -> str:
             f"load it ({first_line})")
 
 
-def check_fresh_checkpoint_dir(root: Path) -> None:
-    """A new run must not write into (and prune) another run's checkpoints."""
-    if list_checkpoints(root):
-        raise UsageError(f"--checkpoint {root} already holds checkpoints of another run; pass "
-                         f"--resume auto to continue it, or choose another --checkpoint folder")
-
-
-# -- which elastic job a run directory belongs to ------------------------------------------------
-JOB_ID_FILE = "elastic_run_id"  # the rendezvous id (--rdzv-id) of the job that started the run
-
-
-def record_elastic_job(output_dir: Path, run_id: str) -> None:
-    """Main process, once the run has started: remember which torchelastic job owns it."""
-    if run_id not in ("", "none") and not (Path(output_dir) / JOB_ID_FILE).exists():
-        (Path(output_dir) / JOB_ID_FILE).write_text(run_id + "\n")
-
-
-def started_by_elastic_job(output_dir: Optional[str], run_id: str) -> bool:
-    """True when `output_dir` holds a run started by the torchelastic job `run_id`: a new round
-    of that job (after a membership change the agents restart workers without counting a
-    restart, and a machine that joins later counts from 0) must continue it, not refuse it."""
-    if not output_dir or run_id in ("", "none"):
-        return False
-    marker = Path(output_dir) / JOB_ID_FILE
-    return marker.is_file() and marker.read_text().strip() == run_id

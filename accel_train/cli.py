@@ -21,7 +21,8 @@ GROUP_TITLES = {
     "model": "model",
     "optimization": "optimization",
     "output": "output, logging and checkpoints",
-    "distributed": "distributed (the seed manual's flags; launchers set the real values)",
+    "distributed": "distributed (the launcher sets the real values; these are checked against "
+                   "it) and DDP tuning",
 }
 _TYPES = {"int": int, "float": float, "str": str}
 TRAIN_SUMMARY = "train an image classifier (the default; options below)"
@@ -35,12 +36,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _field_flags(f) -> tuple[list[str], list[str]]:
-    """(spellings shown in --help, accepted-but-hidden spellings): every option also takes the
-    seed manual's --under_score form; listing both doubled the help's length."""
+    """(spellings shown in --help, accepted-but-hidden spellings).  Every spelling is shown:
+    --dash-name first, then the --underscore_name of the seed manual (the classic PyTorch DDP
+    script's manual: --batch_size, --learning_rate, ...), then any extra alias, because people
+    coming from that manual search --help for the underscore names.  Nothing is hidden."""
     dash = "--" + f.name.replace("_", "-")
-    spellings = list(dict.fromkeys([dash, "--" + f.name, *f.metadata.get("flags", ())]))
-    shown = [flag for flag in spellings if "_" not in flag]
-    return shown, [flag for flag in spellings if flag not in shown]
+    return list(dict.fromkeys([dash, "--" + f.name, *f.metadata.get("flags", ())])), []
 
 
 def _describe_default(value) -> str:
@@ -117,24 +118,32 @@ def build_train_parser(prog: str = "accel-train train") -> argparse.ArgumentPars
                      description="Train an image classifier (any timm model) with "
                      "Hugging Face Accelerate, on one device or many.",
                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                     epilog="Every option also takes the seed manual's spelling with underscores "
-                            "(--batch_size, --learning_rate, ...), and\n"
-                            "--gradient_accumulation_steps and --sync_batchnorm are accepted.\n"
-                            "Launch on many processes with accelerate launch, torchrun or python "
-                            "-m torch.distributed.launch; see README.md.")
+                     epilog="Every option is listed in both spellings (--batch-size, "
+                            "--batch_size). The underscore names are\nthose of the seed manual: "
+                            "the manual of the classic PyTorch distributed training script (DDP,"
+                            "\nmixed "
+                            "precision, gradient accumulation), whose flags --epochs --batch_size "
+                            "--learning_rate\n--accumulation_steps --checkpoint --world_size "
+                            "--rank --gpu_ids --dist_url keep their meaning\nhere (--checkpoint "
+                            "names a folder, not a file).\n"
+                            "Which value wins: defaults < the accelerate config's mixed_precision "
+                            "< --config RUN.yaml < flags.\n"
+                            "Many processes or machines: accelerate launch, torchrun, python -m "
+                            "torch.distributed.launch, or\naccel-train launch (elastic settings); "
+                            "see docs/distributed.md.")
     add_train_options(parser)
     return parser
 
 
-def _run_train(argv: Sequence[str]) -> int:
+def _run_train(argv: Sequence[str], callbacks=None) -> int:
     config = config_from_args(build_train_parser().parse_args(argv))
     from .trainer import run_training  # heavy imports only once the input is known good
-    return run_training(config)
+    return run_training(config, callbacks)
 
 
-def _subcommands() -> dict[str, Callable[[Sequence[str]], int]]:
+def _subcommands(callbacks=None) -> dict[str, Callable[[Sequence[str]], int]]:
     from .commands import subcommands
-    return {"train": _run_train, **subcommands()}
+    return {"train": lambda argv: _run_train(argv, callbacks), **subcommands()}
 
 
 def _one_line(err: UsageError) -> str:
@@ -146,9 +155,11 @@ def _one_line(err: UsageError) -> str:
     return " ".join(text.split("\n"))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, callbacks=None) -> int:
+    """The command line.  `callbacks` (trainer.Callbacks) reach the training loop: the seam
+    through which a program that wraps this CLI (the fault-injection tests) observes a run."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = _subcommands()
+    commands = _subcommands(callbacks)
     if argv and argv[0] in commands:
         name, rest = argv[0], argv[1:]
     elif argv and not argv[0].startswith("-"):  # train takes no positional argument

@@ -44,12 +44,15 @@ class TrainConfig:
                                      "datasets save_to_disk folder, or an image folder (class "
                                      "subfolders, optionally under train/ val/ test/). Overrides "
                                      "--dataset.", "data")
-    image_column: Optional[str] = option(None, "Image column (default: found by name/type).", "data")
-    label_column: Optional[str] = option(None, "Label column (default: found by name/type).", "data")
+    image_column: Optional[str] = option(None, "Image column (default: found by name/type).",
+                                         "data")
+    label_column: Optional[str] = option(None, "Label column (default: found by name/type).",
+                                         "data")
     val_fraction: float = option(0.1, "Fraction of train carved off (deterministically, seed 0) "
                                  "as held-out data when the data has no validation/test split.",
                                  "data")
-    max_train_samples: Optional[int] = option(None, "Use only the first N training samples.", "data")
+    max_train_samples: Optional[int] = option(None, "Use only the first N training samples.",
+                                              "data")
     max_eval_samples: Optional[int] = option(None, "Use only the first N held-out samples.", "data")
     synthetic_train_size: int = option(4000, "Training images in the synthetic dataset.", "data")
     in_memory: str = option("auto", "Decode images once into memory and augment tensors "
@@ -74,7 +77,8 @@ class TrainConfig:
     freeze_backbone: bool = option(False, "Train only the classifier head (transfer learning).",
                                    "model")
     sync_bn: bool = option(False, "Synchronize BatchNorm statistics across processes (gloo on "
-                           "CPU, torch SyncBatchNorm on CUDA).", "model", flags=("--sync_batchnorm",))
+                           "CPU, torch SyncBatchNorm on CUDA).", "model",
+                           flags=("--sync_batchnorm",))
     channels_last: bool = option(False, "Use channels_last memory format for images and model.",
                                  "model")
     drop_rate: float = option(0.0, "Dropout before the classifier.", "model")

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from .errors import UsageError
 from .sources import ArraySource, ImageSource
 from .transforms import ImageTransform, single_threaded
 
@@ -24,30 +26,40 @@ STATS_SAMPLE = 5000  # images used to estimate the dataset's mean/std
 
 
 class SampleBatch(Sequence):
-    """The (image, label) pairs of one batch, built as a batch: a sequence of samples to any
-    reader (default_collate included), while `collate_batch` hands the loader the stacked
-    tensors it already holds, with no unbinding and re-stacking."""
+    """The (image, label[, key]) samples of one batch, built as a batch: a sequence of samples
+    to any reader (default_collate included), while `collate_batch` hands the loader the
+    stacked tensors it already holds, with no unbinding and re-stacking."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
-        self.images, self.labels = images, labels
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor,
+                 keys: torch.Tensor | None = None):
+        self.images, self.labels, self.keys = images, labels, keys
 
     def __len__(self) -> int:
         return len(self.labels)
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        if self.keys is None:
+            return self.images, self.labels
+        return self.images, self.labels, self.keys
+
     def __getitem__(self, position):
         if isinstance(position, slice):
             return [self[i] for i in range(len(self))[position]]
-        return self.images[position], self.labels[position]
+        return tuple(tensor[position] for tensor in self.tensors())
 
 
 def collate_batch(samples):
     if isinstance(samples, SampleBatch):
-        return samples.images, samples.labels
+        return samples.tensors()
     return default_collate(samples)
 
 
 class TrainImages(Dataset):
-    """Indexed by sampler keys `epoch * N + index`; returns (image tensor, label).
+    """Indexed by sampler keys `epoch * N + index`; returns (image tensor, label, key).
+
+    The key rides along to the training loop, which hands each micro-batch's keys to whoever
+    wants to know exactly which samples were trained on (the loader prefetches, so the sampler's
+    own order says what was *fetched*, not what was trained before a stop).
 
     The DataLoader asks for a whole batch of keys at once (`__getitems__`): in-memory images are
     then gathered and augmented as one tensor, which keeps the input pipeline a small fraction of
@@ -62,7 +74,7 @@ class TrainImages(Dataset):
     def __getitem__(self, key: int):
         epoch, index = divmod(int(key), len(self.source))
         return (self.transform(self.source.image(index), (self.seed, epoch, index)),
-                self.source.labels[index])
+                self.source.labels[index], int(key))
 
     @single_threaded
     def __getitems__(self, keys: list[int]):
@@ -76,10 +88,10 @@ class TrainImages(Dataset):
             else:
                 batch = torch.stack([self.transform(image, (self.seed, int(epoch), int(index)))
                                      for image, epoch, index in zip(images, epochs, indices)])
-            return SampleBatch(batch, self.source.labels[indices])
-        images = self.transform.batch(self.source.images.index_select(0, indices), self.seed, epochs.numpy(),
-                                      indices.numpy())
-        return SampleBatch(images, self.source.labels[indices])
+            return SampleBatch(batch, self.source.labels[indices], keys)
+        images = self.transform.batch(self.source.images.index_select(0, indices), self.seed,
+                                      epochs.numpy(), indices.numpy())
+        return SampleBatch(images, self.source.labels[indices], keys)
 
 
 class EvalImages(Dataset):
@@ -148,7 +160,8 @@ def dataset_mean_std(source: ImageSource) -> tuple[tuple[float, ...], tuple[floa
             num_pixels += image.shape[1] * image.shape[2]
         mean = total / num_pixels
         std = (total_sq / num_pixels - mean * mean).clamp_min(1e-12).sqrt()
-    return tuple(round(float(v), 4) for v in mean), tuple(round(float(max(v, 1e-3)), 4) for v in std)
+    return (tuple(round(float(v), 4) for v in mean),
+            tuple(round(float(max(v, 1e-3)), 4) for v in std))
 
 
 def default_num_workers(source: ImageSource, processes_per_machine: int) -> int:
@@ -169,3 +182,42 @@ def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_fa
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
                       drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
                       collate_fn=collate_batch, **extra)
+
+
+@dataclass
+class Loaders:
+    """The training and held-out loaders of a run, before `accelerator.prepare`."""
+
+    train: DataLoader
+    eval: DataLoader
+    sampler: EpochSampler
+    num_workers: int
+    global_batch: int     # one optimizer step: batch x processes x accumulation
+    steps_per_epoch: int  # optimizer steps
+
+
+def build_loaders(config, data, spec, num_processes: int, processes_per_machine: int,
+                  pin_memory: bool) -> Loaders:
+    """Seeded, augmented training batches in an order that is a function of (seed, epoch), and
+    the held-out batches; a UsageError when the data cannot fill one global batch."""
+    global_batch = config.batch_size * num_processes * config.accumulation_steps
+    if len(data.train) < global_batch:
+        raise UsageError(f"the training set has {len(data.train)} images, fewer than one global "
+                         f"batch of {global_batch} (batch_size x processes x "
+                         f"accumulation_steps); lower --batch-size")
+    if len(data.eval) == 0:
+        raise UsageError("the held-out split is empty; raise --val-fraction or "
+                         "--max-eval-samples")
+    train_tf = ImageTransform(spec.image_size, spec.mean, spec.std, augment=config.augment)
+    eval_tf = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
+    workers = config.num_workers if config.num_workers is not None else \
+        default_num_workers(data.train, processes_per_machine)
+    sampler = EpochSampler(len(data.train), global_batch, config.seed)
+    train = make_loader(TrainImages(data.train, train_tf, config.seed), config.batch_size,
+                        workers, config.prefetch_factor, config.persistent_workers, pin_memory,
+                        sampler=sampler, drop_last=True)
+    held_out = make_loader(EvalImages(data.eval, eval_tf), config.batch_size, workers,
+                           config.prefetch_factor, config.persistent_workers, pin_memory)
+    micro_steps_per_epoch = sampler.usable // (config.batch_size * num_processes)
+    return Loaders(train, held_out, sampler, workers, global_batch,
+                   micro_steps_per_epoch // config.accumulation_steps)

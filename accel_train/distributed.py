@@ -10,16 +10,21 @@ Accelerate does, for two reasons found on these machines (see DESIGN.md):
   agent's store and fail with "Connection refused".  Keying the store by run id and restart
   attempt (a `PrefixStore`) gives each round a clean namespace (only on the agent's store: see
   `_make_store`).
+
+It also holds the rank helpers that everything else uses to act once for all ranks: rank 0
+decides and broadcasts (`decide_on_main`), rank 0 first then the rest (`main_first`), a vote
+(`any_rank`), and printing once in total (`print_once`).  They work before the Accelerator exists.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional, TypeVar
 from urllib.parse import urlparse
 
 import torch
@@ -33,6 +38,7 @@ LAUNCHER_HELP = ("torchrun/accelerate launch set WORLD_SIZE = nnodes x nproc-per
                  "LOCAL_RANK per process, and MASTER_ADDR/MASTER_PORT from --master-addr/"
                  "--master-port (or the accelerate YAML's main_process_ip/port)")
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -275,9 +281,110 @@ def single_process_launch_warning(environ: Mapping[str, str] | None = None,
             f"cpu_2proc.yaml) or torchrun --nproc-per-node {requested}; this run trains alone")
 
 
-def is_elastic_restart() -> bool:
-    """True in a worker that torchelastic restarted after a failure: it should resume."""
-    return LauncherEnv.from_environ().restart_count > 0
+# -- rank helpers: usable before the Accelerator exists (the start plan is made before it) -----
+def more_than_one_rank() -> bool:
+    """True inside a process group of two or more ranks."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def is_global_main() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def decide_on_main(compute: Callable[[], T]) -> T:
+    """Rank 0 decides, all follow: run `compute` on global rank 0 only and hand its result (or
+    its UsageError) to every rank, so that decisions about shared files are made once and never
+    diverge across ranks."""
+    result: list = [None]
+    if is_global_main():
+        try:
+            result[0] = ("ok", compute())
+        except UsageError as err:
+            result[0] = ("error", str(err))
+    if more_than_one_rank():
+        dist.broadcast_object_list(result, src=0)
+    kind, value = result[0]
+    if kind == "error":
+        raise UsageError(value)
+    return value
+
+
+def main_first(compute: Callable[[], T]) -> T:
+    """Run `compute` on rank 0 first, then on the other ranks (datasets builds its Arrow cache
+    once).  Unlike `accelerator.main_process_first`, a UsageError on rank 0 reaches every rank
+    at once, instead of leaving them at a barrier until the 30-minute collective timeout."""
+    result = {}
+
+    def on_main():
+        result["value"] = compute()
+
+    decide_on_main(on_main)
+    return result["value"] if "value" in result else compute()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any rank (ranks that disagreed about, say,
+    resuming would deadlock in their first collective)."""
+    if not more_than_one_rank():
+        return flag
+    votes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(votes, flag)
+    return any(votes)
+
+
+def print_once(text: str) -> None:
+    """Print on the global main process only.  Not `accelerator.print`: that prints once per
+    *machine* (local main process), so a 2-machine run, or the manual --rank start where every
+    process is local rank 0, would print everything twice."""
+    if is_global_main():
+        print(text, flush=True)
+
+
+class StopSignals:
+    """SIGTERM/SIGINT become a request to stop at the next optimizer step, agreed by all ranks:
+    a scheduler may signal only some of them, and ranks that stopped at different steps would
+    hang in their next collective."""
+
+    def __init__(self, num_processes: int):
+        self.requested: Optional[int] = None  # the signal received on this rank, if any
+        # One tiny all-reduce per optimizer step, on a CPU (gloo) group: under NCCL its .item()
+        # would make the host wait for the GPU every step.  Every rank builds it here, in the
+        # same order, as new_group requires.
+        self._group = dist.new_group(backend="gloo") if num_processes > 1 else None
+
+    def request(self, signum, frame=None):
+        # The first signal asks for a checkpoint at the next optimizer step; a second Ctrl-C
+        # means "now", at the cost of what was trained since the last checkpoint.
+        if signum == signal.SIGINT and self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signum
+
+    def handlers_installed(self):
+        return _SignalHandlers(self.request)
+
+    def agreed(self) -> bool:
+        """Whether any rank was asked to stop (the same answer on every rank)."""
+        local = self.requested or 0
+        if self._group is None:  # one process: nobody to agree with
+            return local != 0
+        flag = torch.tensor([local], dtype=torch.int32)  # on the CPU: see _group
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+
+class _SignalHandlers:
+    """Installs `handler` for SIGTERM and SIGINT inside a `with`, restoring the old ones after."""
+
+    def __init__(self, handler):
+        self.handler, self.previous = handler, {}
+
+    def __enter__(self):
+        self.previous = {sig: signal.signal(sig, self.handler)
+                         for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def teardown() -> None:

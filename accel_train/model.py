@@ -10,16 +10,14 @@ import difflib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import timm
 import torch
 from torch import nn
 
 from .errors import UsageError
-
-SPEC_FILE = "model_config.json"
-WEIGHTS_FILE = "model.safetensors"
+from .rundir import SPEC_FILE, WEIGHTS_FILE  # noqa: F401  (WEIGHTS_FILE: callers name it here)
 
 
 @dataclass
@@ -131,5 +129,58 @@ def set_train_mode(model: nn.Module, backbone_frozen: bool) -> None:
                 module.eval()
 
 
+def save_weights(state_dict: dict, directory: Path, spec: ModelSpec) -> Path:
+    """The one writer of model weights: DIR/model.safetensors (plain CPU tensors, with the
+    metadata that tools reading safetensors as PyTorch weights look for) and DIR/
+    model_config.json beside it, which is enough to rebuild the model."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    spec.save(directory)
+    return directory / WEIGHTS_FILE
+
+
 def build_from_spec(spec: ModelSpec) -> nn.Module:
     return create_model(spec.model_name, spec.num_classes, spec.drop_rate)
+
+
+@dataclass
+class Network:
+    """A model built for training, with what the run reports about it."""
+
+    model: nn.Module
+    spec: ModelSpec
+    num_trainable: int
+    sync_bn: bool
+
+
+def build_network(config, data, num_processes: int, cuda: bool,
+                  warn: Callable[[str], None]) -> Network:
+    """The model a run trains: created from --seed alone, checked against the image size,
+    normalized like its pretrained weights (else like the data), maybe frozen, maybe with
+    synchronized BatchNorm, maybe channels_last.  Still a bare module: wrapping happens in
+    `accelerator.prepare`."""
+    from .data import dataset_mean_std
+    from .syncbn import convert_sync_batchnorm, num_batchnorm_layers
+
+    image_size = config.image_size or data.train.native_size
+    torch.manual_seed(config.seed)  # model init is a function of --seed alone
+    model = create_model(config.model, len(data.class_names), config.drop_rate, config.pretrained)
+    check_image_size(model, config.model, image_size)
+    mean, std = pretrained_normalization(model) if config.pretrained else \
+        dataset_mean_std(data.train)
+    spec = ModelSpec(config.model, len(data.class_names), list(data.class_names), image_size,
+                     tuple(mean), tuple(std), config.drop_rate)
+    num_trainable = (freeze_backbone(model) if config.freeze_backbone
+                     else sum(p.numel() for p in model.parameters()))
+    sync_bn = config.sync_bn and num_processes > 1
+    if sync_bn:
+        convert_sync_batchnorm(model, cuda=cuda)
+    if config.sync_bn and num_batchnorm_layers(model) == 0:
+        warn(f"--sync-bn: {config.model} has no BatchNorm layers; nothing to sync")
+    if config.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return Network(model, spec, num_trainable, sync_bn)

@@ -18,7 +18,8 @@ from .config import TrainConfig
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Multiplier of the peak learning rate for the update made at optimizer step `step` (0-based)."""
+    """Multiplier of the peak learning rate for the update made at optimizer step `step`
+    (0-based)."""
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     decay_steps = max(1, total_steps - warmup_steps)
@@ -41,3 +42,12 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int,
                     total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: lr_factor(step, warmup_steps, total_steps))
+
+
+def plan_steps(config: TrainConfig, steps_per_epoch: int) -> tuple[int, int]:
+    """(total optimizer steps, warmup steps) of the whole run."""
+    total = config.epochs * steps_per_epoch
+    if config.max_steps is not None:
+        total = min(total, config.max_steps)
+    warmup = round(config.warmup_epochs * steps_per_epoch)
+    return total, min(warmup, total)

@@ -15,14 +15,14 @@ from typing import Optional
 
 import yaml
 
-from .track import METRICS_FILE, read_metrics
+from .rundir import PLOTS_DIR, run_paths  # noqa: F401  (PLOTS_DIR: named in messages)
+from .track import read_metrics
 
-PLOTS_DIR = "plots"
 _FIGURE_SIZE = (8, 6)
 
 
 def _read_resolved(run_dir: Path) -> dict:
-    config_path = run_dir / "config.yaml"
+    config_path = run_paths(run_dir).config
     if not config_path.is_file():
         return {}
     return (yaml.safe_load(config_path.read_text()) or {}).get("resolved") or {}
@@ -159,12 +159,12 @@ def write_plots(run_dir: Path, out_dir: Optional[Path] = None) -> list[Path]:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    metrics_path = run_dir / METRICS_FILE
+    metrics_path = run_paths(run_dir).metrics
     records = read_metrics(metrics_path) if metrics_path.is_file() else []
     train = [r for r in records if r.get("type") == "train" and r.get("loss") is not None]
     epochs = [r for r in records if r.get("type") == "epoch"]
     resumes = [r for r in records if r.get("type") == "resume"]
-    out_dir = Path(out_dir) if out_dir is not None else run_dir / PLOTS_DIR
+    out_dir = Path(out_dir) if out_dir is not None else run_paths(run_dir).plots
     out_dir.mkdir(parents=True, exist_ok=True)
     resolved = _read_resolved(run_dir)
     run_name = _run_name(run_dir, resolved)

@@ -1,7 +1,8 @@
-"""The run directory: choosing it safely and recording what ran.
+"""The run directory: its names, choosing it safely, and recording what ran.
 
 A run directory holds config.yaml (the options, what was resolved from them, package versions and
-the git revision), metrics.jsonl, logs/, checkpoints/, model.safetensors + model_config.json.
+the git revision), metrics.jsonl, logs/, checkpoints/, trackers/, plots/, and model.safetensors +
+model_config.json.  Every name lives here, and `RunPaths` is the one way to spell a path in it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -17,13 +19,69 @@ import yaml
 from .config import TrainConfig
 from .errors import UsageError
 
-RUN_MARKERS = ("metrics.jsonl", "model.safetensors", "checkpoints", "config.yaml")
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+LOGS_DIR = "logs"
+TRACKERS_DIR = "trackers"  # where file-writing trackers (tensorboard) write
+PLOTS_DIR = "plots"
+WEIGHTS_FILE = "model.safetensors"  # also in export folders
+SPEC_FILE = "model_config.json"     # also in checkpoints and export folders
+ELASTIC_JOB_FILE = "elastic_run_id"  # the rendezvous id of the torchelastic job that started it
+
 PACKAGES = ("accel_train", "torch", "torchvision", "accelerate", "timm", "datasets",
             "safetensors", "numpy")
 
 
+@dataclass(frozen=True)
+class RunPaths:
+    """Where each thing of a run directory lives."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG_FILE
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS_DIR
+
+    @property
+    def logs(self) -> Path:
+        return self.root / LOGS_DIR
+
+    @property
+    def trackers(self) -> Path:
+        return self.root / TRACKERS_DIR
+
+    @property
+    def plots(self) -> Path:
+        return self.root / PLOTS_DIR
+
+    @property
+    def weights(self) -> Path:
+        return self.root / WEIGHTS_FILE
+
+    @property
+    def elastic_job(self) -> Path:
+        return self.root / ELASTIC_JOB_FILE
+
+    def markers(self) -> tuple[Path, ...]:
+        """What only a run leaves behind."""
+        return (self.metrics, self.weights, self.checkpoints, self.config)
+
+
+def run_paths(output_dir) -> RunPaths:
+    return RunPaths(Path(output_dir))
+
+
 def _holds_a_run(path: Path) -> bool:
-    return path.is_dir() and any((path / marker).exists() for marker in RUN_MARKERS)
+    return path.is_dir() and any(marker.exists() for marker in run_paths(path).markers())
 
 
 def prepare_output_dir(config: TrainConfig, resume, env) -> str:
@@ -82,7 +140,7 @@ def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict) -> P
             options[name] = str(Path(options[name]).resolve())
     record = {"train": options, "resolved": resolved, "versions": package_versions(),
               "git_revision": git_revision(), "command": sys.argv}
-    path = output_dir / "config.yaml"
+    path = run_paths(output_dir).config
     if path.exists():
         path = output_dir / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
     path.write_text(yaml.safe_dump(record, sort_keys=False))

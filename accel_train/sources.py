@@ -137,7 +137,8 @@ def decode_image(value, where: str, fast: bool = True) -> torch.Tensor:
             raise UnidentifiedImageError(f"unexpected value of type {type(value).__name__}")
         rgb = np.asarray(pil.convert("RGB"))
     except (UnidentifiedImageError, OSError, ValueError) as err:
-        raise UsageError(f"{where} cannot be decoded ({err}); remove or replace that file") from None
+        raise UsageError(f"{where} cannot be decoded ({err}); remove or replace that "
+                         f"file") from None
     return torch.from_numpy(rgb.copy()).permute(2, 0, 1)
 
 
@@ -176,7 +177,8 @@ class HFSource(ImageSource):
         start = 0
         for table in column.iter(batch_size=MATERIALIZE_BATCH):
             values = table.column(0).to_pylist()
-            decoded = decode_values(values, lambda i: f"image {start + i} of split '{self.split}'")
+            decoded = decode_values(  # it calls the lambda before `start` moves on
+                values, lambda i: f"image {start + i} of split '{self.split}'")  # noqa: B023
             for offset, image in enumerate(decoded):
                 if image.shape != first.shape:
                     return None
@@ -234,9 +236,18 @@ def _labels_and_names(splits: dict, label_column: str) -> tuple[dict[str, torch.
             for k, vs in values.items()}, names
 
 
+def _quiet_datasets():
+    """The `datasets` library, with its progress bars off: for files already on this disk they
+    only say "Generating train split ... 100%", hundreds of carriage-return updates that fill
+    log files and land above a one-line error."""
+    import datasets
+    datasets.disable_progress_bars()
+    return datasets
+
+
 def _load_local(data_dir: str):
     """A DatasetDict from a save_to_disk folder, a folder of parquet files, or an image folder."""
-    import datasets
+    datasets = _quiet_datasets()
     path = Path(data_dir)
     if not path.exists():
         raise UsageError(f"--data-dir {data_dir}: no such folder")
@@ -244,7 +255,8 @@ def _load_local(data_dir: str):
         raise UsageError(f"--data-dir {data_dir} is a file; pass the folder that holds the data")
     if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
         loaded = datasets.load_from_disk(str(path))
-        return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
+        return (loaded if isinstance(loaded, datasets.DatasetDict)
+                else datasets.DatasetDict(train=loaded))
     parquet = sorted(path.glob("*.parquet")) + sorted(path.glob("data/*.parquet"))
     if parquet:
         files: dict[str, list[str]] = {}
@@ -261,15 +273,17 @@ def _load_local(data_dir: str):
         return datasets.load_dataset("imagefolder", data_dir=str(path))
     except Exception as err:  # the datasets library raises many types for unusable folders
         raise UsageError(f"--data-dir {data_dir} is not a dataset we can read ({err}); expected "
-                         f"parquet files, a save_to_disk folder or class subfolders of images") from None
+                         f"parquet files, a save_to_disk folder or class subfolders of "
+                         f"images") from None
 
 
 def _load_hub(name: str):
-    import datasets
+    datasets = _quiet_datasets()
     try:
         return datasets.load_dataset(name)
     except Exception as err:  # offline, unknown id, gated: all end the same way for the user
-        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+        offline = (os.environ.get("HF_DATASETS_OFFLINE") == "1"
+                   or os.environ.get("HF_HUB_OFFLINE") == "1")
         reason = "offline mode is set" if offline else str(err).splitlines()[0][:200]
         raise UsageError(f"--dataset {name}: cannot load it from the Hugging Face hub ({reason}); "
                          f"with no network, pass --data-dir PATH to a local copy, or --dataset "

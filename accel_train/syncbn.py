@@ -16,9 +16,10 @@ fused BatchNormAct2d).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.nn.functional import all_reduce
+
+from .distributed import more_than_one_rank
 
 try:
     from timm.layers import BatchNormAct2d
@@ -46,8 +47,7 @@ class _GlooSyncMixin:
     """Replaces a BatchNorm's forward with one whose batch statistics span every process."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.training and dist.is_available() and dist.is_initialized()
-                and dist.get_world_size() > 1):
+        if not (self.training and more_than_one_rank()):
             return super().forward(x)
         if x.shape[1] != self.num_features:
             raise ValueError(f"expected {self.num_features} channels, got input of shape "

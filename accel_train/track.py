@@ -15,12 +15,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
 from tqdm.auto import tqdm
 
 from .errors import UsageError
-
-METRICS_FILE = "metrics.jsonl"
-TRACKERS_DIR = "trackers"  # <run>/trackers/: where file-writing trackers (tensorboard) write
 # metrics.jsonl record -> tracker scalar names; the prefix groups charts in TensorBoard and wandb.
 _TRACKED = {"train": {"loss": "train/loss", "top1": "train/top1", "lr": "train/lr",
                       "img_per_s": "train/img_per_s", "data_wait": "train/data_wait"},
@@ -142,3 +140,20 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class LogWindow:
+    """Accumulates a few logged steps' worth of losses, correct answers, samples and data-wait
+    time (tensors stay on the device: no sync per step)."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.losses: list[torch.Tensor] = []
+        self.correct: list[torch.Tensor] = []
+        self.samples = 0  # all processes together
+        self.data_wait = 0.0
+
+    def add(self, loss: torch.Tensor, num_correct: torch.Tensor, samples: int):
+        self.losses.append(loss.float())
+        self.correct.append(num_correct)
+        self.samples += samples

@@ -119,7 +119,8 @@ class ImageTransform:
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:
         shape = (3, 1, 1) if images.dim() == 3 else (1, 3, 1, 1)
         out = images.float().div_(255)  # a copy: the uint8 source is never written
-        return out.sub_(torch.tensor(self.mean).view(shape)).div_(torch.tensor(self.std).view(shape))
+        return out.sub_(torch.tensor(self.mean).view(shape)).div_(
+            torch.tensor(self.std).view(shape))
 
     def _resize(self, images: torch.Tensor) -> torch.Tensor:
         if tuple(images.shape[-2:]) == (self.image_size, self.image_size):

@@ -6,6 +6,8 @@ Everything runs on CPU.  Multi-process tests use the real launchers (`accelerate
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import socket
 import subprocess
@@ -16,6 +18,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CIFAR10 = REPO.parent / "shared" / "data" / "cifar10"
+# Where the real CIFAR-10 is looked for (ACCEL_TRAIN_CIFAR10 overrides), and the switch that
+# turns its absence from a skip into a failure (.ci/run sets it: CI must not pass without it).
+CIFAR10_ENV, REQUIRE_CIFAR10_ENV = "ACCEL_TRAIN_CIFAR10", "ACCEL_TRAIN_REQUIRE_CIFAR10"
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
+                   "ship", "truck"]
 CONFIGS = REPO / "accelerate_configs"
 
 # Small enough that a 2-process run finishes in well under a minute on 2 cores.
@@ -55,8 +62,52 @@ def accel_train(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "accel_train", *args], **kwargs)
 
 
-@pytest.fixture
-def shared_cifar10() -> Path:
-    if not (SHARED_CIFAR10 / "train.parquet").exists():
-        pytest.fail(f"the shared CIFAR-10 copy is missing at {SHARED_CIFAR10}")
-    return SHARED_CIFAR10
+def write_cifar10_layout(folder: Path, train_rows: int = 640, test_rows: int = 160) -> Path:
+    """A small stand-in for ../shared/data/cifar10 in the same layout and schema: train.parquet
+    and test.parquet, columns `img` (datasets.Image: struct of JPEG `bytes` and `path`) and
+    `label` (datasets.ClassLabel with the ten CIFAR-10 names), 32x32 RGB.  The pixels are the
+    embedded synthetic shapes (learnable, deterministic); the class names are CIFAR-10's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from accel_train import synthetic
+
+    features = {"img": {"_type": "Image"},
+                "label": {"names": CIFAR10_CLASSES, "_type": "ClassLabel"}}
+    schema = pa.schema([("img", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                        ("label", pa.int64())],
+                       metadata={"huggingface": json.dumps({"info": {"features": features}})})
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, rows, seed in (("train", train_rows, 11), ("test", test_rows, 12)):
+        images, labels = synthetic.generate(rows, seed)
+        blobs = []
+        for pixels in images:
+            buffer = io.BytesIO()
+            Image.fromarray(pixels, "RGB").save(buffer, format="JPEG", quality=90)
+            blobs.append({"bytes": buffer.getvalue(), "path": None})
+        table = pa.table({"img": blobs, "label": labels.tolist()}, schema=schema)
+        pq.write_table(table, folder / f"{split}.parquet")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def cifar10_layout(tmp_path_factory) -> Path:
+    """Some data in the shared CIFAR-10 copy's layout, generated: for tests that need parquet
+    data shaped like CIFAR-10 but not CIFAR-10 itself (they run in any clone)."""
+    return write_cifar10_layout(tmp_path_factory.mktemp("cifar10_layout"))
+
+
+@pytest.fixture(scope="session")
+def real_cifar10() -> Path:
+    """The real CIFAR-10 parquet copy, for the tests that need the real images: at
+    $ACCEL_TRAIN_CIFAR10 if set, else ../shared/data/cifar10.  Without it these tests skip
+    (saying where to put it), or fail when ACCEL_TRAIN_REQUIRE_CIFAR10=1 (CI sets it)."""
+    path = Path(os.environ.get(CIFAR10_ENV) or SHARED_CIFAR10)
+    if (path / "train.parquet").is_file() and (path / "test.parquet").is_file():
+        return path
+    reason = (f"the real CIFAR-10 (train.parquet and test.parquet, Hugging Face parquet layout) "
+              f"is not at {path}; put it at {SHARED_CIFAR10} or point {CIFAR10_ENV} at it")
+    if os.environ.get(REQUIRE_CIFAR10_ENV) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_CIFAR10_ENV}=1 requires it)", pytrace=False)
+    pytest.skip(reason)

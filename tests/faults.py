@@ -22,18 +22,20 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import CONFIGS, REPO, TINY_TRAIN, free_port, test_env
+from fault_entry import SAMPLE_LOG_ENV, STALL_ENV, read_sample_keys  # noqa: F401 (re-exported)
 
 # 256 synthetic images, 2 epochs.  Global batch 32 = 16 x 2 processes (8 steps/epoch) or
 # 16 x 1 process x 2 accumulation; checkpoints every 3 steps and at each epoch end.
 FAULT_TRAIN = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--epochs", "2",
                "--checkpoint-every", "3", "--log-every", "2", "--keep-checkpoints", "3"]
-STALL_ENV = "ACCEL_TRAIN_FAULT_STALL_SAVE"
-SAMPLE_LOG_ENV = "ACCEL_TRAIN_SAMPLE_LOG"
 DEADLINE = 240.0
+# The CLI with the faults of fault_entry.py installed through the trainer's seams (when its
+# variables are set; otherwise exactly `python -m accel_train`).
+ENTRY = "tests.fault_entry"
 
 
 def python_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "accel_train", *args]
+    return [sys.executable, "-m", ENTRY, *args]
 
 
 def torchrun_cmd(*args: str, nproc: int = 2, max_restarts: int = 0,
@@ -41,14 +43,14 @@ def torchrun_cmd(*args: str, nproc: int = 2, max_restarts: int = 0,
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
             "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
             "--monitor-interval", "0.5", "--master-addr", "127.0.0.1",
-            "--master-port", str(port or free_port()), "-m", "accel_train", *args]
+            "--master-port", str(port or free_port()), "-m", ENTRY, *args]
 
 
 def accelerate_cmd(*args: str, max_restarts: int = 0) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             str(CONFIGS / "cpu_2proc.yaml"), "--main_process_port", str(free_port()),
             "--max_restarts", str(max_restarts), "--monitor_interval", "0.5",
-            "-m", "accel_train", *args]
+            "-m", ENTRY, *args]
 
 
 class Run:
@@ -86,7 +88,7 @@ class Run:
                 environ, cmdline = child.environ(), child.cmdline()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-            if "RANK" in environ and "accel_train" in cmdline:
+            if "RANK" in environ and ENTRY in cmdline:
                 found[int(environ["RANK"])] = child
         return found
 
@@ -134,9 +136,9 @@ def log_has(path: Path, text: str):
     return lambda: path.is_file() and text in path.read_text(errors="replace")
 
 
-def wait_for_stall(run: Run, output_dir: Path, step: int) -> None:
-    """Wait until rank 0 is stalled inside the save of `step` (testhooks.maybe_stall_save)."""
-    wait_until(log_has(output_dir / "logs" / "rank0.log", f"stalling the save of step {step} "),
+def wait_for_stall(run: Run, step: int) -> None:
+    """Wait until rank 0 is stalled inside the save of `step` (fault_entry's STALL_ENV)."""
+    wait_until(lambda: f"stalling the save of step {step} " in run.output,
                f"the stalled save of step {step}", run)
 
 
@@ -179,10 +181,9 @@ def assert_metrics_continuous(output_dir: Path, total_steps: int, log_every: int
 
 def assert_each_sample_once_per_epoch(output_dir: Path, num_samples: int = 256,
                                       global_batch: int = 32, epochs: int = 2) -> None:
-    """From the sample log (ACCEL_TRAIN_SAMPLE_LOG): every rank's micro-batches together use
-    each sample of each epoch exactly once, and exactly the samples the epoch's order holds."""
+    """From the sample log (fault_entry's SAMPLE_LOG_ENV): every rank's micro-batches together
+    use each sample of each epoch exactly once, and exactly the samples the epoch's order holds."""
     from accel_train.data import EpochSampler
-    from accel_train.testhooks import read_sample_keys
 
     keys = read_sample_keys(Path(output_dir) / "logs")
     counts = Counter(keys)

@@ -2,8 +2,9 @@
 table (a tiny model, a few steps, only the arms that start distinct programs).  The scripts run
 two at a time (each is mostly Python start-up and imports), about 1.5 minutes on two busy cores.
 
-Nothing here checks a speed or a ratio: those belong in BENCHMARKS.md, measured when the machine
-is quiet, never in a timed test.  This only keeps the scripts runnable as the code changes.
+Nothing here checks a speed or a ratio: those belong in benchmarks/BENCHMARKS.md, measured when
+the machine is quiet, never in a timed test.  This only keeps the scripts runnable as the code
+changes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 import conftest
 from conftest import REPO
 
-SCRIPTS = REPO / "scripts"
+SCRIPTS = REPO / "benchmarks"
 TINY = ["--quick", "--model", "test_resnet"]
 
 CASES = {
@@ -45,9 +46,9 @@ ORDER = ["overhead", "scaling", "accuracy", "seed", "comm", "data", "threads", "
 
 
 @pytest.fixture(scope="module")
-def bench_runs(tmp_path_factory):
-    if not (conftest.SHARED_CIFAR10 / "train.parquet").exists():
-        pytest.fail(f"the shared CIFAR-10 copy is missing at {conftest.SHARED_CIFAR10}")
+def bench_runs(tmp_path_factory, cifar10_layout):
+    # A smoke test: data in the CIFAR-10 parquet layout is enough (the real copy need not exist).
+    data = ["--data-dir", str(cifar10_layout)]
     env = conftest.test_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning")
 
     # made here, not in the threads: pytest creates its base temporary folder lazily, and two
@@ -58,7 +59,7 @@ def bench_runs(tmp_path_factory):
         out = outs[name]
         extra = ["--tmp", str(out)] if name not in ("comm", "gpu", "threads") else []
         cmd = [sys.executable, str(SCRIPTS / f"bench_{name}.py"), *CASES[name], "--out",
-               str(out), *extra]
+               str(out), *extra, *data]
         try:
             return out, subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                                        timeout=300)

@@ -16,9 +16,9 @@ from accelerate.state import AcceleratorState
 
 from accel_train import checkpoint as ck
 from accel_train.checkpoint import (MANIFEST, STATE_FILE, Checkpointer, TrainerState,
-                                    accumulation_for, find_latest_valid, read_state,
-                                    recover_interrupted_saves, resolve_resume, set_aside_newer,
+                                    find_latest_valid, read_state, recover_interrupted_saves,
                                     verify)
+from accel_train.resume import accumulation_for, resolve_resume, set_aside_newer
 from accel_train.cli import main
 from accel_train.errors import UsageError
 from conftest import TINY_TRAIN

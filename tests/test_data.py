@@ -61,14 +61,25 @@ def test_synthetic_is_deterministic_balanced_and_held_out():
     assert not torch.equal(data.train.images[:50], data.eval.images)
 
 
-def test_shared_cifar10_parquet(shared_cifar10):
-    data = load_data(config(data_dir=str(shared_cifar10), max_train_samples=256,
+@pytest.mark.parametrize("copy", ["real_cifar10", "cifar10_layout"])
+def test_shared_cifar10_parquet(copy, request):
+    """The real copy (skipped where it is absent) and the generated stand-in load alike."""
+    data = load_data(config(data_dir=str(request.getfixturevalue(copy)), max_train_samples=256,
                             max_eval_samples=100))
     assert data.class_names[:3] == ["airplane", "automobile", "bird"]
     assert len(data.train) == 256 and len(data.eval) == 100
     assert isinstance(data.train, ArraySource) and data.train.images.shape[1:] == (3, 32, 32)
     assert "test" in data.description  # the shared copy's own test split is the held-out one
     assert 0 <= int(data.train.labels.min()) and int(data.train.labels.max()) <= 9
+
+
+def test_the_generated_stand_in_has_the_real_copys_schema(real_cifar10, cifar10_layout):
+    """What the tests without the real CIFAR-10 use is the same parquet schema (columns, types
+    and the datasets features in the metadata), so a change to the real layout shows here."""
+    import pyarrow.parquet as pq
+    for split in ("train", "test"):
+        real = pq.read_schema(real_cifar10 / f"{split}.parquet")
+        assert pq.read_schema(cifar10_layout / f"{split}.parquet").equals(real, check_metadata=True)
 
 
 def test_parquet_folder_with_mixed_image_modes(tmp_path):

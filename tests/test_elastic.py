@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from faults import (FAULT_TRAIN, SAMPLE_LOG_ENV, STALL_ENV, Run, accelerate_cmd,
+from faults import (ENTRY, FAULT_TRAIN, SAMPLE_LOG_ENV, STALL_ENV, Run, accelerate_cmd,
                     assert_each_sample_once_per_epoch, assert_metrics_continuous,
                     checkpoint_steps, free_port, kill_worker, max_weight_difference, metrics,
                     torchrun_cmd, wait_for_stall, wait_until)
@@ -57,7 +57,7 @@ def test_torchrun_restarts_workers_killed_mid_save_and_ends_bit_identical(refere
     run = Run(torchrun_cmd(*FAULT_TRAIN, "--output-dir", str(out), max_restarts=1),
               tmp_path / "run.log", **{STALL_ENV: str(stall_at)})
     runs.append(run)
-    wait_for_stall(run, out, stall_at)
+    wait_for_stall(run, stall_at)
     kill_worker(run, rank=0)
     output = run.check()
 
@@ -106,7 +106,7 @@ def _node(out, port: int, log) -> Run:
            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
            f"127.0.0.1:{port}", "--rdzv-id", "membership-test", "--rdzv-conf",
            "last_call_timeout=3", "--max-restarts", "3", "--monitor-interval", "0.5",
-           "-m", "accel_train", *train, "--output-dir", str(out)]
+           "-m", ENTRY, *train, "--output-dir", str(out)]
     return Run(cmd, log, **{SAMPLE_LOG_ENV: "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 

@@ -120,7 +120,8 @@ def _plan(root: Path) -> list[Run]:
                                 *RESNET, "--batch-size", "8", "--sync-bn",
                                 *out("torchrun_syncbn")],
             root / "torchrun_syncbn"),
-        # The seed manual's command: the launcher passes --local-rank=N, the manual adds --world_size.
+        # The seed manual's command: the launcher passes --local-rank=N, the manual adds
+        # --world_size.
         # (torchrun, same flags, once torch stops shipping torch.distributed.launch.)
         Run("tdlaunch_no_syncbn", [python, "-m", LEGACY_LAUNCHER, "--nproc_per_node=2",
                                    f"--master_port={free_port()}", "-m", "accel_train", *COMMON,

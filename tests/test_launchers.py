@@ -1,4 +1,4 @@
-"""Topology YAMLs, scripts/launch.py (elastic settings), and two "machines" on 127.0.0.1.
+"""Topology YAMLs, `accel-train launch` (elastic settings), and two "machines" on 127.0.0.1.
 
 The 2-process launch paths on one machine (accelerate launch, torchrun, torch.distributed.launch)
 are tested in test_equivalence.py, where their runs are also compared with one process.
@@ -6,8 +6,9 @@ are tested in test_equivalence.py, where their runs are also compared with one p
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,7 +17,9 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
-from accel_train import distributed
+from accel_train import cli, distributed
+from accel_train.commands import launch
+from accel_train.errors import UsageError
 
 import conftest
 from conftest import CONFIGS, REPO, free_port
@@ -25,16 +28,6 @@ ACCELERATE_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml") if p.name != 
 MACHINE_PAIRS = [("2node.yaml", "2node_rank1.yaml"),
                  ("cpu_2node_rank0.yaml", "cpu_2node_rank1.yaml")]
 
-
-def load_launch_script():
-    spec = importlib.util.spec_from_file_location("accel_train_launch_script",
-                                                  REPO / "scripts" / "launch.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-launch = load_launch_script()
 
 
 # -- the YAMLs --------------------------------------------------------------------------------
@@ -69,7 +62,7 @@ def test_the_two_machine_files_differ_only_in_machine_rank(rank0, rank1):
     assert first == second
 
 
-# -- scripts/launch.py ------------------------------------------------------------------------
+# -- accel-train launch -----------------------------------------------------------------------
 
 def test_launch_script_turns_the_elastic_file_into_launcher_flags():
     command = launch.build_command(str(CONFIGS / "2node.yaml"), str(CONFIGS / "elastic.yaml"),
@@ -108,16 +101,20 @@ def test_launch_script_bad_elastic_file_is_one_line_exit_2(tmp_path, capsys, ela
     path = tmp_path / "elastic.yaml"
     if elastic is not None:
         path.write_text(elastic)
-    code = launch.main(["--config_file", str(CONFIGS / "cpu_2proc.yaml"), "--elastic", str(path),
-                        "--dry-run"])
+    code = cli.main(["launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"), "--elastic",
+                     str(path), "--dry-run"])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
+    assert err.startswith("accel_train: error: --elastic ")
+    with pytest.raises(UsageError, match=re.escape(message)):  # the module itself raises
+        launch.main(["--config_file", str(CONFIGS / "cpu_2proc.yaml"), "--elastic", str(path),
+                     "--dry-run"])
 
 
 def test_launch_script_rejects_what_accelerate_would_reject(tmp_path, capsys):
     bad = tmp_path / "acc.yaml"
     bad.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\nmax_restarts: 3\n")
-    code = launch.main(["--config_file", str(bad), "--dry-run"])
+    code = cli.main(["launch", "--config_file", str(bad), "--dry-run"])
     err = capsys.readouterr().err
     assert code == 2 and "accelerate rejects it" in err and "max_restarts" in err
     assert err.count("\n") == 1
@@ -130,6 +127,37 @@ def test_launch_script_dry_run_prints_the_command(capsys):
     out = capsys.readouterr().out
     assert code == 0 and "--max_restarts 3" in out and "--main_process_port 29999" in out
     assert out.strip().endswith("-m accel_train --epochs 2")
+    assert out.startswith("PET_RDZV_ID=my-job-1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ")
+
+
+def test_launch_without_config_file_is_one_line_exit_2(capsys):
+    code = cli.main(["launch", "--dry-run", "--", "--epochs", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--config_file" in err and err.count("\n") == 1, err
+
+
+def test_launch_dry_run_through_the_console_entry_point(tmp_path):
+    """The real path a user takes: `python -m accel_train launch ...` in its own process."""
+    result = conftest.run([sys.executable, "-m", "accel_train", "launch", "--config_file",
+                           str(CONFIGS / "2node.yaml"), "--elastic",
+                           str(CONFIGS / "elastic.yaml"), "--dry-run", "--machine_rank", "0",
+                           "--", "--epochs", "3", "--output-dir", str(tmp_path / "run")],
+                          check=True)
+    printed = shlex.split(result.stdout.strip())
+    assert result.stdout.count("\n") == 1 and not (tmp_path / "run").exists()
+    assert printed[:2] == ["PET_RDZV_ID=my-job-1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
+    assert printed[2:7] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                            str(CONFIGS / "2node.yaml")]
+    assert printed[7:] == ["--max_restarts", "3", "--monitor_interval", "5", "--rdzv_backend",
+                           "c10d", "--rdzv_conf", "join_timeout=900", "--machine_rank", "0",
+                           "-m", "accel_train", "--epochs", "3", "--output-dir",
+                           str(tmp_path / "run")]
+
+    bad = conftest.run([sys.executable, "-m", "accel_train", "launch", "--config_file",
+                        str(tmp_path / "missing.yaml"), "--dry-run"])
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == f"accel_train: error: --config_file {tmp_path / 'missing.yaml'}: " \
+                         f"no such file\n"
 
 
 # -- two machines -----------------------------------------------------------------------------
@@ -141,7 +169,7 @@ TINY = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--max-eval-s
 
 @pytest.mark.slow
 def test_two_machines_on_loopback_with_per_machine_elastic_settings(tmp_path):
-    """Two `accelerate launch` invocations through scripts/launch.py, machine ranks 0 and 1, each
+    """Two `accelerate launch` invocations through `accel-train launch`, machine ranks 0 and 1, each
     with its own YAML and its own elastic file; the elastic settings must reach the torchrun
     agent (its INFO log) and the workers (TORCHELASTIC_MAX_RESTARTS, recorded in config.yaml)."""
     port, out = free_port(), tmp_path / "run"
@@ -154,7 +182,7 @@ def test_two_machines_on_loopback_with_per_machine_elastic_settings(tmp_path):
         elastic.write_text(yaml.safe_dump({
             "max_restarts": 2, "monitor_interval": 0.5, "rdzv_backend": "c10d",
             "rdzv_id": f"job-{port}", "rdzv_conf": {"join_timeout": 300, "is_host": rank == 0}}))
-        command = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config_file",
+        command = [sys.executable, "-m", "accel_train", "launch", "--config_file",
                    str(CONFIGS / f"cpu_2node_rank{rank}.yaml"), "--elastic", str(elastic),
                    "--main_process_port", str(port), "--", *TINY, "--output-dir", str(out)]
         procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,

@@ -35,7 +35,7 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_bit_identical(tmp_path,
                  tmp_path / "interrupted.log", **{STALL_ENV: str(stall_at)})
     runs.append(victim)
 
-    wait_for_stall(victim, interrupted, stall_at)
+    wait_for_stall(victim, stall_at)
     victim.proc.send_signal(signal.SIGKILL)
     assert victim.wait() == -signal.SIGKILL
     half_written = interrupted / "checkpoints" / f".tmp-step_{stall_at:08d}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-from types import SimpleNamespace
 
 import pytest
 
@@ -93,14 +92,15 @@ def test_preempted_on_one_then_two_processes_and_finished_on_one(tmp_path, runs)
 
 
 def test_a_second_ctrl_c_stops_at_once_and_sigterm_only_asks():
-    from accel_train.trainer import Trainer
+    from accel_train.distributed import StopSignals
 
-    trainer = SimpleNamespace(_stop_signal=None)
-    Trainer._request_stop(trainer, signal.SIGTERM, None)
-    Trainer._request_stop(trainer, signal.SIGTERM, None)  # repeated by a scheduler: still a request
-    assert trainer._stop_signal == signal.SIGTERM
-    trainer._stop_signal = None
-    Trainer._request_stop(trainer, signal.SIGINT, None)
-    assert trainer._stop_signal == signal.SIGINT
+    stop = StopSignals(num_processes=1)
+    assert not stop.agreed()
+    stop.request(signal.SIGTERM)
+    stop.request(signal.SIGTERM)  # repeated by a scheduler: still a request
+    assert stop.requested == signal.SIGTERM and stop.agreed()
+    stop = StopSignals(num_processes=1)
+    stop.request(signal.SIGINT)
+    assert stop.requested == signal.SIGINT
     with pytest.raises(KeyboardInterrupt):
-        Trainer._request_stop(trainer, signal.SIGINT, None)
+        stop.request(signal.SIGINT)

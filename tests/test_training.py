@@ -15,6 +15,7 @@ from accel_train.cli import main
 from accel_train.config import TrainConfig
 from accel_train.model import ModelSpec, build_from_spec, create_model
 from accel_train.track import read_metrics
+from accel_train.resume import plan_start
 from accel_train.trainer import Trainer, run_training
 from accel_train import distributed
 
@@ -57,8 +58,7 @@ def test_training_in_a_subprocess_improves_accuracy(tmp_path):
 
 def test_exported_weights_rebuild_the_same_model(tmp_path):
     config = TrainConfig(**QUICK, output_dir=str(tmp_path / "run"))
-    env = distributed.setup(config)
-    trainer = Trainer(config, env)
+    trainer = Trainer(plan_start(config, distributed.setup(config)))
     assert trainer.train() == 0
     trained = trainer.accelerator.unwrap_model(trainer.model).eval()
     trainer.close()
@@ -127,8 +127,8 @@ def test_bad_input_is_one_line_exit_2_and_leaves_outputs_alone(tmp_path, capsys,
     assert sorted(os.listdir(out)) == ["notes.txt"]
 
 
-def test_bad_input_from_a_real_process_has_no_traceback(tmp_path, shared_cifar10):
-    result = accel_train("--data-dir", str(shared_cifar10), "--label-column", "nope",
+def test_bad_input_from_a_real_process_has_no_traceback(tmp_path, cifar10_layout):
+    result = accel_train("--data-dir", str(cifar10_layout), "--label-column", "nope",
                          "--max-train-samples", "64", "--output-dir", str(tmp_path / "run"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [

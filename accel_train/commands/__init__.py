@@ -1,4 +1,5 @@
-"""The subcommands around training: eval, predict, export, plot (`train` lives in cli.py).
+"""The subcommands around training: eval, predict, export, plot, launch (`train` lives in
+cli.py).
 
 Each module has `main(argv) -> exit code` and imports torch and friends only once its arguments
 parsed, so `accel-train SUBCOMMAND --help` and argument errors stay instant.
@@ -14,6 +15,7 @@ SUMMARIES = {
     "predict": "top-k classes with probabilities for image files or folders",
     "export": "a checkpoint -> model.safetensors + model_config.json",
     "plot": "PNG curves (loss, learning rate, accuracy, throughput) of a run",
+    "launch": "accelerate launch plus elastic settings (restarts, rendezvous) from a YAML",
 }
 
 

@@ -20,8 +20,8 @@ from torch import nn
 from ..checkpoint import NAME_PATTERN, find_latest_valid, list_checkpoints, read_state, verify
 from ..errors import UsageError
 from ..model import SPEC_FILE, WEIGHTS_FILE, ModelSpec, build_from_spec
-
-RUN_CONFIG = "config.yaml"
+from ..rundir import CONFIG_FILE as RUN_CONFIG
+from ..rundir import run_paths
 # Prefixes that wrappers add to parameter names: DDP (`module.`) and torch.compile (`_orig_mod.`).
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -83,7 +83,7 @@ def _checkpoint_root(run_dir: Path) -> Path:
     recorded = read_run_config(run_dir).get("resolved", {}).get("checkpoint_dir")
     if recorded and Path(recorded).is_dir():
         return Path(recorded)
-    return run_dir / "checkpoints"
+    return run_paths(run_dir).checkpoints
 
 
 def find_trained_model(path_text: str, warn: Callable[[str], None]) -> TrainedModel:

@@ -143,7 +143,8 @@ def main(argv: Sequence[str]) -> int:
     from ..data import default_num_workers, make_loader
     from ..evaluate import evaluate_classifier
     from ..sources import load_data
-    from ..trainer import main_first, print_on_main, resolve_precision
+    from ..distributed import main_first, print_once
+    from ..precision import resolve_precision
     from ..transforms import ImageTransform
     from .artifacts import find_trained_model, load_model, read_run_config
 
@@ -161,7 +162,7 @@ def main(argv: Sequence[str]) -> int:
         precision, warning = resolve_precision(args.mixed_precision, cuda, "evaluates")
         acc = Accelerator(cpu=not cuda, mixed_precision=precision)
         if warning:
-            print_on_main(acc, f"warning: {warning}")
+            print_once(f"warning: {warning}")
         data = main_first(lambda: load_data(config))
         for source in (data.train, data.eval):
             align_labels(source, data.class_names, trained.spec.class_names, data.description)
@@ -174,8 +175,8 @@ def main(argv: Sequence[str]) -> int:
                                          acc.device.type == "cuda"))
         model = load_model(trained).to(acc.device)  # not DDP-wrapped: inference only
         results = evaluate_classifier(acc, model, loader, spec.num_classes)
-        print_on_main(acc, _report(results, trained, data, args.split, acc.num_processes,
-                                   acc.device, args.json))
+        print_once(_report(results, trained, data, args.split, acc.num_processes, acc.device,
+                           args.json))
     finally:
         distributed.teardown()
     return 0

@@ -28,20 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def export(trained, output_dir: Path) -> Path:
     """Write the weights (wrapper prefixes removed, checked against the model) and the spec."""
-    from safetensors.torch import save_file
-
-    from ..model import WEIGHTS_FILE
+    from ..model import WEIGHTS_FILE, save_weights
     from .artifacts import load_model
     if (output_dir / WEIGHTS_FILE).exists():
         raise UsageError(f"--output-dir {output_dir} already holds {WEIGHTS_FILE}; choose a new "
                          f"folder or remove it")
     # Loading into the rebuilt model proves the weights fit the spec before anything is written.
     model = load_model(trained)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(output_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    trained.spec.save(output_dir)
-    return output_dir / WEIGHTS_FILE
+    return save_weights(model.state_dict(), output_dir, trained.spec)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     from ..plots import write_plots
-    from ..track import METRICS_FILE
+    from ..rundir import METRICS_FILE
     run_dir = Path(args.run_dir)
     if not (run_dir / METRICS_FILE).is_file():
         raise UsageError(f"{run_dir}: no {METRICS_FILE} there; pass a run directory (the "

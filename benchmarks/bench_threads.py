@@ -14,12 +14,11 @@ steps of --model at batch 64 on 32 px images after two warm-up steps; settings a
 --rounds rounds; the table gives the median img/s and the ratio to the default setting measured
 in the same condition.
 
-    python scripts/bench_threads.py --quick
+    python benchmarks/bench_threads.py --quick
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -45,8 +44,9 @@ for _ in range(2): step()
 print("ready", flush=True); sys.stdin.readline()
 t = time.perf_counter()
 for _ in range(int(sys.argv[2])): step()
-print(json.dumps({"bench": "threads", "img_per_s": 64 * int(sys.argv[2]) / (time.perf_counter() - t),
-                  "threads": torch.get_num_threads()}), flush=True)
+rate = 64 * int(sys.argv[2]) / (time.perf_counter() - t)
+print(json.dumps({"bench": "threads", "img_per_s": rate, "threads": torch.get_num_threads()}),
+      flush=True)
 """
 BUSY = "import time\nwhile True:\n    pass\n"
 

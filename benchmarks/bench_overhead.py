@@ -21,8 +21,8 @@ set (ru_maxrss) of the whole process, and the growth of the resident set while t
 sampled every 5 ms during the steps, minus the resident set just before the first step).  The
 whole-process figure includes what each arm imports (Accelerate, datasets) and the dataset.
 
-    python scripts/bench_overhead.py --quick
-    python scripts/bench_overhead.py --threads 1     # steadier on a busy machine
+    python benchmarks/bench_overhead.py --quick
+    python benchmarks/bench_overhead.py --threads 1     # steadier on a busy machine
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -78,6 +77,7 @@ def make_trainer(args, augment: bool, out_dir: Path):
     """A real Trainer whose epoch is exactly --steps optimizer steps of in-memory CIFAR-10."""
     from accel_train import distributed
     from accel_train.config import TrainConfig
+    from accel_train.resume import plan_start
     from accel_train.trainer import Trainer
     from accel_train.track import Progress
     config = TrainConfig(data_dir=str(benchlib.check_cifar(args.data_dir)), model=args.model,
@@ -86,7 +86,7 @@ def make_trainer(args, augment: bool, out_dir: Path):
                          log_every=args.log_every, augment=augment, progress="log", plots=False,
                          channels_last=args.channels_last, output_dir=str(out_dir),
                          in_memory="always")
-    trainer = Trainer(config, distributed.setup(config))
+    trainer = Trainer(plan_start(config, distributed.setup(config)))
     trainer.progress = Progress(False, "log", trainer.total_steps, 0)  # train() would make it
     return trainer
 
@@ -146,7 +146,7 @@ def throughput(args, report: benchlib.Report) -> dict:
 
 
 def _last_data_wait(trainer) -> str:
-    path = trainer.output_dir / "metrics.jsonl"
+    path = trainer.plan.output_dir / "metrics.jsonl"
     records = [r for r in benchlib.read_jsonl(path) if r.get("type") == "train"] \
         if path.exists() else []
     return f"{records[-1]['data_wait']:.1%}" if records else "n/a"

@@ -16,7 +16,7 @@ Training time lost: the loop waits for the save (it is synchronous), so a checkp
 save time; the table gives it in training steps of that model (batch 64 on 32 px images, the
 same process) and as a share of an epoch of CIFAR-10 (781 steps) with one checkpoint per epoch.
 
-    python scripts/bench_checkpoint.py --quick
+    python benchmarks/bench_checkpoint.py --quick
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
@@ -75,12 +74,13 @@ def plain_io(folder: Path, size: int) -> tuple[float, float]:
 def make_trainer(model: str, out: Path):
     from accel_train import distributed
     from accel_train.config import TrainConfig
+    from accel_train.resume import plan_start
     from accel_train.trainer import Trainer
     from accel_train.track import Progress
     config = TrainConfig(dataset="synthetic", synthetic_train_size=128, max_eval_samples=64,
                          model=model, batch_size=64, epochs=1000, progress="log", plots=False,
                          output_dir=str(out), keep_checkpoints=2, log_every=1000)
-    trainer = Trainer(config, distributed.setup(config))
+    trainer = Trainer(plan_start(config, distributed.setup(config)))
     trainer.progress = Progress(False, "log", trainer.total_steps, 0)
     return trainer
 
@@ -91,7 +91,7 @@ def one_epoch(trainer) -> float:
     seconds = time.perf_counter() - started
     trainer.state.epoch += 1
     trainer.state.samples_in_epoch = 0
-    return seconds / trainer.steps_per_epoch
+    return seconds / trainer.loaders.steps_per_epoch
 
 
 def measure(model: str, args, work: Path) -> dict:

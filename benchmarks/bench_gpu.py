@@ -1,4 +1,4 @@
-"""GPU: img/s and model FLOP utilisation (MFU) for ResNet-50 at 224 px and the seed article's
+r"""GPU: img/s and model FLOP utilisation (MFU) for ResNet-50 at 224 px and the seed article's
 336 px, in fp16 and bf16, accel_train against the same loop written by hand.
 
 Arms, per (image size, precision), alternating in rounds:
@@ -15,8 +15,9 @@ MFU = (model FLOPs per image for forward + backward, counted by torch's FlopCoun
 Not run yet: the sessions that wrote it had no GPU (BENCHMARKS.md says so).  `--allow-cpu`
 runs the same code on the CPU with a tiny model so that tests keep it working.
 
-    python scripts/bench_gpu.py                      # on a machine with CUDA
-    python scripts/bench_gpu.py --allow-cpu --quick --model test_resnet --sizes 32 --precisions bf16
+    python benchmarks/bench_gpu.py                      # on a machine with CUDA
+    python benchmarks/bench_gpu.py --allow-cpu --quick --model test_resnet --sizes 32 \
+        --precisions bf16
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class HandLoop:
 def make_trainer(args, size: int, precision: str, batch: int, work: Path):
     from accel_train import distributed
     from accel_train.config import TrainConfig
+    from accel_train.resume import plan_start
     from accel_train.trainer import Trainer
     from accel_train.track import Progress
     config = TrainConfig(dataset="synthetic", synthetic_train_size=batch * args.steps,
@@ -91,7 +93,7 @@ def make_trainer(args, size: int, precision: str, batch: int, work: Path):
                          batch_size=batch, epochs=1_000_000, mixed_precision=precision,
                          channels_last=True, progress="log", plots=False, log_every=args.steps,
                          output_dir=str(work / f"{size}-{precision}-{time.time_ns()}"))
-    trainer = Trainer(config, distributed.setup(config))
+    trainer = Trainer(plan_start(config, distributed.setup(config)))
     trainer.progress = Progress(False, "log", trainer.total_steps, 0)
     return trainer
 
@@ -129,8 +131,8 @@ def measure(args, size: int, precision: str, device, work: Path) -> dict:
     for order in benchlib.round_orders(list(blocks), args.rounds):
         for name in order:
             seconds[name].append(benchlib.timed(blocks[name]))
-    records = [r for r in benchlib.read_jsonl(trainer.output_dir / "metrics.jsonl")
-               if r.get("type") == "train"] if (trainer.output_dir / "metrics.jsonl").exists() \
+    records = [r for r in benchlib.read_jsonl(trainer.plan.output_dir / "metrics.jsonl")
+               if r.get("type") == "train"] if (trainer.plan.output_dir / "metrics.jsonl").exists() \
         else []
     trainer.close()
     rate = {name: batch * args.steps / benchlib.median(s) for name, s in seconds.items()}

@@ -1,7 +1,7 @@
 """The seed tutorial's comparison: epoch time of its standalone, nn.DataParallel and
 DistributedDataParallel scripts on the same data and model, with accel_train beside them.
 
-The three scripts are scripts/anchors/seed_tutorial.py in its three modes: the article's loops
+The three scripts are benchmarks/anchors/seed_tutorial.py in its three modes: the article's loops
 with its data path (PIL + ToTensor per sample in DataLoader workers, every epoch) and Adam at
 0.01.  The article trains resnet50d at 336 px on 4 A10 GPUs; on this CPU machine the same loops
 run a smaller timm model at CIFAR's native 32 px over the first --images training images, with
@@ -11,7 +11,7 @@ nn.DataParallel only differs from the standalone loop with more than one GPU: wi
 one) it calls the module directly.  The table says so instead of inventing a number, and its
 measured row is the standalone loop again under another name.
 
-    python scripts/bench_seed.py --quick
+    python benchmarks/bench_seed.py --quick
 """
 
 from __future__ import annotations

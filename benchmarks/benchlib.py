@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmark scripts (scripts/bench_*.py).
+"""Shared helpers for the benchmark scripts (benchmarks/bench_*.py).
 
 Every benchmark measures accel_train next to an anchor (a hand-written loop, the seed tutorial's
 scripts, plain file I/O, ...) in the same run and prints a table of ratios and raw figures.  This
@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Optional, Sequence
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CIFAR10 = REPO.parent / "shared" / "data" / "cifar10"
 DEFAULT_OUT = REPO / "bench_out"
-ANCHORS = REPO / "scripts" / "anchors"
+ANCHORS = REPO / "benchmarks" / "anchors"
 TWO_PROCESS_CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 
 

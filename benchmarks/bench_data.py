@@ -13,7 +13,7 @@ decoding JPEG every epoch (the seed tutorial's way), and the trainer's own data-
 4. The trainer itself on CIFAR-10 with default settings (and with --in-memory never): median
    data_wait and img/s of its log windows (metrics.jsonl), the figure the issue sets under 5%.
 
-    python scripts/bench_data.py --quick
+    python benchmarks/bench_data.py --quick
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ def pipelines(args, report) -> dict:
     blobs = table.column("img").combine_chunks().field("bytes").to_pylist()[:count]
     labels = table.column("label").to_pylist()[:count]
     arms = [
-        ("in memory, batched augmentation (default)", lambda: loader(TrainImages(memory, transform, 0), 0)),
+        ("in memory, batched augmentation (default)",
+         lambda: loader(TrainImages(memory, transform, 0), 0)),
         ("in memory, per-sample augmentation (before)",
          lambda: loader(PerSample(TrainImages(memory, transform, 0)), 0)),
         ("decode every epoch (--in-memory never), 0 workers",

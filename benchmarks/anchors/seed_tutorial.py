@@ -15,9 +15,9 @@ Changed from the article only where this machine or a fair comparison needs it:
   * timing: img/s per window of --log-every optimizer steps, as accel_train's metrics.jsonl
     has it, plus epoch times as the article prints them; one JSON line at the end.
 
-    python scripts/anchors/seed_tutorial.py --mode standalone --epochs 1
-    python scripts/anchors/seed_tutorial.py --mode dataparallel --epochs 1
-    torchrun --nproc-per-node 2 scripts/anchors/seed_tutorial.py --mode ddp --epochs 1
+    python benchmarks/anchors/seed_tutorial.py --mode standalone --epochs 1
+    python benchmarks/anchors/seed_tutorial.py --mode dataparallel --epochs 1
+    torchrun --nproc-per-node 2 benchmarks/anchors/seed_tutorial.py --mode ddp --epochs 1
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import json
 import os
 import time
 
-import numpy as np
 import timm
 import torch
 import torch.distributed as dist

@@ -14,14 +14,13 @@ pattern itself) and the library's reduce-to-0 + broadcast-from-0.
 All ranks are processes on this machine (loopback): with more ranks than cores they also
 compete for CPU, which the model does not know about.
 
-    python scripts/bench_comm.py --quick
+    python benchmarks/bench_comm.py --quick
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -153,7 +152,7 @@ def main() -> int:
             data.append(row)
             size, ar = row["bytes"], row["all-reduce"]
             p2p, coll = row["PS point-to-point"], row["PS reduce+broadcast"]
-            alg = lambda t: size / t / 1e9  # noqa: E731  GB/s
+            alg = lambda t: size / t / 1e9  # noqa: E731, B023  (GB/s; called right here)
             rows.append([human(size), world, ar * 1e6, alg(ar), alg(ar) * 2 * (world - 1) / world,
                          p2p * 1e6, alg(p2p), alg(p2p) * 2 * (world - 1), coll * 1e6,
                          p2p / ar, coll / ar, float(world)])

@@ -10,8 +10,8 @@ then run with --max-steps = budget x measured img/s / batch; its training time i
 metrics.jsonl (the sum of its log windows) and printed beside the budget, so an over- or
 under-run caused by other load on the machine is visible.
 
-    python scripts/bench_accuracy.py --quick            # 60 s budgets, 2,000 test images
-    python scripts/bench_accuracy.py --budget 600       # the 10-minute comparison
+    python benchmarks/bench_accuracy.py --quick            # 60 s budgets, 2,000 test images
+    python benchmarks/bench_accuracy.py --budget 600       # the 10-minute comparison
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Throughput is measured the same way in both programs: images per second over win
 first window dropped, the median of the rest.  The accel_train / hand-written pairs run in
 alternating order over --rounds rounds and each round gives a ratio.
 
-    python scripts/bench_scaling.py --quick
+    python benchmarks/bench_scaling.py --quick
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def arms_for(args) -> list[Arm]:
 
 
 def knob_arms(args) -> list[Arm]:
-    knobs = [Arm("2 processes, --ddp-bucket-mb 1", "accel_train", 2, flags=("--ddp-bucket-mb", "1")),
+    knobs = [Arm("2 processes, --ddp-bucket-mb 1", "accel_train", 2,
+                 flags=("--ddp-bucket-mb", "1")),
              Arm("2 processes, --ddp-bucket-mb 100", "accel_train", 2,
                  flags=("--ddp-bucket-mb", "100")),
              Arm("2 processes, --ddp-grad-as-bucket-view (accel_train's default)", "accel_train", 2,
@@ -77,7 +78,8 @@ def run_arm(arm: Arm, args, work: Path) -> dict:
     port = benchlib.free_port()
     out = Path(tempfile.mkdtemp(prefix="run-", dir=work))
     if arm.program == "accel_train":
-        launcher = benchlib.accelerate_launch(arm.procs, port) if arm.procs > 1 else [sys.executable]
+        launcher = (benchlib.accelerate_launch(arm.procs, port) if arm.procs > 1
+                    else [sys.executable])
         cmd = [*launcher, "-m", "accel_train", "--data-dir", args.data_dir, "--output-dir",
                str(out / "run"), "--model", args.model, "--batch-size", str(per_process),
                "--accumulation-steps", str(arm.accum), "--max-train-samples", str(args.max_train),

@@ -1,12 +1,12 @@
-#!/usr/bin/env python
-"""`accelerate launch` with the elastic and rendezvous settings that its YAML cannot carry.
+"""`accel-train launch`: `accelerate launch` with the elastic and rendezvous settings that its YAML
+cannot carry.
 
-    python scripts/launch.py --config_file accelerate_configs/2node.yaml \
+    accel-train launch --config_file accelerate_configs/2node.yaml \
         --elastic accelerate_configs/elastic.yaml -- --output-dir /shared/run1 --epochs 30
 
 Accelerate reads `rdzv_backend` and `same_network` from its YAML but ignores them (its
 command-line defaults win), and refuses `max_restarts`, `monitor_interval` and `rdzv_conf` there
-(unknown keys are an error).  This script reads the machine's accelerate YAML (with accelerate's
+(unknown keys are an error).  This command reads the machine's accelerate YAML (with accelerate's
 own loader, so a file that `accelerate launch` would reject fails here first), adds our small
 elastic file, and runs
 
@@ -24,8 +24,10 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Sequence
 
-import yaml
+from ..cli import _Parser
+from ..errors import UsageError
 
 # The elastic file's keys -> accelerate launch's flags (which it hands to torchrun).
 ELASTIC_KEYS = {
@@ -42,33 +44,31 @@ ELASTIC_ENV_KEYS = {
 IGNORED_YAML_KEYS = ("rdzv_backend", "same_network")
 
 
-class LaunchError(Exception):
-    """Bad input: the message says what is wrong and what to change."""
-
-
 def read_yaml(path: str, what: str) -> dict:
+    import yaml
+
     file = Path(path)
     if not file.is_file():
-        raise LaunchError(f"{what} {path}: no such file")
+        raise UsageError(f"{what} {path}: no such file")
     try:
         data = yaml.safe_load(file.read_text()) or {}
     except yaml.YAMLError as err:
-        raise LaunchError(f"{what} {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        raise UsageError(f"{what} {path}: not valid YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(data, dict):
-        raise LaunchError(f"{what} {path}: expected a mapping of key: value")
+        raise UsageError(f"{what} {path}: expected a mapping of key: value")
     return data
 
 
 def check_accelerate_config(path: str) -> dict:
     """The YAML as accelerate itself would load it (an unknown key fails here, not on a node)."""
+    raw = read_yaml(path, "--config_file")
     from accelerate.commands.config.config_args import load_config_from_file
 
-    raw = read_yaml(path, "--config_file")
     try:
         load_config_from_file(path)
     except (TypeError, ValueError) as err:
-        raise LaunchError(f"--config_file {path}: accelerate rejects it ({err}); "
-                          f"recreate it with `accelerate config --config_file {path}`") from None
+        raise UsageError(f"--config_file {path}: accelerate rejects it ({err}); "
+                         f"recreate it with `accelerate config --config_file {path}`") from None
     return raw
 
 
@@ -82,22 +82,22 @@ def elastic_flags(elastic: dict, source: str) -> list[str]:
     known = {**ELASTIC_KEYS, **ELASTIC_ENV_KEYS}
     unknown = sorted(set(elastic) - set(known))
     if unknown:
-        raise LaunchError(f"--elastic {source}: unknown key(s) {', '.join(unknown)}; "
-                          f"use {', '.join(known)}")
+        raise UsageError(f"--elastic {source}: unknown key(s) {', '.join(unknown)}; "
+                         f"use {', '.join(known)}")
     flags = []
     for key, flag in ELASTIC_KEYS.items():
         if key not in elastic or elastic[key] is None:
             continue
         value = elastic[key]
         if key == "max_restarts" and not (isinstance(value, int) and value >= 0):
-            raise LaunchError(f"--elastic {source}: max_restarts must be a whole number >= 0 "
-                              f"(got {value!r})")
+            raise UsageError(f"--elastic {source}: max_restarts must be a whole number >= 0 "
+                             f"(got {value!r})")
         if key == "monitor_interval" and not (isinstance(value, (int, float)) and value > 0):
-            raise LaunchError(f"--elastic {source}: monitor_interval must be seconds > 0 "
-                              f"(got {value!r})")
+            raise UsageError(f"--elastic {source}: monitor_interval must be seconds > 0 "
+                             f"(got {value!r})")
         if key == "rdzv_backend" and value not in ("static", "c10d", "etcd", "etcd-v2"):
-            raise LaunchError(f"--elastic {source}: rdzv_backend {value!r} is not one of "
-                              f"static, c10d, etcd, etcd-v2")
+            raise UsageError(f"--elastic {source}: rdzv_backend {value!r} is not one of "
+                             f"static, c10d, etcd, etcd-v2")
         flags += [flag, rdzv_conf_text(value) if key == "rdzv_conf" else str(value)]
     return flags
 
@@ -128,42 +128,42 @@ def build_command(config_file: str, elastic_file: str | None, launch_args: list[
             *flags, *launch_args, "-m", "accel_train", *train_args]
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="accel-train launch", description=" ".join(__doc__.split("\n\n")[0].split()),
+        allow_abbrev=False,
+        usage="%(prog)s --config_file ACCELERATE.yaml [--elastic ELASTIC.yaml] [--dry-run] "
+              "[accelerate launch flags] -- [accel_train flags]")
+    parser.add_argument("--config_file", required=True, help="this machine's accelerate YAML")
+    parser.add_argument("--elastic", help="YAML with max_restarts, monitor_interval, "
+                                          "rdzv_backend, rdzv_id, rdzv_conf")
+    parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    return parser
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """(our options, flags for `accelerate launch`, flags for accel_train after `--`)."""
+    argv = list(argv)
     if "--" in argv:
         cut = argv.index("--")
         ours, train_args = argv[:cut], argv[cut + 1:]
     else:
         ours, train_args = argv, []
-    parser = argparse.ArgumentParser(
-        prog="scripts/launch.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
-        usage="%(prog)s --config_file ACCELERATE.yaml [--elastic ELASTIC.yaml] [--dry-run] "
-              "[accelerate launch flags] -- [accel_train flags]")
-    parser.add_argument("--config_file", required=True, help="this machine's accelerate YAML")
-    parser.add_argument("--elastic", help="YAML with max_restarts, monitor_interval, "
-                                          "rdzv_backend, rdzv_conf")
-    parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
-    args, launch_args = parser.parse_known_args(ours)
+    args, launch_args = build_parser().parse_known_args(ours)
     return args, launch_args, train_args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, launch_args, train_args = parse(list(sys.argv[1:] if argv is None else argv))
-    try:
-        command = build_command(args.config_file, args.elastic, launch_args, train_args)
-        elastic = read_yaml(args.elastic, "--elastic") if args.elastic else {}
-        environment = launcher_environment(elastic)
-    except LaunchError as err:
-        print(f"launch.py: error: {err}", file=sys.stderr)
-        return 2
+def main(argv: Sequence[str]) -> int:
+    args, launch_args, train_args = parse(argv)
+    command = build_command(args.config_file, args.elastic, launch_args, train_args)
+    elastic = read_yaml(args.elastic, "--elastic") if args.elastic else {}
+    environment = launcher_environment(elastic)
     if args.dry_run:
         print(shlex.join([f"{k}={v}" for k, v in environment.items()] + command))
         return 0
     os.environ.update(environment)
     sys.stdout.flush()
+    sys.stderr.flush()
     # Replace this process: signals (Ctrl-C, a scheduler's SIGTERM) reach the launcher directly.
     os.execv(command[0], command)
     return 0  # not reached
-
-
-if __name__ == "__main__":
-    sys.exit(main())

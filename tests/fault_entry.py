@@ -1,0 +1,105 @@
+"""`python -m tests.fault_entry ARGS`: the accel_train command line with faults and records
+installed through the trainer's seams (`accel_train.trainer.Callbacks`), for the fault-tolerance
+tests.  torchrun and `accelerate launch` start it with `-m tests.fault_entry` from the repository
+root.  The product itself reads none of these variables.
+
+* FAULT_STALL_SAVE=STEP: in the first launch attempt (TORCHELASTIC_RESTART_COUNT unset or 0), the
+  save of checkpoint STEP stalls after every file but the manifest is written, and says so on
+  stdout ("fault injection: stalling the save of step STEP"), so a test can kill the process
+  mid-save.  Restarted workers never stall: they must get past the same step to finish.
+* FAULT_SAMPLE_LOG=1: every rank appends the sampler keys (epoch * N + index) of each micro-batch
+  it trains on to <output-dir>/logs/samples-rank<R>.jsonl; a resumed start drops the records of
+  the steps after its checkpoint (they are about to be redone), as it does for metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+STALL_ENV = "FAULT_STALL_SAVE"
+SAMPLE_LOG_ENV = "FAULT_SAMPLE_LOG"
+STALL_SECONDS = 300  # long enough for any test to kill us; short enough not to hang CI forever
+SAMPLE_LOG_GLOB = "samples-rank*.jsonl"
+
+
+def stall_before_manifest(wanted_step: int):
+    def stall(step: int, folder: Path) -> None:
+        if step != wanted_step or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)):
+            return
+        print(f"fault injection: stalling the save of step {step} before its manifest", flush=True)
+        deadline = time.monotonic() + STALL_SECONDS
+        while time.monotonic() < deadline:  # short sleeps: a signal handler still runs promptly
+            time.sleep(0.05)
+    return stall
+
+
+class SampleLog:
+    """Per-rank JSON lines {"step": optimizer step the micro-batch belongs to, "keys": [...]}."""
+
+    def __init__(self, log_dir: Path, rank: int):
+        self.log_dir = Path(log_dir)
+        self.path = self.log_dir / f"samples-rank{rank}.jsonl"
+        self.rank = rank
+
+    def record(self, step: int, keys) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as handle:
+            handle.write(json.dumps({"step": step, "keys": keys.tolist()}) + "\n")
+
+    def forget_after(self, step: int) -> None:
+        """Rank 0, at a resumed start (the trainer waits for every rank after this): forget the
+        micro-batches of steps after the checkpoint, in every rank's file (the world size may
+        have changed, so some files have no rank left to clean them)."""
+        if self.rank != 0:
+            return
+        for path in self.log_dir.glob(SAMPLE_LOG_GLOB):
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+
+def read_sample_keys(log_dir: Path) -> list[int]:
+    """Every key trained on, over all ranks and restarts."""
+    keys: list[int] = []
+    for path in sorted(Path(log_dir).glob(SAMPLE_LOG_GLOB)):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                keys.extend(json.loads(line)["keys"])
+    return keys
+
+
+def _output_dir(argv: list[str]) -> Path:
+    for i, arg in enumerate(argv):
+        if arg in ("--output-dir", "--output_dir") and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if arg.startswith(("--output-dir=", "--output_dir=")):
+            return Path(arg.split("=", 1)[1])
+    raise SystemExit(f"{SAMPLE_LOG_ENV} needs --output-dir on the command line")
+
+
+def callbacks_from_environ(argv: list[str]):
+    from accel_train.trainer import Callbacks
+
+    callbacks = Callbacks()
+    if os.environ.get(STALL_ENV):
+        callbacks.before_manifest = stall_before_manifest(int(os.environ[STALL_ENV]))
+    if os.environ.get(SAMPLE_LOG_ENV, "") not in ("", "0"):
+        log = SampleLog(_output_dir(argv) / "logs", int(os.environ.get("RANK", 0)))
+        callbacks.on_micro_batch = log.record
+        callbacks.on_resume = log.forget_after
+    return callbacks
+
+
+def main() -> int:
+    from accel_train import cli
+
+    argv = sys.argv[1:]
+    return cli.main(argv, callbacks=callbacks_from_environ(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

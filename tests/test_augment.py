@@ -1,0 +1,173 @@
+"""Training augmentation (accel_train/data.py TrainImages, accel_train/transforms.py).
+
+Oracles: the one-image path (`__getitem__`) for the batched path (`__getitems__`); numpy's
+reflect padding for the small-image pad-crop-flip; for the random resized crop of large images,
+a coordinate-ramp image from whose output the crop box is read back and checked against the
+documented ranges (scale 0.25-1, aspect 3/4-4/3, inside the image)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from accel_train.data import TrainImages
+from accel_train.sources import ArraySource, ImageSource
+from accel_train.transforms import SMALL_IMAGE, ImageTransform
+
+IDENTITY = dict(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))  # output = pixel / 255
+
+
+class ListSource(ImageSource):
+    """Images decoded one by one (data not held in memory)."""
+
+    def __init__(self, images: list[torch.Tensor], labels: torch.Tensor):
+        self._images, self.labels = images, labels
+
+    def image(self, index: int) -> torch.Tensor:
+        return self._images[index]
+
+
+def _random_images(n: int, h: int, w: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n, 3, h, w), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+
+
+def _keys(n: int, count: int, seed: int) -> list[int]:
+    """Sampler keys epoch * n + index over a few epochs, in a scrambled order."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 5, (count,), generator=gen) * n
+            + torch.randint(0, n, (count,), generator=gen)).tolist()
+
+
+def _as_pixels(images: torch.Tensor) -> np.ndarray:
+    """Undo the identity normalization: float /255 -> uint8 values."""
+    return (images * 255).round().to(torch.int64).numpy()
+
+
+SOURCES = {
+    "in_memory_small": lambda: ArraySource(_random_images(12, 32, 32, 1), torch.arange(12) % 3),
+    "in_memory_large": lambda: ArraySource(_random_images(6, 72, 90, 2), torch.arange(6) % 3),
+    "per_image_same_size": lambda: ListSource(list(_random_images(12, 32, 32, 3)),
+                                              torch.arange(12) % 3),
+    "per_image_mixed_sizes": lambda: ListSource(
+        [_random_images(1, 24 + 4 * (i % 3), 32, 10 + i)[0] for i in range(6)]
+        + [_random_images(1, 70, 100, 20 + i)[0] for i in range(3)], torch.arange(9) % 3),
+}
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_batched_path_equals_the_one_image_path_item_by_item(name):
+    source = SOURCES[name]()
+    dataset = TrainImages(source, ImageTransform(32, (0.4, 0.5, 0.6), (0.2, 0.25, 0.3),
+                                                 augment=True), seed=5)
+    keys = _keys(len(source), 10, seed=len(name))
+    batch = dataset.__getitems__(keys)
+    assert len(batch) == len(keys)
+    for position, key in enumerate(keys):
+        image, label = dataset[key]
+        batched_image, batched_label = batch[position]
+        assert image.shape == (3, 32, 32) and image.dtype == torch.float32
+        assert torch.equal(batched_image, image), (name, position, key)
+        assert int(batched_label) == int(label) == int(source.labels[key % len(source)])
+
+
+def _same_image_source(n: int, size: int) -> ArraySource:
+    image = _random_images(1, size, size, 7)
+    return ArraySource(image.expand(n, -1, -1, -1).contiguous(), torch.zeros(n, dtype=torch.long))
+
+
+@pytest.mark.parametrize("size", [32, 80], ids=["pad_crop_flip", "random_resized_crop"])
+def test_the_draw_depends_on_seed_and_on_index(size):
+    n = 16
+    source = _same_image_source(n, size)  # one image n times: only the index tells them apart
+    transform = ImageTransform(32, **IDENTITY, augment=True)
+    seed0, seed1 = TrainImages(source, transform, seed=0), TrainImages(source, transform, seed=1)
+    by_index = [seed0[i][0] for i in range(n)]
+    distinct = {tuple(_as_pixels(image).ravel()) for image in by_index}
+    assert len(distinct) >= n - 2, f"only {len(distinct)} distinct crops for {n} indices"
+    differs_by_seed = sum(not torch.equal(seed0[i][0], seed1[i][0]) for i in range(n))
+    assert differs_by_seed >= n - 2
+    epoch_3 = [seed0[3 * n + i][0] for i in range(n)]
+    assert sum(not torch.equal(a, b) for a, b in zip(by_index, epoch_3)) >= n - 2
+    # a function of (seed, epoch, index) alone: the global RNG does not matter
+    torch.manual_seed(123)
+    assert all(torch.equal(seed0[i][0], by_index[i]) for i in range(n))
+
+
+def test_pad_crop_flip_is_a_window_of_the_reflect_padded_image():
+    size, pad = 32, 32 // 8
+    source = ArraySource(_random_images(40, size, size, 9), torch.zeros(40, dtype=torch.long))
+    dataset = TrainImages(source, ImageTransform(size, **IDENTITY, augment=True), seed=3)
+    offsets, flips = set(), []
+    for index in range(40):
+        out = _as_pixels(dataset[index][0])
+        padded = np.pad(source.images[index].numpy().astype(np.int64),
+                        ((0, 0), (pad, pad), (pad, pad)), mode="reflect")
+        matches = [(top, left, flip)
+                   for top in range(2 * pad + 1) for left in range(2 * pad + 1)
+                   for flip in (False, True)
+                   if np.array_equal(out, (lambda w: w[:, :, ::-1] if flip else w)(
+                       padded[:, top:top + size, left:left + size]))]
+        assert len(matches) == 1, (index, matches)
+        offsets.add(matches[0][:2])
+        flips.append(matches[0][2])
+    assert 0.2 < np.mean(flips) < 0.8  # about half mirrored
+    assert len(offsets) >= 20  # offsets spread over the 9 x 9 possibilities
+
+
+def _ramp_image(height: int, width: int) -> torch.Tensor:
+    """R = 2 * row, G = 3 * column, B = 77: the crop box can be read back from the output."""
+    rows = torch.arange(height).view(-1, 1).expand(height, width)
+    cols = torch.arange(width).view(1, -1).expand(height, width)
+    return torch.stack([2 * rows, 3 * cols, torch.full_like(rows, 77)]).to(torch.uint8)
+
+
+def _fit_axis(profile: np.ndarray, slope_per_pixel: float, size: int) -> tuple[float, float, float]:
+    """Source start and length of a resized span from its ramp profile (interior samples only:
+    the antialiasing filter is cut at the borders); returns (start, length, worst residual).
+    Output sample i (centre i + 0.5) comes from source coordinate start + (i + 0.5) * length /
+    size - 0.5, whose ramp value is slope_per_pixel times that."""
+    i = np.arange(3, size - 3)
+    a, b = np.polyfit(i, profile[i], 1)
+    residual = np.abs(a * i + b - profile[i]).max()
+    length = a * size / slope_per_pixel
+    start = b / slope_per_pixel - 0.5 * length / size + 0.5
+    return start, length, residual
+
+
+def test_random_resized_crop_of_large_images():
+    height, width, size = 96, 80, 40
+    assert max(height, width) > SMALL_IMAGE  # the random-resized-crop path, not pad-and-crop
+    n = 48
+    source = ArraySource(_ramp_image(height, width).expand(n, -1, -1, -1).contiguous(),
+                         torch.zeros(n, dtype=torch.long))
+    dataset = TrainImages(source, ImageTransform(size, **IDENTITY, augment=True), seed=4)
+    boxes, flips = [], []
+    for index in range(n):
+        out = _as_pixels(dataset[index][0])
+        assert out.shape == (3, size, size)
+        assert (out[2] == 77).all()  # channels are never mixed
+        # R depends on the row only, G on the column only: a crop, not a rotation or a shear
+        assert (out[0].max(axis=1) - out[0].min(axis=1)).max() <= 1
+        assert (out[1].max(axis=0) - out[1].min(axis=0)).max() <= 1
+        rows, cols = out[0].mean(axis=1), out[1].mean(axis=0)
+        flipped = cols[-1] < cols[0]
+        top, h, res_r = _fit_axis(rows, 2.0, size)
+        left, w, res_c = _fit_axis(cols[::-1] if flipped else cols, 3.0, size)
+        assert max(res_r, res_c) < 1.5, (index, res_r, res_c)  # values come from the ramp
+        assert -1 <= top and top + h <= height + 1, (index, top, h)
+        assert -1 <= left and left + w <= width + 1, (index, left, w)
+        scale, ratio = h * w / (height * width), w / h
+        assert 0.25 - 0.03 <= scale <= 1.0 + 0.03, (index, scale)
+        assert 3 / 4 - 0.05 <= ratio <= 4 / 3 + 0.05, (index, ratio)
+        boxes.append((round(top), round(left), round(h), round(w)))
+        flips.append(flipped)
+        # deterministic per (seed, epoch, index); another epoch draws again
+        assert torch.equal(dataset[index][0], dataset[index][0])
+    assert 0.2 < np.mean(flips) < 0.8
+    assert len(set(boxes)) >= n - 4
+    scales = [h * w / (height * width) for _, _, h, w in boxes]
+    assert min(scales) < 0.45 and max(scales) > 0.7  # the whole scale range is used
+    again = [dataset[n + index][0] for index in range(n)]  # epoch 1
+    assert sum(not torch.equal(dataset[i][0], again[i]) for i in range(n)) >= n - 2

@@ -1,0 +1,359 @@
+"""Process control through the real command line and launchers, never mocks:
+
+* SIGTERM to ONE worker of a 2-process torchrun run stops both ranks at the same optimizer step
+  (the ranks agree on stopping once per step);
+* a real Ctrl-C (SIGINT) to `python -m accel_train` saves and exits 143; a second one while it is
+  stopping exits 130 at once ("accel_train: interrupted") and loses no finished checkpoint;
+* the manual start without a launcher (`--world_size 2 --rank R --dist_url tcp://...`, one
+  command per process) trains one 2-process group, the same weights as torchrun;
+* bad input on 2 processes exits 2 on every rank, promptly, in one line, without a traceback;
+* exact resume also with images decoded per step by loader workers (--in-memory never
+  --num-workers 2) at 80 px: stopped by SIGTERM mid-epoch and resumed, the final weights are
+  bit-identical to a run left alone.
+
+test_signals.py covers SIGTERM to a 1-process run and to torchrun itself (which forwards it to
+every worker), and the SIGINT rules of the stop handler called directly; this file covers what
+only real processes show.  Each random choice comes from a seeded RNG and is printed (set
+ACCEL_TRAIN_TEST_SEED to replay or vary it).  Waits poll files, never sleep a fixed time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import yaml
+from PIL import Image
+
+from accel_train.checkpoint import verify
+from conftest import REPO, TINY_TRAIN, free_port, test_env
+from faults import Run, checkpoint_steps, max_weight_difference, metrics, wait_until
+
+# 256 synthetic images, batch 16: 16 steps per epoch on 1 process, 8 on 2, ~0.1 s a step.  Far
+# longer (20 epochs) than any run that uses it lasts: each is stopped after its first
+# checkpoints, and a signal must never find the run already finished.
+LONG_TRAIN = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--epochs", "20",
+              "--checkpoint-every", "3", "--log-every", "1", "--keep-checkpoints", "10"]
+PROMPT = 60.0  # seconds: a bad input must end every rank well within this (imports included)
+
+
+@pytest.fixture
+def runs():
+    started: list[Run] = []
+    yield started
+    for run in started:
+        run.close()
+
+
+@pytest.fixture
+def rng(request) -> random.Random:
+    """A seeded RNG per test; the seed is printed (shown with -s, and on failure)."""
+    seed = int(os.environ.get("ACCEL_TRAIN_TEST_SEED", zlib.crc32(request.node.name.encode())))
+    print(f"random choices of {request.node.name}: seed {seed} (ACCEL_TRAIN_TEST_SEED)")
+    return random.Random(seed)
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "accel_train", *args]
+
+
+def torchrun(*args: str, nproc: int = 2) -> list[str]:
+    """The real CLI under the real torchrun (no restarts: a stop is the end of the run)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+            str(nproc), "--max-restarts", "0", "--monitor-interval", "0.5", "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port()), "-m", "accel_train", *args]
+
+
+def workers(run: Run) -> dict[int, psutil.Process]:
+    """The `python -m accel_train` processes under this launcher, by global rank."""
+    found = {}
+    try:
+        children = psutil.Process(run.proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:  # the launcher is gone: wait_until reports how it ended
+        return found
+    for child in children:
+        try:
+            environ, cmdline = child.environ(), child.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "RANK" in environ and cmdline[1:3] == ["-m", "accel_train"]:
+            found[int(environ["RANK"])] = child
+    return found
+
+
+def stopped_at(text: str) -> int:
+    return int(text.split("stopped by a signal at step ")[1].split(":")[0])
+
+
+def checkpoint(out: Path, step: int) -> dict:
+    """The trainer state of <out>/checkpoints/step_<step>, after checking its manifest."""
+    path = out / "checkpoints" / f"step_{step:08d}"
+    assert verify(path) is None, f"{path}: {verify(path)}"
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def resolved(out: Path) -> dict:
+    return yaml.safe_load((out / "config.yaml").read_text())["resolved"]
+
+
+def wait_for_checkpoint(run: Run, out: Path, step: int) -> None:
+    wait_until(lambda: max(checkpoint_steps(out), default=0) >= step,
+               f"the checkpoint of step {step}", run)
+
+
+# -- stop signals ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sigterm_to_one_worker_stops_both_ranks_at_the_same_step(tmp_path, runs, rng):
+    """A scheduler (or an OOM-averse admin) may signal one worker, not the launcher.  The ranks
+    agree on the stop at the next optimizer step: both save the same checkpoint and both return
+    143.  torchrun itself reports a failed worker group (exit 1, the workers' 143 in its
+    summary): a stop signal is not a success, and it must not be mistaken for one."""
+    out = tmp_path / "run"
+    rank, after = rng.choice([0, 1]), rng.choice([3, 6])
+    about = f"(SIGTERM to rank {rank} after checkpoint {after})"
+    print(about)
+    run = Run(torchrun(*LONG_TRAIN, "--output-dir", str(out)), tmp_path / "torchrun.log")
+    runs.append(run)
+    wait_for_checkpoint(run, out, after)
+    target = wait_until(lambda: workers(run).get(rank), f"worker rank {rank}", run)
+    target.send_signal(signal.SIGTERM)
+    code = run.wait()
+    output = run.output
+
+    logs = [(out / "logs" / f"rank{r}.log").read_text() for r in (0, 1)]
+    stops = [stopped_at(log) for log in logs]
+    assert stops[0] == stops[1] > after, (stops, about)
+    state = checkpoint(out, stops[0])
+    assert (state["step"], state["world_size"]) == (stops[0], 2), about
+    assert stops[0] < 160, "the stop came before the run's end"
+    assert max(checkpoint_steps(out)) == stops[0]
+    assert max(r["step"] for r in metrics(out) if r["type"] == "train") == stops[0], about
+    # What torchrun reports: both workers exited 143 on their own (no SIGKILL, no traceback);
+    # the launcher calls the group failed and exits 1.
+    assert code == 1, f"torchrun exited {code} {about}\n{output[-4000:]}"
+    assert output.count("exitcode  : 143") == 2, output[-4000:]
+    assert "Signal 9" not in output and "]: Traceback" not in output, output[-4000:]
+    assert output.count(f"stopped by a signal at step {stops[0]}:") == 1  # rank 0 prints
+
+
+def test_one_ctrl_c_saves_a_checkpoint_and_exits_143(tmp_path, runs, rng):
+    out = tmp_path / "run"
+    after = rng.choice([3, 6, 9])
+    print(f"SIGINT after checkpoint {after}")
+    run = Run(cli(*LONG_TRAIN, "--output-dir", str(out)), tmp_path / "run.log")
+    runs.append(run)
+    wait_for_checkpoint(run, out, after)
+    run.proc.send_signal(signal.SIGINT)
+    output = run.check(expected=143)
+    stop = stopped_at(output)
+    assert after < stop < 320, (after, stop)
+    assert checkpoint(out, stop)["step"] == stop
+    assert "interrupted" not in output and "Traceback" not in output, output[-3000:]
+    for step in checkpoint_steps(out):
+        assert verify(out / "checkpoints" / f"step_{step:08d}") is None, step
+
+
+def test_a_second_ctrl_c_while_stopping_exits_130_and_loses_no_checkpoint(tmp_path, runs, rng):
+    """The first Ctrl-C asks for a checkpoint at the next optimizer step; a second one, sent
+    while that checkpoint is being written, means "now": KeyboardInterrupt, `accel_train:
+    interrupted`, exit 130.  The half-written save never counts as a checkpoint, and every
+    finished one is intact.  (Two SIGINTs sent back to back can reach Python's handler as one,
+    so the second is sent once the stop's save has visibly begun: a new entry in the
+    checkpoint folder.  test_resnet's saves take ~0.5 s here, mostly fsync.)"""
+    out = tmp_path / "run"
+    folder = out / "checkpoints"
+    after = rng.choice([3, 6, 9])
+    print(f"first SIGINT after checkpoint {after}, the second once the stop's save begins")
+    run = Run(cli(*LONG_TRAIN, "--output-dir", str(out)), tmp_path / "run.log")
+    runs.append(run)
+    wait_for_checkpoint(run, out, after)
+    before = set(os.listdir(folder))
+    finished_before = checkpoint_steps(out)
+    run.proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 120
+    while run.proc.poll() is None and not set(os.listdir(folder)) - before:
+        assert time.monotonic() < deadline, "no save began after the first SIGINT"
+        time.sleep(0.002)
+    assert run.proc.poll() is None, \
+        f"exited {run.proc.returncode} before the second SIGINT\n{run.output[-3000:]}"
+    run.proc.send_signal(signal.SIGINT)
+    output = run.check(expected=130)
+    assert "accel_train: interrupted" in output and "Traceback" not in output, output[-3000:]
+    for step in finished_before:  # pruning keeps 10: none of these may go
+        assert verify(folder / f"step_{step:08d}") is None, step
+    for step in checkpoint_steps(out):  # whatever else holds a step_ name is complete
+        assert verify(folder / f"step_{step:08d}") is None, step
+
+
+# -- the manual start without a launcher ----------------------------------------------------------
+
+MANUAL = [*[a for a in TINY_TRAIN if a not in ("--batch-size", "16")], "--batch-size", "8",
+          "--max-steps", "6", "--log-every", "1", "--no-augment"]
+
+
+@pytest.mark.slow
+def test_manual_start_without_a_launcher_trains_like_torchrun(tmp_path, runs):
+    """The seed manual's start: one `python -m accel_train --world_size 2 --rank R --dist_url
+    tcp://HOST:PORT` per process.  Both join one group and train what torchrun's 2 processes
+    train from the same flags: the same global batch, steps and weights; only rank 0 prints."""
+    manual, launched = tmp_path / "manual", tmp_path / "torchrun"
+    url = f"tcp://127.0.0.1:{free_port()}"
+    ranks = [Run(cli(*MANUAL, "--world_size", "2", "--rank", str(r), "--dist_url", url,
+                     "--output-dir", str(manual)), tmp_path / f"manual_rank{r}.log")
+             for r in (0, 1)]
+    reference = Run(torchrun(*MANUAL, "--output-dir", str(launched)), tmp_path / "torchrun.log")
+    runs.extend([*ranks, reference])
+    outputs = [r.check() for r in ranks]
+    reference.check()
+
+    facts, expected = resolved(manual), resolved(launched)
+    assert facts["world_size"] == 2 and facts["launcher"]["process_group_world_size"] == 2
+    for key in ("world_size", "global_batch", "steps_per_epoch", "total_steps"):
+        assert facts[key] == expected[key], key
+    assert (facts["global_batch"], facts["total_steps"]) == (16, 6)
+    for r in (0, 1):
+        assert f"process rank {r} of 2 " in (manual / "logs" / f"rank{r}.log").read_text()
+    assert [o.count("x 2 process(es), gloo") for o in outputs] == [1, 0], outputs[1][-2000:]
+    assert [m["step"] for m in metrics(manual) if m["type"] == "train"] == [1, 2, 3, 4, 5, 6]
+    difference = max_weight_difference(manual, launched)
+    print(f"max |manual - torchrun| weight difference: {difference}")
+    assert difference == 0.0  # same group size, same gloo all-reduce: the same arithmetic
+
+
+# -- bad input on every rank ----------------------------------------------------------------------
+
+def _start_manual_pair(argv: list[str], tmp_path: Path) -> list[subprocess.Popen]:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    return [subprocess.Popen(cli(*argv, "--world_size", "2", "--rank", str(r), "--dist_url", url),
+                             cwd=REPO, env=test_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+            for r in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad, message", [
+    (["--model", "not_a_model"], "--model 'not_a_model' is not a timm model"),
+    (["--data-dir", "/nonexistent/data"], "--data-dir /nonexistent/data: no such folder"),
+])
+def test_bad_input_on_two_processes_exits_2_on_every_rank(tmp_path, bad, message):
+    """Each rank of a manual 2-process start (so that each rank's exit code and stderr are its
+    own): exit 2, the one line naming the problem, no traceback, well within a minute: no rank
+    is left waiting for the other in a collective."""
+    out = tmp_path / "run"
+    started = time.monotonic()
+    procs = _start_manual_pair([*TINY_TRAIN, *bad, "--output-dir", str(out)], tmp_path)
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=PROMPT)
+            results.append((proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    elapsed = time.monotonic() - started
+    print(f"both ranks ended in {elapsed:.1f}s")
+    for rank, (code, stdout, stderr) in enumerate(results):
+        prefix = "accel_train: error: " if rank == 0 else "accel_train: error (rank 1): "
+        lines = stderr.strip().splitlines()
+        assert code == 2, f"rank {rank} exited {code}\n{stderr[-3000:]}"
+        assert len(lines) == 1 and lines[0].startswith(prefix) and message in lines[0], stderr
+        assert "Traceback" not in stdout + stderr
+    assert not out.exists() or not any(out.iterdir()), sorted(os.listdir(out))
+
+
+@pytest.mark.slow
+def test_bad_input_under_torchrun_exits_2_on_both_workers(tmp_path):
+    """The same under torchrun: both workers exit 2 with one line each (torchrun tags its
+    workers' lines with --tee); torchrun reports the group failed."""
+    started = time.monotonic()
+    command = torchrun(*TINY_TRAIN, "--model", "not_a_model", "--output-dir",
+                       str(tmp_path / "run"))
+    command[command.index("-m", 2):command.index("-m", 2)] = ["--tee", "3"]
+    result = subprocess.run(command, cwd=REPO, env=test_env(), capture_output=True, text=True,
+                            timeout=PROMPT)
+    print(f"torchrun ended in {time.monotonic() - started:.1f}s")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    assert output.count("exitcode  : 2") == 2, output[-4000:]
+    for rank in (0, 1):
+        lines = [line for line in output.splitlines()
+                 if line.startswith(f"[default{rank}]:") and line.split(":", 1)[1].strip()]
+        assert len(lines) == 1 and "--model 'not_a_model' is not a timm model" in lines[0], \
+            output[-4000:]
+    assert "]:Traceback" not in output.replace(" ", "")
+
+
+# -- exact resume with images decoded per step by loader workers ---------------------------------
+
+BIG_CLASSES, BIG_SIZE = ["circle", "square", "stripes", "noise"], 80
+
+
+def write_big_image_folder(root: Path, train_per_class: int = 24, test_per_class: int = 4) -> Path:
+    """PNG files of 80x80 px (above the 64 px the synthetic set never exceeds), in class
+    folders under train/ and test/."""
+    rng = np.random.default_rng(0)
+    grid = np.mgrid[0:BIG_SIZE, 0:BIG_SIZE].astype(np.float32)
+    for split, count in (("train", train_per_class), ("test", test_per_class)):
+        for label, name in enumerate(BIG_CLASSES):
+            (root / split / name).mkdir(parents=True)
+            for i in range(count):
+                cy, cx = rng.uniform(20, 60, 2)
+                pattern = [np.hypot(grid[0] - cy, grid[1] - cx) < 15,
+                           np.maximum(abs(grid[0] - cy), abs(grid[1] - cx)) < 13,
+                           (grid[1] // 6) % 2 == 0,
+                           rng.uniform(size=(BIG_SIZE, BIG_SIZE)) < 0.5][label]
+                pixels = rng.uniform(0, 80, (BIG_SIZE, BIG_SIZE, 3))
+                pixels[pattern] += rng.uniform(80, 175, 3)
+                Image.fromarray(pixels.clip(0, 255).astype(np.uint8), "RGB").save(
+                    root / split / name / f"{i}.png")
+    return root
+
+
+def test_exact_resume_decoding_per_step_with_loader_workers(tmp_path, runs, rng):
+    """96 images of 80 px, 8 per step: 12 steps per epoch, 24 in all, a checkpoint every 3.
+    The run left alone and the run stopped by SIGTERM mid-epoch (after a checkpoint) and
+    resumed with --resume auto end with bit-identical weights."""
+    data = write_big_image_folder(tmp_path / "images")
+    command = ["--data-dir", str(data), "--in-memory", "never", "--num-workers", "2",
+               "--model", "test_resnet", "--batch-size", "8", "--epochs", "2",
+               "--checkpoint-every", "3", "--log-every", "1", "--keep-checkpoints", "10",
+               "--progress", "log", "--no-plots"]
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    after = rng.choice([3, 6, 15, 18])  # >= 6 steps before an epoch's end: the stop is mid-epoch
+    about = f"(SIGTERM after checkpoint {after})"
+    print(about)
+    runs.append(Run(cli(*command, "--output-dir", str(reference)), tmp_path / "reference.log"))
+    victim = Run(cli(*command, "--output-dir", str(stopped)), tmp_path / "stopped.log")
+    runs.append(victim)
+    wait_for_checkpoint(victim, stopped, after)
+    victim.proc.send_signal(signal.SIGTERM)
+    stop = stopped_at(victim.check(expected=143))
+    state = checkpoint(stopped, stop)
+    assert 0 < state["samples_in_epoch"] < 96, (state, about)  # mid-epoch
+
+    facts = resolved(stopped)
+    assert (facts["data_in_memory"], facts["num_workers"]) == (False, 2)
+    assert facts["model"]["image_size"] == BIG_SIZE and facts["total_steps"] == 24
+
+    resumed = Run(cli(*command, "--output-dir", str(stopped), "--resume", "auto"),
+                  tmp_path / "resumed.log")
+    runs.append(resumed)
+    output = resumed.check()
+    assert f"resumed from {stopped}/checkpoints/step_{stop:08d} at step {stop}" in output, about
+    runs[0].check()
+    assert max_weight_difference(reference, stopped) == 0.0, about
+    steps = [r["step"] for r in metrics(stopped) if r["type"] == "train"]
+    assert steps == list(range(1, 25)), (steps, about)

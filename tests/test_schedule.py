@@ -1,0 +1,112 @@
+"""The learning-rate schedule against numbers worked out by hand (not against `lr_factor`).
+
+The schedule (accel_train/optim.py): linear warmup over W optimizer steps, then cosine decay to 0
+at the last step T, stepped once per optimizer step.  The update with 0-based index k uses
+
+    lr_k = peak * (k + 1) / W                                for k < W
+    lr_k = peak * 0.5 * (1 + cos(pi * min(1, (k - W) / (T - W))))   for k >= W
+
+Every expected value below is a literal with the formula it came from; cos values used:
+cos(pi/8) = 0.9238795325, cos(pi/4) = 0.7071067812, cos(3pi/8) = 0.3826834324,
+cos(15pi/16) = -0.9807852804.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from accel_train.optim import build_scheduler
+from accel_train.track import read_metrics
+
+from conftest import TINY_TRAIN, accel_train
+
+TOL = 1e-9
+
+
+def _lrs_per_update(warmup: int, total: int, updates: int, peak: float = 0.1,
+                    groups: int = 1) -> list[list[float]]:
+    """The lr of every param group at each update, stepping the scheduler once per update as the
+    trainer does (optimizer.step(), then scheduler.step())."""
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(groups)]
+    optimizer = torch.optim.SGD([{"params": [p]} for p in params], lr=peak)
+    scheduler = build_scheduler(optimizer, warmup, total)
+    seen = []
+    for _ in range(updates):
+        seen.append([g["lr"] for g in optimizer.param_groups])
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        scheduler.step()
+    return seen
+
+
+def test_warmup_then_cosine_hand_computed():
+    # peak 0.1, warmup W = 4, total T = 20 (decay over T - W = 16 steps)
+    lrs = [row[0] for row in _lrs_per_update(warmup=4, total=20, updates=21)]
+    expected = {
+        0: 0.025,          # warmup start: 0.1 * 1/4
+        1: 0.05,           # 0.1 * 2/4
+        2: 0.075,          # 0.1 * 3/4
+        3: 0.1,            # end of warmup: 0.1 * 4/4
+        4: 0.1,            # cosine start: 0.1 * 0.5 * (1 + cos(0))
+        8: 0.0853553391,   # 0.1 * 0.5 * (1 + cos(pi * 4/16)) = 0.05 * 1.7071067812
+        12: 0.05,          # mid-cosine: 0.1 * 0.5 * (1 + cos(pi * 8/16)) = 0.05 * (1 + 0)
+        16: 0.0146446609,  # 0.1 * 0.5 * (1 + cos(pi * 12/16)) = 0.05 * (1 - 0.7071067812)
+        19: 0.0009607360,  # last step: 0.1 * 0.5 * (1 + cos(pi * 15/16)) = 0.05 * 0.0192147196
+        20: 0.0,           # past the end: 0.1 * 0.5 * (1 + cos(pi)) = 0
+    }
+    for step, value in expected.items():
+        assert lrs[step] == pytest.approx(value, abs=TOL), (step, lrs[step], value)
+    # monotone: up during warmup, never up afterwards
+    assert all(a < b for a, b in zip(lrs[:4], lrs[1:4]))
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+
+
+def test_every_param_group_follows_the_schedule_and_no_warmup_starts_at_peak():
+    # Two groups (as build_optimizer makes: decay / no decay): both get the same factor.
+    rows = _lrs_per_update(warmup=0, total=4, updates=5, groups=2)
+    expected = [
+        0.1,           # no warmup: 0.1 * 0.5 * (1 + cos(0))
+        0.0853553391,  # 0.1 * 0.5 * (1 + cos(pi/4))
+        0.05,          # 0.1 * 0.5 * (1 + cos(pi/2))
+        0.0146446609,  # 0.1 * 0.5 * (1 + cos(3pi/4))
+        0.0,           # 0.1 * 0.5 * (1 + cos(pi))
+    ]
+    for row, value in zip(rows, expected):
+        assert row == pytest.approx([value, value], abs=TOL)
+
+
+@pytest.fixture(scope="module")
+def schedule_run(tmp_path_factory):
+    """256 images, global batch 16 (8 x 2 accumulation steps): 16 optimizer steps per epoch;
+    warmup 0.25 epoch = 4 steps; --max-steps 12 ends (and so shapes) the schedule at 12."""
+    out = tmp_path_factory.mktemp("schedule") / "run"
+    accel_train(*TINY_TRAIN, "--batch-size", "8", "--accumulation-steps", "2", "--lr", "0.1",
+                "--warmup-epochs", "0.25", "--max-steps", "12", "--log-every", "1",
+                "--max-eval-samples", "16", "--output-dir", str(out), check=True)
+    return out
+
+
+def test_cli_run_logs_the_hand_computed_lr(schedule_run):
+    train = [m for m in read_metrics(schedule_run / "metrics.jsonl") if m["type"] == "train"]
+    assert [m["step"] for m in train] == list(range(1, 13))
+    # The lr logged at optimizer step s (after s updates) is the one update s (0-based) will use,
+    # peak 0.1, W = 4, T = 12 (decay over 8 steps).  Per optimizer step, not per micro-batch:
+    # with 2 accumulation steps a per-micro-batch schedule would be twice as far along.
+    expected = {
+        1: 0.05,           # 0.1 * 2/4
+        2: 0.075,          # 0.1 * 3/4
+        3: 0.1,            # end of warmup: 0.1 * 4/4
+        4: 0.1,            # 0.1 * 0.5 * (1 + cos(0))
+        5: 0.0961939766,   # 0.1 * 0.5 * (1 + cos(pi/8)) = 0.05 * 1.9238795325
+        6: 0.0853553391,   # 0.1 * 0.5 * (1 + cos(pi/4))
+        7: 0.0691341716,   # 0.1 * 0.5 * (1 + cos(3pi/8)) = 0.05 * 1.3826834324
+        8: 0.05,           # mid-cosine: 0.1 * 0.5 * (1 + cos(pi/2))
+        9: 0.0308658284,   # 0.1 * 0.5 * (1 - cos(3pi/8))
+        10: 0.0146446609,  # 0.1 * 0.5 * (1 - cos(pi/4))
+        11: 0.0038060234,  # 0.1 * 0.5 * (1 - cos(pi/8)), the lr of the last update
+        12: 0.0,           # after the last update: 0.1 * 0.5 * (1 + cos(pi))
+    }
+    assert {m["step"]: m["lr"] for m in train} == pytest.approx(expected, abs=TOL)
+    assert train[-1]["samples_seen"] == 12 * 16

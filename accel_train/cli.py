@@ -28,6 +28,23 @@ _TYPES = {"int": int, "float": float, "str": str}
 TRAIN_SUMMARY = "train an image classifier (the default; options below)"
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every spelling of an option on one line with its value named once
+    (`--batch-size, --batch_size BATCH_SIZE`), and an on/off switch's off form once: argparse
+    would repeat the value for each spelling."""
+
+    def _format_action_invocation(self, action):
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            on = [s for s in action.option_strings if not s.startswith("--no-")]
+            return ", ".join(on + ["--no-" + on[0][2:]])
+        if action.nargs == 0:
+            return ", ".join(action.option_strings)
+        value = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return ", ".join(action.option_strings) + " " + value
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of exiting, so every bad input takes the same exit path."""
 
@@ -117,7 +134,7 @@ def build_train_parser(prog: str = "accel-train train") -> argparse.ArgumentPars
     parser = _Parser(prog=prog, usage="%(prog)s [--config RUN.yaml] [options]",
                      description="Train an image classifier (any timm model) with "
                      "Hugging Face Accelerate, on one device or many.",
-                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     formatter_class=_HelpFormatter,
                      epilog="Every option is listed in both spellings (--batch-size, "
                             "--batch_size). The underscore names are\nthose of the seed manual: "
                             "the manual of the classic PyTorch distributed training script (DDP,"

@@ -162,8 +162,9 @@ def _make_store(env: LauncherEnv) -> dist.Store:
                          "with torchrun or accelerate launch, or pass --dist_url")
     # Under torchelastic the agent hosts the store; otherwise rank 0 does.
     is_master = (not env.agent_store) and env.rank == 0
-    base = dist.TCPStore(env.master_addr, env.master_port, None if not is_master else env.world_size,
-                         is_master, timeout=DEFAULT_TIMEOUT, wait_for_workers=False)
+    base = dist.TCPStore(env.master_addr, env.master_port,
+                         None if not is_master else env.world_size, is_master,
+                         timeout=DEFAULT_TIMEOUT, wait_for_workers=False)
     # Only the agent's store outlives a round of workers, so only there can keys go stale.  A
     # store that rank 0 hosts is new each round (the c10d rendezvous without a shared store picks
     # a new port), and there the restart count must stay out of the prefix: it is counted per

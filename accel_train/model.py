@@ -84,12 +84,14 @@ def create_model(name: str, num_classes: int, drop_rate: float = 0.0,
                                  **kwargs)
     except (RuntimeError, KeyError, ValueError, OSError) as err:
         raise UsageError(f"--pretrained {pretrained}: does not fit model {name} "
-                         f"({str(err).splitlines()[0][:200]}); pass weights saved from {name}") from None
+                         f"({str(err).splitlines()[0][:200]}); pass weights saved from "
+                         f"{name}") from None
 
 
 def pretrained_normalization(model: nn.Module) -> tuple[tuple, tuple]:
     cfg = getattr(model, "pretrained_cfg", {}) or {}
-    return tuple(cfg.get("mean", (0.485, 0.456, 0.406))), tuple(cfg.get("std", (0.229, 0.224, 0.225)))
+    return (tuple(cfg.get("mean", (0.485, 0.456, 0.406))),
+            tuple(cfg.get("std", (0.229, 0.224, 0.225))))
 
 
 def check_image_size(model: nn.Module, name: str, image_size: int) -> None:
@@ -102,7 +104,8 @@ def check_image_size(model: nn.Module, name: str, image_size: int) -> None:
     except Exception as err:  # shape errors surface as RuntimeError/AssertionError/ValueError
         default = (getattr(model, "pretrained_cfg", {}) or {}).get("input_size", (3, 224, 224))[-1]
         raise UsageError(f"--image-size {image_size} does not work with {name} "
-                         f"({str(err).splitlines()[0][:160]}); try --image-size {default}") from None
+                         f"({str(err).splitlines()[0][:160]}); try --image-size "
+                         f"{default}") from None
     finally:
         model.train(was_training)
 

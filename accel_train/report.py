@@ -59,6 +59,7 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
     """The start-up summary: what will really run, from the resolved facts."""
     model = facts["model"]
     world = facts["world_size"]
+    per_process = facts["global_batch"] // world // accumulation_steps
     backend_text = f", {backend}" if world > 1 and backend else ""
     return (
         f"accel_train: {model['model_name']} ({facts['trainable_parameters']:,} trainable "
@@ -69,8 +70,8 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         f"{len(model['class_names'])} classes, {model['image_size']}px, "
         f"{'decoded in memory' if facts['data_in_memory'] else 'decoded per step'}, "
         f"{facts['num_workers']} loader worker(s)\n"
-        f"  global batch {facts['global_batch']} = {facts['global_batch'] // world // accumulation_steps} "
-        f"per process x {world} process(es) x {accumulation_steps} accumulation step(s); "
+        f"  global batch {facts['global_batch']} = {per_process} per process x {world} "
+        f"process(es) x {accumulation_steps} accumulation step(s); "
         f"{facts['steps_per_epoch']} steps/epoch, {facts['total_steps']} steps in all\n"
         f"  output: {facts['output_dir']} (checkpoints in {facts['checkpoint_dir']})\n"
         f"  records: {records}")

@@ -90,7 +90,8 @@ def convert_gloo_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Swap every BatchNorm's class for its synchronized twin in place (same parameters and
     state-dict keys, so checkpoints and exported weights are unchanged)."""
     for child in module.modules():
-        if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(child, _GlooSyncMixin):
+        if isinstance(child, nn.modules.batchnorm._BatchNorm) \
+                and not isinstance(child, _GlooSyncMixin):
             child.__class__ = _sync_class(type(child))
     return module
 

@@ -131,9 +131,9 @@ def measure(args, size: int, precision: str, device, work: Path) -> dict:
     for order in benchlib.round_orders(list(blocks), args.rounds):
         for name in order:
             seconds[name].append(benchlib.timed(blocks[name]))
-    records = [r for r in benchlib.read_jsonl(trainer.plan.output_dir / "metrics.jsonl")
-               if r.get("type") == "train"] if (trainer.plan.output_dir / "metrics.jsonl").exists() \
-        else []
+    metrics_path = trainer.plan.output_dir / "metrics.jsonl"
+    records = [r for r in benchlib.read_jsonl(metrics_path)
+               if r.get("type") == "train"] if metrics_path.exists() else []
     trainer.close()
     rate = {name: batch * args.steps / benchlib.median(s) for name, s in seconds.items()}
     ratio = {name: benchlib.median([h / a for h, a in zip(seconds["hand loop"], s)])

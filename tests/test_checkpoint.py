@@ -274,3 +274,24 @@ def test_a_resume_that_would_change_the_data_order_is_refused(bundle, tmp_path, 
         code, err = run_cli(capsys, *flags, "--max-steps", "2", "--output-dir", str(out),
                             "--resume", "auto")
         assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_a_resumed_state_keeps_every_field_of_the_checkpoint_but_the_process_layout():
+    """Field by field restoring once dropped what it did not name; every field of the dataclass
+    (including any added later) must come back from the checkpoint, except the three that
+    describe this start's process layout."""
+    import dataclasses
+
+    layout = {"world_size", "batch_size", "accumulation_steps"}
+    saved = TrainerState()
+    for number, field in enumerate(dataclasses.fields(TrainerState), start=3):
+        value = getattr(saved, field.name)
+        setattr(saved, field.name, 0.5 * number if isinstance(value, float) or value is None
+                else number)
+    through_disk = TrainerState.from_json(json.loads(json.dumps(saved.to_json())))
+    resumed = through_disk.continued_on(world_size=1, batch_size=64, accumulation_steps=2)
+    for field in dataclasses.fields(TrainerState):
+        expected = {"world_size": 1, "batch_size": 64, "accumulation_steps": 2}.get(
+            field.name, getattr(saved, field.name))
+        assert getattr(resumed, field.name) == expected, field.name
+    assert set(f.name for f in dataclasses.fields(TrainerState)) - layout  # something to keep

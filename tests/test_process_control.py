@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -86,7 +87,7 @@ def workers(run: Run) -> dict[int, psutil.Process]:
             environ, cmdline = child.environ(), child.cmdline()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if "RANK" in environ and cmdline[1:3] == ["-m", "accel_train"]:
+        if "RANK" in environ and "-m accel_train " in " ".join(cmdline) + " ":
             found[int(environ["RANK"])] = child
     return found
 
@@ -139,10 +140,17 @@ def test_sigterm_to_one_worker_stops_both_ranks_at_the_same_step(tmp_path, runs,
     assert stops[0] < 160, "the stop came before the run's end"
     assert max(checkpoint_steps(out)) == stops[0]
     assert max(r["step"] for r in metrics(out) if r["type"] == "train") == stops[0], about
-    # What torchrun reports: both workers exited 143 on their own (no SIGKILL, no traceback);
-    # the launcher calls the group failed and exits 1.
+    # What torchrun reports: the group failed (its ChildFailedError, exit 1), first failure a
+    # worker's 143.  The other worker exits 143 too, unless torchrun saw the first one gone
+    # while the other was still shutting down (its monitor looks every 0.5 s): then it
+    # SIGTERMs it, after the checkpoint (both left the save's last barrier), and reports -15.
     assert code == 1, f"torchrun exited {code} {about}\n{output[-4000:]}"
-    assert output.count("exitcode  : 143") == 2, output[-4000:]
+    root_cause = output.split("Root Cause (first observed failure):")[1]
+    summary = output[output.rindex("Failures:"):]
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", summary)]
+    print(f"torchrun exit {code}; worker exit codes it reports: {codes}")
+    assert re.search(r"exitcode\s*:\s*143 ", root_cause) and sorted(codes) in \
+        ([143, 143], [-15, 143]), output[-4000:]
     assert "Signal 9" not in output and "]: Traceback" not in output, output[-4000:]
     assert output.count(f"stopped by a signal at step {stops[0]}:") == 1  # rank 0 prints
 

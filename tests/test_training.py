@@ -48,7 +48,8 @@ def test_training_in_a_subprocess_improves_accuracy(tmp_path):
     steps = [m for m in read_metrics(out / "metrics.jsonl") if m["type"] == "train"]
     assert steps and all(m["img_per_s"] > 0 and 0 <= m["data_wait"] <= 1 for m in steps)
     assert "Epoch 1 Time" in result.stdout and "Training took" in result.stdout
-    assert "global batch 32 = 32 per process x 1 process(es) x 1 accumulation step(s)" in result.stdout
+    assert ("global batch 32 = 32 per process x 1 process(es) x 1 accumulation step(s)"
+            in result.stdout)
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert resolved["train"]["epochs"] == 2 and resolved["resolved"]["precision_used"] == "fp32"
     assert resolved["versions"]["torch"] == torch.__version__.split("+")[0] or \
@@ -109,7 +110,8 @@ BAD_INPUTS = [
     (["--learning_rate", "-1"], "--learning_rate must be a number > 0"),
     (["--mixed-precision", "fp64"], "invalid choice: 'fp64'"),
     (["--model", "test_vit", "--image-size", "40"], "--image-size 40 does not work with test_vit"),
-    (["--pretrained", "/nonexistent.safetensors"], "--pretrained /nonexistent.safetensors: no such"),
+    (["--pretrained", "/nonexistent.safetensors"],
+     "--pretrained /nonexistent.safetensors: no such"),
     (["--world_size", "2"], "--world_size 2 without a launcher needs --rank and --dist_url"),
     (["--gpu_ids", "0,1"], "--gpu_ids 0,1 given but this machine has no CUDA device"),
     (["--batch_size", "512", "--synthetic-train-size", "100"], "fewer than one global batch"),

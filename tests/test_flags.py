@@ -1,0 +1,376 @@
+"""Each training flag changes what training does, checked against an independent first step.
+
+The runs train ONE optimizer step on the whole synthetic training set (32 images, one batch of
+32, no augmentation), so the step can be redone here in plain torch: the initial weights are
+timm's for --seed 0 (torch.manual_seed(0), then timm.create_model), the batch is the raw images
+normalized with the run's model_config.json (whose mean/std test_data_stats.py checks), and the
+loss, gradient, clipping, weight decay and optimizer update are written out below by hand.  The
+order of the batch does not matter: the loss is a mean, and BatchNorm's batch statistics are
+order-free.
+
+A probe wrapper (PROBE below) runs `python -m accel_train` unchanged, but watches torch from
+outside the package: the memory format and dtype at every training Conv2d, the DDP wrapper's
+settings, and torch.compile calls.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+import yaml
+from safetensors.torch import load_file
+from torch import nn
+
+from accel_train import synthetic
+from accel_train.config import TrainConfig
+from accel_train.optim import build_optimizer
+from accel_train.track import read_metrics
+
+from conftest import REPO, free_port, run, test_env
+
+MODEL, SEED, NUM_CLASSES, TRAIN_SIZE = "test_resnet", 0, 10, 32
+FLAG_TRAIN = ["--dataset", "synthetic", "--synthetic-train-size", str(TRAIN_SIZE),
+              "--max-eval-samples", "16", "--model", MODEL, "--batch-size", str(TRAIN_SIZE),
+              "--epochs", "1", "--max-steps", "1", "--no-augment", "--warmup-epochs", "0",
+              "--log-every", "1", "--seed", str(SEED), "--progress", "log", "--no-plots"]
+
+PROBE = r'''
+import atexit, json, os, runpy, sys
+import torch
+
+records = {"conv": [], "compile": [], "ddp": []}
+path = os.environ["FLAG_PROBE_OUT"] + ".rank" + os.environ.get("RANK", "0") + ".json"
+
+if os.environ.get("FLAG_PROBE_CONV", "1") == "1":
+    conv_forward = torch.nn.Conv2d._conv_forward
+
+    def _conv_forward(self, input, weight, bias):
+        out = conv_forward(self, input, weight, bias)
+        if self.training and len(records["conv"]) < 200:
+            records["conv"].append({
+                "batch": int(input.shape[0]),
+                # (a tensor with size-1 dims can be both contiguous and channels_last)
+                "input_channels_last": bool(input.is_contiguous(memory_format=torch.channels_last)),
+                "input_contiguous": bool(input.is_contiguous()),
+                "weight_channels_last": bool(weight.is_contiguous(memory_format=torch.channels_last)),
+                "weight_contiguous": bool(weight.is_contiguous()),
+                "out_dtype": str(out.dtype)})
+        return out
+
+    torch.nn.Conv2d._conv_forward = _conv_forward
+
+compile_fn = torch.compile
+
+def _compile(model=None, *args, **kwargs):
+    records["compile"].append({"module": isinstance(model, torch.nn.Module),
+                               "backend": str(kwargs.get("backend"))})
+    return compile_fn(model, *args, **kwargs)
+
+torch.compile = _compile
+
+ddp_init = torch.nn.parallel.DistributedDataParallel.__init__
+
+def _ddp_init(self, *args, **kwargs):
+    ddp_init(self, *args, **kwargs)
+    config = getattr(self, "_bucket_config", None)
+    records["ddp"].append({
+        "kwargs": {k: v for k, v in kwargs.items() if isinstance(v, (int, float, bool, str))},
+        "bucket_bytes_cap": getattr(self, "bucket_bytes_cap",
+                                    getattr(config, "bucket_bytes_cap", None)),
+        "gradient_as_bucket_view": self.gradient_as_bucket_view,
+        "static_graph": self.static_graph})
+
+torch.nn.parallel.DistributedDataParallel.__init__ = _ddp_init
+
+@atexit.register
+def _write():
+    with open(path, "w") as handle:
+        json.dump(records, handle)
+
+sys.argv = ["accel_train", *sys.argv[1:]]
+runpy.run_module("accel_train", run_name="__main__", alter_sys=True)
+'''
+
+
+# -- the independent first step ------------------------------------------------------------------
+def no_decay_names(model: nn.Module) -> set[str]:
+    """Biases and the parameters of normalization layers, classified here by module type."""
+    norms = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+    names = set()
+    for module_name, module in model.named_modules():
+        for name, _ in module.named_parameters(recurse=False):
+            if name == "bias" or isinstance(module, norms):
+                names.add(f"{module_name}.{name}" if module_name else name)
+    return names
+
+
+def initial_model() -> nn.Module:
+    torch.manual_seed(SEED)
+    return timm.create_model(MODEL, num_classes=NUM_CLASSES, drop_rate=0.0)
+
+
+def first_step(run_dir, label_smoothing: float) -> dict:
+    """W0, the first batch's loss and gradient, computed here."""
+    spec = json.loads((run_dir / "model_config.json").read_text())
+    assert (spec["model_name"], spec["num_classes"], spec["image_size"]) == (MODEL, NUM_CLASSES, 32)
+    images, labels = synthetic.splits(TRAIN_SIZE)["train"]
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).to(torch.float64) / 255
+    x = (x - torch.tensor(spec["mean"], dtype=torch.float64).view(1, 3, 1, 1)) \
+        / torch.tensor(spec["std"], dtype=torch.float64).view(1, 3, 1, 1)
+    y = torch.from_numpy(labels)
+    model = initial_model().train()
+    w0 = {name: p.detach().clone() for name, p in model.named_parameters()}
+    log_p = F.log_softmax(model(x.float()), dim=1)
+    nll = -log_p[torch.arange(len(y)), y]
+    uniform = -log_p.mean(dim=1)  # cross-entropy against the uniform distribution
+    eps = label_smoothing
+    loss = ((1 - eps) * nll + eps * uniform).mean()
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    return {"w0": w0, "grad": grads, "loss": float(loss), "plain_loss": float(nll.mean()),
+            "no_decay": no_decay_names(model),
+            "grad_norm": math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))}
+
+
+def max_diff(a: dict, b: dict, names=None) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in (names or a))
+
+
+# -- the runs -------------------------------------------------------------------------------------
+class FlagRun:
+    def __init__(self, out, probe_out):
+        self.out, self.probe_out = out, probe_out
+
+    @property
+    def weights(self) -> dict:
+        return load_file(str(self.out / "model.safetensors"))
+
+    @property
+    def params(self) -> dict:
+        names = {n for n, _ in initial_model().named_parameters()}
+        return {n: t for n, t in self.weights.items() if n in names}
+
+    @property
+    def first_loss(self) -> float:
+        train = [m for m in read_metrics(self.out / "metrics.jsonl") if m["type"] == "train"]
+        assert [m["step"] for m in train] == [1]
+        return train[0]["loss"]
+
+    @property
+    def resolved(self) -> dict:
+        return yaml.safe_load((self.out / "config.yaml").read_text())["resolved"]
+
+    def probe(self, rank: int = 0) -> dict:
+        return json.loads(self.probe_out.with_name(self.probe_out.name + f".rank{rank}.json")
+                          .read_text())
+
+    def training_convs(self, rank: int = 0) -> list[dict]:
+        convs = [c for c in self.probe(rank)["conv"] if c["batch"] > 1]
+        assert convs, "the probe saw no training forward pass"
+        return convs
+
+
+def flag_run(root, name: str, *flags: str, launcher: list[str] | None = None,
+             conv_probe: bool = True, timeout: float = 300) -> FlagRun:
+    probe = root / "probe.py"
+    if not probe.exists():
+        probe.write_text(PROBE)
+    out, probe_out = root / name, root / f"{name}.probe"
+    cmd = [*(launcher or [sys.executable]), str(probe), *FLAG_TRAIN, *flags,
+           "--output-dir", str(out)]
+    env = test_env(FLAG_PROBE_OUT=str(probe_out), FLAG_PROBE_CONV="1" if conv_probe else "0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    run(cmd, env=env, timeout=timeout, check=True)
+    return FlagRun(out, probe_out)
+
+SGD_LR, CLIP, SGD_WD, SMOOTHING = 0.05, 0.1, 0.5, 0.3
+ADAM_LR, ADAM_WD = 0.01, 0.05
+BF16_LR = 0.05
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flags")
+    return {
+        # plain SGD (no momentum) with clipping, weight decay, label smoothing and channels_last
+        "sgd": flag_run(root, "sgd", "--optimizer", "sgd", "--momentum", "0", "--lr", str(SGD_LR),
+                        "--weight-decay", str(SGD_WD), "--grad-clip", str(CLIP),
+                        "--label-smoothing", str(SMOOTHING), "--channels-last"),
+        # AdamW with decoupled weight decay, no smoothing, no channels_last
+        "adamw": flag_run(root, "adamw", "--optimizer", "adamw", "--lr", str(ADAM_LR),
+                          "--weight-decay", str(ADAM_WD), "--label-smoothing", "0"),
+        # bf16 autocast; defaults otherwise (Nesterov momentum 0.9, wd 5e-4, smoothing 0.1)
+        "bf16": flag_run(root, "bf16", "--mixed-precision", "bf16", "--lr", str(BF16_LR)),
+    }
+
+
+# -- tests ------------------------------------------------------------------------------------------
+def test_weight_decay_groups_exclude_norms_and_biases():
+    model = initial_model()
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay = no_decay_names(model)
+    assert {"fc.bias", "bn1.weight", "bn1.bias"} <= no_decay  # the classifier's bias, a BN layer
+    assert "fc.weight" in set(names.values()) - no_decay
+    for optimizer_name, optimizer_type in (("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW)):
+        optimizer = build_optimizer(model, TrainConfig(weight_decay=0.3, optimizer=optimizer_name,
+                                                       learning_rate=0.2))
+        assert type(optimizer) is optimizer_type
+        by_decay: dict[float, list[str]] = {}
+        for group in optimizer.param_groups:
+            by_decay.setdefault(group["weight_decay"], []).extend(names[id(p)] for p in group["params"])
+            assert group["lr"] == 0.2
+        assert sorted(by_decay) == [0.0, 0.3]
+        assert sorted(by_decay[0.0]) == sorted(no_decay)
+        assert sorted(by_decay[0.3]) == sorted(set(names.values()) - no_decay)
+    sgd = build_optimizer(model, TrainConfig(momentum=0.8))
+    assert all(g["momentum"] == 0.8 and g["nesterov"] for g in sgd.param_groups)
+
+
+def test_frozen_backbone_leaves_only_the_head_in_the_optimizer():
+    model = initial_model()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("fc."))
+    optimizer = build_optimizer(model, TrainConfig())
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for g in optimizer.param_groups for p in g["params"]) == \
+        ["fc.bias", "fc.weight"]
+
+
+def test_sgd_grad_clip_weight_decay_and_label_smoothing(runs):
+    run_ = runs["sgd"]
+    ref = first_step(run_.out, label_smoothing=SMOOTHING)
+    no_decay = ref["no_decay"]
+    # the loss of the first batch is the smoothed cross-entropy, not the plain one
+    assert run_.first_loss == pytest.approx(ref["loss"], abs=2e-5)
+    assert abs(ref["loss"] - ref["plain_loss"]) > 1e-2
+
+    assert ref["grad_norm"] > 5 * CLIP  # clipping is active in this run
+    scale = CLIP / (ref["grad_norm"] + 1e-6)
+
+    def predict(clip_scale: float, decay_on: set[str]) -> dict:
+        # SGD without momentum: w1 = w0 - lr * (clipped g + wd * w0 on the decayed params)
+        return {n: w - SGD_LR * (clip_scale * ref["grad"][n] + (SGD_WD * w if n in decay_on else 0))
+                for n, w in ref["w0"].items()}
+
+    decayed = set(ref["w0"]) - no_decay
+    got = run_.params
+    tol = 2e-6
+    assert max_diff(got, predict(scale, decayed)) < tol
+    # each flag mattered: ignoring any one of them predicts other weights
+    assert max_diff(got, predict(1.0, decayed)) > 100 * tol           # without --grad-clip
+    assert max_diff(got, predict(scale, set())) > 100 * tol           # without --weight-decay
+    assert max_diff(got, predict(scale, set(ref["w0"]))) > 100 * tol  # decay on norms/biases too
+    # the clipped update's gradient part has norm lr * clip exactly
+    grad_part = {n: got[n] - ref["w0"][n] + (SGD_LR * SGD_WD * ref["w0"][n] if n in decayed else 0)
+                 for n in got}
+    norm = math.sqrt(sum(float((d.double() ** 2).sum()) for d in grad_part.values()))
+    assert norm == pytest.approx(SGD_LR * CLIP, rel=1e-4)
+
+
+def test_channels_last_reaches_the_model_and_the_images(runs):
+    convs = runs["sgd"].training_convs()
+    assert all(c["input_channels_last"] and c["weight_channels_last"] for c in convs)
+    # the first convolution (3 x 32 x 32 images, 3 x 3 kernel) is unambiguous: not NCHW
+    assert not convs[0]["input_contiguous"] and not convs[0]["weight_contiguous"]
+    # the control: without the flag everything is NCHW (the probe can tell)
+    control = runs["adamw"].training_convs()
+    assert all(c["input_contiguous"] and c["weight_contiguous"] for c in control)
+    assert not control[0]["input_channels_last"] and not control[0]["weight_channels_last"]
+
+
+def test_adamw_first_step_is_lr_times_the_gradient_sign(runs):
+    run_ = runs["adamw"]
+    ref = first_step(run_.out, label_smoothing=0.0)
+    assert run_.first_loss == pytest.approx(ref["plain_loss"], abs=2e-5)  # --label-smoothing 0
+    got, decayed = run_.params, set(ref["w0"]) - ref["no_decay"]
+    checked = 0
+    for name, w0 in ref["w0"].items():
+        g = ref["grad"][name]
+        decay = (1 - ADAM_LR * ADAM_WD) if name in decayed else 1.0  # decoupled (AdamW) decay
+        # step 1: m_hat = g, sqrt(v_hat) = |g|: the update is lr * g / (|g| + 1e-8)
+        adam_part = (w0 * decay - got[name]) / ADAM_LR
+        big = g.abs() > 1e-5  # clear of eps and of float noise in g
+        if big.any():
+            assert torch.allclose(adam_part[big], g[big].sign(), atol=2e-3), name
+            checked += 1
+        assert adam_part.abs().max() <= 1 + 1e-4, name  # never more than lr per element
+    assert checked >= len(ref["w0"]) - 2  # (nearly) every parameter tensor
+    # the oracle tells AdamW apart: SGD's w0 - lr * g, or AdamW without the decay, are far off
+    sgd_like = {n: w - ADAM_LR * ref["grad"][n] for n, w in ref["w0"].items()}
+    assert max_diff(got, sgd_like) > 1e-3
+    no_decay_adam = {n: w - ADAM_LR * ref["grad"][n] / (ref["grad"][n].abs() + 1e-8)
+                     for n, w in ref["w0"].items()}
+    assert max_diff(got, no_decay_adam, decayed) > ADAM_LR * ADAM_WD * 1e-2
+
+
+def test_bf16_is_recorded_runs_in_bf16_and_trains(runs):
+    run_ = runs["bf16"]
+    assert run_.resolved["precision_used"] == "bf16"
+    assert run_.resolved["precision_requested"] == "bf16"
+    assert all(c["out_dtype"] == "torch.bfloat16" for c in run_.training_convs())
+    assert all(c["out_dtype"] == "torch.float32" for c in runs["adamw"].training_convs())
+    ref = first_step(run_.out, label_smoothing=0.1)  # the default smoothing
+    loss = run_.first_loss
+    assert math.isfinite(loss)
+    assert loss == pytest.approx(ref["loss"], rel=3e-2)  # bf16 rounding, not another loss
+    assert loss != pytest.approx(ref["loss"], abs=1e-6)   # ... but rounded: bf16 really ran
+    # Nesterov SGD, first step: buf = d, update = d + 0.9 * buf = 1.9 * d, d = g + 5e-4 * w0
+    decayed = set(ref["w0"]) - ref["no_decay"]
+    got = run_.params
+    expected = torch.cat([(-BF16_LR * 1.9 * (ref["grad"][n] + (5e-4 * w if n in decayed else 0)))
+                          .ravel() for n, w in ref["w0"].items()])
+    moved = torch.cat([(got[n] - w).ravel() for n, w in ref["w0"].items()])
+    assert torch.isfinite(moved).all()
+    cosine = float(F.cosine_similarity(moved.double(), expected.double(), dim=0))
+    assert cosine > 0.97, cosine
+    assert float(moved.norm() / expected.norm()) == pytest.approx(1.0, abs=0.05)
+
+
+@pytest.mark.slow
+def test_ddp_knobs_reach_the_ddp_wrapper(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(free_port())]
+    run_ = flag_run(tmp_path, "ddp", "--batch-size", str(TRAIN_SIZE // 2), "--ddp-bucket-mb",
+                    "1.5", "--no-ddp-grad-as-bucket-view", "--ddp-static-graph",
+                    launcher=launcher)
+    assert run_.resolved["world_size"] == 2
+    for rank in (0, 1):
+        (ddp,) = run_.probe(rank)["ddp"]  # one DDP wrapper, built once
+        assert ddp["bucket_bytes_cap"] == 1_572_864  # 1.5 MiB = 1.5 * 1024 * 1024 bytes
+        assert ddp["gradient_as_bucket_view"] is False  # accel_train's default is True
+        assert ddp["static_graph"] is True
+        assert ddp["kwargs"].get("bucket_cap_mb") == 1.5
+
+
+def _inductor_problem() -> str | None:
+    """Why torch.compile (inductor, CPU) cannot work here, or None."""
+    try:
+        compiled = torch.compile(lambda t: (t * 2).sin(), backend="inductor")
+        value = compiled(torch.ones(3))
+    except Exception as err:  # no compiler, unsupported platform, ...
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    return None if torch.allclose(value, torch.ones(3).mul(2).sin()) else "wrong result"
+
+
+@pytest.mark.slow
+def test_compile_compiles_the_model_and_trains_the_same_step(tmp_path):
+    problem = _inductor_problem()
+    if problem:
+        print(f"skipping --compile: torch.compile with inductor does not work here ({problem})")
+        pytest.skip(f"torch.compile (inductor) unavailable: {problem}")
+    run_ = flag_run(tmp_path, "compile", "--compile", "--momentum", "0", "--weight-decay", "0",
+                    "--label-smoothing", "0", "--lr", str(SGD_LR), conv_probe=False,
+                    timeout=240)
+    calls = run_.probe()["compile"]
+    assert [c["backend"] for c in calls if c["module"]] == ["inductor"], calls
+    ref = first_step(run_.out, label_smoothing=0.0)
+    assert run_.first_loss == pytest.approx(ref["plain_loss"], abs=1e-4)
+    expected = {n: w - SGD_LR * ref["grad"][n] for n, w in ref["w0"].items()}
+    assert max_diff(run_.params, expected) < 1e-5

@@ -108,9 +108,11 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
 def launcher_defaults(environ) -> dict:
     """Training options that `accelerate launch` passes from its config file (as environment
     variables).  Only the precision is also a training option: taking it means a user who chose
-    bf16 in `accelerate config` trains in bf16 instead of silently in fp32."""
+    bf16 in `accelerate config` trains in bf16 instead of silently in fp32.  Its "no" is also
+    what accelerate exports when nobody chose anything, so it leaves our `auto` in place: a
+    precision is taken from there only when it is fp16 or bf16."""
     precision = environ.get("ACCELERATE_MIXED_PRECISION")
-    if precision is None:
+    if precision in (None, "no"):
         return {}
     if precision not in PRECISIONS:
         raise UsageError(f"the accelerate config asks for mixed_precision {precision!r}, which "

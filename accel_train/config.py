@@ -18,7 +18,7 @@ import yaml
 
 from .errors import UsageError
 
-PRECISIONS = ("no", "fp16", "bf16")
+PRECISIONS = ("auto", "no", "fp16", "bf16")
 OPTIMIZERS = ("sgd", "adamw")
 IN_MEMORY_MODES = ("auto", "always", "never")
 SYNTHETIC_DATASET = "synthetic"
@@ -103,10 +103,11 @@ class TrainConfig:
     accumulation_steps: int = option(1, "Micro-batches per optimizer step (gradient "
                                      "accumulation).", "optimization",
                                      flags=("--gradient_accumulation_steps",))
-    mixed_precision: str = option("no", "Mixed precision (default: no; under accelerate launch, "
-                                  "its config's mixed_precision). fp16 needs CUDA: elsewhere "
-                                  "the run says so and trains in fp32.", "optimization",
-                                  choices=PRECISIONS)
+    mixed_precision: str = option("auto", "Mixed precision. auto: fp16 on CUDA GPUs (tensor "
+                                  "cores), fp32 on a CPU; no: fp32. Under accelerate launch, "
+                                  "its config's fp16/bf16 counts as asked. An explicit fp16 "
+                                  "without CUDA says so and trains in fp32. (default: auto)",
+                                  "optimization", choices=PRECISIONS)
     max_steps: Optional[int] = option(None, "Stop after this many optimizer steps.",
                                       "optimization")
     seed: int = option(0, "Seed for model init, data order and augmentation.", "optimization")

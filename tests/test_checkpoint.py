@@ -295,3 +295,31 @@ def test_a_resumed_state_keeps_every_field_of_the_checkpoint_but_the_process_lay
             field.name, getattr(saved, field.name))
         assert getattr(resumed, field.name) == expected, field.name
     assert set(f.name for f in dataclasses.fields(TrainerState)) - layout  # something to keep
+
+
+def test_an_fp16_grad_scaler_state_is_saved_vetted_and_restored(bundle, tmp_path):
+    """With fp16 on CUDA, Accelerate writes the GradScaler's state into every checkpoint
+    (scaler.pt, with torch.save).  No CUDA here, so the Accelerator is handed a CPU GradScaler
+    (torch runs one: DESIGN.md); Accelerate's own save_state/load_state then write and read the
+    file exactly as on a GPU.  The file must pass the safe loading (plain numbers, no pickled
+    objects) and come back exactly; a planted object in it must be refused."""
+    saver, _, train_step, _ = bundle
+    acc = saver.accelerator
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 13, growth_interval=7)
+    acc.scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    acc.scaler.update(2.0 ** 9)  # a state that is not the default: scale 512
+    saved = acc.scaler.state_dict()
+    path = save_steps(saver, train_step, 4)[4]
+    assert (path / "scaler.pt").is_file() and verify(path) is None
+
+    acc.scaler = torch.amp.GradScaler("cpu")  # a fresh start's scaler
+    saver.load(path)
+    assert acc.scaler.state_dict() == saved == {**saved, "scale": 512.0, "growth_interval": 7}
+
+    marker = tmp_path / "pwned"
+    torch.save({**saved, "scale": _Payload(str(marker))}, path / "scaler.pt")
+    ck.write_manifest(path, read_state(path))
+    with pytest.raises(UsageError, match="refusing to load it"):
+        saver.load(path)
+    assert not marker.exists()
+    acc.scaler = None

@@ -73,7 +73,8 @@ def test_override_order(tmp_path):
                                           "resolved": {"world_size": 8}, "git_revision": None}))
     launched_bf16 = {"ACCELERATE_MIXED_PRECISION": "bf16"}  # what `accelerate launch` exports
 
-    assert parse([]).mixed_precision == "no"                            # default
+    assert parse([]).mixed_precision == "auto"                          # default
+    assert parse([], {"ACCELERATE_MIXED_PRECISION": "no"}).mixed_precision == "auto"  # unchosen
     assert parse([], launched_bf16).mixed_precision == "bf16"           # accelerate's config
     from_yaml = parse(["--config", str(run_config)], launched_bf16)
     assert (from_yaml.mixed_precision, from_yaml.batch_size, from_yaml.epochs) == ("no", 12, 7)
@@ -84,7 +85,7 @@ def test_override_order(tmp_path):
 
 def test_an_accelerate_precision_we_cannot_run_is_one_clear_error():
     with pytest.raises(UsageError, match="accelerate config asks for mixed_precision 'fp8'.*"
-                                         "pass --mixed-precision no/fp16/bf16"):
+                                         "pass --mixed-precision auto/no/fp16/bf16"):
         parse([], {"ACCELERATE_MIXED_PRECISION": "fp8"})
 
 

@@ -33,7 +33,8 @@ from accel_train.config import TrainConfig
 from accel_train.optim import build_optimizer
 from accel_train.track import read_metrics
 
-from conftest import REPO, free_port, run, test_env
+from conftest import REPO, free_port, run
+from conftest import test_env as child_env  # (imported as test_env, pytest would collect it)
 
 MODEL, SEED, NUM_CLASSES, TRAIN_SIZE = "test_resnet", 0, 10, 32
 FLAG_TRAIN = ["--dataset", "synthetic", "--synthetic-train-size", str(TRAIN_SIZE),
@@ -134,7 +135,8 @@ def first_step(run_dir, label_smoothing: float) -> dict:
     loss = ((1 - eps) * nll + eps * uniform).mean()
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    return {"w0": w0, "grad": grads, "loss": float(loss), "plain_loss": float(nll.mean()),
+    return {"w0": w0, "grad": grads, "loss": float(loss.detach()),
+            "plain_loss": float(nll.detach().mean()),
             "no_decay": no_decay_names(model),
             "grad_norm": math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))}
 
@@ -185,7 +187,7 @@ def flag_run(root, name: str, *flags: str, launcher: list[str] | None = None,
     out, probe_out = root / name, root / f"{name}.probe"
     cmd = [*(launcher or [sys.executable]), str(probe), *FLAG_TRAIN, *flags,
            "--output-dir", str(out)]
-    env = test_env(FLAG_PROBE_OUT=str(probe_out), FLAG_PROBE_CONV="1" if conv_probe else "0")
+    env = child_env(FLAG_PROBE_OUT=str(probe_out), FLAG_PROBE_CONV="1" if conv_probe else "0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     run(cmd, env=env, timeout=timeout, check=True)
     return FlagRun(out, probe_out)
@@ -290,18 +292,23 @@ def test_adamw_first_step_is_lr_times_the_gradient_sign(runs):
     ref = first_step(run_.out, label_smoothing=0.0)
     assert run_.first_loss == pytest.approx(ref["plain_loss"], abs=2e-5)  # --label-smoothing 0
     got, decayed = run_.params, set(ref["w0"]) - ref["no_decay"]
-    checked = 0
+    with_gradient = 0
     for name, w0 in ref["w0"].items():
         g = ref["grad"][name]
         decay = (1 - ADAM_LR * ADAM_WD) if name in decayed else 1.0  # decoupled (AdamW) decay
-        # step 1: m_hat = g, sqrt(v_hat) = |g|: the update is lr * g / (|g| + 1e-8)
+        # step 1: m_hat = g, sqrt(v_hat) = |g|: the update is lr * g / (|g| + 1e-8), i.e. about
+        # lr * sign(g) in every element, whatever the gradient's size
         adam_part = (w0 * decay - got[name]) / ADAM_LR
-        big = g.abs() > 1e-5  # clear of eps and of float noise in g
-        if big.any():
-            assert torch.allclose(adam_part[big], g[big].sign(), atol=2e-3), name
-            checked += 1
         assert adam_part.abs().max() <= 1 + 1e-4, name  # never more than lr per element
-    assert checked >= len(ref["w0"]) - 2  # (nearly) every parameter tensor
+        if not g.any():  # (timm zero-initializes each block's last BatchNorm: some g are 0)
+            assert not adam_part.any(), name
+            continue
+        with_gradient += 1
+        clear = g.abs() > 1e-6  # clear of float noise between this g and the run's
+        assert clear.float().mean() > 0.99, name
+        assert torch.allclose(adam_part[clear], g[clear] / (g[clear].abs() + 1e-8), atol=5e-4), name
+        assert (adam_part[g.abs() > 1e-4].abs() > 0.99).all(), name
+    assert with_gradient >= 25
     # the oracle tells AdamW apart: SGD's w0 - lr * g, or AdamW without the decay, are far off
     sgd_like = {n: w - ADAM_LR * ref["grad"][n] for n, w in ref["w0"].items()}
     assert max_diff(got, sgd_like) > 1e-3

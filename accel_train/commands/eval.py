@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=int, help="per process (default: the run's)")
     run.add_argument("--num-workers", type=int, help="data loader workers per process "
                      "(default: as training chooses)")
-    run.add_argument("--mixed-precision", choices=PRECISIONS, default="no",
-                     help="autocast precision; fp16 needs CUDA (default: no, i.e. fp32)")
+    run.add_argument("--mixed-precision", choices=PRECISIONS, default="auto",
+                     help="autocast precision; auto: fp16 on CUDA, fp32 on a CPU; an explicit "
+                          "fp16 needs CUDA (default: auto)")
     run.add_argument("--json", action="store_true",
                      help="print one JSON object instead of the table")
     return parser

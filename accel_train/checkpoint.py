@@ -49,6 +49,8 @@ class TrainerState:
     seed: int = 0
     train_samples: int = 0        # N in the sampler's keys (epoch * N + index); 0: not recorded
     best_top1: Optional[float] = None
+    eval_top1: Optional[float] = None  # the last held-out evaluation: raw weights
+    ema_top1: Optional[float] = None   # and EMA weights (--model-ema)
 
     @property
     def global_batch(self) -> int:

@@ -19,7 +19,6 @@ import yaml
 from .errors import UsageError
 
 PRECISIONS = ("auto", "no", "fp16", "bf16")
-OPTIMIZERS = ("sgd", "adamw")
 IN_MEMORY_MODES = ("auto", "always", "never")
 SYNTHETIC_DATASET = "synthetic"
 
@@ -82,6 +81,13 @@ class TrainConfig:
     channels_last: bool = option(False, "Use channels_last memory format for images and model.",
                                  "model")
     drop_rate: float = option(0.0, "Dropout before the classifier.", "model")
+    model_ema: bool = option(False, "Keep an exponential moving average of the weights (timm's "
+                             "ModelEmaV3), evaluated every epoch beside the raw model; the "
+                             "export is the better of the two on the held-out split.", "model")
+    model_ema_decay: float = option(0.9998, "EMA decay per optimizer step (closer to 1: a "
+                                    "longer memory; ~1 - 1/(a tenth of the steps)).", "model")
+    drop_path: float = option(0.0, "Stochastic depth: the rate at which residual blocks are "
+                              "dropped in training (timm's drop_path_rate).", "model")
     compile: bool = option(False, "torch.compile the model (inductor; after DDP wrapping, through "
                            "Accelerate). The first steps pay the compilation.", "model")
 
@@ -91,8 +97,16 @@ class TrainConfig:
                              "x accumulation_steps).", "optimization")
     learning_rate: float = option(0.05, "Peak learning rate (after warmup).", "optimization",
                                   flags=("--lr",))
-    optimizer: str = option("sgd", "Optimizer.", "optimization", choices=OPTIMIZERS)
-    momentum: float = option(0.9, "SGD momentum (Nesterov).", "optimization")
+    optimizer: str = option("sgd", "Any optimizer of timm's create_optimizer_v2: sgd (Nesterov), "
+                            "momentum, adamw, lamb, lars, lion, ... (timm.optim."
+                            "list_optimizers()). Norms and biases get no weight decay.",
+                            "optimization")
+    momentum: float = option(0.9, "Momentum of the optimizers that have one (SGD: Nesterov).",
+                             "optimization")
+    layer_decay: Optional[float] = option(None, "Layer-wise learning-rate decay for fine-tuning "
+                                          "(timm): each layer's rate is this times the next "
+                                          "one's, the head keeps the peak (e.g. 0.75).",
+                                          "optimization")
     weight_decay: float = option(5e-4, "Weight decay.", "optimization")
     warmup_epochs: float = option(1.0, "Linear warmup length in epochs (may be fractional); "
                                   "cosine decay follows.", "optimization")
@@ -192,8 +206,16 @@ class TrainConfig:
                              f"25 is DDP's default")
         if self.num_workers is not None and self.num_workers < 0:
             raise UsageError(f"--num-workers must be >= 0 (got {self.num_workers})")
-        for name, allowed in (("mixed_precision", PRECISIONS), ("optimizer", OPTIMIZERS),
-                              ("in_memory", IN_MEMORY_MODES)):
+        if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
+            raise UsageError(f"--layer-decay must be in (0, 1] (got {self.layer_decay}); "
+                             f"0.65-0.85 is usual for fine-tuning")
+        if not 0 < self.model_ema_decay < 1:
+            raise UsageError(f"--model-ema-decay must be in (0, 1) (got {self.model_ema_decay}); "
+                             f"0.999-0.9999 is usual")
+        if not 0 <= self.drop_path < 1:
+            raise UsageError(f"--drop-path must be in [0, 1) (got {self.drop_path}); "
+                             f"0.05-0.2 is usual")
+        for name, allowed in (("mixed_precision", PRECISIONS), ("in_memory", IN_MEMORY_MODES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"{flag(name)} {getattr(self, name)!r} is not supported: "
                                  f"choose one of {', '.join(allowed)}")

@@ -31,6 +31,7 @@ class ModelSpec:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     drop_rate: float = 0.0
+    weights: str = "model"  # which weights model.safetensors holds: "model" or "ema" (--model-ema)
 
     def save(self, directory: Path) -> Path:
         path = Path(directory) / SPEC_FILE
@@ -61,10 +62,22 @@ def check_model_name(name: str) -> None:
 
 
 def create_model(name: str, num_classes: int, drop_rate: float = 0.0,
-                 pretrained: Optional[str] = None) -> nn.Module:
+                 pretrained: Optional[str] = None, drop_path: float = 0.0) -> nn.Module:
     """A timm model; `pretrained` is None, 'hub', or a local weights file."""
     check_model_name(name)
     kwargs = dict(num_classes=num_classes, drop_rate=drop_rate)
+    if drop_path:  # only when asked: not every timm model takes it
+        kwargs["drop_path_rate"] = drop_path
+    try:
+        return _create(name, pretrained, kwargs)
+    except TypeError as err:
+        if "drop_path_rate" not in str(err):
+            raise
+        raise UsageError(f"--drop-path: {name} has no stochastic depth (timm's drop_path_rate); "
+                         f"drop --drop-path or choose a residual model") from None
+
+
+def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
     if pretrained is None:
         return timm.create_model(name, pretrained=False, **kwargs)
     if pretrained == "hub":
@@ -171,7 +184,8 @@ def build_network(config, data, num_processes: int, cuda: bool,
 
     image_size = config.image_size or data.train.native_size
     torch.manual_seed(config.seed)  # model init is a function of --seed alone
-    model = create_model(config.model, len(data.class_names), config.drop_rate, config.pretrained)
+    model = create_model(config.model, len(data.class_names), config.drop_rate, config.pretrained,
+                         config.drop_path)
     check_image_size(model, config.model, image_size)
     mean, std = pretrained_normalization(model) if config.pretrained else \
         dataset_mean_std(data.train)

@@ -7,14 +7,15 @@ it is the same function on 1 process and on N.
 
 from __future__ import annotations
 
+import difflib
 import math
 
 import torch
-from timm.optim import param_groups_weight_decay
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from .config import TrainConfig
+from .errors import UsageError
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -28,15 +29,26 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    # No weight decay on biases and normalization weights (timm's and most recipes' choice).
-    groups = param_groups_weight_decay(model, weight_decay=config.weight_decay)
-    groups = [g for g in groups if any(p.requires_grad for p in g["params"])]
-    for group in groups:
-        group["params"] = [p for p in group["params"] if p.requires_grad]
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=config.learning_rate)
-    return torch.optim.SGD(groups, lr=config.learning_rate, momentum=config.momentum,
-                           nesterov=config.momentum > 0)
+    """timm's optimizer factory: any of its optimizers by name, no weight decay on biases and
+    normalization weights (timm's and most recipes' choice), frozen parameters left out, and
+    layer-wise learning-rate decay when asked (the layer scales live in each group's
+    "lr_scale", which timm's schedulers read; ours is a LambdaLR, so they are applied here)."""
+    from timm.optim import create_optimizer_v2, list_optimizers
+
+    name = config.optimizer.lower()
+    if name not in list_optimizers():
+        close = difflib.get_close_matches(name, list_optimizers(), n=3)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise UsageError(f"--optimizer {config.optimizer!r} is not one of timm's optimizers; "
+                         f"{hint}e.g. sgd, adamw, lamb, lars, lion")
+    if name == "sgd" and config.momentum == 0:
+        name = "momentum"  # timm's sgd is Nesterov, which torch refuses without momentum
+    optimizer = create_optimizer_v2(model, opt=name, lr=config.learning_rate,
+                                    weight_decay=config.weight_decay, momentum=config.momentum,
+                                    layer_decay=config.layer_decay)
+    for group in optimizer.param_groups:
+        group["lr"] = config.learning_rate * group.get("lr_scale", 1.0)
+    return optimizer
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int,

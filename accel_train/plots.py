@@ -140,6 +140,10 @@ def _plot_accuracy(plt, train, epochs, resumes, steps_per_epoch, run_name, path:
             label="held-out top-1")
     ax.plot(x, [100 * e["eval_top5"] for e in evals], marker="^", linestyle="--",
             label="held-out top-5")
+    with_ema = [(xi, e) for xi, e in zip(x, evals) if e.get("eval_ema_top1") is not None]
+    if with_ema:  # --model-ema: the averaged weights, evaluated beside the raw ones
+        ax.plot([xi for xi, _ in with_ema], [100 * e["eval_ema_top1"] for _, e in with_ema],
+                marker="o", linewidth=2, label="held-out top-1, EMA weights")
     ax.set_ylim(0, 101)
     ax.set_xlim(left=0)
     if steps_per_epoch:

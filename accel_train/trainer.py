@@ -8,6 +8,7 @@ Every rank-sensitive act goes through the Accelerator or distributed.py's rank h
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from . import distributed
 from .checkpoint import Checkpointer, TrainerState
 from .config import TrainConfig
 from .data import build_loaders
+from .ema import ModelEma
 from .evaluate import evaluate_classifier
 from .model import build_network, save_weights, set_train_mode
 from .optim import build_optimizer, build_scheduler, plan_steps
@@ -77,7 +79,7 @@ class Trainer:
                                f"started {plan.env.world_size}: the process group was not shared")
         self.checkpointer = Checkpointer(acc, plan.checkpoint_dir, config.keep_checkpoints,
                                          self.report.warn, self.callbacks.before_manifest)
-        acc.register_save_state_pre_hook(self._save_spec_into_checkpoint)
+        acc.register_save_state_pre_hook(self._save_extras_into_checkpoint)
         self.data = distributed.main_first(lambda: load_data(config))
         self.net = build_network(config, self.data, acc.num_processes,
                                  acc.device.type == "cuda", self.report.warn)
@@ -90,6 +92,7 @@ class Trainer:
                         build_scheduler(optimizer, warmup_steps, self.total_steps))
         self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
         self.state = self._starting_state()
+        self.ema = self._maybe_ema()
         self.stop = distributed.StopSignals(acc.num_processes)
         self.metrics = MetricsLog(self.paths.metrics, acc.is_main_process)
         self._open_records([precision_warning, distributed.single_process_launch_warning()])
@@ -109,6 +112,17 @@ class Trainer:
         # step boundary, and the accumulation count may have changed with the world size.
         acc.step = 0
         return previous.continued_on(**layout)
+
+    def _maybe_ema(self) -> Optional[ModelEma]:
+        """--model-ema: the average starts from the weights training starts from, or from the
+        checkpoint's average."""
+        if not self.config.model_ema:
+            return None
+        ema = ModelEma(self.accelerator.unwrap_model(self.model), self.config.model_ema_decay)
+        if self.plan.resume_from is not None and not ema.load(self.plan.resume_from):
+            self.report.warn(f"{self.plan.resume_from} holds no EMA weights (saved without "
+                             f"--model-ema): the average starts from the resumed weights")
+        return ema
 
     def _open_records(self, warnings: list[Optional[str]]):
         """The start is good: open the logs, record the run, say what will run."""
@@ -222,6 +236,8 @@ class Trainer:
             if not self.optimizer.step_was_skipped:  # fp16 overflow: the lr waits too
                 self.scheduler.step()
             state.step += 1
+            if self.ema is not None:
+                self.ema.update(acc.unwrap_model(self.model), state.step)
             if state.step % config.log_every == 0:
                 self._log_window(window)
                 window = LogWindow()
@@ -251,26 +267,32 @@ class Trainer:
         state = self.state
         results = self.evaluate()
         state.best_top1 = max(results["top1"], state.best_top1 or 0.0)
+        state.eval_top1 = results["top1"]
         record = {"type": "epoch", "epoch": state.epoch + 1, "step": state.step,
                   **{f"eval_{k}": v for k, v in results.items() if k != "per_class"}}
+        if self.ema is not None:
+            ema_results = self.evaluate(self.ema.module)
+            state.ema_top1 = ema_results["top1"]
+            record.update({f"eval_ema_{k}": ema_results[k] for k in ("loss", "top1", "top5")})
         if epoch_seconds is not None:
             record["epoch_time"] = round(epoch_seconds, 3)
         self.metrics.write(record)
         self.accelerator.log(tracker_scalars(record), step=state.step)
         timing = f" Time {epoch_seconds:.1f}s" if epoch_seconds is not None else ""
+        ema_text = f", EMA top1 {state.ema_top1:.2%}" if self.ema is not None else ""
         self.progress.write(f"Epoch {state.epoch + 1}{timing}: eval loss {results['loss']:.4f} "
-                            f"top1 {results['top1']:.2%} top5 {results['top5']:.2%} "
+                            f"top1 {results['top1']:.2%} top5 {results['top5']:.2%}{ema_text} "
                             f"({results['count']} images)")
         state.epoch += 1
         state.samples_in_epoch = 0
         self._maybe_checkpoint("epoch end")
 
-    def evaluate(self, loader=None) -> dict:
+    def evaluate(self, model=None) -> dict:
         """Loss, top-1, top-5 and per-class accuracy over the whole held-out split, each sample
-        once (see evaluate.py; `accel-train eval` computes the same numbers the same way)."""
-        loader = self.eval_loader if loader is None else loader
+        once (see evaluate.py; `accel-train eval` computes the same numbers the same way), of
+        the trained model or of `model` (the EMA weights)."""
         # The bare module: no DDP buffer broadcast, so no collective inside forward.
-        model = self.accelerator.unwrap_model(self.model)
+        model = self.accelerator.unwrap_model(self.model) if model is None else model
         if self.accelerator.num_processes > 1:
             # DDP hands rank 0's buffers (BatchNorm running statistics) to the other ranks only
             # at the next training forward; until then each rank holds the statistics of its
@@ -278,8 +300,8 @@ class Trainer:
             # and model.safetensors keep (and the ones training continues with anyway).
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
-        return evaluate_classifier(self.accelerator, model, loader, self.net.spec.num_classes,
-                                   self.config.channels_last)
+        return evaluate_classifier(self.accelerator, model, self.eval_loader,
+                                   self.net.spec.num_classes, self.config.channels_last)
 
     # -- records, checkpoints, the end --------------------------------------------------------
     def _log_window(self, window: "LogWindow"):
@@ -316,12 +338,14 @@ class Trainer:
         self.report.log(f"saved checkpoint {path} ({why})")
         return path
 
-    def _save_spec_into_checkpoint(self, models, weights, output_dir: str):
+    def _save_extras_into_checkpoint(self, models, weights, output_dir: str):
         """Accelerate calls this inside save_state, before our manifest is written: every
         checkpoint then carries model_config.json, so `accel-train export/eval` can use a
-        checkpoint on its own, wherever its folder has been moved."""
+        checkpoint on its own, wherever its folder has been moved, and the EMA weights."""
         if self.accelerator.is_main_process:
             self.net.spec.save(Path(output_dir))
+            if self.ema is not None:
+                self.ema.save(Path(output_dir))
 
     def _stop_for_signal(self) -> int:
         path = self._maybe_checkpoint("stop signal")
@@ -330,13 +354,18 @@ class Trainer:
         return 143  # 128 + SIGTERM: schedulers read it as "terminated", not "finished"
 
     def save_model(self):
-        """model.safetensors + model_config.json: enough to rebuild the model for inference."""
-        acc = self.accelerator
+        """model.safetensors + model_config.json: enough to rebuild the model for inference.
+        With --model-ema, the better of the raw and the EMA weights on the held-out split."""
+        acc, state = self.accelerator, self.state
         acc.wait_for_everyone()
-        state_dict = acc.get_state_dict(self.model)
+        use_ema = self.ema is not None and (state.ema_top1 or 0) > (state.eval_top1 or 0)
+        state_dict = self.ema.module.state_dict() if use_ema else acc.get_state_dict(self.model)
         if acc.is_main_process:
-            path = save_weights(state_dict, self.plan.output_dir, self.net.spec)
-            self.report.say(f"saved {path}")
+            spec = dataclasses.replace(self.net.spec, weights="ema" if use_ema else "model")
+            path = save_weights(state_dict, self.plan.output_dir, spec)
+            self.report.say(f"saved {path}" + (f" (the EMA weights: held-out top-1 "
+                                               f"{state.ema_top1:.2%} vs {state.eval_top1:.2%})"
+                                               if use_ema else ""))
         acc.wait_for_everyone()
 
     def _maybe_plot(self):

@@ -251,7 +251,7 @@ def test_sgd_grad_clip_weight_decay_and_label_smoothing(runs):
     no_decay = ref["no_decay"]
     # the loss of the first batch is the smoothed cross-entropy, not the plain one
     assert run_.first_loss == pytest.approx(ref["loss"], abs=2e-5)
-    assert abs(ref["loss"] - ref["plain_loss"]) > 1e-2
+    assert abs(ref["loss"] - ref["plain_loss"]) > 5e-3
 
     assert ref["grad_norm"] > 5 * CLIP  # clipping is active in this run
     scale = CLIP / (ref["grad_norm"] + 1e-6)
@@ -326,7 +326,7 @@ def test_bf16_is_recorded_runs_in_bf16_and_trains(runs):
     ref = first_step(run_.out, label_smoothing=0.1)  # the default smoothing
     loss = run_.first_loss
     assert math.isfinite(loss)
-    assert loss == pytest.approx(ref["loss"], rel=3e-2)  # bf16 rounding, not another loss
+    assert loss == pytest.approx(ref["loss"], rel=1e-2)  # bf16 rounding, not another loss
     assert loss != pytest.approx(ref["loss"], abs=1e-6)   # ... but rounded: bf16 really ran
     # Nesterov SGD, first step: buf = d, update = d + 0.9 * buf = 1.9 * d, d = g + 5e-4 * w0
     decayed = set(ref["w0"]) - ref["no_decay"]

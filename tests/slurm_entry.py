@@ -1,0 +1,62 @@
+"""`python -m tests.slurm_entry ARGS`: the accel_train command line with one seam for the SLURM
+tests (tests/test_slurm.py), which start it through scripts/slurm/train.sbatch with
+ACCEL_TRAIN_MODULE=tests.slurm_entry.  The product reads none of these variables.
+
+* SLURM_TEST_PAUSE_AT_STEP=STEP: in the job's first allocation (SLURM_RESTART_COUNT unset or 0),
+  rank 0 waits before the first micro-batch of optimizer step STEP until its SIGTERM arrives,
+  and says so on stdout ("slurm test: waiting for SIGTERM at step STEP").  The test sends the
+  pre-emption signal when it reads that line, so the stop falls at exactly STEP whatever the
+  machine's speed.  The other ranks wait in their first collective of that step.  Without a
+  signal it goes on after WAIT_SECONDS (the test then fails on what is missing, never hangs).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+PAUSE_ENV = "SLURM_TEST_PAUSE_AT_STEP"
+WAIT_SECONDS = 180.0
+
+
+def pause_until_sigterm(wanted_step: int):
+    """An on_micro_batch callback: see the module docstring."""
+    done = []
+
+    def on_micro_batch(step: int, keys) -> None:
+        if done or step != wanted_step or int(os.environ.get("RANK", 0)) != 0:
+            return
+        done.append(True)
+        received = []
+        previous = signal.getsignal(signal.SIGTERM)  # the trainer's: still called
+
+        def note(signum, frame):
+            received.append(signum)
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, note)
+        print(f"slurm test: waiting for SIGTERM at step {step}", flush=True)
+        deadline = time.monotonic() + WAIT_SECONDS
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.05)
+        signal.signal(signal.SIGTERM, previous)
+
+    return on_micro_batch
+
+
+def main() -> int:
+    from accel_train import cli
+    from accel_train.trainer import Callbacks
+
+    callbacks = Callbacks()
+    restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
+    if os.environ.get(PAUSE_ENV) and not restarted:
+        callbacks.on_micro_batch = pause_until_sigterm(int(os.environ[PAUSE_ENV]))
+    return cli.main(sys.argv[1:], callbacks=callbacks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -51,6 +51,7 @@ class TrainerState:
     best_top1: Optional[float] = None
     eval_top1: Optional[float] = None  # the last held-out evaluation: raw weights
     ema_top1: Optional[float] = None   # and EMA weights (--model-ema)
+    total_steps: Optional[int] = None  # the schedule's length, once a --time-budget fixed it
 
     @property
     def global_batch(self) -> int:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
+from .budget import parse_duration
 from .errors import UsageError
 
 PRECISIONS = ("auto", "no", "fp16", "bf16")
@@ -112,6 +113,14 @@ class TrainConfig:
                                   "cosine decay follows.", "optimization")
     label_smoothing: float = option(0.1, "Label smoothing for the cross-entropy loss.",
                                     "optimization")
+    mixup: float = option(0.0, "Mixup alpha (timm's Mixup on the batch; 0: off; 0.8 is usual). "
+                          "Targets become soft; the loss follows.", "optimization")
+    cutmix: float = option(0.0, "CutMix alpha (0: off; 1.0 is usual). With --mixup too, each "
+                           "batch picks one (see --mixup-switch-prob).", "optimization")
+    mixup_prob: float = option(1.0, "Probability that a batch is mixed at all.",
+                               "optimization")
+    mixup_switch_prob: float = option(0.5, "With both on: probability of CutMix over Mixup.",
+                                      "optimization")
     grad_clip: Optional[float] = option(None, "Clip the gradient norm to this value.",
                                         "optimization")
     accumulation_steps: int = option(1, "Micro-batches per optimizer step (gradient "
@@ -124,6 +133,11 @@ class TrainConfig:
                                   "optimization", choices=PRECISIONS)
     max_steps: Optional[int] = option(None, "Stop after this many optimizer steps.",
                                       "optimization")
+    time_budget: Optional[str] = option(None, "Wall-clock training budget (600, 90s, 10m, 1h): "
+                                        "the run measures its step time after a few steps and "
+                                        "fits the whole schedule, warmup to the end of the "
+                                        "decay, into it (instead of --epochs); the final "
+                                        "evaluation comes after it.", "optimization")
     seed: int = option(0, "Seed for model init, data order and augmentation.", "optimization")
 
     # -- output and checkpoints ---------------------------------------------------------------
@@ -209,6 +223,18 @@ class TrainConfig:
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
             raise UsageError(f"--layer-decay must be in (0, 1] (got {self.layer_decay}); "
                              f"0.65-0.85 is usual for fine-tuning")
+        if self.mixup < 0 or self.cutmix < 0:
+            raise UsageError(f"--mixup and --cutmix are Beta-distribution alphas: >= 0 (got "
+                             f"{self.mixup}, {self.cutmix}); 0 turns one off")
+        for name in ("mixup_prob", "mixup_switch_prob"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise UsageError(f"{flag(name)} is a probability: between 0 and 1 (got "
+                                 f"{getattr(self, name)})")
+        if (self.mixup > 0 or self.cutmix > 0) and self.batch_size % 2:
+            raise UsageError(f"--mixup/--cutmix pair images within a batch: --batch-size must "
+                             f"be even (got {self.batch_size})")
+        if self.time_budget is not None:
+            parse_duration(self.time_budget)
         if not 0 < self.model_ema_decay < 1:
             raise UsageError(f"--model-ema-decay must be in (0, 1) (got {self.model_ema_decay}); "
                              f"0.999-0.9999 is usual")

@@ -1,8 +1,9 @@
 """Process-group start-up and the launcher's environment.
 
 This is the only module that reads the launcher's variables (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*).  It starts the process group itself, before
-Accelerate does, for two reasons found on these machines (see DESIGN.md):
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*; SLURM_* only for the record, `slurm_facts`).  It
+starts the process group itself, before Accelerate does, for two reasons found on these
+machines (see DESIGN.md):
 
 * On a machine without CUDA, `accelerate launch --multi_gpu` workers otherwise each train alone
   with world size 1; a gloo group started here is picked up by `Accelerator(cpu=True)`.
@@ -212,7 +213,19 @@ def launcher_facts() -> dict:
         facts["torchelastic"] = {"run_id": env.run_id, "max_restarts": env.max_restarts,
                                  "restart_count": env.restart_count,
                                  "agent_store": env.agent_store}
+    if os.environ.get("SLURM_JOB_ID"):  # inside a SLURM job (scripts/slurm/train.sbatch)
+        facts["slurm"] = slurm_facts()
     return facts
+
+
+def slurm_facts(environ: Mapping[str, str] | None = None) -> dict:
+    """The SLURM job this process runs in: job id, this node, how often it was requeued."""
+    env = os.environ if environ is None else environ
+    return {"job_id": env.get("SLURM_JOB_ID"), "job_name": env.get("SLURM_JOB_NAME"),
+            "node": env.get("SLURMD_NODENAME") or socket.gethostname(),
+            "node_id": int(env.get("SLURM_NODEID", 0)),
+            "num_nodes": int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1),
+            "restart_count": int(env.get("SLURM_RESTART_COUNT") or 0)}
 
 
 def describe_process() -> str:
@@ -346,12 +359,10 @@ class StopSignals:
     a scheduler may signal only some of them, and ranks that stopped at different steps would
     hang in their next collective."""
 
-    def __init__(self, num_processes: int):
+    def __init__(self, control_group=None):
+        """`control_group`: a `cpu_control_group()`, or None for one process."""
         self.requested: Optional[int] = None  # the signal received on this rank, if any
-        # One tiny all-reduce per optimizer step, on a CPU (gloo) group: under NCCL its .item()
-        # would make the host wait for the GPU every step.  Every rank builds it here, in the
-        # same order, as new_group requires.
-        self._group = dist.new_group(backend="gloo") if num_processes > 1 else None
+        self._group = control_group
 
     def request(self, signum, frame=None):
         # The first signal asks for a checkpoint at the next optimizer step; a second Ctrl-C
@@ -386,6 +397,23 @@ class _SignalHandlers:
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+def cpu_control_group(num_processes: int):
+    """A gloo group for the few small agreements made while training (stop now? how many
+    steps?): under NCCL a CPU tensor there costs no host wait for the GPU, where the default
+    group's .item() would sync every step.  Every rank must call it, in the same order, as
+    new_group requires; None for one process."""
+    return dist.new_group(backend="gloo") if num_processes > 1 else None
+
+
+def max_over_ranks(value: float, control_group) -> float:
+    """The largest `value` of all ranks, on every rank (the slowest rank's step time)."""
+    if control_group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=control_group)
+    return float(tensor.item())
 
 
 def teardown() -> None:

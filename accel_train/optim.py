@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import difflib
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -51,15 +53,36 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     return optimizer
 
 
+@dataclass
+class Schedule:
+    """Warmup then cosine over `total_steps`.  Mutable for one reason: a --time-budget run
+    fixes its total only once it has measured its step time (budget.py)."""
+
+    warmup_steps: int
+    total_steps: int
+
+    def factor(self, step: int) -> float:
+        return lr_factor(step, min(self.warmup_steps, self.total_steps), self.total_steps)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int,
                     total_steps: int) -> LambdaLR:
-    return LambdaLR(optimizer, lambda step: lr_factor(step, warmup_steps, total_steps))
+    return scheduler_for(optimizer, Schedule(warmup_steps, total_steps))
 
 
-def plan_steps(config: TrainConfig, steps_per_epoch: int) -> tuple[int, int]:
-    """(total optimizer steps, warmup steps) of the whole run."""
+def scheduler_for(optimizer: torch.optim.Optimizer, schedule: Schedule) -> LambdaLR:
+    # A plain function, not the bound method: LambdaLR would save a callable object's state
+    # into every checkpoint, and the total is recorded in the trainer's state instead.
+    return LambdaLR(optimizer, lambda step: schedule.factor(step))
+
+
+def plan_schedule(config: TrainConfig, steps_per_epoch: int,
+                  recorded_total: Optional[int] = None) -> Schedule:
+    """The whole run's schedule: --epochs (or --max-steps) long, or what a --time-budget run
+    fixed and recorded; until a budget run has measured, the epochs give a provisional total."""
     total = config.epochs * steps_per_epoch
     if config.max_steps is not None:
         total = min(total, config.max_steps)
-    warmup = round(config.warmup_epochs * steps_per_epoch)
-    return total, min(warmup, total)
+    if recorded_total is not None:
+        total = recorded_total
+    return Schedule(round(config.warmup_epochs * steps_per_epoch), total)

@@ -74,7 +74,15 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         f"process(es) x {accumulation_steps} accumulation step(s); "
         f"{facts['steps_per_epoch']} steps/epoch, {facts['total_steps']} steps in all\n"
         f"  output: {facts['output_dir']} (checkpoints in {facts['checkpoint_dir']})\n"
-        f"  records: {records}")
+        f"  records: {records}" + _slurm_line(facts.get("launcher", {}).get("slurm")))
+
+
+def _slurm_line(slurm: Optional[dict]) -> str:
+    """The SLURM job and node, when the run is one (scripts/slurm/train.sbatch)."""
+    if not slurm:
+        return ""
+    return (f"\n  slurm: job {slurm['job_id']} on {slurm['node']} (node {slurm['node_id']} of "
+            f"{slurm['num_nodes']}), requeued {slurm['restart_count']} time(s)")
 
 
 def records_text(paths: RunPaths, report_to: list[str], plots: bool) -> str:

@@ -131,6 +131,12 @@ class Progress:
               f"train-top1 {shown['train-top1']} lr {shown['lr']} img/s {shown['img/s']} "
               f"data-wait {metrics['data_wait']:.1%} eta {eta_text}", flush=True)
 
+    def set_total(self, total_steps: int) -> None:
+        self.total = total_steps
+        if self.bar is not None:
+            self.bar.total = total_steps
+            self.bar.refresh()
+
     def write(self, text: str) -> None:
         if not self.enabled:
             return

@@ -24,9 +24,11 @@ from .checkpoint import Checkpointer, TrainerState
 from .config import TrainConfig
 from .data import build_loaders
 from .ema import ModelEma
+from .mixing import maybe_mixup
 from .evaluate import evaluate_classifier
 from .model import build_network, save_weights, set_train_mode
-from .optim import build_optimizer, build_scheduler, plan_steps
+from .budget import TimeBudget, parse_duration
+from .optim import build_optimizer, plan_schedule, scheduler_for
 from .plots import write_plots
 from .precision import precision_name, resolve_precision
 from .report import Reporter, records_text, summary
@@ -85,15 +87,20 @@ class Trainer:
                                  acc.device.type == "cuda", self.report.warn)
         self.loaders = build_loaders(config, self.data, self.net.spec, acc.num_processes,
                                      plan.env.local_world_size, acc.device.type == "cuda")
-        self.total_steps, warmup_steps = plan_steps(config, self.loaders.steps_per_epoch)
+        self.schedule = plan_schedule(config, self.loaders.steps_per_epoch,
+                                      plan.previous.total_steps if plan.previous else None)
         optimizer = build_optimizer(self.net.model, config)
         self.model, self.optimizer, self.train_loader, self.eval_loader, self.scheduler = \
             acc.prepare(self.net.model, optimizer, self.loaders.train, self.loaders.eval,
-                        build_scheduler(optimizer, warmup_steps, self.total_steps))
-        self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
+                        scheduler_for(optimizer, self.schedule))
+        self.mixup = maybe_mixup(config, self.net.spec.num_classes)
+        self.loss_fn = self.mixup.loss_fn if self.mixup is not None else \
+            torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
         self.state = self._starting_state()
         self.ema = self._maybe_ema()
-        self.stop = distributed.StopSignals(acc.num_processes)
+        self.control_group = distributed.cpu_control_group(acc.num_processes)
+        self.stop = distributed.StopSignals(self.control_group)
+        self.budget = self._maybe_budget()
         self.metrics = MetricsLog(self.paths.metrics, acc.is_main_process)
         self._open_records([precision_warning, distributed.single_process_launch_warning()])
 
@@ -123,6 +130,38 @@ class Trainer:
             self.report.warn(f"{self.plan.resume_from} holds no EMA weights (saved without "
                              f"--model-ema): the average starts from the resumed weights")
         return ema
+
+    @property
+    def total_steps(self) -> int:
+        return self.schedule.total_steps
+
+    def _maybe_budget(self) -> Optional[TimeBudget]:
+        """--time-budget, unless a resumed run already fixed its schedule."""
+        if self.config.time_budget is None or self.state.total_steps is not None:
+            return None
+        return TimeBudget(parse_duration(self.config.time_budget))
+
+    def _maybe_fix_schedule(self):
+        """--time-budget: once the step time is measured (the slowest rank's), the schedule's
+        length is fixed, said, and recorded (a resumed run keeps it)."""
+        step_seconds = self.budget.measure(self.state.step)
+        if step_seconds is None:
+            return
+        step_seconds = distributed.max_over_ranks(step_seconds, self.control_group)
+        loaders, state = self.loaders, self.state
+        total = self.budget.total_steps(step_seconds, state.step, loaders.steps_per_epoch,
+                                        len(self.data.eval), loaders.global_batch,
+                                        f"--time-budget {self.config.time_budget}")
+        if self.config.max_steps is not None:
+            total = min(total, self.config.max_steps)
+        self.schedule.total_steps = state.total_steps = total
+        self.progress.set_total(total)
+        self.metrics.write({"type": "budget", "step": state.step, "total_steps": total,
+                            "step_seconds": round(step_seconds, 5)})
+        self.report.say(f"time budget {self.config.time_budget}: {total:,} steps, "
+                        f"{total / loaders.steps_per_epoch:.1f} epochs at "
+                        f"{1000 * step_seconds:.0f} ms/step (the final evaluation comes after "
+                        f"the budget)")
 
     def _open_records(self, warnings: list[Optional[str]]):
         """The start is good: open the logs, record the run, say what will run."""
@@ -185,9 +224,11 @@ class Trainer:
         self.progress = Progress(self.accelerator.is_main_process, config.progress,
                                  self.total_steps, state.step)
         started = time.perf_counter()
+        if self.budget is not None:
+            self.budget.start(state.step)
         with self.stop.handlers_installed():
             try:
-                while state.epoch < config.epochs and state.step < self.total_steps:
+                while state.step < self.total_steps:
                     epoch_started = time.perf_counter()
                     if self.train_epoch():
                         return self._stop_for_signal()
@@ -236,6 +277,8 @@ class Trainer:
             if not self.optimizer.step_was_skipped:  # fp16 overflow: the lr waits too
                 self.scheduler.step()
             state.step += 1
+            if self.budget is not None:
+                self._maybe_fix_schedule()
             if self.ema is not None:
                 self.ema.update(acc.unwrap_model(self.model), state.step)
             if state.step % config.log_every == 0:
@@ -251,11 +294,16 @@ class Trainer:
         """One micro-batch: forward, backward, and (on the last micro-step) the update.
         Returns the loss and how many of the images the model got right (the running train
         accuracy costs one argmax; it is measured on augmented images, in train mode)."""
+        targets = labels
+        if self.mixup is not None:
+            images, targets = self.mixup(images, labels, (self.state.epoch,
+                                                          self.state.samples_in_epoch,
+                                                          self.accelerator.process_index))
         if self.config.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         with self.accelerator.autocast():
             logits = self.model(images)
-            loss = self.loss_fn(logits, labels)
+            loss = self.loss_fn(logits, targets)
         self.accelerator.backward(loss)
         if self.config.grad_clip and self.accelerator.sync_gradients:
             self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)

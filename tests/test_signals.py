@@ -94,12 +94,12 @@ def test_preempted_on_one_then_two_processes_and_finished_on_one(tmp_path, runs)
 def test_a_second_ctrl_c_stops_at_once_and_sigterm_only_asks():
     from accel_train.distributed import StopSignals
 
-    stop = StopSignals(num_processes=1)
+    stop = StopSignals()
     assert not stop.agreed()
     stop.request(signal.SIGTERM)
     stop.request(signal.SIGTERM)  # repeated by a scheduler: still a request
     assert stop.requested == signal.SIGTERM and stop.agreed()
-    stop = StopSignals(num_processes=1)
+    stop = StopSignals()
     stop.request(signal.SIGINT)
     assert stop.requested == signal.SIGINT
     with pytest.raises(KeyboardInterrupt):

@@ -1,0 +1,86 @@
+"""--time-budget: fit the whole schedule (warmup and decay to the end) into a wall-clock budget.
+
+The run trains a few steps (past compilation and warm caches), measures the time an optimizer
+step takes, and fixes the number of steps so that training and the evaluations at epoch ends fit
+the budget; the final evaluation comes after it.  Every rank agrees on the slowest rank's
+measurement, and the total is recorded in the checkpoints, so a resumed run keeps the schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Optional
+
+from .errors import UsageError
+
+WARM_STEPS = 3       # not measured: the first steps pay compilation, allocation, cold caches
+MEASURED_STEPS = 10  # then this many are timed
+# Evaluating an image (forward only, no augmentation) costs about a third of training on it;
+# half is the estimate, to err on finishing inside the budget.
+EVAL_COST_PER_IMAGE = 0.5
+
+_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "600", "90s", "10m", "1h", "1h30m"; a UsageError naming the flag otherwise."""
+    match = _DURATION.match(str(text).strip().lower())
+    if not match or not any(match.groups()):
+        raise UsageError(f"--time-budget {text!r} is not a duration; write 600, 90s, 10m, 1h or "
+                         f"1h30m")
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+    total = hours * 3600 + minutes * 60 + seconds
+    if total <= 0:
+        raise UsageError(f"--time-budget {text!r} is no time at all; give it minutes, e.g. 10m")
+    return total
+
+
+class TimeBudget:
+    """Times the optimizer steps after WARM_STEPS; `step_seconds` once MEASURED_STEPS are in."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.started, self.first_step = time.perf_counter(), 0
+        self._window_start: Optional[tuple[int, float]] = None
+        self.step_seconds: Optional[float] = None
+
+    def start(self, step: int) -> None:
+        """Training starts (or resumes, unmeasured) at optimizer step `step`: the clock runs."""
+        self.started, self.first_step = time.perf_counter(), step
+
+    def measure(self, step: int) -> Optional[float]:
+        """Call after each optimizer step; the measured seconds per step once the window is
+        complete (then once only), else None."""
+        if self.step_seconds is not None:
+            return None
+        now, steps_done = time.perf_counter(), step - self.first_step
+        if self._window_start is None:
+            if steps_done >= WARM_STEPS:
+                self._window_start = (steps_done, now)
+            return None
+        first_step, first_time = self._window_start
+        if steps_done - first_step < MEASURED_STEPS:
+            return None
+        self.step_seconds = (now - first_time) / (steps_done - first_step)
+        return self.step_seconds
+
+    def total_steps(self, step_seconds: float, steps_done: int, steps_per_epoch: int,
+                    eval_images: int, global_batch: int, flag: str) -> int:
+        """The most steps such that the steps still to come plus the evaluations at the epoch
+        ends before the last fit the time that is left."""
+        left = self.seconds - (time.perf_counter() - self.started)
+        eval_seconds = eval_images * EVAL_COST_PER_IMAGE * step_seconds / global_batch
+        total = steps_done + max(0, math.floor(left / step_seconds))
+        while total > steps_done:
+            epochs_before_last = math.ceil(total / steps_per_epoch) - 1
+            needed = (total - steps_done) * step_seconds + epochs_before_last * eval_seconds
+            if needed <= left:
+                break
+            total -= max(1, math.floor((needed - left) / step_seconds))
+        if total <= steps_done:
+            raise UsageError(f"{flag}: an optimizer step takes {step_seconds:.2f}s here, and the "
+                             f"budget leaves no time for more than the {steps_done} measured; "
+                             f"give more time")
+        return total

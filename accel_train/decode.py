@@ -1,0 +1,183 @@
+"""Image files -> uint8 CHW RGB tensors, for the files people really collect.
+
+What each kind of file becomes:
+
+- JPEG: torchvision's libjpeg-turbo decoder, a whole list in one call (about 3x PIL, and
+  pixel-identical to PIL's RGB), EXIF orientation applied; PIL gets the ones it cannot decode.
+- EXIF orientation (any format): applied, as PIL's `ImageOps.exif_transpose` does.
+- 16-bit grayscale PNG/TIFF (PIL modes I;16*, I): scaled to 8 bits (v >> 8), not clipped at 255.
+  16-bit RGB PNG: PIL keeps the high byte, which is the same scaling.
+- Transparency (RGBA, LA, a palette or RGB image with a transparent colour): composited over
+  white, the background an image viewer shows; dropping the alpha channel would put whatever
+  colour the invisible pixels happen to hold (often black) into the training image.
+- Animated GIF/PNG/WebP: the first frame.  Grayscale, palette and CMYK: converted to RGB.
+- More pixels than PIL's decompression-bomb limit (`PIL.Image.MAX_IMAGE_PIXELS`, 89,478,485 by
+  default): unreadable, with that reason; decoding it could exhaust memory.
+
+A file that cannot be decoded raises `Unreadable` with a short reason (empty file, holds text,
+truncated, ...): the caller names the file and decides what happens (sources.py).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+import torch
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+
+_JPEG_MAGIC = b"\xff\xd8\xff"
+_SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+_ORIENTATION = ExifTags.Base.Orientation
+
+
+class Unreadable(Exception):
+    """An image file that cannot be decoded; `reason` says why in a few words."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def read_value(value, root: Optional[Path] = None) -> Union[bytes, Image.Image]:
+    """A datasets Image value (dict of bytes/path, or a PIL image) or a path -> the file's bytes
+    (or the PIL image as it is).  Relative paths are relative to `root` (an indexed folder)."""
+    if isinstance(value, Image.Image):
+        return value
+    if isinstance(value, dict):
+        if value.get("bytes") is not None:
+            return value["bytes"]
+        value = value.get("path")
+    if isinstance(value, (str, os.PathLike)):
+        path = Path(value)
+        if root is not None and not path.is_absolute():
+            path = root / path
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise Unreadable("the file is gone (deleted or moved since the data was indexed)") \
+                from None
+        except OSError as err:
+            raise Unreadable(f"cannot read the file ({err.strerror or err})") from None
+    raise Unreadable(f"not an image value (got {type(value).__name__})")
+
+
+def decode_many(items: list) -> list[Union[torch.Tensor, Unreadable]]:
+    """decode() over a list: a tensor, or the Unreadable explaining why not, per item; the JPEGs
+    among them go to torchvision's decoder in one call."""
+    results: list = [None] * len(items)
+    jpegs = [i for i, item in enumerate(items)
+             if isinstance(item, bytes) and item.startswith(_JPEG_MAGIC)]
+    for i, image in zip(jpegs, _decode_jpegs([items[i] for i in jpegs])):
+        results[i] = image
+    for i, item in enumerate(items):
+        if results[i] is None:
+            try:
+                results[i] = decode(item, fast=False)
+            except Unreadable as err:
+                results[i] = err
+    return results
+
+
+def decode(item: Union[bytes, Image.Image], fast: bool = True) -> torch.Tensor:
+    """File bytes (or a PIL image) -> uint8 [3, H, W] RGB; raises Unreadable."""
+    if fast and isinstance(item, bytes) and item.startswith(_JPEG_MAGIC):
+        image = _decode_jpegs([item])[0]
+        if image is not None:
+            return image
+    if isinstance(item, bytes) and not item:
+        raise Unreadable("empty file (0 bytes)")
+    try:
+        with warnings.catch_warnings():  # over the limit: an error, not a warning on stderr
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            pil = item if isinstance(item, Image.Image) else Image.open(io.BytesIO(item))
+            pixels = _rgb_pixels(pil)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise Unreadable(_too_large(*pil_size(item))) from None
+    except UnidentifiedImageError:
+        raise Unreadable(_not_an_image(item)) from None
+    except Exception as err:  # noqa: BLE001 -- a broken file may raise anything; it is data
+        raise Unreadable(_describe(err)) from None
+    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)
+
+
+def pil_size(item) -> tuple[int, int]:
+    """(width, height) from the header alone, without the decompression-bomb check."""
+    if isinstance(item, Image.Image):
+        return item.size
+    limit = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        with Image.open(io.BytesIO(item)) as pil:
+            return pil.size
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+
+
+def _rgb_pixels(pil: Image.Image) -> np.ndarray:
+    """uint8 [H, W, 3]: orientation applied, 16 bits scaled, transparency over white."""
+    orientation = pil.getexif().get(_ORIENTATION, 1)
+    if orientation in range(2, 9):
+        pil = ImageOps.exif_transpose(pil)
+    if pil.mode in _SIXTEEN_BIT_MODES:
+        gray = (np.asarray(pil).astype(np.int64).clip(0, 65535) >> 8).astype(np.uint8)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    if pil.mode in _ALPHA_MODES or "transparency" in pil.info:
+        rgba = np.asarray(pil.convert("RGBA")).astype(np.uint32)
+        alpha = rgba[:, :, 3:]
+        return ((rgba[:, :, :3] * alpha + 255 * (255 - alpha) + 127) // 255).astype(np.uint8)
+    return np.asarray(pil.convert("RGB"))
+
+
+def _decode_jpegs(blobs: list[bytes]) -> list[Optional[torch.Tensor]]:
+    """JPEG bytes -> uint8 CHW RGB tensors with torchvision's decoder, one call for the list,
+    EXIF orientation applied; None where it fails (PIL then gets it and names the problem), or
+    for every one when torchvision's decoder is gone (deprecated in favour of TorchCodec)."""
+    if not blobs:
+        return []
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except ImportError:
+        return [None] * len(blobs)
+    tensors = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecation; libjpeg's "corrupt data" warnings
+        try:
+            images = list(decode_jpeg(tensors, mode=ImageReadMode.RGB,
+                                      apply_exif_orientation=True))
+        except (RuntimeError, ValueError):
+            if len(tensors) == 1:
+                return [None]
+            return [_decode_jpegs([blob])[0] for blob in blobs]  # find the bad one(s)
+    # Over the pixel limit: PIL's path raises the reason (the limit is the same for all).
+    return [None if image.shape[-1] * image.shape[-2] > (Image.MAX_IMAGE_PIXELS or np.inf)
+            else image for image in images]
+
+
+def _too_large(width: int, height: int) -> str:
+    return (f"{width}x{height} = {width * height:,} pixels, over PIL's decompression-bomb limit "
+            f"of {Image.MAX_IMAGE_PIXELS:,} (PIL.Image.MAX_IMAGE_PIXELS)")
+
+
+def _not_an_image(item) -> str:
+    head = bytes(item[:64]) if isinstance(item, bytes) else b""
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and text.strip() and all(c.isprintable() or c.isspace() for c in text):
+        first = " ".join(text.split())[:30]
+        return f"not an image: the file holds text ({first!r}...)"
+    return f"not an image format PIL can read (first bytes {head[:8].hex()})"
+
+
+def _describe(err: Exception) -> str:
+    text = str(err).strip() or type(err).__name__
+    if "truncated" in text.lower():
+        return f"truncated file ({text})"
+    return text if isinstance(err, OSError) else f"{type(err).__name__}: {text}"

@@ -50,6 +50,7 @@ class TrainerState:
     train_samples: int = 0        # N in the sampler's keys (epoch * N + index); 0: not recorded
     best_top1: Optional[float] = None
     eval_top1: Optional[float] = None  # the last held-out evaluation: raw weights
+    eval_step: Optional[int] = None    # the step it was made at
     ema_top1: Optional[float] = None   # and EMA weights (--model-ema)
     total_steps: Optional[int] = None  # the schedule's length, once a --time-budget fixed it
 
@@ -177,12 +178,14 @@ class Checkpointer:
     """Saves and loads through the Accelerator; every rank calls save/load together."""
 
     def __init__(self, accelerator, root: Path, keep: int, warn: Callable[[str], None],
-                 before_manifest: Optional[Callable[[int, Path], None]] = None):
+                 before_manifest: Optional[Callable[[int, Path], None]] = None,
+                 keep_best: int = 0):
         """`before_manifest(step, folder)`, if given, runs on the main process once every file
         of a save is written and before its manifest makes it count (a seam: the fault tests
         kill a save there)."""
         self.accelerator, self.root, self.keep, self.warn = accelerator, Path(root), keep, warn
         self.before_manifest = before_manifest
+        self.keep_best = keep_best
 
     def save(self, state: TrainerState) -> Path:
         acc = self.accelerator
@@ -218,13 +221,26 @@ class Checkpointer:
             shutil.rmtree(replaced, ignore_errors=True)
 
     def _prune(self) -> None:
-        """Keep the newest K complete checkpoints.  Each old one is renamed first and deleted
-        after, so a kill mid-delete leaves a `.tmp-` folder, never a half-deleted checkpoint."""
+        """Keep the newest K complete checkpoints, and the best `keep_best` by held-out top-1
+        among those saved right after an evaluation (timm's checkpoint saver keeps its best the
+        same way).  Each old one is renamed first and deleted after, so a kill mid-delete leaves
+        a `.tmp-` folder, never a half-deleted checkpoint."""
         complete = [p for p in list_checkpoints(self.root) if (p / MANIFEST).is_file()]
-        for old in complete[self.keep:]:
+        kept = set(complete[:self.keep]) | set(self._best(complete))
+        for old in [p for p in complete if p not in kept]:
             doomed = self.root / f"{TMP_PREFIX}pruned-{old.name}"
             os.replace(old, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
+
+    def _best(self, complete: list[Path]) -> list[Path]:
+        if not self.keep_best:
+            return []
+        scored = []
+        for path in complete:
+            state = read_state(path)
+            if state.eval_top1 is not None and state.eval_step == state.step:
+                scored.append((state.eval_top1, state.step, path))
+        return [path for _, _, path in sorted(scored, reverse=True)[:self.keep_best]]
 
     def load(self, path: Path) -> TrainerState:
         """Load a checkpoint that `resolve_resume` verified; a UsageError if it holds anything

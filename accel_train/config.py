@@ -21,6 +21,7 @@ from .errors import UsageError
 
 PRECISIONS = ("auto", "no", "fp16", "bf16")
 IN_MEMORY_MODES = ("auto", "always", "never")
+BAD_IMAGE_MODES = ("substitute", "error")
 SYNTHETIC_DATASET = "synthetic"
 
 
@@ -64,8 +65,26 @@ class TrainConfig:
                                         "data")
     prefetch_factor: int = option(2, "Batches each worker prepares ahead.", "data")
     persistent_workers: bool = option(True, "Keep loader workers alive across epochs.", "data")
+    bad_images: str = option("substitute", "An image that cannot be decoded: substitute (train "
+                             "on with the next image that decodes in its place; each is named "
+                             "once and listed in <output-dir>/bad_images.txt) or error (stop, "
+                             "naming it).", "data", choices=BAD_IMAGE_MODES)
+    val_labels: Optional[str] = option(None, "Label file for a held-out folder of unlabelled "
+                                       "images (ImageNet's validation layout: DIR/train/CLASS/"
+                                       "IMAGE and DIR/val/IMAGE): 'IMAGE,CLASS' lines (CSV or "
+                                       "whitespace) or one CLASS per line in file-name order.",
+                                       "data")
+    class_depth: Optional[int] = option(None, "Image folders: the folder level under the split "
+                                        "folder that names the class (1: the top level; "
+                                        "default: the folder that holds the image).", "data")
     augment: bool = option(True, "Random crop + horizontal flip on training images "
-                           "(--no-augment turns it off).", "data")
+                           "(--no-augment turns it off, with what follows).", "data")
+    auto_augment: Optional[str] = option(None, "An augmentation policy after the crop and flip: "
+                                         "torchvision's randaugment, trivialaugment, autoaugment"
+                                         "[-cifar10|-svhn], augmix, or a timm string such as "
+                                         "rand-m9-mstd0.5-inc1.", "data")
+    reprob: float = option(0.0, "Random erasing probability (timm's RandomErasing, per-pixel "
+                           "noise), after normalization.", "data")
 
     # -- model --------------------------------------------------------------------------------
     model: str = option("resnet18", "Any timm model name.", "model")
@@ -149,6 +168,8 @@ class TrainConfig:
     checkpoint_every: int = option(0, "Also checkpoint every N optimizer steps (0: only at "
                                    "epoch ends).", "output")
     keep_checkpoints: int = option(3, "Keep the newest K checkpoints.", "output")
+    keep_best: int = option(0, "Also keep the K checkpoints with the best held-out top-1 "
+                            "(saved at epoch ends), as timm's checkpoint saver does.", "output")
     resume: Optional[str] = option(None, "'auto' (newest valid checkpoint) or a checkpoint path.",
                                    "output")
     log_every: int = option(20, "Log a metrics line every N optimizer steps.", "output")
@@ -196,7 +217,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(f"{flag(name)} must be a whole number >= 1 (got {value!r})")
-        for name in ("max_steps", "max_train_samples", "max_eval_samples", "image_size"):
+        for name in ("max_steps", "max_train_samples", "max_eval_samples", "image_size",
+                     "class_depth"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise UsageError(f"{flag(name)} must be a whole number >= 1 (got {value!r})")
@@ -233,6 +255,10 @@ class TrainConfig:
         if (self.mixup > 0 or self.cutmix > 0) and self.batch_size % 2:
             raise UsageError(f"--mixup/--cutmix pair images within a batch: --batch-size must "
                              f"be even (got {self.batch_size})")
+        if not isinstance(self.keep_best, int) or self.keep_best < 0:
+            raise UsageError(f"--keep-best must be a whole number >= 0 (got {self.keep_best!r})")
+        if not 0 <= self.reprob <= 1:
+            raise UsageError(f"--reprob is a probability: between 0 and 1 (got {self.reprob})")
         if self.time_budget is not None:
             parse_duration(self.time_budget)
         if not 0 < self.model_ema_decay < 1:
@@ -241,7 +267,8 @@ class TrainConfig:
         if not 0 <= self.drop_path < 1:
             raise UsageError(f"--drop-path must be in [0, 1) (got {self.drop_path}); "
                              f"0.05-0.2 is usual")
-        for name, allowed in (("mixed_precision", PRECISIONS), ("in_memory", IN_MEMORY_MODES)):
+        for name, allowed in (("mixed_precision", PRECISIONS), ("in_memory", IN_MEMORY_MODES),
+                              ("bad_images", BAD_IMAGE_MODES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"{flag(name)} {getattr(self, name)!r} is not supported: "
                                  f"choose one of {', '.join(allowed)}")

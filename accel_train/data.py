@@ -20,27 +20,27 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from .errors import UsageError
 from .sources import ArraySource, ImageSource
+from .augment import build_erasing, build_policy
 from .transforms import ImageTransform, single_threaded
 
 STATS_SAMPLE = 5000  # images used to estimate the dataset's mean/std
 
 
 class SampleBatch(Sequence):
-    """The (image, label[, key]) samples of one batch, built as a batch: a sequence of samples
-    to any reader (default_collate included), while `collate_batch` hands the loader the
-    stacked tensors it already holds, with no unbinding and re-stacking."""
+    """The (image, label[, key][, replaced]) samples of one batch, built as a batch: a sequence
+    of samples to any reader (default_collate included), while `collate_batch` hands the loader
+    the stacked tensors it already holds, with no unbinding and re-stacking."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor,
-                 keys: torch.Tensor | None = None):
-        self.images, self.labels, self.keys = images, labels, keys
+                 keys: torch.Tensor | None = None, replaced: torch.Tensor | None = None):
+        self.images, self.labels, self.keys, self.replaced = images, labels, keys, replaced
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        if self.keys is None:
-            return self.images, self.labels
-        return self.images, self.labels, self.keys
+        return tuple(t for t in (self.images, self.labels, self.keys, self.replaced)
+                     if t is not None)
 
     def __getitem__(self, position):
         if isinstance(position, slice):
@@ -54,8 +54,18 @@ def collate_batch(samples):
     return default_collate(samples)
 
 
+def replaced_marks(indices: torch.Tensor, used: list[int]) -> torch.Tensor:
+    """Per sample, its index where its own image could not be decoded (a substitute's image and
+    label stand in its place: sources.py), else -1.  The loader carries these back from its
+    worker processes, so that the training process can name each broken image once."""
+    used = torch.as_tensor(used, dtype=torch.long)
+    return torch.where(used != indices, indices, torch.full_like(indices, -1))
+
+
 class TrainImages(Dataset):
-    """Indexed by sampler keys `epoch * N + index`; returns (image tensor, label, key).
+    """Indexed by sampler keys `epoch * N + index`; returns (image tensor, label, key), and with
+    `mark_replaced` a fourth element, the sample's index if its image was replaced else -1
+    (`replaced_marks`).
 
     The key rides along to the training loop, which hands each micro-batch's keys to whoever
     wants to know exactly which samples were trained on (the loader prefetches, so the sampler's
@@ -65,56 +75,73 @@ class TrainImages(Dataset):
     then gathered and augmented as one tensor, which keeps the input pipeline a small fraction of
     a training step without worker processes (see transforms.py)."""
 
-    def __init__(self, source: ImageSource, transform: ImageTransform, seed: int):
+    def __init__(self, source: ImageSource, transform: ImageTransform, seed: int,
+                 mark_replaced: bool = False):
         self.source, self.transform, self.seed = source, transform, seed
+        self.mark_replaced = mark_replaced
 
     def __len__(self) -> int:
         return len(self.source)
 
     def __getitem__(self, key: int):
         epoch, index = divmod(int(key), len(self.source))
-        return (self.transform(self.source.image(index), (self.seed, epoch, index)),
-                self.source.labels[index], int(key))
+        (image,), (used,) = self.source.samples_at([index])
+        sample = (self.transform(image, (self.seed, epoch, index)), self.source.labels[used],
+                  int(key))
+        return (*sample, index if used != index else -1) if self.mark_replaced else sample
 
     @single_threaded
     def __getitems__(self, keys: list[int]):
         keys = torch.as_tensor(keys, dtype=torch.long)
         epochs, indices = keys // len(self.source), keys % len(self.source)
+        marks = torch.full_like(indices, -1) if self.mark_replaced else None
         if not isinstance(self.source, ArraySource):  # decoded now
-            images = self.source.images_at(indices.tolist())
+            # A replaced sample keeps its own index's augmentation: a function of the index.
+            images, used = self.source.samples_at(indices.tolist())
             if len({image.shape for image in images}) == 1:  # one size: one batched transform
                 batch = self.transform.batch(torch.stack(images), self.seed, epochs.numpy(),
                                              indices.numpy())
             else:
                 batch = torch.stack([self.transform(image, (self.seed, int(epoch), int(index)))
                                      for image, epoch, index in zip(images, epochs, indices)])
-            return SampleBatch(batch, self.source.labels[indices], keys)
+            if marks is not None:
+                marks = replaced_marks(indices, used)
+            return SampleBatch(batch, self.source.labels[used], keys, marks)
         images = self.transform.batch(self.source.images.index_select(0, indices), self.seed,
                                       epochs.numpy(), indices.numpy())
-        return SampleBatch(images, self.source.labels[indices], keys)
+        return SampleBatch(images, self.source.labels[indices], keys, marks)
 
 
 class EvalImages(Dataset):
-    def __init__(self, source: ImageSource, transform: ImageTransform):
-        self.source, self.transform = source, transform
+    """Returns (image tensor, label), and with `mark_replaced` a third element as TrainImages'
+    fourth."""
+
+    def __init__(self, source: ImageSource, transform: ImageTransform,
+                 mark_replaced: bool = False):
+        self.source, self.transform, self.mark_replaced = source, transform, mark_replaced
 
     def __len__(self) -> int:
         return len(self.source)
 
     def __getitem__(self, index: int):
-        return self.transform(self.source.image(index)), self.source.labels[index]
+        (image,), (used,) = self.source.samples_at([index])
+        sample = self.transform(image), self.source.labels[used]
+        return (*sample, index if used != index else -1) if self.mark_replaced else sample
 
     @single_threaded
     def __getitems__(self, indices: list[int]):
         indices = torch.as_tensor(indices, dtype=torch.long)
+        marks = torch.full_like(indices, -1) if self.mark_replaced else None
         if not isinstance(self.source, ArraySource):
-            images = self.source.images_at(indices.tolist())
+            images, used = self.source.samples_at(indices.tolist())
             batch = self.transform.batch(torch.stack(images)) \
                 if len({image.shape for image in images}) == 1 \
                 else torch.stack([self.transform(image) for image in images])
-            return SampleBatch(batch, self.source.labels[indices])
+            if marks is not None:
+                marks = replaced_marks(indices, used)
+            return SampleBatch(batch, self.source.labels[used], replaced=marks)
         return SampleBatch(self.transform.batch(self.source.images.index_select(0, indices)),
-                           self.source.labels[indices])
+                           self.source.labels[indices], replaced=marks)
 
 
 class EpochSampler(Sampler[int]):
@@ -208,7 +235,10 @@ def build_loaders(config, data, spec, num_processes: int, processes_per_machine:
     if len(data.eval) == 0:
         raise UsageError("the held-out split is empty; raise --val-fraction or "
                          "--max-eval-samples")
-    train_tf = ImageTransform(spec.image_size, spec.mean, spec.std, augment=config.augment)
+    train_tf = ImageTransform(spec.image_size, spec.mean, spec.std, augment=config.augment,
+                              policy=build_policy(config.auto_augment)
+                              if config.augment and config.auto_augment else None,
+                              erasing=build_erasing(config.reprob) if config.augment else None)
     eval_tf = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
     workers = config.num_workers if config.num_workers is not None else \
         default_num_workers(data.train, processes_per_machine)

@@ -103,7 +103,7 @@ def decode(item: Union[bytes, Image.Image], fast: bool = True) -> torch.Tensor:
         raise Unreadable(_not_an_image(item)) from None
     except Exception as err:  # noqa: BLE001 -- a broken file may raise anything; it is data
         raise Unreadable(_describe(err)) from None
-    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)
+    return torch.from_numpy(np.array(pixels)).permute(2, 0, 1)  # a writable copy
 
 
 def pil_size(item) -> tuple[int, int]:

@@ -80,7 +80,8 @@ class Trainer:
             raise RuntimeError(f"Accelerate sees {acc.num_processes} processes but the launcher "
                                f"started {plan.env.world_size}: the process group was not shared")
         self.checkpointer = Checkpointer(acc, plan.checkpoint_dir, config.keep_checkpoints,
-                                         self.report.warn, self.callbacks.before_manifest)
+                                         self.report.warn, self.callbacks.before_manifest,
+                                         config.keep_best)
         acc.register_save_state_pre_hook(self._save_extras_into_checkpoint)
         self.data = distributed.main_first(lambda: load_data(config))
         self.net = build_network(config, self.data, acc.num_processes,
@@ -315,7 +316,7 @@ class Trainer:
         state = self.state
         results = self.evaluate()
         state.best_top1 = max(results["top1"], state.best_top1 or 0.0)
-        state.eval_top1 = results["top1"]
+        state.eval_top1, state.eval_step = results["top1"], state.step
         record = {"type": "epoch", "epoch": state.epoch + 1, "step": state.step,
                   **{f"eval_{k}": v for k, v in results.items() if k != "per_class"}}
         if self.ema is not None:

@@ -17,12 +17,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torchvision.transforms.v2 import functional as TF
+
+from .augment import ERASING_SALT, apply_seeded
 
 SMALL_IMAGE = 64  # at or below: pad-and-crop (CIFAR style); above: random resized crop
 
@@ -88,6 +90,9 @@ class ImageTransform:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     augment: bool = False
+    # With augment, after the crop and flip (augment.py: seeded per sample like the crop):
+    policy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # --auto-augment, uint8
+    erasing: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # --reprob, normalized
 
     @single_threaded
     def __call__(self, image: torch.Tensor,
@@ -97,7 +102,9 @@ class ImageTransform:
         if self.augment and sample is None:
             raise ValueError("augmenting needs the sample's (seed, epoch, index)")
         if self.augment and max(image.shape[-2:]) > SMALL_IMAGE:
-            return self._normalize(self._augment_large(image, sample))
+            seed, epoch, index = sample
+            return self._finish(self._augment_large(image, sample).unsqueeze(0), seed, [epoch],
+                                [index])[0]
         seed, epoch, index = sample if sample is not None else (0, 0, 0)
         return self.batch(image.unsqueeze(0), seed, [epoch], [index])[0]
 
@@ -107,13 +114,23 @@ class ImageTransform:
         """A uint8 [B, 3, H, W] batch of same-sized images -> float [B, 3, S, S].  When
         augmenting, epochs[i] and indices[i] name sample i (its crop and flip depend on them)."""
         if self.augment and max(images.shape[-2:]) > SMALL_IMAGE:
-            return self._normalize(torch.stack([
+            return self._finish(torch.stack([
                 self._augment_large(image, (seed, int(e), int(i)))
-                for image, e, i in zip(images, epochs, indices)]))
+                for image, e, i in zip(images, epochs, indices)]), seed, epochs, indices)
         images = self._resize(images)
         if self.augment:
-            return self._normalize(self._pad_crop_flip(images, augment_bits(seed, epochs, indices)))
+            return self._finish(self._pad_crop_flip(images, augment_bits(seed, epochs, indices)),
+                                seed, epochs, indices)
         return self._normalize(images)
+
+    def _finish(self, images: torch.Tensor, seed: int, epochs, indices) -> torch.Tensor:
+        """Cropped and flipped uint8 images -> policy -> normalized -> random erasing."""
+        if self.policy is not None:
+            images = apply_seeded(self.policy, images, seed, epochs, indices)
+        images = self._normalize(images)
+        if self.erasing is not None:
+            images = apply_seeded(self.erasing, images, seed, epochs, indices, ERASING_SALT)
+        return images
 
     # -- pieces ---------------------------------------------------------------------------------
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ the global batch on another number of processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -323,3 +324,20 @@ def test_an_fp16_grad_scaler_state_is_saved_vetted_and_restored(bundle, tmp_path
         saver.load(path)
     assert not marker.exists()
     acc.scaler = None
+
+
+def test_keep_best_keeps_the_highest_evaluated_top1_besides_the_newest(bundle):
+    """keep=1, keep_best=2: the newest, plus the two best of those saved right after an
+    evaluation (a mid-epoch save carries an older evaluation and does not count)."""
+    saver, _, train_step, _ = bundle
+    saver.keep, saver.keep_best = 1, 2
+    # (step, top-1 of the last evaluation, the step it was made at)
+    history = [(2, 0.40, 2), (4, 0.70, 4), (5, 0.70, 4), (6, 0.55, 6), (8, 0.65, 8),
+               (9, 0.65, 8)]
+    for step, top1, eval_step in history:
+        train_step()
+        saver.save(dataclasses.replace(state(step), eval_top1=top1, eval_step=eval_step))
+    kept = [p.name for p in ck.list_checkpoints(saver.root)]
+    # newest: 9; best evaluated: step 4 (0.70), step 8 (0.65); step 5 repeats step 4's number
+    assert kept == ["step_00000009", "step_00000008", "step_00000004"]
+    assert all(verify(p) is None for p in ck.list_checkpoints(saver.root))

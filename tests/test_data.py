@@ -162,8 +162,14 @@ def test_unreadable_image_is_named(tmp_path):
         {"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES[:2])}))
     ds.to_parquet(str(tmp_path / "train.parquet"))
     ds.to_parquet(str(tmp_path / "test.parquet"))
-    with pytest.raises(UsageError, match="image 1 of split 'train' cannot be decoded"):
-        load_data(config(data_dir=str(tmp_path)))
+    with pytest.raises(UsageError, match=r"image train.parquet row 1 cannot be decoded \(not an "
+                       r"image: the file holds text \('not an image'"):
+        load_data(config(data_dir=str(tmp_path), bad_images="error"))
+    data = load_data(config(data_dir=str(tmp_path)))  # the default: a substitute, and its label
+    assert [(bad.split, bad.index, bad.name) for bad in data.bad_images] == \
+        [("train", 1, "train.parquet row 1"), ("held-out", 1, "test.parquet row 1")]
+    assert torch.equal(data.train.images[1], data.train.images[0])
+    assert data.train.labels.tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("setup, expected", [

@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CONFIGS, REPO, free_port, test_env
+from conftest import CONFIGS, REPO, free_port
+from conftest import test_env as child_env  # (imported as test_env, pytest would collect it)
 from faults import FAULT_TRAIN, assert_metrics_continuous, checkpoint_steps, max_weight_difference
 
 SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
@@ -221,7 +222,7 @@ PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP
     def submit(self, output: Path, script_args: list[str], **env: str) -> "Job":
         """sbatch the real script from the repository root, exporting a test environment
         (the project's Python first on PATH, as a user's activated environment would be)."""
-        job_env = test_env(ACCEL_TRAIN_PYTHON=sys.executable, **env)
+        job_env = child_env(ACCEL_TRAIN_PYTHON=sys.executable, **env)
         job_env = {k: v for k, v in job_env.items() if not k.startswith("SLURM_")}
         job_env["SLURM_CONF"] = str(self.conf)
         result = subprocess.run(
@@ -405,7 +406,7 @@ def test_yaml_for_another_node_count_is_refused_in_one_line(cluster, tmp_path,
 
 # -- bad input without any daemon: the script run by hand, or with a made-up job environment ---
 def _run_script(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in test_env(ACCEL_TRAIN_PYTHON=sys.executable).items()
+    base = {k: v for k, v in child_env(ACCEL_TRAIN_PYTHON=sys.executable).items()
             if not k.startswith("SLURM_")}
     return subprocess.run(["bash", str(SCRIPT), *args], env={**base, **env}, cwd=REPO,
                           capture_output=True, text=True, timeout=60)

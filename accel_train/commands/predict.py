@@ -58,11 +58,11 @@ def find_images(inputs: Sequence[str]) -> list[Path]:
 
 def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device):
     """Yields (image path, [(class index, probability), ...] best first, None), or for an image
-    that cannot be read (path, None, why): one bad file among thousands must not cost the
+    that cannot be decoded (path, None, why): one bad file among thousands must not cost the
     predictions for the rest."""
     import torch
 
-    from ..sources import decode_image
+    from ..decode import Unreadable, decode, read_value
     from ..transforms import ImageTransform
     transform = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
     k = min(top_k, spec.num_classes)
@@ -70,11 +70,10 @@ def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device
         readable, tensors = [], []
         for path in images[start:start + batch_size]:
             try:
-                tensors.append(transform(decode_image({"path": str(path), "bytes": None},
-                                                      str(path))))
+                tensors.append(transform(decode(read_value(str(path)))))
                 readable.append(path)
-            except UsageError as err:
-                yield path, None, str(err)
+            except Unreadable as err:
+                yield path, None, err.reason
         if not tensors:
             continue
         with torch.no_grad():
@@ -112,12 +111,12 @@ def main(argv: Sequence[str]) -> int:
         print(f"model: {trained.spec.model_name} from {trained.description}; {len(images)} "
               f"image(s)\n\n{_table_header(min(args.top_k, len(names)), path_width, name_width)}")
     failures: list[str] = []
-    for path, ranked, error in predict(model, trained.spec, images, args.top_k,
-                                       args.batch_size, device):
-        if error is not None:
-            failures.append(error)
-            print(json.dumps({"image": str(path), "error": error}) if args.json
-                  else f"{str(path):<{path_width}}  (not predicted: cannot be decoded)")
+    for path, ranked, reason in predict(model, trained.spec, images, args.top_k,
+                                        args.batch_size, device):
+        if reason is not None:
+            failures.append(f"{path} cannot be decoded ({reason})")
+            print(json.dumps({"image": str(path), "error": failures[-1]}) if args.json
+                  else f"{str(path):<{path_width}}  (not predicted: {reason})")
         elif args.json:
             print(json.dumps({"image": str(path), "predictions": [
                 {"class": names[i], "index": i, "probability": round(p, 6)} for i, p in ranked]}))

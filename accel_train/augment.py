@@ -1,0 +1,110 @@
+"""Augmentation policies (RandAugment, TrivialAugmentWide, AutoAugment, AugMix) and random
+erasing, from timm and torchvision, made functions of (seed, epoch, index).
+
+Both libraries draw from global random states (Python's `random`, numpy's, torch's).  Every image
+here draws inside `seeded(...)`, which seeds all three from the sample's key and puts the outside
+states back after: an image is augmented the same way whichever worker, process or resumed run
+loads it (transforms.py's rule), and nothing else in the process is disturbed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Callable
+
+import numpy as np
+import torch
+from torchvision.transforms import v2 as T
+from torchvision.transforms.v2 import functional as TF
+
+from .errors import UsageError
+
+# torchvision's policies by name; the timm-style strings ("rand-m9-mstd0.5-inc1", "augmix-m5",
+# "original", "v0", ...) go to timm's factories.
+TORCHVISION_POLICIES = {
+    "randaugment": lambda: T.RandAugment(),
+    "trivialaugment": lambda: T.TrivialAugmentWide(),
+    "trivialaugmentwide": lambda: T.TrivialAugmentWide(),
+    "autoaugment": lambda: T.AutoAugment(T.AutoAugmentPolicy.IMAGENET),
+    "autoaugment-imagenet": lambda: T.AutoAugment(T.AutoAugmentPolicy.IMAGENET),
+    "autoaugment-cifar10": lambda: T.AutoAugment(T.AutoAugmentPolicy.CIFAR10),
+    "autoaugment-svhn": lambda: T.AutoAugment(T.AutoAugmentPolicy.SVHN),
+    "augmix": lambda: T.AugMix(),
+}
+TIMM_PREFIXES = ("rand", "augmix", "original", "originalr", "v0", "v0r", "3a")
+ERASING_SALT = 0x5EED_E4A5  # keeps erasing's draws apart from the policy's for the same image
+
+
+@contextlib.contextmanager
+def seeded(*key: int):
+    """Python's, numpy's and torch's (CPU) global random states seeded from `key` inside the
+    block, and restored after it."""
+    seed = int(np.random.SeedSequence([k & 0xFFFFFFFF for k in key]).generate_state(1)[0])
+    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), \
+        torch.random.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.random.set_rng_state(torch_state)
+
+
+def build_policy(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """uint8 [3, H, W] -> uint8 [3, H, W] for a policy name; a UsageError naming the flag for
+    an unknown one."""
+    key = name.strip().lower()
+    if key in TORCHVISION_POLICIES:
+        return TORCHVISION_POLICIES[key]()
+    if key.split("-")[0] in TIMM_PREFIXES:
+        return _timm_policy(name.strip())
+    raise UsageError(f"--auto-augment {name!r} is not a policy we know; use one of "
+                     f"{', '.join(sorted(TORCHVISION_POLICIES))} (torchvision) or a timm string "
+                     f"such as rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, original")
+
+
+def _timm_policy(config_str: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    from timm.data.auto_augment import (augment_and_mix_transform, auto_augment_transform,
+                                        rand_augment_transform)
+
+    # magnitude_max just under timm's 10: at 10 its "increasing" posterize asks for 0 bits,
+    # which current Pillow refuses ("bits must be between or equal to 1 and 8").
+    hparams = {"translate_const": 100, "img_mean": (124, 116, 104), "magnitude_max": 9.99}
+    try:
+        if config_str.startswith("rand"):
+            policy = rand_augment_transform(config_str, hparams)
+        elif config_str.startswith("augmix"):
+            policy = augment_and_mix_transform(config_str, hparams)
+        else:
+            policy = auto_augment_transform(config_str, hparams)
+    except (AssertionError, ValueError, KeyError, IndexError) as err:
+        raise UsageError(f"--auto-augment {config_str!r}: timm cannot read it ({err}); e.g. "
+                         f"rand-m9-mstd0.5-inc1") from None
+
+    def on_tensor(image: torch.Tensor) -> torch.Tensor:
+        # timm's policies work on PIL images
+        return TF.pil_to_tensor(policy(TF.to_pil_image(image)))
+    return on_tensor
+
+
+def build_erasing(probability: float):
+    """timm's RandomErasing (per-pixel normal noise, as in timm's recipes) on one normalized
+    float image; None when off."""
+    if probability <= 0:
+        return None
+    from timm.data.random_erasing import RandomErasing
+    return RandomErasing(probability=probability, mode="pixel", device="cpu")
+
+
+def apply_seeded(function, images: torch.Tensor, seed: int, epochs, indices,
+                 salt: int = 0) -> torch.Tensor:
+    """`function` on each image of a batch, each inside its own seeded(seed, epoch, index)."""
+    out = []
+    for image, epoch, index in zip(images, epochs, indices):
+        with seeded(seed, int(epoch), int(index), salt):
+            out.append(function(image))
+    return torch.stack(out)

@@ -243,11 +243,12 @@ def build_loaders(config, data, spec, num_processes: int, processes_per_machine:
     workers = config.num_workers if config.num_workers is not None else \
         default_num_workers(data.train, processes_per_machine)
     sampler = EpochSampler(len(data.train), global_batch, config.seed)
-    train = make_loader(TrainImages(data.train, train_tf, config.seed), config.batch_size,
-                        workers, config.prefetch_factor, config.persistent_workers, pin_memory,
-                        sampler=sampler, drop_last=True)
-    held_out = make_loader(EvalImages(data.eval, eval_tf), config.batch_size, workers,
-                           config.prefetch_factor, config.persistent_workers, pin_memory)
+    # The marks of replaced images ride along to the loop (badimages.py names them).
+    train = make_loader(TrainImages(data.train, train_tf, config.seed, mark_replaced=True),
+                        config.batch_size, workers, config.prefetch_factor,
+                        config.persistent_workers, pin_memory, sampler=sampler, drop_last=True)
+    held_out = make_loader(EvalImages(data.eval, eval_tf, mark_replaced=True), config.batch_size,
+                           workers, config.prefetch_factor, config.persistent_workers, pin_memory)
     micro_steps_per_epoch = sampler.usable // (config.batch_size * num_processes)
     return Loaders(train, held_out, sampler, workers, global_batch,
                    micro_steps_per_epoch // config.accumulation_steps)

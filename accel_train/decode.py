@@ -91,7 +91,7 @@ def decode(item: Union[bytes, Image.Image], fast: bool = True) -> torch.Tensor:
         if image is not None:
             return image
     if isinstance(item, bytes) and not item:
-        raise Unreadable("empty file (0 bytes)")
+        raise Unreadable("empty file: 0 bytes")
     try:
         with warnings.catch_warnings():  # over the limit: an error, not a warning on stderr
             warnings.simplefilter("error", Image.DecompressionBombWarning)

@@ -28,6 +28,7 @@ PLOTS_DIR = "plots"
 WEIGHTS_FILE = "model.safetensors"  # also in export folders
 SPEC_FILE = "model_config.json"     # also in checkpoints and export folders
 ELASTIC_JOB_FILE = "elastic_run_id"  # the rendezvous id of the torchelastic job that started it
+BAD_IMAGES_FILE = "bad_images.txt"  # images that could not be decoded: "name<TAB>reason" lines
 
 PACKAGES = ("accel_train", "torch", "torchvision", "accelerate", "timm", "datasets",
             "safetensors", "numpy")
@@ -70,6 +71,10 @@ class RunPaths:
     @property
     def elastic_job(self) -> Path:
         return self.root / ELASTIC_JOB_FILE
+
+    @property
+    def bad_images(self) -> Path:
+        return self.root / BAD_IMAGES_FILE
 
     def markers(self) -> tuple[Path, ...]:
         """What only a run leaves behind."""
@@ -135,7 +140,7 @@ def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict) -> P
     rewriting what the original run was."""
     output_dir.mkdir(parents=True, exist_ok=True)
     options = config.to_dict()
-    for name in ("data_dir", "pretrained"):  # inputs absolute: `eval` may run from elsewhere
+    for name in ("data_dir", "pretrained", "val_labels"):  # absolute: `eval` may run elsewhere
         if options[name] and options[name] != "hub":
             options[name] = str(Path(options[name]).resolve())
     record = {"train": options, "resolved": resolved, "versions": package_versions(),

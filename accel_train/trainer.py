@@ -22,6 +22,7 @@ from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 from . import distributed
 from .checkpoint import Checkpointer, TrainerState
 from .config import TrainConfig
+from .badimages import BadImageLog
 from .data import build_loaders
 from .ema import ModelEma
 from .mixing import maybe_mixup
@@ -84,6 +85,8 @@ class Trainer:
                                          config.keep_best)
         acc.register_save_state_pre_hook(self._save_extras_into_checkpoint)
         self.data = distributed.main_first(lambda: load_data(config))
+        self.bad_images = BadImageLog(self.paths.bad_images, self.report, self.data,
+                                      acc.is_main_process)
         self.net = build_network(config, self.data, acc.num_processes,
                                  acc.device.type == "cuda", self.report.warn)
         self.loaders = build_loaders(config, self.data, self.net.spec, acc.num_processes,
@@ -194,6 +197,7 @@ class Trainer:
         self.report.say(summary(facts, self.data.description, self.config.accumulation_steps,
                                 backend, records_text(self.paths, self.config.report_to,
                                                       self.config.plots)))
+        self.bad_images.collect()  # those met while decoding into memory
 
     def _forget_steps_after(self, step: int):
         """Logs read as if the run had never stopped: what came after `step` is redone."""
@@ -239,6 +243,8 @@ class Trainer:
             finally:
                 self.progress.close()
         self.report.say(f"Training took {time.perf_counter() - started:.1f}s")
+        if self.bad_images.summary():
+            self.report.say(self.bad_images.summary())
         self.save_model()
         self._maybe_plot()
         out = self.plan.output_dir
@@ -262,9 +268,10 @@ class Trainer:
         while state.step < self.total_steps:
             wait_started = time.perf_counter()
             try:
-                images, labels, keys = next(batches)
+                images, labels, keys, replaced = next(batches)
             except StopIteration:
                 break
+            self.bad_images.note("train", replaced)
             window.data_wait += time.perf_counter() - wait_started
             if self.callbacks.on_micro_batch is not None:
                 self.callbacks.on_micro_batch(state.step + 1, keys)
@@ -325,6 +332,7 @@ class Trainer:
             record.update({f"eval_ema_{k}": ema_results[k] for k in ("loss", "top1", "top5")})
         if epoch_seconds is not None:
             record["epoch_time"] = round(epoch_seconds, 3)
+        record["bad_images"] = self.bad_images.collect()
         self.metrics.write(record)
         self.accelerator.log(tracker_scalars(record), step=state.step)
         timing = f" Time {epoch_seconds:.1f}s" if epoch_seconds is not None else ""
@@ -349,7 +357,8 @@ class Trainer:
             # and model.safetensors keep (and the ones training continues with anyway).
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
-        return evaluate_classifier(self.accelerator, model, self.eval_loader,
+        return evaluate_classifier(self.accelerator, model,
+                                   self.bad_images.strip(self.eval_loader),
                                    self.net.spec.num_classes, self.config.channels_last)
 
     # -- records, checkpoints, the end --------------------------------------------------------
@@ -364,6 +373,7 @@ class Trainer:
                   "img_per_s": round(window.samples / elapsed, 2),
                   "data_wait": round(window.data_wait / elapsed, 4),
                   "samples_seen": state.samples_seen}
+        self.bad_images.collect()
         self.metrics.write(record)
         self.accelerator.log(tracker_scalars(record), step=state.step)
         self.progress.update(state.step, record)
@@ -397,6 +407,7 @@ class Trainer:
                 self.ema.save(Path(output_dir))
 
     def _stop_for_signal(self) -> int:
+        self.bad_images.collect()
         path = self._maybe_checkpoint("stop signal")
         self.report.say(f"stopped by a signal at step {self.state.step}: saved {path}; run the "
                         f"same command with --resume auto to continue")

@@ -1,0 +1,37 @@
+"""Every recipe in recipes/ loads through --config and starts training (one optimizer step on the
+embedded data), and the run records the recipe's settings."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from conftest import REPO, accel_train
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+# Keep each start to seconds: tiny data, one step; the model and every recipe setting but the
+# sizes stay the recipe's (a recipe without a model gets the small test model).
+TINY = ["--dataset", "synthetic", "--synthetic-train-size", "64", "--max-eval-samples", "8",
+        "--batch-size", "4", "--max-steps", "1", "--epochs", "1", "--progress", "log",
+        "--no-plots", "--num-workers", "0"]
+
+
+def test_there_are_recipes():
+    assert {r.name for r in RECIPES} >= {"cifar10-cpu-10min.yaml", "finetune-layer-decay.yaml",
+                                         "imagenet-deit-small-gpus.yaml"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.stem)
+def test_a_recipe_loads_and_starts(recipe, tmp_path):
+    settings = yaml.safe_load(recipe.read_text())
+    assert recipe.read_text().startswith("#") and "Source:" in recipe.read_text()
+    extra = [] if "model" in settings else ["--model", "test_resnet"]
+    out = tmp_path / "run"
+    accel_train("--config", str(recipe), *TINY, *extra, "--output-dir", str(out), check=True,
+                timeout=600)
+    recorded = yaml.safe_load((out / "config.yaml").read_text())["train"]
+    overridden = {"batch_size", "epochs"}
+    for key, value in settings.items():
+        if key not in overridden:
+            assert recorded[key] == value, key
+    assert (out / "model.safetensors").is_file()

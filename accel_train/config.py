@@ -77,6 +77,15 @@ class TrainConfig:
     class_depth: Optional[int] = option(None, "Image folders: the folder level under the split "
                                         "folder that names the class (1: the top level; "
                                         "default: the folder that holds the image).", "data")
+    streaming: bool = option(False, "Stream the training data from shards (WebDataset tars "
+                             "or parquet files in --data-dir; implied by a folder written by "
+                             "accel-train shard or holding *.tar) instead of indexing it whole.",
+                             "data")
+    shuffle_buffer: int = option(1000, "Streaming: samples each loader worker holds to shuffle "
+                                 "within (memory is bounded by it).", "data")
+    eval_shards: Optional[str] = option(None, "Streaming: glob (relative to --data-dir) of the "
+                                        "shards held out for evaluation (default: the index's "
+                                        "held-out split).", "data")
     augment: bool = option(True, "Random crop + horizontal flip on training images "
                            "(--no-augment turns it off, with what follows).", "data")
     auto_augment: Optional[str] = option(None, "An augmentation policy after the crop and flip: "
@@ -212,7 +221,8 @@ class TrainConfig:
     # Each check names the flag and says what would work.
     def _check_ranges(self):
         positive_ints = ("epochs", "batch_size", "accumulation_steps", "log_every",
-                         "prefetch_factor", "keep_checkpoints", "synthetic_train_size")
+                         "prefetch_factor", "keep_checkpoints", "synthetic_train_size",
+                         "shuffle_buffer")
         for name in positive_ints:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -227,6 +227,10 @@ def build_loaders(config, data, spec, num_processes: int, processes_per_machine:
                   pin_memory: bool) -> Loaders:
     """Seeded, augmented training batches in an order that is a function of (seed, epoch), and
     the held-out batches; a UsageError when the data cannot fill one global batch."""
+    if getattr(data, "shards", None) is not None:  # streamed from shards: streaming.py
+        from .streaming import build_stream_loaders
+        return build_stream_loaders(config, data, spec, num_processes, processes_per_machine,
+                                    pin_memory)
     global_batch = config.batch_size * num_processes * config.accumulation_steps
     if len(data.train) < global_batch:
         raise UsageError(f"the training set has {len(data.train)} images, fewer than one global "

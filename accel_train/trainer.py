@@ -36,6 +36,8 @@ from .report import Reporter, records_text, summary
 from .resume import StartPlan, check_same_data_order, plan_start, record_elastic_job
 from .rundir import run_paths, write_run_config
 from .sources import ArraySource, load_data
+from .streaming import (check_not_streaming_checkpoint, load_streaming, save_stream_state,
+                        streaming_wanted)
 from .track import LogWindow, MetricsLog, Progress, check_trackers, tracker_scalars
 
 
@@ -84,7 +86,8 @@ class Trainer:
                                          self.report.warn, self.callbacks.before_manifest,
                                          config.keep_best)
         acc.register_save_state_pre_hook(self._save_extras_into_checkpoint)
-        self.data = distributed.main_first(lambda: load_data(config))
+        self.data = distributed.main_first(  # streaming.py: shards, read per epoch
+            lambda: load_streaming(config) if streaming_wanted(config) else load_data(config))
         self.bad_images = BadImageLog(self.paths.bad_images, self.report, self.data,
                                       acc.is_main_process)
         self.net = build_network(config, self.data, acc.num_processes,
@@ -117,6 +120,11 @@ class Trainer:
                       accumulation_steps=config.accumulation_steps)
         if self.plan.resume_from is None:
             return TrainerState(**layout, seed=config.seed, train_samples=len(self.data.train))
+        if getattr(self.train_loader, "streaming", False):  # where each rank's stream stood
+            self.train_loader.restore(self.plan.resume_from, self.plan.previous.epoch,
+                                      self.plan.previous.samples_in_epoch)
+        else:
+            check_not_streaming_checkpoint(self.plan.resume_from)
         check_same_data_order(self.plan.previous, config.seed, len(self.data.train))
         previous = self.checkpointer.load(self.plan.resume_from)
         # Accelerate counts micro-steps to know when to sync; a resume is always at an optimizer
@@ -260,7 +268,7 @@ class Trainer:
         loader = self.train_loader
         per_micro_step = config.batch_size * acc.num_processes
         skip = state.samples_in_epoch // per_micro_step
-        if skip:
+        if skip and not getattr(self.train_loader, "streaming", False):  # streams start there
             loader = acc.skip_first_batches(self.train_loader, skip)
             loader.set_epoch(state.epoch)  # the skipping loader starts its own epoch count at 0
         window = LogWindow()
@@ -402,6 +410,9 @@ class Trainer:
         checkpoint then carries model_config.json, so `accel-train export/eval` can use a
         checkpoint on its own, wherever its folder has been moved, and the EMA weights."""
         if self.accelerator.is_main_process:
+            if getattr(self.train_loader, "streaming", False):  # every rank's stream position
+                save_stream_state(self.train_loader, Path(output_dir), self.state.epoch,
+                                  self.state.samples_in_epoch)
             self.net.spec.save(Path(output_dir))
             if self.ema is not None:
                 self.ema.save(Path(output_dir))

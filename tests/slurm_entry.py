@@ -2,12 +2,15 @@
 tests (tests/test_slurm.py), which start it through scripts/slurm/train.sbatch with
 ACCEL_TRAIN_MODULE=tests.slurm_entry.  The product reads none of these variables.
 
-* SLURM_TEST_PAUSE_AT_STEP=STEP: in the job's first allocation (SLURM_RESTART_COUNT unset or 0),
-  rank 0 waits before the first micro-batch of optimizer step STEP until its SIGTERM arrives,
-  and says so on stdout ("slurm test: waiting for SIGTERM at step STEP").  The test sends the
-  pre-emption signal when it reads that line, so the stop falls at exactly STEP whatever the
-  machine's speed.  The other ranks wait in their first collective of that step.  Without a
-  signal it goes on after WAIT_SECONDS (the test then fails on what is missing, never hangs).
+* ACCEL_TRAIN_TEST_PAUSE_AT_STEP=STEP: in the job's first allocation (SLURM_RESTART_COUNT
+  unset or 0), rank 0 waits before the first micro-batch of optimizer step STEP until its
+  SIGTERM arrives, and says so on stdout ("slurm test: waiting for SIGTERM at step STEP").  The
+  test sends the pre-emption signal when it reads that line, so the stop falls at exactly STEP
+  whatever the machine's speed.  The other ranks wait in their first collective of that step.
+  Without a signal it goes on after WAIT_SECONDS (the test then fails, never hangs).
+* ACCEL_TRAIN_TEST_STAND_IN=1: no training at all, for tests of the batch script's own rules
+  (quick to start: torch is never imported).  Every rank prints "slurm test: stand-in rank R of
+  allocation A waiting for SIGTERM", waits for it, and exits 143 as a stopped training does.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import signal
 import sys
 import time
 
-PAUSE_ENV = "SLURM_TEST_PAUSE_AT_STEP"
+PAUSE_ENV = "ACCEL_TRAIN_TEST_PAUSE_AT_STEP"
+STAND_IN_ENV = "ACCEL_TRAIN_TEST_STAND_IN"
 WAIT_SECONDS = 180.0
 
 
@@ -47,7 +51,22 @@ def pause_until_sigterm(wanted_step: int):
     return on_micro_batch
 
 
+def stand_in() -> int:
+    """See the module docstring: wait for SIGTERM, exit 143."""
+    received = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    allocation = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    print(f"slurm test: stand-in rank {os.environ.get('RANK', 0)} of allocation {allocation} "
+          f"waiting for SIGTERM", flush=True)
+    deadline = time.monotonic() + WAIT_SECONDS
+    while not received and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return 143 if received else 1
+
+
 def main() -> int:
+    if os.environ.get(STAND_IN_ENV) == "1":
+        return stand_in()
     from accel_train import cli
     from accel_train.trainer import Callbacks
 

@@ -38,7 +38,8 @@ import yaml
 from PIL import Image
 
 from accel_train.checkpoint import verify
-from conftest import REPO, TINY_TRAIN, free_port, test_env
+from conftest import REPO, TINY_TRAIN, free_port
+from conftest import test_env as child_env  # not test_*: pytest would collect it
 from faults import Run, checkpoint_steps, max_weight_difference, metrics, wait_until
 
 # 256 synthetic images, batch 16: 16 steps per epoch on 1 process, 8 on 2, ~0.1 s a step.  Far
@@ -117,10 +118,10 @@ def wait_for_checkpoint(run: Run, out: Path, step: int) -> None:
 
 @pytest.mark.slow
 def test_sigterm_to_one_worker_stops_both_ranks_at_the_same_step(tmp_path, runs, rng):
-    """A scheduler (or an OOM-averse admin) may signal one worker, not the launcher.  The ranks
-    agree on the stop at the next optimizer step: both save the same checkpoint and both return
-    143.  torchrun itself reports a failed worker group (exit 1, the workers' 143 in its
-    summary): a stop signal is not a success, and it must not be mistaken for one."""
+    """A scheduler or an administrator may signal one worker, not the launcher.  The ranks
+    agree on the stop at the next optimizer step: both save the same checkpoint, both log the
+    stop at that step and exit 143.  torchrun itself then reports a failed worker group: exit
+    1, its ChildFailedError with the workers' 143."""
     out = tmp_path / "run"
     rank, after = rng.choice([0, 1]), rng.choice([3, 6])
     about = f"(SIGTERM to rank {rank} after checkpoint {after})"
@@ -190,9 +191,13 @@ def _ctrl_c_twice(root: Path, runs: list, after: int) -> Optional[tuple[Run, lis
     process = psutil.Process(run.proc.pid)
     run.proc.send_signal(signal.SIGINT)
     # A save begun after the first SIGINT proves its handler ran (two SIGINTs that arrive
-    # before Python's handler runs reach it as one).
-    new = wait_until(lambda: set(os.listdir(folder)) - before, "a save after the first SIGINT",
-                     run)
+    # before Python's handler runs reach it as one).  Polled every millisecond, not every 50
+    # like wait_until: the save lasts ~0.1 s.
+    deadline = time.monotonic() + 120
+    while not (new := set(os.listdir(folder)) - before):
+        assert run.proc.poll() is None and time.monotonic() < deadline, \
+            f"no save began after the first SIGINT (exit {run.proc.poll()})\n{run.output[-3000:]}"
+        time.sleep(0.001)
     process.suspend()
     unfinished = {n for n in os.listdir(folder) if n.startswith(".tmp-step_")} - before
     print(f"new in the checkpoint folder: {sorted(new)}; unfinished save when paused: "
@@ -209,8 +214,8 @@ def _ctrl_c_twice(root: Path, runs: list, after: int) -> Optional[tuple[Run, lis
 def test_a_second_ctrl_c_while_stopping_exits_130_and_loses_no_checkpoint(tmp_path, runs, rng):
     """The first Ctrl-C asks for a checkpoint at the next optimizer step; a second one while
     that is under way means "now": KeyboardInterrupt, `accel_train: interrupted`, exit 130
-    (_request_stop's rule, test_signals.py calls it directly).  The save it cuts short never
-    counts as a checkpoint; every finished checkpoint is still there and verifies."""
+    (the stop handler's rule; test_signals.py calls the handler directly).  The save it cuts
+    short never counts as a checkpoint; every finished checkpoint is still there, verified."""
     after = rng.choice([3, 6, 9])
     print(f"first SIGINT after checkpoint {after}")
     for attempt in range(3):  # a save of ~0.1 s can finish before the pause: then again
@@ -267,10 +272,10 @@ def test_manual_start_without_a_launcher_trains_like_torchrun(tmp_path, runs):
 
 # -- bad input on every rank ----------------------------------------------------------------------
 
-def _start_manual_pair(argv: list[str], tmp_path: Path) -> list[subprocess.Popen]:
+def _start_manual_pair(argv: list[str]) -> list[subprocess.Popen]:
     url = f"tcp://127.0.0.1:{free_port()}"
     return [subprocess.Popen(cli(*argv, "--world_size", "2", "--rank", str(r), "--dist_url", url),
-                             cwd=REPO, env=test_env(), stdout=subprocess.PIPE,
+                             cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
             for r in (0, 1)]
 
@@ -283,7 +288,7 @@ def test_bad_input_on_two_processes_exits_2_on_every_rank(tmp_path):
     out, message = tmp_path / "run", "--data-dir /nonexistent/data: no such folder"
     started = time.monotonic()
     procs = _start_manual_pair([*TINY_TRAIN, "--data-dir", "/nonexistent/data", "--output-dir",
-                                str(out)], tmp_path)
+                                str(out)])
     results = []
     try:
         for proc in procs:
@@ -316,7 +321,7 @@ def test_bad_input_under_torchrun_exits_2_on_both_workers(tmp_path):
     command = torchrun(*TINY_TRAIN, "--model", "not_a_model", "--output-dir",
                        str(tmp_path / "run"))
     command[command.index("-m", 2):command.index("-m", 2)] = ["--tee", "3"]
-    result = subprocess.run(command, cwd=REPO, env=test_env(), capture_output=True, text=True,
+    result = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True,
                             timeout=PROMPT)
     print(f"torchrun ended in {time.monotonic() - started:.1f}s")
     output = result.stdout + result.stderr

@@ -337,7 +337,7 @@ def test_preempted_job_saves_is_requeued_and_resumes_bit_identical(cluster, fini
     out = tmp_path / "run"
     job = cluster.submit(tmp_path / "job.out", _train_args(out, "--procs-per-node", "2"),
                          ACCEL_TRAIN_MODULE="tests.slurm_entry",
-                         SLURM_TEST_PAUSE_AT_STEP=str(PAUSE_STEP))
+                         ACCEL_TRAIN_TEST_PAUSE_AT_STEP=str(PAUSE_STEP))
     job.wait_for_output(f"slurm test: waiting for SIGTERM at step {PAUSE_STEP}")
     assert 3 in checkpoint_steps(out)
     cluster.client("scancel", "--signal=USR1", "--batch", str(job.id))
@@ -352,8 +352,12 @@ def test_preempted_job_saves_is_requeued_and_resumes_bit_identical(cluster, fini
     assert f"resumed from {checkpoint} at step {PAUSE_STEP}" in output
     assert "requeued 1 time(s)" in output
     assert output.rstrip().endswith("training finished (exit 0); not requeued"), output[-2000:]
-    resolved = yaml.safe_load((out / "config.yaml").read_text())["resolved"]["launcher"]
-    assert resolved["slurm"]["restart_count"] == 1
+    # config.yaml is the first allocation's; the resumed start records itself beside it
+    first = yaml.safe_load((out / "config.yaml").read_text())["resolved"]["launcher"]["slurm"]
+    resumed, = out.glob("config.resume-*.yaml")
+    second = yaml.safe_load(resumed.read_text())["resolved"]["launcher"]["slurm"]
+    assert (first["job_id"], first["restart_count"]) == (str(job.id), 0)
+    assert (second["job_id"], second["restart_count"]) == (str(job.id), 1)
     assert_metrics_continuous(out, total_steps=16)
     _, _, uninterrupted = finished_job
     assert max_weight_difference(uninterrupted, out) == 0.0
@@ -361,19 +365,25 @@ def test_preempted_job_saves_is_requeued_and_resumes_bit_identical(cluster, fini
 
 @pytest.mark.slow
 def test_requeues_stop_at_the_maximum(cluster, tmp_path, jobs_cancelled_after):
-    """--max-requeues 0: pre-empted, saved, and left for the user (exit 143), not requeued."""
-    out = tmp_path / "run"
+    """--max-requeues 1, pre-empted twice: requeued once, then left for the user (exit 143).
+    The script's rule alone: a stand-in that stops on SIGTERM with 143 instead of training."""
     job = cluster.submit(tmp_path / "job.out",
-                         _train_args(out, "--procs-per-node", "2", "--max-requeues", "0"),
-                         ACCEL_TRAIN_MODULE="tests.slurm_entry",
-                         SLURM_TEST_PAUSE_AT_STEP=str(PAUSE_STEP))
-    job.wait_for_output(f"slurm test: waiting for SIGTERM at step {PAUSE_STEP}")
-    cluster.client("scancel", "--signal=USR1", "--batch", str(job.id))
+                         ["--procs-per-node", "2", "--max-requeues", "1", "--",
+                          "--output-dir", str(tmp_path / "run")],
+                         ACCEL_TRAIN_MODULE="tests.slurm_entry", ACCEL_TRAIN_TEST_STAND_IN="1")
+    for allocation in (0, 1):
+        for rank in (0, 1):
+            job.wait_for_output(f"slurm test: stand-in rank {rank} of allocation {allocation} "
+                                f"waiting for SIGTERM")
+        cluster.client("scancel", "--signal=USR1", "--batch", str(job.id))
     info = job.wait_end()
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "143:0", "0"), \
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "143:0", "1"), \
         job.explain()
-    assert "already requeued 0 time(s) (--max-requeues 0): not requeued" in job.output
-    assert PAUSE_STEP in checkpoint_steps(out)
+    output = job.output
+    assert f"requeueing job {job.id} (requeue 1 of at most 1)" in output
+    assert output.rstrip().endswith(
+        "pre-empted (training exit 1) but already requeued 1 time(s) (--max-requeues 1): not "
+        "requeued; submit the same command again to continue"), output[-2000:]
 
 
 @pytest.mark.slow

@@ -161,8 +161,8 @@ def test_unreadable_image_when_decoding_per_step(tmp_path, capsys):
     capsys.readouterr()  # drop the parquet writer's progress bars
     code = main(["--data-dir", str(tmp_path), "--in-memory", "never", "--num-workers", "1",
                  "--model", "test_resnet", "--batch_size", "4", "--output-dir",
-                 str(tmp_path / "run")])
+                 str(tmp_path / "run"), "--bad-images", "error"])
     err = capsys.readouterr().err.strip()  # datasets' own progress bars may precede it
     assert code == 2 and "Traceback" not in err
-    assert "image 5 of split 'train' cannot be decoded" in err.splitlines()[-1]
+    assert "image train.parquet row 5 cannot be decoded" in err.splitlines()[-1]
     assert err.splitlines()[-1].startswith("accel_train: error: ")

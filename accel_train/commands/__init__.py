@@ -1,5 +1,5 @@
-"""The subcommands around training: eval, predict, export, plot, launch (`train` lives in
-cli.py).
+"""The subcommands around training: eval, predict, export, plot, launch, check-data, ...
+(`train` lives in cli.py).
 
 Each module has `main(argv) -> exit code` and imports torch and friends only once its arguments
 parsed, so `accel-train SUBCOMMAND --help` and argument errors stay instant.
@@ -16,12 +16,16 @@ SUMMARIES = {
     "export": "a checkpoint -> model.safetensors + model_config.json",
     "plot": "PNG curves (loss, learning rate, accuracy, throughput) of a run",
     "launch": "accelerate launch plus elastic settings (restarts, rendezvous) from a YAML",
+    "check-data": "decode every image (in parallel): unreadable files, class counts, sizes, "
+                  "duplicates across splits",
+    "shard": "any training data -> WebDataset tar shards + index.json, for --data-dir streaming",
 }
 
 
 def _lazy(name: str) -> Callable[[Sequence[str]], int]:
     def run(argv: Sequence[str]) -> int:
-        return importlib.import_module(f"{__name__}.{name}").main(argv)
+        module = name.replace("-", "_")  # check-data lives in check_data.py
+        return importlib.import_module(f"{__name__}.{module}").main(argv)
     return run
 
 

@@ -1,0 +1,239 @@
+"""`accel-train check-data --data-dir DIR`: decode every image before training and say what is
+wrong with the data.
+
+Reads the data as training would (image folders with their layouts, parquet, save_to_disk, or a
+hub dataset), decodes every image of every split in parallel worker processes (the machine's
+cores; --workers N), and reports: each unreadable image and why, the images per class and split,
+the image sizes (min / median / max, after EXIF orientation), files with the same bytes in two
+splits (a held-out image that is also a training image), and classes found in one split only.
+A table, or one JSON object with --json.  Exit code 0: no problem found; 1: problems found
+(unreadable images, duplicates across splits, classes in one split only); 2: bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Sequence
+
+from ..cli import _Parser
+from ..errors import UsageError
+
+CHUNK = 256  # images per task handed to a worker process
+PLAIN_PROGRESS_SECONDS = 10.0  # between progress lines when stderr is not a terminal
+_SOURCES: dict = {}  # split -> HFSource; set before the worker processes fork
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="accel-train check-data", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    data = parser.add_argument_group("data (as for training)")
+    data.add_argument("--data-dir", help="local data: an image folder, parquet files or a "
+                      "save_to_disk folder")
+    data.add_argument("--dataset", help="a Hugging Face hub dataset id (instead of --data-dir)")
+    data.add_argument("--image-column", help="image column (default: found by name/type)")
+    data.add_argument("--label-column", help="label column (default: found by name/type)")
+    data.add_argument("--val-labels", metavar="FILE", help="label file of a held-out folder of "
+                      "unlabelled images (ImageNet's validation layout)")
+    data.add_argument("--class-depth", type=int, metavar="N", help="image folders: the folder "
+                      "level under the split folder that names the class (1: the top level)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
+                        help="decoding processes (default: one per core, here "
+                             f"{os.cpu_count() or 1})")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _config(args):
+    from ..config import TrainConfig
+    if args.data_dir is None and args.dataset is None:
+        raise UsageError("check-data needs the data: pass --data-dir DIR (or --dataset NAME)")
+    if args.workers < 1:
+        raise UsageError(f"--workers must be a whole number >= 1 (got {args.workers})")
+    return TrainConfig(dataset=args.dataset or "synthetic", data_dir=args.data_dir,
+                       image_column=args.image_column, label_column=args.label_column,
+                       val_labels=args.val_labels, class_depth=args.class_depth,
+                       in_memory="never")
+
+
+# -- decoding, in worker processes --------------------------------------------------------------
+def _init_worker() -> None:
+    import torch
+    torch.set_num_threads(1)  # one process per core already
+
+
+def _check_chunk(split: str, start: int, stop: int) -> tuple[str, int, list]:
+    """Per image: (width, height, digest of its bytes) or (None, reason, digest or None)."""
+    from ..decode import Unreadable, decode, read_value
+    source = _SOURCES[split]
+    results = []
+    for value in source.column[start:stop].column(0).to_pylist():
+        digest = None
+        try:
+            item = read_value(value, source.root)
+            if isinstance(item, bytes):
+                digest = hashlib.blake2b(item, digest_size=16).digest()
+            image = decode(item)
+            results.append((int(image.shape[2]), int(image.shape[1]), digest))
+        except Unreadable as err:
+            results.append((None, err.reason, digest))
+    return split, start, results
+
+
+def _decode_all(sources: dict, workers: int):
+    """Yields (split, start, results) for every chunk, in parallel when workers > 1."""
+    tasks = [(split, start, min(start + CHUNK, len(source)))
+             for split, source in sources.items() for start in range(0, len(source), CHUNK)]
+    if workers == 1 or len(tasks) == 1:
+        _init_worker()
+        for task in tasks:
+            yield _check_chunk(*task)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    # Forked workers inherit the sources (memory-mapped Arrow, or the folder index) as they are.
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
+                             initializer=_init_worker) as pool:
+        for future in as_completed([pool.submit(_check_chunk, *task) for task in tasks]):
+            yield future.result()
+
+
+class _Progress:
+    """A bar on a terminal; otherwise a plain line every few seconds (both on stderr, so that
+    --json output stays one object)."""
+
+    def __init__(self, total: int):
+        from tqdm.auto import tqdm
+        self.total, self.done = total, 0
+        self.bar = tqdm(total=total, unit="img", file=sys.stderr, desc="decoding") \
+            if sys.stderr.isatty() else None
+        self.last = time.monotonic()
+
+    def update(self, count: int) -> None:
+        self.done += count
+        if self.bar is not None:
+            self.bar.update(count)
+        elif time.monotonic() - self.last >= PLAIN_PROGRESS_SECONDS:
+            self.last = time.monotonic()
+            print(f"checked {self.done:,} of {self.total:,} images "
+                  f"({self.done / self.total:.0%})", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# -- the report -----------------------------------------------------------------------------------
+def check(args) -> dict:
+    """Every image decoded; the findings as a JSON-ready dict."""
+    import numpy as np
+
+    from ..sources import HFSource, find_columns, labels_and_names, open_data
+    config = _config(args)
+    started = time.perf_counter()
+    raw = open_data(config)
+    splits = {name: ds for name, ds in raw.splits.items() if len(ds)}
+    image_column, label_column = find_columns(next(iter(splits.values())), config)
+    labels, class_names = labels_and_names(splits, label_column)
+    sources = {name: HFSource(ds, image_column, labels[name], name, names=raw.names[name],
+                              root=raw.root) for name, ds in splits.items()}
+    _SOURCES.clear()
+    _SOURCES.update(sources)
+    sizes = {name: np.zeros((len(source), 2), dtype=np.int64) for name, source in sources.items()}
+    unreadable, by_digest = [], defaultdict(list)
+    progress = _Progress(sum(len(source) for source in sources.values()))
+    try:
+        for split, start, results in _decode_all(sources, args.workers):
+            for offset, (width, second, digest) in enumerate(results):
+                if width is None:
+                    unreadable.append((split, start + offset, second))
+                else:
+                    sizes[split][start + offset] = (width, second)
+                if digest is not None:
+                    by_digest[digest].append((split, start + offset))
+            progress.update(len(results))
+    finally:
+        progress.close()
+    readable = np.concatenate([sizes[s][sizes[s][:, 0] > 0] for s in sizes])
+    counts = {split: np.bincount(labels[split].numpy(), minlength=len(class_names)).tolist()
+              for split in sources}
+    duplicates = [[{"split": s, "image": sources[s].name(i)} for s, i in sorted(places)]
+                  for places in by_digest.values() if len({s for s, _ in places}) > 1]
+    one_split = {name: next(s for s in counts if counts[s][c]) for c, name in
+                 enumerate(class_names)
+                 if len(counts) > 1 and sum(1 for s in counts if counts[s][c]) == 1}
+    findings = {
+        "data": raw.origin, "images": int(sum(len(s) for s in sources.values())),
+        "splits": {split: len(source) for split, source in sources.items()},
+        "classes": class_names,
+        "class_counts": {split: dict(zip(class_names, c)) for split, c in counts.items()},
+        "unreadable": [{"split": split, "image": sources[split].name(index), "reason": reason}
+                       for split, index, reason in sorted(unreadable)],
+        "sizes": {axis: ({"min": int(readable[:, k].min()),
+                          "median": float(np.median(readable[:, k])),
+                          "max": int(readable[:, k].max())} if len(readable) else None)
+                  for k, axis in enumerate(("width", "height"))},
+        "duplicates_across_splits": sorted(duplicates, key=lambda group: group[0]["image"]),
+        "classes_in_one_split": one_split,
+        "workers": args.workers, "seconds": round(time.perf_counter() - started, 2)}
+    findings["problems"] = (len(findings["unreadable"]) + len(duplicates) + len(one_split))
+    return findings
+
+
+def _number(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def format_table(findings: dict) -> str:
+    splits = list(findings["splits"])
+    lines = [f"check-data {findings['data']}: {findings['images']:,} images in "
+             f"{len(splits)} split(s) ("
+             + ", ".join(f"{s} {n:,}" for s, n in findings["splits"].items())
+             + f"), {len(findings['classes'])} classes; {findings['workers']} worker "
+               f"process(es), {findings['seconds']:.1f}s", ""]
+    unreadable = findings["unreadable"]
+    lines.append(f"unreadable images ({len(unreadable)})" + (":" if unreadable else ""))
+    width = max([len(u["image"]) for u in unreadable] or [0])
+    lines += [f"  {u['image']:<{width}}  {u['reason']}" for u in unreadable]
+    names = findings["classes"]
+    name_width = max(len("class"), len("total"), *(len(n) for n in names))
+    columns = [max(len(s), 6) for s in splits]
+    lines += ["", "images per class:",
+              "  " + f"{'class':<{name_width}}" + "".join(f"  {s:>{w}}" for s, w in
+                                                           zip(splits, columns))]
+    for name in names:
+        lines.append("  " + f"{name:<{name_width}}" + "".join(
+            f"  {findings['class_counts'][s][name]:>{w},}" for s, w in zip(splits, columns)))
+    lines.append("  " + f"{'total':<{name_width}}" + "".join(
+        f"  {findings['splits'][s]:>{w},}" for s, w in zip(splits, columns)))
+    lines += ["", "image sizes in pixels (after EXIF orientation):", "          min  median  max"]
+    for axis in ("width", "height"):
+        stats = findings["sizes"][axis]
+        lines.append(f"  {axis:<6}" + ("  (no readable image)" if stats is None else
+                                       f"{stats['min']:>5}  {_number(stats['median']):>6}  "
+                                       f"{stats['max']:>3}"))
+    duplicates = findings["duplicates_across_splits"]
+    lines += ["", f"same file in two splits ({len(duplicates)})" + (":" if duplicates else "")]
+    lines += ["  " + " = ".join(f"{d['image']} ({d['split']})" for d in group)
+              for group in duplicates]
+    one_split = findings["classes_in_one_split"]
+    lines += ["", f"classes in one split only ({len(one_split)})" + (":" if one_split else "")]
+    lines += [f"  {name}: {split} only" for name, split in one_split.items()]
+    problems = findings["problems"]
+    lines += ["", "result: no problems found" if not problems else
+              f"result: {problems} problem(s): {len(unreadable)} unreadable image(s) (training "
+              f"replaces each with a substitute, --bad-images), {len(duplicates)} file(s) in "
+              f"two splits, {len(one_split)} class(es) in one split only"]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(argv)
+    findings = check(args)
+    print(json.dumps(findings) if args.json else format_table(findings), flush=True)
+    return 1 if findings["problems"] else 0

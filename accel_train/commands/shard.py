@@ -1,0 +1,173 @@
+"""`accel-train shard --data-dir SRC --output DIR [--shard-size 256MB | --samples-per-shard N]`:
+any data the trainer reads (an image folder, parquet files, a save_to_disk folder, or the
+embedded synthetic set with --dataset synthetic) -> WebDataset tar shards plus an index.
+
+DIR/train/000000.tar, ... and DIR/<held-out split>/000000.tar, ... hold `KEY.jpg` (or .png,
+the image file's own bytes, unchanged; generated images as PNG) and `KEY.cls` (the class index);
+DIR/index.json lists every shard with its sample count, the class names and the splits.  The
+splits are the ones training on SRC uses: its own held-out split, or --val-fraction carved off
+as the trainer carves it.  Train on the result with `accel-train --data-dir DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from ..cli import _Parser
+from ..errors import UsageError
+
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+              "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text or "")
+    if not match or match.group(2).upper() not in SIZE_UNITS:
+        raise UsageError(f"--shard-size {text!r}: expected a size such as 256MB, 1GB or 64KiB")
+    size = int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+    if size < 4096:
+        raise UsageError(f"--shard-size {text!r} is too small: use 4KB or more")
+    return size
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="accel-train shard", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", metavar="SRC",
+                        help="the data to convert (what --data-dir reads when training)")
+    parser.add_argument("--dataset", default=None,
+                        help="'synthetic' for the embedded set (or a hub id) instead of --data-dir")
+    parser.add_argument("--synthetic-train-size", type=int, default=4000,
+                        help="training images of the synthetic set (default: 4000)")
+    parser.add_argument("--output", "-o", required=True, metavar="DIR",
+                        help="a new (or empty) folder for the shards and index.json")
+    parser.add_argument("--shard-size", default=None, metavar="SIZE",
+                        help="largest shard in bytes, e.g. 256MB (default: 256MB unless "
+                             "--samples-per-shard is given)")
+    parser.add_argument("--samples-per-shard", type=int, default=None, metavar="N",
+                        help="at most N samples per shard")
+    parser.add_argument("--val-fraction", type=float, default=0.1,
+                        help="held out when SRC has no held-out split (as training carves it)")
+    parser.add_argument("--image-column", default=None)
+    parser.add_argument("--label-column", default=None)
+    parser.add_argument("--no-progress", action="store_true", help="no progress line")
+    return parser
+
+
+def _samples(args):
+    """(class names, source description, {split: iterator of (bytes, ext, label)}, counts)."""
+    from ..config import SYNTHETIC_DATASET, TrainConfig
+    from ..streaming import image_ext, png_bytes
+    if args.data_dir is None and (args.dataset or SYNTHETIC_DATASET) == SYNTHETIC_DATASET:
+        from .. import synthetic
+        parts = synthetic.splits(args.synthetic_train_size)
+
+        def generated(images, labels):
+            for pixels, label in zip(images, labels):
+                yield png_bytes(pixels), "png", int(label)
+        return (list(synthetic.CLASS_NAMES), "synthetic shapes (embedded)",
+                {split: generated(*parts[split]) for split in ("train", "test")},
+                {split: len(parts[split][1]) for split in ("train", "test")})
+    from ..decode import Unreadable, read_value
+    from ..sources import _pick_splits, _rows_of, find_columns, labels_and_names, open_data
+    config = TrainConfig(data_dir=args.data_dir, dataset=args.dataset or SYNTHETIC_DATASET,
+                         val_fraction=args.val_fraction, image_column=args.image_column,
+                         label_column=args.label_column)
+    raw = open_data(config)
+    train_name, train_rows, eval_name, eval_rows, _ = _pick_splits(raw, config.val_fraction)
+    train = _rows_of(raw.splits[train_name], train_rows)
+    held_out = _rows_of(raw.splits[eval_name], eval_rows)
+    image_column, label_column = find_columns(train, config)
+    labels, class_names = labels_and_names({"train": train, "eval": held_out}, label_column)
+    out_eval = eval_name if eval_name != train_name else "validation"
+
+    def rows(dataset, split_labels):
+        from datasets import Image as ImageFeature
+        column = dataset.cast_column(image_column, ImageFeature(decode=False)) \
+            .select_columns([image_column]).with_format("arrow")
+        row = 0
+        for table in column.iter(batch_size=512):
+            for value in table.column(0).to_pylist():
+                try:
+                    data = read_value(value, raw.root)
+                except Unreadable as err:
+                    raise UsageError(f"{raw.origin} row {row}: {err.reason}") from None
+                path = value.get("path") if isinstance(value, dict) else None
+                if not isinstance(data, bytes):  # a PIL image
+                    import numpy as np
+                    data, ext = png_bytes(np.asarray(data.convert("RGB"))), "png"
+                else:
+                    ext = image_ext(data, path)
+                yield data, ext, int(split_labels[row])
+                row += 1
+    return (class_names, f"{raw.origin}", {"train": rows(train, labels["train"]),
+                                           out_eval: rows(held_out, labels["eval"])},
+            {"train": len(train), out_eval: len(held_out)})
+
+
+def convert(args, say=print) -> Path:
+    from ..streaming import ShardWriter, write_index
+    output = Path(args.output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise UsageError(f"--output {output} already exists and is not an empty folder; choose "
+                         f"a new one")
+    if args.samples_per_shard is not None and args.samples_per_shard < 1:
+        raise UsageError(f"--samples-per-shard must be >= 1 (got {args.samples_per_shard})")
+    max_bytes = parse_size(args.shard_size) if args.shard_size else \
+        (None if args.samples_per_shard else parse_size("256MB"))
+    if args.data_dir is not None and not Path(args.data_dir).is_dir():
+        raise UsageError(f"--data-dir {args.data_dir}: no such folder")
+    class_names, origin, splits, counts = _samples(args)  # raises before anything is written
+    total = sum(counts.values())
+    done, started, last = 0, time.monotonic(), 0.0
+    show = not args.no_progress
+    written: dict[str, list[dict]] = {}
+    tmp = output.with_name(output.name + ".partial")
+    if tmp.exists():
+        import shutil
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        for split, samples in splits.items():
+            writer = ShardWriter(tmp / split, tmp, max_bytes, args.samples_per_shard)
+            for data, ext, label in samples:
+                writer.write(data, ext, label)
+                done += 1
+                now = time.monotonic()
+                if show and (now - last > 0.5 or done == total):
+                    last = now
+                    rate = done / max(now - started, 1e-6)
+                    print(f"\rshard: {done:,}/{total:,} images ({done / max(total, 1):.0%}), "
+                          f"{split} shard {len(writer.entries)}, {rate:,.0f} images/s",
+                          end="", file=sys.stderr, flush=True)
+            writer.close()
+            written[split] = writer.entries
+        write_index(tmp, written, class_names, origin)
+    except BaseException:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if show:
+        print(file=sys.stderr)
+    if output.exists():
+        output.rmdir()
+    tmp.rename(output)
+    shards = sum(len(v) for v in written.values())
+    say(f"wrote {total:,} images in {shards} shard(s) to {output} ("
+        + ", ".join(f"{split}: {sum(e['count'] for e in entries):,} in {len(entries)}"
+                    for split, entries in written.items())
+        + f"); train with: accel-train --data-dir {output}")
+    return output
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.data_dir is None and args.dataset is None:
+        raise UsageError("pass --data-dir SRC (or --dataset synthetic)")
+    convert(args)
+    return 0

@@ -1,0 +1,152 @@
+"""`accel-train check-data`: its table, its JSON and its exit codes, through the real command.
+
+Oracles: the folders are generated here, so the sizes, classes, broken files and duplicates
+they hold are known; sizes are summarized with Python's statistics module.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import imagekinds as kinds
+from conftest import accel_train
+
+# (width, height) of the training images per class; one JPEG is stored 30 wide and 40 high
+# with EXIF orientation 6 (a quarter turn): it is 40 wide and 30 high upright.
+SIZES = {"ant": [(12, 10), (20, 10), (16, 24)], "bee": [(30, 30), (8, 12)]}
+HELD_OUT = {"ant": [(14, 14)], "bee": [(10, 18), (22, 8)]}
+
+
+def _write(root: Path) -> list[tuple[int, int]]:
+    """A clean folder with train/ and val/; returns every image's upright (width, height)."""
+    upright = []
+    for split, table in (("train", SIZES), ("val", HELD_OUT)):
+        for label, (name, sizes) in enumerate(table.items()):
+            (root / split / name).mkdir(parents=True)
+            for i, (width, height) in enumerate(sizes):
+                array = kinds.pixels(10 * label + i + (100 if split == "val" else 0), height,
+                                     width)
+                Image.fromarray(array).save(root / split / name / f"{i}.png")
+                upright.append((width, height))
+    rotated = kinds.pixels(99, 40, 30)  # 30 wide, 40 high as stored
+    (root / "train" / "bee" / "turned.jpg").write_bytes(kinds.exif_oriented_jpeg(rotated, 6))
+    upright.append((40, 30))
+    return upright
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> tuple[Path, list[tuple[int, int]]]:
+    root = tmp_path_factory.mktemp("clean")
+    return root, _write(root)
+
+
+@pytest.fixture(scope="module")
+def troubled(tmp_path_factory) -> Path:
+    """The clean folder plus: every kind of broken file, a training image copied into val/
+    under another name, and a class folder in train/ only."""
+    root = tmp_path_factory.mktemp("troubled")
+    _write(root)
+    for name, (data, _) in kinds.broken_files().items():
+        (root / "train" / "ant" / f"bad_{name}").write_bytes(data)
+    shutil.copy(root / "train" / "bee" / "1.png", root / "val" / "ant" / "copy.png")
+    (root / "train" / "cow").mkdir()
+    Image.fromarray(kinds.pixels(7)).save(root / "train" / "cow" / "0.png")
+    return root
+
+
+def check(*args: str):
+    result = accel_train("check-data", *args)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result
+
+
+def test_a_clean_folder_exits_0_with_the_table(clean):
+    root, upright = clean
+    result = check("--data-dir", str(root), "--workers", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert out.startswith(f"check-data {root}: 9 images in 2 split(s) (train 6, validation 3), "
+                          f"2 classes; 2 worker process(es)")
+    assert "unreadable images (0)\n" in out and "result: no problems found" in out
+    table = out.split("images per class:\n")[1].split("\n\n")[0].splitlines()
+    assert [line.split() for line in table] == [["class", "train", "validation"],
+                                                ["ant", "3", "1"], ["bee", "3", "2"],
+                                                ["total", "6", "3"]]
+    sizes = out.split("(after EXIF orientation):\n")[1].split("\n\n")[0].splitlines()[1:]
+    widths, heights = zip(*upright)
+    for line, values in zip(sizes, (widths, heights)):
+        expected = [min(values), statistics.median(values), max(values)]
+        assert [float(v) for v in line.split()[1:]] == expected, line
+
+
+def test_problems_exit_1_and_are_all_named_in_the_json(troubled):
+    result = check("--data-dir", str(troubled), "--json")
+    assert result.returncode == 1
+    findings = json.loads(result.stdout)  # one object, nothing else on stdout
+    unreadable = {u["image"]: u["reason"] for u in findings["unreadable"]}
+    assert unreadable.keys() == {f"train/ant/bad_{name}" for name in kinds.broken_files()}
+    for name, (_, words) in kinds.broken_files().items():
+        assert words in unreadable[f"train/ant/bad_{name}"]
+    assert findings["duplicates_across_splits"] == [[
+        {"split": "train", "image": "train/bee/1.png"},
+        {"split": "validation", "image": "val/ant/copy.png"}]]
+    assert findings["classes_in_one_split"] == {"cow": "train"}
+    assert findings["problems"] == len(kinds.broken_files()) + 2
+    assert findings["class_counts"]["train"] == {"ant": 3 + len(kinds.broken_files()),
+                                                 "bee": 3, "cow": 1}
+    assert findings["sizes"]["width"]["max"] == 40  # the broken files have no size
+    table = check("--data-dir", str(troubled), "--workers", "1")
+    assert table.returncode == 1
+    assert f"result: {findings['problems']} problem(s): 5 unreadable image(s)" in table.stdout
+    assert "train/bee/1.png (train) = val/ant/copy.png (validation)" in table.stdout
+    assert "  cow: train only" in table.stdout
+    for name in kinds.broken_files():
+        assert f"  train/ant/bad_{name}" in table.stdout
+
+
+def test_parallel_and_serial_checks_agree(troubled):
+    runs = [json.loads(check("--data-dir", str(troubled), "--json", "--workers", n).stdout)
+            for n in ("1", "2")]
+    for findings in runs:
+        del findings["seconds"], findings["workers"]
+    assert runs[0] == runs[1]
+
+
+def test_parquet_rows_are_checked_and_named(tmp_path):
+    import datasets
+    rows = {"image": [{"bytes": kinds.encoded(kinds.pixels(i, 8, 8), "PNG"), "path": None}
+                      for i in range(6)], "label": [0, 1] * 3}
+    rows["image"][4] = {"bytes": kinds.HTML, "path": None}
+    datasets.Dataset.from_dict(rows, features=datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    ).to_parquet(str(tmp_path / "train.parquet"))
+    findings = json.loads(check("--data-dir", str(tmp_path), "--json").stdout)
+    assert findings["unreadable"] == [{"split": "train", "image": "train.parquet row 4",
+                                       "reason": findings["unreadable"][0]["reason"]}]
+    assert findings["classes_in_one_split"] == {}  # one split: nothing to compare
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data-dir", "{tmp}/missing"], "--data-dir {tmp}/missing: no such folder"),
+    (["--data-dir", "{tmp}/nothing"], "holds no image files"),
+    (["--data-dir", "{tmp}/empty_class"], "class folder {tmp}/empty_class/dog holds no images"),
+    ([], "check-data needs the data: pass --data-dir DIR"),
+    (["--data-dir", "{tmp}/nothing", "--workers", "0"], "--workers must be a whole number"),
+])
+def test_bad_input_exits_2_in_one_line(tmp_path, args, message):
+    (tmp_path / "nothing").mkdir()
+    (tmp_path / "nothing" / "notes.txt").write_text("no images here")
+    for name in ("cat", "dog"):
+        (tmp_path / "empty_class" / name).mkdir(parents=True)
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(tmp_path / "empty_class" / "cat" / "0.png")
+    result = check(*[a.format(tmp=tmp_path) for a in args])
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and result.stdout == "", result.stderr
+    assert lines[0].startswith("accel_train: error: ") and message.format(tmp=tmp_path) in lines[0]

@@ -1,0 +1,124 @@
+"""The kinds of image file people collect, decoded (accel_train/decode.py) or named as broken.
+
+Oracles: numpy for the expected pixels (EXIF orientation from the EXIF table, 16-bit values
+v >> 8, transparency composited over white, CMYK's subtractive formula), the pixels the files
+were made from, and each file's own bytes for the broken ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import imagekinds as kinds
+from accel_train.config import TrainConfig
+from accel_train.decode import Unreadable, decode, decode_many
+from accel_train.errors import UsageError
+from accel_train.sources import load_data
+
+
+def hwc(tensor: torch.Tensor) -> np.ndarray:
+    assert tensor.dtype == torch.uint8 and tensor.shape[0] == 3
+    return tensor.permute(1, 2, 0).numpy()
+
+
+@pytest.mark.parametrize("name", list(kinds.broken_files()))
+def test_each_kind_of_broken_file_is_unreadable_with_its_reason(name):
+    data, words = kinds.broken_files()[name]
+    with pytest.raises(Unreadable, match=words):
+        decode(data)
+    assert isinstance(decode_many([kinds.encoded(kinds.pixels(0), "PNG"), data])[1], Unreadable)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_applied_to_jpeg_and_png(orientation):
+    array = kinds.pixels(orientation, 12, 20)
+    # PNG is lossless: the oracle is the original array turned with numpy.
+    png = decode(kinds.exif_oriented_png(array, orientation))
+    assert np.array_equal(hwc(png), kinds.oriented(array, orientation))
+    # JPEG: the same compressed pixels with orientation 1, turned with numpy; both decoders
+    # (torchvision's batched one, and PIL's for the ones it cannot take) agree.
+    upright = hwc(decode(kinds.exif_oriented_jpeg(array, 1)))
+    jpeg = kinds.exif_oriented_jpeg(array, orientation)
+    assert np.array_equal(hwc(decode(jpeg)), kinds.oriented(upright, orientation))
+    assert np.array_equal(hwc(decode(jpeg, fast=False)), kinds.oriented(upright, orientation))
+    assert np.array_equal(hwc(decode_many([jpeg, jpeg])[1]), kinds.oriented(upright, orientation))
+
+
+def test_16_bit_png_is_scaled_to_8_bits_not_clipped():
+    values = np.arange(0, 65536, 257, dtype=np.uint16)[:240].reshape(12, 20)  # 0 .. 61423
+    gray = hwc(decode(kinds.png16_gray(values)))
+    assert np.array_equal(gray, np.repeat((values >> 8).astype(np.uint8)[:, :, None], 3, 2))
+    assert gray.max() == 61423 >> 8  # not 255 everywhere above 255, as a plain convert gives
+    rgb_values = np.random.default_rng(1).integers(0, 65536, (6, 7, 3)).astype(np.uint16)
+    assert np.array_equal(hwc(decode(kinds.png16_rgb(rgb_values))),
+                          (rgb_values >> 8).astype(np.uint8))
+
+
+def test_animated_gif_gives_its_first_frame():
+    image = hwc(decode(kinds.animated_gif([(255, 0, 0), (0, 0, 255), (0, 255, 0)])))
+    assert image.shape == (8, 8, 3) and (image == [255, 0, 0]).all()
+
+
+def test_palette_with_transparency_is_composited_over_white():
+    data, indices, palette = kinds.palette_with_transparency()
+    expected = palette[indices]
+    expected[indices == 0] = 255  # index 0 is transparent
+    assert np.array_equal(hwc(decode(data)), expected)
+
+
+def test_rgba_is_composited_over_white():
+    data, rgba = kinds.rgba_png()
+    alpha = rgba[:, :, 3:].astype(np.float64) / 255
+    expected = rgba[:, :, :3] * alpha + 255 * (1 - alpha)
+    assert np.abs(hwc(decode(data)).astype(np.float64) - expected).max() <= 0.5 + 1e-9
+
+
+def test_cmyk_becomes_rgb_by_the_subtractive_formula_and_both_jpeg_decoders_agree():
+    data, cmyk = kinds.cmyk_tiff()
+    c, m, y, k = (cmyk[:, :, i].astype(np.float64) for i in range(4))
+    expected = np.stack([(255 - ink) * (255 - k) / 255 for ink in (c, m, y)], axis=2)
+    assert np.abs(hwc(decode(data)).astype(np.float64) - expected).max() <= 1
+    jpeg = kinds.cmyk_jpeg()
+    assert torch.equal(decode(jpeg), decode(jpeg, fast=False))
+
+
+def test_a_decompression_bomb_is_unreadable_naming_pils_limit():
+    """9500 x 9500 pixels (90.25 million, over PIL's default 89,478,485) in a few kB: never
+    decoded, whatever its format."""
+    with pytest.raises(Unreadable, match=r"9500x9500 = 90,250,000 pixels, over PIL's "
+                                         r"decompression-bomb limit of 89,478,485 "
+                                         r"\(PIL.Image.MAX_IMAGE_PIXELS\)"):
+        decode(kinds.bomb_png())
+
+
+def test_the_pixel_limit_is_pils_and_holds_for_the_fast_jpeg_decoder_too(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    for data in (kinds.encoded(kinds.pixels(0, 12, 10), "JPEG"),
+                 kinds.encoded(kinds.pixels(0, 12, 10), "PNG")):
+        with pytest.raises(Unreadable, match="10x12 = 120 pixels, over PIL's decompression-bomb "
+                                             "limit of 100"):
+            decode(data)
+        assert isinstance(decode_many([data])[0], Unreadable)
+    assert decode(kinds.encoded(kinds.pixels(0, 10, 10), "PNG")).shape == (3, 10, 10)
+
+
+def test_every_broken_file_in_a_folder_is_named_by_its_path(tmp_path):
+    """Broken files among good ones, in class folders: the default substitutes each and names
+    it (path relative to --data-dir, and why); --bad-images error stops at the first, naming it."""
+    kinds.write_folder(tmp_path, per_class=8, held_out=2)
+    broken = kinds.broken_files()
+    for i, (name, (data, _)) in enumerate(broken.items()):
+        (tmp_path / "train" / ("ant", "bee")[i % 2] / f"x_{name}").write_bytes(data)
+    data = load_data(TrainConfig(data_dir=str(tmp_path)))
+    named = {bad.name: bad.reason for bad in data.bad_images}
+    assert named.keys() == {f"train/{('ant', 'bee')[i % 2]}/x_{name}"
+                            for i, name in enumerate(broken)}
+    for i, (name, (_, words)) in enumerate(broken.items()):
+        assert words in named[f"train/{('ant', 'bee')[i % 2]}/x_{name}"]
+    assert len(data.train) == 2 * 8 + len(broken)  # an epoch keeps its length
+    with pytest.raises(UsageError, match=r"image train/(ant|bee)/x_\w+\.\w+ cannot be decoded "
+                                         r"\(.*\); remove or replace that file"):
+        load_data(TrainConfig(data_dir=str(tmp_path), bad_images="error"))

@@ -1,0 +1,104 @@
+"""Bad values of the issue-12 options: one line naming the flag on stderr, exit 2, no traceback,
+and nothing written (the --output-dir is never created).
+
+The values the configuration can judge alone fail before anything is imported (fast); an unknown
+policy, optimizer, or stochastic depth on a model without it are found while the run is being
+built, so those three start side by side.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from accel_train.augment import build_policy
+from accel_train.errors import UsageError
+from conftest import REPO, TINY_TRAIN
+from conftest import test_env as child_env  # (imported as test_env, pytest would collect it)
+
+CHEAP = [
+    (["--mixup", "-1"], "--mixup"),
+    (["--cutmix", "-0.5"], "--cutmix"),
+    (["--mixup", "0.8", "--mixup-prob", "1.5"], "--mixup-prob"),
+    (["--mixup", "0.8", "--mixup-switch-prob", "-0.1"], "--mixup-switch-prob"),
+    (["--mixup", "0.8", "--batch-size", "15"], "--batch-size"),
+    (["--cutmix", "1.0", "--batch-size", "7"], "--batch-size"),
+    (["--model-ema", "--model-ema-decay", "1.0"], "--model-ema-decay"),
+    (["--model-ema", "--model-ema-decay", "0"], "--model-ema-decay"),
+    (["--model-ema", "--model-ema-decay", "-0.5"], "--model-ema-decay"),
+    (["--time-budget", "abc"], "--time-budget"),
+    (["--time-budget", "0"], "--time-budget"),
+    (["--time-budget", "0m"], "--time-budget"),
+    (["--time-budget", "10x"], "--time-budget"),
+    (["--time-budget", "-5"], "--time-budget"),
+    (["--layer-decay", "0"], "--layer-decay"),
+    (["--layer-decay", "1.5"], "--layer-decay"),
+    (["--drop-path", "1.0"], "--drop-path"),
+    (["--drop-path", "-0.1"], "--drop-path"),
+    (["--reprob", "1.5"], "--reprob"),
+]
+# found while building the run: (extra flags, the flag named, what else the line must say)
+BUILT = {
+    "policy": (["--auto-augment", "nonsense-policy"], "--auto-augment", "nonsense-policy"),
+    "optimizer": (["--optimizer", "nonsense"], "--optimizer", "nonsense"),
+    # vgg11 and ghostnet take no drop_path_rate (every tiny test_* model of timm does)
+    "drop_path": (["--model", "ghostnet_050", "--drop-path", "0.1"], "--drop-path",
+                  "ghostnet_050"),
+}
+
+
+def _command(extra: list[str], out) -> list[str]:
+    return [sys.executable, "-m", "accel_train", *TINY_TRAIN, *extra, "--output-dir", str(out)]
+
+
+def _check(code: int, stdout: str, stderr: str, flag: str, out, also: str = "") -> None:
+    lines = stderr.strip().splitlines()
+    assert code == 2, f"exit {code}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+    assert len(lines) == 1 and lines[0].startswith("accel_train: error: "), stderr[-3000:]
+    assert flag in lines[0] and also in lines[0], lines[0]
+    assert "Traceback" not in stdout + stderr
+    assert not out.exists(), f"{out} was created"
+
+
+@pytest.mark.parametrize("extra, flag", CHEAP, ids=[" ".join(a) for a, _ in CHEAP])
+def test_a_bad_value_is_one_line_exit_2_and_nothing_written(tmp_path, extra, flag):
+    out = tmp_path / "run"
+    result = subprocess.run(_command(extra, out), cwd=REPO, env=child_env(), capture_output=True,
+                            text=True, timeout=120)
+    _check(result.returncode, result.stdout, result.stderr, flag, out)
+
+
+@pytest.fixture(scope="module")
+def built_failures(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_built")
+    procs = {name: subprocess.Popen(_command(extra, root / name), cwd=REPO, env=child_env(),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, (extra, _, _) in BUILT.items()}
+    results = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=240)
+            results[name] = (proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return root, results
+
+
+@pytest.mark.parametrize("name", BUILT)
+def test_a_bad_value_found_while_building_is_one_line_exit_2(built_failures, name):
+    root, results = built_failures
+    _, flag, also = BUILT[name]
+    _check(*results[name], flag, root / name, also)
+
+
+@pytest.mark.parametrize("policy", ["rand-x9", "rand-m9-zz1", "nonsense", "auto-augment"])
+def test_an_unknown_policy_string_is_a_usage_error_naming_the_flag(policy):
+    """Both ways a policy is read (torchvision's names, timm's strings) refuse what they do not
+    know in a UsageError naming the flag (what the CLI turns into its one line and exit 2)."""
+    with pytest.raises(UsageError, match=f"--auto-augment '{policy}'"):
+        build_policy(policy)

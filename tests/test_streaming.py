@@ -1,0 +1,363 @@
+"""Streaming from shards (accel_train/streaming.py, `accel-train shard`): the converter's round
+trip, the epoch plan (each sample once, uneven shard counts, re-cuts for another layout), and
+real runs on 1 and 2 processes with exact resume."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import accel_train
+
+from accel_train.streaming import (Layout, ShardSet, rank_batches_per_epoch, read_split,
+                                   remaining_batches, slot_keys, slot_shards)
+
+# --- the converter ---------------------------------------------------------------------------
+
+
+def _shard(*args: str) -> subprocess.CompletedProcess:
+    return accel_train("shard", "--no-progress", *args)
+
+
+def _decoded(shards: ShardSet):
+    from accel_train.streaming import decode_batch
+    samples, labels = read_split(shards)
+    images, _ = decode_batch(samples)
+    return torch.stack(images), torch.tensor(labels)
+
+
+def _index_sets(folder: Path) -> dict[str, ShardSet]:
+    index = json.loads((folder / "index.json").read_text())
+    return {name: ShardSet([folder / e["file"] for e in entries], [e["count"] for e in entries])
+            for name, entries in index["splits"].items()}
+
+
+@pytest.fixture(scope="module")
+def synthetic_shards(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "synthetic"
+    result = _shard("--dataset", "synthetic", "--synthetic-train-size", "200",
+                    "--samples-per-shard", "24", "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_shard_round_trip_synthetic_and_parquet(synthetic_shards, cifar10_layout, tmp_path):
+    """The shards hold the same images (pixel for pixel) and labels as the source, in order,
+    with counts and class names in the index."""
+    from accel_train import synthetic
+    index = json.loads((synthetic_shards / "index.json").read_text())
+    assert index["class_names"] == list(synthetic.CLASS_NAMES)
+    assert index["counts"] == {"train": 200, "test": 1000}
+    assert [e["count"] for e in index["splits"]["train"]] == [24] * 8 + [8]
+    assert (synthetic_shards / "train" / "000000.tar").is_file()
+    sets = _index_sets(synthetic_shards)
+    parts = synthetic.splits(200)
+    for split in ("train", "test"):
+        images, labels = _decoded(sets[split])
+        want = torch.from_numpy(parts[split][0]).permute(0, 3, 1, 2)
+        assert torch.equal(images, want) and labels.tolist() == parts[split][1].tolist()
+
+    # parquet (JPEG bytes kept as they are) against what training on the parquet reads
+    from accel_train.config import TrainConfig
+    from accel_train.sources import load_data
+    out = tmp_path / "parquet_shards"
+    result = _shard("--data-dir", str(cifar10_layout), "--shard-size", "40KB", "--output",
+                    str(out))
+    assert result.returncode == 0, result.stderr
+    assert "wrote 800 images" in result.stdout
+    sets = _index_sets(out)
+    assert len(sets["train"].files) > 2  # cut by size
+    source = load_data(TrainConfig(data_dir=str(cifar10_layout), in_memory="always"))
+    for split, loaded in (("train", source.train), ("test", source.eval)):
+        images, labels = _decoded(sets[split])
+        assert torch.equal(images, loaded.images) and torch.equal(labels, loaded.labels)
+
+
+def test_shard_round_trip_image_folder(tmp_path):
+    from PIL import Image
+    src = tmp_path / "folder"
+    rng = np.random.default_rng(0)
+    for cls in ("cat", "dog"):
+        (src / cls).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(
+                src / cls / f"{i}.png")
+    out = tmp_path / "shards"
+    result = _shard("--data-dir", str(src), "--samples-per-shard", "4", "--val-fraction", "0.25",
+                    "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    from accel_train.config import TrainConfig
+    from accel_train.sources import load_data
+    loaded = load_data(TrainConfig(data_dir=str(src), in_memory="always", val_fraction=0.25))
+    index = json.loads((out / "index.json").read_text())
+    assert index["class_names"] == ["cat", "dog"]
+    sets = _index_sets(out)
+    for split, source in (("train", loaded.train), ("validation", loaded.eval)):
+        images, labels = _decoded(sets[split])
+        assert torch.equal(images, source.images) and torch.equal(labels, source.labels)
+
+
+def test_shard_bad_input_one_line_nothing_written(tmp_path):
+    out = tmp_path / "out"
+    result = _shard("--data-dir", str(tmp_path / "missing"), "--output", str(out))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    result = _shard("--dataset", "synthetic", "--shard-size", "lots", "--output", str(out))
+    assert result.returncode == 2 and "--shard-size" in result.stderr
+    assert not out.exists()
+
+
+# --- the plan ----------------------------------------------------------------------------------
+def _epoch_keys(shards: ShardSet, layout: Layout, epoch: int, buffer: int = 10,
+                seed: int = 3) -> list[list[list[int]]]:
+    """Per rank, its batches' sample numbers, as the loader workers make them."""
+    out = []
+    for rank in range(layout.ranks):
+        batches = remaining_batches(shards, layout, 0, layout, rank)
+        keys = {}
+        out.append([[int(k) for slot, a, b in batch
+                     for k in keys.setdefault(slot, slot_keys(shards, layout, seed, epoch, slot,
+                                                             buffer))[a:b]]
+                    for batch in batches])
+    return out
+
+
+@pytest.mark.parametrize("ranks,workers", [(1, 1), (2, 1), (2, 2), (3, 2)])
+def test_uneven_shards_each_sample_at_most_once_and_ranks_in_step(ranks, workers):
+    """7 shards of uneven sizes over ranks x workers slots: every shard goes to exactly one
+    slot, every rank gets the same number of whole batches, no sample twice; the surplus of
+    the slots that got more is left out of that epoch (a different surplus each epoch)."""
+    counts = [13, 9, 11, 10, 12, 8, 7]
+    shards = ShardSet([Path(f"{i}.tar") for i in range(7)], counts)
+    layout = Layout(ranks, workers, 4, 1)
+    owners = Counter(s for slot in range(layout.slots)
+                     for s in slot_shards(shards, layout, 3, 0, slot))
+    assert sorted(owners) == list(range(7)) and set(owners.values()) == {1}
+    per_rank = rank_batches_per_epoch(shards, layout)
+    smallest = sorted(counts)[: 7 // layout.slots]
+    assert per_rank == workers * (sum(smallest) // 4)
+    trained = []
+    for epoch in range(3):
+        ranks_keys = _epoch_keys(shards, layout, epoch)
+        assert all(len(b) == per_rank for b in ranks_keys)
+        keys = [k for rank in ranks_keys for batch in rank for k in batch]
+        assert len(keys) == len(set(keys)) == per_rank * 4 * ranks
+        trained.append(set(keys))
+    if per_rank * 4 * ranks < sum(counts):
+        assert len({frozenset(t) for t in trained}) > 1  # the surplus moves between epochs
+
+
+def test_fewer_shards_than_processes_is_an_error():
+    from accel_train.errors import UsageError
+    from accel_train.streaming import fit_workers
+    shards = ShardSet([Path("a.tar"), Path("b.tar")], [40, 40])
+    assert fit_workers(shards, 1, 8, 1, 4) == 2  # workers lowered to the shards
+    with pytest.raises(UsageError, match="2 training shard"):
+        fit_workers(shards, 3, 8, 1, 1)
+
+
+@pytest.mark.parametrize("old,new", [((2, 1, 4, 1), (2, 1, 4, 1)), ((2, 1, 4, 1), (1, 2, 4, 2)),
+                                     ((1, 2, 4, 2), (2, 2, 4, 1)), ((2, 2, 4, 1), (4, 1, 2, 1))])
+def test_recut_epoch_trains_the_rest_exactly_once(old, new):
+    """Resumed after n optimizer steps on another layout: what was trained plus what the new
+    layout trains is the old epoch, each sample once; on the same layout, in the same order."""
+    shards = ShardSet([Path(f"{i}.tar") for i in range(8)], [12] * 7 + [5])
+    old, new = Layout(*old), Layout(*new)
+    global_batch = old.batch * old.ranks * old.accumulation
+    assert global_batch == new.batch * new.ranks * new.accumulation
+    full = _epoch_keys(shards, old, epoch=1)
+    total_steps = rank_batches_per_epoch(shards, old) // old.accumulation
+    for steps in range(total_steps + 1):
+        done_batches = steps * old.accumulation
+        trained = [k for rank in full for batch in rank[:done_batches] for k in batch]
+        rest = []
+        for rank in range(new.ranks):
+            batches = remaining_batches(shards, old, steps * global_batch, new, rank)
+            assert len(batches) % new.accumulation == 0
+            keys = {}
+            mine = [[int(k) for slot, a, b in batch
+                     for k in keys.setdefault(slot, slot_keys(shards, old, 3, 1, slot, 10))[a:b]]
+                    for batch in batches]
+            if old == new:
+                assert mine == full[rank][done_batches:]
+            rest.append(mine)
+        counts = {len(r) for r in rest}
+        assert len(counts) == 1  # the new ranks step together
+        rest_keys = [k for r in rest for batch in r for k in batch]
+        everything = trained + rest_keys
+        assert len(everything) == len(set(everything))
+        assert set(everything) == {k for rank in full for batch in rank for k in batch}
+
+
+def test_shuffle_buffer_plan_is_a_bounded_permutation():
+    from accel_train.streaming import planned_shuffle
+    keys = np.arange(1000)
+    order = planned_shuffle(keys, 50, np.random.default_rng(0))
+    assert sorted(order.tolist()) == keys.tolist() and not np.array_equal(order, keys)
+    # a buffer of 50 hands out sample t no later than ... and no earlier than t - 50 arrives
+    position = np.empty(1000, int)
+    position[order] = np.arange(1000)
+    assert (position >= np.arange(1000) - 50).all()
+
+
+# --- real runs -----------------------------------------------------------------------------------
+STREAM_TRAIN = ["--model", "test_resnet", "--batch-size", "8", "--epochs", "2",
+                "--max-eval-samples", "32", "--progress", "log", "--no-plots", "--log-every", "2",
+                "--shuffle-buffer", "50"]
+
+
+def _keys_by_epoch(out: Path, num_samples: int = 200) -> dict[int, list[int]]:
+    from faults import read_sample_keys
+    by_epoch: dict[int, list[int]] = {}
+    for key in read_sample_keys(out / "logs"):
+        by_epoch.setdefault(key // num_samples, []).append(key % num_samples)
+    return by_epoch
+
+
+def _plan_set(shards: Path, layout: Layout, epoch: int) -> set[int]:
+    sets = _index_sets(shards)
+    return {k for rank in _epoch_keys(sets["train"], layout, epoch, buffer=50, seed=0)
+            for batch in rank for k in batch}
+
+
+def test_one_process_two_workers_each_sample_once_per_epoch(synthetic_shards, tmp_path):
+    from faults import SAMPLE_LOG_ENV, Run, python_cmd
+    out = tmp_path / "run"
+    run = Run(python_cmd("--data-dir", str(synthetic_shards), *STREAM_TRAIN, "--num-workers",
+                         "2", "--output-dir", str(out)), tmp_path / "run.log",
+              **{SAMPLE_LOG_ENV: "1"})
+    try:
+        output = run.check()
+    finally:
+        run.close()
+    assert "streamed: 9 train shards" in output and "20 steps/epoch" in output
+    assert (out / "model.safetensors").is_file()
+    for epoch, keys in _keys_by_epoch(out).items():
+        assert len(keys) == len(set(keys)) == 160, epoch
+        assert set(keys) == _plan_set(synthetic_shards, Layout(1, 2, 8, 1), epoch)
+    state = json.loads(sorted((out / "checkpoints").glob("step_*"))[-1]
+                       .joinpath("stream.json").read_text())
+    assert state["layout"] == {"ranks": 1, "workers": 2, "batch": 8, "accumulation": 1}
+
+
+@pytest.fixture(scope="module")
+def stream_reference(synthetic_shards, tmp_path_factory):
+    """Two processes under torchrun, left alone."""
+    from faults import Run, torchrun_cmd
+    base = tmp_path_factory.mktemp("stream_reference")
+    run = Run(torchrun_cmd("--data-dir", str(synthetic_shards), *STREAM_TRAIN, "--num-workers",
+                           "1", "--checkpoint-every", "3", "--output-dir", str(base / "run")),
+              base / "run.log")
+    try:
+        run.check()
+    finally:
+        run.close()
+    return base / "run"
+
+
+@pytest.mark.slow
+def test_two_processes_killed_mid_epoch_resume_bit_identical(synthetic_shards, stream_reference,
+                                                             tmp_path):
+    """torchrun --max-restarts 1: rank 0 is SIGKILLed while saving a mid-epoch checkpoint; the
+    restarted workers resume from the one before, streams included, and end bit-identical."""
+    from faults import (STALL_ENV, Run, kill_worker, max_weight_difference, torchrun_cmd,
+                        wait_for_stall)
+    stall_at = random.choice([6, 9, 15])
+    out = tmp_path / "run"
+    run = Run(torchrun_cmd("--data-dir", str(synthetic_shards), *STREAM_TRAIN, "--num-workers",
+                           "1", "--checkpoint-every", "3", "--output-dir", str(out),
+                           max_restarts=1), tmp_path / "run.log", **{STALL_ENV: str(stall_at)})
+    try:
+        wait_for_stall(run, stall_at)
+        kill_worker(run, rank=0)
+        output = run.check()
+    finally:
+        run.close()
+    assert "resumed from" in output and f"at step {stall_at - 3}" in output
+    assert max_weight_difference(stream_reference, out) == 0.0, f"stalled at {stall_at}"
+
+
+@pytest.mark.slow
+def test_sigterm_on_two_processes_then_finished_on_one_each_sample_once(synthetic_shards,
+                                                                         tmp_path):
+    from faults import (SAMPLE_LOG_ENV, Run, checkpoint_steps, python_cmd, torchrun_cmd,
+                        wait_until)
+    import signal
+    out = tmp_path / "run"
+    command = ["--data-dir", str(synthetic_shards), *STREAM_TRAIN, "--num-workers", "1",
+               "--checkpoint-every", "3", "--output-dir", str(out)]
+    first = Run(torchrun_cmd(*command), tmp_path / "first.log", **{SAMPLE_LOG_ENV: "1"})
+    try:
+        wait_until(lambda: 3 in checkpoint_steps(out), "the first checkpoint", first)
+        first.proc.send_signal(signal.SIGTERM)
+        first.wait()
+    finally:
+        first.close()
+    stopped = max(checkpoint_steps(out))
+    assert 3 <= stopped < 10, "stopped within the first epoch"
+    second = Run(python_cmd(*command, "--resume", "auto"), tmp_path / "second.log",
+                 **{SAMPLE_LOG_ENV: "1"})
+    try:
+        output = second.check()
+    finally:
+        second.close()
+    assert f"at step {stopped}" in output and "accumulation steps 1 -> 2" in output
+    by_epoch = _keys_by_epoch(out)
+    assert len(by_epoch[0]) == len(set(by_epoch[0])) == 160
+    assert set(by_epoch[0]) == _plan_set(synthetic_shards, Layout(2, 1, 8, 1), 0)
+    assert len(by_epoch[1]) == len(set(by_epoch[1]))
+    assert set(by_epoch[1]) <= _plan_set(synthetic_shards, Layout(1, 1, 8, 2), 1)
+
+
+# --- bad input -----------------------------------------------------------------------------------
+def _files(folder: Path) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime for p in folder.rglob("*")} if folder.exists() else {}
+
+
+def test_bad_shard_folders_one_line_exit_2_nothing_written(synthetic_shards, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notar").mkdir()
+    (tmp_path / "notar" / "000000.tar").write_text("not a tar\n")
+    shutil.copytree(synthetic_shards, tmp_path / "disagree")
+    index = json.loads((tmp_path / "disagree" / "index.json").read_text())
+    index["splits"]["train"][1]["count"] = 23
+    (tmp_path / "disagree" / "index.json").write_text(json.dumps(index))
+    shutil.copytree(synthetic_shards, tmp_path / "missing")
+    (tmp_path / "missing" / "train" / "000003.tar").unlink()
+    cases = {"empty": "no shards match", "notar": "is not a tar or parquet file",
+             "disagree": "index disagrees with the shards",
+             "missing": "index disagrees with the shards"}
+    for name, message in cases.items():
+        out = tmp_path / f"out_{name}"
+        result = accel_train("--data-dir", str(tmp_path / name), "--streaming", "--model",
+                             "test_resnet", "--output-dir", str(out))
+        assert result.returncode == 2, (name, result.stderr[-2000:])
+        assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, name
+        assert not out.exists(), name
+    result = accel_train("--data-dir", str(synthetic_shards), "--eval-shards", "nothing/*.tar",
+                         "--model", "test_resnet", "--output-dir", str(tmp_path / "o"))
+    assert result.returncode == 2 and "no shards match 'nothing/*.tar'" in result.stderr
+
+
+def test_resume_across_map_style_and_streaming_is_refused(synthetic_shards, tmp_path):
+    common = ["--model", "test_resnet", "--batch-size", "8", "--max-steps", "2",
+              "--max-eval-samples", "16", "--no-plots", "--progress", "log"]
+    map_style = ["--dataset", "synthetic", "--synthetic-train-size", "200"]
+    streamed = ["--data-dir", str(synthetic_shards)]
+    for first, second, message in ((map_style, streamed, "saved by a map-style run"),
+                                   (streamed, map_style, "saved by a streaming run")):
+        out = tmp_path / f"run{len(message)}"
+        accel_train(*first, *common, "--output-dir", str(out), check=True)
+        before = _files(out)
+        result = accel_train(*second, *common, "--output-dir", str(out), "--resume", "auto")
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
+        assert _files(out) == before

@@ -200,13 +200,12 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
     if splits.get("train") is not root:
         dirs.append(("", os.stat(root).st_mtime_ns))  # a new split folder changes the root
     walked: dict[str, tuple[str, list[str]]] = {}
+    empties: dict[str, list[str]] = {}
     for split, folder in splits.items():
         prefix = "" if folder is root else f"{folder.name}/"
         found: list[str] = []
-        empty: list[str] = []
-        _walk(folder, prefix, extensions, progress, found, dirs, empty)
-        if empty and not (class_depth is None and _is_labelled_split(split, val_labels)):
-            _check_empty_folders(root, sorted(empty), found, prefix, class_depth)
+        empties[split] = []
+        _walk(folder, prefix, extensions, progress, found, dirs, empties[split])
         found.sort()  # as datasets orders the rows
         walked[split] = (prefix, found)
     total = sum(len(found) for _, found in walked.values())
@@ -214,6 +213,9 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
         raise UsageError(f"--data-dir {root} holds no image files (looked for .jpg, .png, .webp, "
                          f"... in it and its subfolders); expected one subfolder of images per "
                          f"class, parquet files or a save_to_disk folder")
+    for split, (prefix, found) in walked.items():
+        if empties[split] and not (class_depth is None and _is_labelled_split(split, val_labels)):
+            _check_empty_folders(root, sorted(empties[split]), found, prefix, class_depth)
     labelled = _labelled_split(walked, val_labels, root)
     classes: dict[str, list] = {}
     for split, (prefix, found) in walked.items():

@@ -49,7 +49,6 @@ The reader here is `tarfile`/`pyarrow` only: the plan is what needed writing, no
 
 from __future__ import annotations
 
-import fnmatch
 import io
 import json
 import tarfile
@@ -630,6 +629,9 @@ def load_streaming(config):
     the held-out shards read whole into memory, decoded (they are evaluated every epoch)."""
     from .sources import ArraySource, ImageSource, LoadedData
 
+    if config.max_train_samples:
+        raise UsageError("--max-train-samples does not apply to streamed shards (an epoch is a "
+                         "pass over the shards); bound the run with --max-steps instead")
     data = open_shards(config)
 
     class StreamSource(ImageSource):
@@ -686,8 +688,8 @@ def build_stream_loaders(config, data, spec, num_processes: int, processes_per_m
     slots = fit_workers(shards, num_processes, config.batch_size, config.accumulation_steps,
                         wanted)
     layout = Layout(num_processes, slots, config.batch_size, config.accumulation_steps)
-    dataset = StreamingTrain(shards, layout, dist.get_rank() if dist.is_initialized() else 0, config.seed,
-                             config.shuffle_buffer, train_tf)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dataset = StreamingTrain(shards, layout, rank, config.seed, config.shuffle_buffer, train_tf)
     # --num-workers 0 reads the slot in this process (one slot per rank then).
     train = StreamLoader(dataset, slots if wanted > 0 else 0, config.prefetch_factor,
                          pin_memory)
@@ -796,7 +798,3 @@ def write_index(root: Path, splits: dict[str, list[dict]], class_names: list[str
                                            for name, entries in splits.items()},
                                 "splits": splits}, indent=1) + "\n")
     return path
-
-
-def matches(path: Path, pattern: str) -> bool:
-    return fnmatch.fnmatch(str(path), pattern)

@@ -104,8 +104,8 @@ def throughput(args, report: benchlib.Report) -> dict:
     plain = make_trainer(args, augment=False, out_dir=work / "plain")
     augmented = make_trainer(args, augment=True, out_dir=work / "aug")
     data = plain.data.train
-    hand = HandLoop(args.model, data.images, data.labels, args.batch_size, plain.spec.mean,
-                    plain.spec.std, channels_last=args.channels_last)
+    hand = HandLoop(args.model, data.images, data.labels, args.batch_size, plain.net.spec.mean,
+                    plain.net.spec.std, channels_last=args.channels_last)
     blocks = {"hand loop": lambda: hand.run(args.steps),
               "accel_train": lambda: trainer_block(plain),
               "accel_train + aug": lambda: trainer_block(augmented)}

@@ -65,11 +65,13 @@ def test_batched_path_equals_the_one_image_path_item_by_item(name):
     batch = dataset.__getitems__(keys)
     assert len(batch) == len(keys)
     for position, key in enumerate(keys):
-        image, label = dataset[key]
-        batched_image, batched_label = batch[position]
+        single, batched = dataset[key], batch[position]  # (image, label, key, ...)
+        image, label = single[0], single[1]
         assert image.shape == (3, 32, 32) and image.dtype == torch.float32
-        assert torch.equal(batched_image, image), (name, position, key)
-        assert int(batched_label) == int(label) == int(source.labels[key % len(source)])
+        assert torch.equal(batched[0], image), (name, position, key)
+        assert int(batched[1]) == int(label) == int(source.labels[key % len(source)])
+        assert len(batched) == len(single)
+        assert [int(v) for v in batched[2:]] == [int(v) for v in single[2:]]
 
 
 def _same_image_source(n: int, size: int) -> ArraySource:

@@ -37,12 +37,13 @@ CASES = {
                  "--eval-samples", "64", "--seed-model", "test_resnet", "--workers", "0",
                  "--max-train", "512"],
     "threads": [*TINY, "--steps", "1", "--conditions", "quiet"],
+    "index": ["--quick"],
     "gpu": ["--quick", "--allow-cpu", "--model", "test_resnet", "--sizes", "32", "--precisions",
             "bf16", "--batch", "8", "--steps", "1", "--rounds", "1"],
 }
 # Longest first, so that the two lanes finish together.
 ORDER = ["overhead", "scaling", "accuracy", "seed", "comm", "data", "threads", "checkpoint",
-         "gpu"]
+         "index", "gpu"]
 
 
 @pytest.fixture(scope="module")

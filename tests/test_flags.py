@@ -58,10 +58,10 @@ if os.environ.get("FLAG_PROBE_CONV", "1") == "1":
             records["conv"].append({
                 "batch": int(input.shape[0]),
                 # (a tensor with size-1 dims can be both contiguous and channels_last)
-                "input_channels_last": bool(input.is_contiguous(memory_format=torch.channels_last)),
-                "input_contiguous": bool(input.is_contiguous()),
-                "weight_channels_last": bool(weight.is_contiguous(memory_format=torch.channels_last)),
-                "weight_contiguous": bool(weight.is_contiguous()),
+                "input_channels_last": input.is_contiguous(memory_format=torch.channels_last),
+                "input_contiguous": input.is_contiguous(),
+                "weight_channels_last": weight.is_contiguous(memory_format=torch.channels_last),
+                "weight_contiguous": weight.is_contiguous(),
                 "out_dtype": str(out.dtype)})
         return out
 
@@ -213,7 +213,7 @@ def runs(tmp_path_factory):
     }
 
 
-# -- tests ------------------------------------------------------------------------------------------
+# -- tests ---------------------------------------------------------------------------------------
 def test_weight_decay_groups_exclude_norms_and_biases():
     model = initial_model()
     names = {id(p): n for n, p in model.named_parameters()}
@@ -226,7 +226,8 @@ def test_weight_decay_groups_exclude_norms_and_biases():
         assert type(optimizer) is optimizer_type
         by_decay: dict[float, list[str]] = {}
         for group in optimizer.param_groups:
-            by_decay.setdefault(group["weight_decay"], []).extend(names[id(p)] for p in group["params"])
+            by_decay.setdefault(group["weight_decay"], []).extend(
+                names[id(p)] for p in group["params"])
             assert group["lr"] == 0.2
         assert sorted(by_decay) == [0.0, 0.3]
         assert sorted(by_decay[0.0]) == sorted(no_decay)
@@ -366,18 +367,39 @@ def _inductor_problem() -> str | None:
     return None if torch.allclose(value, torch.ones(3).mul(2).sin()) else "wrong result"
 
 
-@pytest.mark.slow
-def test_compile_compiles_the_model_and_trains_the_same_step(tmp_path):
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory):
     problem = _inductor_problem()
     if problem:
         print(f"skipping --compile: torch.compile with inductor does not work here ({problem})")
         pytest.skip(f"torch.compile (inductor) unavailable: {problem}")
-    run_ = flag_run(tmp_path, "compile", "--compile", "--momentum", "0", "--weight-decay", "0",
-                    "--label-smoothing", "0", "--lr", str(SGD_LR), conv_probe=False,
-                    timeout=240)
-    calls = run_.probe()["compile"]
+    # A cold inductor cache costs ~75 s of CPU (minutes of wall time on 2 busy cores).
+    return flag_run(tmp_path_factory.mktemp("compile"), "compile", "--compile", "--momentum",
+                    "0", "--weight-decay", "0", "--label-smoothing", "0", "--lr", str(SGD_LR),
+                    conv_probe=False, timeout=540)
+
+
+def _strip_compile_prefix(weights: dict) -> dict:
+    return {k.removeprefix("_orig_mod."): v for k, v in weights.items()}
+
+
+@pytest.mark.slow
+def test_compile_compiles_the_model_and_trains_the_same_step(compiled_run):
+    calls = compiled_run.probe()["compile"]
     assert [c["backend"] for c in calls if c["module"]] == ["inductor"], calls
-    ref = first_step(run_.out, label_smoothing=0.0)
-    assert run_.first_loss == pytest.approx(ref["plain_loss"], abs=1e-4)
+    assert compiled_run.resolved["precision_used"] == "fp32"
+    ref = first_step(compiled_run.out, label_smoothing=0.0)
+    assert compiled_run.first_loss == pytest.approx(ref["plain_loss"], abs=1e-4)
+    weights = _strip_compile_prefix(compiled_run.weights)
     expected = {n: w - SGD_LR * ref["grad"][n] for n, w in ref["w0"].items()}
-    assert max_diff(run_.params, expected) < 1e-5
+    assert max_diff(weights, expected, list(expected)) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="product bug: a --compile run's model.safetensors names every tensor "
+                   "'_orig_mod.<name>' (its checkpoints do not), so the README's "
+                   "model.load_state_dict(load_file(run/'model.safetensors')) fails")
+def test_a_compiled_runs_model_safetensors_loads_into_the_plain_model(compiled_run):
+    model = initial_model()
+    model.load_state_dict(load_file(str(compiled_run.out / "model.safetensors")))  # strict

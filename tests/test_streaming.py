@@ -8,7 +8,6 @@ import json
 import random
 import shutil
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -352,9 +351,10 @@ def test_resume_across_map_style_and_streaming_is_refused(synthetic_shards, tmp_
               "--max-eval-samples", "16", "--no-plots", "--progress", "log"]
     map_style = ["--dataset", "synthetic", "--synthetic-train-size", "200"]
     streamed = ["--data-dir", str(synthetic_shards)]
-    for first, second, message in ((map_style, streamed, "saved by a map-style run"),
-                                   (streamed, map_style, "saved by a streaming run")):
-        out = tmp_path / f"run{len(message)}"
+    for n, (first, second, message) in enumerate((
+            (map_style, streamed, "saved by a map-style run"),
+            (streamed, map_style, "saved by a streaming run"))):
+        out = tmp_path / f"run{n}"
         accel_train(*first, *common, "--output-dir", str(out), check=True)
         before = _files(out)
         result = accel_train(*second, *common, "--output-dir", str(out), "--resume", "auto")

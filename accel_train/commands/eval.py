@@ -21,7 +21,8 @@ SPLITS = {"held-out": "the held-out images", "train": "the training images",
           "all": "all images (training and held-out together)"}
 # The options that say which data a run used; nothing else of the run matters to eval.
 DATA_OPTIONS = ("dataset", "data_dir", "image_column", "label_column", "val_fraction",
-                "max_train_samples", "max_eval_samples", "synthetic_train_size")
+                "max_train_samples", "max_eval_samples", "synthetic_train_size", "val_labels",
+                "class_depth")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,248 @@
+"""Image-folder layouts (accel_train/imagefolder.py): class folders with or without split
+folders, ImageNet's validation layout with a label file, nested class folders; the cached index;
+bad folders as one-line errors; quiet logs.
+
+Oracles: Hugging Face's own imagefolder builder (`datasets.load_dataset("imagefolder")`, what
+the trainer used before) for rows, labels, classes and the carved held-out split; the label
+mappings and folder trees generated here for the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+from PIL import Image
+
+from accel_train import imagefolder
+from accel_train.cli import main
+from accel_train.config import TrainConfig
+from accel_train.errors import UsageError
+from accel_train.imagefolder import index_folder
+from accel_train.sources import load_data
+from conftest import accel_train
+
+
+def _png(path: Path, seed: int = 0, size: int = 8) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path, format="PNG")
+
+
+def _paths(source) -> list[str]:
+    return [value["path"] for value in source.column[:].column(0).to_pylist()]
+
+
+def _files(root: Path, relative: list[str]) -> None:
+    for i, name in enumerate(relative):
+        _png(root / name, seed=i)
+
+
+TRICKY = ["a/1.png", "a/10.png", "a/2.PNG", "a-b/1.png", "a_b/x.jpg.png", "b/3.png",
+          "b/4.png", "B/5.png", "c d/6.png", ".hidden/7.png", "a/.8.png", "__MACOSX/a/9.png",
+          "a/notes.txt", "b/thumbs.db"]
+
+
+@pytest.mark.parametrize("splits", [False, True])
+def test_rows_labels_and_classes_are_those_of_datasets_imagefolder(tmp_path, splits):
+    root = tmp_path / "data"
+    names = [f"{split}/{name}" for split in ("train", "val") for name in TRICKY] if splits \
+        else TRICKY
+    _files(root, names)
+    data = load_data(TrainConfig(data_dir=str(root), in_memory="never"))
+    theirs = datasets.load_dataset("imagefolder", data_dir=str(root))
+    train, held_out = (theirs["train"], theirs["validation"]) if splits else \
+        (lambda p: (p["train"], p["test"]))(theirs["train"].train_test_split(test_size=0.1,
+                                                                             seed=0))
+    assert data.class_names == theirs["train"].features["label"].names
+    for ours, reference in ((data.train, train), (data.eval, held_out)):
+        reference = reference.cast_column("image", datasets.Image(decode=False))
+        expected = [os.path.relpath(v["path"], root) for v in reference["image"]]
+        assert _paths(ours) == expected
+        assert ours.labels.tolist() == list(reference["label"])
+
+
+def test_nested_class_folders_with_the_top_level_as_the_class(tmp_path):
+    _files(tmp_path, ["animals/cat/siamese/1.png", "animals/cat/2.png", "animals/dog/3.png",
+                      "plants/tree/oak/4.png", "plants/5.png", "plants/empty_leaf/x.txt"])
+    top = load_data(TrainConfig(data_dir=str(tmp_path), in_memory="never", class_depth=1,
+                                val_fraction=0.2))
+    assert top.class_names == ["animals", "plants"]
+    labels = {path: top.class_names[label] for source in (top.train, top.eval)
+              for path, label in zip(_paths(source), source.labels.tolist())}
+    assert labels == {"animals/cat/siamese/1.png": "animals", "animals/cat/2.png": "animals",
+                      "animals/dog/3.png": "animals", "plants/tree/oak/4.png": "plants",
+                      "plants/5.png": "plants"}
+    with pytest.raises(UsageError, match="class folder .*plants/empty_leaf holds no images"):
+        load_data(TrainConfig(data_dir=str(tmp_path)))  # the leaf folders are the classes
+    (tmp_path / "plants" / "empty_leaf" / "x.txt").unlink()
+    (tmp_path / "plants" / "empty_leaf").rmdir()
+    with pytest.raises(UsageError, match=r"plants/5.png is less than 2 folder\(s\) deep in its "
+                                         r"split folder, so --class-depth 2 gives it no class"):
+        load_data(TrainConfig(data_dir=str(tmp_path), class_depth=2))
+
+
+# -- ImageNet's validation layout -------------------------------------------------------------
+CLASSES = ["n01440764", "n01443537", "n01484850"]
+VAL = {f"ILSVRC2012_val_{i:08d}.JPEG": CLASSES[(i * 7) % 3] for i in range(1, 10)}
+
+
+def _imagenet(root: Path) -> Path:
+    for c, name in enumerate(CLASSES):
+        for i in range(4):
+            _png(root / "train" / name / f"{name}_{i}.JPEG", seed=10 * c + i)
+    for i, name in enumerate(VAL):
+        _png(root / "val" / name, seed=100 + i)
+    return root
+
+
+LABEL_FILES = {
+    "csv with a header": "ImageId,label\n" + "".join(f"{f},{c}\n" for f, c in VAL.items()),
+    "kaggle LOC_val_solution": "ImageId,PredictionString\n" + "".join(
+        f"{f.split('.')[0]},{c} 10 20 30 40 {c} 1 2 3 4\n" for f, c in reversed(VAL.items())),
+    "whitespace": "".join(f"{f}\t{c}\n" for f, c in VAL.items()),
+    "one class per line": "".join(f"{VAL[f]}\n" for f in sorted(VAL)),
+}
+
+
+@pytest.mark.parametrize("kind", list(LABEL_FILES))
+def test_imagenet_validation_layout_with_a_label_file(tmp_path, kind):
+    root = _imagenet(tmp_path / "imagenet")
+    labels_file = tmp_path / "labels.txt"
+    labels_file.write_text(LABEL_FILES[kind])
+    data = load_data(TrainConfig(data_dir=str(root), val_labels=str(labels_file),
+                                 in_memory="never"))
+    assert data.class_names == CLASSES and len(data.train) == 12
+    assert {path: data.class_names[label] for path, label in
+            zip(_paths(data.eval), data.eval.labels.tolist())} == \
+        {f"val/{name}": cls for name, cls in VAL.items()}
+
+
+@pytest.mark.slow
+def test_train_and_eval_on_the_imagenet_layout(tmp_path):
+    root = _imagenet(tmp_path / "imagenet")
+    labels_file = tmp_path / "LOC_val_solution.csv"
+    labels_file.write_text(LABEL_FILES["kaggle LOC_val_solution"])
+    out = tmp_path / "run"
+    trained = accel_train("--data-dir", str(root), "--val-labels", str(labels_file), "--model",
+                          "test_resnet", "--batch-size", "4", "--epochs", "1", "--progress",
+                          "log", "--no-plots", "--output-dir", str(out), check=True)
+    assert "12 train / 9 held-out images, 3 classes" in trained.stdout
+    evaluated = accel_train("eval", str(out), check=True)  # rebuilds the labelled held-out split
+    assert "(9 images)" in evaluated.stdout
+    epoch = trained.stdout.split("Epoch 1 Time")[1].splitlines()[0]
+    assert epoch.split("top1 ")[1].split()[0] in evaluated.stdout.replace("top-1 ", "top1 ")
+
+
+# -- bad folders and label files: one line, exit 2, nothing written ---------------------------
+def _bad(tmp_path: Path, case: str) -> tuple[list[str], str]:
+    root = _imagenet(tmp_path / "d")
+    labels = tmp_path / "labels.csv"
+    lines = [f"{f},{c}" for f, c in VAL.items()]
+    if case == "no images":
+        empty = tmp_path / "e"
+        (empty / "cat").mkdir(parents=True)
+        (empty / "cat" / "README.md").write_text("images go here")
+        return ["--data-dir", str(empty)], f"--data-dir {empty} holds no image files"
+    if case == "empty class folder":
+        (root / "train" / "n09999999").mkdir()
+        return ["--data-dir", str(root), "--val-labels", str(labels)], \
+            f"class folder {root}/train/n09999999 holds no images; add images to it or remove it"
+    if case == "label for a missing image":
+        lines.append("ILSVRC2012_val_00000099.JPEG,n01440764")
+        expected = (f"--val-labels {labels} line 10 names 'ILSVRC2012_val_00000099.JPEG', "
+                    f"which is not an image in {root}/val")
+    elif case == "unknown class":
+        lines[3] = lines[3].split(",")[0] + ",n99999999"
+        expected = f"--val-labels {labels} line 4: 'n99999999' is not a class"
+    elif case == "class number":
+        lines[0] = lines[0].split(",")[0] + ",65"
+        expected = "class numbers are not accepted"
+    elif case == "unlabelled image":
+        del lines[4]
+        expected = f"--val-labels {labels} gives no label for 1 image(s) of {root}/val"
+    elif case == "no label file":
+        labels = tmp_path / "nope.csv"
+        expected = f"--val-labels {labels}: no such file"
+    elif case == "unlabelled held-out folder":
+        return ["--data-dir", str(root)], \
+            f"{root}/val/ILSVRC2012_val_00000001.JPEG is not inside a class folder"
+    if case != "no label file":
+        labels.write_text("\n".join(lines) + "\n")
+    return ["--data-dir", str(root), "--val-labels", str(labels)], expected
+
+
+@pytest.mark.parametrize("case", ["no images", "empty class folder", "label for a missing image",
+                                  "unknown class", "class number", "unlabelled image",
+                                  "no label file", "unlabelled held-out folder"])
+def test_bad_folders_and_label_files_are_one_line_errors(tmp_path, capsys, case):
+    args, expected = _bad(tmp_path, case)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    code = main([*args, "--model", "test_resnet", "--output-dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("accel_train: error: ") and expected in err[0], err[0]
+    assert not out.exists()
+
+
+# -- the cached index -----------------------------------------------------------------------------
+def _age(root: Path, seconds: float = 3600) -> None:
+    """Set every folder's mtime an hour back: a folder changed in the last seconds may change
+    again within its mtime's resolution, and such an index is not cached."""
+    then = time.time() - seconds
+    for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        os.utime(folder, (then, then))
+
+
+def test_the_index_is_cached_and_rebuilt_when_a_folder_changes(tmp_path):
+    root, cache = tmp_path / "data", tmp_path / "cache"
+    _files(root, [f"{c}/{i}.png" for c in ("x", "y") for i in range(3)])
+    fresh = index_folder(root, cache_dir=cache, cache_min_files=0)
+    assert not fresh.cached and not list(cache.glob("*.arrow")), "just written: not cached"
+    _age(root)
+    assert not index_folder(root, cache_dir=cache, cache_min_files=0).cached
+    cached = index_folder(root, cache_dir=cache, cache_min_files=0)
+    assert cached.cached and cached.class_names == ["x", "y"]
+    assert {k: (v[0].to_pylist(), v[1].tolist()) for k, v in cached.splits.items()} == \
+        {k: (v[0].to_pylist(), v[1].tolist()) for k, v in fresh.splits.items()}
+    for change in (lambda: _png(root / "y" / "new.png"),
+                   lambda: (root / "x" / "0.png").rename(root / "x" / "renamed.png"),
+                   lambda: (root / "y" / "1.png").unlink(),
+                   lambda: _png(root / "z" / "0.png")):
+        _age(root)
+        index_folder(root, cache_dir=cache, cache_min_files=0)  # indexes and caches
+        before = index_folder(root, cache_dir=cache, cache_min_files=0)
+        change()
+        after = index_folder(root, cache_dir=cache, cache_min_files=0)
+        assert before.cached and not after.cached
+        assert after.splits["train"][0].to_pylist() != before.splits["train"][0].to_pylist()
+    assert "z" in after.class_names
+
+
+def test_indexing_a_large_folder_says_so_in_one_progress_line_of_ours(tmp_path, monkeypatch):
+    _files(tmp_path, [f"c{c}/{i}.png" for c in range(2) for i in range(3)])
+    monkeypatch.setattr(imagefolder, "PROGRESS_AFTER", 0.0)  # "large": indexing takes long
+    said: list[str] = []
+    index_folder(tmp_path, cache_dir=tmp_path / "cache", say=said.append)
+    assert len(said) == 2, said  # at most one line per 10 s; pytest's stderr is no terminal
+    assert said[0] == f"indexing {tmp_path}: 0 images so far"
+    assert re.fullmatch(rf"indexed {tmp_path}: 6 images of 2 classes in \d+\.\ds", said[1])
+
+
+@pytest.mark.slow
+def test_training_on_an_image_folder_prints_nothing_of_datasets(tmp_path):
+    """Output to a pipe (not a terminal): the start-up summary first, no progress bars."""
+    _files(tmp_path / "data", [f"{split}/{c}/{i}.png" for split in ("train", "test")
+                               for c in ("a", "b") for i in range(8)])
+    result = accel_train("--data-dir", str(tmp_path / "data"), "--model", "test_resnet",
+                         "--batch-size", "8", "--epochs", "1", "--progress", "log",
+                         "--no-plots", "--output-dir", str(tmp_path / "run"), check=True)
+    assert result.stdout.startswith("accel_train: test_resnet")
+    for noise in ("Generating", "Resolving", "Downloading", "%|", "it/s]", "\r"):
+        assert noise not in result.stdout + result.stderr, noise

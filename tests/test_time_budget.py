@@ -1,0 +1,256 @@
+"""--time-budget: the duration syntax, the arithmetic that fixes the number of steps, and, on 2
+processes under torchrun, one agreed step count that a stopped-and-resumed run keeps.
+
+Oracles: hand-computed durations and step counts; for the step count, a brute-force search for
+the largest total whose remaining steps plus the evaluations at the ends of the epochs before the
+last fit the time left (budget.py's own contract); for the runs, every record of the step count
+(metrics.jsonl's one "budget" record, each rank's log, each checkpoint's trainer_state.json,
+config.yaml) and the step the run really ends at.  The clock of the unit tests is a fake one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+import sys
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from accel_train import budget
+from accel_train.budget import TimeBudget, parse_duration
+from accel_train.checkpoint import verify
+from accel_train.errors import UsageError
+from conftest import TINY_TRAIN, free_port
+from faults import Run, checkpoint_steps, metrics, wait_until
+
+FLAG = "--time-budget x"
+
+
+# -- the duration syntax --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, seconds", [
+    ("600", 600), ("90s", 90), ("10m", 600), ("1h", 3600), ("1h30m", 5400), ("2m30s", 150),
+    ("1h0m5s", 3605), ("1.5h", 5400), ("0.5m", 30), (" 10M ", 600), ("45", 45)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["abc", "", "10x", "-5", "m", "h", "0", "0s", "0m0s", "1h-30m",
+                                  "10 m", "1e3", "ten minutes", "30m1h"])
+def test_bad_durations_are_usage_errors_naming_the_flag(text):
+    with pytest.raises(UsageError, match="--time-budget"):
+        parse_duration(text)
+
+
+# -- the arithmetic -------------------------------------------------------------------------------
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fake perf_counter for budget.py: set `clock.now`."""
+    fake = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(budget, "time", SimpleNamespace(perf_counter=lambda: fake.now))
+    return fake
+
+
+def _total(clock, seconds, elapsed, step_seconds, steps_done, steps_per_epoch, eval_images,
+           global_batch) -> int:
+    clock.now = 1000.0
+    timer = TimeBudget(seconds)
+    timer.start(0)
+    clock.now = 1000.0 + elapsed
+    return timer.total_steps(step_seconds, steps_done, steps_per_epoch, eval_images,
+                             global_batch, FLAG)
+
+
+def _largest_that_fits(seconds, elapsed, step_seconds, steps_done, steps_per_epoch,
+                       eval_images, global_batch) -> int | None:
+    """Brute force: the most steps whose remaining training plus the evaluations at the ends of
+    the epochs before the last fit the time left (an evaluated image costs
+    EVAL_COST_PER_IMAGE of a trained one)."""
+    left = seconds - elapsed
+    evaluation = eval_images * budget.EVAL_COST_PER_IMAGE * step_seconds / global_batch
+    best = None
+    for total in range(steps_done + 1, steps_done + int(left / step_seconds) + 2):
+        needed = (total - steps_done) * step_seconds + \
+            (math.ceil(total / steps_per_epoch) - 1) * evaluation
+        if needed <= left + 1e-9:
+            best = total
+    return best
+
+
+def test_the_documented_evaluation_cost():
+    assert budget.EVAL_COST_PER_IMAGE == 0.5  # "half is the estimate"; the hand numbers use it
+
+
+def test_step_count_by_hand(clock):
+    # 100 s budget, 10 s gone after 13 steps, 0.5 s a step, 50 steps an epoch, an evaluation of
+    # 1,000 images at a global batch of 100 costs 1000 * 0.5 * 0.5 / 100 = 2.5 s.  Left: 90 s.
+    # 178 steps: 165 more steps (82.5 s) + 3 evaluations (epochs 1-3 end; 7.5 s) = 90 s.
+    # 179 steps: 83 s + 7.5 s = 90.5 s: too many.
+    assert _total(clock, 100, 10, 0.5, 13, 50, 1000, 100) == 178
+    # no held-out images to evaluate: 13 + 90 / 0.5
+    assert _total(clock, 100, 10, 0.5, 13, 50, 0, 100) == 193
+
+
+def test_step_count_is_the_largest_that_fits_when_evaluations_are_costly(clock):
+    # 100 s, 1 s a step, 10 steps an epoch, an evaluation costs 200 * 0.5 * 1 / 10 = 10 s.
+    # 50 steps: 50 s + 4 evaluations (40 s) = 90 s fits; 51-60 steps need 5 evaluations
+    # (101 s and more).  So 50 steps; not 10 (a tenth of the budget).
+    assert _total(clock, 100, 0, 1.0, 0, 10, 200, 10) == 50
+
+
+@pytest.mark.parametrize("case", [
+    (100, 10, 0.5, 13, 50, 1000, 100),
+    (100, 0, 1.0, 0, 10, 200, 10),
+    (600, 5, 0.041, 13, 781, 10000, 64),   # CIFAR-10 on this machine, the issue's 41 ms/step
+    (60, 5, 0.2, 13, 8, 64, 32),           # this file's 2-process run
+    (100, 10, 0.5, 13, 50, 100, 100),
+    (30, 3, 0.25, 13, 5, 640, 16),
+    (3600, 60, 0.3, 13, 390, 10000, 128),
+], ids=str)
+def test_step_count_fits_and_is_the_largest_that_does(clock, case):
+    total = _total(clock, *case)
+    seconds, elapsed, step_seconds, steps_done, steps_per_epoch, eval_images, batch = case
+    evaluation = eval_images * budget.EVAL_COST_PER_IMAGE * step_seconds / batch
+    needed = (total - steps_done) * step_seconds + \
+        (math.ceil(total / steps_per_epoch) - 1) * evaluation
+    assert needed <= seconds - elapsed + 1e-9, "the schedule does not fit the budget"
+    assert total == _largest_that_fits(*case), (total, _largest_that_fits(*case))
+
+
+def test_a_budget_with_no_room_for_a_step_is_a_usage_error(clock):
+    with pytest.raises(UsageError, match="--time-budget"):
+        _total(clock, 10, 9.8, 0.5, 13, 50, 0, 100)
+    with pytest.raises(UsageError, match="--time-budget"):
+        _total(clock, 10, 12, 0.5, 13, 50, 0, 100)  # already over
+
+
+def test_the_step_time_is_measured_past_the_warm_up_steps(clock):
+    """Three slow warm-up steps (5 s each: compilation, cold caches) are not measured; the next
+    ten steps of 0.5 s are, and the answer comes once, at the thirteenth step."""
+    assert (budget.WARM_STEPS, budget.MEASURED_STEPS) == (3, 10)
+    clock.now = 0.0
+    timer = TimeBudget(600)
+    timer.start(40)  # a run that starts (or resumes) at step 40
+    answers = []
+    for step in range(41, 60):
+        clock.now += 5.0 if step <= 43 else 0.5
+        answers.append((step, timer.measure(step)))
+    measured = [(step, value) for step, value in answers if value is not None]
+    assert measured == [(53, pytest.approx(0.5))], answers
+    assert timer.step_seconds == pytest.approx(0.5)
+
+
+# -- 2 processes under torchrun -------------------------------------------------------------------
+
+BUDGET = "30s"
+# 256 images, 2 x 16: 8 steps an epoch.  No --epochs: the budget decides the length.
+BUDGET_TRAIN = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", BUDGET,
+                "--checkpoint-every", "2", "--log-every", "1", "--keep-checkpoints", "50"]
+ANNOUNCED = re.compile(r"time budget " + re.escape(BUDGET) + r": ([\d,]+) steps")
+
+
+@pytest.fixture
+def runs():
+    started: list[Run] = []
+    yield started
+    for run in started:
+        run.close()
+
+
+def _torchrun(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+            "2", "--max-restarts", "0", "--monitor-interval", "0.5", "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port()), "-m", module, *args]
+
+
+def _announced(out, rank: int) -> list[int]:
+    path = out / "logs" / f"rank{rank}.log"
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    return [int(n.replace(",", "")) for n in ANNOUNCED.findall(text)]
+
+
+def _budget_records(out) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [r for r in metrics(out) if r["type"] == "budget"] if path.is_file() else []
+
+
+def _state(out, step: int) -> dict:
+    path = out / "checkpoints" / f"step_{step:08d}"
+    assert verify(path) is None, f"{path}: {verify(path)}"
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def _stopped_at(text: str) -> int:
+    return int(text.split("stopped by a signal at step ")[1].split(":")[0])
+
+
+@pytest.mark.slow
+def test_two_processes_agree_on_the_budget_and_a_resume_keeps_it(tmp_path, runs):
+    out = tmp_path / "run"
+    first = Run(_torchrun("accel_train", *BUDGET_TRAIN, "--output-dir", str(out)),
+                tmp_path / "first.log")
+    runs.append(first)
+    record = wait_until(lambda: _budget_records(out), "the budget record", first)[0]
+    first.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
+    first.wait()
+    total = record["total_steps"]
+    assert record["step"] == budget.WARM_STEPS + budget.MEASURED_STEPS, record
+    assert total > record["step"], record
+    assert [_announced(out, r) for r in (0, 1)] == [[total], [total]], "ranks disagree"
+    stops = [_stopped_at((out / "logs" / f"rank{r}.log").read_text()) for r in (0, 1)]
+    assert stops[0] == stops[1], stops
+    stop = stops[0]
+    assert stop < total, f"the run ended ({total} steps) before the stop: give it more budget"
+    assert _state(out, stop)["total_steps"] == total
+
+    second = Run(_torchrun("accel_train", *BUDGET_TRAIN, "--output-dir", str(out), "--resume",
+                           "auto"), tmp_path / "second.log")
+    runs.append(second)
+    output = second.check()
+    assert f"resumed from {out}/checkpoints/step_{stop:08d} at step {stop}" in output
+    assert "time budget" not in output.split("resumed from")[-1], "measured again"
+    assert _budget_records(out) == [record], "a second budget record"
+    assert [_announced(out, r) for r in (0, 1)] == [[total], [total]]
+    last = max(checkpoint_steps(out))
+    assert last == total
+    final = _state(out, total)
+    assert (final["step"], final["total_steps"]) == (total, total)
+    for step in checkpoint_steps(out):
+        state = _state(out, step)
+        if step >= record["step"]:
+            assert state["total_steps"] == total, (step, state)
+    train_steps = [r["step"] for r in metrics(out) if r["type"] == "train"]
+    assert train_steps == list(range(1, total + 1)), train_steps
+    resolved = yaml.safe_load((out / "config.yaml").read_text())["resolved"]
+    assert resolved["total_steps"] == total
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_the_step_count_when_their_clocks_start_apart(tmp_path, runs):
+    """Rank 1 starts its budget clock 5 s before rank 0 (as when rank 0 comes to the first step
+    late, after writing the run's records alone): one step count still, on both ranks, and both
+    train exactly that many steps."""
+    out = tmp_path / "run"
+    run = Run(_torchrun("tests.budget_skew_entry", *BUDGET_TRAIN, "--output-dir", str(out)),
+              tmp_path / "run.log", BUDGET_SKEW_SECONDS="5")
+    runs.append(run)
+
+    def both_announced():
+        counts = [_announced(out, r) for r in (0, 1)]
+        return counts if all(counts) else None
+    try:
+        counts = wait_until(both_announced, "both ranks' step counts", run)
+    except AssertionError:
+        counts = [_announced(out, r) for r in (0, 1)]
+        pytest.fail(f"a rank never announced its step count (counts {counts})\n"
+                    f"{run.output[-3000:]}")
+    assert counts[0] == counts[1], f"rank 0 fixed {counts[0]} steps, rank 1 {counts[1]}"
+    run.check()
+    total = counts[0][0]
+    assert max(checkpoint_steps(out)) == total
+    assert _state(out, total)["total_steps"] == total

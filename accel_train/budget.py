@@ -72,13 +72,18 @@ class TimeBudget:
         ends before the last fit the time that is left."""
         left = self.seconds - (time.perf_counter() - self.started)
         eval_seconds = eval_images * EVAL_COST_PER_IMAGE * step_seconds / global_batch
-        total = steps_done + max(0, math.floor(left / step_seconds))
-        while total > steps_done:
+
+        def fits(total: int) -> bool:
             epochs_before_last = math.ceil(total / steps_per_epoch) - 1
-            needed = (total - steps_done) * step_seconds + epochs_before_last * eval_seconds
-            if needed <= left:
-                break
-            total -= max(1, math.floor((needed - left) / step_seconds))
+            return (total - steps_done) * step_seconds + epochs_before_last * eval_seconds <= left
+
+        # The time needed grows with the total, so the largest total that fits is found by
+        # bisection between "nothing more" and "every second on steps, no evaluations".
+        low, high = steps_done, steps_done + max(0, math.floor(left / step_seconds))
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        total = low
         if total <= steps_done:
             raise UsageError(f"{flag}: an optimizer step takes {step_seconds:.2f}s here, and the "
                              f"budget leaves no time for more than the {steps_done} measured; "

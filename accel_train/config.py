@@ -271,6 +271,7 @@ class TrainConfig:
             raise UsageError(f"--reprob is a probability: between 0 and 1 (got {self.reprob})")
         if self.time_budget is not None:
             parse_duration(self.time_budget)
+        self._check_library_names()
         if not 0 < self.model_ema_decay < 1:
             raise UsageError(f"--model-ema-decay must be in (0, 1) (got {self.model_ema_decay}); "
                              f"0.999-0.9999 is usual")
@@ -288,6 +289,16 @@ class TrainConfig:
             raise UsageError(f"--rank must be >= 0 (got {self.rank})")
         if self.gpu_ids is not None:
             parse_gpu_ids(self.gpu_ids)
+
+    def _check_library_names(self):
+        """Names that timm/torchvision must know, checked now rather than after the data has
+        loaded (imported only when a name is given: parsing stays fast)."""
+        if self.optimizer.lower() not in ("sgd", "momentum", "adamw"):
+            from .optim import check_optimizer_name
+            check_optimizer_name(self.optimizer)
+        if self.auto_augment:
+            from .augment import build_policy
+            build_policy(self.auto_augment)
 
     # -- conversions ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

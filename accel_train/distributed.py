@@ -416,6 +416,16 @@ def max_over_ranks(value: float, control_group) -> float:
     return float(tensor.item())
 
 
+def from_main(value: int, control_group) -> int:
+    """Rank 0's `value` on every rank (rank 0 decides, all follow; during training, on the CPU
+    control group)."""
+    if control_group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(tensor, src=0, group=control_group)
+    return int(tensor.item())
+
+
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

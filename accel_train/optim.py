@@ -30,19 +30,27 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def check_optimizer_name(name: str) -> str:
+    """The name as timm's factory knows it, or a UsageError that suggests close names."""
+    from timm.optim import list_optimizers
+
+    known = list_optimizers()
+    if name.lower() in known:
+        return name.lower()
+    close = difflib.get_close_matches(name.lower(), known, n=3)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise UsageError(f"--optimizer {name!r} is not one of timm's optimizers; {hint}e.g. sgd, "
+                     f"adamw, lamb, lars, lion")
+
+
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """timm's optimizer factory: any of its optimizers by name, no weight decay on biases and
     normalization weights (timm's and most recipes' choice), frozen parameters left out, and
     layer-wise learning-rate decay when asked (the layer scales live in each group's
     "lr_scale", which timm's schedulers read; ours is a LambdaLR, so they are applied here)."""
-    from timm.optim import create_optimizer_v2, list_optimizers
+    from timm.optim import create_optimizer_v2
 
-    name = config.optimizer.lower()
-    if name not in list_optimizers():
-        close = difflib.get_close_matches(name, list_optimizers(), n=3)
-        hint = f"did you mean {', '.join(close)}? " if close else ""
-        raise UsageError(f"--optimizer {config.optimizer!r} is not one of timm's optimizers; "
-                         f"{hint}e.g. sgd, adamw, lamb, lars, lion")
+    name = check_optimizer_name(config.optimizer)
     if name == "sgd" and config.momentum == 0:
         name = "momentum"  # timm's sgd is Nesterov, which torch refuses without momentum
     optimizer = create_optimizer_v2(model, opt=name, lr=config.learning_rate,
@@ -76,13 +84,20 @@ def scheduler_for(optimizer: torch.optim.Optimizer, schedule: Schedule) -> Lambd
     return LambdaLR(optimizer, lambda step: schedule.factor(step))
 
 
+# Until a --time-budget run has measured its steps, its length is open: --epochs do not bound it.
+OPEN_ENDED = 10**12
+
+
 def plan_schedule(config: TrainConfig, steps_per_epoch: int,
                   recorded_total: Optional[int] = None) -> Schedule:
     """The whole run's schedule: --epochs (or --max-steps) long, or what a --time-budget run
-    fixed and recorded; until a budget run has measured, the epochs give a provisional total."""
+    fixed and recorded; a budget run still to measure is open-ended until it has (its first
+    steps are warmup, which does not depend on the total)."""
     total = config.epochs * steps_per_epoch
-    if config.max_steps is not None:
-        total = min(total, config.max_steps)
+    if config.time_budget is not None:
+        total = OPEN_ENDED
     if recorded_total is not None:
         total = recorded_total
+    if config.max_steps is not None:
+        total = min(total, config.max_steps)
     return Schedule(round(config.warmup_epochs * steps_per_epoch), total)

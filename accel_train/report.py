@@ -72,7 +72,8 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         f"{facts['num_workers']} loader worker(s)\n"
         f"  global batch {facts['global_batch']} = {per_process} per process x {world} "
         f"process(es) x {accumulation_steps} accumulation step(s); "
-        f"{facts['steps_per_epoch']} steps/epoch, {facts['total_steps']} steps in all\n"
+        f"{facts['steps_per_epoch']} steps/epoch, "
+        f"{facts['total_steps'] or 'fitted to --time-budget after a few'} steps in all\n"
         f"  output: {facts['output_dir']} (checkpoints in {facts['checkpoint_dir']})\n"
         f"  records: {records}" + _slurm_line(facts.get("launcher", {}).get("slurm")))
 

@@ -135,6 +135,20 @@ def git_revision() -> str | None:
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def update_resolved(output_dir: Path, updates: dict) -> Path:
+    """Facts resolved after the start (a --time-budget run's step count) into the record of
+    this start: config.yaml, or the newest config.resume-*.yaml when this start resumed."""
+    paths = run_paths(output_dir)
+    resumes = sorted(paths.root.glob("config.resume-*.yaml"))
+    path = resumes[-1] if resumes else paths.config
+    record = yaml.safe_load(path.read_text())
+    record["resolved"].update(updates)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(record, sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
 def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict) -> Path:
     """config.yaml on the first start; a resumed start records itself beside it instead of
     rewriting what the original run was."""

@@ -2,7 +2,13 @@
 
 Every source ends as two `ImageSource`s (train and held-out) plus class names.  A source that
 fits in memory is decoded once into a uint8 tensor (`ArraySource`); otherwise images are decoded
-on demand from a Hugging Face dataset (`HFSource`).
+on demand from a Hugging Face dataset (`HFSource`).  Image folders are indexed by imagefolder.py
+and made a dataset of (path, label) rows; files are decoded by decode.py.
+
+An image that cannot be decoded is named for people (`HFSource.name`: its path relative to
+--data-dir, or its parquet file and row) and, by default, replaced by a substitute that is a
+function of its index alone (`HFSource._substitute`), so that an epoch keeps its length and
+exact resumes keep working; the trainer says each once (badimages.py).
 """
 
 from __future__ import annotations
@@ -524,6 +530,8 @@ def load_data(config: TrainConfig) -> LoadedData:
                for dataset, key, split, rows, name in (
                    (train, "train", "train", train_rows, train_name),
                    (held_out, "eval", "held-out", eval_rows, eval_name))]
+    for source in sources:  # while loading, every rank would say it: LoadedData.bad_images
+        source.on_substitute = None
     bad: list[BadImage] = []
     if config.in_memory != "never":
         limit = config.in_memory_limit_gb * 2**30
@@ -534,4 +542,7 @@ def load_data(config: TrainConfig) -> LoadedData:
         elif config.in_memory == "always":
             raise UsageError("--in-memory always: the images do not share one size or exceed "
                              "--in-memory-limit-gb; use --in-memory auto or raise the limit")
+    for source in sources:
+        if isinstance(source, HFSource):
+            source.on_substitute = warn_substitute
     return LoadedData(sources[0], sources[1], class_names, f"{raw.origin} ({split_desc})", bad)

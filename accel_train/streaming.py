@@ -40,10 +40,13 @@ another layout every sample of the interrupted epoch is still trained exactly on
 epoch a worker may read shards of several old slots).  The next epoch uses the new layout.
 
 Why not `datasets` streaming (IterableDataset + split_dataset_by_node + state_dict): its
-state_dict records shard positions but not the shuffle buffer (the docs: samples in the buffer
-are lost on resume, the order changes), and a state taken on one number of nodes cannot be
-re-split over another: neither exact resume nor "each sample once" across world sizes.
-torchdata's StatefulDataLoader has the same limits around an IterableDataset it cannot re-cut.
+state_dict records shard positions but not the shuffle buffer's content ("Loading a state dict
+of a shuffle buffer of a dataset without the buffer content. The shuffle buffer will be refilled
+before starting to yield new examples", huggingface/datasets#7444): the samples that sat in the
+buffer are never trained and the order changes.  And a state taken on one number of nodes cannot
+be re-split over another.  So neither exact resume nor "each sample once" across world sizes.
+torchdata's StatefulDataLoader aggregates state "across multiprocess workers (but not across
+ranks)" (its README) and only replays what the dataset's own state_dict gives it.
 The reader here is `tarfile`/`pyarrow` only: the plan is what needed writing, not the I/O.
 """
 

@@ -104,7 +104,8 @@ def _format_eta(seconds: float) -> str:
 class Progress:
     """A tqdm bar on a terminal, plain periodic lines otherwise (CI logs, files, launchers)."""
 
-    def __init__(self, enabled: bool, mode: str, total_steps: int, initial_step: int):
+    def __init__(self, enabled: bool, mode: str, total_steps: Optional[int], initial_step: int):
+        """`total_steps` None: not known yet (--time-budget, until `set_total`)."""
         self.enabled = enabled
         use_bar = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
         self.total, self.start_step = total_steps, initial_step
@@ -125,9 +126,9 @@ class Progress:
             return
         done = step - self.start_step
         elapsed = time.perf_counter() - self.started
-        eta = elapsed / done * (self.total - step) if done else float("nan")
+        eta = elapsed / done * (self.total - step) if done and self.total else float("nan")
         eta_text = _format_eta(eta) if math.isfinite(eta) else "?"
-        print(f"step {step}/{self.total} epoch {metrics['epoch']} loss {shown['loss']} "
+        print(f"step {step}/{self.total or '?'} epoch {metrics['epoch']} loss {shown['loss']} "
               f"train-top1 {shown['train-top1']} lr {shown['lr']} img/s {shown['img/s']} "
               f"data-wait {metrics['data_wait']:.1%} eta {eta_text}", flush=True)
 

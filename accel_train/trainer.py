@@ -34,7 +34,7 @@ from .plots import write_plots
 from .precision import precision_name, resolve_precision
 from .report import Reporter, records_text, summary
 from .resume import StartPlan, check_same_data_order, plan_start, record_elastic_job
-from .rundir import run_paths, write_run_config
+from .rundir import run_paths, update_resolved, write_run_config
 from .sources import ArraySource, load_data
 from .streaming import (check_not_streaming_checkpoint, load_streaming, save_stream_state,
                         streaming_wanted)
@@ -132,12 +132,17 @@ class Trainer:
         acc.step = 0
         return previous.continued_on(**layout)
 
+    def _bare_model(self) -> torch.nn.Module:
+        """The model without DDP's and torch.compile's wrappers: the parameter names of the
+        model itself (a compiled model's state dict would prefix each with `_orig_mod.`)."""
+        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+
     def _maybe_ema(self) -> Optional[ModelEma]:
         """--model-ema: the average starts from the weights training starts from, or from the
         checkpoint's average."""
         if not self.config.model_ema:
             return None
-        ema = ModelEma(self.accelerator.unwrap_model(self.model), self.config.model_ema_decay)
+        ema = ModelEma(self._bare_model(), self.config.model_ema_decay)
         if self.plan.resume_from is not None and not ema.load(self.plan.resume_from):
             self.report.warn(f"{self.plan.resume_from} holds no EMA weights (saved without "
                              f"--model-ema): the average starts from the resumed weights")
@@ -159,6 +164,7 @@ class Trainer:
         step_seconds = self.budget.measure(self.state.step)
         if step_seconds is None:
             return
+        # The slowest rank's step time; rank 0's clock (the ranks' clocks started apart).
         step_seconds = distributed.max_over_ranks(step_seconds, self.control_group)
         loaders, state = self.loaders, self.state
         total = self.budget.total_steps(step_seconds, state.step, loaders.steps_per_epoch,
@@ -166,7 +172,11 @@ class Trainer:
                                         f"--time-budget {self.config.time_budget}")
         if self.config.max_steps is not None:
             total = min(total, self.config.max_steps)
+        total = distributed.from_main(total, self.control_group)
         self.schedule.total_steps = state.total_steps = total
+        if self.accelerator.is_main_process:
+            update_resolved(self.plan.output_dir, {"total_steps": total,
+                                                   "budget_step_seconds": step_seconds})
         self.progress.set_total(total)
         self.metrics.write({"type": "budget", "step": state.step, "total_steps": total,
                             "step_seconds": round(step_seconds, 5)})
@@ -220,7 +230,9 @@ class Trainer:
                 "precision_requested": self.config.mixed_precision,
                 "device": str(acc.device), "distributed_type": str(acc.distributed_type),
                 "world_size": acc.num_processes, "global_batch": loaders.global_batch,
-                "steps_per_epoch": loaders.steps_per_epoch, "total_steps": self.total_steps,
+                "steps_per_epoch": loaders.steps_per_epoch,
+                # a --time-budget run fixes it after measuring (then recorded here too)
+                "total_steps": None if self.budget is not None else self.total_steps,
                 "train_samples": len(self.data.train), "eval_samples": len(self.data.eval),
                 "num_workers": loaders.num_workers,
                 "data_in_memory": isinstance(self.data.train, ArraySource),
@@ -235,7 +247,8 @@ class Trainer:
         """Train to the end (or to a stop signal); returns the process exit code."""
         config, state = self.config, self.state
         self.progress = Progress(self.accelerator.is_main_process, config.progress,
-                                 self.total_steps, state.step)
+                                 None if self.budget is not None else self.total_steps,
+                                 state.step)
         started = time.perf_counter()
         if self.budget is not None:
             self.budget.start(state.step)
@@ -296,7 +309,7 @@ class Trainer:
             if self.budget is not None:
                 self._maybe_fix_schedule()
             if self.ema is not None:
-                self.ema.update(acc.unwrap_model(self.model), state.step)
+                self.ema.update(self._bare_model(), state.step)
             if state.step % config.log_every == 0:
                 self._log_window(window)
                 window = LogWindow()
@@ -430,7 +443,7 @@ class Trainer:
         acc, state = self.accelerator, self.state
         acc.wait_for_everyone()
         use_ema = self.ema is not None and (state.ema_top1 or 0) > (state.eval_top1 or 0)
-        state_dict = self.ema.module.state_dict() if use_ema else acc.get_state_dict(self.model)
+        state_dict = (self.ema.module if use_ema else self._bare_model()).state_dict()
         if acc.is_main_process:
             spec = dataclasses.replace(self.net.spec, weights="ema" if use_ema else "model")
             path = save_weights(state_dict, self.plan.output_dir, spec)

@@ -21,6 +21,7 @@ import io
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ import json, os, resource, sys, time
 started = time.perf_counter()
 from accel_train.config import TrainConfig
 from accel_train.sources import load_data
+import datasets, pyarrow  # what both arms import first: not part of the index's cost
 imported = time.perf_counter()
 def rss():
     with open("/proc/self/statm") as handle:
@@ -99,14 +101,14 @@ def first_step(folder: Path, cache: Path, out: Path) -> dict:
            "--output-dir", str(out)]
     env = benchlib.child_env(threads=1, ACCEL_TRAIN_INDEX_CACHE=str(cache))
     started = time.perf_counter()
-    import subprocess
     with open(out.with_suffix(".log"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=benchlib.REPO, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - started
     if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.with_suffix('.log').read_text()[-3000:]}")
+        tail = out.with_suffix(".log").read_text()[-3000:]
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{tail}")
     return {"seconds": seconds, "max_rss": usage.ru_maxrss / 1024}
 
 
@@ -159,8 +161,8 @@ def main() -> int:
          "index memory MB", "peak RSS MB (index process)", "first-step command s",
          "first-step peak RSS MB"], rows,
         notes=["index s: `load_data` (folder walk or cache, the Arrow table, splits, labels) "
-               "after the imports (about the same for every arm); held-out images are a tenth "
-               "of the training images more",
+               "after the imports of accel_train, datasets and pyarrow (the same for every "
+               "arm); the held-out folder holds a tenth as many images again",
                "index memory: resident memory after the index minus before it",
                "first-step command: `python -m accel_train --in-memory never --max-steps 1` "
                "(test_resnet, batch 32, 32 held-out images evaluated), start to exit",

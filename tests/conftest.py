@@ -9,9 +9,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,15 @@ def test_env(**extra: str) -> dict:
                 "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
     env.update(extra)
     return env
+
+
+@pytest.fixture
+def rng(request) -> random.Random:
+    """A seeded RNG per test for its random choices (which step to kill at, ...); the seed is
+    printed (shown with -s, and on failure), and ACCEL_TRAIN_TEST_SEED replays or varies it."""
+    seed = int(os.environ.get("ACCEL_TRAIN_TEST_SEED", zlib.crc32(request.node.name.encode())))
+    print(f"random choices of {request.node.name}: seed {seed} (ACCEL_TRAIN_TEST_SEED)")
+    return random.Random(seed)
 
 
 def free_port() -> int:

@@ -128,7 +128,7 @@ def bomb_png(width: int = 9500, height: int = 9500) -> bytes:
     return buffer.getvalue()
 
 
-# -- folders ----------------------------------------------------------------------------------------
+# -- folders --------------------------------------------------------------------------------------
 def write_folder(root: Path, classes=("ant", "bee"), per_class: int = 24, held_out: int = 4,
                  size: int = 16) -> Path:
     """root/train/CLASS/NNN.png and root/val/CLASS/NNN.png of random pixels (a label-dependent

@@ -32,7 +32,9 @@ def test_defaults_are_valid():
     (["--grad-clip", "0"], "--grad-clip must be > 0"),
     (["--gpu_ids", "a,b"], "--gpu_ids 'a,b' is not a comma-separated list"),
     (["--mixed-precision", "fp8"], "invalid choice: 'fp8'"),
-    (["--optimizer", "lamb"], "invalid choice: 'lamb'"),
+    (["--optimizer", "lanb"], "--optimizer 'lanb' is not one of timm's optimizers; did you mean "
+                              "lamb"),
+    (["--auto-augment", "randaugmnet"], "--auto-augment 'randaugmnet' is not a policy we know"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_bad_values_name_the_flag(argv, expected):

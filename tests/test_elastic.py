@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import random
 import socket
 import sys
 
@@ -48,9 +47,9 @@ def reference(tmp_path_factory):
 
 
 def test_torchrun_restarts_workers_killed_mid_save_and_ends_bit_identical(reference, tmp_path,
-                                                                          runs):
+                                                                          runs, rng):
     """Rank 0 dies (SIGKILL) while writing the checkpoint of a random mid-epoch step."""
-    stall_at = random.choice([6, 9, 12, 15])
+    stall_at = rng.choice([6, 9, 12, 15])
     previous = max(s for s in SAVES if s < stall_at)
     about = f"(rank 0 killed during the save of step {stall_at})"
     out = tmp_path / "run"
@@ -69,9 +68,9 @@ def test_torchrun_restarts_workers_killed_mid_save_and_ends_bit_identical(refere
     assert_metrics_continuous(out, total_steps=16)
 
 
-def test_accelerate_launch_restarts_after_a_worker_is_killed(reference, tmp_path, runs):
+def test_accelerate_launch_restarts_after_a_worker_is_killed(reference, tmp_path, runs, rng):
     """Rank 1 dies (SIGKILL) as soon as a random checkpoint appears, wherever it then is."""
-    after = random.choice([3, 6, 9])
+    after = rng.choice([3, 6, 9])
     out = tmp_path / "run"
     run = Run(accelerate_cmd(*FAULT_TRAIN, "--output-dir", str(out), max_restarts=1),
               tmp_path / "run.log")

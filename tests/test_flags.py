@@ -10,7 +10,7 @@ order-free.
 
 A probe wrapper (PROBE below) runs `python -m accel_train` unchanged, but watches torch from
 outside the package: the memory format and dtype at every training Conv2d, the DDP wrapper's
-settings, and torch.compile calls.
+settings, the DataLoaders' worker settings, and torch.compile calls.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ MODEL, SEED, NUM_CLASSES, TRAIN_SIZE = "test_resnet", 0, 10, 32
 FLAG_TRAIN = ["--dataset", "synthetic", "--synthetic-train-size", str(TRAIN_SIZE),
               "--max-eval-samples", "16", "--model", MODEL, "--batch-size", str(TRAIN_SIZE),
               "--epochs", "1", "--max-steps", "1", "--no-augment", "--warmup-epochs", "0",
-              "--log-every", "1", "--seed", str(SEED), "--progress", "log", "--no-plots"]
+              "--log-every", "1", "--seed", str(SEED), "--progress", "log", "--no-plots",
+              "--mixed-precision", "no"]  # (a later --mixed-precision overrides it)
 
 PROBE = r'''
 import atexit, json, os, runpy, sys
@@ -89,6 +90,16 @@ def _ddp_init(self, *args, **kwargs):
         "static_graph": self.static_graph})
 
 torch.nn.parallel.DistributedDataParallel.__init__ = _ddp_init
+
+loader_init = torch.utils.data.DataLoader.__init__
+
+def _loader_init(self, *args, **kwargs):
+    loader_init(self, *args, **kwargs)
+    records.setdefault("loaders", []).append({
+        "dataset": type(self.dataset).__name__, "num_workers": self.num_workers,
+        "prefetch_factor": self.prefetch_factor, "persistent_workers": self.persistent_workers})
+
+torch.utils.data.DataLoader.__init__ = _loader_init
 
 @atexit.register
 def _write():
@@ -187,10 +198,13 @@ def flag_run(root, name: str, *flags: str, launcher: list[str] | None = None,
     out, probe_out = root / name, root / f"{name}.probe"
     cmd = [*(launcher or [sys.executable]), str(probe), *FLAG_TRAIN, *flags,
            "--output-dir", str(out)]
-    env = child_env(FLAG_PROBE_OUT=str(probe_out), FLAG_PROBE_CONV="1" if conv_probe else "0")
+    # On the CPU, as the oracle: exact float32 arithmetic, no TF32 or cuDNN algorithm choice.
+    env = child_env(FLAG_PROBE_OUT=str(probe_out), FLAG_PROBE_CONV="1" if conv_probe else "0",
+                    CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     run(cmd, env=env, timeout=timeout, check=True)
     return FlagRun(out, probe_out)
+
 
 SGD_LR, CLIP, SGD_WD, SMOOTHING = 0.05, 0.1, 0.5, 0.3
 ADAM_LR, ADAM_WD = 0.01, 0.05
@@ -210,6 +224,10 @@ def runs(tmp_path_factory):
                           "--weight-decay", str(ADAM_WD), "--label-smoothing", "0"),
         # bf16 autocast; defaults otherwise (Nesterov momentum 0.9, wd 5e-4, smoothing 0.1)
         "bf16": flag_run(root, "bf16", "--mixed-precision", "bf16", "--lr", str(BF16_LR)),
+        # dropout before the classifier; loader knobs (in-memory data defaults to no workers)
+        "dropout": flag_run(root, "dropout", "--drop-rate", "0.5", "--momentum", "0",
+                            "--weight-decay", "0", "--label-smoothing", "0", "--num-workers", "1",
+                            "--prefetch-factor", "3", "--no-persistent-workers"),
     }
 
 
@@ -341,6 +359,57 @@ def test_bf16_is_recorded_runs_in_bf16_and_trains(runs):
     assert float(moved.norm() / expected.norm()) == pytest.approx(1.0, abs=0.05)
 
 
+def test_drop_rate_drops_in_training_and_is_recorded(runs):
+    run_ = runs["dropout"]
+    spec = json.loads((run_.out / "model_config.json").read_text())
+    assert spec["drop_rate"] == 0.5  # eval, predict and export rebuild the model with it
+    ref = first_step(run_.out, label_smoothing=0.0)
+    # without dropout the first loss would be ref's to float precision (as the other runs show);
+    # half the features dropped (the rest doubled) gives another loss
+    assert abs(run_.first_loss - ref["plain_loss"]) > 1e-2
+    assert math.isfinite(run_.first_loss)
+    # ... and another step: the head's update is not lr * the no-dropout gradient
+    got = run_.params
+    expected = {n: w - 0.05 * ref["grad"][n] for n, w in ref["w0"].items()}  # default lr 0.05
+    assert max_diff(got, expected, ["fc.weight"]) > 1e-4
+
+
+def test_loader_flags_reach_the_training_loader(runs):
+    def train_loaders(run_):
+        loaders = [entry for entry in run_.probe().get("loaders", [])
+                   if entry["dataset"] == "TrainImages"]
+        assert loaders, "the probe saw no training DataLoader"
+        return loaders
+
+    assert all((entry["num_workers"], entry["prefetch_factor"], entry["persistent_workers"])
+               == (1, 3, False) for entry in train_loaders(runs["dropout"]))
+    # the control: in-memory data, no flags: no worker processes
+    assert all(entry["num_workers"] == 0 for entry in train_loaders(runs["adamw"]))
+
+
+def test_in_memory_limit_decides_whether_images_are_decoded_up_front(tmp_path):
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    from accel_train.sources import ArraySource, load_data
+
+    rng = np.random.default_rng(0)
+    rows = {"image": [Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8))
+                      for _ in range(8)], "label": [i % 2 for i in range(8)]}
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=["a", "b"])})
+    dataset = datasets.Dataset.from_dict(rows, features=features)
+    dataset.to_parquet(str(tmp_path / "train.parquet"))
+    dataset.to_parquet(str(tmp_path / "test.parquet"))
+    roomy = load_data(TrainConfig(data_dir=str(tmp_path)))
+    assert isinstance(roomy.train, ArraySource) and isinstance(roomy.eval, ArraySource)
+    # 8 images of 12 x 12 x 3 bytes = 3456 bytes: over a limit of 1e-6 GiB (1074 bytes)
+    tight = load_data(TrainConfig(data_dir=str(tmp_path), in_memory_limit_gb=1e-6))
+    assert not isinstance(tight.train, ArraySource)
+    assert torch.equal(tight.train.image(3), roomy.train.images[3])  # same pixels, on demand
+
+
 @pytest.mark.slow
 def test_ddp_knobs_reach_the_ddp_wrapper(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -396,10 +465,7 @@ def test_compile_compiles_the_model_and_trains_the_same_step(compiled_run):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="product bug: a --compile run's model.safetensors names every tensor "
-                   "'_orig_mod.<name>' (its checkpoints do not), so the README's "
-                   "model.load_state_dict(load_file(run/'model.safetensors')) fails")
 def test_a_compiled_runs_model_safetensors_loads_into_the_plain_model(compiled_run):
+    """A --compile run's model.safetensors once named every tensor '_orig_mod.<name>'."""
     model = initial_model()
     model.load_state_dict(load_file(str(compiled_run.out / "model.safetensors")))  # strict

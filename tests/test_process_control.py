@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -56,14 +54,6 @@ def runs():
     yield started
     for run in started:
         run.close()
-
-
-@pytest.fixture
-def rng(request) -> random.Random:
-    """A seeded RNG per test; the seed is printed (shown with -s, and on failure)."""
-    seed = int(os.environ.get("ACCEL_TRAIN_TEST_SEED", zlib.crc32(request.node.name.encode())))
-    print(f"random choices of {request.node.name}: seed {seed} (ACCEL_TRAIN_TEST_SEED)")
-    return random.Random(seed)
 
 
 def cli(*args: str) -> list[str]:

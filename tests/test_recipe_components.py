@@ -27,6 +27,7 @@ does not come from the code under test.
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from types import SimpleNamespace
@@ -478,7 +479,7 @@ def test_model_ema_follows_timms_rule_and_is_evaluated_saved_and_exported(cli_ru
     assert 0.0 <= last["eval_ema_top1"] <= 1.0
     assert last["eval_ema_loss"] != last["eval_loss"]
     # exported: the better of the two on the held-out split, and model_config.json says which
-    spec = yaml.safe_load((out / "model_config.json").read_text())
+    spec = json.loads((out / "model_config.json").read_text())
     better = "ema" if last["eval_ema_top1"] > last["eval_top1"] else "model"
     if last["eval_ema_top1"] != last["eval_top1"]:
         assert spec["weights"] == better, (spec["weights"], last)

@@ -3,7 +3,6 @@ step, then `--resume auto` ends bit-identical to the run left alone."""
 
 from __future__ import annotations
 
-import random
 import signal
 
 import pytest
@@ -24,8 +23,8 @@ def runs():
         run.close()
 
 
-def test_a_run_killed_while_writing_a_checkpoint_resumes_bit_identical(tmp_path, runs):
-    stall_at = random.choice(MID_EPOCH_SAVES)
+def test_a_run_killed_while_writing_a_checkpoint_resumes_bit_identical(tmp_path, runs, rng):
+    stall_at = rng.choice(MID_EPOCH_SAVES)
     previous = max(s for s in [*range(3, 33, 3), 16] if s < stall_at)
     about = f"(SIGKILL during the save of step {stall_at})"
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"

@@ -125,9 +125,12 @@ class Cluster:
                     f"--log-file={root / 'log' / 'munged.log'}")
         self._wait_alive(lambda: socket_path.exists(), "munged's socket")
 
+        # Random on purpose (not a test choice): two test clusters started one after the other
+        # must not derive the same training ports from the same job ids.  Printed.
         first_job = random.randint(1, 19000)
         while not _job_port_base_free(first_job):
             first_job = random.randint(1, 19000)
+        print(f"test cluster: first job id {first_job}")
         host = socket.gethostname().split(".")[0]
         self.conf.write_text(f"""\
 ClusterName=acceltrain{os.getpid()}

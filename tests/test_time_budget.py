@@ -147,10 +147,10 @@ def test_the_step_time_is_measured_past_the_warm_up_steps(clock):
 
 # -- 2 processes under torchrun -------------------------------------------------------------------
 
-BUDGET = "30s"
+BUDGET = "20s"
 # 256 images, 2 x 16: 8 steps an epoch.  No --epochs: the budget decides the length.
 BUDGET_TRAIN = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", BUDGET,
-                "--checkpoint-every", "2", "--log-every", "1", "--keep-checkpoints", "50"]
+                "--checkpoint-every", "10", "--log-every", "1", "--keep-checkpoints", "100"]
 ANNOUNCED = re.compile(r"time budget " + re.escape(BUDGET) + r": ([\d,]+) steps")
 
 
@@ -189,45 +189,95 @@ def _stopped_at(text: str) -> int:
     return int(text.split("stopped by a signal at step ")[1].split(":")[0])
 
 
-@pytest.mark.slow
-def test_two_processes_agree_on_the_budget_and_a_resume_keeps_it(tmp_path, runs):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def stopped_and_resumed(tmp_path_factory):
+    """A 2-process budget run stopped by SIGTERM (to torchrun, which forwards it) as soon as
+    the budget is fixed, then continued with --resume auto to its end."""
+    root = tmp_path_factory.mktemp("budget")
+    out = root / "run"
     first = Run(_torchrun("accel_train", *BUDGET_TRAIN, "--output-dir", str(out)),
-                tmp_path / "first.log")
-    runs.append(first)
-    record = wait_until(lambda: _budget_records(out), "the budget record", first)[0]
-    first.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
-    first.wait()
-    total = record["total_steps"]
-    assert record["step"] == budget.WARM_STEPS + budget.MEASURED_STEPS, record
-    assert total > record["step"], record
-    assert [_announced(out, r) for r in (0, 1)] == [[total], [total]], "ranks disagree"
-    stops = [_stopped_at((out / "logs" / f"rank{r}.log").read_text()) for r in (0, 1)]
-    assert stops[0] == stops[1], stops
-    stop = stops[0]
-    assert stop < total, f"the run ended ({total} steps) before the stop: give it more budget"
-    assert _state(out, stop)["total_steps"] == total
+                root / "first.log")
+    try:
+        record = wait_until(lambda: _budget_records(out), "the budget record", first)[0]
+        first.proc.send_signal(signal.SIGTERM)
+        first.wait()
+        logs = [(out / "logs" / f"rank{r}.log").read_text() for r in (0, 1)]
+        assert all("stopped by a signal at step " in log for log in logs), first.output[-3000:]
+        stops = [_stopped_at(log) for log in logs]
+        announced = [_announced(out, r) for r in (0, 1)]
+        stopped_state = _state(out, stops[0])
+        second = Run(_torchrun("accel_train", *BUDGET_TRAIN, "--output-dir", str(out),
+                               "--resume", "auto"), root / "second.log")
+        try:
+            output = second.check()
+        finally:
+            second.close()
+    finally:
+        first.close()
+    return SimpleNamespace(out=out, record=record, stops=stops, announced_before=announced,
+                           stopped_state=stopped_state, resumed_output=output)
 
-    second = Run(_torchrun("accel_train", *BUDGET_TRAIN, "--output-dir", str(out), "--resume",
-                           "auto"), tmp_path / "second.log")
-    runs.append(second)
-    output = second.check()
-    assert f"resumed from {out}/checkpoints/step_{stop:08d} at step {stop}" in output
-    assert "time budget" not in output.split("resumed from")[-1], "measured again"
-    assert _budget_records(out) == [record], "a second budget record"
+
+@pytest.mark.slow
+def test_two_processes_agree_on_one_step_count(stopped_and_resumed):
+    run = stopped_and_resumed
+    total = run.record["total_steps"]
+    assert run.record["step"] == budget.WARM_STEPS + budget.MEASURED_STEPS, run.record
+    assert total > run.record["step"], run.record
+    assert run.announced_before == [[total], [total]], "the ranks announced other counts"
+    assert run.stops[0] == run.stops[1], run.stops
+    assert run.stops[0] < total, f"the run ended ({total} steps) before the stop"
+    assert run.stopped_state["total_steps"] == total
+    assert run.stopped_state["step"] == run.stops[0]
+
+
+@pytest.mark.slow
+def test_a_resumed_budget_run_keeps_its_step_count_and_ends_there(stopped_and_resumed):
+    run, out = stopped_and_resumed, stopped_and_resumed.out
+    total, stop = run.record["total_steps"], run.stops[0]
+    assert f"resumed from {out}/checkpoints/step_{stop:08d} at step {stop}" in run.resumed_output
+    assert "time budget" not in run.resumed_output, "measured again after the resume"
+    assert _budget_records(out) == [run.record], "a second budget record"
     assert [_announced(out, r) for r in (0, 1)] == [[total], [total]]
-    last = max(checkpoint_steps(out))
-    assert last == total
+    assert max(checkpoint_steps(out)) == total
     final = _state(out, total)
     assert (final["step"], final["total_steps"]) == (total, total)
     for step in checkpoint_steps(out):
-        state = _state(out, step)
-        if step >= record["step"]:
-            assert state["total_steps"] == total, (step, state)
+        if step >= run.record["step"]:
+            assert _state(out, step)["total_steps"] == total, step
     train_steps = [r["step"] for r in metrics(out) if r["type"] == "train"]
     assert train_steps == list(range(1, total + 1)), train_steps
-    resolved = yaml.safe_load((out / "config.yaml").read_text())["resolved"]
-    assert resolved["total_steps"] == total
+    resumed_records = sorted(out.glob("config.resume-*.yaml"))
+    assert resumed_records
+    assert yaml.safe_load(resumed_records[-1].read_text())["resolved"]["total_steps"] == total
+
+
+@pytest.mark.slow
+def test_config_yaml_records_the_step_count_the_budget_fixed(stopped_and_resumed):
+    """config.yaml's resolved facts are what ran: the budget's total, not the provisional
+    --epochs count the run started with before it had measured."""
+    run = stopped_and_resumed
+    resolved = yaml.safe_load((run.out / "config.yaml").read_text())["resolved"]
+    assert resolved["total_steps"] == run.record["total_steps"], resolved["total_steps"]
+
+
+def test_the_budget_replaces_epochs_even_when_they_are_fewer_than_the_measured_steps(tmp_path):
+    """128 images at batch 16 with --epochs 1 is 8 steps, fewer than the 13 the budget needs to
+    measure: the run must still measure and fit the budget (it replaces --epochs), not end after
+    8 steps as if no budget had been given."""
+    out = tmp_path / "run"
+    command = [*[a for a in TINY_TRAIN if a not in ("--synthetic-train-size", "256")],
+               "--synthetic-train-size", "128", "--time-budget", "15s", "--log-every", "1",
+               "--output-dir", str(out)]
+    run = Run([sys.executable, "-m", "accel_train", *command], tmp_path / "run.log")
+    try:
+        run.check()
+    finally:
+        run.close()
+    records = _budget_records(out)
+    assert len(records) == 1, "no step count was fixed: the budget was ignored"
+    train_steps = [r["step"] for r in metrics(out) if r["type"] == "train"]
+    assert train_steps[-1] == records[0]["total_steps"] > 8
 
 
 @pytest.mark.slow

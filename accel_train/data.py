@@ -227,7 +227,7 @@ def build_loaders(config, data, spec, num_processes: int, processes_per_machine:
                   pin_memory: bool) -> Loaders:
     """Seeded, augmented training batches in an order that is a function of (seed, epoch), and
     the held-out batches; a UsageError when the data cannot fill one global batch."""
-    if getattr(data, "shards", None) is not None:  # streamed from shards: streaming.py
+    if getattr(data, "shards", None) is not None:  # streamed from shards: streaming/
         from .streaming import build_stream_loaders
         return build_stream_loaders(config, data, spec, num_processes, processes_per_machine,
                                     pin_memory)

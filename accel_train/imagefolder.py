@@ -71,6 +71,13 @@ class FolderIndex:
     def __len__(self) -> int:
         return sum(len(paths) for paths, _ in self.splits.values())
 
+    def fingerprint(self, split: str) -> str:
+        """Names this split's rows for `datasets` (its cache of derived tables): the folder,
+        the split, its size and every folder's mtime, which change whenever the rows do."""
+        text = json.dumps([str(self.root.resolve()), split, len(self.splits[split][0]),
+                           self.class_names, self.dirs])
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
 
 def index_folder(root: str | Path, class_depth: Optional[int] = None,
                  val_labels: Optional[str] = None, cache_dir: Optional[Path] = None,
@@ -395,9 +402,10 @@ def _read_cache(path: Path, root: Path) -> Optional[FolderIndex]:
             return None
     except OSError:  # a folder is gone
         return None
-    paths, labels = table.column("path"), table.column("label")
-    splits = {split: (paths.slice(start, stop - start).combine_chunks(),
-                      labels.slice(start, stop - start).to_numpy())
+    # Slices of the memory-mapped file: no copy (the file holds one record batch).
+    paths, labels = (table.column(name).combine_chunks() for name in ("path", "label"))
+    splits = {split: (paths.slice(start, stop - start),
+                      labels.slice(start, stop - start).to_numpy(zero_copy_only=True))
               for split, start, stop in meta["splits"]}
     return FolderIndex(root, splits, meta["classes"], [tuple(d) for d in meta["dirs"]],
                        cached=True)

@@ -86,7 +86,7 @@ class Trainer:
                                          self.report.warn, self.callbacks.before_manifest,
                                          config.keep_best)
         acc.register_save_state_pre_hook(self._save_extras_into_checkpoint)
-        self.data = distributed.main_first(  # streaming.py: shards, read per epoch
+        self.data = distributed.main_first(  # streaming/: shards, read per epoch
             lambda: load_streaming(config) if streaming_wanted(config) else load_data(config))
         self.bad_images = BadImageLog(self.paths.bad_images, self.report, self.data,
                                       acc.is_main_process)

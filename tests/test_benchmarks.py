@@ -38,12 +38,13 @@ CASES = {
                  "--max-train", "512"],
     "threads": [*TINY, "--steps", "1", "--conditions", "quiet"],
     "index": ["--quick"],
+    "streaming": [*TINY, "--rss-batches", "4"],
     "gpu": ["--quick", "--allow-cpu", "--model", "test_resnet", "--sizes", "32", "--precisions",
             "bf16", "--batch", "8", "--steps", "1", "--rounds", "1"],
 }
 # Longest first, so that the two lanes finish together.
 ORDER = ["overhead", "scaling", "accuracy", "seed", "comm", "data", "threads", "checkpoint",
-         "index", "gpu"]
+         "index", "streaming", "gpu"]
 
 
 @pytest.fixture(scope="module")

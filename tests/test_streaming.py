@@ -1,4 +1,4 @@
-"""Streaming from shards (accel_train/streaming.py, `accel-train shard`): the converter's round
+"""Streaming from shards (accel_train/streaming/, `accel-train shard`): the converter's round
 trip, the epoch plan (each sample once, uneven shard counts, re-cuts for another layout), and
 real runs on 1 and 2 processes with exact resume."""
 
@@ -361,3 +361,71 @@ def test_resume_across_map_style_and_streaming_is_refused(synthetic_shards, tmp_
         assert result.returncode == 2, result.stderr[-2000:]
         assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
         assert _files(out) == before
+
+
+def test_a_broken_image_in_a_shard_is_replaced_and_named_once(tmp_path):
+    """--bad-images substitute (the default): the run goes on with the next good sample of the
+    batch in its place and names it once; --bad-images error stops, naming it, exit 2."""
+    from accel_train import synthetic
+    from accel_train.streaming import ShardWriter, png_bytes, write_index
+    root = tmp_path / "shards"
+    images, labels = synthetic.generate(80, 5)
+    entries = {}
+    for split, rows in (("train", range(64)), ("test", range(64, 80))):
+        writer = ShardWriter(root / split, root, None, 16)
+        for i in rows:
+            data = b"this is not an image" if i == 5 else png_bytes(images[i])
+            writer.write(data, "png", int(labels[i]))
+        writer.close()
+        entries[split] = writer.entries
+    write_index(root, entries, list(synthetic.CLASS_NAMES), "test")
+    common = ["--data-dir", str(root), "--model", "test_resnet", "--batch-size", "8",
+              "--epochs", "1", "--num-workers", "1", "--no-plots", "--progress", "log"]
+    result = accel_train(*common, "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = (result.stdout + result.stderr).count("000000.tar 000000005")
+    assert said == 1, result.stdout + result.stderr
+    assert "000000.tar 000000005" in (tmp_path / "run" / "bad_images.txt").read_text()
+    result = accel_train(*common, "--bad-images", "error", "--output-dir", str(tmp_path / "r2"))
+    assert result.returncode == 2 and "000000.tar 000000005" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_two_then_one_then_two_processes_each_sample_once(synthetic_shards, tmp_path):
+    """SIGTERM on 2 processes, then on 1, then 2 finish: a stop inside an epoch that was itself
+    re-cut for another layout still trains each of its samples once."""
+    import signal
+
+    from faults import (SAMPLE_LOG_ENV, Run, checkpoint_steps, python_cmd, torchrun_cmd,
+                        wait_until)
+    out = tmp_path / "run"
+    command = ["--data-dir", str(synthetic_shards), *STREAM_TRAIN, "--num-workers", "1",
+               "--checkpoint-every", "2", "--output-dir", str(out)]
+    log = {SAMPLE_LOG_ENV: "1"}
+    stops = []
+    for cmd, after in ((torchrun_cmd(*command), 2),
+                       (python_cmd(*command, "--resume", "auto"), None)):
+        run = Run(cmd, tmp_path / f"run{len(stops)}.log", **log)
+        try:
+            floor = after if after is not None else stops[-1] + 1
+            wait_until(lambda floor=floor: [s for s in checkpoint_steps(out) if s >= floor],
+                       "a checkpoint", run)
+            run.proc.send_signal(signal.SIGTERM)
+            run.wait()
+        finally:
+            run.close()
+        stops.append(max(checkpoint_steps(out)))
+    assert stops[0] < stops[1] < 20, stops
+    last = Run(torchrun_cmd(*command, "--resume", "auto"), tmp_path / "last.log", **log)
+    try:
+        output = last.check()
+    finally:
+        last.close()
+    assert f"at step {stops[1]}" in output
+    by_epoch = _keys_by_epoch(out)
+    assert len(by_epoch[0]) == len(set(by_epoch[0])) == 160
+    assert set(by_epoch[0]) == _plan_set(synthetic_shards, Layout(2, 1, 8, 1), 0)
+    assert len(by_epoch[1]) == len(set(by_epoch[1])) == 160
+    assert set(by_epoch[1]) <= (_plan_set(synthetic_shards, Layout(2, 1, 8, 1), 1)
+                                | _plan_set(synthetic_shards, Layout(1, 1, 8, 2), 1))

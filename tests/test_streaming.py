@@ -429,3 +429,20 @@ def test_two_then_one_then_two_processes_each_sample_once(synthetic_shards, tmp_
     assert len(by_epoch[1]) == len(set(by_epoch[1])) == 160
     assert set(by_epoch[1]) <= (_plan_set(synthetic_shards, Layout(2, 1, 8, 1), 1)
                                 | _plan_set(synthetic_shards, Layout(1, 1, 8, 2), 1))
+
+
+def test_eval_of_a_streamed_run_reads_its_held_out_shards(stream_reference):
+    """`accel-train eval RUN` on a run trained from shards evaluates the held-out shards and
+    gives the numbers of the run's last epoch line; its training shards are not evaluable."""
+    result = accel_train("eval", str(stream_reference), "--json", check=True)
+    report = json.loads(result.stdout)
+    last_epoch = [r for r in metrics_of(stream_reference) if r["type"] == "epoch"][-1]
+    assert report["count"] == last_epoch["eval_count"] == 32
+    assert report["top1"] == pytest.approx(last_epoch["eval_top1"], abs=1e-6)
+    refused = accel_train("eval", str(stream_reference), "--split", "train")
+    assert refused.returncode == 2 and "--split train" in refused.stderr
+
+
+def metrics_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]

@@ -22,7 +22,7 @@ SPLITS = {"held-out": "the held-out images", "train": "the training images",
 # The options that say which data a run used; nothing else of the run matters to eval.
 DATA_OPTIONS = ("dataset", "data_dir", "image_column", "label_column", "val_fraction",
                 "max_train_samples", "max_eval_samples", "synthetic_train_size", "val_labels",
-                "class_depth")
+                "class_depth", "streaming", "eval_shards")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +145,7 @@ def main(argv: Sequence[str]) -> int:
     from ..data import default_num_workers, make_loader
     from ..evaluate import evaluate_classifier
     from ..sources import load_data
+    from ..streaming import load_streaming, streaming_wanted
     from ..distributed import main_first, print_once
     from ..precision import resolve_precision
     from ..transforms import ImageTransform
@@ -165,8 +166,13 @@ def main(argv: Sequence[str]) -> int:
         acc = Accelerator(cpu=not cuda, mixed_precision=precision)
         if warning:
             print_once(f"warning: {warning}")
-        data = main_first(lambda: load_data(config))
-        for source in (data.train, data.eval):
+        streamed = streaming_wanted(config)
+        if streamed and args.split != "held-out":
+            raise UsageError(f"--split {args.split}: a streamed run's training shards are read "
+                             f"by the trainer's loader only; evaluate its held-out split, or "
+                             f"pass --data-dir of a folder")
+        data = main_first(lambda: load_streaming(config) if streamed else load_data(config))
+        for source in (data.train, data.eval) if not streamed else (data.eval,):
             align_labels(source, data.class_names, trained.spec.class_names, data.description)
         spec = trained.spec
         transform = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)

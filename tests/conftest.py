@@ -43,6 +43,16 @@ def test_env(**extra: str) -> dict:
 
 
 @pytest.fixture
+def runs():
+    """The processes a test starts (faults.Run objects): each is killed with its children when
+    the test ends, however it ends."""
+    started: list = []
+    yield started
+    for run in started:
+        run.close()
+
+
+@pytest.fixture
 def rng(request) -> random.Random:
     """A seeded RNG per test for its random choices (which step to kill at, ...); the seed is
     printed (shown with -s, and on failure), and ACCEL_TRAIN_TEST_SEED replays or varies it."""

@@ -48,13 +48,6 @@ def broken_folder(tmp_path_factory):
     return root, expected
 
 
-@pytest.fixture
-def runs():
-    started: list[Run] = []
-    yield started
-    for run in started:
-        run.close()
-
 
 def assert_named_once(output: str, out, expected: dict) -> None:
     """Every broken file said once on the console, listed once with its reason, counted."""

@@ -26,13 +26,6 @@ pytestmark = pytest.mark.slow
 SAVES = [3, 6, 8, 9, 12, 15, 16]
 
 
-@pytest.fixture
-def runs():
-    started: list[Run] = []
-    yield started
-    for run in started:
-        run.close()
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):

@@ -48,13 +48,6 @@ LONG_TRAIN = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--epochs"
 PROMPT = 60.0  # seconds: a bad input must end every rank well within this (imports included)
 
 
-@pytest.fixture
-def runs():
-    started: list[Run] = []
-    yield started
-    for run in started:
-        run.close()
-
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "accel_train", *args]

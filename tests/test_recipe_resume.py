@@ -30,13 +30,6 @@ RECIPE = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")],
           "--checkpoint-every", "3", "--log-every", "1", "--keep-checkpoints", "10"]
 
 
-@pytest.fixture
-def runs():
-    started: list[Run] = []
-    yield started
-    for run in started:
-        run.close()
-
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "accel_train", *args]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 
-import pytest
 
 from accel_train.checkpoint import verify
 from faults import (FAULT_TRAIN, STALL_ENV, Run, assert_metrics_continuous, checkpoint_steps,
@@ -14,13 +13,6 @@ from faults import (FAULT_TRAIN, STALL_ENV, Run, assert_metrics_continuous, chec
 # One process, batch 16: 16 steps per epoch, 32 in all; saves every 3 steps and at 16 and 32.
 MID_EPOCH_SAVES = [6, 9, 12, 15, 18, 21, 24, 27, 30]
 
-
-@pytest.fixture
-def runs():
-    started: list[Run] = []
-    yield started
-    for run in started:
-        run.close()
 
 
 def test_a_run_killed_while_writing_a_checkpoint_resumes_bit_identical(tmp_path, runs, rng):

@@ -15,13 +15,6 @@ from faults import (FAULT_TRAIN, SAMPLE_LOG_ENV, Run, assert_each_sample_once_pe
                     torchrun_cmd, wait_until)
 
 
-@pytest.fixture
-def runs():
-    started: list[Run] = []
-    yield started
-    for run in started:
-        run.close()
-
 
 def _stopped_at(log_text: str) -> int:
     return int(log_text.split("stopped by a signal at step ")[1].split(":")[0])

@@ -154,13 +154,6 @@ BUDGET_TRAIN = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-
 ANNOUNCED = re.compile(r"time budget " + re.escape(BUDGET) + r": ([\d,]+) steps")
 
 
-@pytest.fixture
-def runs():
-    started: list[Run] = []
-    yield started
-    for run in started:
-        run.close()
-
 
 def _torchrun(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",

@@ -25,6 +25,8 @@ MAX_SAID = 100  # warnings printed per start; the others go to the log and bad_i
 
 
 class BadImageLog:
+    """One per rank; `collect` is a collective (every rank calls it at the same points)."""
+
     def __init__(self, path: Path, report, data: LoadedData, is_main: bool):
         self.path, self.report, self.is_main = Path(path), report, is_main
         self.sources = {"train": data.train, "held-out": data.eval}

@@ -20,15 +20,15 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 
 from . import distributed
+from .badimages import BadImageLog
+from .budget import TimeBudget, parse_duration
 from .checkpoint import Checkpointer, TrainerState
 from .config import TrainConfig
-from .badimages import BadImageLog
 from .data import build_loaders
 from .ema import ModelEma
-from .mixing import maybe_mixup
 from .evaluate import evaluate_classifier
+from .mixing import maybe_mixup
 from .model import build_network, save_weights, set_train_mode
-from .budget import TimeBudget, parse_duration
 from .optim import build_optimizer, plan_schedule, scheduler_for
 from .plots import write_plots
 from .precision import precision_name, resolve_precision

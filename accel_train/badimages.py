@@ -19,6 +19,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from .distributed import more_than_one_rank
 from .sources import BadImage, LoadedData
 
 MAX_SAID = 100  # warnings printed per start; the others go to the log and bad_images.txt only
@@ -75,7 +76,7 @@ class BadImageLog:
         last call.  Returns the count (on the main process)."""
         self._check_marks()
         found, self.pending = self.pending, []
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if more_than_one_rank():
             parts: list[Optional[list]] = [None] * dist.get_world_size()
             dist.all_gather_object(parts, found)
             found = [bad for part in parts for bad in part]

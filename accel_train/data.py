@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from .errors import UsageError
-from .sources import ArraySource, ImageSource
 from .augment import build_erasing, build_policy
+from .sources import ArraySource, ImageSource
 from .transforms import ImageTransform, single_threaded
 
 STATS_SAMPLE = 5000  # images used to estimate the dataset's mean/std
@@ -223,6 +223,18 @@ class Loaders:
     steps_per_epoch: int  # optimizer steps
 
 
+def run_transforms(config, spec) -> tuple[ImageTransform, ImageTransform]:
+    """(training, held-out) transforms of a run: the training one augments as the flags say
+    (crop and flip, then --auto-augment and --reprob), the held-out one only resizes and
+    normalizes.  Both data paths (indexed and streamed) build theirs here."""
+    augmenting = config.augment
+    train_tf = ImageTransform(spec.image_size, spec.mean, spec.std, augment=augmenting,
+                              policy=build_policy(config.auto_augment)
+                              if augmenting and config.auto_augment else None,
+                              erasing=build_erasing(config.reprob) if augmenting else None)
+    return train_tf, ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
+
+
 def build_loaders(config, data, spec, num_processes: int, processes_per_machine: int,
                   pin_memory: bool) -> Loaders:
     """Seeded, augmented training batches in an order that is a function of (seed, epoch), and
@@ -239,11 +251,7 @@ def build_loaders(config, data, spec, num_processes: int, processes_per_machine:
     if len(data.eval) == 0:
         raise UsageError("the held-out split is empty; raise --val-fraction or "
                          "--max-eval-samples")
-    train_tf = ImageTransform(spec.image_size, spec.mean, spec.std, augment=config.augment,
-                              policy=build_policy(config.auto_augment)
-                              if config.augment and config.auto_augment else None,
-                              erasing=build_erasing(config.reprob) if config.augment else None)
-    eval_tf = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
+    train_tf, eval_tf = run_transforms(config, spec)
     workers = config.num_workers if config.num_workers is not None else \
         default_num_workers(data.train, processes_per_machine)
     sampler = EpochSampler(len(data.train), global_batch, config.seed)

@@ -73,11 +73,6 @@ class Schedule:
         return lr_factor(step, min(self.warmup_steps, self.total_steps), self.total_steps)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int,
-                    total_steps: int) -> LambdaLR:
-    return scheduler_for(optimizer, Schedule(warmup_steps, total_steps))
-
-
 def scheduler_for(optimizer: torch.optim.Optimizer, schedule: Schedule) -> LambdaLR:
     # A plain function, not the bound method: LambdaLR would save a callable object's state
     # into every checkpoint, and the total is recorded in the trainer's state instead.

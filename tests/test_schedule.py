@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from accel_train.optim import build_scheduler
+from accel_train.optim import Schedule, scheduler_for
 from accel_train.track import read_metrics
 
 from conftest import TINY_TRAIN, accel_train
@@ -30,7 +30,7 @@ def _lrs_per_update(warmup: int, total: int, updates: int, peak: float = 0.1,
     trainer does (optimizer.step(), then scheduler.step())."""
     params = [torch.nn.Parameter(torch.ones(2)) for _ in range(groups)]
     optimizer = torch.optim.SGD([{"params": [p]} for p in params], lr=peak)
-    scheduler = build_scheduler(optimizer, warmup, total)
+    scheduler = scheduler_for(optimizer, Schedule(warmup, total))
     seen = []
     for _ in range(updates):
         seen.append([g["lr"] for g in optimizer.param_groups])

@@ -76,18 +76,12 @@ def streaming_wanted(config) -> bool:
 def build_stream_loaders(config, data, spec, num_processes: int, processes_per_machine: int,
                          pin_memory: bool):
     """The streaming counterpart of data.build_loaders (same Loaders record)."""
-    from ..augment import build_erasing, build_policy
-    from ..data import EvalImages, Loaders, default_num_workers, make_loader
+    from ..data import EvalImages, Loaders, default_num_workers, make_loader, run_transforms
     import torch.distributed as dist
-    from ..transforms import ImageTransform
 
     shards = data.shards.train
     global_batch = config.batch_size * num_processes * config.accumulation_steps
-    train_tf = ImageTransform(spec.image_size, spec.mean, spec.std, augment=config.augment,
-                              policy=build_policy(config.auto_augment)
-                              if config.augment and config.auto_augment else None,
-                              erasing=build_erasing(config.reprob) if config.augment else None)
-    eval_tf = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
+    train_tf, eval_tf = run_transforms(config, spec)
     wanted = config.num_workers if config.num_workers is not None else \
         default_num_workers(data.train, processes_per_machine)
     slots = fit_workers(shards, num_processes, config.batch_size, config.accumulation_steps,

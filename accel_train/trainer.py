@@ -86,8 +86,9 @@ class Trainer:
                                          self.report.warn, self.callbacks.before_manifest,
                                          config.keep_best)
         acc.register_save_state_pre_hook(self._save_extras_into_checkpoint)
-        self.data = distributed.main_first(  # streaming/: shards, read per epoch
-            lambda: load_streaming(config) if streaming_wanted(config) else load_data(config))
+        self.streaming = streaming_wanted(config)  # shards read per epoch: streaming/
+        self.data = distributed.main_first(
+            lambda: load_streaming(config) if self.streaming else load_data(config))
         self.bad_images = BadImageLog(self.paths.bad_images, self.report, self.data,
                                       acc.is_main_process)
         self.net = build_network(config, self.data, acc.num_processes,
@@ -120,7 +121,7 @@ class Trainer:
                       accumulation_steps=config.accumulation_steps)
         if self.plan.resume_from is None:
             return TrainerState(**layout, seed=config.seed, train_samples=len(self.data.train))
-        if getattr(self.train_loader, "streaming", False):  # where each rank's stream stood
+        if self.streaming:  # where each rank's stream stood
             self.train_loader.restore(self.plan.resume_from, self.plan.previous.epoch,
                                       self.plan.previous.samples_in_epoch)
         else:
@@ -281,7 +282,7 @@ class Trainer:
         loader = self.train_loader
         per_micro_step = config.batch_size * acc.num_processes
         skip = state.samples_in_epoch // per_micro_step
-        if skip and not getattr(self.train_loader, "streaming", False):  # streams start there
+        if skip and not self.streaming:  # a restored stream starts there by itself
             loader = acc.skip_first_batches(self.train_loader, skip)
             loader.set_epoch(state.epoch)  # the skipping loader starts its own epoch count at 0
         window = LogWindow()
@@ -423,7 +424,7 @@ class Trainer:
         checkpoint then carries model_config.json, so `accel-train export/eval` can use a
         checkpoint on its own, wherever its folder has been moved, and the EMA weights."""
         if self.accelerator.is_main_process:
-            if getattr(self.train_loader, "streaming", False):  # every rank's stream position
+            if self.streaming:  # every rank's stream position
                 save_stream_state(self.train_loader, Path(output_dir), self.state.epoch,
                                   self.state.samples_in_epoch)
             self.net.spec.save(Path(output_dir))

@@ -125,8 +125,6 @@ class StreamLoader:
     prepare() passes it through untouched (it would otherwise re-shard an iterable dataset
     across processes, or read it all on rank 0 and scatter); it moves batches to the device."""
 
-    streaming = True
-
     def __init__(self, dataset: StreamingTrain, num_workers: int, prefetch_factor: int,
                  pin_memory: bool):
         self.dataset, self.num_workers = dataset, num_workers

@@ -1,9 +1,10 @@
 """--time-budget: fit the whole schedule (warmup and decay to the end) into a wall-clock budget.
 
 The run trains a few steps (past compilation and warm caches), measures the time an optimizer
-step takes, and fixes the number of steps so that training and the evaluations at epoch ends fit
-the budget; the final evaluation comes after it.  Every rank agrees on the slowest rank's
-measurement, and the total is recorded in the checkpoints, so a resumed run keeps the schedule.
+step takes (a short pilot, then a window of a few percent of the budget), and fixes the number
+of steps so that training and the evaluations at epoch ends fit the budget; the final
+evaluation comes after it.  Every rank agrees on the slowest rank's measurement, and the total
+is recorded in the checkpoints, so a resumed run keeps the schedule.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from typing import Optional
 from .errors import UsageError
 
 WARM_STEPS = 3       # not measured: the first steps pay compilation, allocation, cold caches
-MEASURED_STEPS = 10  # then this many are timed
+MEASURED_STEPS = 10  # then this many are timed: the pilot reading
+# A CPU keeps speeding up for far longer than three steps (allocator, oneDNN caches, the OS
+# scheduler settling): a pilot of ten steps reads slow, and a schedule fitted to it ends early
+# (BENCHMARKS.md, "The recipe file with --time-budget").  So, unless the budget is short, the
+# pilot only sizes a second window in steps (all ranks size it alike from the agreed pilot),
+# which waits SETTLE_FRACTION of the budget and then times MEASURE_FRACTION of it.  The learning
+# rate is unaffected: until the count is fixed, the schedule is warmup, then its peak.
+SETTLE_FRACTION = 0.02
+MEASURE_FRACTION = 0.03
 # Evaluating an image (forward only, no augmentation) costs about a third of training on it;
 # half is the estimate, to err on finishing inside the budget.
 EVAL_COST_PER_IMAGE = 0.5
@@ -38,12 +47,14 @@ def parse_duration(text: str) -> float:
 
 
 class TimeBudget:
-    """Times the optimizer steps after WARM_STEPS; `step_seconds` once MEASURED_STEPS are in."""
+    """Times windows of optimizer steps: a pilot after WARM_STEPS, then maybe a longer one."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
         self.started, self.first_step = time.perf_counter(), 0
+        self._window = (WARM_STEPS, WARM_STEPS + MEASURED_STEPS)  # in steps since the start
         self._window_start: Optional[tuple[int, float]] = None
+        self.pilot_seconds: Optional[float] = None
         self.step_seconds: Optional[float] = None
 
     def start(self, step: int) -> None:
@@ -51,20 +62,34 @@ class TimeBudget:
         self.started, self.first_step = time.perf_counter(), step
 
     def measure(self, step: int) -> Optional[float]:
-        """Call after each optimizer step; the measured seconds per step once the window is
-        complete (then once only), else None."""
+        """Call after each optimizer step; the seconds per step over the current window once it
+        is complete (then hand the ranks' agreed value to `settle`), else None."""
         if self.step_seconds is not None:
             return None
         now, steps_done = time.perf_counter(), step - self.first_step
+        begin, end = self._window
         if self._window_start is None:
-            if steps_done >= WARM_STEPS:
+            if steps_done >= begin:
                 self._window_start = (steps_done, now)
             return None
         first_step, first_time = self._window_start
-        if steps_done - first_step < MEASURED_STEPS:
+        if steps_done < end:
             return None
-        self.step_seconds = (now - first_time) / (steps_done - first_step)
-        return self.step_seconds
+        return (now - first_time) / (steps_done - first_step)
+
+    def settle(self, step_seconds: float) -> bool:
+        """The ranks' agreed reading of the window just completed.  True: it is final (fix the
+        schedule now); False: it was the pilot, and a longer window now follows."""
+        if self.pilot_seconds is None:
+            self.pilot_seconds = step_seconds
+            end = self._window[1]
+            wait = math.ceil(SETTLE_FRACTION * self.seconds / step_seconds)
+            length = math.ceil(MEASURE_FRACTION * self.seconds / step_seconds)
+            if length > MEASURED_STEPS:  # else the pilot is as long as a second window would be
+                self._window, self._window_start = (end + wait, end + wait + length), None
+                return False
+        self.step_seconds = step_seconds
+        return True
 
     def total_steps(self, step_seconds: float, steps_done: int, steps_per_epoch: int,
                     eval_images: int, global_batch: int, flag: str) -> int:

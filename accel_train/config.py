@@ -22,6 +22,7 @@ from .errors import UsageError
 PRECISIONS = ("auto", "no", "fp16", "bf16")
 IN_MEMORY_MODES = ("auto", "always", "never")
 BAD_IMAGE_MODES = ("substitute", "error")
+TTA_MODES = ("none", "flip")
 SYNTHETIC_DATASET = "synthetic"
 
 
@@ -55,6 +56,10 @@ class TrainConfig:
     max_train_samples: Optional[int] = option(None, "Use only the first N training samples.",
                                               "data")
     max_eval_samples: Optional[int] = option(None, "Use only the first N held-out samples.", "data")
+    tta: str = option("none", "Test-time augmentation in evaluations: 'flip' also evaluates each "
+                      "image mirrored and averages the two logits (recorded in "
+                      "model_config.json; accel-train eval and predict do the same).", "data",
+                      choices=TTA_MODES)
     synthetic_train_size: int = option(4000, "Training images in the synthetic dataset.", "data")
     in_memory: str = option("auto", "Decode images once into memory and augment tensors "
                             "(auto: when the data fits in --in-memory-limit-gb and images share a "
@@ -279,7 +284,7 @@ class TrainConfig:
             raise UsageError(f"--drop-path must be in [0, 1) (got {self.drop_path}); "
                              f"0.05-0.2 is usual")
         for name, allowed in (("mixed_precision", PRECISIONS), ("in_memory", IN_MEMORY_MODES),
-                              ("bad_images", BAD_IMAGE_MODES)):
+                              ("bad_images", BAD_IMAGE_MODES), ("tta", TTA_MODES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"{flag(name)} {getattr(self, name)!r} is not supported: "
                                  f"choose one of {', '.join(allowed)}")

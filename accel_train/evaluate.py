@@ -11,9 +11,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def logits_of(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torch.Tensor:
+    """The model's logits, with --tta: 'flip' averages them with those of the mirrored images
+    (logits, not probabilities, as in airbench; a horizontal flip is in the training
+    augmentation, so the model has learned both views)."""
+    logits = model(images).float()
+    if tta == "flip":
+        logits = (logits + model(images.flip(3)).float()) / 2
+    return logits
+
+
 @torch.no_grad()
 def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
-                        channels_last: bool = False) -> dict:
+                        channels_last: bool = False, tta: str = "none") -> dict:
     """Loss, top-1, top-5 and per-class accuracy.
 
     `model` must be the bare module (not DDP-wrapped): DDP broadcasts buffers at every forward,
@@ -28,8 +38,7 @@ def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         with accelerator.autocast():
-            logits = model(images)
-        logits = logits.float()
+            logits = logits_of(model, images, tta)
         topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
         values = (F.cross_entropy(logits, labels, reduction="none"), topk[:, 0] == labels,
                   (topk == labels[:, None]).any(dim=1), labels)

@@ -16,6 +16,7 @@ import timm
 import torch
 from torch import nn
 
+from . import small_nets  # noqa: F401  (registers the small-image networks in timm's registry)
 from .errors import UsageError
 from .rundir import SPEC_FILE, WEIGHTS_FILE  # noqa: F401  (WEIGHTS_FILE: callers name it here)
 
@@ -32,6 +33,7 @@ class ModelSpec:
     std: tuple[float, float, float]
     drop_rate: float = 0.0
     weights: str = "model"  # which weights model.safetensors holds: "model" or "ema" (--model-ema)
+    tta: str = "none"  # test-time augmentation the run evaluated with (--tta)
 
     def save(self, directory: Path) -> Path:
         path = Path(directory) / SPEC_FILE
@@ -190,7 +192,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
     mean, std = pretrained_normalization(model) if config.pretrained else \
         dataset_mean_std(data.train)
     spec = ModelSpec(config.model, len(data.class_names), list(data.class_names), image_size,
-                     tuple(mean), tuple(std), config.drop_rate)
+                     tuple(mean), tuple(std), config.drop_rate, tta=config.tta)
     num_trainable = (freeze_backbone(model) if config.freeze_backbone
                      else sum(p.numel() for p in model.parameters()))
     sync_bn = config.sync_bn and num_processes > 1

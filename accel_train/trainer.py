@@ -167,6 +167,8 @@ class Trainer:
             return
         # The slowest rank's step time; rank 0's clock (the ranks' clocks started apart).
         step_seconds = distributed.max_over_ranks(step_seconds, self.control_group)
+        if not self.budget.settle(step_seconds):
+            return  # that was the pilot; the ranks now time the same longer window
         loaders, state = self.loaders, self.state
         total = self.budget.total_steps(step_seconds, state.step, loaders.steps_per_epoch,
                                         len(self.data.eval), loaders.global_batch,
@@ -180,7 +182,8 @@ class Trainer:
                                                    "budget_step_seconds": step_seconds})
         self.progress.set_total(total)
         self.metrics.write({"type": "budget", "step": state.step, "total_steps": total,
-                            "step_seconds": round(step_seconds, 5)})
+                            "step_seconds": round(step_seconds, 5),
+                            "pilot_step_seconds": round(self.budget.pilot_seconds, 5)})
         self.report.say(f"time budget {self.config.time_budget}: {total:,} steps, "
                         f"{total / loaders.steps_per_epoch:.1f} epochs at "
                         f"{1000 * step_seconds:.0f} ms/step (the final evaluation comes after "
@@ -381,7 +384,8 @@ class Trainer:
                 dist.broadcast(buffer, src=0)
         return evaluate_classifier(self.accelerator, model,
                                    self.bad_images.strip(self.eval_loader),
-                                   self.net.spec.num_classes, self.config.channels_last)
+                                   self.net.spec.num_classes, self.config.channels_last,
+                                   self.config.tta)
 
     # -- records, checkpoints, the end --------------------------------------------------------
     def _log_window(self, window: "LogWindow"):

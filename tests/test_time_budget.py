@@ -129,20 +129,43 @@ def test_a_budget_with_no_room_for_a_step_is_a_usage_error(clock):
         _total(clock, 10, 12, 0.5, 13, 50, 0, 100)  # already over
 
 
-def test_the_step_time_is_measured_past_the_warm_up_steps(clock):
+def _readings(clock, timer, first_step, step_times):
+    """Drive `timer` through steps taking `step_times` seconds each (settling every reading as
+    a single rank would); the (step, reading, final?) triples it gave."""
+    answers = []
+    for step, seconds in enumerate(step_times, start=first_step + 1):
+        clock.now += seconds
+        reading = timer.measure(step)
+        if reading is not None:
+            answers.append((step, pytest.approx(reading), timer.settle(reading)))
+    return answers
+
+
+def test_a_short_budget_is_fitted_to_the_pilot_alone(clock):
     """Three slow warm-up steps (5 s each: compilation, cold caches) are not measured; the next
-    ten steps of 0.5 s are, and the answer comes once, at the thirteenth step."""
+    ten steps of 0.5 s are, and at the thirteenth step that reading is final: 20 s leaves no
+    room for a longer window (3% of 20 s is 2 steps of 0.5 s, fewer than the pilot's ten)."""
     assert (budget.WARM_STEPS, budget.MEASURED_STEPS) == (3, 10)
     clock.now = 0.0
-    timer = TimeBudget(600)
+    timer = TimeBudget(20)
     timer.start(40)  # a run that starts (or resumes) at step 40
-    answers = []
-    for step in range(41, 60):
-        clock.now += 5.0 if step <= 43 else 0.5
-        answers.append((step, timer.measure(step)))
-    measured = [(step, value) for step, value in answers if value is not None]
-    assert measured == [(53, pytest.approx(0.5))], answers
-    assert timer.step_seconds == pytest.approx(0.5)
+    answers = _readings(clock, timer, 40, [5.0] * 3 + [0.5] * 30)
+    assert answers == [(53, pytest.approx(0.5), True)], answers
+    assert timer.step_seconds == pytest.approx(0.5) == timer.pilot_seconds
+
+
+def test_a_long_budget_times_a_second_window_after_the_machine_settles(clock):
+    """600 s: the pilot (steps 4-13, 1.0 s each: still warming up) reads 1.0 s; the second
+    window waits 2% of the budget at the pilot's pace (12 steps) and times 3% (18 steps), by
+    when steps take 0.5 s: steps 26-43 are measured, and 0.5 s is the final reading."""
+    assert (budget.SETTLE_FRACTION, budget.MEASURE_FRACTION) == (0.02, 0.03)
+    clock.now = 0.0
+    timer = TimeBudget(600)
+    timer.start(0)
+    answers = _readings(clock, timer, 0, [5.0] * 3 + [1.0] * 10 + [0.7] * 12 + [0.5] * 40)
+    assert answers == [(13, pytest.approx(1.0), False), (43, pytest.approx(0.5), True)], answers
+    assert (timer.pilot_seconds, timer.step_seconds) == (pytest.approx(1.0), pytest.approx(0.5))
+    assert timer.measure(44) is None  # fixed once
 
 
 # -- 2 processes under torchrun -------------------------------------------------------------------
@@ -153,6 +176,17 @@ BUDGET_TRAIN = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-
                 "--checkpoint-every", "10", "--log-every", "1", "--keep-checkpoints", "100"]
 ANNOUNCED = re.compile(r"time budget " + re.escape(BUDGET) + r": ([\d,]+) steps")
 
+
+
+def _window_end(pilot_seconds: float) -> int:
+    """The step at which a BUDGET run fixes its count, by budget.py's documented rule: the
+    pilot ends at step 13; a second window follows only if 3% of the budget holds more than
+    ten steps at the pilot's pace, after 2% of it."""
+    seconds, pilot_end = parse_duration(BUDGET), 13
+    length = math.ceil(0.03 * seconds / pilot_seconds)
+    if length <= 10:
+        return pilot_end
+    return pilot_end + math.ceil(0.02 * seconds / pilot_seconds) + length
 
 
 def _torchrun(module: str, *args: str) -> list[str]:
@@ -215,7 +249,7 @@ def stopped_and_resumed(tmp_path_factory):
 def test_two_processes_agree_on_one_step_count(stopped_and_resumed):
     run = stopped_and_resumed
     total = run.record["total_steps"]
-    assert run.record["step"] == budget.WARM_STEPS + budget.MEASURED_STEPS, run.record
+    assert run.record["step"] == _window_end(run.record["pilot_step_seconds"]), run.record
     assert total > run.record["step"], run.record
     assert run.announced_before == [[total], [total]], "the ranks announced other counts"
     assert run.stops[0] == run.stops[1], run.stops

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..cli import _Parser
-from ..config import PRECISIONS, TrainConfig
+from ..config import PRECISIONS, TTA_MODES, TrainConfig
 from ..errors import UsageError
 
 SPLITS = {"held-out": "the held-out images", "train": "the training images",
@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mixed-precision", choices=PRECISIONS, default="auto",
                      help="autocast precision; auto: fp16 on CUDA, fp32 on a CPU; an explicit "
                           "fp16 needs CUDA (default: auto)")
+    run.add_argument("--tta", choices=TTA_MODES, help="test-time augmentation: 'flip' averages "
+                     "the logits of each image and its mirror image (default: the run's --tta)")
     run.add_argument("--json", action="store_true",
                      help="print one JSON object instead of the table")
     return parser
@@ -119,20 +121,21 @@ def _dataset_for_split(data, split: str, transform, max_samples):
 
 
 def _report(results: dict, trained, data, split: str, num_processes: int, device,
-            as_json: bool) -> str:
+            as_json: bool, tta: str) -> str:
     from ..evaluate import format_results
     names = trained.spec.class_names
     if as_json:
         per_class = results["per_class"]
         return json.dumps({
             "model": trained.description, "weights": str(trained.weights),
-            "data": data.description, "split": split, "processes": num_processes,
+            "data": data.description, "split": split, "processes": num_processes, "tta": tta,
             **{k: results[k] for k in ("loss", "top1", "top5", "count")},
             "per_class": {name: {"correct": c, "images": t, "top1": c / t if t else None}
                           for name, c, t in zip(names, per_class["correct"], per_class["total"])}})
     return (f"model: {trained.spec.model_name} ({len(names)} classes) from {trained.description}\n"
             f"data:  {data.description}; evaluated on {SPLITS[split]}\n"
-            f"       by {num_processes} process(es) on {device}\n\n"
+            f"       by {num_processes} process(es) on {device}"
+            f"{'; test-time augmentation: ' + tta if tta != 'none' else ''}\n\n"
             + format_results(results, names))
 
 
@@ -182,9 +185,10 @@ def main(argv: Sequence[str]) -> int:
         loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False,
                                          acc.device.type == "cuda"))
         model = load_model(trained).to(acc.device)  # not DDP-wrapped: inference only
-        results = evaluate_classifier(acc, model, loader, spec.num_classes)
+        tta = args.tta or spec.tta
+        results = evaluate_classifier(acc, model, loader, spec.num_classes, tta=tta)
         print_once(_report(results, trained, data, args.split, acc.num_processes, acc.device,
-                           args.json))
+                           args.json, tta))
     finally:
         distributed.teardown()
     return 0

@@ -63,6 +63,7 @@ def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device
     import torch
 
     from ..decode import Unreadable, decode, read_value
+    from ..evaluate import logits_of
     from ..transforms import ImageTransform
     transform = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
     k = min(top_k, spec.num_classes)
@@ -77,7 +78,8 @@ def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device
         if not tensors:
             continue
         with torch.no_grad():
-            probabilities = model(torch.stack(tensors).to(device)).float().softmax(dim=1)
+            logits = logits_of(model, torch.stack(tensors).to(device), spec.tta)
+            probabilities = logits.softmax(dim=1)
         best = probabilities.topk(k, dim=1)
         for path, values, indices in zip(readable, best.values.tolist(), best.indices.tolist()):
             yield path, list(zip(indices, values)), None

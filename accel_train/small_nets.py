@@ -1,0 +1,125 @@
+"""Convolutional networks for small (CIFAR-sized, 32 px) images, registered in timm's registry.
+
+Why this exists: timm's networks are built for ImageNet-sized inputs.  At 32 px their stride-4
+stem leaves 8x8 feature maps before the first block (resnet10t), so on a CPU they are fast but
+give away accuracy; the same networks without that downsampling are too slow for a CPU.  The
+networks that train CIFAR-10 fastest keep the full resolution in the stem and downsample with max
+pooling between plain 3x3 conv/BatchNorm blocks: David Page's ResNet-9 ("How to train your ResNet",
+2018, the DAWNBench CIFAR-10 entry) and Keller Jordan's airbench ("94% on CIFAR-10 in 3.29
+seconds on a single GPU", arXiv:2404.00498, 2024).  These are that design, narrower (a CPU has
+a fraction of a GPU's arithmetic), and with the pooling before each group's convolutions rather
+than after its first one, which quarters the cost of those convolutions.
+
+Registering them in timm's registry (what the registry is for) makes them ordinary timm models:
+`--model cifar_convnet_m` works wherever a timm name does, including `timm.create_model` in
+other code once `accel_train` is imported, and timm's pretrained-file loading, classifier reset
+and layer-decay grouping apply to them.
+"""
+
+from __future__ import annotations
+
+import torch
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from torch import nn
+
+# CIFAR-10's training-set statistics: the defaults a model reports (pretrained_cfg) when it
+# has no pretrained weights; accel-train normalizes with the data's own statistics anyway.
+_CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+_CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+
+def _conv_bn_act(in_channels: int, out_channels: int) -> list[nn.Module]:
+    return [nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(out_channels), nn.GELU()]
+
+
+class SmallImageConvNet(nn.Module):
+    """stem (3x3 conv at full resolution), then per group: 2x2 max pool, two 3x3 convs; global
+    max pool; linear classifier."""
+
+    def __init__(self, widths: tuple[int, ...] = (24, 48, 96, 192), num_classes: int = 10,
+                 in_chans: int = 3, drop_rate: float = 0.0, global_pool: str = "max"):
+        super().__init__()
+        if global_pool not in ("max", "avg"):
+            raise ValueError(f"global_pool must be 'max' or 'avg' (got {global_pool!r})")
+        stem_width, *group_widths = widths
+        self.num_classes = num_classes
+        self.num_features = self.head_hidden_size = widths[-1]
+        self.drop_rate = drop_rate
+        self.global_pool = global_pool
+        self.stem = nn.Sequential(*_conv_bn_act(in_chans, stem_width))
+        groups, channels = [], stem_width
+        for width in group_widths:
+            groups.append(nn.Sequential(nn.MaxPool2d(2), *_conv_bn_act(channels, width),
+                                        *_conv_bn_act(width, width)))
+            channels = width
+        self.stages = nn.Sequential(*groups)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.fc = nn.Linear(channels, num_classes) if num_classes > 0 else nn.Identity()
+        self.feature_info = [dict(num_chs=w, reduction=2 ** i, module=f"stages.{i - 1}")
+                             for i, w in enumerate(widths) if i > 0]
+
+    # The methods timm's tooling expects of a model: classifier access and reset (fine-tuning,
+    # --freeze-backbone), parameter grouping (--layer-decay), features and head separately.
+    def get_classifier(self) -> nn.Module:
+        return self.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        self.num_classes = num_classes
+        if global_pool is not None:
+            self.global_pool = global_pool
+        self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict:
+        return dict(stem=r"^stem", blocks=r"^stages\.(\d+)")
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        if enable:
+            raise NotImplementedError("gradient checkpointing is not supported by this network")
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stages(self.stem(x))
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = torch.amax(x, dim=(2, 3)) if self.global_pool == "max" else x.mean(dim=(2, 3))
+        x = self.head_drop(x)
+        return x if pre_logits else self.fc(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _cfg(**kwargs) -> dict:
+    return dict(num_classes=10, input_size=(3, 32, 32), pool_size=None, crop_pct=1.0,
+                interpolation="bilinear", mean=_CIFAR_MEAN, std=_CIFAR_STD,
+                first_conv="stem.0", classifier="fc", license="apache-2.0", **kwargs)
+
+
+# timm's register_model reads this module-level name for each registered function's defaults.
+default_cfgs = generate_default_cfgs({name: _cfg() for name in (
+    "cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l")})
+
+
+def _create(variant: str, widths: tuple[int, ...], pretrained: bool, **kwargs) -> nn.Module:
+    return build_model_with_cfg(SmallImageConvNet, variant, pretrained, widths=widths,
+                                feature_cfg=dict(flatten_sequential=True), **kwargs)
+
+
+@register_model
+def cifar_convnet_s(pretrained: bool = False, **kwargs) -> nn.Module:
+    """Widths 16-32-64-128: the fastest; for quick checks."""
+    return _create("cifar_convnet_s", (16, 32, 64, 128), pretrained, **kwargs)
+
+
+@register_model
+def cifar_convnet_m(pretrained: bool = False, **kwargs) -> nn.Module:
+    """Widths 24-48-96-192: the CPU recipe's network (recipes/cifar10-cpu-10min.yaml)."""
+    return _create("cifar_convnet_m", (24, 48, 96, 192), pretrained, **kwargs)
+
+
+@register_model
+def cifar_convnet_l(pretrained: bool = False, **kwargs) -> nn.Module:
+    """Widths 32-64-128-256: for longer CPU runs or a GPU."""
+    return _create("cifar_convnet_l", (32, 64, 128, 256), pretrained, **kwargs)

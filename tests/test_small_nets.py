@@ -1,0 +1,86 @@
+"""The small-image networks accel_train registers in timm's registry (accel_train/small_nets.py):
+the architecture is what the docstring says (checked against a network written out by hand in
+plain torch), they are ordinary timm models to timm's own tooling, and a run trains, exports and
+evaluates one like any other timm name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+from timm.optim import create_optimizer_v2
+from torch import nn
+
+import accel_train.model  # noqa: F401  (registers the networks)
+from conftest import TINY_TRAIN, accel_train
+
+WIDTHS = {"cifar_convnet_s": (16, 32, 64, 128), "cifar_convnet_m": (24, 48, 96, 192),
+          "cifar_convnet_l": (32, 64, 128, 256)}
+
+
+def _by_hand(widths, num_classes):
+    """conv3x3-BN-GELU at full resolution; per group: maxpool 2, two conv3x3-BN-GELU; global
+    max pool; linear."""
+    def cbg(cin, cout):
+        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.GELU()]
+    layers, cin = cbg(3, widths[0]), widths[0]
+    for width in widths[1:]:
+        layers += [nn.MaxPool2d(2), *cbg(cin, width), *cbg(width, width)]
+        cin = width
+    return nn.Sequential(*layers), nn.Linear(cin, num_classes)
+
+
+@pytest.mark.parametrize("name", sorted(WIDTHS))
+def test_the_network_is_the_documented_one(name):
+    assert timm.is_model(name) and name in timm.list_models("cifar_convnet*")
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=7).eval()
+    body, head = _by_hand(WIDTHS[name], 7)
+    ours = list(model.state_dict().values())
+    theirs = {**{f"b.{k}": v for k, v in body.state_dict().items()},
+              **{f"h.{k}": v for k, v in head.state_dict().items()}}
+    assert [tuple(v.shape) for v in ours] == [tuple(v.shape) for v in theirs.values()]
+    for target, value in zip(theirs.values(), ours):  # the same weights, in the same order
+        target.copy_(value)
+    body.eval()
+    images = torch.randn(3, 3, 32, 32)
+    expected = head(torch.amax(body(images), dim=(2, 3)))
+    torch.testing.assert_close(model(images), expected)
+    assert model.pretrained_cfg["input_size"] == (3, 32, 32)
+
+
+def test_timm_tooling_sees_a_classifier_and_layers():
+    model = timm.create_model("cifar_convnet_s", num_classes=10, drop_rate=0.25)
+    assert model.get_classifier() is model.fc and model.head_drop.p == 0.25
+    model.reset_classifier(3)
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 3)
+    # --layer-decay: stem + 3 groups + head are 5 layers, each with its own lr scale.
+    groups = create_optimizer_v2(model, "sgd", lr=1.0, weight_decay=1e-4, layer_decay=0.5)
+    scales = sorted({g["lr_scale"] for g in groups.param_groups})
+    assert scales == [0.5 ** k for k in (4, 3, 2, 1, 0)]
+    with pytest.raises(TypeError, match="drop_path_rate"):
+        timm.create_model("cifar_convnet_s", drop_path_rate=0.1)
+
+
+def test_local_pretrained_weights_load_and_a_new_classifier_is_made(tmp_path):
+    torch.manual_seed(1)
+    source = timm.create_model("cifar_convnet_s", num_classes=10)
+    weights = tmp_path / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(weights))
+    model = timm.create_model("cifar_convnet_s", num_classes=4, pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(weights)))
+    torch.testing.assert_close(model.stem[0].weight, source.stem[0].weight)
+    assert model.fc.out_features == 4
+
+
+def test_a_run_trains_exports_and_evaluates_one(tmp_path):
+    out = tmp_path / "run"
+    args = [a if a != "test_resnet" else "cifar_convnet_s" for a in TINY_TRAIN]
+    accel_train(*args, "--channels-last", "--output-dir", str(out), check=True)
+    spec = json.loads((out / "model_config.json").read_text())
+    assert spec["model_name"] == "cifar_convnet_s"
+    evaluated = accel_train("eval", str(out), "--max-samples", "64", check=True)
+    assert "top-1" in evaluated.stdout

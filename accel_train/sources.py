@@ -459,7 +459,7 @@ def open_data(config: TrainConfig) -> RawData:
     return raw
 
 
-def _pick_splits(raw: RawData, val_fraction: float):
+def pick_splits(raw: RawData, val_fraction: float):
     """(train split, its rows, held-out split, its rows, description): the held-out split is
     the data's own, or `val_fraction` of the training split carved off with a fixed seed."""
     names = list(raw.splits)
@@ -482,7 +482,7 @@ def _pick_splits(raw: RawData, val_fraction: float):
             f"{train_name} minus {val_fraction:.0%} held out")
 
 
-def _rows_of(dataset, rows: np.ndarray):
+def rows_of(dataset, rows: np.ndarray):
     """dataset.select(rows); a prefix stays a slice (no indices mapping), all of it as it is."""
     if np.array_equal(rows, np.arange(len(rows))):
         return dataset if len(rows) == len(dataset) else dataset.select(range(len(rows)))
@@ -517,13 +517,13 @@ def load_data(config: TrainConfig) -> LoadedData:
                           data.description)
     raw = open_data(config)
     train_name, train_rows, eval_name, eval_rows, split_desc = \
-        _pick_splits(raw, config.val_fraction)
+        pick_splits(raw, config.val_fraction)
     if config.max_train_samples:
         train_rows = train_rows[:config.max_train_samples]
     if config.max_eval_samples:
         eval_rows = eval_rows[:config.max_eval_samples]
-    train = _rows_of(raw.splits[train_name], train_rows)
-    held_out = _rows_of(raw.splits[eval_name], eval_rows)
+    train = rows_of(raw.splits[train_name], train_rows)
+    held_out = rows_of(raw.splits[eval_name], eval_rows)
     image_column, label_column = find_columns(train, config)
     labels, class_names = labels_and_names({"train": train, "eval": held_out}, label_column)
     if len(class_names) < 2:

@@ -8,6 +8,7 @@ Every rank-sensitive act goes through the Accelerator or distributed.py's rank h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -262,7 +263,8 @@ class Trainer:
                     epoch_started = time.perf_counter()
                     if self.train_epoch():
                         return self._stop_for_signal()
-                    self._end_epoch(time.perf_counter() - epoch_started)
+                    with self.budget.paused() if self.budget else contextlib.nullcontext():
+                        self._end_epoch(time.perf_counter() - epoch_started)
                 if state.samples_in_epoch:  # --max-steps ended mid-epoch
                     self._end_epoch(None)
             finally:

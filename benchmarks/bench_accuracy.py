@@ -24,6 +24,7 @@ it); the training time is the process's own "Training took" line, evaluations in
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -107,18 +108,20 @@ def recipe_file_arm(path: str, args, work: Path, budget_given: bool) -> dict:
         cmd += ["--max-eval-samples", str(args.eval_samples)]
     if args.max_train:
         cmd += ["--max-train-samples", str(args.max_train)]
+    cmd += shlex.split(args.recipe_file_extra)
     started = time.perf_counter()
     output = benchlib.run(cmd, env=benchlib.child_env(), timeout=7200).stdout
     wall = time.perf_counter() - started
     records = benchlib.read_jsonl(out / "metrics.jsonl")
     final = [r for r in records if r.get("type") == "epoch"][-1]
     trains = [r for r in records if r.get("type") == "train"]
+    last = trains[-1] if trains else {"samples_seen": 0, "step": 0}
     fixed = [r for r in records if r.get("type") == "budget"]
     took = re.search(r"Training took ([\d.]+)s", output)
     windows = benchlib.steady_windows(records)
     return {"top1": final["eval_top1"], "ema_top1": final.get("eval_ema_top1"),
             "train_s": float(took.group(1)) if took else float("nan"),
-            "samples": trains[-1]["samples_seen"], "steps": trains[-1]["step"],
+            "samples": last["samples_seen"], "steps": last["step"],
             "step_ms": 1000 * fixed[0]["step_seconds"] if fixed else float("nan"),
             "pilot_img_per_s": benchlib.median([w["img_per_s"] for w in windows]),
             "wall_s": wall}
@@ -170,6 +173,9 @@ def main() -> int:
     parser.add_argument("--recipe-file", action="append", default=[],
                         help="a recipes/*.yaml run through the CLI with --config (repeatable); "
                              "its own --time-budget unless --budget or --quick is given")
+    parser.add_argument("--recipe-file-extra", default="", metavar="'FLAGS'",
+                        help="more accel-train flags for the recipe-file runs (a smoke run's "
+                             "--max-steps, say), after the file's")
     parser.add_argument("--tmp", default=tempfile.gettempdir())
     args = parser.parse_args()
     benchlib.check_cifar(args.data_dir)

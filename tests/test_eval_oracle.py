@@ -35,8 +35,9 @@ def _eval_json(*args: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _oracle(run_dir, images_nhwc, labels) -> dict:
-    """Plain-torch evaluation of the exported model on uint8 NHWC images."""
+def _oracle(run_dir, images_nhwc, labels, mirrored_too: bool = False) -> dict:
+    """Plain-torch evaluation of the exported model on uint8 NHWC images; `mirrored_too`: the
+    logits averaged with those of the images flipped left-right (numpy's flip of the width)."""
     spec = json.loads((run_dir / "model_config.json").read_text())
     model = timm.create_model(spec["model_name"], num_classes=spec["num_classes"])
     model.load_state_dict(load_file(str(run_dir / "model.safetensors")))  # strict: every key
@@ -49,6 +50,10 @@ def _oracle(run_dir, images_nhwc, labels) -> dict:
     y = torch.from_numpy(labels)
     with torch.no_grad():
         logits = model(x).double()
+        if mirrored_too:
+            mirrored = torch.from_numpy(images_nhwc[:, :, ::-1].copy()).permute(0, 3, 1, 2)
+            mirrored = ((mirrored.to(torch.float64) / 255.0 - mean) / std).float()
+            logits = (logits + model(mirrored).double()) / 2
     log_probs = logits - logits.logsumexp(dim=1, keepdim=True)
     loss = float(-log_probs[torch.arange(len(y)), y].mean())
     ranks = (logits > logits.gather(1, y[:, None])).sum(dim=1)  # classes scored above the truth
@@ -94,3 +99,13 @@ def test_eval_train_split_with_a_ragged_last_batch(run_dir):
     images, labels = synthetic.splits(TRAIN_SIZE)["train"]
     assert report["split"] == "train"
     _check(report, _oracle(run_dir, images[:40], labels[:40]))
+
+
+def test_eval_with_flip_tta_matches_a_plain_torch_evaluation_of_both_views(run_dir):
+    images, labels = synthetic.splits(TRAIN_SIZE)["test"]
+    images, labels = images[:EVAL_SAMPLES], labels[:EVAL_SAMPLES]
+    report = _eval_json(str(run_dir), "--tta", "flip")
+    assert report["tta"] == "flip"
+    _check(report, _oracle(run_dir, images, labels, mirrored_too=True))
+    plain = _oracle(run_dir, images, labels)
+    assert abs(plain["loss"] - report["loss"]) > 1e-4, "the mirrored views changed nothing"

@@ -76,11 +76,18 @@ def test_local_pretrained_weights_load_and_a_new_classifier_is_made(tmp_path):
     assert model.fc.out_features == 4
 
 
-def test_a_run_trains_exports_and_evaluates_one(tmp_path):
+def test_a_run_trains_exports_and_evaluates_one_with_flip_tta(tmp_path):
+    """The run evaluates with --tta flip, records it, and `accel-train eval` repeats it by
+    default: the same top-1 as the run's last epoch record, on the same images and weights."""
     out = tmp_path / "run"
     args = [a if a != "test_resnet" else "cifar_convnet_s" for a in TINY_TRAIN]
-    accel_train(*args, "--channels-last", "--output-dir", str(out), check=True)
+    accel_train(*args, "--channels-last", "--tta", "flip", "--output-dir", str(out), check=True)
     spec = json.loads((out / "model_config.json").read_text())
-    assert spec["model_name"] == "cifar_convnet_s"
-    evaluated = accel_train("eval", str(out), "--max-samples", "64", check=True)
-    assert "top-1" in evaluated.stdout
+    assert (spec["model_name"], spec["tta"]) == ("cifar_convnet_s", "flip")
+    last_epoch = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+                  if '"type": "epoch"' in line][-1]
+    evaluated = accel_train("eval", str(out), "--max-samples", "64", "--json", check=True)
+    report = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    assert report["tta"] == "flip" and report["count"] == 64
+    assert report["top1"] == pytest.approx(last_epoch["eval_top1"], abs=1e-6)
+    assert report["loss"] == pytest.approx(last_epoch["eval_loss"], abs=1e-4)

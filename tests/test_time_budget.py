@@ -168,6 +168,28 @@ def test_a_long_budget_times_a_second_window_after_the_machine_settles(clock):
     assert timer.measure(44) is None  # fixed once
 
 
+def test_an_epoch_end_inside_the_window_is_left_out(clock):
+    """The same 600 s run with 20 steps an epoch: the epoch-end evaluation and checkpoint (30 s,
+    inside `paused`) fall into the second window; it still reads 0.5 s a step, and the budget's
+    own clock counted the 30 s."""
+    clock.now = 0.0
+    timer = TimeBudget(600)
+    timer.start(0)
+    answers = []
+    for step, seconds in enumerate([5.0] * 3 + [1.0] * 10 + [0.7] * 12 + [0.5] * 18, start=1):
+        clock.now += seconds
+        reading = timer.measure(step)
+        if reading is not None:
+            answers.append((step, pytest.approx(reading), timer.settle(reading)))
+        if step % 20 == 0:
+            with timer.paused():
+                clock.now += 30.0
+    assert answers == [(13, pytest.approx(1.0), False), (43, pytest.approx(0.5), True)], answers
+    # 3 x 5 + 10 x 1 + 12 x 0.7 + 18 x 0.5 s of steps and two 30 s epoch ends, at step 43
+    elapsed = 15 + 10 + 8.4 + 9 + 60
+    assert timer.total_steps(0.5, 43, 20, 0, 100, FLAG) == 43 + int((600 - elapsed) / 0.5)
+
+
 # -- 2 processes under torchrun -------------------------------------------------------------------
 
 BUDGET = "20s"

@@ -74,14 +74,14 @@ def _samples(args):
                 {split: generated(*parts[split]) for split in ("train", "test")},
                 {split: len(parts[split][1]) for split in ("train", "test")})
     from ..decode import Unreadable, read_value
-    from ..sources import _pick_splits, _rows_of, find_columns, labels_and_names, open_data
+    from ..sources import find_columns, labels_and_names, open_data, pick_splits, rows_of
     config = TrainConfig(data_dir=args.data_dir, dataset=args.dataset or SYNTHETIC_DATASET,
                          val_fraction=args.val_fraction, image_column=args.image_column,
                          label_column=args.label_column)
     raw = open_data(config)
-    train_name, train_rows, eval_name, eval_rows, _ = _pick_splits(raw, config.val_fraction)
-    train = _rows_of(raw.splits[train_name], train_rows)
-    held_out = _rows_of(raw.splits[eval_name], eval_rows)
+    train_name, train_rows, eval_name, eval_rows, _ = pick_splits(raw, config.val_fraction)
+    train = rows_of(raw.splits[train_name], train_rows)
+    held_out = rows_of(raw.splits[eval_name], eval_rows)
     image_column, label_column = find_columns(train, config)
     labels, class_names = labels_and_names({"train": train, "eval": held_out}, label_column)
     out_eval = eval_name if eval_name != train_name else "validation"

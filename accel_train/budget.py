@@ -34,6 +34,13 @@ EVAL_COST_PER_IMAGE = 0.5
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?$")
 
 
+def evaluation_passes(model_ema: bool, tta: str) -> int:
+    """Forward passes over each held-out image at an epoch end: the raw model and (--model-ema)
+    the EMA, each image once or (--tta flip) twice.  A budget that counted one pass where flip
+    TTA made two overran its 10 minutes by 7%."""
+    return (2 if model_ema else 1) * (2 if tta == "flip" else 1)
+
+
 def parse_duration(text: str) -> float:
     """Seconds in "600", "90s", "10m", "1h", "1h30m"; a UsageError naming the flag otherwise."""
     match = _DURATION.match(str(text).strip().lower())

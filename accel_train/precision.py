@@ -7,8 +7,13 @@ from typing import Optional
 import torch
 
 
-def resolve_precision(requested: str, cuda: bool,
-                      activity: str = "trains") -> tuple[str, Optional[str]]:
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: oneDNN then runs bf16 convolutions and matmuls natively."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_precision(requested: str, cuda: bool, activity: str = "trains",
+                      native_cpu_bf16: Optional[bool] = None) -> tuple[str, Optional[str]]:
     """The precision that will really run, and a warning when it is not the one asked for
     (`activity`: what this run does in that precision, "trains" or "evaluates").
 
@@ -23,6 +28,12 @@ def resolve_precision(requested: str, cuda: bool,
                       "(use --mixed-precision bf16 for reduced precision on CPU)")
     if requested == "bf16" and cuda and not torch.cuda.is_bf16_supported():
         return "no", f"this GPU has no bf16 support; this run {activity} in fp32"
+    if requested == "bf16" and not cuda:
+        native = cpu_has_native_bf16() if native_cpu_bf16 is None else native_cpu_bf16
+        if not native:  # still bf16, as asked: the numbers are right, only the speed suffers
+            return requested, ("--mixed-precision bf16: this CPU has no native bf16 (AVX512-BF16 "
+                               "or AMX), so bf16 is emulated and usually slower than fp32; drop "
+                               "the flag (or use mixed_precision: no) for speed")
     return requested, None
 
 

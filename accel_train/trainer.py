@@ -22,7 +22,7 @@ from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 
 from . import distributed
 from .badimages import BadImageLog
-from .budget import TimeBudget, parse_duration
+from .budget import TimeBudget, evaluation_passes, parse_duration
 from .checkpoint import Checkpointer, TrainerState
 from .config import TrainConfig
 from .data import build_loaders
@@ -171,8 +171,9 @@ class Trainer:
         if not self.budget.settle(step_seconds):
             return  # that was the pilot; the ranks now time the same longer window
         loaders, state = self.loaders, self.state
+        passes = evaluation_passes(self.ema is not None, self.config.tta)
         total = self.budget.total_steps(step_seconds, state.step, loaders.steps_per_epoch,
-                                        len(self.data.eval), loaders.global_batch,
+                                        passes * len(self.data.eval), loaders.global_batch,
                                         f"--time-budget {self.config.time_budget}")
         if self.config.max_steps is not None:
             total = min(total, self.config.max_steps)

@@ -14,13 +14,19 @@ from conftest import TINY_TRAIN, accel_train
     ("auto", True, "fp16", False),   # tensor cores: the default on GPUs
     ("auto", False, "no", False),    # a CPU: fp32, and nobody asked for anything
     ("no", True, "no", False),
-    ("bf16", False, "bf16", False),  # CPU autocast runs bf16
+    ("bf16", False, "bf16", False),  # CPU autocast runs bf16 (natively, on this CPU kind)
     ("fp16", True, "fp16", False),
     ("fp16", False, "no", True),     # asked for and impossible: said, never silent
 ])
 def test_precision_resolution(requested, cuda, used, warns):
-    precision, warning = resolve_precision(requested, cuda)
+    precision, warning = resolve_precision(requested, cuda, native_cpu_bf16=True)
     assert precision == used and (warning is not None) == warns
+
+
+def test_bf16_on_a_cpu_without_native_bf16_runs_and_says_it_is_slow():
+    precision, warning = resolve_precision("bf16", False, native_cpu_bf16=False)
+    assert precision == "bf16" and "emulated" in warning and "--mixed-precision" in warning
+    assert resolve_precision("auto", False, native_cpu_bf16=False) == ("no", None)
 
 
 def test_the_default_on_a_cpu_trains_fp32_without_a_warning(tmp_path):

@@ -86,6 +86,11 @@ def test_the_documented_evaluation_cost():
     assert budget.EVAL_COST_PER_IMAGE == 0.5  # "half is the estimate"; the hand numbers use it
 
 
+def test_each_forward_pass_over_the_held_out_images_is_budgeted():
+    assert [budget.evaluation_passes(ema, tta) for ema in (False, True)
+            for tta in ("none", "flip")] == [1, 2, 2, 4]
+
+
 def test_step_count_by_hand(clock):
     # 100 s budget, 10 s gone after 13 steps, 0.5 s a step, 50 steps an epoch, an evaluation of
     # 1,000 images at a global batch of 100 costs 1000 * 0.5 * 0.5 / 100 = 2.5 s.  Left: 90 s.

@@ -24,9 +24,9 @@ MEASURED_STEPS = 10  # then this many are timed: the pilot reading
 # (BENCHMARKS.md, "The recipe file with --time-budget").  So, unless the budget is short, the
 # pilot only sizes a second window in steps (all ranks size it alike from the agreed pilot),
 # which waits SETTLE_FRACTION of the budget and then times MEASURE_FRACTION of it: long enough
-# that a passing slowdown of this shared machine (img/s varied 1.4x within a minute) moves the
-# reading less; a 3% window once read 283 ms/step where the run then averaged 230.  Until the
-# count is fixed the schedule is warmup, then its peak; the decay spans the rest.
+# that a passing slowdown of a shared machine moves the reading little (a shorter window
+# mistook one slow minute for the run's speed).  Until the count is fixed the schedule is
+# warmup, then its peak; the decay spans the rest.
 SETTLE_FRACTION = 0.02
 MEASURE_FRACTION = 0.08
 # Evaluating an image (forward only, no augmentation) costs about a third of training on it;
@@ -38,8 +38,8 @@ _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.
 
 def evaluation_passes(model_ema: bool, tta: str) -> int:
     """Forward passes over each held-out image at an epoch end: the raw model and (--model-ema)
-    the EMA, each image once or (--tta flip) twice.  A budget that counted one pass where flip
-    TTA made two overran its 10 minutes by 7%."""
+    the EMA, each image once or (--tta flip) twice (counting one pass where flip TTA makes two
+    overran the budget: BENCHMARKS.md)."""
     return (2 if model_ema else 1) * (2 if tta == "flip" else 1)
 
 
@@ -76,7 +76,7 @@ class TimeBudget:
     def paused(self):
         """Work that is not a training step (the epoch-end evaluation and checkpoint): the clock
         of the budget runs on, but a window being timed leaves it out (the evaluations are
-        budgeted on their own, and one window that held an epoch end read 60% slow)."""
+        budgeted on their own, and a window that held an epoch end read far too slow)."""
         began = time.perf_counter()
         try:
             yield

@@ -38,6 +38,7 @@ CHEAP = [
     (["--drop-path", "1.0"], "--drop-path"),
     (["--drop-path", "-0.1"], "--drop-path"),
     (["--reprob", "1.5"], "--reprob"),
+    (["--tta", "mirror"], "--tta"),
 ]
 # found while building the run: (extra flags, the flag named, what else the line must say)
 BUILT = {

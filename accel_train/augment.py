@@ -2,23 +2,21 @@
 erasing, from timm and torchvision, made functions of (seed, epoch, index).
 
 Both libraries draw from global random states (Python's `random`, numpy's, torch's).  Every image
-here draws inside `seeded(...)`, which seeds all three from the sample's key and puts the outside
-states back after: an image is augmented the same way whichever worker, process or resumed run
-loads it (transforms.py's rule), and nothing else in the process is disturbed.
+here draws inside `randomness.seeded(...)`, which seeds all three from the sample's key and puts
+the outside states back after: an image is augmented the same way whichever worker, process or
+resumed run loads it (transforms.py's rule), and nothing else in the process is disturbed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import random
 from typing import Callable
 
-import numpy as np
 import torch
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
 from .errors import UsageError
+from .randomness import seeded
 
 # torchvision's policies by name; the timm-style strings ("rand-m9-mstd0.5-inc1", "augmix-m5",
 # "original", "v0", ...) go to timm's factories.
@@ -34,24 +32,6 @@ TORCHVISION_POLICIES = {
 }
 TIMM_PREFIXES = ("rand", "augmix", "original", "originalr", "v0", "v0r", "3a")
 ERASING_SALT = 0x5EED_E4A5  # keeps erasing's draws apart from the policy's for the same image
-
-
-@contextlib.contextmanager
-def seeded(*key: int):
-    """Python's, numpy's and torch's (CPU) global random states seeded from `key` inside the
-    block, and restored after it."""
-    seed = int(np.random.SeedSequence([k & 0xFFFFFFFF for k in key]).generate_state(1)[0])
-    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), \
-        torch.random.get_rng_state()
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        yield
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        torch.random.set_rng_state(torch_state)
 
 
 def build_policy(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -13,6 +13,7 @@ are looked at only then, too: reading them per step would make the host wait for
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from .distributed import more_than_one_rank
 from .sources import BadImage, LoadedData
 
+BAD_IMAGES_FILE = "bad_images.json"  # in each checkpoint: name -> reason
 MAX_SAID = 100  # warnings printed per start; the others go to the log and bad_images.txt only
 
 
@@ -39,10 +41,21 @@ class BadImageLog:
         self.checked: set[tuple[str, int]] = set()  # (split, index) met by this rank
         self.named: dict[str, str] = {}  # name -> reason, on the main process
         self.said = 0
-        if is_main and self.path.is_file():  # a resumed run: these were named before
-            for line in self.path.read_text().splitlines():
-                name, _, reason = line.partition("\t")
-                self.named[name] = reason
+
+    # -- a checkpointed part (checkpoint.py): a resumed run knows what was named before ----------
+    name = "bad_images"
+
+    def save(self, folder: Path) -> None:
+        (Path(folder) / BAD_IMAGES_FILE).write_text(json.dumps(self.named, indent=1) + "\n")
+
+    def load(self, folder: Path) -> None:
+        """The images named up to the checkpoint; <run>/bad_images.txt is rewritten to match
+        (what a redone future had named is named again when met again)."""
+        if not self.is_main:
+            return
+        self.named = json.loads((Path(folder) / BAD_IMAGES_FILE).read_text())
+        self.path.write_text("".join(f"{name}\t{reason}\n"
+                                     for name, reason in self.named.items()))
 
     @property
     def count(self) -> int:

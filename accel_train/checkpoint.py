@@ -1,8 +1,17 @@
-"""Checkpoints that survive being killed at any moment.
+"""Checkpoints that survive being killed at any moment, and the one owner of what a run resumes
+from.
 
-Layout: `<dir>/step_XXXXXXXX/` holding what `accelerator.save_state` writes (model as safetensors,
-optimizer, scheduler, grad scaler, every rank's RNG state), our `trainer_state.json`, and
-`manifest.json` with the SHA-256 of every file, written last.  A save goes to `.tmp-step_...`
+Everything a resumed run needs is a *checkpointed part* (`Checkpointed`: a name, `save(folder)`,
+`load(folder)`; plain JSON or safetensors, never pickle): Accelerate's state (model, optimizer,
+scheduler, grad scaler, every rank's RNG state), the trainer state, the train loader's position,
+the schedule, the model spec, the EMA weights, the bad-image list.  The trainer hands the
+`Checkpointer` its list of parts once; a save writes every part before the manifest seals the
+folder, a resume restores every part in one call.  Adding state to a run is one entry in that
+list (a test saves, restores into a fresh run and saves again: every file must come back the
+same).
+
+Layout: `<dir>/step_XXXXXXXX/` holding the parts' files and `manifest.json` with the checkpoint
+format and the SHA-256 of every file, written last.  A save goes to `.tmp-step_...`
 and is renamed into place only once its manifest is written; older checkpoints are pruned only
 after that.  A `.tmp-` folder whose manifest verifies is a finished save that was killed before
 its rename: the next start completes the rename.  Any other `.tmp-` folder is discarded.
@@ -21,9 +30,9 @@ import os
 import pickle
 import re
 import shutil
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 from .errors import UsageError
 
@@ -33,6 +42,21 @@ NAME_PATTERN = re.compile(r"^step_(\d{8,})$")
 TMP_PREFIX = ".tmp-"
 SUPERSEDED_PREFIX = "superseded-"
 RNG_FILE = "random_states_{rank}.pkl"  # Accelerate's name for each rank's RNG state
+# The layout of a checkpoint's parts.  2: every part saved by the Checkpointer (loader.json or
+# stream.json, schedule.json, bad_images.json); 1 (no "format" in the manifest): before that.
+FORMAT = 2
+
+
+@runtime_checkable
+class Checkpointed(Protocol):
+    """A part of a run's state that every checkpoint holds.  `save` runs on the main process
+    (on every rank together when `collective` is True), `load` on every rank."""
+
+    name: str
+
+    def save(self, folder: Path) -> None: ...
+
+    def load(self, folder: Path) -> None: ...
 
 
 @dataclass
@@ -52,7 +76,6 @@ class TrainerState:
     eval_top1: Optional[float] = None  # the last held-out evaluation: raw weights
     eval_step: Optional[int] = None    # the step it was made at
     ema_top1: Optional[float] = None   # and EMA weights (--model-ema)
-    total_steps: Optional[int] = None  # the schedule's length, once a --time-budget fixed it
 
     @property
     def global_batch(self) -> int:
@@ -72,6 +95,34 @@ class TrainerState:
     def from_json(cls, data: dict) -> "TrainerState":
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
+
+    # -- a checkpointed part ----------------------------------------------------------------
+    name = "trainer_state"
+
+    def save(self, folder: Path) -> None:
+        (Path(folder) / STATE_FILE).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    def load(self, folder: Path) -> None:
+        """Take the checkpoint's state whole, in place; only the process layout stays this
+        start's (the global batch is kept: resume.keep_global_batch)."""
+        previous = read_state(folder)
+        check_same_data_order(previous, self.seed, self.train_samples)
+        continued = previous.continued_on(world_size=self.world_size, batch_size=self.batch_size,
+                                          accumulation_steps=self.accumulation_steps)
+        for field in fields(self):
+            setattr(self, field.name, getattr(continued, field.name))
+
+
+def check_same_data_order(previous: TrainerState, seed: int, train_samples: int) -> None:
+    """The epoch's order is a function of the seed and the training set: with either changed,
+    skipping the samples already used would skip other ones, and some would be used twice."""
+    if previous.seed != seed:
+        raise UsageError(f"the checkpoint was trained with --seed {previous.seed}; resume with "
+                         f"the same seed (got {seed}), or start a new run")
+    if previous.train_samples and train_samples and previous.train_samples != train_samples:
+        raise UsageError(f"the checkpoint was trained on {previous.train_samples} training "
+                         f"images but this start has {train_samples}; resume with the same data "
+                         f"options (--max-train-samples, --val-fraction, ...), or start a new run")
 
 
 def checkpoint_name(step: int) -> str:
@@ -94,16 +145,15 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path, state: TrainerState) -> None:
-    """Write trainer_state.json, fsync everything, then the manifest (last, atomically)."""
-    (directory / STATE_FILE).write_text(json.dumps(state.to_json(), indent=2) + "\n")
+def write_manifest(directory: Path, step: int) -> None:
+    """Fsync every file of the folder, then write the manifest (last, atomically)."""
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
         _fsync(path)
         files[str(path.relative_to(directory))] = {"sha256": _sha256(path),
                                                    "bytes": path.stat().st_size}
     tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"step": state.step, "files": files}, indent=2) + "\n")
+    tmp.write_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=2) + "\n")
     _fsync(tmp)
     os.replace(tmp, directory / MANIFEST)
     _fsync(directory)
@@ -154,6 +204,17 @@ def read_state(directory: Path) -> TrainerState:
     return TrainerState.from_json(json.loads((directory / STATE_FILE).read_text()))
 
 
+def check_format(directory: Path) -> None:
+    """A UsageError when a (verified) checkpoint was written in another format: resuming must
+    neither misread it nor pass it over for an older one, or silently start from scratch."""
+    found = json.loads((directory / MANIFEST).read_text()).get("format", 1)
+    if found != FORMAT:
+        raise UsageError(f"checkpoint {directory} is in checkpoint format {found}, which this "
+                         f"version of accel_train does not resume (it writes format {FORMAT}); "
+                         f"resume it with the version that wrote it, or start a new run in "
+                         f"another --output-dir")
+
+
 def recover_interrupted_saves(root: Path, warn: Callable[[str], None]) -> None:
     """Main process, before anything reads the folder: finish or discard what a killed save left.
 
@@ -174,37 +235,108 @@ def recover_interrupted_saves(root: Path, warn: Callable[[str], None]) -> None:
     _fsync(root)
 
 
-class Checkpointer:
-    """Saves and loads through the Accelerator; every rank calls save/load together."""
+class AccelerateState:
+    """Accelerate's part of a checkpoint: the prepared model (safetensors), optimizer, scheduler,
+    grad scaler and every rank's RNG state, through `save_state`/`load_state` (every rank).
 
-    def __init__(self, accelerator, root: Path, keep: int, warn: Callable[[str], None],
+    Loading goes through Accelerate's `load`, which unpickles with `weights_only=True`; the RNG
+    file, which Accelerate would silently skip if it failed to load, is vetted here first.
+    Exactness does not depend on the RNG files (randomness.py), but a refused file is still
+    reported, never skipped."""
+
+    name = "accelerate"
+    collective = True
+
+    def __init__(self, accelerator, warn: Callable[[str], None]):
+        self.accelerator, self.warn = accelerator, warn
+
+    def save(self, folder: Path) -> None:
+        self.accelerator.save_state(str(folder), safe_serialization=True)
+
+    def load(self, folder: Path) -> None:
+        self._vet_rng_file(folder)
+        try:
+            self.accelerator.load_state(str(folder))
+        except pickle.UnpicklingError as err:
+            raise UsageError(_refusal(folder, err)) from None
+        # Accelerate counts micro-steps to know when to sync; a resume is always at an
+        # optimizer step boundary, and the accumulation count may have changed with the layout.
+        self.accelerator.step = 0
+
+    def _vet_rng_file(self, path: Path) -> None:
+        from accelerate.utils import load  # weights_only=True plus numpy's safe globals
+
+        rng_file = path / RNG_FILE.format(rank=self.accelerator.process_index)
+        if not rng_file.is_file():
+            self.warn(f"{path} has no RNG state for rank {self.accelerator.process_index} (it was "
+                      f"written by {read_state(path).world_size} process(es)); this rank keeps "
+                      f"its fresh RNG state (every random draw of training is seeded by its "
+                      f"place in the run)")
+            return
+        try:
+            load(rng_file)
+        except pickle.UnpicklingError as err:
+            raise UsageError(_refusal(path, err)) from None
+
+
+class Checkpointer:
+    """Saves and restores a run's parts; every rank calls save/restore together.
+
+    `parts` must hold the run's TrainerState (its step names the folder); Accelerate's part
+    (`AccelerateState`) is usually first, so that the parts after it can rely on the restored
+    model."""
+
+    def __init__(self, root: Path, keep: int, warn: Callable[[str], None],
+                 parts: Sequence[Checkpointed], is_main: bool = True,
+                 barrier: Callable[[], None] = lambda: None,
                  before_manifest: Optional[Callable[[int, Path], None]] = None,
                  keep_best: int = 0):
-        """`before_manifest(step, folder)`, if given, runs on the main process once every file
+        """`barrier` waits for every rank (the Accelerator's wait_for_everyone).
+        `before_manifest(step, folder)`, if given, runs on the main process once every file
         of a save is written and before its manifest makes it count (a seam: the fault tests
         kill a save there)."""
-        self.accelerator, self.root, self.keep, self.warn = accelerator, Path(root), keep, warn
+        names = [part.name for part in parts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"checkpointed parts share a name: {names}")
+        states = [part for part in parts if isinstance(part, TrainerState)]
+        if len(states) != 1:
+            raise ValueError("the checkpointed parts must hold exactly one TrainerState")
+        self.root, self.keep, self.warn = Path(root), keep, warn
+        self.parts, self.state = list(parts), states[0]
+        self.is_main, self.barrier = is_main, barrier
         self.before_manifest = before_manifest
         self.keep_best = keep_best
 
-    def save(self, state: TrainerState) -> Path:
-        acc = self.accelerator
-        final = self.root / checkpoint_name(state.step)
+    def save(self) -> Path:
+        """Every part into `.tmp-step_N`, then the manifest, then the rename into place."""
+        step = self.state.step
+        final = self.root / checkpoint_name(step)
         tmp = self.root / (TMP_PREFIX + final.name)
-        if acc.is_main_process:
-            self.root.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp), safe_serialization=True)
-        acc.wait_for_everyone()  # every rank's RNG file is on disk before the manifest
-        if acc.is_main_process:
+            tmp.mkdir(parents=True)
+        self.barrier()
+        for part in self.parts:
+            if getattr(part, "collective", False):
+                part.save(tmp)
+            elif self.is_main:
+                part.save(tmp)
+        self.barrier()  # every rank's files are on disk before the manifest
+        if self.is_main:
             if self.before_manifest is not None:
-                self.before_manifest(state.step, tmp)
-            write_manifest(tmp, state)
+                self.before_manifest(step, tmp)
+            write_manifest(tmp, step)
             self._publish(tmp, final)
             self._prune()
-        acc.wait_for_everyone()
+        self.barrier()
         return final
+
+    def restore(self, path: Path) -> None:
+        """Every part from a checkpoint that `resolve_resume` verified, on every rank; a
+        UsageError when a part refuses it (pickled code, another model, other data...)."""
+        check_format(path)
+        for part in self.parts:
+            part.load(path)
 
     def _publish(self, tmp: Path, final: Path) -> None:
         """Rename the finished save into place.  The same step may be saved twice (a pre-emption
@@ -241,32 +373,6 @@ class Checkpointer:
             if state.eval_top1 is not None and state.eval_step == state.step:
                 scored.append((state.eval_top1, state.step, path))
         return [path for _, _, path in sorted(scored, reverse=True)[:self.keep_best]]
-
-    def load(self, path: Path) -> TrainerState:
-        """Load a checkpoint that `resolve_resume` verified; a UsageError if it holds anything
-        but plain tensors."""
-        self._vet_rng_file(path)
-        try:
-            self.accelerator.load_state(str(path))
-        except pickle.UnpicklingError as err:
-            raise UsageError(_refusal(path, err)) from None
-        return read_state(path)
-
-    def _vet_rng_file(self, path: Path) -> None:
-        """Accelerate loads this rank's RNG state inside a try/except that ignores every error;
-        load it here first so that a refused file is reported, not silently skipped."""
-        from accelerate.utils import load  # weights_only=True plus numpy's safe globals
-
-        rng_file = path / RNG_FILE.format(rank=self.accelerator.process_index)
-        if not rng_file.is_file():
-            self.warn(f"{path} has no RNG state for rank {self.accelerator.process_index} (it was "
-                      f"written by {read_state(path).world_size} process(es)); this rank keeps "
-                      f"its fresh RNG state (data order and augmentation do not depend on it)")
-            return
-        try:
-            load(rng_file)
-        except pickle.UnpicklingError as err:
-            raise UsageError(_refusal(path, err)) from None
 
 
 def _refusal(path: Path, err: Exception) -> str:

@@ -9,6 +9,7 @@ that names the flag and the fix.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -299,7 +300,6 @@ class TrainConfig:
         """Names that timm/torchvision must know, checked now rather than after the data has
         loaded (imported only when a name is given: parsing stays fast)."""
         if self.optimizer.lower() not in ("sgd", "momentum", "adamw"):
-            from .optim import check_optimizer_name
             check_optimizer_name(self.optimizer)
         if self.auto_augment:
             from .augment import build_policy
@@ -352,3 +352,16 @@ def load_run_yaml(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: expected a mapping of option: value")
     return {key.replace("-", "_"): value for key, value in data.items()}
+
+
+def check_optimizer_name(name: str) -> str:
+    """The name as timm's factory knows it, or a UsageError that suggests close names."""
+    from timm.optim import list_optimizers
+
+    known = list_optimizers()
+    if name.lower() in known:
+        return name.lower()
+    close = difflib.get_close_matches(name.lower(), known, n=3)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise UsageError(f"--optimizer {name!r} is not one of timm's optimizers; {hint}e.g. sgd, "
+                     f"adamw, lamb, lars, lion")

@@ -12,18 +12,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from .errors import UsageError
 from .augment import build_erasing, build_policy
+from .randomness import loader_generator
 from .sources import ArraySource, ImageSource
 from .transforms import ImageTransform, single_threaded
 
 STATS_SAMPLE = 5000  # images used to estimate the dataset's mean/std
+
+
+class Batch(NamedTuple):
+    """One micro-batch of training, from either train loader (loading.py, streaming/)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    keys: torch.Tensor      # sampler keys epoch * N + index: which samples these are
+    replaced: torch.Tensor  # per sample, its index where its image was replaced, else -1
 
 
 class SampleBatch(Sequence):
@@ -202,25 +210,15 @@ def default_num_workers(source: ImageSource, processes_per_machine: int) -> int:
 
 def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_factor: int,
                 persistent_workers: bool, pin_memory: bool, sampler: Sampler | None = None,
-                drop_last: bool = False) -> DataLoader:
+                drop_last: bool = False, seed: int = 0) -> DataLoader:
+    """A DataLoader with its own generator (randomness.py): its iterators' base seeds never
+    come from, or move, torch's global generator."""
     extra = {}
     if num_workers > 0:
         extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
                       drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
-                      collate_fn=collate_batch, **extra)
-
-
-@dataclass
-class Loaders:
-    """The training and held-out loaders of a run, before `accelerator.prepare`."""
-
-    train: DataLoader
-    eval: DataLoader
-    sampler: EpochSampler
-    num_workers: int
-    global_batch: int     # one optimizer step: batch x processes x accumulation
-    steps_per_epoch: int  # optimizer steps
+                      collate_fn=collate_batch, generator=loader_generator(seed), **extra)
 
 
 def run_transforms(config, spec) -> tuple[ImageTransform, ImageTransform]:
@@ -233,34 +231,3 @@ def run_transforms(config, spec) -> tuple[ImageTransform, ImageTransform]:
                               if augmenting and config.auto_augment else None,
                               erasing=build_erasing(config.reprob) if augmenting else None)
     return train_tf, ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
-
-
-def build_loaders(config, data, spec, num_processes: int, processes_per_machine: int,
-                  pin_memory: bool) -> Loaders:
-    """Seeded, augmented training batches in an order that is a function of (seed, epoch), and
-    the held-out batches; a UsageError when the data cannot fill one global batch."""
-    if getattr(data, "shards", None) is not None:  # streamed from shards: streaming/
-        from .streaming import build_stream_loaders
-        return build_stream_loaders(config, data, spec, num_processes, processes_per_machine,
-                                    pin_memory)
-    global_batch = config.batch_size * num_processes * config.accumulation_steps
-    if len(data.train) < global_batch:
-        raise UsageError(f"the training set has {len(data.train)} images, fewer than one global "
-                         f"batch of {global_batch} (batch_size x processes x "
-                         f"accumulation_steps); lower --batch-size")
-    if len(data.eval) == 0:
-        raise UsageError("the held-out split is empty; raise --val-fraction or "
-                         "--max-eval-samples")
-    train_tf, eval_tf = run_transforms(config, spec)
-    workers = config.num_workers if config.num_workers is not None else \
-        default_num_workers(data.train, processes_per_machine)
-    sampler = EpochSampler(len(data.train), global_batch, config.seed)
-    # The marks of replaced images ride along to the loop (badimages.py names them).
-    train = make_loader(TrainImages(data.train, train_tf, config.seed, mark_replaced=True),
-                        config.batch_size, workers, config.prefetch_factor,
-                        config.persistent_workers, pin_memory, sampler=sampler, drop_last=True)
-    held_out = make_loader(EvalImages(data.eval, eval_tf, mark_replaced=True), config.batch_size,
-                           workers, config.prefetch_factor, config.persistent_workers, pin_memory)
-    micro_steps_per_epoch = sampler.usable // (config.batch_size * num_processes)
-    return Loaders(train, held_out, sampler, workers, global_batch,
-                   micro_steps_per_epoch // config.accumulation_steps)

@@ -3,7 +3,7 @@
 This is the only module that reads the launcher's variables (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*; SLURM_* only for the record, `slurm_facts`).  It
 starts the process group itself, before Accelerate does, for two reasons found on these
-machines (see DESIGN.md):
+machines (docs/architecture.md, "Why"):
 
 * On a machine without CUDA, `accelerate launch --multi_gpu` workers otherwise each train alone
   with world size 1; a gloo group started here is picked up by `Accelerator(cpu=True)`.
@@ -278,8 +278,8 @@ def single_process_launch_warning(environ: Mapping[str, str] | None = None,
 
     With --cpu or `distributed_type: MULTI_CPU` (and no --mpirun_hostfile), accelerate uses its
     single-process launcher: it starts ONE process and sets no WORLD_SIZE, whatever
-    num_processes says (DESIGN.md).  Nothing tells the worker how many were asked for, so this
-    reads the launcher's command line (its parent process)."""
+    num_processes says (docs/architecture.md).  Nothing tells the worker how many were asked
+    for, so this reads the launcher's command line (its parent process)."""
     env = os.environ if environ is None else environ
     if "ACCELERATE_USE_CPU" not in env or "WORLD_SIZE" in env:
         return None  # not accelerate's simple launcher, or a real multi-process launch

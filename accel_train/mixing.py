@@ -8,10 +8,11 @@ mixing is a function of where the batch sits in the run: exact resume stays bit-
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
+
+from .randomness import seeded
 
 
 class SeededMixup:
@@ -26,12 +27,8 @@ class SeededMixup:
     def __call__(self, images: torch.Tensor, labels: torch.Tensor,
                  position: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """(mixed images, soft targets) for the micro-batch at `position`."""
-        outside = np.random.get_state()
-        np.random.seed(np.random.SeedSequence([self.seed, *position]).generate_state(1)[0])
-        try:
+        with seeded(self.seed, *position):
             return self.mixup(images, labels)
-        finally:
-            np.random.set_state(outside)
 
 
 def maybe_mixup(config, num_classes: int):

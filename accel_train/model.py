@@ -35,13 +35,25 @@ class ModelSpec:
     weights: str = "model"  # which weights model.safetensors holds: "model" or "ema" (--model-ema)
     tta: str = "none"  # test-time augmentation the run evaluated with (--tta)
 
+    name = "model_spec"  # a checkpointed part (checkpoint.py): export/eval read a checkpoint alone
+
     def save(self, directory: Path) -> Path:
         path = Path(directory) / SPEC_FILE
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
         return path
 
+    def load(self, directory: Path) -> None:
+        """A resumed start: the checkpoint's network must be this start's (restored before the
+        weights, so that another --model is one line, not a state-dict size mismatch)."""
+        saved = ModelSpec.read(directory)
+        if (saved.model_name, saved.num_classes) != (self.model_name, self.num_classes):
+            raise UsageError(f"checkpoint {directory} was trained with --model "
+                             f"{saved.model_name} ({saved.num_classes} classes) but this start "
+                             f"builds {self.model_name} ({self.num_classes} classes); resume "
+                             f"with the same --model and data, or start a new run")
+
     @classmethod
-    def load(cls, directory: Path) -> "ModelSpec":
+    def read(cls, directory: Path) -> "ModelSpec":
         path = Path(directory) / SPEC_FILE
         if not path.is_file():
             raise UsageError(f"{directory}: no {SPEC_FILE} there; pass a run directory or an "

@@ -7,17 +7,17 @@ it is the same function on 1 process and on N.
 
 from __future__ import annotations
 
-import difflib
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from .config import TrainConfig
-from .errors import UsageError
+from .config import TrainConfig, check_optimizer_name
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -28,19 +28,6 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     decay_steps = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / decay_steps)
     return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def check_optimizer_name(name: str) -> str:
-    """The name as timm's factory knows it, or a UsageError that suggests close names."""
-    from timm.optim import list_optimizers
-
-    known = list_optimizers()
-    if name.lower() in known:
-        return name.lower()
-    close = difflib.get_close_matches(name.lower(), known, n=3)
-    hint = f"did you mean {', '.join(close)}? " if close else ""
-    raise UsageError(f"--optimizer {name!r} is not one of timm's optimizers; {hint}e.g. sgd, "
-                     f"adamw, lamb, lars, lion")
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -61,21 +48,46 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     return optimizer
 
 
+SCHEDULE_FILE = "schedule.json"
+
+
 @dataclass
 class Schedule:
     """Warmup then cosine over `total_steps`.  Mutable for one reason: a --time-budget run
-    fixes its total only once it has measured its step time (budget.py)."""
+    fixes its total only once it has measured its step time (budget.py); from then on the
+    total is part of the run, saved in every checkpoint and restored (a checkpointed part),
+    so a resumed run keeps the schedule it was on."""
 
     warmup_steps: int
     total_steps: int
+    budget_step_seconds: Optional[float] = None  # the reading that fixed the total, if one did
+
+    name = "schedule"
 
     def factor(self, step: int) -> float:
         return lr_factor(step, min(self.warmup_steps, self.total_steps), self.total_steps)
 
+    def fix_total(self, total_steps: int, step_seconds: float) -> None:
+        self.total_steps, self.budget_step_seconds = total_steps, step_seconds
+
+    @property
+    def fixed_by_budget(self) -> bool:
+        return self.budget_step_seconds is not None
+
+    def save(self, folder: Path) -> None:
+        (Path(folder) / SCHEDULE_FILE).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    def load(self, folder: Path) -> None:
+        """A total fixed by a --time-budget is kept; otherwise the length follows this start's
+        --epochs / --max-steps (a run may be resumed to train longer)."""
+        saved = json.loads((Path(folder) / SCHEDULE_FILE).read_text())
+        if saved.get("budget_step_seconds") is not None:
+            self.fix_total(int(saved["total_steps"]), float(saved["budget_step_seconds"]))
+
 
 def scheduler_for(optimizer: torch.optim.Optimizer, schedule: Schedule) -> LambdaLR:
     # A plain function, not the bound method: LambdaLR would save a callable object's state
-    # into every checkpoint, and the total is recorded in the trainer's state instead.
+    # into every checkpoint (pickled); the schedule is a checkpointed part of its own.
     return LambdaLR(optimizer, lambda step: schedule.factor(step))
 
 
@@ -83,16 +95,13 @@ def scheduler_for(optimizer: torch.optim.Optimizer, schedule: Schedule) -> Lambd
 OPEN_ENDED = 10**12
 
 
-def plan_schedule(config: TrainConfig, steps_per_epoch: int,
-                  recorded_total: Optional[int] = None) -> Schedule:
-    """The whole run's schedule: --epochs (or --max-steps) long, or what a --time-budget run
-    fixed and recorded; a budget run still to measure is open-ended until it has (its first
-    steps are warmup, which does not depend on the total)."""
+def plan_schedule(config: TrainConfig, steps_per_epoch: int) -> Schedule:
+    """The whole run's schedule: --epochs (or --max-steps) long; a --time-budget run is
+    open-ended until it has measured its steps (its first steps are warmup, which does not
+    depend on the total), and a resumed one restores the total it fixed (Schedule.load)."""
     total = config.epochs * steps_per_epoch
     if config.time_budget is not None:
         total = OPEN_ENDED
-    if recorded_total is not None:
-        total = recorded_total
     if config.max_steps is not None:
         total = min(total, config.max_steps)
     return Schedule(round(config.warmup_epochs * steps_per_epoch), total)

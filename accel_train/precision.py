@@ -19,8 +19,8 @@ def resolve_precision(requested: str, cuda: bool, activity: str = "trains",
 
     "auto" is fp16 on CUDA (what tensor cores are fastest at; every CUDA GPU runs it) and fp32
     elsewhere, without a warning: nobody asked for anything.  Accelerate quietly runs fp32 when
-    asked for fp16 without CUDA (DESIGN.md): a user who asked must never believe they trained
-    in fp16 when they did not."""
+    asked for fp16 without CUDA (docs/architecture.md): a user who asked must never believe they
+    trained in fp16 when they did not."""
     if requested == "auto":
         return ("fp16" if cuda else "no"), None
     if requested == "fp16" and not cuda:

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from . import distributed
-from .checkpoint import (NAME_PATTERN, SUPERSEDED_PREFIX, TrainerState, find_latest_valid,
-                         list_checkpoints, read_state, recover_interrupted_saves, verify)
+from .checkpoint import (NAME_PATTERN, SUPERSEDED_PREFIX, TrainerState, check_format,
+                         find_latest_valid, list_checkpoints, read_state,
+                         recover_interrupted_saves, verify)
 from .config import TrainConfig
 from .distributed import LauncherEnv
 from .errors import UsageError
@@ -84,6 +85,7 @@ def choose_resume_point(checkpoint_dir: Path, resume: Optional[str],
         return None
     path = resolve_resume(checkpoint_dir, resume, warn)
     if path is not None:
+        check_format(path)  # refused before anything is moved aside
         set_aside_newer(checkpoint_dir, read_state(path).step, warn)
     return None if path is None else str(path)
 
@@ -173,18 +175,6 @@ def accumulation_for(previous: TrainerState, batch_size: int, num_processes: int
         f"{previous.world_size} process(es) x {previous.accumulation_steps} accumulation), which "
         f"--batch-size {batch_size} on {num_processes} process(es) cannot make with whole "
         f"accumulation steps; use {hint}")
-
-
-def check_same_data_order(previous: TrainerState, seed: int, train_samples: int) -> None:
-    """The epoch's order is a function of the seed and the training set: with either changed,
-    skipping the samples already used would skip other ones, and some would be used twice."""
-    if previous.seed != seed:
-        raise UsageError(f"the checkpoint was trained with --seed {previous.seed}; resume with "
-                         f"the same seed (got {seed}), or start a new run")
-    if previous.train_samples and previous.train_samples != train_samples:
-        raise UsageError(f"the checkpoint was trained on {previous.train_samples} training "
-                         f"images but this start has {train_samples}; resume with the same data "
-                         f"options (--max-train-samples, --val-fraction, ...), or start a new run")
 
 
 def check_fresh_checkpoint_dir(root: Path) -> None:

@@ -104,14 +104,20 @@ def _format_eta(seconds: float) -> str:
 class Progress:
     """A tqdm bar on a terminal, plain periodic lines otherwise (CI logs, files, launchers)."""
 
-    def __init__(self, enabled: bool, mode: str, total_steps: Optional[int], initial_step: int):
-        """`total_steps` None: not known yet (--time-budget, until `set_total`)."""
+    def __init__(self, enabled: bool, mode: str):
         self.enabled = enabled
-        use_bar = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
-        self.total, self.start_step = total_steps, initial_step
+        self.use_bar = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
+        self.total: Optional[int] = None
+        self.start_step = 0
         self.started = time.perf_counter()
         self.bar: Optional[tqdm] = None
-        if enabled and use_bar:
+
+    def start(self, total_steps: Optional[int], initial_step: int) -> None:
+        """Training starts at `initial_step`; `total_steps` None: not known yet (--time-budget,
+        until `set_total`)."""
+        self.total, self.start_step = total_steps, initial_step
+        self.started = time.perf_counter()
+        if self.enabled and self.use_bar:
             self.bar = tqdm(total=total_steps, initial=initial_step, unit="step",
                             dynamic_ncols=True, leave=True)
 

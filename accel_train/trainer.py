@@ -2,8 +2,11 @@
 gather_for_metrics, checkpoint.
 
 What a start continues from is decided before (resume.py); what goes into the model, the loaders
-and the schedule is built in model.py, data.py and optim.py; what the run says is report.py's.
-Every rank-sensitive act goes through the Accelerator or distributed.py's rank helpers.
+and the schedule is built in model.py, loading.py and optim.py; what a checkpoint holds is the
+list of checkpointed parts handed to the Checkpointer once (checkpoint.py), restored in one call;
+what the run says is report.py's.  Every random draw is seeded by its place in the run
+(randomness.py).  Every rank-sensitive act goes through the Accelerator or distributed.py's rank
+helpers.
 """
 
 from __future__ import annotations
@@ -23,22 +26,22 @@ from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 from . import distributed
 from .badimages import BadImageLog
 from .budget import TimeBudget, evaluation_passes, parse_duration
-from .checkpoint import Checkpointer, TrainerState
+from .checkpoint import AccelerateState, Checkpointer, TrainerState
 from .config import TrainConfig
-from .data import build_loaders
 from .ema import ModelEma
 from .evaluate import evaluate_classifier
+from .loading import build_loaders
 from .mixing import maybe_mixup
 from .model import build_network, save_weights, set_train_mode
 from .optim import build_optimizer, plan_schedule, scheduler_for
 from .plots import write_plots
 from .precision import precision_name, resolve_precision
+from .randomness import MICRO_BATCH_SALT, seed_globals
 from .report import Reporter, records_text, summary
-from .resume import StartPlan, check_same_data_order, plan_start, record_elastic_job
+from .resume import StartPlan, plan_start, record_elastic_job
 from .rundir import run_paths, update_resolved, write_run_config
 from .sources import ArraySource, load_data
-from .streaming import (check_not_streaming_checkpoint, load_streaming, save_stream_state,
-                        streaming_wanted)
+from .streaming import load_streaming, streaming_wanted
 from .track import LogWindow, MetricsLog, Progress, check_trackers, tracker_scalars
 
 
@@ -83,10 +86,6 @@ class Trainer:
         if acc.num_processes != plan.env.world_size:
             raise RuntimeError(f"Accelerate sees {acc.num_processes} processes but the launcher "
                                f"started {plan.env.world_size}: the process group was not shared")
-        self.checkpointer = Checkpointer(acc, plan.checkpoint_dir, config.keep_checkpoints,
-                                         self.report.warn, self.callbacks.before_manifest,
-                                         config.keep_best)
-        acc.register_save_state_pre_hook(self._save_extras_into_checkpoint)
         self.streaming = streaming_wanted(config)  # shards read per epoch: streaming/
         self.data = distributed.main_first(
             lambda: load_streaming(config) if self.streaming else load_data(config))
@@ -95,60 +94,51 @@ class Trainer:
         self.net = build_network(config, self.data, acc.num_processes,
                                  acc.device.type == "cuda", self.report.warn)
         self.loaders = build_loaders(config, self.data, self.net.spec, acc.num_processes,
-                                     plan.env.local_world_size, acc.device.type == "cuda")
-        self.schedule = plan_schedule(config, self.loaders.steps_per_epoch,
-                                      plan.previous.total_steps if plan.previous else None)
+                                     acc.process_index, plan.env.local_world_size,
+                                     acc.device.type == "cuda")
+        self.schedule = plan_schedule(config, self.loaders.steps_per_epoch)
         optimizer = build_optimizer(self.net.model, config)
-        self.model, self.optimizer, self.train_loader, self.eval_loader, self.scheduler = \
-            acc.prepare(self.net.model, optimizer, self.loaders.train, self.loaders.eval,
+        self.model, self.optimizer, self.held_out_loader, self.scheduler = \
+            acc.prepare(self.net.model, optimizer, self.loaders.held_out,
                         scheduler_for(optimizer, self.schedule))
+        self.train_loader = self.loaders.train
+        self.train_loader.prepare(acc)
         self.mixup = maybe_mixup(config, self.net.spec.num_classes)
         self.loss_fn = self.mixup.loss_fn if self.mixup is not None else \
             torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
-        self.state = self._starting_state()
-        self.ema = self._maybe_ema()
+        self.state = TrainerState(world_size=acc.num_processes, batch_size=config.batch_size,
+                                  accumulation_steps=config.accumulation_steps, seed=config.seed,
+                                  train_samples=len(self.data.train))
+        self.ema = ModelEma(self._bare_model(), config.model_ema_decay, config.seed,
+                            self.report.warn) if config.model_ema else None
+        # What every checkpoint holds and a resume restores, in this order: the checks that
+        # refuse a checkpoint (another model, other data) come before anything is loaded.
+        self.checkpointer = Checkpointer(
+            plan.checkpoint_dir, config.keep_checkpoints, self.report.warn,
+            parts=[self.net.spec, self.state, self.train_loader, AccelerateState(acc,
+                   self.report.warn), self.schedule, *([self.ema] if self.ema else []),
+                   self.bad_images],
+            is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
+            before_manifest=self.callbacks.before_manifest, keep_best=config.keep_best)
+        if plan.resume_from is not None:
+            self.checkpointer.restore(plan.resume_from)
         self.control_group = distributed.cpu_control_group(acc.num_processes)
         self.stop = distributed.StopSignals(self.control_group)
         self.budget = self._maybe_budget()
         self.metrics = MetricsLog(self.paths.metrics, acc.is_main_process)
+        self.progress = Progress(acc.is_main_process, config.progress)
         self._open_records([precision_warning, distributed.single_process_launch_warning()])
 
-    # -- start --------------------------------------------------------------------------------
-    def _starting_state(self) -> TrainerState:
-        """A fresh state, or the checkpoint's taken whole (only the process layout is this
-        start's: the global batch stays, see resume.keep_global_batch)."""
-        config, acc = self.config, self.accelerator
-        layout = dict(world_size=acc.num_processes, batch_size=config.batch_size,
-                      accumulation_steps=config.accumulation_steps)
-        if self.plan.resume_from is None:
-            return TrainerState(**layout, seed=config.seed, train_samples=len(self.data.train))
-        if self.streaming:  # where each rank's stream stood
-            self.train_loader.restore(self.plan.resume_from, self.plan.previous.epoch,
-                                      self.plan.previous.samples_in_epoch)
-        else:
-            check_not_streaming_checkpoint(self.plan.resume_from)
-        check_same_data_order(self.plan.previous, config.seed, len(self.data.train))
-        previous = self.checkpointer.load(self.plan.resume_from)
-        # Accelerate counts micro-steps to know when to sync; a resume is always at an optimizer
-        # step boundary, and the accumulation count may have changed with the world size.
-        acc.step = 0
-        return previous.continued_on(**layout)
+    @classmethod
+    def from_config(cls, config: TrainConfig, callbacks: Optional[Callbacks] = None) -> "Trainer":
+        """The launcher's environment and process group, the start plan, then the trainer."""
+        return cls(plan_start(config, distributed.setup(config)), callbacks)
 
+    # -- start --------------------------------------------------------------------------------
     def _bare_model(self) -> torch.nn.Module:
         """The model without DDP's and torch.compile's wrappers: the parameter names of the
         model itself (a compiled model's state dict would prefix each with `_orig_mod.`)."""
         return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-
-    def _maybe_ema(self) -> Optional[ModelEma]:
-        """--model-ema: the average starts from the weights training starts from, or from the
-        checkpoint's average."""
-        if not self.config.model_ema:
-            return None
-        ema = ModelEma(self._bare_model(), self.config.model_ema_decay)
-        if self.plan.resume_from is not None and not ema.load(self.plan.resume_from):
-            self.report.warn(f"{self.plan.resume_from} holds no EMA weights (saved without "
-                             f"--model-ema): the average starts from the resumed weights")
-        return ema
 
     @property
     def total_steps(self) -> int:
@@ -156,7 +146,7 @@ class Trainer:
 
     def _maybe_budget(self) -> Optional[TimeBudget]:
         """--time-budget, unless a resumed run already fixed its schedule."""
-        if self.config.time_budget is None or self.state.total_steps is not None:
+        if self.config.time_budget is None or self.schedule.fixed_by_budget:
             return None
         return TimeBudget(parse_duration(self.config.time_budget))
 
@@ -178,7 +168,7 @@ class Trainer:
         if self.config.max_steps is not None:
             total = min(total, self.config.max_steps)
         total = distributed.from_main(total, self.control_group)
-        self.schedule.total_steps = state.total_steps = total
+        self.schedule.fix_total(total, step_seconds)
         if self.accelerator.is_main_process:
             update_resolved(self.plan.output_dir, {"total_steps": total,
                                                    "budget_step_seconds": step_seconds})
@@ -251,10 +241,8 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------
     def train(self) -> int:
         """Train to the end (or to a stop signal); returns the process exit code."""
-        config, state = self.config, self.state
-        self.progress = Progress(self.accelerator.is_main_process, config.progress,
-                                 None if self.budget is not None else self.total_steps,
-                                 state.step)
+        state = self.state
+        self.progress.start(None if self.budget is not None else self.total_steps, state.step)
         started = time.perf_counter()
         if self.budget is not None:
             self.budget.start(state.step)
@@ -284,29 +272,23 @@ class Trainer:
         """Run (the rest of) the current epoch; True if a stop signal ended it early."""
         acc, config, state = self.accelerator, self.config, self.state
         set_train_mode(self.model, config.freeze_backbone)
-        self.train_loader.set_epoch(state.epoch)
-        loader = self.train_loader
         per_micro_step = config.batch_size * acc.num_processes
-        skip = state.samples_in_epoch // per_micro_step
-        if skip and not self.streaming:  # a restored stream starts there by itself
-            loader = acc.skip_first_batches(self.train_loader, skip)
-            loader.set_epoch(state.epoch)  # the skipping loader starts its own epoch count at 0
         window = LogWindow()
-        batches = iter(loader)
+        batches = iter(self.train_loader)  # from where the loader stands in its epoch
         while state.step < self.total_steps:
             wait_started = time.perf_counter()
             try:
-                images, labels, keys, replaced = next(batches)
+                batch = next(batches)
             except StopIteration:
                 break
-            self.bad_images.note("train", replaced)
+            self.bad_images.note("train", batch.replaced)
             window.data_wait += time.perf_counter() - wait_started
             if self.callbacks.on_micro_batch is not None:
-                self.callbacks.on_micro_batch(state.step + 1, keys)
+                self.callbacks.on_micro_batch(state.step + 1, batch.keys)
             with acc.accumulate(self.model):
-                loss, num_correct = self.train_step(images, labels)
+                loss, num_correct = self.train_step(batch.images, batch.labels)
             window.add(loss, num_correct, per_micro_step)
-            state.samples_in_epoch += per_micro_step
+            state.samples_in_epoch = self.train_loader.samples_in_epoch
             state.samples_seen += per_micro_step
             if not acc.sync_gradients:
                 continue
@@ -330,11 +312,13 @@ class Trainer:
         """One micro-batch: forward, backward, and (on the last micro-step) the update.
         Returns the loss and how many of the images the model got right (the running train
         accuracy costs one argmax; it is measured on augmented images, in train mode)."""
+        # The micro-batch's place in the run: every draw from here to the update (Mixup/CutMix,
+        # dropout and drop-path inside the model) is a function of it, not of what drew before.
+        position = (self.state.epoch, self.state.samples_in_epoch, self.accelerator.process_index)
+        seed_globals(self.config.seed, *position, MICRO_BATCH_SALT)
         targets = labels
         if self.mixup is not None:
-            images, targets = self.mixup(images, labels, (self.state.epoch,
-                                                          self.state.samples_in_epoch,
-                                                          self.accelerator.process_index))
+            images, targets = self.mixup(images, labels, position)
         if self.config.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         with self.accelerator.autocast():
@@ -368,9 +352,14 @@ class Trainer:
         self.progress.write(f"Epoch {state.epoch + 1}{timing}: eval loss {results['loss']:.4f} "
                             f"top1 {results['top1']:.2%} top5 {results['top5']:.2%}{ema_text} "
                             f"({results['count']} images)")
-        state.epoch += 1
-        state.samples_in_epoch = 0
+        self.next_epoch()
         self._maybe_checkpoint("epoch end")
+
+    def next_epoch(self):
+        """The epoch is over: the state and the train loader both stand at the next one."""
+        self.state.epoch += 1
+        self.state.samples_in_epoch = 0
+        self.train_loader.set_epoch(self.state.epoch)
 
     def evaluate(self, model=None) -> dict:
         """Loss, top-1, top-5 and per-class accuracy over the whole held-out split, each sample
@@ -386,7 +375,7 @@ class Trainer:
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
         return evaluate_classifier(self.accelerator, model,
-                                   self.bad_images.strip(self.eval_loader),
+                                   self.bad_images.strip(self.held_out_loader),
                                    self.net.spec.num_classes, self.config.channels_last,
                                    self.config.tta)
 
@@ -415,28 +404,16 @@ class Trainer:
         state = self.state
         if event == "step":
             every = self.config.checkpoint_every
-            at_epoch_end = state.samples_in_epoch >= self.loaders.sampler.usable
+            at_epoch_end = state.samples_in_epoch >= self.train_loader.usable
             if not every or state.step % every or at_epoch_end or state.step >= self.total_steps:
                 return None
         return self.save_checkpoint(event)
 
     def save_checkpoint(self, why: str = "asked") -> Path:
         """Save now (every rank calls it together); `_maybe_checkpoint` decides when."""
-        path = self.checkpointer.save(self.state)
+        path = self.checkpointer.save()
         self.report.log(f"saved checkpoint {path} ({why})")
         return path
-
-    def _save_extras_into_checkpoint(self, models, weights, output_dir: str):
-        """Accelerate calls this inside save_state, before our manifest is written: every
-        checkpoint then carries model_config.json, so `accel-train export/eval` can use a
-        checkpoint on its own, wherever its folder has been moved, and the EMA weights."""
-        if self.accelerator.is_main_process:
-            if self.streaming:  # every rank's stream position
-                save_stream_state(self.train_loader, Path(output_dir), self.state.epoch,
-                                  self.state.samples_in_epoch)
-            self.net.spec.save(Path(output_dir))
-            if self.ema is not None:
-                self.ema.save(Path(output_dir))
 
     def _stop_for_signal(self) -> int:
         self.bad_images.collect()
@@ -482,10 +459,9 @@ class Trainer:
 def run_training(config: TrainConfig, callbacks: Optional[Callbacks] = None) -> int:
     """Parse-build-train-close: the whole `train` command."""
     check_trackers(config.report_to)  # accelerate would ignore a missing one, or raise later
-    env = distributed.setup(config)
     trainer = None
     try:
-        trainer = Trainer(plan_start(config, env), callbacks)
+        trainer = Trainer.from_config(config, callbacks)
         return trainer.train()
     finally:
         if trainer is not None:

@@ -72,16 +72,14 @@ def plain_io(folder: Path, size: int) -> tuple[float, float]:
 
 
 def make_trainer(model: str, out: Path):
-    from accel_train import distributed
     from accel_train.config import TrainConfig
-    from accel_train.resume import plan_start
     from accel_train.trainer import Trainer
     from accel_train.track import Progress
     config = TrainConfig(dataset="synthetic", synthetic_train_size=128, max_eval_samples=64,
                          model=model, batch_size=64, epochs=1000, progress="log", plots=False,
                          output_dir=str(out), keep_checkpoints=2, log_every=1000)
-    trainer = Trainer(plan_start(config, distributed.setup(config)))
-    trainer.progress = Progress(False, "log", trainer.total_steps, 0)
+    trainer = Trainer.from_config(config)
+    trainer.progress = Progress(False, "log")  # quiet: the benchmark prints its own
     return trainer
 
 
@@ -89,8 +87,7 @@ def one_epoch(trainer) -> float:
     started = time.perf_counter()
     trainer.train_epoch()
     seconds = time.perf_counter() - started
-    trainer.state.epoch += 1
-    trainer.state.samples_in_epoch = 0
+    trainer.next_epoch()
     return seconds / trainer.loaders.steps_per_epoch
 
 
@@ -118,7 +115,7 @@ def measure(model: str, args, work: Path) -> dict:
         assert problem is None, problem
         evict(files)
         started = time.perf_counter()
-        trainer.checkpointer.load(path)
+        trainer.checkpointer.restore(path)
         loads.append(time.perf_counter() - started)
     size = sum(f.stat().st_size for f in files_under(paths[-1]))
     weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())

@@ -83,9 +83,7 @@ class HandLoop:
 
 
 def make_trainer(args, size: int, precision: str, batch: int, work: Path):
-    from accel_train import distributed
     from accel_train.config import TrainConfig
-    from accel_train.resume import plan_start
     from accel_train.trainer import Trainer
     from accel_train.track import Progress
     config = TrainConfig(dataset="synthetic", synthetic_train_size=batch * args.steps,
@@ -93,8 +91,8 @@ def make_trainer(args, size: int, precision: str, batch: int, work: Path):
                          batch_size=batch, epochs=1_000_000, mixed_precision=precision,
                          channels_last=True, progress="log", plots=False, log_every=args.steps,
                          output_dir=str(work / f"{size}-{precision}-{time.time_ns()}"))
-    trainer = Trainer(plan_start(config, distributed.setup(config)))
-    trainer.progress = Progress(False, "log", trainer.total_steps, 0)
+    trainer = Trainer.from_config(config)
+    trainer.progress = Progress(False, "log")  # quiet: the benchmark prints its own
     return trainer
 
 

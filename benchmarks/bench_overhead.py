@@ -75,9 +75,7 @@ class HandLoop:
 
 def make_trainer(args, augment: bool, out_dir: Path):
     """A real Trainer whose epoch is exactly --steps optimizer steps of in-memory CIFAR-10."""
-    from accel_train import distributed
     from accel_train.config import TrainConfig
-    from accel_train.resume import plan_start
     from accel_train.trainer import Trainer
     from accel_train.track import Progress
     config = TrainConfig(data_dir=str(benchlib.check_cifar(args.data_dir)), model=args.model,
@@ -86,8 +84,8 @@ def make_trainer(args, augment: bool, out_dir: Path):
                          log_every=args.log_every, augment=augment, progress="log", plots=False,
                          channels_last=args.channels_last, output_dir=str(out_dir),
                          in_memory="always")
-    trainer = Trainer(plan_start(config, distributed.setup(config)))
-    trainer.progress = Progress(False, "log", trainer.total_steps, 0)  # train() would make it
+    trainer = Trainer.from_config(config)
+    trainer.progress = Progress(False, "log")  # quiet: the benchmark prints its own
     return trainer
 
 
@@ -95,8 +93,7 @@ def trainer_block(trainer) -> None:
     """One epoch of the real loop; the epoch bookkeeping of _end_epoch without its evaluation
     and checkpoint (the hand loop does neither; checkpoints are bench_checkpoint's subject)."""
     trainer.train_epoch()
-    trainer.state.epoch += 1
-    trainer.state.samples_in_epoch = 0
+    trainer.next_epoch()
 
 
 def throughput(args, report: benchlib.Report) -> dict:

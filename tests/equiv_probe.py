@@ -26,7 +26,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from accel_train import distributed
 from accel_train.cli import build_train_parser, config_from_args
 from accel_train.syncbn import convert_gloo_sync_batchnorm
-from accel_train.resume import plan_start
 from accel_train.trainer import Trainer
 
 SPLIT = (5, 3)  # samples per rank: uneven on purpose (the global statistics must weight by count)
@@ -116,7 +115,7 @@ def main() -> int:
     result_path, train_argv = sys.argv[1], sys.argv[sys.argv.index("--") + 1:]
     # Built exactly as `python -m accel_train` builds it (cli.main -> trainer.run_training).
     config = config_from_args(build_train_parser().parse_args(train_argv))
-    trainer = Trainer(plan_start(config, distributed.setup(config)))
+    trainer = Trainer.from_config(config)
     try:
         result = {"accumulation": accumulation_check(trainer), "syncbn": syncbn_checks(),
                   "rank": dist.get_rank()}

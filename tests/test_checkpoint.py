@@ -16,9 +16,9 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 from accel_train import checkpoint as ck
-from accel_train.checkpoint import (MANIFEST, STATE_FILE, Checkpointer, TrainerState,
-                                    find_latest_valid, read_state, recover_interrupted_saves,
-                                    verify)
+from accel_train.checkpoint import (MANIFEST, STATE_FILE, AccelerateState, Checkpointer,
+                                    TrainerState, find_latest_valid, read_state,
+                                    recover_interrupted_saves, verify)
 from accel_train.resume import accumulation_for, resolve_resume, set_aside_newer
 from accel_train.cli import main
 from accel_train.errors import UsageError
@@ -42,7 +42,9 @@ def bundle(tmp_path):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     warnings = Warnings()
-    saver = Checkpointer(acc, tmp_path / "checkpoints", keep=10, warn=warnings)
+    saver = Checkpointer(tmp_path / "checkpoints", keep=10, warn=warnings,
+                         parts=[TrainerState(), AccelerateState(acc, warnings)],
+                         barrier=acc.wait_for_everyone)
 
     def train_step():
         loss = model(torch.randn(6, 4)).square().mean()
@@ -60,11 +62,17 @@ def state(step: int) -> TrainerState:
                         world_size=2, batch_size=16, accumulation_steps=1, seed=0)
 
 
+def save_as(saver: Checkpointer, run_state: TrainerState) -> Path:
+    """Save with the run standing at `run_state` (the Checkpointer's part, updated in place)."""
+    saver.state.__dict__.update(dataclasses.asdict(run_state))
+    return saver.save()
+
+
 def save_steps(saver: Checkpointer, train_step, *steps: int) -> dict[int, Path]:
     paths = {}
     for step in steps:
         train_step()
-        paths[step] = saver.save(state(step))
+        paths[step] = save_as(saver, state(step))
     return paths
 
 
@@ -145,7 +153,9 @@ def test_loading_restores_weights_exactly(bundle):
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     train_step()
     assert any(not torch.equal(saved[k], v) for k, v in model.state_dict().items())
-    assert saver.load(path).step == 3
+    saver.state.step = 99
+    saver.restore(path)
+    assert saver.state.step == 3
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
 
 
@@ -164,7 +174,8 @@ def test_pruning_keeps_the_newest_k_and_only_after_the_new_one_is_complete(bundl
 def test_saving_the_same_step_twice_replaces_it_whole(bundle):
     saver, _, train_step, _ = bundle
     first = save_steps(saver, train_step, 5)[5]
-    again = saver.save(TrainerState(**{**state(5).__dict__, "epoch": 1, "samples_in_epoch": 0}))
+    again = save_as(saver, TrainerState(**{**state(5).__dict__, "epoch": 1,
+                                           "samples_in_epoch": 0}))
     assert again == first and verify(again) is None and read_state(again).epoch == 1
     assert not list(saver.root.glob(".tmp-*"))
 
@@ -191,11 +202,11 @@ def test_a_planted_pickle_is_refused_and_its_code_never_runs(bundle, tmp_path, v
     torch.load(payload, weights_only=False)  # the control: unpickled naively, it runs
     assert marker.exists()
     marker.unlink()
-    ck.write_manifest(path, read_state(path))
+    ck.write_manifest(path, read_state(path).step)
     assert verify(path) is None
 
     with pytest.raises(UsageError, match="refusing to load it"):
-        saver.load(path)
+        saver.restore(path)
     assert not marker.exists()
 
 
@@ -277,35 +288,53 @@ def test_a_resume_that_would_change_the_data_order_is_refused(bundle, tmp_path, 
         assert code == 2 and len(err) == 1 and message in err[0], err
 
 
-def test_a_resumed_state_keeps_every_field_of_the_checkpoint_but_the_process_layout():
+def test_a_resumed_state_keeps_every_field_of_the_checkpoint_but_the_process_layout(tmp_path):
     """Field by field restoring once dropped what it did not name; every field of the dataclass
-    (including any added later) must come back from the checkpoint, except the three that
-    describe this start's process layout."""
-    import dataclasses
-
-    layout = {"world_size", "batch_size", "accumulation_steps"}
+    (including any added later) must come back from the checkpoint through its file, except
+    the three that describe this start's process layout."""
+    layout = {"world_size": 1, "batch_size": 64, "accumulation_steps": 2}
     saved = TrainerState()
     for number, field in enumerate(dataclasses.fields(TrainerState), start=3):
         value = getattr(saved, field.name)
         setattr(saved, field.name, 0.5 * number if isinstance(value, float) or value is None
                 else number)
-    through_disk = TrainerState.from_json(json.loads(json.dumps(saved.to_json())))
-    resumed = through_disk.continued_on(world_size=1, batch_size=64, accumulation_steps=2)
+    saved.save(tmp_path)
+    resumed = TrainerState(**layout, seed=saved.seed, train_samples=saved.train_samples)
+    resumed.load(tmp_path)
     for field in dataclasses.fields(TrainerState):
-        expected = {"world_size": 1, "batch_size": 64, "accumulation_steps": 2}.get(
-            field.name, getattr(saved, field.name))
+        expected = layout.get(field.name, getattr(saved, field.name))
         assert getattr(resumed, field.name) == expected, field.name
-    assert set(f.name for f in dataclasses.fields(TrainerState)) - layout  # something to keep
+    assert set(f.name for f in dataclasses.fields(TrainerState)) - set(layout)  # something kept
+
+
+def test_a_checkpoint_of_another_format_is_refused_before_anything_moves(bundle, tmp_path,
+                                                                         capsys):
+    """A checkpoint written before the parts were saved by one owner (no "format" in its
+    manifest): --resume auto says so in one line, exit 2, and neither sets it aside nor starts
+    from scratch (which a requeue loop would do silently)."""
+    saver, _, train_step, _ = bundle
+    paths = save_steps(saver, train_step, 3, 6)
+    for path in paths.values():
+        manifest = json.loads((path / MANIFEST).read_text())
+        del manifest["format"]
+        (path / MANIFEST).write_text(json.dumps(manifest))
+    before = tree_digest(saver.root)
+    out = tmp_path / "run"
+    code, err = run_cli(capsys, "--output-dir", str(out), "--checkpoint", str(saver.root),
+                        "--resume", "auto")
+    assert code == 2 and len(err) == 1, err
+    assert "step_00000006 is in checkpoint format 1" in err[0] and "writes format 2" in err[0]
+    assert tree_digest(saver.root) == before
 
 
 def test_an_fp16_grad_scaler_state_is_saved_vetted_and_restored(bundle, tmp_path):
     """With fp16 on CUDA, Accelerate writes the GradScaler's state into every checkpoint
     (scaler.pt, with torch.save).  No CUDA here, so the Accelerator is handed a CPU GradScaler
-    (torch runs one: DESIGN.md); Accelerate's own save_state/load_state then write and read the
+    (torch itself runs fp16 autocast with one on a CPU); Accelerate's own save_state/load_state then write and read the
     file exactly as on a GPU.  The file must pass the safe loading (plain numbers, no pickled
     objects) and come back exactly; a planted object in it must be refused."""
     saver, _, train_step, _ = bundle
-    acc = saver.accelerator
+    acc = saver.parts[1].accelerator
     acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 13, growth_interval=7)
     acc.scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
     acc.scaler.update(2.0 ** 9)  # a state that is not the default: scale 512
@@ -314,14 +343,14 @@ def test_an_fp16_grad_scaler_state_is_saved_vetted_and_restored(bundle, tmp_path
     assert (path / "scaler.pt").is_file() and verify(path) is None
 
     acc.scaler = torch.amp.GradScaler("cpu")  # a fresh start's scaler
-    saver.load(path)
+    saver.restore(path)
     assert acc.scaler.state_dict() == saved == {**saved, "scale": 512.0, "growth_interval": 7}
 
     marker = tmp_path / "pwned"
     torch.save({**saved, "scale": _Payload(str(marker))}, path / "scaler.pt")
-    ck.write_manifest(path, read_state(path))
+    ck.write_manifest(path, read_state(path).step)
     with pytest.raises(UsageError, match="refusing to load it"):
-        saver.load(path)
+        saver.restore(path)
     assert not marker.exists()
     acc.scaler = None
 
@@ -336,7 +365,7 @@ def test_keep_best_keeps_the_highest_evaluated_top1_besides_the_newest(bundle):
                (9, 0.65, 8)]
     for step, top1, eval_step in history:
         train_step()
-        saver.save(dataclasses.replace(state(step), eval_top1=top1, eval_step=eval_step))
+        save_as(saver, dataclasses.replace(state(step), eval_top1=top1, eval_step=eval_step))
     kept = [p.name for p in ck.list_checkpoints(saver.root)]
     # newest: 9; best evaluated: step 4 (0.70), step 8 (0.65); step 5 repeats step 4's number
     assert kept == ["step_00000009", "step_00000008", "step_00000004"]

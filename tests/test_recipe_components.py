@@ -7,7 +7,7 @@ does not come from the code under test.
   label-smoothed one-hots mixed by the same lam (written out here); a function of the position
   alone, and the global numpy state is left alone.  Through the CLI, a 2-step run with --mixup
   trains other weights than the same run without it.
-* --auto-augment / --reprob (the loaders of accel_train.data.build_loaders): a policy changes the
+* --auto-augment / --reprob (the loaders of accel_train.loading.build_loaders): a policy changes the
   images of the plain crop/flip path, deterministically per (seed, epoch, index), identically
   when the images are decoded in memory and when they are decoded per step (the same parquet
   JPEGs); random erasing replaces exactly one rectangle of per-pixel noise; no global RNG moves.
@@ -169,14 +169,14 @@ KEYS_EPOCH0 = list(range(0, 24))
 
 
 def _train_dataset(data_dir, in_memory: str, **options):
-    from accel_train.data import build_loaders
+    from accel_train.loading import build_loaders
     from accel_train.sources import load_data
 
     config = TrainConfig(data_dir=str(data_dir), in_memory=in_memory, batch_size=16,
                          num_workers=0, **options)
     data = load_data(config)
-    loaders = build_loaders(config, data, SPEC, 1, 1, False)
-    return loaders.train.dataset, data
+    loaders = build_loaders(config, data, SPEC, 1, 0, 1, False)
+    return loaders.train.loader.dataset, data
 
 
 def _images(dataset, keys) -> torch.Tensor:

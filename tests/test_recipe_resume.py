@@ -26,7 +26,7 @@ from faults import Run, checkpoint_steps, max_weight_difference, metrics, torchr
 RECIPE = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")],
           "--mixup", "0.8", "--cutmix", "1.0", "--mixup-switch-prob", "0.5",
           "--auto-augment", "rand-m9-mstd0.5-inc1", "--reprob", "0.25",
-          "--model-ema", "--model-ema-decay", "0.9",
+          "--model-ema", "--model-ema-decay", "0.9", "--drop-path", "0.1", "--drop-rate", "0.3",
           "--checkpoint-every", "3", "--log-every", "1", "--keep-checkpoints", "10"]
 
 

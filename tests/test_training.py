@@ -15,9 +15,7 @@ from accel_train.cli import main
 from accel_train.config import TrainConfig
 from accel_train.model import ModelSpec, build_from_spec, create_model
 from accel_train.track import read_metrics
-from accel_train.resume import plan_start
 from accel_train.trainer import Trainer, run_training
-from accel_train import distributed
 
 from conftest import accel_train
 
@@ -59,12 +57,12 @@ def test_training_in_a_subprocess_improves_accuracy(tmp_path):
 
 def test_exported_weights_rebuild_the_same_model(tmp_path):
     config = TrainConfig(**QUICK, output_dir=str(tmp_path / "run"))
-    trainer = Trainer(plan_start(config, distributed.setup(config)))
+    trainer = Trainer.from_config(config)
     assert trainer.train() == 0
     trained = trainer.accelerator.unwrap_model(trainer.model).eval()
     trainer.close()
 
-    spec = ModelSpec.load(tmp_path / "run")
+    spec = ModelSpec.read(tmp_path / "run")
     assert spec.class_names[:2] == ["disk", "square"] and spec.image_size == 32
     rebuilt = build_from_spec(spec)
     rebuilt.load_state_dict(load_file(str(tmp_path / "run" / "model.safetensors")))

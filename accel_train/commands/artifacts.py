@@ -47,10 +47,10 @@ def _spec_for_checkpoint(checkpoint: Path, run_dir: Optional[Path]) -> ModelSpec
     """The checkpoint's own model_config.json (written into every checkpoint since it exists),
     else its run's: the final model_config.json, or the model recorded in config.yaml."""
     if (checkpoint / SPEC_FILE).is_file():
-        return ModelSpec.load(checkpoint)
+        return ModelSpec.read(checkpoint)
     if run_dir is not None:
         if (run_dir / SPEC_FILE).is_file():
-            return ModelSpec.load(run_dir)
+            return ModelSpec.read(run_dir)
         recorded = read_run_config(run_dir).get("resolved", {}).get("model")
         if isinstance(recorded, dict):
             return ModelSpec.from_dict(recorded)
@@ -99,7 +99,7 @@ def find_trained_model(path_text: str, warn: Callable[[str], None]) -> TrainedMo
     if (path / WEIGHTS_FILE).is_file() and (path / SPEC_FILE).is_file():
         run_dir = path if (path / RUN_CONFIG).is_file() else None
         kind = "the final model of run" if run_dir else "export"
-        return TrainedModel(ModelSpec.load(path), path / WEIGHTS_FILE, run_dir, f"{kind} {path}")
+        return TrainedModel(ModelSpec.read(path), path / WEIGHTS_FILE, run_dir, f"{kind} {path}")
     is_run = (path / RUN_CONFIG).is_file()
     root = _checkpoint_root(path) if is_run else path
     if list_checkpoints(root):

@@ -56,22 +56,21 @@ at a run's start), writer.py (`accel-train shard`'s tar and index writer).
 """
 
 from .decoding import decode_batch, decode_substituting
-from .loader import (STREAM_STATE, SlotReader, StreamingTrain, StreamLoader,
-                     check_not_streaming_checkpoint, save_stream_state)
+from .loader import STREAM_STATE, SlotReader, StreamingTrain, StreamLoader
 from .plan import (Layout, Segment, batches_per_slot, fit_workers, planned_shuffle,
                    rank_batches_per_epoch, remaining_batches, shard_order, slot_keys, slot_shards)
 from .shards import (EVAL_SPLITS, IMAGE_EXTS, INDEX_FORMAT, INDEX_NAME, ShardData, ShardSet,
                      is_shard_folder, iter_parquet, iter_shard, iter_tar, open_shards, read_split,
                      shard_kind)
-from .start import build_stream_loaders, load_streaming, streaming_wanted
+from .start import build_stream_loader, load_streaming, streaming_wanted
 from .writer import ShardWriter, image_ext, png_bytes, write_index
 
 __all__ = [
     "EVAL_SPLITS", "IMAGE_EXTS", "INDEX_FORMAT", "INDEX_NAME", "STREAM_STATE", "Layout",
     "Segment", "ShardData", "ShardSet", "ShardWriter", "SlotReader", "StreamLoader",
-    "StreamingTrain", "batches_per_slot", "build_stream_loaders", "check_not_streaming_checkpoint",
+    "StreamingTrain", "batches_per_slot", "build_stream_loader",
     "decode_batch", "decode_substituting", "fit_workers", "image_ext", "is_shard_folder",
     "iter_parquet", "iter_shard", "iter_tar", "load_streaming", "open_shards", "planned_shuffle",
-    "png_bytes", "rank_batches_per_epoch", "read_split", "remaining_batches", "save_stream_state",
+    "png_bytes", "rank_batches_per_epoch", "read_split", "remaining_batches",
     "shard_kind", "shard_order", "slot_keys", "slot_shards", "streaming_wanted", "write_index",
 ]

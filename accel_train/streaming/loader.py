@@ -14,6 +14,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..errors import UsageError
+from ..data import Batch
+from ..randomness import loader_generator, reseed_loader
 from .decoding import decode_substituting
 from .plan import Layout, Segment, rank_batches_per_epoch, remaining_batches, slot_keys, slot_shards
 from .shards import ShardSet, iter_shard
@@ -121,25 +123,43 @@ class StreamingTrain(IterableDataset):
 
 
 class StreamLoader:
-    """The training loader of a streaming run.  Not a DataLoader on purpose: Accelerate's
-    prepare() passes it through untouched (it would otherwise re-shard an iterable dataset
-    across processes, or read it all on rank 0 and scatter); it moves batches to the device."""
+    """The training loader of a streaming run (loading.TrainLoader).  Not a DataLoader on
+    purpose: Accelerate's prepare() would re-shard an iterable dataset across processes, or read
+    it all on rank 0 and scatter; this one takes only the device from Accelerate."""
+
+    name = "train_loader"  # a checkpointed part (checkpoint.py): stream.json
 
     def __init__(self, dataset: StreamingTrain, num_workers: int, prefetch_factor: int,
                  pin_memory: bool):
         self.dataset, self.num_workers = dataset, num_workers
         extra = dict(prefetch_factor=prefetch_factor) if num_workers > 0 else {}
-        # Not persistent: each epoch's workers are started with that epoch's plan.
+        # Not persistent: each epoch's workers are started with that epoch's plan.  Its own
+        # generator: workers' seeds never come from torch's global one (randomness.py); every
+        # draw of theirs is seeded by the sample anyway.
         self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers,
-                                 pin_memory=pin_memory, **extra)
+                                 pin_memory=pin_memory, generator=loader_generator(dataset.seed),
+                                 **extra)
         self.device = None
+        self.samples_in_epoch = 0
 
     @property
     def layout(self) -> Layout:
         return self.dataset.layout
 
+    @property
+    def epoch(self) -> int:
+        return self.dataset.epoch
+
+    def prepare(self, accelerator) -> None:
+        self.device = accelerator.device
+
     def set_epoch(self, epoch: int) -> None:
-        self.dataset.epoch = epoch
+        self.dataset.epoch, self.samples_in_epoch = epoch, 0
+
+    def _epoch_layout(self) -> Layout:
+        """The layout that planned the current epoch: a resumed one keeps the old plan."""
+        resume = self.dataset.resume
+        return resume[1] if resume is not None and resume[0] == self.epoch else self.layout
 
     def __len__(self) -> int:
         return len(self.dataset.plan(self.dataset.epoch)[1])
@@ -147,23 +167,22 @@ class StreamLoader:
     @property
     def usable(self) -> int:
         """Global samples of the current epoch (the trainer's end-of-epoch test)."""
-        resume = self.dataset.resume
-        lay = resume[1] if resume is not None and resume[0] == self.dataset.epoch \
-            else self.layout
+        lay = self._epoch_layout()
         return rank_batches_per_epoch(self.dataset.shards, lay) * lay.batch * lay.ranks
 
     def __iter__(self):
-        if self.device is None:
-            from accelerate import PartialState
-            self.device = PartialState().device
+        # A restored epoch starts where it stopped by itself (StreamingTrain.plan).
+        reseed_loader(self.loader.generator, self.dataset.seed, self.epoch, self.dataset.rank)
+        per_micro_step = self.layout.batch * self.layout.ranks
         for batch in self.loader:
-            yield tuple(t.to(self.device, non_blocking=True) for t in batch)
+            self.samples_in_epoch += per_micro_step
+            yield Batch(*(t.to(self.device, non_blocking=True) for t in batch))
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def state(self, epoch: int, samples_in_epoch: int) -> dict:
+    def state(self) -> dict:
         """What a checkpoint records: the layout and each rank's and worker's position."""
-        resume = self.dataset.resume
-        lay = resume[1] if resume is not None and resume[0] == epoch else self.layout
+        epoch, samples_in_epoch = self.epoch, self.samples_in_epoch
+        lay = self._epoch_layout()
         positions = None
         if samples_in_epoch % (lay.batch * lay.ranks) == 0:  # else the epoch was re-cut
             done = samples_in_epoch // (lay.batch * lay.ranks)
@@ -178,11 +197,14 @@ class StreamLoader:
                 "layout": lay.__dict__,  # the layout that planned this epoch
                 "positions": positions}
 
-    def restore(self, checkpoint: Path, epoch: int, samples_in_epoch: int) -> None:
+    def save(self, folder: Path) -> None:
+        (Path(folder) / STREAM_STATE).write_text(json.dumps(self.state(), indent=1) + "\n")
+
+    def load(self, folder: Path) -> None:
         """A resumed start: the interrupted epoch continues with the old plan's next batches."""
-        path = Path(checkpoint) / STREAM_STATE
+        path = Path(folder) / STREAM_STATE
         if not path.is_file():
-            raise UsageError(f"{checkpoint} was saved by a map-style run (no {STREAM_STATE}); "
+            raise UsageError(f"{folder} was saved by a map-style run (no {STREAM_STATE}); "
                              f"it cannot resume a streaming run: start a new run, or resume "
                              f"without --streaming and a shard folder")
         saved = json.loads(path.read_text())
@@ -192,20 +214,7 @@ class StreamLoader:
         if saved.get("num_shards") != len(self.dataset.shards.files):
             raise UsageError(f"the checkpoint was trained on {saved.get('num_shards')} shards but "
                              f"this start has {len(self.dataset.shards.files)}")
-        if samples_in_epoch == 0 or saved["epoch"] != epoch:
-            return
-        self.dataset.resume = (epoch, Layout(**saved["layout"]), samples_in_epoch)
-
-
-def save_stream_state(loader: StreamLoader, folder: Path, epoch: int,
-                      samples_in_epoch: int) -> None:
-    (Path(folder) / STREAM_STATE).write_text(json.dumps(loader.state(epoch, samples_in_epoch),
-                                                        indent=1) + "\n")
-
-
-def check_not_streaming_checkpoint(checkpoint: Optional[Path]) -> None:
-    """A map-style start must not resume a streaming run's checkpoint."""
-    if checkpoint is not None and (Path(checkpoint) / STREAM_STATE).is_file():
-        raise UsageError(f"{checkpoint} was saved by a streaming run (it holds {STREAM_STATE}); "
-                         f"resume it with the same shard folder (--data-dir SHARDS), or start a "
-                         f"new run")
+        epoch, samples_in_epoch = saved["epoch"], saved["samples_in_epoch"]
+        self.dataset.epoch, self.samples_in_epoch = epoch, samples_in_epoch
+        if samples_in_epoch:
+            self.dataset.resume = (epoch, Layout(**saved["layout"]), samples_in_epoch)

@@ -73,28 +73,18 @@ def streaming_wanted(config) -> bool:
     return bool(getattr(config, "streaming", False)) or is_shard_folder(config.data_dir)
 
 
-def build_stream_loaders(config, data, spec, num_processes: int, processes_per_machine: int,
-                         pin_memory: bool):
-    """The streaming counterpart of data.build_loaders (same Loaders record)."""
-    from ..data import EvalImages, Loaders, default_num_workers, make_loader, run_transforms
-    import torch.distributed as dist
-
+def build_stream_loader(config, data, train_tf, num_processes: int, rank: int,
+                        wanted_workers: int, pin_memory: bool):
+    """The streaming train loader (loading.TrainLoader), its loader workers, and its optimizer
+    steps per epoch."""
     shards = data.shards.train
-    global_batch = config.batch_size * num_processes * config.accumulation_steps
-    train_tf, eval_tf = run_transforms(config, spec)
-    wanted = config.num_workers if config.num_workers is not None else \
-        default_num_workers(data.train, processes_per_machine)
     slots = fit_workers(shards, num_processes, config.batch_size, config.accumulation_steps,
-                        wanted)
+                        wanted_workers)
     layout = Layout(num_processes, slots, config.batch_size, config.accumulation_steps)
-    rank = dist.get_rank() if dist.is_initialized() else 0
     dataset = StreamingTrain(shards, layout, rank, config.seed, config.shuffle_buffer, train_tf)
     dataset.bad_images = config.bad_images
     # --num-workers 0 reads the slot in this process (one slot per rank then).
-    train = StreamLoader(dataset, slots if wanted > 0 else 0, config.prefetch_factor,
+    train = StreamLoader(dataset, slots if wanted_workers > 0 else 0, config.prefetch_factor,
                          pin_memory)
-    eval_workers = 0
-    held_out = make_loader(EvalImages(data.eval, eval_tf, mark_replaced=True), config.batch_size,
-                           eval_workers, config.prefetch_factor, False, pin_memory)
     steps = rank_batches_per_epoch(shards, layout) // config.accumulation_steps
-    return Loaders(train, held_out, train, slots, global_batch, steps)
+    return train, slots, steps

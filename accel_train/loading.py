@@ -1,0 +1,155 @@
+"""The one train-loader interface, and the loaders of a run chosen once when it is built.
+
+Two kinds of data feed training: indexed (map-style: images in memory or decoded per step,
+data.py) and streamed from shards (streaming/).  The trainer sees one interface, `TrainLoader`,
+and never asks which kind it has:
+
+* `prepare(accelerator)`: hand the loader to Accelerate (or take the device from it);
+* `set_epoch(epoch)`: the next iteration is that epoch, from its start;
+* iterating yields the rest of the current epoch as `data.Batch`es, from the loader's position,
+  and advances the position by each micro-batch it hands out (`samples_in_epoch`, all
+  processes together);
+* `save(folder)` / `load(folder)`: the position, as a checkpointed part (checkpoint.py); a
+  resumed start continues the interrupted epoch exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol
+
+from torch.utils.data import DataLoader
+
+from .data import (Batch, EpochSampler, EvalImages, TrainImages, default_num_workers,
+                   make_loader, run_transforms)
+from .errors import UsageError
+from .randomness import reseed_loader
+from .streaming import STREAM_STATE, build_stream_loader, streaming_wanted
+
+LOADER_STATE = "loader.json"  # in each checkpoint of an indexed run
+
+
+class TrainLoader(Protocol):
+    name: str              # "train_loader": a checkpointed part
+    epoch: int
+    samples_in_epoch: int  # handed out so far in this epoch, all processes together
+    usable: int            # samples in a whole epoch, all processes together
+
+    def prepare(self, accelerator) -> None: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def save(self, folder: Path) -> None: ...
+
+    def load(self, folder: Path) -> None: ...
+
+
+class IndexedTrainLoader:
+    """Map-style training data: the seeded epoch sampler through a DataLoader that Accelerate
+    shards across processes; a resumed epoch skips the batches already trained."""
+
+    name = "train_loader"
+
+    def __init__(self, loader: DataLoader, sampler: EpochSampler, batch_size: int,
+                 num_processes: int, rank: int, seed: int):
+        self.loader, self.sampler, self.generator = loader, sampler, loader.generator
+        self.per_micro_step = batch_size * num_processes
+        self.rank, self.seed = rank, seed
+        self.epoch, self.samples_in_epoch = 0, 0
+        self.accelerator = None
+
+    @property
+    def usable(self) -> int:
+        return self.sampler.usable
+
+    def prepare(self, accelerator) -> None:
+        self.accelerator = accelerator
+        self.loader = accelerator.prepare(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.samples_in_epoch = epoch, 0
+
+    def __len__(self) -> int:
+        return self.usable // self.per_micro_step
+
+    def __iter__(self) -> Iterator[Batch]:
+        loader, done = self.loader, self.samples_in_epoch // self.per_micro_step
+        if done:
+            loader = self.accelerator.skip_first_batches(self.loader, done)
+        loader.set_epoch(self.epoch)  # a skipping loader starts its own epoch count at 0
+        # The prepared and the skipping loader share this generator: the iterator's base seed
+        # (its workers' seeds) is a function of (seed, epoch, rank), however the epoch starts.
+        reseed_loader(self.generator, self.seed, self.epoch, self.rank)
+        for images, labels, keys, replaced in loader:
+            # Counted as handed out: a checkpoint after this batch's step includes it.
+            self.samples_in_epoch += self.per_micro_step
+            yield Batch(images, labels, keys, replaced)
+
+    def save(self, folder: Path) -> None:
+        (Path(folder) / LOADER_STATE).write_text(json.dumps(
+            {"kind": "indexed", "epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch,
+             "seed": self.seed, "train_samples": self.sampler.num_samples}, indent=1) + "\n")
+
+    def load(self, folder: Path) -> None:
+        if (Path(folder) / STREAM_STATE).is_file():
+            raise UsageError(f"{folder} was saved by a streaming run (it holds {STREAM_STATE}); "
+                             f"resume it with the same shard folder (--data-dir SHARDS), or "
+                             f"start a new run")
+        saved = json.loads((Path(folder) / LOADER_STATE).read_text())
+        if saved["samples_in_epoch"] % self.per_micro_step:
+            raise UsageError(f"{folder} stopped {saved['samples_in_epoch']} samples into its "
+                             f"epoch, which {self.per_micro_step} samples per micro-step do not "
+                             f"divide; resume with the global batch it was trained with")
+        self.epoch, self.samples_in_epoch = saved["epoch"], saved["samples_in_epoch"]
+
+
+@dataclass
+class Loaders:
+    """The training and held-out loaders of a run, before `accelerator.prepare`."""
+
+    train: TrainLoader
+    held_out: DataLoader
+    num_workers: int
+    global_batch: int     # one optimizer step: batch x processes x accumulation
+    steps_per_epoch: int  # optimizer steps
+
+
+def build_loaders(config, data, spec, num_processes: int, rank: int, processes_per_machine: int,
+                  pin_memory: bool) -> Loaders:
+    """Seeded, augmented training batches in an order that is a function of (seed, epoch), and
+    the held-out batches; a UsageError when the data cannot fill one global batch."""
+    global_batch = config.batch_size * num_processes * config.accumulation_steps
+    if len(data.eval) == 0:
+        raise UsageError("the held-out split is empty; raise --val-fraction or "
+                         "--max-eval-samples")
+    train_tf, eval_tf = run_transforms(config, spec)
+    wanted_workers = config.num_workers if config.num_workers is not None else \
+        default_num_workers(data.train, processes_per_machine)
+    if streaming_wanted(config):
+        train, workers, steps = build_stream_loader(config, data, train_tf, num_processes, rank,
+                                                    wanted_workers, pin_memory)
+        eval_workers = 0  # held-out shards are decoded in memory at the start
+    else:
+        if len(data.train) < global_batch:
+            raise UsageError(f"the training set has {len(data.train)} images, fewer than one "
+                             f"global batch of {global_batch} (batch_size x processes x "
+                             f"accumulation_steps); lower --batch-size")
+        sampler = EpochSampler(len(data.train), global_batch, config.seed)
+        # The marks of replaced images ride along to the loop (badimages.py names them).
+        loader = make_loader(TrainImages(data.train, train_tf, config.seed, mark_replaced=True),
+                             config.batch_size, wanted_workers, config.prefetch_factor,
+                             config.persistent_workers, pin_memory, sampler=sampler,
+                             drop_last=True, seed=config.seed)
+        train = IndexedTrainLoader(loader, sampler, config.batch_size, num_processes, rank,
+                                   config.seed)
+        workers = eval_workers = wanted_workers
+        steps = len(train) // config.accumulation_steps
+    held_out = make_loader(EvalImages(data.eval, eval_tf, mark_replaced=True), config.batch_size,
+                           eval_workers, config.prefetch_factor,
+                           config.persistent_workers and eval_workers > 0, pin_memory,
+                           seed=config.seed)
+    return Loaders(train, held_out, workers, global_batch, steps)

@@ -330,8 +330,8 @@ def test_a_checkpoint_of_another_format_is_refused_before_anything_moves(bundle,
 def test_an_fp16_grad_scaler_state_is_saved_vetted_and_restored(bundle, tmp_path):
     """With fp16 on CUDA, Accelerate writes the GradScaler's state into every checkpoint
     (scaler.pt, with torch.save).  No CUDA here, so the Accelerator is handed a CPU GradScaler
-    (torch itself runs fp16 autocast with one on a CPU); Accelerate's own save_state/load_state then write and read the
-    file exactly as on a GPU.  The file must pass the safe loading (plain numbers, no pickled
+    (torch itself runs fp16 autocast with one on a CPU); Accelerate's own save_state and
+    load_state then write and read the file exactly as on a GPU.  The file must pass the safe loading (plain numbers, no pickled
     objects) and come back exactly; a planted object in it must be refused."""
     saver, _, train_step, _ = bundle
     acc = saver.parts[1].accelerator

@@ -241,7 +241,8 @@ def test_no_launch_warning_outside_accelerates_simple_launcher():
 
 def test_multi_cpu_yaml_asking_for_two_processes_warns_that_one_trains(tmp_path):
     """The real thing: accelerate launch with distributed_type MULTI_CPU and num_processes 2
-    starts ONE process (docs/architecture.md); the user must be told, with the configuration that works."""
+    starts ONE process (docs/architecture.md); the user must be told, with the configuration
+    that works."""
     config = yaml.safe_load((CONFIGS / "cpu_2proc.yaml").read_text())
     config.update(distributed_type="MULTI_CPU", use_cpu=True)
     multi_cpu = tmp_path / "multi_cpu.yaml"

@@ -331,8 +331,9 @@ def test_an_fp16_grad_scaler_state_is_saved_vetted_and_restored(bundle, tmp_path
     """With fp16 on CUDA, Accelerate writes the GradScaler's state into every checkpoint
     (scaler.pt, with torch.save).  No CUDA here, so the Accelerator is handed a CPU GradScaler
     (torch itself runs fp16 autocast with one on a CPU); Accelerate's own save_state and
-    load_state then write and read the file exactly as on a GPU.  The file must pass the safe loading (plain numbers, no pickled
-    objects) and come back exactly; a planted object in it must be refused."""
+    load_state then write and read the file exactly as on a GPU.  The file must pass the safe
+    loading (plain numbers, no pickled objects) and come back exactly; a planted object in it
+    must be refused."""
     saver, _, train_step, _ = bundle
     acc = saver.parts[1].accelerator
     acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 13, growth_interval=7)

@@ -54,8 +54,10 @@ class BadImageLog:
         if not self.is_main:
             return
         self.named = json.loads((Path(folder) / BAD_IMAGES_FILE).read_text())
-        self.path.write_text("".join(f"{name}\t{reason}\n"
-                                     for name, reason in self.named.items()))
+        if self.named or self.path.is_file():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("".join(f"{name}\t{reason}\n"
+                                         for name, reason in self.named.items()))
 
     @property
     def count(self) -> int:

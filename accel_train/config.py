@@ -31,6 +31,8 @@ def option(default, help: str, group: str, flags: tuple[str, ...] = (), **kw):
     """A config field with what the CLI needs to expose it.
 
     `flags` are extra spellings; every field also gets --dash-name and --underscore_name.
+    `draws_random=True` marks an option that makes training draw random numbers: the resume
+    matrix (tests/test_resume_matrix.py) must turn it on, or a test fails.
     """
     meta = {"help": help, "group": group, "flags": flags, **kw}
     if isinstance(default, (list, dict)):
@@ -93,13 +95,14 @@ class TrainConfig:
                                         "shards held out for evaluation (default: the index's "
                                         "held-out split).", "data")
     augment: bool = option(True, "Random crop + horizontal flip on training images "
-                           "(--no-augment turns it off, with what follows).", "data")
+                           "(--no-augment turns it off, with what follows).", "data",
+                           draws_random=True)
     auto_augment: Optional[str] = option(None, "An augmentation policy after the crop and flip: "
                                          "torchvision's randaugment, trivialaugment, autoaugment"
                                          "[-cifar10|-svhn], augmix, or a timm string such as "
-                                         "rand-m9-mstd0.5-inc1.", "data")
+                                         "rand-m9-mstd0.5-inc1.", "data", draws_random=True)
     reprob: float = option(0.0, "Random erasing probability (timm's RandomErasing, per-pixel "
-                           "noise), after normalization.", "data")
+                           "noise), after normalization.", "data", draws_random=True)
 
     # -- model --------------------------------------------------------------------------------
     model: str = option("resnet18", "Any timm model name.", "model")
@@ -115,14 +118,15 @@ class TrainConfig:
                            flags=("--sync_batchnorm",))
     channels_last: bool = option(False, "Use channels_last memory format for images and model.",
                                  "model")
-    drop_rate: float = option(0.0, "Dropout before the classifier.", "model")
+    drop_rate: float = option(0.0, "Dropout before the classifier.", "model", draws_random=True)
     model_ema: bool = option(False, "Keep an exponential moving average of the weights (timm's "
                              "ModelEmaV3), evaluated every epoch beside the raw model; the "
                              "export is the better of the two on the held-out split.", "model")
     model_ema_decay: float = option(0.9998, "EMA decay per optimizer step (closer to 1: a "
                                     "longer memory; ~1 - 1/(a tenth of the steps)).", "model")
     drop_path: float = option(0.0, "Stochastic depth: the rate at which residual blocks are "
-                              "dropped in training (timm's drop_path_rate).", "model")
+                              "dropped in training (timm's drop_path_rate).", "model",
+                              draws_random=True)
     compile: bool = option(False, "torch.compile the model (inductor; after DDP wrapping, through "
                            "Accelerate). The first steps pay the compilation.", "model")
 
@@ -148,9 +152,11 @@ class TrainConfig:
     label_smoothing: float = option(0.1, "Label smoothing for the cross-entropy loss.",
                                     "optimization")
     mixup: float = option(0.0, "Mixup alpha (timm's Mixup on the batch; 0: off; 0.8 is usual). "
-                          "Targets become soft; the loss follows.", "optimization")
+                          "Targets become soft; the loss follows.", "optimization",
+                          draws_random=True)
     cutmix: float = option(0.0, "CutMix alpha (0: off; 1.0 is usual). With --mixup too, each "
-                           "batch picks one (see --mixup-switch-prob).", "optimization")
+                           "batch picks one (see --mixup-switch-prob).", "optimization",
+                           draws_random=True)
     mixup_prob: float = option(1.0, "Probability that a batch is mixed at all.",
                                "optimization")
     mixup_switch_prob: float = option(0.5, "With both on: probability of CutMix over Mixup.",

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from .augment import build_erasing, build_policy
+from .distributed import loader_worker_ignores_stop_signals
 from .randomness import loader_generator
 from .sources import ArraySource, ImageSource
 from .transforms import ImageTransform, single_threaded
@@ -212,13 +213,15 @@ def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_fa
                 persistent_workers: bool, pin_memory: bool, sampler: Sampler | None = None,
                 drop_last: bool = False, seed: int = 0) -> DataLoader:
     """A DataLoader with its own generator (randomness.py): its iterators' base seeds never
-    come from, or move, torch's global generator."""
+    come from, or move, torch's global generator; its workers leave stop signals to the
+    training process."""
     extra = {}
     if num_workers > 0:
         extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
                       drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
-                      collate_fn=collate_batch, generator=loader_generator(seed), **extra)
+                      collate_fn=collate_batch, generator=loader_generator(seed),
+                      worker_init_fn=loader_worker_ignores_stop_signals, **extra)
 
 
 def run_transforms(config, spec) -> tuple[ImageTransform, ImageTransform]:

@@ -384,6 +384,18 @@ class StopSignals:
         return bool(flag.item())
 
 
+def loader_worker_ignores_stop_signals(worker_id: int) -> None:
+    """A DataLoader's worker_init_fn: its worker processes ignore SIGTERM and SIGINT.
+
+    torchrun and SLURM signal a worker's whole process group, and Ctrl-C reaches the terminal's;
+    a loader worker that died of it would take the training process down with "DataLoader worker
+    is killed by signal" before the stop checkpoint.  The training process alone decides
+    (StopSignals), and its loaders shut their workers down; a worker whose parent dies exits by
+    itself (torch's worker watchdog)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class _SignalHandlers:
     """Installs `handler` for SIGTERM and SIGINT inside a `with`, restoring the old ones after."""
 

@@ -119,6 +119,61 @@ def cifar10_layout(tmp_path_factory) -> Path:
     return write_cifar10_layout(tmp_path_factory.mktemp("cifar10_layout"))
 
 
+BIG_CLASSES, BIG_SIZE = ["circle", "square", "stripes", "noise"], 80
+
+
+def write_big_image_folder(root: Path, train_per_class: int = 32,
+                           test_per_class: int = 4) -> Path:
+    """PNG files of 80x80 px (above the 64 px the synthetic set never exceeds: the random
+    resized crop path), in class folders under train/ and test/."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    grid = np.mgrid[0:BIG_SIZE, 0:BIG_SIZE].astype(np.float32)
+    for split, count in (("train", train_per_class), ("test", test_per_class)):
+        for label, name in enumerate(BIG_CLASSES):
+            (root / split / name).mkdir(parents=True)
+            for i in range(count):
+                cy, cx = rng.uniform(20, 60, 2)
+                pattern = [np.hypot(grid[0] - cy, grid[1] - cx) < 15,
+                           np.maximum(abs(grid[0] - cy), abs(grid[1] - cx)) < 13,
+                           (grid[1] // 6) % 2 == 0,
+                           rng.uniform(size=(BIG_SIZE, BIG_SIZE)) < 0.5][label]
+                pixels = rng.uniform(0, 80, (BIG_SIZE, BIG_SIZE, 3))
+                pixels[pattern] += rng.uniform(80, 175, 3)
+                Image.fromarray(pixels.clip(0, 255).astype(np.uint8), "RGB").save(
+                    root / split / name / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="session")
+def big_image_folder(tmp_path_factory) -> Path:
+    """128 training images of 80 px in 4 class folders (and 16 held out), as PNG files."""
+    return write_big_image_folder(tmp_path_factory.mktemp("big_images") / "images")
+
+
+@pytest.fixture(scope="session")
+def synthetic_shards(tmp_path_factory) -> Path:
+    """`accel-train shard` of 200 synthetic images, 24 per shard (9 training shards)."""
+    out = tmp_path_factory.mktemp("shards") / "synthetic"
+    result = accel_train("shard", "--no-progress", "--dataset", "synthetic",
+                         "--synthetic-train-size", "200", "--samples-per-shard", "24",
+                         "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate's process-wide state reset before and after: tests that build Accelerators
+    (trainers) in the test process itself must not see each other's."""
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(scope="session")
 def real_cifar10() -> Path:
     """The real CIFAR-10 parquet copy, for the tests that need the real images: at

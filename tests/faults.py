@@ -195,3 +195,22 @@ def assert_each_sample_once_per_epoch(output_dir: Path, num_samples: int = 256,
         expected |= set((sampler.order(epoch) + epoch * num_samples).tolist())
     missing, extra = expected - set(keys), set(keys) - expected
     assert not missing and not extra, f"missing {sorted(missing)[:10]}, extra {sorted(extra)[:10]}"
+
+
+def stopped_at(text: str) -> int:
+    """The step a run's "stopped by a signal at step N" line names."""
+    return int(text.split("stopped by a signal at step ")[1].split(":")[0])
+
+
+def checkpoint(out: Path, step: int) -> dict:
+    """The trainer state of <out>/checkpoints/step_<step>, after checking its manifest."""
+    from accel_train.checkpoint import verify
+    path = out / "checkpoints" / f"step_{step:08d}"
+    assert verify(path) is None, f"{path}: {verify(path)}"
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def resolved(out: Path) -> dict:
+    """What a run resolved (config.yaml's `resolved` section)."""
+    import yaml
+    return yaml.safe_load((out / "config.yaml").read_text())["resolved"]

@@ -19,7 +19,6 @@ ACCEL_TRAIN_TEST_SEED to replay or vary it).  Waits poll files, never sleep a fi
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -29,16 +28,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import psutil
 import pytest
-import yaml
-from PIL import Image
 
 from accel_train.checkpoint import verify
 from conftest import REPO, TINY_TRAIN, free_port
 from conftest import test_env as child_env  # not test_*: pytest would collect it
-from faults import Run, checkpoint_steps, max_weight_difference, metrics, wait_until
+from faults import (Run, checkpoint, checkpoint_steps, max_weight_difference, metrics, resolved,
+                    stopped_at, wait_until)
 
 # 256 synthetic images, batch 16: 16 steps per epoch on 1 process, 8 on 2, ~0.1 s a step.  Far
 # longer (20 epochs) than any run that uses it lasts: each is stopped after its first
@@ -75,21 +72,6 @@ def workers(run: Run) -> dict[int, psutil.Process]:
         if "RANK" in environ and "-m accel_train " in " ".join(cmdline) + " ":
             found[int(environ["RANK"])] = child
     return found
-
-
-def stopped_at(text: str) -> int:
-    return int(text.split("stopped by a signal at step ")[1].split(":")[0])
-
-
-def checkpoint(out: Path, step: int) -> dict:
-    """The trainer state of <out>/checkpoints/step_<step>, after checking its manifest."""
-    path = out / "checkpoints" / f"step_{step:08d}"
-    assert verify(path) is None, f"{path}: {verify(path)}"
-    return json.loads((path / "trainer_state.json").read_text())
-
-
-def resolved(out: Path) -> dict:
-    return yaml.safe_load((out / "config.yaml").read_text())["resolved"]
 
 
 def wait_for_checkpoint(run: Run, out: Path, step: int) -> None:
@@ -325,66 +307,3 @@ def test_bad_input_under_torchrun_exits_2_on_both_workers(tmp_path):
         else:  # SIGTERMed by torchrun: at most its line, nothing else
             assert len(lines) <= 1, output[-4000:]
     assert "]:Traceback" not in output.replace(" ", "")
-
-
-# -- exact resume with images decoded per step by loader workers ---------------------------------
-
-BIG_CLASSES, BIG_SIZE = ["circle", "square", "stripes", "noise"], 80
-
-
-def write_big_image_folder(root: Path, train_per_class: int = 32, test_per_class: int = 4) -> Path:
-    """PNG files of 80x80 px (above the 64 px the synthetic set never exceeds), in class
-    folders under train/ and test/."""
-    rng = np.random.default_rng(0)
-    grid = np.mgrid[0:BIG_SIZE, 0:BIG_SIZE].astype(np.float32)
-    for split, count in (("train", train_per_class), ("test", test_per_class)):
-        for label, name in enumerate(BIG_CLASSES):
-            (root / split / name).mkdir(parents=True)
-            for i in range(count):
-                cy, cx = rng.uniform(20, 60, 2)
-                pattern = [np.hypot(grid[0] - cy, grid[1] - cx) < 15,
-                           np.maximum(abs(grid[0] - cy), abs(grid[1] - cx)) < 13,
-                           (grid[1] // 6) % 2 == 0,
-                           rng.uniform(size=(BIG_SIZE, BIG_SIZE)) < 0.5][label]
-                pixels = rng.uniform(0, 80, (BIG_SIZE, BIG_SIZE, 3))
-                pixels[pattern] += rng.uniform(80, 175, 3)
-                Image.fromarray(pixels.clip(0, 255).astype(np.uint8), "RGB").save(
-                    root / split / name / f"{i}.png")
-    return root
-
-
-def test_exact_resume_decoding_per_step_with_loader_workers(tmp_path, runs, rng):
-    """128 images of 80 px, 8 per step: 16 steps per epoch, 32 in all, a checkpoint every 3.
-    The run left alone and the run stopped by SIGTERM mid-epoch (after a checkpoint) and
-    resumed with --resume auto end with bit-identical weights."""
-    data = write_big_image_folder(tmp_path / "images")
-    command = ["--data-dir", str(data), "--in-memory", "never", "--num-workers", "2",
-               "--model", "test_resnet", "--batch-size", "8", "--epochs", "2",
-               "--checkpoint-every", "3", "--log-every", "1", "--keep-checkpoints", "10",
-               "--progress", "log", "--no-plots"]
-    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
-    after = rng.choice([3, 6, 18, 21])  # 10 steps or more before an epoch's end: mid-epoch
-    about = f"(SIGTERM after checkpoint {after})"
-    print(about)
-    runs.append(Run(cli(*command, "--output-dir", str(reference)), tmp_path / "reference.log"))
-    victim = Run(cli(*command, "--output-dir", str(stopped)), tmp_path / "stopped.log")
-    runs.append(victim)
-    wait_for_checkpoint(victim, stopped, after)
-    victim.proc.send_signal(signal.SIGTERM)
-    stop = stopped_at(victim.check(expected=143))
-    state = checkpoint(stopped, stop)
-    assert 0 < state["samples_in_epoch"] < 128, (state, about)  # mid-epoch
-
-    facts = resolved(stopped)
-    assert (facts["data_in_memory"], facts["num_workers"]) == (False, 2)
-    assert facts["model"]["image_size"] == BIG_SIZE and facts["total_steps"] == 32
-
-    resumed = Run(cli(*command, "--output-dir", str(stopped), "--resume", "auto"),
-                  tmp_path / "resumed.log")
-    runs.append(resumed)
-    output = resumed.check()
-    assert f"resumed from {stopped}/checkpoints/step_{stop:08d} at step {stop}" in output, about
-    runs[0].check()
-    assert max_weight_difference(reference, stopped) == 0.0, about
-    steps = [r["step"] for r in metrics(stopped) if r["type"] == "train"]
-    assert steps == list(range(1, 33)), (steps, about)

@@ -40,15 +40,6 @@ def _index_sets(folder: Path) -> dict[str, ShardSet]:
             for name, entries in index["splits"].items()}
 
 
-@pytest.fixture(scope="module")
-def synthetic_shards(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("shards") / "synthetic"
-    result = _shard("--dataset", "synthetic", "--synthetic-train-size", "200",
-                    "--samples-per-shard", "24", "--output", str(out))
-    assert result.returncode == 0, result.stderr
-    return out
-
-
 def test_shard_round_trip_synthetic_and_parquet(synthetic_shards, cifar10_layout, tmp_path):
     """The shards hold the same images (pixel for pixel) and labels as the source, in order,
     with counts and class names in the index."""

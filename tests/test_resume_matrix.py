@@ -1,0 +1,138 @@
+"""The resume matrix: every option that draws random numbers on at once, on the three data paths
+(decoded in memory, decoded per step by loader workers, streamed from shards), on 1 process and
+on 2 under torchrun.  A run stopped by SIGTERM mid-epoch (after a checkpoint) and continued with
+`--resume auto` ends bit-identical to the run left alone: the final weights and the EMA weights
+of the last checkpoint, max |difference| 0.0, with Accelerate's RNG files removed from the
+checkpoint before the resume (exactness must not depend on a saved RNG stream).
+
+Oracle: the uninterrupted run of the same command.  Each draw (dropout, drop-path, Mixup/CutMix,
+the policy, random erasing, crop and flip) must be a function of its place in the run, and every
+part of the run's state must come back from the checkpoint, for the two to agree to the bit.
+
+An option marked `draws_random` in config.py that this matrix does not turn on fails
+`test_every_option_that_draws_random_numbers_is_in_the_matrix`: a new random option cannot
+silently fall outside the guarantee.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from accel_train.checkpoint import write_manifest
+from accel_train.cli import build_train_parser, config_from_args
+from accel_train.config import TrainConfig
+from conftest import BIG_SIZE
+from faults import (Run, checkpoint, checkpoint_steps, max_weight_difference, metrics, resolved,
+                    stopped_at, torchrun_cmd, wait_until)
+
+# Every random draw of training, on at once (and the EMA, the state that rides along).
+RANDOM_OPTIONS = ["--drop-rate", "0.3", "--drop-path", "0.1",
+                  "--mixup", "0.8", "--cutmix", "1.0", "--mixup-switch-prob", "0.5",
+                  "--auto-augment", "rand-m9-mstd0.5-inc1", "--reprob", "0.25", "--augment",
+                  "--model-ema", "--model-ema-decay", "0.9"]
+COMMON = ["--model", "test_resnet", "--batch-size", "16", "--checkpoint-every", "3",
+          "--log-every", "1", "--keep-checkpoints", "10", "--progress", "log", "--no-plots",
+          *RANDOM_OPTIONS]
+
+
+def _data_options(path: str, data: dict) -> list[str]:
+    if path == "in-memory":
+        return ["--dataset", "synthetic", "--synthetic-train-size", "256", "--max-eval-samples",
+                "64"]
+    if path == "per-step":  # PNG files decoded per step by 2 loader workers per process
+        return ["--data-dir", str(data["images"]), "--in-memory", "never", "--num-workers", "2",
+                "--batch-size", "8"]
+    return ["--data-dir", str(data["shards"]), "--num-workers", "1"]  # streamed
+
+
+def _newest_checkpoint(out) -> int:
+    return max(checkpoint_steps(out))
+
+
+def _ema(out, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "checkpoints" / f"step_{step:08d}" / "ema.safetensors"))
+
+
+def test_every_option_that_draws_random_numbers_is_in_the_matrix():
+    """Each config field marked draws_random is turned on by the matrix's command line."""
+    config = config_from_args(build_train_parser().parse_args(COMMON), environ={})
+    marked = [f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("draws_random")]
+    assert {"drop_rate", "drop_path", "mixup", "cutmix", "auto_augment", "reprob",
+            "augment"} <= set(marked), marked
+    off = [name for name in marked if not getattr(config, name)]
+    assert not off, (f"options that draw random numbers but are off in the resume matrix: {off}; "
+                     f"turn them on in RANDOM_OPTIONS")
+
+
+@pytest.fixture(scope="module")
+def matrix_data(big_image_folder, synthetic_shards) -> dict:
+    return {"images": big_image_folder, "shards": synthetic_shards}
+
+
+@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("path", ["in-memory", "per-step", "streamed"])
+def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_data, tmp_path,
+                                                      runs):
+    epochs = 1 if processes == 1 else 2
+    command = [*COMMON, *_data_options(path, matrix_data), "--epochs", str(epochs)]
+
+    def launch(*args: str) -> list[str]:
+        if processes == 1:
+            return [sys.executable, "-m", "accel_train", *args]
+        return torchrun_cmd(*args, nproc=processes)
+
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    runs.append(Run(launch(*command, "--output-dir", str(reference)), tmp_path / "reference.log"))
+    victim = Run(launch(*command, "--output-dir", str(stopped)), tmp_path / "stopped.log")
+    runs.append(victim)
+    wait_until(lambda: 3 in checkpoint_steps(stopped), "the checkpoint of step 3", victim)
+    victim.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
+    victim.wait()
+    logs = [(stopped / "logs" / f"rank{r}.log").read_text() for r in range(processes)]
+    stops = {stopped_at(log) for log in logs}
+    assert len(stops) == 1, stops  # the ranks agreed where to stop
+    stop = stops.pop()
+    about = f"({path}, {processes} process(es), SIGTERM after checkpoint 3, stopped at {stop})"
+    print(about)
+    state = checkpoint(stopped, stop)
+    assert state["world_size"] == processes and 0 < state["samples_in_epoch"], (state, about)
+    facts = resolved(stopped)
+    assert facts["data_in_memory"] == (path == "in-memory"), facts
+    if path == "per-step":
+        assert facts["num_workers"] == 2 and facts["model"]["image_size"] == BIG_SIZE, facts
+
+    # Exactness must not depend on Accelerate's RNG files: the resumed run starts without them
+    # (the manifest rewritten to match), so its global generators are a fresh process's.
+    folder = stopped / "checkpoints" / f"step_{stop:08d}"
+    for rng_file in folder.glob("random_states_*.pkl"):
+        rng_file.unlink()
+    write_manifest(folder, stop)
+
+    resumed = Run(launch(*command, "--output-dir", str(stopped), "--resume", "auto"),
+                  tmp_path / "resumed.log")
+    runs.append(resumed)
+    output = resumed.check()
+    assert f"resumed from {stopped}/checkpoints/step_{stop:08d} at step {stop}" in output, about
+    assert "holds no EMA" not in output
+    runs[0].check()
+
+    assert max_weight_difference(reference, stopped) == 0.0, about
+    last = _newest_checkpoint(reference)
+    assert _newest_checkpoint(stopped) == last, about
+    a, b = _ema(reference, last), _ema(stopped, last)
+    assert a.keys() == b.keys()
+    ema_difference = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    assert ema_difference == 0.0, f"EMA differs by {ema_difference} {about}"
+    # the EMA is a real average here (decay 0.9), not a copy of the weights
+    weights = load_file(str(reference / "checkpoints" / f"step_{last:08d}" / "model.safetensors"))
+    assert max((a[k].double() - weights[k].double()).abs().max().item() for k in a) > 0
+    assert [r["eval_ema_top1"] for r in metrics(reference) if r["type"] == "epoch"] == \
+        [r["eval_ema_top1"] for r in metrics(stopped) if r["type"] == "epoch"], about
+    train_steps = [r["step"] for r in metrics(stopped) if r["type"] == "train"]
+    assert train_steps == list(range(1, last + 1)), (train_steps, about)

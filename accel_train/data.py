@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from .augment import build_erasing, build_policy
-from .distributed import loader_worker_ignores_stop_signals
+from .distributed import loader_worker_in_own_group
 from .randomness import loader_generator
 from .sources import ArraySource, ImageSource
 from .transforms import ImageTransform, single_threaded
@@ -221,7 +221,7 @@ def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_fa
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
                       drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
                       collate_fn=collate_batch, generator=loader_generator(seed),
-                      worker_init_fn=loader_worker_ignores_stop_signals, **extra)
+                      worker_init_fn=loader_worker_in_own_group, **extra)
 
 
 def run_transforms(config, spec) -> tuple[ImageTransform, ImageTransform]:

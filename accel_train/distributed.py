@@ -384,16 +384,18 @@ class StopSignals:
         return bool(flag.item())
 
 
-def loader_worker_ignores_stop_signals(worker_id: int) -> None:
-    """A DataLoader's worker_init_fn: its worker processes ignore SIGTERM and SIGINT.
+def loader_worker_in_own_group(worker_id: int) -> None:
+    """A DataLoader's worker_init_fn: the worker process leaves the training process's process
+    group.
 
-    torchrun and SLURM signal a worker's whole process group, and Ctrl-C reaches the terminal's;
-    a loader worker that died of it would take the training process down with "DataLoader worker
-    is killed by signal" before the stop checkpoint.  The training process alone decides
-    (StopSignals), and its loaders shut their workers down; a worker whose parent dies exits by
-    itself (torch's worker watchdog)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torchrun stops a worker by signalling its whole process group (os.killpg), and Ctrl-C reaches
+    the terminal's foreground group: a loader worker killed by that SIGTERM/SIGINT takes the
+    training process down ("DataLoader worker is killed by signal") before its stop checkpoint.
+    In a group of its own it hears only what is sent to it: the training process alone decides
+    when to stop (StopSignals) and shuts its loaders down, multiprocessing's exit still terminates
+    it directly, and a worker whose parent died exits by itself (torch's worker watchdog).
+    Ignoring the signals instead would hang that exit (it terminates workers with SIGTERM)."""
+    os.setpgid(0, 0)
 
 
 class _SignalHandlers:

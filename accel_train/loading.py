@@ -77,10 +77,11 @@ class IndexedTrainLoader:
         return self.usable // self.per_micro_step
 
     def __iter__(self) -> Iterator[Batch]:
+        self.loader.set_epoch(self.epoch)  # the sampler, which a skipping loader shares
         loader, done = self.loader, self.samples_in_epoch // self.per_micro_step
         if done:
             loader = self.accelerator.skip_first_batches(self.loader, done)
-        loader.set_epoch(self.epoch)  # a skipping loader starts its own epoch count at 0
+            loader.set_epoch(self.epoch)  # it starts its own epoch count at 0
         # The prepared and the skipping loader share this generator: the iterator's base seed
         # (its workers' seeds) is a function of (seed, epoch, rank), however the epoch starts.
         reseed_loader(self.generator, self.seed, self.epoch, self.rank)

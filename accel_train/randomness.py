@@ -40,12 +40,17 @@ def derive_seed(*key: int) -> int:
 
 
 def seed_globals(*key: int) -> None:
-    """Python's, numpy's and torch's global generators (torch's CUDA ones too) seeded from `key`.
-    `torch.manual_seed` also seeds every CUDA device, lazily when CUDA is not initialized yet."""
+    """Python's, numpy's and torch's global generators (every initialized CUDA device's too)
+    seeded from `key`.
+
+    Not `torch.manual_seed`: on a CUDA build without an initialized CUDA it queues a lazy
+    CUDA seeding and formats a stack trace for it at every call, many times the cost of the
+    rest (benchmarks/BENCHMARKS.md, "Reseeding").  Where CUDA is in use it is initialized
+    before the first micro-batch, and its generators are seeded directly."""
     seed = derive_seed(*key)
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    seed_globals_cpu(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
 
 
 @contextlib.contextmanager

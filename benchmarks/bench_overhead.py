@@ -16,6 +16,11 @@ ratio of CPU time (robust to other processes when --threads 1).  Arms:
   accel_train + aug  the same with the default augmentation (random crop + flip), to show
                      what the batched augmentation costs on top
 
+Reseeding, in the same process: what `randomness.seed_globals` (Python's, numpy's and torch's
+global generators seeded from the micro-batch's place in the run, once per micro-batch: what
+makes dropout and drop-path exact on resume) costs per call, as a share of the accel_train
+arm's step time measured above.
+
 Memory, in separate child processes (one per arm, run one after the other): the peak resident
 set (ru_maxrss) of the whole process, and the growth of the resident set while training (peak
 sampled every 5 ms during the steps, minus the resident set just before the first step).  The
@@ -142,6 +147,30 @@ def throughput(args, report: benchlib.Report) -> dict:
     return result
 
 
+def reseed_cost(args, report: benchlib.Report, accel_blocks: list[float]) -> dict:
+    """seed_globals per call (median of rounds of 2,000 calls) against the step it precedes."""
+    import time
+
+    from accel_train.randomness import MICRO_BATCH_SALT, seed_globals
+    calls, rounds = 2000, 5
+    per_call = []
+    for round_index in range(rounds):
+        started = time.perf_counter()
+        for position in range(calls):
+            seed_globals(0, round_index, position * args.batch_size, 0, MICRO_BATCH_SALT)
+        per_call.append((time.perf_counter() - started) / calls)
+    call_seconds = benchlib.median(per_call)
+    step_seconds = benchlib.median(accel_blocks) / args.steps
+    share = call_seconds / step_seconds
+    report.table("Reseeding the global generators once per micro-batch",
+                 ["call (us, median)", "accel_train step (ms, median)", "share of the step"],
+                 [[1e6 * call_seconds, 1e3 * step_seconds, f"{share:.4%}"]],
+                 notes=[f"median over {rounds} rounds of {calls} calls; the step is the "
+                        f"accel_train arm's of the table above (batch {args.batch_size}, one "
+                        f"micro-batch per step), which already includes one call per step"])
+    return {"call_s": call_seconds, "step_s": step_seconds, "share": share}
+
+
 def _last_data_wait(trainer) -> str:
     path = trainer.plan.output_dir / "metrics.jsonl"
     records = [r for r in benchlib.read_jsonl(path) if r.get("type") == "train"] \
@@ -229,6 +258,7 @@ def main() -> int:
         return 0
     report = benchlib.Report("overhead", "Overhead: accel_train vs a hand-written loop", args)
     result = {"throughput": throughput(args, report)}
+    result["reseed"] = reseed_cost(args, report, result["throughput"]["accel_train"]["wall"])
     if not args.skip_memory:
         result["memory"] = memory(args, report)
     report.data["result"] = result

@@ -6,6 +6,7 @@ Everything runs on CPU.  Multi-process tests use the real launchers (`accelerate
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -164,14 +165,26 @@ def synthetic_shards(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture
-def fresh_accelerate():
-    """Accelerate's process-wide state reset before and after: tests that build Accelerators
-    (trainers) in the test process itself must not see each other's."""
+@contextlib.contextmanager
+def clean_accelerate_state():
+    """Accelerate keeps process-wide singletons: an in-process run starts and leaves them clean
+    (tests that build Accelerators in the test process itself must not see each other's)."""
     from accelerate.state import AcceleratorState
     AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture
+def fresh_accelerate(monkeypatch):
+    """An in-process run outside any launcher, offline, with Accelerate's state clean."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with clean_accelerate_state():
+        yield
 
 
 @pytest.fixture(scope="session")

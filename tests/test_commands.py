@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -34,13 +33,8 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def fresh_accelerator_state(monkeypatch):
-    """Accelerate keeps process-wide singletons; each in-process eval starts clean."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
+def _fresh(fresh_accelerate):
+    """Every test here runs in process (conftest.fresh_accelerate)."""
 
 
 @pytest.fixture(scope="module")

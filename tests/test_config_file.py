@@ -10,7 +10,6 @@ import subprocess
 import pytest
 import torch
 import yaml
-from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
 import conftest
@@ -43,14 +42,7 @@ def one_thread():
         torch.set_num_threads(previous)
 
 
-@contextlib.contextmanager
-def in_process_run():
-    """Accelerate keeps process-wide singletons: start and leave them clean."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    try:
-        yield
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
+in_process_run = conftest.clean_accelerate_state
 
 
 def without_terminal(cmd: list[str]) -> subprocess.CompletedProcess:

@@ -234,9 +234,14 @@ def _budget_records(out) -> list[dict]:
 
 
 def _state(out, step: int) -> dict:
+    """A checkpoint's trainer state, with the schedule's total (schedule.json: once fixed by the
+    budget, it records the step time that fixed it)."""
     path = out / "checkpoints" / f"step_{step:08d}"
     assert verify(path) is None, f"{path}: {verify(path)}"
-    return json.loads((path / "trainer_state.json").read_text())
+    schedule = json.loads((path / "schedule.json").read_text())
+    fixed = schedule["budget_step_seconds"] is not None
+    return {**json.loads((path / "trainer_state.json").read_text()),
+            "total_steps": schedule["total_steps"] if fixed else None}
 
 
 def _stopped_at(text: str) -> int:

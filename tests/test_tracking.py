@@ -11,13 +11,12 @@ import os
 from pathlib import Path
 
 import pytest
-from accelerate.state import AcceleratorState
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from accel_train.cli import main
 from accel_train.track import read_metrics
-from conftest import TINY_TRAIN
+from conftest import TINY_TRAIN, clean_accelerate_state
 
 MAX_STEPS = 8
 
@@ -30,13 +29,9 @@ def tracked_run(tmp_path_factory) -> tuple[Path, str]:
     assert not any(v in os.environ for v in launcher_vars), "run pytest outside a launcher"
     out = tmp_path_factory.mktemp("tracking") / "run"
     printed = io.StringIO()
-    AcceleratorState._reset_state(reset_partial_state=True)
-    try:
-        with contextlib.redirect_stdout(printed):
-            code = main([*TINY_TRAIN, "--plots", "--report-to", "tensorboard", "--log-every", "2",
-                         "--max-steps", str(MAX_STEPS), "--output-dir", str(out)])
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
+    with clean_accelerate_state(), contextlib.redirect_stdout(printed):
+        code = main([*TINY_TRAIN, "--plots", "--report-to", "tensorboard", "--log-every", "2",
+                     "--max-steps", str(MAX_STEPS), "--output-dir", str(out)])
     assert code == 0, printed.getvalue()
     return out, printed.getvalue()
 

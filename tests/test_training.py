@@ -8,7 +8,6 @@ import os
 import pytest
 import torch
 import yaml
-from accelerate.state import AcceleratorState
 from safetensors.torch import load_file, save_file
 
 from accel_train.cli import main
@@ -24,14 +23,8 @@ QUICK = dict(dataset="synthetic", synthetic_train_size=256, max_eval_samples=64,
 
 
 @pytest.fixture(autouse=True)
-def fresh_accelerator_state(monkeypatch):
-    """Accelerate keeps process-wide singletons; each in-process run starts clean."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
+def _fresh(fresh_accelerate):
+    """Every test here runs in process (conftest.fresh_accelerate)."""
 
 
 def test_training_in_a_subprocess_improves_accuracy(tmp_path):

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..errors import UsageError
 from ..data import Batch
-from ..distributed import loader_worker_ignores_stop_signals
+from ..distributed import loader_worker_in_own_group
 from ..randomness import loader_generator, reseed_loader
 from .decoding import decode_substituting
 from .plan import Layout, Segment, rank_batches_per_epoch, remaining_batches, slot_keys, slot_shards
@@ -139,7 +139,7 @@ class StreamLoader:
         # draw of theirs is seeded by the sample anyway.
         self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers,
                                  pin_memory=pin_memory, generator=loader_generator(dataset.seed),
-                                 worker_init_fn=loader_worker_ignores_stop_signals, **extra)
+                                 worker_init_fn=loader_worker_in_own_group, **extra)
         self.device = None
         self.samples_in_epoch = 0
 

@@ -32,7 +32,7 @@ class BadImageLog:
 
     def __init__(self, path: Path, report, data: LoadedData, is_main: bool):
         self.path, self.report, self.is_main = Path(path), report, is_main
-        self.sources = {"train": data.train, "held-out": data.eval}
+        self.sources = {"train": data.train, "held-out": data.held_out}
         for source in self.sources.values():
             if hasattr(source, "on_substitute"):
                 source.on_substitute = None  # this log names them, once for all processes

@@ -121,7 +121,7 @@ class TrainImages(Dataset):
         return SampleBatch(images, self.source.labels[indices], keys, marks)
 
 
-class EvalImages(Dataset):
+class HeldOutImages(Dataset):
     """Returns (image tensor, label), and with `mark_replaced` a third element as TrainImages'
     fourth."""
 

@@ -22,7 +22,7 @@ from typing import Iterator, Protocol
 
 from torch.utils.data import DataLoader
 
-from .data import (Batch, EpochSampler, EvalImages, TrainImages, default_num_workers,
+from .data import (Batch, EpochSampler, HeldOutImages, TrainImages, default_num_workers,
                    make_loader, run_transforms)
 from .errors import UsageError
 from .randomness import reseed_loader
@@ -124,16 +124,16 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
     """Seeded, augmented training batches in an order that is a function of (seed, epoch), and
     the held-out batches; a UsageError when the data cannot fill one global batch."""
     global_batch = config.batch_size * num_processes * config.accumulation_steps
-    if len(data.eval) == 0:
+    if len(data.held_out) == 0:
         raise UsageError("the held-out split is empty; raise --val-fraction or "
                          "--max-eval-samples")
-    train_tf, eval_tf = run_transforms(config, spec)
+    train_tf, held_out_tf = run_transforms(config, spec)
     wanted_workers = config.num_workers if config.num_workers is not None else \
         default_num_workers(data.train, processes_per_machine)
     if streaming_wanted(config):
         train, workers, steps = build_stream_loader(config, data, train_tf, num_processes, rank,
                                                     wanted_workers, pin_memory)
-        eval_workers = 0  # held-out shards are decoded in memory at the start
+        held_out_workers = 0  # held-out shards are decoded in memory at the start
     else:
         if len(data.train) < global_batch:
             raise UsageError(f"the training set has {len(data.train)} images, fewer than one "
@@ -147,10 +147,10 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                              drop_last=True, seed=config.seed)
         train = IndexedTrainLoader(loader, sampler, config.batch_size, num_processes, rank,
                                    config.seed)
-        workers = eval_workers = wanted_workers
+        workers = held_out_workers = wanted_workers
         steps = len(train) // config.accumulation_steps
-    held_out = make_loader(EvalImages(data.eval, eval_tf, mark_replaced=True), config.batch_size,
-                           eval_workers, config.prefetch_factor,
-                           config.persistent_workers and eval_workers > 0, pin_memory,
+    held_out = make_loader(HeldOutImages(data.held_out, held_out_tf, mark_replaced=True),
+                           config.batch_size, held_out_workers, config.prefetch_factor,
+                           config.persistent_workers and held_out_workers > 0, pin_memory,
                            seed=config.seed)
     return Loaders(train, held_out, workers, global_batch, steps)

@@ -291,7 +291,7 @@ class HFSource(ImageSource):
 @dataclass
 class LoadedData:
     train: ImageSource
-    eval: ImageSource
+    held_out: ImageSource
     class_names: list[str]
     description: str
     # Met while decoding into memory (their slots hold substitutes); those decoded on demand are
@@ -513,7 +513,7 @@ def load_data(config: TrainConfig) -> LoadedData:
     if config.data_dir is None and config.dataset == SYNTHETIC_DATASET:
         data = _synthetic(config)
         return LoadedData(_limit(data.train, config.max_train_samples),
-                          _limit(data.eval, config.max_eval_samples), data.class_names,
+                          _limit(data.held_out, config.max_eval_samples), data.class_names,
                           data.description)
     raw = open_data(config)
     train_name, train_rows, eval_name, eval_rows, split_desc = \

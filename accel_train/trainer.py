@@ -163,7 +163,7 @@ class Trainer:
         loaders, state = self.loaders, self.state
         passes = evaluation_passes(self.ema is not None, self.config.tta)
         total = self.budget.total_steps(step_seconds, state.step, loaders.steps_per_epoch,
-                                        passes * len(self.data.eval), loaders.global_batch,
+                                        passes * len(self.data.held_out), loaders.global_batch,
                                         f"--time-budget {self.config.time_budget}")
         if self.config.max_steps is not None:
             total = min(total, self.config.max_steps)
@@ -229,7 +229,7 @@ class Trainer:
                 "steps_per_epoch": loaders.steps_per_epoch,
                 # a --time-budget run fixes it after measuring (then recorded here too)
                 "total_steps": None if self.budget is not None else self.total_steps,
-                "train_samples": len(self.data.train), "eval_samples": len(self.data.eval),
+                "train_samples": len(self.data.train), "eval_samples": len(self.data.held_out),
                 "num_workers": loaders.num_workers,
                 "data_in_memory": isinstance(self.data.train, ArraySource),
                 "sync_bn": self.net.sync_bn, "model": self.net.spec.__dict__,

@@ -42,7 +42,7 @@ def rss():
 before = rss()
 if sys.argv[2] == "ours":
     data = load_data(TrainConfig(data_dir=sys.argv[1], in_memory="never"))
-    count = len(data.train) + len(data.eval)
+    count = len(data.train) + len(data.held_out)
 else:
     import datasets
     datasets.disable_progress_bars()

@@ -153,7 +153,7 @@ def _dataset(rows: dict) -> datasets.Dataset:
 
 
 def _bad_names(data) -> set[str]:
-    return {bad.name for source in (data.train, data.eval)
+    return {bad.name for source in (data.train, data.held_out)
             for bad in (source.bad_image(i) for i in range(len(source))) if bad is not None}
 
 
@@ -167,7 +167,7 @@ def test_parquet_rows_are_named_by_file_and_row_also_after_carving(tmp_path):
     expected = {f"train-0000{shard}-of-00002.parquet row {row}"
                 for shard, (_, rows) in enumerate(shards) for row in rows}
     data = load_data(TrainConfig(data_dir=str(tmp_path), in_memory="never", val_fraction=0.25))
-    assert len(data.eval) == 5 and _bad_names(data) == expected
+    assert len(data.held_out) == 5 and _bad_names(data) == expected
     for name in expected:  # the oracle: the named file and row hold the broken bytes
         file, row = name.split(" row ")
         value = pq.read_table(tmp_path / file).column("image")[int(row)].as_py()

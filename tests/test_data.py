@@ -56,9 +56,10 @@ def test_synthetic_is_deterministic_balanced_and_held_out():
     assert np.array_equal(images, again)
     assert np.bincount(labels).tolist() == [20] * 10
     data = load_data(config(synthetic_train_size=300, max_eval_samples=50))
-    assert isinstance(data.train, ArraySource) and len(data.train) == 300 and len(data.eval) == 50
+    assert isinstance(data.train, ArraySource) and len(data.train) == 300
+    assert len(data.held_out) == 50
     assert data.class_names == synthetic.CLASS_NAMES
-    assert not torch.equal(data.train.images[:50], data.eval.images)
+    assert not torch.equal(data.train.images[:50], data.held_out.images)
 
 
 @pytest.mark.parametrize("copy", ["real_cifar10", "cifar10_layout"])
@@ -67,7 +68,7 @@ def test_shared_cifar10_parquet(copy, request):
     data = load_data(config(data_dir=str(request.getfixturevalue(copy)), max_train_samples=256,
                             max_eval_samples=100))
     assert data.class_names[:3] == ["airplane", "automobile", "bird"]
-    assert len(data.train) == 256 and len(data.eval) == 100
+    assert len(data.train) == 256 and len(data.held_out) == 100
     assert isinstance(data.train, ArraySource) and data.train.images.shape[1:] == (3, 32, 32)
     assert "test" in data.description  # the shared copy's own test split is the held-out one
     assert 0 <= int(data.train.labels.min()) and int(data.train.labels.max()) <= 9
@@ -87,9 +88,9 @@ def test_parquet_folder_with_mixed_image_modes(tmp_path):
     ds.to_parquet(str(tmp_path / "train.parquet"))
     data = load_data(config(data_dir=str(tmp_path)))
     # No held-out split in the folder: 10% is carved off, the same way every time.
-    assert len(data.train) + len(data.eval) == 12 and len(data.eval) >= 1
+    assert len(data.train) + len(data.held_out) == 12 and len(data.held_out) >= 1
     again = load_data(config(data_dir=str(tmp_path), seed=99))
-    assert torch.equal(data.eval.labels, again.eval.labels)
+    assert torch.equal(data.held_out.labels, again.held_out.labels)
     assert data.train.image(0).shape == (3, 12, 12)  # every mode became 3-channel RGB
 
 
@@ -97,7 +98,7 @@ def test_save_to_disk_and_label_column_flags(tmp_path):
     ds = _hf_dataset(9, image_col="picture", label_col="kind")
     datasets.DatasetDict(train=ds, validation=ds.select(range(3))).save_to_disk(str(tmp_path / "d"))
     data = load_data(config(data_dir=str(tmp_path / "d")))  # found by feature type
-    assert len(data.train) == 9 and len(data.eval) == 3 and data.class_names == CLASSES
+    assert len(data.train) == 9 and len(data.held_out) == 3 and data.class_names == CLASSES
     with pytest.raises(UsageError, match="--label-column 'nope' is not a column.*picture, kind"):
         load_data(config(data_dir=str(tmp_path / "d"), label_column="nope"))
 
@@ -123,11 +124,11 @@ def _write_class_folders(root: Path, per_class: int, size: int = 12):
 def test_image_folder_flat_and_with_split_folders(tmp_path):
     _write_class_folders(tmp_path / "flat", 4)
     flat = load_data(config(data_dir=str(tmp_path / "flat")))
-    assert flat.class_names == CLASSES and len(flat.train) + len(flat.eval) == 12
+    assert flat.class_names == CLASSES and len(flat.train) + len(flat.held_out) == 12
     _write_class_folders(tmp_path / "split" / "train", 4)
     _write_class_folders(tmp_path / "split" / "val", 2)
     split = load_data(config(data_dir=str(tmp_path / "split")))
-    assert (len(split.train), len(split.eval)) == (12, 6)
+    assert (len(split.train), len(split.held_out)) == (12, 6)
 
 
 def test_native_size_does_not_depend_on_decoding_in_memory(tmp_path):

@@ -403,7 +403,7 @@ def test_in_memory_limit_decides_whether_images_are_decoded_up_front(tmp_path):
     dataset.to_parquet(str(tmp_path / "train.parquet"))
     dataset.to_parquet(str(tmp_path / "test.parquet"))
     roomy = load_data(TrainConfig(data_dir=str(tmp_path)))
-    assert isinstance(roomy.train, ArraySource) and isinstance(roomy.eval, ArraySource)
+    assert isinstance(roomy.train, ArraySource) and isinstance(roomy.held_out, ArraySource)
     # 8 images of 12 x 12 x 3 bytes = 3456 bytes: over a limit of 1e-6 GiB (1074 bytes)
     tight = load_data(TrainConfig(data_dir=str(tmp_path), in_memory_limit_gb=1e-6))
     assert not isinstance(tight.train, ArraySource)

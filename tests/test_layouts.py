@@ -60,7 +60,7 @@ def test_rows_labels_and_classes_are_those_of_datasets_imagefolder(tmp_path, spl
         (lambda p: (p["train"], p["test"]))(theirs["train"].train_test_split(test_size=0.1,
                                                                              seed=0))
     assert data.class_names == theirs["train"].features["label"].names
-    for ours, reference in ((data.train, train), (data.eval, held_out)):
+    for ours, reference in ((data.train, train), (data.held_out, held_out)):
         reference = reference.cast_column("image", datasets.Image(decode=False))
         expected = [os.path.relpath(v["path"], root) for v in reference["image"]]
         assert _paths(ours) == expected
@@ -73,7 +73,7 @@ def test_nested_class_folders_with_the_top_level_as_the_class(tmp_path):
     top = load_data(TrainConfig(data_dir=str(tmp_path), in_memory="never", class_depth=1,
                                 val_fraction=0.2))
     assert top.class_names == ["animals", "plants"]
-    labels = {path: top.class_names[label] for source in (top.train, top.eval)
+    labels = {path: top.class_names[label] for source in (top.train, top.held_out)
               for path, label in zip(_paths(source), source.labels.tolist())}
     assert labels == {"animals/cat/siamese/1.png": "animals", "animals/cat/2.png": "animals",
                       "animals/dog/3.png": "animals", "plants/tree/oak/4.png": "plants",
@@ -119,7 +119,7 @@ def test_imagenet_validation_layout_with_a_label_file(tmp_path, kind):
                                  in_memory="never"))
     assert data.class_names == CLASSES and len(data.train) == 12
     assert {path: data.class_names[label] for path, label in
-            zip(_paths(data.eval), data.eval.labels.tolist())} == \
+            zip(_paths(data.held_out), data.held_out.labels.tolist())} == \
         {f"val/{name}": cls for name, cls in VAL.items()}
 
 

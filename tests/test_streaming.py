@@ -67,7 +67,7 @@ def test_shard_round_trip_synthetic_and_parquet(synthetic_shards, cifar10_layout
     sets = _index_sets(out)
     assert len(sets["train"].files) > 2  # cut by size
     source = load_data(TrainConfig(data_dir=str(cifar10_layout), in_memory="always"))
-    for split, loaded in (("train", source.train), ("test", source.eval)):
+    for split, loaded in (("train", source.train), ("test", source.held_out)):
         images, labels = _decoded(sets[split])
         assert torch.equal(images, loaded.images) and torch.equal(labels, loaded.labels)
 
@@ -91,7 +91,7 @@ def test_shard_round_trip_image_folder(tmp_path):
     index = json.loads((out / "index.json").read_text())
     assert index["class_names"] == ["cat", "dog"]
     sets = _index_sets(out)
-    for split, source in (("train", loaded.train), ("validation", loaded.eval)):
+    for split, source in (("train", loaded.train), ("validation", loaded.held_out)):
         images, labels = _decoded(sets[split])
         assert torch.equal(images, source.images) and torch.equal(labels, source.labels)
 

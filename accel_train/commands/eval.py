@@ -108,9 +108,9 @@ def align_labels(source, data_names: list[str], model_names: list[str], origin: 
 def _dataset_for_split(data, split: str, transform, max_samples):
     from torch.utils.data import ConcatDataset, Subset
 
-    from ..data import EvalImages
-    parts = {"held-out": [data.eval], "train": [data.train], "all": [data.train, data.eval]}
-    datasets = [EvalImages(source, transform) for source in parts[split]]
+    from ..data import HeldOutImages
+    parts = {"held-out": [data.held_out], "train": [data.train], "all": [data.train, data.held_out]}
+    datasets = [HeldOutImages(source, transform) for source in parts[split]]
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if isinstance(max_samples, int) and max_samples < len(dataset):
         dataset = Subset(dataset, range(max_samples))
@@ -175,13 +175,13 @@ def main(argv: Sequence[str]) -> int:
                              f"by the trainer's loader only; evaluate its held-out split, or "
                              f"pass --data-dir of a folder")
         data = main_first(lambda: load_streaming(config) if streamed else load_data(config))
-        for source in (data.train, data.eval) if not streamed else (data.eval,):
+        for source in (data.train, data.held_out) if not streamed else (data.held_out,):
             align_labels(source, data.class_names, trained.spec.class_names, data.description)
         spec = trained.spec
         transform = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
         dataset = _dataset_for_split(data, args.split, transform, args.max_samples)
         workers = args.num_workers if args.num_workers is not None else \
-            default_num_workers(data.eval, env.local_world_size)
+            default_num_workers(data.held_out, env.local_world_size)
         loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False,
                                          acc.device.type == "cuda"))
         model = load_model(trained).to(acc.device)  # not DDP-wrapped: inference only

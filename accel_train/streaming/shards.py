@@ -147,7 +147,7 @@ class ShardData:
     """What a streaming run reads: the training shards, the held-out shards, the classes."""
 
     train: ShardSet
-    eval: ShardSet
+    held_out: ShardSet
     class_names: list[str]
     origin: str
     eval_name: str

@@ -55,7 +55,7 @@ def load_streaming(config):
                         "train", index, f"{self.shards.files[s].name} {name}", reason)
             return None
 
-    samples, _ = read_split(data.eval, config.max_eval_samples)
+    samples, _ = read_split(data.held_out, config.max_eval_samples)
     images, labels, bad = decode_substituting(samples, config.bad_images)
     if len({image.shape for image in images}) != 1:
         raise UsageError("held-out shards of mixed image sizes are not supported yet")

@@ -84,6 +84,27 @@ def accel_train(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "accel_train", *args], **kwargs)
 
 
+def accel_train_here(*args: str, check: bool = False) -> subprocess.CompletedProcess:
+    """`accel_train ARGS` called in this process (cli.main, what `python -m accel_train` runs),
+    without the seconds of imports a new process pays: for commands that end at bad input and
+    for tiny one-process runs.  Returns what `accel_train()` returns."""
+    from accel_train.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with clean_accelerate_state(), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's own errors
+            code = exit.code
+    result = subprocess.CompletedProcess(["accel_train (in process)", *args], code,
+                                         out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"accel_train {' '.join(args)} exited {code}\n--- stdout\n"
+                             f"{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")
+    return result
+
+
 def write_cifar10_layout(folder: Path, train_rows: int = 640, test_rows: int = 160) -> Path:
     """A small stand-in for ../shared/data/cifar10 in the same layout and schema: train.parquet
     and test.parquet, columns `img` (datasets.Image: struct of JPEG `bytes` and `path`) and

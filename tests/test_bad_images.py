@@ -21,7 +21,7 @@ import imagekinds as kinds
 from accel_train.config import TrainConfig
 from accel_train.errors import UsageError
 from accel_train.sources import load_data
-from conftest import accel_train
+from conftest import accel_train_here, accel_train
 from faults import (Run, checkpoint_steps, max_weight_difference, metrics, python_cmd,
                     torchrun_cmd, wait_until)
 
@@ -129,8 +129,8 @@ def test_bad_images_error_stops_naming_the_file(tmp_path, broken_folder):
     """Decoded in memory, the first broken file stops the start: one line, nothing written."""
     data, expected = broken_folder
     out = tmp_path / "run"
-    result = accel_train("--data-dir", str(data), *TRAIN, "--bad-images", "error",
-                         "--output-dir", str(out))
+    result = accel_train_here("--data-dir", str(data), *TRAIN, "--bad-images", "error",
+                              "--output-dir", str(out))
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
     assert lines[0].startswith("accel_train: error: image train/")

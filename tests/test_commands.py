@@ -18,7 +18,7 @@ from accel_train import synthetic
 from accel_train.cli import main
 from accel_train.track import read_metrics
 import conftest
-from conftest import TINY_TRAIN, accel_train, free_port, run
+from conftest import accel_train_here, TINY_TRAIN, free_port, run
 
 # The folder the tests write images into lists classes in another order than the model does
 # (alphabetical vs synthetic.CLASS_NAMES), so eval must map labels by class name.
@@ -28,7 +28,7 @@ FOLDER_CLASSES = ["ring", "disk", "square"]
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("commands") / "run"
-    accel_train(*TINY_TRAIN, "--output-dir", str(out), "--log-every", "4", check=True)
+    accel_train_here(*TINY_TRAIN, "--output-dir", str(out), "--log-every", "4", check=True)
     return out
 
 

@@ -189,8 +189,15 @@ def test_bad_data_dirs(tmp_path, setup, expected):
 
 
 def test_hub_dataset_offline_names_data_dir(monkeypatch):
+    import datasets
+    import huggingface_hub
+
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # Both libraries read these at import: set where they already look (else each lookup waits
+    # for the network to time out before failing the same way).
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True, raising=False)
     with pytest.raises(UsageError, match="--dataset someone/imagenet-ish.*--data-dir"):
         load_data(config(dataset="someone/imagenet-ish"))
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from accel_train import synthetic
 
-from conftest import TINY_TRAIN, accel_train
+from conftest import accel_train_here, TINY_TRAIN
 
 TRAIN_SIZE = 256  # as in TINY_TRAIN
 EVAL_SAMPLES = 64
@@ -26,12 +26,13 @@ def run_dir(tmp_path_factory):
     args = list(TINY_TRAIN)
     assert args[args.index("--synthetic-train-size") + 1] == str(TRAIN_SIZE)
     assert args[args.index("--max-eval-samples") + 1] == str(EVAL_SAMPLES)
-    accel_train(*args, "--max-steps", "12", "--lr", "0.2", "--output-dir", str(out), check=True)
+    accel_train_here(*args, "--max-steps", "12", "--lr", "0.2", "--output-dir", str(out),
+                     check=True)
     return out
 
 
 def _eval_json(*args: str) -> dict:
-    result = accel_train("eval", *args, "--json", check=True)
+    result = accel_train_here("eval", *args, "--json", check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

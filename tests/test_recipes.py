@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from conftest import REPO, accel_train
+from conftest import accel_train_here, REPO
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 # Keep each start to seconds: tiny data, one step; the model and every recipe setting but the
@@ -27,8 +27,8 @@ def test_a_recipe_loads_and_starts(recipe, tmp_path):
     assert recipe.read_text().startswith("#") and "Source:" in recipe.read_text()
     extra = [] if "model" in settings else ["--model", "test_resnet"]
     out = tmp_path / "run"
-    accel_train("--config", str(recipe), *TINY, *extra, "--output-dir", str(out), check=True,
-                timeout=600)
+    accel_train_here("--config", str(recipe), *TINY, *extra, "--output-dir", str(out),
+                     check=True)
     recorded = yaml.safe_load((out / "config.yaml").read_text())["train"]
     overridden = {"batch_size", "epochs"}
     for key, value in settings.items():

@@ -251,11 +251,12 @@ def _stopped_at(text: str) -> int:
 @pytest.fixture(scope="module")
 def stopped_and_resumed(tmp_path_factory):
     """A 2-process budget run stopped by SIGTERM (to torchrun, which forwards it) as soon as
-    the budget is fixed, then continued with --resume auto to its end."""
+    the budget is fixed, then continued with --resume auto to its end.  Its rank 1 starts the
+    budget clock 5 s early (tests/budget_skew_entry.py): the ranks' clocks disagree."""
     root = tmp_path_factory.mktemp("budget")
     out = root / "run"
-    first = Run(_torchrun("accel_train", *BUDGET_TRAIN, "--output-dir", str(out)),
-                root / "first.log")
+    first = Run(_torchrun("tests.budget_skew_entry", *BUDGET_TRAIN, "--output-dir", str(out)),
+                root / "first.log", BUDGET_SKEW_SECONDS="5")
     try:
         record = wait_until(lambda: _budget_records(out), "the budget record", first)[0]
         first.proc.send_signal(signal.SIGTERM)
@@ -340,26 +341,12 @@ def test_the_budget_replaces_epochs_even_when_they_are_fewer_than_the_measured_s
 
 
 @pytest.mark.slow
-def test_ranks_agree_on_the_step_count_when_their_clocks_start_apart(tmp_path, runs):
-    """Rank 1 starts its budget clock 5 s before rank 0 (as when rank 0 comes to the first step
-    late, after writing the run's records alone): one step count still, on both ranks, and both
-    train exactly that many steps."""
-    out = tmp_path / "run"
-    run = Run(_torchrun("tests.budget_skew_entry", *BUDGET_TRAIN, "--output-dir", str(out)),
-              tmp_path / "run.log", BUDGET_SKEW_SECONDS="5")
-    runs.append(run)
-
-    def both_announced():
-        counts = [_announced(out, r) for r in (0, 1)]
-        return counts if all(counts) else None
-    try:
-        counts = wait_until(both_announced, "both ranks' step counts", run)
-    except AssertionError:
-        counts = [_announced(out, r) for r in (0, 1)]
-        pytest.fail(f"a rank never announced its step count (counts {counts})\n"
-                    f"{run.output[-3000:]}")
-    assert counts[0] == counts[1], f"rank 0 fixed {counts[0]} steps, rank 1 {counts[1]}"
-    run.check()
-    total = counts[0][0]
-    assert max(checkpoint_steps(out)) == total
-    assert _state(out, total)["total_steps"] == total
+def test_ranks_agree_on_the_step_count_when_their_clocks_start_apart(stopped_and_resumed):
+    """The fixture's run starts rank 1's budget clock 5 s before rank 0's (as when rank 0 comes
+    to the first step late, after writing the run's records alone): one step count still, on
+    both ranks, and together (after the resume) they train exactly that many steps."""
+    run = stopped_and_resumed
+    total = run.record["total_steps"]
+    assert run.announced_before[0] == run.announced_before[1] == [total], run.announced_before
+    assert max(checkpoint_steps(run.out)) == total
+    assert _state(run.out, total)["total_steps"] == total

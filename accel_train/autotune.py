@@ -1,0 +1,111 @@
+"""`--mixed-precision auto` and `--channels-last auto` on a CPU: chosen by measuring this model on
+this machine, never written into a recipe.
+
+CPUs differ in what runs fast: with native bf16 (AVX512-BF16 or AMX) bf16 autocast can run a
+network about twice as fast as fp32, while where bf16 is emulated (AVX512 without BF16, AVX2) it
+runs at about half the speed; channels_last helps some networks and not others
+(benchmarks/BENCHMARKS.md).  So "auto" asks the machine: a capability check first (no native
+bf16: fp32, nothing to time for the precision), then, when more than one candidate is left, a
+few timed training steps of the run's own model on a batch of the run's shape per candidate
+(seconds), and the fastest wins.  On CUDA, auto is fp16 (tensor cores) without probing, and
+channels_last stays off unless asked.
+
+The choice is part of the run: the start summary says it with the figures it was made on, the
+run record and every checkpoint keep it, and a resumed run takes it from the checkpoint without
+probing again (exact resume holds).  Explicit flags always win.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+PROBE_WARM_STEPS = 1   # first calls pay allocation and oneDNN's kernel selection
+PROBE_TIMED_STEPS = 2  # then the fastest of these is the candidate's figure
+PROBE_MAX_BATCH = 32   # a smaller batch than the run's keeps the probe to seconds
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 convolutions and matmuls run natively.  Not oneDNN's own
+    "bf16 supported", which is also true where it emulates bf16 with AVX512 (and is slow)."""
+    checks = [getattr(torch.cpu, name, None)
+              for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(check() for check in checks if check is not None)
+
+
+@dataclass(frozen=True)
+class SpeedChoice:
+    """How the run computes: Accelerate's precision name and the memory format."""
+
+    precision: str                 # "no" (fp32), "bf16" or "fp16"
+    channels_last: bool
+    how: str                       # one line for the start summary: why this choice
+    timings: dict = field(default_factory=dict)  # "bf16 channels_last" -> seconds per step
+
+
+def candidate_name(precision: str, channels_last: bool) -> str:
+    return f"{'fp32' if precision == 'no' else precision} " \
+           f"{'channels_last' if channels_last else 'NCHW'}"
+
+
+def choose(requested_precision: str, requested_channels_last: Optional[bool], cuda: bool,
+           native_bf16: bool, time_step: Callable[[str, bool], float]) -> SpeedChoice:
+    """The precision and memory format for a run that asked for these (`"auto"` / None: to be
+    chosen).  `time_step(precision, channels_last)` times a training step of the run's model;
+    it is called only when there is something to choose between.  Explicit values are taken as
+    they are (precision.resolve_precision says what then really runs)."""
+    if cuda:
+        precision = "fp16" if requested_precision == "auto" else requested_precision
+        return SpeedChoice(precision, bool(requested_channels_last),
+                           "CUDA: fp16 autocast" if requested_precision == "auto" else "as asked")
+    precisions = [requested_precision]
+    reasons = []
+    if requested_precision == "auto":
+        precisions = ["no", "bf16"] if native_bf16 else ["no"]
+        if not native_bf16:
+            reasons.append("fp32: this CPU has no native bf16 (AVX512-BF16 or AMX)")
+    layouts = [False, True] if requested_channels_last is None else [requested_channels_last]
+    candidates = [(p, c) for p in precisions for c in layouts]
+    if len(candidates) == 1:
+        (precision, channels_last), = candidates
+        return SpeedChoice(precision, channels_last, "; ".join(reasons) or "as asked")
+    timings = {candidate_name(p, c): time_step(p, c) for p, c in candidates}
+    precision, channels_last = min(candidates, key=lambda pc: timings[candidate_name(*pc)])
+    measured = ", ".join(f"{name} {1000 * seconds:.0f} ms" for name, seconds in timings.items())
+    reasons.append(f"fastest of {len(candidates)} timed on this model (a step: {measured})")
+    return SpeedChoice(precision, channels_last, "; ".join(reasons), timings)
+
+
+def step_timer(model: torch.nn.Module, batch_size: int, image_size: int,
+               num_classes: int) -> Callable[[str, bool], float]:
+    """time_step for `choose`: forward, backward and an SGD update of a copy of `model` (the
+    run's own weights and statistics are untouched) on a random batch of the run's image
+    shape; the fastest of a few steps, in seconds."""
+    probe = copy.deepcopy(model).train()
+    batch = min(batch_size, PROBE_MAX_BATCH)
+    generator = torch.Generator().manual_seed(0)  # the global generators are not the probe's
+    images = torch.randn(batch, 3, image_size, image_size, generator=generator)
+    labels = torch.randint(0, num_classes, (batch,), generator=generator)
+    optimizer = torch.optim.SGD([p for p in probe.parameters() if p.requires_grad], lr=1e-6)
+
+    def time_step(precision: str, channels_last: bool) -> float:
+        memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        net = probe.to(memory_format=memory_format)
+        x = images.contiguous(memory_format=memory_format)
+        seconds = []
+        for step in range(PROBE_WARM_STEPS + PROBE_TIMED_STEPS):
+            started = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss = torch.nn.functional.cross_entropy(net(x), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step >= PROBE_WARM_STEPS:
+                seconds.append(time.perf_counter() - started)
+        return min(seconds)
+
+    return time_step

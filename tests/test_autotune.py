@@ -1,0 +1,98 @@
+"""--mixed-precision auto and --channels-last auto on a CPU: the choice logic with the probe's
+timings planted (no test depends on this machine's speed), the probe itself on a real model, and
+the choice recorded by a run and reused on resume without probing again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from accel_train.autotune import SpeedChoice, candidate_name, choose, step_timer
+from accel_train.precision import resolve_precision
+
+
+class Timings:
+    """A planted time_step: seconds per candidate, and a record of what was asked."""
+
+    def __init__(self, **seconds: float):
+        self.seconds, self.asked = seconds, []
+
+    def __call__(self, precision: str, channels_last: bool) -> float:
+        name = candidate_name(precision, channels_last).replace(" ", "_")
+        self.asked.append(name)
+        return self.seconds[name]
+
+
+ALL = dict(fp32_NCHW=1.0, fp32_channels_last=0.9, bf16_NCHW=0.6, bf16_channels_last=0.5)
+
+
+def test_no_native_bf16_is_fp32_without_timing_the_precision():
+    timings = Timings(**ALL)
+    choice = choose("auto", False, cuda=False, native_bf16=False, time_step=timings)
+    assert (choice.precision, choice.channels_last, timings.asked) == ("no", False, [])
+    assert "no native bf16" in choice.how
+
+
+def test_native_and_faster_bf16_is_chosen_with_the_figures():
+    timings = Timings(**ALL)
+    choice = choose("auto", None, cuda=False, native_bf16=True, time_step=timings)
+    assert (choice.precision, choice.channels_last) == ("bf16", True)
+    assert sorted(timings.asked) == sorted(ALL)  # each candidate timed once
+    assert "bf16 channels_last 500 ms" in choice.how and "fp32 NCHW 1000 ms" in choice.how
+
+
+def test_native_but_slower_bf16_loses_to_fp32():
+    timings = Timings(fp32_NCHW=0.4, fp32_channels_last=0.3, bf16_NCHW=0.8,
+                      bf16_channels_last=0.7)
+    choice = choose("auto", None, cuda=False, native_bf16=True, time_step=timings)
+    assert (choice.precision, choice.channels_last) == ("no", True)
+
+
+def test_channels_last_auto_alone_is_timed_in_the_asked_precision():
+    timings = Timings(**{**ALL, "fp32_channels_last": 1.2})
+    choice = choose("no", None, cuda=False, native_bf16=True, time_step=timings)
+    assert (choice.precision, choice.channels_last) == ("no", False)
+    assert sorted(timings.asked) == ["fp32_NCHW", "fp32_channels_last"]
+
+
+@pytest.mark.parametrize("precision, channels_last", [("bf16", False), ("no", True),
+                                                      ("fp16", False)])
+def test_explicit_flags_win_and_nothing_is_timed(precision, channels_last):
+    timings = Timings(**ALL)
+    choice = choose(precision, channels_last, cuda=False, native_bf16=True, time_step=timings)
+    assert (choice.precision, choice.channels_last, timings.asked) == \
+        (precision, channels_last, [])
+
+
+def test_cuda_auto_is_fp16_without_probing():
+    timings = Timings(**ALL)
+    choice = choose("auto", None, cuda=True, native_bf16=False, time_step=timings)
+    assert (choice.precision, choice.channels_last, timings.asked) == ("fp16", False, [])
+
+
+def test_an_emulated_bf16_asked_for_explicitly_gets_a_one_line_warning():
+    precision, warning = resolve_precision("bf16", cuda=False, native_cpu_bf16=False)
+    assert precision == "bf16" and "\n" not in warning
+    assert "no native bf16" in warning and "slower than fp32" in warning
+    assert resolve_precision("bf16", cuda=False, native_cpu_bf16=True) == ("bf16", None)
+
+
+def test_the_probe_times_a_real_model_and_leaves_it_untouched():
+    import timm
+    model = timm.create_model("test_resnet", num_classes=10)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    time_step = step_timer(model, batch_size=8, image_size=32, num_classes=10)
+    for precision, channels_last in (("no", False), ("bf16", True)):
+        seconds = time_step(precision, channels_last)
+        assert 0 < seconds < 60
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(p.grad is not None for p in model.parameters())
+    assert next(model.parameters()).is_contiguous()  # the model's own format is unchanged
+
+
+def test_a_speed_choice_reads_back_from_its_record():
+    choice = SpeedChoice("bf16", True, "fastest", {"bf16 channels_last": 0.5})
+    assert SpeedChoice(**json.loads(json.dumps(choice.__dict__))) == choice

@@ -33,7 +33,8 @@ CASES = {
              "--workers", "0"],
     "comm": ["--quick", "--worlds", "2", "--max-bytes", "65536", "--min-seconds", "0.01"],
     "checkpoint": ["--quick", "--models", "test_resnet", "--repeats", "1", "--step-repeats", "1"],
-    "accuracy": [*TINY, "--recipes", "defaults", "--budget", "3", "--pilot-steps", "1",
+    # the seed loop is smoke-tested by "seed" (the same anchor script)
+    "accuracy": [*TINY, "--recipes", "defaults", "--budget", "3", "--pilot-steps", "1", "--no-seed",
                  "--eval-samples", "64", "--seed-model", "test_resnet", "--workers", "0",
                  "--max-train", "512", "--recipe-file", "recipes/cifar10-cpu-10min.yaml",
                  "--recipe-file-extra", "--max-steps 2 --batch-size 16"],

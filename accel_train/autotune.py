@@ -17,24 +17,17 @@ probing again (exact resume holds).  Explicit flags always win.
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-PROBE_WARM_STEPS = 1   # first calls pay allocation and oneDNN's kernel selection
-PROBE_TIMED_STEPS = 2  # then the fastest of these is the candidate's figure
+PROBE_ROUNDS = 2       # candidates timed in turn, round after round: a load that comes and goes
+                       # falls on all of them, and the first candidate is not the only one cold
+PROBE_WARM_STEPS = 1   # per call: a new memory format pays oneDNN's kernel selection once more
+PROBE_TIMED_STEPS = 1  # then the fastest step over the rounds is the candidate's figure
 PROBE_MAX_BATCH = 32   # a smaller batch than the run's keeps the probe to seconds
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 convolutions and matmuls run natively.  Not oneDNN's own
-    "bf16 supported", which is also true where it emulates bf16 with AVX512 (and is slow)."""
-    checks = [getattr(torch.cpu, name, None)
-              for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return any(check() for check in checks if check is not None)
 
 
 @dataclass(frozen=True)
@@ -73,28 +66,37 @@ def choose(requested_precision: str, requested_channels_last: Optional[bool], cu
     if len(candidates) == 1:
         (precision, channels_last), = candidates
         return SpeedChoice(precision, channels_last, "; ".join(reasons) or "as asked")
-    timings = {candidate_name(p, c): time_step(p, c) for p, c in candidates}
+    timings: dict[str, float] = {}
+    for _ in range(PROBE_ROUNDS):
+        for p, c in candidates:
+            seconds = time_step(p, c)
+            timings[candidate_name(p, c)] = min(seconds, timings.get(candidate_name(p, c), seconds))
     precision, channels_last = min(candidates, key=lambda pc: timings[candidate_name(*pc)])
     measured = ", ".join(f"{name} {1000 * seconds:.0f} ms" for name, seconds in timings.items())
-    reasons.append(f"fastest of {len(candidates)} timed on this model (a step: {measured})")
+    reasons.append(f"fastest of {len(candidates)} timed on this model, a step in {measured}")
     return SpeedChoice(precision, channels_last, "; ".join(reasons), timings)
 
 
-def step_timer(model: torch.nn.Module, batch_size: int, image_size: int,
+def step_timer(make_model: Callable[[], torch.nn.Module], batch_size: int, image_size: int,
                num_classes: int) -> Callable[[str, bool], float]:
-    """time_step for `choose`: forward, backward and an SGD update of a copy of `model` (the
-    run's own weights and statistics are untouched) on a random batch of the run's image
-    shape; the fastest of a few steps, in seconds."""
-    probe = copy.deepcopy(model).train()
+    """time_step for `choose`: forward, backward and an SGD update of a model of the run's
+    architecture, made by `make_model` at the first call (never the run's own model: its
+    weights, statistics and synchronized BatchNorm stay out of it), on a random batch of the
+    run's image shape; the fastest of a few steps, in seconds."""
+    probe: list = []
     batch = min(batch_size, PROBE_MAX_BATCH)
     generator = torch.Generator().manual_seed(0)  # the global generators are not the probe's
     images = torch.randn(batch, 3, image_size, image_size, generator=generator)
     labels = torch.randint(0, num_classes, (batch,), generator=generator)
-    optimizer = torch.optim.SGD([p for p in probe.parameters() if p.requires_grad], lr=1e-6)
 
     def time_step(precision: str, channels_last: bool) -> float:
+        if not probe:
+            model = make_model().train()
+            probe.extend([model, torch.optim.SGD([p for p in model.parameters()
+                                                  if p.requires_grad], lr=1e-6)])
+        model, optimizer = probe
         memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        net = probe.to(memory_format=memory_format)
+        net = model.to(memory_format=memory_format)
         x = images.contiguous(memory_format=memory_format)
         seconds = []
         for step in range(PROBE_WARM_STEPS + PROBE_TIMED_STEPS):

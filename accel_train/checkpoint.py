@@ -76,6 +76,13 @@ class TrainerState:
     eval_top1: Optional[float] = None  # the last held-out evaluation: raw weights
     eval_step: Optional[int] = None    # the step it was made at
     ema_top1: Optional[float] = None   # and EMA weights (--model-ema)
+    precision: Optional[str] = None    # what the run computes in (Accelerate's name: no, bf16,
+    channels_last: Optional[bool] = None  # fp16) and its memory format: a resume keeps them
+
+    # What a start decides for itself, not taken from the checkpoint: its process layout (the
+    # global batch is kept: resume.keep_global_batch), and how it computes (autotune.py: a
+    # resumed run asks for the checkpoint's choice, unless told otherwise).
+    THIS_START = ("world_size", "batch_size", "accumulation_steps", "precision", "channels_last")
 
     @property
     def global_batch(self) -> int:
@@ -84,12 +91,12 @@ class TrainerState:
     def to_json(self) -> dict:
         return {**asdict(self), "global_batch": self.global_batch}
 
-    def continued_on(self, world_size: int, batch_size: int,
-                     accumulation_steps: int) -> "TrainerState":
-        """This state, taken whole, as the run goes on with another process layout (the same
-        global batch: see resume.py).  Whole, so a field added later is never dropped."""
-        return replace(self, world_size=world_size, batch_size=batch_size,
-                       accumulation_steps=accumulation_steps)
+    def continued_on(self, **this_start) -> "TrainerState":
+        """This state, taken whole, as the run goes on with this start's own THIS_START fields
+        (another process layout, say).  Whole, so a field added later is never dropped."""
+        if set(this_start) != set(self.THIS_START):
+            raise TypeError(f"continued_on needs exactly {self.THIS_START}")
+        return replace(self, **this_start)
 
     @classmethod
     def from_json(cls, data: dict) -> "TrainerState":
@@ -103,12 +110,12 @@ class TrainerState:
         (Path(folder) / STATE_FILE).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
     def load(self, folder: Path) -> None:
-        """Take the checkpoint's state whole, in place; only the process layout stays this
-        start's (the global batch is kept: resume.keep_global_batch)."""
+        """Take the checkpoint's state whole, in place, but for what this start decides for
+        itself (THIS_START)."""
         previous = read_state(folder)
         check_same_data_order(previous, self.seed, self.train_samples)
-        continued = previous.continued_on(world_size=self.world_size, batch_size=self.batch_size,
-                                          accumulation_steps=self.accumulation_steps)
+        continued = previous.continued_on(**{name: getattr(self, name)
+                                             for name in self.THIS_START})
         for field in fields(self):
             setattr(self, field.name, getattr(continued, field.name))
 

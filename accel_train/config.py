@@ -116,8 +116,10 @@ class TrainConfig:
     sync_bn: bool = option(False, "Synchronize BatchNorm statistics across processes (gloo on "
                            "CPU, torch SyncBatchNorm on CUDA).", "model",
                            flags=("--sync_batchnorm",))
-    channels_last: bool = option(False, "Use channels_last memory format for images and model.",
-                                 "model")
+    channels_last: Optional[bool] = option(None, "channels_last memory format for images and "
+                                           "model. Not set (auto): on a CPU, the faster of the "
+                                           "two for this model, timed at the start; on CUDA, "
+                                           "off. (default: auto)", "model")
     drop_rate: float = option(0.0, "Dropout before the classifier.", "model", draws_random=True)
     model_ema: bool = option(False, "Keep an exponential moving average of the weights (timm's "
                              "ModelEmaV3), evaluated every epoch beside the raw model; the "
@@ -167,10 +169,12 @@ class TrainConfig:
                                      "accumulation).", "optimization",
                                      flags=("--gradient_accumulation_steps",))
     mixed_precision: str = option("auto", "Mixed precision. auto: fp16 on CUDA GPUs (tensor "
-                                  "cores), fp32 on a CPU; no: fp32. Under accelerate launch, "
-                                  "its config's fp16/bf16 counts as asked. An explicit fp16 "
-                                  "without CUDA says so and trains in fp32. (default: auto)",
-                                  "optimization", choices=PRECISIONS)
+                                  "cores); on a CPU, fp32 without native bf16 (AVX512-BF16 or "
+                                  "AMX), else the faster of fp32 and bf16 for this model, timed "
+                                  "at the start (a resumed run keeps its choice); no: fp32. "
+                                  "Under accelerate launch, its config's fp16/bf16 counts as "
+                                  "asked. An explicit fp16 without CUDA says so and trains in "
+                                  "fp32. (default: auto)", "optimization", choices=PRECISIONS)
     max_steps: Optional[int] = option(None, "Stop after this many optimizer steps.",
                                       "optimization")
     time_budget: Optional[str] = option(None, "Wall-clock training budget (600, 90s, 10m, 1h): "
@@ -228,6 +232,7 @@ class TrainConfig:
                                     "distributed")
 
     def __post_init__(self):
+        self.channels_last = _auto_or_bool(self.channels_last, "channels_last")
         self._check_ranges()
 
     # Each check names the flag and says what would work.
@@ -371,3 +376,15 @@ def check_optimizer_name(name: str) -> str:
     hint = f"did you mean {', '.join(close)}? " if close else ""
     raise UsageError(f"--optimizer {name!r} is not one of timm's optimizers; {hint}e.g. sgd, "
                      f"adamw, lamb, lars, lion")
+
+
+def _auto_or_bool(value, name: str) -> Optional[bool]:
+    """A run YAML may say `auto` (or leave it out) for an option that is chosen by measuring."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    choices = {"auto": None, "true": True, "on": True, "yes": True, "false": False, "off": False,
+               "no": False}
+    if text not in choices:
+        raise UsageError(f"{flag(name)} {value!r}: use auto, true or false")
+    return choices[text]

@@ -191,7 +191,8 @@ def build_network(config, data, num_processes: int, cuda: bool,
                   warn: Callable[[str], None]) -> Network:
     """The model a run trains: created from --seed alone, checked against the image size,
     normalized like its pretrained weights (else like the data), maybe frozen, maybe with
-    synchronized BatchNorm, maybe channels_last.  Still a bare module: wrapping happens in
+    synchronized BatchNorm.  Still a bare module in its default memory format (the trainer
+    applies channels_last once it is chosen: autotune.py); wrapping happens in
     `accelerator.prepare`."""
     from .data import dataset_mean_std
     from .syncbn import convert_sync_batchnorm, num_batchnorm_layers
@@ -212,6 +213,4 @@ def build_network(config, data, num_processes: int, cuda: bool,
         convert_sync_batchnorm(model, cuda=cuda)
     if config.sync_bn and num_batchnorm_layers(model) == 0:
         warn(f"--sync-bn: {config.model} has no BatchNorm layers; nothing to sync")
-    if config.channels_last:
-        model = model.to(memory_format=torch.channels_last)
     return Network(model, spec, num_trainable, sync_bn)

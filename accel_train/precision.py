@@ -8,8 +8,12 @@ import torch
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: oneDNN then runs bf16 convolutions and matmuls natively."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """AVX512-BF16 or AMX: bf16 convolutions and matmuls run natively.  Not oneDNN's own
+    "bf16 supported", which is also true where it emulates bf16 with plain AVX512 (slowly: a
+    2048x2048 matmul at a quarter of fp32's speed on such an Intel Xeon, BENCHMARKS.md)."""
+    checks = [getattr(torch.cpu, name, None)
+              for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(check() for check in checks if check is not None)
 
 
 def resolve_precision(requested: str, cuda: bool, activity: str = "trains",
@@ -18,9 +22,10 @@ def resolve_precision(requested: str, cuda: bool, activity: str = "trains",
     (`activity`: what this run does in that precision, "trains" or "evaluates").
 
     "auto" is fp16 on CUDA (what tensor cores are fastest at; every CUDA GPU runs it) and fp32
-    elsewhere, without a warning: nobody asked for anything.  Accelerate quietly runs fp32 when
-    asked for fp16 without CUDA (docs/architecture.md): a user who asked must never believe they
-    trained in fp16 when they did not."""
+    elsewhere, without a warning: nobody asked for anything (on a CPU the trainer first lets
+    autotune.py measure whether bf16 is faster, and then asks for that).  Accelerate quietly
+    runs fp32 when asked for fp16 without CUDA (docs/architecture.md): a user who asked must
+    never believe they trained in fp16 when they did not."""
     if requested == "auto":
         return ("fp16" if cuda else "no"), None
     if requested == "fp16" and not cuda:

@@ -24,6 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 
 from . import distributed
+from .autotune import SpeedChoice, choose, step_timer
 from .badimages import BadImageLog
 from .budget import TimeBudget, evaluation_passes, parse_duration
 from .checkpoint import AccelerateState, Checkpointer, TrainerState
@@ -32,10 +33,10 @@ from .ema import ModelEma
 from .evaluate import evaluate_classifier
 from .loading import build_loaders
 from .mixing import maybe_mixup
-from .model import build_network, save_weights, set_train_mode
+from .model import build_network, create_model, save_weights, set_train_mode
 from .optim import build_optimizer, plan_schedule, scheduler_for
 from .plots import write_plots
-from .precision import precision_name, resolve_precision
+from .precision import cpu_has_native_bf16, precision_name, resolve_precision
 from .randomness import MICRO_BATCH_SALT, seed_globals
 from .report import Reporter, records_text, summary
 from .resume import StartPlan, plan_start, record_elastic_job
@@ -80,22 +81,23 @@ class Trainer:
         self.plan, self.callbacks = plan, callbacks or Callbacks()
         self.paths = run_paths(plan.output_dir)
         self.report = Reporter(plan.messages)
-        self.precision, precision_warning = resolve_precision(config.mixed_precision,
-                                                              torch.cuda.is_available())
+        cuda = torch.cuda.is_available()
+        self.streaming = streaming_wanted(config)  # shards read per epoch: streaming/
+        self.data = distributed.main_first(
+            lambda: load_streaming(config) if self.streaming else load_data(config))
+        self.net = build_network(config, self.data, plan.env.world_size, cuda, self.report.warn)
+        self.speed = self._choose_speed(cuda)
+        self.precision, precision_warning = resolve_precision(self.speed.precision, cuda)
         self.accelerator = acc = build_accelerator(config, self.precision, self.paths.trackers)
         if acc.num_processes != plan.env.world_size:
             raise RuntimeError(f"Accelerate sees {acc.num_processes} processes but the launcher "
                                f"started {plan.env.world_size}: the process group was not shared")
-        self.streaming = streaming_wanted(config)  # shards read per epoch: streaming/
-        self.data = distributed.main_first(
-            lambda: load_streaming(config) if self.streaming else load_data(config))
+        if self.speed.channels_last:
+            self.net.model = self.net.model.to(memory_format=torch.channels_last)
         self.bad_images = BadImageLog(self.paths.bad_images, self.report, self.data,
                                       acc.is_main_process)
-        self.net = build_network(config, self.data, acc.num_processes,
-                                 acc.device.type == "cuda", self.report.warn)
         self.loaders = build_loaders(config, self.data, self.net.spec, acc.num_processes,
-                                     acc.process_index, plan.env.local_world_size,
-                                     acc.device.type == "cuda")
+                                     acc.process_index, plan.env.local_world_size, cuda)
         self.schedule = plan_schedule(config, self.loaders.steps_per_epoch)
         optimizer = build_optimizer(self.net.model, config)
         self.model, self.optimizer, self.held_out_loader, self.scheduler = \
@@ -108,7 +110,8 @@ class Trainer:
             torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
         self.state = TrainerState(world_size=acc.num_processes, batch_size=config.batch_size,
                                   accumulation_steps=config.accumulation_steps, seed=config.seed,
-                                  train_samples=len(self.data.train))
+                                  train_samples=len(self.data.train), precision=self.precision,
+                                  channels_last=self.speed.channels_last)
         self.ema = ModelEma(self._bare_model(), config.model_ema_decay, config.seed,
                             self.report.warn) if config.model_ema else None
         # What every checkpoint holds and a resume restores, in this order: the checks that
@@ -135,6 +138,34 @@ class Trainer:
         return cls(plan_start(config, distributed.setup(config)), callbacks)
 
     # -- start --------------------------------------------------------------------------------
+    def _choose_speed(self, cuda: bool) -> SpeedChoice:
+        """--mixed-precision and --channels-last: as asked; "auto" on a CPU, measured on this
+        model (autotune.py), by rank 0 for all; a resumed run keeps its checkpoint's choice."""
+        config, previous = self.config, self.plan.previous
+        precision, channels_last = config.mixed_precision, config.channels_last
+        kept = []
+        if previous is not None and precision == "auto" and previous.precision:
+            precision = previous.precision
+            kept.append("precision")
+        if previous is not None and channels_last is None and previous.channels_last is not None:
+            channels_last = previous.channels_last
+            kept.append("memory format")
+        spec = self.net.spec
+
+        def measure() -> dict:
+            time_step = step_timer(
+                lambda: create_model(config.model, spec.num_classes, config.drop_rate, None,
+                                     config.drop_path),
+                config.batch_size, spec.image_size, spec.num_classes)
+            native = not cuda and cpu_has_native_bf16()
+            return choose(precision, channels_last, cuda, native, time_step).__dict__
+
+        choice = SpeedChoice(**distributed.decide_on_main(measure))
+        if kept:
+            choice = dataclasses.replace(choice, how=f"{' and '.join(kept)} kept from the "
+                                                     f"checkpoint")
+        return choice
+
     def _bare_model(self) -> torch.nn.Module:
         """The model without DDP's and torch.compile's wrappers: the parameter names of the
         model itself (a compiled model's state dict would prefix each with `_orig_mod.`)."""
@@ -224,6 +255,8 @@ class Trainer:
         acc, loaders = self.accelerator, self.loaders
         return {"precision_used": precision_name(self.precision),
                 "precision_requested": self.config.mixed_precision,
+                "channels_last": self.speed.channels_last, "speed_choice": self.speed.how,
+                "speed_timings": self.speed.timings,
                 "device": str(acc.device), "distributed_type": str(acc.distributed_type),
                 "world_size": acc.num_processes, "global_batch": loaders.global_batch,
                 "steps_per_epoch": loaders.steps_per_epoch,
@@ -319,7 +352,7 @@ class Trainer:
         targets = labels
         if self.mixup is not None:
             images, targets = self.mixup(images, labels, position)
-        if self.config.channels_last:
+        if self.speed.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         with self.accelerator.autocast():
             logits = self.model(images)
@@ -376,7 +409,7 @@ class Trainer:
                 dist.broadcast(buffer, src=0)
         return evaluate_classifier(self.accelerator, model,
                                    self.bad_images.strip(self.held_out_loader),
-                                   self.net.spec.num_classes, self.config.channels_last,
+                                   self.net.spec.num_classes, self.speed.channels_last,
                                    self.config.tta)
 
     # -- records, checkpoints, the end --------------------------------------------------------

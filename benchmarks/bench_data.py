@@ -207,7 +207,7 @@ def trainer_data_wait(args, report) -> dict:
         cmd = [sys.executable, "-m", "accel_train", "--data-dir", str(args.data_dir),
                "--output-dir", str(out), "--model", args.model, "--max-steps",
                str(args.trainer_steps), "--log-every", str(args.log_every), "--progress", "log",
-               "--no-plots", "--max-eval-samples", "256", *extra]
+               "--no-plots", "--max-eval-samples", "256", *benchlib.FIXED_COMPUTE, *extra]
         if args.max_train:
             cmd += ["--max-train-samples", str(args.max_train)]
         started = time.perf_counter()

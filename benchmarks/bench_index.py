@@ -98,7 +98,7 @@ def first_step(folder: Path, cache: Path, out: Path) -> dict:
     cmd = [sys.executable, "-m", "accel_train", "--data-dir", str(folder), "--in-memory",
            "never", "--num-workers", "0", "--max-steps", "1", "--model", "test_resnet",
            "--batch-size", "32", "--max-eval-samples", "32", "--no-plots", "--progress", "log",
-           "--output-dir", str(out)]
+           "--output-dir", str(out), *benchlib.FIXED_COMPUTE]
     env = benchlib.child_env(threads=1, ACCEL_TRAIN_INDEX_CACHE=str(cache))
     started = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:

@@ -87,7 +87,8 @@ def make_trainer(args, augment: bool, out_dir: Path):
                          batch_size=args.batch_size, max_train_samples=args.steps * args.batch_size,
                          max_eval_samples=args.batch_size, epochs=1_000_000,
                          log_every=args.log_every, augment=augment, progress="log", plots=False,
-                         channels_last=args.channels_last, output_dir=str(out_dir),
+                         channels_last=args.channels_last, mixed_precision="no",
+                         output_dir=str(out_dir),
                          in_memory="always")
     trainer = Trainer.from_config(config)
     trainer.progress = Progress(False, "log")  # quiet: the benchmark prints its own

@@ -85,7 +85,7 @@ def run_arm(arm: Arm, args, work: Path) -> dict:
                "--accumulation-steps", str(arm.accum), "--max-train-samples", str(args.max_train),
                "--max-eval-samples", "128", "--max-steps", str(args.steps), "--log-every",
                str(args.log_every), "--no-augment", "--progress", "log", "--no-plots",
-               *DDP_AS_THE_ANCHOR, *arm.flags]
+               *DDP_AS_THE_ANCHOR, *benchlib.FIXED_COMPUTE, *arm.flags]
         benchlib.run(cmd, env=env)
         windows = benchlib.steady_windows(benchlib.read_jsonl(out / "run" / "metrics.jsonl"))
         rates = [w["img_per_s"] for w in windows]

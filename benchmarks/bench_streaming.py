@@ -66,7 +66,7 @@ def trainer_wait(args, data_dir: Path, streaming: bool, out: Path) -> dict:
     if streaming:
         cmd += ["--shuffle-buffer", str(args.buffer)]
     started = time.perf_counter()
-    result = accel(*cmd, env=benchlib.child_env())
+    result = accel(*cmd, *benchlib.FIXED_COMPUTE, env=benchlib.child_env())
     if result.returncode != 0:
         raise SystemExit(result.stderr[-3000:])
     records = [r for r in benchlib.read_jsonl(run_dir / "metrics.jsonl") if r["type"] == "train"]

@@ -34,6 +34,9 @@ from typing import Callable, Iterable, Optional, Sequence
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CIFAR10 = REPO.parent / "shared" / "data" / "cifar10"
 DEFAULT_OUT = REPO / "bench_out"
+# fp32 and NCHW for accel_train's arms, like the anchors they are compared with: its defaults
+# (--mixed-precision auto, --channels-last auto) time the machine and may choose otherwise.
+FIXED_COMPUTE = ["--mixed-precision", "no", "--no-channels-last"]
 ANCHORS = REPO / "benchmarks" / "anchors"
 TWO_PROCESS_CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 

@@ -21,14 +21,14 @@ import imagekinds as kinds
 from accel_train.config import TrainConfig
 from accel_train.errors import UsageError
 from accel_train.sources import load_data
-from conftest import accel_train_here, accel_train
+from conftest import PINNED, accel_train_here, accel_train
 from faults import (Run, checkpoint_steps, max_weight_difference, metrics, python_cmd,
                     torchrun_cmd, wait_until)
 
 # 46 good + 2 broken images per class: 96 training images, a whole number of global batches of
 # 8 (one process) and 16 (two), so every image is used in every epoch.
 TRAIN = ["--model", "test_resnet", "--batch-size", "8", "--epochs", "2", "--log-every", "2",
-         "--progress", "log", "--no-plots"]
+         "--progress", "log", "--no-plots", *PINNED]
 PER_STEP = ["--in-memory", "never", "--num-workers", "2"]
 
 

@@ -291,8 +291,10 @@ def test_a_resume_that_would_change_the_data_order_is_refused(bundle, tmp_path, 
 def test_a_resumed_state_keeps_every_field_of_the_checkpoint_but_the_process_layout(tmp_path):
     """Field by field restoring once dropped what it did not name; every field of the dataclass
     (including any added later) must come back from the checkpoint through its file, except
-    the three that describe this start's process layout."""
-    layout = {"world_size": 1, "batch_size": 64, "accumulation_steps": 2}
+    the ones this start decides for itself (its process layout and how it computes)."""
+    layout = {"world_size": 1, "batch_size": 64, "accumulation_steps": 2, "precision": "bf16",
+              "channels_last": True}
+    assert set(layout) == set(TrainerState.THIS_START)
     saved = TrainerState()
     for number, field in enumerate(dataclasses.fields(TrainerState), start=3):
         value = getattr(saved, field.name)

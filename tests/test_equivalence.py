@@ -38,7 +38,7 @@ from accel_train.optim import lr_factor
 from accel_train.track import read_metrics
 
 import conftest
-from conftest import CONFIGS, REPO, free_port
+from conftest import PINNED, CONFIGS, REPO, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ PEAK_LR = 0.05
 COMMON = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--max-eval-samples",
           str(EVAL_SAMPLES), "--epochs", "1", "--max-steps", str(STEPS), "--log-every", "1",
           "--no-augment", "--seed", str(SEED), "--learning-rate", str(PEAK_LR),
-          "--warmup-epochs", "0.25", "--progress", "log", "--no-plots"]
+          "--warmup-epochs", "0.25", "--progress", "log", "--no-plots", *PINNED]
 STEPS_PER_EPOCH = 256 // 16  # every run has a global batch of 16
 WARMUP_STEPS = round(0.25 * STEPS_PER_EPOCH)
 CONVNEXT = ["--model", "test_convnext"]

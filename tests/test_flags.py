@@ -33,7 +33,7 @@ from accel_train.config import TrainConfig
 from accel_train.optim import build_optimizer
 from accel_train.track import read_metrics
 
-from conftest import REPO, free_port, run
+from conftest import PINNED, REPO, free_port, run
 from conftest import test_env as child_env  # (imported as test_env, pytest would collect it)
 
 MODEL, SEED, NUM_CLASSES, TRAIN_SIZE = "test_resnet", 0, 10, 32
@@ -41,7 +41,7 @@ FLAG_TRAIN = ["--dataset", "synthetic", "--synthetic-train-size", str(TRAIN_SIZE
               "--max-eval-samples", "16", "--model", MODEL, "--batch-size", str(TRAIN_SIZE),
               "--epochs", "1", "--max-steps", "1", "--no-augment", "--warmup-epochs", "0",
               "--log-every", "1", "--seed", str(SEED), "--progress", "log", "--no-plots",
-              "--mixed-precision", "no"]  # (a later --mixed-precision overrides it)
+              *PINNED]  # (a later --mixed-precision or --channels-last overrides it)
 
 PROBE = r'''
 import atexit, json, os, runpy, sys

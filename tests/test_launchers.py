@@ -22,7 +22,7 @@ from accel_train.commands import launch
 from accel_train.errors import UsageError
 
 import conftest
-from conftest import CONFIGS, REPO, free_port
+from conftest import PINNED, CONFIGS, REPO, free_port
 
 ACCELERATE_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml") if p.name != "elastic.yaml")
 MACHINE_PAIRS = [("2node.yaml", "2node_rank1.yaml"),
@@ -164,7 +164,7 @@ def test_launch_dry_run_through_the_console_entry_point(tmp_path):
 
 TINY = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--max-eval-samples", "64",
         "--model", "test_resnet", "--batch-size", "8", "--epochs", "1", "--max-steps", "4",
-        "--log-every", "1", "--progress", "log", "--no-plots"]
+        "--log-every", "1", "--progress", "log", "--no-plots", *PINNED]
 
 
 @pytest.mark.slow

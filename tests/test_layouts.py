@@ -25,7 +25,7 @@ from accel_train.config import TrainConfig
 from accel_train.errors import UsageError
 from accel_train.imagefolder import index_folder
 from accel_train.sources import load_data
-from conftest import accel_train
+from conftest import PINNED, accel_train
 
 
 def _png(path: Path, seed: int = 0, size: int = 8) -> None:
@@ -129,7 +129,8 @@ def test_train_and_eval_on_the_imagenet_layout(tmp_path):
     labels_file = tmp_path / "LOC_val_solution.csv"
     labels_file.write_text(LABEL_FILES["kaggle LOC_val_solution"])
     out = tmp_path / "run"
-    trained = accel_train("--data-dir", str(root), "--val-labels", str(labels_file), "--model",
+    trained = accel_train("--data-dir", str(root), *PINNED, "--val-labels", str(labels_file),
+                          "--model",
                           "test_resnet", "--batch-size", "4", "--epochs", "1", "--progress",
                           "log", "--no-plots", "--output-dir", str(out), check=True)
     assert "12 train / 9 held-out images, 3 classes" in trained.stdout
@@ -184,7 +185,7 @@ def test_bad_folders_and_label_files_are_one_line_errors(tmp_path, capsys, case)
     args, expected = _bad(tmp_path, case)
     out = tmp_path / "run"
     capsys.readouterr()
-    code = main([*args, "--model", "test_resnet", "--output-dir", str(out)])
+    code = main([*args, *PINNED, "--model", "test_resnet", "--output-dir", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("accel_train: error: ") and expected in err[0], err[0]
@@ -240,7 +241,7 @@ def test_training_on_an_image_folder_prints_nothing_of_datasets(tmp_path):
     """Output to a pipe (not a terminal): the start-up summary first, no progress bars."""
     _files(tmp_path / "data", [f"{split}/{c}/{i}.png" for split in ("train", "test")
                                for c in ("a", "b") for i in range(8)])
-    result = accel_train("--data-dir", str(tmp_path / "data"), "--model", "test_resnet",
+    result = accel_train("--data-dir", str(tmp_path / "data"), *PINNED, "--model", "test_resnet",
                          "--batch-size", "8", "--epochs", "1", "--progress", "log",
                          "--no-plots", "--output-dir", str(tmp_path / "run"), check=True)
     assert result.stdout.startswith("accel_train: test_resnet")

@@ -1,13 +1,15 @@
-"""Which precision really runs: `auto` is fp16 on CUDA and fp32 on a CPU (silently); an explicit
-request that cannot run says so."""
+"""Which precision really runs: `auto` is fp16 on CUDA and, on a CPU, what autotune.py measured
+(tests/test_autotune.py: the choice itself); an explicit request that cannot run says so."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import yaml
 
-from accel_train.precision import resolve_precision
-from conftest import TINY_TRAIN, accel_train
+from accel_train.precision import cpu_has_native_bf16, resolve_precision
+from conftest import PINNED, TINY_TRAIN, accel_train
 
 
 @pytest.mark.parametrize("requested, cuda, used, warns", [
@@ -29,10 +31,35 @@ def test_bf16_on_a_cpu_without_native_bf16_runs_and_says_it_is_slow():
     assert resolve_precision("auto", False, native_cpu_bf16=False) == ("no", None)
 
 
-def test_the_default_on_a_cpu_trains_fp32_without_a_warning(tmp_path):
+def test_the_default_on_a_cpu_is_chosen_said_recorded_and_kept_on_resume(tmp_path):
+    """--mixed-precision auto and --channels-last auto (the defaults) through the real command:
+    no warning, the choice and its figures in the summary and config.yaml, the checkpoint keeps
+    it, and the resumed run takes it from there without timing anything again.  Which choice
+    wins depends on this machine; what must hold does not."""
+    auto = TINY_TRAIN[:-len(PINNED)]
+    assert TINY_TRAIN[-len(PINNED):] == PINNED
     out = tmp_path / "run"
-    result = accel_train(*TINY_TRAIN, "--max-steps", "1", "--output-dir", str(out), check=True)
-    assert "warning" not in (result.stdout + result.stderr).lower()
+    first = accel_train(*auto, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir",
+                        str(out), check=True)
+    assert "warning" not in (first.stdout + first.stderr).lower()
     resolved = yaml.safe_load((out / "config.yaml").read_text())["resolved"]
-    assert (resolved["precision_requested"], resolved["precision_used"]) == ("auto", "fp32")
-    assert "precision fp32" in result.stdout
+    native = cpu_has_native_bf16()
+    assert resolved["precision_requested"] == "auto"
+    assert resolved["precision_used"] in (("fp32", "bf16") if native else ("fp32",))
+    assert len(resolved["speed_timings"]) == (4 if native else 2)  # each candidate timed
+    assert "fastest of" in resolved["speed_choice"] and resolved["speed_choice"] in first.stdout
+    assert ("no native bf16" in resolved["speed_choice"]) == (not native)
+    state = json.loads((out / "checkpoints" / "step_00000002" / "trainer_state.json")
+                       .read_text())
+    chosen = (state["precision"], state["channels_last"])
+    assert chosen == ({"fp32": "no"}.get(resolved["precision_used"], resolved["precision_used"]),
+                      resolved["channels_last"])
+
+    second = accel_train(*auto, "--max-steps", "3", "--output-dir", str(out), "--resume", "auto",
+                         check=True)
+    again = yaml.safe_load(sorted(out.glob("config.resume-*.yaml"))[-1].read_text())["resolved"]
+    assert again["speed_timings"] == {}, "timed again after the resume"
+    assert "kept from the checkpoint" in again["speed_choice"]
+    assert (again["precision_used"], again["channels_last"]) == \
+        (resolved["precision_used"], resolved["channels_last"])
+    assert "kept from the checkpoint" in second.stdout

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from accel_train.checkpoint import write_manifest
 from accel_train.cli import build_train_parser, config_from_args
 from accel_train.config import TrainConfig
-from conftest import BIG_SIZE
+from conftest import PINNED, BIG_SIZE
 from faults import (Run, checkpoint, checkpoint_steps, max_weight_difference, metrics, resolved,
                     stopped_at, torchrun_cmd, wait_until)
 
@@ -38,7 +38,7 @@ RANDOM_OPTIONS = ["--drop-rate", "0.3", "--drop-path", "0.1",
                   "--model-ema", "--model-ema-decay", "0.9"]
 COMMON = ["--model", "test_resnet", "--batch-size", "16", "--checkpoint-every", "3",
           "--log-every", "1", "--keep-checkpoints", "10", "--progress", "log", "--no-plots",
-          *RANDOM_OPTIONS]
+          *PINNED, *RANDOM_OPTIONS]
 
 
 def _data_options(path: str, data: dict) -> list[str]:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import accel_train, accel_train_here
+from conftest import PINNED, accel_train, accel_train_here
 
 from accel_train.streaming import (Layout, ShardSet, rank_batches_per_epoch, read_split,
                                    remaining_batches, slot_keys, slot_shards)
@@ -204,7 +204,7 @@ def test_shuffle_buffer_plan_is_a_bounded_permutation():
 # --- real runs -----------------------------------------------------------------------------------
 STREAM_TRAIN = ["--model", "test_resnet", "--batch-size", "8", "--epochs", "2",
                 "--max-eval-samples", "32", "--progress", "log", "--no-plots", "--log-every", "2",
-                "--shuffle-buffer", "50"]
+                "--shuffle-buffer", "50", *PINNED]
 
 
 def _keys_by_epoch(out: Path, num_samples: int = 200) -> dict[int, list[int]]:
@@ -320,7 +320,7 @@ def test_bad_shard_folders_one_line_exit_2_nothing_written(synthetic_shards, tmp
 
 
 def test_resume_across_map_style_and_streaming_is_refused(synthetic_shards, tmp_path):
-    common = ["--model", "test_resnet", "--batch-size", "8", "--max-steps", "2",
+    common = [*PINNED, "--model", "test_resnet", "--batch-size", "8", "--max-steps", "2",
               "--max-eval-samples", "16", "--no-plots", "--progress", "log"]
     map_style = ["--dataset", "synthetic", "--synthetic-train-size", "200"]
     streamed = ["--data-dir", str(synthetic_shards)]
@@ -352,7 +352,7 @@ def test_a_broken_image_in_a_shard_is_replaced_and_named_once(tmp_path):
         writer.close()
         entries[split] = writer.entries
     write_index(root, entries, list(synthetic.CLASS_NAMES), "test")
-    common = ["--data-dir", str(root), "--model", "test_resnet", "--batch-size", "8",
+    common = ["--data-dir", str(root), *PINNED, "--model", "test_resnet", "--batch-size", "8",
               "--epochs", "1", "--num-workers", "1", "--no-plots", "--progress", "log"]
     result = accel_train(*common, "--output-dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -16,7 +16,7 @@ from accel_train.model import ModelSpec, build_from_spec, create_model
 from accel_train.track import read_metrics
 from accel_train.trainer import Trainer, run_training
 
-from conftest import accel_train
+from conftest import PINNED, accel_train
 
 QUICK = dict(dataset="synthetic", synthetic_train_size=256, max_eval_samples=64,
              model="test_resnet", batch_size=32, epochs=1, progress="log", plots=False)
@@ -31,7 +31,8 @@ def test_training_in_a_subprocess_improves_accuracy(tmp_path):
     out = tmp_path / "run"
     result = accel_train("--model", "test_resnet", "--synthetic-train-size", "1000",
                          "--epochs", "2", "--batch_size", "32", "--output-dir", str(out),
-                         "--progress", "log", "--log-every", "10", "--no-plots", check=True)
+                         "--progress", "log", "--log-every", "10", "--no-plots", *PINNED,
+                         check=True)
     epochs = [m for m in read_metrics(out / "metrics.jsonl") if m["type"] == "epoch"]
     assert [e["epoch"] for e in epochs] == [1, 2]
     assert epochs[-1]["eval_top1"] > max(0.5, epochs[0]["eval_top1"])  # chance is 0.1
@@ -151,7 +152,7 @@ def test_unreadable_image_when_decoding_per_step(tmp_path, capsys):
     ds.select(range(4)).to_parquet(str(tmp_path / "test.parquet"))
     capsys.readouterr()  # drop the parquet writer's progress bars
     code = main(["--data-dir", str(tmp_path), "--in-memory", "never", "--num-workers", "1",
-                 "--model", "test_resnet", "--batch_size", "4", "--output-dir",
+                 *PINNED, "--model", "test_resnet", "--batch_size", "4", "--output-dir",
                  str(tmp_path / "run"), "--bad-images", "error"])
     err = capsys.readouterr().err.strip()  # datasets' own progress bars may precede it
     assert code == 2 and "Traceback" not in err

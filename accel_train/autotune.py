@@ -78,13 +78,13 @@ def choose(requested_precision: str, requested_channels_last: Optional[bool], cu
 
 
 def step_timer(make_model: Callable[[], torch.nn.Module], batch_size: int, image_size: int,
-               num_classes: int) -> Callable[[str, bool], float]:
+               num_classes: int, max_batch: int = PROBE_MAX_BATCH) -> Callable[[str, bool], float]:
     """time_step for `choose`: forward, backward and an SGD update of a model of the run's
     architecture, made by `make_model` at the first call (never the run's own model: its
     weights, statistics and synchronized BatchNorm stay out of it), on a random batch of the
     run's image shape; the fastest of a few steps, in seconds."""
     probe: list = []
-    batch = min(batch_size, PROBE_MAX_BATCH)
+    batch = min(batch_size, max_batch)
     generator = torch.Generator().manual_seed(0)  # the global generators are not the probe's
     images = torch.randn(batch, 3, image_size, image_size, generator=generator)
     labels = torch.randint(0, num_classes, (batch,), generator=generator)

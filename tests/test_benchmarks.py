@@ -41,12 +41,14 @@ CASES = {
     "threads": [*TINY, "--steps", "1", "--conditions", "quiet"],
     "index": ["--quick"],
     "streaming": [*TINY, "--rss-batches", "4"],
+    "precision": ["--quick", "--models", "test_resnet", "--batch", "8", "--rounds", "1",
+                  "--matmul-size", "256"],
     "gpu": ["--quick", "--allow-cpu", "--model", "test_resnet", "--sizes", "32", "--precisions",
             "bf16", "--batch", "8", "--steps", "1", "--rounds", "1"],
 }
 # Longest first, so that the two lanes finish together.
 ORDER = ["overhead", "scaling", "accuracy", "seed", "comm", "data", "threads", "checkpoint",
-         "index", "streaming", "gpu"]
+         "index", "streaming", "gpu", "precision"]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,7 @@ def bench_runs(tmp_path_factory, cifar10_layout):
 
     def launch(name):
         out = outs[name]
-        extra = ["--tmp", str(out)] if name not in ("comm", "gpu", "threads") else []
+        extra = ["--tmp", str(out)] if name not in ("comm", "gpu", "threads", "precision") else []
         cmd = [sys.executable, str(SCRIPTS / f"bench_{name}.py"), *CASES[name], "--out",
                str(out), *extra, *data]
         try:

@@ -85,6 +85,10 @@ class Trainer:
         self.streaming = streaming_wanted(config)  # shards read per epoch: streaming/
         self.data = distributed.main_first(
             lambda: load_streaming(config) if self.streaming else load_data(config))
+        # Before anything else reads the images (the normalization statistics do): it names each
+        # broken one once for all processes, instead of the sources warning on their own.
+        self.bad_images = BadImageLog(self.paths.bad_images, self.report, self.data,
+                                      distributed.is_global_main())
         self.net = build_network(config, self.data, plan.env.world_size, cuda, self.report.warn)
         self.speed = self._choose_speed(cuda)
         self.precision, precision_warning = resolve_precision(self.speed.precision, cuda)
@@ -94,8 +98,6 @@ class Trainer:
                                f"started {plan.env.world_size}: the process group was not shared")
         if self.speed.channels_last:
             self.net.model = self.net.model.to(memory_format=torch.channels_last)
-        self.bad_images = BadImageLog(self.paths.bad_images, self.report, self.data,
-                                      acc.is_main_process)
         self.loaders = build_loaders(config, self.data, self.net.spec, acc.num_processes,
                                      acc.process_index, plan.env.local_world_size, cuda)
         self.schedule = plan_schedule(config, self.loaders.steps_per_epoch)
@@ -230,7 +232,11 @@ class Trainer:
                             f"into it)")
         facts = self._resolved_facts()
         if acc.is_main_process:
-            write_run_config(plan.output_dir, self.config, facts)
+            # What auto chose is recorded as the option: `--config config.yaml` repeats the run
+            # exactly instead of timing the machine again (speed_choice says it was auto's).
+            chosen = dataclasses.replace(self.config, mixed_precision=self.speed.precision,
+                                         channels_last=self.speed.channels_last)
+            write_run_config(plan.output_dir, chosen, facts)
             record_elastic_job(plan.output_dir, plan.env.run_id)
         if self.config.report_to:
             acc.init_trackers("accel_train", config={

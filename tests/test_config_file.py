@@ -104,7 +104,10 @@ def test_a_runs_config_yaml_repeats_it_under_accelerate_config_default(tmp_path)
     assert recorded[0]["train"]["seed"] == 3 and recorded[0]["train"]["augment"] is False
     assert {**recorded[1]["train"], "output_dir": None} == \
         {**recorded[0]["train"], "output_dir": None}
-    assert recorded[1]["resolved"]["precision_used"] == "fp32"
+    # what auto chose on the first run is recorded as the option, and the repeat runs it
+    assert recorded[0]["resolved"]["precision_requested"] == "auto"
+    assert recorded[1]["resolved"]["precision_used"] == recorded[0]["resolved"]["precision_used"]
+    assert recorded[1]["resolved"]["speed_timings"] == {}, "the repeat timed the machine again"
     weights = [load_file(str(d / "model.safetensors")) for d in (first, repeat)]
     assert weights[0].keys() == weights[1].keys()
     different = [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])]

@@ -19,7 +19,8 @@ from accel_train.trainer import Trainer, run_training
 from conftest import PINNED, accel_train
 
 QUICK = dict(dataset="synthetic", synthetic_train_size=256, max_eval_samples=64,
-             model="test_resnet", batch_size=32, epochs=1, progress="log", plots=False)
+             model="test_resnet", batch_size=32, epochs=1, progress="log", plots=False,
+             mixed_precision="no", channels_last=False)  # conftest.PINNED
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +68,7 @@ def test_exported_weights_rebuild_the_same_model(tmp_path):
 
 
 def test_fp16_on_cpu_says_so_and_records_fp32(tmp_path, capsys):
-    config = TrainConfig(**QUICK, output_dir=str(tmp_path / "run"), mixed_precision="fp16",
+    config = TrainConfig(**{**QUICK, "mixed_precision": "fp16"}, output_dir=str(tmp_path / "run"),
                          max_steps=2)
     assert run_training(config) == 0
     assert "fp16 needs a CUDA device; this run trains in fp32" in capsys.readouterr().out

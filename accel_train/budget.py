@@ -2,9 +2,10 @@
 
 The run trains a few steps (past compilation and warm caches), measures the time an optimizer
 step takes (a short pilot, then a window of a few percent of the budget), and fixes the number
-of steps so that training and the evaluations at epoch ends fit the budget; the final
-evaluation comes after it.  Every rank agrees on the slowest rank's measurement, and the total
-is recorded in the checkpoints, so a resumed run keeps the schedule.
+of steps so that training and every evaluation at an epoch end, the final one included, fit
+the budget: "Training took" is read against the number the user gave.  Every rank agrees on the
+slowest rank's measurement, and the total is recorded in the checkpoints, so a resumed run keeps
+the schedule.
 """
 
 from __future__ import annotations
@@ -117,13 +118,13 @@ class TimeBudget:
     def total_steps(self, step_seconds: float, steps_done: int, steps_per_epoch: int,
                     eval_images: int, global_batch: int, flag: str) -> int:
         """The most steps such that the steps still to come plus the evaluations at the epoch
-        ends before the last fit the time that is left."""
+        ends, the last (the final evaluation) included, fit the time that is left."""
         left = self.seconds - (time.perf_counter() - self.started)
         eval_seconds = eval_images * EVAL_COST_PER_IMAGE * step_seconds / global_batch
 
         def fits(total: int) -> bool:
-            epochs_before_last = math.ceil(total / steps_per_epoch) - 1
-            return (total - steps_done) * step_seconds + epochs_before_last * eval_seconds <= left
+            evaluations = math.ceil(total / steps_per_epoch)  # a partial last epoch ends in one
+            return (total - steps_done) * step_seconds + evaluations * eval_seconds <= left
 
         # The time needed grows with the total, so the largest total that fits is found by
         # bisection between "nothing more" and "every second on steps, no evaluations".

@@ -180,8 +180,9 @@ class TrainConfig:
     time_budget: Optional[str] = option(None, "Wall-clock training budget (600, 90s, 10m, 1h): "
                                         "the run measures its step time after a few steps and "
                                         "fits the whole schedule, warmup to the end of the "
-                                        "decay, into it (instead of --epochs); the final "
-                                        "evaluation comes after it.", "optimization")
+                                        "decay, into it (instead of --epochs), its "
+                                        "evaluations included, the final one too.",
+                                        "optimization")
     seed: int = option(0, "Seed for model init, data order and augmentation.", "optimization")
 
     # -- output and checkpoints ---------------------------------------------------------------

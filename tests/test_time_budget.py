@@ -69,14 +69,14 @@ def _total(clock, seconds, elapsed, step_seconds, steps_done, steps_per_epoch, e
 def _largest_that_fits(seconds, elapsed, step_seconds, steps_done, steps_per_epoch,
                        eval_images, global_batch) -> int | None:
     """Brute force: the most steps whose remaining training plus the evaluations at the ends of
-    the epochs before the last fit the time left (an evaluated image costs
-    EVAL_COST_PER_IMAGE of a trained one)."""
+    all its epochs, the last (partial or not: the final evaluation) included, fit the time left
+    (an evaluated image costs EVAL_COST_PER_IMAGE of a trained one)."""
     left = seconds - elapsed
     evaluation = eval_images * budget.EVAL_COST_PER_IMAGE * step_seconds / global_batch
     best = None
     for total in range(steps_done + 1, steps_done + int(left / step_seconds) + 2):
         needed = (total - steps_done) * step_seconds + \
-            (math.ceil(total / steps_per_epoch) - 1) * evaluation
+            math.ceil(total / steps_per_epoch) * evaluation
         if needed <= left + 1e-9:
             best = total
     return best
@@ -94,17 +94,17 @@ def test_each_forward_pass_over_the_held_out_images_is_budgeted():
 def test_step_count_by_hand(clock):
     # 100 s budget, 10 s gone after 13 steps, 0.5 s a step, 50 steps an epoch, an evaluation of
     # 1,000 images at a global batch of 100 costs 1000 * 0.5 * 0.5 / 100 = 2.5 s.  Left: 90 s.
-    # 178 steps: 165 more steps (82.5 s) + 3 evaluations (epochs 1-3 end; 7.5 s) = 90 s.
-    # 179 steps: 83 s + 7.5 s = 90.5 s: too many.
-    assert _total(clock, 100, 10, 0.5, 13, 50, 1000, 100) == 178
+    # 173 steps: 160 more steps (80 s) + 4 evaluations (the ends of epochs 1-3 and the final one
+    # at step 173; 10 s) = 90 s.  174 steps: 80.5 s + 10 s = 90.5 s: too many.
+    assert _total(clock, 100, 10, 0.5, 13, 50, 1000, 100) == 173
     # no held-out images to evaluate: 13 + 90 / 0.5
     assert _total(clock, 100, 10, 0.5, 13, 50, 0, 100) == 193
 
 
 def test_step_count_is_the_largest_that_fits_when_evaluations_are_costly(clock):
     # 100 s, 1 s a step, 10 steps an epoch, an evaluation costs 200 * 0.5 * 1 / 10 = 10 s.
-    # 50 steps: 50 s + 4 evaluations (40 s) = 90 s fits; 51-60 steps need 5 evaluations
-    # (101 s and more).  So 50 steps; not 10 (a tenth of the budget).
+    # 50 steps: 50 s + 5 evaluations (the last the final one; 50 s) = 100 s fits; 51-60 steps
+    # need 6 (111 s and more).  So 50 steps; not 10 (a tenth of the budget).
     assert _total(clock, 100, 0, 1.0, 0, 10, 200, 10) == 50
 
 
@@ -122,7 +122,7 @@ def test_step_count_fits_and_is_the_largest_that_does(clock, case):
     seconds, elapsed, step_seconds, steps_done, steps_per_epoch, eval_images, batch = case
     evaluation = eval_images * budget.EVAL_COST_PER_IMAGE * step_seconds / batch
     needed = (total - steps_done) * step_seconds + \
-        (math.ceil(total / steps_per_epoch) - 1) * evaluation
+        math.ceil(total / steps_per_epoch) * evaluation
     assert needed <= seconds - elapsed + 1e-9, "the schedule does not fit the budget"
     assert total == _largest_that_fits(*case), (total, _largest_that_fits(*case))
 

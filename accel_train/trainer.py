@@ -211,7 +211,7 @@ class Trainer:
                             "pilot_step_seconds": round(self.budget.pilot_seconds, 5)})
         self.report.say(f"time budget {self.config.time_budget}: {total:,} steps, "
                         f"{total / loaders.steps_per_epoch:.1f} epochs at "
-                        f"{1000 * step_seconds:.0f} ms/step, every evaluation included)")
+                        f"{1000 * step_seconds:.0f} ms/step (every evaluation included)")
 
     def _open_records(self, warnings: list[Optional[str]]):
         """The start is good: open the logs, record the run, say what will run."""

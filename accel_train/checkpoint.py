@@ -32,7 +32,7 @@ import re
 import shutil
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence
 
 from .errors import UsageError
 
@@ -47,7 +47,6 @@ RNG_FILE = "random_states_{rank}.pkl"  # Accelerate's name for each rank's RNG s
 FORMAT = 2
 
 
-@runtime_checkable
 class Checkpointed(Protocol):
     """A part of a run's state that every checkpoint holds.  `save` runs on the main process
     (on every rank together when `collective` is True), `load` on every rank."""
@@ -289,9 +288,9 @@ class AccelerateState:
 class Checkpointer:
     """Saves and restores a run's parts; every rank calls save/restore together.
 
-    `parts` must hold the run's TrainerState (its step names the folder); Accelerate's part
-    (`AccelerateState`) is usually first, so that the parts after it can rely on the restored
-    model."""
+    `parts` must hold the run's TrainerState (its step names the folder).  They are saved and
+    restored in their order: parts that refuse a checkpoint (another model, other data) go
+    before Accelerate's, so that nothing is loaded from a checkpoint that is then refused."""
 
     def __init__(self, root: Path, keep: int, warn: Callable[[str], None],
                  parts: Sequence[Checkpointed], is_main: bool = True,

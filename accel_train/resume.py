@@ -35,6 +35,7 @@ class StartPlan:
     resume_from: Optional[Path]     # the verified checkpoint to continue from; None: from scratch
     previous: Optional[TrainerState]  # its trainer state
     messages: tuple[str, ...] = ()  # what planning printed, for the run's log ("warning: ...")
+    kept_choices: tuple[str, ...] = ()  # what auto chose at the run's start, kept (keep_choices)
 
 
 def plan_start(config: TrainConfig, env: LauncherEnv) -> StartPlan:
@@ -57,10 +58,26 @@ def plan_start(config: TrainConfig, env: LauncherEnv) -> StartPlan:
         lambda: choose_resume_point(checkpoint_dir, resume, warn))
     resume_from = Path(resume_from) if resume_from else None
     previous = read_state(resume_from) if resume_from else None
+    kept: tuple[str, ...] = ()
     if previous is not None:
         config = keep_global_batch(config, previous, env.world_size, say)
+        config, kept = keep_choices(config, previous)
     return StartPlan(config, env, output_dir, checkpoint_dir, resume, resume_from, previous,
-                     tuple(messages))
+                     tuple(messages), kept)
+
+
+def keep_choices(config: TrainConfig, previous: TrainerState) -> tuple[TrainConfig,
+                                                                        tuple[str, ...]]:
+    """How the run computes is part of the run: where this start leaves precision or memory
+    format to auto, it takes what the checkpoint ran with (what auto chose when the run began;
+    timing again could choose otherwise, and exact resume would be lost).  Explicit flags win.
+    Returns the config and what was kept."""
+    changes, kept = {}, []
+    if config.mixed_precision == "auto" and previous.precision:
+        changes["mixed_precision"], kept = previous.precision, kept + ["precision"]
+    if config.channels_last is None and previous.channels_last is not None:
+        changes["channels_last"], kept = previous.channels_last, kept + ["memory format"]
+    return dataclasses.replace(config, **changes), tuple(kept)
 
 
 def resume_policy(config: TrainConfig, env: LauncherEnv) -> Optional[str]:

@@ -142,16 +142,10 @@ class Trainer:
     # -- start --------------------------------------------------------------------------------
     def _choose_speed(self, cuda: bool) -> SpeedChoice:
         """--mixed-precision and --channels-last: as asked; "auto" on a CPU, measured on this
-        model (autotune.py), by rank 0 for all; a resumed run keeps its checkpoint's choice."""
-        config, previous = self.config, self.plan.previous
+        model (autotune.py), by rank 0 for all.  A resumed run's plan already holds what the
+        checkpoint ran with (resume.keep_choices)."""
+        config, kept = self.config, self.plan.kept_choices
         precision, channels_last = config.mixed_precision, config.channels_last
-        kept = []
-        if previous is not None and precision == "auto" and previous.precision:
-            precision = previous.precision
-            kept.append("precision")
-        if previous is not None and channels_last is None and previous.channels_last is not None:
-            channels_last = previous.channels_last
-            kept.append("memory format")
         spec = self.net.spec
 
         def measure() -> dict:

@@ -196,8 +196,9 @@ class TrainConfig:
     keep_checkpoints: int = option(3, "Keep the newest K checkpoints.", "output")
     keep_best: int = option(0, "Also keep the K checkpoints with the best held-out top-1 "
                             "(saved at epoch ends), as timm's checkpoint saver does.", "output")
-    resume: Optional[str] = option(None, "'auto' (newest valid checkpoint) or a checkpoint path.",
-                                   "output")
+    resume: Optional[str] = option(None, "'auto' (the newest valid checkpoint of this run), or a "
+                                   "path: a step_XXXXXXXX checkpoint, a folder of them (its "
+                                   "newest valid one), or a run folder.", "output")
     log_every: int = option(20, "Log a metrics line every N optimizer steps.", "output")
     report_to: list = option([], "Trackers through accelerate: tensorboard (files in "
                              "<output-dir>/trackers), wandb, mlflow, ..., or all that are "

@@ -20,7 +20,7 @@ from .checkpoint import (NAME_PATTERN, SUPERSEDED_PREFIX, TrainerState, check_fo
 from .config import TrainConfig
 from .distributed import LauncherEnv
 from .errors import UsageError
-from .rundir import prepare_output_dir, run_paths
+from .rundir import CHECKPOINTS_DIR, prepare_output_dir, run_paths
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,9 @@ def resolve_resume(root: Path, resume: str, warn: Callable[[str], None]) -> Opti
 
 def _resolve_path(resume: str, warn: Callable[[str], None]) -> Path:
     path = Path(resume)
+    if NAME_PATTERN.match(path.name) is None and not list_checkpoints(path) \
+            and list_checkpoints(path / CHECKPOINTS_DIR):
+        path = path / CHECKPOINTS_DIR  # a run folder: its checkpoints (the default place)
     if NAME_PATTERN.match(path.name) is None and list_checkpoints(path):
         latest = find_latest_valid(path, warn)  # a checkpoints folder was given
         if latest is None:
@@ -158,7 +161,7 @@ def _resolve_path(resume: str, warn: Callable[[str], None]) -> Path:
         return latest
     if not path.is_dir():
         raise UsageError(f"--resume {resume}: no such checkpoint folder; pass a step_XXXXXXXX "
-                         f"folder, its parent, or 'auto'")
+                         f"folder, its parent, the run folder, or 'auto'")
     problem = verify(path)
     if problem is not None:
         raise UsageError(f"--resume {resume}: checkpoint is not usable ({problem}); pass "

@@ -87,17 +87,19 @@ def accel_train(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "accel_train", *args], **kwargs)
 
 
-def accel_train_here(*args: str, check: bool = False) -> subprocess.CompletedProcess:
+def accel_train_here(*args: str, check: bool = False,
+                     callbacks=None) -> subprocess.CompletedProcess:
     """`accel_train ARGS` called in this process (cli.main, what `python -m accel_train` runs),
     without the seconds of imports a new process pays: for commands that end at bad input and
-    for tiny one-process runs.  Returns what `accel_train()` returns."""
+    for tiny one-process runs (`callbacks`: trainer.Callbacks, the CLI's seam).  Returns what
+    `accel_train()` returns."""
     from accel_train.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with clean_accelerate_state(), contextlib.redirect_stdout(out), \
             contextlib.redirect_stderr(err):
         try:
-            code = main(list(args))
+            code = main(list(args), callbacks)
         except SystemExit as exit:  # argparse's own errors
             code = exit.code
     result = subprocess.CompletedProcess(["accel_train (in process)", *args], code,

@@ -170,13 +170,20 @@ def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_
 
 
 def test_plot_command_writes_the_pngs(run_dir, tmp_path, capsys):
-    code, out, err = command(capsys, "plot", str(run_dir), "--output-dir", str(tmp_path))
+    plots = run_dir / "plots"
+    before = sorted(plots.iterdir()) if plots.exists() else []
+    code, out, err = command(capsys, "plot", str(run_dir), "--output-dir", str(tmp_path / "a"))
     assert code == 0, err
     written = [Path(line) for line in out.strip().splitlines()]
     assert sorted(p.name for p in written) == ["accuracy.png", "loss_lr.png", "throughput.png"]
+    assert all(p.parent == tmp_path / "a" for p in written)  # where it was told, only there
+    assert (sorted(plots.iterdir()) if plots.exists() else []) == before
     for path in written:
         with Image.open(path) as image:
             assert image.format == "PNG" and image.size == (800, 600)
+    code, out, err = command(capsys, "plot", str(run_dir), "-o", str(tmp_path / "b"))
+    assert code == 0 and sorted(p.name for p in (tmp_path / "b").iterdir()) == \
+        ["accuracy.png", "loss_lr.png", "throughput.png"]
 
 
 def test_bad_input_is_one_line_with_the_fix(run_dir, tmp_path, capsys):

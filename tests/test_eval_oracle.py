@@ -31,9 +31,39 @@ def run_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def flip_run_dir(tmp_path_factory):
+    """The same run trained with --tta flip: eval, predict and export of it mirror by default."""
+    out = tmp_path_factory.mktemp("eval_oracle_flip") / "run"
+    accel_train_here(*TINY_TRAIN, "--max-steps", "12", "--lr", "0.2", "--tta", "flip",
+                     "--output-dir", str(out), check=True)
+    return out
+
+
 def _eval_json(*args: str) -> dict:
     result = accel_train_here("eval", *args, "--json", check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _plain_logits(run_dir, images_nhwc, mirrored_too: bool = False) -> torch.Tensor:
+    """The exported model in plain timm + torch on uint8 NHWC images (float64 normalization);
+    `mirrored_too`: averaged with the logits of the images flipped left-right by numpy."""
+    spec = json.loads((run_dir / "model_config.json").read_text())
+    model = timm.create_model(spec["model_name"], num_classes=spec["num_classes"])
+    model.load_state_dict(load_file(str(run_dir / "model.safetensors")))
+    model.eval()
+    mean = torch.tensor(spec["mean"], dtype=torch.float64).view(1, 3, 1, 1)
+    std = torch.tensor(spec["std"], dtype=torch.float64).view(1, 3, 1, 1)
+
+    def normalized(array):
+        x = torch.from_numpy(array.copy()).permute(0, 3, 1, 2).to(torch.float64) / 255.0
+        return ((x - mean) / std).float()
+
+    with torch.no_grad():
+        logits = model(normalized(images_nhwc)).double()
+        if mirrored_too:
+            logits = (logits + model(normalized(images_nhwc[:, :, ::-1])).double()) / 2
+    return logits
 
 
 def _oracle(run_dir, images_nhwc, labels, mirrored_too: bool = False) -> dict:
@@ -110,3 +140,101 @@ def test_eval_with_flip_tta_matches_a_plain_torch_evaluation_of_both_views(run_d
     _check(report, _oracle(run_dir, images, labels, mirrored_too=True))
     plain = _oracle(run_dir, images, labels)
     assert abs(plain["loss"] - report["loss"]) > 1e-4, "the mirrored views changed nothing"
+
+
+def test_eval_of_a_named_dataset_matches_plain_torch(run_dir):
+    """--dataset synthetic names the data to evaluate on (the test split does not depend on the
+    training size): the first 48 of it, against plain torch."""
+    report = _eval_json(str(run_dir), "--dataset", "synthetic", "--max-samples", "48")
+    images, labels = synthetic.splits(TRAIN_SIZE)["test"]
+    _check(report, _oracle(run_dir, images[:48], labels[:48]))
+
+
+def test_eval_loader_flags_reach_its_loader(run_dir, monkeypatch):
+    """A probe on torch's DataLoader (outside the package) sees --batch-size and --num-workers;
+    the numbers are still the oracle's."""
+    seen = []
+    original = torch.utils.data.DataLoader.__init__
+
+    def probe(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen.append((self.batch_size, self.num_workers))
+
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__init__", probe)
+    report = _eval_json(str(run_dir), "--split", "train", "--max-samples", "20",
+                        "--batch-size", "7", "--num-workers", "1")
+    # (Accelerate's prepared loader is rebuilt around the first one's batch sampler)
+    assert seen and seen[0] == (7, 1) and all(workers == 1 for _, workers in seen), seen
+    images, labels = synthetic.splits(TRAIN_SIZE)["train"]
+    _check(report, _oracle(run_dir, images[:20], labels[:20]))
+
+
+def test_eval_in_bf16_is_near_but_not_the_fp32_oracle(run_dir):
+    images, labels = synthetic.splits(TRAIN_SIZE)["test"]
+    oracle = _oracle(run_dir, images[:EVAL_SAMPLES], labels[:EVAL_SAMPLES])
+    fp32 = _eval_json(str(run_dir), "--mixed-precision", "no")
+    _check(fp32, oracle)
+    bf16 = _eval_json(str(run_dir), "--mixed-precision", "bf16")
+    assert bf16["loss"] == pytest.approx(oracle["loss"], abs=0.05)
+    assert abs(bf16["loss"] - oracle["loss"]) > 1e-6, "bf16 asked for, fp32 ran"
+
+
+def _predictions(*args: str) -> list[dict]:
+    result = accel_train_here("predict", *args, "--json", "--top-k", "10", check=True)
+    return [json.loads(line) for line in result.stdout.strip().splitlines()]
+
+
+def test_predict_is_the_softmax_of_plain_torch_logits(run_dir, flip_run_dir, tmp_path,
+                                                      monkeypatch):
+    """8 held-out images as PNG files: predict's probabilities are the softmax of the plain-torch
+    logits, mirrored too for the run trained with --tta flip (its export as well); --batch-size 3
+    gives the same lines from ceil(8/3) batches (a probe on the first convolution counts them)."""
+    from PIL import Image
+    images, _ = synthetic.splits(TRAIN_SIZE)["test"]
+    images = images[:8]
+    files = []
+    for i, array in enumerate(images):
+        files.append(tmp_path / f"{i}.png")
+        Image.fromarray(array).save(files[-1])
+
+    def expected(run, mirrored):
+        probabilities = _plain_logits(run, images, mirrored).softmax(dim=1)
+        return probabilities
+
+    def compare(lines, probabilities):
+        assert [line["image"] for line in lines] == [str(f) for f in files]
+        for line, row in zip(lines, probabilities):
+            got = {p["index"]: p["probability"] for p in line["predictions"]}
+            assert sorted(got) == list(range(10))
+            assert [p["index"] for p in line["predictions"]] == \
+                row.argsort(descending=True).tolist()
+            for index, value in got.items():
+                assert value == pytest.approx(float(row[index]), abs=2e-6)
+
+    batches = []
+    monkeypatch.setattr(torch.nn.Conv2d, "forward", _counting(torch.nn.Conv2d.forward, batches))
+    plain = _predictions(str(run_dir), *map(str, files), "--batch-size", "3")
+    assert batches == [3, 3, 2]
+    monkeypatch.undo()
+    compare(plain, expected(run_dir, mirrored=False))
+    assert _predictions(str(run_dir), *map(str, files)) == plain
+
+    flipped = _predictions(str(flip_run_dir), *map(str, files))
+    compare(flipped, expected(flip_run_dir, mirrored=True))
+    export = tmp_path / "export"
+    accel_train_here("export", str(flip_run_dir), "-o", str(export), check=True)
+    assert _predictions(str(export), *map(str, files)) == flipped
+    # and eval of the flip run mirrors by default, unless told not to
+    held, labels = synthetic.splits(TRAIN_SIZE)["test"]
+    held, labels = held[:EVAL_SAMPLES], labels[:EVAL_SAMPLES]
+    _check(_eval_json(str(flip_run_dir)), _oracle(flip_run_dir, held, labels, mirrored_too=True))
+    _check(_eval_json(str(flip_run_dir), "--tta", "none"), _oracle(flip_run_dir, held, labels))
+
+
+def _counting(forward, batches: list):
+    """Conv2d.forward that records the batch size at each model's first (3-channel) convolution."""
+    def counted(self, input):
+        if self.in_channels == 3:
+            batches.append(int(input.shape[0]))
+        return forward(self, input)
+    return counted

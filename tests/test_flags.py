@@ -57,7 +57,7 @@ if os.environ.get("FLAG_PROBE_CONV", "1") == "1":
         out = conv_forward(self, input, weight, bias)
         if self.training and len(records["conv"]) < 200:
             records["conv"].append({
-                "batch": int(input.shape[0]),
+                "batch": int(input.shape[0]), "hw": list(input.shape[-2:]),
                 # (a tensor with size-1 dims can be both contiguous and channels_last)
                 "input_channels_last": input.is_contiguous(memory_format=torch.channels_last),
                 "input_contiguous": input.is_contiguous(),
@@ -101,6 +101,16 @@ def _loader_init(self, *args, **kwargs):
 
 torch.utils.data.DataLoader.__init__ = _loader_init
 
+linear_forward = torch.nn.Linear.forward
+
+def _linear_forward(self, input):
+    # the classifier's input in training: the share of exact zeros (what dropout leaves)
+    if self.training and input.shape[0] > 1 and len(records.setdefault("linear_zeros", [])) < 50:
+        records["linear_zeros"].append(float((input == 0).float().mean()))
+    return linear_forward(self, input)
+
+torch.nn.Linear.forward = _linear_forward
+
 @atexit.register
 def _write():
     with open(path, "w") as handle:
@@ -123,12 +133,12 @@ def no_decay_names(model: nn.Module) -> set[str]:
     return names
 
 
-def initial_model() -> nn.Module:
-    torch.manual_seed(SEED)
+def initial_model(seed: int = SEED) -> nn.Module:
+    torch.manual_seed(seed)
     return timm.create_model(MODEL, num_classes=NUM_CLASSES, drop_rate=0.0)
 
 
-def first_step(run_dir, label_smoothing: float) -> dict:
+def first_step(run_dir, label_smoothing: float, seed: int = SEED) -> dict:
     """W0, the first batch's loss and gradient, computed here."""
     spec = json.loads((run_dir / "model_config.json").read_text())
     assert (spec["model_name"], spec["num_classes"], spec["image_size"]) == (MODEL, NUM_CLASSES, 32)
@@ -137,7 +147,7 @@ def first_step(run_dir, label_smoothing: float) -> dict:
     x = (x - torch.tensor(spec["mean"], dtype=torch.float64).view(1, 3, 1, 1)) \
         / torch.tensor(spec["std"], dtype=torch.float64).view(1, 3, 1, 1)
     y = torch.from_numpy(labels)
-    model = initial_model().train()
+    model = initial_model(seed).train()
     w0 = {name: p.detach().clone() for name, p in model.named_parameters()}
     log_p = F.log_softmax(model(x.float()), dim=1)
     nll = -log_p[torch.arange(len(y)), y]
@@ -228,6 +238,12 @@ def runs(tmp_path_factory):
         "dropout": flag_run(root, "dropout", "--drop-rate", "0.5", "--momentum", "0",
                             "--weight-decay", "0", "--label-smoothing", "0", "--num-workers", "1",
                             "--prefetch-factor", "3", "--no-persistent-workers"),
+        # another seed, and mixing asked for but with probability 0: the plain step from seed 7
+        "seed7": flag_run(root, "seed7", "--seed", "7", "--mixup", "0.8", "--cutmix", "1.0",
+                          "--mixup-prob", "0", "--momentum", "0", "--weight-decay", "0",
+                          "--label-smoothing", "0", "--lr", str(SGD_LR)),
+        # the model sees images resized to 16 px (the synthetic data is 32 px)
+        "small": flag_run(root, "small", "--image-size", "16"),
     }
 
 
@@ -372,6 +388,37 @@ def test_drop_rate_drops_in_training_and_is_recorded(runs):
     got = run_.params
     expected = {n: w - 0.05 * ref["grad"][n] for n, w in ref["w0"].items()}  # default lr 0.05
     assert max_diff(got, expected, ["fc.weight"]) > 1e-4
+    # what dropout does: it zeroes half of the classifier's inputs at random.  Some pooled
+    # features are zero already (dead ReLUs); the control's first batch (same seed, same
+    # initial model, no dropout) says how many, so the share of zeros must be 1 - (1 - z) / 2.
+    already = runs["adamw"].probe()["linear_zeros"][0]
+    dropped = runs["dropout"].probe()["linear_zeros"][0]
+    assert dropped == pytest.approx(1 - (1 - already) * 0.5, abs=0.05), (already, dropped)
+
+
+def test_seed_sets_the_initial_weights(runs):
+    """--seed 7 (and --mixup/--cutmix with --mixup-prob 0): exactly the plain SGD step from
+    timm's initialization after torch.manual_seed(7), not from seed 0's."""
+    run_ = runs["seed7"]
+    for seed, should_match in ((7, True), (SEED, False)):
+        ref = first_step(run_.out, label_smoothing=0.0, seed=seed)
+        expected = {n: w - SGD_LR * ref["grad"][n] for n, w in ref["w0"].items()}
+        assert (max_diff(run_.params, expected) < 2e-6) == should_match, seed
+
+
+def test_mix_probability_zero_trains_the_plain_step(runs):
+    """--mixup-prob 0 turns mixing off whatever --mixup and --cutmix say: the first loss is the
+    plain cross-entropy of the unmixed batch (the step: test_seed_sets_the_initial_weights)."""
+    run_ = runs["seed7"]
+    ref = first_step(run_.out, label_smoothing=0.0, seed=7)
+    assert run_.first_loss == pytest.approx(ref["plain_loss"], abs=2e-5)
+
+
+def test_image_size_resizes_what_the_model_sees(runs):
+    assert runs["small"].training_convs()[0]["hw"] == [16, 16]
+    assert runs["adamw"].training_convs()[0]["hw"] == [32, 32]
+    spec = json.loads((runs["small"].out / "model_config.json").read_text())
+    assert spec["image_size"] == 16
 
 
 def test_loader_flags_reach_the_training_loader(runs):

@@ -68,7 +68,11 @@ def test_shard_round_trip_synthetic_and_parquet(synthetic_shards, cifar10_layout
     assert result.returncode == 0, result.stderr
     assert "wrote 800 images" in result.stdout
     sets = _index_sets(out)
-    assert len(sets["train"].files) > 2  # cut by size
+    # cut by size: no tar holds more than 40 KB of members (plus tar's end-of-archive record),
+    # and none but the last stops far short of it (each JPEG here is 1-2 KB)
+    sizes = [Path(f).stat().st_size for f in sets["train"].files]
+    assert len(sizes) > 2 and max(sizes) <= 40_960 + 10_240, sizes
+    assert min(sizes[:-1]) > 30_000, sizes
     source = load_data(TrainConfig(data_dir=str(cifar10_layout), in_memory="always"))
     for split, loaded in (("train", source.train), ("test", source.held_out)):
         images, labels = _decoded(sets[split])

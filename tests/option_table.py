@@ -1,0 +1,435 @@
+"""The table of option effects: for every option of every command, the test that checks what it
+does through the command line (or the function the command line calls: `load_data`,
+`build_loaders`, `build_network`, `build_optimizer` with a whole TrainConfig) against an
+independent expectation, or why that cannot be done cheaply here.
+
+tests/test_option_effects.py fails when an option has no row, when a row names a test that does not
+exist, or a test module that never passes the option.  Adding an option means adding its row and,
+if no test checks it yet, the test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from dataclasses import dataclass, fields
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Row:
+    test: Optional[str]   # "file.py::test_name" (a parametrized test by its base name)
+    checks: str = ""      # what the test compares with
+    why: str = ""         # no test: why it cannot be checked cheaply here
+
+
+def effect(test: str, checks: str) -> Row:
+    return Row(test, checks)
+
+
+def not_cheaply(why: str) -> Row:
+    return Row(None, why=why)
+
+
+def all_options() -> dict[str, tuple[str, ...]]:
+    """Every option and positional argument, as "COMMAND --flag" (or "COMMAND dest"): its
+    spellings (none for a positional argument)."""
+    from accel_train.cli import build_train_parser
+    from accel_train.commands import SUMMARIES
+
+    parsers = {"train": build_train_parser()}
+    for name in SUMMARIES:
+        module = importlib.import_module("accel_train.commands." + name.replace("-", "_"))
+        parsers[name] = module.build_parser()
+    options = {}
+    for command, parser in parsers.items():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            key = action.option_strings[0] if action.option_strings else action.dest
+            options[f"{command} {key}"] = tuple(action.option_strings)
+    return options
+
+
+def spellings(option: str, flags: tuple[str, ...]) -> list[str]:
+    """What a test module that passes the option contains: a flag, or (training options, for
+    tests that build a TrainConfig and call what the CLI calls) the field as a keyword."""
+    names = list(flags)
+    command = option.split(" ", 1)[0]
+    if command == "train" and flags:
+        from accel_train.config import TrainConfig
+        field_names = {f.name for f in fields(TrainConfig)}
+        name = flags[0][2:].replace("-", "_")
+        if name in field_names:
+            names += [f"{name}=", f'"{name}":']
+    return names
+
+
+EQ = "test_equivalence.py"
+FLAGS = "test_flags.py"
+ORACLE = "test_eval_oracle.py"
+EFFECTS = "test_option_effects.py"
+COMPONENTS = "test_recipe_components.py"
+STREAM = "test_streaming.py"
+
+ROWS: dict[str, Row] = {
+    # -- train: data ----------------------------------------------------------------------------
+    "train --config": effect(
+        "test_config_file.py::test_a_runs_config_yaml_repeats_it_under_accelerate_config_default",
+        "a run's config.yaml given back trains bit-identical weights; flags override it"),
+    "train --dataset": effect(
+        f"{EFFECTS}::test_dataset_names_a_local_parquet_folder",
+        "classes and counts are those of the parquet files pyarrow reads"),
+    "train --data-dir": effect(
+        "test_layouts.py::test_rows_labels_and_classes_are_those_of_datasets_imagefolder",
+        "rows, labels and classes equal datasets' own imagefolder loader"),
+    "train --image-column": effect(
+        f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
+        "decoy columns named image/label are passed over: trains on the photo column's size"),
+    "train --label-column": effect(
+        f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
+        "class counts are those of the truth column, not the all-zero decoy"),
+    "train --val-fraction": effect(
+        "test_bad_images.py::test_parquet_rows_are_named_by_file_and_row_also_after_carving",
+        "0.25 of 17 rows carves ceil(4.25) = 5 held-out rows"),
+    "train --max-train-samples": effect(
+        "test_data.py::test_shared_cifar10_parquet", "256 of 640 rows: exactly 256 train rows"),
+    "train --max-eval-samples": effect(
+        f"{EQ}::test_distributed_eval_counts_each_sample_once",
+        "101 held-out images counted exactly once on 1 and 2 processes"),
+    "train --tta": effect(
+        "test_small_nets.py::test_a_run_trains_exports_and_evaluates_one_with_flip_tta",
+        "the run's own evaluation equals eval --tta flip, itself checked against plain torch"),
+    "train --synthetic-train-size": effect(
+        f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
+        "one full batch of 32 images: the step equals plain torch on synthetic.splits(32)"),
+    "train --in-memory": effect(
+        "test_bad_images.py::"
+        "test_one_process_finishes_naming_each_broken_file_in_memory_and_per_step",
+        "never decodes per step with loader workers; the weights equal the in-memory run's"),
+    "train --in-memory-limit-gb": effect(
+        f"{FLAGS}::test_in_memory_limit_decides_whether_images_are_decoded_up_front",
+        "3456 bytes over a 1074-byte limit (by hand) are not decoded up front"),
+    "train --num-workers": effect(
+        f"{FLAGS}::test_loader_flags_reach_the_training_loader",
+        "a probe outside the package sees num_workers 1 in DataLoader, 0 in the control"),
+    "train --prefetch-factor": effect(
+        f"{FLAGS}::test_loader_flags_reach_the_training_loader",
+        "the probe sees prefetch_factor 3"),
+    "train --persistent-workers": effect(
+        f"{FLAGS}::test_loader_flags_reach_the_training_loader",
+        "--no-persistent-workers: the probe sees persistent_workers False"),
+    "train --bad-images": effect(
+        "test_bad_images.py::test_bad_images_error_stops_naming_the_file",
+        "error: exit 2 naming the file the test broke; substitute lists exactly the broken ones"),
+    "train --val-labels": effect(
+        "test_layouts.py::test_train_and_eval_on_the_imagenet_layout",
+        "12 train / 9 held-out images of 3 classes, as the test's label file says"),
+    "train --class-depth": effect(
+        f"{EFFECTS}::test_class_depth_alike_in_training_and_check_data",
+        "the top folder names the class: the counts the test wrote, in both commands"),
+    "train --streaming": effect(
+        f"{EFFECTS}::test_streaming_flag_and_eval_shards",
+        "parquet streamed: stream.json in the checkpoint, each training row once per epoch"),
+    "train --shuffle-buffer": effect(
+        f"{STREAM}::test_one_process_two_workers_each_sample_once_per_epoch",
+        "each sample once per epoch with a 50-sample buffer (plan unit-tested as a permutation)"),
+    "train --eval-shards": effect(
+        f"{EFFECTS}::test_streaming_flag_and_eval_shards",
+        "two named shards of 24: evaluations count 48 images and training loses them"),
+    "train --augment": effect(
+        f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
+        "--no-augment: the step equals plain torch on the raw images (the crop/flip oracle is "
+        "test_augment.py's)"),
+    "train --auto-augment": effect(
+        f"{COMPONENTS}::test_a_policy_changes_the_images_deterministically_on_both_data_paths",
+        "images differ from crop/flip alone, alike on both data paths, per (seed, epoch, index)"),
+    "train --reprob": effect(
+        f"{COMPONENTS}::test_random_erasing_replaces_one_rectangle_deterministically",
+        "exactly one rectangle of noise, within timm's area bound"),
+    # -- train: model ---------------------------------------------------------------------------
+    "train --model": effect(
+        f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
+        "the step equals plain torch on timm.create_model of that name"),
+    "train --image-size": effect(
+        f"{FLAGS}::test_image_size_resizes_what_the_model_sees",
+        "the probe sees 16x16 inputs at the first conv where the data is 32x32"),
+    "train --pretrained": effect(
+        "test_training.py::test_pretrained_local_weights_and_frozen_backbone",
+        "every backbone tensor equals the weights file's after training"),
+    "train --freeze-backbone": effect(
+        "test_training.py::test_pretrained_local_weights_and_frozen_backbone",
+        "backbone and BatchNorm statistics bit-identical to the source; only the head moves"),
+    "train --sync-bn": effect(
+        f"{EQ}::test_sync_bn_running_stats_equal_one_process_and_differ_without_it",
+        "2x8 BatchNorm statistics equal 1x16's; without it they differ"),
+    "train --channels-last": effect(
+        f"{FLAGS}::test_channels_last_reaches_the_model_and_the_images",
+        "the conv probe sees channels_last inputs and weights; NCHW in the control"),
+    "train --drop-rate": effect(
+        f"{FLAGS}::test_drop_rate_drops_in_training_and_is_recorded",
+        "about half the classifier's inputs are zero in training, none in the control"),
+    "train --model-ema": effect(
+        f"{COMPONENTS}::test_model_ema_follows_timms_rule_and_is_evaluated_saved_and_exported",
+        "after step 2 the EMA is lerp(w1, w2, 1 - decay), written out by hand"),
+    "train --model-ema-decay": effect(
+        f"{COMPONENTS}::test_model_ema_follows_timms_rule_and_is_evaluated_saved_and_exported",
+        "the same lerp with the decay given"),
+    "train --drop-path": effect(
+        f"{COMPONENTS}::test_drop_path_reaches_the_model",
+        "DropPath rates follow timm's linear rule by hand; train-mode forwards become random"),
+    "train --compile": effect(
+        f"{FLAGS}::test_compile_compiles_the_model_and_trains_the_same_step",
+        "one torch.compile(inductor) call seen by a probe; the step equals plain torch"),
+    # -- train: optimization ----------------------------------------------------------------------
+    "train --epochs": effect(
+        "test_training.py::test_training_in_a_subprocess_improves_accuracy",
+        "2 epochs: epoch records 1 and 2, each over all 1000 held-out images"),
+    "train --batch-size": effect(
+        f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
+        "the conv probe sees batches of 32; the step equals the 32-image plain step"),
+    "train --learning-rate": effect(
+        "test_schedule.py::test_cli_run_logs_the_hand_computed_lr",
+        "the logged rate at each step equals warmup-then-cosine from the peak, by hand"),
+    "train --optimizer": effect(
+        f"{FLAGS}::test_adamw_first_step_is_lr_times_the_gradient_sign",
+        "AdamW's first update is lr x sign-like g/(|g|+eps) with decoupled decay, by hand"),
+    "train --momentum": effect(
+        f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
+        "momentum 0: w1 = w0 - lr x d exactly (Nesterov 0.9 would give 1.9 d)"),
+    "train --layer-decay": effect(
+        f"{COMPONENTS}::test_layer_decay_scales_each_parameters_rate_as_timm_does",
+        "each group's rate is the peak times timm's param_groups_layer_decay scale"),
+    "train --weight-decay": effect(
+        f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
+        "decay 0.5 on weights only, written into the hand update"),
+    "train --warmup-epochs": effect(
+        "test_schedule.py::test_cli_run_logs_the_hand_computed_lr",
+        "0.25 epochs = 4 linear warmup steps in the logged rates"),
+    "train --label-smoothing": effect(
+        f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
+        "the first loss equals hand-written smoothed cross-entropy with eps 0.3"),
+    "train --mixup": effect(
+        f"{FLAGS}::test_mix_probability_zero_trains_the_plain_step",
+        "with probability 0 the step is the plain oracle's; the mix itself is checked in "
+        "test_recipe_components"),
+    "train --cutmix": effect(
+        f"{COMPONENTS}::test_cutmix_replaces_one_rectangle_and_lam_is_its_complement_area",
+        "one rectangle from the flipped batch, lam = 1 - its area, on the mixer the config "
+        "builds"),
+    "train --mixup-prob": effect(
+        f"{FLAGS}::test_mix_probability_zero_trains_the_plain_step",
+        "probability 0: the first step equals the unmixed plain-torch step"),
+    "train --mixup-switch-prob": effect(
+        f"{COMPONENTS}::test_switch_prob_and_mix_prob_choose_what_a_batch_gets",
+        "switch 0: only blends; 1: only rectangles, on the mixer the config builds"),
+    "train --grad-clip": effect(
+        f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
+        "the gradient part of the update has norm lr x clip exactly"),
+    "train --accumulation-steps": effect(
+        f"{EQ}::test_accumulation_equals_the_larger_batch_and_skips_the_allreduce",
+        "1x8x2 accumulation trains the weights of 1x16"),
+    "train --mixed-precision": effect(
+        f"{FLAGS}::test_bf16_is_recorded_runs_in_bf16_and_trains",
+        "bf16: every training conv outputs bf16; the loss is near, not equal to, fp32's"),
+    "train --max-steps": effect(
+        "test_schedule.py::test_cli_run_logs_the_hand_computed_lr",
+        "steps 1..12 logged; the cosine reaches 0 at step 12"),
+    "train --time-budget": effect(
+        f"{EFFECTS}::test_time_budget_fits_every_evaluation_pass",
+        "on a fake clock the fitted step count is the hand-computed one, EMA and TTA passes "
+        "included"),
+    "train --seed": effect(
+        f"{FLAGS}::test_seed_sets_the_initial_weights",
+        "--seed 7: the step equals plain torch from timm's init after torch.manual_seed(7)"),
+    # -- train: output --------------------------------------------------------------------------
+    "train --output-dir": effect(
+        "test_training.py::test_training_in_a_subprocess_improves_accuracy",
+        "metrics.jsonl, config.yaml and the rank log are in the folder given"),
+    "train --checkpoint": effect(
+        f"{EFFECTS}::test_checkpoint_folder_keep_checkpoints_and_keep_best",
+        "verified checkpoints in the folder given, none under the run folder"),
+    "train --checkpoint-every": effect(
+        f"{EFFECTS}::test_checkpoint_folder_keep_checkpoints_and_keep_best",
+        "a checkpoint every step: the newest two are steps 11 and 12"),
+    "train --keep-checkpoints": effect(
+        f"{EFFECTS}::test_checkpoint_folder_keep_checkpoints_and_keep_best",
+        "2: steps 11 and 12 kept besides the best"),
+    "train --keep-best": effect(
+        f"{EFFECTS}::test_checkpoint_folder_keep_checkpoints_and_keep_best",
+        "the 2 epoch-end saves with the highest eval_top1 in metrics.jsonl are kept"),
+    "train --resume": effect(
+        f"{EFFECTS}::test_resume_from_each_form_of_path_ends_bit_identical",
+        "checkpoints folder, run folder and step folder each end bit-identical to the run "
+        "never stopped (auto: test_resume_matrix.py)"),
+    "train --log-every": effect(
+        "test_tracking.py::test_tensorboard_files_hold_the_logged_scalars",
+        "every 2 of 8 steps: train records at 2, 4, 6, 8"),
+    "train --report-to": effect(
+        "test_tracking.py::test_tensorboard_files_hold_the_logged_scalars",
+        "TensorBoard's own reader gives back the scalars of metrics.jsonl"),
+    "train --plots": effect(
+        "test_tracking.py::test_plots_are_drawn_at_the_end_of_training",
+        "three 800x600 PNGs that PIL opens in plots/"),
+    "train --progress": effect(
+        f"{EFFECTS}::test_progress_bar_or_log_lines",
+        "bar: tqdm's counter on stderr and no log lines; log: the reverse"),
+    # -- train: distributed -----------------------------------------------------------------------
+    "train --world-size": effect(
+        "test_process_control.py::test_manual_start_without_a_launcher_trains_like_torchrun",
+        "two hand-started processes form one group: weights equal torchrun's"),
+    "train --rank": effect(
+        "test_process_control.py::test_manual_start_without_a_launcher_trains_like_torchrun",
+        "each process's log says its rank; only rank 0 prints"),
+    "train --local-rank": effect(
+        f"{EFFECTS}::test_local_rank_is_checked_against_the_launcher",
+        "a value other than the launcher's LOCAL_RANK stops in one line naming both"),
+    "train --gpu-ids": not_cheaply(
+        "choosing GPUs needs CUDA devices; on a CPU the flag is refused in one line "
+        "(test_training.py) and the order of CUDA initialisation is issue 28's"),
+    "train --dist-url": effect(
+        "test_process_control.py::test_manual_start_without_a_launcher_trains_like_torchrun",
+        "the tcp:// address given is where the hand-started group meets"),
+    "train --ddp-bucket-mb": effect(
+        f"{FLAGS}::test_ddp_knobs_reach_the_ddp_wrapper",
+        "a DDP probe sees bucket_bytes_cap 1.5 MiB, by hand"),
+    "train --ddp-grad-as-bucket-view": effect(
+        f"{FLAGS}::test_ddp_knobs_reach_the_ddp_wrapper",
+        "the DDP probe sees gradient_as_bucket_view False when turned off"),
+    "train --ddp-static-graph": effect(
+        f"{FLAGS}::test_ddp_knobs_reach_the_ddp_wrapper", "the DDP probe sees static_graph True"),
+
+    # -- eval -------------------------------------------------------------------------------------
+    "eval model": effect(
+        f"{ORACLE}::test_eval_held_out_matches_a_plain_torch_evaluation",
+        "loss, top-1/5 and per-class counts equal a plain timm+safetensors evaluation"),
+    "eval --data-dir": effect(
+        "test_commands.py::test_eval_on_another_folder_maps_classes_by_name",
+        "counts equal the PNGs the test wrote; classes mapped by name"),
+    "eval --dataset": effect(
+        f"{ORACLE}::test_eval_of_a_named_dataset_matches_plain_torch",
+        "--dataset synthetic: the plain-torch evaluation of those images"),
+    "eval --image-column": effect(
+        f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
+        "evaluates the photo column: per-class counts of the truth column"),
+    "eval --label-column": effect(
+        f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
+        "per-class counts are the truth column's, not the decoy's"),
+    "eval --split": effect(
+        f"{ORACLE}::test_eval_train_split_with_a_ragged_last_batch",
+        "train split: equals plain torch on the first training images"),
+    "eval --max-samples": effect(
+        f"{ORACLE}::test_eval_train_split_with_a_ragged_last_batch",
+        "40: count 40 and the oracle on those 40"),
+    "eval --batch-size": effect(
+        f"{ORACLE}::test_eval_loader_flags_reach_its_loader",
+        "a DataLoader probe sees batch_size 7 and the numbers still equal the oracle"),
+    "eval --num-workers": effect(
+        f"{ORACLE}::test_eval_loader_flags_reach_its_loader",
+        "the DataLoader probe sees num_workers 1"),
+    "eval --mixed-precision": effect(
+        f"{ORACLE}::test_eval_in_bf16_is_near_but_not_the_fp32_oracle",
+        "bf16: loss within 0.05 of the fp32 oracle but not equal; no: equal"),
+    "eval --tta": effect(
+        f"{ORACLE}::test_eval_with_flip_tta_matches_a_plain_torch_evaluation_of_both_views",
+        "flip: logits averaged with numpy-mirrored images, in plain torch"),
+    "eval --json": effect(
+        f"{ORACLE}::test_eval_held_out_matches_a_plain_torch_evaluation",
+        "the JSON fields are compared with the oracle's numbers"),
+    # -- predict ----------------------------------------------------------------------------------
+    "predict model": effect(
+        f"{ORACLE}::test_predict_is_the_softmax_of_plain_torch_logits",
+        "probabilities equal softmax of plain-torch logits, for a run and a trained-with-flip "
+        "run"),
+    "predict inputs": effect(
+        "test_commands.py::test_predict_table_and_json_lines",
+        "a file given twice plus a folder: one row per distinct image, recursively"),
+    "predict --top-k": effect(
+        "test_commands.py::test_predict_table_and_json_lines",
+        "3 predictions per row; the table header has top-1 top-2 for 2"),
+    "predict --batch-size": effect(
+        f"{ORACLE}::test_predict_is_the_softmax_of_plain_torch_logits",
+        "batches of 3 give the same lines, and the probe counts ceil(8/3) forward calls"),
+    "predict --json": effect(
+        "test_commands.py::test_predict_table_and_json_lines",
+        "one JSON object per image with its ranked classes"),
+    # -- export -----------------------------------------------------------------------------------
+    "export model": effect(
+        "test_commands.py::test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept",
+        "tensors equal the run's final weights read with safetensors"),
+    "export --output-dir": effect(
+        "test_commands.py::test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept",
+        "exactly model.safetensors and model_config.json in the folder given"),
+    # -- plot -------------------------------------------------------------------------------------
+    "plot run_dir": effect(
+        "test_commands.py::test_plot_command_writes_the_pngs",
+        "three PNGs of 800x600 that PIL opens"),
+    "plot --output-dir": effect(
+        "test_commands.py::test_plot_command_writes_the_pngs",
+        "every PNG lands in the folder given and none in the run's plots/"),
+    # -- launch -----------------------------------------------------------------------------------
+    "launch --config_file": effect(
+        "test_launchers.py::test_launch_dry_run_through_the_console_entry_point",
+        "the printed command is exactly accelerate launch with that file"),
+    "launch --elastic": effect(
+        "test_launchers.py::test_launch_dry_run_through_the_console_entry_point",
+        "the elastic YAML's settings become the exact launcher flags and variables"),
+    "launch --dry-run": effect(
+        "test_launchers.py::test_launch_dry_run_through_the_console_entry_point",
+        "one line printed and no run folder created"),
+    # -- check-data -------------------------------------------------------------------------------
+    "check-data --data-dir": effect(
+        "test_check_data.py::test_a_clean_folder_exits_0_with_the_table",
+        "per-class counts and size statistics equal what the test wrote"),
+    "check-data --dataset": effect(
+        f"{EFFECTS}::test_dataset_names_a_local_parquet_folder",
+        "classes and counts of the parquet files, as pyarrow reads them"),
+    "check-data --image-column": effect(
+        f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
+        "nothing unreadable and the truth column's counts"),
+    "check-data --label-column": effect(
+        f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
+        "class counts of the truth column"),
+    "check-data --val-labels": effect(
+        f"{EFFECTS}::test_val_labels_alike_in_training_and_check_data",
+        "held-out class counts are those of the label file the test wrote"),
+    "check-data --class-depth": effect(
+        f"{EFFECTS}::test_class_depth_alike_in_training_and_check_data",
+        "the top folder names the class: the counts the test wrote"),
+    "check-data --workers": effect(
+        "test_check_data.py::test_problems_exit_1_and_are_all_named_in_the_json",
+        "1 and 2 workers find exactly the planted problems"),
+    "check-data --json": effect(
+        "test_check_data.py::test_problems_exit_1_and_are_all_named_in_the_json",
+        "one JSON object naming exactly the problems the test planted"),
+    # -- shard ------------------------------------------------------------------------------------
+    "shard --data-dir": effect(
+        f"{STREAM}::test_shard_round_trip_image_folder",
+        "decoded shards are pixel- and label-equal to the PNGs written"),
+    "shard --dataset": effect(
+        f"{STREAM}::test_shard_round_trip_synthetic_and_parquet",
+        "synthetic shards equal synthetic.splits(200) pixel for pixel"),
+    "shard --synthetic-train-size": effect(
+        f"{STREAM}::test_shard_round_trip_synthetic_and_parquet",
+        "200 training samples in 24-sample shards: [24]*8 + [8]"),
+    "shard --output": effect(
+        f"{STREAM}::test_shard_round_trip_image_folder", "index.json and tars read back from it"),
+    "shard --shard-size": effect(
+        f"{STREAM}::test_shard_round_trip_synthetic_and_parquet",
+        "every tar within 40 KB plus tar padding, and as many as the bytes need"),
+    "shard --samples-per-shard": effect(
+        f"{STREAM}::test_shard_round_trip_synthetic_and_parquet",
+        "24 per shard: [24]*8 + [8], by hand"),
+    "shard --val-fraction": effect(
+        f"{STREAM}::test_shard_round_trip_image_folder",
+        "validation shards equal the 0.25 carve that training makes of the same folder"),
+    "shard --image-column": effect(
+        f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
+        "the shards hold the photo column's pixels exactly"),
+    "shard --label-column": effect(
+        f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
+        "the shards' labels are the truth column's"),
+    "shard --no-progress": effect(
+        f"{EFFECTS}::test_shard_progress_line_or_none",
+        "the progress line on stderr without it, an empty stderr with it"),
+}

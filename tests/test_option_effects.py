@@ -1,0 +1,392 @@
+"""Every option of every command has a row in tests/option_table.py saying which test checks its
+effect through the command line (or the function the command line calls) against an independent
+expectation, or why none can cheaply: the first tests below fail when an option has no row, when
+a row names a test that does not exist, or a test module that never passes the option.
+
+The rest are the effect checks the table needed that no other module had, and the combinations
+people use (checkpoint folder x pruning, resume forms, time budget x EMA x TTA x max-steps,
+layout options given alike to training, check-data, eval and shard).  Each is one tiny
+in-process run whose expectation is computed here by hand.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from accel_train import synthetic
+from accel_train.checkpoint import verify
+
+from conftest import REPO, TINY_TRAIN, accel_train_here
+from faults import metrics
+from option_table import ROWS, all_options, spellings
+
+TESTS = REPO / "tests"
+
+
+# -- the table ------------------------------------------------------------------------------------
+
+def test_every_option_has_a_row_and_every_row_an_option():
+    options = all_options()
+    missing = sorted(set(options) - set(ROWS))
+    stale = sorted(set(ROWS) - set(options))
+    assert not missing, f"options without a row in tests/option_table.py: {missing}"
+    assert not stale, f"rows for options that no longer exist: {stale}"
+
+
+def _test_functions(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {node.name for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.name.startswith("test_")}
+
+
+@pytest.mark.parametrize("option", sorted(ROWS))
+def test_each_row_names_a_real_test_that_passes_the_option(option):
+    row = ROWS[option]
+    if row.test is None:
+        assert len(row.why.split()) >= 6, f"{option}: say why it cannot be checked cheaply"
+        return
+    file, _, function = row.test.partition("::")
+    path = TESTS / file
+    assert path.is_file(), f"{option}: {file} does not exist"
+    assert function.split("[")[0] in _test_functions(path), f"{option}: no {row.test}"
+    source = path.read_text()
+    names = spellings(option, all_options()[option])
+    if names:  # (a positional argument has no spelling to look for)
+        # (a flag must not be the start of a longer one: --mixup is not --mixup-prob)
+        assert any(re.search(re.escape(name) + (r"(?![\w-])" if name[-1].isalnum() else ""),
+                             source) for name in names), \
+            f"{option}: {file} never passes it (looked for {names})"
+    assert len(row.checks.split()) >= 4, f"{option}: say what the test compares with"
+
+
+# -- checkpoints: where they go, how many are kept, the best ones --------------------------------
+
+def _steps(folder: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in folder.glob("step_*"))
+
+
+def test_checkpoint_folder_keep_checkpoints_and_keep_best(tmp_path):
+    """3 epochs of 4 steps, a checkpoint every step, into --checkpoint: the newest 2 are kept,
+    and the 2 with the best held-out top-1 among those saved at epoch ends (steps 4, 8, 12)."""
+    out, folder = tmp_path / "run", tmp_path / "elsewhere"
+    accel_train_here(*TINY_TRAIN, "--synthetic-train-size", "64", "--epochs", "3",
+                     "--checkpoint-every", "1", "--keep-checkpoints", "2", "--keep-best", "2",
+                     "--checkpoint", str(folder), "--output-dir", str(out), check=True)
+    assert not (out / "checkpoints").exists()
+    kept = _steps(folder)
+    assert all(verify(folder / f"step_{s:08d}") is None for s in kept)
+    top1 = {r["step"]: r["eval_top1"] for r in metrics(out) if r["type"] == "epoch"}
+    assert sorted(top1) == [4, 8, 12]
+    best = set(kept) - {11, 12}
+    assert {11, 12} <= set(kept) and best <= {4, 8}
+    # the best two of the three evaluated saves, 12 among them or not (ties: any of the tied)
+    ranked = sorted(top1, key=top1.get, reverse=True)
+    cutoff = top1[ranked[1]]
+    assert len(best | ({12} if top1[12] >= cutoff else set())) == 2
+    assert all(top1[s] >= cutoff for s in best)
+
+
+# -- resume: a checkpoints folder, a run folder, a step folder -----------------------------------
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """4 steps, checkpoints at 2 and 4: the run every resume below must reproduce."""
+    out = tmp_path_factory.mktemp("resume_forms") / "run"
+    accel_train_here(*TINY_TRAIN, "--max-steps", "4", "--checkpoint-every", "2",
+                     "--output-dir", str(out), check=True)
+    assert _steps(out / "checkpoints") == [2, 4]
+    return out
+
+
+@pytest.mark.parametrize("form", ["checkpoints-folder", "run-folder", "step-folder"])
+def test_resume_from_each_form_of_path_ends_bit_identical(finished_run, tmp_path, form):
+    """A copy of the run whose step-4 checkpoint is gone: each form of --resume must find step 2
+    and train steps 3-4 into the very weights of the run that was never stopped."""
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_run, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_00000004")
+    (copy / "model.safetensors").unlink()
+    target = {"checkpoints-folder": copy / "checkpoints", "run-folder": copy,
+              "step-folder": copy / "checkpoints" / "step_00000002"}[form]
+    out = tmp_path / "resumed"
+    result = accel_train_here(*TINY_TRAIN, "--max-steps", "4", "--checkpoint-every", "2",
+                              "--resume", str(target), "--output-dir", str(out), check=True)
+    assert "step_00000002" in result.stdout + result.stderr
+    a = load_file(str(finished_run / "model.safetensors"))
+    b = load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- the time budget counts every evaluation pass: EMA x TTA x max-steps ---------------------------
+
+BUDGET_SECONDS, HELD_OUT, GLOBAL_BATCH, STEPS_PER_EPOCH = 100, 64, 16, 16
+
+
+def _largest_total(passes: int, steps_done: int) -> int:
+    """By hand: the most steps whose remaining training (1 s a step on the fake clock) plus an
+    evaluation at every epoch end, the last included (`passes` forward passes over each held-out
+    image, each costing budget.EVAL_COST_PER_IMAGE of a trained image), fit the time left."""
+    from accel_train.budget import EVAL_COST_PER_IMAGE
+    left = BUDGET_SECONDS - steps_done  # the fake clock moved 1 s per step so far
+    evaluation = passes * HELD_OUT * EVAL_COST_PER_IMAGE * 1.0 / GLOBAL_BATCH
+    return max(total for total in range(steps_done + 1, BUDGET_SECONDS + 1)
+               if (total - steps_done) + math.ceil(total / STEPS_PER_EPOCH) * evaluation <= left)
+
+
+@pytest.mark.parametrize("flags, passes", [((), 1), (("--model-ema", "--tta", "flip"), 4)],
+                         ids=["plain", "ema-and-flip"])
+def test_time_budget_fits_every_evaluation_pass(monkeypatch, tmp_path, flags, passes):
+    """A fake clock that moves 1 s per micro-batch (budget.py's clock, moved by the CLI's
+    callback seam): the step count the run fixes is the hand-computed one for the raw model's
+    pass, the EMA's, and each one's mirrored view; --max-steps below it wins."""
+    from accel_train import budget
+    from accel_train.trainer import Callbacks
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(budget, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
+    out = tmp_path / "run"
+    accel_train_here(*TINY_TRAIN, "--time-budget", f"{BUDGET_SECONDS}s", *flags,
+                     "--output-dir", str(out), check=True, callbacks=tick)
+    record = next(r for r in metrics(out) if r["type"] == "budget")
+    assert record["step_seconds"] == 1.0
+    expected = _largest_total(passes, record["step"])
+    assert record["total_steps"] == expected
+    assert expected != _largest_total(1 if passes > 1 else 4, record["step"])  # it can tell
+    epochs = [r for r in metrics(out) if r["type"] == "epoch"]
+    assert epochs[-1]["step"] == expected and len(epochs) == math.ceil(expected / STEPS_PER_EPOCH)
+
+    if passes > 1:  # the same with --max-steps below the fitted count: it ends there
+        clock.now = 0.0
+        capped = tmp_path / "capped"
+        accel_train_here(*TINY_TRAIN, "--time-budget", f"{BUDGET_SECONDS}s", *flags,
+                         "--max-steps", "20", "--log-every", "1", "--output-dir", str(capped),
+                         check=True, callbacks=tick)
+        records = metrics(capped)
+        assert next(r for r in records if r["type"] == "budget")["total_steps"] == 20
+        last = [r for r in records if r["type"] == "train"][-1]
+        assert last["step"] == 20 and last["lr"] == pytest.approx(0.0, abs=1e-9)
+
+
+# -- progress display -----------------------------------------------------------------------------
+
+def test_progress_bar_or_log_lines(tmp_path):
+    common = [*TINY_TRAIN, "--max-steps", "2", "--log-every", "1"]
+    bar = accel_train_here(*common, "--progress", "bar", "--output-dir", str(tmp_path / "b"),
+                           check=True)
+    log = accel_train_here(*common, "--progress", "log", "--output-dir", str(tmp_path / "l"),
+                           check=True)
+    line = re.compile(r"^step 1/2 epoch 1 ", re.M)
+    assert line.search(log.stdout) and not line.search(bar.stdout)
+    assert "2/2" in bar.stderr and "2/2" not in log.stderr  # tqdm's counter, on stderr
+
+
+# -- layout options given alike to training, check-data, eval and shard ---------------------------
+
+@pytest.fixture(scope="module")
+def decoy_parquet(tmp_path_factory) -> tuple[Path, dict]:
+    """train/test parquet files whose columns named like an image and a label are decoys (blank
+    images, all label 0); the real images are in `photo`, the real labels in `truth`."""
+    import datasets
+    from PIL import Image as PILImage
+
+    folder = tmp_path_factory.mktemp("decoy")
+    features = datasets.Features({
+        "image": datasets.Image(), "photo": datasets.Image(),
+        "label": datasets.ClassLabel(names=synthetic.CLASS_NAMES),
+        "truth": datasets.ClassLabel(names=synthetic.CLASS_NAMES)})
+    truth = {}
+    for split, (images, labels) in synthetic.splits(64).items():
+        images, labels = images[:48], labels[:48]
+        blank = PILImage.new("RGB", (20, 20))
+        data = {"image": [blank] * len(images),
+                "photo": [PILImage.fromarray(a) for a in images],
+                "label": [0] * len(images), "truth": labels.tolist()}
+        datasets.Dataset.from_dict(data, features=features).to_parquet(
+            str(folder / f"{split}.parquet"))
+        truth[split] = (images, labels)
+    return folder, truth
+
+
+def test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard(decoy_parquet, tmp_path):
+    folder, truth = decoy_parquet
+    columns = ["--image-column", "photo", "--label-column", "truth"]
+    out = tmp_path / "run"
+    result = accel_train_here("--data-dir", str(folder), *columns, "--model", "test_resnet",
+                              "--batch-size", "16", "--max-steps", "1", "--progress", "log",
+                              "--no-plots", "--mixed-precision", "no", "--no-channels-last",
+                              "--output-dir", str(out), check=True)
+    spec = json.loads((out / "model_config.json").read_text())
+    assert spec["image_size"] == 32, "trained on the 20 px decoys, not the 32 px photos"
+    counts = np.bincount(truth["train"][1], minlength=10)
+    assert "48 train / 48 held-out images" in result.stdout, result.stdout
+
+    report = json.loads(accel_train_here("check-data", "--data-dir", str(folder), *columns,
+                                         "--json", check=True).stdout)
+    names = synthetic.CLASS_NAMES
+    assert report["class_counts"]["train"] == {names[c]: int(n) for c, n in enumerate(counts) if n}
+    assert not report["unreadable"]
+
+    evaluated = json.loads(accel_train_here("eval", str(out), "--data-dir", str(folder), *columns,
+                                            "--json", check=True).stdout.strip().splitlines()[-1])
+    per_class = {name: v["images"] for name, v in evaluated["per_class"].items() if v["images"]}
+    held_counts = np.bincount(truth["test"][1], minlength=10)
+    assert per_class == {names[c]: int(n) for c, n in enumerate(held_counts) if n}
+
+    shards = tmp_path / "shards"
+    accel_train_here("shard", "--data-dir", str(folder), *columns, "-o", str(shards),
+                     "--no-progress", check=True)
+    from accel_train.streaming import ShardSet, decode_batch, read_split
+    index = json.loads((shards / "index.json").read_text())
+    assert index["class_names"] == names
+    entries = index["splits"]["train"]
+    samples, labels = read_split(ShardSet([shards / e["file"] for e in entries],
+                                          [e["count"] for e in entries]))
+    images, _ = decode_batch(samples)
+    expected = torch.from_numpy(truth["train"][0]).permute(0, 3, 1, 2)
+    assert labels == truth["train"][1].tolist()
+    assert torch.equal(torch.stack(images), expected)
+
+
+# -- data options alike in training and check-data ------------------------------------------------
+
+SMALL_RUN = ["--model", "test_resnet", "--batch-size", "2", "--max-steps", "1", "--progress",
+             "log", "--no-plots", "--mixed-precision", "no", "--no-channels-last"]
+
+
+def _png(path: Path, seed: int) -> None:
+    from PIL import Image
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pixels = np.random.default_rng(seed).integers(0, 256, (8, 8, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+
+
+def test_class_depth_alike_in_training_and_check_data(tmp_path):
+    """Nested folders, --class-depth 1: the top folder names the class (3 animals, 2 plants, as
+    written here) in training and in check-data alike; without it the leaf folders would."""
+    tree = ["animals/cat/siamese/1.png", "animals/cat/2.png", "animals/dog/3.png",
+            "plants/tree/oak/4.png", "plants/5.png"]
+    for i, name in enumerate(tree):
+        _png(tmp_path / "tree" / name, seed=i)
+    data = ["--data-dir", str(tmp_path / "tree"), "--class-depth", "1"]
+    trained = accel_train_here(*data, *SMALL_RUN, "--val-fraction", "0.4",
+                               "--output-dir", str(tmp_path / "run"), check=True)
+    assert "3 train / 2 held-out images, 2 classes" in trained.stdout, trained.stdout
+    spec = json.loads((tmp_path / "run" / "model_config.json").read_text())
+    assert spec["class_names"] == ["animals", "plants"]
+    report = json.loads(accel_train_here("check-data", *data, "--json").stdout)
+    assert report["classes"] == ["animals", "plants"]
+    totals = {name: sum(counts[name] for counts in report["class_counts"].values())
+              for name in report["classes"]}
+    assert totals == {"animals": 3, "plants": 2}
+
+
+def test_val_labels_alike_in_training_and_check_data(tmp_path):
+    """ImageNet's layout (train/CLASS/*, val/* unlabelled) with a label file written here: the
+    held-out classes counted by check-data and used by training are the file's."""
+    classes = ["n01", "n02"]
+    for c, name in enumerate(classes):
+        for i in range(3):
+            _png(tmp_path / "inet" / "train" / name / f"{name}_{i}.JPEG", seed=10 * c + i)
+    labels = {f"val_{i}.JPEG": classes[i % 3 == 0] for i in range(5)}  # n02 for 0 and 3
+    for i, name in enumerate(labels):
+        _png(tmp_path / "inet" / "val" / name, seed=100 + i)
+    label_file = tmp_path / "labels.csv"
+    label_file.write_text("".join(f"{f},{c}\n" for f, c in labels.items()))
+    data = ["--data-dir", str(tmp_path / "inet"), "--val-labels", str(label_file)]
+    report = json.loads(accel_train_here("check-data", *data, "--json").stdout)
+    held_out = [s for s in report["class_counts"] if s != "train"]
+    assert len(held_out) == 1 and report["class_counts"][held_out[0]] == {"n01": 3, "n02": 2}
+    trained = accel_train_here(*data, *SMALL_RUN, "--output-dir", str(tmp_path / "run"),
+                               check=True)
+    assert "6 train / 5 held-out images, 2 classes" in trained.stdout, trained.stdout
+    evaluated = json.loads(accel_train_here("eval", str(tmp_path / "run"), "--json",
+                                            check=True).stdout.strip().splitlines()[-1])
+    assert {k: v["images"] for k, v in evaluated["per_class"].items()} == {"n01": 3, "n02": 2}
+
+
+def test_dataset_names_a_local_parquet_folder(cifar10_layout, tmp_path):
+    """--dataset with a local folder (what datasets.load_dataset reads offline): the classes and
+    counts of its parquet files, as pyarrow reads them, in training and check-data."""
+    import pyarrow.parquet as pq
+    label_counts = np.bincount(pq.read_table(cifar10_layout / "test.parquet")
+                               .column("label").to_numpy(), minlength=10)
+    report = json.loads(accel_train_here("check-data", "--dataset", str(cifar10_layout),
+                                         "--json", check=True).stdout)
+    assert sorted(report["splits"].values()) == [160, 640]
+    from conftest import CIFAR10_CLASSES
+    assert report["classes"] == CIFAR10_CLASSES
+    held_out = [s for s in report["splits"] if report["splits"][s] == 160][0]
+    assert list(report["class_counts"][held_out].values()) == label_counts.tolist()
+    out = tmp_path / "run"
+    trained = accel_train_here("--dataset", str(cifar10_layout), *SMALL_RUN,
+                               "--max-train-samples", "64", "--output-dir", str(out), check=True)
+    assert "64 train / 160 held-out images, 10 classes" in trained.stdout, trained.stdout
+    assert json.loads((out / "model_config.json").read_text())["class_names"] == CIFAR10_CLASSES
+
+
+# -- streaming -------------------------------------------------------------------------------------
+
+STREAM_RUN = ["--model", "test_resnet", "--batch-size", "8", "--epochs", "1", "--progress", "log",
+              "--no-plots", "--mixed-precision", "no", "--no-channels-last", "--num-workers", "0"]
+
+
+def test_streaming_flag_and_eval_shards(cifar10_layout, synthetic_shards, tmp_path):
+    """--streaming on a parquet folder streams it (the loader's position is a stream.json in the
+    checkpoint; without the flag the same folder is indexed whole); --eval-shards holds two
+    24-sample shards out: 48 evaluated images, 200 - 48 trained."""
+    streamed, indexed = tmp_path / "streamed", tmp_path / "indexed"
+    common = ["--data-dir", str(cifar10_layout), *STREAM_RUN, "--max-steps", "2",
+              "--checkpoint-every", "2", "--max-eval-samples", "16"]
+    accel_train_here(*common, "--streaming", "--output-dir", str(streamed), check=True)
+    accel_train_here(*common, "--output-dir", str(indexed), check=True)
+    assert (streamed / "checkpoints" / "step_00000002" / "stream.json").is_file()
+    assert not (indexed / "checkpoints" / "step_00000002" / "stream.json").exists()
+
+    out = tmp_path / "eval-shards"
+    result = accel_train_here("--data-dir", str(synthetic_shards), *STREAM_RUN,
+                              "--eval-shards", "train/00000[01].tar", "--output-dir", str(out),
+                              check=True)
+    assert "152 images" in result.stdout, result.stdout
+    epochs = [r for r in metrics(out) if r["type"] == "epoch"]
+    assert [r["eval_count"] for r in epochs] == [48]
+
+
+# -- the seed manual's launcher flags --------------------------------------------------------------
+
+def test_local_rank_is_checked_against_the_launcher(monkeypatch, tmp_path):
+    """Under a launcher (its variables set), --local_rank other than LOCAL_RANK stops in one line
+    that names both, before anything is written."""
+    for key, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "run"
+    result = accel_train_here(*TINY_TRAIN, "--local_rank", "1", "--output-dir", str(out))
+    assert result.returncode == 2
+    assert "--local_rank 1 contradicts the launcher's LOCAL_RANK=0" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+# -- shard's progress line ---------------------------------------------------------------------
+
+def test_shard_progress_line_or_none(tmp_path):
+    for i in range(4):
+        _png(tmp_path / "pngs" / ("a" if i % 2 else "b") / f"{i}.png", seed=i)
+    shown = accel_train_here("shard", "--data-dir", str(tmp_path / "pngs"), "-o",
+                             str(tmp_path / "s1"), check=True)
+    quiet = accel_train_here("shard", "--data-dir", str(tmp_path / "pngs"), "-o",
+                             str(tmp_path / "s2"), "--no-progress", check=True)
+    assert re.search(r"\b4/4\b", shown.stderr) and quiet.stderr == ""

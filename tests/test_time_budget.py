@@ -24,7 +24,7 @@ from accel_train import budget
 from accel_train.budget import TimeBudget, parse_duration
 from accel_train.checkpoint import verify
 from accel_train.errors import UsageError
-from conftest import TINY_TRAIN, free_port
+from conftest import accel_train_here, TINY_TRAIN, free_port
 from faults import Run, checkpoint_steps, metrics, wait_until
 
 FLAG = "--time-budget x"
@@ -34,7 +34,8 @@ FLAG = "--time-budget x"
 
 @pytest.mark.parametrize("text, seconds", [
     ("600", 600), ("90s", 90), ("10m", 600), ("1h", 3600), ("1h30m", 5400), ("2m30s", 150),
-    ("1h0m5s", 3605), ("1.5h", 5400), ("0.5m", 30), (" 10M ", 600), ("45", 45)])
+    ("1h0m5s", 3605), ("1.5h", 5400), ("0.5m", 30), (" 10M ", 600), ("45", 45), ("1s", 1),
+    ("0.5", 0.5)])
 def test_durations(text, seconds):
     assert parse_duration(text) == seconds
 
@@ -171,6 +172,35 @@ def test_a_long_budget_times_a_second_window_after_the_machine_settles(clock):
     assert answers == [(13, pytest.approx(1.0), False), (73, pytest.approx(0.5), True)], answers
     assert (timer.pilot_seconds, timer.step_seconds) == (pytest.approx(1.0), pytest.approx(0.5))
     assert timer.measure(74) is None  # fixed once
+
+
+def test_the_pilot_starts_right_after_the_warm_steps(clock):
+    """Warm steps 1-3 are left out, step 4 is the pilot's first: 1.5 s then nine of 0.5 s read
+    (1.5 + 9 x 0.5) / 10 = 0.6 s."""
+    clock.now = 0.0
+    timer = TimeBudget(20)
+    timer.start(0)
+    answers = _readings(clock, timer, 0, [5.0] * 3 + [1.5] + [0.5] * 20)
+    assert answers == [(13, pytest.approx(0.6), True)], answers
+
+
+def test_the_second_window_is_sized_in_steps_at_the_pilots_pace(clock):
+    """1000 s with a 2 s pilot: wait 2% of the budget = 10 steps and time 8% = 40 steps at 2 s
+    a step, i.e. steps 24-63 (at 1 s each by then)."""
+    clock.now = 0.0
+    timer = TimeBudget(1000)
+    timer.start(0)
+    answers = _readings(clock, timer, 0, [5.0] * 3 + [2.0] * 10 + [1.0] * 100)
+    assert answers == [(13, pytest.approx(2.0), False), (63, pytest.approx(1.0), True)], answers
+
+
+def test_a_second_window_no_longer_than_the_pilot_is_not_timed(clock):
+    """125 s at 1 s a step: 8% is exactly the pilot's 10 steps, so the pilot's reading is final."""
+    clock.now = 0.0
+    timer = TimeBudget(125)
+    timer.start(0)
+    answers = _readings(clock, timer, 0, [5.0] * 3 + [1.0] * 30)
+    assert answers == [(13, pytest.approx(1.0), True)], answers
 
 
 def test_an_epoch_end_inside_the_window_is_left_out(clock):
@@ -321,23 +351,25 @@ def test_config_yaml_records_the_step_count_the_budget_fixed(stopped_and_resumed
     assert resolved["total_steps"] == run.record["total_steps"], resolved["total_steps"]
 
 
-def test_the_budget_replaces_epochs_even_when_they_are_fewer_than_the_measured_steps(tmp_path):
+def test_the_budget_replaces_epochs_even_when_they_are_fewer_than_the_measured_steps(tmp_path,
+                                                                                     clock):
     """128 images at batch 16 with --epochs 1 is 8 steps, fewer than the 13 the budget needs to
     measure: the run must still measure and fit the budget (it replaces --epochs), not end after
-    8 steps as if no budget had been given."""
+    8 steps as if no budget had been given.  (The budget's clock is the fake one, moved 1 s a
+    step by the CLI's callback seam: the run is in this process and takes no real 20 s.)"""
+    from accel_train.trainer import Callbacks
     out = tmp_path / "run"
     command = [*[a for a in TINY_TRAIN if a not in ("--synthetic-train-size", "256")],
-               "--synthetic-train-size", "128", "--time-budget", "15s", "--log-every", "1",
+               "--synthetic-train-size", "128", "--time-budget", "20s", "--log-every", "1",
                "--output-dir", str(out)]
-    run = Run([sys.executable, "-m", "accel_train", *command], tmp_path / "run.log")
-    try:
-        run.check()
-    finally:
-        run.close()
+    tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
+    accel_train_here(*command, check=True, callbacks=tick)
     records = _budget_records(out)
     assert len(records) == 1, "no step count was fixed: the budget was ignored"
     train_steps = [r["step"] for r in metrics(out) if r["type"] == "train"]
-    assert train_steps[-1] == records[0]["total_steps"] > 8
+    # 13 s measured, 7 s left: 3 more steps and two 2 s evaluations (64 images, half a step's
+    # cost per 16) fit; a 17th step would need a third evaluation
+    assert train_steps[-1] == records[0]["total_steps"] == 16
 
 
 @pytest.mark.slow

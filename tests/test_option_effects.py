@@ -102,28 +102,37 @@ def test_checkpoint_folder_keep_checkpoints_and_keep_best(tmp_path):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """4 steps, checkpoints at 2 and 4: the run every resume below must reproduce."""
+    """2 epochs of 4 steps, checkpoints at 2, 4 (the end of epoch 1), 6 and 8: the run every
+    resume below must reproduce."""
     out = tmp_path_factory.mktemp("resume_forms") / "run"
-    accel_train_here(*TINY_TRAIN, "--max-steps", "4", "--checkpoint-every", "2",
+    accel_train_here(*TINY_TRAIN, "--synthetic-train-size", "64", "--epochs", "2",
+                     "--checkpoint-every", "2", "--keep-checkpoints", "4",
                      "--output-dir", str(out), check=True)
-    assert _steps(out / "checkpoints") == [2, 4]
+    assert _steps(out / "checkpoints") == [2, 4, 6, 8]
     return out
 
 
-@pytest.mark.parametrize("form", ["checkpoints-folder", "run-folder", "step-folder"])
-def test_resume_from_each_form_of_path_ends_bit_identical(finished_run, tmp_path, form):
-    """A copy of the run whose step-4 checkpoint is gone: each form of --resume must find step 2
-    and train steps 3-4 into the very weights of the run that was never stopped."""
+@pytest.mark.parametrize("form, step", [("checkpoints-folder", 4), ("run-folder", 6),
+                                        ("step-folder", 2)])
+def test_resume_from_each_form_of_path_ends_bit_identical(finished_run, tmp_path, form, step):
+    """A copy of the run without its checkpoints after `step`: each form of --resume finds that
+    step (the end of epoch 1, a step inside epoch 2, a step inside epoch 1) and trains on into
+    the very weights of the run that was never stopped."""
     copy = tmp_path / "copy"
     shutil.copytree(finished_run, copy)
-    shutil.rmtree(copy / "checkpoints" / "step_00000004")
+    for later in _steps(copy / "checkpoints"):
+        if later > step:
+            shutil.rmtree(copy / "checkpoints" / f"step_{later:08d}")
     (copy / "model.safetensors").unlink()
     target = {"checkpoints-folder": copy / "checkpoints", "run-folder": copy,
-              "step-folder": copy / "checkpoints" / "step_00000002"}[form]
+              "step-folder": copy / "checkpoints" / f"step_{step:08d}"}[form]
     out = tmp_path / "resumed"
-    result = accel_train_here(*TINY_TRAIN, "--max-steps", "4", "--checkpoint-every", "2",
-                              "--resume", str(target), "--output-dir", str(out), check=True)
-    assert "step_00000002" in result.stdout + result.stderr
+    result = accel_train_here(*TINY_TRAIN, "--synthetic-train-size", "64", "--epochs", "2",
+                              "--checkpoint-every", "2", "--resume", str(target),
+                              "--output-dir", str(out), check=True)
+    assert f"step_{step:08d}" in result.stdout + result.stderr
+    assert [r["epoch"] for r in metrics(out) if r["type"] == "epoch"] == \
+        ([2] if step >= 4 else [1, 2])
     a = load_file(str(finished_run / "model.safetensors"))
     b = load_file(str(out / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -390,3 +399,41 @@ def test_shard_progress_line_or_none(tmp_path):
     quiet = accel_train_here("shard", "--data-dir", str(tmp_path / "pngs"), "-o",
                              str(tmp_path / "s2"), "--no-progress", check=True)
     assert re.search(r"\b4/4\b", shown.stderr) and quiet.stderr == ""
+
+
+# -- boundaries: first and last items, one-element cases ------------------------------------------
+
+def test_the_first_and_last_training_images_broken_are_substituted_and_named(tmp_path):
+    """Per-step decoding: the first image of the split and the last (whose substitute is not
+    after it) are each replaced by another that decodes and named once; 1 epoch finishes."""
+    for split, count in (("train", 8), ("val", 2)):
+        for c in ("a", "b"):
+            for i in range(count):
+                _png(tmp_path / "data" / split / c / f"{i}.png", seed=i)
+    broken = ["train/a/0.png", "train/b/7.png"]
+    for name in broken:
+        (tmp_path / "data" / name).write_bytes(b"not an image")
+    out = tmp_path / "run"
+    result = accel_train_here("--data-dir", str(tmp_path / "data"), "--in-memory", "never",
+                              "--num-workers", "0", "--model", "test_resnet", "--batch-size",
+                              "4", "--epochs", "1", "--progress", "log", "--no-plots",
+                              "--mixed-precision", "no", "--no-channels-last",
+                              "--output-dir", str(out), check=True)
+    listed = [line.split("\t")[0] for line in (out / "bad_images.txt").read_text().splitlines()]
+    assert sorted(listed) == broken
+    for name in broken:
+        assert (result.stdout + result.stderr).count(f"image {name} cannot be decoded") == 1
+    assert [r["step"] for r in metrics(out) if r["type"] == "epoch"] == [4]
+
+
+def test_one_held_out_image_and_a_one_image_remainder(tmp_path):
+    """17 training images at batch 16: one step an epoch (a batch of one would break BatchNorm's
+    training statistics, so the remainder waits for the next epoch's order); 1 held-out image
+    evaluated, once an epoch."""
+    out = tmp_path / "run"
+    accel_train_here(*TINY_TRAIN, "--synthetic-train-size", "17", "--max-eval-samples", "1",
+                     "--epochs", "2", "--log-every", "1", "--output-dir", str(out), check=True)
+    records = metrics(out)
+    assert [r["step"] for r in records if r["type"] == "train"] == [1, 2]
+    assert [(r["epoch"], r["eval_count"]) for r in records if r["type"] == "epoch"] == \
+        [(1, 1), (2, 1)]

@@ -138,17 +138,32 @@ def check_manual_flags(config: TrainConfig, env: LauncherEnv, cuda_count: int) -
             raise UsageError(f"--gpu_ids {config.gpu_ids} lists {len(ids)} GPU(s) for "
                              f"{env.local_world_size} processes on this machine; list one per "
                              f"process")
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        wanted = ",".join(str(i) for i in ids)
-        if visible not in (None, wanted):
-            raise UsageError(f"--gpu_ids {config.gpu_ids} contradicts CUDA_VISIBLE_DEVICES="
-                             f"{visible}; set only one of them")
 
 
-def _env_from_manual_flags(config: TrainConfig) -> LauncherEnv:
-    """The classic start without a launcher: --world_size N --rank R --dist_url tcp://H:P."""
+def _show_only_the_gpus_asked_for(gpu_ids: str) -> None:
+    """--gpu_ids as CUDA_VISIBLE_DEVICES (local rank i then uses the i-th).  Set before anything
+    asks torch about CUDA: the driver reads the variable once, when CUDA initialises (which
+    torch.cuda.is_available() may do), and ignores later changes.  A different value already in
+    the environment is a contradiction, not something to override or be overridden by."""
+    wanted = ",".join(str(i) for i in parse_gpu_ids(gpu_ids))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible not in (None, wanted):
+        raise UsageError(f"--gpu_ids {gpu_ids} contradicts CUDA_VISIBLE_DEVICES={visible}; set "
+                         f"only one of them")
+    os.environ["CUDA_VISIBLE_DEVICES"] = wanted
+
+
+def _env_from_manual_flags(config: TrainConfig, cuda_count: int) -> LauncherEnv:
+    """The classic start without a launcher: --world_size N --rank R --dist_url tcp://H:P.
+
+    Without --local_rank, a machine's processes are taken to be numbered consecutively, one per
+    visible GPU (the manual's way: ranks 4k..4k+3 on a machine with 4), so rank R uses GPU
+    R mod the GPUs it sees; taking 0 for all would put every process on GPU 0, which NCCL
+    refuses."""
     host, port = _parse_dist_url(config.dist_url)
-    local_rank = config.local_rank if config.local_rank is not None else 0
+    local_rank = config.local_rank
+    if local_rank is None:
+        local_rank = config.rank % cuda_count if cuda_count else 0
     for key, value in (("WORLD_SIZE", config.world_size), ("RANK", config.rank),
                        ("LOCAL_RANK", local_rank), ("MASTER_ADDR", host), ("MASTER_PORT", port)):
         os.environ[key] = str(value)  # so Accelerate and any library see the same world
@@ -181,13 +196,12 @@ def setup(config: TrainConfig) -> LauncherEnv:
     Must run before anything touches CUDA (it may set CUDA_VISIBLE_DEVICES from --gpu_ids).
     """
     env = LauncherEnv.from_environ()
+    if config.gpu_ids is not None:
+        _show_only_the_gpus_asked_for(config.gpu_ids)
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     check_manual_flags(config, env, cuda_count)
-    if config.gpu_ids is not None:
-        os.environ.setdefault("CUDA_VISIBLE_DEVICES",
-                              ",".join(str(i) for i in parse_gpu_ids(config.gpu_ids)))
     if not env.launched and (config.world_size or 1) > 1:
-        env = _env_from_manual_flags(config)
+        env = _env_from_manual_flags(config, cuda_count)
     if env.world_size > 1 and not dist.is_initialized():
         use_cuda = cuda_count > 0
         if use_cuda:

@@ -284,9 +284,10 @@ ROWS: dict[str, Row] = {
     "train --local-rank": effect(
         f"{EFFECTS}::test_local_rank_is_checked_against_the_launcher",
         "a value other than the launcher's LOCAL_RANK stops in one line naming both"),
-    "train --gpu-ids": not_cheaply(
-        "choosing GPUs needs CUDA devices; on a CPU the flag is refused in one line "
-        "(test_training.py) and the order of CUDA initialisation is issue 28's"),
+    "train --gpu-ids": effect(
+        f"{EFFECTS}::test_gpu_ids_are_visible_before_torch_is_first_asked_about_cuda",
+        "CUDA_VISIBLE_DEVICES is 2,3 at torch's first CUDA query (recorded); a different "
+        "value already set is refused before it (training on them needs GPUs)"),
     "train --dist-url": effect(
         "test_process_control.py::test_manual_start_without_a_launcher_trains_like_torchrun",
         "the tcp:// address given is where the hand-started group meets"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -437,3 +438,52 @@ def test_one_held_out_image_and_a_one_image_remainder(tmp_path):
     assert [r["step"] for r in records if r["type"] == "train"] == [1, 2]
     assert [(r["epoch"], r["eval_count"]) for r in records if r["type"] == "epoch"] == \
         [(1, 1), (2, 1)]
+
+
+# -- GPUs chosen before CUDA starts ---------------------------------------------------------------
+
+def test_gpu_ids_are_visible_before_torch_is_first_asked_about_cuda(monkeypatch):
+    """--gpu_ids 2,3 must be CUDA_VISIBLE_DEVICES when torch is first asked about CUDA (the
+    driver reads it once, then); a different value already set is refused before that.  torch's
+    CUDA queries are replaced by recorders (a machine with 4 GPUs, as the process would see)."""
+    from accel_train import distributed
+    from accel_train.config import TrainConfig
+    from accel_train.errors import UsageError
+
+    seen = []
+
+    def asked(answer):
+        def query():
+            seen.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
+            return answer
+        return query
+
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", asked(True))
+    monkeypatch.setattr(torch.cuda, "device_count", asked(2))
+    distributed.setup(TrainConfig(gpu_ids="2,3"))
+    assert seen and all(value == "2,3" for value in seen), seen
+
+    seen.clear()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(UsageError, match="--gpu_ids 2,3 contradicts CUDA_VISIBLE_DEVICES=0,1"):
+        distributed.setup(TrainConfig(gpu_ids="2,3"))
+    assert seen == []
+
+
+def test_a_manual_start_without_local_rank_spreads_a_machines_processes_over_its_gpus(
+        monkeypatch):
+    """--world_size 4 --rank R --dist_url ... on machines with 2 GPUs each: ranks 2 and 3 (the
+    second machine) use GPUs 0 and 1, not both GPU 0; on a CPU the local rank is 0."""
+    from accel_train import distributed
+    from accel_train.config import TrainConfig
+
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")  # (restored afterwards: the helper sets them)
+    manual = dict(world_size=4, dist_url="tcp://127.0.0.1:23456")
+    assert [distributed._env_from_manual_flags(TrainConfig(rank=r, **manual), 2).local_rank
+            for r in range(4)] == [0, 1, 0, 1]
+    assert distributed._env_from_manual_flags(TrainConfig(rank=3, **manual), 0).local_rank == 0
+    assert distributed._env_from_manual_flags(
+        TrainConfig(rank=3, local_rank=0, **manual), 2).local_rank == 0  # given: kept

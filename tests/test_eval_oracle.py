@@ -238,3 +238,23 @@ def _counting(forward, batches: list):
             batches.append(int(input.shape[0]))
         return forward(self, input)
     return counted
+
+
+def test_the_eval_table_is_the_oracles_numbers(run_dir):
+    """`eval RUN` without --json: the summary line and one row per class, written out here from
+    the plain-torch oracle (a class without images shows '-', not a division by zero)."""
+    images, labels = synthetic.splits(TRAIN_SIZE)["test"]
+    images, labels = images[:10], labels[:10]
+    oracle = _oracle(run_dir, images, labels)
+    text = accel_train_here("eval", str(run_dir), "--max-samples", "10", check=True).stdout
+    names = json.loads((run_dir / "model_config.json").read_text())["class_names"]
+    width = max(len("class"), *(len(n) for n in names))
+    top1, top5 = oracle["top1_correct"] / 10, oracle["top5_correct"] / 10
+    expected = [f"loss {oracle['loss']:.4f}  top-1 {top1:.2%}  top-5 {top5:.2%}  (10 images)", "",
+                f"{'class':<{width}}  {'correct':>7}  {'images':>6}  {'top-1':>7}"]
+    for name in names:
+        correct, count = oracle["per_class"][name]["correct"], oracle["per_class"][name]["images"]
+        accuracy = f"{100 * correct / count:.1f}%" if count else "-"
+        expected.append(f"{name:<{width}}  {correct:>7}  {count:>6}  {accuracy:>7}")
+    assert any(oracle["per_class"][n]["images"] == 0 for n in names)  # the '-' row is seen
+    assert "\n".join(expected) in text, text

@@ -190,6 +190,38 @@ def test_time_budget_fits_every_evaluation_pass(monkeypatch, tmp_path, flags, pa
         assert last["step"] == 20 and last["lr"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_a_budget_run_resumed_keeps_its_step_count_and_ends_bit_identical(monkeypatch, tmp_path):
+    """On the fake clock a budget run is deterministic, so its resume must be exact: stopped
+    after the count is fixed (34 steps, by hand: 13 measured, then 21 steps and three 2 s
+    evaluations fill the 27 s left), resumed from step 20, it keeps 34 without measuring again
+    and ends in the uninterrupted run's weights."""
+    from accel_train import budget
+    from accel_train.trainer import Callbacks
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(budget, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
+    common = [*TINY_TRAIN, "--time-budget", "40s", "--checkpoint-every", "10",
+              "--keep-checkpoints", "10"]
+    full = tmp_path / "full"
+    accel_train_here(*common, "--output-dir", str(full), check=True, callbacks=tick)
+    assert next(r for r in metrics(full) if r["type"] == "budget")["total_steps"] == 34
+    copy = tmp_path / "copy"
+    shutil.copytree(full, copy)
+    for later in _steps(copy / "checkpoints"):
+        if later > 20:
+            shutil.rmtree(copy / "checkpoints" / f"step_{later:08d}")
+    clock.now = 1e6  # a resumed run must not measure again (this clock would fit nothing)
+    resumed = tmp_path / "resumed"
+    accel_train_here(*common, "--resume", str(copy), "--output-dir", str(resumed), check=True,
+                     callbacks=tick)
+    assert not [r for r in metrics(resumed) if r["type"] == "budget"]
+    assert [r["step"] for r in metrics(resumed) if r["type"] == "epoch"][-1] == 34
+    a = load_file(str(full / "model.safetensors"))
+    b = load_file(str(resumed / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 # -- progress display -----------------------------------------------------------------------------
 
 def test_progress_bar_or_log_lines(tmp_path):
@@ -404,14 +436,19 @@ def test_shard_progress_line_or_none(tmp_path):
 
 # -- boundaries: first and last items, one-element cases ------------------------------------------
 
-def test_the_first_and_last_training_images_broken_are_substituted_and_named(tmp_path):
+def test_the_first_and_last_training_images_broken_are_substituted_and_named(tmp_path,
+                                                                             monkeypatch):
     """Per-step decoding: the first image of the split and the last (whose substitute is not
-    after it) are each replaced by another that decodes and named once; 1 epoch finishes."""
+    after it) are each replaced by another that decodes, as are one more and a held-out image;
+    each is named once with its reason in bad_images.txt and the checkpoint; warnings stop
+    after the limit (2 here, through the module's constant) and the rest go to the log."""
+    from accel_train import badimages
+    monkeypatch.setattr(badimages, "MAX_SAID", 2)
     for split, count in (("train", 8), ("val", 2)):
         for c in ("a", "b"):
             for i in range(count):
                 _png(tmp_path / "data" / split / c / f"{i}.png", seed=i)
-    broken = ["train/a/0.png", "train/b/7.png"]
+    broken = ["train/a/0.png", "train/a/3.png", "train/b/7.png", "val/b/1.png"]
     for name in broken:
         (tmp_path / "data" / name).write_bytes(b"not an image")
     out = tmp_path / "run"
@@ -420,10 +457,18 @@ def test_the_first_and_last_training_images_broken_are_substituted_and_named(tmp
                               "4", "--epochs", "1", "--progress", "log", "--no-plots",
                               "--mixed-precision", "no", "--no-channels-last",
                               "--output-dir", str(out), check=True)
-    listed = [line.split("\t")[0] for line in (out / "bad_images.txt").read_text().splitlines()]
-    assert sorted(listed) == broken
-    for name in broken:
-        assert (result.stdout + result.stderr).count(f"image {name} cannot be decoded") == 1
+    listed = dict(line.split("\t") for line in (out / "bad_images.txt").read_text().splitlines())
+    assert sorted(listed) == broken and all(listed.values())
+    [saved] = (out / "checkpoints").glob("step_*/bad_images.json")
+    assert json.loads(saved.read_text()) == listed
+    console = result.stdout + result.stderr
+    log = (out / "logs" / "rank0.log").read_text()
+    said = [name for name in broken if f"image {name} cannot be decoded" in console]
+    assert len(said) == 2 and console.count("cannot be decoded") == 2, console
+    assert console.count(f"more broken images are listed in {out / 'bad_images.txt'} only") == 1
+    for name in broken:  # each in the log once, with its reason; held-out ones say so
+        assert log.count(f"image {name} cannot be decoded ({listed[name]})") == 1, name
+        assert (f"held-out image {name}" in log) == name.startswith("val/"), name
     assert [r["step"] for r in metrics(out) if r["type"] == "epoch"] == [4]
 
 

@@ -441,7 +441,8 @@ def test_the_first_and_last_training_images_broken_are_substituted_and_named(tmp
     """Per-step decoding: the first image of the split and the last (whose substitute is not
     after it) are each replaced by another that decodes, as are one more and a held-out image;
     each is named once with its reason in bad_images.txt and the checkpoint; warnings stop
-    after the limit (2 here, through the module's constant) and the rest go to the log."""
+    after the limit (2 here, through the module's constant) and the rest go to the log; a
+    resume restores the list and ends bit-identical."""
     from accel_train import badimages
     monkeypatch.setattr(badimages, "MAX_SAID", 2)
     for split, count in (("train", 8), ("val", 2)):
@@ -452,15 +453,15 @@ def test_the_first_and_last_training_images_broken_are_substituted_and_named(tmp
     for name in broken:
         (tmp_path / "data" / name).write_bytes(b"not an image")
     out = tmp_path / "run"
-    result = accel_train_here("--data-dir", str(tmp_path / "data"), "--in-memory", "never",
-                              "--num-workers", "0", "--model", "test_resnet", "--batch-size",
-                              "4", "--epochs", "1", "--progress", "log", "--no-plots",
-                              "--mixed-precision", "no", "--no-channels-last",
-                              "--output-dir", str(out), check=True)
+    command = ["--data-dir", str(tmp_path / "data"), "--in-memory", "never", "--num-workers",
+               "0", "--model", "test_resnet", "--batch-size", "4", "--epochs", "2",
+               "--progress", "log", "--no-plots", "--mixed-precision", "no",
+               "--no-channels-last"]
+    result = accel_train_here(*command, "--output-dir", str(out), check=True)
     listed = dict(line.split("\t") for line in (out / "bad_images.txt").read_text().splitlines())
     assert sorted(listed) == broken and all(listed.values())
-    [saved] = (out / "checkpoints").glob("step_*/bad_images.json")
-    assert json.loads(saved.read_text()) == listed
+    saved = out / "checkpoints" / "step_00000004" / "bad_images.json"
+    assert json.loads(saved.read_text()) == listed  # all met in epoch 1
     console = result.stdout + result.stderr
     log = (out / "logs" / "rank0.log").read_text()
     said = [name for name in broken if f"image {name} cannot be decoded" in console]
@@ -469,7 +470,20 @@ def test_the_first_and_last_training_images_broken_are_substituted_and_named(tmp
     for name in broken:  # each in the log once, with its reason; held-out ones say so
         assert log.count(f"image {name} cannot be decoded ({listed[name]})") == 1, name
         assert (f"held-out image {name}" in log) == name.startswith("val/"), name
-    assert [r["step"] for r in metrics(out) if r["type"] == "epoch"] == [4]
+    assert [r["step"] for r in metrics(out) if r["type"] == "epoch"] == [4, 8]
+
+    # resumed from the end of epoch 1, the list is the checkpoint's again (a line that a
+    # future being redone had added goes), and the run ends in the same weights
+    shutil.rmtree(out / "checkpoints" / "step_00000008")
+    (out / "model.safetensors").rename(tmp_path / "model.safetensors")
+    with (out / "bad_images.txt").open("a") as handle:
+        handle.write("train/b/5.png\tnamed by a future that is redone\n")
+    accel_train_here(*command, "--resume", "auto", "--output-dir", str(out), check=True)
+    relisted = dict(line.split("\t")
+                    for line in (out / "bad_images.txt").read_text().splitlines())
+    assert relisted == listed
+    a, b = load_file(str(tmp_path / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_one_held_out_image_and_a_one_image_remainder(tmp_path):

@@ -125,18 +125,38 @@ def test_resume_from_each_form_of_path_ends_bit_identical(finished_run, tmp_path
         if later > step:
             shutil.rmtree(copy / "checkpoints" / f"step_{later:08d}")
     (copy / "model.safetensors").unlink()
+    if form == "checkpoints-folder":  # a newer one cut short: passed over, and named
+        broken = copy / "checkpoints" / "step_00000006"
+        shutil.copytree(finished_run / "checkpoints" / "step_00000006", broken)
+        (broken / "model.safetensors").write_bytes(b"cut short")
     target = {"checkpoints-folder": copy / "checkpoints", "run-folder": copy,
               "step-folder": copy / "checkpoints" / f"step_{step:08d}"}[form]
     out = tmp_path / "resumed"
     result = accel_train_here(*TINY_TRAIN, "--synthetic-train-size", "64", "--epochs", "2",
                               "--checkpoint-every", "2", "--resume", str(target),
                               "--output-dir", str(out), check=True)
-    assert f"step_{step:08d}" in result.stdout + result.stderr
+    said = result.stdout + result.stderr
+    assert f"step_{step:08d}" in said
+    if form == "checkpoints-folder":
+        assert re.search(r"warning: .*step_00000006", said), said
     assert [r["epoch"] for r in metrics(out) if r["type"] == "epoch"] == \
         ([2] if step >= 4 else [1, 2])
     a = load_file(str(finished_run / "model.safetensors"))
     b = load_file(str(out / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_from_a_folder_without_a_valid_checkpoint_is_one_line(finished_run, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_run / "checkpoints", copy)
+    for step in _steps(copy):
+        (copy / f"step_{step:08d}" / "model.safetensors").write_bytes(b"cut short")
+    out = tmp_path / "resumed"
+    result = accel_train_here(*TINY_TRAIN, "--resume", str(copy), "--output-dir", str(out))
+    assert result.returncode == 2 and not out.exists()
+    assert result.stderr.strip() == (f"accel_train: error: --resume {copy}: no valid checkpoint "
+                                     f"in that folder; pass another folder, or --resume auto to "
+                                     f"start over if none is left")
 
 
 # -- the time budget counts every evaluation pass: EMA x TTA x max-steps ---------------------------

@@ -161,6 +161,26 @@ def test_fewer_shards_than_processes_is_an_error():
         fit_workers(shards, 3, 8, 1, 1)
 
 
+@pytest.mark.parametrize("counts, ranks, batch, wanted, expected", [
+    ([40] * 4, 1, 8, 1, 1),   # one asked for: one, though the shards would feed four
+    ([40] * 4, 1, 8, 0, 1),   # --num-workers 0 still gets one slot reader
+    ([40] * 2, 2, 8, 4, 1),   # one shard per process: one worker each, not a shardless second
+    ([12] * 2, 1, 16, 2, 1),  # two workers of 12 samples make no batch of 16; one of 24 does
+])
+def test_loader_workers_are_those_asked_for_that_each_have_a_shard_and_a_batch(
+        counts, ranks, batch, wanted, expected):
+    from accel_train.streaming import fit_workers
+    shards = ShardSet([Path(f"{i}.tar") for i in range(len(counts))], counts)
+    assert fit_workers(shards, ranks, batch, 1, wanted) == expected
+
+
+def test_shards_that_cannot_fill_one_step_are_one_line():
+    from accel_train.errors import UsageError
+    from accel_train.streaming import fit_workers
+    with pytest.raises(UsageError, match="cannot fill one optimizer step"):
+        fit_workers(ShardSet([Path("a.tar"), Path("b.tar")], [4, 4]), 1, 16, 1, 2)
+
+
 @pytest.mark.parametrize("old,new", [((2, 1, 4, 1), (2, 1, 4, 1)), ((2, 1, 4, 1), (1, 2, 4, 2)),
                                      ((1, 2, 4, 2), (2, 2, 4, 1)), ((2, 2, 4, 1), (4, 1, 2, 1))])
 def test_recut_epoch_trains_the_rest_exactly_once(old, new):

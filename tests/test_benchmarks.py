@@ -39,8 +39,9 @@ CASES = {
                  "--max-train", "512", "--recipe-file", "recipes/cifar10-cpu-10min.yaml",
                  "--recipe-file-extra", "--max-steps 2 --batch-size 16"],
     "threads": [*TINY, "--steps", "1", "--conditions", "quiet"],
-    "index": ["--quick", "--sizes", "300"],
-    "streaming": [*TINY, "--rss-batches", "4", "--steps", "4"],
+    # (the first-step arms start the same training command as every other smoke here)
+    "index": ["--quick", "--sizes", "300", "--no-first-step"],
+    "streaming": [*TINY, "--rss-batches", "4", "--steps", "4", "--skip", "first"],
     "precision": ["--quick", "--models", "test_resnet", "--batch", "8", "--rounds", "1",
                   "--matmul-size", "256"],
     "gpu": ["--quick", "--allow-cpu", "--model", "test_resnet", "--sizes", "32", "--precisions",

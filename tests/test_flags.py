@@ -8,9 +8,10 @@ loss, gradient, clipping, weight decay and optimizer update are written out belo
 order of the batch does not matter: the loss is a mean, and BatchNorm's batch statistics are
 order-free.
 
-A probe wrapper (PROBE below) runs `python -m accel_train` unchanged, but watches torch from
-outside the package: the memory format and dtype at every training Conv2d, the DDP wrapper's
-settings, the DataLoaders' worker settings, and torch.compile calls.
+A probe (tests/flag_probe.py) watches torch from outside the package while the CLI runs, in this
+process or in each launched process (PROBE below): the memory format and dtype at every training
+Conv2d, the DDP wrapper's settings, the DataLoaders' worker settings, torch.compile calls and the
+zeros reaching the classifier.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from accel_train.config import TrainConfig
 from accel_train.optim import build_optimizer
 from accel_train.track import read_metrics
 
-from conftest import PINNED, REPO, free_port, run
+from conftest import PINNED, REPO, accel_train_here, free_port, run
 from conftest import test_env as child_env  # (imported as test_env, pytest would collect it)
 
 MODEL, SEED, NUM_CLASSES, TRAIN_SIZE = "test_resnet", 0, 10, 32
@@ -43,73 +44,14 @@ FLAG_TRAIN = ["--dataset", "synthetic", "--synthetic-train-size", str(TRAIN_SIZE
               "--log-every", "1", "--seed", str(SEED), "--progress", "log", "--no-plots",
               *PINNED]  # (a later --mixed-precision or --channels-last overrides it)
 
+# The probe of the runs that start processes (launchers, compile): the CLI unchanged, with
+# tests/flag_probe.py's watchers installed first and their records written at exit.
 PROBE = r'''
 import atexit, json, os, runpy, sys
-import torch
+from tests.flag_probe import install
 
-records = {"conv": [], "compile": [], "ddp": []}
+records = install(conv=os.environ.get("FLAG_PROBE_CONV", "1") == "1")
 path = os.environ["FLAG_PROBE_OUT"] + ".rank" + os.environ.get("RANK", "0") + ".json"
-
-if os.environ.get("FLAG_PROBE_CONV", "1") == "1":
-    conv_forward = torch.nn.Conv2d._conv_forward
-
-    def _conv_forward(self, input, weight, bias):
-        out = conv_forward(self, input, weight, bias)
-        if self.training and len(records["conv"]) < 200:
-            records["conv"].append({
-                "batch": int(input.shape[0]), "hw": list(input.shape[-2:]),
-                # (a tensor with size-1 dims can be both contiguous and channels_last)
-                "input_channels_last": input.is_contiguous(memory_format=torch.channels_last),
-                "input_contiguous": input.is_contiguous(),
-                "weight_channels_last": weight.is_contiguous(memory_format=torch.channels_last),
-                "weight_contiguous": weight.is_contiguous(),
-                "out_dtype": str(out.dtype)})
-        return out
-
-    torch.nn.Conv2d._conv_forward = _conv_forward
-
-compile_fn = torch.compile
-
-def _compile(model=None, *args, **kwargs):
-    records["compile"].append({"module": isinstance(model, torch.nn.Module),
-                               "backend": str(kwargs.get("backend"))})
-    return compile_fn(model, *args, **kwargs)
-
-torch.compile = _compile
-
-ddp_init = torch.nn.parallel.DistributedDataParallel.__init__
-
-def _ddp_init(self, *args, **kwargs):
-    ddp_init(self, *args, **kwargs)
-    config = getattr(self, "_bucket_config", None)
-    records["ddp"].append({
-        "kwargs": {k: v for k, v in kwargs.items() if isinstance(v, (int, float, bool, str))},
-        "bucket_bytes_cap": getattr(self, "bucket_bytes_cap",
-                                    getattr(config, "bucket_bytes_cap", None)),
-        "gradient_as_bucket_view": self.gradient_as_bucket_view,
-        "static_graph": self.static_graph})
-
-torch.nn.parallel.DistributedDataParallel.__init__ = _ddp_init
-
-loader_init = torch.utils.data.DataLoader.__init__
-
-def _loader_init(self, *args, **kwargs):
-    loader_init(self, *args, **kwargs)
-    records.setdefault("loaders", []).append({
-        "dataset": type(self.dataset).__name__, "num_workers": self.num_workers,
-        "prefetch_factor": self.prefetch_factor, "persistent_workers": self.persistent_workers})
-
-torch.utils.data.DataLoader.__init__ = _loader_init
-
-linear_forward = torch.nn.Linear.forward
-
-def _linear_forward(self, input):
-    # the classifier's input in training: the share of exact zeros (what dropout leaves)
-    if self.training and input.shape[0] > 1 and len(records.setdefault("linear_zeros", [])) < 50:
-        records["linear_zeros"].append(float((input == 0).float().mean()))
-    return linear_forward(self, input)
-
-torch.nn.Linear.forward = _linear_forward
 
 @atexit.register
 def _write():
@@ -200,8 +142,23 @@ class FlagRun:
         return convs
 
 
+def flag_run_here(root, name: str, *flags: str) -> FlagRun:
+    """The run in this process (cli.main, as `python -m accel_train` runs it), watched by the
+    same probe: no seconds of imports per run."""
+    import flag_probe
+    out, probe_out = root / name, root / f"{name}.probe"
+    records = flag_probe.install()
+    try:
+        accel_train_here(*FLAG_TRAIN, *flags, "--output-dir", str(out), check=True)
+    finally:
+        flag_probe.uninstall()
+    (probe_out.parent / (probe_out.name + ".rank0.json")).write_text(json.dumps(records))
+    return FlagRun(out, probe_out)
+
+
 def flag_run(root, name: str, *flags: str, launcher: list[str] | None = None,
              conv_probe: bool = True, timeout: float = 300) -> FlagRun:
+    """The run in its own process(es), started by `launcher`, the probe installed in each."""
     probe = root / "probe.py"
     if not probe.exists():
         probe.write_text(PROBE)
@@ -224,26 +181,27 @@ BF16_LR = 0.05
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("flags")
+    here = flag_run_here
     return {
         # plain SGD (no momentum) with clipping, weight decay, label smoothing and channels_last
-        "sgd": flag_run(root, "sgd", "--optimizer", "sgd", "--momentum", "0", "--lr", str(SGD_LR),
-                        "--weight-decay", str(SGD_WD), "--grad-clip", str(CLIP),
-                        "--label-smoothing", str(SMOOTHING), "--channels-last"),
+        "sgd": here(root, "sgd", "--optimizer", "sgd", "--momentum", "0", "--lr", str(SGD_LR),
+                    "--weight-decay", str(SGD_WD), "--grad-clip", str(CLIP),
+                    "--label-smoothing", str(SMOOTHING), "--channels-last"),
         # AdamW with decoupled weight decay, no smoothing, no channels_last
-        "adamw": flag_run(root, "adamw", "--optimizer", "adamw", "--lr", str(ADAM_LR),
-                          "--weight-decay", str(ADAM_WD), "--label-smoothing", "0"),
+        "adamw": here(root, "adamw", "--optimizer", "adamw", "--lr", str(ADAM_LR),
+                      "--weight-decay", str(ADAM_WD), "--label-smoothing", "0"),
         # bf16 autocast; defaults otherwise (Nesterov momentum 0.9, wd 5e-4, smoothing 0.1)
-        "bf16": flag_run(root, "bf16", "--mixed-precision", "bf16", "--lr", str(BF16_LR)),
+        "bf16": here(root, "bf16", "--mixed-precision", "bf16", "--lr", str(BF16_LR)),
         # dropout before the classifier; loader knobs (in-memory data defaults to no workers)
-        "dropout": flag_run(root, "dropout", "--drop-rate", "0.5", "--momentum", "0",
-                            "--weight-decay", "0", "--label-smoothing", "0", "--num-workers", "1",
-                            "--prefetch-factor", "3", "--no-persistent-workers"),
+        "dropout": here(root, "dropout", "--drop-rate", "0.5", "--momentum", "0",
+                        "--weight-decay", "0", "--label-smoothing", "0", "--num-workers", "1",
+                        "--prefetch-factor", "3", "--no-persistent-workers"),
         # another seed, and mixing asked for but with probability 0: the plain step from seed 7
-        "seed7": flag_run(root, "seed7", "--seed", "7", "--mixup", "0.8", "--cutmix", "1.0",
-                          "--mixup-prob", "0", "--momentum", "0", "--weight-decay", "0",
-                          "--label-smoothing", "0", "--lr", str(SGD_LR)),
+        "seed7": here(root, "seed7", "--seed", "7", "--mixup", "0.8", "--cutmix", "1.0",
+                      "--mixup-prob", "0", "--momentum", "0", "--weight-decay", "0",
+                      "--label-smoothing", "0", "--lr", str(SGD_LR)),
         # the model sees images resized to 16 px (the synthetic data is 32 px)
-        "small": flag_run(root, "small", "--image-size", "16"),
+        "small": here(root, "small", "--image-size", "16"),
     }
 
 

@@ -44,8 +44,9 @@ CASES = {
     "streaming": [*TINY, "--rss-batches", "4", "--steps", "4", "--skip", "first"],
     "precision": ["--quick", "--models", "test_resnet", "--batch", "8", "--rounds", "1",
                   "--matmul-size", "256"],
+    # both precisions in one process, as the GPU run does (each arm a new Accelerator)
     "gpu": ["--quick", "--allow-cpu", "--model", "test_resnet", "--sizes", "32", "--precisions",
-            "bf16", "--batch", "8", "--steps", "1", "--rounds", "1"],
+            "bf16", "fp16", "--batch", "8", "--steps", "1", "--rounds", "1"],
 }
 # Longest first, so that the two lanes finish together.
 ORDER = ["overhead", "scaling", "accuracy", "seed", "comm", "data", "threads", "checkpoint",

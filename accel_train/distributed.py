@@ -20,6 +20,7 @@ decides and broadcasts (`decide_on_main`), rank 0 first then the rest (`main_fir
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 from dataclasses import dataclass
@@ -284,6 +285,36 @@ def processes_requested_from_accelerate(argv: list[str]) -> int:
         return int(value) if value is not None else 1
     except (TypeError, ValueError):
         return 1
+
+
+NVIDIA_DRIVER_FILE = Path("/proc/driver/nvidia/version")  # written by NVIDIA's kernel module
+
+
+def nvidia_driver_version(path: Optional[Path] = None) -> Optional[str]:
+    """The NVIDIA driver this machine runs ("unknown" if its file says no number), or None
+    where there is none: GPUs are there whether or not torch can use them."""
+    try:
+        text = (path or NVIDIA_DRIVER_FILE).read_text()
+    except OSError:
+        return None
+    match = re.search(r"Kernel Module(?: for \S+)?\s+([\d.]+)", text)
+    return match.group(1) if match else "unknown"
+
+
+def unusable_gpu_warning() -> Optional[str]:
+    """GPUs that this torch cannot use (most often a driver older than the CUDA torch was built
+    for) leave a run on the CPU, in fp32, over gloo; without this line the only sign would be
+    "device cpu" in the summary."""
+    if torch.cuda.is_available():
+        return None
+    driver = nvidia_driver_version()
+    if driver is None:
+        return None
+    built = torch.version.cuda
+    return (f"this machine has NVIDIA GPU(s) (driver {driver}) but this torch "
+            f"({torch.__version__}, {f'built for CUDA {built}' if built else 'a CPU-only build'}"
+            f") cannot use them: training on the CPU. Install a torch built for a CUDA that "
+            f"driver supports (nvidia-smi shows it), or update the driver")
 
 
 def single_process_launch_warning(environ: Mapping[str, str] | None = None,

@@ -132,7 +132,8 @@ class Trainer:
         self.budget = self._maybe_budget()
         self.metrics = MetricsLog(self.paths.metrics, acc.is_main_process)
         self.progress = Progress(acc.is_main_process, config.progress)
-        self._open_records([precision_warning, distributed.single_process_launch_warning()])
+        self._open_records([precision_warning, distributed.single_process_launch_warning(),
+                            distributed.unusable_gpu_warning()])
 
     @classmethod
     def from_config(cls, config: TrainConfig, callbacks: Optional[Callbacks] = None) -> "Trainer":

@@ -16,7 +16,7 @@ from accel_train.model import ModelSpec, build_from_spec, create_model
 from accel_train.track import read_metrics
 from accel_train.trainer import Trainer, run_training
 
-from conftest import PINNED, accel_train
+from conftest import PINNED, TINY_TRAIN, accel_train, accel_train_here
 
 QUICK = dict(dataset="synthetic", synthetic_train_size=256, max_eval_samples=64,
              model="test_resnet", batch_size=32, epochs=1, progress="log", plots=False,
@@ -159,3 +159,27 @@ def test_unreadable_image_when_decoding_per_step(tmp_path, capsys):
     assert code == 2 and "Traceback" not in err
     assert "image train.parquet row 5 cannot be decoded" in err.splitlines()[-1]
     assert err.splitlines()[-1].startswith("accel_train: error: ")
+
+
+def test_gpus_that_torch_cannot_use_are_named_in_one_warning(tmp_path, monkeypatch):
+    """A machine whose NVIDIA driver is older than torch's CUDA build: torch sees no GPU and the
+    run trains on the CPU; one warning names the driver (read from the kernel module's file, here
+    a copy in /proc's format) and the CUDA torch was built for."""
+    from accel_train import distributed
+    proc = tmp_path / "version"
+    proc.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.82.01  Thu Oct 28 "
+                    "20:14:04 UTC 2021\nGCC version:  gcc version 9.3.0\n")
+    assert distributed.nvidia_driver_version(proc) == "470.82.01"
+    assert distributed.nvidia_driver_version(tmp_path / "absent") is None
+    monkeypatch.setattr(distributed, "NVIDIA_DRIVER_FILE", proc)  # the probe's seam
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = accel_train_here(*TINY_TRAIN, "--max-steps", "1", "--output-dir",
+                              str(tmp_path / "run"), check=True)
+    said = [line for line in (result.stdout + result.stderr).splitlines() if "driver" in line]
+    assert len(said) == 1 and "driver 470.82.01" in said[0] and "cannot use them" in said[0]
+    assert (f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only") \
+        in said[0]
+    monkeypatch.setattr(distributed, "NVIDIA_DRIVER_FILE", tmp_path / "no")
+    quiet = accel_train_here(*TINY_TRAIN, "--max-steps", "1", "--output-dir",
+                             str(tmp_path / "run2"), check=True)
+    assert "driver" not in quiet.stdout + quiet.stderr

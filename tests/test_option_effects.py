@@ -161,7 +161,7 @@ def test_resume_from_a_folder_without_a_valid_checkpoint_is_one_line(finished_ru
 
 # -- the time budget counts every evaluation pass: EMA x TTA x max-steps ---------------------------
 
-BUDGET_SECONDS, HELD_OUT, GLOBAL_BATCH, STEPS_PER_EPOCH = 100, 64, 16, 16
+BUDGET_SECONDS, HELD_OUT, GLOBAL_BATCH, STEPS_PER_EPOCH = 60, 64, 16, 16
 
 
 def _largest_total(passes: int, steps_done: int) -> int:

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from accel_train.precision import cpu_has_native_bf16, resolve_precision
-from conftest import PINNED, TINY_TRAIN, accel_train
+from conftest import PINNED, TINY_TRAIN, accel_train_here
 
 
 @pytest.mark.parametrize("requested, cuda, used, warns", [
@@ -35,11 +35,12 @@ def test_the_default_on_a_cpu_is_chosen_said_recorded_and_kept_on_resume(tmp_pat
     """--mixed-precision auto and --channels-last auto (the defaults) through the real command:
     no warning, the choice and its figures in the summary and config.yaml, the checkpoint keeps
     it, and the resumed run takes it from there without timing anything again.  Which choice
-    wins depends on this machine; what must hold does not."""
+    wins depends on this machine; what must hold does not.  (In this process: what the CLI
+    runs, without the imports of a new one.)"""
     auto = TINY_TRAIN[:-len(PINNED)]
     assert TINY_TRAIN[-len(PINNED):] == PINNED
     out = tmp_path / "run"
-    first = accel_train(*auto, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir",
+    first = accel_train_here(*auto, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir",
                         str(out), check=True)
     assert "warning" not in (first.stdout + first.stderr).lower()
     resolved = yaml.safe_load((out / "config.yaml").read_text())["resolved"]
@@ -55,8 +56,8 @@ def test_the_default_on_a_cpu_is_chosen_said_recorded_and_kept_on_resume(tmp_pat
     assert chosen == ({"fp32": "no"}.get(resolved["precision_used"], resolved["precision_used"]),
                       resolved["channels_last"])
 
-    second = accel_train(*auto, "--max-steps", "3", "--output-dir", str(out), "--resume", "auto",
-                         check=True)
+    second = accel_train_here(*auto, "--max-steps", "3", "--output-dir", str(out), "--resume",
+                              "auto", check=True)
     again = yaml.safe_load(sorted(out.glob("config.resume-*.yaml"))[-1].read_text())["resolved"]
     assert again["speed_timings"] == {}, "timed again after the resume"
     assert "kept from the checkpoint" in again["speed_choice"]

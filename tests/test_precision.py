@@ -41,7 +41,7 @@ def test_the_default_on_a_cpu_is_chosen_said_recorded_and_kept_on_resume(tmp_pat
     assert TINY_TRAIN[-len(PINNED):] == PINNED
     out = tmp_path / "run"
     first = accel_train_here(*auto, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir",
-                        str(out), check=True)
+                             str(out), check=True)
     assert "warning" not in (first.stdout + first.stderr).lower()
     resolved = yaml.safe_load((out / "config.yaml").read_text())["resolved"]
     native = cpu_has_native_bf16()

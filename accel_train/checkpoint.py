@@ -260,11 +260,21 @@ class AccelerateState:
         self.accelerator.save_state(str(folder), safe_serialization=True)
 
     def load(self, folder: Path) -> None:
+        from accelerate.utils.constants import SCALER_NAME
+
         self._vet_rng_file(folder)
+        scaler = self.accelerator.scaler
+        if scaler is not None and not (Path(folder) / SCALER_NAME).is_file():
+            # Written without a loss scaler (fp32, bf16, or on a CPU) and resumed in fp16 (what
+            # auto becomes on CUDA): Accelerate would load scaler.pt whenever a scaler exists,
+            # and fail.  The scaler starts afresh instead; it finds its scale in a few steps.
+            self.accelerator.scaler = None
         try:
             self.accelerator.load_state(str(folder))
         except pickle.UnpicklingError as err:
             raise UsageError(_refusal(folder, err)) from None
+        finally:
+            self.accelerator.scaler = scaler
         # Accelerate counts micro-steps to know when to sync; a resume is always at an
         # optimizer step boundary, and the accumulation count may have changed with the layout.
         self.accelerator.step = 0

@@ -63,3 +63,41 @@ def test_every_part_a_checkpoint_holds_comes_back_from_it(tmp_path, fresh_accele
     assert foreign <= ACCELERATE_FILES, foreign
     assert {"ema.safetensors", "loader.json", "schedule.json", "trainer_state.json",
             "model_config.json", "bad_images.json", "model.safetensors"} <= set(before)
+
+
+def test_accelerates_part_resumes_with_and_without_a_loss_scaler(tmp_path, fresh_accelerate):
+    """fp16 (a loss scaler) resumed from a checkpoint written without one (fp32, bf16, a CPU)
+    starts its scaler afresh instead of failing on the missing scaler.pt; one written with a
+    scaler gives it back its scale; one without a scaler ignores a saved scaler.  A CPU shows it:
+    torch's GradScaler("cpu") takes the place of the one fp16 on CUDA would make."""
+    import torch
+    from accelerate import Accelerator
+
+    from accel_train.checkpoint import AccelerateState
+
+    acc = Accelerator(cpu=True)
+    model, optimizer = acc.prepare(torch.nn.Linear(4, 2), torch.optim.SGD(
+        torch.nn.Linear(4, 2).parameters(), lr=0.1))
+    warnings = []
+    part = AccelerateState(acc, warnings.append)
+    plain = tmp_path / "plain"
+    part.save(plain)
+    assert not (plain / "scaler.pt").exists()
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    acc.scaler = scaler
+    part.load(plain)  # no scaler.pt: the scaler is kept as it was
+    assert acc.scaler is scaler and scaler.get_scale() == 2.0 ** 10
+
+    scaler.scale(torch.ones(1))  # (its state starts at the first scaled loss)
+    scaler.update(2.0 ** 7)  # a scale the run found
+    scaled = tmp_path / "scaled"
+    part.save(scaled)
+    assert (scaled / "scaler.pt").is_file()
+    acc.scaler = fresh = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    part.load(scaled)
+    assert acc.scaler is fresh and fresh.get_scale() == 2.0 ** 7
+
+    acc.scaler = None
+    part.load(scaled)  # a run without a scaler passes over the saved one
+    assert acc.scaler is None

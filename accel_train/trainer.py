@@ -398,8 +398,11 @@ class Trainer:
         """Loss, top-1, top-5 and per-class accuracy over the whole held-out split, each sample
         once (see evaluate.py; `accel-train eval` computes the same numbers the same way), of
         the trained model or of `model` (the EMA weights)."""
-        # The bare module: no DDP buffer broadcast, so no collective inside forward.
-        model = self.accelerator.unwrap_model(self.model) if model is None else model
+        # The bare module: no DDP buffer broadcast, so no collective inside forward.  Not
+        # unwrap_model's default (keep_torch_compile=True): for a compiled DDP model that
+        # re-points the compiled wrapper at the bare model, and training after the first
+        # evaluation would bypass DDP (no_sync lost under accumulation).
+        model = self._bare_model() if model is None else model
         if self.accelerator.num_processes > 1:
             # DDP hands rank 0's buffers (BatchNorm running statistics) to the other ranks only
             # at the next training forward; until then each rank holds the statistics of its

@@ -101,3 +101,26 @@ def test_accelerates_part_resumes_with_and_without_a_loss_scaler(tmp_path, fresh
     acc.scaler = None
     part.load(scaled)  # a run without a scaler passes over the saved one
     assert acc.scaler is None
+
+
+def test_evaluating_leaves_a_compiled_ddp_model_wrapped_as_it_was(tmp_path, fresh_accelerate):
+    """--compile on several processes trains through compile(DDP(model)).  Evaluation must use
+    the bare model without re-pointing the compiled wrapper (Accelerate's unwrap_model does that
+    by default), or every later training step would bypass DDP.  Shown in one process: a
+    one-rank gloo group for DDP, and torch.compile's wrapper, which compiles nothing until it
+    is called."""
+    import torch
+    import torch.distributed as dist
+
+    args = build_train_parser().parse_args([*TINY_TRAIN, "--max-steps", "1", "--output-dir",
+                                            str(tmp_path / "run")])
+    trainer = Trainer.from_config(config_from_args(args))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(trainer.net.model)
+        trainer.model = compiled = torch.compile(ddp)
+        trainer.evaluate()
+        assert compiled._orig_mod is ddp and trainer._bare_model() is trainer.net.model
+    finally:
+        dist.destroy_process_group()
+        trainer.close()

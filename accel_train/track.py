@@ -47,10 +47,10 @@ class MetricsLog:
         the run had never stopped (the steps after it are about to be redone)."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [record for record in read_metrics(self.path, warn=_log_only)
+                if record.get("step", 0) <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.write_text("".join(json.dumps(record) + "\n" for record in kept))
         os.replace(tmp, self.path)
 
 
@@ -79,8 +79,38 @@ def check_trackers(names: list[str]) -> None:
                              f"{name}, or drop it (metrics.jsonl is always written)")
 
 
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def read_metrics(path: Path, warn=None) -> list[dict]:
+    """The records of a metrics.jsonl.  A last line cut short (a run killed while writing it) is
+    left out, with a warning; any other line that is not a JSON record is a damaged file, said
+    in one line (UsageError) naming it."""
+    path = Path(path)
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif number == len(lines) and not text.endswith("\n"):
+            (warn or _print_warning)(f"the last line of {path} is cut short (the run was "
+                                     f"stopped while writing it); read without it")
+        else:
+            raise UsageError(f"{path} line {number} is not a metrics record ({line[:60]!r}); "
+                             f"the file is damaged: remove that line or restore the file")
+    return records
+
+
+def _print_warning(text: str) -> None:
+    print(f"warning: {text}", file=sys.stderr)
+
+
+def _log_only(text: str) -> None:
+    logging.getLogger("accel_train").info(text)
 
 
 def rank_logger(log_dir: Path, rank: int) -> logging.Logger:

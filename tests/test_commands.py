@@ -247,3 +247,21 @@ def test_two_process_run_and_eval_agree_with_one_process_eval(tmp_path, capsys):
         assert double[key] == pytest.approx(single[key], rel=1e-5), key
         assert single[key] == pytest.approx(logged[f"eval_{key}"], rel=1e-5), key
     assert double["per_class"] == single["per_class"]
+
+
+def test_a_metrics_file_cut_short_or_damaged(run_dir, tmp_path, capsys):
+    """A run killed while it wrote metrics.jsonl leaves a partial last line: plot draws without
+    it and says so once; a line damaged in the middle is one line naming the file and line."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("checkpoints", "plots"))
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    (copy / "metrics.jsonl").write_text("\n".join(lines) + "\n" + lines[-1][:17])
+    code, out, err = command(capsys, "plot", str(copy))
+    assert code == 0 and len(out.strip().splitlines()) == 3
+    assert err.count("is cut short") == 1 and "Traceback" not in err
+
+    (copy / "metrics.jsonl").write_text("\n".join([lines[0], "{garbage", *lines[1:]]) + "\n")
+    code, out, err = command(capsys, "plot", str(copy))
+    assert code == 2 and err.strip() == (f"accel_train: error: {copy / 'metrics.jsonl'} line 2 is "
+                                         f"not a metrics record ('{{garbage'); the file is "
+                                         f"damaged: remove that line or restore the file")

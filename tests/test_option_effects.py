@@ -498,7 +498,10 @@ def test_the_first_and_last_training_images_broken_are_substituted_and_named(tmp
     (out / "model.safetensors").rename(tmp_path / "model.safetensors")
     with (out / "bad_images.txt").open("a") as handle:
         handle.write("train/b/5.png\tnamed by a future that is redone\n")
+    with (out / "metrics.jsonl").open("a") as handle:  # and killed while logging a step
+        handle.write('{"type": "train", "st')
     accel_train_here(*command, "--resume", "auto", "--output-dir", str(out), check=True)
+    assert all(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
     relisted = dict(line.split("\t")
                     for line in (out / "bad_images.txt").read_text().splitlines())
     assert relisted == listed

@@ -496,3 +496,42 @@ def test_the_optimizer_is_recorded_and_is_the_one_that_ran(cli_runs):
     assert per_param and all({"exp_avg", "exp_avg_sq"} <= set(s) for s in per_param)
     assert all("momentum_buffer" not in s for s in per_param)  # not the default SGD
     assert all(int(g["step"]) == 2 for g in state["param_groups"])  # LAMB's per-group count
+
+
+def test_an_ema_runs_export_eval_and_predict_use_the_weights_it_says(cli_runs, tmp_path):
+    """eval, predict and export of an --model-ema run: the export of the run holds exactly its
+    model.safetensors (the better of raw and EMA) and says which; eval and predict of the run and
+    of the export agree to the digit; a checkpoint's export holds that step's raw weights (its
+    EMA stays in ema.safetensors)."""
+    from conftest import accel_train_here
+    from PIL import Image
+    from accel_train import synthetic
+
+    out = cli_runs["ema"]
+    run_export, step_export = tmp_path / "run_export", tmp_path / "step_export"
+    accel_train_here("export", str(out), "-o", str(run_export), check=True)
+    accel_train_here("export", str(_checkpoint(out, 2)), "-o", str(step_export), check=True)
+    final = load_file(str(out / "model.safetensors"))
+    assert _max_difference(load_file(str(run_export / "model.safetensors")), final) == 0.0
+    spec = json.loads((out / "model_config.json").read_text())
+    assert json.loads((run_export / "model_config.json").read_text())["weights"] == \
+        spec["weights"]
+    raw2 = load_file(str(_checkpoint(out, 2) / "model.safetensors"))
+    assert _max_difference(load_file(str(step_export / "model.safetensors")), raw2) == 0.0
+
+    def eval_json(target):
+        result = accel_train_here("eval", str(target), "--dataset", "synthetic",
+                                  "--max-samples", "64", "--json", check=True)
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    assert eval_json(out)["loss"] == eval_json(run_export)["loss"]
+    images = synthetic.splits(64)["test"][0][:4]
+    files = []
+    for i, array in enumerate(images):
+        files.append(str(tmp_path / f"{i}.png"))
+        Image.fromarray(array).save(files[-1])
+
+    def predictions(target):
+        return accel_train_here("predict", str(target), *files, "--json", check=True).stdout
+
+    assert predictions(out) == predictions(run_export)

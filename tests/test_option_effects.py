@@ -212,8 +212,8 @@ def test_time_budget_fits_every_evaluation_pass(monkeypatch, tmp_path, flags, pa
 
 def test_a_budget_run_resumed_keeps_its_step_count_and_ends_bit_identical(monkeypatch, tmp_path):
     """On the fake clock a budget run is deterministic, so its resume must be exact: stopped
-    after the count is fixed (34 steps, by hand: 13 measured, then 21 steps and three 2 s
-    evaluations fill the 27 s left), resumed from step 20, it keeps 34 without measuring again
+    after the count is fixed (26 steps, by hand: 13 measured, then 13 steps and two 2 s
+    evaluations fill the 17 s left), resumed from step 20, it keeps 26 without measuring again
     and ends in the uninterrupted run's weights."""
     from accel_train import budget
     from accel_train.trainer import Callbacks
@@ -221,11 +221,11 @@ def test_a_budget_run_resumed_keeps_its_step_count_and_ends_bit_identical(monkey
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(budget, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
-    common = [*TINY_TRAIN, "--time-budget", "40s", "--checkpoint-every", "10",
+    common = [*TINY_TRAIN, "--time-budget", "30s", "--checkpoint-every", "10",
               "--keep-checkpoints", "10"]
     full = tmp_path / "full"
     accel_train_here(*common, "--output-dir", str(full), check=True, callbacks=tick)
-    assert next(r for r in metrics(full) if r["type"] == "budget")["total_steps"] == 34
+    assert next(r for r in metrics(full) if r["type"] == "budget")["total_steps"] == 26
     copy = tmp_path / "copy"
     shutil.copytree(full, copy)
     for later in _steps(copy / "checkpoints"):
@@ -236,7 +236,7 @@ def test_a_budget_run_resumed_keeps_its_step_count_and_ends_bit_identical(monkey
     accel_train_here(*common, "--resume", str(copy), "--output-dir", str(resumed), check=True,
                      callbacks=tick)
     assert not [r for r in metrics(resumed) if r["type"] == "budget"]
-    assert [r["step"] for r in metrics(resumed) if r["type"] == "epoch"][-1] == 34
+    assert [r["step"] for r in metrics(resumed) if r["type"] == "epoch"][-1] == 26
     a = load_file(str(full / "model.safetensors"))
     b = load_file(str(resumed / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -258,3 +258,15 @@ def test_the_eval_table_is_the_oracles_numbers(run_dir):
         expected.append(f"{name:<{width}}  {correct:>7}  {count:>6}  {accuracy:>7}")
     assert any(oracle["per_class"][n]["images"] == 0 for n in names)  # the '-' row is seen
     assert "\n".join(expected) in text, text
+    # and a class with several images, some right: its share is correct / images
+    images, labels = synthetic.splits(TRAIN_SIZE)["test"]
+    oracle = _oracle(run_dir, images[:EVAL_SAMPLES], labels[:EVAL_SAMPLES])
+    text = accel_train_here("eval", str(run_dir), check=True).stdout
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()
+            if line.split() and line.split()[0] in names}
+    shown = [n for n in names if 0 < oracle["per_class"][n]["correct"]
+             < oracle["per_class"][n]["images"]]
+    assert shown
+    for name in shown:
+        correct, count = oracle["per_class"][name]["correct"], oracle["per_class"][name]["images"]
+        assert rows[name] == [str(correct), str(count), f"{100 * correct / count:.1f}%"]

@@ -486,6 +486,9 @@ def test_the_first_and_last_training_images_broken_are_substituted_and_named(tmp
     log = (out / "logs" / "rank0.log").read_text()
     said = [name for name in broken if f"image {name} cannot be decoded" in console]
     assert len(said) == 2 and console.count("cannot be decoded") == 2, console
+    for name in said:  # as a warning, the held-out one saying so
+        held_out = "held-out " if name.startswith("val/") else ""
+        assert f"warning: {held_out}image {name} cannot be decoded" in console, console
     assert console.count(f"more broken images are listed in {out / 'bad_images.txt'} only") == 1
     for name in broken:  # each in the log once, with its reason; held-out ones say so
         assert log.count(f"image {name} cannot be decoded ({listed[name]})") == 1, name

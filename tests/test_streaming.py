@@ -166,6 +166,7 @@ def test_fewer_shards_than_processes_is_an_error():
     ([40] * 4, 1, 8, 0, 1),   # --num-workers 0 still gets one slot reader
     ([40] * 2, 2, 8, 4, 1),   # one shard per process: one worker each, not a shardless second
     ([12] * 2, 1, 16, 2, 1),  # two workers of 12 samples make no batch of 16; one of 24 does
+    ([8] * 4, 1, 16, 4, 2),   # four or three workers of 8 make none; two of 16 each do
 ])
 def test_loader_workers_are_those_asked_for_that_each_have_a_shard_and_a_batch(
         counts, ranks, batch, wanted, expected):

@@ -512,6 +512,19 @@ def test_the_first_and_last_training_images_broken_are_substituted_and_named(tmp
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_resume_from_a_checkpoint_without_bad_images_clears_the_list(tmp_path):
+    """bad_images.txt names what the checkpoint resumed from had named: none here, so a line
+    that a future being redone had written goes, even when the list becomes empty."""
+    out = tmp_path / "run"
+    accel_train_here(*TINY_TRAIN, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir",
+                     str(out), check=True)
+    shutil.rmtree(out / "checkpoints" / "step_00000002")
+    (out / "bad_images.txt").write_text("train/x.png\tnamed by a future that is redone\n")
+    accel_train_here(*TINY_TRAIN, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir",
+                     str(out), "--resume", "auto", check=True)
+    assert (out / "bad_images.txt").read_text() == ""
+
+
 def test_one_held_out_image_and_a_one_image_remainder(tmp_path):
     """17 training images at batch 16: one step an epoch (a batch of one would break BatchNorm's
     training statistics, so the remainder waits for the next epoch's order); 1 held-out image

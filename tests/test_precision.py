@@ -60,7 +60,19 @@ def test_the_default_on_a_cpu_is_chosen_said_recorded_and_kept_on_resume(tmp_pat
                               "auto", check=True)
     again = yaml.safe_load(sorted(out.glob("config.resume-*.yaml"))[-1].read_text())["resolved"]
     assert again["speed_timings"] == {}, "timed again after the resume"
-    assert "kept from the checkpoint" in again["speed_choice"]
+    assert "precision and memory format kept from the checkpoint" in again["speed_choice"]
     assert (again["precision_used"], again["channels_last"]) == \
         (resolved["precision_used"], resolved["channels_last"])
     assert "kept from the checkpoint" in second.stdout
+
+
+def test_an_explicit_precision_wins_over_the_checkpoints_on_resume(tmp_path):
+    """Only auto takes the checkpoint's choice: a run trained in bf16 and resumed with
+    --mixed-precision no trains on in fp32, and says nothing was kept."""
+    out = tmp_path / "run"
+    accel_train_here(*TINY_TRAIN, "--mixed-precision", "bf16", "--max-steps", "2",
+                     "--checkpoint-every", "1", "--output-dir", str(out), check=True)
+    accel_train_here(*TINY_TRAIN, "--mixed-precision", "no", "--max-steps", "3", "--output-dir",
+                     str(out), "--resume", "auto", check=True)
+    again = yaml.safe_load(sorted(out.glob("config.resume-*.yaml"))[-1].read_text())["resolved"]
+    assert again["precision_used"] == "fp32" and "kept" not in again["speed_choice"]

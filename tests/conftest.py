@@ -46,6 +46,17 @@ def test_env(**extra: str) -> dict:
     return env
 
 
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Each test leaves os.environ as it found it: in-process runs go through code that sets
+    variables for the whole process (CUDA_VISIBLE_DEVICES from --gpu_ids, a manual start's
+    RANK/WORLD_SIZE), which must not reach the next test on the same worker."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture
 def runs():
     """The processes a test starts (faults.Run objects): each is killed with its children when

@@ -557,7 +557,10 @@ def test_gpu_ids_are_visible_before_torch_is_first_asked_about_cuda(monkeypatch)
         return query
 
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"):
-        monkeypatch.delenv(key, raising=False)
+        # (set, then removed: monkeypatch then restores what was there, absence included, over
+        # the value the product sets in os.environ)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     monkeypatch.setattr(torch.cuda, "is_available", asked(True))
     monkeypatch.setattr(torch.cuda, "device_count", asked(2))
     distributed.setup(TrainConfig(gpu_ids="2,3"))

@@ -19,6 +19,7 @@ from torch import nn
 from . import small_nets  # noqa: F401  (registers the small-image networks in timm's registry)
 from .errors import UsageError
 from .rundir import SPEC_FILE, WEIGHTS_FILE  # noqa: F401  (WEIGHTS_FILE: callers name it here)
+from .weightfiles import check_weights_file
 
 
 @dataclass
@@ -105,6 +106,7 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
     if not path.is_file():
         raise UsageError(f"--pretrained {pretrained}: no such file; pass a local .safetensors/"
                          f".pth weights file, or 'hub'")
+    check_weights_file(path, f"--pretrained {pretrained}", "fetch or copy it again")
     try:
         # timm loads the file and drops a classifier whose class count differs from ours.
         return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import yaml
-from safetensors.torch import load_file
 from torch import nn
 
+from ..weightfiles import read_safetensors
 from ..checkpoint import NAME_PATTERN, find_latest_valid, list_checkpoints, read_state, verify
 from ..errors import UsageError
 from ..model import SPEC_FILE, WEIGHTS_FILE, ModelSpec, build_from_spec
@@ -127,7 +127,9 @@ def strip_wrapper_prefixes(state: dict) -> dict:
 def load_model(trained: TrainedModel) -> nn.Module:
     """The timm model rebuilt from its spec with the trained weights, in eval mode."""
     model = build_from_spec(trained.spec)
-    state = strip_wrapper_prefixes(load_file(str(trained.weights)))
+    state = strip_wrapper_prefixes(read_safetensors(
+        trained.weights, trained.description,
+        "train again, or use another checkpoint or export of the run"))
     try:
         model.load_state_dict(state)
     except RuntimeError as err:

@@ -1,0 +1,88 @@
+"""Weight files cut short (an interrupted download, copy or write) or not what their names say,
+given to every command that reads them: one line naming the file (exit 2), never a traceback,
+and the run folder's files byte-identical before and after.  A table: each row is a file kind,
+a corruption and the commands that read it."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+
+from conftest import TINY_TRAIN, accel_train_here
+
+
+def _cut_in_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def _random_bytes(path: Path) -> None:
+    path.write_bytes(bytes(range(256)) * 16)
+
+
+CORRUPTIONS = {"cut in half": _cut_in_half, "random bytes": _random_bytes}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bad_files") / "run"
+    accel_train_here(*TINY_TRAIN, "--max-steps", "1", "--output-dir", str(out), check=True)
+    return out
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _one_line(result, path: Path) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert str(path) in lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+@pytest.mark.parametrize("command", ["eval", "predict", "export"])
+def test_a_runs_weights_damaged(trained, tmp_path, command, corruption):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    weights = run / "model.safetensors"
+    CORRUPTIONS[corruption](weights)
+    before = _hashes(run)
+    image = tmp_path / "x.png"
+    from PIL import Image
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(image)
+    extra = {"eval": [], "predict": [str(image)], "export": ["-o", str(tmp_path / "export")]}
+    result = accel_train_here(command, str(run), *extra[command])
+    line = _one_line(result, weights)
+    assert "not a readable safetensors file" in line and "train again" in line
+    assert _hashes(run) == before and not (tmp_path / "export").exists()
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_pretrained_weights_damaged(tmp_path, suffix, corruption):
+    """--pretrained with a file of test_resnet's weights, damaged: one line naming it, no run
+    folder made.  (Random bytes in a .pth are not a zip archive at all: torch then says the file
+    does not fit, still in one line.)"""
+    weights = tmp_path / f"weights{suffix}"
+    state = timm.create_model("test_resnet", num_classes=10).state_dict()
+    if suffix == ".safetensors":
+        save_file({k: v.contiguous() for k, v in state.items()}, str(weights))
+    else:
+        torch.save(state, weights)
+    CORRUPTIONS[corruption](weights)
+    out = tmp_path / "run"
+    result = accel_train_here(*TINY_TRAIN, "--max-steps", "1", "--pretrained", str(weights),
+                              "--output-dir", str(out))
+    line = _one_line(result, weights)
+    assert line.startswith(f"accel_train: error: --pretrained {weights}")
+    assert not out.exists()

@@ -371,6 +371,20 @@ def _quiet_datasets():
     return datasets
 
 
+def _check_parquet(file: Path, data_dir: str) -> None:
+    """A parquet file whose footer cannot be read (a copy or download that stopped halfway)
+    is one line naming it; datasets would raise pyarrow's error from deep inside its builder."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        pq.ParquetFile(file)
+    except (pa.ArrowException, OSError) as err:
+        reason = (str(err).splitlines() or [type(err).__name__])[0][:120]
+        raise UsageError(f"--data-dir {data_dir}: {file} is not a readable parquet file "
+                         f"({reason}); it may be cut short (an interrupted download or copy): "
+                         f"copy it again") from None
+
+
 def _parquet_names(data_dir: Path, files: list[Path]) -> RowNames:
     import pyarrow.parquet as pq
     return RowNames(str(data_dir), [(str(file.relative_to(data_dir)),
@@ -396,6 +410,7 @@ def _load_local(config: TrainConfig) -> RawData:
     if parquet:
         files: dict[str, list[Path]] = {}
         for file in parquet:
+            _check_parquet(file, data_dir)
             stem = file.stem.split("-")[0].lower()
             split = stem if stem in ("train", *EVAL_SPLIT_NAMES) else "train"
             files.setdefault(split, []).append(file)

@@ -86,3 +86,17 @@ def test_pretrained_weights_damaged(tmp_path, suffix, corruption):
     line = _one_line(result, weights)
     assert line.startswith(f"accel_train: error: --pretrained {weights}")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+@pytest.mark.parametrize("command", ["train", "check-data"])
+def test_a_parquet_file_damaged(cifar10_layout, tmp_path, command, corruption):
+    data = tmp_path / "data"
+    shutil.copytree(cifar10_layout, data)
+    CORRUPTIONS[corruption](data / "train.parquet")
+    out = tmp_path / "run"
+    args = {"train": [*TINY_TRAIN, "--data-dir", str(data), "--output-dir", str(out)],
+            "check-data": ["check-data", "--data-dir", str(data)]}[command]
+    line = _one_line(accel_train_here(*args), data / "train.parquet")
+    assert "is not a readable parquet file" in line and "copy it again" in line
+    assert not out.exists()

@@ -373,3 +373,23 @@ def test_keep_best_keeps_the_highest_evaluated_top1_besides_the_newest(bundle):
     # newest: 9; best evaluated: step 4 (0.70), step 8 (0.65); step 5 repeats step 4's number
     assert kept == ["step_00000009", "step_00000008", "step_00000004"]
     assert all(verify(p) is None for p in ck.list_checkpoints(saver.root))
+
+
+def test_resume_auto_among_checkpoints_none_usable_stops_in_one_line(bundle, tmp_path, capsys):
+    """Checkpoints there, none usable (each cut short): --resume auto names each with why and
+    stops, exit 2, moving nothing; it never starts over from scratch in a folder that holds a
+    run's checkpoints."""
+    saver, _, train_step, _ = bundle
+    paths = save_steps(saver, train_step, 3, 6)
+    for path in paths.values():
+        weights = path / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    before = tree_digest(saver.root)
+    out = tmp_path / "run"
+    code, err = run_cli(capsys, "--output-dir", str(out), "--checkpoint", str(saver.root),
+                        "--resume", "auto")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"accel_train: error: --resume auto: none of the 2 checkpoint(s) "
+                             f"in {saver.root} can be used")
+    assert "step_00000003: " in err[0] and "step_00000006: " in err[0]
+    assert tree_digest(saver.root) == before

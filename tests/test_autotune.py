@@ -69,6 +69,11 @@ def test_cuda_auto_is_fp16_without_probing():
     timings = Timings(**ALL)
     choice = choose("auto", None, cuda=True, native_bf16=False, time_step=timings)
     assert (choice.precision, choice.channels_last, timings.asked) == ("fp16", False, [])
+    # on CUDA an explicit precision and memory format are taken as asked, without probing
+    for asked in ("bf16", "no"):
+        choice = choose(asked, True, cuda=True, native_bf16=False, time_step=timings)
+        assert (choice.precision, choice.channels_last, choice.how, timings.asked) == \
+            (asked, True, "as asked", [])
 
 
 def test_an_emulated_bf16_asked_for_explicitly_gets_a_one_line_warning():

@@ -41,6 +41,17 @@ def _hashes(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def _library_says(path: Path) -> str:
+    """What safetensors itself says of the file (first line): the reason the line must give."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), "pt") as handle:
+            handle.keys()
+    except Exception as err:  # noqa: BLE001 (whatever the library raises is the oracle)
+        return str(err).splitlines()[0]
+    raise AssertionError(f"{path} reads as safetensors")
+
+
 def _one_line(result, path: Path) -> str:
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
@@ -64,7 +75,25 @@ def test_a_runs_weights_damaged(trained, tmp_path, command, corruption):
     result = accel_train_here(command, str(run), *extra[command])
     line = _one_line(result, weights)
     assert "not a readable safetensors file" in line and "train again" in line
+    assert f"({_library_says(weights)[:160]})" in line
     assert _hashes(run) == before and not (tmp_path / "export").exists()
+
+
+def _weights_file(path: Path) -> Path:
+    state = timm.create_model("test_resnet", num_classes=10).state_dict()
+    if path.suffix == ".safetensors":
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    else:
+        torch.save(state, path)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_pretrained_weights_whole_are_taken(tmp_path, suffix):
+    """The control: the same files undamaged pass the check and train."""
+    weights = _weights_file(tmp_path / f"weights{suffix}")
+    accel_train_here(*TINY_TRAIN, "--max-steps", "1", "--pretrained", str(weights),
+                     "--output-dir", str(tmp_path / "run"), check=True)
 
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
@@ -73,18 +102,20 @@ def test_pretrained_weights_damaged(tmp_path, suffix, corruption):
     """--pretrained with a file of test_resnet's weights, damaged: one line naming it, no run
     folder made.  (Random bytes in a .pth are not a zip archive at all: torch then says the file
     does not fit, still in one line.)"""
-    weights = tmp_path / f"weights{suffix}"
-    state = timm.create_model("test_resnet", num_classes=10).state_dict()
-    if suffix == ".safetensors":
-        save_file({k: v.contiguous() for k, v in state.items()}, str(weights))
-    else:
-        torch.save(state, weights)
+    weights = _weights_file(tmp_path / f"weights{suffix}")
     CORRUPTIONS[corruption](weights)
     out = tmp_path / "run"
     result = accel_train_here(*TINY_TRAIN, "--max-steps", "1", "--pretrained", str(weights),
                               "--output-dir", str(out))
     line = _one_line(result, weights)
     assert line.startswith(f"accel_train: error: --pretrained {weights}")
+    if suffix == ".safetensors":
+        assert f"is not a readable safetensors file ({_library_says(weights)[:160]})" in line
+    elif corruption == "cut in half":  # a zip archive without its end
+        assert "is a torch weights file without its end" in line
+    else:  # not a zip at all: left to torch, whose refusal timm passes on
+        assert "does not fit model" in line
+    assert "fetch or copy it again" in line or "does not fit model" in line
     assert not out.exists()
 
 

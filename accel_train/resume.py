@@ -142,19 +142,18 @@ def resolve_resume(root: Path, resume: str, warn: Callable[[str], None]) -> Opti
     Killed saves under root are finished or discarded first; never when the input is bad."""
     if resume == "auto":
         recover_interrupted_saves(root, warn)
-        skipped: list[str] = []  # said only when an older one is used; else the error says it
+        # One line per checkpoint passed over: said as warnings when an older one is used, else
+        # (every checkpoint there refused) they are the error's reasons.
+        skipped: list[str] = []
         latest = find_latest_valid(root, skipped.append)
-        found = list_checkpoints(root)
-        if latest is not None:
-            for text in skipped:
-                warn(text)
-        elif found:
+        if latest is None and skipped:
             # Starting from scratch here would silently redo the run (a requeue loop would
             # never say so); only a folder without checkpoints starts a run.
-            why = "; ".join(f"{path.name}: {verify(path)}" for path in found)
-            raise UsageError(f"--resume auto: none of the {len(found)} checkpoint(s) in {root} "
-                             f"can be used ({why}); pass --resume PATH to another checkpoint, "
-                             f"or move them aside to start over")
+            raise UsageError(f"--resume auto: none of the {len(skipped)} checkpoint(s) in {root} "
+                             f"can be used ({'; '.join(skipped)}); pass --resume PATH to another "
+                             f"checkpoint, or move them aside to start over")
+        for text in skipped:
+            warn(text)
         return latest
     chosen = _resolve_path(resume, warn)
     recover_interrupted_saves(root, warn)

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Optional, Protocol, Sequence
 
-from .errors import UsageError
+from .errors import UsageError, first_line
 
 MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.json"
@@ -392,8 +392,7 @@ class Checkpointer:
 
 
 def _refusal(path: Path, err: Exception) -> str:
-    first_line = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
     return (f"checkpoint {path} holds a pickled object that is not plain tensors; refusing to "
-            f"load it ({first_line})")
+            f"load it ({first_line(err)})")
 
 

@@ -7,3 +7,9 @@ its traceback.  It subclasses ValueError so library callers can catch it the usu
 
 class UsageError(ValueError):
     """Bad input: the message names what is wrong and the flag or file to change."""
+
+
+def first_line(err: BaseException, limit: int = 160) -> str:
+    """A library error's first line (its type's name if it has no text), cut to `limit`
+    characters: the reason inside one of our one-line messages."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:limit]

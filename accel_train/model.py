@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import small_nets  # noqa: F401  (registers the small-image networks in timm's registry)
-from .errors import UsageError
+from .errors import UsageError, first_line
 from .rundir import SPEC_FILE, WEIGHTS_FILE  # noqa: F401  (WEIGHTS_FILE: callers name it here)
 from .weightfiles import check_weights_file
 
@@ -100,7 +100,7 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
             return timm.create_model(name, pretrained=True, **kwargs)
         except Exception as err:  # offline, missing cache entry, no weights for this name
             raise UsageError(f"--pretrained hub: cannot fetch weights for {name} "
-                             f"({str(err).splitlines()[0][:160]}); with no network, pass "
+                             f"({first_line(err)}); with no network, pass "
                              f"--pretrained PATH to a local .safetensors or .pth file") from None
     path = Path(pretrained)
     if not path.is_file():
@@ -113,7 +113,7 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
                                  **kwargs)
     except (RuntimeError, KeyError, ValueError, OSError) as err:
         raise UsageError(f"--pretrained {pretrained}: does not fit model {name} "
-                         f"({str(err).splitlines()[0][:200]}); pass weights saved from "
+                         f"({first_line(err, 200)}); pass weights saved from "
                          f"{name}") from None
 
 
@@ -133,7 +133,7 @@ def check_image_size(model: nn.Module, name: str, image_size: int) -> None:
     except Exception as err:  # shape errors surface as RuntimeError/AssertionError/ValueError
         default = (getattr(model, "pretrained_cfg", {}) or {}).get("input_size", (3, 224, 224))[-1]
         raise UsageError(f"--image-size {image_size} does not work with {name} "
-                         f"({str(err).splitlines()[0][:160]}); try --image-size "
+                         f"({first_line(err)}); try --image-size "
                          f"{default}") from None
     finally:
         model.train(was_training)

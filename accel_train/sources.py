@@ -27,7 +27,7 @@ import torch
 from . import synthetic
 from .config import SYNTHETIC_DATASET, TrainConfig
 from .decode import Unreadable, decode_many, read_value
-from .errors import UsageError
+from .errors import UsageError, first_line
 
 IMAGE_COLUMN_NAMES = ("img", "image", "images", "pixel_values", "picture", "jpg", "png", "webp")
 LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "coarse_label", "class", "target", "y")
@@ -371,24 +371,23 @@ def _quiet_datasets():
     return datasets
 
 
-def _check_parquet(file: Path, data_dir: str) -> None:
-    """A parquet file whose footer cannot be read (a copy or download that stopped halfway)
-    is one line naming it; datasets would raise pyarrow's error from deep inside its builder."""
+def _parquet_rows(file: Path, data_dir: str) -> int:
+    """The rows of a parquet file, from its footer; a footer that cannot be read (a copy or
+    download that stopped halfway) is one line naming the file, where datasets would raise
+    pyarrow's error from deep inside its builder."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     try:
-        pq.ParquetFile(file)
+        return pq.ParquetFile(file).metadata.num_rows
     except (pa.ArrowException, OSError) as err:
-        reason = (str(err).splitlines() or [type(err).__name__])[0][:120]
         raise UsageError(f"--data-dir {data_dir}: {file} is not a readable parquet file "
-                         f"({reason}); it may be cut short (an interrupted download or copy): "
-                         f"copy it again") from None
+                         f"({first_line(err, 120)}); it may be cut short (an interrupted download "
+                         f"or copy): copy it again") from None
 
 
-def _parquet_names(data_dir: Path, files: list[Path]) -> RowNames:
-    import pyarrow.parquet as pq
-    return RowNames(str(data_dir), [(str(file.relative_to(data_dir)),
-                                     pq.ParquetFile(file).metadata.num_rows) for file in files])
+def _parquet_names(data_dir: Path, files: list[Path], rows: dict[Path, int]) -> RowNames:
+    return RowNames(str(data_dir), [(str(file.relative_to(data_dir)), rows[file])
+                                    for file in files])
 
 
 def _load_local(config: TrainConfig) -> RawData:
@@ -409,14 +408,14 @@ def _load_local(config: TrainConfig) -> RawData:
     parquet = sorted(path.glob("*.parquet")) + sorted(path.glob("data/*.parquet"))
     if parquet:
         files: dict[str, list[Path]] = {}
+        rows = {file: _parquet_rows(file, data_dir) for file in parquet}  # each footer read once
         for file in parquet:
-            _check_parquet(file, data_dir)
             stem = file.stem.split("-")[0].lower()
             split = stem if stem in ("train", *EVAL_SPLIT_NAMES) else "train"
             files.setdefault(split, []).append(file)
         loaded = datasets.load_dataset("parquet", data_files={
             split: [str(file) for file in group] for split, group in files.items()})
-        return RawData(dict(loaded), {split: _parquet_names(path, group)
+        return RawData(dict(loaded), {split: _parquet_names(path, group, rows)
                                       for split, group in files.items()}, data_dir)
     if not any(p.is_file() for p in path.rglob("*")):
         raise UsageError(f"--data-dir {data_dir} holds no files; expected parquet files, a "
@@ -455,7 +454,7 @@ def _load_hub(name: str) -> RawData:
     except Exception as err:  # offline, unknown id, gated: all end the same way for the user
         offline = (os.environ.get("HF_DATASETS_OFFLINE") == "1"
                    or os.environ.get("HF_HUB_OFFLINE") == "1")
-        reason = "offline mode is set" if offline else str(err).splitlines()[0][:200]
+        reason = "offline mode is set" if offline else first_line(err, 200)
         raise UsageError(f"--dataset {name}: cannot load it from the Hugging Face hub ({reason}); "
                          f"with no network, pass --data-dir PATH to a local copy, or --dataset "
                          f"{SYNTHETIC_DATASET} for the embedded set") from None

@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open
 
-from .errors import UsageError
+from .errors import UsageError, first_line
 
 CUT_SHORT = "it may be cut short (an interrupted download, copy or write)"
 
@@ -23,7 +23,7 @@ def read_safetensors(path: Path, what: str, fix: str) -> dict[str, torch.Tensor]
         return load_file(str(path))
     except (SafetensorError, OSError) as err:
         raise UsageError(f"{what}: {path} is not a readable safetensors file "
-                         f"({_first_line(err)}); {CUT_SHORT}: {fix}") from None
+                         f"({first_line(err)}); {CUT_SHORT}: {fix}") from None
 
 
 def check_weights_file(path: Path, what: str, fix: str) -> None:
@@ -37,14 +37,10 @@ def check_weights_file(path: Path, what: str, fix: str) -> None:
                 handle.keys()
         except (SafetensorError, OSError) as err:
             raise UsageError(f"{what}: {path} is not a readable safetensors file "
-                             f"({_first_line(err)}); {CUT_SHORT}: {fix}") from None
+                             f"({first_line(err)}); {CUT_SHORT}: {fix}") from None
         return
     with open(path, "rb") as handle:
         starts_as_zip = handle.read(4) == b"PK\x03\x04"
     if starts_as_zip and not zipfile.is_zipfile(path):
         raise UsageError(f"{what}: {path} is a torch weights file without its end; {CUT_SHORT}: "
                          f"{fix}")
-
-
-def _first_line(err: Exception) -> str:
-    return (str(err).splitlines() or [type(err).__name__])[0][:160]

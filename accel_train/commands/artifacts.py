@@ -18,7 +18,7 @@ from torch import nn
 
 from ..weightfiles import read_safetensors
 from ..checkpoint import NAME_PATTERN, find_latest_valid, list_checkpoints, read_state, verify
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from ..model import SPEC_FILE, WEIGHTS_FILE, ModelSpec, build_from_spec
 from ..rundir import CONFIG_FILE as RUN_CONFIG
 from ..rundir import run_paths
@@ -134,6 +134,6 @@ def load_model(trained: TrainedModel) -> nn.Module:
         model.load_state_dict(state)
     except RuntimeError as err:
         raise UsageError(f"{trained.weights} does not fit {trained.spec.model_name} with "
-                         f"{trained.spec.num_classes} classes ({str(err).splitlines()[0][:160]}); "
+                         f"{trained.spec.num_classes} classes ({first_line(err)}); "
                          f"was {SPEC_FILE} copied from another run?") from None
     return model.eval()

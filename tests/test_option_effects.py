@@ -165,14 +165,12 @@ BUDGET_SECONDS, HELD_OUT, GLOBAL_BATCH, STEPS_PER_EPOCH = 60, 64, 16, 16
 
 
 def _largest_total(passes: int, steps_done: int) -> int:
-    """By hand: the most steps whose remaining training (1 s a step on the fake clock) plus an
-    evaluation at every epoch end, the last included (`passes` forward passes over each held-out
-    image, each costing budget.EVAL_COST_PER_IMAGE of a trained image), fit the time left."""
-    from accel_train.budget import EVAL_COST_PER_IMAGE
-    left = BUDGET_SECONDS - steps_done  # the fake clock moved 1 s per step so far
-    evaluation = passes * HELD_OUT * EVAL_COST_PER_IMAGE * 1.0 / GLOBAL_BATCH
-    return max(total for total in range(steps_done + 1, BUDGET_SECONDS + 1)
-               if (total - steps_done) + math.ceil(total / STEPS_PER_EPOCH) * evaluation <= left)
+    """By hand (test_time_budget.py's brute-force count): 1 s a step on the fake clock, which has
+    moved 1 s per step so far; `passes` forward passes over each held-out image at every epoch
+    end, the last included."""
+    from test_time_budget import _largest_that_fits
+    return _largest_that_fits(BUDGET_SECONDS, steps_done, 1.0, steps_done, STEPS_PER_EPOCH,
+                              passes * HELD_OUT, GLOBAL_BATCH)
 
 
 @pytest.mark.parametrize("flags, passes", [((), 1), (("--model-ema", "--tta", "flip"), 4)],

@@ -110,9 +110,12 @@ def launcher_defaults(environ) -> dict:
     variables).  Only the precision is also a training option: taking it means a user who chose
     bf16 in `accelerate config` trains in bf16 instead of silently in fp32.  Its "no" is also
     what accelerate exports when nobody chose anything, so it leaves our `auto` in place: a
-    precision is taken from there only when it is fp16 or bf16."""
+    precision is taken from there only when it is bf16.  Its fp16 is `auto` as well: the answer
+    to "mixed precision?" that `accelerate config` suggests first, which auto already gives on a
+    GPU, and which a CPU cannot run (there auto measures bf16 against fp32; the trainer says so,
+    precision.accelerate_fp16_note)."""
     precision = environ.get("ACCELERATE_MIXED_PRECISION")
-    if precision in (None, "no"):
+    if precision in (None, "no", "fp16"):
         return {}
     if precision not in PRECISIONS:
         raise UsageError(f"the accelerate config asks for mixed_precision {precision!r}, which "
@@ -156,6 +159,10 @@ def build_train_parser(prog: str = "accel-train train") -> argparse.ArgumentPars
 
 def _run_train(argv: Sequence[str], callbacks=None) -> int:
     config = config_from_args(build_train_parser().parse_args(argv))
+    from . import rank_launcher
+    asked = rank_launcher.ranks_asked()
+    if asked is not None:  # accelerate's MULTI_CPU answers: start the ranks it did not
+        return rank_launcher.start_ranks(asked)
     from .trainer import run_training  # heavy imports only once the input is known good
     return run_training(config, callbacks)
 

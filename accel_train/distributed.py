@@ -31,7 +31,6 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from .config import TrainConfig, parse_gpu_ids
 from .errors import UsageError
@@ -252,41 +251,6 @@ def describe_process() -> str:
             f"restart {env.restart_count}")
 
 
-def _parent_command_line() -> list[str]:
-    try:
-        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
-    except OSError:  # not Linux, or the parent is gone
-        return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
-
-
-def _flag_value(argv: list[str], *names: str) -> Optional[str]:
-    for i, arg in enumerate(argv):
-        for name in names:
-            if arg == name and i + 1 < len(argv):
-                return argv[i + 1]
-            if arg.startswith(name + "="):
-                return arg.split("=", 1)[1]
-    return None
-
-
-def processes_requested_from_accelerate(argv: list[str]) -> int:
-    """How many processes the `accelerate launch` command line `argv` asked for (its
-    --num_processes flag, else its --config_file's num_processes); 1 when it cannot tell."""
-    value = _flag_value(argv, "--num_processes", "--num-processes")
-    if value is None:
-        config_file = _flag_value(argv, "--config_file", "--config-file")
-        if config_file:
-            try:  # relative to our working directory: the launcher's, which we inherited
-                value = (yaml.safe_load(Path(config_file).read_text()) or {}).get("num_processes")
-            except (OSError, ValueError, AttributeError, yaml.YAMLError):
-                return 1
-    try:
-        return int(value) if value is not None else 1
-    except (TypeError, ValueError):
-        return 1
-
-
 NVIDIA_DRIVER_FILE = Path("/proc/driver/nvidia/version")  # written by NVIDIA's kernel module
 
 
@@ -315,29 +279,6 @@ def unusable_gpu_warning() -> Optional[str]:
             f"({torch.__version__}, {f'built for CUDA {built}' if built else 'a CPU-only build'}"
             f") cannot use them: training on the CPU. Install a torch built for a CUDA that "
             f"driver supports (nvidia-smi shows it), or update the driver")
-
-
-def single_process_launch_warning(environ: Mapping[str, str] | None = None,
-                                  parent_argv: list[str] | None = None) -> Optional[str]:
-    """A warning when `accelerate launch` was asked for several CPU processes but started one.
-
-    With --cpu or `distributed_type: MULTI_CPU` (and no --mpirun_hostfile), accelerate uses its
-    single-process launcher: it starts ONE process and sets no WORLD_SIZE, whatever
-    num_processes says (docs/architecture.md).  Nothing tells the worker how many were asked
-    for, so this reads the launcher's command line (its parent process)."""
-    env = os.environ if environ is None else environ
-    if "ACCELERATE_USE_CPU" not in env or "WORLD_SIZE" in env:
-        return None  # not accelerate's simple launcher, or a real multi-process launch
-    argv = _parent_command_line() if parent_argv is None else parent_argv
-    if not any("accelerate" in part for part in argv[:3]) or "--mpirun_hostfile" in argv:
-        return None
-    requested = processes_requested_from_accelerate(argv)
-    if requested <= 1:
-        return None
-    return (f"accelerate launch was asked for {requested} processes but started ONE: with --cpu or "
-            f"distributed_type MULTI_CPU it uses its single-process launcher. For {requested} CPU "
-            f"processes over gloo use distributed_type MULTI_GPU (accelerate_configs/"
-            f"cpu_2proc.yaml) or torchrun --nproc-per-node {requested}; this run trains alone")
 
 
 # -- rank helpers: usable before the Accelerator exists (the start plan is made before it) -----

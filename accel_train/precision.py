@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -45,3 +45,14 @@ def resolve_precision(requested: str, cuda: bool, activity: str = "trains",
 def precision_name(precision: str) -> str:
     """Accelerate's "no" as people say it."""
     return "fp32" if precision == "no" else precision
+
+
+def accelerate_fp16_note(requested: str, chosen: str, environ: Mapping[str, str]) -> Optional[str]:
+    """One line when `accelerate config` answered fp16 but this run chose otherwise: its fp16
+    counts as "auto" (cli.launcher_defaults), which is fp16 on a GPU and measured on a CPU."""
+    if requested != "auto" or environ.get("ACCELERATE_MIXED_PRECISION") != "fp16" \
+            or chosen == "fp16":
+        return None
+    return (f"the accelerate config asks for mixed_precision fp16, which needs a CUDA device: "
+            f"this run uses {precision_name(chosen)}, as --mixed-precision auto chooses on this "
+            f"machine")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,8 @@ from .mixing import maybe_mixup
 from .model import build_network, create_model, save_weights, set_train_mode
 from .optim import build_optimizer, plan_schedule, scheduler_for
 from .plots import write_plots
-from .precision import cpu_has_native_bf16, precision_name, resolve_precision
+from .precision import (accelerate_fp16_note, cpu_has_native_bf16, precision_name,
+                        resolve_precision)
 from .randomness import MICRO_BATCH_SALT, seed_globals
 from .report import Reporter, records_text, summary
 from .resume import StartPlan, plan_start, record_elastic_job
@@ -132,8 +134,9 @@ class Trainer:
         self.budget = self._maybe_budget()
         self.metrics = MetricsLog(self.paths.metrics, acc.is_main_process)
         self.progress = Progress(acc.is_main_process, config.progress)
-        self._open_records([precision_warning, distributed.single_process_launch_warning(),
-                            distributed.unusable_gpu_warning()])
+        self._open_records([precision_warning, distributed.unusable_gpu_warning(),
+                            accelerate_fp16_note(config.mixed_precision, self.precision,
+                                                 os.environ)])
 
     @classmethod
     def from_config(cls, config: TrainConfig, callbacks: Optional[Callbacks] = None) -> "Trainer":

@@ -68,6 +68,10 @@ def test_override_order(tmp_path):
     assert parse([]).mixed_precision == "auto"                          # default
     assert parse([], {"ACCELERATE_MIXED_PRECISION": "no"}).mixed_precision == "auto"  # unchosen
     assert parse([], launched_bf16).mixed_precision == "bf16"           # accelerate's config
+    # Its fp16 is auto's choice on a GPU and impossible on a CPU: auto (which says so on a CPU)
+    assert parse([], {"ACCELERATE_MIXED_PRECISION": "fp16"}).mixed_precision == "auto"
+    assert parse(["--mixed-precision", "fp16"],
+                 {"ACCELERATE_MIXED_PRECISION": "fp16"}).mixed_precision == "fp16"
     from_yaml = parse(["--config", str(run_config)], launched_bf16)
     assert (from_yaml.mixed_precision, from_yaml.batch_size, from_yaml.epochs) == ("no", 12, 7)
     flags = parse(["--config", str(run_config), "--epochs", "2", "--mixed-precision", "bf16"],

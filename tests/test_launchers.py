@@ -17,7 +17,7 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
-from accel_train import cli, distributed
+from accel_train import cli, rank_launcher
 from accel_train.commands import launch
 from accel_train.errors import UsageError
 
@@ -219,39 +219,66 @@ def test_two_machines_on_loopback_with_per_machine_elastic_settings(tmp_path):
     assert (out / "model.safetensors").exists()
 
 
-# -- accelerate's single-process launcher (--cpu / MULTI_CPU) ----------------------------------
+# -- accelerate's single-process launcher (--cpu / MULTI_CPU): the ranks we start -------------
+# (launched for real, from the files `accelerate config` writes, in test_accelerate_config.py)
 
-@pytest.mark.parametrize("argv, expected", [
-    (["python", "/venv/bin/accelerate", "launch", "--cpu", "--num_processes", "2", "-m", "x"], 2),
-    (["python", "/venv/bin/accelerate", "launch", "--num-processes=4", "-m", "x"], 4),
-    (["python", "/venv/bin/accelerate", "launch", "-m", "x"], 1),
-])
-def test_processes_requested_are_read_from_the_accelerate_command_line(argv, expected):
-    assert distributed.processes_requested_from_accelerate(argv) == expected
+SIMPLE_LAUNCHER_ENV = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29612"}
+ACCELERATE = ["/venv/bin/python", "/venv/bin/accelerate", "launch"]
 
 
-def test_no_launch_warning_outside_accelerates_simple_launcher():
-    argv = ["python", "/venv/bin/accelerate", "launch", "--num_processes", "2", "-m", "x"]
-    assert distributed.single_process_launch_warning({}, argv) is None  # plain python
-    assert distributed.single_process_launch_warning(  # the multi-process launcher
-        {"ACCELERATE_USE_CPU": "False", "WORLD_SIZE": "2", "RANK": "0"}, argv) is None
-    assert distributed.single_process_launch_warning(  # mpirun starts them: not ours to judge
-        {"ACCELERATE_USE_CPU": "True"}, [*argv, "--mpirun_hostfile", "hosts"]) is None
-
-
-def test_multi_cpu_yaml_asking_for_two_processes_warns_that_one_trains(tmp_path):
-    """The real thing: accelerate launch with distributed_type MULTI_CPU and num_processes 2
-    starts ONE process (docs/architecture.md); the user must be told, with the configuration
-    that works."""
+def _multi_cpu_yaml(tmp_path, **changes) -> str:
     config = yaml.safe_load((CONFIGS / "cpu_2proc.yaml").read_text())
-    config.update(distributed_type="MULTI_CPU", use_cpu=True)
-    multi_cpu = tmp_path / "multi_cpu.yaml"
-    multi_cpu.write_text(yaml.safe_dump(config))
-    result = conftest.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(multi_cpu), "-m", "accel_train", *TINY, "--output-dir",
-                           str(tmp_path / "run")], check=True)
-    output = result.stdout + result.stderr
-    assert "asked for 2 processes but started ONE" in output, output[-3000:]
-    assert "cpu_2proc.yaml" in output
-    resolved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    assert resolved["resolved"]["launcher"]["process_group_world_size"] == 1
+    config.update(distributed_type="MULTI_CPU", use_cpu=True, **changes)
+    path = tmp_path / "multi_cpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("argv", [
+    [*ACCELERATE, "--cpu", "--num_processes", "2", "-m", "accel_train", "--epochs", "1"],
+    ["/venv/bin/accelerate", "launch", "--cpu", "--num-processes=2", "-m", "accel_train"],
+    ["python", "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "x.py"],
+])
+def test_the_ranks_asked_of_accelerate_are_read_from_its_command_line(argv):
+    asked = rank_launcher.ranks_asked(SIMPLE_LAUNCHER_ENV, argv)
+    assert (asked.num_processes, asked.num_machines, asked.machine_rank, asked.local_processes,
+            asked.master_addr, asked.master_port) == (2, 1, 0, 2, "127.0.0.1", 29612)
+
+
+def test_flags_win_over_the_config_file_as_in_accelerate_launch(tmp_path):
+    config = _multi_cpu_yaml(tmp_path, num_processes=4, num_machines=2, machine_rank=0)
+    from_file = rank_launcher.ranks_asked(SIMPLE_LAUNCHER_ENV,
+                                          [*ACCELERATE, "--config_file", config, "-m", "x"])
+    assert (from_file.num_processes, from_file.num_machines, from_file.machine_rank,
+            from_file.local_processes) == (4, 2, 0, 2)
+    flagged = rank_launcher.ranks_asked(SIMPLE_LAUNCHER_ENV, [
+        *ACCELERATE, "--config_file", config, "--machine_rank", "1", "--num_processes", "6",
+        "--max_restarts", "3", "--rdzv_backend", "c10d", "--rdzv_conf", "join_timeout=900",
+        "-m", "x"])
+    assert (flagged.num_processes, flagged.machine_rank, flagged.local_processes) == (6, 1, 3)
+    assert (flagged.max_restarts, flagged.rdzv_backend) == (3, "c10d")
+    assert rank_launcher._rendezvous_settings(flagged) == {"join_timeout": "900"}
+    assert rank_launcher._rendezvous_settings(from_file) == {"rank": 0}  # static: node rank
+
+
+@pytest.mark.parametrize("environ, argv, why", [
+    ({}, [*ACCELERATE, "--cpu", "--num_processes", "2", "-m", "x"], "plain python"),
+    ({**SIMPLE_LAUNCHER_ENV, "WORLD_SIZE": "2", "RANK": "0"},
+     [*ACCELERATE, "--num_processes", "2", "-m", "x"], "a multi-process launcher"),
+    (SIMPLE_LAUNCHER_ENV, [*ACCELERATE, "--cpu", "--num_processes", "2", "--mpirun_hostfile",
+                           "hosts", "-m", "x"], "mpirun starts the ranks"),
+    (SIMPLE_LAUNCHER_ENV, [*ACCELERATE, "--cpu", "-m", "x"], "one process asked for"),
+    (SIMPLE_LAUNCHER_ENV, ["/usr/bin/python", "train.py", "--num_processes", "2"],
+     "not accelerate"),
+])
+def test_no_ranks_are_started_where_the_launcher_starts_them_or_one_was_asked(environ, argv,
+                                                                              why):
+    assert rank_launcher.ranks_asked(environ, argv) is None, why
+
+
+def test_processes_that_do_not_divide_over_the_machines_are_one_line(tmp_path):
+    config = _multi_cpu_yaml(tmp_path, num_processes=3, num_machines=2)
+    with pytest.raises(UsageError, match="3 processes on 2 machines.*multiple of num_machines"):
+        rank_launcher.ranks_asked(SIMPLE_LAUNCHER_ENV,
+                                  [*ACCELERATE, "--config_file", config, "-m", "x"])

@@ -76,3 +76,21 @@ def test_an_explicit_precision_wins_over_the_checkpoints_on_resume(tmp_path):
                      str(out), "--resume", "auto", check=True)
     again = yaml.safe_load(sorted(out.glob("config.resume-*.yaml"))[-1].read_text())["resolved"]
     assert again["precision_used"] == "fp32" and "kept" not in again["speed_choice"]
+
+
+@pytest.mark.parametrize("requested, chosen, environ, said", [
+    ("auto", "no", {"ACCELERATE_MIXED_PRECISION": "fp16"}, "this run uses fp32"),
+    ("auto", "bf16", {"ACCELERATE_MIXED_PRECISION": "fp16"}, "this run uses bf16"),
+    ("auto", "fp16", {"ACCELERATE_MIXED_PRECISION": "fp16"}, None),  # a GPU: as answered
+    ("bf16", "bf16", {"ACCELERATE_MIXED_PRECISION": "fp16"}, None),  # the flag won: nothing to say
+    ("auto", "no", {"ACCELERATE_MIXED_PRECISION": "no"}, None),
+    ("auto", "no", {}, None),
+])
+def test_the_accelerate_fp16_answer_is_said_where_auto_chose_otherwise(requested, chosen,
+                                                                        environ, said):
+    from accel_train.precision import accelerate_fp16_note
+    note = accelerate_fp16_note(requested, chosen, environ)
+    if said is None:
+        assert note is None
+    else:
+        assert "asks for mixed_precision fp16, which needs a CUDA device" in note and said in note

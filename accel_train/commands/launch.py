@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -112,9 +113,24 @@ def launcher_environment(elastic: dict) -> dict[str, str]:
     return env
 
 
+def check_mpirun(accelerate_yaml: dict, launch_args: list[str], config_file: str) -> None:
+    """`accelerate config`'s "launch mpirun? yes" on a machine without MPI: accelerate would
+    stop in a traceback (its OSError) after its checks; say it in one line, before anything."""
+    hostfile = (accelerate_yaml.get("mpirun_config") or {}).get("mpirun_hostfile")
+    if hostfile is None and "--mpirun_hostfile" not in launch_args:
+        return
+    if shutil.which("mpirun") or shutil.which("mpiexec"):
+        return
+    raise UsageError(f"--config_file {config_file} asks accelerate to start the processes with "
+                     f"mpirun, which is not installed: install an MPI (Open MPI: apt-get install "
+                     f"openmpi-bin; or Intel MPI, MVAPICH), or answer no to mpirun in "
+                     f"`accelerate config` (accel_train then starts the processes itself)")
+
+
 def build_command(config_file: str, elastic_file: str | None, launch_args: list[str],
                   train_args: list[str]) -> list[str]:
     accelerate_yaml = check_accelerate_config(config_file)
+    check_mpirun(accelerate_yaml, launch_args, config_file)
     settings = {key: accelerate_yaml[key] for key in IGNORED_YAML_KEYS if key in accelerate_yaml}
     elastic = read_yaml(elastic_file, "--elastic") if elastic_file else {}
     flags = []

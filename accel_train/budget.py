@@ -1,11 +1,16 @@
-"""--time-budget: fit the whole schedule (warmup and decay to the end) into a wall-clock budget.
+"""--time-budget: fit the whole schedule (warmup and decay to the end) into a wall-clock budget,
+and keep fitting it as the run goes.
 
 The run trains a few steps (past compilation and warm caches), measures the time an optimizer
 step takes (a short pilot, then a window of a few percent of the budget), and fixes the number
 of steps so that training and every evaluation at an epoch end, the final one included, fit
-the budget: "Training took" is read against the number the user gave.  Every rank agrees on the
-slowest rank's measurement, and the total is recorded in the checkpoints, so a resumed run keeps
-the schedule.
+the budget: "Training took" is read against the number the user gave.  A machine's speed is not
+steady (another job on the same cores, for a minute or for the rest of the run), so the count is
+fitted again each time REFIT_FRACTION of the budget has passed, from the time left and the steps
+of that latest window; an epoch end's cost is measured too, and replaces the estimate.  Every
+rank agrees on the slowest rank's reading, rank 0 decides the count, and each fit is recorded in
+metrics.jsonl and in the checkpoints (the schedule), so a resumed run continues the plan it was
+on.
 """
 
 from __future__ import annotations
@@ -30,8 +35,16 @@ MEASURED_STEPS = 10  # then this many are timed: the pilot reading
 # warmup, then its peak; the decay spans the rest.
 SETTLE_FRACTION = 0.02
 MEASURE_FRACTION = 0.08
+# Once fixed, the count is fitted again after each window of this share of the budget (sized in
+# steps at the latest agreed pace, so that all ranks fit at the same step): a slowdown or a
+# speed-up is followed within seconds, and the last fits, close to the end, leave little to
+# predict.
+REFIT_FRACTION = 0.02
+# A fit that moves the count by this share is said on the console; every fit that changes it is
+# in metrics.jsonl.
+SAY_REFIT_FRACTION = 0.05
 # Evaluating an image (forward only, no augmentation) costs about a third of training on it;
-# half is the estimate, to err on finishing inside the budget.
+# half is the estimate until an epoch end has been measured, to err on finishing inside.
 EVAL_COST_PER_IMAGE = 0.5
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?$")
@@ -58,16 +71,20 @@ def parse_duration(text: str) -> float:
 
 
 class TimeBudget:
-    """Times windows of optimizer steps: a pilot after WARM_STEPS, then maybe a longer one."""
+    """Times windows of optimizer steps: a pilot after WARM_STEPS, maybe a longer window, then
+    one window after another for the re-fits; and the cost of each epoch end."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
         self.started, self.first_step = time.perf_counter(), 0
         self._window = (WARM_STEPS, WARM_STEPS + MEASURED_STEPS)  # in steps since the start
         self._window_start: Optional[tuple[int, float]] = None
+        self._last_reading: Optional[tuple[int, float]] = None  # where the last window ended
         self._paused = 0.0  # seconds spent in `paused()` so far
         self.pilot_seconds: Optional[float] = None
-        self.step_seconds: Optional[float] = None
+        self.step_seconds: Optional[float] = None  # the latest agreed reading, once fitted
+        self.epoch_end_seconds: Optional[float] = None  # the latest epoch end's cost
+        self.fits = 0
 
     def start(self, step: int) -> None:
         """Training starts (or resumes, unmeasured) at optimizer step `step`: the clock runs."""
@@ -75,20 +92,19 @@ class TimeBudget:
 
     @contextlib.contextmanager
     def paused(self):
-        """Work that is not a training step (the epoch-end evaluation and checkpoint): the clock
-        of the budget runs on, but a window being timed leaves it out (the evaluations are
-        budgeted on their own, and a window that held an epoch end read far too slow)."""
+        """An epoch end (evaluation and checkpoint): the clock of the budget runs on, but a
+        window being timed leaves it out (a window that held an epoch end read far too slow);
+        its cost is measured instead, for the evaluations still to come."""
         began = time.perf_counter()
         try:
             yield
         finally:
-            self._paused += time.perf_counter() - began
+            self.epoch_end_seconds = time.perf_counter() - began
+            self._paused += self.epoch_end_seconds
 
     def measure(self, step: int) -> Optional[float]:
         """Call after each optimizer step; the seconds per step over the current window once it
         is complete (then hand the ranks' agreed value to `settle`), else None."""
-        if self.step_seconds is not None:
-            return None
         now, steps_done = time.perf_counter(), step - self.first_step
         now -= self._paused  # the clock of steps alone
         begin, end = self._window
@@ -99,11 +115,12 @@ class TimeBudget:
         first_step, first_time = self._window_start
         if steps_done < end:
             return None
+        self._last_reading = (steps_done, now)
         return (now - first_time) / (steps_done - first_step)
 
     def settle(self, step_seconds: float) -> bool:
-        """The ranks' agreed reading of the window just completed.  True: it is final (fix the
-        schedule now); False: it was the pilot, and a longer window now follows."""
+        """The ranks' agreed reading of the window just completed.  True: fit the count now;
+        False: it was the pilot, and a longer window now follows."""
         if self.pilot_seconds is None:
             self.pilot_seconds = step_seconds
             end = self._window[1]
@@ -113,17 +130,34 @@ class TimeBudget:
                 self._window, self._window_start = (end + wait, end + wait + length), None
                 return False
         self.step_seconds = step_seconds
+        # The next window starts where this one ended, and is as long in steps on every rank.
+        steps_done = self._last_reading[0]
+        length = max(1, math.ceil(REFIT_FRACTION * self.seconds / step_seconds))
+        self._window, self._window_start = (steps_done, steps_done + length), self._last_reading
         return True
+
+    def evaluation_seconds(self, eval_images: int, step_seconds: float,
+                           global_batch: int) -> float:
+        """What an epoch end will cost: the latest one measured, else an estimate from the
+        training pace."""
+        if self.epoch_end_seconds is not None:
+            return self.epoch_end_seconds
+        return eval_images * EVAL_COST_PER_IMAGE * step_seconds / global_batch
 
     def total_steps(self, step_seconds: float, steps_done: int, steps_per_epoch: int,
                     eval_images: int, global_batch: int, flag: str) -> int:
         """The most steps such that the steps still to come plus the evaluations at the epoch
-        ends, the last (the final evaluation) included, fit the time that is left."""
+        ends still to come, the last (the final evaluation) included, fit the time that is
+        left.  The first fit with no room for a step is a UsageError; a later one may end the
+        run where it stands."""
         left = self.seconds - (time.perf_counter() - self.started)
-        eval_seconds = eval_images * EVAL_COST_PER_IMAGE * step_seconds / global_batch
+        eval_seconds = self.evaluation_seconds(eval_images, step_seconds, global_batch)
+        # Epoch ends already behind us: the one after step `steps_done` is still to come when
+        # that step closed its epoch (the fit happens inside the epoch's last step).
+        ended = (steps_done - 1) // steps_per_epoch if steps_done > 0 else 0
 
         def fits(total: int) -> bool:
-            evaluations = math.ceil(total / steps_per_epoch)  # a partial last epoch ends in one
+            evaluations = math.ceil(total / steps_per_epoch) - ended  # a partial epoch ends in one
             return (total - steps_done) * step_seconds + evaluations * eval_seconds <= left
 
         # The time needed grows with the total, so the largest total that fits is found by
@@ -132,9 +166,9 @@ class TimeBudget:
         while low < high:
             middle = (low + high + 1) // 2
             low, high = (middle, high) if fits(middle) else (low, middle - 1)
-        total = low
-        if total <= steps_done:
+        self.fits += 1
+        if low <= steps_done and self.fits == 1:
             raise UsageError(f"{flag}: an optimizer step takes {step_seconds:.2f}s here, and the "
                              f"budget leaves no time for more than the {steps_done} measured; "
                              f"give more time")
-        return total
+        return low

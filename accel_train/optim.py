@@ -54,20 +54,36 @@ SCHEDULE_FILE = "schedule.json"
 @dataclass
 class Schedule:
     """Warmup then cosine over `total_steps`.  Mutable for one reason: a --time-budget run
-    fixes its total only once it has measured its step time (budget.py); from then on the
-    total is part of the run, saved in every checkpoint and restored (a checkpointed part),
-    so a resumed run keeps the schedule it was on."""
+    fits its total once it has measured its step time, and again as the run goes (budget.py);
+    each fit is part of the run, saved in every checkpoint and restored (a checkpointed part),
+    so a resumed run keeps the schedule it was on.
+
+    A fit never makes the learning rate jump: from the step where it happens, the cosine
+    continues from the factor of that moment (`decay_from_factor`) down to zero at the new
+    total, stretched or shrunk over what remains.  Warmup is never repeated; a fit during
+    warmup only moves the end of the decay."""
 
     warmup_steps: int
     total_steps: int
-    budget_step_seconds: Optional[float] = None  # the reading that fixed the total, if one did
+    budget_step_seconds: Optional[float] = None  # the reading of the latest fit, if any
+    decay_from_step: int = 0      # where the current cosine starts (at the warmup's end if later)
+    decay_from_factor: float = 1.0
 
     name = "schedule"
 
     def factor(self, step: int) -> float:
-        return lr_factor(step, min(self.warmup_steps, self.total_steps), self.total_steps)
+        warmup = min(self.warmup_steps, self.total_steps)
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        start = max(warmup, self.decay_from_step)
+        progress = min(1.0, max(0.0, (step - start) / max(1, self.total_steps - start)))
+        return self.decay_from_factor * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    def fix_total(self, total_steps: int, step_seconds: float) -> None:
+    def fit_total(self, total_steps: int, step_seconds: float, at_step: int) -> None:
+        """A --time-budget fit at optimizer step `at_step` (the next update's index)."""
+        if at_step >= min(self.warmup_steps, self.total_steps):
+            self.decay_from_factor = self.factor(at_step)
+            self.decay_from_step = at_step
         self.total_steps, self.budget_step_seconds = total_steps, step_seconds
 
     @property
@@ -78,11 +94,16 @@ class Schedule:
         (Path(folder) / SCHEDULE_FILE).write_text(json.dumps(asdict(self), indent=1) + "\n")
 
     def load(self, folder: Path) -> None:
-        """A total fixed by a --time-budget is kept; otherwise the length follows this start's
-        --epochs / --max-steps (a run may be resumed to train longer)."""
+        """A total fitted by a --time-budget is kept, with the cosine it was on; otherwise the
+        length follows this start's --epochs / --max-steps (a run may be resumed to train
+        longer)."""
         saved = json.loads((Path(folder) / SCHEDULE_FILE).read_text())
         if saved.get("budget_step_seconds") is not None:
-            self.fix_total(int(saved["total_steps"]), float(saved["budget_step_seconds"]))
+            self.total_steps = int(saved["total_steps"])
+            self.budget_step_seconds = float(saved["budget_step_seconds"])
+            # Absent in the checkpoints of versions that fitted once, at the warmup's end.
+            self.decay_from_step = int(saved.get("decay_from_step", 0))
+            self.decay_from_factor = float(saved.get("decay_from_factor", 1.0))
 
 
 def scheduler_for(optimizer: torch.optim.Optimizer, schedule: Schedule) -> LambdaLR:

@@ -27,7 +27,7 @@ from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 from . import distributed
 from .autotune import SpeedChoice, choose, step_timer
 from .badimages import BadImageLog
-from .budget import TimeBudget, evaluation_passes, parse_duration
+from .budget import SAY_REFIT_FRACTION, TimeBudget, evaluation_passes, parse_duration
 from .checkpoint import AccelerateState, Checkpointer, TrainerState
 from .config import TrainConfig
 from .ema import ModelEma
@@ -176,14 +176,16 @@ class Trainer:
         return self.schedule.total_steps
 
     def _maybe_budget(self) -> Optional[TimeBudget]:
-        """--time-budget, unless a resumed run already fixed its schedule."""
+        """--time-budget, unless a resumed run already fitted its schedule: it keeps the latest
+        fit (the time the stopped run spent is not known to this one)."""
         if self.config.time_budget is None or self.schedule.fixed_by_budget:
             return None
         return TimeBudget(parse_duration(self.config.time_budget))
 
-    def _maybe_fix_schedule(self):
-        """--time-budget: once the step time is measured (the slowest rank's), the schedule's
-        length is fixed, said, and recorded (a resumed run keeps it)."""
+    def _maybe_fit_schedule(self):
+        """--time-budget: each time a window of steps is timed (the slowest rank's reading),
+        the schedule's length is fitted to the time left; said when it changes much, and
+        recorded (a resumed run keeps the latest fit)."""
         step_seconds = self.budget.measure(self.state.step)
         if step_seconds is None:
             return
@@ -191,7 +193,8 @@ class Trainer:
         step_seconds = distributed.max_over_ranks(step_seconds, self.control_group)
         if not self.budget.settle(step_seconds):
             return  # that was the pilot; the ranks now time the same longer window
-        loaders, state = self.loaders, self.state
+        loaders, state, before = self.loaders, self.state, self.schedule.total_steps
+        first = not self.schedule.fixed_by_budget
         passes = evaluation_passes(self.ema is not None, self.config.tta)
         total = self.budget.total_steps(step_seconds, state.step, loaders.steps_per_epoch,
                                         passes * len(self.data.held_out), loaders.global_batch,
@@ -199,17 +202,28 @@ class Trainer:
         if self.config.max_steps is not None:
             total = min(total, self.config.max_steps)
         total = distributed.from_main(total, self.control_group)
-        self.schedule.fix_total(total, step_seconds)
+        if not first and total == before:
+            return
+        self.schedule.fit_total(total, step_seconds, state.step)
         if self.accelerator.is_main_process:
             update_resolved(self.plan.output_dir, {"total_steps": total,
                                                    "budget_step_seconds": step_seconds})
         self.progress.set_total(total)
+        epoch_end = self.budget.epoch_end_seconds
         self.metrics.write({"type": "budget", "step": state.step, "total_steps": total,
                             "step_seconds": round(step_seconds, 5),
-                            "pilot_step_seconds": round(self.budget.pilot_seconds, 5)})
-        self.report.say(f"time budget {self.config.time_budget}: {total:,} steps, "
-                        f"{total / loaders.steps_per_epoch:.1f} epochs at "
-                        f"{1000 * step_seconds:.0f} ms/step (every evaluation included)")
+                            "pilot_step_seconds": round(self.budget.pilot_seconds, 5),
+                            "epoch_end_seconds": None if epoch_end is None else
+                            round(epoch_end, 3), "fit": self.budget.fits,
+                            "lr_factor": round(self.schedule.decay_from_factor, 6)})
+        budget = f"time budget {self.config.time_budget}"
+        if first:
+            self.report.say(f"{budget}: {total:,} steps, {total / loaders.steps_per_epoch:.1f} "
+                            f"epochs at {1000 * step_seconds:.0f} ms/step (every evaluation "
+                            f"included; fitted again as the run goes)")
+        elif abs(total - before) >= SAY_REFIT_FRACTION * before:
+            self.progress.write(f"{budget}: {before:,} -> {total:,} steps at "
+                                f"{1000 * step_seconds:.0f} ms/step lately")
 
     def _open_records(self, warnings: list[Optional[str]]):
         """The start is good: open the logs, record the run, say what will run."""
@@ -332,7 +346,7 @@ class Trainer:
                 self.scheduler.step()
             state.step += 1
             if self.budget is not None:
-                self._maybe_fix_schedule()
+                self._maybe_fit_schedule()
             if self.ema is not None:
                 self.ema.update(self._bare_model(), state.step)
             if state.step % config.log_every == 0:

@@ -193,8 +193,17 @@ def test_time_budget_fits_every_evaluation_pass(monkeypatch, tmp_path, flags, pa
     expected = _largest_total(passes, record["step"])
     assert record["total_steps"] == expected
     assert expected != _largest_total(1 if passes > 1 else 4, record["step"])  # it can tell
+    # The re-fits after it: the epoch ends took no time on this clock, and the latest measured
+    # one is what those to come will cost; the run ends at the last fit's count
+    from test_time_budget import _largest_that_fits
+    last = [r for r in metrics(out) if r["type"] == "budget"][-1]
+    assert last["epoch_end_seconds"] == 0.0
+    assert last["total_steps"] == _largest_that_fits(BUDGET_SECONDS, last["step"], 1.0,
+                                                     last["step"], STEPS_PER_EPOCH, 0,
+                                                     GLOBAL_BATCH, eval_seconds=0.0)
     epochs = [r for r in metrics(out) if r["type"] == "epoch"]
-    assert epochs[-1]["step"] == expected and len(epochs) == math.ceil(expected / STEPS_PER_EPOCH)
+    assert epochs[-1]["step"] == last["total_steps"]
+    assert len(epochs) == math.ceil(last["total_steps"] / STEPS_PER_EPOCH)
 
     if passes > 1:  # the same with --max-steps below the fitted count: it ends there
         clock.now = 0.0
@@ -209,10 +218,11 @@ def test_time_budget_fits_every_evaluation_pass(monkeypatch, tmp_path, flags, pa
 
 
 def test_a_budget_run_resumed_keeps_its_step_count_and_ends_bit_identical(monkeypatch, tmp_path):
-    """On the fake clock a budget run is deterministic, so its resume must be exact: stopped
-    after the count is fixed (26 steps, by hand: 13 measured, then 13 steps and two 2 s
-    evaluations fill the 17 s left), resumed from step 20, it keeps 26 without measuring again
-    and ends in the uninterrupted run's weights."""
+    """On the fake clock a budget run is deterministic, so its resume must be exact.  The
+    count is fitted at step 13 (26 steps, by hand: 13 measured, then 13 steps and two 2 s
+    evaluations fill the 17 s left), and again once the epoch end at step 16 has been measured
+    (no time on this clock: 30 steps).  Resumed from step 20, the run keeps the latest fit
+    without measuring again and ends in the uninterrupted run's weights."""
     from accel_train import budget
     from accel_train.trainer import Callbacks
 
@@ -223,7 +233,7 @@ def test_a_budget_run_resumed_keeps_its_step_count_and_ends_bit_identical(monkey
               "--keep-checkpoints", "10"]
     full = tmp_path / "full"
     accel_train_here(*common, "--output-dir", str(full), check=True, callbacks=tick)
-    assert next(r for r in metrics(full) if r["type"] == "budget")["total_steps"] == 26
+    assert [r["total_steps"] for r in metrics(full) if r["type"] == "budget"] == [26, 30]
     copy = tmp_path / "copy"
     shutil.copytree(full, copy)
     for later in _steps(copy / "checkpoints"):
@@ -234,7 +244,7 @@ def test_a_budget_run_resumed_keeps_its_step_count_and_ends_bit_identical(monkey
     accel_train_here(*common, "--resume", str(copy), "--output-dir", str(resumed), check=True,
                      callbacks=tick)
     assert not [r for r in metrics(resumed) if r["type"] == "budget"]
-    assert [r["step"] for r in metrics(resumed) if r["type"] == "epoch"][-1] == 26
+    assert [r["step"] for r in metrics(resumed) if r["type"] == "epoch"][-1] == 30
     a = load_file(str(full / "model.safetensors"))
     b = load_file(str(resumed / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)

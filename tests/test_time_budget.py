@@ -68,17 +68,21 @@ def _total(clock, seconds, elapsed, step_seconds, steps_done, steps_per_epoch, e
 
 
 def _largest_that_fits(seconds, elapsed, step_seconds, steps_done, steps_per_epoch,
-                       eval_images, global_batch) -> int | None:
-    """Brute force: the most steps whose remaining training plus the evaluations at the ends of
-    all its epochs, the last (partial or not: the final evaluation) included, fit the time left
-    (an evaluated image costs EVAL_COST_PER_IMAGE of a trained one)."""
+                       eval_images, global_batch, eval_seconds=None) -> int | None:
+    """Brute force: the most steps whose remaining training plus the evaluations still to come
+    at the ends of its epochs, the last (partial or not: the final evaluation) included, fit
+    the time left.  An evaluation costs `eval_seconds` when one was measured, else an evaluated
+    image costs EVAL_COST_PER_IMAGE of a trained one.  The epoch ends already behind are those
+    of the epochs finished before step `steps_done` (a fit inside an epoch's last step still
+    has that epoch's end to come)."""
     left = seconds - elapsed
-    evaluation = eval_images * budget.EVAL_COST_PER_IMAGE * step_seconds / global_batch
+    if eval_seconds is None:
+        eval_seconds = eval_images * budget.EVAL_COST_PER_IMAGE * step_seconds / global_batch
+    behind = sum(1 for end in range(steps_per_epoch, steps_done, steps_per_epoch))
     best = None
     for total in range(steps_done + 1, steps_done + int(left / step_seconds) + 2):
-        needed = (total - steps_done) * step_seconds + \
-            math.ceil(total / steps_per_epoch) * evaluation
-        if needed <= left + 1e-9:
+        to_come = math.ceil(total / steps_per_epoch) - behind
+        if (total - steps_done) * step_seconds + to_come * eval_seconds <= left + 1e-9:
             best = total
     return best
 
@@ -120,12 +124,19 @@ def test_step_count_is_the_largest_that_fits_when_evaluations_are_costly(clock):
 ], ids=str)
 def test_step_count_fits_and_is_the_largest_that_does(clock, case):
     total = _total(clock, *case)
-    seconds, elapsed, step_seconds, steps_done, steps_per_epoch, eval_images, batch = case
-    evaluation = eval_images * budget.EVAL_COST_PER_IMAGE * step_seconds / batch
-    needed = (total - steps_done) * step_seconds + \
-        math.ceil(total / steps_per_epoch) * evaluation
-    assert needed <= seconds - elapsed + 1e-9, "the schedule does not fit the budget"
     assert total == _largest_that_fits(*case), (total, _largest_that_fits(*case))
+
+
+def test_epoch_ends_already_behind_are_not_budgeted_again(clock):
+    # 100 s, 40 s gone at step 25 with 10 steps an epoch: the ends of epochs 1 and 2 are behind
+    # (their time is in the 40 s), epoch 3's (at step 30) is to come.  1 s a step, an evaluation
+    # 5 s (100 images x 0.5 x 1 s / 10).  Left 60 s: 45 steps = 20 more (20 s) + the ends of
+    # epochs 3, 4, 5 (15 s) = 35 s; 49 steps = 24 s + 15 s; 50 steps = 25 + 15 = 40 s; 51 steps
+    # need a sixth end: 26 + 20 = 46 s; ... 55 steps = 30 + 20 = 50 s; 56 need a seventh: 31 + 25
+    # = 56 s; 59 steps = 34 + 25 = 59 s; 60 steps = 35 + 25 = 60 s fits; 61 needs an eighth.
+    assert _total(clock, 100, 40, 1.0, 25, 10, 100, 10) == 60
+    # At step 30 (epoch 3's last step, its end still to come) the same count.
+    assert _total(clock, 100, 45, 1.0, 30, 10, 100, 10) == 60
 
 
 def test_a_budget_with_no_room_for_a_step_is_a_usage_error(clock):
@@ -135,15 +146,18 @@ def test_a_budget_with_no_room_for_a_step_is_a_usage_error(clock):
         _total(clock, 10, 12, 0.5, 13, 50, 0, 100)  # already over
 
 
-def _readings(clock, timer, first_step, step_times):
+def _readings(clock, timer, first_step, step_times, refits: bool = False):
     """Drive `timer` through steps taking `step_times` seconds each (settling every reading as
-    a single rank would); the (step, reading, final?) triples it gave."""
+    a single rank would); the (step, reading, fit now?) triples it gave, up to the first fit
+    (or all of them, with `refits`)."""
     answers = []
     for step, seconds in enumerate(step_times, start=first_step + 1):
         clock.now += seconds
         reading = timer.measure(step)
         if reading is not None:
             answers.append((step, pytest.approx(reading), timer.settle(reading)))
+            if answers[-1][2] and not refits:
+                break
     return answers
 
 
@@ -171,7 +185,7 @@ def test_a_long_budget_times_a_second_window_after_the_machine_settles(clock):
     answers = _readings(clock, timer, 0, [5.0] * 3 + [1.0] * 10 + [0.7] * 12 + [0.5] * 70)
     assert answers == [(13, pytest.approx(1.0), False), (73, pytest.approx(0.5), True)], answers
     assert (timer.pilot_seconds, timer.step_seconds) == (pytest.approx(1.0), pytest.approx(0.5))
-    assert timer.measure(74) is None  # fixed once
+    assert timer.measure(74) is None  # the next window (for a re-fit) has only just begun
 
 
 def test_the_pilot_starts_right_after_the_warm_steps(clock):
@@ -220,9 +234,39 @@ def test_an_epoch_end_inside_the_window_is_left_out(clock):
             with timer.paused():
                 clock.now += 30.0
     assert answers == [(13, pytest.approx(1.0), False), (73, pytest.approx(0.5), True)], answers
-    # 3 x 5 + 10 x 1 + 12 x 0.7 + 48 x 0.5 s of steps and three 30 s epoch ends, at step 73
+    # 3 x 5 + 10 x 1 + 12 x 0.7 + 48 x 0.5 s of steps and three 30 s epoch ends, at step 73;
+    # the epoch end measured (30 s) is what the ones to come will cost, the estimate (here 0 s:
+    # no held-out images) no longer counts.
     elapsed = 15 + 10 + 8.4 + 24 + 90
-    assert timer.total_steps(0.5, 73, 20, 0, 100, FLAG) == 73 + int((600 - elapsed) / 0.5)
+    assert timer.epoch_end_seconds == pytest.approx(30.0)
+    assert timer.total_steps(0.5, 73, 20, 0, 100, FLAG) == \
+        _largest_that_fits(600, elapsed, 0.5, 73, 20, 0, 100, eval_seconds=30.0)
+
+
+def test_after_the_fit_each_window_of_two_percent_is_timed_for_a_re_fit(clock):
+    """The 600 s run fitted at step 73 (0.5 s a step): windows of 2% of the budget in steps at
+    the agreed pace follow with no step left out: 24 steps (12 s / 0.5 s) twice, the second
+    timing steps of 1 s (another job arrived), then windows of 12 steps; each reading is a
+    fit."""
+    assert budget.REFIT_FRACTION == 0.02
+    clock.now = 0.0
+    timer = TimeBudget(600)
+    timer.start(0)
+    times = [5.0] * 3 + [1.0] * 10 + [0.7] * 12 + [0.5] * 48 + [0.5] * 24 + [1.0] * 36
+    answers = _readings(clock, timer, 0, times, refits=True)
+    assert answers == [(13, pytest.approx(1.0), False), (73, pytest.approx(0.5), True),
+                       (97, pytest.approx(0.5), True), (121, pytest.approx(1.0), True),
+                       (133, pytest.approx(1.0), True)], answers
+
+
+def test_a_late_fit_with_no_time_left_ends_the_run_where_it_stands(clock):
+    clock.now = 0.0
+    timer = TimeBudget(100)
+    timer.start(0)
+    clock.now = 50.0
+    assert timer.total_steps(0.5, 13, 50, 0, 100, FLAG) > 13  # the first fit
+    clock.now = 100.5  # the machine slowed down and the budget is spent
+    assert timer.total_steps(5.0, 60, 50, 0, 100, FLAG) == 60  # no error: stop here
 
 
 # -- 2 processes under torchrun -------------------------------------------------------------------
@@ -367,9 +411,11 @@ def test_the_budget_replaces_epochs_even_when_they_are_fewer_than_the_measured_s
     records = _budget_records(out)
     assert len(records) == 1, "no step count was fixed: the budget was ignored"
     train_steps = [r["step"] for r in metrics(out) if r["type"] == "train"]
-    # 13 s measured, 7 s left: 3 more steps and two 2 s evaluations (64 images, half a step's
-    # cost per 16) fit; a 17th step would need a third evaluation
-    assert train_steps[-1] == records[0]["total_steps"] == 16
+    # 13 s measured, 7 s left.  The epoch end at step 8 took no time on this clock (it moves
+    # with micro-batches only), and a measured epoch end replaces the estimate: 7 more steps
+    # (the re-fits, every step, read the same pace and change nothing)
+    assert records[0]["epoch_end_seconds"] == 0.0
+    assert train_steps[-1] == records[0]["total_steps"] == 20
 
 
 @pytest.mark.slow
@@ -382,3 +428,51 @@ def test_ranks_agree_on_the_step_count_when_their_clocks_start_apart(stopped_and
     assert run.announced_before[0] == run.announced_before[1] == [total], run.announced_before
     assert max(checkpoint_steps(run.out)) == total
     assert _state(run.out, total)["total_steps"] == total
+
+
+def _lr_by_hand(step: int, warmup: int, fits: list[dict], peak: float) -> float:
+    """The learning rate after optimizer step `step` (the next update's), from the fits
+    recorded in metrics.jsonl: warmup, then from each fit a cosine from the factor it recorded
+    down to zero at its total."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    fit = [f for f in fits if f["step"] <= step][-1]
+    start = max(warmup, fit["step"])
+    progress = min(1.0, (step - start) / max(1, fit["total_steps"] - start))
+    return peak * fit["lr_factor"] * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def test_a_load_that_goes_away_is_followed_and_the_run_ends_on_its_budget(tmp_path, clock):
+    """Another job holds the cores for the first 30 steps (1 s a step on the fake clock), then
+    leaves (0.25 s a step).  The first fit, at step 13 and 1 s a step, plans 52 steps (39 s, and
+    four evaluations estimated at 2 s: 64 images at half a step's cost per 16); the re-fits
+    follow the new pace (and the epoch ends measured: no time on this clock), and the run ends
+    on its 60 s, not after the 52 steps (at 37.5 s) the first fit planned.
+    The learning rate never jumps: each fit continues the cosine from where it stood (checked
+    against the formula, from the fits metrics.jsonl recorded)."""
+    from accel_train.trainer import Callbacks
+    out = tmp_path / "run"
+    command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "60s",
+               "--log-every", "1", "--output-dir", str(out)]
+
+    def tick(step, keys):
+        clock.now += 1.0 if step <= 30 else 0.25
+
+    accel_train_here(*command, check=True, callbacks=Callbacks(on_micro_batch=tick))
+    fits = _budget_records(out)
+    train = [r for r in metrics(out) if r["type"] == "train"]
+    assert (fits[0]["step"], fits[0]["total_steps"], fits[0]["step_seconds"]) == (13, 52, 1)
+    assert len(fits) > 2 and fits[-1]["step_seconds"] == 0.25
+    assert train[-1]["step"] == fits[-1]["total_steps"] > 52
+    # 30 steps of 1 s, then 0.25 s each: the budget's 60 s end within a step of the last
+    ended = 30 + 0.25 * (train[-1]["step"] - 30)
+    assert 60 - 0.25 < ended <= 60, ended
+
+    warmup, peak = 16, 0.05  # 1 epoch of 256 / 16; the default peak
+    for step in range(1, train[-1]["step"]):
+        logged = [r["lr"] for r in train if r["step"] == step][0]
+        assert logged == pytest.approx(_lr_by_hand(step, warmup, fits, peak), rel=1e-6), step
+    for before, fit in zip(fits, fits[1:]):  # continuity: each fit starts where the last stood
+        if fit["step"] >= warmup:
+            assert peak * fit["lr_factor"] == pytest.approx(
+                _lr_by_hand(fit["step"], warmup, [before], peak), rel=1e-6), fit

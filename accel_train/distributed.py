@@ -243,6 +243,22 @@ def slurm_facts(environ: Mapping[str, str] | None = None) -> dict:
             "restart_count": int(env.get("SLURM_RESTART_COUNT") or 0)}
 
 
+def run_lock_job(environ: Mapping[str, str] | None = None) -> Optional[str]:
+    """The job this process belongs to, as the run lock records it (runlock.py): a new round or
+    allocation of the same job may wait for, or take over, its previous holder.  A torchelastic
+    job by its rendezvous id, or (the default id "none") by its agent, the parent of every round
+    of workers on this machine; else a SLURM job (a requeue keeps the job id); else none."""
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" in env:
+        run_id = env["TORCHELASTIC_RUN_ID"]
+        if run_id not in ("", "none"):
+            return f"torchelastic job {run_id}"
+        return f"torchelastic agent pid {os.getppid()} on {socket.gethostname()}"
+    if env.get("SLURM_JOB_ID"):
+        return f"SLURM job {env['SLURM_JOB_ID']}"
+    return None
+
+
 def describe_process() -> str:
     """One line for each rank's own log: who this process is in the group it really joined."""
     env = LauncherEnv.from_environ()

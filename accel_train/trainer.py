@@ -138,7 +138,12 @@ class Trainer:
     @classmethod
     def from_config(cls, config: TrainConfig, callbacks: Optional[Callbacks] = None) -> "Trainer":
         """The launcher's environment and process group, the start plan, then the trainer."""
-        return cls(plan_start(config, distributed.setup(config)), callbacks)
+        plan = plan_start(config, distributed.setup(config))
+        try:
+            return cls(plan, callbacks)
+        except BaseException:
+            plan.release()
+            raise
 
     # -- start --------------------------------------------------------------------------------
     def _choose_speed(self, cuda: bool) -> SpeedChoice:
@@ -489,7 +494,10 @@ class Trainer:
             self.report.say(f"plots: {', '.join(str(path) for path in written)}")
 
     def close(self):
-        self.accelerator.end_training()
+        try:
+            self.accelerator.end_training()
+        finally:
+            self.plan.release()
 
 
 def run_training(config: TrainConfig, callbacks: Optional[Callbacks] = None) -> int:

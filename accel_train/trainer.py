@@ -133,7 +133,8 @@ class Trainer:
         self.metrics = MetricsLog(self.paths.metrics, acc.is_main_process)
         self.progress = Progress(acc.is_main_process, config.progress)
         self._open_records([precision_warning, distributed.single_process_launch_warning(),
-                            distributed.unusable_gpu_warning()])
+                            distributed.unusable_gpu_warning(),
+                            distributed.ignored_dist_url_warning(config, plan.env)])
 
     @classmethod
     def from_config(cls, config: TrainConfig, callbacks: Optional[Callbacks] = None) -> "Trainer":

@@ -127,13 +127,13 @@ def pid_alive(pid: int) -> bool:
 def read_holder(path: Path) -> Optional[Holder]:
     """The lock's holder; None when there is no lock file; a UsageError when it is unreadable."""
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError) as err:
+    except OSError as err:
         raise UsageError(_unreadable(path, first_line(err))) from None
     try:
-        data = json.loads(text)
+        data = json.loads(raw)  # bytes that are not UTF-8 raise a ValueError too
         holder = Holder(str(data["host"]), int(data["pid"]), data.get("started"),
                         data.get("boot_id"), data.get("job"), str(data["token"]))
     except (ValueError, KeyError, TypeError):

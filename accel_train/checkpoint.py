@@ -24,6 +24,7 @@ RNG file, which Accelerate would silently skip if it failed to load, is vetted h
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -34,7 +35,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Optional, Protocol, Sequence
 
-from .errors import UsageError, first_line
+from .errors import DISK_FULL_EXIT, RunStopped, UsageError, first_line
 
 MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.json"
@@ -129,6 +130,54 @@ def check_same_data_order(previous: TrainerState, seed: int, train_samples: int)
         raise UsageError(f"the checkpoint was trained on {previous.train_samples} training "
                          f"images but this start has {train_samples}; resume with the same data "
                          f"options (--max-train-samples, --val-fraction, ...), or start a new run")
+
+
+SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+NEARLY_FULL_BYTES = 1 << 20
+
+
+def free_bytes(path: Path) -> int:
+    """Space left to this user on `path`'s filesystem."""
+    return shutil.disk_usage(path).free
+
+
+def out_of_space(err: BaseException, folder: Path) -> bool:
+    """Whether a checkpoint write failed for want of space (a full disk, or over quota).
+    Python's own writes raise OSError(ENOSPC or EDQUOT); safetensors raises its own error
+    type that keeps only the OS's text; torch.save's C++ writer says only "unexpected pos", so
+    for an error without either the filesystem is asked whether it is (nearly) full."""
+    seen: set[int] = set()
+    link: Optional[BaseException] = err
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno in SPACE_ERRNOS:
+            return True
+        if any(os.strerror(number) in str(link) for number in SPACE_ERRNOS):
+            return True
+        link = link.__cause__ or link.__context__
+    try:
+        return free_bytes(folder) < NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) \
+        if folder.is_dir() else 0
+
+
+def _newest_file(folder: Path) -> Optional[Path]:
+    """The file written last: the one being written when a save failed."""
+    files = [p for p in folder.rglob("*") if p.is_file()] if folder.is_dir() else []
+    return max(files, key=lambda p: p.stat().st_mtime_ns) if files else None
+
+
+def _size(count: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count} bytes"  # not reached
 
 
 def checkpoint_name(step: int) -> str:
@@ -328,6 +377,19 @@ class Checkpointer:
         step = self.state.step
         final = self.root / checkpoint_name(step)
         tmp = self.root / (TMP_PREFIX + final.name)
+        try:
+            self._write(step, tmp, final)
+        except Exception as err:
+            if not out_of_space(err, self.root):
+                raise
+            raise RunStopped(self._out_of_space_message(err, tmp, final), DISK_FULL_EXIT) \
+                from err
+        if self.is_main:
+            self._prune()
+        self.barrier()
+        return final
+
+    def _write(self, step: int, tmp: Path, final: Path) -> None:
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -343,9 +405,25 @@ class Checkpointer:
                 self.before_manifest(step, tmp)
             write_manifest(tmp, step)
             self._publish(tmp, final)
-            self._prune()
-        self.barrier()
-        return final
+
+    def _out_of_space_message(self, err: Exception, tmp: Path, final: Path) -> str:
+        """Remove the partial save (it holds the space that is missing) and say what happened,
+        what a checkpoint needs and where to resume from."""
+        free = free_bytes(self.root)
+        name = getattr(err, "filename", None) or _newest_file(tmp) or tmp
+        written = _folder_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        complete = [p for p in list_checkpoints(self.root) if (p / MANIFEST).is_file()]
+        if complete:
+            need = f"a checkpoint of this run takes {_size(_folder_bytes(complete[0]))}"
+            then = f"to continue from {complete[0]}"
+        else:
+            need = f"it had written {_size(written)} when it failed"
+            then = "to start again (no checkpoint was complete yet)"
+        return (f"no space left on the device of {self.root} (disk full or quota reached) "
+                f"while writing {Path(name).name} of checkpoint {final.name}: {need}, "
+                f"{_size(free)} was free; removed the partial "
+                f"save; free some space, then run the same command with --resume auto {then}")
 
     def restore(self, path: Path) -> None:
         """Every part from a checkpoint that `resolve_resume` verified, on every rank; a

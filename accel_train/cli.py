@@ -14,7 +14,7 @@ from dataclasses import MISSING, fields
 from typing import Callable, Sequence
 
 from .config import PRECISIONS, TrainConfig, load_run_yaml
-from .errors import UsageError
+from .errors import RunStopped, UsageError
 
 GROUP_TITLES = {
     "data": "data",
@@ -181,6 +181,12 @@ def _one_line(err: UsageError) -> str:
     return " ".join(text.split("\n"))
 
 
+def _error_prefix() -> str:
+    rank = os.environ.get("RANK")
+    return "accel_train: error: " if rank in (None, "0") else \
+        f"accel_train: error (rank {rank}): "
+
+
 def main(argv: Sequence[str] | None = None, callbacks=None) -> int:
     """The command line.  `callbacks` (trainer.Callbacks) reach the training loop: the seam
     through which a program that wraps this CLI (the fault-injection tests) observes a run."""
@@ -203,12 +209,11 @@ def main(argv: Sequence[str] | None = None, callbacks=None) -> int:
     try:
         return commands[name](rest) or 0
     except UsageError as err:
-        prefix = "accel_train: error: "
-        rank = os.environ.get("RANK")
-        if rank not in (None, "0"):
-            prefix = f"accel_train: error (rank {rank}): "
-        print(prefix + _one_line(err), file=sys.stderr)
+        print(_error_prefix() + _one_line(err), file=sys.stderr)
         return 2
+    except RunStopped as err:  # a full disk: one line, its own exit code (errors.py)
+        print(_error_prefix() + " ".join(str(err).split("\n")), file=sys.stderr)
+        return err.exit_code
     except KeyboardInterrupt:
         print("accel_train: interrupted", file=sys.stderr)
         return 130

@@ -100,7 +100,9 @@ def check_manual_flags(config: TrainConfig, env: LauncherEnv, cuda_count: int) -
     """The seed manual's --world_size/--rank/--local_rank/--dist_url/--gpu_ids, checked.
 
     With a launcher they must agree with what it set; without one, --world_size > 1 needs
-    --rank and --dist_url (the classic manual start, one command per process).
+    --rank and --dist_url (the classic manual start, one command per process), and a single
+    process takes no --rank but 0 and a well-formed --dist_url, which it then ignores, saying so
+    (`ignored_dist_url_warning`).
     """
     if env.launched:
         pairs = (("world_size", config.world_size, env.world_size, "WORLD_SIZE"),
@@ -128,6 +130,8 @@ def check_manual_flags(config: TrainConfig, env: LauncherEnv, cuda_count: int) -
     elif config.rank not in (None, 0):
         raise UsageError(f"--rank {config.rank} given for a single process; add --world_size "
                          f"and --dist_url, or use a launcher")
+    elif config.dist_url is not None:
+        _parse_dist_url(config.dist_url)  # checked even where unused (ignored_dist_url_warning)
 
     if config.gpu_ids is not None:
         ids = parse_gpu_ids(config.gpu_ids)
@@ -138,6 +142,17 @@ def check_manual_flags(config: TrainConfig, env: LauncherEnv, cuda_count: int) -
             raise UsageError(f"--gpu_ids {config.gpu_ids} lists {len(ids)} GPU(s) for "
                              f"{env.local_world_size} processes on this machine; list one per "
                              f"process")
+
+
+def ignored_dist_url_warning(config: TrainConfig, env: LauncherEnv) -> Optional[str]:
+    """A single process without a launcher (--world_size 1 or none) starts no process group,
+    so --dist_url has nothing to address; said rather than silently dropped (it often means the
+    other flags of a hand-started group were forgotten)."""
+    if env.launched or config.dist_url is None or (config.world_size or 1) > 1:
+        return None
+    return (f"--dist_url {config.dist_url} is ignored: this is a single process (world size 1, "
+            f"no launcher), which starts no process group; to start a group by hand give each "
+            f"process --world_size N --rank R and the same --dist_url, or drop --dist_url")
 
 
 def _show_only_the_gpus_asked_for(gpu_ids: str) -> None:
@@ -240,6 +255,22 @@ def slurm_facts(environ: Mapping[str, str] | None = None) -> dict:
             "node_id": int(env.get("SLURM_NODEID", 0)),
             "num_nodes": int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1),
             "restart_count": int(env.get("SLURM_RESTART_COUNT") or 0)}
+
+
+def run_lock_job(environ: Mapping[str, str] | None = None) -> Optional[str]:
+    """The job this process belongs to, as the run lock records it (runlock.py): a new round or
+    allocation of the same job may wait for, or take over, its previous holder.  A torchelastic
+    job by its rendezvous id, or (the default id "none") by its agent, the parent of every round
+    of workers on this machine; else a SLURM job (a requeue keeps the job id); else none."""
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" in env:
+        run_id = env["TORCHELASTIC_RUN_ID"]
+        if run_id not in ("", "none"):
+            return f"torchelastic job {run_id}"
+        return f"torchelastic agent pid {os.getppid()} on {socket.gethostname()}"
+    if env.get("SLURM_JOB_ID"):
+        return f"SLURM job {env['SLURM_JOB_ID']}"
+    return None
 
 
 def describe_process() -> str:

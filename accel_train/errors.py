@@ -13,3 +13,18 @@ def first_line(err: BaseException, limit: int = 160) -> str:
     """A library error's first line (its type's name if it has no text), cut to `limit`
     characters: the reason inside one of our one-line messages."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:limit]
+
+
+class RunStopped(Exception):
+    """A runtime failure that is not bad input (the disk filled up while a checkpoint was
+    written): the CLI prints the message as one line and exits with `exit_code`, without a
+    traceback.  Anything not foreseen stays a traceback."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# sysexits.h's EX_IOERR ("an error occurred while doing I/O on some file"): neither bad input (2)
+# nor a stop by signal (143, 130), nor Python's 1 for a traceback.
+DISK_FULL_EXIT = 74

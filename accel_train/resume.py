@@ -13,14 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import distributed
+from . import distributed, runlock
 from .checkpoint import (NAME_PATTERN, SUPERSEDED_PREFIX, TrainerState, check_format,
                          find_latest_valid, list_checkpoints, read_state,
                          recover_interrupted_saves, verify)
 from .config import TrainConfig
 from .distributed import LauncherEnv
 from .errors import UsageError
-from .rundir import CHECKPOINTS_DIR, prepare_output_dir, run_paths
+from .rundir import CHECKPOINTS_DIR, prepare_output_dir, refuse_new_run_over_old, run_paths
+from .runlock import RunLock
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,12 @@ class StartPlan:
     previous: Optional[TrainerState]  # its trainer state
     messages: tuple[str, ...] = ()  # what planning printed, for the run's log ("warning: ...")
     kept_choices: tuple[str, ...] = ()  # what auto chose at the run's start, kept (keep_choices)
+    lock: Optional[RunLock] = None  # the output directory's, on the global main rank
+
+    def release(self) -> None:
+        """The run is over (finished, failed or stopped): another may write here."""
+        if self.lock is not None:
+            self.lock.release()
 
 
 def plan_start(config: TrainConfig, env: LauncherEnv) -> StartPlan:
@@ -51,19 +58,34 @@ def plan_start(config: TrainConfig, env: LauncherEnv) -> StartPlan:
         say(f"warning: {text}")
 
     resume = resume_policy(config, env)
-    output_dir = Path(distributed.decide_on_main(lambda: prepare_output_dir(config, resume, env)))
-    checkpoint_dir = Path(config.checkpoint) if config.checkpoint else \
-        run_paths(output_dir).checkpoints
-    resume_from = distributed.decide_on_main(
-        lambda: choose_resume_point(checkpoint_dir, resume, warn))
-    resume_from = Path(resume_from) if resume_from else None
-    previous = read_state(resume_from) if resume_from else None
-    kept: tuple[str, ...] = ()
-    if previous is not None:
-        config = keep_global_batch(config, previous, env.world_size, say)
-        config, kept = keep_choices(config, previous)
+    held: list[RunLock] = []  # the main rank's lock on the output directory
+
+    def choose_and_lock() -> str:
+        path = Path(prepare_output_dir(config, env))
+        # Before anything below reads, moves or deletes a file there: a second start on the
+        # same folder stops here (runlock.py).
+        held.append(runlock.take(run_paths(path).lock, distributed.run_lock_job(), warn))
+        refuse_new_run_over_old(path, resume)
+        return str(path)
+
+    try:
+        output_dir = Path(distributed.decide_on_main(choose_and_lock))
+        checkpoint_dir = Path(config.checkpoint) if config.checkpoint else \
+            run_paths(output_dir).checkpoints
+        resume_from = distributed.decide_on_main(
+            lambda: choose_resume_point(checkpoint_dir, resume, warn))
+        resume_from = Path(resume_from) if resume_from else None
+        previous = read_state(resume_from) if resume_from else None
+        kept: tuple[str, ...] = ()
+        if previous is not None:
+            config = keep_global_batch(config, previous, env.world_size, say)
+            config, kept = keep_choices(config, previous)
+    except BaseException:
+        for lock in held:
+            lock.release()
+        raise
     return StartPlan(config, env, output_dir, checkpoint_dir, resume, resume_from, previous,
-                     tuple(messages), kept)
+                     tuple(messages), kept, held[0] if held else None)
 
 
 def keep_choices(config: TrainConfig, previous: TrainerState) -> tuple[TrainConfig,

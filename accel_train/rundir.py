@@ -29,6 +29,7 @@ WEIGHTS_FILE = "model.safetensors"  # also in export folders
 SPEC_FILE = "model_config.json"     # also in checkpoints and export folders
 ELASTIC_JOB_FILE = "elastic_run_id"  # the rendezvous id of the torchelastic job that started it
 BAD_IMAGES_FILE = "bad_images.txt"  # images that could not be decoded: "name<TAB>reason" lines
+LOCK_FILE = "run.lock"  # held by the run that writes here (runlock.py)
 
 PACKAGES = ("accel_train", "torch", "torchvision", "accelerate", "timm", "datasets",
             "safetensors", "numpy")
@@ -76,6 +77,10 @@ class RunPaths:
     def bad_images(self) -> Path:
         return self.root / BAD_IMAGES_FILE
 
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK_FILE
+
     def markers(self) -> tuple[Path, ...]:
         """What only a run leaves behind."""
         return (self.metrics, self.weights, self.checkpoints, self.config)
@@ -89,9 +94,9 @@ def _holds_a_run(path: Path) -> bool:
     return path.is_dir() and any(marker.exists() for marker in run_paths(path).markers())
 
 
-def prepare_output_dir(config: TrainConfig, resume, env) -> str:
+def prepare_output_dir(config: TrainConfig, env) -> str:
     """Pick the run directory without creating or touching anything (a failed start must leave
-    no trace), refusing to start a new run on top of an old one."""
+    no trace)."""
     if config.output_dir is None:
         if env.max_restarts > 0:
             raise UsageError("elastic restarts (--max-restarts) need a fixed --output-dir so that "
@@ -105,10 +110,14 @@ def prepare_output_dir(config: TrainConfig, resume, env) -> str:
     path = Path(config.output_dir)
     if path.exists() and not path.is_dir():
         raise UsageError(f"--output-dir {path} is a file; pass a folder")
-    if resume is None and _holds_a_run(path):
-        raise UsageError(f"--output-dir {path} already holds a run; pass --resume auto to "
-                         f"continue it, or choose a new --output-dir")
     return str(path)
+
+
+def refuse_new_run_over_old(output_dir: Path, resume) -> None:
+    """A new run must not start on top of an old one."""
+    if resume is None and _holds_a_run(output_dir):
+        raise UsageError(f"--output-dir {output_dir} already holds a run; pass --resume auto "
+                         f"to continue it, or choose a new --output-dir")
 
 
 def package_versions() -> dict[str, str]:

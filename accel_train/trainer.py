@@ -135,13 +135,19 @@ class Trainer:
         self.metrics = MetricsLog(self.paths.metrics, acc.is_main_process)
         self.progress = Progress(acc.is_main_process, config.progress)
         self._open_records([precision_warning, distributed.unusable_gpu_warning(),
+                            distributed.ignored_dist_url_warning(config, plan.env),
                             accelerate_fp16_note(config.mixed_precision, self.precision,
                                                  os.environ)])
 
     @classmethod
     def from_config(cls, config: TrainConfig, callbacks: Optional[Callbacks] = None) -> "Trainer":
         """The launcher's environment and process group, the start plan, then the trainer."""
-        return cls(plan_start(config, distributed.setup(config)), callbacks)
+        plan = plan_start(config, distributed.setup(config))
+        try:
+            return cls(plan, callbacks)
+        except BaseException:
+            plan.release()
+            raise
 
     # -- start --------------------------------------------------------------------------------
     def _choose_speed(self, cuda: bool) -> SpeedChoice:
@@ -506,7 +512,10 @@ class Trainer:
             self.report.say(f"plots: {', '.join(str(path) for path in written)}")
 
     def close(self):
-        self.accelerator.end_training()
+        try:
+            self.accelerator.end_training()
+        finally:
+            self.plan.release()
 
 
 def run_training(config: TrainConfig, callbacks: Optional[Callbacks] = None) -> int:

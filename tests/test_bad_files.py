@@ -131,3 +131,27 @@ def test_a_parquet_file_damaged(cifar10_layout, tmp_path, command, corruption):
     line = _one_line(accel_train_here(*args), data / "train.parquet")
     assert "is not a readable parquet file" in line and "copy it again" in line
     assert not out.exists()
+
+
+def _empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("corruption", [*CORRUPTIONS, "empty"])
+def test_a_run_lock_damaged(trained, tmp_path, corruption):
+    """The run folder's run.lock (accel_train/runlock.py) cut short, garbage or empty, found by a
+    --resume auto: one line naming it and what to do (it may be a lock being written just now,
+    so it is never taken for stale), the folder byte-identical."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    lock = run / "run.lock"
+    lock.write_text('{"host": "vm", "pid": 1, "started": null, "boot_id": null, "job": null, '
+                    '"token": "0123456789abcdef"}\n')
+    {**CORRUPTIONS, "empty": _empty}[corruption](lock)
+    before = _hashes(run)
+    line = _one_line(accel_train_here(*TINY_TRAIN, "--max-steps", "2", "--output-dir", str(run),
+                                      "--resume", "auto"), lock)
+    assert line == (f"accel_train: error: {lock} cannot be read (not a lock record: empty, cut "
+                    f"short or garbage); another start may be writing it just now: if no run "
+                    f"uses {run}, delete {lock} and start again")
+    assert _hashes(run) == before

@@ -1,0 +1,68 @@
+"""The seed manual's --world_size --rank --gpu_ids --dist_url given to ONE process started
+without a launcher (`python -m accel_train`): each is checked and used, or the run says in one
+line that it is ignored and why; bad values stop in one line (exit 2) with the folder untouched."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from conftest import TINY_TRAIN, accel_train_here
+
+URL = "tcp://127.0.0.1:23456"
+IGNORED = (f"warning: --dist_url {URL} is ignored: this is a single process (world size 1, no "
+           f"launcher), which starts no process group; to start a group by hand give each process "
+           f"--world_size N --rank R and the same --dist_url, or drop --dist_url")
+
+
+@pytest.fixture(autouse=True)
+def no_launcher(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("flags", [["--dist_url", URL],
+                                   ["--world_size", "1", "--rank", "0", "--dist_url", URL]],
+                         ids=["dist_url alone", "world_size 1 rank 0 dist_url"])
+def test_a_dist_url_for_a_single_process_is_said_to_be_ignored(tmp_path, flags):
+    out = tmp_path / "run"
+    result = accel_train_here(*TINY_TRAIN, "--max-steps", "1", *flags, "--output-dir", str(out),
+                              check=True)
+    lines = (result.stdout + result.stderr).splitlines()
+    assert lines.count(IGNORED) == 1, result.stdout[-3000:]
+    assert "23456" not in "\n".join(line for line in lines if line != IGNORED)
+    facts = yaml.safe_load((out / "config.yaml").read_text())["resolved"]
+    assert facts["world_size"] == 1 and facts["launcher"]["process_group_world_size"] == 1
+    assert "MASTER_PORT" not in os.environ  # nothing was set up from it
+
+
+def test_a_single_process_without_a_dist_url_says_nothing_of_it(tmp_path):
+    result = accel_train_here(*TINY_TRAIN, "--max-steps", "1", "--world_size", "1", "--rank",
+                              "0", "--output-dir", str(tmp_path / "run"), check=True)
+    assert "--dist_url" not in result.stdout + result.stderr
+
+
+BAD = [
+    (["--rank", "1"], "--rank 1 given for a single process; add --world_size and --dist_url, "
+                      "or use a launcher"),
+    (["--world_size", "1", "--rank", "1", "--dist_url", URL], "--rank 1 given for a single "
+                                                              "process"),
+    (["--dist_url", "127.0.0.1:23456"], "--dist_url '127.0.0.1:23456' is not of the form "
+                                        "tcp://HOST:PORT"),
+    (["--gpu_ids", "0"], "--gpu_ids 0 given but this machine has no CUDA device"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_a_manual_flag_a_single_process_cannot_use_stops_in_one_line(tmp_path, flags, message):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    result = accel_train_here(*TINY_TRAIN, *flags, "--output-dir", str(out))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("accel_train: error: ") and message in lines[0]
+    assert sorted(os.listdir(out)) == ["notes.txt"]

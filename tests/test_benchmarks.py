@@ -39,6 +39,10 @@ CASES = {
                  "--max-train", "512", "--recipe-file", "recipes/cifar10-cpu-10min.yaml",
                  "--recipe-file-extra", "--max-steps 2 --batch-size 16"],
     "threads": [*TINY, "--steps", "1", "--conditions", "quiet"],
+    # one loaded arm and its quiet reference: a budget run and a --max-steps run
+    "budget": ["--quick", "--budget", "4", "--hog-seconds", "1", "--arms", "load first",
+               "--extra=--model test_resnet --batch-size 16 --max-eval-samples 64 "
+               "--num-workers 0"],
     # (the first-step arms start the same training command as every other smoke here)
     "index": ["--quick", "--sizes", "300", "--no-first-step"],
     "streaming": [*TINY, "--rss-batches", "4", "--steps", "4", "--skip", "first"],
@@ -49,8 +53,8 @@ CASES = {
             "bf16", "fp16", "--batch", "8", "--steps", "1", "--rounds", "1"],
 }
 # Longest first, so that the two lanes finish together.
-ORDER = ["overhead", "scaling", "accuracy", "seed", "comm", "data", "threads", "checkpoint",
-         "index", "streaming", "gpu", "precision"]
+ORDER = ["overhead", "scaling", "accuracy", "seed", "budget", "comm", "data", "threads",
+         "checkpoint", "index", "streaming", "gpu", "precision"]
 
 
 @pytest.fixture(scope="module")

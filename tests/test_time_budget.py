@@ -443,30 +443,30 @@ def _lr_by_hand(step: int, warmup: int, fits: list[dict], peak: float) -> float:
 
 
 def test_a_load_that_goes_away_is_followed_and_the_run_ends_on_its_budget(tmp_path, clock):
-    """Another job holds the cores for the first 30 steps (1 s a step on the fake clock), then
-    leaves (0.25 s a step).  The first fit, at step 13 and 1 s a step, plans 52 steps (39 s, and
-    four evaluations estimated at 2 s: 64 images at half a step's cost per 16); the re-fits
-    follow the new pace (and the epoch ends measured: no time on this clock), and the run ends
-    on its 60 s, not after the 52 steps (at 37.5 s) the first fit planned.
-    The learning rate never jumps: each fit continues the cosine from where it stood (checked
-    against the formula, from the fits metrics.jsonl recorded)."""
+    """Another job holds the cores for the first 20 steps (1 s a step on the fake clock), then
+    leaves (0.5 s a step).  The first fit, at step 13 and 1 s a step, plans 34 steps of the 40 s
+    (21 s, and three evaluations estimated at 2 s: 64 images at half a step's cost per 16); the
+    re-fits follow the new pace (and the epoch ends measured: no time on this clock), and the
+    run ends on its 40 s, not after the 34 steps (at 27 s) the first fit planned.  The learning
+    rate never jumps: each fit continues the cosine from where it stood (checked against the
+    formula, from the fits metrics.jsonl recorded)."""
     from accel_train.trainer import Callbacks
     out = tmp_path / "run"
-    command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "60s",
+    command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "40s",
                "--log-every", "1", "--output-dir", str(out)]
 
     def tick(step, keys):
-        clock.now += 1.0 if step <= 30 else 0.25
+        clock.now += 1.0 if step <= 20 else 0.5
 
     accel_train_here(*command, check=True, callbacks=Callbacks(on_micro_batch=tick))
     fits = _budget_records(out)
     train = [r for r in metrics(out) if r["type"] == "train"]
-    assert (fits[0]["step"], fits[0]["total_steps"], fits[0]["step_seconds"]) == (13, 52, 1)
-    assert len(fits) > 2 and fits[-1]["step_seconds"] == 0.25
-    assert train[-1]["step"] == fits[-1]["total_steps"] > 52
-    # 30 steps of 1 s, then 0.25 s each: the budget's 60 s end within a step of the last
-    ended = 30 + 0.25 * (train[-1]["step"] - 30)
-    assert 60 - 0.25 < ended <= 60, ended
+    assert (fits[0]["step"], fits[0]["total_steps"], fits[0]["step_seconds"]) == (13, 34, 1)
+    assert len(fits) > 2 and fits[-1]["step_seconds"] == 0.5
+    assert train[-1]["step"] == fits[-1]["total_steps"] > 34
+    # 20 steps of 1 s, then 0.5 s each: the budget's 40 s end within a step of the last
+    ended = 20 + 0.5 * (train[-1]["step"] - 20)
+    assert 40 - 0.5 < ended <= 40, ended
 
     warmup, peak = 16, 0.05  # 1 epoch of 256 / 16; the default peak
     for step in range(1, train[-1]["step"]):

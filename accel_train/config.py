@@ -220,6 +220,11 @@ class TrainConfig:
                                     "(local rank i uses the i-th).", "distributed")
     dist_url: Optional[str] = option(None, "tcp://HOST:PORT of the rank-0 machine (checked "
                                      "against MASTER_ADDR/MASTER_PORT).", "distributed")
+    collective_timeout: Optional[float] = option(
+        None, "Seconds a rank waits in a collective for the others once an epoch's first step is "
+        "done (start-up, epoch ends and checkpoints keep a 30-minute one). Not set: the larger "
+        "of 60 s and 20x the slowest step. A rank that stalls is then named and the run exits "
+        "75, for the elastic launcher to restart from the newest checkpoint.", "distributed")
     # DDP tuning (used with more than one process; see BENCHMARKS.md for what each bought here)
     ddp_bucket_mb: float = option(25.0, "DDP gradient bucket size in MB: gradients are "
                                   "all-reduced bucket by bucket while backward runs.",
@@ -266,6 +271,11 @@ class TrainConfig:
             raise UsageError(f"--val-fraction must be between 0 and 1 (got {self.val_fraction})")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise UsageError(f"--grad-clip must be > 0 (got {self.grad_clip}); omit it to not clip")
+        if self.collective_timeout is not None and not (
+                isinstance(self.collective_timeout, (int, float)) and self.collective_timeout > 0
+                and math.isfinite(self.collective_timeout)):
+            raise UsageError(f"--collective-timeout must be seconds > 0 (got "
+                             f"{self.collective_timeout!r}); omit it for 20x the slowest step")
         if not (isinstance(self.ddp_bucket_mb, (int, float)) and self.ddp_bucket_mb > 0):
             raise UsageError(f"--ddp-bucket-mb must be a number > 0 (got {self.ddp_bucket_mb!r}); "
                              f"25 is DDP's default")

@@ -24,7 +24,6 @@ import re
 import signal
 import socket
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Mapping, Optional, TypeVar
 from urllib.parse import urlparse
@@ -32,13 +31,14 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from .collectives import LONG_TIMEOUT
 from .config import TrainConfig, parse_gpu_ids
 from .errors import UsageError
 
 LAUNCHER_HELP = ("torchrun/accelerate launch set WORLD_SIZE = nnodes x nproc-per-node, RANK and "
                  "LOCAL_RANK per process, and MASTER_ADDR/MASTER_PORT from --master-addr/"
                  "--master-port (or the accelerate YAML's main_process_ip/port)")
-DEFAULT_TIMEOUT = timedelta(minutes=30)
+_STORE: Optional[dist.Store] = None  # the process group's store, once setup made one
 T = TypeVar("T")
 
 
@@ -195,7 +195,7 @@ def _make_store(env: LauncherEnv) -> dist.Store:
     is_master = (not env.agent_store) and env.rank == 0
     base = dist.TCPStore(env.master_addr, env.master_port,
                          None if not is_master else env.world_size, is_master,
-                         timeout=DEFAULT_TIMEOUT, wait_for_workers=False)
+                         timeout=LONG_TIMEOUT, wait_for_workers=False)
     # Only the agent's store outlives a round of workers, so only there can keys go stale.  A
     # store that rank 0 hosts is new each round (the c10d rendezvous without a shared store picks
     # a new port), and there the restart count must stay out of the prefix: it is counted per
@@ -221,8 +221,14 @@ def setup(config: TrainConfig) -> LauncherEnv:
         use_cuda = cuda_count > 0
         if use_cuda:
             torch.cuda.set_device(env.local_rank)
-        dist.init_process_group("nccl" if use_cuda else "gloo", store=_make_store(env),
-                                rank=env.rank, world_size=env.world_size, timeout=DEFAULT_TIMEOUT)
+        # NCCL ends a collective that overruns its timeout only with async error handling on
+        # (its watchdog aborts the communicator); without it a hang would last forever.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        global _STORE
+        _STORE = _make_store(env)
+        # Long, for start-up and the first step; collectives.py tightens it after that.
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=_STORE,
+                                rank=env.rank, world_size=env.world_size, timeout=LONG_TIMEOUT)
     return env
 
 
@@ -457,6 +463,14 @@ def from_main(value: int, control_group) -> int:
     return int(tensor.item())
 
 
+def group_store() -> Optional[dist.Store]:
+    """The store of the process group this module started (None for one process, or a group
+    started by someone else): where the ranks leave their heartbeats (collectives.py)."""
+    return _STORE if dist.is_initialized() else None
+
+
 def teardown() -> None:
+    global _STORE
+    _STORE = None
     if dist.is_initialized():
         dist.destroy_process_group()

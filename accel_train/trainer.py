@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,10 @@ from .autotune import SpeedChoice, choose, step_timer
 from .badimages import BadImageLog
 from .budget import SAY_REFIT_FRACTION, TimeBudget, evaluation_passes, parse_duration
 from .checkpoint import AccelerateState, Checkpointer, TrainerState
+from .collectives import EXIT_STALLED, CollectiveTimeouts, dump_stacks, is_timeout
 from .config import TrainConfig
 from .ema import ModelEma
+from .errors import first_line
 from .evaluate import evaluate_classifier
 from .loading import build_loaders
 from .mixing import maybe_mixup
@@ -131,6 +134,10 @@ class Trainer:
             self.checkpointer.restore(plan.resume_from)
         self.control_group = distributed.cpu_control_group(acc.num_processes)
         self.stop = distributed.StopSignals(self.control_group)
+        self.timeouts = CollectiveTimeouts(
+            [None, *([self.control_group] if self.control_group is not None else [])],
+            distributed.group_store(), acc.process_index, acc.num_processes,
+            config.collective_timeout)
         self.budget = self._maybe_budget()
         self.metrics = MetricsLog(self.paths.metrics, acc.is_main_process)
         self.progress = Progress(acc.is_main_process, config.progress)
@@ -220,7 +227,11 @@ class Trainer:
                             "step_seconds": round(step_seconds, 5),
                             "pilot_step_seconds": round(self.budget.pilot_seconds, 5),
                             "epoch_end_seconds": None if epoch_end is None else
-                            round(epoch_end, 3), "fit": self.budget.fits,
+                            round(epoch_end, 3),
+                            "epoch_end_budgeted": round(self.budget.evaluation_seconds(
+                                passes * len(self.data.held_out), step_seconds,
+                                loaders.global_batch), 3),
+                            "fit": self.budget.fits,
                             "lr_factor": round(self.schedule.decay_from_factor, 6)})
         budget = f"time budget {self.config.time_budget}"
         if first:
@@ -308,12 +319,18 @@ class Trainer:
                     epoch_started = time.perf_counter()
                     if self.train_epoch():
                         return self._stop_for_signal()
+                    self.timeouts.relax()  # evaluation and checkpoint: healthy long waits
                     with self.budget.paused() if self.budget else contextlib.nullcontext():
                         self._end_epoch(time.perf_counter() - epoch_started)
                 if state.samples_in_epoch:  # --max-steps ended mid-epoch
                     self._end_epoch(None)
+            except RuntimeError as err:
+                if not (self.timeouts.active and is_timeout(err)):
+                    raise
+                return self._stalled(err)
             finally:
                 self.progress.close()
+        self.timeouts.relax()
         self.report.say(f"Training took {time.perf_counter() - started:.1f}s")
         if self.bad_images.summary():
             self.report.say(self.bad_images.summary())
@@ -330,6 +347,9 @@ class Trainer:
         set_train_mode(self.model, config.freeze_backbone)
         per_micro_step = config.batch_size * acc.num_processes
         window = LogWindow()
+        # The epoch's first step waits for every rank's loader to start: the long timeout.
+        self.timeouts.relax()
+        first_step, step_started = state.step + 1, time.perf_counter()
         batches = iter(self.train_loader)  # from where the loader stands in its epoch
         while state.step < self.total_steps:
             wait_started = time.perf_counter()
@@ -351,6 +371,12 @@ class Trainer:
             if not self.optimizer.step_was_skipped:  # fp16 overflow: the lr waits too
                 self.scheduler.step()
             state.step += 1
+            self.timeouts.beat(state.step)
+            if state.step > first_step:
+                self.timeouts.observe(time.perf_counter() - step_started)
+            step_started = time.perf_counter()
+            if state.step == first_step:
+                self._agree_on_tight_timeout()
             if self.budget is not None:
                 self._maybe_fit_schedule()
             if self.ema is not None:
@@ -358,6 +384,7 @@ class Trainer:
             if state.step % config.log_every == 0:
                 self._log_window(window)
                 window = LogWindow()
+                self._agree_on_tight_timeout()  # 20x the slowest step seen so far
             if self.stop.agreed():
                 return True
             self._maybe_checkpoint("step")
@@ -466,7 +493,8 @@ class Trainer:
             at_epoch_end = state.samples_in_epoch >= self.train_loader.usable
             if not every or state.step % every or at_epoch_end or state.step >= self.total_steps:
                 return None
-        return self.save_checkpoint(event)
+        with self.timeouts.relaxed():  # rank 0 writes; the others wait at its barrier
+            return self.save_checkpoint(event)
 
     def save_checkpoint(self, why: str = "asked") -> Path:
         """Save now (every rank calls it together); `_maybe_checkpoint` decides when."""
@@ -474,7 +502,26 @@ class Trainer:
         self.report.log(f"saved checkpoint {path} ({why})")
         return path
 
+    def _agree_on_tight_timeout(self):
+        self.timeouts.tighten(lambda seconds: distributed.max_over_ranks(seconds,
+                                                                         self.control_group))
+
+    def _stalled(self, err: RuntimeError) -> int:
+        """A collective timed out: name who stalled, keep this rank's stacks, and exit so that
+        the elastic launcher restarts the group from the newest checkpoint."""
+        line = self.timeouts.describe_stall(self.state.step)
+        log = self.paths.logs / f"rank{self.accelerator.process_index}.log"
+        self.report.log(f"{line} ({first_line(err, 300)})")
+        dump_stacks(log)
+        if self.timeouts.first_to_report():
+            print(f"accel_train: error (rank {self.accelerator.process_index}): {line}; Python "
+                  f"stacks in {log}; exit {EXIT_STALLED}: restart the group (the elastic "
+                  f"launcher does, --max_restarts) with --resume auto", file=sys.stderr,
+                  flush=True)
+        return EXIT_STALLED
+
     def _stop_for_signal(self) -> int:
+        self.timeouts.relax()
         self.bad_images.collect()
         path = self._maybe_checkpoint("stop signal")
         self.report.say(f"stopped by a signal at step {self.state.step}: saved {path}; run the "

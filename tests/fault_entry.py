@@ -7,6 +7,12 @@ root.  The product itself reads none of these variables.
   save of checkpoint STEP stalls after every file but the manifest is written, and says so on
   stdout ("fault injection: stalling the save of step STEP"), so a test can kill the process
   mid-save.  Restarted workers never stall: they must get past the same step to finish.
+* FAULT_STEP_SECONDS=S: every micro-batch of every rank takes at least S seconds more (a slow
+  model), so that a test has time to act between two steps.
+* FAULT_SLOW_SAVE=STEP:S: on the main process, the save of checkpoint STEP takes S seconds more
+  before its manifest (a slow disk); the other ranks wait for it at the save's barrier.
+* FAULT_SLOW_DATA=S: rank 0's data preparation takes S seconds more (the other ranks wait for
+  it before they start on theirs: distributed.main_first).
 * FAULT_SAMPLE_LOG=1: every rank appends the sampler keys (epoch * N + index) of each micro-batch
   it trains on to <output-dir>/logs/samples-rank<R>.jsonl; a resumed start drops the records of
   the steps after its checkpoint (they are about to be redone), as it does for metrics.jsonl.
@@ -21,6 +27,9 @@ import time
 from pathlib import Path
 
 STALL_ENV = "FAULT_STALL_SAVE"
+STEP_SECONDS_ENV = "FAULT_STEP_SECONDS"
+SLOW_SAVE_ENV = "FAULT_SLOW_SAVE"
+SLOW_DATA_ENV = "FAULT_SLOW_DATA"
 SAMPLE_LOG_ENV = "FAULT_SAMPLE_LOG"
 STALL_SECONDS = 300  # long enough for any test to kill us; short enough not to hang CI forever
 SAMPLE_LOG_GLOB = "samples-rank*.jsonl"
@@ -81,16 +90,55 @@ def _output_dir(argv: list[str]) -> Path:
     raise SystemExit(f"{SAMPLE_LOG_ENV} needs --output-dir on the command line")
 
 
+def slow_save(wanted_step: int, seconds: float):
+    def slow(step: int, folder: Path) -> None:
+        if step == wanted_step:
+            print(f"fault injection: the save of step {step} takes {seconds:g} s more",
+                  flush=True)
+            time.sleep(seconds)
+    return slow
+
+
+def slow_data_preparation(seconds: float) -> None:
+    """Rank 0's load_data (the trainer's name for it) takes `seconds` more."""
+    from accel_train import trainer
+
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    load_data = trainer.load_data
+
+    def slower(config):
+        print(f"fault injection: rank 0 prepares the data {seconds:g} s longer", flush=True)
+        time.sleep(seconds)
+        return load_data(config)
+
+    trainer.load_data = slower
+
+
 def callbacks_from_environ(argv: list[str]):
     from accel_train.trainer import Callbacks
 
     callbacks = Callbacks()
     if os.environ.get(STALL_ENV):
         callbacks.before_manifest = stall_before_manifest(int(os.environ[STALL_ENV]))
+    if os.environ.get(SLOW_SAVE_ENV):
+        step, seconds = os.environ[SLOW_SAVE_ENV].split(":")
+        callbacks.before_manifest = slow_save(int(step), float(seconds))
+    if os.environ.get(SLOW_DATA_ENV):
+        slow_data_preparation(float(os.environ[SLOW_DATA_ENV]))
+    step_seconds = float(os.environ.get(STEP_SECONDS_ENV) or 0)
     if os.environ.get(SAMPLE_LOG_ENV, "") not in ("", "0"):
         log = SampleLog(_output_dir(argv) / "logs", int(os.environ.get("RANK", 0)))
         callbacks.on_micro_batch = log.record
         callbacks.on_resume = log.forget_after
+    if step_seconds:
+        record = callbacks.on_micro_batch
+
+        def slowly(step, keys):
+            time.sleep(step_seconds)
+            if record is not None:
+                record(step, keys)
+        callbacks.on_micro_batch = slowly
     return callbacks
 
 

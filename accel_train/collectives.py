@@ -18,10 +18,12 @@ first step, a tight one for the steps after it.
   at its barrier), the stop-signal checkpoint and the final save.  So a slow disk or a long
   evaluation cannot trip the tight timeout: a false restart of a healthy run cannot happen.
 * Every rank leaves a heartbeat in the process group's store after each optimizer step (its
-  step and the time).  When a collective times out, the rank that saw it reads every rank's
-  heartbeat and names the ranks that are behind, writes its Python stacks into its log, and
-  the trainer exits with EXIT_STALLED, so that the elastic launcher (--max_restarts,
-  `accel-train launch --elastic`, a SLURM requeue) restarts the group from the newest checkpoint.
+  step and the time).  When a collective times out, every live rank is waiting in it and times
+  out too: each says so in the store, and the ranks that have not said so within a few seconds
+  are the stalled ones, named with their last heartbeat.  Each live rank writes its Python
+  stacks into its log, and the trainer exits with EXIT_STALLED, so that the elastic launcher
+  (--max_restarts, `accel-train launch --elastic`, a SLURM requeue) restarts the group from the
+  newest checkpoint.
 
 `torch.distributed.set_timeout(timeout, group)` changes a live group's timeout: gloo applies it
 to every later operation's wait (the wait raises in this process); NCCL applies it in its
@@ -46,8 +48,12 @@ TIGHT_MIN_SECONDS = 60.0
 TIGHT_STEPS = 20
 EXIT_STALLED = 75  # sysexits' EX_TEMPFAIL: a temporary failure, worth a restart
 HEARTBEAT_KEY = "accel_train/heartbeat/rank{}"
+TIMED_OUT_KEY = "accel_train/timed_out/rank{}"
 REPORTED_KEY = "accel_train/stall_reported"
 STORE_READ_SECONDS = 10.0  # a store that does not answer in this long is down (its host hung)
+# The live ranks wait in the same collective and time out within moments of each other; each
+# says so in the store, and the ranks that have not after this long are the stalled ones.
+ARRIVAL_GRACE_SECONDS = 5.0
 
 
 def is_timeout(err: BaseException) -> bool:
@@ -114,41 +120,48 @@ class CollectiveTimeouts:
                            json.dumps({"step": step, "time": time.time()}))
 
     # -- when a collective timed out -------------------------------------------------------
-    def _heartbeats(self) -> Optional[dict[int, dict]]:
-        """Every rank's last heartbeat (None for a rank that left none); None if the store does
-        not answer."""
+    def _read(self, key: str) -> Optional[dict]:
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def _who_did_not_arrive(self, my_step: int) -> Optional[dict[int, Optional[dict]]]:
+        """Say in the store that this rank timed out, give the others ARRIVAL_GRACE_SECONDS to
+        say the same, and return the ranks that did not, each with its last heartbeat (None
+        if it left none); None if the store does not answer (its host is the one stalled)."""
         if self.store is None:
             return None
         try:
             self.store.set_timeout(timedelta(seconds=STORE_READ_SECONDS))
-            beats = {}
-            for rank in range(self.world_size):
-                key = HEARTBEAT_KEY.format(rank)
-                beats[rank] = json.loads(self.store.get(key)) if self.store.check([key]) \
-                    else None
-            return beats
+            self.store.set(TIMED_OUT_KEY.format(self.rank), json.dumps({"step": my_step}))
+            others = [rank for rank in range(self.world_size) if rank != self.rank]
+            deadline = time.monotonic() + ARRIVAL_GRACE_SECONDS
+            while True:
+                missing = [rank for rank in others
+                           if not self.store.check([TIMED_OUT_KEY.format(rank)])]
+                if not missing or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            return {rank: self._read(HEARTBEAT_KEY.format(rank)) for rank in missing}
         except (RuntimeError, ValueError):  # the store's host is gone or hung
             return None
 
     def describe_stall(self, my_step: int) -> str:
-        """One line: the timeout, the ranks behind with their last completed step and how long
-        ago, and where this rank stood."""
-        waited = f"{self.tight_seconds:.0f} s" if self._tight_now else \
-            f"{LONG_TIMEOUT.total_seconds():.0f} s (the long timeout)"
-        head = (f"a collective waited {waited} for another rank (--collective-timeout); this "
-                f"is rank {self.rank}, at step {my_step}")
-        beats = self._heartbeats()
-        if beats is None:
+        """One line: the timeout, the ranks that never arrived with their last completed step
+        and how long ago, and where this rank stood."""
+        waited = f"{self.tight_seconds:g} s for another rank (--collective-timeout)" \
+            if self._tight_now else \
+            f"{LONG_TIMEOUT.total_seconds():.0f} s for another rank (the long timeout)"
+        head = f"a collective waited {waited}; this is rank {self.rank}, at step {my_step}"
+        absent = self._who_did_not_arrive(my_step)
+        if absent is None:
             return (f"{head}; the process group's store does not answer, so its host (rank 0 "
                     f"or the launcher's agent) is the one that stalled")
-        now, furthest = time.time(), max([my_step] + [b["step"] for b in beats.values() if b])
-        behind = [f"rank {rank} (last completed step {beat['step']}, "
-                  f"{now - beat['time']:.0f} s ago)" if beat else f"rank {rank} (no step yet)"
-                  for rank, beat in beats.items()
-                  if rank != self.rank and (beat is None or beat["step"] < furthest)]
-        if not behind:
-            return f"{head}; every rank reached step {furthest}: none is behind by a step"
-        return f"{head}; stalled: {', '.join(behind)}"
+        if not absent:
+            return f"{head}; every rank timed out waiting: none stalled alone (a network fault?)"
+        now = time.time()
+        names = [f"rank {rank} (last completed step {beat['step']}, {now - beat['time']:.0f} s "
+                 f"ago)" if beat else f"rank {rank} (no step completed)"
+                 for rank, beat in sorted(absent.items())]
+        return f"{head}; stalled: {', '.join(names)}"
 
     def first_to_report(self) -> bool:
         """Only the first live rank to see the timeout prints the line (the others log it)."""

@@ -16,19 +16,45 @@ and never asks which kind it has:
 from __future__ import annotations
 
 import json
+import signal
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 from torch.utils.data import DataLoader
 
 from .data import (Batch, EpochSampler, HeldOutImages, TrainImages, default_num_workers,
                    make_loader, run_transforms)
-from .errors import UsageError
+from .errors import UsageError, first_line
 from .randomness import reseed_loader
 from .streaming import STREAM_STATE, build_stream_loader, streaming_wanted
 
 LOADER_STATE = "loader.json"  # in each checkpoint of an indexed run
+MAX_WORKER_RESTARTS = 3  # per epoch: a worker that keeps dying is a bug to see, not to hide
+
+
+def worker_died(err: RuntimeError) -> bool:
+    """torch's words for a loader worker that exited or was killed."""
+    text = str(err)
+    return "DataLoader worker (pid" in text and ("exited unexpectedly" in text
+                                                 or "killed by signal" in text)
+
+
+def watch_workers_quietly(loader) -> Iterator:
+    """Iterate `loader` with torch's SIGCHLD handler taken out once its workers exist.  That
+    handler raises "DataLoader worker ... is killed by signal" wherever the main thread happens
+    to be (seen: in the middle of a checkpoint write, which then failed); without it the loader
+    finds a dead worker at its next batch (torch checks every MP_STATUS_CHECK_INTERVAL, 5 s),
+    where IndexedTrainLoader restarts its workers."""
+    for item in loader:
+        # The handler is installed once per process, when the first workers start, so it is
+        # there from the first batch on (Accelerate's loaders start theirs lazily).
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGCHLD) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        yield item
 
 
 class TrainLoader(Protocol):
@@ -36,6 +62,7 @@ class TrainLoader(Protocol):
     epoch: int
     samples_in_epoch: int  # handed out so far in this epoch, all processes together
     usable: int            # samples in a whole epoch, all processes together
+    warn: Callable[[str], None]  # says what it recovered from (a loader worker restarted)
 
     def prepare(self, accelerator) -> None: ...
 
@@ -61,6 +88,7 @@ class IndexedTrainLoader:
         self.rank, self.seed = rank, seed
         self.epoch, self.samples_in_epoch = 0, 0
         self.accelerator = None
+        self.warn = lambda text: print(f"warning: {text}", file=sys.stderr)  # the trainer's
 
     @property
     def usable(self) -> int:
@@ -77,6 +105,27 @@ class IndexedTrainLoader:
         return self.usable // self.per_micro_step
 
     def __iter__(self) -> Iterator[Batch]:
+        """The rest of the epoch.  A loader worker that dies (the kernel's OOM killer does this
+        when workers x prefetch x image size outgrow memory) costs a warning: the workers start
+        again at the same position, and since a batch is a function of its position the run
+        goes on as if nothing had happened."""
+        restarts = 0
+        while True:
+            try:
+                yield from self._from_position()
+                return
+            except RuntimeError as err:
+                if not worker_died(err) or restarts >= MAX_WORKER_RESTARTS:
+                    raise
+                restarts += 1
+                self._drop_workers()
+                self.warn(f"a loader worker died ({first_line(err)}) {self.samples_in_epoch} "
+                          f"samples into epoch {self.epoch + 1}: its workers start again there "
+                          f"({restarts} of at most {MAX_WORKER_RESTARTS} restarts this epoch). "
+                          f"If the kernel's OOM killer did it (dmesg), lower --num-workers, "
+                          f"--prefetch-factor or the image size")
+
+    def _from_position(self) -> Iterator[Batch]:
         self.loader.set_epoch(self.epoch)  # the sampler, which a skipping loader shares
         loader, done = self.loader, self.samples_in_epoch // self.per_micro_step
         if done:
@@ -85,10 +134,18 @@ class IndexedTrainLoader:
         # The prepared and the skipping loader share this generator: the iterator's base seed
         # (its workers' seeds) is a function of (seed, epoch, rank), however the epoch starts.
         reseed_loader(self.generator, self.seed, self.epoch, self.rank)
-        for images, labels, keys, replaced in loader:
+        for images, labels, keys, replaced in watch_workers_quietly(loader):
             # Counted as handed out: a checkpoint after this batch's step includes it.
             self.samples_in_epoch += self.per_micro_step
             yield Batch(images, labels, keys, replaced)
+
+    def _drop_workers(self) -> None:
+        """Persistent workers live in the DataLoader's kept iterator: shut it down, so that the
+        next iteration starts new ones."""
+        kept = getattr(self.loader, "_iterator", None)
+        if kept is not None:
+            kept._shutdown_workers()
+            self.loader._iterator = None
 
     def save(self, folder: Path) -> None:
         (Path(folder) / LOADER_STATE).write_text(json.dumps(

@@ -112,6 +112,7 @@ class Trainer:
                         scheduler_for(optimizer, self.schedule))
         self.train_loader = self.loaders.train
         self.train_loader.prepare(acc)
+        self.train_loader.warn = self.report.warn  # a loader worker restarted, for one
         self.mixup = maybe_mixup(config, self.net.spec.num_classes)
         self.loss_fn = self.mixup.loss_fn if self.mixup is not None else \
             torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
@@ -511,7 +512,8 @@ class Trainer:
         the elastic launcher restarts the group from the newest checkpoint."""
         line = self.timeouts.describe_stall(self.state.step)
         log = self.paths.logs / f"rank{self.accelerator.process_index}.log"
-        self.report.log(f"{line} ({first_line(err, 300)})")
+        # Where this rank waited (the error's traceback), then every thread as it is now.
+        self.report.log_exception(f"{line} ({first_line(err, 300)})")
         dump_stacks(log)
         if self.timeouts.first_to_report():
             print(f"accel_train: error (rank {self.accelerator.process_index}): {line}; Python "

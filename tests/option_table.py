@@ -291,6 +291,12 @@ ROWS: dict[str, Row] = {
     "train --dist-url": effect(
         "test_process_control.py::test_manual_start_without_a_launcher_trains_like_torchrun",
         "the tcp:// address given is where the hand-started group meets"),
+    "train --collective-timeout": effect(
+        "test_elastic.py::test_a_stalled_rank_is_named_and_the_group_restarts_bit_identical",
+        "rank 1 stopped (SIGSTOP): rank 0 reports 'a collective waited 3 s', naming rank 1 and "
+        "its last step, within 3 s + 10 s of the stop (the default would wait >= 60 s); the "
+        "restarted group ends with the never-stalled run's weights; and "
+        "test_slow_data_preparation_and_a_slow_checkpoint_do_not_trip_the_tight_timeout"),
     "train --ddp-bucket-mb": effect(
         f"{FLAGS}::test_ddp_knobs_reach_the_ddp_wrapper",
         "a DDP probe sees bucket_bytes_cap 1.5 MiB, by hand"),

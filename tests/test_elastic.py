@@ -119,7 +119,9 @@ def test_a_stalled_rank_is_named_and_the_group_restarts_bit_identical(reference,
     assert 3 <= last < 16, line
     assert "exit 75" in line and "logs/rank0.log" in line
     log0 = (out / "logs" / "rank0.log").read_text()
-    assert "Python stacks at" in log0 and "in train_step" in log0.split("Python stacks at")[1]
+    waited = log0.split("stalled: rank 1")[1].split("Python stacks at")[0]
+    assert "Traceback" in waited and "in train_step" in waited, "where rank 0 waited"
+    assert "Python stacks at" in log0  # and every thread of it, as it was then
     assert "resumed from" in output and "restart 1" in _rank_logs(out)
     assert max_weight_difference(reference, out) == 0.0
     assert_metrics_continuous(out, total_steps=16)

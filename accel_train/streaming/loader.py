@@ -142,6 +142,9 @@ class StreamLoader:
                                  worker_init_fn=loader_worker_in_own_group, **extra)
         self.device = None
         self.samples_in_epoch = 0
+        # Nothing to say yet: a streaming worker that dies still ends the run (its shard
+        # positions would have to be restored; the indexed loader restarts its workers).
+        self.warn = lambda text: None
 
     @property
     def layout(self) -> Layout:

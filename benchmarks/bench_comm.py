@@ -124,6 +124,37 @@ def measure(world: int, sizes: list[int], min_seconds: float, min_iters: int) ->
     return queue.get()
 
 
+def heartbeat_cost(model_name: str, batch: int, beats: int) -> dict:
+    """The trainer's per-step heartbeat (collectives.py: one set in the process group's
+    TCPStore, over loopback to a store served by another thread here, as by the launcher's
+    agent) against one training step of `model_name` at `batch` (32 px, fp32, SGD), both timed
+    in this process, one after the other."""
+    import timm
+
+    from accel_train.collectives import CollectiveTimeouts
+
+    store = dist.TCPStore("127.0.0.1", benchlib.free_port(), 1, True)
+    timeouts = CollectiveTimeouts([], store, 0, 2, None)  # 2: a multi-process run beats
+    for step in range(50):  # connection and allocator warm-up
+        timeouts.beat(step)
+    started = time.perf_counter()
+    for step in range(beats):
+        timeouts.beat(step)
+    beat = (time.perf_counter() - started) / beats
+
+    model = timm.create_model(model_name, num_classes=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    images, labels = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+    times = []
+    for _ in range(8):
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - began)
+    return {"beat": beat, "step": benchlib.median(times[3:])}
+
+
 def human(size: int) -> str:
     for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
         if size >= scale:
@@ -140,6 +171,8 @@ def main() -> int:
     parser.add_argument("--min-seconds", type=float, default=None,
                         help="time spent per measurement")
     parser.add_argument("--max-bytes", type=int, default=None, help="override the largest size")
+    parser.add_argument("--heartbeat-batch", type=int, default=64,
+                        help="batch of the training step the heartbeat is compared with")
     args = parser.parse_args()
     args.worlds = args.worlds or ([2, 4] if args.quick else [2, 3, 4])
     args.min_seconds = args.min_seconds or (0.1 if args.quick else 0.5)
@@ -166,6 +199,15 @@ def main() -> int:
                         "are latency-bound, and loopback 'links' share one memory system and "
                         f"{os.cpu_count()} cores"])
     report.data["result"] = data
+    cost = heartbeat_cost(args.model, args.heartbeat_batch, 200 if args.quick else 2000)
+    report.table(f"The heartbeat per optimizer step vs a {args.model} step (batch "
+                 f"{args.heartbeat_batch}, 32 px)",
+                 ["heartbeat us", "training step ms", "heartbeat / step"],
+                 [[cost["beat"] * 1e6, cost["step"] * 1e3, f"{cost['beat'] / cost['step']:.3%}"]],
+                 notes=["heartbeat: collectives.CollectiveTimeouts.beat, one TCPStore set over "
+                        "loopback (the mean of the calls); step: forward, backward and SGD, the "
+                        "median of 5 after 3 warm-up"])
+    report.data["heartbeat"] = cost
     print(f"wrote {report.save()}")
     return 0
 

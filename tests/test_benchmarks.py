@@ -31,7 +31,8 @@ CASES = {
     "scaling": [*TINY, "--pairs-only", "--steps", "4", "--log-every", "2", "--max-train", "512"],
     "seed": [*TINY, "--arms", "dataparallel", "accel1", "--images", "128", "--epochs", "1",
              "--workers", "0"],
-    "comm": ["--quick", "--worlds", "2", "--max-bytes", "65536", "--min-seconds", "0.01"],
+    "comm": ["--quick", "--worlds", "2", "--max-bytes", "65536", "--min-seconds", "0.01",
+             "--model", "test_resnet", "--heartbeat-batch", "8"],
     "checkpoint": ["--quick", "--models", "test_resnet", "--repeats", "1", "--step-repeats", "1"],
     # the seed loop is smoke-tested by "seed" (the same anchor script)
     "accuracy": [*TINY, "--recipes", "defaults", "--budget", "3", "--pilot-steps", "1", "--no-seed",

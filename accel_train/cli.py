@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None, callbacks=None) -> int:
     except UsageError as err:
         print(_error_prefix() + _one_line(err), file=sys.stderr)
         return 2
-    except RunStopped as err:  # a full disk: one line, its own exit code (errors.py)
+    except RunStopped as err:  # a full disk, a stuck loader: one line, its own exit code
         print(_error_prefix() + " ".join(str(err).split("\n")), file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:

@@ -43,10 +43,12 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from .errors import STALLED_EXIT
+
 LONG_TIMEOUT = timedelta(minutes=30)
 TIGHT_MIN_SECONDS = 60.0
 TIGHT_STEPS = 20
-EXIT_STALLED = 75  # sysexits' EX_TEMPFAIL: a temporary failure, worth a restart
+EXIT_STALLED = STALLED_EXIT  # a temporary failure, worth a restart (errors.py)
 HEARTBEAT_KEY = "accel_train/heartbeat/rank{}"
 TIMED_OUT_KEY = "accel_train/timed_out/rank{}"
 REPORTED_KEY = "accel_train/stall_reported"

@@ -73,6 +73,9 @@ class TrainConfig:
                                         "data")
     prefetch_factor: int = option(2, "Batches each worker prepares ahead.", "data")
     persistent_workers: bool = option(True, "Keep loader workers alive across epochs.", "data")
+    loader_timeout: float = option(600.0, "Seconds to wait for a batch from the loader workers "
+                                   "(0: forever). A worker stuck reading a file names it "
+                                   "before then; the run then exits 75.", "data")
     bad_images: str = option("substitute", "An image that cannot be decoded: substitute (train "
                              "on with the next image that decodes in its place; each is named "
                              "once and listed in <output-dir>/bad_images.txt) or error (stop, "
@@ -271,6 +274,10 @@ class TrainConfig:
             raise UsageError(f"--val-fraction must be between 0 and 1 (got {self.val_fraction})")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise UsageError(f"--grad-clip must be > 0 (got {self.grad_clip}); omit it to not clip")
+        if not (isinstance(self.loader_timeout, (int, float)) and self.loader_timeout >= 0
+                and math.isfinite(self.loader_timeout)):
+            raise UsageError(f"--loader-timeout must be seconds >= 0 (got "
+                             f"{self.loader_timeout!r}); 0 waits forever")
         if self.collective_timeout is not None and not (
                 isinstance(self.collective_timeout, (int, float)) and self.collective_timeout > 0
                 and math.isfinite(self.collective_timeout)):

@@ -10,6 +10,7 @@ processes and still use each sample of the interrupted epoch exactly once.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import Iterator, NamedTuple
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from .augment import build_erasing, build_policy
 from .distributed import loader_worker_in_own_group
+from .loader_watch import reading, start_watch
 from .randomness import loader_generator
 from .sources import ArraySource, ImageSource
 from .transforms import ImageTransform, single_threaded
@@ -94,7 +96,8 @@ class TrainImages(Dataset):
 
     def __getitem__(self, key: int):
         epoch, index = divmod(int(key), len(self.source))
-        (image,), (used,) = self.source.samples_at([index])
+        with reading(lambda: describe_reads(self.source, [index])):
+            (image,), (used,) = self.source.samples_at([index])
         sample = (self.transform(image, (self.seed, epoch, index)), self.source.labels[used],
                   int(key))
         return (*sample, index if used != index else -1) if self.mark_replaced else sample
@@ -106,7 +109,8 @@ class TrainImages(Dataset):
         marks = torch.full_like(indices, -1) if self.mark_replaced else None
         if not isinstance(self.source, ArraySource):  # decoded now
             # A replaced sample keeps its own index's augmentation: a function of the index.
-            images, used = self.source.samples_at(indices.tolist())
+            with reading(lambda: describe_reads(self.source, indices.tolist())):
+                images, used = self.source.samples_at(indices.tolist())
             if len({image.shape for image in images}) == 1:  # one size: one batched transform
                 batch = self.transform.batch(torch.stack(images), self.seed, epochs.numpy(),
                                              indices.numpy())
@@ -209,19 +213,34 @@ def default_num_workers(source: ImageSource, processes_per_machine: int) -> int:
     return max(1, min(4, cores // max(1, processes_per_machine)))
 
 
+def describe_reads(source: ImageSource, indices: list[int]) -> str:
+    """The images of one read, for a person: the first one's file (or data file and row)."""
+    name = source.name(indices[0]) if hasattr(source, "name") else f"image {indices[0]}"
+    return name + (f" (and {len(indices) - 1} more images)" if len(indices) > 1 else "")
+
+
+def init_worker(worker_id: int, read_timeout: float = 0) -> None:
+    """A loader worker's start: its own process group (distributed.loader_worker_in_own_group)
+    and the watch that names a read stuck for most of `read_timeout` (loader_watch.py)."""
+    loader_worker_in_own_group(worker_id)
+    start_watch(worker_id, read_timeout)
+
+
 def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_factor: int,
                 persistent_workers: bool, pin_memory: bool, sampler: Sampler | None = None,
-                drop_last: bool = False, seed: int = 0) -> DataLoader:
+                drop_last: bool = False, seed: int = 0, timeout: float = 0) -> DataLoader:
     """A DataLoader with its own generator (randomness.py): its iterators' base seeds never
     come from, or move, torch's global generator; its workers leave stop signals to the
-    training process."""
+    training process.  `timeout`: seconds to wait for a batch from the workers (0: forever)."""
     extra = {}
     if num_workers > 0:
-        extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
+        extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                     timeout=timeout)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
                       drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
                       collate_fn=collate_batch, generator=loader_generator(seed),
-                      worker_init_fn=loader_worker_in_own_group, **extra)
+                      worker_init_fn=functools.partial(init_worker, read_timeout=timeout),
+                      **extra)
 
 
 def run_transforms(config, spec) -> tuple[ImageTransform, ImageTransform]:

@@ -28,3 +28,6 @@ class RunStopped(Exception):
 # sysexits.h's EX_IOERR ("an error occurred while doing I/O on some file"): neither bad input (2)
 # nor a stop by signal (143, 130), nor Python's 1 for a traceback.
 DISK_FULL_EXIT = 74
+# sysexits.h's EX_TEMPFAIL ("a temporary failure; the user is invited to retry"): a rank or a
+# loader worker stalled; the elastic launcher restarts the group from the newest checkpoint.
+STALLED_EXIT = 75

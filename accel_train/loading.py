@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from .data import (Batch, EpochSampler, HeldOutImages, TrainImages, default_num_workers,
                    make_loader, run_transforms)
-from .errors import UsageError, first_line
+from .errors import STALLED_EXIT, RunStopped, UsageError, first_line
 from .randomness import reseed_loader
 from .streaming import STREAM_STATE, build_stream_loader, streaming_wanted
 
@@ -82,10 +82,10 @@ class IndexedTrainLoader:
     name = "train_loader"
 
     def __init__(self, loader: DataLoader, sampler: EpochSampler, batch_size: int,
-                 num_processes: int, rank: int, seed: int):
+                 num_processes: int, rank: int, seed: int, timeout: float = 0):
         self.loader, self.sampler, self.generator = loader, sampler, loader.generator
         self.per_micro_step = batch_size * num_processes
-        self.rank, self.seed = rank, seed
+        self.rank, self.seed, self.timeout = rank, seed, timeout
         self.epoch, self.samples_in_epoch = 0, 0
         self.accelerator = None
         self.warn = lambda text: print(f"warning: {text}", file=sys.stderr)  # the trainer's
@@ -115,6 +115,12 @@ class IndexedTrainLoader:
                 yield from self._from_position()
                 return
             except RuntimeError as err:
+                if "DataLoader timed out" in str(err):
+                    raise RunStopped(f"no batch from the loader workers in {self.timeout:g} s "
+                                     f"(--loader-timeout), {self.samples_in_epoch} samples into "
+                                     f"epoch {self.epoch + 1}: a worker is stuck (its own line "
+                                     f"above names what it was reading); exit {STALLED_EXIT}, "
+                                     f"for a restart with --resume auto", STALLED_EXIT) from None
                 if not worker_died(err) or restarts >= MAX_WORKER_RESTARTS:
                     raise
                 restarts += 1
@@ -201,9 +207,9 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
         loader = make_loader(TrainImages(data.train, train_tf, config.seed, mark_replaced=True),
                              config.batch_size, wanted_workers, config.prefetch_factor,
                              config.persistent_workers, pin_memory, sampler=sampler,
-                             drop_last=True, seed=config.seed)
+                             drop_last=True, seed=config.seed, timeout=config.loader_timeout)
         train = IndexedTrainLoader(loader, sampler, config.batch_size, num_processes, rank,
-                                   config.seed)
+                                   config.seed, config.loader_timeout)
         workers = held_out_workers = wanted_workers
         steps = len(train) // config.accumulation_steps
     held_out = make_loader(HeldOutImages(data.held_out, held_out_tf, mark_replaced=True),

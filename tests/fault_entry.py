@@ -13,6 +13,9 @@ root.  The product itself reads none of these variables.
   before its manifest (a slow disk); the other ranks wait for it at the save's barrier.
 * FAULT_SLOW_DATA=S: rank 0's data preparation takes S seconds more (the other ranks wait for
   it before they start on theirs: distributed.main_first).
+* FAULT_BLOCK_READ=INDEX: in a loader worker, reading the training image INDEX (a lazily
+  decoded source) blocks for an hour, as a read from a dead network mount does (patched before
+  the workers start, which inherit it; the start-up's own reads go through).
 * FAULT_SAMPLE_LOG=1: every rank appends the sampler keys (epoch * N + index) of each micro-batch
   it trains on to <output-dir>/logs/samples-rank<R>.jsonl; a resumed start drops the records of
   the steps after its checkpoint (they are about to be redone), as it does for metrics.jsonl.
@@ -30,6 +33,7 @@ STALL_ENV = "FAULT_STALL_SAVE"
 STEP_SECONDS_ENV = "FAULT_STEP_SECONDS"
 SLOW_SAVE_ENV = "FAULT_SLOW_SAVE"
 SLOW_DATA_ENV = "FAULT_SLOW_DATA"
+BLOCK_READ_ENV = "FAULT_BLOCK_READ"
 SAMPLE_LOG_ENV = "FAULT_SAMPLE_LOG"
 STALL_SECONDS = 300  # long enough for any test to kill us; short enough not to hang CI forever
 SAMPLE_LOG_GLOB = "samples-rank*.jsonl"
@@ -115,6 +119,22 @@ def slow_data_preparation(seconds: float) -> None:
     trainer.load_data = slower
 
 
+def block_read(index: int) -> None:
+    from accel_train.sources import HFSource
+
+    samples_at = HFSource.samples_at
+
+    def blocking(self, indices):
+        from torch.utils.data import get_worker_info
+
+        in_worker = get_worker_info() is not None  # the start-up's own reads go through
+        if in_worker and self.split == "train" and index in [int(i) for i in indices]:
+            time.sleep(3600)
+        return samples_at(self, indices)
+
+    HFSource.samples_at = blocking
+
+
 def callbacks_from_environ(argv: list[str]):
     from accel_train.trainer import Callbacks
 
@@ -124,6 +144,8 @@ def callbacks_from_environ(argv: list[str]):
     if os.environ.get(SLOW_SAVE_ENV):
         step, seconds = os.environ[SLOW_SAVE_ENV].split(":")
         callbacks.before_manifest = slow_save(int(step), float(seconds))
+    if os.environ.get(BLOCK_READ_ENV):
+        block_read(int(os.environ[BLOCK_READ_ENV]))
     if os.environ.get(SLOW_DATA_ENV):
         slow_data_preparation(float(os.environ[SLOW_DATA_ENV]))
     step_seconds = float(os.environ.get(STEP_SECONDS_ENV) or 0)

@@ -291,6 +291,10 @@ ROWS: dict[str, Row] = {
     "train --dist-url": effect(
         "test_process_control.py::test_manual_start_without_a_launcher_trains_like_torchrun",
         "the tcp:// address given is where the hand-started group meets"),
+    "train --loader-timeout": effect(
+        "test_loader_workers.py::test_a_worker_stuck_reading_names_the_file_and_the_run_stops_in_one_line",
+        "a read blocked in a worker: the worker names the parquet file and row at 80% of 4 s, "
+        "the run stops in one line at 4 s, exit 75"),
     "train --collective-timeout": effect(
         "test_elastic.py::test_a_stalled_rank_is_named_and_the_group_restarts_bit_identical",
         "rank 1 stopped (SIGSTOP): rank 0 reports 'a collective waited 3 s', naming rank 1 and "

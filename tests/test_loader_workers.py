@@ -1,6 +1,8 @@
-"""A loader worker killed mid-epoch (the kernel's OOM killer does this when workers x prefetch x
-image size outgrow memory) costs a warning, not the run: the workers start again at the same
-position and the run ends in the weights of a run where nothing died."""
+"""Loader workers that fail: one killed mid-epoch (the kernel's OOM killer does this when workers
+x prefetch x image size outgrow memory) costs a warning, not the run: the workers start again at
+the same position and the run ends in the weights of a run where nothing died.  One stuck
+reading a file (a dead network mount) names the file itself, and the run stops in one line at
+--loader-timeout."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import signal
 import psutil
 import pytest
 
-from fault_entry import STEP_SECONDS_ENV
+from fault_entry import BLOCK_READ_ENV, STEP_SECONDS_ENV
 from faults import Run, max_weight_difference, metrics, python_cmd, wait_until
 
 pytestmark = pytest.mark.slow
@@ -53,3 +55,30 @@ def test_a_killed_loader_worker_costs_a_warning_and_the_run_ends_bit_identical(t
     train_steps = [r["step"] for r in metrics(out) if r["type"] == "train"]
     assert train_steps == list(range(1, 17)), "each step once"
     assert max_weight_difference(tmp_path / "reference", out) == 0.0
+
+
+def test_a_worker_stuck_reading_names_the_file_and_the_run_stops_in_one_line(cifar10_layout,
+                                                                             tmp_path, runs):
+    """Training image 100 of the parquet layout (decoded per batch: --in-memory never) blocks
+    its read for an hour.  Its worker says which file it has been reading and for how long
+    (with its stack), before the loader's 4 s run out; the run then ends in one line, exit 75
+    (a temporary failure: a restart may find the mount back)."""
+    out = tmp_path / "run"
+    run = Run(python_cmd("--data-dir", str(cifar10_layout), "--in-memory", "never",
+                         "--model", "test_resnet", "--batch-size", "16", "--epochs", "1",
+                         "--num-workers", "1", "--loader-timeout", "4", "--max-eval-samples",
+                         "32", "--progress", "log", "--no-plots", "--mixed-precision", "no",
+                         "--no-channels-last", "--output-dir", str(out)),
+              tmp_path / "run.log", **{BLOCK_READ_ENV: "100"})
+    runs.append(run)
+    output = run.check(expected=75)
+
+    said = [line for line in output.splitlines() if "has been reading" in line]
+    assert len(said) == 1, output[-3000:]
+    assert said[0].startswith("accel_train: loader worker 0 (pid ")
+    assert "train" in said[0] and ".parquet" in said[0] and "more images) for 3 s" in said[0]
+    assert "in blocking" in output.split(said[0])[1], "the worker's stack shows where it waits"
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("accel_train: error: no batch from the loader workers in 4 s "
+                           "(--loader-timeout)"), last
+    assert "Traceback" not in output

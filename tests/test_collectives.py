@@ -144,3 +144,38 @@ def test_what_counts_as_a_collective_timeout(text, timed_out):
     assert is_timeout(RuntimeError(text)) is timed_out
     assert not is_timeout(ValueError(text))
 
+
+
+def test_the_heartbeat_is_this_ranks_step_and_time():
+    store = dist.HashStore()
+    timeouts = _timeouts(store=store, rank=3, world_size=4)
+    before = time.time()
+    timeouts.beat(17)
+    beat = json.loads(store.get(collectives.HEARTBEAT_KEY.format(3)))
+    assert beat["step"] == 17 and before <= beat["time"] <= time.time()
+    assert not store.check([collectives.HEARTBEAT_KEY.format(0)])
+
+
+def test_a_rank_that_times_out_a_moment_later_is_not_called_stalled(monkeypatch):
+    """The live ranks time out within moments of each other: one that says so 0.3 s after this
+    rank, inside the grace period, arrived."""
+    import threading
+
+    monkeypatch.setattr(collectives, "ARRIVAL_GRACE_SECONDS", 3.0)
+    store = dist.HashStore()
+    late = threading.Timer(0.3, lambda: store.set(collectives.TIMED_OUT_KEY.format(1), "4"))
+    late.start()
+    try:
+        line = _timeouts(store=store, rank=0).describe_stall(my_step=4)
+    finally:
+        late.join()
+    assert line.endswith("every rank timed out waiting: none stalled alone (a network fault?)")
+
+
+def test_without_a_store_or_with_a_broken_one_every_rank_speaks():
+    class Broken:
+        def add(self, key, amount):
+            raise RuntimeError("Connection reset by peer")
+
+    assert _timeouts(store=None).first_to_report()
+    assert _timeouts(store=Broken()).first_to_report()

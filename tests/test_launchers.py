@@ -238,7 +238,9 @@ def _multi_cpu_yaml(tmp_path, **changes) -> str:
 @pytest.mark.parametrize("argv", [
     [*ACCELERATE, "--cpu", "--num_processes", "2", "-m", "accel_train", "--epochs", "1"],
     ["/venv/bin/accelerate", "launch", "--cpu", "--num-processes=2", "-m", "accel_train"],
-    ["python", "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "x.py"],
+    ["python", "-m", "accelerate.commands.launch", "--num_processes=2", "--cpu", "x.py"],
+    ["/venv/bin/python", "/venv/lib/python3.11/site-packages/accelerate/commands/launch.py",
+     "--num_processes", "2", "x.py"],
 ])
 def test_the_ranks_asked_of_accelerate_are_read_from_its_command_line(argv):
     asked = rank_launcher.ranks_asked(SIMPLE_LAUNCHER_ENV, argv)
@@ -254,11 +256,12 @@ def test_flags_win_over_the_config_file_as_in_accelerate_launch(tmp_path):
             from_file.local_processes) == (4, 2, 0, 2)
     flagged = rank_launcher.ranks_asked(SIMPLE_LAUNCHER_ENV, [
         *ACCELERATE, "--config_file", config, "--machine_rank", "1", "--num_processes", "6",
-        "--max_restarts", "3", "--rdzv_backend", "c10d", "--rdzv_conf", "join_timeout=900",
-        "-m", "x"])
+        "--max_restarts", "3", "--rdzv_backend", "c10d", "--rdzv_conf",
+        "join_timeout=900,store_options=a=b", "-m", "x"])
     assert (flagged.num_processes, flagged.machine_rank, flagged.local_processes) == (6, 1, 3)
     assert (flagged.max_restarts, flagged.rdzv_backend) == (3, "c10d")
-    assert rank_launcher._rendezvous_settings(flagged) == {"join_timeout": "900"}
+    assert rank_launcher._rendezvous_settings(flagged) == {"join_timeout": "900",
+                                                           "store_options": "a=b"}
     assert rank_launcher._rendezvous_settings(from_file) == {"rank": 0}  # static: node rank
 
 

@@ -137,6 +137,11 @@ def test_epoch_ends_already_behind_are_not_budgeted_again(clock):
     assert _total(clock, 100, 40, 1.0, 25, 10, 100, 10) == 60
     # At step 30 (epoch 3's last step, its end still to come) the same count.
     assert _total(clock, 100, 45, 1.0, 30, 10, 100, 10) == 60
+    # At step 31 epoch 3's end is behind too: 54 s left, 29 more steps and the ends of epochs
+    # 4, 5 and 6 (15 s) = 44 s; ... 60 steps = 29 + 15 = 44 s; 61 needs a seventh end: 30 + 20
+    # = 50 s; 65 steps = 34 + 20 = 54 s fits, 66 = 35 + 20 = 55 s does not
+    assert _total(clock, 100, 46, 1.0, 31, 10, 100, 10) == \
+        _largest_that_fits(100, 46, 1.0, 31, 10, 100, 10) == 65
 
 
 def test_a_budget_with_no_room_for_a_step_is_a_usage_error(clock):
@@ -257,6 +262,15 @@ def test_after_the_fit_each_window_of_two_percent_is_timed_for_a_re_fit(clock):
     assert answers == [(13, pytest.approx(1.0), False), (73, pytest.approx(0.5), True),
                        (97, pytest.approx(0.5), True), (121, pytest.approx(1.0), True),
                        (133, pytest.approx(1.0), True)], answers
+
+
+def test_a_short_budget_re_fits_after_every_step(clock):
+    """20 s at 1 s a step: 2% of the budget is less than a step, so each step is a window."""
+    clock.now = 0.0
+    timer = TimeBudget(20)
+    timer.start(0)
+    answers = _readings(clock, timer, 0, [1.0] * 16, refits=True)
+    assert [step for step, _, fit in answers if fit] == [13, 14, 15, 16], answers
 
 
 def test_a_late_fit_with_no_time_left_ends_the_run_where_it_stands(clock):

@@ -51,11 +51,15 @@ EVAL_COST_PER_IMAGE = 0.5
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?$")
 
 
+# Forward passes over each held-out image per evaluated model, by --tta (evaluate.logits_of).
+TTA_PASSES = {"none": 1, "flip": 2, "flip-translate": 6}
+
+
 def evaluation_passes(model_ema: bool, tta: str) -> int:
     """Forward passes over each held-out image at an epoch end: the raw model and (--model-ema)
-    the EMA, each image once or (--tta flip) twice (counting one pass where flip TTA makes two
-    overran the budget: BENCHMARKS.md)."""
-    return (2 if model_ema else 1) * (2 if tta == "flip" else 1)
+    the EMA, each image as many times as --tta views it (counting one pass where flip TTA makes
+    two overran the budget: BENCHMARKS.md)."""
+    return (2 if model_ema else 1) * TTA_PASSES[tta]
 
 
 def parse_duration(text: str) -> float:

@@ -23,7 +23,8 @@ from .errors import UsageError
 PRECISIONS = ("auto", "no", "fp16", "bf16")
 IN_MEMORY_MODES = ("auto", "always", "never")
 BAD_IMAGE_MODES = ("substitute", "error")
-TTA_MODES = ("none", "flip")
+TTA_MODES = ("none", "flip", "flip-translate")
+FLIP_MODES = ("random", "alternate")
 SYNTHETIC_DATASET = "synthetic"
 
 
@@ -60,9 +61,10 @@ class TrainConfig:
                                               "data")
     max_eval_samples: Optional[int] = option(None, "Use only the first N held-out samples.", "data")
     tta: str = option("none", "Test-time augmentation in evaluations: 'flip' also evaluates each "
-                      "image mirrored and averages the two logits (recorded in "
-                      "model_config.json; accel-train eval and predict do the same).", "data",
-                      choices=TTA_MODES)
+                      "image mirrored and averages the two logits; 'flip-translate' adds both "
+                      "views shifted one pixel up-left and down-right (6 passes, airbench's "
+                      "level 2). Recorded with the model; accel-train eval and predict do the "
+                      "same.", "data", choices=TTA_MODES)
     synthetic_train_size: int = option(4000, "Training images in the synthetic dataset.", "data")
     in_memory: str = option("auto", "Decode images once into memory and augment tensors "
                             "(auto: when the data fits in --in-memory-limit-gb and images share a "
@@ -100,6 +102,11 @@ class TrainConfig:
     augment: bool = option(True, "Random crop + horizontal flip on training images "
                            "(--no-augment turns it off, with what follows).", "data",
                            draws_random=True)
+    flip: str = option("random", "The training augmentation's horizontal flip: random (each "
+                       "image mirrored with probability 1/2 in every epoch) or alternate (a "
+                       "random half mirrored in even epochs, the other half in odd ones, so "
+                       "each image is seen both ways every two epochs; airbench).", "data",
+                       choices=FLIP_MODES, draws_random=True)
     auto_augment: Optional[str] = option(None, "An augmentation policy after the crop and flip: "
                                          "torchvision's randaugment, trivialaugment, autoaugment"
                                          "[-cifar10|-svhn], augmix, or a timm string such as "
@@ -123,6 +130,11 @@ class TrainConfig:
                                            "model. Not set (auto): on a CPU, the faster of the "
                                            "two for this model, timed at the start; on CUDA, "
                                            "off. (default: auto)", "model")
+    whiten_stem: bool = option(False, "Initialize the first convolution as a whitening of the "
+                               "training images' patches (eigenvectors of their covariance, "
+                               "scaled; each filter with its negative), as airbench does: "
+                               "decorrelated inputs from the first step. Any model whose first "
+                               "layer is a plain convolution.", "model")
     drop_rate: float = option(0.0, "Dropout before the classifier.", "model", draws_random=True)
     model_ema: bool = option(False, "Keep an exponential moving average of the weights (timm's "
                              "ModelEmaV3), evaluated every epoch beside the raw model; the "
@@ -315,7 +327,8 @@ class TrainConfig:
             raise UsageError(f"--drop-path must be in [0, 1) (got {self.drop_path}); "
                              f"0.05-0.2 is usual")
         for name, allowed in (("mixed_precision", PRECISIONS), ("in_memory", IN_MEMORY_MODES),
-                              ("bad_images", BAD_IMAGE_MODES), ("tta", TTA_MODES)):
+                              ("bad_images", BAD_IMAGE_MODES), ("tta", TTA_MODES),
+                              ("flip", FLIP_MODES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"{flag(name)} {getattr(self, name)!r} is not supported: "
                                  f"choose one of {', '.join(allowed)}")
@@ -325,6 +338,9 @@ class TrainConfig:
             raise UsageError(f"--rank must be >= 0 (got {self.rank})")
         if self.gpu_ids is not None:
             parse_gpu_ids(self.gpu_ids)
+        if self.whiten_stem and self.pretrained:
+            raise UsageError("--whiten-stem would overwrite the --pretrained first layer: use "
+                             "one or the other")
 
     def _check_library_names(self):
         """Names that timm/torchvision must know, checked now rather than after the data has

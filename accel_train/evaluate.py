@@ -14,7 +14,15 @@ from torch import nn
 def logits_of(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torch.Tensor:
     """The model's logits, with --tta: 'flip' averages them with those of the mirrored images
     (logits, not probabilities, as in airbench; a horizontal flip is in the training
-    augmentation, so the model has learned both views)."""
+    augmentation, so the model has learned both views); 'flip-translate' averages that with
+    the mean of the same for the images shifted one pixel up-left and one down-right
+    (reflect-padded, airbench's level 2: the training crops shift images too)."""
+    if tta == "flip-translate":
+        padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
+        height, width = images.shape[-2:]
+        shifted = [padded[..., :height, :width], padded[..., 2:, 2:]]
+        return (logits_of(model, images, "flip") / 2 +
+                sum(logits_of(model, view, "flip") for view in shifted) / 4)
     logits = model(images).float()
     if tta == "flip":
         logits = (logits + model(images.flip(3)).float()) / 2

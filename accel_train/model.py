@@ -187,6 +187,7 @@ class Network:
     spec: ModelSpec
     num_trainable: int
     sync_bn: bool
+    whitened: Optional[str] = None   # --whiten-stem: what was whitened, from what
 
 
 def build_network(config, data, num_processes: int, cuda: bool,
@@ -208,6 +209,11 @@ def build_network(config, data, num_processes: int, cuda: bool,
         dataset_mean_std(data.train)
     spec = ModelSpec(config.model, len(data.class_names), list(data.class_names), image_size,
                      tuple(mean), tuple(std), config.drop_rate, tta=config.tta)
+    if config.whiten_stem:
+        from .transforms import ImageTransform
+        from .whitening import whiten_first_conv, whitening_images
+        whitened = whiten_first_conv(model, whitening_images(
+            data.train, ImageTransform(image_size, spec.mean, spec.std)))
     num_trainable = (freeze_backbone(model) if config.freeze_backbone
                      else sum(p.numel() for p in model.parameters()))
     sync_bn = config.sync_bn and num_processes > 1
@@ -215,4 +221,5 @@ def build_network(config, data, num_processes: int, cuda: bool,
         convert_sync_batchnorm(model, cuda=cuda)
     if config.sync_bn and num_batchnorm_layers(model) == 0:
         warn(f"--sync-bn: {config.model} has no BatchNorm layers; nothing to sync")
-    return Network(model, spec, num_trainable, sync_bn)
+    return Network(model, spec, num_trainable, sync_bn,
+                   whitened if config.whiten_stem else None)

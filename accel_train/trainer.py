@@ -301,6 +301,7 @@ class Trainer:
                 "num_workers": loaders.num_workers,
                 "data_in_memory": isinstance(self.data.train, ArraySource),
                 "sync_bn": self.net.sync_bn, "model": self.net.spec.__dict__,
+                "whitened_stem": self.net.whitened,
                 "trainable_parameters": self.net.num_trainable,
                 "launcher": distributed.launcher_facts(),
                 "output_dir": str(self.plan.output_dir),

@@ -90,6 +90,11 @@ class ImageTransform:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     augment: bool = False
+    # --flip: "random" mirrors each image with probability 1/2 in every epoch, independently;
+    # "alternate" mirrors each image in every other epoch (airbench, arXiv:2404.00498: a random
+    # half of the images in even epochs, the other half in odd ones), so that every image is
+    # seen both ways in any two consecutive epochs instead of at random.
+    flip: str = "random"
     # With augment, after the crop and flip (augment.py: seeded per sample like the crop):
     policy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # --auto-augment, uint8
     erasing: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # --reprob, normalized
@@ -119,7 +124,9 @@ class ImageTransform:
                 for image, e, i in zip(images, epochs, indices)]), seed, epochs, indices)
         images = self._resize(images)
         if self.augment:
-            return self._finish(self._pad_crop_flip(images, augment_bits(seed, epochs, indices)),
+            bits = augment_bits(seed, epochs, indices)
+            return self._finish(self._pad_crop_flip(images, bits,
+                                                    self._flips(bits, seed, epochs, indices)),
                                 seed, epochs, indices)
         return self._normalize(images)
 
@@ -144,16 +151,27 @@ class ImageTransform:
             return images
         return TF.resize(images, [self.image_size, self.image_size], antialias=True)
 
-    def _pad_crop_flip(self, images: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
+    def _flips(self, bits: np.ndarray, seed: int, epochs, indices) -> torch.Tensor:
+        """Which images of a batch are mirrored: the top bit of each image's `bits` (the hash
+        of its (seed, epoch, index) that also places the crop); under --flip alternate, that bit
+        of its epoch-0 hash, inverted in odd epochs."""
+        if self.flip == "alternate":
+            epochs = np.asarray(epochs, dtype=np.int64)
+            bits = augment_bits(seed, np.zeros_like(epochs), indices)
+            return torch.from_numpy(((bits >> np.uint64(63)).astype(np.int64) ^ (epochs & 1))
+                                    .astype(bool))
+        return torch.from_numpy((bits >> np.uint64(63)).astype(bool))
+
+    def _pad_crop_flip(self, images: torch.Tensor, bits: np.ndarray,
+                       flip: torch.Tensor) -> torch.Tensor:
         """CIFAR augmentation for a batch: reflect-pad by size/8, take a random size x size
-        crop, mirror half of the images; offsets and flips from `bits` (one uint64 per image)."""
+        crop, mirror the images `flip` marks; offsets from `bits` (one uint64 per image)."""
         size, count = self.image_size, images.shape[0]
         pad = max(1, size // 8)
         span = 2 * pad + 1  # possible offsets per axis
         bits = torch.from_numpy((bits >> np.uint64(1)).astype(np.int64))  # 63 bits, non-negative
         top = ((bits & 0xFFFFFF) * span) >> 24
         left = (((bits >> 24) & 0xFFFFFF) * span) >> 24
-        flip = ((bits >> 62) & 1).bool()
         padded = F.pad(images, (pad, pad, pad, pad), mode="reflect")    # uint8 [B, 3, P, P]
         ramp = torch.arange(size)
         rows = top[:, None] + ramp                                        # [B, S]
@@ -166,10 +184,14 @@ class ImageTransform:
         return crops.reshape(count, channels, size, size)
 
     def _augment_large(self, image: torch.Tensor, sample: tuple[int, int, int]) -> torch.Tensor:
-        """Random resized crop (scale 0.25-1, ratio 3/4-4/3) and a random flip, uint8 out."""
+        """Random resized crop (scale 0.25-1, ratio 3/4-4/3) and a flip (--flip), uint8 out."""
         generator = sample_generator(*sample)
         image = self._resized_crop(image, generator)
-        if float(torch.rand((), generator=generator)) < 0.5:
+        mirrored = float(torch.rand((), generator=generator)) < 0.5
+        if self.flip == "alternate":
+            seed, epoch, index = sample
+            mirrored = bool(self._flips(None, seed, [epoch], [index])[0])
+        if mirrored:
             image = image.flip(-1)
         return image
 

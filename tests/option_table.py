@@ -99,7 +99,12 @@ ROWS: dict[str, Row] = {
         "101 held-out images counted exactly once on 1 and 2 processes"),
     "train --tta": effect(
         "test_small_nets.py::test_a_run_trains_exports_and_evaluates_one_with_flip_tta",
-        "the run's own evaluation equals eval --tta flip, itself checked against plain torch"),
+        "the run's own evaluation equals eval --tta flip, itself checked against plain torch; "
+        "flip-translate: test_short_run_options.py, six views built with index arrays"),
+    "train --flip": effect(
+        "test_short_run_options.py::test_alternate_flip_mirrors_a_random_half_then_the_other_half",
+        "mirroring read off ramp images' pixels: epoch e mirrors exactly the images epoch 0 did "
+        "(e even) or the others (e odd); random mode is not so tied"),
     "train --synthetic-train-size": effect(
         f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
         "one full batch of 32 images: the step equals plain torch on synthetic.splits(32)"),
@@ -166,6 +171,10 @@ ROWS: dict[str, Row] = {
     "train --channels-last": effect(
         f"{FLAGS}::test_channels_last_reaches_the_model_and_the_images",
         "the conv probe sees channels_last inputs and weights; NCHW in the control"),
+    "train --whiten-stem": effect(
+        "test_short_run_options.py::test_whiten_stem_through_the_command_line",
+        "the saved first convolution decorrelates the run's normalized training patches as "
+        "numpy's eigh of their covariance says (filters in +- pairs)"),
     "train --drop-rate": effect(
         f"{FLAGS}::test_drop_rate_drops_in_training_and_is_recorded",
         "about half the classifier's inputs are zero in training, none in the control"),

@@ -35,6 +35,7 @@ from faults import (Run, checkpoint, checkpoint_steps, max_weight_difference, me
 RANDOM_OPTIONS = ["--drop-rate", "0.3", "--drop-path", "0.1",
                   "--mixup", "0.8", "--cutmix", "1.0", "--mixup-switch-prob", "0.5",
                   "--auto-augment", "rand-m9-mstd0.5-inc1", "--reprob", "0.25", "--augment",
+                  "--flip", "alternate",
                   "--model-ema", "--model-ema-decay", "0.9"]
 COMMON = ["--model", "test_resnet", "--batch-size", "16", "--checkpoint-every", "3",
           "--log-every", "1", "--keep-checkpoints", "10", "--progress", "log", "--no-plots",
@@ -65,8 +66,13 @@ def test_every_option_that_draws_random_numbers_is_in_the_matrix():
     config = config_from_args(build_train_parser().parse_args(COMMON), environ={})
     marked = [f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("draws_random")]
     assert {"drop_rate", "drop_path", "mixup", "cutmix", "auto_augment", "reprob",
-            "augment"} <= set(marked), marked
-    off = [name for name in marked if not getattr(config, name)]
+            "augment", "flip"} <= set(marked), marked
+    # A mode with choices (--flip) counts as on only in a mode other than its default: the
+    # default's draws are those of another option already here (the crop's hash).
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    off = [name for name in marked if not getattr(config, name) or (
+        TrainConfig.__dataclass_fields__[name].metadata.get("choices")
+        and getattr(config, name) == defaults[name])]
     assert not off, (f"options that draw random numbers but are off in the resume matrix: {off}; "
                      f"turn them on in RANDOM_OPTIONS")
 

@@ -1,0 +1,164 @@
+"""The options taken from the fastest short-run CIFAR-10 trainers (airbench), each against an
+independent oracle: --flip alternate (which images are mirrored, read off the pixels),
+--tta flip-translate (the six views built by hand with index arrays), and --whiten-stem (the
+first convolution's filters against numpy's own eigendecomposition of the images' patches)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from accel_train import budget, synthetic
+from accel_train.evaluate import logits_of
+from accel_train.transforms import ImageTransform
+from accel_train.whitening import whiten_first_conv
+from conftest import TINY_TRAIN, accel_train_here
+
+IDENTITY = dict(mean=(0.0, 0.0, 0.0), std=(1 / 255, 1 / 255, 1 / 255))  # pixels stay 0..255
+
+
+def _ramp_images(count: int, size: int) -> torch.Tensor:
+    """Images whose columns brighten left to right: a mirrored crop is read off its middle."""
+    ramp = torch.arange(size, dtype=torch.uint8) * (200 // size)
+    return ramp.expand(count, 3, size, size).clone()
+
+
+def _mirrored(out: torch.Tensor) -> np.ndarray:
+    """Per image: True where the middle columns darken left to right (the ramp reversed).  The
+    middle of any crop lies inside the original image, away from the reflect-padded border."""
+    mid = out.shape[-1] // 2
+    return (out[:, 0, 0, mid] > out[:, 0, 0, mid + 1]).numpy()
+
+
+@pytest.mark.parametrize("size", [32, 80])   # the batched CIFAR path and the per-image one
+def test_alternate_flip_mirrors_a_random_half_then_the_other_half(size):
+    count = 64 if size > 32 else 400
+    images = _ramp_images(count, size)
+    indices = np.arange(count)
+    seen = {}
+    for mode in ("alternate", "random"):
+        transform = ImageTransform(size, augment=True, flip=mode, **IDENTITY)
+        seen[mode] = [_mirrored(transform.batch(images, 7, [epoch] * count, indices))
+                      for epoch in range(4)]
+    alternate, random = seen["alternate"], seen["random"]
+    assert 0.3 < alternate[0].mean() < 0.7
+    for epoch in range(4):
+        assert (alternate[epoch] == (alternate[0] ^ bool(epoch % 2))).all(), epoch
+    # the random flip is drawn afresh each epoch: not tied to epoch 0 that way
+    assert not (random[1] == ~random[0]).all() and not (random[2] == random[0]).all()
+    # alternate is still a function of the seed: another seed mirrors other images
+    other = ImageTransform(size, augment=True, flip="alternate", **IDENTITY)
+    assert (_mirrored(other.batch(images, 8, [0] * count, indices)) != alternate[0]).any()
+
+
+def _shifted(images: torch.Tensor, step: int) -> torch.Tensor:
+    """The images moved `step` pixels down and right (step -1: up-left... as airbench's views:
+    step +1 shows rows -1..H-2), borders reflected, by index arrays alone."""
+    height = images.shape[-1]
+    index = np.arange(height) - step
+    index = np.abs(index)                                          # reflect at the top/left
+    index = np.where(index > height - 1, 2 * (height - 1) - index, index)  # and bottom/right
+    index = torch.from_numpy(index)
+    return images.index_select(2, index).index_select(3, index)
+
+
+def test_flip_translate_tta_averages_six_views_built_by_hand():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(5)).eval()
+    images = torch.randn(6, 3, 8, 8)
+    model(images)
+
+    def both(x):
+        return (model(x) + model(x.flip(3))) / 2
+
+    with torch.no_grad():
+        expected = both(images) / 2 + (both(_shifted(images, 1)) + both(_shifted(images, -1))) / 4
+        got = logits_of(model, images, "flip-translate")
+        assert torch.allclose(got, expected, atol=1e-6)
+        assert not torch.allclose(got, logits_of(model, images, "flip"), atol=1e-3)
+    # the time budget counts what it costs: six passes per image per evaluated model
+    assert budget.evaluation_passes(False, "flip-translate") == 6
+    assert budget.evaluation_passes(True, "flip-translate") == 12
+
+
+def _numpy_whitening(images: np.ndarray, kernel: int, eps: float):
+    """Eigenvalues (descending) and eigenvectors (rows) of the patches' second moment: numpy's
+    sliding windows and eigh, sharing nothing with the product's unfold."""
+    windows = np.lib.stride_tricks.sliding_window_view(images, (kernel, kernel), axis=(2, 3))
+    # [N, C, H', W', k, k] -> patches [N*H'*W', C*k*k] in Conv2d's (c, kh, kw) order
+    patches = windows.transpose(0, 2, 3, 1, 4, 5).reshape(-1, images.shape[1] * kernel * kernel)
+    covariance = patches.T @ patches / len(patches)
+    values, vectors = np.linalg.eigh(covariance)
+    order = np.argsort(values)[::-1]
+    return values[order], vectors[:, order].T, covariance
+
+
+def _assert_whitening(weights: np.ndarray, images: np.ndarray, eps: float,
+                      per_vector: bool = True):
+    """Filters 2k and 2k+1 are +-eigenvector k / sqrt(eigenvalue k + eps).  `per_vector`: each
+    compared with numpy's own (for data whose eigenvalues are well apart: a near-tie leaves the
+    vectors' directions within it arbitrary); always, the decorrelation it must achieve."""
+    values, vectors, covariance = _numpy_whitening(images, weights.shape[-1], eps)
+    flat = weights.reshape(len(weights), -1)
+    for k in range(len(flat) // 2):
+        np.testing.assert_allclose(flat[2 * k + 1], -flat[2 * k], atol=1e-7)
+        if per_vector:
+            expected = vectors[k] / np.sqrt(values[k] + eps)
+            sign = np.sign(flat[2 * k] @ expected)    # an eigenvector's sign is arbitrary
+            np.testing.assert_allclose(flat[2 * k], sign * expected, atol=1e-5, rtol=1e-3)
+    # what a whitening means: the filters' outputs are decorrelated, variance l/(l+eps)
+    positive = flat[0::2]
+    np.testing.assert_allclose(positive @ covariance @ positive.T,
+                               np.diag(values[:len(positive)] / (values[:len(positive)] + eps)),
+                               atol=1e-3)
+
+
+def test_whitening_a_convolution_matches_numpy():
+    rng = np.random.default_rng(0)
+    # correlated channels, as in real images
+    base = rng.normal(size=(40, 1, 12, 12))
+    images = np.concatenate([base, 0.5 * base + rng.normal(size=base.shape),
+                             rng.normal(size=base.shape)], axis=1).astype(np.float32)
+    conv = nn.Conv2d(3, 64, 3, bias=True)   # more filters than 2 x 27: the rest keep theirs
+    before = conv.weight.detach().clone()
+    said = whiten_first_conv(conv, torch.from_numpy(images))
+    weights = conv.weight.detach().double().numpy()
+    _assert_whitening(weights[:54], images.astype(np.float64), 5e-4)
+    assert torch.equal(conv.weight[54:], before[54:]) and not conv.bias.any()
+    assert "54 of 64 filters" in said and "40 training images" in said
+
+
+def _spec(run: Path) -> dict:
+    return json.loads((run / "model_config.json").read_text())
+
+
+def test_whiten_stem_through_the_command_line(tmp_path):
+    """A run with --whiten-stem (test_resnet: a 3x3 first convolution with 16 filters) whose one
+    step barely moves the weights: its first convolution is numpy's whitening of its 256
+    training images, normalized as the run says; the summary says what was done."""
+    out = tmp_path / "run"
+    result = accel_train_here(*TINY_TRAIN, "--whiten-stem", "--max-steps", "1", "--lr", "1e-9",
+                              "--output-dir", str(out), check=True)
+    assert "init: conv1.0 (16 of 16 filters) whitened from the 3x3 patches of 256 training " \
+           "images" in result.stdout
+    spec = _spec(out)
+    images, _ = synthetic.splits(256)["train"]
+    pixels = images.transpose(0, 3, 1, 2).astype(np.float64) / 255
+    mean, std = (np.array(spec[k]).reshape(1, 3, 1, 1) for k in ("mean", "std"))
+    weights = load_file(str(out / "model.safetensors"))["conv1.0.weight"].double().numpy()
+    _assert_whitening(weights, (pixels - mean) / std, 5e-4, per_vector=False)
+
+
+def test_whiten_stem_refuses_pretrained_weights(tmp_path):
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"")
+    result = accel_train_here(*TINY_TRAIN, "--whiten-stem", "--pretrained", str(weights),
+                              "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and "--whiten-stem" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

@@ -155,7 +155,8 @@ class TrainConfig:
                                   flags=("--lr",))
     optimizer: str = option("sgd", "Any optimizer of timm's create_optimizer_v2: sgd (Nesterov), "
                             "momentum, adamw, lamb, lars, lion, ... (timm.optim."
-                            "list_optimizers()). Norms and biases get no weight decay.",
+                            "list_optimizers()); lookahead_NAME wraps one in timm's Lookahead. "
+                            "Norms and biases get no weight decay.",
                             "optimization")
     momentum: float = option(0.9, "Momentum of the optimizers that have one (SGD: Nesterov).",
                              "optimization")
@@ -407,10 +408,16 @@ def check_optimizer_name(name: str) -> str:
     known = list_optimizers()
     if name.lower() in known:
         return name.lower()
+    # timm's factory wraps any of its optimizers in Lookahead (Zhang et al. 2019: every k
+    # steps the weights move halfway back towards a slow copy) when the name says so; its list
+    # of names does not spell those out.
+    base = name.lower().removeprefix("lookahead_")
+    if base != name.lower() and base in known:
+        return name.lower()
     close = difflib.get_close_matches(name.lower(), known, n=3)
     hint = f"did you mean {', '.join(close)}? " if close else ""
     raise UsageError(f"--optimizer {name!r} is not one of timm's optimizers; {hint}e.g. sgd, "
-                     f"adamw, lamb, lars, lion")
+                     f"adamw, lamb, lars, lion (lookahead_NAME wraps one in Lookahead)")
 
 
 def _auto_or_bool(value, name: str) -> Optional[bool]:

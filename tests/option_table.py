@@ -202,7 +202,8 @@ ROWS: dict[str, Row] = {
         "the logged rate at each step equals warmup-then-cosine from the peak, by hand"),
     "train --optimizer": effect(
         f"{FLAGS}::test_adamw_first_step_is_lr_times_the_gradient_sign",
-        "AdamW's first update is lr x sign-like g/(|g|+eps) with decoupled decay, by hand"),
+        "AdamW's first update is lr x sign-like g/(|g|+eps) with decoupled decay, by hand; "
+        "lookahead_sgd: test_short_run_options.py, halfway between plain SGD's step 6 and 12"),
     "train --momentum": effect(
         f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
         "momentum 0: w1 = w0 - lr x d exactly (Nesterov 0.9 would give 1.9 d)"),

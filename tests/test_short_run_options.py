@@ -162,3 +162,26 @@ def test_whiten_stem_refuses_pretrained_weights(tmp_path):
                               "--output-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "--whiten-stem" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_lookahead_optimizer_through_the_command_line(tmp_path):
+    """--optimizer lookahead_sgd is timm's Lookahead around its SGD (k=6, alpha=0.5; its slow
+    copy starts at the first sync, step 6, so that sync moves nothing): after 12 steps the
+    weights lie halfway between plain SGD's at step 6 and at step 12 (same seed, same batches,
+    same schedule)."""
+    runs = {}
+    for name in ("sgd", "lookahead_sgd"):
+        runs[name] = tmp_path / name
+        accel_train_here(*TINY_TRAIN, "--optimizer", name, "--max-steps", "12", "--lr", "0.2",
+                         "--checkpoint-every", "6", "--output-dir", str(runs[name]), check=True)
+    at_6 = load_file(str(runs["sgd"] / "checkpoints" / "step_00000006" / "model.safetensors"))
+    at_12 = load_file(str(runs["sgd"] / "model.safetensors"))
+    lookahead = load_file(str(runs["lookahead_sgd"] / "model.safetensors"))
+    moved = 0
+    for key, start in at_6.items():
+        if not start.is_floating_point() or "running" in key:
+            continue       # buffers: BatchNorm statistics are not the optimizer's
+        halfway = start + 0.5 * (at_12[key] - start)
+        torch.testing.assert_close(lookahead[key], halfway, atol=2e-6, rtol=1e-4)
+        moved += int(not torch.allclose(at_12[key], start))
+    assert moved > 10

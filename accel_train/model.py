@@ -209,6 +209,10 @@ def build_network(config, data, num_processes: int, cuda: bool,
         dataset_mean_std(data.train)
     spec = ModelSpec(config.model, len(data.class_names), list(data.class_names), image_size,
                      tuple(mean), tuple(std), config.drop_rate, tta=config.tta)
+    if config.bn_momentum is not None:
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.momentum = config.bn_momentum
     if config.whiten_stem:
         from .transforms import ImageTransform
         from .whitening import whiten_first_conv, whitening_images

@@ -171,6 +171,10 @@ ROWS: dict[str, Row] = {
     "train --channels-last": effect(
         f"{FLAGS}::test_channels_last_reaches_the_model_and_the_images",
         "the conv probe sees channels_last inputs and weights; NCHW in the control"),
+    "train --bn-momentum": effect(
+        "test_short_run_options.py::test_bn_momentum_through_the_command_line",
+        "after one step, running statistics = (1-m) x start + m x batch: the batch's statistics "
+        "solved from m=0.5 and m=0.25 agree"),
     "train --whiten-stem": effect(
         "test_short_run_options.py::test_whiten_stem_through_the_command_line",
         "the saved first convolution decorrelates the run's normalized training patches as "

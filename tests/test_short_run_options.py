@@ -185,3 +185,30 @@ def test_lookahead_optimizer_through_the_command_line(tmp_path):
         torch.testing.assert_close(lookahead[key], halfway, atol=2e-6, rtol=1e-4)
         moved += int(not torch.allclose(at_12[key], start))
     assert moved > 10
+
+
+def test_bn_momentum_through_the_command_line(tmp_path):
+    """One training step with --bn-momentum m leaves each BatchNorm's running statistics at
+    (1 - m) x their start (mean 0, variance 1) + m x the batch's: with m = 0.5 and 0.25 on the same
+    first batch and weights, the batch's statistics solved from either run must agree."""
+    stats = {}
+    for momentum in ("0.5", "0.25"):
+        out = tmp_path / momentum
+        accel_train_here(*TINY_TRAIN, "--bn-momentum", momentum, "--max-steps", "1",
+                         "--output-dir", str(out), check=True)
+        stats[float(momentum)] = load_file(str(out / "model.safetensors"))
+    means = [k for k in stats[0.5] if k.endswith("running_mean")]
+    assert len(means) > 5
+    for key in means:
+        var = key.replace("running_mean", "running_var")
+        torch.testing.assert_close(stats[0.5][key] / 0.5, stats[0.25][key] / 0.25)
+        torch.testing.assert_close((stats[0.5][var] - 0.5) / 0.5, (stats[0.25][var] - 0.75) / 0.25,
+                                   atol=1e-5, rtol=1e-4)
+    assert any(stats[0.5][k].abs().max() > 1e-3 for k in means)   # the batch moved them
+
+
+def test_bn_momentum_out_of_range_is_one_line(tmp_path):
+    result = accel_train_here(*TINY_TRAIN, "--bn-momentum", "1.5", "--output-dir",
+                              str(tmp_path / "run"))
+    assert result.returncode == 2 and "--bn-momentum" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

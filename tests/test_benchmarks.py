@@ -49,13 +49,16 @@ CASES = {
     "streaming": [*TINY, "--rss-batches", "4", "--steps", "4", "--skip", "first"],
     "precision": ["--quick", "--models", "test_resnet", "--batch", "8", "--rounds", "1",
                   "--matmul-size", "256"],
+    # the trainer in process with timers around its parts; a tiny matmul for the peak
+    "efficiency": ["--quick", "--model", "test_resnet", "--batch-size", "16", "--matmul-size",
+                   "256"],
     # both precisions in one process, as the GPU run does (each arm a new Accelerator)
     "gpu": ["--quick", "--allow-cpu", "--model", "test_resnet", "--sizes", "32", "--precisions",
             "bf16", "fp16", "--batch", "8", "--steps", "1", "--rounds", "1"],
 }
 # Longest first, so that the two lanes finish together.
 ORDER = ["overhead", "scaling", "accuracy", "seed", "budget", "comm", "data", "threads",
-         "checkpoint", "index", "streaming", "gpu", "precision"]
+         "checkpoint", "index", "streaming", "gpu", "efficiency", "precision"]
 
 
 @pytest.fixture(scope="module")

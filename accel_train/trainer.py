@@ -44,7 +44,7 @@ from .precision import (accelerate_fp16_note, cpu_has_native_bf16, precision_nam
                         resolve_precision)
 from .randomness import MICRO_BATCH_SALT, seed_globals
 from .report import Reporter, records_text, summary
-from .resume import StartPlan, plan_start, record_elastic_job
+from .resume import StartPlan, plan_start, record_elastic_job, set_aside_newer
 from .rundir import run_paths, update_resolved, write_run_config
 from .sources import ArraySource, load_data
 from .streaming import load_streaming, streaming_wanted
@@ -133,6 +133,8 @@ class Trainer:
             before_manifest=self.callbacks.before_manifest, keep_best=config.keep_best)
         if plan.resume_from is not None:
             self.checkpointer.restore(plan.resume_from)
+            if acc.is_main_process:  # that future is about to be redone (resume.py)
+                set_aside_newer(plan.checkpoint_dir, self.state.step, self.report.warn)
         self.control_group = distributed.cpu_control_group(acc.num_processes)
         self.stop = distributed.StopSignals(self.control_group)
         self.timeouts = CollectiveTimeouts(

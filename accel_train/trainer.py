@@ -133,8 +133,6 @@ class Trainer:
             before_manifest=self.callbacks.before_manifest, keep_best=config.keep_best)
         if plan.resume_from is not None:
             self.checkpointer.restore(plan.resume_from)
-            if acc.is_main_process:  # that future is about to be redone (resume.py)
-                set_aside_newer(plan.checkpoint_dir, self.state.step, self.report.warn)
         self.control_group = distributed.cpu_control_group(acc.num_processes)
         self.stop = distributed.StopSignals(self.control_group)
         self.timeouts = CollectiveTimeouts(
@@ -248,9 +246,12 @@ class Trainer:
     def _open_records(self, warnings: list[Optional[str]]):
         """The start is good: open the logs, record the run, say what will run."""
         acc, plan = self.accelerator, self.plan
-        self.report.open_log(self.paths.logs, acc.process_index, distributed.describe_process())
-        if plan.resume is not None:
+        if plan.resume is not None:  # reads metrics.jsonl: a damaged one stops before any write
             self._forget_steps_after(self.state.step)
+        if plan.resume_from is not None and acc.is_main_process:
+            # Only now that every part has loaded: that future is about to be redone (resume.py).
+            set_aside_newer(plan.checkpoint_dir, self.state.step, self.report.warn)
+        self.report.open_log(self.paths.logs, acc.process_index, distributed.describe_process())
         if plan.resume_from is None and plan.resume is not None:
             self.report.say("no valid checkpoint found: starting from scratch")
         elif plan.resume_from is not None:

@@ -9,13 +9,14 @@ from pathlib import Path
 import torch
 
 from .errors import UsageError
-from .readers import CUT_SHORT, read_safetensors as _read, safetensors_shapes, torch_file_problem
+from . import readers
+from .readers import CUT_SHORT, safetensors_shapes, torch_file_problem
 
 
 def read_safetensors(path: Path, what: str, fix: str) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, or a UsageError: `what` names it for the user (a flag
     or a run), `fix` says what to do."""
-    return _read(path, "run_weights", what, fix)
+    return readers.read_safetensors(path, "run_weights", what, fix)
 
 
 def check_weights_file(path: Path, what: str, fix: str) -> None:

@@ -50,8 +50,9 @@ def read_yaml(path: str, what: str) -> dict:
     file = Path(path)
     if not file.is_file():
         raise UsageError(f"{what} {path}: no such file")
-    kind = "accelerate_config" if what == "--config_file" else "elastic_config"
-    return readers.read_yaml(file, kind, what, empty={})
+    if what == "--config_file":
+        return readers.read_yaml(file, "accelerate_config", what, empty={})
+    return readers.read_yaml(file, "elastic_config", what, empty={})
 
 
 def check_accelerate_config(path: str) -> dict:

@@ -161,10 +161,11 @@ def is_shard_folder(data_dir: Optional[str]) -> bool:
     path = Path(data_dir)
     if (path / INDEX_NAME).is_file():
         try:
-            return read_json(path / INDEX_NAME, "shard_index", shape=Shape()).get("format") \
-                == INDEX_FORMAT
+            if read_json(path / INDEX_NAME, "shard_index", shape=Shape()).get("format") \
+                    == INDEX_FORMAT:
+                return True
         except BadFile:
-            return False  # not ours: open_shards says what is wrong with it, if it is used
+            pass  # damaged: beside tars, open_shards names it; else the folder is not ours
     # Only the top and the split folders: an image folder's class folders are not listed.
     return path.is_dir() and any(any(path.glob(pattern)) for pattern in (
         "*.tar", *(f"{split}/*.tar" for split in ("train", *EVAL_SPLITS))))

@@ -24,7 +24,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 
@@ -152,7 +152,6 @@ class Row:
     commands: list[str]             # keys of _commands
     sealed: bool = False            # a checkpoint file: its checksum written into the manifest
     says: dict[str, str] = field(default_factory=dict)  # corruption -> text the line holds
-    needs: list[str] = field(default_factory=list)      # flags the commands need besides
 
 
 CHECKPOINT = f"checkpoints/{STEP}"
@@ -188,9 +187,14 @@ ROWS = [
 
 
 def _cases():
+    """Every row x corruption x command, but --resume PATH with one corruption a row: past
+    choosing the checkpoint it reads the parts exactly as --resume auto does (and costs a
+    second each)."""
     for row in ROWS:
         for corruption in row.corruptions:
             for command in row.commands:
+                if command == "train --resume PATH" and corruption != "cut in half":
+                    continue
                 yield pytest.param(row, corruption, command,
                                    id=f"{row.file}-{corruption}-{command}")
 

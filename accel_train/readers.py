@@ -109,7 +109,7 @@ _register("model_config", "a model's model_config.json",
           Shape({"model_name": TEXT, "num_classes": INT, "class_names": LIST,
                  "image_size": INT, "mean": LIST, "std": LIST}))
 _register("metrics", "a run's metrics.jsonl",
-          "remove the damaged line or restore the file")
+          "remove that line or restore the file")
 _register("manifest", "a checkpoint's manifest.json", EDITED,
           Shape({"files": MAPPING, "step": INT}, values=None))
 _register("trainer_state", "a checkpoint's trainer_state.json", EDITED,
@@ -223,7 +223,8 @@ def read_yaml(path: Path, kind_name: str, label: str = "", empty: Any = None,
     return _checked(data, path, kind_name, label, shape)
 
 
-def read_json_lines(path: Path, kind_name: str, warn: Callable[[str], None]) -> list[dict]:
+def read_json_lines(path: Path, kind_name: str, warn: Callable[[str], None],
+                    noun: str = "a record") -> list[dict]:
     """The records of a JSON-lines file.  A last line cut short (a process killed while writing
     it) is left out, with a warning; any other line that is not a JSON record (a mapping) is a
     damaged file, named with its line."""
@@ -243,8 +244,9 @@ def read_json_lines(path: Path, kind_name: str, warn: Callable[[str], None]) -> 
             warn(f"the last line of {path} is cut short (the run was stopped while writing "
                  f"it); read without it")
         else:
-            raise bad(path, kind_name, f"line {number} is not a record ({line[:60]!r}); the "
-                                       f"file is damaged")
+            problem = f"line {number} is not {noun} ({line[:60]!r})"
+            raise BadFile(f"{path} {problem}; the file is damaged: {kind(kind_name).fix}",
+                          problem)
     return records
 
 

@@ -84,7 +84,7 @@ def read_metrics(path: Path, warn=None) -> list[dict]:
     """The records of a metrics.jsonl (readers.py): a last line cut short (a run killed while
     writing it) is left out with a warning; any other line that is not a JSON record is one
     line (UsageError) naming the file and the line."""
-    return read_json_lines(Path(path), "metrics", warn or _print_warning)
+    return read_json_lines(Path(path), "metrics", warn or _print_warning, "a metrics record")
 
 
 def _print_warning(text: str) -> None:

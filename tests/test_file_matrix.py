@@ -309,7 +309,7 @@ def test_damaged_metrics(trained, image, tmp_path, corruption, command):
     before = _hashes(run)
     result = accel_train_here(*_commands(run, image, tmp_path)[command])
     if corruption in ("random bytes", "JSON of another shape"):
-        assert "line 1 is not a record" in _one_line(result, metrics)
+        assert "line 1 is not a metrics record" in _one_line(result, metrics)
         assert _hashes(run) == before
     elif corruption == "empty" and command == "plot":
         assert "holds no training or epoch lines" in _one_line(result, metrics)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import more_than_one_rank
+from .readers import read_json
 from .sources import BadImage, LoadedData
 
 BAD_IMAGES_FILE = "bad_images.json"  # in each checkpoint: name -> reason
@@ -53,7 +54,7 @@ class BadImageLog:
         (what a redone future had named is named again when met again)."""
         if not self.is_main:
             return
-        self.named = json.loads((Path(folder) / BAD_IMAGES_FILE).read_text())
+        self.named = read_json(Path(folder) / BAD_IMAGES_FILE, "bad_images")  # name -> why
         if self.named or self.path.is_file():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("".join(f"{name}\t{reason}\n"

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional, Protocol, Sequence
 
 from .errors import DISK_FULL_EXIT, RunStopped, UsageError, first_line
+from .readers import BadFile, Shape, check_fits, check_torch_file, read_json
 
 MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.json"
@@ -220,12 +221,13 @@ def verify(directory: Path) -> Optional[str]:
     if not manifest_path.is_file():
         return "no manifest (the save never finished)"
     try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-        if not isinstance(files, dict):
-            raise TypeError
-    except (ValueError, KeyError, TypeError):
-        return "unreadable manifest"
+        files = read_json(manifest_path, "manifest")["files"]
+    except BadFile as err:
+        return f"unreadable manifest ({err.problem})"
+    for name, expected in files.items():
+        problem = FILE_ENTRY.problem(expected)
+        if problem is not None:
+            return f"unreadable manifest (its entry for {name} {problem})"
     if STATE_FILE not in files:
         return f"{STATE_FILE} is not in the manifest"
     for name, expected in files.items():
@@ -235,6 +237,10 @@ def verify(directory: Path) -> Optional[str]:
         if path.stat().st_size != expected["bytes"] or _sha256(path) != expected["sha256"]:
             return f"{name} does not match its checksum (truncated or modified)"
     return None
+
+
+# A manifest's record of one file.
+FILE_ENTRY = Shape({"sha256": str, "bytes": int})
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -256,13 +262,17 @@ def find_latest_valid(root: Path, warn: Callable[[str], None]) -> Optional[Path]
 
 
 def read_state(directory: Path) -> TrainerState:
-    return TrainerState.from_json(json.loads((directory / STATE_FILE).read_text()))
+    return TrainerState.from_json(read_json(directory / STATE_FILE, "trainer_state"))
 
 
 def check_format(directory: Path) -> None:
     """A UsageError when a (verified) checkpoint was written in another format: resuming must
     neither misread it nor pass it over for an older one, or silently start from scratch."""
-    found = json.loads((directory / MANIFEST).read_text()).get("format", 1)
+    found = read_json(directory / MANIFEST, "manifest").get("format", 1)
+    if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT:
+        raise UsageError(f"checkpoint {directory} is in checkpoint format {found}, written by a "
+                         f"newer accel_train than this one (which reads format {FORMAT}); "
+                         f"upgrade accel_train to resume it")
     if found != FORMAT:
         raise UsageError(f"checkpoint {directory} is in checkpoint format {found}, which this "
                          f"version of accel_train does not resume (it writes format {FORMAT}); "
@@ -311,6 +321,7 @@ class AccelerateState:
     def load(self, folder: Path) -> None:
         from accelerate.utils.constants import SCALER_NAME
 
+        self._vet_files(Path(folder))
         self._vet_rng_file(folder)
         scaler = self.accelerator.scaler
         if scaler is not None and not (Path(folder) / SCALER_NAME).is_file():
@@ -327,6 +338,22 @@ class AccelerateState:
         # Accelerate counts micro-steps to know when to sync; a resume is always at an
         # optimizer step boundary, and the accumulation count may have changed with the layout.
         self.accelerator.step = 0
+
+    def _vet_files(self, folder: Path) -> None:
+        """This part's own check of its content (the manifest vouches only for the bytes): each
+        model file holds this model's tensors, each torch file is a whole one.  Accelerate and
+        torch would otherwise fail deep inside, or load another model's tensors by name."""
+        from accelerate.utils.constants import SAFE_WEIGHTS_NAME
+
+        for index, model in enumerate(self.accelerator._models):
+            stem, suffix = SAFE_WEIGHTS_NAME.rsplit(".", 1)
+            name = SAFE_WEIGHTS_NAME if index == 0 else f"{stem}_{index}.{suffix}"
+            if (folder / name).is_file():
+                check_fits(folder / name, "checkpoint_weights",
+                           {k: tuple(v.shape) for k, v in model.state_dict().items()})
+        for path in sorted(folder.iterdir()):
+            if path.suffix in (".bin", ".pt", ".pkl"):
+                check_torch_file(path, "accelerate_state")
 
     def _vet_rng_file(self, path: Path) -> None:
         from accelerate.utils import load  # weights_only=True plus numpy's safe globals

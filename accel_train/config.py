@@ -15,10 +15,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 from .budget import parse_duration
 from .errors import UsageError
+from .readers import read_yaml
 
 PRECISIONS = ("auto", "no", "fp16", "bf16")
 IN_MEMORY_MODES = ("auto", "always", "never")
@@ -398,14 +397,9 @@ def load_run_yaml(path: str) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise UsageError(f"--config {path}: no such file")
-    try:
-        data = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UsageError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    if isinstance(data, dict) and isinstance(data.get("train"), dict):
-        data = data["train"]
-    if not isinstance(data, dict):
-        raise UsageError(f"--config {path}: expected a mapping of option: value")
+    data = read_yaml(file, "recipe", "--config", empty={})  # readers.py: bad YAML is one line
+    if isinstance(data.get("train"), dict):
+        data = data["train"]  # a run's config.yaml
     return {key.replace("-", "_"): value for key, value in data.items()}
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from timm.utils import ModelEmaV3
 from torch import nn
 
 from .randomness import derive_seed
+from .readers import check_fits, read_safetensors
 
 EMA_FILE = "ema.safetensors"
 EMA_ROUNDING_SALT = 0x656D61  # "ema"
@@ -56,4 +57,6 @@ class ModelEma:
                       f"starts from the resumed weights")
             self.ema.set(self.source)
             return
-        self.module.load_state_dict(load_file(str(path)))
+        check_fits(path, "checkpoint_weights",  # another model's average is one line
+                   {k: tuple(v.shape) for k, v in self.module.state_dict().items()})
+        self.module.load_state_dict(read_safetensors(path, "checkpoint_weights"))

@@ -39,6 +39,7 @@ import pyarrow as pa
 from PIL import Image
 
 from .errors import UsageError
+from .readers import Shape, read_arrow_cache, read_text
 
 SPLIT_FOLDERS = {"train": "train", "training": "train", "validation": "validation",
                  "val": "validation", "valid": "validation", "dev": "validation",
@@ -303,7 +304,8 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
     if not file.is_file():
         raise UsageError(f"--val-labels {file}: no such file")
     rows = []
-    for number, line in enumerate(file.read_text(errors="replace").splitlines(), 1):
+    text = read_text(file, "val_labels", "--val-labels", errors="replace")  # judged by line
+    for number, line in enumerate(text.splitlines(), 1):
         if line.strip() and not line.lstrip().startswith("#"):
             fields = [f.strip() for f in line.split(",")] if "," in line else line.split()
             rows.append((number, fields))
@@ -390,13 +392,16 @@ def _write_cache(path: Path, index: FolderIndex) -> None:
         return  # a read-only home: every start walks the folder
 
 
+# What the cache's metadata holds (_write_cache); another shape is a damaged cache, rebuilt.
+CACHE_META = Shape({"root": str, "classes": list, "splits": list, "dirs": list})
+
+
 def _read_cache(path: Path, root: Path) -> Optional[FolderIndex]:
     """The cached index if every folder it walked still has its mtime, else None."""
-    try:
-        table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
-        meta = json.loads(table.schema.metadata[b"accel_train"])
-    except (OSError, KeyError, ValueError, pa.ArrowInvalid):
-        return None
+    read = read_arrow_cache(path, "imagefolder_cache", CACHE_META)
+    if read is None:
+        return None  # missing or damaged: the folder is walked again and the cache rewritten
+    table, meta = read
     try:
         if any(os.stat(root / rel).st_mtime_ns != mtime for rel, mtime in meta["dirs"]):
             return None

@@ -29,6 +29,7 @@ from .data import (Batch, EpochSampler, HeldOutImages, TrainImages, default_num_
                    make_loader, run_transforms)
 from .errors import STALLED_EXIT, RunStopped, UsageError, first_line
 from .randomness import reseed_loader
+from .readers import read_json
 from .streaming import STREAM_STATE, build_stream_loader, streaming_wanted
 
 LOADER_STATE = "loader.json"  # in each checkpoint of an indexed run
@@ -163,7 +164,7 @@ class IndexedTrainLoader:
             raise UsageError(f"{folder} was saved by a streaming run (it holds {STREAM_STATE}); "
                              f"resume it with the same shard folder (--data-dir SHARDS), or "
                              f"start a new run")
-        saved = json.loads((Path(folder) / LOADER_STATE).read_text())
+        saved = read_json(Path(folder) / LOADER_STATE, "loader_state")  # its shape checked
         if saved["samples_in_epoch"] % self.per_micro_step:
             raise UsageError(f"{folder} stopped {saved['samples_in_epoch']} samples into its "
                              f"epoch, which {self.per_micro_step} samples per micro-step do not "

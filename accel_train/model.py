@@ -19,6 +19,7 @@ from torch import nn
 from . import small_nets  # noqa: F401  (registers the small-image networks in timm's registry)
 from .errors import UsageError, first_line
 from .rundir import SPEC_FILE, WEIGHTS_FILE  # noqa: F401  (WEIGHTS_FILE: callers name it here)
+from .readers import read_json
 from .weightfiles import check_weights_file
 
 
@@ -59,7 +60,7 @@ class ModelSpec:
         if not path.is_file():
             raise UsageError(f"{directory}: no {SPEC_FILE} there; pass a run directory or an "
                              f"export made by accel-train")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_json(path, "model_config"))  # readers.py: one line if bad
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelSpec":

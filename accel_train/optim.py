@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from .config import TrainConfig, check_optimizer_name
+from .readers import read_json
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -97,7 +98,7 @@ class Schedule:
         """A total fitted by a --time-budget is kept, with the cosine it was on; otherwise the
         length follows this start's --epochs / --max-steps (a run may be resumed to train
         longer)."""
-        saved = json.loads((Path(folder) / SCHEDULE_FILE).read_text())
+        saved = read_json(Path(folder) / SCHEDULE_FILE, "schedule")  # its shape checked
         if saved.get("budget_step_seconds") is not None:
             self.total_steps = int(saved["total_steps"])
             self.budget_step_seconds = float(saved["budget_step_seconds"])

@@ -13,8 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import yaml
-
+from .readers import read_yaml
 from .rundir import PLOTS_DIR, run_paths  # noqa: F401  (PLOTS_DIR: named in messages)
 from .track import read_metrics
 
@@ -25,7 +24,7 @@ def _read_resolved(run_dir: Path) -> dict:
     config_path = run_paths(run_dir).config
     if not config_path.is_file():
         return {}
-    return (yaml.safe_load(config_path.read_text()) or {}).get("resolved") or {}
+    return read_yaml(config_path, "run_config")["resolved"]
 
 
 def _run_name(run_dir: Path, resolved: dict) -> str:

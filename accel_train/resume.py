@@ -20,6 +20,7 @@ from .checkpoint import (NAME_PATTERN, SUPERSEDED_PREFIX, TrainerState, check_fo
 from .config import TrainConfig
 from .distributed import LauncherEnv
 from .errors import UsageError
+from .readers import read_text
 from .rundir import CHECKPOINTS_DIR, prepare_output_dir, refuse_new_run_over_old, run_paths
 from .runlock import RunLock
 
@@ -117,15 +118,16 @@ def resume_policy(config: TrainConfig, env: LauncherEnv) -> Optional[str]:
 def choose_resume_point(checkpoint_dir: Path, resume: Optional[str],
                         warn: Callable[[str], None]) -> Optional[str]:
     """Main process, before any rank reads the checkpoint folder: the checkpoint to resume
-    from (None: start afresh), with killed saves finished or discarded and checkpoints of
-    a later step set aside (that future is about to be redone)."""
+    from (None: start afresh), with killed saves finished or discarded.  Checkpoints of a
+    later step are set aside only once every part has loaded (set_aside_newer, called by the
+    trainer after its restore): a start that fails moves nothing."""
     if resume is None:
         check_fresh_checkpoint_dir(checkpoint_dir)
         return None
     path = resolve_resume(checkpoint_dir, resume, warn)
     if path is not None:
-        check_format(path)  # refused before anything is moved aside
-        set_aside_newer(checkpoint_dir, read_state(path).step, warn)
+        check_format(path)
+        read_state(path)  # its trainer state is read whole before anything else is
     return None if path is None else str(path)
 
 
@@ -254,4 +256,5 @@ def started_by_elastic_job(output_dir: Optional[str], run_id: str) -> bool:
     if not output_dir or run_id in ("", "none"):
         return False
     marker = run_paths(output_dir).elastic_job
-    return marker.is_file() and marker.read_text().strip() == run_id
+    # Read leniently: bytes that are not this job's id (damaged or not) mean another job.
+    return marker.is_file() and read_text(marker, "elastic_job", errors="replace").strip() == run_id

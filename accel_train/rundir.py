@@ -18,6 +18,7 @@ import yaml
 
 from .config import TrainConfig
 from .errors import UsageError
+from .readers import read_yaml
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -150,7 +151,7 @@ def update_resolved(output_dir: Path, updates: dict) -> Path:
     paths = run_paths(output_dir)
     resumes = sorted(paths.root.glob("config.resume-*.yaml"))
     path = resumes[-1] if resumes else paths.config
-    record = yaml.safe_load(path.read_text())
+    record = read_yaml(path, "run_config")
     record["resolved"].update(updates)
     tmp = path.with_suffix(".yaml.tmp")
     tmp.write_text(yaml.safe_dump(record, sort_keys=False))

@@ -375,14 +375,8 @@ def _parquet_rows(file: Path, data_dir: str) -> int:
     """The rows of a parquet file, from its footer; a footer that cannot be read (a copy or
     download that stopped halfway) is one line naming the file, where datasets would raise
     pyarrow's error from deep inside its builder."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    try:
-        return pq.ParquetFile(file).metadata.num_rows
-    except (pa.ArrowException, OSError) as err:
-        raise UsageError(f"--data-dir {data_dir}: {file} is not a readable parquet file "
-                         f"({first_line(err, 120)}); it may be cut short (an interrupted download "
-                         f"or copy): copy it again") from None
+    from .readers import parquet_file
+    return parquet_file(file, "parquet", f"--data-dir {data_dir}:").metadata.num_rows
 
 
 def _parquet_names(data_dir: Path, files: list[Path], rows: dict[Path, int]) -> RowNames:

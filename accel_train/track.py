@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .errors import UsageError
+from .readers import read_json_lines
 # metrics.jsonl record -> tracker scalar names; the prefix groups charts in TensorBoard and wandb.
 _TRACKED = {"train": {"loss": "train/loss", "top1": "train/top1", "lr": "train/lr",
                       "img_per_s": "train/img_per_s", "data_wait": "train/data_wait"},
@@ -80,29 +81,10 @@ def check_trackers(names: list[str]) -> None:
 
 
 def read_metrics(path: Path, warn=None) -> list[dict]:
-    """The records of a metrics.jsonl.  A last line cut short (a run killed while writing it) is
-    left out, with a warning; any other line that is not a JSON record is a damaged file, said
-    in one line (UsageError) naming it."""
-    path = Path(path)
-    text = path.read_text(errors="replace")
-    lines = text.splitlines()
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            record = None
-        if isinstance(record, dict):
-            records.append(record)
-        elif number == len(lines) and not text.endswith("\n"):
-            (warn or _print_warning)(f"the last line of {path} is cut short (the run was "
-                                     f"stopped while writing it); read without it")
-        else:
-            raise UsageError(f"{path} line {number} is not a metrics record ({line[:60]!r}); "
-                             f"the file is damaged: remove that line or restore the file")
-    return records
+    """The records of a metrics.jsonl (readers.py): a last line cut short (a run killed while
+    writing it) is left out with a warning; any other line that is not a JSON record is one
+    line (UsageError) naming the file and the line."""
+    return read_json_lines(Path(path), "metrics", warn or _print_warning, "a metrics record")
 
 
 def _print_warning(text: str) -> None:

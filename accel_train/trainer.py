@@ -44,7 +44,7 @@ from .precision import (accelerate_fp16_note, cpu_has_native_bf16, precision_nam
                         resolve_precision)
 from .randomness import MICRO_BATCH_SALT, seed_globals
 from .report import Reporter, records_text, summary
-from .resume import StartPlan, plan_start, record_elastic_job
+from .resume import StartPlan, plan_start, record_elastic_job, set_aside_newer
 from .rundir import run_paths, update_resolved, write_run_config
 from .sources import ArraySource, load_data
 from .streaming import load_streaming, streaming_wanted
@@ -246,9 +246,12 @@ class Trainer:
     def _open_records(self, warnings: list[Optional[str]]):
         """The start is good: open the logs, record the run, say what will run."""
         acc, plan = self.accelerator, self.plan
-        self.report.open_log(self.paths.logs, acc.process_index, distributed.describe_process())
-        if plan.resume is not None:
+        if plan.resume is not None:  # reads metrics.jsonl: a damaged one stops before any write
             self._forget_steps_after(self.state.step)
+        if plan.resume_from is not None and acc.is_main_process:
+            # Only now that every part has loaded: that future is about to be redone (resume.py).
+            set_aside_newer(plan.checkpoint_dir, self.state.step, self.report.warn)
+        self.report.open_log(self.paths.logs, acc.process_index, distributed.describe_process())
         if plan.resume_from is None and plan.resume is not None:
             self.report.say("no valid checkpoint found: starting from scratch")
         elif plan.resume_from is not None:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-import yaml
 from torch import nn
 
+from ..readers import read_yaml
 from ..weightfiles import read_safetensors
 from ..checkpoint import NAME_PATTERN, find_latest_valid, list_checkpoints, read_state, verify
 from ..errors import UsageError, first_line
@@ -39,8 +39,7 @@ def read_run_config(run_dir: Path) -> dict:
     path = run_dir / RUN_CONFIG
     if not path.is_file():
         return {}
-    data = yaml.safe_load(path.read_text()) or {}
-    return data if isinstance(data, dict) else {}
+    return read_yaml(path, "run_config")  # readers.py: one line naming it when damaged
 
 
 def _spec_for_checkpoint(checkpoint: Path, run_dir: Optional[Path]) -> ModelSpec:

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from .. import readers
 from ..cli import _Parser
 from ..errors import UsageError
 
@@ -46,30 +47,18 @@ IGNORED_YAML_KEYS = ("rdzv_backend", "same_network")
 
 
 def read_yaml(path: str, what: str) -> dict:
-    import yaml
-
     file = Path(path)
     if not file.is_file():
         raise UsageError(f"{what} {path}: no such file")
-    try:
-        data = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UsageError(f"{what} {path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{what} {path}: expected a mapping of key: value")
-    return data
+    if what == "--config_file":
+        return readers.read_yaml(file, "accelerate_config", what, empty={})
+    return readers.read_yaml(file, "elastic_config", what, empty={})
 
 
 def check_accelerate_config(path: str) -> dict:
     """The YAML as accelerate itself would load it (an unknown key fails here, not on a node)."""
     raw = read_yaml(path, "--config_file")
-    from accelerate.commands.config.config_args import load_config_from_file
-
-    try:
-        load_config_from_file(path)
-    except (TypeError, ValueError) as err:
-        raise UsageError(f"--config_file {path}: accelerate rejects it ({err}); "
-                         f"recreate it with `accelerate config --config_file {path}`") from None
+    readers.load_accelerate_config(path)
     return raw
 
 

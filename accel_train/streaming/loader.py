@@ -17,6 +17,7 @@ from ..errors import UsageError
 from ..data import Batch
 from ..distributed import loader_worker_in_own_group
 from ..randomness import loader_generator, reseed_loader
+from ..readers import read_json
 from .decoding import decode_substituting
 from .plan import Layout, Segment, rank_batches_per_epoch, remaining_batches, slot_keys, slot_shards
 from .shards import ShardSet, iter_shard
@@ -211,7 +212,7 @@ class StreamLoader:
             raise UsageError(f"{folder} was saved by a map-style run (no {STREAM_STATE}); "
                              f"it cannot resume a streaming run: start a new run, or resume "
                              f"without --streaming and a shard folder")
-        saved = json.loads(path.read_text())
+        saved = read_json(path, "stream_state")  # its shape checked (readers.py)
         if saved.get("shuffle_buffer") != self.dataset.buffer:
             raise UsageError(f"the checkpoint was trained with --shuffle-buffer "
                              f"{saved.get('shuffle_buffer')}; resume with the same value")

@@ -7,7 +7,6 @@ the split (its key).  The counts come from index.json, checked against the tars'
 
 from __future__ import annotations
 
-import json
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ..errors import UsageError
+from ..readers import BadFile, Shape, bad, parquet_file, read_json
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "accel_train-shards/1"
@@ -89,9 +89,8 @@ def iter_tar(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
 
 def iter_parquet(path: Path, image_column: Optional[str] = None,
                  label_column: Optional[str] = None):
-    import pyarrow.parquet as pq
     from ..sources import IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES
-    handle = pq.ParquetFile(path)
+    handle = parquet_file(path, "shard", "shard")
     columns = handle.schema_arrow.names
     image = image_column or next((c for c in IMAGE_COLUMN_NAMES if c in columns), None)
     label = label_column or next((c for c in LABEL_COLUMN_NAMES if c in columns), None)
@@ -113,8 +112,7 @@ def iter_shard(path: Path):
 def _count(path: Path) -> tuple[int, int]:
     """(samples, largest label + 1) of one shard, by reading it."""
     if shard_kind(path) == "parquet":
-        import pyarrow.parquet as pq
-        handle = pq.ParquetFile(path)
+        handle = parquet_file(path, "shard", "shard")
         labels = [label for _, label, _ in iter_parquet(path)]
         return handle.metadata.num_rows, (max(labels) + 1 if labels else 0)
     count, top = 0, 0
@@ -127,8 +125,7 @@ def _count(path: Path) -> tuple[int, int]:
 def _count_fast(path: Path) -> int:
     """Samples in one shard from its metadata: parquet row count, or tar member names."""
     if shard_kind(path) == "parquet":
-        import pyarrow.parquet as pq
-        return pq.ParquetFile(path).metadata.num_rows
+        return parquet_file(path, "shard", "shard").metadata.num_rows
     try:
         with tarfile.open(path, "r:") as tar:
             stems, last = 0, None
@@ -140,6 +137,10 @@ def _count_fast(path: Path) -> int:
             return stems
     except (tarfile.TarError, ValueError) as err:
         raise UsageError(f"shard {path}: not a readable tar ({err})") from None
+
+
+# index.json's record of one shard.
+SHARD_ENTRY = Shape({"file": str, "count": int})
 
 
 @dataclass
@@ -160,9 +161,11 @@ def is_shard_folder(data_dir: Optional[str]) -> bool:
     path = Path(data_dir)
     if (path / INDEX_NAME).is_file():
         try:
-            return json.loads((path / INDEX_NAME).read_text()).get("format") == INDEX_FORMAT
-        except (OSError, ValueError, AttributeError):
-            return False
+            if read_json(path / INDEX_NAME, "shard_index", shape=Shape()).get("format") \
+                    == INDEX_FORMAT:
+                return True
+        except BadFile:
+            pass  # damaged: beside tars, open_shards names it; else the folder is not ours
     # Only the top and the split folders: an image folder's class folders are not listed.
     return path.is_dir() and any(any(path.glob(pattern)) for pattern in (
         "*.tar", *(f"{split}/*.tar" for split in ("train", *EVAL_SPLITS))))
@@ -193,14 +196,18 @@ def open_shards(config) -> ShardData:
     index_path = root / INDEX_NAME
     eval_pattern = getattr(config, "eval_shards", None)
     if index_path.is_file():
-        try:
-            index = json.loads(index_path.read_text())
-            splits = {name: ShardSet([root / entry["file"] for entry in entries],
-                                     [int(entry["count"]) for entry in entries])
-                      for name, entries in index["splits"].items()}
-            class_names = [str(name) for name in index["class_names"]]
-        except (ValueError, KeyError, TypeError) as err:
-            raise UsageError(f"{index_path}: not a shard index ({err})") from None
+        index = read_json(index_path, "shard_index")  # readers.py: its shape checked
+        splits = {}
+        for name, entries in index["splits"].items():
+            problems = [SHARD_ENTRY.problem(entry) for entry in entries] \
+                if isinstance(entries, list) else ["is not a list"]
+            problem = next((p for p in problems if p), None)
+            if problem:
+                raise bad(index_path, "shard_index", f"is not a shard index (split {name!r}: "
+                                                      f"{problem})")
+            splits[name] = ShardSet([root / entry["file"] for entry in entries],
+                                    [entry["count"] for entry in entries])
+        class_names = [str(name) for name in index["class_names"]]
         for shards in splits.values():
             for path in shards.files:
                 if not path.is_file():

@@ -55,16 +55,21 @@ class ModelSpec:
 
     @classmethod
     def read(cls, directory: Path) -> "ModelSpec":
+        """From timm's config.json (a run's final model, an export: timm_folder.py), else from
+        model_config.json (checkpoints; runs and exports made before timm's format)."""
+        from .timm_folder import TIMM_CONFIG, spec_from_timm_config
+        if (Path(directory) / TIMM_CONFIG).is_file():
+            return spec_from_timm_config(Path(directory) / TIMM_CONFIG)
         path = Path(directory) / SPEC_FILE
         if not path.is_file():
-            raise UsageError(f"{directory}: no {SPEC_FILE} there; pass a run directory or an "
-                             f"export made by accel-train")
+            raise UsageError(f"{directory}: no {TIMM_CONFIG} or {SPEC_FILE} there; pass a run "
+                             f"directory or an export made by accel-train")
         return cls.from_dict(json.loads(path.read_text()))
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelSpec":
         """From model_config.json, or the `resolved: model:` entry of a run's config.yaml
-        (timm's config.json: timm_folder.read_model_spec)."""
+        (timm's config.json: timm_folder.spec_from_timm_config)."""
         return cls(**{**data, "mean": tuple(data["mean"]), "std": tuple(data["std"])})
 
 

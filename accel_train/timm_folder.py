@@ -10,7 +10,7 @@ are (raw or EMA), the dropout rate, and the command that trained the run.
 
 A run's final model and `accel-train export` write this; checkpoints keep model_config.json (a
 checkpointed part, resume reads it), which is also what runs and exports made before this format
-hold: `read_model_spec` reads both.
+hold: `ModelSpec.read` reads both.
 """
 
 from __future__ import annotations
@@ -79,18 +79,13 @@ def holds_model_spec(directory: Path) -> bool:
         (Path(directory) / LEGACY_SPEC_FILE).is_file()
 
 
-def read_model_spec(directory: Path) -> ModelSpec:
-    """The spec of a folder in timm's format (config.json), else of the format before it
-    (model_config.json).  Read here rather than with timm's reader (a private function,
-    timm.models._hub.load_model_config_from_path, absent before timm 1.0.16) because we also
-    need our own section, which that reader drops; the fields are the layout timm's saver
-    writes."""
-    directory = Path(directory)
-    path = directory / TIMM_CONFIG
-    if not path.is_file():
-        return ModelSpec.read(directory)
+def spec_from_timm_config(path: Path) -> ModelSpec:
+    """The spec in a config.json of timm's layout (ModelSpec.read calls it).  Read here rather
+    than with timm's reader (a private function, timm.models._hub.load_model_config_from_path,
+    absent before timm 1.0.16) because we also need our own section, which that reader drops;
+    the fields are the layout timm's saver writes."""
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(Path(path).read_text())
         cfg, ours = config["pretrained_cfg"], config.get(OUR_SECTION, {})
         num_classes = int(config.get("num_classes", cfg.get("num_classes")))
         names = config.get("label_names") or cfg.get("label_names") or \

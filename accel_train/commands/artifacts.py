@@ -21,7 +21,7 @@ from ..weightfiles import read_safetensors
 from ..checkpoint import NAME_PATTERN, find_latest_valid, list_checkpoints, read_state, verify
 from ..errors import UsageError, first_line
 from ..model import SPEC_FILE, WEIGHTS_FILE, ModelSpec, build_from_spec
-from ..timm_folder import holds_model_spec, read_model_spec
+from ..timm_folder import holds_model_spec
 from ..rundir import CONFIG_FILE as RUN_CONFIG
 from ..rundir import run_paths
 # Prefixes that wrappers add to parameter names: DDP (`module.`) and torch.compile (`_orig_mod.`).
@@ -53,7 +53,7 @@ def _spec_for_checkpoint(checkpoint: Path, run_dir: Optional[Path]) -> ModelSpec
         return ModelSpec.read(checkpoint)
     if run_dir is not None:
         if holds_model_spec(run_dir):
-            return read_model_spec(run_dir)
+            return ModelSpec.read(run_dir)
         recorded = read_run_config(run_dir).get("resolved", {}).get("model")
         if isinstance(recorded, dict):
             return ModelSpec.from_dict(recorded)
@@ -102,7 +102,7 @@ def find_trained_model(path_text: str, warn: Callable[[str], None]) -> TrainedMo
     if (path / WEIGHTS_FILE).is_file() and holds_model_spec(path):
         run_dir = path if (path / RUN_CONFIG).is_file() else None
         kind = "the final model of run" if run_dir else "export"
-        return TrainedModel(read_model_spec(path), path / WEIGHTS_FILE, run_dir, f"{kind} {path}")
+        return TrainedModel(ModelSpec.read(path), path / WEIGHTS_FILE, run_dir, f"{kind} {path}")
     is_run = (path / RUN_CONFIG).is_file()
     root = _checkpoint_root(path) if is_run else path
     if list_checkpoints(root):

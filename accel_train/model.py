@@ -56,15 +56,21 @@ class ModelSpec:
 
     @classmethod
     def read(cls, directory: Path) -> "ModelSpec":
+        """From timm's config.json (a run's final model, an export: timm_folder.py), else from
+        model_config.json (checkpoints; runs and exports made before timm's format)."""
+        from .timm_folder import TIMM_CONFIG, spec_from_timm_config
+        if (Path(directory) / TIMM_CONFIG).is_file():
+            return spec_from_timm_config(Path(directory) / TIMM_CONFIG)
         path = Path(directory) / SPEC_FILE
         if not path.is_file():
-            raise UsageError(f"{directory}: no {SPEC_FILE} there; pass a run directory or an "
-                             f"export made by accel-train")
+            raise UsageError(f"{directory}: no {TIMM_CONFIG} or {SPEC_FILE} there; pass a run "
+                             f"directory or an export made by accel-train")
         return cls.from_dict(read_json(path, "model_config"))  # readers.py: one line if bad
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelSpec":
-        """From model_config.json, or the `resolved: model:` entry of a run's config.yaml."""
+        """From model_config.json, or the `resolved: model:` entry of a run's config.yaml
+        (timm's config.json: timm_folder.spec_from_timm_config)."""
         return cls(**{**data, "mean": tuple(data["mean"]), "std": tuple(data["std"])})
 
 
@@ -162,21 +168,29 @@ def set_train_mode(model: nn.Module, backbone_frozen: bool) -> None:
                 module.eval()
 
 
-def save_weights(state_dict: dict, directory: Path, spec: ModelSpec) -> Path:
+def save_weights(state_dict: dict, directory: Path, spec: ModelSpec,
+                 with_spec: bool = True) -> Path:
     """The one writer of model weights: DIR/model.safetensors (plain CPU tensors, with the
-    metadata that tools reading safetensors as PyTorch weights look for) and DIR/
-    model_config.json beside it, which is enough to rebuild the model."""
+    metadata that tools reading safetensors as PyTorch weights look for) and, `with_spec`,
+    DIR/model_config.json beside it (checkpoints; a model folder has timm's config.json
+    instead: timm_folder.py)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-    spec.save(directory)
+    if with_spec:
+        spec.save(directory)
     return directory / WEIGHTS_FILE
 
 
 def build_from_spec(spec: ModelSpec) -> nn.Module:
+    if not timm.is_model(spec.model_name):
+        from .timm_folder import unknown_architecture_hint
+        raise UsageError(f"the model's architecture {spec.model_name!r} is not in this timm's "
+                         f"registry (timm {timm.__version__}); "
+                         f"{unknown_architecture_hint(spec.model_name)}")
     return create_model(spec.model_name, spec.num_classes, spec.drop_rate)
 
 

@@ -37,7 +37,7 @@ from .errors import first_line
 from .evaluate import evaluate_classifier
 from .loading import build_loaders
 from .mixing import maybe_mixup
-from .model import build_network, create_model, save_weights, set_train_mode
+from .model import build_network, create_model, set_train_mode
 from .optim import build_optimizer, plan_schedule, scheduler_for
 from .plots import write_plots
 from .precision import (accelerate_fp16_note, cpu_has_native_bf16, precision_name,
@@ -48,6 +48,7 @@ from .resume import StartPlan, plan_start, record_elastic_job, set_aside_newer
 from .rundir import run_paths, update_resolved, write_run_config
 from .sources import ArraySource, load_data
 from .streaming import load_streaming, streaming_wanted
+from .timm_folder import write_model_folder
 from .track import LogWindow, MetricsLog, Progress, check_trackers, tracker_scalars
 
 
@@ -535,15 +536,16 @@ class Trainer:
         return 143  # 128 + SIGTERM: schedulers read it as "terminated", not "finished"
 
     def save_model(self):
-        """model.safetensors + model_config.json: enough to rebuild the model for inference.
-        With --model-ema, the better of the raw and the EMA weights on the held-out split."""
+        """model.safetensors + config.json in timm's folder format (timm_folder.py): timm,
+        transformers and our eval/predict rebuild the model from them.  With --model-ema, the
+        better of the raw and the EMA weights on the held-out split."""
         acc, state = self.accelerator, self.state
         acc.wait_for_everyone()
         use_ema = self.ema is not None and (state.ema_top1 or 0) > (state.eval_top1 or 0)
-        state_dict = (self.ema.module if use_ema else self._bare_model()).state_dict()
+        model = self.ema.module if use_ema else self._bare_model()
         if acc.is_main_process:
             spec = dataclasses.replace(self.net.spec, weights="ema" if use_ema else "model")
-            path = save_weights(state_dict, self.plan.output_dir, spec)
+            path = write_model_folder(model, self.plan.output_dir, spec, command=sys.argv)
             self.report.say(f"saved {path}" + (f" (the EMA weights: held-out top-1 "
                                                f"{state.ema_top1:.2%} vs {state.eval_top1:.2%})"
                                                if use_ema else ""))

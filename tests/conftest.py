@@ -121,6 +121,18 @@ def accel_train_here(*args: str, check: bool = False,
     return result
 
 
+def model_spec_of(folder: Path) -> dict:
+    """The model a run's final model or an export holds, read from timm's config.json as timm's
+    saver lays it out (architecture, label_names, pretrained_cfg; accel_train's own section),
+    in the keys of the model_config.json it replaced: what the tests check of a run's model."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    cfg, ours = config["pretrained_cfg"], config.get("accel_train", {})
+    return {"model_name": config["architecture"], "num_classes": config["num_classes"],
+            "class_names": config["label_names"], "image_size": cfg["input_size"][-1],
+            "mean": cfg["mean"], "std": cfg["std"], "drop_rate": ours.get("drop_rate"),
+            "weights": ours.get("weights"), "tta": ours.get("tta")}
+
+
 def write_cifar10_layout(folder: Path, train_rows: int = 640, test_rows: int = 160) -> Path:
     """A small stand-in for ../shared/data/cifar10 in the same layout and schema: train.parquet
     and test.parquet, columns `img` (datasets.Image: struct of JPEG `bytes` and `path`) and

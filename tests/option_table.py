@@ -384,7 +384,13 @@ ROWS: dict[str, Row] = {
         "tensors equal the run's final weights read with safetensors"),
     "export --output-dir": effect(
         "test_commands.py::test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept",
-        "exactly model.safetensors and model_config.json in the folder given"),
+        "exactly model.safetensors, config.json and README.md in the folder given; a folder "
+        "holding an export is refused"),
+    "export --format": effect(
+        "test_export_formats.py::test_onnx_runtime_agrees_with_predict",
+        "onnx: model.onnx in ONNX Runtime on real held-out images, preprocessed from "
+        "preprocessing.json with numpy, gives predict's probabilities within 1e-4 (timm, "
+        "transformers: the tests beside it)"),
     # -- plot -------------------------------------------------------------------------------------
     "plot run_dir": effect(
         "test_commands.py::test_plot_command_writes_the_pngs",

@@ -18,7 +18,7 @@ from accel_train import synthetic
 from accel_train.cli import main
 from accel_train.track import read_metrics
 import conftest
-from conftest import accel_train_here, TINY_TRAIN, free_port, run
+from conftest import accel_train_here, TINY_TRAIN, free_port, model_spec_of, run
 
 # The folder the tests write images into lists classes in another order than the model does
 # (alphabetical vs synthetic.CLASS_NAMES), so eval must map labels by class name.
@@ -92,7 +92,7 @@ def test_eval_of_its_checkpoint_and_of_an_unfinished_run(run_dir, tmp_path, caps
     from_checkpoint = eval_json(capsys, str(checkpoint))
     unfinished = tmp_path / "unfinished"
     shutil.copytree(run_dir, unfinished, ignore=shutil.ignore_patterns("model.safetensors",
-                                                                      "model_config.json"))
+                                                                      "config.json"))
     code, out, err = command(capsys, "eval", str(unfinished))
     assert code == 0, err
     assert "step_00000016 (step 16), newest valid: training did not finish" in out
@@ -154,19 +154,18 @@ def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_
     code, out, err = command(capsys, "export", str(run_dir / "checkpoints" / "step_00000016"),
                              "--output-dir", str(export_dir))
     assert code == 0, err
-    assert sorted(p.name for p in export_dir.iterdir()) == ["model.safetensors",
-                                                            "model_config.json"]
+    assert sorted(p.name for p in export_dir.iterdir()) == ["README.md", "config.json",
+                                                            "model.safetensors"]
     exported, final = (load_file(str(d / "model.safetensors")) for d in (export_dir, run_dir))
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k]) for k in final)  # step 16 is the last step
-    assert json.loads((export_dir / "model_config.json").read_text()) == \
-        json.loads((run_dir / "model_config.json").read_text())
+    assert model_spec_of(export_dir) == model_spec_of(run_dir)
     epoch = last_epoch(run_dir)
     on_run_data = eval_json(capsys, str(export_dir), "--dataset", "synthetic",
                             "--max-samples", "64")
     assert on_run_data["top1"] == pytest.approx(epoch["eval_top1"])
     code, _, err = command(capsys, "export", str(run_dir), "-o", str(export_dir))
-    assert code == 2 and "already holds model.safetensors" in err
+    assert code == 2 and "already holds an export (model.safetensors)" in err
 
 
 def test_plot_command_writes_the_pngs(run_dir, tmp_path, capsys):

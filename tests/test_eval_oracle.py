@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from accel_train import synthetic
 
-from conftest import accel_train_here, TINY_TRAIN
+from conftest import accel_train_here, model_spec_of, TINY_TRAIN
 
 TRAIN_SIZE = 256  # as in TINY_TRAIN
 EVAL_SAMPLES = 64
@@ -48,7 +48,7 @@ def _eval_json(*args: str) -> dict:
 def _plain_logits(run_dir, images_nhwc, mirrored_too: bool = False) -> torch.Tensor:
     """The exported model in plain timm + torch on uint8 NHWC images (float64 normalization);
     `mirrored_too`: averaged with the logits of the images flipped left-right by numpy."""
-    spec = json.loads((run_dir / "model_config.json").read_text())
+    spec = model_spec_of(run_dir)
     model = timm.create_model(spec["model_name"], num_classes=spec["num_classes"])
     model.load_state_dict(load_file(str(run_dir / "model.safetensors")))
     model.eval()
@@ -69,7 +69,7 @@ def _plain_logits(run_dir, images_nhwc, mirrored_too: bool = False) -> torch.Ten
 def _oracle(run_dir, images_nhwc, labels, mirrored_too: bool = False) -> dict:
     """Plain-torch evaluation of the exported model on uint8 NHWC images; `mirrored_too`: the
     logits averaged with those of the images flipped left-right (numpy's flip of the width)."""
-    spec = json.loads((run_dir / "model_config.json").read_text())
+    spec = model_spec_of(run_dir)
     model = timm.create_model(spec["model_name"], num_classes=spec["num_classes"])
     model.load_state_dict(load_file(str(run_dir / "model.safetensors")))  # strict: every key
     model.eval()
@@ -247,7 +247,7 @@ def test_the_eval_table_is_the_oracles_numbers(run_dir):
     images, labels = images[:10], labels[:10]
     oracle = _oracle(run_dir, images, labels)
     text = accel_train_here("eval", str(run_dir), "--max-samples", "10", check=True).stdout
-    names = json.loads((run_dir / "model_config.json").read_text())["class_names"]
+    names = model_spec_of(run_dir)["class_names"]
     width = max(len("class"), *(len(n) for n in names))
     top1, top5 = oracle["top1_correct"] / 10, oracle["top5_correct"] / 10
     expected = [f"loss {oracle['loss']:.4f}  top-1 {top1:.2%}  top-5 {top5:.2%}  (10 images)", "",

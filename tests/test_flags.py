@@ -3,7 +3,7 @@
 The runs train ONE optimizer step on the whole synthetic training set (32 images, one batch of
 32, no augmentation), so the step can be redone here in plain torch: the initial weights are
 timm's for --seed 0 (torch.manual_seed(0), then timm.create_model), the batch is the raw images
-normalized with the run's model_config.json (whose mean/std test_data_stats.py checks), and the
+normalized with the run's config.json (whose mean/std test_data_stats.py checks), and the
 loss, gradient, clipping, weight decay and optimizer update are written out below by hand.  The
 order of the batch does not matter: the loss is a mean, and BatchNorm's batch statistics are
 order-free.
@@ -34,7 +34,7 @@ from accel_train.config import TrainConfig
 from accel_train.optim import build_optimizer
 from accel_train.track import read_metrics
 
-from conftest import PINNED, REPO, accel_train_here, free_port, run
+from conftest import PINNED, REPO, accel_train_here, free_port, model_spec_of, run
 from conftest import test_env as child_env  # (imported as test_env, pytest would collect it)
 
 MODEL, SEED, NUM_CLASSES, TRAIN_SIZE = "test_resnet", 0, 10, 32
@@ -82,7 +82,7 @@ def initial_model(seed: int = SEED) -> nn.Module:
 
 def first_step(run_dir, label_smoothing: float, seed: int = SEED) -> dict:
     """W0, the first batch's loss and gradient, computed here."""
-    spec = json.loads((run_dir / "model_config.json").read_text())
+    spec = model_spec_of(run_dir)
     assert (spec["model_name"], spec["num_classes"], spec["image_size"]) == (MODEL, NUM_CLASSES, 32)
     images, labels = synthetic.splits(TRAIN_SIZE)["train"]
     x = torch.from_numpy(images).permute(0, 3, 1, 2).to(torch.float64) / 255
@@ -335,7 +335,7 @@ def test_bf16_is_recorded_runs_in_bf16_and_trains(runs):
 
 def test_drop_rate_drops_in_training_and_is_recorded(runs):
     run_ = runs["dropout"]
-    spec = json.loads((run_.out / "model_config.json").read_text())
+    spec = model_spec_of(run_.out)
     assert spec["drop_rate"] == 0.5  # eval, predict and export rebuild the model with it
     ref = first_step(run_.out, label_smoothing=0.0)
     # without dropout the first loss would be ref's to float precision (as the other runs show);
@@ -375,7 +375,7 @@ def test_mix_probability_zero_trains_the_plain_step(runs):
 def test_image_size_resizes_what_the_model_sees(runs):
     assert runs["small"].training_convs()[0]["hw"] == [16, 16]
     assert runs["adamw"].training_convs()[0]["hw"] == [32, 32]
-    spec = json.loads((runs["small"].out / "model_config.json").read_text())
+    spec = model_spec_of(runs["small"].out)
     assert spec["image_size"] == 16
 
 

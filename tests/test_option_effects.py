@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from accel_train import synthetic
 from accel_train.checkpoint import verify
 
-from conftest import REPO, TINY_TRAIN, accel_train_here
+from conftest import REPO, TINY_TRAIN, accel_train_here, model_spec_of
 from faults import metrics
 from option_table import ROWS, all_options, spellings
 
@@ -298,7 +298,7 @@ def test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard(decoy_p
                               "--batch-size", "16", "--max-steps", "1", "--progress", "log",
                               "--no-plots", "--mixed-precision", "no", "--no-channels-last",
                               "--output-dir", str(out), check=True)
-    spec = json.loads((out / "model_config.json").read_text())
+    spec = model_spec_of(out)
     assert spec["image_size"] == 32, "trained on the 20 px decoys, not the 32 px photos"
     counts = np.bincount(truth["train"][1], minlength=10)
     assert "48 train / 48 held-out images" in result.stdout, result.stdout
@@ -354,7 +354,7 @@ def test_class_depth_alike_in_training_and_check_data(tmp_path):
     trained = accel_train_here(*data, *SMALL_RUN, "--val-fraction", "0.4",
                                "--output-dir", str(tmp_path / "run"), check=True)
     assert "3 train / 2 held-out images, 2 classes" in trained.stdout, trained.stdout
-    spec = json.loads((tmp_path / "run" / "model_config.json").read_text())
+    spec = model_spec_of(tmp_path / "run")
     assert spec["class_names"] == ["animals", "plants"]
     report = json.loads(accel_train_here("check-data", *data, "--json").stdout)
     assert report["classes"] == ["animals", "plants"]
@@ -404,7 +404,7 @@ def test_dataset_names_a_local_parquet_folder(cifar10_layout, tmp_path):
     trained = accel_train_here("--dataset", str(cifar10_layout), *SMALL_RUN,
                                "--max-train-samples", "64", "--output-dir", str(out), check=True)
     assert "64 train / 160 held-out images, 10 classes" in trained.stdout, trained.stdout
-    assert json.loads((out / "model_config.json").read_text())["class_names"] == CIFAR10_CLASSES
+    assert model_spec_of(out)["class_names"] == CIFAR10_CLASSES
 
 
 # -- streaming -------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ does not come from the code under test.
   JPEGs); random erasing replaces exactly one rectangle of per-pixel noise; no global RNG moves.
 * --model-ema (a 2-step CLI run with --checkpoint-every 1): timm's ModelEmaV3 rule written out:
   after step 1 the average IS the weights (timm's decay is 0 at the first update), after step 2
-  it is lerp(ema_1, w_2, 1 - decay); metrics.jsonl carries eval_ema_*; model_config.json says
+  it is lerp(ema_1, w_2, 1 - decay); metrics.jsonl carries eval_ema_*; config.json says
   which weights model.safetensors holds, consistently with the last evaluation.
 * --drop-path: the model's DropPath modules get timm's linear rule up to the rate, and a forward
   in train mode becomes stochastic.
@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 
 from accel_train.config import TrainConfig
 from accel_train.mixing import SeededMixup
-from conftest import TINY_TRAIN
+from conftest import TINY_TRAIN, model_spec_of
 from faults import Run, metrics
 
 NUM_CLASSES, SMOOTHING = 10, 0.1
@@ -478,8 +478,8 @@ def test_model_ema_follows_timms_rule_and_is_evaluated_saved_and_exported(cli_ru
         assert key in last, last
     assert 0.0 <= last["eval_ema_top1"] <= 1.0
     assert last["eval_ema_loss"] != last["eval_loss"]
-    # exported: the better of the two on the held-out split, and model_config.json says which
-    spec = json.loads((out / "model_config.json").read_text())
+    # exported: the better of the two on the held-out split, and config.json says which
+    spec = model_spec_of(out)
     better = "ema" if last["eval_ema_top1"] > last["eval_top1"] else "model"
     if last["eval_ema_top1"] != last["eval_top1"]:
         assert spec["weights"] == better, (spec["weights"], last)
@@ -513,8 +513,8 @@ def test_an_ema_runs_export_eval_and_predict_use_the_weights_it_says(cli_runs, t
     accel_train_here("export", str(_checkpoint(out, 2)), "-o", str(step_export), check=True)
     final = load_file(str(out / "model.safetensors"))
     assert _max_difference(load_file(str(run_export / "model.safetensors")), final) == 0.0
-    spec = json.loads((out / "model_config.json").read_text())
-    assert json.loads((run_export / "model_config.json").read_text())["weights"] == \
+    spec = model_spec_of(out)
+    assert model_spec_of(run_export)["weights"] == \
         spec["weights"]
     raw2 = load_file(str(_checkpoint(out, 2) / "model.safetensors"))
     assert _max_difference(load_file(str(step_export / "model.safetensors")), raw2) == 0.0

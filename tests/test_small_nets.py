@@ -15,7 +15,7 @@ from timm.optim import create_optimizer_v2
 from torch import nn
 
 import accel_train.model  # noqa: F401  (registers the networks)
-from conftest import TINY_TRAIN, accel_train
+from conftest import TINY_TRAIN, accel_train, model_spec_of
 
 WIDTHS = {"cifar_convnet_s": (16, 32, 64, 128), "cifar_convnet_m": (24, 48, 96, 192),
           "cifar_convnet_l": (32, 64, 128, 256)}
@@ -82,7 +82,7 @@ def test_a_run_trains_exports_and_evaluates_one_with_flip_tta(tmp_path):
     out = tmp_path / "run"
     args = [a if a != "test_resnet" else "cifar_convnet_s" for a in TINY_TRAIN]
     accel_train(*args, "--channels-last", "--tta", "flip", "--output-dir", str(out), check=True)
-    spec = json.loads((out / "model_config.json").read_text())
+    spec = model_spec_of(out)
     assert (spec["model_name"], spec["tta"]) == ("cifar_convnet_s", "flip")
     last_epoch = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
                   if '"type": "epoch"' in line][-1]

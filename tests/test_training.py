@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -16,7 +15,7 @@ from accel_train.model import ModelSpec, build_from_spec, create_model
 from accel_train.track import read_metrics
 from accel_train.trainer import Trainer, run_training
 
-from conftest import PINNED, TINY_TRAIN, accel_train, accel_train_here
+from conftest import PINNED, TINY_TRAIN, accel_train, accel_train_here, model_spec_of
 
 QUICK = dict(dataset="synthetic", synthetic_train_size=256, max_eval_samples=64,
              model="test_resnet", batch_size=32, epochs=1, progress="log", plots=False,
@@ -87,7 +86,7 @@ def test_pretrained_local_weights_and_frozen_backbone(tmp_path):
                          freeze_backbone=True, learning_rate=0.5)
     assert run_training(config) == 0
     trained = load_file(str(tmp_path / "run" / "model.safetensors"))
-    spec = json.loads((tmp_path / "run" / "model_config.json").read_text())
+    spec = model_spec_of(tmp_path / "run")
     assert spec["mean"] == list(source.pretrained_cfg["mean"])  # normalization of the weights
     head = {k for k in trained if k.startswith(source.default_cfg["classifier"])}
     assert head and all(trained[k].shape[0] == 10 for k in head if k.endswith("weight"))

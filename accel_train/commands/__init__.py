@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 SUMMARIES = {
     "eval": "loss, top-1/top-5 and per-class accuracy of a run, checkpoint or export",
     "predict": "top-k classes with probabilities for image files or folders",
-    "export": "a checkpoint -> model.safetensors + model_config.json",
+    "export": "a run or checkpoint -> timm's folder format (+ model card, + ONNX) for timm, "
+              "transformers and the Hub",
     "plot": "PNG curves (loss, learning rate, accuracy, throughput) of a run",
     "launch": "accelerate launch plus elastic settings (restarts, rendezvous) from a YAML",
     "check-data": "decode every image (in parallel): unreadable files, class counts, sizes, "

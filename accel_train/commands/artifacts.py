@@ -1,7 +1,8 @@
 """What `eval`, `predict` and `export` accept as RUN_OR_CHECKPOINT, turned into a model.
 
 Accepted: a run directory (its final model.safetensors, or its newest valid checkpoint when
-training did not finish), an export folder (model.safetensors + model_config.json), a
+training did not finish), an export folder (model.safetensors + timm's config.json, or the
+model_config.json of exports made before it), a
 `step_XXXXXXXX` checkpoint folder, or a checkpoints folder (its newest valid checkpoint).
 Weights are only ever read as safetensors, and a checkpoint is verified against its manifest
 first: a truncated or modified checkpoint is refused rather than silently evaluated.
@@ -20,6 +21,7 @@ from ..weightfiles import read_safetensors
 from ..checkpoint import NAME_PATTERN, find_latest_valid, list_checkpoints, read_state, verify
 from ..errors import UsageError, first_line
 from ..model import SPEC_FILE, WEIGHTS_FILE, ModelSpec, build_from_spec
+from ..timm_folder import holds_model_spec
 from ..rundir import CONFIG_FILE as RUN_CONFIG
 from ..rundir import run_paths
 # Prefixes that wrappers add to parameter names: DDP (`module.`) and torch.compile (`_orig_mod.`).
@@ -44,11 +46,12 @@ def read_run_config(run_dir: Path) -> dict:
 
 def _spec_for_checkpoint(checkpoint: Path, run_dir: Optional[Path]) -> ModelSpec:
     """The checkpoint's own model_config.json (written into every checkpoint since it exists),
-    else its run's: the final model_config.json, or the model recorded in config.yaml."""
+    else its run's: the final model's config.json (or model_config.json), or the model recorded
+    in config.yaml."""
     if (checkpoint / SPEC_FILE).is_file():
         return ModelSpec.read(checkpoint)
     if run_dir is not None:
-        if (run_dir / SPEC_FILE).is_file():
+        if holds_model_spec(run_dir):
             return ModelSpec.read(run_dir)
         recorded = read_run_config(run_dir).get("resolved", {}).get("model")
         if isinstance(recorded, dict):
@@ -61,7 +64,7 @@ def _spec_for_checkpoint(checkpoint: Path, run_dir: Optional[Path]) -> ModelSpec
 def _run_dir_of_checkpoint(checkpoint: Path) -> Optional[Path]:
     """<run>/checkpoints/step_N -> <run>, when that folder holds a run."""
     candidate = checkpoint.parent.parent
-    if (candidate / RUN_CONFIG).is_file() or (candidate / SPEC_FILE).is_file():
+    if (candidate / RUN_CONFIG).is_file() or holds_model_spec(candidate):
         return candidate
     return None
 
@@ -95,7 +98,7 @@ def find_trained_model(path_text: str, warn: Callable[[str], None]) -> TrainedMo
                          f"checkpoint folder or the export folder that holds it")
     if NAME_PATTERN.match(path.name):
         return _from_checkpoint(path, None)
-    if (path / WEIGHTS_FILE).is_file() and (path / SPEC_FILE).is_file():
+    if (path / WEIGHTS_FILE).is_file() and holds_model_spec(path):
         run_dir = path if (path / RUN_CONFIG).is_file() else None
         kind = "the final model of run" if run_dir else "export"
         return TrainedModel(ModelSpec.read(path), path / WEIGHTS_FILE, run_dir, f"{kind} {path}")
@@ -134,5 +137,6 @@ def load_model(trained: TrainedModel) -> nn.Module:
     except RuntimeError as err:
         raise UsageError(f"{trained.weights} does not fit {trained.spec.model_name} with "
                          f"{trained.spec.num_classes} classes ({first_line(err)}); "
-                         f"was {SPEC_FILE} copied from another run?") from None
+                         f"was its config.json or {SPEC_FILE} copied from another "
+                         f"run?") from None
     return model.eval()

@@ -1,9 +1,11 @@
 """`accel-train predict RUN_OR_CHECKPOINT IMAGES_OR_FOLDERS...`: the top-k classes of each image.
 
 Images are prepared exactly as training prepared its held-out images (resized to the model's
-size, normalized with its mean/std).  Folders are searched recursively for image files.  Output
-is a table, or with --json one JSON object per line (for scripts).  An image that cannot be
-read is reported in its row and the others are still predicted; the exit code is then 2.
+size, normalized with its mean/std).  The model may also be the model.onnx of an export made
+with --format onnx: ONNX Runtime runs it, with the preparation recorded in the file.  Folders
+are searched recursively for image files.  Output is a table, or with --json one JSON object
+per line (for scripts).  An image that cannot be read is reported in its row and the others
+are still predicted; the exit code is then 2.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="accel-train predict", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", metavar="RUN_OR_CHECKPOINT",
-                        help="a run directory, a step_XXXXXXXX checkpoint, or an export folder")
+                        help="a run directory, a step_XXXXXXXX checkpoint, an export folder, or "
+                             "an export's model.onnx")
     parser.add_argument("inputs", nargs="+", metavar="IMAGES_OR_FOLDERS",
                         help="image files, or folders searched recursively for "
                              f"{', '.join(sorted(IMAGE_SUFFIXES))} files")
@@ -95,6 +98,20 @@ def _table_row(path: Path, ranked, names: list[str], path_width: int, name_width
     return f"{str(path):<{path_width}}  {cells}"
 
 
+def _load(model_text: str, torch):
+    """(model, spec, description, device): an ONNX file through ONNX Runtime on the CPU, else
+    the torch model of a run, checkpoint or export on CUDA when there is one."""
+    if model_text.endswith(".onnx") and Path(model_text).is_file():
+        from ..onnx_export import OnnxClassifier
+        onnx_model = OnnxClassifier(Path(model_text))
+        return onnx_model, onnx_model.spec, f"ONNX file {model_text} (ONNX Runtime)", \
+            torch.device("cpu")
+    from .artifacts import find_trained_model, load_model
+    trained = find_trained_model(model_text, lambda text: print(f"warning: {text}"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return load_model(trained).to(device), trained.spec, trained.description, device
+
+
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.top_k < 1 or args.batch_size < 1:
@@ -102,19 +119,16 @@ def main(argv: Sequence[str]) -> int:
     images = find_images(args.inputs)
     import torch
 
-    from .artifacts import find_trained_model, load_model
-    trained = find_trained_model(args.model, lambda text: print(f"warning: {text}"))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(trained).to(device)
-    names = trained.spec.class_names
+    model, spec, description, device = _load(args.model, torch)
+    names = spec.class_names
     path_width = max(len(str(p)) for p in images)
     name_width = max(len(name) for name in names)
     if not args.json:
-        print(f"model: {trained.spec.model_name} from {trained.description}; {len(images)} "
+        print(f"model: {spec.model_name} from {description}; {len(images)} "
               f"image(s)\n\n{_table_header(min(args.top_k, len(names)), path_width, name_width)}")
     failures: list[str] = []
-    for path, ranked, reason in predict(model, trained.spec, images, args.top_k,
-                                        args.batch_size, device):
+    for path, ranked, reason in predict(model, spec, images, args.top_k, args.batch_size,
+                                        device):
         if reason is not None:
             failures.append(f"{path} cannot be decoded ({reason})")
             print(json.dumps({"image": str(path), "error": failures[-1]}) if args.json

@@ -1,0 +1,73 @@
+"""What `export` measures on the run's own held-out images: the ONNX check's batch and the
+model card's top-1/top-5 with and without test-time augmentation.  The images are rebuilt from
+the run's config.yaml exactly as `accel-train eval` rebuilds them (eval.data_config), and
+prepared as training prepared its held-out images."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from ..errors import UsageError
+from ..transforms import ImageTransform
+
+
+@dataclass
+class HeldOut:
+    dataset: Optional[object]  # HeldOutImages, or None when the run's data cannot be had
+    description: str           # the data, or why there is none
+    metrics: dict = field(default_factory=dict)  # tta -> {"top1", "top5", "count"}
+
+    def first_images(self, count: int) -> Optional[torch.Tensor]:
+        if self.dataset is None:
+            return None
+        return torch.stack([self.dataset[i][0] for i in range(min(count, len(self.dataset)))])
+
+
+def run_held_out(trained) -> HeldOut:
+    """The held-out split of the run that `trained` comes from; an export folder has no run,
+    and a run whose data moved has none here: then `dataset` is None and `description` says
+    why (export goes on without the numbers that need it)."""
+    from ..data import HeldOutImages
+    from ..sources import load_data
+    from ..streaming import load_streaming, streaming_wanted
+    from .eval import align_labels, data_config
+
+    if trained.run_dir is None:
+        return HeldOut(None, f"{trained.description} has no run directory with its data")
+    no_other_data = SimpleNamespace(data_dir=None, dataset=None, image_column=None,
+                                    label_column=None, max_samples=None)
+    try:
+        config = data_config(trained, no_other_data)
+        data = load_streaming(config) if streaming_wanted(config) else load_data(config)
+    except UsageError as err:
+        return HeldOut(None, f"the run's data is not reachable here ({err})")
+    align_labels(data.held_out, data.class_names, trained.spec.class_names, data.description)
+    spec = trained.spec
+    transform = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
+    if len(data.held_out) == 0:
+        return HeldOut(None, f"the held-out split of {data.description} is empty")
+    return HeldOut(HeldOutImages(data.held_out, transform),
+                   f"{len(data.held_out)} held-out images of {data.description}")
+
+
+def measure(held_out: HeldOut, model, num_classes: int, batch_size: int = 64) -> None:
+    """Top-1/top-5 of `model` (float32, this machine's device) with and without flip TTA,
+    through the evaluation the trainer and `eval` use."""
+    from accelerate import Accelerator
+
+    from ..data import make_loader
+    from ..evaluate import evaluate_classifier
+
+    if held_out.dataset is None:
+        return
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
+    loader = accelerator.prepare(make_loader(held_out.dataset, batch_size, 0, 2, False, False))
+    device_model = model.to(accelerator.device)
+    for tta in ("none", "flip"):
+        results = evaluate_classifier(accelerator, device_model, loader, num_classes, tta=tta)
+        held_out.metrics[tta] = {k: results[k] for k in ("top1", "top5", "count")}
+    model.to("cpu")

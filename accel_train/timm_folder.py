@@ -1,0 +1,114 @@
+"""A trained model as timm's own folder format: model.safetensors + config.json.
+
+config.json is written by timm's hub saver (`save_config_for_hf`, what `push_to_hf_hub` writes),
+so `timm.create_model("local-dir:DIR", pretrained=True)` (timm >= 1.0.16) and transformers'
+TimmWrapper (image-classification pipeline) open the folder with no code of ours: architecture,
+num_classes, label_names, and a pretrained_cfg saying how the run prepared images (input size,
+interpolation, crop, mean, std).  What only accel_train's commands need rides along in one
+`accel_train` section that both readers ignore: the test-time augmentation, which weights these
+are (raw or EMA), the dropout rate, and the command that trained the run.
+
+A run's final model and `accel-train export` write this; checkpoints keep model_config.json (a
+checkpointed part, resume reads it), which is also what runs and exports made before this format
+hold: `ModelSpec.read` reads both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from torch import nn
+
+from .errors import UsageError, first_line
+from .model import ModelSpec, save_weights
+from .rundir import SPEC_FILE as LEGACY_SPEC_FILE
+
+TIMM_CONFIG = "config.json"
+OUR_SECTION = "accel_train"  # keys timm's and transformers' readers leave alone
+FORMAT_VERSION = 1
+# The networks accel_train registers in timm's registry (small_nets.py): other programs know
+# them only once accel_train is imported.
+OWN_NETWORKS = ("cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l")
+
+
+def preprocessing(spec: ModelSpec) -> dict:
+    """The held-out preprocessing of a run in timm's pretrained_cfg terms.  Our eval transform
+    resizes both sides to the model's size without keeping the aspect (transforms.py): timm's
+    crop_mode 'squash' with crop_pct 1.0 is that same resize, bilinear, and no crop."""
+    return {"input_size": (3, spec.image_size, spec.image_size), "interpolation": "bilinear",
+            "crop_pct": 1.0, "crop_mode": "squash", "mean": tuple(spec.mean),
+            "std": tuple(spec.std), "num_classes": spec.num_classes}
+
+
+def write_model_folder(model: nn.Module, directory: Path, spec: ModelSpec,
+                       command: Optional[list] = None) -> Path:
+    """DIR/model.safetensors (our writer: plain contiguous CPU tensors with the "pt" metadata;
+    timm's save_for_hf writes `model.state_dict()` as it is) and DIR/config.json by timm's
+    saver; returns the weights' path."""
+    from timm.models._hub import save_config_for_hf
+
+    directory = Path(directory)
+    weights = save_weights(model.state_dict(), directory, spec, with_spec=False)
+    ours = {"format_version": FORMAT_VERSION, "weights": spec.weights, "tta": spec.tta,
+            "drop_rate": spec.drop_rate, "command": list(command or [])}
+    # timm's saver takes the preprocessing from model.pretrained_cfg (the `data_config` argument
+    # exists only in the newest timm): describe the trained model there while it writes.  The
+    # source checkpoint's tag and pool size no longer describe these weights.
+    source_cfg = model.pretrained_cfg
+    size_changed = tuple(source_cfg.get("input_size", ())[1:]) != (spec.image_size,) * 2
+    model.pretrained_cfg = {**{k: v for k, v in source_cfg.items() if k != "tag"},
+                            **preprocessing(spec), **({"pool_size": None} if size_changed else {})}
+    try:
+        save_config_for_hf(model, directory / TIMM_CONFIG,
+                           model_config={"label_names": list(spec.class_names), OUR_SECTION: ours})
+    finally:
+        model.pretrained_cfg = source_cfg
+    config = json.loads((directory / TIMM_CONFIG).read_text())
+    # timm >= 1.0.27 also records num_classes among model_args; transformers' TimmWrapper passes
+    # num_classes=num_labels beside **model_args and fails ("got multiple values for keyword
+    # argument 'num_classes'").  timm reads the top-level num_classes, so it is not lost.
+    config.get("model_args", {}).pop("num_classes", None)
+    (directory / TIMM_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return weights
+
+
+def holds_model_spec(directory: Path) -> bool:
+    return (Path(directory) / TIMM_CONFIG).is_file() or \
+        (Path(directory) / LEGACY_SPEC_FILE).is_file()
+
+
+def spec_from_timm_config(path: Path) -> ModelSpec:
+    """The spec in a config.json of timm's layout (ModelSpec.read calls it).  Read here rather
+    than with timm's reader (a private function, timm.models._hub.load_model_config_from_path,
+    absent before timm 1.0.16) because we also need our own section, which that reader drops;
+    the fields are the layout timm's saver writes."""
+    try:
+        config = json.loads(Path(path).read_text())
+        cfg, ours = config["pretrained_cfg"], config.get(OUR_SECTION, {})
+        num_classes = int(config.get("num_classes", cfg.get("num_classes")))
+        names = config.get("label_names") or cfg.get("label_names") or \
+            [str(i) for i in range(num_classes)]
+        return ModelSpec(config["architecture"], num_classes, list(names),
+                         int(cfg["input_size"][-1]), tuple(cfg["mean"]), tuple(cfg["std"]),
+                         float(ours.get("drop_rate", 0.0)), ours.get("weights", "model"),
+                         ours.get("tta", "none"))
+    except (ValueError, KeyError, TypeError, IndexError) as err:
+        raise UsageError(f"{path} is not a timm model config ({type(err).__name__}: "
+                         f"{first_line(err)}); export the run again with accel-train "
+                         f"export") from None
+
+
+def read_our_section(directory: Path) -> dict:
+    path = Path(directory) / TIMM_CONFIG
+    return json.loads(path.read_text()).get(OUR_SECTION, {}) if path.is_file() else {}
+
+
+def unknown_architecture_hint(name: str) -> str:
+    """What to tell someone whose timm does not know `name`."""
+    if name in OWN_NETWORKS or name.startswith("cifar_convnet"):
+        return (f"{name} is one of accel_train's small networks, registered in timm's registry "
+                f"by `import accel_train`: import it before timm.create_model or the "
+                f"transformers pipeline")
+    return "a newer timm may have it: pip install -U timm"

@@ -152,8 +152,12 @@ class OnnxClassifier:
             raise UsageError(f"{path} has no {METADATA_KEY} record of its preprocessing (not "
                              f"written by accel-train export --format onnx); export the run "
                              f"with it")
-        saved = json.loads(record)["spec"]
-        self.spec = ModelSpec.from_dict(saved)
+        try:
+            self.spec = ModelSpec.from_dict(json.loads(record)["spec"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise UsageError(f"{path}: its {METADATA_KEY} record is not the one accel-train "
+                             f"export writes ({type(err).__name__}: {first_line(err)}); export "
+                             f"the run again with --format onnx") from None
         self.input = self.session.get_inputs()[0].name
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:

@@ -108,6 +108,9 @@ _register("model_config", "a model's model_config.json",
           "restore it, or export the model again from a checkpoint (accel-train export)",
           Shape({"model_name": TEXT, "num_classes": INT, "class_names": LIST,
                  "image_size": INT, "mean": LIST, "std": LIST}))
+_register("timm_config", "a model folder's config.json (timm's layout)",
+          "restore it, or export the model again (accel-train export)",
+          Shape({"architecture": TEXT, "pretrained_cfg": MAPPING}))
 _register("metrics", "a run's metrics.jsonl",
           "remove that line or restore the file")
 _register("manifest", "a checkpoint's manifest.json", EDITED,

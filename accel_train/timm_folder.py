@@ -23,6 +23,7 @@ from torch import nn
 
 from .errors import UsageError, first_line
 from .model import ModelSpec, save_weights
+from .readers import read_json
 from .rundir import SPEC_FILE as LEGACY_SPEC_FILE
 
 TIMM_CONFIG = "config.json"
@@ -65,7 +66,7 @@ def write_model_folder(model: nn.Module, directory: Path, spec: ModelSpec,
                            model_config={"label_names": list(spec.class_names), OUR_SECTION: ours})
     finally:
         model.pretrained_cfg = source_cfg
-    config = json.loads((directory / TIMM_CONFIG).read_text())
+    config = read_json(directory / TIMM_CONFIG, "timm_config")  # what timm's saver just wrote
     # timm >= 1.0.27 also records num_classes among model_args; transformers' TimmWrapper passes
     # num_classes=num_labels beside **model_args and fails ("got multiple values for keyword
     # argument 'num_classes'").  timm reads the top-level num_classes, so it is not lost.
@@ -84,8 +85,8 @@ def spec_from_timm_config(path: Path) -> ModelSpec:
     than with timm's reader (a private function, timm.models._hub.load_model_config_from_path,
     absent before timm 1.0.16) because we also need our own section, which that reader drops;
     the fields are the layout timm's saver writes."""
+    config = read_json(Path(path), "timm_config")  # one line when cut short or not timm's
     try:
-        config = json.loads(Path(path).read_text())
         cfg, ours = config["pretrained_cfg"], config.get(OUR_SECTION, {})
         num_classes = int(config.get("num_classes", cfg.get("num_classes")))
         names = config.get("label_names") or cfg.get("label_names") or \
@@ -102,7 +103,7 @@ def spec_from_timm_config(path: Path) -> ModelSpec:
 
 def read_our_section(directory: Path) -> dict:
     path = Path(directory) / TIMM_CONFIG
-    return json.loads(path.read_text()).get(OUR_SECTION, {}) if path.is_file() else {}
+    return read_json(path, "timm_config").get(OUR_SECTION, {}) if path.is_file() else {}
 
 
 def unknown_architecture_hint(name: str) -> str:

@@ -76,6 +76,12 @@ def _another_models_config(path: Path) -> None:
     path.write_text(json.dumps({**spec, "model_name": "resnet18"}))
 
 
+def _another_timm_config(path: Path) -> None:
+    """A run's config.json (timm's layout) naming another network: resnet18's tensors."""
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "architecture": "resnet18"}))
+
+
 COMMON = {"empty": _empty, "cut in half": _cut_in_half, "random bytes": _random_bytes}
 JSON = {**COMMON, "JSON of another shape": _json_of_another_shape}
 YAML = {**COMMON, "YAML of another shape": _yaml_of_another_shape}
@@ -178,9 +184,9 @@ ROWS = [
         says={"another model's weights": "holds another model's weights"}),
     Row("accelerate_state", f"{CHECKPOINT}/optimizer.bin", COMMON, RESUMES, sealed=True),
     Row("accelerate_state", f"{CHECKPOINT}/random_states_0.pkl", COMMON, RESUMES, sealed=True),
-    Row("model_config", "model_config.json", {**JSON, "another model's file":
-                                              _another_models_config}, READS_RUN,
-        says={"another model's file": "does not fit"}),
+    Row("timm_config", "config.json", {**JSON, "another model's file": _another_timm_config},
+        READS_RUN, says={"JSON of another shape": "has no 'architecture'",
+                         "another model's file": "does not fit"}),
     Row("run_weights", "model.safetensors", WEIGHTS, READS_RUN),
     Row("run_config", "config.yaml", YAML, ["eval RUN", "plot"]),
 ]

@@ -68,8 +68,10 @@ def _metrics_table(facts: CardFacts) -> str:
     if not facts.metrics:
         return f"Not measured at export: {facts.held_out}.\n"
     rows = ["| test-time augmentation | top-1 | top-5 | images |", "|---|---|---|---|"]
-    for tta, label in (("none", "none"), ("flip", "flip (mirror image averaged)")):
-        m = facts.metrics[tta]
+    labels = {"none": "none", "flip": "flip (mirror image averaged)",
+              "flip-translate": "flip-translate (6 views: mirrored, shifted 1 px)"}
+    for tta, m in facts.metrics.items():
+        label = labels.get(tta, tta)
         chosen = " (the run's choice)" if tta == facts.spec.tta else ""
         rows.append(f"| {label}{chosen} | {m['top1']:.2%} | {m['top5']:.2%} | {m['count']} |")
     return f"On {facts.held_out}, measured at export:\n\n" + "\n".join(rows) + "\n"
@@ -102,9 +104,9 @@ def _usage(facts: CardFacts) -> str:
     note = (f"\n`{spec.model_name}` is one of accel_train's small networks: timm and "
             f"transformers know it once `accel_train` is imported (`pip install accel_train`); "
             f"the ONNX file needs nothing of ours.\n" if own else "")
-    tta = ("\nThe run evaluates with flip TTA (the logits of the image and its mirror image "
-           "averaged); `accel-train predict` does that, the snippets below do not.\n"
-           if spec.tta == "flip" else "")
+    tta = (f"\nThe run evaluates with {spec.tta} TTA (the logits of several views of each "
+           f"image averaged); `accel-train predict` does that, the snippets below do not.\n"
+           if spec.tta != "none" else "")
     text = f"""{note}{tta}
 timm (>= 1.0.16, `local-dir:`):
 

@@ -212,3 +212,22 @@ def test_bn_momentum_out_of_range_is_one_line(tmp_path):
                               str(tmp_path / "run"))
     assert result.returncode == 2 and "--bn-momentum" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_a_flip_translate_runs_export_card_shows_its_own_tta(tmp_path):
+    """The model card's table has the run's own TTA beside none and flip, with the numbers
+    `accel-train eval --tta flip-translate` gives, and the Hub header carries those."""
+    import yaml
+
+    run, export = tmp_path / "run", tmp_path / "export"
+    accel_train_here(*TINY_TRAIN, "--max-steps", "4", "--tta", "flip-translate",
+                     "--output-dir", str(run), check=True)
+    accel_train_here("export", str(run), "-o", str(export), check=True)
+    card = (export / "README.md").read_text()
+    evaluated = json.loads(accel_train_here("eval", str(run), "--json", check=True).stdout)
+    assert evaluated["tta"] == "flip-translate"
+    row = next(line for line in card.splitlines() if line.startswith("| flip-translate"))
+    assert "(the run's choice)" in row and f"{evaluated['top1']:.2%}" in row
+    header = yaml.safe_load(card.split("---")[1])
+    top1 = header["model-index"][0]["results"][0]["metrics"][0]["value"]
+    assert top1 == pytest.approx(round(evaluated["top1"], 4))

@@ -98,7 +98,7 @@ def _write_into(trained, folder: Path, name: str, fmt: str, say) -> None:
     held_out = run_held_out(trained)
     if held_out.dataset is None:
         say(f"note: no held-out accuracy in the model card: {held_out.description}")
-    measure(held_out, model, trained.spec.num_classes)
+    measure(held_out, model, trained.spec.num_classes, run_tta=trained.spec.tta)
     facts = CardFacts(trained.spec, name, trained.description, record,
                       held_out=held_out.description, metrics=held_out.metrics)
     metrics_file = trained.run_dir / "metrics.jsonl" if trained.run_dir else None

@@ -54,9 +54,11 @@ def run_held_out(trained) -> HeldOut:
                    f"{len(data.held_out)} held-out images of {data.description}")
 
 
-def measure(held_out: HeldOut, model, num_classes: int, batch_size: int = 64) -> None:
-    """Top-1/top-5 of `model` (float32, this machine's device) with and without flip TTA,
-    through the evaluation the trainer and `eval` use."""
+def measure(held_out: HeldOut, model, num_classes: int, batch_size: int = 64,
+            run_tta: str = "none") -> None:
+    """Top-1/top-5 of `model` (float32, this machine's device) with and without flip TTA, and
+    with the run's own TTA when it is another, through the evaluation the trainer and `eval`
+    use."""
     from accelerate import Accelerator
 
     from ..data import make_loader
@@ -67,7 +69,7 @@ def measure(held_out: HeldOut, model, num_classes: int, batch_size: int = 64) ->
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
     loader = accelerator.prepare(make_loader(held_out.dataset, batch_size, 0, 2, False, False))
     device_model = model.to(accelerator.device)
-    for tta in ("none", "flip"):
+    for tta in dict.fromkeys(("none", "flip", run_tta)):
         results = evaluate_classifier(accelerator, device_model, loader, num_classes, tta=tta)
         held_out.metrics[tta] = {k: results[k] for k in ("top1", "top5", "count")}
     model.to("cpu")

@@ -74,9 +74,11 @@ def replaced_marks(indices: torch.Tensor, used: list[int]) -> torch.Tensor:
 
 
 class TrainImages(Dataset):
-    """Indexed by sampler keys `epoch * N + index`; returns (image tensor, label, key), and with
+    """Indexed by sampler keys `epoch * N + index`; returns (uint8 pixels, label, key), and with
     `mark_replaced` a fourth element, the sample's index if its image was replaced else -1
-    (`replaced_marks`).
+    (`replaced_marks`).  The pixels are resized, cropped, flipped and put through the policy
+    (`ImageTransform.pixel_batch`); normalizing and erasing wait for the device
+    (`FinishOnDevice`): a loader moves a quarter of float32's bytes, and a GPU does that work.
 
     The key rides along to the training loop, which hands each micro-batch's keys to whoever
     wants to know exactly which samples were trained on (the loader prefetches, so the sampler's
@@ -98,8 +100,8 @@ class TrainImages(Dataset):
         epoch, index = divmod(int(key), len(self.source))
         with reading(lambda: describe_reads(self.source, [index])):
             (image,), (used,) = self.source.samples_at([index])
-        sample = (self.transform(image, (self.seed, epoch, index)), self.source.labels[used],
-                  int(key))
+        sample = (self.transform.pixels(image, (self.seed, epoch, index)),
+                  self.source.labels[used], int(key))
         return (*sample, index if used != index else -1) if self.mark_replaced else sample
 
     @single_threaded
@@ -112,16 +114,17 @@ class TrainImages(Dataset):
             with reading(lambda: describe_reads(self.source, indices.tolist())):
                 images, used = self.source.samples_at(indices.tolist())
             if len({image.shape for image in images}) == 1:  # one size: one batched transform
-                batch = self.transform.batch(torch.stack(images), self.seed, epochs.numpy(),
-                                             indices.numpy())
+                batch = self.transform.pixel_batch(torch.stack(images), self.seed,
+                                                   epochs.numpy(), indices.numpy())
             else:
-                batch = torch.stack([self.transform(image, (self.seed, int(epoch), int(index)))
+                batch = torch.stack([self.transform.pixels(image, (self.seed, int(epoch),
+                                                                   int(index)))
                                      for image, epoch, index in zip(images, epochs, indices)])
             if marks is not None:
                 marks = replaced_marks(indices, used)
             return SampleBatch(batch, self.source.labels[used], keys, marks)
-        images = self.transform.batch(self.source.images.index_select(0, indices), self.seed,
-                                      epochs.numpy(), indices.numpy())
+        images = self.transform.pixel_batch(self.source.images.index_select(0, indices),
+                                            self.seed, epochs.numpy(), indices.numpy())
         return SampleBatch(images, self.source.labels[indices], keys, marks)
 
 
@@ -204,13 +207,27 @@ def dataset_mean_std(source: ImageSource) -> tuple[tuple[float, ...], tuple[floa
             tuple(round(float(max(v, 1e-3)), 4) for v in std))
 
 
-def default_num_workers(source: ImageSource, processes_per_machine: int) -> int:
-    """No workers for in-memory data (decoding is already done; workers would only add IPC);
-    otherwise a share of this machine's cores, at most 4 per process."""
+def usable_cores() -> int:
+    """The cores this process may run on (a SLURM allocation or taskset narrows them), not all
+    of the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_num_workers(source: ImageSource, processes_per_machine: int,
+                        cuda: bool = False) -> int:
+    """No workers for in-memory data (decoding is already done; workers would only add IPC).
+    Otherwise, on a CPU, a share of the cores, at most 4 per process: the training step needs
+    the same cores.  On a GPU the step runs on the device, so every core of the process's share
+    but its own decodes (a GPU eats images faster than four cores decode them)."""
     if isinstance(source, ArraySource):
         return 0
-    cores = os.cpu_count() or 1
-    return max(1, min(4, cores // max(1, processes_per_machine)))
+    share = usable_cores() // max(1, processes_per_machine)
+    if cuda:
+        return max(1, share - 1)
+    return max(1, min(4, share))
 
 
 def describe_reads(source: ImageSource, indices: list[int]) -> str:
@@ -241,6 +258,25 @@ def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_fa
                       collate_fn=collate_batch, generator=loader_generator(seed),
                       worker_init_fn=functools.partial(init_worker, read_timeout=timeout),
                       **extra)
+
+
+class FinishOnDevice:
+    """The second half of the training transform (`ImageTransform.finish`: normalize, then
+    erase with --reprob), run on a micro-batch's uint8 pixels once they are on the device.
+    Training keys are `epoch * num_samples + index`, the same for the indexed and the streamed
+    loaders; erasing's seeded draws need each sample's (epoch, index), normalizing does not."""
+
+    def __init__(self, transform: ImageTransform, seed: int, num_samples: int):
+        self.transform, self.seed, self.num_samples = transform, seed, num_samples
+
+    def __call__(self, pixels: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        if not (self.transform.augment and self.transform.erasing is not None):
+            return self.transform.finish(pixels)
+        # timm's RandomErasing draws on the host, per sample: the keys come back from the
+        # device (a sync per step, with --reprob only).
+        keys = keys.cpu()
+        return self.transform.finish(pixels, self.seed, (keys // self.num_samples).numpy(),
+                                     (keys % self.num_samples).numpy())
 
 
 def run_transforms(config, spec) -> tuple[ImageTransform, ImageTransform]:

@@ -6,9 +6,10 @@ and never asks which kind it has:
 
 * `prepare(accelerator)`: hand the loader to Accelerate (or take the device from it);
 * `set_epoch(epoch)`: the next iteration is that epoch, from its start;
-* iterating yields the rest of the current epoch as `data.Batch`es, from the loader's position,
-  and advances the position by each micro-batch it hands out (`samples_in_epoch`, all
-  processes together);
+* iterating yields the rest of the current epoch as `data.Batch`es on the device, from the
+  loader's position, and advances the position by each micro-batch it hands out
+  (`samples_in_epoch`, all processes together).  A batch travels as uint8 pixels (pinned
+  memory and a non-blocking copy on a GPU) and is normalized there (`data.FinishOnDevice`);
 * `save(folder)` / `load(folder)`: the position, as a checkpointed part (checkpoint.py); a
   resumed start continues the interrupted epoch exactly where it stopped.
 """
@@ -25,8 +26,8 @@ from typing import Callable, Iterator, Protocol
 
 from torch.utils.data import DataLoader
 
-from .data import (Batch, EpochSampler, HeldOutImages, TrainImages, default_num_workers,
-                   make_loader, run_transforms)
+from .data import (Batch, EpochSampler, FinishOnDevice, HeldOutImages, TrainImages,
+                   default_num_workers, make_loader, run_transforms)
 from .errors import STALLED_EXIT, RunStopped, UsageError, first_line
 from .randomness import reseed_loader
 from .readers import read_json
@@ -83,8 +84,10 @@ class IndexedTrainLoader:
     name = "train_loader"
 
     def __init__(self, loader: DataLoader, sampler: EpochSampler, batch_size: int,
-                 num_processes: int, rank: int, seed: int, timeout: float = 0):
+                 num_processes: int, rank: int, seed: int, finish: FinishOnDevice,
+                 timeout: float = 0):
         self.loader, self.sampler, self.generator = loader, sampler, loader.generator
+        self.finish = finish
         self.per_micro_step = batch_size * num_processes
         self.rank, self.seed, self.timeout = rank, seed, timeout
         self.epoch, self.samples_in_epoch = 0, 0
@@ -141,10 +144,10 @@ class IndexedTrainLoader:
         # The prepared and the skipping loader share this generator: the iterator's base seed
         # (its workers' seeds) is a function of (seed, epoch, rank), however the epoch starts.
         reseed_loader(self.generator, self.seed, self.epoch, self.rank)
-        for images, labels, keys, replaced in watch_workers_quietly(loader):
+        for pixels, labels, keys, replaced in watch_workers_quietly(loader):
             # Counted as handed out: a checkpoint after this batch's step includes it.
             self.samples_in_epoch += self.per_micro_step
-            yield Batch(images, labels, keys, replaced)
+            yield Batch(self.finish(pixels, keys), labels, keys, replaced)
 
     def _drop_workers(self) -> None:
         """Persistent workers live in the DataLoader's kept iterator: shut it down, so that the
@@ -184,16 +187,18 @@ class Loaders:
 
 
 def build_loaders(config, data, spec, num_processes: int, rank: int, processes_per_machine: int,
-                  pin_memory: bool) -> Loaders:
+                  cuda: bool) -> Loaders:
     """Seeded, augmented training batches in an order that is a function of (seed, epoch), and
-    the held-out batches; a UsageError when the data cannot fill one global batch."""
+    the held-out batches; a UsageError when the data cannot fill one global batch.  On a GPU
+    the batches wait in pinned memory (the copy to the device can then overlap the step)."""
+    pin_memory = cuda
     global_batch = config.batch_size * num_processes * config.accumulation_steps
     if len(data.held_out) == 0:
         raise UsageError("the held-out split is empty; raise --val-fraction or "
                          "--max-eval-samples")
     train_tf, held_out_tf = run_transforms(config, spec)
     wanted_workers = config.num_workers if config.num_workers is not None else \
-        default_num_workers(data.train, processes_per_machine)
+        default_num_workers(data.train, processes_per_machine, cuda)
     if streaming_wanted(config):
         train, workers, steps = build_stream_loader(config, data, train_tf, num_processes, rank,
                                                     wanted_workers, pin_memory)
@@ -210,7 +215,9 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                              config.persistent_workers, pin_memory, sampler=sampler,
                              drop_last=True, seed=config.seed, timeout=config.loader_timeout)
         train = IndexedTrainLoader(loader, sampler, config.batch_size, num_processes, rank,
-                                   config.seed, config.loader_timeout)
+                                   config.seed, FinishOnDevice(train_tf, config.seed,
+                                                               len(data.train)),
+                                   config.loader_timeout)
         workers = held_out_workers = wanted_workers
         steps = len(train) // config.accumulation_steps
     held_out = make_loader(HeldOutImages(data.held_out, held_out_tf, mark_replaced=True),

@@ -56,3 +56,16 @@ def accelerate_fp16_note(requested: str, chosen: str, environ: Mapping[str, str]
     return (f"the accelerate config asks for mixed_precision fp16, which needs a CUDA device: "
             f"this run uses {precision_name(chosen)}, as --mixed-precision auto chooses on this "
             f"machine")
+
+
+def use_fast_cuda_math(cuda: bool) -> Optional[str]:
+    """On CUDA: cuDNN autotuning (a training batch has one shape, drop_last, so the search is
+    paid once per shape) and TF32 tensor cores for fp32 matmuls (torch's default is full fp32
+    for matmuls; convolutions already use TF32).  Mixed-precision runs lose nothing by either.
+    Returns what was set, for the run's summary and record; None (and nothing set) on a CPU.
+    Process-wide settings, like Accelerate's own: the trainer owns the process."""
+    if not cuda:
+        return None
+    torch.backends.cudnn.benchmark = True
+    torch.set_float32_matmul_precision("high")  # TF32 where fp32 matmuls run
+    return "cuDNN autotuning on, TF32 matmuls for fp32"

@@ -23,7 +23,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
+from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
+                               ProjectConfiguration)
 
 from . import distributed
 from .autotune import SpeedChoice, choose, step_timer
@@ -32,6 +33,7 @@ from .budget import SAY_REFIT_FRACTION, TimeBudget, evaluation_passes, parse_dur
 from .checkpoint import AccelerateState, Checkpointer, TrainerState
 from .collectives import EXIT_STALLED, CollectiveTimeouts, dump_stacks, is_timeout
 from .config import TrainConfig
+from .datawait import data_wait_clock
 from .ema import ModelEma
 from .errors import first_line
 from .evaluate import evaluate_classifier
@@ -41,7 +43,7 @@ from .model import build_network, create_model, set_train_mode
 from .optim import build_optimizer, plan_schedule, scheduler_for
 from .plots import write_plots
 from .precision import (accelerate_fp16_note, cpu_has_native_bf16, precision_name,
-                        resolve_precision)
+                        resolve_precision, use_fast_cuda_math)
 from .randomness import MICRO_BATCH_SALT, seed_globals
 from .report import Reporter, records_text, summary
 from .resume import StartPlan, plan_start, record_elastic_job, set_aside_newer
@@ -76,6 +78,8 @@ def build_accelerator(config: TrainConfig, precision: str, trackers_dir: Path) -
         gradient_accumulation_steps=config.accumulation_steps,
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step (optim.py)
         log_with=config.report_to or None, kwargs_handlers=[ddp_kwargs],
+        # Batches wait in pinned memory on a GPU (loading.py): their copy can overlap the step.
+        dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
         # compiled after DDP wrapping, inside prepare (what DDP's optimizer for dynamo expects)
         dynamo_backend="inductor" if config.compile else None,
         project_config=ProjectConfiguration(logging_dir=str(trackers_dir)))
@@ -97,6 +101,7 @@ class Trainer:
                                       distributed.is_global_main())
         self.net = build_network(config, self.data, plan.env.world_size, cuda, self.report.warn)
         self.speed = self._choose_speed(cuda)
+        self.cuda_math = use_fast_cuda_math(cuda)
         self.precision, precision_warning = resolve_precision(self.speed.precision, cuda)
         self.accelerator = acc = build_accelerator(config, self.precision, self.paths.trackers)
         if acc.num_processes != plan.env.world_size:
@@ -114,6 +119,7 @@ class Trainer:
         self.train_loader = self.loaders.train
         self.train_loader.prepare(acc)
         self.train_loader.warn = self.report.warn  # a loader worker restarted, for one
+        self.wait_clock = data_wait_clock(acc.device.type)
         self.mixup = maybe_mixup(config, self.net.spec.num_classes)
         self.loss_fn = self.mixup.loss_fn if self.mixup is not None else \
             torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
@@ -297,6 +303,7 @@ class Trainer:
                 "channels_last": self.speed.channels_last, "speed_choice": self.speed.how,
                 "speed_timings": self.speed.timings,
                 "device": str(acc.device), "distributed_type": str(acc.distributed_type),
+                "cuda_math": self.cuda_math,
                 "world_size": acc.num_processes, "global_batch": loaders.global_batch,
                 "steps_per_epoch": loaders.steps_per_epoch,
                 # a --time-budget run fixes it after measuring (then recorded here too)
@@ -353,18 +360,19 @@ class Trainer:
         set_train_mode(self.model, config.freeze_backbone)
         per_micro_step = config.batch_size * acc.num_processes
         window = LogWindow()
+        self.wait_clock.take()  # the last epoch's steps after its last logged one
         # The epoch's first step waits for every rank's loader to start: the long timeout.
         self.timeouts.relax()
         first_step, step_started = state.step + 1, time.perf_counter()
         batches = iter(self.train_loader)  # from where the loader stands in its epoch
         while state.step < self.total_steps:
-            wait_started = time.perf_counter()
+            self.wait_clock.before_fetch()
             try:
                 batch = next(batches)
             except StopIteration:
                 break
+            self.wait_clock.after_fetch()
             self.bad_images.note("train", batch.replaced)
-            window.data_wait += time.perf_counter() - wait_started
             if self.callbacks.on_micro_batch is not None:
                 self.callbacks.on_micro_batch(state.step + 1, batch.keys)
             with acc.accumulate(self.model):
@@ -477,6 +485,7 @@ class Trainer:
         loss = acc.reduce(torch.stack(window.losses).mean().to(acc.device), "mean").item()
         correct = acc.reduce(torch.stack(window.correct).sum().to(acc.device), "sum").item()
         elapsed = time.perf_counter() - window.started
+        window.data_wait = self.wait_clock.take()  # after the .item()s: no sync of its own
         record = {"type": "train", "step": state.step, "epoch": state.epoch + 1,
                   "loss": round(loss, 6), "top1": round(correct / window.samples, 4),
                   "lr": self.scheduler.get_last_lr()[0],

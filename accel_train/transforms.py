@@ -104,38 +104,55 @@ class ImageTransform:
                  sample: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
         """One uint8 [3, H, W] image -> float [3, S, S]; `sample` = (seed, epoch, index) is
         required when augmenting (it decides the crop and the flip)."""
-        if self.augment and sample is None:
-            raise ValueError("augmenting needs the sample's (seed, epoch, index)")
-        if self.augment and max(image.shape[-2:]) > SMALL_IMAGE:
-            seed, epoch, index = sample
-            return self._finish(self._augment_large(image, sample).unsqueeze(0), seed, [epoch],
-                                [index])[0]
         seed, epoch, index = sample if sample is not None else (0, 0, 0)
-        return self.batch(image.unsqueeze(0), seed, [epoch], [index])[0]
+        return self.finish(self.pixels(image, sample).unsqueeze(0), seed, [epoch], [index])[0]
 
     @single_threaded
     def batch(self, images: torch.Tensor, seed: int = 0, epochs: Sequence[int] = (),
               indices: Sequence[int] = ()) -> torch.Tensor:
         """A uint8 [B, 3, H, W] batch of same-sized images -> float [B, 3, S, S].  When
-        augmenting, epochs[i] and indices[i] name sample i (its crop and flip depend on them)."""
-        if self.augment and max(images.shape[-2:]) > SMALL_IMAGE:
-            return self._finish(torch.stack([
-                self._augment_large(image, (seed, int(e), int(i)))
-                for image, e, i in zip(images, epochs, indices)]), seed, epochs, indices)
-        images = self._resize(images)
-        if self.augment:
-            bits = augment_bits(seed, epochs, indices)
-            return self._finish(self._pad_crop_flip(images, bits,
-                                                    self._flips(bits, seed, epochs, indices)),
-                                seed, epochs, indices)
-        return self._normalize(images)
+        augmenting, epochs[i] and indices[i] name sample i (its crop and flip depend on them).
+        Always `finish(pixel_batch(...))`: the training loaders run the two halves apart (the
+        first in the loader, the second on the device), and give the same tensors."""
+        return self.finish(self.pixel_batch(images, seed, epochs, indices), seed, epochs,
+                           indices)
 
-    def _finish(self, images: torch.Tensor, seed: int, epochs, indices) -> torch.Tensor:
-        """Cropped and flipped uint8 images -> policy -> normalized -> random erasing."""
+    # -- the two halves: pixels on the host, then the float work on the device ----------------
+    def pixels(self, image: torch.Tensor,
+               sample: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+        """One uint8 image -> its uint8 [3, S, S] pixels after resize, crop, flip and policy."""
+        if self.augment and sample is None:
+            raise ValueError("augmenting needs the sample's (seed, epoch, index)")
+        seed, epoch, index = sample if sample is not None else (0, 0, 0)
+        return self.pixel_batch(image.unsqueeze(0), seed, [epoch], [index])[0]
+
+    @single_threaded
+    def pixel_batch(self, images: torch.Tensor, seed: int = 0, epochs: Sequence[int] = (),
+                    indices: Sequence[int] = ()) -> torch.Tensor:
+        """uint8 [B, 3, H, W] -> uint8 [B, 3, S, S]: resized, and when augmenting cropped,
+        flipped and put through --auto-augment's policy.  What a loader hands to the device:
+        a quarter of float32's bytes."""
+        if self.augment and max(images.shape[-2:]) > SMALL_IMAGE:
+            images = torch.stack([self._augment_large(image, (seed, int(e), int(i)))
+                                  for image, e, i in zip(images, epochs, indices)])
+        else:
+            images = self._resize(images)
+            if not self.augment:
+                return images
+            bits = augment_bits(seed, epochs, indices)
+            images = self._pad_crop_flip(images, bits, self._flips(bits, seed, epochs, indices))
         if self.policy is not None:
             images = apply_seeded(self.policy, images, seed, epochs, indices)
+        return images
+
+    @single_threaded  # on a CPU; a no-op for a GPU's tensors
+    def finish(self, images: torch.Tensor, seed: int = 0, epochs: Sequence[int] = (),
+               indices: Sequence[int] = ()) -> torch.Tensor:
+        """uint8 [B, 3, S, S] pixels, on any device -> float, normalized, then (when
+        augmenting with --reprob) randomly erased, on the same device.  Erasing needs each
+        sample's (epoch, index); normalizing alone does not."""
         images = self._normalize(images)
-        if self.erasing is not None:
+        if self.augment and self.erasing is not None:
             images = apply_seeded(self.erasing, images, seed, epochs, indices, ERASING_SALT)
         return images
 
@@ -143,8 +160,8 @@ class ImageTransform:
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:
         shape = (3, 1, 1) if images.dim() == 3 else (1, 3, 1, 1)
         out = images.float().div_(255)  # a copy: the uint8 source is never written
-        return out.sub_(torch.tensor(self.mean).view(shape)).div_(
-            torch.tensor(self.std).view(shape))
+        return out.sub_(torch.tensor(self.mean, device=out.device).view(shape)).div_(
+            torch.tensor(self.std, device=out.device).view(shape))
 
     def _resize(self, images: torch.Tensor) -> torch.Tensor:
         if tuple(images.shape[-2:]) == (self.image_size, self.image_size):

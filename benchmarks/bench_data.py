@@ -8,6 +8,9 @@ decoding JPEG every epoch (the seed tutorial's way), and the trainer's own data-
    in memory + batched augmentation (accel_train's default), in memory + per-sample augmentation
    (the design before), decode + augment every epoch (`--in-memory never`) with 0 and with the
    default workers, and the seed's torchvision-style dataset (PIL + ToTensor per sample).
+   Beside them, what crosses from the loader to the training step: float32 normalized in the
+   loader (before) against uint8 pixels normalized after it (now; on the device on a GPU), as
+   images per second and per core used.
 3. The model's consumption: training steps per second of --model on ready batches, as img/s;
    the ratio pipeline / model says how many times over the pipeline can feed the model.
 4. The trainer itself on CIFAR-10 with default settings (and with --in-memory never): median
@@ -107,20 +110,73 @@ class SeedCifar(Dataset):
         return TVF.to_tensor(image), self.labels[index]
 
 
-def pipeline_rate(loader, batches: int) -> float:
+def pipeline_rate(loader, batches: int, finish=None) -> float:
+    """Images per second out of `loader`; with `finish` (data.FinishOnDevice), made ready to
+    train as the trainer does after the loader (normalized, erased): float batches either way."""
     iterator = iter(loader)
     next(iterator)  # worker start-up and first-batch costs are not steady state
     started, images = time.perf_counter(), 0
     for _ in range(batches):
-        images += len(next(iterator)[0])
+        batch = next(iterator)
+        if finish is not None:
+            finish(batch[0], batch[2])
+        images += len(batch[0])
     return images / (time.perf_counter() - started)
+
+
+class NormalizedInLoader(Dataset):
+    """TrainImages as it was before the uint8 path: normalized (and erased) inside the loader,
+    so float32 batches cross from the workers to the training process."""
+    def __init__(self, dataset, finish):
+        self.dataset, self.finish = dataset, finish
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitems__(self, keys):
+        from accel_train.data import SampleBatch
+        batch = self.dataset.__getitems__(keys)
+        return SampleBatch(self.finish(batch.images, batch.keys), batch.labels, batch.keys,
+                           batch.replaced)
+
+
+def transfer(args, report, memory, disk, transform, loader) -> dict:
+    """Issue 28's before/after: float32 normalized in the loader against uint8 pixels normalized
+    after it (on the device on a GPU; here on the CPU, in the training process)."""
+    from accel_train.data import FinishOnDevice, TrainImages
+    cores = benchlib.machine()["cores"] or 1
+    rows, rates = [], {}
+    for where, source, workers in (("in memory", memory, 0),
+                                   ("decoded per step", disk, args.workers)):
+        finish = FinishOnDevice(transform, 0, len(source))
+        arms = (("float32 out of the loader (before)",
+                 lambda s=source, f=finish, w=workers:
+                 loader(NormalizedInLoader(TrainImages(s, transform, 0), f), w), None, 4),
+                ("uint8 out of the loader, normalized after (now)",
+                 lambda s=source, w=workers: loader(TrainImages(s, transform, 0), w), finish,
+                 1))
+        for name, build, after, bytes_per_value in arms:
+            rate = benchlib.median([pipeline_rate(build(), args.batches, after)
+                                    for _ in range(args.repeats)])
+            used = min(cores, workers + 1)
+            rates[f"{where}: {name}"] = rate
+            rows.append([f"{where}, {workers} workers", name, rate, rate / used,
+                         64 * 3 * 32 * 32 * bytes_per_value // 1024])
+    report.table(f"What crosses from the loader to the training step: float32 vs uint8 "
+                 f"({args.pipeline_images} CIFAR-10 images, batches of 64, augmented, median of "
+                 f"{args.repeats})",
+                 ["data", "batches", "img/s", "img/s per core used", "kB per batch"], rows,
+                 notes=["cores used = loader workers + the training process, at most the "
+                        "machine's; on a GPU the 'after' normalization runs on the device"])
+    return rates
 
 
 def pipelines(args, report) -> dict:
     import pyarrow.parquet as pq
 
     from accel_train.config import TrainConfig
-    from accel_train.data import EpochSampler, TrainImages, dataset_mean_std, make_loader
+    from accel_train.data import (EpochSampler, FinishOnDevice, TrainImages, dataset_mean_std,
+                                  make_loader)
     from accel_train.sources import load_data
     from accel_train.transforms import ImageTransform
     count = args.pipeline_images
@@ -130,6 +186,8 @@ def pipelines(args, report) -> dict:
                                  max_eval_samples=1, in_memory="never")).train
     mean, std = dataset_mean_std(memory)
     transform = ImageTransform(32, mean, std, augment=True)
+    finish_memory = FinishOnDevice(transform, 0, len(memory))
+    finish_disk = FinishOnDevice(transform, 0, len(disk))
     batch, batches = 64, args.batches
     workers = args.workers
 
@@ -143,23 +201,24 @@ def pipelines(args, report) -> dict:
     labels = table.column("label").to_pylist()[:count]
     arms = [
         ("in memory, batched augmentation (default)",
-         lambda: loader(TrainImages(memory, transform, 0), 0)),
+         lambda: loader(TrainImages(memory, transform, 0), 0), finish_memory),
         ("in memory, per-sample augmentation (before)",
-         lambda: loader(PerSample(TrainImages(memory, transform, 0)), 0)),
+         lambda: loader(PerSample(TrainImages(memory, transform, 0)), 0), finish_memory),
         ("decode every epoch (--in-memory never), 0 workers",
-         lambda: loader(TrainImages(disk, transform, 0), 0)),
+         lambda: loader(TrainImages(disk, transform, 0), 0), finish_disk),
         (f"decode every epoch (--in-memory never), {workers} workers (default)",
-         lambda: loader(TrainImages(disk, transform, 0), workers)),
+         lambda: loader(TrainImages(disk, transform, 0), workers), finish_disk),
         (f"seed's way: PIL + ToTensor per sample, {workers} workers",
          lambda: DataLoader(SeedCifar(blobs, labels), batch_size=batch, shuffle=True,
-                            num_workers=workers, persistent_workers=False)),
+                            num_workers=workers, persistent_workers=False), None),
     ]
     rates = {}
-    for name, build in arms:
-        rates[name] = benchlib.median([pipeline_rate(build(), batches)
+    for name, build, finish in arms:
+        rates[name] = benchlib.median([pipeline_rate(build(), batches, finish)
                                        for _ in range(args.repeats)])
+    transfer_rates = transfer(args, report, memory, disk, transform, loader)
     model_rate = model_consumption(args, mean, std, memory)
-    in_line = {name for name, _ in arms if "workers" not in name or "0 workers" in name}
+    in_line = {name for name, *_ in arms if "workers" not in name or "0 workers" in name}
     rows = [[name, rate, rate / model_rate,
              f"{model_rate / (model_rate + rate):.1%}" if name in in_line
              else "overlapped (workers)"] for name, rate in rates.items()]
@@ -172,7 +231,7 @@ def pipelines(args, report) -> dict:
                               "worker pipelines overlap with training but take CPU from it: on "
                               f"{benchlib.machine()['cores']} cores, workers and the model "
                               "share the same cores"])
-    return {"pipelines": rates, "model": model_rate}
+    return {"pipelines": rates, "model": model_rate, "transfer": transfer_rates}
 
 
 def model_consumption(args, mean, std, source) -> float:

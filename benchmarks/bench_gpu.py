@@ -170,8 +170,8 @@ def main() -> int:
     device = torch.device("cuda" if cuda else "cpu")
     # (on a CPU, --allow-cpu's self-test: accel_train trains an fp16 request in fp32 and says
     # so; the point there is that several precisions run in one process, as on a GPU)
-    if cuda:
-        torch.backends.cudnn.benchmark = True
+    # No cuDNN or TF32 settings of its own: the trainer sets them (precision.use_fast_cuda_math)
+    # when it is built, process-wide, so every arm below runs as the product ships.
     name = torch.cuda.get_device_name(0) if cuda else "CPU"
     peak = peak_tflops(name, args.peak_tflops)
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))

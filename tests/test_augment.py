@@ -1,5 +1,7 @@
 """Training augmentation (accel_train/data.py TrainImages, accel_train/transforms.py).
 
+The dataset hands out uint8 pixels; normalizing and erasing run later, on the device
+(tests/test_device_input.py).
 Oracles: the one-image path (`__getitem__`) for the batched path (`__getitems__`); numpy's
 reflect padding for the small-image pad-crop-flip; for the random resized crop of large images,
 a coordinate-ramp image from whose output the crop box is read back and checked against the
@@ -41,8 +43,9 @@ def _keys(n: int, count: int, seed: int) -> list[int]:
 
 
 def _as_pixels(images: torch.Tensor) -> np.ndarray:
-    """Undo the identity normalization: float /255 -> uint8 values."""
-    return (images * 255).round().to(torch.int64).numpy()
+    """The dataset's output as it is: uint8 pixels (normalizing waits for the device)."""
+    assert images.dtype == torch.uint8
+    return images.to(torch.int64).numpy()
 
 
 SOURCES = {
@@ -67,7 +70,7 @@ def test_batched_path_equals_the_one_image_path_item_by_item(name):
     for position, key in enumerate(keys):
         single, batched = dataset[key], batch[position]  # (image, label, key, ...)
         image, label = single[0], single[1]
-        assert image.shape == (3, 32, 32) and image.dtype == torch.float32
+        assert image.shape == (3, 32, 32) and image.dtype == torch.uint8
         assert torch.equal(batched[0], image), (name, position, key)
         assert int(batched[1]) == int(label) == int(source.labels[key % len(source)])
         assert len(batched) == len(single)

@@ -168,7 +168,7 @@ SPEC = SimpleNamespace(image_size=32, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.2
 KEYS_EPOCH0 = list(range(0, 24))
 
 
-def _train_dataset(data_dir, in_memory: str, **options):
+def _train_loader(data_dir, in_memory: str, **options):
     from accel_train.loading import build_loaders
     from accel_train.sources import load_data
 
@@ -176,11 +176,20 @@ def _train_dataset(data_dir, in_memory: str, **options):
                          num_workers=0, **options)
     data = load_data(config)
     loaders = build_loaders(config, data, SPEC, 1, 0, 1, False)
-    return loaders.train.loader.dataset, data
+    return loaders.train, data
 
 
-def _images(dataset, keys) -> torch.Tensor:
-    return dataset.__getitems__(keys).images
+def _images(train, keys) -> torch.Tensor:
+    """What the training loop gets: the loader's uint8 pixels, finished "on the device"."""
+    pixels = train.loader.dataset.__getitems__(keys).images
+    assert pixels.dtype == torch.uint8  # what travels to the device
+    return train.finish(pixels, torch.as_tensor(keys))
+
+
+def _image(train, key) -> torch.Tensor:
+    """One sample through the dataset's single-item path."""
+    pixels = train.loader.dataset[key][0]
+    return train.finish(pixels.unsqueeze(0), torch.as_tensor([key]))[0]
 
 
 def _rng_states():
@@ -194,8 +203,8 @@ def _same_rng(a, b) -> bool:
 @pytest.fixture(scope="module")
 def plain_paths(cifar10_layout):
     """The crop/flip path alone, in memory and per step."""
-    memory, data = _train_dataset(cifar10_layout, "always")
-    per_step, per_step_data = _train_dataset(cifar10_layout, "never")
+    memory, data = _train_loader(cifar10_layout, "always")
+    per_step, per_step_data = _train_loader(cifar10_layout, "never")
     from accel_train.sources import ArraySource
     assert isinstance(data.train, ArraySource) and not isinstance(per_step_data.train, ArraySource)
     return memory, per_step
@@ -207,8 +216,8 @@ def test_a_policy_changes_the_images_deterministically_on_both_data_paths(cifar1
                                                                          plain_paths, policy):
     plain = _images(plain_paths[0], KEYS_EPOCH0)
     assert torch.equal(plain, _images(plain_paths[1], KEYS_EPOCH0))  # the paths agree already
-    memory, _ = _train_dataset(cifar10_layout, "always", auto_augment=policy)
-    per_step, _ = _train_dataset(cifar10_layout, "never", auto_augment=policy)
+    memory, _ = _train_loader(cifar10_layout, "always", auto_augment=policy)
+    per_step, _ = _train_loader(cifar10_layout, "never", auto_augment=policy)
     rng = _rng_states()
     augmented = _images(memory, KEYS_EPOCH0)
     assert _same_rng(rng, _rng_states()), "augmenting moved a global random state"
@@ -219,21 +228,21 @@ def test_a_policy_changes_the_images_deterministically_on_both_data_paths(cifar1
     assert torch.equal(_images(memory, KEYS_EPOCH0), augmented)
     shuffled = KEYS_EPOCH0[::-1]
     assert torch.equal(_images(memory, shuffled), augmented.flip(0))
-    assert torch.equal(memory[KEYS_EPOCH0[5]][0], augmented[5])
+    assert torch.equal(_image(memory, KEYS_EPOCH0[5]), augmented[5])
     assert torch.equal(_images(per_step, KEYS_EPOCH0), augmented), "in memory != per step"
     # another epoch of the same indices is augmented otherwise
-    n = len(memory)
+    n = len(memory.loader.dataset)
     next_epoch = _images(memory, [n + k for k in KEYS_EPOCH0])
     assert not torch.equal(next_epoch, augmented)
     # and another seed
-    other_seed, _ = _train_dataset(cifar10_layout, "always", auto_augment=policy, seed=1)
+    other_seed, _ = _train_loader(cifar10_layout, "always", auto_augment=policy, seed=1)
     assert not torch.equal(_images(other_seed, KEYS_EPOCH0), augmented)
 
 
 def test_random_erasing_replaces_one_rectangle_deterministically(cifar10_layout, plain_paths):
     plain = _images(plain_paths[0], KEYS_EPOCH0)
-    memory, _ = _train_dataset(cifar10_layout, "always", reprob=1.0)
-    per_step, _ = _train_dataset(cifar10_layout, "never", reprob=1.0)
+    memory, _ = _train_loader(cifar10_layout, "always", reprob=1.0)
+    per_step, _ = _train_loader(cifar10_layout, "never", reprob=1.0)
     rng = _rng_states()
     erased = _images(memory, KEYS_EPOCH0)
     assert _same_rng(rng, _rng_states()), "erasing moved a global random state"
@@ -254,7 +263,7 @@ def test_random_erasing_replaces_one_rectangle_deterministically(cifar10_layout,
         rectangles += 1
     assert rectangles >= len(KEYS_EPOCH0) - 2, rectangles
     # probability 0.5: some images erased, some not
-    half, _ = _train_dataset(cifar10_layout, "always", reprob=0.5)
+    half, _ = _train_loader(cifar10_layout, "always", reprob=0.5)
     changed = [(a != b).any().item() for a, b in zip(_images(half, KEYS_EPOCH0), plain)]
     assert 0 < sum(changed) < len(changed), changed
 

@@ -18,7 +18,7 @@ from accel_train import budget, synthetic
 from accel_train.evaluate import logits_of
 from accel_train.transforms import ImageTransform
 from accel_train.whitening import whiten_first_conv
-from conftest import TINY_TRAIN, accel_train_here
+from conftest import TINY_TRAIN, accel_train_here, model_spec_of
 
 IDENTITY = dict(mean=(0.0, 0.0, 0.0), std=(1 / 255, 1 / 255, 1 / 255))  # pixels stay 0..255
 
@@ -135,7 +135,7 @@ def test_whitening_a_convolution_matches_numpy():
 
 
 def _spec(run: Path) -> dict:
-    return json.loads((run / "model_config.json").read_text())
+    return model_spec_of(run)
 
 
 def test_whiten_stem_through_the_command_line(tmp_path):

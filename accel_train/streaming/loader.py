@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..errors import UsageError
-from ..data import Batch
+from ..data import Batch, FinishOnDevice
 from ..distributed import loader_worker_in_own_group
 from ..randomness import loader_generator, reseed_loader
 from ..readers import read_json
@@ -114,11 +114,12 @@ class StreamingTrain(IterableDataset):
             for position, _ in bad:  # the trainer names them (badimages.py, StreamSource)
                 replaced[position] = keys[position]
             epochs = np.full(len(keys), epoch)
+            # uint8 pixels; StreamLoader normalizes them on the device (data.FinishOnDevice)
             if len({image.shape for image in images}) == 1:
-                pixels = self.transform.batch(torch.stack(images), self.seed, epochs,
-                                              keys_t.numpy())
+                pixels = self.transform.pixel_batch(torch.stack(images), self.seed, epochs,
+                                                    keys_t.numpy())
             else:
-                pixels = torch.stack([self.transform(image, (self.seed, epoch, k))
+                pixels = torch.stack([self.transform.pixels(image, (self.seed, epoch, k))
                                       for image, k in zip(images, keys)])
             yield (pixels, torch.as_tensor(labels, dtype=torch.long), keys_t + epoch * n,
                    replaced)
@@ -142,6 +143,8 @@ class StreamLoader:
                                  pin_memory=pin_memory, generator=loader_generator(dataset.seed),
                                  worker_init_fn=loader_worker_in_own_group, **extra)
         self.device = None
+        # Sample keys are epoch * len(shards) + the sample's number, as the indexed loader's.
+        self.finish = FinishOnDevice(dataset.transform, dataset.seed, len(dataset.shards))
         self.samples_in_epoch = 0
         # Nothing to say yet: a streaming worker that dies still ends the run (its shard
         # positions would have to be restored; the indexed loader restarts its workers).
@@ -181,7 +184,9 @@ class StreamLoader:
         per_micro_step = self.layout.batch * self.layout.ranks
         for batch in self.loader:
             self.samples_in_epoch += per_micro_step
-            yield Batch(*(t.to(self.device, non_blocking=True) for t in batch))
+            pixels, labels, keys, replaced = (t.to(self.device, non_blocking=True)
+                                              for t in batch)
+            yield Batch(self.finish(pixels, keys), labels, keys, replaced)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state(self) -> dict:

@@ -1,0 +1,174 @@
+"""The input path built for a GPU, checked where a CPU can show it.
+
+A training batch travels as uint8 pixels (a quarter of float32's bytes; pinned and copied without
+blocking on CUDA) and is normalized, then erased with --reprob, on the device (`FinishOnDevice`).
+
+Oracles: numpy's float32 arithmetic for the normalization; timm's RandomErasing applied by hand
+(seeded as the product documents: randomness.seeded(seed, epoch, index, ERASING_SALT)) for
+erasing; a fake CUDA event whose timestamps a test sets for the data-wait clock; torch's own
+backend flags for the CUDA math settings.  That whole runs are bit-identical to the float32
+loader they replace was measured once, before and after the change (BENCHMARKS.md); the
+first-step oracle in test_flags.py keeps the normalization honest in a real run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from accel_train import data as data_module
+from accel_train.augment import ERASING_SALT, build_erasing
+from accel_train.data import FinishOnDevice, TrainImages, default_num_workers
+from accel_train.datawait import HostWaitClock, StreamWaitClock
+from accel_train.precision import use_fast_cuda_math
+from accel_train.randomness import seeded
+from accel_train.sources import ArraySource, ImageSource
+from accel_train.transforms import ImageTransform
+
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
+SEED, N = 11, 40
+
+
+def _source(n: int = N, size: int = 32) -> ArraySource:
+    images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(3))
+    return ArraySource(images, torch.arange(n) % 10)
+
+
+def _numpy_normalized(pixels: torch.Tensor) -> np.ndarray:
+    x = pixels.numpy().astype(np.float32) / np.float32(255)
+    mean = np.asarray(MEAN, np.float32).reshape(1, 3, 1, 1)
+    std = np.asarray(STD, np.float32).reshape(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+def test_the_dataset_hands_out_uint8_and_the_device_half_normalizes_as_numpy_does():
+    transform = ImageTransform(32, MEAN, STD, augment=True)
+    dataset = TrainImages(_source(), transform, SEED)
+    keys = [N + 5, 3, 2 * N + 17, 9]  # epochs 1, 0, 2, 0
+    pixels = dataset.__getitems__(keys).images
+    assert pixels.dtype == torch.uint8 and pixels.shape == (4, 3, 32, 32)
+    finished = FinishOnDevice(transform, SEED, N)(pixels, torch.tensor(keys))
+    assert finished.dtype == torch.float32
+    np.testing.assert_array_equal(finished.numpy(), _numpy_normalized(pixels))
+    # the same tensors as the one-call float path (held-out, predict, whitening use it)
+    epochs, indices = np.array(keys) // N, np.array(keys) % N
+    whole = transform.batch(_source().images.index_select(0, torch.from_numpy(indices)), SEED,
+                            epochs, indices)
+    assert torch.equal(whole, finished)
+
+
+def test_erasing_on_the_device_half_is_timms_with_each_samples_seed():
+    transform = ImageTransform(32, MEAN, STD, augment=True, erasing=build_erasing(1.0))
+    dataset = TrainImages(_source(), transform, SEED)
+    keys = [N + 5, 3, 2 * N + 17, 9]
+    pixels = dataset.__getitems__(keys).images
+    finished = FinishOnDevice(transform, SEED, N)(pixels, torch.tensor(keys))
+    from timm.data.random_erasing import RandomErasing
+    timm_erasing = RandomErasing(probability=1.0, mode="pixel", device="cpu")
+    normalized = torch.from_numpy(_numpy_normalized(pixels))
+    for position, key in enumerate(keys):
+        epoch, index = divmod(key, N)
+        with seeded(SEED, epoch, index, ERASING_SALT):
+            expected = timm_erasing(normalized[position].clone())
+        assert torch.equal(finished[position], expected), key
+        assert not torch.equal(finished[position], normalized[position])  # something erased
+
+
+def test_the_streamed_loader_finishes_with_the_same_key_arithmetic():
+    """Streaming keys are epoch * len(shards) + the sample's number; the indexed loader's are
+    epoch * N + index: one FinishOnDevice serves both, the epoch read from the key."""
+    transform = ImageTransform(32, MEAN, STD, augment=True, erasing=build_erasing(1.0))
+    pixels = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    finish = FinishOnDevice(transform, SEED, 7)
+    a = finish(pixels, torch.tensor([3 * 7 + 2, 5]))
+    b = transform.finish(pixels, SEED, [3, 0], [2, 5])
+    assert torch.equal(a, b)
+    assert not torch.equal(a, transform.finish(pixels, SEED, [0, 0], [2, 5]))
+
+
+def test_loader_workers_follow_the_cores_each_gpu_has(monkeypatch):
+    monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda pid: set(range(16)),
+                        raising=False)
+    decoded = ImageSource()  # decoded per step: workers are wanted
+    assert default_num_workers(decoded, 1, cuda=True) == 15   # one core drives the GPU
+    assert default_num_workers(decoded, 2, cuda=True) == 7
+    assert default_num_workers(decoded, 8, cuda=True) == 1
+    assert default_num_workers(decoded, 1, cuda=False) == 4   # a CPU step needs the cores
+    assert default_num_workers(decoded, 8, cuda=False) == 2
+    assert default_num_workers(_source(), 1, cuda=True) == 0  # in memory: nothing to decode
+    monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda pid: {0, 1, 2},
+                        raising=False)  # a SLURM allocation of 3 of the machine's cores
+    assert default_num_workers(decoded, 1, cuda=True) == 2
+
+
+class FakeEvent:
+    """A CUDA event whose device timestamp the test decides (milliseconds)."""
+    clock = [0.0]
+    made: list["FakeEvent"] = []
+
+    def __init__(self, enable_timing: bool = False):
+        assert enable_timing
+        self.at, self.synced = None, False
+        FakeEvent.made.append(self)
+
+    def record(self):
+        self.at = FakeEvent.clock[0]
+
+    def synchronize(self):
+        self.synced = True
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        return end.at - self.at
+
+
+def test_the_stream_clock_sums_the_device_gaps_between_its_event_pairs():
+    FakeEvent.made.clear()
+    clock = StreamWaitClock(FakeEvent)
+    for start, end in [(0.0, 4.0), (10.0, 10.5), (20.0, 27.5)]:  # ms on the device's stream
+        FakeEvent.clock[0] = start
+        clock.before_fetch()
+        FakeEvent.clock[0] = end
+        clock.after_fetch()
+    assert clock.take() == pytest.approx(0.012)  # 4 + 0.5 + 7.5 ms
+    assert FakeEvent.made[-1].synced and not FakeEvent.made[0].synced  # one sync, at the end
+    assert clock.take() == 0.0  # taken: the next window starts from nothing
+
+
+def test_the_host_clock_counts_only_the_time_inside_fetches():
+    now = iter([1.0, 1.25, 5.0, 5.5])
+    clock = HostWaitClock(lambda: next(now))
+    for _ in range(2):  # 0.25 s, then 0.5 s (the 3.75 s of step in between is not a wait)
+        clock.before_fetch()
+        clock.after_fetch()
+    assert clock.take() == pytest.approx(0.75) and clock.take() == 0.0
+
+
+@pytest.fixture
+def cuda_flags():
+    saved = (torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision())
+    yield
+    torch.backends.cudnn.benchmark = saved[0]
+    torch.set_float32_matmul_precision(saved[1])
+
+
+def test_fast_cuda_math_is_set_on_cuda_only_and_said(cuda_flags):
+    torch.backends.cudnn.benchmark = False
+    torch.set_float32_matmul_precision("highest")
+    assert use_fast_cuda_math(False) is None
+    assert not torch.backends.cudnn.benchmark
+    assert torch.get_float32_matmul_precision() == "highest"
+    said = use_fast_cuda_math(True)
+    assert torch.backends.cudnn.benchmark
+    assert torch.get_float32_matmul_precision() == "high"
+    assert "cuDNN autotuning" in said and "TF32" in said
+    from accel_train.report import summary
+    facts = {"model": {"model_name": "m", "class_names": ["a"], "image_size": 32},
+             "trainable_parameters": 1, "world_size": 1, "global_batch": 8, "device": "cuda:0",
+             "precision_used": "fp16", "channels_last": True, "speed_choice": "asked",
+             "sync_bn": False, "train_samples": 8, "eval_samples": 8, "data_in_memory": True,
+             "num_workers": 0, "steps_per_epoch": 1, "total_steps": 1, "output_dir": "o",
+             "checkpoint_dir": "o/c", "cuda_math": said}
+    assert f"\n  cuda: {said}\n" in summary(facts, "data", 1, None, "metrics.jsonl")
+    assert "\n  cuda: " not in summary({**facts, "cuda_math": None}, "data", 1, None, "m")

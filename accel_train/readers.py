@@ -64,6 +64,9 @@ class Shape:
 
     keys: dict = field(default_factory=dict)
     values: Any = None  # the type of every value (a name -> reason list), None: not checked
+    # Every key allowed besides `keys` (None: any).  For files whose content becomes keyword
+    # arguments: an unknown key would be a TypeError far from the file that holds it.
+    optional: Optional[frozenset] = None
 
     def problem(self, data: Any) -> Optional[str]:
         if not isinstance(data, dict):
@@ -73,6 +76,10 @@ class Shape:
                 return f"has no {key!r}"
             if not _type_ok(data[key], expected):
                 return f"has {key!r} = {str(data[key])[:40]!r}, not {_type_name(expected)}"
+        if self.optional is not None:
+            unknown = sorted(set(data) - set(self.keys) - self.optional)
+            if unknown:
+                return f"has {unknown[0]!r}, a key no accel_train of this version writes"
         if self.values is not None:
             for key, value in data.items():
                 if not _type_ok(value, self.values):
@@ -107,7 +114,8 @@ _register("elastic_config", "an elastic settings file (--elastic)",
 _register("model_config", "a model's model_config.json",
           "restore it, or export the model again from a checkpoint (accel-train export)",
           Shape({"model_name": TEXT, "num_classes": INT, "class_names": LIST,
-                 "image_size": INT, "mean": LIST, "std": LIST}))
+                 "image_size": INT, "mean": LIST, "std": LIST},
+                optional=frozenset({"drop_rate", "weights", "tta"})))
 _register("timm_config", "a model folder's config.json (timm's layout)",
           "restore it, or export the model again (accel-train export)",
           Shape({"architecture": TEXT, "pretrained_cfg": MAPPING}))

@@ -76,6 +76,12 @@ def _another_models_config(path: Path) -> None:
     path.write_text(json.dumps({**spec, "model_name": "resnet18"}))
 
 
+def _unknown_key(path: Path) -> None:
+    """A key this version never writes (a newer accel_train's, or a hand edit)."""
+    spec = json.loads(path.read_text())
+    path.write_text(json.dumps({**spec, "stem_width": 64}))
+
+
 def _another_timm_config(path: Path) -> None:
     """A run's config.json (timm's layout) naming another network: resnet18's tensors."""
     config = json.loads(path.read_text())
@@ -175,9 +181,11 @@ ROWS = [
     Row("bad_images", f"{CHECKPOINT}/bad_images.json", JSON, RESUMES, sealed=True,
         says={"JSON of another shape": "has 'files' = '[]', not text"}),
     Row("model_config", f"{CHECKPOINT}/model_config.json",
-        {**JSON, "another model's file": _another_models_config}, RESUMES + READS_CHECKPOINT,
+        {**JSON, "another model's file": _another_models_config, "a key it never writes":
+         _unknown_key}, RESUMES + READS_CHECKPOINT,
         sealed=True, says={"JSON of another shape": "has no 'model_name'",
-                           "another model's file": "resnet18"}),
+                           "another model's file": "resnet18",
+                           "a key it never writes": "has 'stem_width', a key no accel_train"}),
     Row("checkpoint_weights", f"{CHECKPOINT}/model.safetensors", WEIGHTS,
         RESUMES + READS_CHECKPOINT, sealed=True),
     Row("checkpoint_weights", f"{CHECKPOINT}/ema.safetensors", WEIGHTS, RESUMES, sealed=True,

@@ -119,6 +119,48 @@ def test_pad_crop_flip_is_a_window_of_the_reflect_padded_image():
         flips.append(matches[0][2])
     assert 0.2 < np.mean(flips) < 0.8  # about half mirrored
     assert len(offsets) >= 20  # offsets spread over the 9 x 9 possibilities
+    # every offset of the padding is reachable on both axes, the extremes included (a
+    # 200-image draw misses one of the 9 values with probability about 1e-9)
+    many = ArraySource(_random_images(200, size, size, 10), torch.zeros(200, dtype=torch.long))
+    tops, lefts = set(), set()
+    for index in range(200):
+        out = _as_pixels(TrainImages(many, ImageTransform(size, **IDENTITY, augment=True),
+                                     seed=3)[index][0])
+        padded = np.pad(many.images[index].numpy().astype(np.int64),
+                        ((0, 0), (pad, pad), (pad, pad)), mode="reflect")
+        found = [(top, left) for top in range(2 * pad + 1) for left in range(2 * pad + 1)
+                 if np.array_equal(out, padded[:, top:top + size, left:left + size])
+                 or np.array_equal(out, padded[:, top:top + size, left:left + size][:, :, ::-1])]
+        tops.add(found[0][0])
+        lefts.add(found[0][1])
+    assert tops == lefts == set(range(2 * pad + 1))
+
+
+def test_augmenting_without_the_samples_place_is_refused():
+    transform = ImageTransform(32, **IDENTITY, augment=True)
+    image = _random_images(1, 32, 32, 5)[0]
+    with pytest.raises(ValueError, match=r"augmenting needs the sample's \(seed, epoch, index\)"):
+        transform.pixels(image)
+    with pytest.raises(ValueError, match="augmenting needs"):
+        transform(image)
+
+
+def test_a_panorama_no_crop_fits_gets_the_central_square():
+    """8 x 200 pixels: a crop of a quarter of the area or more at an aspect within 3/4-4/3 never
+    fits in 8 rows, so after its ten draws the crop falls back to the central 8 x 8 square."""
+    height, width, size = 8, 200, 16
+    ramp = _ramp_image(height, width)  # G = 3 * column (wrapping at 256: columns < 85 here)
+    ramp[1] = torch.arange(width).view(1, -1).expand(height, width).to(torch.uint8)  # G = column
+    source = ArraySource(ramp.unsqueeze(0).expand(6, -1, -1, -1).contiguous(),
+                         torch.zeros(6, dtype=torch.long))
+    dataset = TrainImages(source, ImageTransform(size, **IDENTITY, augment=True), seed=4)
+    for index in range(6):
+        out = _as_pixels(dataset[index][0])
+        columns = sorted({int(v) for v in out[1].ravel()})
+        assert columns[0] >= (width - height) // 2 - 1 and columns[-1] <= (width + height) // 2, \
+            (index, columns)  # the central square: columns 96-103
+        rows = sorted({int(v) for v in out[0].ravel()})
+        assert rows[0] == 0 and rows[-1] == 2 * (height - 1), (index, rows)  # every row
 
 
 def _ramp_image(height: int, width: int) -> torch.Tensor:
@@ -174,5 +216,7 @@ def test_random_resized_crop_of_large_images():
     assert len(set(boxes)) >= n - 4
     scales = [h * w / (height * width) for _, _, h, w in boxes]
     assert min(scales) < 0.45 and max(scales) > 0.7  # the whole scale range is used
+    ratios = [w / h for _, _, h, w in boxes]
+    assert min(ratios) < 0.9 and max(ratios) > 1.1  # and both sides of the aspect range
     again = [dataset[n + index][0] for index in range(n)]  # epoch 1
     assert sum(not torch.equal(dataset[i][0], again[i]) for i in range(n)) >= n - 2

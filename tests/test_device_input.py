@@ -20,7 +20,7 @@ import torch
 from accel_train import data as data_module
 from accel_train.augment import ERASING_SALT, build_erasing
 from accel_train.data import FinishOnDevice, TrainImages, default_num_workers
-from accel_train.datawait import HostWaitClock, StreamWaitClock
+from accel_train.datawait import HostWaitClock, StreamWaitClock, data_wait_clock
 from accel_train.precision import use_fast_cuda_math
 from accel_train.randomness import seeded
 from accel_train.sources import ArraySource, ImageSource
@@ -134,6 +134,18 @@ def test_the_stream_clock_sums_the_device_gaps_between_its_event_pairs():
     assert clock.take() == pytest.approx(0.012)  # 4 + 0.5 + 7.5 ms
     assert FakeEvent.made[-1].synced and not FakeEvent.made[0].synced  # one sync, at the end
     assert clock.take() == 0.0  # taken: the next window starts from nothing
+    FakeEvent.clock[0] = 30.0
+    clock.before_fetch()
+    FakeEvent.clock[0] = 31.0
+    clock.after_fetch()
+    assert clock.take() == pytest.approx(0.001)  # and counts again
+
+
+def test_the_clock_follows_the_device():
+    assert isinstance(data_wait_clock("cuda"), StreamWaitClock)
+    assert StreamWaitClock().event_type is torch.cuda.Event  # made only when fetching
+    assert isinstance(data_wait_clock("cpu"), HostWaitClock)
+    assert isinstance(data_wait_clock("mps"), HostWaitClock)
 
 
 def test_the_host_clock_counts_only_the_time_inside_fetches():

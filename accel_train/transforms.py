@@ -158,10 +158,10 @@ class ImageTransform:
 
     # -- pieces ---------------------------------------------------------------------------------
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:
-        shape = (3, 1, 1) if images.dim() == 3 else (1, 3, 1, 1)
+        """uint8 [B, 3, S, S] on any device -> float, on that device."""
         out = images.float().div_(255)  # a copy: the uint8 source is never written
-        return out.sub_(torch.tensor(self.mean, device=out.device).view(shape)).div_(
-            torch.tensor(self.std, device=out.device).view(shape))
+        return out.sub_(torch.tensor(self.mean, device=out.device).view(1, 3, 1, 1)).div_(
+            torch.tensor(self.std, device=out.device).view(1, 3, 1, 1))
 
     def _resize(self, images: torch.Tensor) -> torch.Tensor:
         if tuple(images.shape[-2:]) == (self.image_size, self.image_size):

@@ -139,7 +139,7 @@ def test_pad_crop_flip_is_a_window_of_the_reflect_padded_image():
 def test_augmenting_without_the_samples_place_is_refused():
     transform = ImageTransform(32, **IDENTITY, augment=True)
     image = _random_images(1, 32, 32, 5)[0]
-    with pytest.raises(ValueError, match=r"augmenting needs the sample's \(seed, epoch, index\)"):
+    with pytest.raises(ValueError, match=r"^augmenting needs the sample's \(seed, epoch, index\)$"):
         transform.pixels(image)
     with pytest.raises(ValueError, match="augmenting needs"):
         transform(image)

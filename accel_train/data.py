@@ -270,7 +270,7 @@ class FinishOnDevice:
         self.transform, self.seed, self.num_samples = transform, seed, num_samples
 
     def __call__(self, pixels: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        if not (self.transform.augment and self.transform.erasing is not None):
+        if not self.transform.erases:
             return self.transform.finish(pixels)
         # timm's RandomErasing draws on the host, per sample: the keys come back from the
         # device (a sync per step, with --reprob only).

@@ -84,10 +84,10 @@ class IndexedTrainLoader:
     name = "train_loader"
 
     def __init__(self, loader: DataLoader, sampler: EpochSampler, batch_size: int,
-                 num_processes: int, rank: int, seed: int, finish: FinishOnDevice,
-                 timeout: float = 0):
+                 num_processes: int, rank: int, seed: int, timeout: float = 0):
         self.loader, self.sampler, self.generator = loader, sampler, loader.generator
-        self.finish = finish
+        # The second half of its dataset's transform (TrainImages hands out uint8 pixels).
+        self.finish = FinishOnDevice(loader.dataset.transform, seed, len(loader.dataset))
         self.per_micro_step = batch_size * num_processes
         self.rank, self.seed, self.timeout = rank, seed, timeout
         self.epoch, self.samples_in_epoch = 0, 0
@@ -215,9 +215,7 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                              config.persistent_workers, pin_memory, sampler=sampler,
                              drop_last=True, seed=config.seed, timeout=config.loader_timeout)
         train = IndexedTrainLoader(loader, sampler, config.batch_size, num_processes, rank,
-                                   config.seed, FinishOnDevice(train_tf, config.seed,
-                                                               len(data.train)),
-                                   config.loader_timeout)
+                                   config.seed, config.loader_timeout)
         workers = held_out_workers = wanted_workers
         steps = len(train) // config.accumulation_steps
     held_out = make_loader(HeldOutImages(data.held_out, held_out_tf, mark_replaced=True),

@@ -118,6 +118,12 @@ class ImageTransform:
                            indices)
 
     # -- the two halves: pixels on the host, then the float work on the device ----------------
+    @property
+    def erases(self) -> bool:
+        """Whether `finish` erases (--reprob, when augmenting): then it needs each sample's
+        (epoch, index)."""
+        return self.augment and self.erasing is not None
+
     def pixels(self, image: torch.Tensor,
                sample: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
         """One uint8 image -> its uint8 [3, S, S] pixels after resize, crop, flip and policy."""
@@ -152,7 +158,7 @@ class ImageTransform:
         augmenting with --reprob) randomly erased, on the same device.  Erasing needs each
         sample's (epoch, index); normalizing alone does not."""
         images = self._normalize(images)
-        if self.augment and self.erasing is not None:
+        if self.erases:
             images = apply_seeded(self.erasing, images, seed, epochs, indices, ERASING_SALT)
         return images
 

@@ -82,6 +82,16 @@ def _unknown_key(path: Path) -> None:
     path.write_text(json.dumps({**spec, "stem_width": 64}))
 
 
+def test_model_configs_keys_are_the_model_specs_fields():
+    """readers.py lists the keys model_config.json may hold (it cannot import model.py); they
+    must stay ModelSpec's fields, or a new field would be refused as unknown."""
+    from dataclasses import fields
+
+    from accel_train.model import ModelSpec
+    shape = readers.KINDS["model_config"].shape
+    assert set(shape.keys) | shape.optional == {f.name for f in fields(ModelSpec)}
+
+
 def _another_timm_config(path: Path) -> None:
     """A run's config.json (timm's layout) naming another network: resnet18's tensors."""
     config = json.loads(path.read_text())

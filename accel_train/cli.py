@@ -14,7 +14,7 @@ from dataclasses import MISSING, fields
 from typing import Callable, Sequence
 
 from .config import PRECISIONS, TrainConfig, load_run_yaml
-from .errors import RunStopped, UsageError
+from .errors import RunStopped, UsageError, stacks_on_request
 
 GROUP_TITLES = {
     "data": "data",
@@ -191,6 +191,7 @@ def main(argv: Sequence[str] | None = None, callbacks=None) -> int:
     """The command line.  `callbacks` (trainer.Callbacks) reach the training loop: the seam
     through which a program that wraps this CLI (the fault-injection tests) observes a run."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    stacks_on_request()  # `kill -USR1 PID`: where a process that hangs sits
     commands = _subcommands(callbacks)
     if argv and argv[0] in commands:
         name, rest = argv[0], argv[1:]

@@ -140,7 +140,8 @@ class HeldOutImages(Dataset):
         return len(self.source)
 
     def __getitem__(self, index: int):
-        (image,), (used,) = self.source.samples_at([index])
+        with reading(lambda: describe_reads(self.source, [index])):
+            (image,), (used,) = self.source.samples_at([index])
         sample = self.transform(image), self.source.labels[used]
         return (*sample, index if used != index else -1) if self.mark_replaced else sample
 
@@ -149,7 +150,8 @@ class HeldOutImages(Dataset):
         indices = torch.as_tensor(indices, dtype=torch.long)
         marks = torch.full_like(indices, -1) if self.mark_replaced else None
         if not isinstance(self.source, ArraySource):
-            images, used = self.source.samples_at(indices.tolist())
+            with reading(lambda: describe_reads(self.source, indices.tolist())):
+                images, used = self.source.samples_at(indices.tolist())
             batch = self.transform.batch(torch.stack(images)) \
                 if len({image.shape for image in images}) == 1 \
                 else torch.stack([self.transform(image) for image in images])

@@ -4,6 +4,9 @@ The CLI turns it into a single line on stderr and exit code 2; anything else is 
 its traceback.  It subclasses ValueError so library callers can catch it the usual way.
 """
 
+import faulthandler
+import signal
+
 
 class UsageError(ValueError):
     """Bad input: the message names what is wrong and the flag or file to change."""
@@ -31,3 +34,14 @@ DISK_FULL_EXIT = 74
 # sysexits.h's EX_TEMPFAIL ("a temporary failure; the user is invited to retry"): a rank or a
 # loader worker stalled; the elastic launcher restarts the group from the newest checkpoint.
 STALLED_EXIT = 75
+
+
+STACKS_SIGNAL = signal.SIGUSR1
+
+
+def stacks_on_request() -> None:
+    """`kill -USR1 PID` makes the process write every thread's Python stack to its stderr (under
+    a launcher, the launcher's output) and go on: where a run that hangs sits, without a
+    debugger.  Loader workers inherit the handler (they are forked), so a worker stuck anywhere,
+    not only in a read that loader_watch.py names, can be asked the same."""
+    faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)

@@ -22,7 +22,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 from torch.utils.data import DataLoader
 
@@ -57,6 +57,30 @@ def watch_workers_quietly(loader) -> Iterator:
                 signal.getsignal(signal.SIGCHLD) not in (signal.SIG_DFL, signal.SIG_IGN, None):
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         yield item
+
+
+def timed_out(err: RuntimeError) -> bool:
+    """The DataLoader's own timeout (its `timeout`, --loader-timeout) ended the wait."""
+    return "DataLoader timed out" in str(err)
+
+
+def loader_stuck(timeout: float, where: str) -> RunStopped:
+    """The one-line stop when no batch came in --loader-timeout; `where` says at what point."""
+    return RunStopped(f"no batch from the loader workers in {timeout:g} s (--loader-timeout), "
+                      f"{where}: a worker is stuck (its own line above names what it was "
+                      f"reading); exit {STALLED_EXIT}, for a restart with --resume auto",
+                      STALLED_EXIT)
+
+
+def stop_when_stuck(batches: Iterable, timeout: float, where: str) -> Iterator:
+    """`batches`, with the loader's timeout turned into the one-line stop (held-out data: the
+    training loader does this itself, with its place in the epoch)."""
+    try:
+        yield from batches
+    except RuntimeError as err:
+        if not timed_out(err):
+            raise
+        raise loader_stuck(timeout, where) from None
 
 
 class TrainLoader(Protocol):
@@ -119,12 +143,9 @@ class IndexedTrainLoader:
                 yield from self._from_position()
                 return
             except RuntimeError as err:
-                if "DataLoader timed out" in str(err):
-                    raise RunStopped(f"no batch from the loader workers in {self.timeout:g} s "
-                                     f"(--loader-timeout), {self.samples_in_epoch} samples into "
-                                     f"epoch {self.epoch + 1}: a worker is stuck (its own line "
-                                     f"above names what it was reading); exit {STALLED_EXIT}, "
-                                     f"for a restart with --resume auto", STALLED_EXIT) from None
+                if timed_out(err):
+                    raise loader_stuck(self.timeout, f"{self.samples_in_epoch} samples into "
+                                                     f"epoch {self.epoch + 1}") from None
                 if not worker_died(err) or restarts >= MAX_WORKER_RESTARTS:
                     raise
                 restarts += 1
@@ -221,5 +242,5 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
     held_out = make_loader(HeldOutImages(data.held_out, held_out_tf, mark_replaced=True),
                            config.batch_size, held_out_workers, config.prefetch_factor,
                            config.persistent_workers and held_out_workers > 0, pin_memory,
-                           seed=config.seed)
+                           seed=config.seed, timeout=config.loader_timeout)
     return Loaders(train, held_out, workers, global_batch, steps)

@@ -37,7 +37,7 @@ from .datawait import data_wait_clock
 from .ema import ModelEma
 from .errors import first_line
 from .evaluate import evaluate_classifier
-from .loading import build_loaders
+from .loading import build_loaders, stop_when_stuck
 from .mixing import maybe_mixup
 from .model import build_network, create_model, set_train_mode
 from .optim import build_optimizer, plan_schedule, scheduler_for
@@ -474,8 +474,9 @@ class Trainer:
             # and model.safetensors keep (and the ones training continues with anyway).
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
-        return evaluate_classifier(self.accelerator, model,
-                                   self.bad_images.strip(self.held_out_loader),
+        batches = stop_when_stuck(self.held_out_loader, self.config.loader_timeout,
+                                  f"evaluating after step {self.state.step}")
+        return evaluate_classifier(self.accelerator, model, self.bad_images.strip(batches),
                                    self.net.spec.num_classes, self.speed.channels_last,
                                    self.config.tta)
 

@@ -119,16 +119,20 @@ def slow_data_preparation(seconds: float) -> None:
     trainer.load_data = slower
 
 
-def block_read(index: int) -> None:
+def block_read(where: str) -> None:
+    """A loader worker's read of image INDEX of SPLIT blocks for an hour (`where`:
+    "INDEX" for the train split, or "SPLIT:INDEX")."""
     from accel_train.sources import HFSource
 
+    split, _, index = where.rpartition(":")
+    split, index = split or "train", int(index)
     samples_at = HFSource.samples_at
 
     def blocking(self, indices):
         from torch.utils.data import get_worker_info
 
         in_worker = get_worker_info() is not None  # the start-up's own reads go through
-        if in_worker and self.split == "train" and index in [int(i) for i in indices]:
+        if in_worker and self.split == split and index in [int(i) for i in indices]:
             time.sleep(3600)
         return samples_at(self, indices)
 
@@ -145,7 +149,7 @@ def callbacks_from_environ(argv: list[str]):
         step, seconds = os.environ[SLOW_SAVE_ENV].split(":")
         callbacks.before_manifest = slow_save(int(step), float(seconds))
     if os.environ.get(BLOCK_READ_ENV):
-        block_read(int(os.environ[BLOCK_READ_ENV]))
+        block_read(os.environ[BLOCK_READ_ENV])
     if os.environ.get(SLOW_DATA_ENV):
         slow_data_preparation(float(os.environ[SLOW_DATA_ENV]))
     step_seconds = float(os.environ.get(STEP_SECONDS_ENV) or 0)

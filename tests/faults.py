@@ -21,6 +21,7 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
+from accel_train.errors import STACKS_SIGNAL
 from conftest import CONFIGS, REPO, TINY_TRAIN, free_port, test_env
 from fault_entry import SAMPLE_LOG_ENV, STALL_ENV, read_sample_keys  # noqa: F401 (re-exported)
 
@@ -32,6 +33,7 @@ DEADLINE = 240.0
 # The CLI with the faults of fault_entry.py installed through the trainer's seams (when its
 # variables are set; otherwise exactly `python -m accel_train`).
 ENTRY = "tests.fault_entry"
+LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
 
 
 def python_cmd(*args: str) -> list[str]:
@@ -71,9 +73,29 @@ class Run:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            self.ask_for_stacks()
             self.close()
-            raise AssertionError(f"{' '.join(self.cmd)} did not finish in {timeout}s\n"
-                                 f"{self.output[-6000:]}") from None
+            raise AssertionError(f"{' '.join(self.cmd)} did not finish in {timeout}s (the "
+                                 f"stacks of its processes follow its output)\n"
+                                 f"{self.output[-20000:]}") from None
+
+    def ask_for_stacks(self, seconds: float = 3.0) -> None:
+        """Every training process and loader worker under this run writes its Python stacks
+        to the log (the CLI's SIGUSR1 handler, errors.stacks_on_request): a run that
+        hangs in CI says where.  Launchers are left alone (SIGUSR1 would end them)."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for process in tree:
+            try:
+                cmdline = " ".join(process.cmdline())
+                if ENTRY in cmdline and not any(launcher in cmdline for launcher in LAUNCHERS):
+                    process.send_signal(STACKS_SIGNAL)
+            except psutil.Error:
+                pass
+        time.sleep(seconds)
 
     def check(self, expected: int = 0, timeout: float = DEADLINE) -> str:
         code = self.wait(timeout)

@@ -57,28 +57,59 @@ def test_a_killed_loader_worker_costs_a_warning_and_the_run_ends_bit_identical(t
     assert max_weight_difference(tmp_path / "reference", out) == 0.0
 
 
-def test_a_worker_stuck_reading_names_the_file_and_the_run_stops_in_one_line(cifar10_layout,
-                                                                             tmp_path, runs):
-    """Training image 100 of the parquet layout (decoded per batch: --in-memory never) blocks
-    its read for an hour.  Its worker says which file it has been reading and for how long
-    (with its stack), before the loader's 4 s run out; the run then ends in one line, exit 75
-    (a temporary failure: a restart may find the mount back)."""
+@pytest.mark.parametrize("split, blocked, stop_at", [
+    ("train", "100", "samples into epoch 1"),
+    ("test", "held-out:5", "evaluating after step 1"),
+], ids=["training", "held-out"])
+def test_a_worker_stuck_reading_names_the_file_and_the_run_stops_in_one_line(
+        cifar10_layout, tmp_path, runs, split, blocked, stop_at):
+    """Image 100 of the training split (or image 5 of the held-out one, read at the first
+    evaluation) of the parquet layout, decoded per batch (--in-memory never), blocks its read
+    for an hour.  Its worker says which file it has been reading and for how long (with its
+    stack), before the loader's 4 s run out; the run then ends in one line, exit 75 (a
+    temporary failure: a restart may find the mount back), saying where it stood."""
     out = tmp_path / "run"
     run = Run(python_cmd("--data-dir", str(cifar10_layout), "--in-memory", "never",
                          "--model", "test_resnet", "--batch-size", "16", "--epochs", "1",
                          "--num-workers", "1", "--loader-timeout", "4", "--max-eval-samples",
                          "32", "--progress", "log", "--no-plots", "--mixed-precision", "no",
-                         "--no-channels-last", "--output-dir", str(out)),
-              tmp_path / "run.log", **{BLOCK_READ_ENV: "100"})
+                         "--no-channels-last", "--output-dir", str(out),
+                         *(["--max-steps", "1"] if split == "test" else [])),
+              tmp_path / "run.log", **{BLOCK_READ_ENV: blocked})
     runs.append(run)
     output = run.check(expected=75)
 
     said = [line for line in output.splitlines() if "has been reading" in line]
     assert len(said) == 1, output[-3000:]
     assert said[0].startswith("accel_train: loader worker 0 (pid ")
-    assert "train" in said[0] and ".parquet" in said[0] and "more images) for 3 s" in said[0]
+    assert f"{split}" in said[0] and ".parquet" in said[0], said[0]
+    assert "more images) for 3 s" in said[0], said[0]
     assert "in blocking" in output.split(said[0])[1], "the worker's stack shows where it waits"
     last = output.strip().splitlines()[-1]
     assert last.startswith("accel_train: error: no batch from the loader workers in 4 s "
                            "(--loader-timeout)"), last
+    assert stop_at in last, last
     assert "Traceback" not in output
+
+
+def test_sigusr1_writes_the_stacks_of_a_hung_run_and_it_goes_on(cifar10_layout, tmp_path, runs):
+    """A run waiting on a worker whose read blocks: SIGUSR1 to the training process and its
+    loader worker (faults.Run.ask_for_stacks, what a test that times out does before it kills)
+    makes each write its Python stacks, and both go on: the run still ends by --loader-timeout
+    (exit 75), not by the signal."""
+    run = Run(python_cmd("--data-dir", str(cifar10_layout), "--in-memory", "never",
+                         "--model", "test_resnet", "--batch-size", "16", "--epochs", "1",
+                         "--num-workers", "1", "--loader-timeout", "10", "--max-eval-samples",
+                         "32", "--progress", "log", "--no-plots", "--mixed-precision", "no",
+                         "--no-channels-last", "--output-dir", str(tmp_path / "run")),
+              tmp_path / "run.log", **{BLOCK_READ_ENV: "100"})
+    runs.append(run)
+    # The worker's own watch speaks at 8 s, with its stack: from then on it is blocked.
+    wait_until(lambda: "has been reading" in run.output, "the worker's note of a stuck read", run)
+    before = run.output
+    assert "in _try_get_data" not in before, before[-3000:]
+    run.ask_for_stacks(seconds=1.0)
+    asked = run.output[len(before):]
+    assert "in blocking" in asked, asked[-3000:]  # the worker, inside the blocked read
+    assert "in _try_get_data" in asked, asked[-3000:]  # the training process, waiting for it
+    assert run.check(expected=75)

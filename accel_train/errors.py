@@ -44,4 +44,6 @@ def stacks_on_request() -> None:
     a launcher, the launcher's output) and go on: where a run that hangs sits, without a
     debugger.  Loader workers inherit the handler (they are forked), so a worker stuck anywhere,
     not only in a read that loader_watch.py names, can be asked the same."""
-    faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)
+    # The descriptor, not sys.stderr: a caller that replaced sys.stderr (pytest's capture, a
+    # notebook) has no file descriptor behind it, and faulthandler writes from a signal handler.
+    faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True, chain=False)

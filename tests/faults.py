@@ -79,7 +79,7 @@ class Run:
                                  f"stacks of its processes follow its output)\n"
                                  f"{self.output[-20000:]}") from None
 
-    def ask_for_stacks(self, seconds: float = 3.0) -> None:
+    def ask_for_stacks(self, seconds: float = 1.0) -> None:
         """Every training process and loader worker under this run writes its Python stacks
         to the log (the CLI's SIGUSR1 handler, errors.stacks_on_request): a run that
         hangs in CI says where.  Launchers are left alone (SIGUSR1 would end them)."""
@@ -93,9 +93,9 @@ class Run:
                 cmdline = " ".join(process.cmdline())
                 if ENTRY in cmdline and not any(launcher in cmdline for launcher in LAUNCHERS):
                     process.send_signal(STACKS_SIGNAL)
+                    time.sleep(seconds)  # one at a time: their lines share the log
             except psutil.Error:
                 pass
-        time.sleep(seconds)
 
     def check(self, expected: int = 0, timeout: float = DEADLINE) -> str:
         code = self.wait(timeout)

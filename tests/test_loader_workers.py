@@ -6,6 +6,7 @@ reading a file (a dead network mount) names the file itself, and the run stops i
 
 from __future__ import annotations
 
+import re
 import signal
 
 import psutil
@@ -83,7 +84,8 @@ def test_a_worker_stuck_reading_names_the_file_and_the_run_stops_in_one_line(
     assert len(said) == 1, output[-3000:]
     assert said[0].startswith("accel_train: loader worker 0 (pid ")
     assert f"{split}" in said[0] and ".parquet" in said[0], said[0]
-    assert "more images) for 3 s" in said[0], said[0]
+    # At 80% of the 4 s: 3 s, or 4 s when the machine is busy and the watch wakes late.
+    assert re.search(r"more images\) for [34] s$", said[0]), said[0]
     assert "in blocking" in output.split(said[0])[1], "the worker's stack shows where it waits"
     last = output.strip().splitlines()[-1]
     assert last.startswith("accel_train: error: no batch from the loader workers in 4 s "
@@ -108,7 +110,7 @@ def test_sigusr1_writes_the_stacks_of_a_hung_run_and_it_goes_on(cifar10_layout, 
     wait_until(lambda: "has been reading" in run.output, "the worker's note of a stuck read", run)
     before = run.output
     assert "in _try_get_data" not in before, before[-3000:]
-    run.ask_for_stacks(seconds=1.0)
+    run.ask_for_stacks(seconds=0.5)
     asked = run.output[len(before):]
     assert "in blocking" in asked, asked[-3000:]  # the worker, inside the blocked read
     assert "in _try_get_data" in asked, asked[-3000:]  # the training process, waiting for it

@@ -163,6 +163,40 @@ def test_a_panorama_no_crop_fits_gets_the_central_square():
         assert rows[0] == 0 and rows[-1] == 2 * (height - 1), (index, rows)  # every row
 
 
+def _pil_resized(image: torch.Tensor, size: int) -> np.ndarray:
+    """The oracle: PIL's bilinear resize of a uint8 [3, H, W] image to size x size (PIL
+    filters over the whole footprint when it shrinks: antialiased)."""
+    from PIL import Image
+    pil = Image.fromarray(image.permute(1, 2, 0).numpy()).resize((size, size), Image.BILINEAR)
+    return np.asarray(pil).transpose(2, 0, 1).astype(int)
+
+
+def test_a_larger_held_out_image_is_shrunk_as_pil_shrinks_it():
+    """Noise, 128 x 96, to 32 x 32 by the held-out transform: PIL's bilinear resize, to the
+    level (without antialiasing a shrink by 3-4 samples 2 of every 3-4 source pixels: noise
+    comes through at full strength, off by 37 levels on average)."""
+    noise = torch.randint(0, 256, (3, 128, 96), generator=torch.Generator().manual_seed(0),
+                          dtype=torch.uint8)
+    out = ImageTransform(32, **IDENTITY).pixels(noise).numpy().astype(int)
+    assert np.abs(out - _pil_resized(noise, 32)).max() <= 1
+
+
+def test_a_large_training_crop_is_shrunk_as_pil_shrinks_it():
+    """A 64 x 2000 panorama: no crop of a quarter of the area at an aspect of 3/4-4/3 fits in
+    64 rows, so the crop is the central 64 x 64 square, shrunk to 16 x 16: PIL's bilinear
+    resize of that square, mirrored or not (the flip's coin)."""
+    height, width, size = 64, 2000, 16
+    noise = torch.randint(0, 256, (3, height, width), generator=torch.Generator().manual_seed(1),
+                          dtype=torch.uint8)
+    left = (width - height) // 2
+    expected = _pil_resized(noise[:, :, left:left + height].contiguous(), size)
+    transform = ImageTransform(size, **IDENTITY, augment=True)
+    for index in range(4):
+        out = transform.pixels(noise, (3, 0, index)).numpy().astype(int)
+        error = min(np.abs(out - expected).max(), np.abs(out[..., ::-1] - expected).max())
+        assert error <= 1, (index, error)
+
+
 def _ramp_image(height: int, width: int) -> torch.Tensor:
     """R = 2 * row, G = 3 * column, B = 77: the crop box can be read back from the output."""
     rows = torch.arange(height).view(-1, 1).expand(height, width)

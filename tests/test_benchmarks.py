@@ -19,6 +19,8 @@ import pytest
 import conftest
 from conftest import REPO
 
+pytestmark = pytest.mark.slow  # every script in a fresh process, some with trainings
+
 SCRIPTS = REPO / "benchmarks"
 TINY = ["--quick", "--model", "test_resnet"]
 

@@ -82,6 +82,16 @@ def _randint(generator: torch.Generator, high_inclusive: int) -> int:
     return int(torch.randint(0, high_inclusive + 1, (), generator=generator))
 
 
+@functools.lru_cache(maxsize=None)
+def _channel_stats(mean: tuple, std: tuple,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """mean and std as [1, 3, 1, 1] float tensors on `device`, made once per device: made at
+    every step they would be a blocking host-to-device copy, which on a GPU waits for all the
+    work queued before it (a synchronization per micro-batch)."""
+    return (torch.tensor(mean, device=device).view(1, 3, 1, 1),
+            torch.tensor(std, device=device).view(1, 3, 1, 1))
+
+
 @dataclass(frozen=True)
 class ImageTransform:
     """Resize to `image_size`, optionally augment, scale to [0, 1] and normalize."""
@@ -166,8 +176,8 @@ class ImageTransform:
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 [B, 3, S, S] on any device -> float, on that device."""
         out = images.float().div_(255)  # a copy: the uint8 source is never written
-        return out.sub_(torch.tensor(self.mean, device=out.device).view(1, 3, 1, 1)).div_(
-            torch.tensor(self.std, device=out.device).view(1, 3, 1, 1))
+        mean, std = _channel_stats(self.mean, self.std, out.device)
+        return out.sub_(mean).div_(std)
 
     def _resize(self, images: torch.Tensor) -> torch.Tensor:
         if tuple(images.shape[-2:]) == (self.image_size, self.image_size):

@@ -37,19 +37,6 @@ TINY_TRAIN = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--max-
               "--progress", "log", "--no-plots", *PINNED]
 
 
-def pytest_collection_modifyitems(config, items):
-    """The files with slow tests (those that start training processes) first, the one with the
-    most of them first of all.  xdist (--dist loadfile) hands out whole files in this order as
-    workers come free: the long files then run side by side from the start and the short ones
-    fill in at the end, instead of one long file running alone on one worker at the end while
-    the others wait.  Tests stay in their file's order, each file in one piece."""
-    slow: dict = {}
-    for item in items:
-        slow.setdefault(item.path, 0)
-        slow[item.path] += bool(item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])  # stable: files and their tests keep order
-
-
 def test_env(**extra: str) -> dict:
     """Environment for child processes: offline, quiet, one thread each (2 cores, 2 ranks)."""
     env = dict(os.environ)

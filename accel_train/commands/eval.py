@@ -180,10 +180,10 @@ def main(argv: Sequence[str]) -> int:
         spec = trained.spec
         transform = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
         dataset = _dataset_for_split(data, args.split, transform, args.max_samples)
+        cuda = acc.device.type == "cuda"
         workers = args.num_workers if args.num_workers is not None else \
-            default_num_workers(data.held_out, env.local_world_size)
-        loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False,
-                                         acc.device.type == "cuda"))
+            default_num_workers(data.held_out, env.local_world_size, cuda)
+        loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False, cuda))
         model = load_model(trained).to(acc.device)  # not DDP-wrapped: inference only
         tta = args.tta or spec.tta
         results = evaluate_classifier(acc, model, loader, spec.num_classes, tta=tta)

@@ -141,6 +141,8 @@ _register("run_weights", "a run's or export's model.safetensors",
           "train again, or use another checkpoint or export of the run")
 _register("pretrained", "a --pretrained weights file", "fetch or copy it again")
 _register("parquet", "a parquet file of --data-dir", "copy it again")
+_register("saved_dataset", "a file of a save_to_disk folder (--data-dir)",
+          "save the dataset again with save_to_disk, or copy the folder again")
 _register("val_labels", "a --val-labels file", "fix the line or pass another file")
 _register("imagefolder_cache", "an image folder's cached index",
           "(not an error: a damaged cache is rebuilt by walking the folder)")
@@ -355,6 +357,46 @@ def parquet_file(path: Path, kind_name: str, label: str = ""):
     except (pa.ArrowException, OSError) as err:
         raise bad(path, kind_name, f"is not a readable parquet file ({first_line(err, 120)}); "
                                    f"{CUT_SHORT}", label) from None
+
+
+# A datasets save_to_disk folder: dataset_dict.json naming the splits (absent for one Dataset),
+# and in each split's folder state.json listing its Arrow files and dataset_info.json.
+SAVED_SPLITS = Shape({"splits": LIST})
+SAVED_STATE = Shape({"_data_files": LIST})
+
+
+def load_saved_dataset(folder: Path, label: str = ""):
+    """datasets.load_from_disk of a save_to_disk folder, every file it reads checked here
+    first: a bad one is a BadFile naming it, not a traceback from inside datasets (which
+    decodes the JSON files itself and memory-maps the Arrow files)."""
+    import datasets
+    import pyarrow as pa
+
+    folder = Path(folder)
+    splits = [folder]
+    if (folder / "dataset_dict.json").exists():
+        listed = read_json(folder / "dataset_dict.json", "saved_dataset", label, SAVED_SPLITS)
+        splits = [folder / str(name) for name in listed["splits"]]
+    for split in splits:
+        read_json(split / "dataset_info.json", "saved_dataset", label, Shape())
+        state = split / "state.json"
+        for entry in read_json(state, "saved_dataset", label, SAVED_STATE)["_data_files"]:
+            if not (isinstance(entry, dict) and isinstance(entry.get("filename"), str)):
+                raise bad(state, "saved_dataset", f"is not {kind('saved_dataset').what} (it "
+                                                  f"lists {str(entry)[:40]!r} as a data file)",
+                          label)
+            arrow = split / entry["filename"]
+            try:  # datasets writes Arrow's stream format; memory-mapped, nothing is copied
+                with pa.memory_map(str(arrow)) as source:
+                    for _ in pa.ipc.open_stream(source):
+                        pass
+            except FileNotFoundError:
+                raise bad(arrow, "saved_dataset", "no such file", label) from None
+            except (pa.ArrowException, OSError) as err:
+                raise bad(arrow, "saved_dataset", f"is not a readable Arrow file "
+                                                  f"({first_line(err, 120)}); {CUT_SHORT}",
+                          label) from None
+    return datasets.load_from_disk(str(folder))
 
 
 def read_arrow_cache(path: Path, kind_name: str, shape: Shape):

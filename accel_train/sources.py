@@ -386,6 +386,7 @@ def _parquet_names(data_dir: Path, files: list[Path], rows: dict[Path, int]) -> 
 
 def _load_local(config: TrainConfig) -> RawData:
     """Every split of a save_to_disk folder, a folder of parquet files, or an image folder."""
+    from .readers import load_saved_dataset
     datasets = _quiet_datasets()
     data_dir = config.data_dir
     path = Path(data_dir)
@@ -394,7 +395,7 @@ def _load_local(config: TrainConfig) -> RawData:
     if not path.is_dir():
         raise UsageError(f"--data-dir {data_dir} is a file; pass the folder that holds the data")
     if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
-        loaded = datasets.load_from_disk(str(path))
+        loaded = load_saved_dataset(path, f"--data-dir {data_dir}:")
         if not isinstance(loaded, datasets.DatasetDict):
             loaded = datasets.DatasetDict(train=loaded)
         return RawData(dict(loaded), {split: RowNames(f"{data_dir} split '{split}'")

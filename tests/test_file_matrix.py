@@ -413,6 +413,47 @@ def test_a_damaged_parquet_file(cifar10_layout, tmp_path, command, corruption):
 
 
 @pytest.fixture(scope="module")
+def saved_dataset(cifar10_layout, tmp_path_factory) -> Path:
+    """The parquet layout saved by datasets' own save_to_disk (train and test splits)."""
+    import datasets
+    folder = tmp_path_factory.mktemp("saved") / "cifar10"
+    datasets.load_dataset("parquet", data_files={
+        split: str(cifar10_layout / f"{split}.parquet") for split in ("train", "test")}
+    ).save_to_disk(str(folder))
+    return folder
+
+
+SAVED_CASES = [("dataset_dict.json", c) for c in JSON] + [
+    (name, c) for name in ("train/state.json", "test/dataset_info.json",
+                           "test/data-00000-of-00001.arrow") for c in COMMON]
+
+
+@pytest.mark.parametrize("command", ["train", "check-data"])
+@pytest.mark.parametrize("file, corruption", SAVED_CASES)
+def test_a_damaged_save_to_disk_folder(saved_dataset, tmp_path, command, file, corruption):
+    """Each file datasets' load_from_disk reads: one line naming it (the JSON decoder's or
+    Arrow's own reason quoted), exit 2, the folder untouched, nothing written."""
+    data = tmp_path / "data"
+    shutil.copytree(saved_dataset, data)
+    assert (data / file).is_file(), sorted(p.name for p in data.rglob("*"))
+    JSON[corruption](data / file)
+    before = _hashes(data)
+    out = tmp_path / "out"
+    args = {"train": [*TINY_TRAIN, "--data-dir", str(data), "--output-dir", str(out)],
+            "check-data": ["check-data", "--data-dir", str(data)]}
+    line = _one_line(accel_train_here(*args[command]), data / file)
+    assert "save the dataset again with save_to_disk" in line, line
+    assert _hashes(data) == before and not out.exists()
+
+
+def test_an_intact_save_to_disk_folder_trains(saved_dataset, tmp_path):
+    """The checks pass a folder that datasets itself wrote (the control for the cases above)."""
+    result = accel_train_here(*TINY_TRAIN, "--data-dir", str(saved_dataset), "--max-steps", "1",
+                              "--output-dir", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("matrix_shards") / "shards"
     accel_train_here("shard", "--no-progress", "--dataset", "synthetic", "--synthetic-train-size",
@@ -517,7 +558,7 @@ def test_a_damaged_elastic_job_marker(tmp_path):
 MATRIX_KINDS = {row.kind for row in ROWS} | {"manifest", "metrics", "recipe",
                                                "accelerate_config", "elastic_config", "parquet",
                                                "shard_index", "shard", "stream_state",
-                                               "imagefolder_cache"}
+                                               "imagefolder_cache", "saved_dataset"}
 
 
 def _reader_kinds_named_in_the_product() -> set[str]:

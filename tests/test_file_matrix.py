@@ -423,32 +423,64 @@ def saved_dataset(cifar10_layout, tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def saved_split(cifar10_layout, tmp_path_factory) -> Path:
+    """One Dataset saved by save_to_disk (no dataset_dict.json: the folder is the split)."""
+    import datasets
+    folder = tmp_path_factory.mktemp("saved_split") / "cifar10"
+    datasets.load_dataset("parquet", data_files=str(cifar10_layout / "train.parquet"),
+                          split="train").save_to_disk(str(folder))
+    return folder
+
+
+def _json_list(path: Path) -> None:
+    path.write_text("[1, 2]\n")
+
+
+def _nameless_data_file(path: Path) -> None:
+    path.write_text('{"_data_files": [3]}\n')
+
+
+SAVED = {**JSON, "a JSON list": _json_list, "a data file without its name": _nameless_data_file}
 SAVED_CASES = [("dataset_dict.json", c) for c in JSON] + [
-    (name, c) for name in ("train/state.json", "test/dataset_info.json",
-                           "test/data-00000-of-00001.arrow") for c in COMMON]
+    ("train/state.json", c) for c in [*JSON, "a data file without its name"]] + [
+    ("test/dataset_info.json", c) for c in [*COMMON, "a JSON list"]] + [
+    ("test/data-00000-of-00001.arrow", c) for c in COMMON] + [
+    (f"single:{name}", c) for name in ("state.json", "data-00000-of-00001.arrow")
+    for c in COMMON]
 
 
 @pytest.mark.parametrize("command", ["train", "check-data"])
 @pytest.mark.parametrize("file, corruption", SAVED_CASES)
-def test_a_damaged_save_to_disk_folder(saved_dataset, tmp_path, command, file, corruption):
-    """Each file datasets' load_from_disk reads: one line naming it (the JSON decoder's or
+def test_a_damaged_save_to_disk_folder(saved_dataset, saved_split, tmp_path, command, file,
+                                       corruption):
+    """Each file datasets' load_from_disk reads, of a DatasetDict's folder or (single:) one
+    Dataset's: one line naming it after the flag that named the folder (the JSON decoder's or
     Arrow's own reason quoted), exit 2, the folder untouched, nothing written."""
     data = tmp_path / "data"
-    shutil.copytree(saved_dataset, data)
+    single = file.startswith("single:")
+    shutil.copytree(saved_split if single else saved_dataset, data)
+    file = file.removeprefix("single:")
     assert (data / file).is_file(), sorted(p.name for p in data.rglob("*"))
-    JSON[corruption](data / file)
+    SAVED[corruption](data / file)
     before = _hashes(data)
     out = tmp_path / "out"
     args = {"train": [*TINY_TRAIN, "--data-dir", str(data), "--output-dir", str(out)],
             "check-data": ["check-data", "--data-dir", str(data)]}
     line = _one_line(accel_train_here(*args[command]), data / file)
-    assert "save the dataset again with save_to_disk" in line, line
+    assert f"--data-dir {data}: {data / file}: " in line, line
+    assert line.endswith("save the dataset again with save_to_disk, or copy the folder again"), \
+        line
+    if corruption == "a data file without its name":
+        assert "lists '3' as a data file" in line, line
     assert _hashes(data) == before and not out.exists()
 
 
-def test_an_intact_save_to_disk_folder_trains(saved_dataset, tmp_path):
-    """The checks pass a folder that datasets itself wrote (the control for the cases above)."""
-    result = accel_train_here(*TINY_TRAIN, "--data-dir", str(saved_dataset), "--max-steps", "1",
+@pytest.mark.parametrize("which", ["a DatasetDict", "one Dataset"])
+def test_an_intact_save_to_disk_folder_trains(saved_dataset, saved_split, tmp_path, which):
+    """The checks pass folders that datasets itself wrote (the control for the cases above)."""
+    data = saved_dataset if which == "a DatasetDict" else saved_split
+    result = accel_train_here(*TINY_TRAIN, "--data-dir", str(data), "--max-steps", "1",
                               "--output-dir", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr[-3000:]
 

@@ -441,11 +441,12 @@ def _nameless_data_file(path: Path) -> None:
     path.write_text('{"_data_files": [3]}\n')
 
 
-SAVED = {**JSON, "a JSON list": _json_list, "a data file without its name": _nameless_data_file}
+SAVED = {**JSON, "a JSON list": _json_list, "a data file without its name": _nameless_data_file,
+         "removed": Path.unlink}
 SAVED_CASES = [("dataset_dict.json", c) for c in JSON] + [
     ("train/state.json", c) for c in [*JSON, "a data file without its name"]] + [
     ("test/dataset_info.json", c) for c in [*COMMON, "a JSON list"]] + [
-    ("test/data-00000-of-00001.arrow", c) for c in COMMON] + [
+    ("test/data-00000-of-00001.arrow", c) for c in [*COMMON, "removed"]] + [
     (f"single:{name}", c) for name in ("state.json", "data-00000-of-00001.arrow")
     for c in COMMON]
 
@@ -473,7 +474,25 @@ def test_a_damaged_save_to_disk_folder(saved_dataset, saved_split, tmp_path, com
         line
     if corruption == "a data file without its name":
         assert "lists '3' as a data file" in line, line
+    if corruption == "removed":
+        assert f"{data / file}: no such file;" in line, line
+    elif file.endswith(".arrow"):  # Arrow's own reason, asked of pyarrow here
+        reason = _arrow_stream_error(data / file)
+        assert f"is not a readable Arrow file ({reason}); it may be cut short" in line, line
     assert _hashes(data) == before and not out.exists()
+
+
+def _arrow_stream_error(path: Path) -> str:
+    """pyarrow's first line (cut at 120 characters) when the file is read as the Arrow stream
+    save_to_disk writes."""
+    import pyarrow as pa
+    try:
+        with pa.memory_map(str(path)) as source:
+            for _ in pa.ipc.open_stream(source):
+                pass
+    except (pa.ArrowException, OSError) as err:
+        return str(err).strip().splitlines()[0][:120]
+    raise AssertionError(f"{path} reads as an Arrow stream")
 
 
 @pytest.mark.parametrize("which", ["a DatasetDict", "one Dataset"])

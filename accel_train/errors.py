@@ -36,7 +36,7 @@ DISK_FULL_EXIT = 74
 STALLED_EXIT = 75
 
 
-STACKS_SIGNAL = signal.SIGUSR1
+STACKS_SIGNAL = getattr(signal, "SIGUSR1", None)  # None on Windows: no such signal
 
 
 def stacks_on_request() -> None:
@@ -44,6 +44,8 @@ def stacks_on_request() -> None:
     a launcher, the launcher's output) and go on: where a run that hangs sits, without a
     debugger.  Loader workers inherit the handler (they are forked), so a worker stuck anywhere,
     not only in a read that loader_watch.py names, can be asked the same."""
+    if STACKS_SIGNAL is None:
+        return
     # The descriptor, not sys.stderr: a caller that replaced sys.stderr (pytest's capture, a
     # notebook) has no file descriptor behind it, and faulthandler writes from a signal handler.
     faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True, chain=False)

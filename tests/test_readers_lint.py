@@ -29,9 +29,6 @@ EXCEPTIONS = {
     ("accel_train/rank_launcher.py", "read_bytes"): "/proc/PID/cmdline of the parent launcher",
     ("accel_train/rank_launcher.py", "load_config_from_file"): "accelerate's default or given "
     "config, which accelerate launch itself has just read successfully to start this process",
-    ("accel_train/sources.py", "load_from_disk"): "a datasets save_to_disk folder, read by "
-    "datasets itself (its Arrow files and JSON state); NOT yet routed: a damaged one is still "
-    "datasets' traceback (docs/fault-tolerance.md says so)",
     ("accel_train/collectives.py", "json.loads"): "a heartbeat from the process group's store, "
     "written by our own ranks: not a file",
     ("accel_train/checkpoint.py", "load"): "accelerate.utils.load of the RNG file with "

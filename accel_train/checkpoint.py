@@ -79,6 +79,7 @@ class TrainerState:
     ema_top1: Optional[float] = None   # and EMA weights (--model-ema)
     precision: Optional[str] = None    # what the run computes in (Accelerate's name: no, bf16,
     channels_last: Optional[bool] = None  # fp16) and its memory format: a resume keeps them
+    optimizer: Optional[str] = None    # the --optimizer whose state the checkpoint holds
 
     # What a start decides for itself, not taken from the checkpoint: its process layout (the
     # global batch is kept: resume.keep_global_batch), and how it computes (autotune.py: a

@@ -79,6 +79,7 @@ def plan_start(config: TrainConfig, env: LauncherEnv) -> StartPlan:
         previous = read_state(resume_from) if resume_from else None
         kept: tuple[str, ...] = ()
         if previous is not None:
+            refuse_another_optimizer(config, previous, resume_from)
             config = keep_global_batch(config, previous, env.world_size, say)
             config, kept = keep_choices(config, previous)
     except BaseException:
@@ -87,6 +88,17 @@ def plan_start(config: TrainConfig, env: LauncherEnv) -> StartPlan:
         raise
     return StartPlan(config, env, output_dir, checkpoint_dir, resume, resume_from, previous,
                      tuple(messages), kept, held[0] if held else None)
+
+
+def refuse_another_optimizer(config: TrainConfig, previous: TrainerState,
+                             checkpoint: Path) -> None:
+    """A checkpoint's optimizer state fits only the optimizer that wrote it: torch would load
+    SGD's state into Adam and fail deep inside (KeyError 'step').  Checkpoints written before
+    the name was recorded are not checked."""
+    if previous.optimizer is not None and previous.optimizer != config.optimizer:
+        raise UsageError(f"--optimizer {config.optimizer}: {checkpoint} holds the state of "
+                         f"--optimizer {previous.optimizer}; resume with --optimizer "
+                         f"{previous.optimizer}, or start a new run in another --output-dir")
 
 
 def keep_choices(config: TrainConfig, previous: TrainerState) -> tuple[TrainConfig,

@@ -126,7 +126,8 @@ class Trainer:
         self.state = TrainerState(world_size=acc.num_processes, batch_size=config.batch_size,
                                   accumulation_steps=config.accumulation_steps, seed=config.seed,
                                   train_samples=len(self.data.train), precision=self.precision,
-                                  channels_last=self.speed.channels_last)
+                                  channels_last=self.speed.channels_last,
+                                  optimizer=config.optimizer)
         self.ema = ModelEma(self._bare_model(), config.model_ema_decay, config.seed,
                             self.report.warn) if config.model_ema else None
         # What every checkpoint holds and a resume restores, in this order: the checks that

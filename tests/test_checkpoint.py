@@ -288,6 +288,35 @@ def test_a_resume_that_would_change_the_data_order_is_refused(bundle, tmp_path, 
         assert code == 2 and len(err) == 1 and message in err[0], err
 
 
+def test_a_resume_with_another_optimizer_is_refused_in_one_line_and_moves_nothing(tmp_path,
+                                                                                capsys):
+    """SGD's state (the default --optimizer) resumed with --optimizer adamw: torch would load
+    it into Adam and fail inside (KeyError 'step'); instead one line naming both optimizers
+    and the checkpoint, exit 2, every file of the run as it was.  The checkpoint's own
+    optimizer goes on (the control)."""
+    import hashlib
+    out = tmp_path / "run"
+    assert main([*TINY_TRAIN, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir",
+                 str(out)]) == 0
+    capsys.readouterr()
+
+    def files() -> dict:
+        return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(out.rglob("*")) if p.is_file()}
+
+    before = files()
+    code, err = run_cli(capsys, "--optimizer", "adamw", "--max-steps", "3", "--output-dir",
+                        str(out), "--resume", "auto")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].endswith(f"--optimizer adamw: {out / 'checkpoints' / 'step_00000002'} holds "
+                           f"the state of --optimizer sgd; resume with --optimizer sgd, or "
+                           f"start a new run in another --output-dir"), err
+    assert files() == before
+    code, err = run_cli(capsys, "--optimizer", "sgd", "--max-steps", "3", "--output-dir",
+                        str(out), "--resume", "auto")
+    assert code == 0, err
+
+
 def test_a_resumed_state_keeps_every_field_of_the_checkpoint_but_the_process_layout(tmp_path):
     """Field by field restoring once dropped what it did not name; every field of the dataclass
     (including any added later) must come back from the checkpoint through its file, except

@@ -73,11 +73,11 @@ class Run:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.ask_for_stacks()
+            self.ask_for_stacks()  # 8 loader workers and 2 ranks: about 25 kB of stacks
             self.close()
             raise AssertionError(f"{' '.join(self.cmd)} did not finish in {timeout}s (the "
                                  f"stacks of its processes follow its output)\n"
-                                 f"{self.output[-20000:]}") from None
+                                 f"{self.output[-60000:]}") from None
 
     def ask_for_stacks(self, seconds: float = 1.0) -> None:
         """Every training process and loader worker under this run writes its Python stacks

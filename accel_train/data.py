@@ -98,8 +98,7 @@ class TrainImages(Dataset):
 
     def __getitem__(self, key: int):
         epoch, index = divmod(int(key), len(self.source))
-        with reading(lambda: describe_reads(self.source, [index])):
-            (image,), (used,) = self.source.samples_at([index])
+        (image,), (used,) = read_samples(self.source, [index])
         sample = (self.transform.pixels(image, (self.seed, epoch, index)),
                   self.source.labels[used], int(key))
         return (*sample, index if used != index else -1) if self.mark_replaced else sample
@@ -111,8 +110,7 @@ class TrainImages(Dataset):
         marks = torch.full_like(indices, -1) if self.mark_replaced else None
         if not isinstance(self.source, ArraySource):  # decoded now
             # A replaced sample keeps its own index's augmentation: a function of the index.
-            with reading(lambda: describe_reads(self.source, indices.tolist())):
-                images, used = self.source.samples_at(indices.tolist())
+            images, used = read_samples(self.source, indices.tolist())
             if len({image.shape for image in images}) == 1:  # one size: one batched transform
                 batch = self.transform.pixel_batch(torch.stack(images), self.seed,
                                                    epochs.numpy(), indices.numpy())
@@ -140,8 +138,7 @@ class HeldOutImages(Dataset):
         return len(self.source)
 
     def __getitem__(self, index: int):
-        with reading(lambda: describe_reads(self.source, [index])):
-            (image,), (used,) = self.source.samples_at([index])
+        (image,), (used,) = read_samples(self.source, [index])
         sample = self.transform(image), self.source.labels[used]
         return (*sample, index if used != index else -1) if self.mark_replaced else sample
 
@@ -150,8 +147,7 @@ class HeldOutImages(Dataset):
         indices = torch.as_tensor(indices, dtype=torch.long)
         marks = torch.full_like(indices, -1) if self.mark_replaced else None
         if not isinstance(self.source, ArraySource):
-            with reading(lambda: describe_reads(self.source, indices.tolist())):
-                images, used = self.source.samples_at(indices.tolist())
+            images, used = read_samples(self.source, indices.tolist())
             batch = self.transform.batch(torch.stack(images)) \
                 if len({image.shape for image in images}) == 1 \
                 else torch.stack([self.transform(image) for image in images])
@@ -230,6 +226,14 @@ def default_num_workers(source: ImageSource, processes_per_machine: int,
     if cuda:
         return max(1, share - 1)
     return max(1, min(4, share))
+
+
+def read_samples(source: ImageSource,
+                 indices: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+    """`source.samples_at(indices)`, noted as the read in progress: a read that gets stuck is
+    named by the worker's watch (loader_watch.py)."""
+    with reading(lambda: describe_reads(source, indices)):
+        return source.samples_at(indices)
 
 
 def describe_reads(source: ImageSource, indices: list[int]) -> str:

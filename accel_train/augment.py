@@ -65,10 +65,18 @@ def _timm_policy(config_str: str) -> Callable[[torch.Tensor], torch.Tensor]:
         raise UsageError(f"--auto-augment {config_str!r}: timm cannot read it ({err}); e.g. "
                          f"rand-m9-mstd0.5-inc1") from None
 
-    def on_tensor(image: torch.Tensor) -> torch.Tensor:
-        # timm's policies work on PIL images
-        return TF.pil_to_tensor(policy(TF.to_pil_image(image)))
-    return on_tensor
+    return OnPILImage(policy)
+
+
+class OnPILImage:
+    """A transform of PIL images (timm's policies) applied to a uint8 CHW tensor.  A class, not a
+    closure: loader workers receive it pickled (worker_start.py)."""
+
+    def __init__(self, transform):
+        self.transform = transform
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return TF.pil_to_tensor(self.transform(TF.to_pil_image(image)))
 
 
 def build_erasing(probability: float):

@@ -19,11 +19,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from .augment import build_erasing, build_policy
-from .distributed import loader_worker_in_own_group
-from .loader_watch import reading, start_watch
+from .loader_watch import reading
 from .randomness import loader_generator
 from .sources import ArraySource, ImageSource
 from .transforms import ImageTransform, single_threaded
+from .worker_start import init_worker, worker_context
 
 STATS_SAMPLE = 5000  # images used to estimate the dataset's mean/std
 
@@ -242,23 +242,17 @@ def describe_reads(source: ImageSource, indices: list[int]) -> str:
     return name + (f" (and {len(indices) - 1} more images)" if len(indices) > 1 else "")
 
 
-def init_worker(worker_id: int, read_timeout: float = 0) -> None:
-    """A loader worker's start: its own process group (distributed.loader_worker_in_own_group)
-    and the watch that names a read stuck for most of `read_timeout` (loader_watch.py)."""
-    loader_worker_in_own_group(worker_id)
-    start_watch(worker_id, read_timeout)
-
-
 def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_factor: int,
                 persistent_workers: bool, pin_memory: bool, sampler: Sampler | None = None,
                 drop_last: bool = False, seed: int = 0, timeout: float = 0) -> DataLoader:
     """A DataLoader with its own generator (randomness.py): its iterators' base seeds never
     come from, or move, torch's global generator; its workers leave stop signals to the
-    training process.  `timeout`: seconds to wait for a batch from the workers (0: forever)."""
+    training process and are started from a fork server (worker_start.py).  `timeout`: seconds
+    to wait for a batch from the workers (0: forever)."""
     extra = {}
     if num_workers > 0:
         extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-                     timeout=timeout)
+                     timeout=timeout, multiprocessing_context=worker_context())
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
                       drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
                       collate_fn=collate_batch, generator=loader_generator(seed),

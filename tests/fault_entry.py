@@ -14,8 +14,9 @@ root.  The product itself reads none of these variables.
 * FAULT_SLOW_DATA=S: rank 0's data preparation takes S seconds more (the other ranks wait for
   it before they start on theirs: distributed.main_first).
 * FAULT_BLOCK_READ=INDEX: in a loader worker, reading the training image INDEX (a lazily
-  decoded source) blocks for an hour, as a read from a dead network mount does (patched before
-  the workers start, which inherit it; the start-up's own reads go through).
+  decoded source) blocks for an hour, as a read from a dead network mount does (patched in each
+  worker, which imports this module as `__mp_main__` when the fork server starts it; the
+  training process's own reads go through).
 * FAULT_SAMPLE_LOG=1: every rank appends the sampler keys (epoch * N + index) of each micro-batch
   it trains on to <output-dir>/logs/samples-rank<R>.jsonl; a resumed start drops the records of
   the steps after its checkpoint (they are about to be redone), as it does for metrics.jsonl.
@@ -129,10 +130,7 @@ def block_read(where: str) -> None:
     samples_at = HFSource.samples_at
 
     def blocking(self, indices):
-        from torch.utils.data import get_worker_info
-
-        in_worker = get_worker_info() is not None  # the start-up's own reads go through
-        if in_worker and self.split == split and index in [int(i) for i in indices]:
+        if self.split == split and index in [int(i) for i in indices]:
             time.sleep(3600)
         return samples_at(self, indices)
 
@@ -148,8 +146,6 @@ def callbacks_from_environ(argv: list[str]):
     if os.environ.get(SLOW_SAVE_ENV):
         step, seconds = os.environ[SLOW_SAVE_ENV].split(":")
         callbacks.before_manifest = slow_save(int(step), float(seconds))
-    if os.environ.get(BLOCK_READ_ENV):
-        block_read(os.environ[BLOCK_READ_ENV])
     if os.environ.get(SLOW_DATA_ENV):
         slow_data_preparation(float(os.environ[SLOW_DATA_ENV]))
     step_seconds = float(os.environ.get(STEP_SECONDS_ENV) or 0)
@@ -177,3 +173,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+elif __name__ == "__mp_main__" and os.environ.get(BLOCK_READ_ENV):  # in a loader worker
+    block_read(os.environ[BLOCK_READ_ENV])

@@ -34,6 +34,9 @@ DEADLINE = 240.0
 # variables are set; otherwise exactly `python -m accel_train`).
 ENTRY = "tests.fault_entry"
 LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
+# What torch names a loader worker process (its comm): they are children of the run's fork
+# server, with its command line, not the training process's.
+LOADER_WORKER_NAME = "pt_data_worker"
 
 
 def python_cmd(*args: str) -> list[str]:
@@ -91,7 +94,8 @@ class Run:
         for process in tree:
             try:
                 cmdline = " ".join(process.cmdline())
-                if ENTRY in cmdline and not any(launcher in cmdline for launcher in LAUNCHERS):
+                trainer = ENTRY in cmdline and not any(word in cmdline for word in LAUNCHERS)
+                if trainer or process.name() == LOADER_WORKER_NAME:
                     process.send_signal(STACKS_SIGNAL)
                     time.sleep(seconds)  # one at a time: their lines share the log
             except psutil.Error:

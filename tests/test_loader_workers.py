@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
 
 import psutil
 import pytest
 
 from fault_entry import BLOCK_READ_ENV, STEP_SECONDS_ENV
-from faults import Run, max_weight_difference, metrics, python_cmd, wait_until
+from faults import LOADER_WORKER_NAME, Run, max_weight_difference, metrics, python_cmd, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +26,10 @@ TRAIN = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--max-eval-
 
 
 def _loader_workers(run: Run) -> list[psutil.Process]:
-    return [child for child in psutil.Process(run.proc.pid).children()
-            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
+    """The run's live loader workers (children of its fork server, named by torch)."""
+    return [child for child in psutil.Process(run.proc.pid).children(recursive=True)
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+            and child.name() == LOADER_WORKER_NAME]
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["workers-per-epoch", "persistent"])
@@ -115,3 +118,29 @@ def test_sigusr1_writes_the_stacks_of_a_hung_run_and_it_goes_on(cifar10_layout, 
     assert "in blocking" in asked, asked[-3000:]  # the worker, inside the blocked read
     assert "in _try_get_data" in asked, asked[-3000:]  # the training process, waiting for it
     assert run.check(expected=75)
+
+
+def test_workers_start_while_another_thread_of_the_process_holds_a_lock_they_need():
+    """A training process has threads when its loaders start workers (gloo's, queue feeders, the
+    run lock's heartbeat): a worker must not start with a copy of a lock one of them held at that
+    instant (a forked one does, and waits for it for ever: the loader's timeout ends that here)."""
+    from held_lock import LOCK, NeedsTheLock
+
+    from accel_train.data import make_loader
+
+    release = threading.Event()
+
+    def hold():
+        with LOCK:
+            release.wait()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        loader = make_loader(NeedsTheLock(), batch_size=2, num_workers=1, prefetch_factor=2,
+                             persistent_workers=False, pin_memory=False, timeout=20)
+        batches = [batch.tolist() for batch in loader]
+    finally:
+        release.set()
+        holder.join()
+    assert batches == [[0, 1], [2, 3]]

@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..errors import UsageError
 from ..data import Batch, FinishOnDevice
-from ..distributed import loader_worker_in_own_group
 from ..randomness import loader_generator, reseed_loader
 from ..readers import read_json
+from ..worker_start import init_worker, worker_context
 from .decoding import decode_substituting
 from .plan import Layout, Segment, rank_batches_per_epoch, remaining_batches, slot_keys, slot_shards
 from .shards import ShardSet, iter_shard
@@ -135,13 +135,14 @@ class StreamLoader:
     def __init__(self, dataset: StreamingTrain, num_workers: int, prefetch_factor: int,
                  pin_memory: bool):
         self.dataset, self.num_workers = dataset, num_workers
-        extra = dict(prefetch_factor=prefetch_factor) if num_workers > 0 else {}
+        extra = dict(prefetch_factor=prefetch_factor,
+                     multiprocessing_context=worker_context()) if num_workers > 0 else {}
         # Not persistent: each epoch's workers are started with that epoch's plan.  Its own
         # generator: workers' seeds never come from torch's global one (randomness.py); every
         # draw of theirs is seeded by the sample anyway.
         self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers,
                                  pin_memory=pin_memory, generator=loader_generator(dataset.seed),
-                                 worker_init_fn=loader_worker_in_own_group, **extra)
+                                 worker_init_fn=init_worker, **extra)
         self.device = None
         # Sample keys are epoch * len(shards) + the sample's number, as the indexed loader's.
         self.finish = FinishOnDevice(dataset.transform, dataset.seed, len(dataset.shards))

@@ -1,0 +1,68 @@
+"""Where loader workers come from: a fork server, never a fork of the training process.
+
+By the time a loader starts its workers the training process has threads (gloo's, the queue
+feeders of the loaders already running, the run lock's heartbeat, tqdm's monitor).  A fork
+copies every lock as it stands at that instant, held or not, and only the forking thread goes on
+in the child: a worker forked while another thread held a lock it needs hangs inside fork()
+before it runs a line of its own, and its rank then waits for its first batch for ever (seen in
+a 2-process run at an epoch end, where the held-out loader starts its workers while the training
+loader's are busy).  Python documents this hazard, and 3.14 stops forking by default on Linux.
+
+So every loader asks `worker_context()`: a fork server, started once per training process with
+the modules workers need already imported (`PRELOAD`), forks each worker from its own single
+thread.  A worker then costs an unpickling of its dataset, not an import of torch.
+
+The server and the resource tracker multiprocessing starts with it live in the training
+process's process group, which torchrun stops with SIGTERM to the whole group (and Ctrl-C
+reaches as SIGINT).  A server killed by that would take the next workers with it (a worker whose
+parent dies leaves: torch's watchdog) before the stop checkpoint is written, so the server starts
+with both signals blocked, which its workers inherit; `init_worker` lets them hear them again
+(multiprocessing stops a worker with SIGTERM), and each worker leaves the group anyway
+(distributed.loader_worker_in_own_group).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+from typing import Optional
+
+from .distributed import loader_worker_in_own_group
+from .errors import stacks_on_request
+from .loader_watch import start_watch
+
+# Imported once by the server: everything a worker needs to unpickle its dataset and run it.
+PRELOAD = ["accel_train.data", "accel_train.streaming.loader"]
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def worker_context() -> Optional[multiprocessing.context.BaseContext]:
+    """The multiprocessing context every loader starts its workers with (a DataLoader's
+    `multiprocessing_context`), its server running; None where there is no fork server
+    (Windows: torch's default there, spawn, has no fork to fear)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    # Blocked, not ignored: a stop signal that arrives meanwhile waits for the restored mask
+    # and reaches the training process then (an ignored one would be lost).
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        forkserver.ensure_running()  # once per process; later calls only check it lives
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    return context
+
+
+def init_worker(worker_id: int, read_timeout: float = 0) -> None:
+    """A loader worker's start (its worker_init_fn): it hears stop signals again (blocked since
+    the server's start), leaves the training process's group, answers SIGUSR1 with its stacks
+    as the training process does, and watches for a read stuck for most of `read_timeout`
+    (loader_watch.py)."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    loader_worker_in_own_group(worker_id)
+    stacks_on_request()
+    start_watch(worker_id, read_timeout)

@@ -25,14 +25,19 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
+import sys
 from typing import Optional
 
 from .distributed import loader_worker_in_own_group
 from .errors import stacks_on_request
 from .loader_watch import start_watch
 
-# Imported once by the server: everything a worker needs to unpickle its dataset and run it.
+# Imported once by the server: what a worker needs to unpickle its dataset and run it (each
+# worker would import them again otherwise: seconds each).  The optional ones (Hugging Face
+# datasets for its sources, timm's augmentation policies) only where the training process
+# has imported them itself, that is where its datasets hold their objects.
 PRELOAD = ["accel_train.data", "accel_train.streaming.loader"]
+PRELOAD_IF_IMPORTED = ["datasets", "timm.data.auto_augment"]
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
@@ -42,10 +47,14 @@ def worker_context() -> Optional[multiprocessing.context.BaseContext]:
     (Windows: torch's default there, spawn, has no fork to fear)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return None
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
+    context.set_forkserver_preload(PRELOAD + [name for name in PRELOAD_IF_IMPORTED
+                                              if name in sys.modules])
+    # The resource tracker first: starting it unblocks both signals on its way out (it blocks
+    # them around its own start), which would undo the block below.
+    resource_tracker.ensure_running()
     # Blocked, not ignored: a stop signal that arrives meanwhile waits for the restored mask
     # and reaches the training process then (an ignored one would be lost).
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)

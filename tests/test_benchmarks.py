@@ -55,12 +55,14 @@ CASES = {
     "efficiency": ["--quick", "--model", "test_resnet", "--batch-size", "16", "--matmul-size",
                    "256"],
     # both precisions in one process, as the GPU run does (each arm a new Accelerator)
+    # both ways of starting workers, one round, a loader of two batches
+    "worker_start": ["--quick", "--images", "128", "--rounds", "1"],
     "gpu": ["--quick", "--allow-cpu", "--model", "test_resnet", "--sizes", "32", "--precisions",
             "bf16", "fp16", "--batch", "8", "--steps", "1", "--rounds", "1"],
 }
 # Longest first, so that the two lanes finish together.
 ORDER = ["overhead", "scaling", "accuracy", "seed", "budget", "comm", "data", "threads",
-         "checkpoint", "index", "streaming", "gpu", "efficiency", "precision"]
+         "checkpoint", "index", "streaming", "worker_start", "gpu", "efficiency", "precision"]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,8 @@ def bench_runs(tmp_path_factory, cifar10_layout):
 
     def launch(name):
         out = outs[name]
-        extra = ["--tmp", str(out)] if name not in ("comm", "gpu", "threads", "precision") else []
+        extra = ["--tmp", str(out)] if name not in ("comm", "gpu", "threads", "precision",
+                                                               "worker_start") else []
         cmd = [sys.executable, str(SCRIPTS / f"bench_{name}.py"), *CASES[name], "--out",
                str(out), *extra, *data]
         try:

@@ -6,6 +6,7 @@ reading a file (a dead network mount) names the file itself, and the run stops i
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -144,3 +145,24 @@ def test_workers_start_while_another_thread_of_the_process_holds_a_lock_they_nee
         release.set()
         holder.join()
     assert batches == [[0, 1], [2, 3]]
+
+
+def test_a_stop_sent_to_the_whole_process_group_leaves_the_workers_to_finish_the_step(tmp_path,
+                                                                                       runs):
+    """torchrun stops a worker with SIGTERM to its whole process group, where the fork server
+    that starts the loader workers lives too.  The run finishes its optimizer step (8
+    micro-batches of at least 1 s) with the workers it has, then saves: a server killed by that
+    signal takes its workers with it (a worker whose parent is gone leaves within 5 s) and the
+    step's last micro-batches would need its workers started again."""
+    out = tmp_path / "run"
+    run = Run(python_cmd(*TRAIN, "--batch-size", "2", "--accumulation-steps", "8",
+                         "--prefetch-factor", "1", "--output-dir", str(out)),
+              tmp_path / "run.log", **{STEP_SECONDS_ENV: "1"})
+    runs.append(run)
+    wait_until(lambda: any(r["type"] == "train" for r in metrics(out))
+               if (out / "metrics.jsonl").is_file() else False, "step 1", run)
+    os.killpg(run.proc.pid, signal.SIGTERM)  # the run is its own group's leader (Run)
+    output = run.check(expected=143)
+    assert "stopped by a signal at step 2" in output, output[-3000:]
+    assert "a loader worker died" not in output, output[-3000:]
+    assert "Traceback" not in output

@@ -15,7 +15,6 @@ images per second after that.  The arms alternate over --rounds rounds.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 

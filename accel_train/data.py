@@ -256,7 +256,8 @@ def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_fa
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
                       drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
                       collate_fn=collate_batch, generator=loader_generator(seed),
-                      worker_init_fn=functools.partial(init_worker, read_timeout=timeout),
+                      worker_init_fn=functools.partial(init_worker, read_timeout=timeout,
+                                                       trainer=os.getpid()),
                       **extra)
 
 

@@ -24,8 +24,12 @@ with both signals blocked, which its workers inherit; `init_worker` lets them he
 from __future__ import annotations
 
 import multiprocessing
+import os
+import select
 import signal
 import sys
+import threading
+import time
 from typing import Optional
 
 from .distributed import loader_worker_in_own_group
@@ -34,10 +38,11 @@ from .loader_watch import start_watch
 
 # Imported once by the server: what a worker needs to unpickle its dataset and run it (each
 # worker would import them again otherwise: seconds each).  The optional ones (Hugging Face
-# datasets for its sources, timm's augmentation policies) only where the training process
-# has imported them itself, that is where its datasets hold their objects.
+# datasets, for its sources) only where the training process has imported them itself.  Not
+# timm's augmentation policies: every training process imports them with timm, and only a run
+# with a timm --auto-augment string needs them in its workers.
 PRELOAD = ["accel_train.data", "accel_train.streaming.loader"]
-PRELOAD_IF_IMPORTED = ["datasets", "timm.data.auto_augment"]
+PRELOAD_IF_IMPORTED = ["datasets"]
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
@@ -65,13 +70,49 @@ def worker_context() -> Optional[multiprocessing.context.BaseContext]:
     return context
 
 
-def init_worker(worker_id: int, read_timeout: float = 0) -> None:
+def init_worker(worker_id: int, read_timeout: float = 0, trainer: int = 0) -> None:
     """A loader worker's start (its worker_init_fn): it hears stop signals again (blocked since
-    the server's start), leaves the training process's group, answers SIGUSR1 with its stacks
-    as the training process does, and watches for a read stuck for most of `read_timeout`
-    (loader_watch.py)."""
+    the server's start), leaves the training process's group, ends with the training process
+    (`trainer`, its pid), answers SIGUSR1 with its stacks as the training process does, and
+    watches for a read stuck for most of `read_timeout` (loader_watch.py)."""
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     loader_worker_in_own_group(worker_id)
+    if trainer:
+        end_with(trainer)
     stacks_on_request()
     start_watch(worker_id, read_timeout)
+
+
+def end_with(pid: int) -> None:
+    """This worker ends as soon as process `pid` has.  torch's own watchdog watches a worker's
+    parent, here the fork server, which outlives a training process killed outright (SIGKILL, the
+    OOM killer): its workers would wait for work for ever, and hold the server, which waits for
+    them.  A pidfd wakes at the process's end, zombie or not; where there is none (not Linux),
+    the process is looked for every second."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):
+        handle = None
+
+    def watch():
+        if handle is not None:
+            select.select([handle], [], [])
+        else:
+            while _exists(pid):
+                time.sleep(1)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="accel_train-trainer-watch", daemon=True).start()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

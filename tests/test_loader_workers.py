@@ -166,3 +166,19 @@ def test_a_stop_sent_to_the_whole_process_group_leaves_the_workers_to_finish_the
     assert "stopped by a signal at step 2" in output, output[-3000:]
     assert "a loader worker died" not in output, output[-3000:]
     assert "Traceback" not in output
+
+
+def test_a_training_process_killed_outright_takes_its_workers_and_their_server_along(tmp_path,
+                                                                                      runs):
+    """SIGKILL (the OOM killer, torchrun's last resort) gives the training process no time to
+    stop its workers.  Their parent is the fork server, which outlives it: they must notice the
+    training process is gone themselves, or they and the server wait for work for ever."""
+    run = Run(python_cmd(*TRAIN, "--output-dir", str(tmp_path / "run")), tmp_path / "run.log",
+              **{STEP_SECONDS_ENV: "0.5"})
+    runs.append(run)
+    wait_until(lambda: len(_loader_workers(run)) == 2, "the loader workers", run)
+    left_behind = psutil.Process(run.proc.pid).children(recursive=True)
+    run.proc.send_signal(signal.SIGKILL)
+    run.proc.wait()
+    gone, alive = psutil.wait_procs(left_behind, timeout=20)
+    assert not alive, f"still running after the training process was killed: {alive}"

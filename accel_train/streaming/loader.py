@@ -5,7 +5,9 @@ resumed start takes the batches the interrupted epoch had not reached (see __ini
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -142,7 +144,8 @@ class StreamLoader:
         # draw of theirs is seeded by the sample anyway.
         self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers,
                                  pin_memory=pin_memory, generator=loader_generator(dataset.seed),
-                                 worker_init_fn=init_worker, **extra)
+                                 worker_init_fn=functools.partial(init_worker, trainer=os.getpid()),
+                                 **extra)
         self.device = None
         # Sample keys are epoch * len(shards) + the sample's number, as the indexed loader's.
         self.finish = FinishOnDevice(dataset.transform, dataset.seed, len(dataset.shards))

@@ -76,10 +76,24 @@ def rng(request) -> random.Random:
     return random.Random(seed)
 
 
+# Below Linux's ephemeral range (32768-60999): a port the kernel hands out to any outgoing
+# connection (gloo's, a store client's) between our pick and the launcher's bind is one that
+# launcher then finds in use (seen in a suite run).  Drawn from the OS's entropy: a test that
+# seeds `random` must not make every pytest worker draw the same ports.
+PORT_RANGE = (20000, 32768)
+_PORTS = random.SystemRandom()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nobody listens on now, at random below the ephemeral range."""
+    while True:
+        port = _PORTS.randrange(*PORT_RANGE)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def run(cmd: list[str], cwd: Path | None = None, timeout: float = 300, env: dict | None = None,

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import json
+import platform
+from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-from accel_train.precision import cpu_has_native_bf16, resolve_precision
+from accel_train.precision import cpu_has_native_bf16, resolve_precision, use_fast_cuda_math
 from conftest import PINNED, TINY_TRAIN, accel_train_here
 
 
@@ -23,6 +26,57 @@ from conftest import PINNED, TINY_TRAIN, accel_train_here
 def test_precision_resolution(requested, cuda, used, warns):
     precision, warning = resolve_precision(requested, cuda, native_cpu_bf16=True)
     assert precision == used and (warning is not None) == warns
+
+
+def test_fp16_without_cuda_says_what_runs_instead_and_what_to_ask_for():
+    for activity in ("trains", "evaluates"):
+        precision, warning = resolve_precision("fp16", False, activity, native_cpu_bf16=True)
+        assert precision == "no"
+        assert warning == (f"--mixed-precision fp16 needs a CUDA device; this run {activity} in "
+                           f"fp32 (use --mixed-precision bf16 for reduced precision on CPU)")
+    assert "this run trains in fp32" in resolve_precision("fp16", False)[1]  # the default
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_bf16_on_a_gpu_without_bf16_runs_fp32_and_says_so(monkeypatch, supported):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: supported)
+    precision, warning = resolve_precision("bf16", True, "evaluates")
+    if supported:
+        assert (precision, warning) == ("bf16", None)
+    else:
+        assert (precision, warning) == ("no", "this GPU has no bf16 support; this run "
+                                              "evaluates in fp32")
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
+                    reason="reads the x86 CPU flags of /proc/cpuinfo")
+def test_native_bf16_is_what_the_cpu_flags_say():
+    """The kernel's list of CPU features is the oracle: AVX512-BF16 or AMX."""
+    flags = _cpu_flags()
+    assert cpu_has_native_bf16() == bool({"avx512_bf16", "amx_tile"} & flags), sorted(
+        f for f in flags if "bf16" in f or "amx" in f or f == "avx512f")
+
+
+def test_fast_cuda_math_is_set_on_cuda_only(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    before = torch.get_float32_matmul_precision()
+    try:
+        assert use_fast_cuda_math(False) is None
+        assert torch.backends.cudnn.benchmark is False
+        assert torch.get_float32_matmul_precision() == before
+        said = use_fast_cuda_math(True)
+        assert torch.backends.cudnn.benchmark is True
+        assert torch.get_float32_matmul_precision() == "high"
+        assert said == "cuDNN autotuning on, TF32 matmuls for fp32"
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def test_bf16_on_a_cpu_without_native_bf16_runs_and_says_it_is_slow():

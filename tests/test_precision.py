@@ -64,6 +64,18 @@ def test_native_bf16_is_what_the_cpu_flags_say():
         f for f in flags if "bf16" in f or "amx" in f or f == "avx512f")
 
 
+@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
+                    reason="reads the x86 CPU flags of /proc/cpuinfo")
+@pytest.mark.parametrize("flag, other_check", [
+    ("avx512_bf16", "_is_amx_tile_supported"),    # e.g. AMD Zen 4: AVX512-BF16, no AMX
+    ("amx_tile", "_is_avx512_bf16_supported"),
+])
+def test_either_feature_alone_is_native_bf16(monkeypatch, flag, other_check):
+    """A CPU with one of the two features: the other's check answers no."""
+    monkeypatch.setattr(torch.cpu, other_check, lambda: False)
+    assert cpu_has_native_bf16() == (flag in _cpu_flags())
+
+
 def test_fast_cuda_math_is_set_on_cuda_only(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     before = torch.get_float32_matmul_precision()
@@ -81,8 +93,12 @@ def test_fast_cuda_math_is_set_on_cuda_only(monkeypatch):
 
 def test_bf16_on_a_cpu_without_native_bf16_runs_and_says_it_is_slow():
     precision, warning = resolve_precision("bf16", False, native_cpu_bf16=False)
-    assert precision == "bf16" and "emulated" in warning and "--mixed-precision" in warning
+    assert precision == "bf16"
+    assert warning.startswith("--mixed-precision bf16: this CPU has no native bf16 (AVX512-BF16 "
+                              "or AMX), so bf16 is emulated")
+    assert "drop the flag" in warning
     assert resolve_precision("auto", False, native_cpu_bf16=False) == ("no", None)
+    assert resolve_precision("no", False, native_cpu_bf16=False) == ("no", None)  # nothing to say
 
 
 def test_the_default_on_a_cpu_is_chosen_said_recorded_and_kept_on_resume(tmp_path):

@@ -10,7 +10,6 @@ processes and still use each sample of the interrupted epoch exactly once.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from typing import Iterator, NamedTuple
@@ -23,7 +22,7 @@ from .loader_watch import reading
 from .randomness import loader_generator
 from .sources import ArraySource, ImageSource
 from .transforms import ImageTransform, single_threaded
-from .worker_start import init_worker, worker_context
+from .worker_start import worker_context, worker_init_fn
 
 STATS_SAMPLE = 5000  # images used to estimate the dataset's mean/std
 
@@ -256,9 +255,7 @@ def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_fa
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
                       drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
                       collate_fn=collate_batch, generator=loader_generator(seed),
-                      worker_init_fn=functools.partial(init_worker, read_timeout=timeout,
-                                                       trainer=os.getpid()),
-                      **extra)
+                      worker_init_fn=worker_init_fn(timeout), **extra)
 
 
 class FinishOnDevice:

@@ -42,8 +42,8 @@ STACKS_SIGNAL = getattr(signal, "SIGUSR1", None)  # None on Windows: no such sig
 def stacks_on_request() -> None:
     """`kill -USR1 PID` makes the process write every thread's Python stack to its stderr (under
     a launcher, the launcher's output) and go on: where a run that hangs sits, without a
-    debugger.  Loader workers inherit the handler (they are forked), so a worker stuck anywhere,
-    not only in a read that loader_watch.py names, can be asked the same."""
+    debugger.  Loader workers register it too when they start (worker_start.init_worker), so a
+    worker stuck anywhere, not only in a read that loader_watch.py names, can be asked the same."""
     if STACKS_SIGNAL is None:
         return
     # The descriptor, not sys.stderr: a caller that replaced sys.stderr (pytest's capture, a

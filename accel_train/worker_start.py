@@ -23,6 +23,7 @@ with both signals blocked, which its workers inherit; `init_worker` lets them he
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import select
@@ -30,7 +31,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from .distributed import loader_worker_in_own_group
 from .errors import stacks_on_request
@@ -70,16 +71,21 @@ def worker_context() -> Optional[multiprocessing.context.BaseContext]:
     return context
 
 
-def init_worker(worker_id: int, read_timeout: float = 0, trainer: int = 0) -> None:
-    """A loader worker's start (its worker_init_fn): it hears stop signals again (blocked since
-    the server's start), leaves the training process's group, ends with the training process
-    (`trainer`, its pid), answers SIGUSR1 with its stacks as the training process does, and
-    watches for a read stuck for most of `read_timeout` (loader_watch.py)."""
+def worker_init_fn(read_timeout: float = 0) -> Callable[[int], None]:
+    """A DataLoader's worker_init_fn for workers of this process (`init_worker`, with this
+    process's pid: the training process each worker ends with)."""
+    return functools.partial(init_worker, read_timeout=read_timeout, trainer=os.getpid())
+
+
+def init_worker(worker_id: int, read_timeout: float, trainer: int) -> None:
+    """A loader worker's start: it hears stop signals again (blocked since the server's start),
+    leaves the training process's group, ends with the training process (`trainer`, its pid),
+    answers SIGUSR1 with its stacks as the training process does, and watches for a read stuck
+    for most of `read_timeout` (loader_watch.py)."""
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     loader_worker_in_own_group(worker_id)
-    if trainer:
-        end_with(trainer)
+    end_with(trainer)
     stacks_on_request()
     start_watch(worker_id, read_timeout)
 

@@ -5,9 +5,7 @@ resumed start takes the batches the interrupted epoch had not reached (see __ini
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -19,7 +17,7 @@ from ..errors import UsageError
 from ..data import Batch, FinishOnDevice
 from ..randomness import loader_generator, reseed_loader
 from ..readers import read_json
-from ..worker_start import init_worker, worker_context
+from ..worker_start import worker_context, worker_init_fn
 from .decoding import decode_substituting
 from .plan import Layout, Segment, rank_batches_per_epoch, remaining_batches, slot_keys, slot_shards
 from .shards import ShardSet, iter_shard
@@ -144,8 +142,7 @@ class StreamLoader:
         # draw of theirs is seeded by the sample anyway.
         self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers,
                                  pin_memory=pin_memory, generator=loader_generator(dataset.seed),
-                                 worker_init_fn=functools.partial(init_worker, trainer=os.getpid()),
-                                 **extra)
+                                 worker_init_fn=worker_init_fn(), **extra)
         self.device = None
         # Sample keys are epoch * len(shards) + the sample's number, as the indexed loader's.
         self.finish = FinishOnDevice(dataset.transform, dataset.seed, len(dataset.shards))

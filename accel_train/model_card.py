@@ -100,7 +100,8 @@ def _training(facts: CardFacts) -> str:
 def _usage(facts: CardFacts) -> str:
     spec, name = facts.spec, facts.folder_name
     own = spec.model_name in OWN_NETWORKS
-    prelude = "import accel_train  # registers cifar_convnet_* in timm's registry\n" if own else ""
+    prelude = (f"import accel_train  # registers {spec.model_name} in timm's registry\n"
+               if own else "")
     note = (f"\n`{spec.model_name}` is one of accel_train's small networks: timm and "
             f"transformers know it once `accel_train` is imported (`pip install accel_train`); "
             f"the ONNX file needs nothing of ours.\n" if own else "")

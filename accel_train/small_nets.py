@@ -28,39 +28,39 @@ _CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 _CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 
-def _conv_bn_act(in_channels: int, out_channels: int) -> list[nn.Module]:
+def _conv_bn_act(in_channels: int, out_channels: int, act: type[nn.Module] = nn.GELU
+                 ) -> list[nn.Module]:
     return [nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False),
-            nn.BatchNorm2d(out_channels), nn.GELU()]
+            nn.BatchNorm2d(out_channels), act()]
 
 
-class SmallImageConvNet(nn.Module):
-    """stem (3x3 conv at full resolution), then per group: 2x2 max pool, two 3x3 convs; global
-    max pool; linear classifier."""
+class _SmallImageClassifier(nn.Module):
+    """What the networks below share: a stem and stages built by each, then a global pool, dropout
+    and a linear classifier; and the methods timm's tooling expects of a model (classifier access
+    and reset for fine-tuning and --freeze-backbone, parameter groups for --layer-decay, features
+    and head separately)."""
 
-    def __init__(self, widths: tuple[int, ...] = (24, 48, 96, 192), num_classes: int = 10,
-                 in_chans: int = 3, drop_rate: float = 0.0, global_pool: str = "max"):
+    def __init__(self, stem: nn.Module, stages: nn.Sequential, widths: tuple[int, ...],
+                 num_classes: int, drop_rate: float, global_pool: str,
+                 classifier_bias: bool = True, logit_scale: float = 1.0):
         super().__init__()
         if global_pool not in ("max", "avg"):
             raise ValueError(f"global_pool must be 'max' or 'avg' (got {global_pool!r})")
-        stem_width, *group_widths = widths
+        self.stem, self.stages = stem, stages
         self.num_classes = num_classes
         self.num_features = self.head_hidden_size = widths[-1]
         self.drop_rate = drop_rate
         self.global_pool = global_pool
-        self.stem = nn.Sequential(*_conv_bn_act(in_chans, stem_width))
-        groups, channels = [], stem_width
-        for width in group_widths:
-            groups.append(nn.Sequential(nn.MaxPool2d(2), *_conv_bn_act(channels, width),
-                                        *_conv_bn_act(width, width)))
-            channels = width
-        self.stages = nn.Sequential(*groups)
+        self.classifier_bias, self.logit_scale = classifier_bias, logit_scale
         self.head_drop = nn.Dropout(drop_rate)
-        self.fc = nn.Linear(channels, num_classes) if num_classes > 0 else nn.Identity()
+        self.fc = self._classifier(num_classes)
         self.feature_info = [dict(num_chs=w, reduction=2 ** i, module=f"stages.{i - 1}")
                              for i, w in enumerate(widths) if i > 0]
 
-    # The methods timm's tooling expects of a model: classifier access and reset (fine-tuning,
-    # --freeze-backbone), parameter grouping (--layer-decay), features and head separately.
+    def _classifier(self, num_classes: int) -> nn.Module:
+        return (nn.Linear(self.num_features, num_classes, bias=self.classifier_bias)
+                if num_classes > 0 else nn.Identity())
+
     def get_classifier(self) -> nn.Module:
         return self.fc
 
@@ -68,7 +68,7 @@ class SmallImageConvNet(nn.Module):
         self.num_classes = num_classes
         if global_pool is not None:
             self.global_pool = global_pool
-        self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.fc = self._classifier(num_classes)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict:
@@ -83,12 +83,70 @@ class SmallImageConvNet(nn.Module):
         return self.stages(self.stem(x))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = torch.amax(x, dim=(2, 3)) if self.global_pool == "max" else x.mean(dim=(2, 3))
+        # max(...).values, not torch.amax: under torch.compile with bf16 autocast on a CPU,
+        # amax's gradient came out NaN from the first step (torch 2.11 and 2.14; eager and
+        # fp32 were right), and a compiled amax's gradient is wrong in fp16/bf16 on CUDA too
+        # (pytorch/pytorch#186799).  Same values; ties send the gradient to one element.
+        x = (x.flatten(2).max(dim=-1).values if self.global_pool == "max"
+             else x.mean(dim=(2, 3)))
         x = self.head_drop(x)
-        return x if pre_logits else self.fc(x)
+        if pre_logits:
+            return x
+        x = self.fc(x)
+        return x * self.logit_scale if self.logit_scale != 1.0 else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+
+class SmallImageConvNet(_SmallImageClassifier):
+    """stem (3x3 conv at full resolution), then per group: 2x2 max pool, two 3x3 convs; global
+    max pool; linear classifier."""
+
+    def __init__(self, widths: tuple[int, ...] = (24, 48, 96, 192), num_classes: int = 10,
+                 in_chans: int = 3, drop_rate: float = 0.0, global_pool: str = "max"):
+        stem_width, *group_widths = widths
+        groups, channels = [], stem_width
+        for width in group_widths:
+            groups.append(nn.Sequential(nn.MaxPool2d(2), *_conv_bn_act(channels, width),
+                                        *_conv_bn_act(width, width)))
+            channels = width
+        super().__init__(nn.Sequential(*_conv_bn_act(in_chans, stem_width)),
+                         nn.Sequential(*groups), tuple(widths), num_classes, drop_rate,
+                         global_pool)
+
+
+class _Residual(nn.Module):
+    """x + two 3x3 conv-BatchNorm-ReLU layers of x (ResNet-9's residual block)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.body = nn.Sequential(*_conv_bn_act(width, width, nn.ReLU),
+                                  *_conv_bn_act(width, width, nn.ReLU))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)
+
+
+class ResNet9(_SmallImageClassifier):
+    """David Page's ResNet-9 (myrtle.ai, "How to train your ResNet", 2018), as published: prep
+    conv 64; layer 1: conv 128, max pool 2, residual block; layer 2: conv 256, max pool 2;
+    layer 3: conv 512, max pool 2, residual block (each conv 3x3-BatchNorm-ReLU); global max
+    pool; linear classifier without bias; logits scaled by 0.125 (Page's output scaling, which
+    keeps the early softmax from saturating at his high learning rate).  Far more arithmetic than
+    the cifar_convnet_* networks: for GPUs (Page's report: 94% on the original CIFAR-10 images in
+    24 epochs)."""
+
+    def __init__(self, num_classes: int = 10, in_chans: int = 3, drop_rate: float = 0.0,
+                 global_pool: str = "max"):
+        def layer(cin: int, cout: int, residual: bool) -> nn.Sequential:
+            parts = [*_conv_bn_act(cin, cout, nn.ReLU), nn.MaxPool2d(2)]
+            return nn.Sequential(*parts, _Residual(cout)) if residual else nn.Sequential(*parts)
+        stages = nn.Sequential(layer(64, 128, True), layer(128, 256, False),
+                               layer(256, 512, True))
+        super().__init__(nn.Sequential(*_conv_bn_act(in_chans, 64, nn.ReLU)), stages,
+                         (64, 128, 256, 512), num_classes, drop_rate, global_pool,
+                         classifier_bias=False, logit_scale=0.125)
 
 
 def _cfg(**kwargs) -> dict:
@@ -99,7 +157,7 @@ def _cfg(**kwargs) -> dict:
 
 # timm's register_model reads this module-level name for each registered function's defaults.
 default_cfgs = generate_default_cfgs({name: _cfg() for name in (
-    "cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l")})
+    "cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l", "cifar_resnet9")})
 
 
 def _create(variant: str, widths: tuple[int, ...], pretrained: bool, **kwargs) -> nn.Module:
@@ -123,3 +181,11 @@ def cifar_convnet_m(pretrained: bool = False, **kwargs) -> nn.Module:
 def cifar_convnet_l(pretrained: bool = False, **kwargs) -> nn.Module:
     """Widths 32-64-128-256: for longer CPU runs or a GPU."""
     return _create("cifar_convnet_l", (32, 64, 128, 256), pretrained, **kwargs)
+
+
+@register_model
+def cifar_resnet9(pretrained: bool = False, **kwargs) -> nn.Module:
+    """Page's ResNet-9 (6.57 M parameters): the GPU recipe's network
+    (recipes/cifar10-gpu.yaml)."""
+    return build_model_with_cfg(ResNet9, "cifar_resnet9", pretrained,
+                                feature_cfg=dict(flatten_sequential=True), **kwargs)

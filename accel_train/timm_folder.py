@@ -31,7 +31,7 @@ OUR_SECTION = "accel_train"  # keys timm's and transformers' readers leave alone
 FORMAT_VERSION = 1
 # The networks accel_train registers in timm's registry (small_nets.py): other programs know
 # them only once accel_train is imported.
-OWN_NETWORKS = ("cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l")
+OWN_NETWORKS = ("cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l", "cifar_resnet9")
 
 
 def preprocessing(spec: ModelSpec) -> dict:
@@ -108,7 +108,7 @@ def read_our_section(directory: Path) -> dict:
 
 def unknown_architecture_hint(name: str) -> str:
     """What to tell someone whose timm does not know `name`."""
-    if name in OWN_NETWORKS or name.startswith("cifar_convnet"):
+    if name in OWN_NETWORKS:
         return (f"{name} is one of accel_train's small networks, registered in timm's registry "
                 f"by `import accel_train`: import it before timm.create_model or the "
                 f"transformers pipeline")

@@ -12,8 +12,8 @@ Arms, per (image size, precision), alternating in rounds:
 MFU = (model FLOPs per image for forward + backward, counted by torch's FlopCounterMode) x img/s
 / the GPU's dense peak for that precision (a table of known GPUs, or --peak-tflops).
 
-Not run yet: the sessions that wrote it had no GPU (BENCHMARKS.md says so).  `--allow-cpu`
-runs the same code on the CPU with a tiny model so that tests keep it working.
+Run on one NVIDIA H200 (BENCHMARKS.md, "GPU: one NVIDIA H200").  `--allow-cpu` runs the same
+code on the CPU with a tiny model so that tests keep it working.
 
     python benchmarks/bench_gpu.py                      # on a machine with CUDA
     python benchmarks/bench_gpu.py --allow-cpu --quick --model test_resnet --sizes 32 \
@@ -111,8 +111,7 @@ def measure(args, size: int, precision: str, device, work: Path) -> dict:
 
     def loop_block():
         trainer.train_epoch()
-        trainer.state.epoch += 1
-        trainer.state.samples_in_epoch = 0
+        trainer.next_epoch()  # the loader too: without it the next epoch would be empty
 
     def synced(fn):
         def run():
@@ -129,6 +128,12 @@ def measure(args, size: int, precision: str, device, work: Path) -> dict:
     for order in benchlib.round_orders(list(blocks), args.rounds):
         for name in order:
             seconds[name].append(benchlib.timed(blocks[name]))
+    # Each loop block must have trained a whole epoch (args.steps steps): a block that trained
+    # nothing would report an impossible speed.
+    loop_steps = args.steps * (args.rounds + 1)
+    if trainer.state.step != loop_steps:
+        raise RuntimeError(f"the accel_train loop arm trained {trainer.state.step} steps, not "
+                           f"{loop_steps}")
     metrics_path = trainer.plan.output_dir / "metrics.jsonl"
     records = [r for r in benchlib.read_jsonl(metrics_path)
                if r.get("type") == "train"] if metrics_path.exists() else []

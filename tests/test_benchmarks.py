@@ -59,10 +59,13 @@ CASES = {
     "worker_start": ["--quick", "--images", "128", "--rounds", "1"],
     "gpu": ["--quick", "--allow-cpu", "--model", "test_resnet", "--sizes", "32", "--precisions",
             "bf16", "fp16", "--batch", "8", "--steps", "1", "--rounds", "1"],
+    # the recipe's settings on the embedded data with a small network; SIGTERM + resume
+    "gpu_cifar": ["--quick", "--allow-cpu", "--no-compile"],
 }
 # Longest first, so that the two lanes finish together.
 ORDER = ["overhead", "scaling", "accuracy", "seed", "budget", "comm", "data", "threads",
-         "checkpoint", "index", "streaming", "worker_start", "gpu", "efficiency", "precision"]
+         "checkpoint", "index", "streaming", "worker_start", "gpu_cifar", "gpu", "efficiency",
+         "precision"]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,7 @@ def bench_runs(tmp_path_factory, cifar10_layout):
     def launch(name):
         out = outs[name]
         extra = ["--tmp", str(out)] if name not in ("comm", "gpu", "threads", "precision",
-                                                               "worker_start") else []
+                                                               "worker_start", "gpu_cifar") else []
         cmd = [sys.executable, str(SCRIPTS / f"bench_{name}.py"), *CASES[name], "--out",
                str(out), *extra, *data]
         try:

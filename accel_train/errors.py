@@ -34,6 +34,9 @@ DISK_FULL_EXIT = 74
 # sysexits.h's EX_TEMPFAIL ("a temporary failure; the user is invited to retry"): a rank or a
 # loader worker stalled; the elastic launcher restarts the group from the newest checkpoint.
 STALLED_EXIT = 75
+# sysexits.h's EX_DATAERR ("the input data was incorrect in some way"): the run's own numbers
+# went bad (the weights are NaN or infinite, divergence.py), which the settings can fix.
+DIVERGED_EXIT = 65
 
 
 STACKS_SIGNAL = getattr(signal, "SIGUSR1", None)  # None on Windows: no such signal

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -34,6 +35,7 @@ from .checkpoint import AccelerateState, Checkpointer, TrainerState
 from .collectives import EXIT_STALLED, CollectiveTimeouts, dump_stacks, is_timeout
 from .config import TrainConfig
 from .datawait import data_wait_clock
+from .divergence import stop_if_diverged
 from .ema import ModelEma
 from .errors import first_line
 from .evaluate import evaluate_classifier
@@ -485,6 +487,8 @@ class Trainer:
     def _log_window(self, window: "LogWindow"):
         acc, state = self.accelerator, self.state
         loss = acc.reduce(torch.stack(window.losses).mean().to(acc.device), "mean").item()
+        if not math.isfinite(loss):  # (the reduced loss: every rank takes this branch)
+            stop_if_diverged(self._bare_model(), state.step)
         correct = acc.reduce(torch.stack(window.correct).sum().to(acc.device), "sum").item()
         elapsed = time.perf_counter() - window.started
         window.data_wait = self.wait_clock.take()  # after the .item()s: no sync of its own
@@ -515,6 +519,7 @@ class Trainer:
 
     def save_checkpoint(self, why: str = "asked") -> Path:
         """Save now (every rank calls it together); `_maybe_checkpoint` decides when."""
+        stop_if_diverged(self._bare_model(), self.state.step, f"the checkpoint ({why})")
         path = self.checkpointer.save()
         self.report.log(f"saved checkpoint {path} ({why})")
         return path
@@ -554,6 +559,7 @@ class Trainer:
         acc.wait_for_everyone()
         use_ema = self.ema is not None and (state.ema_top1 or 0) > (state.eval_top1 or 0)
         model = self.ema.module if use_ema else self._bare_model()
+        stop_if_diverged(model, state.step, "model.safetensors")
         if acc.is_main_process:
             spec = dataclasses.replace(self.net.spec, weights="ema" if use_ema else "model")
             path = write_model_folder(model, self.plan.output_dir, spec, command=sys.argv)

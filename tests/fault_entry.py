@@ -17,6 +17,8 @@ root.  The product itself reads none of these variables.
   decoded source) blocks for an hour, as a read from a dead network mount does (patched in each
   worker, which imports this module as `__mp_main__` when the fork server starts it; the
   training process's own reads go through).
+* FAULT_POISON_STEP=STEP: right after the micro-batch of optimizer step STEP, the model's first
+  parameter is filled with NaN (a run diverging at a known step).
 * FAULT_SAMPLE_LOG=1: every rank appends the sampler keys (epoch * N + index) of each micro-batch
   it trains on to <output-dir>/logs/samples-rank<R>.jsonl; a resumed start drops the records of
   the steps after its checkpoint (they are about to be redone), as it does for metrics.jsonl.
@@ -36,6 +38,7 @@ SLOW_SAVE_ENV = "FAULT_SLOW_SAVE"
 SLOW_DATA_ENV = "FAULT_SLOW_DATA"
 BLOCK_READ_ENV = "FAULT_BLOCK_READ"
 SAMPLE_LOG_ENV = "FAULT_SAMPLE_LOG"
+POISON_ENV = "FAULT_POISON_STEP"
 STALL_SECONDS = 300  # long enough for any test to kill us; short enough not to hang CI forever
 SAMPLE_LOG_GLOB = "samples-rank*.jsonl"
 
@@ -120,6 +123,23 @@ def slow_data_preparation(seconds: float) -> None:
     trainer.load_data = slower
 
 
+def poison_weights_after(wanted_step: int) -> None:
+    """The trainer's first parameter becomes NaN after the micro-batch of step `wanted_step`."""
+    import torch
+    from accel_train import trainer
+
+    train_step = trainer.Trainer.train_step
+
+    def poisoned(self, images, labels):
+        result = train_step(self, images, labels)
+        if self.state.step + 1 == wanted_step:
+            with torch.no_grad():
+                next(self._bare_model().parameters()).fill_(float("nan"))
+        return result
+
+    trainer.Trainer.train_step = poisoned
+
+
 def block_read(where: str) -> None:
     """A loader worker's read of image INDEX of SPLIT blocks for an hour (`where`:
     "INDEX" for the train split, or "SPLIT:INDEX")."""
@@ -148,6 +168,8 @@ def callbacks_from_environ(argv: list[str]):
         callbacks.before_manifest = slow_save(int(step), float(seconds))
     if os.environ.get(SLOW_DATA_ENV):
         slow_data_preparation(float(os.environ[SLOW_DATA_ENV]))
+    if os.environ.get(POISON_ENV):
+        poison_weights_after(int(os.environ[POISON_ENV]))
     step_seconds = float(os.environ.get(STEP_SECONDS_ENV) or 0)
     if os.environ.get(SAMPLE_LOG_ENV, "") not in ("", "0"):
         log = SampleLog(_output_dir(argv) / "logs", int(os.environ.get("RANK", 0)))

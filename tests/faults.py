@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 
 from accel_train.errors import STACKS_SIGNAL
 from conftest import CONFIGS, REPO, TINY_TRAIN, free_port, test_env
-from fault_entry import SAMPLE_LOG_ENV, STALL_ENV, read_sample_keys  # noqa: F401 (re-exported)
+from fault_entry import (POISON_ENV, SAMPLE_LOG_ENV, STALL_ENV,  # noqa: F401 (re-exported)
+                         read_sample_keys)
 
 # 256 synthetic images, 2 epochs.  Global batch 32 = 16 x 2 processes (8 steps/epoch) or
 # 16 x 1 process x 2 accumulation; checkpoints every 3 steps and at each epoch end.

@@ -97,7 +97,11 @@ def test_loader_workers_follow_the_cores_each_gpu_has(monkeypatch):
     assert default_num_workers(decoded, 8, cuda=True) == 1
     assert default_num_workers(decoded, 1, cuda=False) == 4   # a CPU step needs the cores
     assert default_num_workers(decoded, 8, cuda=False) == 2
-    assert default_num_workers(_source(), 1, cuda=True) == 0  # in memory: nothing to decode
+    in_memory = _source()  # decoded already: workers only crop and flip, and only for a GPU
+    assert default_num_workers(in_memory, 1, cuda=True) == 4
+    assert default_num_workers(in_memory, 8, cuda=True) == 1
+    assert default_num_workers(in_memory, 16, cuda=True) == 0  # one core each: it drives the GPU
+    assert default_num_workers(in_memory, 1, cuda=False) == 0  # a CPU step needs the cores
     monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda pid: {0, 1, 2},
                         raising=False)  # a SLURM allocation of 3 of the machine's cores
     assert default_num_workers(decoded, 1, cuda=True) == 2

@@ -41,7 +41,16 @@ def _files(folder):
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("log_every", [100, 2], ids=["caught-by-the-save", "caught-by-the-log"])
+CAUGHT = {  # --log-every: where the poisoned weights (after step 19) are caught, and the words
+    100: f"at step {2 * STEPS_PER_EPOCH}: parameter conv1.0.weight holds NaN or infinite values; "
+         f"the checkpoint (epoch end) was not written; checkpoints written before are intact.",
+    2: f"at step {STEPS_PER_EPOCH + 4}: parameter conv1.0.weight holds NaN or infinite values; "
+       f"checkpoints written before are intact.",
+}
+
+
+@pytest.mark.parametrize("log_every", sorted(CAUGHT, reverse=True),
+                         ids=["caught-by-the-save", "caught-by-the-log"])
 def test_nan_weights_stop_the_run_and_keep_earlier_checkpoints(tmp_path, monkeypatch, log_every):
     out = tmp_path / "run"
     _poison_after(monkeypatch, STEPS_PER_EPOCH + 3)  # in the second epoch
@@ -49,8 +58,11 @@ def test_nan_weights_stop_the_run_and_keep_earlier_checkpoints(tmp_path, monkeyp
                               str(out))
     assert result.returncode == DIVERGED_EXIT == 65, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith("accel_train: error: training diverged at step ")
-    assert "--learning-rate" in lines[-1] and "Traceback" not in result.stderr
+    assert lines[-1].startswith("accel_train: error: training diverged " + CAUGHT[log_every])
+    assert lines[-1].endswith("Lower --learning-rate (or set --grad-clip, or --mixed-precision "
+                              "no) and train again in a new --output-dir (a --resume keeps the "
+                              "checkpoint's learning rate)")
+    assert "Traceback" not in result.stderr
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert checkpoints == [f"step_{STEPS_PER_EPOCH:08d}"]  # the first epoch's, nothing after
     assert not (out / "model.safetensors").exists()

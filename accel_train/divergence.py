@@ -36,6 +36,5 @@ def stop_if_diverged(model: torch.nn.Module, step: int, unsaved: str = "") -> No
     skipped = f"; {unsaved} was not written" if unsaved else ""
     raise RunStopped(f"training diverged at step {step}: parameter {name} holds NaN or infinite "
                      f"values{skipped}; checkpoints written before are intact. Lower "
-                     f"--learning-rate (or set --grad-clip, or --mixed-precision no) and train "
-                     f"again in a new --output-dir (a --resume keeps the checkpoint's learning "
-                     f"rate)", DIVERGED_EXIT)
+                     f"--learning-rate (or set --grad-clip, or --mixed-precision no) and go on "
+                     f"from one of them with --resume, or train again", DIVERGED_EXIT)

@@ -113,6 +113,32 @@ def scheduler_for(optimizer: torch.optim.Optimizer, schedule: Schedule) -> Lambd
     return LambdaLR(optimizer, lambda step: schedule.factor(step))
 
 
+def base_learning_rates(optimizer: torch.optim.Optimizer) -> list[float]:
+    """Each parameter group's learning rate before the schedule's factor (the run's
+    --learning-rate times the group's --layer-decay scale)."""
+    return [group["initial_lr"] for group in optimizer.param_groups]
+
+
+def take_new_learning_rate(optimizer: torch.optim.Optimizer, scheduler,
+                           wanted: list[float]) -> Optional[tuple[float, float]]:
+    """A resumed run given another --learning-rate.  Why: loading a checkpoint restores the
+    optimizer's and the scheduler's state whole, learning rates included (torch's state dicts
+    carry them), so the flag would be ignored without a word.  Here the base rates become
+    `wanted` (what this start's flags built) and the current rate follows at the schedule's
+    present factor: the schedule keeps its place and shape, scaled.  Returns (the checkpoint's
+    rate, the new one) of the first group when they differ, else None."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper holds LambdaLR
+    loaded = list(inner.base_lrs)
+    if all(math.isclose(old, new, rel_tol=1e-9, abs_tol=0.0) for old, new in zip(loaded, wanted)):
+        return None
+    for group, new, factor in zip(optimizer.param_groups, wanted, inner.lr_lambdas):
+        group["initial_lr"] = new
+        group["lr"] = new * factor(inner.last_epoch)
+    inner.base_lrs = list(wanted)
+    inner._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return loaded[0], wanted[0]
+
+
 # Until a --time-budget run has measured its steps, its length is open: --epochs do not bound it.
 OPEN_ENDED = 10**12
 

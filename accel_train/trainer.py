@@ -42,7 +42,8 @@ from .evaluate import evaluate_classifier
 from .loading import build_loaders, stop_when_stuck
 from .mixing import maybe_mixup
 from .model import build_network, create_model, set_train_mode
-from .optim import build_optimizer, plan_schedule, scheduler_for
+from .optim import (base_learning_rates, build_optimizer, plan_schedule, scheduler_for,
+                    take_new_learning_rate)
 from .plots import write_plots
 from .precision import (accelerate_fp16_note, cpu_has_native_bf16, precision_name,
                         resolve_precision, use_fast_cuda_math)
@@ -141,8 +142,12 @@ class Trainer:
                    self.bad_images],
             is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
             before_manifest=self.callbacks.before_manifest, keep_best=config.keep_best)
+        self.learning_rate_change = None
         if plan.resume_from is not None:
+            wanted = base_learning_rates(self.optimizer)  # what this start's flags built
             self.checkpointer.restore(plan.resume_from)
+            self.learning_rate_change = take_new_learning_rate(self.optimizer, self.scheduler,
+                                                               wanted)
         self.control_group = distributed.cpu_control_group(acc.num_processes)
         self.stop = distributed.StopSignals(self.control_group)
         self.timeouts = CollectiveTimeouts(
@@ -272,6 +277,10 @@ class Trainer:
             self.report.say(f"resumed from {plan.resume_from} at step {self.state.step} (epoch "
                             f"{self.state.epoch + 1}, {self.state.samples_in_epoch} samples "
                             f"into it)")
+            if self.learning_rate_change is not None:
+                before, now = self.learning_rate_change
+                self.report.say(f"--learning-rate {now:g} (the checkpoint's run had {before:g}): "
+                                f"the schedule goes on from step {self.state.step}, scaled")
         facts = self._resolved_facts()
         if acc.is_main_process:
             # What auto chose is recorded as the option: `--config config.yaml` repeats the run

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms.v2 import functional as TF
 
-from .augment import ERASING_SALT, apply_seeded
+from .augment import apply_seeded, erase_seeded
 
 SMALL_IMAGE = 64  # at or below: pad-and-crop (CIFAR style); above: random resized crop
 
@@ -169,7 +169,7 @@ class ImageTransform:
         sample's (epoch, index); normalizing alone does not."""
         images = self._normalize(images)
         if self.erases:
-            images = apply_seeded(self.erasing, images, seed, epochs, indices, ERASING_SALT)
+            images = erase_seeded(self.erasing, images, seed, epochs, indices)
         return images
 
     # -- pieces ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from accel_train import data as data_module
-from accel_train.augment import ERASING_SALT, build_erasing
+from accel_train.augment import ERASING_SALT, build_erasing, erase_seeded
 from accel_train.data import FinishOnDevice, TrainImages, default_num_workers
 from accel_train.datawait import HostWaitClock, StreamWaitClock, data_wait_clock
 from accel_train.precision import use_fast_cuda_math
@@ -188,3 +188,19 @@ def test_fast_cuda_math_is_set_on_cuda_only_and_said(cuda_flags):
              "checkpoint_dir": "o/c", "cuda_math": said}
     assert f"\n  cuda: {said}\n" in summary(facts, "data", 1, None, "metrics.jsonl")
     assert "\n  cuda: " not in summary({**facts, "cuda_math": None}, "data", 1, None, "m")
+
+
+def test_erasing_draws_on_the_host_whatever_the_images_device():
+    """On a GPU, timm writing each patch into a device image costs a host-to-device copy that
+    waits for the queued GPU work, once per image: the patches are drawn into host tensors and
+    the device sees one operation.  Images on the meta device stand in for a GPU's."""
+    seen = []
+
+    def spy(image):
+        seen.append(image.device.type)
+        image[:, :2, :2] = 0.0
+        return image
+
+    images = torch.empty(3, 3, 8, 8, device="meta")
+    out = erase_seeded(spy, images, SEED, [0, 0, 1], [4, 5, 6])
+    assert seen == ["cpu"] * 3 and out.device.type == "meta" and out.shape == images.shape

@@ -203,7 +203,9 @@ ROWS: dict[str, Row] = {
         "the conv probe sees batches of 32; the step equals the 32-image plain step"),
     "train --learning-rate": effect(
         "test_schedule.py::test_cli_run_logs_the_hand_computed_lr",
-        "the logged rate at each step equals warmup-then-cosine from the peak, by hand"),
+        "the logged rate at each step equals warmup-then-cosine from the peak, by hand; on "
+        "--resume with another rate: test_resume_learning_rate.py, the rates of a run started "
+        "with it"),
     "train --optimizer": effect(
         f"{FLAGS}::test_adamw_first_step_is_lr_times_the_gradient_sign",
         "AdamW's first update is lr x sign-like g/(|g|+eps) with decoupled decay, by hand; "

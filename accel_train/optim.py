@@ -129,7 +129,7 @@ def take_new_learning_rate(optimizer: torch.optim.Optimizer, scheduler,
     rate, the new one) of the first group when they differ, else None."""
     inner = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper holds LambdaLR
     loaded = list(inner.base_lrs)
-    if all(math.isclose(old, new, rel_tol=1e-9, abs_tol=0.0) for old, new in zip(loaded, wanted)):
+    if all(math.isclose(old, new) for old, new in zip(loaded, wanted)):
         return None
     for group, new, factor in zip(optimizer.param_groups, wanted, inner.lr_lambdas):
         group["initial_lr"] = new

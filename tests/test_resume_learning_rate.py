@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from torch.optim.lr_scheduler import LambdaLR
 
+from accel_train.optim import take_new_learning_rate
 from conftest import TINY_TRAIN, accel_train_here
 
 TWO_EPOCHS = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--epochs", "2",
@@ -45,3 +48,19 @@ def test_the_same_learning_rate_says_nothing(tmp_path):
     resumed = accel_train_here(*TWO_EPOCHS, "--resume", "auto", "--output-dir", str(out),
                                check=True)
     assert "resumed from" in resumed.stdout and "the checkpoint's run had" not in resumed.stdout
+
+
+def test_the_rates_scale_on_a_bare_scheduler_as_on_accelerates():
+    """The function takes torch's LambdaLR as well as Accelerate's wrapper around it; by hand:
+    base 0.1 at factor 0.5 -> base 0.02 gives 0.01 now and after the next step."""
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    scheduler = LambdaLR(optimizer, lambda step: 0.5)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    assert take_new_learning_rate(optimizer, scheduler, [0.02]) == (0.1, 0.02)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
+    assert scheduler.get_last_lr() == [pytest.approx(0.01)] and scheduler.base_lrs == [0.02]
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
+    assert take_new_learning_rate(optimizer, scheduler, [0.02]) is None

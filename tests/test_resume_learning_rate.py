@@ -61,6 +61,7 @@ def test_the_rates_scale_on_a_bare_scheduler_as_on_accelerates():
     assert take_new_learning_rate(optimizer, scheduler, [0.02]) == (0.1, 0.02)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
     assert scheduler.get_last_lr() == [pytest.approx(0.01)] and scheduler.base_lrs == [0.02]
+    assert optimizer.param_groups[0]["initial_lr"] == 0.02  # what a later scheduler would read
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
     assert take_new_learning_rate(optimizer, scheduler, [0.02]) is None

@@ -17,6 +17,7 @@ from accel_train.divergence import first_non_finite, stop_if_diverged
 from accel_train.errors import DIVERGED_EXIT, RunStopped
 import conftest
 from conftest import TINY_TRAIN, accel_train_here, run
+from fault_entry import poison_weights_after
 from faults import POISON_ENV, torchrun_cmd
 
 TWO_EPOCHS = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--epochs", "2"]
@@ -24,16 +25,9 @@ STEPS_PER_EPOCH = 16  # 256 images, batch 16
 
 
 def _poison_after(monkeypatch, wanted_step: int) -> None:
-    train_step = trainer.Trainer.train_step
-
-    def poisoned(self, images, labels):
-        result = train_step(self, images, labels)
-        if self.state.step + 1 == wanted_step:
-            with torch.no_grad():
-                next(self._bare_model().parameters()).fill_(float("nan"))
-        return result
-
-    monkeypatch.setattr(trainer.Trainer, "train_step", poisoned)
+    """fault_entry's seam, in this process; monkeypatch puts the real train_step back after."""
+    monkeypatch.setattr(trainer.Trainer, "train_step", trainer.Trainer.train_step)
+    poison_weights_after(wanted_step)
 
 
 def _files(folder):

@@ -76,6 +76,16 @@ def test_rgba_is_composited_over_white():
     assert np.abs(hwc(decode(data)).astype(np.float64) - expected).max() <= 0.5 + 1e-9
 
 
+def test_every_level_and_alpha_pair_goes_to_the_nearest_level_over_white():
+    """All 256 x 256 (level, alpha) pairs: a few of them (level 127 at alpha 1, say) sit 0.502
+    from one level and 0.498 from the next, where a rounding off by one would show."""
+    level, alpha = np.meshgrid(np.arange(256), np.arange(256), indexing="ij")
+    rgba = np.stack([level, level, level, alpha], axis=2).astype(np.uint8)
+    expected = level * (alpha / 255) + 255 * (1 - alpha / 255)
+    decoded = hwc(decode(kinds.encoded(rgba, "PNG"))).astype(np.float64)
+    assert np.abs(decoded - expected[:, :, None]).max() < 0.5
+
+
 def test_cmyk_becomes_rgb_by_the_subtractive_formula_and_both_jpeg_decoders_agree():
     data, cmyk = kinds.cmyk_tiff()
     c, m, y, k = (cmyk[:, :, i].astype(np.float64) for i in range(4))

@@ -23,7 +23,6 @@ it); the training time is the process's own "Training took" line, evaluations in
 
 from __future__ import annotations
 
-import re
 import shlex
 import sys
 import tempfile
@@ -117,7 +116,7 @@ def recipe_file_arm(path: str, args, work: Path, budget_given: bool) -> dict:
     trains = [r for r in records if r.get("type") == "train"]
     last = trains[-1] if trains else {"samples_seen": 0, "step": 0}
     fixed = [r for r in records if r.get("type") == "budget"]
-    took = re.search(r"Training took ([\d.]+)s", output)
+    took = benchlib.TRAINING_TOOK.search(output)
     windows = benchlib.steady_windows(records)
     return {"top1": final["eval_top1"], "ema_top1": final.get("eval_ema_top1"),
             "train_s": float(took.group(1)) if took else float("nan"),

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
 RECIPE = benchlib.REPO / "recipes" / "cifar10-cpu-10min.yaml"
-TOOK = re.compile(r"Training took ([\d.]+)s")
 TRAINING_STARTS = "  records:"  # the start-up summary's last line
 
 
@@ -95,7 +93,7 @@ def summary(out: Path, output: str) -> dict:
     fits = [r for r in records if r["type"] == "budget"]
     epochs = [r for r in records if r["type"] == "epoch"]
     resolved = yaml.safe_load((out / "config.yaml").read_text())["resolved"]
-    took = TOOK.findall(output)
+    took = benchlib.TRAINING_TOOK.findall(output)
     return {"took": float(took[-1]) if took else float("nan"),
             "first_total": fits[0]["total_steps"] if fits else None,
             "steps": epochs[-1]["step"], "fits": len(fits),

@@ -41,7 +41,6 @@ RECIPE = benchlib.REPO / "recipes" / "cifar10-gpu.yaml"
 EPOCH_LINE = re.compile(r"Epoch (\d+)(?: Time ([\d.]+)s)?: eval loss \S+ top1 ([\d.]+)%")
 STOPPED = re.compile(r"stopped by a signal at step (\d+)")
 RESUMED = re.compile(r"resumed from .* at step (\d+)")
-TOOK = re.compile(r"Training took ([\d.]+)s")
 
 
 class StampedRun:
@@ -108,7 +107,7 @@ def time_to_target(args, report: benchlib.Report, work: Path) -> dict:
         record["training_s"] = training
         rows.append([record["epoch"], record["wall_s"], training, f"{record['top1']:.2%}"])
     first = next((r for r in run.epochs if r["top1"] >= args.target), None)
-    took = run.find(TOOK)
+    took = run.find(benchlib.TRAINING_TOOK)
     summary = (f"first epoch at or above {args.target:.0%}: "
                + (f"epoch {first['epoch']}, {first['wall_s']:.1f} s after the command started "
                   f"({first['training_s']:.1f} s of training)" if first else "none")

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import resource
 import shlex
 import socket
@@ -39,6 +40,8 @@ DEFAULT_OUT = REPO / "bench_out"
 FIXED_COMPUTE = ["--mixed-precision", "no", "--no-channels-last"]
 ANCHORS = REPO / "benchmarks" / "anchors"
 TWO_PROCESS_CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
+# The CLI's own line at a run's end: its training time, every evaluation included.
+TRAINING_TOOK = re.compile(r"Training took ([\d.]+)s")
 
 
 # -- command line and output ------------------------------------------------------------------

@@ -37,6 +37,16 @@ TINY_TRAIN = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--max-
               "--progress", "log", "--no-plots", *PINNED]
 
 
+def pytest_configure(config):
+    """One torch thread in each pytest process, as in every process a test starts (`test_env`):
+    the pytest workers share the cores with each other and with the runs they start, and a
+    second OpenMP thread then mostly spins, waiting for a core (it more than doubled the CPU time
+    of the in-process tests; docs/development.md)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def test_env(**extra: str) -> dict:
     """Environment for child processes: offline, quiet, one thread each (2 cores, 2 ranks)."""
     env = dict(os.environ)

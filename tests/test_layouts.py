@@ -25,7 +25,7 @@ from accel_train.config import TrainConfig
 from accel_train.errors import UsageError
 from accel_train.imagefolder import index_folder
 from accel_train.sources import load_data
-from conftest import PINNED, accel_train
+from conftest import PINNED, accel_train, accel_train_here
 
 
 def _png(path: Path, seed: int = 0, size: int = 8) -> None:
@@ -129,10 +129,11 @@ def test_train_and_eval_on_the_imagenet_layout(tmp_path):
     labels_file = tmp_path / "LOC_val_solution.csv"
     labels_file.write_text(LABEL_FILES["kaggle LOC_val_solution"])
     out = tmp_path / "run"
-    trained = accel_train("--data-dir", str(root), *PINNED, "--val-labels", str(labels_file),
-                          "--model",
-                          "test_resnet", "--batch-size", "4", "--epochs", "1", "--progress",
-                          "log", "--no-plots", "--output-dir", str(out), check=True)
+    # trained in this process; evaluated in a new one, which has only the run's folder to go by
+    trained = accel_train_here("--data-dir", str(root), *PINNED, "--val-labels", str(labels_file),
+                               "--model", "test_resnet", "--batch-size", "4", "--epochs", "1",
+                               "--progress", "log", "--no-plots", "--output-dir", str(out),
+                               check=True)
     assert "12 train / 9 held-out images, 3 classes" in trained.stdout
     evaluated = accel_train("eval", str(out), check=True)  # rebuilds the labelled held-out split
     assert "(9 images)" in evaluated.stdout

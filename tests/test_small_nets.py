@@ -16,7 +16,7 @@ from torch import nn
 
 import accel_train.model  # noqa: F401  (registers the networks)
 from accel_train.small_nets import SmallImageConvNet
-from conftest import TINY_TRAIN, accel_train, model_spec_of
+from conftest import TINY_TRAIN, accel_train, accel_train_here, model_spec_of
 
 WIDTHS = {"cifar_convnet_s": (16, 32, 64, 128), "cifar_convnet_m": (24, 48, 96, 192),
           "cifar_convnet_l": (32, 64, 128, 256)}
@@ -119,10 +119,12 @@ def test_local_pretrained_weights_load_and_a_new_classifier_is_made(tmp_path):
 
 def test_a_run_trains_exports_and_evaluates_one_with_flip_tta(tmp_path):
     """The run evaluates with --tta flip, records it, and `accel-train eval` repeats it by
-    default: the same top-1 as the run's last epoch record, on the same images and weights."""
+    default: the same top-1 as the run's last epoch record, on the same images and weights (the
+    run in this process, the eval in a new one: it has only the run's folder to go by)."""
     out = tmp_path / "run"
     args = [a if a != "test_resnet" else "cifar_convnet_s" for a in TINY_TRAIN]
-    accel_train(*args, "--channels-last", "--tta", "flip", "--output-dir", str(out), check=True)
+    accel_train_here(*args, "--channels-last", "--tta", "flip", "--output-dir", str(out),
+                     check=True)
     spec = model_spec_of(out)
     assert (spec["model_name"], spec["tta"]) == ("cifar_convnet_s", "flip")
     last_epoch = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()

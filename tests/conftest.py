@@ -47,21 +47,6 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
-# The longest test files, longest first (wall time in a whole-suite run; docs/development.md).
-# pytest-xdist hands whole files to its workers in collection order: a long file collected last
-# runs alone at the end while the other workers idle, and the files that mostly wait (timeouts,
-# stalled ranks, SLURM) overlap the others' work when they come first.
-LONGEST_FIRST = ["test_elastic.py", "test_benchmarks.py", "test_resume_matrix.py",
-                 "test_loader_workers.py", "test_accelerate_config.py", "test_streaming.py",
-                 "test_process_control.py", "test_slurm.py", "test_bad_images.py",
-                 "test_time_budget.py", "test_equivalence.py"]
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
-
-
 def test_env(**extra: str) -> dict:
     """Environment for child processes: offline, quiet, one thread each (2 cores, 2 ranks)."""
     env = dict(os.environ)

@@ -7,6 +7,8 @@ were made from, and each file's own bytes for the broken ones.
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -93,6 +95,31 @@ def test_cmyk_becomes_rgb_by_the_subtractive_formula_and_both_jpeg_decoders_agre
     assert np.abs(hwc(decode(data)).astype(np.float64) - expected).max() <= 1
     jpeg = kinds.cmyk_jpeg()
     assert torch.equal(decode(jpeg), decode(jpeg, fast=False))
+
+
+def test_a_lists_jpegs_go_to_torchvision_in_one_call_and_the_rest_to_pil(monkeypatch):
+    """decode_many hands every JPEG of the list to torchvision's decoder in one call (the reason
+    it exists: a batch of CIFAR-10 is JPEG); PIL opens only the others.  Both decoders give the
+    same pixels here, so only this watch sees a JPEG that went to PIL.  The oracle for the
+    pixels: PIL's own decode of each file."""
+    import torchvision.io
+
+    import accel_train.decode as decode_module
+    if not hasattr(torchvision.io, "decode_jpeg"):
+        pytest.skip("this torchvision has no JPEG decoder: every file goes to PIL")
+    files = [kinds.encoded(kinds.pixels(1), "JPEG"), kinds.encoded(kinds.pixels(2), "PNG"),
+             kinds.encoded(kinds.pixels(3), "JPEG")]
+    expected = [np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in files]
+    batches, opened = [], []
+    real_batch, real_open = decode_module._decode_jpegs, decode_module.Image.open
+    monkeypatch.setattr(decode_module, "_decode_jpegs",
+                        lambda blobs: batches.append(len(blobs)) or real_batch(blobs))
+    monkeypatch.setattr(decode_module.Image, "open",
+                        lambda fp, *a, **k: opened.append(fp.getvalue()[:2]) or real_open(fp))
+    results = decode_many(files)
+    assert batches == [2] and opened == [files[1][:2]], (batches, opened)
+    for result, pixels in zip(results, expected):
+        assert np.array_equal(hwc(result), pixels)
 
 
 def test_a_decompression_bomb_is_unreadable_naming_pils_limit():

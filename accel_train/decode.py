@@ -20,6 +20,7 @@ truncated, ...): the caller names the file and decides what happens (sources.py)
 
 from __future__ import annotations
 
+import codecs
 import io
 import os
 import warnings
@@ -166,8 +167,8 @@ def _too_large(width: int, height: int) -> str:
 
 def _not_an_image(item) -> str:
     head = bytes(item[:64]) if isinstance(item, bytes) else b""
-    try:
-        text = head.decode("utf-8")
+    try:  # incremental: a character cut by the 64-byte head is left out, not taken for binary
+        text = codecs.getincrementaldecoder("utf-8")().decode(head)
     except UnicodeDecodeError:
         text = None
     if text is not None and text.strip() and all(c.isprintable() or c.isspace() for c in text):

@@ -34,6 +34,27 @@ def test_each_kind_of_broken_file_is_unreadable_with_its_reason(name):
     assert isinstance(decode_many([kinds.encoded(kinds.pixels(0), "PNG"), data])[1], Unreadable)
 
 
+@pytest.mark.parametrize("data, reason", [
+    (b"<!DOCTYPE html><html><body>403 Forbidden</body></html>\n",
+     "not an image: the file holds text ('<!DOCTYPE html><html><body>403'...)"),
+    (b"Access denied.\r\n\tPlease   sign in first.",  # whitespace runs become one space
+     "not an image: the file holds text ('Access denied. Please sign in '...)"),
+    (("x" + "\u0414" * 40).encode(),  # the 64-byte head ends inside a 2-byte character
+     "not an image: the file holds text ('x" + "\u0414" * 29 + "'...)"),
+    (b"   \n  ", "not an image format PIL can read (first bytes 2020200a2020)"),
+    (b"\xff\xfe not utf8 \x80\x81",
+     "not an image format PIL can read (first bytes fffe206e6f742075)"),
+    (bytes(range(256)), "not an image format PIL can read (first bytes 0001020304050607)"),
+], ids=["html", "whitespace", "cut-character", "blank", "not-utf8", "control-bytes"])
+def test_a_file_that_is_no_image_is_named_by_what_it_holds(data, reason):
+    """The reason quotes the file (oracle: the literal sentences, counted by hand): printable
+    text as its first 30 characters with whitespace runs as one space, anything else as its
+    first 8 bytes in hex."""
+    with pytest.raises(Unreadable) as caught:
+        decode(data)
+    assert str(caught.value) == reason
+
+
 @pytest.mark.parametrize("orientation", range(1, 9))
 def test_exif_orientation_is_applied_to_jpeg_and_png(orientation):
     array = kinds.pixels(orientation, 12, 20)

@@ -41,15 +41,18 @@ def test_each_kind_of_broken_file_is_unreadable_with_its_reason(name):
      "not an image: the file holds text ('Access denied. Please sign in '...)"),
     (("x" + "\u0414" * 40).encode(),  # the 64-byte head ends inside a 2-byte character
      "not an image: the file holds text ('x" + "\u0414" * 29 + "'...)"),
+    (b"A" * 64 + b"\x00\x01", "not an image: the file holds text ('" + "A" * 30 + "'...)"),
     (b"   \n  ", "not an image format PIL can read (first bytes 2020200a2020)"),
+    (b"", "empty file: 0 bytes"),
     (b"\xff\xfe not utf8 \x80\x81",
      "not an image format PIL can read (first bytes fffe206e6f742075)"),
     (bytes(range(256)), "not an image format PIL can read (first bytes 0001020304050607)"),
-], ids=["html", "whitespace", "cut-character", "blank", "not-utf8", "control-bytes"])
+], ids=["html", "whitespace", "cut-character", "text-head", "blank", "empty", "not-utf8",
+        "control-bytes"])
 def test_a_file_that_is_no_image_is_named_by_what_it_holds(data, reason):
     """The reason quotes the file (oracle: the literal sentences, counted by hand): printable
     text as its first 30 characters with whitespace runs as one space, anything else as its
-    first 8 bytes in hex."""
+    first 8 bytes in hex; only the first 64 bytes are looked at."""
     with pytest.raises(Unreadable) as caught:
         decode(data)
     assert str(caught.value) == reason
@@ -141,6 +144,14 @@ def test_a_lists_jpegs_go_to_torchvision_in_one_call_and_the_rest_to_pil(monkeyp
     assert batches == [2] and opened == [files[1][:2]], (batches, opened)
     for result, pixels in zip(results, expected):
         assert np.array_equal(hwc(result), pixels)
+    assert np.array_equal(hwc(decode(files[2])), expected[2])  # one file: the same way
+    assert batches == [2, 1] and len(opened) == 1, (batches, opened)
+
+
+def test_a_pil_image_is_taken_as_it_is():
+    """What a Hugging Face Image column hands over when it decodes itself: a PIL image."""
+    array = kinds.pixels(4)
+    assert np.array_equal(hwc(decode(Image.fromarray(array))), array)
 
 
 def test_a_decompression_bomb_is_unreadable_naming_pils_limit():

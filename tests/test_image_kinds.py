@@ -154,6 +154,16 @@ def test_a_pil_image_is_taken_as_it_is():
     assert np.array_equal(hwc(decode(Image.fromarray(array))), array)
 
 
+@pytest.mark.filterwarnings("ignore:Corrupt EXIF")
+def test_a_file_pil_only_warns_about_still_decodes():
+    """Corrupt EXIF is a warning in PIL, not an error: the pixels still come.  Only the
+    decompression bomb's warning is made an error."""
+    array = kinds.pixels(5)
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, "PNG", exif=b"Exif\x00\x00II*\x00\x08\x00\x00\x00\xff\xff")
+    assert np.array_equal(hwc(decode(buffer.getvalue())), array)
+
+
 def test_a_decompression_bomb_is_unreadable_naming_pils_limit():
     """9500 x 9500 pixels (90.25 million, over PIL's default 89,478,485) in a few kB: never
     decoded, whatever its format."""

@@ -179,9 +179,8 @@ def _run_all(runs: list[Run], timeout: float = 900) -> None:
 
 
 def _run_here(run: Run) -> None:
-    """A one-process run called in this process (`accel_train_here`): its numbers are those of
-    `python -m accel_train` without a new process's seconds of imports."""
-    assert run.command[1:3] == ["-m", "accel_train"], run.command
+    """A `python -m accel_train` run called in this process (`accel_train_here`): the same
+    numbers without a new process's seconds of imports."""
     result = accel_train_here(*run.command[3:])
     run.returncode, run.stdout, run.stderr = result.returncode, result.stdout, result.stderr
 
@@ -190,10 +189,10 @@ def _run_here(run: Run) -> None:
 def runs(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("equivalence")
     plan = _plan(root)
-    _run_all([run for run in plan if not run.name.startswith("one_proc")])
-    for run in plan:
-        if run.name.startswith("one_proc"):
-            _run_here(run)
+    one_process = [run for run in plan if run.command[1:3] == ["-m", "accel_train"]]
+    _run_all([run for run in plan if run not in one_process])  # the launchers
+    for run in one_process:
+        _run_here(run)
     return {run.name: run for run in plan}
 
 

@@ -28,20 +28,14 @@ from torch.utils.data import DataLoader
 
 from .data import (Batch, EpochSampler, FinishOnDevice, HeldOutImages, TrainImages,
                    default_num_workers, make_loader, run_transforms)
-from .errors import STALLED_EXIT, RunStopped, UsageError, first_line
+from .errors import STALLED_EXIT, RunStopped, UsageError
 from .randomness import reseed_loader
 from .readers import read_json
 from .streaming import STREAM_STATE, build_stream_loader, streaming_wanted
+from .worker_deaths import dead_loader_worker
 
 LOADER_STATE = "loader.json"  # in each checkpoint of an indexed run
 MAX_WORKER_RESTARTS = 3  # per epoch: a worker that keeps dying is a bug to see, not to hide
-
-
-def worker_died(err: RuntimeError) -> bool:
-    """torch's words for a loader worker that exited or was killed."""
-    text = str(err)
-    return "DataLoader worker (pid" in text and ("exited unexpectedly" in text
-                                                 or "killed by signal" in text)
 
 
 def watch_workers_quietly(loader) -> Iterator:
@@ -142,15 +136,16 @@ class IndexedTrainLoader:
             try:
                 yield from self._from_position()
                 return
-            except RuntimeError as err:
-                if timed_out(err):
+            except (RuntimeError, OSError, EOFError) as err:
+                if isinstance(err, RuntimeError) and timed_out(err):
                     raise loader_stuck(self.timeout, f"{self.samples_in_epoch} samples into "
                                                      f"epoch {self.epoch + 1}") from None
-                if not worker_died(err) or restarts >= MAX_WORKER_RESTARTS:
+                death = dead_loader_worker(err)
+                if death is None or restarts >= MAX_WORKER_RESTARTS:
                     raise
                 restarts += 1
                 self._drop_workers()
-                self.warn(f"a loader worker died ({first_line(err)}) {self.samples_in_epoch} "
+                self.warn(f"a loader worker died ({death}) {self.samples_in_epoch} "
                           f"samples into epoch {self.epoch + 1}: its workers start again there "
                           f"({restarts} of at most {MAX_WORKER_RESTARTS} restarts this epoch). "
                           f"If the kernel's OOM killer did it (dmesg), lower --num-workers, "

@@ -1,0 +1,155 @@
+"""A loader worker killed while the training process takes a batch from it.
+
+The batch's tensors come over a socket from that worker; the kill resets the socket and torch,
+which asks its workers whether they live before the fork server has reported the death, lets
+the bare ConnectionResetError out (a CI run failed so).  These tests reproduce that order of
+events deterministically: the first `get` from the workers' queue raises the reset, and the
+worker is killed a moment later, after torch's own check found it alive."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
+
+from accel_train.config import TrainConfig
+from accel_train.loading import build_loaders
+from accel_train.sources import load_data
+from accel_train.worker_deaths import _loader_iterator_in, dead_loader_worker, worker_died
+from accel_train.worker_start import worker_context, worker_init_fn
+
+KILL_AFTER = 0.3  # seconds: after torch's check of its workers, well before our wait ends
+
+
+def products_workers() -> dict:
+    """Workers started as data.make_loader starts them: from the fork server, which blocks stop
+    signals until a worker's own start unblocks them (without it a worker outlives the test
+    process).  A function, not a constant: every xdist worker imports this file to collect it."""
+    return dict(multiprocessing_context=worker_context(), worker_init_fn=worker_init_fn())
+
+
+class ResetOnce:
+    """The workers' queue, whose first `get` is a reset handover: the worker that was handing
+    the batch over is SIGKILLed `kill_after` seconds later (None: it lives on)."""
+
+    def __init__(self, queue, worker_pid: int, kill_after: float | None):
+        self.queue, self.worker_pid, self.kill_after = queue, worker_pid, kill_after
+        self.broken = False
+
+    def get(self, *args, **kwargs):
+        if self.broken:
+            return self.queue.get(*args, **kwargs)
+        self.broken = True
+        if self.kill_after is not None:
+            threading.Timer(self.kill_after, os.kill, (self.worker_pid, signal.SIGKILL)).start()
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    def __getattr__(self, name):
+        return getattr(self.queue, name)
+
+
+def _iterator_with_one_worker():
+    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=1,
+                        persistent_workers=True, **products_workers())
+    iterator = iter(loader)
+    next(iterator)  # its worker runs
+    return loader, iterator
+
+
+def _reset_error(iterator, kill_after):
+    iterator._data_queue = ResetOnce(iterator._data_queue, iterator._workers[0].pid, kill_after)
+    with pytest.raises(OSError) as caught:
+        next(iterator)
+    return caught.value
+
+
+def test_a_reset_handover_whose_worker_then_dies_is_a_dead_worker_named_by_its_pid():
+    loader, iterator = _iterator_with_one_worker()
+    pid = iterator._workers[0].pid
+    err = _reset_error(iterator, KILL_AFTER)
+    assert isinstance(err, ConnectionResetError)  # torch let it out as it is: the race
+    said = dead_loader_worker(err)
+    assert said is not None and f"pid(s) {pid})" in said, said
+    assert "ConnectionResetError" in said
+    iterator._shutdown_workers()
+
+
+def test_a_reset_handover_whose_worker_lives_is_not_a_dead_worker():
+    loader, iterator = _iterator_with_one_worker()
+    err = _reset_error(iterator, None)
+    assert dead_loader_worker(err, wait=0.5) is None
+    assert iterator._workers[0].is_alive()
+    iterator._shutdown_workers()
+
+
+def test_only_errors_out_of_a_loader_iterator_or_torchs_words_are_deaths():
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")  # not from a loader
+    except ConnectionResetError as err:
+        assert dead_loader_worker(err, wait=0.1) is None
+    torch_words = RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
+    assert worker_died(torch_words) and dead_loader_worker(torch_words) == str(torch_words)
+    assert worker_died(RuntimeError("DataLoader worker (pid 7) is killed by signal: Killed."))
+    assert not worker_died(RuntimeError("DataLoader worker (pid 7) raised ValueError"))
+    assert not worker_died(ValueError("DataLoader worker (pid(s) 7) exited unexpectedly"))
+    assert dead_loader_worker(ValueError("DataLoader worker (pid(s) 7) exited unexpectedly")) \
+        is None
+
+
+class MissingFile(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        raise FileNotFoundError(2, "No such file or directory", f"/data/{index}.png")
+
+
+def test_an_oserror_a_worker_raised_reading_is_its_own_error_not_a_handover():
+    """torch re-raises a worker's own error in the training process with the same type: an
+    OSError that must go out at once as the worker's, without waiting for a death."""
+    loader = DataLoader(MissingFile(), batch_size=4, num_workers=1, **products_workers())
+    with pytest.raises(FileNotFoundError) as caught:
+        next(iter(loader))
+    assert _loader_iterator_in(caught.value) is None
+    assert dead_loader_worker(caught.value) is None
+
+
+def test_the_training_loader_restarts_its_workers_after_a_reset_handover_and_loses_nothing():
+    """The whole path: the training loader of a run (persistent workers, so that its iterator
+    can be reached between two batches) meets the reset at its fourth batch, warns once
+    naming the pid, and hands out the very batches of a loader where nothing happened."""
+    config = TrainConfig(synthetic_train_size=128, max_eval_samples=16, batch_size=8,
+                         num_workers=1, persistent_workers=True, image_size=32)
+    data = load_data(config)
+    spec = SimpleNamespace(image_size=32, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+    accelerator = Accelerator(cpu=True)
+
+    def epoch(interrupt_at: int | None, warnings: list):
+        train = build_loaders(config, data, spec, 1, 0, 1, False).train
+        train.prepare(accelerator)
+        train.warn = warnings.append
+        train.set_epoch(0)
+        batches, pid = [], None
+        for position, batch in enumerate(train):
+            batches.append((batch.images.clone(), batch.labels.clone()))
+            if position == interrupt_at:
+                kept = train.loader._iterator
+                pid = kept._workers[0].pid
+                kept._data_queue = ResetOnce(kept._data_queue, pid, KILL_AFTER)
+        train._drop_workers()
+        return batches, pid
+
+    reference, _ = epoch(None, [])
+    warnings: list[str] = []
+    batches, pid = epoch(3, warnings)
+    assert len(warnings) == 1 and f"pid(s) {pid})" in warnings[0], warnings
+    assert "start again there" in warnings[0]
+    assert len(batches) == len(reference) == 128 // 8
+    for (images, labels), (ref_images, ref_labels) in zip(batches, reference):
+        assert torch.equal(images, ref_images) and torch.equal(labels, ref_labels)

@@ -32,10 +32,9 @@ from .errors import STALLED_EXIT, RunStopped, UsageError
 from .randomness import reseed_loader
 from .readers import read_json
 from .streaming import STREAM_STATE, build_stream_loader, streaming_wanted
-from .worker_deaths import dead_loader_worker
+from .worker_deaths import restarting_dead_workers
 
 LOADER_STATE = "loader.json"  # in each checkpoint of an indexed run
-MAX_WORKER_RESTARTS = 3  # per epoch: a worker that keeps dying is a bug to see, not to hide
 
 
 def watch_workers_quietly(loader) -> Iterator:
@@ -127,29 +126,19 @@ class IndexedTrainLoader:
         return self.usable // self.per_micro_step
 
     def __iter__(self) -> Iterator[Batch]:
-        """The rest of the epoch.  A loader worker that dies (the kernel's OOM killer does this
-        when workers x prefetch x image size outgrow memory) costs a warning: the workers start
+        """The rest of the epoch.  A loader worker that dies costs a warning: the workers start
         again at the same position, and since a batch is a function of its position the run
         goes on as if nothing had happened."""
-        restarts = 0
-        while True:
-            try:
-                yield from self._from_position()
-                return
-            except (RuntimeError, OSError, EOFError) as err:
-                if isinstance(err, RuntimeError) and timed_out(err):
-                    raise loader_stuck(self.timeout, f"{self.samples_in_epoch} samples into "
-                                                     f"epoch {self.epoch + 1}") from None
-                death = dead_loader_worker(err)
-                if death is None or restarts >= MAX_WORKER_RESTARTS:
-                    raise
-                restarts += 1
-                self._drop_workers()
-                self.warn(f"a loader worker died ({death}) {self.samples_in_epoch} "
-                          f"samples into epoch {self.epoch + 1}: its workers start again there "
-                          f"({restarts} of at most {MAX_WORKER_RESTARTS} restarts this epoch). "
-                          f"If the kernel's OOM killer did it (dmesg), lower --num-workers, "
-                          f"--prefetch-factor or the image size")
+        try:
+            yield from restarting_dead_workers(self._from_position, self._drop_workers,
+                                               self.where, self.warn)
+        except RuntimeError as err:
+            if not timed_out(err):
+                raise
+            raise loader_stuck(self.timeout, self.where()) from None
+
+    def where(self) -> str:
+        return f"{self.samples_in_epoch} samples into epoch {self.epoch + 1}"
 
     def _from_position(self) -> Iterator[Batch]:
         self.loader.set_epoch(self.epoch)  # the sampler, which a skipping loader shares

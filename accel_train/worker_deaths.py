@@ -14,10 +14,11 @@ found dead within a few seconds.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 from .errors import first_line
 
+MAX_WORKER_RESTARTS = 3  # per epoch: a worker that keeps dying is a bug to see, not to hide
 # How long a worker killed mid-handover may take to be reported dead (the fork server reaps it
 # and writes its exit status; torch itself polls its workers every 5 s).
 HANDOVER_DEATH_WAIT = 5.0
@@ -49,6 +50,31 @@ def dead_loader_worker(err: BaseException, wait: float = HANDOVER_DEATH_WAIT) ->
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.05)
+
+
+def restarting_dead_workers(from_position: Callable[[], Iterator],
+                            before_restart: Callable[[], None], where: Callable[[], str],
+                            warn: Callable[[str], None]) -> Iterator:
+    """`from_position()`'s batches; when a loader worker dies (the kernel's OOM killer does this
+    when workers x prefetch x image size outgrow memory), a warning, `before_restart()`, and
+    `from_position()` again: new workers from the position the loader has reached.  A training
+    loader whose batches are a function of their position then goes on as if nothing had
+    happened.  Any other error goes out as it came."""
+    restarts = 0
+    while True:
+        try:
+            yield from from_position()
+            return
+        except (RuntimeError, OSError, EOFError) as err:
+            death = dead_loader_worker(err)
+            if death is None or restarts >= MAX_WORKER_RESTARTS:
+                raise
+            restarts += 1
+            before_restart()
+            warn(f"a loader worker died ({death}) {where()}: its workers start again there "
+                 f"({restarts} of at most {MAX_WORKER_RESTARTS} restarts this epoch). If the "
+                 f"kernel's OOM killer did it (dmesg), lower --num-workers, --prefetch-factor "
+                 f"or the image size")
 
 
 def _loader_iterator_in(err: BaseException):

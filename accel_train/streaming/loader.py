@@ -6,6 +6,7 @@ resumed start takes the batches the interrupted epoch had not reached (see __ini
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -17,6 +18,7 @@ from ..errors import UsageError
 from ..data import Batch, FinishOnDevice
 from ..randomness import loader_generator, reseed_loader
 from ..readers import read_json
+from ..worker_deaths import restarting_dead_workers
 from ..worker_start import worker_context, worker_init_fn
 from .decoding import decode_substituting
 from .plan import Layout, Segment, rank_batches_per_epoch, remaining_batches, slot_keys, slot_shards
@@ -147,9 +149,7 @@ class StreamLoader:
         # Sample keys are epoch * len(shards) + the sample's number, as the indexed loader's.
         self.finish = FinishOnDevice(dataset.transform, dataset.seed, len(dataset.shards))
         self.samples_in_epoch = 0
-        # Nothing to say yet: a streaming worker that dies still ends the run (its shard
-        # positions would have to be restored; the indexed loader restarts its workers).
-        self.warn = lambda text: None
+        self.warn = lambda text: print(f"warning: {text}", file=sys.stderr)  # the trainer's
 
     @property
     def layout(self) -> Layout:
@@ -180,6 +180,19 @@ class StreamLoader:
         return rank_batches_per_epoch(self.dataset.shards, lay) * lay.batch * lay.ranks
 
     def __iter__(self):
+        """The rest of the epoch.  A loader worker that dies costs a warning: new workers plan
+        the rest of the epoch from the samples handed out so far, as a resumed start plans it
+        from a checkpoint's, so the run goes on with the batches it would have had."""
+        yield from restarting_dead_workers(self._from_position, self._plan_from_position,
+                                           self.where, self.warn)
+
+    def where(self) -> str:
+        return f"{self.samples_in_epoch} samples into epoch {self.epoch + 1}"
+
+    def _plan_from_position(self) -> None:
+        self.dataset.resume = (self.epoch, self._epoch_layout(), self.samples_in_epoch)
+
+    def _from_position(self):
         # A restored epoch starts where it stopped by itself (StreamingTrain.plan).
         reseed_loader(self.loader.generator, self.dataset.seed, self.epoch, self.dataset.rank)
         per_micro_step = self.layout.batch * self.layout.ranks

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -85,6 +86,21 @@ def test_a_broken_handover_whose_worker_then_dies_is_a_dead_worker_named_by_its_
     said = dead_loader_worker(err)
     assert said == (f"DataLoader worker (pid(s) {pid}) died while handing over a batch: "
                     f"{type(error).__name__}: {str(error) or type(error).__name__}"), said
+    iterator._shutdown_workers()
+
+
+def test_every_worker_found_dead_is_named():
+    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=2,
+                        persistent_workers=True, **products_workers())
+    iterator = iter(loader)
+    next(iterator)
+    pids = [worker.pid for worker in iterator._workers]
+    err = _reset_error(iterator, KILL_AFTER)
+    os.kill(pids[1], signal.SIGKILL)  # both dead before the look (the first by ResetOnce's timer)
+    while any(worker.is_alive() for worker in iterator._workers):  # both reported dead
+        time.sleep(0.05)
+    said = dead_loader_worker(err)
+    assert said is not None and f"pid(s) {pids[0]}, {pids[1]})" in said, said
     iterator._shutdown_workers()
 
 

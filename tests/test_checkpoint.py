@@ -422,3 +422,84 @@ def test_resume_auto_among_checkpoints_none_usable_stops_in_one_line(bundle, tmp
                              f"in {saver.root} can be used")
     assert "step_00000003: " in err[0] and "step_00000006: " in err[0]
     assert tree_digest(saver.root) == before
+
+
+# -- what a user sees of checkpoint.py that its mutation run found unchecked ----------------------
+
+def test_pruning_leaves_nothing_but_the_kept_checkpoints_on_disk(bundle):
+    """Pruned checkpoints are renamed, then deleted: no folder of them may stay behind, taking
+    the disk space the pruning was for."""
+    saver, _, train_step, _ = bundle
+    saver.keep = 2
+    save_steps(saver, train_step, 1, 2, 3, 4)
+    assert sorted(os.listdir(saver.root)) == ["step_00000003", "step_00000004"]
+
+
+def _cut_short(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+@pytest.mark.parametrize("victim", ["optimizer.bin", "random_states_0.pkl", "scaler.pt"])
+def test_a_torch_file_cut_short_is_refused_in_one_line_before_anything_loads(bundle, victim):
+    """Each torch file of Accelerate's state (.bin, .pkl, .pt; scaler.pt is fp16's GradScaler,
+    planted here) is checked whole before Accelerate loads anything: torch would fail deep
+    inside, and Accelerate ignores a bad RNG file without a word.  The manifest is rewritten to
+    match, as a hand edit would; the model in memory keeps its weights."""
+    saver, model, train_step, _ = bundle
+    path = save_steps(saver, train_step, 3)[3]
+    if victim == "scaler.pt":
+        torch.save({"scale": 1024.0}, path / victim)
+    _cut_short(path / victim)
+    ck.write_manifest(path, 3)
+    train_step()  # the model in memory is no longer the checkpoint's
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UsageError) as caught:
+        saver.restore(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path / victim}: is a torch file without its end; it may be "
+                              f"cut short"), message
+    assert "resume from another checkpoint" in message and "\n" not in message
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_checkpoint_holding_another_models_weights_is_refused_in_one_line(bundle):
+    from safetensors.torch import save_file
+
+    saver, model, train_step, _ = bundle
+    path = save_steps(saver, train_step, 3)[3]
+    other = {"0.weight": torch.zeros(8, 5), "0.bias": torch.zeros(8)}  # 5 inputs, not 4
+    save_file(other, str(path / "model.safetensors"))
+    ck.write_manifest(path, 3)
+    with pytest.raises(UsageError) as caught:
+        saver.restore(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path / 'model.safetensors'}: holds another model's weights"), \
+        message
+    assert "0.weight is [8, 5], not [8, 4]" in message and "resume from another" in message
+
+
+def test_a_checkpoint_of_a_newer_format_asks_for_a_newer_accel_train(bundle, tmp_path, capsys):
+    saver, _, train_step, _ = bundle
+    path = save_steps(saver, train_step, 3)[3]
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["format"] = ck.FORMAT + 1
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    code, err = run_cli(capsys, "--output-dir", str(tmp_path / "run"), "--checkpoint",
+                        str(saver.root), "--resume", "auto")
+    assert code == 2 and len(err) == 1, err
+    assert f"is in checkpoint format {ck.FORMAT + 1}, written by a newer accel_train" in err[0]
+    assert err[0].endswith("upgrade accel_train to resume it"), err[0]
+
+
+def test_a_planted_pickle_is_refused_with_torchs_reason(bundle, tmp_path):
+    saver, _, train_step, _ = bundle
+    path = save_steps(saver, train_step, 3)[3]
+    torch.save({"state": _Payload(str(tmp_path / "pwned"))}, path / "random_states_0.pkl")
+    ck.write_manifest(path, 3)
+    with pytest.raises(UsageError) as caught:
+        saver.restore(path)
+    message = str(caught.value)
+    assert message.startswith(f"checkpoint {path} holds a pickled object"), message
+    reason = message[message.index("refusing to load it (") + len("refusing to load it ("):-1]
+    assert reason.startswith("Weights only load failed"), reason

@@ -1,7 +1,8 @@
 """The resume matrix: every option that draws random numbers on at once, on the three data paths
 (decoded in memory, decoded per step by loader workers, streamed from shards), on 1 process and
 on 2 under torchrun.  A run stopped by SIGTERM mid-epoch (after a checkpoint) and continued with
-`--resume auto` ends bit-identical to the run left alone: the final weights and the EMA weights
+`--resume auto` ends bit-identical to the run left alone (and, on 1 process, the in-memory run
+with its global batch made of 2 accumulation steps): the final weights and the EMA weights
 of the last checkpoint, max |difference| 0.0, with Accelerate's RNG files removed from the
 checkpoint before the resume (exactness must not depend on a saved RNG stream).
 
@@ -43,9 +44,13 @@ COMMON = ["--model", "test_resnet", "--batch-size", "16", "--checkpoint-every", 
 
 
 def _data_options(path: str, data: dict) -> list[str]:
-    if path == "in-memory":
+    if path in ("in-memory", "accumulated"):
+        # accumulated: the same global batch of 16 as 8 x 2 accumulation steps (a resume must
+        # restart the accumulation count at an optimizer step's boundary)
+        per_step = ["--batch-size", "8", "--accumulation-steps", "2"] if path == "accumulated" \
+            else []
         return ["--dataset", "synthetic", "--synthetic-train-size", "256", "--max-eval-samples",
-                "64"]
+                "64", *per_step]
     if path == "per-step":  # PNG files decoded per step by 2 loader workers per process
         return ["--data-dir", str(data["images"]), "--in-memory", "never", "--num-workers", "2",
                 "--batch-size", "8"]
@@ -87,11 +92,14 @@ def matrix_data(big_image_folder, synthetic_shards) -> dict:
 # batches already trained) on both process counts.  Steps per epoch: 16, 16, 12 on 1 process;
 # 8, 8, 5 on 2.
 STOP_AFTER = {("in-memory", 1): (18, 1), ("per-step", 1): (3, 0), ("streamed", 1): (15, 1),
-              ("in-memory", 2): (9, 1), ("per-step", 2): (3, 0), ("streamed", 2): (6, 1)}
+              ("in-memory", 2): (9, 1), ("per-step", 2): (3, 0), ("streamed", 2): (6, 1),
+              ("accumulated", 1): (6, 0)}
 
 
-@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("path", ["in-memory", "per-step", "streamed"])
+@pytest.mark.parametrize("path, processes", [
+    *[(path, 1) for path in ("in-memory", "per-step", "streamed", "accumulated")],
+    *[pytest.param(path, 2, marks=pytest.mark.slow)
+      for path in ("in-memory", "per-step", "streamed")]])
 def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_data, tmp_path,
                                                       runs):
     command = [*COMMON, *_data_options(path, matrix_data), "--epochs", "2"]
@@ -127,7 +135,9 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_da
     assert state["world_size"] == processes and 0 < state["samples_in_epoch"], (state, about)
     assert state["epoch"] == epoch, (state, about)
     facts = resolved(stopped)
-    assert facts["data_in_memory"] == (path == "in-memory"), facts
+    assert facts["data_in_memory"] == (path in ("in-memory", "accumulated")), facts
+    if path == "accumulated":
+        assert state["accumulation_steps"] == 2, state
     if path == "per-step":
         assert facts["num_workers"] == 2 and facts["model"]["image_size"] == BIG_SIZE, facts
 

@@ -492,10 +492,13 @@ def test_a_checkpoint_of_a_newer_format_asks_for_a_newer_accel_train(bundle, tmp
     assert err[0].endswith("upgrade accel_train to resume it"), err[0]
 
 
-def test_a_planted_pickle_is_refused_with_torchs_reason(bundle, tmp_path):
+@pytest.mark.parametrize("victim", ["optimizer.bin", "random_states_0.pkl"])
+def test_a_planted_pickle_is_refused_with_torchs_reason(bundle, tmp_path, victim):
+    """Named with the checkpoint and torch's own reason, whichever file carries it (Accelerate
+    loads optimizer.bin; the RNG file is checked before, since Accelerate would skip it)."""
     saver, _, train_step, _ = bundle
     path = save_steps(saver, train_step, 3)[3]
-    torch.save({"state": _Payload(str(tmp_path / "pwned"))}, path / "random_states_0.pkl")
+    torch.save({"state": _Payload(str(tmp_path / "pwned"))}, path / victim)
     ck.write_manifest(path, 3)
     with pytest.raises(UsageError) as caught:
         saver.restore(path)
@@ -503,3 +506,69 @@ def test_a_planted_pickle_is_refused_with_torchs_reason(bundle, tmp_path):
     assert message.startswith(f"checkpoint {path} holds a pickled object"), message
     reason = message[message.index("refusing to load it (") + len("refusing to load it ("):-1]
     assert reason.startswith("Weights only load failed"), reason
+
+
+def test_a_checkpoint_without_this_ranks_rng_file_warns_and_resumes(bundle):
+    """Written by 2 processes (the state says so), restored by 1 without random_states_0.pkl:
+    a warning naming the checkpoint, the rank and the writers' count, and the restore goes on."""
+    saver, _, train_step, warnings = bundle
+    path = save_steps(saver, train_step, 3)[3]
+    (path / "random_states_0.pkl").unlink()
+    ck.write_manifest(path, 3)
+    saver.restore(path)
+    assert [w for w in warnings if "RNG" in w] == [
+        f"{path} has no RNG state for rank 0 (it was written by 2 process(es)); this rank keeps "
+        f"its fresh RNG state (every random draw of training is seeded by its place in the run)"]
+
+
+def test_verify_names_what_is_wrong_with_a_manifest(bundle):
+    saver, _, train_step, _ = bundle
+    path = save_steps(saver, train_step, 3)[3]
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"][STATE_FILE] = {"sha256": manifest["files"][STATE_FILE]["sha256"],
+                                     "bytes": "12"}  # a number as text
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    problem = verify(path)
+    assert problem is not None and problem.startswith(
+        f"unreadable manifest (its entry for {STATE_FILE} "), problem
+    (path / MANIFEST).unlink()
+    assert verify(path) == "no manifest (the save never finished)"
+
+
+def test_the_state_file_records_the_global_batch(bundle):
+    """state.json says the global batch a user resumes with: batch x processes x accumulation."""
+    saver, _, train_step, _ = bundle
+    run = dataclasses.replace(state(3), batch_size=16, world_size=2, accumulation_steps=3)
+    path = save_as(saver, run)
+    assert json.loads((path / STATE_FILE).read_text())["global_batch"] == 16 * 2 * 3
+
+
+def test_the_checkpointer_takes_keep_best_and_the_before_manifest_seam(tmp_path, bundle):
+    """Given to the constructor (as the trainer gives them): keep_best keeps the best evaluated
+    checkpoint; before_manifest runs once per save with the step and the folder that holds
+    every file but the manifest."""
+    saver, _, train_step, warnings = bundle
+    seen = []
+
+    def before_manifest(step: int, folder: Path) -> None:
+        seen.append((step, folder.name, sorted(p.name for p in folder.iterdir())))
+
+    with_best = Checkpointer(saver.root, keep=1, warn=warnings, parts=saver.parts,
+                             barrier=saver.barrier, before_manifest=before_manifest, keep_best=1)
+    for step, top1 in [(1, 0.9), (2, 0.1)]:
+        train_step()
+        save_as(with_best, dataclasses.replace(state(step), eval_top1=top1, eval_step=step))
+    assert [p.name for p in ck.list_checkpoints(saver.root)] == ["step_00000002",
+                                                                 "step_00000001"]
+    assert [(step, name) for step, name, _ in seen] == [(1, ".tmp-step_00000001"),
+                                                        (2, ".tmp-step_00000002")]
+    assert all(STATE_FILE in files and MANIFEST not in files for _, _, files in seen)
+
+
+def test_the_checkpointer_refuses_parts_that_cannot_be_told_apart(tmp_path):
+    with pytest.raises(ValueError, match=r"^checkpointed parts share a name: \['trainer_state', "
+                                         r"'trainer_state'\]$"):
+        Checkpointer(tmp_path, keep=1, warn=print, parts=[TrainerState(), TrainerState()])
+    with pytest.raises(ValueError, match="^the checkpointed parts must hold exactly one "
+                                         "TrainerState$"):
+        Checkpointer(tmp_path, keep=1, warn=print, parts=[])

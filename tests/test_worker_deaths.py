@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from accel_train.config import TrainConfig
 from accel_train.loading import build_loaders
 from accel_train.sources import load_data
-from accel_train.worker_deaths import _loader_iterator_in, dead_loader_worker, worker_died
+from accel_train.worker_deaths import (_loader_iterator_in, dead_loader_worker,
+                                       restarting_dead_workers, worker_died)
 from accel_train.worker_start import worker_context, worker_init_fn
 
 KILL_AFTER = 0.3  # seconds: after torch's check of its workers, well before our wait ends
@@ -177,3 +178,43 @@ def test_the_training_loader_restarts_its_workers_after_a_reset_handover_and_los
     assert len(batches) == len(reference) == 128 // 8
     for (images, labels), (ref_images, ref_labels) in zip(batches, reference):
         assert torch.equal(images, ref_images) and torch.equal(labels, ref_labels)
+
+
+def test_restarts_stop_at_the_cap_and_other_errors_go_out_at_once():
+    """The restart loop alone, with torch's words for a death: three restarts an epoch, each
+    warned about word for word, then the fourth death goes out; an error that is not a death
+    goes out at once, with no warning and no restart."""
+    starts, restarted, warned = [], [], []
+
+    def dying_every_time():  # yields one batch per start, then its worker dies (6 at most)
+        starts.append(len(starts) + 1)
+        yield len(starts)
+        if len(starts) < 6:
+            raise RuntimeError(f"DataLoader worker (pid(s) {100 + len(starts)}) exited "
+                               f"unexpectedly")
+
+    batches = []
+    with pytest.raises(RuntimeError, match=r"pid\(s\) 104\)"):
+        for batch in restarting_dead_workers(dying_every_time, lambda: restarted.append(1),
+                                             lambda: "12 samples into epoch 2", warned.append):
+            batches.append(batch)
+    assert batches == [1, 2, 3, 4] and len(restarted) == 3
+    assert warned[0] == (
+        "a loader worker died (DataLoader worker (pid(s) 101) exited unexpectedly) 12 samples "
+        "into epoch 2: its workers start again there (1 of at most 3 restarts this epoch). If "
+        "the kernel's OOM killer did it (dmesg), lower --num-workers, --prefetch-factor or the "
+        "image size")
+    for n, text in enumerate(warned, 1):
+        assert f"(pid(s) {100 + n}) exited" in text, text
+        assert f"({n} of at most 3 restarts this epoch)" in text, text
+
+    def failing():
+        yield 1
+        raise RuntimeError("DataLoader worker (pid 7) raised ValueError: a bad sample")
+
+    restarted.clear()
+    warned.clear()
+    with pytest.raises(RuntimeError, match="a bad sample"):
+        list(restarting_dead_workers(failing, lambda: restarted.append(1), lambda: "",
+                                     warned.append))
+    assert not restarted and not warned

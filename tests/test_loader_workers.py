@@ -14,6 +14,7 @@ import threading
 import psutil
 import pytest
 
+from conftest import accel_train_here
 from fault_entry import BLOCK_READ_ENV, STEP_SECONDS_ENV
 from faults import LOADER_WORKER_NAME, Run, max_weight_difference, metrics, python_cmd, wait_until
 
@@ -51,10 +52,8 @@ def test_a_killed_loader_worker_costs_a_warning_and_the_run_ends_bit_identical(
     flags = KILLED_WORKER_CASES[case]
     if case == "streaming":
         flags = ["--data-dir", str(request.getfixturevalue("synthetic_shards")), *flags]
-    reference = Run(python_cmd(*flags, "--output-dir", str(tmp_path / "reference")),
-                    tmp_path / "reference.log")
-    runs.append(reference)
-    reference.check()
+    # the reference in this process: no process start, and another history of global draws
+    accel_train_here(*flags, "--output-dir", str(tmp_path / "reference"), check=True)
 
     out = tmp_path / "run"
     run = Run(python_cmd(*flags, "--output-dir", str(out)), tmp_path / "run.log",

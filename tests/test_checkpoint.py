@@ -5,6 +5,7 @@ the global batch on another number of processes."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -572,3 +573,84 @@ def test_the_checkpointer_refuses_parts_that_cannot_be_told_apart(tmp_path):
     with pytest.raises(ValueError, match="^the checkpointed parts must hold exactly one "
                                          "TrainerState$"):
         Checkpointer(tmp_path, keep=1, warn=print, parts=[])
+
+
+# -- a full disk: which errors mean it, and the sentence (test_full_disk.py runs it whole) --------
+
+@pytest.mark.parametrize("count, shown", [(0, "0 bytes"), (1023, "1023 bytes"),
+                                          (1024, "1.0 KiB"), (1536, "1.5 KiB"),
+                                          (1024 ** 2 - 1, "1024.0 KiB"), (1024 ** 2, "1.0 MiB"),
+                                          (5 * 1024 ** 3, "5.0 GiB"),
+                                          (3 * 1024 ** 4, "3072.0 GiB")])
+def test_sizes_in_the_full_disk_sentence_are_written_as_a_person_reads_them(count, shown):
+    assert ck._size(count) == shown
+
+
+def _enospc(filename=None) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+
+
+def test_a_full_disk_is_found_anywhere_in_the_error_chain(tmp_path, monkeypatch):
+    roomy = tmp_path  # the fallback (is the disk nearly full?) says no here
+    monkeypatch.setattr(ck, "free_bytes", lambda folder: 10 * ck.NEARLY_FULL_BYTES)
+    assert ck.out_of_space(_enospc(), roomy)
+    assert ck.out_of_space(OSError(errno.EDQUOT, "Disk quota exceeded"), roomy)
+    wrapped = RuntimeError("safetensors: I/O error")
+    wrapped.__cause__ = _enospc()  # raise ... from err, with no other error being handled
+    assert ck.out_of_space(wrapped, roomy)
+    during = RuntimeError("while handling it")
+    during.__context__ = _enospc()
+    assert ck.out_of_space(during, roomy)
+    text_only = RuntimeError(f"write failed: {os.strerror(errno.ENOSPC)}")
+    assert ck.out_of_space(text_only, roomy)
+    first, second = RuntimeError("a"), RuntimeError("b")  # a cycle ends the walk
+    first.__context__, second.__context__ = second, first
+    assert not ck.out_of_space(first, roomy)
+    assert not ck.out_of_space(OSError(errno.EIO, "Input/output error"), roomy)
+
+
+def test_an_error_that_names_nothing_asks_the_disk(tmp_path, monkeypatch):
+    """torch.save's writer says only "unexpected pos": a disk with less than 1 MiB free counts
+    as full; exactly 1 MiB does not; a disk that cannot be asked does not."""
+    opaque = RuntimeError("PytorchStreamWriter failed writing file data/0: unexpected pos")
+    monkeypatch.setattr(ck, "free_bytes", lambda folder: ck.NEARLY_FULL_BYTES - 1)
+    assert ck.out_of_space(opaque, tmp_path)
+    monkeypatch.setattr(ck, "free_bytes", lambda folder: ck.NEARLY_FULL_BYTES)
+    assert not ck.out_of_space(opaque, tmp_path)
+
+    def unreachable(folder):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(ck, "free_bytes", unreachable)
+    assert not ck.out_of_space(opaque, tmp_path)
+
+
+def test_the_full_disk_sentence_names_the_file_the_sizes_and_where_to_resume(bundle,
+                                                                            monkeypatch):
+    saver, _, train_step, _ = bundle
+    monkeypatch.setattr(ck, "free_bytes", lambda folder: 512)
+    final = saver.root / "step_00000009"
+    tmp = saver.root / ".tmp-step_00000009"
+
+    def partial_save():
+        tmp.mkdir(parents=True)
+        (tmp / "model.safetensors").write_bytes(b"m" * 1024)
+        (tmp / "optimizer.bin").write_bytes(b"o" * 512)
+        os.utime(tmp / "model.safetensors", ns=(1, 1))  # optimizer.bin is the newest
+
+    partial_save()
+    said = saver._out_of_space_message(_enospc(), tmp, final)
+    assert said == (f"no space left on the device of {saver.root} (disk full or quota reached) "
+                    f"while writing optimizer.bin of checkpoint step_00000009: it had written "
+                    f"1.5 KiB when it failed, 512 bytes was free; removed the partial save; free "
+                    f"some space, then run the same command with --resume auto to start again "
+                    f"(no checkpoint was complete yet)")
+    assert not tmp.exists()
+
+    complete = save_steps(saver, train_step, 3)[3]
+    size = sum(p.stat().st_size for p in complete.rglob("*") if p.is_file())
+    partial_save()
+    said = saver._out_of_space_message(_enospc("/elsewhere/scheduler.bin"), tmp, final)
+    assert "while writing scheduler.bin of checkpoint step_00000009: a checkpoint of this run " \
+           f"takes {size / 1024:.1f} KiB, 512 bytes was free" in said, said
+    assert said.endswith(f"--resume auto to continue from {complete}"), said

@@ -647,6 +647,10 @@ def test_the_full_disk_sentence_names_the_file_the_sizes_and_where_to_resume(bun
                     f"(no checkpoint was complete yet)")
     assert not tmp.exists()
 
+    said = saver._out_of_space_message(RuntimeError("unexpected pos"), tmp, final)
+    assert "while writing .tmp-step_00000009 of checkpoint step_00000009: it had written 0 " \
+           "bytes when it failed" in said, said  # nothing written: the folder is named
+
     complete = save_steps(saver, train_step, 3)[3]
     size = sum(p.stat().st_size for p in complete.rglob("*") if p.is_file())
     partial_save()
@@ -654,3 +658,39 @@ def test_the_full_disk_sentence_names_the_file_the_sizes_and_where_to_resume(bun
     assert "while writing scheduler.bin of checkpoint step_00000009: a checkpoint of this run " \
            f"takes {size / 1024:.1f} KiB, 512 bytes was free" in said, said
     assert said.endswith(f"--resume auto to continue from {complete}"), said
+
+
+class FullDiskPart:
+    """A checkpointed part whose file does not fit on the disk."""
+    name = "ema"
+
+    def save(self, folder: Path) -> None:
+        (folder / "ema.safetensors").write_bytes(b"e" * 100)
+        raise _enospc(str(folder / "ema.safetensors"))
+
+    def load(self, folder: Path) -> None:
+        pass
+
+
+def test_a_save_that_fills_the_disk_stops_the_run_naming_the_file(bundle, monkeypatch):
+    from accel_train.errors import DISK_FULL_EXIT, RunStopped
+
+    saver, _, train_step, warnings = bundle
+    monkeypatch.setattr(ck, "free_bytes", lambda folder: 0)
+    full = Checkpointer(saver.root, keep=2, warn=warnings, parts=[*saver.parts, FullDiskPart()])
+    train_step()
+    with pytest.raises(RunStopped) as caught:
+        save_as(full, state(4))
+    assert caught.value.exit_code == DISK_FULL_EXIT
+    assert "while writing ema.safetensors of checkpoint step_00000004: it had written " in \
+        str(caught.value), caught.value
+    assert os.listdir(saver.root) == []  # the partial save removed
+
+
+def test_a_stale_folder_of_the_same_save_is_replaced_not_merged(bundle):
+    saver, _, train_step, _ = bundle
+    stale = saver.root / ".tmp-step_00000003"
+    stale.mkdir(parents=True)
+    (stale / "leftover.bin").write_bytes(b"from a save that died")
+    path = save_steps(saver, train_step, 3)[3]
+    assert "leftover.bin" not in os.listdir(path) and verify(path) is None

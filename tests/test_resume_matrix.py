@@ -144,6 +144,9 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_da
     # Exactness must not depend on Accelerate's RNG files: the resumed run starts without them
     # (the manifest rewritten to match), so its global generators are a fresh process's.
     folder = stopped / "checkpoints" / f"step_{stop:08d}"
+    # (every rank wrote its own: Accelerate's part of a save runs on every rank together)
+    assert sorted(p.name for p in folder.glob("random_states_*.pkl")) == \
+        [f"random_states_{rank}.pkl" for rank in range(processes)], about
     for rng_file in folder.glob("random_states_*.pkl"):
         rng_file.unlink()
     write_manifest(folder, stop)

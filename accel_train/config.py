@@ -102,6 +102,12 @@ class TrainConfig:
     augment: bool = option(True, "Random crop + horizontal flip on training images "
                            "(--no-augment turns it off, with what follows).", "data",
                            draws_random=True)
+    crop_pad: Optional[int] = option(None, "How far the training crop may shift an image of "
+                                     "64 px or less, in pixels (it reflect-pads by this much, "
+                                     "then crops at a random offset): shorter runs want less, "
+                                     "e.g. 2 at 32 px (airbench). Not set: the image size / 8 "
+                                     "(4 px at 32). Larger images take a random resized crop "
+                                     "instead.", "data", draws_random=True)
     flip: str = option("random", "The training augmentation's horizontal flip: random (each "
                        "image mirrored with probability 1/2 in every epoch) or alternate (a "
                        "random half mirrored in even epochs, the other half in odd ones, so "
@@ -134,7 +140,9 @@ class TrainConfig:
                                "training images' patches (eigenvectors of their covariance, "
                                "scaled; each filter with its negative), as airbench does: "
                                "decorrelated inputs from the first step. Any model whose first "
-                               "layer is a plain convolution.", "model")
+                               "layer is a plain convolution. When every filter of it is "
+                               "whitened, its weights stay fixed (as airbench's; its bias "
+                               "trains).", "model")
     bn_momentum: Optional[float] = option(None, "Momentum of every BatchNorm layer's running "
                                           "statistics (torch's convention: the weight of the "
                                           "newest batch; 0.1 is torch's default). Short runs "
@@ -170,6 +178,18 @@ class TrainConfig:
                                           "one's, the head keeps the peak (e.g. 0.75).",
                                           "optimization")
     weight_decay: float = option(5e-4, "Weight decay.", "optimization")
+    lookahead_every: int = option(0, "Every K optimizer steps, move a slow copy of the weights "
+                                  "towards the trained ones and go on from it, more strongly as "
+                                  "the run nears its end (airbench's Lookahead-style averaging, "
+                                  "K=5); the model takes the slow copy at every epoch end. 0: "
+                                  "off. Not --optimizer lookahead_NAME (a fixed halfway pull).",
+                                  "optimization")
+    norm_bias_lr_scale: float = option(1.0, "Learning-rate multiplier for the shifts (biases) "
+                                       "of normalization layers (BatchNorm, GroupNorm, "
+                                       "LayerNorm), the warmup and decay applying to it as to "
+                                       "the rest: airbench trains them 64x faster than the "
+                                       "convolutions, whose BatchNorm makes them scale-free.",
+                                       "optimization")
     warmup_epochs: float = option(1.0, "Linear warmup length in epochs (may be fractional); "
                                   "cosine decay follows.", "optimization")
     label_smoothing: float = option(0.1, "Label smoothing for the cross-entropy loss.",
@@ -286,6 +306,14 @@ class TrainConfig:
                      "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{flag(name)} must be >= 0 (got {getattr(self, name)!r})")
+        if self.crop_pad is not None and self.crop_pad < 0:
+            raise UsageError(f"--crop-pad must be 0 or more pixels (got {self.crop_pad})")
+        if self.lookahead_every < 0:
+            raise UsageError(f"--lookahead-every must be 0 (off) or a number of steps >= 1 "
+                             f"(got {self.lookahead_every})")
+        if not (self.norm_bias_lr_scale > 0 and math.isfinite(self.norm_bias_lr_scale)):
+            raise UsageError(f"--norm-bias-lr-scale must be a number > 0 (got "
+                             f"{self.norm_bias_lr_scale!r}); 1 trains them like the rest")
         if self.label_smoothing >= 1 or self.drop_rate >= 1:
             raise UsageError("--label-smoothing and --drop-rate must be below 1")
         if not 0 < self.val_fraction < 1:

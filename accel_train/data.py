@@ -286,7 +286,7 @@ def run_transforms(config, spec) -> tuple[ImageTransform, ImageTransform]:
     normalizes.  Both data paths (indexed and streamed) build theirs here."""
     augmenting = config.augment
     train_tf = ImageTransform(spec.image_size, spec.mean, spec.std, augment=augmenting,
-                              flip=config.flip,
+                              flip=config.flip, crop_pad=config.crop_pad,
                               policy=build_policy(config.auto_augment)
                               if augmenting and config.auto_augment else None,
                               erasing=build_erasing(config.reprob) if augmenting else None)

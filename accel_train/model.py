@@ -234,7 +234,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
         whitened = whiten_first_conv(model, whitening_images(
             data.train, ImageTransform(image_size, spec.mean, spec.std)))
     num_trainable = (freeze_backbone(model) if config.freeze_backbone
-                     else sum(p.numel() for p in model.parameters()))
+                     else sum(p.numel() for p in model.parameters() if p.requires_grad))
     sync_bn = config.sync_bn and num_processes > 1
     if sync_bn:
         convert_sync_batchnorm(model, cuda=cuda)

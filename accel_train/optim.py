@@ -44,9 +44,40 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     optimizer = create_optimizer_v2(model, opt=name, lr=config.learning_rate,
                                     weight_decay=config.weight_decay, momentum=config.momentum,
                                     layer_decay=config.layer_decay)
+    if config.norm_bias_lr_scale != 1:
+        # timm's groups (weight decay, layer scales) each split in two, its normalization
+        # shifts scaled: timm has no such option, and its groups are what the scale applies to.
+        groups = _with_norm_shifts_apart(optimizer.param_groups, norm_shifts(model),
+                                         config.norm_bias_lr_scale)
+        optimizer = create_optimizer_v2(groups, opt=name, lr=config.learning_rate,
+                                        momentum=config.momentum)
     for group in optimizer.param_groups:
         group["lr"] = config.learning_rate * group.get("lr_scale", 1.0)
     return optimizer
+
+
+def norm_shifts(model: nn.Module) -> set[int]:
+    """ids of the normalization layers' shift parameters (BatchNorm, GroupNorm, LayerNorm and
+    their timm subclasses) that train."""
+    kinds = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+    return {id(module.bias) for module in model.modules()
+            if isinstance(module, kinds) and getattr(module, "bias", None) is not None
+            and module.bias.requires_grad}
+
+
+def _with_norm_shifts_apart(groups: list[dict], shifts: set[int], scale: float) -> list[dict]:
+    """Each group as timm made it (params, weight decay, layer scale), split into its
+    normalization shifts (learning-rate scale times `scale`) and the rest."""
+    split = []
+    for group in groups:
+        kept = {key: group[key] for key in ("weight_decay", "lr_scale") if key in group}
+        for is_shift in (True, False):
+            params = [p for p in group["params"] if (id(p) in shifts) == is_shift]
+            if params:
+                factor = scale if is_shift else 1.0
+                split.append({**kept, "params": params,
+                              "lr_scale": kept.get("lr_scale", 1.0) * factor})
+    return split
 
 
 SCHEDULE_FILE = "schedule.json"

@@ -149,6 +149,54 @@ class ResNet9(_SmallImageClassifier):
                          classifier_bias=False, logit_scale=0.125)
 
 
+class _DiracConv(nn.Conv2d):
+    """3x3 convolution, no bias, whose first `in_channels` filters start as the identity
+    (torch's dirac_) and the rest as torch's default: airbench's initialization, which lets
+    each new layer start by passing its input on, so a short run trains from the first step."""
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__(in_channels, out_channels, 3, padding=1, bias=False)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        with torch.no_grad():
+            nn.init.dirac_(self.weight[:self.in_channels])
+
+
+def _fixed_scale_bn(width: int) -> nn.BatchNorm2d:
+    """BatchNorm whose scale stays 1 (not trained) and whose shift trains: airbench's setting
+    (eps 1e-12 as there; the convolution before it is scale-free, so a trained scale only adds
+    a direction that weight decay and the learning rate fight over)."""
+    bn = nn.BatchNorm2d(width, eps=1e-12)
+    bn.weight.requires_grad_(False)
+    return bn
+
+
+class AirbenchNet(_SmallImageClassifier):
+    """Keller Jordan's airbench94 network (arXiv:2404.00498, airbench94.py), as published:
+    a 2x2 convolution without padding (24 filters; airbench writes the whitened patches of the
+    training images into it: --whiten-stem) and GELU; then three groups of 3x3 conv, 2x2 max
+    pool, BatchNorm, GELU, 3x3 conv, BatchNorm, GELU (widths 64, 256, 256; convs start as
+    identity on their first channels, BatchNorm scales fixed at 1); global max pool; linear
+    classifier without bias; logits scaled by 1/9.  Pooling right after each group's first
+    convolution puts most of the arithmetic in wide layers at small maps, which a CPU runs
+    near its matmul speed: at 2.7x cifar_convnet_l's FLOPs it trains at about 0.75x its
+    images per second (BENCHMARKS.md)."""
+
+    def __init__(self, widths: tuple[int, ...] = (24, 64, 256, 256), num_classes: int = 10,
+                 in_chans: int = 3, drop_rate: float = 0.0, global_pool: str = "max"):
+        stem_width, *group_widths = widths
+        groups, channels = [], stem_width
+        for width in group_widths:
+            groups.append(nn.Sequential(
+                _DiracConv(channels, width), nn.MaxPool2d(2), _fixed_scale_bn(width), nn.GELU(),
+                _DiracConv(width, width), _fixed_scale_bn(width), nn.GELU()))
+            channels = width
+        stem = nn.Sequential(nn.Conv2d(in_chans, stem_width, 2, padding=0, bias=True), nn.GELU())
+        super().__init__(stem, nn.Sequential(*groups), tuple(widths), num_classes, drop_rate,
+                         global_pool, classifier_bias=False, logit_scale=1 / 9)
+
+
 def _cfg(**kwargs) -> dict:
     return dict(num_classes=10, input_size=(3, 32, 32), pool_size=None, crop_pct=1.0,
                 interpolation="bilinear", mean=_CIFAR_MEAN, std=_CIFAR_STD,
@@ -157,7 +205,8 @@ def _cfg(**kwargs) -> dict:
 
 # timm's register_model reads this module-level name for each registered function's defaults.
 default_cfgs = generate_default_cfgs({name: _cfg() for name in (
-    "cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l", "cifar_resnet9")})
+    "cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l", "cifar_resnet9",
+    "cifar_airbench")})
 
 
 def _create(variant: str, widths: tuple[int, ...], pretrained: bool, **kwargs) -> nn.Module:
@@ -188,4 +237,12 @@ def cifar_resnet9(pretrained: bool = False, **kwargs) -> nn.Module:
     """Page's ResNet-9 (6.57 M parameters): the GPU recipe's network
     (recipes/cifar10-gpu.yaml)."""
     return build_model_with_cfg(ResNet9, "cifar_resnet9", pretrained,
+                                feature_cfg=dict(flatten_sequential=True), **kwargs)
+
+
+@register_model
+def cifar_airbench(pretrained: bool = False, **kwargs) -> nn.Module:
+    """airbench94's network (1.97 M parameters): the CPU recipe's network
+    (recipes/cifar10-cpu-10min.yaml), with --whiten-stem."""
+    return build_model_with_cfg(AirbenchNet, "cifar_airbench", pretrained,
                                 feature_cfg=dict(flatten_sequential=True), **kwargs)

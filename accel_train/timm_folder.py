@@ -31,7 +31,8 @@ OUR_SECTION = "accel_train"  # keys timm's and transformers' readers leave alone
 FORMAT_VERSION = 1
 # The networks accel_train registers in timm's registry (small_nets.py): other programs know
 # them only once accel_train is imported.
-OWN_NETWORKS = ("cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l", "cifar_resnet9")
+OWN_NETWORKS = ("cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l", "cifar_resnet9",
+                "cifar_airbench")
 
 
 def preprocessing(spec: ModelSpec) -> dict:

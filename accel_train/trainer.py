@@ -37,6 +37,7 @@ from .config import TrainConfig
 from .datawait import data_wait_clock
 from .divergence import stop_if_diverged
 from .ema import ModelEma
+from .lookahead import LookaheadAverage
 from .errors import first_line
 from .evaluate import evaluate_classifier
 from .loading import build_loaders, stop_when_stuck
@@ -133,13 +134,15 @@ class Trainer:
                                   optimizer=config.optimizer)
         self.ema = ModelEma(self._bare_model(), config.model_ema_decay, config.seed,
                             self.report.warn) if config.model_ema else None
+        self.lookahead = LookaheadAverage(self._bare_model(), config.lookahead_every,
+                                          self.report.warn) if config.lookahead_every else None
         # What every checkpoint holds and a resume restores, in this order: the checks that
         # refuse a checkpoint (another model, other data) come before anything is loaded.
         self.checkpointer = Checkpointer(
             plan.checkpoint_dir, config.keep_checkpoints, self.report.warn,
             parts=[self.net.spec, self.state, self.train_loader, AccelerateState(acc,
                    self.report.warn), self.schedule, *([self.ema] if self.ema else []),
-                   self.bad_images],
+                   *([self.lookahead] if self.lookahead else []), self.bad_images],
             is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
             before_manifest=self.callbacks.before_manifest, keep_best=config.keep_best)
         self.learning_rate_change = None
@@ -405,6 +408,8 @@ class Trainer:
                 self._agree_on_tight_timeout()
             if self.budget is not None:
                 self._maybe_fit_schedule()
+            if self.lookahead is not None:
+                self.lookahead.after_step(state.step, self.total_steps)
             if self.ema is not None:
                 self.ema.update(self._bare_model(), state.step)
             if state.step % config.log_every == 0:
@@ -442,6 +447,8 @@ class Trainer:
 
     def _end_epoch(self, epoch_seconds: Optional[float]):
         state = self.state
+        if self.lookahead is not None:
+            self.lookahead.at_epoch_end()   # what is evaluated and saved is the average
         results = self.evaluate()
         state.best_top1 = max(results["top1"], state.best_top1 or 0.0)
         state.eval_top1, state.eval_step = results["top1"], state.step

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torchvision.transforms.v2 import functional as TF
 
 from .augment import apply_seeded, erase_seeded
+from .errors import UsageError
 
 SMALL_IMAGE = 64  # at or below: pad-and-crop (CIFAR style); above: random resized crop
 
@@ -105,9 +106,17 @@ class ImageTransform:
     # half of the images in even epochs, the other half in odd ones), so that every image is
     # seen both ways in any two consecutive epochs instead of at random.
     flip: str = "random"
+    # --crop-pad: how far the CIFAR-style crop may shift an image (None: the size / 8)
+    crop_pad: Optional[int] = None
     # With augment, after the crop and flip (augment.py: seeded per sample like the crop):
     policy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # --auto-augment, uint8
     erasing: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # --reprob, normalized
+
+    def __post_init__(self):
+        # reflect padding needs less than the image's own size
+        if self.augment and self.crop_pad is not None and self.crop_pad >= self.image_size:
+            raise UsageError(f"--crop-pad {self.crop_pad} must be below the image size "
+                             f"({self.image_size} px)")
 
     @single_threaded
     def __call__(self, image: torch.Tensor,
@@ -197,10 +206,11 @@ class ImageTransform:
 
     def _pad_crop_flip(self, images: torch.Tensor, bits: np.ndarray,
                        flip: torch.Tensor) -> torch.Tensor:
-        """CIFAR augmentation for a batch: reflect-pad by size/8, take a random size x size
-        crop, mirror the images `flip` marks; offsets from `bits` (one uint64 per image)."""
+        """CIFAR augmentation for a batch: reflect-pad by --crop-pad (default size/8), take a
+        random size x size crop, mirror the images `flip` marks; offsets from `bits` (one
+        uint64 per image)."""
         size, count = self.image_size, images.shape[0]
-        pad = max(1, size // 8)
+        pad = self.crop_pad if self.crop_pad is not None else max(1, size // 8)
         span = 2 * pad + 1  # possible offsets per axis
         bits = torch.from_numpy((bits >> np.uint64(1)).astype(np.int64))  # 63 bits, non-negative
         top = ((bits & 0xFFFFFF) * span) >> 24

@@ -85,7 +85,11 @@ def whitening_filters(covariance: torch.Tensor, num_filters: int, eps: float = E
 @torch.no_grad()
 def whiten_first_conv(model: nn.Module, images: torch.Tensor, eps: float = EPS) -> str:
     """Write the whitening of `images` (normalized, [N, C, H, W]) into the first convolution's
-    first min(out_channels, 2 * patch dim) filters (and zero its bias); says what it did."""
+    first min(out_channels, 2 * patch dim) filters (and zero its bias); says what it did.
+
+    When that is every filter, the weights are frozen (airbench's choice): the layer is then a
+    fixed change of basis of the pixels, which the learning rate of the rest of the network
+    would only disturb.  A layer with filters of its own init beyond those trains whole."""
     name, conv = first_conv(model, images.shape[1])
     kernel = tuple(conv.kernel_size)
     dim = conv.in_channels * kernel[0] * kernel[1]
@@ -95,8 +99,13 @@ def whiten_first_conv(model: nn.Module, images: torch.Tensor, eps: float = EPS) 
         conv.weight.dtype)
     if conv.bias is not None:
         conv.bias.zero_()
+    fixed = num_filters == conv.out_channels
+    if fixed:
+        conv.weight.requires_grad_(False)
     return (f"{name} ({num_filters} of {conv.out_channels} filters) whitened from the "
-            f"{kernel[0]}x{kernel[1]} patches of {len(images)} training images")
+            f"{kernel[0]}x{kernel[1]} patches of {len(images)} training images"
+            + ("; the layer trains" if not fixed else "; its weights fixed"
+               + (", its bias trains" if conv.bias is not None else "")))
 
 
 def whitening_images(source, transform) -> torch.Tensor:

@@ -49,13 +49,15 @@ class HandLoop:
     """The minimal loop: what someone writes by hand for in-memory tensors."""
 
     def __init__(self, model_name: str, images: torch.Tensor, labels: torch.Tensor,
-                 batch_size: int, mean, std, seed: int = 0, channels_last: bool = False):
+                 batch_size: int, mean, std, seed: int = 0, channels_last: bool = False,
+                 bf16: bool = False):
         import timm
         torch.manual_seed(seed)
         self.model = timm.create_model(model_name, num_classes=10)
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.channels_last = channels_last
+        self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9,
                                          nesterov=True, weight_decay=5e-4)
         self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
@@ -72,7 +74,8 @@ class HandLoop:
             x = (self.images[index].float() / 255 - self.mean) / self.std
             if self.channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
-            loss = self.loss_fn(self.model(x), self.labels[index])
+            with self.autocast:
+                loss = self.loss_fn(self.model(x), self.labels[index])
             loss.backward()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -87,7 +90,8 @@ def make_trainer(args, augment: bool, out_dir: Path):
                          batch_size=args.batch_size, max_train_samples=args.steps * args.batch_size,
                          max_eval_samples=args.batch_size, epochs=1_000_000,
                          log_every=args.log_every, augment=augment, progress="log", plots=False,
-                         channels_last=args.channels_last, mixed_precision="no",
+                         channels_last=args.channels_last,
+                         mixed_precision=args.mixed_precision,
                          output_dir=str(out_dir),
                          in_memory="always")
     trainer = Trainer.from_config(config)
@@ -108,7 +112,8 @@ def throughput(args, report: benchlib.Report) -> dict:
     augmented = make_trainer(args, augment=True, out_dir=work / "aug")
     data = plain.data.train
     hand = HandLoop(args.model, data.images, data.labels, args.batch_size, plain.net.spec.mean,
-                    plain.net.spec.std, channels_last=args.channels_last)
+                    plain.net.spec.std, channels_last=args.channels_last,
+                    bf16=args.mixed_precision == "bf16")
     blocks = {"hand loop": lambda: hand.run(args.steps),
               "accel_train": lambda: trainer_block(plain),
               "accel_train + aug": lambda: trainer_block(augmented)}
@@ -189,7 +194,8 @@ def child(args) -> None:
         from accel_train.data import dataset_mean_std
         mean, std = dataset_mean_std(data.train)
         arm = HandLoop(args.model, data.train.images, data.train.labels, args.batch_size, mean,
-                       std, channels_last=args.channels_last)
+                       std, channels_last=args.channels_last,
+                       bf16=args.mixed_precision == "bf16")
         step = lambda: arm.run(args.steps)  # noqa: E731
     else:
         trainer = make_trainer(args, augment=args.child == "accel_train + aug", out_dir=work)
@@ -210,6 +216,7 @@ def memory(args, report: benchlib.Report) -> dict:
                args.data_dir, "--tmp", args.tmp]
         if args.channels_last:
             cmd.append("--channels-last")
+        cmd += ["--mixed-precision", args.mixed_precision]
         results[arm] = benchlib.last_json_line(benchlib.run(cmd, env=benchlib.child_env()).stdout)
     hand = results.get("hand loop", {"peak_mb": float("nan"), "before_mb": 0.0})
     hand_growth = hand["peak_mb"] - hand["before_mb"]
@@ -242,6 +249,8 @@ def main() -> int:
     parser.add_argument("--memory-steps", type=int, default=None)
     parser.add_argument("--log-every", type=int, default=20, help="the trainer's default")
     parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
+                        help="bf16: autocast in both loops (the CPU recipe's precision)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's, one per core)")
     parser.add_argument("--skip-memory", action="store_true")

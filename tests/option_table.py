@@ -101,6 +101,9 @@ ROWS: dict[str, Row] = {
         "test_small_nets.py::test_a_run_trains_exports_and_evaluates_one_with_flip_tta",
         "the run's own evaluation equals eval --tta flip, itself checked against plain torch; "
         "flip-translate: test_short_run_options.py, six views built with index arrays"),
+    "train --crop-pad": effect(
+        "test_short_run_options.py::test_crop_pad_bounds_the_training_crops_shift",
+        "crop offsets read off row-numbered images: exactly -2..2 with 2, -4..4 unset, 0 with 0"),
     "train --flip": effect(
         "test_short_run_options.py::test_alternate_flip_mirrors_a_random_half_then_the_other_half",
         "mirroring read off ramp images' pixels: epoch e mirrors exactly the images epoch 0 did "
@@ -216,6 +219,14 @@ ROWS: dict[str, Row] = {
     "train --layer-decay": effect(
         f"{COMPONENTS}::test_layer_decay_scales_each_parameters_rate_as_timm_does",
         "each group's rate is the peak times timm's param_groups_layer_decay scale"),
+    "train --lookahead-every": effect(
+        "test_short_run_options.py::test_lookahead_every_through_the_command_line",
+        "one step: every float tensor at start + 0.05 x (trained - start), rho = 0.95 x 1^3 by "
+        "hand; K=2 (no sync) ends on the initial state; exact resume: test_resume_matrix.py"),
+    "train --norm-bias-lr-scale": effect(
+        "test_short_run_options.py::test_norm_bias_lr_scale_through_the_command_line",
+        "after one step each BatchNorm bias moved exactly 64x as far as without; every other "
+        "tensor identical; with --layer-decay: test_recipe_components.py, timm's groups x 64"),
     "train --weight-decay": effect(
         f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
         "decay 0.5 on weights only, written into the hand update"),

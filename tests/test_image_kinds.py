@@ -16,7 +16,7 @@ from PIL import Image
 
 import imagekinds as kinds
 from accel_train.config import TrainConfig
-from accel_train.decode import Unreadable, decode, decode_many
+from accel_train.decode import Unreadable, decode, decode_many, read_value
 from accel_train.errors import UsageError
 from accel_train.sources import load_data
 
@@ -201,3 +201,41 @@ def test_every_broken_file_in_a_folder_is_named_by_its_path(tmp_path):
     with pytest.raises(UsageError, match=r"image train/(ant|bee)/x_\w+\.\w+ cannot be decoded "
                                          r"\(.*\); remove or replace that file"):
         load_data(TrainConfig(data_dir=str(tmp_path), bad_images="error"))
+
+
+# read_value: what a `datasets` Image value, a path or a PIL image gives the decoder.  Oracles:
+# the bytes written to disk by the test and the sentences a user reads in the bad-image report.
+
+def test_a_value_with_bytes_gives_those_bytes_and_never_reads_its_path(tmp_path):
+    other = tmp_path / "other.png"
+    other.write_bytes(b"the file on disk")
+    assert read_value({"bytes": b"in the row", "path": str(other)}) == b"in the row"
+
+
+def test_a_value_with_only_a_path_reads_that_file(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"on disk")
+    assert read_value({"bytes": None, "path": str(tmp_path / "a.png")}) == b"on disk"
+    assert read_value(tmp_path / "a.png") == b"on disk"          # a bare path too
+
+
+def test_relative_paths_are_read_under_the_root_and_absolute_ones_as_they_are(tmp_path,
+                                                                             monkeypatch):
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "a.png").write_bytes(b"under the root")
+    (tmp_path / "a.png").write_bytes(b"in the working folder")
+    monkeypatch.chdir(tmp_path)
+    assert read_value("a.png", root=tmp_path / "root") == b"under the root"
+    assert read_value("a.png") == b"in the working folder"              # no root: as given
+    assert read_value(str(tmp_path / "a.png"), root=tmp_path / "root") == b"in the working folder"
+
+
+def test_a_missing_or_unreadable_file_and_a_foreign_value_say_why_in_words(tmp_path):
+    with pytest.raises(Unreadable) as gone:
+        read_value({"bytes": None, "path": str(tmp_path / "gone.png")})
+    assert gone.value.reason == "the file is gone (deleted or moved since the data was indexed)"
+    with pytest.raises(Unreadable) as folder:
+        read_value(tmp_path)                                    # a folder: OSError, its strerror
+    assert folder.value.reason == "cannot read the file (Is a directory)"
+    with pytest.raises(Unreadable) as foreign:
+        read_value(42)
+    assert foreign.value.reason == "not an image value (got int)"

@@ -35,6 +35,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from torch import nn
 import yaml
 from safetensors.torch import load_file
 
@@ -374,6 +375,40 @@ def test_the_optimizers_update_differently():
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             assert not torch.equal(deltas[a], deltas[b]), (a, b)
+
+
+@pytest.mark.parametrize("layer_decay", [None, 0.5])
+def test_norm_bias_lr_scale_multiplies_only_the_normalization_shifts(layer_decay):
+    """--norm-bias-lr-scale 8: every BatchNorm bias trains at 8x the rate timm's grouping gives
+    it (alone and with --layer-decay); every other parameter keeps timm's rate and weight decay
+    (oracle: timm's own param groups, and the BatchNorm modules of the model)."""
+    import timm
+    from timm.optim._param_groups import param_groups_layer_decay, param_groups_weight_decay
+
+    from accel_train.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = timm.create_model("test_resnet", num_classes=NUM_CLASSES)
+    peak = 0.1
+    optimizer = build_optimizer(model, TrainConfig(learning_rate=peak, weight_decay=WD,
+                                                   layer_decay=layer_decay,
+                                                   norm_bias_lr_scale=8.0))
+    groups = (param_groups_layer_decay(model, weight_decay=WD, layer_decay=layer_decay)
+              if layer_decay else param_groups_weight_decay(model, weight_decay=WD))
+    oracle = {id(p): (g.get("lr_scale", 1.0), g["weight_decay"]) for g in groups
+              for p in g["params"]}
+    shifts = {id(m.bias) for m in model.modules() if isinstance(m, nn.BatchNorm2d)}
+    assert len(shifts) > 3
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            scale, wd = oracle[id(p)]
+            wanted = peak * scale * (8.0 if id(p) in shifts else 1.0)
+            assert group["lr"] == pytest.approx(wanted), names[id(p)]
+            assert group["weight_decay"] == wd, names[id(p)]
+            seen.add(id(p))
+    assert seen == set(names)
 
 
 def test_layer_decay_scales_each_parameters_rate_as_timm_does():

@@ -32,12 +32,13 @@ from conftest import BIG_SIZE, PINNED, accel_train_here
 from faults import (Run, checkpoint, checkpoint_steps, max_weight_difference, metrics, resolved,
                     stopped_at, torchrun_cmd, wait_until)
 
-# Every random draw of training, on at once (and the EMA, the state that rides along).
+# Every random draw of training, on at once (and the EMA and the lookahead average, the state
+# that rides along: checkpoints every 3 steps, syncs every 2, so one falls between syncs).
 RANDOM_OPTIONS = ["--drop-rate", "0.3", "--drop-path", "0.1",
                   "--mixup", "0.8", "--cutmix", "1.0", "--mixup-switch-prob", "0.5",
                   "--auto-augment", "rand-m9-mstd0.5-inc1", "--reprob", "0.25", "--augment",
-                  "--flip", "alternate",
-                  "--model-ema", "--model-ema-decay", "0.9"]
+                  "--flip", "alternate", "--crop-pad", "2",
+                  "--model-ema", "--model-ema-decay", "0.9", "--lookahead-every", "2"]
 COMMON = ["--model", "test_resnet", "--batch-size", "16", "--checkpoint-every", "3",
           "--log-every", "1", "--keep-checkpoints", "10", "--progress", "log", "--no-plots",
           *PINNED, *RANDOM_OPTIONS]
@@ -71,7 +72,7 @@ def test_every_option_that_draws_random_numbers_is_in_the_matrix():
     config = config_from_args(build_train_parser().parse_args(COMMON), environ={})
     marked = [f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("draws_random")]
     assert {"drop_rate", "drop_path", "mixup", "cutmix", "auto_augment", "reprob",
-            "augment", "flip"} <= set(marked), marked
+            "augment", "flip", "crop_pad"} <= set(marked), marked
     # A mode with choices (--flip) counts as on only in a mode other than its default: the
     # default's draws are those of another option already here (the crop's hash).
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}

@@ -57,6 +57,38 @@ def test_alternate_flip_mirrors_a_random_half_then_the_other_half(size):
     assert (_mirrored(other.batch(images, 8, [0] * count, indices)) != alternate[0]).any()
 
 
+def _row_shifts(config) -> set[int]:
+    """The vertical offsets of the training crops run_transforms builds for `config` (what the
+    CLI calls), read off images whose every row holds its own index (x 7) in all pixels: the
+    crop's middle row shows which original row it came from."""
+    from types import SimpleNamespace
+
+    from accel_train.data import run_transforms
+    rows = (torch.arange(32, dtype=torch.uint8) * 7).view(1, 1, 32, 1)
+    images = rows.expand(600, 3, 32, 32).clone()
+    spec = SimpleNamespace(image_size=32, **IDENTITY)
+    train, _ = run_transforms(config, spec)
+    out = train.batch(images, 3, [0] * 600, np.arange(600))
+    return {int(v) // 7 - 16 for v in out[:, 0, 16, 16].round().to(torch.int64)}
+
+
+def test_crop_pad_bounds_the_training_crops_shift():
+    """--crop-pad 2: every crop shifted by -2..2 rows, each of the five seen over 600 images;
+    not set: -4..4 (the size / 8); 0: no shift at all."""
+    from accel_train.config import TrainConfig
+    assert _row_shifts(TrainConfig(crop_pad=2)) == set(range(-2, 3))
+    assert _row_shifts(TrainConfig()) == set(range(-4, 5))
+    assert _row_shifts(TrainConfig(crop_pad=0)) == {0}
+
+
+@pytest.mark.parametrize("pad", ["-1", "32"])
+def test_crop_pad_out_of_range_is_one_line(tmp_path, pad):
+    result = accel_train_here(*TINY_TRAIN, "--crop-pad", pad, "--output-dir",
+                              str(tmp_path / "run"))
+    assert result.returncode == 2 and "--crop-pad" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
 def _shifted(images: torch.Tensor, step: int) -> torch.Tensor:
     """The images moved `step` pixels down and right (step -1: up-left... as airbench's views:
     step +1 shows rows -1..H-2), borders reflected, by index arrays alone."""
@@ -132,6 +164,13 @@ def test_whitening_a_convolution_matches_numpy():
     _assert_whitening(weights[:54], images.astype(np.float64), 5e-4)
     assert torch.equal(conv.weight[54:], before[54:]) and not conv.bias.any()
     assert "54 of 64 filters" in said and "40 training images" in said
+    assert conv.weight.requires_grad and said.endswith("; the layer trains")
+    # Every filter whitened: the weights are fixed (airbench's), the bias trains.
+    whole = nn.Conv2d(3, 54, 3, bias=True)
+    said = whiten_first_conv(whole, torch.from_numpy(images))
+    assert not whole.weight.requires_grad and whole.bias.requires_grad
+    assert said.endswith("; its weights fixed, its bias trains")
+    torch.testing.assert_close(whole.weight, conv.weight[:54])
 
 
 def _spec(run: Path) -> dict:
@@ -139,14 +178,15 @@ def _spec(run: Path) -> dict:
 
 
 def test_whiten_stem_through_the_command_line(tmp_path):
-    """A run with --whiten-stem (test_resnet: a 3x3 first convolution with 16 filters) whose one
-    step barely moves the weights: its first convolution is numpy's whitening of its 256
-    training images, normalized as the run says; the summary says what was done."""
+    """A run with --whiten-stem (test_resnet: a 3x3 first convolution with 16 filters, all
+    whitened, so fixed): after two steps at learning rate 0.5 (with weight decay), its first
+    convolution is still exactly numpy's whitening of its 256 training images, normalized as the
+    run says; the summary says what was done."""
     out = tmp_path / "run"
-    result = accel_train_here(*TINY_TRAIN, "--whiten-stem", "--max-steps", "1", "--lr", "1e-9",
+    result = accel_train_here(*TINY_TRAIN, "--whiten-stem", "--max-steps", "2", "--lr", "0.5",
                               "--output-dir", str(out), check=True)
     assert "init: conv1.0 (16 of 16 filters) whitened from the 3x3 patches of 256 training " \
-           "images" in result.stdout
+           "images; its weights fixed" in result.stdout
     spec = _spec(out)
     images, _ = synthetic.splits(256)["train"]
     pixels = images.transpose(0, 3, 1, 2).astype(np.float64) / 255
@@ -205,6 +245,77 @@ def test_bn_momentum_through_the_command_line(tmp_path):
         torch.testing.assert_close((stats[0.5][var] - 0.5) / 0.5, (stats[0.25][var] - 0.75) / 0.25,
                                    atol=1e-5, rtol=1e-4)
     assert any(stats[0.5][k].abs().max() > 1e-3 for k in means)   # the batch moved them
+
+
+def test_norm_bias_lr_scale_through_the_command_line(tmp_path):
+    """One step with --norm-bias-lr-scale 64 against one without, same batch and weights: each
+    BatchNorm bias (zero at the start) moved exactly 64 times as far; every other tensor
+    (convolutions, BatchNorm scales, the classifier's bias, running statistics) is identical."""
+    weights = {}
+    for scale in ("1", "64"):
+        out = tmp_path / scale
+        accel_train_here(*TINY_TRAIN, "--norm-bias-lr-scale", scale, "--max-steps", "1",
+                         "--output-dir", str(out), check=True)
+        weights[scale] = load_file(str(out / "model.safetensors"))
+    shifts = {k[:-len("running_mean")] + "bias" for k in weights["1"] if k.endswith("running_mean")}
+    assert len(shifts) > 3 and "fc.bias" in weights["1"] and "fc.bias" not in shifts
+    for key, value in weights["1"].items():
+        if key in shifts:
+            torch.testing.assert_close(weights["64"][key], 64 * value, rtol=1e-5, atol=1e-9)
+        else:
+            assert torch.equal(weights["64"][key], value), key
+    # the step moved most (a block's inner ones wait: timm zero-inits its last BatchNorm scale)
+    assert sum(bool(weights["1"][k].abs().max() > 0) for k in shifts) >= 5
+
+
+def test_norm_bias_lr_scale_not_positive_is_one_line(tmp_path):
+    result = accel_train_here(*TINY_TRAIN, "--norm-bias-lr-scale", "0", "--output-dir",
+                              str(tmp_path / "run"))
+    assert result.returncode == 2 and "--norm-bias-lr-scale" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_lookahead_every_through_the_command_line(tmp_path):
+    """One step, then the epoch end of --max-steps 1 (where the model takes the slow copy).
+    --lookahead-every 2 never syncs in one step, so the run ends on its starting state: weights
+    as initialized, BatchNorm statistics at torch's 0 and 1.  --lookahead-every 1 syncs at
+    step 1 of 1, rho = 0.95 ** 1 * (1/1) ** 3: every float tensor ends at
+    start + 0.05 x (trained - start), trained being the same step without lookahead."""
+    weights = {}
+    for name, extra in (("start", ["--lookahead-every", "2"]), ("plain", []),
+                        ("every1", ["--lookahead-every", "1"])):
+        out = tmp_path / name
+        accel_train_here(*TINY_TRAIN, *extra, "--max-steps", "1", "--output-dir", str(out),
+                         check=True)
+        weights[name] = load_file(str(out / "model.safetensors"))
+    start, plain, every1 = weights["start"], weights["plain"], weights["every1"]
+    means = [k for k in start if k.endswith("running_mean")]
+    assert means and all(not start[k].any() for k in means)
+    assert all(torch.equal(start[k.replace("mean", "var")], torch.ones_like(start[k]))
+               for k in means)
+    moved = 0
+    for key, value in start.items():
+        if not value.is_floating_point():
+            continue
+        expected = value + 0.05 * (plain[key] - value)
+        torch.testing.assert_close(every1[key], expected, rtol=1e-5, atol=1e-7)
+        moved += bool((plain[key] != value).any())
+    assert moved > 10     # the step moved most tensors: the three runs differ
+
+
+def test_lookahead_decay_is_airbenchs_schedule():
+    from accel_train.lookahead import decay
+    assert decay(5, 240, 480) == pytest.approx(0.95 ** 5 * 0.5 ** 3)
+    assert decay(5, 480, 480) == pytest.approx(0.7737809375)
+    assert decay(5, 600, 480) == pytest.approx(0.7737809375)    # past the plan: the ceiling
+    assert decay(1, 0, 480) == 0.0
+
+
+def test_lookahead_every_negative_is_one_line(tmp_path):
+    result = accel_train_here(*TINY_TRAIN, "--lookahead-every", "-1", "--output-dir",
+                              str(tmp_path / "run"))
+    assert result.returncode == 2 and "--lookahead-every" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
 def test_bn_momentum_out_of_range_is_one_line(tmp_path):

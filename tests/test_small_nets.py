@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 from timm.optim import create_optimizer_v2
 from torch import nn
+from torch.nn import functional as F
 
 import accel_train.model  # noqa: F401  (registers the networks)
 from accel_train.small_nets import SmallImageConvNet
@@ -91,6 +92,75 @@ def test_resnet9_is_pages_network():
     model.reset_classifier(4)
     assert model(images).shape == (2, 4) and model.fc.bias is None
     assert [f["num_chs"] for f in model.feature_info] == [128, 256, 512]
+
+
+class _AirbenchBatchNorm(nn.BatchNorm2d):
+    def __init__(self, width):
+        super().__init__(width, eps=1e-12)
+        self.weight.requires_grad = False
+
+
+class _AirbenchConvGroup(nn.Module):
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding="same", bias=False)
+        self.pool = nn.MaxPool2d(2)
+        self.norm1 = _AirbenchBatchNorm(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding="same", bias=False)
+        self.norm2 = _AirbenchBatchNorm(cout)
+
+    def forward(self, x):
+        x = F.gelu(self.norm1(self.pool(self.conv1(x))))
+        return F.gelu(self.norm2(self.conv2(x)))
+
+
+def _airbench94(num_classes):
+    """airbench94.py's make_net, written out: whiten (2x2, 24, bias) + GELU, three conv
+    groups 64-256-256, MaxPool2d(3) over the last 3x3 map, linear without bias, times 1/9."""
+    body = nn.Sequential(nn.Conv2d(3, 24, 2, padding=0, bias=True), nn.GELU(),
+                         _AirbenchConvGroup(24, 64), _AirbenchConvGroup(64, 256),
+                         _AirbenchConvGroup(256, 256), nn.MaxPool2d(3), nn.Flatten())
+    return body, nn.Linear(256, num_classes, bias=False)
+
+
+def test_cifar_airbench_is_airbench94s_network():
+    torch.manual_seed(0)
+    model = timm.create_model("cifar_airbench", num_classes=10)
+    body, head = _airbench94(10)
+    ours = list(model.state_dict().items())
+    theirs = list(body.state_dict().values()) + list(head.state_dict().values())
+    assert [tuple(v.shape) for _, v in ours] == [tuple(v.shape) for v in theirs]
+    assert sum(p.numel() for p in model.parameters()) == 1_972_792   # airbench94's count
+    for target, (_, value) in zip(theirs, ours):
+        target.copy_(value)
+    images = torch.randn(4, 3, 32, 32)
+    for mode in ("train", "eval"):   # train: batch statistics; eval: the running ones
+        model.train(mode == "train"), body.train(mode == "train")
+        torch.testing.assert_close(model(images), head(body(images)) / 9)
+    # BatchNorm scales are fixed at 1, shifts train; the optimizer leaves the scales out.
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert len(norms) == 6 and all(not n.weight.requires_grad and n.bias.requires_grad
+                                   and torch.all(n.weight == 1) for n in norms)
+    optimized = {id(p) for g in create_optimizer_v2(model, "sgd", lr=0.1).param_groups
+                 for p in g["params"]}
+    assert not any(id(n.weight) in optimized for n in norms)
+    assert all(id(n.bias) in optimized for n in norms)
+
+
+def test_cifar_airbench_convolutions_start_as_identity_on_their_input_channels():
+    """airbench's dirac initialization: each 3x3 conv passes its input through on its first
+    in_channels outputs; the other outputs keep torch's random initialization."""
+    torch.manual_seed(0)
+    model = timm.create_model("cifar_airbench")
+    convs = [m for m in model.stages.modules() if isinstance(m, nn.Conv2d)]
+    assert [(c.in_channels, c.out_channels) for c in convs] == [
+        (24, 64), (64, 64), (64, 256), (256, 256), (256, 256), (256, 256)]
+    for conv in convs:
+        x = torch.randn(2, conv.in_channels, 5, 5)
+        out = conv(x)
+        torch.testing.assert_close(out[:, :conv.in_channels], x)
+        if conv.out_channels > conv.in_channels:
+            assert out[:, conv.in_channels:].abs().mean() > 0.05   # not zeros, not identity
 
 
 def test_timm_tooling_sees_a_classifier_and_layers():

@@ -108,3 +108,17 @@ def test_benchmark_script_runs(name, bench_runs):
 
 def test_every_benchmark_script_is_smoke_tested():
     assert sorted(p.stem[len("bench_"):] for p in SCRIPTS.glob("bench_*.py")) == sorted(CASES)
+
+
+def test_the_airbench_anchor_trains_and_reports_each_tta_level(tmp_path):
+    """benchmarks/anchors/airbench_cpu.py on generated data in the CIFAR-10 layout: 2 steps an
+    epoch for 4 epochs (the averaging starts in the 4th), one JSON line with the three levels."""
+    data = conftest.write_cifar10_layout(tmp_path / "cifar10", train_rows=2048, test_rows=64)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "anchors" / "airbench_cpu.py"), "--data-dir", str(data),
+         "--epochs", "4", "--test-images", "64"],
+        cwd=REPO, env=conftest.test_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["steps"] == 8 and report["epochs"] == 4.0
+    assert all(0.0 <= report[f"top1_tta{level}"] <= 1.0 for level in (0, 1, 2))

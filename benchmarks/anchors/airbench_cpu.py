@@ -1,0 +1,213 @@
+"""airbench94 (Keller Jordan, arXiv:2404.00498) written out as one plain loop on a CPU: the anchor
+for what its algorithm reaches on this machine in N epochs, against which the CPU recipe
+(recipes/cifar10-cpu-10min.yaml: the same network and pieces, as accel_train options) is read.
+
+Its network (2x2 whitening conv, fixed; three conv-pool-BatchNorm-GELU groups 64/256/256 with
+dirac init and BatchNorm scales fixed at 1; logits x 1/9), its optimizer (Nesterov SGD over the
+summed loss at airbench's decoupled lr 11.5, momentum 0.85, weight decay 0.0153 per 1024 images,
+BatchNorm shifts at 64x), its triangular schedule (0.2 -> 1 at 23% -> 0.07), label smoothing 0.2,
+alternating flips, 2-pixel reflect-padded translations, Lookahead-style averaging every 5 steps
+from epoch 3 (rho = 0.95^5 x progress^3), the whitening bias trained for 3 epochs, and its TTA
+levels (none, mirror, mirror + 1-pixel translations) at the end.
+
+Changed for this machine: bf16 autocast and channels_last on the CPU (airbench: fp16 on CUDA);
+CIFAR-10 from the parquet copy (train.parquet, test.parquet: PNG bytes), decoded once.  Training
+time excludes the per-epoch evaluation (as airbench's own timer does); it is printed, with one
+JSON line at the end.
+
+    python benchmarks/anchors/airbench_cpu.py --data-dir ../shared/data/cifar10 --epochs 10
+    python benchmarks/anchors/airbench_cpu.py --train-images 2048 --test-images 256 --epochs 4
+                                                    # a smoke run (tests/test_benchmarks.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import time
+from math import ceil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import nn
+
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def load(path: Path, count: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    table = pq.read_table(path)
+    table = table.slice(0, count) if count else table
+    image_column = next(c for c in table.column_names if "im" in c)
+    label_column = next(c for c in table.column_names if "label" in c)
+    pixels = np.stack([np.asarray(Image.open(io.BytesIO(cell["bytes"])).convert("RGB"))
+                       for cell in table.column(image_column).to_pylist()])
+    labels = torch.tensor(table.column(label_column).to_pylist())
+    return torch.from_numpy(pixels).permute(0, 3, 1, 2).contiguous(), labels
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:
+    mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
+    return (images.float() / 255 - mean) / std
+
+
+class BatchNorm(nn.BatchNorm2d):
+    def __init__(self, width: int):
+        super().__init__(width, eps=1e-12, momentum=0.4)   # airbench's 0.6 in its convention
+        self.weight.requires_grad = False
+
+
+class Conv(nn.Conv2d):
+    def __init__(self, cin: int, cout: int, kernel: int = 3, padding="same", bias=False):
+        super().__init__(cin, cout, kernel, padding=padding, bias=bias)
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        if self.bias is not None:
+            self.bias.data.zero_()
+        nn.init.dirac_(self.weight.data[:self.weight.size(1)])
+
+
+class ConvGroup(nn.Module):
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.conv1, self.pool, self.norm1 = Conv(cin, cout), nn.MaxPool2d(2), BatchNorm(cout)
+        self.conv2, self.norm2, self.activ = Conv(cout, cout), BatchNorm(cout), nn.GELU()
+
+    def forward(self, x):
+        x = self.activ(self.norm1(self.pool(self.conv1(x))))
+        return self.activ(self.norm2(self.conv2(x)))
+
+
+class Scale(nn.Module):
+    def forward(self, x):
+        return x / 9
+
+
+def make_net() -> nn.Sequential:
+    net = nn.Sequential(Conv(3, 24, 2, padding=0, bias=True), nn.GELU(), ConvGroup(24, 64),
+                        ConvGroup(64, 256), ConvGroup(256, 256), nn.MaxPool2d(3), nn.Flatten(),
+                        nn.Linear(256, 10, bias=False), Scale())
+    net[0].weight.requires_grad = False
+    return net.to(memory_format=torch.channels_last)
+
+
+def whiten(layer: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4) -> None:
+    patches = images.unfold(2, 2, 1).unfold(3, 2, 1).transpose(1, 3).reshape(-1, 12).double()
+    values, vectors = torch.linalg.eigh(patches.T @ patches / len(patches), UPLO="U")
+    values, vectors = values.flip(0).view(-1, 1, 1, 1), vectors.T.reshape(12, 3, 2, 2).flip(0)
+    scaled = vectors / torch.sqrt(values + eps)
+    layer.weight.data[:] = torch.cat((scaled, -scaled)).float()
+
+
+def translate(padded: torch.Tensor, pad: int) -> torch.Tensor:
+    shifts = torch.randint(-pad, pad + 1, (len(padded), 2))
+    out = torch.empty(len(padded), 3, 32, 32)
+    for dy in range(-pad, pad + 1):
+        for dx in range(-pad, pad + 1):
+            mask = (shifts[:, 0] == dy) & (shifts[:, 1] == dx)
+            out[mask] = padded[mask, :, pad + dy:pad + dy + 32, pad + dx:pad + dx + 32]
+    return out
+
+
+def _mirror(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (net(x).float() + net(x.flip(-1)).float())
+
+
+@torch.no_grad()
+def accuracy(net: nn.Module, images: torch.Tensor, labels: torch.Tensor, level: int) -> float:
+    net.eval()
+    outputs = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for batch in images.split(1000):
+            batch = batch.contiguous(memory_format=torch.channels_last)
+            if level == 0:
+                outputs.append(net(batch).float())
+            elif level == 1:
+                outputs.append(_mirror(net, batch))
+            else:
+                padded = F.pad(batch, (1,) * 4, "reflect")
+                shifted = _mirror(net, padded[:, :, :32, :32]) + _mirror(net, padded[:, :, 2:, 2:])
+                outputs.append(0.5 * _mirror(net, batch) + 0.25 * shifted)
+    net.train()
+    return (torch.cat(outputs).argmax(1) == labels).float().mean().item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", default="../shared/data/cifar10")
+    parser.add_argument("--epochs", type=float, default=9.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-images", type=int, default=0, help="the first N (0: all)")
+    parser.add_argument("--test-images", type=int, default=0, help="the first N (0: all)")
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    train_images, train_labels = load(Path(args.data_dir) / "train.parquet", args.train_images)
+    test_images, test_labels = load(Path(args.data_dir) / "test.parquet", args.test_images)
+    test_images = normalize(test_images)
+    net = make_net()
+    whiten(net[0], normalize(train_images[:5000]))
+    batch, momentum = 1024, 0.85
+    kilostep = 1024 * (1 + 1 / (1 - momentum))
+    lr, wd = 11.5 / kilostep, 0.0153 * batch / kilostep
+    norm_biases = [p for k, p in net.named_parameters() if "norm" in k and p.requires_grad]
+    others = [p for k, p in net.named_parameters() if "norm" not in k and p.requires_grad]
+    optimizer = torch.optim.SGD([dict(params=norm_biases, lr=lr * 64, weight_decay=wd / (lr * 64)),
+                                 dict(params=others, lr=lr, weight_decay=wd / lr)],
+                                momentum=momentum, nesterov=True)
+    steps_per_epoch = len(train_labels) // batch
+    total = ceil(steps_per_epoch * args.epochs)
+    schedule = np.interp(np.arange(total + 1), [0, int(0.23 * total), total], [0.2, 1, 0.07])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule[i])
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=0.2, reduction="none")
+    normalized = normalize(train_images)
+    flipped = torch.where((torch.rand(len(normalized)) < 0.5).view(-1, 1, 1, 1),
+                          normalized.flip(-1), normalized)
+    padded = F.pad(flipped, (2,) * 4, "reflect")
+    slow, step, trained = None, 0, 0.0
+    for epoch in range(ceil(args.epochs)):
+        started = time.perf_counter()
+        net[0].bias.requires_grad = epoch < 3
+        images = translate(padded, 2)
+        images = images.flip(-1) if epoch % 2 == 1 else images
+        order = torch.randperm(len(images))
+        for i in range(steps_per_epoch):
+            index = order[i * batch:(i + 1) * batch]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(net(images[index].contiguous(memory_format=torch.channels_last)),
+                               train_labels[index]).sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            if epoch >= 3 and step % 5 == 0:
+                state = [v for v in net.state_dict().values() if v.is_floating_point()]
+                if slow is None:
+                    slow = [v.clone() for v in state]
+                else:
+                    rho = 0.95 ** 5 * (step / total) ** 3
+                    for s, v in zip(slow, state):
+                        s.lerp_(v, 1 - rho)
+                        v.copy_(s)
+            if step >= total:
+                break
+        if slow is not None:
+            state = [v for v in net.state_dict().values() if v.is_floating_point()]
+            for s, v in zip(slow, state):
+                v.copy_(s)
+        trained += time.perf_counter() - started
+        print(f"epoch {epoch + 1}: {trained:.0f} s of training, test top-1 "
+              f"{accuracy(net, test_images, test_labels, 0):.4f}", flush=True)
+    result = {"epochs": args.epochs, "steps": step, "training_seconds": round(trained, 1),
+              **{f"top1_tta{level}": accuracy(net, test_images, test_labels, level)
+                 for level in (0, 1, 2)}}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

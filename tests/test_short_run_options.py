@@ -311,6 +311,86 @@ def test_lookahead_decay_is_airbenchs_schedule():
     assert decay(1, 0, 480) == 0.0
 
 
+def _bn_net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 2))
+
+
+def _floats(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+def test_lookahead_syncs_save_and_load_as_written_by_hand(tmp_path):
+    """The slow copy against a dict of tensors updated by hand: a sync every 2nd step at
+    rho = 0.95^2 x (step/4)^3, the model set to it; saved into the checkpoint folder and loaded
+    into another model's average it continues the same; the epoch end hands the model the slow
+    copy; BatchNorm's step counter (an integer) is left alone."""
+    from accel_train.lookahead import LOOKAHEAD_FILE, LookaheadAverage
+    model = _bn_net(0)
+    average = LookaheadAverage(model, every=2)
+    for step in (1, 2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * step)
+            model[1].running_mean.add_(1.0)
+        average.after_step(step, total_steps=4)
+    rho = 0.95 ** 2 * (2 / 4) ** 3
+    # by hand: the model before the sync of step 2 is the start + 0.1 + 0.2 (parameters) and
+    # + 2 (running mean); the sync moves the slow copy (the start) 1 - rho of the way there
+    start = _floats(_bn_net(0))
+    trained = {k: v + (0.3 if k in dict(model.named_parameters()) else 0.0)
+               for k, v in start.items()}
+    trained["1.running_mean"] = start["1.running_mean"] + 2.0
+    expected = {k: start[k] + (1 - rho) * (trained[k] - start[k]) for k in start}
+    for key, value in _floats(model).items():
+        torch.testing.assert_close(value, expected[key])          # the model took the copy
+    assert int(model[1].num_batches_tracked) == 0
+    average.save(tmp_path)
+    assert (tmp_path / LOOKAHEAD_FILE).is_file()
+    other = _bn_net(1)
+    restored = LookaheadAverage(other, every=2)
+    restored.load(tmp_path)
+    for key, value in restored.slow.items():
+        torch.testing.assert_close(value, expected[key])
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(5.0)
+    restored.at_epoch_end()                                        # rho 1: the slow copy as is
+    for key, value in _floats(other).items():
+        torch.testing.assert_close(value, expected[key])
+
+
+def test_lookahead_load_without_a_file_warns_and_starts_from_the_weights(tmp_path):
+    from accel_train.lookahead import LookaheadAverage
+    said = []
+    model = _bn_net(2)
+    average = LookaheadAverage(model, every=5, warn=said.append)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2.0)                     # the resumed weights, loaded after construction
+    average.load(tmp_path)
+    assert said == [f"{tmp_path} holds no lookahead average (saved without --lookahead-every): "
+                    f"the average starts from the resumed weights"]
+    for key, value in _floats(model).items():
+        assert torch.equal(average.slow[key], value)
+    with pytest.raises(ValueError, match=r"^every must be >= 1 \(got 0\)$"):
+        LookaheadAverage(model, every=0)
+
+
+def test_lookahead_refuses_another_models_average_in_one_line(tmp_path):
+    from accel_train.lookahead import LookaheadAverage
+    from accel_train.readers import BadFile
+    LookaheadAverage(_bn_net(0), every=5).save(tmp_path)
+    wider = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(128, 2))
+    with pytest.raises(BadFile, match=r"holds another model's weights .*0\.bias is \[4\], not \[8\]"):
+        LookaheadAverage(wider, every=5).load(tmp_path)
+    # cut short after its header: the header's check passes, reading the tensors does not
+    path = tmp_path / "lookahead.safetensors"
+    path.write_bytes(path.read_bytes()[:-16])
+    with pytest.raises(BadFile, match=r"lookahead\.safetensors.*resume from another checkpoint"):
+        LookaheadAverage(_bn_net(0), every=5).load(tmp_path)
+
+
 def test_lookahead_every_negative_is_one_line(tmp_path):
     result = accel_train_here(*TINY_TRAIN, "--lookahead-every", "-1", "--output-dir",
                               str(tmp_path / "run"))

@@ -27,6 +27,7 @@ does not come from the code under test.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import sys
@@ -377,11 +378,15 @@ def test_the_optimizers_update_differently():
             assert not torch.equal(deltas[a], deltas[b]), (a, b)
 
 
-@pytest.mark.parametrize("layer_decay", [None, 0.5])
-def test_norm_bias_lr_scale_multiplies_only_the_normalization_shifts(layer_decay):
-    """--norm-bias-lr-scale 8: every BatchNorm bias trains at 8x the rate timm's grouping gives
+@pytest.mark.parametrize("layer_decay, scale, optimizer", [(None, 2.0, "sgd"),
+                                                           (0.5, 8.0, "sgd"),
+                                                           (None, 8.0, "adamw")])
+def test_norm_bias_lr_scale_multiplies_only_the_normalization_shifts(layer_decay, scale,
+                                                                   optimizer):
+    """--norm-bias-lr-scale S: every BatchNorm bias trains at S x the rate timm's grouping gives
     it (alone and with --layer-decay); every other parameter keeps timm's rate and weight decay
-    (oracle: timm's own param groups, and the BatchNorm modules of the model)."""
+    (oracle: timm's own param groups, and the BatchNorm modules of the model); the optimizer
+    is still the one asked for, with the momentum asked for."""
     import timm
     from timm.optim._param_groups import param_groups_layer_decay, param_groups_weight_decay
 
@@ -390,13 +395,17 @@ def test_norm_bias_lr_scale_multiplies_only_the_normalization_shifts(layer_decay
     torch.manual_seed(0)
     model = timm.create_model("test_resnet", num_classes=NUM_CLASSES)
     peak = 0.1
-    optimizer = build_optimizer(model, TrainConfig(learning_rate=peak, weight_decay=WD,
-                                                   layer_decay=layer_decay,
-                                                   norm_bias_lr_scale=8.0))
+    config = TrainConfig(learning_rate=peak, weight_decay=WD, layer_decay=layer_decay,
+                         optimizer=optimizer, momentum=0.8)
+    plain = build_optimizer(model, config)
+    optimizer = build_optimizer(model, dataclasses.replace(config, norm_bias_lr_scale=scale))
+    assert type(optimizer) is type(plain)
+    assert {g.get("momentum", 0.8) for g in optimizer.param_groups} == {0.8}
     groups = (param_groups_layer_decay(model, weight_decay=WD, layer_decay=layer_decay)
               if layer_decay else param_groups_weight_decay(model, weight_decay=WD))
     oracle = {id(p): (g.get("lr_scale", 1.0), g["weight_decay"]) for g in groups
               for p in g["params"]}
+    factor = scale
     shifts = {id(m.bias) for m in model.modules() if isinstance(m, nn.BatchNorm2d)}
     assert len(shifts) > 3
     names = {id(p): n for n, p in model.named_parameters()}
@@ -404,7 +413,7 @@ def test_norm_bias_lr_scale_multiplies_only_the_normalization_shifts(layer_decay
     for group in optimizer.param_groups:
         for p in group["params"]:
             scale, wd = oracle[id(p)]
-            wanted = peak * scale * (8.0 if id(p) in shifts else 1.0)
+            wanted = peak * scale * (factor if id(p) in shifts else 1.0)
             assert group["lr"] == pytest.approx(wanted), names[id(p)]
             assert group["weight_decay"] == wd, names[id(p)]
             seen.add(id(p))

@@ -57,28 +57,36 @@ def test_alternate_flip_mirrors_a_random_half_then_the_other_half(size):
     assert (_mirrored(other.batch(images, 8, [0] * count, indices)) != alternate[0]).any()
 
 
-def _row_shifts(config) -> set[int]:
-    """The vertical offsets of the training crops run_transforms builds for `config` (what the
-    CLI calls), read off images whose every row holds its own index (x 7) in all pixels: the
-    crop's middle row shows which original row it came from."""
+def _crop_shifts(config, size: int = 32) -> tuple[set[int], set[int]]:
+    """The (vertical, horizontal) offsets of the training crops run_transforms builds for
+    `config` (what the CLI calls), read off images whose pixels hold their own row (channel 0)
+    and column (channel 1) index x 7: the crop's middle pixel shows where it came from (a
+    mirrored crop's middle column is the one left of the middle)."""
     from types import SimpleNamespace
 
     from accel_train.data import run_transforms
-    rows = (torch.arange(32, dtype=torch.uint8) * 7).view(1, 1, 32, 1)
-    images = rows.expand(600, 3, 32, 32).clone()
-    spec = SimpleNamespace(image_size=32, **IDENTITY)
-    train, _ = run_transforms(config, spec)
-    out = train.batch(images, 3, [0] * 600, np.arange(600))
-    return {int(v) // 7 - 16 for v in out[:, 0, 16, 16].round().to(torch.int64)}
+    ramp = torch.arange(size, dtype=torch.uint8) * 7
+    images = torch.zeros(600, 3, size, size, dtype=torch.uint8)
+    images[:, 0] = ramp.view(size, 1)
+    images[:, 1] = ramp.view(1, size)
+    train, _ = run_transforms(config, SimpleNamespace(image_size=size, **IDENTITY))
+    out = train.batch(images, 3, [0] * 600, np.arange(600)).round().to(torch.int64)
+    mid = size // 2
+    rows = out[:, 0, mid, mid] // 7 - mid
+    mirrored = out[:, 1, mid, mid + 1] < out[:, 1, mid, mid]
+    cols = out[:, 1, mid, mid] // 7 - torch.where(mirrored, mid - 1, mid)
+    return set(rows.tolist()), set(cols.tolist())
 
 
 def test_crop_pad_bounds_the_training_crops_shift():
-    """--crop-pad 2: every crop shifted by -2..2 rows, each of the five seen over 600 images;
-    not set: -4..4 (the size / 8); 0: no shift at all."""
+    """--crop-pad 2: every crop shifted by -2..2 rows and columns, each of the five seen over
+    600 images; not set: -4..4 at 32 px and -1..1 at 8 px (the size / 8, at least 1); 0: none."""
     from accel_train.config import TrainConfig
-    assert _row_shifts(TrainConfig(crop_pad=2)) == set(range(-2, 3))
-    assert _row_shifts(TrainConfig()) == set(range(-4, 5))
-    assert _row_shifts(TrainConfig(crop_pad=0)) == {0}
+    both = lambda span: (set(span), set(span))    # noqa: E731
+    assert _crop_shifts(TrainConfig(crop_pad=2)) == both(range(-2, 3))
+    assert _crop_shifts(TrainConfig()) == both(range(-4, 5))
+    assert _crop_shifts(TrainConfig(), size=8) == both(range(-1, 2))
+    assert _crop_shifts(TrainConfig(crop_pad=0)) == both([0])
 
 
 @pytest.mark.parametrize("pad", ["-1", "32"])

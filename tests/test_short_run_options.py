@@ -390,9 +390,10 @@ def test_lookahead_refuses_another_models_average_in_one_line(tmp_path):
     from accel_train.readers import BadFile
     LookaheadAverage(_bn_net(0), every=5).save(tmp_path)
     wider = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(128, 2))
-    with pytest.raises(BadFile, match=r"holds another model's weights .*0\.bias is \[4\], not \[8\]"):
+    another = r"holds another model's weights .*0\.bias is \[4\], not \[8\]"
+    with pytest.raises(BadFile, match=another):
         LookaheadAverage(wider, every=5).load(tmp_path)
-    # cut short after its header: the header's check passes, reading the tensors does not
+    # cut short: refused, in the checkpoint's words, before anything is loaded
     path = tmp_path / "lookahead.safetensors"
     path.write_bytes(path.read_bytes()[:-16])
     with pytest.raises(BadFile, match=r"lookahead\.safetensors.*resume from another checkpoint"):

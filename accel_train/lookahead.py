@@ -46,11 +46,14 @@ class LookaheadAverage:
         if every < 1:
             raise ValueError(f"every must be >= 1 (got {every})")
         self.model, self.every, self.warn = model, every, warn
-        self.slow = {key: value.detach().clone() for key, value in self._floats().items()}
+        self.slow = self._copy_of_model()
 
     def _floats(self) -> dict[str, torch.Tensor]:
         return {key: value for key, value in self.model.state_dict().items()
                 if value.is_floating_point()}
+
+    def _copy_of_model(self) -> dict[str, torch.Tensor]:
+        return {key: value.detach().clone() for key, value in self._floats().items()}
 
     @torch.no_grad()
     def after_step(self, step: int, total_steps: int) -> None:
@@ -80,7 +83,7 @@ class LookaheadAverage:
         if not path.is_file():
             self.warn(f"{folder} holds no lookahead average (saved without --lookahead-every): "
                       f"the average starts from the resumed weights")
-            self.slow = {key: value.detach().clone() for key, value in self._floats().items()}
+            self.slow = self._copy_of_model()
             return
         check_fits(path, "checkpoint_weights", {k: tuple(v.shape) for k, v in self.slow.items()})
         for key, value in read_safetensors(path, "checkpoint_weights").items():

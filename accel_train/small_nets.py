@@ -180,8 +180,7 @@ class AirbenchNet(_SmallImageClassifier):
     identity on their first channels, BatchNorm scales fixed at 1); global max pool; linear
     classifier without bias; logits scaled by 1/9.  Pooling right after each group's first
     convolution puts most of the arithmetic in wide layers at small maps, which a CPU runs
-    near its matmul speed: at 2.7x cifar_convnet_l's FLOPs it trains at about 0.75x its
-    images per second (BENCHMARKS.md)."""
+    near its matmul speed (BENCHMARKS.md, "airbench's pieces on a CPU", has the figures)."""
 
     def __init__(self, widths: tuple[int, ...] = (24, 64, 256, 256), num_classes: int = 10,
                  in_chans: int = 3, drop_rate: float = 0.0, global_pool: str = "max"):
@@ -204,9 +203,11 @@ def _cfg(**kwargs) -> dict:
 
 
 # timm's register_model reads this module-level name for each registered function's defaults.
-default_cfgs = generate_default_cfgs({name: _cfg() for name in (
-    "cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l", "cifar_resnet9",
-    "cifar_airbench")})
+# The networks this module registers (other programs know them only once accel_train is
+# imported: timm_folder.py and model_card.py say so).
+NETWORKS = ("cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l", "cifar_resnet9",
+            "cifar_airbench")
+default_cfgs = generate_default_cfgs({name: _cfg() for name in NETWORKS})
 
 
 def _create(variant: str, widths: tuple[int, ...], pretrained: bool, **kwargs) -> nn.Module:

@@ -25,14 +25,14 @@ from .errors import UsageError, first_line
 from .model import ModelSpec, save_weights
 from .readers import read_json
 from .rundir import SPEC_FILE as LEGACY_SPEC_FILE
+from .small_nets import NETWORKS
 
 TIMM_CONFIG = "config.json"
 OUR_SECTION = "accel_train"  # keys timm's and transformers' readers leave alone
 FORMAT_VERSION = 1
-# The networks accel_train registers in timm's registry (small_nets.py): other programs know
-# them only once accel_train is imported.
-OWN_NETWORKS = ("cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l", "cifar_resnet9",
-                "cifar_airbench")
+# The networks accel_train registers in timm's registry: other programs know them only once
+# accel_train is imported.
+OWN_NETWORKS = NETWORKS
 
 
 def preprocessing(spec: ModelSpec) -> dict:

@@ -42,8 +42,16 @@ CHEAP = [
     (["--reprob", "1.5"], "--reprob"),
     (["--tta", "mirror"], "--tta"),
 ]
-# found while building the run: (extra flags, the flag named, what else the line must say)
+# in this process: (extra flags, the flag named, what else the line must say).  Those found
+# while building the run, and the short-run options' values (cheap either way: no new
+# process's imports to pay).
 BUILT = {
+    "bn_momentum": (["--bn-momentum", "1.5"], "--bn-momentum", ""),
+    "crop_pad_negative": (["--crop-pad", "-1"], "--crop-pad", ""),
+    # judged when the transform is built, against the image size (32 here)
+    "crop_pad_too_large": (["--crop-pad", "32"], "--crop-pad", "32 px"),
+    "norm_bias_lr_scale": (["--norm-bias-lr-scale", "0"], "--norm-bias-lr-scale", ""),
+    "lookahead_every": (["--lookahead-every", "-1"], "--lookahead-every", ""),
     "policy": (["--auto-augment", "nonsense-policy"], "--auto-augment", "nonsense-policy"),
     "optimizer": (["--optimizer", "nonsense"], "--optimizer", "nonsense"),
     # vgg11 and ghostnet take no drop_path_rate (every tiny test_* model of timm does)

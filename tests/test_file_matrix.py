@@ -33,7 +33,8 @@ from conftest import REPO, TINY_TRAIN, accel_train_here
 from accel_train import readers
 
 HALF_STEP, STEP = "step_00000001", "step_00000002"
-EMA = ["--model-ema"]
+# the optional checkpointed parts, so that their files are in the checkpoint to corrupt
+EMA = ["--model-ema", "--lookahead-every", "1"]
 
 
 # -- corruptions: each writes over one file ------------------------------------------------------
@@ -107,11 +108,13 @@ WEIGHTS = {**COMMON, "another model's weights": _another_models_weights}
 # -- the trained run every case copies -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """Two steps with EMA, a checkpoint after each: step_1 is the older good one."""
+    """Two steps with EMA and lookahead, a checkpoint after each: step_1 is the older good
+    one."""
     out = tmp_path_factory.mktemp("matrix") / "run"
     accel_train_here(*TINY_TRAIN, *EMA, "--max-steps", "2", "--checkpoint-every", "1",
                      "--output-dir", str(out), check=True)
     assert (out / "checkpoints" / STEP / "ema.safetensors").is_file()
+    assert (out / "checkpoints" / STEP / "lookahead.safetensors").is_file()
     return out
 
 
@@ -200,6 +203,8 @@ ROWS = [
         RESUMES + READS_CHECKPOINT, sealed=True),
     Row("checkpoint_weights", f"{CHECKPOINT}/ema.safetensors", WEIGHTS, RESUMES, sealed=True,
         says={"another model's weights": "holds another model's weights"}),
+    Row("checkpoint_weights", f"{CHECKPOINT}/lookahead.safetensors", WEIGHTS, RESUMES,
+        sealed=True, says={"another model's weights": "holds another model's weights"}),
     Row("accelerate_state", f"{CHECKPOINT}/optimizer.bin", COMMON, RESUMES, sealed=True),
     Row("accelerate_state", f"{CHECKPOINT}/random_states_0.pkl", COMMON, RESUMES, sealed=True),
     Row("timm_config", "config.json", {**JSON, "another model's file": _another_timm_config},

@@ -62,6 +62,15 @@ def evaluation_passes(model_ema: bool, tta: str) -> int:
     return (2 if model_ema else 1) * TTA_PASSES[tta]
 
 
+def epoch_ends_to_come(ended: int, last: int, eval_every: int) -> tuple[int, int]:
+    """Of the epoch ends after the first `ended` up to epoch `last` (1-based), how many there
+    are and how many evaluate: each multiple of `eval_every` (0: none) and the last."""
+    if last <= ended:
+        return 0, 0
+    multiples = last // eval_every - ended // eval_every if eval_every else 0
+    return last - ended, multiples + (1 if not eval_every or last % eval_every else 0)
+
+
 def parse_duration(text: str) -> float:
     """Seconds in "600", "90s", "10m", "1h", "1h30m"; a UsageError naming the flag otherwise."""
     match = _DURATION.match(str(text).strip().lower())
@@ -89,7 +98,8 @@ class TimeBudget:
         self.pilot_seconds: Optional[float] = None
         self.step_seconds: Optional[float] = None  # the latest agreed reading, once fitted
         self.epoch_end_seconds: Optional[float] = None  # the latest epoch end's cost
-        self._epoch_ends: list[float] = []  # every epoch end's cost, measured
+        self._epoch_ends: list[float] = []  # every evaluating epoch end's cost, measured
+        self._plain_ends: list[float] = []  # and of those --eval-every skipped
         self.fits = 0
 
     def start(self, step: int) -> None:
@@ -97,17 +107,20 @@ class TimeBudget:
         self.started, self.first_step = time.perf_counter(), step
 
     @contextlib.contextmanager
-    def paused(self):
-        """An epoch end (evaluation and checkpoint): the clock of the budget runs on, but a
-        window being timed leaves it out (a window that held an epoch end read far too slow);
-        its cost is measured instead, for the evaluations still to come."""
+    def paused(self, evaluates: bool = True):
+        """An epoch end (an evaluation, unless --eval-every skips this one, and a checkpoint):
+        the clock of the budget runs on, but a window being timed leaves it out (a window that
+        held an epoch end read far too slow); its cost is measured instead, for the epoch ends
+        still to come (those that evaluate apart from those that do not)."""
         began = time.perf_counter()
         try:
             yield
         finally:
-            self.epoch_end_seconds = time.perf_counter() - began
-            self._epoch_ends.append(self.epoch_end_seconds)
-            self._paused += self.epoch_end_seconds
+            seconds = time.perf_counter() - began
+            (self._epoch_ends if evaluates else self._plain_ends).append(seconds)
+            if evaluates:
+                self.epoch_end_seconds = seconds
+            self._paused += seconds
 
     def measure(self, step: int) -> Optional[float]:
         """Call after each optimizer step; the seconds per step over the current window once it
@@ -153,21 +166,29 @@ class TimeBudget:
             return statistics.median(self._epoch_ends)
         return eval_images * EVAL_COST_PER_IMAGE * step_seconds / global_batch
 
+    def plain_end_seconds(self) -> float:
+        """What an epoch end without an evaluation costs (a checkpoint): the median of those
+        measured, else nothing (the re-fits absorb it)."""
+        return statistics.median(self._plain_ends) if self._plain_ends else 0.0
+
     def total_steps(self, step_seconds: float, steps_done: int, steps_per_epoch: int,
-                    eval_images: int, global_batch: int, flag: str) -> int:
-        """The most steps such that the steps still to come plus the evaluations at the epoch
-        ends still to come, the last (the final evaluation) included, fit the time that is
-        left.  The first fit with no room for a step is a UsageError; a later one may end the
-        run where it stands."""
+                    eval_images: int, global_batch: int, flag: str, eval_every: int = 1) -> int:
+        """The most steps such that the steps still to come plus the epoch ends still to come
+        (those that evaluate: every `eval_every`th and the last, the final evaluation; and the
+        others) fit the time that is left.  The first fit with no room for a step is a
+        UsageError; a later one may end the run where it stands."""
         left = self.seconds - (time.perf_counter() - self.started)
         eval_seconds = self.evaluation_seconds(eval_images, step_seconds, global_batch)
+        plain_seconds = self.plain_end_seconds()
         # Epoch ends already behind us: the one after step `steps_done` is still to come when
         # that step closed its epoch (the fit happens inside the epoch's last step).
         ended = (steps_done - 1) // steps_per_epoch if steps_done > 0 else 0
 
         def fits(total: int) -> bool:
-            evaluations = math.ceil(total / steps_per_epoch) - ended  # a partial epoch ends in one
-            return (total - steps_done) * step_seconds + evaluations * eval_seconds <= left
+            last = math.ceil(total / steps_per_epoch)  # a partial epoch ends in one
+            ends, evaluations = epoch_ends_to_come(ended, last, eval_every)
+            return ((total - steps_done) * step_seconds + evaluations * eval_seconds
+                    + (ends - evaluations) * plain_seconds <= left)
 
         # The time needed grows with the total, so the largest total that fits is found by
         # bisection between "nothing more" and "every second on steps, no evaluations".

@@ -241,6 +241,11 @@ class TrainConfig:
                                    "path: a step_XXXXXXXX checkpoint, a folder of them (its "
                                    "newest valid one), or a run folder.", "output")
     log_every: int = option(20, "Log a metrics line every N optimizer steps.", "output")
+    eval_every: int = option(1, "Evaluate on the held-out split at every Nth epoch end, and "
+                             "always at the last (0: only at the last). A time budget counts "
+                             "only the evaluations that will run; an epoch end without one "
+                             "still checkpoints, and --keep-best skips its checkpoint.",
+                             "output")
     report_to: list = option([], "Trackers through accelerate: tensorboard (files in "
                              "<output-dir>/trackers), wandb, mlflow, ..., or all that are "
                              "installed; metrics.jsonl is always written.", "output", nargs="*")
@@ -308,6 +313,10 @@ class TrainConfig:
                 raise UsageError(f"{flag(name)} must be >= 0 (got {getattr(self, name)!r})")
         if self.crop_pad is not None and self.crop_pad < 0:
             raise UsageError(f"--crop-pad must be 0 or more pixels (got {self.crop_pad})")
+        if not isinstance(self.eval_every, int) or isinstance(self.eval_every, bool) \
+                or self.eval_every < 0:
+            raise UsageError(f"--eval-every must be 0 (only after the last epoch) or a number "
+                             f"of epochs >= 1 (got {self.eval_every!r})")
         if self.lookahead_every < 0:
             raise UsageError(f"--lookahead-every must be 0 (off) or a number of steps >= 1 "
                              f"(got {self.lookahead_every})")

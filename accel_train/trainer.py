@@ -230,7 +230,8 @@ class Trainer:
         passes = evaluation_passes(self.ema is not None, self.config.tta)
         total = self.budget.total_steps(step_seconds, state.step, loaders.steps_per_epoch,
                                         passes * len(self.data.held_out), loaders.global_batch,
-                                        f"--time-budget {self.config.time_budget}")
+                                        f"--time-budget {self.config.time_budget}",
+                                        self.config.eval_every)
         if self.config.max_steps is not None:
             total = min(total, self.config.max_steps)
         total = distributed.from_main(total, self.control_group)
@@ -348,10 +349,12 @@ class Trainer:
                     if self.train_epoch():
                         return self._stop_for_signal()
                     self.timeouts.relax()  # evaluation and checkpoint: healthy long waits
-                    with self.budget.paused() if self.budget else contextlib.nullcontext():
-                        self._end_epoch(time.perf_counter() - epoch_started)
+                    evaluates = self._evaluates_at_epoch_end()
+                    with self.budget.paused(evaluates) if self.budget else \
+                            contextlib.nullcontext():
+                        self._end_epoch(time.perf_counter() - epoch_started, evaluates)
                 if state.samples_in_epoch:  # --max-steps ended mid-epoch
-                    self._end_epoch(None)
+                    self._end_epoch(None, evaluates=True)
             except RuntimeError as err:
                 if not (self.timeouts.active and is_timeout(err)):
                     raise
@@ -445,31 +448,45 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach(), (logits.detach().argmax(dim=1) == labels).sum()
 
-    def _end_epoch(self, epoch_seconds: Optional[float]):
+    def _evaluates_at_epoch_end(self) -> bool:
+        """--eval-every N: the Nth epoch ends evaluate, and the last always does (the run's
+        final numbers; a time budget's latest fit decides which epoch is the last)."""
+        every, state = self.config.eval_every, self.state
+        return state.step >= self.total_steps or bool(every and (state.epoch + 1) % every == 0)
+
+    def _end_epoch(self, epoch_seconds: Optional[float], evaluates: bool):
         state = self.state
         if self.lookahead is not None:
             self.lookahead.at_epoch_end()   # what is evaluated and saved is the average
-        results = self.evaluate()
-        state.best_top1 = max(results["top1"], state.best_top1 or 0.0)
-        state.eval_top1, state.eval_step = results["top1"], state.step
-        record = {"type": "epoch", "epoch": state.epoch + 1, "step": state.step,
-                  **{f"eval_{k}": v for k, v in results.items() if k != "per_class"}}
-        if self.ema is not None:
-            ema_results = self.evaluate(self.ema.module)
-            state.ema_top1 = ema_results["top1"]
-            record.update({f"eval_ema_{k}": ema_results[k] for k in ("loss", "top1", "top5")})
+        record = {"type": "epoch", "epoch": state.epoch + 1, "step": state.step}
+        summary = (self._evaluate_into(record) if evaluates else
+                   f"not evaluated (--eval-every {self.config.eval_every})")
         if epoch_seconds is not None:
             record["epoch_time"] = round(epoch_seconds, 3)
         record["bad_images"] = self.bad_images.collect()
         self.metrics.write(record)
         self.accelerator.log(tracker_scalars(record), step=state.step)
         timing = f" Time {epoch_seconds:.1f}s" if epoch_seconds is not None else ""
-        ema_text = f", EMA top1 {state.ema_top1:.2%}" if self.ema is not None else ""
-        self.progress.write(f"Epoch {state.epoch + 1}{timing}: eval loss {results['loss']:.4f} "
-                            f"top1 {results['top1']:.2%} top5 {results['top5']:.2%}{ema_text} "
-                            f"({results['count']} images)")
+        self.progress.write(f"Epoch {state.epoch + 1}{timing}: {summary}")
         self.next_epoch()
         self._maybe_checkpoint("epoch end")
+
+    def _evaluate_into(self, record: dict) -> str:
+        """The epoch end's evaluation (and the EMA's): into the state and `record`; returns
+        the console's words for it."""
+        state = self.state
+        results = self.evaluate()
+        state.best_top1 = max(results["top1"], state.best_top1 or 0.0)
+        state.eval_top1, state.eval_step = results["top1"], state.step
+        record.update({f"eval_{k}": v for k, v in results.items() if k != "per_class"})
+        ema_text = ""
+        if self.ema is not None:
+            ema_results = self.evaluate(self.ema.module)
+            state.ema_top1 = ema_results["top1"]
+            record.update({f"eval_ema_{k}": ema_results[k] for k in ("loss", "top1", "top5")})
+            ema_text = f", EMA top1 {state.ema_top1:.2%}"
+        return (f"eval loss {results['loss']:.4f} top1 {results['top1']:.2%} top5 "
+                f"{results['top5']:.2%}{ema_text} ({results['count']} images)")
 
     def next_epoch(self):
         """The epoch is over: the state and the train loader both stand at the next one."""

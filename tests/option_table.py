@@ -219,6 +219,11 @@ ROWS: dict[str, Row] = {
     "train --layer-decay": effect(
         f"{COMPONENTS}::test_layer_decay_scales_each_parameters_rate_as_timm_does",
         "each group's rate is the peak times timm's param_groups_layer_decay scale"),
+    "train --eval-every": effect(
+        "test_short_run_options.py::test_eval_every_evaluates_every_nth_epoch_and_the_last",
+        "which epoch records carry eval figures (by hand: 2 and the last of 3; 0: the last), "
+        "weights bit-identical to --eval-every 1, --keep-best's kept steps; the budget's count "
+        "by hand and by brute force: test_time_budget.py"),
     "train --lookahead-every": effect(
         "test_short_run_options.py::test_lookahead_every_through_the_command_line",
         "one step: every float tensor at start + 0.05 x (trained - start), rho = 0.95 x 1^3 by "

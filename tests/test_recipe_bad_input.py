@@ -52,6 +52,7 @@ BUILT = {
     "crop_pad_too_large": (["--crop-pad", "32"], "--crop-pad", "32 px"),
     "norm_bias_lr_scale": (["--norm-bias-lr-scale", "0"], "--norm-bias-lr-scale", ""),
     "lookahead_every": (["--lookahead-every", "-1"], "--lookahead-every", ""),
+    "eval_every": (["--eval-every", "-2"], "--eval-every", "only after the last epoch"),
     "policy": (["--auto-augment", "nonsense-policy"], "--auto-augment", "nonsense-policy"),
     "optimizer": (["--optimizer", "nonsense"], "--optimizer", "nonsense"),
     # vgg11 and ghostnet take no drop_path_rate (every tiny test_* model of timm does)

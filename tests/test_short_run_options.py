@@ -19,6 +19,7 @@ from accel_train.evaluate import logits_of
 from accel_train.transforms import ImageTransform
 from accel_train.whitening import whiten_first_conv
 from conftest import TINY_TRAIN, accel_train_here, model_spec_of
+from faults import checkpoint_steps, metrics
 
 IDENTITY = dict(mean=(0.0, 0.0, 0.0), std=(1 / 255, 1 / 255, 1 / 255))  # pixels stay 0..255
 
@@ -294,6 +295,33 @@ def test_lookahead_every_through_the_command_line(tmp_path):
         torch.testing.assert_close(every1[key], expected, rtol=1e-5, atol=1e-7)
         moved += bool((plain[key] != value).any())
     assert moved > 10     # the step moved most tensors: the three runs differ
+
+
+def test_eval_every_evaluates_every_nth_epoch_and_the_last(tmp_path):
+    """3 epochs of 4 steps.  --eval-every 2: epoch 2 and the last evaluate, epoch 1 only
+    checkpoints (said on the console), and --keep-best chooses among the evaluated checkpoints
+    only; --eval-every 0: only the last.  Evaluating draws nothing: the weights end as those
+    of --eval-every 1 to the bit, and the evaluations that run give that run's figures."""
+    short = [*TINY_TRAIN, "--synthetic-train-size", "64", "--keep-checkpoints", "1",
+             "--keep-best", "1"]
+    runs, said = {}, {}
+    for every, epochs in ((1, 3), (2, 3), (0, 2)):
+        out = tmp_path / f"every{every}"
+        said[every] = accel_train_here(*short, "--epochs", str(epochs), "--eval-every",
+                                       str(every), "--output-dir", str(out), check=True).stdout
+        runs[every] = (out, [r for r in metrics(out) if r["type"] == "epoch"])
+    (every1, all_epochs), (every2, some), (every0, last_only) = runs[1], runs[2], runs[0]
+    assert [r["step"] for r in some] == [4, 8, 12]
+    assert ["eval_top1" in r for r in some] == [False, True, True]
+    assert ["eval_top1" in r for r in last_only] == [False, True]
+    assert [r["eval_top1"] for r in some[1:]] == [r["eval_top1"] for r in all_epochs[1:]]
+    assert ": not evaluated (--eval-every 2)" in said[2].split("Epoch 1 ")[1].splitlines()[0]
+    assert "not evaluated" not in said[2].split("Epoch 2 ")[1]
+    a, b = load_file(str(every1 / "model.safetensors")), load_file(str(every2 / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    best = max(some[1:], key=lambda r: (r["eval_top1"], r["step"]))["step"]
+    assert set(checkpoint_steps(every2)) == {12, best}
+    assert set(checkpoint_steps(every0)) == {8}
 
 
 def test_lookahead_decay_is_airbenchs_schedule():

@@ -58,31 +58,37 @@ def clock(monkeypatch):
 
 
 def _total(clock, seconds, elapsed, step_seconds, steps_done, steps_per_epoch, eval_images,
-           global_batch) -> int:
+           global_batch, eval_every: int = 1) -> int:
     clock.now = 1000.0
     timer = TimeBudget(seconds)
     timer.start(0)
     clock.now = 1000.0 + elapsed
     return timer.total_steps(step_seconds, steps_done, steps_per_epoch, eval_images,
-                             global_batch, FLAG)
+                             global_batch, FLAG, eval_every)
 
 
 def _largest_that_fits(seconds, elapsed, step_seconds, steps_done, steps_per_epoch,
-                       eval_images, global_batch, eval_seconds=None) -> int | None:
-    """Brute force: the most steps whose remaining training plus the evaluations still to come
-    at the ends of its epochs, the last (partial or not: the final evaluation) included, fit
-    the time left.  An evaluation costs `eval_seconds` when one was measured, else an evaluated
-    image costs EVAL_COST_PER_IMAGE of a trained one.  The epoch ends already behind are those
-    of the epochs finished before step `steps_done` (a fit inside an epoch's last step still
-    has that epoch's end to come)."""
+                       eval_images, global_batch, eval_seconds=None, eval_every=1,
+                       plain_seconds=0.0) -> int | None:
+    """Brute force: the most steps whose remaining training plus the epoch ends still to come
+    fit the time left.  An end evaluates when its epoch is a multiple of `eval_every` (never
+    for 0) and at the last epoch (partial or not: the final evaluation); it then costs
+    `eval_seconds` when one was measured, else an evaluated image costs EVAL_COST_PER_IMAGE of a
+    trained one; an end that does not evaluate costs `plain_seconds`.  The epoch ends already
+    behind are those of the epochs finished before step `steps_done` (a fit inside an epoch's
+    last step still has that epoch's end to come)."""
     left = seconds - elapsed
     if eval_seconds is None:
         eval_seconds = eval_images * budget.EVAL_COST_PER_IMAGE * step_seconds / global_batch
     behind = sum(1 for end in range(steps_per_epoch, steps_done, steps_per_epoch))
     best = None
     for total in range(steps_done + 1, steps_done + int(left / step_seconds) + 2):
-        to_come = math.ceil(total / steps_per_epoch) - behind
-        if (total - steps_done) * step_seconds + to_come * eval_seconds <= left + 1e-9:
+        last = math.ceil(total / steps_per_epoch)
+        ends = 0.0
+        for epoch in range(behind + 1, last + 1):
+            evaluates = epoch == last or (eval_every > 0 and epoch % eval_every == 0)
+            ends += eval_seconds if evaluates else plain_seconds
+        if (total - steps_done) * step_seconds + ends <= left + 1e-9:
             best = total
     return best
 
@@ -125,6 +131,57 @@ def test_step_count_is_the_largest_that_fits_when_evaluations_are_costly(clock):
 def test_step_count_fits_and_is_the_largest_that_does(clock, case):
     total = _total(clock, *case)
     assert total == _largest_that_fits(*case), (total, _largest_that_fits(*case))
+
+
+def test_eval_every_budgets_only_the_evaluations_that_will_run(clock):
+    # The costly case above (100 s, 1 s a step, 10 steps an epoch, 10 s an evaluation):
+    # --eval-every 0 evaluates once, at the end: 90 steps + 10 s.  --eval-every 2: 60 steps
+    # = 60 s + the ends of epochs 2, 4, 6 (30 s); 61 steps make a 7th epoch whose end is the
+    # last and evaluates too: 61 + 40 s.  --eval-every 3: 70 steps + the ends of epochs 3, 6
+    # and 7 (30 s) = 100 s; 71 steps make an 8th epoch, evaluated at 3, 6, 8: 71 + 30 > 100.
+    assert _total(clock, 100, 0, 1.0, 0, 10, 200, 10, eval_every=0) == 90
+    assert _total(clock, 100, 0, 1.0, 0, 10, 200, 10, eval_every=2) == 60
+    assert _total(clock, 100, 0, 1.0, 0, 10, 200, 10, eval_every=3) == 70
+    assert _total(clock, 100, 0, 1.0, 0, 10, 200, 10, eval_every=1) == 50
+
+
+@pytest.mark.parametrize("eval_every", [0, 2, 3, 7])
+@pytest.mark.parametrize("case", [
+    (100, 10, 0.5, 13, 50, 1000, 100),
+    (100, 0, 1.0, 0, 10, 200, 10),
+    (100, 46, 1.0, 31, 10, 100, 10),
+    (600, 5, 1.1, 13, 48, 20000, 1024),    # the CPU recipe: 48 steps an epoch, flip TTA
+    (3600, 60, 0.3, 13, 390, 10000, 128),
+], ids=str)
+def test_eval_every_step_count_is_the_largest_that_fits(clock, case, eval_every):
+    assert _total(clock, *case, eval_every=eval_every) == \
+        _largest_that_fits(*case, eval_every=eval_every)
+
+
+def test_epoch_ends_without_an_evaluation_are_measured_apart(clock):
+    """An epoch end that evaluates (30 s) and one that does not (3 s: a checkpoint), each
+    measured in `paused`: the fit budgets each kind of end to come at its own cost."""
+    clock.now = 0.0
+    timer = TimeBudget(600)
+    timer.start(0)
+    clock.now = 100.0
+    with timer.paused(evaluates=False):
+        clock.now += 3.0
+    with timer.paused(evaluates=True):
+        clock.now += 30.0
+    assert timer.epoch_end_seconds == pytest.approx(30.0)  # the latest evaluating end
+    assert timer.plain_end_seconds() == pytest.approx(3.0)
+    assert timer.total_steps(0.5, 40, 20, 0, 100, FLAG, 2) == _largest_that_fits(
+        600, 133.0, 0.5, 40, 20, 0, 100, eval_seconds=30.0, eval_every=2, plain_seconds=3.0)
+
+
+@pytest.mark.parametrize("ended, last, eval_every, expected", [
+    (0, 10, 1, (10, 10)), (0, 10, 0, (10, 1)), (0, 10, 3, (10, 4)),  # 3, 6, 9 and 10
+    (0, 9, 3, (9, 3)),    # 3, 6, 9: the last is a multiple
+    (4, 10, 3, (6, 3)),   # 6, 9, 10
+    (6, 6, 2, (0, 0)), (5, 6, 4, (1, 1)), (0, 1, 5, (1, 1))])
+def test_epoch_ends_to_come_by_hand(ended, last, eval_every, expected):
+    assert budget.epoch_ends_to_come(ended, last, eval_every) == expected
 
 
 def test_epoch_ends_already_behind_are_not_budgeted_again(clock):
@@ -442,6 +499,24 @@ def test_ranks_agree_on_the_step_count_when_their_clocks_start_apart(stopped_and
     assert run.announced_before[0] == run.announced_before[1] == [total], run.announced_before
     assert max(checkpoint_steps(run.out)) == total
     assert _state(run.out, total)["total_steps"] == total
+
+
+def test_a_budgeted_run_plans_only_the_evaluations_eval_every_will_run(tmp_path, clock):
+    """1 s a step on the fake clock, 40 s, 16 steps an epoch, an evaluation estimated at 2 s (64
+    images at half a step's cost per 16).  The first fit, at step 13 (27 s left): with every
+    epoch evaluated, 34 steps (21 s + the ends of epochs 1-3, 6 s: the test above); with
+    --eval-every 0 only the final evaluation is to come: 38 steps (25 s + 2 s)."""
+    from accel_train.trainer import Callbacks
+    out = tmp_path / "run"
+    command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "40s",
+               "--eval-every", "0", "--log-every", "1", "--output-dir", str(out)]
+    tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
+    accel_train_here(*command, check=True, callbacks=tick)
+    fits = _budget_records(out)
+    assert (fits[0]["step"], fits[0]["total_steps"]) == (13, 38), fits[0]
+    epochs = [r for r in metrics(out) if r["type"] == "epoch"]
+    assert ["eval_top1" in r for r in epochs] == [False, False, True], epochs
+    assert epochs[-1]["step"] == fits[-1]["total_steps"]
 
 
 def _lr_by_hand(step: int, warmup: int, fits: list[dict], peak: float) -> float:

@@ -317,7 +317,7 @@ def test_eval_every_evaluates_every_nth_epoch_and_the_last(tmp_path):
     assert [r["eval_top1"] for r in some[1:]] == [r["eval_top1"] for r in all_epochs[1:]]
     assert ": not evaluated (--eval-every 2)" in said[2].split("Epoch 1 ")[1].splitlines()[0]
     assert "not evaluated" not in said[2].split("Epoch 2 ")[1]
-    a, b = load_file(str(every1 / "model.safetensors")), load_file(str(every2 / "model.safetensors"))
+    a, b = (load_file(str(out / "model.safetensors")) for out in (every1, every2))
     assert all(torch.equal(a[k], b[k]) for k in a)
     best = max(some[1:], key=lambda r: (r["eval_top1"], r["step"]))["step"]
     assert set(checkpoint_steps(every2)) == {12, best}

@@ -1,7 +1,8 @@
 """The resume matrix: every option that draws random numbers on at once, on the three data paths
 (decoded in memory, decoded per step by loader workers, streamed from shards), on 1 process and
 on 2 under torchrun.  A run stopped by SIGTERM mid-epoch (after a checkpoint) and continued with
-`--resume auto` ends bit-identical to the run left alone (and, on 1 process, the in-memory run
+`--resume auto` (on 1 process all three runs in the pytest process, the SIGTERM sent to it)
+ends bit-identical to the run left alone (and, on 1 process, the in-memory run
 with its global batch made of 2 accumulation steps): the final weights and the EMA weights
 of the last checkpoint, max |difference| 0.0, with Accelerate's RNG files removed from the
 checkpoint before the resume (exactness must not depend on a saved RNG stream).
@@ -18,8 +19,8 @@ silently fall outside the guarantee.
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
-import sys
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from safetensors.torch import load_file
 from accel_train.checkpoint import write_manifest
 from accel_train.cli import build_train_parser, config_from_args
 from accel_train.config import TrainConfig
+from accel_train.trainer import Callbacks
 from conftest import BIG_SIZE, PINNED, accel_train_here
 from faults import (Run, checkpoint, checkpoint_steps, max_weight_difference, metrics, resolved,
                     stopped_at, torchrun_cmd, wait_until)
@@ -107,24 +109,34 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_da
     after, epoch = STOP_AFTER[path, processes]
 
     def launch(*args: str) -> list[str]:
-        if processes == 1:
-            return [sys.executable, "-m", "accel_train", *args]
         return torchrun_cmd(*args, nproc=processes)
 
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
     reference_run = None
-    if processes == 1:  # in this process: a process with another history of global RNG draws
+    if processes == 1:
+        # In this process (no new process's seconds of imports), each run with its own history
+        # of global RNG draws.  The stop is a real SIGTERM to this process, sent as the step
+        # after checkpoint `after` begins: the trainer's handler hears it as it would from a
+        # launcher, and the run stops at the end of that step.
         accel_train_here(*command, "--output-dir", str(reference), check=True)
+
+        def stop_after_checkpoint(step: int, keys) -> None:
+            if step == after + 1 and after in checkpoint_steps(stopped):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        code = accel_train_here(*command, "--output-dir", str(stopped),
+                                callbacks=Callbacks(on_micro_batch=stop_after_checkpoint))
+        assert code.returncode == 143, code.stdout[-2000:] + code.stderr[-2000:]
     else:
         reference_run = Run(launch(*command, "--output-dir", str(reference)),
                             tmp_path / "reference.log")
         runs.append(reference_run)
-    victim = Run(launch(*command, "--output-dir", str(stopped)), tmp_path / "stopped.log")
-    runs.append(victim)
-    wait_until(lambda: after in checkpoint_steps(stopped), f"the checkpoint of step {after}",
-               victim)
-    victim.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
-    victim.wait()
+        victim = Run(launch(*command, "--output-dir", str(stopped)), tmp_path / "stopped.log")
+        runs.append(victim)
+        wait_until(lambda: after in checkpoint_steps(stopped), f"the checkpoint of step {after}",
+                   victim)
+        victim.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
+        victim.wait()
     logs = [(stopped / "logs" / f"rank{r}.log").read_text() for r in range(processes)]
     stops = {stopped_at(log) for log in logs}
     assert len(stops) == 1, stops  # the ranks agreed where to stop
@@ -152,10 +164,14 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_da
         rng_file.unlink()
     write_manifest(folder, stop)
 
-    resumed = Run(launch(*command, "--output-dir", str(stopped), "--resume", "auto"),
-                  tmp_path / "resumed.log")
-    runs.append(resumed)
-    output = resumed.check()
+    if processes == 1:
+        output = accel_train_here(*command, "--output-dir", str(stopped), "--resume", "auto",
+                                  check=True).stdout
+    else:
+        resumed = Run(launch(*command, "--output-dir", str(stopped), "--resume", "auto"),
+                      tmp_path / "resumed.log")
+        runs.append(resumed)
+        output = resumed.check()
     assert f"resumed from {stopped}/checkpoints/step_{stop:08d} at step {stop}" in output, about
     assert "holds no EMA" not in output
     if reference_run is not None:

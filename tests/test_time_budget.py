@@ -143,6 +143,9 @@ def test_eval_every_budgets_only_the_evaluations_that_will_run(clock):
     assert _total(clock, 100, 0, 1.0, 0, 10, 200, 10, eval_every=2) == 60
     assert _total(clock, 100, 0, 1.0, 0, 10, 200, 10, eval_every=3) == 70
     assert _total(clock, 100, 0, 1.0, 0, 10, 200, 10, eval_every=1) == 50
+    # From step 0 every epoch end is still to come, the first too: 5 s an evaluation (100
+    # images), 65 steps + the ends of epochs 1-7 (35 s) = 100 s; 66 steps need 101 s.
+    assert _total(clock, 100, 0, 1.0, 0, 10, 100, 10, eval_every=1) == 65
 
 
 @pytest.mark.parametrize("eval_every", [0, 2, 3, 7])
@@ -158,9 +161,12 @@ def test_eval_every_step_count_is_the_largest_that_fits(clock, case, eval_every)
         _largest_that_fits(*case, eval_every=eval_every)
 
 
-def test_epoch_ends_without_an_evaluation_are_measured_apart(clock):
+@pytest.mark.parametrize("steps_done", [13, 40, 50, 59, 61])
+@pytest.mark.parametrize("eval_every", [0, 1, 2, 3])
+def test_epoch_ends_without_an_evaluation_are_measured_apart(clock, steps_done, eval_every):
     """An epoch end that evaluates (30 s) and one that does not (3 s: a checkpoint), each
-    measured in `paused`: the fit budgets each kind of end to come at its own cost."""
+    measured in `paused`: the fit budgets each kind of end to come at its own cost (checked
+    against the brute force from several places in the run: 20 steps an epoch)."""
     clock.now = 0.0
     timer = TimeBudget(600)
     timer.start(0)
@@ -171,15 +177,17 @@ def test_epoch_ends_without_an_evaluation_are_measured_apart(clock):
         clock.now += 30.0
     assert timer.epoch_end_seconds == pytest.approx(30.0)  # the latest evaluating end
     assert timer.plain_end_seconds() == pytest.approx(3.0)
-    assert timer.total_steps(0.5, 40, 20, 0, 100, FLAG, 2) == _largest_that_fits(
-        600, 133.0, 0.5, 40, 20, 0, 100, eval_seconds=30.0, eval_every=2, plain_seconds=3.0)
+    assert timer.total_steps(0.5, steps_done, 20, 0, 100, FLAG, eval_every) == \
+        _largest_that_fits(600, 133.0, 0.5, steps_done, 20, 0, 100, eval_seconds=30.0,
+                           eval_every=eval_every, plain_seconds=3.0)
 
 
 @pytest.mark.parametrize("ended, last, eval_every, expected", [
     (0, 10, 1, (10, 10)), (0, 10, 0, (10, 1)), (0, 10, 3, (10, 4)),  # 3, 6, 9 and 10
     (0, 9, 3, (9, 3)),    # 3, 6, 9: the last is a multiple
     (4, 10, 3, (6, 3)),   # 6, 9, 10
-    (6, 6, 2, (0, 0)), (5, 6, 4, (1, 1)), (0, 1, 5, (1, 1))])
+    (6, 6, 2, (0, 0)), (5, 5, 2, (0, 0)), (3, 3, 0, (0, 0)), (5, 6, 4, (1, 1)),
+    (0, 1, 5, (1, 1))])
 def test_epoch_ends_to_come_by_hand(ended, last, eval_every, expected):
     assert budget.epoch_ends_to_come(ended, last, eval_every) == expected
 

@@ -24,6 +24,7 @@ IN_MEMORY_MODES = ("auto", "always", "never")
 BAD_IMAGE_MODES = ("substitute", "error")
 TTA_MODES = ("none", "flip", "flip-translate")
 FLIP_MODES = ("random", "alternate")
+LR_DECAYS = ("cosine", "linear")  # optim.Schedule's decays
 SYNTHETIC_DATASET = "synthetic"
 
 
@@ -191,7 +192,15 @@ class TrainConfig:
                                        "convolutions, whose BatchNorm makes them scale-free.",
                                        "optimization")
     warmup_epochs: float = option(1.0, "Linear warmup length in epochs (may be fractional); "
-                                  "cosine decay follows.", "optimization")
+                                  "the decay (--lr-decay) follows.", "optimization")
+    warmup_start_factor: float = option(0.0, "The fraction of the peak learning rate warmup "
+                                        "rises from (airbench: 0.2).", "optimization")
+    lr_decay: str = option("cosine", "The learning rate's decay after warmup, to "
+                           "--final-lr-factor at the end: cosine, or linear (airbench's "
+                           "triangle, with --warmup-start-factor 0.2 --final-lr-factor 0.07).",
+                           "optimization", choices=LR_DECAYS)
+    final_lr_factor: float = option(0.0, "The fraction of the peak learning rate the decay ends "
+                                    "at.", "optimization")
     label_smoothing: float = option(0.1, "Label smoothing for the cross-entropy loss.",
                                     "optimization")
     mixup: float = option(0.0, "Mixup alpha (timm's Mixup on the batch; 0: off; 0.8 is usual). "
@@ -317,6 +326,11 @@ class TrainConfig:
                 or self.eval_every < 0:
             raise UsageError(f"--eval-every must be 0 (only after the last epoch) or a number "
                              f"of epochs >= 1 (got {self.eval_every!r})")
+        for name in ("warmup_start_factor", "final_lr_factor"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+                raise UsageError(f"{flag(name)} is a fraction of the peak learning rate: "
+                                 f"between 0 and 1 (got {value!r})")
         if self.lookahead_every < 0:
             raise UsageError(f"--lookahead-every must be 0 (off) or a number of steps >= 1 "
                              f"(got {self.lookahead_every})")
@@ -371,7 +385,7 @@ class TrainConfig:
                              f"0.05-0.2 is usual")
         for name, allowed in (("mixed_precision", PRECISIONS), ("in_memory", IN_MEMORY_MODES),
                               ("bad_images", BAD_IMAGE_MODES), ("tta", TTA_MODES),
-                              ("flip", FLIP_MODES)):
+                              ("flip", FLIP_MODES), ("lr_decay", LR_DECAYS)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"{flag(name)} {getattr(self, name)!r} is not supported: "
                                  f"choose one of {', '.join(allowed)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -85,31 +85,42 @@ SCHEDULE_FILE = "schedule.json"
 
 @dataclass
 class Schedule:
-    """Warmup then cosine over `total_steps`.  Mutable for one reason: a --time-budget run
-    fits its total once it has measured its step time, and again as the run goes (budget.py);
-    each fit is part of the run, saved in every checkpoint and restored (a checkpointed part),
-    so a resumed run keeps the schedule it was on.
+    """Warmup, then a decay (cosine or linear) over `total_steps`.  Mutable for one reason: a
+    --time-budget run fits its total once it has measured its step time, and again as the run
+    goes (budget.py); each fit is part of the run, saved in every checkpoint and restored (a
+    checkpointed part), so a resumed run keeps the schedule it was on.
 
-    A fit never makes the learning rate jump: from the step where it happens, the cosine
-    continues from the factor of that moment (`decay_from_factor`) down to zero at the new
-    total, stretched or shrunk over what remains.  Warmup is never repeated; a fit during
-    warmup only moves the end of the decay."""
+    A fit never makes the learning rate jump: from the step where it happens, the decay
+    continues from the factor of that moment (`decay_from_factor`) down to `final_factor` at the
+    new total, stretched or shrunk over what remains.  Warmup is never repeated; a fit during
+    warmup only moves the end of the decay.
+
+    The shape (`decay`, `warmup_start`, `final_factor`: --lr-decay, --warmup-start-factor,
+    --final-lr-factor) comes from the command line, not the checkpoint: a resumed run is given
+    the same flags.  Linear from 0.2 through the peak to 0.07 is airbench's triangle."""
 
     warmup_steps: int
     total_steps: int
     budget_step_seconds: Optional[float] = None  # the reading of the latest fit, if any
-    decay_from_step: int = 0      # where the current cosine starts (at the warmup's end if later)
+    decay_from_step: int = 0      # where the current decay starts (at the warmup's end if later)
     decay_from_factor: float = 1.0
+    decay: str = "cosine"
+    warmup_start: float = 0.0     # the factor warmup rises from (the first update: a step above)
+    final_factor: float = 0.0     # the factor the decay ends at
 
     name = "schedule"
+    STATE = ("warmup_steps", "total_steps", "budget_step_seconds", "decay_from_step",
+             "decay_from_factor")
 
     def factor(self, step: int) -> float:
         warmup = min(self.warmup_steps, self.total_steps)
         if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
+            return self.warmup_start + (1.0 - self.warmup_start) * (step + 1) / warmup
         start = max(warmup, self.decay_from_step)
         progress = min(1.0, max(0.0, (step - start) / max(1, self.total_steps - start)))
-        return self.decay_from_factor * 0.5 * (1.0 + math.cos(math.pi * progress))
+        left = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.decay == "cosine" \
+            else 1.0 - progress
+        return self.final_factor + (self.decay_from_factor - self.final_factor) * left
 
     def fit_total(self, total_steps: int, step_seconds: float, at_step: int) -> None:
         """A --time-budget fit at optimizer step `at_step` (the next update's index)."""
@@ -123,7 +134,8 @@ class Schedule:
         return self.budget_step_seconds is not None
 
     def save(self, folder: Path) -> None:
-        (Path(folder) / SCHEDULE_FILE).write_text(json.dumps(asdict(self), indent=1) + "\n")
+        state = {name: getattr(self, name) for name in self.STATE}
+        (Path(folder) / SCHEDULE_FILE).write_text(json.dumps(state, indent=1) + "\n")
 
     def load(self, folder: Path) -> None:
         """A total fitted by a --time-budget is kept, with the cosine it was on; otherwise the
@@ -183,4 +195,6 @@ def plan_schedule(config: TrainConfig, steps_per_epoch: int) -> Schedule:
         total = OPEN_ENDED
     if config.max_steps is not None:
         total = min(total, config.max_steps)
-    return Schedule(round(config.warmup_epochs * steps_per_epoch), total)
+    return Schedule(round(config.warmup_epochs * steps_per_epoch), total, decay=config.lr_decay,
+                    warmup_start=config.warmup_start_factor,
+                    final_factor=config.final_lr_factor)

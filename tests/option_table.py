@@ -235,6 +235,17 @@ ROWS: dict[str, Row] = {
     "train --weight-decay": effect(
         f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
         "decay 0.5 on weights only, written into the hand update"),
+    "train --lr-decay": effect(
+        "test_schedule.py::test_cli_run_logs_the_triangle",
+        "the logged rates of a 12-step run against np.interp through airbench's corners; "
+        "cosine: test_cli_run_logs_the_hand_computed_lr; a budget fit continues the line"),
+    "train --warmup-start-factor": effect(
+        "test_schedule.py::test_cli_run_logs_the_triangle",
+        "warmup rises from 0.2 x the peak: the first update at 0.04, then 0.06, 0.08, 0.1 "
+        "(--lr 0.1, 4 warmup steps), against np.interp"),
+    "train --final-lr-factor": effect(
+        "test_schedule.py::test_cli_run_logs_the_triangle",
+        "the last rate is 0.07 x the peak, as np.interp draws the line to it"),
     "train --warmup-epochs": effect(
         "test_schedule.py::test_cli_run_logs_the_hand_computed_lr",
         "0.25 epochs = 4 linear warmup steps in the logged rates"),

@@ -41,6 +41,9 @@ CHEAP = [
     (["--drop-path", "-0.1"], "--drop-path"),
     (["--reprob", "1.5"], "--reprob"),
     (["--tta", "mirror"], "--tta"),
+    (["--lr-decay", "step"], "--lr-decay"),
+    (["--warmup-start-factor", "1.5"], "--warmup-start-factor"),
+    (["--final-lr-factor", "-0.1"], "--final-lr-factor"),
 ]
 # in this process: (extra flags, the flag named, what else the line must say).  Those found
 # while building the run, and the short-run options' values (cheap either way: no new

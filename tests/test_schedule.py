@@ -13,13 +13,14 @@ cos(15pi/16) = -0.9807852804.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from accel_train.optim import Schedule, scheduler_for
 from accel_train.track import read_metrics
 
-from conftest import TINY_TRAIN, accel_train
+from conftest import TINY_TRAIN, accel_train, accel_train_here
 
 TOL = 1e-9
 
@@ -110,3 +111,57 @@ def test_cli_run_logs_the_hand_computed_lr(schedule_run):
     }
     assert {m["step"]: m["lr"] for m in train} == pytest.approx(expected, abs=TOL)
     assert train[-1]["samples_seen"] == 12 * 16
+
+
+# -- the shape: --lr-decay, --warmup-start-factor, --final-lr-factor ------------------------------
+
+def _triangle(step: int, warmup: int, total: int, start: float, final: float) -> float:
+    """airbench's schedule as it writes it (np.interp through its corners), in this file's
+    indexing: update k of warmup uses the factor after k + 1 of W warmup steps; the decay
+    runs from the peak at update W to `final` at update T."""
+    if step < warmup:
+        return float(np.interp(step + 1, [0, warmup], [start, 1.0]))
+    return float(np.interp(step, [warmup, total], [1.0, final]))
+
+
+def test_linear_decay_from_a_warmup_start_to_a_final_factor_is_airbenchs_triangle():
+    schedule = Schedule(4, 12, decay="linear", warmup_start=0.2, final_factor=0.07)
+    # by hand: 0.2 + 0.8 x 1/4 = 0.4, ..., the peak at update 3 and 4; half-way down
+    # (update 8): 0.07 + 0.93 / 2 = 0.535; 0.07 from update 12 on
+    assert [schedule.factor(k) for k in (0, 1, 2, 3, 4, 8, 12, 20)] == pytest.approx(
+        [0.4, 0.6, 0.8, 1.0, 1.0, 0.535, 0.07, 0.07], abs=TOL)
+    assert [schedule.factor(k) for k in range(16)] == pytest.approx(
+        [_triangle(k, 4, 12, 0.2, 0.07) for k in range(16)], abs=TOL)
+
+
+def test_cosine_to_a_final_factor():
+    schedule = Schedule(0, 8, final_factor=0.1)
+    # 0.1 + 0.9 x 0.5 x (1 + cos(pi k / 8)): k = 0, 2 (cos(pi/4)), 4, 8
+    assert [schedule.factor(k) for k in (0, 2, 4, 8, 9)] == pytest.approx(
+        [1.0, 0.1 + 0.45 * 1.7071067812, 0.55, 0.1, 0.1], abs=TOL)
+
+
+def test_a_budget_fit_continues_the_linear_decay_without_a_jump():
+    """Fitted at update 6 (of 12) to a total of 20: the decay continues from the factor of
+    that moment down to the final one at 20, in a straight line."""
+    schedule = Schedule(4, 12, decay="linear", warmup_start=0.2, final_factor=0.07)
+    before = schedule.factor(6)              # 1 - 0.93 x 2/8 = 0.7675
+    assert before == pytest.approx(0.7675, abs=TOL)
+    schedule.fit_total(20, 0.5, 6)
+    assert schedule.factor(6) == pytest.approx(before, abs=TOL)
+    assert schedule.factor(13) == pytest.approx(0.07 + (0.7675 - 0.07) * 0.5, abs=TOL)
+    assert schedule.factor(20) == pytest.approx(0.07, abs=TOL)
+
+
+def test_cli_run_logs_the_triangle(tmp_path):
+    """Through the command line: the logged rates of a 12-step run (warmup 4) are airbench's
+    corners, 0.2 -> 1 -> 0.07 of --lr 0.1, drawn by np.interp."""
+    out = tmp_path / "run"
+    accel_train_here(*TINY_TRAIN, "--lr", "0.1", "--warmup-epochs", "0.25", "--max-steps", "12",
+                     "--lr-decay", "linear", "--warmup-start-factor", "0.2",
+                     "--final-lr-factor", "0.07", "--log-every", "1", "--output-dir", str(out),
+                     check=True)
+    train = [m for m in read_metrics(out / "metrics.jsonl") if m["type"] == "train"]
+    # the lr logged after update s is the one update s (0-based) uses
+    assert {m["step"]: m["lr"] for m in train} == pytest.approx(
+        {s: 0.1 * _triangle(s, 4, 12, 0.2, 0.07) for s in range(1, 13)}, abs=TOL)

@@ -141,6 +141,15 @@ def test_cosine_to_a_final_factor():
         [1.0, 0.1 + 0.45 * 1.7071067812, 0.55, 0.1, 0.1], abs=TOL)
 
 
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+def test_a_decay_of_one_step_ends_at_the_final_factor(decay):
+    """A budget fit one step before the end, or warmup to the last step but one: after the
+    last update the rate is the final one (what the last log line shows)."""
+    schedule = Schedule(3, 4, decay=decay, final_factor=0.07)
+    assert [schedule.factor(k) for k in range(5)] == pytest.approx(
+        [1 / 3, 2 / 3, 1.0, 1.0, 0.07], abs=TOL)
+
+
 def test_a_budget_fit_continues_the_linear_decay_without_a_jump():
     """Fitted at update 6 (of 12) to a total of 20: the decay continues from the factor of
     that moment down to the final one at 20, in a straight line."""

@@ -144,6 +144,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-images", type=int, default=0, help="the first N (0: all)")
     parser.add_argument("--test-images", type=int, default=0, help="the first N (0: all)")
+    parser.add_argument("--batch-size", type=int, default=1024,
+                        help="airbench's 1024; the learning rate and weight decay follow its "
+                        "per-image rule")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     train_images, train_labels = load(Path(args.data_dir) / "train.parquet", args.train_images)
@@ -151,7 +154,7 @@ def main() -> None:
     test_images = normalize(test_images)
     net = make_net()
     whiten(net[0], normalize(train_images[:5000]))
-    batch, momentum = 1024, 0.85
+    batch, momentum = args.batch_size, 0.85
     kilostep = 1024 * (1 + 1 / (1 - momentum))
     lr, wd = 11.5 / kilostep, 0.0153 * batch / kilostep
     norm_biases = [p for k, p in net.named_parameters() if "norm" in k and p.requires_grad]

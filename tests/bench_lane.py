@@ -1,0 +1,74 @@
+"""Runs benchmark scripts one after another in this one process, each as `python SCRIPT ARGS`
+would run it (`runpy.run_path` with `__name__ == "__main__"` and its own `sys.argv`), for
+tests/test_benchmarks.py's smoke runs.
+
+Why not a process per script: each new process pays seconds of imports (torch, timm,
+torchvision's ops with torch._dynamo) before it reads an argument, and the smoke runs are mostly
+that; a lane pays them once for all its scripts.  The runs the scripts start themselves (their
+arms: launchers, training processes) are still processes of their own, as they must be.
+
+    python tests/bench_lane.py JOBS.json RESULTS.json
+
+JOBS.json: a list of {"name", "script", "argv", "log"}.  Each script's stdout and stderr (its
+children's too: the file descriptors are redirected, not only sys.stdout) go to its "log";
+RESULTS.json gets {name: exit code}, written after each script, so a lane that hangs still
+says which scripts finished.  Between scripts the process-wide state a script may change is
+put back: the environment, the working directory, torch's thread count, Accelerate's
+singletons, sys.argv and sys.path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+
+def _run(script: str, argv: list[str], log: str) -> int:
+    import torch
+    from accelerate.state import AcceleratorState
+
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    saved_argv, saved_path, threads = sys.argv[:], sys.path[:], torch.get_num_threads()
+    sys.stdout.flush(), sys.stderr.flush()
+    saved_fds = os.dup(1), os.dup(2)
+    with open(log, "w") as out:
+        os.dup2(out.fileno(), 1), os.dup2(out.fileno(), 2)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).parent))  # as `python SCRIPT` puts the script's folder
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported as the script's failure, as python would
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(saved_fds[0], 1), os.dup2(saved_fds[1], 2)
+        os.close(saved_fds[0]), os.close(saved_fds[1])
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        torch.set_num_threads(threads)
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return code
+
+
+def main(jobs_file: str, results_file: str) -> int:
+    results: dict[str, int] = {}
+    for job in json.loads(Path(jobs_file).read_text()):
+        results[job["name"]] = _run(job["script"], job["argv"], job["log"])
+        Path(results_file).write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

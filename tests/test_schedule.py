@@ -20,7 +20,7 @@ import torch
 from accel_train.optim import Schedule, scheduler_for
 from accel_train.track import read_metrics
 
-from conftest import TINY_TRAIN, accel_train, accel_train_here
+from conftest import TINY_TRAIN, accel_train_here
 
 TOL = 1e-9
 
@@ -83,9 +83,9 @@ def schedule_run(tmp_path_factory):
     """256 images, global batch 16 (8 x 2 accumulation steps): 16 optimizer steps per epoch;
     warmup 0.25 epoch = 4 steps; --max-steps 12 ends (and so shapes) the schedule at 12."""
     out = tmp_path_factory.mktemp("schedule") / "run"
-    accel_train(*TINY_TRAIN, "--batch-size", "8", "--accumulation-steps", "2", "--lr", "0.1",
-                "--warmup-epochs", "0.25", "--max-steps", "12", "--log-every", "1",
-                "--max-eval-samples", "16", "--output-dir", str(out), check=True)
+    accel_train_here(*TINY_TRAIN, "--batch-size", "8", "--accumulation-steps", "2", "--lr",
+                     "0.1", "--warmup-epochs", "0.25", "--max-steps", "12", "--log-every", "1",
+                     "--max-eval-samples", "16", "--output-dir", str(out), check=True)
     return out
 
 

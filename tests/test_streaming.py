@@ -22,10 +22,6 @@ from accel_train.streaming import (Layout, ShardSet, rank_batches_per_epoch, rea
 # --- the converter ---------------------------------------------------------------------------
 
 
-def _shard(*args: str) -> subprocess.CompletedProcess:
-    return accel_train("shard", "--no-progress", *args)
-
-
 def _shard_here(*args: str) -> subprocess.CompletedProcess:
     return accel_train_here("shard", "--no-progress", *args)
 
@@ -63,8 +59,8 @@ def test_shard_round_trip_synthetic_and_parquet(synthetic_shards, cifar10_layout
     from accel_train.config import TrainConfig
     from accel_train.sources import load_data
     out = tmp_path / "parquet_shards"
-    result = _shard("--data-dir", str(cifar10_layout), "--shard-size", "40KB", "--output",
-                    str(out))
+    result = _shard_here("--data-dir", str(cifar10_layout), "--shard-size", "40KB", "--output",
+                         str(out))
     assert result.returncode == 0, result.stderr
     assert "wrote 800 images" in result.stdout
     sets = _index_sets(out)
@@ -89,8 +85,8 @@ def test_shard_round_trip_image_folder(tmp_path):
             Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(
                 src / cls / f"{i}.png")
     out = tmp_path / "shards"
-    result = _shard("--data-dir", str(src), "--samples-per-shard", "4", "--val-fraction", "0.25",
-                    "--output", str(out))
+    result = _shard_here("--data-dir", str(src), "--samples-per-shard", "4", "--val-fraction",
+                         "0.25", "--output", str(out))
     assert result.returncode == 0, result.stderr
     from accel_train.config import TrainConfig
     from accel_train.sources import load_data
@@ -379,12 +375,13 @@ def test_a_broken_image_in_a_shard_is_replaced_and_named_once(tmp_path):
     write_index(root, entries, list(synthetic.CLASS_NAMES), "test")
     common = ["--data-dir", str(root), *PINNED, "--model", "test_resnet", "--batch-size", "8",
               "--epochs", "1", "--num-workers", "1", "--no-plots", "--progress", "log"]
-    result = accel_train(*common, "--output-dir", str(tmp_path / "run"))
+    result = accel_train_here(*common, "--output-dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-3000:]
     said = (result.stdout + result.stderr).count("000000.tar 000000005")
     assert said == 1, result.stdout + result.stderr
     assert "000000.tar 000000005" in (tmp_path / "run" / "bad_images.txt").read_text()
-    result = accel_train(*common, "--bad-images", "error", "--output-dir", str(tmp_path / "r2"))
+    result = accel_train_here(*common, "--bad-images", "error", "--output-dir",
+                              str(tmp_path / "r2"))
     assert result.returncode == 2 and "000000.tar 000000005" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
 

@@ -162,6 +162,14 @@ def base_learning_rates(optimizer: torch.optim.Optimizer) -> list[float]:
     return [group["initial_lr"] for group in optimizer.param_groups]
 
 
+def scheduled_learning_rate(optimizer: torch.optim.Optimizer) -> float:
+    """The run's learning rate now: --learning-rate times the schedule's factor, what the logs
+    show.  Read from the first group without its own scale (--layer-decay, --norm-bias-lr-scale:
+    the first group can be the normalization shifts at 64x, or the layer decayed most)."""
+    group = optimizer.param_groups[0]
+    return group["lr"] / group.get("lr_scale", 1.0)
+
+
 def take_new_learning_rate(optimizer: torch.optim.Optimizer, scheduler,
                            wanted: list[float]) -> Optional[tuple[float, float]]:
     """A resumed run given another --learning-rate.  Why: loading a checkpoint restores the

@@ -43,8 +43,8 @@ from .evaluate import evaluate_classifier
 from .loading import build_loaders, stop_when_stuck
 from .mixing import maybe_mixup
 from .model import build_network, create_model, set_train_mode
-from .optim import (base_learning_rates, build_optimizer, plan_schedule, scheduler_for,
-                    take_new_learning_rate)
+from .optim import (base_learning_rates, build_optimizer, plan_schedule, scheduled_learning_rate,
+                    scheduler_for, take_new_learning_rate)
 from .plots import write_plots
 from .precision import (accelerate_fp16_note, cpu_has_native_bf16, precision_name,
                         resolve_precision, use_fast_cuda_math)
@@ -527,7 +527,7 @@ class Trainer:
         window.data_wait = self.wait_clock.take()  # after the .item()s: no sync of its own
         record = {"type": "train", "step": state.step, "epoch": state.epoch + 1,
                   "loss": round(loss, 6), "top1": round(correct / window.samples, 4),
-                  "lr": self.scheduler.get_last_lr()[0],
+                  "lr": scheduled_learning_rate(self.optimizer),
                   "img_per_s": round(window.samples / elapsed, 2),
                   "data_wait": round(window.data_wait / elapsed, 4),
                   "samples_seen": state.samples_seen}

@@ -251,13 +251,16 @@ def test_bn_momentum_through_the_command_line(tmp_path):
 def test_norm_bias_lr_scale_through_the_command_line(tmp_path):
     """One step with --norm-bias-lr-scale 64 against one without, same batch and weights: each
     BatchNorm bias (zero at the start) moved exactly 64 times as far; every other tensor
-    (convolutions, BatchNorm scales, the classifier's bias, running statistics) is identical."""
-    weights = {}
+    (convolutions, BatchNorm scales, the classifier's bias, running statistics) is identical.
+    The logged learning rate is the run's (--learning-rate's schedule), not the shifts' 64x."""
+    weights, logged = {}, {}
     for scale in ("1", "64"):
         out = tmp_path / scale
         accel_train_here(*TINY_TRAIN, "--norm-bias-lr-scale", scale, "--max-steps", "1",
-                         "--output-dir", str(out), check=True)
+                         "--log-every", "1", "--output-dir", str(out), check=True)
         weights[scale] = load_file(str(out / "model.safetensors"))
+        logged[scale] = [r["lr"] for r in metrics(out) if r["type"] == "train"]
+    assert logged["64"] == logged["1"] and len(logged["1"]) == 1, logged
     shifts = {k[:-len("running_mean")] + "bias" for k in weights["1"] if k.endswith("running_mean")}
     assert len(shifts) > 3 and "fc.bias" in weights["1"] and "fc.bias" not in shifts
     for key, value in weights["1"].items():

@@ -1,0 +1,431 @@
+"""The image-folder index (accel_train/imagefolder.py) called directly on small trees: which files
+are rows, in which split and class, what a label file says, when the cache is used, and each
+refusal's sentence.  Milliseconds a test, so that mutation testing can run them per mutant
+(tests/test_layouts.py checks the same index against Hugging Face's imagefolder builder, which
+takes seconds a call).
+
+Oracles: the expected rows, classes and labels are written out by hand for each tree.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from accel_train import imagefolder
+from accel_train.errors import UsageError
+from accel_train.imagefolder import index_folder, read_val_labels
+
+NEVER_CACHED = 10**9
+
+
+def _tree(root: Path, files: list[str]) -> Path:
+    """Files under root: images are tiny PNGs whatever their extension says (the index reads
+    names, not pixels); a name ending in "/" is an empty folder."""
+    for name in files:
+        path = root / name
+        if name.endswith("/"):
+            path.mkdir(parents=True, exist_ok=True)
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix.lower() in (".txt", ".db", ".md"):
+            path.write_text("not an image")
+        else:
+            Image.fromarray(np.zeros((2, 2, 3), np.uint8)).save(path, format="PNG")
+    return root
+
+
+def _index(root: Path, **kwargs) -> imagefolder.FolderIndex:
+    kwargs.setdefault("cache_dir", root.parent / "cache")
+    kwargs.setdefault("cache_min_files", NEVER_CACHED)
+    return index_folder(root, **kwargs)
+
+
+def _rows(index) -> dict[str, list[tuple[str, str]]]:
+    return {split: [(path, index.class_names[label])
+                    for path, label in zip(paths.to_pylist(), labels.tolist())]
+            for split, (paths, labels) in index.splits.items()}
+
+
+def _age(root: Path, seconds: float = 3600) -> None:
+    then = time.time() - seconds
+    for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        os.utime(folder, (then, then))
+
+
+# -- which files are rows -----------------------------------------------------------------------
+def test_class_folders_hidden_and_system_entries_and_extensions(tmp_path):
+    root = _tree(tmp_path / "d", [
+        "cat/b.png", "cat/a.JPG", "cat/10.png", "cat/2.png", "cat/.hidden.png", "cat/notes.txt",
+        "cat/__init__.png", "dog/x.webp", "dog/sub/deep.png", ".git/objects/1.png",
+        "__MACOSX/cat/y.png", "Dog/z.png"])
+    index = _index(root)
+    assert index.class_names == ["Dog", "cat", "dog", "sub"]
+    # sorted as strings (Hugging Face's imagefolder order); a file named __*.png is an image,
+    # only folders named __* are skipped; the class is the folder holding the image
+    assert _rows(index) == {"train": [
+        ("Dog/z.png", "Dog"), ("cat/10.png", "cat"), ("cat/2.png", "cat"),
+        ("cat/__init__.png", "cat"), ("cat/a.JPG", "cat"), ("cat/b.png", "cat"),
+        ("dog/sub/deep.png", "sub"), ("dog/x.webp", "dog")]}
+    assert len(index) == 8 and not index.cached
+    labels = index.splits["train"][1]
+    assert labels.dtype == np.int64
+
+
+def test_every_folder_walked_is_recorded_with_its_mtime(tmp_path):
+    root = _tree(tmp_path / "d", ["cat/1.png", "dog/sub/2.png", ".hidden/3.png",
+                                  "__MACOSX/4.png"])
+    _age(root, 100)
+    os.utime(root / "dog" / "sub", (1_000_000, 1_000_000))
+    dirs = dict(_index(root).dirs)
+    assert set(dirs) == {"", "cat/", "dog/", "dog/sub/"}
+    assert dirs["dog/sub/"] == 1_000_000 * 10**9
+    assert dirs[""] == os.stat(root).st_mtime_ns
+
+
+def test_split_folders_by_any_of_their_names_in_any_case(tmp_path):
+    root = _tree(tmp_path / "d", ["Train/cat/1.png", "Train/dog/2.png", "VAL/cat/3.png",
+                                  "testing/bird/4.png", ".cache/x/5.png", "README.md"])
+    index = _index(root)
+    assert index.class_names == ["bird", "cat", "dog"]
+    assert _rows(index) == {"train": [("Train/cat/1.png", "cat"), ("Train/dog/2.png", "dog")],
+                            "validation": [("VAL/cat/3.png", "cat")],
+                            "test": [("testing/bird/4.png", "bird")]}
+    # the root itself is recorded too: a new split folder changes its mtime
+    assert [rel for rel, _ in index.dirs][0] == ""
+    assert {rel for rel, _ in index.dirs} == {"", "Train/", "Train/cat/", "Train/dog/", "VAL/",
+                                              "VAL/cat/", "testing/", "testing/bird/"}
+
+
+@pytest.mark.parametrize("names, split", [(["val", "dev"], "validation"),
+                                          (["test", "Eval"], "test"),
+                                          (["training", "train"], "train")])
+def test_two_folders_for_one_split_are_refused_naming_both(tmp_path, names, split):
+    root = _tree(tmp_path / "d", [f"{name}/c/1.png" for name in names])
+    first, second = sorted(names)
+    with pytest.raises(UsageError) as caught:
+        _index(root)
+    assert str(caught.value) == (f"--data-dir {root} has two folders for the {split} split "
+                                 f"({first}/ and {second}/); keep one")
+
+
+def test_split_folders_mixed_with_class_folders_are_refused(tmp_path):
+    root = _tree(tmp_path / "d", ["train/c/1.png", "val/c/2.png", "zebra/3.png", "ant/4.png",
+                                  "cow/5.png", "dog/6.png", "__MACOSX/7.png"])
+    with pytest.raises(UsageError) as caught:
+        _index(root)
+    assert str(caught.value) == (
+        f"--data-dir {root} mixes split folders (train/, val/) with other folders (ant/, cow/, "
+        f"dog/); put every class folder under a split folder, or remove the split folders")
+
+
+@pytest.mark.parametrize("depth, classes, of_rows", [
+    (None, ["cat", "dog", "oak"], ["cat", "dog", "oak"]),
+    (1, ["animals", "plants"], ["animals", "animals", "plants"]),
+    (2, ["cat", "dog", "tree"], ["cat", "dog", "tree"])])
+def test_class_depth_picks_the_folder_level(tmp_path, depth, classes, of_rows):
+    root = _tree(tmp_path / "d", ["train/animals/cat/1.png", "train/animals/dog/2.png",
+                                  "train/plants/tree/oak/3.png"])
+    index = _index(root, class_depth=depth)
+    assert index.class_names == classes
+    assert [name for _, name in _rows(index)["train"]] == of_rows
+
+
+def test_an_image_above_the_class_depth_is_refused(tmp_path):
+    root = _tree(tmp_path / "d", ["animals/cat/1.png", "animals/2.png"])
+    assert _index(root, class_depth=1).class_names == ["animals"]
+    with pytest.raises(UsageError) as caught:
+        _index(root, class_depth=2)
+    assert str(caught.value) == (
+        f"{root}/animals/2.png is less than 2 folder(s) deep in its split folder, so "
+        f"--class-depth 2 gives it no class; lower --class-depth or move the image into a "
+        f"class folder")
+
+
+@pytest.mark.parametrize("held_out", [False, True])
+def test_an_image_outside_any_class_folder_is_refused(tmp_path, held_out):
+    files = ["train/cat/1.png", "val/2.png", "val/cat/3.png"] if held_out else \
+        ["cat/1.png", "2.png"]
+    root = _tree(tmp_path / "d", files)
+    image = "val/2.png" if held_out else "2.png"
+    hint = " (a held-out folder of unlabelled images needs --val-labels FILE)" if held_out else ""
+    with pytest.raises(UsageError) as caught:
+        _index(root)
+    assert str(caught.value) == (f"{root}/{image} is not inside a class folder; put each "
+                                 f"class's images in a subfolder named after the class{hint}")
+
+
+@pytest.mark.parametrize("files", [[], ["cat/notes.txt", "dog/"], [".hidden/1.png"],
+                                   ["__MACOSX/cat/1.png"]])
+def test_no_images_at_all_is_refused(tmp_path, files):
+    root = _tree(tmp_path / "d", files)
+    root.mkdir(exist_ok=True)
+    with pytest.raises(UsageError) as caught:
+        _index(root)
+    assert str(caught.value) == (
+        f"--data-dir {root} holds no image files (looked for .jpg, .png, .webp, ... in it and "
+        f"its subfolders); expected one subfolder of images per class, parquet files or a "
+        f"save_to_disk folder")
+
+
+@pytest.mark.parametrize("files, empty", [
+    (["cat/1.png", "dog/"], "dog"),
+    (["cat/1.png", "dog/notes.txt"], "dog"),              # files, but no image
+    (["train/cat/1.png", "val/cat/2.png", "val/dog/"], "val/dog"),
+    (["cat/1.png", "dog/a/", "dog/b/"], "dog/a"),          # the first in name order
+])
+def test_an_empty_class_folder_is_refused(tmp_path, files, empty):
+    root = _tree(tmp_path / "d", files)
+    with pytest.raises(UsageError) as caught:
+        _index(root)
+    assert str(caught.value) == (f"class folder {root / empty} holds no images; add images to it "
+                                 f"or remove it")
+
+
+def test_a_folder_holding_only_subfolders_is_no_empty_class(tmp_path):
+    root = _tree(tmp_path / "d", ["cat/siamese/1.png", "dog/2.png"])
+    assert _index(root).class_names == ["dog", "siamese"]
+
+
+def test_with_class_depth_an_empty_leaf_of_a_class_with_images_is_allowed(tmp_path):
+    root = _tree(tmp_path / "d", ["animals/cat/1.png", "animals/empty/", "plants/tree/2.png"])
+    assert _index(root, class_depth=1).class_names == ["animals", "plants"]
+    _tree(root, ["rocks/empty/"])  # a class with no image anywhere
+    with pytest.raises(UsageError, match=f"class folder {root}/rocks/empty holds no images"):
+        _index(root, class_depth=1)
+    # an empty folder above the class level has no class at all: nothing to complain about
+    _tree(root, ["rocks/empty/x.png"])
+    (root / "shallow").mkdir()
+    with pytest.raises(UsageError, match=f"class folder {root}/shallow holds no images"):
+        _index(root, class_depth=1)
+    (root / "shallow").rmdir()
+    assert _index(root, class_depth=2).class_names == ["cat", "empty", "tree"]
+
+
+def test_fingerprint_names_the_split_and_changes_with_a_folder(tmp_path):
+    root = _tree(tmp_path / "d", ["train/cat/1.png", "val/cat/2.png"])
+    index = _index(root)
+    same = _index(root)
+    assert index.fingerprint("train") == same.fingerprint("train")
+    assert len(index.fingerprint("train")) == 32
+    assert index.fingerprint("train") != index.fingerprint("validation")
+    os.utime(root / "val" / "cat", (1, 1))
+    assert _index(root).fingerprint("train") != index.fingerprint("train")
+
+
+# -- a label file for a folder of held-out images (ImageNet's validation layout) ------------------
+CLASSES = {"cat", "dog", "n01"}
+IMAGES = ["a.png", "b.jpg", "c.png"]
+
+
+def _labels(tmp_path: Path, text: str, images=IMAGES) -> list[str]:
+    file = tmp_path / "labels.txt"
+    file.write_text(text)
+    return read_val_labels(file, tmp_path / "val", images, CLASSES)
+
+
+@pytest.mark.parametrize("text", [
+    "a.png,cat\nb.jpg,dog\nc.png,cat\n",                       # CSV, file names
+    "ImageId,label\na,cat\nb,dog\nc,cat\n",                    # a header; names without extension
+    "c.png cat\n\n# a comment\n  a.png\tcat\nb.jpg   dog\n",   # whitespace, any order
+    "ImageId,PredictionString\na,cat 1 2 3 4 dog 5 6 7 8\nb,dog 9 9 9 9\nc,cat\n",  # Kaggle's
+    "cat\ndog\ncat\n",                                          # one class a line, name order
+    " a.png , cat \nb.jpg,dog\nc.png,cat",                     # spaces around CSV fields
+])
+def test_label_files_in_each_form(tmp_path, text):
+    assert _labels(tmp_path, text) == ["cat", "dog", "cat"]
+
+
+def test_images_are_found_by_path_name_or_stem_unless_ambiguous(tmp_path):
+    images = ["x/1.png", "y/1.png", "x/2.png", "y/3.jpg", "y/3.png"]
+    text = "x/1.png,cat\ny/1.png,dog\n2,cat\n2.png,cat\ny/3.jpg,dog\ny/3.png,n01\n"
+    assert _labels(tmp_path, text, images) == ["cat", "dog", "cat", "dog", "n01"]
+    for ambiguous in ("1.png", "3"):
+        with pytest.raises(UsageError, match=f"line 1 names '{ambiguous}', which is not an image"):
+            _labels(tmp_path, f"{ambiguous},cat\n", images)
+
+
+def test_a_first_line_naming_a_class_is_a_label_not_a_header(tmp_path):
+    # "cat" is a class: the first line is data and names no image of the folder
+    with pytest.raises(UsageError, match="line 1 names 'x', which is not an image"):
+        _labels(tmp_path, "x,cat\na,cat\nb,dog\nc,cat\n")
+    # only the first line may be a header
+    with pytest.raises(UsageError, match="line 2 names 'Name', which is not an image"):
+        _labels(tmp_path, "a,cat\nName,Label\nb,dog\nc,cat\n")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "--val-labels {file} holds no labels"),
+    ("# only\n\n", "--val-labels {file} holds no labels"),
+    ("cat\ndog\n", "--val-labels {file} has 2 one-field lines for the 3 images of {folder}; one "
+                   "class per image, in file-name order"),
+    ("cat\ndog\nbird\n", "--val-labels {file} line 3: 'bird' is not a class (the class folders "
+                         "of train/ are cat, dog, n01, ...); use the class folder names"),
+    ("a,cat\nb,7\nc,cat\n", "--val-labels {file} line 2: '7' is not a class (the class folders "
+                            "of train/ are cat, dog, n01, ...) (class numbers are not accepted: "
+                            "they mean different things in different files); use the class "
+                            "folder names"),
+    ("a,cat\nb,\nc,cat\n", "--val-labels {file} line 2: '' is not a class"),
+    ("a,cat\nzz.png,dog\nc,cat\n", "--val-labels {file} line 2 names 'zz.png', which is not an "
+                                   "image in {folder}; fix the line or add the image"),
+    ("a,cat\nc,cat\n", "--val-labels {file} gives no label for 1 image(s) of {folder} (first: "
+                       "b.jpg); label every image or remove the others"),
+])
+def test_each_label_file_problem_is_one_sentence(tmp_path, text, message):
+    file, folder = tmp_path / "labels.txt", tmp_path / "val"
+    with pytest.raises(UsageError) as caught:
+        _labels(tmp_path, text)
+    expected = message.format(file=file, folder=folder)
+    assert str(caught.value).startswith(expected), (str(caught.value), expected)
+
+
+def test_a_missing_label_file(tmp_path):
+    with pytest.raises(UsageError) as caught:
+        read_val_labels(tmp_path / "nope.csv", tmp_path, IMAGES, CLASSES)
+    assert str(caught.value) == f"--val-labels {tmp_path / 'nope.csv'}: no such file"
+
+
+def test_a_labelled_held_out_folder_through_the_index(tmp_path):
+    root = _tree(tmp_path / "d", ["train/cat/1.png", "train/dog/2.png", "val/b.png",
+                                  "val/a.png", "test/dog/c.png"])
+    labels = tmp_path / "labels.csv"
+    labels.write_text("a.png,dog\nb.png,cat\n")
+    index = _index(root, val_labels=str(labels))
+    # the labelled split is validation (before test), whose images sit directly in its folder;
+    # test keeps its class folders
+    assert _rows(index) == {"test": [("test/dog/c.png", "dog")],
+                            "train": [("train/cat/1.png", "cat"), ("train/dog/2.png", "dog")],
+                            "validation": [("val/a.png", "dog"), ("val/b.png", "cat")]}
+    (root / "test" / "dog" / "c.png").rename(root / "test" / "c.png")
+    with pytest.raises(UsageError, match="test/c.png is not inside a class folder"):
+        _index(root, val_labels=str(labels))  # only the labelled split may do without
+
+
+def test_a_labelled_layout_with_an_empty_held_out_subfolder_is_fine(tmp_path):
+    root = _tree(tmp_path / "d", ["train/cat/1.png", "val/a.png", "val/empty/"])
+    labels = tmp_path / "labels.csv"
+    labels.write_text("a.png,cat\n")
+    assert _rows(_index(root, val_labels=str(labels)))["validation"] == [("val/a.png", "cat")]
+
+
+@pytest.mark.parametrize("files", [["cat/1.png"], ["train/cat/1.png"], ["val/1.png"]])
+def test_a_label_file_needs_train_beside_a_held_out_folder(tmp_path, files):
+    root = _tree(tmp_path / "d", files)
+    labels = tmp_path / "labels.csv"
+    labels.write_text("1.png,cat\n")
+    with pytest.raises(UsageError) as caught:
+        _index(root, val_labels=str(labels))
+    assert str(caught.value) == (
+        f"--val-labels {labels}: --data-dir {root} has no train/ folder beside a val/ (or "
+        f"validation/, test/) folder of images to label; expected DIR/train/CLASS/IMAGE and "
+        f"DIR/val/IMAGE")
+
+
+# -- the cache ------------------------------------------------------------------------------------
+def _cached_index(tmp_path: Path, **kwargs):
+    kwargs.setdefault("cache_min_files", 0)
+    kwargs.setdefault("cache_dir", tmp_path / "cache")
+    return index_folder(tmp_path / "d", **kwargs)
+
+
+def test_a_cached_index_has_the_rows_of_a_walked_one(tmp_path):
+    root = _tree(tmp_path / "d", ["train/cat/1.png", "train/dog/2.png", "train/dog/3.png",
+                                  "val/dog/4.png", "test/cat/5.png"])
+    _age(root)
+    walked = _cached_index(tmp_path)
+    assert not walked.cached and len(list((tmp_path / "cache").glob("*.arrow"))) == 1
+    cached = _cached_index(tmp_path)
+    assert cached.cached and cached.root == root
+    assert _rows(cached) == _rows(walked) and cached.dirs == walked.dirs
+    assert cached.class_names == walked.class_names and len(cached) == 5
+    assert list(cached.splits) == list(walked.splits) == ["test", "train", "validation"]
+
+
+def test_small_folders_and_fresh_folders_are_not_cached(tmp_path):
+    root = _tree(tmp_path / "d", ["cat/1.png", "cat/2.png"])
+    _age(root)
+    assert not _cached_index(tmp_path, cache_min_files=3).cached
+    assert not (tmp_path / "cache").exists()
+    _cached_index(tmp_path, cache_min_files=2)
+    assert _cached_index(tmp_path, cache_min_files=2).cached
+    # a folder changed a second ago may change again within its mtime's tick
+    fresh = _tree(tmp_path / "f", ["cat/1.png"])
+    _age(fresh, imagefolder.RACY_SECONDS + 60)
+    os.utime(fresh / "cat", (time.time() - 1, time.time() - 1))
+    index_folder(fresh, cache_dir=tmp_path / "c2", cache_min_files=0)
+    assert not (tmp_path / "c2").exists() or not list((tmp_path / "c2").glob("*.arrow"))
+    _age(fresh, imagefolder.RACY_SECONDS + 1)
+    index_folder(fresh, cache_dir=tmp_path / "c2", cache_min_files=0)
+    assert index_folder(fresh, cache_dir=tmp_path / "c2", cache_min_files=0).cached
+
+
+def test_the_cache_is_keyed_by_layout_options_and_the_label_file(tmp_path):
+    root = _tree(tmp_path / "d", ["train/a/x/1.png", "val/a/x/2.png"])
+    _age(root)
+    for _ in range(2):
+        by_depth = [_cached_index(tmp_path, class_depth=depth) for depth in (None, 1)]
+    assert all(index.cached for index in by_depth)
+    assert [index.class_names for index in by_depth] == [["x"], ["a"]]
+    (root / "val" / "a" / "x" / "2.png").rename(root / "val" / "2.png")
+    labels = tmp_path / "labels.csv"
+    labels.write_text("2.png,x\n")
+    _age(root)
+    with_labels = [_cached_index(tmp_path, val_labels=str(labels)) for _ in range(2)]
+    assert _rows(with_labels[1])["validation"] == [("val/2.png", "x")]
+    assert with_labels[1].cached
+    labels.write_text("2.png,x\n# changed\n")  # another size: another key
+    assert not _cached_index(tmp_path, val_labels=str(labels)).cached
+
+
+def test_a_folder_gone_or_changed_or_a_damaged_cache_means_a_new_walk(tmp_path):
+    root = _tree(tmp_path / "d", ["cat/1.png", "dog/sub/2.png"])
+    _age(root)
+    _cached_index(tmp_path)
+    assert _cached_index(tmp_path).cached
+    os.utime(root / "dog" / "sub", (1, 1))
+    assert not _cached_index(tmp_path).cached          # a folder's mtime changed
+    assert _cached_index(tmp_path).cached              # and the new walk was cached
+    (root / "dog" / "sub" / "2.png").unlink()
+    (root / "dog" / "sub").rmdir()
+    _tree(root, ["dog/3.png"])
+    _age(root)
+    index = _cached_index(tmp_path)                    # a folder is gone
+    assert not index.cached and _rows(index)["train"] == [("cat/1.png", "cat"),
+                                                          ("dog/3.png", "dog")]
+    cache_file = next((tmp_path / "cache").glob("*.arrow"))
+    cache_file.write_bytes(cache_file.read_bytes()[:100])
+    assert not _cached_index(tmp_path).cached          # damaged: walked again, rewritten
+    assert _cached_index(tmp_path).cached
+
+
+def test_an_unwritable_cache_folder_costs_only_the_cache(tmp_path):
+    root = _tree(tmp_path / "d", ["cat/1.png"])
+    _age(root)
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("a file where the cache folder would be")
+    for _ in range(2):
+        index = index_folder(root, cache_dir=blocker / "cache", cache_min_files=0)
+        assert not index.cached and _rows(index) == {"train": [("cat/1.png", "cat")]}
+
+
+def test_the_default_cache_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(imagefolder.CACHE_ENV, str(tmp_path / "mine"))
+    assert imagefolder.default_cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv(imagefolder.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert imagefolder.default_cache_dir() == tmp_path / "xdg" / "accel_train" / "folder-index"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert imagefolder.default_cache_dir() == \
+        tmp_path / "home" / ".cache" / "accel_train" / "folder-index"
+
+
+def test_image_extensions_are_what_pil_opens_less_data_files():
+    extensions = imagefolder.image_extensions()
+    assert {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif"} <= extensions
+    assert not {".h5", ".hdf", ".txt", ".db"} & extensions

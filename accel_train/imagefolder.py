@@ -257,7 +257,7 @@ def _labelled_split(walked: dict, val_labels: Optional[str], root: Path) -> Opti
     if val_labels is None:
         return None
     held_out = [split for split in ("validation", "test") if split in walked]
-    if "train" not in walked or not held_out or walked["train"][0] == "":
+    if "train" not in walked or not held_out:  # (no split folders: no held-out one either)
         raise UsageError(f"--val-labels {val_labels}: --data-dir {root} has no train/ folder "
                          f"beside a val/ (or validation/, test/) folder of images to label; "
                          f"expected DIR/train/CLASS/IMAGE and DIR/val/IMAGE")
@@ -320,8 +320,13 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
     lookup = _image_lookup(images)
     labels: dict[str, str] = {}
     for position, (number, fields) in enumerate(rows):
-        image = lookup.get(fields[0]) if len(fields) > 1 else None
-        label = fields[1].split()[0] if len(fields) > 1 and fields[1].split() else ""
+        if len(fields) == 1:
+            if position == 0:
+                continue  # a header line of one field
+            raise UsageError(f"{where} line {number} gives {fields[0]!r} and no class; write "
+                             f"IMAGE,CLASS on every line (or one CLASS a line, nothing else)")
+        image = lookup.get(fields[0])
+        label = fields[1].split()[0] if fields[1].split() else ""
         if position == 0 and image is None and label not in classes:
             continue  # a header line
         if image is None:

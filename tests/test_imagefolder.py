@@ -10,6 +10,7 @@ Oracles: the expected rows, classes and labels are written out by hand for each 
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def _index(root: Path, **kwargs) -> imagefolder.FolderIndex:
 
 
 def _rows(index) -> dict[str, list[tuple[str, str]]]:
+    assert all(len(paths) == len(labels) for paths, labels in index.splits.values())
     return {split: [(path, index.class_names[label])
                     for path, label in zip(paths.to_pylist(), labels.tolist())]
             for split, (paths, labels) in index.splits.items()}
@@ -82,8 +84,9 @@ def test_every_folder_walked_is_recorded_with_its_mtime(tmp_path):
                                   "__MACOSX/4.png"])
     _age(root, 100)
     os.utime(root / "dog" / "sub", (1_000_000, 1_000_000))
-    dirs = dict(_index(root).dirs)
-    assert set(dirs) == {"", "cat/", "dog/", "dog/sub/"}
+    walked = _index(root).dirs
+    assert sorted(rel for rel, _ in walked) == ["", "cat/", "dog/", "dog/sub/"]  # each once
+    dirs = dict(walked)
     assert dirs["dog/sub/"] == 1_000_000 * 10**9
     assert dirs[""] == os.stat(root).st_mtime_ns
 
@@ -205,6 +208,9 @@ def test_with_class_depth_an_empty_leaf_of_a_class_with_images_is_allowed(tmp_pa
         _index(root, class_depth=1)
     (root / "shallow").rmdir()
     assert _index(root, class_depth=2).class_names == ["cat", "empty", "tree"]
+    _tree(root, ["animals/bare/"])  # the class of depth 2 that has no image
+    with pytest.raises(UsageError, match=f"class folder {root}/animals/bare holds no images"):
+        _index(root, class_depth=2)
 
 
 def test_fingerprint_names_the_split_and_changes_with_a_folder(tmp_path):
@@ -216,10 +222,23 @@ def test_fingerprint_names_the_split_and_changes_with_a_folder(tmp_path):
     assert index.fingerprint("train") != index.fingerprint("validation")
     os.utime(root / "val" / "cat", (1, 1))
     assert _index(root).fingerprint("train") != index.fingerprint("train")
+    twin = _tree(tmp_path / "twin", ["train/cat/1.png", "val/cat/2.png"])
+    _age(root), _age(twin)  # the same names and mtimes, another folder
+    assert _index(twin).fingerprint("train") != _index(root).fingerprint("train")
+
+
+def test_indexing_a_large_folder_says_so_in_one_progress_line_of_ours(tmp_path, monkeypatch):
+    _tree(tmp_path, [f"c{c}/{i}.png" for c in range(2) for i in range(3)])
+    monkeypatch.setattr(imagefolder, "PROGRESS_AFTER", 0.0)  # "large": indexing takes long
+    said: list[str] = []
+    index_folder(tmp_path, cache_dir=tmp_path / "cache", say=said.append)
+    assert len(said) == 2, said  # at most one line per 10 s; pytest's stderr is no terminal
+    assert said[0] == f"indexing {tmp_path}: 0 images so far"
+    assert re.fullmatch(rf"indexed {tmp_path}: 6 images of 2 classes in \d+\.\ds", said[1])
 
 
 # -- a label file for a folder of held-out images (ImageNet's validation layout) ------------------
-CLASSES = {"cat", "dog", "n01"}
+CLASSES = {"cat", "dog", "n01", "zebra"}
 IMAGES = ["a.png", "b.jpg", "c.png"]
 
 
@@ -232,7 +251,7 @@ def _labels(tmp_path: Path, text: str, images=IMAGES) -> list[str]:
 @pytest.mark.parametrize("text", [
     "a.png,cat\nb.jpg,dog\nc.png,cat\n",                       # CSV, file names
     "ImageId,label\na,cat\nb,dog\nc,cat\n",                    # a header; names without extension
-    "c.png cat\n\n# a comment\n  a.png\tcat\nb.jpg   dog\n",   # whitespace, any order
+    "c.png cat\n\n# a comment\n  a.png\tcat\n   # indented\nb.jpg   dog\n",  # whitespace
     "ImageId,PredictionString\na,cat 1 2 3 4 dog 5 6 7 8\nb,dog 9 9 9 9\nc,cat\n",  # Kaggle's
     "cat\ndog\ncat\n",                                          # one class a line, name order
     " a.png , cat \nb.jpg,dog\nc.png,cat",                     # spaces around CSV fields
@@ -275,6 +294,8 @@ def test_a_first_line_naming_a_class_is_a_label_not_a_header(tmp_path):
                                    "image in {folder}; fix the line or add the image"),
     ("a,cat\nc,cat\n", "--val-labels {file} gives no label for 1 image(s) of {folder} (first: "
                        "b.jpg); label every image or remove the others"),
+    ("a,cat\nb.jpg\nc,cat\n", "--val-labels {file} line 2 gives 'b.jpg' and no class; write "
+                             "IMAGE,CLASS on every line (or one CLASS a line, nothing else)"),
 ])
 def test_each_label_file_problem_is_one_sentence(tmp_path, text, message):
     file, folder = tmp_path / "labels.txt", tmp_path / "val"
@@ -282,6 +303,26 @@ def test_each_label_file_problem_is_one_sentence(tmp_path, text, message):
         _labels(tmp_path, text)
     expected = message.format(file=file, folder=folder)
     assert str(caught.value).startswith(expected), (str(caught.value), expected)
+
+
+def test_a_one_field_first_line_is_a_header_and_bytes_that_are_not_utf8_are_kept(tmp_path):
+    # (a label file written on Windows: its comment in cp1252)
+    file = tmp_path / "labels.txt"
+    file.write_bytes("labels\n# caf\xe9\na,cat\nb,dog\nc,cat\n".encode("cp1252"))
+    assert read_val_labels(file, tmp_path, IMAGES, CLASSES) == ["cat", "dog", "cat"]
+
+
+def test_a_label_file_that_cannot_be_read_names_the_flag(tmp_path, monkeypatch):
+    file = tmp_path / "labels.txt"
+    file.write_text("a,cat\n")
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    with pytest.raises(UsageError) as caught:
+        read_val_labels(file, tmp_path, IMAGES, CLASSES)
+    assert "--val-labels" in str(caught.value) and "cannot be read (Permission denied)" in \
+        str(caught.value), str(caught.value)
 
 
 def test_a_missing_label_file(tmp_path):
@@ -304,6 +345,29 @@ def test_a_labelled_held_out_folder_through_the_index(tmp_path):
     (root / "test" / "dog" / "c.png").rename(root / "test" / "c.png")
     with pytest.raises(UsageError, match="test/c.png is not inside a class folder"):
         _index(root, val_labels=str(labels))  # only the labelled split may do without
+
+
+def test_a_label_file_labels_test_when_there_is_no_validation_folder(tmp_path):
+    root = _tree(tmp_path / "d", ["test/b.png", "test/a.png", "train/cat/1.png",
+                                  "train/dog/2.png"])
+    labels = tmp_path / "labels.csv"
+    labels.write_text("a.png,dog\nb.png,cat\n")
+    index = _index(root, val_labels=str(labels))
+    assert _rows(index) == {"test": [("test/a.png", "dog"), ("test/b.png", "cat")],
+                            "train": [("train/cat/1.png", "cat"), ("train/dog/2.png", "dog")]}
+    labels.write_text("a.png,dog\nb.png,cat\nzz.png,cat\n")
+    with pytest.raises(UsageError) as caught:
+        _index(root, val_labels=str(labels))
+    assert str(caught.value) == (f"--val-labels {labels} line 3 names 'zz.png', which is not an "
+                                 f"image in {root}/test; fix the line or add the image")
+
+
+def test_a_label_file_does_not_excuse_an_empty_training_class_folder(tmp_path):
+    root = _tree(tmp_path / "d", ["train/cat/1.png", "train/dog/", "val/a.png"])
+    labels = tmp_path / "labels.csv"
+    labels.write_text("a.png,cat\n")
+    with pytest.raises(UsageError, match=f"class folder {root}/train/dog holds no images"):
+        _index(root, val_labels=str(labels))
 
 
 def test_a_labelled_layout_with_an_empty_held_out_subfolder_is_fine(tmp_path):
@@ -380,6 +444,22 @@ def test_the_cache_is_keyed_by_layout_options_and_the_label_file(tmp_path):
     assert with_labels[1].cached
     labels.write_text("2.png,x\n# changed\n")  # another size: another key
     assert not _cached_index(tmp_path, val_labels=str(labels)).cached
+    assert _cached_index(tmp_path, val_labels=str(labels)).cached
+    # another file of the same size and mtime: another key all the same
+    other = tmp_path / "other.csv"
+    other.write_text("2.png,x\n# chang3d\n")
+    stat = labels.stat()
+    os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert not _cached_index(tmp_path, val_labels=str(other)).cached
+
+
+def test_a_folder_of_the_same_shape_elsewhere_is_not_served_another_folders_cache(tmp_path):
+    first = _tree(tmp_path / "first", ["cat/1.png"])
+    second = _tree(tmp_path / "second", ["cat/2.png"])
+    _age(first), _age(second)
+    for root in (first, first, second):
+        index = index_folder(root, cache_dir=tmp_path / "cache", cache_min_files=0)
+    assert not index.cached and _rows(index) == {"train": [("cat/2.png", "cat")]}
 
 
 def test_a_folder_gone_or_changed_or_a_damaged_cache_means_a_new_walk(tmp_path):
@@ -400,6 +480,33 @@ def test_a_folder_gone_or_changed_or_a_damaged_cache_means_a_new_walk(tmp_path):
     cache_file = next((tmp_path / "cache").glob("*.arrow"))
     cache_file.write_bytes(cache_file.read_bytes()[:100])
     assert not _cached_index(tmp_path).cached          # damaged: walked again, rewritten
+    assert _cached_index(tmp_path).cached
+
+
+def test_the_cache_folder_is_made_with_its_parents(tmp_path, monkeypatch):
+    root = _tree(tmp_path / "d", ["cat/1.png"])
+    _age(root)
+    nested = tmp_path / "home" / "cache" / "accel_train" / "folder-index"
+    monkeypatch.setenv(imagefolder.CACHE_ENV, str(nested))
+    index_folder(root, cache_min_files=0)  # the default folder, not there yet
+    assert len(list(nested.glob("*.arrow"))) == 1
+    assert index_folder(root, cache_min_files=0).cached
+
+
+def test_a_cache_whose_record_has_another_shape_is_rebuilt(tmp_path):
+    import json
+
+    import pyarrow as pa
+    root = _tree(tmp_path / "d", ["cat/1.png"])
+    _age(root)
+    _cached_index(tmp_path)
+    cache_file = next((tmp_path / "cache").glob("*.arrow"))
+    table = pa.ipc.open_file(pa.memory_map(str(cache_file))).read_all()
+    table = table.replace_schema_metadata({"accel_train": json.dumps({"root": str(root)})})
+    with pa.OSFile(str(cache_file), "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
+        out.write_table(table)
+    index = _cached_index(tmp_path)
+    assert not index.cached and _rows(index) == {"train": [("cat/1.png", "cat")]}
     assert _cached_index(tmp_path).cached
 
 

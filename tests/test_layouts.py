@@ -10,7 +10,6 @@ mappings and folder trees generated here for the rest.
 from __future__ import annotations
 
 import os
-import re
 import time
 from pathlib import Path
 
@@ -19,7 +18,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from accel_train import imagefolder
 from accel_train.cli import main
 from accel_train.config import TrainConfig
 from accel_train.errors import UsageError
@@ -225,16 +223,6 @@ def test_the_index_is_cached_and_rebuilt_when_a_folder_changes(tmp_path):
         assert before.cached and not after.cached
         assert after.splits["train"][0].to_pylist() != before.splits["train"][0].to_pylist()
     assert "z" in after.class_names
-
-
-def test_indexing_a_large_folder_says_so_in_one_progress_line_of_ours(tmp_path, monkeypatch):
-    _files(tmp_path, [f"c{c}/{i}.png" for c in range(2) for i in range(3)])
-    monkeypatch.setattr(imagefolder, "PROGRESS_AFTER", 0.0)  # "large": indexing takes long
-    said: list[str] = []
-    index_folder(tmp_path, cache_dir=tmp_path / "cache", say=said.append)
-    assert len(said) == 2, said  # at most one line per 10 s; pytest's stderr is no terminal
-    assert said[0] == f"indexing {tmp_path}: 0 images so far"
-    assert re.fullmatch(rf"indexed {tmp_path}: 6 images of 2 classes in \d+\.\ds", said[1])
 
 
 @pytest.mark.slow

@@ -54,8 +54,10 @@ def _rows(index) -> dict[str, list[tuple[str, str]]]:
             for split, (paths, labels) in index.splits.items()}
 
 
-def _age(root: Path, seconds: float = 3600) -> None:
-    then = time.time() - seconds
+def _age(root: Path, seconds: float = 3600, then: float | None = None) -> None:
+    """Every folder's mtime `seconds` back (or at `then`): a folder changed in the last seconds
+    is not cached (it may change again within its mtime's tick)."""
+    then = time.time() - seconds if then is None else then
     for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
         os.utime(folder, (then, then))
 
@@ -223,7 +225,7 @@ def test_fingerprint_names_the_split_and_changes_with_a_folder(tmp_path):
     os.utime(root / "val" / "cat", (1, 1))
     assert _index(root).fingerprint("train") != index.fingerprint("train")
     twin = _tree(tmp_path / "twin", ["train/cat/1.png", "val/cat/2.png"])
-    _age(root), _age(twin)  # the same names and mtimes, another folder
+    _age(root, then=1_000_000), _age(twin, then=1_000_000)  # the same names and mtimes
     assert _index(twin).fingerprint("train") != _index(root).fingerprint("train")
 
 
@@ -235,6 +237,68 @@ def test_indexing_a_large_folder_says_so_in_one_progress_line_of_ours(tmp_path, 
     assert len(said) == 2, said  # at most one line per 10 s; pytest's stderr is no terminal
     assert said[0] == f"indexing {tmp_path}: 0 images so far"
     assert re.fullmatch(rf"indexed {tmp_path}: 6 images of 2 classes in \d+\.\ds", said[1])
+
+
+class _Clock:
+    """time.monotonic moving `step` seconds a call (floats that add up exactly)."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 1000.0, step
+
+    def monotonic(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+class _Stderr:
+    def __init__(self, terminal: bool):
+        self.terminal, self.written = terminal, []
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+    def write(self, text: str) -> None:
+        self.written.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _walk_with_clock(tmp_path, monkeypatch, step: float, terminal: bool, folders: int):
+    """The index of `folders` class folders of one image each, the clock moving `step` seconds
+    at each of its readings (one at the start, one after each folder walked, the root first,
+    one at the end)."""
+    root = _tree(tmp_path / "d", [f"c{i:02d}/1.png" for i in range(folders)])
+    monkeypatch.setattr(imagefolder, "time", _Clock(step))
+    stderr = _Stderr(terminal)
+    monkeypatch.setattr(imagefolder.sys, "stderr", stderr)
+    said: list[str] = []
+    index_folder(root, cache_dir=tmp_path / "cache", cache_min_files=NEVER_CACHED,
+                 say=said.append)
+    return root, stderr.written, said
+
+
+def test_on_a_terminal_a_counter_at_most_every_fifth_of_a_second_after_the_first(tmp_path,
+                                                                                monkeypatch):
+    # readings 0.125 s apart: the walk's k-th reading is k/8 s after the start; nothing before
+    # 1 s (k = 8: 7 folders walked), then a counter whenever 0.2 s have passed since the last
+    root, written, said = _walk_with_clock(tmp_path, monkeypatch, 0.125, True, 15)
+    assert written == [f"\rindexing {root}: {n} images" for n in (7, 9, 11, 13, 15)] + \
+        ["\r\033[K"]
+    assert said == [f"indexed {root}: 15 images of 15 classes in 2.1s"]  # 17 readings x 1/8
+
+
+def test_off_a_terminal_a_line_at_first_then_every_ten_seconds(tmp_path, monkeypatch):
+    # readings 2.5 s apart: a line at the first reading after 1 s, then after 10 s exactly
+    root, written, said = _walk_with_clock(tmp_path, monkeypatch, 2.5, False, 10)
+    assert written == []
+    assert said == [f"indexing {root}: {n} images so far" for n in (0, 4, 8)] + \
+        [f"indexed {root}: 10 images of 10 classes in 30.0s"]
+
+
+def test_a_quick_walk_says_nothing(tmp_path, monkeypatch):
+    _, written, said = _walk_with_clock(tmp_path, monkeypatch, 0.0625, True, 12)
+    assert written == [] and said == []
 
 
 # -- a label file for a folder of held-out images (ImageNet's validation layout) ------------------
@@ -321,8 +385,8 @@ def test_a_label_file_that_cannot_be_read_names_the_flag(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "read_bytes", refuse)
     with pytest.raises(UsageError) as caught:
         read_val_labels(file, tmp_path, IMAGES, CLASSES)
-    assert "--val-labels" in str(caught.value) and "cannot be read (Permission denied)" in \
-        str(caught.value), str(caught.value)
+    assert str(caught.value).startswith(f"--val-labels {file}: cannot be read (Permission "
+                                        f"denied)"), str(caught.value)
 
 
 def test_a_missing_label_file(tmp_path):
@@ -456,7 +520,7 @@ def test_the_cache_is_keyed_by_layout_options_and_the_label_file(tmp_path):
 def test_a_folder_of_the_same_shape_elsewhere_is_not_served_another_folders_cache(tmp_path):
     first = _tree(tmp_path / "first", ["cat/1.png"])
     second = _tree(tmp_path / "second", ["cat/2.png"])
-    _age(first), _age(second)
+    _age(first, then=1_000_000), _age(second, then=1_000_000)  # the same folders and mtimes
     for root in (first, first, second):
         index = index_folder(root, cache_dir=tmp_path / "cache", cache_min_files=0)
     assert not index.cached and _rows(index) == {"train": [("cat/2.png", "cat")]}

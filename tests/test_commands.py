@@ -18,7 +18,8 @@ from accel_train import synthetic
 from accel_train.cli import main
 from accel_train.track import read_metrics
 import conftest
-from conftest import accel_train_here, TINY_TRAIN, free_port, model_spec_of, run
+from conftest import (TINY_TRAIN, accel_train_here, clean_accelerate_state, free_port,
+                      model_spec_of, run)
 
 # The folder the tests write images into lists classes in another order than the model does
 # (alphabetical vs synthetic.CLASS_NAMES), so eval must map labels by class name.
@@ -51,7 +52,8 @@ def image_folder(tmp_path_factory) -> Path:
 
 
 def command(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
+    with clean_accelerate_state():  # each command as in a process of its own
+        code = main(list(argv))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -82,6 +84,28 @@ def test_eval_of_a_run_repeats_its_last_epoch_numbers(run_dir, capsys):
     if not torch.cuda.is_available():  # fp16 cannot run here: eval says so, in its own words
         code, out, err = command(capsys, "eval", str(run_dir), "--mixed-precision", "fp16")
         assert code == 0 and "this run evaluates in fp32" in out + err
+
+
+def test_eval_runs_in_the_precision_and_memory_format_the_run_chose(run_dir, tmp_path, capsys):
+    """A run trained (and evaluated at its epoch ends) in bf16 channels_last on a CPU is
+    evaluated so by `eval` without flags, and gives its logged numbers; where this CPU has no
+    native bf16, auto stays fp32.  An fp32 run stays fp32; a flag overrides."""
+    from accel_train.precision import cpu_has_native_bf16
+    assert eval_json(capsys, str(run_dir))["precision"] == "fp32"
+    out = tmp_path / "bf16"
+    accel_train_here(*TINY_TRAIN, "--mixed-precision", "bf16", "--channels-last", "--max-steps",
+                     "4", "--output-dir", str(out), check=True)
+    result = eval_json(capsys, str(out))
+    if cpu_has_native_bf16():
+        assert result["precision"] == "bf16, channels_last"
+        epoch = last_epoch(out)
+        assert result["loss"] == pytest.approx(epoch["eval_loss"], abs=1e-6)
+        assert result["top1"] == pytest.approx(epoch["eval_top1"])
+    else:
+        assert result["precision"] == "fp32"
+    assert eval_json(capsys, str(out), "--mixed-precision", "no")["precision"] == "fp32"
+    code, printed, err = command(capsys, "eval", str(out))
+    assert code == 0 and f"on cpu in {result['precision']}" in printed, printed
 
 
 def test_eval_of_its_checkpoint_and_of_an_unfinished_run(run_dir, tmp_path, capsys):

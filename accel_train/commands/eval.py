@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--num-workers", type=int, help="data loader workers per process "
                      "(default: as training chooses)")
     run.add_argument("--mixed-precision", choices=PRECISIONS, default="auto",
-                     help="autocast precision; auto: fp16 on CUDA, fp32 on a CPU; an explicit "
-                          "fp16 needs CUDA (default: auto)")
+                     help="autocast precision; auto: what the run trained and evaluated in, on "
+                          "the same kind of device (with its memory format), else fp16 on CUDA "
+                          "and fp32 on a CPU; an explicit fp16 needs CUDA (default: auto)")
     run.add_argument("--tta", choices=TTA_MODES, help="test-time augmentation: 'flip' averages "
                      "the logits of each image and its mirror image (default: the run's --tta)")
     run.add_argument("--json", action="store_true",
@@ -121,7 +122,7 @@ def _dataset_for_split(data, split: str, transform, max_samples):
 
 
 def _report(results: dict, trained, data, split: str, num_processes: int, device,
-            as_json: bool, tta: str) -> str:
+            as_json: bool, tta: str, ran_in: str) -> str:
     from ..evaluate import format_results
     names = trained.spec.class_names
     if as_json:
@@ -129,14 +130,31 @@ def _report(results: dict, trained, data, split: str, num_processes: int, device
         return json.dumps({
             "model": trained.description, "weights": str(trained.weights),
             "data": data.description, "split": split, "processes": num_processes, "tta": tta,
-            **{k: results[k] for k in ("loss", "top1", "top5", "count")},
+            "precision": ran_in, **{k: results[k] for k in ("loss", "top1", "top5", "count")},
             "per_class": {name: {"correct": c, "images": t, "top1": c / t if t else None}
                           for name, c, t in zip(names, per_class["correct"], per_class["total"])}})
     return (f"model: {trained.spec.model_name} ({len(names)} classes) from {trained.description}\n"
             f"data:  {data.description}; evaluated on {SPLITS[split]}\n"
-            f"       by {num_processes} process(es) on {device}"
+            f"       by {num_processes} process(es) on {device} in {ran_in}"
             f"{'; test-time augmentation: ' + tta if tta != 'none' else ''}\n\n"
             + format_results(results, names))
+
+
+def _as_the_run_ran(asked: str, resolved: dict, cuda: bool) -> tuple[str, bool]:
+    """--mixed-precision auto on the kind of device the run trained on: the precision and memory
+    format it ran in (config.yaml's resolved facts), which are also those of its own epoch-end
+    evaluations.  Why: on a CPU, auto alone means fp32, and a run that chose bf16 there because
+    it was faster (autotune.py) would be evaluated several times slower than it evaluated
+    itself, and in another precision than its logged numbers."""
+    from ..precision import cpu_has_native_bf16
+
+    device = str(resolved.get("device", "")).split(":")[0]
+    if asked != "auto" or device != ("cuda" if cuda else "cpu"):
+        return asked, False
+    used = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}.get(resolved.get("precision_used"))
+    if used == "bf16" and not cuda and not cpu_has_native_bf16():
+        return asked, False  # trained where bf16 was native: emulated here, slower than fp32
+    return used or asked, bool(resolved.get("channels_last"))
 
 
 def main(argv: Sequence[str]) -> int:
@@ -150,7 +168,7 @@ def main(argv: Sequence[str]) -> int:
     from ..sources import load_data
     from ..streaming import load_streaming, streaming_wanted
     from ..distributed import main_first, print_once
-    from ..precision import resolve_precision
+    from ..precision import precision_name, resolve_precision
     from ..transforms import ImageTransform
     from .artifacts import find_trained_model, load_model, read_run_config
 
@@ -158,14 +176,17 @@ def main(argv: Sequence[str]) -> int:
     say = print if launcher.rank == 0 else (lambda text: None)
     trained = find_trained_model(args.model, lambda text: say(f"warning: {text}"))
     config = data_config(trained, args)
-    recorded = read_run_config(trained.run_dir).get("train", {}) if trained.run_dir else {}
+    run_record = read_run_config(trained.run_dir) if trained.run_dir else {}
+    recorded = run_record.get("train", {})
     batch_size = args.batch_size or recorded.get("batch_size") or 64
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1 (got {batch_size})")
     env = distributed.setup(TrainConfig())  # starts the process group when launched
     try:
         cuda = torch.cuda.is_available()
-        precision, warning = resolve_precision(args.mixed_precision, cuda, "evaluates")
+        asked, channels_last = _as_the_run_ran(args.mixed_precision, run_record.get("resolved", {}),
+                                               cuda)
+        precision, warning = resolve_precision(asked, cuda, "evaluates")
         acc = Accelerator(cpu=not cuda, mixed_precision=precision)
         if warning:
             print_once(f"warning: {warning}")
@@ -186,9 +207,13 @@ def main(argv: Sequence[str]) -> int:
         loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False, cuda))
         model = load_model(trained).to(acc.device)  # not DDP-wrapped: inference only
         tta = args.tta or spec.tta
-        results = evaluate_classifier(acc, model, loader, spec.num_classes, tta=tta)
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        results = evaluate_classifier(acc, model, loader, spec.num_classes,
+                                      channels_last=channels_last, tta=tta)
+        ran_in = precision_name(precision) + (", channels_last" if channels_last else "")
         print_once(_report(results, trained, data, args.split, acc.num_processes, acc.device,
-                           args.json, tta))
+                           args.json, tta, ran_in))
     finally:
         distributed.teardown()
     return 0

@@ -239,3 +239,68 @@ def test_a_missing_or_unreadable_file_and_a_foreign_value_say_why_in_words(tmp_p
     with pytest.raises(Unreadable) as foreign:
         read_value(42)
     assert foreign.value.reason == "not an image value (got int)"
+
+
+# -- JPEGs in a batch, and torchvision's decoder missing -------------------------------------------
+def _jpeg(width: int, height: int, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG")
+    return out.getvalue()
+
+
+def _torchvision_pixels(blob: bytes) -> torch.Tensor:
+    from torchvision.io import ImageReadMode, decode_jpeg
+    return decode_jpeg(torch.frombuffer(bytearray(blob), dtype=torch.uint8),
+                       mode=ImageReadMode.RGB)
+
+
+def test_a_broken_jpeg_among_good_ones_costs_only_itself():
+    """torchvision's batched decoder refuses the whole list for one bad JPEG; each is then
+    decoded alone, and PIL names what is wrong with the bad one."""
+    good = [_jpeg(16, 12, 0), _jpeg(12, 16, 1)]
+    broken = b"\xff\xd8\xff\xe0" + b"not jpeg data " * 10
+    results = decode_many([good[0], broken, good[1]])
+    assert torch.equal(results[0], _torchvision_pixels(good[0]))
+    assert torch.equal(results[2], _torchvision_pixels(good[1]))
+    assert isinstance(results[1], Unreadable) and str(results[1]).startswith("truncated file (")
+
+
+def test_a_non_square_jpeg_over_the_pixel_limit_is_refused(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 150)
+    fits, over = _jpeg(16, 8, 0), _jpeg(20, 8, 1)  # 128 and 160 pixels (8 x 8 = 64 for both)
+    results = decode_many([fits, over])
+    assert torch.equal(results[0], _torchvision_pixels(fits))
+    assert isinstance(results[1], Unreadable), results[1]
+    assert str(results[1]).startswith("20x8 = 160 pixels, over PIL's decompression-bomb limit")
+
+
+def test_without_torchvisions_jpeg_decoder_pil_decodes_them(monkeypatch):
+    import sys
+    blobs = [_jpeg(16, 12, 0), _jpeg(8, 8, 1)]
+    monkeypatch.setitem(sys.modules, "torchvision.io", None)  # the import fails, as if removed
+    for blob, image in zip(blobs, decode_many(blobs)):
+        expected = np.asarray(Image.open(io.BytesIO(blob)).convert("RGB"))
+        assert torch.equal(image, torch.from_numpy(expected).permute(2, 0, 1))
+
+
+def test_a_truncated_png_is_named_so():
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (12, 16, 3), dtype=np.uint8)).save(
+        out, format="PNG")
+    with pytest.raises(Unreadable) as caught:
+        decode(out.getvalue()[:len(out.getvalue()) // 2])
+    assert str(caught.value) == "truncated file (image file is truncated)"
+
+
+def test_gray_with_alpha_is_blended_over_white_like_rgba():
+    """An LA image (gray + alpha) gets the blend RGBA images get: (v x a + 255 x (255 - a) +
+    127) // 255 per channel, computed here in numpy."""
+    gray = np.array([[0, 100], [200, 255]], dtype=np.uint8)
+    alpha = np.array([[0, 128], [255, 37]], dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(np.stack([gray, alpha], axis=2), mode="LA").save(out, format="PNG")
+    g, a = gray.astype(np.int64), alpha.astype(np.int64)
+    expected = ((g * a + 255 * (255 - a) + 127) // 255).astype(np.uint8)
+    image = decode(out.getvalue())
+    assert torch.equal(image, torch.from_numpy(np.repeat(expected[None], 3, axis=0)))

@@ -250,9 +250,13 @@ def _jpeg(width: int, height: int, seed: int) -> bytes:
 
 
 def _torchvision_pixels(blob: bytes) -> torch.Tensor:
+    import warnings
+
     from torchvision.io import ImageReadMode, decode_jpeg
-    return decode_jpeg(torch.frombuffer(bytearray(blob), dtype=torch.uint8),
-                       mode=ImageReadMode.RGB)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # in favour of TorchCodec
+        return decode_jpeg(torch.frombuffer(bytearray(blob), dtype=torch.uint8),
+                           mode=ImageReadMode.RGB)
 
 
 def test_a_broken_jpeg_among_good_ones_costs_only_itself():
@@ -280,7 +284,7 @@ def test_without_torchvisions_jpeg_decoder_pil_decodes_them(monkeypatch):
     blobs = [_jpeg(16, 12, 0), _jpeg(8, 8, 1)]
     monkeypatch.setitem(sys.modules, "torchvision.io", None)  # the import fails, as if removed
     for blob, image in zip(blobs, decode_many(blobs)):
-        expected = np.asarray(Image.open(io.BytesIO(blob)).convert("RGB"))
+        expected = np.array(Image.open(io.BytesIO(blob)).convert("RGB"))
         assert torch.equal(image, torch.from_numpy(expected).permute(2, 0, 1))
 
 

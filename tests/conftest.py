@@ -145,6 +145,16 @@ def accel_train_here(*args: str, check: bool = False,
     return result
 
 
+def age_folders(root: Path, seconds: float = 3600, then: float | None = None) -> None:
+    """Every folder under `root` (itself included) given an mtime `seconds` back, or `then`: an
+    image folder changed in the last seconds may change again within its mtime's tick, and its
+    index is not cached (imagefolder.RACY_SECONDS)."""
+    import time
+    then = time.time() - seconds if then is None else then
+    for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        os.utime(folder, (then, then))
+
+
 def model_spec_of(folder: Path) -> dict:
     """The model a run's final model or an export holds, read from timm's config.json as timm's
     saver lays it out (architecture, label_names, pretrained_cfg; accel_train's own section),

@@ -21,6 +21,7 @@ from PIL import Image
 from accel_train import imagefolder
 from accel_train.errors import UsageError
 from accel_train.imagefolder import index_folder, read_val_labels
+from conftest import age_folders
 
 NEVER_CACHED = 10**9
 
@@ -54,14 +55,6 @@ def _rows(index) -> dict[str, list[tuple[str, str]]]:
             for split, (paths, labels) in index.splits.items()}
 
 
-def _age(root: Path, seconds: float = 3600, then: float | None = None) -> None:
-    """Every folder's mtime `seconds` back (or at `then`): a folder changed in the last seconds
-    is not cached (it may change again within its mtime's tick)."""
-    then = time.time() - seconds if then is None else then
-    for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
-        os.utime(folder, (then, then))
-
-
 # -- which files are rows -----------------------------------------------------------------------
 def test_class_folders_hidden_and_system_entries_and_extensions(tmp_path):
     root = _tree(tmp_path / "d", [
@@ -84,7 +77,7 @@ def test_class_folders_hidden_and_system_entries_and_extensions(tmp_path):
 def test_every_folder_walked_is_recorded_with_its_mtime(tmp_path):
     root = _tree(tmp_path / "d", ["cat/1.png", "dog/sub/2.png", ".hidden/3.png",
                                   "__MACOSX/4.png"])
-    _age(root, 100)
+    age_folders(root, 100)
     os.utime(root / "dog" / "sub", (1_000_000, 1_000_000))
     walked = _index(root).dirs
     assert sorted(rel for rel, _ in walked) == ["", "cat/", "dog/", "dog/sub/"]  # each once
@@ -225,7 +218,8 @@ def test_fingerprint_names_the_split_and_changes_with_a_folder(tmp_path):
     os.utime(root / "val" / "cat", (1, 1))
     assert _index(root).fingerprint("train") != index.fingerprint("train")
     twin = _tree(tmp_path / "twin", ["train/cat/1.png", "val/cat/2.png"])
-    _age(root, then=1_000_000), _age(twin, then=1_000_000)  # the same names and mtimes
+    for folder in (root, twin):  # the same names and mtimes
+        age_folders(folder, then=1_000_000)
     assert _index(twin).fingerprint("train") != _index(root).fingerprint("train")
 
 
@@ -464,7 +458,7 @@ def _cached_index(tmp_path: Path, **kwargs):
 def test_a_cached_index_has_the_rows_of_a_walked_one(tmp_path):
     root = _tree(tmp_path / "d", ["train/cat/1.png", "train/dog/2.png", "train/dog/3.png",
                                   "val/dog/4.png", "test/cat/5.png"])
-    _age(root)
+    age_folders(root)
     walked = _cached_index(tmp_path)
     assert not walked.cached and len(list((tmp_path / "cache").glob("*.arrow"))) == 1
     cached = _cached_index(tmp_path)
@@ -476,25 +470,25 @@ def test_a_cached_index_has_the_rows_of_a_walked_one(tmp_path):
 
 def test_small_folders_and_fresh_folders_are_not_cached(tmp_path):
     root = _tree(tmp_path / "d", ["cat/1.png", "cat/2.png"])
-    _age(root)
+    age_folders(root)
     assert not _cached_index(tmp_path, cache_min_files=3).cached
     assert not (tmp_path / "cache").exists()
     _cached_index(tmp_path, cache_min_files=2)
     assert _cached_index(tmp_path, cache_min_files=2).cached
     # a folder changed a second ago may change again within its mtime's tick
     fresh = _tree(tmp_path / "f", ["cat/1.png"])
-    _age(fresh, imagefolder.RACY_SECONDS + 60)
+    age_folders(fresh, imagefolder.RACY_SECONDS + 60)
     os.utime(fresh / "cat", (time.time() - 1, time.time() - 1))
     index_folder(fresh, cache_dir=tmp_path / "c2", cache_min_files=0)
     assert not (tmp_path / "c2").exists() or not list((tmp_path / "c2").glob("*.arrow"))
-    _age(fresh, imagefolder.RACY_SECONDS + 1)
+    age_folders(fresh, imagefolder.RACY_SECONDS + 1)
     index_folder(fresh, cache_dir=tmp_path / "c2", cache_min_files=0)
     assert index_folder(fresh, cache_dir=tmp_path / "c2", cache_min_files=0).cached
 
 
 def test_the_cache_is_keyed_by_layout_options_and_the_label_file(tmp_path):
     root = _tree(tmp_path / "d", ["train/a/x/1.png", "val/a/x/2.png"])
-    _age(root)
+    age_folders(root)
     for _ in range(2):
         by_depth = [_cached_index(tmp_path, class_depth=depth) for depth in (None, 1)]
     assert all(index.cached for index in by_depth)
@@ -502,7 +496,7 @@ def test_the_cache_is_keyed_by_layout_options_and_the_label_file(tmp_path):
     (root / "val" / "a" / "x" / "2.png").rename(root / "val" / "2.png")
     labels = tmp_path / "labels.csv"
     labels.write_text("2.png,x\n")
-    _age(root)
+    age_folders(root)
     with_labels = [_cached_index(tmp_path, val_labels=str(labels)) for _ in range(2)]
     assert _rows(with_labels[1])["validation"] == [("val/2.png", "x")]
     assert with_labels[1].cached
@@ -520,7 +514,8 @@ def test_the_cache_is_keyed_by_layout_options_and_the_label_file(tmp_path):
 def test_a_folder_of_the_same_shape_elsewhere_is_not_served_another_folders_cache(tmp_path):
     first = _tree(tmp_path / "first", ["cat/1.png"])
     second = _tree(tmp_path / "second", ["cat/2.png"])
-    _age(first, then=1_000_000), _age(second, then=1_000_000)  # the same folders and mtimes
+    for folder in (first, second):  # the same folders and mtimes
+        age_folders(folder, then=1_000_000)
     for root in (first, first, second):
         index = index_folder(root, cache_dir=tmp_path / "cache", cache_min_files=0)
     assert not index.cached and _rows(index) == {"train": [("cat/2.png", "cat")]}
@@ -528,7 +523,7 @@ def test_a_folder_of_the_same_shape_elsewhere_is_not_served_another_folders_cach
 
 def test_a_folder_gone_or_changed_or_a_damaged_cache_means_a_new_walk(tmp_path):
     root = _tree(tmp_path / "d", ["cat/1.png", "dog/sub/2.png"])
-    _age(root)
+    age_folders(root)
     _cached_index(tmp_path)
     assert _cached_index(tmp_path).cached
     os.utime(root / "dog" / "sub", (1, 1))
@@ -537,7 +532,7 @@ def test_a_folder_gone_or_changed_or_a_damaged_cache_means_a_new_walk(tmp_path):
     (root / "dog" / "sub" / "2.png").unlink()
     (root / "dog" / "sub").rmdir()
     _tree(root, ["dog/3.png"])
-    _age(root)
+    age_folders(root)
     index = _cached_index(tmp_path)                    # a folder is gone
     assert not index.cached and _rows(index)["train"] == [("cat/1.png", "cat"),
                                                           ("dog/3.png", "dog")]
@@ -549,7 +544,7 @@ def test_a_folder_gone_or_changed_or_a_damaged_cache_means_a_new_walk(tmp_path):
 
 def test_the_cache_folder_is_made_with_its_parents(tmp_path, monkeypatch):
     root = _tree(tmp_path / "d", ["cat/1.png"])
-    _age(root)
+    age_folders(root)
     nested = tmp_path / "home" / "cache" / "accel_train" / "folder-index"
     monkeypatch.setenv(imagefolder.CACHE_ENV, str(nested))
     index_folder(root, cache_min_files=0)  # the default folder, not there yet
@@ -562,7 +557,7 @@ def test_a_cache_whose_record_has_another_shape_is_rebuilt(tmp_path):
 
     import pyarrow as pa
     root = _tree(tmp_path / "d", ["cat/1.png"])
-    _age(root)
+    age_folders(root)
     _cached_index(tmp_path)
     cache_file = next((tmp_path / "cache").glob("*.arrow"))
     table = pa.ipc.open_file(pa.memory_map(str(cache_file))).read_all()
@@ -576,7 +571,7 @@ def test_a_cache_whose_record_has_another_shape_is_rebuilt(tmp_path):
 
 def test_an_unwritable_cache_folder_costs_only_the_cache(tmp_path):
     root = _tree(tmp_path / "d", ["cat/1.png"])
-    _age(root)
+    age_folders(root)
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("a file where the cache folder would be")
     for _ in range(2):

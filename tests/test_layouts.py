@@ -10,7 +10,6 @@ mappings and folder trees generated here for the rest.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import datasets
@@ -23,7 +22,7 @@ from accel_train.config import TrainConfig
 from accel_train.errors import UsageError
 from accel_train.imagefolder import index_folder
 from accel_train.sources import load_data
-from conftest import PINNED, accel_train, accel_train_here
+from conftest import PINNED, accel_train, accel_train_here, age_folders
 
 
 def _png(path: Path, seed: int = 0, size: int = 8) -> None:
@@ -192,20 +191,12 @@ def test_bad_folders_and_label_files_are_one_line_errors(tmp_path, capsys, case)
 
 
 # -- the cached index -----------------------------------------------------------------------------
-def _age(root: Path, seconds: float = 3600) -> None:
-    """Set every folder's mtime an hour back: a folder changed in the last seconds may change
-    again within its mtime's resolution, and such an index is not cached."""
-    then = time.time() - seconds
-    for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
-        os.utime(folder, (then, then))
-
-
 def test_the_index_is_cached_and_rebuilt_when_a_folder_changes(tmp_path):
     root, cache = tmp_path / "data", tmp_path / "cache"
     _files(root, [f"{c}/{i}.png" for c in ("x", "y") for i in range(3)])
     fresh = index_folder(root, cache_dir=cache, cache_min_files=0)
     assert not fresh.cached and not list(cache.glob("*.arrow")), "just written: not cached"
-    _age(root)
+    age_folders(root)
     assert not index_folder(root, cache_dir=cache, cache_min_files=0).cached
     cached = index_folder(root, cache_dir=cache, cache_min_files=0)
     assert cached.cached and cached.class_names == ["x", "y"]
@@ -215,7 +206,7 @@ def test_the_index_is_cached_and_rebuilt_when_a_folder_changes(tmp_path):
                    lambda: (root / "x" / "0.png").rename(root / "x" / "renamed.png"),
                    lambda: (root / "y" / "1.png").unlink(),
                    lambda: _png(root / "z" / "0.png")):
-        _age(root)
+        age_folders(root)
         index_folder(root, cache_dir=cache, cache_min_files=0)  # indexes and caches
         before = index_folder(root, cache_dir=cache, cache_min_files=0)
         change()

@@ -177,6 +177,18 @@ class TimeBudget:
         (those that evaluate: every `eval_every`th and the last, the final evaluation; and the
         others) fit the time that is left.  The first fit with no room for a step is a
         UsageError; a later one may end the run where it stands."""
+        low = self.steps_that_fit(step_seconds, steps_done, steps_per_epoch, eval_images,
+                                  global_batch, eval_every)
+        self.fits += 1
+        if low <= steps_done and self.fits == 1:
+            raise UsageError(f"{flag}: an optimizer step takes {step_seconds:.2f}s here, and the "
+                             f"budget leaves no time for more than the {steps_done} measured; "
+                             f"give more time")
+        return low
+
+    def steps_that_fit(self, step_seconds: float, steps_done: int, steps_per_epoch: int,
+                       eval_images: int, global_batch: int, eval_every: int = 1) -> int:
+        """`total_steps`' count, without making it a fit (the pilot's estimate)."""
         left = self.seconds - (time.perf_counter() - self.started)
         eval_seconds = self.evaluation_seconds(eval_images, step_seconds, global_batch)
         plain_seconds = self.plain_end_seconds()
@@ -196,9 +208,4 @@ class TimeBudget:
         while low < high:
             middle = (low + high + 1) // 2
             low, high = (middle, high) if fits(middle) else (low, middle - 1)
-        self.fits += 1
-        if low <= steps_done and self.fits == 1:
-            raise UsageError(f"{flag}: an optimizer step takes {step_seconds:.2f}s here, and the "
-                             f"budget leaves no time for more than the {steps_done} measured; "
-                             f"give more time")
         return low

@@ -193,6 +193,12 @@ class TrainConfig:
                                        "optimization")
     warmup_epochs: float = option(1.0, "Linear warmup length in epochs (may be fractional); "
                                   "the decay (--lr-decay) follows.", "optimization")
+    warmup_fraction: Optional[float] = option(None, "Warmup length as a share of the whole "
+                                              "run (0.2: its first fifth), instead of "
+                                              "--warmup-epochs. With --time-budget it follows "
+                                              "the fitted length, so a recipe's warmup is the "
+                                              "same share of the run on a slow machine as on "
+                                              "a fast one.", "optimization")
     warmup_start_factor: float = option(0.0, "The fraction of the peak learning rate warmup "
                                         "rises from (airbench: 0.2).", "optimization")
     lr_decay: str = option("cosine", "The learning rate's decay after warmup, to "
@@ -326,6 +332,11 @@ class TrainConfig:
                 or self.eval_every < 0:
             raise UsageError(f"--eval-every must be 0 (only after the last epoch) or a number "
                              f"of epochs >= 1 (got {self.eval_every!r})")
+        if self.warmup_fraction is not None and not (
+                isinstance(self.warmup_fraction, (int, float)) and 0 <= self.warmup_fraction < 1):
+            raise UsageError(f"--warmup-fraction is a share of the run: at least 0 and below 1 "
+                             f"(got {self.warmup_fraction!r}); 0.2 warms up over the first "
+                             f"fifth")
         for name in ("warmup_start_factor", "final_lr_factor"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 1):

@@ -93,11 +93,17 @@ class Schedule:
     A fit never makes the learning rate jump: from the step where it happens, the decay
     continues from the factor of that moment (`decay_from_factor`) down to `final_factor` at the
     new total, stretched or shrunk over what remains.  Warmup is never repeated; a fit during
-    warmup only moves the end of the decay.
+    warmup only moves the end of the decay, unless the warmup is a share of the run
+    (`warmup_fraction`, --warmup-fraction): then its end moves too, to that share of the new
+    total, the rise going on from the factor of that moment (`warmup_from_*`); a fit that puts
+    the end behind the step it happens at ends the warmup there, the decay going on from there.
+    Why a share: a warmup in epochs written for a fast machine outlasts the whole budget of a
+    slow one, whose rate then never comes down.
 
-    The shape (`decay`, `warmup_start`, `final_factor`: --lr-decay, --warmup-start-factor,
-    --final-lr-factor) comes from the command line, not the checkpoint: a resumed run is given
-    the same flags.  Linear from 0.2 through the peak to 0.07 is airbench's triangle."""
+    The shape (`decay`, `warmup_start`, `final_factor`, `warmup_fraction`: --lr-decay,
+    --warmup-start-factor, --final-lr-factor, --warmup-fraction) comes from the command line,
+    not the checkpoint: a resumed run is given the same flags.  Linear from 0.2 through the peak
+    to 0.07 is airbench's triangle."""
 
     warmup_steps: int
     total_steps: int
@@ -107,27 +113,54 @@ class Schedule:
     decay: str = "cosine"
     warmup_start: float = 0.0     # the factor warmup rises from (the first update: a step above)
     final_factor: float = 0.0     # the factor the decay ends at
+    warmup_fraction: Optional[float] = None  # the warmup's share of the total, if so given
+    # The warmup's line runs through (warmup_from_step, warmup_from_factor) and reaches the peak
+    # at its last step; a fit of a warmup given as a share moves this point to where it stands.
+    warmup_from_step: int = -1
+    warmup_from_factor: Optional[float] = None  # None: warmup_start
 
     name = "schedule"
     STATE = ("warmup_steps", "total_steps", "budget_step_seconds", "decay_from_step",
-             "decay_from_factor")
+             "decay_from_factor", "warmup_from_step", "warmup_from_factor")
 
     def factor(self, step: int) -> float:
         warmup = min(self.warmup_steps, self.total_steps)
         if warmup > 0 and step < warmup:
-            return self.warmup_start + (1.0 - self.warmup_start) * (step + 1) / warmup
+            origin = self.warmup_start if self.warmup_from_factor is None \
+                else self.warmup_from_factor
+            rise = (step - self.warmup_from_step) / (warmup - 1 - self.warmup_from_step)
+            return origin + (1.0 - origin) * rise
         start = max(warmup, self.decay_from_step)
         progress = min(1.0, max(0.0, (step - start) / max(1, self.total_steps - start)))
         left = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.decay == "cosine" \
             else 1.0 - progress
         return self.final_factor + (self.decay_from_factor - self.final_factor) * left
 
-    def fit_total(self, total_steps: int, step_seconds: float, at_step: int) -> None:
-        """A --time-budget fit at optimizer step `at_step` (the next update's index)."""
+    def fit_total(self, total_steps: int, step_seconds: Optional[float], at_step: int) -> None:
+        """A --time-budget fit at optimizer step `at_step` (the next update's index);
+        `step_seconds` None: an estimate that only paces a warmup given as a share (the budget's
+        pilot), not a fit."""
+        if self.warmup_fraction is not None and at_step < min(self.warmup_steps,
+                                                              self.total_steps):
+            self._fit_warmup(warmup_share(self.warmup_fraction, total_steps), at_step)
+        if step_seconds is None:
+            return
         if at_step >= min(self.warmup_steps, self.total_steps):
             self.decay_from_factor = self.factor(at_step)
             self.decay_from_step = at_step
         self.total_steps, self.budget_step_seconds = total_steps, step_seconds
+
+    def _fit_warmup(self, steps: int, at_step: int) -> None:
+        """The warmup now ends after `steps` updates, rising from the factor of update
+        `at_step` (already set: the scheduler stepped before the fit) or, if that leaves no step
+        to rise over, ends here, the decay going on from that factor."""
+        now = self.factor(at_step)
+        if steps > at_step + 1:
+            self.warmup_steps = steps
+            self.warmup_from_step, self.warmup_from_factor = at_step, now
+        else:
+            self.warmup_steps = at_step
+            self.decay_from_step, self.decay_from_factor = at_step, now
 
     @property
     def fixed_by_budget(self) -> bool:
@@ -148,6 +181,11 @@ class Schedule:
             # Absent in the checkpoints of versions that fitted once, at the warmup's end.
             self.decay_from_step = int(saved.get("decay_from_step", 0))
             self.decay_from_factor = float(saved.get("decay_from_factor", 1.0))
+            if self.warmup_fraction is not None:  # its warmup moved with the fits
+                self.warmup_steps = int(saved["warmup_steps"])
+                self.warmup_from_step = int(saved.get("warmup_from_step", -1))
+                origin = saved.get("warmup_from_factor")
+                self.warmup_from_factor = None if origin is None else float(origin)
 
 
 def scheduler_for(optimizer: torch.optim.Optimizer, schedule: Schedule) -> LambdaLR:
@@ -194,15 +232,23 @@ def take_new_learning_rate(optimizer: torch.optim.Optimizer, scheduler,
 OPEN_ENDED = 10**12
 
 
+def warmup_share(fraction: float, total_steps: int) -> int:
+    """--warmup-fraction's warmup, in steps, of a run of `total_steps`."""
+    return round(fraction * total_steps)
+
+
 def plan_schedule(config: TrainConfig, steps_per_epoch: int) -> Schedule:
     """The whole run's schedule: --epochs (or --max-steps) long; a --time-budget run is
     open-ended until it has measured its steps (its first steps are warmup, which does not
-    depend on the total), and a resumed one restores the total it fixed (Schedule.load)."""
+    depend on the total, unless given as a share: then the budget's pilot paces it), and a
+    resumed one restores the total it fixed (Schedule.load)."""
     total = config.epochs * steps_per_epoch
     if config.time_budget is not None:
         total = OPEN_ENDED
     if config.max_steps is not None:
         total = min(total, config.max_steps)
-    return Schedule(round(config.warmup_epochs * steps_per_epoch), total, decay=config.lr_decay,
-                    warmup_start=config.warmup_start_factor,
-                    final_factor=config.final_lr_factor)
+    warmup = round(config.warmup_epochs * steps_per_epoch)
+    if config.warmup_fraction is not None:
+        warmup = warmup_share(config.warmup_fraction, total)
+    return Schedule(warmup, total, decay=config.lr_decay, warmup_start=config.warmup_start_factor,
+                    final_factor=config.final_lr_factor, warmup_fraction=config.warmup_fraction)

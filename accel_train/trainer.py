@@ -223,11 +223,20 @@ class Trainer:
             return
         # The slowest rank's step time; rank 0's clock (the ranks' clocks started apart).
         step_seconds = distributed.max_over_ranks(step_seconds, self.control_group)
-        if not self.budget.settle(step_seconds):
-            return  # that was the pilot; the ranks now time the same longer window
         loaders, state, before = self.loaders, self.state, self.schedule.total_steps
-        first = not self.schedule.fixed_by_budget
         passes = evaluation_passes(self.ema is not None, self.config.tta)
+        if not self.budget.settle(step_seconds):
+            # That was the pilot; the ranks now time the same longer window.  A warmup given as
+            # a share of the run is paced meanwhile by the pilot's estimate of the length (the
+            # same on every rank: the reading is agreed).
+            estimate = self.budget.steps_that_fit(
+                step_seconds, state.step, loaders.steps_per_epoch,
+                passes * len(self.data.held_out), loaders.global_batch, self.config.eval_every)
+            if self.config.max_steps is not None:
+                estimate = min(estimate, self.config.max_steps)
+            self.schedule.fit_total(estimate, None, state.step)
+            return
+        first = not self.schedule.fixed_by_budget
         total = self.budget.total_steps(step_seconds, state.step, loaders.steps_per_epoch,
                                         passes * len(self.data.held_out), loaders.global_batch,
                                         f"--time-budget {self.config.time_budget}",
@@ -252,12 +261,19 @@ class Trainer:
                                 passes * len(self.data.held_out), step_seconds,
                                 loaders.global_batch), 3),
                             "fit": self.budget.fits,
-                            "lr_factor": round(self.schedule.decay_from_factor, 6)})
+                            "lr_factor": round(self.schedule.decay_from_factor, 6),
+                            "warmup_steps": self.schedule.warmup_steps})
         budget = f"time budget {self.config.time_budget}"
         if first:
             self.report.say(f"{budget}: {total:,} steps, {total / loaders.steps_per_epoch:.1f} "
                             f"epochs at {1000 * step_seconds:.0f} ms/step (every evaluation "
                             f"included; fitted again as the run goes)")
+            if self.config.warmup_fraction is None and self.schedule.warmup_steps >= total:
+                self.report.warn(f"--warmup-epochs {self.config.warmup_epochs:g} is "
+                                 f"{self.schedule.warmup_steps:,} steps, as many as or more "
+                                 f"than the {total:,} that fit the budget here: the learning "
+                                 f"rate will not come down from its peak; give the warmup as a "
+                                 f"share of the run instead (--warmup-fraction 0.2)")
         elif abs(total - before) >= SAY_REFIT_FRACTION * before:
             self.progress.write(f"{budget}: {before:,} -> {total:,} steps at "
                                 f"{1000 * step_seconds:.0f} ms/step lately")

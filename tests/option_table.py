@@ -249,6 +249,11 @@ ROWS: dict[str, Row] = {
     "train --warmup-epochs": effect(
         "test_schedule.py::test_cli_run_logs_the_hand_computed_lr",
         "0.25 epochs = 4 linear warmup steps in the logged rates"),
+    "train --warmup-fraction": effect(
+        "test_schedule.py::test_cli_warmup_fraction_is_a_share_of_the_run",
+        "0.25 of a 12-step run = 3 warmup steps (over --warmup-epochs' 4) in the logged rates; "
+        "with --time-budget the warmup follows the fits: "
+        "test_time_budget.py::test_a_warmup_share_follows_the_budget_on_a_slow_machine"),
     "train --label-smoothing": effect(
         f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
         "the first loss equals hand-written smoothed cross-entropy with eps 0.3"),

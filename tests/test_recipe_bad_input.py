@@ -44,6 +44,8 @@ CHEAP = [
     (["--lr-decay", "step"], "--lr-decay"),
     (["--warmup-start-factor", "1.5"], "--warmup-start-factor"),
     (["--final-lr-factor", "-0.1"], "--final-lr-factor"),
+    (["--warmup-fraction", "1"], "--warmup-fraction"),
+    (["--warmup-fraction", "-0.2"], "--warmup-fraction"),
 ]
 # in this process: (extra flags, the flag named, what else the line must say).  Those found
 # while building the run, and the short-run options' values (cheap either way: no new

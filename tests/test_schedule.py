@@ -174,3 +174,74 @@ def test_cli_run_logs_the_triangle(tmp_path):
     # the lr logged after update s is the one update s (0-based) uses
     assert {m["step"]: m["lr"] for m in train} == pytest.approx(
         {s: 0.1 * _triangle(s, 4, 12, 0.2, 0.07) for s in range(1, 13)}, abs=TOL)
+
+
+# -- --warmup-fraction: the warmup as a share of the run ------------------------------------------
+
+def test_a_warmup_share_refitted_mid_warmup_rises_on_from_where_it_stood():
+    """A share of 0.25: warmup 5 of a first fit's 20 steps.  Refitted at update 2 (whose rate
+    the scheduler has already set: 0.2 + 0.8 x 3/5 = 0.68) to a total of 40, the warmup ends at
+    update 10 (the peak at update 9), the rise going on in a straight line from 0.68:
+    0.32 / 7 a step.  No jump, and the decay then runs from the peak at 10 down to 0.07 at 40."""
+    schedule = Schedule(5, 20, decay="linear", warmup_start=0.2, final_factor=0.07,
+                        warmup_fraction=0.25)
+    assert [schedule.factor(k) for k in range(3)] == pytest.approx([0.36, 0.52, 0.68], abs=TOL)
+    schedule.fit_total(40, 0.5, 2)
+    assert schedule.warmup_steps == 10
+    assert [schedule.factor(k) for k in (2, 3, 5, 9, 10, 25, 40)] == pytest.approx(
+        [0.68, 0.68 + 0.32 / 7, 0.68 + 3 * 0.32 / 7, 1.0, 1.0, 0.07 + 0.93 * 0.5, 0.07],
+        abs=TOL)
+
+
+def test_a_warmup_share_refitted_behind_its_step_ends_the_warmup_there():
+    """Refitted at update 4 (0.2 + 0.8 x 5/10 = 0.6) to a total of 8 (a share of 0.25: 2
+    steps, already behind): no peak is reached; the decay goes on from 0.6 down to 0.07 at 8:
+    0.53 / 4 a step."""
+    schedule = Schedule(10, 40, decay="linear", warmup_start=0.2, final_factor=0.07,
+                        warmup_fraction=0.25)
+    schedule.fit_total(8, 0.5, 4)
+    assert [schedule.factor(k) for k in (4, 5, 6, 8, 9)] == pytest.approx(
+        [0.6, 0.6 - 0.1325, 0.6 - 0.265, 0.07, 0.07], abs=TOL)
+
+
+def test_an_estimate_paces_a_warmup_share_without_fixing_the_total():
+    """The budget's pilot (step_seconds None): the warmup follows the estimate; the total stays
+    open and nothing is recorded as fitted."""
+    schedule = Schedule(10**11, 10**12, warmup_fraction=0.5)
+    schedule.fit_total(20, None, 4)
+    assert (schedule.warmup_steps, schedule.total_steps) == (10, 10**12)
+    assert not schedule.fixed_by_budget
+    # from update 4's factor (5 / 10^11, ~0) to the peak at update 9: 1/5 a step
+    assert schedule.factor(6) == pytest.approx(2 / 5, abs=1e-6)
+
+
+def test_a_warmup_in_epochs_is_not_moved_by_a_fit():
+    schedule = Schedule(5, 20, decay="linear")
+    schedule.fit_total(40, 0.5, 2)
+    assert schedule.warmup_steps == 5 and schedule.factor(4) == pytest.approx(1.0, abs=TOL)
+
+
+def test_cli_warmup_fraction_is_a_share_of_the_run(tmp_path):
+    """--warmup-fraction 0.25 of a 12-step run (--max-steps) is 3 warmup steps, whatever
+    --warmup-epochs says (here 0.25 epochs = 4 steps): the logged rates against np.interp."""
+    out = tmp_path / "run"
+    accel_train_here(*TINY_TRAIN, "--lr", "0.1", "--warmup-epochs", "0.25", "--max-steps", "12",
+                     "--warmup-fraction", "0.25", "--lr-decay", "linear",
+                     "--log-every", "1", "--output-dir", str(out), check=True)
+    train = [m for m in read_metrics(out / "metrics.jsonl") if m["type"] == "train"]
+    assert {m["step"]: m["lr"] for m in train} == pytest.approx(
+        {s: 0.1 * _triangle(s, 3, 12, 0.0, 0.0) for s in range(1, 13)}, abs=TOL)
+
+
+def test_a_resumed_budget_run_keeps_the_warmup_its_fits_moved(tmp_path):
+    """schedule.json carries the moved warmup: a schedule built anew from the same flags (the
+    open-ended warmup of a budgeted run) and loaded gives every later update the same rate."""
+    fitted = Schedule(10**11, 10**12, decay="linear", warmup_start=0.2, warmup_fraction=0.25)
+    fitted.fit_total(40, None, 4)     # the pilot's estimate
+    fitted.fit_total(60, 0.5, 9)      # the fit
+    fitted.save(tmp_path)
+    resumed = Schedule(10**11, 10**12, decay="linear", warmup_start=0.2, warmup_fraction=0.25)
+    resumed.load(tmp_path)
+    assert resumed.warmup_steps == 15
+    assert [resumed.factor(k) for k in range(9, 62)] == \
+        pytest.approx([fitted.factor(k) for k in range(9, 62)], abs=TOL)

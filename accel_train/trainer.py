@@ -272,8 +272,8 @@ class Trainer:
                 self.report.warn(f"--warmup-epochs {self.config.warmup_epochs:g} is "
                                  f"{self.schedule.warmup_steps:,} steps, as many as or more "
                                  f"than the {total:,} that fit the budget here: the learning "
-                                 f"rate will not come down from its peak; give the warmup as a "
-                                 f"share of the run instead (--warmup-fraction 0.2)")
+                                 f"rate will not come down from its peak (--warmup-fraction F "
+                                 f"makes the warmup a share of the run, the decay the rest)")
         elif abs(total - before) >= SAY_REFIT_FRACTION * before:
             self.progress.write(f"{budget}: {before:,} -> {total:,} steps at "
                                 f"{1000 * step_seconds:.0f} ms/step lately")

@@ -12,9 +12,10 @@ arms: launchers, training processes) are still processes of their own, as they m
 JOBS.json: a list of {"name", "script", "argv", "log"}.  Each script's stdout and stderr (its
 children's too: the file descriptors are redirected, not only sys.stdout) go to its "log";
 RESULTS.json gets {name: exit code}, written after each script, so a lane that hangs still
-says which scripts finished.  Between scripts the process-wide state a script may change is
-put back: the environment, the working directory, torch's thread count, Accelerate's
-singletons, sys.argv and sys.path.
+says which scripts finished; RESULTS.cpu.json beside it {name: CPU seconds}, the script's own
+and its waited-for children's (where a smoke test's time goes: docs/development.md).  Between
+scripts the process-wide state a script may change is put back: the environment, the working
+directory, torch's thread count, Accelerate's singletons, sys.argv and sys.path.
 """
 
 from __future__ import annotations
@@ -62,11 +63,20 @@ def _run(script: str, argv: list[str], log: str) -> int:
     return code
 
 
+def _cpu_seconds() -> float:
+    used = os.times()
+    return used.user + used.system + used.children_user + used.children_system
+
+
 def main(jobs_file: str, results_file: str) -> int:
     results: dict[str, int] = {}
+    cpu: dict[str, float] = {}
     for job in json.loads(Path(jobs_file).read_text()):
+        before = _cpu_seconds()
         results[job["name"]] = _run(job["script"], job["argv"], job["log"])
+        cpu[job["name"]] = round(_cpu_seconds() - before, 1)
         Path(results_file).write_text(json.dumps(results))
+        Path(results_file).with_suffix(".cpu.json").write_text(json.dumps(cpu))
     return 0
 
 

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -141,4 +142,8 @@ def test_the_airbench_anchor_trains_and_reports_each_tta_level(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["steps"] == 8 and report["epochs"] == 4.0
+    # bf16 only where the CPU has it natively (emulated, it is many times slower than fp32)
+    flags = Path("/proc/cpuinfo").read_text().split()
+    assert report["precision"] == ("bf16" if {"avx512_bf16", "amx_tile"} & set(flags)
+                                   else "fp32"), report
     assert all(0.0 <= report[f"top1_tta{level}"] <= 1.0 for level in (0, 1, 2))

@@ -577,42 +577,42 @@ def test_a_load_that_goes_away_is_followed_and_the_run_ends_on_its_budget(tmp_pa
 
 
 def _slow_machine_run(tmp_path, clock, *warmup: str):
-    """200 s at 1 s a step on the fake clock (256 images at 16: 16 steps an epoch), only the
+    """130 s at 1 s a step on the fake clock (256 images at 16: 16 steps an epoch), only the
     final evaluation (64 images, estimated at 2 s): the pilot (steps 3-13) reads 1 s a step and
-    estimates 198 steps (185 s + 2 s after step 13); a second window (8% of 200 s: 16 steps,
-    after 2%: 4) fixes the count at step 33: 198 again (165 s + 2 s)."""
+    estimates 128 steps (115 s + 2 s after step 13); a second window (8% of 130 s: 11 steps,
+    after 2%: 3) fixes the count at step 27: 128 again (101 s + 2 s)."""
     from accel_train.trainer import Callbacks
     out = tmp_path / "run"
-    command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "200s",
+    command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "130s",
                "--eval-every", "0", "--lr-decay", "linear", "--log-every", "1",
                "--output-dir", str(out), *warmup]
     tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
     output = accel_train_here(*command, check=True, callbacks=tick).stdout
     fits = _budget_records(out)
-    assert [(f["step"], f["total_steps"]) for f in fits] == [(33, 198)], fits
+    assert [(f["step"], f["total_steps"]) for f in fits] == [(27, 128)], fits
     train = {r["step"]: r["lr"] for r in metrics(out) if r["type"] == "train"}
-    assert max(train) == 198
+    assert max(train) == 128
     return output, fits, train
 
 
 def test_a_warmup_share_follows_the_budget_on_a_slow_machine(tmp_path, clock):
-    """--warmup-fraction 0.2: the pilot's estimate (198 steps) makes the warmup 40 steps, rising
+    """--warmup-fraction 0.3: the pilot's estimate (128 steps) makes the warmup 38 steps, rising
     from update 13 (the rate still ~0: the warmup of the open-ended run is as long as it) to the
-    peak at update 39, held at 40, then the line down to 0 at 198 (np.interp through those
-    corners)."""
-    output, fits, train = _slow_machine_run(tmp_path, clock, "--warmup-fraction", "0.2")
-    assert fits[0]["warmup_steps"] == 40
+    peak at update 37, held at 38, then the line down to 0 at 128 (np.interp through those
+    corners); the fit at step 27 keeps that line."""
+    output, fits, train = _slow_machine_run(tmp_path, clock, "--warmup-fraction", "0.3")
+    assert fits[0]["warmup_steps"] == 38
     peak = 0.05
     # the rate logged after update s is the one update s (0-based) uses
-    expected = {s: peak * float(np.interp(s, [13, 39, 40, 198], [0.0, 1.0, 1.0, 0.0]))
-                for s in range(1, 199)}
+    expected = {s: peak * float(np.interp(s, [13, 37, 38, 128], [0.0, 1.0, 1.0, 0.0]))
+                for s in range(1, 129)}
     assert train == pytest.approx(expected, abs=1e-9)
     assert "warning" not in output
 
 
 def test_a_warmup_in_epochs_longer_than_the_budget_is_warned_of(tmp_path, clock):
-    """--warmup-epochs 15 is 240 steps, more than the 198 that fit: the rate would rise to the
+    """--warmup-epochs 10 is 160 steps, more than the 128 that fit: the rate would rise to the
     end and never come down; the run says so, naming --warmup-fraction."""
-    output, fits, train = _slow_machine_run(tmp_path, clock, "--warmup-epochs", "15")
-    assert "--warmup-epochs 15 is 240 steps" in output and "--warmup-fraction" in output
-    assert train[198] == pytest.approx(0.05, abs=1e-9)  # the peak at the last step
+    output, fits, train = _slow_machine_run(tmp_path, clock, "--warmup-epochs", "10")
+    assert "--warmup-epochs 10 is 160 steps" in output and "--warmup-fraction" in output
+    assert train[128] == pytest.approx(0.05, abs=1e-9)  # the peak at the last step

@@ -237,11 +237,78 @@ def test_a_resumed_budget_run_keeps_the_warmup_its_fits_moved(tmp_path):
     """schedule.json carries the moved warmup: a schedule built anew from the same flags (the
     open-ended warmup of a budgeted run) and loaded gives every later update the same rate."""
     fitted = Schedule(10**11, 10**12, decay="linear", warmup_start=0.2, warmup_fraction=0.25)
-    fitted.fit_total(40, None, 4)     # the pilot's estimate
-    fitted.fit_total(60, 0.5, 9)      # the fit
+    fitted.fit_total(40, None, 4)     # the pilot's estimate: warmup 10, from (4, ~0.2)
+    fitted.fit_total(60, 0.5, 7)      # the fit: warmup 15, from (7, 0.2 + 0.8 x 3/5 = 0.68)
+    assert fitted.factor(7) == pytest.approx(0.68, abs=1e-9)
     fitted.save(tmp_path)
     resumed = Schedule(10**11, 10**12, decay="linear", warmup_start=0.2, warmup_fraction=0.25)
     resumed.load(tmp_path)
-    assert resumed.warmup_steps == 15
-    assert [resumed.factor(k) for k in range(9, 62)] == \
-        pytest.approx([fitted.factor(k) for k in range(9, 62)], abs=TOL)
+    assert (resumed.warmup_steps, resumed.total_steps, resumed.budget_step_seconds) == \
+        (15, 60, 0.5)
+    # the rise from 0.68 at update 7 to the peak at 14, then the line to 0 at 60
+    expected = [float(np.interp(k, [7, 14, 15, 60], [0.68, 1.0, 1.0, 0.0])) for k in range(7, 62)]
+    assert [resumed.factor(k) for k in range(7, 62)] == pytest.approx(expected, abs=1e-9)
+
+
+@pytest.mark.parametrize("share, expected", [
+    # a new warmup of 8 steps at update 6 (0.2 + 0.8 x 7/10 = 0.76): one more update to rise
+    # over, the peak at update 7, the decay from 8 (down to 0 at 32)
+    (8, {6: 0.76, 7: 1.0, 8: 1.0, 20: 0.5, 32: 0.0}),
+    # 7 steps: no update left to rise over: the warmup ends at 6, the decay goes on from 0.76
+    (7, {6: 0.76, 7: 0.76 * 25 / 26, 19: 0.38, 32: 0.0}),
+    # 6 steps, already behind: the same
+    (6, {6: 0.76, 7: 0.76 * 25 / 26, 19: 0.38, 32: 0.0}),
+])
+def test_a_warmup_share_fitted_at_its_last_steps(share, expected):
+    """The boundaries of a fit during the warmup: the share's new end two, one and no steps
+    ahead of the update the fit happens at (a total of 32, shares of 8/32, 7/32, 6/32)."""
+    schedule = Schedule(10, 40, decay="linear", warmup_start=0.2, warmup_fraction=share / 32)
+    schedule.fit_total(32, 0.5, 6)
+    assert {k: schedule.factor(k) for k in expected} == pytest.approx(expected, abs=TOL)
+
+
+def test_a_fit_at_the_warmups_last_update_does_not_hold_the_peak():
+    """Fitted at update 5, the first after a warmup of 5 (its peak at update 4), to a longer
+    total: the warmup is over, not extended: the decay starts at once, from the peak."""
+    schedule = Schedule(5, 20, decay="linear", warmup_fraction=0.25)
+    schedule.fit_total(40, 0.5, 5)
+    assert schedule.warmup_steps == 5
+    assert [schedule.factor(k) for k in (4, 5, 6, 40)] == pytest.approx(
+        [1.0, 1.0, 34 / 35, 0.0], abs=TOL)
+
+
+def test_a_budget_fit_during_the_decay_is_kept_by_a_resumed_run(tmp_path):
+    """Fitted at update 10 of a linear decay (4 warmup steps, total 20: 1 - 6/16 = 0.625) to a
+    total of 30: the line from 0.625 at 10 down to 0 at 30; a run resumed from the saved schedule
+    continues it (a schedule built from the flags alone would start the decay at the peak)."""
+    fitted = Schedule(4, 20, decay="linear")
+    fitted.fit_total(30, 0.5, 10)
+    fitted.save(tmp_path)
+    resumed = Schedule(4, 10**12, decay="linear")
+    resumed.load(tmp_path)
+    expected = [float(np.interp(k, [10, 30], [0.625, 0.0])) for k in range(10, 32)]
+    assert [resumed.factor(k) for k in range(10, 32)] == pytest.approx(expected, abs=TOL)
+
+
+def test_a_schedule_saved_by_an_older_version_loads_as_it_ran(tmp_path):
+    """schedule.json of the versions that fitted once, at the warmup's end, and had no warmup
+    share: only the warmup, the total and the step time.  Their decay ran from the peak at the
+    warmup's end; a warmup share now asked for keeps the saved warmup's plain line."""
+    (tmp_path / "schedule.json").write_text(
+        '{"warmup_steps": 4, "total_steps": 20, "budget_step_seconds": 0.5}\n')
+    for share in (None, 0.5):
+        resumed = Schedule(10**11, 10**12, decay="linear", warmup_fraction=share)
+        if share is None:
+            resumed.warmup_steps = 4  # from --warmup-epochs, as the flags give it
+        resumed.load(tmp_path)
+        assert [resumed.factor(k) for k in (0, 3, 4, 12, 20)] == pytest.approx(
+            [0.25, 1.0, 1.0, 0.5, 0.0], abs=TOL), share
+
+
+def test_an_older_versions_schedule_without_warmup_decays_from_the_first_update(tmp_path):
+    (tmp_path / "schedule.json").write_text(
+        '{"warmup_steps": 0, "total_steps": 20, "budget_step_seconds": 0.5}\n')
+    resumed = Schedule(0, 10**12, decay="linear")
+    resumed.load(tmp_path)
+    assert [resumed.factor(k) for k in (0, 5, 10, 20)] == pytest.approx(
+        [1.0, 0.75, 0.5, 0.0], abs=TOL)

@@ -84,7 +84,7 @@ class StampedRun:
 
 def cli(args, out: Path, *extra: str) -> list[str]:
     data = (["--dataset", "synthetic", "--model", "cifar_convnet_s", "--batch-size", "64",
-             "--synthetic-train-size", "2048", "--max-eval-samples", "128",
+             "--synthetic-train-size", "512", "--max-eval-samples", "128",
              "--learning-rate", "0.05"]
             if args.allow_cpu
             else ["--data-dir", str(benchlib.check_cifar(args.data_dir))])

@@ -187,7 +187,7 @@ class TimeBudget:
         return low
 
     def steps_that_fit(self, step_seconds: float, steps_done: int, steps_per_epoch: int,
-                       eval_images: int, global_batch: int, eval_every: int = 1) -> int:
+                       eval_images: int, global_batch: int, eval_every: int) -> int:
         """`total_steps`' count, without making it a fit (the pilot's estimate)."""
         left = self.seconds - (time.perf_counter() - self.started)
         eval_seconds = self.evaluation_seconds(eval_images, step_seconds, global_batch)

@@ -227,14 +227,18 @@ class Trainer:
         passes = evaluation_passes(self.ema is not None, self.config.tta)
         if not self.budget.settle(step_seconds):
             # That was the pilot; the ranks now time the same longer window.  A warmup given as
-            # a share of the run is paced meanwhile by the pilot's estimate of the length (the
-            # same on every rank: the reading is agreed).
+            # a share of the run is paced meanwhile by the pilot's estimate of the length, rank
+            # 0's (each rank's clock started at its own moment: the time left differs, and so
+            # would the learning rates).
             estimate = self.budget.steps_that_fit(
                 step_seconds, state.step, loaders.steps_per_epoch,
                 passes * len(self.data.held_out), loaders.global_batch, self.config.eval_every)
             if self.config.max_steps is not None:
                 estimate = min(estimate, self.config.max_steps)
+            estimate = distributed.from_main(estimate, self.control_group)
             self.schedule.fit_total(estimate, None, state.step)
+            self.report.log(f"time budget {self.config.time_budget}: warmup paced by the "
+                            f"pilot's estimate, {estimate:,} steps")
             return
         first = not self.schedule.fixed_by_budget
         total = self.budget.total_steps(step_seconds, state.step, loaders.steps_per_epoch,

@@ -354,7 +354,9 @@ def test_a_late_fit_with_no_time_left_ends_the_run_where_it_stands(clock):
 BUDGET = "20s"
 # 256 images, 2 x 16: 8 steps an epoch.  No --epochs: the budget decides the length.
 BUDGET_TRAIN = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", BUDGET,
-                "--checkpoint-every", "10", "--log-every", "1", "--keep-checkpoints", "100"]
+                "--checkpoint-every", "10", "--log-every", "1", "--keep-checkpoints", "100",
+                "--warmup-fraction", "0.3"]
+PACED = re.compile(r"warmup paced by the pilot's estimate, ([\d,]+) steps")
 ANNOUNCED = re.compile(r"time budget " + re.escape(BUDGET) + r": ([\d,]+) steps")
 
 
@@ -496,6 +498,16 @@ def test_the_budget_replaces_epochs_even_when_they_are_fewer_than_the_measured_s
     # (the re-fits, every step, read the same pace and change nothing)
     assert records[0]["epoch_end_seconds"] == 0.0
     assert train_steps[-1] == records[0]["total_steps"] == 20
+
+
+@pytest.mark.slow
+def test_ranks_pace_a_warmup_share_alike_when_their_clocks_start_apart(stopped_and_resumed):
+    """The pilot's estimate of the length, which paces a --warmup-fraction warmup until the
+    count is fixed, is rank 0's on both ranks: with rank 1's clock 5 s ahead its own estimate
+    would be shorter, and the ranks would train at different learning rates."""
+    logs = [(stopped_and_resumed.out / "logs" / f"rank{r}.log").read_text() for r in (0, 1)]
+    paced = [PACED.findall(log) for log in logs]
+    assert len(paced[0]) == 1 and paced[0] == paced[1], paced
 
 
 @pytest.mark.slow

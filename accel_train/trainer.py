@@ -225,29 +225,28 @@ class Trainer:
         step_seconds = distributed.max_over_ranks(step_seconds, self.control_group)
         loaders, state, before = self.loaders, self.state, self.schedule.total_steps
         passes = evaluation_passes(self.ema is not None, self.config.tta)
+        reading = (step_seconds, state.step, loaders.steps_per_epoch,
+                   passes * len(self.data.held_out), loaders.global_batch)
+
+        def agreed(count: int) -> int:
+            # within --max-steps, and rank 0's on every rank: each rank's clock started at its
+            # own moment, so the time left differs, and so would the learning rates
+            if self.config.max_steps is not None:
+                count = min(count, self.config.max_steps)
+            return distributed.from_main(count, self.control_group)
+
         if not self.budget.settle(step_seconds):
             # That was the pilot; the ranks now time the same longer window.  A warmup given as
-            # a share of the run is paced meanwhile by the pilot's estimate of the length, rank
-            # 0's (each rank's clock started at its own moment: the time left differs, and so
-            # would the learning rates).
-            estimate = self.budget.steps_that_fit(
-                step_seconds, state.step, loaders.steps_per_epoch,
-                passes * len(self.data.held_out), loaders.global_batch, self.config.eval_every)
-            if self.config.max_steps is not None:
-                estimate = min(estimate, self.config.max_steps)
-            estimate = distributed.from_main(estimate, self.control_group)
+            # a share of the run is paced meanwhile by the pilot's estimate of the length.
+            estimate = agreed(self.budget.steps_that_fit(*reading, self.config.eval_every))
             self.schedule.fit_total(estimate, None, state.step)
             self.report.log(f"time budget {self.config.time_budget}: warmup paced by the "
                             f"pilot's estimate, {estimate:,} steps")
             return
         first = not self.schedule.fixed_by_budget
-        total = self.budget.total_steps(step_seconds, state.step, loaders.steps_per_epoch,
-                                        passes * len(self.data.held_out), loaders.global_batch,
-                                        f"--time-budget {self.config.time_budget}",
-                                        self.config.eval_every)
-        if self.config.max_steps is not None:
-            total = min(total, self.config.max_steps)
-        total = distributed.from_main(total, self.control_group)
+        total = agreed(self.budget.total_steps(*reading, f"--time-budget "
+                                               f"{self.config.time_budget}",
+                                               self.config.eval_every))
         if not first and total == before:
             return
         self.schedule.fit_total(total, step_seconds, state.step)

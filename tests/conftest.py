@@ -14,6 +14,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -149,7 +150,6 @@ def age_folders(root: Path, seconds: float = 3600, then: float | None = None) ->
     """Every folder under `root` (itself included) given an mtime `seconds` back, or `then`: an
     image folder changed in the last seconds may change again within its mtime's tick, and its
     index is not cached (imagefolder.RACY_SECONDS)."""
-    import time
     then = time.time() - seconds if then is None else then
     for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
         os.utime(folder, (then, then))

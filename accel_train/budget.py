@@ -44,8 +44,10 @@ REFIT_FRACTION = 0.02
 # A fit that moves the count by this share is said on the console; every fit that changes it is
 # in metrics.jsonl.
 SAY_REFIT_FRACTION = 0.05
-# Evaluating an image (forward only, no augmentation) costs about a third of training on it;
-# half is the estimate until an epoch end has been measured, to err on finishing inside.
+# Until an evaluation has been timed (`eval_probe`: one held-out batch) or an epoch
+# end measured, an image's evaluation pass is estimated at half of training on it: forward
+# only costs about a third, but how much less depends on the machine (measured: about a third
+# with native bf16, a quarter to a third in fp32 on AVX2), so the probe replaces it.
 EVAL_COST_PER_IMAGE = 0.5
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?$")
@@ -100,6 +102,8 @@ class TimeBudget:
         self.epoch_end_seconds: Optional[float] = None  # the latest epoch end's cost
         self._epoch_ends: list[float] = []  # every evaluating epoch end's cost, measured
         self._plain_ends: list[float] = []  # and of those --eval-every skipped
+        self.eval_probe_seconds: Optional[float] = None  # the probe's batch, agreed
+        self.eval_image_seconds: Optional[float] = None  # one image's evaluation pass, probed
         self.fits = 0
 
     def start(self, step: int) -> None:
@@ -114,13 +118,23 @@ class TimeBudget:
         still to come (those that evaluate apart from those that do not)."""
         began = time.perf_counter()
         try:
-            yield
+            with self.aside():
+                yield
         finally:
             seconds = time.perf_counter() - began
             (self._epoch_ends if evaluates else self._plain_ends).append(seconds)
             if evaluates:
                 self.epoch_end_seconds = seconds
-            self._paused += seconds
+
+    @contextlib.contextmanager
+    def aside(self):
+        """Work between steps that is not training (the evaluation probe, an epoch end): the
+        clock of the budget runs on, but the window of steps being timed leaves it out."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - began
 
     def measure(self, step: int) -> Optional[float]:
         """Call after each optimizer step; the seconds per step over the current window once it
@@ -156,14 +170,25 @@ class TimeBudget:
         self._window, self._window_start = (steps_done, steps_done + length), self._last_reading
         return True
 
+    def eval_probe(self, batch_seconds: float, image_passes: int) -> None:
+        """The ranks' agreed (slowest) time of one held-out batch through the evaluation, which
+        made `image_passes` passes (images x TTA views x ranks): what an epoch end's evaluation
+        is estimated from until one is measured (a run with --eval-every 0 measures none before
+        its final evaluation)."""
+        self.eval_probe_seconds = batch_seconds
+        self.eval_image_seconds = batch_seconds / image_passes
+
     def evaluation_seconds(self, eval_images: int, step_seconds: float,
                            global_batch: int) -> float:
         """What an epoch end will cost: the median of those measured (one slow end, a disk
         flush or a passing load, must not cut the steps of the rest of the run: seen, one end of
-        5.5 s among ends of 3 s made a 180 s run end 3% short), else an estimate from the
-        training pace."""
+        5.5 s among ends of 3 s made a 180 s run end 3% short), else the probe's pace times the
+        passes over the held-out images (`eval_images` counts each pass), else an estimate from
+        the training pace."""
         if self._epoch_ends:
             return statistics.median(self._epoch_ends)
+        if self.eval_image_seconds is not None:
+            return eval_images * self.eval_image_seconds
         return eval_images * EVAL_COST_PER_IMAGE * step_seconds / global_batch
 
     def plain_end_seconds(self) -> float:

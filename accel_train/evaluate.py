@@ -6,6 +6,8 @@ numbers a run logs and the numbers `eval` prints on the same data and weights ar
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,6 +62,41 @@ def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
             "top5": float(merged["top5"].float().mean()), "count": len(merged["labels"]),
             "per_class": {"correct": per_class_correct.tolist(),
                           "total": per_class_total.tolist()}}
+
+
+@torch.no_grad()
+def batch_seconds(accelerator, model: nn.Module, dataset, batch_size: int,
+                  channels_last: bool = False, tta: str = "none",
+                  repeats: int = 2) -> tuple[float, int]:
+    """(seconds, images): the time one held-out batch takes through the evaluation's path (its
+    first `batch_size` images read and prepared as the loader's fetch does, moved to the device,
+    the model's logits with `tta` under the run's autocast, the loss and top-k), the fastest of
+    `repeats` (the first pays for new kernels; the held-out set's batches run warm).  Every
+    module's train/eval flag is left as it was (a frozen backbone's BatchNorm stays in eval
+    mode), and nothing is drawn from any random generator."""
+    from .data import collate_batch
+
+    indices = list(range(min(batch_size, len(dataset))))
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    best = float("inf")
+    try:
+        for _ in range(repeats):
+            began = time.perf_counter()
+            fetch = getattr(dataset, "__getitems__", None)
+            samples = fetch(indices) if fetch else [dataset[i] for i in indices]
+            images, labels = (t.to(accelerator.device) for t in collate_batch(samples)[:2])
+            if channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            with accelerator.autocast():
+                logits = logits_of(model, images, tta)
+            F.cross_entropy(logits, labels, reduction="none").sum().item()  # .item(): a sync
+            logits.topk(min(5, logits.shape[1]), dim=1)
+            best = min(best, time.perf_counter() - began)
+    finally:
+        for module, training in modes:
+            module.training = training
+    return best, len(indices)
 
 
 def format_results(results: dict, class_names: list[str]) -> str:

@@ -30,7 +30,8 @@ from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKw
 from . import distributed
 from .autotune import SpeedChoice, choose, step_timer
 from .badimages import BadImageLog
-from .budget import SAY_REFIT_FRACTION, TimeBudget, evaluation_passes, parse_duration
+from .budget import (SAY_REFIT_FRACTION, TTA_PASSES, TimeBudget, evaluation_passes,
+                     parse_duration)
 from .checkpoint import AccelerateState, Checkpointer, TrainerState
 from .collectives import EXIT_STALLED, CollectiveTimeouts, dump_stacks, is_timeout
 from .config import TrainConfig
@@ -39,7 +40,7 @@ from .divergence import stop_if_diverged
 from .ema import ModelEma
 from .lookahead import LookaheadAverage
 from .errors import first_line
-from .evaluate import evaluate_classifier
+from .evaluate import batch_seconds, evaluate_classifier
 from .loading import build_loaders, stop_when_stuck
 from .mixing import maybe_mixup
 from .model import build_network, create_model, set_train_mode
@@ -223,6 +224,8 @@ class Trainer:
             return
         # The slowest rank's step time; rank 0's clock (the ranks' clocks started apart).
         step_seconds = distributed.max_over_ranks(step_seconds, self.control_group)
+        if self.budget.pilot_seconds is None:
+            self._probe_evaluation()
         loaders, state, before = self.loaders, self.state, self.schedule.total_steps
         passes = evaluation_passes(self.ema is not None, self.config.tta)
         reading = (step_seconds, state.step, loaders.steps_per_epoch,
@@ -263,6 +266,7 @@ class Trainer:
                             "epoch_end_budgeted": round(self.budget.evaluation_seconds(
                                 passes * len(self.data.held_out), step_seconds,
                                 loaders.global_batch), 3),
+                            "eval_probe_seconds": self.budget.eval_probe_seconds,
                             "fit": self.budget.fits,
                             "lr_factor": round(self.schedule.decay_from_factor, 6),
                             "warmup_steps": self.schedule.warmup_steps})
@@ -280,6 +284,20 @@ class Trainer:
         elif abs(total - before) >= SAY_REFIT_FRACTION * before:
             self.progress.write(f"{budget}: {before:,} -> {total:,} steps at "
                                 f"{1000 * step_seconds:.0f} ms/step lately")
+
+    def _probe_evaluation(self):
+        """Time one held-out batch through the evaluation, once, for the budget's estimate of
+        the evaluations still to come (the slowest rank's): an evaluation costs a share of a
+        training step that differs from machine to machine, and a run that only evaluates at
+        its end has no epoch end to measure before it must stop."""
+        with self.budget.aside():
+            seconds, images = batch_seconds(self.accelerator, self._bare_model(),
+                                            self.held_out_loader.dataset, self.config.batch_size,
+                                            self.speed.channels_last, self.config.tta)
+        seconds = distributed.max_over_ranks(seconds, self.control_group)
+        # per image and view, all ranks evaluating their shares at once
+        self.budget.eval_probe(seconds, images * TTA_PASSES[self.config.tta]
+                               * self.accelerator.num_processes)
 
     def _open_records(self, warnings: list[Optional[str]]):
         """The start is good: open the logs, record the run, say what will run."""
@@ -478,8 +496,11 @@ class Trainer:
         if self.lookahead is not None:
             self.lookahead.at_epoch_end()   # what is evaluated and saved is the average
         record = {"type": "epoch", "epoch": state.epoch + 1, "step": state.step}
+        began = time.perf_counter()
         summary = (self._evaluate_into(record) if evaluates else
                    f"not evaluated (--eval-every {self.config.eval_every})")
+        if evaluates:  # what --time-budget's estimate of it is read against
+            record["eval_time"] = round(time.perf_counter() - began, 3)
         if epoch_seconds is not None:
             record["epoch_time"] = round(epoch_seconds, 3)
         record["bad_images"] = self.bad_images.collect()

@@ -9,8 +9,9 @@ later: "load first" from 0 s for --hog-seconds, "load middle" from 40% of the bu
 others, so that only the budget's behaviour differs.
 
 For each arm: "Training took" (the process's own line, every evaluation included) against the
-budget, the steps fitted first and in the end, the number of fits recorded, and the final
-held-out top-1.  A reference run per loaded arm (no budget, --max-steps = the steps the loaded
+budget, the steps fitted first and in the end, the number of fits recorded, what the last fit
+set aside for the last epoch end against what the final evaluation took, and the final held-out
+top-1.  A reference run per loaded arm (no budget, --max-steps = the steps the loaded
 arm did, the machine quiet) gives the accuracy those steps reach without the load.
 
     python benchmarks/bench_budget.py                        # 180 s budgets, 60 s of load
@@ -98,7 +99,14 @@ def summary(out: Path, output: str) -> dict:
             "first_total": fits[0]["total_steps"] if fits else None,
             "steps": epochs[-1]["step"], "fits": len(fits),
             "top1": epochs[-1]["eval_top1"], "precision": resolved["precision_used"],
+            # what the last fit set aside for the final evaluation, and what it took
+            "eval_budgeted": fits[-1]["epoch_end_budgeted"] if fits else None,
+            "eval_took": epochs[-1].get("eval_time"),
             "channels_last": resolved["channels_last"]}
+
+
+def _seconds(value) -> str:
+    return "" if value is None else f"{value:.1f}"
 
 
 def main() -> None:
@@ -151,13 +159,15 @@ def main() -> None:
         reference = references.get(arm)
         rows.append([arm, f"{args.budget:g}", f"{result['took']:.1f}",
                      f"{result['took'] / args.budget:.3f}", result["first_total"],
-                     result["steps"], result["fits"], f"{result['top1']:.2%}",
+                     result["steps"], result["fits"], _seconds(result["eval_budgeted"]),
+                     _seconds(result["eval_took"]), f"{result['top1']:.2%}",
                      f"{reference['top1']:.2%}" if reference else "",
                      f"{100 * (result['top1'] - reference['top1']):+.2f}" if reference else ""])
     report.table("Training time against the budget, and accuracy against a quiet run of the "
                  "same steps",
                  ["arm", "budget s", "Training took s", "took / budget", "steps first fitted",
-                  "steps done", "fits recorded", "top-1", "quiet, same steps", "points"], rows,
+                  "steps done", "fits recorded", "last epoch end budgeted s",
+                  "final evaluation took s", "top-1", "quiet, same steps", "points"], rows,
                  notes=[f"load: one busy process per core, for {args.hog_seconds:g} s from the "
                         f"start of training (load first) or from 40% of the budget (load "
                         f"middle)",

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from accel_train import budget
@@ -50,12 +51,35 @@ def test_bad_durations_are_usage_errors_naming_the_flag(text):
 
 # -- the arithmetic -------------------------------------------------------------------------------
 
-@pytest.fixture
-def clock(monkeypatch):
-    """A fake perf_counter for budget.py: set `clock.now`."""
+# What the trainer's evaluation probe reads on the fake clock: each view of a held-out batch of
+# 16 in 0.5 s, half the fake clock's 1 s step (so an image's pass costs what EVAL_COST_PER_IMAGE
+# would estimate); --tta flip views each image twice, flip-translate six times (evaluate.py).
+PROBE_SECONDS, VIEWS = 0.5, {"none": 1, "flip": 2, "flip-translate": 6}
+
+
+def fake_probe(seconds: float):
+    """A stand-in for evaluate.batch_seconds: `seconds` per view of a batch of 16."""
+    def probe(accelerator, model, dataset, batch_size, channels_last, tta):
+        assert batch_size == 16, batch_size  # the tests' --batch-size: a held-out batch
+        return seconds * VIEWS[tta], 16
+    return probe
+
+
+def fake_clock(monkeypatch) -> SimpleNamespace:
+    """A fake perf_counter for budget.py (set `clock.now`), and the trainer's evaluation probe
+    reading PROBE_SECONDS per view of a batch (the tests of `batch_seconds` below check the real
+    one)."""
+    from accel_train import trainer
+
     fake = SimpleNamespace(now=0.0)
     monkeypatch.setattr(budget, "time", SimpleNamespace(perf_counter=lambda: fake.now))
+    monkeypatch.setattr(trainer, "batch_seconds", fake_probe(PROBE_SECONDS))
     return fake
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    return fake_clock(monkeypatch)
 
 
 def _total(clock, seconds, elapsed, step_seconds, steps_done, steps_per_epoch, eval_images,
@@ -95,7 +119,7 @@ def _largest_that_fits(seconds, elapsed, step_seconds, steps_done, steps_per_epo
 
 
 def test_the_documented_evaluation_cost():
-    assert budget.EVAL_COST_PER_IMAGE == 0.5  # "half is the estimate"; the hand numbers use it
+    assert budget.EVAL_COST_PER_IMAGE == 0.5  # "estimated at half"; the hand numbers use it
 
 
 def test_each_forward_pass_over_the_held_out_images_is_budgeted():
@@ -355,7 +379,7 @@ BUDGET = "20s"
 # 256 images, 2 x 16: 8 steps an epoch.  No --epochs: the budget decides the length.
 BUDGET_TRAIN = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", BUDGET,
                 "--checkpoint-every", "10", "--log-every", "1", "--keep-checkpoints", "100",
-                "--warmup-fraction", "0.3"]
+                "--warmup-fraction", "0.3", "--eval-every", "0"]
 PACED = re.compile(r"warmup paced by the pilot's estimate, ([\d,]+) steps")
 ANNOUNCED = re.compile(r"time budget " + re.escape(BUDGET) + r": ([\d,]+) steps")
 
@@ -445,6 +469,11 @@ def test_two_processes_agree_on_one_step_count(stopped_and_resumed):
     assert run.stops[0] < total, f"the run ended ({total} steps) before the stop"
     assert run.stopped_state["total_steps"] == total
     assert run.stopped_state["step"] == run.stops[0]
+    # the final evaluation (--eval-every 0: none measured before it), from the probe: the 64
+    # held-out images, one view each, the 2 ranks evaluating a batch of 16 each at once
+    assert run.record["epoch_end_seconds"] is None, run.record
+    assert run.record["epoch_end_budgeted"] == round(
+        64 * run.record["eval_probe_seconds"] / (16 * 2), 3), run.record
 
 
 @pytest.mark.slow
@@ -520,6 +549,139 @@ def test_ranks_agree_on_the_step_count_when_their_clocks_start_apart(stopped_and
     assert run.announced_before[0] == run.announced_before[1] == [total], run.announced_before
     assert max(checkpoint_steps(run.out)) == total
     assert _state(run.out, total)["total_steps"] == total
+
+
+# -- the evaluation probe -------------------------------------------------------------------------
+
+class _Recorder(torch.nn.Module):
+    """Sleeps `delays` in turn at each forward (the oracle of the time) and records what each
+    forward saw: its own and its BatchNorm's train flag, autocast, gradients, memory format and
+    batch size."""
+
+    def __init__(self, delays):
+        super().__init__()
+        self.norm, self.delays, self.seen = torch.nn.BatchNorm2d(3), list(delays), []
+
+    def forward(self, images):
+        import time
+        self.seen.append({"training": self.training, "norm_training": self.norm.training,
+                          "autocast": torch.is_autocast_enabled("cpu"),
+                          "grad": torch.is_grad_enabled(), "images": len(images),
+                          "channels_last": images.is_contiguous(
+                              memory_format=torch.channels_last)})
+        time.sleep(self.delays.pop(0))
+        return self.norm(images).flatten(1)
+
+
+class _HeldOut(torch.utils.data.Dataset):
+    """10 held-out samples (image, label, replaced mark) that count how they are read; with
+    `batched`, through __getitems__ as the trainer's HeldOutImages (the loader's fast path)."""
+
+    def __init__(self, batched: bool):
+        self.images, self.reads = torch.rand(10, 3, 8, 8), []
+        if batched:
+            self.__getitems__ = self._getitems
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, index):
+        self.reads.append(index)
+        return self.images[index], index % 3, -1
+
+    def _getitems(self, indices):
+        from accel_train.data import SampleBatch
+        self.reads.append(list(indices))
+        return SampleBatch(self.images[indices], torch.tensor(indices) % 3,
+                           replaced=torch.full((len(indices),), -1))
+
+
+def _accelerator(precision: str):
+    from accelerate import Accelerator
+    return Accelerator(cpu=True, mixed_precision=precision)
+
+
+def test_the_probe_times_the_faster_of_two_held_out_batches_under_the_runs_autocast(
+        fresh_accelerate):
+    from accel_train.evaluate import batch_seconds
+    model = _Recorder([0.3, 0.3, 0.05, 0.05])  # the first batch pays for new kernels
+    model.train()
+    model.norm.eval()  # a frozen backbone's BatchNorm: eval inside a training model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    held_out, accelerator = _HeldOut(batched=True), _accelerator("bf16")
+    rng = torch.get_rng_state()
+    seconds, images = batch_seconds(accelerator, model, held_out, 4, channels_last=True,
+                                    tta="flip")
+    assert images == 4 and held_out.reads == [[0, 1, 2, 3]] * 2  # the first batch, read twice
+    assert 0.1 <= seconds < 0.5, seconds  # the second batch's two views: 2 x 0.05 s
+    assert model.seen == [{"training": False, "norm_training": False, "autocast": True,
+                           "grad": False, "images": 4, "channels_last": True}] * 4
+    assert (model.training, model.norm.training) == (True, False)  # as they were
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())  # nothing drawn
+
+
+def test_the_probe_reads_a_held_out_set_smaller_than_a_batch_item_by_item(fresh_accelerate):
+    from accel_train.evaluate import batch_seconds
+    model, held_out = _Recorder([0.0, 0.0]), _HeldOut(batched=False)
+    seconds, images = batch_seconds(_accelerator("no"), model, held_out, 64)
+    assert images == 10 and held_out.reads == list(range(10)) * 2
+    assert [(seen["autocast"], seen["channels_last"], seen["images"]) for seen in model.seen] \
+        == [(False, False, 10)] * 2
+
+
+def test_the_probe_replaces_the_estimate_until_an_epoch_end_is_measured(clock):
+    # a batch of 32 images (16 on each of 2 ranks) in 0.4 s: 1,000 image passes cost 12.5 s,
+    # whatever the step time (the estimate from it would be 1000 * 0.5 * 2 / 64 = 15.6 s)
+    timer = TimeBudget(100)
+    assert timer.evaluation_seconds(1000, 2.0, 64) == pytest.approx(15.625)
+    timer.eval_probe(0.4, 32)  # 16 images a rank, one view each
+    assert timer.evaluation_seconds(1000, 2.0, 64) == pytest.approx(12.5)
+    assert timer.evaluation_seconds(1000, 0.1, 64) == pytest.approx(12.5)
+    with timer.paused():
+        clock.now += 3.0
+    assert timer.evaluation_seconds(1000, 2.0, 64) == 3.0  # measured: it wins
+
+
+def test_the_probes_seconds_are_left_out_of_the_window_being_timed(clock):
+    timer = TimeBudget(100)
+    timer.start(0)
+    for step in range(1, budget.WARM_STEPS + 2):
+        clock.now += 1.0
+        assert timer.measure(step) is None
+    with timer.aside():
+        clock.now += 7.0
+    for step in range(budget.WARM_STEPS + 2, budget.WARM_STEPS + budget.MEASURED_STEPS + 1):
+        clock.now += 1.0
+        reading = timer.measure(step)
+    assert reading == 1.0
+    assert timer.seconds - (clock.now - timer.started) == 100 - 20  # the budget's clock ran on
+
+
+@pytest.mark.parametrize("tta, probe, total", [("none", 0.5, 38), ("none", 2.0, 32),
+                                                ("flip", 0.5, 36)])
+def test_the_probed_evaluation_sets_the_step_count(tmp_path, monkeypatch, clock, tta, probe,
+                                                   total):
+    """40 s at 1 s a step on the fake clock, only the final evaluation (64 images, batches of
+    16): probed at 0.5 s a batch it costs 2 s, and the fit at step 13 (27 s left) gives 38
+    steps (25 s + 2 s); at 2 s a batch it costs 8 s: 32 steps (19 s + 8 s); with --tta flip
+    each image is seen twice, the probe's batch takes 1 s, the evaluation 4 s: 36 steps."""
+    from accel_train import trainer
+    from accel_train.trainer import Callbacks
+    monkeypatch.setattr(trainer, "batch_seconds", fake_probe(probe))
+    out = tmp_path / "run"
+    command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "40s",
+               "--eval-every", "0", "--tta", tta, "--output-dir", str(out)]
+    tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
+    accel_train_here(*command, check=True, callbacks=tick)
+    first = _budget_records(out)[0]
+    views = {"none": 1, "flip": 2}[tta]
+    evaluation = 64 * views * probe / 16
+    assert (first["step"], first["total_steps"]) == (13, total), first
+    assert first["eval_probe_seconds"] == probe * views
+    assert first["epoch_end_budgeted"] == evaluation
+    assert total == _largest_that_fits(40, 13, 1.0, 13, 16, 64, 16, eval_seconds=evaluation,
+                                       eval_every=0)
 
 
 def test_a_budgeted_run_plans_only_the_evaluations_eval_every_will_run(tmp_path, clock):

@@ -409,6 +409,10 @@ ROWS: dict[str, Row] = {
     "predict --batch-size": effect(
         f"{ORACLE}::test_predict_is_the_softmax_of_plain_torch_logits",
         "batches of 3 give the same lines, and the probe counts ceil(8/3) forward calls"),
+    "predict --mixed-precision": effect(
+        f"{ORACLE}::test_predict_runs_in_the_precision_the_run_evaluated_in",
+        "bf16: the softmax of plain torch's bf16-autocast logits; no: of the fp32 ones; auto: "
+        "as the run ran where bf16 is native, else fp32; with an .onnx model, one line"),
     "predict --json": effect(
         "test_commands.py::test_predict_table_and_json_lines",
         "one JSON object per image with its ranked classes"),

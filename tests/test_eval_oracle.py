@@ -231,6 +231,67 @@ def test_predict_is_the_softmax_of_plain_torch_logits(run_dir, flip_run_dir, tmp
     _check(_eval_json(str(flip_run_dir), "--tta", "none"), _oracle(flip_run_dir, held, labels))
 
 
+def _bf16_logits(run_dir, images_nhwc) -> torch.Tensor:
+    """_plain_logits' model under plain torch's CPU autocast to bfloat16 (what a bf16 run's own
+    evaluation runs in)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return _plain_logits(run_dir, images_nhwc)
+
+
+def test_predict_runs_in_the_precision_the_run_evaluated_in(tmp_path):
+    """A run trained (and evaluated) in bf16 on a CPU: predict without flags runs as the run
+    ran where this CPU has native bf16 (its probabilities are the softmax of plain torch's
+    bf16-autocast logits, not of the fp32 ones), in fp32 where bf16 would be emulated (as eval
+    does); --mixed-precision bf16 and no give those two anywhere, and an .onnx model refuses
+    a precision in one line."""
+    from PIL import Image
+
+    from accel_train.precision import cpu_has_native_bf16
+    out = tmp_path / "bf16"
+    accel_train_here(*TINY_TRAIN, "--mixed-precision", "bf16", "--max-steps", "4", "--lr", "0.2",
+                     "--output-dir", str(out), check=True)
+    images, _ = synthetic.splits(TRAIN_SIZE)["test"]
+    images = images[:6]
+    files = []
+    for i, array in enumerate(images):
+        files.append(tmp_path / f"{i}.png")
+        Image.fromarray(array).save(files[-1])
+    bf16 = _bf16_logits(out, images).double().softmax(dim=1)
+    fp32 = _plain_logits(out, images).softmax(dim=1)
+    apart = float((bf16 - fp32).abs().max())
+    assert apart > 1e-4  # the two can be told apart at predict's 6 digits
+
+    def is_bf16(got: torch.Tensor) -> bool:
+        # bf16 rounds each layer's inputs: the oracle's float64 normalization and predict's
+        # float32 one differ in the last bit, which bf16 sometimes rounds apart (seen: 2e-4
+        # against 1e-3 between the two precisions)
+        return float((got - bf16).abs().max()) < apart / 3
+
+    def probabilities(*flags: str) -> torch.Tensor:
+        lines = _predictions(str(out), *map(str, files), *flags)
+        return torch.tensor([[next(p["probability"] for p in line["predictions"]
+                                   if p["index"] == c) for c in range(10)] for line in lines],
+                            dtype=torch.float64)
+
+    native = cpu_has_native_bf16()
+    if native:
+        assert is_bf16(probabilities())
+    else:
+        assert probabilities() == pytest.approx(fp32, abs=2e-6)
+    assert is_bf16(probabilities("--mixed-precision", "bf16"))
+    assert probabilities("--mixed-precision", "no") == pytest.approx(fp32, abs=2e-6)
+    table = accel_train_here("predict", str(out), str(files[0]), check=True).stdout
+    assert f"1 image(s) on cpu in {'bf16' if native else 'fp32'}" in table, table
+    emulated = accel_train_here("predict", str(out), str(files[0]), "--mixed-precision", "bf16")
+    assert ("no native bf16" in emulated.stderr) == (not native), emulated.stderr
+    onnx = tmp_path / "model.onnx"
+    onnx.write_bytes(b"not read: refused before")
+    refused = accel_train_here("predict", str(onnx), str(files[0]), "--mixed-precision", "bf16")
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        "accel_train: error: --mixed-precision bf16: an .onnx model runs in the precision it "
+        "was exported in (ONNX Runtime); drop the flag")
+
+
 def _counting(forward, batches: list):
     """Conv2d.forward that records the batch size at each model's first (3-channel) convolution."""
     def counted(self, input):

@@ -21,6 +21,7 @@ from ..weightfiles import read_safetensors
 from ..checkpoint import NAME_PATTERN, find_latest_valid, list_checkpoints, read_state, verify
 from ..errors import UsageError, first_line
 from ..model import SPEC_FILE, WEIGHTS_FILE, ModelSpec, build_from_spec
+from ..precision import cpu_has_native_bf16
 from ..timm_folder import holds_model_spec
 from ..rundir import CONFIG_FILE as RUN_CONFIG
 from ..rundir import run_paths
@@ -42,6 +43,21 @@ def read_run_config(run_dir: Path) -> dict:
     if not path.is_file():
         return {}
     return read_yaml(path, "run_config")  # readers.py: one line naming it when damaged
+
+
+def as_the_run_ran(asked: str, resolved: dict, cuda: bool) -> tuple[str, bool]:
+    """--mixed-precision auto on the kind of device the run trained on: the precision and memory
+    format it ran in (config.yaml's resolved facts), which are also those of its own epoch-end
+    evaluations.  Why: on a CPU, auto alone means fp32, and a run that chose bf16 there because
+    it was faster (autotune.py) would be evaluated several times slower than it evaluated
+    itself, and in another precision than its logged numbers."""
+    device = str(resolved.get("device", "")).split(":")[0]
+    if asked != "auto" or device != ("cuda" if cuda else "cpu"):
+        return asked, False
+    used = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}.get(resolved.get("precision_used"))
+    if used == "bf16" and not cuda and not cpu_has_native_bf16():
+        return asked, False  # trained where bf16 was native: emulated here, slower than fp32
+    return used or asked, bool(resolved.get("channels_last"))
 
 
 def _spec_for_checkpoint(checkpoint: Path, run_dir: Optional[Path]) -> ModelSpec:

@@ -140,23 +140,6 @@ def _report(results: dict, trained, data, split: str, num_processes: int, device
             + format_results(results, names))
 
 
-def _as_the_run_ran(asked: str, resolved: dict, cuda: bool) -> tuple[str, bool]:
-    """--mixed-precision auto on the kind of device the run trained on: the precision and memory
-    format it ran in (config.yaml's resolved facts), which are also those of its own epoch-end
-    evaluations.  Why: on a CPU, auto alone means fp32, and a run that chose bf16 there because
-    it was faster (autotune.py) would be evaluated several times slower than it evaluated
-    itself, and in another precision than its logged numbers."""
-    from ..precision import cpu_has_native_bf16
-
-    device = str(resolved.get("device", "")).split(":")[0]
-    if asked != "auto" or device != ("cuda" if cuda else "cpu"):
-        return asked, False
-    used = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}.get(resolved.get("precision_used"))
-    if used == "bf16" and not cuda and not cpu_has_native_bf16():
-        return asked, False  # trained where bf16 was native: emulated here, slower than fp32
-    return used or asked, bool(resolved.get("channels_last"))
-
-
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     import torch
@@ -170,7 +153,7 @@ def main(argv: Sequence[str]) -> int:
     from ..distributed import main_first, print_once
     from ..precision import precision_name, resolve_precision
     from ..transforms import ImageTransform
-    from .artifacts import find_trained_model, load_model, read_run_config
+    from .artifacts import as_the_run_ran, find_trained_model, load_model, read_run_config
 
     launcher = distributed.LauncherEnv.from_environ()
     say = print if launcher.rank == 0 else (lambda text: None)
@@ -184,8 +167,8 @@ def main(argv: Sequence[str]) -> int:
     env = distributed.setup(TrainConfig())  # starts the process group when launched
     try:
         cuda = torch.cuda.is_available()
-        asked, channels_last = _as_the_run_ran(args.mixed_precision, run_record.get("resolved", {}),
-                                               cuda)
+        asked, channels_last = as_the_run_ran(args.mixed_precision, run_record.get("resolved", {}),
+                                              cuda)
         precision, warning = resolve_precision(asked, cuda, "evaluates")
         acc = Accelerator(cpu=not cuda, mixed_precision=precision)
         if warning:

@@ -11,11 +11,14 @@ are still predicted; the exit code is then 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Sequence
 
 from ..cli import _Parser
+from ..config import PRECISIONS
 from ..errors import UsageError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -34,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="classes shown per image (default: 3)")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="images per forward pass (default: 64)")
+    parser.add_argument("--mixed-precision", choices=PRECISIONS, default="auto",
+                        help="autocast precision; auto: what the run trained and evaluated in, "
+                             "on the same kind of device (with its memory format), as eval does, "
+                             "else fp16 on CUDA and fp32 on a CPU; an .onnx model runs as it "
+                             "was exported (default: auto)")
     parser.add_argument("--json", action="store_true",
                         help='one JSON object per line: {"image": ..., "predictions": '
                              '[{"class": ..., "index": ..., "probability": ...}, ...]}')
@@ -59,10 +67,12 @@ def find_images(inputs: Sequence[str]) -> list[Path]:
     return list(dict.fromkeys(images))  # a file given twice (or inside two folders) once
 
 
-def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device):
+def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device,
+            autocast=contextlib.nullcontext, channels_last: bool = False):
     """Yields (image path, [(class index, probability), ...] best first, None), or for an image
     that cannot be decoded (path, None, why): one bad file among thousands must not cost the
-    predictions for the rest."""
+    predictions for the rest.  `autocast` and `channels_last`: as the run evaluated (eval's
+    numbers and these probabilities then come from the same arithmetic)."""
     import torch
 
     from ..decode import Unreadable, decode, read_value
@@ -80,9 +90,12 @@ def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device
                 yield path, None, err.reason
         if not tensors:
             continue
-        with torch.no_grad():
-            logits = logits_of(model, torch.stack(tensors).to(device), spec.tta)
-            probabilities = logits.softmax(dim=1)
+        batch = torch.stack(tensors).to(device)
+        if channels_last:
+            batch = batch.contiguous(memory_format=torch.channels_last)
+        with torch.no_grad(), autocast():
+            logits = logits_of(model, batch, spec.tta)  # float32 (logits_of)
+        probabilities = logits.softmax(dim=1)
         best = probabilities.topk(k, dim=1)
         for path, values, indices in zip(readable, best.values.tolist(), best.indices.tolist()):
             yield path, list(zip(indices, values)), None
@@ -98,18 +111,36 @@ def _table_row(path: Path, ranked, names: list[str], path_width: int, name_width
     return f"{str(path):<{path_width}}  {cells}"
 
 
-def _load(model_text: str, torch):
-    """(model, spec, description, device): an ONNX file through ONNX Runtime on the CPU, else
-    the torch model of a run, checkpoint or export on CUDA when there is one."""
+def _load(model_text: str, asked: str, torch):
+    """(model, spec, description, device, autocast, channels_last, precision name): an ONNX file
+    through ONNX Runtime on the CPU, as exported; else the torch model of a run, checkpoint or
+    export on CUDA when there is one, in --mixed-precision (auto: as the run ran, eval's rule)."""
     if model_text.endswith(".onnx") and Path(model_text).is_file():
+        if asked != "auto":
+            raise UsageError(f"--mixed-precision {asked}: an .onnx model runs in the precision "
+                             f"it was exported in (ONNX Runtime); drop the flag")
         from ..onnx_export import OnnxClassifier
         onnx_model = OnnxClassifier(Path(model_text))
         return onnx_model, onnx_model.spec, f"ONNX file {model_text} (ONNX Runtime)", \
-            torch.device("cpu")
-    from .artifacts import find_trained_model, load_model
+            torch.device("cpu"), contextlib.nullcontext, False, "as exported"
+    from accelerate import Accelerator
+
+    from ..precision import precision_name, resolve_precision
+    from .artifacts import as_the_run_ran, find_trained_model, load_model, read_run_config
     trained = find_trained_model(model_text, lambda text: print(f"warning: {text}"))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return load_model(trained).to(device), trained.spec, trained.description, device
+    cuda = torch.cuda.is_available()
+    record = read_run_config(trained.run_dir) if trained.run_dir else {}
+    asked, channels_last = as_the_run_ran(asked, record.get("resolved", {}), cuda)
+    precision, warning = resolve_precision(asked, cuda, "predicts")
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    accelerator = Accelerator(cpu=not cuda, mixed_precision=precision)  # eval's autocast
+    model = load_model(trained).to(accelerator.device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    name = precision_name(precision) + (", channels_last" if channels_last else "")
+    return model, trained.spec, trained.description, accelerator.device, \
+        accelerator.autocast, channels_last, name
 
 
 def main(argv: Sequence[str]) -> int:
@@ -119,16 +150,18 @@ def main(argv: Sequence[str]) -> int:
     images = find_images(args.inputs)
     import torch
 
-    model, spec, description, device = _load(args.model, torch)
+    model, spec, description, device, autocast, channels_last, ran_in = \
+        _load(args.model, args.mixed_precision, torch)
     names = spec.class_names
     path_width = max(len(str(p)) for p in images)
     name_width = max(len(name) for name in names)
     if not args.json:
-        print(f"model: {spec.model_name} from {description}; {len(images)} "
-              f"image(s)\n\n{_table_header(min(args.top_k, len(names)), path_width, name_width)}")
+        print(f"model: {spec.model_name} from {description}; {len(images)} image(s) on "
+              f"{device.type} in {ran_in}\n\n"
+              f"{_table_header(min(args.top_k, len(names)), path_width, name_width)}")
     failures: list[str] = []
     for path, ranked, reason in predict(model, spec, images, args.top_k, args.batch_size,
-                                        device):
+                                        device, autocast, channels_last):
         if reason is not None:
             failures.append(f"{path} cannot be decoded ({reason})")
             print(json.dumps({"image": str(path), "error": failures[-1]}) if args.json

@@ -57,10 +57,13 @@ def test_bad_durations_are_usage_errors_naming_the_flag(text):
 PROBE_SECONDS, VIEWS = 0.5, {"none": 1, "flip": 2, "flip-translate": 6}
 
 
-def fake_probe(seconds: float):
-    """A stand-in for evaluate.batch_seconds: `seconds` per view of a batch of 16."""
+def fake_probe(seconds: float, clock=None):
+    """A stand-in for evaluate.batch_seconds: `seconds` per view of a batch of 16; with `clock`,
+    the time it takes passes on it (two batches, as the real one times)."""
     def probe(accelerator, model, dataset, batch_size, channels_last, tta):
         assert batch_size == 16, batch_size  # the tests' --batch-size: a held-out batch
+        if clock is not None:
+            clock.now += 2 * seconds * VIEWS[tta]
         return seconds * VIEWS[tta], 16
     return probe
 
@@ -658,30 +661,34 @@ def test_the_probes_seconds_are_left_out_of_the_window_being_timed(clock):
     assert timer.seconds - (clock.now - timer.started) == 100 - 20  # the budget's clock ran on
 
 
-@pytest.mark.parametrize("tta, probe, total", [("none", 0.5, 38), ("none", 2.0, 32),
-                                                ("flip", 0.5, 36)])
+@pytest.mark.parametrize("tta, probe, total", [("none", 0.5, 37), ("none", 2.0, 28),
+                                                ("flip", 0.5, 34)])
 def test_the_probed_evaluation_sets_the_step_count(tmp_path, monkeypatch, clock, tta, probe,
                                                    total):
     """40 s at 1 s a step on the fake clock, only the final evaluation (64 images, batches of
-    16): probed at 0.5 s a batch it costs 2 s, and the fit at step 13 (27 s left) gives 38
-    steps (25 s + 2 s); at 2 s a batch it costs 8 s: 32 steps (19 s + 8 s); with --tta flip
-    each image is seen twice, the probe's batch takes 1 s, the evaluation 4 s: 36 steps."""
+    16).  The probe at step 13 spends two batches of the budget; then the fit.  Probed at 0.5 s
+    a batch: 26 s left, the evaluation 2 s: 37 steps (24 s + 2 s); at 2 s a batch: 23 s left,
+    the evaluation 8 s: 28 steps (15 s + 8 s); with --tta flip each image is seen twice, a
+    batch takes 1 s: 25 s left, the evaluation 4 s: 34 steps.  The probe's seconds are left out
+    of the steps' windows: every re-fit still reads 1 s a step."""
     from accel_train import trainer
     from accel_train.trainer import Callbacks
-    monkeypatch.setattr(trainer, "batch_seconds", fake_probe(probe))
+    monkeypatch.setattr(trainer, "batch_seconds", fake_probe(probe, clock))
     out = tmp_path / "run"
     command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "40s",
                "--eval-every", "0", "--tta", tta, "--output-dir", str(out)]
     tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
     accel_train_here(*command, check=True, callbacks=tick)
-    first = _budget_records(out)[0]
+    fits = _budget_records(out)
     views = {"none": 1, "flip": 2}[tta]
     evaluation = 64 * views * probe / 16
-    assert (first["step"], first["total_steps"]) == (13, total), first
-    assert first["eval_probe_seconds"] == probe * views
-    assert first["epoch_end_budgeted"] == evaluation
-    assert total == _largest_that_fits(40, 13, 1.0, 13, 16, 64, 16, eval_seconds=evaluation,
-                                       eval_every=0)
+    assert (fits[0]["step"], fits[0]["total_steps"]) == (13, total), fits[0]
+    assert fits[0]["eval_probe_seconds"] == probe * views
+    assert fits[0]["epoch_end_budgeted"] == evaluation
+    assert total == _largest_that_fits(40, 13 + 2 * probe * views, 1.0, 13, 16, 64, 16,
+                                       eval_seconds=evaluation, eval_every=0)
+    assert [fit["step_seconds"] for fit in fits] == [1.0] * len(fits)
+    assert max(r["step"] for r in metrics(out) if r["type"] == "epoch") == total
 
 
 def test_a_budgeted_run_plans_only_the_evaluations_eval_every_will_run(tmp_path, clock):

@@ -31,7 +31,6 @@ def logits_of(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torc
     return logits
 
 
-@torch.no_grad()
 def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
                         channels_last: bool = False, tta: str = "none") -> dict:
     """Loss, top-1, top-5 and per-class accuracy.
@@ -47,7 +46,8 @@ def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
     for images, labels in loader:
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        with accelerator.autocast():
+        # no_grad as a block (not a decorator: mutmut leaves decorated functions alone)
+        with torch.no_grad(), accelerator.autocast():
             logits = logits_of(model, images, tta)
         topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
         values = (F.cross_entropy(logits, labels, reduction="none"), topk[:, 0] == labels,
@@ -65,8 +65,7 @@ def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
 
 
 def batch_seconds(accelerator, model: nn.Module, dataset, batch_size: int,
-                  channels_last: bool = False, tta: str = "none",
-                  repeats: int = 2) -> tuple[float, int]:
+                  channels_last: bool, tta: str, repeats: int = 2) -> tuple[float, int]:
     """(seconds, images): the time one held-out batch takes through the evaluation's path (its
     first `batch_size` images read and prepared as the loader's fetch does, moved to the device,
     the model's logits with `tta` under the run's autocast, the loss and top-k), the fastest of
@@ -80,7 +79,6 @@ def batch_seconds(accelerator, model: nn.Module, dataset, batch_size: int,
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     best = float("inf")
-    # torch.no_grad() as a block, not a decorator: mutmut leaves decorated functions alone
     try:
         for _ in range(repeats):
             began = time.perf_counter()

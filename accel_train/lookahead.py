@@ -55,22 +55,22 @@ class LookaheadAverage:
     def _copy_of_model(self) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in self._floats().items()}
 
-    @torch.no_grad()
     def after_step(self, step: int, total_steps: int) -> None:
         """Called after every optimizer step (1-based `step`): syncs on every K-th."""
         if step % self.every == 0:
             self._sync(decay(self.every, step, total_steps))
 
-    @torch.no_grad()
     def at_epoch_end(self) -> None:
         """The model takes the slow copy as it stands (airbench's rho = 1 sync)."""
         self._sync(1.0)
 
     def _sync(self, rho: float) -> None:
-        for key, value in self._floats().items():
-            slow = self.slow[key]
-            slow.lerp_(value.to(slow.dtype), 1.0 - rho)
-            value.copy_(slow)
+        # no_grad as a block, not a decorator: mutmut leaves decorated functions alone
+        with torch.no_grad():
+            for key, value in self._floats().items():
+                slow = self.slow[key]
+                slow.lerp_(value.to(slow.dtype), 1.0 - rho)
+                value.copy_(slow)
 
     def save(self, folder: Path) -> None:
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.slow.items()}

@@ -14,6 +14,7 @@ generator (`sample_generator`) and are cropped one at a time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -56,22 +57,31 @@ def augment_bits(seed: int, epochs, indices) -> np.ndarray:
         return _splitmix64(x ^ indices)
 
 
-def single_threaded(method):
+@contextlib.contextmanager
+def one_thread():
     """Run a transform on one intra-op thread.  Its tensors are small (a batch of CIFAR images is
     a few hundred kB): splitting each op across cores costs more in synchronization than it
     saves, and when the cores are busy (training in other processes, a shared machine) the
     OpenMP barrier waits made the batched CIFAR augmentation 10x slower on two threads than on
-    one.  The training step itself keeps all threads: only the input pipeline is confined."""
+    one.  The training step itself keeps all threads: only the input pipeline is confined.
+    (A block, not a decorator, in the methods below: mutmut leaves decorated functions alone.)"""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def single_threaded(method):
+    """`one_thread()` around a whole method (the datasets' batched reads)."""
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
-        threads = torch.get_num_threads()
-        if threads == 1:
+        with one_thread():
             return method(*args, **kwargs)
-        torch.set_num_threads(1)
-        try:
-            return method(*args, **kwargs)
-        finally:
-            torch.set_num_threads(threads)
     return wrapper
 
 
@@ -118,23 +128,24 @@ class ImageTransform:
             raise UsageError(f"--crop-pad {self.crop_pad} must be below the image size "
                              f"({self.image_size} px)")
 
-    @single_threaded
     def __call__(self, image: torch.Tensor,
                  sample: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
         """One uint8 [3, H, W] image -> float [3, S, S]; `sample` = (seed, epoch, index) is
         required when augmenting (it decides the crop and the flip)."""
         seed, epoch, index = sample if sample is not None else (0, 0, 0)
-        return self.finish(self.pixels(image, sample).unsqueeze(0), seed, [epoch], [index])[0]
+        with one_thread():
+            return self.finish(self.pixels(image, sample).unsqueeze(0), seed, [epoch],
+                               [index])[0]
 
-    @single_threaded
     def batch(self, images: torch.Tensor, seed: int = 0, epochs: Sequence[int] = (),
               indices: Sequence[int] = ()) -> torch.Tensor:
         """A uint8 [B, 3, H, W] batch of same-sized images -> float [B, 3, S, S].  When
         augmenting, epochs[i] and indices[i] name sample i (its crop and flip depend on them).
         Always `finish(pixel_batch(...))`: the training loaders run the two halves apart (the
         first in the loader, the second on the device), and give the same tensors."""
-        return self.finish(self.pixel_batch(images, seed, epochs, indices), seed, epochs,
-                           indices)
+        with one_thread():
+            return self.finish(self.pixel_batch(images, seed, epochs, indices), seed, epochs,
+                               indices)
 
     # -- the two halves: pixels on the host, then the float work on the device ----------------
     @property
@@ -151,12 +162,16 @@ class ImageTransform:
         seed, epoch, index = sample if sample is not None else (0, 0, 0)
         return self.pixel_batch(image.unsqueeze(0), seed, [epoch], [index])[0]
 
-    @single_threaded
     def pixel_batch(self, images: torch.Tensor, seed: int = 0, epochs: Sequence[int] = (),
                     indices: Sequence[int] = ()) -> torch.Tensor:
         """uint8 [B, 3, H, W] -> uint8 [B, 3, S, S]: resized, and when augmenting cropped,
         flipped and put through --auto-augment's policy.  What a loader hands to the device:
         a quarter of float32's bytes."""
+        with one_thread():
+            return self._pixel_batch(images, seed, epochs, indices)
+
+    def _pixel_batch(self, images: torch.Tensor, seed: int, epochs: Sequence[int],
+                     indices: Sequence[int]) -> torch.Tensor:
         if self.augment and max(images.shape[-2:]) > SMALL_IMAGE:
             images = torch.stack([self._augment_large(image, (seed, int(e), int(i)))
                                   for image, e, i in zip(images, epochs, indices)])
@@ -170,16 +185,16 @@ class ImageTransform:
             images = apply_seeded(self.policy, images, seed, epochs, indices)
         return images
 
-    @single_threaded  # on a CPU; a no-op for a GPU's tensors
     def finish(self, images: torch.Tensor, seed: int = 0, epochs: Sequence[int] = (),
                indices: Sequence[int] = ()) -> torch.Tensor:
         """uint8 [B, 3, S, S] pixels, on any device -> float, normalized, then (when
         augmenting with --reprob) randomly erased, on the same device.  Erasing needs each
         sample's (epoch, index); normalizing alone does not."""
-        images = self._normalize(images)
-        if self.erases:
-            images = erase_seeded(self.erasing, images, seed, epochs, indices)
-        return images
+        with one_thread():  # on a CPU; a no-op for a GPU's tensors
+            images = self._normalize(images)
+            if self.erases:
+                images = erase_seeded(self.erasing, images, seed, epochs, indices)
+            return images
 
     # -- pieces ---------------------------------------------------------------------------------
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:

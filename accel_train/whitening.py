@@ -82,7 +82,6 @@ def whitening_filters(covariance: torch.Tensor, num_filters: int, eps: float = E
     return scaled[k // 2] * sign[:, None]
 
 
-@torch.no_grad()
 def whiten_first_conv(model: nn.Module, images: torch.Tensor, eps: float = EPS) -> str:
     """Write the whitening of `images` (normalized, [N, C, H, W]) into the first convolution's
     first min(out_channels, 2 * patch dim) filters (and zero its bias); says what it did.
@@ -95,10 +94,11 @@ def whiten_first_conv(model: nn.Module, images: torch.Tensor, eps: float = EPS) 
     dim = conv.in_channels * kernel[0] * kernel[1]
     num_filters = min(conv.out_channels, 2 * dim)
     filters = whitening_filters(patch_covariance(images, kernel), num_filters, eps)
-    conv.weight[:num_filters] = filters.reshape(num_filters, conv.in_channels, *kernel).to(
-        conv.weight.dtype)
-    if conv.bias is not None:
-        conv.bias.zero_()
+    with torch.no_grad():  # a block, not a decorator: mutmut leaves decorated functions alone
+        conv.weight[:num_filters] = filters.reshape(num_filters, conv.in_channels,
+                                                    *kernel).to(conv.weight.dtype)
+        if conv.bias is not None:
+            conv.bias.zero_()
     fixed = num_filters == conv.out_channels
     if fixed:
         conv.weight.requires_grad_(False)

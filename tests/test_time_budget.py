@@ -627,7 +627,8 @@ def test_the_probe_times_the_faster_of_two_held_out_batches_under_the_runs_autoc
 def test_the_probe_reads_a_held_out_set_smaller_than_a_batch_item_by_item(fresh_accelerate):
     from accel_train.evaluate import batch_seconds
     model, held_out = _Recorder([0.0, 0.0]), _HeldOut(batched=False)
-    seconds, images = batch_seconds(_accelerator("no"), model, held_out, 64)
+    seconds, images = batch_seconds(_accelerator("no"), model, held_out, 64,
+                                    channels_last=False, tta="none")
     assert images == 10 and held_out.reads == list(range(10)) * 2
     assert [(seen["autocast"], seen["channels_last"], seen["images"]) for seen in model.seen] \
         == [(False, False, 10)] * 2

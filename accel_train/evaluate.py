@@ -32,7 +32,7 @@ def logits_of(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torc
 
 
 def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
-                        channels_last: bool = False, tta: str = "none") -> dict:
+                        channels_last: bool, tta: str) -> dict:
     """Loss, top-1, top-5 and per-class accuracy.
 
     `model` must be the bare module (not DDP-wrapped): DDP broadcasts buffers at every forward,

@@ -132,6 +132,18 @@ def test_eval_train_split_with_a_ragged_last_batch(run_dir):
     _check(report, _oracle(run_dir, images[:40], labels[:40]))
 
 
+def test_eval_of_images_without_the_last_class_still_counts_every_class(run_dir):
+    """The held-out split's first images hold no image of the last class (nor of class 0): the
+    per-class counts still name all ten, those with zero images (a count sized by the labels
+    seen would drop the last)."""
+    images, labels = synthetic.splits(TRAIN_SIZE)["test"]
+    count = next(n for n in range(len(labels)) if labels[n] == labels.max())
+    assert count >= 5 and labels.max() == 9 and 0 not in labels[:count]
+    report = _eval_json(str(run_dir), "--max-samples", str(count))
+    assert len(report["per_class"]) == 10
+    _check(report, _oracle(run_dir, images[:count], labels[:count]))
+
+
 def test_eval_with_flip_tta_matches_a_plain_torch_evaluation_of_both_views(run_dir):
     images, labels = synthetic.splits(TRAIN_SIZE)["test"]
     images, labels = images[:EVAL_SAMPLES], labels[:EVAL_SAMPLES]

@@ -120,12 +120,13 @@ def test_flip_translate_tta_averages_six_views_built_by_hand():
     assert budget.evaluation_passes(True, "flip-translate") == 12
 
 
-def _numpy_whitening(images: np.ndarray, kernel: int, eps: float):
+def _numpy_whitening(images: np.ndarray, kernel, eps: float):
     """Eigenvalues (descending) and eigenvectors (rows) of the patches' second moment: numpy's
-    sliding windows and eigh, sharing nothing with the product's unfold."""
-    windows = np.lib.stride_tricks.sliding_window_view(images, (kernel, kernel), axis=(2, 3))
-    # [N, C, H', W', k, k] -> patches [N*H'*W', C*k*k] in Conv2d's (c, kh, kw) order
-    patches = windows.transpose(0, 2, 3, 1, 4, 5).reshape(-1, images.shape[1] * kernel * kernel)
+    sliding windows and eigh, sharing nothing with the product's unfold.  `kernel`: (kh, kw)."""
+    height, width = kernel
+    windows = np.lib.stride_tricks.sliding_window_view(images, (height, width), axis=(2, 3))
+    # [N, C, H', W', kh, kw] -> patches [N*H'*W', C*kh*kw] in Conv2d's (c, kh, kw) order
+    patches = windows.transpose(0, 2, 3, 1, 4, 5).reshape(-1, images.shape[1] * height * width)
     covariance = patches.T @ patches / len(patches)
     values, vectors = np.linalg.eigh(covariance)
     order = np.argsort(values)[::-1]
@@ -137,7 +138,7 @@ def _assert_whitening(weights: np.ndarray, images: np.ndarray, eps: float,
     """Filters 2k and 2k+1 are +-eigenvector k / sqrt(eigenvalue k + eps).  `per_vector`: each
     compared with numpy's own (for data whose eigenvalues are well apart: a near-tie leaves the
     vectors' directions within it arbitrary); always, the decorrelation it must achieve."""
-    values, vectors, covariance = _numpy_whitening(images, weights.shape[-1], eps)
+    values, vectors, covariance = _numpy_whitening(images, weights.shape[-2:], eps)
     flat = weights.reshape(len(weights), -1)
     for k in range(len(flat) // 2):
         np.testing.assert_allclose(flat[2 * k + 1], -flat[2 * k], atol=1e-7)
@@ -172,6 +173,21 @@ def test_whitening_a_convolution_matches_numpy():
     assert not whole.weight.requires_grad and whole.bias.requires_grad
     assert said.endswith("; its weights fixed, its bias trains")
     torch.testing.assert_close(whole.weight, conv.weight[:54])
+
+
+def test_whitening_a_one_channel_convolution_with_a_tall_kernel_and_no_bias():
+    """Grayscale images and a 2x1 kernel: patches of 2 values, so 4 filters (each vector and its
+    negative) fill the layer, which is then fixed; with no bias the words say nothing of one."""
+    rng = np.random.default_rng(1)
+    base = rng.normal(size=(40, 1, 12, 12))
+    images = (base + 0.8 * np.roll(base, 1, axis=2)).astype(np.float32)  # rows correlated
+    model = nn.Sequential(nn.Conv2d(1, 4, (2, 1), bias=False), nn.ReLU())
+    said = whiten_first_conv(model, torch.from_numpy(images))
+    assert said == ("0 (4 of 4 filters) whitened from the 2x1 patches of 40 training images; "
+                    "its weights fixed")
+    assert not model[0].weight.requires_grad
+    _assert_whitening(model[0].weight.detach().double().numpy(), images.astype(np.float64),
+                      5e-4)
 
 
 def _spec(run: Path) -> dict:

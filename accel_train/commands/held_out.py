@@ -70,6 +70,7 @@ def measure(held_out: HeldOut, model, num_classes: int, batch_size: int = 64,
     loader = accelerator.prepare(make_loader(held_out.dataset, batch_size, 0, 2, False, False))
     device_model = model.to(accelerator.device)
     for tta in dict.fromkeys(("none", "flip", run_tta)):
-        results = evaluate_classifier(accelerator, device_model, loader, num_classes, tta=tta)
+        results = evaluate_classifier(accelerator, device_model, loader, num_classes,
+                                      channels_last=False, tta=tta)
         held_out.metrics[tta] = {k: results[k] for k in ("top1", "top5", "count")}
     model.to("cpu")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from accel_train.augment import build_erasing, build_policy
 from accel_train.data import TrainImages
 from accel_train.sources import ArraySource, ImageSource
 from accel_train.transforms import SMALL_IMAGE, ImageTransform
@@ -254,3 +255,46 @@ def test_random_resized_crop_of_large_images():
     assert min(ratios) < 0.9 and max(ratios) > 1.1  # and both sides of the aspect range
     again = [dataset[n + index][0] for index in range(n)]  # epoch 1
     assert sum(not torch.equal(dataset[i][0], again[i]) for i in range(n)) >= n - 2
+
+
+def test_a_sample_is_transformed_alike_alone_and_in_a_batch_with_every_random_piece_on():
+    """--flip alternate, --auto-augment and --reprob 1 all on: each sample's tensor is the same
+    whether it comes alone (`__call__`, the per-image reads), in a batch (`batch`), or in the
+    two halves the loaders run apart (`pixel_batch` then `finish`); and its seed, its epoch
+    and its index each move what is drawn for it."""
+    transform = ImageTransform(32, **IDENTITY, augment=True, flip="alternate",
+                               policy=build_policy("rand-m9-mstd0.5"),
+                               erasing=build_erasing(1.0))
+    images = _random_images(6, 32, 32, 5)
+    seed, epochs, indices = 7, [0, 1, 2, 3, 0, 1], [0, 0, 0, 0, 3, 3]
+    batched = transform.batch(images, seed, epochs, indices)
+    alone = torch.stack([transform(images[k], (seed, epochs[k], indices[k]))
+                         for k in range(len(images))])
+    halves = transform.finish(transform.pixel_batch(images, seed, epochs, indices), seed, epochs,
+                              indices)
+    assert torch.equal(batched, alone) and torch.equal(batched, halves)
+    one = images[:1]
+    drawn = transform.batch(one, seed, [2], [5])
+    assert torch.equal(drawn, transform.batch(one, seed, [2], [5]))
+    for other in ((seed + 1, [2], [5]), (seed, [4], [5]), (seed, [2], [6])):
+        assert not torch.equal(drawn, transform.batch(one, *other)), other
+
+
+@pytest.mark.parametrize("flip", ["random", "alternate"])
+def test_an_image_of_exactly_the_small_size_is_mirrored_or_not_but_never_resized(flip):
+    """At SMALL_IMAGE px an image still takes the CIFAR-style path (above it, the random resized
+    crop): with no padding to shift it, each output is the image or its mirror, pixel for pixel.
+    --flip alternate mirrors a sample in epoch e exactly when it does not in epoch e + 1."""
+    transform = ImageTransform(SMALL_IMAGE, **IDENTITY, augment=True, crop_pad=0, flip=flip)
+    images = _random_images(8, SMALL_IMAGE, SMALL_IMAGE, 9)
+    mirrored = {}
+    for epoch in range(3):
+        out = transform.pixel_batch(images, 3, [epoch] * 8, list(range(8)))
+        for k in range(8):
+            same, flipped = torch.equal(out[k], images[k]), torch.equal(out[k], images[k].flip(-1))
+            assert same != flipped, (epoch, k)
+            mirrored[epoch, k] = flipped
+    if flip == "alternate":
+        assert all(mirrored[0, k] != mirrored[1, k] and mirrored[0, k] == mirrored[2, k]
+                   for k in range(8))
+    assert 0 < sum(mirrored[0, k] for k in range(8)) < 8  # a draw, not all or none

@@ -76,7 +76,11 @@ def _reset_error(iterator, kill_after, error=RESET):
     iterator._data_queue = ResetOnce(iterator._data_queue, iterator._workers[0].pid, kill_after,
                                      error)
     with pytest.raises(type(error)) as caught:
-        next(iterator)
+        # With two workers a batch that came in ahead of its turn waits in torch's reorder
+        # buffer and is handed out without a `get` (seen once in a suite run: DID NOT RAISE):
+        # the first `get` comes within the loader's batches.
+        for _ in range(len(iterator)):
+            next(iterator)
     return caught.value
 
 

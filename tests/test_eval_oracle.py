@@ -201,13 +201,7 @@ def test_predict_is_the_softmax_of_plain_torch_logits(run_dir, flip_run_dir, tmp
     """8 held-out images as PNG files: predict's probabilities are the softmax of the plain-torch
     logits, mirrored too for the run trained with --tta flip (its export as well); --batch-size 3
     gives the same lines from ceil(8/3) batches (a probe on the first convolution counts them)."""
-    from PIL import Image
-    images, _ = synthetic.splits(TRAIN_SIZE)["test"]
-    images = images[:8]
-    files = []
-    for i, array in enumerate(images):
-        files.append(tmp_path / f"{i}.png")
-        Image.fromarray(array).save(files[-1])
+    images, files = _held_out_pngs(tmp_path, 8)
 
     def expected(run, mirrored):
         probabilities = _plain_logits(run, images, mirrored).softmax(dim=1)
@@ -243,6 +237,17 @@ def test_predict_is_the_softmax_of_plain_torch_logits(run_dir, flip_run_dir, tmp
     _check(_eval_json(str(flip_run_dir), "--tta", "none"), _oracle(flip_run_dir, held, labels))
 
 
+def _held_out_pngs(folder, count: int):
+    """The first `count` held-out images (uint8 NHWC) and the PNG files they were written to."""
+    from PIL import Image
+    images, _ = synthetic.splits(TRAIN_SIZE)["test"]
+    images = images[:count]
+    files = [folder / f"{i}.png" for i in range(count)]
+    for array, file in zip(images, files):
+        Image.fromarray(array).save(file)
+    return images, files
+
+
 def _bf16_logits(run_dir, images_nhwc) -> torch.Tensor:
     """_plain_logits' model under plain torch's CPU autocast to bfloat16 (what a bf16 run's own
     evaluation runs in)."""
@@ -256,18 +261,11 @@ def test_predict_runs_in_the_precision_the_run_evaluated_in(tmp_path):
     bf16-autocast logits, not of the fp32 ones), in fp32 where bf16 would be emulated (as eval
     does); --mixed-precision bf16 and no give those two anywhere, and an .onnx model refuses
     a precision in one line."""
-    from PIL import Image
-
     from accel_train.precision import cpu_has_native_bf16
     out = tmp_path / "bf16"
     accel_train_here(*TINY_TRAIN, "--mixed-precision", "bf16", "--max-steps", "4", "--lr", "0.2",
                      "--output-dir", str(out), check=True)
-    images, _ = synthetic.splits(TRAIN_SIZE)["test"]
-    images = images[:6]
-    files = []
-    for i, array in enumerate(images):
-        files.append(tmp_path / f"{i}.png")
-        Image.fromarray(array).save(files[-1])
+    images, files = _held_out_pngs(tmp_path, 6)
     bf16 = _bf16_logits(out, images).double().softmax(dim=1)
     fp32 = _plain_logits(out, images).softmax(dim=1)
     apart = float((bf16 - fp32).abs().max())

@@ -93,10 +93,12 @@ class Schedule:
     A fit never makes the learning rate jump: from the step where it happens, the decay
     continues from the factor of that moment (`decay_from_factor`) down to `final_factor` at the
     new total, stretched or shrunk over what remains.  Warmup is never repeated; a fit during
-    warmup only moves the end of the decay, unless the warmup is a share of the run
-    (`warmup_fraction`, --warmup-fraction): then its end moves too, to that share of the new
-    total, the rise going on from the factor of that moment (`warmup_from_*`); a fit that puts
-    the end behind the step it happens at ends the warmup there, the decay going on from there.
+    warmup only moves the end of the decay, unless the warmup's end moves with the total: a
+    warmup that is a share of the run (`warmup_fraction`, --warmup-fraction) ends at that share
+    of the new total, and one in epochs longer than the total peaks at the total's last step.
+    Then the rise goes on from the factor of that moment (`warmup_from_*`) to the new end; a fit
+    that puts the end behind the step it happens at ends the warmup there, the decay going on
+    from there.
     Why a share: a warmup in epochs written for a fast machine outlasts the whole budget of a
     slow one, whose rate then never comes down.
 
@@ -140,23 +142,35 @@ class Schedule:
         """A --time-budget fit at optimizer step `at_step` (the next update's index);
         `step_seconds` None: an estimate that only paces a warmup given as a share (the budget's
         pilot), not a fit."""
-        if self.warmup_fraction is not None and at_step < min(self.warmup_steps,
-                                                              self.total_steps):
-            self._fit_warmup(warmup_share(self.warmup_fraction, total_steps), at_step)
+        if self.warmup_fraction is not None and self._rising(at_step):
+            share = warmup_share(self.warmup_fraction, total_steps)
+            self._rise_on(at_step, share, share)
         if step_seconds is None:
             return
-        if at_step >= min(self.warmup_steps, self.total_steps):
+        if self._rising(at_step):
+            # A warmup in epochs ends at the total when it outlasts it (a fast machine's recipe
+            # on a slow one): a new total moves that end, and the line to it must go on from the
+            # rate of this moment, not be drawn anew from the start (a jump at every fit).
+            self._rise_on(at_step, min(self.warmup_steps, total_steps), self.warmup_steps)
+        if not self._rising(at_step):
+            # Its end is kept where it was met: a total that grows past a warmup once cut short
+            # must not start it again.
+            self.warmup_steps = min(self.warmup_steps, self.total_steps)
             self.decay_from_factor = self.factor(at_step)
             self.decay_from_step = at_step
         self.total_steps, self.budget_step_seconds = total_steps, step_seconds
 
-    def _fit_warmup(self, steps: int, at_step: int) -> None:
-        """The warmup now ends after `steps` updates, rising from the factor of update
-        `at_step` (already set: the scheduler stepped before the fit) or, if that leaves no step
-        to rise over, ends here, the decay going on from that factor."""
+    def _rising(self, step: int) -> bool:
+        return step < min(self.warmup_steps, self.total_steps)
+
+    def _rise_on(self, at_step: int, end: int, warmup_steps: int) -> None:
+        """The warmup now reaches the peak at update `end - 1` (`warmup_steps` its length as
+        given, `end` that clamped to the new total), rising from the factor of update `at_step`
+        (already set: the scheduler stepped before the fit) or, if that leaves no step to rise
+        over, ends here, the decay going on from that factor."""
         now = self.factor(at_step)
-        if steps > at_step + 1:
-            self.warmup_steps = steps
+        if end > at_step + 1:
+            self.warmup_steps = warmup_steps
             self.warmup_from_step, self.warmup_from_factor = at_step, now
         else:
             self.warmup_steps = at_step
@@ -181,11 +195,12 @@ class Schedule:
             # Absent in the checkpoints of versions that fitted once, at the warmup's end.
             self.decay_from_step = int(saved.get("decay_from_step", 0))
             self.decay_from_factor = float(saved.get("decay_from_factor", 1.0))
-            if self.warmup_fraction is not None:  # its warmup moved with the fits
-                self.warmup_steps = int(saved["warmup_steps"])
-                self.warmup_from_step = int(saved.get("warmup_from_step", -1))
-                origin = saved.get("warmup_from_factor")
-                self.warmup_from_factor = None if origin is None else float(origin)
+            # Its warmup's line moved with the fits (and its length too, if a share or cut
+            # short by a total behind the fit's step).
+            self.warmup_steps = int(saved["warmup_steps"])
+            self.warmup_from_step = int(saved.get("warmup_from_step", -1))
+            origin = saved.get("warmup_from_factor")
+            self.warmup_from_factor = None if origin is None else float(origin)
 
 
 def scheduler_for(optimizer: torch.optim.Optimizer, schedule: Schedule) -> LambdaLR:

@@ -221,6 +221,61 @@ def test_a_warmup_in_epochs_is_not_moved_by_a_fit():
     assert schedule.warmup_steps == 5 and schedule.factor(4) == pytest.approx(1.0, abs=TOL)
 
 
+def test_a_warmup_in_epochs_longer_than_the_fitted_total_rises_on_without_a_jump(tmp_path):
+    """A warmup of 10 steps (in epochs) in a budgeted run, open-ended until fitted.  Fitted at
+    update 2 (0.2 + 0.8 x 3/10 = 0.44) to a total of 6, shorter than the warmup: the peak comes
+    at update 5, the rise going on from 0.44 (not redrawn from 0.2 over 6 steps: 0.6).  Fitted
+    again at update 4 to a total of 8: the rise goes on from where it stood to the peak at
+    update 7.  A run resumed from the saved schedule continues the same line."""
+    schedule = Schedule(10, 10**12, decay="linear", warmup_start=0.2)
+    schedule.fit_total(6, 0.5, 2)
+    assert [schedule.factor(k) for k in (2, 3, 5)] == pytest.approx(
+        [0.44, 0.44 + 0.56 / 3, 1.0], abs=TOL)
+    at_4 = 0.44 + 2 * 0.56 / 3
+    schedule.fit_total(8, 0.5, 4)
+    expected = {k: float(np.interp(k, [4, 7], [at_4, 1.0])) for k in range(4, 8)}
+    assert {k: schedule.factor(k) for k in expected} == pytest.approx(expected, abs=TOL)
+    schedule.save(tmp_path)
+    resumed = Schedule(10, 10**12, decay="linear", warmup_start=0.2)
+    resumed.load(tmp_path)
+    assert {k: resumed.factor(k) for k in expected} == pytest.approx(expected, abs=TOL)
+    # a total that grows past the warmup again gives it back its own end: the peak at update 9
+    resumed.fit_total(30, 0.5, 6)
+    at_6 = at_4 + 2 * (1 - at_4) / 3
+    assert [resumed.factor(k) for k in (6, 9, 10, 30)] == pytest.approx(
+        [at_6, 1.0, 1.0, 0.0], abs=TOL)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_no_sequence_of_fits_makes_the_rate_jump(seed):
+    """Whatever the shape and however the budget's fits come (totals shorter or longer than
+    the warmup, behind the step or far ahead, a pilot's estimate first or not), the factor of
+    the update a fit happens at is the one the scheduler had already set, the run's factors stay
+    within [final, 1], and once the peak has been left the rate never rises again."""
+    rng = np.random.default_rng(seed)
+    fraction = None if rng.random() < 0.5 else float(rng.uniform(0.05, 0.6))
+    schedule = Schedule(int(rng.integers(0, 60)), 10**12,
+                        decay=str(rng.choice(["cosine", "linear"])),
+                        warmup_start=float(rng.choice([0.0, 0.2])),
+                        final_factor=float(rng.choice([0.0, 0.07])), warmup_fraction=fraction)
+    fits = sorted(int(k) for k in rng.choice(np.arange(1, 80), size=int(rng.integers(2, 8)),
+                                             replace=False))
+    pilot = fits.pop(0) if fraction is not None and rng.random() < 0.5 else None
+    seen = []
+    for step in range(100):
+        if step == pilot or step in fits:
+            before = schedule.factor(step)
+            schedule.fit_total(int(rng.integers(step + 1, step + 80)),
+                               None if step == pilot else 0.5, step)
+            assert schedule.factor(step) == pytest.approx(before, abs=TOL), (seed, step)
+        if step < schedule.total_steps:
+            seen.append(schedule.factor(step))
+    assert min(seen) >= min(schedule.warmup_start, schedule.final_factor) - TOL
+    assert max(seen) <= 1 + TOL
+    peak = int(np.argmax(seen))
+    assert all(b <= a + TOL for a, b in zip(seen[peak:], seen[peak + 1:])), seed
+
+
 def test_cli_warmup_fraction_is_a_share_of_the_run(tmp_path):
     """--warmup-fraction 0.25 of a 12-step run (--max-steps) is 3 warmup steps, whatever
     --warmup-epochs says (here 0.25 epochs = 4 steps): the logged rates against np.interp."""

@@ -794,7 +794,14 @@ def test_a_warmup_share_follows_the_budget_on_a_slow_machine(tmp_path, clock):
 
 def test_a_warmup_in_epochs_longer_than_the_budget_is_warned_of(tmp_path, clock):
     """--warmup-epochs 10 is 160 steps, more than the 128 that fit: the rate would rise to the
-    end and never come down; the run says so, naming --warmup-fraction."""
+    end and never come down; the run says so, naming --warmup-fraction.  The rise: over 160
+    steps until the fit at step 27 (28/160 of the peak there), then on from that rate to the
+    peak at the last update, 127 (not redrawn over 128 steps from the start: 28/128 at 27)."""
     output, fits, train = _slow_machine_run(tmp_path, clock, "--warmup-epochs", "10")
     assert "--warmup-epochs 10 is 160 steps" in output and "--warmup-fraction" in output
-    assert train[128] == pytest.approx(0.05, abs=1e-9)  # the peak at the last step
+    peak = 0.05
+    expected = {s: peak * ((s + 1) / 160 if s < 27 else
+                           float(np.interp(s, [27, 127], [28 / 160, 1.0])))
+                for s in range(1, 128)}
+    assert {s: train[s] for s in expected} == pytest.approx(expected, abs=1e-9)
+    assert train[128] == pytest.approx(peak, abs=1e-9)  # the peak at the last step

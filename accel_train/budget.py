@@ -26,6 +26,10 @@ from .errors import UsageError
 
 WARM_STEPS = 3       # not measured: the first steps pay compilation, allocation, cold caches
 MEASURED_STEPS = 10  # then this many are timed: the pilot reading
+# The pilot's first step alone already gives an estimate of the length, which paces the warmup
+# (nothing is fixed by it): on a slow machine ten steps are a large share of a short budget,
+# and a warmup paced only at the pilot's end stays at its start all that time.
+GLIMPSE_STEPS = 1
 # A CPU keeps speeding up for far longer than three steps (allocator, oneDNN caches, the OS
 # scheduler settling): a pilot of ten steps reads slow, and a schedule fitted to it ends early
 # (BENCHMARKS.md, "The recipe file with --time-budget").  So, unless the budget is short, the
@@ -93,10 +97,11 @@ class TimeBudget:
     def __init__(self, seconds: float):
         self.seconds = seconds
         self.started, self.first_step = time.perf_counter(), 0
-        self._window = (WARM_STEPS, WARM_STEPS + MEASURED_STEPS)  # in steps since the start
+        self._window = (WARM_STEPS, WARM_STEPS + GLIMPSE_STEPS)  # in steps since the start
         self._window_start: Optional[tuple[int, float]] = None
         self._last_reading: Optional[tuple[int, float]] = None  # where the last window ended
         self._paused = 0.0  # seconds spent in `paused()` so far
+        self.glimpse_seconds: Optional[float] = None
         self.pilot_seconds: Optional[float] = None
         self.step_seconds: Optional[float] = None  # the latest agreed reading, once fitted
         self.epoch_end_seconds: Optional[float] = None  # the latest epoch end's cost
@@ -154,7 +159,13 @@ class TimeBudget:
 
     def settle(self, step_seconds: float) -> bool:
         """The ranks' agreed reading of the window just completed.  True: fit the count now;
-        False: it was the pilot, and a longer window now follows."""
+        False: an estimate only (the pilot's first step, or the pilot when a longer window
+        follows)."""
+        if self.glimpse_seconds is None:
+            # The pilot times on from the same start, to its end.
+            self.glimpse_seconds = step_seconds
+            self._window = (WARM_STEPS, WARM_STEPS + MEASURED_STEPS)
+            return False
         if self.pilot_seconds is None:
             self.pilot_seconds = step_seconds
             end = self._window[1]

@@ -95,10 +95,11 @@ class Schedule:
     new total, stretched or shrunk over what remains.  Warmup is never repeated; a fit during
     warmup only moves the end of the decay, unless the warmup's end moves with the total: a
     warmup that is a share of the run (`warmup_fraction`, --warmup-fraction) ends at that share
-    of the new total, and one in epochs longer than the total peaks at the total's last step.
-    Then the rise goes on from the factor of that moment (`warmup_from_*`) to the new end; a fit
-    that puts the end behind the step it happens at ends the warmup there, the decay going on
-    from there.
+    of the new total, and one in epochs (`warmup_planned`) longer than the total peaks at the
+    total's last step.  Then the rise goes on from the factor of that moment (`warmup_from_*`)
+    to the new end; a fit that puts the end behind the step it happens at ends the warmup
+    there, the decay going on from there.  The budget's estimates of the total, before its
+    first fit, move the warmup's end the same way (the total stays open).
     Why a share: a warmup in epochs written for a fast machine outlasts the whole budget of a
     slow one, whose rate then never comes down.
 
@@ -120,6 +121,10 @@ class Schedule:
     # at its last step; a fit of a warmup given as a share moves this point to where it stands.
     warmup_from_step: int = -1
     warmup_from_factor: Optional[float] = None  # None: warmup_start
+    # The warmup as the flags give it (--warmup-epochs in steps); `warmup_steps` is where it
+    # ends now, which a budget's estimates and fits move (to a share of the total, or to the
+    # total when shorter).  None: `warmup_steps`.
+    warmup_planned: Optional[int] = None
 
     name = "schedule"
     STATE = ("warmup_steps", "total_steps", "budget_step_seconds", "decay_from_step",
@@ -138,20 +143,26 @@ class Schedule:
             else 1.0 - progress
         return self.final_factor + (self.decay_from_factor - self.final_factor) * left
 
+    def __post_init__(self):
+        if self.warmup_planned is None:
+            self.warmup_planned = self.warmup_steps
+
     def fit_total(self, total_steps: int, step_seconds: Optional[float], at_step: int) -> None:
         """A --time-budget fit at optimizer step `at_step` (the next update's index);
-        `step_seconds` None: an estimate that only paces a warmup given as a share (the budget's
-        pilot), not a fit."""
-        if self.warmup_fraction is not None and self._rising(at_step):
-            share = warmup_share(self.warmup_fraction, total_steps)
-            self._rise_on(at_step, share, share)
+        `step_seconds` None: an estimate of the total that only paces the warmup (the budget's
+        first readings), not a fit."""
+        if self._rising(at_step):
+            # The warmup ends at its share of the new total, or where planned, but not after
+            # the total (a fast machine's warmup in epochs outlasts a slow machine's budget);
+            # the rise goes on to that end from the rate of this moment, not redrawn from the
+            # start (a jump at every fit).
+            end = min(total_steps, warmup_share(self.warmup_fraction, total_steps)
+                      if self.warmup_fraction is not None else self.warmup_planned)
+            # Only a fit ends it: an estimate from a step or two can read far too slow.
+            if step_seconds is not None or end > at_step + 1:
+                self._rise_on(at_step, end)
         if step_seconds is None:
             return
-        if self._rising(at_step):
-            # A warmup in epochs ends at the total when it outlasts it (a fast machine's recipe
-            # on a slow one): a new total moves that end, and the line to it must go on from the
-            # rate of this moment, not be drawn anew from the start (a jump at every fit).
-            self._rise_on(at_step, min(self.warmup_steps, total_steps), self.warmup_steps)
         if not self._rising(at_step):
             # Its end is kept where it was met: a total that grows past a warmup once cut short
             # must not start it again.
@@ -163,14 +174,13 @@ class Schedule:
     def _rising(self, step: int) -> bool:
         return step < min(self.warmup_steps, self.total_steps)
 
-    def _rise_on(self, at_step: int, end: int, warmup_steps: int) -> None:
-        """The warmup now reaches the peak at update `end - 1` (`warmup_steps` its length as
-        given, `end` that clamped to the new total), rising from the factor of update `at_step`
-        (already set: the scheduler stepped before the fit) or, if that leaves no step to rise
-        over, ends here, the decay going on from that factor."""
+    def _rise_on(self, at_step: int, end: int) -> None:
+        """The warmup now reaches the peak at update `end - 1`, rising from the factor of update
+        `at_step` (already set: the scheduler stepped before the fit) or, if that leaves no
+        step to rise over, ends here, the decay going on from that factor."""
         now = self.factor(at_step)
         if end > at_step + 1:
-            self.warmup_steps = warmup_steps
+            self.warmup_steps = end
             self.warmup_from_step, self.warmup_from_factor = at_step, now
         else:
             self.warmup_steps = at_step
@@ -195,8 +205,7 @@ class Schedule:
             # Absent in the checkpoints of versions that fitted once, at the warmup's end.
             self.decay_from_step = int(saved.get("decay_from_step", 0))
             self.decay_from_factor = float(saved.get("decay_from_factor", 1.0))
-            # Its warmup's line moved with the fits (and its length too, if a share or cut
-            # short by a total behind the fit's step).
+            # Its warmup's line and end moved with the fits.
             self.warmup_steps = int(saved["warmup_steps"])
             self.warmup_from_step = int(saved.get("warmup_from_step", -1))
             origin = saved.get("warmup_from_factor")

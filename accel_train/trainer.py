@@ -224,7 +224,7 @@ class Trainer:
             return
         # The slowest rank's step time; rank 0's clock (the ranks' clocks started apart).
         step_seconds = distributed.max_over_ranks(step_seconds, self.control_group)
-        if self.budget.pilot_seconds is None:
+        if self.budget.eval_probe_seconds is None:
             self._probe_evaluation()
         loaders, state, before = self.loaders, self.state, self.schedule.total_steps
         passes = evaluation_passes(self.ema is not None, self.config.tta)
@@ -239,12 +239,12 @@ class Trainer:
             return distributed.from_main(count, self.control_group)
 
         if not self.budget.settle(step_seconds):
-            # That was the pilot; the ranks now time the same longer window.  A warmup given as
-            # a share of the run is paced meanwhile by the pilot's estimate of the length.
+            # An estimate (the pilot's first step, or the pilot itself when the ranks now time
+            # a longer window): it paces the warmup meanwhile.
             estimate = agreed(self.budget.steps_that_fit(*reading, self.config.eval_every))
             self.schedule.fit_total(estimate, None, state.step)
-            self.report.log(f"time budget {self.config.time_budget}: warmup paced by the "
-                            f"pilot's estimate, {estimate:,} steps")
+            self.report.log(f"time budget {self.config.time_budget}: warmup paced by an "
+                            f"estimate at step {state.step}, {estimate:,} steps")
             return
         first = not self.schedule.fixed_by_budget
         total = agreed(self.budget.total_steps(*reading, f"--time-budget "
@@ -275,9 +275,9 @@ class Trainer:
             self.report.say(f"{budget}: {total:,} steps, {total / loaders.steps_per_epoch:.1f} "
                             f"epochs at {1000 * step_seconds:.0f} ms/step (every evaluation "
                             f"included; fitted again as the run goes)")
-            if self.config.warmup_fraction is None and self.schedule.warmup_steps >= total:
+            if self.config.warmup_fraction is None and self.schedule.warmup_planned >= total:
                 self.report.warn(f"--warmup-epochs {self.config.warmup_epochs:g} is "
-                                 f"{self.schedule.warmup_steps:,} steps, as many as or more "
+                                 f"{self.schedule.warmup_planned:,} steps, as many as or more "
                                  f"than the {total:,} that fit the budget here: the learning "
                                  f"rate will not come down from its peak (--warmup-fraction F "
                                  f"makes the warmup a share of the run, the decay the rest)")

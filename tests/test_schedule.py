@@ -246,6 +246,27 @@ def test_a_warmup_in_epochs_longer_than_the_fitted_total_rises_on_without_a_jump
         [at_6, 1.0, 1.0, 0.0], abs=TOL)
 
 
+def test_an_estimate_paces_a_warmup_in_epochs_but_does_not_end_it():
+    """A warmup of 10 steps, the total open: an estimate of 6 steps at update 2 (0.2 + 0.8 x
+    3/10 = 0.44) moves the peak to update 5 (the total stays open); an estimate behind the
+    step (3 steps, at update 3) changes nothing: only a fit may end a warmup (one step's
+    reading can be far too slow).  The fit at update 4 to a total of 30 gives it back its
+    planned end: the peak at update 9."""
+    schedule = Schedule(10, 10**12, decay="linear", warmup_start=0.2)
+    schedule.fit_total(6, None, 2)
+    assert (schedule.total_steps, schedule.fixed_by_budget) == (10**12, False)
+    at_3 = 0.44 + 0.56 / 3
+    assert [schedule.factor(k) for k in (2, 3, 5)] == pytest.approx([0.44, at_3, 1.0], abs=TOL)
+    schedule.fit_total(3, None, 3)
+    assert [schedule.factor(k) for k in (3, 4, 5)] == pytest.approx(
+        [at_3, at_3 + 0.56 / 3, 1.0], abs=TOL)
+    at_4 = at_3 + 0.56 / 3
+    schedule.fit_total(30, 0.5, 4)
+    expected = {k: float(np.interp(k, [4, 9, 10, 30], [at_4, 1.0, 1.0, 0.0]))
+                for k in range(4, 31)}
+    assert {k: schedule.factor(k) for k in expected} == pytest.approx(expected, abs=TOL)
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_no_sequence_of_fits_makes_the_rate_jump(seed):
     """Whatever the shape and however the budget's fits come (totals shorter or longer than
@@ -260,13 +281,13 @@ def test_no_sequence_of_fits_makes_the_rate_jump(seed):
                         final_factor=float(rng.choice([0.0, 0.07])), warmup_fraction=fraction)
     fits = sorted(int(k) for k in rng.choice(np.arange(1, 80), size=int(rng.integers(2, 8)),
                                              replace=False))
-    pilot = fits.pop(0) if fraction is not None and rng.random() < 0.5 else None
+    estimates = fits[:int(rng.integers(0, 3))]  # the budget's estimates come before its fits
     seen = []
     for step in range(100):
-        if step == pilot or step in fits:
+        if step in fits:
             before = schedule.factor(step)
             schedule.fit_total(int(rng.integers(step + 1, step + 80)),
-                               None if step == pilot else 0.5, step)
+                               None if step in estimates else 0.5, step)
             assert schedule.factor(step) == pytest.approx(before, abs=TOL), (seed, step)
         if step < schedule.total_steps:
             seen.append(schedule.factor(step))

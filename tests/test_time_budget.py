@@ -262,14 +262,16 @@ def _readings(clock, timer, first_step, step_times, refits: bool = False):
 def test_a_short_budget_is_fitted_to_the_pilot_alone(clock):
     """Three slow warm-up steps (5 s each: compilation, cold caches) are not measured; the next
     ten steps of 0.5 s are, and at the thirteenth step that reading is final: 20 s leaves no
-    room for a longer window (8% of 20 s is 4 steps of 0.5 s, fewer than the pilot's ten)."""
-    assert (budget.WARM_STEPS, budget.MEASURED_STEPS) == (3, 10)
+    room for a longer window (8% of 20 s is 4 steps of 0.5 s, fewer than the pilot's ten).  The
+    pilot's first step alone gives an estimate before (it only paces the warmup)."""
+    assert (budget.WARM_STEPS, budget.GLIMPSE_STEPS, budget.MEASURED_STEPS) == (3, 1, 10)
     clock.now = 0.0
     timer = TimeBudget(20)
     timer.start(40)  # a run that starts (or resumes) at step 40
     answers = _readings(clock, timer, 40, [5.0] * 3 + [0.5] * 30)
-    assert answers == [(53, pytest.approx(0.5), True)], answers
-    assert timer.step_seconds == pytest.approx(0.5) == timer.pilot_seconds
+    assert answers == [(44, pytest.approx(0.5), False), (53, pytest.approx(0.5), True)], answers
+    assert timer.step_seconds == pytest.approx(0.5) == timer.pilot_seconds == \
+        timer.glimpse_seconds
 
 
 def test_a_long_budget_times_a_second_window_after_the_machine_settles(clock):
@@ -281,19 +283,20 @@ def test_a_long_budget_times_a_second_window_after_the_machine_settles(clock):
     timer = TimeBudget(600)
     timer.start(0)
     answers = _readings(clock, timer, 0, [5.0] * 3 + [1.0] * 10 + [0.7] * 12 + [0.5] * 70)
-    assert answers == [(13, pytest.approx(1.0), False), (73, pytest.approx(0.5), True)], answers
+    assert answers == [(4, pytest.approx(1.0), False), (13, pytest.approx(1.0), False),
+                       (73, pytest.approx(0.5), True)], answers
     assert (timer.pilot_seconds, timer.step_seconds) == (pytest.approx(1.0), pytest.approx(0.5))
     assert timer.measure(74) is None  # the next window (for a re-fit) has only just begun
 
 
 def test_the_pilot_starts_right_after_the_warm_steps(clock):
-    """Warm steps 1-3 are left out, step 4 is the pilot's first: 1.5 s then nine of 0.5 s read
-    (1.5 + 9 x 0.5) / 10 = 0.6 s."""
+    """Warm steps 1-3 are left out, step 4 is the pilot's first (1.5 s: the first estimate's
+    reading), then nine of 0.5 s: (1.5 + 9 x 0.5) / 10 = 0.6 s."""
     clock.now = 0.0
     timer = TimeBudget(20)
     timer.start(0)
     answers = _readings(clock, timer, 0, [5.0] * 3 + [1.5] + [0.5] * 20)
-    assert answers == [(13, pytest.approx(0.6), True)], answers
+    assert answers == [(4, pytest.approx(1.5), False), (13, pytest.approx(0.6), True)], answers
 
 
 def test_the_second_window_is_sized_in_steps_at_the_pilots_pace(clock):
@@ -303,7 +306,8 @@ def test_the_second_window_is_sized_in_steps_at_the_pilots_pace(clock):
     timer = TimeBudget(1000)
     timer.start(0)
     answers = _readings(clock, timer, 0, [5.0] * 3 + [2.0] * 10 + [1.0] * 100)
-    assert answers == [(13, pytest.approx(2.0), False), (63, pytest.approx(1.0), True)], answers
+    assert answers == [(4, pytest.approx(2.0), False), (13, pytest.approx(2.0), False),
+                       (63, pytest.approx(1.0), True)], answers
 
 
 def test_a_second_window_no_longer_than_the_pilot_is_not_timed(clock):
@@ -312,7 +316,7 @@ def test_a_second_window_no_longer_than_the_pilot_is_not_timed(clock):
     timer = TimeBudget(125)
     timer.start(0)
     answers = _readings(clock, timer, 0, [5.0] * 3 + [1.0] * 30)
-    assert answers == [(13, pytest.approx(1.0), True)], answers
+    assert answers == [(4, pytest.approx(1.0), False), (13, pytest.approx(1.0), True)], answers
 
 
 def test_an_epoch_end_inside_the_window_is_left_out(clock):
@@ -331,7 +335,8 @@ def test_an_epoch_end_inside_the_window_is_left_out(clock):
         if step % 20 == 0:
             with timer.paused():
                 clock.now += 30.0
-    assert answers == [(13, pytest.approx(1.0), False), (73, pytest.approx(0.5), True)], answers
+    assert answers == [(4, pytest.approx(1.0), False), (13, pytest.approx(1.0), False),
+                       (73, pytest.approx(0.5), True)], answers
     # 3 x 5 + 10 x 1 + 12 x 0.7 + 48 x 0.5 s of steps and three 30 s epoch ends, at step 73;
     # the epoch end measured (30 s) is what the ones to come will cost, the estimate (here 0 s:
     # no held-out images) no longer counts.
@@ -352,9 +357,9 @@ def test_after_the_fit_each_window_of_two_percent_is_timed_for_a_re_fit(clock):
     timer.start(0)
     times = [5.0] * 3 + [1.0] * 10 + [0.7] * 12 + [0.5] * 48 + [0.5] * 24 + [1.0] * 36
     answers = _readings(clock, timer, 0, times, refits=True)
-    assert answers == [(13, pytest.approx(1.0), False), (73, pytest.approx(0.5), True),
-                       (97, pytest.approx(0.5), True), (121, pytest.approx(1.0), True),
-                       (133, pytest.approx(1.0), True)], answers
+    assert answers == [(4, pytest.approx(1.0), False), (13, pytest.approx(1.0), False),
+                       (73, pytest.approx(0.5), True), (97, pytest.approx(0.5), True),
+                       (121, pytest.approx(1.0), True), (133, pytest.approx(1.0), True)], answers
 
 
 def test_a_short_budget_re_fits_after_every_step(clock):
@@ -383,7 +388,7 @@ BUDGET = "20s"
 BUDGET_TRAIN = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", BUDGET,
                 "--checkpoint-every", "10", "--log-every", "1", "--keep-checkpoints", "100",
                 "--warmup-fraction", "0.3", "--eval-every", "0"]
-PACED = re.compile(r"warmup paced by the pilot's estimate, ([\d,]+) steps")
+PACED = re.compile(r"warmup paced by an estimate at step (\d+), ([\d,]+) steps")
 ANNOUNCED = re.compile(r"time budget " + re.escape(BUDGET) + r": ([\d,]+) steps")
 
 
@@ -534,12 +539,13 @@ def test_the_budget_replaces_epochs_even_when_they_are_fewer_than_the_measured_s
 
 @pytest.mark.slow
 def test_ranks_pace_a_warmup_share_alike_when_their_clocks_start_apart(stopped_and_resumed):
-    """The pilot's estimate of the length, which paces a --warmup-fraction warmup until the
-    count is fixed, is rank 0's on both ranks: with rank 1's clock 5 s ahead its own estimate
-    would be shorter, and the ranks would train at different learning rates."""
+    """The estimates of the length (from the pilot's first step, and from the pilot when a
+    longer window follows), which pace a --warmup-fraction warmup until the count is fixed, are
+    rank 0's on both ranks: with rank 1's clock 5 s ahead its own would be shorter, and the
+    ranks would train at different learning rates."""
     logs = [(stopped_and_resumed.out / "logs" / f"rank{r}.log").read_text() for r in (0, 1)]
     paced = [PACED.findall(log) for log in logs]
-    assert len(paced[0]) == 1 and paced[0] == paced[1], paced
+    assert paced[0] and paced[0][0][0] == "4" and paced[0] == paced[1], paced
 
 
 @pytest.mark.slow
@@ -652,7 +658,9 @@ def test_the_probes_seconds_are_left_out_of_the_window_being_timed(clock):
     timer.start(0)
     for step in range(1, budget.WARM_STEPS + 2):
         clock.now += 1.0
-        assert timer.measure(step) is None
+        reading = timer.measure(step)
+        assert (reading is None) == (step <= budget.WARM_STEPS), step
+    assert not timer.settle(reading)  # the pilot's first step: an estimate, then on
     with timer.aside():
         clock.now += 7.0
     for step in range(budget.WARM_STEPS + 2, budget.WARM_STEPS + budget.MEASURED_STEPS + 1):
@@ -778,15 +786,16 @@ def _slow_machine_run(tmp_path, clock, *warmup: str):
 
 
 def test_a_warmup_share_follows_the_budget_on_a_slow_machine(tmp_path, clock):
-    """--warmup-fraction 0.3: the pilot's estimate (128 steps) makes the warmup 38 steps, rising
-    from update 13 (the rate still ~0: the warmup of the open-ended run is as long as it) to the
-    peak at update 37, held at 38, then the line down to 0 at 128 (np.interp through those
-    corners); the fit at step 27 keeps that line."""
+    """--warmup-fraction 0.3: the estimate from the pilot's first step (128 steps) makes the
+    warmup 38 steps, rising from update 4 (the rate still ~0: the warmup of the open-ended run
+    is as long as it) to the peak at update 37, held at 38, then the line down to 0 at 128
+    (np.interp through those corners); the pilot's estimate and the fit at step 27 keep that
+    line."""
     output, fits, train = _slow_machine_run(tmp_path, clock, "--warmup-fraction", "0.3")
     assert fits[0]["warmup_steps"] == 38
     peak = 0.05
     # the rate logged after update s is the one update s (0-based) uses
-    expected = {s: peak * float(np.interp(s, [13, 37, 38, 128], [0.0, 1.0, 1.0, 0.0]))
+    expected = {s: peak * float(np.interp(s, [4, 37, 38, 128], [0.0, 1.0, 1.0, 0.0]))
                 for s in range(1, 129)}
     assert train == pytest.approx(expected, abs=1e-9)
     assert "warning" not in output
@@ -795,13 +804,15 @@ def test_a_warmup_share_follows_the_budget_on_a_slow_machine(tmp_path, clock):
 def test_a_warmup_in_epochs_longer_than_the_budget_is_warned_of(tmp_path, clock):
     """--warmup-epochs 10 is 160 steps, more than the 128 that fit: the rate would rise to the
     end and never come down; the run says so, naming --warmup-fraction.  The rise: over 160
-    steps until the fit at step 27 (28/160 of the peak there), then on from that rate to the
-    peak at the last update, 127 (not redrawn over 128 steps from the start: 28/128 at 27)."""
+    steps until the first estimate (128 steps, from the pilot's first step) at step 4 (5/160 of
+    the peak there), then on from that rate to the peak at the last update, 127; the pilot's
+    estimate and the fit at step 27 keep that line (the old rule redrew it over 128 steps from
+    the start at each: 28/128 at 27)."""
     output, fits, train = _slow_machine_run(tmp_path, clock, "--warmup-epochs", "10")
     assert "--warmup-epochs 10 is 160 steps" in output and "--warmup-fraction" in output
     peak = 0.05
-    expected = {s: peak * ((s + 1) / 160 if s < 27 else
-                           float(np.interp(s, [27, 127], [28 / 160, 1.0])))
+    expected = {s: peak * ((s + 1) / 160 if s < 4 else
+                           float(np.interp(s, [4, 127], [5 / 160, 1.0])))
                 for s in range(1, 128)}
     assert {s: train[s] for s in expected} == pytest.approx(expected, abs=1e-9)
     assert train[128] == pytest.approx(peak, abs=1e-9)  # the peak at the last step

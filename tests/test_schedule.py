@@ -267,6 +267,20 @@ def test_an_estimate_paces_a_warmup_in_epochs_but_does_not_end_it():
     assert {k: schedule.factor(k) for k in expected} == pytest.approx(expected, abs=TOL)
 
 
+@pytest.mark.parametrize("estimate, expected", [
+    # two steps ahead of update 3: one update left to rise over, the peak at update 4
+    (5, {3: 0.52, 4: 1.0, 5: 1.0}),
+    # one step ahead, or behind: no update to rise over; an estimate does not end the warmup,
+    # which goes on as planned (0.2 + 0.8 x (k + 1) / 10)
+    (4, {3: 0.52, 4: 0.6, 8: 0.92, 9: 1.0}),
+    (3, {3: 0.52, 4: 0.6, 8: 0.92, 9: 1.0}),
+])
+def test_an_estimate_at_the_warmups_last_steps(estimate, expected):
+    schedule = Schedule(10, 10**12, decay="linear", warmup_start=0.2)
+    schedule.fit_total(estimate, None, 3)
+    assert {k: schedule.factor(k) for k in expected} == pytest.approx(expected, abs=TOL)
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_no_sequence_of_fits_makes_the_rate_jump(seed):
     """Whatever the shape and however the budget's fits come (totals shorter or longer than

@@ -199,13 +199,16 @@ class Schedule:
         length follows this start's --epochs / --max-steps (a run may be resumed to train
         longer)."""
         saved = read_json(Path(folder) / SCHEDULE_FILE, "schedule")  # its shape checked
-        if saved.get("budget_step_seconds") is not None:
+        fitted = saved.get("budget_step_seconds") is not None
+        if fitted:
             self.total_steps = int(saved["total_steps"])
             self.budget_step_seconds = float(saved["budget_step_seconds"])
             # Absent in the checkpoints of versions that fitted once, at the warmup's end.
             self.decay_from_step = int(saved.get("decay_from_step", 0))
             self.decay_from_factor = float(saved.get("decay_from_factor", 1.0))
-            # Its warmup's line and end moved with the fits.
+        # The warmup's line and end as the fits moved them, or the estimates before any fit (a
+        # run stopped during the budget's pilot: the total stays open, the rate where it was).
+        if fitted or saved.get("warmup_from_step", -1) >= 0:
             self.warmup_steps = int(saved["warmup_steps"])
             self.warmup_from_step = int(saved.get("warmup_from_step", -1))
             origin = saved.get("warmup_from_factor")

@@ -281,6 +281,26 @@ def test_an_estimate_at_the_warmups_last_steps(estimate, expected):
     assert {k: schedule.factor(k) for k in expected} == pytest.approx(expected, abs=TOL)
 
 
+def test_a_run_stopped_during_the_pilot_resumes_on_the_estimates_line(tmp_path):
+    """Stopped after an estimate (6 steps, at update 2) and before any fit: schedule.json
+    carries the warmup's new line; a schedule built anew from the same flags and loaded
+    continues it (the total still open), not the planned rise over 10 (0.2 + 0.8 x 5/10 = 0.6
+    at update 4 instead of 0.44 + 2 x 0.56/3)."""
+    stopped = Schedule(10, 10**12, decay="linear", warmup_start=0.2)
+    stopped.fit_total(6, None, 2)
+    stopped.save(tmp_path)
+    resumed = Schedule(10, 10**12, decay="linear", warmup_start=0.2)
+    resumed.load(tmp_path)
+    assert (resumed.total_steps, resumed.fixed_by_budget) == (10**12, False)
+    assert [resumed.factor(k) for k in (2, 4, 5)] == pytest.approx(
+        [0.44, 0.44 + 2 * 0.56 / 3, 1.0], abs=TOL)
+    # a schedule no estimate moved loads as the flags give it
+    Schedule(10, 10**12).save(tmp_path)
+    resumed = Schedule(8, 10**12)
+    resumed.load(tmp_path)
+    assert resumed.warmup_steps == 8 and resumed.factor(3) == pytest.approx(0.5, abs=TOL)
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_no_sequence_of_fits_makes_the_rate_jump(seed):
     """Whatever the shape and however the budget's fits come (totals shorter or longer than

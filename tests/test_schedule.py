@@ -294,11 +294,25 @@ def test_a_run_stopped_during_the_pilot_resumes_on_the_estimates_line(tmp_path):
     assert (resumed.total_steps, resumed.fixed_by_budget) == (10**12, False)
     assert [resumed.factor(k) for k in (2, 4, 5)] == pytest.approx(
         [0.44, 0.44 + 2 * 0.56 / 3, 1.0], abs=TOL)
-    # a schedule no estimate moved loads as the flags give it
-    Schedule(10, 10**12).save(tmp_path)
-    resumed = Schedule(8, 10**12)
+    # an estimate at the very first update (0.2 + 0.8 x 1/10 = 0.28): the line from there
+    stopped = Schedule(10, 10**12, decay="linear", warmup_start=0.2)
+    stopped.fit_total(5, None, 0)
+    stopped.save(tmp_path)
+    resumed = Schedule(10, 10**12, decay="linear", warmup_start=0.2)
     resumed.load(tmp_path)
-    assert resumed.warmup_steps == 8 and resumed.factor(3) == pytest.approx(0.5, abs=TOL)
+    assert [resumed.factor(k) for k in (0, 2, 4)] == pytest.approx(
+        [0.28, 0.28 + 0.72 / 2, 1.0], abs=TOL)
+    # a schedule no estimate moved loads as the flags give it, and so does an older version's
+    # (no warmup point recorded)
+    for saved in (Schedule(10, 10**12), None):
+        if saved is None:
+            (tmp_path / "schedule.json").write_text(
+                '{"warmup_steps": 4, "total_steps": 20, "budget_step_seconds": null}\n')
+        else:
+            saved.save(tmp_path)
+        resumed = Schedule(8, 10**12)
+        resumed.load(tmp_path)
+        assert resumed.warmup_steps == 8 and resumed.factor(3) == pytest.approx(0.5, abs=TOL)
 
 
 @pytest.mark.parametrize("seed", range(60))

@@ -118,7 +118,8 @@ class Schedule:
     final_factor: float = 0.0     # the factor the decay ends at
     warmup_fraction: Optional[float] = None  # the warmup's share of the total, if so given
     # The warmup's line runs through (warmup_from_step, warmup_from_factor) and reaches the peak
-    # at its last step; a fit of a warmup given as a share moves this point to where it stands.
+    # at its last step; a fit or estimate that moves the warmup's end moves this point to where
+    # it stands.
     warmup_from_step: int = -1
     warmup_from_factor: Optional[float] = None  # None: warmup_start
     # The warmup as the flags give it (--warmup-epochs in steps); `warmup_steps` is where it

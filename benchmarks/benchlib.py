@@ -33,6 +33,10 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
+# The benchmarks import accel_train from this checkout also where it is not installed (a GPU
+# machine with its own torch runs `python3 benchmarks/X.py` from a bare copy).
+if str(REPO) not in sys.path:
+    sys.path.insert(1, str(REPO))
 SHARED_CIFAR10 = REPO.parent / "shared" / "data" / "cifar10"
 DEFAULT_OUT = REPO / "bench_out"
 # fp32 and NCHW for accel_train's arms, like the anchors they are compared with: its defaults

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # The checks a session with one CUDA GPU runs, in order of what a failure would block, each under
 # its own time limit so that one that hangs leaves time for the rest:
-#   1. a one-minute smoke run on the embedded data (stops everything if CUDA training fails);
+#   1. a short smoke run on the embedded data (stops everything if CUDA training fails);
 #   2. bench_gpu_cifar.py: CIFAR-10 time to 94% with recipes/cifar10-gpu.yaml and --compile
 #      (fp16 by auto), then SIGTERM + --resume auto;
-#   3. bench_gpu.py --quick: ResNet-50 img/s and MFU, fp16 and bf16, against a hand loop.
-# Results (markdown + JSON) and the runs' logs go to OUT.
+#   3. bench_gpu.py --quick: ResNet-50 img/s and MFU, fp16 and bf16, against a hand loop;
+#   4. two longer runs toward 94%, side by side on the one GPU (their accuracy counts, not their
+#      seconds): the ResNet-9 recipe for 50 epochs with random erasing, and
+#      recipes/cifar10-gpu-airbench.yaml.
+# nvidia-smi dmon logs the GPU's utilization each second throughout (dmon.log).
+# Results (markdown + JSON) and the runs' logs go to OUT; with PACK_TO=FILE.tar.gz they are also
+# packed into that one file after each step (for a machine that sends back only a few files).
 #
 #   bash benchmarks/gpu_checks.sh DATA_DIR OUT
 set -u
@@ -15,17 +20,41 @@ mkdir -p "$out"
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+nproc
 "$python" -c "import torch, accelerate, timm, datasets; print('torch', torch.__version__, \
 'accelerate', accelerate.__version__, 'timm', timm.__version__, 'datasets', datasets.__version__, \
 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+nvidia-smi dmon -s u -d 1 -o T >"$out/dmon.log" 2>&1 &
+dmon=$!
+pack() { [ -z "${PACK_TO:-}" ] || tar czf "$PACK_TO" -C "$out" .; }
+trap 'kill $dmon 2>/dev/null; pack' EXIT
+stamp() { pack; echo "== $(date +%T) $*"; }
 work=$(mktemp -d)
-timeout 120 "$python" -m accel_train --dataset synthetic --epochs 1 --max-steps 30 \
+stamp smoke
+timeout 60 "$python" -m accel_train --dataset synthetic --epochs 1 --max-steps 30 \
     --progress log --no-plots --output-dir "$work/smoke" 2>&1 | tail -n 12
 status=${PIPESTATUS[0]}
 [ "$status" = 0 ] || { echo "smoke run failed (exit $status): stopping"; exit 1; }
-timeout 330 "$python" benchmarks/bench_gpu_cifar.py --data-dir "$data_dir" --out "$out" \
+stamp bench_gpu_cifar
+timeout 210 "$python" benchmarks/bench_gpu_cifar.py --data-dir "$data_dir" --out "$out" \
     --work "$work/cifar"
 echo "bench_gpu_cifar exit $?"
 cp "$work"/cifar/*.log "$out"/ 2>/dev/null
-timeout 150 "$python" benchmarks/bench_gpu.py --quick --out "$out"
+stamp bench_gpu
+timeout 140 "$python" benchmarks/bench_gpu.py --quick --out "$out"
 echo "bench_gpu exit $?"
+stamp longer runs
+long() {  # NAME ARGS...: a CIFAR-10 run whose log lines go to OUT/NAME.log
+    local name=$1; shift
+    timeout "${LONG_LIMIT:-150}" "$python" -m accel_train --data-dir "$data_dir" --compile \
+        --progress log --no-plots --output-dir "$work/$name" "$@" >"$out/$name.log" 2>&1
+    echo "$name exit $?"
+}
+long resnet9-50ep-reprob --config recipes/cifar10-gpu.yaml --epochs 50 --reprob 0.25 \
+    --eval-every 5 &
+first=$!
+long airbench-30ep --config recipes/cifar10-gpu-airbench.yaml &
+wait $first $!
+grep -h "Epoch\|Training took\|data wait\|data_wait" "$out"/resnet9-50ep-reprob.log \
+    "$out"/airbench-30ep.log | tail -n 30
+stamp done

@@ -16,7 +16,7 @@ from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
 from .errors import UsageError
-from .randomness import seeded
+from .randomness import each_seeded
 
 # torchvision's policies by name; the timm-style strings ("rand-m9-mstd0.5-inc1", "augmix-m5",
 # "original", "v0", ...) go to timm's factories.
@@ -91,27 +91,39 @@ def build_erasing(probability: float):
 def apply_seeded(function, images: torch.Tensor, seed: int, epochs, indices,
                  salt: int = 0) -> torch.Tensor:
     """`function` on each image of a batch, each inside its own seeded(seed, epoch, index)."""
-    out = []
-    for image, epoch, index in zip(images, epochs, indices):
-        with seeded(seed, int(epoch), int(index), salt):
-            out.append(function(image))
-    return torch.stack(out)
+    return torch.stack(each_seeded(function, images, _sample_keys(seed, epochs, indices, salt)))
 
 
-def erase_seeded(erasing, images: torch.Tensor, seed: int, epochs, indices,
-                 salt: int = ERASING_SALT) -> torch.Tensor:
-    """timm's RandomErasing on each normalized image of a batch, each inside its own
-    seeded(seed, epoch, index, salt): drawn on the host, applied on the images' device in one
-    operation.  Why: timm writes each patch into the image itself, and on a GPU every such
-    write is a copy from pageable host memory that waits for all the GPU work queued before it:
-    once per image (on an H200, --reprob 0.5 made a CIFAR-10 epoch 7x slower).  timm reads
-    only an image's shape, so its draws into a host canvas of NaN are the same patches, and
-    where the canvas is no longer NaN is where they go."""
-    canvas = torch.full(images.shape, float("nan"), dtype=images.dtype)
-    for image, epoch, index in zip(canvas, epochs, indices):
-        with seeded(seed, int(epoch), int(index), salt):
-            erasing(image)  # in place, on the host
-    erased = ~torch.isnan(canvas)
-    if not bool(erased.any()):
+def erasing_plan(erasing, shape: torch.Size, seed: int, epochs, indices,
+                 salt: int = ERASING_SALT) -> tuple[torch.Tensor, torch.Tensor]:
+    """What timm's RandomErasing writes into a float batch of `shape`, each image inside its own
+    seeded(seed, epoch, index, salt): (where, values), the flat positions it writes and their
+    values.  timm reads only an image's shape, so its draws into a host canvas of NaN are the
+    patches it would write into the image, and where the canvas is no longer NaN is where they
+    go.  Why a plan rather than timm on the images: drawn on the host (in a loader worker, with
+    the pixels), it is applied on the images' device in one operation (`apply_erasing`); timm's
+    own per-image writes into a GPU's images were each a copy from pageable host memory that
+    waited for all the GPU work queued before it (on an H200, --reprob 0.5 made a CIFAR-10 epoch
+    7x slower)."""
+    canvas = torch.full(tuple(shape), float("nan"))
+    each_seeded(erasing, canvas, _sample_keys(seed, epochs, indices, salt))  # in place
+    flat = canvas.view(-1)
+    where = (~torch.isnan(flat)).nonzero().squeeze(1)
+    # Half the bytes for the loader to hand over, where the positions fit
+    if flat.numel() <= torch.iinfo(torch.int32).max:
+        where = where.to(torch.int32)
+    return where, flat[where.long()]
+
+
+def apply_erasing(images: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A float batch with `erasing_plan`'s values written at its positions (a new tensor)."""
+    where, values = plan
+    if where.numel() == 0:
         return images
-    return torch.where(erased.to(images.device), canvas.to(images.device), images)
+    flat = images.reshape(-1).clone()
+    flat.index_copy_(0, where.to(images.device).long(), values.to(images.device, images.dtype))
+    return flat.view_as(images)
+
+
+def _sample_keys(seed: int, epochs, indices, salt: int) -> list[tuple[int, int, int, int]]:
+    return [(seed, int(epoch), int(index), salt) for epoch, index in zip(epochs, indices)]

@@ -39,23 +39,30 @@ class Batch(NamedTuple):
 class SampleBatch(Sequence):
     """The (image, label[, key][, replaced]) samples of one batch, built as a batch: a sequence
     of samples to any reader (default_collate included), while `collate_batch` hands the loader
-    the stacked tensors it already holds, with no unbinding and re-stacking."""
+    the stacked tensors it already holds, with no unbinding and re-stacking, followed by the
+    batch's erasing plan when there is one (`ImageTransform.erasing_plan`: a batch's, not a
+    sample's; a reader without it gets the same erasing drawn where the batch is finished)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor,
-                 keys: torch.Tensor | None = None, replaced: torch.Tensor | None = None):
+                 keys: torch.Tensor | None = None, replaced: torch.Tensor | None = None,
+                 erasing: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.images, self.labels, self.keys, self.replaced = images, labels, keys, replaced
+        self.erasing = erasing
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
+    def samples_tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in (self.images, self.labels, self.keys, self.replaced)
                      if t is not None)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.samples_tensors() + tuple(self.erasing or ())
 
     def __getitem__(self, position):
         if isinstance(position, slice):
             return [self[i] for i in range(len(self))[position]]
-        return tuple(tensor[position] for tensor in self.tensors())
+        return tuple(tensor[position] for tensor in self.samples_tensors())
 
 
 def collate_batch(samples):
@@ -119,10 +126,18 @@ class TrainImages(Dataset):
                                      for image, epoch, index in zip(images, epochs, indices)])
             if marks is not None:
                 marks = replaced_marks(indices, used)
-            return SampleBatch(batch, self.source.labels[used], keys, marks)
+            return SampleBatch(batch, self.source.labels[used], keys, marks,
+                               self._erasing(batch, epochs, indices))
         images = self.transform.pixel_batch(self.source.images.index_select(0, indices),
                                             self.seed, epochs.numpy(), indices.numpy())
-        return SampleBatch(images, self.source.labels[indices], keys, marks)
+        return SampleBatch(images, self.source.labels[indices], keys, marks,
+                           self._erasing(images, epochs, indices))
+
+    def _erasing(self, pixels: torch.Tensor, epochs: torch.Tensor, indices: torch.Tensor):
+        """The batch's erasing plan (--reprob), drawn here with its pixels: in the loader's
+        workers, beside the training step rather than in its way (`FinishOnDevice`)."""
+        return self.transform.erasing_plan(pixels.shape, self.seed, epochs.numpy(),
+                                           indices.numpy())
 
 
 class HeldOutImages(Dataset):
@@ -270,11 +285,15 @@ class FinishOnDevice:
     def __init__(self, transform: ImageTransform, seed: int, num_samples: int):
         self.transform, self.seed, self.num_samples = transform, seed, num_samples
 
-    def __call__(self, pixels: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def __call__(self, pixels: torch.Tensor, keys: torch.Tensor,
+                 erasing: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """`erasing`: the plan the loader drew with the pixels (`TrainImages`), if it did."""
         if not self.transform.erases:
             return self.transform.finish(pixels)
-        # timm's RandomErasing draws on the host, per sample: the keys come back from the
-        # device (a sync per step, with --reprob only).
+        if erasing:
+            return self.transform.finish(pixels, erasing=tuple(erasing))
+        # Drawn here, on the host, per sample: the keys come back from the device (a sync
+        # per step) and the draws take the training process's time.
         keys = keys.cpu()
         return self.transform.finish(pixels, self.seed, (keys // self.num_samples).numpy(),
                                      (keys % self.num_samples).numpy())

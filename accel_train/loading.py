@@ -149,10 +149,10 @@ class IndexedTrainLoader:
         # The prepared and the skipping loader share this generator: the iterator's base seed
         # (its workers' seeds) is a function of (seed, epoch, rank), however the epoch starts.
         reseed_loader(self.generator, self.seed, self.epoch, self.rank)
-        for pixels, labels, keys, replaced in watch_workers_quietly(loader):
+        for pixels, labels, keys, replaced, *erasing in watch_workers_quietly(loader):
             # Counted as handed out: a checkpoint after this batch's step includes it.
             self.samples_in_epoch += self.per_micro_step
-            yield Batch(self.finish(pixels, keys), labels, keys, replaced)
+            yield Batch(self.finish(pixels, keys, erasing), labels, keys, replaced)
 
     def _drop_workers(self) -> None:
         """Persistent workers live in the DataLoader's kept iterator: shut it down, so that the

@@ -14,7 +14,8 @@ remembered to save.  Here the rule holds by construction instead: whoever draws 
   which draw from torch's global generator inside the model, are functions of the micro-batch's
   place in the run.
 * `seeded(*key)` does the same inside a `with` block and puts the outside states back: for draws
-  made on behalf of one sample (augmentation policies, random erasing) in the middle of others.
+  made on behalf of one sample (augmentation policies, random erasing) in the middle of others;
+  `each_seeded` makes such draws for a whole batch, one key per sample.
 * `loader_generator` / `reseed_loader`: a DataLoader otherwise draws each iterator's base seed (and
   so its workers' seeds) from torch's global generator; an explicit generator, seeded per
   (seed, epoch, rank), keeps the loader out of the global stream and the global stream out of it.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -57,9 +59,30 @@ def seed_globals(*key: int) -> None:
 def seeded(*key: int):
     """The global generators (Python, numpy, torch CPU) seeded from `key` inside the block, and
     put back as they were after it."""
+    with states_kept():
+        seed_globals_cpu(derive_seed(*key))
+        yield
+
+
+def each_seeded(function: Callable, items: Iterable, keys: Iterable[tuple[int, ...]]) -> list:
+    """`[function(item) for item in items]`, each call inside `seeded(*key)` of its own key:
+    the same draws, with the outside states saved and put back once for all of them.  Why:
+    saving and restoring them costs about ten times a call of timm's RandomErasing (numpy's
+    legacy state most of it), once per image of every batch (BENCHMARKS.md, "GPU: one NVIDIA
+    H100")."""
+    out = []
+    with states_kept():
+        for item, key in zip(items, keys, strict=True):
+            seed_globals_cpu(derive_seed(*key))
+            out.append(function(item))
+    return out
+
+
+@contextlib.contextmanager
+def states_kept():
+    """The global generators' CPU states (Python, numpy, torch) put back after the block."""
     py_state, np_state = random.getstate(), np.random.get_state()
     torch_state = torch.random.get_rng_state()
-    seed_globals_cpu(derive_seed(*key))
     try:
         yield
     finally:

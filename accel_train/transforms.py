@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms.v2 import functional as TF
 
-from .augment import apply_seeded, erase_seeded
+from .augment import apply_erasing, apply_seeded, erasing_plan
 from .errors import UsageError
 
 SMALL_IMAGE = 64  # at or below: pad-and-crop (CIFAR style); above: random resized crop
@@ -186,15 +186,28 @@ class ImageTransform:
         return images
 
     def finish(self, images: torch.Tensor, seed: int = 0, epochs: Sequence[int] = (),
-               indices: Sequence[int] = ()) -> torch.Tensor:
+               indices: Sequence[int] = (),
+               erasing: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """uint8 [B, 3, S, S] pixels, on any device -> float, normalized, then (when
         augmenting with --reprob) randomly erased, on the same device.  Erasing needs each
-        sample's (epoch, index); normalizing alone does not."""
+        sample's (epoch, index), or their `erasing_plan` drawn beforehand (a loader worker
+        draws it with the pixels); normalizing alone does not."""
         with one_thread():  # on a CPU; a no-op for a GPU's tensors
             images = self._normalize(images)
             if self.erases:
-                images = erase_seeded(self.erasing, images, seed, epochs, indices)
+                if erasing is None:
+                    erasing = self.erasing_plan(images.shape, seed, epochs, indices)
+                images = apply_erasing(images, erasing)
             return images
+
+    def erasing_plan(self, shape: torch.Size, seed: int, epochs: Sequence[int],
+                     indices: Sequence[int]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """What `finish` erases in a batch of `shape` (augment.erasing_plan), drawn on the host;
+        None when it does not erase."""
+        if not self.erases:
+            return None
+        with one_thread():
+            return erasing_plan(self.erasing, shape, seed, epochs, indices)
 
     # -- pieces ---------------------------------------------------------------------------------
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,9 @@ decoding JPEG every epoch (the seed tutorial's way), and the trainer's own data-
    the ratio pipeline / model says how many times over the pipeline can feed the model.
 4. The trainer itself on CIFAR-10 with default settings (and with --in-memory never): median
    data_wait and img/s of its log windows (metrics.jsonl), the figure the issue sets under 5%.
+5. --reprob's random erasing of one batch: timm per image inside its own `seeded` block (the
+   way before, in the training process), the batch's plan drawn at once (`erasing_plan`, now
+   in the loader's workers), and what is left to the training process (`apply_erasing`).
 
     python benchmarks/bench_data.py --quick
 """
@@ -288,6 +291,50 @@ def trainer_data_wait(args, report) -> dict:
     return result
 
 
+# -- 5. random erasing ---------------------------------------------------------------------------
+def erasing_cost(args, report) -> dict:
+    from accel_train.augment import ERASING_SALT, apply_erasing, build_erasing, erasing_plan
+    from accel_train.randomness import seeded
+    torch.set_num_threads(1)  # as in a loader worker (transforms.single_threaded)
+    batch, size = args.erase_batch, 32
+    images = torch.randn(batch, 3, size, size)
+    erasing = build_erasing(args.reprob)
+    epochs, indices = np.zeros(batch, dtype=np.int64), np.arange(batch)
+
+    def per_image_seeded():  # the code before: a canvas drawn image by image, each in `seeded`
+        canvas = torch.full(images.shape, float("nan"))
+        for image, epoch, index in zip(canvas, epochs, indices):
+            with seeded(0, int(epoch), int(index), ERASING_SALT):
+                erasing(image)
+        erased = ~torch.isnan(canvas)
+        return torch.where(erased, canvas, images)
+
+    plan = erasing_plan(erasing, images.shape, 0, epochs, indices)
+    arms = {"timm per image, each in its own seeded block (before; training process)":
+            per_image_seeded,
+            "the batch's plan, states kept once (now; a loader worker)":
+            lambda: erasing_plan(erasing, images.shape, 0, epochs, indices),
+            "applying the plan (now; training process)": lambda: apply_erasing(images, plan)}
+    assert torch.equal(per_image_seeded(), apply_erasing(images, plan))  # the same values
+    times = {}
+    for name, arm in arms.items():
+        arm()
+        runs = []
+        for _ in range(args.repeats * 3):
+            start = time.perf_counter()
+            arm()
+            runs.append(time.perf_counter() - start)
+        times[name] = float(np.median(runs))
+    before = times[next(iter(arms))]
+    report.table(f"Random erasing of one batch ({batch} images, {size} px, --reprob "
+                 f"{args.reprob}, median of {args.repeats * 3}, 1 thread)",
+                 ["arm", "ms per batch", "us per image", "ratio to before"],
+                 [[name, f"{t * 1e3:.1f}", f"{t * 1e6 / batch:.0f}", f"{t / before:.3f}"]
+                  for name, t in times.items()],
+                 notes=["the same erased values in both ways (checked in the run)"])
+    return times
+
+
 def main() -> int:
     parser = benchlib.make_parser(__doc__)
     parser.add_argument("--model", default="resnet18")
@@ -302,7 +349,10 @@ def main() -> int:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--max-train", type=int, default=None,
                         help="limit the trainer's training set (default: all 50,000)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "pipelines", "trainer"])
+    parser.add_argument("--erase-batch", type=int, default=512)
+    parser.add_argument("--reprob", type=float, default=0.5)
+    parser.add_argument("--skip", nargs="*", default=[],
+                        choices=["decode", "pipelines", "trainer", "erasing"])
     parser.add_argument("--tmp", default=tempfile.gettempdir())
     args = parser.parse_args()
     quick = args.quick
@@ -325,6 +375,8 @@ def main() -> int:
         result["pipelines"] = pipelines(args, report)
     if "trainer" not in args.skip:
         result["trainer"] = trainer_data_wait(args, report)
+    if "erasing" not in args.skip:
+        result["erasing"] = erasing_cost(args, report)
     report.data["result"] = result
     print(f"wrote {report.save()}")
     return 0

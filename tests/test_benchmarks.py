@@ -30,7 +30,7 @@ CASES = {
                  "16", "--memory-arms", "accel_train"],
     # no loader workers and no trainer runs here: the other cases start those programs
     "data": [*TINY, "--decode-images", "64", "--pipeline-images", "256", "--batches", "2",
-             "--model-steps", "1", "--workers", "0", "--skip", "trainer"],
+             "--model-steps", "1", "--workers", "0", "--skip", "trainer", "--erase-batch", "32"],
     "scaling": [*TINY, "--pairs-only", "--steps", "4", "--log-every", "2", "--max-train", "512"],
     "seed": [*TINY, "--arms", "dataparallel", "accel1", "--images", "128", "--epochs", "1",
              "--workers", "0"],

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from accel_train import data as data_module
-from accel_train.augment import ERASING_SALT, build_erasing, erase_seeded
+from accel_train.augment import ERASING_SALT, apply_erasing, build_erasing, erasing_plan
 from accel_train.data import FinishOnDevice, TrainImages, default_num_workers
 from accel_train.datawait import HostWaitClock, StreamWaitClock, data_wait_clock
 from accel_train.precision import use_fast_cuda_math
-from accel_train.randomness import seeded
+from accel_train.randomness import each_seeded, seeded
 from accel_train.sources import ArraySource, ImageSource
 from accel_train.transforms import ImageTransform
 
@@ -59,21 +59,69 @@ def test_the_dataset_hands_out_uint8_and_the_device_half_normalizes_as_numpy_doe
     assert torch.equal(whole, finished)
 
 
-def test_erasing_on_the_device_half_is_timms_with_each_samples_seed():
+@pytest.mark.parametrize("drawn_by", ["loader", "device half"])
+def test_erasing_on_the_device_half_is_timms_with_each_samples_seed(drawn_by):
+    """The loader draws each batch's erasing with its pixels (in its workers, beside the
+    training step); a reader that hands over no plan gets the same erasing drawn where the batch
+    is finished.  Both are timm's, each sample inside its own seed."""
     transform = ImageTransform(32, MEAN, STD, augment=True, erasing=build_erasing(1.0))
-    dataset = TrainImages(_source(), transform, SEED)
+    dataset = TrainImages(_source(), transform, SEED, mark_replaced=True)
     keys = [N + 5, 3, 2 * N + 17, 9]
-    pixels = dataset.__getitems__(keys).images
-    finished = FinishOnDevice(transform, SEED, N)(pixels, torch.tensor(keys))
+    batch = dataset.__getitems__(keys)
+    handed_over = batch.tensors()
+    assert len(handed_over) == 6 and handed_over[:4] == batch.samples_tensors()
+    plan = handed_over[4:] if drawn_by == "loader" else ()
+    finished = FinishOnDevice(transform, SEED, N)(batch.images, torch.tensor(keys), plan)
     from timm.data.random_erasing import RandomErasing
     timm_erasing = RandomErasing(probability=1.0, mode="pixel", device="cpu")
-    normalized = torch.from_numpy(_numpy_normalized(pixels))
+    normalized = torch.from_numpy(_numpy_normalized(batch.images))
     for position, key in enumerate(keys):
         epoch, index = divmod(key, N)
         with seeded(SEED, epoch, index, ERASING_SALT):
             expected = timm_erasing(normalized[position].clone())
         assert torch.equal(finished[position], expected), key
         assert not torch.equal(finished[position], normalized[position])  # something erased
+    assert len(batch[0]) == 4  # a sample is still (pixels, label, key, replaced)
+
+
+def test_a_batch_without_erasing_hands_over_its_samples_tensors_only():
+    batch = TrainImages(_source(), ImageTransform(32, MEAN, STD, augment=True), SEED,
+                        mark_replaced=True).__getitems__([1, 2])
+    assert batch.erasing is None and len(batch.tensors()) == 4
+
+
+def test_the_erasing_plan_is_where_and_what_timm_writes():
+    """Oracle: timm on a zero image, where it writes; positions in the whole batch."""
+    images = torch.zeros(2, 3, 6, 6)
+    erasing = build_erasing(1.0)
+    where, values = erasing_plan(erasing, images.shape, SEED, [0, 2], [7, 1])
+    assert where.dtype == torch.int32 and values.dtype == torch.float32
+    expected = torch.zeros_like(images)
+    for position, (epoch, index) in enumerate([(0, 7), (2, 1)]):
+        with seeded(SEED, epoch, index, ERASING_SALT):
+            expected[position] = erasing(expected[position].clone())
+    erased = apply_erasing(images, (where, values))
+    assert torch.equal(erased, expected) and not torch.equal(erased, images)
+    assert images.abs().sum() == 0  # the input is not written
+    assert apply_erasing(images, (where[:0], values[:0])) is images
+
+
+def test_each_seeded_is_seeded_per_item_and_puts_the_outside_states_back():
+    import random
+    draw = lambda item: (item, random.random(), float(np.random.rand()), float(torch.rand(1)))  # noqa: E731
+    keys = [(1, 0, 5, 9), (1, 3, 2, 9), (1, 0, 5, 9)]
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    outside = random.random(), float(np.random.rand()), float(torch.rand(1))
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    got = each_seeded(draw, "abc", keys)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == outside
+    expected = []
+    for item, key in zip("abc", keys):
+        with seeded(*key):
+            expected.append(draw(item))
+    assert got == expected and got[0][1:] == got[2][1:] and got[0][1:] != got[1][1:]
+    with pytest.raises(ValueError):  # one key per item
+        each_seeded(draw, "ab", keys)
 
 
 def test_the_streamed_loader_finishes_with_the_same_key_arithmetic():
@@ -202,5 +250,5 @@ def test_erasing_draws_on_the_host_whatever_the_images_device():
         return image
 
     images = torch.empty(3, 3, 8, 8, device="meta")
-    out = erase_seeded(spy, images, SEED, [0, 0, 1], [4, 5, 6])
+    out = apply_erasing(images, erasing_plan(spy, images.shape, SEED, [0, 0, 1], [4, 5, 6]))
     assert seen == ["cpu"] * 3 and out.device.type == "meta" and out.shape == images.shape

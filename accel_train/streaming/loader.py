@@ -123,8 +123,11 @@ class StreamingTrain(IterableDataset):
             else:
                 pixels = torch.stack([self.transform.pixels(image, (self.seed, epoch, k))
                                       for image, k in zip(images, keys)])
+            # --reprob's erasing drawn here too, beside the training step (data.FinishOnDevice)
+            erasing = self.transform.erasing_plan(pixels.shape, self.seed, epochs,
+                                                  keys_t.numpy()) or ()
             yield (pixels, torch.as_tensor(labels, dtype=torch.long), keys_t + epoch * n,
-                   replaced)
+                   replaced, *erasing)
 
 
 class StreamLoader:
@@ -198,9 +201,9 @@ class StreamLoader:
         per_micro_step = self.layout.batch * self.layout.ranks
         for batch in self.loader:
             self.samples_in_epoch += per_micro_step
-            pixels, labels, keys, replaced = (t.to(self.device, non_blocking=True)
-                                              for t in batch)
-            yield Batch(self.finish(pixels, keys), labels, keys, replaced)
+            pixels, labels, keys, replaced, *erasing = (t.to(self.device, non_blocking=True)
+                                                        for t in batch)
+            yield Batch(self.finish(pixels, keys, erasing), labels, keys, replaced)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state(self) -> dict:

@@ -72,8 +72,8 @@ class TrainConfig:
     in_memory_limit_gb: float = option(8.0, "Memory budget for --in-memory auto.", "data")
     num_workers: Optional[int] = option(None, "DataLoader worker processes per process (default: "
                                         "on a CPU, 0 for in-memory data, else min(4, cpus per "
-                                        "process); on a GPU, the process's cores but one, at "
-                                        "most 4 for in-memory data).", "data")
+                                        "process); on a GPU, the process's cores but one).",
+                                        "data")
     prefetch_factor: int = option(2, "Batches each worker prepares ahead.", "data")
     persistent_workers: bool = option(True, "Keep loader workers alive across epochs.", "data")
     loader_timeout: float = option(600.0, "Seconds to wait for a batch from the loader workers "

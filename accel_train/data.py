@@ -228,18 +228,17 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_num_workers(source: ImageSource, processes_per_machine: int,
-                        cuda: bool = False) -> int:
+def default_num_workers(source: ImageSource, processes_per_machine: int, cuda: bool) -> int:
     """On a CPU: no workers for in-memory data (decoding is done; the step needs every core,
     and workers would only add IPC), else a share of the cores, at most 4 per process.  On a
-    GPU the step runs on the device, so every core of the process's share but its own decodes
-    (a GPU eats images faster than four cores decode them); in-memory data gets up to 4 of
-    them for its crops and flips, which the training process itself would otherwise do between
-    steps (BENCHMARKS.md, "GPU: one NVIDIA H200": the step waited for them 40-80% of the
-    time)."""
+    GPU the step runs on the device, so every core of the process's share but its own prepares
+    images, decoded or in memory: a GPU eats them faster than a few cores resize, crop and
+    flip them (BENCHMARKS.md: on an H200 with none, the step waited for in-memory data's
+    augmentation 40-80% of the time; on an H100 with 4, 5-7% at 32 px and 30-36% resizing to
+    224 px)."""
     share = usable_cores() // max(1, processes_per_machine)
     if isinstance(source, ArraySource):
-        return min(4, share - 1) if cuda and share > 1 else 0
+        return share - 1 if cuda and share > 1 else 0
     if cuda:
         return max(1, share - 1)
     return max(1, min(4, share))

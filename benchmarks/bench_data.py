@@ -365,7 +365,7 @@ def main() -> int:
     if args.workers is None:
         from accel_train.data import default_num_workers
         from accel_train.sources import ImageSource
-        args.workers = default_num_workers(ImageSource(), 1)
+        args.workers = default_num_workers(ImageSource(), 1, cuda=False)
     report = benchlib.Report("data", "Data: input pipeline, decode once vs every epoch, "
                              "data-wait", args)
     result = {}

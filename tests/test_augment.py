@@ -298,3 +298,22 @@ def test_an_image_of_exactly_the_small_size_is_mirrored_or_not_but_never_resized
         assert all(mirrored[0, k] != mirrored[1, k] and mirrored[0, k] == mirrored[2, k]
                    for k in range(8))
     assert 0 < sum(mirrored[0, k] for k in range(8)) < 8  # a draw, not all or none
+
+
+def test_the_policy_draws_inside_each_samples_documented_seed():
+    """The key a sample's --auto-augment draws come from is the documented one,
+    randomness.seeded(seed, epoch, index, 0), so that a run resumed by another version of
+    accel_train augments its samples as before.  Oracle: the policy called by hand in that
+    seeded block, on the sample's crop-and-flip pixels (the same transform without a policy)."""
+    from accel_train.randomness import seeded
+    policy = build_policy("rand-m9-mstd0.5")
+    with_policy = ImageTransform(32, **IDENTITY, augment=True, policy=policy)
+    without = ImageTransform(32, **IDENTITY, augment=True)
+    images = _random_images(4, 32, 32, 11)
+    seed, epochs, indices = 5, [0, 1, 0, 2], [3, 3, 9, 1]
+    out = with_policy.pixel_batch(images, seed, epochs, indices)
+    cropped = without.pixel_batch(images, seed, epochs, indices)
+    for k in range(4):
+        with seeded(seed, epochs[k], indices[k], 0):
+            expected = policy(cropped[k])
+        assert torch.equal(out[k], expected), k

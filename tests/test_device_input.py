@@ -82,6 +82,9 @@ def test_erasing_on_the_device_half_is_timms_with_each_samples_seed(drawn_by):
         assert torch.equal(finished[position], expected), key
         assert not torch.equal(finished[position], normalized[position])  # something erased
     assert len(batch[0]) == 4  # a sample is still (pixels, label, key, replaced)
+    samples = batch[1:3]  # a reader that slices gets samples too
+    assert len(samples) == 2 and all(len(sample) == 4 for sample in samples)
+    assert torch.equal(samples[1][0], batch.images[2]) and int(samples[1][2]) == keys[2]
 
 
 def test_a_batch_without_erasing_hands_over_its_samples_tensors_only():
@@ -103,6 +106,8 @@ def test_the_erasing_plan_is_where_and_what_timm_writes():
     erased = apply_erasing(images, (where, values))
     assert torch.equal(erased, expected) and not torch.equal(erased, images)
     assert images.abs().sum() == 0  # the input is not written
+    doubles = apply_erasing(images.double(), (where, values))  # values in the batch's dtype
+    assert doubles.dtype == torch.float64 and torch.equal(doubles, expected.double())
     assert apply_erasing(images, (where[:0], values[:0])) is images
 
 
@@ -145,8 +150,12 @@ def test_loader_workers_follow_the_cores_each_gpu_has(monkeypatch):
     assert default_num_workers(decoded, 8, cuda=True) == 1
     assert default_num_workers(decoded, 1, cuda=False) == 4   # a CPU step needs the cores
     assert default_num_workers(decoded, 8, cuda=False) == 2
-    in_memory = _source()  # decoded already: workers only crop and flip, and only for a GPU
-    assert default_num_workers(in_memory, 1, cuda=True) == 4
+    assert default_num_workers(decoded, 16, cuda=False) == 1  # its process's one core
+    workers = default_num_workers(decoded, 3, cuda=True)  # 5 whole cores each, not 5.33
+    assert workers == 4 and isinstance(workers, int)
+    in_memory = _source()  # decoded already: workers resize, crop and flip, only for a GPU
+    assert default_num_workers(in_memory, 1, cuda=True) == 15
+    assert default_num_workers(in_memory, 2, cuda=True) == 7
     assert default_num_workers(in_memory, 8, cuda=True) == 1
     assert default_num_workers(in_memory, 16, cuda=True) == 0  # one core each: it drives the GPU
     assert default_num_workers(in_memory, 1, cuda=False) == 0  # a CPU step needs the cores

@@ -129,6 +129,31 @@ def test_each_seeded_is_seeded_per_item_and_puts_the_outside_states_back():
         each_seeded(draw, "ab", keys)
 
 
+def test_a_batch_through_the_training_loader_brings_its_erasing_along(monkeypatch):
+    """Through the DataLoader the trainer builds (make_loader: its collate, its sampler), each
+    batch arrives with the erasing its loader drew, and finishing it draws nothing more: the
+    training process only writes the patches.  Oracle: the one-call float path."""
+    transform = ImageTransform(32, MEAN, STD, augment=True, erasing=build_erasing(0.5))
+    dataset = TrainImages(_source(), transform, SEED, mark_replaced=True)
+    keys = [N + 5, 3, 2 * N + 17, 9, 1, N + 30]
+    loader = data_module.make_loader(dataset, batch_size=3, num_workers=0, prefetch_factor=2,
+                                     persistent_workers=False, pin_memory=False, sampler=keys)
+    finish = FinishOnDevice(transform, SEED, N)
+    handed = list(loader)
+    monkeypatch.setattr(ImageTransform, "erasing_plan",
+                        lambda *a, **k: pytest.fail("drawn again in the training process"))
+    for (pixels, _, batch_keys, _, *erasing), start in zip(handed, (0, 3)):
+        assert len(erasing) == 2 and batch_keys.tolist() == keys[start:start + 3]
+        epochs, indices = batch_keys.numpy() // N, batch_keys.numpy() % N
+        monkeypatch.undo()
+        expected = transform.batch(_source().images.index_select(0, torch.from_numpy(indices)),
+                                   SEED, epochs, indices)
+        monkeypatch.setattr(ImageTransform, "erasing_plan",
+                            lambda *a, **k: pytest.fail("drawn again in the training process"))
+        assert torch.equal(finish(pixels, batch_keys, erasing), expected)
+    assert sum(batch[4].numel() for batch in handed) > 0  # some patches were drawn
+
+
 def test_the_streamed_loader_finishes_with_the_same_key_arithmetic():
     """Streaming keys are epoch * len(shards) + the sample's number; the indexed loader's are
     epoch * N + index: one FinishOnDevice serves both, the epoch read from the key."""

@@ -9,6 +9,7 @@ resumed run loads it (transforms.py's rule), and nothing else in the process is 
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -32,6 +33,8 @@ TORCHVISION_POLICIES = {
 }
 TIMM_PREFIXES = ("rand", "augmix", "original", "originalr", "v0", "v0r", "3a")
 ERASING_SALT = 0x5EED_E4A5  # keeps erasing's draws apart from the policy's for the same image
+ERASING_CANVAS_ELEMENTS = 1 << 22  # floats of `erasing_plan`'s canvas (16 MB)
+INT32_POSITIONS = torch.iinfo(torch.int32).max  # a batch's positions as int32 up to this many
 
 
 def build_policy(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -105,14 +108,24 @@ def erasing_plan(erasing, shape: torch.Size, seed: int, epochs, indices,
     own per-image writes into a GPU's images were each a copy from pageable host memory that
     waited for all the GPU work queued before it (on an H200, --reprob 0.5 made a CIFAR-10 epoch
     7x slower)."""
-    canvas = torch.full(tuple(shape), float("nan"))
-    each_seeded(erasing, canvas, _sample_keys(seed, epochs, indices, salt))  # in place
-    flat = canvas.view(-1)
-    where = (~torch.isnan(flat)).nonzero().squeeze(1)
-    # Half the bytes for the loader to hand over, where the positions fit
-    if flat.numel() <= torch.iinfo(torch.int32).max:
+    keys = _sample_keys(seed, epochs, indices, salt)
+    per_image = math.prod(shape[1:])
+    # A canvas of a few images at a time, not of the whole batch: a loader worker's memory
+    # then stays bounded whatever the image size (a batch of 224 px images is 150 MB as floats).
+    chunk = max(1, ERASING_CANVAS_ELEMENTS // per_image)
+    canvas = torch.empty(min(chunk, shape[0]), *shape[1:])
+    wheres, values = [], []
+    for start in range(0, shape[0], chunk):
+        part = canvas[:min(chunk, shape[0] - start)].fill_(float("nan"))
+        each_seeded(erasing, part, keys[start:start + len(part)])  # in place
+        flat = part.view(-1)
+        where = (~torch.isnan(flat)).nonzero().squeeze(1)
+        wheres.append(where + start * per_image)
+        values.append(flat[where])
+    where = torch.cat(wheres)
+    if shape[0] * per_image <= INT32_POSITIONS:  # half the bytes for the loader to hand over
         where = where.to(torch.int32)
-    return where, flat[where.long()]
+    return where, torch.cat(values)
 
 
 def apply_erasing(images: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

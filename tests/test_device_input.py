@@ -93,14 +93,21 @@ def test_a_batch_without_erasing_hands_over_its_samples_tensors_only():
     assert batch.erasing is None and len(batch.tensors()) == 4
 
 
-def test_the_erasing_plan_is_where_and_what_timm_writes():
-    """Oracle: timm on a zero image, where it writes; positions in the whole batch."""
-    images = torch.zeros(2, 3, 6, 6)
+@pytest.mark.parametrize("images_per_canvas", [1, 2, None])
+def test_the_erasing_plan_is_where_and_what_timm_writes(images_per_canvas, monkeypatch):
+    """Oracle: timm on a zero image, where it writes; positions in the whole batch, whether the
+    plan's canvas holds one image, two (the last part shorter), or the whole batch; int32
+    positions up to the limit, int64 past it."""
+    from accel_train import augment
+    if images_per_canvas is not None:
+        monkeypatch.setattr(augment, "ERASING_CANVAS_ELEMENTS", images_per_canvas * 3 * 6 * 6)
+    images = torch.zeros(5, 3, 6, 6)  # more images than channels, and an odd number
     erasing = build_erasing(1.0)
-    where, values = erasing_plan(erasing, images.shape, SEED, [0, 2], [7, 1])
+    places = [(0, 7), (2, 1), (1, 7), (0, 2), (3, 3)]
+    where, values = erasing_plan(erasing, images.shape, SEED, *zip(*places))
     assert where.dtype == torch.int32 and values.dtype == torch.float32
     expected = torch.zeros_like(images)
-    for position, (epoch, index) in enumerate([(0, 7), (2, 1)]):
+    for position, (epoch, index) in enumerate(places):
         with seeded(SEED, epoch, index, ERASING_SALT):
             expected[position] = erasing(expected[position].clone())
     erased = apply_erasing(images, (where, values))
@@ -109,6 +116,12 @@ def test_the_erasing_plan_is_where_and_what_timm_writes():
     doubles = apply_erasing(images.double(), (where, values))  # values in the batch's dtype
     assert doubles.dtype == torch.float64 and torch.equal(doubles, expected.double())
     assert apply_erasing(images, (where[:0], values[:0])) is images
+    monkeypatch.setattr(augment, "INT32_POSITIONS", images.numel())  # exactly this batch's
+    assert erasing_plan(erasing, images.shape, SEED, *zip(*places))[0].dtype == torch.int32
+    monkeypatch.setattr(augment, "INT32_POSITIONS", images.numel() - 1)  # one position more
+    where64, values64 = erasing_plan(erasing, images.shape, SEED, *zip(*places))
+    assert where64.dtype == torch.int64 and torch.equal(where64, where.long())
+    assert torch.equal(values64, values)
 
 
 def test_each_seeded_is_seeded_per_item_and_puts_the_outside_states_back():

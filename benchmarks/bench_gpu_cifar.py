@@ -23,8 +23,10 @@ code on the CPU with the embedded data and a small model so that tests keep it w
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,11 +87,23 @@ class StampedRun:
 def cli(args, out: Path, *extra: str) -> list[str]:
     data = (["--dataset", "synthetic", "--model", "cifar_convnet_s", "--batch-size", "64",
              "--synthetic-train-size", "512", "--max-eval-samples", "128",
-             "--learning-rate", "0.05"]
+             "--learning-rate", "0.05", "--log-every", "2"]
             if args.allow_cpu
             else ["--data-dir", str(benchlib.check_cifar(args.data_dir))])
     return [sys.executable, "-m", "accel_train", "--config", str(args.recipe_file), *data,
             "--progress", "log", "--no-plots", "--output-dir", str(out), *extra]
+
+
+def epoch_data_waits(metrics: Path) -> dict[int, float]:
+    """Per epoch, the median share of its log windows' time the step waited for data
+    (metrics.jsonl's train records; a window across an epoch's start counts in its own)."""
+    by_epoch: dict[int, list[float]] = {}
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("type") == "train" and "data_wait" in record:
+                by_epoch.setdefault(record["epoch"], []).append(record["data_wait"])
+    return {epoch: statistics.median(waits) for epoch, waits in by_epoch.items()}
 
 
 def time_to_target(args, report: benchlib.Report, work: Path) -> dict:
@@ -102,10 +116,13 @@ def time_to_target(args, report: benchlib.Report, work: Path) -> dict:
         raise RuntimeError(f"the recipe run exited {code}:\n{run.tail()}")
     training = 0.0
     rows = []
+    waits = epoch_data_waits(work / "target" / "metrics.jsonl")
     for record in run.epochs:
         training += record["epoch_s"]
         record["training_s"] = training
-        rows.append([record["epoch"], record["wall_s"], training, f"{record['top1']:.2%}"])
+        record["data_wait"] = waits.get(record["epoch"])
+        rows.append([record["epoch"], record["wall_s"], training, f"{record['top1']:.2%}",
+                     "" if record["data_wait"] is None else f"{record['data_wait']:.1%}"])
     first = next((r for r in run.epochs if r["top1"] >= args.target), None)
     took = run.find(benchlib.TRAINING_TOOK)
     summary = (f"first epoch at or above {args.target:.0%}: "
@@ -115,7 +132,8 @@ def time_to_target(args, report: benchlib.Report, work: Path) -> dict:
                + (f"{took[1]} s" if took else "not printed"))
     report.table(f"time to target: {args.recipe_file.name}"
                  f"{' --compile' if args.compile else ''}",
-                 ["epoch", "wall s since start", "training s (epoch times summed)", "top-1"],
+                 ["epoch", "wall s since start", "training s (epoch times summed)", "top-1",
+                  "data wait (median of the epoch's log windows)"],
                  rows, notes=[summary])
     return {"epochs": run.epochs, "first_at_target": first, "training_took": took and took[1]}
 

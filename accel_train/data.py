@@ -233,9 +233,8 @@ def default_num_workers(source: ImageSource, processes_per_machine: int, cuda: b
     and workers would only add IPC), else a share of the cores, at most 4 per process.  On a
     GPU the step runs on the device, so every core of the process's share but its own prepares
     images, decoded or in memory: a GPU eats them faster than a few cores resize, crop and
-    flip them (BENCHMARKS.md: on an H200 with none, the step waited for in-memory data's
-    augmentation 40-80% of the time; on an H100 with 4, 5-7% at 32 px and 30-36% resizing to
-    224 px)."""
+    flip them (BENCHMARKS.md, "GPU: one NVIDIA H100": with four, the step still waited for
+    in-memory images being resized)."""
     share = usable_cores() // max(1, processes_per_machine)
     if isinstance(source, ArraySource):
         return share - 1 if cuda and share > 1 else 0

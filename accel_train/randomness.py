@@ -67,9 +67,9 @@ def seeded(*key: int):
 def each_seeded(function: Callable, items: Iterable, keys: Iterable[tuple[int, ...]]) -> list:
     """`[function(item) for item in items]`, each call inside `seeded(*key)` of its own key:
     the same draws, with the outside states saved and put back once for all of them.  Why:
-    saving and restoring them costs about ten times a call of timm's RandomErasing (numpy's
-    legacy state most of it), once per image of every batch (BENCHMARKS.md, "GPU: one NVIDIA
-    H100")."""
+    saving and restoring them (numpy's legacy state above all) costs more than the draws it
+    guards, and per image it ran once for every image of every batch (BENCHMARKS.md, "Random
+    erasing drawn in the loader workers")."""
     out = []
     with states_kept():
         for item, key in zip(items, keys, strict=True):

@@ -106,8 +106,7 @@ def erasing_plan(erasing, shape: torch.Size, seed: int, epochs, indices,
     go.  Why a plan rather than timm on the images: drawn on the host (in a loader worker, with
     the pixels), it is applied on the images' device in one operation (`apply_erasing`); timm's
     own per-image writes into a GPU's images were each a copy from pageable host memory that
-    waited for all the GPU work queued before it (on an H200, --reprob 0.5 made a CIFAR-10 epoch
-    7x slower)."""
+    waited for all the GPU work queued before it (BENCHMARKS.md, "GPU: one NVIDIA H200")."""
     keys = _sample_keys(seed, epochs, indices, salt)
     per_image = math.prod(shape[1:])
     # A canvas of a few images at a time, not of the whole batch: a loader worker's memory

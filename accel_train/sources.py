@@ -517,6 +517,13 @@ def _synthetic(config: TrainConfig) -> LoadedData:
                       list(synthetic.CLASS_NAMES), "synthetic shapes (embedded)")
 
 
+def reader_modules(config: TrainConfig) -> list[str]:
+    """The optional modules `load_data` reads this run's data with, which its loader workers
+    then need too (worker_start.start_server_now): Hugging Face datasets, for every source but
+    the embedded synthetic set."""
+    return [] if config.data_dir is None and config.dataset == SYNTHETIC_DATASET else ["datasets"]
+
+
 def load_data(config: TrainConfig) -> LoadedData:
     """Load, pick splits and columns, apply sample limits, decode into memory when worthwhile."""
     if config.data_dir is None and config.dataset == SYNTHETIC_DATASET:

@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
                                ProjectConfiguration)
 
-from . import distributed
+from . import distributed, worker_start
 from .autotune import SpeedChoice, choose, step_timer
 from .badimages import BadImageLog
 from .budget import (SAY_REFIT_FRACTION, TTA_PASSES, TimeBudget, evaluation_passes,
@@ -53,7 +53,7 @@ from .randomness import MICRO_BATCH_SALT, seed_globals
 from .report import Reporter, records_text, summary
 from .resume import StartPlan, plan_start, record_elastic_job, set_aside_newer
 from .rundir import run_paths, update_resolved, write_run_config
-from .sources import ArraySource, load_data
+from .sources import ArraySource, load_data, reader_modules
 from .streaming import load_streaming, streaming_wanted
 from .timm_folder import write_model_folder
 from .track import LogWindow, MetricsLog, Progress, check_trackers, tracker_scalars
@@ -116,6 +116,7 @@ class Trainer:
             self.net.model = self.net.model.to(memory_format=torch.channels_last)
         self.loaders = build_loaders(config, self.data, self.net.spec, acc.num_processes,
                                      acc.process_index, plan.env.local_world_size, cuda)
+        worker_start.stop_unused_server()  # no loader of this run starts workers
         self.schedule = plan_schedule(config, self.loaders.steps_per_epoch)
         optimizer = build_optimizer(self.net.model, config)
         self.model, self.optimizer, self.held_out_loader, self.scheduler = \
@@ -666,6 +667,9 @@ class Trainer:
 def run_training(config: TrainConfig, callbacks: Optional[Callbacks] = None) -> int:
     """Parse-build-train-close: the whole `train` command."""
     check_trackers(config.report_to)  # accelerate would ignore a missing one, or raise later
+    if config.num_workers != 0:  # before the process group's threads: worker_start.py
+        worker_start.start_server_now(
+            also=[] if streaming_wanted(config) else reader_modules(config))
     trainer = None
     try:
         trainer = Trainer.from_config(config, callbacks)

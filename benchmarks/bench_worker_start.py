@@ -1,14 +1,20 @@
-"""Loader workers started from a fork server (accel_train's way, worker_start.py) against workers
-forked from the training process (torch's default on Linux, which can hang: see
-docs/fault-tolerance.md): what the safety costs at a loader's first start, at every later start
-(workers per epoch, or the held-out loader's first evaluation), and per image once running.
+"""Where loader workers come from (worker_start.py): a fork server forked from the training
+process at its start (accel_train's way), a fork server started anew (a new interpreter that
+imports torch again: multiprocessing's own way, and accel_train's where the early fork cannot be
+had), and workers forked from the training process (torch's default on Linux, which can hang:
+see docs/fault-tolerance.md).  What each costs at a loader's first start, at every later start
+(workers per epoch, or the held-out loader's first evaluation), per image once running, and in
+the server itself: its CPU seconds and the memory that is its own (USS: what the machine has
+to find for it, pages it shares with the training process not counted).
 
 Each cell is a child process that builds accel_train's training loader (data.make_loader) over
 CIFAR-10 decoded per step (the case that uses workers), with the way of starting workers under
-test; the fork arm replaces `data.worker_context` in that child only.  It times the first batch
-of the first loader (for the fork server: its start and its imports included), the first batch
-of a second loader with new workers (an epoch start without persistent workers), and the
-images per second after that.  The arms alternate over --rounds rounds.
+test; the fork arm replaces `data.worker_context` in that child only, the early arm calls
+`worker_start.start_server_now()` first, as a training run does (its own time counted in the
+first loader's).  It times the first batch of the first loader (for a server: its start, and
+for a new one its imports, included), the first batch of a second loader with new workers (an
+epoch start without persistent workers), and the images per second after that.  The arms
+alternate over --rounds rounds.
 
     python benchmarks/bench_worker_start.py --quick
 """
@@ -21,16 +27,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
-ARMS = ("fork server (accel_train)", "fork (torch's default on Linux)")
+ARMS = ("fork server forked at the start (accel_train)", "fork server started anew",
+        "fork (torch's default on Linux)")
+FORK = ARMS[2]
 CHILD = r"""
 import json, multiprocessing, sys, time
+from multiprocessing import forkserver
+import psutil
 import accel_train.data as data
+from accel_train import worker_start
 from accel_train.config import TrainConfig
 from accel_train.sources import load_data
 from accel_train.transforms import ImageTransform
 arm, data_dir, images, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+early = 0.0
 if arm == "fork":
     data.worker_context = lambda: multiprocessing.get_context("fork")
+elif arm == "early":
+    started = time.perf_counter()
+    assert worker_start.start_server_now()
+    early = time.perf_counter() - started
 source = load_data(TrainConfig(data_dir=data_dir, max_train_samples=images, max_eval_samples=1,
                                in_memory="never")).train
 transform = ImageTransform(32, (0.5,) * 3, (0.25,) * 3, augment=True)
@@ -49,12 +65,19 @@ started, count = time.perf_counter(), 0
 for batch in batches:
     count += len(batch[0])
 rate = count / (time.perf_counter() - started)
-print(json.dumps({"bench": "worker_start", "first": first, "again": again, "img_per_s": rate}))
+server_cpu = server_uss = 0.0
+if arm != "fork":
+    server = psutil.Process(forkserver._forkserver._forkserver_pid)
+    times = server.cpu_times()
+    server_cpu, server_uss = times.user + times.system, server.memory_full_info().uss / 2**20
+print(json.dumps({"bench": "worker_start", "first": early + first, "again": again,
+                  "img_per_s": rate, "server_cpu_s": server_cpu, "server_uss_mib": server_uss}))
 """
 
 
 def measure(arm: str, args) -> dict:
-    out = benchlib.run([sys.executable, "-c", CHILD, "fork" if "default" in arm else "server",
+    name = {ARMS[0]: "early", ARMS[1]: "anew", FORK: "fork"}[arm]
+    out = benchlib.run([sys.executable, "-c", CHILD, name,
                         args.data_dir, str(args.images), str(args.workers)],
                        env=benchlib.child_env(threads=1)).stdout
     return benchlib.last_json_line(out)
@@ -69,7 +92,8 @@ def main() -> int:
     args.images = args.images or (1024 if args.quick else 4096)
     args.rounds = args.rounds or (2 if args.quick else 5)
     benchlib.check_cifar(args.data_dir)
-    report = benchlib.Report("worker_start", "Loader workers: fork server vs fork", args)
+    report = benchlib.Report("worker_start", "Loader workers: where they are started from",
+                             args)
     results = {arm: [] for arm in ARMS}
     for order in benchlib.round_orders(list(ARMS), args.rounds):
         for arm in order:
@@ -80,14 +104,19 @@ def main() -> int:
         rows.append([arm, benchlib.median([c["first"] for c in cells]),
                      benchlib.median([c["again"] for c in cells]),
                      benchlib.median([c["img_per_s"] for c in cells])])
-    base = rows[1]
-    rows = [row + [row[3] / base[3]] for row in rows]
+        rows[-1] += [None, *(benchlib.median([c[key] for c in cells]) if arm != FORK else "none"
+                             for key in ("server_cpu_s", "server_uss_mib"))]
+    base = rows[ARMS.index(FORK)]
+    for row in rows:
+        row[4] = row[3] / base[3]
     report.table(f"CIFAR-10 decoded per step, {args.images} images, batch 64, {args.workers} "
                  f"workers, 1 thread in the training process, median of {args.rounds} rounds",
                  ["workers started by", "first loader: s to first batch",
-                  "next loader: s to first batch", "img/s after", "img/s vs fork"], rows,
-                 notes=["the first loader's time includes the fork server's start and imports, "
-                        "once per training process"])
+                  "next loader: s to first batch", "img/s after", "img/s vs fork",
+                  "server: CPU s", "server: own memory (USS, MiB)"], rows,
+                 notes=["the first loader's time includes the server's start (for one started "
+                        "anew, its imports), once per training process",
+                        "the server's CPU seconds and memory are read after the last batch"])
     report.data["result"] = results
     print(f"wrote {report.save()}")
     return 0

@@ -14,9 +14,10 @@ root.  The product itself reads none of these variables.
 * FAULT_SLOW_DATA=S: rank 0's data preparation takes S seconds more (the other ranks wait for
   it before they start on theirs: distributed.main_first).
 * FAULT_BLOCK_READ=INDEX: in a loader worker, reading the training image INDEX (a lazily
-  decoded source) blocks for an hour, as a read from a dead network mount does (patched in each
-  worker, which imports this module as `__mp_main__` when the fork server starts it; the
-  training process's own reads go through).
+  decoded source) blocks for an hour, as a read from a dead network mount does (patched in the
+  training process before its workers' server is forked from it, and in each worker of a server
+  started anew, which imports this module as `__mp_main__`; the training process's own reads go
+  through).
 * FAULT_POISON_STEP=STEP: right after the micro-batch of optimizer step STEP, the model's first
   parameter is filled with NaN (a run diverging at a known step).
 * FAULT_SAMPLE_LOG=1: every rank appends the sampler keys (epoch * N + index) of each micro-batch
@@ -150,7 +151,10 @@ def block_read(where: str) -> None:
     samples_at = HFSource.samples_at
 
     def blocking(self, indices):
-        if self.split == split and index in [int(i) for i in indices]:
+        from torch.utils.data import get_worker_info
+
+        if (self.split == split and index in [int(i) for i in indices]
+                and get_worker_info() is not None):  # a loader worker's read, not the trainer's
             time.sleep(3600)
         return samples_at(self, indices)
 
@@ -189,11 +193,13 @@ def callbacks_from_environ(argv: list[str]):
 def main() -> int:
     from accel_train import cli
 
+    if os.environ.get(BLOCK_READ_ENV):  # workers from the server forked at the start inherit it
+        block_read(os.environ[BLOCK_READ_ENV])
     argv = sys.argv[1:]
     return cli.main(argv, callbacks=callbacks_from_environ(argv))
 
 
 if __name__ == "__main__":
     sys.exit(main())
-elif __name__ == "__mp_main__" and os.environ.get(BLOCK_READ_ENV):  # in a loader worker
-    block_read(os.environ[BLOCK_READ_ENV])
+elif __name__ == "__mp_main__" and os.environ.get(BLOCK_READ_ENV):
+    block_read(os.environ[BLOCK_READ_ENV])  # a worker of a server started anew imports us again

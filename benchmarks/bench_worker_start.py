@@ -37,18 +37,19 @@ import psutil
 import accel_train.data as data
 from accel_train import worker_start
 from accel_train.config import TrainConfig
-from accel_train.sources import load_data
+from accel_train.sources import load_data, reader_modules
 from accel_train.transforms import ImageTransform
 arm, data_dir, images, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+config = TrainConfig(data_dir=data_dir, max_train_samples=images, max_eval_samples=1,
+                     in_memory="never")
 early = 0.0
 if arm == "fork":
     data.worker_context = lambda: multiprocessing.get_context("fork")
-elif arm == "early":
+elif arm == "early":  # as trainer.run_training does
     started = time.perf_counter()
-    assert worker_start.start_server_now()
+    assert worker_start.start_server_now(also=reader_modules(config))
     early = time.perf_counter() - started
-source = load_data(TrainConfig(data_dir=data_dir, max_train_samples=images, max_eval_samples=1,
-                               in_memory="never")).train
+source = load_data(config).train
 transform = ImageTransform(32, (0.5,) * 3, (0.25,) * 3, augment=True)
 def loader():
     sampler = data.EpochSampler(len(source), 64, seed=0)
@@ -68,6 +69,7 @@ rate = count / (time.perf_counter() - started)
 server_cpu = server_uss = 0.0
 if arm != "fork":
     server = psutil.Process(forkserver._forkserver._forkserver_pid)
+    assert (server.cmdline() == psutil.Process().cmdline()) == (arm == "early")
     times = server.cpu_times()
     server_cpu, server_uss = times.user + times.system, server.memory_full_info().uss / 2**20
 print(json.dumps({"bench": "worker_start", "first": early + first, "again": again,

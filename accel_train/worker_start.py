@@ -160,7 +160,7 @@ def _serve(listener_fd: int, alive_r: int) -> None:
                 signal.signal(sig, signal.SIG_DFL)
         keep = sorted({0, 1, 2, listener_fd, alive_r})
         for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
-            if high > low + 1:  # closerange(n, n) would close everything from n on
+            if high > low + 1:  # descriptors lie between these two kept ones
                 os.closerange(low + 1, high)
         forkserver.main(listener_fd, alive_r, [])
     except SystemExit:  # the server's own way out: no process needs it any more

@@ -82,13 +82,18 @@ def main() -> dict:
     seen["workers_parents"] = sorted({row[2] for row in rows})
     seen["workers"] = len({row[1] for row in rows})
     seen["server_pid"] = pid
+    seen["again_while_running"] = worker_start.start_server_now()
+    seen["same_server"] = server_pid() == pid
     worker_start.stop_unused_server()
     seen["asked_server_kept"] = server_pid() == pid and not gone(pid)
     worker_start.stop_unused_server(asked_or_not=True)
     seen["stopped_when_told"] = gone(pid)
 
-    # 2. Forked early and never asked: stopped.
+    # 2. Forked early and never asked: stopped.  The process keeps one new descriptor, the
+    # write end of the pipe whose end tells the server to go.
+    before = len(os.listdir("/proc/self/fd"))
     seen["second_started"] = worker_start.start_server_now()
+    seen["new_descriptors"] = len(os.listdir("/proc/self/fd")) - before
     pid = server_pid()
     worker_start.stop_unused_server()
     seen["unasked_stopped"] = gone(pid) and server_pid() is None

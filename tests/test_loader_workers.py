@@ -199,8 +199,10 @@ def test_the_server_forked_early_is_a_clean_fork_and_the_usual_one_takes_over_wh
     assert seen["server_group_is_ours"]
     assert seen["items"] == [0, 1, 2, 3]
     assert seen["workers"] == 2 and seen["workers_parents"] == [seen["server_pid"]], seen
+    assert seen["again_while_running"] is False and seen["same_server"]
     assert seen["asked_server_kept"] and seen["stopped_when_told"]
     assert seen["second_started"] and seen["unasked_stopped"]
+    assert seen["new_descriptors"] == 1, seen
     assert seen["third_started"] and seen["replaced"], seen
     assert seen["replacement_parents"] == [seen["replacement_pid"]], seen
     assert "from multiprocessing.forkserver import main" in " ".join(seen["replacement_cmdline"])

@@ -3,9 +3,9 @@ process at its start (accel_train's way), a fork server started anew (a new inte
 imports torch again: multiprocessing's own way, and accel_train's where the early fork cannot be
 had), and workers forked from the training process (torch's default on Linux, which can hang:
 see docs/fault-tolerance.md).  What each costs at a loader's first start, at every later start
-(workers per epoch, or the held-out loader's first evaluation), per image once running, and in
-the server itself: its CPU seconds and the memory that is its own (USS: what the machine has
-to find for it, pages it shares with the training process not counted).
+(workers per epoch, or the held-out loader's first evaluation), per image once running, and
+the server's own CPU seconds.  (Not its memory: read while its workers live, a server's pages
+are shared with them, so no figure separates what it adds.)
 
 Each cell is a child process that builds accel_train's training loader (data.make_loader) over
 CIFAR-10 decoded per step (the case that uses workers), with the way of starting workers under
@@ -66,14 +66,14 @@ started, count = time.perf_counter(), 0
 for batch in batches:
     count += len(batch[0])
 rate = count / (time.perf_counter() - started)
-server_cpu = server_uss = 0.0
+server_cpu = 0.0
 if arm != "fork":
     server = psutil.Process(forkserver._forkserver._forkserver_pid)
     assert (server.cmdline() == psutil.Process().cmdline()) == (arm == "early")
     times = server.cpu_times()
-    server_cpu, server_uss = times.user + times.system, server.memory_full_info().uss / 2**20
+    server_cpu = times.user + times.system
 print(json.dumps({"bench": "worker_start", "first": early + first, "again": again,
-                  "img_per_s": rate, "server_cpu_s": server_cpu, "server_uss_mib": server_uss}))
+                  "img_per_s": rate, "server_cpu_s": server_cpu}))
 """
 
 
@@ -106,8 +106,8 @@ def main() -> int:
         rows.append([arm, benchlib.median([c["first"] for c in cells]),
                      benchlib.median([c["again"] for c in cells]),
                      benchlib.median([c["img_per_s"] for c in cells])])
-        rows[-1] += [None, *(benchlib.median([c[key] for c in cells]) if arm != FORK else "none"
-                             for key in ("server_cpu_s", "server_uss_mib"))]
+        rows[-1] += [None, benchlib.median([c["server_cpu_s"] for c in cells])
+                     if arm != FORK else "none"]
     base = rows[ARMS.index(FORK)]
     for row in rows:
         row[4] = row[3] / base[3]
@@ -115,10 +115,10 @@ def main() -> int:
                  f"workers, 1 thread in the training process, median of {args.rounds} rounds",
                  ["workers started by", "first loader: s to first batch",
                   "next loader: s to first batch", "img/s after", "img/s vs fork",
-                  "server: CPU s", "server: own memory (USS, MiB)"], rows,
+                  "server: CPU s"], rows,
                  notes=["the first loader's time includes the server's start (for one started "
                         "anew, its imports), once per training process",
-                        "the server's CPU seconds and memory are read after the last batch"])
+                        "the server's CPU seconds are read after the last batch"])
     report.data["result"] = results
     print(f"wrote {report.save()}")
     return 0

@@ -152,6 +152,22 @@ def test_sigusr1_writes_the_stacks_of_a_hung_run_and_it_goes_on(cifar10_layout, 
     assert run.check(expected=75)
 
 
+def test_eval_with_workers_starts_them_from_the_server_it_forked(cifar10_layout, tmp_path, runs):
+    """`accel-train eval RUN --num-workers 1` forks its workers' server at its start too, Hugging
+    Face datasets imported first (the parquet layout is read with it): seen while the worker's
+    read of held-out image 0 blocks."""
+    run_dir = tmp_path / "run"
+    accel_train_here("--data-dir", str(cifar10_layout), "--model", "test_resnet", "--batch-size",
+                     "16", "--max-steps", "1", "--max-eval-samples", "32", "--progress", "log",
+                     "--no-plots", "--mixed-precision", "no", "--no-channels-last",
+                     "--output-dir", str(run_dir), check=True)
+    run = Run(python_cmd("eval", str(run_dir), "--num-workers", "1", "--max-samples", "32"),
+              tmp_path / "eval.log", **{BLOCK_READ_ENV: "held-out:0"})
+    runs.append(run)
+    wait_until(lambda: len(_loader_workers(run)) == 1, "the eval's loader worker", run)
+    assert_server_forked_from(run)
+
+
 def test_workers_start_while_another_thread_of_the_process_holds_a_lock_they_need():
     """A training process has threads when its loaders start workers (gloo's, queue feeders, the
     run lock's heartbeat): a worker must not start with a copy of a lock one of them held at that

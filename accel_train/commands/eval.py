@@ -145,10 +145,10 @@ def main(argv: Sequence[str]) -> int:
     import torch
     from accelerate import Accelerator
 
-    from .. import distributed
+    from .. import distributed, worker_start
     from ..data import default_num_workers, make_loader
     from ..evaluate import evaluate_classifier
-    from ..sources import load_data
+    from ..sources import load_data, reader_modules
     from ..streaming import load_streaming, streaming_wanted
     from ..distributed import main_first, print_once
     from ..precision import precision_name, resolve_precision
@@ -164,6 +164,9 @@ def main(argv: Sequence[str]) -> int:
     batch_size = args.batch_size or recorded.get("batch_size") or 64
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1 (got {batch_size})")
+    if args.num_workers != 0:  # before the process group's threads: worker_start.py
+        worker_start.start_server_now(
+            also=[] if streaming_wanted(config) else reader_modules(config))
     env = distributed.setup(TrainConfig())  # starts the process group when launched
     try:
         cuda = torch.cuda.is_available()
@@ -188,6 +191,7 @@ def main(argv: Sequence[str]) -> int:
         workers = args.num_workers if args.num_workers is not None else \
             default_num_workers(data.held_out, env.local_world_size, cuda)
         loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False, cuda))
+        worker_start.stop_unused_server()
         model = load_model(trained).to(acc.device)  # not DDP-wrapped: inference only
         tta = args.tta or spec.tta
         if channels_last:

@@ -398,8 +398,8 @@ def test_bad_training_flag_fails_without_requeue(cluster, tmp_path, jobs_cancell
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", job.explain()
     assert info["ExitCode"] != "0:0"
     output = job.output
-    assert "accel_train: error: unrecognized arguments: --no-such-flag" in output
-    assert "not requeued" in output and "requeueing" not in output
+    assert "accel_train: error: unrecognized arguments: --no-such-flag" in output, job.explain()
+    assert "not requeued" in output and "requeueing" not in output, job.explain()
 
 
 @pytest.mark.slow

@@ -518,10 +518,14 @@ def _synthetic(config: TrainConfig) -> LoadedData:
 
 
 def reader_modules(config: TrainConfig) -> list[str]:
-    """The optional modules `load_data` reads this run's data with, which its loader workers
-    then need too (worker_start.start_server_now): Hugging Face datasets, for every source but
-    the embedded synthetic set."""
-    return [] if config.data_dir is None and config.dataset == SYNTHETIC_DATASET else ["datasets"]
+    """The optional modules this run's data is read with, which its loader workers then need
+    too (worker_start.start_server_now): Hugging Face datasets, for every source `load_data`
+    reads but the embedded synthetic set; none for shard folders (streaming/)."""
+    from .streaming import streaming_wanted
+    if streaming_wanted(config) or (config.data_dir is None
+                                    and config.dataset == SYNTHETIC_DATASET):
+        return []
+    return ["datasets"]
 
 
 def load_data(config: TrainConfig) -> LoadedData:

@@ -668,8 +668,7 @@ def run_training(config: TrainConfig, callbacks: Optional[Callbacks] = None) -> 
     """Parse-build-train-close: the whole `train` command."""
     check_trackers(config.report_to)  # accelerate would ignore a missing one, or raise later
     if config.num_workers != 0:  # before the process group's threads: worker_start.py
-        worker_start.start_server_now(
-            also=[] if streaming_wanted(config) else reader_modules(config))
+        worker_start.start_server_now(also=reader_modules(config))
     trainer = None
     try:
         trainer = Trainer.from_config(config, callbacks)

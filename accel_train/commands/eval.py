@@ -165,8 +165,7 @@ def main(argv: Sequence[str]) -> int:
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1 (got {batch_size})")
     if args.num_workers != 0:  # before the process group's threads: worker_start.py
-        worker_start.start_server_now(
-            also=[] if streaming_wanted(config) else reader_modules(config))
+        worker_start.start_server_now(also=reader_modules(config))
     env = distributed.setup(TrainConfig())  # starts the process group when launched
     try:
         cuda = torch.cuda.is_available()

@@ -14,11 +14,14 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from pathlib import Path
 
 import pytest
+
+from warm_start import WarmStarter
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CIFAR10 = REPO.parent / "shared" / "data" / "cifar10"
@@ -107,11 +110,23 @@ def free_port() -> int:
             return port
 
 
+# `python -m accel_train` and `python -m tests.fault_entry` runs started by a test (not by a
+# launcher) are forked from a process that imported torch and the rest once
+# (tests/warm_start.py says when a run still gets a new process, and ACCEL_TRAIN_TEST_WARM=0
+# gives every run one).
+WARM = WarmStarter(test_env(), REPO, Path(tempfile.gettempdir()) / f"warm-start-{os.getpid()}.log")
+
+
+def pytest_unconfigure(config):
+    WARM.close()
+
+
 def run(cmd: list[str], cwd: Path | None = None, timeout: float = 300, env: dict | None = None,
         check: bool = False) -> subprocess.CompletedProcess:
     """Run a command, capturing text output; on failure with check=True, show its output."""
-    result = subprocess.run(cmd, cwd=cwd or REPO, env=env or test_env(), capture_output=True,
-                            text=True, timeout=timeout)
+    env, cwd = env or test_env(), cwd or REPO
+    result = WARM.run(cmd, env=env, cwd=cwd, timeout=timeout) or subprocess.run(
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n--- stdout\n"
                              f"{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from accel_train.errors import STACKS_SIGNAL
-from conftest import CONFIGS, REPO, TINY_TRAIN, free_port, test_env
+from conftest import CONFIGS, REPO, TINY_TRAIN, WARM, free_port, test_env
 from fault_entry import (POISON_ENV, SAMPLE_LOG_ENV, STALL_ENV,  # noqa: F401 (re-exported)
                          read_sample_keys)
 
@@ -65,9 +65,15 @@ class Run:
     def __init__(self, cmd: list[str], log: Path, **env: str):
         self.cmd, self.log = cmd, Path(log)
         self.handle = self.log.open("w")
-        # Own session: a signal we send to the launcher reaches only what we started.
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=test_env(**env), stdout=self.handle,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        # Own session: a signal we send to the launcher reaches only what we started.  A
+        # `python -m tests.fault_entry` run is forked from the warm starter (conftest.WARM).
+        environ = test_env(**env)
+        with open(os.devnull, "rb") as devnull:
+            self.proc = WARM.popen(cmd, env=environ, cwd=REPO, stdin=devnull.fileno(),
+                                   stdout=self.handle.fileno(), stderr=self.handle.fileno(),
+                                   new_session=True) or subprocess.Popen(
+                cmd, cwd=REPO, env=environ, stdout=self.handle, stderr=subprocess.STDOUT,
+                start_new_session=True)
 
     @property
     def output(self) -> str:

@@ -1,0 +1,139 @@
+"""The warm starter (tests/warm_start.py) against its oracle, a new process: a run forked from it
+must be the process `python -m MODULE` would have been, since most of the suite's
+`python -m accel_train` runs are started that way."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, TINY_TRAIN, WARM
+from conftest import test_env as child_env  # (imported as test_env, pytest would collect it)
+from warm_start import WARM_MODULES, WarmStarter, forkable
+
+PROBE = "tests.warm_probe"
+
+
+@pytest.fixture(scope="module")
+def starter(tmp_path_factory):
+    warm = WarmStarter(child_env(), REPO, tmp_path_factory.mktemp("warm") / "starter.log",
+                       modules=(*WARM_MODULES, PROBE))
+    yield warm
+    warm.close()
+
+
+def _probe_fresh(*args: str, env: dict, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", PROBE, *args], env=env, cwd=cwd,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+
+
+def _probe_warm(starter, *args: str, env: dict, cwd) -> subprocess.CompletedProcess:
+    result = starter.run([sys.executable, "-m", PROBE, *args], env=env, cwd=cwd, timeout=120)
+    assert result is not None, "the starter refused a run it should fork"
+    return result
+
+
+def test_a_forked_run_is_what_a_new_process_would_be(starter):
+    env = child_env(ACCEL_TRAIN_SOMETHING="set for this run", RANK="3")
+    fresh = _probe_fresh("exit", "7", env=env, cwd=REPO)
+    warm = _probe_warm(starter, "exit", "7", env=env, cwd=REPO)
+    again = _probe_warm(starter, "exit", "7", env=env, cwd=REPO)
+    assert (warm.returncode, fresh.returncode) == (7, 7), warm.stderr + fresh.stderr
+    assert warm.stderr == fresh.stderr == "to stderr\n"
+    seen, expected, second = (json.loads(result.stdout) for result in (warm, fresh, again))
+    for key in ("cwd", "argv", "orig_argv", "path0", "env", "threads", "fds", "main", "stdin",
+                "torch_threads", "cmdline"):
+        assert seen[key] == expected[key], key
+    assert seen["env"]["ACCEL_TRAIN_SOMETHING"] == "set for this run"
+    assert seen["pid"] != second["pid"] and seen["numpy"] != second["numpy"], \
+        "two forked runs must not share numpy's seed (a new process draws its own)"
+    assert seen["sid"] == expected["sid"] == second["sid"], \
+        "a run not asked for a session of its own stays in its caller's"
+
+
+def test_a_forked_run_works_in_the_folder_it_is_given(starter, tmp_path):
+    """(The starter's own folder is the repository, where the tests start their runs; a
+    module the starter imported stays importable from any folder, unlike in a new process.)"""
+    seen = json.loads(_probe_warm(starter, env=child_env(), cwd=tmp_path).stdout)
+    assert seen["cwd"] == seen["path0"] == str(tmp_path)
+
+
+def test_an_exception_ends_the_run_with_1_and_its_traceback(starter):
+    warm = _probe_warm(starter, "raise", env=child_env(), cwd=REPO)
+    fresh = _probe_fresh("raise", env=child_env(), cwd=REPO)
+    assert warm.returncode == fresh.returncode == 1
+    assert warm.stderr.splitlines()[-1] == fresh.stderr.splitlines()[-1] == \
+        "RuntimeError: the probe's own error"
+
+
+def test_a_run_in_its_own_session_signalled_and_killed(starter, tmp_path):
+    log = (tmp_path / "log").open("w")
+    process = starter.popen([sys.executable, "-m", PROBE, "wait"], env=child_env(),
+                            cwd=tmp_path, stdin=0, stdout=log.fileno(), stderr=log.fileno(),
+                            new_session=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "log").read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen = json.loads((tmp_path / "log").read_text().splitlines()[0])
+    assert seen["pid"] == process.pid and seen["sid"] == process.pid
+    assert process.poll() is None
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == -signal.SIGTERM  # as subprocess.Popen says it
+    assert process.returncode == -signal.SIGTERM
+    log.close()
+
+
+def test_a_run_whose_caller_is_gone_is_killed(starter, tmp_path):
+    process = starter.popen([sys.executable, "-m", PROBE, "wait"], env=child_env(),
+                            cwd=tmp_path, stdin=0, stdout=1, stderr=2)
+    process._reply.close()  # what the kernel does when the test process dies
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{process.pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{process.pid}"), "the run outlived its caller"
+
+
+def test_only_run_time_variables_may_differ_from_the_starters():
+    base = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/bin"}
+    assert forkable(dict(base), base)
+    assert forkable({**base, "FAULT_STALL_SAVE": "3", "ACCEL_TRAIN_CIFAR10": "/x",
+                     "RANK": "1", "WORLD_SIZE": "2", "PYTEST_CURRENT_TEST": "t"}, base)
+    for name, value in (("HF_HUB_OFFLINE", "0"), ("OMP_NUM_THREADS", "2"), ("PATH", "/usr"),
+                        ("HF_HOME", "/tmp/hf"), ("ACCELERATE_USE_CPU", "1"),
+                        ("RANKS", "1"), ("CUDA_VISIBLE_DEVICES", "0")):
+        assert not forkable({**base, name: value}, base), name
+    assert not forkable({k: v for k, v in base.items() if k != "PATH"}, base)
+
+
+def test_other_commands_get_a_new_process(starter, tmp_path):
+    for cmd in ([sys.executable, "-m", "accelerate.commands.launch", "x"],
+                [sys.executable, "benchmarks/bench_seed.py"], ["python3", "-m", PROBE]):
+        assert starter.popen(cmd, env=child_env(), cwd=tmp_path, stdin=0, stdout=1,
+                             stderr=2) is None, cmd
+    assert starter.popen([sys.executable, "-m", PROBE], env=child_env(HF_HOME=str(tmp_path)),
+                         cwd=tmp_path, stdin=0, stdout=1, stderr=2) is None
+
+
+def test_a_forked_training_run_ends_bit_identical_to_a_new_process(tmp_path):
+    """The suite's own starter, on the command most runs are: the same weights to the bit."""
+    command = [*TINY_TRAIN, "--synthetic-train-size", "64", "--max-eval-samples", "16"]
+    warm = WARM.run([sys.executable, "-m", "accel_train", *command, "--output-dir",
+                     str(tmp_path / "warm")], env=child_env(), cwd=REPO, timeout=300)
+    if warm is None:
+        pytest.skip("the warm starter is off (ACCEL_TRAIN_TEST_WARM=0) or failed to start")
+    fresh = subprocess.run([sys.executable, "-m", "accel_train", *command, "--output-dir",
+                            str(tmp_path / "fresh")], env=child_env(), cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+    assert warm.returncode == fresh.returncode == 0, warm.stderr[-3000:] + fresh.stderr[-3000:]
+    ours, theirs = (load_file(str(tmp_path / name / "model.safetensors"))
+                    for name in ("warm", "fresh"))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[key], theirs[key]) for key in ours)

@@ -1,0 +1,30 @@
+"""`python -m tests.warm_probe [raise|exit N|wait]`: prints what a process knows of itself, as
+one JSON line, for tests/test_warm_start.py to compare a forked run with a new process."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+if __name__ == "__main__":
+    import numpy
+    import psutil
+
+    print(json.dumps({
+        "pid": os.getpid(), "sid": os.getsid(0), "cwd": os.getcwd(), "argv": sys.argv,
+        "orig_argv": sys.orig_argv[1:], "path0": sys.path[0], "env": dict(os.environ),
+        "threads": threading.active_count(), "fds": sorted(int(fd) for fd in os.listdir(
+            "/proc/self/fd")), "numpy": int(numpy.random.randint(1 << 30)),
+        "main": sys.modules["__main__"].__spec__.name, "stdin": sys.stdin.read(),
+        "torch_threads": __import__("torch").get_num_threads(),
+        "cmdline": psutil.Process().cmdline()}), flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    if sys.argv[1:2] == ["raise"]:
+        raise RuntimeError("the probe's own error")
+    if sys.argv[1:2] == ["exit"]:
+        sys.exit(int(sys.argv[2]))
+    if sys.argv[1:2] == ["wait"]:
+        time.sleep(600)

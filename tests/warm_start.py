@@ -1,0 +1,348 @@
+"""A warm starter: `python -m MODULE ARGS` runs forked from a process that imported the stack once.
+
+Every new Python process a test starts pays seconds of CPU importing torch (torch._dynamo
+included), torchvision, timm, accelerate and datasets before it reads an argument, and the suite
+starts a few hundred: most of its time (docs/development.md, "Which processes").  A warm starter
+is a process of the test session's that imports them once and then only forks: each run is a
+child that takes the run's descriptors, directory, environment, argv and session, runs the
+module as `__main__` as `python -m` does, and ends through the interpreter's normal exit
+(atexit handlers, flushed streams, SystemExit's code, a traceback and 1 for an exception).
+
+The forks are safe because the starter has done nothing but import: one thread (checked), no
+torch operation run (no OpenMP pool to break across a fork), nothing written to its streams.
+What a fork cannot change is what the imports read from the environment (HF_HUB_OFFLINE,
+OMP_NUM_THREADS, ...): a run whose environment differs from the starter's in any variable but
+the ones read at run time (`RUN_TIME_VARIABLES`) gets a new process, as does any command but
+`python -m` of `WARM_MODULES`, and every command when ACCEL_TRAIN_TEST_WARM=0.  The runs under
+launchers (torchrun, accelerate launch) are the launchers' own new processes, as a user's are.
+
+The starter is a child of the pytest worker; it reports each run's pid and exit status over a
+socket of that run's, kills a run whose socket its caller closed (the test process died), and
+kills what is left and exits when the pytest worker goes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+WARM_ENV = "ACCEL_TRAIN_TEST_WARM"
+WARM_MODULES = ("accel_train", "tests.fault_entry")
+# What the starter imports: everything a training, eval or fault run imports before its work.
+IMPORTS = ("accel_train.cli", "accel_train.trainer", "accel_train.commands.eval",
+           "accel_train.commands.predict", "accel_train.commands.export",
+           "accel_train.rank_launcher", "accel_train.syncbn", "tests.fault_entry", "datasets",
+           "timm", "timm.optim", "torchvision", "accelerate", "numpy.ctypeslib", "PIL.Image",
+           "psutil", "safetensors.torch", "torch.utils.serialization",
+           "multiprocessing.forkserver")
+# Variables read when they are used, not when a module is imported: a run may set or change
+# them and still be forked.  The tests' fault switches, the trainer's own settings, the manual
+# launch's rank variables, pytest's own.
+RUN_TIME_VARIABLES = re.compile(r"(FAULT_\w+|ACCEL_TRAIN_\w+|PYTEST_\w+|BUDGET_SKEW_SECONDS"
+                                r"|RANK|LOCAL_RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT)")
+READY = b"ready"
+# Bytes the starter's own command line leaves for a run's (an argument of this many dashes):
+# a forked run writes `python -m MODULE ARGS` over it, for `ps`, psutil and the tests that find
+# a run's processes by their command line.
+COMMAND_LINE_ROOM = 1 << 15
+
+
+def forkable(env: dict, base: dict) -> bool:
+    """Whether a run with environment `env` may be forked from a starter started with `base`."""
+    changed = {name for name in env.keys() | base.keys() if env.get(name) != base.get(name)}
+    return all(RUN_TIME_VARIABLES.fullmatch(name) for name in changed)
+
+
+class WarmProcess:
+    """What subprocess.Popen offers the tests, for a run forked by the starter: pid, poll,
+    wait, send_signal, kill, returncode (negative: the signal that ended it)."""
+
+    def __init__(self, reply: socket.socket):
+        self._reply = reply
+        self.returncode: Optional[int] = None
+        self.pid = json.loads(self._receive(timeout=60))["pid"]
+
+    def _receive(self, timeout: Optional[float]) -> bytes:
+        ready, _, _ = select.select([self._reply], [], [], timeout)
+        if not ready:
+            raise subprocess.TimeoutExpired("warm run", timeout)
+        message = self._reply.recv(4096)
+        if not message:
+            raise RuntimeError("the warm starter went away")
+        return message
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is None:
+            self.returncode = json.loads(self._receive(timeout))["code"]
+            self._reply.close()
+        return self.returncode
+
+    def poll(self) -> Optional[int]:
+        try:
+            return self.wait(timeout=0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class WarmStarter:
+    """The pytest worker's side: starts the starter on first use, then forks runs through it."""
+
+    def __init__(self, base_env: dict, cwd: Path, log: Path, modules=WARM_MODULES):
+        self.base_env, self.cwd, self.log = dict(base_env), Path(cwd), Path(log)
+        self.modules = tuple(modules)
+        self._control: Optional[socket.socket] = None
+        self._process: Optional[subprocess.Popen] = None
+        self._lock = threading.Lock()
+        self.broken = os.environ.get(WARM_ENV, "1") == "0"
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with self.log.open("w") as log:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "tests.warm_start", str(theirs.fileno()),
+                 "-" * COMMAND_LINE_ROOM],
+                cwd=self.cwd, env=self.base_env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, pass_fds=[theirs.fileno()])
+        theirs.close()
+        ready, _, _ = select.select([ours], [], [], 180)
+        if not ready or ours.recv(64) != READY:
+            self._process.kill()
+            self.broken = True
+            print(f"warm starter did not start (a new process for each run): "
+                  f"{self.log.read_text()[-2000:]}", file=sys.stderr)
+            return
+        self._control = ours
+
+    def popen(self, cmd: list[str], *, env: dict, cwd: Path, stdin: int, stdout: int,
+              stderr: int, new_session: bool = False) -> Optional[WarmProcess]:
+        """The run of `cmd` forked by the starter, or None where it must be a new process."""
+        if (self.broken or cmd[:2] != [sys.executable, "-m"] or len(cmd) < 3
+                or cmd[2] not in self.modules or not forkable(env, self.base_env)
+                or len(_command_line(cmd)) > COMMAND_LINE_ROOM):
+            return None
+        with self._lock:
+            if self._control is None and not self.broken:
+                self._start()
+            if self.broken:
+                return None
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            request = json.dumps({"module": cmd[2], "args": cmd[3:], "env": env,
+                                  "cwd": str(cwd), "new_session": new_session}).encode()
+            socket.send_fds(self._control, [request], [theirs.fileno(), stdin, stdout, stderr])
+            theirs.close()
+        return WarmProcess(ours)
+
+    def run(self, cmd: list[str], *, env: dict, cwd: Path,
+            timeout: Optional[float]) -> Optional[subprocess.CompletedProcess]:
+        """subprocess.run(cmd, capture_output=True, text=True, timeout=...) for a forked run
+        (stdin /dev/null), or None where it must be a new process."""
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        try:
+            process = self.popen(cmd, env=env, cwd=cwd, stdin=devnull, stdout=out_write,
+                                 stderr=err_write)
+        finally:
+            for fd in (out_write, err_write, devnull):
+                os.close(fd)
+        if process is None:
+            os.close(out_read)
+            os.close(err_read)
+            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        output = {out_read: bytearray(), err_read: bytearray()}
+        try:
+            open_ends = set(output)
+            while open_ends:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready, _, _ = select.select(list(open_ends), [], [], left)
+                if not ready:
+                    process.kill()
+                    process.wait()
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                for fd in ready:
+                    chunk = os.read(fd, 1 << 16)
+                    output[fd] += chunk
+                    if not chunk:
+                        open_ends.discard(fd)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            code = process.wait(left)
+        finally:
+            os.close(out_read)
+            os.close(err_read)
+        return subprocess.CompletedProcess(cmd, code, _text(output[out_read]),
+                                           _text(output[err_read]))
+
+    def close(self) -> None:
+        if self._control is not None:
+            self._control.close()  # the starter kills what is left and exits
+            self._process.wait(timeout=30)
+
+
+def _command_line(cmd: list[str]) -> bytes:
+    """What a forked run writes over the starter's command line: its own, as setproctitle(3)
+    writes one (the arguments joined by spaces, ended by a NUL)."""
+    return " ".join(cmd).encode() + b"\0"
+
+
+def _show_command_line(cmd: list[str]) -> None:
+    """Writes `cmd` over this process's command line, the memory /proc/PID/cmdline reads (the C
+    runtime does not read it after the start).  The area's last byte set non-zero tells the
+    kernel it was rewritten (setproctitle's convention): /proc then shows the line up to its
+    NUL, and psutil splits it at spaces, so a run's arguments read as a new process's do (where
+    none has a space).  NUL-separated, /proc would show the rest of the area as empty
+    arguments: ending the area sooner (prctl PR_SET_MM_ARG_END) needs CAP_SYS_RESOURCE."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    start, end = int(fields[48 - 3]), int(fields[49 - 3])  # proc(5): arg_start, arg_end
+    line = _command_line(cmd)
+    with open("/proc/self/mem", "r+b", buffering=0) as memory:
+        memory.seek(start)
+        memory.write(line.ljust(end - start - 1, b"\0") + b"-")
+
+
+def _text(data: bytes) -> str:
+    """As subprocess's text mode reads a pipe: the locale's encoding, universal newlines."""
+    import locale
+
+    text = data.decode(locale.getpreferredencoding(False))
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+# ----- the starter process -----
+
+class _Job:
+    """A forked child's run: becomes the process `python -m MODULE ARGS` would have been."""
+
+    def __init__(self, request: dict, stdio: list[int]):
+        self.request, self.stdio = request, stdio
+
+    def become(self) -> None:
+        request = self.request
+        if request["new_session"]:
+            os.setsid()
+        for target, fd in enumerate(self.stdio):
+            os.dup2(fd, target)
+        for fd in set(self.stdio) - {0, 1, 2}:
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.path[0] = request["cwd"]  # what `python -m` puts first
+        sys.orig_argv = [sys.executable, "-m", request["module"], *request["args"]]
+        _show_command_line(sys.orig_argv)
+        sys.argv = [request["module"], *request["args"]]  # runpy puts the file in argv[0]
+        if "numpy" in sys.modules:  # a new process's numpy is seeded anew; Python's random is
+            sys.modules["numpy"].random.seed()  # reseeded at fork by Python itself
+
+    def run(self) -> None:
+        import runpy
+
+        self.become()
+        runpy.run_module(self.request["module"], run_name="__main__", alter_sys=True)
+
+
+def _serve(control: socket.socket) -> _Job:
+    """The starter's loop; returns only in a forked child, with that child's job."""
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    runs: dict[int, socket.socket] = {}  # pid -> its reply socket
+    gone: set[int] = set()  # runs whose caller closed the socket: killed, waiting to be reaped
+    while True:
+        watched = [control, wake_read, *(reply for pid, reply in runs.items()
+                                          if pid not in gone)]
+        try:
+            ready, _, _ = select.select(watched, [], [])
+        except InterruptedError:
+            continue
+        if control in ready:
+            message, fds, _, _ = socket.recv_fds(control, 1 << 20, 4)
+            if not message:  # the pytest worker is gone
+                for pid in runs:
+                    _kill(pid)
+                os._exit(0)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (wake_read, wake_write, control.fileno(), fds[0],
+                           *(reply.fileno() for reply in runs.values())):
+                    os.close(fd)
+                return _Job(json.loads(message), fds[1:])
+            reply = socket.socket(fileno=fds[0])
+            for fd in fds[1:]:
+                os.close(fd)
+            reply.sendall(json.dumps({"pid": pid}).encode())
+            runs[pid] = reply
+        if wake_read in ready:
+            try:
+                while os.read(wake_read, 512):
+                    pass
+            except BlockingIOError:
+                pass
+        for pid, reply in list(runs.items()):
+            if reply in ready and pid not in gone:  # its caller closed it: nobody waits for it
+                gone.add(pid)
+                _kill(pid)
+        while runs:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            reply = runs.pop(pid, None)
+            gone.discard(pid)
+            if reply is not None:
+                try:
+                    reply.sendall(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode())
+                except OSError:
+                    pass
+                reply.close()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _main(control_fd: int) -> None:
+    import importlib
+
+    for name in IMPORTS:
+        importlib.import_module(name)
+    control = socket.socket(fileno=control_fd)
+    if threading.active_count() != 1:  # a fork would lose the other threads mid-work
+        print(f"warm starter: {threading.active_count()} threads after the imports",
+              file=sys.stderr)
+        sys.exit(1)
+    control.send(READY)
+    job = _serve(control)
+    job.run()
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]))

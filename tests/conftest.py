@@ -114,7 +114,7 @@ def free_port() -> int:
 # launcher) are forked from a process that imported torch and the rest once
 # (tests/warm_start.py says when a run still gets a new process, and ACCEL_TRAIN_TEST_WARM=0
 # gives every run one).
-WARM = WarmStarter(test_env(), REPO, Path(tempfile.gettempdir()) / f"warm-start-{os.getpid()}.log")
+WARM = WarmStarter(test_env, REPO, Path(tempfile.gettempdir()) / f"warm-start-{os.getpid()}.log")
 
 
 def pytest_unconfigure(config):

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,9 @@ PROBE = "tests.warm_probe"
 
 @pytest.fixture(scope="module")
 def starter(tmp_path_factory):
-    warm = WarmStarter(child_env(), REPO, tmp_path_factory.mktemp("warm") / "starter.log",
+    # (a variable of the starter's own that no run has: a run's environment must be its own)
+    warm = WarmStarter(lambda: child_env(ACCEL_TRAIN_STARTER_ONLY="1"), REPO,
+                       tmp_path_factory.mktemp("warm") / "starter.log",
                        modules=(*WARM_MODULES, PROBE))
     yield warm
     warm.close()
@@ -50,7 +53,7 @@ def test_a_forked_run_is_what_a_new_process_would_be(starter):
     assert warm.stderr == fresh.stderr == "to stderr\n"
     seen, expected, second = (json.loads(result.stdout) for result in (warm, fresh, again))
     for key in ("cwd", "argv", "orig_argv", "path0", "env", "threads", "fds", "main", "stdin",
-                "torch_threads", "cmdline"):
+                "torch_threads", "cmdline", "signals", "wakeup_fd"):
         assert seen[key] == expected[key], key
     assert seen["env"]["ACCEL_TRAIN_SOMETHING"] == "set for this run"
     assert seen["pid"] != second["pid"] and seen["numpy"] != second["numpy"], \
@@ -114,7 +117,7 @@ def test_only_run_time_variables_may_differ_from_the_starters():
 
 
 def test_other_commands_get_a_new_process(starter, tmp_path):
-    for cmd in ([sys.executable, "-m", "accelerate.commands.launch", "x"],
+    for cmd in ([sys.executable, "-m", "accelerate.commands.accelerate_cli", "env"],
                 [sys.executable, "benchmarks/bench_seed.py"], ["python3", "-m", PROBE]):
         assert starter.popen(cmd, env=child_env(), cwd=tmp_path, stdin=0, stdout=1,
                              stderr=2) is None, cmd
@@ -122,13 +125,55 @@ def test_other_commands_get_a_new_process(starter, tmp_path):
                          cwd=tmp_path, stdin=0, stdout=1, stderr=2) is None
 
 
+def test_a_closed_starter_lets_its_runs_finish_and_the_next_run_starts_a_new_one(tmp_path):
+    warm = WarmStarter(child_env, REPO, tmp_path / "starter.log", modules=(PROBE,))
+    log = (tmp_path / "log").open("w")
+    process = warm.popen([sys.executable, "-m", PROBE, "wait"], env=child_env(), cwd=REPO,
+                         stdin=0, stdout=log.fileno(), stderr=log.fileno())
+    first = warm._process
+    warm.close()
+    time.sleep(0.5)
+    assert process.poll() is None and first.poll() is None, "a run going must not be stopped"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == -signal.SIGTERM
+    first.wait(timeout=30)  # and then the closed starter ends
+    assert warm.run([sys.executable, "-m", PROBE, "exit", "3"], env=child_env(), cwd=REPO,
+                    timeout=120).returncode == 3
+    assert warm.starts == 2
+    warm.close()
+    log.close()
+
+
+def test_the_starter_follows_a_baseline_that_moved(tmp_path):
+    """A variable the pytest process keeps from then on (as torch's compiler sets
+    TORCHINDUCTOR_CACHE_DIR) starts the starter again; one a run sets for itself does not."""
+    baseline = child_env()
+    warm = WarmStarter(lambda: dict(baseline), REPO, tmp_path / "starter.log",
+                       modules=(PROBE,))
+    probe = [sys.executable, "-m", PROBE, "exit", "0"]
+    assert warm.run(probe, env=dict(baseline), cwd=REPO, timeout=120).returncode == 0
+    for_one_run = {**baseline, "HF_HOME": str(tmp_path / "hf")}
+    assert warm.run(probe, env=for_one_run, cwd=REPO, timeout=120) is None
+    assert warm.starts == 1
+    baseline["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    moved = json.loads(warm.run(probe, env=dict(baseline), cwd=REPO, timeout=120).stdout)
+    assert warm.starts == 2 and moved["env"] == baseline
+    assert warm.run(probe, env=child_env(), cwd=REPO, timeout=120) is None  # the old one now
+    refused = (tmp_path / "starter.log.refused").read_text().splitlines()
+    assert len(refused) == 2 and "['HF_HOME']" in refused[0], refused
+    assert "['TORCHINDUCTOR_CACHE_DIR']" in refused[1], refused
+    warm.close()
+
+
 def test_a_forked_training_run_ends_bit_identical_to_a_new_process(tmp_path):
     """The suite's own starter, on the command most runs are: the same weights to the bit."""
     command = [*TINY_TRAIN, "--synthetic-train-size", "64", "--max-eval-samples", "16"]
     warm = WARM.run([sys.executable, "-m", "accel_train", *command, "--output-dir",
                      str(tmp_path / "warm")], env=child_env(), cwd=REPO, timeout=300)
-    if warm is None:
+    if warm is None and WARM.broken:
         pytest.skip("the warm starter is off (ACCEL_TRAIN_TEST_WARM=0) or failed to start")
+    assert warm is not None, (f"the suite's warm starter refused a plain run: "
+                              f"{Path(str(WARM.log) + '.refused').read_text()[-2000:]}")
     fresh = subprocess.run([sys.executable, "-m", "accel_train", *command, "--output-dir",
                             str(tmp_path / "fresh")], env=child_env(), cwd=REPO,
                            capture_output=True, text=True, timeout=300)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -20,7 +21,11 @@ if __name__ == "__main__":
             "/proc/self/fd")), "numpy": int(numpy.random.randint(1 << 30)),
         "main": sys.modules["__main__"].__spec__.name, "stdin": sys.stdin.read(),
         "torch_threads": __import__("torch").get_num_threads(),
-        "cmdline": psutil.Process().cmdline()}), flush=True)
+        # (a forked run's line is followed by empty arguments: warm_start._show_command_line)
+        "cmdline": [part for part in psutil.Process().cmdline() if part],
+        "signals": {name: str(signal.getsignal(getattr(signal, name)))
+                    for name in ("SIGCHLD", "SIGTERM", "SIGINT", "SIGPIPE", "SIGUSR1")},
+        "wakeup_fd": signal.set_wakeup_fd(-1)}), flush=True)
     print("to stderr", file=sys.stderr, flush=True)
     if sys.argv[1:2] == ["raise"]:
         raise RuntimeError("the probe's own error")

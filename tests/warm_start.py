@@ -13,8 +13,10 @@ torch operation run (no OpenMP pool to break across a fork), nothing written to 
 What a fork cannot change is what the imports read from the environment (HF_HUB_OFFLINE,
 OMP_NUM_THREADS, ...): a run whose environment differs from the starter's in any variable but
 the ones read at run time (`RUN_TIME_VARIABLES`) gets a new process, as does any command but
-`python -m` of `WARM_MODULES`, and every command when ACCEL_TRAIN_TEST_WARM=0.  The runs under
-launchers (torchrun, accelerate launch) are the launchers' own new processes, as a user's are.
+`python -m` of `WARM_MODULES`, and every command when ACCEL_TRAIN_TEST_WARM=0.  A launcher
+(torchrun, `python -m torch.distributed.launch`, `accelerate launch`) a test starts is forked
+too, but the ranks it starts are its own new processes, as a user's are: what the launcher does
+with them (sessions, signals, restarts) is the launcher's code, unchanged.
 
 The starter is a child of the pytest worker; it reports each run's pid and exit status over a
 socket of that run's, kills a run whose socket its caller closed (the test process died), and
@@ -34,14 +36,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 WARM_ENV = "ACCEL_TRAIN_TEST_WARM"
-WARM_MODULES = ("accel_train", "tests.fault_entry")
-# What the starter imports: everything a training, eval or fault run imports before its work.
+WARM_MODULES = ("accel_train", "tests.fault_entry", "torch.distributed.run",
+                "torch.distributed.launch", "accelerate.commands.launch")
+# What the starter imports besides the modules it runs: what a training, eval or fault run
+# imports before its work.
 IMPORTS = ("accel_train.cli", "accel_train.trainer", "accel_train.commands.eval",
            "accel_train.commands.predict", "accel_train.commands.export",
-           "accel_train.rank_launcher", "accel_train.syncbn", "tests.fault_entry", "datasets",
+           "accel_train.rank_launcher", "accel_train.syncbn", "datasets",
            "timm", "timm.optim", "torchvision", "accelerate", "numpy.ctypeslib", "PIL.Image",
            "psutil", "safetensors.torch", "torch.utils.serialization",
            "multiprocessing.forkserver")
@@ -57,10 +61,13 @@ READY = b"ready"
 COMMAND_LINE_ROOM = 1 << 15
 
 
+def _changed(env: dict, base: dict) -> set[str]:
+    return {name for name in env.keys() | base.keys() if env.get(name) != base.get(name)}
+
+
 def forkable(env: dict, base: dict) -> bool:
     """Whether a run with environment `env` may be forked from a starter started with `base`."""
-    changed = {name for name in env.keys() | base.keys() if env.get(name) != base.get(name)}
-    return all(RUN_TIME_VARIABLES.fullmatch(name) for name in changed)
+    return all(RUN_TIME_VARIABLES.fullmatch(name) for name in _changed(env, base))
 
 
 class WarmProcess:
@@ -105,22 +112,35 @@ class WarmProcess:
 
 
 class WarmStarter:
-    """The pytest worker's side: starts the starter on first use, then forks runs through it."""
+    """The pytest worker's side: starts the starter on first use, then forks runs through it.
 
-    def __init__(self, base_env: dict, cwd: Path, log: Path, modules=WARM_MODULES):
-        self.base_env, self.cwd, self.log = dict(base_env), Path(cwd), Path(log)
+    `baseline()` is the environment a run gets when a test asks for nothing else (conftest's
+    test_env): the starter is started with it.  A library may set a variable for the rest of
+    the pytest process (torch's compiler sets TORCHINDUCTOR_CACHE_DIR the first time it
+    compiles): when the baseline has moved that way, and a run asks for the new one, the
+    starter is started again with it rather than every later run getting a new process.
+    Each run refused is noted, with the variables that refused it, in LOG.refused."""
+
+    def __init__(self, baseline: Callable[[], dict], cwd: Path, log: Path,
+                 modules=WARM_MODULES):
+        self.baseline, self.cwd, self.log = baseline, Path(cwd), Path(log)
         self.modules = tuple(modules)
+        self.base_env: dict = {}
         self._control: Optional[socket.socket] = None
         self._process: Optional[subprocess.Popen] = None
         self._lock = threading.Lock()
         self.broken = os.environ.get(WARM_ENV, "1") == "0"
+        self.starts = 0
+        self._retired: list[subprocess.Popen] = []  # starters closed: reaped once they end
 
     def _start(self) -> None:
+        self.base_env = self.baseline()
+        self.starts += 1
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with self.log.open("w") as log:
+        with self.log.open("a") as log:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "tests.warm_start", str(theirs.fileno()),
-                 "-" * COMMAND_LINE_ROOM],
+                 ",".join(self.modules), "-" * COMMAND_LINE_ROOM],
                 cwd=self.cwd, env=self.base_env, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, pass_fds=[theirs.fileno()])
         theirs.close()
@@ -133,17 +153,31 @@ class WarmStarter:
             return
         self._control = ours
 
+    def _refuse(self, cmd: list[str], why: str) -> None:
+        with open(f"{self.log}.refused", "a") as note:
+            note.write(f"{why}: {' '.join(cmd)[:300]}\n")
+
     def popen(self, cmd: list[str], *, env: dict, cwd: Path, stdin: int, stdout: int,
               stderr: int, new_session: bool = False) -> Optional[WarmProcess]:
         """The run of `cmd` forked by the starter, or None where it must be a new process."""
         if (self.broken or cmd[:2] != [sys.executable, "-m"] or len(cmd) < 3
-                or cmd[2] not in self.modules or not forkable(env, self.base_env)
-                or len(_command_line(cmd)) > COMMAND_LINE_ROOM):
+                or cmd[2] not in self.modules):
+            return None
+        if len(_command_line(cmd)) > COMMAND_LINE_ROOM:
+            self._refuse(cmd, "a command line longer than COMMAND_LINE_ROOM")
             return None
         with self._lock:
+            if self._control is not None and not forkable(env, self.base_env):
+                moved = self.baseline()
+                if forkable(env, moved) and not forkable(moved, self.base_env):
+                    self.close()  # the pytest process's own environment changed
             if self._control is None and not self.broken:
                 self._start()
             if self.broken:
+                return None
+            if not forkable(env, self.base_env):
+                self._refuse(cmd, f"variables read at import differ: "
+                                  f"{sorted(_changed(env, self.base_env))}")
                 return None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             request = json.dumps({"module": cmd[2], "args": cmd[3:], "env": env,
@@ -194,30 +228,33 @@ class WarmStarter:
                                            _text(output[err_read]))
 
     def close(self) -> None:
+        """Tells the starter to take no more runs (it ends when the runs going have ended, or
+        their callers are gone) and forgets it: the next run starts a new one."""
         if self._control is not None:
-            self._control.close()  # the starter kills what is left and exits
-            self._process.wait(timeout=30)
+            self._control.close()
+            self._control = None
+            self._retired.append(self._process)
+            self._retired = [process for process in self._retired if process.poll() is None]
 
 
 def _command_line(cmd: list[str]) -> bytes:
-    """What a forked run writes over the starter's command line: its own, as setproctitle(3)
-    writes one (the arguments joined by spaces, ended by a NUL)."""
-    return " ".join(cmd).encode() + b"\0"
+    """/proc/PID/cmdline's form: each argument ended by a NUL."""
+    return b"".join(os.fsencode(part) + b"\0" for part in cmd)
 
 
 def _show_command_line(cmd: list[str]) -> None:
     """Writes `cmd` over this process's command line, the memory /proc/PID/cmdline reads (the C
-    runtime does not read it after the start).  The area's last byte set non-zero tells the
-    kernel it was rewritten (setproctitle's convention): /proc then shows the line up to its
-    NUL, and psutil splits it at spaces, so a run's arguments read as a new process's do (where
-    none has a space).  NUL-separated, /proc would show the rest of the area as empty
-    arguments: ending the area sooner (prctl PR_SET_MM_ARG_END) needs CAP_SYS_RESOURCE."""
+    runtime does not read it after the start): `ps`, psutil, the tests that find a run's
+    processes by their command line and accel_train's own look at its launcher's
+    (rank_launcher) then see the run's.  The rest of the starter's longer line reads as empty
+    arguments after it (psutil lists them as ""): ending the area sooner (prctl
+    PR_SET_MM_ARG_END) needs CAP_SYS_RESOURCE, and setproctitle(3)'s way (one line up to a NUL)
+    loses where each argument ends."""
     fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
     start, end = int(fields[48 - 3]), int(fields[49 - 3])  # proc(5): arg_start, arg_end
-    line = _command_line(cmd)
     with open("/proc/self/mem", "r+b", buffering=0) as memory:
         memory.seek(start)
-        memory.write(line.ljust(end - start - 1, b"\0") + b"-")
+        memory.write(_command_line(cmd).ljust(end - start, b"\0"))
 
 
 def _text(data: bytes) -> str:
@@ -255,10 +292,17 @@ class _Job:
             sys.modules["numpy"].random.seed()  # reseeded at fork by Python itself
 
     def run(self) -> None:
+        import importlib.util
         import runpy
 
         self.become()
-        runpy.run_module(self.request["module"], run_name="__main__", alter_sys=True)
+        # The starter imported it (for what it imports); a new process has not, and runpy
+        # warns on stderr about a module it runs as __main__ that was imported already.  (A
+        # package runs its __main__, which nobody imported.)
+        name = self.request["module"]
+        if importlib.util.find_spec(name).submodule_search_locations is None:
+            sys.modules.pop(name, None)
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
 
 
 def _serve(control: socket.socket) -> _Job:
@@ -270,27 +314,28 @@ def _serve(control: socket.socket) -> _Job:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     runs: dict[int, socket.socket] = {}  # pid -> its reply socket
     gone: set[int] = set()  # runs whose caller closed the socket: killed, waiting to be reaped
-    while True:
-        watched = [control, wake_read, *(reply for pid, reply in runs.items()
-                                          if pid not in gone)]
+    accepting = True
+    while accepting or runs:
+        watched = [wake_read, *(reply for pid, reply in runs.items() if pid not in gone)]
         try:
-            ready, _, _ = select.select(watched, [], [])
+            ready, _, _ = select.select([control, *watched] if accepting else watched, [], [])
         except InterruptedError:
             continue
         if control in ready:
             message, fds, _, _ = socket.recv_fds(control, 1 << 20, 4)
-            if not message:  # the pytest worker is gone
-                for pid in runs:
-                    _kill(pid)
-                os._exit(0)
+            if not message:  # closed: no more runs; those going keep their callers (a run
+                accepting = False  # whose caller is gone too is killed below)
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for fd in (wake_read, wake_write, control.fileno(), fds[0],
-                           *(reply.fileno() for reply in runs.values())):
+                # detached first: a socket object collected later must not close a descriptor
+                # number the run has reused by then
+                for fd in (wake_read, wake_write, control.detach(), fds[0],
+                           *(reply.detach() for reply in runs.values())):
                     os.close(fd)
                 return _Job(json.loads(message), fds[1:])
             reply = socket.socket(fileno=fds[0])
@@ -320,6 +365,7 @@ def _serve(control: socket.socket) -> _Job:
                 except OSError:
                     pass
                 reply.close()
+    os._exit(0)
 
 
 def _kill(pid: int) -> None:
@@ -329,10 +375,10 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _main(control_fd: int) -> None:
+def _main(control_fd: int, modules: list[str]) -> None:
     import importlib
 
-    for name in IMPORTS:
+    for name in (*IMPORTS, *modules):
         importlib.import_module(name)
     control = socket.socket(fileno=control_fd)
     if threading.active_count() != 1:  # a fork would lose the other threads mid-work
@@ -345,4 +391,4 @@ def _main(control_fd: int) -> None:
 
 
 if __name__ == "__main__":
-    _main(int(sys.argv[1]))
+    _main(int(sys.argv[1]), sys.argv[2].split(","))

@@ -176,8 +176,9 @@ class WarmStarter:
             if self.broken:
                 return None
             if not forkable(env, self.base_env):
-                self._refuse(cmd, f"variables read at import differ: "
-                                  f"{sorted(_changed(env, self.base_env))}")
+                self._refuse(cmd, f"variables read at import differ: " + str(sorted(
+                    name for name in _changed(env, self.base_env)
+                    if not RUN_TIME_VARIABLES.fullmatch(name))))
                 return None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             request = json.dumps({"module": cmd[2], "args": cmd[3:], "env": env,

@@ -125,8 +125,7 @@ def run(cmd: list[str], cwd: Path | None = None, timeout: float = 300, env: dict
         check: bool = False) -> subprocess.CompletedProcess:
     """Run a command, capturing text output; on failure with check=True, show its output."""
     env, cwd = env or test_env(), cwd or REPO
-    result = WARM.run(cmd, env=env, cwd=cwd, timeout=timeout) or subprocess.run(
-        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    result = WARM.run(cmd, env=env, cwd=cwd, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n--- stdout\n"
                              f"{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")

@@ -65,15 +65,10 @@ class Run:
     def __init__(self, cmd: list[str], log: Path, **env: str):
         self.cmd, self.log = cmd, Path(log)
         self.handle = self.log.open("w")
-        # Own session: a signal we send to the launcher reaches only what we started.  A
-        # `python -m tests.fault_entry` run is forked from the warm starter (conftest.WARM).
-        environ = test_env(**env)
-        with open(os.devnull, "rb") as devnull:
-            self.proc = WARM.popen(cmd, env=environ, cwd=REPO, stdin=devnull.fileno(),
-                                   stdout=self.handle.fileno(), stderr=self.handle.fileno(),
-                                   new_session=True) or subprocess.Popen(
-                cmd, cwd=REPO, env=environ, stdout=self.handle, stderr=subprocess.STDOUT,
-                start_new_session=True)
+        # Own session: a signal we send to the launcher reaches only what we started.  Forked
+        # from the warm starter where it can be (conftest.WARM).
+        self.proc = WARM.start(cmd, env=test_env(**env), cwd=REPO, stdout=self.handle,
+                               stderr=subprocess.STDOUT, new_session=True)
 
     @property
     def output(self) -> str:

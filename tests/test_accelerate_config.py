@@ -135,11 +135,12 @@ def test_the_two_machine_answers_meet_on_loopback(tmp_path):
             "How many processes": "2"}, conftest.test_env())
         configs.append(config)
     assert yaml.safe_load(configs[1].read_text())["machine_rank"] == 1
-    procs = [subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch",
-                               "--config_file", str(config), "-m", "accel_train", *TRAIN,
-                               "--batch-size", "16", "--max-steps", "4", "--output-dir", str(out)],
-                              cwd=REPO, env=conftest.test_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    procs = [conftest.WARM.start([sys.executable, "-m", "accelerate.commands.launch",
+                                  "--config_file", str(config), "-m", "accel_train", *TRAIN,
+                                  "--batch-size", "16", "--max-steps", "4", "--output-dir",
+                                  str(out)],
+                                 cwd=REPO, env=conftest.test_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
              for config in configs]
     outputs = []
     try:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, TINY_TRAIN, WARM
 from conftest import test_env as child_env  # (imported as test_env, pytest would collect it)
-from warm_start import WARM_MODULES, WarmStarter, forkable
+from warm_start import WARM_MODULES, WarmProcess, WarmStarter, forkable
 
 PROBE = "tests.warm_probe"
 
@@ -39,9 +39,11 @@ def _probe_fresh(*args: str, env: dict, cwd) -> subprocess.CompletedProcess:
 
 
 def _probe_warm(starter, *args: str, env: dict, cwd) -> subprocess.CompletedProcess:
-    result = starter.run([sys.executable, "-m", PROBE, *args], env=env, cwd=cwd, timeout=120)
-    assert result is not None, "the starter refused a run it should fork"
-    return result
+    process = starter.start([sys.executable, "-m", PROBE, *args], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert isinstance(process, WarmProcess), "the starter refused a run it should fork"
+    out, err = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
 def test_a_forked_run_is_what_a_new_process_would_be(starter):
@@ -137,8 +139,7 @@ def test_a_closed_starter_lets_its_runs_finish_and_the_next_run_starts_a_new_one
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == -signal.SIGTERM
     first.wait(timeout=30)  # and then the closed starter ends
-    assert warm.run([sys.executable, "-m", PROBE, "exit", "3"], env=child_env(), cwd=REPO,
-                    timeout=120).returncode == 3
+    assert _probe_warm(warm, "exit", "3", env=child_env(), cwd=REPO).returncode == 3
     assert warm.starts == 2
     warm.close()
     log.close()
@@ -151,14 +152,17 @@ def test_the_starter_follows_a_baseline_that_moved(tmp_path):
     warm = WarmStarter(lambda: dict(baseline), REPO, tmp_path / "starter.log",
                        modules=(PROBE,))
     probe = [sys.executable, "-m", PROBE, "exit", "0"]
-    assert warm.run(probe, env=dict(baseline), cwd=REPO, timeout=120).returncode == 0
-    for_one_run = {**baseline, "HF_HOME": str(tmp_path / "hf")}
-    assert warm.run(probe, env=for_one_run, cwd=REPO, timeout=120) is None
+
+    def refused(env: dict) -> bool:
+        return warm.popen(probe, env=env, cwd=REPO, stdin=0, stdout=1, stderr=2) is None
+
+    assert _probe_warm(warm, "exit", "0", env=dict(baseline), cwd=REPO).returncode == 0
+    assert refused({**baseline, "HF_HOME": str(tmp_path / "hf")})
     assert warm.starts == 1
     baseline["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
-    moved = json.loads(warm.run(probe, env=dict(baseline), cwd=REPO, timeout=120).stdout)
+    moved = json.loads(_probe_warm(warm, env=dict(baseline), cwd=REPO).stdout)
     assert warm.starts == 2 and moved["env"] == baseline
-    assert warm.run(probe, env=child_env(), cwd=REPO, timeout=120) is None  # the old one now
+    assert refused(child_env())  # the old baseline, now
     refused = (tmp_path / "starter.log.refused").read_text().splitlines()
     assert len(refused) == 2 and "['HF_HOME']" in refused[0], refused
     assert "['TORCHINDUCTOR_CACHE_DIR']" in refused[1], refused
@@ -168,12 +172,16 @@ def test_the_starter_follows_a_baseline_that_moved(tmp_path):
 def test_a_forked_training_run_ends_bit_identical_to_a_new_process(tmp_path):
     """The suite's own starter, on the command most runs are: the same weights to the bit."""
     command = [*TINY_TRAIN, "--synthetic-train-size", "64", "--max-eval-samples", "16"]
-    warm = WARM.run([sys.executable, "-m", "accel_train", *command, "--output-dir",
-                     str(tmp_path / "warm")], env=child_env(), cwd=REPO, timeout=300)
-    if warm is None and WARM.broken:
+    process = WARM.start([sys.executable, "-m", "accel_train", *command, "--output-dir",
+                          str(tmp_path / "warm")], env=child_env(), cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if WARM.broken:
         pytest.skip("the warm starter is off (ACCEL_TRAIN_TEST_WARM=0) or failed to start")
-    assert warm is not None, (f"the suite's warm starter refused a plain run: "
-                              f"{Path(str(WARM.log) + '.refused').read_text()[-2000:]}")
+    assert isinstance(process, WarmProcess), (
+        f"the suite's warm starter refused a plain run: "
+        f"{Path(str(WARM.log) + '.refused').read_text()[-2000:]}")
+    warm = subprocess.CompletedProcess(process.args, 0, *process.communicate(timeout=300))
+    warm.returncode = process.returncode
     fresh = subprocess.run([sys.executable, "-m", "accel_train", *command, "--output-dir",
                             str(tmp_path / "fresh")], env=child_env(), cwd=REPO,
                            capture_output=True, text=True, timeout=300)

@@ -74,10 +74,15 @@ class WarmProcess:
     """What subprocess.Popen offers the tests, for a run forked by the starter: pid, poll,
     wait, send_signal, kill, returncode (negative: the signal that ended it)."""
 
-    def __init__(self, reply: socket.socket):
-        self._reply = reply
+    def __init__(self, reply: socket.socket, args: list[str]):
+        self._reply, self.args = reply, args
         self.returncode: Optional[int] = None
         self.pid = json.loads(self._receive(timeout=60))["pid"]
+        # "stdout"/"stderr" -> our end of its pipe (None once read to the end), where PIPE
+        # was asked for, and what was read of it
+        self._pipes: dict[str, Optional[int]] = {}
+        self._output: dict[str, bytearray] = {}
+        self._text = False
 
     def _receive(self, timeout: Optional[float]) -> bytes:
         ready, _, _ = select.select([self._reply], [], [], timeout)
@@ -109,6 +114,27 @@ class WarmProcess:
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
+
+    def communicate(self, timeout: Optional[float] = None):
+        """Popen.communicate for the PIPEs asked for (no input): their whole output, then the
+        exit.  Past `timeout`, TimeoutExpired, the run left going and what was read kept for
+        the next call (as Popen's)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        reading = {fd: name for name, fd in self._pipes.items() if fd is not None}
+        while reading:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select(list(reading), [], [], left)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            for fd in ready:
+                chunk = os.read(fd, 1 << 16)
+                self._output[reading[fd]] += chunk
+                if not chunk:
+                    os.close(fd)
+                    self._pipes[reading.pop(fd)] = None
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return tuple(None if name not in self._output else _text(bytes(self._output[name]))
+                     if self._text else bytes(self._output[name]) for name in ("stdout", "stderr"))
 
 
 class WarmStarter:
@@ -176,7 +202,7 @@ class WarmStarter:
             if self.broken:
                 return None
             if not forkable(env, self.base_env):
-                self._refuse(cmd, f"variables read at import differ: " + str(sorted(
+                self._refuse(cmd, "variables read at import differ: " + str(sorted(
                     name for name in _changed(env, self.base_env)
                     if not RUN_TIME_VARIABLES.fullmatch(name))))
                 return None
@@ -185,48 +211,56 @@ class WarmStarter:
                                   "cwd": str(cwd), "new_session": new_session}).encode()
             socket.send_fds(self._control, [request], [theirs.fileno(), stdin, stdout, stderr])
             theirs.close()
-        return WarmProcess(ours)
+        return WarmProcess(ours, cmd)
 
-    def run(self, cmd: list[str], *, env: dict, cwd: Path,
-            timeout: Optional[float]) -> Optional[subprocess.CompletedProcess]:
-        """subprocess.run(cmd, capture_output=True, text=True, timeout=...) for a forked run
-        (stdin /dev/null), or None where it must be a new process."""
-        out_read, out_write = os.pipe()
-        err_read, err_write = os.pipe()
+    def start(self, cmd: list[str], *, env: dict, cwd: Path, stdout=None, stderr=None,
+              text: bool = False, new_session: bool = False):
+        """subprocess.Popen(cmd, cwd=, env=, stdin=DEVNULL, stdout=, stderr=, text=,
+        start_new_session=): a WarmProcess where the run can be forked, else a Popen.
+        stdout and stderr as Popen takes them: None (this process's), a file, a descriptor,
+        subprocess.PIPE, and subprocess.STDOUT for stderr."""
+        mine, theirs = {}, {}
+        for name, target in (("stdout", stdout), ("stderr", stderr)):
+            if target == subprocess.PIPE:
+                mine[name], theirs[name] = os.pipe()
+            elif target is None:
+                theirs[name] = 1 if name == "stdout" else 2
+            elif target == subprocess.STDOUT:
+                theirs[name] = theirs["stdout"]
+            else:
+                theirs[name] = target if isinstance(target, int) else target.fileno()
         devnull = os.open(os.devnull, os.O_RDONLY)
         try:
-            process = self.popen(cmd, env=env, cwd=cwd, stdin=devnull, stdout=out_write,
-                                 stderr=err_write)
+            process = self.popen(cmd, env=env, cwd=cwd, stdin=devnull, stdout=theirs["stdout"],
+                                 stderr=theirs["stderr"], new_session=new_session)
         finally:
-            for fd in (out_write, err_write, devnull):
-                os.close(fd)
+            os.close(devnull)
+            for name in mine:
+                os.close(theirs[name])
         if process is None:
-            os.close(out_read)
-            os.close(err_read)
-            return None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        output = {out_read: bytearray(), err_read: bytearray()}
+            for fd in mine.values():
+                os.close(fd)
+            return subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=stdout, stderr=stderr, text=text,
+                                    start_new_session=new_session)
+        process._pipes = dict(mine)
+        process._output = {name: bytearray() for name in mine}
+        process._text = text
+        return process
+
+    def run(self, cmd: list[str], *, env: dict, cwd: Path,
+            timeout: Optional[float]) -> subprocess.CompletedProcess:
+        """subprocess.run(cmd, cwd=, env=, stdin=DEVNULL, capture_output=True, text=True,
+        timeout=), forked where it can be."""
+        process = self.start(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
         try:
-            open_ends = set(output)
-            while open_ends:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ready, _, _ = select.select(list(open_ends), [], [], left)
-                if not ready:
-                    process.kill()
-                    process.wait()
-                    raise subprocess.TimeoutExpired(cmd, timeout)
-                for fd in ready:
-                    chunk = os.read(fd, 1 << 16)
-                    output[fd] += chunk
-                    if not chunk:
-                        open_ends.discard(fd)
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            code = process.wait(left)
-        finally:
-            os.close(out_read)
-            os.close(err_read)
-        return subprocess.CompletedProcess(cmd, code, _text(output[out_read]),
-                                           _text(output[err_read]))
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        return subprocess.CompletedProcess(cmd, process.returncode, out, err)
 
     def close(self) -> None:
         """Tells the starter to take no more runs (it ends when the runs going have ended, or

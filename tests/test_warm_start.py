@@ -145,6 +145,16 @@ def test_a_closed_starter_lets_its_runs_finish_and_the_next_run_starts_a_new_one
     log.close()
 
 
+def test_a_starter_that_died_is_started_again(tmp_path):
+    warm = WarmStarter(child_env, REPO, tmp_path / "starter.log", modules=(PROBE,))
+    assert _probe_warm(warm, "exit", "4", env=child_env(), cwd=REPO).returncode == 4
+    warm._process.kill()
+    warm._process.wait()
+    assert _probe_warm(warm, "exit", "5", env=child_env(), cwd=REPO).returncode == 5
+    assert warm.starts == 2
+    warm.close()
+
+
 def test_the_starter_follows_a_baseline_that_moved(tmp_path):
     """A variable the pytest process keeps from then on (as torch's compiler sets
     TORCHINDUCTOR_CACHE_DIR) starts the starter again; one a run sets for itself does not."""

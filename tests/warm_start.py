@@ -193,6 +193,11 @@ class WarmStarter:
             self._refuse(cmd, "a command line longer than COMMAND_LINE_ROOM")
             return None
         with self._lock:
+            if self._control is not None and self._process.poll() is not None:
+                self._refuse(cmd, f"(the starter had ended, exit {self._process.returncode}: "
+                                  f"started again)")
+                self._control.close()
+                self._control = None
             if self._control is not None and not forkable(env, self.base_env):
                 moved = self.baseline()
                 if forkable(env, moved) and not forkable(moved, self.base_env):

@@ -96,6 +96,25 @@ def test_a_run_in_its_own_session_signalled_and_killed(starter, tmp_path):
     log.close()
 
 
+def test_communicate_times_out_as_popens_does(starter):
+    """Past its timeout: TimeoutExpired, the run still going, what it wrote kept for the next
+    call; killed, the next call ends with the whole output and -9."""
+    process = starter.start([sys.executable, "-m", PROBE, "wait"], env=child_env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert isinstance(process, WarmProcess)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.communicate(timeout=0.5)
+        if process._output["stderr"]:  # the probe writes stdout, then stderr, then waits
+            break
+    assert process.poll() is None
+    process.kill()
+    out, err = process.communicate(timeout=30)
+    assert json.loads(out)["pid"] == process.pid and err == "to stderr\n"
+    assert process.returncode == -signal.SIGKILL
+
+
 def test_a_run_whose_caller_is_gone_is_killed(starter, tmp_path):
     process = starter.popen([sys.executable, "-m", PROBE, "wait"], env=child_env(),
                             cwd=tmp_path, stdin=0, stdout=1, stderr=2)
@@ -113,7 +132,8 @@ def test_only_run_time_variables_may_differ_from_the_starters():
                      "RANK": "1", "WORLD_SIZE": "2", "PYTEST_CURRENT_TEST": "t"}, base)
     for name, value in (("HF_HUB_OFFLINE", "0"), ("OMP_NUM_THREADS", "2"), ("PATH", "/usr"),
                         ("HF_HOME", "/tmp/hf"), ("ACCELERATE_USE_CPU", "1"),
-                        ("RANKS", "1"), ("CUDA_VISIBLE_DEVICES", "0")):
+                        ("RANKS", "1"), ("CUDA_VISIBLE_DEVICES", "0"), ("ACCEL_OTHER", "1"),
+                        ("MY_FAULT_X", "1")):
         assert not forkable({**base, name: value}, base), name
     assert not forkable({k: v for k, v in base.items() if k != "PATH"}, base)
 

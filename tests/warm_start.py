@@ -425,6 +425,11 @@ def _main(control_fd: int, modules: list[str]) -> None:
         print(f"warm starter: {threading.active_count()} threads after the imports",
               file=sys.stderr)
         sys.exit(1)
+    try:  # a run must be able to show its own command line: where it cannot, no warm starts
+        _show_command_line(sys.orig_argv)
+    except OSError as error:
+        print(f"warm starter: cannot write its command line ({error})", file=sys.stderr)
+        sys.exit(1)
     control.send(READY)
     job = _serve(control)
     job.run()

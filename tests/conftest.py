@@ -110,10 +110,10 @@ def free_port() -> int:
             return port
 
 
-# `python -m accel_train` and `python -m tests.fault_entry` runs started by a test (not by a
-# launcher) are forked from a process that imported torch and the rest once
-# (tests/warm_start.py says when a run still gets a new process, and ACCEL_TRAIN_TEST_WARM=0
-# gives every run one).
+# The `python -m accel_train`, `python -m tests.fault_entry` and launcher processes a test starts
+# itself (not the ranks a launcher starts) are forked from a process that imported torch and the
+# rest once (tests/warm_start.py says when a run still gets a new process, and
+# ACCEL_TRAIN_TEST_WARM=0 gives every run one).
 WARM = WarmStarter(test_env, REPO, Path(tempfile.gettempdir()) / f"warm-start-{os.getpid()}.log")
 
 

@@ -78,11 +78,16 @@ class WarmProcess:
         self._reply, self.args = reply, args
         self.returncode: Optional[int] = None
         self.pid = json.loads(self._receive(timeout=60))["pid"]
-        # "stdout"/"stderr" -> our end of its pipe (None once read to the end), where PIPE
-        # was asked for, and what was read of it
         self._pipes: dict[str, Optional[int]] = {}
         self._output: dict[str, bytearray] = {}
         self._text = False
+
+    def capture(self, pipes: dict[str, int], text: bool) -> None:
+        """`pipes`: "stdout"/"stderr" -> our read end, for those PIPE was asked for
+        (communicate reads them, and sets each to None once read to its end)."""
+        self._pipes = dict(pipes)
+        self._output = {name: bytearray() for name in pipes}
+        self._text = text
 
     def _receive(self, timeout: Optional[float]) -> bytes:
         ready, _, _ = select.select([self._reply], [], [], timeout)
@@ -196,8 +201,7 @@ class WarmStarter:
             if self._control is not None and self._process.poll() is not None:
                 self._refuse(cmd, f"(the starter had ended, exit {self._process.returncode}: "
                                   f"started again)")
-                self._control.close()
-                self._control = None
+                self.close()
             if self._control is not None and not forkable(env, self.base_env):
                 moved = self.baseline()
                 if forkable(env, moved) and not forkable(moved, self.base_env):
@@ -248,9 +252,7 @@ class WarmStarter:
             return subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                     stdout=stdout, stderr=stderr, text=text,
                                     start_new_session=new_session)
-        process._pipes = dict(mine)
-        process._output = {name: bytearray() for name in mine}
-        process._text = text
+        process.capture(mine, text)
         return process
 
     def run(self, cmd: list[str], *, env: dict, cwd: Path,

@@ -3,7 +3,8 @@
 
     ACCEL_TRAIN_CPU_REPORT=cpu.jsonl scripts/with_env python -m pytest -p tests.cpu_per_test
 
-One JSON line per test: its wall seconds, the CPU seconds of the pytest process that ran it
+One JSON line per test: the xdist worker that ran it and when it started (for the workers'
+timelines: where one sits idle at the end), its wall seconds, the CPU seconds of the pytest process that ran it
 ("self") and of the child processes it started and waited for ("children": launchers, ranks,
 fresh training processes; a module fixture's runs count for the test that first used it).
 Processes nobody waits for (a fork server, an orphaned grandchild) are not counted: Linux process
@@ -23,10 +24,11 @@ REPORT_ENV = "ACCEL_TRAIN_CPU_REPORT"
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    before, started = os.times(), time.monotonic()
+    before, started, clock = os.times(), time.monotonic(), time.time()
     yield
     after = os.times()
-    record = {"test": item.nodeid, "wall": round(time.monotonic() - started, 3),
+    record = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+              "start": round(clock, 3), "wall": round(time.monotonic() - started, 3),
               "self": round(after.user - before.user + after.system - before.system, 3),
               "children": round(after.children_user - before.children_user
                                 + after.children_system - before.children_system, 3)}

@@ -4,9 +4,10 @@
     ACCEL_TRAIN_CPU_REPORT=cpu.jsonl scripts/with_env python -m pytest -p tests.cpu_per_test
 
 One JSON line per test: the xdist worker that ran it and when it started (for the workers'
-timelines: where one sits idle at the end), its wall seconds, the CPU seconds of the pytest process that ran it
-("self") and of the child processes it started and waited for ("children": launchers, ranks,
-fresh training processes; a module fixture's runs count for the test that first used it).
+timelines: where one sits idle at the end), its wall seconds, the CPU seconds of the pytest
+process that ran it ("self") and of the child processes it started and waited for ("children":
+launchers, ranks, fresh training processes; a module fixture's runs count for the test that first
+used it).
 Processes nobody waits for (a fork server, an orphaned grandchild) are not counted: Linux process
 accounting (`accton`, Debian's acct) sees those.
 """

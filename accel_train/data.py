@@ -45,9 +45,10 @@ class SampleBatch(Sequence):
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor,
                  keys: torch.Tensor | None = None, replaced: torch.Tensor | None = None,
-                 erasing: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 erasing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 crop_plan: torch.Tensor | None = None):
         self.images, self.labels, self.keys, self.replaced = images, labels, keys, replaced
-        self.erasing = erasing
+        self.erasing, self.crop_plan = erasing, crop_plan
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -57,7 +58,10 @@ class SampleBatch(Sequence):
                      if t is not None)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.samples_tensors() + tuple(self.erasing or ())
+        """The samples' tensors, then the crop plan of images placed on the device (if so),
+        then the erasing plan (if any): the order `FinishOnDevice` reads them in."""
+        plan = () if self.crop_plan is None else (self.crop_plan,)
+        return self.samples_tensors() + plan + tuple(self.erasing or ())
 
     def __getitem__(self, position):
         if isinstance(position, slice):
@@ -92,12 +96,20 @@ class TrainImages(Dataset):
 
     The DataLoader asks for a whole batch of keys at once (`__getitems__`): in-memory images are
     then gathered and augmented as one tensor, which keeps the input pipeline a small fraction of
-    a training step without worker processes (see transforms.py)."""
+    a training step without worker processes (see transforms.py).
+
+    `place_on_device` (a GPU's runs): small in-memory images without --auto-augment leave as
+    they are stored, with their crop plan, and are resized, cropped and flipped on the device
+    (`FinishOnDevice`): CIFAR trained at 224 or 336 px (the seed tutorial's ResNet-50d) would
+    otherwise have the host's cores upscale every image, 50-110 times its stored pixels, and the
+    GPU wait for them (BENCHMARKS.md, "GPU: one NVIDIA H200, a second time")."""
 
     def __init__(self, source: ImageSource, transform: ImageTransform, seed: int,
-                 mark_replaced: bool = False):
+                 mark_replaced: bool = False, place_on_device: bool = False):
         self.source, self.transform, self.seed = source, transform, seed
         self.mark_replaced = mark_replaced
+        self.places_on_device = (place_on_device and isinstance(source, ArraySource)
+                                 and transform.places_on_device(source.images.shape))
 
     def __len__(self) -> int:
         return len(self.source)
@@ -127,16 +139,23 @@ class TrainImages(Dataset):
             if marks is not None:
                 marks = replaced_marks(indices, used)
             return SampleBatch(batch, self.source.labels[used], keys, marks,
-                               self._erasing(batch, epochs, indices))
-        images = self.transform.pixel_batch(self.source.images.index_select(0, indices),
-                                            self.seed, epochs.numpy(), indices.numpy())
+                               self._erasing(batch.shape, epochs, indices))
+        images = self.source.images.index_select(0, indices)
+        if self.places_on_device:
+            plan = self.transform.crop_plan(self.seed, epochs.numpy(), indices.numpy())
+            size = self.transform.image_size
+            return SampleBatch(images, self.source.labels[indices], keys, marks,
+                               self._erasing((len(images), 3, size, size), epochs, indices),
+                               crop_plan=plan)
+        images = self.transform.pixel_batch(images, self.seed, epochs.numpy(), indices.numpy())
         return SampleBatch(images, self.source.labels[indices], keys, marks,
-                           self._erasing(images, epochs, indices))
+                           self._erasing(images.shape, epochs, indices))
 
-    def _erasing(self, pixels: torch.Tensor, epochs: torch.Tensor, indices: torch.Tensor):
-        """The batch's erasing plan (--reprob), drawn here with its pixels: in the loader's
-        workers, beside the training step rather than in its way (`FinishOnDevice`)."""
-        return self.transform.erasing_plan(pixels.shape, self.seed, epochs.numpy(),
+    def _erasing(self, shape, epochs: torch.Tensor, indices: torch.Tensor):
+        """The erasing plan (--reprob) of a batch of placed pixels of `shape`, drawn here: in
+        the loader's workers, beside the training step rather than in its way
+        (`FinishOnDevice`)."""
+        return self.transform.erasing_plan(torch.Size(shape), self.seed, epochs.numpy(),
                                            indices.numpy())
 
 
@@ -276,16 +295,26 @@ def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_fa
 
 class FinishOnDevice:
     """The second half of the training transform (`ImageTransform.finish`: normalize, then
-    erase with --reprob), run on a micro-batch's uint8 pixels once they are on the device.
-    Training keys are `epoch * num_samples + index`, the same for the indexed and the streamed
-    loaders; erasing's seeded draws need each sample's (epoch, index), normalizing does not."""
+    erase with --reprob), run on a micro-batch's uint8 pixels once they are on the device;
+    with `places` (TrainImages.places_on_device) the resize, crop and flip before it
+    (`ImageTransform.place`).  Training keys are `epoch * num_samples + index`, the same for the
+    indexed and the streamed loaders; erasing's seeded draws need each sample's (epoch, index),
+    normalizing does not."""
 
-    def __init__(self, transform: ImageTransform, seed: int, num_samples: int):
+    def __init__(self, transform: ImageTransform, seed: int, num_samples: int,
+                 places: bool = False):
         self.transform, self.seed, self.num_samples = transform, seed, num_samples
+        self.places = places
 
     def __call__(self, pixels: torch.Tensor, keys: torch.Tensor,
-                 erasing: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """`erasing`: the plan the loader drew with the pixels (`TrainImages`), if it did."""
+                 plans: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """`plans`: what the loader drew with the pixels (`SampleBatch.tensors`' tail): with
+        `places` and augmenting, the crop plan first; then the erasing plan, if it drew one."""
+        if self.places:
+            crop = plans[0] if self.transform.augment else None
+            pixels = self.transform.place(pixels, crop)
+            plans = plans[1:] if self.transform.augment else plans
+        erasing = plans
         if not self.transform.erases:
             return self.transform.finish(pixels)
         if erasing:

@@ -104,7 +104,8 @@ class IndexedTrainLoader:
                  num_processes: int, rank: int, seed: int, timeout: float = 0):
         self.loader, self.sampler, self.generator = loader, sampler, loader.generator
         # The second half of its dataset's transform (TrainImages hands out uint8 pixels).
-        self.finish = FinishOnDevice(loader.dataset.transform, seed, len(loader.dataset))
+        self.finish = FinishOnDevice(loader.dataset.transform, seed, len(loader.dataset),
+                                     places=loader.dataset.places_on_device)
         self.per_micro_step = batch_size * num_processes
         self.rank, self.seed, self.timeout = rank, seed, timeout
         self.epoch, self.samples_in_epoch = 0, 0
@@ -214,8 +215,10 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                              f"global batch of {global_batch} (batch_size x processes x "
                              f"accumulation_steps); lower --batch-size")
         sampler = EpochSampler(len(data.train), global_batch, config.seed)
-        # The marks of replaced images ride along to the loop (badimages.py names them).
-        loader = make_loader(TrainImages(data.train, train_tf, config.seed, mark_replaced=True),
+        # The marks of replaced images ride along to the loop (badimages.py names them); on a
+        # GPU small in-memory images are resized and cropped there (TrainImages).
+        loader = make_loader(TrainImages(data.train, train_tf, config.seed, mark_replaced=True,
+                                         place_on_device=cuda),
                              config.batch_size, wanted_workers, config.prefetch_factor,
                              config.persistent_workers, pin_memory, sampler=sampler,
                              drop_last=True, seed=config.seed, timeout=config.loader_timeout)

@@ -72,6 +72,7 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         f"  data: {facts['train_samples']} train / {facts['eval_samples']} held-out images, "
         f"{len(model['class_names'])} classes, {model['image_size']}px, "
         f"{'decoded in memory' if facts['data_in_memory'] else 'decoded per step'}, "
+        + ("resized and cropped on the device, " if facts.get("placed_on_device") else "") +
         f"{facts['num_workers']} loader worker(s)\n"
         f"  global batch {facts['global_batch']} = {per_process} per process x {world} "
         f"process(es) x {accumulation_steps} accumulation step(s); "

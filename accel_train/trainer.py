@@ -365,6 +365,8 @@ class Trainer:
                 "train_samples": len(self.data.train), "eval_samples": len(self.data.held_out),
                 "num_workers": loaders.num_workers,
                 "data_in_memory": isinstance(self.data.train, ArraySource),
+                # resized, cropped and flipped on the device rather than in the loader
+                "placed_on_device": getattr(loaders.train.finish, "places", False),
                 "sync_bn": self.net.sync_bn, "model": self.net.spec.__dict__,
                 "whitened_stem": self.net.whitened,
                 "trainable_parameters": self.net.num_trainable,

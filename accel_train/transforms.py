@@ -176,14 +176,41 @@ class ImageTransform:
             images = torch.stack([self._augment_large(image, (seed, int(e), int(i)))
                                   for image, e, i in zip(images, epochs, indices)])
         else:
-            images = self._resize(images)
+            images = self.place(images, self.crop_plan(seed, epochs, indices))
             if not self.augment:
                 return images
-            bits = augment_bits(seed, epochs, indices)
-            images = self._pad_crop_flip(images, bits, self._flips(bits, seed, epochs, indices))
         if self.policy is not None:
             images = apply_seeded(self.policy, images, seed, epochs, indices)
         return images
+
+    # -- the small-image geometry on its own: where it runs is the loader's choice -------------
+    def places_on_device(self, images_shape: Sequence[int]) -> bool:
+        """Whether a batch of this (stored) shape may leave the loader at its stored size, its
+        resize, crop and flip done by `place` on the device: the small-image (CIFAR-style)
+        path, without --auto-augment (whose policy works on the placed uint8 pixels)."""
+        return max(images_shape[-2:]) <= SMALL_IMAGE and self.policy is None
+
+    def crop_plan(self, seed: int, epochs: Sequence[int],
+                  indices: Sequence[int]) -> Optional[torch.Tensor]:
+        """Each small image's crop offsets and flip, int64 [B, 3] (top, left, mirrored), a
+        function of (seed, epoch, index); None when not augmenting (a plain resize)."""
+        if not self.augment:
+            return None
+        bits = augment_bits(seed, epochs, indices)
+        flips = self._flips(bits, seed, epochs, indices)
+        bits = torch.from_numpy((bits >> np.uint64(1)).astype(np.int64))  # 63 bits, >= 0
+        span = 2 * self._pad() + 1  # possible offsets per axis
+        top = ((bits & 0xFFFFFF) * span) >> 24
+        left = (((bits >> 24) & 0xFFFFFF) * span) >> 24
+        return torch.stack([top, left, flips.long()], dim=1)
+
+    def place(self, images: torch.Tensor, plan: Optional[torch.Tensor]) -> torch.Tensor:
+        """uint8 [B, 3, H, W] small images, on any device -> uint8 [B, 3, S, S] on it: resized,
+        then (with a `crop_plan`, on the same device) reflect-padded, cropped and flipped."""
+        images = self._resize(images)
+        if plan is None:
+            return images
+        return self._pad_crop_flip(images, plan)
 
     def finish(self, images: torch.Tensor, seed: int = 0, epochs: Sequence[int] = (),
                indices: Sequence[int] = (),
@@ -232,21 +259,19 @@ class ImageTransform:
                                     .astype(bool))
         return torch.from_numpy((bits >> np.uint64(63)).astype(bool))
 
-    def _pad_crop_flip(self, images: torch.Tensor, bits: np.ndarray,
-                       flip: torch.Tensor) -> torch.Tensor:
-        """CIFAR augmentation for a batch: reflect-pad by --crop-pad (default size/8), take a
-        random size x size crop, mirror the images `flip` marks; offsets from `bits` (one
-        uint64 per image)."""
-        size, count = self.image_size, images.shape[0]
-        pad = self.crop_pad if self.crop_pad is not None else max(1, size // 8)
-        span = 2 * pad + 1  # possible offsets per axis
-        bits = torch.from_numpy((bits >> np.uint64(1)).astype(np.int64))  # 63 bits, non-negative
-        top = ((bits & 0xFFFFFF) * span) >> 24
-        left = (((bits >> 24) & 0xFFFFFF) * span) >> 24
+    def _pad(self) -> int:
+        """How far the CIFAR-style crop may shift: --crop-pad, by default the size / 8."""
+        return self.crop_pad if self.crop_pad is not None else max(1, self.image_size // 8)
+
+    def _pad_crop_flip(self, images: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+        """CIFAR augmentation for a batch: reflect-pad by `_pad()`, take the size x size crop
+        at each image's (top, left) of `plan`, mirror the images it marks."""
+        size, count, pad = self.image_size, images.shape[0], self._pad()
+        top, left, flip = plan.to(images.device).unbind(1)
         padded = F.pad(images, (pad, pad, pad, pad), mode="reflect")    # uint8 [B, 3, P, P]
-        ramp = torch.arange(size)
+        ramp = torch.arange(size, device=images.device)
         rows = top[:, None] + ramp                                        # [B, S]
-        cols = left[:, None] + torch.where(flip[:, None], size - 1 - ramp, ramp)
+        cols = left[:, None] + torch.where(flip[:, None].bool(), size - 1 - ramp, ramp)
         # One gather over the flattened padded image: faster than advanced indexing or a loop.
         where = rows[:, :, None] * padded.shape[-1] + cols[:, None, :]     # [B, S, S]
         channels = padded.shape[1]

@@ -18,12 +18,16 @@ decoding JPEG every epoch (the seed tutorial's way), and the trainer's own data-
 5. --reprob's random erasing of one batch: timm per image inside its own `seeded` block (the
    way before, in the training process), the batch's plan drawn at once (`erasing_plan`, now
    in the loader's workers), and what is left to the training process (`apply_erasing`).
+6. In-memory 32 px images trained at a GPU's 224 or 336 px: their resize, crop and flip in the
+   loader (before) against the loader handing over the stored pixels and a crop plan, placed on
+   the device (now, on a GPU), each part's milliseconds per batch and the bytes that travel.
 
     python benchmarks/bench_data.py --quick
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import sys
 import tempfile
@@ -335,6 +339,61 @@ def erasing_cost(args, report) -> dict:
     return times
 
 
+# -- 6. where small images are resized and cropped for a GPU's run -----------------------------
+def placement_cost(args, report) -> dict:
+    """In-memory CIFAR trained at a GPU's sizes (bench_gpu.py's 224 and 336 px, the seed
+    tutorial's 336): a batch's resize, crop and flip in the loader (before) against the loader
+    handing over the stored 32 px pixels and their crop plan, placed on the device (now;
+    data.TrainImages.places_on_device).  The device's part is timed here on the CPU: on a GPU
+    it runs there."""
+    from accel_train.data import TrainImages
+    from accel_train.sources import ArraySource
+    from accel_train.transforms import ImageTransform
+    torch.set_num_threads(1)  # as in a loader worker (transforms.single_threaded)
+    count = 1024
+    images = torch.randint(0, 256, (count, 3, 32, 32), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(0))
+    source = ArraySource(images, torch.arange(count) % 10)
+    rows, result = [], {}
+    for size, batch in ((224, 128), (336, 64)):
+        transform = ImageTransform(size, (0.5,) * 3, (0.25,) * 3, augment=True)
+        keys = list(range(count + 7, count + 7 + batch))  # epoch 1
+        kept = TrainImages(source, transform, 0, place_on_device=False)
+        placed = TrainImages(source, transform, 0, place_on_device=True)
+        handed = placed.__getitems__(keys)
+        arms = {"in the loader (before)": functools.partial(kept.__getitems__, keys),
+                "the loader's part now: stored pixels + crop plan":
+                functools.partial(placed.__getitems__, keys),
+                "the device's part now (here on the CPU)":
+                functools.partial(transform.place, handed.images, handed.crop_plan)}
+        # the same pixels either way (checked in the run)
+        assert torch.equal(kept.__getitems__(keys).images,
+                           transform.place(handed.images, handed.crop_plan))
+        times = {}
+        for name, arm in arms.items():
+            arm()
+            runs = []
+            for _ in range(args.repeats * 3):
+                start = time.perf_counter()
+                arm()
+                runs.append(time.perf_counter() - start)
+            times[name] = float(np.median(runs))
+        before = times["in the loader (before)"]
+        sent = {"in the loader (before)": batch * 3 * size * size,
+                "the loader's part now: stored pixels + crop plan":
+                handed.images.numel() + handed.crop_plan.numel() * 8}
+        for name, t in times.items():
+            rows.append([f"{size} px, batch {batch}", name, f"{t * 1e3:.2f}",
+                         f"{t / before:.3f}", f"{sent[name] / 1024:,.0f}" if name in sent
+                         else ""])
+        result[size] = times
+    report.table(f"Resize, crop and flip of in-memory 32 px images for a GPU's run (median of "
+                 f"{args.repeats * 3}, 1 thread)",
+                 ["images", "arm", "ms per batch", "ratio to before", "kB from the loader"],
+                 rows, notes=["the same uint8 pixels either way (checked in the run)"])
+    return result
+
+
 def main() -> int:
     parser = benchlib.make_parser(__doc__)
     parser.add_argument("--model", default="resnet18")
@@ -352,7 +411,7 @@ def main() -> int:
     parser.add_argument("--erase-batch", type=int, default=512)
     parser.add_argument("--reprob", type=float, default=0.5)
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["decode", "pipelines", "trainer", "erasing"])
+                        choices=["decode", "pipelines", "trainer", "erasing", "placement"])
     parser.add_argument("--tmp", default=tempfile.gettempdir())
     args = parser.parse_args()
     quick = args.quick
@@ -377,6 +436,8 @@ def main() -> int:
         result["trainer"] = trainer_data_wait(args, report)
     if "erasing" not in args.skip:
         result["erasing"] = erasing_cost(args, report)
+    if "placement" not in args.skip:
+        result["placement"] = placement_cost(args, report)
     report.data["result"] = result
     print(f"wrote {report.save()}")
     return 0

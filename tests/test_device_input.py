@@ -296,3 +296,228 @@ def test_erasing_draws_on_the_host_whatever_the_images_device():
     images = torch.empty(3, 3, 8, 8, device="meta")
     out = apply_erasing(images, erasing_plan(spy, images.shape, SEED, [0, 0, 1], [4, 5, 6]))
     assert seen == ["cpu"] * 3 and out.device.type == "meta" and out.shape == images.shape
+
+
+# -- small in-memory images resized, cropped and flipped on the device (a GPU's runs) ------------
+
+PLACEMENTS = [  # (stored size, trained size, transform options)
+    (32, 32, dict(augment=True)),
+    (32, 48, dict(augment=True)),  # upscaled, as CIFAR at 224 or 336 px on a GPU
+    (32, 48, dict(augment=True, flip="alternate", crop_pad=2, erasing=build_erasing(0.5))),
+    (16, 40, dict(augment=False)),  # a plain resize: no crop plan travels
+    (32, 32, dict(augment=False, erasing=build_erasing(1.0))),  # erasing only when augmenting
+    (64, 72, dict(augment=True)),  # the largest stored size still cropped CIFAR-style
+]
+
+
+@pytest.mark.parametrize("stored, size, options", PLACEMENTS)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_images_placed_on_the_device_are_the_loaders_own_to_the_bit(stored, size, options,
+                                                                   workers, monkeypatch):
+    """Where the resize, crop and flip run (the loader, or the device half) must not change a
+    value: on one device the same operations give the same bits.  Oracle: the one-call float
+    path on the host (transform.batch, itself checked against a window of the reflect-padded
+    image in test_augment.py); through the trainer's DataLoader, across worker processes."""
+    source = _source(size=stored)
+    transform = ImageTransform(size, MEAN, STD, **options)
+    placed = TrainImages(source, transform, SEED, mark_replaced=True, place_on_device=True)
+    assert placed.places_on_device
+    keys = [N + 5, 3, 2 * N + 17, 9, 1, N + 30]
+    loader = data_module.make_loader(placed, batch_size=3, num_workers=workers,
+                                     prefetch_factor=2, persistent_workers=False,
+                                     pin_memory=False, sampler=keys)
+    finish = FinishOnDevice(transform, SEED, N, places=True)
+    handed = list(loader)
+    oracles = []
+    for start, (pixels, _, batch_keys, _, *plans) in zip((0, 3), handed):
+        part = keys[start:start + 3]
+        epochs, indices = np.array(part) // N, np.array(part) % N
+        # what travelled: the stored pixels, untouched, and the plans
+        assert batch_keys.tolist() == part
+        assert torch.equal(pixels, source.images.index_select(0, torch.from_numpy(indices)))
+        assert len(plans) == int(transform.augment) + 2 * int(transform.erases)
+        oracles.append(transform.batch(pixels, SEED, epochs, indices))
+        assert oracles[-1].shape == (3, 3, size, size)
+    # the plans came along: the device half draws nothing more (only a reader without them does)
+    monkeypatch.setattr(ImageTransform, "erasing_plan",
+                        lambda *a, **k: pytest.fail("drawn again in the training process"))
+    monkeypatch.setattr(ImageTransform, "crop_plan",
+                        lambda *a, **k: pytest.fail("drawn again in the training process"))
+    for (pixels, _, batch_keys, _, *plans), oracle in zip(handed, oracles):
+        assert torch.equal(finish(pixels, batch_keys, plans), oracle), plans
+    # and a loader that keeps the geometry gives those very tensors
+    monkeypatch.undo()
+    kept = TrainImages(source, transform, SEED, mark_replaced=True)
+    assert not kept.places_on_device
+    batch = kept.__getitems__(keys[:3])
+    assert torch.equal(FinishOnDevice(transform, SEED, N)(batch.images, torch.tensor(keys[:3]),
+                                                          batch.tensors()[4:]),
+                       finish(*_handed(placed, keys[:3])))
+
+
+def _handed(dataset, keys):
+    tensors = dataset.__getitems__(keys).tensors()
+    return tensors[0], tensors[2], tensors[4:]
+
+
+M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's step (Steele, Lea and Flood 2014; Vigna's splitmix64.c), in Python ints."""
+    x = (x + 0x9E3779B97F4A7C15) & M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+@pytest.mark.parametrize("size, crop_pad, flip", [(32, None, "random"), (12, None, "random"),
+                                                  (48, 5, "alternate")])
+def test_the_crop_plan_is_the_documented_function_of_the_samples_place(size, crop_pad, flip):
+    """Oracle, in Python integers: each sample's 64 bits are SplitMix64 chained over (seed,
+    epoch, index); the flip is their top bit (under --flip alternate: the top bit of the
+    epoch-0 bits, inverted in odd epochs); the offsets scale two 24-bit fields of the bits below
+    it onto 0 .. 2 * pad (pad: --crop-pad, else the size / 8 and at least 1).  A resumed run's
+    crops, and a checkpoint's from an earlier version, rely on this exact function."""
+    transform = ImageTransform(size, MEAN, STD, augment=True, crop_pad=crop_pad, flip=flip)
+    pad = crop_pad if crop_pad is not None else max(1, size // 8)
+    span = 2 * pad + 1
+    places = [(epoch, index) for epoch in (0, 1, 2, 7) for index in (0, 1, 5, 39, 12345)]
+    plan = transform.crop_plan(SEED, [e for e, _ in places], [i for _, i in places])
+
+    def bits(epoch, index):
+        return _splitmix64(_splitmix64(_splitmix64(SEED) ^ epoch) ^ index)
+
+    for (epoch, index), (top, left, mirrored) in zip(places, plan.tolist()):
+        low = bits(epoch, index) >> 1
+        assert top == ((low & 0xFFFFFF) * span) >> 24, (epoch, index)
+        assert left == (((low >> 24) & 0xFFFFFF) * span) >> 24, (epoch, index)
+        expected = bits(epoch, index) >> 63 if flip == "random" else \
+            (bits(0, index) >> 63) ^ (epoch & 1)
+        assert mirrored == expected, (epoch, index)
+    many = transform.crop_plan(SEED, [0] * 400, list(range(400)))
+    assert set(many[:, 0].tolist()) == set(many[:, 1].tolist()) == set(range(span))
+
+
+def test_placing_keeps_to_the_images_device():
+    """The crop plan arrives on the host or the device; the crop's index arithmetic follows the
+    images (the meta device stands in for a GPU here: a tensor left on the host fails there as
+    it would on CUDA)."""
+    transform = ImageTransform(40, MEAN, STD, augment=True)
+    plan = transform.crop_plan(SEED, [0, 1], [3, 4])
+    for stored in (40, 32):  # cropped only, and resized then cropped
+        images = torch.zeros(2, 3, stored, stored, dtype=torch.uint8, device="meta")
+        placed = transform.place(images, plan)
+        assert placed.device.type == "meta" and placed.shape == (2, 3, 40, 40)
+
+
+def test_the_crop_plan_is_where_the_crop_window_lies():
+    """Oracle: numpy's reflect pad and a slice at the plan's (top, left), mirrored where it says,
+    after a resize; offsets within the padding; about half mirrored."""
+    stored, size, pad = 16, 24, 3
+    source = _source(size=stored)
+    transform = ImageTransform(size, MEAN, STD, augment=True, crop_pad=pad)
+    indices = np.arange(N)
+    plan = transform.crop_plan(SEED, np.zeros(N, dtype=np.int64), indices)
+    assert plan.shape == (N, 3) and plan.dtype == torch.int64
+    assert 0 <= int(plan[:, :2].min()) and int(plan[:, :2].max()) <= 2 * pad
+    assert 0.2 < float(plan[:, 2].float().mean()) < 0.8
+    placed = transform.place(source.images, plan)
+    from torchvision.transforms.v2 import functional as TF
+    resized = TF.resize(source.images, [size, size], antialias=True).numpy()
+    for i in range(N):
+        padded = np.pad(resized[i], ((0, 0), (pad, pad), (pad, pad)), mode="reflect")
+        top, left, mirrored = plan[i].tolist()
+        window = padded[:, top:top + size, left:left + size]
+        np.testing.assert_array_equal(placed[i].numpy(),
+                                      window[:, :, ::-1] if mirrored else window)
+    assert transform.place(source.images, None).shape == (N, 3, size, size)  # resize alone
+    assert ImageTransform(size, MEAN, STD).crop_plan(SEED, [0], [1]) is None  # no augmenting
+
+
+@pytest.mark.parametrize("why", ["policy", "large images", "decoded per step", "a CPU's run"])
+def test_what_stays_in_the_loader(why):
+    """--auto-augment works on the placed pixels, large images take a random resized crop
+    each, images decoded per step are decoded there anyway: those keep the loader's geometry, and
+    so does every run on a CPU (the step needs every core)."""
+    from accel_train.augment import build_policy
+    source, options, place = _source(), dict(augment=True), True
+    if why == "policy":
+        options["policy"] = build_policy("rand-m9-mstd0.5-inc1")
+    elif why == "large images":
+        source = _source(n=4, size=65)  # above 64 px: a random resized crop each
+    elif why == "decoded per step":
+        source = _Decoded(_source())
+    else:
+        place = False
+    dataset = TrainImages(source, ImageTransform(32, MEAN, STD, **options), SEED,
+                          place_on_device=place)
+    assert not dataset.places_on_device
+    batch = dataset.__getitems__([1, 2])
+    assert batch.crop_plan is None and batch.images.shape == (2, 3, 32, 32)
+
+
+class _Decoded(ImageSource):
+    """The same images, read one by one as a decoding source hands them."""
+
+    def __init__(self, source: ArraySource):
+        self.source, self.labels = source, source.labels
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def samples_at(self, indices):
+        return [self.source.images[i] for i in indices], list(indices)
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_a_gpus_run_places_its_small_in_memory_images_on_the_device(cuda, tmp_path):
+    """build_loaders, as the trainer calls it: on a GPU the training loader's finishing half
+    places the images; on a CPU it does not.  The run's summary says which."""
+    from types import SimpleNamespace
+
+    from accel_train.config import TrainConfig
+    from accel_train.loading import build_loaders
+    from accel_train.report import summary
+
+    config = TrainConfig(dataset="synthetic", batch_size=8, num_workers=0)
+    data = SimpleNamespace(train=_source(), held_out=_source(n=8))
+    spec = SimpleNamespace(image_size=48, mean=MEAN, std=STD)
+    loaders = build_loaders(config, data, spec, 1, 0, 1, cuda)
+    assert loaders.train.finish.places is cuda
+    assert loaders.train.loader.dataset.places_on_device is cuda
+    facts = {"model": {"model_name": "m", "class_names": ["a"], "image_size": 48},
+             "trainable_parameters": 1, "world_size": 1, "global_batch": 8, "device": "cuda:0",
+             "precision_used": "fp16", "channels_last": True, "speed_choice": "asked",
+             "sync_bn": False, "train_samples": 8, "eval_samples": 8, "data_in_memory": True,
+             "num_workers": 3, "steps_per_epoch": 1, "total_steps": 1, "output_dir": "o",
+             "checkpoint_dir": "o/c", "placed_on_device": cuda}
+    said = "decoded in memory, resized and cropped on the device, 3 loader worker(s)\n"
+    assert (said in summary(facts, "data", 1, None, "m")) is cuda
+
+
+class _Substituting(_Decoded):
+    """A decoding source whose image 2 could not be read: index 3's stands in for it, as a
+    source with a broken image substitutes one (sources.py)."""
+
+    def samples_at(self, indices):
+        used = [3 if i == 2 else i for i in indices]
+        return [self.source.images[i] for i in used], used
+
+
+@pytest.mark.parametrize("mark_replaced", [True, False])
+def test_a_replaced_image_is_marked_in_the_single_sample_and_the_batch_paths(mark_replaced):
+    """Oracle: the source's own substitution (2 read as 3).  Marked: the sample's index where
+    its image was replaced, else -1; without `mark_replaced` (the default) no mark at all."""
+    transform = ImageTransform(32, MEAN, STD)
+    options = {"mark_replaced": True} if mark_replaced else {}
+    dataset = TrainImages(_Substituting(_source()), transform, SEED, **options)
+    replaced, kept = dataset[2], dataset[N + 4]
+    batch = dataset.__getitems__([2, N + 4])
+    if not mark_replaced:
+        assert len(replaced) == len(kept) == 3 and batch.replaced is None
+        return
+    assert replaced[3] == 2 and kept[3] == -1 and len(kept) == 4
+    assert batch.replaced.tolist() == [2, -1]
+    # the substitute's pixels and label, in the replaced sample's place
+    assert torch.equal(replaced[0], _source().images[3]) and int(replaced[1]) == 3

@@ -109,7 +109,7 @@ class TrainImages(Dataset):
         self.source, self.transform, self.seed = source, transform, seed
         self.mark_replaced = mark_replaced
         self.places_on_device = (place_on_device and isinstance(source, ArraySource)
-                                 and transform.places_on_device(source.images.shape))
+                                 and transform.can_place(source.images.shape))
 
     def __len__(self) -> int:
         return len(self.source)

@@ -184,7 +184,7 @@ class ImageTransform:
         return images
 
     # -- the small-image geometry on its own: where it runs is the loader's choice -------------
-    def places_on_device(self, images_shape: Sequence[int]) -> bool:
+    def can_place(self, images_shape: Sequence[int]) -> bool:
         """Whether a batch of this (stored) shape may leave the loader at its stored size, its
         resize, crop and flip done by `place` on the device: the small-image (CIFAR-style)
         path, without --auto-augment (whose policy works on the placed uint8 pixels)."""

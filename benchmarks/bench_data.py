@@ -295,6 +295,20 @@ def trainer_data_wait(args, report) -> dict:
     return result
 
 
+def median_seconds(arms: dict, repeats: int) -> dict:
+    """Each arm's median seconds over `repeats` calls, after one call to warm it."""
+    times = {}
+    for name, arm in arms.items():
+        arm()
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            arm()
+            runs.append(time.perf_counter() - start)
+        times[name] = float(np.median(runs))
+    return times
+
+
 # -- 5. random erasing ---------------------------------------------------------------------------
 def erasing_cost(args, report) -> dict:
     from accel_train.augment import ERASING_SALT, apply_erasing, build_erasing, erasing_plan
@@ -320,15 +334,7 @@ def erasing_cost(args, report) -> dict:
             lambda: erasing_plan(erasing, images.shape, 0, epochs, indices),
             "applying the plan (now; training process)": lambda: apply_erasing(images, plan)}
     assert torch.equal(per_image_seeded(), apply_erasing(images, plan))  # the same values
-    times = {}
-    for name, arm in arms.items():
-        arm()
-        runs = []
-        for _ in range(args.repeats * 3):
-            start = time.perf_counter()
-            arm()
-            runs.append(time.perf_counter() - start)
-        times[name] = float(np.median(runs))
+    times = median_seconds(arms, args.repeats * 3)
     before = times[next(iter(arms))]
     report.table(f"Random erasing of one batch ({batch} images, {size} px, --reprob "
                  f"{args.reprob}, median of {args.repeats * 3}, 1 thread)",
@@ -369,15 +375,7 @@ def placement_cost(args, report) -> dict:
         # the same pixels either way (checked in the run)
         assert torch.equal(kept.__getitems__(keys).images,
                            transform.place(handed.images, handed.crop_plan))
-        times = {}
-        for name, arm in arms.items():
-            arm()
-            runs = []
-            for _ in range(args.repeats * 3):
-                start = time.perf_counter()
-                arm()
-                runs.append(time.perf_counter() - start)
-            times[name] = float(np.median(runs))
+        times = median_seconds(arms, args.repeats * 3)
         before = times["in the loader (before)"]
         sent = {"in the loader (before)": batch * 3 * size * size,
                 "the loader's part now: stored pixels + crop plan":

@@ -261,6 +261,16 @@ def cuda_flags():
     torch.set_float32_matmul_precision(saved[1])
 
 
+def _summary_facts(**changes) -> dict:
+    """A run's resolved facts as report.summary reads them (a one-process GPU run)."""
+    return {"model": {"model_name": "m", "class_names": ["a"], "image_size": 32},
+            "trainable_parameters": 1, "world_size": 1, "global_batch": 8, "device": "cuda:0",
+            "precision_used": "fp16", "channels_last": True, "speed_choice": "asked",
+            "sync_bn": False, "train_samples": 8, "eval_samples": 8, "data_in_memory": True,
+            "num_workers": 0, "steps_per_epoch": 1, "total_steps": 1, "output_dir": "o",
+            "checkpoint_dir": "o/c", **changes}
+
+
 def test_fast_cuda_math_is_set_on_cuda_only_and_said(cuda_flags):
     torch.backends.cudnn.benchmark = False
     torch.set_float32_matmul_precision("highest")
@@ -272,12 +282,7 @@ def test_fast_cuda_math_is_set_on_cuda_only_and_said(cuda_flags):
     assert torch.get_float32_matmul_precision() == "high"
     assert "cuDNN autotuning" in said and "TF32" in said
     from accel_train.report import summary
-    facts = {"model": {"model_name": "m", "class_names": ["a"], "image_size": 32},
-             "trainable_parameters": 1, "world_size": 1, "global_batch": 8, "device": "cuda:0",
-             "precision_used": "fp16", "channels_last": True, "speed_choice": "asked",
-             "sync_bn": False, "train_samples": 8, "eval_samples": 8, "data_in_memory": True,
-             "num_workers": 0, "steps_per_epoch": 1, "total_steps": 1, "output_dir": "o",
-             "checkpoint_dir": "o/c", "cuda_math": said}
+    facts = _summary_facts(cuda_math=said)
     assert f"\n  cuda: {said}\n" in summary(facts, "data", 1, None, "metrics.jsonl")
     assert "\n  cuda: " not in summary({**facts, "cuda_math": None}, "data", 1, None, "m")
 
@@ -486,12 +491,7 @@ def test_a_gpus_run_places_its_small_in_memory_images_on_the_device(cuda, tmp_pa
     loaders = build_loaders(config, data, spec, 1, 0, 1, cuda)
     assert loaders.train.finish.places is cuda
     assert loaders.train.loader.dataset.places_on_device is cuda
-    facts = {"model": {"model_name": "m", "class_names": ["a"], "image_size": 48},
-             "trainable_parameters": 1, "world_size": 1, "global_batch": 8, "device": "cuda:0",
-             "precision_used": "fp16", "channels_last": True, "speed_choice": "asked",
-             "sync_bn": False, "train_samples": 8, "eval_samples": 8, "data_in_memory": True,
-             "num_workers": 3, "steps_per_epoch": 1, "total_steps": 1, "output_dir": "o",
-             "checkpoint_dir": "o/c", "placed_on_device": cuda}
+    facts = _summary_facts(num_workers=3, placed_on_device=cuda)
     said = "decoded in memory, resized and cropped on the device, 3 loader worker(s)\n"
     assert (said in summary(facts, "data", 1, None, "m")) is cuda
 

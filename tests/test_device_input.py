@@ -521,3 +521,43 @@ def test_a_replaced_image_is_marked_in_the_single_sample_and_the_batch_paths(mar
     assert batch.replaced.tolist() == [2, -1]
     # the substitute's pixels and label, in the replaced sample's place
     assert torch.equal(replaced[0], _source().images[3]) and int(replaced[1]) == 3
+
+
+def test_a_run_with_its_images_placed_on_the_device_stops_resumes_and_ends_bit_identical(
+        tmp_path, monkeypatch):
+    """End to end on a CPU, the trainer's loaders built as on a GPU (build_loaders' `cuda`, the
+    only thing forced): the stored pixels and their crop and erasing plans go through
+    Accelerate's prepared loader and a loader worker, a checkpoint, a SIGTERM in the second
+    epoch and a resume that skips the batches already trained.  Oracle: the uninterrupted run
+    that kept the geometry in the loader, to the bit (the same operations on one device)."""
+    import os
+    import signal
+
+    from accel_train import trainer as trainer_module
+    from accel_train.trainer import Callbacks
+    from conftest import PINNED, accel_train_here
+    from faults import checkpoint_steps, max_weight_difference
+
+    command = ["--dataset", "synthetic", "--synthetic-train-size", "96", "--max-eval-samples",
+               "32", "--model", "test_resnet", "--image-size", "40", "--batch-size", "16",
+               "--epochs", "2", "--reprob", "0.5", "--flip", "alternate", "--num-workers", "1",
+               "--checkpoint-every", "3", "--progress", "log", "--no-plots", *PINNED]
+    kept = accel_train_here(*command, "--output-dir", str(tmp_path / "kept"), check=True)
+    assert "on the device" not in kept.stdout
+    build = trainer_module.build_loaders
+    monkeypatch.setattr(trainer_module, "build_loaders", lambda *args: build(*args[:-1], True))
+    placed = tmp_path / "placed"
+
+    def stop_in_the_second_epoch(step: int, keys) -> None:  # 6 steps an epoch
+        if step == 10 and 9 in checkpoint_steps(placed):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    stopped = accel_train_here(*command, "--output-dir", str(placed),
+                               callbacks=Callbacks(on_micro_batch=stop_in_the_second_epoch))
+    assert stopped.returncode == 143, stopped.stdout[-2000:] + stopped.stderr[-2000:]
+    assert "decoded in memory, resized and cropped on the device, 1 loader worker(s)" \
+        in stopped.stdout
+    resumed = accel_train_here(*command, "--output-dir", str(placed), "--resume", "auto",
+                               check=True)
+    assert "resumed from" in resumed.stdout and " at step 10" in resumed.stdout, resumed.stdout
+    assert max_weight_difference(tmp_path / "kept", placed) == 0.0

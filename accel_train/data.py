@@ -140,16 +140,16 @@ class TrainImages(Dataset):
                 marks = replaced_marks(indices, used)
             return SampleBatch(batch, self.source.labels[used], keys, marks,
                                self._erasing(batch.shape, epochs, indices))
-        images = self.source.images.index_select(0, indices)
-        if self.places_on_device:
+        images, plan = self.source.images.index_select(0, indices), None
+        if self.places_on_device:  # placed on the device: the plans are drawn for its size
             plan = self.transform.crop_plan(self.seed, epochs.numpy(), indices.numpy())
-            size = self.transform.image_size
-            return SampleBatch(images, self.source.labels[indices], keys, marks,
-                               self._erasing((len(images), 3, size, size), epochs, indices),
-                               crop_plan=plan)
-        images = self.transform.pixel_batch(images, self.seed, epochs.numpy(), indices.numpy())
+            placed = (*images.shape[:2], self.transform.image_size, self.transform.image_size)
+        else:
+            images = self.transform.pixel_batch(images, self.seed, epochs.numpy(),
+                                                indices.numpy())
+            placed = images.shape
         return SampleBatch(images, self.source.labels[indices], keys, marks,
-                           self._erasing(images.shape, epochs, indices))
+                           self._erasing(placed, epochs, indices), crop_plan=plan)
 
     def _erasing(self, shape, epochs: torch.Tensor, indices: torch.Tensor):
         """The erasing plan (--reprob) of a batch of placed pixels of `shape`, drawn here: in
@@ -310,11 +310,12 @@ class FinishOnDevice:
                  plans: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """`plans`: what the loader drew with the pixels (`SampleBatch.tensors`' tail): with
         `places` and augmenting, the crop plan first; then the erasing plan, if it drew one."""
-        if self.places:
-            crop = plans[0] if self.transform.augment else None
-            pixels = self.transform.place(pixels, crop)
-            plans = plans[1:] if self.transform.augment else plans
         erasing = plans
+        if self.places:
+            crop = None
+            if self.transform.augment:
+                crop, erasing = plans[0], plans[1:]
+            pixels = self.transform.place(pixels, crop)
         if not self.transform.erases:
             return self.transform.finish(pixels)
         if erasing:

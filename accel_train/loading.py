@@ -82,6 +82,7 @@ class TrainLoader(Protocol):
     samples_in_epoch: int  # handed out so far in this epoch, all processes together
     usable: int            # samples in a whole epoch, all processes together
     warn: Callable[[str], None]  # says what it recovered from (a loader worker restarted)
+    finish: FinishOnDevice  # the batches' second half, run on the device
 
     def prepare(self, accelerator) -> None: ...
 

@@ -366,7 +366,7 @@ class Trainer:
                 "num_workers": loaders.num_workers,
                 "data_in_memory": isinstance(self.data.train, ArraySource),
                 # resized, cropped and flipped on the device rather than in the loader
-                "placed_on_device": getattr(loaders.train.finish, "places", False),
+                "placed_on_device": loaders.train.finish.places,
                 "sync_bn": self.net.sync_bn, "model": self.net.spec.__dict__,
                 "whitened_stem": self.net.whitened,
                 "trainable_parameters": self.net.num_trainable,

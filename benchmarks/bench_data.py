@@ -300,12 +300,7 @@ def median_seconds(arms: dict, repeats: int) -> dict:
     times = {}
     for name, arm in arms.items():
         arm()
-        runs = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            arm()
-            runs.append(time.perf_counter() - start)
-        times[name] = float(np.median(runs))
+        times[name] = benchlib.median([benchlib.timed(arm) for _ in range(repeats)])
     return times
 
 

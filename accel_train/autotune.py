@@ -78,20 +78,23 @@ def choose(requested_precision: str, requested_channels_last: Optional[bool], cu
 
 
 def step_timer(make_model: Callable[[], torch.nn.Module], batch_size: int, image_size: int,
-               num_classes: int, max_batch: int = PROBE_MAX_BATCH) -> Callable[[str, bool], float]:
+               num_classes: int, max_batch: int = PROBE_MAX_BATCH,
+               device: Optional[torch.device] = None) -> Callable[[str, bool], float]:
     """time_step for `choose`: forward, backward and an SGD update of a model of the run's
     architecture, made by `make_model` at the first call (never the run's own model: its
     weights, statistics and synchronized BatchNorm stay out of it), on a random batch of the
-    run's image shape; the fastest of a few steps, in seconds."""
+    run's image shape on `device` (default: the CPU); the fastest of a few steps, in seconds."""
+    device = device or torch.device("cpu")
     probe: list = []
     batch = min(batch_size, max_batch)
     generator = torch.Generator().manual_seed(0)  # the global generators are not the probe's
-    images = torch.randn(batch, 3, image_size, image_size, generator=generator)
-    labels = torch.randint(0, num_classes, (batch,), generator=generator)
+    images = torch.randn(batch, 3, image_size, image_size, generator=generator).to(device)
+    labels = torch.randint(0, num_classes, (batch,), generator=generator).to(device)
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def time_step(precision: str, channels_last: bool) -> float:
         if not probe:
-            model = make_model().train()
+            model = make_model().to(device).train()
             probe.extend([model, torch.optim.SGD([p for p in model.parameters()
                                                   if p.requires_grad], lr=1e-6)])
         model, optimizer = probe
@@ -99,13 +102,18 @@ def step_timer(make_model: Callable[[], torch.nn.Module], batch_size: int, image
         net = model.to(memory_format=memory_format)
         x = images.contiguous(memory_format=memory_format)
         seconds = []
+        # fp16 asked for on a CPU trains in fp32 (precision.resolve_precision): timed as such
+        low = torch.float16 if precision == "fp16" else torch.bfloat16
+        lowered = precision == "bf16" or (precision == "fp16" and device.type == "cuda")
         for step in range(PROBE_WARM_STEPS + PROBE_TIMED_STEPS):
+            wait()
             started = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            with torch.autocast(device.type, dtype=low, enabled=lowered):
                 loss = torch.nn.functional.cross_entropy(net(x), labels)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            wait()
             if step >= PROBE_WARM_STEPS:
                 seconds.append(time.perf_counter() - started)
         return min(seconds)

@@ -123,6 +123,17 @@ class TrainConfig:
 
     # -- model --------------------------------------------------------------------------------
     model: str = option("resnet18", "Any timm model name.", "model")
+    smaller_models: list = option([], "With --time-budget: networks to train instead of --model "
+                                  "when the budget cannot hold --min-budget-epochs of it, "
+                                  "largest first. At the start each is timed on this machine in "
+                                  "turn (as --mixed-precision auto times) and the first that "
+                                  "gets that many epochs is trained (else the fastest); the "
+                                  "run's config.yaml records the one chosen and a resumed run "
+                                  "keeps it.", "model", nargs="*")
+    min_budget_epochs: Optional[float] = option(None, "With --smaller-models: the fewest epochs "
+                                                "the --time-budget must hold of a network for "
+                                                "it to be trained (estimated from one timed "
+                                                "step at the start: an upper bound).", "model")
     image_size: Optional[int] = option(None, "Input resolution (default: the dataset's native "
                                        "size).", "model")
     pretrained: Optional[str] = option(None, "Pretrained weights: a local .safetensors/.pth file, "
@@ -412,6 +423,17 @@ class TrainConfig:
         if self.whiten_stem and self.pretrained:
             raise UsageError("--whiten-stem would overwrite the --pretrained first layer: use "
                              "one or the other")
+        self._check_network_choice()
+
+    def _check_network_choice(self):
+        if self.smaller_models and self.min_budget_epochs is None:
+            raise UsageError("--smaller-models needs --min-budget-epochs E: the epochs the "
+                             "--time-budget must hold of a network for it to be trained")
+        if self.min_budget_epochs is not None and not self.min_budget_epochs > 0:
+            raise UsageError(f"--min-budget-epochs must be > 0 (got {self.min_budget_epochs})")
+        if self.smaller_models and self.pretrained not in (None, "hub"):
+            raise UsageError(f"--pretrained {self.pretrained} holds the weights of one network; "
+                             f"--smaller-models may train another: drop one of the two")
 
     def _check_library_names(self):
         """Names that timm/torchvision must know, checked now rather than after the data has
@@ -421,6 +443,10 @@ class TrainConfig:
         if self.auto_augment:
             from .augment import build_policy
             build_policy(self.auto_augment)
+        if self.smaller_models:
+            from .model import check_model_name
+            for name in self.smaller_models:
+                check_model_name(name, "--smaller-models")
 
     # -- conversions ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

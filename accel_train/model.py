@@ -74,12 +74,12 @@ class ModelSpec:
         return cls(**{**data, "mean": tuple(data["mean"]), "std": tuple(data["std"])})
 
 
-def check_model_name(name: str) -> None:
+def check_model_name(name: str, flag: str = "--model") -> None:
     if timm.is_model(name):
         return
     close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
     hint = f"did you mean {', '.join(close)}? " if close else ""
-    raise UsageError(f"--model {name!r} is not a timm model; {hint}list them with "
+    raise UsageError(f"{flag} {name!r} is not a timm model; {hint}list them with "
                      f"python -c \"import timm; print(timm.list_models('*{name[:6]}*'))\"")
 
 

@@ -81,7 +81,7 @@ def plan_start(config: TrainConfig, env: LauncherEnv) -> StartPlan:
         if previous is not None:
             refuse_another_optimizer(config, previous, resume_from)
             config = keep_global_batch(config, previous, env.world_size, say)
-            config, kept = keep_choices(config, previous)
+            config, kept = keep_choices(config, previous, resume_from)
     except BaseException:
         for lock in held:
             lock.release()
@@ -101,13 +101,21 @@ def refuse_another_optimizer(config: TrainConfig, previous: TrainerState,
                          f"{previous.optimizer}, or start a new run in another --output-dir")
 
 
-def keep_choices(config: TrainConfig, previous: TrainerState) -> tuple[TrainConfig,
-                                                                        tuple[str, ...]]:
+def keep_choices(config: TrainConfig, previous: TrainerState,
+                 checkpoint: Path) -> tuple[TrainConfig, tuple[str, ...]]:
     """How the run computes is part of the run: where this start leaves precision or memory
     format to auto, it takes what the checkpoint ran with (what auto chose when the run began;
     timing again could choose otherwise, and exact resume would be lost).  Explicit flags win.
-    Returns the config and what was kept."""
+    So with the network --smaller-models chose (network_choice.py), when it is one of this
+    start's --model and --smaller-models (another is refused as any other network is:
+    ModelSpec.load).  Returns the config and what was kept."""
     changes, kept = {}, []
+    if config.smaller_models:
+        from .model import ModelSpec
+        trained = ModelSpec.read(checkpoint).model_name
+        if trained in (config.model, *config.smaller_models):
+            changes.update(model=trained, smaller_models=[])
+            kept.append("network")
     if config.mixed_precision == "auto" and previous.precision:
         changes["mixed_precision"], kept = previous.precision, kept + ["precision"]
     if config.channels_last is None and previous.channels_last is not None:

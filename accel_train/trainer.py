@@ -28,7 +28,7 @@ from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKw
                                ProjectConfiguration)
 
 from . import distributed, worker_start
-from .autotune import SpeedChoice, choose, step_timer
+from .autotune import PROBE_MAX_BATCH, SpeedChoice, candidate_name, choose, step_timer
 from .badimages import BadImageLog
 from .budget import (SAY_REFIT_FRACTION, TTA_PASSES, TimeBudget, evaluation_passes,
                      parse_duration)
@@ -44,6 +44,7 @@ from .evaluate import batch_seconds, evaluate_classifier
 from .loading import build_loaders, stop_when_stuck
 from .mixing import maybe_mixup
 from .model import build_network, create_model, set_train_mode
+from .network_choice import NetworkChoice, choose_network, epochs_in_budget
 from .optim import (base_learning_rates, build_optimizer, plan_schedule, scheduled_learning_rate,
                     scheduler_for, take_new_learning_rate)
 from .plots import write_plots
@@ -104,6 +105,10 @@ class Trainer:
         # broken one once for all processes, instead of the sources warning on their own.
         self.bad_images = BadImageLog(self.paths.bad_images, self.report, self.data,
                                       distributed.is_global_main())
+        self.network_choice = self._choose_network(cuda)
+        if self.network_choice is not None:
+            self.config = config = dataclasses.replace(
+                config, model=self.network_choice.model, smaller_models=[])
         self.net = build_network(config, self.data, plan.env.world_size, cuda, self.report.warn)
         self.speed = self._choose_speed(cuda)
         self.cuda_math = use_fast_cuda_math(cuda)
@@ -178,13 +183,65 @@ class Trainer:
             raise
 
     # -- start --------------------------------------------------------------------------------
+    def _choose_network(self, cuda: bool) -> Optional[NetworkChoice]:
+        """--smaller-models with --time-budget: the network this machine can train for
+        --min-budget-epochs within the budget (network_choice.py), timed by rank 0 for all.
+        A resumed run's plan already names the checkpoint's network (resume.keep_choices)."""
+        config = self.config
+        if not config.smaller_models:
+            return None
+        if config.time_budget is None:
+            self.report.warn(f"--smaller-models chooses by --time-budget, which this run does "
+                             f"not have: training --model {config.model}")
+            return None
+        image_size = config.image_size or self.data.train.native_size
+        num_classes = len(self.data.class_names)
+        world_size, budget = self.plan.env.world_size, parse_duration(config.time_budget)
+        train_samples = len(self.data.train)
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else \
+            torch.device("cpu")
+        native = not cuda and cpu_has_native_bf16()
+        # a GPU is timed at the run's batch: at the CPU probe's small one it would idle
+        probe_batch = config.batch_size if cuda else min(config.batch_size, PROBE_MAX_BATCH)
+
+        def measure(name: str) -> tuple[SpeedChoice, float]:
+            time_step = step_timer(
+                lambda: create_model(name, num_classes, config.drop_rate, None,
+                                     config.drop_path),
+                probe_batch, image_size, num_classes, probe_batch, device)
+            speed = choose(config.mixed_precision, config.channels_last, cuda, native, time_step)
+            timed = speed.timings.get(candidate_name(speed.precision, speed.channels_last))
+            return speed, timed if timed is not None else time_step(speed.precision,
+                                                                    speed.channels_last)
+
+        def decide() -> dict:
+            choice = choose_network(
+                [config.model, *config.smaller_models], config.min_budget_epochs, measure,
+                lambda seconds: epochs_in_budget(budget, seconds, probe_batch * world_size,
+                                                 train_samples))
+            return {**choice.__dict__, "speed": choice.speed.__dict__}
+
+        decided = distributed.decide_on_main(decide)
+        return NetworkChoice(**{**decided, "speed": SpeedChoice(**decided["speed"])})
+
+    def _network_choice_text(self) -> Optional[str]:
+        if self.network_choice is not None:
+            return self.network_choice.how
+        if "network" in self.plan.kept_choices:
+            return "kept from the checkpoint (--smaller-models)"
+        return None
+
     def _choose_speed(self, cuda: bool) -> SpeedChoice:
         """--mixed-precision and --channels-last: as asked; "auto" on a CPU, measured on this
         model (autotune.py), by rank 0 for all.  A resumed run's plan already holds what the
         checkpoint ran with (resume.keep_choices)."""
-        config, kept = self.config, self.plan.kept_choices
+        config = self.config
+        kept = [choice for choice in self.plan.kept_choices if choice != "network"]
         precision, channels_last = config.mixed_precision, config.channels_last
         spec = self.net.spec
+
+        if self.network_choice is not None:  # already timed while choosing the network
+            return self.network_choice.speed
 
         def measure() -> dict:
             time_step = step_timer(
@@ -369,6 +426,7 @@ class Trainer:
                 "placed_on_device": loaders.train.finish.places,
                 "sync_bn": self.net.sync_bn, "model": self.net.spec.__dict__,
                 "whitened_stem": self.net.whitened,
+                "network_choice": self._network_choice_text(),
                 "trainable_parameters": self.net.num_trainable,
                 "launcher": distributed.launcher_facts(),
                 "output_dir": str(self.plan.output_dir),

@@ -159,6 +159,13 @@ ROWS: dict[str, Row] = {
     "train --model": effect(
         f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
         "the step equals plain torch on timm.create_model of that name"),
+    "train --smaller-models": effect(
+        "test_network_choice.py::test_the_network_the_budget_holds_long_enough_is_the_one_trained",
+        "with planted step times, the network whose hand-computed epochs in the budget reach the "
+        "minimum is the one in config.yaml, the final model's config.json and the checkpoints"),
+    "train --min-budget-epochs": effect(
+        "test_network_choice.py::test_the_network_the_budget_holds_long_enough_is_the_one_trained",
+        "1.25 epochs for test_resnet: a minimum of 1 trains it, timing nothing else; 2 the next"),
     "train --image-size": effect(
         f"{FLAGS}::test_image_size_resizes_what_the_model_sees",
         "the probe sees 16x16 inputs at the first conv where the data is 32x32"),

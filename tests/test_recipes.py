@@ -30,7 +30,9 @@ def test_a_recipe_loads_and_starts(recipe, tmp_path):
     accel_train_here("--config", str(recipe), *TINY, *extra, "--output-dir", str(out),
                      check=True)
     recorded = yaml.safe_load((out / "config.yaml").read_text())["train"]
-    overridden = {"batch_size", "epochs", "mixed_precision", "channels_last"}
+    # (the network --smaller-models chose is recorded as `model`, with no more to choose from:
+    # tests/test_network_choice.py)
+    overridden = {"batch_size", "epochs", "mixed_precision", "channels_last", "smaller_models"}
     for key, value in settings.items():
         if key not in overridden:
             assert recorded[key] == value, key

@@ -114,13 +114,14 @@ class _AirbenchConvGroup(nn.Module):
         return F.gelu(self.norm2(self.conv2(x)))
 
 
-def _airbench94(num_classes):
+def _airbench94(num_classes, widths=(64, 256, 256)):
     """airbench94.py's make_net, written out: whiten (2x2, 24, bias) + GELU, three conv
     groups 64-256-256, MaxPool2d(3) over the last 3x3 map, linear without bias, times 1/9."""
+    a, b, c = widths
     body = nn.Sequential(nn.Conv2d(3, 24, 2, padding=0, bias=True), nn.GELU(),
-                         _AirbenchConvGroup(24, 64), _AirbenchConvGroup(64, 256),
-                         _AirbenchConvGroup(256, 256), nn.MaxPool2d(3), nn.Flatten())
-    return body, nn.Linear(256, num_classes, bias=False)
+                         _AirbenchConvGroup(24, a), _AirbenchConvGroup(a, b),
+                         _AirbenchConvGroup(b, c), nn.MaxPool2d(3), nn.Flatten())
+    return body, nn.Linear(c, num_classes, bias=False)
 
 
 def test_cifar_airbench_is_airbench94s_network():
@@ -145,6 +146,37 @@ def test_cifar_airbench_is_airbench94s_network():
                  for p in g["params"]}
     assert not any(id(n.weight) in optimized for n in norms)
     assert all(id(n.bias) in optimized for n in norms)
+
+
+NARROW_AIRBENCH = {"cifar_airbench_m": ((48, 192, 192), 0.58),
+                   "cifar_airbench_s": ((32, 128, 128), 0.28),
+                   "cifar_airbench_xs": ((32, 96, 96), 0.20)}
+
+
+@pytest.mark.parametrize("name", sorted(NARROW_AIRBENCH))
+def test_the_narrower_airbench_networks_are_airbench94s_at_their_widths(name):
+    """The recipe's fallbacks (--smaller-models): airbench94 written out at the documented
+    widths, the same outputs; a training step's FLOPs (torch's counter) the documented share of
+    airbench's."""
+    from torch.utils.flop_counter import FlopCounterMode
+    widths, share = NARROW_AIRBENCH[name]
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=10)
+    body, head = _airbench94(10, widths)
+    ours, theirs = list(model.state_dict().values()), [
+        *body.state_dict().values(), *head.state_dict().values()]
+    assert [tuple(v.shape) for v in ours] == [tuple(v.shape) for v in theirs]
+    for target, value in zip(theirs, ours):
+        target.copy_(value)
+    images = torch.randn(4, 3, 32, 32)
+    torch.testing.assert_close(model(images), head(body(images)) / 9)
+
+    def step_flops(network):
+        with FlopCounterMode(display=False) as counter:
+            network(images).sum().backward()
+        return counter.get_total_flops()
+    full = step_flops(timm.create_model("cifar_airbench", num_classes=10))
+    assert step_flops(model) / full == pytest.approx(share, abs=0.01)
 
 
 def test_cifar_airbench_convolutions_start_as_identity_on_their_input_channels():

@@ -1,0 +1,173 @@
+"""--smaller-models with --time-budget: the choice with planted step times (no test depends on
+this machine's speed), the epochs a budget holds computed by hand, and through the command line
+(in this process, the budget's clock a fake one): the network chosen is the one trained, named
+in the summary, config.yaml and the model's files, evaluated by `eval`, and kept by a resumed
+run without timing again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from accel_train import trainer
+from accel_train.autotune import SpeedChoice
+from accel_train.network_choice import choose_network, epochs_in_budget
+from accel_train.trainer import Callbacks
+from conftest import TINY_TRAIN, accel_train_here, model_spec_of
+from faults import metrics
+from test_time_budget import fake_clock
+
+SPEED = SpeedChoice("no", False, "as asked")
+
+
+class Planted:
+    """measure(name) -> (speed, seconds) from planted seconds, recording what was timed."""
+
+    def __init__(self, **seconds: float):
+        self.seconds, self.timed = seconds, []
+
+    def __call__(self, name: str):
+        self.timed.append(name)
+        return SpeedChoice("no", False, f"timed {name}"), self.seconds[name]
+
+
+def epochs_of(seconds: float) -> float:
+    return 100.0 / seconds  # a budget that holds 100 epochs at 1 s a step
+
+
+def test_the_epochs_a_budget_holds_by_hand():
+    # 600 s at 0.5 s for 32 images (2 processes x 16) is 38,400 images: 0.768 of 50,000
+    assert epochs_in_budget(600, 0.5, 32, 50_000) == pytest.approx(0.768)
+    assert epochs_in_budget(20, 1.0, 16, 256) == pytest.approx(1.25)
+
+
+def test_the_first_network_that_fits_is_chosen_and_nothing_after_it_is_timed():
+    planted = Planted(big=20.0, mid=10.0, small=1.0)
+    choice = choose_network(["big", "mid", "small"], 10, planted, epochs_of)
+    assert choice.model == "mid" and planted.timed == ["big", "mid"]
+    assert choice.speed.how == "timed mid"  # the chosen network's own speed choice
+    assert choice.epochs == {"big": 5.0, "mid": 10.0}  # exactly the minimum reaches it
+    assert "big 5.0, mid 10.0; the first to reach 10" in choice.how
+
+
+def test_the_recipe_network_that_fits_is_the_only_one_timed():
+    planted = Planted(big=1.0, small=0.1)
+    choice = choose_network(["big", "small"], 50, planted, epochs_of)
+    assert (choice.model, planted.timed) == ("big", ["big"])
+
+
+def test_when_none_fits_the_fastest_as_measured_is_trained_whatever_its_place():
+    planted = Planted(big=50.0, small=20.0, other=40.0)
+    choice = choose_network(["big", "small", "other"], 10, planted, epochs_of)
+    assert choice.model == "small" and planted.timed == ["big", "small", "other"]
+    assert choice.speed.how == "timed small"
+    assert "none reaches 10: the fastest" in choice.how
+
+
+# -- through the command line ------------------------------------------------------------------
+
+# 256 images at batch 16 (one process): a probe step is 16 images, an epoch 16 steps
+BUDGET_TRAIN = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "20s",
+                "--log-every", "1", "--eval-every", "0"]
+SMALLER = ["--smaller-models", "cifar_convnet_s"]
+
+
+@pytest.fixture
+def planted_probe(monkeypatch):
+    """The trainer's step timer replaced: it builds the network as the real one does and reads
+    its planted seconds (test_resnet 1 s a step: 20 s hold 20 x 16 / 256 = 1.25 epochs;
+    cifar_convnet_s 0.1 s: 12.5 epochs); what was timed is recorded."""
+    seconds = {"test_resnet": 1.0, "cifar_convnet_s": 0.1}
+    timed: list[str] = []
+
+    def step_timer(make_model, batch_size, image_size, num_classes, max_batch=32, device=None):
+        assert (batch_size, image_size, num_classes) == (16, 32, 10)
+
+        def time_step(precision, channels_last):
+            name = make_model().pretrained_cfg["architecture"]
+            timed.append(name)
+            return seconds[name]
+        return time_step
+
+    monkeypatch.setattr(trainer, "step_timer", step_timer)
+    return timed
+
+
+def _train(out, clock, *extra: str):
+    """A budgeted run in this process; the budget's clock moves 1 s a training step."""
+    tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
+    return accel_train_here(*BUDGET_TRAIN, "--output-dir", str(out), *extra, check=True,
+                            callbacks=tick)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    return fake_clock(monkeypatch)
+
+
+def _run_config(out) -> dict:
+    return yaml.safe_load((out / "config.yaml").read_text())["train"]
+
+
+@pytest.mark.parametrize("min_epochs, chosen, timed", [
+    ("2", "cifar_convnet_s", ["test_resnet", "cifar_convnet_s"]),
+    ("1", "test_resnet", ["test_resnet"])])
+def test_the_network_the_budget_holds_long_enough_is_the_one_trained(
+        tmp_path, clock, planted_probe, min_epochs, chosen, timed):
+    out = tmp_path / "run"
+    result = _train(out, clock, *SMALLER, "--min-budget-epochs", min_epochs)
+    assert planted_probe == timed
+    estimates = ", ".join(f"{name} {e}" for name, e in
+                          zip(timed, ["1.2", "12.5"]))  # 1.25 printed to one place: 1.2
+    assert f"network: epochs the budget holds, timed at the start: {estimates}" in result.stdout
+    assert f"accel_train: {chosen} (" in result.stdout
+    config = _run_config(out)
+    assert (config["model"], config["smaller_models"]) == (chosen, [])
+    assert model_spec_of(out)["model_name"] == chosen
+    last = sorted((out / "checkpoints").glob("step_*"))[-1] / "model_config.json"
+    assert json.loads(last.read_text())["model_name"] == chosen
+    accel_train_here("eval", str(out), check=True)  # builds the network the files name
+
+
+def test_a_resumed_run_keeps_the_checkpoints_network_without_timing(tmp_path, clock,
+                                                                    planted_probe):
+    out = tmp_path / "run"
+    _train(out, clock, *SMALLER, "--min-budget-epochs", "2", "--max-steps", "3",
+           "--checkpoint-every", "3")
+    assert planted_probe == ["test_resnet", "cifar_convnet_s"]
+    planted_probe.clear()
+    result = _train(out, clock, *SMALLER, "--min-budget-epochs", "2", "--max-steps", "5",
+                    "--resume", "auto")
+    assert planted_probe == []  # timing again could choose otherwise: not done
+    assert "network: kept from the checkpoint (--smaller-models)" in result.stdout
+    assert "accel_train: cifar_convnet_s (" in result.stdout
+    steps = [r["step"] for r in metrics(out) if r["type"] == "train"]
+    assert steps[-1] == 5 and _run_config(out)["model"] == "cifar_convnet_s"
+
+
+def test_without_a_time_budget_the_model_is_trained_and_the_run_says_why(tmp_path,
+                                                                          planted_probe):
+    out = tmp_path / "run"
+    result = accel_train_here(*TINY_TRAIN, "--max-steps", "2", "--output-dir", str(out),
+                              *SMALLER, "--min-budget-epochs", "2", check=True)
+    assert planted_probe == []
+    assert "--smaller-models chooses by --time-budget, which this run does not have: " \
+           "training --model test_resnet" in result.stdout + result.stderr
+    assert _run_config(out)["model"] == "test_resnet"
+
+
+@pytest.mark.parametrize("extra, names", [
+    (SMALLER, "--min-budget-epochs"),
+    ([*SMALLER, "--min-budget-epochs", "0"], "--min-budget-epochs must be > 0"),
+    (["--smaller-models", "cifar_convnet_q", "--min-budget-epochs", "2"],
+     "--smaller-models 'cifar_convnet_q' is not a timm model"),
+    ([*SMALLER, "--min-budget-epochs", "2", "--pretrained", "weights.safetensors"],
+     "--pretrained weights.safetensors holds the weights of one network")])
+def test_bad_network_choices_are_one_line_and_exit_2(tmp_path, extra, names):
+    out = tmp_path / "run"
+    result = accel_train_here(*BUDGET_TRAIN, "--output-dir", str(out), *extra)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert names in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from accel_train.autotune import PROBE_ROUNDS, SpeedChoice, candidate_name, choose, step_timer
 from accel_train.precision import resolve_precision
@@ -98,6 +99,29 @@ def test_the_probe_times_a_model_it_makes_once_when_first_asked():
         assert 0 < seconds < 60
     assert len(made) == 1
     assert all(p.grad is None for p in made[0].parameters())  # each step's gradients dropped
+
+
+@pytest.mark.parametrize("precision, channels_last, dtype", [
+    ("no", False, torch.float32), ("bf16", True, torch.bfloat16), ("no", True, torch.float32),
+    ("fp16", False, torch.float32)])  # fp16 asked for on a CPU trains in fp32: timed as such
+def test_the_probe_computes_in_the_precision_and_memory_format_it_times(precision,
+                                                                        channels_last, dtype):
+    """What the first convolution of the probe's model receives and returns: the timed step
+    is the step the run would take."""
+    import timm
+    seen = []
+
+    def make_model():
+        model = timm.create_model("test_resnet", num_classes=10)
+        conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+        conv.register_forward_hook(lambda module, args, out: seen.append(
+            (out.dtype, args[0].is_contiguous(memory_format=torch.channels_last) and
+             not args[0].is_contiguous(), module.weight.is_contiguous(
+                 memory_format=torch.channels_last) and not module.weight.is_contiguous())))
+        return model
+
+    step_timer(make_model, batch_size=4, image_size=32, num_classes=10)(precision, channels_last)
+    assert seen and set(seen) == {(dtype, channels_last, channels_last)}
 
 
 def test_a_speed_choice_reads_back_from_its_record():

@@ -59,11 +59,17 @@ def test_the_recipe_network_that_fits_is_the_only_one_timed():
 
 
 def test_when_none_fits_the_fastest_as_measured_is_trained_whatever_its_place():
-    planted = Planted(big=50.0, small=20.0, other=40.0)
-    choice = choose_network(["big", "small", "other"], 10, planted, epochs_of)
-    assert choice.model == "small" and planted.timed == ["big", "small", "other"]
-    assert choice.speed.how == "timed small"
+    # (the fastest is neither the last listed nor the last in alphabetical order)
+    planted = Planted(wide=50.0, fast=20.0, narrow=40.0)
+    choice = choose_network(["wide", "fast", "narrow"], 10, planted, epochs_of)
+    assert choice.model == "fast" and planted.timed == ["wide", "fast", "narrow"]
+    assert choice.speed.how == "timed fast"
     assert "none reaches 10: the fastest" in choice.how
+
+
+def test_no_network_to_choose_from_is_a_programming_error():
+    with pytest.raises(ValueError, match="choose_network needs at least one network"):
+        choose_network([], 10, Planted(), epochs_of)
 
 
 # -- through the command line ------------------------------------------------------------------
@@ -144,7 +150,10 @@ def test_a_resumed_run_keeps_the_checkpoints_network_without_timing(tmp_path, cl
     assert "network: kept from the checkpoint (--smaller-models)" in result.stdout
     assert "accel_train: cifar_convnet_s (" in result.stdout
     steps = [r["step"] for r in metrics(out) if r["type"] == "train"]
-    assert steps[-1] == 5 and _run_config(out)["model"] == "cifar_convnet_s"
+    assert steps[-1] == 5
+    resumed, = out.glob("config.resume-*.yaml")  # what the resumed start records of itself
+    recorded = yaml.safe_load(resumed.read_text())["train"]
+    assert (recorded["model"], recorded["smaller_models"]) == ("cifar_convnet_s", [])
 
 
 def test_without_a_time_budget_the_model_is_trained_and_the_run_says_why(tmp_path,

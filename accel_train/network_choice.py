@@ -26,7 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .autotune import SpeedChoice
+import torch
+
+from .autotune import PROBE_MAX_BATCH, SpeedChoice, candidate_name, choose, step_timer
+from .budget import parse_duration
+from .model import create_model
+from .precision import cpu_has_native_bf16
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,14 @@ class NetworkChoice:
     speed: SpeedChoice           # how the chosen network computes (its probe's choice)
     how: str                     # one line for the start summary
     epochs: dict = field(default_factory=dict)  # network -> epochs the budget was estimated to hold
+
+    def to_dict(self) -> dict:
+        """Plain values, to hand from rank 0 to the others."""
+        return {**self.__dict__, "speed": self.speed.__dict__}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "NetworkChoice":
+        return cls(**{**values, "speed": SpeedChoice(**values["speed"])})
 
 
 def epochs_in_budget(budget_seconds: float, step_seconds: float, images_per_step: int,
@@ -66,3 +79,27 @@ def choose_network(models: Sequence[str], min_epochs: float,
         verdict = f"none reaches {min_epochs:g}: the fastest"
     how = f"epochs the budget holds, timed at the start: {figures}; {verdict}"
     return NetworkChoice(chosen, speeds[chosen], how, epochs)
+
+
+def choose_for_run(config, image_size: int, num_classes: int, train_samples: int,
+                   world_size: int, cuda: bool) -> NetworkChoice:
+    """The choice for a run with these options (`--time-budget` set), each network timed on
+    this process's device: a batch of the CPU probe's size on a CPU, the run's batch on a GPU
+    (at a small one it would idle); all processes are counted as running at its pace."""
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    native = not cuda and cpu_has_native_bf16()
+    probe_batch = config.batch_size if cuda else min(config.batch_size, PROBE_MAX_BATCH)
+    budget = parse_duration(config.time_budget)
+
+    def measure(name: str) -> tuple[SpeedChoice, float]:
+        time_step = step_timer(
+            lambda: create_model(name, num_classes, config.drop_rate, None, config.drop_path),
+            probe_batch, image_size, num_classes, probe_batch, device)
+        speed = choose(config.mixed_precision, config.channels_last, cuda, native, time_step)
+        timed = speed.timings.get(candidate_name(speed.precision, speed.channels_last))
+        return speed, timed if timed is not None else time_step(speed.precision,
+                                                                speed.channels_last)
+
+    return choose_network([config.model, *config.smaller_models], config.min_budget_epochs,
+                          measure, lambda seconds: epochs_in_budget(
+                              budget, seconds, probe_batch * world_size, train_samples))

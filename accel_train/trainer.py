@@ -28,7 +28,7 @@ from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKw
                                ProjectConfiguration)
 
 from . import distributed, worker_start
-from .autotune import PROBE_MAX_BATCH, SpeedChoice, candidate_name, choose, step_timer
+from .autotune import SpeedChoice, choose, step_timer
 from .badimages import BadImageLog
 from .budget import (SAY_REFIT_FRACTION, TTA_PASSES, TimeBudget, evaluation_passes,
                      parse_duration)
@@ -44,7 +44,7 @@ from .evaluate import batch_seconds, evaluate_classifier
 from .loading import build_loaders, stop_when_stuck
 from .mixing import maybe_mixup
 from .model import build_network, create_model, set_train_mode
-from .network_choice import NetworkChoice, choose_network, epochs_in_budget
+from .network_choice import NetworkChoice, choose_for_run
 from .optim import (base_learning_rates, build_optimizer, plan_schedule, scheduled_learning_rate,
                     scheduler_for, take_new_learning_rate)
 from .plots import write_plots
@@ -194,35 +194,11 @@ class Trainer:
             self.report.warn(f"--smaller-models chooses by --time-budget, which this run does "
                              f"not have: training --model {config.model}")
             return None
-        image_size = config.image_size or self.data.train.native_size
-        num_classes = len(self.data.class_names)
-        world_size, budget = self.plan.env.world_size, parse_duration(config.time_budget)
-        train_samples = len(self.data.train)
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else \
-            torch.device("cpu")
-        native = not cuda and cpu_has_native_bf16()
-        # a GPU is timed at the run's batch: at the CPU probe's small one it would idle
-        probe_batch = config.batch_size if cuda else min(config.batch_size, PROBE_MAX_BATCH)
-
-        def measure(name: str) -> tuple[SpeedChoice, float]:
-            time_step = step_timer(
-                lambda: create_model(name, num_classes, config.drop_rate, None,
-                                     config.drop_path),
-                probe_batch, image_size, num_classes, probe_batch, device)
-            speed = choose(config.mixed_precision, config.channels_last, cuda, native, time_step)
-            timed = speed.timings.get(candidate_name(speed.precision, speed.channels_last))
-            return speed, timed if timed is not None else time_step(speed.precision,
-                                                                    speed.channels_last)
-
-        def decide() -> dict:
-            choice = choose_network(
-                [config.model, *config.smaller_models], config.min_budget_epochs, measure,
-                lambda seconds: epochs_in_budget(budget, seconds, probe_batch * world_size,
-                                                 train_samples))
-            return {**choice.__dict__, "speed": choice.speed.__dict__}
-
-        decided = distributed.decide_on_main(decide)
-        return NetworkChoice(**{**decided, "speed": SpeedChoice(**decided["speed"])})
+        decided = distributed.decide_on_main(lambda: choose_for_run(
+            config, config.image_size or self.data.train.native_size,
+            len(self.data.class_names), len(self.data.train), self.plan.env.world_size,
+            cuda).to_dict())
+        return NetworkChoice.from_dict(decided)
 
     def _network_choice_text(self) -> Optional[str]:
         if self.network_choice is not None:

@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from accel_train import trainer
+from accel_train import network_choice
 from accel_train.autotune import SpeedChoice
 from accel_train.network_choice import choose_network, epochs_in_budget
 from accel_train.trainer import Callbacks
@@ -82,8 +82,8 @@ SMALLER = ["--smaller-models", "cifar_convnet_s"]
 
 @pytest.fixture
 def planted_probe(monkeypatch):
-    """The trainer's step timer replaced: it builds the network as the real one does and reads
-    its planted seconds (test_resnet 1 s a step: 20 s hold 20 x 16 / 256 = 1.25 epochs;
+    """network_choice's step timer replaced: it builds the network as the real one does and
+    reads its planted seconds (test_resnet 1 s a step: 20 s hold 20 x 16 / 256 = 1.25 epochs;
     cifar_convnet_s 0.1 s: 12.5 epochs); what was timed is recorded."""
     seconds = {"test_resnet": 1.0, "cifar_convnet_s": 0.1}
     timed: list[str] = []
@@ -97,7 +97,7 @@ def planted_probe(monkeypatch):
             return seconds[name]
         return time_step
 
-    monkeypatch.setattr(trainer, "step_timer", step_timer)
+    monkeypatch.setattr(network_choice, "step_timer", step_timer)
     return timed
 
 

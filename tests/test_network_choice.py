@@ -7,12 +7,13 @@ run without timing again."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from accel_train import network_choice
-from accel_train.autotune import SpeedChoice
+from accel_train.autotune import PROBE_ROUNDS, SpeedChoice
 from accel_train.network_choice import choose_network, epochs_in_budget
 from accel_train.trainer import Callbacks
 from conftest import TINY_TRAIN, accel_train_here, model_spec_of
@@ -70,6 +71,71 @@ def test_when_none_fits_the_fastest_as_measured_is_trained_whatever_its_place():
 def test_no_network_to_choose_from_is_a_programming_error():
     with pytest.raises(ValueError, match="choose_network needs at least one network"):
         choose_network([], 10, Planted(), epochs_of)
+
+
+# -- the run's probing: choose_for_run --------------------------------------------------------
+
+# seconds of a probe step by network, precision and memory format
+PROBE_SECONDS = {
+    ("test_resnet", "no", False): 1.0, ("test_resnet", "no", True): 0.8,
+    ("test_resnet", "bf16", False): 0.6, ("test_resnet", "bf16", True): 0.5,
+    ("cifar_convnet_s", "no", False): 0.2, ("cifar_convnet_s", "no", True): 0.3,
+    ("cifar_convnet_s", "bf16", False): 0.4, ("cifar_convnet_s", "bf16", True): 0.25}
+
+
+@pytest.mark.parametrize("native, precision, channels_last, expected, steps", [
+    # auto on a CPU with native bf16: each network in its fastest of four, timed in auto's
+    # rounds and no more; 20 s x 32 images x 2 processes / 256 images: 5 epochs per second of a
+    # probe step (test_resnet 10, short of the 12 asked)
+    (True, "auto", None, {"test_resnet": (5 / 0.5, "bf16", True),
+                          "cifar_convnet_s": (5 / 0.2, "no", False)}, 4 * PROBE_ROUNDS),
+    # without native bf16, auto times only fp32's two memory formats
+    (False, "auto", None, {"test_resnet": (5 / 0.8, "no", True),
+                           "cifar_convnet_s": (5 / 0.2, "no", False)}, 2 * PROBE_ROUNDS),
+    # as asked: nothing to choose, each timed once in it
+    (True, "no", True, {"test_resnet": (5 / 0.8, "no", True),
+                        "cifar_convnet_s": (5 / 0.3, "no", True)}, 1)])
+def test_each_network_is_timed_as_the_run_would_compute_it(monkeypatch, native, precision,
+                                                           channels_last, expected, steps):
+    from accel_train.config import TrainConfig
+    made, probes, timed = [], [], []
+
+    def create_model(name, *args):
+        made.append((name, *args))
+        return SimpleNamespace(name=name)
+
+    def step_timer(make_model, batch_size, image_size, num_classes, max_batch, device):
+        probes.append((batch_size, image_size, num_classes, max_batch, device.type))
+        model = make_model()
+
+        def time_step(precision, channels_last):
+            timed.append(model.name)
+            return PROBE_SECONDS[(model.name, precision, channels_last)]
+        return time_step
+
+    monkeypatch.setattr(network_choice, "create_model", create_model)
+    monkeypatch.setattr(network_choice, "step_timer", step_timer)
+    monkeypatch.setattr(network_choice, "cpu_has_native_bf16", lambda: native)
+    config = TrainConfig(model="test_resnet", smaller_models=["cifar_convnet_s"],
+                         min_budget_epochs=12, time_budget="20s", batch_size=64, drop_rate=0.25,
+                         drop_path=0.1, mixed_precision=precision, channels_last=channels_last)
+    choice = network_choice.choose_for_run(config, image_size=24, num_classes=7,
+                                           train_samples=256, world_size=2, cuda=False)
+    assert choice.model == "cifar_convnet_s"
+    assert choice.epochs == pytest.approx({name: e for name, (e, _, _) in expected.items()})
+    _, chosen_precision, chosen_layout = expected["cifar_convnet_s"]
+    assert (choice.speed.precision, choice.speed.channels_last) == (chosen_precision,
+                                                                    chosen_layout)
+    # the probe's networks are the run's (classes, dropout; no pretrained weights), its batch
+    # the CPU probe's 32 of the run's 64, on the CPU
+    assert made == [(name, 7, 0.25, None, 0.1) for name in ("test_resnet", "cifar_convnet_s")]
+    assert probes == [(32, 24, 7, 32, "cpu")] * 2
+    assert timed == ["test_resnet"] * steps + ["cifar_convnet_s"] * steps
+
+
+def test_a_choice_reads_back_from_what_rank_0_hands_on():
+    choice = choose_network(["big", "small"], 10, Planted(big=20.0, small=1.0), epochs_of)
+    assert type(choice).from_dict(json.loads(json.dumps(choice.to_dict()))) == choice
 
 
 # -- through the command line ------------------------------------------------------------------

@@ -70,13 +70,12 @@ def choose_network(models: Sequence[str], min_epochs: float,
         speeds[name], seconds = measure(name)
         epochs[name] = epochs_for(seconds)
         if epochs[name] >= min_epochs:
+            chosen, verdict = name, f"the first to reach {min_epochs:g}"
             break
-    figures = ", ".join(f"{network} {estimate:.1f}" for network, estimate in epochs.items())
-    if epochs[name] >= min_epochs:
-        chosen, verdict = name, f"the first to reach {min_epochs:g}"
     else:  # all were timed: the fastest as measured, whatever order they were listed in
         chosen = max(epochs, key=epochs.__getitem__)
         verdict = f"none reaches {min_epochs:g}: the fastest"
+    figures = ", ".join(f"{network} {estimate:.1f}" for network, estimate in epochs.items())
     how = f"epochs the budget holds, timed at the start: {figures}; {verdict}"
     return NetworkChoice(chosen, speeds[chosen], how, epochs)
 

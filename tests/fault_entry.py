@@ -20,6 +20,11 @@ root.  The product itself reads none of these variables.
   through).
 * FAULT_POISON_STEP=STEP: right after the micro-batch of optimizer step STEP, the model's first
   parameter is filled with NaN (a run diverging at a known step).
+* FAULT_STOP=RANK:STEP: in the first launch attempt, rank RANK stops itself with SIGSTOP as it
+  starts the micro-batch of optimizer step STEP (as a process stuck in a driver call looks from
+  outside), and is never continued: the other ranks wait in that step's collectives.  (A stop
+  sent from outside at a moment a test picks could land while the other ranks wait at a
+  checkpoint's barrier, under the long timeout, instead of in a step's collective.)
 * FAULT_SAMPLE_LOG=1: every rank appends the sampler keys (epoch * N + index) of each micro-batch
   it trains on to <output-dir>/logs/samples-rank<R>.jsonl; a resumed start drops the records of
   the steps after its checkpoint (they are about to be redone), as it does for metrics.jsonl.
@@ -40,6 +45,7 @@ SLOW_DATA_ENV = "FAULT_SLOW_DATA"
 BLOCK_READ_ENV = "FAULT_BLOCK_READ"
 SAMPLE_LOG_ENV = "FAULT_SAMPLE_LOG"
 POISON_ENV = "FAULT_POISON_STEP"
+STOP_ENV = "FAULT_STOP"
 STALL_SECONDS = 300  # long enough for any test to kill us; short enough not to hang CI forever
 SAMPLE_LOG_GLOB = "samples-rank*.jsonl"
 
@@ -141,6 +147,20 @@ def poison_weights_after(wanted_step: int) -> None:
     trainer.Trainer.train_step = poisoned
 
 
+def stop_after(where: str):
+    """An on_micro_batch callback: `where` is "RANK:STEP" (module docstring, FAULT_STOP)."""
+    import signal
+
+    rank, step = (int(part) for part in where.split(":"))
+
+    def stop(micro_batch_step: int, keys) -> None:
+        if (micro_batch_step == step and int(os.environ.get("RANK", 0)) == rank
+                and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))):
+            print(f"fault injection: rank {rank} stops itself at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+    return stop
+
+
 def block_read(where: str) -> None:
     """A loader worker's read of image INDEX of SPLIT blocks for an hour (`where`:
     "INDEX" for the train split, or "SPLIT:INDEX")."""
@@ -179,6 +199,14 @@ def callbacks_from_environ(argv: list[str]):
         log = SampleLog(_output_dir(argv) / "logs", int(os.environ.get("RANK", 0)))
         callbacks.on_micro_batch = log.record
         callbacks.on_resume = log.forget_after
+    if os.environ.get(STOP_ENV):
+        record, stop = callbacks.on_micro_batch, stop_after(os.environ[STOP_ENV])
+
+        def then_stop(step, keys):
+            if record is not None:
+                record(step, keys)
+            stop(step, keys)
+        callbacks.on_micro_batch = then_stop
     if step_seconds:
         record = callbacks.on_micro_batch
 

@@ -6,19 +6,39 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import sys
 import threading
 import time
+
+# (timm is imported by a warm starter, never by this probe: True in a forked run)
+PRELOADED = "timm" in sys.modules
+
+
+def _open_descriptors() -> dict[int, str]:
+    """Descriptor -> "pipe" or "other", found without opening one (as listing /proc would)."""
+    found = {}
+    for fd in range(256):
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            continue
+        found[fd] = "pipe" if stat.S_ISFIFO(mode) else "other"
+    return found
+
 
 if __name__ == "__main__":
     import numpy
     import psutil
 
+    descriptors = _open_descriptors()
     print(json.dumps({
-        "pid": os.getpid(), "sid": os.getsid(0), "cwd": os.getcwd(), "argv": sys.argv,
+        "pid": os.getpid(), "ppid": os.getppid(), "preloaded": PRELOADED,
+        "proc_rank": psutil.Process().environ().get("RANK"),
+        "sid": os.getsid(0), "cwd": os.getcwd(), "argv": sys.argv,
         "orig_argv": sys.orig_argv[1:], "path0": sys.path[0], "env": dict(os.environ),
-        "threads": threading.active_count(), "fds": sorted(int(fd) for fd in os.listdir(
-            "/proc/self/fd")), "numpy": int(numpy.random.randint(1 << 30)),
+        "threads": threading.active_count(), "fds": sorted(descriptors),
+        "fd_kinds": descriptors, "numpy": int(numpy.random.randint(1 << 30)),
         "main": sys.modules["__main__"].__spec__.name, "stdin": sys.stdin.read(),
         "torch_threads": __import__("torch").get_num_threads(),
         # (a forked run's line is followed by empty arguments: warm_start._show_command_line)

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 WARM_ENV = "ACCEL_TRAIN_TEST_WARM"
-WARM_MODULES = ("accel_train", "tests.fault_entry", "torch.distributed.run",
-                "torch.distributed.launch", "accelerate.commands.launch")
+LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
+WARM_MODULES = ("accel_train", "tests.fault_entry", *LAUNCHERS)
 # What the starter imports besides the modules it runs: what a training, eval or fault run
 # imports before its work.
 IMPORTS = ("accel_train.cli", "accel_train.trainer", "accel_train.commands.eval",
@@ -54,11 +54,16 @@ IMPORTS = ("accel_train.cli", "accel_train.trainer", "accel_train.commands.eval"
 # launch's rank variables, pytest's own.
 RUN_TIME_VARIABLES = re.compile(r"(FAULT_\w+|ACCEL_TRAIN_\w+|PYTEST_\w+|BUDGET_SKEW_SECONDS"
                                 r"|RANK|LOCAL_RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT)")
+# A launcher's ranks are forked by the launcher (tests/warm_ranks.py) unless this is "0".
+WARM_RANKS_ENV = "ACCEL_TRAIN_TEST_WARM_RANKS"
 READY = b"ready"
 # Bytes the starter's own command line leaves for a run's (an argument of this many dashes):
 # a forked run writes `python -m MODULE ARGS` over it, for `ps`, psutil and the tests that find
 # a run's processes by their command line.
 COMMAND_LINE_ROOM = 1 << 15
+# The same for a run's environment (/proc/PID/environ): a variable of the starter's own, which
+# a run's environment replaces.
+ENVIRONMENT_ROOM = {"ACCEL_TRAIN_TEST_ENVIRONMENT_ROOM": "-" * (1 << 15)}
 
 
 def _changed(env: dict, base: dict) -> set[str]:
@@ -172,7 +177,8 @@ class WarmStarter:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "tests.warm_start", str(theirs.fileno()),
                  ",".join(self.modules), "-" * COMMAND_LINE_ROOM],
-                cwd=self.cwd, env=self.base_env, stdin=subprocess.DEVNULL, stdout=log,
+                cwd=self.cwd, env={**self.base_env, **ENVIRONMENT_ROOM},
+                stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, pass_fds=[theirs.fileno()])
         theirs.close()
         ready, _, _ = select.select([ours], [], [], 180)
@@ -217,7 +223,10 @@ class WarmStarter:
                 return None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             request = json.dumps({"module": cmd[2], "args": cmd[3:], "env": env,
-                                  "cwd": str(cwd), "new_session": new_session}).encode()
+                                  "cwd": str(cwd), "new_session": new_session,
+                                  "refused_log": f"{self.log}.refused",
+                                  "rank_modules": [module for module in self.modules
+                                                   if module not in LAUNCHERS]}).encode()
             socket.send_fds(self._control, [request], [theirs.fileno(), stdin, stdout, stderr])
             theirs.close()
         return WarmProcess(ours, cmd)
@@ -292,11 +301,39 @@ def _show_command_line(cmd: list[str]) -> None:
     arguments after it (psutil lists them as ""): ending the area sooner (prctl
     PR_SET_MM_ARG_END) needs CAP_SYS_RESOURCE, and setproctitle(3)'s way (one line up to a NUL)
     loses where each argument ends."""
+    _write_start_area(48, _command_line(cmd))
+
+
+def _environment_block(env: dict) -> bytes:
+    """/proc/PID/environ's form: NAME=VALUE, each ended by a NUL."""
+    return b"".join(os.fsencode(f"{name}={value}") + b"\0" for name, value in env.items())
+
+
+def environment_fits(env: dict) -> bool:
+    start, end = _start_area(50)
+    return len(_environment_block(env)) < end - start
+
+
+def show_environment(env: dict) -> None:
+    """Writes `env` over the environment this process was started with, the memory
+    /proc/PID/environ reads (psutil's Process.environ(): the tests find a launcher's ranks by
+    their RANK there), where it fits in the room the starter was started with
+    (ENVIRONMENT_ROOM); the rest reads as the end of the block (a NUL after a NUL)."""
+    if environment_fits(env):
+        _write_start_area(50, _environment_block(env))
+
+
+def _start_area(first_field: int) -> tuple[int, int]:
+    """proc(5)'s (48) arg_start, (49) arg_end or (50) env_start, (51) env_end."""
     fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    start, end = int(fields[48 - 3]), int(fields[49 - 3])  # proc(5): arg_start, arg_end
+    return int(fields[first_field - 3]), int(fields[first_field + 1 - 3])
+
+
+def _write_start_area(first_field: int, data: bytes) -> None:
+    start, end = _start_area(first_field)
     with open("/proc/self/mem", "r+b", buffering=0) as memory:
         memory.seek(start)
-        memory.write(_command_line(cmd).ljust(end - start, b"\0"))
+        memory.write(data.ljust(end - start, b"\0")[:end - start])
 
 
 def _text(data: bytes) -> str:
@@ -326,6 +363,7 @@ class _Job:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        show_environment(os.environ)
         sys.path[0] = request["cwd"]  # what `python -m` puts first
         sys.orig_argv = [sys.executable, "-m", request["module"], *request["args"]]
         _show_command_line(sys.orig_argv)
@@ -338,6 +376,10 @@ class _Job:
         import runpy
 
         self.become()
+        if self.request["module"] in LAUNCHERS and os.environ.get(WARM_RANKS_ENV, "1") != "0":
+            from tests import warm_ranks
+
+            warm_ranks.install(self.request["rank_modules"], self.request.get("refused_log"))
         # The starter imported it (for what it imports); a new process has not, and runpy
         # warns on stderr about a module it runs as __main__ that was imported already.  (A
         # package runs its __main__, which nobody imported.)

@@ -63,7 +63,7 @@ def test_a_forked_rank_is_what_torchrun_would_have_started(starter):
         assert ours["proc_rank"] == theirs["proc_rank"] == str(rank), \
             "/proc/PID/environ, where the tests find a launcher's ranks"
         for key in ("cwd", "argv", "orig_argv", "path0", "threads", "main", "stdin",
-                    "torch_threads", "signals", "wakeup_fd"):
+                    "torch_threads", "signals", "wakeup_fd", "fork_keeps_descriptors"):
             assert ours[key] == theirs[key], (rank, key)
         assert ours["cmdline"] == theirs["cmdline"] == [
             sys.executable, "-u", "-m", PROBE, "exit", "0"]
@@ -75,6 +75,8 @@ def test_a_forked_rank_is_what_torchrun_would_have_started(starter):
         extra = set(ours["fds"]) - set(theirs["fds"])
         assert set(theirs["fds"]) <= set(ours["fds"]) and len(extra) <= 2, (ours, theirs)
         assert all(ours["fd_kinds"][str(fd)] == "pipe" for fd in extra), ours["fd_kinds"]
+    assert forked[0]["numpy"] != forked[1]["numpy"], \
+        "two ranks forked from one launcher must not share numpy's seed (new processes do not)"
 
 
 def test_a_forked_ranks_exit_code_and_traceback_reach_torchrun(starter):

@@ -27,18 +27,38 @@ def _open_descriptors() -> dict[int, str]:
     return found
 
 
+def _a_fork_keeps_descriptors() -> bool:
+    """Whether a child forked now still has this process's descriptors as they were (a fork
+    handler of a library may close numbers it thinks are its own)."""
+    read, write = os.pipe()
+    files = [(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (read, write)]
+    pid = os.fork()
+    if pid == 0:
+        try:
+            same = [(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (read, write)] == files
+        except OSError:
+            same = False
+        os._exit(0 if same else 1)
+    _, status = os.waitpid(pid, 0)
+    os.close(read)
+    os.close(write)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
 if __name__ == "__main__":
     import numpy
     import psutil
 
     descriptors = _open_descriptors()
+    fork_keeps_descriptors = _a_fork_keeps_descriptors()
     print(json.dumps({
         "pid": os.getpid(), "ppid": os.getppid(), "preloaded": PRELOADED,
         "proc_rank": psutil.Process().environ().get("RANK"),
         "sid": os.getsid(0), "cwd": os.getcwd(), "argv": sys.argv,
         "orig_argv": sys.orig_argv[1:], "path0": sys.path[0], "env": dict(os.environ),
         "threads": threading.active_count(), "fds": sorted(descriptors),
-        "fd_kinds": descriptors, "numpy": int(numpy.random.randint(1 << 30)),
+        "fd_kinds": descriptors, "fork_keeps_descriptors": fork_keeps_descriptors,
+        "numpy": int(numpy.random.randint(1 << 30)),
         "main": sys.modules["__main__"].__spec__.name, "stdin": sys.stdin.read(),
         "torch_threads": __import__("torch").get_num_threads(),
         # (a forked run's line is followed by empty arguments: warm_start._show_command_line)

@@ -90,6 +90,30 @@ def test_a_forked_ranks_exit_code_and_traceback_reach_torchrun(starter):
     assert "[default0]:to stderr" in output  # a -u rank's streams: nothing lost at its exit
 
 
+def test_a_rank_whose_environment_differs_in_a_variable_read_at_import_is_exec_d(tmp_path):
+    """torchrun sets OMP_NUM_THREADS (read as torch is imported) for its ranks where its own
+    environment has none: its ranks are then new processes, and the refusal is noted."""
+    def without_threads() -> dict:
+        return {k: v for k, v in child_env().items() if k != "OMP_NUM_THREADS"}
+
+    warm = WarmStarter(without_threads, REPO, tmp_path / "starter.log",
+                       modules=(*WARM_MODULES, PROBE))
+    try:
+        process = warm.start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                              "2", "--master-addr", "127.0.0.1", "--master-port", "29615",
+                              "--tee", "3", "-m", PROBE, "exit", "0"], env=without_threads(),
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert isinstance(process, WarmProcess), "the starter refused the launcher"
+        out, err = process.communicate(timeout=240)
+    finally:
+        warm.close()
+    assert process.returncode == 0, (out + err)[-3000:]
+    for rank, seen in _seen_by_rank(out + err).items():
+        assert not seen["preloaded"] and seen["env"]["OMP_NUM_THREADS"] == "1", rank
+    refused = (tmp_path / "starter.log.refused").read_text().splitlines()
+    assert len(refused) == 2 and all("['OMP_NUM_THREADS']" in line for line in refused), refused
+
+
 def test_only_python_dash_m_of_a_rank_module_is_forked():
     python = sys.executable
     assert rank_command([python, "-u", "-m", "accel_train", "--epochs", "1"],

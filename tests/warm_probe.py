@@ -28,20 +28,23 @@ def _open_descriptors() -> dict[int, str]:
 
 
 def _a_fork_keeps_descriptors() -> bool:
-    """Whether a child forked now still has this process's descriptors as they were (a fork
-    handler of a library may close numbers it thinks are its own)."""
-    read, write = os.pipe()
-    files = [(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (read, write)]
+    """Whether a child forked now still has the descriptors this process opens as they were (a
+    fork handler of a library may close numbers it thinks are its own).  Every free number up
+    to 64 is taken by a pipe first, so that a number such a handler closes is one of these."""
+    opened: list[int] = []
+    while not opened or max(opened) < 64:
+        opened.extend(os.pipe())
+    files = {fd: (os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in opened}
     pid = os.fork()
     if pid == 0:
         try:
-            same = [(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (read, write)] == files
+            same = {fd: (os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in files} == files
         except OSError:
             same = False
         os._exit(0 if same else 1)
     _, status = os.waitpid(pid, 0)
-    os.close(read)
-    os.close(write)
+    for fd in opened:
+        os.close(fd)
     return os.waitstatus_to_exitcode(status) == 0
 
 

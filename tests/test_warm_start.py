@@ -129,11 +129,13 @@ def test_only_run_time_variables_may_differ_from_the_starters():
     base = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/bin"}
     assert forkable(dict(base), base)
     assert forkable({**base, "FAULT_STALL_SAVE": "3", "ACCEL_TRAIN_CIFAR10": "/x",
-                     "RANK": "1", "WORLD_SIZE": "2", "PYTEST_CURRENT_TEST": "t"}, base)
+                     "RANK": "1", "WORLD_SIZE": "2", "PYTEST_CURRENT_TEST": "t",
+                     "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3",
+                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, base)
     for name, value in (("HF_HUB_OFFLINE", "0"), ("OMP_NUM_THREADS", "2"), ("PATH", "/usr"),
                         ("HF_HOME", "/tmp/hf"), ("ACCELERATE_USE_CPU", "1"),
                         ("RANKS", "1"), ("CUDA_VISIBLE_DEVICES", "0"), ("ACCEL_OTHER", "1"),
-                        ("MY_FAULT_X", "1")):
+                        ("MY_FAULT_X", "1"), ("TORCH_ELASTIC_OTHER", "1")):
         assert not forkable({**base, name: value}, base), name
     assert not forkable({k: v for k, v in base.items() if k != "PATH"}, base)
 

@@ -1,13 +1,16 @@
 """Ranks forked by the launcher that the warm starter runs, instead of new interpreters.
 
-A launcher a test starts (torchrun, `python -m torch.distributed.launch`, `accelerate launch`
-with a multi-process config) is forked by the warm starter (tests/warm_start.py), but the ranks
-it starts were new interpreters, each paying the stack's imports (a few CPU seconds each, and the
-suite starts about a hundred ranks: docs/development.md, "Which processes").  The launcher
-process has imported the stack already, so here its rank is forked from the launcher itself:
-torch's elastic agent (which all three launchers use) makes its ranks through
-`subprocess_handler.Popen`, and `install` puts `RankPopen` there, a Popen whose child, instead of
-exec'ing `python -u -m MODULE ARGS`, becomes that run in the forked image.
+A launcher a test starts (torchrun, `python -m torch.distributed.launch`, `accelerate launch`)
+is forked by the warm starter (tests/warm_start.py), but the ranks it starts were new
+interpreters, each paying the stack's imports (a few CPU seconds each, and the suite starts
+about a hundred ranks: docs/development.md, "Which processes").  The launcher process has
+imported the stack already, so here its rank is forked from the launcher itself: torch's
+elastic agent (which all three launchers use for several processes) makes its ranks through
+`subprocess_handler.Popen`, and `install` puts `rank_popen` there, whose Popen's child, instead
+of exec'ing `python -u -m MODULE ARGS`, becomes that run in the forked image.  (Accelerate's
+one-process launcher, for a MULTI_CPU config, starts `python -m accel_train` with
+subprocess.Popen and KMP_AFFINITY/KMP_BLOCKTIME set, which an OpenMP runtime reads as it
+loads: that process, and the ranks accel_train.rank_launcher starts from it, stay new ones.)
 
 What stays as a user's launch has it: the rank is the launcher's own child (its pid, its session
 and process group from `start_new_session`, the launcher's waits, signals and restarts), with the
@@ -17,8 +20,8 @@ undone in the child: the launcher's signal handlers and mask, its descriptors be
 three (close_fds, as Popen's default), its atexit and finalizer registrations, its warnings
 filters and root logging set-up, numpy's seed.  A run whose environment differs from the
 launcher's in a variable read at import (anything but the ranks' own: `RANK_VARIABLES`) is
-exec'd as before, and so is every run when ACCEL_TRAIN_TEST_WARM=0 (the starter is then not
-used at all).
+exec'd as before, and so is every rank when ACCEL_TRAIN_TEST_WARM_RANKS=0 or
+ACCEL_TRAIN_TEST_WARM=0 (the starter is then not used at all).
 
 The launcher is several threads by the time it starts ranks (its rendezvous store's server);
 a fork keeps only the calling thread.  The child touches none of the launcher's objects but

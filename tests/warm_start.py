@@ -51,9 +51,12 @@ IMPORTS = ("accel_train.cli", "accel_train.trainer", "accel_train.commands.eval"
            "multiprocessing.forkserver")
 # Variables read when they are used, not when a module is imported: a run may set or change
 # them and still be forked.  The tests' fault switches, the trainer's own settings, the manual
-# launch's rank variables, pytest's own.
+# launch's rank variables, pytest's own, two of torch's elastic agent (read as it stops a
+# round and as it sets up its rendezvous).
 RUN_TIME_VARIABLES = re.compile(r"(FAULT_\w+|ACCEL_TRAIN_\w+|PYTEST_\w+|BUDGET_SKEW_SECONDS"
-                                r"|RANK|LOCAL_RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT)")
+                                r"|RANK|LOCAL_RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT"
+                                r"|TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+                                r"|TORCH_DISABLE_SHARE_RDZV_TCP_STORE)")
 # A launcher's ranks are forked by the launcher (tests/warm_ranks.py) unless this is "0".
 WARM_RANKS_ENV = "ACCEL_TRAIN_TEST_WARM_RANKS"
 READY = b"ready"

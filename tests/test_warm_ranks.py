@@ -138,3 +138,7 @@ def test_a_rank_whose_imports_would_read_another_environment_is_exec_d():
     assert variables_read_at_import({"PATH": "/bin"}, launcher) == ["HF_HUB_OFFLINE",
                                                                     "OMP_NUM_THREADS"]
     assert not RANK_VARIABLES.fullmatch("RANKS")
+    kmp = {**launcher, "KMP_AFFINITY": "granularity=fine,compact,1,0", "KMP_BLOCKTIME": "1"}
+    assert variables_read_at_import(kmp, launcher, intel_openmp=False) == []
+    assert variables_read_at_import(kmp, launcher, intel_openmp=True) == ["KMP_AFFINITY",
+                                                                         "KMP_BLOCKTIME"]

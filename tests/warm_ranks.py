@@ -9,8 +9,8 @@ elastic agent (which all three launchers use for several processes) makes its ra
 `subprocess_handler.Popen`, and `install` puts `rank_popen` there, whose Popen's child, instead
 of exec'ing `python -u -m MODULE ARGS`, becomes that run in the forked image.  (Accelerate's
 one-process launcher, for a MULTI_CPU config, starts `python -m accel_train` with
-subprocess.Popen and KMP_AFFINITY/KMP_BLOCKTIME set, which an OpenMP runtime reads as it
-loads: that process, and the ranks accel_train.rank_launcher starts from it, stay new ones.)
+subprocess.Popen, which accel_train.rank_launcher then makes the ranks' launcher: there
+`install` replaces subprocess.Popen too, and the forked process keeps both.)
 
 What stays as a user's launch has it: the rank is the launcher's own child (its pid, its session
 and process group from `start_new_session`, the launcher's waits, signals and restarts), with the
@@ -45,6 +45,7 @@ import sys
 import traceback
 import warnings
 import weakref
+from pathlib import Path
 
 from tests.warm_start import (COMMAND_LINE_ROOM, RUN_TIME_VARIABLES, _changed, _command_line,
                               _show_command_line, environment_fits, show_environment)
@@ -68,9 +69,10 @@ class _Launcher:
     rank_modules: tuple = ()
 
 
-def install(rank_modules, refused_log: str | None) -> None:
-    """In the launcher's process, before its launcher runs: its ranks that are `python [-u] -m`
-    of one of `rank_modules` are forked (each refusal noted in `refused_log`)."""
+def install(launcher: str, rank_modules, refused_log: str | None) -> None:
+    """In the process of `launcher` (its module), before it runs: its ranks that are
+    `python [-u] -m` of one of `rank_modules` are forked (each refusal noted in
+    `refused_log`)."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     _Launcher.env = dict(os.environ)
@@ -87,6 +89,11 @@ def install(rank_modules, refused_log: str | None) -> None:
 
     atexit.register = noting_register
     subprocess_handler.Popen = rank_popen
+    if launcher == "accelerate.commands.launch":
+        # Its one-process launcher (a MULTI_CPU config) starts `python -m accel_train` with
+        # subprocess.Popen; accel_train.rank_launcher makes that process the ranks' launcher
+        # (torch's elastic agent): forked from here, it has both Popens of this module.
+        subprocess.Popen = rank_popen
 
 
 def rank_command(args, modules) -> tuple[str, list[str], bool] | None:
@@ -102,11 +109,18 @@ def rank_command(args, modules) -> tuple[str, list[str], bool] | None:
     return rest[1], rest[2:], unbuffered
 
 
-def variables_read_at_import(env: dict, launchers: dict) -> list[str]:
+def variables_read_at_import(env: dict, launchers: dict,
+                             intel_openmp: bool | None = None) -> list[str]:
     """The variables of a rank's environment `env` that differ from its launcher's and are not
-    the ranks' own (RANK_VARIABLES): where there are any, the rank must be a new process."""
+    the ranks' own (RANK_VARIABLES): where there are any, the rank must be a new process.
+    KMP_* (which accelerate's one-process launcher sets) are read by Intel's OpenMP runtime as
+    it loads, and by nothing else: they count where that runtime is loaded in this process
+    (`intel_openmp`, read from /proc/self/maps when not given; torch's PyPI wheels load GNU's)."""
+    if intel_openmp is None:
+        intel_openmp = "libiomp5" in Path("/proc/self/maps").read_text()
     return sorted(name for name in _changed(env, launchers)
-                  if not RANK_VARIABLES.fullmatch(name))
+                  if not RANK_VARIABLES.fullmatch(name)
+                  and (intel_openmp or not name.startswith("KMP_")))
 
 
 def _refuse(args, why: str) -> None:
@@ -116,26 +130,30 @@ def _refuse(args, why: str) -> None:
 
 
 def rank_popen(args, **kwargs) -> subprocess.Popen:
-    """subprocess.Popen as torch's SubprocessHandler calls it (args, env, stdout, stderr,
-    start_new_session): the rank forked where it can be, else exec'd."""
+    """subprocess.Popen as torch's SubprocessHandler and accelerate's one-process launcher call
+    it (args; env, stdout, stderr, start_new_session): the rank forked where it can be, else
+    exec'd by Popen itself."""
     command = rank_command(args, _Launcher.rank_modules)
     if command is None:
-        return subprocess.Popen(args, **kwargs)
+        return _POPEN(args, **kwargs)
     if len(_command_line(list(map(os.fsdecode, args)))) > COMMAND_LINE_ROOM:
         _refuse(args, "a command line longer than COMMAND_LINE_ROOM")
-        return subprocess.Popen(args, **kwargs)
+        return _POPEN(args, **kwargs)
     env = dict(os.environ) if kwargs.get("env") is None else kwargs["env"]
     if not environment_fits(env):
         _refuse(args, "an environment larger than ENVIRONMENT_ROOM")
-        return subprocess.Popen(args, **kwargs)
+        return _POPEN(args, **kwargs)
     changed = variables_read_at_import(env, _Launcher.env)
     if changed:
         _refuse(args, f"variables read at import differ: {changed}")
-        return subprocess.Popen(args, **kwargs)
+        return _POPEN(args, **kwargs)
     return ForkedPopen(args, command, **kwargs)
 
 
-class ForkedPopen(subprocess.Popen):
+_POPEN = subprocess.Popen  # (install may put rank_popen in its place)
+
+
+class ForkedPopen(_POPEN):
     """A Popen whose child becomes the rank instead of exec'ing it."""
 
     def __init__(self, args, command, **kwargs):
@@ -253,7 +271,9 @@ def _become(args, command, env, cwd, stdio, launchers, new_session) -> None:
                                                                              closefd=False)))
     for function in _Launcher.exit_functions:
         atexit.unregister(function)
-    atexit.register = _Launcher.register
+    # What this process registers from here on is noted in turn: it may start ranks itself
+    # (accel_train.rank_launcher), which must not run its exit functions either.
+    _Launcher.exit_functions = []
     weakref.finalize._registry.clear()
     if "multiprocessing.util" in sys.modules:
         sys.modules["multiprocessing.util"]._finalizer_registry.clear()

@@ -382,7 +382,8 @@ class _Job:
         if self.request["module"] in LAUNCHERS and os.environ.get(WARM_RANKS_ENV, "1") != "0":
             from tests import warm_ranks
 
-            warm_ranks.install(self.request["rank_modules"], self.request.get("refused_log"))
+            warm_ranks.install(self.request["module"], self.request["rank_modules"],
+                               self.request.get("refused_log"))
         # The starter imported it (for what it imports); a new process has not, and runpy
         # warns on stderr about a module it runs as __main__ that was imported already.  (A
         # package runs its __main__, which nobody imported.)

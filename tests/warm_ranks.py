@@ -129,13 +129,14 @@ def _refuse(args, why: str) -> None:
             note.write(f"rank: {why}: {' '.join(map(os.fsdecode, args))[:300]}\n")
 
 
-def rank_popen(args, **kwargs) -> subprocess.Popen:
+def rank_popen(args, *more, **kwargs) -> subprocess.Popen:
     """subprocess.Popen as torch's SubprocessHandler and accelerate's one-process launcher call
     it (args; env, stdout, stderr, start_new_session): the rank forked where it can be, else
-    exec'd by Popen itself."""
-    command = rank_command(args, _Launcher.rank_modules)
+    exec'd by Popen itself (as is any other command, and any call with more positional
+    arguments)."""
+    command = None if more else rank_command(args, _Launcher.rank_modules)
     if command is None:
-        return _POPEN(args, **kwargs)
+        return _POPEN(args, *more, **kwargs)
     if len(_command_line(list(map(os.fsdecode, args)))) > COMMAND_LINE_ROOM:
         _refuse(args, "a command line longer than COMMAND_LINE_ROOM")
         return _POPEN(args, **kwargs)
@@ -167,17 +168,16 @@ class ForkedPopen(_POPEN):
         for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
             if stream is not None:
                 stream.flush()
-        launchers = _open_files()
+        launchers = {fd: file for fd, file in _open_files().items()
+                     if fd not in (0, 1, 2, *pass_fds)}
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
                 _become(list(map(os.fsdecode, args)), self._rank_command,
                         dict(os.environ) if env is None else env, cwd,
-                        (p2cread, c2pwrite, errwrite), {fd: file for fd, file in launchers.items()
-                         if fd not in (0, 1, 2, *pass_fds)},
-                        start_new_session)
-                code = _run(*self._rank_command[:2])
+                        (p2cread, c2pwrite, errwrite), launchers, start_new_session)
+                code = _run(self._rank_command[0])
             except BaseException:  # noqa: BLE001 - the child must never return into the launcher
                 traceback.print_exc()
             finally:
@@ -207,7 +207,8 @@ def _open_files(fds=None) -> dict[int, tuple[int, int]]:
 
 # ----- in the forked child -----
 
-_KEPT: list = []
+_KEPT: list = []  # objects of the launcher's the child must never collect (see _become)
+
 
 def _reset_signals() -> None:
     """As a new interpreter starts: default actions, SIGINT raising KeyboardInterrupt, SIGPIPE
@@ -290,7 +291,7 @@ def _become(args, command, env, cwd, stdio, launchers, new_session) -> None:
         sys.modules["numpy"].random.seed()  # reseeded at fork by Python itself
 
 
-def _run(module: str, arguments) -> int:
+def _run(module: str) -> int:
     """Runs `module` as __main__ and ends as the interpreter would: the exit code of SystemExit
     (its message on stderr), a traceback and 1 for an exception, death by SIGINT for an
     uncaught KeyboardInterrupt; non-daemon threads joined, atexit run, streams flushed."""

@@ -48,7 +48,7 @@ import weakref
 from pathlib import Path
 
 from tests.warm_start import (COMMAND_LINE_ROOM, RUN_TIME_VARIABLES, _changed, _command_line,
-                              _show_command_line, environment_fits, show_environment)
+                              become_module_run, environment_fits, run_as_main)
 
 # What torch's elastic agent and accelerate's launcher set for each rank; all are read when
 # torch.distributed or accelerate start a run, not when they are imported.
@@ -259,9 +259,6 @@ def _become(args, command, env, cwd, stdio, launchers, new_session) -> None:
             os.close(fd)
     if cwd is not None:
         os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update({os.fsdecode(k): os.fsdecode(v) for k, v in env.items()})
-    show_environment(os.environ)
     # The launcher's stream objects are kept, never collected: collecting one would close its
     # descriptor (0, 1 or 2) under the run, which would then reuse the number for a file of its.
     _KEPT.extend((sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__,
@@ -283,27 +280,19 @@ def _become(args, command, env, cwd, stdio, launchers, new_session) -> None:
     _KEPT.extend(logging.root.handlers)
     logging.root.handlers[:] = _Launcher.root_handlers
     logging.root.setLevel(_Launcher.root_level)
-    sys.path[0] = os.getcwd()  # what `python -m` puts first
-    sys.orig_argv = [sys.executable, *(["-u"] if unbuffered else []), "-m", module, *arguments]
-    _show_command_line(args)
-    sys.argv = [module, *arguments]
-    if "numpy" in sys.modules:  # a new process's numpy is seeded anew; Python's random is
-        sys.modules["numpy"].random.seed()  # reseeded at fork by Python itself
+    become_module_run(module, arguments,
+                      {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()}, args)
 
 
 def _run(module: str) -> int:
     """Runs `module` as __main__ and ends as the interpreter would: the exit code of SystemExit
     (its message on stderr), a traceback and 1 for an exception, death by SIGINT for an
     uncaught KeyboardInterrupt; non-daemon threads joined, atexit run, streams flushed."""
-    import importlib.util
-    import runpy
     import threading
 
     code = 0
     try:
-        if importlib.util.find_spec(module).submodule_search_locations is None:
-            sys.modules.pop(module, None)  # runpy warns about a module imported already
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        run_as_main(module)
     except SystemExit as exit:
         code = _exit_code(exit.code)
     except KeyboardInterrupt:

@@ -364,33 +364,44 @@ class _Job:
         for fd in set(self.stdio) - {0, 1, 2}:
             os.close(fd)
         os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        show_environment(os.environ)
-        sys.path[0] = request["cwd"]  # what `python -m` puts first
-        sys.orig_argv = [sys.executable, "-m", request["module"], *request["args"]]
-        _show_command_line(sys.orig_argv)
-        sys.argv = [request["module"], *request["args"]]  # runpy puts the file in argv[0]
-        if "numpy" in sys.modules:  # a new process's numpy is seeded anew; Python's random is
-            sys.modules["numpy"].random.seed()  # reseeded at fork by Python itself
+        become_module_run(request["module"], request["args"], request["env"],
+                          [sys.executable, "-m", request["module"], *request["args"]])
 
     def run(self) -> None:
-        import importlib.util
-        import runpy
-
         self.become()
         if self.request["module"] in LAUNCHERS and os.environ.get(WARM_RANKS_ENV, "1") != "0":
             from tests import warm_ranks
 
             warm_ranks.install(self.request["module"], self.request["rank_modules"],
                                self.request.get("refused_log"))
-        # The starter imported it (for what it imports); a new process has not, and runpy
-        # warns on stderr about a module it runs as __main__ that was imported already.  (A
-        # package runs its __main__, which nobody imported.)
-        name = self.request["module"]
-        if importlib.util.find_spec(name).submodule_search_locations is None:
-            sys.modules.pop(name, None)
-        runpy.run_module(name, run_name="__main__", alter_sys=True)
+        run_as_main(self.request["module"])
+
+
+def become_module_run(module: str, args: list[str], env: dict, command: list[str]) -> None:
+    """What a forked run takes on to be `command` (`python [-u] -m MODULE ARGS`) in its folder:
+    the environment (also where /proc/PID/environ reads it), sys.path[0], the command line
+    (sys.orig_argv, /proc/PID/cmdline), sys.argv and numpy's seed."""
+    os.environ.clear()
+    os.environ.update(env)
+    show_environment(os.environ)
+    sys.path[0] = os.getcwd()  # what `python -m` puts first
+    sys.orig_argv = list(command)
+    _show_command_line(sys.orig_argv)
+    sys.argv = [module, *args]  # runpy puts the file in argv[0]
+    if "numpy" in sys.modules:  # a new process's numpy is seeded anew; Python's random is
+        sys.modules["numpy"].random.seed()  # reseeded at fork by Python itself
+
+
+def run_as_main(module: str) -> None:
+    """runpy's `python -m MODULE`.  The starter imported the module (for what it imports); a
+    new process has not, and runpy warns on stderr about a module it runs as __main__ that was
+    imported already.  (A package runs its __main__, which nobody imported.)"""
+    import importlib.util
+    import runpy
+
+    if importlib.util.find_spec(module).submodule_search_locations is None:
+        sys.modules.pop(module, None)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def _serve(control: socket.socket) -> _Job:

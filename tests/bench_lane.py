@@ -5,7 +5,11 @@ tests/test_benchmarks.py's smoke runs.
 Why not a process per script: each new process pays seconds of imports (torch, timm,
 torchvision's ops with torch._dynamo) before it reads an argument, and the smoke runs are mostly
 that; a lane pays them once for all its scripts.  The runs the scripts start themselves (their
-arms: launchers, training processes) are still processes of their own, as they must be.
+arms: launchers, training processes) are still processes of their own, as they must be; those
+started through benchlib.run as `python -m accel_train` or a launcher are forked from a warm
+starter of the lane's (tests/warm_start.py, the one the tests' own runs use: a launcher's ranks
+forked by the launcher), the others are new interpreters.  ACCEL_TRAIN_TEST_WARM=0 makes every
+run a new interpreter.
 
     python tests/bench_lane.py JOBS.json RESULTS.json
 
@@ -13,9 +17,10 @@ JOBS.json: a list of {"name", "script", "argv", "log"}.  Each script's stdout an
 children's too: the file descriptors are redirected, not only sys.stdout) go to its "log";
 RESULTS.json gets {name: exit code}, written after each script, so a lane that hangs still
 says which scripts finished; RESULTS.cpu.json beside it {name: CPU seconds}, the script's own
-and its waited-for children's (where a smoke test's time goes: docs/development.md).  Between
-scripts the process-wide state a script may change is put back: the environment, the working
-directory, torch's thread count, Accelerate's singletons, sys.argv and sys.path.
+and its children's, forked ones included (where a smoke test's time goes:
+docs/development.md).  Between scripts the process-wide state a script may change is put
+back: the environment, the working directory, torch's thread count, Accelerate's singletons,
+sys.argv and sys.path.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ import runpy
 import sys
 import traceback
 from pathlib import Path
+
+from warm_start import WarmStarter
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, argv: list[str], log: str) -> int:
@@ -63,20 +72,36 @@ def _run(script: str, argv: list[str], log: str) -> int:
     return code
 
 
-def _cpu_seconds() -> float:
+def _cpu_seconds(warm: WarmStarter) -> float:
     used = os.times()
-    return used.user + used.system + used.children_user + used.children_system
+    return (used.user + used.system + used.children_user + used.children_system
+            + warm.forked_cpu_seconds)
+
+
+def _warm_children(log: Path) -> WarmStarter:
+    """benchlib.run's children forked from a warm starter where they can be (its seam)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import benchlib  # the module the scripts' own `import benchlib` finds in sys.modules
+
+    sys.path.pop(0)
+    warm = WarmStarter(benchlib.child_env, REPO, log)
+    benchlib.start_command = warm.run
+    return warm
 
 
 def main(jobs_file: str, results_file: str) -> int:
     results: dict[str, int] = {}
     cpu: dict[str, float] = {}
-    for job in json.loads(Path(jobs_file).read_text()):
-        before = _cpu_seconds()
-        results[job["name"]] = _run(job["script"], job["argv"], job["log"])
-        cpu[job["name"]] = round(_cpu_seconds() - before, 1)
-        Path(results_file).write_text(json.dumps(results))
-        Path(results_file).with_suffix(".cpu.json").write_text(json.dumps(cpu))
+    warm = _warm_children(Path(results_file).with_suffix(".starter.log"))
+    try:
+        for job in json.loads(Path(jobs_file).read_text()):
+            before = _cpu_seconds(warm)
+            results[job["name"]] = _run(job["script"], job["argv"], job["log"])
+            cpu[job["name"]] = round(_cpu_seconds(warm) - before, 1)
+            Path(results_file).write_text(json.dumps(results))
+            Path(results_file).with_suffix(".cpu.json").write_text(json.dumps(cpu))
+    finally:
+        warm.close()
     return 0
 
 

@@ -65,11 +65,12 @@ CASES = {
 }
 
 # Two lanes, each one process running its scripts in turn (tests/bench_lane.py: the seconds of
-# imports a script's own process would pay, paid once a lane), balanced by each script's CPU
-# seconds (docs/development.md), the longest first.
-LANES = [["accuracy", "scaling", "streaming", "index", "seed", "comm", "checkpoint", "gpu"],
-         ["gpu_cifar", "budget", "threads", "worker_start", "overhead", "data", "efficiency",
-          "precision"]]
+# imports a script's own process would pay, paid once a lane; the training runs they start
+# through benchlib.run forked from a warm starter), balanced by each script's CPU seconds
+# (the lanes' RESULTS.cpu.json; docs/development.md), the longest first.
+LANES = [["accuracy", "scaling", "index", "seed", "overhead", "streaming", "comm", "checkpoint",
+          "gpu"],
+         ["gpu_cifar", "worker_start", "budget", "threads", "data", "efficiency", "precision"]]
 ORDER = [name for lane in LANES for name in lane]
 
 

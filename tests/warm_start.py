@@ -80,11 +80,13 @@ def forkable(env: dict, base: dict) -> bool:
 
 class WarmProcess:
     """What subprocess.Popen offers the tests, for a run forked by the starter: pid, poll,
-    wait, send_signal, kill, returncode (negative: the signal that ended it)."""
+    wait, send_signal, kill, returncode (negative: the signal that ended it); and, once it has
+    ended, cpu_seconds (user + system, its own and its waited-for children's)."""
 
     def __init__(self, reply: socket.socket, args: list[str]):
         self._reply, self.args = reply, args
         self.returncode: Optional[int] = None
+        self.cpu_seconds: Optional[float] = None
         self.pid = json.loads(self._receive(timeout=60))["pid"]
         self._pipes: dict[str, Optional[int]] = {}
         self._output: dict[str, bytearray] = {}
@@ -108,7 +110,8 @@ class WarmProcess:
 
     def wait(self, timeout: Optional[float] = None) -> int:
         if self.returncode is None:
-            self.returncode = json.loads(self._receive(timeout))["code"]
+            ended = json.loads(self._receive(timeout))
+            self.returncode, self.cpu_seconds = ended["code"], ended["cpu_seconds"]
             self._reply.close()
         return self.returncode
 
@@ -170,6 +173,8 @@ class WarmStarter:
         self._lock = threading.Lock()
         self.broken = os.environ.get(WARM_ENV, "1") == "0"
         self.starts = 0
+        # CPU seconds of the runs run() forked (a caller's os.times counts only new processes)
+        self.forked_cpu_seconds = 0.0
         self._retired: list[subprocess.Popen] = []  # starters closed: reaped once they end
 
     def _start(self) -> None:
@@ -279,6 +284,9 @@ class WarmStarter:
             process.kill()
             process.wait()
             raise
+        finally:
+            if isinstance(process, WarmProcess) and process.cpu_seconds is not None:
+                self.forked_cpu_seconds += process.cpu_seconds
         return subprocess.CompletedProcess(cmd, process.returncode, out, err)
 
     def close(self) -> None:
@@ -453,14 +461,16 @@ def _serve(control: socket.socket) -> _Job:
                 gone.add(pid)
                 _kill(pid)
         while runs:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 break
             reply = runs.pop(pid, None)
             gone.discard(pid)
             if reply is not None:
-                try:
-                    reply.sendall(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode())
+                try:  # its CPU time with what it waited for: its caller's os.times cannot see it
+                    reply.sendall(json.dumps({"code": os.waitstatus_to_exitcode(status),
+                                              "cpu_seconds": usage.ru_utime + usage.ru_stime}
+                                             ).encode())
                 except OSError:
                     pass
                 reply.close()

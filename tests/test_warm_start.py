@@ -64,6 +64,20 @@ def test_a_forked_run_is_what_a_new_process_would_be(starter):
         "a run not asked for a session of its own stays in its caller's"
 
 
+def test_the_cpu_seconds_of_a_forked_run_and_what_it_waited_for_reach_the_caller(starter):
+    """A forked run is the starter's child, not its caller's: the caller's os.times cannot
+    count it, so the starter reports it (the benchmark lanes' CPU figures add it up).  Oracle:
+    the run's own os.times, read as it ends (its own and its waited-for child's 0.4 s each)."""
+    before = starter.forked_cpu_seconds
+    result = starter.run([sys.executable, "-m", PROBE, "burn", "0.4"], env=child_env(), cwd=REPO,
+                         timeout=120)
+    assert result.returncode == 0, result.stderr
+    counted = json.loads(result.stdout.splitlines()[-1])["cpu_seconds"]
+    assert counted >= 0.8
+    # the rest: the steps of becoming the run, its exit (a new process's imports are not in it)
+    assert counted <= starter.forked_cpu_seconds - before <= counted + 1.0
+
+
 def test_a_forked_run_works_in_the_folder_it_is_given(starter, tmp_path):
     """(The starter's own folder is the repository, where the tests start their runs; a
     module the starter imported stays importable from any folder, unlike in a new process.)"""

@@ -1,5 +1,7 @@
-"""`python -m tests.warm_probe [raise|exit N|wait]`: prints what a process knows of itself, as
-one JSON line, for tests/test_warm_start.py to compare a forked run with a new process."""
+"""`python -m tests.warm_probe [raise|exit N|wait|burn SECONDS]`: prints what a process knows of
+itself, as one JSON line, for tests/test_warm_start.py to compare a forked run with a new
+process.  `burn`: a child it waits for, then the probe itself, each use SECONDS of CPU; a second
+line gives the CPU seconds the probe counted for itself and the child (os.times) as it ends."""
 
 from __future__ import annotations
 
@@ -48,6 +50,17 @@ def _a_fork_keeps_descriptors() -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
+def _cpu_seconds(children: bool) -> float:
+    used = os.times()
+    return used.user + used.system + (used.children_user + used.children_system) * children
+
+
+def _burn(seconds: float) -> None:
+    until = _cpu_seconds(children=False) + seconds
+    while _cpu_seconds(children=False) < until:
+        pass
+
+
 if __name__ == "__main__":
     import numpy
     import psutil
@@ -76,3 +89,11 @@ if __name__ == "__main__":
         sys.exit(int(sys.argv[2]))
     if sys.argv[1:2] == ["wait"]:
         time.sleep(600)
+    if sys.argv[1:2] == ["burn"]:
+        child = os.fork()
+        if child == 0:
+            _burn(float(sys.argv[2]))
+            os._exit(0)
+        os.waitpid(child, 0)
+        _burn(float(sys.argv[2]))
+        print(json.dumps({"cpu_seconds": _cpu_seconds(children=True)}), flush=True)

@@ -75,7 +75,12 @@ ORDER = [name for lane in LANES for name in lane]
 
 
 @pytest.fixture(scope="module")
-def bench_runs(tmp_path_factory, cifar10_layout):
+def lanes(tmp_path_factory):
+    return tmp_path_factory.mktemp("lanes")
+
+
+@pytest.fixture(scope="module")
+def bench_runs(tmp_path_factory, cifar10_layout, lanes):
     # A smoke test: data in the CIFAR-10 parquet layout is enough (the real copy need not exist).
     data = ["--data-dir", str(cifar10_layout)]
     env = conftest.test_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning")
@@ -83,7 +88,6 @@ def bench_runs(tmp_path_factory, cifar10_layout):
     # made here, not in the threads: pytest creates its base temporary folder lazily, and two
     # threads asking for it at once can each create one (pytest-N and pytest-N+1)
     outs = {name: tmp_path_factory.mktemp(name) for name in ORDER}
-    lanes = tmp_path_factory.mktemp("lanes")
 
     def job(name):
         out = outs[name]
@@ -125,6 +129,14 @@ def test_benchmark_script_runs(name, bench_runs):
     assert "| " in markdown and "load average" in markdown, log[-2000:]
     data = json.loads((out / f"{name}.json").read_text())
     assert data["tables"] and data["machine"]["cores"] >= 1
+
+
+def test_the_runs_the_scripts_start_are_forked_from_a_lanes_warm_starter(bench_runs, lanes):
+    """benchlib.run's `python -m accel_train` and launcher children are forked (the seconds of
+    imports they would pay are most of a smoke run's); a lane's starter writes its log when
+    it starts (and LOG.refused the runs it had to leave to a new process)."""
+    logs = [lanes / f"lane{index}.results.starter.log" for index in range(len(LANES))]
+    assert any(log.exists() for log in logs), "no lane started its warm starter"
 
 
 def test_every_benchmark_script_is_smoke_tested():

@@ -501,8 +501,8 @@ def _main(control_fd: int, modules: list[str]) -> None:
         print(f"warm starter: cannot write its command line ({error})", file=sys.stderr)
         sys.exit(1)
     # What the imports made stays as long as the starter: frozen, a run's collections and its
-    # exit's never walk it again (a process that imported torch, timm and the rest spends about
-    # a CPU second of its exit collecting that heap; gc.freeze's documented use before forks).
+    # exit's never walk it again (the finalization of a process that imported torch, timm and
+    # the rest is mostly that walk: docs/development.md; gc.freeze's documented use before forks).
     gc.freeze()
     control.send(READY)
     job = _serve(control)

@@ -11,7 +11,7 @@ starter of the lane's (tests/warm_start.py, the one the tests' own runs use: a l
 forked by the launcher), the others are new interpreters.  ACCEL_TRAIN_TEST_WARM=0 makes every
 run a new interpreter.
 
-    python tests/bench_lane.py JOBS.json RESULTS.json
+    python tests/bench_lane.py JOBS.json RESULTS.json [PARENT_PID]
 
 JOBS.json: a list of {"name", "script", "argv", "log"}.  Each script's stdout and stderr (its
 children's too: the file descriptors are redirected, not only sys.stdout) go to its "log";
@@ -20,7 +20,9 @@ says which scripts finished; RESULTS.cpu.json beside it {name: CPU seconds}, the
 and its children's, forked ones included (where a smoke test's time goes:
 docs/development.md).  Between scripts the process-wide state a script may change is put
 back: the environment, the working directory, torch's thread count, Accelerate's singletons,
-sys.argv and sys.path.
+sys.argv and sys.path.  Given PARENT_PID (tests/bench_background.py starts the lanes in a
+session of their own, in the background), the lane kills its process group and itself when
+that process is gone: a pytest worker that died leaves no lane behind.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -89,7 +94,19 @@ def _warm_children(log: Path) -> WarmStarter:
     return warm
 
 
-def main(jobs_file: str, results_file: str) -> int:
+def _end_with(parent: int) -> None:
+    """Watch `parent` from a thread; once it is gone, kill this lane's process group."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(2)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(jobs_file: str, results_file: str, parent: str = "") -> int:
+    if parent:
+        _end_with(int(parent))
     results: dict[str, int] = {}
     cpu: dict[str, float] = {}
     warm = _warm_children(Path(results_file).with_suffix(".starter.log"))

@@ -51,6 +51,37 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+# Run last: its smoke runs go on in the background from the session's start and fill the cores
+# the other tests leave idle while they wait (tests/bench_background.py).
+LAST_FILE = "tests/test_benchmarks.py"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test files with the most tests first, as pytest-xdist would order them (its reordering
+    is off in setup.cfg: it would undo this), and test_benchmarks.py last.  Each file stays
+    whole and in its own order (`--dist loadfile`)."""
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    files = sorted(by_file, key=lambda name: (name == LAST_FILE, -len(by_file[name])))
+    items[:] = [item for name in files for item in by_file[name]]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def benchmark_lanes_in_background(request, tmp_path_factory):
+    """The benchmark smoke runs started as the session starts, by the first pytest worker
+    (tests/bench_background.py), when test_benchmarks.py is among the tests to run; waited
+    for (or killed, when the session was stopped) as it ends."""
+    import bench_background  # (it imports this module)
+
+    selected = any(item.nodeid.startswith(LAST_FILE) for item in request.session.items)
+    first = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
+    lanes = bench_background.start(tmp_path_factory.getbasetemp()) if selected and first else []
+    yield
+    bench_background.finish(lanes, stopped=bool(request.session.shouldstop
+                                                or request.session.shouldfail))
+
+
 def test_env(**extra: str) -> dict:
     """Environment for child processes: offline, quiet, one thread each (2 cores, 2 ranks)."""
     env = dict(os.environ)

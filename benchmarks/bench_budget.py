@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -65,8 +64,7 @@ class Hog:
 def run_arm(command: list[str], load: tuple[float, float] | None) -> tuple[str, float]:
     """Run `command`; with `load` = (start, length) in seconds after training starts, hog the
     cores meanwhile.  (its output, the seconds from training's start to the process's end)"""
-    proc = subprocess.Popen(command, cwd=benchlib.REPO, env=benchlib.child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = benchlib.start_streaming(command, env=benchlib.child_env(), cwd=benchlib.REPO)
     lines, hog, timers, began = [], Hog(), [], None
     try:
         for line in proc.stdout:

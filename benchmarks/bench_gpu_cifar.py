@@ -27,7 +27,6 @@ import json
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -53,9 +52,8 @@ class StampedRun:
         self.lines: list[tuple[float, str]] = []
         self.epochs: list[dict] = []
         self.log = log.open("w")
-        self.process = subprocess.Popen(cmd, cwd=benchlib.REPO, env=benchlib.child_env(),
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
+        self.process = benchlib.start_streaming(cmd, env=benchlib.child_env(),
+                                                cwd=benchlib.REPO)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 

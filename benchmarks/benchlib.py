@@ -204,11 +204,20 @@ def new_process(cmd: list[str], *, env: dict, cwd: Path,
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-# How run() starts a command and waits for it.  A harness that runs many scripts in one process
-# may put its own here with new_process's signature: tests/bench_lane.py forks the smoke runs'
+def new_streaming_process(cmd: list[str], *, env: dict, cwd: Path) -> subprocess.Popen:
+    """`cmd` as a new process, its stdout and stderr one text stream to read as it goes
+    (`.stdout`)."""
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+# How run() starts a command and waits for it, and how start_streaming() starts one whose
+# output is read line by line as it runs.  A harness that runs many scripts in one process may
+# put its own here with the same signatures: tests/bench_lane.py forks the smoke runs'
 # `python -m accel_train` children from a process that imported torch once, so that a smoke
 # test does not pay each child's seconds of imports.  The scripts' code is the same either way.
 start_command: Callable[..., subprocess.CompletedProcess] = new_process
+start_streaming: Callable[..., subprocess.Popen] = new_streaming_process
 
 
 def run(cmd: Sequence[str], env: Optional[dict] = None, timeout: float = 1800,

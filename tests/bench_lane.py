@@ -22,15 +22,18 @@ docs/development.md).  Between scripts the process-wide state a script may chang
 back: the environment, the working directory, torch's thread count, Accelerate's singletons,
 sys.argv and sys.path.  Given PARENT_PID (tests/bench_background.py starts the lanes in a
 session of their own, in the background), the lane kills its process group and itself when
-that process is gone: a pytest worker that died leaves no lane behind.
+that process is gone: a pytest worker that died leaves no lane behind.  RESULTS.priority.json
+says at the end what CPU priority the lane had (its cgroup, its nice value).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -84,13 +87,16 @@ def _cpu_seconds(warm: WarmStarter) -> float:
 
 
 def _warm_children(log: Path) -> WarmStarter:
-    """benchlib.run's children forked from a warm starter where they can be (its seam)."""
+    """benchlib.run's and benchlib.start_streaming's children forked from a warm starter
+where they can be (its seams)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import benchlib  # the module the scripts' own `import benchlib` finds in sys.modules
 
     sys.path.pop(0)
     warm = WarmStarter(benchlib.child_env, REPO, log)
     benchlib.start_command = warm.run
+    benchlib.start_streaming = functools.partial(warm.start, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.STDOUT, text=True)
     return warm
 
 
@@ -119,7 +125,17 @@ def main(jobs_file: str, results_file: str, parent: str = "") -> int:
             Path(results_file).with_suffix(".cpu.json").write_text(json.dumps(cpu))
     finally:
         warm.close()
+        Path(results_file).with_suffix(".priority.json").write_text(json.dumps(_priority()))
     return 0
+
+
+def _priority() -> dict:
+    """What this lane ran at: its `cpu` cgroup (cgroup v1's line of /proc/self/cgroup) and
+    its nice value."""
+    groups = dict(line.split(":", 2)[1:] for line in
+                  Path("/proc/self/cgroup").read_text().splitlines() if line.count(":") >= 2)
+    return {"cgroup": groups.get("cpu", groups.get("", "")),
+            "nice": os.getpriority(os.PRIO_PROCESS, 0)}
 
 
 if __name__ == "__main__":

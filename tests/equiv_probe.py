@@ -1,6 +1,6 @@
 """Checks that need to look inside the workers; run under a real launcher by test_equivalence.py:
 
-    torchrun --nproc-per-node 2 tests/equiv_probe.py RESULT.json -- <accel_train train flags>
+    torchrun --nproc-per-node 2 -m tests.equiv_probe RESULT.json -- <accel_train train flags>
 
 1. The gloo SyncBatchNorm (accel_train/syncbn.py) against nn.BatchNorm on the whole batch, which
    the two ranks split unevenly: forward output, running statistics after two steps (momentum and

@@ -59,6 +59,19 @@ def test_the_runs_the_scripts_start_are_forked_from_a_lanes_warm_starter(bench_r
     assert any(log.exists() for log in logs), "no lane started its warm starter"
 
 
+def test_the_lanes_ran_at_the_lowest_priority_and_this_file_runs_last(bench_runs, request):
+    """In the background beside the other tests, the lanes must not slow them: each lane was
+    in a cgroup of its own (cpu.idle) or at nice 19.  And this file is the session's last, so
+    that the lanes had the other tests' idle moments first."""
+    root = next(iter(bench_runs.values()))[0].parent
+    for index in range(len(LANES)):
+        priority = json.loads((root / f"lane{index}.results.priority.json").read_text())
+        assert ("accel-train-bench-" in priority["cgroup"] or priority["nice"] == 19), priority
+    files = [item.nodeid.split("::")[0] for item in request.session.items]
+    assert files[-1] == "tests/test_benchmarks.py" and files.index(files[-1]) == \
+        len(files) - sum(name == files[-1] for name in files), files[-5:]
+
+
 def test_every_benchmark_script_is_smoke_tested():
     assert sorted(p.stem[len("bench_"):] for p in SCRIPTS.glob("bench_*.py")) == sorted(CASES)
 

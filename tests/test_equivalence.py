@@ -111,7 +111,7 @@ def _plan(root: Path) -> list[Run]:
             root / "accelerate_2proc"),
         Run("probe_2proc_accum", [python, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                   "--master-port", str(free_port()),
-                                  str(REPO / "tests" / "equiv_probe.py"), str(probe_json), "--",
+                                  "-m", "tests.equiv_probe", str(probe_json), "--",
                                   *COMMON, *CONVNEXT, "--batch-size", "4",
                                   "--accumulation_steps", "2", *out("probe_2proc_accum")],
             root / "probe_2proc_accum"),

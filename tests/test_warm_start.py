@@ -64,6 +64,25 @@ def test_a_forked_run_is_what_a_new_process_would_be(starter):
         "a run not asked for a session of its own stays in its caller's"
 
 
+def test_a_forked_runs_output_reads_line_by_line_as_popens_and_its_cpu_is_counted(starter):
+    """start(..., stdout=PIPE, stderr=STDOUT, text=True) as the benchmark scripts stream a
+    run (benchlib.start_streaming): `.stdout` yields the run's lines as Popen's would, and the
+    run's CPU seconds reach forked_cpu_seconds once it is waited for, as run()'s do.  Oracle:
+    the probe's own lines, its own os.times."""
+    before = starter.forked_cpu_seconds
+    process = starter.start([sys.executable, "-m", PROBE, "burn", "0.2"], env=child_env(),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    assert isinstance(process, WarmProcess), "the probe must be forked here"
+    lines = list(process.stdout)
+    assert process.wait(timeout=120) == 0, lines
+    seen, counted = json.loads(lines[0]), json.loads(lines[-1])["cpu_seconds"]
+    assert seen["preloaded"] and seen["pid"] == process.pid, lines
+    assert lines[1:-1] == ["to stderr\n"], lines  # (stderr=STDOUT: the same stream)
+    assert counted <= starter.forked_cpu_seconds - before <= counted + 1.0
+    process.stdout.close()
+
+
 def test_the_cpu_seconds_of_a_forked_run_and_what_it_waited_for_reach_the_caller(starter):
     """A forked run is the starter's child, not its caller's: the caller's os.times cannot
     count it, so the starter reports it (the benchmark lanes' CPU figures add it up).  Oracle:
@@ -155,7 +174,7 @@ def test_only_run_time_variables_may_differ_from_the_starters():
 
 
 def test_other_commands_get_a_new_process(starter, tmp_path):
-    for cmd in ([sys.executable, "-m", "accelerate.commands.accelerate_cli", "env"],
+    for cmd in ([sys.executable, "-m", "accelerate.commands.env"],
                 [sys.executable, "benchmarks/bench_seed.py"], ["python3", "-m", PROBE]):
         assert starter.popen(cmd, env=child_env(), cwd=tmp_path, stdin=0, stdout=1,
                              stderr=2) is None, cmd

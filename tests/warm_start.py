@@ -41,7 +41,9 @@ from typing import Callable, Optional
 
 WARM_ENV = "ACCEL_TRAIN_TEST_WARM"
 LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
-WARM_MODULES = ("accel_train", "tests.fault_entry", *LAUNCHERS)
+# What a test may run as `python -m MODULE`; a launcher's ranks of these are forked too.
+WARM_MODULES = ("accel_train", "tests.fault_entry", "tests.budget_skew_entry",
+                "tests.equiv_probe", "accelerate.commands.accelerate_cli", *LAUNCHERS)
 # What the starter imports besides the modules it runs: what a training, eval or fault run
 # imports before its work.
 IMPORTS = ("accel_train.cli", "accel_train.trainer", "accel_train.commands.eval",
@@ -84,21 +86,26 @@ class WarmProcess:
     wait, send_signal, kill, returncode (negative: the signal that ended it); and, once it has
     ended, cpu_seconds (user + system, its own and its waited-for children's)."""
 
-    def __init__(self, reply: socket.socket, args: list[str]):
-        self._reply, self.args = reply, args
+    def __init__(self, reply: socket.socket, args: list[str],
+                 ended: Callable[[float], None] = lambda cpu_seconds: None):
+        self._reply, self.args, self._ended = reply, args, ended
         self.returncode: Optional[int] = None
         self.cpu_seconds: Optional[float] = None
         self.pid = json.loads(self._receive(timeout=60))["pid"]
         self._pipes: dict[str, Optional[int]] = {}
         self._output: dict[str, bytearray] = {}
         self._text = False
+        self.stdout = self.stderr = None
 
     def capture(self, pipes: dict[str, int], text: bool) -> None:
-        """`pipes`: "stdout"/"stderr" -> our read end, for those PIPE was asked for
-        (communicate reads them, and sets each to None once read to its end)."""
+        """`pipes`: "stdout"/"stderr" -> our read end, for those PIPE was asked for: read
+        either through `communicate` (which closes each at its end) or, as Popen's, through
+        the file objects `stdout` and `stderr`."""
         self._pipes = dict(pipes)
         self._output = {name: bytearray() for name in pipes}
         self._text = text
+        for name, fd in pipes.items():
+            setattr(self, name, open(fd, "r" if text else "rb"))  # closes fd when closed
 
     def _receive(self, timeout: Optional[float]) -> bytes:
         ready, _, _ = select.select([self._reply], [], [], timeout)
@@ -114,6 +121,7 @@ class WarmProcess:
             ended = json.loads(self._receive(timeout))
             self.returncode, self.cpu_seconds = ended["code"], ended["cpu_seconds"]
             self._reply.close()
+            self._ended(self.cpu_seconds)
         return self.returncode
 
     def poll(self) -> Optional[int]:
@@ -147,8 +155,9 @@ class WarmProcess:
                 chunk = os.read(fd, 1 << 16)
                 self._output[reading[fd]] += chunk
                 if not chunk:
-                    os.close(fd)
-                    self._pipes[reading.pop(fd)] = None
+                    name = reading.pop(fd)
+                    getattr(self, name).close()
+                    self._pipes[name] = None
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return tuple(None if name not in self._output else _text(bytes(self._output[name]))
                      if self._text else bytes(self._output[name]) for name in ("stdout", "stderr"))
@@ -174,7 +183,8 @@ class WarmStarter:
         self._lock = threading.Lock()
         self.broken = os.environ.get(WARM_ENV, "1") == "0"
         self.starts = 0
-        # CPU seconds of the runs run() forked (a caller's os.times counts only new processes)
+        # CPU seconds of the runs it forked that have been waited for (a caller's os.times
+        # counts only its own children)
         self.forked_cpu_seconds = 0.0
         self._retired: list[subprocess.Popen] = []  # starters closed: reaped once they end
 
@@ -198,6 +208,10 @@ class WarmStarter:
                   f"{self.log.read_text()[-2000:]}", file=sys.stderr)
             return
         self._control = ours
+
+    def _count(self, cpu_seconds: float) -> None:
+        with self._lock:
+            self.forked_cpu_seconds += cpu_seconds
 
     def _refuse(self, cmd: list[str], why: str) -> None:
         with open(f"{self.log}.refused", "a") as note:
@@ -238,7 +252,7 @@ class WarmStarter:
                                                    if module not in LAUNCHERS]}).encode()
             socket.send_fds(self._control, [request], [theirs.fileno(), stdin, stdout, stderr])
             theirs.close()
-        return WarmProcess(ours, cmd)
+        return WarmProcess(ours, cmd, ended=self._count)
 
     def start(self, cmd: list[str], *, env: dict, cwd: Path, stdout=None, stderr=None,
               text: bool = False, new_session: bool = False):
@@ -285,9 +299,6 @@ class WarmStarter:
             process.kill()
             process.wait()
             raise
-        finally:
-            if isinstance(process, WarmProcess) and process.cpu_seconds is not None:
-                self.forked_cpu_seconds += process.cpu_seconds
         return subprocess.CompletedProcess(cmd, process.returncode, out, err)
 
     def close(self) -> None:

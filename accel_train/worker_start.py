@@ -127,8 +127,12 @@ def start_server_now(also: Sequence[str] = ()) -> bool:
     alive_r, alive_w = os.pipe()
     for stream in (sys.stdout, sys.stderr):  # a buffered line must not be written twice
         stream.flush()
-    gc.collect()  # garbage with a file in it, closed by the server's collector, could close
-    gc.freeze()   # a descriptor the server has since reused: nothing from before is collected
+    # Frozen, nothing from before the fork is ever collected in the server: garbage with a file
+    # in it, closed by the server's collector, could close a descriptor the server has since
+    # reused.  (No gc.collect first: the freeze alone keeps that garbage from the server's
+    # collector, and a collection here walks the whole heap, a large share of a short run's
+    # start where the heap is big.)
+    gc.freeze()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         pid = os.fork()

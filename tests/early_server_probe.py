@@ -9,10 +9,12 @@ file, handles SIGTERM in Python and registered the stack dump on SIGUSR1 (cli.ma
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 from multiprocessing import forkserver
 
@@ -31,7 +33,21 @@ class ParentOfEach(Dataset):
         return 4
 
     def __getitem__(self, index: int) -> list[int]:
+        gc.collect()  # what a worker's collector would do some time: see Finalized
         return [index, os.getpid(), os.getppid()]
+
+
+class Finalized:
+    """Garbage that only a collection frees (a reference cycle) whose finalizer notes the pid
+    of the process that ran it: garbage that holds a file closes it that way, and in the server
+    or a worker it forked, a descriptor number the process has reused since."""
+
+    def __init__(self, log: str):
+        self.log, self.cycle = log, self
+
+    def __del__(self):
+        with open(self.log, "a") as note:
+            note.write(f"{os.getpid()}\n")
 
 
 def signal_bits(pid: int, field: str) -> list[int]:
@@ -66,8 +82,14 @@ def main() -> dict:
     signal.signal(signal.SIGTERM, lambda *_: None)
     stacks_on_request()
 
-    # 1. Forked early, then asked for workers by a loader.
+    # 1. Forked early, then asked for workers by a loader; garbage left from before the fork
+    # (the collector off until then, so that it is still there) is freed by this process's
+    # collector only, never by the server's or its workers'.
+    finalized_log = tempfile.mkstemp()[1]
+    gc.disable()
+    Finalized(finalized_log)
     seen["started"] = worker_start.start_server_now()
+    gc.enable()
     pid = server_pid()
     server = psutil.Process(pid)
     seen["server_parent_is_us"] = server.ppid() == os.getpid()
@@ -82,6 +104,9 @@ def main() -> dict:
     seen["workers_parents"] = sorted({row[2] for row in rows})
     seen["workers"] = len({row[1] for row in rows})
     seen["server_pid"] = pid
+    gc.collect()
+    seen["finalized_in"] = [int(line) for line in open(finalized_log).read().split()]
+    seen["pid"] = os.getpid()
     seen["again_while_running"] = worker_start.start_server_now()
     seen["same_server"] = server_pid() == pid
     worker_start.stop_unused_server()

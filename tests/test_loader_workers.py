@@ -198,6 +198,7 @@ def test_the_server_forked_early_is_a_clean_fork_and_the_usual_one_takes_over_wh
     """A training process forks its loader workers' server at its start (start_server_now):
     that server must look like one started anew (none of the process's files, the stop signals
     blocked, no Python signal handler of the process's), start the loader's workers itself, and
+    never free garbage from before the fork (its finalizer could close a descriptor they reuse),
     give way: stopped when no loader asked for it, replaced by the usual server when a module it
     would preload was imported after the fork (kept when the run named it to be imported
     before), and not forked at all once a second thread runs
@@ -215,6 +216,7 @@ def test_the_server_forked_early_is_a_clean_fork_and_the_usual_one_takes_over_wh
     assert seen["server_group_is_ours"]
     assert seen["items"] == [0, 1, 2, 3]
     assert seen["workers"] == 2 and seen["workers_parents"] == [seen["server_pid"]], seen
+    assert seen["finalized_in"] == [seen["pid"]], "garbage from before the fork freed elsewhere"
     assert seen["again_while_running"] is False and seen["same_server"]
     assert seen["asked_server_kept"] and seen["stopped_when_told"]
     assert seen["second_started"] and seen["unasked_stopped"]

@@ -8,6 +8,8 @@ shape as well as colour.  The same arguments always give the same bytes.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 CLASS_NAMES = ["disk", "square", "diamond", "ring", "plus", "hbar", "vbar", "triangle", "cross",
@@ -60,6 +62,18 @@ def generate(num_images: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(images, 0, 255).astype(np.uint8), labels
 
 
+@functools.cache
+def _held_out() -> tuple[np.ndarray, np.ndarray]:
+    return generate(EVAL_SIZE, _EVAL_SEED)
+
+
+def held_out_split() -> tuple[np.ndarray, np.ndarray]:
+    """The test split, the same for every run: generated once per process (most of a short
+    run's data set-up: a thousand images), a copy for each caller."""
+    images, labels = _held_out()
+    return images.copy(), labels.copy()
+
+
 def splits(train_size: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The train and test splits; the test split is fixed whatever the train size."""
-    return {"train": generate(train_size, _TRAIN_SEED), "test": generate(EVAL_SIZE, _EVAL_SEED)}
+    return {"train": generate(train_size, _TRAIN_SEED), "test": held_out_split()}

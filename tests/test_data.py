@@ -62,6 +62,25 @@ def test_synthetic_is_deterministic_balanced_and_held_out():
     assert not torch.equal(data.train.images[:50], data.held_out.images)
 
 
+# SHA-256 of the embedded set's test split (images then labels, as bytes) as every earlier
+# version generated it: held-out figures compare across versions only while this holds.
+HELD_OUT_SHA256 = "58cf5132120e7edc5e8665fbba9baec734c61e1ab4aa6a153013f24c83768ecc"
+
+
+def test_the_held_out_split_is_made_once_and_each_caller_gets_its_own_copy():
+    import hashlib
+
+    def digest(split):
+        return hashlib.sha256(split[0].tobytes() + split[1].tobytes()).hexdigest()
+
+    first = synthetic.held_out_split()
+    assert digest(first) == HELD_OUT_SHA256
+    first[0][0, 0, 0, 0] ^= 255  # a caller changing its copy
+    first[1][0] = 9 - first[1][0]
+    assert digest(synthetic.splits(10)["test"]) == HELD_OUT_SHA256
+    assert digest(synthetic.held_out_split()) == HELD_OUT_SHA256
+
+
 @pytest.mark.parametrize("copy", ["real_cifar10", "cifar10_layout"])
 def test_shared_cifar10_parquet(copy, request):
     """The real copy (skipped where it is absent) and the generated stand-in load alike."""

@@ -517,20 +517,24 @@ def _synthetic(config: TrainConfig) -> LoadedData:
                       list(synthetic.CLASS_NAMES), "synthetic shapes (embedded)")
 
 
+def embedded_set(config: TrainConfig) -> bool:
+    """Whether the run reads the embedded synthetic set (generated, in memory)."""
+    return config.data_dir is None and config.dataset == SYNTHETIC_DATASET
+
+
 def reader_modules(config: TrainConfig) -> list[str]:
     """The optional modules this run's data is read with, which its loader workers then need
     too (worker_start.start_server_now): Hugging Face datasets, for every source `load_data`
     reads but the embedded synthetic set; none for shard folders (streaming/)."""
     from .streaming import streaming_wanted
-    if streaming_wanted(config) or (config.data_dir is None
-                                    and config.dataset == SYNTHETIC_DATASET):
+    if streaming_wanted(config) or embedded_set(config):
         return []
     return ["datasets"]
 
 
 def load_data(config: TrainConfig) -> LoadedData:
     """Load, pick splits and columns, apply sample limits, decode into memory when worthwhile."""
-    if config.data_dir is None and config.dataset == SYNTHETIC_DATASET:
+    if embedded_set(config):
         data = _synthetic(config)
         return LoadedData(_limit(data.train, config.max_train_samples),
                           _limit(data.held_out, config.max_eval_samples), data.class_names,

@@ -199,6 +199,29 @@ def test_loader_workers_follow_the_cores_each_gpu_has(monkeypatch):
     assert default_num_workers(decoded, 1, cuda=True) == 2
 
 
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize("flags", [{}, {"num_workers": 0}, {"num_workers": 2},
+                                   {"data_dir": "some/folder"}])
+def test_a_run_forks_its_workers_server_early_only_where_its_loaders_may_start_workers(
+        monkeypatch, cuda, flags):
+    """trainer.may_have_workers decides before the data is loaded (the fork must come before
+    any thread); oracle: the count the loaders get (default_num_workers for the embedded
+    set, which is in memory; a folder's images, decoded per step, always get some)."""
+    from accel_train.config import TrainConfig
+    from accel_train.trainer import may_have_workers
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda pid: {0, 1},
+                        raising=False)
+    if "num_workers" in flags:
+        expected = flags["num_workers"] > 0
+    elif "data_dir" in flags:
+        expected = default_num_workers(ImageSource(), 1, cuda) > 0
+    else:
+        expected = default_num_workers(_source(), 1, cuda) > 0
+    assert may_have_workers(TrainConfig(**flags)) == expected
+
+
 class FakeEvent:
     """A CUDA event whose device timestamp the test decides (milliseconds)."""
     clock = [0.0]

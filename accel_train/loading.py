@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol
 
+import torch
 from torch.utils.data import DataLoader
 
 from .data import (Batch, EpochSampler, FinishOnDevice, HeldOutImages, TrainImages,
@@ -31,6 +32,7 @@ from .data import (Batch, EpochSampler, FinishOnDevice, HeldOutImages, TrainImag
 from .errors import STALLED_EXIT, RunStopped, UsageError
 from .randomness import reseed_loader
 from .readers import read_json
+from .sources import embedded_set
 from .streaming import STREAM_STATE, build_stream_loader, streaming_wanted
 from .worker_deaths import restarting_dead_workers
 
@@ -232,3 +234,12 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                            config.persistent_workers and held_out_workers > 0, pin_memory,
                            seed=config.seed, timeout=config.loader_timeout)
     return Loaders(train, held_out, workers, global_batch, steps)
+
+
+def may_have_workers(config) -> bool:
+    """Whether the run's loaders may start workers (their server is then forked at the start):
+    not with --num-workers 0, nor by default for the embedded set on a CPU (in memory:
+    data.default_num_workers gives it none there)."""
+    if config.num_workers is not None:
+        return config.num_workers > 0
+    return not (embedded_set(config) and not torch.cuda.is_available())

@@ -41,7 +41,7 @@ from .ema import ModelEma
 from .lookahead import LookaheadAverage
 from .errors import first_line
 from .evaluate import batch_seconds, evaluate_classifier
-from .loading import build_loaders, stop_when_stuck
+from .loading import build_loaders, may_have_workers, stop_when_stuck
 from .mixing import maybe_mixup
 from .model import build_network, create_model, set_train_mode
 from .network_choice import NetworkChoice, choose_for_run
@@ -54,7 +54,7 @@ from .randomness import MICRO_BATCH_SALT, seed_globals
 from .report import Reporter, records_text, summary
 from .resume import StartPlan, plan_start, record_elastic_job, set_aside_newer
 from .rundir import run_paths, update_resolved, write_run_config
-from .sources import ArraySource, embedded_set, load_data, reader_modules
+from .sources import ArraySource, load_data, reader_modules
 from .streaming import load_streaming, streaming_wanted
 from .timm_folder import write_model_folder
 from .track import LogWindow, MetricsLog, Progress, check_trackers, tracker_scalars
@@ -698,15 +698,6 @@ class Trainer:
             self.accelerator.end_training()
         finally:
             self.plan.release()
-
-
-def may_have_workers(config: TrainConfig) -> bool:
-    """Whether the run's loaders may start workers (their server is then forked at the start):
-    not with --num-workers 0, nor by default for the embedded set on a CPU (in memory:
-    data.default_num_workers gives it none there)."""
-    if config.num_workers is not None:
-        return config.num_workers > 0
-    return not (embedded_set(config) and not torch.cuda.is_available())
 
 
 def run_training(config: TrainConfig, callbacks: Optional[Callbacks] = None) -> int:

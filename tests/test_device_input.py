@@ -204,11 +204,11 @@ def test_loader_workers_follow_the_cores_each_gpu_has(monkeypatch):
                                    {"data_dir": "some/folder"}])
 def test_a_run_forks_its_workers_server_early_only_where_its_loaders_may_start_workers(
         monkeypatch, cuda, flags):
-    """trainer.may_have_workers decides before the data is loaded (the fork must come before
+    """loading.may_have_workers decides before the data is loaded (the fork must come before
     any thread); oracle: the count the loaders get (default_num_workers for the embedded
     set, which is in memory; a folder's images, decoded per step, always get some)."""
     from accel_train.config import TrainConfig
-    from accel_train.trainer import may_have_workers
+    from accel_train.loading import may_have_workers
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda pid: {0, 1},

@@ -9,6 +9,7 @@ N processes (torchrun, accelerate launch) it splits the data and counts each ima
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Sequence
@@ -148,6 +149,7 @@ def main(argv: Sequence[str]) -> int:
     from .. import distributed, worker_start
     from ..data import default_num_workers, make_loader
     from ..evaluate import evaluate_classifier
+    from ..loading import may_have_workers
     from ..sources import load_data, reader_modules
     from ..streaming import load_streaming, streaming_wanted
     from ..distributed import main_first, print_once
@@ -164,7 +166,8 @@ def main(argv: Sequence[str]) -> int:
     batch_size = args.batch_size or recorded.get("batch_size") or 64
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1 (got {batch_size})")
-    if args.num_workers != 0:  # before the process group's threads: worker_start.py
+    # before the process group's threads: worker_start.py
+    if may_have_workers(dataclasses.replace(config, num_workers=args.num_workers)):
         worker_start.start_server_now(also=reader_modules(config))
     env = distributed.setup(TrainConfig())  # starts the process group when launched
     try:

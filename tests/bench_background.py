@@ -100,7 +100,12 @@ CGROUP_ACCOUNTING = Path("/sys/fs/cgroup/cpuacct")
 
 def folder(basetemp: Path) -> Path:
     """Where the lanes work: beside the pytest workers' own folders (one per session)."""
-    return basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp
+    return (basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp) / "bench-lanes"
+
+
+def _cgroup_name() -> str:
+    """The lanes' cgroup, named by the process that started them."""
+    return f"accel-train-bench-{os.getpid()}"
 
 
 def _jobs(root: Path) -> list[list[dict]]:
@@ -125,8 +130,8 @@ def _jobs(root: Path) -> list[list[dict]]:
 
 def start(basetemp: Path) -> list[subprocess.Popen]:
     """Start the lanes unless another process has (then []): their files go to
-    folder(basetemp)/bench-lanes."""
-    root = folder(basetemp) / "bench-lanes"
+    folder(basetemp)."""
+    root = folder(basetemp)
     try:
         root.mkdir(parents=True)
     except FileExistsError:
@@ -158,7 +163,7 @@ def _low_priority_cgroup() -> list[Path]:
     """A cgroup of the least CPU weight for the lanes (and where cgroup v1 mounts `cpuacct`
     apart, one there too: their CPU then counts apart from the tests', as
     tests/cpu_per_test.py reads it), or [] where none can be made."""
-    name = f"accel-train-bench-{os.getpid()}"
+    name = _cgroup_name()
     try:
         (CGROUP_ROOT / name).mkdir()
         if (CGROUP_ROOT / name / "cpu.idle").exists():
@@ -206,8 +211,7 @@ def finish(lanes: list[subprocess.Popen], stopped: bool) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(lane.pid, signal.SIGKILL)
             lane.wait()
-    for group in [*CGROUP_ROOT.glob(f"accel-train-bench-{os.getpid()}"),
-                  *CGROUP_ACCOUNTING.glob(f"accel-train-bench-{os.getpid()}")]:
+    for group in [*CGROUP_ROOT.glob(_cgroup_name()), *CGROUP_ACCOUNTING.glob(_cgroup_name())]:
         for _ in range(50):  # a lane's last forked runs may still be leaving it
             try:
                 group.rmdir()
@@ -219,7 +223,7 @@ def finish(lanes: list[subprocess.Popen], stopped: bool) -> None:
 def results(basetemp: Path) -> dict[str, tuple[Path, int | None, str]]:
     """Wait for the lanes (whoever started them), then {job: (its folder, its exit code or
     None, why it has none)}."""
-    root = folder(basetemp) / "bench-lanes"
+    root = folder(basetemp)
     started = time.monotonic()
     found: dict[str, tuple[Path, int | None, str]] = {}
     for index, names in enumerate(LANES):

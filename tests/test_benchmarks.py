@@ -50,20 +50,22 @@ def test_benchmark_script_runs(name, bench_runs):
     assert data["tables"] and data["machine"]["cores"] >= 1
 
 
-def test_the_runs_the_scripts_start_are_forked_from_a_lanes_warm_starter(bench_runs):
+def test_the_runs_the_scripts_start_are_forked_from_a_lanes_warm_starter(bench_runs,
+                                                                         tmp_path_factory):
     """benchlib.run's `python -m accel_train` and launcher children are forked (the seconds of
     imports they would pay are most of a smoke run's); a lane's starter writes its log when
     it starts (and LOG.refused the runs it had to leave to a new process)."""
-    root = next(iter(bench_runs.values()))[0].parent
+    root = bench_background.folder(tmp_path_factory.getbasetemp())
     logs = [root / f"lane{index}.results.starter.log" for index in range(len(LANES))]
     assert any(log.exists() for log in logs), "no lane started its warm starter"
 
 
-def test_the_lanes_ran_at_the_lowest_priority_and_this_file_runs_last(bench_runs, request):
+def test_the_lanes_ran_at_the_lowest_priority_and_this_file_runs_last(bench_runs, request,
+                                                                     tmp_path_factory):
     """In the background beside the other tests, the lanes must not slow them: each lane was
     in a cgroup of its own (cpu.idle) or at nice 19.  And this file is the session's last, so
     that the lanes had the other tests' idle moments first."""
-    root = next(iter(bench_runs.values()))[0].parent
+    root = bench_background.folder(tmp_path_factory.getbasetemp())
     for index in range(len(LANES)):
         priority = json.loads((root / f"lane{index}.results.priority.json").read_text())
         assert ("accel-train-bench-" in priority["cgroup"] or priority["nice"] == 19), priority

@@ -84,14 +84,17 @@ NO_TMP = {"comm", "gpu", "threads", "precision", "worker_start", "gpu_cifar"}
 ANCHOR = "airbench_anchor"
 ANCHOR_ARGS = ["--epochs", "4", "--test-images", "64", "--batch-size", "128"]
 
-# Two lanes, each one process running its jobs in turn (tests/bench_lane.py: the seconds of
-# imports a script's own process would pay, paid once a lane; the training runs they start
-# through benchlib.run forked from a warm starter), balanced by each job's CPU seconds
-# (the lanes' RESULTS.cpu.json; docs/development.md), the longest first.
-LANES = [["accuracy", ANCHOR, "scaling", "index", "seed", "overhead", "streaming", "comm",
-          "checkpoint", "gpu"],
-         ["gpu_cifar", "worker_start", "budget", "threads", "data", "efficiency", "precision"]]
-ORDER = [name for lane in LANES for name in lane]
+# Two lanes, each one process running jobs in turn (tests/bench_lane.py: the seconds of imports
+# a script's own process would pay, paid once a lane; the training runs they start through
+# benchlib.run forked from a warm starter).  They share one list and each takes the next job
+# nobody has claimed as it comes free, so they end within about one job of each other on any
+# machine; the list goes roughly longest first (the lanes' RESULTS.cpu.json, docs/development.md)
+# so that the last jobs are short.  A fixed split per lane ended up to a minute apart, one core
+# idle all that while, as the jobs' costs moved with the machine.
+LANE_COUNT = 2
+ORDER = ["threads", "worker_start", "index", "accuracy", "seed", "scaling", "gpu_cifar", ANCHOR,
+         "overhead", "streaming", "comm", "budget", "data", "efficiency", "gpu", "precision",
+         "checkpoint"]
 LANE_TIMEOUT = 1500  # seconds from the start: the lanes mostly wait for free cores
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
@@ -108,7 +111,7 @@ def _cgroup_name() -> str:
     return f"accel-train-bench-{os.getpid()}"
 
 
-def _jobs(root: Path) -> list[list[dict]]:
+def _jobs(root: Path) -> list[dict]:
     layout = conftest.write_cifar10_layout(root / "cifar10_layout")
     anchor_data = conftest.write_cifar10_layout(root / "anchor_cifar10", train_rows=256,
                                                 test_rows=64)
@@ -125,7 +128,7 @@ def _jobs(root: Path) -> list[list[dict]]:
                 "argv": [*CASES[name], "--out", str(out), *extra, "--data-dir", str(layout)],
                 "log": str(out / "output.log")}
 
-    return [[job(name) for name in lane] for lane in LANES]
+    return [job(name) for name in ORDER]
 
 
 def start(basetemp: Path) -> list[subprocess.Popen]:
@@ -139,9 +142,9 @@ def start(basetemp: Path) -> list[subprocess.Popen]:
     env = conftest.test_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning")
     cgroups = _low_priority_cgroup()
     lanes = []
-    for index, jobs in enumerate(_jobs(root)):
-        jobs_file = root / f"lane{index}.json"
-        jobs_file.write_text(json.dumps(jobs))
+    jobs_file = root / "jobs.json"
+    jobs_file.write_text(json.dumps(_jobs(root)))
+    for index in range(LANE_COUNT):
         lane = subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "bench_lane.py"), str(jobs_file),
              str(root / f"lane{index}.results.json"), str(os.getpid())],
@@ -225,13 +228,16 @@ def results(basetemp: Path) -> dict[str, tuple[Path, int | None, str]]:
     None, why it has none)}."""
     root = folder(basetemp)
     started = time.monotonic()
-    found: dict[str, tuple[Path, int | None, str]] = {}
-    for index, names in enumerate(LANES):
+    codes: dict[str, int] = {}
+    problems = []
+    for index in range(LANE_COUNT):
         problem = _wait_for_lane(root, index, started)
+        if problem:
+            problems.append(f"lane {index}: {problem}")
         done = root / f"lane{index}.results.json"
-        codes = json.loads(done.read_text()) if done.exists() else {}
-        found.update({name: (root / name, codes.get(name), problem) for name in names})
-    return found
+        codes.update(json.loads(done.read_text()) if done.exists() else {})
+    return {name: (root / name, codes.get(name), "; ".join(problems) or
+                   "no lane ran it") for name in ORDER}
 
 
 def _wait_for_lane(root: Path, index: int, started: float) -> str:

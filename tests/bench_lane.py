@@ -13,7 +13,10 @@ run a new interpreter.
 
     python tests/bench_lane.py JOBS.json RESULTS.json [PARENT_PID]
 
-JOBS.json: a list of {"name", "script", "argv", "log"}.  Each script's stdout and stderr (its
+JOBS.json: a list of {"name", "script", "argv", "log"}, which several lanes may share: a lane
+runs a job only if it is the first to claim it (creates JOBS.claims/NAME, exclusively), so the
+lanes take the next job as each comes free and end within about one job of each other whatever
+the jobs cost on this machine.  Each script's stdout and stderr (its
 children's too: the file descriptors are redirected, not only sys.stdout) go to its "log";
 RESULTS.json gets {name: exit code}, written after each script, so a lane that hangs still
 says which scripts finished; RESULTS.cpu.json beside it {name: CPU seconds}, the script's own
@@ -100,6 +103,17 @@ where they can be (its seams)."""
     return warm
 
 
+def _claim(path: Path) -> bool:
+    """True for the one lane whose exclusive create of `path` succeeds (it names the lane)."""
+    try:
+        descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(descriptor, str(os.getpid()).encode())
+    os.close(descriptor)
+    return True
+
+
 def _end_with(parent: int) -> None:
     """Watch `parent` from a thread; once it is gone, kill this lane's process group."""
     def watch():
@@ -117,7 +131,11 @@ def main(jobs_file: str, results_file: str, parent: str = "") -> int:
     cpu: dict[str, float] = {}
     warm = _warm_children(Path(results_file).with_suffix(".starter.log"))
     try:
+        claims = Path(jobs_file).with_suffix(".claims")
+        claims.mkdir(exist_ok=True)
         for job in json.loads(Path(jobs_file).read_text()):
+            if not _claim(claims / job["name"]):
+                continue
             before = _cpu_seconds(warm)
             results[job["name"]] = _run(job["script"], job["argv"], job["log"])
             cpu[job["name"]] = round(_cpu_seconds(warm) - before, 1)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import bench_background
-from bench_background import ANCHOR, CASES, LANES, ORDER, SCRIPTS
+from bench_background import ANCHOR, CASES, LANE_COUNT, ORDER, SCRIPTS
 
 pytestmark = pytest.mark.slow  # every script with the programs it starts
 
@@ -56,8 +56,21 @@ def test_the_runs_the_scripts_start_are_forked_from_a_lanes_warm_starter(bench_r
     imports they would pay are most of a smoke run's); a lane's starter writes its log when
     it starts (and LOG.refused the runs it had to leave to a new process)."""
     root = bench_background.folder(tmp_path_factory.getbasetemp())
-    logs = [root / f"lane{index}.results.starter.log" for index in range(len(LANES))]
+    logs = [root / f"lane{index}.results.starter.log" for index in range(LANE_COUNT)]
     assert any(log.exists() for log in logs), "no lane started its warm starter"
+
+
+def test_the_lanes_shared_one_list_and_ran_each_job_once(bench_runs, tmp_path_factory):
+    """Each job is run by the one lane that claimed it (tests/bench_lane.py): every job of
+    ORDER in exactly one lane's results, and that lane's pid in its claim."""
+    root = bench_background.folder(tmp_path_factory.getbasetemp())
+    ran = [json.loads((root / f"lane{index}.results.json").read_text())
+           for index in range(LANE_COUNT)]
+    assert sorted(name for lane in ran for name in lane) == sorted(ORDER), ran
+    claims = {path.name: path.read_text() for path in (root / "jobs.claims").iterdir()}
+    for index, lane in enumerate(ran):
+        pid = (root / f"lane{index}.pid").read_text()
+        assert {claims[name] for name in lane} <= {pid}, (index, lane, claims)
 
 
 def test_the_lanes_ran_at_the_lowest_priority_and_this_file_runs_last(bench_runs, request,
@@ -66,7 +79,7 @@ def test_the_lanes_ran_at_the_lowest_priority_and_this_file_runs_last(bench_runs
     in a cgroup of its own (cpu.idle) or at nice 19.  And this file is the session's last, so
     that the lanes had the other tests' idle moments first."""
     root = bench_background.folder(tmp_path_factory.getbasetemp())
-    for index in range(len(LANES)):
+    for index in range(LANE_COUNT):
         priority = json.loads((root / f"lane{index}.results.priority.json").read_text())
         assert ("accel-train-bench-" in priority["cgroup"] or priority["nice"] == 19), priority
     files = [item.nodeid.split("::")[0] for item in request.session.items]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, WARM
 from conftest import test_env as child_env  # (imported as test_env, pytest would collect it)
 from warm_ranks import RANK_VARIABLES, rank_command, variables_read_at_import
 from warm_start import WARM_MODULES, WARM_RANKS_ENV, WarmProcess, WarmStarter
@@ -22,11 +22,10 @@ PER_LAUNCH = {"TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID", "MASTER_PORT", W
 
 
 @pytest.fixture(scope="module")
-def starter(tmp_path_factory):
-    warm = WarmStarter(child_env, REPO, tmp_path_factory.mktemp("warm") / "starter.log",
-                       modules=(*WARM_MODULES, PROBE))
-    yield warm
-    warm.close()
+def starter():
+    """The suite's own starter (its baseline is child_env's, and it runs PROBE)."""
+    assert PROBE in WARM_MODULES
+    return WARM
 
 
 def _torchrun(starter, *probe_args: str, forked: bool, port: int):
@@ -97,7 +96,7 @@ def test_a_rank_whose_environment_differs_in_a_variable_read_at_import_is_exec_d
         return {k: v for k, v in child_env().items() if k != "OMP_NUM_THREADS"}
 
     warm = WarmStarter(without_threads, REPO, tmp_path / "starter.log",
-                       modules=(*WARM_MODULES, PROBE))
+                       modules=WARM_MODULES)
     try:
         process = warm.start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                               "2", "--master-addr", "127.0.0.1", "--master-port", "29615",

@@ -28,7 +28,7 @@ def starter(tmp_path_factory):
     # (a variable of the starter's own that no run has: a run's environment must be its own)
     warm = WarmStarter(lambda: child_env(ACCEL_TRAIN_STARTER_ONLY="1"), REPO,
                        tmp_path_factory.mktemp("warm") / "starter.log",
-                       modules=(*WARM_MODULES, PROBE))
+                       modules=WARM_MODULES)
     yield warm
     warm.close()
 
@@ -183,7 +183,7 @@ def test_other_commands_get_a_new_process(starter, tmp_path):
 
 
 def test_a_closed_starter_lets_its_runs_finish_and_the_next_run_starts_a_new_one(tmp_path):
-    warm = WarmStarter(child_env, REPO, tmp_path / "starter.log", modules=(PROBE,))
+    warm = WarmStarter(child_env, REPO, tmp_path / "starter.log", modules=(PROBE,), imports=())
     log = (tmp_path / "log").open("w")
     process = warm.popen([sys.executable, "-m", PROBE, "wait"], env=child_env(), cwd=REPO,
                          stdin=0, stdout=log.fileno(), stderr=log.fileno())
@@ -201,7 +201,7 @@ def test_a_closed_starter_lets_its_runs_finish_and_the_next_run_starts_a_new_one
 
 
 def test_a_starter_that_died_is_started_again(tmp_path):
-    warm = WarmStarter(child_env, REPO, tmp_path / "starter.log", modules=(PROBE,))
+    warm = WarmStarter(child_env, REPO, tmp_path / "starter.log", modules=(PROBE,), imports=())
     assert _probe_warm(warm, "exit", "4", env=child_env(), cwd=REPO).returncode == 4
     warm._process.kill()
     warm._process.wait()
@@ -215,7 +215,7 @@ def test_the_starter_follows_a_baseline_that_moved(tmp_path):
     TORCHINDUCTOR_CACHE_DIR) starts the starter again; one a run sets for itself does not."""
     baseline = child_env()
     warm = WarmStarter(lambda: dict(baseline), REPO, tmp_path / "starter.log",
-                       modules=(PROBE,))
+                       modules=(PROBE,), imports=())
     probe = [sys.executable, "-m", PROBE, "exit", "0"]
 
     def refused(env: dict) -> bool:

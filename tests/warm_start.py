@@ -43,7 +43,8 @@ WARM_ENV = "ACCEL_TRAIN_TEST_WARM"
 LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
 # What a test may run as `python -m MODULE`; a launcher's ranks of these are forked too.
 WARM_MODULES = ("accel_train", "tests.fault_entry", "tests.budget_skew_entry",
-                "tests.equiv_probe", "accelerate.commands.accelerate_cli", *LAUNCHERS)
+                "tests.equiv_probe", "tests.warm_probe", "accelerate.commands.accelerate_cli",
+                *LAUNCHERS)
 # What the starter imports besides the modules it runs: what a training, eval or fault run
 # imports before its work.
 IMPORTS = ("accel_train.cli", "accel_train.trainer", "accel_train.commands.eval",
@@ -174,9 +175,12 @@ class WarmStarter:
     Each run refused is noted, with the variables that refused it, in LOG.refused."""
 
     def __init__(self, baseline: Callable[[], dict], cwd: Path, log: Path,
-                 modules=WARM_MODULES):
+                 modules=WARM_MODULES, imports=IMPORTS):
+        """`modules`: those it runs forked (and imports first), `imports`: what else it imports
+        before forking (IMPORTS: what the suite's runs import; a test of the starter's own
+        workings passes fewer)."""
         self.baseline, self.cwd, self.log = baseline, Path(cwd), Path(log)
-        self.modules = tuple(modules)
+        self.modules, self.imports = tuple(modules), tuple(imports)
         self.base_env: dict = {}
         self._control: Optional[socket.socket] = None
         self._process: Optional[subprocess.Popen] = None
@@ -195,7 +199,7 @@ class WarmStarter:
         with self.log.open("a") as log:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "tests.warm_start", str(theirs.fileno()),
-                 ",".join(self.modules), "-" * COMMAND_LINE_ROOM],
+                 ",".join(self.imports), ",".join(self.modules), "-" * COMMAND_LINE_ROOM],
                 cwd=self.cwd, env={**self.base_env, **ENVIRONMENT_ROOM},
                 stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, pass_fds=[theirs.fileno()])
@@ -496,13 +500,14 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _main(control_fd: int, modules: list[str]) -> None:
+def _main(control_fd: int, imports: list[str], modules: list[str]) -> None:
     import importlib
 
-    for name in (*IMPORTS, *modules):
+    for name in (*imports, *modules):
         importlib.import_module(name)
-    # the embedded set's test split, which every run on it makes first (once per process)
-    importlib.import_module("accel_train.synthetic").held_out_split()
+    if "accel_train.synthetic" in sys.modules:
+        # the embedded set's test split, which every run on it makes first (once per process)
+        sys.modules["accel_train.synthetic"].held_out_split()
     control = socket.socket(fileno=control_fd)
     if threading.active_count() != 1:  # a fork would lose the other threads mid-work
         print(f"warm starter: {threading.active_count()} threads after the imports",
@@ -523,4 +528,5 @@ def _main(control_fd: int, modules: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    _main(int(sys.argv[1]), sys.argv[2].split(","))
+    _main(int(sys.argv[1]), [name for name in sys.argv[2].split(",") if name],
+          sys.argv[3].split(","))

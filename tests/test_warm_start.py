@@ -64,6 +64,16 @@ def test_a_forked_run_is_what_a_new_process_would_be(starter):
         "a run not asked for a session of its own stays in its caller's"
 
 
+def _cpu_of_an_empty_run(starter) -> float:
+    """What the starter counts for a forked run that does nothing: becoming the run and its
+    exit (the copies its writes make of the starter's pages).  That varies with the machine's
+    load, so a bound on what else a run may be counted for is this, measured beside it."""
+    before = starter.forked_cpu_seconds
+    assert starter.run([sys.executable, "-m", PROBE, "exit", "0"], env=child_env(), cwd=REPO,
+                       timeout=120).returncode == 0
+    return starter.forked_cpu_seconds - before
+
+
 def test_a_forked_runs_output_reads_line_by_line_as_popens_and_its_cpu_is_counted(starter):
     """start(..., stdout=PIPE, stderr=STDOUT, text=True) as the benchmark scripts stream a
     run (benchlib.start_streaming): `.stdout` yields the run's lines as Popen's would, and the
@@ -79,7 +89,8 @@ def test_a_forked_runs_output_reads_line_by_line_as_popens_and_its_cpu_is_counte
     seen, counted = json.loads(lines[0]), json.loads(lines[-1])["cpu_seconds"]
     assert seen["preloaded"] and seen["pid"] == process.pid, lines
     assert lines[1:-1] == ["to stderr\n"], lines  # (stderr=STDOUT: the same stream)
-    assert counted <= starter.forked_cpu_seconds - before <= counted + 1.0
+    used = starter.forked_cpu_seconds - before
+    assert counted <= used <= counted + 2 * _cpu_of_an_empty_run(starter) + 0.3
     process.stdout.close()
 
 
@@ -94,7 +105,8 @@ def test_the_cpu_seconds_of_a_forked_run_and_what_it_waited_for_reach_the_caller
     counted = json.loads(result.stdout.splitlines()[-1])["cpu_seconds"]
     assert counted >= 0.8
     # the rest: the steps of becoming the run, its exit (a new process's imports are not in it)
-    assert counted <= starter.forked_cpu_seconds - before <= counted + 1.0
+    used = starter.forked_cpu_seconds - before
+    assert counted <= used <= counted + 2 * _cpu_of_an_empty_run(starter) + 0.3
 
 
 def test_a_forked_run_works_in_the_folder_it_is_given(starter, tmp_path):

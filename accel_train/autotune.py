@@ -7,8 +7,10 @@ runs at about half the speed; channels_last helps some networks and not others
 (benchmarks/BENCHMARKS.md).  So "auto" asks the machine: a capability check first (no native
 bf16: fp32, nothing to time for the precision), then, when more than one candidate is left, a
 few timed training steps of the run's own model on a batch of the run's shape per candidate
-(seconds), and the fastest wins.  On CUDA, auto is fp16 (tensor cores) without probing, and
-channels_last stays off unless asked.
+(seconds), and the fastest wins.  On CUDA nothing is timed: auto is fp16 (tensor cores), and
+channels_last whenever the run computes in fp16 or bf16, since tensor cores' convolutions read
+and write channels-last tensors and an NCHW network pays a transpose around each one (measured
+on a GPU: benchmarks/BENCHMARKS.md, "GPU: one NVIDIA H200, a third time").
 
 The choice is part of the run: the start summary says it with the figures it was made on, the
 run record and every checkpoint keep it, and a resumed run takes it from the checkpoint without
@@ -53,8 +55,12 @@ def choose(requested_precision: str, requested_channels_last: Optional[bool], cu
     they are (precision.resolve_precision says what then really runs)."""
     if cuda:
         precision = "fp16" if requested_precision == "auto" else requested_precision
-        return SpeedChoice(precision, bool(requested_channels_last),
-                           "CUDA: fp16 autocast" if requested_precision == "auto" else "as asked")
+        reasons = ["CUDA: fp16 autocast"] if requested_precision == "auto" else []
+        channels_last = requested_channels_last
+        if channels_last is None:
+            channels_last = precision in ("fp16", "bf16")
+            reasons.append("channels_last for tensor cores" if channels_last else "NCHW in fp32")
+        return SpeedChoice(precision, channels_last, "; ".join(reasons) or "as asked")
     precisions = [requested_precision]
     reasons = []
     if requested_precision == "auto":

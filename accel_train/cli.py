@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 from .config import PRECISIONS, TrainConfig, load_run_yaml
 from .errors import RunStopped, UsageError, stacks_on_request
+from .process_exit import exit_with
 
 GROUP_TITLES = {
     "data": "data",
@@ -223,5 +224,10 @@ def main(argv: Sequence[str] | None = None, callbacks=None) -> int:
         return 141  # 128 + SIGPIPE, as `yes | head` reports it
 
 
+def entry() -> None:
+    """`accel-train` and `python -m accel_train`: main(), then the process's cheap exit."""
+    exit_with(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

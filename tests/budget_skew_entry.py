@@ -33,4 +33,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ends as `python -m accel_train` does (accel_train/process_exit.py)
+    from accel_train.process_exit import exit_with
+
+    exit_with(main())

@@ -228,6 +228,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ends as `python -m accel_train` does (accel_train/process_exit.py)
+    from accel_train.process_exit import exit_with
+
+    exit_with(main())
 elif __name__ == "__mp_main__" and os.environ.get(BLOCK_READ_ENV):
     block_read(os.environ[BLOCK_READ_ENV])  # a worker of a server started anew imports us again

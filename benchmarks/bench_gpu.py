@@ -2,12 +2,13 @@ r"""GPU: img/s and model FLOP utilisation (MFU) for ResNet-50 at 224 px and the 
 336 px, in fp16 and bf16, accel_train against the same loop written by hand.
 
 Arms, per (image size, precision), alternating in rounds:
-  hand loop            channels_last ResNet-50 (timm), torch.autocast, GradScaler for fp16,
+  hand loop            ResNet-50 (timm) in --layout's memory format (channels_last unless
+                       asked), torch.autocast, GradScaler for fp16,
                        SGD + Nesterov, on a batch already on the GPU
   accel_train step     Trainer.train_step inside accelerator.accumulate (Accelerate's autocast,
                        its GradScaler for fp16, its optimizer wrapper), on the same GPU batch
   accel_train loop     Trainer.train_epoch: the whole loop with its input pipeline (embedded
-                       in-memory images resized on the CPU to the size, batched augmentation),
+                       in-memory images, resized to the size on the device on a GPU),
                        with the data_wait it reports: what the CPU side can feed
 MFU = (model FLOPs per image for forward + backward, counted by torch's FlopCounterMode) x img/s
 / the GPU's dense peak for that precision (a table of known GPUs, or --peak-tflops).
@@ -32,6 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
+# Every arm in the same layout: the hand loop's model and images, and the trainer's
+# --channels-last / --no-channels-last.
+MEMORY_FORMATS = {"channels_last": torch.channels_last, "nchw": torch.contiguous_format}
 # Dense (no sparsity) tensor-core peaks in TFLOP/s for fp16/bf16, from the vendors' data sheets.
 PEAK_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "H100 PCIe": 756.0,
                "H100 NVL": 835.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0,
@@ -59,11 +63,11 @@ def flops_per_image(model_name: str, size: int, device) -> float:
 
 
 class HandLoop:
-    def __init__(self, model_name, batch, labels, precision, device):
+    def __init__(self, model_name, batch, labels, precision, device, memory_format):
         import timm
         torch.manual_seed(0)
         self.model = timm.create_model(model_name, num_classes=10).to(device)
-        self.model = self.model.to(memory_format=torch.channels_last)
+        self.model = self.model.to(memory_format=memory_format)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9,
                                          nesterov=True, weight_decay=5e-4)
         self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
@@ -89,7 +93,8 @@ def make_trainer(args, size: int, precision: str, batch: int, work: Path):
     config = TrainConfig(dataset="synthetic", synthetic_train_size=batch * args.steps,
                          max_eval_samples=batch, model=args.model, image_size=size,
                          batch_size=batch, epochs=1_000_000, mixed_precision=precision,
-                         channels_last=True, progress="log", plots=False, log_every=args.steps,
+                         channels_last=args.layout == "channels_last", progress="log",
+                         plots=False, log_every=args.steps,
                          output_dir=str(work / f"{size}-{precision}-{time.time_ns()}"))
     trainer = Trainer.from_config(config)
     trainer.progress = Progress(False, "log")  # quiet: the benchmark prints its own
@@ -98,10 +103,11 @@ def make_trainer(args, size: int, precision: str, batch: int, work: Path):
 
 def measure(args, size: int, precision: str, device, work: Path) -> dict:
     batch = args.batch or (128 if size <= 224 else 64)
+    memory_format = MEMORY_FORMATS[args.layout]
     images = torch.randn(batch, 3, size, size, device=device).contiguous(
-        memory_format=torch.channels_last)
+        memory_format=memory_format)
     labels = torch.randint(0, 10, (batch,), device=device)
-    hand = HandLoop(args.model, images, labels, precision, device)
+    hand = HandLoop(args.model, images, labels, precision, device, memory_format)
     trainer = make_trainer(args, size, precision, batch, work)
 
     def step_block():
@@ -159,6 +165,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--layout", choices=sorted(MEMORY_FORMATS), default="channels_last",
+                        help="the memory format of every arm (images and model)")
     parser.add_argument("--allow-cpu", action="store_true",
                         help="run on the CPU (to test this script, not to measure)")
     args = parser.parse_args()
@@ -192,8 +200,8 @@ def main() -> int:
                 wait = f"{result['data_wait']:.1%}" if arm == "accel_train loop" else ""
                 rows.append([f"{size} px", precision, result["batch"], arm, rate,
                              result["ratio"][arm], achieved, achieved / peak, wait])
-    report.table(f"{args.model} on {name} (peak {peak} TFLOP/s dense fp16/bf16), {args.steps} "
-                 f"steps x {args.rounds} rounds",
+    report.table(f"{args.model} on {name} (peak {peak} TFLOP/s dense fp16/bf16), {args.layout}, "
+                 f"{args.steps} steps x {args.rounds} rounds",
                  ["size", "precision", "batch", "arm", "img/s", "ratio to hand loop",
                   "TFLOP/s", "MFU", "data_wait"], rows,
                  notes=["FLOPs per image (forward + backward): " + ", ".join(

@@ -4,7 +4,9 @@
 #   1. a short smoke run on the embedded data (stops everything if CUDA training fails);
 #   2. bench_gpu_cifar.py: CIFAR-10 time to 94% with recipes/cifar10-gpu.yaml and --compile
 #      (fp16 by auto), then SIGTERM + --resume auto;
-#   3. bench_gpu.py --quick: ResNet-50 img/s and MFU, fp16 and bf16, against a hand loop; then
+#   3. bench_gpu.py --quick: ResNet-50 img/s and MFU, fp16 and bf16, against a hand loop (every
+#      arm channels_last, then 224 px fp16 with every arm NCHW: what auto's channels_last on CUDA
+#      is worth for ResNet-50); then
 #      336 px fp16 in epochs of 50 steps (the seed tutorial's size: whether the loop's data wait
 #      is each epoch's first batches or the loader's pace, with the images placed on the device);
 #   4. a longer run toward 94%: the ResNet-9 recipe for 100 epochs with --reprob 0.25 (93.13% on
@@ -45,6 +47,10 @@ cp "$work"/cifar/*.log "$out"/ 2>/dev/null
 stamp bench_gpu
 timeout 140 "$python" benchmarks/bench_gpu.py --quick --out "$out"
 echo "bench_gpu exit $?"
+mkdir -p "$out/nchw"
+timeout 60 "$python" benchmarks/bench_gpu.py --quick --sizes 224 --precisions fp16 --layout nchw \
+    --out "$out/nchw"
+echo "bench_gpu (NCHW) exit $?"
 mkdir -p "$out/long-epochs"
 timeout 120 "$python" benchmarks/bench_gpu.py --sizes 336 --precisions fp16 --steps 50 --rounds 2 \
     --out "$out/long-epochs"

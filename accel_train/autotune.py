@@ -8,9 +8,10 @@ runs at about half the speed; channels_last helps some networks and not others
 bf16: fp32, nothing to time for the precision), then, when more than one candidate is left, a
 few timed training steps of the run's own model on a batch of the run's shape per candidate
 (seconds), and the fastest wins.  On CUDA nothing is timed: auto is fp16 (tensor cores), and
-channels_last whenever the run computes in fp16 or bf16, since tensor cores' convolutions read
-and write channels-last tensors and an NCHW network pays a transpose around each one (measured
-on a GPU: benchmarks/BENCHMARKS.md, "GPU: one NVIDIA H200, a third time").
+channels_last whenever the run computes in fp16 or bf16 on a GPU with tensor cores, since their
+convolutions read and write channels-last tensors and an NCHW network pays a transpose around
+each one (measured on a GPU: benchmarks/BENCHMARKS.md, "GPU: one NVIDIA H200, a third time");
+a GPU without them (compute capability below 7.0) has no such kernels to feed: NCHW there.
 
 The choice is part of the run: the start summary says it with the figures it was made on, the
 run record and every checkpoint keep it, and a resumed run takes it from the checkpoint without
@@ -48,18 +49,22 @@ def candidate_name(precision: str, channels_last: bool) -> str:
 
 
 def choose(requested_precision: str, requested_channels_last: Optional[bool], cuda: bool,
-           native_bf16: bool, time_step: Callable[[str, bool], float]) -> SpeedChoice:
+           native_bf16: bool, time_step: Callable[[str, bool], float],
+           tensor_cores: bool = True) -> SpeedChoice:
     """The precision and memory format for a run that asked for these (`"auto"` / None: to be
     chosen).  `time_step(precision, channels_last)` times a training step of the run's model;
-    it is called only when there is something to choose between.  Explicit values are taken as
-    they are (precision.resolve_precision says what then really runs)."""
+    it is called only when there is something to choose between.  `tensor_cores`: whether the
+    GPU has them (precision.cuda_has_tensor_cores; ignored on a CPU).  Explicit values are taken
+    as they are (precision.resolve_precision says what then really runs)."""
     if cuda:
         precision = "fp16" if requested_precision == "auto" else requested_precision
         reasons = ["CUDA: fp16 autocast"] if requested_precision == "auto" else []
         channels_last = requested_channels_last
         if channels_last is None:
-            channels_last = precision in ("fp16", "bf16")
-            reasons.append("channels_last for tensor cores" if channels_last else "NCHW in fp32")
+            channels_last = tensor_cores and precision in ("fp16", "bf16")
+            reasons.append("channels_last for tensor cores" if channels_last
+                           else "NCHW in fp32" if tensor_cores
+                           else "NCHW: this GPU has no tensor cores")
         return SpeedChoice(precision, channels_last, "; ".join(reasons) or "as asked")
     precisions = [requested_precision]
     reasons = []

@@ -147,7 +147,7 @@ class TrainConfig:
     channels_last: Optional[bool] = option(None, "channels_last memory format for images and "
                                            "model. Not set (auto): on a CPU, the faster of the "
                                            "two for this model, timed at the start; on CUDA, "
-                                           "on in fp16/bf16 (tensor cores), off in fp32. "
+                                           "on in fp16/bf16 with tensor cores, else off. "
                                            "(default: auto)", "model")
     whiten_stem: bool = option(False, "Initialize the first convolution as a whitening of the "
                                "training images' patches (eigenvectors of their covariance, "

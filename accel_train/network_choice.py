@@ -31,7 +31,7 @@ import torch
 from .autotune import PROBE_MAX_BATCH, SpeedChoice, candidate_name, choose, step_timer
 from .budget import parse_duration
 from .model import create_model
-from .precision import cpu_has_native_bf16
+from .precision import cpu_has_native_bf16, cuda_has_tensor_cores
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,8 @@ def choose_for_run(config, image_size: int, num_classes: int, train_samples: int
         time_step = step_timer(
             lambda: create_model(name, num_classes, config.drop_rate, None, config.drop_path),
             probe_batch, image_size, num_classes, probe_batch, device)
-        speed = choose(config.mixed_precision, config.channels_last, cuda, native, time_step)
+        speed = choose(config.mixed_precision, config.channels_last, cuda, native, time_step,
+                       tensor_cores=cuda and cuda_has_tensor_cores())
         timed = speed.timings.get(candidate_name(speed.precision, speed.channels_last))
         return speed, timed if timed is not None else time_step(speed.precision,
                                                                 speed.channels_last)

@@ -16,6 +16,12 @@ def cpu_has_native_bf16() -> bool:
     return any(check() for check in checks if check is not None)
 
 
+def cuda_has_tensor_cores() -> bool:
+    """The current GPU has tensor cores: compute capability 7.0 (Volta) or later.  What
+    channels_last pays off on (autotune.choose); older GPUs run cuDNN's NCHW kernels best."""
+    return torch.cuda.get_device_capability() >= (7, 0)
+
+
 def resolve_precision(requested: str, cuda: bool, activity: str = "trains",
                       native_cpu_bf16: Optional[bool] = None) -> tuple[str, Optional[str]]:
     """The precision that will really run, and a warning when it is not the one asked for

@@ -48,8 +48,8 @@ from .network_choice import NetworkChoice, choose_for_run
 from .optim import (base_learning_rates, build_optimizer, plan_schedule, scheduled_learning_rate,
                     scheduler_for, take_new_learning_rate)
 from .plots import write_plots
-from .precision import (accelerate_fp16_note, cpu_has_native_bf16, precision_name,
-                        resolve_precision, use_fast_cuda_math)
+from .precision import (accelerate_fp16_note, cpu_has_native_bf16, cuda_has_tensor_cores,
+                        precision_name, resolve_precision, use_fast_cuda_math)
 from .randomness import MICRO_BATCH_SALT, seed_globals
 from .report import Reporter, records_text, summary
 from .resume import StartPlan, plan_start, record_elastic_job, set_aside_newer
@@ -225,7 +225,8 @@ class Trainer:
                                      config.drop_path),
                 config.batch_size, spec.image_size, spec.num_classes)
             native = not cuda and cpu_has_native_bf16()
-            return choose(precision, channels_last, cuda, native, time_step).__dict__
+            return choose(precision, channels_last, cuda, native, time_step,
+                          tensor_cores=cuda and cuda_has_tensor_cores()).__dict__
 
         choice = SpeedChoice(**distributed.decide_on_main(measure))
         if kept:

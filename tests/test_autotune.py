@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from accel_train.autotune import PROBE_ROUNDS, SpeedChoice, candidate_name, choose, step_timer
-from accel_train.precision import resolve_precision
+from accel_train.precision import cuda_has_tensor_cores, resolve_precision
 
 
 class Timings:
@@ -110,6 +110,36 @@ def test_cuda_auto_is_fp16_and_channels_last_without_probing():
     assert choose("no", False, cuda=True, native_bf16=False, time_step=timings).how == "as asked"
     assert choose("no", None, cuda=True, native_bf16=False, time_step=timings).how == \
         "NCHW in fp32"
+
+
+def test_a_gpu_without_tensor_cores_stays_nchw_unless_asked():
+    timings = Timings(**ALL)
+    choice = choose("auto", None, cuda=True, native_bf16=False, time_step=timings,
+                    tensor_cores=False)
+    assert (choice.precision, choice.channels_last, timings.asked) == ("fp16", False, [])
+    assert choice.how == "CUDA: fp16 autocast; NCHW: this GPU has no tensor cores"
+    for asked in ("fp16", "bf16", "no"):
+        choice = choose(asked, None, cuda=True, native_bf16=False, time_step=timings,
+                        tensor_cores=False)
+        assert (choice.precision, choice.channels_last) == (asked, False)
+        assert choice.how == "NCHW: this GPU has no tensor cores"
+    # asked for explicitly, channels_last is taken as asked there too
+    choice = choose("auto", True, cuda=True, native_bf16=False, time_step=timings,
+                    tensor_cores=False)
+    assert (choice.channels_last, choice.how) == (True, "CUDA: fp16 autocast")
+    # on a CPU the flag means nothing: the timing decides, as without it
+    choice = choose("auto", None, cuda=False, native_bf16=True, time_step=Timings(**ALL),
+                    tensor_cores=False)
+    assert (choice.precision, choice.channels_last) == ("bf16", True)
+
+
+@pytest.mark.parametrize("capability, expected", [
+    ((5, 2), False), ((6, 0), False), ((6, 1), False),   # Maxwell, Pascal: no tensor cores
+    ((7, 0), True), ((7, 5), True), ((8, 0), True), ((8, 9), True), ((9, 0), True),
+    ((10, 0), True), ((12, 0), True)])                    # Volta, Turing, Ampere, Ada, Hopper, ...
+def test_tensor_cores_are_read_from_the_compute_capability(monkeypatch, capability, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert cuda_has_tensor_cores() is expected
 
 
 def test_an_emulated_bf16_asked_for_explicitly_gets_a_one_line_warning():

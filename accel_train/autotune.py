@@ -26,6 +26,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .precision import cpu_has_native_bf16, cuda_has_tensor_cores
+
 PROBE_ROUNDS = 2       # candidates timed in turn, round after round: a load that comes and goes
                        # falls on all of them, and the first candidate is not the only one cold
 PROBE_WARM_STEPS = 1   # per call: a new memory format pays oneDNN's kernel selection once more
@@ -86,6 +88,15 @@ def choose(requested_precision: str, requested_channels_last: Optional[bool], cu
     measured = ", ".join(f"{name} {1000 * seconds:.0f} ms" for name, seconds in timings.items())
     reasons.append(f"fastest of {len(candidates)} timed on this model, a step in {measured}")
     return SpeedChoice(precision, channels_last, "; ".join(reasons), timings)
+
+
+def choose_on_this_machine(requested_precision: str, requested_channels_last: Optional[bool],
+                           cuda: bool, time_step: Callable[[str, bool], float]) -> SpeedChoice:
+    """`choose` with this machine's capabilities read: native bf16 on a CPU, tensor cores on a
+    GPU (the trainer's choice and --smaller-models' probe of each network ask the same way)."""
+    return choose(requested_precision, requested_channels_last, cuda,
+                  native_bf16=not cuda and cpu_has_native_bf16(), time_step=time_step,
+                  tensor_cores=cuda and cuda_has_tensor_cores())
 
 
 def step_timer(make_model: Callable[[], torch.nn.Module], batch_size: int, image_size: int,

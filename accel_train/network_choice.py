@@ -28,10 +28,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from .autotune import PROBE_MAX_BATCH, SpeedChoice, candidate_name, choose, step_timer
+from .autotune import (PROBE_MAX_BATCH, SpeedChoice, candidate_name, choose_on_this_machine,
+                       step_timer)
 from .budget import parse_duration
 from .model import create_model
-from .precision import cpu_has_native_bf16, cuda_has_tensor_cores
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,6 @@ def choose_for_run(config, image_size: int, num_classes: int, train_samples: int
     this process's device: a batch of the CPU probe's size on a CPU, the run's batch on a GPU
     (at a small one it would idle); all processes are counted as running at its pace."""
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    native = not cuda and cpu_has_native_bf16()
     probe_batch = config.batch_size if cuda else min(config.batch_size, PROBE_MAX_BATCH)
     budget = parse_duration(config.time_budget)
 
@@ -94,8 +93,8 @@ def choose_for_run(config, image_size: int, num_classes: int, train_samples: int
         time_step = step_timer(
             lambda: create_model(name, num_classes, config.drop_rate, None, config.drop_path),
             probe_batch, image_size, num_classes, probe_batch, device)
-        speed = choose(config.mixed_precision, config.channels_last, cuda, native, time_step,
-                       tensor_cores=cuda and cuda_has_tensor_cores())
+        speed = choose_on_this_machine(config.mixed_precision, config.channels_last, cuda,
+                                       time_step)
         timed = speed.timings.get(candidate_name(speed.precision, speed.channels_last))
         return speed, timed if timed is not None else time_step(speed.precision,
                                                                 speed.channels_last)

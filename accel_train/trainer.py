@@ -28,7 +28,7 @@ from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKw
                                ProjectConfiguration)
 
 from . import distributed, worker_start
-from .autotune import SpeedChoice, choose, step_timer
+from .autotune import SpeedChoice, choose_on_this_machine, step_timer
 from .badimages import BadImageLog
 from .budget import (SAY_REFIT_FRACTION, TTA_PASSES, TimeBudget, evaluation_passes,
                      parse_duration)
@@ -48,8 +48,8 @@ from .network_choice import NetworkChoice, choose_for_run
 from .optim import (base_learning_rates, build_optimizer, plan_schedule, scheduled_learning_rate,
                     scheduler_for, take_new_learning_rate)
 from .plots import write_plots
-from .precision import (accelerate_fp16_note, cpu_has_native_bf16, cuda_has_tensor_cores,
-                        precision_name, resolve_precision, use_fast_cuda_math)
+from .precision import (accelerate_fp16_note, precision_name, resolve_precision,
+                        use_fast_cuda_math)
 from .randomness import MICRO_BATCH_SALT, seed_globals
 from .report import Reporter, records_text, summary
 from .resume import StartPlan, plan_start, record_elastic_job, set_aside_newer
@@ -224,9 +224,7 @@ class Trainer:
                 lambda: create_model(config.model, spec.num_classes, config.drop_rate, None,
                                      config.drop_path),
                 config.batch_size, spec.image_size, spec.num_classes)
-            native = not cuda and cpu_has_native_bf16()
-            return choose(precision, channels_last, cuda, native, time_step,
-                          tensor_cores=cuda and cuda_has_tensor_cores()).__dict__
+            return choose_on_this_machine(precision, channels_last, cuda, time_step).__dict__
 
         choice = SpeedChoice(**distributed.decide_on_main(measure))
         if kept:

@@ -10,7 +10,9 @@ import json
 import pytest
 import torch
 
-from accel_train.autotune import PROBE_ROUNDS, SpeedChoice, candidate_name, choose, step_timer
+from accel_train import autotune
+from accel_train.autotune import (PROBE_ROUNDS, SpeedChoice, candidate_name, choose,
+                                  choose_on_this_machine, step_timer)
 from accel_train.precision import cuda_has_tensor_cores, resolve_precision
 
 
@@ -140,6 +142,22 @@ def test_a_gpu_without_tensor_cores_stays_nchw_unless_asked():
 def test_tensor_cores_are_read_from_the_compute_capability(monkeypatch, capability, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert cuda_has_tensor_cores() is expected
+
+
+@pytest.mark.parametrize("native, tensor_cores", [(True, True), (False, False),
+                                                  (True, False), (False, True)])
+def test_on_this_machine_the_capabilities_are_read_for_the_device_in_use(
+        monkeypatch, native, tensor_cores):
+    """The CPU's bf16 is read only for a CPU run, the GPU's tensor cores only for a CUDA run."""
+    read = []
+    monkeypatch.setattr(autotune, "cpu_has_native_bf16", lambda: read.append("cpu") or native)
+    monkeypatch.setattr(autotune, "cuda_has_tensor_cores",
+                        lambda: read.append("cuda") or tensor_cores)
+    cpu = choose_on_this_machine("auto", None, cuda=False, time_step=Timings(**ALL))
+    assert (cpu.precision, read) == (("bf16" if native else "no"), ["cpu"])
+    read.clear()
+    gpu = choose_on_this_machine("auto", None, cuda=True, time_step=Timings(**ALL))
+    assert (gpu.precision, gpu.channels_last, read) == ("fp16", tensor_cores, ["cuda"])
 
 
 def test_an_emulated_bf16_asked_for_explicitly_gets_a_one_line_warning():

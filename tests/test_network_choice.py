@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from accel_train import network_choice
+from accel_train import autotune, network_choice
 from accel_train.autotune import PROBE_ROUNDS, SpeedChoice
 from accel_train.network_choice import choose_network, epochs_in_budget
 from accel_train.trainer import Callbacks
@@ -115,7 +115,8 @@ def test_each_network_is_timed_as_the_run_would_compute_it(monkeypatch, native, 
 
     monkeypatch.setattr(network_choice, "create_model", create_model)
     monkeypatch.setattr(network_choice, "step_timer", step_timer)
-    monkeypatch.setattr(network_choice, "cpu_has_native_bf16", lambda: native)
+    # the capability choose_on_this_machine reads for every network probed
+    monkeypatch.setattr(autotune, "cpu_has_native_bf16", lambda: native)
     config = TrainConfig(model="test_resnet", smaller_models=["cifar_convnet_s"],
                          min_budget_epochs=12, time_budget="20s", batch_size=64, drop_rate=0.25,
                          drop_path=0.1, mixed_precision=precision, channels_last=channels_last)

@@ -17,9 +17,10 @@ __version__ = "0.1.0"
 
 
 class _RegisterWhenTimmLoads(importlib.abc.MetaPathFinder):
-    """Finds timm through the other finders and wraps its loader, so that accel_train.small_nets
-    is imported right after timm has finished loading; then leaves sys.meta_path.  (A spec
-    asked for without loading it, as availability checks do, registers nothing.)"""
+    """Finds timm through the other finders and wraps its loader, so that
+    accel_train.model.small_nets is imported right after timm has finished loading; then leaves
+    sys.meta_path.  (A spec asked for without loading it, as availability checks do, registers
+    nothing.)"""
 
     def find_spec(self, name, path=None, target=None):
         if name != "timm":
@@ -36,13 +37,13 @@ class _RegisterWhenTimmLoads(importlib.abc.MetaPathFinder):
             load(module)
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
-            importlib.import_module(f"{__name__}.small_nets")
+            importlib.import_module(f"{__name__}.model.small_nets")
 
         spec.loader.exec_module = load_then_register
         return spec
 
 
 if "timm" in sys.modules:
-    importlib.import_module(f"{__name__}.small_nets")
+    importlib.import_module(f"{__name__}.model.small_nets")
 elif not any(isinstance(finder, _RegisterWhenTimmLoads) for finder in sys.meta_path):
     sys.meta_path.insert(0, _RegisterWhenTimmLoads())

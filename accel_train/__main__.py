@@ -1,3 +1,3 @@
-from .cli import entry
+from accel_train.cli import entry
 
 entry()

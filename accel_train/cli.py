@@ -13,9 +13,8 @@ import sys
 from dataclasses import MISSING, fields
 from typing import Callable, Sequence
 
-from .config import PRECISIONS, TrainConfig, load_run_yaml
-from .errors import RunStopped, UsageError, stacks_on_request
-from .process_exit import exit_with
+from accel_train.config import PRECISIONS, TrainConfig, load_run_yaml
+from accel_train.base.errors import RunStopped, UsageError, stacks_on_request
 
 GROUP_TITLES = {
     "data": "data",
@@ -160,16 +159,16 @@ def build_train_parser(prog: str = "accel-train train") -> argparse.ArgumentPars
 
 def _run_train(argv: Sequence[str], callbacks=None) -> int:
     config = config_from_args(build_train_parser().parse_args(argv))
-    from . import rank_launcher
+    from accel_train.run import rank_launcher
     asked = rank_launcher.ranks_asked()
     if asked is not None:  # accelerate's MULTI_CPU answers: start the ranks it did not
         return rank_launcher.start_ranks(asked)
-    from .trainer import run_training  # heavy imports only once the input is known good
+    from accel_train.trainer import run_training  # heavy imports only once the input is known good
     return run_training(config, callbacks)
 
 
 def _subcommands(callbacks=None) -> dict[str, Callable[[Sequence[str]], int]]:
-    from .commands import subcommands
+    from accel_train.commands import subcommands
     return {"train": lambda argv: _run_train(argv, callbacks), **subcommands()}
 
 
@@ -203,7 +202,7 @@ def main(argv: Sequence[str] | None = None, callbacks=None) -> int:
     else:  # `python -m accel_train --epochs 3` means train, as the seed scripts did
         name, rest = "train", argv
     if argv[:1] in (["-h"], ["--help"]) and len(commands) > 1:
-        from .commands import SUMMARIES
+        from accel_train.commands import SUMMARIES
         lines = [f"  {n:<8} {text}" for n, text in {"train": TRAIN_SUMMARY, **SUMMARIES}.items()]
         print("usage: accel-train SUBCOMMAND [options]   (no subcommand: train)\n"
               + "\n".join(lines) + "\n`accel-train SUBCOMMAND --help` for each; the train "
@@ -225,8 +224,8 @@ def main(argv: Sequence[str] | None = None, callbacks=None) -> int:
 
 
 def entry() -> None:
-    """`accel-train` and `python -m accel_train`: main(), then the process's cheap exit."""
-    exit_with(main())
+    """`accel-train` and `python -m accel_train`."""
+    sys.exit(main())
 
 
 if __name__ == "__main__":

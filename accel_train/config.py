@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from .budget import parse_duration
-from .errors import UsageError
-from .readers import read_yaml
+from accel_train.base.errors import UsageError
+from accel_train.base.readers import read_yaml
 
 PRECISIONS = ("auto", "no", "fp16", "bf16")
 IN_MEMORY_MODES = ("auto", "always", "never")
@@ -399,7 +399,8 @@ class TrainConfig:
             raise UsageError(f"--reprob is a probability: between 0 and 1 (got {self.reprob})")
         if self.time_budget is not None:
             parse_duration(self.time_budget)
-        self._check_library_names()
+        if self.optimizer.lower() not in ("sgd", "momentum", "adamw"):
+            check_optimizer_name(self.optimizer)
         if not 0 < self.model_ema_decay < 1:
             raise UsageError(f"--model-ema-decay must be in (0, 1) (got {self.model_ema_decay}); "
                              f"0.999-0.9999 is usual")
@@ -436,18 +437,6 @@ class TrainConfig:
             raise UsageError(f"--pretrained {self.pretrained} holds the weights of one network; "
                              f"--smaller-models may train another: drop one of the two")
 
-    def _check_library_names(self):
-        """Names that timm/torchvision must know, checked now rather than after the data has
-        loaded (imported only when a name is given: parsing stays fast)."""
-        if self.optimizer.lower() not in ("sgd", "momentum", "adamw"):
-            check_optimizer_name(self.optimizer)
-        if self.auto_augment:
-            from .augment import build_policy
-            build_policy(self.auto_augment)
-        if self.smaller_models:
-            from .model import check_model_name
-            for name in self.smaller_models:
-                check_model_name(name, "--smaller-models")
 
     # -- conversions ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -522,3 +511,19 @@ def _auto_or_bool(value, name: str) -> Optional[bool]:
     if text not in choices:
         raise UsageError(f"{flag(name)} {value!r}: use auto, true or false")
     return choices[text]
+
+
+_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "600", "90s", "10m", "1h", "1h30m"; a UsageError naming the flag otherwise."""
+    match = _DURATION.match(str(text).strip().lower())
+    if not match or not any(match.groups()):
+        raise UsageError(f"--time-budget {text!r} is not a duration; write 600, 90s, 10m, 1h or "
+                         f"1h30m")
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+    total = hours * 3600 + minutes * 60 + seconds
+    if total <= 0:
+        raise UsageError(f"--time-budget {text!r} is no time at all; give it minutes, e.g. 10m")
+    return total

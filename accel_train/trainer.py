@@ -27,37 +27,38 @@ from accelerate import Accelerator
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
                                ProjectConfiguration)
 
-from . import distributed, worker_start
-from .autotune import SpeedChoice, choose_on_this_machine, step_timer
-from .badimages import BadImageLog
-from .budget import (SAY_REFIT_FRACTION, TTA_PASSES, TimeBudget, evaluation_passes,
-                     parse_duration)
-from .checkpoint import AccelerateState, Checkpointer, TrainerState
-from .collectives import EXIT_STALLED, CollectiveTimeouts, dump_stacks, is_timeout
-from .config import TrainConfig
-from .datawait import data_wait_clock
-from .divergence import stop_if_diverged
-from .ema import ModelEma
-from .lookahead import LookaheadAverage
-from .errors import first_line
-from .evaluate import batch_seconds, evaluate_classifier
-from .loading import build_loaders, may_have_workers, stop_when_stuck
-from .mixing import maybe_mixup
-from .model import build_network, create_model, set_train_mode
-from .network_choice import NetworkChoice, choose_for_run
-from .optim import (base_learning_rates, build_optimizer, plan_schedule, scheduled_learning_rate,
-                    scheduler_for, take_new_learning_rate)
-from .plots import write_plots
-from .precision import (accelerate_fp16_note, precision_name, resolve_precision,
-                        use_fast_cuda_math)
-from .randomness import MICRO_BATCH_SALT, seed_globals
-from .report import Reporter, records_text, summary
-from .resume import StartPlan, plan_start, record_elastic_job, set_aside_newer
-from .rundir import run_paths, update_resolved, write_run_config
-from .sources import ArraySource, load_data, reader_modules
-from .streaming import load_streaming, streaming_wanted
-from .timm_folder import write_model_folder
-from .track import LogWindow, MetricsLog, Progress, check_trackers, tracker_scalars
+from accel_train.run import distributed
+from accel_train.train.autotune import SpeedChoice, choose_on_this_machine, step_timer
+from accel_train.data.badimages import BadImageLog
+from accel_train.train.budget import SAY_REFIT_FRACTION, TTA_PASSES, TimeBudget, evaluation_passes
+from accel_train.config import parse_duration
+from accel_train.run.checkpoint import AccelerateState, Checkpointer, TrainerState
+from accel_train.run.collectives import EXIT_STALLED, CollectiveTimeouts, dump_stacks, is_timeout
+from accel_train.config import TrainConfig
+from accel_train.train.datawait import data_wait_clock
+from accel_train.train.divergence import stop_if_diverged
+from accel_train.model.ema import ModelEma
+from accel_train.train.lookahead import LookaheadAverage
+from accel_train.base.errors import first_line
+from accel_train.train.evaluate import batch_seconds, evaluate_classifier
+from accel_train.data.loading import build_loaders, stop_when_stuck
+from accel_train.data.mixing import maybe_mixup
+from accel_train.train.network import build_network
+from accel_train.model.build import create_model, set_train_mode
+from accel_train.train.network_choice import NetworkChoice, choose_for_run
+from accel_train.train.optim import (base_learning_rates, build_optimizer, plan_schedule,
+                                     scheduled_learning_rate, scheduler_for, take_new_learning_rate)
+from accel_train.run.plots import write_plots
+from accel_train.train.precision import (accelerate_fp16_note, precision_name, resolve_precision,
+                                         use_fast_cuda_math)
+from accel_train.base.randomness import MICRO_BATCH_SALT, seed_globals
+from accel_train.run.report import Reporter, records_text, summary
+from accel_train.run.resume import StartPlan, plan_start, record_elastic_job, set_aside_newer
+from accel_train.run.rundir import run_paths, update_resolved, write_run_config
+from accel_train.data.sources import ArraySource, load_data
+from accel_train.data.streaming import load_streaming, streaming_wanted
+from accel_train.model.saved import write_model_folder
+from accel_train.run.track import LogWindow, MetricsLog, Progress, check_trackers, tracker_scalars
 
 
 @dataclass
@@ -121,7 +122,6 @@ class Trainer:
             self.net.model = self.net.model.to(memory_format=torch.channels_last)
         self.loaders = build_loaders(config, self.data, self.net.spec, acc.num_processes,
                                      acc.process_index, plan.env.local_world_size, cuda)
-        worker_start.stop_unused_server()  # no loader of this run starts workers
         self.schedule = plan_schedule(config, self.loaders.steps_per_epoch)
         optimizer = build_optimizer(self.net.model, config)
         self.model, self.optimizer, self.held_out_loader, self.scheduler = \
@@ -702,8 +702,6 @@ class Trainer:
 def run_training(config: TrainConfig, callbacks: Optional[Callbacks] = None) -> int:
     """Parse-build-train-close: the whole `train` command."""
     check_trackers(config.report_to)  # accelerate would ignore a missing one, or raise later
-    if may_have_workers(config):  # before the process group's threads: worker_start.py
-        worker_start.start_server_now(also=reader_modules(config))
     trainer = None
     try:
         trainer = Trainer.from_config(config, callbacks)

@@ -74,7 +74,7 @@ def plain_io(folder: Path, size: int) -> tuple[float, float]:
 def make_trainer(model: str, out: Path):
     from accel_train.config import TrainConfig
     from accel_train.trainer import Trainer
-    from accel_train.track import Progress
+    from accel_train.run.track import Progress
     config = TrainConfig(dataset="synthetic", synthetic_train_size=128, max_eval_samples=64,
                          model=model, batch_size=64, epochs=1000, progress="log", plots=False,
                          output_dir=str(out), keep_checkpoints=2, log_every=1000,
@@ -93,7 +93,7 @@ def one_epoch(trainer) -> float:
 
 
 def measure(model: str, args, work: Path) -> dict:
-    from accel_train.checkpoint import _sha256, verify
+    from accel_train.run.checkpoint import _sha256, verify
     trainer = make_trainer(model, work / model)
     one_epoch(trainer)  # momentum buffers now exist: the checkpoint is full size
     step_seconds = benchlib.median([one_epoch(trainer) for _ in range(args.step_repeats)])

@@ -131,7 +131,7 @@ def heartbeat_cost(model_name: str, batch: int, beats: int) -> dict:
     in this process, one after the other."""
     import timm
 
-    from accel_train.collectives import CollectiveTimeouts
+    from accel_train.run.collectives import CollectiveTimeouts
 
     store = dist.TCPStore("127.0.0.1", benchlib.free_port(), 1, True)
     timeouts = CollectiveTimeouts([], store, 0, 2, None)  # 2: a multi-process run beats

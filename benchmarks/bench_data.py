@@ -49,7 +49,7 @@ def decode_rates(args, report) -> dict:
     from torchvision.transforms import functional as TVF
 
     from accel_train.config import TrainConfig
-    from accel_train.sources import load_data
+    from accel_train.data.sources import load_data
     path = benchlib.check_cifar(args.data_dir) / "train.parquet"
     blobs = pq.read_table(path, columns=["img"]).column("img").combine_chunks() \
         .field("bytes").to_pylist()[:args.decode_images]
@@ -141,7 +141,7 @@ class NormalizedInLoader(Dataset):
         return len(self.dataset)
 
     def __getitems__(self, keys):
-        from accel_train.data import SampleBatch
+        from accel_train.data.loaders import SampleBatch
         batch = self.dataset.__getitems__(keys)
         return SampleBatch(self.finish(batch.images, batch.keys), batch.labels, batch.keys,
                            batch.replaced)
@@ -150,7 +150,7 @@ class NormalizedInLoader(Dataset):
 def transfer(args, report, memory, disk, transform, loader) -> dict:
     """Issue 28's before/after: float32 normalized in the loader against uint8 pixels normalized
     after it (on the device on a GPU; here on the CPU, in the training process)."""
-    from accel_train.data import FinishOnDevice, TrainImages
+    from accel_train.data.loaders import FinishOnDevice, TrainImages
     cores = benchlib.machine()["cores"] or 1
     rows, rates = [], {}
     for where, source, workers in (("in memory", memory, 0),
@@ -182,10 +182,10 @@ def pipelines(args, report) -> dict:
     import pyarrow.parquet as pq
 
     from accel_train.config import TrainConfig
-    from accel_train.data import (EpochSampler, FinishOnDevice, TrainImages, dataset_mean_std,
-                                  make_loader)
-    from accel_train.sources import load_data
-    from accel_train.transforms import ImageTransform
+    from accel_train.data.loaders import (EpochSampler, FinishOnDevice, TrainImages,
+                                          dataset_mean_std, make_loader)
+    from accel_train.data.sources import load_data
+    from accel_train.data.transforms import ImageTransform
     count = args.pipeline_images
     memory = load_data(TrainConfig(data_dir=str(args.data_dir), max_train_samples=count,
                                    max_eval_samples=1, in_memory="always")).train
@@ -306,8 +306,8 @@ def median_seconds(arms: dict, repeats: int) -> dict:
 
 # -- 5. random erasing ---------------------------------------------------------------------------
 def erasing_cost(args, report) -> dict:
-    from accel_train.augment import ERASING_SALT, apply_erasing, build_erasing, erasing_plan
-    from accel_train.randomness import seeded
+    from accel_train.data.augment import ERASING_SALT, apply_erasing, build_erasing, erasing_plan
+    from accel_train.base.randomness import seeded
     torch.set_num_threads(1)  # as in a loader worker (transforms.single_threaded)
     batch, size = args.erase_batch, 32
     images = torch.randn(batch, 3, size, size)
@@ -347,9 +347,9 @@ def placement_cost(args, report) -> dict:
     handing over the stored 32 px pixels and their crop plan, placed on the device (now;
     data.TrainImages.places_on_device).  The device's part is timed here on the CPU: on a GPU
     it runs there."""
-    from accel_train.data import TrainImages
-    from accel_train.sources import ArraySource
-    from accel_train.transforms import ImageTransform
+    from accel_train.data.loaders import TrainImages
+    from accel_train.data.sources import ArraySource
+    from accel_train.data.transforms import ImageTransform
     torch.set_num_threads(1)  # as in a loader worker (transforms.single_threaded)
     count = 1024
     images = torch.randint(0, 256, (count, 3, 32, 32), dtype=torch.uint8,
@@ -415,8 +415,8 @@ def main() -> int:
     args.repeats = args.repeats or (1 if quick else 3)
     args.trainer_steps = args.trainer_steps or (30 if quick else 100)
     if args.workers is None:
-        from accel_train.data import default_num_workers
-        from accel_train.sources import ImageSource
+        from accel_train.data.loaders import default_num_workers
+        from accel_train.data.sources import ImageSource
         args.workers = default_num_workers(ImageSource(), 1, cuda=False)
     report = benchlib.Report("data", "Data: input pipeline, decode once vs every epoch, "
                              "data-wait", args)

@@ -144,7 +144,7 @@ def main() -> int:
     report = benchlib.Report("efficiency", "Where the step time goes, and the share of the "
                              "machine's peak", args)
     repeats = 3 if args.quick else 10
-    from accel_train.precision import cpu_has_native_bf16
+    from accel_train.train.precision import cpu_has_native_bf16
 
     peaks = {"fp32": matmul_gflops(torch.float32, args.matmul_size, repeats)}
     # Where bf16 is emulated a run never trains in it (auto keeps fp32), and the matmul alone
@@ -192,7 +192,7 @@ def main() -> int:
 
     import timm
 
-    from accel_train import small_nets  # noqa: F401  (registers the recipe's networks)
+    from accel_train.model import small_nets  # noqa: F401  (registers the recipe's networks)
     size = facts.get("model", {}).get("image_size") or 32
     flops = training_flops_per_image(timm.create_model(options["model"], num_classes=10), size)
     img_s = options["batch_size"] / per_step["total"]

@@ -89,7 +89,7 @@ class HandLoop:
 def make_trainer(args, size: int, precision: str, batch: int, work: Path):
     from accel_train.config import TrainConfig
     from accel_train.trainer import Trainer
-    from accel_train.track import Progress
+    from accel_train.run.track import Progress
     config = TrainConfig(dataset="synthetic", synthetic_train_size=batch * args.steps,
                          max_eval_samples=batch, model=args.model, image_size=size,
                          batch_size=batch, epochs=1_000_000, mixed_precision=precision,

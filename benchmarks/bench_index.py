@@ -33,7 +33,7 @@ INDEX_CHILD = """
 import json, os, resource, sys, time
 started = time.perf_counter()
 from accel_train.config import TrainConfig
-from accel_train.sources import load_data
+from accel_train.data.sources import load_data
 import datasets, pyarrow  # what both arms import first: not part of the index's cost
 imported = time.perf_counter()
 def rss():

@@ -85,7 +85,7 @@ def make_trainer(args, augment: bool, out_dir: Path):
     """A real Trainer whose epoch is exactly --steps optimizer steps of in-memory CIFAR-10."""
     from accel_train.config import TrainConfig
     from accel_train.trainer import Trainer
-    from accel_train.track import Progress
+    from accel_train.run.track import Progress
     config = TrainConfig(data_dir=str(benchlib.check_cifar(args.data_dir)), model=args.model,
                          batch_size=args.batch_size, max_train_samples=args.steps * args.batch_size,
                          max_eval_samples=args.batch_size, epochs=1_000_000,
@@ -157,7 +157,7 @@ def reseed_cost(args, report: benchlib.Report, accel_blocks: list[float]) -> dic
     """seed_globals per call (median of rounds of 2,000 calls) against the step it precedes."""
     import time
 
-    from accel_train.randomness import MICRO_BATCH_SALT, seed_globals
+    from accel_train.base.randomness import MICRO_BATCH_SALT, seed_globals
     calls, rounds = 2000, 5
     per_call = []
     for round_index in range(rounds):
@@ -191,7 +191,7 @@ def child(args) -> None:
     if args.child == "hand loop":
         data = benchlib.cifar_in_memory(args.data_dir, args.steps * args.batch_size,
                                         args.batch_size)
-        from accel_train.data import dataset_mean_std
+        from accel_train.data.loaders import dataset_mean_std
         mean, std = dataset_mean_std(data.train)
         arm = HandLoop(args.model, data.train.images, data.train.labels, args.batch_size, mean,
                        std, channels_last=args.channels_last,

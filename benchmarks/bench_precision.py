@@ -59,9 +59,9 @@ def main() -> int:
     parser.add_argument("--matmul-size", type=int, default=2048)
     args = parser.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 6)
-    from accel_train import small_nets  # noqa: F401  (registers cifar_convnet_*)
-    from accel_train.autotune import candidate_name, choose, step_timer
-    from accel_train.precision import cpu_has_native_bf16
+    from accel_train.model import small_nets  # noqa: F401  (registers cifar_convnet_*)
+    from accel_train.train.autotune import candidate_name, choose, step_timer
+    from accel_train.train.precision import cpu_has_native_bf16
     import timm
 
     report = benchlib.Report("precision", "Precision and memory format on a CPU", args)

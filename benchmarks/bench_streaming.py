@@ -81,8 +81,8 @@ def worker_rss(data_dir: Path, buffer: int, batches: int) -> dict:
     import psutil
 
     from accel_train.config import TrainConfig
-    from accel_train.streaming import Layout, StreamingTrain, StreamLoader, open_shards
-    from accel_train.transforms import ImageTransform
+    from accel_train.data.streaming import Layout, StreamingTrain, StreamLoader, open_shards
+    from accel_train.data.transforms import ImageTransform
     data = open_shards(TrainConfig(data_dir=str(data_dir)))
     transform = ImageTransform(32, (0.5,) * 3, (0.25,) * 3, augment=True)
     dataset = StreamingTrain(data.train, Layout(1, 2, 64, 1), 0, 0, buffer, transform)
@@ -116,7 +116,7 @@ def worker_rss(data_dir: Path, buffer: int, batches: int) -> dict:
 
 def first_step(args, data_dir: Path, out: Path) -> dict:
     from accel_train.config import TrainConfig
-    from accel_train.streaming import open_shards
+    from accel_train.data.streaming import open_shards
     started = time.perf_counter()
     data = open_shards(TrainConfig(data_dir=str(data_dir)))
     open_s = time.perf_counter() - started

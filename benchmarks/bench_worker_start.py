@@ -34,11 +34,11 @@ CHILD = r"""
 import json, multiprocessing, sys, time
 from multiprocessing import forkserver
 import psutil
-import accel_train.data as data
+import accel_train.data.loaders as data
 from accel_train import worker_start
 from accel_train.config import TrainConfig
-from accel_train.sources import load_data, reader_modules
-from accel_train.transforms import ImageTransform
+from accel_train.data.sources import load_data, reader_modules
+from accel_train.data.transforms import ImageTransform
 arm, data_dir, images, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 config = TrainConfig(data_dir=data_dir, max_train_samples=images, max_eval_samples=1,
                      in_memory="never")

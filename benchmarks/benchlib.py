@@ -337,7 +337,7 @@ def cifar_in_memory(data_dir: str, max_train: Optional[int] = None,
                     max_eval: Optional[int] = None):
     """CIFAR-10 decoded once into uint8 tensors, through accel_train's own loader."""
     from accel_train.config import TrainConfig
-    from accel_train.sources import load_data
+    from accel_train.data.sources import load_data
     return load_data(TrainConfig(data_dir=str(check_cifar(data_dir)), max_train_samples=max_train,
                                  max_eval_samples=max_eval, in_memory="always"))
 

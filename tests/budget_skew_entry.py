@@ -18,7 +18,7 @@ SKEW_ENV = "BUDGET_SKEW_SECONDS"
 def main() -> int:
     skew = float(os.environ.get(SKEW_ENV) or 0)
     if skew and os.environ.get("RANK") == "1":
-        from accel_train import budget
+        from accel_train.train import budget
 
         start = budget.TimeBudget.start
 
@@ -33,7 +33,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    # ends as `python -m accel_train` does (accel_train/process_exit.py)
-    from accel_train.process_exit import exit_with
+    # ends as `python -m accel_train` does (accel_train/base/process_exit.py)
+    from accel_train.base.process_exit import exit_with
 
     exit_with(main())

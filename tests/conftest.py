@@ -221,7 +221,7 @@ def write_cifar10_layout(folder: Path, train_rows: int = 640, test_rows: int = 1
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from accel_train import synthetic
+    from accel_train.data import synthetic
 
     features = {"img": {"_type": "Image"},
                 "label": {"names": CIFAR10_CLASSES, "_type": "ClassLabel"}}

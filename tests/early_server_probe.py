@@ -21,9 +21,9 @@ from multiprocessing import forkserver
 import psutil
 from torch.utils.data import Dataset
 
-from accel_train import worker_start
-from accel_train.data import make_loader
-from accel_train.errors import stacks_on_request
+from accel_train.data import worker_start
+from accel_train.data.loaders import make_loader
+from accel_train.base.errors import stacks_on_request
 
 
 class ParentOfEach(Dataset):

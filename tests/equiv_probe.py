@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 -m tests.equiv_probe RESULT.json -- <accel_train train flags>
 
-1. The gloo SyncBatchNorm (accel_train/syncbn.py) against nn.BatchNorm on the whole batch, which
+1. The gloo SyncBatchNorm (accel_train/model/syncbn.py) against nn.BatchNorm on the whole batch, which
    the two ranks split unevenly: forward output, running statistics after two steps (momentum and
    cumulative average), input gradients and the summed parameter gradients.
 2. Gradient accumulation skips the all-reduce: the Trainer is built from the train flags exactly
@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from accel_train import distributed
+from accel_train.run import distributed
 from accel_train.cli import build_train_parser, config_from_args
-from accel_train.syncbn import convert_gloo_sync_batchnorm
+from accel_train.model.syncbn import convert_gloo_sync_batchnorm
 from accel_train.trainer import Trainer
 
 SPLIT = (5, 3)  # samples per rank: uneven on purpose (the global statistics must weight by count)

@@ -164,7 +164,7 @@ def stop_after(where: str):
 def block_read(where: str) -> None:
     """A loader worker's read of image INDEX of SPLIT blocks for an hour (`where`:
     "INDEX" for the train split, or "SPLIT:INDEX")."""
-    from accel_train.sources import HFSource
+    from accel_train.data.sources import HFSource
 
     split, _, index = where.rpartition(":")
     split, index = split or "train", int(index)
@@ -228,8 +228,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    # ends as `python -m accel_train` does (accel_train/process_exit.py)
-    from accel_train.process_exit import exit_with
+    # ends as `python -m accel_train` does (accel_train/base/process_exit.py)
+    from accel_train.base.process_exit import exit_with
 
     exit_with(main())
 elif __name__ == "__mp_main__" and os.environ.get(BLOCK_READ_ENV):

@@ -21,7 +21,7 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
-from accel_train.errors import STACKS_SIGNAL
+from accel_train.base.errors import STACKS_SIGNAL
 from conftest import CONFIGS, REPO, TINY_TRAIN, WARM, free_port, test_env
 from fault_entry import (POISON_ENV, SAMPLE_LOG_ENV, STALL_ENV,  # noqa: F401 (re-exported)
                          read_sample_keys)
@@ -211,7 +211,7 @@ def assert_each_sample_once_per_epoch(output_dir: Path, num_samples: int = 256,
                                       global_batch: int = 32, epochs: int = 2) -> None:
     """From the sample log (fault_entry's SAMPLE_LOG_ENV): every rank's micro-batches together
     use each sample of each epoch exactly once, and exactly the samples the epoch's order holds."""
-    from accel_train.data import EpochSampler
+    from accel_train.data.loaders import EpochSampler
 
     keys = read_sample_keys(Path(output_dir) / "logs")
     counts = Counter(keys)
@@ -232,7 +232,7 @@ def stopped_at(text: str) -> int:
 
 def checkpoint(out: Path, step: int) -> dict:
     """The trainer state of <out>/checkpoints/step_<step>, after checking its manifest."""
-    from accel_train.checkpoint import verify
+    from accel_train.run.checkpoint import verify
     path = out / "checkpoints" / f"step_{step:08d}"
     assert verify(path) is None, f"{path}: {verify(path)}"
     return json.loads((path / "trainer_state.json").read_text())

@@ -78,7 +78,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    # ends as `python -m accel_train` does (accel_train/process_exit.py)
-    from accel_train.process_exit import exit_with
+    # ends as `python -m accel_train` does (accel_train/base/process_exit.py)
+    from accel_train.base.process_exit import exit_with
 
     exit_with(main())

@@ -2,7 +2,7 @@
 it (this machine, multi-CPU, 2 processes, fp16), then `accelerate launch` with the file it wrote.
 
 accelerate's single-process launcher starts ONE process for those answers; accel_train starts
-the ranks they ask for (accel_train/rank_launcher.py).  Checked here against the other launchers'
+the ranks they ask for (accel_train/run/rank_launcher.py).  Checked here against the other launchers'
 arithmetic: 2 ranks x 16 train the weights of 1 process x 32 (within float rounding), a SIGTERM to
 `accelerate launch` stops every rank at a checkpoint from which `--resume auto` ends bit-identical
 to the run that was never stopped, and the two-machine answers meet on 127.0.0.1.

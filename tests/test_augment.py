@@ -1,4 +1,4 @@
-"""Training augmentation (accel_train/data.py TrainImages, accel_train/transforms.py).
+"""Training augmentation (accel_train/data/loaders.py TrainImages, accel_train/data/transforms.py).
 
 The dataset hands out uint8 pixels; normalizing and erasing run later, on the device
 (tests/test_device_input.py).
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from accel_train.augment import build_erasing, build_policy
-from accel_train.data import TrainImages
-from accel_train.sources import ArraySource, ImageSource
-from accel_train.transforms import SMALL_IMAGE, ImageTransform
+from accel_train.data.augment import build_erasing, build_policy
+from accel_train.data.loaders import TrainImages
+from accel_train.data.sources import ArraySource, ImageSource
+from accel_train.data.transforms import SMALL_IMAGE, ImageTransform
 
 IDENTITY = dict(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))  # output = pixel / 255
 
@@ -305,7 +305,7 @@ def test_the_policy_draws_inside_each_samples_documented_seed():
     randomness.seeded(seed, epoch, index, 0), so that a run resumed by another version of
     accel_train augments its samples as before.  Oracle: the policy called by hand in that
     seeded block, on the sample's crop-and-flip pixels (the same transform without a policy)."""
-    from accel_train.randomness import seeded
+    from accel_train.base.randomness import seeded
     policy = build_policy("rand-m9-mstd0.5")
     with_policy = ImageTransform(32, **IDENTITY, augment=True, policy=policy)
     without = ImageTransform(32, **IDENTITY, augment=True)

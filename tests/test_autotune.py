@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
-from accel_train import autotune
-from accel_train.autotune import (PROBE_ROUNDS, SpeedChoice, candidate_name, choose,
-                                  choose_on_this_machine, step_timer)
-from accel_train.precision import cuda_has_tensor_cores, resolve_precision
+from accel_train.train import autotune
+from accel_train.train.autotune import (PROBE_ROUNDS, SpeedChoice, candidate_name, choose,
+                                        choose_on_this_machine, step_timer)
+from accel_train.train.precision import cuda_has_tensor_cores, resolve_precision
 
 
 class Timings:

@@ -19,8 +19,8 @@ import pytest
 
 import imagekinds as kinds
 from accel_train.config import TrainConfig
-from accel_train.errors import UsageError
-from accel_train.sources import load_data
+from accel_train.base.errors import UsageError
+from accel_train.data.sources import load_data
 from conftest import PINNED, accel_train_here, accel_train
 from faults import (Run, checkpoint_steps, max_weight_difference, metrics, python_cmd,
                     torchrun_cmd, wait_until)

@@ -16,13 +16,13 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from accel_train import checkpoint as ck
-from accel_train.checkpoint import (MANIFEST, STATE_FILE, AccelerateState, Checkpointer,
-                                    TrainerState, find_latest_valid, read_state,
-                                    recover_interrupted_saves, verify)
-from accel_train.resume import accumulation_for, resolve_resume, set_aside_newer
+from accel_train.run import checkpoint as ck
+from accel_train.run.checkpoint import (MANIFEST, STATE_FILE, AccelerateState, Checkpointer,
+                                        TrainerState, find_latest_valid, read_state,
+                                        recover_interrupted_saves, verify)
+from accel_train.run.resume import accumulation_for, resolve_resume, set_aside_newer
 from accel_train.cli import main
-from accel_train.errors import UsageError
+from accel_train.base.errors import UsageError
 from conftest import TINY_TRAIN
 
 
@@ -673,7 +673,7 @@ class FullDiskPart:
 
 
 def test_a_save_that_fills_the_disk_stops_the_run_naming_the_file(bundle, monkeypatch):
-    from accel_train.errors import DISK_FULL_EXIT, RunStopped
+    from accel_train.base.errors import DISK_FULL_EXIT, RunStopped
 
     saver, _, train_step, warnings = bundle
     monkeypatch.setattr(ck, "free_bytes", lambda folder: 0)

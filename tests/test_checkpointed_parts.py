@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 
-from accel_train.checkpoint import MANIFEST
+from accel_train.run.checkpoint import MANIFEST
 from accel_train.cli import build_train_parser, config_from_args
 from accel_train.trainer import Trainer
 from conftest import TINY_TRAIN
@@ -73,7 +73,7 @@ def test_accelerates_part_resumes_with_and_without_a_loss_scaler(tmp_path, fresh
     import torch
     from accelerate import Accelerator
 
-    from accel_train.checkpoint import AccelerateState
+    from accel_train.run.checkpoint import AccelerateState
 
     acc = Accelerator(cpu=True)
     model, optimizer = acc.prepare(torch.nn.Linear(4, 2), torch.optim.SGD(

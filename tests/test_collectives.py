@@ -11,8 +11,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from accel_train import collectives
-from accel_train.collectives import LONG_TIMEOUT, CollectiveTimeouts, is_timeout
+from accel_train.run import collectives
+from accel_train.run.collectives import LONG_TIMEOUT, CollectiveTimeouts, is_timeout
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from accel_train import synthetic
+from accel_train.data import synthetic
 from accel_train.cli import main
-from accel_train.track import read_metrics
+from accel_train.run.track import read_metrics
 import conftest
 from conftest import (TINY_TRAIN, accel_train_here, clean_accelerate_state, free_port,
                       model_spec_of, run)
@@ -90,7 +90,7 @@ def test_eval_runs_in_the_precision_and_memory_format_the_run_chose(run_dir, tmp
     """A run trained (and evaluated at its epoch ends) in bf16 channels_last on a CPU is
     evaluated so by `eval` without flags, and gives its logged numbers; where this CPU has no
     native bf16, auto stays fp32.  An fp32 run stays fp32; a flag overrides."""
-    from accel_train.precision import cpu_has_native_bf16
+    from accel_train.train.precision import cpu_has_native_bf16
     assert eval_json(capsys, str(run_dir))["precision"] == "fp32"
     out = tmp_path / "bf16"
     accel_train_here(*TINY_TRAIN, "--mixed-precision", "bf16", "--channels-last", "--max-steps",

@@ -8,7 +8,7 @@ import pytest
 
 from accel_train.cli import build_train_parser, config_from_args, main
 from accel_train.config import TrainConfig
-from accel_train.errors import UsageError
+from accel_train.base.errors import UsageError
 
 
 def parse(*argv: str) -> TrainConfig:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import conftest
 from accel_train.cli import build_train_parser, config_from_args, main
-from accel_train.errors import UsageError
+from accel_train.base.errors import UsageError
 
 # A run YAML as a user writes one: dashes or underscores, any training option.
 RUN_YAML = """\

@@ -11,12 +11,12 @@ import pytest
 import torch
 from PIL import Image
 
-from accel_train import synthetic
+from accel_train.data import synthetic
 from accel_train.config import TrainConfig
-from accel_train.data import EpochSampler, TrainImages, dataset_mean_std
-from accel_train.errors import UsageError
-from accel_train.sources import ArraySource, HFSource, load_data
-from accel_train.transforms import ImageTransform
+from accel_train.data.loaders import EpochSampler, TrainImages, dataset_mean_std
+from accel_train.base.errors import UsageError
+from accel_train.data.sources import ArraySource, HFSource, load_data
+from accel_train.data.transforms import ImageTransform
 
 CLASSES = ["cat", "dog", "fish"]
 

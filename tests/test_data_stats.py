@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from accel_train.data import dataset_mean_std
-from accel_train.sources import ArraySource, ImageSource
+from accel_train.data.loaders import dataset_mean_std
+from accel_train.data.sources import ArraySource, ImageSource
 
 # The product rounds to 4 decimals: at most 5e-5 off, plus float32 summation noise.
 TOL = 6e-5

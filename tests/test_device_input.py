@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from accel_train import data as data_module
-from accel_train.augment import ERASING_SALT, apply_erasing, build_erasing, erasing_plan
-from accel_train.data import FinishOnDevice, TrainImages, default_num_workers
-from accel_train.datawait import HostWaitClock, StreamWaitClock, data_wait_clock
-from accel_train.precision import use_fast_cuda_math
-from accel_train.randomness import each_seeded, seeded
-from accel_train.sources import ArraySource, ImageSource
-from accel_train.transforms import ImageTransform
+from accel_train.data import loaders as data_module
+from accel_train.data.augment import ERASING_SALT, apply_erasing, build_erasing, erasing_plan
+from accel_train.data.loaders import FinishOnDevice, TrainImages, default_num_workers
+from accel_train.train.datawait import HostWaitClock, StreamWaitClock, data_wait_clock
+from accel_train.train.precision import use_fast_cuda_math
+from accel_train.base.randomness import each_seeded, seeded
+from accel_train.data.sources import ArraySource, ImageSource
+from accel_train.data.transforms import ImageTransform
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
 SEED, N = 11, 40
@@ -98,7 +98,7 @@ def test_the_erasing_plan_is_where_and_what_timm_writes(images_per_canvas, monke
     """Oracle: timm on a zero image, where it writes; positions in the whole batch, whether the
     plan's canvas holds one image, two (the last part shorter), or the whole batch; int32
     positions up to the limit, int64 past it."""
-    from accel_train import augment
+    from accel_train.data import augment
     if images_per_canvas is not None:
         monkeypatch.setattr(augment, "ERASING_CANVAS_ELEMENTS", images_per_canvas * 3 * 6 * 6)
     images = torch.zeros(5, 3, 6, 6)  # more images than channels, and an odd number
@@ -208,7 +208,7 @@ def test_a_run_forks_its_workers_server_early_only_where_its_loaders_may_start_w
     any thread); oracle: the count the loaders get (default_num_workers for the embedded
     set, which is in memory; a folder's images, decoded per step, always get some)."""
     from accel_train.config import TrainConfig
-    from accel_train.loading import may_have_workers
+    from accel_train.data.loading import may_have_workers
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda pid: {0, 1},
@@ -304,7 +304,7 @@ def test_fast_cuda_math_is_set_on_cuda_only_and_said(cuda_flags):
     assert torch.backends.cudnn.benchmark
     assert torch.get_float32_matmul_precision() == "high"
     assert "cuDNN autotuning" in said and "TF32" in said
-    from accel_train.report import summary
+    from accel_train.run.report import summary
     facts = _summary_facts(cuda_math=said)
     assert f"\n  cuda: {said}\n" in summary(facts, "data", 1, None, "metrics.jsonl")
     assert "\n  cuda: " not in summary({**facts, "cuda_math": None}, "data", 1, None, "m")
@@ -468,7 +468,7 @@ def test_what_stays_in_the_loader(why):
     """--auto-augment works on the placed pixels, large images take a random resized crop
     each, images decoded per step are decoded there anyway: those keep the loader's geometry, and
     so does every run on a CPU (the step needs every core)."""
-    from accel_train.augment import build_policy
+    from accel_train.data.augment import build_policy
     source, options, place = _source(), dict(augment=True), True
     if why == "policy":
         options["policy"] = build_policy("rand-m9-mstd0.5-inc1")
@@ -505,8 +505,8 @@ def test_a_gpus_run_places_its_small_in_memory_images_on_the_device(cuda, tmp_pa
     from types import SimpleNamespace
 
     from accel_train.config import TrainConfig
-    from accel_train.loading import build_loaders
-    from accel_train.report import summary
+    from accel_train.data.loading import build_loaders
+    from accel_train.run.report import summary
 
     config = TrainConfig(dataset="synthetic", batch_size=8, num_workers=0)
     data = SimpleNamespace(train=_source(), held_out=_source(n=8))

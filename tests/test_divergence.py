@@ -1,6 +1,6 @@
 """A run whose weights turn NaN stops in one line with exit 65 and writes nothing from then on:
 the checkpoints before stay byte for byte, no newer checkpoint or model.safetensors appears
-(accel_train/divergence.py).  Caught by the save that was about to happen (log windows longer
+(accel_train/train/divergence.py).  Caught by the save that was about to happen (log windows longer
 than the run) and by the first log window whose loss is not finite; with two ranks under
 torchrun both stop, neither hangs."""
 
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from accel_train import trainer
-from accel_train.divergence import first_non_finite, stop_if_diverged
-from accel_train.errors import DIVERGED_EXIT, RunStopped
+from accel_train.train.divergence import first_non_finite, stop_if_diverged
+from accel_train.base.errors import DIVERGED_EXIT, RunStopped
 import conftest
 from conftest import TINY_TRAIN, accel_train_here, run
 from fault_entry import poison_weights_after

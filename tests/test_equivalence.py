@@ -34,8 +34,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from accel_train.optim import lr_factor
-from accel_train.track import read_metrics
+from accel_train.train.optim import lr_factor
+from accel_train.run.track import read_metrics
 
 import conftest
 from conftest import CONFIGS, PINNED, REPO, accel_train_here, free_port

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from accel_train import synthetic
+from accel_train.data import synthetic
 
 from conftest import accel_train_here, model_spec_of, TINY_TRAIN
 
@@ -261,7 +261,7 @@ def test_predict_runs_in_the_precision_the_run_evaluated_in(tmp_path):
     bf16-autocast logits, not of the fp32 ones), in fp32 where bf16 would be emulated (as eval
     does); --mixed-precision bf16 and no give those two anywhere, and an .onnx model refuses
     a precision in one line."""
-    from accel_train.precision import cpu_has_native_bf16
+    from accel_train.train.precision import cpu_has_native_bf16
     out = tmp_path / "bf16"
     accel_train_here(*TINY_TRAIN, "--mixed-precision", "bf16", "--max-steps", "4", "--lr", "0.2",
                      "--output-dir", str(out), check=True)

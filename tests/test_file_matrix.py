@@ -30,7 +30,7 @@ import pytest
 
 from conftest import REPO, TINY_TRAIN, accel_train_here
 
-from accel_train import readers
+from accel_train.base import readers
 
 HALF_STEP, STEP = "step_00000001", "step_00000002"
 # the optional checkpointed parts, so that their files are in the checkpoint to corrupt
@@ -88,7 +88,7 @@ def test_model_configs_keys_are_the_model_specs_fields():
     must stay ModelSpec's fields, or a new field would be refused as unknown."""
     from dataclasses import fields
 
-    from accel_train.model import ModelSpec
+    from accel_train.model.saved import ModelSpec
     shape = readers.KINDS["model_config"].shape
     assert set(shape.keys) | shape.optional == {f.name for f in fields(ModelSpec)}
 
@@ -567,7 +567,7 @@ def test_a_damaged_image_folder_cache(tmp_path):
     commands cache only folders of thousands of images."""
     from PIL import Image
 
-    from accel_train.imagefolder import index_folder
+    from accel_train.data.imagefolder import index_folder
     root = tmp_path / "images"
     for s, split in enumerate(("train", "test")):
         for c, label in enumerate(("a", "b")):
@@ -603,7 +603,7 @@ COVERED_ELSEWHERE = {
 def test_a_damaged_elastic_job_marker(tmp_path):
     """<run>/elastic_run_id is read leniently: damaged, it is simply not this job's id (the run
     is then not taken as this job's: a fresh start is refused over it, one line)."""
-    from accel_train.resume import started_by_elastic_job
+    from accel_train.run.resume import started_by_elastic_job
     (tmp_path / "elastic_run_id").write_text("job7\n")
     assert started_by_elastic_job(str(tmp_path), "job7")
     for damage in COMMON.values():

@@ -29,10 +29,10 @@ import yaml
 from safetensors.torch import load_file
 from torch import nn
 
-from accel_train import synthetic
+from accel_train.data import synthetic
 from accel_train.config import TrainConfig
-from accel_train.optim import build_optimizer
-from accel_train.track import read_metrics
+from accel_train.train.optim import build_optimizer
+from accel_train.run.track import read_metrics
 
 from conftest import PINNED, REPO, accel_train_here, free_port, model_spec_of, run
 from conftest import test_env as child_env  # (imported as test_env, pytest would collect it)
@@ -397,7 +397,7 @@ def test_in_memory_limit_decides_whether_images_are_decoded_up_front(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from accel_train.sources import ArraySource, load_data
+    from accel_train.data.sources import ArraySource, load_data
 
     rng = np.random.default_rng(0)
     rows = {"image": [Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8))

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel_train import checkpoint as ck
-from accel_train.checkpoint import AccelerateState
+from accel_train.run import checkpoint as ck
+from accel_train.run.checkpoint import AccelerateState
 from conftest import TINY_TRAIN, accel_train_here
 
 RUN = [*TINY_TRAIN, "--max-steps", "8", "--checkpoint-every", "3", "--keep-checkpoints", "5"]

@@ -1,4 +1,4 @@
-"""The kinds of image file people collect, decoded (accel_train/decode.py) or named as broken.
+"""The kinds of image file people collect, decoded (accel_train/data/decode.py) or named as broken.
 
 Oracles: numpy for the expected pixels (EXIF orientation from the EXIF table, 16-bit values
 v >> 8, transparency composited over white, CMYK's subtractive formula), the pixels the files
@@ -16,9 +16,9 @@ from PIL import Image
 
 import imagekinds as kinds
 from accel_train.config import TrainConfig
-from accel_train.decode import Unreadable, decode, decode_many, read_value
-from accel_train.errors import UsageError
-from accel_train.sources import load_data
+from accel_train.data.decode import Unreadable, decode, decode_many, read_value
+from accel_train.base.errors import UsageError
+from accel_train.data.sources import load_data
 
 
 def hwc(tensor: torch.Tensor) -> np.ndarray:
@@ -128,7 +128,7 @@ def test_a_lists_jpegs_go_to_torchvision_in_one_call_and_the_rest_to_pil(monkeyp
     pixels: PIL's own decode of each file."""
     import torchvision.io
 
-    import accel_train.decode as decode_module
+    import accel_train.data.decode as decode_module
     if not hasattr(torchvision.io, "decode_jpeg"):
         pytest.skip("this torchvision has no JPEG decoder: every file goes to PIL")
     files = [kinds.encoded(kinds.pixels(1), "JPEG"), kinds.encoded(kinds.pixels(2), "PNG"),

@@ -1,4 +1,4 @@
-"""The image-folder index (accel_train/imagefolder.py) called directly on small trees: which files
+"""The image-folder index (accel_train/data/imagefolder.py) called directly on small trees: which files
 are rows, in which split and class, what a label file says, when the cache is used, and each
 refusal's sentence.  Milliseconds a test, so that mutation testing can run them per mutant
 (tests/test_layouts.py checks the same index against Hugging Face's imagefolder builder, which
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from accel_train import imagefolder
-from accel_train.errors import UsageError
-from accel_train.imagefolder import index_folder, read_val_labels
+from accel_train.data import imagefolder
+from accel_train.base.errors import UsageError
+from accel_train.data.imagefolder import index_folder, read_val_labels
 from conftest import age_folders
 
 NEVER_CACHED = 10**9

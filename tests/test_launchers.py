@@ -17,9 +17,10 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
-from accel_train import cli, rank_launcher
+from accel_train import cli
+from accel_train.run import rank_launcher
 from accel_train.commands import launch
-from accel_train.errors import UsageError
+from accel_train.base.errors import UsageError
 
 import conftest
 from conftest import PINNED, CONFIGS, REPO, free_port

@@ -1,4 +1,4 @@
-"""Image-folder layouts (accel_train/imagefolder.py): class folders with or without split
+"""Image-folder layouts (accel_train/data/imagefolder.py): class folders with or without split
 folders, ImageNet's validation layout with a label file, nested class folders; the cached index;
 bad folders as one-line errors; quiet logs.
 
@@ -19,9 +19,9 @@ from PIL import Image
 
 from accel_train.cli import main
 from accel_train.config import TrainConfig
-from accel_train.errors import UsageError
-from accel_train.imagefolder import index_folder
-from accel_train.sources import load_data
+from accel_train.base.errors import UsageError
+from accel_train.data.imagefolder import index_folder
+from accel_train.data.sources import load_data
 from conftest import PINNED, accel_train, accel_train_here, age_folders
 
 

@@ -174,7 +174,7 @@ def test_workers_start_while_another_thread_of_the_process_holds_a_lock_they_nee
     instant (a forked one does, and waits for it for ever: the loader's timeout ends that here)."""
     from held_lock import LOCK, NeedsTheLock
 
-    from accel_train.data import make_loader
+    from accel_train.data.loaders import make_loader
 
     release = threading.Event()
 

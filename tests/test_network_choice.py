@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from accel_train import autotune, network_choice
-from accel_train.autotune import PROBE_ROUNDS, SpeedChoice
-from accel_train.network_choice import choose_network, epochs_in_budget
+from accel_train.train import autotune, network_choice
+from accel_train.train.autotune import PROBE_ROUNDS, SpeedChoice
+from accel_train.train.network_choice import choose_network, epochs_in_budget
 from accel_train.trainer import Callbacks
 from conftest import TINY_TRAIN, accel_train_here, model_spec_of
 from faults import metrics

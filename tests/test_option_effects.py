@@ -24,8 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel_train import synthetic
-from accel_train.checkpoint import verify
+from accel_train.data import synthetic
+from accel_train.run.checkpoint import verify
 
 from conftest import REPO, TINY_TRAIN, accel_train_here, model_spec_of
 from faults import metrics
@@ -317,7 +317,7 @@ def test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard(decoy_p
     shards = tmp_path / "shards"
     accel_train_here("shard", "--data-dir", str(folder), *columns, "-o", str(shards),
                      "--no-progress", check=True)
-    from accel_train.streaming import ShardSet, decode_batch, read_split
+    from accel_train.data.streaming import ShardSet, decode_batch, read_split
     index = json.loads((shards / "index.json").read_text())
     assert index["class_names"] == names
     entries = index["splits"]["train"]
@@ -470,7 +470,7 @@ def test_the_first_and_last_training_images_broken_are_substituted_and_named(tmp
     each is named once with its reason in bad_images.txt and the checkpoint; warnings stop
     after the limit (2 here, through the module's constant) and the rest go to the log; a
     resume restores the list and ends bit-identical."""
-    from accel_train import badimages
+    from accel_train.data import badimages
     monkeypatch.setattr(badimages, "MAX_SAID", 2)
     for split, count in (("train", 8), ("val", 2)):
         for c in ("a", "b"):
@@ -551,9 +551,9 @@ def test_gpu_ids_are_visible_before_torch_is_first_asked_about_cuda(monkeypatch)
     """--gpu_ids 2,3 must be CUDA_VISIBLE_DEVICES when torch is first asked about CUDA (the
     driver reads it once, then); a different value already set is refused before that.  torch's
     CUDA queries are replaced by recorders (a machine with 4 GPUs, as the process would see)."""
-    from accel_train import distributed
+    from accel_train.run import distributed
     from accel_train.config import TrainConfig
-    from accel_train.errors import UsageError
+    from accel_train.base.errors import UsageError
 
     seen = []
 
@@ -584,7 +584,7 @@ def test_a_manual_start_without_local_rank_spreads_a_machines_processes_over_its
         monkeypatch):
     """--world_size 4 --rank R --dist_url ... on machines with 2 GPUs each: ranks 2 and 3 (the
     second machine) use GPUs 0 and 1, not both GPU 0; on a CPU the local rank is 0."""
-    from accel_train import distributed
+    from accel_train.run import distributed
     from accel_train.config import TrainConfig
 
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

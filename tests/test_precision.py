@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from accel_train.precision import cpu_has_native_bf16, resolve_precision, use_fast_cuda_math
+from accel_train.train.precision import cpu_has_native_bf16, resolve_precision, use_fast_cuda_math
 from conftest import PINNED, TINY_TRAIN, accel_train_here
 
 
@@ -158,7 +158,7 @@ def test_an_explicit_precision_wins_over_the_checkpoints_on_resume(tmp_path):
 ])
 def test_the_accelerate_fp16_answer_is_said_where_auto_chose_otherwise(requested, chosen,
                                                                         environ, said):
-    from accel_train.precision import accelerate_fp16_note
+    from accel_train.train.precision import accelerate_fp16_note
     note = accelerate_fp16_note(requested, chosen, environ)
     if said is None:
         assert note is None

@@ -31,7 +31,7 @@ from typing import Optional
 import psutil
 import pytest
 
-from accel_train.checkpoint import verify
+from accel_train.run.checkpoint import verify
 from conftest import REPO, TINY_TRAIN, WARM, free_port
 from conftest import test_env as child_env  # not test_*: pytest would collect it
 from faults import (Run, checkpoint, checkpoint_steps, max_weight_difference, metrics, resolved,

@@ -1,4 +1,4 @@
-"""How a command-line process ends (accel_train/process_exit.py): garbage of the run finalized
+"""How a command-line process ends (accel_train/base/process_exit.py): garbage of the run finalized
 first, then the rest frozen for the interpreter's exit; `python -m accel_train` and the
 `accel-train` script both end that way.  Oracles: a finalizer's own file, the collector's
 freeze count read at exit (atexit), the installed entry point's metadata."""
@@ -16,7 +16,7 @@ from conftest import test_env as child_env  # (imported as test_env, pytest woul
 # before the process ends; and the freeze count as the exit's handlers see it.
 PROBE = r"""
 import atexit, gc, sys
-from accel_train.process_exit import exit_with
+from accel_train.base.process_exit import exit_with
 
 atexit.register(lambda: open(sys.argv[2], "w").write(str(gc.get_freeze_count())))
 

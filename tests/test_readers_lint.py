@@ -1,4 +1,4 @@
-"""Files are read through accel_train/readers.py only (issue 27): an AST scan of accel_train/
+"""Files are read through accel_train/base/readers.py only (issue 27): an AST scan of accel_train/
 that fails when another module decodes a file itself (json/yaml/torch/pickle loads, safetensors,
 pyarrow's readers, Path.read_text/read_bytes, open() for reading, accelerate's config reader),
 but for the exceptions listed here, each with its reason.  A new one needs a reader (and a row
@@ -15,35 +15,35 @@ DECODERS = {"json", "yaml", "torch", "pickle"}
 DECODE_CALLS = {"load", "loads", "safe_load", "full_load", "unsafe_load"}
 READ_CALLS = {"load_file", "safe_open", "ParquetFile", "read_table", "open_file", "read_text",
               "read_bytes", "load_from_disk", "load_config_from_file", "memory_map"}
-READER_MODULE = "accel_train/readers.py"
+READER_MODULE = "accel_train/base/readers.py"
 
 # (module, the call) -> why it is not a reader call.
 EXCEPTIONS = {
-    ("accel_train/runlock.py", "read_bytes"): "run.lock: a record another start may be writing "
+    ("accel_train/run/runlock.py", "read_bytes"): "run.lock: a record another start may be writing "
     "this instant, judged by runlock.read_holder itself (its own one line, never 'stale'); the "
     "matrix row is tests/test_bad_files.py::test_a_run_lock_damaged",
-    ("accel_train/runlock.py", "json.loads"): "the same run.lock record (see read_bytes)",
-    ("accel_train/runlock.py", "read_text"): "/proc files of the kernel (boot id, a process's "
+    ("accel_train/run/runlock.py", "json.loads"): "the same run.lock record (see read_bytes)",
+    ("accel_train/run/runlock.py", "read_text"): "/proc files of the kernel (boot id, a process's "
     "start time), not files users or runs hand us",
-    ("accel_train/distributed.py", "read_text"): "NVIDIA's kernel-module version file in /proc",
-    ("accel_train/rank_launcher.py", "read_bytes"): "/proc/PID/cmdline of the parent launcher",
-    ("accel_train/rank_launcher.py", "load_config_from_file"): "accelerate's default or given "
+    ("accel_train/run/distributed.py", "read_text"): "NVIDIA's kernel-module version file in /proc",
+    ("accel_train/run/rank_launcher.py", "read_bytes"): "/proc/PID/cmdline of the parent launcher",
+    ("accel_train/run/rank_launcher.py", "load_config_from_file"): "accelerate's default or given "
     "config, which accelerate launch itself has just read successfully to start this process",
-    ("accel_train/collectives.py", "json.loads"): "a heartbeat from the process group's store, "
+    ("accel_train/run/collectives.py", "json.loads"): "a heartbeat from the process group's store, "
     "written by our own ranks: not a file",
-    ("accel_train/checkpoint.py", "load"): "accelerate.utils.load of the RNG file with "
+    ("accel_train/run/checkpoint.py", "load"): "accelerate.utils.load of the RNG file with "
     "weights_only=True, after readers.check_torch_file vetted it (AccelerateState._vet_files)",
-    ("accel_train/checkpoint.py", "open"): "the checksum of a file's bytes (any bytes are fine)",
-    ("accel_train/decode.py", "read_bytes"): "image files: a broken one is substituted and named "
+    ("accel_train/run/checkpoint.py", "open"): "the checksum of a file's bytes (any bytes are fine)",
+    ("accel_train/data/decode.py", "read_bytes"): "image files: a broken one is substituted and named "
     "(--bad-images, badimages.py; tests/test_bad_images.py), never read as one of our kinds",
-    ("accel_train/decode.py", "Image.open"): "the same images, decoded by Pillow under "
+    ("accel_train/data/decode.py", "Image.open"): "the same images, decoded by Pillow under "
     "--bad-images",
     ("accel_train/__init__.py", "load"): "an import hook's module loader (timm's), not a file",
-    ("accel_train/onnx_export.py", "json.loads"): "the preprocessing record inside an ONNX "
+    ("accel_train/model/onnx_export.py", "json.loads"): "the preprocessing record inside an ONNX "
     "file, which ONNX Runtime has just read; a record of another shape is one line there",
-    ("accel_train/streaming/shards.py", "open"): "the first 512 bytes of a shard, to tell a tar "
+    ("accel_train/data/streaming/shards.py", "open"): "the first 512 bytes of a shard, to tell a tar "
     "from parquet; an OSError is one line there",
-    ("accel_train/streaming/shards.py", "tarfile.open"): "tar shards, read member by member as "
+    ("accel_train/data/streaming/shards.py", "tarfile.open"): "tar shards, read member by member as "
     "a stream; tarfile's errors are one line there (the matrix's tar rows)",
 }
 
@@ -101,7 +101,7 @@ def _reads_outside_readers() -> set[tuple[str, str]]:
 def test_files_are_read_through_readers_only():
     found = _reads_outside_readers()
     unexplained = sorted(found - set(EXCEPTIONS))
-    assert not unexplained, ("read outside accel_train/readers.py, with no reason in "
+    assert not unexplained, ("read outside accel_train/base/readers.py, with no reason in "
                              f"EXCEPTIONS: {unexplained}")
 
 

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from accel_train.augment import build_policy
-from accel_train.errors import UsageError
+from accel_train.data.augment import build_policy
+from accel_train.base.errors import UsageError
 from conftest import REPO, TINY_TRAIN, accel_train_here
 from conftest import test_env as child_env  # (imported as test_env, pytest would collect it)
 

@@ -1,13 +1,13 @@
 """Each recipe component of issue 12 changes what it should, each checked against an oracle that
 does not come from the code under test.
 
-* Mixup / CutMix (accel_train.mixing.SeededMixup, timm's Mixup): the mixed batch is
+* Mixup / CutMix (accel_train.data.mixing.SeededMixup, timm's Mixup): the mixed batch is
   lam * x + (1 - lam) * x.flip(0) (Mixup) or x with one rectangle taken from x.flip(0) (CutMix,
   lam = 1 - box area / image area), with lam read back from the soft targets, which are the
   label-smoothed one-hots mixed by the same lam (written out here); a function of the position
   alone, and the global numpy state is left alone.  Through the CLI, a 2-step run with --mixup
   trains other weights than the same run without it.
-* --auto-augment / --reprob (the loaders of accel_train.loading.build_loaders): a policy changes the
+* --auto-augment / --reprob (the loaders of accel_train.data.loading.build_loaders): a policy changes the
   images of the plain crop/flip path, deterministically per (seed, epoch, index), identically
   when the images are decoded in memory and when they are decoded per step (the same parquet
   JPEGs); random erasing replaces exactly one rectangle of per-pixel noise; no global RNG moves.
@@ -41,7 +41,7 @@ import yaml
 from safetensors.torch import load_file
 
 from accel_train.config import TrainConfig
-from accel_train.mixing import SeededMixup
+from accel_train.data.mixing import SeededMixup
 from conftest import TINY_TRAIN, model_spec_of
 from faults import Run, metrics
 
@@ -171,8 +171,8 @@ KEYS_EPOCH0 = list(range(0, 24))
 
 
 def _train_loader(data_dir, in_memory: str, **options):
-    from accel_train.loading import build_loaders
-    from accel_train.sources import load_data
+    from accel_train.data.loading import build_loaders
+    from accel_train.data.sources import load_data
 
     config = TrainConfig(data_dir=str(data_dir), in_memory=in_memory, batch_size=16,
                          num_workers=0, **options)
@@ -207,7 +207,7 @@ def plain_paths(cifar10_layout):
     """The crop/flip path alone, in memory and per step."""
     memory, data = _train_loader(cifar10_layout, "always")
     per_step, per_step_data = _train_loader(cifar10_layout, "never")
-    from accel_train.sources import ArraySource
+    from accel_train.data.sources import ArraySource
     assert isinstance(data.train, ArraySource) and not isinstance(per_step_data.train, ArraySource)
     return memory, per_step
 
@@ -273,8 +273,8 @@ def test_random_erasing_replaces_one_rectangle_deterministically(cifar10_layout,
 # -- stochastic depth -----------------------------------------------------------------------------
 
 def _network(**options):
-    from accel_train.model import build_network
-    from accel_train.sources import load_data
+    from accel_train.train.network import build_network
+    from accel_train.data.sources import load_data
 
     config = TrainConfig(model="test_resnet", synthetic_train_size=64, max_eval_samples=8,
                          **options)
@@ -324,7 +324,7 @@ def _one_update(name: str):
     fixed gradients (global norm below 1: LAMB's gradient clipping stays out of the way)."""
     import timm
 
-    from accel_train.optim import build_optimizer
+    from accel_train.train.optim import build_optimizer
 
     torch.manual_seed(0)
     model = timm.create_model("test_resnet", num_classes=NUM_CLASSES)
@@ -390,7 +390,7 @@ def test_norm_bias_lr_scale_multiplies_only_the_normalization_shifts(layer_decay
     import timm
     from timm.optim._param_groups import param_groups_layer_decay, param_groups_weight_decay
 
-    from accel_train.optim import build_optimizer
+    from accel_train.train.optim import build_optimizer
 
     torch.manual_seed(0)
     model = timm.create_model("test_resnet", num_classes=NUM_CLASSES)
@@ -424,7 +424,7 @@ def test_layer_decay_scales_each_parameters_rate_as_timm_does():
     import timm
     from timm.optim._param_groups import param_groups_layer_decay
 
-    from accel_train.optim import build_optimizer, scheduler_for, Schedule
+    from accel_train.train.optim import build_optimizer, scheduler_for, Schedule
 
     torch.manual_seed(0)
     model = timm.create_model("test_resnet", num_classes=NUM_CLASSES)
@@ -558,7 +558,7 @@ def test_an_ema_runs_export_eval_and_predict_use_the_weights_it_says(cli_runs, t
     EMA stays in ema.safetensors)."""
     from conftest import accel_train_here
     from PIL import Image
-    from accel_train import synthetic
+    from accel_train.data import synthetic
 
     out = cli_runs["ema"]
     run_export, step_export = tmp_path / "run_export", tmp_path / "step_export"

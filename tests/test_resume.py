@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 
 
-from accel_train.checkpoint import verify
+from accel_train.run.checkpoint import verify
 from faults import (FAULT_TRAIN, STALL_ENV, Run, assert_metrics_continuous, checkpoint_steps,
                     max_weight_difference, python_cmd, wait_for_stall)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from accel_train.optim import take_new_learning_rate
+from accel_train.train.optim import take_new_learning_rate
 from conftest import TINY_TRAIN, accel_train_here
 
 TWO_EPOCHS = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--epochs", "2",

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel_train.checkpoint import write_manifest
+from accel_train.run.checkpoint import write_manifest
 from accel_train.cli import build_train_parser, config_from_args
 from accel_train.config import TrainConfig
 from accel_train.trainer import Callbacks

@@ -1,4 +1,4 @@
-"""One writer per run folder (accel_train/runlock.py): a second start on a folder that a live run
+"""One writer per run folder (accel_train/run/runlock.py): a second start on a folder that a live run
 holds stops in one line naming the holder's host and pid (exit 2) before it moves or writes
 anything; a lock whose holder is gone is taken over; the lock is released at the end of a run,
 on bad input and on a stop by signal; the same job's previous holder is waited for."""
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from accel_train import runlock
-from accel_train.errors import UsageError
+from accel_train.run import runlock
+from accel_train.base.errors import UsageError
 from conftest import TINY_TRAIN, accel_train, accel_train_here
 from faults import FAULT_TRAIN, Run, python_cmd, wait_for_stall, wait_until
 

@@ -1,6 +1,6 @@
 """The learning-rate schedule against numbers worked out by hand (not against `lr_factor`).
 
-The schedule (accel_train/optim.py): linear warmup over W optimizer steps, then cosine decay to 0
+The schedule (accel_train/train/optim.py): linear warmup over W optimizer steps, then cosine decay to 0
 at the last step T, stepped once per optimizer step.  The update with 0-based index k uses
 
     lr_k = peak * (k + 1) / W                                for k < W
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from accel_train.optim import Schedule, scheduler_for
-from accel_train.track import read_metrics
+from accel_train.train.optim import Schedule, scheduler_for
+from accel_train.run.track import read_metrics
 
 from conftest import TINY_TRAIN, accel_train_here
 

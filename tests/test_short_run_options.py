@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from accel_train import budget, synthetic
-from accel_train.evaluate import logits_of
-from accel_train.transforms import ImageTransform
-from accel_train.whitening import whiten_first_conv
+from accel_train.train import budget
+from accel_train.data import synthetic
+from accel_train.train.evaluate import logits_of
+from accel_train.data.transforms import ImageTransform
+from accel_train.model.whitening import whiten_first_conv
 from conftest import TINY_TRAIN, accel_train_here, model_spec_of
 from faults import checkpoint_steps, metrics
 
@@ -65,7 +66,7 @@ def _crop_shifts(config, size: int = 32) -> tuple[set[int], set[int]]:
     mirrored crop's middle column is the one left of the middle)."""
     from types import SimpleNamespace
 
-    from accel_train.data import run_transforms
+    from accel_train.data.loaders import run_transforms
     ramp = torch.arange(size, dtype=torch.uint8) * 7
     images = torch.zeros(600, 3, size, size, dtype=torch.uint8)
     images[:, 0] = ramp.view(size, 1)
@@ -344,7 +345,7 @@ def test_eval_every_evaluates_every_nth_epoch_and_the_last(tmp_path):
 
 
 def test_lookahead_decay_is_airbenchs_schedule():
-    from accel_train.lookahead import decay
+    from accel_train.train.lookahead import decay
     assert decay(5, 240, 480) == pytest.approx(0.95 ** 5 * 0.5 ** 3)
     assert decay(5, 480, 480) == pytest.approx(0.7737809375)
     assert decay(5, 600, 480) == pytest.approx(0.7737809375)    # past the plan: the ceiling
@@ -365,7 +366,7 @@ def test_lookahead_syncs_save_and_load_as_written_by_hand(tmp_path):
     rho = 0.95^2 x (step/4)^3, the model set to it; saved into the checkpoint folder and loaded
     into another model's average it continues the same; the epoch end hands the model the slow
     copy; BatchNorm's step counter (an integer) is left alone."""
-    from accel_train.lookahead import LOOKAHEAD_FILE, LookaheadAverage
+    from accel_train.train.lookahead import LOOKAHEAD_FILE, LookaheadAverage
     model = _bn_net(0)
     average = LookaheadAverage(model, every=2)
     for step in (1, 2):
@@ -401,7 +402,7 @@ def test_lookahead_syncs_save_and_load_as_written_by_hand(tmp_path):
 
 
 def test_lookahead_load_without_a_file_warns_and_starts_from_the_weights(tmp_path):
-    from accel_train.lookahead import LookaheadAverage
+    from accel_train.train.lookahead import LookaheadAverage
     said = []
     model = _bn_net(2)
     average = LookaheadAverage(model, every=5, warn=said.append)
@@ -418,8 +419,8 @@ def test_lookahead_load_without_a_file_warns_and_starts_from_the_weights(tmp_pat
 
 
 def test_lookahead_refuses_another_models_average_in_one_line(tmp_path):
-    from accel_train.lookahead import LookaheadAverage
-    from accel_train.readers import BadFile
+    from accel_train.train.lookahead import LookaheadAverage
+    from accel_train.base.readers import BadFile
     LookaheadAverage(_bn_net(0), every=5).save(tmp_path)
     wider = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(128, 2))
     another = r"holds another model's weights .*0\.bias is \[4\], not \[8\]"

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from accel_train.checkpoint import verify
+from accel_train.run.checkpoint import verify
 from faults import (FAULT_TRAIN, SAMPLE_LOG_ENV, Run, assert_each_sample_once_per_epoch,
                     assert_metrics_continuous, checkpoint_steps, metrics, python_cmd,
                     torchrun_cmd, wait_until)
@@ -85,7 +85,7 @@ def test_preempted_on_one_then_two_processes_and_finished_on_one(tmp_path, runs)
 
 
 def test_a_second_ctrl_c_stops_at_once_and_sigterm_only_asks():
-    from accel_train.distributed import StopSignals
+    from accel_train.run.distributed import StopSignals
 
     stop = StopSignals()
     assert not stop.agreed()

@@ -1,4 +1,4 @@
-"""The small-image networks accel_train registers in timm's registry (accel_train/small_nets.py):
+"""The small-image networks accel_train registers in timm's registry (accel_train/model/small_nets.py):
 the architecture is what the docstring says (checked against a network written out by hand in
 plain torch), they are ordinary timm models to timm's own tooling, and a run trains, exports and
 evaluates one like any other timm name."""
@@ -15,8 +15,8 @@ from timm.optim import create_optimizer_v2
 from torch import nn
 from torch.nn import functional as F
 
-import accel_train.model  # noqa: F401  (registers the networks)
-from accel_train.small_nets import SmallImageConvNet
+import accel_train.model.build  # noqa: F401  (registers the networks)
+from accel_train.model.small_nets import SmallImageConvNet
 from conftest import TINY_TRAIN, accel_train, accel_train_here, model_spec_of
 
 WIDTHS = {"cifar_convnet_s": (16, 32, 64, 128), "cifar_convnet_m": (24, 48, 96, 192),

@@ -1,4 +1,4 @@
-"""Streaming from shards (accel_train/streaming/, `accel-train shard`): the converter's round
+"""Streaming from shards (accel_train/data/streaming/, `accel-train shard`): the converter's round
 trip, the epoch plan (each sample once, uneven shard counts, re-cuts for another layout), and
 real runs on 1 and 2 processes with exact resume."""
 
@@ -16,8 +16,8 @@ import torch
 
 from conftest import PINNED, accel_train, accel_train_here
 
-from accel_train.streaming import (Layout, ShardSet, rank_batches_per_epoch, read_split,
-                                   remaining_batches, slot_keys, slot_shards)
+from accel_train.data.streaming import (Layout, ShardSet, rank_batches_per_epoch, read_split,
+                                        remaining_batches, slot_keys, slot_shards)
 
 # --- the converter ---------------------------------------------------------------------------
 
@@ -27,7 +27,7 @@ def _shard_here(*args: str) -> subprocess.CompletedProcess:
 
 
 def _decoded(shards: ShardSet):
-    from accel_train.streaming import decode_batch
+    from accel_train.data.streaming import decode_batch
     samples, labels = read_split(shards)
     images, _ = decode_batch(samples)
     return torch.stack(images), torch.tensor(labels)
@@ -42,7 +42,7 @@ def _index_sets(folder: Path) -> dict[str, ShardSet]:
 def test_shard_round_trip_synthetic_and_parquet(synthetic_shards, cifar10_layout, tmp_path):
     """The shards hold the same images (pixel for pixel) and labels as the source, in order,
     with counts and class names in the index."""
-    from accel_train import synthetic
+    from accel_train.data import synthetic
     index = json.loads((synthetic_shards / "index.json").read_text())
     assert index["class_names"] == list(synthetic.CLASS_NAMES)
     assert index["counts"] == {"train": 200, "test": 1000}
@@ -57,7 +57,7 @@ def test_shard_round_trip_synthetic_and_parquet(synthetic_shards, cifar10_layout
 
     # parquet (JPEG bytes kept as they are) against what training on the parquet reads
     from accel_train.config import TrainConfig
-    from accel_train.sources import load_data
+    from accel_train.data.sources import load_data
     out = tmp_path / "parquet_shards"
     result = _shard_here("--data-dir", str(cifar10_layout), "--shard-size", "40KB", "--output",
                          str(out))
@@ -89,7 +89,7 @@ def test_shard_round_trip_image_folder(tmp_path):
                          "0.25", "--output", str(out))
     assert result.returncode == 0, result.stderr
     from accel_train.config import TrainConfig
-    from accel_train.sources import load_data
+    from accel_train.data.sources import load_data
     loaded = load_data(TrainConfig(data_dir=str(src), in_memory="always", val_fraction=0.25))
     index = json.loads((out / "index.json").read_text())
     assert index["class_names"] == ["cat", "dog"]
@@ -149,8 +149,8 @@ def test_uneven_shards_each_sample_at_most_once_and_ranks_in_step(ranks, workers
 
 
 def test_fewer_shards_than_processes_is_an_error():
-    from accel_train.errors import UsageError
-    from accel_train.streaming import fit_workers
+    from accel_train.base.errors import UsageError
+    from accel_train.data.streaming import fit_workers
     shards = ShardSet([Path("a.tar"), Path("b.tar")], [40, 40])
     assert fit_workers(shards, 1, 8, 1, 4) == 2  # workers lowered to the shards
     with pytest.raises(UsageError, match="2 training shard"):
@@ -166,14 +166,14 @@ def test_fewer_shards_than_processes_is_an_error():
 ])
 def test_loader_workers_are_those_asked_for_that_each_have_a_shard_and_a_batch(
         counts, ranks, batch, wanted, expected):
-    from accel_train.streaming import fit_workers
+    from accel_train.data.streaming import fit_workers
     shards = ShardSet([Path(f"{i}.tar") for i in range(len(counts))], counts)
     assert fit_workers(shards, ranks, batch, 1, wanted) == expected
 
 
 def test_shards_that_cannot_fill_one_step_are_one_line():
-    from accel_train.errors import UsageError
-    from accel_train.streaming import fit_workers
+    from accel_train.base.errors import UsageError
+    from accel_train.data.streaming import fit_workers
     with pytest.raises(UsageError, match="cannot fill one optimizer step"):
         fit_workers(ShardSet([Path("a.tar"), Path("b.tar")], [4, 4]), 1, 16, 1, 2)
 
@@ -212,7 +212,7 @@ def test_recut_epoch_trains_the_rest_exactly_once(old, new):
 
 
 def test_shuffle_buffer_plan_is_a_bounded_permutation():
-    from accel_train.streaming import planned_shuffle
+    from accel_train.data.streaming import planned_shuffle
     keys = np.arange(1000)
     order = planned_shuffle(keys, 50, np.random.default_rng(0))
     assert sorted(order.tolist()) == keys.tolist() and not np.array_equal(order, keys)
@@ -360,8 +360,8 @@ def test_resume_across_map_style_and_streaming_is_refused(synthetic_shards, tmp_
 def test_a_broken_image_in_a_shard_is_replaced_and_named_once(tmp_path):
     """--bad-images substitute (the default): the run goes on with the next good sample of the
     batch in its place and names it once; --bad-images error stops, naming it, exit 2."""
-    from accel_train import synthetic
-    from accel_train.streaming import ShardWriter, png_bytes, write_index
+    from accel_train.data import synthetic
+    from accel_train.data.streaming import ShardWriter, png_bytes, write_index
     root = tmp_path / "shards"
     images, labels = synthetic.generate(80, 5)
     entries = {}

@@ -22,10 +22,11 @@ import pytest
 import torch
 import yaml
 
-from accel_train import budget
-from accel_train.budget import TimeBudget, parse_duration
-from accel_train.checkpoint import verify
-from accel_train.errors import UsageError
+from accel_train.train import budget
+from accel_train.train.budget import TimeBudget
+from accel_train.config import parse_duration
+from accel_train.run.checkpoint import verify
+from accel_train.base.errors import UsageError
 from conftest import accel_train_here, TINY_TRAIN, free_port
 from faults import Run, checkpoint_steps, metrics, wait_until
 
@@ -599,7 +600,7 @@ class _HeldOut(torch.utils.data.Dataset):
         return self.images[index], index % 3, -1
 
     def _getitems(self, indices):
-        from accel_train.data import SampleBatch
+        from accel_train.data.loaders import SampleBatch
         self.reads.append(list(indices))
         return SampleBatch(self.images[indices], torch.tensor(indices) % 3,
                            replaced=torch.full((len(indices),), -1))
@@ -612,7 +613,7 @@ def _accelerator(precision: str):
 
 def test_the_probe_times_the_faster_of_two_held_out_batches_under_the_runs_autocast(
         fresh_accelerate):
-    from accel_train.evaluate import batch_seconds
+    from accel_train.train.evaluate import batch_seconds
     model = _Recorder([0.3, 0.3, 0.05, 0.05])  # the first batch pays for new kernels
     model.train()
     model.norm.eval()  # a frozen backbone's BatchNorm: eval inside a training model
@@ -631,7 +632,7 @@ def test_the_probe_times_the_faster_of_two_held_out_batches_under_the_runs_autoc
 
 
 def test_the_probe_reads_a_held_out_set_smaller_than_a_batch_item_by_item(fresh_accelerate):
-    from accel_train.evaluate import batch_seconds
+    from accel_train.train.evaluate import batch_seconds
     model, held_out = _Recorder([0.0, 0.0]), _HeldOut(batched=False)
     seconds, images = batch_seconds(_accelerator("no"), model, held_out, 64,
                                     channels_last=False, tta="none")

@@ -15,7 +15,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from accel_train.cli import main
-from accel_train.track import read_metrics
+from accel_train.run.track import read_metrics
 from conftest import TINY_TRAIN, clean_accelerate_state
 
 MAX_STEPS = 8

@@ -11,8 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from accel_train.cli import main
 from accel_train.config import TrainConfig
-from accel_train.model import ModelSpec, build_from_spec, create_model
-from accel_train.track import read_metrics
+from accel_train.model.saved import ModelSpec
+from accel_train.model.build import build_from_spec, create_model
+from accel_train.run.track import read_metrics
 from accel_train.trainer import Trainer, run_training
 
 from conftest import PINNED, TINY_TRAIN, accel_train, accel_train_here, model_spec_of
@@ -164,7 +165,7 @@ def test_gpus_that_torch_cannot_use_are_named_in_one_warning(tmp_path, monkeypat
     """A machine whose NVIDIA driver is older than torch's CUDA build: torch sees no GPU and the
     run trains on the CPU; one warning names the driver (read from the kernel module's file, here
     a copy in /proc's format) and the CUDA torch was built for."""
-    from accel_train import distributed
+    from accel_train.run import distributed
     proc = tmp_path / "version"
     proc.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.82.01  Thu Oct 28 "
                     "20:14:04 UTC 2021\nGCC version:  gcc version 9.3.0\n")

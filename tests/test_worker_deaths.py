@@ -21,11 +21,11 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, TensorDataset
 
 from accel_train.config import TrainConfig
-from accel_train.loading import build_loaders
-from accel_train.sources import load_data
-from accel_train.worker_deaths import (_loader_iterator_in, dead_loader_worker,
-                                       restarting_dead_workers, worker_died)
-from accel_train.worker_start import worker_context, worker_init_fn
+from accel_train.data.loading import build_loaders
+from accel_train.data.sources import load_data
+from accel_train.data.worker_deaths import (_loader_iterator_in, dead_loader_worker,
+                                            restarting_dead_workers, worker_died)
+from accel_train.data.worker_start import worker_context, worker_init_fn
 
 KILL_AFTER = 0.3  # seconds: after torch's check of its workers (microseconds after the raise),
 # well before dead_loader_worker's 5 s wait ends

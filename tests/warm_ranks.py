@@ -9,7 +9,7 @@ elastic agent (which all three launchers use for several processes) makes its ra
 `subprocess_handler.Popen`, and `install` puts `rank_popen` there, whose Popen's child, instead
 of exec'ing `python -u -m MODULE ARGS`, becomes that run in the forked image.  (Accelerate's
 one-process launcher, for a MULTI_CPU config, starts `python -m accel_train` with
-subprocess.Popen, which accel_train.rank_launcher then makes the ranks' launcher: there
+subprocess.Popen, which accel_train.run.rank_launcher then makes the ranks' launcher: there
 `install` replaces subprocess.Popen too, and the forked process keeps both.)
 
 What stays as a user's launch has it: the rank is the launcher's own child (its pid, its session
@@ -91,7 +91,7 @@ def install(launcher: str, rank_modules, refused_log: str | None) -> None:
     subprocess_handler.Popen = rank_popen
     if launcher == "accelerate.commands.launch":
         # Its one-process launcher (a MULTI_CPU config) starts `python -m accel_train` with
-        # subprocess.Popen; accel_train.rank_launcher makes that process the ranks' launcher
+        # subprocess.Popen; accel_train.run.rank_launcher makes that process the ranks' launcher
         # (torch's elastic agent): forked from here, it has both Popens of this module.
         subprocess.Popen = rank_popen
 
@@ -270,7 +270,7 @@ def _become(args, command, env, cwd, stdio, launchers, new_session) -> None:
     for function in _Launcher.exit_functions:
         atexit.unregister(function)
     # What this process registers from here on is noted in turn: it may start ranks itself
-    # (accel_train.rank_launcher), which must not run its exit functions either.
+    # (accel_train.run.rank_launcher), which must not run its exit functions either.
     _Launcher.exit_functions = []
     weakref.finalize._registry.clear()
     if "multiprocessing.util" in sys.modules:

@@ -49,7 +49,7 @@ WARM_MODULES = ("accel_train", "tests.fault_entry", "tests.budget_skew_entry",
 # imports before its work.
 IMPORTS = ("accel_train.cli", "accel_train.trainer", "accel_train.commands.eval",
            "accel_train.commands.predict", "accel_train.commands.export",
-           "accel_train.rank_launcher", "accel_train.syncbn", "datasets",
+           "accel_train.run.rank_launcher", "accel_train.model.syncbn", "datasets",
            "timm", "timm.optim", "torchvision", "accelerate", "numpy.ctypeslib", "PIL.Image",
            "psutil", "safetensors.torch", "torch.utils.serialization",
            "multiprocessing.forkserver")
@@ -505,9 +505,9 @@ def _main(control_fd: int, imports: list[str], modules: list[str]) -> None:
 
     for name in (*imports, *modules):
         importlib.import_module(name)
-    if "accel_train.synthetic" in sys.modules:
+    if "accel_train.data.synthetic" in sys.modules:
         # the embedded set's test split, which every run on it makes first (once per process)
-        sys.modules["accel_train.synthetic"].held_out_split()
+        sys.modules["accel_train.data.synthetic"].held_out_split()
     control = socket.socket(fileno=control_fd)
     if threading.active_count() != 1:  # a fork would lose the other threads mid-work
         print(f"warm starter: {threading.active_count()} threads after the imports",

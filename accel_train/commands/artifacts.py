@@ -16,15 +16,17 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from ..readers import read_yaml
-from ..weightfiles import read_safetensors
-from ..checkpoint import NAME_PATTERN, find_latest_valid, list_checkpoints, read_state, verify
-from ..errors import UsageError, first_line
-from ..model import SPEC_FILE, WEIGHTS_FILE, ModelSpec, build_from_spec
-from ..precision import cpu_has_native_bf16
-from ..timm_folder import holds_model_spec
-from ..rundir import CONFIG_FILE as RUN_CONFIG
-from ..rundir import run_paths
+from accel_train.base.readers import read_yaml
+from accel_train.base.weightfiles import read_safetensors
+from accel_train.run.checkpoint import (NAME_PATTERN, find_latest_valid, list_checkpoints,
+                                        read_state, verify)
+from accel_train.base.errors import UsageError, first_line
+from accel_train.model.saved import SPEC_FILE, WEIGHTS_FILE, ModelSpec
+from accel_train.model.build import build_from_spec
+from accel_train.train.precision import cpu_has_native_bf16
+from accel_train.model.saved import holds_model_spec
+from accel_train.run.rundir import CONFIG_FILE as RUN_CONFIG
+from accel_train.run.rundir import run_paths
 # Prefixes that wrappers add to parameter names: DDP (`module.`) and torch.compile (`_orig_mod.`).
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 

@@ -21,8 +21,8 @@ import time
 from collections import defaultdict
 from typing import Sequence
 
-from ..cli import _Parser
-from ..errors import UsageError
+from accel_train.cli import _Parser
+from accel_train.base.errors import UsageError
 
 CHUNK = 256  # images per task handed to a worker process
 PLAIN_PROGRESS_SECONDS = 10.0  # between progress lines when stderr is not a terminal
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args):
-    from ..config import TrainConfig
+    from accel_train.config import TrainConfig
     if args.data_dir is None and args.dataset is None:
         raise UsageError("check-data needs the data: pass --data-dir DIR (or --dataset NAME)")
     if args.workers < 1:
@@ -69,7 +69,7 @@ def _init_worker() -> None:
 
 def _check_chunk(split: str, start: int, stop: int) -> tuple[str, int, list]:
     """Per image: (width, height, digest of its bytes) or (None, reason, digest or None)."""
-    from ..decode import Unreadable, decode, read_value
+    from accel_train.data.decode import Unreadable, decode, read_value
     source = _SOURCES[split]
     results = []
     for value in source.column[start:stop].column(0).to_pylist():
@@ -133,7 +133,7 @@ def check(args) -> dict:
     """Every image decoded; the findings as a JSON-ready dict."""
     import numpy as np
 
-    from ..sources import HFSource, find_columns, labels_and_names, open_data
+    from accel_train.data.sources import HFSource, find_columns, labels_and_names, open_data
     config = _config(args)
     started = time.perf_counter()
     raw = open_data(config)

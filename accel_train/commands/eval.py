@@ -9,14 +9,13 @@ N processes (torchrun, accelerate launch) it splits the data and counts each ima
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 from typing import Sequence
 
-from ..cli import _Parser
-from ..config import PRECISIONS, TTA_MODES, TrainConfig
-from ..errors import UsageError
+from accel_train.cli import _Parser
+from accel_train.config import PRECISIONS, TTA_MODES, TrainConfig
+from accel_train.base.errors import UsageError
 
 SPLITS = {"held-out": "the held-out images", "train": "the training images",
           "all": "all images (training and held-out together)"}
@@ -69,7 +68,7 @@ def _positive_or_all(text: str):
 
 def data_config(trained, args) -> TrainConfig:
     """The run's data options (or the given data's), as a TrainConfig for `load_data`."""
-    from .artifacts import read_run_config
+    from accel_train.commands.artifacts import read_run_config
     recorded = read_run_config(trained.run_dir).get("train") if trained.run_dir else None
     other_data = args.data_dir is not None or args.dataset is not None
     if not other_data and not isinstance(recorded, dict):
@@ -110,7 +109,7 @@ def align_labels(source, data_names: list[str], model_names: list[str], origin: 
 def _dataset_for_split(data, split: str, transform, max_samples):
     from torch.utils.data import ConcatDataset, Subset
 
-    from ..data import HeldOutImages
+    from accel_train.data.loaders import HeldOutImages
     parts = {"held-out": [data.held_out], "train": [data.train], "all": [data.train, data.held_out]}
     datasets = [HeldOutImages(source, transform) for source in parts[split]]
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
@@ -124,7 +123,7 @@ def _dataset_for_split(data, split: str, transform, max_samples):
 
 def _report(results: dict, trained, data, split: str, num_processes: int, device,
             as_json: bool, tta: str, ran_in: str) -> str:
-    from ..evaluate import format_results
+    from accel_train.train.evaluate import format_results
     names = trained.spec.class_names
     if as_json:
         per_class = results["per_class"]
@@ -146,16 +145,16 @@ def main(argv: Sequence[str]) -> int:
     import torch
     from accelerate import Accelerator
 
-    from .. import distributed, worker_start
-    from ..data import default_num_workers, make_loader
-    from ..evaluate import evaluate_classifier
-    from ..loading import may_have_workers
-    from ..sources import load_data, reader_modules
-    from ..streaming import load_streaming, streaming_wanted
-    from ..distributed import main_first, print_once
-    from ..precision import precision_name, resolve_precision
-    from ..transforms import ImageTransform
-    from .artifacts import as_the_run_ran, find_trained_model, load_model, read_run_config
+    from accel_train.run import distributed
+    from accel_train.data.loaders import default_num_workers, make_loader
+    from accel_train.train.evaluate import evaluate_classifier
+    from accel_train.data.sources import load_data
+    from accel_train.data.streaming import load_streaming, streaming_wanted
+    from accel_train.base.ranks import main_first, print_once
+    from accel_train.train.precision import precision_name, resolve_precision
+    from accel_train.data.transforms import ImageTransform
+    from accel_train.commands.artifacts import (as_the_run_ran, find_trained_model, load_model,
+                                                read_run_config)
 
     launcher = distributed.LauncherEnv.from_environ()
     say = print if launcher.rank == 0 else (lambda text: None)
@@ -166,9 +165,6 @@ def main(argv: Sequence[str]) -> int:
     batch_size = args.batch_size or recorded.get("batch_size") or 64
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1 (got {batch_size})")
-    # before the process group's threads: worker_start.py
-    if may_have_workers(dataclasses.replace(config, num_workers=args.num_workers)):
-        worker_start.start_server_now(also=reader_modules(config))
     env = distributed.setup(TrainConfig())  # starts the process group when launched
     try:
         cuda = torch.cuda.is_available()
@@ -193,7 +189,6 @@ def main(argv: Sequence[str]) -> int:
         workers = args.num_workers if args.num_workers is not None else \
             default_num_workers(data.held_out, env.local_world_size, cuda)
         loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False, cuda))
-        worker_start.stop_unused_server()
         model = load_model(trained).to(acc.device)  # not DDP-wrapped: inference only
         tta = args.tta or spec.tta
         if channels_last:

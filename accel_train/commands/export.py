@@ -18,8 +18,8 @@ import shutil
 from pathlib import Path
 from typing import Sequence
 
-from ..cli import _Parser
-from ..errors import UsageError
+from accel_train.cli import _Parser
+from accel_train.base.errors import UsageError
 
 FORMATS = {"timm": "model.safetensors + config.json (timm's folder format) + README.md",
            "onnx": "the same, plus model.onnx and preprocessing.json"}
@@ -80,14 +80,14 @@ def write_export(trained, output_dir: Path, fmt: str, say) -> list[Path]:
 
 
 def _write_into(trained, folder: Path, name: str, fmt: str, say) -> None:
-    from ..model_card import CardFacts, model_card
-    from ..timm_folder import read_our_section, write_model_folder
-    from ..track import read_metrics
-    from .artifacts import load_model, read_run_config
-    from .held_out import measure, run_held_out
+    from accel_train.model.model_card import CardFacts, model_card
+    from accel_train.model.saved import read_our_section, write_model_folder
+    from accel_train.run.track import read_metrics
+    from accel_train.commands.artifacts import load_model, read_run_config
+    from accel_train.commands.held_out import measure, run_held_out
 
     if fmt == "onnx":
-        from ..onnx_export import require_onnx
+        from accel_train.model.onnx_export import require_onnx
         require_onnx("--format onnx")  # before any work
     # Loading into the rebuilt model proves the weights fit the spec before anything is written.
     model = load_model(trained)
@@ -112,7 +112,7 @@ def _write_into(trained, folder: Path, name: str, fmt: str, say) -> None:
 def _write_onnx(model, folder: Path, spec, held_out, say) -> float:
     import torch
 
-    from ..onnx_export import ONNX_FILE, check_onnx, export_onnx
+    from accel_train.model.onnx_export import ONNX_FILE, check_onnx, export_onnx
     images = held_out.first_images(CHECK_IMAGES)
     what = f"{len(images)} held-out images" if images is not None else None
     if images is None:  # no data here: the check still runs, on seeded noise of the right shape
@@ -130,7 +130,7 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     output_dir = Path(args.output_dir)
     check_output_dir(output_dir)
-    from .artifacts import find_trained_model
+    from accel_train.commands.artifacts import find_trained_model
     trained = find_trained_model(args.model, lambda text: print(f"warning: {text}"))
     written = write_export(trained, output_dir, args.format, print)
     print(f"exported {trained.description}\n" + "\n".join(f"  -> {p}" for p in written))

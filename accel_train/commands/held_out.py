@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from ..errors import UsageError
-from ..transforms import ImageTransform
+from accel_train.base.errors import UsageError
+from accel_train.data.transforms import ImageTransform
 
 
 @dataclass
@@ -31,10 +31,10 @@ def run_held_out(trained) -> HeldOut:
     """The held-out split of the run that `trained` comes from; an export folder has no run,
     and a run whose data moved has none here: then `dataset` is None and `description` says
     why (export goes on without the numbers that need it)."""
-    from ..data import HeldOutImages
-    from ..sources import load_data
-    from ..streaming import load_streaming, streaming_wanted
-    from .eval import align_labels, data_config
+    from accel_train.data.loaders import HeldOutImages
+    from accel_train.data.sources import load_data
+    from accel_train.data.streaming import load_streaming, streaming_wanted
+    from accel_train.commands.eval import align_labels, data_config
 
     if trained.run_dir is None:
         return HeldOut(None, f"{trained.description} has no run directory with its data")
@@ -61,8 +61,8 @@ def measure(held_out: HeldOut, model, num_classes: int, batch_size: int = 64,
     use."""
     from accelerate import Accelerator
 
-    from ..data import make_loader
-    from ..evaluate import evaluate_classifier
+    from accel_train.data.loaders import make_loader
+    from accel_train.train.evaluate import evaluate_classifier
 
     if held_out.dataset is None:
         return

@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from .. import readers
-from ..cli import _Parser
-from ..errors import UsageError
+from accel_train.base import readers
+from accel_train.cli import _Parser
+from accel_train.base.errors import UsageError
 
 # The elastic file's keys -> accelerate launch's flags (which it hands to torchrun).
 ELASTIC_KEYS = {

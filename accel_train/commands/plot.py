@@ -10,8 +10,8 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-from ..cli import _Parser
-from ..errors import UsageError
+from accel_train.cli import _Parser
+from accel_train.base.errors import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
-    from ..plots import write_plots
-    from ..rundir import METRICS_FILE
+    from accel_train.run.plots import write_plots
+    from accel_train.run.rundir import METRICS_FILE
     run_dir = Path(args.run_dir)
     if not (run_dir / METRICS_FILE).is_file():
         raise UsageError(f"{run_dir}: no {METRICS_FILE} there; pass a run directory (the "

@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ..cli import _Parser
-from ..config import PRECISIONS
-from ..errors import UsageError
+from accel_train.cli import _Parser
+from accel_train.config import PRECISIONS
+from accel_train.base.errors import UsageError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
@@ -75,9 +75,9 @@ def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device
     numbers and these probabilities then come from the same arithmetic)."""
     import torch
 
-    from ..decode import Unreadable, decode, read_value
-    from ..evaluate import logits_of
-    from ..transforms import ImageTransform
+    from accel_train.data.decode import Unreadable, decode, read_value
+    from accel_train.train.evaluate import logits_of
+    from accel_train.data.transforms import ImageTransform
     transform = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
     k = min(top_k, spec.num_classes)
     for start in range(0, len(images), batch_size):
@@ -119,14 +119,15 @@ def _load(model_text: str, asked: str, torch):
         if asked != "auto":
             raise UsageError(f"--mixed-precision {asked}: an .onnx model runs in the precision "
                              f"it was exported in (ONNX Runtime); drop the flag")
-        from ..onnx_export import OnnxClassifier
+        from accel_train.model.onnx_export import OnnxClassifier
         onnx_model = OnnxClassifier(Path(model_text))
         return onnx_model, onnx_model.spec, f"ONNX file {model_text} (ONNX Runtime)", \
             torch.device("cpu"), contextlib.nullcontext, False, "as exported"
     from accelerate import Accelerator
 
-    from ..precision import precision_name, resolve_precision
-    from .artifacts import as_the_run_ran, find_trained_model, load_model, read_run_config
+    from accel_train.train.precision import precision_name, resolve_precision
+    from accel_train.commands.artifacts import (as_the_run_ran, find_trained_model, load_model,
+                                                read_run_config)
     trained = find_trained_model(model_text, lambda text: print(f"warning: {text}"))
     cuda = torch.cuda.is_available()
     record = read_run_config(trained.run_dir) if trained.run_dir else {}

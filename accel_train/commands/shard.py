@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ..cli import _Parser
-from ..errors import UsageError
+from accel_train.cli import _Parser
+from accel_train.base.errors import UsageError
 
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
               "GIB": 2**30}
@@ -61,10 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _samples(args):
     """(class names, source description, {split: iterator of (bytes, ext, label)}, counts)."""
-    from ..config import SYNTHETIC_DATASET, TrainConfig
-    from ..streaming import image_ext, png_bytes
+    from accel_train.config import SYNTHETIC_DATASET, TrainConfig
+    from accel_train.data.streaming import image_ext, png_bytes
     if args.data_dir is None and (args.dataset or SYNTHETIC_DATASET) == SYNTHETIC_DATASET:
-        from .. import synthetic
+        from accel_train.data import synthetic
         parts = synthetic.splits(args.synthetic_train_size)
 
         def generated(images, labels):
@@ -73,8 +73,9 @@ def _samples(args):
         return (list(synthetic.CLASS_NAMES), "synthetic shapes (embedded)",
                 {split: generated(*parts[split]) for split in ("train", "test")},
                 {split: len(parts[split][1]) for split in ("train", "test")})
-    from ..decode import Unreadable, read_value
-    from ..sources import find_columns, labels_and_names, open_data, pick_splits, rows_of
+    from accel_train.data.decode import Unreadable, read_value
+    from accel_train.data.sources import (find_columns, labels_and_names, open_data, pick_splits,
+                                          rows_of)
     config = TrainConfig(data_dir=args.data_dir, dataset=args.dataset or SYNTHETIC_DATASET,
                          val_fraction=args.val_fraction, image_column=args.image_column,
                          label_column=args.label_column)
@@ -111,7 +112,7 @@ def _samples(args):
 
 
 def convert(args, say=print) -> Path:
-    from ..streaming import ShardWriter, write_index
+    from accel_train.data.streaming import ShardWriter, write_index
     output = Path(args.output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UsageError(f"--output {output} already exists and is not an empty folder; choose "

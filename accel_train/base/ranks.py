@@ -1,0 +1,72 @@
+"""Rank helpers that work before the Accelerator exists (the start plan is made before it): rank
+0 decides and broadcasts (`decide_on_main`), rank 0 first then the rest (`main_first`), a vote
+(`any_rank`), and printing once in total (`print_once`).  Outside a process group each is the
+one-process answer."""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch.distributed as dist
+
+from accel_train.base.errors import UsageError
+
+T = TypeVar("T")
+
+
+def more_than_one_rank() -> bool:
+    """True inside a process group of two or more ranks."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def is_global_main() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def decide_on_main(compute: Callable[[], T]) -> T:
+    """Rank 0 decides, all follow: run `compute` on global rank 0 only and hand its result (or
+    its UsageError) to every rank, so that decisions about shared files are made once and never
+    diverge across ranks."""
+    result: list = [None]
+    if is_global_main():
+        try:
+            result[0] = ("ok", compute())
+        except UsageError as err:
+            result[0] = ("error", str(err))
+    if more_than_one_rank():
+        dist.broadcast_object_list(result, src=0)
+    kind, value = result[0]
+    if kind == "error":
+        raise UsageError(value)
+    return value
+
+
+def main_first(compute: Callable[[], T]) -> T:
+    """Run `compute` on rank 0 first, then on the other ranks (datasets builds its Arrow cache
+    once).  Unlike `accelerator.main_process_first`, a UsageError on rank 0 reaches every rank
+    at once, instead of leaving them at a barrier until the 30-minute collective timeout."""
+    result = {}
+
+    def on_main():
+        result["value"] = compute()
+
+    decide_on_main(on_main)
+    return result["value"] if "value" in result else compute()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any rank (ranks that disagreed about, say,
+    resuming would deadlock in their first collective)."""
+    if not more_than_one_rank():
+        return flag
+    votes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(votes, flag)
+    return any(votes)
+
+
+def print_once(text: str) -> None:
+    """Print on the global main process only.  Not `accelerator.print`: that prints once per
+    *machine* (local main process), so a 2-machine run, or the manual --rank start where every
+    process is local rank 0, would print everything twice."""
+    if is_global_main():
+        print(text, flush=True)

@@ -1,0 +1,125 @@
+"""Broken images met by a training run: each named once for all ranks, listed, counted.
+
+Where they are met: images decoded in memory are replaced while loading (`LoadedData.
+bad_images`, the same list on every rank); images decoded per step are replaced wherever they
+are met, in any rank's loader worker processes.  Those batches carry back the index of each
+replaced sample (data.replaced_marks), and the training process re-checks that one image (a
+single decode, once per image and rank) to name it and say why.  At every log window, epoch end
+and stop, every rank hands what it found to rank 0 (one small all_gather_object), which says
+each new image once, appends it to <run>/bad_images.txt (`name<TAB>reason` lines) and counts
+them: `bad_images` in metrics.jsonl's epoch records and a line in the final summary.  The marks
+are looked at only then, too: reading them per step would make the host wait for the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from accel_train.base.ranks import more_than_one_rank
+from accel_train.base.readers import read_json
+from accel_train.data.sources import BadImage, LoadedData
+
+BAD_IMAGES_FILE = "bad_images.json"  # in each checkpoint: name -> reason
+MAX_SAID = 100  # warnings printed per start; the others go to the log and bad_images.txt only
+
+
+class BadImageLog:
+    """One per rank; `collect` is a collective (every rank calls it at the same points)."""
+
+    def __init__(self, path: Path, report, data: LoadedData, is_main: bool):
+        self.path, self.report, self.is_main = Path(path), report, is_main
+        self.sources = {"train": data.train, "held-out": data.held_out}
+        for source in self.sources.values():
+            if hasattr(source, "on_substitute"):
+                source.on_substitute = None  # this log names them, once for all processes
+        self.pending: list[BadImage] = list(data.bad_images)
+        self.marks: list[tuple[str, torch.Tensor]] = []  # batches' marks not looked at yet
+        self.checked: set[tuple[str, int]] = set()  # (split, index) met by this rank
+        self.named: dict[str, str] = {}  # name -> reason, on the main process
+        self.said = 0
+
+    # -- a checkpointed part (checkpoint.py): a resumed run knows what was named before ----------
+    name = "bad_images"
+
+    def save(self, folder: Path) -> None:
+        (Path(folder) / BAD_IMAGES_FILE).write_text(json.dumps(self.named, indent=1) + "\n")
+
+    def load(self, folder: Path) -> None:
+        """The images named up to the checkpoint; <run>/bad_images.txt is rewritten to match
+        (what a redone future had named is named again when met again)."""
+        if not self.is_main:
+            return
+        self.named = read_json(Path(folder) / BAD_IMAGES_FILE, "bad_images")  # name -> why
+        if self.named or self.path.is_file():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("".join(f"{name}\t{reason}\n"
+                                         for name, reason in self.named.items()))
+
+    @property
+    def count(self) -> int:
+        """Broken images named so far in this run (main process; 0 elsewhere)."""
+        return len(self.named)
+
+    def note(self, split: str, replaced: torch.Tensor) -> None:
+        """A batch's marks (data.replaced_marks), looked at in `collect`."""
+        self.marks.append((split, replaced))
+
+    def strip(self, batches: Iterable, split: str = "held-out"):
+        """(images, labels) of marked held-out batches, noting the marks on the way."""
+        for images, labels, replaced in batches:
+            self.note(split, replaced)
+            yield images, labels
+
+    def _check_marks(self) -> None:
+        """Re-check the images the marks say were replaced (each once on this rank)."""
+        marks, self.marks = self.marks, []
+        for split, replaced in marks:
+            for index in replaced[replaced >= 0].tolist():
+                if (split, index) in self.checked:
+                    continue
+                self.checked.add((split, index))
+                bad = self.sources[split].bad_image(index)
+                if bad is not None:
+                    self.pending.append(bad)
+
+    def collect(self) -> int:
+        """Every rank together: rank 0 names, lists and counts what any rank found since the
+        last call.  Returns the count (on the main process)."""
+        self._check_marks()
+        found, self.pending = self.pending, []
+        if more_than_one_rank():
+            parts: list[Optional[list]] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, found)
+            found = [bad for part in parts for bad in part]
+        if self.is_main:
+            for bad in found:
+                self._name(bad)
+        return self.count
+
+    def _name(self, bad: BadImage) -> None:
+        if bad.name in self.named:
+            return
+        self.named[bad.name] = bad.reason
+        with self.path.open("a") as handle:
+            handle.write(f"{bad.name}\t{bad.reason}\n")
+        text = (f"{'held-out ' if bad.split == 'held-out' else ''}image {bad.name} cannot be "
+                f"decoded ({bad.reason}); a substitute (the next image that decodes) takes its "
+                f"place")
+        self.said += 1
+        if self.said <= MAX_SAID:
+            self.report.warn(text)
+        else:
+            self.report.log(text)
+        if self.said == MAX_SAID:
+            self.report.warn(f"more broken images are listed in {self.path} only")
+
+    def summary(self) -> Optional[str]:
+        if not self.count:
+            return None
+        return (f"{self.count} broken image(s) replaced by substitutes, listed in {self.path}; "
+                f"accel-train check-data --data-dir DIR checks a folder before training")

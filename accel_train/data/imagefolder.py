@@ -1,0 +1,421 @@
+"""Image folders: which files are images, which split and class each belongs to, fast.
+
+Layouts (`--data-dir DIR`):
+
+- `DIR/CLASS/IMAGE`: one split; the held-out part is carved off later (sources.py).
+- `DIR/SPLIT/CLASS/IMAGE`, SPLIT one of train/training, validation/val/valid/dev,
+  test/testing/eval/evaluation (Hugging Face's split names; any letter case).
+- ImageNet's validation layout: `DIR/train/CLASS/IMAGE` plus all held-out images in one folder
+  (`DIR/val/IMAGE`), labelled by a file (`--val-labels FILE`, see `read_val_labels`).
+- Nested class folders: the class is the folder that holds the image (as Hugging Face's
+  imagefolder has it), or with `--class-depth N` the N-th folder level under the split folder
+  (1: the top level, so `animals/cat/siamese/1.jpg` is class `animals`).
+
+Files and folders whose name starts with "." and folders starting with "__" (`__MACOSX`) are
+skipped, as are files that are not images by their extension.  Rows are sorted by path, the order
+Hugging Face's imagefolder gives, so a folder keeps the rows, classes and held-out split it had
+when `datasets` indexed it (tests/test_layouts.py checks the two agree).
+
+Why not `datasets.load_dataset("imagefolder")`: it took 20 s for 10,000 files on every start
+(no cache), about half an hour for a million, and wrote progress bars for files already local.
+Here a walk with os.scandir indexes a million files in seconds, and the index of a large folder
+is cached (an Arrow file, memory-mapped): a repeated start only checks the folders' mtimes
+(adding, removing or renaming a file changes its folder's mtime).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+from PIL import Image
+
+from accel_train.base.errors import UsageError
+from accel_train.base.readers import Shape, read_arrow_cache, read_text
+
+SPLIT_FOLDERS = {"train": "train", "training": "train", "validation": "validation",
+                 "val": "validation", "valid": "validation", "dev": "validation",
+                 "test": "test", "testing": "test", "eval": "test", "evaluation": "test"}
+CACHE_MIN_FILES = 10_000  # below this a walk takes well under a second: no cache file
+CACHE_ENV = "ACCEL_TRAIN_INDEX_CACHE"  # folder for cached indexes (default ~/.cache/accel_train)
+CACHE_VERSION = 1
+RACY_SECONDS = 2.0  # a folder changed this recently may change again within its mtime's tick
+PROGRESS_AFTER = 1.0  # seconds of walking before we say anything
+PROGRESS_LOG_EVERY = 10.0  # seconds between plain progress lines (not a terminal)
+
+
+def image_extensions() -> frozenset[str]:
+    """Every extension PIL can open (less HDF5: data files, not pictures)."""
+    Image.init()
+    return frozenset(ext for ext, fmt in Image.registered_extensions().items()
+                     if fmt in Image.OPEN) - {".h5", ".hdf"}
+
+
+@dataclass
+class FolderIndex:
+    """Per split: image paths relative to the root (sorted) and class indices."""
+
+    root: Path
+    splits: dict[str, tuple[pa.Array, np.ndarray]]
+    class_names: list[str]
+    dirs: list[tuple[str, int]]  # every folder walked (relative) and its mtime_ns
+    cached: bool = False  # read from the cache
+
+    def __len__(self) -> int:
+        return sum(len(paths) for paths, _ in self.splits.values())
+
+    def fingerprint(self, split: str) -> str:
+        """Names this split's rows for `datasets` (its cache of derived tables): the folder,
+        the split, its size and every folder's mtime, which change whenever the rows do."""
+        text = json.dumps([str(self.root.resolve()), split, len(self.splits[split][0]),
+                           self.class_names, self.dirs])
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def index_folder(root: str | Path, class_depth: Optional[int] = None,
+                 val_labels: Optional[str] = None, cache_dir: Optional[Path] = None,
+                 cache_min_files: int = CACHE_MIN_FILES, say=print) -> FolderIndex:
+    """The index of an image folder: from the cache when its folders are unchanged, else by
+    walking it (and cached when large).  `say` gets the progress lines; UsageError for folders
+    that are not a dataset (no images, an empty class folder, images outside class folders)."""
+    root = Path(root)
+    cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
+    key = _cache_key(root, class_depth, val_labels)
+    cached = _read_cache(cache_dir / f"{key}.arrow", root)
+    if cached is not None:
+        return cached
+    index = _build(root, class_depth, val_labels, say)
+    if len(index) >= cache_min_files:
+        _write_cache(cache_dir / f"{key}.arrow", index)
+    return index
+
+
+def default_cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "accel_train" / "folder-index"
+
+
+# -- walking ------------------------------------------------------------------------------------
+class _Progress:
+    """One line of ours while a large folder is walked: a counter on a terminal, a plain line
+    every few seconds otherwise; nothing for folders indexed within a second."""
+
+    def __init__(self, root: Path, say):
+        self.root, self.say = root, say
+        self.started = self.last = time.monotonic()
+        self.terminal = sys.stderr.isatty()
+        self.shown = False
+
+    def update(self, count: int) -> None:
+        now = time.monotonic()
+        if now - self.started < PROGRESS_AFTER:
+            return
+        if self.terminal and now - self.last >= 0.2:
+            sys.stderr.write(f"\rindexing {self.root}: {count:,} images")
+            sys.stderr.flush()
+        elif not self.terminal and (not self.shown or now - self.last >= PROGRESS_LOG_EVERY):
+            self.say(f"indexing {self.root}: {count:,} images so far")
+        else:
+            return
+        self.shown, self.last = True, now
+
+    def done(self, count: int, classes: int) -> None:
+        if not self.shown:
+            return
+        if self.terminal:
+            sys.stderr.write("\r\033[K")
+        self.say(f"indexed {self.root}: {count:,} images of {classes:,} classes in "
+                 f"{time.monotonic() - self.started:.1f}s")
+
+
+def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: list[str],
+          dirs: list[tuple[str, int]], empty: list[str]) -> None:
+    """Append the image paths under `folder` (as prefix + relative path) to `found`, every
+    folder and its mtime to `dirs`, and folders with no image and no subfolder to `empty`."""
+    stack = [(str(folder), prefix)]
+    while stack:
+        path, rel = stack.pop()
+        dirs.append((rel, os.stat(path).st_mtime_ns))  # before listing: a later change shows
+        has_image = has_subfolder = False
+        with os.scandir(path) as entries:
+            for entry in entries:
+                name = entry.name
+                if name.startswith("."):
+                    continue
+                if entry.is_dir():
+                    if not name.startswith("__"):
+                        stack.append((entry.path, f"{rel}{name}/"))
+                        has_subfolder = True
+                elif os.path.splitext(name)[1].lower() in extensions:
+                    found.append(rel + name)
+                    has_image = True
+        if not (has_image or has_subfolder):
+            empty.append(rel)
+        progress.update(len(found))
+
+
+def _split_folders(root: Path) -> dict[str, Path]:
+    """{split: folder} when the root holds split folders (train/, val/, ...), else {}."""
+    folders = [entry for entry in os.scandir(root)
+               if entry.is_dir() and not entry.name.startswith((".", "__"))]
+    splits: dict[str, Path] = {}
+    for entry in sorted(folders, key=lambda e: e.name):
+        split = SPLIT_FOLDERS.get(entry.name.lower())
+        if split is None:
+            continue
+        if split in splits:
+            raise UsageError(f"--data-dir {root} has two folders for the {split} split "
+                             f"({splits[split].name}/ and {entry.name}/); keep one")
+        splits[split] = Path(entry.path)
+    others = sorted(entry.name for entry in folders if entry.name.lower() not in SPLIT_FOLDERS)
+    if splits and others:
+        named = ", ".join(f"{folder.name}/" for folder in splits.values())
+        raise UsageError(f"--data-dir {root} mixes split folders ({named}) with other folders "
+                         f"({', '.join(o + '/' for o in others[:3])}); put every class folder "
+                         f"under a split folder, or remove the split folders")
+    return splits
+
+
+def _class_of(path: str, split_prefix: str, depth: Optional[int]) -> Optional[str]:
+    """The class of an image from its path under the split folder; None if it has none.
+    (String splitting: PurePosixPath cost seconds per million paths.)"""
+    return _folder_class(path[len(split_prefix):].split("/")[:-1], depth)
+
+
+def _folder_class(folders: list[str], depth: Optional[int]) -> Optional[str]:
+    """The class of what sits in the folder `folders` (its parts under the split folder)."""
+    if depth is None:
+        return folders[-1] if folders else None
+    return folders[depth - 1] if len(folders) >= depth else None
+
+
+def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
+           say) -> FolderIndex:
+    extensions = image_extensions()
+    progress = _Progress(root, say)
+    splits = _split_folders(root) or {"train": root}
+    dirs: list[tuple[str, int]] = []
+    if splits.get("train") is not root:
+        dirs.append(("", os.stat(root).st_mtime_ns))  # a new split folder changes the root
+    walked: dict[str, tuple[str, list[str]]] = {}
+    empties: dict[str, list[str]] = {}
+    for split, folder in splits.items():
+        prefix = "" if folder is root else f"{folder.name}/"
+        found: list[str] = []
+        empties[split] = []
+        _walk(folder, prefix, extensions, progress, found, dirs, empties[split])
+        found.sort()  # as datasets orders the rows
+        walked[split] = (prefix, found)
+    total = sum(len(found) for _, found in walked.values())
+    if total == 0:
+        raise UsageError(f"--data-dir {root} holds no image files (looked for .jpg, .png, .webp, "
+                         f"... in it and its subfolders); expected one subfolder of images per "
+                         f"class, parquet files or a save_to_disk folder")
+    for split, (prefix, found) in walked.items():
+        if empties[split] and not (class_depth is None and _is_labelled_split(split, val_labels)):
+            _check_empty_folders(root, sorted(empties[split]), found, prefix, class_depth)
+    labelled = _labelled_split(walked, val_labels, root)
+    classes: dict[str, list] = {}
+    for split, (prefix, found) in walked.items():
+        if split == labelled:
+            continue
+        names = [_class_of(path, prefix, class_depth) for path in found]
+        missing = next((path for path, name in zip(found, names) if name is None), None)
+        if missing is not None:
+            _outside_class_folder(root, missing, split, class_depth)
+        classes[split] = names
+    class_names = sorted({name for names in classes.values() for name in names})
+    if labelled is not None:
+        prefix, found = walked[labelled]
+        classes[labelled] = read_val_labels(Path(val_labels), root / prefix.rstrip("/"),
+                                            [path[len(prefix):] for path in found],
+                                            set(class_names))
+    number = {name: i for i, name in enumerate(class_names)}
+    result = {split: (pa.array(found, pa.string()),
+                      np.array([number[name] for name in classes[split]], dtype=np.int64))
+              for split, (_, found) in walked.items()}
+    progress.done(total, len(class_names))
+    return FolderIndex(root, result, class_names, dirs)
+
+
+def _is_labelled_split(split: str, val_labels: Optional[str]) -> bool:
+    return val_labels is not None and split != "train"
+
+
+def _labelled_split(walked: dict, val_labels: Optional[str], root: Path) -> Optional[str]:
+    """The held-out split that --val-labels labels (its images sit directly in its folder)."""
+    if val_labels is None:
+        return None
+    held_out = [split for split in ("validation", "test") if split in walked]
+    if "train" not in walked or not held_out:  # (no split folders: no held-out one either)
+        raise UsageError(f"--val-labels {val_labels}: --data-dir {root} has no train/ folder "
+                         f"beside a val/ (or validation/, test/) folder of images to label; "
+                         f"expected DIR/train/CLASS/IMAGE and DIR/val/IMAGE")
+    return held_out[0]
+
+
+def _check_empty_folders(root: Path, empty: list[str], found: list[str], prefix: str,
+                         depth: Optional[int]) -> None:
+    """A folder without images or subfolders is an empty class folder, unless --class-depth
+    puts the class above it and that class has images elsewhere."""
+    if depth is not None:
+        with_images = {_class_of(path, prefix, depth) for path in found}
+        empty = [folder for folder in empty
+                 if _folder_class(folder[len(prefix):].split("/")[:-1], depth)
+                 not in with_images | {None}]
+    if empty:
+        raise UsageError(f"class folder {root / empty[0]} holds no images; add images to it "
+                         f"or remove it")
+
+
+def _outside_class_folder(root: Path, path: str, split: str, depth: Optional[int]) -> None:
+    if depth is not None:
+        raise UsageError(f"{root / path} is less than {depth} folder(s) deep in its split "
+                         f"folder, so --class-depth {depth} gives it no class; lower "
+                         f"--class-depth or move the image into a class folder")
+    hint = (" (a held-out folder of unlabelled images needs --val-labels FILE)"
+            if split != "train" else "")
+    raise UsageError(f"{root / path} is not inside a class folder; put each class's images in "
+                     f"a subfolder named after the class{hint}")
+
+
+# -- ImageNet's validation layout: a label file --------------------------------------------------
+def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[str]) -> list[str]:
+    """The class of each image (paths relative to `folder`, sorted) from `file`:
+
+    - `IMAGE,CLASS` or `IMAGE CLASS` lines (CSV or whitespace), IMAGE a path relative to the
+      folder, a file name, or a file name without its extension; the first line may be a header;
+      CLASS may be followed by more fields (Kaggle's LOC_val_solution.csv: `ImageId,
+      PredictionString` with the class first in the string);
+    - or one CLASS per line, for the images in sorted file-name order.
+
+    Every image needs a label, every label a class folder of the training split, and every
+    line an image of the folder; anything else is a UsageError naming the line."""
+    if not file.is_file():
+        raise UsageError(f"--val-labels {file}: no such file")
+    rows = []
+    text = read_text(file, "val_labels", "--val-labels", errors="replace")  # judged by line
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            fields = [f.strip() for f in line.split(",")] if "," in line else line.split()
+            rows.append((number, fields))
+    if not rows:
+        raise UsageError(f"--val-labels {file} holds no labels")
+    where = f"--val-labels {file}"
+    if all(len(fields) == 1 for _, fields in rows):
+        if len(rows) != len(images):
+            raise UsageError(f"{where} has {len(rows)} one-field lines for the {len(images)} "
+                             f"images of {folder}; one class per image, in file-name order")
+        return [_known_class(fields[0], classes, where, number) for number, fields in rows]
+    lookup = _image_lookup(images)
+    labels: dict[str, str] = {}
+    for position, (number, fields) in enumerate(rows):
+        if len(fields) == 1:
+            if position == 0:
+                continue  # a header line of one field
+            raise UsageError(f"{where} line {number} gives {fields[0]!r} and no class; write "
+                             f"IMAGE,CLASS on every line (or one CLASS a line, nothing else)")
+        image = lookup.get(fields[0])
+        label = fields[1].split()[0] if fields[1].split() else ""
+        if position == 0 and image is None and label not in classes:
+            continue  # a header line
+        if image is None:
+            raise UsageError(f"{where} line {number} names {fields[0]!r}, which is not an image "
+                             f"in {folder}; fix the line or add the image")
+        labels[image] = _known_class(label, classes, where, number)
+    unlabelled = [image for image in images if image not in labels]
+    if unlabelled:
+        raise UsageError(f"{where} gives no label for {len(unlabelled)} image(s) of {folder} "
+                         f"(first: {unlabelled[0]}); label every image or remove the others")
+    return [labels[image] for image in images]
+
+
+def _image_lookup(images: list[str]) -> dict[str, str]:
+    """Relative path, file name and file name without extension -> image (names that are not
+    unique only by their path)."""
+    by_key: dict[str, Optional[str]] = {}
+    for image in images:
+        name = PurePosixPath(image).name
+        for key in {name, os.path.splitext(name)[0]} - {image}:
+            by_key[key] = None if key in by_key else image
+    by_key.update({image: image for image in images})
+    return {key: image for key, image in by_key.items() if image is not None}
+
+
+def _known_class(label: str, classes: set[str], where: str, number: int) -> str:
+    if label in classes:
+        return label
+    examples = ", ".join(sorted(classes)[:3])
+    hint = " (class numbers are not accepted: they mean different things in different files)" \
+        if label.isdigit() else ""
+    raise UsageError(f"{where} line {number}: {label!r} is not a class (the class folders of "
+                     f"train/ are {examples}, ...){hint}; use the class folder names")
+
+
+# -- the cache ------------------------------------------------------------------------------------
+def _cache_key(root: Path, class_depth, val_labels) -> str:
+    labels = None
+    if val_labels is not None and Path(val_labels).is_file():
+        stat = Path(val_labels).stat()
+        labels = [str(Path(val_labels).resolve()), stat.st_mtime_ns, stat.st_size]
+    text = json.dumps([CACHE_VERSION, str(root.resolve()), class_depth, labels])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _write_cache(path: Path, index: FolderIndex) -> None:
+    """One Arrow file: the splits' rows one after the other, what they are in its metadata.
+    Not written when a folder changed in the last seconds (it may be being filled: a change
+    within the same mtime tick would go unseen), nor when the cache folder is not writable."""
+    if max(mtime for _, mtime in index.dirs) > time.time_ns() - RACY_SECONDS * 1e9:
+        return
+    spans, start = [], 0
+    for split, (paths, _) in index.splits.items():
+        spans.append([split, start, start + len(paths)])
+        start += len(paths)
+    meta = {"root": str(index.root.resolve()), "classes": index.class_names, "splits": spans,
+            "dirs": index.dirs}
+    table = pa.table({"path": pa.concat_arrays([p for p, _ in index.splits.values()]),
+                      "label": np.concatenate([labels for _, labels in index.splits.values()])},
+                     metadata={"accel_train": json.dumps(meta)})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        os.replace(tmp, path)
+    except OSError:
+        return  # a read-only home: every start walks the folder
+
+
+# What the cache's metadata holds (_write_cache); another shape is a damaged cache, rebuilt.
+CACHE_META = Shape({"root": str, "classes": list, "splits": list, "dirs": list})
+
+
+def _read_cache(path: Path, root: Path) -> Optional[FolderIndex]:
+    """The cached index if every folder it walked still has its mtime, else None."""
+    read = read_arrow_cache(path, "imagefolder_cache", CACHE_META)
+    if read is None:
+        return None  # missing or damaged: the folder is walked again and the cache rewritten
+    table, meta = read
+    try:
+        if any(os.stat(root / rel).st_mtime_ns != mtime for rel, mtime in meta["dirs"]):
+            return None
+    except OSError:  # a folder is gone
+        return None
+    # Slices of the memory-mapped file: no copy (the file holds one record batch).
+    paths, labels = (table.column(name).combine_chunks() for name in ("path", "label"))
+    splits = {split: (paths.slice(start, stop - start),
+                      labels.slice(start, stop - start).to_numpy(zero_copy_only=True))
+              for split, start, stop in meta["splits"]}
+    return FolderIndex(root, splits, meta["classes"], [tuple(d) for d in meta["dirs"]],
+                       cached=True)

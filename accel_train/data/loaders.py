@@ -1,0 +1,340 @@
+"""Torch datasets, the epoch sampler and DataLoaders (before `accelerator.prepare`).
+
+Data order is a function of (seed, epoch) only.  The training sampler yields keys
+`epoch * N + index` so that the dataset (possibly in a persistent worker process that never sees
+`set_epoch`) knows the epoch for its seeded augmentation.  Each epoch is cut to a whole number of
+*global* batches (batch x processes x accumulation): every optimizer step then sees exactly one
+global batch, whatever the world size, which is what lets a run resume on a different number of
+processes and still use each sample of the interrupted epoch exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Iterator, NamedTuple
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from accel_train.data.augment import build_erasing, build_policy
+from accel_train.data.loader_watch import reading
+from accel_train.base.randomness import loader_generator
+from accel_train.data.sources import ArraySource, ImageSource
+from accel_train.data.transforms import ImageTransform, single_threaded
+from accel_train.data.worker_start import worker_context, worker_init_fn
+
+STATS_SAMPLE = 5000  # images used to estimate the dataset's mean/std
+
+
+class Batch(NamedTuple):
+    """One micro-batch of training, from either train loader (loading.py, streaming/)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    keys: torch.Tensor      # sampler keys epoch * N + index: which samples these are
+    replaced: torch.Tensor  # per sample, its index where its image was replaced, else -1
+
+
+class SampleBatch(Sequence):
+    """The (image, label[, key][, replaced]) samples of one batch, built as a batch: a sequence
+    of samples to any reader (default_collate included), while `collate_batch` hands the loader
+    the stacked tensors it already holds, with no unbinding and re-stacking, followed by the
+    batch's erasing plan when there is one (`ImageTransform.erasing_plan`: a batch's, not a
+    sample's; a reader without it gets the same erasing drawn where the batch is finished)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor,
+                 keys: torch.Tensor | None = None, replaced: torch.Tensor | None = None,
+                 erasing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 crop_plan: torch.Tensor | None = None):
+        self.images, self.labels, self.keys, self.replaced = images, labels, keys, replaced
+        self.erasing, self.crop_plan = erasing, crop_plan
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def samples_tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.images, self.labels, self.keys, self.replaced)
+                     if t is not None)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The samples' tensors, then the crop plan of images placed on the device (if so),
+        then the erasing plan (if any): the order `FinishOnDevice` reads them in."""
+        plan = () if self.crop_plan is None else (self.crop_plan,)
+        return self.samples_tensors() + plan + tuple(self.erasing or ())
+
+    def __getitem__(self, position):
+        if isinstance(position, slice):
+            return [self[i] for i in range(len(self))[position]]
+        return tuple(tensor[position] for tensor in self.samples_tensors())
+
+
+def collate_batch(samples):
+    if isinstance(samples, SampleBatch):
+        return samples.tensors()
+    return default_collate(samples)
+
+
+def replaced_marks(indices: torch.Tensor, used: list[int]) -> torch.Tensor:
+    """Per sample, its index where its own image could not be decoded (a substitute's image and
+    label stand in its place: sources.py), else -1.  The loader carries these back from its
+    worker processes, so that the training process can name each broken image once."""
+    used = torch.as_tensor(used, dtype=torch.long)
+    return torch.where(used != indices, indices, torch.full_like(indices, -1))
+
+
+class TrainImages(Dataset):
+    """Indexed by sampler keys `epoch * N + index`; returns (uint8 pixels, label, key), and with
+    `mark_replaced` a fourth element, the sample's index if its image was replaced else -1
+    (`replaced_marks`).  The pixels are resized, cropped, flipped and put through the policy
+    (`ImageTransform.pixel_batch`); normalizing and erasing wait for the device
+    (`FinishOnDevice`): a loader moves a quarter of float32's bytes, and a GPU does that work.
+
+    The key rides along to the training loop, which hands each micro-batch's keys to whoever
+    wants to know exactly which samples were trained on (the loader prefetches, so the sampler's
+    own order says what was *fetched*, not what was trained before a stop).
+
+    The DataLoader asks for a whole batch of keys at once (`__getitems__`): in-memory images are
+    then gathered and augmented as one tensor, which keeps the input pipeline a small fraction of
+    a training step without worker processes (see transforms.py).
+
+    `place_on_device` (a GPU's runs): small in-memory images without --auto-augment leave as
+    they are stored, with their crop plan, and are resized, cropped and flipped on the device
+    (`FinishOnDevice`): CIFAR trained at 224 or 336 px (the seed tutorial's ResNet-50d) would
+    otherwise have the host's cores upscale every image, 50-110 times its stored pixels, and the
+    GPU wait for them (BENCHMARKS.md, "GPU: one NVIDIA H200, a second time")."""
+
+    def __init__(self, source: ImageSource, transform: ImageTransform, seed: int,
+                 mark_replaced: bool = False, place_on_device: bool = False):
+        self.source, self.transform, self.seed = source, transform, seed
+        self.mark_replaced = mark_replaced
+        self.places_on_device = (place_on_device and isinstance(source, ArraySource)
+                                 and transform.can_place(source.images.shape))
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, key: int):
+        epoch, index = divmod(int(key), len(self.source))
+        (image,), (used,) = read_samples(self.source, [index])
+        sample = (self.transform.pixels(image, (self.seed, epoch, index)),
+                  self.source.labels[used], int(key))
+        return (*sample, index if used != index else -1) if self.mark_replaced else sample
+
+    @single_threaded
+    def __getitems__(self, keys: list[int]):
+        keys = torch.as_tensor(keys, dtype=torch.long)
+        epochs, indices = keys // len(self.source), keys % len(self.source)
+        marks = torch.full_like(indices, -1) if self.mark_replaced else None
+        if not isinstance(self.source, ArraySource):  # decoded now
+            # A replaced sample keeps its own index's augmentation: a function of the index.
+            images, used = read_samples(self.source, indices.tolist())
+            if len({image.shape for image in images}) == 1:  # one size: one batched transform
+                batch = self.transform.pixel_batch(torch.stack(images), self.seed,
+                                                   epochs.numpy(), indices.numpy())
+            else:
+                batch = torch.stack([self.transform.pixels(image, (self.seed, int(epoch),
+                                                                   int(index)))
+                                     for image, epoch, index in zip(images, epochs, indices)])
+            if marks is not None:
+                marks = replaced_marks(indices, used)
+            return SampleBatch(batch, self.source.labels[used], keys, marks,
+                               self._erasing(batch.shape, epochs, indices))
+        images, plan = self.source.images.index_select(0, indices), None
+        if self.places_on_device:  # placed on the device: the plans are drawn for its size
+            plan = self.transform.crop_plan(self.seed, epochs.numpy(), indices.numpy())
+            placed = (*images.shape[:2], self.transform.image_size, self.transform.image_size)
+        else:
+            images = self.transform.pixel_batch(images, self.seed, epochs.numpy(),
+                                                indices.numpy())
+            placed = images.shape
+        return SampleBatch(images, self.source.labels[indices], keys, marks,
+                           self._erasing(placed, epochs, indices), crop_plan=plan)
+
+    def _erasing(self, shape, epochs: torch.Tensor, indices: torch.Tensor):
+        """The erasing plan (--reprob) of a batch of placed pixels of `shape`, drawn here: in
+        the loader's workers, beside the training step rather than in its way
+        (`FinishOnDevice`)."""
+        return self.transform.erasing_plan(torch.Size(shape), self.seed, epochs.numpy(),
+                                           indices.numpy())
+
+
+class HeldOutImages(Dataset):
+    """Returns (image tensor, label), and with `mark_replaced` a third element as TrainImages'
+    fourth."""
+
+    def __init__(self, source: ImageSource, transform: ImageTransform,
+                 mark_replaced: bool = False):
+        self.source, self.transform, self.mark_replaced = source, transform, mark_replaced
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int):
+        (image,), (used,) = read_samples(self.source, [index])
+        sample = self.transform(image), self.source.labels[used]
+        return (*sample, index if used != index else -1) if self.mark_replaced else sample
+
+    @single_threaded
+    def __getitems__(self, indices: list[int]):
+        indices = torch.as_tensor(indices, dtype=torch.long)
+        marks = torch.full_like(indices, -1) if self.mark_replaced else None
+        if not isinstance(self.source, ArraySource):
+            images, used = read_samples(self.source, indices.tolist())
+            batch = self.transform.batch(torch.stack(images)) \
+                if len({image.shape for image in images}) == 1 \
+                else torch.stack([self.transform(image) for image in images])
+            if marks is not None:
+                marks = replaced_marks(indices, used)
+            return SampleBatch(batch, self.source.labels[used], replaced=marks)
+        return SampleBatch(self.transform.batch(self.source.images.index_select(0, indices)),
+                           self.source.labels[indices], replaced=marks)
+
+
+class EpochSampler(Sampler[int]):
+    """A seeded permutation per epoch, cut to a multiple of the global batch, as epoch keys."""
+
+    def __init__(self, num_samples: int, global_batch: int, seed: int, shuffle: bool = True):
+        self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
+        self.usable = (num_samples // global_batch) * global_batch
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.usable)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=generator)[: self.usable]
+
+    def __iter__(self) -> Iterator[int]:
+        offset = self.epoch * self.num_samples
+        return iter((self.order(self.epoch) + offset).tolist())
+
+    def __len__(self) -> int:
+        return self.usable
+
+
+def dataset_mean_std(source: ImageSource) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std of (a deterministic sample of) the training images, in [0, 1]."""
+    count = min(len(source), STATS_SAMPLE)
+    if isinstance(source, ArraySource):
+        pixels = source.images[:count].float().div_(255)
+        mean = pixels.mean(dim=(0, 2, 3))
+        std = pixels.std(dim=(0, 2, 3))
+    else:  # images may differ in size: accumulate per-channel sums
+        total = torch.zeros(3, dtype=torch.float64)
+        total_sq = torch.zeros(3, dtype=torch.float64)
+        num_pixels = 0
+        for index in range(min(count, 500)):
+            image = source.image(index).double().div_(255)
+            total += image.sum(dim=(1, 2))
+            total_sq += (image * image).sum(dim=(1, 2))
+            num_pixels += image.shape[1] * image.shape[2]
+        mean = total / num_pixels
+        std = (total_sq / num_pixels - mean * mean).clamp_min(1e-12).sqrt()
+    return (tuple(round(float(v), 4) for v in mean),
+            tuple(round(float(max(v, 1e-3)), 4) for v in std))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a SLURM allocation or taskset narrows them), not all
+    of the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_num_workers(source: ImageSource, processes_per_machine: int, cuda: bool) -> int:
+    """On a CPU: no workers for in-memory data (decoding is done; the step needs every core,
+    and workers would only add IPC), else a share of the cores, at most 4 per process.  On a
+    GPU the step runs on the device, so every core of the process's share but its own prepares
+    images, decoded or in memory: a GPU eats them faster than a few cores resize, crop and
+    flip them (BENCHMARKS.md, "GPU: one NVIDIA H100": with four, the step still waited for
+    in-memory images being resized)."""
+    share = usable_cores() // max(1, processes_per_machine)
+    if isinstance(source, ArraySource):
+        return share - 1 if cuda and share > 1 else 0
+    if cuda:
+        return max(1, share - 1)
+    return max(1, min(4, share))
+
+
+def read_samples(source: ImageSource,
+                 indices: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+    """`source.samples_at(indices)`, noted as the read in progress: a read that gets stuck is
+    named by the worker's watch (loader_watch.py)."""
+    with reading(lambda: describe_reads(source, indices)):
+        return source.samples_at(indices)
+
+
+def describe_reads(source: ImageSource, indices: list[int]) -> str:
+    """The images of one read, for a person: the first one's file (or data file and row)."""
+    name = source.name(indices[0]) if hasattr(source, "name") else f"image {indices[0]}"
+    return name + (f" (and {len(indices) - 1} more images)" if len(indices) > 1 else "")
+
+
+def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_factor: int,
+                persistent_workers: bool, pin_memory: bool, sampler: Sampler | None = None,
+                drop_last: bool = False, seed: int = 0, timeout: float = 0) -> DataLoader:
+    """A DataLoader with its own generator (randomness.py): its iterators' base seeds never
+    come from, or move, torch's global generator; its workers leave stop signals to the
+    training process and are started from a fork server (worker_start.py).  `timeout`: seconds
+    to wait for a batch from the workers (0: forever)."""
+    extra = {}
+    if num_workers > 0:
+        extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                     timeout=timeout, multiprocessing_context=worker_context())
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
+                      drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
+                      collate_fn=collate_batch, generator=loader_generator(seed),
+                      worker_init_fn=worker_init_fn(timeout), **extra)
+
+
+class FinishOnDevice:
+    """The second half of the training transform (`ImageTransform.finish`: normalize, then
+    erase with --reprob), run on a micro-batch's uint8 pixels once they are on the device;
+    with `places` (TrainImages.places_on_device) the resize, crop and flip before it
+    (`ImageTransform.place`).  Training keys are `epoch * num_samples + index`, the same for the
+    indexed and the streamed loaders; erasing's seeded draws need each sample's (epoch, index),
+    normalizing does not."""
+
+    def __init__(self, transform: ImageTransform, seed: int, num_samples: int,
+                 places: bool = False):
+        self.transform, self.seed, self.num_samples = transform, seed, num_samples
+        self.places = places
+
+    def __call__(self, pixels: torch.Tensor, keys: torch.Tensor,
+                 plans: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """`plans`: what the loader drew with the pixels (`SampleBatch.tensors`' tail): with
+        `places` and augmenting, the crop plan first; then the erasing plan, if it drew one."""
+        erasing = plans
+        if self.places:
+            crop = None
+            if self.transform.augment:
+                crop, erasing = plans[0], plans[1:]
+            pixels = self.transform.place(pixels, crop)
+        if not self.transform.erases:
+            return self.transform.finish(pixels)
+        if erasing:
+            return self.transform.finish(pixels, erasing=tuple(erasing))
+        # Drawn here, on the host, per sample: the keys come back from the device (a sync
+        # per step) and the draws take the training process's time.
+        keys = keys.cpu()
+        return self.transform.finish(pixels, self.seed, (keys // self.num_samples).numpy(),
+                                     (keys % self.num_samples).numpy())
+
+
+def run_transforms(config, spec) -> tuple[ImageTransform, ImageTransform]:
+    """(training, held-out) transforms of a run: the training one augments as the flags say
+    (crop and flip, then --auto-augment and --reprob), the held-out one only resizes and
+    normalizes.  Both data paths (indexed and streamed) build theirs here."""
+    augmenting = config.augment
+    train_tf = ImageTransform(spec.image_size, spec.mean, spec.std, augment=augmenting,
+                              flip=config.flip, crop_pad=config.crop_pad,
+                              policy=build_policy(config.auto_augment)
+                              if augmenting and config.auto_augment else None,
+                              erasing=build_erasing(config.reprob) if augmenting else None)
+    return train_tf, ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)

@@ -1,0 +1,235 @@
+"""The one train-loader interface, and the loaders of a run chosen once when it is built.
+
+Two kinds of data feed training: indexed (map-style: images in memory or decoded per step,
+data.py) and streamed from shards (streaming/).  The trainer sees one interface, `TrainLoader`,
+and never asks which kind it has:
+
+* `prepare(accelerator)`: hand the loader to Accelerate (or take the device from it);
+* `set_epoch(epoch)`: the next iteration is that epoch, from its start;
+* iterating yields the rest of the current epoch as `data.Batch`es on the device, from the
+  loader's position, and advances the position by each micro-batch it hands out
+  (`samples_in_epoch`, all processes together).  A batch travels as uint8 pixels (pinned
+  memory and a non-blocking copy on a GPU) and is normalized there (`data.FinishOnDevice`);
+* `save(folder)` / `load(folder)`: the position, as a checkpointed part (checkpoint.py); a
+  resumed start continues the interrupted epoch exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Protocol
+
+from torch.utils.data import DataLoader
+
+from accel_train.data.loaders import (Batch, EpochSampler, FinishOnDevice, HeldOutImages,
+                                      TrainImages, default_num_workers, make_loader, run_transforms)
+from accel_train.base.errors import STALLED_EXIT, RunStopped, UsageError
+from accel_train.base.randomness import reseed_loader
+from accel_train.base.readers import read_json
+from accel_train.data.streaming import STREAM_STATE, build_stream_loader, streaming_wanted
+from accel_train.data.worker_deaths import restarting_dead_workers
+
+LOADER_STATE = "loader.json"  # in each checkpoint of an indexed run
+
+
+def watch_workers_quietly(loader) -> Iterator:
+    """Iterate `loader` with torch's SIGCHLD handler taken out once its workers exist.  That
+    handler raises "DataLoader worker ... is killed by signal" wherever the main thread happens
+    to be (seen: in the middle of a checkpoint write, which then failed); without it the loader
+    finds a dead worker at its next batch (torch checks every MP_STATUS_CHECK_INTERVAL, 5 s),
+    where IndexedTrainLoader restarts its workers."""
+    for item in loader:
+        # The handler is installed once per process, when the first workers start, so it is
+        # there from the first batch on (Accelerate's loaders start theirs lazily).
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGCHLD) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        yield item
+
+
+def timed_out(err: RuntimeError) -> bool:
+    """The DataLoader's own timeout (its `timeout`, --loader-timeout) ended the wait."""
+    return "DataLoader timed out" in str(err)
+
+
+def loader_stuck(timeout: float, where: str) -> RunStopped:
+    """The one-line stop when no batch came in --loader-timeout; `where` says at what point."""
+    return RunStopped(f"no batch from the loader workers in {timeout:g} s (--loader-timeout), "
+                      f"{where}: a worker is stuck (its own line above names what it was "
+                      f"reading); exit {STALLED_EXIT}, for a restart with --resume auto",
+                      STALLED_EXIT)
+
+
+def stop_when_stuck(batches: Iterable, timeout: float, where: str) -> Iterator:
+    """`batches`, with the loader's timeout turned into the one-line stop (held-out data: the
+    training loader does this itself, with its place in the epoch)."""
+    try:
+        yield from batches
+    except RuntimeError as err:
+        if not timed_out(err):
+            raise
+        raise loader_stuck(timeout, where) from None
+
+
+class TrainLoader(Protocol):
+    name: str              # "train_loader": a checkpointed part
+    epoch: int
+    samples_in_epoch: int  # handed out so far in this epoch, all processes together
+    usable: int            # samples in a whole epoch, all processes together
+    warn: Callable[[str], None]  # says what it recovered from (a loader worker restarted)
+    finish: FinishOnDevice  # the batches' second half, run on the device
+
+    def prepare(self, accelerator) -> None: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def save(self, folder: Path) -> None: ...
+
+    def load(self, folder: Path) -> None: ...
+
+
+class IndexedTrainLoader:
+    """Map-style training data: the seeded epoch sampler through a DataLoader that Accelerate
+    shards across processes; a resumed epoch skips the batches already trained."""
+
+    name = "train_loader"
+
+    def __init__(self, loader: DataLoader, sampler: EpochSampler, batch_size: int,
+                 num_processes: int, rank: int, seed: int, timeout: float = 0):
+        self.loader, self.sampler, self.generator = loader, sampler, loader.generator
+        # The second half of its dataset's transform (TrainImages hands out uint8 pixels).
+        self.finish = FinishOnDevice(loader.dataset.transform, seed, len(loader.dataset),
+                                     places=loader.dataset.places_on_device)
+        self.per_micro_step = batch_size * num_processes
+        self.rank, self.seed, self.timeout = rank, seed, timeout
+        self.epoch, self.samples_in_epoch = 0, 0
+        self.accelerator = None
+        self.warn = lambda text: print(f"warning: {text}", file=sys.stderr)  # the trainer's
+
+    @property
+    def usable(self) -> int:
+        return self.sampler.usable
+
+    def prepare(self, accelerator) -> None:
+        self.accelerator = accelerator
+        self.loader = accelerator.prepare(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.samples_in_epoch = epoch, 0
+
+    def __len__(self) -> int:
+        return self.usable // self.per_micro_step
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The rest of the epoch.  A loader worker that dies costs a warning: the workers start
+        again at the same position, and since a batch is a function of its position the run
+        goes on as if nothing had happened."""
+        try:
+            yield from restarting_dead_workers(self._from_position, self._drop_workers,
+                                               self.where, self.warn)
+        except RuntimeError as err:
+            if not timed_out(err):
+                raise
+            raise loader_stuck(self.timeout, self.where()) from None
+
+    def where(self) -> str:
+        return f"{self.samples_in_epoch} samples into epoch {self.epoch + 1}"
+
+    def _from_position(self) -> Iterator[Batch]:
+        self.loader.set_epoch(self.epoch)  # the sampler, which a skipping loader shares
+        loader, done = self.loader, self.samples_in_epoch // self.per_micro_step
+        if done:
+            loader = self.accelerator.skip_first_batches(self.loader, done)
+            loader.set_epoch(self.epoch)  # it starts its own epoch count at 0
+        # The prepared and the skipping loader share this generator: the iterator's base seed
+        # (its workers' seeds) is a function of (seed, epoch, rank), however the epoch starts.
+        reseed_loader(self.generator, self.seed, self.epoch, self.rank)
+        for pixels, labels, keys, replaced, *erasing in watch_workers_quietly(loader):
+            # Counted as handed out: a checkpoint after this batch's step includes it.
+            self.samples_in_epoch += self.per_micro_step
+            yield Batch(self.finish(pixels, keys, erasing), labels, keys, replaced)
+
+    def _drop_workers(self) -> None:
+        """Persistent workers live in the DataLoader's kept iterator: shut it down, so that the
+        next iteration starts new ones."""
+        kept = getattr(self.loader, "_iterator", None)
+        if kept is not None:
+            kept._shutdown_workers()
+            self.loader._iterator = None
+
+    def save(self, folder: Path) -> None:
+        (Path(folder) / LOADER_STATE).write_text(json.dumps(
+            {"kind": "indexed", "epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch,
+             "seed": self.seed, "train_samples": self.sampler.num_samples}, indent=1) + "\n")
+
+    def load(self, folder: Path) -> None:
+        if (Path(folder) / STREAM_STATE).is_file():
+            raise UsageError(f"{folder} was saved by a streaming run (it holds {STREAM_STATE}); "
+                             f"resume it with the same shard folder (--data-dir SHARDS), or "
+                             f"start a new run")
+        saved = read_json(Path(folder) / LOADER_STATE, "loader_state")  # its shape checked
+        if saved["samples_in_epoch"] % self.per_micro_step:
+            raise UsageError(f"{folder} stopped {saved['samples_in_epoch']} samples into its "
+                             f"epoch, which {self.per_micro_step} samples per micro-step do not "
+                             f"divide; resume with the global batch it was trained with")
+        self.epoch, self.samples_in_epoch = saved["epoch"], saved["samples_in_epoch"]
+
+
+@dataclass
+class Loaders:
+    """The training and held-out loaders of a run, before `accelerator.prepare`."""
+
+    train: TrainLoader
+    held_out: DataLoader
+    num_workers: int
+    global_batch: int     # one optimizer step: batch x processes x accumulation
+    steps_per_epoch: int  # optimizer steps
+
+
+def build_loaders(config, data, spec, num_processes: int, rank: int, processes_per_machine: int,
+                  cuda: bool) -> Loaders:
+    """Seeded, augmented training batches in an order that is a function of (seed, epoch), and
+    the held-out batches; a UsageError when the data cannot fill one global batch.  On a GPU
+    the batches wait in pinned memory (the copy to the device can then overlap the step)."""
+    pin_memory = cuda
+    global_batch = config.batch_size * num_processes * config.accumulation_steps
+    if len(data.held_out) == 0:
+        raise UsageError("the held-out split is empty; raise --val-fraction or "
+                         "--max-eval-samples")
+    train_tf, held_out_tf = run_transforms(config, spec)
+    wanted_workers = config.num_workers if config.num_workers is not None else \
+        default_num_workers(data.train, processes_per_machine, cuda)
+    if streaming_wanted(config):
+        train, workers, steps = build_stream_loader(config, data, train_tf, num_processes, rank,
+                                                    wanted_workers, pin_memory)
+        held_out_workers = 0  # held-out shards are decoded in memory at the start
+    else:
+        if len(data.train) < global_batch:
+            raise UsageError(f"the training set has {len(data.train)} images, fewer than one "
+                             f"global batch of {global_batch} (batch_size x processes x "
+                             f"accumulation_steps); lower --batch-size")
+        sampler = EpochSampler(len(data.train), global_batch, config.seed)
+        # The marks of replaced images ride along to the loop (badimages.py names them); on a
+        # GPU small in-memory images are resized and cropped there (TrainImages).
+        loader = make_loader(TrainImages(data.train, train_tf, config.seed, mark_replaced=True,
+                                         place_on_device=cuda),
+                             config.batch_size, wanted_workers, config.prefetch_factor,
+                             config.persistent_workers, pin_memory, sampler=sampler,
+                             drop_last=True, seed=config.seed, timeout=config.loader_timeout)
+        train = IndexedTrainLoader(loader, sampler, config.batch_size, num_processes, rank,
+                                   config.seed, config.loader_timeout)
+        workers = held_out_workers = wanted_workers
+        steps = len(train) // config.accumulation_steps
+    held_out = make_loader(HeldOutImages(data.held_out, held_out_tf, mark_replaced=True),
+                           config.batch_size, held_out_workers, config.prefetch_factor,
+                           config.persistent_workers and held_out_workers > 0, pin_memory,
+                           seed=config.seed, timeout=config.loader_timeout)
+    return Loaders(train, held_out, workers, global_batch, steps)
+

@@ -1,0 +1,35 @@
+"""Mixup and CutMix: timm's `Mixup` on the batch, with its soft targets and soft-target loss.
+
+timm draws its mixing from numpy's global random state, which would make a run depend on
+everything else that ever touched it (and on when it stopped and resumed).  Here every
+micro-batch draws from a state seeded by (seed, epoch, position in the epoch, rank), so the
+mixing is a function of where the batch sits in the run: exact resume stays bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+from timm.data import Mixup
+from timm.loss import SoftTargetCrossEntropy
+
+from accel_train.base.randomness import seeded
+
+
+class SeededMixup:
+    def __init__(self, config, num_classes: int):
+        self.seed = config.seed
+        self.mixup = Mixup(mixup_alpha=config.mixup, cutmix_alpha=config.cutmix,
+                           prob=config.mixup_prob, switch_prob=config.mixup_switch_prob,
+                           mode="batch", label_smoothing=config.label_smoothing,
+                           num_classes=num_classes)
+        self.loss_fn = SoftTargetCrossEntropy()
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor,
+                 position: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mixed images, soft targets) for the micro-batch at `position`."""
+        with seeded(self.seed, *position):
+            return self.mixup(images, labels)
+
+
+def maybe_mixup(config, num_classes: int):
+    return SeededMixup(config, num_classes) if config.mixup > 0 or config.cutmix > 0 else None

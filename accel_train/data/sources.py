@@ -1,0 +1,565 @@
+"""Where images come from: local parquet / save_to_disk / image folders, the hub, or generated.
+
+Every source ends as two `ImageSource`s (train and held-out) plus class names.  A source that
+fits in memory is decoded once into a uint8 tensor (`ArraySource`); otherwise images are decoded
+on demand from a Hugging Face dataset (`HFSource`).  Image folders are indexed by imagefolder.py
+and made a dataset of (path, label) rows; files are decoded by decode.py.
+
+An image that cannot be decoded is named for people (`HFSource.name`: its path relative to
+--data-dir, or its parquet file and row) and, by default, replaced by a substitute that is a
+function of its index alone (`HFSource._substitute`), so that an epoch keeps its length and
+exact resumes keep working; the trainer says each once (badimages.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from accel_train.data import synthetic
+from accel_train.config import SYNTHETIC_DATASET, TrainConfig
+from accel_train.data.decode import Unreadable, decode_many, read_value
+from accel_train.base.errors import UsageError, first_line
+from accel_train.base.ranks import print_once
+from accel_train.base.readers import load_saved_dataset, parquet_file
+from accel_train.data.imagefolder import index_folder
+
+IMAGE_COLUMN_NAMES = ("img", "image", "images", "pixel_values", "picture", "jpg", "png", "webp")
+LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "coarse_label", "class", "target", "y")
+EVAL_SPLIT_NAMES = ("validation", "val", "valid", "test", "eval", "evaluation")
+VAL_CARVE_SEED = 0  # fixed: the held-out set must not change with --seed
+MATERIALIZE_BATCH = 1024  # rows read from Arrow at a time when decoding into memory
+NATIVE_SIZE_PROBE = 32  # images looked at to tell a data set's own image size
+MIXED_SIZE_DEFAULT = 224  # --image-size for data sets of mixed sizes: timm's usual input size
+
+
+class ImageSource:
+    """Indexable images (uint8 CHW RGB tensors) with integer labels."""
+
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def image(self, index: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def images_at(self, indices) -> list[torch.Tensor]:
+        return [self.image(int(index)) for index in indices]
+
+    def samples_at(self, indices) -> tuple[list[torch.Tensor], list[int]]:
+        """(images, the index each image and its label came from): another index than asked
+        where the image asked for could not be decoded.  Only sources that decode on demand
+        replace images here (sources decoded in memory replaced theirs while loading)."""
+        indices = [int(index) for index in indices]
+        return self.images_at(indices), indices
+
+    @functools.cached_property
+    def native_size(self) -> int:
+        """The default --image-size: the images' own (shorter) side when the first few share one
+        size, else 224.  Whether or not the images are decoded in memory: a lazily decoded
+        CIFAR-10 (--in-memory never) is still 32 px."""
+        probe = self.images_at(range(min(len(self), NATIVE_SIZE_PROBE)))
+        shapes = {tuple(image.shape[-2:]) for image in probe}
+        return min(shapes.pop()) if len(shapes) == 1 else MIXED_SIZE_DEFAULT
+
+
+@dataclass(frozen=True)
+class BadImage:
+    """An image that could not be decoded: which split and index, its name for people (a file
+    path relative to --data-dir, or a data file and row), and why."""
+
+    split: str
+    index: int
+    name: str
+    reason: str
+
+
+class ArraySource(ImageSource):
+    """All images decoded in memory: uint8 [N, 3, H, W].  `bad_images`: the ones that could not
+    be decoded while loading; their slots hold their substitutes (image and label)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor,
+                 bad_images: Sequence[BadImage] = ()):
+        self.images = images
+        self.labels = labels
+        self.bad_images = list(bad_images)
+
+    def image(self, index: int) -> torch.Tensor:
+        return self.images[index]
+
+    @property
+    def native_size(self) -> int:
+        return int(min(self.images.shape[-2:]))
+
+
+class RowNames:
+    """Names the rows of one split for people: the parquet file and the row in it (`datasets`
+    concatenates a split's files in order, so row r falls in the file whose row span holds it),
+    or `<where> row r` (a save_to_disk folder or a hub dataset, and its split)."""
+
+    def __init__(self, where: str, files: Sequence[tuple[str, int]] = ()):
+        self.where, self.files = where, list(files)
+        self.starts = np.cumsum([0] + [rows for _, rows in self.files])
+
+    def __call__(self, row: int) -> str:
+        if not self.files:
+            return f"{self.where} row {row}"
+        k = int(np.searchsorted(self.starts, row, side="right")) - 1
+        return f"{self.files[k][0]} row {row - int(self.starts[k])}"
+
+
+def warn_substitute(source: "HFSource", bad: BadImage, used: int) -> None:
+    """What a source decoding on demand does by default on meeting a broken image (in whatever
+    process meets it): say so on stderr.  The trainer replaces this: it collects them from
+    every rank and worker and says each once (badimages.py)."""
+    print(f"warning: image {bad.name} cannot be decoded ({bad.reason}); "
+          f"{source.name(used)} is used in its place", file=sys.stderr, flush=True)
+
+
+class HFSource(ImageSource):
+    """Images decoded on demand from a Hugging Face dataset (too large or mixed sizes).
+
+    `rows`: each image's row in its split as read (before the held-out split was carved off or a
+    sample limit applied), for `names`; `root`: the folder that relative image paths are in.
+    An image that cannot be decoded is an error with `bad_images="error"`; with "substitute" it
+    is replaced by the next image (index + 1, + 2, ..., wrapping around) that decodes, with that
+    image's label: a function of the index alone, so every process, worker, resumed start and
+    world size makes the same replacement, and an epoch keeps its length."""
+
+    def __init__(self, dataset, image_column: str, labels: torch.Tensor, split: str, *,
+                 rows: Optional[np.ndarray] = None, names: Optional[Callable] = None,
+                 root: Optional[Path] = None, bad_images: str = "substitute"):
+        from datasets import Image as ImageFeature
+        feature = dataset.features[image_column]
+        if not (isinstance(feature, ImageFeature) and not feature.decode):
+            dataset = dataset.cast_column(image_column, ImageFeature(decode=False))
+        self.dataset = dataset
+        self.image_column = image_column
+        self.labels = labels
+        self.split = split
+        self.rows = np.arange(len(labels)) if rows is None else np.asarray(rows)
+        self.names = names or RowNames(f"split '{split}'")
+        self.root = root
+        self.bad_images = bad_images
+        self.on_substitute = warn_substitute  # None: tell nobody (the caller collects them)
+        self.bad: dict[int, str] = {}  # index -> reason, met by this process
+        self._substitutes: dict[int, int] = {}
+        # Rows of the image column as Arrow: fetching a batch of rows at once is far cheaper
+        # than one Python dict per row (0.3 ms a row here, more than decoding a CIFAR image).
+        self.column = self.dataset.select_columns([image_column]).with_format("arrow")
+
+    def subset(self, indices) -> "HFSource":
+        """The images at these indices, as a source of their own (same names)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        source = HFSource(self.dataset.select(indices), self.image_column,
+                          self.labels[torch.from_numpy(indices)], self.split,
+                          rows=self.rows[indices], names=self.names, root=self.root,
+                          bad_images=self.bad_images)
+        source.on_substitute = self.on_substitute
+        return source
+
+    def name(self, index: int) -> str:
+        """The image at `index` for people: its file (relative to --data-dir) for image folders,
+        else its data file or split and row (and the file name stored with it, if any)."""
+        value = self.column[[int(index)]].column(0).to_pylist()[0]
+        path = value.get("path") if isinstance(value, dict) else None
+        if path and (self.root is not None or value.get("bytes") is None):
+            if self.root is not None and os.path.isabs(path):
+                relative = os.path.relpath(path, self.root)
+                path = path if relative.startswith("..") else relative
+            return path
+        where = self.names(int(self.rows[index]))
+        return f"{where} ({path})" if path else where
+
+    def bad_image(self, index: int) -> Optional[BadImage]:
+        """The image at `index` as a BadImage if it cannot be decoded (checked now, in this
+        process, unless this process already met it), else None."""
+        reason = self.bad.get(index)
+        if reason is None:
+            result = self._decode([index])[0]
+            if not isinstance(result, Unreadable):
+                return None
+            reason = result.reason
+        return BadImage(self.split, index, self.name(index), reason)
+
+    def image(self, index: int) -> torch.Tensor:
+        return self.images_at([index])[0]
+
+    def images_at(self, indices) -> list[torch.Tensor]:
+        """The images at these indices (in that order), decoded; one Arrow read for all."""
+        return self.samples_at(indices)[0]
+
+    def samples_at(self, indices) -> tuple[list[torch.Tensor], list[int]]:
+        indices = [int(i) for i in indices]
+        results = self._decode(indices)
+        used = list(indices)
+        for k, result in enumerate(results):
+            if isinstance(result, Unreadable):
+                used[k], results[k] = self._substitute(indices[k], result.reason)
+        return results, used
+
+    def _decode(self, indices: list[int]) -> list:
+        """Decoded images, or Unreadable where one cannot be."""
+        values = self.column[indices].column(0).to_pylist()
+        return self._decode_values(values)
+
+    def _decode_values(self, values: list) -> list:
+        items: list = []
+        for value in values:
+            try:
+                items.append(read_value(value, self.root))
+            except Unreadable as err:
+                items.append(err)
+        readable = [i for i, item in enumerate(items) if not isinstance(item, Unreadable)]
+        for i, result in zip(readable, decode_many([items[i] for i in readable])):
+            items[i] = result
+        return items
+
+    def _met_bad(self, index: int, reason: str) -> None:
+        """The image at `index` cannot be decoded: an error (naming it) under --bad-images
+        error; otherwise remembered, so that it is decoded only once per process."""
+        if self.bad_images == "error":
+            raise UsageError(f"image {self.name(index)} cannot be decoded ({reason}); remove or "
+                             f"replace that file, or pass --bad-images substitute to train on "
+                             f"with a substitute for it")
+        self.bad[index] = reason
+
+    def _substitute(self, index: int, reason: str) -> tuple[int, torch.Tensor]:
+        """(index, image) of the next image after `index` that decodes."""
+        first_time = index not in self.bad
+        self._met_bad(index, reason)
+        known = self._substitutes.get(index)
+        if known is not None:
+            return known, self._decode([known])[0]
+        for step in range(1, len(self)):
+            candidate = (index + step) % len(self)
+            if candidate in self.bad:
+                continue
+            result = self._decode([candidate])[0]
+            if isinstance(result, Unreadable):
+                self.bad[candidate] = result.reason
+                continue
+            self._substitutes[index] = candidate
+            if first_time and self.on_substitute is not None:
+                self.on_substitute(self, BadImage(self.split, index, self.name(index), reason),
+                                   candidate)
+            return candidate, result
+        raise UsageError(f"no image of the {self.split} split can be decoded (the first: "
+                         f"{self.name(index)}: {reason}); check the data with accel-train "
+                         f"check-data --data-dir DIR")
+
+    def materialize(self, limit_bytes: float) -> Optional[ArraySource]:
+        """Decode every image once into memory, or None if sizes differ or it would not fit.
+        Images that cannot be decoded get their substitutes (or raise, see _met_bad)."""
+        if len(self) == 0:
+            return None
+        first = self.image(0)  # a substitute's, if image 0 is broken: the shape is what counts
+        if first.numel() * len(self) > limit_bytes:
+            return None
+        images = torch.empty((len(self), *first.shape), dtype=torch.uint8)
+        bad: dict[int, str] = {}
+        # Arrow batches: a row-by-row walk through the dataset cost more than the decoding.
+        start = 0
+        for table in self.column.iter(batch_size=MATERIALIZE_BATCH):
+            values = table.column(0).to_pylist()
+            for offset, result in enumerate(self._decode_values(values)):
+                if isinstance(result, Unreadable):
+                    self._met_bad(start + offset, result.reason)
+                    bad[start + offset] = result.reason
+                elif result.shape != first.shape:
+                    return None
+                else:
+                    images[start + offset] = result
+            start += len(values)
+        labels = self.labels
+        if bad:
+            labels = labels.clone()
+            for index in bad:  # the same replacement as _substitute's: the next good index
+                used = next((index + step) % len(self) for step in range(1, len(self))
+                            if (index + step) % len(self) not in bad)
+                images[index], labels[index] = images[used], labels[used]
+        return ArraySource(images, labels, [BadImage(self.split, index, self.name(index), why)
+                                            for index, why in sorted(bad.items())])
+
+
+@dataclass
+class LoadedData:
+    train: ImageSource
+    held_out: ImageSource
+    class_names: list[str]
+    description: str
+    # Met while decoding into memory (their slots hold substitutes); those decoded on demand are
+    # met later, in the loaders.
+    bad_images: list[BadImage] = field(default_factory=list)
+
+
+@dataclass
+class RawData:
+    """Every split of the data as read, before the held-out split is chosen or carved off."""
+
+    splits: dict  # split name -> datasets.Dataset
+    names: dict[str, Callable[[int], str]]  # split name -> names of its rows
+    origin: str
+    root: Optional[Path] = None  # the folder relative image paths are in
+
+
+def _find_column(dataset, wanted: Optional[str], names: tuple[str, ...], feature_type,
+                 flag: str) -> str:
+    columns = list(dataset.column_names)
+    if wanted is not None:
+        if wanted not in columns:
+            raise UsageError(f"{flag} {wanted!r} is not a column of this dataset; its columns "
+                             f"are: {', '.join(columns)}")
+        return wanted
+    for name in names:
+        if name in columns:
+            return name
+    for name, feature in dataset.features.items():
+        if isinstance(feature, feature_type):
+            return name
+    raise UsageError(f"cannot tell which column holds the {flag.split('-')[-2]}s (columns: "
+                     f"{', '.join(columns)}); name it with {flag}")
+
+
+def find_columns(dataset, config: TrainConfig) -> tuple[str, str]:
+    """(image column, label column): as named by the flags, else found by name or type."""
+    from datasets import ClassLabel, Image as ImageFeature
+    return (_find_column(dataset, config.image_column, IMAGE_COLUMN_NAMES, ImageFeature,
+                         "--image-column"),
+            _find_column(dataset, config.label_column, LABEL_COLUMN_NAMES, ClassLabel,
+                         "--label-column"))
+
+
+def labels_and_names(splits: dict, label_column: str) -> tuple[dict[str, torch.Tensor],
+                                                               list[str]]:
+    from datasets import ClassLabel
+    feature = next(iter(splits.values())).features[label_column]
+    # Through Arrow: `ds[column]` is a lazy Column here, and building a tensor from it walked the
+    # rows one by one (over a minute for CIFAR-10's 50,000 labels on a busy machine).
+    columns = {k: ds.with_format("arrow")[label_column] for k, ds in splits.items()}
+    if isinstance(feature, ClassLabel):  # numbers already: no Python object per row
+        return ({k: torch.from_numpy(np.array(column.to_numpy(), dtype=np.int64))
+                 for k, column in columns.items()}, list(feature.names))
+    values = {k: column.to_pylist() for k, column in columns.items()}
+    distinct = sorted({v for vs in values.values() for v in vs})
+    if all(isinstance(v, (int, np.integer)) for v in distinct):
+        if distinct and min(distinct) < 0:
+            raise UsageError(f"label column {label_column!r} holds negative labels; labels must "
+                             f"be class indices 0..N-1 or class names")
+        names = [str(i) for i in range(int(max(distinct)) + 1)] if distinct else []
+        index = {v: int(v) for v in distinct}
+    else:
+        names = [str(v) for v in distinct]
+        index = {v: i for i, v in enumerate(distinct)}
+    return {k: torch.tensor([index[v] for v in vs], dtype=torch.long)
+            for k, vs in values.items()}, names
+
+
+def _quiet_datasets():
+    """The `datasets` library, with its progress bars and warnings off: for files already on
+    this disk they only say "Generating train split ... 100%", hundreds of carriage-return
+    updates that fill log files and land above a one-line error."""
+    import datasets
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
+def _parquet_rows(file: Path, data_dir: str) -> int:
+    """The rows of a parquet file, from its footer; a footer that cannot be read (a copy or
+    download that stopped halfway) is one line naming the file, where datasets would raise
+    pyarrow's error from deep inside its builder."""
+    return parquet_file(file, "parquet", f"--data-dir {data_dir}:").metadata.num_rows
+
+
+def _parquet_names(data_dir: Path, files: list[Path], rows: dict[Path, int]) -> RowNames:
+    return RowNames(str(data_dir), [(str(file.relative_to(data_dir)), rows[file])
+                                    for file in files])
+
+
+def _load_local(config: TrainConfig) -> RawData:
+    """Every split of a save_to_disk folder, a folder of parquet files, or an image folder."""
+    datasets = _quiet_datasets()
+    data_dir = config.data_dir
+    path = Path(data_dir)
+    if not path.exists():
+        raise UsageError(f"--data-dir {data_dir}: no such folder")
+    if not path.is_dir():
+        raise UsageError(f"--data-dir {data_dir} is a file; pass the folder that holds the data")
+    if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        loaded = load_saved_dataset(path, f"--data-dir {data_dir}:")
+        if not isinstance(loaded, datasets.DatasetDict):
+            loaded = datasets.DatasetDict(train=loaded)
+        return RawData(dict(loaded), {split: RowNames(f"{data_dir} split '{split}'")
+                                      for split in loaded}, data_dir)
+    parquet = sorted(path.glob("*.parquet")) + sorted(path.glob("data/*.parquet"))
+    if parquet:
+        files: dict[str, list[Path]] = {}
+        rows = {file: _parquet_rows(file, data_dir) for file in parquet}  # each footer read once
+        for file in parquet:
+            stem = file.stem.split("-")[0].lower()
+            split = stem if stem in ("train", *EVAL_SPLIT_NAMES) else "train"
+            files.setdefault(split, []).append(file)
+        loaded = datasets.load_dataset("parquet", data_files={
+            split: [str(file) for file in group] for split, group in files.items()})
+        return RawData(dict(loaded), {split: _parquet_names(path, group, rows)
+                                      for split, group in files.items()}, data_dir)
+    if not any(p.is_file() for p in path.rglob("*")):
+        raise UsageError(f"--data-dir {data_dir} holds no files; expected parquet files, a "
+                         f"save_to_disk folder or one subfolder of images per class")
+    return _load_image_folder(config, path)
+
+
+def _load_image_folder(config: TrainConfig, path: Path) -> RawData:
+    """An image folder through our own index (imagefolder.py): splits of (path, label) rows."""
+    import pyarrow as pa
+    from datasets import ClassLabel, Dataset, DatasetInfo, Features, Image as ImageFeature
+    from datasets.table import InMemoryTable
+
+    index = index_folder(path, config.class_depth, config.val_labels, say=print_once)
+    features = Features({"image": ImageFeature(decode=False),
+                         "label": ClassLabel(names=index.class_names)})
+    splits = {}
+    for split, (paths, labels) in index.splits.items():
+        images = pa.StructArray.from_arrays([pa.nulls(len(paths), pa.binary()), paths],
+                                            names=["bytes", "path"])
+        table = pa.table({"image": images, "label": pa.array(labels, pa.int64())})
+        # Our own fingerprint: without one, datasets pickles the whole table to make one
+        # (a quarter of a second and 100 MB for a million paths).
+        splits[split] = Dataset(InMemoryTable(table), info=DatasetInfo(features=features),
+                                fingerprint=index.fingerprint(split))
+    return RawData(splits, {split: RowNames(f"{path} split '{split}'") for split in splits},
+                   str(path), root=path)
+
+
+def _load_hub(name: str) -> RawData:
+    datasets = _quiet_datasets()
+    try:
+        loaded = datasets.load_dataset(name)
+    except Exception as err:  # offline, unknown id, gated: all end the same way for the user
+        offline = (os.environ.get("HF_DATASETS_OFFLINE") == "1"
+                   or os.environ.get("HF_HUB_OFFLINE") == "1")
+        reason = "offline mode is set" if offline else first_line(err, 200)
+        raise UsageError(f"--dataset {name}: cannot load it from the Hugging Face hub ({reason}); "
+                         f"with no network, pass --data-dir PATH to a local copy, or --dataset "
+                         f"{SYNTHETIC_DATASET} for the embedded set") from None
+    return RawData(dict(loaded), {split: RowNames(f"{name} split '{split}'") for split in loaded},
+                   name)
+
+
+def open_data(config: TrainConfig) -> RawData:
+    """Every split of --data-dir or --dataset, as read (not the embedded synthetic set)."""
+    if config.val_labels is not None and config.data_dir is None:
+        raise UsageError("--val-labels labels the held-out folder of an image folder: pass "
+                         "--data-dir DIR too")
+    raw = _load_local(config) if config.data_dir is not None else _load_hub(config.dataset)
+    if not raw.splits or all(len(split) == 0 for split in raw.splits.values()):
+        raise UsageError(f"{raw.origin}: the dataset is empty")
+    return raw
+
+
+def pick_splits(raw: RawData, val_fraction: float):
+    """(train split, its rows, held-out split, its rows, description): the held-out split is
+    the data's own, or `val_fraction` of the training split carved off with a fixed seed."""
+    names = list(raw.splits)
+    train_name = "train" if "train" in names else names[0]
+    eval_name = next((n for n in EVAL_SPLIT_NAMES if n in names and n != train_name), None)
+    train = raw.splits[train_name]
+    if eval_name is not None:
+        return (train_name, np.arange(len(train)), eval_name,
+                np.arange(len(raw.splits[eval_name])), f"{train_name}/{eval_name}")
+    if len(train) < 2:
+        raise UsageError("the data has fewer than 2 images; nothing to hold out for evaluation")
+    # datasets' own split of a stand-in that holds the row numbers: the same rows as
+    # train.train_test_split(...) gives (it depends on the length and the seed only), and the
+    # row numbers still name each image.
+    from datasets import Dataset
+    stand_in = Dataset.from_dict({"row": np.arange(len(train))})
+    parts = stand_in.train_test_split(test_size=val_fraction, seed=VAL_CARVE_SEED, shuffle=True)
+    return (train_name, parts["train"].with_format("arrow")["row"].to_numpy(), train_name,
+            parts["test"].with_format("arrow")["row"].to_numpy(),
+            f"{train_name} minus {val_fraction:.0%} held out")
+
+
+def rows_of(dataset, rows: np.ndarray):
+    """dataset.select(rows); a prefix stays a slice (no indices mapping), all of it as it is."""
+    if np.array_equal(rows, np.arange(len(rows))):
+        return dataset if len(rows) == len(dataset) else dataset.select(range(len(rows)))
+    return dataset.select(rows)
+
+
+def _limit(source: ImageSource, limit: Optional[int]) -> ImageSource:
+    if limit is None or limit >= len(source):
+        return source
+    if isinstance(source, ArraySource):
+        return ArraySource(source.images[:limit], source.labels[:limit])
+    return source.subset(np.arange(limit))
+
+
+def _synthetic(config: TrainConfig) -> LoadedData:
+    parts = synthetic.splits(config.synthetic_train_size)
+
+    def to_source(images, labels):
+        return ArraySource(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(),
+                           torch.from_numpy(labels))
+
+    return LoadedData(to_source(*parts["train"]), to_source(*parts["test"]),
+                      list(synthetic.CLASS_NAMES), "synthetic shapes (embedded)")
+
+
+def embedded_set(config: TrainConfig) -> bool:
+    """Whether the run reads the embedded synthetic set (generated, in memory)."""
+    return config.data_dir is None and config.dataset == SYNTHETIC_DATASET
+
+
+def load_data(config: TrainConfig) -> LoadedData:
+    """Load, pick splits and columns, apply sample limits, decode into memory when worthwhile."""
+    if embedded_set(config):
+        data = _synthetic(config)
+        return LoadedData(_limit(data.train, config.max_train_samples),
+                          _limit(data.held_out, config.max_eval_samples), data.class_names,
+                          data.description)
+    raw = open_data(config)
+    train_name, train_rows, eval_name, eval_rows, split_desc = \
+        pick_splits(raw, config.val_fraction)
+    if config.max_train_samples:
+        train_rows = train_rows[:config.max_train_samples]
+    if config.max_eval_samples:
+        eval_rows = eval_rows[:config.max_eval_samples]
+    train = rows_of(raw.splits[train_name], train_rows)
+    held_out = rows_of(raw.splits[eval_name], eval_rows)
+    image_column, label_column = find_columns(train, config)
+    labels, class_names = labels_and_names({"train": train, "eval": held_out}, label_column)
+    if len(class_names) < 2:
+        raise UsageError(f"{raw.origin}: found {len(class_names)} class(es) in "
+                         f"{label_column!r}; a classifier needs at least 2")
+    sources = [HFSource(dataset, image_column, labels[key], split, rows=rows,
+                        names=raw.names[name], root=raw.root, bad_images=config.bad_images)
+               for dataset, key, split, rows, name in (
+                   (train, "train", "train", train_rows, train_name),
+                   (held_out, "eval", "held-out", eval_rows, eval_name))]
+    for source in sources:  # while loading, every rank would say it: LoadedData.bad_images
+        source.on_substitute = None
+    bad: list[BadImage] = []
+    if config.in_memory != "never":
+        limit = config.in_memory_limit_gb * 2**30
+        decoded = [s.materialize(limit) for s in sources]
+        if all(d is not None for d in decoded):
+            sources = decoded
+            bad = [image for source in decoded for image in source.bad_images]
+        elif config.in_memory == "always":
+            raise UsageError("--in-memory always: the images do not share one size or exceed "
+                             "--in-memory-limit-gb; use --in-memory auto or raise the limit")
+    for source in sources:
+        if isinstance(source, HFSource):
+            source.on_substitute = warn_substitute
+    return LoadedData(sources[0], sources[1], class_names, f"{raw.origin} ({split_desc})", bad)

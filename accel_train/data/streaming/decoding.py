@@ -1,0 +1,54 @@
+"""Decoding a batch of read samples into image tensors, under the --bad-images policy.
+
+The substitute for a bad sample is chosen within its batch only, so the choice is a function of
+the batch: a resumed run replaces the same samples with the same substitutes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accel_train.base.errors import UsageError
+from accel_train.data.decode import decode_many, Unreadable
+
+
+def decode_batch(samples: list[tuple]) -> tuple[list[torch.Tensor], list[int]]:
+    images = decode_many([image if image is not None else b"" for image, _, _ in samples])
+    labels = []
+    for result, (_, label, name) in zip(images, samples):
+        if isinstance(result, Unreadable):
+            raise UsageError(f"image {name} cannot be decoded ({result.reason}); remove it from "
+                             f"the shard")
+        if label is None:
+            raise UsageError(f"sample {name} has no label (.cls)")
+        labels.append(int(label))
+    return images, labels
+
+
+def decode_substituting(samples: list[tuple], policy: str):
+    """(images, labels, [(position, reason)] of the samples replaced): under --bad-images
+    substitute, a sample whose image cannot be decoded (or that has no label) takes the image
+    and label of the next good sample of the same batch (a function of the batch alone, so a
+    resumed run replaces it the same way); under error, the first one stops the run, named."""
+    images = decode_many([image if image is not None else b"" for image, _, _ in samples])
+    bad = []
+    for position, (result, (_, label, name)) in enumerate(zip(images, samples)):
+        reason = result.reason if isinstance(result, Unreadable) else \
+            ("no label (.cls)" if label is None else None)
+        if reason is None:
+            continue
+        if policy == "error":
+            raise UsageError(f"sample {name} cannot be used ({reason}); remove or replace it, or "
+                             f"pass --bad-images substitute to train on with a substitute")
+        bad.append((position, reason))
+    broken = {position for position, _ in bad}
+    if len(broken) == len(samples):
+        raise UsageError(f"no sample of a batch can be decoded (the first: {samples[0][2]}: "
+                         f"{bad[0][1]}); check the shards")
+    labels = [None if position in broken else int(label)
+              for position, (_, label, _) in enumerate(samples)]
+    for position, _ in bad:
+        used = next((position + step) % len(samples) for step in range(1, len(samples))
+                    if (position + step) % len(samples) not in broken)
+        images[position], labels[position] = images[used], labels[used]
+    return images, labels, bad

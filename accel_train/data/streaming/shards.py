@@ -1,0 +1,278 @@
+"""Shard files and the index `accel-train shard` writes: what a split holds, and reading it.
+
+A split is a ShardSet: files in order, each one's sample count, and so each sample's number in
+the split (its key).  The counts come from index.json, checked against the tars' member names
+(cheap: headers only); a folder without an index is read once to count and to find the classes.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from accel_train.base.errors import UsageError
+from accel_train.base.readers import BadFile, Shape, bad, parquet_file, read_json
+from accel_train.data.sources import IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES
+
+INDEX_NAME = "index.json"
+INDEX_FORMAT = "accel_train-shards/1"
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "img")
+EVAL_SPLITS = ("validation", "val", "valid", "test", "eval", "evaluation")
+
+
+@dataclass
+class ShardSet:
+    """The shards of one split: files, sample counts, and each shard's first sample number."""
+
+    files: list[Path]
+    counts: list[int]
+    offsets: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.offsets = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __iter__(self):
+        return iter(range(len(self.files)))
+
+
+def shard_kind(path: Path) -> str:
+    """'tar' or 'parquet' by content (a misnamed file is named in the error), else UsageError."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(512)
+    except OSError as err:
+        raise UsageError(f"shard {path}: cannot be read ({err.strerror})") from None
+    if head[:4] == b"PAR1":
+        return "parquet"
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        return "tar"
+    raise UsageError(f"shard {path} is not a tar or parquet file; shards are WebDataset tars "
+                     f"(accel-train shard writes them) or parquet files")
+
+
+def _image_member(name: str) -> bool:
+    return name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS
+
+
+def iter_tar(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
+    """(image bytes, label or None, sample name) of each sample of a WebDataset tar, in order.
+    A sample is the run of members sharing a name up to the first dot."""
+    current, image, label = None, None, None
+    try:
+        with tarfile.open(path, "r|") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                base = member.name.rsplit("/", 1)[-1]
+                stem, _, ext = base.partition(".")
+                stem = member.name[: len(member.name) - len(base)] + stem
+                if stem != current:
+                    if current is not None:
+                        yield image, label, current
+                    current, image, label = stem, None, None
+                data = tar.extractfile(member).read()
+                if ext.lower() == "cls":
+                    label = int(data.decode().strip())
+                elif _image_member(base) and image is None:
+                    image = data
+    except (tarfile.TarError, ValueError) as err:
+        raise UsageError(f"shard {path}: not a readable tar ({err})") from None
+    if current is not None:
+        yield image, label, current
+
+
+def iter_parquet(path: Path, image_column: Optional[str] = None,
+                 label_column: Optional[str] = None):
+    handle = parquet_file(path, "shard", "shard")
+    columns = handle.schema_arrow.names
+    image = image_column or next((c for c in IMAGE_COLUMN_NAMES if c in columns), None)
+    label = label_column or next((c for c in LABEL_COLUMN_NAMES if c in columns), None)
+    if image is None or label is None:
+        raise UsageError(f"shard {path}: cannot tell the image and label columns (columns: "
+                         f"{', '.join(columns)}); name them with --image-column/--label-column")
+    row = 0
+    for batch in handle.iter_batches(batch_size=256, columns=[image, label]):
+        for value, target in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
+            data = value.get("bytes") if isinstance(value, dict) else value
+            yield data, target, f"row {row}"
+            row += 1
+
+
+def iter_shard(path: Path):
+    return iter_tar(path) if shard_kind(path) == "tar" else iter_parquet(path)
+
+
+def _count(path: Path) -> tuple[int, int]:
+    """(samples, largest label + 1) of one shard, by reading it."""
+    if shard_kind(path) == "parquet":
+        handle = parquet_file(path, "shard", "shard")
+        labels = [label for _, label, _ in iter_parquet(path)]
+        return handle.metadata.num_rows, (max(labels) + 1 if labels else 0)
+    count, top = 0, 0
+    for _, label, _ in iter_tar(path):
+        count += 1
+        top = max(top, (label or 0) + 1)
+    return count, top
+
+
+def _count_fast(path: Path) -> int:
+    """Samples in one shard from its metadata: parquet row count, or tar member names."""
+    if shard_kind(path) == "parquet":
+        return parquet_file(path, "shard", "shard").metadata.num_rows
+    try:
+        with tarfile.open(path, "r:") as tar:
+            stems, last = 0, None
+            for name in tar.getnames():
+                base = name.rsplit("/", 1)[-1]
+                stem = name[: len(name) - len(base)] + base.partition(".")[0]
+                if stem != last:
+                    stems, last = stems + 1, stem
+            return stems
+    except (tarfile.TarError, ValueError) as err:
+        raise UsageError(f"shard {path}: not a readable tar ({err})") from None
+
+
+# index.json's record of one shard.
+SHARD_ENTRY = Shape({"file": str, "count": int})
+
+
+@dataclass
+class ShardData:
+    """What a streaming run reads: the training shards, the held-out shards, the classes."""
+
+    train: ShardSet
+    held_out: ShardSet
+    class_names: list[str]
+    origin: str
+    eval_name: str
+
+
+def is_shard_folder(data_dir: Optional[str]) -> bool:
+    """--data-dir holds an index written by `accel-train shard`, or WebDataset tars."""
+    if data_dir is None:
+        return False
+    path = Path(data_dir)
+    if (path / INDEX_NAME).is_file():
+        try:
+            if read_json(path / INDEX_NAME, "shard_index", shape=Shape()).get("format") \
+                    == INDEX_FORMAT:
+                return True
+        except BadFile:
+            pass  # damaged: beside tars, open_shards names it; else the folder is not ours
+    # Only the top and the split folders: an image folder's class folders are not listed.
+    return path.is_dir() and any(any(path.glob(pattern)) for pattern in (
+        "*.tar", *(f"{split}/*.tar" for split in ("train", *EVAL_SPLITS))))
+
+
+def _glob(root: Path, pattern: str) -> list[Path]:
+    base = Path(pattern)
+    if not base.is_absolute():
+        base = root / pattern
+    matches = sorted(p for p in base.parent.glob(base.name) if p.is_file()) \
+        if base.parent.is_dir() else []
+    if not matches:
+        raise UsageError(f"no shards match {pattern!r} (looked in {base.parent})")
+    return matches
+
+
+def _split_of(path: Path) -> str:
+    name = path.parent.name.lower() if path.parent.name.lower() in ("train", *EVAL_SPLITS) \
+        else path.stem.split("-")[0].lower()
+    return name if name in ("train", *EVAL_SPLITS) else "train"
+
+
+def open_shards(config) -> ShardData:
+    """The shards of --data-dir (index.json, else the tar/parquet files found), checked."""
+    root = Path(config.data_dir)
+    if not root.is_dir():
+        raise UsageError(f"--data-dir {config.data_dir}: no such folder")
+    index_path = root / INDEX_NAME
+    eval_pattern = getattr(config, "eval_shards", None)
+    if index_path.is_file():
+        index = read_json(index_path, "shard_index")  # readers.py: its shape checked
+        splits = {}
+        for name, entries in index["splits"].items():
+            problems = [SHARD_ENTRY.problem(entry) for entry in entries] \
+                if isinstance(entries, list) else ["is not a list"]
+            problem = next((p for p in problems if p), None)
+            if problem:
+                raise bad(index_path, "shard_index", f"is not a shard index (split {name!r}: "
+                                                      f"{problem})")
+            splits[name] = ShardSet([root / entry["file"] for entry in entries],
+                                    [entry["count"] for entry in entries])
+        class_names = [str(name) for name in index["class_names"]]
+        for shards in splits.values():
+            for path in shards.files:
+                if not path.is_file():
+                    raise UsageError(f"{index_path} names {path.name} but {path} does not exist;"
+                                     f" the index disagrees with the shards (write it again "
+                                     f"with accel-train shard)")
+                shard_kind(path)
+        for shards in splits.values():  # member names only: tar headers are seeked over
+            for path, count in zip(shards.files, shards.counts):
+                found = _count_fast(path)
+                if found != count:
+                    raise UsageError(f"{index_path} says {path.relative_to(root)} holds {count} "
+                                     f"samples but it holds {found}; the index disagrees with "
+                                     f"the shards (write it again with accel-train shard)")
+        listed = {p.resolve() for s in splits.values() for p in s.files}
+        unlisted = [p for p in sorted(root.rglob("*.tar")) + sorted(root.rglob("*.parquet"))
+                    if p.resolve() not in listed]
+        if unlisted:
+            raise UsageError(f"{index_path} does not list {unlisted[0].relative_to(root)} (and "
+                             f"{len(unlisted) - 1} more); the index disagrees with the shards")
+    else:
+        files = sorted(root.glob("*.tar")) + sorted(root.glob("*/*.tar"))
+        if getattr(config, "streaming", False):
+            files += sorted(root.glob("*.parquet")) + sorted(root.glob("*/*.parquet"))
+        if not files:
+            raise UsageError(f"--data-dir {config.data_dir}: no shards match *.tar or *.parquet")
+        groups: dict[str, list[Path]] = {}
+        for path in files:
+            groups.setdefault(_split_of(path), []).append(path)
+        splits, top = {}, 0
+        for name, paths in groups.items():
+            counted = [_count(path) for path in paths]
+            top = max([top] + [t for _, t in counted])
+            splits[name] = ShardSet(paths, [c for c, _ in counted])
+        class_names = [str(i) for i in range(top)]
+    if eval_pattern:
+        held = _glob(root, eval_pattern)
+        held_set = {p.resolve() for p in held}
+        train_set = splits.get("train") or next(iter(splits.values()))
+        train = [(p, c) for p, c in zip(train_set.files, train_set.counts)
+                 if p.resolve() not in held_set]
+        counts = {p.resolve(): c for s in splits.values() for p, c in zip(s.files, s.counts)}
+        splits = {"train": ShardSet([p for p, _ in train], [c for _, c in train]),
+                  "eval": ShardSet(held, [counts.get(p.resolve()) or _count(p)[0]
+                                          for p in held])}
+    if "train" not in splits or len(splits["train"]) == 0:
+        raise UsageError(f"--data-dir {config.data_dir}: no training shards")
+    eval_name = next((n for n in ("eval", *EVAL_SPLITS) if n in splits), None)
+    if eval_name is None:
+        raise UsageError(f"--data-dir {config.data_dir}: no held-out shards; pass --eval-shards "
+                         f"PATTERN or write a test split with accel-train shard")
+    if len(class_names) < 2:
+        raise UsageError(f"{config.data_dir}: found {len(class_names)} class(es); a classifier "
+                         f"needs at least 2")
+    return ShardData(splits["train"], splits[eval_name], class_names, str(root), eval_name)
+
+
+def read_split(shards: ShardSet, limit: Optional[int] = None) -> tuple[list, list[int]]:
+    """A split's samples in order, at most `limit`: (image bytes, label, name) each (decoded
+    later, under --bad-images), and their labels (-1 where a sample has none)."""
+    images, labels = [], []
+    for s in shards:
+        for image, label, name in iter_shard(shards.files[s]):
+            if limit is not None and len(images) >= limit:
+                return images, labels
+            images.append((image, label, f"{shards.files[s].name} {name}"))
+            labels.append(-1 if label is None else int(label))
+    return images, labels

@@ -1,0 +1,91 @@
+"""What the trainer asks of a streaming run at its start: whether to stream at all, the loaded
+data (training shards counted, held-out shards read whole), and the loaders."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from accel_train.base.errors import UsageError
+from accel_train.data.streaming.decoding import decode_substituting
+from accel_train.data.streaming.loader import StreamingTrain, StreamLoader
+from accel_train.data.streaming.plan import Layout, fit_workers, rank_batches_per_epoch
+from accel_train.data.streaming.shards import (ShardSet, is_shard_folder, iter_shard, open_shards,
+                                               read_split)
+from accel_train.data.decode import decode_many, Unreadable
+from accel_train.data.sources import ArraySource, BadImage, ImageSource, LoadedData
+
+
+def load_streaming(config):
+    """LoadedData for a streaming run: the training shards (read per epoch, by the loader),
+    the held-out shards read whole into memory, decoded (they are evaluated every epoch)."""
+
+    if config.max_train_samples:
+        raise UsageError("--max-train-samples does not apply to streamed shards (an epoch is a "
+                         "pass over the shards); bound the run with --max-steps instead")
+    data = open_shards(config)
+
+    class StreamSource(ImageSource):
+        """Stands for the training shards: a length, and the first images (for the native
+        image size and the normalization statistics)."""
+
+        def __init__(self, shards: ShardSet):
+            self.shards = shards
+            self.labels = torch.zeros(0, dtype=torch.long)
+            self._first: list[torch.Tensor] = []
+
+        def __len__(self) -> int:
+            return len(self.shards)
+
+        def image(self, index: int) -> torch.Tensor:
+            if index >= len(self._first):
+                samples, _ = read_split(self.shards, limit=max(index + 1, 500))
+                self._first, _, _ = decode_substituting(samples, "substitute")
+            return self._first[index]
+
+        def bad_image(self, index: int):
+            """Sample `index` (its number in the split) as a BadImage, re-read from its shard,
+            if it cannot be used (badimages.py names each once)."""
+            s = int(np.searchsorted(self.shards.offsets, index, side="right")) - 1
+            for k, (image, label, name) in enumerate(iter_shard(self.shards.files[s])):
+                if k == index - int(self.shards.offsets[s]):
+                    result = decode_many([image if image is not None else b""])[0]
+                    reason = result.reason if isinstance(result, Unreadable) else \
+                        ("no label (.cls)" if label is None else None)
+                    return None if reason is None else BadImage(
+                        "train", index, f"{self.shards.files[s].name} {name}", reason)
+            return None
+
+    samples, _ = read_split(data.held_out, config.max_eval_samples)
+    images, labels, bad = decode_substituting(samples, config.bad_images)
+    if len({image.shape for image in images}) != 1:
+        raise UsageError("held-out shards of mixed image sizes are not supported yet")
+    held_out = ArraySource(torch.stack(images), torch.as_tensor(labels, dtype=torch.long))
+    description = (f"{data.origin} (streamed: {len(data.train.files)} train shards, "
+                   f"{len(data.train):,} images / {data.eval_name} {len(held_out):,})")
+    loaded = LoadedData(StreamSource(data.train), held_out, data.class_names, description,
+                        [BadImage("held-out", position, samples[position][2], reason)
+                         for position, reason in bad])
+    loaded.shards = data
+    return loaded
+
+
+def streaming_wanted(config) -> bool:
+    return bool(getattr(config, "streaming", False)) or is_shard_folder(config.data_dir)
+
+
+def build_stream_loader(config, data, train_tf, num_processes: int, rank: int,
+                        wanted_workers: int, pin_memory: bool):
+    """The streaming train loader (loading.TrainLoader), its loader workers, and its optimizer
+    steps per epoch."""
+    shards = data.shards.train
+    slots = fit_workers(shards, num_processes, config.batch_size, config.accumulation_steps,
+                        wanted_workers)
+    layout = Layout(num_processes, slots, config.batch_size, config.accumulation_steps)
+    dataset = StreamingTrain(shards, layout, rank, config.seed, config.shuffle_buffer, train_tf)
+    dataset.bad_images = config.bad_images
+    # --num-workers 0 reads the slot in this process (one slot per rank then).
+    train = StreamLoader(dataset, slots if wanted_workers > 0 else 0, config.prefetch_factor,
+                         pin_memory)
+    steps = rank_batches_per_epoch(shards, layout) // config.accumulation_steps
+    return train, slots, steps

@@ -1,0 +1,187 @@
+"""The saved-model format, in one module: the spec that rebuilds a trained network, the weights
+writer, and timm's own folder format (model.safetensors + config.json).
+
+config.json is written by timm's hub saver (`save_config_for_hf`, what `push_to_hf_hub` writes),
+so `timm.create_model("local-dir:DIR", pretrained=True)` (timm >= 1.0.16) and transformers'
+TimmWrapper (image-classification pipeline) open the folder with no code of ours: architecture,
+num_classes, label_names, and a pretrained_cfg saying how the run prepared images (input size,
+interpolation, crop, mean, std).  What only accel_train's commands need rides along in one
+`accel_train` section that both readers ignore: the test-time augmentation, which weights these
+are (raw or EMA), the dropout rate, and the command that trained the run.
+
+A run's final model and `accel-train export` write this; checkpoints keep model_config.json (a
+checkpointed part, resume reads it), which is also what runs and exports made before this format
+hold: `ModelSpec.read` reads both.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from torch import nn
+
+from accel_train.base.errors import UsageError, first_line
+from accel_train.base.readers import read_json
+from accel_train.model.small_nets import NETWORKS
+
+WEIGHTS_FILE = "model.safetensors"  # in checkpoints, run folders and export folders
+SPEC_FILE = "model_config.json"     # in checkpoints (and runs and exports made before config.json)
+LEGACY_SPEC_FILE = SPEC_FILE
+
+TIMM_CONFIG = "config.json"
+OUR_SECTION = "accel_train"  # keys timm's and transformers' readers leave alone
+FORMAT_VERSION = 1
+# The networks accel_train registers in timm's registry: other programs know them only once
+# accel_train is imported.
+OWN_NETWORKS = NETWORKS
+
+
+@dataclass
+class ModelSpec:
+    """Everything needed to rebuild the network and feed it images like training did."""
+
+    model_name: str
+    num_classes: int
+    class_names: list[str]
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    drop_rate: float = 0.0
+    weights: str = "model"  # which weights model.safetensors holds: "model" or "ema" (--model-ema)
+    tta: str = "none"  # test-time augmentation the run evaluated with (--tta)
+
+    name = "model_spec"  # a checkpointed part (checkpoint.py): export/eval read a checkpoint alone
+
+    def save(self, directory: Path) -> Path:
+        path = Path(directory) / SPEC_FILE
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        return path
+
+    def load(self, directory: Path) -> None:
+        """A resumed start: the checkpoint's network must be this start's (restored before the
+        weights, so that another --model is one line, not a state-dict size mismatch)."""
+        saved = ModelSpec.read(directory)
+        if (saved.model_name, saved.num_classes) != (self.model_name, self.num_classes):
+            raise UsageError(f"checkpoint {directory} was trained with --model "
+                             f"{saved.model_name} ({saved.num_classes} classes) but this start "
+                             f"builds {self.model_name} ({self.num_classes} classes); resume "
+                             f"with the same --model and data, or start a new run")
+
+    @classmethod
+    def read(cls, directory: Path) -> "ModelSpec":
+        """From timm's config.json (a run's final model, an export: timm_folder.py), else from
+        model_config.json (checkpoints; runs and exports made before timm's format)."""
+        if (Path(directory) / TIMM_CONFIG).is_file():
+            return spec_from_timm_config(Path(directory) / TIMM_CONFIG)
+        path = Path(directory) / SPEC_FILE
+        if not path.is_file():
+            raise UsageError(f"{directory}: no {TIMM_CONFIG} or {SPEC_FILE} there; pass a run "
+                             f"directory or an export made by accel-train")
+        return cls.from_dict(read_json(path, "model_config"))  # readers.py: one line if bad
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelSpec":
+        """From model_config.json, or the `resolved: model:` entry of a run's config.yaml
+        (timm's config.json: timm_folder.spec_from_timm_config)."""
+        return cls(**{**data, "mean": tuple(data["mean"]), "std": tuple(data["std"])})
+
+
+def save_weights(state_dict: dict, directory: Path, spec: ModelSpec,
+                 with_spec: bool = True) -> Path:
+    """The one writer of model weights: DIR/model.safetensors (plain CPU tensors, with the
+    metadata that tools reading safetensors as PyTorch weights look for) and, `with_spec`,
+    DIR/model_config.json beside it (checkpoints; a model folder has timm's config.json
+    instead: timm_folder.py)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    if with_spec:
+        spec.save(directory)
+    return directory / WEIGHTS_FILE
+
+
+def preprocessing(spec: ModelSpec) -> dict:
+    """The held-out preprocessing of a run in timm's pretrained_cfg terms.  Our eval transform
+    resizes both sides to the model's size without keeping the aspect (transforms.py): timm's
+    crop_mode 'squash' with crop_pct 1.0 is that same resize, bilinear, and no crop."""
+    return {"input_size": (3, spec.image_size, spec.image_size), "interpolation": "bilinear",
+            "crop_pct": 1.0, "crop_mode": "squash", "mean": tuple(spec.mean),
+            "std": tuple(spec.std), "num_classes": spec.num_classes}
+
+
+def write_model_folder(model: nn.Module, directory: Path, spec: ModelSpec,
+                       command: Optional[list] = None) -> Path:
+    """DIR/model.safetensors (our writer: plain contiguous CPU tensors with the "pt" metadata;
+    timm's save_for_hf writes `model.state_dict()` as it is) and DIR/config.json by timm's
+    saver; returns the weights' path."""
+    from timm.models._hub import save_config_for_hf
+
+    directory = Path(directory)
+    weights = save_weights(model.state_dict(), directory, spec, with_spec=False)
+    ours = {"format_version": FORMAT_VERSION, "weights": spec.weights, "tta": spec.tta,
+            "drop_rate": spec.drop_rate, "command": list(command or [])}
+    # timm's saver takes the preprocessing from model.pretrained_cfg (the `data_config` argument
+    # exists only in the newest timm): describe the trained model there while it writes.  The
+    # source checkpoint's tag and pool size no longer describe these weights.
+    source_cfg = model.pretrained_cfg
+    size_changed = tuple(source_cfg.get("input_size", ())[1:]) != (spec.image_size,) * 2
+    model.pretrained_cfg = {**{k: v for k, v in source_cfg.items() if k != "tag"},
+                            **preprocessing(spec), **({"pool_size": None} if size_changed else {})}
+    try:
+        save_config_for_hf(model, directory / TIMM_CONFIG,
+                           model_config={"label_names": list(spec.class_names), OUR_SECTION: ours})
+    finally:
+        model.pretrained_cfg = source_cfg
+    config = read_json(directory / TIMM_CONFIG, "timm_config")  # what timm's saver just wrote
+    # timm >= 1.0.27 also records num_classes among model_args; transformers' TimmWrapper passes
+    # num_classes=num_labels beside **model_args and fails ("got multiple values for keyword
+    # argument 'num_classes'").  timm reads the top-level num_classes, so it is not lost.
+    config.get("model_args", {}).pop("num_classes", None)
+    (directory / TIMM_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return weights
+
+
+def holds_model_spec(directory: Path) -> bool:
+    return (Path(directory) / TIMM_CONFIG).is_file() or \
+        (Path(directory) / LEGACY_SPEC_FILE).is_file()
+
+
+def spec_from_timm_config(path: Path) -> ModelSpec:
+    """The spec in a config.json of timm's layout (ModelSpec.read calls it).  Read here rather
+    than with timm's reader (a private function, timm.models._hub.load_model_config_from_path,
+    absent before timm 1.0.16) because we also need our own section, which that reader drops;
+    the fields are the layout timm's saver writes."""
+    config = read_json(Path(path), "timm_config")  # one line when cut short or not timm's
+    try:
+        cfg, ours = config["pretrained_cfg"], config.get(OUR_SECTION, {})
+        num_classes = int(config.get("num_classes", cfg.get("num_classes")))
+        names = config.get("label_names") or cfg.get("label_names") or \
+            [str(i) for i in range(num_classes)]
+        return ModelSpec(config["architecture"], num_classes, list(names),
+                         int(cfg["input_size"][-1]), tuple(cfg["mean"]), tuple(cfg["std"]),
+                         float(ours.get("drop_rate", 0.0)), ours.get("weights", "model"),
+                         ours.get("tta", "none"))
+    except (ValueError, KeyError, TypeError, IndexError) as err:
+        raise UsageError(f"{path} is not a timm model config ({type(err).__name__}: "
+                         f"{first_line(err)}); export the run again with accel-train "
+                         f"export") from None
+
+
+def read_our_section(directory: Path) -> dict:
+    path = Path(directory) / TIMM_CONFIG
+    return read_json(path, "timm_config").get(OUR_SECTION, {}) if path.is_file() else {}
+
+
+def unknown_architecture_hint(name: str) -> str:
+    """What to tell someone whose timm does not know `name`."""
+    if name in OWN_NETWORKS:
+        return (f"{name} is one of accel_train's small networks, registered in timm's registry "
+                f"by `import accel_train`: import it before timm.create_model or the "
+                f"transformers pipeline")
+    return "a newer timm may have it: pip install -U timm"

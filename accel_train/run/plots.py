@@ -1,0 +1,184 @@
+"""PNG curves of a run, from its metrics.jsonl: what `--plots` writes at the end of training and
+what `accel-train plot RUN_DIR` writes on demand.
+
+  loss_lr.png      training loss (and held-out loss at epoch ends) and learning rate vs step
+  accuracy.png     running train top-1 and held-out top-1/top-5 vs epoch
+  throughput.png   images per second and the share of time spent waiting for data vs step
+
+matplotlib's Agg backend draws without a display (servers, CI, launched workers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from accel_train.base.readers import read_yaml
+from accel_train.run.rundir import PLOTS_DIR, run_paths  # noqa: F401  (PLOTS_DIR: named in messages)
+from accel_train.run.track import read_metrics
+
+_FIGURE_SIZE = (8, 6)
+
+
+def _read_resolved(run_dir: Path) -> dict:
+    config_path = run_paths(run_dir).config
+    if not config_path.is_file():
+        return {}
+    return read_yaml(config_path, "run_config")["resolved"]
+
+
+def _run_name(run_dir: Path, resolved: dict) -> str:
+    """The second title line: which run, and what it trained, so a PNG alone says what it is."""
+    name = f"run {run_dir.resolve().name}"
+    model = (resolved.get("model") or {}).get("model_name")
+    return f"{name}: {model}, global batch {resolved.get('global_batch')}" if model else name
+
+
+def _steps_per_epoch(resolved: dict, epochs: list[dict]) -> Optional[float]:
+    """From the run's config.yaml; else from the first full epoch's record."""
+    if resolved.get("steps_per_epoch"):
+        return float(resolved["steps_per_epoch"])
+    full = [e for e in epochs if e.get("epoch_time") is not None and e.get("step")]
+    return full[0]["step"] / full[0]["epoch"] if full else None
+
+
+def _title(ax, text: str, run_name: str):
+    ax.set_title(f"{text}\n{run_name}", fontsize=11)
+
+
+def _mark_resumes(axes, resumes: list[dict], scale: float = 1.0):
+    """A dashed line where the run was resumed: a jump in a curve there is explained."""
+    for number, record in enumerate(resumes):
+        for ax in axes:
+            ax.axvline(record["step"] / scale, color="grey", linestyle="--", linewidth=1,
+                       label="resumed" if number == 0 and ax is axes[0] else None)
+
+
+def _style(ax, xlabel: Optional[str], ylabel: str):
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize=9)
+
+
+def _marker(count: int) -> str:
+    """Markers when there are few points, so a short run's single point is still visible."""
+    return "o" if count <= 30 else ""
+
+
+def _save(plt, fig, path: Path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _step_figure(plt, path: Path, title: str, run_name: str, resumes, labels: tuple[str, str],
+                 draw):
+    """Two panels against the optimizer step: `draw(top_axes, bottom_axes)` fills them."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=_FIGURE_SIZE, sharex=True,
+                                      gridspec_kw={"height_ratios": [2, 1]})
+    draw(top, bottom)
+    _mark_resumes([top, bottom], resumes)
+    _title(top, title, run_name)
+    _style(top, None, labels[0])
+    _style(bottom, "optimizer step", labels[1])
+    _save(plt, fig, path)
+
+
+def _plot_loss_lr(plt, train, epochs, resumes, run_name, path: Path):
+    steps, marker = [r["step"] for r in train], _marker(len(train))
+
+    def draw(loss_ax, lr_ax):
+        loss_ax.plot(steps, [r["loss"] for r in train], marker=marker, markersize=3,
+                     label="train loss (mean over each logged window)")
+        evals = [e for e in epochs if e.get("eval_loss") is not None]
+        if evals:
+            loss_ax.plot([e["step"] for e in evals], [e["eval_loss"] for e in evals],
+                         marker="s", linestyle="--", label="held-out loss (epoch end)")
+        lr_ax.plot(steps, [r["lr"] for r in train], color="tab:green", marker=marker,
+                   markersize=3)
+        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+
+    _step_figure(plt, path, "Loss and learning rate", run_name, resumes,
+                 ("cross-entropy loss", "learning rate"), draw)
+
+
+def _plot_throughput(plt, train, resumes, run_name, path: Path):
+    steps, marker = [r["step"] for r in train], _marker(len(train))
+
+    def draw(speed_ax, wait_ax):
+        speed_ax.plot(steps, [r["img_per_s"] for r in train], marker=marker, markersize=3,
+                      label="all processes together")
+        median = sorted(r["img_per_s"] for r in train)[len(train) // 2]
+        speed_ax.axhline(median, color="tab:blue", linestyle=":", linewidth=1,
+                         label=f"median {median:.0f} images/s")
+        speed_ax.set_ylim(bottom=0)
+        waits = [100 * r["data_wait"] for r in train]
+        wait_ax.plot(steps, waits, color="tab:red", marker=marker, markersize=3)
+        # Up to 10% on a fixed 0-10 scale, so that 0.5% reads as small but not as nothing and
+        # runs compare at a glance; beyond that the axis follows the data up to 100%.
+        wait_ax.set_ylim(0, min(101, max(10, 1.15 * max(waits))))
+
+    _step_figure(plt, path, "Throughput (training images per second)", run_name, resumes,
+                 ("images / s", "waiting for data (%)"), draw)
+
+
+def _plot_accuracy(plt, train, epochs, resumes, steps_per_epoch, run_name, path: Path):
+    fig, ax = plt.subplots(figsize=_FIGURE_SIZE)
+    scale = steps_per_epoch or 1.0
+    with_top1 = [r for r in train if r.get("top1") is not None]
+    if with_top1 and steps_per_epoch:  # runs from before train accuracy was logged have none
+        ax.plot([r["step"] / scale for r in with_top1], [100 * r["top1"] for r in with_top1],
+                marker=_marker(len(with_top1)), markersize=3, alpha=0.8,
+                label="train top-1 (running, augmented images)")
+    evals = [e for e in epochs if e.get("eval_top1") is not None]
+    x = [e["step"] / scale if steps_per_epoch else e["epoch"] for e in evals]
+    ax.plot(x, [100 * e["eval_top1"] for e in evals], marker="s", linewidth=2,
+            label="held-out top-1")
+    ax.plot(x, [100 * e["eval_top5"] for e in evals], marker="^", linestyle="--",
+            label="held-out top-5")
+    with_ema = [(xi, e) for xi, e in zip(x, evals) if e.get("eval_ema_top1") is not None]
+    if with_ema:  # --model-ema: the averaged weights, evaluated beside the raw ones
+        ax.plot([xi for xi, _ in with_ema], [100 * e["eval_ema_top1"] for _, e in with_ema],
+                marker="o", linewidth=2, label="held-out top-1, EMA weights")
+    ax.set_ylim(0, 101)
+    ax.set_xlim(left=0)
+    if steps_per_epoch:
+        _mark_resumes([ax], resumes, scale)
+    final = evals[-1] if evals else None  # the final numbers, readable without a ruler
+    _title(ax, f"Accuracy: final held-out top-1 {100 * final['eval_top1']:.1f}%, top-5 "
+               f"{100 * final['eval_top5']:.1f}%" if final else "Accuracy", run_name)
+    _style(ax, "epoch", "accuracy (%)")
+    _save(plt, fig, path)
+
+
+def write_plots(run_dir: Path, out_dir: Optional[Path] = None) -> list[Path]:
+    """Draw the run's curves into out_dir (default <run>/plots); returns the files written.
+    A run that logged nothing yet (no metrics.jsonl lines) gets no plots."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    metrics_path = run_paths(run_dir).metrics
+    records = read_metrics(metrics_path) if metrics_path.is_file() else []
+    train = [r for r in records if r.get("type") == "train" and r.get("loss") is not None]
+    epochs = [r for r in records if r.get("type") == "epoch"]
+    resumes = [r for r in records if r.get("type") == "resume"]
+    out_dir = Path(out_dir) if out_dir is not None else run_paths(run_dir).plots
+    out_dir.mkdir(parents=True, exist_ok=True)
+    resolved = _read_resolved(run_dir)
+    run_name = _run_name(run_dir, resolved)
+    written = []
+    if train:
+        written.append(out_dir / "loss_lr.png")
+        _plot_loss_lr(plt, train, epochs, resumes, run_name, written[-1])
+        written.append(out_dir / "throughput.png")
+        _plot_throughput(plt, train, resumes, run_name, written[-1])
+    if epochs:
+        written.append(out_dir / "accuracy.png")
+        _plot_accuracy(plt, train, epochs, resumes, _steps_per_epoch(resolved, epochs), run_name,
+                       written[-1])
+    return written

@@ -1,0 +1,101 @@
+"""What a run says: one voice for all ranks on the console, one log file per rank, the resolved
+facts recorded in config.yaml, and the start-up summary printed from them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from accel_train.base.ranks import print_once
+from accel_train.run.rundir import PLOTS_DIR, TRACKERS_DIR, RunPaths
+from accel_train.run.track import rank_logger
+
+
+class Reporter:
+    """Prints once in total (global main process) and logs on every rank to
+    <run>/logs/rank<R>.log.  The log opens only once the start is known good (`open_log`):
+    a failed start writes no file.  What was said before that goes into the log when it opens."""
+
+    def __init__(self, earlier: tuple[str, ...] = ()):
+        self._logger: Optional[logging.Logger] = None
+        self._before_log: list[tuple[int, str]] = [
+            (logging.WARNING if text.startswith("warning: ") else logging.INFO,
+             text.removeprefix("warning: ")) for text in earlier]
+
+    def open_log(self, log_dir: Path, rank: int, first_line: str) -> None:
+        self._logger = rank_logger(log_dir, rank)
+        self._logger.info(first_line)
+        for level, text in self._before_log:
+            self._logger.log(level, text)
+        self._before_log.clear()
+
+    def _log(self, level: int, text: str) -> None:
+        if self._logger is None:
+            self._before_log.append((level, text))
+        else:
+            self._logger.log(level, text)
+
+    def say(self, text: str) -> None:
+        self._log(logging.INFO, text)
+        print_once(text)
+
+    def warn(self, text: str) -> None:
+        self._log(logging.WARNING, text)
+        print_once(f"warning: {text}")
+
+    def log(self, text: str) -> None:
+        """Into this rank's log only."""
+        self._log(logging.INFO, text)
+
+    def log_exception(self, text: str) -> None:
+        if self._logger is not None:
+            self._logger.exception(text)
+
+
+def summary(facts: dict, data_description: str, accumulation_steps: int, backend: Optional[str],
+            records: str) -> str:
+    """The start-up summary: what will really run, from the resolved facts."""
+    model = facts["model"]
+    world = facts["world_size"]
+    per_process = facts["global_batch"] // world // accumulation_steps
+    backend_text = f", {backend}" if world > 1 and backend else ""
+    return (
+        f"accel_train: {model['model_name']} ({facts['trainable_parameters']:,} trainable "
+        f"parameters) on {data_description}\n"
+        f"  device {facts['device']} x {world} process(es){backend_text}; precision "
+        f"{facts['precision_used']}, {'channels_last' if facts['channels_last'] else 'NCHW'} "
+        f"({facts['speed_choice']}); sync-bn {'on' if facts['sync_bn'] else 'off'}\n"
+        + (f"  cuda: {facts['cuda_math']}\n" if facts.get("cuda_math") else "")
+        + (f"  network: {facts['network_choice']}\n" if facts.get("network_choice") else "")
+        + (f"  init: {facts['whitened_stem']}\n" if facts.get("whitened_stem") else "") +
+        f"  data: {facts['train_samples']} train / {facts['eval_samples']} held-out images, "
+        f"{len(model['class_names'])} classes, {model['image_size']}px, "
+        f"{'decoded in memory' if facts['data_in_memory'] else 'decoded per step'}, "
+        + ("resized and cropped on the device, " if facts.get("placed_on_device") else "") +
+        f"{facts['num_workers']} loader worker(s)\n"
+        f"  global batch {facts['global_batch']} = {per_process} per process x {world} "
+        f"process(es) x {accumulation_steps} accumulation step(s); "
+        f"{facts['steps_per_epoch']} steps/epoch, "
+        f"{facts['total_steps'] or 'fitted to --time-budget after a few'} steps in all\n"
+        f"  output: {facts['output_dir']} (checkpoints in {facts['checkpoint_dir']})\n"
+        f"  records: {records}" + _slurm_line(facts.get("launcher", {}).get("slurm")))
+
+
+def _slurm_line(slurm: Optional[dict]) -> str:
+    """The SLURM job and node, when the run is one (scripts/slurm/train.sbatch)."""
+    if not slurm:
+        return ""
+    return (f"\n  slurm: job {slurm['job_id']} on {slurm['node']} (node {slurm['node_id']} of "
+            f"{slurm['num_nodes']}), requeued {slurm['restart_count']} time(s)")
+
+
+def records_text(paths: RunPaths, report_to: list[str], plots: bool) -> str:
+    """What the run records besides checkpoints, and where."""
+    parts = [paths.metrics.name]
+    if report_to:
+        parts.append(f"{' + '.join(report_to)} (files in {TRACKERS_DIR}/)")
+    if plots:
+        parts.append(f"PNG curves at the end in {PLOTS_DIR}/")
+    return ", ".join(parts)

@@ -1,0 +1,143 @@
+"""`--mixed-precision auto` and `--channels-last auto` on a CPU: chosen by measuring this model on
+this machine, never written into a recipe.
+
+CPUs differ in what runs fast: with native bf16 (AVX512-BF16 or AMX) bf16 autocast can run a
+network about twice as fast as fp32, while where bf16 is emulated (AVX512 without BF16, AVX2) it
+runs at about half the speed; channels_last helps some networks and not others
+(benchmarks/BENCHMARKS.md).  So "auto" asks the machine: a capability check first (no native
+bf16: fp32, nothing to time for the precision), then, when more than one candidate is left, a
+few timed training steps of the run's own model on a batch of the run's shape per candidate
+(seconds), and the fastest wins.  On CUDA nothing is timed: auto is fp16 (tensor cores), and
+channels_last whenever the run computes in fp16 or bf16 on a GPU with tensor cores, since their
+convolutions read and write channels-last tensors and an NCHW network pays a transpose around
+each one (measured on a GPU: benchmarks/BENCHMARKS.md, "GPU: one NVIDIA H200, a third time");
+a GPU without them (compute capability below 7.0) has no such kernels to feed: NCHW there.
+
+The choice is part of the run: the start summary says it with the figures it was made on, the
+run record and every checkpoint keep it, and a resumed run takes it from the checkpoint without
+probing again (exact resume holds).  Explicit flags always win.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from accel_train.train.precision import cpu_has_native_bf16, cuda_has_tensor_cores
+
+PROBE_ROUNDS = 2       # candidates timed in turn, round after round: a load that comes and goes
+                       # falls on all of them, and the first candidate is not the only one cold
+PROBE_WARM_STEPS = 1   # per call: a new memory format pays oneDNN's kernel selection once more
+PROBE_TIMED_STEPS = 1  # then the fastest step over the rounds is the candidate's figure
+PROBE_MAX_BATCH = 32   # a smaller batch than the run's keeps the probe to seconds
+
+
+@dataclass(frozen=True)
+class SpeedChoice:
+    """How the run computes: Accelerate's precision name and the memory format."""
+
+    precision: str                 # "no" (fp32), "bf16" or "fp16"
+    channels_last: bool
+    how: str                       # one line for the start summary: why this choice
+    timings: dict = field(default_factory=dict)  # "bf16 channels_last" -> seconds per step
+
+
+def candidate_name(precision: str, channels_last: bool) -> str:
+    return f"{'fp32' if precision == 'no' else precision} " \
+           f"{'channels_last' if channels_last else 'NCHW'}"
+
+
+def choose(requested_precision: str, requested_channels_last: Optional[bool], cuda: bool,
+           native_bf16: bool, time_step: Callable[[str, bool], float],
+           tensor_cores: bool = True) -> SpeedChoice:
+    """The precision and memory format for a run that asked for these (`"auto"` / None: to be
+    chosen).  `time_step(precision, channels_last)` times a training step of the run's model;
+    it is called only when there is something to choose between.  `tensor_cores`: whether the
+    GPU has them (precision.cuda_has_tensor_cores; ignored on a CPU).  Explicit values are taken
+    as they are (precision.resolve_precision says what then really runs)."""
+    if cuda:
+        precision = "fp16" if requested_precision == "auto" else requested_precision
+        reasons = ["CUDA: fp16 autocast"] if requested_precision == "auto" else []
+        channels_last = requested_channels_last
+        if channels_last is None:
+            channels_last = tensor_cores and precision in ("fp16", "bf16")
+            reasons.append("channels_last for tensor cores" if channels_last
+                           else "NCHW in fp32" if tensor_cores
+                           else "NCHW: this GPU has no tensor cores")
+        return SpeedChoice(precision, channels_last, "; ".join(reasons) or "as asked")
+    precisions = [requested_precision]
+    reasons = []
+    if requested_precision == "auto":
+        precisions = ["no", "bf16"] if native_bf16 else ["no"]
+        if not native_bf16:
+            reasons.append("fp32: this CPU has no native bf16 (AVX512-BF16 or AMX)")
+    layouts = [False, True] if requested_channels_last is None else [requested_channels_last]
+    candidates = [(p, c) for p in precisions for c in layouts]
+    if len(candidates) == 1:
+        (precision, channels_last), = candidates
+        return SpeedChoice(precision, channels_last, "; ".join(reasons) or "as asked")
+    timings: dict[str, float] = {}
+    for _ in range(PROBE_ROUNDS):
+        for p, c in candidates:
+            seconds = time_step(p, c)
+            timings[candidate_name(p, c)] = min(seconds, timings.get(candidate_name(p, c), seconds))
+    precision, channels_last = min(candidates, key=lambda pc: timings[candidate_name(*pc)])
+    measured = ", ".join(f"{name} {1000 * seconds:.0f} ms" for name, seconds in timings.items())
+    reasons.append(f"fastest of {len(candidates)} timed on this model, a step in {measured}")
+    return SpeedChoice(precision, channels_last, "; ".join(reasons), timings)
+
+
+def choose_on_this_machine(requested_precision: str, requested_channels_last: Optional[bool],
+                           cuda: bool, time_step: Callable[[str, bool], float]) -> SpeedChoice:
+    """`choose` with this machine's capabilities read: native bf16 on a CPU, tensor cores on a
+    GPU (the trainer's choice and --smaller-models' probe of each network ask the same way)."""
+    return choose(requested_precision, requested_channels_last, cuda,
+                  native_bf16=not cuda and cpu_has_native_bf16(), time_step=time_step,
+                  tensor_cores=cuda and cuda_has_tensor_cores())
+
+
+def step_timer(make_model: Callable[[], torch.nn.Module], batch_size: int, image_size: int,
+               num_classes: int, max_batch: int = PROBE_MAX_BATCH,
+               device: Optional[torch.device] = None) -> Callable[[str, bool], float]:
+    """time_step for `choose`: forward, backward and an SGD update of a model of the run's
+    architecture, made by `make_model` at the first call (never the run's own model: its
+    weights, statistics and synchronized BatchNorm stay out of it), on a random batch of the
+    run's image shape on `device` (default: the CPU); the fastest of a few steps, in seconds."""
+    device = device or torch.device("cpu")
+    probe: list = []
+    batch = min(batch_size, max_batch)
+    generator = torch.Generator().manual_seed(0)  # the global generators are not the probe's
+    images = torch.randn(batch, 3, image_size, image_size, generator=generator).to(device)
+    labels = torch.randint(0, num_classes, (batch,), generator=generator).to(device)
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def time_step(precision: str, channels_last: bool) -> float:
+        if not probe:
+            model = make_model().to(device).train()
+            probe.extend([model, torch.optim.SGD([p for p in model.parameters()
+                                                  if p.requires_grad], lr=1e-6)])
+        model, optimizer = probe
+        memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        net = model.to(memory_format=memory_format)
+        x = images.contiguous(memory_format=memory_format)
+        seconds = []
+        # fp16 asked for on a CPU trains in fp32 (precision.resolve_precision): timed as such
+        low = torch.float16 if precision == "fp16" else torch.bfloat16
+        lowered = precision == "bf16" or (precision == "fp16" and device.type == "cuda")
+        for step in range(PROBE_WARM_STEPS + PROBE_TIMED_STEPS):
+            wait()
+            started = time.perf_counter()
+            with torch.autocast(device.type, dtype=low, enabled=lowered):
+                loss = torch.nn.functional.cross_entropy(net(x), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            wait()
+            if step >= PROBE_WARM_STEPS:
+                seconds.append(time.perf_counter() - started)
+        return min(seconds)
+
+    return time_step

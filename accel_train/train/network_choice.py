@@ -1,0 +1,104 @@
+"""--smaller-models with --time-budget: the network trained is the largest that the budget holds
+for --min-budget-epochs on this machine, timed at the start, never written into a recipe.
+
+A recipe names the network it was tuned with, and its schedule assumes that the budget holds
+some number of epochs of it.  Machines differ by more than a schedule can absorb: the CPU
+recipe's network trains about six times slower in fp32 on a CPU without native bf16 than in
+bf16 on one with AMX (benchmarks/BENCHMARKS.md), and there its budget held under two epochs, with
+the learning rate still rising at the end.  A smaller network trained for its epochs does better
+there, and worse where the large one fits.  So a recipe names its network, the smaller ones to
+fall back to (largest first), and the fewest epochs a network must get; at the start each is
+timed in turn, in the precision and memory format auto chooses for it (autotune.py: the same
+probe), until one is estimated to get that many epochs; if none does, the fastest is trained.
+Timing stops at the first network that fits: where the recipe's own network fits, nothing
+beyond `--mixed-precision auto`'s usual probe is timed.
+
+The estimate is an upper bound: the probe's step (a small batch, no data loading, no
+evaluation, no gradient exchange) over the whole budget; `--min-budget-epochs` is set with that
+in mind.  The choice is part of the run: the start summary says it with the figures, the run's
+config.yaml records the network chosen (as it records auto's precision), checkpoints name it
+(model_config.json), and a resumed run trains the checkpoint's network without timing again
+(resume.keep_choices).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from accel_train.train.autotune import (PROBE_MAX_BATCH, SpeedChoice, candidate_name,
+                                        choose_on_this_machine, step_timer)
+from accel_train.config import parse_duration
+from accel_train.model.build import create_model
+
+
+@dataclass(frozen=True)
+class NetworkChoice:
+    model: str
+    speed: SpeedChoice           # how the chosen network computes (its probe's choice)
+    how: str                     # one line for the start summary
+    epochs: dict = field(default_factory=dict)  # network -> epochs the budget was estimated to hold
+
+    def to_dict(self) -> dict:
+        """Plain values, to hand from rank 0 to the others."""
+        return {**self.__dict__, "speed": self.speed.__dict__}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "NetworkChoice":
+        return cls(**{**values, "speed": SpeedChoice(**values["speed"])})
+
+
+def epochs_in_budget(budget_seconds: float, step_seconds: float, images_per_step: int,
+                     train_samples: int) -> float:
+    """How many epochs a budget holds at a measured step (all processes' images per step)."""
+    return budget_seconds * images_per_step / step_seconds / train_samples
+
+
+def choose_network(models: Sequence[str], min_epochs: float,
+                   measure: Callable[[str], tuple[SpeedChoice, float]],
+                   epochs_for: Callable[[float], float]) -> NetworkChoice:
+    """The first of `models` whose estimated epochs reach `min_epochs`, else the fastest.
+    `measure(name)` chooses how the network computes and returns that choice with its step's
+    seconds; `epochs_for(seconds)` turns a step into epochs in the budget."""
+    if not models:
+        raise ValueError("choose_network needs at least one network")
+    epochs: dict[str, float] = {}
+    speeds: dict[str, SpeedChoice] = {}
+    for name in models:
+        speeds[name], seconds = measure(name)
+        epochs[name] = epochs_for(seconds)
+        if epochs[name] >= min_epochs:
+            chosen, verdict = name, f"the first to reach {min_epochs:g}"
+            break
+    else:  # all were timed: the fastest as measured, whatever order they were listed in
+        chosen = max(epochs, key=epochs.__getitem__)
+        verdict = f"none reaches {min_epochs:g}: the fastest"
+    figures = ", ".join(f"{network} {estimate:.1f}" for network, estimate in epochs.items())
+    how = f"epochs the budget holds, timed at the start: {figures}; {verdict}"
+    return NetworkChoice(chosen, speeds[chosen], how, epochs)
+
+
+def choose_for_run(config, image_size: int, num_classes: int, train_samples: int,
+                   world_size: int, cuda: bool) -> NetworkChoice:
+    """The choice for a run with these options (`--time-budget` set), each network timed on
+    this process's device: a batch of the CPU probe's size on a CPU, the run's batch on a GPU
+    (at a small one it would idle); all processes are counted as running at its pace."""
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    probe_batch = config.batch_size if cuda else min(config.batch_size, PROBE_MAX_BATCH)
+    budget = parse_duration(config.time_budget)
+
+    def measure(name: str) -> tuple[SpeedChoice, float]:
+        time_step = step_timer(
+            lambda: create_model(name, num_classes, config.drop_rate, None, config.drop_path),
+            probe_batch, image_size, num_classes, probe_batch, device)
+        speed = choose_on_this_machine(config.mixed_precision, config.channels_last, cuda,
+                                       time_step)
+        timed = speed.timings.get(candidate_name(speed.precision, speed.channels_last))
+        return speed, timed if timed is not None else time_step(speed.precision,
+                                                                speed.channels_last)
+
+    return choose_network([config.model, *config.smaller_models], config.min_budget_epochs,
+                          measure, lambda seconds: epochs_in_budget(
+                              budget, seconds, probe_batch * world_size, train_samples))

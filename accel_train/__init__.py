@@ -1,5 +1,8 @@
 """accel_train: one image-classification training loop from one CPU to many machines.
 
+`accel_train.fit(model, train_dataset, eval_dataset=None, **options)` is the Python API
+(api.py); `python -m accel_train` and `accel-train` the command line (cli.py).
+
 `import accel_train` makes its small networks (cifar_convnet_*, small_nets.py) known to timm's
 registry, so that timm.create_model and transformers' timm wrapper build them from an exported
 config.json.  Importing torch and timm costs seconds, which the command line must not pay before
@@ -14,6 +17,16 @@ import importlib.abc
 import sys
 
 __version__ = "0.1.0"
+__all__ = ["fit"]
+
+
+def __getattr__(name: str):
+    """`accel_train.fit`, imported when first asked for: `import accel_train` (and with it the
+    command line's `--help`) stays free of torch's import time."""
+    if name == "fit":
+        from accel_train.api import fit
+        return fit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _RegisterWhenTimmLoads(importlib.abc.MetaPathFinder):

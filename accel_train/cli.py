@@ -132,7 +132,12 @@ def config_from_args(namespace: argparse.Namespace, environ=None) -> TrainConfig
         values.update(load_run_yaml(namespace.config))
     names = {f.name for f in fields(TrainConfig)}
     values.update({k: v for k, v in vars(namespace).items() if k in names})
-    return TrainConfig.from_dict(values, source=namespace.config or "command line")
+    config = TrainConfig.from_dict(values, source=namespace.config or "command line")
+    # The policy and network names resolve through timm (imported here, not for --help): a typo
+    # is one line now, not after the data has loaded.
+    from accel_train.train.network import check_library_names
+    check_library_names(config)
+    return config
 
 
 def build_train_parser(prog: str = "accel-train train") -> argparse.ArgumentParser:
@@ -149,7 +154,8 @@ def build_train_parser(prog: str = "accel-train train") -> argparse.ArgumentPars
                             "--rank --gpu_ids --dist_url keep their meaning\nhere (--checkpoint "
                             "names a folder, not a file).\n"
                             "Which value wins: defaults < the accelerate config's mixed_precision "
-                            "< --config RUN.yaml < flags.\n"
+                            "(its bf16 only: see --mixed-precision)\n< --config RUN.yaml < "
+                            "flags.\n"
                             "Many processes or machines: accelerate launch, torchrun, python -m "
                             "torch.distributed.launch, or\naccel-train launch (elastic settings); "
                             "see docs/distributed.md.")
@@ -157,19 +163,19 @@ def build_train_parser(prog: str = "accel-train train") -> argparse.ArgumentPars
     return parser
 
 
-def _run_train(argv: Sequence[str], callbacks=None) -> int:
+def _run_train(argv: Sequence[str]) -> int:
     config = config_from_args(build_train_parser().parse_args(argv))
     from accel_train.run import rank_launcher
     asked = rank_launcher.ranks_asked()
     if asked is not None:  # accelerate's MULTI_CPU answers: start the ranks it did not
         return rank_launcher.start_ranks(asked)
     from accel_train.trainer import run_training  # heavy imports only once the input is known good
-    return run_training(config, callbacks)
+    return run_training(config)
 
 
-def _subcommands(callbacks=None) -> dict[str, Callable[[Sequence[str]], int]]:
+def _subcommands() -> dict[str, Callable[[Sequence[str]], int]]:
     from accel_train.commands import subcommands
-    return {"train": lambda argv: _run_train(argv, callbacks), **subcommands()}
+    return {"train": _run_train, **subcommands()}
 
 
 def _one_line(err: UsageError) -> str:
@@ -187,12 +193,11 @@ def _error_prefix() -> str:
         f"accel_train: error (rank {rank}): "
 
 
-def main(argv: Sequence[str] | None = None, callbacks=None) -> int:
-    """The command line.  `callbacks` (trainer.Callbacks) reach the training loop: the seam
-    through which a program that wraps this CLI (the fault-injection tests) observes a run."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     stacks_on_request()  # `kill -USR1 PID`: where a process that hangs sits
-    commands = _subcommands(callbacks)
+    commands = _subcommands()
     if argv and argv[0] in commands:
         name, rest = argv[0], argv[1:]
     elif argv and not argv[0].startswith("-"):  # train takes no positional argument

@@ -21,9 +21,15 @@ from accel_train.base.readers import read_yaml
 
 PRECISIONS = ("auto", "no", "fp16", "bf16")
 IN_MEMORY_MODES = ("auto", "always", "never")
+DATA_ON_DEVICE_MODES = ("auto", "always", "never")
 BAD_IMAGE_MODES = ("substitute", "error")
 TTA_MODES = ("none", "flip", "flip-translate")
 FLIP_MODES = ("random", "alternate")
+# timm's names (timm.data.transforms.str_to_interp_mode) for the resize of images above 64 px;
+# training may also draw bilinear or bicubic per image ("random", timm's train.py default).
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest", "box", "hamming", "lanczos")
+TRAIN_INTERPOLATIONS = ("random", *INTERPOLATIONS)
+CROP_MODES = ("center", "squash", "border")  # timm's eval crop modes (pretrained_cfg crop_mode)
 LR_DECAYS = ("cosine", "linear")  # optim.Schedule's decays
 SYNTHETIC_DATASET = "synthetic"
 
@@ -55,8 +61,12 @@ class TrainConfig:
     label_column: Optional[str] = option(None, "Label column (default: found by name/type).",
                                          "data")
     val_fraction: float = option(0.1, "Fraction of train carved off (deterministically, seed 0) "
-                                 "as held-out data when the data has no validation/test split.",
-                                 "data")
+                                 "for validation when the data has no validation split (a test "
+                                 "split is then kept for one evaluation at the end).", "data")
+    select_on_test: bool = option(False, "With only train and test splits, use the test split "
+                                  "for validation and selection (best checkpoints, EMA or raw "
+                                  "weights) instead of carving --val-fraction from train; the "
+                                  "summary says so.", "data")
     max_train_samples: Optional[int] = option(None, "Use only the first N training samples.",
                                               "data")
     max_eval_samples: Optional[int] = option(None, "Use only the first N held-out samples.", "data")
@@ -70,6 +80,14 @@ class TrainConfig:
                             "(auto: when the data fits in --in-memory-limit-gb and images share a "
                             "size).", "data", choices=IN_MEMORY_MODES)
     in_memory_limit_gb: float = option(8.0, "Memory budget for --in-memory auto.", "data")
+    data_on_device: str = option("auto", "Hold the training images on the device and draw "
+                                 "each batch there (crop, flip and erasing too): no loader "
+                                 "workers, no copy per step. auto: on a CUDA device, for images "
+                                 "decoded in memory of 64 px or less, without --auto-augment "
+                                 "or --reprob, that fit in a tenth of its memory; always: "
+                                 "whenever the images allow (on a CPU too); never: a "
+                                 "DataLoader. The same batches either way.", "data",
+                                 choices=DATA_ON_DEVICE_MODES)
     num_workers: Optional[int] = option(None, "DataLoader worker processes per process (default: "
                                         "on a CPU, 0 for in-memory data, else min(4, cpus per "
                                         "process); on a GPU, the process's cores but one).",
@@ -117,12 +135,62 @@ class TrainConfig:
     auto_augment: Optional[str] = option(None, "An augmentation policy after the crop and flip: "
                                          "torchvision's randaugment, trivialaugment, autoaugment"
                                          "[-cifar10|-svhn], augmix, or a timm string such as "
-                                         "rand-m9-mstd0.5-inc1.", "data", draws_random=True)
+                                         "rand-m9-mstd0.5-inc1 (--aa: timm's spelling).", "data",
+                                         flags=("--aa",), draws_random=True)
     reprob: float = option(0.0, "Random erasing probability (timm's RandomErasing, per-pixel "
                            "noise), after normalization.", "data", draws_random=True)
+    # Images above 64 px (transforms.SMALL_IMAGE) train through timm's own training transform
+    # and are evaluated through its eval transform: timm's train.py flags, spellings and
+    # defaults (docs/data.md).  At 64 px or less the pad-and-crop path above stays as it is.
+    scale: list = option([0.08, 1.0], "Images above 64 px: the random resized crop's area, as a "
+                         "range of fractions of the image's (timm's --scale; 0.08 1 is timm's "
+                         "and torchvision's ImageNet recipe).", "data", nargs=2,
+                         draws_random=True)
+    ratio: list = option([3 / 4, 4 / 3], "Images above 64 px: the range of the crop's aspect "
+                         "ratio, width / height, drawn log-uniformly (timm's --ratio). "
+                         "(default: 3/4 4/3)", "data", nargs=2, draws_random=True)
+    hflip: float = option(0.5, "Probability that a training image is mirrored left-right "
+                          "(timm's --hflip), at any size, under --flip random; --flip "
+                          "alternate mirrors exactly half of them each epoch and takes only "
+                          "0.5. 0: never.", "data", draws_random=True)
+    vflip: float = option(0.0, "Images above 64 px: probability that a training image is "
+                          "turned upside down (timm's --vflip).", "data", draws_random=True)
+    color_jitter: float = option(0.4, "Images above 64 px: brightness, contrast and saturation "
+                                 "each scaled by a random factor in [1 - x, 1 + x] "
+                                 "(torchvision's ColorJitter, timm's --color-jitter and its "
+                                 "default); 0: off. Off with --auto-augment, as in timm (a "
+                                 "'3a' policy keeps it).", "data", draws_random=True)
+    # Not draws_random: its draws (random picks bilinear or bicubic per image) are the crop's,
+    # already on in the resume matrix by default.
+    train_interpolation: str = option("random", "Images above 64 px: how the training crop is "
+                                      "resized: random (bilinear or bicubic, drawn per image: "
+                                      "timm's train.py default) or one interpolation.", "data",
+                                      choices=TRAIN_INTERPOLATIONS)
+    interpolation: Optional[str] = option(None, "Held-out images (and eval, predict, the "
+                                          "export's config): the resize's interpolation. Not "
+                                          "set: the model's (timm's pretrained_cfg); bilinear "
+                                          "when the images are 64 px or less.", "data",
+                                          choices=INTERPOLATIONS)
+    crop_pct: Optional[float] = option(None, "Held-out images: the centre crop's share of the "
+                                       "resized image (timm's crop_pct: resized to size / "
+                                       "crop_pct, the size cropped out). Not set: the model's "
+                                       "(pretrained_cfg, e.g. 0.875); 1 when the images are "
+                                       "64 px or less.", "data")
+    crop_mode: Optional[str] = option(None, "Held-out images: center (the shorter side "
+                                      "resized to size / crop_pct, the centre cropped), squash "
+                                      "(both sides, the aspect not kept) or border (the longer "
+                                      "side, padded with the mean colour), as timm's eval "
+                                      "transform. Not set: the model's (usually center); "
+                                      "squash when the images are 64 px or less.", "data",
+                                      choices=CROP_MODES)
 
     # -- model --------------------------------------------------------------------------------
-    model: str = option("resnet18", "Any timm model name.", "model")
+    model: str = option("resnet18", "A timm model name (also timm's hf-hub:OWNER/NAME and "
+                        "local-dir:FOLDER), or your own network as the import path "
+                        "package.module:factory, called with num_classes= (and drop_rate= or "
+                        "drop_path_rate= when those flags ask); its module must be importable "
+                        "(on PYTHONPATH or installed) wherever the run trains, resumes, or is "
+                        "evaluated or exported.", "model")
     smaller_models: list = option([], "With --time-budget: networks to train instead of --model "
                                   "when the budget cannot hold --min-budget-epochs of it, "
                                   "largest first. At the start each is timed on this machine in "
@@ -240,9 +308,12 @@ class TrainConfig:
                                   "cores); on a CPU, fp32 without native bf16 (AVX512-BF16 or "
                                   "AMX), else the faster of fp32 and bf16 for this model, timed "
                                   "at the start (a resumed run keeps its choice); no: fp32. "
-                                  "Under accelerate launch, its config's fp16/bf16 counts as "
-                                  "asked. An explicit fp16 without CUDA says so and trains in "
-                                  "fp32. (default: auto)", "optimization", choices=PRECISIONS)
+                                  "Under accelerate launch, its config's bf16 counts as asked "
+                                  "and its no and fp16 as not chosen (auto), because accelerate "
+                                  "exports no when nobody chose and auto is already fp16 on a "
+                                  "GPU, the only place fp16 runs. An explicit fp16 without CUDA "
+                                  "says so and trains in fp32. (default: auto)", "optimization",
+                                  choices=PRECISIONS)
     max_steps: Optional[int] = option(None, "Stop after this many optimizer steps.",
                                       "optimization")
     time_budget: Optional[str] = option(None, "Wall-clock training budget (600, 90s, 10m, 1h): "
@@ -397,6 +468,7 @@ class TrainConfig:
             raise UsageError(f"--keep-best must be a whole number >= 0 (got {self.keep_best!r})")
         if not 0 <= self.reprob <= 1:
             raise UsageError(f"--reprob is a probability: between 0 and 1 (got {self.reprob})")
+        self._check_timm_pipeline()
         if self.time_budget is not None:
             parse_duration(self.time_budget)
         if self.optimizer.lower() not in ("sgd", "momentum", "adamw"):
@@ -408,6 +480,7 @@ class TrainConfig:
             raise UsageError(f"--drop-path must be in [0, 1) (got {self.drop_path}); "
                              f"0.05-0.2 is usual")
         for name, allowed in (("mixed_precision", PRECISIONS), ("in_memory", IN_MEMORY_MODES),
+                              ("data_on_device", DATA_ON_DEVICE_MODES),
                               ("bad_images", BAD_IMAGE_MODES), ("tta", TTA_MODES),
                               ("flip", FLIP_MODES), ("lr_decay", LR_DECAYS)):
             if getattr(self, name) not in allowed:
@@ -426,6 +499,41 @@ class TrainConfig:
             raise UsageError("--whiten-stem would overwrite the --pretrained first layer: use "
                              "one or the other")
         self._check_network_choice()
+
+    def _check_timm_pipeline(self):
+        """timm's pipeline flags: each checked as its own flag, with the fix."""
+        self.scale = _number_pair(self.scale, "scale", "e.g. --scale 0.08 1")
+        self.ratio = _number_pair(self.ratio, "ratio", "e.g. --ratio 0.75 1.3333")
+        if not 0 < self.scale[0] <= self.scale[1] <= 1:
+            raise UsageError(f"--scale is a range of fractions of the image's area: 0 < low <= "
+                             f"high <= 1 (got {self.scale[0]:g} {self.scale[1]:g}); e.g. "
+                             f"--scale 0.08 1")
+        if not 0 < self.ratio[0] <= self.ratio[1]:
+            raise UsageError(f"--ratio is a range of aspect ratios: 0 < low <= high (got "
+                             f"{self.ratio[0]:g} {self.ratio[1]:g}); e.g. --ratio 0.75 1.3333")
+        for name in ("hflip", "vflip"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+                raise UsageError(f"{flag(name)} is a probability: between 0 and 1 (got "
+                                 f"{value!r})")
+        if self.flip == "alternate" and self.hflip != 0.5:
+            raise UsageError(f"--flip alternate mirrors exactly half of the images each epoch; "
+                             f"--hflip {self.hflip:g} is a probability for --flip random: drop "
+                             f"one of the two")
+        if not (isinstance(self.color_jitter, (int, float)) and 0 <= self.color_jitter
+                and math.isfinite(self.color_jitter)):
+            raise UsageError(f"--color-jitter must be a number >= 0 (got {self.color_jitter!r}); "
+                             f"0 turns it off, 0.4 is timm's")
+        if self.crop_pct is not None and not (isinstance(self.crop_pct, (int, float))
+                                              and 0 < self.crop_pct <= 1):
+            raise UsageError(f"--crop-pct is the crop's share of the resized image: in (0, 1] "
+                             f"(got {self.crop_pct!r}); e.g. 0.875")
+        for name, allowed in (("train_interpolation", TRAIN_INTERPOLATIONS),
+                              ("interpolation", INTERPOLATIONS), ("crop_mode", CROP_MODES)):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise UsageError(f"{flag(name)} {value!r} is not supported: choose one of "
+                                 f"{', '.join(allowed)}")
 
     def _check_network_choice(self):
         if self.smaller_models and self.min_budget_epochs is None:
@@ -499,6 +607,18 @@ def check_optimizer_name(name: str) -> str:
     hint = f"did you mean {', '.join(close)}? " if close else ""
     raise UsageError(f"--optimizer {name!r} is not one of timm's optimizers; {hint}e.g. sgd, "
                      f"adamw, lamb, lars, lion (lookahead_NAME wraps one in Lookahead)")
+
+
+def _number_pair(value, name: str, example: str) -> list[float]:
+    """Two numbers (the command line gives them as text, a run YAML as numbers)."""
+    try:
+        low, high = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{flag(name)} takes two numbers, low and high (got {value!r}); "
+                         f"{example}") from None
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise UsageError(f"{flag(name)} takes two finite numbers (got {value!r}); {example}")
+    return [low, high]
 
 
 def _auto_or_bool(value, name: str) -> Optional[bool]:

@@ -104,9 +104,16 @@ class PartTimers:
              Accelerator.backward) = originals
             for handle in handles:
                 handle.remove()
-        return trainer_module.Callbacks(on_micro_batch=self.on_micro_batch), undo
+        from accel_train.callbacks import Callback
 
-    def on_micro_batch(self, step: int, keys) -> None:
+        class StepStarts(Callback):
+            def on_batch_start(self, trainer, batch) -> None:
+                timers.batch_started()
+
+        return [StepStarts()], undo
+
+    def batch_started(self) -> None:
+        """A micro-batch begins (the trainer's callback); one per optimizer step here."""
         now = time.perf_counter()
         if self.step_started is not None:     # the previous step ends where this one starts
             total = now - self.step_started
@@ -160,14 +167,15 @@ def main() -> int:
         run_dir = out / "run"
         timers = PartTimers()
         callbacks, undo = timers.install()
-        from accel_train.cli import main as accel_train
+        from accel_train.cli import build_train_parser, config_from_args
+        from accel_train.trainer import run_training
+        config = config_from_args(build_train_parser().parse_args([
+            "--config", str(recipe), "--data-dir", args.data_dir, "--max-steps", str(steps),
+            "--output-dir", str(run_dir), "--progress", "log", "--no-plots", "--log-every", "10",
+            *(["--max-eval-samples", "256"] if args.quick else [])]))
         try:
             started = time.perf_counter()
-            code = accel_train(["--config", str(recipe), "--data-dir", args.data_dir,
-                                "--max-steps", str(steps), "--output-dir", str(run_dir),
-                                "--progress", "log", "--no-plots", "--log-every", "10",
-                                *(["--max-eval-samples", "256"] if args.quick else [])],
-                               callbacks)
+            code = run_training(config, callbacks)
             wall = time.perf_counter() - started
         finally:
             undo()

@@ -89,7 +89,6 @@ class HandLoop:
 def make_trainer(args, size: int, precision: str, batch: int, work: Path):
     from accel_train.config import TrainConfig
     from accel_train.trainer import Trainer
-    from accel_train.run.track import Progress
     config = TrainConfig(dataset="synthetic", synthetic_train_size=batch * args.steps,
                          max_eval_samples=batch, model=args.model, image_size=size,
                          batch_size=batch, epochs=1_000_000, mixed_precision=precision,
@@ -97,7 +96,7 @@ def make_trainer(args, size: int, precision: str, batch: int, work: Path):
                          plots=False, log_every=args.steps,
                          output_dir=str(work / f"{size}-{precision}-{time.time_ns()}"))
     trainer = Trainer.from_config(config)
-    trainer.progress = Progress(False, "log")  # quiet: the benchmark prints its own
+    trainer.progress.enabled = False  # quiet: the benchmark prints its own
     return trainer
 
 

@@ -189,7 +189,7 @@ def main() -> None:
                        if f.suffix.lower() in (".jpg", ".jpeg"))
         if len(files) < BATCH:
             sys.exit(f"{len(files)} JPEG files under {root}/train/CLASS/: at least {BATCH} needed")
-        report = benchlib.Report("bench_jpeg_input", "JPEG input path per core at ImageNet sizes",
+        report = benchlib.Report("jpeg_input", "JPEG input path per core at ImageNet sizes",
                                  args)
         codec, codec_note = torchcodec_decoder(files[0])
         arms = {"accel_train loader path": accel_train_arm(root),

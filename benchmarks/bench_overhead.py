@@ -85,7 +85,6 @@ def make_trainer(args, augment: bool, out_dir: Path):
     """A real Trainer whose epoch is exactly --steps optimizer steps of in-memory CIFAR-10."""
     from accel_train.config import TrainConfig
     from accel_train.trainer import Trainer
-    from accel_train.run.track import Progress
     config = TrainConfig(data_dir=str(benchlib.check_cifar(args.data_dir)), model=args.model,
                          batch_size=args.batch_size, max_train_samples=args.steps * args.batch_size,
                          max_eval_samples=args.batch_size, epochs=1_000_000,
@@ -95,7 +94,7 @@ def make_trainer(args, augment: bool, out_dir: Path):
                          output_dir=str(out_dir),
                          in_memory="always")
     trainer = Trainer.from_config(config)
-    trainer.progress = Progress(False, "log")  # quiet: the benchmark prints its own
+    trainer.progress.enabled = False  # quiet: the benchmark prints its own
     return trainer
 
 

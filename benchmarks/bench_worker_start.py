@@ -1,20 +1,17 @@
-"""Where loader workers come from (worker_start.py): a fork server forked from the training
-process at its start (accel_train's way), a fork server started anew (a new interpreter that
-imports torch again: multiprocessing's own way, and accel_train's where the early fork cannot be
-had), and workers forked from the training process (torch's default on Linux, which can hang:
-see docs/fault-tolerance.md).  What each costs at a loader's first start, at every later start
+"""Where loader workers come from (worker_start.py): a fork server, a new interpreter that
+imports the workers' modules once (accel_train's way, multiprocessing's own "forkserver"), and
+workers forked from the training process (torch's default on Linux, which can hang: see
+docs/fault-tolerance.md).  What each costs at a loader's first start, at every later start
 (workers per epoch, or the held-out loader's first evaluation), per image once running, and
 the server's own CPU seconds.  (Not its memory: read while its workers live, a server's pages
 are shared with them, so no figure separates what it adds.)
 
 Each cell is a child process that builds accel_train's training loader (data.make_loader) over
 CIFAR-10 decoded per step (the case that uses workers), with the way of starting workers under
-test; the fork arm replaces `data.worker_context` in that child only, the early arm calls
-`worker_start.start_server_now()` first, as a training run does (its own time counted in the
-first loader's).  It times the first batch of the first loader (for a server: its start, and
-for a new one its imports, included), the first batch of a second loader with new workers (an
-epoch start without persistent workers), and the images per second after that.  The arms
-alternate over --rounds rounds.
+test; the fork arm replaces `data.worker_context` in that child only.  It times the first batch
+of the first loader (for the server: its start and its imports included), the first batch of a
+second loader with new workers (an epoch start without persistent workers), and the images per
+second after that.  The arms alternate over --rounds rounds.
 
     python benchmarks/bench_worker_start.py --quick
 """
@@ -27,28 +24,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
-ARMS = ("fork server forked at the start (accel_train)", "fork server started anew",
-        "fork (torch's default on Linux)")
-FORK = ARMS[2]
+ARMS = ("a fork server started as a new interpreter (accel_train)",
+        "fork of the training process (torch's default on Linux)")
+FORK = ARMS[1]
 CHILD = r"""
 import json, multiprocessing, sys, time
-from multiprocessing import forkserver
 import psutil
 import accel_train.data.loaders as data
-from accel_train import worker_start
 from accel_train.config import TrainConfig
-from accel_train.data.sources import load_data, reader_modules
+from accel_train.data.sources import load_data
 from accel_train.data.transforms import ImageTransform
 arm, data_dir, images, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 config = TrainConfig(data_dir=data_dir, max_train_samples=images, max_eval_samples=1,
                      in_memory="never")
-early = 0.0
 if arm == "fork":
     data.worker_context = lambda: multiprocessing.get_context("fork")
-elif arm == "early":  # as trainer.run_training does
-    started = time.perf_counter()
-    assert worker_start.start_server_now(also=reader_modules(config))
-    early = time.perf_counter() - started
 source = load_data(config).train
 transform = ImageTransform(32, (0.5,) * 3, (0.25,) * 3, augment=True)
 def loader():
@@ -67,18 +57,18 @@ for batch in batches:
     count += len(batch[0])
 rate = count / (time.perf_counter() - started)
 server_cpu = 0.0
-if arm != "fork":
-    server = psutil.Process(forkserver._forkserver._forkserver_pid)
-    assert (server.cmdline() == psutil.Process().cmdline()) == (arm == "early")
+if arm != "fork":  # the server: the child of ours that multiprocessing started as one
+    [server] = [child for child in psutil.Process().children()
+                if "from multiprocessing.forkserver import main" in " ".join(child.cmdline())]
     times = server.cpu_times()
     server_cpu = times.user + times.system
-print(json.dumps({"bench": "worker_start", "first": early + first, "again": again,
+print(json.dumps({"bench": "worker_start", "first": first, "again": again,
                   "img_per_s": rate, "server_cpu_s": server_cpu}))
 """
 
 
 def measure(arm: str, args) -> dict:
-    name = {ARMS[0]: "early", ARMS[1]: "anew", FORK: "fork"}[arm]
+    name = {ARMS[0]: "server", FORK: "fork"}[arm]
     out = benchlib.run([sys.executable, "-c", CHILD, name,
                         args.data_dir, str(args.images), str(args.workers)],
                        env=benchlib.child_env(threads=1)).stdout

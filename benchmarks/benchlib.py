@@ -198,33 +198,18 @@ def child_env(threads: Optional[int] = None, **extra: str) -> dict:
     return env
 
 
-def new_process(cmd: list[str], *, env: dict, cwd: Path,
-                timeout: float) -> subprocess.CompletedProcess:
-    """`cmd` as a new process, its output captured as text."""
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def new_streaming_process(cmd: list[str], *, env: dict, cwd: Path) -> subprocess.Popen:
+def start_streaming(cmd: list[str], *, env: dict, cwd: Path) -> subprocess.Popen:
     """`cmd` as a new process, its stdout and stderr one text stream to read as it goes
     (`.stdout`)."""
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
-# How run() starts a command and waits for it, and how start_streaming() starts one whose
-# output is read line by line as it runs.  A harness that runs many scripts in one process may
-# put its own here with the same signatures: tests/bench_lane.py forks the smoke runs'
-# `python -m accel_train` children from a process that imported torch once, so that a smoke
-# test does not pay each child's seconds of imports.  The scripts' code is the same either way.
-start_command: Callable[..., subprocess.CompletedProcess] = new_process
-start_streaming: Callable[..., subprocess.Popen] = new_streaming_process
-
-
 def run(cmd: Sequence[str], env: Optional[dict] = None, timeout: float = 1800,
         cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
     """Run a command to completion; on failure raise with the tail of its output."""
-    result = start_command(list(map(str, cmd)), env=env or child_env(), cwd=cwd or REPO,
-                           timeout=timeout)
+    result = subprocess.run(list(map(str, cmd)), env=env or child_env(), cwd=cwd or REPO,
+                            capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, cmd))} exited {result.returncode}\n--- stdout\n"
                            f"{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}")

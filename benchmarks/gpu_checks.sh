@@ -4,6 +4,9 @@
 #   1. a short smoke run on the embedded data (stops everything if CUDA training fails);
 #   2. bench_gpu_cifar.py: CIFAR-10 time to 94% with recipes/cifar10-gpu.yaml and --compile
 #      (fp16 by auto), then SIGTERM + --resume auto;
+#   2b. bench_device_resident.py: the training batches drawn on the device (--data-on-device
+#      always) against the DataLoader path, steps/s of a plain loop over each and whether it
+#      synchronizes every step, without and with --reprob 0.25 (CIFAR-10 decoded once);
 #   3. bench_gpu.py --quick: ResNet-50 img/s and MFU, fp16 and bf16, against a hand loop (every
 #      arm channels_last, then 224 px fp16 with every arm NCHW: what auto's channels_last on CUDA
 #      is worth for ResNet-50); then
@@ -44,6 +47,10 @@ timeout 210 "$python" benchmarks/bench_gpu_cifar.py --data-dir "$data_dir" --out
     --work "$work/cifar"
 echo "bench_gpu_cifar exit $?"
 cp "$work"/cifar/*.log "$out"/ 2>/dev/null
+stamp bench_device_resident
+timeout 180 "$python" benchmarks/bench_device_resident.py --data-dir "$data_dir" --out "$out" \
+    --steps 150 --reprob 0 0.25
+echo "bench_device_resident exit $?"
 stamp bench_gpu
 timeout 140 "$python" benchmarks/bench_gpu.py --quick --out "$out"
 echo "bench_gpu exit $?"

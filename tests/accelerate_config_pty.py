@@ -17,8 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import WARM
-
 MENU_HINT = "Please select a choice using the arrow or number keys"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 QUIET_SECONDS = 0.4  # no output for this long: the program waits for an answer
@@ -63,10 +61,7 @@ def answer_accelerate_config(config_file: Path, answers: dict[str, str], env: di
     leader, follower = pty.openpty()
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "config",
            "--config_file", str(config_file)]
-    # forked from the warm starter where it can be (tests/warm_start.py), else a new process
-    proc = WARM.popen(cmd, env=env, cwd=Path.cwd(), stdin=follower, stdout=follower,
-                      stderr=follower, new_session=True) \
-        or subprocess.Popen(cmd, stdin=follower, stdout=follower, stderr=follower, env=env,
+    proc = subprocess.Popen(cmd, stdin=follower, stdout=follower, stderr=follower, env=env,
                             start_new_session=True)
     os.close(follower)
     asked, pending, last_output = [], "", time.monotonic()

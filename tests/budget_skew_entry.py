@@ -33,7 +33,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    # ends as `python -m accel_train` does (accel_train/base/process_exit.py)
-    from accel_train.base.process_exit import exit_with
-
-    exit_with(main())
+    sys.exit(main())  # as `python -m accel_train` ends (cli.entry)

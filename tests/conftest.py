@@ -7,6 +7,7 @@ Everything runs on CPU.  Multi-process tests use the real launchers (`accelerate
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -14,14 +15,11 @@ import random
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from pathlib import Path
 
 import pytest
-
-from warm_start import WarmStarter
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CIFAR10 = REPO.parent / "shared" / "data" / "cifar10"
@@ -44,42 +42,28 @@ TINY_TRAIN = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--max-
 def pytest_configure(config):
     """One torch thread in each pytest process, as in every process a test starts (`test_env`):
     the pytest workers share the cores with each other and with the runs they start, and a
-    second OpenMP thread then mostly spins, waiting for a core (docs/development.md has the
-    measurement)."""
+    second OpenMP thread then mostly spins, waiting for a core."""
     import torch
 
     torch.set_num_threads(1)
 
 
-# Run last: its smoke runs go on in the background from the session's start and fill the cores
-# the other tests leave idle while they wait (tests/bench_background.py).
-LAST_FILE = "tests/test_benchmarks.py"
-
-
 def pytest_collection_modifyitems(config, items):
-    """Test files with the most tests first, as pytest-xdist would order them (its reordering
-    is off in setup.cfg: it would undo this), and test_benchmarks.py last.  Each file stays
-    whole and in its own order (`--dist loadfile`)."""
+    """Test files likely to take longest first: the most tests marked slow (each starts
+    processes of its own, tens of seconds apiece: test_benchmarks.py's smoke runs make it the
+    longest file by far), then the most tests.  A long file started last would leave one
+    worker running it alone while the others idle; the short files fill the workers' last
+    minutes instead.  pytest-xdist's own reordering is off in setup.cfg (it would undo this);
+    each file stays whole and in its own order (`--dist loadfile`)."""
     by_file: dict[str, list] = {}
     for item in items:
         by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
-    files = sorted(by_file, key=lambda name: (name == LAST_FILE, -len(by_file[name])))
-    items[:] = [item for name in files for item in by_file[name]]
 
+    def longest_first(name: str) -> tuple[int, int]:
+        tests = by_file[name]
+        return (-sum(test.get_closest_marker("slow") is not None for test in tests), -len(tests))
 
-@pytest.fixture(scope="session", autouse=True)
-def benchmark_lanes_in_background(request, tmp_path_factory):
-    """The benchmark smoke runs started as the session starts, by the first pytest worker
-    (tests/bench_background.py), when test_benchmarks.py is among the tests to run; waited
-    for (or killed, when the session was stopped) as it ends."""
-    import bench_background  # (it imports this module)
-
-    selected = any(item.nodeid.startswith(LAST_FILE) for item in request.session.items)
-    first = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
-    lanes = bench_background.start(tmp_path_factory.getbasetemp()) if selected and first else []
-    yield
-    bench_background.finish(lanes, stopped=bool(request.session.shouldstop
-                                                or request.session.shouldfail))
+    items[:] = [item for name in sorted(by_file, key=longest_first) for item in by_file[name]]
 
 
 def test_env(**extra: str) -> dict:
@@ -141,22 +125,12 @@ def free_port() -> int:
             return port
 
 
-# The `python -m accel_train`, `python -m tests.fault_entry` and launcher processes a test starts
-# itself (not the ranks a launcher starts) are forked from a process that imported torch and the
-# rest once (tests/warm_start.py says when a run still gets a new process, and
-# ACCEL_TRAIN_TEST_WARM=0 gives every run one).
-WARM = WarmStarter(test_env, REPO, Path(tempfile.gettempdir()) / f"warm-start-{os.getpid()}.log")
-
-
-def pytest_unconfigure(config):
-    WARM.close()
-
-
 def run(cmd: list[str], cwd: Path | None = None, timeout: float = 300, env: dict | None = None,
         check: bool = False) -> subprocess.CompletedProcess:
     """Run a command, capturing text output; on failure with check=True, show its output."""
-    env, cwd = env or test_env(), cwd or REPO
-    result = WARM.run(cmd, env=env, cwd=cwd, timeout=timeout)
+    result = subprocess.run(cmd, cwd=cwd or REPO, env=env or test_env(),
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                            timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n--- stdout\n"
                              f"{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")
@@ -168,19 +142,34 @@ def accel_train(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "accel_train", *args], **kwargs)
 
 
+@contextlib.contextmanager
+def training_callbacks(callbacks):
+    """Training started by cli.main runs with `callbacks` (accel_train.callbacks.Callback, what
+    a program hands trainer.run_training; the command line has none): run_training, which
+    cli.main looks up as it trains, is wrapped meanwhile."""
+    from accel_train import trainer
+
+    run_training = trainer.run_training
+    trainer.run_training = functools.partial(run_training, callbacks=callbacks)
+    try:
+        yield
+    finally:
+        trainer.run_training = run_training
+
+
 def accel_train_here(*args: str, check: bool = False,
-                     callbacks=None) -> subprocess.CompletedProcess:
+                     callbacks=()) -> subprocess.CompletedProcess:
     """`accel_train ARGS` called in this process (cli.main, what `python -m accel_train` runs),
     without the seconds of imports a new process pays: for commands that end at bad input and
-    for tiny one-process runs (`callbacks`: trainer.Callbacks, the CLI's seam).  Returns what
+    for tiny one-process runs (`callbacks`: its training's, `training_callbacks`).  Returns what
     `accel_train()` returns."""
     from accel_train.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with clean_accelerate_state(), contextlib.redirect_stdout(out), \
-            contextlib.redirect_stderr(err):
+            contextlib.redirect_stderr(err), training_callbacks(callbacks):
         try:
-            code = main(list(args), callbacks)
+            code = main(list(args))
         except SystemExit as exit:  # argparse's own errors
             code = exit.code
     result = subprocess.CompletedProcess(["accel_train (in process)", *args], code,

@@ -8,12 +8,11 @@ timelines: where one sits idle at the end), its wall seconds, the CPU seconds of
 process that ran it ("self") and of the child processes it started and waited for ("children":
 launchers, ranks, fresh training processes; a module fixture's runs count for the test that first
 used it).
-Processes nobody waits for (a fork server, a warm starter's forked runs, an orphaned grandchild)
-are not in "children"; "tree" counts them: where cgroup v1's `cpuacct` controller can be written
-(root), each pytest worker moves itself into a cgroup of its own as it starts, every process it
-starts stays in it whatever its session, and "tree" is that cgroup's CPU seconds during the test
-(the benchmark lanes count apart in theirs: tests/bench_background.py).  Linux process
-accounting (`accton`, Debian's acct) sees every process too.
+Processes nobody waits for (a loader workers' fork server, an orphaned grandchild) are not in
+"children"; "tree" counts them: where cgroup v1's `cpuacct` controller can be written (root),
+each pytest worker moves itself into a cgroup of its own as it starts, every process it starts
+stays in it whatever its session, and "tree" is that cgroup's CPU seconds during the test.
+Linux process accounting (`accton`, Debian's acct) sees every process too.
 """
 
 from __future__ import annotations

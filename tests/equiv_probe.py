@@ -2,9 +2,9 @@
 
     torchrun --nproc-per-node 2 -m tests.equiv_probe RESULT.json -- <accel_train train flags>
 
-1. The gloo SyncBatchNorm (accel_train/model/syncbn.py) against nn.BatchNorm on the whole batch, which
-   the two ranks split unevenly: forward output, running statistics after two steps (momentum and
-   cumulative average), input gradients and the summed parameter gradients.
+1. The gloo SyncBatchNorm (accel_train/model/syncbn.py) against nn.BatchNorm on the whole batch,
+   which the two ranks split unevenly: forward output, running statistics after two steps (momentum
+   and cumulative average), input gradients and the summed parameter gradients.
 2. Gradient accumulation skips the all-reduce: the Trainer is built from the train flags exactly
    as `python -m accel_train` builds it, a DDP communication hook counts the all-reduces, and each
    micro-step records whether Accelerate meant to sync and how many all-reduces happened in it.

@@ -1,7 +1,8 @@
 """`python -m tests.fault_entry ARGS`: the accel_train command line with faults and records
-installed through the trainer's seams (`accel_train.trainer.Callbacks`), for the fault-tolerance
-tests.  torchrun and `accelerate launch` start it with `-m tests.fault_entry` from the repository
-root.  The product itself reads none of these variables.
+installed through the trainer's public callbacks (accel_train.callbacks, handed to the run as
+trainer.run_training takes them) and by wrapping public functions of the product, for the
+fault-tolerance tests.  torchrun and `accelerate launch` start it with `-m tests.fault_entry`
+from the repository root.  The product itself reads none of these variables.
 
 * FAULT_STALL_SAVE=STEP: in the first launch attempt (TORCHELASTIC_RESTART_COUNT unset or 0), the
   save of checkpoint STEP stalls after every file but the manifest is written, and says so on
@@ -14,10 +15,9 @@ root.  The product itself reads none of these variables.
 * FAULT_SLOW_DATA=S: rank 0's data preparation takes S seconds more (the other ranks wait for
   it before they start on theirs: distributed.main_first).
 * FAULT_BLOCK_READ=INDEX: in a loader worker, reading the training image INDEX (a lazily
-  decoded source) blocks for an hour, as a read from a dead network mount does (patched in the
-  training process before its workers' server is forked from it, and in each worker of a server
-  started anew, which imports this module as `__mp_main__`; the training process's own reads go
-  through).
+  decoded source) blocks for an hour, as a read from a dead network mount does (patched in each
+  loader worker, which imports this module as `__mp_main__` as it starts; the training
+  process's own reads go through).
 * FAULT_POISON_STEP=STEP: right after the micro-batch of optimizer step STEP, the model's first
   parameter is filled with NaN (a run diverging at a known step).
 * FAULT_STOP=RANK:STEP: in the first launch attempt, rank RANK stops itself with SIGSTOP as it
@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from accel_train.callbacks import Callback
+
 STALL_ENV = "FAULT_STALL_SAVE"
 STEP_SECONDS_ENV = "FAULT_STEP_SECONDS"
 SLOW_SAVE_ENV = "FAULT_SLOW_SAVE"
@@ -48,6 +50,20 @@ POISON_ENV = "FAULT_POISON_STEP"
 STOP_ENV = "FAULT_STOP"
 STALL_SECONDS = 300  # long enough for any test to kill us; short enough not to hang CI forever
 SAMPLE_LOG_GLOB = "samples-rank*.jsonl"
+
+
+def before_manifest(delay) -> None:
+    """`delay(step, folder)` runs on the main process once every file of a save is written,
+    before the manifest makes it count: in the checkpoint's manifest writer, wrapped."""
+    from accel_train.run import checkpoint
+
+    write_manifest = checkpoint.write_manifest
+
+    def delayed(directory: Path, step: int) -> None:
+        delay(step, directory)
+        write_manifest(directory, step)
+
+    checkpoint.write_manifest = delayed
 
 
 def stall_before_manifest(wanted_step: int):
@@ -61,7 +77,7 @@ def stall_before_manifest(wanted_step: int):
     return stall
 
 
-class SampleLog:
+class SampleLog(Callback):
     """Per-rank JSON lines {"step": optimizer step the micro-batch belongs to, "keys": [...]}."""
 
     def __init__(self, log_dir: Path, rank: int):
@@ -69,17 +85,19 @@ class SampleLog:
         self.path = self.log_dir / f"samples-rank{rank}.jsonl"
         self.rank = rank
 
-    def record(self, step: int, keys) -> None:
+    def on_batch_start(self, trainer, batch) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as handle:
-            handle.write(json.dumps({"step": step, "keys": keys.tolist()}) + "\n")
+            handle.write(json.dumps({"step": trainer.state.step + 1,
+                                     "keys": batch.keys.tolist()}) + "\n")
 
-    def forget_after(self, step: int) -> None:
-        """Rank 0, at a resumed start (the trainer waits for every rank after this): forget the
-        micro-batches of steps after the checkpoint, in every rank's file (the world size may
-        have changed, so some files have no rank left to clean them)."""
+    def on_train_begin(self, trainer) -> None:
+        """Rank 0, as a start begins (every rank waits for the others after this): forget the
+        micro-batches of steps after the one it starts from, in every rank's file (the world
+        size may have changed, so some files have no rank left to clean them)."""
         if self.rank != 0:
             return
+        step = trainer.state.step
         for path in self.log_dir.glob(SAMPLE_LOG_GLOB):
             kept = [line for line in path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= step]
@@ -141,24 +159,34 @@ def poison_weights_after(wanted_step: int) -> None:
         result = train_step(self, images, labels)
         if self.state.step + 1 == wanted_step:
             with torch.no_grad():
-                next(self._bare_model().parameters()).fill_(float("nan"))
+                next(self.bare_model().parameters()).fill_(float("nan"))
         return result
 
     trainer.Trainer.train_step = poisoned
 
 
-def stop_after(where: str):
-    """An on_micro_batch callback: `where` is "RANK:STEP" (module docstring, FAULT_STOP)."""
-    import signal
+class StopAt(Callback):
+    """`where` is "RANK:STEP" (module docstring, FAULT_STOP)."""
 
-    rank, step = (int(part) for part in where.split(":"))
+    def __init__(self, where: str):
+        self.rank, self.step = (int(part) for part in where.split(":"))
 
-    def stop(micro_batch_step: int, keys) -> None:
-        if (micro_batch_step == step and int(os.environ.get("RANK", 0)) == rank
+    def on_batch_start(self, trainer, batch) -> None:
+        import signal
+
+        if (trainer.state.step + 1 == self.step and int(os.environ.get("RANK", 0)) == self.rank
                 and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))):
-            print(f"fault injection: rank {rank} stops itself at step {step}", flush=True)
+            print(f"fault injection: rank {self.rank} stops itself at step {self.step}",
+                  flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
-    return stop
+
+
+class SlowSteps(Callback):
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_batch_start(self, trainer, batch) -> None:
+        time.sleep(self.seconds)
 
 
 def block_read(where: str) -> None:
@@ -181,56 +209,41 @@ def block_read(where: str) -> None:
     HFSource.samples_at = blocking
 
 
-def callbacks_from_environ(argv: list[str]):
-    from accel_train.trainer import Callbacks
-
-    callbacks = Callbacks()
+def callbacks_from_environ(argv: list[str]) -> list[Callback]:
+    """The callbacks the variables ask for (slow steps first, so that a stop or a record
+    happens after the step's delay), with the wrapped functions they ask for installed."""
     if os.environ.get(STALL_ENV):
-        callbacks.before_manifest = stall_before_manifest(int(os.environ[STALL_ENV]))
+        before_manifest(stall_before_manifest(int(os.environ[STALL_ENV])))
     if os.environ.get(SLOW_SAVE_ENV):
         step, seconds = os.environ[SLOW_SAVE_ENV].split(":")
-        callbacks.before_manifest = slow_save(int(step), float(seconds))
+        before_manifest(slow_save(int(step), float(seconds)))
     if os.environ.get(SLOW_DATA_ENV):
         slow_data_preparation(float(os.environ[SLOW_DATA_ENV]))
     if os.environ.get(POISON_ENV):
         poison_weights_after(int(os.environ[POISON_ENV]))
-    step_seconds = float(os.environ.get(STEP_SECONDS_ENV) or 0)
+    callbacks: list[Callback] = []
+    if float(os.environ.get(STEP_SECONDS_ENV) or 0):
+        callbacks.append(SlowSteps(float(os.environ[STEP_SECONDS_ENV])))
     if os.environ.get(SAMPLE_LOG_ENV, "") not in ("", "0"):
-        log = SampleLog(_output_dir(argv) / "logs", int(os.environ.get("RANK", 0)))
-        callbacks.on_micro_batch = log.record
-        callbacks.on_resume = log.forget_after
+        callbacks.append(SampleLog(_output_dir(argv) / "logs", int(os.environ.get("RANK", 0))))
     if os.environ.get(STOP_ENV):
-        record, stop = callbacks.on_micro_batch, stop_after(os.environ[STOP_ENV])
-
-        def then_stop(step, keys):
-            if record is not None:
-                record(step, keys)
-            stop(step, keys)
-        callbacks.on_micro_batch = then_stop
-    if step_seconds:
-        record = callbacks.on_micro_batch
-
-        def slowly(step, keys):
-            time.sleep(step_seconds)
-            if record is not None:
-                record(step, keys)
-        callbacks.on_micro_batch = slowly
+        callbacks.append(StopAt(os.environ[STOP_ENV]))
     return callbacks
 
 
 def main() -> int:
-    from accel_train import cli
+    import functools
 
-    if os.environ.get(BLOCK_READ_ENV):  # workers from the server forked at the start inherit it
-        block_read(os.environ[BLOCK_READ_ENV])
+    from accel_train import cli, trainer
+
     argv = sys.argv[1:]
-    return cli.main(argv, callbacks=callbacks_from_environ(argv))
+    # cli.main looks run_training up as it trains: the run gets these callbacks
+    trainer.run_training = functools.partial(trainer.run_training,
+                                             callbacks=callbacks_from_environ(argv))
+    return cli.main(argv)
 
 
 if __name__ == "__main__":
-    # ends as `python -m accel_train` does (accel_train/base/process_exit.py)
-    from accel_train.base.process_exit import exit_with
-
-    exit_with(main())
+    sys.exit(main())  # as `python -m accel_train` ends (cli.entry)
 elif __name__ == "__mp_main__" and os.environ.get(BLOCK_READ_ENV):
-    block_read(os.environ[BLOCK_READ_ENV])  # a worker of a server started anew imports us again
+    block_read(os.environ[BLOCK_READ_ENV])  # each loader worker imports us as it starts

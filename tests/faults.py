@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from accel_train.base.errors import STACKS_SIGNAL
-from conftest import CONFIGS, REPO, TINY_TRAIN, WARM, free_port, test_env
+from conftest import CONFIGS, REPO, TINY_TRAIN, free_port, test_env
 from fault_entry import (POISON_ENV, SAMPLE_LOG_ENV, STALL_ENV,  # noqa: F401 (re-exported)
                          read_sample_keys)
 
@@ -65,10 +65,10 @@ class Run:
     def __init__(self, cmd: list[str], log: Path, **env: str):
         self.cmd, self.log = cmd, Path(log)
         self.handle = self.log.open("w")
-        # Own session: a signal we send to the launcher reaches only what we started.  Forked
-        # from the warm starter where it can be (conftest.WARM).
-        self.proc = WARM.start(cmd, env=test_env(**env), cwd=REPO, stdout=self.handle,
-                               stderr=subprocess.STDOUT, new_session=True)
+        # Own session: a signal we send to the launcher reaches only what we started.
+        self.proc = subprocess.Popen(cmd, env=test_env(**env), cwd=REPO,
+                                     stdin=subprocess.DEVNULL, stdout=self.handle,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
     def output(self) -> str:

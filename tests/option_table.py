@@ -71,6 +71,7 @@ ORACLE = "test_eval_oracle.py"
 EFFECTS = "test_option_effects.py"
 COMPONENTS = "test_recipe_components.py"
 STREAM = "test_streaming.py"
+TIMM = "test_timm_pipeline.py"
 
 ROWS: dict[str, Row] = {
     # -- train: data ----------------------------------------------------------------------------
@@ -92,6 +93,9 @@ ROWS: dict[str, Row] = {
     "train --val-fraction": effect(
         "test_bad_images.py::test_parquet_rows_are_named_by_file_and_row_also_after_carving",
         "0.25 of 17 rows carves ceil(4.25) = 5 held-out rows"),
+    "train --select-on-test": effect(
+        "test_three_roles.py::test_select_on_test_uses_the_test_split_for_selection_and_says_so",
+        "64 train / 32 held-out rows: the test split itself, no test split kept"),
     "train --max-train-samples": effect(
         "test_data.py::test_shared_cifar10_parquet", "256 of 640 rows: exactly 256 train rows"),
     "train --max-eval-samples": effect(
@@ -118,6 +122,12 @@ ROWS: dict[str, Row] = {
     "train --in-memory-limit-gb": effect(
         f"{FLAGS}::test_in_memory_limit_decides_whether_images_are_decoded_up_front",
         "3456 bytes over a 1074-byte limit (by hand) are not decoded up front"),
+    "train --data-on-device": effect(
+        "test_data_on_device.py::"
+        "test_device_batches_equal_the_loaders_for_an_epoch_and_a_half_and_across_a_resume",
+        "always: every batch of an epoch and a half, resumed mid-epoch from either loader's "
+        "checkpoint, equals the DataLoader path's (never) to the bit; a second rank's are "
+        "Accelerate's BatchSamplerShard's; a 2-step run's weights equal never's"),
     "train --num-workers": effect(
         f"{FLAGS}::test_loader_flags_reach_the_training_loader",
         "a probe outside the package sees num_workers 1 in DataLoader, 0 in the control"),
@@ -151,10 +161,48 @@ ROWS: dict[str, Row] = {
         "test_augment.py's)"),
     "train --auto-augment": effect(
         f"{COMPONENTS}::test_a_policy_changes_the_images_deterministically_on_both_data_paths",
-        "images differ from crop/flip alone, alike on both data paths, per (seed, epoch, index)"),
+        "images differ from crop/flip alone, alike on both data paths, per (seed, epoch, index); "
+        "--aa is the same field (test_timm_pipeline.py)"),
     "train --reprob": effect(
         f"{COMPONENTS}::test_random_erasing_replaces_one_rectangle_deterministically",
         "exactly one rectangle of noise, within timm's area bound"),
+    "train --scale": effect(
+        f"{TIMM}::test_training_crop_scale_and_aspect_follow_timms_sampler",
+        "crop area fractions read off a position-coded image against timm's "
+        "RandomResizedCropAndInterpolation: KS distance below the 0.001 critical value over 2000 "
+        "draws, and --scale 0.25 1 rejected; each image equals timm's create_transform in its "
+        "seeded block"),
+    "train --ratio": effect(
+        f"{TIMM}::test_training_crop_scale_and_aspect_follow_timms_sampler",
+        "log aspect ratios against timm's sampler by the same KS test; --ratio 0.9 1.1 rejected"),
+    "train --hflip": effect(
+        f"{TIMM}::test_training_crop_scale_and_aspect_follow_timms_sampler",
+        "0.3: the mirrored share of 2000 draws within 4 binomial deviations; on 32 px images: "
+        "test_hflip_is_the_mirroring_probability_on_the_small_image_path_too, 0 none, 1 all"),
+    "train --vflip": effect(
+        f"{TIMM}::test_training_crop_scale_and_aspect_follow_timms_sampler",
+        "0.2: the share turned upside down within 4 binomial deviations; 0 (default) none"),
+    "train --color-jitter": effect(
+        f"{TIMM}::test_each_training_image_is_timms_training_transform_in_its_seeded_block",
+        "0.4 (default) and 0.3: pixels equal timm's create_transform(color_jitter=...) drawn in "
+        "the sample's documented seeded block"),
+    "train --train-interpolation": effect(
+        f"{TIMM}::test_each_training_image_is_timms_training_transform_in_its_seeded_block",
+        "random (default), bicubic, bilinear: pixels equal timm's create_transform with that "
+        "interpolation; nearest reads the crop box back in the sampler test"),
+    "train --interpolation": effect(
+        f"{TIMM}::test_held_out_images_are_prepared_by_timms_eval_transform",
+        "the model's (bilinear, bicubic) or given (bicubic, nearest): held-out pixels equal "
+        "timm's create_transform(**resolve_data_config(model)) within 1e-5"),
+    "train --crop-pct": effect(
+        f"{TIMM}::test_held_out_images_are_prepared_by_timms_eval_transform",
+        "the model's (0.875, 0.9, 0.95) or given (0.8, 1.0): held-out pixels equal timm's eval "
+        "transform within 1e-5; the export's config.json says it (predict = timm's pipeline "
+        "within 1e-4)"),
+    "train --crop-mode": effect(
+        f"{TIMM}::test_held_out_images_are_prepared_by_timms_eval_transform",
+        "center (the model's), squash and border given: held-out pixels equal timm's eval "
+        "transform within 1e-5; 64 px images keep squash"),
     # -- train: model ---------------------------------------------------------------------------
     "train --model": effect(
         f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",

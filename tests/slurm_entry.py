@@ -1,4 +1,4 @@
-"""`python -m tests.slurm_entry ARGS`: the accel_train command line with one seam for the SLURM
+"""`python -m tests.slurm_entry ARGS`: the accel_train command line with one callback for the SLURM
 tests (tests/test_slurm.py), which start it through scripts/slurm/train.sbatch with
 ACCEL_TRAIN_MODULE=tests.slurm_entry.  The product reads none of these variables.
 
@@ -26,29 +26,33 @@ WAIT_SECONDS = 180.0
 
 
 def pause_until_sigterm(wanted_step: int):
-    """An on_micro_batch callback: see the module docstring."""
-    done = []
+    """A callback (accel_train.callbacks): see the module docstring."""
+    from accel_train.callbacks import Callback
 
-    def on_micro_batch(step: int, keys) -> None:
-        if done or step != wanted_step or int(os.environ.get("RANK", 0)) != 0:
-            return
-        done.append(True)
-        received = []
-        previous = signal.getsignal(signal.SIGTERM)  # the trainer's: still called
+    class PauseUntilSigterm(Callback):
+        done = False
 
-        def note(signum, frame):
-            received.append(signum)
-            if callable(previous):
-                previous(signum, frame)
+        def on_batch_start(self, trainer, batch) -> None:
+            step = trainer.state.step + 1
+            if self.done or step != wanted_step or int(os.environ.get("RANK", 0)) != 0:
+                return
+            self.done = True
+            received = []
+            previous = signal.getsignal(signal.SIGTERM)  # the trainer's: still called
 
-        signal.signal(signal.SIGTERM, note)
-        print(f"slurm test: waiting for SIGTERM at step {step}", flush=True)
-        deadline = time.monotonic() + WAIT_SECONDS
-        while not received and time.monotonic() < deadline:
-            time.sleep(0.05)
-        signal.signal(signal.SIGTERM, previous)
+            def note(signum, frame):
+                received.append(signum)
+                if callable(previous):
+                    previous(signum, frame)
 
-    return on_micro_batch
+            signal.signal(signal.SIGTERM, note)
+            print(f"slurm test: waiting for SIGTERM at step {step}", flush=True)
+            deadline = time.monotonic() + WAIT_SECONDS
+            while not received and time.monotonic() < deadline:
+                time.sleep(0.05)
+            signal.signal(signal.SIGTERM, previous)
+
+    return PauseUntilSigterm()
 
 
 def stand_in() -> int:
@@ -67,18 +71,17 @@ def stand_in() -> int:
 def main() -> int:
     if os.environ.get(STAND_IN_ENV) == "1":
         return stand_in()
-    from accel_train import cli
-    from accel_train.trainer import Callbacks
+    import functools
 
-    callbacks = Callbacks()
+    from accel_train import cli, trainer
+
     restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
     if os.environ.get(PAUSE_ENV) and not restarted:
-        callbacks.on_micro_batch = pause_until_sigterm(int(os.environ[PAUSE_ENV]))
-    return cli.main(sys.argv[1:], callbacks=callbacks)
+        # cli.main looks run_training up as it trains: the run gets the callback
+        trainer.run_training = functools.partial(
+            trainer.run_training, callbacks=[pause_until_sigterm(int(os.environ[PAUSE_ENV]))])
+    return cli.main(sys.argv[1:])
 
 
 if __name__ == "__main__":
-    # ends as `python -m accel_train` does (accel_train/base/process_exit.py)
-    from accel_train.base.process_exit import exit_with
-
-    exit_with(main())
+    sys.exit(main())  # as `python -m accel_train` ends (cli.entry)

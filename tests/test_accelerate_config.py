@@ -2,10 +2,10 @@
 it (this machine, multi-CPU, 2 processes, fp16), then `accelerate launch` with the file it wrote.
 
 accelerate's single-process launcher starts ONE process for those answers; accel_train starts
-the ranks they ask for (accel_train/run/rank_launcher.py).  Checked here against the other launchers'
-arithmetic: 2 ranks x 16 train the weights of 1 process x 32 (within float rounding), a SIGTERM to
-`accelerate launch` stops every rank at a checkpoint from which `--resume auto` ends bit-identical
-to the run that was never stopped, and the two-machine answers meet on 127.0.0.1.
+the ranks they ask for (accel_train/run/rank_launcher.py).  Checked here against the other
+launchers' arithmetic: 2 ranks x 16 train the weights of 1 process x 32 (within float rounding),
+a SIGTERM to `accelerate launch` stops every rank at a checkpoint from which `--resume auto` ends
+bit-identical to the run that was never stopped, and the two-machine answers meet on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -135,12 +135,12 @@ def test_the_two_machine_answers_meet_on_loopback(tmp_path):
             "How many processes": "2"}, conftest.test_env())
         configs.append(config)
     assert yaml.safe_load(configs[1].read_text())["machine_rank"] == 1
-    procs = [conftest.WARM.start([sys.executable, "-m", "accelerate.commands.launch",
-                                  "--config_file", str(config), "-m", "accel_train", *TRAIN,
-                                  "--batch-size", "16", "--max-steps", "4", "--output-dir",
-                                  str(out)],
-                                 cwd=REPO, env=conftest.test_env(), stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch",
+                               "--config_file", str(config), "-m", "accel_train", *TRAIN,
+                               "--batch-size", "16", "--max-steps", "4", "--output-dir",
+                               str(out)],
+                              cwd=REPO, env=conftest.test_env(), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for config in configs]
     outputs = []
     try:

@@ -139,9 +139,9 @@ def _empty(path: Path) -> None:
 
 @pytest.mark.parametrize("corruption", [*CORRUPTIONS, "empty"])
 def test_a_run_lock_damaged(trained, tmp_path, corruption):
-    """The run folder's run.lock (accel_train/run/runlock.py) cut short, garbage or empty, found by a
-    --resume auto: one line naming it and what to do (it may be a lock being written just now,
-    so it is never taken for stale), the folder byte-identical."""
+    """The run folder's run.lock (accel_train/run/runlock.py) cut short, garbage or empty, found by
+    a --resume auto: one line naming it and what to do (it may be a lock being written just now, so
+    it is never taken for stale), the folder byte-identical."""
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     lock = run / "run.lock"

@@ -1,7 +1,6 @@
-"""Smoke test of the benchmark scripts: each runs in its smallest --quick form and prints its
-table (a tiny model, a few steps, only the arms that start distinct programs).  The scripts run
-in two lanes, each one process that runs its scripts in turn (tests/bench_lane.py), started in
-the background at the lowest CPU priority as the session starts (tests/bench_background.py).
+"""Smoke test of the benchmark scripts: each runs as `python benchmarks/bench_NAME.py --quick ...`
+in its smallest form (a tiny model, a few steps, only the arms that start distinct programs) and
+writes its table.
 
 Nothing here checks a speed or a ratio: those belong in benchmarks/BENCHMARKS.md, measured when
 the machine is quiet, never in a timed test.  This only keeps the scripts runnable as the code
@@ -11,91 +10,120 @@ changes.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-import bench_background
-from bench_background import ANCHOR, CASES, LANE_COUNT, ORDER, SCRIPTS
+from conftest import REPO, run, write_cifar10_layout
+from conftest import test_env as child_env  # not test_*: pytest would collect it
 
 pytestmark = pytest.mark.slow  # every script with the programs it starts
 
+SCRIPTS = REPO / "benchmarks"
+TINY = ["--quick", "--model", "test_resnet"]
+TIMEOUT = 900  # seconds a script may take on a busy 2-core machine (most take well under 60)
+
+# Each script's smallest --quick form (a tiny model, a few steps, only the arms that start
+# distinct programs).
+CASES = {
+    "overhead": [*TINY, "--steps", "2", "--rounds", "1", "--memory-steps", "1", "--batch-size",
+                 "16", "--memory-arms", "accel_train"],
+    # no loader workers and no trainer runs here: the other cases start those programs
+    "data": [*TINY, "--decode-images", "64", "--pipeline-images", "256", "--batches", "2",
+             "--model-steps", "1", "--workers", "0", "--skip", "trainer", "--erase-batch", "32"],
+    "scaling": [*TINY, "--pairs-only", "--steps", "4", "--log-every", "2", "--max-train", "512"],
+    "seed": [*TINY, "--arms", "dataparallel", "accel1", "--images", "128", "--epochs", "1",
+             "--workers", "0"],
+    "comm": ["--quick", "--worlds", "2", "--max-bytes", "65536", "--min-seconds", "0.01",
+             "--model", "test_resnet", "--heartbeat-batch", "8"],
+    "checkpoint": ["--quick", "--models", "test_resnet", "--repeats", "1", "--step-repeats", "1"],
+    # the seed loop is smoke-tested by "seed" (the same anchor script)
+    "accuracy": [*TINY, "--recipes", "defaults", "--budget", "3", "--pilot-steps", "1", "--no-seed",
+                 "--eval-samples", "64", "--seed-model", "test_resnet", "--workers", "0",
+                 "--max-train", "512", "--recipe-file", "recipes/cifar10-cpu-10min.yaml",
+                 "--recipe-file-extra", "--max-steps 2 --batch-size 16"],
+    "threads": [*TINY, "--steps", "1", "--conditions", "quiet"],
+    # one loaded arm and its quiet reference: a budget run and a --max-steps run
+    "budget": ["--quick", "--budget", "4", "--hog-seconds", "1", "--arms", "load first",
+               "--extra=--model test_resnet --batch-size 16 --max-eval-samples 64 "
+               "--num-workers 0"],
+    # (the first-step arms start the same training command as every other smoke here)
+    "index": ["--quick", "--sizes", "300", "--no-first-step"],
+    "streaming": [*TINY, "--rss-batches", "4", "--steps", "4", "--skip", "first"],
+    "precision": ["--quick", "--models", "test_resnet", "--batch", "8", "--rounds", "1",
+                  "--matmul-size", "256"],
+    # the trainer in process with timers around its parts; a tiny matmul for the peak
+    "efficiency": ["--quick", "--model", "test_resnet", "--batch-size", "16", "--matmul-size",
+                   "256"],
+    # both ways of starting workers, one round, a loader of two batches
+    "worker_start": ["--quick", "--images", "128", "--rounds", "1"],
+    # both precisions in one process, as the GPU run does (each arm a new Accelerator)
+    "gpu": ["--quick", "--allow-cpu", "--model", "test_resnet", "--sizes", "32", "--precisions",
+            "bf16", "fp16", "--batch", "8", "--steps", "1", "--rounds", "1"],
+    # the recipe's settings on the embedded data with a small network; SIGTERM + resume
+    "gpu_cifar": ["--quick", "--allow-cpu", "--no-compile"],
+    # both arms (DataLoader, batches drawn on the device) on the embedded data, with erasing
+    "device_resident": ["--quick", "--allow-cpu", "--model", "cifar_convnet_s", "--batch-size",
+                        "16", "--steps", "2", "--warmup", "1", "--reprob", "0", "0.25"],
+    # JPEGs at ImageNet sizes it makes itself (make_imagenet_like.py): 2 classes of 16
+    "jpeg_input": ["--quick", "--classes", "2", "--per-class", "16", "--rounds", "1"],
+}
+# The scripts that make their own data instead of reading CIFAR-10
+OWN_DATA = {"jpeg_input"}
+# The scripts that take no --tmp (they write nothing large)
+NO_TMP = {"comm", "gpu", "threads", "precision", "worker_start", "gpu_cifar",
+          "device_resident", "jpeg_input"}
+# benchmarks/anchors/airbench_cpu.py on generated data in the CIFAR-10 layout: 2 steps an epoch
+# for 4 epochs (the averaging starts in the 4th), one JSON line with the three levels.  Batch
+# 128 instead of airbench's 1024: the same code path at an eighth of the arithmetic.
+ANCHOR_ARGS = ["--epochs", "4", "--test-images", "64", "--batch-size", "128"]
+
+
+def _env() -> dict:
+    return child_env(PYTHONWARNINGS="ignore::DeprecationWarning")
+
+
+def _ran(cmd: list[str], name: str) -> str:
+    """`cmd`'s output, once it has exited 0."""
+    result = run(cmd, env=_env(), timeout=TIMEOUT)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{name} exited {result.returncode}\n{output[-6000:]}"
+    return result.stdout
+
 
 @pytest.fixture(scope="module")
-def bench_runs(tmp_path_factory):
-    """{job: (its folder, its exit code or None, why none)}: the lanes started in the
-    background as the session began (tests/bench_background.py), or here if nobody had."""
-    lanes = bench_background.start(tmp_path_factory.getbasetemp())
-    try:
-        return bench_background.results(tmp_path_factory.getbasetemp())
-    finally:
-        bench_background.finish(lanes, stopped=False)
+def cifar10_like(tmp_path_factory) -> Path:
+    """The scripts' --data-dir: generated images in the layout of the shared CIFAR-10 copy."""
+    return write_cifar10_layout(tmp_path_factory.mktemp("bench_cifar10"))
 
 
-def _finished(bench_runs, name: str) -> tuple[Path, str]:
-    """A job's folder and output, once it has exited 0."""
-    out, code, problem = bench_runs[name]
-    log = (out / "output.log").read_text() if (out / "output.log").exists() else ""
-    assert code is not None, f"{name} did not finish: {problem}\n{log[-3000:]}"
-    assert code == 0, f"{name} exited {code}\n--- its output\n{log[-6000:]}"
-    return out, log
-
-
-@pytest.mark.parametrize("name", [name for name in ORDER if name != ANCHOR])
-def test_benchmark_script_runs(name, bench_runs):
-    out, log = _finished(bench_runs, name)
+@pytest.mark.parametrize("name", CASES)
+def test_benchmark_script_runs(name, cifar10_like, tmp_path):
+    out = tmp_path / name
+    out.mkdir()
+    extra = [] if name in NO_TMP else ["--tmp", str(out)]
+    data = [] if name in OWN_DATA else ["--data-dir", str(cifar10_like)]
+    _ran([sys.executable, str(SCRIPTS / f"bench_{name}.py"), *CASES[name], "--out", str(out),
+          *extra, *data], name)
     markdown = (out / f"{name}.md").read_text()
-    assert "| " in markdown and "load average" in markdown, log[-2000:]
+    assert "| " in markdown and "load average" in markdown, markdown[-2000:]
     data = json.loads((out / f"{name}.json").read_text())
     assert data["tables"] and data["machine"]["cores"] >= 1
-
-
-def test_the_runs_the_scripts_start_are_forked_from_a_lanes_warm_starter(bench_runs,
-                                                                         tmp_path_factory):
-    """benchlib.run's `python -m accel_train` and launcher children are forked (the seconds of
-    imports they would pay are most of a smoke run's); a lane's starter writes its log when
-    it starts (and LOG.refused the runs it had to leave to a new process)."""
-    root = bench_background.folder(tmp_path_factory.getbasetemp())
-    logs = [root / f"lane{index}.results.starter.log" for index in range(LANE_COUNT)]
-    assert any(log.exists() for log in logs), "no lane started its warm starter"
-
-
-def test_the_lanes_shared_one_list_and_ran_each_job_once(bench_runs, tmp_path_factory):
-    """Each job is run by the one lane that claimed it (tests/bench_lane.py): every job of
-    ORDER in exactly one lane's results, and that lane's pid in its claim."""
-    root = bench_background.folder(tmp_path_factory.getbasetemp())
-    ran = [json.loads((root / f"lane{index}.results.json").read_text())
-           for index in range(LANE_COUNT)]
-    assert sorted(name for lane in ran for name in lane) == sorted(ORDER), ran
-    claims = {path.name: path.read_text() for path in (root / "jobs.claims").iterdir()}
-    for index, lane in enumerate(ran):
-        pid = (root / f"lane{index}.pid").read_text()
-        assert {claims[name] for name in lane} <= {pid}, (index, lane, claims)
-
-
-def test_the_lanes_ran_at_the_lowest_priority_and_this_file_runs_last(bench_runs, request,
-                                                                     tmp_path_factory):
-    """In the background beside the other tests, the lanes must not slow them: each lane was
-    in a cgroup of its own (cpu.idle) or at nice 19.  And this file is the session's last, so
-    that the lanes had the other tests' idle moments first."""
-    root = bench_background.folder(tmp_path_factory.getbasetemp())
-    for index in range(LANE_COUNT):
-        priority = json.loads((root / f"lane{index}.results.priority.json").read_text())
-        assert ("accel-train-bench-" in priority["cgroup"] or priority["nice"] == 19), priority
-    files = [item.nodeid.split("::")[0] for item in request.session.items]
-    assert files[-1] == "tests/test_benchmarks.py" and files.index(files[-1]) == \
-        len(files) - sum(name == files[-1] for name in files), files[-5:]
 
 
 def test_every_benchmark_script_is_smoke_tested():
     assert sorted(p.stem[len("bench_"):] for p in SCRIPTS.glob("bench_*.py")) == sorted(CASES)
 
 
-def test_the_airbench_anchor_trains_and_reports_each_tta_level(bench_runs):
-    """benchmarks/anchors/airbench_cpu.py (bench_background.ANCHOR_ARGS: 2 steps an epoch for 4
-    epochs, the averaging from the 4th) reports one JSON line with the three TTA levels."""
-    _, log = _finished(bench_runs, ANCHOR)
-    report = json.loads(log.strip().splitlines()[-1])
+def test_the_airbench_anchor_trains_and_reports_each_tta_level(tmp_path_factory):
+    """benchmarks/anchors/airbench_cpu.py (ANCHOR_ARGS: 2 steps an epoch for 4 epochs, the
+    averaging from the 4th) reports one JSON line with the three TTA levels."""
+    data = write_cifar10_layout(tmp_path_factory.mktemp("anchor_cifar10"), train_rows=256,
+                                test_rows=64)
+    stdout = _ran([sys.executable, str(SCRIPTS / "anchors" / "airbench_cpu.py"), "--data-dir",
+                   str(data), *ANCHOR_ARGS], "airbench_cpu.py")
+    report = json.loads(stdout.strip().splitlines()[-1])
     assert report["steps"] == 8 and report["epochs"] == 4.0
     # bf16 only where the CPU has it natively (emulated, it is many times slower than fp32)
     flags = Path("/proc/cpuinfo").read_text().split()

@@ -544,18 +544,21 @@ def test_the_state_file_records_the_global_batch(bundle):
     assert json.loads((path / STATE_FILE).read_text())["global_batch"] == 16 * 2 * 3
 
 
-def test_the_checkpointer_takes_keep_best_and_the_before_manifest_seam(tmp_path, bundle):
+def test_the_checkpointer_takes_keep_best_and_writes_the_manifest_last(tmp_path, bundle,
+                                                                        monkeypatch):
     """Given to the constructor (as the trainer gives them): keep_best keeps the best evaluated
-    checkpoint; before_manifest runs once per save with the step and the folder that holds
-    every file but the manifest."""
+    checkpoint.  The manifest writer runs once per save, with the step, on the folder that holds
+    every file but the manifest (where the fault tests stall a save: tests/fault_entry.py)."""
     saver, _, train_step, warnings = bundle
-    seen = []
+    seen, write_manifest = [], ck.write_manifest
 
-    def before_manifest(step: int, folder: Path) -> None:
+    def recording(folder: Path, step: int) -> None:
         seen.append((step, folder.name, sorted(p.name for p in folder.iterdir())))
+        write_manifest(folder, step)
 
+    monkeypatch.setattr(ck, "write_manifest", recording)
     with_best = Checkpointer(saver.root, keep=1, warn=warnings, parts=saver.parts,
-                             barrier=saver.barrier, before_manifest=before_manifest, keep_best=1)
+                             barrier=saver.barrier, keep_best=1)
     for step, top1 in [(1, 0.9), (2, 0.1)]:
         train_step()
         save_as(with_best, dataclasses.replace(state(step), eval_top1=top1, eval_step=step))
@@ -564,6 +567,7 @@ def test_the_checkpointer_takes_keep_best_and_the_before_manifest_seam(tmp_path,
     assert [(step, name) for step, name, _ in seen] == [(1, ".tmp-step_00000001"),
                                                         (2, ".tmp-step_00000002")]
     assert all(STATE_FILE in files and MANIFEST not in files for _, _, files in seen)
+    assert {"model.safetensors", "optimizer.bin"} <= set(seen[0][2]), seen[0][2]
 
 
 def test_the_checkpointer_refuses_parts_that_cannot_be_told_apart(tmp_path):

@@ -120,7 +120,7 @@ def test_evaluating_leaves_a_compiled_ddp_model_wrapped_as_it_was(tmp_path, fres
         ddp = torch.nn.parallel.DistributedDataParallel(trainer.net.model)
         trainer.model = compiled = torch.compile(ddp)
         trainer.evaluate()
-        assert compiled._orig_mod is ddp and trainer._bare_model() is trainer.net.model
+        assert compiled._orig_mod is ddp and trainer.bare_model() is trainer.net.model
     finally:
         dist.destroy_process_group()
         trainer.close()

@@ -87,9 +87,13 @@ def test_shared_cifar10_parquet(copy, request):
     data = load_data(config(data_dir=str(request.getfixturevalue(copy)), max_train_samples=256,
                             max_eval_samples=100))
     assert data.class_names[:3] == ["airplane", "automobile", "bird"]
-    assert len(data.train) == 256 and len(data.held_out) == 100
+    # validation carved from train (10%: 64 of the stand-in's 640 rows, 5,000 of the real
+    # 50,000), the test split kept for the end; each capped at --max-eval-samples
+    assert len(data.train) == 256 and len(data.held_out) == 64 if copy == "cifar10_layout" \
+        else len(data.held_out) == 100
+    assert len(data.test) == 100
     assert isinstance(data.train, ArraySource) and data.train.images.shape[1:] == (3, 32, 32)
-    assert "test" in data.description  # the shared copy's own test split is the held-out one
+    assert "for validation" in data.description and "test kept for the end" in data.description
     assert 0 <= int(data.train.labels.min()) and int(data.train.labels.max()) <= 9
 
 
@@ -127,7 +131,7 @@ def test_string_labels_become_sorted_class_names(tmp_path):
         {"image": [_image(i % 2, i) for i in range(6)], "label": ["b", "a"] * 3},
         features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("string")}))
     ds.to_parquet(str(tmp_path / "train.parquet"))
-    ds.to_parquet(str(tmp_path / "test.parquet"))
+    ds.to_parquet(str(tmp_path / "validation.parquet"))
     data = load_data(config(data_dir=str(tmp_path)))
     assert data.class_names == ["a", "b"]
     assert data.train.labels.tolist() == [1, 0] * 3
@@ -181,13 +185,13 @@ def test_unreadable_image_is_named(tmp_path):
     ds = datasets.Dataset.from_dict(rows, features=datasets.Features(
         {"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES[:2])}))
     ds.to_parquet(str(tmp_path / "train.parquet"))
-    ds.to_parquet(str(tmp_path / "test.parquet"))
+    ds.to_parquet(str(tmp_path / "validation.parquet"))
     with pytest.raises(UsageError, match=r"image train.parquet row 1 cannot be decoded \(not an "
                        r"image: the file holds text \('not an image'"):
         load_data(config(data_dir=str(tmp_path), bad_images="error"))
     data = load_data(config(data_dir=str(tmp_path)))  # the default: a substitute, and its label
     assert [(bad.split, bad.index, bad.name) for bad in data.bad_images] == \
-        [("train", 1, "train.parquet row 1"), ("held-out", 1, "test.parquet row 1")]
+        [("train", 1, "train.parquet row 1"), ("held-out", 1, "validation.parquet row 1")]
     assert torch.equal(data.train.images[1], data.train.images[0])
     assert data.train.labels.tolist() == [0, 0]
 

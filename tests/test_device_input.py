@@ -199,29 +199,6 @@ def test_loader_workers_follow_the_cores_each_gpu_has(monkeypatch):
     assert default_num_workers(decoded, 1, cuda=True) == 2
 
 
-@pytest.mark.parametrize("cuda", [False, True])
-@pytest.mark.parametrize("flags", [{}, {"num_workers": 0}, {"num_workers": 2},
-                                   {"data_dir": "some/folder"}])
-def test_a_run_forks_its_workers_server_early_only_where_its_loaders_may_start_workers(
-        monkeypatch, cuda, flags):
-    """loading.may_have_workers decides before the data is loaded (the fork must come before
-    any thread); oracle: the count the loaders get (default_num_workers for the embedded
-    set, which is in memory; a folder's images, decoded per step, always get some)."""
-    from accel_train.config import TrainConfig
-    from accel_train.data.loading import may_have_workers
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda pid: {0, 1},
-                        raising=False)
-    if "num_workers" in flags:
-        expected = flags["num_workers"] > 0
-    elif "data_dir" in flags:
-        expected = default_num_workers(ImageSource(), 1, cuda) > 0
-    else:
-        expected = default_num_workers(_source(), 1, cuda) > 0
-    assert may_have_workers(TrainConfig(**flags)) == expected
-
-
 class FakeEvent:
     """A CUDA event whose device timestamp the test decides (milliseconds)."""
     clock = [0.0]
@@ -558,9 +535,9 @@ def test_a_run_with_its_images_placed_on_the_device_stops_resumes_and_ends_bit_i
     import signal
 
     from accel_train import trainer as trainer_module
-    from accel_train.trainer import Callbacks
+    from accel_train.callbacks import Callback
     from conftest import PINNED, accel_train_here
-    from faults import checkpoint_steps, max_weight_difference
+    from faults import max_weight_difference
 
     command = ["--dataset", "synthetic", "--synthetic-train-size", "96", "--max-eval-samples",
                "32", "--model", "test_resnet", "--image-size", "40", "--batch-size", "16",
@@ -572,12 +549,13 @@ def test_a_run_with_its_images_placed_on_the_device_stops_resumes_and_ends_bit_i
     monkeypatch.setattr(trainer_module, "build_loaders", lambda *args: build(*args[:-1], True))
     placed = tmp_path / "placed"
 
-    def stop_in_the_second_epoch(step: int, keys) -> None:  # 6 steps an epoch
-        if step == 10 and 9 in checkpoint_steps(placed):
-            os.kill(os.getpid(), signal.SIGTERM)
+    class StopInTheSecondEpoch(Callback):  # 6 steps an epoch
+        def on_checkpoint(self, trainer, path) -> None:
+            if path.name == "step_00000009":
+                os.kill(os.getpid(), signal.SIGTERM)
 
     stopped = accel_train_here(*command, "--output-dir", str(placed),
-                               callbacks=Callbacks(on_micro_batch=stop_in_the_second_epoch))
+                               callbacks=[StopInTheSecondEpoch()])
     assert stopped.returncode == 143, stopped.stdout[-2000:] + stopped.stderr[-2000:]
     assert "decoded in memory, resized and cropped on the device, 1 loader worker(s)" \
         in stopped.stdout

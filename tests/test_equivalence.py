@@ -157,8 +157,9 @@ def _run_all(runs: list[Run], timeout: float = 900) -> None:
                 logs = (run.output_dir.parent / f"{run.name}.out",
                         run.output_dir.parent / f"{run.name}.err")
                 handles = [open(path, "w") for path in logs]
-                proc = conftest.WARM.start(run.command, cwd=REPO, env=env, stdout=handles[0],
-                                           stderr=handles[1], text=True, new_session=True)
+                proc = subprocess.Popen(run.command, cwd=REPO, env=env,
+                                        stdin=subprocess.DEVNULL, stdout=handles[0],
+                                        stderr=handles[1], text=True, start_new_session=True)
                 running.append((run, proc, logs, handles))
             for entry in list(running):
                 run, proc, logs, handles = entry

@@ -1,8 +1,8 @@
-"""The image-folder index (accel_train/data/imagefolder.py) called directly on small trees: which files
-are rows, in which split and class, what a label file says, when the cache is used, and each
+"""The image-folder index (accel_train/data/imagefolder.py) called directly on small trees: which
+files are rows, in which split and class, what a label file says, when the cache is used, and each
 refusal's sentence.  Milliseconds a test, so that mutation testing can run them per mutant
-(tests/test_layouts.py checks the same index against Hugging Face's imagefolder builder, which
-takes seconds a call).
+(tests/test_layouts.py checks the same index against Hugging Face's imagefolder builder, which takes
+seconds a call).
 
 Oracles: the expected rows, classes and labels are written out by hand for each tree.
 """

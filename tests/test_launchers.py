@@ -186,8 +186,9 @@ def test_two_machines_on_loopback_with_per_machine_elastic_settings(tmp_path):
         command = [sys.executable, "-m", "accel_train", "launch", "--config_file",
                    str(CONFIGS / f"cpu_2node_rank{rank}.yaml"), "--elastic", str(elastic),
                    "--main_process_port", str(port), "--", *TINY, "--output-dir", str(out)]
-        procs.append(conftest.WARM.start(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True, new_session=True))
+        procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
     results = []
     try:
         for proc in procs:

@@ -15,10 +15,9 @@ import yaml
 from accel_train.train import autotune, network_choice
 from accel_train.train.autotune import PROBE_ROUNDS, SpeedChoice
 from accel_train.train.network_choice import choose_network, epochs_in_budget
-from accel_train.trainer import Callbacks
 from conftest import TINY_TRAIN, accel_train_here, model_spec_of
 from faults import metrics
-from test_time_budget import fake_clock
+from test_time_budget import fake_clock, ticking
 
 SPEED = SpeedChoice("no", False, "as asked")
 
@@ -170,9 +169,8 @@ def planted_probe(monkeypatch):
 
 def _train(out, clock, *extra: str):
     """A budgeted run in this process; the budget's clock moves 1 s a training step."""
-    tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
     return accel_train_here(*BUDGET_TRAIN, "--output-dir", str(out), *extra, check=True,
-                            callbacks=tick)
+                            callbacks=ticking(clock))
 
 
 @pytest.fixture

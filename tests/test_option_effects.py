@@ -175,15 +175,13 @@ def _largest_total(passes: int, steps_done: int) -> int:
 @pytest.mark.parametrize("flags, passes", [((), 1), (("--model-ema", "--tta", "flip"), 4)],
                          ids=["plain", "ema-and-flip"])
 def test_time_budget_fits_every_evaluation_pass(monkeypatch, tmp_path, flags, passes):
-    """A fake clock that moves 1 s per micro-batch (budget.py's clock, moved by the CLI's
-    callback seam): the step count the run fixes is the hand-computed one for the raw model's
-    pass, the EMA's, and each one's mirrored view; --max-steps below it wins."""
-    from test_time_budget import fake_clock
-
-    from accel_train.trainer import Callbacks
+    """A fake clock that moves 1 s per micro-batch (budget.py's clock, moved by a callback):
+    the step count the run fixes is the hand-computed one for the raw model's pass, the EMA's,
+    and each one's mirrored view; --max-steps below it wins."""
+    from test_time_budget import fake_clock, ticking
 
     clock = fake_clock(monkeypatch)
-    tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
+    tick = ticking(clock)
     out = tmp_path / "run"
     accel_train_here(*TINY_TRAIN, "--time-budget", f"{BUDGET_SECONDS}s", *flags,
                      "--output-dir", str(out), check=True, callbacks=tick)
@@ -222,12 +220,10 @@ def test_a_budget_run_resumed_keeps_its_step_count_and_ends_bit_identical(monkey
     evaluations fill the 17 s left), and again once the epoch end at step 16 has been measured
     (no time on this clock: 30 steps).  Resumed from step 20, the run keeps the latest fit
     without measuring again and ends in the uninterrupted run's weights."""
-    from test_time_budget import fake_clock
-
-    from accel_train.trainer import Callbacks
+    from test_time_budget import fake_clock, ticking
 
     clock = fake_clock(monkeypatch)
-    tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
+    tick = ticking(clock)
     common = [*TINY_TRAIN, "--time-budget", "30s", "--checkpoint-every", "10",
               "--keep-checkpoints", "10"]
     full = tmp_path / "full"

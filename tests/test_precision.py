@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,29 @@ def test_the_accelerate_fp16_answer_is_said_where_auto_chose_otherwise(requested
         assert note is None
     else:
         assert "asks for mixed_precision fp16, which needs a CUDA device" in note and said in note
+
+
+def test_the_help_states_the_accelerate_config_rule_that_runs_follow(tmp_path, monkeypatch):
+    """--help says once which of an accelerate config's mixed_precision values count as asked
+    and which as not chosen (auto), with the reason; a tiny run under each value (what
+    `accelerate launch` exports: ACCELERATE_MIXED_PRECISION) records that choice."""
+    from accel_train.cli import build_train_parser
+
+    text = " ".join(build_train_parser().format_help().split())
+    rule = re.search(r"Under accelerate launch, its config's (\w+) counts as asked and its "
+                     r"(\w+) and (\w+) as not chosen \(auto\), because [^.]+\.", text)
+    assert rule, "--mixed-precision's help no longer states the accelerate config's rule"
+    asked, unchosen = {rule[1]}, {rule[2], rule[3]}
+    assert asked | unchosen == {"no", "fp16", "bf16"}, rule[0]
+    tiny = [*TINY_TRAIN[:-len(PINNED)], "--no-channels-last", "--synthetic-train-size", "32",
+            "--max-eval-samples", "16", "--max-steps", "1"]
+    for value in sorted(asked | unchosen):
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", value)
+        out = tmp_path / value
+        ran = accel_train_here(*tiny, "--output-dir", str(out), check=True)
+        record = yaml.safe_load((out / "config.yaml").read_text())
+        expected = value if value in asked else "auto"
+        assert record["resolved"]["precision_requested"] == expected, value
+        if value in asked:  # a CPU runs bf16 as asked (emulated where not native)
+            assert record["resolved"]["precision_used"] == value
+            assert f"precision {value}" in ran.stdout, ran.stdout

@@ -32,7 +32,7 @@ import psutil
 import pytest
 
 from accel_train.run.checkpoint import verify
-from conftest import REPO, TINY_TRAIN, WARM, free_port
+from conftest import REPO, TINY_TRAIN, free_port, run
 from conftest import test_env as child_env  # not test_*: pytest would collect it
 from faults import (Run, checkpoint, checkpoint_steps, max_weight_difference, metrics, resolved,
                     stopped_at, wait_until)
@@ -239,9 +239,10 @@ def test_manual_start_without_a_launcher_trains_like_torchrun(tmp_path, runs):
 
 def _start_manual_pair(argv: list[str]) -> list[subprocess.Popen]:
     url = f"tcp://127.0.0.1:{free_port()}"
-    return [WARM.start(cli(*argv, "--world_size", "2", "--rank", str(r), "--dist_url", url),
-                       cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       text=True, new_session=True)
+    return [subprocess.Popen(cli(*argv, "--world_size", "2", "--rank", str(r), "--dist_url", url),
+                             cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
             for r in (0, 1)]
 
 
@@ -286,7 +287,7 @@ def test_bad_input_under_torchrun_exits_2_on_both_workers(tmp_path):
     command = torchrun(*TINY_TRAIN, "--model", "not_a_model", "--output-dir",
                        str(tmp_path / "run"))
     command[command.index("-m", 2):command.index("-m", 2)] = ["--tee", "3"]
-    result = WARM.run(command, cwd=REPO, env=child_env(), timeout=PROMPT)
+    result = run(command, cwd=REPO, env=child_env(), timeout=PROMPT)
     print(f"torchrun ended in {time.monotonic() - started:.1f}s")
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-4000:]

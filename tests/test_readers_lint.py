@@ -33,18 +33,19 @@ EXCEPTIONS = {
     "written by our own ranks: not a file",
     ("accel_train/run/checkpoint.py", "load"): "accelerate.utils.load of the RNG file with "
     "weights_only=True, after readers.check_torch_file vetted it (AccelerateState._vet_files)",
-    ("accel_train/run/checkpoint.py", "open"): "the checksum of a file's bytes (any bytes are fine)",
-    ("accel_train/data/decode.py", "read_bytes"): "image files: a broken one is substituted and named "
-    "(--bad-images, badimages.py; tests/test_bad_images.py), never read as one of our kinds",
+    ("accel_train/run/checkpoint.py", "open"): "the checksum of a file's bytes (any bytes are "
+    "fine)",
+    ("accel_train/data/decode.py", "read_bytes"): "image files: a broken one is substituted and "
+    "named (--bad-images, badimages.py; tests/test_bad_images.py), never read as one of our kinds",
     ("accel_train/data/decode.py", "Image.open"): "the same images, decoded by Pillow under "
     "--bad-images",
     ("accel_train/__init__.py", "load"): "an import hook's module loader (timm's), not a file",
     ("accel_train/model/onnx_export.py", "json.loads"): "the preprocessing record inside an ONNX "
     "file, which ONNX Runtime has just read; a record of another shape is one line there",
-    ("accel_train/data/streaming/shards.py", "open"): "the first 512 bytes of a shard, to tell a tar "
-    "from parquet; an OSError is one line there",
-    ("accel_train/data/streaming/shards.py", "tarfile.open"): "tar shards, read member by member as "
-    "a stream; tarfile's errors are one line there (the matrix's tar rows)",
+    ("accel_train/data/streaming/shards.py", "open"): "the first 512 bytes of a shard, to tell a "
+    "tar from parquet; an OSError is one line there",
+    ("accel_train/data/streaming/shards.py", "tarfile.open"): "tar shards, read member by member "
+    "as a stream; tarfile's errors are one line there (the matrix's tar rows)",
 }
 
 

@@ -7,10 +7,11 @@ does not come from the code under test.
   label-smoothed one-hots mixed by the same lam (written out here); a function of the position
   alone, and the global numpy state is left alone.  Through the CLI, a 2-step run with --mixup
   trains other weights than the same run without it.
-* --auto-augment / --reprob (the loaders of accel_train.data.loading.build_loaders): a policy changes the
-  images of the plain crop/flip path, deterministically per (seed, epoch, index), identically
-  when the images are decoded in memory and when they are decoded per step (the same parquet
-  JPEGs); random erasing replaces exactly one rectangle of per-pixel noise; no global RNG moves.
+* --auto-augment / --reprob (the loaders of accel_train.data.loading.build_loaders): a policy
+  changes the images of the plain crop/flip path, deterministically per (seed, epoch, index),
+  identically when the images are decoded in memory and when they are decoded per step (the same
+  parquet JPEGs); random erasing replaces exactly one rectangle of per-pixel noise; no global RNG
+  moves.
 * --model-ema (a 2-step CLI run with --checkpoint-every 1): timm's ModelEmaV3 rule written out:
   after step 1 the average IS the weights (timm's decay is 0 at the first update), after step 2
   it is lerp(ema_1, w_2, 1 - decay); metrics.jsonl carries eval_ema_*; config.json says

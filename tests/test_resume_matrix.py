@@ -1,11 +1,14 @@
 """The resume matrix: every option that draws random numbers on at once, on the three data paths
 (decoded in memory, decoded per step by loader workers, streamed from shards), on 1 process and
-on 2 under torchrun.  A run stopped by SIGTERM mid-epoch (after a checkpoint) and continued with
+on 2 under torchrun; and, on 1 process, the in-memory images held on the device with their
+batches drawn there (--data-on-device always; without --auto-augment, which that path
+refuses).  A run stopped by SIGTERM mid-epoch (after a checkpoint) and continued with
 `--resume auto` (on 1 process all three runs in the pytest process, the SIGTERM sent to it)
 ends bit-identical to the run left alone (and, on 1 process, the in-memory run
-with its global batch made of 2 accumulation steps): the final weights and the EMA weights
-of the last checkpoint, max |difference| 0.0, with Accelerate's RNG files removed from the
-checkpoint before the resume (exactness must not depend on a saved RNG stream).
+with its global batch made of 2 accumulation steps, and timm's training transform on images
+above 64 px, in memory, with its colour jitter and flips and no policy): the final weights and
+the EMA weights of the last checkpoint, max |difference| 0.0, with Accelerate's RNG files
+removed from the checkpoint before the resume (exactness must not depend on a saved RNG stream).
 
 Oracle: the uninterrupted run of the same command.  Each draw (dropout, drop-path, Mixup/CutMix,
 the policy, random erasing, crop and flip) must be a function of its place in the run, and every
@@ -19,6 +22,7 @@ silently fall outside the guarantee.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 
@@ -26,10 +30,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from accel_train.callbacks import Callback
 from accel_train.run.checkpoint import write_manifest
 from accel_train.cli import build_train_parser, config_from_args
 from accel_train.config import TrainConfig
-from accel_train.trainer import Callbacks
 from conftest import BIG_SIZE, PINNED, accel_train_here
 from faults import (Run, checkpoint, checkpoint_steps, max_weight_difference, metrics, resolved,
                     stopped_at, torchrun_cmd, wait_until)
@@ -39,14 +43,32 @@ from faults import (Run, checkpoint, checkpoint_steps, max_weight_difference, me
 RANDOM_OPTIONS = ["--drop-rate", "0.3", "--drop-path", "0.1",
                   "--mixup", "0.8", "--cutmix", "1.0", "--mixup-switch-prob", "0.5",
                   "--auto-augment", "rand-m9-mstd0.5-inc1", "--reprob", "0.25", "--augment",
-                  "--flip", "alternate", "--crop-pad", "2",
+                  "--flip", "alternate", "--crop-pad", "2", "--vflip", "0.5",
                   "--model-ema", "--model-ema-decay", "0.9", "--lookahead-every", "2"]
 COMMON = ["--model", "test_resnet", "--batch-size", "16", "--checkpoint-every", "3",
           "--log-every", "1", "--keep-checkpoints", "10", "--progress", "log", "--no-plots",
           *PINNED, *RANDOM_OPTIONS]
 
 
+def _common(path: str) -> list[str]:
+    """COMMON, less --auto-augment where the batches are drawn on the device: its policy works
+    on the host, image by image, and --data-on-device always refuses it (one line, exit 2).
+    timm's pipeline (images above 64 px, in memory) without it too, for timm's colour jitter,
+    which a policy turns off, and with timm's own random flip (--hflip 0.3) for --flip
+    alternate's hash."""
+    if path not in ("on-device", "timm"):
+        return COMMON
+    at = COMMON.index("--auto-augment")
+    common = COMMON[:at] + COMMON[at + 2:]
+    if path == "timm":
+        at = common.index("--flip")
+        common = common[:at] + ["--hflip", "0.3"] + common[at + 2:]
+    return common
+
+
 def _data_options(path: str, data: dict) -> list[str]:
+    if path == "on-device":  # the in-memory images held on the device, batches drawn there
+        return [*_data_options("in-memory", data), "--data-on-device", "always"]
     if path in ("in-memory", "accumulated"):
         # accumulated: the same global batch of 16 as 8 x 2 accumulation steps (a resume must
         # restart the accumulation count at an optimizer step's boundary)
@@ -57,6 +79,9 @@ def _data_options(path: str, data: dict) -> list[str]:
     if path == "per-step":  # PNG files decoded per step by 2 loader workers per process
         return ["--data-dir", str(data["images"]), "--in-memory", "never", "--num-workers", "2",
                 "--batch-size", "8"]
+    if path == "timm":  # the 80 px PNGs decoded in memory: timm's crop, flips, colour jitter
+        return ["--data-dir", str(data["images"]), "--in-memory", "always",
+                "--train-interpolation", "random", "--color-jitter", "0.4"]
     return ["--data-dir", str(data["shards"]), "--num-workers", "1",  # streamed
             "--max-eval-samples", "64"]
 
@@ -96,16 +121,17 @@ def matrix_data(big_image_folder, synthetic_shards) -> dict:
 # 8, 8, 5 on 2.
 STOP_AFTER = {("in-memory", 1): (18, 1), ("per-step", 1): (3, 0), ("streamed", 1): (15, 1),
               ("in-memory", 2): (9, 1), ("per-step", 2): (3, 0), ("streamed", 2): (6, 1),
-              ("accumulated", 1): (6, 0)}
+              ("accumulated", 1): (6, 0), ("on-device", 1): (18, 1), ("timm", 1): (9, 1)}
 
 
 @pytest.mark.parametrize("path, processes", [
-    *[(path, 1) for path in ("in-memory", "per-step", "streamed", "accumulated")],
+    *[(path, 1) for path in ("in-memory", "per-step", "streamed", "accumulated", "on-device",
+                             "timm")],
     *[pytest.param(path, 2, marks=pytest.mark.slow)
       for path in ("in-memory", "per-step", "streamed")]])
 def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_data, tmp_path,
                                                       runs):
-    command = [*COMMON, *_data_options(path, matrix_data), "--epochs", "2"]
+    command = [*_common(path), *_data_options(path, matrix_data), "--epochs", "2"]
     after, epoch = STOP_AFTER[path, processes]
 
     def launch(*args: str) -> list[str]:
@@ -115,17 +141,18 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_da
     reference_run = None
     if processes == 1:
         # In this process (no new process's seconds of imports), each run with its own history
-        # of global RNG draws.  The stop is a real SIGTERM to this process, sent as the step
-        # after checkpoint `after` begins: the trainer's handler hears it as it would from a
-        # launcher, and the run stops at the end of that step.
+        # of global RNG draws.  The stop is a real SIGTERM to this process, sent once checkpoint
+        # `after` is complete (a callback): the trainer's handler hears it as it would from a
+        # launcher, and the run stops at the end of the next step.
         accel_train_here(*command, "--output-dir", str(reference), check=True)
 
-        def stop_after_checkpoint(step: int, keys) -> None:
-            if step == after + 1 and after in checkpoint_steps(stopped):
-                os.kill(os.getpid(), signal.SIGTERM)
+        class StopAfterCheckpoint(Callback):
+            def on_checkpoint(self, trainer, path) -> None:
+                if path.name == f"step_{after:08d}":
+                    os.kill(os.getpid(), signal.SIGTERM)
 
         code = accel_train_here(*command, "--output-dir", str(stopped),
-                                callbacks=Callbacks(on_micro_batch=stop_after_checkpoint))
+                                callbacks=[StopAfterCheckpoint()])
         assert code.returncode == 143, code.stdout[-2000:] + code.stderr[-2000:]
     else:
         reference_run = Run(launch(*command, "--output-dir", str(reference)),
@@ -148,11 +175,18 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_da
     assert state["world_size"] == processes and 0 < state["samples_in_epoch"], (state, about)
     assert state["epoch"] == epoch, (state, about)
     facts = resolved(stopped)
-    assert facts["data_in_memory"] == (path in ("in-memory", "accumulated")), facts
+    assert facts["data_in_memory"] == (path in ("in-memory", "accumulated", "on-device",
+                                                "timm")), facts
+    if path != "streamed":  # which loader drew the batches: the saved position says
+        position = stopped / "checkpoints" / f"step_{stop:08d}" / "loader.json"
+        assert json.loads(position.read_text())["on_device"] == (path == "on-device"), about
     if path == "accumulated":
         assert state["accumulation_steps"] == 2, state
     if path == "per-step":
         assert facts["num_workers"] == 2 and facts["model"]["image_size"] == BIG_SIZE, facts
+    if path == "timm":  # above 64 px: timm's crop, and the model's own held-out crop
+        assert facts["model"]["image_size"] == BIG_SIZE and \
+            facts["model"]["crop_mode"] == "center", facts
 
     # Exactness must not depend on Accelerate's RNG files: the resumed run starts without them
     # (the manifest rewritten to match), so its global generators are a fresh process's.

@@ -1,7 +1,7 @@
-"""One writer per run folder (accel_train/run/runlock.py): a second start on a folder that a live run
-holds stops in one line naming the holder's host and pid (exit 2) before it moves or writes
-anything; a lock whose holder is gone is taken over; the lock is released at the end of a run,
-on bad input and on a stop by signal; the same job's previous holder is waited for."""
+"""One writer per run folder (accel_train/run/runlock.py): a second start on a folder that a live
+run holds stops in one line naming the holder's host and pid (exit 2) before it moves or writes
+anything; a lock whose holder is gone is taken over; the lock is released at the end of a run, on
+bad input and on a stop by signal; the same job's previous holder is waited for."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The learning-rate schedule against numbers worked out by hand (not against `lr_factor`).
 
-The schedule (accel_train/train/optim.py): linear warmup over W optimizer steps, then cosine decay to 0
-at the last step T, stepped once per optimizer step.  The update with 0-based index k uses
+The schedule (accel_train/train/optim.py): linear warmup over W optimizer steps, then cosine decay
+to 0 at the last step T, stepped once per optimizer step.  The update with 0-based index k uses
 
     lr_k = peak * (k + 1) / W                                for k < W
     lr_k = peak * 0.5 * (1 + cos(pi * min(1, (k - W) / (T - W))))   for k >= W

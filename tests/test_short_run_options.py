@@ -368,13 +368,13 @@ def test_lookahead_syncs_save_and_load_as_written_by_hand(tmp_path):
     copy; BatchNorm's step counter (an integer) is left alone."""
     from accel_train.train.lookahead import LOOKAHEAD_FILE, LookaheadAverage
     model = _bn_net(0)
-    average = LookaheadAverage(model, every=2)
+    average = LookaheadAverage(model, every=2, total_steps=lambda: 4)
     for step in (1, 2):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.1 * step)
             model[1].running_mean.add_(1.0)
-        average.after_step(step, total_steps=4)
+        average.after_step(step)
     rho = 0.95 ** 2 * (2 / 4) ** 3
     # by hand: the model before the sync of step 2 is the start + 0.1 + 0.2 (parameters) and
     # + 2 (running mean); the sync moves the slow copy (the start) 1 - rho of the way there
@@ -389,7 +389,7 @@ def test_lookahead_syncs_save_and_load_as_written_by_hand(tmp_path):
     average.save(tmp_path)
     assert (tmp_path / LOOKAHEAD_FILE).is_file()
     other = _bn_net(1)
-    restored = LookaheadAverage(other, every=2)
+    restored = LookaheadAverage(other, every=2, total_steps=lambda: 4)
     restored.load(tmp_path)
     for key, value in restored.slow.items():
         torch.testing.assert_close(value, expected[key])
@@ -405,7 +405,7 @@ def test_lookahead_load_without_a_file_warns_and_starts_from_the_weights(tmp_pat
     from accel_train.train.lookahead import LookaheadAverage
     said = []
     model = _bn_net(2)
-    average = LookaheadAverage(model, every=5, warn=said.append)
+    average = LookaheadAverage(model, every=5, total_steps=lambda: 10, warn=said.append)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(2.0)                     # the resumed weights, loaded after construction
@@ -415,22 +415,22 @@ def test_lookahead_load_without_a_file_warns_and_starts_from_the_weights(tmp_pat
     for key, value in _floats(model).items():
         assert torch.equal(average.slow[key], value)
     with pytest.raises(ValueError, match=r"^every must be >= 1 \(got 0\)$"):
-        LookaheadAverage(model, every=0)
+        LookaheadAverage(model, every=0, total_steps=lambda: 10)
 
 
 def test_lookahead_refuses_another_models_average_in_one_line(tmp_path):
     from accel_train.train.lookahead import LookaheadAverage
     from accel_train.base.readers import BadFile
-    LookaheadAverage(_bn_net(0), every=5).save(tmp_path)
+    LookaheadAverage(_bn_net(0), every=5, total_steps=lambda: 10).save(tmp_path)
     wider = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(128, 2))
     another = r"holds another model's weights .*0\.bias is \[4\], not \[8\]"
     with pytest.raises(BadFile, match=another):
-        LookaheadAverage(wider, every=5).load(tmp_path)
+        LookaheadAverage(wider, every=5, total_steps=lambda: 10).load(tmp_path)
     # cut short: refused, in the checkpoint's words, before anything is loaded
     path = tmp_path / "lookahead.safetensors"
     path.write_bytes(path.read_bytes()[:-16])
     with pytest.raises(BadFile, match=r"lookahead\.safetensors.*resume from another checkpoint"):
-        LookaheadAverage(_bn_net(0), every=5).load(tmp_path)
+        LookaheadAverage(_bn_net(0), every=5, total_steps=lambda: 10).load(tmp_path)
 
 
 

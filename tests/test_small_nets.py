@@ -1,7 +1,7 @@
-"""The small-image networks accel_train registers in timm's registry (accel_train/model/small_nets.py):
-the architecture is what the docstring says (checked against a network written out by hand in
-plain torch), they are ordinary timm models to timm's own tooling, and a run trains, exports and
-evaluates one like any other timm name."""
+"""The small-image networks accel_train registers in timm's registry
+(accel_train/model/small_nets.py): the architecture is what the docstring says (checked against a
+network written out by hand in plain torch), they are ordinary timm models to timm's own tooling,
+and a run trains, exports and evaluates one like any other timm name."""
 
 from __future__ import annotations
 

@@ -73,12 +73,25 @@ def fake_clock(monkeypatch) -> SimpleNamespace:
     """A fake perf_counter for budget.py (set `clock.now`), and the trainer's evaluation probe
     reading PROBE_SECONDS per view of a batch (the tests of `batch_seconds` below check the real
     one)."""
-    from accel_train import trainer
+    from accel_train.train import evaluate
 
     fake = SimpleNamespace(now=0.0)
     monkeypatch.setattr(budget, "time", SimpleNamespace(perf_counter=lambda: fake.now))
-    monkeypatch.setattr(trainer, "batch_seconds", fake_probe(PROBE_SECONDS))
+    monkeypatch.setattr(evaluate, "batch_seconds", fake_probe(PROBE_SECONDS))
     return fake
+
+
+def ticking(clock, seconds=lambda step: 1.0) -> list:
+    """The callbacks of a run on the fake clock: before each micro-batch of optimizer step
+    `step` the clock moves `seconds(step)` (the run is in this process, and takes no real time
+    on the budget's clock)."""
+    from accel_train.callbacks import Callback
+
+    class Tick(Callback):
+        def on_batch_start(self, trainer, batch) -> None:
+            clock.now += seconds(trainer.state.step + 1)
+
+    return [Tick()]
 
 
 @pytest.fixture
@@ -520,13 +533,12 @@ def test_the_budget_replaces_epochs_even_when_they_are_fewer_than_the_measured_s
     """128 images at batch 16 with --epochs 1 is 8 steps, fewer than the 13 the budget needs to
     measure: the run must still measure and fit the budget (it replaces --epochs), not end after
     8 steps as if no budget had been given.  (The budget's clock is the fake one, moved 1 s a
-    step by the CLI's callback seam: the run is in this process and takes no real 20 s.)"""
-    from accel_train.trainer import Callbacks
+    step by a callback: the run is in this process and takes no real 20 s.)"""
     out = tmp_path / "run"
     command = [*[a for a in TINY_TRAIN if a not in ("--synthetic-train-size", "256")],
                "--synthetic-train-size", "128", "--time-budget", "20s", "--log-every", "1",
                "--output-dir", str(out)]
-    tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
+    tick = ticking(clock)
     accel_train_here(*command, check=True, callbacks=tick)
     records = _budget_records(out)
     assert len(records) == 1, "no step count was fixed: the budget was ignored"
@@ -681,13 +693,12 @@ def test_the_probed_evaluation_sets_the_step_count(tmp_path, monkeypatch, clock,
     the evaluation 8 s: 28 steps (15 s + 8 s); with --tta flip each image is seen twice, a
     batch takes 1 s: 25 s left, the evaluation 4 s: 34 steps.  The probe's seconds are left out
     of the steps' windows: every re-fit still reads 1 s a step."""
-    from accel_train import trainer
-    from accel_train.trainer import Callbacks
-    monkeypatch.setattr(trainer, "batch_seconds", fake_probe(probe, clock))
+    from accel_train.train import evaluate
+    monkeypatch.setattr(evaluate, "batch_seconds", fake_probe(probe, clock))
     out = tmp_path / "run"
     command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "40s",
                "--eval-every", "0", "--tta", tta, "--output-dir", str(out)]
-    tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
+    tick = ticking(clock)
     accel_train_here(*command, check=True, callbacks=tick)
     fits = _budget_records(out)
     views = {"none": 1, "flip": 2}[tta]
@@ -706,11 +717,10 @@ def test_a_budgeted_run_plans_only_the_evaluations_eval_every_will_run(tmp_path,
     images at half a step's cost per 16).  The first fit, at step 13 (27 s left): with every
     epoch evaluated, 34 steps (21 s + the ends of epochs 1-3, 6 s: the test above); with
     --eval-every 0 only the final evaluation is to come: 38 steps (25 s + 2 s)."""
-    from accel_train.trainer import Callbacks
     out = tmp_path / "run"
     command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "40s",
                "--eval-every", "0", "--log-every", "1", "--output-dir", str(out)]
-    tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
+    tick = ticking(clock)
     accel_train_here(*command, check=True, callbacks=tick)
     fits = _budget_records(out)
     assert (fits[0]["step"], fits[0]["total_steps"]) == (13, 38), fits[0]
@@ -739,15 +749,12 @@ def test_a_load_that_goes_away_is_followed_and_the_run_ends_on_its_budget(tmp_pa
     run ends on its 40 s, not after the 34 steps (at 27 s) the first fit planned.  The learning
     rate never jumps: each fit continues the cosine from where it stood (checked against the
     formula, from the fits metrics.jsonl recorded)."""
-    from accel_train.trainer import Callbacks
     out = tmp_path / "run"
     command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "40s",
                "--log-every", "1", "--output-dir", str(out)]
 
-    def tick(step, keys):
-        clock.now += 1.0 if step <= 20 else 0.5
-
-    accel_train_here(*command, check=True, callbacks=Callbacks(on_micro_batch=tick))
+    tick = ticking(clock, lambda step: 1.0 if step <= 20 else 0.5)
+    accel_train_here(*command, check=True, callbacks=tick)
     fits = _budget_records(out)
     train = [r for r in metrics(out) if r["type"] == "train"]
     assert (fits[0]["step"], fits[0]["total_steps"], fits[0]["step_seconds"]) == (13, 34, 1)
@@ -772,12 +779,11 @@ def _slow_machine_run(tmp_path, clock, *warmup: str):
     final evaluation (64 images, estimated at 2 s): the pilot (steps 3-13) reads 1 s a step and
     estimates 128 steps (115 s + 2 s after step 13); a second window (8% of 130 s: 11 steps,
     after 2%: 3) fixes the count at step 27: 128 again (101 s + 2 s)."""
-    from accel_train.trainer import Callbacks
     out = tmp_path / "run"
     command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "130s",
                "--eval-every", "0", "--lr-decay", "linear", "--log-every", "1",
                "--output-dir", str(out), *warmup]
-    tick = Callbacks(on_micro_batch=lambda step, keys: setattr(clock, "now", clock.now + 1.0))
+    tick = ticking(clock)
     output = accel_train_here(*command, check=True, callbacks=tick).stdout
     fits = _budget_records(out)
     assert [(f["step"], f["total_steps"]) for f in fits] == [(27, 128)], fits

@@ -115,7 +115,8 @@ _register("model_config", "a model's model_config.json",
           "restore it, or export the model again from a checkpoint (accel-train export)",
           Shape({"model_name": TEXT, "num_classes": INT, "class_names": LIST,
                  "image_size": INT, "mean": LIST, "std": LIST},
-                optional=frozenset({"drop_rate", "weights", "tta"})))
+                optional=frozenset({"drop_rate", "weights", "tta", "crop_pct", "crop_mode",
+                                    "interpolation"})))
 _register("timm_config", "a model folder's config.json (timm's layout)",
           "restore it, or export the model again (accel-train export)",
           Shape({"architecture": TEXT, "pretrained_cfg": MAPPING}))

@@ -17,11 +17,13 @@ from accel_train.cli import _Parser
 from accel_train.config import PRECISIONS, TTA_MODES, TrainConfig
 from accel_train.base.errors import UsageError
 
-SPLITS = {"held-out": "the held-out images", "train": "the training images",
-          "all": "all images (training and held-out together)"}
+SPLITS = {"held-out": "the validation images", "test": "the test split (kept for the end)",
+          "train": "the training images",
+          "all": "all images (training and validation together)"}
 # The options that say which data a run used; nothing else of the run matters to eval.
 DATA_OPTIONS = ("dataset", "data_dir", "image_column", "label_column", "val_fraction",
                 "max_train_samples", "max_eval_samples", "synthetic_train_size", "val_labels",
+                "select_on_test",
                 "class_depth", "streaming", "eval_shards")
 
 
@@ -37,9 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--image-column", help="image column (default: found by name/type)")
     data.add_argument("--label-column", help="label column (default: found by name/type)")
     data.add_argument("--split", choices=list(SPLITS), default="held-out",
-                      help="held-out: the validation/test split, or the fraction training carved "
-                           "off; train; all: both (e.g. a folder of labelled images with no "
-                           "splits) (default: held-out)")
+                      help="held-out: the validation split the run selected on (the data's "
+                           "own, or the fraction training carved off); test: the test split, "
+                           "where the data has one beside a validation split or a carved one; "
+                           "train; all: train and validation (e.g. a folder of labelled images "
+                           "with no splits) (default: held-out)")
     data.add_argument("--max-samples", type=_positive_or_all, metavar="N|all",
                       help="evaluate the first N images (default: as many as the run evaluated "
                            "on its own data; all of other data)")
@@ -110,7 +114,11 @@ def _dataset_for_split(data, split: str, transform, max_samples):
     from torch.utils.data import ConcatDataset, Subset
 
     from accel_train.data.loaders import HeldOutImages
-    parts = {"held-out": [data.held_out], "train": [data.train], "all": [data.train, data.held_out]}
+    parts = {"held-out": [data.held_out], "train": [data.train], "all": [data.train, data.held_out],
+             "test": [data.test] if data.test is not None else []}
+    if not parts[split]:
+        raise UsageError(f"--split {split}: {data.description} has no test split; choose "
+                         f"held-out, train or all")
     datasets = [HeldOutImages(source, transform) for source in parts[split]]
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if isinstance(max_samples, int) and max_samples < len(dataset):
@@ -152,7 +160,7 @@ def main(argv: Sequence[str]) -> int:
     from accel_train.data.streaming import load_streaming, streaming_wanted
     from accel_train.base.ranks import main_first, print_once
     from accel_train.train.precision import precision_name, resolve_precision
-    from accel_train.data.transforms import ImageTransform
+    from accel_train.data.transforms import held_out_transform
     from accel_train.commands.artifacts import (as_the_run_ran, find_trained_model, load_model,
                                                 read_run_config)
 
@@ -180,10 +188,11 @@ def main(argv: Sequence[str]) -> int:
                              f"by the trainer's loader only; evaluate its held-out split, or "
                              f"pass --data-dir of a folder")
         data = main_first(lambda: load_streaming(config) if streamed else load_data(config))
-        for source in (data.train, data.held_out) if not streamed else (data.held_out,):
+        sources = (data.train, data.held_out, *([data.test] if data.test is not None else []))
+        for source in sources if not streamed else (data.held_out,):
             align_labels(source, data.class_names, trained.spec.class_names, data.description)
         spec = trained.spec
-        transform = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
+        transform = held_out_transform(spec)
         dataset = _dataset_for_split(data, args.split, transform, args.max_samples)
         cuda = acc.device.type == "cuda"
         workers = args.num_workers if args.num_workers is not None else \

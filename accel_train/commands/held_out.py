@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from accel_train.base.errors import UsageError
-from accel_train.data.transforms import ImageTransform
+from accel_train.data.transforms import held_out_transform
 
 
 @dataclass
@@ -47,7 +47,7 @@ def run_held_out(trained) -> HeldOut:
         return HeldOut(None, f"the run's data is not reachable here ({err})")
     align_labels(data.held_out, data.class_names, trained.spec.class_names, data.description)
     spec = trained.spec
-    transform = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
+    transform = held_out_transform(spec)
     if len(data.held_out) == 0:
         return HeldOut(None, f"the held-out split of {data.description} is empty")
     return HeldOut(HeldOutImages(data.held_out, transform),

@@ -1,7 +1,8 @@
 """`accel-train predict RUN_OR_CHECKPOINT IMAGES_OR_FOLDERS...`: the top-k classes of each image.
 
-Images are prepared exactly as training prepared its held-out images (resized to the model's
-size, normalized with its mean/std).  The model may also be the model.onnx of an export made
+Images are prepared exactly as training prepared its held-out images (resized and cropped to the
+model's size as its config records, timm's eval transform above 64 px, normalized with its
+mean/std).  The model may also be the model.onnx of an export made
 with --format onnx: ONNX Runtime runs it, with the preparation recorded in the file.  Folders
 are searched recursively for image files.  Output is a table, or with --json one JSON object
 per line (for scripts).  An image that cannot be read is reported in its row and the others
@@ -77,8 +78,8 @@ def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device
 
     from accel_train.data.decode import Unreadable, decode, read_value
     from accel_train.train.evaluate import logits_of
-    from accel_train.data.transforms import ImageTransform
-    transform = ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
+    from accel_train.data.transforms import held_out_transform
+    transform = held_out_transform(spec)
     k = min(top_k, spec.num_classes)
     for start in range(0, len(images), batch_size):
         readable, tensors = [], []

@@ -80,7 +80,9 @@ def _samples(args):
                          val_fraction=args.val_fraction, image_column=args.image_column,
                          label_column=args.label_column)
     raw = open_data(config)
-    train_name, train_rows, eval_name, eval_rows, _ = pick_splits(raw, config.val_fraction)
+    splits = pick_splits(raw, config.val_fraction)
+    train_name, train_rows = splits.train_name, splits.train_rows
+    eval_name, eval_rows = splits.eval_name, splits.eval_rows
     train = rows_of(raw.splits[train_name], train_rows)
     held_out = rows_of(raw.splits[eval_name], eval_rows)
     image_column, label_column = find_columns(train, config)

@@ -21,7 +21,8 @@ from accel_train.data.augment import build_erasing, build_policy
 from accel_train.data.loader_watch import reading
 from accel_train.base.randomness import loader_generator
 from accel_train.data.sources import ArraySource, ImageSource
-from accel_train.data.transforms import ImageTransform, single_threaded
+from accel_train.data.transforms import (ImageTransform, held_out_crop, held_out_transform,
+                                         single_threaded)
 from accel_train.data.worker_start import worker_context, worker_init_fn
 
 STATS_SAMPLE = 5000  # images used to estimate the dataset's mean/std
@@ -329,12 +330,21 @@ class FinishOnDevice:
 
 def run_transforms(config, spec) -> tuple[ImageTransform, ImageTransform]:
     """(training, held-out) transforms of a run: the training one augments as the flags say
-    (crop and flip, then --auto-augment and --reprob), the held-out one only resizes and
-    normalizes.  Both data paths (indexed and streamed) build theirs here."""
+    (crop and flip, above 64 px timm's crop, flips and colour jitter, then --auto-augment and
+    --reprob), the held-out one prepares images as the model's spec records (its size, mean,
+    std and crop).  Both data paths (indexed and streamed) build theirs here."""
     augmenting = config.augment
+    # timm turns colour jitter off under an augmentation policy, unless it is a '3a' one
+    # (timm.data.transforms_factory.transforms_imagenet_train).
+    jitter = config.color_jitter if not config.auto_augment or "3a" in config.auto_augment \
+        else 0.0
     train_tf = ImageTransform(spec.image_size, spec.mean, spec.std, augment=augmenting,
                               flip=config.flip, crop_pad=config.crop_pad,
                               policy=build_policy(config.auto_augment)
                               if augmenting and config.auto_augment else None,
-                              erasing=build_erasing(config.reprob) if augmenting else None)
-    return train_tf, ImageTransform(spec.image_size, spec.mean, spec.std, augment=False)
+                              erasing=build_erasing(config.reprob) if augmenting else None,
+                              hflip=config.hflip, scale=tuple(config.scale),
+                              ratio=tuple(config.ratio), vflip=config.vflip, color_jitter=jitter,
+                              train_interpolation=config.train_interpolation,
+                              **held_out_crop(spec))
+    return train_tf, held_out_transform(spec)

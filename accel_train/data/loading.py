@@ -1,8 +1,9 @@
 """The one train-loader interface, and the loaders of a run chosen once when it is built.
 
 Two kinds of data feed training: indexed (map-style: images in memory or decoded per step,
-data.py) and streamed from shards (streaming/).  The trainer sees one interface, `TrainLoader`,
-and never asks which kind it has:
+loaders.py; small in-memory images may instead be held on the device and drawn there,
+device_resident.py) and streamed from shards (streaming/).  The trainer sees one interface,
+`TrainLoader`, and never asks which kind it has:
 
 * `prepare(accelerator)`: hand the loader to Accelerate (or take the device from it);
 * `set_epoch(epoch)`: the next iteration is that epoch, from its start;
@@ -22,7 +23,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Optional, Protocol
 
 from torch.utils.data import DataLoader
 
@@ -31,6 +32,8 @@ from accel_train.data.loaders import (Batch, EpochSampler, FinishOnDevice, HeldO
 from accel_train.base.errors import STALLED_EXIT, RunStopped, UsageError
 from accel_train.base.randomness import reseed_loader
 from accel_train.base.readers import read_json
+from accel_train.data.device_resident import DeviceResidentBatches
+from accel_train.data.device_resident import choose as choose_data_on_device
 from accel_train.data.streaming import STREAM_STATE, build_stream_loader, streaming_wanted
 from accel_train.data.worker_deaths import restarting_dead_workers
 
@@ -95,7 +98,33 @@ class TrainLoader(Protocol):
     def load(self, folder: Path) -> None: ...
 
 
-class IndexedTrainLoader:
+class EpochPosition:
+    """The saved position of an indexed epoch (`epoch`, `samples_in_epoch`): the same file for
+    both indexed loaders, so that either resumes a checkpoint of the other.  Its loader has
+    `epoch`, `samples_in_epoch`, `seed`, `sampler` and `per_micro_step`."""
+
+    on_device = False  # recorded with the position: which loader drew the batches
+
+    def save(self, folder: Path) -> None:
+        (Path(folder) / LOADER_STATE).write_text(json.dumps(
+            {"kind": "indexed", "epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch,
+             "seed": self.seed, "train_samples": self.sampler.num_samples,
+             "on_device": self.on_device}, indent=1) + "\n")
+
+    def load(self, folder: Path) -> None:
+        if (Path(folder) / STREAM_STATE).is_file():
+            raise UsageError(f"{folder} was saved by a streaming run (it holds {STREAM_STATE}); "
+                             f"resume it with the same shard folder (--data-dir SHARDS), or "
+                             f"start a new run")
+        saved = read_json(Path(folder) / LOADER_STATE, "loader_state")  # its shape checked
+        if saved["samples_in_epoch"] % self.per_micro_step:
+            raise UsageError(f"{folder} stopped {saved['samples_in_epoch']} samples into its "
+                             f"epoch, which {self.per_micro_step} samples per micro-step do not "
+                             f"divide; resume with the global batch it was trained with")
+        self.epoch, self.samples_in_epoch = saved["epoch"], saved["samples_in_epoch"]
+
+
+class IndexedTrainLoader(EpochPosition):
     """Map-style training data: the seeded epoch sampler through a DataLoader that Accelerate
     shards across processes; a resumed epoch skips the batches already trained."""
 
@@ -164,22 +193,11 @@ class IndexedTrainLoader:
             kept._shutdown_workers()
             self.loader._iterator = None
 
-    def save(self, folder: Path) -> None:
-        (Path(folder) / LOADER_STATE).write_text(json.dumps(
-            {"kind": "indexed", "epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch,
-             "seed": self.seed, "train_samples": self.sampler.num_samples}, indent=1) + "\n")
 
-    def load(self, folder: Path) -> None:
-        if (Path(folder) / STREAM_STATE).is_file():
-            raise UsageError(f"{folder} was saved by a streaming run (it holds {STREAM_STATE}); "
-                             f"resume it with the same shard folder (--data-dir SHARDS), or "
-                             f"start a new run")
-        saved = read_json(Path(folder) / LOADER_STATE, "loader_state")  # its shape checked
-        if saved["samples_in_epoch"] % self.per_micro_step:
-            raise UsageError(f"{folder} stopped {saved['samples_in_epoch']} samples into its "
-                             f"epoch, which {self.per_micro_step} samples per micro-step do not "
-                             f"divide; resume with the global batch it was trained with")
-        self.epoch, self.samples_in_epoch = saved["epoch"], saved["samples_in_epoch"]
+class DeviceResidentTrainLoader(EpochPosition, DeviceResidentBatches):
+    """The training set held on the device, its batches drawn there (device_resident.py)."""
+
+    on_device = True
 
 
 @dataclass
@@ -191,6 +209,8 @@ class Loaders:
     num_workers: int
     global_batch: int     # one optimizer step: batch x processes x accumulation
     steps_per_epoch: int  # optimizer steps
+    choice: str = ""      # which training loader, and why (--data-on-device): for the summary
+    test: Optional[DataLoader] = None  # the test split, evaluated once at the end
 
 
 def build_loaders(config, data, spec, num_processes: int, rank: int, processes_per_machine: int,
@@ -207,6 +227,9 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
     wanted_workers = config.num_workers if config.num_workers is not None else \
         default_num_workers(data.train, processes_per_machine, cuda)
     if streaming_wanted(config):
+        # (--data-on-device always is bad input here; auto's reason is for the summary)
+        _, choice = choose_data_on_device(config.data_on_device, data.train, train_tf, cuda,
+                                          streaming=True)
         train, workers, steps = build_stream_loader(config, data, train_tf, num_processes, rank,
                                                     wanted_workers, pin_memory)
         held_out_workers = 0  # held-out shards are decoded in memory at the start
@@ -216,20 +239,31 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                              f"global batch of {global_batch} (batch_size x processes x "
                              f"accumulation_steps); lower --batch-size")
         sampler = EpochSampler(len(data.train), global_batch, config.seed)
-        # The marks of replaced images ride along to the loop (badimages.py names them); on a
-        # GPU small in-memory images are resized and cropped there (TrainImages).
-        loader = make_loader(TrainImages(data.train, train_tf, config.seed, mark_replaced=True,
-                                         place_on_device=cuda),
-                             config.batch_size, wanted_workers, config.prefetch_factor,
-                             config.persistent_workers, pin_memory, sampler=sampler,
-                             drop_last=True, seed=config.seed, timeout=config.loader_timeout)
-        train = IndexedTrainLoader(loader, sampler, config.batch_size, num_processes, rank,
-                                   config.seed, config.loader_timeout)
-        workers = held_out_workers = wanted_workers
+        on_device, choice = choose_data_on_device(config.data_on_device, data.train, train_tf,
+                                                  cuda, streaming=False)
+        if on_device:  # no loader: batches are drawn from the images held on the device
+            train = DeviceResidentTrainLoader(data.train, train_tf, sampler, config.batch_size,
+                                              num_processes, rank, config.seed)
+            workers = 0
+        else:
+            # The marks of replaced images ride along to the loop (badimages.py names them); on
+            # a GPU small in-memory images are resized and cropped there (TrainImages).
+            loader = make_loader(TrainImages(data.train, train_tf, config.seed,
+                                             mark_replaced=True, place_on_device=cuda),
+                                 config.batch_size, wanted_workers, config.prefetch_factor,
+                                 config.persistent_workers, pin_memory, sampler=sampler,
+                                 drop_last=True, seed=config.seed, timeout=config.loader_timeout)
+            train = IndexedTrainLoader(loader, sampler, config.batch_size, num_processes, rank,
+                                       config.seed, config.loader_timeout)
+            workers = wanted_workers
+        held_out_workers = wanted_workers
         steps = len(train) // config.accumulation_steps
-    held_out = make_loader(HeldOutImages(data.held_out, held_out_tf, mark_replaced=True),
-                           config.batch_size, held_out_workers, config.prefetch_factor,
-                           config.persistent_workers and held_out_workers > 0, pin_memory,
-                           seed=config.seed, timeout=config.loader_timeout)
-    return Loaders(train, held_out, workers, global_batch, steps)
+    held_out, test = (
+        make_loader(HeldOutImages(source, held_out_tf, mark_replaced=True), config.batch_size,
+                    held_out_workers, config.prefetch_factor,
+                    config.persistent_workers and held_out_workers > 0 and source is data.held_out,
+                    pin_memory, seed=config.seed, timeout=config.loader_timeout)
+        if source is not None else None
+        for source in (data.held_out, data.test))
+    return Loaders(train, held_out, workers, global_batch, steps, choice, test)
 

@@ -4,6 +4,7 @@ timm draws its mixing from numpy's global random state, which would make a run d
 everything else that ever touched it (and on when it stopped and resumed).  Here every
 micro-batch draws from a state seeded by (seed, epoch, position in the epoch, rank), so the
 mixing is a function of where the batch sits in the run: exact resume stays bit-identical.
+Without either, the run's part is `NoMixing`: the batch as it is, the plain cross-entropy.
 """
 
 from __future__ import annotations
@@ -31,5 +32,17 @@ class SeededMixup:
             return self.mixup(images, labels)
 
 
+class NoMixing:
+    def __init__(self, config):
+        self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor,
+                 position: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        return images, labels
+
+
 def maybe_mixup(config, num_classes: int):
-    return SeededMixup(config, num_classes) if config.mixup > 0 or config.cutmix > 0 else None
+    """SeededMixup with --mixup or --cutmix, else NoMixing; each has the `loss_fn` that fits
+    its targets."""
+    return SeededMixup(config, num_classes) if config.mixup > 0 or config.cutmix > 0 \
+        else NoMixing(config)

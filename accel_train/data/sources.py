@@ -34,7 +34,11 @@ from accel_train.data.imagefolder import index_folder
 
 IMAGE_COLUMN_NAMES = ("img", "image", "images", "pixel_values", "picture", "jpg", "png", "webp")
 LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "coarse_label", "class", "target", "y")
-EVAL_SPLIT_NAMES = ("validation", "val", "valid", "test", "eval", "evaluation")
+# Three roles: train, validation (every decision: best checkpoints, EMA or raw weights, the time
+# budget's probes) and test (evaluated once, at the end, and decides nothing).
+VALIDATION_SPLIT_NAMES = ("validation", "val", "valid", "eval", "evaluation")
+TEST_SPLIT_NAMES = ("test",)
+EVAL_SPLIT_NAMES = VALIDATION_SPLIT_NAMES + TEST_SPLIT_NAMES
 VAL_CARVE_SEED = 0  # fixed: the held-out set must not change with --seed
 MATERIALIZE_BATCH = 1024  # rows read from Arrow at a time when decoding into memory
 NATIVE_SIZE_PROBE = 32  # images looked at to tell a data set's own image size
@@ -300,6 +304,8 @@ class LoadedData:
     # Met while decoding into memory (their slots hold substitutes); those decoded on demand are
     # met later, in the loaders.
     bad_images: list[BadImage] = field(default_factory=list)
+    # Evaluated once, at the end of training, and never read before: it decides nothing.
+    test: Optional[ImageSource] = None
 
 
 @dataclass
@@ -467,27 +473,54 @@ def open_data(config: TrainConfig) -> RawData:
     return raw
 
 
-def pick_splits(raw: RawData, val_fraction: float):
-    """(train split, its rows, held-out split, its rows, description): the held-out split is
-    the data's own, or `val_fraction` of the training split carved off with a fixed seed."""
+@dataclass
+class Splits:
+    """Which rows of which split play each role; `test_name` None where there is no test split
+    (or where the test split itself is used for selection, as asked)."""
+
+    train_name: str
+    train_rows: np.ndarray
+    eval_name: str
+    eval_rows: np.ndarray
+    test_name: Optional[str]
+    description: str
+
+
+def pick_splits(raw: RawData, val_fraction: float, select_on_test: bool = False) -> Splits:
+    """The data's own validation split; else `val_fraction` of the training split carved off
+    with a fixed seed, the test split kept for the end; with `select_on_test`, a data set with
+    only train and test uses its test split for selection (and says so)."""
     names = list(raw.splits)
     train_name = "train" if "train" in names else names[0]
-    eval_name = next((n for n in EVAL_SPLIT_NAMES if n in names and n != train_name), None)
-    train = raw.splits[train_name]
-    if eval_name is not None:
-        return (train_name, np.arange(len(train)), eval_name,
-                np.arange(len(raw.splits[eval_name])), f"{train_name}/{eval_name}")
-    if len(train) < 2:
+    others = [n for n in names if n != train_name]
+    validation = next((n for n in VALIDATION_SPLIT_NAMES if n in others), None)
+    test = next((n for n in TEST_SPLIT_NAMES if n in others), None)
+    train_rows = np.arange(len(raw.splits[train_name]))
+    if validation is None and test is not None and select_on_test:
+        return Splits(train_name, train_rows, test, np.arange(len(raw.splits[test])), None,
+                      f"{train_name}/{test}, the test split used for selection")
+    if validation is not None:
+        return Splits(train_name, train_rows, validation,
+                      np.arange(len(raw.splits[validation])), test,
+                      f"{train_name}/{validation}" + (f"/{test}" if test else ""))
+    train_rows, held_out_rows = carve_rows(len(train_rows), val_fraction)
+    return Splits(train_name, train_rows, train_name, held_out_rows, test,
+                  f"{train_name} minus {val_fraction:.0%} for validation"
+                  + (f"; {test} kept for the end" if test else ""))
+
+
+def carve_rows(num_rows: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(rows kept for training, rows held out): `val_fraction` of the rows, chosen with a fixed
+    seed.  datasets' own split of a stand-in that holds the row numbers: the same rows as
+    train.train_test_split(...) gives (it depends on the length and the seed only), and the
+    row numbers still name each image."""
+    if num_rows < 2:
         raise UsageError("the data has fewer than 2 images; nothing to hold out for evaluation")
-    # datasets' own split of a stand-in that holds the row numbers: the same rows as
-    # train.train_test_split(...) gives (it depends on the length and the seed only), and the
-    # row numbers still name each image.
     from datasets import Dataset
-    stand_in = Dataset.from_dict({"row": np.arange(len(train))})
+    stand_in = Dataset.from_dict({"row": np.arange(num_rows)})
     parts = stand_in.train_test_split(test_size=val_fraction, seed=VAL_CARVE_SEED, shuffle=True)
-    return (train_name, parts["train"].with_format("arrow")["row"].to_numpy(), train_name,
-            parts["test"].with_format("arrow")["row"].to_numpy(),
-            f"{train_name} minus {val_fraction:.0%} held out")
+    return (parts["train"].with_format("arrow")["row"].to_numpy(),
+            parts["test"].with_format("arrow")["row"].to_numpy())
 
 
 def rows_of(dataset, rows: np.ndarray):
@@ -529,24 +562,25 @@ def load_data(config: TrainConfig) -> LoadedData:
                           _limit(data.held_out, config.max_eval_samples), data.class_names,
                           data.description)
     raw = open_data(config)
-    train_name, train_rows, eval_name, eval_rows, split_desc = \
-        pick_splits(raw, config.val_fraction)
+    splits = pick_splits(raw, config.val_fraction, config.select_on_test)
+    train_rows, eval_rows = splits.train_rows, splits.eval_rows
     if config.max_train_samples:
         train_rows = train_rows[:config.max_train_samples]
     if config.max_eval_samples:
         eval_rows = eval_rows[:config.max_eval_samples]
-    train = rows_of(raw.splits[train_name], train_rows)
-    held_out = rows_of(raw.splits[eval_name], eval_rows)
-    image_column, label_column = find_columns(train, config)
-    labels, class_names = labels_and_names({"train": train, "eval": held_out}, label_column)
+    roles = [("train", splits.train_name, train_rows), ("held-out", splits.eval_name, eval_rows)]
+    if splits.test_name is not None:
+        test_rows = np.arange(len(raw.splits[splits.test_name]))
+        roles.append(("test", splits.test_name, test_rows[:config.max_eval_samples or None]))
+    parts = {role: rows_of(raw.splits[name], rows) for role, name, rows in roles}
+    image_column, label_column = find_columns(parts["train"], config)
+    labels, class_names = labels_and_names(parts, label_column)
     if len(class_names) < 2:
         raise UsageError(f"{raw.origin}: found {len(class_names)} class(es) in "
                          f"{label_column!r}; a classifier needs at least 2")
-    sources = [HFSource(dataset, image_column, labels[key], split, rows=rows,
+    sources = [HFSource(parts[role], image_column, labels[role], role, rows=rows,
                         names=raw.names[name], root=raw.root, bad_images=config.bad_images)
-               for dataset, key, split, rows, name in (
-                   (train, "train", "train", train_rows, train_name),
-                   (held_out, "eval", "held-out", eval_rows, eval_name))]
+               for role, name, rows in roles]
     for source in sources:  # while loading, every rank would say it: LoadedData.bad_images
         source.on_substitute = None
     bad: list[BadImage] = []
@@ -562,4 +596,5 @@ def load_data(config: TrainConfig) -> LoadedData:
     for source in sources:
         if isinstance(source, HFSource):
             source.on_substitute = warn_substitute
-    return LoadedData(sources[0], sources[1], class_names, f"{raw.origin} ({split_desc})", bad)
+    return LoadedData(sources[0], sources[1], class_names, f"{raw.origin} ({splits.description})",
+                      bad, test=sources[2] if len(sources) > 2 else None)

@@ -8,15 +8,22 @@ Small images (CIFAR-sized, the in-memory case) take the batched path: the crop o
 of a whole batch come from one vectorized hash of (seed, epoch, index) (`augment_bits`), and the
 reflect-pad, crop, flip and normalization are a handful of tensor operations per batch instead of
 a dozen per image.  A single image goes through the very same code as a batch of one, so the two
-paths give identical tensors.  Larger images (random resized crop) draw from a per-sample
-generator (`sample_generator`) and are cropped one at a time.
+paths give identical tensors.
+
+Larger images go through timm's own transforms, one image at a time, as PIL images: in training
+`timm.data.create_transform(is_training=True, ...)` (random resized crop, flips, colour jitter;
+its policy and random erasing are ours, below), each image's draws made inside
+`randomness.seeded(seed, epoch, index, CROP_SALT)` (timm draws from Python's `random` and torch's
+global generator); held out, timm's eval transform at the run's crop_pct, crop_mode and
+interpolation, so that an export's config.json tells timm exactly what training evaluated.  Both
+stop at uint8 pixels (timm's prefetcher form, `use_prefetcher=True`): normalizing is `finish`'s,
+on the device, as for small images.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -25,18 +32,18 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms.v2 import functional as TF
 
-from accel_train.data.augment import apply_erasing, apply_seeded, erasing_plan
 from accel_train.base.errors import UsageError
+from accel_train.base.randomness import each_seeded
+from accel_train.data.augment import apply_erasing, apply_seeded, erasing_plan
 
-SMALL_IMAGE = 64  # at or below: pad-and-crop (CIFAR style); above: random resized crop
+SMALL_IMAGE = 64  # at or below: pad-and-crop (CIFAR style); above: timm's transforms
+CROP_SALT = 0xC809  # keeps the crop's draws apart from the policy's (salt 0) for the same image
+# How many of each sample's 64 hash bits decide its mirroring on the small path (bits 49-63;
+# the crop offsets take bits 1-48): mirrored when they are at least (1 - hflip) of 2**15, which
+# at hflip 0.5 is the top bit alone.
+FLIP_BITS = 15
 
 _MASK64 = (1 << 64) - 1
-
-
-def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
-    # Distinct large odd multipliers keep (seed, epoch, index) triples from colliding.
-    key = (seed * 0x9E3779B1 + epoch * 0x85EBCA77 + index * 0xC2B2AE3D) % (2**63 - 1)
-    return torch.Generator().manual_seed(key)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -85,14 +92,6 @@ def single_threaded(method):
     return wrapper
 
 
-def _uniform(generator: torch.Generator, low: float, high: float) -> float:
-    return low + (high - low) * float(torch.rand((), generator=generator))
-
-
-def _randint(generator: torch.Generator, high_inclusive: int) -> int:
-    return int(torch.randint(0, high_inclusive + 1, (), generator=generator))
-
-
 @functools.lru_cache(maxsize=None)
 def _channel_stats(mean: tuple, std: tuple,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +120,21 @@ class ImageTransform:
     # With augment, after the crop and flip (augment.py: seeded per sample like the crop):
     policy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # --auto-augment, uint8
     erasing: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # --reprob, normalized
+    # --hflip: the probability of mirroring under flip "random", on both paths.
+    hflip: float = 0.5
+    # Training above SMALL_IMAGE (timm's create_transform arguments; config.py's flags): the
+    # random resized crop's area fraction and aspect ratio ranges, the vertical flip, colour
+    # jitter (0: off) and the resize's interpolation ("random": bilinear or bicubic per image).
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    vflip: float = 0.0
+    color_jitter: float = 0.0
+    train_interpolation: str = "bilinear"
+    # Held out (timm's pretrained_cfg terms, what the run's ModelSpec records): squash with
+    # crop_pct 1 and bilinear is the plain resize of both sides that small images always had.
+    crop_pct: float = 1.0
+    crop_mode: str = "squash"
+    interpolation: str = "bilinear"
 
     def __post_init__(self):
         # reflect padding needs less than the image's own size
@@ -172,9 +186,11 @@ class ImageTransform:
 
     def _pixel_batch(self, images: torch.Tensor, seed: int, epochs: Sequence[int],
                      indices: Sequence[int]) -> torch.Tensor:
-        if self.augment and max(images.shape[-2:]) > SMALL_IMAGE:
-            images = torch.stack([self._augment_large(image, (seed, int(e), int(i)))
-                                  for image, e, i in zip(images, epochs, indices)])
+        large = max(images.shape[-2:]) > SMALL_IMAGE
+        if self.augment and large:
+            images = self._augment_large(images, seed, epochs, indices)
+        elif not self.augment and (large or not self.plain_resize):
+            return torch.stack([self._timm_eval(TF.to_pil_image(image)) for image in images])
         else:
             images = self.place(images, self.crop_plan(seed, epochs, indices))
             if not self.augment:
@@ -184,11 +200,21 @@ class ImageTransform:
         return images
 
     # -- the small-image geometry on its own: where it runs is the loader's choice -------------
+    @property
+    def plain_resize(self) -> bool:
+        """Whether the held-out preparation is the plain resize of both sides (squash, crop_pct
+        1, bilinear), which small images take on the batched tensor path; any other is timm's
+        eval transform, whatever the size."""
+        return self.crop_mode == "squash" and self.crop_pct == 1.0 and \
+            self.interpolation == "bilinear"
+
     def can_place(self, images_shape: Sequence[int]) -> bool:
         """Whether a batch of this (stored) shape may leave the loader at its stored size, its
         resize, crop and flip done by `place` on the device: the small-image (CIFAR-style)
-        path, without --auto-augment (whose policy works on the placed uint8 pixels)."""
-        return max(images_shape[-2:]) <= SMALL_IMAGE and self.policy is None
+        path, without --auto-augment (whose policy works on the placed uint8 pixels), and
+        without augmenting only when the held-out preparation is the plain resize."""
+        return max(images_shape[-2:]) <= SMALL_IMAGE and self.policy is None and \
+            (self.augment or self.plain_resize)
 
     def crop_plan(self, seed: int, epochs: Sequence[int],
                   indices: Sequence[int]) -> Optional[torch.Tensor]:
@@ -249,15 +275,17 @@ class ImageTransform:
         return TF.resize(images, [self.image_size, self.image_size], antialias=True)
 
     def _flips(self, bits: np.ndarray, seed: int, epochs, indices) -> torch.Tensor:
-        """Which images of a batch are mirrored: the top bit of each image's `bits` (the hash
-        of its (seed, epoch, index) that also places the crop); under --flip alternate, that bit
-        of its epoch-0 hash, inverted in odd epochs."""
+        """Which images of a batch are mirrored: those whose top FLIP_BITS bits of `bits` (the
+        hash of its (seed, epoch, index) that also places the crop) reach (1 - hflip) of their
+        range, the top bit alone at 0.5; under --flip alternate, the top bit of its epoch-0
+        hash, inverted in odd epochs."""
         if self.flip == "alternate":
             epochs = np.asarray(epochs, dtype=np.int64)
             bits = augment_bits(seed, np.zeros_like(epochs), indices)
             return torch.from_numpy(((bits >> np.uint64(63)).astype(np.int64) ^ (epochs & 1))
                                     .astype(bool))
-        return torch.from_numpy((bits >> np.uint64(63)).astype(bool))
+        threshold = round((1 - self.hflip) * (1 << FLIP_BITS))
+        return torch.from_numpy((bits >> np.uint64(64 - FLIP_BITS)).astype(np.int64) >= threshold)
 
     def _pad(self) -> int:
         """How far the CIFAR-style crop may shift: --crop-pad, by default the size / 8."""
@@ -279,31 +307,51 @@ class ImageTransform:
         crops = flat.gather(2, where.reshape(count, 1, -1).expand(count, channels, -1))
         return crops.reshape(count, channels, size, size)
 
-    def _augment_large(self, image: torch.Tensor, sample: tuple[int, int, int]) -> torch.Tensor:
-        """Random resized crop (scale 0.25-1, ratio 3/4-4/3) and a flip (--flip), uint8 out."""
-        generator = sample_generator(*sample)
-        image = self._resized_crop(image, generator)
-        mirrored = float(torch.rand((), generator=generator)) < 0.5
+    def _augment_large(self, images: torch.Tensor, seed: int, epochs: Sequence[int],
+                       indices: Sequence[int]) -> torch.Tensor:
+        """timm's training transform on each image, its draws seeded by its (seed, epoch,
+        index); --flip alternate mirrors by the hash instead, after it (a mirror commutes with
+        colour jitter, which acts on each pixel alike)."""
+        keys = [(seed, int(e), int(i), CROP_SALT) for e, i in zip(epochs, indices)]
+        out = torch.stack(each_seeded(lambda image: self._timm_train(TF.to_pil_image(image)),
+                                      images, keys))
         if self.flip == "alternate":
-            seed, epoch, index = sample
-            mirrored = bool(self._flips(None, seed, [epoch], [index])[0])
-        if mirrored:
-            image = image.flip(-1)
-        return image
+            mirrored = self._flips(None, seed, epochs, indices)
+            out = torch.where(mirrored.view(-1, 1, 1, 1), out.flip(-1), out)
+        return out
 
-    def _resized_crop(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        height, width = image.shape[-2:]
-        area = height * width
-        for _ in range(10):
-            target = area * _uniform(generator, 0.25, 1.0)
-            ratio = math.exp(_uniform(generator, math.log(3 / 4), math.log(4 / 3)))
-            w = round(math.sqrt(target * ratio))
-            h = round(math.sqrt(target / ratio))
-            if 0 < w <= width and 0 < h <= height:
-                top, left = _randint(generator, height - h), _randint(generator, width - w)
-                break
-        else:  # fall back to the central square
-            h = w = min(height, width)
-            top, left = (height - h) // 2, (width - w) // 2
-        return TF.resized_crop(image, top, left, h, w, [self.image_size, self.image_size],
-                               antialias=True)
+    # timm's transforms, made once per transform (and per loader worker, which receives it
+    # pickled): PIL image in, uint8 CHW tensor out.
+    @functools.cached_property
+    def _timm_train(self):
+        from timm.data import create_transform
+        return create_transform(
+            self.image_size, is_training=True, scale=tuple(self.scale), ratio=tuple(self.ratio),
+            hflip=0.0 if self.flip == "alternate" else self.hflip, vflip=self.vflip,
+            color_jitter=self.color_jitter or None, interpolation=self.train_interpolation,
+            mean=self.mean, std=self.std, use_prefetcher=True)
+
+    @functools.cached_property
+    def _timm_eval(self):
+        from timm.data import create_transform
+        return create_transform(
+            self.image_size, is_training=False, crop_pct=self.crop_pct, crop_mode=self.crop_mode,
+            interpolation=self.interpolation, mean=self.mean, std=self.std, use_prefetcher=True)
+
+
+# What a spec that does not say how to crop means (ModelSpec's defaults: the plain resize every
+# run used before these fields; also a stand-in spec of size, mean and std alone).
+PLAIN_RESIZE = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bilinear"}
+
+
+def held_out_crop(spec) -> dict:
+    """timm's crop_pct, crop_mode and interpolation of a model's spec, as ImageTransform's
+    keyword arguments."""
+    return {name: getattr(spec, name, plain) for name, plain in PLAIN_RESIZE.items()}
+
+
+def held_out_transform(spec) -> ImageTransform:
+    """How a model's images are prepared for evaluation, `eval`, `predict` and `export`: the
+    size, mean, std and timm's crop_pct, crop_mode and interpolation its ModelSpec records."""
+    return ImageTransform(spec.image_size, tuple(spec.mean), tuple(spec.std), augment=False,
+                          **held_out_crop(spec))

@@ -1,5 +1,12 @@
-"""timm models: creation by name, local pretrained weights, backbone freezing, and the small JSON
-spec that is enough to rebuild a trained model for inference.
+"""The network by name: a timm model (a registry name, or timm's `hf-hub:REPO` and
+`local-dir:FOLDER`), or the user's own through its import path `package.module:factory`;
+local pretrained weights, backbone freezing, and the rebuild of a trained model from its spec.
+
+A factory is called as `factory(num_classes=N)`; `drop_rate=` and `drop_path_rate=` (timm's
+names) are added only when --drop-rate / --drop-path ask for them, and only to a factory that
+takes them (else one line): its own defaults hold otherwise.  --pretrained is timm's and does not
+apply (the factory loads any weights of its own).  The spec records the import path, and eval,
+predict and export import the module again: it must be importable wherever they run.
 
 The model knows nothing of ranks or devices; wrapping happens in `accelerator.prepare`.
 """
@@ -7,8 +14,11 @@ The model knows nothing of ranks or devices; wrapping happens in `accelerator.pr
 from __future__ import annotations
 
 import difflib
+import importlib
+import inspect
+import re
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import timm
 import torch
@@ -16,23 +26,143 @@ from torch import nn
 
 from accel_train.model import small_nets  # noqa: F401  (registers the small-image networks in timm's registry)
 from accel_train.base.errors import UsageError, first_line
-from accel_train.model.saved import ModelSpec, unknown_architecture_hint
+from accel_train.base.readers import read_json
+from accel_train.model.saved import (TIMM_CONFIG, ModelSpec, is_import_path,
+                                     unknown_architecture_hint)
 from accel_train.base.weightfiles import check_weights_file
+
+_IDENTIFIERS = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+# package.module:factory (the factory may be dotted too: module:Class.create)
+IMPORT_PATH = re.compile(f"{_IDENTIFIERS}:{_IDENTIFIERS}")
+IMPORTABLE = ("put the folder that holds it on PYTHONPATH or pip install it (it is imported again "
+              "wherever the run is resumed, evaluated, used for predictions or exported)")
+
+
+def timm_source(name: str) -> Optional[str]:
+    """'hf-hub' or 'local-dir' when timm reads the model's config from there, else None."""
+    prefix, colon, _ = name.partition(":")
+    if not colon or is_import_path(name):
+        return None
+    return "hf-hub" if prefix.lower() in ("hf-hub", "hf_hub") else "local-dir"
 
 
 def check_model_name(name: str, flag: str = "--model") -> None:
+    """One line now for a name that cannot be built: a timm name timm does not know, a
+    `local-dir:` folder that is not a model folder, an import path that does not import.  An
+    `hf-hub:` name is only fetched when built (create_model): this check needs no network."""
+    if is_import_path(name):
+        user_factory(name, flag)
+        return
+    source = timm_source(name)
+    if source == "local-dir":
+        _check_local_dir(name, flag)
+        return
+    if source == "hf-hub":
+        if not name.partition(":")[2].strip():
+            raise UsageError(f"{flag} {name!r} names no repository; write hf-hub:OWNER/NAME")
+        return
     if timm.is_model(name):
         return
     close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
     hint = f"did you mean {', '.join(close)}? " if close else ""
     raise UsageError(f"{flag} {name!r} is not a timm model; {hint}list them with "
-                     f"python -c \"import timm; print(timm.list_models('*{name[:6]}*'))\"")
+                     f"python -c \"import timm; print(timm.list_models('*{name[:6]}*'))\", or "
+                     f"pass your own network as package.module:factory")
+
+
+def _check_local_dir(name: str, flag: str) -> None:
+    folder = Path(name.partition(":")[2])
+    if not (folder / TIMM_CONFIG).is_file():
+        what = "no such folder" if not folder.is_dir() else f"no {TIMM_CONFIG} in it"
+        raise UsageError(f"{flag} {name}: {what}; pass a folder in timm's format "
+                         f"({TIMM_CONFIG} and model.safetensors: an accel-train export or run)")
+    architecture = read_json(folder / TIMM_CONFIG, "timm_config")["architecture"]
+    if is_import_path(architecture):
+        raise UsageError(f"{flag} {name}: that folder holds a network built by your factory "
+                         f"{architecture}, which timm cannot build; pass {flag} {architecture}")
+    if not timm.is_model(architecture):
+        raise UsageError(f"{flag} {name}: its architecture {architecture!r} is not in this "
+                         f"timm's registry (timm {timm.__version__}); "
+                         f"{unknown_architecture_hint(architecture)}")
+
+
+def user_factory(name: str, flag: str = "--model") -> Callable:
+    """The callable an import path names, or one line saying what to fix."""
+    if not IMPORT_PATH.fullmatch(name):
+        raise UsageError(f"{flag} {name!r} is neither a timm model name (or timm's hf-hub:REPO, "
+                         f"local-dir:FOLDER) nor an import path package.module:factory; write "
+                         f"dotted Python names, one colon between module and factory")
+    module_name, _, attribute = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (module_name + ".").startswith(err.name + "."):  # the module itself
+            raise UsageError(f"{flag} {name}: no module named {err.name!r} in this Python; "
+                             f"{IMPORTABLE}") from None
+        raise UsageError(f"{flag} {name}: importing {module_name} failed ({first_line(err)}); "
+                         f"install what it imports") from None
+    except Exception as err:  # a SyntaxError, or any error its top level raises
+        raise UsageError(f"{flag} {name}: importing {module_name} failed "
+                         f"({type(err).__name__}: {first_line(err)}); fix the module") from None
+    factory = module
+    for part in attribute.split("."):
+        if not hasattr(factory, part):
+            names = [n for n in dir(factory) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=3, cutoff=0.6)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise UsageError(f"{flag} {name}: {module_name} "
+                             f"({getattr(module, '__file__', None) or 'a namespace package'}) "
+                             f"has no {attribute!r}; {hint}name the factory after the colon")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise UsageError(f"{flag} {name}: {attribute} is not callable (a "
+                         f"{type(factory).__name__}); name a function (or class) that takes "
+                         f"num_classes= and returns the network")
+    return factory
+
+
+def _takes(factory: Callable, keyword: str) -> bool:
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call say
+        return True
+    return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _create_from_factory(name: str, num_classes: int, drop_rate: float,
+                         pretrained: Optional[str], drop_path: float) -> nn.Module:
+    if pretrained is not None:
+        raise UsageError(f"--pretrained {pretrained} loads timm's weights into a timm model; "
+                         f"--model {name} is your own factory: load weights there, or drop "
+                         f"--pretrained")
+    factory = user_factory(name)
+    kwargs = {"num_classes": num_classes}
+    for flag, keyword, value in (("--drop-rate", "drop_rate", drop_rate),
+                                 ("--drop-path", "drop_path_rate", drop_path)):
+        if value:
+            if not _takes(factory, keyword):
+                raise UsageError(f"{flag} {value}: --model {name} takes no {keyword}= argument; "
+                                 f"add that parameter to the factory, or drop {flag}")
+            kwargs[keyword] = value
+    call = f"{name.partition(':')[2]}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
+    try:
+        model = factory(**kwargs)
+    except Exception as err:  # the user's code: whatever it raises, the fix is there
+        raise UsageError(f"--model {name}: {call} raised {type(err).__name__}: "
+                         f"{first_line(err)}; fix the factory") from None
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"--model {name}: {call} returned a {type(model).__name__}, not a "
+                         f"torch nn.Module; return the network")
+    return model
 
 
 def create_model(name: str, num_classes: int, drop_rate: float = 0.0,
                  pretrained: Optional[str] = None, drop_path: float = 0.0) -> nn.Module:
-    """A timm model; `pretrained` is None, 'hub', or a local weights file."""
+    """A timm model, or the user's factory's; `pretrained` is None, 'hub', or a local weights
+    file (timm models only)."""
     check_model_name(name)
+    if is_import_path(name):
+        return _create_from_factory(name, num_classes, drop_rate, pretrained, drop_path)
     kwargs = dict(num_classes=num_classes, drop_rate=drop_rate)
     if drop_path:  # only when asked: not every timm model takes it
         kwargs["drop_path_rate"] = drop_path
@@ -46,6 +176,9 @@ def create_model(name: str, num_classes: int, drop_rate: float = 0.0,
 
 
 def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
+    source = timm_source(name)
+    if source is not None and pretrained in (None, "hub"):
+        return _create_from_source(name, source, pretrained == "hub", kwargs)
     if pretrained is None:
         return timm.create_model(name, pretrained=False, **kwargs)
     if pretrained == "hub":
@@ -68,6 +201,29 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
         raise UsageError(f"--pretrained {pretrained}: does not fit model {name} "
                          f"({first_line(err, 200)}); pass weights saved from "
                          f"{name}") from None
+
+
+def _create_from_source(name: str, source: str, weights: bool, kwargs: dict) -> nn.Module:
+    """timm reads the config (and with --pretrained hub the weights) from the Hub or the folder;
+    what it cannot read is one line, not a traceback."""
+    try:
+        return timm.create_model(name, pretrained=weights, **kwargs)
+    except TypeError as err:
+        if "drop_path_rate" in str(err):
+            raise  # create_model says it
+        failure = err
+    except Exception as err:  # huggingface_hub's and timm's own errors, of many types
+        failure = err
+    what = f"{first_line(failure, 300)} ({type(failure).__name__})"
+    if source == "hf-hub":
+        files = "config.json and weights" if weights else "config.json"
+        raise UsageError(f"--model {name}: timm could not get the model's {files} from the "
+                         f"Hugging Face Hub: {what}; this needs network, or those files in the "
+                         f"Hugging Face cache (HF_HOME) from an earlier download; with no "
+                         f"network, copy the repository's folder here and pass --model "
+                         f"local-dir:FOLDER") from None
+    raise UsageError(f"--model {name}: timm cannot build the model in that folder: {what}; "
+                     f"pass a folder in timm's format (an accel-train export)") from None
 
 
 def pretrained_normalization(model: nn.Module) -> tuple[tuple, tuple]:
@@ -94,6 +250,11 @@ def check_image_size(model: nn.Module, name: str, image_size: int) -> None:
 
 def freeze_backbone(model: nn.Module) -> int:
     """Leave only the classifier trainable; returns the number of trainable parameters."""
+    # timm's interface for the head; a user's network may offer the same method
+    if not callable(getattr(model, "get_classifier", None)):
+        raise UsageError("--freeze-backbone: this model has no get_classifier() method (timm's "
+                         "way to name the classifier); give your network one that returns its "
+                         "head, or drop --freeze-backbone")
     classifier = model.get_classifier()
     if not isinstance(classifier, nn.Module) or not any(True for _ in classifier.parameters()):
         raise UsageError("--freeze-backbone: this model has no separate classifier to train")
@@ -115,6 +276,11 @@ def set_train_mode(model: nn.Module, backbone_frozen: bool) -> None:
 
 
 def build_from_spec(spec: ModelSpec) -> nn.Module:
+    """The trained network's architecture, through the name it was trained with (a user's
+    factory is imported again: one line naming the module when it is not importable here)."""
+    if is_import_path(spec.model_name) or timm_source(spec.model_name):
+        check_model_name(spec.model_name, "the model was trained with --model")
+        return create_model(spec.model_name, spec.num_classes, spec.drop_rate)
     if not timm.is_model(spec.model_name):
         raise UsageError(f"the model's architecture {spec.model_name!r} is not in this timm's "
                          f"registry (timm {timm.__version__}); "

@@ -1,5 +1,6 @@
 """Model EMA: timm's ModelEmaV3 over the bare model, evaluated beside it at every epoch end,
 saved into every checkpoint as safetensors and restored on resume (a checkpointed part).
+Without --model-ema the run's part is `NoEma`, which averages, evaluates and saves nothing.
 
 Not registered with `accelerator.register_for_checkpointing`: Accelerate unpickles such objects
 with weights_only=False (docs/architecture.md), and a checkpoint must never be able to run code.
@@ -35,6 +36,14 @@ class ModelEma:
     def module(self) -> nn.Module:
         return self.ema.module
 
+    def after_step(self, step: int) -> None:
+        """After every optimizer step: the average takes in the model as it now is."""
+        self.update(self.source, step)
+
+    def averaged(self) -> dict[str, nn.Module]:
+        """The averages evaluated beside the model, by name."""
+        return {"ema": self.module}
+
     def update(self, model: nn.Module, step: int) -> None:
         # Newer timm rounds bf16 averages stochastically with a private generator seeded once
         # at construction: its draws would depend on the run's history (and restart on resume).
@@ -60,3 +69,26 @@ class ModelEma:
         check_fits(path, "checkpoint_weights",  # another model's average is one line
                    {k: tuple(v.shape) for k, v in self.module.state_dict().items()})
         self.module.load_state_dict(read_safetensors(path, "checkpoint_weights"))
+
+
+class NoEma:
+    name = "ema"
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def averaged(self) -> dict[str, nn.Module]:
+        return {}
+
+    def save(self, folder: Path) -> None:
+        pass
+
+    def load(self, folder: Path) -> None:
+        pass
+
+
+def maybe_ema(model: nn.Module, config, warn: Callable[[str], None]):
+    """ModelEma over `model` (the bare model) with --model-ema, else NoEma."""
+    if not config.model_ema:
+        return NoEma()
+    return ModelEma(model, config.model_ema_decay, config.seed, warn)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import yaml
 
-from accel_train.model.saved import ModelSpec
+from accel_train.model.saved import ModelSpec, is_import_path, resize_description
 from accel_train.model.saved import OWN_NETWORKS
 from accel_train.config import TrainConfig
 
@@ -45,9 +45,11 @@ def _recipe(train: dict) -> dict:
 
 
 def _header(facts: CardFacts, dataset: Optional[str]) -> str:
-    tags = ["image-classification", "timm", "accel_train"] + (["onnx"] if facts.onnx_diff is not
-                                                               None else [])
-    header = {"library_name": "timm", "pipeline_tag": "image-classification", "tags": tags}
+    timm = not is_import_path(facts.spec.model_name)  # else a user's factory built it
+    tags = ["image-classification", *(["timm"] if timm else []), "accel_train"] + \
+        (["onnx"] if facts.onnx_diff is not None else [])
+    header = {"library_name": "timm" if timm else "pytorch",
+              "pipeline_tag": "image-classification", "tags": tags}
     if dataset:
         header["datasets"] = [dataset]
     header["metrics"] = ["accuracy"]
@@ -97,8 +99,35 @@ def _training(facts: CardFacts) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _factory_usage(facts: CardFacts) -> str:
+    """A network of the user's own: timm and transformers cannot build it, its factory can."""
+    spec, name = facts.spec, facts.folder_name
+    module, _, factory = spec.model_name.partition(":")
+    extra = f", drop_rate={spec.drop_rate}" if spec.drop_rate else ""
+    tta = (f"\nThe run evaluates with {spec.tta} TTA; `accel-train predict` does that, the "
+           f"snippet below does not.\n" if spec.tta != "none" else "")
+    return f"""
+`{spec.model_name}` is the import path of the function that built the network, not a timm
+name: timm and transformers cannot build it, and its module must be importable (on PYTHONPATH,
+or installed) wherever the model is loaded; config.json keeps timm's layout.
+{tta}
+```python
+from safetensors.torch import load_file
+import {module}
+model = {module}.{factory}(num_classes={spec.num_classes}{extra})
+model.load_state_dict(load_file("./{name}/model.safetensors"))
+model.eval()
+```
+
+accel-train: `accel-train predict ./{name} IMAGES...`, `accel-train eval ./{name} --data-dir DATA`
+(with the module importable).
+"""
+
+
 def _usage(facts: CardFacts) -> str:
     spec, name = facts.spec, facts.folder_name
+    if is_import_path(spec.model_name):
+        return _factory_usage(facts) + _onnx_usage(facts)
     own = spec.model_name in OWN_NETWORKS
     prelude = (f"import accel_train  # registers {spec.model_name} in timm's registry\n"
                if own else "")
@@ -115,7 +144,7 @@ timm (>= 1.0.16, `local-dir:`):
 {prelude}import timm, torch
 model = timm.create_model("local-dir:./{name}", pretrained=True).eval()
 config = timm.data.resolve_data_config({{}}, model=model)
-transform = timm.data.create_transform(**config)   # resize to {spec.image_size} px, normalize
+transform = timm.data.create_transform(**config)   # as the run prepared held-out images
 ```
 
 transformers (its timm wrapper reads config.json):
@@ -128,6 +157,35 @@ classify("image.png")
 
 accel-train: `accel-train predict ./{name} IMAGES...`, `accel-train eval ./{name} --data-dir DATA`.
 """
+    return text + _onnx_usage(facts)
+
+
+def _pil_preparation(spec: ModelSpec) -> str:
+    """PIL lines that resize and crop an image as timm's eval transform does for this spec
+    (torchvision's Resize and CenterCrop arithmetic), for a program without torch."""
+    size, method = spec.image_size, spec.interpolation.upper()
+    scaled = int(size / spec.crop_pct)  # timm: floor(size / crop_pct)
+    if spec.crop_mode == "border":  # padding with the mean: timm's own transform says it best
+        return (f"image = Image.open(\"image.png\").convert(\"RGB\")  # then timm.data."
+                f"create_transform(input_size={size}, crop_pct={spec.crop_pct}, crop_mode="
+                f"\"border\", interpolation=\"{spec.interpolation}\", use_prefetcher=True)")
+    lines = ['image = Image.open("image.png").convert("RGB")']
+    if spec.crop_mode == "squash":
+        lines.append(f"image = image.resize(({scaled}, {scaled}), Image.{method})")
+    else:  # center: the shorter side to `scaled`, the longer in proportion (truncated)
+        lines += ["w, h = image.size",
+                  f"image = image.resize(({scaled}, int({scaled} * h / w)) if w <= h else "
+                  f"(int({scaled} * w / h), {scaled}), Image.{method})"]
+    if scaled != size:
+        lines += [f"left, top = round((image.width - {size}) / 2), "
+                  f"round((image.height - {size}) / 2)",
+                  f"image = image.crop((left, top, left + {size}, top + {size}))"]
+    return "\n".join(lines)
+
+
+def _onnx_usage(facts: CardFacts) -> str:
+    spec, name = facts.spec, facts.folder_name
+    text = ""
     if facts.onnx_diff is not None:
         text += f"""
 ONNX Runtime (`model.onnx`: input `images` float32 [batch, 3, {spec.image_size}, \
@@ -137,8 +195,7 @@ ONNX Runtime (`model.onnx`: input `images` float32 [batch, 3, {spec.image_size},
 import numpy as np, onnxruntime
 from PIL import Image
 session = onnxruntime.InferenceSession("./{name}/model.onnx")
-image = Image.open("image.png").convert("RGB").resize(({spec.image_size}, {spec.image_size}), \
-Image.BILINEAR)
+{_pil_preparation(spec)}
 x = (np.asarray(image, np.float32) / 255 - {list(spec.mean)}) / {list(spec.std)}
 logits = session.run(None, {{"images": x.transpose(2, 0, 1)[None].astype(np.float32)}})[0]
 ```
@@ -155,17 +212,20 @@ def model_card(facts: CardFacts) -> str:
     dataset = _dataset_name(train)
     names = ", ".join(spec.class_names[:20]) + (", ..." if len(spec.class_names) > 20 else "")
     weights = "the exponential moving average (EMA)" if spec.weights == "ema" else "the raw"
+    own = is_import_path(spec.model_name)
+    kind = "the network that the factory" if own else "timm's"
+    origin = "the trainer's own factory, by import path" if own else "timm"
     return f"""{_header(facts, dataset)}
 # {facts.folder_name}
 
-An image classifier trained with accel_train: timm's `{spec.model_name}` for \
+An image classifier trained with accel_train: {kind} `{spec.model_name}` for \
 {spec.num_classes} classes.
 
 ## Model details
 
-- **Architecture:** `{spec.model_name}` (timm)
+- **Architecture:** `{spec.model_name}` ({origin})
 - **Weights:** {weights} weights; from {facts.source}
-- **Input:** {spec.image_size} x {spec.image_size} RGB, resized (aspect not kept, bilinear), \
+- **Input:** {spec.image_size} x {spec.image_size} RGB: {resize_description(spec)}; \
 scaled to [0, 1], normalized with mean {list(spec.mean)} and std {list(spec.std)}
 - **Test-time augmentation:** {spec.tta}
 - **Classes:** {names}

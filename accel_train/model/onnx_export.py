@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from accel_train.base.errors import UsageError, first_line
-from accel_train.model.saved import ModelSpec
+from accel_train.model.saved import ModelSpec, resize_description
 
 ONNX_FILE = "model.onnx"
 PREPROCESSING_FILE = "preprocessing.json"
@@ -50,7 +50,9 @@ def preprocessing_record(spec: ModelSpec) -> dict:
     """What a program feeding the ONNX model must do to an image, and what the outputs mean."""
     return {"input": INPUT, "output": OUTPUT, "layout": "NCHW, RGB, float32",
             "dynamic_axes": {INPUT: {"0": "batch"}, OUTPUT: {"0": "batch"}},
-            "resize": f"both sides to {spec.image_size} px (aspect not kept), bilinear",
+            "resize": resize_description(spec),
+            "crop_pct": spec.crop_pct, "crop_mode": spec.crop_mode,
+            "interpolation": spec.interpolation,
             "scale": "pixel values / 255, then (x - mean) / std per channel",
             "input_size": [3, spec.image_size, spec.image_size],
             "mean": list(spec.mean), "std": list(spec.std),

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from timm.data.constants import DEFAULT_CROP_MODE, DEFAULT_CROP_PCT
 from torch import nn
 
 from accel_train.base.errors import UsageError, first_line
@@ -37,6 +38,16 @@ FORMAT_VERSION = 1
 # The networks accel_train registers in timm's registry: other programs know them only once
 # accel_train is imported.
 OWN_NETWORKS = NETWORKS
+# timm's prefixes of a model name that say where its config comes from (`hf-hub:REPO`,
+# `local-dir:FOLDER`; hf_hub is timm's old spelling).  Any other NAME:REST is an import path.
+TIMM_SOURCES = ("hf-hub", "hf_hub", "local-dir")
+
+
+def is_import_path(model_name: str) -> bool:
+    """`package.module:factory`, a user's function that builds the network (build.py), rather
+    than a name that timm builds."""
+    prefix, colon, _ = model_name.partition(":")
+    return bool(colon) and prefix.lower() not in TIMM_SOURCES
 
 
 @dataclass
@@ -52,6 +63,13 @@ class ModelSpec:
     drop_rate: float = 0.0
     weights: str = "model"  # which weights model.safetensors holds: "model" or "ema" (--model-ema)
     tta: str = "none"  # test-time augmentation the run evaluated with (--tta)
+    # How held-out images are resized and cropped, in timm's pretrained_cfg terms (--crop-pct,
+    # --crop-mode, --interpolation, or the model's own): what evaluation, eval, predict and the
+    # export's config.json all follow.  The defaults are the plain resize of both sides that
+    # every run used before these fields, so older spec files read as what they did.
+    crop_pct: float = 1.0
+    crop_mode: str = "squash"
+    interpolation: str = "bilinear"
 
     name = "model_spec"  # a checkpointed part (checkpoint.py): export/eval read a checkpoint alone
 
@@ -107,12 +125,30 @@ def save_weights(state_dict: dict, directory: Path, spec: ModelSpec,
 
 
 def preprocessing(spec: ModelSpec) -> dict:
-    """The held-out preprocessing of a run in timm's pretrained_cfg terms.  Our eval transform
-    resizes both sides to the model's size without keeping the aspect (transforms.py): timm's
-    crop_mode 'squash' with crop_pct 1.0 is that same resize, bilinear, and no crop."""
-    return {"input_size": (3, spec.image_size, spec.image_size), "interpolation": "bilinear",
-            "crop_pct": 1.0, "crop_mode": "squash", "mean": tuple(spec.mean),
-            "std": tuple(spec.std), "num_classes": spec.num_classes}
+    """The held-out preprocessing of a run in timm's pretrained_cfg terms: the crop_pct,
+    crop_mode and interpolation the run evaluated with (data/transforms.py runs timm's eval
+    transform with them; squash at crop_pct 1 and bilinear, small images' plain resize, is that
+    same resize of both sides with no crop)."""
+    return {"input_size": (3, spec.image_size, spec.image_size),
+            "interpolation": spec.interpolation, "crop_pct": spec.crop_pct,
+            "crop_mode": spec.crop_mode, "mean": tuple(spec.mean), "std": tuple(spec.std),
+            "num_classes": spec.num_classes}
+
+
+def resize_description(spec: ModelSpec) -> str:
+    """timm's eval transform (timm.data.create_transform) for the spec's crop, in words."""
+    size, how = spec.image_size, spec.interpolation
+    scaled = int(spec.image_size / spec.crop_pct)  # timm: floor(size / crop_pct)
+    if spec.crop_mode == "squash":
+        if scaled == size:
+            return f"both sides to {size} px (aspect not kept), {how}"
+        return (f"both sides to {scaled} px (aspect not kept), {how}, then the central "
+                f"{size} x {size} px")
+    if spec.crop_mode == "border":
+        return (f"the longer side to {scaled} px (aspect kept), {how}, then padded to (or the "
+                f"central part cut to) {size} x {size} px with the mean colour")
+    return (f"the shorter side to {scaled} px (aspect kept), {how}, then the central {size} x "
+            f"{size} px (timm's crop_pct {spec.crop_pct:g})")
 
 
 def write_model_folder(model: nn.Module, directory: Path, spec: ModelSpec,
@@ -126,6 +162,16 @@ def write_model_folder(model: nn.Module, directory: Path, spec: ModelSpec,
     weights = save_weights(model.state_dict(), directory, spec, with_spec=False)
     ours = {"format_version": FORMAT_VERSION, "weights": spec.weights, "tta": spec.tta,
             "drop_rate": spec.drop_rate, "command": list(command or [])}
+    if is_import_path(spec.model_name):
+        # A user's factory built it: the architecture must name that factory (even when it
+        # returned a timm model, whose own config would name the timm network it started from),
+        # so that eval, predict and export rebuild it through the same import.  timm cannot open
+        # such a folder by itself; the layout is still timm's, which ModelSpec.read reads.
+        config = {"architecture": spec.model_name, "num_classes": spec.num_classes,
+                  "label_names": list(spec.class_names), "pretrained_cfg": preprocessing(spec),
+                  OUR_SECTION: ours}
+        (directory / TIMM_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        return weights
     # timm's saver takes the preprocessing from model.pretrained_cfg (the `data_config` argument
     # exists only in the newest timm): describe the trained model there while it writes.  The
     # source checkpoint's tag and pool size no longer describe these weights.
@@ -163,10 +209,15 @@ def spec_from_timm_config(path: Path) -> ModelSpec:
         num_classes = int(config.get("num_classes", cfg.get("num_classes")))
         names = config.get("label_names") or cfg.get("label_names") or \
             [str(i) for i in range(num_classes)]
+        # A folder that does not say how to crop is read as timm reads it
+        # (timm.data.resolve_data_config's defaults); ours always say.
         return ModelSpec(config["architecture"], num_classes, list(names),
                          int(cfg["input_size"][-1]), tuple(cfg["mean"]), tuple(cfg["std"]),
                          float(ours.get("drop_rate", 0.0)), ours.get("weights", "model"),
-                         ours.get("tta", "none"))
+                         ours.get("tta", "none"),
+                         crop_pct=float(cfg.get("crop_pct") or DEFAULT_CROP_PCT),
+                         crop_mode=cfg.get("crop_mode") or DEFAULT_CROP_MODE,
+                         interpolation=cfg.get("interpolation") or "bicubic")
     except (ValueError, KeyError, TypeError, IndexError) as err:
         raise UsageError(f"{path} is not a timm model config ({type(err).__name__}: "
                          f"{first_line(err)}); export the run again with accel-train "

@@ -100,6 +100,14 @@ class TrainerState:
             raise TypeError(f"continued_on needs exactly {self.THIS_START}")
         return replace(self, **this_start)
 
+    def note_evaluation(self, record: dict) -> None:
+        """An epoch end's evaluation (its record's eval_top1, and eval_ema_top1 with
+        --model-ema), made at this step."""
+        self.best_top1 = max(record["eval_top1"], self.best_top1 or 0.0)
+        self.eval_top1, self.eval_step = record["eval_top1"], self.step
+        if "eval_ema_top1" in record:
+            self.ema_top1 = record["eval_ema_top1"]
+
     @classmethod
     def from_json(cls, data: dict) -> "TrainerState":
         known = set(cls.__dataclass_fields__)
@@ -381,13 +389,8 @@ class Checkpointer:
 
     def __init__(self, root: Path, keep: int, warn: Callable[[str], None],
                  parts: Sequence[Checkpointed], is_main: bool = True,
-                 barrier: Callable[[], None] = lambda: None,
-                 before_manifest: Optional[Callable[[int, Path], None]] = None,
-                 keep_best: int = 0):
-        """`barrier` waits for every rank (the Accelerator's wait_for_everyone).
-        `before_manifest(step, folder)`, if given, runs on the main process once every file
-        of a save is written and before its manifest makes it count (a seam: the fault tests
-        kill a save there)."""
+                 barrier: Callable[[], None] = lambda: None, keep_best: int = 0):
+        """`barrier` waits for every rank (the Accelerator's wait_for_everyone)."""
         names = [part.name for part in parts]
         if len(set(names)) != len(names):
             raise ValueError(f"checkpointed parts share a name: {names}")
@@ -397,7 +400,6 @@ class Checkpointer:
         self.root, self.keep, self.warn = Path(root), keep, warn
         self.parts, self.state = list(parts), states[0]
         self.is_main, self.barrier = is_main, barrier
-        self.before_manifest = before_manifest
         self.keep_best = keep_best
 
     def save(self) -> Path:
@@ -429,8 +431,6 @@ class Checkpointer:
                 part.save(tmp)
         self.barrier()  # every rank's files are on disk before the manifest
         if self.is_main:
-            if self.before_manifest is not None:
-                self.before_manifest(step, tmp)
             write_manifest(tmp, step)
             self._publish(tmp, final)
 

@@ -37,13 +37,14 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
+import sys
 import time
 from datetime import timedelta
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from accel_train.base.errors import STALLED_EXIT
+from accel_train.base.errors import STALLED_EXIT, first_line
 
 LONG_TIMEOUT = timedelta(minutes=30)
 TIGHT_MIN_SECONDS = 60.0
@@ -182,3 +183,43 @@ def dump_stacks(path) -> None:
                      f"(a collective timed out) ---\n")
         handle.flush()
         faulthandler.dump_traceback(file=handle, all_threads=True)
+
+
+class StepWatch:
+    """The loop's side of the timeouts: after every optimizer step a heartbeat and the step's
+    time, and the tight timeout agreed after each epoch's first step and at every log window
+    (TIGHT_STEPS x the slowest step seen so far, on every rank)."""
+
+    def __init__(self, timeouts: CollectiveTimeouts, agree_max: Callable[[float], float],
+                 log_every: int):
+        self.timeouts, self.agree_max, self.log_every = timeouts, agree_max, log_every
+        self.first_step, self.step_started = 1, time.perf_counter()
+
+    def start_epoch(self, step: int) -> None:
+        """The epoch's first step waits for every rank's loader to start: the long timeout."""
+        self.timeouts.relax()
+        self.first_step, self.step_started = step + 1, time.perf_counter()
+
+    def after_step(self, step: int) -> None:
+        self.timeouts.beat(step)
+        if step > self.first_step:
+            self.timeouts.observe(time.perf_counter() - self.step_started)
+        self.step_started = time.perf_counter()
+        if step == self.first_step or step % self.log_every == 0:
+            self.timeouts.tighten(self.agree_max)
+
+
+def report_stall(timeouts: CollectiveTimeouts, err: RuntimeError, step: int, rank: int,
+                 log, report) -> int:
+    """A collective timed out: name who stalled, keep this rank's stacks in its `log`, and
+    return EXIT_STALLED, so that the elastic launcher restarts the group from the newest
+    checkpoint."""
+    line = timeouts.describe_stall(step)
+    # Where this rank waited (the error's traceback), then every thread as it is now.
+    report.log_exception(f"{line} ({first_line(err, 300)})")
+    dump_stacks(log)
+    if timeouts.first_to_report():
+        print(f"accel_train: error (rank {rank}): {line}; Python stacks in {log}; exit "
+              f"{EXIT_STALLED}: restart the group (the elastic launcher does, --max_restarts) "
+              f"with --resume auto", file=sys.stderr, flush=True)
+    return EXIT_STALLED

@@ -392,6 +392,19 @@ def from_main(value: int, control_group) -> int:
     return int(tensor.item())
 
 
+class RankAgreement:
+    """The agreements the loop's parts make over a control group (None: one process)."""
+
+    def __init__(self, control_group):
+        self.control_group = control_group
+
+    def max(self, value: float) -> float:
+        return max_over_ranks(value, self.control_group)
+
+    def from_main(self, value: int) -> int:
+        return from_main(value, self.control_group)
+
+
 def group_store() -> Optional[dist.Store]:
     """The store of the process group this module started (None for one process, or a group
     started by someone else): where the ranks leave their heartbeats (collectives.py)."""

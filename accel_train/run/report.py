@@ -70,11 +70,14 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         + (f"  cuda: {facts['cuda_math']}\n" if facts.get("cuda_math") else "")
         + (f"  network: {facts['network_choice']}\n" if facts.get("network_choice") else "")
         + (f"  init: {facts['whitened_stem']}\n" if facts.get("whitened_stem") else "") +
-        f"  data: {facts['train_samples']} train / {facts['eval_samples']} held-out images, "
+        f"  data: {facts['train_samples']} train / {facts['eval_samples']} validation"
+        + (f" / {facts['test_samples']} test" if facts.get("test_samples") else "") + " images, "
         f"{len(model['class_names'])} classes, {model['image_size']}px, "
         f"{'decoded in memory' if facts['data_in_memory'] else 'decoded per step'}, "
         + ("resized and cropped on the device, " if facts.get("placed_on_device") else "") +
         f"{facts['num_workers']} loader worker(s)\n"
+        # which training loader build_loaders chose, and why (--data-on-device)
+        + (f"  train batches: {facts['train_loader']}\n" if facts.get("train_loader") else "") +
         f"  global batch {facts['global_batch']} = {per_process} per process x {world} "
         f"process(es) x {accumulation_steps} accumulation step(s); "
         f"{facts['steps_per_epoch']} steps/epoch, "

@@ -13,13 +13,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from tqdm.auto import tqdm
 
 from accel_train.base.errors import UsageError
 from accel_train.base.readers import read_json_lines
+from accel_train.train.divergence import stop_if_diverged
+from accel_train.train.optim import scheduled_learning_rate
 # metrics.jsonl record -> tracker scalar names; the prefix groups charts in TensorBoard and wandb.
 _TRACKED = {"train": {"loss": "train/loss", "top1": "train/top1", "lr": "train/lr",
                       "img_per_s": "train/img_per_s", "data_wait": "train/data_wait"},
@@ -184,3 +186,53 @@ class LogWindow:
         self.losses.append(loss.float())
         self.correct.append(num_correct)
         self.samples += samples
+
+
+class TrainLog:
+    """The `train` records: every --log-every optimizer steps, the loss and top-1 of the steps
+    since the last one over all ranks (a loss that is no longer finite stops the run), the
+    learning rate, images per second and the share of that time spent waiting for input; into
+    metrics.jsonl, the trackers, the progress display and `on_record` (the callbacks)."""
+
+    def __init__(self, accelerator, state, every: int, metrics: MetricsLog, progress: Progress,
+                 wait_clock, model: torch.nn.Module, optimizer, bad_images,
+                 on_record: Callable[[dict], None]):
+        """`state`: the run's TrainerState (its step, epoch and samples seen); `model`: the bare
+        model, whose weights name the first non-finite parameter."""
+        self.accelerator, self.state, self.every = accelerator, state, every
+        self.metrics, self.progress, self.wait_clock = metrics, progress, wait_clock
+        self.model, self.optimizer, self.bad_images = model, optimizer, bad_images
+        self.on_record = on_record
+        self.window = LogWindow()
+
+    def start_epoch(self) -> None:
+        self.window = LogWindow()
+        self.wait_clock.take()  # the last epoch's steps after its last logged one
+
+    def add(self, loss: torch.Tensor, num_correct: torch.Tensor, samples: int) -> None:
+        self.window.add(loss, num_correct, samples)
+
+    def after_step(self, step: int) -> None:
+        if step % self.every == 0:
+            self._write(self.window)
+            self.window = LogWindow()
+
+    def _write(self, window: LogWindow) -> None:
+        acc, state = self.accelerator, self.state
+        loss = acc.reduce(torch.stack(window.losses).mean().to(acc.device), "mean").item()
+        if not math.isfinite(loss):  # (the reduced loss: every rank takes this branch)
+            stop_if_diverged(self.model, state.step)
+        correct = acc.reduce(torch.stack(window.correct).sum().to(acc.device), "sum").item()
+        elapsed = time.perf_counter() - window.started
+        window.data_wait = self.wait_clock.take()  # after the .item()s: no sync of its own
+        record = {"type": "train", "step": state.step, "epoch": state.epoch + 1,
+                  "loss": round(loss, 6), "top1": round(correct / window.samples, 4),
+                  "lr": scheduled_learning_rate(self.optimizer),
+                  "img_per_s": round(window.samples / elapsed, 2),
+                  "data_wait": round(window.data_wait / elapsed, 4),
+                  "samples_seen": state.samples_seen}
+        self.bad_images.collect()
+        self.metrics.write(record)
+        acc.log(tracker_scalars(record), step=state.step)
+        self.progress.update(state.step, record)
+        self.on_record(record)

@@ -20,12 +20,14 @@ probing again (exact resume holds).  Explicit flags always win.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from accel_train.base.ranks import decide_on_main
 from accel_train.train.precision import cpu_has_native_bf16, cuda_has_tensor_cores
 
 PROBE_ROUNDS = 2       # candidates timed in turn, round after round: a load that comes and goes
@@ -141,3 +143,26 @@ def step_timer(make_model: Callable[[], torch.nn.Module], batch_size: int, image
         return min(seconds)
 
     return time_step
+
+
+def speed_for_run(config, make_model: Callable[[], torch.nn.Module], spec,
+                  kept_choices: Sequence[str], chosen: Optional[SpeedChoice],
+                  cuda: bool) -> SpeedChoice:
+    """--mixed-precision and --channels-last for a run: as asked; "auto" on a CPU, measured on
+    fresh copies of its model (`make_model()`), by rank 0 for all.  `chosen`: already timed
+    while choosing the network (network_choice.py).  A resumed run's plan already holds what
+    the checkpoint ran with (resume.keep_choices): `kept_choices` says so."""
+    if chosen is not None:
+        return chosen
+
+    def measure() -> dict:
+        time_step = step_timer(make_model, config.batch_size, spec.image_size, spec.num_classes)
+        return choose_on_this_machine(config.mixed_precision, config.channels_last, cuda,
+                                      time_step).__dict__
+
+    choice = SpeedChoice(**decide_on_main(measure))
+    kept = [name for name in kept_choices if name != "network"]
+    if kept:
+        choice = dataclasses.replace(choice, how=f"{' and '.join(kept)} kept from the "
+                                                 f"checkpoint")
+    return choice

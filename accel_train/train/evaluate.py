@@ -1,17 +1,23 @@
 """Classification metrics over a whole data set, each sample counted once, on one process or many.
 
-The trainer (at each epoch end) and `accel-train eval` both call `evaluate_classifier`, so the
-numbers a run logs and the numbers `eval` prints on the same data and weights are the same numbers.
+The trainer (at each epoch end, through `HeldOutEvaluator`) and `accel-train eval` both call
+`evaluate_classifier`, so the numbers a run logs and the numbers `eval` prints on the same data
+and weights are the same numbers.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
 from accel_train.data.loaders import collate_batch
+from accel_train.data.loading import stop_when_stuck
+from accel_train.train.budget import TTA_PASSES
 
 
 def logits_of(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torch.Tensor:
@@ -108,3 +114,91 @@ def format_results(results: dict, class_names: list[str]) -> str:
         accuracy = f"{correct / total:.1%}" if total else "-"
         lines.append(f"{name:<{width}}  {correct:>7}  {total:>6}  {accuracy:>7}")
     return "\n".join(lines)
+
+
+class HeldOutEvaluator:
+    """A run's evaluations on its held-out split: when (--eval-every), how (every rank its
+    share, with rank 0's BatchNorm statistics), and one batch timed for the time budget."""
+
+    def __init__(self, accelerator, loader, bad_images, num_classes: int, channels_last: bool,
+                 config):
+        self.accelerator, self.loader, self.bad_images = accelerator, loader, bad_images
+        self.num_classes, self.channels_last, self.tta = num_classes, channels_last, config.tta
+        self.batch_size, self.loader_timeout = config.batch_size, config.loader_timeout
+        self.eval_every = config.eval_every
+
+    def due(self, epoch: int, last: bool) -> bool:
+        """--eval-every N: the Nth epoch ends evaluate (`epoch` 0-based), and the `last` always
+        does (the run's final numbers; a time budget's latest fit decides which is the last)."""
+        return last or bool(self.eval_every and (epoch + 1) % self.eval_every == 0)
+
+    def evaluate(self, model: nn.Module, step: int) -> dict:
+        """evaluate_classifier's numbers for `model`, the bare module: no DDP buffer broadcast,
+        so no collective inside forward.  (Not unwrap_model's default, keep_torch_compile=True:
+        for a compiled DDP model that re-points the compiled wrapper at the bare model, and
+        training after the first evaluation would bypass DDP, no_sync lost under
+        accumulation.)"""
+        if self.accelerator.num_processes > 1:
+            # DDP hands rank 0's buffers (BatchNorm running statistics) to the other ranks only
+            # at the next training forward; until then each rank holds the statistics of its
+            # own last batch.  Every shard is evaluated with rank 0's, the ones the checkpoint
+            # and model.safetensors keep (and the ones training continues with anyway).
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+        batches = stop_when_stuck(self.loader, self.loader_timeout,
+                                  f"evaluating after step {step}")
+        return evaluate_classifier(self.accelerator, model, self.bad_images.strip(batches),
+                                   self.num_classes, self.channels_last, self.tta)
+
+    def time_one_batch(self, model: nn.Module) -> tuple[float, int]:
+        """(this rank's seconds for one held-out batch, the image passes that batch makes on
+        all ranks together: images x TTA views x ranks)."""
+        seconds, images = batch_seconds(self.accelerator, model, self.loader.dataset,
+                                        self.batch_size, self.channels_last, self.tta)
+        return seconds, images * TTA_PASSES[self.tta] * self.accelerator.num_processes
+
+
+class NoTestSplit:
+    """The data has no test split (or the run selects on it): nothing to evaluate at the end."""
+
+    def evaluate_once(self, model: nn.Module, step: int) -> Optional[dict]:
+        return None
+
+
+class TestSplit:
+    """The test split: evaluated once, after training, with the weights the run saved.  Nothing
+    reads it before, so it decides nothing (best checkpoints, EMA or raw, the budget's probes
+    all read the validation split)."""
+
+    def __init__(self, evaluator: HeldOutEvaluator):
+        self.evaluator = evaluator
+
+    def evaluate_once(self, model: nn.Module, step: int) -> Optional[dict]:
+        return self.evaluator.evaluate(model, step)
+
+
+def maybe_test_split(accelerator, loader, bad_images, num_classes: int, channels_last: bool,
+                     config):
+    if loader is None:
+        return NoTestSplit()
+    return TestSplit(HeldOutEvaluator(accelerator, accelerator.prepare(loader), bad_images,
+                                      num_classes, channels_last, config))
+
+
+def epoch_record(results: dict[str, dict]) -> dict:
+    """An epoch record's entries for the evaluations of the model ("") and of the averages
+    beside it ("ema"): eval_loss, eval_top1, ..., eval_ema_loss, ..."""
+    entries = {f"eval_{k}": v for k, v in results[""].items() if k != "per_class"}
+    for name, averaged in results.items():
+        if name:
+            entries.update({f"eval_{name}_{k}": averaged[k] for k in ("loss", "top1", "top5")})
+    return entries
+
+
+def epoch_words(results: dict[str, dict]) -> str:
+    """The console's words for an epoch end's evaluations."""
+    model = results[""]
+    averages = "".join(f", {name.upper()} top1 {averaged['top1']:.2%}"
+                       for name, averaged in results.items() if name)
+    return (f"eval loss {model['loss']:.4f} top1 {model['top1']:.2%} top5 {model['top5']:.2%}"
+            f"{averages} ({model['count']} images)")

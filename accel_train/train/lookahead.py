@@ -9,6 +9,8 @@ the weights move freely; towards the end they are averaged strongly, which a sho
 epochs need most.  At every epoch end the model is set to the slow copy, so that what is
 evaluated, checkpointed and exported is the average (airbench does the same).
 
+Without --lookahead-every the run's part is `NoLookahead`, which does nothing.
+
 Not timm's Lookahead (`--optimizer lookahead_NAME`): that one pulls the weights halfway back
 every k steps from the first step to the last, which slows a short run's start.  No random
 draws; the slow copy is a checkpointed part (safetensors), so a resumed run averages on from
@@ -40,12 +42,15 @@ def decay(every: int, step: int, total_steps: int) -> float:
 class LookaheadAverage:
     name = "lookahead"  # a checkpointed part (checkpoint.py)
 
-    def __init__(self, model: nn.Module, every: int, warn: Callable[[str], None] = print):
+    def __init__(self, model: nn.Module, every: int, total_steps: Callable[[], int],
+                 warn: Callable[[str], None] = print):
         """`model`: the bare model (not a DDP wrapper); its floating-point state at this moment
-        starts the slow copy."""
+        starts the slow copy.  `total_steps()`: the run's planned total as it stands (a time
+        budget fits it again as the run goes)."""
         if every < 1:
             raise ValueError(f"every must be >= 1 (got {every})")
         self.model, self.every, self.warn = model, every, warn
+        self.total_steps = total_steps
         self.slow = self._copy_of_model()
 
     def _floats(self) -> dict[str, torch.Tensor]:
@@ -55,10 +60,10 @@ class LookaheadAverage:
     def _copy_of_model(self) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in self._floats().items()}
 
-    def after_step(self, step: int, total_steps: int) -> None:
+    def after_step(self, step: int) -> None:
         """Called after every optimizer step (1-based `step`): syncs on every K-th."""
         if step % self.every == 0:
-            self._sync(decay(self.every, step, total_steps))
+            self._sync(decay(self.every, step, self.total_steps()))
 
     def at_epoch_end(self) -> None:
         """The model takes the slow copy as it stands (airbench's rho = 1 sync)."""
@@ -88,3 +93,27 @@ class LookaheadAverage:
         check_fits(path, "checkpoint_weights", {k: tuple(v.shape) for k, v in self.slow.items()})
         for key, value in read_safetensors(path, "checkpoint_weights").items():
             self.slow[key].copy_(value)
+
+
+class NoLookahead:
+    name = "lookahead"
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def at_epoch_end(self) -> None:
+        pass
+
+    def save(self, folder: Path) -> None:
+        pass
+
+    def load(self, folder: Path) -> None:
+        pass
+
+
+def maybe_lookahead(model: nn.Module, config, total_steps: Callable[[], int],
+                    warn: Callable[[str], None]):
+    """LookaheadAverage over `model` (the bare model) with --lookahead-every, else NoLookahead."""
+    if not config.lookahead_every:
+        return NoLookahead()
+    return LookaheadAverage(model, config.lookahead_every, total_steps, warn)

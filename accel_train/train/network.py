@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from timm.data import resolve_data_config
 from torch import nn
 
+from accel_train.config import TrainConfig
 from accel_train.data.augment import build_policy
 from accel_train.data.loaders import dataset_mean_std
 from accel_train.data.sources import ArraySource
-from accel_train.data.transforms import SMALL_IMAGE, ImageTransform
+from accel_train.data.transforms import SMALL_IMAGE, held_out_transform
 from accel_train.model.build import (check_image_size, check_model_name, create_model,
                                      freeze_backbone, pretrained_normalization)
 from accel_train.model.saved import ModelSpec
@@ -22,10 +24,12 @@ from accel_train.model.whitening import IMAGES_DECODED, IMAGES_IN_MEMORY, whiten
 
 
 def check_library_names(config) -> None:
-    """Names that timm must know (an --auto-augment policy, the --smaller-models networks),
-    checked before the data loads: a typo is one line at once, not after minutes of loading."""
+    """Names that must resolve (an --auto-augment policy, the --model and --smaller-models
+    networks: timm's, or a factory's import path, imported here), checked before the data
+    loads: a typo is one line at once, not after minutes of loading."""
     if config.auto_augment:
         build_policy(config.auto_augment)
+    check_model_name(config.model, "--model")
     for name in config.smaller_models or ():
         check_model_name(name, "--smaller-models")
 
@@ -42,28 +46,33 @@ class Network:
 
 
 def build_network(config, data, num_processes: int, cuda: bool,
-                  warn: Callable[[str], None]) -> Network:
+                  warn: Callable[[str], None], model: Optional[nn.Module] = None) -> Network:
     """The model a run trains: created from --seed alone, checked against the image size,
     normalized like its pretrained weights (else like the data), maybe frozen, maybe with
     synchronized BatchNorm.  Still a bare module in its default memory format (the trainer
     applies channels_last once it is chosen: autotune.py); wrapping happens in
-    `accelerator.prepare`."""
+    `accelerator.prepare`.  `model`: a module a program brings (the Python API), initialised
+    by the program, used as it is."""
     image_size = config.image_size or data.train.native_size
-    torch.manual_seed(config.seed)  # model init is a function of --seed alone
-    model = create_model(config.model, len(data.class_names), config.drop_rate, config.pretrained,
-                         config.drop_path)
+    if model is None:
+        torch.manual_seed(config.seed)  # model init is a function of --seed alone
+        model = create_model(config.model, len(data.class_names), config.drop_rate,
+                             config.pretrained, config.drop_path)
     check_image_size(model, config.model, image_size)
     mean, std = pretrained_normalization(model) if config.pretrained else \
         dataset_mean_std(data.train)
+    native_size = data.train.native_size
     spec = ModelSpec(config.model, len(data.class_names), list(data.class_names), image_size,
-                     tuple(mean), tuple(std), config.drop_rate, tta=config.tta)
+                     tuple(mean), tuple(std), config.drop_rate, tta=config.tta,
+                     **choose_held_out_crop(config, model, native_size))
+    small_data_notes(config, native_size, warn)
     if config.bn_momentum is not None:
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 module.momentum = config.bn_momentum
     if config.whiten_stem:
-        whitened = whiten_first_conv(model, whitening_images(
-            data.train, ImageTransform(image_size, spec.mean, spec.std)))
+        whitened = whiten_first_conv(model, whitening_images(data.train,
+                                                             held_out_transform(spec)))
     num_trainable = (freeze_backbone(model) if config.freeze_backbone
                      else sum(p.numel() for p in model.parameters() if p.requires_grad))
     sync_bn = config.sync_bn and num_processes > 1
@@ -73,6 +82,42 @@ def build_network(config, data, num_processes: int, cuda: bool,
         warn(f"--sync-bn: {config.model} has no BatchNorm layers; nothing to sync")
     return Network(model, spec, num_trainable, sync_bn,
                    whitened if config.whiten_stem else None)
+
+
+def choose_held_out_crop(config, model: nn.Module, native_size: int) -> dict:
+    """How held-out images are resized and cropped (ModelSpec's crop_pct, crop_mode and
+    interpolation): the flags where given, else the model's own, as timm's resolve_data_config
+    reads them from its pretrained_cfg (a centre crop at its crop_pct, mostly).  Images of
+    SMALL_IMAGE px or less keep the plain resize of both sides (squash, crop_pct 1, bilinear):
+    at their native size that is no resize at all, and a centre crop would cut off an eighth of
+    a CIFAR image."""
+    if native_size <= SMALL_IMAGE:
+        chosen = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bilinear"}
+    else:
+        resolved = resolve_data_config(model=model)
+        chosen = {"crop_pct": float(resolved["crop_pct"]), "crop_mode": resolved["crop_mode"],
+                  "interpolation": resolved["interpolation"]}
+    given = {name: getattr(config, name) for name in chosen if getattr(config, name) is not None}
+    return {**chosen, **given}
+
+
+# Flags whose effect is on the training crop of images above SMALL_IMAGE alone.
+LARGE_IMAGE_FLAGS = ("scale", "ratio", "vflip", "color_jitter", "train_interpolation")
+
+
+def small_data_notes(config, native_size: int, warn: Callable[[str], None]) -> None:
+    """Say so when a flag that only acts on images above SMALL_IMAGE px was changed for data
+    that is not: the pad-and-crop path of small images leaves it unused."""
+    if native_size > SMALL_IMAGE:
+        return
+    defaults = TrainConfig()
+    changed = [name for name in LARGE_IMAGE_FLAGS if getattr(config, name) !=
+               getattr(defaults, name)]
+    if changed and config.augment:
+        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+        warn(f"{flags}: act on images above {SMALL_IMAGE} px only (timm's training transform); "
+             f"these are {native_size} px and take the pad-and-crop path (--crop-pad, --flip, "
+             f"--hflip)")
 
 
 def whitening_images(source, transform) -> torch.Tensor:

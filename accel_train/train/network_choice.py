@@ -23,11 +23,13 @@ config.yaml records the network chosen (as it records auto's precision), checkpo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from accel_train.base.ranks import decide_on_main
 from accel_train.train.autotune import (PROBE_MAX_BATCH, SpeedChoice, candidate_name,
                                         choose_on_this_machine, step_timer)
 from accel_train.config import parse_duration
@@ -102,3 +104,30 @@ def choose_for_run(config, image_size: int, num_classes: int, train_samples: int
     return choose_network([config.model, *config.smaller_models], config.min_budget_epochs,
                           measure, lambda seconds: epochs_in_budget(
                               budget, seconds, probe_batch * world_size, train_samples))
+
+
+def network_for_run(config, data, world_size: int, cuda: bool,
+                    warn: Callable[[str], None]) -> tuple[object, Optional[NetworkChoice]]:
+    """--smaller-models with --time-budget: the network this machine can train for
+    --min-budget-epochs within the budget, timed by rank 0 for all.  Returns the config with
+    that network in --model, and the choice (None: nothing was chosen).  A resumed run's plan
+    already names the checkpoint's network (resume.keep_choices)."""
+    if not config.smaller_models:
+        return config, None
+    if config.time_budget is None:
+        warn(f"--smaller-models chooses by --time-budget, which this run does not have: "
+             f"training --model {config.model}")
+        return config, None
+    choice = NetworkChoice.from_dict(decide_on_main(lambda: choose_for_run(
+        config, config.image_size or data.train.native_size, len(data.class_names),
+        len(data.train), world_size, cuda).to_dict()))
+    return dataclasses.replace(config, model=choice.model, smaller_models=[]), choice
+
+
+def choice_words(choice: Optional[NetworkChoice], kept_choices: Sequence[str]) -> Optional[str]:
+    """How the network was chosen, for the start summary (None: as --model named it)."""
+    if choice is not None:
+        return choice.how
+    if "network" in kept_choices:
+        return "kept from the checkpoint (--smaller-models)"
+    return None

@@ -1,0 +1,74 @@
+"""The Python API, for what the command line cannot express: your own `nn.Module` and your own
+datasets, in the style of Keras' `fit` and Hugging Face's Trainer.
+
+    import accel_train
+    run_dir = accel_train.fit(MyNet(num_classes=10), train_set, val_set,
+                              batch_size=64, epochs=10, output_dir="runs/mine")
+
+Everything the command line has applies: the options are `TrainConfig`'s fields (`--batch-size`
+is `batch_size=`), and the run folder, checkpoints, exact resume (`resume="auto"`), evaluation,
+precision, SyncBatchNorm and the records are the same. The script runs as it is on one device
+(`python script.py`) and on many (`accelerate launch script.py`, `torchrun script.py`): every
+process runs it, and `fit` joins them as the command line does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Union
+
+from torch import nn
+
+from accel_train.base.errors import UsageError
+from accel_train.callbacks import Callback
+from accel_train.config import TrainConfig
+from accel_train.data.user_data import load_user_data
+from accel_train.trainer import train_and_close
+from accel_train.train.network import check_library_names
+
+
+def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
+        callbacks: Iterable[Callback] = (), **options: Any) -> Path:
+    """Train `model` on `train_dataset`, select on `eval_dataset`; returns the run folder.
+
+    `model`: an `nn.Module` whose output has one logit per class (trained in place: after
+    `fit` it holds the run's last weights; the run folder's `model.safetensors` holds the
+    chosen ones), or a name as `--model` takes it (a timm model, `package.module:factory`).
+    `train_dataset`, `eval_dataset`: map-style datasets (a torch `Dataset`, a Hugging Face
+    dataset) whose items are `(image, label)` or a dict with both; an image is a PIL image or a
+    uint8 or float (0-1) CHW tensor, a label a class index. Without `eval_dataset`,
+    `val_fraction` of the training set is held out for validation with a fixed seed.
+    `callbacks`: `accel_train.callbacks.Callback` instances. `options`: `TrainConfig`'s fields.
+
+    A run stopped by a signal (SIGTERM, Ctrl-C) has saved a checkpoint; the process then ends
+    with the command line's exit code (143), so a scheduler sees the same thing.
+    """
+    config = config_for(model, options)
+    user_module = model if isinstance(model, nn.Module) else None
+    if user_module is None:
+        check_library_names(config)
+    result = train_and_close(config, callbacks,
+                             load=lambda cfg: load_user_data(train_dataset, eval_dataset, cfg),
+                             model=user_module)
+    if result.exit_code != 0:
+        raise SystemExit(result.exit_code)
+    return result.output_dir
+
+
+def config_for(model: Union[nn.Module, str], options: dict) -> TrainConfig:
+    """The run's options; a module object is recorded by its class's import name."""
+    if "model" in options:
+        raise UsageError("fit(): pass the model as the first argument, not as model=")
+    if isinstance(model, nn.Module):
+        name = f"{type(model).__module__}:{type(model).__qualname__}"
+        refused = [key for key in ("pretrained", "smaller_models") if options.get(key)]
+        if refused:
+            raise UsageError(f"fit(): {', '.join(refused)} choose or load a network by name; "
+                             f"they do not apply to a module you pass (load your weights "
+                             f"into it first)")
+    elif isinstance(model, str):
+        name = model
+    else:
+        raise UsageError(f"fit(): model must be an nn.Module or a model name, not "
+                         f"{type(model).__name__}")
+    return TrainConfig.from_dict({**options, "model": name}, source="fit()")

@@ -1,0 +1,182 @@
+"""Small training data held on the device: batches drawn there by index, no loader at all.
+
+CIFAR-10's decoded pixels are 150 MB, a sliver of a GPU's memory.  Copied there once, a
+micro-batch is an `index_select` of the stored uint8 images, then the small-image path's
+resize, crop and flip (`ImageTransform.place`) and normalization and erasing (`finish`) on the
+device: no worker processes, no pinned host batch, no copy per step, and nothing in the loop
+waits for the device (no `.item()`, `.cpu()` or blocking copy per step).
+
+Exact resume and equality with the DataLoader path come from drawing nothing new: an epoch's
+order is `EpochSampler.order(epoch)` (a function of (seed, epoch)), each sample's key is
+`epoch * N + index`, the crop plan and the erasing plan are the very functions `TrainImages`
+calls with the same (seed, epoch, index) arguments, and rank r's k-th micro-batch is the
+sampler's batch k * processes + r, as Accelerate's batch-sampler sharding hands it out.  The
+order and the plans are made on the host once per epoch (the erasing plan, timm's draws per
+image, is the costly part: milliseconds per batch) and copied to the device in one go.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+from accel_train.base.errors import UsageError
+from accel_train.data.loaders import Batch, EpochSampler, FinishOnDevice
+from accel_train.data.sources import ArraySource, ImageSource
+from accel_train.data.transforms import SMALL_IMAGE, ImageTransform
+
+MEMORY_SHARE = 0.1  # auto holds a training set on the device up to this share of its memory
+
+
+def stored_bytes(source: ArraySource) -> int:
+    """What holding a source on the device takes: its pixels and labels."""
+    return sum(t.numel() * t.element_size() for t in (source.images, source.labels))
+
+
+def device_memory() -> int:
+    """The current CUDA device's memory in bytes (Accelerate has set the device by now)."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def _gb(count: int) -> str:
+    return f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.1f} MB"
+
+
+def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool,
+           streaming: bool, memory: Optional[int] = None) -> tuple[bool, str]:
+    """(whether the training set is held on the device, why: for the run's summary).  `mode`
+    is --data-on-device; `memory` the device's bytes (read from CUDA when None and needed).
+    `always` on data this path cannot hold is bad input: a UsageError naming what is missing."""
+    flag = f"--data-on-device {mode}"
+    if mode == "never":
+        return False, f"a DataLoader ({flag})"
+    unfit = None  # why this data cannot be drawn on the device, whatever the memory
+    if streaming:
+        unfit = "the training data is streamed from shards"
+    elif not isinstance(source, ArraySource):
+        unfit = "the training images are decoded per step, not held in memory (--in-memory)"
+    elif max(source.images.shape[-2:]) > SMALL_IMAGE:
+        unfit = (f"its images are {max(source.images.shape[-2:])} px, above the "
+                 f"{SMALL_IMAGE} px of the batched small-image path")
+    elif transform.policy is not None:
+        unfit = "--auto-augment's policy works on the host, one image at a time"
+    elif not transform.can_place(source.images.shape):
+        unfit = "its resize (--crop-pct, --crop-mode, --interpolation) is timm's, on the host"
+    if unfit and mode == "always":
+        raise UsageError(f"{flag}: {unfit}; use --data-on-device auto or never")
+    if unfit:
+        return False, f"a DataLoader ({flag}: {unfit})"
+    size = stored_bytes(source)
+    if mode == "always":
+        return True, f"drawn on the device, the training set held there ({_gb(size)}; {flag})"
+    if not cuda:
+        return False, f"a DataLoader ({flag}: not on a CUDA device)"
+    if transform.erases:
+        # Its plan is timm's draws image by image on the host; loader workers make them in
+        # parallel, where one training process would stall each epoch's start for seconds.
+        return False, (f"a DataLoader ({flag}: --reprob's erasing is drawn image by image on "
+                       f"the host, which the loader's workers do in parallel)")
+    memory = device_memory() if memory is None else memory
+    if size > MEMORY_SHARE * memory:
+        return False, (f"a DataLoader ({flag}: the training set's {_gb(size)} is over "
+                       f"{MEMORY_SHARE:.0%} of the device's {_gb(memory)})")
+    return True, (f"drawn on the device, the training set held there ({_gb(size)}, within "
+                  f"{MEMORY_SHARE:.0%} of its {_gb(memory)}; {flag})")
+
+
+class DeviceResidentBatches:
+    """The training set on the device and an epoch's micro-batches drawn from it, from the
+    loader's position on (`epoch`, `samples_in_epoch`).  loading.py adds the saved position."""
+
+    name = "train_loader"
+
+    def __init__(self, source: ArraySource, transform: ImageTransform, sampler: EpochSampler,
+                 batch_size: int, num_processes: int, rank: int, seed: int):
+        self.source, self.transform, self.sampler = source, transform, sampler
+        self.batch_size, self.num_processes, self.rank, self.seed = (batch_size, num_processes,
+                                                                     rank, seed)
+        self.per_micro_step = batch_size * num_processes
+        # places: the stored pixels are resized, cropped and flipped here, on the device
+        self.finish = FinishOnDevice(transform, seed, len(source), places=True)
+        self.epoch, self.samples_in_epoch = 0, 0
+        self.device = torch.device("cpu")
+        self.images, self.labels = source.images, source.labels
+        self.replaced = self._no_marks()
+        self.warn = lambda text: print(f"warning: {text}", file=sys.stderr)  # the trainer's
+
+    @property
+    def usable(self) -> int:
+        return self.sampler.usable
+
+    def __len__(self) -> int:
+        return self.usable // self.per_micro_step
+
+    def prepare(self, accelerator) -> None:
+        """The one copy of the data to the device: the stored pixels and labels."""
+        self.device = accelerator.device
+        self.images = self.source.images.to(self.device)
+        self.labels = self.source.labels.to(self.device)
+        self.replaced = self._no_marks()
+
+    def _no_marks(self) -> torch.Tensor:
+        """In-memory sources replaced their broken images while loading: no sample is marked
+        (loaders.replaced_marks), so one tensor of -1 serves every batch (nothing writes it)."""
+        return torch.full((self.batch_size,), -1, dtype=torch.long, device=self.device)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.samples_in_epoch = epoch, 0
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor made this epoch, copied without making the host wait for the device
+        (pinned memory; torch keeps the pinned block until the copy is done)."""
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.contiguous().pin_memory().to(self.device, non_blocking=True)
+
+    def _epoch_plan(self, first: int):
+        """This rank's micro-batches of the epoch from the `first` on, as device tensors:
+        (sample indices [count, B], crop plans [count, B, 3] or None, the erasing plans' positions
+        and values concatenated, each micro-batch's span in them)."""
+        epoch, count = self.epoch, len(self) - first
+        # rank r's k-th micro-batch: the sampler's batch k * processes + r (Accelerate's sharding)
+        batches = self.sampler.order(epoch).view(-1, self.num_processes, self.batch_size)
+        indices = batches[first:, self.rank]                                 # [count, B]
+        flat = indices.reshape(-1).numpy()
+        epochs = np.full_like(flat, epoch)
+        crops = self.transform.crop_plan(self.seed, epochs, flat)            # [count * B, 3]
+        if crops is not None:
+            crops = self._to_device(crops.view(count, self.batch_size, 3))
+        erasing, spans = None, []
+        if self.transform.erases:
+            # The shape TrainImages draws for: the placed pixels (the size the model sees).
+            size = self.transform.image_size
+            shape = torch.Size((self.batch_size, self.source.images.shape[1], size, size))
+            plans = [self.transform.erasing_plan(shape, self.seed, epochs[:self.batch_size],
+                                                 row.numpy()) for row in indices]
+            ends = np.cumsum([0] + [len(where) for where, _ in plans])
+            spans = list(zip(ends[:-1].tolist(), ends[1:].tolist()))
+            erasing = tuple(self._to_device(torch.cat(parts)) for parts in zip(*plans))
+        return self._to_device(indices), crops, erasing, spans
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The rest of the epoch; every operation is queued on the device, none waits for it."""
+        first = self.samples_in_epoch // self.per_micro_step
+        if first >= len(self):
+            return
+        indices, crops, erasing, spans = self._epoch_plan(first)
+        offset = self.epoch * len(self.source)
+        for k in range(len(indices)):
+            chosen = indices[k]
+            plans = () if crops is None else (crops[k],)
+            if erasing is not None:
+                start, end = spans[k]
+                plans += (erasing[0][start:end], erasing[1][start:end])
+            pixels = self.images.index_select(0, chosen)
+            labels = self.labels.index_select(0, chosen)
+            keys = chosen + offset
+            # Counted as handed out: a checkpoint after this batch's step includes it.
+            self.samples_in_epoch += self.per_micro_step
+            yield Batch(self.finish(pixels, keys, plans), labels, keys, self.replaced)

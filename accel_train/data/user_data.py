@@ -1,0 +1,165 @@
+"""Data a user hands to `accel_train.fit`: a map-style torch `Dataset` or a Hugging Face dataset,
+each item an image (a PIL image, or a uint8 or float CHW tensor) and a label, made into the
+trainer's `LoadedData` so that everything the CLI does (in-memory decoding, the batched
+small-image path, seeded augmentation, exact resume) applies to it unchanged.
+
+Items may be `(image, label)` pairs or dicts (the image and label found under the usual column
+names, as for Hugging Face datasets). Float images are taken to lie in [0, 1], the convention of
+torchvision's `ToTensor`, and stored as uint8 like every other source: the pipeline works on
+uint8 pixels until normalisation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from accel_train.base.errors import UsageError
+from accel_train.data.sources import (IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, ArraySource,
+                                      ImageSource, LoadedData, carve_rows)
+
+
+def as_uint8_chw(value: Any, where: str) -> torch.Tensor:
+    """One image as a uint8 [3, H, W] tensor (grey images repeated to three channels)."""
+    if isinstance(value, Image.Image):
+        array = np.asarray(value.convert("RGB"))
+        return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(value)
+    if not isinstance(value, torch.Tensor) or value.dim() not in (2, 3):
+        raise UsageError(f"{where}: an image must be a PIL image or a CHW tensor, got "
+                         f"{type(value).__name__}{tuple(getattr(value, 'shape', ()))}")
+    image = value.unsqueeze(0) if value.dim() == 2 else value
+    if image.shape[0] not in (1, 3):
+        raise UsageError(f"{where}: a tensor image must be channels-first (C, H, W) with 1 or 3 "
+                         f"channels, got shape {tuple(value.shape)}")
+    if image.is_floating_point():
+        image = (image.clamp(0, 1) * 255).round().to(torch.uint8)
+    elif image.dtype != torch.uint8:
+        raise UsageError(f"{where}: integer images must be uint8 (0-255), got {image.dtype}")
+    return image.expand(3, -1, -1).contiguous() if image.shape[0] == 1 else image.contiguous()
+
+
+def split_item(item: Any, where: str) -> tuple[Any, Any]:
+    """(image, label) of one item: a pair, or a dict with an image and a label column."""
+    if isinstance(item, dict):
+        image_key = next((k for k in IMAGE_COLUMN_NAMES if k in item), None)
+        label_key = next((k for k in LABEL_COLUMN_NAMES if k in item), None)
+        if image_key is None or label_key is None:
+            raise UsageError(f"{where}: a dict item needs an image under one of "
+                             f"{', '.join(IMAGE_COLUMN_NAMES)} and a label under one of "
+                             f"{', '.join(LABEL_COLUMN_NAMES)}; it has {', '.join(item)}")
+        return item[image_key], item[label_key]
+    if isinstance(item, (tuple, list)) and len(item) >= 2:
+        return item[0], item[1]
+    raise UsageError(f"{where}: each item must be (image, label) or a dict with both, got "
+                     f"{type(item).__name__}")
+
+
+def labels_of(dataset, name: str) -> torch.Tensor:
+    """Every label of the dataset: from `targets` (torchvision's datasets), a label column (Hugging
+    Face's), else read item by item (which also reads each image once)."""
+    targets = getattr(dataset, "targets", None)
+    if targets is None and hasattr(dataset, "column_names"):
+        column = next((c for c in LABEL_COLUMN_NAMES if c in dataset.column_names), None)
+        targets = dataset[column] if column is not None else None
+    if targets is None:
+        targets = [split_item(dataset[i], f"{name}[{i}]")[1] for i in range(len(dataset))]
+    try:
+        labels = torch.as_tensor([int(t) for t in targets], dtype=torch.long)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name}: labels must be class indices 0..N-1 (integers)") from None
+    if len(labels) and labels.min() < 0:
+        raise UsageError(f"{name}: labels must be class indices 0..N-1, found {labels.min()}")
+    return labels
+
+
+def class_names_of(dataset, labels: Sequence[torch.Tensor]) -> list[str]:
+    """torchvision's `classes`, a Hugging Face ClassLabel's names, else the indices as text."""
+    names = getattr(dataset, "classes", None)
+    features = getattr(dataset, "features", None) or {}
+    for column in LABEL_COLUMN_NAMES:
+        if names is None and hasattr(features.get(column), "names"):
+            names = features[column].names
+    count = max(int(part.max()) + 1 for part in labels if len(part))
+    if names is not None and len(names) >= count:
+        return [str(name) for name in names]
+    return [str(i) for i in range(count)]
+
+
+class DatasetSource(ImageSource):
+    """The items of a user's dataset at `indices`, each image read when asked for."""
+
+    def __init__(self, dataset, all_labels: torch.Tensor, indices: np.ndarray, name: str):
+        self.dataset, self.indices, self.name = dataset, np.asarray(indices, np.int64), name
+        self.all_labels = all_labels  # the whole dataset's, for subsets of this one
+        self.labels = all_labels[torch.from_numpy(self.indices)]
+
+    def image(self, index: int) -> torch.Tensor:
+        row = int(self.indices[index])
+        where = f"{self.name}[{row}]"
+        return as_uint8_chw(split_item(self.dataset[row], where)[0], where)
+
+    def in_memory(self, limit_bytes: float) -> ImageSource:
+        """Every image decoded once (the fast paths need that), or itself where the sizes differ
+        or they would not fit in `limit_bytes`."""
+        if len(self) == 0:
+            return self
+        first = self.image(0)
+        if first.numel() * len(self) > limit_bytes:
+            return self
+        images = torch.empty((len(self), *first.shape), dtype=torch.uint8)
+        for index in range(len(self)):
+            image = self.image(index)
+            if image.shape != first.shape:
+                return self
+            images[index] = image
+        return ArraySource(images, self.labels)
+
+
+def first_items(source: DatasetSource, limit: Optional[int]) -> DatasetSource:
+    """--max-train-samples / --max-eval-samples: the first `limit` items, as for the CLI's data."""
+    if not limit or limit >= len(source):
+        return source
+    return DatasetSource(source.dataset, source.all_labels, source.indices[:limit], source.name)
+
+
+def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> LoadedData:
+    """The trainer's data from the user's datasets; without `eval_dataset`, --val-fraction of the
+    training set is carved off for validation with the CLI's fixed seed."""
+    for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        if dataset is not None and not (hasattr(dataset, "__getitem__")
+                                        and hasattr(dataset, "__len__")):
+            raise UsageError(f"{name}: a map-style dataset is needed (__getitem__ and __len__); "
+                             f"got {type(dataset).__name__}")
+    train_labels = labels_of(train_dataset, "train_dataset")
+    if eval_dataset is None:
+        train_rows, eval_rows = carve_rows(len(train_dataset), config.val_fraction)
+        train = DatasetSource(train_dataset, train_labels, train_rows, "train_dataset")
+        held_out = DatasetSource(train_dataset, train_labels, eval_rows, "train_dataset")
+        description = f"train_dataset minus {config.val_fraction:.0%} held out"
+        all_labels = [train_labels]
+    else:
+        eval_labels = labels_of(eval_dataset, "eval_dataset")
+        train = DatasetSource(train_dataset, train_labels, np.arange(len(train_dataset)),
+                              "train_dataset")
+        held_out = DatasetSource(eval_dataset, eval_labels, np.arange(len(eval_dataset)),
+                                 "eval_dataset")
+        description = "train_dataset/eval_dataset"
+        all_labels = [train_labels, eval_labels]
+    if len(train) == 0 or len(held_out) == 0:
+        raise UsageError("train_dataset: too few items to train and evaluate on")
+    class_names = class_names_of(train_dataset, all_labels)
+    if len(class_names) < 2:
+        raise UsageError(f"train_dataset: found {len(class_names)} class(es); a classifier "
+                         f"needs at least 2")
+    train, held_out = (first_items(train, config.max_train_samples),
+                       first_items(held_out, config.max_eval_samples))
+    if config.in_memory != "never":
+        limit = config.in_memory_limit_gb * 2**30
+        train, held_out = train.in_memory(limit), held_out.in_memory(limit)
+    return LoadedData(train, held_out, class_names, f"{type(train_dataset).__name__} "
+                                                    f"({description})")

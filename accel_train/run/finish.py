@@ -1,0 +1,60 @@
+"""The end of a run that trained to its end: the final model, the plots, the last words."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from torch import nn
+
+from accel_train.model.saved import write_model_folder
+from accel_train.run.plots import write_plots
+from accel_train.train.divergence import stop_if_diverged
+
+
+def save_final_model(accelerator, model: nn.Module, averages: dict[str, nn.Module], state, spec,
+                     output_dir: Path, report) -> nn.Module:
+    """model.safetensors + config.json in timm's folder format (model/saved.py): timm,
+    transformers and our eval/predict rebuild the model from them.  With --model-ema
+    (`averages["ema"]`), the better of the raw and the EMA weights on the held-out split.
+    Returns the module saved (on every rank)."""
+    accelerator.wait_for_everyone()
+    use_ema = "ema" in averages and (state.ema_top1 or 0) > (state.eval_top1 or 0)
+    chosen = averages["ema"] if use_ema else model
+    stop_if_diverged(chosen, state.step, "model.safetensors")
+    if accelerator.is_main_process:
+        spec = dataclasses.replace(spec, weights="ema" if use_ema else "model")
+        path = write_model_folder(chosen, output_dir, spec, command=sys.argv)
+        report.say(f"saved {path}" + (f" (the EMA weights: held-out top-1 {state.ema_top1:.2%} "
+                                      f"vs {state.eval_top1:.2%})" if use_ema else ""))
+    accelerator.wait_for_everyone()
+    return chosen
+
+
+def test_record(results: dict, step: int) -> dict:
+    """metrics.jsonl's one `test` record: the test split's numbers for the saved weights."""
+    return {"type": "test", "step": step, "loss": results["loss"], "top1": results["top1"],
+            "top5": results["top5"], "images": results["count"]}
+
+
+def maybe_plot(wanted: bool, is_main: bool, output_dir: Path, report) -> None:
+    """PNG curves in <run>/plots (main process).  Drawing comes after the model is saved and a
+    failure only warns: a finished run must not end as failed over a figure."""
+    if not (wanted and is_main):
+        return
+    try:
+        written = write_plots(output_dir)
+    except Exception as err:  # matplotlib/font trouble; the traceback goes to the rank log
+        report.log_exception("drawing the plots failed")
+        report.warn(f"could not draw the plots ({type(err).__name__}: {err}); try again with "
+                    f"accel-train plot {output_dir}")
+        return
+    if written:
+        report.say(f"plots: {', '.join(str(path) for path in written)}")
+
+
+def say_next(best_top1, output_dir: Path, report) -> None:
+    report.say(f"best held-out top-1 {best_top1 or 0:.2%}; next: accel-train eval {output_dir}"
+               f"  |  accel-train predict {output_dir} IMAGES...  |  accel-train plot "
+               f"{output_dir}")

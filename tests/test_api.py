@@ -1,0 +1,141 @@
+"""The Python API: `accel_train.fit` trains a program's own nn.Module on its own Dataset, as the
+command line trains a named model: the run folder and its records, checkpoints and exact
+resume, and on two processes under `accelerate launch` the same weights as one process with the
+same global batch."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import Dataset
+
+import accel_train
+import accel_train.callbacks
+from conftest import CONFIGS, REPO, free_port, run
+from conftest import test_env as child_env
+from accel_train.base.errors import UsageError
+
+EXAMPLE = REPO / "examples" / "custom_model.py"
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+
+    def forward(self, images):
+        return self.body(images)
+
+
+class Squares(Dataset):
+    """Class 1: a bright square in the middle; class 0: none.  uint8 CHW tensors."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        image = torch.full((3, 16, 16), 40, dtype=torch.uint8)
+        if index % 2:
+            image[:, 5:11, 5:11] = 220
+        return image, index % 2
+
+
+def fit_tiny(tmp_path, name: str, **options):
+    torch.manual_seed(0)
+    return accel_train.fit(Tiny(), Squares(64), Squares(16), batch_size=8, epochs=2,
+                           mixed_precision="no", channels_last=False, augment=False,
+                           progress="log", plots=False, output_dir=str(tmp_path / name),
+                           **options)
+
+
+def test_fit_trains_a_module_on_a_dataset_into_a_run_folder(tmp_path):
+    run_dir = fit_tiny(tmp_path, "run")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in records if r.get("type") == "epoch"]
+    assert [r["epoch"] for r in epochs] == [1, 2] and epochs[-1]["eval_count"] == 16
+    # 64 images in batches of 8: 8 steps an epoch
+    assert max(r["step"] for r in records if "step" in r) == 16
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints").is_dir()
+    saved = load_file(str(run_dir / "model.safetensors"))
+    assert set(saved) == set(Tiny().state_dict())
+
+
+def test_fit_resumes_bit_identically(tmp_path):
+    """Stopped after its first epoch's checkpoint and resumed: the weights of the run that was
+    never stopped, exactly."""
+    whole = fit_tiny(tmp_path, "whole")
+
+    class StopAfterFirstCheckpoint(accel_train.callbacks.Callback):
+        def on_checkpoint(self, trainer, path):
+            raise KeyboardInterrupt  # a user's Ctrl-C right after the checkpoint
+
+    with pytest.raises(KeyboardInterrupt):
+        fit_tiny(tmp_path, "halves", callbacks=[StopAfterFirstCheckpoint()])
+    halves = fit_tiny(tmp_path, "halves", resume="auto")
+    a = load_file(str(whole / "model.safetensors"))
+    b = load_file(str(halves / "model.safetensors"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+
+
+def test_callbacks_see_every_step_and_evaluation(tmp_path):
+    seen = {"steps": [], "evaluations": 0}
+
+    class Watch(accel_train.callbacks.Callback):
+        def on_step_end(self, trainer, step):
+            seen["steps"].append(step)
+
+        def on_evaluate(self, trainer, metrics):
+            seen["evaluations"] += 1
+
+    fit_tiny(tmp_path, "run", callbacks=[Watch()])
+    assert seen == {"steps": list(range(1, 17)), "evaluations": 2}
+
+
+@pytest.mark.parametrize("call, expected", [
+    (lambda: accel_train.fit("no_such_model_name", Squares(8)), "--model"),
+    (lambda: accel_train.fit(Tiny(), Squares(8), batch_sise=8), "unknown option"),
+    (lambda: accel_train.fit(Tiny(), [1, 2, 3], epochs=1), "each item must be"),
+    (lambda: accel_train.fit(Tiny(), object()), "map-style dataset"),
+    (lambda: accel_train.fit(Tiny(), Squares(8), pretrained="w.safetensors"), "pretrained"),
+])
+def test_bad_arguments_are_one_clear_error(tmp_path, monkeypatch, call, expected):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=expected):
+        call()
+
+
+@pytest.mark.slow
+def test_the_example_on_two_processes_equals_one_process(tmp_path):
+    """examples/custom_model.py as its docstring says: 1 process x 32 and, under `accelerate
+    launch` with accelerate_configs/cpu_2proc.yaml, 2 processes x 16 train the same weights."""
+    one = run([sys.executable, str(EXAMPLE), "--output-dir", str(tmp_path / "one"),
+               "--batch-size", "32"], cwd=tmp_path, env=child_env())
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(CONFIGS / "cpu_2proc.yaml"), "--main_process_port", str(free_port()),
+               str(EXAMPLE), "--output-dir", str(tmp_path / "two"), "--batch-size", "16"],
+              cwd=tmp_path, env=child_env())
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 process(es)" in two.stdout
+    a = load_file(str(tmp_path / "one" / "model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "model.safetensors"))
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-5), key
+    # and training moved the weights (the comparison is not of two untouched networks)
+    torch.manual_seed(0)
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        from custom_model import SmallNet
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    initial = SmallNet().state_dict()
+    assert max(float((a[k] - initial[k]).abs().max()) for k in a) > 1e-3

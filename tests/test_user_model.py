@@ -1,0 +1,281 @@
+"""A network of the user's own, by import path: `--model package.module:factory`.
+
+The module is written by each test into tmp_path and reached as a user reaches it: through
+PYTHONPATH in a new process (`python -m accel_train`), or on sys.path for the in-process runs
+of the bad-input cases.  Oracles: an uninterrupted run of the same command (the resumed run's
+weights, max |difference| 0.0); the network built here straight from the module with the run's
+weights (predict's probabilities, ONNX Runtime's logits); the run's own last evaluation (eval's
+top-1); the source folder's weights file (timm's local-dir: fine-tuning with a frozen backbone).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from safetensors.torch import load_file
+
+from accel_train.run.checkpoint import write_manifest
+from conftest import PINNED, accel_train, accel_train_here
+from conftest import test_env as child_env  # (as test_env, pytest would collect it)
+
+MODULE = "user_nets"
+FACTORY = f"{MODULE}:small_net"
+USER_NETS = '''
+from torch import nn
+
+
+class SmallNet(nn.Module):
+    def __init__(self, num_classes, drop_rate=0.0):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        return self.head(self.drop(self.features(x)))
+
+
+def small_net(num_classes, drop_rate=0.0):
+    return SmallNet(num_classes, drop_rate)
+
+
+def bare(num_classes):  # no drop_rate parameter, no get_classifier()
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+
+
+def raises(num_classes):
+    raise ValueError(f"no design for {num_classes} classes yet")
+
+
+def not_a_module(num_classes):
+    return {"layers": num_classes}
+
+
+width = 8
+'''
+# 64 images, 4 steps of 16
+TINY = ["--dataset", "synthetic", "--synthetic-train-size", "64", "--batch-size", "16",
+        "--epochs", "1", "--progress", "log", "--no-plots", *PINNED]
+DROPOUT = ["--drop-rate", "0.3"]  # the resumed steps draw random numbers too
+
+
+def write_module(folder: Path, name: str = MODULE, text: str = USER_NETS) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.py").write_text(text)
+    return folder
+
+
+def import_from(folder: Path, name: str = MODULE):
+    """The user's module, loaded from its file without touching sys.path or sys.modules."""
+    spec = importlib.util.spec_from_file_location(f"oracle_{name}", folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def one_error_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stderr[-3000:])
+    assert lines[0].startswith("accel_train: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_a_factory_trains_resumes_and_is_evaluated_predicted_and_exported(tmp_path):
+    nets = write_module(tmp_path / "nets")
+    env = child_env(PYTHONPATH=str(nets))
+    # 8 steps over 2 epochs; the resumed run starts from the checkpoint of step 3, mid-epoch, as
+    # a run killed there would (its newest checkpoint), with Accelerate's RNG files removed:
+    # exactness must not depend on a saved RNG stream.  (--max-steps is no interruption: it
+    # also ends the epoch and the schedule there.)
+    common = ["--model", FACTORY, *TINY, *DROPOUT, "--epochs", "2"]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    accel_train(*common, "--checkpoint-every", "1", "--keep-checkpoints", "10", "--output-dir",
+                str(reference), env=env, check=True)
+    stop = reference / "checkpoints" / "step_00000003"
+    for rng_file in stop.glob("random_states_*.pkl"):
+        rng_file.unlink()
+    write_manifest(stop, 3)
+    again = accel_train(*common, "--resume", str(stop), "--output-dir", str(resumed), env=env,
+                        check=True)
+    assert f"resumed from {stop} at step 3 (epoch 1, 48 samples into it)" in again.stdout, \
+        again.stdout
+
+    # What the run records: the import path, in the checkpoints and the final config.json.
+    config = json.loads((reference / "config.json").read_text())
+    assert config["architecture"] == FACTORY and config["num_classes"] == 10
+    assert json.loads((stop / "model_config.json").read_text())["model_name"] == FACTORY
+    assert yaml.safe_load((reference / "config.yaml").read_text())["train"]["model"] == FACTORY
+
+    a, b = load_file(str(reference / "model.safetensors")), \
+        load_file(str(resumed / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) == 0.0
+
+    # The oracle: the network built here from the module, with the run's weights.
+    model = import_from(nets).small_net(num_classes=10, drop_rate=0.3)
+    model.load_state_dict(a)
+    model.eval()
+    mean = torch.tensor(config["pretrained_cfg"]["mean"]).view(1, 3, 1, 1)
+    std = torch.tensor(config["pretrained_cfg"]["std"]).view(1, 3, 1, 1)
+    draw = np.random.default_rng(0)
+    pixels = draw.integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)  # the run's own size: no resize
+    images = []
+    for i, array in enumerate(pixels):
+        images.append(tmp_path / f"image{i}.png")
+        Image.fromarray(array).save(images[-1])
+    batch = (torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 255 - mean) / std
+    with torch.no_grad():
+        logits = model(batch)
+    probabilities = logits.softmax(dim=1)
+
+    predicted = accel_train("predict", str(reference), *map(str, images), "--json", "--top-k",
+                            "10", env=env, check=True)
+    rows = [json.loads(line) for line in predicted.stdout.splitlines() if line.startswith("{")]
+    assert [row["image"] for row in rows] == [str(p) for p in images]
+    for row, expected in zip(rows, probabilities):
+        got = torch.zeros(10)
+        for entry in row["predictions"]:
+            got[entry["index"]] = entry["probability"]
+        assert (got - expected).abs().max().item() < 1e-5, (row, expected)
+
+    evaluated = accel_train("eval", str(reference), "--json", env=env, check=True)
+    record = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    last_epoch = [json.loads(line) for line in (reference / "metrics.jsonl").read_text()
+                  .splitlines() if '"epoch"' in line][-1]
+    assert record["count"] == last_epoch["eval_count"]
+    assert record["top1"] == pytest.approx(last_epoch["eval_top1"], abs=1e-6)
+
+    export = tmp_path / "export"
+    exported = accel_train("export", str(reference), "--output-dir", str(export), "--format",
+                           "onnx", env=env, check=True)
+    assert "checked model.onnx with ONNX Runtime" in exported.stdout, exported.stdout
+    assert json.loads((export / "config.json").read_text())["architecture"] == FACTORY
+    assert f"{MODULE}.small_net(num_classes=10, drop_rate=0.3)" in \
+        (export / "README.md").read_text()
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(export / "model.onnx"))
+    onnx_logits = session.run(None, {session.get_inputs()[0].name: batch.numpy()})[0]
+    assert np.abs(onnx_logits - logits.numpy()).max() < 1e-4
+
+    # The module must be importable where the model is rebuilt: without it, one line says so.
+    elsewhere = accel_train("eval", str(reference), env=child_env(PYTHONPATH=""))
+    line = one_error_line(elsewhere)
+    assert f"--model {FACTORY}" in line and "no module named 'user_nets'" in line, line
+    assert "PYTHONPATH" in line, line
+
+
+@pytest.fixture
+def user_modules(tmp_path, monkeypatch):
+    """The module folder on sys.path for in-process runs; modules imported from it are
+    forgotten afterwards, so each test imports its own."""
+    folder = write_module(tmp_path / "nets")
+    monkeypatch.syspath_prepend(str(folder))
+    before = set(sys.modules)
+    yield folder
+    for name in set(sys.modules) - before:
+        if name.startswith(MODULE):
+            del sys.modules[name]
+
+
+# (--model value, extra flags, what the one line must say)
+BAD = [
+    ("no_such_module:small_net", [], ["--model no_such_module:small_net",
+                                      "no module named 'no_such_module'", "PYTHONPATH"]),
+    (f"{MODULE}:smal_net", [], ["--model user_nets:smal_net", "has no 'smal_net'",
+                                "did you mean small_net"]),
+    (f"{MODULE}:raises", [], ["--model user_nets:raises", "raises(num_classes=10) raised "
+                              "ValueError: no design for 10 classes yet", "fix the factory"]),
+    (f"{MODULE}:not_a_module", [], ["--model user_nets:not_a_module", "returned a dict, not a "
+                                    "torch nn.Module"]),
+    (f"{MODULE}:width", [], ["--model user_nets:width", "width is not callable (a int)"]),
+    ("user-nets:small_net", [], ["--model 'user-nets:small_net'", "import path "
+                                 "package.module:factory"]),
+    (f"{MODULE}_broken:small_net", [], ["--model user_nets_broken:small_net", "importing "
+                                        "user_nets_broken failed (RuntimeError: broken at "
+                                        "import)", "fix the module"]),
+    (f"{MODULE}:bare", ["--drop-rate", "0.2"], ["--drop-rate 0.2: --model user_nets:bare takes "
+                                               "no drop_rate= argument"]),
+    (f"{MODULE}:small_net", ["--drop-path", "0.1"], ["--drop-path 0.1", "drop_path_rate="]),
+    (f"{MODULE}:small_net", ["--pretrained", "hub"], ["--pretrained hub",
+                                                      "--model user_nets:small_net is your own "
+                                                      "factory"]),
+    (f"{MODULE}:bare", ["--freeze-backbone"], ["--freeze-backbone", "get_classifier()"]),
+]
+
+
+@pytest.mark.parametrize("model, flags, said", BAD, ids=[f"{m} {' '.join(f)}".strip()
+                                                         for m, f, _ in BAD])
+def test_a_bad_factory_is_one_line_naming_what_to_fix(user_modules, tmp_path, model, flags,
+                                                      said):
+    write_module(user_modules, f"{MODULE}_broken", "raise RuntimeError('broken at import')\n")
+    result = accel_train_here("--model", model, *TINY, *flags, "--output-dir",
+                              str(tmp_path / "run"))
+    line = one_error_line(result)
+    for part in said:
+        assert part in line, (part, line)
+
+
+def test_a_factory_that_takes_drop_rate_gets_it_and_freezes_by_its_classifier(user_modules,
+                                                                              tmp_path):
+    """--drop-rate reaches the factory's parameter of that name (recorded, and rebuilt with it);
+    --freeze-backbone trains only what the network's get_classifier() returns."""
+    with_classifier = USER_NETS.replace(
+        "        return self.head(self.drop(self.features(x)))",
+        "        return self.head(self.drop(self.features(x)))\n\n"
+        "    def get_classifier(self):\n        return self.head")
+    write_module(user_modules, f"{MODULE}_head", with_classifier)
+    out = tmp_path / "run"
+    accel_train_here("--model", f"{MODULE}_head:small_net", *TINY, *DROPOUT, "--freeze-backbone",
+                     "--output-dir", str(out), check=True)
+    trained = load_file(str(out / "model.safetensors"))
+    torch.manual_seed(0)  # the run's --seed: the initial network is a function of it alone
+    initial = import_from(user_modules, f"{MODULE}_head").small_net(num_classes=10,
+                                                                    drop_rate=0.3)
+    assert initial.drop.p == 0.3
+    moved = {k for k, v in initial.state_dict().items() if not torch.equal(v, trained[k])}
+    assert moved == {"head.weight", "head.bias"}, moved
+    assert json.loads((out / "config.json").read_text())["accel_train"]["drop_rate"] == 0.3
+
+
+def test_a_timm_local_dir_trains_offline_from_its_weights(tmp_path):
+    """timm's `local-dir:FOLDER` name (a run's folder, timm's format): built and loaded by timm
+    with no network; frozen, its backbone ends equal to the folder's weights file."""
+    source, tuned = tmp_path / "source", tmp_path / "tuned"
+    accel_train_here("--model", "test_resnet", *TINY, "--max-steps", "2", "--output-dir",
+                     str(source), check=True)
+    accel_train_here("--model", f"local-dir:{source}", "--pretrained", "hub",
+                     "--freeze-backbone", *TINY, "--output-dir", str(tuned), check=True)
+    before, after = load_file(str(source / "model.safetensors")), \
+        load_file(str(tuned / "model.safetensors"))
+    assert before.keys() == after.keys()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all(k.startswith("fc.") for k in moved), moved
+
+    line = one_error_line(accel_train_here("--model", f"local-dir:{tmp_path / 'nothing'}",
+                                           *TINY, "--output-dir", str(tmp_path / "run")))
+    assert "no such folder" in line and "timm's format" in line, line
+
+
+@pytest.mark.slow
+def test_a_timm_hub_name_without_network_says_what_is_missing(tmp_path):
+    """hf-hub: is accepted as timm accepts it; with no network and nothing in the cache, the
+    run says so in one line and names the offline way (local-dir:)."""
+    result = accel_train("--model", "hf-hub:timm/resnet18.a1_in1k", *TINY, "--output-dir",
+                         str(tmp_path / "run"), env=child_env(HF_HOME=str(tmp_path / "hf")))
+    line = one_error_line(result)
+    assert "--model hf-hub:timm/resnet18.a1_in1k: timm could not get the model's config.json "\
+           "from the Hugging Face Hub" in line, line
+    assert "needs network" in line and "local-dir:FOLDER" in line, line

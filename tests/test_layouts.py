@@ -131,7 +131,7 @@ def test_train_and_eval_on_the_imagenet_layout(tmp_path):
                                "--model", "test_resnet", "--batch-size", "4", "--epochs", "1",
                                "--progress", "log", "--no-plots", "--output-dir", str(out),
                                check=True)
-    assert "12 train / 9 held-out images, 3 classes" in trained.stdout
+    assert "12 train / 9 validation images, 3 classes" in trained.stdout
     evaluated = accel_train("eval", str(out), check=True)  # rebuilds the labelled held-out split
     assert "(9 images)" in evaluated.stdout
     epoch = trained.stdout.split("Epoch 1 Time")[1].splitlines()[0]

@@ -111,7 +111,8 @@ def test_a_worker_stuck_reading_names_the_file_and_the_run_stops_in_one_line(
                          "--num-workers", "1", "--loader-timeout", "4", "--max-eval-samples",
                          "32", "--progress", "log", "--no-plots", "--mixed-precision", "no",
                          "--no-channels-last", "--output-dir", str(out),
-                         *(["--max-steps", "1"] if split == "test" else [])),
+                         # the held-out images read from test.parquet, not carved from train
+                         *(["--max-steps", "1", "--select-on-test"] if split == "test" else [])),
               tmp_path / "run.log", **{BLOCK_READ_ENV: blocked})
     runs.append(run)
     output = run.check(expected=75)

@@ -296,7 +296,7 @@ def test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard(decoy_p
     spec = model_spec_of(out)
     assert spec["image_size"] == 32, "trained on the 20 px decoys, not the 32 px photos"
     counts = np.bincount(truth["train"][1], minlength=10)
-    assert "48 train / 48 held-out images" in result.stdout, result.stdout
+    assert "43 train / 5 validation / 48 test images" in result.stdout, result.stdout
 
     report = json.loads(accel_train_here("check-data", "--data-dir", str(folder), *columns,
                                          "--json", check=True).stdout)
@@ -305,7 +305,8 @@ def test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard(decoy_p
     assert not report["unreadable"]
 
     evaluated = json.loads(accel_train_here("eval", str(out), "--data-dir", str(folder), *columns,
-                                            "--json", check=True).stdout.strip().splitlines()[-1])
+                                            "--split", "test", "--json",
+                                            check=True).stdout.strip().splitlines()[-1])
     per_class = {name: v["images"] for name, v in evaluated["per_class"].items() if v["images"]}
     held_counts = np.bincount(truth["test"][1], minlength=10)
     assert per_class == {names[c]: int(n) for c, n in enumerate(held_counts) if n}
@@ -348,7 +349,7 @@ def test_class_depth_alike_in_training_and_check_data(tmp_path):
     data = ["--data-dir", str(tmp_path / "tree"), "--class-depth", "1"]
     trained = accel_train_here(*data, *SMALL_RUN, "--val-fraction", "0.4",
                                "--output-dir", str(tmp_path / "run"), check=True)
-    assert "3 train / 2 held-out images, 2 classes" in trained.stdout, trained.stdout
+    assert "3 train / 2 validation images, 2 classes" in trained.stdout, trained.stdout
     spec = model_spec_of(tmp_path / "run")
     assert spec["class_names"] == ["animals", "plants"]
     report = json.loads(accel_train_here("check-data", *data, "--json").stdout)
@@ -376,7 +377,7 @@ def test_val_labels_alike_in_training_and_check_data(tmp_path):
     assert len(held_out) == 1 and report["class_counts"][held_out[0]] == {"n01": 3, "n02": 2}
     trained = accel_train_here(*data, *SMALL_RUN, "--output-dir", str(tmp_path / "run"),
                                check=True)
-    assert "6 train / 5 held-out images, 2 classes" in trained.stdout, trained.stdout
+    assert "6 train / 5 validation images, 2 classes" in trained.stdout, trained.stdout
     evaluated = json.loads(accel_train_here("eval", str(tmp_path / "run"), "--json",
                                             check=True).stdout.strip().splitlines()[-1])
     assert {k: v["images"] for k, v in evaluated["per_class"].items()} == {"n01": 3, "n02": 2}
@@ -398,7 +399,7 @@ def test_dataset_names_a_local_parquet_folder(cifar10_layout, tmp_path):
     out = tmp_path / "run"
     trained = accel_train_here("--dataset", str(cifar10_layout), *SMALL_RUN,
                                "--max-train-samples", "64", "--output-dir", str(out), check=True)
-    assert "64 train / 160 held-out images, 10 classes" in trained.stdout, trained.stdout
+    assert "64 train / 64 validation / 160 test images, 10 classes" in trained.stdout, trained.stdout
     assert model_spec_of(out)["class_names"] == CIFAR10_CLASSES
 
 

@@ -69,7 +69,9 @@ def test_shard_round_trip_synthetic_and_parquet(synthetic_shards, cifar10_layout
     sizes = [Path(f).stat().st_size for f in sets["train"].files]
     assert len(sizes) > 2 and max(sizes) <= 40_960 + 10_240, sizes
     assert min(sizes[:-1]) > 30_000, sizes
-    source = load_data(TrainConfig(data_dir=str(cifar10_layout), in_memory="always"))
+    # the shards keep the data's own splits: what training reads when it selects on test
+    source = load_data(TrainConfig(data_dir=str(cifar10_layout), in_memory="always",
+                                   select_on_test=True))
     for split, loaded in (("train", source.train), ("test", source.held_out)):
         images, labels = _decoded(sets[split])
         assert torch.equal(images, loaded.images) and torch.equal(labels, loaded.labels)

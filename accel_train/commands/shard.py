@@ -80,7 +80,9 @@ def _samples(args):
                          val_fraction=args.val_fraction, image_column=args.image_column,
                          label_column=args.label_column)
     raw = open_data(config)
-    splits = pick_splits(raw, config.val_fraction)
+    # The data's own splits as they are (train and its test or validation split; a carved one
+    # only where there is neither): shards are a copy of the data, not of one run's roles.
+    splits = pick_splits(raw, config.val_fraction, select_on_test=True)
     train_name, train_rows = splits.train_name, splits.train_rows
     eval_name, eval_rows = splits.eval_name, splits.eval_rows
     train = rows_of(raw.splits[train_name], train_rows)

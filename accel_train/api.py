@@ -47,9 +47,10 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
     user_module = model if isinstance(model, nn.Module) else None
     if user_module is None:
         check_library_names(config)
-    result = train_and_close(config, callbacks,
-                             load=lambda cfg: load_user_data(train_dataset, eval_dataset, cfg),
-                             model=user_module)
+    def bring_data(options: TrainConfig):
+        return load_user_data(train_dataset, eval_dataset, options)
+
+    result = train_and_close(config, callbacks, bring_data=bring_data, model=user_module)
     if result.exit_code != 0:
         raise SystemExit(result.exit_code)
     return result.output_dir

@@ -84,18 +84,18 @@ class Trainer:
     # -- build ----------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: TrainConfig, callbacks: Iterable[Callback] = (), *,
-                    load: Optional[Callable[[TrainConfig], LoadedData]] = None,
+                    bring_data: Optional[Callable[[TrainConfig], LoadedData]] = None,
                     model: Optional[torch.nn.Module] = None) -> "Trainer":
         """The launcher's environment and process group, the start plan, the data (rank 0
         first), the network (with --smaller-models, the one the budget holds) and how it
-        computes; then the trainer, prepared.  `load` and `model` (the Python API's): the data
+        computes; then the trainer, prepared.  `bring_data` and `model` (the Python API's): the data
         and the network a program brings instead of those the options name."""
         callbacks = CallbackList(callbacks)  # a wrong one refused before anything starts
         plan = plan_start(config, distributed.setup(config))
         try:
             config, cuda, report = plan.config, torch.cuda.is_available(), Reporter(plan.messages)
-            load = load or (load_streaming if streaming_wanted(config) else load_data)
-            data = distributed.main_first(lambda: load(config))
+            read = bring_data or (load_streaming if streaming_wanted(config) else load_data)
+            data = distributed.main_first(lambda: read(config))
             # Before anything else reads the images (the normalization statistics do): it names
             # each broken one once for all processes, instead of the sources warning on their own.
             bad_images = BadImageLog(run_paths(plan.output_dir).bad_images, report, data,
@@ -461,7 +461,7 @@ class RunOutcome:
 def train_and_close(config: TrainConfig, callbacks: Iterable[Callback] = (), **brought
                     ) -> RunOutcome:
     """Build, train, close: the whole `train` command, and the Python API's run (`brought`:
-    `Trainer.from_config`'s `load` and `model`)."""
+    `Trainer.from_config`'s `bring_data` and `model`)."""
     check_trackers(config.report_to)  # accelerate would ignore a missing one, or raise later
     trainer = None
     try:

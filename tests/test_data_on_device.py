@@ -44,7 +44,7 @@ def _data(n: int = N, size: int = 32) -> SimpleNamespace:
     images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=generator)
     held_out = torch.randint(0, 256, (8, 3, size, size), dtype=torch.uint8, generator=generator)
     return SimpleNamespace(train=ArraySource(images, torch.arange(n) % 10),
-                           held_out=ArraySource(held_out, torch.arange(8) % 10))
+                           held_out=ArraySource(held_out, torch.arange(8) % 10), test=None)
 
 
 def _loader(mode: str, accelerator, image_size: int = 32, **options):

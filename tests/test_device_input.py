@@ -485,9 +485,12 @@ def test_a_gpus_run_places_its_small_in_memory_images_on_the_device(cuda, tmp_pa
     from accel_train.data.loading import build_loaders
     from accel_train.run.report import summary
 
-    config = TrainConfig(dataset="synthetic", batch_size=8, num_workers=0)
-    data = SimpleNamespace(train=_source(), held_out=_source(n=8))
-    spec = SimpleNamespace(image_size=48, mean=MEAN, std=STD)
+    # the DataLoader path (the batches drawn on the device have tests of their own)
+    config = TrainConfig(dataset="synthetic", batch_size=8, num_workers=0,
+                         data_on_device="never")
+    data = SimpleNamespace(train=_source(), held_out=_source(n=8), test=None)
+    spec = SimpleNamespace(image_size=48, mean=MEAN, std=STD, crop_pct=1.0, crop_mode="squash",
+                           interpolation="bilinear")
     loaders = build_loaders(config, data, spec, 1, 0, 1, cuda)
     assert loaders.train.finish.places is cuda
     assert loaders.train.loader.dataset.places_on_device is cuda

@@ -148,7 +148,7 @@ class NormalizedInLoader(Dataset):
 
 
 def transfer(args, report, memory, disk, transform, loader) -> dict:
-    """Issue 28's before/after: float32 normalized in the loader against uint8 pixels normalized
+    """Before and after: float32 normalized in the loader against uint8 pixels normalized
     after it (on the device on a GPU; here on the CPU, in the training process)."""
     from accel_train.data.loaders import FinishOnDevice, TrainImages
     cores = benchlib.machine()["cores"] or 1

@@ -223,8 +223,8 @@ def main() -> None:
                      notes=["img/s per core: images / CPU seconds of this one-thread process",
                             "uint8 out of every arm but timm's loader (float32, normalized: "
                             "accel_train normalizes on the device, as timm's train.py does)",
-                            "crop scale: accel_train 0.25-1, timm and torchvision 0.08-1 "
-                            "(a smaller crop is cheaper to resize)"])
+                            "crop scale 0.08-1 and ratio 3/4-4/3 in every arm (timm's "
+                            "defaults, which accel_train's --scale and --ratio take)"])
         report.table("The folder beside ImageNet", ["", "this folder", "ImageNet (ILSVRC-2012)"],
                      folder_figures(files, 3 if args.quick else 5),
                      notes=["ImageNet figures: make_imagenet_like.py's docstring cites them",

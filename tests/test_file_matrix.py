@@ -1,4 +1,4 @@
-"""The corruption matrix (issue 27): every kind of file the product reads (readers.KINDS), each
+"""The corruption matrix: every kind of file the product reads (readers.KINDS), each
 corruption, each command that reads it.  Exit 2 with one line naming the file, or the documented
 fallback (an older good checkpoint, with a warning; a partial last line left out; a cache
 rebuilt), never a traceback, and the run folder's files byte-identical before and after.

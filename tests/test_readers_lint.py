@@ -1,4 +1,4 @@
-"""Files are read through accel_train/base/readers.py only (issue 27): an AST scan of accel_train/
+"""Files are read through accel_train/base/readers.py only: an AST scan of accel_train/
 that fails when another module decodes a file itself (json/yaml/torch/pickle loads, safetensors,
 pyarrow's readers, Path.read_text/read_bytes, open() for reading, accelerate's config reader),
 but for the exceptions listed here, each with its reason.  A new one needs a reader (and a row

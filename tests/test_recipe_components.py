@@ -1,4 +1,4 @@
-"""Each recipe component of issue 12 changes what it should, each checked against an oracle that
+"""Each recipe component changes what it should, each checked against an oracle that
 does not come from the code under test.
 
 * Mixup / CutMix (accel_train.data.mixing.SeededMixup, timm's Mixup): the mixed batch is

@@ -90,7 +90,7 @@ class ModelSpec:
 
     @classmethod
     def read(cls, directory: Path) -> "ModelSpec":
-        """From timm's config.json (a run's final model, an export: timm_folder.py), else from
+        """From timm's config.json (a run's final model, an export: below), else from
         model_config.json (checkpoints; runs and exports made before timm's format)."""
         if (Path(directory) / TIMM_CONFIG).is_file():
             return spec_from_timm_config(Path(directory) / TIMM_CONFIG)
@@ -103,7 +103,7 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, data: dict) -> "ModelSpec":
         """From model_config.json, or the `resolved: model:` entry of a run's config.yaml
-        (timm's config.json: timm_folder.spec_from_timm_config)."""
+        (timm's config.json: spec_from_timm_config)."""
         return cls(**{**data, "mean": tuple(data["mean"]), "std": tuple(data["std"])})
 
 
@@ -112,7 +112,7 @@ def save_weights(state_dict: dict, directory: Path, spec: ModelSpec,
     """The one writer of model weights: DIR/model.safetensors (plain CPU tensors, with the
     metadata that tools reading safetensors as PyTorch weights look for) and, `with_spec`,
     DIR/model_config.json beside it (checkpoints; a model folder has timm's config.json
-    instead: timm_folder.py)."""
+    instead: write_model_folder)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)

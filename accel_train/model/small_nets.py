@@ -204,7 +204,7 @@ def _cfg(**kwargs) -> dict:
 
 # timm's register_model reads this module-level name for each registered function's defaults.
 # The networks this module registers (other programs know them only once accel_train is
-# imported: timm_folder.py and model_card.py say so).
+# imported: model/saved.py and model_card.py say so).
 NETWORKS = ("cifar_convnet_s", "cifar_convnet_m", "cifar_convnet_l", "cifar_resnet9",
             "cifar_airbench", "cifar_airbench_m", "cifar_airbench_s", "cifar_airbench_xs")
 default_cfgs = generate_default_cfgs({name: _cfg() for name in NETWORKS})

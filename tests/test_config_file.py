@@ -85,6 +85,7 @@ def test_an_accelerate_precision_we_cannot_run_is_one_clear_error():
         parse([], {"ACCELERATE_MIXED_PRECISION": "fp8"})
 
 
+@pytest.mark.slow  # starts accelerate's launcher
 def test_a_runs_config_yaml_repeats_it_under_accelerate_config_default(tmp_path):
     accelerate_config = tmp_path / "accelerate.yaml"
     made = without_terminal(["accelerate", "config", "default", "--config_file",

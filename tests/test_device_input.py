@@ -526,6 +526,7 @@ def test_a_replaced_image_is_marked_in_the_single_sample_and_the_batch_paths(mar
     assert torch.equal(replaced[0], _source().images[3]) and int(replaced[1]) == 3
 
 
+@pytest.mark.slow  # stopped by a signal and resumed, > 10 s
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")  # a GPU's setting
 def test_a_run_with_its_images_placed_on_the_device_stops_resumes_and_ends_bit_identical(
         tmp_path, monkeypatch):

@@ -98,6 +98,7 @@ def test_the_check_names_the_first_non_finite_parameter():
     assert first_non_finite(model) == "0.weight"
 
 
+@pytest.mark.slow  # two processes
 def test_two_ranks_both_stop_without_hanging(tmp_path):
     out = tmp_path / "run"
     result = run(torchrun_cmd(*TWO_EPOCHS, "--log-every", "100", "--output-dir", str(out)),

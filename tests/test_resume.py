@@ -3,6 +3,8 @@ step, then `--resume auto` ends bit-identical to the run left alone."""
 
 from __future__ import annotations
 
+import pytest
+
 import signal
 
 
@@ -15,6 +17,7 @@ MID_EPOCH_SAVES = [6, 9, 12, 15, 18, 21, 24, 27, 30]
 
 
 
+@pytest.mark.slow  # killed and restarted processes
 def test_a_run_killed_while_writing_a_checkpoint_resumes_bit_identical(tmp_path, runs, rng):
     stall_at = rng.choice(MID_EPOCH_SAVES)
     previous = max(s for s in [*range(3, 33, 3), 16] if s < stall_at)

@@ -58,6 +58,7 @@ def _exited_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.slow  # two runs at once
 def test_a_second_start_stops_in_one_line_and_touches_nothing(tmp_path, runs):
     """The holder is stalled inside the save of step 6 (its .tmp-step_00000006 half written,
     which a resuming start would delete).  A second start, new or --resume auto, in a fresh

@@ -244,6 +244,7 @@ def _plan_set(shards: Path, layout: Layout, epoch: int) -> set[int]:
             for batch in rank for k in batch}
 
 
+@pytest.mark.slow  # loader workers over shards, > 10 s
 def test_one_process_two_workers_each_sample_once_per_epoch(synthetic_shards, tmp_path):
     from faults import SAMPLE_LOG_ENV, Run, python_cmd
     out = tmp_path / "run"
@@ -428,6 +429,7 @@ def test_two_then_one_then_two_processes_each_sample_once(synthetic_shards, tmp_
                                 | _plan_set(synthetic_shards, Layout(1, 1, 8, 2), 1))
 
 
+@pytest.mark.slow  # a streamed run and its eval, > 20 s
 def test_eval_of_a_streamed_run_reads_its_held_out_shards(stream_reference):
     """`accel-train eval RUN` on a run trained from shards evaluates the held-out shards and
     gives the numbers of the run's last epoch line; its training shards are not evaluable."""

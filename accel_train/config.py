@@ -457,17 +457,12 @@ class TrainConfig:
         if self.mixup < 0 or self.cutmix < 0:
             raise UsageError(f"--mixup and --cutmix are Beta-distribution alphas: >= 0 (got "
                              f"{self.mixup}, {self.cutmix}); 0 turns one off")
-        for name in ("mixup_prob", "mixup_switch_prob"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise UsageError(f"{flag(name)} is a probability: between 0 and 1 (got "
-                                 f"{getattr(self, name)})")
+        self._check_probabilities("mixup_prob", "mixup_switch_prob", "reprob")
         if (self.mixup > 0 or self.cutmix > 0) and self.batch_size % 2:
             raise UsageError(f"--mixup/--cutmix pair images within a batch: --batch-size must "
                              f"be even (got {self.batch_size})")
         if not isinstance(self.keep_best, int) or self.keep_best < 0:
             raise UsageError(f"--keep-best must be a whole number >= 0 (got {self.keep_best!r})")
-        if not 0 <= self.reprob <= 1:
-            raise UsageError(f"--reprob is a probability: between 0 and 1 (got {self.reprob})")
         self._check_timm_pipeline()
         if self.time_budget is not None:
             parse_duration(self.time_budget)
@@ -511,11 +506,7 @@ class TrainConfig:
         if not 0 < self.ratio[0] <= self.ratio[1]:
             raise UsageError(f"--ratio is a range of aspect ratios: 0 < low <= high (got "
                              f"{self.ratio[0]:g} {self.ratio[1]:g}); e.g. --ratio 0.75 1.3333")
-        for name in ("hflip", "vflip"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0 <= value <= 1):
-                raise UsageError(f"{flag(name)} is a probability: between 0 and 1 (got "
-                                 f"{value!r})")
+        self._check_probabilities("hflip", "vflip")
         if self.flip == "alternate" and self.hflip != 0.5:
             raise UsageError(f"--flip alternate mirrors exactly half of the images each epoch; "
                              f"--hflip {self.hflip:g} is a probability for --flip random: drop "
@@ -534,6 +525,13 @@ class TrainConfig:
             if value is not None and value not in allowed:
                 raise UsageError(f"{flag(name)} {value!r} is not supported: choose one of "
                                  f"{', '.join(allowed)}")
+
+    def _check_probabilities(self, *names: str):
+        for name in names:
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+                raise UsageError(f"{flag(name)} is a probability: between 0 and 1 (got "
+                                 f"{value!r})")
 
     def _check_network_choice(self):
         if self.smaller_models and self.min_budget_epochs is None:

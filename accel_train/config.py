@@ -88,6 +88,15 @@ class TrainConfig:
                                  "whenever the images allow (on a CPU too); never: a "
                                  "DataLoader. The same batches either way.", "data",
                                  choices=DATA_ON_DEVICE_MODES)
+    decode_on_device: str = option("auto", "Decode the training JPEGs on the GPU (nvJPEG) and "
+                                   "crop, flip and colour-jitter them there, the loader workers "
+                                   "only reading the files: the same crops as the workers' "
+                                   "path, pixels within the decoders' rounding. auto: on a CUDA "
+                                   "device, for image files above 64 px, when timing both "
+                                   "paths at the start shows the workers cannot keep up; "
+                                   "always: whenever the data allows (on a CPU too, with "
+                                   "torchvision's CPU decoder); never: the loader workers.",
+                                   "data", choices=DATA_ON_DEVICE_MODES)
     num_workers: Optional[int] = option(None, "DataLoader worker processes per process (default: "
                                         "on a CPU, 0 for in-memory data, else min(4, cpus per "
                                         "process); on a GPU, the process's cores but one).",
@@ -476,6 +485,7 @@ class TrainConfig:
                              f"0.05-0.2 is usual")
         for name, allowed in (("mixed_precision", PRECISIONS), ("in_memory", IN_MEMORY_MODES),
                               ("data_on_device", DATA_ON_DEVICE_MODES),
+                              ("decode_on_device", DATA_ON_DEVICE_MODES),
                               ("bad_images", BAD_IMAGE_MODES), ("tta", TTA_MODES),
                               ("flip", FLIP_MODES), ("lr_decay", LR_DECAYS)):
             if getattr(self, name) not in allowed:

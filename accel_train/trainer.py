@@ -46,7 +46,7 @@ from accel_train.run.report import Reporter
 from accel_train.run.resume import StartPlan, plan_start
 from accel_train.run.rundir import run_paths, update_resolved
 from accel_train.run.track import MetricsLog, Progress, TrainLog, check_trackers, tracker_scalars
-from accel_train.train.autotune import SpeedChoice, speed_for_run
+from accel_train.train.autotune import SpeedChoice, speed_for_run, step_timer
 from accel_train.train.datawait import data_wait_clock
 from accel_train.train.divergence import stop_if_diverged
 from accel_train.train.evaluate import (HeldOutEvaluator, epoch_record, epoch_words,
@@ -156,7 +156,8 @@ class Trainer:
         if self.speed.channels_last:
             net.model = net.model.to(memory_format=torch.channels_last)
         self.loaders = build_loaders(config, self.data, net.spec, acc.num_processes,
-                                     acc.process_index, self.plan.env.local_world_size, cuda)
+                                     acc.process_index, self.plan.env.local_world_size, cuda,
+                                     acc.device, train_rate=self._training_rate)
         self.schedule = plan_schedule(config, self.loaders.steps_per_epoch)
         optimizer = build_optimizer(net.model, config)
         self.model, self.optimizer, self.held_out_loader, self.scheduler = \
@@ -170,6 +171,15 @@ class Trainer:
         self.test_split = maybe_test_split(acc, self.loaders.test, self.bad_images,
                                            net.spec.num_classes, self.speed.channels_last, config)
 
+    def _training_rate(self) -> float:
+        """Images a second a copy of the run's model trains at on its device, at the run's batch
+        and precision (--decode-on-device auto weighs the input paths against it)."""
+        model = copy.deepcopy(self.net.model)
+        time_step = step_timer(lambda: model, self.config.batch_size, self.net.spec.image_size,
+                               self.net.spec.num_classes, max_batch=self.config.batch_size,
+                               device=self.accelerator.device)
+        return self.config.batch_size / time_step(self.precision, self.speed.channels_last)
+
     def _prepare_checkpointed_parts(self):
         """The run's state and the parts options turn on (each a no-op when off), and what
         every checkpoint holds and a resume restores, in this order: the checks that refuse a
@@ -179,7 +189,8 @@ class Trainer:
                                   accumulation_steps=config.accumulation_steps, seed=config.seed,
                                   train_samples=len(self.data.train), precision=self.precision,
                                   channels_last=self.speed.channels_last,
-                                  optimizer=config.optimizer)
+                                  optimizer=config.optimizer,
+                                  decoded_on_device=self.loaders.decoded_on_device)
         self.mixup = maybe_mixup(config, self.net.spec.num_classes)
         self.ema = maybe_ema(self.bare_model(), config, self.report.warn)
         self.lookahead = maybe_lookahead(self.bare_model(), config, lambda: self.total_steps,

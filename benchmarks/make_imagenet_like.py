@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -147,19 +148,27 @@ def jpeg_bytes(image: Image.Image, quality: int = QUALITY) -> bytes:
     return out.getvalue()
 
 
+def _write(job: tuple) -> Path:
+    path, seed, c, split, i, quality = job
+    path.write_bytes(jpeg_bytes(render(seed, c, split, i), quality))
+    return path
+
+
 def make_folder(root, classes: int = 10, per_class: int = 40, val_per_class: int = 0,
-                seed: int = 0, quality: int = QUALITY) -> list[Path]:
-    """Writes root/train/CLASS/*.jpg (and root/val/CLASS/*.jpg); returns the files written."""
-    written = []
+                seed: int = 0, quality: int = QUALITY, workers: int = 1) -> list[Path]:
+    """Writes root/train/CLASS/*.jpg (and root/val/CLASS/*.jpg); returns the files written.
+    `workers` processes share the images (each file is a function of its name alone)."""
+    jobs = []
     for split, count in (("train", per_class), ("val", val_per_class)):
         for c in range(classes if count else 0):
             folder = Path(root) / split / class_name(c)
             folder.mkdir(parents=True, exist_ok=True)
-            for i in range(count):
-                path = folder / f"{class_name(c)}_{i}.jpg"
-                path.write_bytes(jpeg_bytes(render(seed, c, split, i), quality))
-                written.append(path)
-    return written
+            jobs += [(folder / f"{class_name(c)}_{i}.jpg", seed, c, split, i, quality)
+                     for i in range(count)]
+    if workers <= 1:
+        return [_write(job) for job in jobs]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        return pool.map(_write, jobs, chunksize=16)
 
 
 def image_sizes(files: list[Path]) -> list[tuple[int, int]]:
@@ -189,10 +198,11 @@ def main(argv=None) -> None:
                         help="held-out images per class, under DIR/val (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quality", type=int, default=QUALITY, help="JPEG quality")
+    parser.add_argument("--workers", type=int, default=1, help="processes writing images")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     files = make_folder(args.root, args.classes, args.per_class, args.val_per_class, args.seed,
-                        args.quality)
+                        args.quality, args.workers)
     print(f"{args.root}: {describe(files)}; {time.perf_counter() - started:.1f} s")
 
 

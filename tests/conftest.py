@@ -241,9 +241,9 @@ BIG_CLASSES, BIG_SIZE = ["circle", "square", "stripes", "noise"], 80
 
 
 def write_big_image_folder(root: Path, train_per_class: int = 32,
-                           test_per_class: int = 4) -> Path:
-    """PNG files of 80x80 px (above the 64 px the synthetic set never exceeds: the random
-    resized crop path), in class folders under train/ and test/."""
+                           test_per_class: int = 4, suffix: str = ".png") -> Path:
+    """PNG (or, with suffix ".jpg", JPEG) files of 80x80 px (above the 64 px the synthetic set
+    never exceeds: the random resized crop path), in class folders under train/ and test/."""
     import numpy as np
     from PIL import Image
 
@@ -261,7 +261,7 @@ def write_big_image_folder(root: Path, train_per_class: int = 32,
                 pixels = rng.uniform(0, 80, (BIG_SIZE, BIG_SIZE, 3))
                 pixels[pattern] += rng.uniform(80, 175, 3)
                 Image.fromarray(pixels.clip(0, 255).astype(np.uint8), "RGB").save(
-                    root / split / name / f"{i}.png")
+                    root / split / name / f"{i}{suffix}")
     return root
 
 
@@ -269,6 +269,13 @@ def write_big_image_folder(root: Path, train_per_class: int = 32,
 def big_image_folder(tmp_path_factory) -> Path:
     """128 training images of 80 px in 4 class folders (and 16 held out), as PNG files."""
     return write_big_image_folder(tmp_path_factory.mktemp("big_images") / "images")
+
+
+@pytest.fixture(scope="session")
+def big_jpeg_folder(tmp_path_factory) -> Path:
+    """big_image_folder's images as JPEG files (PIL's quality 75)."""
+    return write_big_image_folder(tmp_path_factory.mktemp("big_jpegs") / "images",
+                                  suffix=".jpg")
 
 
 @pytest.fixture(scope="session")

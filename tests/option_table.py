@@ -128,6 +128,11 @@ ROWS: dict[str, Row] = {
         "always: every batch of an epoch and a half, resumed mid-epoch from either loader's "
         "checkpoint, equals the DataLoader path's (never) to the bit; a second rank's are "
         "Accelerate's BatchSamplerShard's; a 2-step run's weights equal never's"),
+    "train --decode-on-device": effect(
+        "test_device_decode.py::test_the_device_path_trains_the_workers_samples",
+        "always: the same labels as the loader workers' path (timm's transform on PIL images) "
+        "and pixels within 1 level of 255 per image (another crop, flip or jitter: tens); "
+        "auto's rule against hand-computed figures; never: the workers' path"),
     "train --num-workers": effect(
         f"{FLAGS}::test_loader_flags_reach_the_training_loader",
         "a probe outside the package sees num_workers 1 in DataLoader, 0 in the control"),

@@ -6,7 +6,8 @@ refuses).  A run stopped by SIGTERM mid-epoch (after a checkpoint) and continued
 `--resume auto` (on 1 process all three runs in the pytest process, the SIGTERM sent to it)
 ends bit-identical to the run left alone (and, on 1 process, the in-memory run
 with its global batch made of 2 accumulation steps, and timm's training transform on images
-above 64 px, in memory, with its colour jitter and flips and no policy): the final weights and
+above 64 px, in memory, with its colour jitter and flips and no policy, and the same as JPEG
+files decoded and cropped "on the device" with --decode-on-device always): the final weights and
 the EMA weights of the last checkpoint, max |difference| 0.0, with Accelerate's RNG files
 removed from the checkpoint before the resume (exactness must not depend on a saved RNG stream).
 
@@ -56,11 +57,11 @@ def _common(path: str) -> list[str]:
     timm's pipeline (images above 64 px, in memory) without it too, for timm's colour jitter,
     which a policy turns off, and with timm's own random flip (--hflip 0.3) for --flip
     alternate's hash."""
-    if path not in ("on-device", "timm"):
+    if path not in ("on-device", "timm", "decoded-on-device"):
         return COMMON
     at = COMMON.index("--auto-augment")
     common = COMMON[:at] + COMMON[at + 2:]
-    if path == "timm":
+    if path in ("timm", "decoded-on-device"):
         at = common.index("--flip")
         common = common[:at] + ["--hflip", "0.3"] + common[at + 2:]
     return common
@@ -82,6 +83,11 @@ def _data_options(path: str, data: dict) -> list[str]:
     if path == "timm":  # the 80 px PNGs decoded in memory: timm's crop, flips, colour jitter
         return ["--data-dir", str(data["images"]), "--in-memory", "always",
                 "--train-interpolation", "random", "--color-jitter", "0.4"]
+    if path == "decoded-on-device":  # 80 px JPEGs, decoded, cropped and jittered "on the
+        # device" (torchvision's decoder on a CPU): timm's draws made in a loader worker
+        return ["--data-dir", str(data["jpegs"]), "--in-memory", "never", "--num-workers", "1",
+                "--decode-on-device", "always", "--train-interpolation", "random",
+                "--color-jitter", "0.4"]
     return ["--data-dir", str(data["shards"]), "--num-workers", "1",  # streamed
             "--max-eval-samples", "64"]
 
@@ -111,8 +117,8 @@ def test_every_option_that_draws_random_numbers_is_in_the_matrix():
 
 
 @pytest.fixture(scope="module")
-def matrix_data(big_image_folder, synthetic_shards) -> dict:
-    return {"images": big_image_folder, "shards": synthetic_shards}
+def matrix_data(big_image_folder, big_jpeg_folder, synthetic_shards) -> dict:
+    return {"images": big_image_folder, "jpegs": big_jpeg_folder, "shards": synthetic_shards}
 
 
 # (the checkpoint after which SIGTERM is sent, the epoch the stop then falls in): the first
@@ -121,13 +127,15 @@ def matrix_data(big_image_folder, synthetic_shards) -> dict:
 # 8, 8, 5 on 2.
 STOP_AFTER = {("in-memory", 1): (18, 1), ("per-step", 1): (3, 0), ("streamed", 1): (15, 1),
               ("in-memory", 2): (9, 1), ("per-step", 2): (3, 0), ("streamed", 2): (6, 1),
-              ("accumulated", 1): (6, 0), ("on-device", 1): (18, 1), ("timm", 1): (9, 1)}
+              ("accumulated", 1): (6, 0), ("on-device", 1): (18, 1), ("timm", 1): (9, 1),
+              ("decoded-on-device", 1): (9, 1)}
 
 
 @pytest.mark.parametrize("path, processes", [
     *[(path, 1) for path in ("in-memory", "accumulated", "on-device", "timm")],
     # decoded per step and streamed: each over 10 s on one process (the full suite's)
-    *[pytest.param(path, 1, marks=pytest.mark.slow) for path in ("per-step", "streamed")],
+    *[pytest.param(path, 1, marks=pytest.mark.slow)
+      for path in ("per-step", "streamed", "decoded-on-device")],
     *[pytest.param(path, 2, marks=pytest.mark.slow)
       for path in ("in-memory", "per-step", "streamed")]])
 def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_data, tmp_path,
@@ -188,6 +196,9 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_da
     if path == "timm":  # above 64 px: timm's crop, and the model's own held-out crop
         assert facts["model"]["image_size"] == BIG_SIZE and \
             facts["model"]["crop_mode"] == "center", facts
+    if path == "decoded-on-device":
+        assert facts["jpeg_decoding"].startswith("on the device") and \
+            state["decoded_on_device"] is True, (facts, state)
 
     # Exactness must not depend on Accelerate's RNG files: the resumed run starts without them
     # (the manifest rewritten to match), so its global generators are a fresh process's.

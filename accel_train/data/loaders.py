@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from accel_train.data.augment import build_erasing, build_policy
+from accel_train.data.device_decode import encode_batch
 from accel_train.data.loader_watch import reading
 from accel_train.base.randomness import loader_generator
 from accel_train.data.sources import ArraySource, ImageSource
@@ -106,24 +107,56 @@ class TrainImages(Dataset):
     GPU wait for them (BENCHMARKS.md, "GPU: one NVIDIA H200, a second time")."""
 
     def __init__(self, source: ImageSource, transform: ImageTransform, seed: int,
-                 mark_replaced: bool = False, place_on_device: bool = False):
+                 mark_replaced: bool = False, place_on_device: bool = False,
+                 decode_on_device: bool = False):
         self.source, self.transform, self.seed = source, transform, seed
         self.mark_replaced = mark_replaced
         self.places_on_device = (place_on_device and isinstance(source, ArraySource)
                                  and transform.can_place(source.images.shape))
+        # JPEG bytes and their draws out, decoded and cropped on the device (device_decode.py)
+        self.decodes_on_device = decode_on_device
 
     def __len__(self) -> int:
         return len(self.source)
 
     def __getitem__(self, key: int):
         epoch, index = divmod(int(key), len(self.source))
-        (image,), (used,) = read_samples(self.source, [index])
-        sample = (self.transform.pixels(image, (self.seed, epoch, index)),
-                  self.source.labels[used], int(key))
+        pixels, used = self.host_sample(epoch, index)
+        sample = (pixels, self.source.labels[used], int(key))
         return (*sample, index if used != index else -1) if self.mark_replaced else sample
 
     @single_threaded
     def __getitems__(self, keys: list[int]):
+        if self.decodes_on_device:
+            return self.encoded_batch(keys)
+        return self.host_batch(keys)
+
+    def encoded_batch(self, keys: list[int]) -> SampleBatch:
+        """The batch as JPEG bytes and draws (`device_decode.EncodedImages`) in place of pixels;
+        what the device cannot decode is finished here, as `host_batch` would."""
+        keys = torch.as_tensor(keys, dtype=torch.long)
+        epochs, indices = (keys // len(self.source)).numpy(), (keys % len(self.source)).numpy()
+
+        def host_samples(positions: list[int]):
+            done = [self.host_sample(int(epochs[k]), int(indices[k])) for k in positions]
+            return torch.stack([pixels for pixels, _ in done]), [used for _, used in done]
+
+        encoded, labels, used = encode_batch(self.source, self.transform, self.seed, epochs,
+                                             indices, host_samples)
+        marks = replaced_marks(torch.from_numpy(indices), used) if self.mark_replaced else None
+        shape = (len(keys), 3, self.transform.image_size, self.transform.image_size)
+        return SampleBatch(encoded, labels, keys, marks,
+                           self._erasing(shape, torch.from_numpy(epochs),
+                                         torch.from_numpy(indices)))
+
+    def host_sample(self, epoch: int, index: int) -> tuple[torch.Tensor, int]:
+        """One training image decoded and augmented here: (uint8 [3, S, S], the index whose
+        image it is: a substitute's when its own cannot be decoded)."""
+        (image,), (used,) = read_samples(self.source, [index])
+        return self.transform.pixels(image, (self.seed, epoch, index)), used
+
+    def host_batch(self, keys: list[int]) -> SampleBatch:
+        """The batch decoded (if stored encoded) and augmented here, in a loader worker."""
         keys = torch.as_tensor(keys, dtype=torch.long)
         epochs, indices = keys // len(self.source), keys % len(self.source)
         marks = torch.full_like(indices, -1) if self.mark_replaced else None

@@ -31,7 +31,10 @@ from accel_train.data.loaders import (Batch, EpochSampler, FinishOnDevice, HeldO
                                       TrainImages, default_num_workers, make_loader, run_transforms)
 from accel_train.base.errors import STALLED_EXIT, RunStopped, UsageError
 from accel_train.base.randomness import reseed_loader
+from accel_train.base.ranks import decide_on_main
 from accel_train.base.readers import read_json
+from accel_train.data.device_decode import DeviceDecoder, EncodedImages, time_paths
+from accel_train.data.device_decode import choose as choose_device_decoding
 from accel_train.data.device_resident import DeviceResidentBatches
 from accel_train.data.device_resident import choose as choose_data_on_device
 from accel_train.data.streaming import STREAM_STATE, build_stream_loader, streaming_wanted
@@ -149,6 +152,7 @@ class IndexedTrainLoader(EpochPosition):
     def prepare(self, accelerator) -> None:
         self.accelerator = accelerator
         self.loader = accelerator.prepare(self.loader)
+        self.decoder = DeviceDecoder(accelerator.device, self.loader.dataset)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.samples_in_epoch = epoch, 0
@@ -183,6 +187,8 @@ class IndexedTrainLoader(EpochPosition):
         for pixels, labels, keys, replaced, *erasing in watch_workers_quietly(loader):
             # Counted as handed out: a checkpoint after this batch's step includes it.
             self.samples_in_epoch += self.per_micro_step
+            if isinstance(pixels, EncodedImages):  # --decode-on-device: bytes and draws
+                pixels, labels, replaced = self.decoder(pixels, labels, replaced)
             yield Batch(self.finish(pixels, keys, erasing), labels, keys, replaced)
 
     def _drop_workers(self) -> None:
@@ -211,13 +217,18 @@ class Loaders:
     steps_per_epoch: int  # optimizer steps
     choice: str = ""      # which training loader, and why (--data-on-device): for the summary
     test: Optional[DataLoader] = None  # the test split, evaluated once at the end
+    decoding: str = ""    # where training JPEGs are decoded, and why (--decode-on-device)
+    decoded_on_device: bool = False
 
 
 def build_loaders(config, data, spec, num_processes: int, rank: int, processes_per_machine: int,
-                  cuda: bool) -> Loaders:
+                  cuda: bool, device=None,
+                  train_rate: Optional[Callable[[], float]] = None) -> Loaders:
     """Seeded, augmented training batches in an order that is a function of (seed, epoch), and
     the held-out batches; a UsageError when the data cannot fill one global batch.  On a GPU
-    the batches wait in pinned memory (the copy to the device can then overlap the step)."""
+    the batches wait in pinned memory (the copy to the device can then overlap the step).
+    `device` and `train_rate()` (img/s the run's model trains at): for --decode-on-device
+    auto on a GPU, which times both input paths on `device` (by rank 0 for all)."""
     pin_memory = cuda
     global_batch = config.batch_size * num_processes * config.accumulation_steps
     if len(data.held_out) == 0:
@@ -226,9 +237,12 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
     train_tf, held_out_tf = run_transforms(config, spec)
     wanted_workers = config.num_workers if config.num_workers is not None else \
         default_num_workers(data.train, processes_per_machine, cuda)
+    decoding = (False, "")
     if streaming_wanted(config):
         # (--data-on-device always is bad input here; auto's reason is for the summary)
         _, choice = choose_data_on_device(config.data_on_device, data.train, train_tf, cuda,
+                                          streaming=True)
+        decoding = choose_device_decoding(config.decode_on_device, data.train, train_tf, cuda,
                                           streaming=True)
         train, workers, steps = build_stream_loader(config, data, train_tf, num_processes, rank,
                                                     wanted_workers, pin_memory)
@@ -248,8 +262,14 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
         else:
             # The marks of replaced images ride along to the loop (badimages.py names them); on
             # a GPU small in-memory images are resized and cropped there (TrainImages).
-            loader = make_loader(TrainImages(data.train, train_tf, config.seed,
-                                             mark_replaced=True, place_on_device=cuda),
+            images = TrainImages(data.train, train_tf, config.seed, mark_replaced=True,
+                                 place_on_device=cuda)
+            decoding = choose_device_decoding(
+                config.decode_on_device, data.train, train_tf, cuda, streaming=False,
+                rates=lambda: decide_on_main(lambda: time_paths(images, wanted_workers, device,
+                                                                train_rate)))
+            images.decodes_on_device = decoding[0]
+            loader = make_loader(images,
                                  config.batch_size, wanted_workers, config.prefetch_factor,
                                  config.persistent_workers, pin_memory, sampler=sampler,
                                  drop_last=True, seed=config.seed, timeout=config.loader_timeout)
@@ -265,5 +285,6 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                     pin_memory, seed=config.seed, timeout=config.loader_timeout)
         if source is not None else None
         for source in (data.held_out, data.test))
-    return Loaders(train, held_out, workers, global_batch, steps, choice, test)
+    return Loaders(train, held_out, workers, global_batch, steps, choice, test,
+                   decoding=decoding[1], decoded_on_device=decoding[0])
 

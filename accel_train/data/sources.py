@@ -211,18 +211,27 @@ class HFSource(ImageSource):
                 used[k], results[k] = self._substitute(indices[k], result.reason)
         return results, used
 
+    def files_at(self, indices) -> list:
+        """The stored bytes of each image, undecoded (a PIL image where the data set holds
+        one), or the Unreadable saying why they cannot be read."""
+        return self._read_values(self.column[[int(i) for i in indices]].column(0).to_pylist())
+
     def _decode(self, indices: list[int]) -> list:
         """Decoded images, or Unreadable where one cannot be."""
         values = self.column[indices].column(0).to_pylist()
         return self._decode_values(values)
 
-    def _decode_values(self, values: list) -> list:
+    def _read_values(self, values: list) -> list:
         items: list = []
         for value in values:
             try:
                 items.append(read_value(value, self.root))
             except Unreadable as err:
                 items.append(err)
+        return items
+
+    def _decode_values(self, values: list) -> list:
+        items = self._read_values(values)
         readable = [i for i, item in enumerate(items) if not isinstance(item, Unreadable)]
         for i, result in zip(readable, decode_many([items[i] for i in readable])):
             items[i] = result

@@ -287,6 +287,11 @@ class ImageTransform:
         threshold = round((1 - self.hflip) * (1 << FLIP_BITS))
         return torch.from_numpy((bits >> np.uint64(64 - FLIP_BITS)).astype(np.int64) >= threshold)
 
+    def alternate_flips(self, seed: int, epochs, indices) -> torch.Tensor:
+        """Which images --flip alternate mirrors (bool [B]): the hash's, as `_augment_large`
+        applies them after timm's transform."""
+        return self._flips(None, seed, epochs, indices)
+
     def _pad(self) -> int:
         """How far the CIFAR-style crop may shift: --crop-pad, by default the size / 8."""
         return self.crop_pad if self.crop_pad is not None else max(1, self.image_size // 8)
@@ -316,7 +321,7 @@ class ImageTransform:
         out = torch.stack(each_seeded(lambda image: self._timm_train(TF.to_pil_image(image)),
                                       images, keys))
         if self.flip == "alternate":
-            mirrored = self._flips(None, seed, epochs, indices)
+            mirrored = self.alternate_flips(seed, epochs, indices)
             out = torch.where(mirrored.view(-1, 1, 1, 1), out.flip(-1), out)
         return out
 

@@ -80,11 +80,13 @@ class TrainerState:
     precision: Optional[str] = None    # what the run computes in (Accelerate's name: no, bf16,
     channels_last: Optional[bool] = None  # fp16) and its memory format: a resume keeps them
     optimizer: Optional[str] = None    # the --optimizer whose state the checkpoint holds
+    decoded_on_device: Optional[bool] = None  # --decode-on-device's choice: a resume keeps it
 
     # What a start decides for itself, not taken from the checkpoint: its process layout (the
     # global batch is kept: resume.keep_global_batch), and how it computes (autotune.py: a
     # resumed run asks for the checkpoint's choice, unless told otherwise).
-    THIS_START = ("world_size", "batch_size", "accumulation_steps", "precision", "channels_last")
+    THIS_START = ("world_size", "batch_size", "accumulation_steps", "precision", "channels_last",
+                  "decoded_on_device")
 
     @property
     def global_batch(self) -> int:

@@ -35,6 +35,7 @@ def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precisi
             "train_samples": len(data.train), "eval_samples": len(data.held_out),
             "test_samples": len(data.test) if data.test is not None else 0,
             "num_workers": loaders.num_workers, "train_loader": loaders.choice,
+            "jpeg_decoding": loaders.decoding,
             "data_in_memory": isinstance(data.train, ArraySource),
             # resized, cropped and flipped on the device rather than in the loader
             "placed_on_device": loaders.train.finish.places,
@@ -72,7 +73,9 @@ def open_records(accelerator, plan, config, speed, state, metrics, report, paths
         # What auto chose is recorded as the option: `--config config.yaml` repeats the run
         # exactly instead of timing the machine again (speed_choice says it was auto's).
         chosen = dataclasses.replace(config, mixed_precision=speed.precision,
-                                     channels_last=speed.channels_last)
+                                     channels_last=speed.channels_last,
+                                     decode_on_device="always" if state.decoded_on_device
+                                     else config.decode_on_device)
         write_run_config(plan.output_dir, chosen, facts)
         record_elastic_job(plan.output_dir, plan.env.run_id)
     if config.report_to:

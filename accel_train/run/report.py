@@ -77,8 +77,9 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         + ("resized and cropped on the device, " if facts.get("placed_on_device") else "") +
         f"{facts['num_workers']} loader worker(s)\n"
         # which training loader build_loaders chose, and why (--data-on-device)
-        + (f"  train batches: {facts['train_loader']}\n" if facts.get("train_loader") else "") +
-        f"  global batch {facts['global_batch']} = {per_process} per process x {world} "
+        + (f"  train batches: {facts['train_loader']}\n" if facts.get("train_loader") else "")
+        + (f"  JPEGs decoded {facts['jpeg_decoding']}\n" if facts.get("jpeg_decoding") else "")
+        + f"  global batch {facts['global_batch']} = {per_process} per process x {world} "
         f"process(es) x {accumulation_steps} accumulation step(s); "
         f"{facts['steps_per_epoch']} steps/epoch, "
         f"{facts['total_steps'] or 'fitted to --time-budget after a few'} steps in all\n"

@@ -105,8 +105,8 @@ def refuse_another_optimizer(config: TrainConfig, previous: TrainerState,
 
 def keep_choices(config: TrainConfig, previous: TrainerState,
                  checkpoint: Path) -> tuple[TrainConfig, tuple[str, ...]]:
-    """How the run computes is part of the run: where this start leaves precision or memory
-    format to auto, it takes what the checkpoint ran with (what auto chose when the run began;
+    """How the run computes is part of the run: where this start leaves precision, memory
+    format or where JPEGs are decoded to auto, it takes what the checkpoint ran with (what auto chose when the run began;
     timing again could choose otherwise, and exact resume would be lost).  Explicit flags win.
     So with the network --smaller-models chose (network_choice.py), when it is one of this
     start's --model and --smaller-models (another is refused as any other network is:
@@ -121,6 +121,9 @@ def keep_choices(config: TrainConfig, previous: TrainerState,
         changes["mixed_precision"], kept = previous.precision, kept + ["precision"]
     if config.channels_last is None and previous.channels_last is not None:
         changes["channels_last"], kept = previous.channels_last, kept + ["memory format"]
+    if config.decode_on_device == "auto" and previous.decoded_on_device is not None:
+        changes["decode_on_device"] = "always" if previous.decoded_on_device else "never"
+        kept.append("decoding")
     return dataclasses.replace(config, **changes), tuple(kept)
 
 

@@ -1,0 +1,363 @@
+"""Training JPEGs decoded on the device (--decode-on-device): the loader workers read the files'
+bytes and draw each image's crop, flips and colour jitter; the GPU decodes the batch
+(torchvision's `decode_jpeg(device="cuda")`, nvJPEG) and crops, resizes, flips and jitters it.
+
+Why: at ImageNet sizes a CPU core decodes and crops a few hundred images a second
+(BENCHMARKS.md, "JPEG input at ImageNet sizes, per core"), and a GPU trains ResNet-50 at
+thousands: the cores, not the GPU, then set the pace.
+
+The same samples as the loader workers' path (transforms.py, timm's training transform on PIL
+images): the draws are timm's and torchvision's own (`RandomResizedCropAndInterpolation.
+get_params`, the flips' `torch.rand(1)`, `ColorJitter.get_params`), made in the same order
+inside the same per-sample seeding, so each image gets the same box, flips, interpolation and
+jitter factors on either path, and a resumed run the same ones again.  The pixels differ by the
+decoders' and resizers' rounding: nvJPEG is not libjpeg-turbo, a tensor resize is not PIL's,
+and the jitter follows torchvision's tensor arithmetic rather than PIL's ImageEnhance.
+
+What the device cannot take goes the workers' way inside the same batch: files that are not
+JPEG, or whose header PIL cannot read, CMYK JPEGs, images of 64 px or less (their crop is the
+small-image one) and any file the device decoder refuses (decoded on the host instead, its
+substitute found as on the host path under --bad-images substitute).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from PIL import ExifTags, Image
+from torchvision.transforms import ColorJitter
+from torchvision.transforms.v2 import functional as TF
+
+from accel_train.base.errors import UsageError
+from accel_train.base.randomness import each_seeded
+from accel_train.data.decode import Unreadable, read_value
+from accel_train.data.sources import ArraySource, HFSource, ImageSource
+from accel_train.data.transforms import CROP_SALT, SMALL_IMAGE, ImageTransform
+
+MODES = ("auto", "always", "never")
+# timm's RandomResizedCropAndInterpolation with interpolation "random" picks one of these
+# (timm.data.transforms._RANDOM_INTERPOLATION), in this order.
+RANDOM_INTERPOLATIONS = ("bilinear", "bicubic")
+INTERPOLATION_MODES = {"bilinear": TF.InterpolationMode.BILINEAR,
+                       "bicubic": TF.InterpolationMode.BICUBIC}
+DEVICE_MODES = ("RGB", "L")  # PIL modes of the JPEGs nvJPEG turns into RGB as PIL does
+PROBE_IMAGES = 32            # images each input path is timed on when auto chooses
+_ORIENTATION = ExifTags.Base.Orientation
+
+
+@dataclass
+class EncodedImages:
+    """A training batch as the workers hand it over: JPEG bytes and each image's draws, plus the
+    images finished on the host.  Neither a tensor nor a sequence, and without `to` or
+    `pin_memory`: Accelerate's device placement and the pin-memory thread pass it through, so
+    the bytes stay on the host, where the decoder reads them."""
+
+    data: torch.Tensor        # uint8: the JPEG files, one after the other
+    lengths: list[int]        # bytes of each
+    positions: torch.Tensor   # int64 [J]: where each JPEG goes in the batch
+    keys: torch.Tensor        # int64 [J, 2]: its (epoch, index), for a host decode if need be
+    boxes: torch.Tensor       # int64 [J, 4]: top, left, height, width in the oriented image
+    bicubic: torch.Tensor     # bool [J]: resized bicubic (else bilinear)
+    mirrored: torch.Tensor    # bool [J]: flipped left-right (the draw, or --flip alternate)
+    upside_down: torch.Tensor  # bool [J]: flipped top-bottom (--vflip)
+    jitter_order: Optional[torch.Tensor]    # int64 [J, 4]: ColorJitter's order of its parts
+    jitter_factors: Optional[torch.Tensor]  # float64 [J, 3]: brightness, contrast, saturation
+    ready: torch.Tensor       # uint8 [K, 3, S, S]: finished on the host
+    ready_positions: torch.Tensor  # int64 [K]
+    count: int                # images in the batch
+    size: int                 # S
+
+
+def jpeg_size(blob: bytes) -> Optional[tuple[int, int]]:
+    """(height, width) of a JPEG as decoded with its EXIF orientation applied, from its header;
+    None when the device should not decode it (not a JPEG PIL can read, CMYK, over PIL's
+    decompression-bomb limit: the host path says why)."""
+    try:
+        with Image.open(io.BytesIO(blob)) as pil:
+            if pil.format != "JPEG" or pil.mode not in DEVICE_MODES:
+                return None
+            width, height = pil.size
+            orientation = pil.getexif().get(_ORIENTATION, 1)
+    except Exception:  # noqa: BLE001 -- a broken header is the host path's to name
+        return None
+    if width * height > (Image.MAX_IMAGE_PIXELS or math.inf):
+        return None
+    return (width, height) if orientation in (5, 6, 7, 8) else (height, width)
+
+
+class _Shape:
+    """Only a size, for timm's get_params, which reads nothing else (torchvision's
+    get_image_size takes a tensor's last two dimensions; an expanded one allocates nothing)."""
+
+    @staticmethod
+    def of(height: int, width: int) -> torch.Tensor:
+        return torch.zeros(1, 1, 1, dtype=torch.uint8).expand(1, height, width)
+
+
+def draw_plans(transform: ImageTransform, seed: int, epochs, indices,
+               sizes: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Each image's crop box, interpolation, flips and jitter: the draws timm's training
+    transform makes for it (transforms.ImageTransform._timm_train, same seeding, same order)."""
+    from timm.data.transforms import RandomResizedCropAndInterpolation
+    scale, ratio = tuple(transform.scale), tuple(transform.ratio)
+    hflip = 0.0 if transform.flip == "alternate" else transform.hflip
+    jitter = ColorJitter(*(float(transform.color_jitter),) * 3) if transform.color_jitter \
+        else None
+
+    def draw(size):
+        top, left, height, width = RandomResizedCropAndInterpolation.get_params(
+            _Shape.of(*size), scale, ratio)
+        interpolation = random.choice(RANDOM_INTERPOLATIONS) \
+            if transform.train_interpolation == "random" else transform.train_interpolation
+        mirrored = bool(torch.rand(1) < hflip) if hflip > 0 else False
+        upside_down = bool(torch.rand(1) < transform.vflip) if transform.vflip > 0 else False
+        order, factors = None, None
+        if jitter is not None:
+            order, *factors = jitter.get_params(jitter.brightness, jitter.contrast,
+                                                jitter.saturation, jitter.hue)
+            factors = factors[:3]
+        return (top, left, height, width), interpolation == "bicubic", mirrored, upside_down, \
+            order, factors
+
+    keys = [(seed, int(e), int(i), CROP_SALT) for e, i in zip(epochs, indices)]
+    drawn = each_seeded(draw, sizes, keys)
+    mirrored = torch.tensor([d[2] for d in drawn], dtype=torch.bool)
+    if transform.flip == "alternate" and len(drawn):
+        mirrored = transform.alternate_flips(seed, epochs, indices)
+    plans = {"boxes": torch.tensor([d[0] for d in drawn], dtype=torch.int64).view(-1, 4),
+             "bicubic": torch.tensor([d[1] for d in drawn], dtype=torch.bool),
+             "mirrored": mirrored,
+             "upside_down": torch.tensor([d[3] for d in drawn], dtype=torch.bool),
+             "jitter_order": None, "jitter_factors": None}
+    if jitter is not None:
+        plans["jitter_order"] = torch.stack([d[4] for d in drawn]) if drawn else \
+            torch.zeros(0, 4, dtype=torch.int64)
+        plans["jitter_factors"] = torch.tensor([d[5] for d in drawn],
+                                               dtype=torch.float64).view(-1, 3)
+    return plans
+
+
+def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs: np.ndarray,
+                 indices: np.ndarray, host_samples: Callable) -> tuple[EncodedImages,
+                                                                       torch.Tensor, list[int]]:
+    """A loader worker's half: (the batch's EncodedImages, labels, used indices).  The JPEGs
+    the device can take are read, not decoded; the rest go through `host_samples(positions)`,
+    the loader's own path -> (uint8 pixels [K, 3, S, S], used indices)."""
+    blobs, positions, sizes, host = [], [], [], []
+    for k, item in enumerate(source.files_at(indices.tolist())):
+        size = jpeg_size(item) if isinstance(item, bytes) else None
+        if size is None or max(size) <= SMALL_IMAGE:
+            host.append(k)
+            continue
+        blobs.append(item)
+        positions.append(k)
+        sizes.append(size)
+    used = indices.tolist()
+    ready = torch.zeros(0, 3, transform.image_size, transform.image_size, dtype=torch.uint8)
+    if host:
+        ready, host_used = host_samples(host)
+        for k, index in zip(host, host_used):
+            used[k] = index
+    plans = draw_plans(transform, seed, epochs[positions], indices[positions], sizes)
+    data = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if blobs else \
+        torch.zeros(0, dtype=torch.uint8)
+    keys = torch.from_numpy(np.stack([epochs[positions], indices[positions]], axis=1)
+                            .astype(np.int64)).view(-1, 2)
+    encoded = EncodedImages(data, [len(b) for b in blobs], torch.tensor(positions,
+                                                                          dtype=torch.int64),
+                            keys, **plans, ready=ready,
+                            ready_positions=torch.tensor(host, dtype=torch.int64),
+                            count=len(indices), size=transform.image_size)
+    return encoded, source.labels[used], used
+
+
+class DeviceDecoder:
+    """The device's half: EncodedImages -> uint8 [B, 3, S, S] on `device`, the same pixels the
+    workers' path makes within the decoders' rounding.  `dataset` (loaders.TrainImages) makes
+    a file the device decoder refuses the host way (`host_sample`), substitute and all."""
+
+    def __init__(self, device: torch.device, dataset):
+        self.device, self.dataset = torch.device(device), dataset
+
+    def __call__(self, batch: EncodedImages, labels: torch.Tensor,
+                 replaced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pixels, labels, replaced): the labels and marks change only where a file the device
+        refused was replaced by a substitute on the host."""
+        size = batch.size
+        out = torch.empty(batch.count, 3, size, size, dtype=torch.uint8, device=self.device)
+        if len(batch.ready_positions):
+            out[self._sent(batch.ready_positions)] = self._sent(batch.ready)
+        if not batch.lengths:
+            return out, labels, replaced
+        decoded, refused = self._decode(list(batch.data.split(batch.lengths)))
+        crops = []
+        for k, image in enumerate(decoded):
+            if image is None:
+                crops.append(torch.zeros(3, size, size, dtype=torch.uint8, device=self.device))
+                continue
+            top, left, height, width = batch.boxes[k].tolist()
+            mode = INTERPOLATION_MODES["bicubic" if batch.bicubic[k] else "bilinear"]
+            crops.append(TF.resize(image[:, top:top + height, left:left + width], [size, size],
+                                   interpolation=mode, antialias=True))
+        crops = torch.stack(crops)
+        if batch.mirrored.any():  # host tensors: no device synchronization
+            crops = torch.where(self._sent(batch.mirrored).view(-1, 1, 1, 1), crops.flip(-1),
+                                crops)
+        if batch.upside_down.any():
+            crops = torch.where(self._sent(batch.upside_down).view(-1, 1, 1, 1),
+                                crops.flip(-2), crops)
+        if batch.jitter_order is not None:
+            crops = jitter(crops, self._sent(batch.jitter_order),
+                           self._sent(batch.jitter_factors))
+        out[self._sent(batch.positions)] = crops
+        for k in refused:
+            epoch, index = batch.keys[k].tolist()
+            pixels, used = self.dataset.host_sample(epoch, index)
+            position = int(batch.positions[k])
+            out[position] = pixels.to(self.device)
+            if used != index:
+                labels, replaced = labels.clone(), replaced.clone()
+                labels[position] = self.dataset.source.labels[used]
+                replaced[position] = index
+        return out, labels, replaced
+
+    def _sent(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without waiting for the GPU: a copy from pageable memory
+        first synchronizes the stream (CUDA's rule for such copies), one from pinned memory
+        is queued behind the work already there."""
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _decode(self, blobs: list[torch.Tensor]) -> tuple[list[Optional[torch.Tensor]],
+                                                          list[int]]:
+        """The batch in one call; when the decoder refuses it, each file alone, to find which."""
+        with warnings.catch_warnings():  # torchvision's decoders are deprecated for TorchCodec's
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from torchvision.io import ImageReadMode, decode_jpeg
+        read = dict(mode=ImageReadMode.RGB, apply_exif_orientation=True, device=self.device)
+        try:
+            return list(decode_jpeg(blobs, **read)), []
+        except (RuntimeError, ValueError):
+            decoded, refused = [], []
+            for k, blob in enumerate(blobs):
+                try:
+                    decoded.append(decode_jpeg(blob, **read))
+                except (RuntimeError, ValueError):
+                    decoded.append(None)
+                    refused.append(k)
+            return decoded, refused
+
+
+def _blend(images: torch.Tensor, other, ratio: torch.Tensor) -> torch.Tensor:
+    """torchvision's tensor `_blend` with a ratio per image: computed in float32, clamped,
+    truncated back to uint8 (as its adjust_* functions do after each part)."""
+    ratio64 = ratio.view(-1, 1, 1, 1)
+    mixed = ratio64.float() * images + (1.0 - ratio64).float() * other
+    return mixed.clamp_(0, 255).to(torch.uint8)
+
+
+def _grayscale(images: torch.Tensor) -> torch.Tensor:
+    """torchvision's rgb_to_grayscale on uint8: float32 weights, truncated to uint8."""
+    r, g, b = images.unbind(1)
+    return (0.2989 * r + 0.587 * g + 0.114 * b).to(torch.uint8).unsqueeze(1)
+
+
+def jitter(images: torch.Tensor, order: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """ColorJitter (brightness, contrast, saturation; no hue) on a uint8 batch, each image with
+    its own order and factors (on the images' device): torchvision's tensor arithmetic batched,
+    one part at a time (per image it equals `F.adjust_*` in that order; the tests check it
+    against them)."""
+    for place in range(order.shape[1]):
+        part = order[:, place]
+        for which, adjust in ((0, lambda x, f: _blend(x, 0.0, f)),
+                              (1, lambda x, f: _blend(x, _grayscale(x).float().mean(
+                                  dim=(-3, -2, -1), keepdim=True), f)),
+                              (2, lambda x, f: _blend(x, _grayscale(x), f))):
+            images = torch.where((part == which).view(-1, 1, 1, 1),
+                                 adjust(images, factors[:, which]), images)
+    return images
+
+
+# -- choosing -----------------------------------------------------------------------------------
+def unfit_reason(source: ImageSource, transform: ImageTransform, streaming: bool) -> \
+        Optional[str]:
+    """Why this data cannot be decoded on the device, whatever the device; None if it can."""
+    if streaming:
+        return "the training data is streamed from shards"
+    if isinstance(source, ArraySource):
+        return "the training images are decoded once, into memory (--in-memory)"
+    if not isinstance(source, HFSource):
+        return "the training images are not files"
+    if not transform.augment:
+        return "the training images are not augmented"
+    if transform.policy is not None:
+        return "--auto-augment's policy works on the host, one image at a time"
+    if transform.train_interpolation not in ("random", *INTERPOLATION_MODES):
+        return (f"--train-interpolation {transform.train_interpolation} is PIL's only; use "
+                f"random, bilinear or bicubic")
+    return None
+
+
+def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool,
+           streaming: bool, rates: Optional[Callable[[], dict]] = None) -> tuple[bool, str]:
+    """(whether the training JPEGs are decoded on the device, why: for the summary, empty when
+    auto had nothing to choose: data the device path cannot take, no GPU, images of 64 px or
+    less).  `rates()`
+    measures, for auto on a GPU: {"host": img/s the loader's workers decode and crop,
+    "device": img/s the GPU decodes and crops, "train": img/s it trains}.  The device path costs
+    the GPU time, so it is chosen only when the loop it gives, 1 / (1/train + 1/device) images a
+    second, beats the workers' min(train, host)."""
+    flag = f"--decode-on-device {mode}"
+    if mode == "never":
+        return False, f"by the loader workers ({flag})"
+    unfit = unfit_reason(source, transform, streaming)
+    if unfit and mode == "always":
+        raise UsageError(f"{flag}: {unfit}; use --decode-on-device auto or never")
+    if mode == "always":
+        return True, f"on the device ({flag})"
+    # Nothing to say where auto had nothing to weigh (the summary names only a real choice).
+    if unfit or not cuda or source.native_size <= SMALL_IMAGE:
+        return False, ""
+    measured = rates()
+    host, device, train = measured["host"], measured["device"], measured["train"]
+    with_device = 1 / (1 / train + 1 / device)
+    with_host = min(train, host)
+    figures = (f"the workers decode {host:,.0f} img/s, the device {device:,.0f} img/s beside "
+               f"training at {train:,.0f} img/s: {with_device:,.0f} against {with_host:,.0f} "
+               f"img/s")
+    if with_device > with_host:
+        return True, f"on the device ({flag}: {figures})"
+    return False, f"by the loader workers ({flag}: {figures})"
+
+
+def time_paths(dataset, workers: int, device: torch.device,
+               train_rate: Callable[[], float]) -> dict:
+    """The rates `choose` weighs, on the run's own first PROBE_IMAGES training images: the host
+    path in this process on one thread (a worker's), times the workers; the device path
+    decoding and cropping the same images; and `train_rate()`."""
+    count = min(PROBE_IMAGES, len(dataset))
+    keys = list(range(count))
+    decoder = DeviceDecoder(device, dataset)
+    seconds = {"host": math.inf, "device": math.inf}
+    for _ in range(2):  # the first of each pays its start-up (libraries, kernels)
+        started = time.perf_counter()
+        dataset.host_batch(keys)
+        seconds["host"] = min(seconds["host"], time.perf_counter() - started)
+        encoded, labels, _ = dataset.encoded_batch(keys)
+        wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        wait()
+        started = time.perf_counter()
+        decoder(encoded, labels, torch.full_like(labels, -1))
+        wait()
+        seconds["device"] = min(seconds["device"], time.perf_counter() - started)
+    return {"host": count / seconds["host"] * max(1, workers),
+            "device": count / seconds["device"], "train": train_rate()}

@@ -1,0 +1,194 @@
+r"""GPU: ResNet-50 at 224 px trained from a folder of ImageNet-sized JPEGs, accel_train's whole
+loop against the same model trained by hand on a batch already on the device: whether the input
+path keeps the GPU busy.
+
+Arms, in one process, one after the other:
+  hand loop            ResNet-50 (timm), channels_last, autocast, SGD + Nesterov, on a random
+                       batch already on the GPU (bench_gpu.HandLoop): the ceiling
+  accel_train MODE     Trainer.train_epoch over the folder (make_imagenet_like.py's JPEGs, 300-500
+                       px, about 110 kB), --decode-on-device MODE: auto (what a user gets), never
+                       (the loader workers decode, crop and jitter: timm's transform on PIL
+                       images), always (the workers read the files, the GPU decodes them with
+                       nvJPEG and crops them); the first epoch untimed (workers, cuDNN)
+and the pixels: the same 64 training samples through both paths (mean and largest difference
+in levels of 255; the crops, flips and labels are the same by construction).
+MFU = forward + backward FLOPs per image (FlopCounterMode) x img/s / the GPU's dense peak.
+
+    python benchmarks/bench_gpu_jpeg.py                  # on a machine with CUDA
+    python benchmarks/bench_gpu_jpeg.py --allow-cpu --quick --model test_resnet --size 96 \
+        --images 64 --batch 16                           # a smoke run (tests/test_benchmarks.py)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+from bench_gpu import HandLoop, flops_per_image, peak_tflops  # noqa: E402
+from make_imagenet_like import make_folder  # noqa: E402
+
+
+def parse_args():
+    parser = benchlib.make_parser(__doc__)
+    parser.add_argument("--jpeg-dir", default=None,
+                        help="an image folder (DIR/train/CLASS/*.jpg); default: made here")
+    parser.add_argument("--images", type=int, default=6400, help="training images to make")
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--precision", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--epochs", type=int, default=3, help="per arm, the first untimed")
+    parser.add_argument("--modes", nargs="*", default=["auto", "never", "always"])
+    parser.add_argument("--workers", type=int, default=None, help="loader workers (default: "
+                        "accel_train's own choice)")
+    parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="run on the CPU (to test this script, not to measure)")
+    return parser.parse_args()
+
+
+def folder(args, work: Path) -> Path:
+    if args.jpeg_dir:
+        return Path(args.jpeg_dir)
+    root = work / "jpegs"
+    classes = 10
+    started = time.perf_counter()
+    make_folder(root, classes, max(1, args.images // classes), val_per_class=2,
+                workers=os.cpu_count() or 1)
+    print(f"made {root} in {time.perf_counter() - started:.1f} s", flush=True)
+    return root
+
+
+def config(args, root: Path, mode: str, work: Path):
+    from accel_train.config import TrainConfig
+    return TrainConfig(data_dir=str(root), model=args.model, image_size=args.size,
+                       batch_size=args.batch, mixed_precision=args.precision,
+                       channels_last=True, in_memory="never", decode_on_device=mode,
+                       num_workers=args.workers, epochs=1_000_000, progress="log",
+                       plots=False, log_every=5, output_dir=str(work / f"run-{mode}"))
+
+
+def pixels_agree(args, root: Path, device, work: Path) -> dict:
+    """The same training samples through the workers' path and the device's."""
+    from accel_train.data.device_decode import DeviceDecoder
+    from accel_train.data.loaders import TrainImages, run_transforms
+    from accel_train.data.sources import load_data
+    from accel_train.model.saved import ModelSpec
+    cfg = config(args, root, "always", work)
+    data = load_data(cfg)
+    spec = ModelSpec(model_name=args.model, num_classes=10, image_size=args.size,
+                     mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), class_names=[])
+    images = TrainImages(data.train, run_transforms(cfg, spec)[0], seed=0, mark_replaced=True)
+    keys = list(range(min(64, len(data.train))))
+    host = images.host_batch(keys)
+    encoded = images.encoded_batch(keys)
+    pixels, labels, _ = DeviceDecoder(device, images)(encoded.images, encoded.labels,
+                                                       encoded.replaced)
+    diff = (pixels.cpu().int() - host.images.int()).abs().float()
+    return {"images": len(keys), "mean_abs": diff.mean().item(), "max": diff.max().item(),
+            "labels_equal": bool(torch.equal(labels.cpu(), host.labels))}
+
+
+def wait(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def hand_rate(args, device, steps: int) -> float:
+    images = torch.randn(args.batch, 3, args.size, args.size, device=device).contiguous(
+        memory_format=torch.channels_last)
+    labels = torch.randint(0, 10, (args.batch,), device=device)
+    hand = HandLoop(args.model, images, labels, args.precision, device, torch.channels_last)
+    hand.run(3)
+    seconds = []
+    for _ in range(max(1, args.epochs - 1)):
+        wait(device)
+        started = time.perf_counter()
+        hand.run(steps)
+        wait(device)
+        seconds.append(time.perf_counter() - started)
+    return args.batch * steps / benchlib.median(seconds)
+
+
+def trainer_rate(args, root: Path, mode: str, device, work: Path) -> dict:
+    from accel_train.trainer import Trainer
+    trainer = Trainer.from_config(config(args, root, mode, work))
+    trainer.progress.enabled = False
+    decoding = trainer.loaders.decoding or ("on the device" if trainer.loaders.decoded_on_device
+                                            else "by the loader workers")
+    seconds, steps = [], []
+    for epoch in range(args.epochs):
+        wait(device)
+        before, started = trainer.state.step, time.perf_counter()
+        trainer.train_epoch()
+        wait(device)
+        if epoch:  # the first pays the workers' start and cuDNN's choices
+            seconds.append(time.perf_counter() - started)
+            steps.append(trainer.state.step - before)
+        trainer.next_epoch()
+    records = [r for r in benchlib.read_jsonl(trainer.plan.output_dir / "metrics.jsonl")
+               if r.get("type") == "train"]
+    per_epoch = max(1, trainer.loaders.steps_per_epoch)
+    later = [r for r in records if r.get("step", 0) > per_epoch] or records
+    data_wait = benchlib.median([r["data_wait"] for r in later]) if later else float("nan")
+    trainer.close()
+    # Accelerate keeps one state per process; the next arm is a new run
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return {"img_per_s": args.batch * sum(steps) / sum(seconds), "data_wait": data_wait,
+            "decoding": decoding, "workers": trainer.loaders.num_workers,
+            "steps_per_epoch": per_epoch}
+
+
+def main() -> int:
+    args = parse_args()
+    cuda = torch.cuda.is_available()
+    report = benchlib.Report("gpu_jpeg", f"GPU: {args.model} at {args.size} px from JPEG files "
+                             f"against a hand loop on the device", args)
+    if not cuda and not args.allow_cpu:
+        report.note("Not run: this machine has no CUDA device.")
+        report.save()
+        return 0
+    device = torch.device("cuda" if cuda else "cpu")
+    name = torch.cuda.get_device_name(0) if cuda else "CPU"
+    peak = peak_tflops(name, args.peak_tflops)
+    work = Path(tempfile.mkdtemp(prefix="bench-gpu-jpeg-"))
+    root = folder(args, work)
+    agree = pixels_agree(args, root, device, work)
+    print(f"pixels: {agree}", flush=True)
+    flops = flops_per_image(args.model, args.size, device)
+    results = {}
+    for mode in args.modes:
+        results[mode] = trainer_rate(args, root, mode, device, work)
+        print(f"{mode}: {results[mode]}", flush=True)
+    steps = next(iter(results.values()))["steps_per_epoch"] if results else 10
+    hand = hand_rate(args, device, steps)
+    rows = [["hand loop (batch on the device)", "", hand, 1.0, flops * hand / 1e12 / peak, "", ""]]
+    for mode, result in results.items():
+        rate = result["img_per_s"]
+        rows.append([f"accel_train --decode-on-device {mode}", result["decoding"], rate,
+                     rate / hand, flops * rate / 1e12 / peak, f"{result['data_wait']:.1%}",
+                     result["workers"]])
+    report.table(f"{args.model}, {args.size} px, {args.precision}, batch {args.batch}, on {name} "
+                 f"(peak {peak} TFLOP/s dense), {os.cpu_count()} CPU cores; "
+                 f"{args.epochs - 1} timed epochs of {steps} steps per arm",
+                 ["arm", "JPEGs decoded", "img/s", "ratio to hand loop", "MFU", "data_wait",
+                  "workers"], rows,
+                 notes=[f"the same {agree['images']} samples through both paths: pixels differ "
+                        f"by {agree['mean_abs']:.3f} levels on average, {agree['max']:.0f} at "
+                        f"most; labels equal: {agree['labels_equal']}",
+                        f"forward + backward FLOPs per image: {flops / 1e9:.3g} GFLOP"])
+    report.data.update(result=results, hand_img_per_s=hand, pixels=agree)
+    print(f"wrote {report.save()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

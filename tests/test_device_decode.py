@@ -1,0 +1,194 @@
+"""--decode-on-device: training JPEGs read by the loader workers and decoded, cropped, flipped and
+colour-jittered on the device (accel_train/data/device_decode.py), checked on a CPU, where
+`always` takes that path with torchvision's CPU decoder.
+
+Oracles: the loader workers' path (timm's training transform on PIL images, `host_batch`) for
+the same seed and position: the same labels, and pixels within the resizers' rounding (a
+different crop, flip or jitter would differ by tens of levels); torchvision's own
+`F.adjust_brightness/contrast/saturation`, image by image, for the batched colour jitter;
+hand-made figures for the rule auto decides by.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from PIL import Image
+from torchvision.transforms import functional as F
+
+from accel_train.base.errors import UsageError
+from accel_train.config import TrainConfig
+from accel_train.data.device_decode import DeviceDecoder, choose, jitter, jpeg_size
+from accel_train.data.loaders import TrainImages, run_transforms
+from accel_train.data.sources import ArraySource, load_data
+from accel_train.run.checkpoint import TrainerState
+from accel_train.run.resume import keep_choices
+from conftest import PINNED, REPO, accel_train_here
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import make_imagenet_like  # noqa: E402
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+SIZE = 128
+
+
+def _spec(size: int = SIZE) -> SimpleNamespace:
+    return SimpleNamespace(image_size=size, mean=MEAN, std=STD, crop_pct=0.875,
+                           crop_mode="center", interpolation="bicubic")
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    """12 photo-like JPEGs of 300-500 px in 2 classes (make_imagenet_like.py), 2 held out."""
+    root = tmp_path_factory.mktemp("photos")
+    make_imagenet_like.make_folder(root, classes=2, per_class=6, val_per_class=1)
+    return root
+
+
+def _dataset(root: Path, **options) -> TrainImages:
+    config = TrainConfig(data_dir=str(root), in_memory="never", image_size=SIZE, **options)
+    data = load_data(config)
+    return TrainImages(data.train, run_transforms(config, _spec())[0], seed=11,
+                       mark_replaced=True)
+
+
+def _both_ways(images: TrainImages, keys: list[int]):
+    host = images.host_batch(keys)
+    encoded = images.encoded_batch(keys)
+    pixels, labels, replaced = DeviceDecoder("cpu", images)(encoded.images, encoded.labels,
+                                                            encoded.replaced)
+    return host, pixels, labels, replaced
+
+
+@pytest.mark.parametrize("options", [
+    {},  # the defaults: random interpolation, colour jitter 0.4, random flips
+    {"flip": "alternate", "vflip": 0.5, "train_interpolation": "bicubic", "color_jitter": 0.0,
+     "scale": [0.3, 0.6], "ratio": [0.5, 2.0]},
+], ids=["defaults", "alternate-vflip-bicubic"])
+def test_the_device_path_trains_the_workers_samples(photos, options):
+    images = _dataset(photos, **options)
+    keys = [len(images) * epoch + index for epoch in (0, 3) for index in range(len(images))]
+    host, pixels, labels, replaced = _both_ways(images, keys)
+    assert torch.equal(labels, host.labels) and torch.equal(replaced, host.replaced)
+    difference = (pixels.int() - host.images.int()).abs().float()
+    # one image with another crop, flip or jitter would differ by tens of levels on average
+    assert difference.mean(dim=(1, 2, 3)).max() < 1.0, difference.mean(dim=(1, 2, 3))
+    assert difference.max() <= 12, difference.max()
+
+
+def test_the_batched_colour_jitter_is_torchvisions_image_by_image():
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (12, 3, 9, 11), dtype=torch.uint8, generator=generator)
+    order = torch.stack([torch.randperm(4, generator=generator) for _ in range(12)])
+    factors = torch.empty(12, 3, dtype=torch.float64).uniform_(0.6, 1.4, generator=generator)
+    expected = []
+    for image, parts, (brightness, contrast, saturation) in zip(images, order, factors.tolist()):
+        for part in parts.tolist():
+            image = {0: lambda x: F.adjust_brightness(x, brightness),
+                     1: lambda x: F.adjust_contrast(x, contrast),
+                     2: lambda x: F.adjust_saturation(x, saturation),
+                     3: lambda x: x}[part](image)  # hue: off, as timm's scalar jitter has it
+        expected.append(image)
+    assert torch.equal(jitter(images, order, factors), torch.stack(expected))
+
+
+def test_files_the_device_cannot_take_are_finished_by_the_workers(photos, tmp_path):
+    """A PNG, a 40 px JPEG (the small-image crop), a CMYK JPEG and a file with a JPEG's first
+    bytes and nothing after them (replaced by the next image): each is finished the host way,
+    in its place in the batch."""
+    root = tmp_path / "mixed"
+    for split in ("train", "val"):
+        for folder in (photos / split).iterdir():
+            (root / split / folder.name).mkdir(parents=True)
+            for file in sorted(folder.iterdir()):
+                (root / split / folder.name / file.name).write_bytes(file.read_bytes())
+    a_class = root / "train" / sorted(p.name for p in (root / "train").iterdir())[0]
+    photo = Image.open(next(a_class.iterdir())).convert("RGB")
+    photo.save(a_class / "z_png.png")
+    photo.resize((40, 30)).save(a_class / "z_small.jpg")
+    photo.convert("CMYK").save(a_class / "z_cmyk.jpg")
+    (a_class / "z_cut.jpg").write_bytes(b"\xff\xd8\xff")
+    for name, kind in (("z_png.png", None), ("z_small.jpg", (30, 40)), ("z_cmyk.jpg", None),
+                       ("z_cut.jpg", None)):
+        assert jpeg_size((a_class / name).read_bytes()) == kind, name
+    images = _dataset(root)
+    keys = list(range(len(images)))
+    host, pixels, labels, replaced = _both_ways(images, keys)
+    encoded = images.encoded_batch(keys).images
+    assert len(encoded.ready_positions) == 4 and len(encoded.positions) == len(keys) - 4
+    finished_here = encoded.ready_positions
+    assert torch.equal(pixels[finished_here], host.images[finished_here])
+    assert torch.equal(labels, host.labels) and torch.equal(replaced, host.replaced)
+    assert (replaced >= 0).sum() == 1  # the cut file, replaced by its neighbour
+
+
+def test_the_rule_auto_decides_by(photos):
+    files = _dataset(photos).source  # JPEG files of 300-500 px
+    transform = run_transforms(TrainConfig(image_size=SIZE), _spec())[0]
+
+    def rates(host, device, train):
+        return lambda: {"host": host, "device": device, "train": train}
+
+    # workers 500 img/s, the GPU decodes 3000 beside training at 2000: 1 / (1/2000 + 1/3000)
+    # = 1200 img/s against 500
+    chosen, why = choose("auto", files, transform, True, False, rates(500, 3000, 2000))
+    assert chosen and "1,200 against 500 img/s" in why, why
+    # workers 1800: 1200 against 1800, the workers win
+    chosen, why = choose("auto", files, transform, True, False, rates(1800, 3000, 2000))
+    assert not chosen and "1,200 against 1,800 img/s" in why, why
+    # nothing is timed without a GPU, or when asked
+    never_timed = lambda: pytest.fail("timed")  # noqa: E731
+    assert choose("auto", files, transform, False, False, never_timed) == (False, "")
+    assert choose("always", files, transform, False, False, never_timed)[0]
+    assert not choose("never", files, transform, True, False, never_timed)[0]
+    in_memory = ArraySource(torch.zeros(2, 3, 80, 80, dtype=torch.uint8), torch.zeros(2))
+    with pytest.raises(UsageError, match="--decode-on-device always: .*--in-memory"):
+        choose("always", in_memory, transform, True, False)
+    with pytest.raises(UsageError, match="streamed"):
+        choose("always", files, transform, True, True)
+    assert choose("auto", in_memory, transform, True, False) == (False, "")
+
+
+def test_a_resumed_run_keeps_the_choice_auto_made():
+    previous = TrainerState(decoded_on_device=True)
+    config, kept = keep_choices(TrainConfig(), previous, Path("unused"))
+    assert config.decode_on_device == "always" and "decoding" in kept
+    config, kept = keep_choices(TrainConfig(decode_on_device="never"), previous, Path("unused"))
+    assert config.decode_on_device == "never" and "decoding" not in kept
+
+
+def test_a_run_decoding_on_the_device_says_so_and_records_it(photos, tmp_path):
+    out = tmp_path / "run"
+    said = accel_train_here("--data-dir", str(photos), "--model", "test_resnet", "--image-size",
+                            "96", "--batch-size", "4", "--max-steps", "2", "--in-memory",
+                            "never", "--num-workers", "0", "--decode-on-device", "always",
+                            "--progress", "log", "--no-plots", *PINNED, "--output-dir",
+                            str(out), check=True).stdout
+    assert "\n  JPEGs decoded on the device (--decode-on-device always)\n" in said, said
+    recorded = yaml.safe_load((out / "config.yaml").read_text())
+    assert recorded["train"]["decode_on_device"] == "always", recorded["train"]
+    assert recorded["resolved"]["jpeg_decoding"].startswith("on the device")
+
+
+def test_unfit_data_is_one_line_exit_2(tmp_path):
+    bad = accel_train_here("--dataset", "synthetic", "--synthetic-train-size", "64",
+                           "--decode-on-device", "always", "--max-steps", "1", "--no-plots",
+                           "--progress", "log", "--output-dir", str(tmp_path / "a"))
+    assert bad.returncode == 2, bad.stdout[-2000:] + bad.stderr[-2000:]
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--decode-on-device always:" in lines[0], bad.stderr
+    assert not (tmp_path / "a" / "checkpoints").exists()
+
+
+def test_the_summary_of_a_run_with_nothing_to_choose_says_nothing_of_it(tmp_path):
+    out = tmp_path / "run"
+    said = accel_train_here("--dataset", "synthetic", "--synthetic-train-size", "64",
+                            "--model", "test_resnet", "--max-steps", "1", "--batch-size", "16",
+                            "--progress", "log", "--no-plots", *PINNED, "--output-dir",
+                            str(out), check=True).stdout
+    assert "JPEGs decoded" not in said, said

@@ -159,7 +159,11 @@ def main() -> int:
     device = torch.device("cuda" if cuda else "cpu")
     name = torch.cuda.get_device_name(0) if cuda else "CPU"
     peak = peak_tflops(name, args.peak_tflops)
-    work = Path(tempfile.mkdtemp(prefix="bench-gpu-jpeg-"))
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-jpeg-") as work:
+        return measure(args, report, device, name, peak, Path(work))
+
+
+def measure(args, report, device, name: str, peak: float, work: Path) -> int:
     root = folder(args, work)
     agree = pixels_agree(args, root, device, work)
     print(f"pixels: {agree}", flush=True)

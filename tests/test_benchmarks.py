@@ -68,16 +68,39 @@ CASES = {
                         "16", "--steps", "2", "--warmup", "1", "--reprob", "0", "0.25"],
     # JPEGs at ImageNet sizes it makes itself (make_imagenet_like.py): 2 classes of 16
     "jpeg_input": ["--quick", "--classes", "2", "--per-class", "16", "--rounds", "1"],
+    # the JPEG folder it makes (6 images a class), each arm 2 epochs of 2 steps at 96 px
+    "gpu_jpeg": ["--quick", "--allow-cpu", "--model", "test_resnet", "--size", "96", "--images",
+                 "60", "--batch", "16", "--epochs", "2"],
+    # both rows (the GPU row's code on the CPU): each anchor 2 epochs of 2 steps, each CLI run
+    # a few steps
+    "anchor_side_by_side": ["--quick", "--allow-cpu", "--cpu-row", "--train-images", "64",
+                            "--test-images", "64", "--batch-size", "32"],
 }
 # The scripts that make their own data instead of reading CIFAR-10
-OWN_DATA = {"jpeg_input"}
+OWN_DATA = {"jpeg_input", "gpu_jpeg"}
 # The scripts that take no --tmp (they write nothing large)
 NO_TMP = {"comm", "gpu", "threads", "precision", "worker_start", "gpu_cifar",
-          "device_resident", "jpeg_input"}
+          "device_resident", "jpeg_input", "gpu_jpeg"}
 # benchmarks/anchors/airbench_cpu.py on generated data in the CIFAR-10 layout: 2 steps an epoch
 # for 4 epochs (the averaging starts in the 4th), one JSON line with the three levels.  Batch
 # 128 instead of airbench's 1024: the same code path at an eighth of the arithmetic.
 ANCHOR_ARGS = ["--epochs", "4", "--test-images", "64", "--batch-size", "128"]
+
+
+def _both_arms_and_a_ratio(data: dict) -> None:
+    """bench_anchor_side_by_side.py: each row's table holds the anchor and the CLI, and the
+    CLI's ratio to the anchor (the GPU row's: "not reached" where the CLI missed A)."""
+    assert len(data["tables"]) == 2, [t["title"] for t in data["tables"]]
+    for table in data["tables"]:
+        anchor, cli = table["rows"]
+        ratio = table["headers"].index("ratio CLI / anchor (training s)")
+        assert anchor[0].startswith("airbench94") and cli[0].startswith("accel_train CLI"), table
+        assert anchor[ratio] == "1 (the anchor)", table
+        assert cli[ratio] == "not reached" or float(cli[ratio].replace(",", "")) > 0, table
+
+
+# What a script's tables must hold beyond the common checks
+TABLE_CHECKS = {"anchor_side_by_side": _both_arms_and_a_ratio}
 
 
 def _env() -> dict:
@@ -110,6 +133,7 @@ def test_benchmark_script_runs(name, cifar10_like, tmp_path):
     assert "| " in markdown and "load average" in markdown, markdown[-2000:]
     data = json.loads((out / f"{name}.json").read_text())
     assert data["tables"] and data["machine"]["cores"] >= 1
+    TABLE_CHECKS.get(name, lambda _: None)(data)
 
 
 def test_every_benchmark_script_is_smoke_tested():

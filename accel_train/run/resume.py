@@ -106,8 +106,9 @@ def refuse_another_optimizer(config: TrainConfig, previous: TrainerState,
 def keep_choices(config: TrainConfig, previous: TrainerState,
                  checkpoint: Path) -> tuple[TrainConfig, tuple[str, ...]]:
     """How the run computes is part of the run: where this start leaves precision, memory
-    format or where JPEGs are decoded to auto, it takes what the checkpoint ran with (what auto chose when the run began;
-    timing again could choose otherwise, and exact resume would be lost).  Explicit flags win.
+    format or where JPEGs are decoded to auto, it takes what the checkpoint ran with (what
+    auto chose when the run began; timing again could choose otherwise, and exact resume
+    would be lost).  Explicit flags win.
     So with the network --smaller-models chose (network_choice.py), when it is one of this
     start's --model and --smaller-models (another is refused as any other network is:
     ModelSpec.load).  Returns the config and what was kept."""

@@ -1,0 +1,265 @@
+r"""airbench94 itself and the accel_train CLI on the same machine, one after the other in one run:
+the time the CLI takes to reach the accuracy airbench94's own loop reaches in 10 epochs, against
+the time that loop takes, and their ratio (CLI / anchor).
+
+Rows (a table each):
+  GPU (where CUDA is; --allow-cpu runs its code on the CPU, to test this script)
+    anchor  anchors/airbench_gpu.py --epochs 10 [--compile]: its training seconds T (airbench's
+            timer: the whitening and each epoch's training loop, synchronized; no evaluation)
+            and its top-1 after the 10 epochs with mirror TTA (airbench's level 1), A;
+    CLI     recipes/cifar10-gpu-airbench.yaml for --cli-epochs, on all 50,000 training images
+            (--select-on-test, as airbench trains) with the batches drawn on the GPU, evaluated
+            at every epoch end with flip TTA (= mirror): the first epoch at or above A, the
+            CLI's training seconds to it (metrics.jsonl's epoch_time summed), the same with its
+            evaluations, the wall seconds from the command's start to that epoch's line, and
+            the ratio to T, also counted from epoch 2 on (the CLI compiles in its first epoch,
+            the anchor in an untimed warm-up run).
+  CPU (where CUDA is not, or --cpu-row)
+    anchor  anchors/airbench_cpu.py --epochs 10: T and A as above;
+    CLI     recipes/cifar10-cpu-10min.yaml with --time-budget T: its final top-1 with flip TTA
+            against A.
+
+    python benchmarks/bench_anchor_side_by_side.py --data-dir ../shared/data/cifar10 --compile
+    python benchmarks/bench_anchor_side_by_side.py --data-dir ../shared/data/cifar10   # no CUDA
+    python benchmarks/bench_anchor_side_by_side.py --quick --allow-cpu --cpu-row       # a smoke
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+from bench_gpu_cifar import StampedRun  # noqa: E402
+
+GPU_RECIPE = benchlib.REPO / "recipes" / "cifar10-gpu-airbench.yaml"
+CPU_RECIPE = benchlib.REPO / "recipes" / "cifar10-cpu-10min.yaml"
+ANCHOR_EPOCH = re.compile(r"^epoch (\d+):")  # the anchors' line at each epoch end
+PRECISION = re.compile(r"precision (\S+?),")  # the CLI's start-up summary
+STEPS_PER_EPOCH = re.compile(r"(\d+) steps/epoch")
+
+
+def shrink(args, anchor: bool) -> list[str]:
+    """The smoke-run options, in the anchor's or the CLI's words."""
+    names = (("--train-images", "--test-images") if anchor
+             else ("--max-train-samples", "--max-eval-samples"))
+    out = []
+    for name, value in zip(names, (args.train_images, args.test_images)):
+        out += [name, str(value)] if value else []
+    return out + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
+
+
+def run(cmd: list[str], log: Path, timeout: float) -> StampedRun:
+    """`cmd` to its end, each output line stamped (seconds since its start) into `log`."""
+    started = StampedRun([str(c) for c in cmd], log)
+    try:
+        code = started.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        started.process.kill()
+        raise
+    started.exit_s = time.perf_counter() - started.started  # start to exit, for the notes
+    if code != 0:
+        raise RuntimeError(f"{shlex.join(map(str, cmd))} exited {code}:\n{started.tail()}")
+    return started
+
+
+def run_anchor(args, script: str, extra: list[str], log: Path) -> dict:
+    cmd = [sys.executable, benchlib.ANCHORS / script, "--data-dir", args.data_dir, "--epochs",
+           str(args.anchor_epochs), *shrink(args, anchor=True), *extra]
+    done = run(cmd, log, args.timeout)
+    result = benchlib.last_json_line("\n".join(line for _, line in done.lines),
+                                     key="training_seconds")
+    ends = [(int(m[1]), at) for at, line in done.lines if (m := ANCHOR_EPOCH.match(line))]
+    result["wall_s"] = ends[-1][1] if ends else float("nan")
+    result["exit_s"] = done.exit_s
+    return result
+
+
+def run_cli(args, recipe: Path, extra: list[str], out: Path, log: Path) -> dict:
+    cmd = [sys.executable, "-m", "accel_train", "--config", recipe, "--data-dir", args.data_dir,
+           "--select-on-test", "--tta", "flip", "--progress", "log", "--no-plots",
+           "--output-dir", out, *extra, *shrink(args, anchor=False),
+           *shlex.split(args.cli_extra)]
+    done = run(cmd, log, args.timeout)
+    text = "\n".join(line for _, line in done.lines)
+    epochs = [r for r in benchlib.read_jsonl(out / "metrics.jsonl") if r.get("type") == "epoch"]
+    walls = {e["epoch"]: e["wall_s"] for e in done.epochs}
+    training = evaluating = 0.0
+    for record in epochs:
+        training += record.get("epoch_time", 0.0)
+        evaluating += record.get("eval_time", 0.0)
+        record.update(training_s=training, with_eval_s=training + evaluating,
+                      wall_s=walls.get(record["epoch"], float("nan")))
+    precision, per_epoch = PRECISION.search(text), STEPS_PER_EPOCH.search(text)
+    return {"epochs": epochs, "wall_s": done.lines[-1][0] if done.lines else float("nan"),
+            "exit_s": done.exit_s,
+            "precision": precision[1] if precision else "?",
+            "steps_per_epoch": int(per_epoch[1]) if per_epoch else None,
+            "network": json.loads((out / "config.json").read_text()).get("architecture", "?")}
+
+
+def log_file(args, report: benchlib.Report, arm: str) -> Path:
+    """Each command's stamped output, beside the table."""
+    return Path(args.out) / f"{report.name}-{arm}.log"
+
+
+def whole_commands(anchor: dict, cli: dict) -> str:
+    """Where a command outlives its last line (or leaves a process holding its output)."""
+    return (f"each command's whole wall s, from its start to its exit and the end of its "
+            f"output: the anchor {anchor['exit_s']:.1f}, the CLI {cli['exit_s']:.1f}.")
+
+
+def reached(record: dict, target: float) -> bool:
+    """At or above `target`, to half an image: both top-1s are counts over the same images."""
+    return "eval_top1" in record and record["eval_top1"] >= target - 0.5 / record["eval_count"]
+
+
+def gpu_row(args, report: benchlib.Report, work: Path) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    compile_flag = ["--compile"] if args.compile else []
+    anchor = run_anchor(args, "airbench_gpu.py", ["--device", device, *compile_flag],
+                        log_file(args, report, "gpu-anchor"))
+    target, anchor_s = anchor["top1_tta1"], anchor["training_seconds"]
+    anchor_later = sum(e["training_seconds"] for e in anchor["per_epoch"][1:])
+    cli = run_cli(args, GPU_RECIPE, ["--data-on-device", "always", "--eval-every", "1",
+                                     "--epochs", str(args.cli_epochs), *compile_flag],
+                  work / "cli-gpu", log_file(args, report, "gpu-cli"))
+    first = next((r for r in cli["epochs"] if reached(r, target)), None)
+    anchor_row = [f"airbench94, anchors/airbench_gpu.py: {anchor['precision']}",
+                  f"{args.anchor_epochs:g}", f"{target:.2%}", anchor_s,
+                  anchor["per_epoch"][0]["training_seconds"], "not timed", anchor["wall_s"],
+                  "1 (the anchor)", "1 (the anchor)"]
+    name = f"accel_train CLI, {GPU_RECIPE.name}: precision {cli['precision']}"
+    if first:
+        later = first["training_s"] - cli["epochs"][0]["training_s"]
+        cli_row = [name, first["epoch"], f"{first['eval_top1']:.2%}", first["training_s"],
+                   cli["epochs"][0]["training_s"], first["with_eval_s"], first["wall_s"],
+                   first["training_s"] / anchor_s,
+                   later / anchor_later if first["epoch"] > 1 and anchor_later else "n/a"]
+    else:
+        best = max((r for r in cli["epochs"] if "eval_top1" in r),
+                   key=lambda r: r["eval_top1"])
+        cli_row = [name, f"not reached in {args.cli_epochs} (best {best['eval_top1']:.2%}, "
+                   f"epoch {best['epoch']})", "n/a", "n/a", cli["epochs"][0]["training_s"],
+                   "n/a", "n/a", "not reached", "not reached"]
+    notes = [f"A = the anchor's top-1 after {args.anchor_epochs:g} epochs with mirror TTA, "
+             f"{target:.2%}; without TTA {anchor['top1_tta0']:.2%}, with mirror + translate "
+             f"{anchor['top1_tta2']:.2%}. Its training s are airbench's timer: the whitening and "
+             f"each epoch's training loop (augmentation on the GPU included), synchronized; its "
+             f"final mirror + translate evaluation ({anchor['tta2_eval_seconds']:.2f} s), which "
+             f"airbench's printed total also counts, is left out like the CLI's evaluations.",
+             "the CLI's training s: metrics.jsonl's epoch_time summed (each epoch's steps and "
+             "batch drawing; not its evaluations, checkpoints, start-up, whitening or decoding). "
+             "That clock stops without a CUDA synchronize, so the GPU work queued after an "
+             "epoch's last log line is counted in its evaluation: 'training + evaluation s' "
+             "bounds the CLI's training time from above.",
+             "precision: the anchor casts its model as airbench does; the CLI's is its "
+             "start-up summary's (fp16 and bf16 are autocast over fp32 weights).",
+             "wall s: from each command's start (decoding the images included) to the output "
+             "line of the epoch at A, which comes after that epoch's evaluation; "
+             + whole_commands(anchor, cli)]
+    if args.compile:
+        notes.append(f"--compile: the anchor compiled in an untimed warm-up run on random labels "
+                     f"({anchor['warmup_seconds']} s, as airbench94_compiled.py), the CLI in its "
+                     f"first epoch; 'ratio, epochs 2 on' leaves both first epochs out.")
+    report.table(f"{'GPU' if device == 'cuda' else 'the GPU row on the CPU (a test)'}: the CLI "
+                 f"to airbench94's own {args.anchor_epochs:g}-epoch accuracy A",
+                 ["arm", "epochs to A", "top-1 there (mirror TTA)", "training s to A",
+                  "of which epoch 1", "training + evaluation s to A",
+                  "wall s from the command's start to A", "ratio CLI / anchor (training s)",
+                  "ratio, epochs 2 on"],
+                 [anchor_row, cli_row], notes=notes)
+    return {"anchor": anchor, "cli": cli, "target": target, "first_at_target": first}
+
+
+def cpu_row(args, report: benchlib.Report, work: Path) -> dict:
+    anchor = run_anchor(args, "airbench_cpu.py", [],
+                        log_file(args, report, "cpu-anchor"))
+    target, anchor_s = anchor["top1_tta1"], anchor["training_seconds"]
+    budget = f"{max(anchor_s, args.min_budget):.1f}s"
+    cli = run_cli(args, CPU_RECIPE, ["--time-budget", budget], work / "cli-cpu",
+                  log_file(args, report, "cpu-cli"))
+    last = [r for r in cli["epochs"] if "eval_top1" in r][-1]
+    steps = cli["epochs"][-1]["step"]
+    epochs = f" ({steps / cli['steps_per_epoch']:.1f})" if cli["steps_per_epoch"] else ""
+    trained = cli["epochs"][-1]["training_s"]
+    gap = 100 * (last["eval_top1"] - target)
+    rows = [["airbench94, anchors/airbench_cpu.py", f"airbench94 ({anchor['precision']})",
+             f"{anchor['steps']} ({anchor['epochs']:g})", anchor_s, f"{target:.2%}", "(A)",
+             anchor["wall_s"], "1 (the anchor)"],
+            [f"accel_train CLI, {CPU_RECIPE.name} --time-budget {budget}",
+             f"{cli['network']} ({cli['precision']})", f"{steps}{epochs}", trained,
+             f"{last['eval_top1']:.2%}",
+             "yes" if reached(last, target) else f"no ({gap:+.2f} points)", cli["wall_s"],
+             trained / anchor_s]]
+    report.table(f"CPU: the CLI's CPU recipe in the anchor's training time, against airbench94's "
+                 f"own {args.anchor_epochs:g}-epoch accuracy A",
+                 ["arm", "network (precision)", "steps (epochs)", "training s",
+                  "top-1 (mirror = flip TTA)", "reached A", "wall s from the command's start",
+                  "ratio CLI / anchor (training s)"], rows,
+                 notes=["the anchor's training s: airbench's timer (no evaluation); the CLI's: "
+                        "metrics.jsonl's epoch_time summed. Its budget counts its evaluation "
+                        "at the end too, so it trains a little less than the anchor.",
+                        "wall s: the anchor's to its last epoch line, the CLI's to its last "
+                        "line (the model saved); " + whole_commands(anchor, cli),
+                        *([f"the budget raised to --min-budget {args.min_budget:g} s: the "
+                           f"ratio is not the anchor's time"]
+                          if args.min_budget > anchor_s else [])])
+    return {"anchor": anchor, "cli": cli, "target": target, "budget": budget}
+
+
+def main() -> int:
+    parser = benchlib.make_parser(__doc__)
+    parser.add_argument("--anchor-epochs", type=float, default=10)
+    parser.add_argument("--cli-epochs", type=int, default=30,
+                        help="the GPU row's CLI epochs (its recipe's 30: the schedule's length)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile in the GPU row "
+                        "(both arms)")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="run the GPU row without CUDA, on the CPU (to test this script)")
+    parser.add_argument("--cpu-row", action="store_true",
+                        help="the CPU row also where CUDA is")
+    parser.add_argument("--train-images", type=int, default=0,
+                        help="only the first N training images, both arms (0: all)")
+    parser.add_argument("--test-images", type=int, default=0,
+                        help="only the first N test images, both arms (0: all)")
+    parser.add_argument("--batch-size", type=int, default=0,
+                        help="both arms' batch (0: each one's own, 1024)")
+    parser.add_argument("--min-budget", type=float, default=0.0,
+                        help="the CPU row's budget at least this many seconds (--quick: 3; the "
+                        "CLI times steps before it fits the budget and refuses one too short)")
+    parser.add_argument("--cli-extra", default="", help="more options for the CLI runs")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per command")
+    parser.add_argument("--tmp", default=None, help="folder for the CLI's runs (default: a "
+                        "new temporary one)")
+    args = parser.parse_args()
+    if args.quick:  # a smoke run: the figures mean nothing
+        args.anchor_epochs, args.cli_epochs = min(args.anchor_epochs, 2), min(args.cli_epochs, 4)
+        args.train_images = args.train_images or 2048
+        args.test_images = args.test_images or 500
+        args.batch_size = args.batch_size or 256
+        args.min_budget = args.min_budget or 3.0
+    benchlib.check_cifar(args.data_dir)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    report = benchlib.Report("anchor_side_by_side", "airbench94 and the CLI, side by side", args)
+    work = Path(args.tmp or tempfile.mkdtemp(prefix="bench-anchor-side-by-side-"))
+    cuda = torch.cuda.is_available()
+    if cuda or args.allow_cpu:
+        report.data["gpu"] = gpu_row(args, report, work)
+    if not cuda or args.cpu_row:
+        report.data["cpu"] = cpu_row(args, report, work)
+    print(f"wrote {report.save()} (the runs in {work}, the logs in {args.out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -38,7 +38,6 @@ from torchvision.transforms.v2 import functional as TF
 
 from accel_train.base.errors import UsageError
 from accel_train.base.randomness import each_seeded
-from accel_train.data.decode import Unreadable, read_value
 from accel_train.data.sources import ArraySource, HFSource, ImageSource
 from accel_train.data.transforms import CROP_SALT, SMALL_IMAGE, ImageTransform
 

@@ -190,7 +190,9 @@ class Trainer:
                                   train_samples=len(self.data.train), precision=self.precision,
                                   channels_last=self.speed.channels_last,
                                   optimizer=config.optimizer,
-                                  decoded_on_device=self.loaders.decoded_on_device)
+                                  # None where auto had nothing to choose
+                                  decoded_on_device=self.loaders.decoded_on_device
+                                  if self.loaders.decoding else None)
         self.mixup = maybe_mixup(config, self.net.spec.num_classes)
         self.ema = maybe_ema(self.bare_model(), config, self.report.warn)
         self.lookahead = maybe_lookahead(self.bare_model(), config, lambda: self.total_steps,

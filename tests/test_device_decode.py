@@ -11,27 +11,25 @@ hand-made figures for the rule auto decides by.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
+from PIL import Image, ImageDraw
 from torchvision.transforms import functional as F
 
 from accel_train.base.errors import UsageError
 from accel_train.config import TrainConfig
-from accel_train.data.device_decode import DeviceDecoder, choose, jitter, jpeg_size
+from accel_train.data.device_decode import (DeviceDecoder, choose, jitter, jpeg_size,
+                                            time_paths)
 from accel_train.data.loaders import TrainImages, run_transforms
 from accel_train.data.sources import ArraySource, load_data
 from accel_train.run.checkpoint import TrainerState
 from accel_train.run.resume import keep_choices
-from conftest import PINNED, REPO, accel_train_here
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import make_imagenet_like  # noqa: E402
+from conftest import PINNED, accel_train_here
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SIZE = 128
@@ -44,9 +42,23 @@ def _spec(size: int = SIZE) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory) -> Path:
-    """12 photo-like JPEGs of 300-500 px in 2 classes (make_imagenet_like.py), 2 held out."""
+    """12 JPEGs of 300-500 px a side in 2 classes (2 held out): smooth colour fields with
+    sharp-edged shapes, so that a crop or a flip a pixel off shows."""
     root = tmp_path_factory.mktemp("photos")
-    make_imagenet_like.make_folder(root, classes=2, per_class=6, val_per_class=1)
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 6), ("val", 1)):
+        for label in ("a", "b"):
+            (root / split / label).mkdir(parents=True)
+            for i in range(count):
+                height, width = rng.integers(300, 501, 2)
+                coarse = rng.uniform(0, 255, (6, 8, 3)).astype(np.uint8)
+                image = Image.fromarray(coarse).resize((int(width), int(height)),
+                                                       Image.BICUBIC)
+                draw = ImageDraw.Draw(image)
+                for _ in range(5):
+                    x, y = rng.integers(0, width), rng.integers(0, height)
+                    draw.rectangle([x, y, x + 60, y + 40], fill=tuple(rng.integers(0, 256, 3)))
+                image.save(root / split / label / f"{i}.jpg", quality=85)
     return root
 
 
@@ -151,6 +163,16 @@ def test_the_rule_auto_decides_by(photos):
     with pytest.raises(UsageError, match="streamed"):
         choose("always", files, transform, True, True)
     assert choose("auto", in_memory, transform, True, False) == (False, "")
+
+
+def test_auto_times_both_paths_on_the_runs_own_images(photos):
+    """time_paths, as auto on a GPU calls it, here on the CPU: the host path's rate scales with
+    the workers, the device path's is timed on the same images, the training rate is asked."""
+    images = _dataset(photos)
+    asked = []
+    one = time_paths(images, 1, torch.device("cpu"), lambda: asked.append(1) or 123.0)
+    assert asked == [1] and one["train"] == 123.0
+    assert one["host"] > 0 and one["device"] > 0, one
 
 
 def test_a_resumed_run_keeps_the_choice_auto_made():

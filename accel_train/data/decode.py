@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import codecs
 import io
+import math
 import os
 import warnings
 from pathlib import Path
@@ -35,6 +36,7 @@ _JPEG_MAGIC = b"\xff\xd8\xff"
 _SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 _ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 _ORIENTATION = ExifTags.Base.Orientation
+_DEVICE_MODES = ("RGB", "L")  # PIL modes of the JPEGs nvJPEG turns into RGB as PIL does
 
 
 class Unreadable(Exception):
@@ -105,6 +107,23 @@ def decode(item: Union[bytes, Image.Image], fast: bool = True) -> torch.Tensor:
     except Exception as err:  # noqa: BLE001 -- a broken file may raise anything; it is data
         raise Unreadable(_describe(err)) from None
     return torch.from_numpy(np.array(pixels)).permute(2, 0, 1)  # a writable copy
+
+
+def jpeg_size(blob: bytes) -> Optional[tuple[int, int]]:
+    """(height, width) of a JPEG as decoded with its EXIF orientation applied, from its header
+    alone; None when a GPU's decoder should not take it (device_decode.py): not a JPEG PIL can
+    read, CMYK, over PIL's decompression-bomb limit (decoding it here names the problem)."""
+    try:
+        with Image.open(io.BytesIO(blob)) as pil:
+            if pil.format != "JPEG" or pil.mode not in _DEVICE_MODES:
+                return None
+            width, height = pil.size
+            orientation = pil.getexif().get(_ORIENTATION, 1)
+    except Exception:  # noqa: BLE001 -- a broken header is the host path's to name
+        return None
+    if width * height > (Image.MAX_IMAGE_PIXELS or math.inf):
+        return None
+    return (width, height) if orientation in (5, 6, 7, 8) else (height, width)
 
 
 def pil_size(item) -> tuple[int, int]:

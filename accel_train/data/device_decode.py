@@ -22,7 +22,6 @@ substitute found as on the host path under --bad-images substitute).
 
 from __future__ import annotations
 
-import io
 import math
 import random
 import time
@@ -32,12 +31,12 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
-from PIL import ExifTags, Image
 from torchvision.transforms import ColorJitter
 from torchvision.transforms.v2 import functional as TF
 
 from accel_train.base.errors import UsageError
 from accel_train.base.randomness import each_seeded
+from accel_train.data.decode import jpeg_size
 from accel_train.data.sources import ArraySource, HFSource, ImageSource
 from accel_train.data.transforms import CROP_SALT, SMALL_IMAGE, ImageTransform
 
@@ -47,9 +46,7 @@ MODES = ("auto", "always", "never")
 RANDOM_INTERPOLATIONS = ("bilinear", "bicubic")
 INTERPOLATION_MODES = {"bilinear": TF.InterpolationMode.BILINEAR,
                        "bicubic": TF.InterpolationMode.BICUBIC}
-DEVICE_MODES = ("RGB", "L")  # PIL modes of the JPEGs nvJPEG turns into RGB as PIL does
 PROBE_IMAGES = 32            # images each input path is timed on when auto chooses
-_ORIENTATION = ExifTags.Base.Orientation
 
 
 @dataclass
@@ -73,23 +70,6 @@ class EncodedImages:
     ready_positions: torch.Tensor  # int64 [K]
     count: int                # images in the batch
     size: int                 # S
-
-
-def jpeg_size(blob: bytes) -> Optional[tuple[int, int]]:
-    """(height, width) of a JPEG as decoded with its EXIF orientation applied, from its header;
-    None when the device should not decode it (not a JPEG PIL can read, CMYK, over PIL's
-    decompression-bomb limit: the host path says why)."""
-    try:
-        with Image.open(io.BytesIO(blob)) as pil:
-            if pil.format != "JPEG" or pil.mode not in DEVICE_MODES:
-                return None
-            width, height = pil.size
-            orientation = pil.getexif().get(_ORIENTATION, 1)
-    except Exception:  # noqa: BLE001 -- a broken header is the host path's to name
-        return None
-    if width * height > (Image.MAX_IMAGE_PIXELS or math.inf):
-        return None
-    return (width, height) if orientation in (5, 6, 7, 8) else (height, width)
 
 
 class _Shape:
@@ -351,11 +331,11 @@ def time_paths(dataset, workers: int, device: torch.device,
         started = time.perf_counter()
         dataset.host_batch(keys)
         seconds["host"] = min(seconds["host"], time.perf_counter() - started)
-        encoded, labels, _ = dataset.encoded_batch(keys)
+        encoded = dataset.encoded_batch(keys)
         wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         wait()
         started = time.perf_counter()
-        decoder(encoded, labels, torch.full_like(labels, -1))
+        decoder(encoded.images, encoded.labels, torch.full_like(encoded.labels, -1))
         wait()
         seconds["device"] = min(seconds["device"], time.perf_counter() - started)
     return {"host": count / seconds["host"] * max(1, workers),

@@ -74,8 +74,8 @@ def open_records(accelerator, plan, config, speed, state, metrics, report, paths
         # exactly instead of timing the machine again (speed_choice says it was auto's).
         chosen = dataclasses.replace(config, mixed_precision=speed.precision,
                                      channels_last=speed.channels_last,
-                                     decode_on_device="always" if state.decoded_on_device
-                                     else config.decode_on_device)
+                                     decode_on_device={True: "always", False: "never"}.get(
+                                         state.decoded_on_device, config.decode_on_device))
         write_run_config(plan.output_dir, chosen, facts)
         record_elastic_job(plan.output_dir, plan.env.run_id)
     if config.report_to:

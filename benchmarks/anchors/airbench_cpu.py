@@ -116,6 +116,34 @@ def translate(padded: torch.Tensor, pad: int) -> torch.Tensor:
     return out
 
 
+class Averager:
+    """airbench's Lookahead-style averaging: from epoch 3 on, every 5 steps the weights move
+    towards a slow average (rho = 0.95^5 x progress^3) and take it; at each epoch end they take
+    it again."""
+
+    def __init__(self):
+        self.slow = None
+
+    def after_step(self, net: nn.Module, epoch: int, step: int, total: int) -> None:
+        if epoch < 3 or step % 5:
+            return
+        state = [v for v in net.state_dict().values() if v.is_floating_point()]
+        if self.slow is None:
+            self.slow = [v.clone() for v in state]
+            return
+        rho = 0.95 ** 5 * (step / total) ** 3
+        for s, v in zip(self.slow, state):
+            s.lerp_(v, 1 - rho)
+            v.copy_(s)
+
+    def epoch_end(self, net: nn.Module) -> None:
+        if self.slow is None:
+            return
+        state = [v for v in net.state_dict().values() if v.is_floating_point()]
+        for s, v in zip(self.slow, state):
+            v.copy_(s)
+
+
 def native_bf16() -> bool:
     """AVX512-BF16 or AMX (torch's own checks): where bf16 is emulated, fp32 is faster."""
     return any(getattr(torch.cpu, name, lambda: False)()
@@ -188,7 +216,7 @@ def main() -> None:
     flipped = torch.where((torch.rand(len(normalized)) < 0.5).view(-1, 1, 1, 1),
                           normalized.flip(-1), normalized)
     padded = F.pad(flipped, (2,) * 4, "reflect")
-    slow, step, trained = None, 0, 0.0
+    averager, step, trained = Averager(), 0, 0.0
     for epoch in range(ceil(args.epochs)):
         started = time.perf_counter()
         net[0].bias.requires_grad = epoch < 3
@@ -205,21 +233,10 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
             step += 1
-            if epoch >= 3 and step % 5 == 0:
-                state = [v for v in net.state_dict().values() if v.is_floating_point()]
-                if slow is None:
-                    slow = [v.clone() for v in state]
-                else:
-                    rho = 0.95 ** 5 * (step / total) ** 3
-                    for s, v in zip(slow, state):
-                        s.lerp_(v, 1 - rho)
-                        v.copy_(s)
+            averager.after_step(net, epoch, step, total)
             if step >= total:
                 break
-        if slow is not None:
-            state = [v for v in net.state_dict().values() if v.is_floating_point()]
-            for s, v in zip(slow, state):
-                v.copy_(s)
+        averager.epoch_end(net)
         trained += time.perf_counter() - started
         print(f"epoch {epoch + 1}: {trained:.0f} s of training, test top-1 "
               f"{accuracy(net, test_images, test_labels, 0):.4f}", flush=True)

@@ -134,7 +134,7 @@ def train(net, compiled, images, labels, test_images, test_labels, args, quiet=F
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.2, reduction="none")
     with Timer(images.device) as timer:
         cpu.whiten(net[0], normalize(images[:5000]))
-    trained, epochs, slow, step, padded = timer.seconds, [], None, 0, None
+    trained, epochs, averager, step, padded = timer.seconds, [], cpu.Averager(), 0, None
     for epoch in range(ceil(args.epochs)):
         net[0].bias.requires_grad = epoch < 3
         with Timer(images.device) as timer:
@@ -151,21 +151,10 @@ def train(net, compiled, images, labels, test_images, test_labels, args, quiet=F
                 optimizer.step()
                 scheduler.step()
                 step += 1
-                if epoch >= 3 and step % 5 == 0:
-                    state = [v for v in net.state_dict().values() if v.is_floating_point()]
-                    if slow is None:
-                        slow = [v.clone() for v in state]
-                    else:
-                        rho = 0.95 ** 5 * (step / total) ** 3
-                        for s, v in zip(slow, state):
-                            s.lerp_(v, 1 - rho)
-                            v.copy_(s)
+                averager.after_step(net, epoch, step, total)
                 if step >= total:
                     break
-            if slow is not None:  # airbench copies the average back at every epoch end
-                state = [v for v in net.state_dict().values() if v.is_floating_point()]
-                for s, v in zip(slow, state):
-                    v.copy_(s)
+            averager.epoch_end(net)  # airbench copies the average back at every epoch end
         trained += timer.seconds
         record = {"epoch": epoch + 1, "training_seconds": round(timer.seconds, 4),
                   "total_training_seconds": round(trained, 4),

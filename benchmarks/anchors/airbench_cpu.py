@@ -144,6 +144,25 @@ class Averager:
             v.copy_(s)
 
 
+def optimizer_and_schedule(net: nn.Module, batch: int, num_images: int, epochs: float):
+    """airbench's optimizer over the summed loss (Nesterov SGD, its decoupled lr and weight
+    decay, every trainable parameter decayed, BatchNorm shifts at 64x the lr) and its triangular
+    schedule: (optimizer, scheduler, steps per epoch, total steps)."""
+    momentum = 0.85
+    kilostep = 1024 * (1 + 1 / (1 - momentum))
+    lr, wd = 11.5 / kilostep, 0.0153 * batch / kilostep
+    norm_biases = [p for k, p in net.named_parameters() if "norm" in k and p.requires_grad]
+    others = [p for k, p in net.named_parameters() if "norm" not in k and p.requires_grad]
+    optimizer = torch.optim.SGD([dict(params=norm_biases, lr=lr * 64, weight_decay=wd / (lr * 64)),
+                                 dict(params=others, lr=lr, weight_decay=wd / lr)],
+                                momentum=momentum, nesterov=True)
+    steps_per_epoch = num_images // batch
+    total = ceil(steps_per_epoch * epochs)
+    schedule = np.interp(np.arange(total + 1), [0, int(0.23 * total), total], [0.2, 1, 0.07])
+    return (optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule[i]),
+            steps_per_epoch, total)
+
+
 def native_bf16() -> bool:
     """AVX512-BF16 or AMX (torch's own checks): where bf16 is emulated, fp32 is faster."""
     return any(getattr(torch.cpu, name, lambda: False)()
@@ -199,18 +218,9 @@ def main() -> None:
     test_images = normalize(test_images)
     net = make_net()
     whiten(net[0], normalize(train_images[:5000]))
-    batch, momentum = args.batch_size, 0.85
-    kilostep = 1024 * (1 + 1 / (1 - momentum))
-    lr, wd = 11.5 / kilostep, 0.0153 * batch / kilostep
-    norm_biases = [p for k, p in net.named_parameters() if "norm" in k and p.requires_grad]
-    others = [p for k, p in net.named_parameters() if "norm" not in k and p.requires_grad]
-    optimizer = torch.optim.SGD([dict(params=norm_biases, lr=lr * 64, weight_decay=wd / (lr * 64)),
-                                 dict(params=others, lr=lr, weight_decay=wd / lr)],
-                                momentum=momentum, nesterov=True)
-    steps_per_epoch = len(train_labels) // batch
-    total = ceil(steps_per_epoch * args.epochs)
-    schedule = np.interp(np.arange(total + 1), [0, int(0.23 * total), total], [0.2, 1, 0.07])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule[i])
+    batch = args.batch_size
+    optimizer, scheduler, steps_per_epoch, total = optimizer_and_schedule(
+        net, batch, len(train_labels), args.epochs)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.2, reduction="none")
     normalized = normalize(train_images)
     flipped = torch.where((torch.rand(len(normalized)) < 0.5).view(-1, 1, 1, 1),

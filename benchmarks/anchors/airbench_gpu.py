@@ -39,7 +39,6 @@ import time
 from math import ceil
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -118,19 +117,10 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
 def train(net, compiled, images, labels, test_images, test_labels, args, quiet=False) -> dict:
     """One airbench94 run (airbench94.py's main): returns its timings and accuracies."""
     reset(net)
-    batch, momentum = args.batch_size, 0.85
-    kilostep = 1024 * (1 + 1 / (1 - momentum))
-    lr, wd = 11.5 / kilostep, 0.0153 * batch / kilostep
+    batch = args.batch_size
     net[0].bias.requires_grad = True
-    norm_biases = [p for k, p in net.named_parameters() if "norm" in k and p.requires_grad]
-    others = [p for k, p in net.named_parameters() if "norm" not in k and p.requires_grad]
-    optimizer = torch.optim.SGD([dict(params=norm_biases, lr=lr * 64, weight_decay=wd / (lr * 64)),
-                                 dict(params=others, lr=lr, weight_decay=wd / lr)],
-                                momentum=momentum, nesterov=True)
-    steps_per_epoch = len(labels) // batch
-    total = ceil(steps_per_epoch * args.epochs)
-    schedule = np.interp(np.arange(total + 1), [0, int(0.23 * total), total], [0.2, 1, 0.07])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule[i])
+    optimizer, scheduler, steps_per_epoch, total = cpu.optimizer_and_schedule(
+        net, batch, len(labels), args.epochs)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.2, reduction="none")
     with Timer(images.device) as timer:
         cpu.whiten(net[0], normalize(images[:5000]))

@@ -11,6 +11,7 @@ hand-made figures for the rule auto decides by.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -81,7 +82,8 @@ def _both_ways(images: TrainImages, keys: list[int]):
     {},  # the defaults: random interpolation, colour jitter 0.4, random flips
     {"flip": "alternate", "vflip": 0.5, "train_interpolation": "bicubic", "color_jitter": 0.0,
      "scale": [0.3, 0.6], "ratio": [0.5, 2.0]},
-], ids=["defaults", "alternate-vflip-bicubic"])
+    {"hflip": 0.0, "color_jitter": 0.2, "train_interpolation": "bilinear"},
+], ids=["defaults", "alternate-vflip-bicubic", "no-flip"])
 def test_the_device_path_trains_the_workers_samples(photos, options):
     images = _dataset(photos, **options)
     keys = [len(images) * epoch + index for epoch in (0, 3) for index in range(len(images))]
@@ -109,9 +111,9 @@ def test_the_batched_colour_jitter_is_torchvisions_image_by_image():
 
 
 def test_files_the_device_cannot_take_are_finished_by_the_workers(photos, tmp_path):
-    """A PNG, a 40 px JPEG (the small-image crop), a CMYK JPEG and a file with a JPEG's first
-    bytes and nothing after them (replaced by the next image): each is finished the host way,
-    in its place in the batch."""
+    """A PNG, JPEGs of 40 and of 64 px (the small-image crop), a CMYK JPEG and a file with a
+    JPEG's first bytes and nothing after them (replaced by the next image): each is finished the
+    host way, in its place in the batch; a batch of such files alone, too."""
     root = tmp_path / "mixed"
     for split in ("train", "val"):
         for folder in (photos / split).iterdir():
@@ -122,20 +124,33 @@ def test_files_the_device_cannot_take_are_finished_by_the_workers(photos, tmp_pa
     photo = Image.open(next(a_class.iterdir())).convert("RGB")
     photo.save(a_class / "z_png.png")
     photo.resize((40, 30)).save(a_class / "z_small.jpg")
+    photo.resize((64, 48)).save(a_class / "z_64.jpg")
     photo.convert("CMYK").save(a_class / "z_cmyk.jpg")
     (a_class / "z_cut.jpg").write_bytes(b"\xff\xd8\xff")
-    for name, kind in (("z_png.png", None), ("z_small.jpg", (30, 40)), ("z_cmyk.jpg", None),
-                       ("z_cut.jpg", None)):
+    # a readable header, then noise where the image data belongs: the device decoder refuses it
+    whole = io.BytesIO()
+    photo.resize((160, 120)).save(whole, "JPEG")
+    start = whole.getvalue().index(b"\xff\xda") + 14
+    noise = np.random.default_rng(1).integers(0, 255, 3000, dtype=np.uint8).tobytes()
+    (a_class / "z_garbled.jpg").write_bytes(whole.getvalue()[:start] + noise)
+    for name, kind in (("z_png.png", None), ("z_small.jpg", (30, 40)), ("z_64.jpg", (48, 64)),
+                       ("z_cmyk.jpg", None), ("z_cut.jpg", None), ("z_garbled.jpg", (120, 160))):
         assert jpeg_size((a_class / name).read_bytes()) == kind, name
     images = _dataset(root)
     keys = list(range(len(images)))
     host, pixels, labels, replaced = _both_ways(images, keys)
     encoded = images.encoded_batch(keys).images
-    assert len(encoded.ready_positions) == 4 and len(encoded.positions) == len(keys) - 4
+    assert len(encoded.ready_positions) == 5 and len(encoded.positions) == len(keys) - 5
     finished_here = encoded.ready_positions
     assert torch.equal(pixels[finished_here], host.images[finished_here])
     assert torch.equal(labels, host.labels) and torch.equal(replaced, host.replaced)
-    assert (replaced >= 0).sum() == 1  # the cut file, replaced by its neighbour
+    garbled = next(i for i in keys if images.source.name(i).endswith("z_garbled.jpg"))
+    assert garbled in encoded.positions.tolist()  # sent to the device, refused there
+    assert torch.equal(pixels[garbled], host.images[garbled])
+    assert (replaced >= 0).sum() >= 1  # the cut file at least, replaced by its neighbour
+    host_only = finished_here.tolist()
+    host, pixels, labels, replaced = _both_ways(images, host_only)
+    assert torch.equal(pixels, host.images) and torch.equal(labels, host.labels)
 
 
 def test_the_rule_auto_decides_by(photos):

@@ -109,10 +109,11 @@ def decode(item: Union[bytes, Image.Image], fast: bool = True) -> torch.Tensor:
     return torch.from_numpy(np.array(pixels)).permute(2, 0, 1)  # a writable copy
 
 
-def jpeg_size(blob: bytes) -> Optional[tuple[int, int]]:
-    """(height, width) of a JPEG as decoded with its EXIF orientation applied, from its header
-    alone; None when a GPU's decoder should not take it (device_decode.py): not a JPEG PIL can
-    read, CMYK, over PIL's decompression-bomb limit (decoding it here names the problem)."""
+def jpeg_header(blob: bytes) -> Optional[tuple[int, int, int]]:
+    """(height, width, EXIF orientation 1-8) of a JPEG, the size as decoded with the orientation
+    applied, from its header alone; None when a GPU's decoder should not take it
+    (device_decode.py): not a JPEG PIL can read, CMYK, over PIL's decompression-bomb limit
+    (decoding it here names the problem)."""
     try:
         with Image.open(io.BytesIO(blob)) as pil:
             if pil.format != "JPEG" or pil.mode not in _DEVICE_MODES:
@@ -123,7 +124,10 @@ def jpeg_size(blob: bytes) -> Optional[tuple[int, int]]:
         return None
     if width * height > (Image.MAX_IMAGE_PIXELS or math.inf):
         return None
-    return (width, height) if orientation in (5, 6, 7, 8) else (height, width)
+    orientation = orientation if orientation in range(1, 9) else 1  # as exif_transpose reads it
+    if orientation in (5, 6, 7, 8):  # a quarter turn: the sides swap
+        return width, height, orientation
+    return height, width, orientation
 
 
 def pil_size(item) -> tuple[int, int]:

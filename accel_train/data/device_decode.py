@@ -36,7 +36,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from accel_train.base.errors import UsageError
 from accel_train.base.randomness import each_seeded
-from accel_train.data.decode import jpeg_size
+from accel_train.data.decode import jpeg_header
 from accel_train.data.sources import ArraySource, HFSource, ImageSource
 from accel_train.data.transforms import CROP_SALT, SMALL_IMAGE, ImageTransform
 
@@ -60,6 +60,7 @@ class EncodedImages:
     lengths: list[int]        # bytes of each
     positions: torch.Tensor   # int64 [J]: where each JPEG goes in the batch
     keys: torch.Tensor        # int64 [J, 2]: its (epoch, index), for a host decode if need be
+    orientations: torch.Tensor  # int64 [J]: EXIF orientation (1-8), applied after decoding
     boxes: torch.Tensor       # int64 [J, 4]: top, left, height, width in the oriented image
     bicubic: torch.Tensor     # bool [J]: resized bicubic (else bilinear)
     mirrored: torch.Tensor    # bool [J]: flipped left-right (the draw, or --flip alternate)
@@ -130,15 +131,16 @@ def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs:
     """A loader worker's half: (the batch's EncodedImages, labels, used indices).  The JPEGs
     the device can take are read, not decoded; the rest go through `host_samples(positions)`,
     the loader's own path -> (uint8 pixels [K, 3, S, S], used indices)."""
-    blobs, positions, sizes, host = [], [], [], []
+    blobs, positions, sizes, orientations, host = [], [], [], [], []
     for k, item in enumerate(source.files_at(indices.tolist())):
-        size = jpeg_size(item) if isinstance(item, bytes) else None
-        if size is None or max(size) <= SMALL_IMAGE:
+        header = jpeg_header(item) if isinstance(item, bytes) else None
+        if header is None or max(header[:2]) <= SMALL_IMAGE:
             host.append(k)
             continue
         blobs.append(item)
         positions.append(k)
-        sizes.append(size)
+        sizes.append(header[:2])
+        orientations.append(header[2])
     used = indices.tolist()
     ready = torch.zeros(0, 3, transform.image_size, transform.image_size, dtype=torch.uint8)
     if host:
@@ -152,7 +154,8 @@ def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs:
                             .astype(np.int64)).view(-1, 2)
     encoded = EncodedImages(data, [len(b) for b in blobs], torch.tensor(positions,
                                                                           dtype=torch.int64),
-                            keys, **plans, ready=ready,
+                            keys, torch.tensor(orientations, dtype=torch.int64), **plans,
+                            ready=ready,
                             ready_positions=torch.tensor(host, dtype=torch.int64),
                             count=len(indices), size=transform.image_size)
     return encoded, source.labels[used], used
@@ -182,6 +185,7 @@ class DeviceDecoder:
             if image is None:
                 crops.append(torch.zeros(3, size, size, dtype=torch.uint8, device=self.device))
                 continue
+            image = orient(image, int(batch.orientations[k]))
             top, left, height, width = batch.boxes[k].tolist()
             mode = INTERPOLATION_MODES["bicubic" if batch.bicubic[k] else "bilinear"]
             crops.append(TF.resize(image[:, top:top + height, left:left + width], [size, size],
@@ -218,11 +222,13 @@ class DeviceDecoder:
 
     def _decode(self, blobs: list[torch.Tensor]) -> tuple[list[Optional[torch.Tensor]],
                                                           list[int]]:
-        """The batch in one call; when the decoder refuses it, each file alone, to find which."""
+        """The batch in one call; when the decoder refuses it, each file alone, to find which.
+        Not oriented here: torchvision's CUDA decoder ignores apply_exif_orientation (its
+        batched CUDA call takes no such argument), so `orient` does it on either device."""
         with warnings.catch_warnings():  # torchvision's decoders are deprecated for TorchCodec's
             warnings.simplefilter("ignore", DeprecationWarning)
             from torchvision.io import ImageReadMode, decode_jpeg
-        read = dict(mode=ImageReadMode.RGB, apply_exif_orientation=True, device=self.device)
+        read = dict(mode=ImageReadMode.RGB, device=self.device)
         try:
             return list(decode_jpeg(blobs, **read)), []
         except (RuntimeError, ValueError):
@@ -234,6 +240,27 @@ class DeviceDecoder:
                     decoded.append(None)
                     refused.append(k)
             return decoded, refused
+
+
+def orient(image: torch.Tensor, orientation: int) -> torch.Tensor:
+    """A decoded [3, H, W] image as its EXIF orientation says it is seen: PIL's exif_transpose
+    (2 mirror, 3 half turn, 4 upside down, 5 transpose, 6 a quarter turn clockwise, 7
+    transverse, 8 a quarter turn anticlockwise)."""
+    if orientation == 2:
+        return image.flip(-1)
+    if orientation == 3:
+        return image.flip(-1).flip(-2)
+    if orientation == 4:
+        return image.flip(-2)
+    if orientation == 5:
+        return image.transpose(-1, -2)
+    if orientation == 6:
+        return image.transpose(-1, -2).flip(-1)
+    if orientation == 7:
+        return image.transpose(-1, -2).flip(-1).flip(-2)
+    if orientation == 8:
+        return image.transpose(-1, -2).flip(-2)
+    return image
 
 
 def _blend(images: torch.Tensor, other, ratio: torch.Tensor) -> torch.Tensor:

@@ -247,7 +247,8 @@ def main() -> int:
         args.train_images = args.train_images or 2048
         args.test_images = args.test_images or 500
         args.batch_size = args.batch_size or 256
-        args.min_budget = args.min_budget or 3.0
+        # (3 s was too short on a busy 2-core machine: the budget's pilot steps took it all)
+        args.min_budget = args.min_budget or 10.0
     benchlib.check_cifar(args.data_dir)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     report = benchlib.Report("anchor_side_by_side", "airbench94 and the CLI, side by side", args)

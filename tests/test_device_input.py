@@ -550,7 +550,9 @@ def test_a_run_with_its_images_placed_on_the_device_stops_resumes_and_ends_bit_i
     kept = accel_train_here(*command, "--output-dir", str(tmp_path / "kept"), check=True)
     assert "on the device" not in kept.stdout
     build = trainer_module.build_loaders
-    monkeypatch.setattr(trainer_module, "build_loaders", lambda *args: build(*args[:-1], True))
+    # (build_loaders' `cuda`, its 7th argument, set; the device and the rest as given)
+    monkeypatch.setattr(trainer_module, "build_loaders",
+                        lambda *args, **kwargs: build(*args[:6], True, *args[7:], **kwargs))
     placed = tmp_path / "placed"
 
     class StopInTheSecondEpoch(Callback):  # 6 steps an epoch

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks a session with one CUDA GPU runs, in order of what they are for, each under its own
+# The checks to run on a machine with one CUDA GPU, in order of what they are for, each under its own
 # time limit so that one that hangs leaves time for the rest (about 9 minutes in all):
 #   1. bench_gpu_jpeg.py: ResNet-50 at 224 px, bf16, from a folder of ImageNet-sized JPEGs it
 #      makes (make_imagenet_like.py, 6,400 files), against the same model trained by hand on a
@@ -11,7 +11,7 @@
 #   3. bench_device_resident.py: the training batches drawn on the device (--data-on-device
 #      always) against the DataLoader path, steps/s of a plain loop over each and whether it
 #      synchronizes every step, without and with --reprob 0.25.
-# Left out to stay within 9 minutes, each measured in earlier sessions (BENCHMARKS.md, "GPU"):
+# Left out to stay within 9 minutes, each measured before (BENCHMARKS.md, "GPU"):
 # a smoke run, bench_gpu_cifar.py (ResNet-9 to 94%, SIGTERM + resume), bench_gpu.py (the step
 # against a hand loop on in-memory images), the longer runs toward 94%.
 # nvidia-smi dmon logs the GPU's utilization each second throughout (dmon.log).

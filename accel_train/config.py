@@ -233,6 +233,10 @@ class TrainConfig:
                                "layer is a plain convolution. When every filter of it is "
                                "whitened, its weights stay fixed (as airbench's; its bias "
                                "trains).", "model")
+    whiten_bias_epochs: Optional[int] = option(None, "With --whiten-stem: the whitened layer's "
+                                               "bias trains for this many epochs, then stays "
+                                               "where it is (airbench: 3). Not set: it trains "
+                                               "the whole run.", "model")
     bn_momentum: Optional[float] = option(None, "Momentum of every BatchNorm layer's running "
                                           "statistics (torch's convention: the weight of the "
                                           "newest batch; 0.1 is torch's default). Short runs "
@@ -259,7 +263,7 @@ class TrainConfig:
     optimizer: str = option("sgd", "Any optimizer of timm's create_optimizer_v2: sgd (Nesterov), "
                             "momentum, adamw, lamb, lars, lion, ... (timm.optim."
                             "list_optimizers()); lookahead_NAME wraps one in timm's Lookahead. "
-                            "Norms and biases get no weight decay.",
+                            "Norms and biases get no weight decay (--decay-norm-and-bias).",
                             "optimization")
     momentum: float = option(0.9, "Momentum of the optimizers that have one (SGD: Nesterov).",
                              "optimization")
@@ -268,6 +272,12 @@ class TrainConfig:
                                           "one's, the head keeps the peak (e.g. 0.75).",
                                           "optimization")
     weight_decay: float = option(5e-4, "Weight decay.", "optimization")
+    decay_norm_and_bias: bool = option(False, "Weight decay on biases and normalization "
+                                       "parameters too, as airbench decays every parameter "
+                                       "(timm's recipes, and this default, exempt them). The "
+                                       "normalization shifts' decay is divided by "
+                                       "--norm-bias-lr-scale: the same decay per step as the "
+                                       "other weights.", "optimization")
     lookahead_every: int = option(0, "Every K optimizer steps, move a slow copy of the weights "
                                   "towards the trained ones and go on from it, more strongly as "
                                   "the run nears its end (airbench's Lookahead-style averaging, "
@@ -500,6 +510,13 @@ class TrainConfig:
         if self.bn_momentum is not None and not 0 < self.bn_momentum <= 1:
             raise UsageError(f"--bn-momentum is the weight of the newest batch: in (0, 1] (got "
                              f"{self.bn_momentum}); torch's default is 0.1")
+        if self.whiten_bias_epochs is not None and (
+                not isinstance(self.whiten_bias_epochs, int) or self.whiten_bias_epochs < 0):
+            raise UsageError(f"--whiten-bias-epochs must be a whole number of epochs >= 0 (got "
+                             f"{self.whiten_bias_epochs!r}); airbench trains the bias for 3")
+        if self.whiten_bias_epochs is not None and not self.whiten_stem:
+            raise UsageError("--whiten-bias-epochs acts on the layer --whiten-stem whitens: add "
+                             "--whiten-stem, or leave the option out")
         if self.whiten_stem and self.pretrained:
             raise UsageError("--whiten-stem would overwrite the --pretrained first layer: use "
                              "one or the other")

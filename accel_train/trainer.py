@@ -59,6 +59,7 @@ from accel_train.train.optim import (base_learning_rates, build_optimizer, plan_
 from accel_train.train.pacing import maybe_pacer
 from accel_train.train.precision import (accelerate_fp16_note, resolve_precision,
                                          use_fast_cuda_math)
+from accel_train.train.stem_bias import maybe_stem_bias_stop
 
 STOPPED_EXIT = 143  # 128 + SIGTERM: schedulers read it as "terminated", not "finished"
 
@@ -238,6 +239,7 @@ class Trainer:
                                   self.optimizer, self.bad_images,
                                   lambda record: self.callbacks.on_log(self, record))
         self.step_parts = [self.watch, self.pacer, self.lookahead, self.ema, self.train_log]
+        self.stem_bias = maybe_stem_bias_stop(self.bare_model(), config)  # before each update
 
     def _open_records(self, warnings: list[Optional[str]]):
         facts = resolved_facts(self.accelerator, self.config, self.plan, self.data, self.net,
@@ -347,6 +349,7 @@ class Trainer:
             logits = self.model(images)
             loss = self.mixup.loss_fn(logits, targets)
         self.accelerator.backward(loss)
+        self.stem_bias.before_update(self.state.epoch)
         if self.config.grad_clip and self.accelerator.sync_gradients:
             self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()  # Accelerate makes these no-ops until the accumulation completes

@@ -242,6 +242,10 @@ ROWS: dict[str, Row] = {
         "test_short_run_options.py::test_whiten_stem_through_the_command_line",
         "the saved first convolution decorrelates the run's normalized training patches as "
         "numpy's eigh of their covariance says (filters in +- pairs)"),
+    "train --whiten-bias-epochs": effect(
+        "test_short_run_options.py::test_whiten_bias_epochs_through_the_command_line",
+        "with 1 of 2 epochs the stem's bias after epoch 2 is bit-identical to the epoch-1 "
+        "checkpoint's (moved in epoch 1, the rest trained on); with 2 it moved in both"),
     "train --drop-rate": effect(
         f"{FLAGS}::test_drop_rate_drops_in_training_and_is_recorded",
         "about half the classifier's inputs are zero in training, none in the control"),
@@ -295,6 +299,11 @@ ROWS: dict[str, Row] = {
     "train --weight-decay": effect(
         f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
         "decay 0.5 on weights only, written into the hand update"),
+    "train --decay-norm-and-bias": effect(
+        "test_short_run_options.py::test_decay_norm_and_bias_through_the_command_line",
+        "after one step each 1-d parameter is lower by lr x (1 + momentum) x decay x its start "
+        "than without, by hand; all else identical; the shifts' decay over "
+        "--norm-bias-lr-scale: test_recipe_components.py"),
     "train --lr-decay": effect(
         "test_schedule.py::test_cli_run_logs_the_triangle",
         "the logged rates of a 12-step run against np.interp through airbench's corners; "

@@ -1,11 +1,5 @@
-"""Smoke test of the benchmark scripts: each runs as `python benchmarks/bench_NAME.py --quick ...`
-in its smallest form (a tiny model, a few steps, only the arms that start distinct programs) and
-writes its table.
-
-Nothing here checks a speed or a ratio: those belong in benchmarks/BENCHMARKS.md, measured when
-the machine is quiet, never in a timed test.  This only keeps the scripts runnable as the code
-changes.
-"""
+"""Smoke runs of the benchmark scripts written for a CPU (tests/benchmark_smoke.py says what
+they check), and of the airbench anchor; tests/test_benchmarks_gpu.py has the GPU scripts'."""
 
 from __future__ import annotations
 
@@ -15,104 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run, write_cifar10_layout
-from conftest import test_env as child_env  # not test_*: pytest would collect it
+from benchmark_smoke import ANCHOR_ARGS, CASES, GPU_SCRIPTS, SCRIPTS, ran, run_script
+from conftest import write_cifar10_layout
 
 pytestmark = pytest.mark.slow  # every script with the programs it starts
-
-SCRIPTS = REPO / "benchmarks"
-TINY = ["--quick", "--model", "test_resnet"]
-TIMEOUT = 900  # seconds a script may take on a busy 2-core machine (most take well under 60)
-
-# Each script's smallest --quick form (a tiny model, a few steps, only the arms that start
-# distinct programs).
-CASES = {
-    "overhead": [*TINY, "--steps", "2", "--rounds", "1", "--memory-steps", "1", "--batch-size",
-                 "16", "--memory-arms", "accel_train"],
-    # no loader workers and no trainer runs here: the other cases start those programs
-    "data": [*TINY, "--decode-images", "64", "--pipeline-images", "256", "--batches", "2",
-             "--model-steps", "1", "--workers", "0", "--skip", "trainer", "--erase-batch", "32"],
-    "scaling": [*TINY, "--pairs-only", "--steps", "4", "--log-every", "2", "--max-train", "512"],
-    "seed": [*TINY, "--arms", "dataparallel", "accel1", "--images", "128", "--epochs", "1",
-             "--workers", "0"],
-    "comm": ["--quick", "--worlds", "2", "--max-bytes", "65536", "--min-seconds", "0.01",
-             "--model", "test_resnet", "--heartbeat-batch", "8"],
-    "checkpoint": ["--quick", "--models", "test_resnet", "--repeats", "1", "--step-repeats", "1"],
-    # the seed loop is smoke-tested by "seed" (the same anchor script)
-    "accuracy": [*TINY, "--recipes", "defaults", "--budget", "3", "--pilot-steps", "1", "--no-seed",
-                 "--eval-samples", "64", "--seed-model", "test_resnet", "--workers", "0",
-                 "--max-train", "512", "--recipe-file", "recipes/cifar10-cpu-10min.yaml",
-                 "--recipe-file-extra", "--max-steps 2 --batch-size 16"],
-    "threads": [*TINY, "--steps", "1", "--conditions", "quiet"],
-    # one loaded arm and its quiet reference: a budget run and a --max-steps run
-    "budget": ["--quick", "--budget", "4", "--hog-seconds", "1", "--arms", "load first",
-               "--extra=--model test_resnet --batch-size 16 --max-eval-samples 64 "
-               "--num-workers 0"],
-    # (the first-step arms start the same training command as every other smoke here)
-    "index": ["--quick", "--sizes", "300", "--no-first-step"],
-    "streaming": [*TINY, "--rss-batches", "4", "--steps", "4", "--skip", "first"],
-    "precision": ["--quick", "--models", "test_resnet", "--batch", "8", "--rounds", "1",
-                  "--matmul-size", "256"],
-    # the trainer in process with timers around its parts; a tiny matmul for the peak
-    "efficiency": ["--quick", "--model", "test_resnet", "--batch-size", "16", "--matmul-size",
-                   "256"],
-    # both ways of starting workers, one round, a loader of two batches
-    "worker_start": ["--quick", "--images", "128", "--rounds", "1"],
-    # both precisions in one process, as the GPU run does (each arm a new Accelerator)
-    "gpu": ["--quick", "--allow-cpu", "--model", "test_resnet", "--sizes", "32", "--precisions",
-            "bf16", "fp16", "--batch", "8", "--steps", "1", "--rounds", "1"],
-    # the recipe's settings on the embedded data with a small network; SIGTERM + resume
-    "gpu_cifar": ["--quick", "--allow-cpu", "--no-compile"],
-    # both arms (DataLoader, batches drawn on the device) on the embedded data, with erasing
-    "device_resident": ["--quick", "--allow-cpu", "--model", "cifar_convnet_s", "--batch-size",
-                        "16", "--steps", "2", "--warmup", "1", "--reprob", "0", "0.25"],
-    # JPEGs at ImageNet sizes it makes itself (make_imagenet_like.py): 2 classes of 16
-    "jpeg_input": ["--quick", "--classes", "2", "--per-class", "16", "--rounds", "1"],
-    # the JPEG folder it makes (6 images a class), each arm 2 epochs of 2 steps at 96 px
-    "gpu_jpeg": ["--quick", "--allow-cpu", "--model", "test_resnet", "--size", "96", "--images",
-                 "60", "--batch", "16", "--epochs", "2"],
-    # both rows (the GPU row's code on the CPU): each anchor 2 epochs of 2 steps, each CLI run
-    # a few steps
-    "anchor_side_by_side": ["--quick", "--allow-cpu", "--cpu-row", "--train-images", "64",
-                            "--test-images", "64", "--batch-size", "32"],
-}
-# The scripts that make their own data instead of reading CIFAR-10
-OWN_DATA = {"jpeg_input", "gpu_jpeg"}
-# The scripts that take no --tmp (they write nothing large)
-NO_TMP = {"comm", "gpu", "threads", "precision", "worker_start", "gpu_cifar",
-          "device_resident", "jpeg_input", "gpu_jpeg"}
-# benchmarks/anchors/airbench_cpu.py on generated data in the CIFAR-10 layout: 2 steps an epoch
-# for 4 epochs (the averaging starts in the 4th), one JSON line with the three levels.  Batch
-# 128 instead of airbench's 1024: the same code path at an eighth of the arithmetic.
-ANCHOR_ARGS = ["--epochs", "4", "--test-images", "64", "--batch-size", "128"]
-
-
-def _both_arms_and_a_ratio(data: dict) -> None:
-    """bench_anchor_side_by_side.py: each row's table holds the anchor and the CLI, and the
-    CLI's ratio to the anchor (the GPU row's: "not reached" where the CLI missed A)."""
-    assert len(data["tables"]) == 2, [t["title"] for t in data["tables"]]
-    for table in data["tables"]:
-        anchor, cli = table["rows"]
-        ratio = table["headers"].index("ratio CLI / anchor (training s)")
-        assert anchor[0].startswith("airbench94") and cli[0].startswith("accel_train CLI"), table
-        assert anchor[ratio] == "1 (the anchor)", table
-        assert cli[ratio] == "not reached" or float(cli[ratio].replace(",", "")) > 0, table
-
-
-# What a script's tables must hold beyond the common checks
-TABLE_CHECKS = {"anchor_side_by_side": _both_arms_and_a_ratio}
-
-
-def _env() -> dict:
-    return child_env(PYTHONWARNINGS="ignore::DeprecationWarning")
-
-
-def _ran(cmd: list[str], name: str) -> str:
-    """`cmd`'s output, once it has exited 0."""
-    result = run(cmd, env=_env(), timeout=TIMEOUT)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"{name} exited {result.returncode}\n{output[-6000:]}"
-    return result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -121,23 +21,14 @@ def cifar10_like(tmp_path_factory) -> Path:
     return write_cifar10_layout(tmp_path_factory.mktemp("bench_cifar10"))
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [name for name in CASES if name not in GPU_SCRIPTS])
 def test_benchmark_script_runs(name, cifar10_like, tmp_path):
-    out = tmp_path / name
-    out.mkdir()
-    extra = [] if name in NO_TMP else ["--tmp", str(out)]
-    data = [] if name in OWN_DATA else ["--data-dir", str(cifar10_like)]
-    _ran([sys.executable, str(SCRIPTS / f"bench_{name}.py"), *CASES[name], "--out", str(out),
-          *extra, *data], name)
-    markdown = (out / f"{name}.md").read_text()
-    assert "| " in markdown and "load average" in markdown, markdown[-2000:]
-    data = json.loads((out / f"{name}.json").read_text())
-    assert data["tables"] and data["machine"]["cores"] >= 1
-    TABLE_CHECKS.get(name, lambda _: None)(data)
+    run_script(name, cifar10_like, tmp_path)
 
 
 def test_every_benchmark_script_is_smoke_tested():
     assert sorted(p.stem[len("bench_"):] for p in SCRIPTS.glob("bench_*.py")) == sorted(CASES)
+    assert GPU_SCRIPTS <= set(CASES)
 
 
 def test_the_airbench_anchor_trains_and_reports_each_tta_level(tmp_path_factory):
@@ -145,8 +36,8 @@ def test_the_airbench_anchor_trains_and_reports_each_tta_level(tmp_path_factory)
     averaging from the 4th) reports one JSON line with the three TTA levels."""
     data = write_cifar10_layout(tmp_path_factory.mktemp("anchor_cifar10"), train_rows=256,
                                 test_rows=64)
-    stdout = _ran([sys.executable, str(SCRIPTS / "anchors" / "airbench_cpu.py"), "--data-dir",
-                   str(data), *ANCHOR_ARGS], "airbench_cpu.py")
+    stdout = ran([sys.executable, str(SCRIPTS / "anchors" / "airbench_cpu.py"), "--data-dir",
+                  str(data), *ANCHOR_ARGS], "airbench_cpu.py")
     report = json.loads(stdout.strip().splitlines()[-1])
     assert report["steps"] == 8 and report["epochs"] == 4.0
     # bf16 only where the CPU has it natively (emulated, it is many times slower than fp32)

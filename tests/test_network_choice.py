@@ -82,18 +82,31 @@ PROBE_SECONDS = {
     ("cifar_convnet_s", "bf16", False): 0.4, ("cifar_convnet_s", "bf16", True): 0.25}
 
 
+# A step of twice the probe's batch costs 1.8 times as much (per image, large batches are
+# cheaper on a CPU): the estimate reads the larger step.
+PER_IMAGE_AT_64 = 0.9
+
+
+def planted_seconds(name: str, precision: str, channels_last: bool, batch: int) -> float:
+    return PROBE_SECONDS[(name, precision, channels_last)] * (
+        1.0 if batch == 32 else 2 * PER_IMAGE_AT_64)
+
+
 @pytest.mark.parametrize("native, precision, channels_last, expected, steps", [
-    # auto on a CPU with native bf16: each network in its fastest of four, timed in auto's
-    # rounds and no more; 20 s x 32 images x 2 processes / 256 images: 5 epochs per second of a
-    # probe step (test_resnet 10, short of the 12 asked)
-    (True, "auto", None, {"test_resnet": (5 / 0.5, "bf16", True),
-                          "cifar_convnet_s": (5 / 0.2, "no", False)}, 4 * PROBE_ROUNDS),
+    # auto on a CPU with native bf16: each network chosen in its fastest of four, timed in
+    # auto's rounds at the probe's batch of 32, then once in that choice at the run's 64 for
+    # the estimate: 20 s x 64 images x 2 processes / 256 images = 10 epochs per second of that
+    # step (test_resnet 10 / (0.5 x 1.8) = 11.1, short of the 12 asked)
+    (True, "auto", None, {"test_resnet": (10 / (0.5 * 1.8), "bf16", True),
+                          "cifar_convnet_s": (10 / (0.2 * 1.8), "no", False)},
+     4 * PROBE_ROUNDS + 1),
     # without native bf16, auto times only fp32's two memory formats
-    (False, "auto", None, {"test_resnet": (5 / 0.8, "no", True),
-                           "cifar_convnet_s": (5 / 0.2, "no", False)}, 2 * PROBE_ROUNDS),
-    # as asked: nothing to choose, each timed once in it
-    (True, "no", True, {"test_resnet": (5 / 0.8, "no", True),
-                        "cifar_convnet_s": (5 / 0.3, "no", True)}, 1)])
+    (False, "auto", None, {"test_resnet": (10 / (0.8 * 1.8), "no", True),
+                           "cifar_convnet_s": (10 / (0.2 * 1.8), "no", False)},
+     2 * PROBE_ROUNDS + 1),
+    # as asked: nothing to choose, each timed once in it, at the estimate's batch
+    (True, "no", True, {"test_resnet": (10 / (0.8 * 1.8), "no", True),
+                        "cifar_convnet_s": (10 / (0.3 * 1.8), "no", True)}, 1)])
 def test_each_network_is_timed_as_the_run_would_compute_it(monkeypatch, native, precision,
                                                            channels_last, expected, steps):
     from accel_train.config import TrainConfig
@@ -109,7 +122,8 @@ def test_each_network_is_timed_as_the_run_would_compute_it(monkeypatch, native, 
 
         def time_step(precision, channels_last):
             timed.append(model.name)
-            return PROBE_SECONDS[(model.name, precision, channels_last)]
+            return planted_seconds(model.name, precision, channels_last,
+                                   min(batch_size, max_batch))
         return time_step
 
     monkeypatch.setattr(network_choice, "create_model", create_model)
@@ -126,11 +140,36 @@ def test_each_network_is_timed_as_the_run_would_compute_it(monkeypatch, native, 
     _, chosen_precision, chosen_layout = expected["cifar_convnet_s"]
     assert (choice.speed.precision, choice.speed.channels_last) == (chosen_precision,
                                                                     chosen_layout)
-    # the probe's networks are the run's (classes, dropout; no pretrained weights), its batch
-    # the CPU probe's 32 of the run's 64, on the CPU
-    assert made == [(name, 7, 0.25, None, 0.1) for name in ("test_resnet", "cifar_convnet_s")]
-    assert probes == [(32, 24, 7, 32, "cpu")] * 2
+    # the probe's networks are the run's (classes, dropout; no pretrained weights), made
+    # afresh for each batch; its batch the CPU probe's 32 of the run's 64 for the choice of
+    # precision, the run's 64 for the estimate, on the CPU
+    assert made == [(name, 7, 0.25, None, 0.1) for name in ("test_resnet", "test_resnet",
+                                                              "cifar_convnet_s", "cifar_convnet_s")]
+    assert probes == [(32, 24, 7, 32, "cpu"), (64, 24, 7, 64, "cpu")] * 2
     assert timed == ["test_resnet"] * steps + ["cifar_convnet_s"] * steps
+
+
+@pytest.mark.parametrize("batch_size, estimated_on", [(1024, 256), (256, 256), (100, 100),
+                                                      (32, 32), (8, 8)])
+def test_a_cpu_estimate_times_a_batch_near_the_runs(monkeypatch, batch_size, estimated_on):
+    from accel_train.config import TrainConfig
+    probes = []
+
+    def step_timer(make_model, batch, image_size, num_classes, max_batch, device):
+        probes.append(min(batch, max_batch))
+        return lambda precision, channels_last: 0.001 * min(batch, max_batch)
+
+    monkeypatch.setattr(network_choice, "create_model", lambda name, *args: name)
+    monkeypatch.setattr(network_choice, "step_timer", step_timer)
+    config = TrainConfig(model="test_resnet", smaller_models=["cifar_convnet_s"],
+                         min_budget_epochs=1, time_budget="10s", batch_size=batch_size,
+                         mixed_precision="no", channels_last=False)
+    choice = network_choice.choose_for_run(config, image_size=24, num_classes=7,
+                                           train_samples=1000, world_size=1, cuda=False)
+    # 1 ms an image: 10 s hold 10,000 images, 10 epochs of 1,000, whatever batch timed it
+    assert choice.epochs == {"test_resnet": pytest.approx(10.0)}
+    assert probes[-1] == estimated_on
+    assert probes[0] == min(batch_size, 32)
 
 
 def test_a_choice_reads_back_from_what_rank_0_hands_on():

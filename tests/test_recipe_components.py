@@ -421,6 +421,44 @@ def test_norm_bias_lr_scale_multiplies_only_the_normalization_shifts(layer_decay
     assert seen == set(names)
 
 
+@pytest.mark.parametrize("layer_decay, scale", [(None, 1.0), (None, 64.0), (0.5, 64.0)])
+def test_decay_norm_and_bias_decays_every_parameter_the_shifts_per_step_alike(layer_decay, scale):
+    """--decay-norm-and-bias: every trainable parameter has the weight decay (the oracle: its
+    dimensions, where timm exempts every 1-d one), the BatchNorm shifts theirs divided by
+    --norm-bias-lr-scale, so that rate x decay, the decay per step of torch's coupled weight
+    decay, is the same for every parameter (airbench's decoupled decay), with --layer-decay's
+    scales too; without the flag the 1-d parameters have none."""
+    import timm
+
+    from accel_train.train.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = timm.create_model("test_resnet", num_classes=NUM_CLASSES)
+    peak = 0.1
+    config = TrainConfig(learning_rate=peak, weight_decay=WD, layer_decay=layer_decay,
+                         norm_bias_lr_scale=scale)
+    shifts = {id(m.bias) for m in model.modules() if isinstance(m, nn.BatchNorm2d)}
+    one_d = {id(p) for p in model.parameters() if p.ndim <= 1}
+    assert len(shifts) > 3 and len(one_d) > len(shifts)   # BatchNorm scales, the fc bias
+    for decay_all in (True, False):
+        optimizer = build_optimizer(model, dataclasses.replace(config,
+                                                               decay_norm_and_bias=decay_all))
+        seen = set()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                seen.add(id(p))
+                if not decay_all and id(p) in one_d:
+                    assert group["weight_decay"] == 0
+                elif id(p) in shifts:
+                    assert group["weight_decay"] == pytest.approx(WD / scale)
+                    # the layer's rate (the group's over the shifts' factor) x WD per step
+                    layer_rate = group["lr"] / scale
+                    assert group["lr"] * group["weight_decay"] == pytest.approx(layer_rate * WD)
+                else:
+                    assert group["weight_decay"] == pytest.approx(WD)
+        assert seen == {id(p) for p in model.parameters() if p.requires_grad}
+
+
 def test_layer_decay_scales_each_parameters_rate_as_timm_does():
     import timm
     from timm.optim._param_groups import param_groups_layer_decay

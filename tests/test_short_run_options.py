@@ -289,6 +289,56 @@ def test_norm_bias_lr_scale_through_the_command_line(tmp_path):
     assert sum(bool(weights["1"][k].abs().max() > 0) for k in shifts) >= 5
 
 
+def test_decay_norm_and_bias_through_the_command_line(tmp_path):
+    """One step at learning rate 0.5, momentum 0.9 (Nesterov), weight decay 0.1, from the same
+    weights and batch, with and without --decay-norm-and-bias: each one-dimensional parameter
+    (BatchNorm scales and shifts, the classifier's bias) ends lower by lr x (1 + momentum) x
+    decay x its start, torch's first Nesterov step with the decay added to the gradient, by
+    hand (the shifts start at 0: no move); every other tensor, decayed in both runs, is
+    identical.  The start: a run whose --lookahead-every 2 never syncs in its one step and ends
+    on its initial weights (test_lookahead_every_through_the_command_line)."""
+    weights = {}
+    for name, extra in (("start", ["--lookahead-every", "2"]), ("plain", []),
+                        ("all", ["--decay-norm-and-bias"])):
+        out = tmp_path / name
+        accel_train_here(*TINY_TRAIN, *extra, "--max-steps", "1", "--lr", "0.5",
+                         "--momentum", "0.9", "--weight-decay", "0.1", "--warmup-epochs", "0",
+                         "--output-dir", str(out), check=True)
+        weights[name] = load_file(str(out / "model.safetensors"))
+    start, plain, decayed = weights["start"], weights["plain"], weights["all"]
+    norms = {k[:-len("running_mean")] for k in plain if k.endswith("running_mean")}
+    one_d = {k for k in plain for norm in norms if k in (norm + "weight", norm + "bias")}
+    one_d.add("fc.bias")
+    assert len(one_d) > 6 and any(start[k].abs().min() > 0 for k in one_d)
+    for key, value in plain.items():
+        if key in one_d:
+            torch.testing.assert_close(value - decayed[key], 0.5 * 1.9 * 0.1 * start[key],
+                                       rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(decayed[key], value), key
+
+
+def test_whiten_bias_epochs_through_the_command_line(tmp_path):
+    """cifar_airbench_xs (its 2x2 whitened stem has a bias), 16 steps an epoch, 2 epochs: with
+    --whiten-bias-epochs 1 the bias moved in epoch 1 and not at all in epoch 2 (no update, no
+    momentum, no decay: bit-identical to the epoch-1 checkpoint's) while the rest trained on;
+    with 2 it moved in both."""
+    common = [a for a in TINY_TRAIN if a not in ("--epochs", "1")]
+    common[common.index("test_resnet")] = "cifar_airbench_xs"
+    moved = {}
+    for epochs in ("1", "2"):
+        out = tmp_path / epochs
+        accel_train_here(*common, "--epochs", "2", "--whiten-stem", "--whiten-bias-epochs",
+                         epochs, "--checkpoint-every", "16", "--lr", "0.2",
+                         "--output-dir", str(out), check=True)
+        at_16 = load_file(str(out / "checkpoints" / "step_00000016" / "model.safetensors"))
+        final = load_file(str(out / "model.safetensors"))
+        assert at_16["stem.0.bias"].abs().max() > 0, "trained in epoch 1"
+        assert not torch.equal(final["stages.0.0.weight"], at_16["stages.0.0.weight"])
+        moved[epochs] = not torch.equal(final["stem.0.bias"], at_16["stem.0.bias"])
+    assert moved == {"1": False, "2": True}
+
+
 def test_lookahead_every_through_the_command_line(tmp_path):
     """One step, then the epoch end of --max-steps 1 (where the model takes the slow copy).
     --lookahead-every 2 never syncs in one step, so the run ends on its starting state: weights

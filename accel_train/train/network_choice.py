@@ -13,9 +13,15 @@ probe), until one is estimated to get that many epochs; if none does, the fastes
 Timing stops at the first network that fits: where the recipe's own network fits, nothing
 beyond `--mixed-precision auto`'s usual probe is timed.
 
-The estimate is an upper bound: the probe's step (a small batch, no data loading, no
-evaluation, no gradient exchange) over the whole budget; `--min-budget-epochs` is set with that
-in mind.  The choice is part of the run: the start summary says it with the figures, the run's
+The estimate is the budget over a step timed apart from the run (no data loading, no
+evaluation, no gradient exchange), so a little above what the run will get; `--min-budget-epochs`
+is set with that in mind.  On a CPU the precision and memory format are chosen on auto's small
+probe batch, but the estimate times the chosen one on a batch near the run's: per image, a
+batch of 32 costs about a third more than one of 256 or more on a CPU (benchmarks/BENCHMARKS.md,
+"airbench94 and the CLI side by side"), which had the recipe's network estimated short of the
+epochs it then trained.
+
+The choice is part of the run: the start summary says it with the figures, the run's
 config.yaml records the network chosen (as it records auto's precision), checkpoints name it
 (model_config.json), and a resumed run trains the checkpoint's network without timing again
 (resume.keep_choices).
@@ -34,6 +40,10 @@ from accel_train.train.autotune import (PROBE_MAX_BATCH, SpeedChoice, candidate_
                                         choose_on_this_machine, step_timer)
 from accel_train.config import parse_duration
 from accel_train.model.build import create_model
+
+# The batch a CPU's estimate is timed on, at most: near the per-image cost of the run's batch
+# (32 images cost about a third more each than 256 or 1024) at a few seconds per network.
+ESTIMATE_MAX_BATCH = 256
 
 
 @dataclass(frozen=True)
@@ -85,25 +95,32 @@ def choose_network(models: Sequence[str], min_epochs: float,
 def choose_for_run(config, image_size: int, num_classes: int, train_samples: int,
                    world_size: int, cuda: bool) -> NetworkChoice:
     """The choice for a run with these options (`--time-budget` set), each network timed on
-    this process's device: a batch of the CPU probe's size on a CPU, the run's batch on a GPU
-    (at a small one it would idle); all processes are counted as running at its pace."""
+    this process's device: on a CPU the precision chosen on the CPU probe's batch and the
+    estimate timed on up to ESTIMATE_MAX_BATCH images, on a GPU both on the run's batch (at a
+    small one it would idle); all processes are counted as running at its pace."""
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     probe_batch = config.batch_size if cuda else min(config.batch_size, PROBE_MAX_BATCH)
+    estimate_batch = config.batch_size if cuda else min(config.batch_size, ESTIMATE_MAX_BATCH)
     budget = parse_duration(config.time_budget)
 
     def measure(name: str) -> tuple[SpeedChoice, float]:
-        time_step = step_timer(
-            lambda: create_model(name, num_classes, config.drop_rate, None, config.drop_path),
-            probe_batch, image_size, num_classes, probe_batch, device)
+        def make() -> torch.nn.Module:
+            return create_model(name, num_classes, config.drop_rate, None, config.drop_path)
+
+        time_step = step_timer(make, probe_batch, image_size, num_classes, probe_batch, device)
         speed = choose_on_this_machine(config.mixed_precision, config.channels_last, cuda,
                                        time_step)
+        if estimate_batch != probe_batch:
+            time_step = step_timer(make, estimate_batch, image_size, num_classes,
+                                   estimate_batch, device)
+            return speed, time_step(speed.precision, speed.channels_last)
         timed = speed.timings.get(candidate_name(speed.precision, speed.channels_last))
         return speed, timed if timed is not None else time_step(speed.precision,
                                                                 speed.channels_last)
 
     return choose_network([config.model, *config.smaller_models], config.min_budget_epochs,
                           measure, lambda seconds: epochs_in_budget(
-                              budget, seconds, probe_batch * world_size, train_samples))
+                              budget, seconds, estimate_batch * world_size, train_samples))
 
 
 def network_for_run(config, data, world_size: int, cuda: bool,

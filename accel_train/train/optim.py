@@ -33,7 +33,8 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """timm's optimizer factory: any of its optimizers by name, no weight decay on biases and
-    normalization weights (timm's and most recipes' choice), frozen parameters left out, and
+    normalization weights (timm's and most recipes' choice; --decay-norm-and-bias decays them
+    too, as airbench does), frozen parameters left out, and
     layer-wise learning-rate decay when asked (the layer scales live in each group's
     "lr_scale", which timm's schedulers read; ours is a LambdaLR, so they are applied here)."""
     from timm.optim import create_optimizer_v2
@@ -43,7 +44,8 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
         name = "momentum"  # timm's sgd is Nesterov, which torch refuses without momentum
     optimizer = create_optimizer_v2(model, opt=name, lr=config.learning_rate,
                                     weight_decay=config.weight_decay, momentum=config.momentum,
-                                    layer_decay=config.layer_decay)
+                                    layer_decay=config.layer_decay,
+                                    filter_bias_and_bn=not config.decay_norm_and_bias)
     if config.norm_bias_lr_scale != 1:
         # timm's groups (weight decay, layer scales) each split in two, its normalization
         # shifts scaled: timm has no such option, and its groups are what the scale applies to.
@@ -67,7 +69,10 @@ def norm_shifts(model: nn.Module) -> set[int]:
 
 def _with_norm_shifts_apart(groups: list[dict], shifts: set[int], scale: float) -> list[dict]:
     """Each group as timm made it (params, weight decay, layer scale), split into its
-    normalization shifts (learning-rate scale times `scale`) and the rest."""
+    normalization shifts (learning-rate scale times `scale`, weight decay over `scale`) and the
+    rest.  Why the decay is divided: torch's weight decay is coupled (the update subtracts
+    lr x decay x weight), so at `scale` times the rate the shifts would decay `scale` times
+    faster; airbench decouples the two and decays them as the other weights."""
     split = []
     for group in groups:
         kept = {key: group[key] for key in ("weight_decay", "lr_scale") if key in group}
@@ -75,7 +80,9 @@ def _with_norm_shifts_apart(groups: list[dict], shifts: set[int], scale: float) 
             params = [p for p in group["params"] if (id(p) in shifts) == is_shift]
             if params:
                 factor = scale if is_shift else 1.0
-                split.append({**kept, "params": params,
+                decay = {"weight_decay": kept["weight_decay"] / factor} \
+                    if "weight_decay" in kept else {}
+                split.append({**kept, **decay, "params": params,
                               "lr_scale": kept.get("lr_scale", 1.0) * factor})
     return split
 

@@ -328,9 +328,10 @@ def test_whiten_bias_epochs_through_the_command_line(tmp_path):
     moved = {}
     for epochs in ("1", "2"):
         out = tmp_path / epochs
-        accel_train_here(*common, "--epochs", "2", "--whiten-stem", "--whiten-bias-epochs",
-                         epochs, "--checkpoint-every", "16", "--lr", "0.2",
-                         "--output-dir", str(out), check=True)
+        result = accel_train_here(*common, "--epochs", "2", "--whiten-stem",
+                                  "--whiten-bias-epochs", epochs, "--checkpoint-every", "16",
+                                  "--lr", "0.2", "--output-dir", str(out), check=True)
+        assert f"its weights fixed, its bias trains for {epochs} epoch(s)" in result.stdout
         at_16 = load_file(str(out / "checkpoints" / "step_00000016" / "model.safetensors"))
         final = load_file(str(out / "model.safetensors"))
         assert at_16["stem.0.bias"].abs().max() > 0, "trained in epoch 1"

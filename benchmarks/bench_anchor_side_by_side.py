@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
@@ -84,10 +85,26 @@ def run_anchor(args, script: str, extra: list[str], log: Path) -> dict:
     return result
 
 
+def cli_launcher(args, recipe: Path) -> tuple[list, list[str]]:
+    """How the CLI is started, and the batch options that go with it: one process, or
+    (--cli-processes 2, a CPU row) two one-thread processes under `accelerate launch` with
+    accelerate_configs/cpu_2proc.yaml, each with half the recipe's batch (the same global batch
+    and learning rate; the recipe file says why a small network trains faster so)."""
+    if args.cli_processes == 1:
+        return [sys.executable, "-m", "accel_train"], []
+    batch = args.batch_size or yaml.safe_load(recipe.read_text())["batch_size"]
+    accelerate = Path(sys.executable).parent / "accelerate"
+    return ([accelerate, "launch", "--config_file",
+             benchlib.REPO / "accelerate_configs" / "cpu_2proc.yaml", "-m", "accel_train"],
+            ["--batch-size", str(batch // 2)])
+
+
 def run_cli(args, recipe: Path, extra: list[str], out: Path, log: Path) -> dict:
-    cmd = [sys.executable, "-m", "accel_train", "--config", recipe, "--data-dir", args.data_dir,
+    launcher, batch = cli_launcher(args, recipe) if recipe == CPU_RECIPE else (
+        [sys.executable, "-m", "accel_train"], [])
+    cmd = [*launcher, "--config", recipe, "--data-dir", args.data_dir,
            "--select-on-test", "--tta", "flip", "--progress", "log", "--no-plots",
-           "--output-dir", out, *extra, *shrink(args, anchor=False),
+           "--output-dir", out, *extra, *shrink(args, anchor=False), *batch,
            *shlex.split(args.cli_extra)]
     done = run(cmd, log, args.timeout)
     text = "\n".join(line for _, line in done.lines)
@@ -196,7 +213,8 @@ def cpu_row(args, report: benchlib.Report, work: Path) -> dict:
     rows = [["airbench94, anchors/airbench_cpu.py", f"airbench94 ({anchor['precision']})",
              f"{anchor['steps']} ({anchor['epochs']:g})", anchor_s, f"{target:.2%}", "(A)",
              anchor["wall_s"], "1 (the anchor)"],
-            [f"accel_train CLI, {CPU_RECIPE.name} --time-budget {budget}",
+            [f"accel_train CLI, {CPU_RECIPE.name} --time-budget {budget}"
+             + (f", {args.cli_processes} processes" if args.cli_processes > 1 else ""),
              f"{cli['network']} ({cli['precision']})", f"{steps}{epochs}", trained,
              f"{last['eval_top1']:.2%}",
              "yes" if reached(last, target) else f"no ({gap:+.2f} points)", cli["wall_s"],
@@ -238,6 +256,10 @@ def main() -> int:
                         help="the CPU row's budget at least this many seconds (--quick: 3; the "
                         "CLI times steps before it fits the budget and refuses one too short)")
     parser.add_argument("--cli-extra", default="", help="more options for the CLI runs")
+    parser.add_argument("--cli-processes", type=int, choices=(1, 2), default=1,
+                        help="the CPU row's CLI as one process, or two one-thread processes "
+                        "under accelerate launch (accelerate_configs/cpu_2proc.yaml), each "
+                        "with half the recipe's batch")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per command")
     parser.add_argument("--tmp", default=None, help="folder for the CLI's runs (default: a "
                         "new temporary one)")

@@ -71,9 +71,9 @@ CASES = {
     "gpu_jpeg": ["--quick", "--allow-cpu", "--model", "test_resnet", "--size", "96", "--images",
                  "60", "--batch", "16", "--epochs", "2"],
     # both rows (the GPU row's code on the CPU): each anchor 2 epochs of 2 steps, each CLI run
-    # a few steps
+    # a few steps, the CPU row's in two processes (the GPU row's is one)
     "anchor_side_by_side": ["--quick", "--allow-cpu", "--cpu-row", "--train-images", "64",
-                            "--test-images", "64", "--batch-size", "32"],
+                            "--test-images", "64", "--batch-size", "32", "--cli-processes", "2"],
 }
 # The scripts that make their own data instead of reading CIFAR-10
 OWN_DATA = {"jpeg_input", "gpu_jpeg"}

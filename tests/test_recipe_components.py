@@ -627,3 +627,31 @@ def test_an_ema_runs_export_eval_and_predict_use_the_weights_it_says(cli_runs, t
         return accel_train_here("predict", str(target), *files, "--json", check=True).stdout
 
     assert predictions(out) == predictions(run_export)
+
+
+@pytest.mark.parametrize("model_name, epochs, stops", [("cifar_airbench_xs", 3, True),
+                                                       ("cifar_airbench_xs", None, False),
+                                                       # a first convolution without a bias
+                                                       ("test_resnet", 3, False)])
+def test_the_stem_bias_stop_acts_on_the_whitened_layers_bias_from_its_epoch(model_name, epochs,
+                                                                             stops):
+    """--whiten-bias-epochs N: from epoch N (0-based) on, the whitened layer's bias has no
+    gradient after the backward pass (torch's optimizers then skip it); before that, and for
+    every other parameter, the gradient is left as it was.  Nothing to stop without the flag or
+    without a bias."""
+    import timm
+
+    from accel_train.train.stem_bias import maybe_stem_bias_stop
+
+    torch.manual_seed(0)
+    model = timm.create_model(model_name, num_classes=NUM_CLASSES)
+    stop = maybe_stem_bias_stop(model, TrainConfig(whiten_stem=True, whiten_bias_epochs=epochs))
+    bias = model.stem[0].bias if model_name.startswith("cifar") else None
+    for epoch in range(5):
+        model.zero_grad()
+        model(torch.randn(4, 3, 32, 32)).sum().backward()
+        stop.before_update(epoch)
+        grads = [p.grad for p in model.parameters() if p.requires_grad and p is not bias]
+        assert all(g is not None for g in grads)
+        if bias is not None:
+            assert (bias.grad is None) == (stops and epoch >= epochs), epoch

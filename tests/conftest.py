@@ -50,8 +50,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Test files likely to take longest first: the most tests marked slow (each starts
-    processes of its own, tens of seconds apiece: test_benchmarks.py's smoke runs make it the
-    longest file by far), then the most tests.  A long file started last would leave one
+    processes of its own, tens of seconds apiece: the benchmark scripts' smoke runs, split in
+    two files, are the longest), then the most tests.  A long file started last would leave one
     worker running it alone while the others idle; the short files fill the workers' last
     minutes instead.  pytest-xdist's own reordering is off in setup.cfg (it would undo this);
     each file stays whole and in its own order (`--dist loadfile`)."""

@@ -89,8 +89,9 @@ def cli_launcher(args, recipe: Path) -> tuple[list, list[str]]:
     """How the CLI is started, and the batch options that go with it: one process, or
     (--cli-processes 2, a CPU row) two one-thread processes under `accelerate launch` with
     accelerate_configs/cpu_2proc.yaml, each with half the recipe's batch (the same global batch
-    and learning rate; the recipe file says why a small network trains faster so)."""
-    if args.cli_processes == 1:
+    and learning rate; the recipe file says why a small network trains faster so).  The GPU
+    row's CLI is always one process."""
+    if args.cli_processes == 1 or recipe != CPU_RECIPE:
         return [sys.executable, "-m", "accel_train"], []
     batch = args.batch_size or yaml.safe_load(recipe.read_text())["batch_size"]
     accelerate = Path(sys.executable).parent / "accelerate"
@@ -100,8 +101,7 @@ def cli_launcher(args, recipe: Path) -> tuple[list, list[str]]:
 
 
 def run_cli(args, recipe: Path, extra: list[str], out: Path, log: Path) -> dict:
-    launcher, batch = cli_launcher(args, recipe) if recipe == CPU_RECIPE else (
-        [sys.executable, "-m", "accel_train"], [])
+    launcher, batch = cli_launcher(args, recipe)
     cmd = [*launcher, "--config", recipe, "--data-dir", args.data_dir,
            "--select-on-test", "--tta", "flip", "--progress", "log", "--no-plots",
            "--output-dir", out, *extra, *shrink(args, anchor=False), *batch,

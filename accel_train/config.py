@@ -281,7 +281,7 @@ class TrainConfig:
     lookahead_every: int = option(0, "Every K optimizer steps, move a slow copy of the weights "
                                   "towards the trained ones and go on from it, more strongly as "
                                   "the run nears its end (airbench's Lookahead-style averaging, "
-                                  "K=5); the model takes the slow copy at every epoch end. 0: "
+                                  "K=5); the model takes the slow copy when training ends. 0: "
                                   "off. Not --optimizer lookahead_NAME (a fixed halfway pull).",
                                   "optimization")
     norm_bias_lr_scale: float = option(1.0, "Learning-rate multiplier for the shifts (biases) "

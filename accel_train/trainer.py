@@ -363,9 +363,11 @@ class Trainer:
         window of steps, which measures it apart."""
         state = self.state
         self.timeouts.relax()  # evaluation and checkpoint: healthy long waits
-        evaluates = self.evaluator.due(state.epoch, last=state.step >= self.total_steps)
+        last = state.step >= self.total_steps
+        evaluates = self.evaluator.due(state.epoch, last=last)
         with self.pacer.paused(evaluates):
-            self.lookahead.at_epoch_end()  # what is evaluated and saved is the average
+            if last:  # what is finally evaluated and saved is the average
+                self.lookahead.at_training_end()
             record = {"type": "epoch", "epoch": state.epoch + 1, "step": state.step}
             began = time.perf_counter()
             words = (self._evaluate_into(record) if evaluates else

@@ -32,8 +32,9 @@ def test_every_benchmark_script_is_smoke_tested():
 
 
 def test_the_airbench_anchor_trains_and_reports_each_tta_level(tmp_path_factory):
-    """benchmarks/anchors/airbench_cpu.py (ANCHOR_ARGS: 2 steps an epoch for 4 epochs, the
-    averaging from the 4th) reports one JSON line with the three TTA levels."""
+    """benchmarks/anchors/airbench_cpu.py (ANCHOR_ARGS: 2 steps an epoch for 4 epochs) reports
+    one JSON line with the three TTA levels and airbench's timer: the whitening, the epochs'
+    loops and the final mirror-TTA evaluation, summed."""
     data = write_cifar10_layout(tmp_path_factory.mktemp("anchor_cifar10"), train_rows=256,
                                 test_rows=64)
     stdout = ran([sys.executable, str(SCRIPTS / "anchors" / "airbench_cpu.py"), "--data-dir",
@@ -45,3 +46,6 @@ def test_the_airbench_anchor_trains_and_reports_each_tta_level(tmp_path_factory)
     assert report["precision"] == ("bf16" if {"avx512_bf16", "amx_tile"} & set(flags)
                                    else "fp32"), report
     assert all(0.0 <= report[f"top1_tta{level}"] <= 1.0 for level in (0, 1, 2))
+    parts = [report[k] for k in ("whitening_seconds", "training_seconds", "mirror_eval_seconds")]
+    assert all(part > 0 for part in parts), report
+    assert abs(report["timed_seconds"] - sum(parts)) <= 0.15, report   # each rounded

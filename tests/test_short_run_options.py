@@ -341,7 +341,7 @@ def test_whiten_bias_epochs_through_the_command_line(tmp_path):
 
 
 def test_lookahead_every_through_the_command_line(tmp_path):
-    """One step, then the epoch end of --max-steps 1 (where the model takes the slow copy).
+    """One step, then the end of training at --max-steps 1 (where the model takes the slow copy).
     --lookahead-every 2 never syncs in one step, so the run ends on its starting state: weights
     as initialized, BatchNorm statistics at torch's 0 and 1.  --lookahead-every 1 syncs at
     step 1 of 1, rho = 0.95 ** 1 * (1/1) ** 3: every float tensor ends at
@@ -366,6 +366,44 @@ def test_lookahead_every_through_the_command_line(tmp_path):
         torch.testing.assert_close(every1[key], expected, rtol=1e-5, atol=1e-7)
         moved += bool((plain[key] != value).any())
     assert moved > 10     # the step moved most tensors: the three runs differ
+
+
+def test_lookahead_leaves_an_epoch_end_alone_and_ends_on_the_average(tmp_path):
+    """2 epochs of 4 steps with --lookahead-every 5, against the same run without it (its
+    checkpoints at every step) and the initial weights (a --max-steps 1 run of --lookahead-every
+    2, test_lookahead_every_through_the_command_line).  Epoch 1's end (step 4) comes before any
+    sync: its checkpoint holds the weights as trained, bit for bit those of the run without
+    lookahead (not the slow copy, the initial weights).  Step 5 syncs at
+    rho = 0.95^5 x (5/8)^3, and the end of training hands the model that slow copy: every float
+    tensor ends at start + (1 - rho)(trained at step 5 - start), steps 6 to 8 dropped, by hand."""
+    short = [a for a in TINY_TRAIN if a not in ("--epochs", "1")]
+    short[short.index("256")] = "64"        # --synthetic-train-size: 4 steps of 16 an epoch
+    runs = {}
+    for name, extra in (("start", ["--epochs", "1", "--lookahead-every", "2", "--max-steps",
+                                   "1"]),
+                        ("plain", ["--epochs", "2", "--checkpoint-every", "1",
+                                   "--keep-checkpoints", "8"]),
+                        ("every5", ["--epochs", "2", "--lookahead-every", "5"])):
+        runs[name] = tmp_path / name
+        accel_train_here(*short, *extra, "--output-dir", str(runs[name]), check=True)
+
+    def weights(name: str, step: int = 0) -> dict:
+        folder = runs[name] / "checkpoints" / f"step_{step:08d}" if step else runs[name]
+        return load_file(str(folder / "model.safetensors"))
+
+    assert 4 in checkpoint_steps(runs["every5"])
+    start, plain4, plain5 = weights("start"), weights("plain", 4), weights("plain", 5)
+    every5_at_4, every5 = weights("every5", 4), weights("every5")
+    assert all(torch.equal(every5_at_4[k], plain4[k]) for k in plain4)
+    assert not all(torch.equal(start[k], plain4[k]) for k in plain4)
+    rho = 0.95 ** 5 * (5 / 8) ** 3
+    moved = 0
+    for key, value in start.items():
+        if value.is_floating_point():
+            expected = value + (1 - rho) * (plain5[key] - value)
+            torch.testing.assert_close(every5[key], expected, rtol=1e-5, atol=1e-7)
+            moved += bool((plain5[key] != value).any())
+    assert moved > 10
 
 
 def test_eval_every_evaluates_every_nth_epoch_and_the_last(tmp_path):
@@ -415,8 +453,8 @@ def _floats(model: nn.Module) -> dict[str, torch.Tensor]:
 def test_lookahead_syncs_save_and_load_as_written_by_hand(tmp_path):
     """The slow copy against a dict of tensors updated by hand: a sync every 2nd step at
     rho = 0.95^2 x (step/4)^3, the model set to it; saved into the checkpoint folder and loaded
-    into another model's average it continues the same; the epoch end hands the model the slow
-    copy; BatchNorm's step counter (an integer) is left alone."""
+    into another model's average it continues the same; the end of training hands the model the
+    slow copy; BatchNorm's step counter (an integer) is left alone."""
     from accel_train.train.lookahead import LOOKAHEAD_FILE, LookaheadAverage
     model = _bn_net(0)
     average = LookaheadAverage(model, every=2, total_steps=lambda: 4)
@@ -447,7 +485,7 @@ def test_lookahead_syncs_save_and_load_as_written_by_hand(tmp_path):
     with torch.no_grad():
         for p in other.parameters():
             p.add_(5.0)
-    restored.at_epoch_end()                                        # rho 1: the slow copy as is
+    restored.at_training_end()                                     # rho 1: the slow copy as is
     for key, value in _floats(other).items():
         torch.testing.assert_close(value, expected[key])
 

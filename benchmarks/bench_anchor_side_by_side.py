@@ -47,6 +47,7 @@ from bench_gpu_cifar import StampedRun  # noqa: E402
 GPU_RECIPE = benchlib.REPO / "recipes" / "cifar10-gpu-airbench.yaml"
 CPU_RECIPE = benchlib.REPO / "recipes" / "cifar10-cpu-10min.yaml"
 ANCHOR_EPOCH = re.compile(r"^epoch (\d+):")  # the anchors' line at each epoch end
+ANCHOR_TRAINED = re.compile(r"([\d.]+) s of training")  # in it: the training seconds so far
 PRECISION = re.compile(r"precision (\S+?),")  # the CLI's start-up summary
 STEPS_PER_EPOCH = re.compile(r"(\d+) steps/epoch")
 
@@ -83,6 +84,9 @@ def run_anchor(args, script: str, extra: list[str], log: Path) -> dict:
                                      key="training_seconds")
     ends = [(int(m[1]), at) for at, line in done.lines if (m := ANCHOR_EPOCH.match(line))]
     result["wall_s"] = ends[-1][1] if ends else float("nan")
+    so_far = [float(m[1]) for _, line in done.lines
+              if ANCHOR_EPOCH.match(line) and (m := ANCHOR_TRAINED.search(line))]
+    result["epoch_s"] = [b - a for a, b in zip([0.0] + so_far, so_far)]
     result["exit_s"] = done.exit_s
     return result
 
@@ -235,6 +239,13 @@ def cpu_row(args, report: benchlib.Report, work: Path) -> dict:
                         f"evaluation ({last.get('eval_time', 0.0):.1f} s), both inside its budget.",
                         "wall s: the anchor's to its last epoch line, the CLI's to its last "
                         "line (the model saved); " + whole_commands(anchor, cli),
+                        "each epoch's training s, as the machine's pace moved from arm to arm "
+                        "(a shared machine's can move by half within minutes): the anchor "
+                        + ", ".join(f"{sec:.0f}" for sec in anchor["epoch_s"]) + "; the CLI "
+                        + ", ".join(f"{r.get('epoch_time', 0.0):.0f}" for r in cli["epochs"])
+                        + (f" ({cli['steps_per_epoch']} steps each, the last "
+                           f"{steps - cli['steps_per_epoch'] * (len(cli['epochs']) - 1)})"
+                           if cli["steps_per_epoch"] else ""),
                         *([f"the budget raised to --min-budget {args.min_budget:g} s: the "
                            f"ratio is not the anchor's time"]
                           if args.min_budget > anchor_s else [])])

@@ -18,7 +18,8 @@ from accel_train.train import budget
 from accel_train.data import synthetic
 from accel_train.train.evaluate import logits_of
 from accel_train.data.transforms import ImageTransform
-from accel_train.model.whitening import whiten_first_conv
+from accel_train.base.errors import UsageError
+from accel_train.model.whitening import first_conv, patch_covariance, whiten_first_conv
 from conftest import TINY_TRAIN, accel_train_here, model_spec_of
 from faults import checkpoint_steps, metrics
 
@@ -162,7 +163,7 @@ def test_whitening_a_convolution_matches_numpy():
                              rng.normal(size=base.shape)], axis=1).astype(np.float32)
     conv = nn.Conv2d(3, 64, 3, bias=True)   # more filters than 2 x 27: the rest keep theirs
     before = conv.weight.detach().clone()
-    said = whiten_first_conv(conv, torch.from_numpy(images))
+    said = whiten_first_conv(conv, torch.from_numpy(images), bias_epochs=3)
     weights = conv.weight.detach().double().numpy()
     _assert_whitening(weights[:54], images.astype(np.float64), 5e-4)
     assert torch.equal(conv.weight[54:], before[54:]) and not conv.bias.any()
@@ -174,6 +175,58 @@ def test_whitening_a_convolution_matches_numpy():
     assert not whole.weight.requires_grad and whole.bias.requires_grad
     assert said.endswith("; its weights fixed, its bias trains")
     torch.testing.assert_close(whole.weight, conv.weight[:54])
+    # --whiten-bias-epochs: the words say for how long (a layer that trains whole: no limit)
+    again = whiten_first_conv(nn.Conv2d(3, 54, 3, bias=True), torch.from_numpy(images),
+                              bias_epochs=3)
+    assert again.endswith("; its weights fixed, its bias trains for 3 epoch(s)")
+
+
+def _strided_second_moment(images: np.ndarray, kernel: tuple[int, int], stride: int
+                           ) -> np.ndarray:
+    """The uncentred second moment of every stride-th patch, by slicing: the oracle."""
+    rows, cols = images.shape[2] - kernel[0] + 1, images.shape[3] - kernel[1] + 1
+    patches = [image[:, r:r + kernel[0], c:c + kernel[1]].reshape(-1)
+               for image in images for r in range(0, rows, stride)
+               for c in range(0, cols, stride)]
+    flat = np.stack(patches)
+    return flat.T @ flat / len(flat)
+
+
+@pytest.mark.parametrize("height, width, stride", [(65, 66, 2), (64, 67, 1)])
+def test_patch_covariance_of_big_images_takes_a_strided_grid(height, width, stride):
+    """Above about 1,024 patch places an image contributes every stride-th patch, stride =
+    floor(sqrt(places / 1024)): 64 x 64 places of a 2x3 kernel take every 2nd row and column,
+    63 x 65 (4,095, just under) every one.  Non-square images and kernel: rows and columns
+    kept apart."""
+    images = np.random.default_rng(2).normal(size=(3, 3, height, width))
+    got = patch_covariance(torch.from_numpy(images), (2, 3)).numpy()
+    np.testing.assert_allclose(got, _strided_second_moment(images, (2, 3), stride), rtol=1e-10,
+                               atol=1e-12)
+
+
+class _TwoStems(nn.Module):
+    """A layer registered before the one that reads the image, and a second convolution over
+    the image's channels: which one is the first is the model's pretrained_cfg's to say."""
+
+    def __init__(self, named_first: str = ""):
+        super().__init__()
+        self.head = nn.Conv2d(8, 8, 1)       # registered first, reads 8 channels
+        self.stem = nn.Conv2d(3, 8, 3)
+        self.side = nn.Conv2d(3, 8, 3)
+        if named_first:
+            self.pretrained_cfg = {"first_conv": named_first}
+
+
+def test_the_first_convolution_is_the_one_reading_the_image_or_the_one_timm_names():
+    assert first_conv(_TwoStems())[0] == "stem"            # not the 8-channel layer before it
+    assert first_conv(_TwoStems("side"))[0] == "side"      # timm's pretrained_cfg names it
+    assert first_conv(_TwoStems("missing"))[0] == "stem"   # a name the model does not have
+    grouped = nn.Sequential(nn.Conv2d(3, 9, 3, groups=3))
+    dilated = nn.Sequential(nn.Conv2d(3, 8, 3, dilation=2))
+    for model in (grouped, dilated, nn.Sequential(nn.Linear(3, 3))):
+        with pytest.raises(UsageError, match="^--whiten-stem: this model's first layer is not "
+                                             "a plain convolution"):
+            first_conv(model)
 
 
 def test_whitening_a_one_channel_convolution_with_a_tall_kernel_and_no_bias():
@@ -183,7 +236,7 @@ def test_whitening_a_one_channel_convolution_with_a_tall_kernel_and_no_bias():
     base = rng.normal(size=(40, 1, 12, 12))
     images = (base + 0.8 * np.roll(base, 1, axis=2)).astype(np.float32)  # rows correlated
     model = nn.Sequential(nn.Conv2d(1, 4, (2, 1), bias=False), nn.ReLU())
-    said = whiten_first_conv(model, torch.from_numpy(images))
+    said = whiten_first_conv(model, torch.from_numpy(images), bias_epochs=3)
     assert said == ("0 (4 of 4 filters) whitened from the 2x1 patches of 40 training images; "
                     "its weights fixed")
     assert not model[0].weight.requires_grad

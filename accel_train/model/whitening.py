@@ -18,6 +18,8 @@ rank computes the same filters and a resumed run, which loads its weights, never
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,9 +84,11 @@ def whitening_filters(covariance: torch.Tensor, num_filters: int, eps: float = E
     return scaled[k // 2] * sign[:, None]
 
 
-def whiten_first_conv(model: nn.Module, images: torch.Tensor, eps: float = EPS) -> str:
+def whiten_first_conv(model: nn.Module, images: torch.Tensor, eps: float = EPS,
+                      bias_epochs: Optional[int] = None) -> str:
     """Write the whitening of `images` (normalized, [N, C, H, W]) into the first convolution's
-    first min(out_channels, 2 * patch dim) filters (and zero its bias); says what it did.
+    first min(out_channels, 2 * patch dim) filters (and zero its bias); says what it did
+    (`bias_epochs`: for how many epochs the caller lets the bias of a fixed layer train).
 
     When that is every filter, the weights are frozen (airbench's choice): the layer is then a
     fixed change of basis of the pixels, which the learning rate of the rest of the network
@@ -102,9 +106,14 @@ def whiten_first_conv(model: nn.Module, images: torch.Tensor, eps: float = EPS) 
     fixed = num_filters == conv.out_channels
     if fixed:
         conv.weight.requires_grad_(False)
-    return (f"{name} ({num_filters} of {conv.out_channels} filters) whitened from the "
-            f"{kernel[0]}x{kernel[1]} patches of {len(images)} training images"
-            + ("; the layer trains" if not fixed else "; its weights fixed"
-               + (", its bias trains" if conv.bias is not None else "")))
+    said = (f"{name} ({num_filters} of {conv.out_channels} filters) whitened from the "
+            f"{kernel[0]}x{kernel[1]} patches of {len(images)} training images")
+    if not fixed:
+        return said + "; the layer trains"
+    said += "; its weights fixed"
+    if conv.bias is None:
+        return said
+    return said + ", its bias trains" + ("" if bias_epochs is None
+                                        else f" for {bias_epochs} epoch(s)")
 
 

@@ -71,10 +71,9 @@ def build_network(config, data, num_processes: int, cuda: bool,
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 module.momentum = config.bn_momentum
     if config.whiten_stem:
-        whitened = whiten_first_conv(model, whitening_images(data.train,
-                                                             held_out_transform(spec)))
-        if config.whiten_bias_epochs is not None and whitened.endswith("its bias trains"):
-            whitened += f" for {config.whiten_bias_epochs} epoch(s)"  # train/stem_bias.py
+        # --whiten-bias-epochs: train/stem_bias.py freezes the bias after that many epochs
+        whitened = whiten_first_conv(model, whitening_images(data.train, held_out_transform(spec)),
+                                     bias_epochs=config.whiten_bias_epochs)
     num_trainable = (freeze_backbone(model) if config.freeze_backbone
                      else sum(p.numel() for p in model.parameters() if p.requires_grad))
     sync_bn = config.sync_bn and num_processes > 1

@@ -192,11 +192,11 @@ def _strided_second_moment(images: np.ndarray, kernel: tuple[int, int], stride: 
     return flat.T @ flat / len(flat)
 
 
-@pytest.mark.parametrize("height, width, stride", [(65, 66, 2), (64, 67, 1)])
+@pytest.mark.parametrize("height, width, stride", [(65, 66, 2), (64, 67, 1), (129, 130, 4)])
 def test_patch_covariance_of_big_images_takes_a_strided_grid(height, width, stride):
     """Above about 1,024 patch places an image contributes every stride-th patch, stride =
     floor(sqrt(places / 1024)): 64 x 64 places of a 2x3 kernel take every 2nd row and column,
-    63 x 65 (4,095, just under) every one.  Non-square images and kernel: rows and columns
+    63 x 65 (4,095, just under) every one, 128 x 128 every 4th.  Non-square images and kernel: rows and columns
     kept apart."""
     images = np.random.default_rng(2).normal(size=(3, 3, height, width))
     got = patch_covariance(torch.from_numpy(images), (2, 3)).numpy()
@@ -224,8 +224,9 @@ def test_the_first_convolution_is_the_one_reading_the_image_or_the_one_timm_name
     grouped = nn.Sequential(nn.Conv2d(3, 9, 3, groups=3))
     dilated = nn.Sequential(nn.Conv2d(3, 8, 3, dilation=2))
     for model in (grouped, dilated, nn.Sequential(nn.Linear(3, 3))):
-        with pytest.raises(UsageError, match="^--whiten-stem: this model's first layer is not "
-                                             "a plain convolution"):
+        with pytest.raises(UsageError, match=r"^--whiten-stem: this model's first layer is not "
+                           r"a plain convolution over the image's channels \(groups 1, no "
+                           r"dilation\); train it without --whiten-stem$"):
             first_conv(model)
 
 

@@ -192,7 +192,8 @@ def _strided_second_moment(images: np.ndarray, kernel: tuple[int, int], stride: 
     return flat.T @ flat / len(flat)
 
 
-@pytest.mark.parametrize("height, width, stride", [(65, 66, 2), (64, 67, 1), (129, 130, 4)])
+@pytest.mark.parametrize("height, width, stride",
+                         [(65, 66, 2), (64, 67, 1), (129, 130, 4)])
 def test_patch_covariance_of_big_images_takes_a_strided_grid(height, width, stride):
     """Above about 1,024 patch places an image contributes every stride-th patch, stride =
     floor(sqrt(places / 1024)): 64 x 64 places of a 2x3 kernel take every 2nd row and column,

@@ -197,8 +197,8 @@ def _strided_second_moment(images: np.ndarray, kernel: tuple[int, int], stride: 
 def test_patch_covariance_of_big_images_takes_a_strided_grid(height, width, stride):
     """Above about 1,024 patch places an image contributes every stride-th patch, stride =
     floor(sqrt(places / 1024)): 64 x 64 places of a 2x3 kernel take every 2nd row and column,
-    63 x 65 (4,095, just under) every one, 128 x 128 every 4th.  Non-square images and kernel: rows and columns
-    kept apart."""
+    63 x 65 (4,095, just under) every one, 128 x 128 every 4th.  Non-square images and kernel:
+    rows and columns kept apart."""
     images = np.random.default_rng(2).normal(size=(3, 3, height, width))
     got = patch_covariance(torch.from_numpy(images), (2, 3)).numpy()
     np.testing.assert_allclose(got, _strided_second_moment(images, (2, 3), stride), rtol=1e-10,

@@ -14,7 +14,7 @@ import yaml
 
 from accel_train.train import autotune, network_choice
 from accel_train.train.autotune import PROBE_ROUNDS, SpeedChoice
-from accel_train.train.network_choice import choose_network, epochs_in_budget
+from accel_train.train.network_choice import ESTIMATE_ROUNDS, choose_network, epochs_in_budget
 from conftest import TINY_TRAIN, accel_train_here, model_spec_of
 from faults import metrics
 from test_time_budget import fake_clock, ticking
@@ -94,19 +94,19 @@ def planted_seconds(name: str, precision: str, channels_last: bool, batch: int) 
 
 @pytest.mark.parametrize("native, precision, channels_last, expected, steps", [
     # auto on a CPU with native bf16: each network chosen in its fastest of four, timed in
-    # auto's rounds at the probe's batch of 32, then once in that choice at the run's 64 for
-    # the estimate: 20 s x 64 images x 2 processes / 256 images = 10 epochs per second of that
-    # step (test_resnet 10 / (0.5 x 1.8) = 11.1, short of the 12 asked)
+    # auto's rounds at the probe's batch of 32, then ESTIMATE_ROUNDS times in that choice at
+    # the run's 64 for the estimate: 20 s x 64 images x 2 processes / 256 images = 10 epochs
+    # per second of that step (test_resnet 10 / (0.5 x 1.8) = 11.1, short of the 12 asked)
     (True, "auto", None, {"test_resnet": (10 / (0.5 * 1.8), "bf16", True),
                           "cifar_convnet_s": (10 / (0.2 * 1.8), "no", False)},
-     4 * PROBE_ROUNDS + 1),
+     4 * PROBE_ROUNDS + ESTIMATE_ROUNDS),
     # without native bf16, auto times only fp32's two memory formats
     (False, "auto", None, {"test_resnet": (10 / (0.8 * 1.8), "no", True),
                            "cifar_convnet_s": (10 / (0.2 * 1.8), "no", False)},
-     2 * PROBE_ROUNDS + 1),
-    # as asked: nothing to choose, each timed once in it, at the estimate's batch
+     2 * PROBE_ROUNDS + ESTIMATE_ROUNDS),
+    # as asked: nothing to choose, each timed in it at the estimate's batch only
     (True, "no", True, {"test_resnet": (10 / (0.8 * 1.8), "no", True),
-                        "cifar_convnet_s": (10 / (0.3 * 1.8), "no", True)}, 1)])
+                        "cifar_convnet_s": (10 / (0.3 * 1.8), "no", True)}, ESTIMATE_ROUNDS)])
 def test_each_network_is_timed_as_the_run_would_compute_it(monkeypatch, native, precision,
                                                            channels_last, expected, steps):
     from accel_train.config import TrainConfig
@@ -149,27 +149,47 @@ def test_each_network_is_timed_as_the_run_would_compute_it(monkeypatch, native, 
     assert timed == ["test_resnet"] * steps + ["cifar_convnet_s"] * steps
 
 
+def _cpu_choice(monkeypatch, batch_size: int, step_timer):
+    """choose_for_run on a CPU with `step_timer` planted: 10 s of budget, 1,000 images, the
+    precision and memory format asked (auto's probe times nothing)."""
+    from accel_train.config import TrainConfig
+    monkeypatch.setattr(network_choice, "create_model", lambda name, *args: name)
+    monkeypatch.setattr(network_choice, "step_timer", step_timer)
+    config = TrainConfig(model="test_resnet", smaller_models=["cifar_convnet_s"],
+                         min_budget_epochs=1, time_budget="10s", batch_size=batch_size,
+                         mixed_precision="no", channels_last=False)
+    return network_choice.choose_for_run(config, image_size=24, num_classes=7,
+                                         train_samples=1000, world_size=1, cuda=False)
+
+
 @pytest.mark.parametrize("batch_size, estimated_on", [(1024, 256), (256, 256), (100, 100),
                                                       (32, 32), (8, 8)])
 def test_a_cpu_estimate_times_a_batch_near_the_runs(monkeypatch, batch_size, estimated_on):
-    from accel_train.config import TrainConfig
     probes = []
 
     def step_timer(make_model, batch, image_size, num_classes, max_batch, device):
         probes.append(min(batch, max_batch))
         return lambda precision, channels_last: 0.001 * min(batch, max_batch)
 
-    monkeypatch.setattr(network_choice, "create_model", lambda name, *args: name)
-    monkeypatch.setattr(network_choice, "step_timer", step_timer)
-    config = TrainConfig(model="test_resnet", smaller_models=["cifar_convnet_s"],
-                         min_budget_epochs=1, time_budget="10s", batch_size=batch_size,
-                         mixed_precision="no", channels_last=False)
-    choice = network_choice.choose_for_run(config, image_size=24, num_classes=7,
-                                           train_samples=1000, world_size=1, cuda=False)
+    choice = _cpu_choice(monkeypatch, batch_size, step_timer)
     # 1 ms an image: 10 s hold 10,000 images, 10 epochs of 1,000, whatever batch timed it
     assert choice.epochs == {"test_resnet": pytest.approx(10.0)}
     assert probes[-1] == estimated_on
     assert probes[0] == min(batch_size, 32)
+
+
+@pytest.mark.parametrize("batch_size", [1024, 32])
+def test_a_cpu_estimate_is_the_fastest_of_its_readings(monkeypatch, batch_size):
+    """A machine whose pace moves: the step reads 3, 1.25, 2, 4, 2.5 ms an image in turn."""
+    readings = iter([3.0, 1.25, 2.0, 4.0, 2.5][:ESTIMATE_ROUNDS] + [9.0] * 10)
+
+    def step_timer(make_model, batch, image_size, num_classes, max_batch, device):
+        return lambda precision, channels_last: next(readings) * 0.001 * min(batch, max_batch)
+
+    choice = _cpu_choice(monkeypatch, batch_size, step_timer)
+    # 10 s at 1.25 ms an image: 8,000 images, 8 epochs of 1,000
+    assert choice.epochs == {"test_resnet": pytest.approx(8.0)}
+    assert next(readings) == 9.0  # no reading beyond the estimate's
 
 
 def test_a_choice_reads_back_from_what_rank_0_hands_on():
@@ -228,7 +248,7 @@ def test_the_network_the_budget_holds_long_enough_is_the_one_trained(
         tmp_path, clock, planted_probe, min_epochs, chosen, timed):
     out = tmp_path / "run"
     result = _train(out, clock, *SMALLER, "--min-budget-epochs", min_epochs)
-    assert planted_probe == timed
+    assert planted_probe == [name for name in timed for _ in range(ESTIMATE_ROUNDS)]
     estimates = ", ".join(f"{name} {e}" for name, e in
                           zip(timed, ["1.2", "12.5"]))  # 1.25 printed to one place: 1.2
     assert f"network: epochs the budget holds, timed at the start: {estimates}" in result.stdout
@@ -246,7 +266,8 @@ def test_a_resumed_run_keeps_the_checkpoints_network_without_timing(tmp_path, cl
     out = tmp_path / "run"
     _train(out, clock, *SMALLER, "--min-budget-epochs", "2", "--max-steps", "3",
            "--checkpoint-every", "3")
-    assert planted_probe == ["test_resnet", "cifar_convnet_s"]
+    assert planted_probe == [name for name in ("test_resnet", "cifar_convnet_s")
+                             for _ in range(ESTIMATE_ROUNDS)]
     planted_probe.clear()
     result = _train(out, clock, *SMALLER, "--min-budget-epochs", "2", "--max-steps", "5",
                     "--resume", "auto")

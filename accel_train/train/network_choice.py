@@ -14,7 +14,8 @@ Timing stops at the first network that fits: where the recipe's own network fits
 beyond `--mixed-precision auto`'s usual probe is timed.
 
 The estimate is the budget over a step timed apart from the run (no data loading, no
-evaluation, no gradient exchange), so a little above what the run will get; `--min-budget-epochs`
+evaluation, no gradient exchange), the fastest of a few readings, so a little above what the
+run will get; `--min-budget-epochs`
 is set with that in mind.  On a CPU the precision and memory format are chosen on auto's small
 probe batch, but the estimate times the chosen one on a batch near the run's: per image, a
 batch of 32 costs about a third more than one of 256 or more on a CPU (benchmarks/BENCHMARKS.md,
@@ -44,6 +45,11 @@ from accel_train.model.build import create_model
 # The batch a CPU's estimate is timed on, at most: near the per-image cost of the run's batch
 # (32 images cost about a third more each than 256 or 1024) at a few seconds per network.
 ESTIMATE_MAX_BATCH = 256
+# The estimate is the fastest of this many readings of that step: a 2-core machine's pace moves
+# by half within seconds, and one reading taken at a slow moment had the CPU recipe's network
+# estimated at 7.7 epochs of a budget its anchor had just trained 10 in (8 needed: the narrower
+# network was trained).  Eight readings of the same step read 1.83-2.81 s per 1,024 images.
+ESTIMATE_ROUNDS = 5
 
 
 @dataclass(frozen=True)
@@ -110,13 +116,15 @@ def choose_for_run(config, image_size: int, num_classes: int, train_samples: int
         time_step = step_timer(make, probe_batch, image_size, num_classes, probe_batch, device)
         speed = choose_on_this_machine(config.mixed_precision, config.channels_last, cuda,
                                        time_step)
-        if estimate_batch != probe_batch:
+        if estimate_batch == probe_batch:
+            timed = speed.timings.get(candidate_name(speed.precision, speed.channels_last))
+            if timed is not None:  # auto's rounds already timed it
+                return speed, timed
+        else:
             time_step = step_timer(make, estimate_batch, image_size, num_classes,
                                    estimate_batch, device)
-            return speed, time_step(speed.precision, speed.channels_last)
-        timed = speed.timings.get(candidate_name(speed.precision, speed.channels_last))
-        return speed, timed if timed is not None else time_step(speed.precision,
-                                                                speed.channels_last)
+        return speed, min(time_step(speed.precision, speed.channels_last)
+                          for _ in range(ESTIMATE_ROUNDS))
 
     return choose_network([config.model, *config.smaller_models], config.min_budget_epochs,
                           measure, lambda seconds: epochs_in_budget(

@@ -15,12 +15,11 @@ beyond `--mixed-precision auto`'s usual probe is timed.
 
 The estimate is the budget over a step timed apart from the run (no data loading, no
 evaluation, no gradient exchange), the fastest of a few readings, so a little above what the
-run will get; `--min-budget-epochs`
-is set with that in mind.  On a CPU the precision and memory format are chosen on auto's small
-probe batch, but the estimate times the chosen one on a batch near the run's: per image, a
-batch of 32 costs about a third more than one of 256 or more on a CPU (benchmarks/BENCHMARKS.md,
-"airbench94 and the CLI side by side"), which had the recipe's network estimated short of the
-epochs it then trained.
+run will get; `--min-budget-epochs` is set with that in mind.  On a CPU the precision and
+memory format are chosen on auto's small probe batch, but the estimate times the chosen one on
+a batch near the run's: per image, a batch of 32 costs about a third more than one of 256 or
+more on a CPU (benchmarks/BENCHMARKS.md, "airbench94 and the CLI side by side"), which had the
+recipe's network estimated short of the epochs it then trained.
 
 The choice is part of the run: the start summary says it with the figures, the run's
 config.yaml records the network chosen (as it records auto's precision), checkpoints name it
@@ -48,7 +47,8 @@ ESTIMATE_MAX_BATCH = 256
 # The estimate is the fastest of this many readings of that step: a 2-core machine's pace moves
 # by half within seconds, and one reading taken at a slow moment had the CPU recipe's network
 # estimated at 7.7 epochs of a budget its anchor had just trained 10 in (8 needed: the narrower
-# network was trained).  Eight readings of the same step read 1.83-2.81 s per 1,024 images.
+# network was trained).  Eight readings of the same step read 1.83-2.81 s per 1,024 images
+# (cifar_airbench, bf16, on a 2-core Intel Xeon with AMX).
 ESTIMATE_ROUNDS = 5
 
 

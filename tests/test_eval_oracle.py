@@ -45,13 +45,30 @@ def _eval_json(*args: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _plain_logits(run_dir, images_nhwc, mirrored_too: bool = False) -> torch.Tensor:
+class _Float32ByHand(torch.nn.Module):
+    """A convolution computed by plain F.conv2d in float32 whatever autocast says."""
+
+    def __init__(self, conv: torch.nn.Conv2d):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            conv = self.conv
+            return F.conv2d(x.float(), conv.weight, conv.bias, conv.stride, conv.padding)
+
+
+def _plain_logits(run_dir, images_nhwc, mirrored_too: bool = False,
+                  float32_stem: bool = False) -> torch.Tensor:
     """The exported model in plain timm + torch on uint8 NHWC images (float64 normalization);
-    `mirrored_too`: averaged with the logits of the images flipped left-right by numpy."""
+    `mirrored_too`: averaged with the logits of the images flipped left-right by numpy;
+    `float32_stem`: test_resnet's first convolution computed in float32 (_Float32ByHand)."""
     spec = model_spec_of(run_dir)
     model = timm.create_model(spec["model_name"], num_classes=spec["num_classes"])
     model.load_state_dict(load_file(str(run_dir / "model.safetensors")))
     model.eval()
+    if float32_stem:
+        model.conv1[0] = _Float32ByHand(model.conv1[0])
     mean = torch.tensor(spec["mean"], dtype=torch.float64).view(1, 3, 1, 1)
     std = torch.tensor(spec["std"], dtype=torch.float64).view(1, 3, 1, 1)
 
@@ -248,11 +265,11 @@ def _held_out_pngs(folder, count: int):
     return images, files
 
 
-def _bf16_logits(run_dir, images_nhwc) -> torch.Tensor:
+def _bf16_logits(run_dir, images_nhwc, float32_stem: bool = False) -> torch.Tensor:
     """_plain_logits' model under plain torch's CPU autocast to bfloat16 (what a bf16 run's own
     evaluation runs in)."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        return _plain_logits(run_dir, images_nhwc)
+        return _plain_logits(run_dir, images_nhwc, float32_stem=float32_stem)
 
 
 def test_predict_runs_in_the_precision_the_run_evaluated_in(tmp_path):
@@ -300,6 +317,24 @@ def test_predict_runs_in_the_precision_the_run_evaluated_in(tmp_path):
     assert refused.returncode == 2 and refused.stderr.strip() == (
         "accel_train: error: --mixed-precision bf16: an .onnx model runs in the precision it "
         "was exported in (ONNX Runtime); drop the flag")
+
+
+def test_predict_of_a_whitened_bf16_run_computes_that_layer_in_float32(tmp_path):
+    """A bf16 run with --whiten-stem (test_resnet's conv1.0, every filter whitened): predict in
+    bf16 gives the softmax of plain torch's bf16 logits with that one layer computed in float32
+    by hand, as the run computed it, not of the all-bf16 logits."""
+    out = tmp_path / "whitened"
+    accel_train_here(*TINY_TRAIN, "--whiten-stem", "--mixed-precision", "bf16", "--max-steps",
+                     "4", "--lr", "0.2", "--output-dir", str(out), check=True)
+    images, files = _held_out_pngs(tmp_path, 6)
+    as_run = _bf16_logits(out, images, float32_stem=True).double().softmax(dim=1)
+    all_bf16 = _bf16_logits(out, images).double().softmax(dim=1)
+    apart = float((as_run - all_bf16).abs().max())
+    assert apart > 1e-4  # the two can be told apart at predict's 6 digits
+    lines = _predictions(str(out), *map(str, files), "--mixed-precision", "bf16")
+    got = torch.tensor([[next(p["probability"] for p in line["predictions"] if p["index"] == c)
+                         for c in range(10)] for line in lines], dtype=torch.float64)
+    assert float((got - as_run).abs().max()) < apart / 3
 
 
 def _counting(forward, batches: list):

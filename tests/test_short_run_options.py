@@ -239,8 +239,8 @@ def test_whitening_a_one_channel_convolution_with_a_tall_kernel_and_no_bias():
     images = (base + 0.8 * np.roll(base, 1, axis=2)).astype(np.float32)  # rows correlated
     model = nn.Sequential(nn.Conv2d(1, 4, (2, 1), bias=False), nn.ReLU())
     said = whiten_first_conv(model, torch.from_numpy(images), bias_epochs=3)
-    assert said == ("0 (4 of 4 filters) whitened from the 2x1 patches of 40 training images; "
-                    "its weights fixed")
+    assert said == ("0 (4 of 4 filters, computed in float32) whitened from the 2x1 patches of "
+                    "40 training images; its weights fixed")
     assert not model[0].weight.requires_grad
     _assert_whitening(model[0].weight.detach().double().numpy(), images.astype(np.float64),
                       5e-4)
@@ -258,8 +258,8 @@ def test_whiten_stem_through_the_command_line(tmp_path):
     out = tmp_path / "run"
     result = accel_train_here(*TINY_TRAIN, "--whiten-stem", "--max-steps", "2", "--lr", "0.5",
                               "--output-dir", str(out), check=True)
-    assert "init: conv1.0 (16 of 16 filters) whitened from the 3x3 patches of 256 training " \
-           "images; its weights fixed" in result.stdout
+    assert "init: conv1.0 (16 of 16 filters, computed in float32) whitened from the 3x3 " \
+           "patches of 256 training images; its weights fixed" in result.stdout
     spec = _spec(out)
     images, _ = synthetic.splits(256)["train"]
     pixels = images.transpose(0, 3, 1, 2).astype(np.float64) / 255

@@ -30,6 +30,7 @@ from accel_train.base.readers import read_json
 from accel_train.model.saved import (TIMM_CONFIG, ModelSpec, is_import_path,
                                      unknown_architecture_hint)
 from accel_train.base.weightfiles import check_weights_file
+from accel_train.model.whitening import compute_in_float32
 
 _IDENTIFIERS = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 # package.module:factory (the factory may be dotted too: module:Class.create)
@@ -277,12 +278,14 @@ def set_train_mode(model: nn.Module, backbone_frozen: bool) -> None:
 
 def build_from_spec(spec: ModelSpec) -> nn.Module:
     """The trained network's architecture, through the name it was trained with (a user's
-    factory is imported again: one line naming the module when it is not importable here)."""
+    factory is imported again: one line naming the module when it is not importable here), its
+    float32 layers as the run computed them."""
     if is_import_path(spec.model_name) or timm_source(spec.model_name):
         check_model_name(spec.model_name, "the model was trained with --model")
-        return create_model(spec.model_name, spec.num_classes, spec.drop_rate)
-    if not timm.is_model(spec.model_name):
+    elif not timm.is_model(spec.model_name):
         raise UsageError(f"the model's architecture {spec.model_name!r} is not in this timm's "
                          f"registry (timm {timm.__version__}); "
                          f"{unknown_architecture_hint(spec.model_name)}")
-    return create_model(spec.model_name, spec.num_classes, spec.drop_rate)
+    model = create_model(spec.model_name, spec.num_classes, spec.drop_rate)
+    compute_in_float32(model, spec.float32_layers)
+    return model

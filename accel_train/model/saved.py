@@ -7,7 +7,8 @@ TimmWrapper (image-classification pipeline) open the folder with no code of ours
 num_classes, label_names, and a pretrained_cfg saying how the run prepared images (input size,
 interpolation, crop, mean, std).  What only accel_train's commands need rides along in one
 `accel_train` section that both readers ignore: the test-time augmentation, which weights these
-are (raw or EMA), the dropout rate, and the command that trained the run.
+are (raw or EMA), the dropout rate, the layers computed in float32 under autocast (--whiten-stem's),
+and the command that trained the run.
 
 A run's final model and `accel-train export` write this; checkpoints keep model_config.json (a
 checkpointed part, resume reads it), which is also what runs and exports made before this format
@@ -17,7 +18,7 @@ hold: `ModelSpec.read` reads both.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -70,6 +71,9 @@ class ModelSpec:
     crop_pct: float = 1.0
     crop_mode: str = "squash"
     interpolation: str = "bilinear"
+    # Layers that compute in float32 under autocast (--whiten-stem's layer: whitening.py), so that
+    # eval, predict and export rebuild them as the run computed; older spec files had none.
+    float32_layers: list[str] = field(default_factory=list)
 
     name = "model_spec"  # a checkpointed part (checkpoint.py): export/eval read a checkpoint alone
 
@@ -161,7 +165,8 @@ def write_model_folder(model: nn.Module, directory: Path, spec: ModelSpec,
     directory = Path(directory)
     weights = save_weights(model.state_dict(), directory, spec, with_spec=False)
     ours = {"format_version": FORMAT_VERSION, "weights": spec.weights, "tta": spec.tta,
-            "drop_rate": spec.drop_rate, "command": list(command or [])}
+            "drop_rate": spec.drop_rate, "float32_layers": list(spec.float32_layers),
+            "command": list(command or [])}
     if is_import_path(spec.model_name):
         # A user's factory built it: the architecture must name that factory (even when it
         # returned a timm model, whose own config would name the timm network it started from),
@@ -217,7 +222,8 @@ def spec_from_timm_config(path: Path) -> ModelSpec:
                          ours.get("tta", "none"),
                          crop_pct=float(cfg.get("crop_pct") or DEFAULT_CROP_PCT),
                          crop_mode=cfg.get("crop_mode") or DEFAULT_CROP_MODE,
-                         interpolation=cfg.get("interpolation") or "bicubic")
+                         interpolation=cfg.get("interpolation") or "bicubic",
+                         float32_layers=list(ours.get("float32_layers", [])))
     except (ValueError, KeyError, TypeError, IndexError) as err:
         raise UsageError(f"{path} is not a timm model config ({type(err).__name__}: "
                          f"{first_line(err)}); export the run again with accel-train "

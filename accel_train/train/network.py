@@ -20,7 +20,8 @@ from accel_train.model.build import (check_image_size, check_model_name, create_
                                      freeze_backbone, pretrained_normalization)
 from accel_train.model.saved import ModelSpec
 from accel_train.model.syncbn import convert_sync_batchnorm, num_batchnorm_layers
-from accel_train.model.whitening import IMAGES_DECODED, IMAGES_IN_MEMORY, whiten_first_conv
+from accel_train.model.whitening import (IMAGES_DECODED, IMAGES_IN_MEMORY, float32_layers,
+                                         whiten_first_conv)
 
 
 def check_library_names(config) -> None:
@@ -74,6 +75,8 @@ def build_network(config, data, num_processes: int, cuda: bool,
         # --whiten-bias-epochs: train/stem_bias.py freezes the bias after that many epochs
         whitened = whiten_first_conv(model, whitening_images(data.train, held_out_transform(spec)),
                                      bias_epochs=config.whiten_bias_epochs)
+    # eval, predict and export rebuild the layers a run computes in float32 as it computed them
+    spec.float32_layers = float32_layers(model)
     num_trainable = (freeze_backbone(model) if config.freeze_backbone
                      else sum(p.numel() for p in model.parameters() if p.requires_grad))
     sync_bn = config.sync_bn and num_processes > 1

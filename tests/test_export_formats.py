@@ -30,10 +30,12 @@ IMAGES = 8  # real held-out images compared
 @pytest.fixture(scope="module")
 def run_dir(real_cifar10, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("export_formats") / "run"
+    # --whiten-stem: its first layer computes in float32 under autocast, a layer the export's
+    # readers (timm, transformers, ONNX Runtime) build as the plain convolution it is in fp32
     accel_train_here("--data-dir", str(real_cifar10), "--max-train-samples", "256",
-                     "--max-eval-samples", "64", "--model", "cifar_convnet_s", "--batch-size",
-                     "32", "--max-steps", "3", "--progress", "log", "--no-plots", *PINNED,
-                     "--output-dir", str(out), check=True)
+                     "--max-eval-samples", "64", "--model", "cifar_convnet_s", "--whiten-stem",
+                     "--batch-size", "32", "--max-steps", "3", "--progress", "log", "--no-plots",
+                     *PINNED, "--output-dir", str(out), check=True)
     return out
 
 

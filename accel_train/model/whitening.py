@@ -57,8 +57,10 @@ class Float32Conv2d(nn.Conv2d):
 
 
 def compute_in_float32(model: nn.Module, names) -> None:
-    """Make the named convolutions of `model` Float32Conv2d in place (their class only: the
-    parameters, their names and the optimizer's hold on them stay)."""
+    """Make the named convolutions of `model` Float32Conv2d in place.  The class changes, not
+    the module tree (no wrapper): the parameters keep the names timm's own network gives them,
+    so the saved weights still load into the plain network (timm's local-dir, transformers,
+    checkpoints written before), and the optimizer's hold on them stays."""
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         raise UsageError(f"the saved model's float32_layers is {str(names)[:40]!r}, not a list "
                          f"of layer names; was the model's config copied from another run?")

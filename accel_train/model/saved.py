@@ -223,7 +223,8 @@ def spec_from_timm_config(path: Path) -> ModelSpec:
                          crop_pct=float(cfg.get("crop_pct") or DEFAULT_CROP_PCT),
                          crop_mode=cfg.get("crop_mode") or DEFAULT_CROP_MODE,
                          interpolation=cfg.get("interpolation") or "bicubic",
-                         float32_layers=list(ours.get("float32_layers", [])))
+                         # as written: build_from_spec says in one line when it is not a list
+                         float32_layers=ours.get("float32_layers", []))
     except (ValueError, KeyError, TypeError, IndexError) as err:
         raise UsageError(f"{path} is not a timm model config ({type(err).__name__}: "
                          f"{first_line(err)}); export the run again with accel-train "

@@ -14,8 +14,9 @@ Timing stops at the first network that fits: where the recipe's own network fits
 beyond `--mixed-precision auto`'s usual probe is timed.
 
 The estimate is the budget over a step timed apart from the run (no data loading, no
-evaluation, no gradient exchange), the fastest of a few readings, so a little above what the
-run will get; `--min-budget-epochs` is set with that in mind.  On a CPU the precision and
+evaluation, no gradient exchange), the fastest of a few readings, so above what the run will
+get (about twice in one side-by-side run on a 2-core Intel Xeon); `--min-budget-epochs` is set
+with that in mind.  On a CPU the precision and
 memory format are chosen on auto's small probe batch, but the estimate times the chosen one on
 a batch near the run's: per image, a batch of 32 costs about a third more than one of 256 or
 more on a CPU (benchmarks/BENCHMARKS.md, "airbench94 and the CLI side by side"), which had the

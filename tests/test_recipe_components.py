@@ -629,29 +629,48 @@ def test_an_ema_runs_export_eval_and_predict_use_the_weights_it_says(cli_runs, t
     assert predictions(out) == predictions(run_export)
 
 
+@pytest.mark.parametrize("distributed", [False, True])
 @pytest.mark.parametrize("model_name, epochs, stops", [("cifar_airbench_xs", 3, True),
                                                        ("cifar_airbench_xs", None, False),
                                                        # a first convolution without a bias
                                                        ("test_resnet", 3, False)])
 def test_the_stem_bias_stop_acts_on_the_whitened_layers_bias_from_its_epoch(model_name, epochs,
-                                                                             stops):
+                                                                             stops, distributed):
     """--whiten-bias-epochs N: from epoch N (0-based) on, the whitened layer's bias has no
     gradient after the backward pass (torch's optimizers then skip it); before that, and for
     every other parameter, the gradient is left as it was.  Nothing to stop without the flag or
-    without a bias."""
+    without a bias.  In one process the bias also stops requiring a gradient, so from the next
+    micro-batch on the backward pass no longer reaches the stem (no gradient of its output), as
+    airbench's `requires_grad = False` gives; under DDP (distributed) it keeps requiring one,
+    and the stem's backward runs at every micro-batch."""
     import timm
 
     from accel_train.train.stem_bias import maybe_stem_bias_stop
 
     torch.manual_seed(0)
     model = timm.create_model(model_name, num_classes=NUM_CLASSES)
-    stop = maybe_stem_bias_stop(model, TrainConfig(whiten_stem=True, whiten_bias_epochs=epochs))
+    stop = maybe_stem_bias_stop(model, TrainConfig(whiten_stem=True, whiten_bias_epochs=epochs),
+                                distributed=distributed)
     bias = model.stem[0].bias if model_name.startswith("cifar") else None
+    stem_backwards = []
+    if bias is not None:
+        model.stem[0].weight.requires_grad_(False)  # fixed, as --whiten-stem leaves it
+        def watch_stem_output(_, __, out):  # its gradient: the backward pass reached the stem
+            if out.requires_grad:
+                out.register_hook(lambda _: stem_backwards.append(1))
+
+        model.stem.register_forward_hook(watch_stem_output)
     for epoch in range(5):
         model.zero_grad()
+        stem_backwards.clear()
         model(torch.randn(4, 3, 32, 32)).sum().backward()
         stop.before_update(epoch)
         grads = [p.grad for p in model.parameters() if p.requires_grad and p is not bias]
         assert all(g is not None for g in grads)
+        stopped = stops and epoch >= epochs
         if bias is not None:
-            assert (bias.grad is None) == (stops and epoch >= epochs), epoch
+            assert (bias.grad is None) == stopped, epoch
+            assert bias.requires_grad == (distributed or not stopped), epoch
+            # the stem's backward ran in this micro-batch unless an earlier one stopped it
+            assert stem_backwards == ([] if stopped and not distributed and epoch > epochs
+                                      else [1]), epoch

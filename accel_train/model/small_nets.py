@@ -19,6 +19,7 @@ and layer-decay grouping apply to them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
@@ -83,11 +84,15 @@ class _SmallImageClassifier(nn.Module):
         return self.stages(self.stem(x))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        # max(...).values, not torch.amax: under torch.compile with bf16 autocast on a CPU,
-        # amax's gradient came out NaN from the first step (torch 2.11 and 2.14; eager and
-        # fp32 were right), and a compiled amax's gradient is wrong in fp16/bf16 on CUDA too
-        # (pytorch/pytorch#186799).  Same values; ties send the gradient to one element.
-        x = (x.flatten(2).max(dim=-1).values if self.global_pool == "max"
+        # A max pool over the whole map, not torch.amax: under torch.compile with bf16 autocast
+        # on a CPU, amax's gradient came out NaN from the first step (torch 2.11 and 2.14;
+        # eager and fp32 were right), and a compiled amax's gradient is wrong in fp16/bf16 on
+        # CUDA too (pytorch/pytorch#186799).  Nor flatten(2).max(-1): its gradient reaches the
+        # last BatchNorm and GELU in NCHW while their activations are channels_last, and their
+        # backward in that mix took ten times as long, 4% of cifar_airbench's step on a 2-core
+        # Xeon (benchmarks/BENCHMARKS.md, "The CLI's step against the anchor's").  max_pool2d's
+        # gradient keeps the input's layout.  Same values; ties send the gradient to one element.
+        x = (F.max_pool2d(x, x.shape[-2:]).flatten(1) if self.global_pool == "max"
              else x.mean(dim=(2, 3)))
         x = self.head_drop(x)
         if pre_logits:

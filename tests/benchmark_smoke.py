@@ -72,6 +72,8 @@ CASES = {
                  "60", "--batch", "16", "--epochs", "2"],
     # both rows (the GPU row's code on the CPU): each anchor 2 epochs of 2 steps, each CLI run
     # a few steps, the CPU row's in two processes (the GPU row's is one)
+    # the anchor's network and cifar_airbench one step each, then each trainer row 3 steps
+    "anchor_step": ["--quick", "--train-images", "128", "--batch-size", "16"],
     "anchor_side_by_side": ["--quick", "--allow-cpu", "--cpu-row", "--train-images", "64",
                             "--test-images", "64", "--batch-size", "32", "--cli-processes", "2"],
 }

@@ -90,7 +90,7 @@ class _SmallImageClassifier(nn.Module):
         # CUDA too (pytorch/pytorch#186799).  Nor flatten(2).max(-1): its gradient reaches the
         # last BatchNorm and GELU in NCHW while their activations are channels_last, and their
         # backward in that mix took ten times as long, 4% of cifar_airbench's step on a 2-core
-        # Xeon (benchmarks/BENCHMARKS.md, "The CLI's step against the anchor's").  max_pool2d's
+        # Xeon (benchmarks/BENCHMARKS.md, "The step, against the anchor's").  max_pool2d's
         # gradient keeps the input's layout.  Same values; ties send the gradient to one element.
         x = (F.max_pool2d(x, x.shape[-2:]).flatten(1) if self.global_pool == "max"
              else x.mean(dim=(2, 3)))

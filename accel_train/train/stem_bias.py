@@ -11,8 +11,8 @@ decay, as airbench's `requires_grad = False` gives.  In one process the bias the
 requiring a gradient, as airbench's does: with the layer's weights fixed, nothing before the
 next layer's weights needs a backward pass any more, and skipping it (the layer's and its
 activation's backward over the largest activation of the network) made a step of
-cifar_airbench 5% faster on a 2-core Xeon (benchmarks/BENCHMARKS.md, "The CLI's step against
-the anchor's").  Not under DDP: it records the parameters that need gradients when it wraps the
+cifar_airbench 5% faster on a 2-core Xeon (benchmarks/BENCHMARKS.md, "The step, against the
+anchor's").  Not under DDP: it records the parameters that need gradients when it wraps the
 model and expects each of their gradients at every step, so there the gradient is still
 computed and exchanged (airbench's layer: 24 numbers) and only dropped.  The updates are the
 same either way.  A function of the epoch alone, so a resumed run stops it at the same epoch;

@@ -195,6 +195,27 @@ def test_cifar_airbench_convolutions_start_as_identity_on_their_input_channels()
             assert out[:, conv.in_channels:].abs().mean() > 0.05   # not zeros, not identity
 
 
+@pytest.mark.parametrize("name", ["cifar_airbench_xs", "cifar_resnet9", "cifar_convnet_s"])
+def test_the_global_pools_gradient_keeps_channels_last(name):
+    """A channels_last network's last feature map gets its gradient back in channels_last too,
+    in fp32 and under bf16 autocast: the last BatchNorm's and activation's backward then run on
+    one layout (given NCHW gradients against channels_last activations they took ten times as
+    long on a CPU)."""
+    model = timm.create_model(name, num_classes=10).to(memory_format=torch.channels_last)
+    images = torch.randn(4, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    layouts = []
+    for bf16 in (False, True):
+        layouts.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            features = model.forward_features(images)
+            features.register_hook(lambda grad: layouts.append(
+                grad.is_contiguous(memory_format=torch.channels_last)))
+            logits = model.forward_head(features)
+        logits.float().sum().backward()
+        assert features.is_contiguous(memory_format=torch.channels_last)
+        assert layouts == [True], (bf16, layouts)
+
+
 def test_timm_tooling_sees_a_classifier_and_layers():
     model = timm.create_model("cifar_convnet_s", num_classes=10, drop_rate=0.25)
     assert model.get_classifier() is model.fc and model.head_drop.p == 0.25

@@ -45,8 +45,10 @@ import benchlib  # noqa: E402
 RECIPE = benchlib.REPO / "recipes" / "cifar10-cpu-10min.yaml"
 
 
-def anchor_network(bias_trains: bool) -> nn.Module:
+def anchor_network(whitening_images: torch.Tensor, bias_trains: bool) -> nn.Module:
+    """airbench94's network as anchors/airbench_cpu.py builds and whitens it."""
     net = airbench_cpu.make_net()
+    airbench_cpu.whiten(net[0], whitening_images)
     net[0].bias.requires_grad_(bias_trains)
     return net
 
@@ -68,13 +70,10 @@ def cli_network(whitening_images: torch.Tensor, bias_trains: bool) -> nn.Module:
 def networks_table(args, report: benchlib.Report, images, labels) -> dict:
     normalized = airbench_cpu.normalize(images)
     whitening = normalized[:5000]
-    arms = {"airbench94's network, bias trained": anchor_network(True),
-            "airbench94's network, bias fixed": anchor_network(False),
+    arms = {"airbench94's network, bias trained": anchor_network(whitening, True),
+            "airbench94's network, bias fixed": anchor_network(whitening, False),
             "cifar_airbench (accel_train), bias trained": cli_network(whitening, True),
             "cifar_airbench (accel_train), bias fixed": cli_network(whitening, False)}
-    for name, net in arms.items():
-        if name.startswith("airbench94"):
-            airbench_cpu.whiten(net[0], whitening)
     batch = normalized[:args.batch_size].contiguous(memory_format=torch.channels_last)
     targets = labels[:args.batch_size]
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.2, reduction="none")
@@ -112,8 +111,9 @@ class AnchorBeside:
     def __init__(self, images, labels, batch: int, bias_trains: bool):
         import torch.nn.functional as F
 
-        self.net = anchor_network(bias_trains)
-        self.averager = airbench_cpu.Averager(self.net)
+        self.net = airbench_cpu.make_net()
+        self.net[0].bias.requires_grad_(bias_trains)
+        self.averager = airbench_cpu.Averager(self.net)  # as airbench: before the whitening
         normalized = airbench_cpu.normalize(images)
         airbench_cpu.whiten(self.net[0], normalized[:5000])
         self.optimizer, self.scheduler, self.per_epoch, self.total = \

@@ -240,7 +240,8 @@ class Trainer:
                                   lambda record: self.callbacks.on_log(self, record))
         self.step_parts = [self.watch, self.pacer, self.lookahead, self.ema, self.train_log]
         self.stem_bias = maybe_stem_bias_stop(self.bare_model(), config,  # before each update
-                                              distributed=acc.num_processes > 1)
+                                              distributed=acc.num_processes > 1,
+                                              device_type=acc.device.type)
 
     def _open_records(self, warnings: list[Optional[str]]):
         facts = resolved_facts(self.accelerator, self.config, self.plan, self.data, self.net,

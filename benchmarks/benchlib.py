@@ -173,8 +173,12 @@ def machine() -> dict:
     try:
         info["git"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                                      capture_output=True, text=True, timeout=5).stdout.strip()
+        # tracked files changed since that commit: the figures are not that commit's alone
+        info["git_changed"] = bool(subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=5).stdout.strip())
     except (OSError, subprocess.SubprocessError):
-        info["git"] = None
+        info["git"] = info["git_changed"] = None
     return info
 
 
@@ -182,7 +186,8 @@ def machine_line(info: dict) -> str:
     gpu = f", GPU {info['gpu']}" if info.get("gpu") else ", no GPU"
     return (f"{info['date']} on {info['cpu']} ({info['cores']} cores, {info['memory_gb']} GiB"
             f"{gpu}); torch {info['torch']}, accelerate {info['accelerate']}, timm "
-            f"{info['timm']}; git {info['git']} (+ working tree); load average at start "
+            f"{info['timm']}; git {info['git']}"
+            f"{' + uncommitted changes' if info.get('git_changed') else ''}; load average at start "
             f"{' / '.join(f'{v:.2f}' for v in info['load_average'])}")
 
 

@@ -629,28 +629,32 @@ def test_an_ema_runs_export_eval_and_predict_use_the_weights_it_says(cli_runs, t
     assert predictions(out) == predictions(run_export)
 
 
-@pytest.mark.parametrize("distributed", [False, True])
+@pytest.mark.parametrize("distributed, compiled, device_type", [
+    (False, False, "cpu"), (True, False, "cpu"), (False, True, "cpu"), (False, True, "cuda")])
 @pytest.mark.parametrize("model_name, epochs, stops", [("cifar_airbench_xs", 3, True),
                                                        ("cifar_airbench_xs", None, False),
                                                        # a first convolution without a bias
                                                        ("test_resnet", 3, False)])
 def test_the_stem_bias_stop_acts_on_the_whitened_layers_bias_from_its_epoch(model_name, epochs,
-                                                                             stops, distributed):
+                                                                             stops, distributed,
+                                                                             compiled,
+                                                                             device_type):
     """--whiten-bias-epochs N: from epoch N (0-based) on, the whitened layer's bias has no
     gradient after the backward pass (torch's optimizers then skip it); before that, and for
     every other parameter, the gradient is left as it was.  Nothing to stop without the flag or
     without a bias.  In one process the bias also stops requiring a gradient, so from the next
     micro-batch on the backward pass no longer reaches the stem (no gradient of its output), as
-    airbench's `requires_grad = False` gives; under DDP (distributed) it keeps requiring one,
-    and the stem's backward runs at every micro-batch."""
+    airbench's `requires_grad = False` gives; under DDP (distributed) or --compile on a GPU it
+    keeps requiring one, and the stem's backward runs at every micro-batch."""
     import timm
 
     from accel_train.train.stem_bias import maybe_stem_bias_stop
 
     torch.manual_seed(0)
     model = timm.create_model(model_name, num_classes=NUM_CLASSES)
-    stop = maybe_stem_bias_stop(model, TrainConfig(whiten_stem=True, whiten_bias_epochs=epochs),
-                                distributed=distributed)
+    config = TrainConfig(whiten_stem=True, whiten_bias_epochs=epochs, compile=compiled)
+    stop = maybe_stem_bias_stop(model, config, distributed=distributed, device_type=device_type)
+    keeps_requiring_grad = distributed or (compiled and device_type == "cuda")
     bias = model.stem[0].bias if model_name.startswith("cifar") else None
     stem_backwards = []
     if bias is not None:
@@ -670,7 +674,51 @@ def test_the_stem_bias_stop_acts_on_the_whitened_layers_bias_from_its_epoch(mode
         stopped = stops and epoch >= epochs
         if bias is not None:
             assert (bias.grad is None) == stopped, epoch
-            assert bias.requires_grad == (distributed or not stopped), epoch
+            assert bias.requires_grad == (keeps_requiring_grad or not stopped), epoch
             # the stem's backward ran in this micro-batch unless an earlier one stopped it
-            assert stem_backwards == ([] if stopped and not distributed and epoch > epochs
+            assert stem_backwards == ([] if stopped and not keeps_requiring_grad and epoch > epochs
                                       else [1]), epoch
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_under_compile_on_a_gpu_the_stem_bias_stop_keeps_the_compiled_graphs(device_type):
+    """--compile: torch.compile guards each graph on the requires_grad of the parameters it was
+    traced with, so flipping the bias's (what the stop does in one process) traces and
+    compiles the model again in mid-run.  On a GPU the stop then only drops the gradient: no
+    graph beyond the first epoch's.  On the CPU (its recompile repaid within a few epochs) it
+    flips: a second graph, once.  A backend that only counts the graphs it is handed
+    (torch.compile's custom-backend interface) keeps inductor's compile time out of the test;
+    the model itself stays on the CPU, `device_type` is what the trainer would pass."""
+    import timm
+
+    from accel_train.train.stem_bias import maybe_stem_bias_stop
+
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch.manual_seed(0)
+    model = timm.create_model("cifar_airbench_xs", num_classes=NUM_CLASSES)
+    bias = model.stem[0].bias
+    model.stem[0].weight.requires_grad_(False)  # fixed, as --whiten-stem leaves it
+    compiled = torch.compile(model, backend=counting_backend)
+    config = TrainConfig(whiten_stem=True, whiten_bias_epochs=1, compile=True)
+    stop = maybe_stem_bias_stop(model, config, distributed=False, device_type=device_type)
+    images = torch.randn(4, 3, 32, 32)
+    counts = []
+    for epoch in range(4):
+        model.zero_grad()
+        compiled(images).sum().backward()
+        stop.before_update(epoch)
+        assert (bias.grad is None) == (epoch >= 1), epoch
+        counts.append(len(graphs))
+    # the flip made in epoch 1 shows in epoch 2's forward pass
+    assert counts == ([counts[0]] * 4 if device_type == "cuda"
+                      else [counts[0]] * 2 + [counts[2]] * 2), counts
+    assert device_type == "cuda" or counts[2] > counts[0]
+    if device_type == "cuda":  # the oracle: the same flip made by hand does trace anew
+        bias.requires_grad_(False)
+        compiled(images).sum().backward()
+        assert len(graphs) > counts[0]

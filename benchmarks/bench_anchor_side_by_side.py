@@ -226,7 +226,7 @@ def cpu_row(args, report: benchlib.Report, work: Path) -> dict:
              f"{last['eval_top1']:.2%}",
              "yes" if reached(last, target) else f"no ({gap:+.2f} points)", cli["wall_s"],
              timed / anchor_s]]
-    again = pace_notes = None
+    again, pace_notes = None, []
     if args.anchor_again:
         # The same deterministic run again after the CLI: if its seconds moved, the machine's
         # pace moved under the CLI's arm, and a miss says as much about the machine as the CLI.
@@ -263,7 +263,7 @@ def cpu_row(args, report: benchlib.Report, work: Path) -> dict:
                         *([f"the budget raised to --min-budget {args.min_budget:g} s: the "
                            f"ratio is not the anchor's time"]
                           if args.min_budget > anchor_s else []),
-                        *(pace_notes or [])])
+                        *pace_notes])
     return {"anchor": anchor, "cli": cli, "target": target, "budget": budget,
             "anchor_again": again}
 

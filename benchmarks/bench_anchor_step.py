@@ -154,7 +154,12 @@ def trainer_row(args, images, labels, bias_epochs: int, out: Path) -> list:
             "--select-on-test", "--progress", "log", "--no-plots", "--output-dir", str(out),
             "--epochs", "10", "--whiten-bias-epochs", str(bias_epochs),
             "--max-steps", str(args.steps), "--checkpoint-every", "0",
-            "--batch-size", str(args.batch_size)]
+            "--batch-size", str(args.batch_size),
+            # The anchor's precision and layout, not auto's timed choice: on a loaded machine
+            # that choice differed between this script's two trainer rows, and Accelerate's
+            # state, made once per process, refuses a second mixed precision.
+            "--mixed-precision", "bf16" if airbench_cpu.AUTOCAST["enabled"] else "no",
+            "--channels-last"]
     if args.train_images:
         argv += ["--max-train-samples", str(args.train_images), "--max-eval-samples", "64"]
     config = config_from_args(build_train_parser().parse_args(argv))

@@ -9,8 +9,10 @@ Tables:
              anchors/airbench_cpu.py builds it and of cifar_airbench as accel_train builds it
              (timm's registry, --whiten-stem's whitening, its layer computed in float32), each
              with the whitening bias trained (airbench's epochs 1-3) and fixed (epochs 4 on),
-             on the same batch, the arms' order rotated every round: seconds a step and the
-             ratio to the anchor's network with the bias trained (median of the rounds' ratios).
+             and cifar_airbench with that layer in bf16 as the anchor's is (what float32
+             costs), on the same batch, the arms' order rotated every round: seconds a step and
+             the ratio to the anchor's network with the bias trained (median of the rounds'
+             ratios).
   trainer    recipes/cifar10-cpu-10min.yaml through accel_train's trainer as the CLI runs it
              (one process), and after each of its steps one step of the anchor's loop (its own
              network, data and optimizer) in the same process: both steps' seconds and their
@@ -53,9 +55,11 @@ def anchor_network(whitening_images: torch.Tensor, bias_trains: bool) -> nn.Modu
     return net
 
 
-def cli_network(whitening_images: torch.Tensor, bias_trains: bool) -> nn.Module:
+def cli_network(whitening_images: torch.Tensor, bias_trains: bool,
+                float32_layer: bool = True) -> nn.Module:
     """cifar_airbench as the trainer builds it for the recipe: timm's registry, the whitening
-    of the training images' patches (its layer then computes in float32 under autocast)."""
+    of the training images' patches (its layer then computes in float32 under autocast;
+    `float32_layer` False: a plain Conv2d in autocast's dtype, to time what float32 costs)."""
     import timm
 
     import accel_train.model.small_nets  # noqa: F401  (registers cifar_airbench)
@@ -63,7 +67,10 @@ def cli_network(whitening_images: torch.Tensor, bias_trains: bool) -> nn.Module:
 
     net = timm.create_model("cifar_airbench", num_classes=10)
     whiten_first_conv(net, whitening_images)
-    first_conv(net)[1].bias.requires_grad_(bias_trains)
+    _, layer = first_conv(net)
+    layer.bias.requires_grad_(bias_trains)
+    if not float32_layer:
+        layer.__class__ = nn.Conv2d
     return net.to(memory_format=torch.channels_last)
 
 
@@ -73,7 +80,11 @@ def networks_table(args, report: benchlib.Report, images, labels) -> dict:
     arms = {"airbench94's network, bias trained": anchor_network(whitening, True),
             "airbench94's network, bias fixed": anchor_network(whitening, False),
             "cifar_airbench (accel_train), bias trained": cli_network(whitening, True),
-            "cifar_airbench (accel_train), bias fixed": cli_network(whitening, False)}
+            "cifar_airbench (accel_train), bias fixed": cli_network(whitening, False),
+            "cifar_airbench, its whitened layer in bf16 (not float32), bias trained":
+                cli_network(whitening, True, float32_layer=False),
+            "cifar_airbench, its whitened layer in bf16 (not float32), bias fixed":
+                cli_network(whitening, False, float32_layer=False)}
     batch = normalized[:args.batch_size].contiguous(memory_format=torch.channels_last)
     targets = labels[:args.batch_size]
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.2, reduction="none")

@@ -46,16 +46,19 @@ def _eval_json(*args: str) -> dict:
 
 
 class _Float32ByHand(torch.nn.Module):
-    """A convolution computed by plain F.conv2d in float32 whatever autocast says."""
+    """A convolution computed by plain F.conv2d in float32 whatever autocast says, its output
+    handed on in autocast's dtype (as the layers after it compute)."""
 
     def __init__(self, conv: torch.nn.Conv2d):
         super().__init__()
         self.conv = conv
 
     def forward(self, x):
+        handed_on = torch.bfloat16 if torch.is_autocast_enabled("cpu") else torch.float32
         with torch.autocast("cpu", enabled=False):
             conv = self.conv
-            return F.conv2d(x.float(), conv.weight, conv.bias, conv.stride, conv.padding)
+            out = F.conv2d(x.float(), conv.weight, conv.bias, conv.stride, conv.padding)
+        return out.to(handed_on)
 
 
 def _plain_logits(run_dir, images_nhwc, mirrored_too: bool = False,

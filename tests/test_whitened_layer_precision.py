@@ -46,6 +46,14 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def _worst_channel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest relative rms difference of one output channel: the finest, most amplified
+    channels are where bf16 inputs and weights lose the most."""
+    a, b = a.detach().double(), b.detach().double()
+    return float(((a - b).square().mean(dim=(0, 2, 3)).sqrt()
+                  / b.square().mean(dim=(0, 2, 3)).sqrt()).max())
+
+
 def test_the_whitened_layer_computes_in_float32_under_bf16_autocast():
     model = _whitened_airbench()
     conv, x = model.stem[0], _images(8)
@@ -53,9 +61,12 @@ def test_the_whitened_layer_computes_in_float32_under_bf16_autocast():
     with torch.autocast(**BF16):
         got = conv(x)
         bf16 = F.conv2d(x, conv.weight, conv.bias)    # what the layer would compute otherwise
-    assert got.dtype == torch.float32
-    assert _relative(got, exact) < 1e-6
-    assert _relative(bf16, exact) > 1e-3              # the oracle tells the two apart
+    # Handed on in bf16, as the layers after it compute: off from the exact sums by the output's
+    # own rounding only (bf16: at most 2**-9 of each value, about 0.2% rms), in every channel,
+    # where bf16 arithmetic leaves its finest channels several per cent off.
+    assert got.dtype == torch.bfloat16
+    assert _worst_channel(got, exact) < 4e-3
+    assert _worst_channel(bf16, exact) > 2e-2         # the oracle tells the two apart
     # Without autocast it is Conv2d's own forward, to the bit.
     assert torch.equal(conv(x), F.conv2d(x, conv.weight, conv.bias))
     # Its bias's gradient (the part of the layer that trains) is float32 arithmetic as well:
@@ -65,8 +76,12 @@ def test_the_whitened_layer_computes_in_float32_under_bf16_autocast():
         conv(x).square().sum().backward()
         F.conv2d(x, conv.weight, bias).square().sum().backward()
     exact_grad = 2 * exact.detach().sum(dim=(0, 2, 3))
-    assert _relative(conv.bias.grad, exact_grad) < 1e-4      # float32 sums of 7,688 terms
-    assert _relative(bias.grad, exact_grad) > 1e-3
+
+    def worst(grad: torch.Tensor) -> float:   # the largest relative error of one channel's
+        return float(((grad.double() - exact_grad).abs() / exact_grad.abs()).max())
+
+    assert worst(conv.bias.grad) < 1e-2      # the outputs' bf16 rounding (0.35% here)
+    assert worst(bias.grad) > 1.5e-2         # bf16 arithmetic (3.5% here)
     # The rest of the network still runs in bf16; the parameters keep their names.
     with torch.autocast(**BF16):
         assert model(x).dtype == torch.bfloat16
@@ -107,7 +122,8 @@ def test_a_saved_model_rebuilds_its_float32_layers(tmp_path):
         rebuilt.load_state_dict(trained.state_dict())
         x = _images(4)
         with torch.no_grad(), torch.autocast(**BF16):
-            assert rebuilt.stem[0](x).dtype == torch.float32
+            assert type(rebuilt.stem[0]) is type(trained.stem[0])
+            assert torch.equal(rebuilt.stem[0](x), trained.stem[0](x))
             assert torch.equal(rebuilt.eval()(x), trained(x))
 
 

@@ -51,6 +51,7 @@ from accel_train.train.datawait import data_wait_clock
 from accel_train.train.divergence import stop_if_diverged
 from accel_train.train.evaluate import (HeldOutEvaluator, epoch_record, epoch_words,
                                         maybe_test_split)
+from accel_train.train.host_memory import keep_freed_host_memory
 from accel_train.train.lookahead import maybe_lookahead
 from accel_train.train.network import Network, build_network
 from accel_train.train.network_choice import choice_words, network_for_run
@@ -95,6 +96,7 @@ class Trainer:
         plan = plan_start(config, distributed.setup(config))
         try:
             config, cuda, report = plan.config, torch.cuda.is_available(), Reporter(plan.messages)
+            keep_freed_host_memory(cuda, os.environ)  # before the probes time any step
             read = bring_data or (load_streaming if streaming_wanted(config) else load_data)
             data = distributed.main_first(lambda: read(config))
             # Before anything else reads the images (the normalization statistics do): it names
@@ -135,6 +137,7 @@ class Trainer:
         self.network_choice, self.callbacks = network_choice, CallbackList(callbacks)
         cuda = torch.cuda.is_available()
         self.cuda_math = use_fast_cuda_math(cuda)
+        self.host_memory = keep_freed_host_memory(cuda, os.environ)
         self.precision, precision_warning = resolve_precision(speed.precision, cuda)
         self.accelerator = build_accelerator(self.config, self.precision, self.paths.trackers)
         if self.accelerator.num_processes != plan.env.world_size:
@@ -246,6 +249,7 @@ class Trainer:
     def _open_records(self, warnings: list[Optional[str]]):
         facts = resolved_facts(self.accelerator, self.config, self.plan, self.data, self.net,
                                self.loaders, self.speed, self.precision, self.cuda_math,
+                               self.host_memory,
                                self.network_choice, self.pacer.known_total(self.total_steps))
         open_records(self.accelerator, self.plan, self.config, self.speed, self.state,
                      self.metrics, self.report, self.paths, facts, self.data.description,

@@ -19,7 +19,8 @@ from accel_train.train.precision import precision_name
 
 
 def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precision: str,
-                   cuda_math: Optional[str], network_choice: Optional[str],
+                   cuda_math: Optional[str], host_memory: Optional[str],
+                   network_choice: Optional[str],
                    known_total: Optional[int]) -> dict:
     """What this start really runs, for config.yaml's `resolved` and the summary.
     `known_total`: the run's length, None while a time budget is to fit it (then recorded when
@@ -30,6 +31,7 @@ def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precisi
             "speed_timings": speed.timings,
             "device": str(accelerator.device),
             "distributed_type": str(accelerator.distributed_type), "cuda_math": cuda_math,
+            "host_memory": host_memory,
             "world_size": accelerator.num_processes, "global_batch": loaders.global_batch,
             "steps_per_epoch": loaders.steps_per_epoch, "total_steps": known_total,
             "train_samples": len(data.train), "eval_samples": len(data.held_out),

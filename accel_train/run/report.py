@@ -68,6 +68,7 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         f"{facts['precision_used']}, {'channels_last' if facts['channels_last'] else 'NCHW'} "
         f"({facts['speed_choice']}); sync-bn {'on' if facts['sync_bn'] else 'off'}\n"
         + (f"  cuda: {facts['cuda_math']}\n" if facts.get("cuda_math") else "")
+        + (f"  host memory: {facts['host_memory']}\n" if facts.get("host_memory") else "")
         + (f"  network: {facts['network_choice']}\n" if facts.get("network_choice") else "")
         + (f"  init: {facts['whitened_stem']}\n" if facts.get("whitened_stem") else "") +
         f"  data: {facts['train_samples']} train / {facts['eval_samples']} validation"

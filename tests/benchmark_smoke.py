@@ -43,6 +43,7 @@ CASES = {
                  "--max-train", "512", "--recipe-file", "recipes/cifar10-cpu-10min.yaml",
                  "--recipe-file-extra", "--max-steps 2 --batch-size 16"],
     "threads": [*TINY, "--steps", "1", "--conditions", "quiet"],
+    "host_memory": ["--quick", "--max-train", "256", "--batch-size", "32"],
     # one loaded arm and its quiet reference: a budget run and a --max-steps run
     "budget": ["--quick", "--budget", "4", "--hog-seconds", "1", "--arms", "load first",
                "--extra=--model test_resnet --batch-size 16 --max-eval-samples 64 "
@@ -115,7 +116,15 @@ def both_arms_and_a_ratio(data: dict) -> None:
 
 
 # What a script's tables must hold beyond the common checks
-TABLE_CHECKS = {"anchor_side_by_side": both_arms_and_a_ratio}
+def each_arm_as_it_says(data: dict) -> None:
+    """bench_host_memory.py: the CLI's own summary says that one arm kept its freed memory
+    and that the other left glibc's settings as its environment set them."""
+    from accel_train.train.host_memory import KEPT
+    said = [row[1] for row in data["tables"][0]["rows"]]
+    assert said == [KEPT, "as the environment sets it (MALLOC_TOP_PAD_)"], said
+
+
+TABLE_CHECKS = {"anchor_side_by_side": both_arms_and_a_ratio, "host_memory": each_arm_as_it_says}
 
 
 def env() -> dict:

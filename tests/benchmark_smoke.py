@@ -121,7 +121,7 @@ def each_arm_as_it_says(data: dict) -> None:
     and that the other left glibc's settings as its environment set them."""
     from accel_train.train.host_memory import KEPT
     said = [row[1] for row in data["tables"][0]["rows"]]
-    assert said == [KEPT, "as the environment sets it (MALLOC_TOP_PAD_)"], said
+    assert said == [KEPT, "as the environment sets it (GLIBC_TUNABLES)"], said
 
 
 TABLE_CHECKS = {"anchor_side_by_side": both_arms_and_a_ratio, "host_memory": each_arm_as_it_says}

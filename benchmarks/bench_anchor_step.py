@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -156,12 +155,8 @@ def trainer_row(args, images, labels, bias_epochs: int, out: Path) -> list:
     anchor = AnchorBeside(images, labels, args.batch_size, bias_trains=bias_epochs > 0)
     # The recipe without its time budget (and the smaller networks it may choose): the same
     # network and schedule as the anchor's 10 epochs, stopped after --steps.
-    recipe = yaml.safe_load(RECIPE.read_text())
-    for key in ("time_budget", "smaller_models", "min_budget_epochs"):
-        recipe.pop(key, None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    (out.parent / f"{out.name}.yaml").write_text(yaml.safe_dump(recipe))
-    argv = ["--config", str(out.parent / f"{out.name}.yaml"), "--data-dir", args.data_dir,
+    recipe = benchlib.recipe_without_budget(RECIPE, out.parent / f"{out.name}.yaml")
+    argv = ["--config", str(recipe), "--data-dir", args.data_dir,
             "--select-on-test", "--progress", "log", "--no-plots", "--output-dir", str(out),
             "--epochs", "10", "--whiten-bias-epochs", str(bias_epochs),
             "--max-steps", str(args.steps), "--checkpoint-every", "0",

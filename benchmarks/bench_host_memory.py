@@ -24,24 +24,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
 RECIPE = benchlib.REPO / "recipes" / "cifar10-cpu-10min.yaml"
 ARMS = {"kept (the CLI's default)": {},
         "glibc defaults (GLIBC_TUNABLES set empty: left alone)": {"GLIBC_TUNABLES": ""}}
-
-
-def recipe_without_budget(folder: Path) -> Path:
-    """The CPU recipe with a fixed length: the budget and its choice of network left out."""
-    recipe = yaml.safe_load(RECIPE.read_text())
-    for key in ("time_budget", "smaller_models", "min_budget_epochs"):
-        recipe.pop(key, None)
-    path = folder / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
 
 
 def one_run(args, recipe: Path, env_extra: dict, out: Path) -> dict:
@@ -77,7 +65,7 @@ def main() -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     report = benchlib.Report("host_memory", "A CPU run's host memory: kept or glibc's", args)
     work = Path(args.tmp or tempfile.mkdtemp(prefix="bench-host-memory-"))
-    recipe = recipe_without_budget(work)
+    recipe = benchlib.recipe_without_budget(RECIPE, work / "recipe.yaml")
     results = {arm: [] for arm in ARMS}
     for number, order in enumerate(benchlib.round_orders(list(ARMS), args.rounds)):
         for arm in order:

@@ -277,6 +277,19 @@ def steady_windows(records: list[dict], skip: int = 1) -> list[dict]:
     return train[skip:] if len(train) > skip else train[-1:]
 
 
+def recipe_without_budget(recipe: Path, path: Path) -> Path:
+    """`recipe` written to `path` without its time budget and the budget's choice of network
+    (smaller_models, min_budget_epochs): the same network and schedule at a fixed length."""
+    import yaml
+
+    settings = yaml.safe_load(Path(recipe).read_text())
+    for key in ("time_budget", "smaller_models", "min_budget_epochs"):
+        settings.pop(key, None)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(settings))
+    return Path(path)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

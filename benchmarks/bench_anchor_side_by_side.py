@@ -23,9 +23,12 @@ Rows (a table each):
     again   (--anchor-again) the anchor once more after the CLI: its timed s against T says how
             the machine's pace moved while the CLI ran (a shared machine's moves by half
             within minutes).
+    The CPU anchor runs under glibc malloc's defaults, as published; --anchor-memory kept gives
+    it the freed host memory kept that the CLI sets for itself (through GLIBC_TUNABLES).
 
     python benchmarks/bench_anchor_side_by_side.py --data-dir ../shared/data/cifar10 --compile
     python benchmarks/bench_anchor_side_by_side.py --data-dir ../shared/data/cifar10 --anchor-again
+    python benchmarks/bench_anchor_side_by_side.py --anchor-again --anchor-memory kept  # one malloc
     python benchmarks/bench_anchor_side_by_side.py --quick --allow-cpu --cpu-row       # a smoke
 """
 
@@ -45,6 +48,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
+from accel_train.train.host_memory import NEVER_TRIM  # noqa: E402
 from bench_gpu_cifar import StampedRun  # noqa: E402
 
 GPU_RECIPE = benchlib.REPO / "recipes" / "cifar10-gpu-airbench.yaml"
@@ -53,6 +57,12 @@ ANCHOR_EPOCH = re.compile(r"^epoch (\d+):")  # the anchors' line at each epoch e
 ANCHOR_TRAINED = re.compile(r"([\d.]+) s of training")  # in it: the training seconds so far
 PRECISION = re.compile(r"precision (\S+?),")  # the CLI's start-up summary
 STEPS_PER_EPOCH = re.compile(r"(\d+) steps/epoch")
+# The anchor's host memory: airbench's loop as published runs under glibc malloc's defaults, which
+# fault a CPU step's activations in anew every step; "kept" gives it, through glibc's tunables
+# before it starts, what the CLI sets with mallopt from inside (train/host_memory.py).
+ANCHOR_MEMORY = {"as-published": {},
+                 "kept": {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:"
+                                            f"glibc.malloc.trim_threshold={NEVER_TRIM}"}}
 
 
 def shrink(args, anchor: bool) -> list[str]:
@@ -65,9 +75,10 @@ def shrink(args, anchor: bool) -> list[str]:
     return out + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
 
 
-def run(cmd: list[str], log: Path, timeout: float) -> StampedRun:
-    """`cmd` to its end, each output line stamped (seconds since its start) into `log`."""
-    started = StampedRun([str(c) for c in cmd], log)
+def run(cmd: list[str], log: Path, timeout: float, environ: dict | None = None) -> StampedRun:
+    """`cmd` to its end, each output line stamped (seconds since its start) into `log`;
+    `environ`: variables set for it beside the benchmark's own."""
+    started = StampedRun([str(c) for c in cmd], log, environ)
     try:
         code = started.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -79,10 +90,11 @@ def run(cmd: list[str], log: Path, timeout: float) -> StampedRun:
     return started
 
 
-def run_anchor(args, script: str, extra: list[str], log: Path) -> dict:
+def run_anchor(args, script: str, extra: list[str], log: Path,
+               environ: dict | None = None) -> dict:
     cmd = [sys.executable, benchlib.ANCHORS / script, "--data-dir", args.data_dir, "--epochs",
            str(args.anchor_epochs), *shrink(args, anchor=True), *extra]
-    done = run(cmd, log, args.timeout)
+    done = run(cmd, log, args.timeout, environ)
     result = benchlib.last_json_line("\n".join(line for _, line in done.lines),
                                      key="training_seconds")
     ends = [(int(m[1]), at) for at, line in done.lines if (m := ANCHOR_EPOCH.match(line))]
@@ -208,8 +220,8 @@ def gpu_row(args, report: benchlib.Report, work: Path) -> dict:
 
 
 def cpu_row(args, report: benchlib.Report, work: Path) -> dict:
-    anchor = run_anchor(args, "airbench_cpu.py", [],
-                        log_file(args, report, "cpu-anchor"))
+    anchor = run_anchor(args, "airbench_cpu.py", [], log_file(args, report, "cpu-anchor"),
+                        ANCHOR_MEMORY[args.anchor_memory])
     target, anchor_s = anchor["top1_tta1"], anchor["timed_seconds"]
     budget = f"{max(anchor_s, args.min_budget):.1f}s"
     cli = run_cli(args, CPU_RECIPE, ["--time-budget", budget], work / "cli-cpu",
@@ -219,7 +231,7 @@ def cpu_row(args, report: benchlib.Report, work: Path) -> dict:
     epochs = f" ({steps / cli['steps_per_epoch']:.1f})" if cli["steps_per_epoch"] else ""
     timed = cli["epochs"][-1]["training_s"] + last.get("eval_time", 0.0)
     gap = 100 * (last["eval_top1"] - target)
-    rows = [anchor_cpu_row(anchor, "(A)", "1 (the anchor)"),
+    rows = [anchor_cpu_row(args, anchor, "(A)", "1 (the anchor)"),
             [f"accel_train CLI, {CPU_RECIPE.name} --time-budget {budget}"
              + (f", {args.cli_processes} processes" if args.cli_processes > 1 else ""),
              f"{cli['network']} ({cli['precision']})", f"{steps}{epochs}", timed,
@@ -230,9 +242,10 @@ def cpu_row(args, report: benchlib.Report, work: Path) -> dict:
     if args.anchor_again:
         # The same deterministic run again after the CLI: if its seconds moved, the machine's
         # pace moved under the CLI's arm, and a miss says as much about the machine as the CLI.
-        again = run_anchor(args, "airbench_cpu.py", [], log_file(args, report, "cpu-anchor-again"))
+        again = run_anchor(args, "airbench_cpu.py", [], log_file(args, report, "cpu-anchor-again"),
+                           ANCHOR_MEMORY[args.anchor_memory])
         drift = again["timed_seconds"] / anchor_s
-        rows.append(anchor_cpu_row(again, "(A)" if again["top1_tta1"] == target
+        rows.append(anchor_cpu_row(args, again, "(A)" if again["top1_tta1"] == target
                                    else f"{again['top1_tta1']:.2%} (not A)",
                                    f"{drift:.3f} of T (the machine's pace)", "again, "))
         pace_notes = [f"the machine's pace: the anchor run again after the CLI took "
@@ -268,9 +281,11 @@ def cpu_row(args, report: benchlib.Report, work: Path) -> dict:
             "anchor_again": again}
 
 
-def anchor_cpu_row(anchor: dict, verdict: str, ratio, again: str = "") -> list:
+def anchor_cpu_row(args, anchor: dict, verdict: str, ratio, again: str = "") -> list:
     """The CPU table's row of an anchor run (the one before the CLI, or the one after it)."""
-    return [f"airbench94, {again}anchors/airbench_cpu.py", f"airbench94 ({anchor['precision']})",
+    memory = ", its freed host memory kept" if ANCHOR_MEMORY[args.anchor_memory] else ""
+    return [f"airbench94, {again}anchors/airbench_cpu.py{memory}",
+            f"airbench94 ({anchor['precision']})",
             f"{anchor['steps']} ({anchor['epochs']:g})", anchor["timed_seconds"],
             f"{anchor['top1_tta1']:.2%}", verdict, anchor["wall_s"], ratio]
 
@@ -303,6 +318,10 @@ def main() -> int:
     parser.add_argument("--anchor-again", action="store_true",
                         help="the CPU row: run the anchor once more after the CLI, to read how "
                         "the machine's pace moved while the CLI ran (its timed s after / before)")
+    parser.add_argument("--anchor-memory", choices=tuple(ANCHOR_MEMORY), default="as-published",
+                        help="the CPU anchor under glibc malloc's defaults, as airbench's loop "
+                        "is published, or with freed host memory kept as the CLI keeps its own "
+                        "(the same settings through GLIBC_TUNABLES)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per command")
     parser.add_argument("--tmp", default=None, help="folder for the CLI's runs (default: a "
                         "new temporary one)")

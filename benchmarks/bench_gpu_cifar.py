@@ -47,12 +47,12 @@ RESUMED = re.compile(r"resumed from .* at step (\d+)")
 class StampedRun:
     """A CLI run whose output lines are stamped (seconds since its start) as they arrive."""
 
-    def __init__(self, cmd: list[str], log: Path):
+    def __init__(self, cmd: list[str], log: Path, environ: dict | None = None):
         self.started = time.perf_counter()
         self.lines: list[tuple[float, str]] = []
         self.epochs: list[dict] = []
         self.log = log.open("w")
-        self.process = benchlib.start_streaming(cmd, env=benchlib.child_env(),
+        self.process = benchlib.start_streaming(cmd, env=benchlib.child_env(**(environ or {})),
                                                 cwd=benchlib.REPO)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()

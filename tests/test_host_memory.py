@@ -78,3 +78,13 @@ def test_an_allocator_the_environment_chose_is_left_alone():
 
 def test_a_cuda_run_leaves_the_host_allocator_alone():
     assert keep_freed_host_memory(True, {}) is None
+
+
+def test_the_summary_names_the_variable_that_chose_the_allocator():
+    """In this process (no malloc setting is changed on this path): the words the start summary
+    prints name the first variable, in sorted order, through which the user chose."""
+    assert keep_freed_host_memory(False, {"MALLOC_ARENA_MAX": "2", "LD_PRELOAD": "x.so"}) == \
+        "as the environment sets it (LD_PRELOAD)"
+    assert keep_freed_host_memory(False, {"GLIBC_TUNABLES": ""}) == \
+        "as the environment sets it (GLIBC_TUNABLES)"
+    assert keep_freed_host_memory(False, {"PYTHONPATH": "x", "XMALLOC_": "1"}) == KEPT

@@ -137,6 +137,8 @@ class Trainer:
         self.network_choice, self.callbacks = network_choice, CallbackList(callbacks)
         cuda = torch.cuda.is_available()
         self.cuda_math = use_fast_cuda_math(cuda)
+        # (from_config made the same two mallopt calls before its probes; made again here, they
+        # change nothing and give the summary its words, also for a Trainer built directly)
         self.host_memory = keep_freed_host_memory(cuda, os.environ)
         self.precision, precision_warning = resolve_precision(speed.precision, cuda)
         self.accelerator = build_accelerator(self.config, self.precision, self.paths.trackers)

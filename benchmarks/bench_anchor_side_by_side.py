@@ -25,10 +25,14 @@ Rows (a table each):
             within minutes).
     The CPU anchor runs under glibc malloc's defaults, as published; --anchor-memory kept gives
     it the freed host memory kept that the CLI sets for itself (through GLIBC_TUNABLES).
+  Both rows: --seed N seeds both arms (the anchor's --seed, the CLI's --seed), so A is the
+  anchor's top-1 at that seed; airbench94 states its accuracy as a mean over runs, and one
+  pair is one draw of each.
 
     python benchmarks/bench_anchor_side_by_side.py --data-dir ../shared/data/cifar10 --compile
     python benchmarks/bench_anchor_side_by_side.py --data-dir ../shared/data/cifar10 --anchor-again
     python benchmarks/bench_anchor_side_by_side.py --anchor-again --anchor-memory kept  # one malloc
+    python benchmarks/bench_anchor_side_by_side.py --anchor-memory kept --seed 1       # a new draw
     python benchmarks/bench_anchor_side_by_side.py --quick --allow-cpu --cpu-row       # a smoke
 """
 
@@ -93,10 +97,11 @@ def run(cmd: list[str], log: Path, timeout: float, environ: dict | None = None) 
 def run_anchor(args, script: str, extra: list[str], log: Path,
                environ: dict | None = None) -> dict:
     cmd = [sys.executable, benchlib.ANCHORS / script, "--data-dir", args.data_dir, "--epochs",
-           str(args.anchor_epochs), *shrink(args, anchor=True), *extra]
+           str(args.anchor_epochs), "--seed", str(args.seed), *shrink(args, anchor=True), *extra]
     done = run(cmd, log, args.timeout, environ)
     result = benchlib.last_json_line("\n".join(line for _, line in done.lines),
                                      key="training_seconds")
+    result["command"] = [str(c) for c in cmd]  # (its JSON line does not say its seed)
     ends = [(int(m[1]), at) for at, line in done.lines if (m := ANCHOR_EPOCH.match(line))]
     result["wall_s"] = ends[-1][1] if ends else float("nan")
     so_far = [float(m[1]) for _, line in done.lines
@@ -125,8 +130,8 @@ def run_cli(args, recipe: Path, extra: list[str], out: Path, log: Path) -> dict:
     launcher, batch = cli_launcher(args, recipe)
     cmd = [*launcher, "--config", recipe, "--data-dir", args.data_dir,
            "--select-on-test", "--tta", "flip", "--progress", "log", "--no-plots",
-           "--output-dir", out, *extra, *shrink(args, anchor=False), *batch,
-           *shlex.split(args.cli_extra)]
+           "--output-dir", out, "--seed", str(args.seed), *extra, *shrink(args, anchor=False),
+           *batch, *shlex.split(args.cli_extra)]
     done = run(cmd, log, args.timeout)
     text = "\n".join(line for _, line in done.lines)
     epochs = [r for r in benchlib.read_jsonl(out / "metrics.jsonl") if r.get("type") == "epoch"]
@@ -142,7 +147,9 @@ def run_cli(args, recipe: Path, extra: list[str], out: Path, log: Path) -> dict:
             "exit_s": done.exit_s,
             "precision": precision[1] if precision else "?",
             "steps_per_epoch": int(per_epoch[1]) if per_epoch else None,
-            "network": json.loads((out / "config.json").read_text()).get("architecture", "?")}
+            "network": json.loads((out / "config.json").read_text()).get("architecture", "?"),
+            # the seed the run recorded (--cli-extra may give its own)
+            "seed": yaml.safe_load((out / "config.yaml").read_text())["train"]["seed"]}
 
 
 def log_file(args, report: benchlib.Report, arm: str) -> Path:
@@ -154,6 +161,12 @@ def whole_commands(anchor: dict, cli: dict) -> str:
     """Where a command outlives its last line (or leaves a process holding its output)."""
     return (f"each command's whole wall s, from its start to its exit and the end of its "
             f"output: the anchor {anchor['exit_s']:.1f}, the CLI {cli['exit_s']:.1f}.")
+
+
+def seeds(args, cli: dict) -> str:
+    """Which draw of each arm the table is (the CLI's as its run recorded it)."""
+    return (f"seeds: the anchor's {args.seed}, the CLI's {cli['seed']} (A is the anchor's top-1 "
+            f"at its seed; one pair is one draw of each)")
 
 
 def reached(record: dict, target: float) -> bool:
@@ -204,7 +217,7 @@ def gpu_row(args, report: benchlib.Report, work: Path) -> dict:
              "start-up summary's (fp16 and bf16 are autocast over fp32 weights).",
              "wall s: from each command's start (decoding the images included) to the output "
              "line of the epoch at A, which comes after that epoch's evaluation; "
-             + whole_commands(anchor, cli)]
+             + whole_commands(anchor, cli), seeds(args, cli)]
     if args.compile:
         notes.append(f"--compile: the anchor compiled in an untimed warm-up run on random labels "
                      f"({anchor['warmup_seconds']} s, as airbench94_compiled.py), the CLI in its "
@@ -276,7 +289,7 @@ def cpu_row(args, report: benchlib.Report, work: Path) -> dict:
                         *([f"the budget raised to --min-budget {args.min_budget:g} s: the "
                            f"ratio is not the anchor's time"]
                           if args.min_budget > anchor_s else []),
-                        *pace_notes])
+                        seeds(args, cli), *pace_notes])
     return {"anchor": anchor, "cli": cli, "target": target, "budget": budget,
             "anchor_again": again}
 
@@ -322,6 +335,8 @@ def main() -> int:
                         help="the CPU anchor under glibc malloc's defaults, as airbench's loop "
                         "is published, or with freed host memory kept as the CLI keeps its own "
                         "(the same settings through GLIBC_TUNABLES)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="both arms' seed (A is the anchor's top-1 at this seed)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per command")
     parser.add_argument("--tmp", default=None, help="folder for the CLI's runs (default: a "
                         "new temporary one)")

@@ -74,10 +74,11 @@ CASES = {
     # the anchor's network and cifar_airbench one step each, then each trainer row 3 steps
     "anchor_step": ["--quick", "--train-images", "128", "--batch-size", "16"],
     # both rows (the GPU row's code on the CPU): each anchor 2 epochs of 2 steps, each CLI run
-    # a few steps, the CPU row's in two processes (the GPU row's is one), its anchor run again
+    # a few steps, the CPU row's in two processes (the GPU row's is one), its anchor run again;
+    # both arms at seed 1
     "anchor_side_by_side": ["--quick", "--allow-cpu", "--cpu-row", "--train-images", "64",
                             "--test-images", "64", "--batch-size", "32", "--cli-processes", "2",
-                            "--anchor-again", "--anchor-memory", "kept"],
+                            "--anchor-again", "--anchor-memory", "kept", "--seed", "1"],
 }
 # The scripts that make their own data instead of reading CIFAR-10
 OWN_DATA = {"jpeg_input", "gpu_jpeg"}
@@ -117,6 +118,14 @@ def both_arms_and_a_ratio(data: dict) -> None:
         again
     assert any("the anchor run again after the CLI took" in note
                for note in cpu_table["notes"]), cpu_table
+    # --seed 1 reached both arms: the anchor's command line, the seed the CLI's run recorded
+    for row in ("gpu", "cpu"):
+        command = data[row]["anchor"]["command"]
+        assert command[command.index("--seed") + 1] == "1", command
+        assert data[row]["cli"]["seed"] == 1, data[row]["cli"]
+    for table in data["tables"]:
+        assert "seeds: the anchor's 1, the CLI's 1 (A is the anchor's top-1 at its seed; one " \
+            "pair is one draw of each)" in table["notes"], table
 
 
 # What a script's tables must hold beyond the common checks

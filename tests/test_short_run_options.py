@@ -179,6 +179,10 @@ def test_whitening_a_convolution_matches_numpy():
     again = whiten_first_conv(nn.Conv2d(3, 54, 3, bias=True), torch.from_numpy(images),
                               bias_epochs=3)
     assert again.endswith("; its weights fixed, its bias trains for 3 epoch(s)")
+    # another eps: each direction scaled by 1/sqrt(eigenvalue + that eps)
+    other = nn.Conv2d(3, 54, 3, bias=False)
+    whiten_first_conv(other, torch.from_numpy(images), eps=0.1)
+    _assert_whitening(other.weight.detach().double().numpy(), images.astype(np.float64), 0.1)
 
 
 def _strided_second_moment(images: np.ndarray, kernel: tuple[int, int], stride: int

@@ -146,8 +146,9 @@ def test_a_float32_layer_the_network_cannot_have_is_one_line(layer):
         build_from_spec(_spec([layer]))
 
 
+# (a long value is cut at 40 characters: the line stays one line)
 @pytest.mark.parametrize("layers, shown", [(5, "'5'"), ("stem.0", "'stem.0'"),
-                                            ([0], "'[0]'")])
+                                            ([0], "'[0]'"), ("x" * 99, repr("x" * 40))])
 def test_float32_layers_that_are_not_a_list_of_names_are_one_line(layers, shown):
     with pytest.raises(UsageError) as raised:
         build_from_spec(_spec(layers))

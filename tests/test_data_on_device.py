@@ -169,6 +169,20 @@ def test_auto_always_and_never_choose_and_say_why():
     held, why = choose("auto", small, erasing, True, False, memory=10**12)
     assert not held and "--reprob" in why, why
     assert choose("always", small, erasing, False, False)[0]  # on a CPU, with erasing too
+    # the sizes in the words, by hand: 44 x 3 x 32 x 32 bytes of pixels + 44 x 8 of labels =
+    # 135,520 bytes; a device of exactly 10^8 bytes is the first said in GB
+    assert size == 135_520
+    assert choose("always", small, plain, False, False) == (
+        True, "drawn on the device, the training set held there (0.1 MB; --data-on-device "
+              "always)")
+    assert choose("auto", small, plain, True, False, memory=10**8) == (
+        True, "drawn on the device, the training set held there (0.1 MB, within 10% of its "
+              "0.10 GB; --data-on-device auto)")
+    assert choose("auto", small, plain, True, False, memory=10**8 - 1)[1].endswith(
+        "within 10% of its 100.0 MB; --data-on-device auto)")
+    assert choose("auto", small, plain, True, False, memory=1_355_199) == (
+        False, "a DataLoader (--data-on-device auto: the training set's 0.1 MB is over 10% of "
+               "the device's 1.4 MB)")
     assert choose("never", small, plain, True, False, memory=10**12) == \
         (False, "a DataLoader (--data-on-device never)")
     for source, transform, streaming, words in (

@@ -12,6 +12,7 @@ hand-made figures for the rule auto decides by.
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,7 +28,7 @@ from accel_train.config import TrainConfig
 from accel_train.data.decode import jpeg_header
 from accel_train.data.device_decode import DeviceDecoder, choose, jitter, orient, time_paths
 from accel_train.data.loaders import TrainImages, run_transforms
-from accel_train.data.sources import ArraySource, load_data
+from accel_train.data.sources import ArraySource, ImageSource, load_data
 from accel_train.run.checkpoint import TrainerState
 from accel_train.run.resume import keep_choices
 from conftest import PINNED, accel_train_here
@@ -142,7 +143,8 @@ def test_the_batched_colour_jitter_is_torchvisions_image_by_image():
 def test_files_the_device_cannot_take_are_finished_by_the_workers(photos, tmp_path):
     """A PNG, JPEGs of 40 and of 64 px (the small-image crop), a CMYK JPEG and a file with a
     JPEG's first bytes and nothing after them (replaced by the next image): each is finished the
-    host way, in its place in the batch; a batch of such files alone, too."""
+    host way, in its place in the batch; a batch of such files alone, too.  A greyscale JPEG
+    goes to the device and comes back in three channels, as the workers' RGB conversion."""
     root = tmp_path / "mixed"
     for split in ("train", "val"):
         for folder in (photos / split).iterdir():
@@ -155,6 +157,7 @@ def test_files_the_device_cannot_take_are_finished_by_the_workers(photos, tmp_pa
     photo.resize((40, 30)).save(a_class / "z_small.jpg")
     photo.resize((64, 48)).save(a_class / "z_64.jpg")
     photo.convert("CMYK").save(a_class / "z_cmyk.jpg")
+    photo.convert("L").save(a_class / "z_grey.jpg")
     (a_class / "z_cut.jpg").write_bytes(b"\xff\xd8\xff")
     # a readable header, then noise where the image data belongs: the device decoder refuses it
     whole = io.BytesIO()
@@ -178,6 +181,10 @@ def test_files_the_device_cannot_take_are_finished_by_the_workers(photos, tmp_pa
     assert garbled in encoded.positions.tolist()  # sent to the device, refused there
     assert torch.equal(pixels[garbled], host.images[garbled])
     assert (replaced >= 0).sum() >= 1  # the cut file at least, replaced by its neighbour
+    grey = next(i for i in keys if images.source.name(i).endswith("z_grey.jpg"))
+    assert grey in encoded.positions.tolist()
+    difference = (pixels[grey].int() - host.images[grey].int()).abs().float()
+    assert difference.mean() < 1.0 and difference.max() <= 12, difference.mean()
     host_only = finished_here.tolist()
     host, pixels, labels, replaced = _both_ways(images, host_only)
     assert torch.equal(pixels, host.images) and torch.equal(labels, host.labels)
@@ -208,16 +215,41 @@ def test_the_rule_auto_decides_by(photos):
     with pytest.raises(UsageError, match="streamed"):
         choose("always", files, transform, True, True)
     assert choose("auto", in_memory, transform, True, False) == (False, "")
+    # each reason in the words of the one line always gives
+    plain = run_transforms(TrainConfig(image_size=SIZE, augment=False), _spec())[0]
+    policy = run_transforms(TrainConfig(image_size=SIZE, auto_augment="randaugment"),
+                            _spec())[0]
+    decoded = ImageSource()
+    for source, how, streaming, reason in (
+            (files, transform, True, "the training data is streamed from shards"),
+            (in_memory, transform, False,
+             "the training images are decoded once, into memory (--in-memory)"),
+            (decoded, transform, False, "the training images are not files"),
+            (files, plain, False, "the training images are not augmented"),
+            (files, policy, False,
+             "--auto-augment's policy works on the host, one image at a time")):
+        with pytest.raises(UsageError) as raised:
+            choose("always", source, how, True, streaming)
+        assert str(raised.value) == (f"--decode-on-device always: {reason}; use "
+                                     f"--decode-on-device auto or never")
 
 
 def test_auto_times_both_paths_on_the_runs_own_images(photos):
     """time_paths, as auto on a GPU calls it, here on the CPU: the host path's rate scales with
     the workers, the device path's is timed on the same images, the training rate is asked."""
     images = _dataset(photos)
+    count = min(32, len(images))  # the probe's images: all 12 here
     asked = []
+    started = time.perf_counter()
     one = time_paths(images, 1, torch.device("cpu"), lambda: asked.append(1) or 123.0)
+    whole = time.perf_counter() - started
     assert asked == [1] and one["train"] == 123.0
-    assert one["host"] > 0 and one["device"] > 0, one
+    # each path's best of two runs took less than the whole call: a rate of at least
+    # count / whole, the host's times the workers
+    assert one["host"] >= count / whole and one["device"] >= count / whole, (one, whole)
+    started = time.perf_counter()
+    eight = time_paths(images, 8, torch.device("cpu"), lambda: 1.0)
+    assert eight["host"] >= 8 * count / (time.perf_counter() - started), eight
 
 
 def test_a_resumed_run_keeps_the_choice_auto_made():

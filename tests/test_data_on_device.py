@@ -192,6 +192,12 @@ def test_auto_always_and_never_choose_and_say_why():
         assert not held and words in why, why
         with pytest.raises(UsageError, match=f"--data-on-device always: .*{words}"):
             choose("always", source, transform, True, streaming, memory=10**12)
+    # two of those lines whole
+    assert choose("auto", small, plain, True, True, memory=10**12) == (
+        False, "a DataLoader (--data-on-device auto: the training data is streamed from shards)")
+    assert choose("auto", _Decoded(), plain, True, False, memory=10**12) == (
+        False, "a DataLoader (--data-on-device auto: the training images are decoded per step, "
+               "not held in memory (--in-memory))")
 
 
 def test_the_summary_names_the_training_loader_and_why():

@@ -190,7 +190,17 @@ def test_files_the_device_cannot_take_are_finished_by_the_workers(photos, tmp_pa
     assert torch.equal(pixels, host.images) and torch.equal(labels, host.labels)
 
 
-def test_the_rule_auto_decides_by(photos):
+def _folder_of(root: Path, size: int) -> Path:
+    """JPEGs of size x size px, 2 classes, a training and a validation split."""
+    for split in ("train", "val"):
+        for label, colour in (("a", (200, 30, 30)), ("b", (30, 30, 200))):
+            (root / split / label).mkdir(parents=True)
+            for i in range(2):
+                Image.new("RGB", (size, size), colour).save(root / split / label / f"{i}.jpg")
+    return root
+
+
+def test_the_rule_auto_decides_by(photos, tmp_path):
     files = _dataset(photos).source  # JPEG files of 300-500 px
     transform = run_transforms(TrainConfig(image_size=SIZE), _spec())[0]
 
@@ -204,6 +214,9 @@ def test_the_rule_auto_decides_by(photos):
     # workers 1800: 1200 against 1800, the workers win
     chosen, why = choose("auto", files, transform, True, False, rates(1800, 3000, 2000))
     assert not chosen and "1,200 against 1,800 img/s" in why, why
+    # a tie: the device's time is the GPU's, so the workers keep the work
+    chosen, why = choose("auto", files, transform, True, False, rates(1200, 3000, 2000))
+    assert not chosen and "1,200 against 1,200 img/s" in why, why
     # nothing is timed without a GPU, or when asked
     never_timed = lambda: pytest.fail("timed")  # noqa: E731
     assert choose("auto", files, transform, False, False, never_timed) == (False, "")
@@ -215,6 +228,11 @@ def test_the_rule_auto_decides_by(photos):
     with pytest.raises(UsageError, match="streamed"):
         choose("always", files, transform, True, True)
     assert choose("auto", in_memory, transform, True, False) == (False, "")
+    # images of 64 px or less take the small-image path: nothing to weigh; 65 px are weighed
+    small = _dataset(_folder_of(tmp_path / "64", 64)).source
+    assert choose("auto", small, transform, True, False, never_timed) == (False, "")
+    larger = _dataset(_folder_of(tmp_path / "65", 65)).source
+    assert choose("auto", larger, transform, True, False, rates(500, 3000, 2000))[0]
     # each reason in the words of the one line always gives
     plain = run_transforms(TrainConfig(image_size=SIZE, augment=False), _spec())[0]
     policy = run_transforms(TrainConfig(image_size=SIZE, auto_augment="randaugment"),

@@ -192,7 +192,24 @@ def test_auto_always_and_never_choose_and_say_why():
         assert not held and words in why, why
         with pytest.raises(UsageError, match=f"--data-on-device always: .*{words}"):
             choose("always", source, transform, True, streaming, memory=10**12)
-    # two of those lines whole
+    # not augmenting, with timm's resize and centre crop for the held-out images: the training
+    # images get that resize too, on the host
+    timm_resize = run_transforms(TrainConfig(augment=False), SimpleNamespace(
+        **{**vars(_spec()), "crop_pct": 0.875, "crop_mode": "center"}))[0]
+    # each refusal whole
+    for source, transform, streaming, reason in (
+            (small, policy, False, "--auto-augment's policy works on the host, one image at a "
+                                   "time"),
+            (small, timm_resize, False, "its resize (--crop-pct, --crop-mode, --interpolation) "
+                                        "is timm's, on the host")):
+        with pytest.raises(UsageError) as raised:
+            choose("always", source, transform, True, streaming, memory=10**12)
+        assert str(raised.value) == f"--data-on-device always: {reason}; use " \
+            "--data-on-device auto or never"
+    # 64 px is the small-image path's own; a set of exactly a tenth of the memory fits
+    at_64 = ArraySource(torch.zeros(2, 3, 64, 64, dtype=torch.uint8), torch.zeros(2).long())
+    assert choose("always", at_64, plain, False, False)[0]
+    assert choose("auto", small, plain, True, False, memory=1_355_200)[0]
     assert choose("auto", small, plain, True, True, memory=10**12) == (
         False, "a DataLoader (--data-on-device auto: the training data is streamed from shards)")
     assert choose("auto", _Decoded(), plain, True, False, memory=10**12) == (

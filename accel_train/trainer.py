@@ -165,7 +165,7 @@ class Trainer:
                                      acc.process_index, self.plan.env.local_world_size, cuda,
                                      acc.device, train_rate=self._training_rate)
         self.schedule = plan_schedule(config, self.loaders.steps_per_epoch)
-        optimizer = build_optimizer(net.model, config)
+        optimizer = build_optimizer(net.model, config, fused=cuda)
         self.model, self.optimizer, self.held_out_loader, self.scheduler = \
             acc.prepare(net.model, optimizer, self.loaders.held_out,
                         scheduler_for(optimizer, self.schedule))
@@ -329,7 +329,9 @@ class Trainer:
             state.samples_seen += per_micro_step
             if not acc.sync_gradients:
                 continue
-            if not self.optimizer.step_was_skipped:  # fp16 overflow: the lr waits too
+            # fp16 overflow: the lr waits too, where the host learns of it (a fused
+            # optimizer skips the update on the GPU unread, and the lr goes on: optim.py)
+            if not self.optimizer.step_was_skipped:
                 self.scheduler.step()
             state.step += 1
             for part in self.step_parts:

@@ -228,6 +228,54 @@ def test_weight_decay_groups_exclude_norms_and_biases():
     assert all(g["momentum"] == 0.8 and g["nesterov"] for g in sgd.param_groups)
 
 
+@pytest.mark.parametrize("name, norm_bias_lr_scale",
+                         [("sgd", 1), ("momentum", 1), ("adamw", 1), ("sgd", 64)])
+def test_a_fused_optimizer_makes_torchs_own_update(name, norm_bias_lr_scale):
+    """What the trainer builds on CUDA (fused kernels: one per step, and fp16's overflow flag
+    read on the device) updates as torch's plain for-loop optimizer does with the same groups:
+    three steps, each on the same gradients (the fused model's, handed to the oracle's
+    parameters: Adam's normalization would make rounding-level differences in gradients
+    computed apart into visible ones), every parameter equal to float32 rounding."""
+    config = TrainConfig(optimizer=name, learning_rate=0.1, weight_decay=0.05, momentum=0.9,
+                         norm_bias_lr_scale=norm_bias_lr_scale)
+    model, oracle_model = initial_model(), initial_model()
+    fused = build_optimizer(model, config, fused=True)
+    assert all(group["fused"] for group in fused.param_groups)
+    assert not any(group.get("fused") for group in build_optimizer(initial_model(),
+                                                                   config).param_groups)
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    oracle_params = list(oracle_model.parameters())
+    groups = [{"params": [oracle_params[index[id(p)]] for p in group["params"]],
+               "weight_decay": group["weight_decay"], "lr": group["lr"]}
+              for group in fused.param_groups]
+    if name == "adamw":
+        oracle = torch.optim.AdamW(groups, lr=0.1, foreach=False)
+    else:
+        oracle = torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=name == "sgd",
+                                 foreach=False)
+    images = torch.randn(4, 3, 32, 32)
+    for _ in range(3):
+        fused.zero_grad()
+        model(images).square().mean().backward()
+        for param, oracle_param in zip(model.parameters(), oracle_params):
+            oracle_param.grad = param.grad.clone()
+        fused.step()
+        oracle.step()
+    for (param_name, param), expected in zip(model.named_parameters(), oracle_params):
+        torch.testing.assert_close(param, expected, rtol=1e-5, atol=1e-6, msg=param_name)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                     initial_model().parameters()))
+
+
+def test_optimizers_without_fused_kernels_are_built_as_they_are():
+    """timm's own optimizers and its Lookahead wrapper take no `fused=`: asked on CUDA, the
+    trainer builds them unfused rather than failing."""
+    for name, optimizer_type in (("lamb", timm.optim.Lamb), ("lookahead_sgd", timm.optim.Lookahead)):
+        optimizer = build_optimizer(initial_model(), TrainConfig(optimizer=name), fused=True)
+        assert type(optimizer) is optimizer_type
+        assert not any(group.get("fused") for group in optimizer.param_groups)
+
+
 def test_frozen_backbone_leaves_only_the_head_in_the_optimizer():
     model = initial_model()
     for name, p in model.named_parameters():

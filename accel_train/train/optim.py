@@ -7,6 +7,7 @@ it is the same function on 1 process and on N.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from dataclasses import dataclass
@@ -31,31 +32,55 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, config: TrainConfig, fused: bool = False
+                    ) -> torch.optim.Optimizer:
     """timm's optimizer factory: any of its optimizers by name, no weight decay on biases and
     normalization weights (timm's and most recipes' choice; --decay-norm-and-bias decays them
     too, as airbench does), frozen parameters left out, and
     layer-wise learning-rate decay when asked (the layer scales live in each group's
-    "lr_scale", which timm's schedulers read; ours is a LambdaLR, so they are applied here)."""
+    "lr_scale", which timm's schedulers read; ours is a LambdaLR, so they are applied here).
+
+    `fused`: the optimizer's fused kernels where its class has them (torch's SGD, Adam, AdamW,
+    Adagrad; others as they are).  The trainer asks for them on CUDA, for two reasons: one
+    kernel updates every parameter (foreach, torch's default there, launches several per step,
+    which a small network's step waits on), and fp16's GradScaler hands a fused optimizer its
+    scale and overflow flag on the device, where with any other it reads the flag on the host
+    (`.item()`) every step, so the host could never run ahead of the GPU.  On a CPU neither
+    applies and the unfused update, which the CPU figures were measured with, stays."""
     from timm.optim import create_optimizer_v2
 
     name = check_optimizer_name(config.optimizer)
     if name == "sgd" and config.momentum == 0:
         name = "momentum"  # timm's sgd is Nesterov, which torch refuses without momentum
+    kernels = {"fused": True} if fused and has_fused_kernels(name) else {}
     optimizer = create_optimizer_v2(model, opt=name, lr=config.learning_rate,
                                     weight_decay=config.weight_decay, momentum=config.momentum,
                                     layer_decay=config.layer_decay,
-                                    filter_bias_and_bn=not config.decay_norm_and_bias)
+                                    filter_bias_and_bn=not config.decay_norm_and_bias, **kernels)
     if config.norm_bias_lr_scale != 1:
         # timm's groups (weight decay, layer scales) each split in two, its normalization
         # shifts scaled: timm has no such option, and its groups are what the scale applies to.
         groups = _with_norm_shifts_apart(optimizer.param_groups, norm_shifts(model),
                                          config.norm_bias_lr_scale)
         optimizer = create_optimizer_v2(groups, opt=name, lr=config.learning_rate,
-                                        momentum=config.momentum)
+                                        momentum=config.momentum, **kernels)
     for group in optimizer.param_groups:
         group["lr"] = config.learning_rate * group.get("lr_scale", 1.0)
     return optimizer
+
+
+def has_fused_kernels(name: str) -> bool:
+    """Whether timm's optimizer `name` is a class that takes torch's `fused=`.  Not where timm
+    wraps it in its Lookahead (a `lookahead_` name: the wrapper is what GradScaler sees) nor
+    where timm cannot hand the class out here (bitsandbytes' and APEX's without CUDA or the
+    package: building the optimizer then says so, as before)."""
+    from timm.optim import get_optimizer_class
+
+    try:
+        optimizer_class = get_optimizer_class(name)
+    except (ValueError, AssertionError, ImportError):
+        return False
+    return "fused" in inspect.signature(optimizer_class).parameters
 
 
 def norm_shifts(model: nn.Module) -> set[int]:

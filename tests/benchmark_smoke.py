@@ -78,7 +78,8 @@ CASES = {
     # both arms at seed 1
     "anchor_side_by_side": ["--quick", "--allow-cpu", "--cpu-row", "--train-images", "64",
                             "--test-images", "64", "--batch-size", "32", "--cli-processes", "2",
-                            "--anchor-again", "--anchor-memory", "kept", "--seed", "1"],
+                            "--anchor-again", "--anchor-memory", "kept", "--seed", "1",
+                            "--cli-epochs", "1", "2"],
 }
 # The scripts that make their own data instead of reading CIFAR-10
 OWN_DATA = {"jpeg_input", "gpu_jpeg"}
@@ -103,10 +104,19 @@ def both_arms_and_a_ratio(data: dict) -> None:
         assert anchor[0].startswith("airbench94") and cli[0].startswith("accel_train CLI"), table
         assert anchor[ratio] == "1 (the anchor)", table
         assert cli[ratio] == "not reached" or float(cli[ratio].replace(",", "")) > 0, table
+    gpu_table, cpu_table = data["tables"]
+    # the GPU row's schedules (--cli-epochs 1 2): the second runs only where the first missed A
+    gpu_runs = data["gpu"]["cli_epochs"]
+    assert gpu_runs in ([1], [1, 2]), gpu_runs
+    assert len(gpu_table["rows"]) == 1 + len(gpu_runs) and len(cpu_table["rows"]) == 3, cpu_table
+    for epochs, row in zip(gpu_runs, gpu_table["rows"][1:]):
+        assert f"--epochs {epochs} --warmup-fraction 0.23:" in row[0], row
+    reached_a = [row[-2] != "not reached" for row in gpu_table["rows"][1:]]
+    assert reached_a[:-1] == [False] * (len(gpu_runs) - 1), gpu_table
+    assert reached_a[-1] == (data["gpu"]["first_at_target"] is not None), gpu_table
+    assert reached_a[-1] or gpu_runs == [1, 2], gpu_table
     # the CPU row's anchor again after the CLI (--anchor-again): the same deterministic run,
     # its timed s read against the first's
-    gpu_table, cpu_table = data["tables"]
-    assert len(gpu_table["rows"]) == 2 and len(cpu_table["rows"]) == 3, cpu_table
     again = cpu_table["rows"][2]
     # (--anchor-memory kept: both anchor runs say so)
     assert cpu_table["rows"][0][0] == "airbench94, anchors/airbench_cpu.py, its freed host " \

@@ -270,7 +270,8 @@ def test_a_fused_optimizer_makes_torchs_own_update(name, norm_bias_lr_scale):
 def test_optimizers_without_fused_kernels_are_built_as_they_are():
     """timm's own optimizers and its Lookahead wrapper take no `fused=`: asked on CUDA, the
     trainer builds them unfused rather than failing."""
-    for name, optimizer_type in (("lamb", timm.optim.Lamb), ("lookahead_sgd", timm.optim.Lookahead)):
+    for name, optimizer_type in (("lamb", timm.optim.Lamb),
+                                 ("lookahead_sgd", timm.optim.Lookahead)):
         optimizer = build_optimizer(initial_model(), TrainConfig(optimizer=name), fused=True)
         assert type(optimizer) is optimizer_type
         assert not any(group.get("fused") for group in optimizer.param_groups)

@@ -22,16 +22,6 @@ from accel_train.config import TrainConfig, check_optimizer_name
 from accel_train.base.readers import read_json
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Multiplier of the peak learning rate for the update made at optimizer step `step`
-    (0-based)."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def build_optimizer(model: nn.Module, config: TrainConfig, fused: bool = False
                     ) -> torch.optim.Optimizer:
     """timm's optimizer factory: any of its optimizers by name, no weight decay on biases and

@@ -12,7 +12,9 @@
 #      the script alone tries 10 epochs, then 12);
 #   3. bench_device_resident.py: the training batches drawn on the device (--data-on-device
 #      always) against the DataLoader path, steps/s of a plain loop over each and whether it
-#      synchronizes every step, without and with --reprob 0.25.
+#      synchronizes every step, without and with --reprob 0.25;
+#   4. bench_step_syncs.py: the trainer's own loop (the airbench recipe, fp16 by auto, the data
+#      on the device): whether the host runs ahead of the GPU step after step.
 # Left out to stay within 9 minutes, each measured before (BENCHMARKS.md, "GPU"):
 # a smoke run, bench_gpu_cifar.py (ResNet-9 to 94%, SIGTERM + resume), bench_gpu.py (the step
 # against a hand loop on in-memory images), the longer runs toward 94%.
@@ -41,7 +43,7 @@ trap 'kill $dmon 2>/dev/null; pack' EXIT
 stamp() { pack; echo "== $(date +%T) $*"; }
 work=$(mktemp -d)
 stamp bench_gpu_jpeg
-timeout 200 "$python" benchmarks/bench_gpu_jpeg.py --out "$out"
+timeout 185 "$python" benchmarks/bench_gpu_jpeg.py --out "$out"
 echo "bench_gpu_jpeg exit $?"
 stamp bench_anchor_side_by_side
 # (240 s: on an H200 the CLI's process outlived its last line by about 80 s with --compile)
@@ -49,7 +51,11 @@ timeout 240 "$python" benchmarks/bench_anchor_side_by_side.py --data-dir "$data_
     --tmp "$work/anchor" --compile --cli-epochs 12
 echo "bench_anchor_side_by_side exit $?"
 stamp bench_device_resident
-timeout 90 "$python" benchmarks/bench_device_resident.py --data-dir "$data_dir" --out "$out" \
+timeout 65 "$python" benchmarks/bench_device_resident.py --data-dir "$data_dir" --out "$out" \
     --steps 100 --reprob 0 0.25
 echo "bench_device_resident exit $?"
+stamp bench_step_syncs
+timeout 45 "$python" benchmarks/bench_step_syncs.py --data-dir "$data_dir" --out "$out" \
+    --tmp "$work/step_syncs"
+echo "bench_step_syncs exit $?"
 stamp done

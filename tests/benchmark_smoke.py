@@ -66,6 +66,8 @@ CASES = {
     # both arms (DataLoader, batches drawn on the device) on the embedded data, with erasing
     "device_resident": ["--quick", "--allow-cpu", "--model", "cifar_convnet_s", "--batch-size",
                         "16", "--steps", "2", "--warmup", "1", "--reprob", "0", "0.25"],
+    # the trainer's loop on the embedded data, 10 steps watched after 3
+    "step_syncs": ["--quick", "--allow-cpu"],
     # JPEGs at ImageNet sizes it makes itself (make_imagenet_like.py): 2 classes of 16
     "jpeg_input": ["--quick", "--classes", "2", "--per-class", "16", "--rounds", "1"],
     # the JPEG folder it makes (6 images a class), each arm 2 epochs of 2 steps at 96 px
@@ -147,7 +149,15 @@ def each_arm_as_it_says(data: dict) -> None:
     assert said == [KEPT, "as the environment sets it (GLIBC_TUNABLES)"], said
 
 
-TABLE_CHECKS = {"anchor_side_by_side": both_arms_and_a_ratio, "host_memory": each_arm_as_it_says}
+def every_step_watched(data: dict) -> None:
+    """bench_step_syncs.py: the callback saw each of the steps it was to watch (a CPU's
+    events are always reached: no step ahead) and no sync was flagged (a CPU flags none)."""
+    assert data["result"]["watched"] == 10, data["result"]
+    assert data["result"]["host_ahead"] == 0 and data["result"]["syncs_flagged"] == 0, data
+
+
+TABLE_CHECKS = {"anchor_side_by_side": both_arms_and_a_ratio, "host_memory": each_arm_as_it_says,
+                "step_syncs": every_step_watched}
 
 
 def env() -> dict:
@@ -164,7 +174,8 @@ def ran(cmd: list[str], name: str) -> str:
 
 
 # The scripts written for a GPU (tests/test_benchmarks_gpu.py runs them with --allow-cpu)
-GPU_SCRIPTS = {"gpu", "gpu_cifar", "device_resident", "gpu_jpeg", "anchor_side_by_side"}
+GPU_SCRIPTS = {"gpu", "gpu_cifar", "device_resident", "gpu_jpeg", "anchor_side_by_side",
+               "step_syncs"}
 
 
 def run_script(name: str, cifar10_like: Path, tmp_path: Path) -> None:

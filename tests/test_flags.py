@@ -267,11 +267,32 @@ def test_a_fused_optimizer_makes_torchs_own_update(name, norm_bias_lr_scale):
                                                      initial_model().parameters()))
 
 
+@pytest.mark.parametrize("saved_fused, built_fused", [(False, True), (True, False)])
+def test_a_checkpoints_optimizer_state_keeps_the_kernels_chosen(saved_fused, built_fused):
+    """A checkpoint saved unfused (on a CPU, or before the trainer fused on CUDA) resumed where
+    the optimizer is fused keeps it fused (GradScaler hands a fused optimizer its overflow flag,
+    which torch's unfused SGD refuses), and the other way round stays unfused; the state
+    itself (momentum) is the checkpoint's."""
+    config = TrainConfig(optimizer="sgd", learning_rate=0.1, momentum=0.9)
+    saved = build_optimizer(initial_model(), config, fused=saved_fused)
+    model = initial_model()
+    saved_model_params = [p for group in saved.param_groups for p in group["params"]]
+    saved_model_params[0].grad = torch.ones_like(saved_model_params[0])
+    saved.step()
+    resumed = build_optimizer(model, config, fused=built_fused)
+    resumed.load_state_dict(saved.state_dict())
+    assert [bool(g["fused"]) for g in resumed.param_groups] == [built_fused] * 2
+    first = resumed.param_groups[0]["params"][0]
+    torch.testing.assert_close(resumed.state[first]["momentum_buffer"],
+                               torch.ones_like(first))
+
+
 def test_optimizers_without_fused_kernels_are_built_as_they_are():
     """timm's own optimizers and its Lookahead wrapper take no `fused=`: asked on CUDA, the
     trainer builds them unfused rather than failing."""
-    for name, optimizer_type in (("lamb", timm.optim.Lamb),
-                                 ("lookahead_sgd", timm.optim.Lookahead)):
+    from timm.optim import Lamb, Lookahead
+
+    for name, optimizer_type in (("lamb", Lamb), ("lookahead_sgd", Lookahead)):
         optimizer = build_optimizer(initial_model(), TrainConfig(optimizer=name), fused=True)
         assert type(optimizer) is optimizer_type
         assert not any(group.get("fused") for group in optimizer.param_groups)

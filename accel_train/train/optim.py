@@ -42,7 +42,8 @@ def build_optimizer(model: nn.Module, config: TrainConfig, fused: bool = False
     name = check_optimizer_name(config.optimizer)
     if name == "sgd" and config.momentum == 0:
         name = "momentum"  # timm's sgd is Nesterov, which torch refuses without momentum
-    kernels = {"fused": True} if fused and has_fused_kernels(name) else {}
+    fusable = has_fused_kernels(name)
+    kernels = {"fused": True} if fused and fusable else {}
     optimizer = create_optimizer_v2(model, opt=name, lr=config.learning_rate,
                                     weight_decay=config.weight_decay, momentum=config.momentum,
                                     layer_decay=config.layer_decay,
@@ -56,7 +57,26 @@ def build_optimizer(model: nn.Module, config: TrainConfig, fused: bool = False
                                         momentum=config.momentum, **kernels)
     for group in optimizer.param_groups:
         group["lr"] = config.learning_rate * group.get("lr_scale", 1.0)
+    if fusable:
+        keep_kernels_on_load(optimizer)
     return optimizer
+
+
+def keep_kernels_on_load(optimizer: torch.optim.Optimizer) -> None:
+    """The kernels chosen here outlast a checkpoint's optimizer state, which would otherwise
+    bring its own (torch's load_state_dict takes each group's settings from the file).  Why:
+    a fused optimizer has told GradScaler at its construction that it takes the overflow flag
+    itself; loaded from a checkpoint saved unfused (on a CPU, or by a version before this
+    choice) its steps would run torch's unfused update, which refuses that flag: the resumed
+    fp16 run would fail at its first step.  The other way, a CPU run resumed from a GPU's
+    checkpoint keeps the unfused update its figures were measured with."""
+    chosen = [group["fused"] for group in optimizer.param_groups]
+
+    def restore(loaded: torch.optim.Optimizer) -> None:
+        for group, fused in zip(loaded.param_groups, chosen):
+            group["fused"] = fused
+
+    optimizer.register_load_state_dict_post_hook(restore)
 
 
 def has_fused_kernels(name: str) -> bool:

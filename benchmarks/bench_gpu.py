@@ -4,7 +4,8 @@ r"""GPU: img/s and model FLOP utilisation (MFU) for ResNet-50 at 224 px and the 
 Arms, per (image size, precision), alternating in rounds:
   hand loop            ResNet-50 (timm) in --layout's memory format (channels_last unless
                        asked), torch.autocast, GradScaler for fp16,
-                       SGD + Nesterov, on a batch already on the GPU
+                       SGD + Nesterov (fused on CUDA, as the trainer's), on a batch already
+                       on the GPU
   accel_train step     Trainer.train_step inside accelerator.accumulate (Accelerate's autocast,
                        its GradScaler for fp16, its optimizer wrapper), on the same GPU batch
   accel_train loop     Trainer.train_epoch: the whole loop with its input pipeline (embedded
@@ -68,8 +69,10 @@ class HandLoop:
         torch.manual_seed(0)
         self.model = timm.create_model(model_name, num_classes=10).to(device)
         self.model = self.model.to(memory_format=memory_format)
+        # fused on CUDA, as the trainer's optimizer is there: the same loop, written by hand
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9,
-                                         nesterov=True, weight_decay=5e-4)
+                                         nesterov=True, weight_decay=5e-4,
+                                         fused=device.type == "cuda")
         self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
         self.dtype = torch.float16 if precision == "fp16" else torch.bfloat16
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")

@@ -3,8 +3,9 @@ loop against the same model trained by hand on a batch already on the device: wh
 path keeps the GPU busy.
 
 Arms, in one process, one after the other:
-  hand loop            ResNet-50 (timm), channels_last, autocast, SGD + Nesterov, on a random
-                       batch already on the GPU (bench_gpu.HandLoop): the ceiling
+  hand loop            ResNet-50 (timm), channels_last, autocast, SGD + Nesterov (fused, as
+                       the trainer's on CUDA), on a random batch already on the GPU
+                       (bench_gpu.HandLoop): the ceiling
   accel_train MODE     Trainer.train_epoch over the folder (make_imagenet_like.py's JPEGs, 300-500
                        px, about 110 kB), --decode-on-device MODE: auto (what a user gets), never
                        (the loader workers decode, crop and jitter: timm's transform on PIL

@@ -126,3 +126,17 @@ def test_a_callback_must_be_a_callback(tmp_path, fresh_accelerate):
                                         "not function$"):
         Trainer.from_config(_config(tmp_path / "run"), callbacks=[lambda trainer: None])
     assert not (tmp_path / "run").exists()  # refused before anything starts
+
+
+def test_a_cpu_run_updates_with_the_unfused_optimizer(tmp_path, fresh_accelerate):
+    """On a CPU the trainer builds the unfused optimizer the CPU figures were measured with;
+    the fused kernels are for CUDA (train/optim.py says why)."""
+    kernels: list = []
+
+    class Kernels(Callback):
+        def on_train_begin(self, trainer) -> None:
+            kernels.extend(group["fused"] for group in trainer.optimizer.param_groups)
+
+    out = tmp_path / "run"
+    assert run_training(_config(out, "--epochs", "1", "--max-steps", "1"), [Kernels()]) == 0
+    assert kernels and not any(kernels), kernels

@@ -77,6 +77,11 @@ def sync_debug(mode: str) -> None:
         torch.cuda.set_sync_debug_mode(mode)
 
 
+def flagged_syncs(caught: list) -> list:
+    """The warnings of torch.cuda.set_sync_debug_mode("warn") among `caught`."""
+    return [w for w in caught if "synchroniz" in str(w.message).lower()]
+
+
 def parse_args():
     parser = benchlib.make_parser(__doc__)
     parser.add_argument("--model", default="cifar_resnet9")
@@ -170,7 +175,7 @@ def training(args, train, model, optimizer) -> dict:
     end.synchronize()
     wall = time.perf_counter() - wall
     device_s = start.elapsed_time(end) / 1000
-    flagged = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    flagged = flagged_syncs(caught)
     return {"steps_per_s_wall": args.steps / wall, "steps_per_s_device": args.steps / device_s,
             "host_ahead": ahead, "of_steps": args.steps - 1, "syncs_flagged": len(flagged),
             "first_sync": str(flagged[0].message)[:160] if flagged else "",

@@ -34,7 +34,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
-from bench_device_resident import event, on_cuda, sync_debug, synchronize  # noqa: E402
+from bench_device_resident import (event, flagged_syncs, on_cuda, sync_debug,  # noqa: E402
+                                   synchronize)
 
 from accel_train.callbacks import Callback  # noqa: E402
 
@@ -114,7 +115,7 @@ def main() -> int:
     if outcome.exit_code != 0 or watch.watched != args.steps:
         raise RuntimeError(f"the run exited {outcome.exit_code} after {watch.watched} watched "
                            f"steps of {args.steps}")
-    flagged = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    flagged = flagged_syncs(caught)
     precision = yaml.safe_load((out / "config.yaml").read_text())["resolved"]["precision_used"]
     name = torch.cuda.get_device_name(0) if on_cuda() else "CPU (--allow-cpu: no figures)"
     report.table(f"{name}: {args.steps} watched steps after {args.warmup}, "

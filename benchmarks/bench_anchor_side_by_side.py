@@ -59,9 +59,9 @@ from bench_gpu_cifar import StampedRun  # noqa: E402
 GPU_RECIPE = benchlib.REPO / "recipes" / "cifar10-gpu-airbench.yaml"
 CPU_RECIPE = benchlib.REPO / "recipes" / "cifar10-cpu-10min.yaml"
 ANCHOR_EPOCH = re.compile(r"^epoch (\d+):")  # the anchors' line at each epoch end
-# airbench's warmup: 23% of the steps at any length (recipes/cifar10-cpu-10min.yaml's
-# warmup_fraction); the GPU recipe's warmup_epochs 2 is the shape of its 30 epochs
-AIRBENCH_WARMUP = "0.23"
+# airbench's warmup share of the steps at any length, as the CPU recipe gives it (23%); the GPU
+# recipe's warmup_epochs 2 is the shape of its 30 epochs
+AIRBENCH_WARMUP = str(yaml.safe_load(CPU_RECIPE.read_text())["warmup_fraction"])
 ANCHOR_TRAINED = re.compile(r"([\d.]+) s of training")  # in it: the training seconds so far
 PRECISION = re.compile(r"precision (\S+?),")  # the CLI's start-up summary
 STEPS_PER_EPOCH = re.compile(r"(\d+) steps/epoch")

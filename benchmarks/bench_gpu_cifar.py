@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import statistics
@@ -70,8 +71,18 @@ class StampedRun:
                                     "top1": float(match[3]) / 100})
 
     def wait(self, timeout: float) -> int:
+        """The command's exit code, once its output has ended.  Sets `exited_s` (the process's
+        own exit) and `closed_s` (the end of its output, later where a process it started,
+        such as torch.compile's worker pool, inherited the output and outlived it), and
+        `holders`: those processes' command lines, as they stood when the command exited."""
         code = self.process.wait(timeout=timeout)
-        self.reader.join()
+        self.exited_s = time.perf_counter() - self.started
+        self.holders: list[str] = []
+        self.reader.join(timeout=1.0)
+        if self.reader.is_alive():
+            self.holders = output_holders(os.fstat(self.process.stdout.fileno()).st_ino)
+            self.reader.join()
+        self.closed_s = time.perf_counter() - self.started
         self.log.close()
         return code
 
@@ -80,6 +91,23 @@ class StampedRun:
 
     def tail(self) -> str:
         return "\n".join(line for _, line in self.lines[-30:])
+
+
+def output_holders(pipe_inode: int) -> list[str]:
+    """The command lines of the processes, other than this one (the reading end), that hold
+    the pipe `pipe_inode` open (Linux /proc; processes that vanish or are not ours to read are
+    passed over)."""
+    link, found = f"pipe:[{pipe_inode}]", []
+    for proc in Path("/proc").glob("[0-9]*"):
+        if proc.name == str(os.getpid()):
+            continue
+        try:
+            if any(os.readlink(fd) == link for fd in (proc / "fd").iterdir()):
+                words = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                found.append(" ".join(" ".join(words).split())[:160])
+        except OSError:
+            continue
+    return found
 
 
 def cli(args, out: Path, *extra: str) -> list[str]:

@@ -117,6 +117,16 @@ def both_arms_and_a_ratio(data: dict) -> None:
     assert reached_a[:-1] == [False] * (len(gpu_runs) - 1), gpu_table
     assert reached_a[-1] == (data["gpu"]["first_at_target"] is not None), gpu_table
     assert reached_a[-1] or gpu_runs == [1, 2], gpu_table
+    # each command's ending: its process's exit, then the end of its output (later only where
+    # a process it started held the output; the notes name such processes)
+    for row in ("gpu", "cpu"):
+        for arm in ("anchor", "cli"):
+            ending = data[row][arm]["exit"]
+            assert 0 < ending["exited_s"] <= ending["closed_s"], (row, arm, ending)
+            assert bool(ending["holders"]) == (ending["closed_s"] - ending["exited_s"] > 1), ending
+        said = f"the CLI {data[row]['cli']['exit']['exited_s']:.1f}"
+        assert any("to its process's exit: the anchor " in note and said in note
+                   for note in data["tables"][row == "cpu"]["notes"]), row
     # the CPU row's anchor again after the CLI (--anchor-again): the same deterministic run,
     # its timed s read against the first's
     again = cpu_table["rows"][2]

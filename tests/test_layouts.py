@@ -64,6 +64,19 @@ def test_rows_labels_and_classes_are_those_of_datasets_imagefolder(tmp_path, spl
         assert ours.labels.tolist() == list(reference["label"])
 
 
+def test_classes_missing_from_a_held_out_split_are_fine_and_keep_their_numbers(tmp_path):
+    """A class with no validation or test images (small held-out splits) trains as usual;
+    only a held-out class that train/ lacks is refused (test_bad_folders_...)."""
+    _files(tmp_path, ["train/a/1.png", "train/b/2.png", "train/c/3.png", "val/a/4.png",
+                      "val/c/5.png", "test/b/6.png"])
+    data = load_data(TrainConfig(data_dir=str(tmp_path), in_memory="never"))
+    assert data.class_names == ["a", "b", "c"]
+    assert data.held_out.labels.tolist() == [0, 2]
+    _files(tmp_path, ["test/d/7.png"])  # the test split's classes are held to train's too
+    with pytest.raises(UsageError, match=r"the test split has images of class\(es\) d, of"):
+        load_data(TrainConfig(data_dir=str(tmp_path), in_memory="never"))
+
+
 def test_nested_class_folders_with_the_top_level_as_the_class(tmp_path):
     _files(tmp_path, ["animals/cat/siamese/1.png", "animals/cat/2.png", "animals/dog/3.png",
                       "plants/tree/oak/4.png", "plants/5.png", "plants/empty_leaf/x.txt"])
@@ -168,6 +181,15 @@ def _bad(tmp_path: Path, case: str) -> tuple[list[str], str]:
     elif case == "no label file":
         labels = tmp_path / "nope.csv"
         expected = f"--val-labels {labels}: no such file"
+    elif case == "held-out class never trained":
+        # one class's folder named differently in val/: the model would get a class it never
+        # trains on (a class missing from val/ only, as n01443537 here, is fine)
+        mixed = tmp_path / "m"
+        _files(mixed, ["train/n01440764/a.png", "train/n01443537/b.png", "train/n01484850/c.png",
+                       "val/n01440764/d.png", "val/n01484850/e.png", "val/n01484851/f.png"])
+        return ["--data-dir", str(mixed)], \
+            (f"--data-dir {mixed}: the validation split has images of class(es) n01484851, of "
+             f"which train has none")
     elif case == "unlabelled held-out folder":
         return ["--data-dir", str(root)], \
             f"{root}/val/ILSVRC2012_val_00000001.JPEG is not inside a class folder"
@@ -178,7 +200,8 @@ def _bad(tmp_path: Path, case: str) -> tuple[list[str], str]:
 
 @pytest.mark.parametrize("case", ["no images", "empty class folder", "label for a missing image",
                                   "unknown class", "class number", "unlabelled image",
-                                  "no label file", "unlabelled held-out folder"])
+                                  "no label file", "unlabelled held-out folder",
+                                  "held-out class never trained"])
 def test_bad_folders_and_label_files_are_one_line_errors(tmp_path, capsys, case):
     args, expected = _bad(tmp_path, case)
     out = tmp_path / "run"

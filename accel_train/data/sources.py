@@ -518,6 +518,32 @@ def pick_splits(raw: RawData, val_fraction: float, select_on_test: bool = False)
                   + (f"; {test} kept for the end" if test else ""))
 
 
+def _refuse_classes_never_trained(raw: RawData, splits: Splits) -> None:
+    """An image folder's held-out split with a class folder that train/ has no images of gives
+    the model a class it never trains on, most often one class named differently in the two
+    splits: refused.  (A class with no held-out images is common in small validation sets and
+    passes; parquet and hub data declare their classes once, in their features.)"""
+    if raw.root is None:
+        return
+
+    def classes_with_images(split: str) -> set[int]:
+        return set(np.unique(raw.splits[split].with_format("arrow")["label"].to_numpy()).tolist())
+
+    trained = classes_with_images(splits.train_name)
+    names = raw.splits[splits.train_name].features["label"].names
+    for held_out in (splits.eval_name, splits.test_name):
+        if held_out in (None, splits.train_name):
+            continue
+        never = [names[c] for c in sorted(classes_with_images(held_out) - trained)]
+        if never:
+            shown = ", ".join(never[:5]) + (f" and {len(never) - 5} more" if len(never) > 5 else "")
+            raise UsageError(f"--data-dir {raw.root}: the {held_out} split has images of "
+                             f"class(es) {shown}, of which train has none: the model would never "
+                             f"learn them; give them training images, or rename or remove those "
+                             f"folders (accel-train check-data {raw.root} lists each split's "
+                             f"classes)")
+
+
 def carve_rows(num_rows: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(rows kept for training, rows held out): `val_fraction` of the rows, chosen with a fixed
     seed.  datasets' own split of a stand-in that holds the row numbers: the same rows as
@@ -572,6 +598,7 @@ def load_data(config: TrainConfig) -> LoadedData:
                           data.description)
     raw = open_data(config)
     splits = pick_splits(raw, config.val_fraction, config.select_on_test)
+    _refuse_classes_never_trained(raw, splits)
     train_rows, eval_rows = splits.train_rows, splits.eval_rows
     if config.max_train_samples:
         train_rows = train_rows[:config.max_train_samples]

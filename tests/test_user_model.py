@@ -62,6 +62,19 @@ def not_a_module(num_classes):
     return {"layers": num_classes}
 
 
+def extra_logits(num_classes):  # a head for a data set with more classes
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes + 5))
+
+
+class WithFeatures(nn.Module):  # (logits, features): not the logits the loop needs
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+
+    def forward(self, x):
+        return self.head(x), x
+
+
 width = 8
 '''
 # 64 images, 4 steps of 16
@@ -201,6 +214,11 @@ BAD = [
     (f"{MODULE}:not_a_module", [], ["--model user_nets:not_a_module", "returned a dict, not a "
                                     "torch nn.Module"]),
     (f"{MODULE}:width", [], ["--model user_nets:width", "width is not callable (a int)"]),
+    (f"{MODULE}:extra_logits", [], ["--model user_nets:extra_logits maps a [1, 3, 32, 32] batch "
+                                    "of images to a tensor of shape [1, 15], not to [1, 10] "
+                                    "logits", "num_classes outputs"]),
+    (f"{MODULE}:WithFeatures", [], ["--model user_nets:WithFeatures maps", "to a tuple, not to "
+                                    "[1, 10] logits"]),
     ("user-nets:small_net", [], ["--model 'user-nets:small_net'", "import path "
                                  "package.module:factory"]),
     (f"{MODULE}_broken:small_net", [], ["--model user_nets_broken:small_net", "importing "

@@ -233,13 +233,16 @@ def pretrained_normalization(model: nn.Module) -> tuple[tuple, tuple]:
             tuple(cfg.get("std", (0.229, 0.224, 0.225))))
 
 
-def check_image_size(model: nn.Module, name: str, image_size: int) -> None:
-    """Run one tiny forward pass so a size the model cannot take fails now, in one line."""
+def check_first_forward(model: nn.Module, name: str, image_size: int, num_classes: int) -> None:
+    """One tiny forward pass, so that a size the model cannot take, or an output other than a
+    row of `num_classes` logits per image, is one line now: not a traceback at the first step
+    or, for too many logits, never (cross-entropy takes them, top-5 counts classes that do not
+    exist, and predict runs out of class names)."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            model(torch.zeros(1, 3, image_size, image_size))
+            output = model(torch.zeros(1, 3, image_size, image_size))
     except Exception as err:  # shape errors surface as RuntimeError/AssertionError/ValueError
         default = (getattr(model, "pretrained_cfg", {}) or {}).get("input_size", (3, 224, 224))[-1]
         raise UsageError(f"--image-size {image_size} does not work with {name} "
@@ -247,6 +250,12 @@ def check_image_size(model: nn.Module, name: str, image_size: int) -> None:
                          f"{default}") from None
     finally:
         model.train(was_training)
+    if not isinstance(output, torch.Tensor) or tuple(output.shape) != (1, num_classes):
+        got = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
+               else f"a {type(output).__name__}")
+        raise UsageError(f"--model {name} maps a [1, 3, {image_size}, {image_size}] batch of "
+                         f"images to {got}, not to [1, {num_classes}] logits (one per class of "
+                         f"the data); make its last layer give num_classes outputs")
 
 
 def freeze_backbone(model: nn.Module) -> int:

@@ -16,7 +16,7 @@ from accel_train.data.augment import build_policy
 from accel_train.data.loaders import dataset_mean_std
 from accel_train.data.sources import ArraySource
 from accel_train.data.transforms import SMALL_IMAGE, held_out_transform
-from accel_train.model.build import (check_image_size, check_model_name, create_model,
+from accel_train.model.build import (check_first_forward, check_model_name, create_model,
                                      freeze_backbone, pretrained_normalization)
 from accel_train.model.saved import ModelSpec
 from accel_train.model.syncbn import convert_sync_batchnorm, num_batchnorm_layers
@@ -59,7 +59,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
         torch.manual_seed(config.seed)  # model init is a function of --seed alone
         model = create_model(config.model, len(data.class_names), config.drop_rate,
                              config.pretrained, config.drop_path)
-    check_image_size(model, config.model, image_size)
+    check_first_forward(model, config.model, image_size, len(data.class_names))
     mean, std = pretrained_normalization(model) if config.pretrained else \
         dataset_mean_std(data.train)
     native_size = data.train.native_size

@@ -42,6 +42,11 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
     `val_fraction` of the training set is held out for validation with a fixed seed.
     `callbacks`: `accel_train.callbacks.Callback` instances. `options`: `TrainConfig`'s fields.
 
+    The run records the module by its class's import name, through which `eval`, `predict` and
+    `export` rebuild it: define the class in a module the script imports, not in the script
+    (run as `__main__`, it cannot be imported again; fit warns). The datasets are not recorded:
+    `eval` of such a run takes `--data-dir` or `--dataset`.
+
     A run stopped by a signal (SIGTERM, Ctrl-C) has saved a checkpoint; the process then ends
     with the command line's exit code (143), so a scheduler sees the same thing.
     """

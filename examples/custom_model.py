@@ -7,6 +7,12 @@
 Every process runs this script; `accel_train.fit` joins them into one run. With two processes
 and half the batch each, the global batch is the same, and so are the trained weights (within
 float rounding): tests/test_api.py checks that.
+
+The network lives in its own module, custom_net.py, and not in this script: the run records it
+as `custom_net:SmallNet`, and `predict` and `export` rebuild it by importing that module, which
+they could not do from a script's own classes:
+
+    PYTHONPATH=examples accel-train predict runs/custom IMAGES...
 """
 
 from __future__ import annotations
@@ -14,10 +20,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch import nn
 from torch.utils.data import Dataset
 
 import accel_train
+from custom_net import SmallNet  # (this script's folder is on sys.path)
 
 
 class Stripes(Dataset):
@@ -41,19 +47,6 @@ class Stripes(Dataset):
         stripes = (torch.sin(phase * 0.8) + 1) / 2
         noise = torch.rand(3, 24, 24, generator=generator) * 0.3
         return (stripes.expand(3, -1, -1) * 0.7 + noise).clamp(0, 1), label
-
-
-class SmallNet(nn.Module):
-    """A convolution, GroupNorm (no batch statistics: the same on one process or two), a head."""
-
-    def __init__(self, num_classes: int = 3):
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16),
-                                      nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.head = nn.Linear(16, num_classes)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(images))
 
 
 def main() -> None:

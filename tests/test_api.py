@@ -10,13 +10,15 @@ import sys
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import Dataset
 
 import accel_train
 import accel_train.callbacks
-from conftest import CONFIGS, REPO, free_port, run
+from accel_train.cli import main
+from conftest import CONFIGS, REPO, free_port, model_spec_of, run
 from conftest import test_env as child_env
 from accel_train.base.errors import UsageError
 
@@ -100,6 +102,39 @@ def test_callbacks_see_every_step_and_evaluation(tmp_path):
     assert seen == {"steps": list(range(1, 17)), "evaluations": 2}
 
 
+class ScriptTiny(Tiny):
+    """Tiny as a class of the script that runs: what `python my_script.py` defines."""
+
+
+ScriptTiny.__module__ = "__main__"
+
+
+def test_a_scripts_own_class_and_datasets_are_named_as_what_commands_cannot_rebuild(tmp_path,
+                                                                                    capsys):
+    """eval and predict rebuild a run's network and data from its records: a class defined in
+    the training script and datasets handed to fit() are neither, and each says so in one
+    line (fit warns of the class at the start)."""
+    torch.manual_seed(0)
+    run_dir = accel_train.fit(ScriptTiny(), Squares(32), Squares(8), batch_size=8, epochs=1,
+                              mixed_precision="no", channels_last=False, augment=False,
+                              progress="log", plots=False, output_dir=str(tmp_path / "run"))
+    said = capsys.readouterr()
+    assert "the model's class ScriptTiny is defined in the script that runs" in \
+        said.out + said.err
+    image = tmp_path / "square.png"
+    Image.fromarray(Squares(2)[1][0].permute(1, 2, 0).numpy()).save(image)
+    for command, expected in (
+            (["eval", str(run_dir)], "was trained on datasets a program handed to fit() "
+                                     "(Squares (train_dataset/eval_dataset)), which no command "
+                                     "can load again; pass --data-dir PATH"),
+            (["predict", str(run_dir), str(image)], "the model is __main__:ScriptTiny, a class "
+                                                    "that the script which trained it defined "
+                                                    "in itself")):
+        assert main(command) == 2, command
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], lines
+
+
 @pytest.mark.parametrize("call, expected", [
     (lambda: accel_train.fit("no_such_model_name", Squares(8)), "--model"),
     (lambda: accel_train.fit(Tiny(), Squares(8), batch_sise=8), "unknown option"),
@@ -139,3 +174,23 @@ def test_the_example_on_two_processes_equals_one_process(tmp_path):
         sys.path.remove(str(EXAMPLE.parent))
     initial = SmallNet().state_dict()
     assert max(float((a[k] - initial[k]).abs().max()) for k in a) > 1e-3
+    # and predict rebuilds the network from the module the run recorded (custom_net, on
+    # PYTHONPATH as the docstring says): the probabilities of the trained weights in plain
+    # torch on the image normalized by the run's recorded mean and std
+    from custom_model import Stripes
+    image = (Stripes(1, offset=20_000)[0][0] * 255).round().to(torch.uint8)
+    Image.fromarray(image.permute(1, 2, 0).numpy()).save(tmp_path / "stripes.png")
+    predicted = run([sys.executable, "-m", "accel_train", "predict", str(tmp_path / "one"),
+                     str(tmp_path / "stripes.png"), "--json"], cwd=tmp_path,
+                    env=child_env(PYTHONPATH=str(EXAMPLE.parent)))
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    spec = model_spec_of(tmp_path / "one")
+    trained = SmallNet()
+    trained.load_state_dict(a)
+    mean, std = (torch.tensor(spec[k]).view(1, 3, 1, 1) for k in ("mean", "std"))
+    with torch.no_grad():
+        expected = trained((image[None].float() / 255 - mean) / std).softmax(-1)[0]
+    top = json.loads(predicted.stdout.splitlines()[-1])["predictions"]
+    assert [p["index"] for p in top] == expected.argsort(descending=True).tolist()
+    assert [p["probability"] for p in top] == pytest.approx(
+        expected.sort(descending=True).values.tolist(), abs=1e-5)

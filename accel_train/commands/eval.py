@@ -73,11 +73,17 @@ def _positive_or_all(text: str):
 def data_config(trained, args) -> TrainConfig:
     """The run's data options (or the given data's), as a TrainConfig for `load_data`."""
     from accel_train.commands.artifacts import read_run_config
-    recorded = read_run_config(trained.run_dir).get("train") if trained.run_dir else None
+    run_config = read_run_config(trained.run_dir) if trained.run_dir else {}
+    recorded = run_config.get("train")
     other_data = args.data_dir is not None or args.dataset is not None
     if not other_data and not isinstance(recorded, dict):
         raise UsageError(f"{trained.description} has no run config.yaml saying what it was "
                          f"trained on; pass --data-dir PATH or --dataset NAME")
+    resolved = run_config.get("resolved")
+    if not other_data and isinstance(resolved, dict) and resolved.get("data_from_program"):
+        raise UsageError(f"{trained.description} was trained on datasets a program handed to "
+                         f"fit() ({resolved.get('data', 'not recorded')}), which no command can "
+                         f"load again; pass --data-dir PATH or --dataset NAME")
     values = {} if other_data else {k: recorded[k] for k in DATA_OPTIONS if k in recorded}
     if values.get("data_dir") and not Path(values["data_dir"]).exists():
         # config.yaml records the path as typed: relative to wherever training was started

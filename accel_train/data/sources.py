@@ -315,6 +315,8 @@ class LoadedData:
     bad_images: list[BadImage] = field(default_factory=list)
     # Evaluated once, at the end of training, and never read before: it decides nothing.
     test: Optional[ImageSource] = None
+    # Datasets a program handed to fit(), which no command can load again (eval asks for data)
+    from_program: bool = False
 
 
 @dataclass

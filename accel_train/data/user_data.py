@@ -162,4 +162,4 @@ def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> Loaded
         limit = config.in_memory_limit_gb * 2**30
         train, held_out = train.in_memory(limit), held_out.in_memory(limit)
     return LoadedData(train, held_out, class_names, f"{type(train_dataset).__name__} "
-                                                    f"({description})")
+                                                    f"({description})", from_program=True)

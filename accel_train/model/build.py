@@ -289,6 +289,12 @@ def build_from_spec(spec: ModelSpec) -> nn.Module:
     """The trained network's architecture, through the name it was trained with (a user's
     factory is imported again: one line naming the module when it is not importable here), its
     float32 layers as the run computed them."""
+    if spec.model_name.partition(":")[0] == "__main__":
+        raise UsageError(f"the model is {spec.model_name}, a class that the script which "
+                         f"trained it defined in itself, and no other program can import it; "
+                         f"move the class into a module the script imports (then it is "
+                         f"recorded by that module's name) and train again, or load "
+                         f"model.safetensors into the class in your own code")
     if is_import_path(spec.model_name) or timm_source(spec.model_name):
         check_model_name(spec.model_name, "the model was trained with --model")
     elif not timm.is_model(spec.model_name):

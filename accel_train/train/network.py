@@ -55,6 +55,10 @@ def build_network(config, data, num_processes: int, cuda: bool,
     `accelerator.prepare`.  `model`: a module a program brings (the Python API), initialised
     by the program, used as it is."""
     image_size = config.image_size or data.train.native_size
+    if model is not None and type(model).__module__ == "__main__":
+        warn(f"the model's class {type(model).__qualname__} is defined in the script that runs, "
+             f"which eval, predict and export cannot import to rebuild the network; define it "
+             f"in a module the script imports to use them")
     if model is None:
         torch.manual_seed(config.seed)  # model init is a function of --seed alone
         model = create_model(config.model, len(data.class_names), config.drop_rate,

@@ -289,6 +289,26 @@ def test_a_resume_that_would_change_the_data_order_is_refused(bundle, tmp_path, 
         assert code == 2 and len(err) == 1 and message in err[0], err
 
 
+def test_a_resume_at_another_image_size_is_refused_in_one_line_and_moves_nothing(tmp_path,
+                                                                                 capsys):
+    """A finished run resumed with another --image-size: one line naming the size it trained
+    at, and its final model still records that size (it was rewritten with the new one)."""
+    out = tmp_path / "run"
+    assert main([*TINY_TRAIN, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir",
+                 str(out)]) == 0
+    capsys.readouterr()
+    before = tree_digest(out)
+    code, err = run_cli(capsys, "--image-size", "40", "--max-steps", "2", "--output-dir",
+                        str(out), "--resume", "auto")
+    assert code == 2 and len(err) == 1, err
+    assert "was trained at --image-size 32 but this start asks for 40; resume with " \
+           "--image-size 32" in err[0], err
+    assert tree_digest(out) == before
+    code, err = run_cli(capsys, "--image-size", "32", "--max-steps", "2", "--output-dir",
+                        str(out), "--resume", "auto")
+    assert code == 0, err  # the size it trained at, given explicitly: resumes
+
+
 def test_a_resume_with_another_optimizer_is_refused_in_one_line_and_moves_nothing(tmp_path,
                                                                                 capsys):
     """SGD's state (the default --optimizer) resumed with --optimizer adamw: torch would load

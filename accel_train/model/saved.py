@@ -83,14 +83,22 @@ class ModelSpec:
         return path
 
     def load(self, directory: Path) -> None:
-        """A resumed start: the checkpoint's network must be this start's (restored before the
-        weights, so that another --model is one line, not a state-dict size mismatch)."""
+        """A resumed start: the checkpoint's network and image size must be this start's
+        (restored before the weights, so that another --model is one line, not a state-dict
+        size mismatch)."""
         saved = ModelSpec.read(directory)
         if (saved.model_name, saved.num_classes) != (self.model_name, self.num_classes):
             raise UsageError(f"checkpoint {directory} was trained with --model "
                              f"{saved.model_name} ({saved.num_classes} classes) but this start "
                              f"builds {self.model_name} ({self.num_classes} classes); resume "
                              f"with the same --model and data, or start a new run")
+        if saved.image_size != self.image_size:
+            # the crops it trained on, and the size its final model records for eval, predict
+            # and export: a run has one
+            raise UsageError(f"checkpoint {directory} was trained at --image-size "
+                             f"{saved.image_size} but this start asks for {self.image_size}; "
+                             f"resume with --image-size {saved.image_size}, or start a new run "
+                             f"(--pretrained takes the run's model.safetensors)")
 
     @classmethod
     def read(cls, directory: Path) -> "ModelSpec":

@@ -42,7 +42,7 @@ from accel_train.data.decode import decode, read_value
 from accel_train.data.loaders import HeldOutImages, TrainImages, run_transforms
 from accel_train.data.sources import ArraySource, load_data
 from accel_train.data.transforms import CROP_SALT, SMALL_IMAGE
-from accel_train.model.saved import ModelSpec
+from accel_train.model.saved import ModelSpec, write_model_folder
 from accel_train.train.network import build_network
 
 from conftest import PINNED, accel_train_here
@@ -395,3 +395,21 @@ def test_predict_on_an_export_gives_timms_own_pipelines_probabilities(tmp_path):
     epochs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
               if '"epoch"' in line]
     assert epochs[-1]["eval_loss"] == pytest.approx(loss, abs=1e-4)
+
+
+def test_timms_test_size_of_the_export_is_the_size_the_run_evaluated_at(tmp_path):
+    """resnet18's pretrained_cfg tests at 288 px with crop 1.0 (timm's validate.py takes the test
+    size by default): a model folder of weights trained and evaluated at 96 px with crop 0.9
+    makes timm resolve that size and crop with and without the test size."""
+    spec = ModelSpec("resnet18", 2, ["a", "b"], 96, (0.4, 0.5, 0.6), (0.2, 0.25, 0.3),
+                     crop_pct=0.9, crop_mode="center", interpolation="bicubic")
+    source = timm.create_model("resnet18", pretrained=False, num_classes=2)
+    assert source.pretrained_cfg["test_input_size"] == (3, 288, 288)  # (the case in point)
+    write_model_folder(source, tmp_path / "model", spec)
+    loaded = timm.create_model(f"local-dir:{tmp_path / 'model'}", pretrained=True)
+    for use_test_size in (False, True):
+        resolved = resolve_data_config(model=loaded, use_test_size=use_test_size)
+        assert resolved["input_size"] == (3, 96, 96), use_test_size
+        assert (resolved["crop_pct"], resolved["crop_mode"], resolved["interpolation"]) == \
+            (0.9, "center", "bicubic"), use_test_size
+    assert source.pretrained_cfg["test_input_size"] == (3, 288, 288)  # the module's own, kept

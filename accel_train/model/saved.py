@@ -163,6 +163,10 @@ def resize_description(spec: ModelSpec) -> str:
             f"{size} px (timm's crop_pct {spec.crop_pct:g})")
 
 
+# pretrained_cfg entries of the source checkpoint that say nothing true of the trained weights
+SOURCE_ONLY = ("tag", "test_input_size", "test_crop_pct")
+
+
 def write_model_folder(model: nn.Module, directory: Path, spec: ModelSpec,
                        command: Optional[list] = None) -> Path:
     """DIR/model.safetensors (our writer: plain contiguous CPU tensors with the "pt" metadata;
@@ -187,10 +191,12 @@ def write_model_folder(model: nn.Module, directory: Path, spec: ModelSpec,
         return weights
     # timm's saver takes the preprocessing from model.pretrained_cfg (the `data_config` argument
     # exists only in the newest timm): describe the trained model there while it writes.  The
-    # source checkpoint's tag and pool size no longer describe these weights.
+    # source checkpoint's tag and pool size no longer describe these weights, nor its test size
+    # and crop (resnet50's 288 px, crop 1.0): timm's validate.py takes those by default, and
+    # would evaluate the export at a size and crop the run never evaluated.
     source_cfg = model.pretrained_cfg
     size_changed = tuple(source_cfg.get("input_size", ())[1:]) != (spec.image_size,) * 2
-    model.pretrained_cfg = {**{k: v for k, v in source_cfg.items() if k != "tag"},
+    model.pretrained_cfg = {**{k: v for k, v in source_cfg.items() if k not in SOURCE_ONLY},
                             **preprocessing(spec), **({"pool_size": None} if size_changed else {})}
     try:
         save_config_for_hf(model, directory / TIMM_CONFIG,

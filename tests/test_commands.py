@@ -163,14 +163,16 @@ def test_predict_reports_an_unreadable_image_and_predicts_the_others(run_dir, im
                                                                      tmp_path, capsys):
     folder = tmp_path / "mixed"
     shutil.copytree(image_folder / "ring", folder)
-    (folder / "0_broken.png").write_bytes(b"\x89PNG broken")  # sorted first
+    (folder / "zz_broken.png").write_bytes(b"\x89PNG broken")  # sorted last
     code, out, err = command(capsys, "predict", str(run_dir), str(folder), "--json")
     rows = [json.loads(line) for line in out.strip().splitlines()]
-    assert code == 2 and rows[0]["image"].endswith("0_broken.png") and "error" in rows[0]
+    # the rows in the folder's sorted order, the unreadable one in its place
+    assert [row["image"] for row in rows] == [str(p) for p in sorted(folder.glob("*.png"))]
+    assert code == 2 and rows[-1]["image"].endswith("zz_broken.png") and "error" in rows[-1]
     predicted = [row for row in rows if "predictions" in row]
     assert len(predicted) == len(list((image_folder / "ring").glob("*.png"))) > 0
     assert err.strip().splitlines()[-1].startswith("accel_train: error: 1 of ")
-    assert "0_broken.png cannot be decoded" in err
+    assert "zz_broken.png cannot be decoded" in err
 
 
 def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_path, capsys):

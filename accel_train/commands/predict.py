@@ -82,24 +82,27 @@ def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device
     transform = held_out_transform(spec)
     k = min(top_k, spec.num_classes)
     for start in range(0, len(images), batch_size):
-        readable, tensors = [], []
-        for path in images[start:start + batch_size]:
+        paths, tensors, reasons = images[start:start + batch_size], [], {}
+        for path in paths:
             try:
                 tensors.append(transform(decode(read_value(str(path)))))
-                readable.append(path)
             except Unreadable as err:
-                yield path, None, err.reason
-        if not tensors:
-            continue
-        batch = torch.stack(tensors).to(device)
-        if channels_last:
-            batch = batch.contiguous(memory_format=torch.channels_last)
-        with torch.no_grad(), autocast():
-            logits = logits_of(model, batch, spec.tta)  # float32 (logits_of)
-        probabilities = logits.softmax(dim=1)
-        best = probabilities.topk(k, dim=1)
-        for path, values, indices in zip(readable, best.values.tolist(), best.indices.tolist()):
-            yield path, list(zip(indices, values)), None
+                reasons[path] = err.reason
+        ranked = iter(())
+        if tensors:
+            batch = torch.stack(tensors).to(device)
+            if channels_last:
+                batch = batch.contiguous(memory_format=torch.channels_last)
+            with torch.no_grad(), autocast():
+                logits = logits_of(model, batch, spec.tta)  # float32 (logits_of)
+            best = logits.softmax(dim=1).topk(k, dim=1)
+            ranked = iter(zip(best.indices.tolist(), best.values.tolist()))
+        for path in paths:  # in the order given, an unreadable image in its place
+            if path in reasons:
+                yield path, None, reasons[path]
+            else:
+                indices, values = next(ranked)
+                yield path, list(zip(indices, values)), None
 
 
 def _table_header(k: int, path_width: int, name_width: int) -> str:

@@ -289,21 +289,26 @@ def test_a_resume_that_would_change_the_data_order_is_refused(bundle, tmp_path, 
         assert code == 2 and len(err) == 1 and message in err[0], err
 
 
-def test_a_resume_at_another_image_size_is_refused_in_one_line_and_moves_nothing(tmp_path,
-                                                                                 capsys):
-    """A finished run resumed with another --image-size: one line naming the size it trained
-    at, and its final model still records that size (it was rewritten with the new one)."""
+def test_a_resume_at_another_image_size_or_model_is_refused_in_one_line_and_moves_nothing(
+        tmp_path, capsys):
+    """A finished run resumed with another --image-size (its final model still records the
+    size it trained at: it was rewritten with the new one) or another --model: one line naming
+    what the checkpoint holds."""
     out = tmp_path / "run"
     assert main([*TINY_TRAIN, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir",
                  str(out)]) == 0
     capsys.readouterr()
     before = tree_digest(out)
-    code, err = run_cli(capsys, "--image-size", "40", "--max-steps", "2", "--output-dir",
-                        str(out), "--resume", "auto")
-    assert code == 2 and len(err) == 1, err
-    assert "was trained at --image-size 32 but this start asks for 40; resume with " \
-           "--image-size 32" in err[0], err
-    assert tree_digest(out) == before
+    for flags, message in (
+            (["--image-size", "40"], "was trained at --image-size 32 but this start asks for "
+                                     "40; resume with --image-size 32"),
+            (["--model", "cifar_convnet_s"], "was trained with --model test_resnet (10 classes) "
+                                             "but this start builds cifar_convnet_s (10 classes)")):
+        code, err = run_cli(capsys, *flags, "--max-steps", "2", "--output-dir", str(out),
+                            "--resume", "auto")
+        assert code == 2 and len(err) == 1, err
+        assert message in err[0], err
+        assert tree_digest(out) == before
     code, err = run_cli(capsys, "--image-size", "32", "--max-steps", "2", "--output-dir",
                         str(out), "--resume", "auto")
     assert code == 0, err  # the size it trained at, given explicitly: resumes

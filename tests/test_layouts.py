@@ -77,6 +77,16 @@ def test_classes_missing_from_a_held_out_split_are_fine_and_keep_their_numbers(t
         load_data(TrainConfig(data_dir=str(tmp_path), in_memory="never"))
 
 
+def test_a_test_split_beside_a_carved_validation_is_held_to_trains_classes(tmp_path):
+    """No val/: validation is carved from train (same split, nothing to compare), and test/ is
+    still checked; seven classes never trained are named five at a time."""
+    _files(tmp_path, ["train/a/1.png", "train/a/2.png", "train/b/3.png", "train/b/4.png"]
+           + [f"test/{c}/{i}.png" for i, c in enumerate("abcdefghi")])
+    with pytest.raises(UsageError, match=r"the test split has images of class\(es\) c, d, e, "
+                                         r"f, g and 2 more, of which train has none"):
+        load_data(TrainConfig(data_dir=str(tmp_path), in_memory="never"))
+
+
 def test_nested_class_folders_with_the_top_level_as_the_class(tmp_path):
     _files(tmp_path, ["animals/cat/siamese/1.png", "animals/cat/2.png", "animals/dog/3.png",
                       "plants/tree/oak/4.png", "plants/5.png", "plants/empty_leaf/x.txt"])

@@ -288,9 +288,11 @@ class Trainer:
                     epoch_started = time.perf_counter()
                     if self.train_epoch():
                         return self._stop_for_signal()
-                    self.end_epoch(time.perf_counter() - epoch_started)
-                if state.samples_in_epoch:  # --max-steps ended mid-epoch
-                    self.end_epoch()
+                    self.end_epoch(time.perf_counter() - epoch_started, self._mid_epoch())
+                if state.samples_in_epoch and state.eval_step != state.step:
+                    # stopped by a signal at the last step: that step's end is still to do (a
+                    # finished run resumed has done it)
+                    self.end_epoch(mid_epoch=self._mid_epoch())
             except RuntimeError as err:
                 if not (self.timeouts.active and is_timeout(err)):
                     raise
@@ -303,6 +305,10 @@ class Trainer:
         self.report.say(f"Training took {time.perf_counter() - started:.1f}s")
         self._finish()
         return 0
+
+    def _mid_epoch(self) -> bool:
+        """Whether the run's steps (--max-steps, a time budget) ended inside the epoch."""
+        return 0 < self.state.samples_in_epoch < self.train_loader.usable
 
     # -- accumulate -----------------------------------------------------------------------------
     def train_epoch(self) -> bool:
@@ -367,10 +373,12 @@ class Trainer:
         return loss.detach(), (logits.detach().argmax(dim=1) == labels).sum()
 
     # -- evaluate -------------------------------------------------------------------------------
-    def end_epoch(self, epoch_seconds: Optional[float] = None):
+    def end_epoch(self, epoch_seconds: Optional[float] = None, mid_epoch: bool = False):
         """The epoch is over (`epoch_seconds`: it was timed whole): evaluate when --eval-every
         says so, record it, stand at the next epoch, checkpoint.  Outside the time budget's
-        window of steps, which measures it apart."""
+        window of steps, which measures it apart.  `mid_epoch`: the run's steps ended inside
+        the epoch: the checkpoint stays where the epoch stands, so that a longer run resumed
+        from it trains the rest of the epoch instead of skipping it."""
         state = self.state
         self.timeouts.relax()  # evaluation and checkpoint: healthy long waits
         last = state.step >= self.total_steps
@@ -391,8 +399,9 @@ class Trainer:
             self.accelerator.log(tracker_scalars(record), step=state.step)
             timing = f" Time {epoch_seconds:.1f}s" if epoch_seconds is not None else ""
             self.progress.write(f"Epoch {state.epoch + 1}{timing}: {words}")
-            self.next_epoch()
-            self.maybe_checkpoint("epoch end")
+            if not mid_epoch:
+                self.next_epoch()
+            self.maybe_checkpoint("the last step, mid-epoch" if mid_epoch else "epoch end")
 
     def _evaluate_into(self, record: dict) -> str:
         """The model's evaluation and the averages' beside it (--model-ema), into the state and

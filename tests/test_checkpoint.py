@@ -23,7 +23,8 @@ from accel_train.run.checkpoint import (MANIFEST, STATE_FILE, AccelerateState, C
 from accel_train.run.resume import accumulation_for, resolve_resume, set_aside_newer
 from accel_train.cli import main
 from accel_train.base.errors import UsageError
-from conftest import TINY_TRAIN
+from accel_train.callbacks import Callback
+from conftest import TINY_TRAIN, accel_train_here
 
 
 class Warnings(list):
@@ -287,6 +288,46 @@ def test_a_resume_that_would_change_the_data_order_is_refused(bundle, tmp_path, 
         code, err = run_cli(capsys, *flags, "--max-steps", "2", "--output-dir", str(out),
                             "--resume", "auto")
         assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+class BatchLabels(Callback):
+    """Each optimizer step's batch labels, by the step it makes (accumulation 1)."""
+
+    def __init__(self):
+        self.by_step: dict[int, list[int]] = {}
+
+    def on_batch_start(self, trainer, batch) -> None:
+        self.by_step[trainer.state.step + 1] = batch.labels.tolist()
+
+
+def test_a_longer_run_resumed_where_max_steps_ended_mid_epoch_trains_the_rest_of_it(tmp_path):
+    """--max-steps 6 ends inside the first epoch (14 steps of 16 images); the same run resumed
+    with --max-steps 12 goes on in that epoch: its steps 7-12 take the batches that an
+    uninterrupted --max-steps 12 run takes there, and it ends 12 batches into epoch 1.  (It
+    had stepped to epoch 2, skipping the rest of epoch 1.)"""
+    whole, first, longer = BatchLabels(), BatchLabels(), BatchLabels()
+    accel_train_here(*TINY_TRAIN, "--max-steps", "12", "--output-dir", str(tmp_path / "whole"),
+                     check=True, callbacks=[whole])
+    out = tmp_path / "run"
+    accel_train_here(*TINY_TRAIN, "--max-steps", "6", "--output-dir", str(out), check=True,
+                     callbacks=[first])
+    state = json.loads((out / "checkpoints" / "step_00000006" / STATE_FILE).read_text())
+    assert (state["epoch"], state["samples_in_epoch"]) == (0, 6 * 16)
+    resumed = accel_train_here(*TINY_TRAIN, "--max-steps", "12", "--output-dir", str(out),
+                               "--resume", "auto", check=True, callbacks=[longer])
+    assert "at step 6 (epoch 1, 96 samples into it)" in resumed.stdout, resumed.stdout
+    assert sorted(longer.by_step) == list(range(7, 13))
+    assert {step: whole.by_step[step] for step in longer.by_step} == longer.by_step
+    assert first.by_step == {step: whole.by_step[step] for step in range(1, 7)}
+    state = json.loads((out / "checkpoints" / "step_00000012" / STATE_FILE).read_text())
+    assert (state["epoch"], state["samples_in_epoch"]) == (0, 12 * 16)
+    # the finished run resumed once more trains nothing and records nothing new
+    records = (out / "metrics.jsonl").read_text()
+    again = accel_train_here(*TINY_TRAIN, "--max-steps", "12", "--output-dir", str(out),
+                             "--resume", "auto", check=True)
+    assert "Epoch" not in again.stdout and (out / "metrics.jsonl").read_text().startswith(records)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == \
+        ["step_00000006", "step_00000012"]
 
 
 def test_a_resume_at_another_image_size_or_model_is_refused_in_one_line_and_moves_nothing(

@@ -131,6 +131,23 @@ def test_launch_script_dry_run_prints_the_command(capsys):
     assert out.startswith("PET_RDZV_ID=my-job-1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ")
 
 
+@pytest.mark.parametrize("train_args, message", [
+    (["--epochs", "0"], "--epochs"),
+    (["--model", "resnet_does_not_exist"], "--model 'resnet_does_not_exist' is not a timm"),
+    (["--no-such-flag"], "--no-such-flag"),
+])
+def test_launch_refuses_bad_training_flags_before_starting_anything(tmp_path, capsys,
+                                                                    train_args, message):
+    """What follows `--` is read as every worker would read it: one line, exit 2, before the
+    launcher starts (a worker's refusal would repeat once per process and elastic restart)."""
+    code = cli.main(["launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"), "--elastic",
+                     str(CONFIGS / "elastic.yaml"), "--dry-run", "--", *train_args,
+                     "--output-dir", str(tmp_path / "run")])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err, (out, err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_launch_without_config_file_is_one_line_exit_2(capsys):
     code = cli.main(["launch", "--dry-run", "--", "--epochs", "2"])
     err = capsys.readouterr().err

@@ -14,7 +14,8 @@ elastic file, and runs
 
 Everything before `--` that is not ours goes to `accelerate launch` unchanged (for example
 `--main_process_port 29600` or `--machine_rank 1`); everything after `--` goes to accel_train.
-`--dry-run` prints the command instead of running it.  Bad input: one line on stderr, exit code 2.
+`--dry-run` prints the command instead of running it.  Bad input: one line on stderr, exit code 2,
+the training flags included (read here as every worker will read them).
 """
 
 from __future__ import annotations
@@ -158,9 +159,19 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], list[str]
     return args, launch_args, train_args
 
 
+def check_train_args(train_args: list[str]) -> None:
+    """The training flags as every worker will read them: a bad one is one line here, not an
+    error in each worker, once per machine and per elastic restart, under torchrun's
+    ChildFailedError traceback.  (What only a worker can know, such as the data, it says
+    itself.)"""
+    from accel_train.cli import build_train_parser, config_from_args
+    config_from_args(build_train_parser(prog="accel-train launch ... --").parse_args(train_args))
+
+
 def main(argv: Sequence[str]) -> int:
     args, launch_args, train_args = parse(argv)
     command = build_command(args.config_file, args.elastic, launch_args, train_args)
+    check_train_args(train_args)
     elastic = read_yaml(args.elastic, "--elastic") if args.elastic else {}
     environment = launcher_environment(elastic)
     if args.dry_run:

@@ -30,7 +30,6 @@ from accel_train.base.errors import UsageError
 from conftest import accel_train_here, TINY_TRAIN, free_port
 from faults import Run, checkpoint_steps, metrics, wait_until
 
-FLAG = "--time-budget x"
 
 
 # -- the duration syntax --------------------------------------------------------------------------
@@ -106,7 +105,7 @@ def _total(clock, seconds, elapsed, step_seconds, steps_done, steps_per_epoch, e
     timer.start(0)
     clock.now = 1000.0 + elapsed
     return timer.total_steps(step_seconds, steps_done, steps_per_epoch, eval_images,
-                             global_batch, FLAG, eval_every)
+                             global_batch, eval_every)
 
 
 def _largest_that_fits(seconds, elapsed, step_seconds, steps_done, steps_per_epoch,
@@ -219,7 +218,7 @@ def test_epoch_ends_without_an_evaluation_are_measured_apart(clock, steps_done, 
         clock.now += 30.0
     assert timer.epoch_end_seconds == pytest.approx(30.0)  # the latest evaluating end
     assert timer.plain_end_seconds() == pytest.approx(3.0)
-    assert timer.total_steps(0.5, steps_done, 20, 0, 100, FLAG, eval_every) == \
+    assert timer.total_steps(0.5, steps_done, 20, 0, 100, eval_every) == \
         _largest_that_fits(600, 133.0, 0.5, steps_done, 20, 0, 100, eval_seconds=30.0,
                            eval_every=eval_every, plain_seconds=3.0)
 
@@ -251,11 +250,11 @@ def test_epoch_ends_already_behind_are_not_budgeted_again(clock):
         _largest_that_fits(100, 46, 1.0, 31, 10, 100, 10) == 65
 
 
-def test_a_budget_with_no_room_for_a_step_is_a_usage_error(clock):
-    with pytest.raises(UsageError, match="--time-budget"):
-        _total(clock, 10, 9.8, 0.5, 13, 50, 0, 100)
-    with pytest.raises(UsageError, match="--time-budget"):
-        _total(clock, 10, 12, 0.5, 13, 50, 0, 100)  # already over
+def test_a_first_fit_with_no_room_for_a_step_ends_the_run_where_it_stands(clock):
+    """By the first fit the run has trained: its steps are kept (evaluated and saved), not
+    thrown away as bad input after the fact."""
+    assert _total(clock, 10, 9.8, 0.5, 13, 50, 0, 100) == 13
+    assert _total(clock, 10, 12, 0.5, 13, 50, 0, 100) == 13  # already over
 
 
 def _readings(clock, timer, first_step, step_times, refits: bool = False):
@@ -356,7 +355,7 @@ def test_an_epoch_end_inside_the_window_is_left_out(clock):
     # no held-out images) no longer counts.
     elapsed = 15 + 10 + 8.4 + 24 + 90
     assert timer.epoch_end_seconds == pytest.approx(30.0)
-    assert timer.total_steps(0.5, 73, 20, 0, 100, FLAG) == \
+    assert timer.total_steps(0.5, 73, 20, 0, 100) == \
         _largest_that_fits(600, elapsed, 0.5, 73, 20, 0, 100, eval_seconds=30.0)
 
 
@@ -390,9 +389,9 @@ def test_a_late_fit_with_no_time_left_ends_the_run_where_it_stands(clock):
     timer = TimeBudget(100)
     timer.start(0)
     clock.now = 50.0
-    assert timer.total_steps(0.5, 13, 50, 0, 100, FLAG) > 13  # the first fit
+    assert timer.total_steps(0.5, 13, 50, 0, 100) > 13  # the first fit
     clock.now = 100.5  # the machine slowed down and the budget is spent
-    assert timer.total_steps(5.0, 60, 50, 0, 100, FLAG) == 60  # no error: stop here
+    assert timer.total_steps(5.0, 60, 50, 0, 100) == 60  # no error: stop here
 
 
 # -- 2 processes under torchrun -------------------------------------------------------------------
@@ -710,6 +709,24 @@ def test_the_probed_evaluation_sets_the_step_count(tmp_path, monkeypatch, clock,
                                        eval_seconds=evaluation, eval_every=0)
     assert [fit["step_seconds"] for fit in fits] == [1.0] * len(fits)
     assert max(r["step"] for r in metrics(out) if r["type"] == "epoch") == total
+
+
+def test_a_budget_spent_before_its_first_fit_ends_the_run_there_and_keeps_it(tmp_path, clock):
+    """10 s at 1 s a step on the fake clock: the pilot's 13 steps already spend it.  The run
+    ends at step 13 with a warning (it had stopped in one line, exit 2, after training, its
+    folder holding checkpoints and no model, and the same command then refused the folder):
+    evaluated, checkpointed at step 13 mid-epoch, its model saved, exit 0."""
+    out = tmp_path / "run"
+    command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "10s",
+               "--output-dir", str(out)]
+    result = accel_train_here(*command, check=True, callbacks=ticking(clock))
+    assert "warning: --time-budget 10s: an optimizer step takes 1.00s here, and the budget " \
+           "leaves no time for more than the 13 steps measured: the run ends there" \
+           in result.stdout + result.stderr, result.stdout
+    epochs = [r for r in metrics(out) if r["type"] == "epoch"]
+    assert [(r["step"], "eval_top1" in r) for r in epochs] == [(13, True)], epochs
+    assert (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000013"]
 
 
 def test_a_budgeted_run_plans_only_the_evaluations_eval_every_will_run(tmp_path, clock):

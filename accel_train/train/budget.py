@@ -21,7 +21,6 @@ import statistics
 import time
 from typing import Optional
 
-from accel_train.base.errors import UsageError
 
 WARM_STEPS = 3       # not measured: the first steps pay compilation, allocation, cold caches
 MEASURED_STEPS = 10  # then this many are timed: the pilot reading
@@ -191,18 +190,15 @@ class TimeBudget:
         return statistics.median(self._plain_ends) if self._plain_ends else 0.0
 
     def total_steps(self, step_seconds: float, steps_done: int, steps_per_epoch: int,
-                    eval_images: int, global_batch: int, flag: str, eval_every: int = 1) -> int:
+                    eval_images: int, global_batch: int, eval_every: int = 1) -> int:
         """The most steps such that the steps still to come plus the epoch ends still to come
         (those that evaluate: every `eval_every`th and the last, the final evaluation; and the
-        others) fit the time that is left.  The first fit with no room for a step is a
-        UsageError; a later one may end the run where it stands."""
+        others) fit the time that is left.  A fit with no room for a step ends the run where it
+        stands (`steps_done`), even the first: by then the run has trained, and its steps are
+        kept, evaluated and saved; the pacer warns of it."""
         low = self.steps_that_fit(step_seconds, steps_done, steps_per_epoch, eval_images,
                                   global_batch, eval_every)
         self.fits += 1
-        if low <= steps_done and self.fits == 1:
-            raise UsageError(f"{flag}: an optimizer step takes {step_seconds:.2f}s here, and the "
-                             f"budget leaves no time for more than the {steps_done} measured; "
-                             f"give more time")
         return low
 
     def steps_that_fit(self, step_seconds: float, steps_done: int, steps_per_epoch: int,

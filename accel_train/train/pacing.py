@@ -82,14 +82,14 @@ class BudgetPacer:
                             f"estimate at step {step}, {estimate:,} steps")
             return
         first, before = not self.schedule.fixed_by_budget, self.schedule.total_steps
-        total = self._agreed(self.budget.total_steps(*reading, self.flag, eval_every))
+        total = self._agreed(self.budget.total_steps(*reading, eval_every))
         if not first and total == before:
             return
         self.schedule.fit_total(total, step_seconds, step)
         self.write_resolved({"total_steps": total, "budget_step_seconds": step_seconds})
         self.progress.set_total(total)
         self._record(step, total, step_seconds)
-        self._say(first, before, total, step_seconds)
+        self._say(first, before, total, step_seconds, step)
 
     def _agreed(self, count: int) -> int:
         # within --max-steps, and rank 0's on every rank: each rank's clock started at its own
@@ -120,10 +120,16 @@ class BudgetPacer:
             "lr_factor": round(self.schedule.decay_from_factor, 6),
             "warmup_steps": self.schedule.warmup_steps})
 
-    def _say(self, first: bool, before: int, total: int, step_seconds: float) -> None:
+    def _say(self, first: bool, before: int, total: int, step_seconds: float,
+             step: int) -> None:
         budget, config, planned = f"time budget {self.config.time_budget}", self.config, \
             self.schedule.warmup_planned
-        if first:
+        if first and total <= step:
+            self.report.warn(f"{self.flag}: an optimizer step takes {step_seconds:.2f}s here, "
+                             f"and the budget leaves no time for more than the {total:,} "
+                             f"steps measured: the run ends there, its schedule cut short "
+                             f"(give more time for a whole schedule)")
+        elif first:
             self.report.say(f"{budget}: {total:,} steps, "
                             f"{total / self.loaders.steps_per_epoch:.1f} epochs at "
                             f"{1000 * step_seconds:.0f} ms/step (every evaluation included; "

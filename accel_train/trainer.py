@@ -302,6 +302,7 @@ class Trainer:
             finally:
                 self.progress.close()
         self.timeouts.relax()
+        self.pacer.finish(state.step)
         self.report.say(f"Training took {time.perf_counter() - started:.1f}s")
         self._finish()
         return 0

@@ -729,6 +729,17 @@ def test_a_budget_spent_before_its_first_fit_ends_the_run_there_and_keeps_it(tmp
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000013"]
 
 
+def test_a_budgeted_run_that_max_steps_ends_before_any_fit_records_its_length(tmp_path, clock):
+    """--max-steps 4 ends the run inside the pilot, before the budget fixes a count: config.yaml
+    records the 4 steps it had (it recorded null), as the schedule in its checkpoint does."""
+    out = tmp_path / "run"
+    command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "60s",
+               "--max-steps", "4", "--output-dir", str(out)]
+    accel_train_here(*command, check=True, callbacks=ticking(clock))
+    resolved = yaml.safe_load((out / "config.yaml").read_text())["resolved"]
+    assert resolved["total_steps"] == 4 and not _budget_records(out)
+
+
 def test_a_budgeted_run_plans_only_the_evaluations_eval_every_will_run(tmp_path, clock):
     """1 s a step on the fake clock, 40 s, 16 steps an epoch, an evaluation estimated at 2 s (64
     images at half a step's cost per 16).  The first fit, at step 13 (27 s left): with every

@@ -31,6 +31,9 @@ class NoBudget:
     def after_step(self, step: int) -> None:
         pass
 
+    def finish(self, step: int) -> None:
+        pass
+
     def paused(self, evaluates: bool = True):
         return contextlib.nullcontext()
 
@@ -90,6 +93,12 @@ class BudgetPacer:
         self.progress.set_total(total)
         self._record(step, total, step_seconds)
         self._say(first, before, total, step_seconds, step)
+
+    def finish(self, step: int) -> None:
+        """The steps are trained: a run that ended before the budget fixed its length (on
+        --max-steps, say) records the length it had."""
+        if not self.schedule.fixed_by_budget:
+            self.write_resolved({"total_steps": step})
 
     def _agreed(self, count: int) -> int:
         # within --max-steps, and rank 0's on every rank: each rank's clock started at its own

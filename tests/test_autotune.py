@@ -84,6 +84,17 @@ def test_channels_last_auto_alone_is_timed_in_the_asked_precision():
     assert sorted(set(timings.asked)) == ["fp32_NCHW", "fp32_channels_last"]
 
 
+def test_fp16_asked_on_a_cpu_is_timed_and_named_as_the_fp32_it_runs_in():
+    """Accelerate trains fp16 on a CPU in fp32 (the run warns of it): the layouts timed for
+    --channels-last auto are named fp32, as they ran, and the choice keeps the precision asked
+    (what resolve_precision warns of)."""
+    timings = Timings(fp16_NCHW=1.0, fp16_channels_last=0.9)  # (what step_timer is asked)
+    choice = choose("fp16", None, cuda=False, native_bf16=True, time_step=timings)
+    assert choice.timings == {"fp32 NCHW": 1.0, "fp32 channels_last": 0.9}
+    assert "a step in fp32 NCHW 1000 ms, fp32 channels_last 900 ms" in choice.how
+    assert (choice.precision, choice.channels_last) == ("fp16", True)
+
+
 @pytest.mark.parametrize("precision, channels_last", [("bf16", False), ("no", True),
                                                       ("fp16", False)])
 def test_explicit_flags_win_and_nothing_is_timed(precision, channels_last):

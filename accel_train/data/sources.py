@@ -105,6 +105,17 @@ class ArraySource(ImageSource):
         return int(min(self.images.shape[-2:]))
 
 
+class DecodedImages(ImageSource):
+    """Images decoded in memory that differ in size (photographs), each kept as decoded: the
+    held-out transform resizes and crops each, as it does images decoded on demand."""
+
+    def __init__(self, images: Sequence[torch.Tensor], labels: torch.Tensor):
+        self.decoded, self.labels = list(images), labels
+
+    def image(self, index: int) -> torch.Tensor:
+        return self.decoded[index]
+
+
 class RowNames:
     """Names the rows of one split for people: the parquet file and the row in it (`datasets`
     concatenates a split's files in order, so row r falls in the file whose row span holds it),

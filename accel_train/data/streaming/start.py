@@ -13,7 +13,8 @@ from accel_train.data.streaming.plan import Layout, fit_workers, rank_batches_pe
 from accel_train.data.streaming.shards import (ShardSet, is_shard_folder, iter_shard, open_shards,
                                                read_split)
 from accel_train.data.decode import decode_many, Unreadable
-from accel_train.data.sources import ArraySource, BadImage, ImageSource, LoadedData
+from accel_train.data.sources import (ArraySource, BadImage, DecodedImages, ImageSource,
+                                      LoadedData)
 
 
 def load_streaming(config):
@@ -58,9 +59,10 @@ def load_streaming(config):
 
     samples, _ = read_split(data.held_out, config.max_eval_samples)
     images, labels, bad = decode_substituting(samples, config.bad_images)
-    if len({image.shape for image in images}) != 1:
-        raise UsageError("held-out shards of mixed image sizes are not supported yet")
-    held_out = ArraySource(torch.stack(images), torch.as_tensor(labels, dtype=torch.long))
+    labels = torch.as_tensor(labels, dtype=torch.long)
+    # one size: one tensor, transformed in batches; photographs of many sizes: each as decoded
+    held_out = (ArraySource(torch.stack(images), labels) if len({i.shape for i in images}) == 1
+                else DecodedImages(images, labels))
     description = (f"{data.origin} (streamed: {len(data.train.files)} train shards, "
                    f"{len(data.train):,} images / {data.eval_name} {len(held_out):,})")
     loaded = LoadedData(StreamSource(data.train), held_out, data.class_names, description,

@@ -7,6 +7,7 @@ they hold are known; sizes are summarized with Python's statistics module.
 from __future__ import annotations
 
 import json
+import tarfile
 import shutil
 import statistics
 from pathlib import Path
@@ -150,6 +151,7 @@ def test_parquet_rows_are_checked_and_named(tmp_path, capsys):
     (["--data-dir", "{tmp}/empty_class"], "class folder {tmp}/empty_class/dog holds no images"),
     ([], "check-data needs the data: pass --data-dir DIR"),
     (["--data-dir", "{tmp}/nothing", "--workers", "0"], "--workers must be a whole number"),
+    (["--data-dir", "{tmp}/shards"], "--data-dir {tmp}/shards holds streaming shards"),
 ])
 def test_bad_input_exits_2_in_one_line(tmp_path, capsys, args, message):
     (tmp_path / "nothing").mkdir()
@@ -157,6 +159,9 @@ def test_bad_input_exits_2_in_one_line(tmp_path, capsys, args, message):
     for name in ("cat", "dog"):
         (tmp_path / "empty_class" / name).mkdir(parents=True)
     Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(tmp_path / "empty_class" / "cat" / "0.png")
+    (tmp_path / "shards" / "train").mkdir(parents=True)  # WebDataset tars: a shard folder
+    with tarfile.open(tmp_path / "shards" / "train" / "000000.tar", "w"):
+        pass
     code, out, err = check_here(capsys, *[a.format(tmp=tmp_path) for a in args])
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and out == "", err

@@ -134,7 +134,13 @@ def check(args) -> dict:
     import numpy as np
 
     from accel_train.data.sources import HFSource, find_columns, labels_and_names, open_data
+    from accel_train.data.streaming import is_shard_folder
     config = _config(args)
+    if is_shard_folder(config.data_dir):
+        raise UsageError(f"--data-dir {config.data_dir} holds streaming shards (tar files, as "
+                         f"`accel-train shard` writes them), which check-data does not read; "
+                         f"check the data the shards were made from (a bad sample in a shard "
+                         f"is named by the run that streams it)")
     started = time.perf_counter()
     raw = open_data(config)
     splits = {name: ds for name, ds in raw.splits.items() if len(ds)}

@@ -594,7 +594,8 @@ def _synthetic(config: TrainConfig) -> LoadedData:
                            torch.from_numpy(labels))
 
     return LoadedData(to_source(*parts["train"]), to_source(*parts["test"]),
-                      list(synthetic.CLASS_NAMES), "synthetic shapes (embedded)")
+                      list(synthetic.CLASS_NAMES),
+                      "synthetic shapes (embedded; its fixed test split used for selection)")
 
 
 def embedded_set(config: TrainConfig) -> bool:

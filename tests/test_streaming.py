@@ -357,9 +357,13 @@ def test_bad_shard_folders_one_line_exit_2_nothing_written(synthetic_shards, tmp
     (tmp_path / "disagree" / "index.json").write_text(json.dumps(index))
     shutil.copytree(synthetic_shards, tmp_path / "missing")
     (tmp_path / "missing" / "train" / "000003.tar").unlink()
+    shutil.copytree(synthetic_shards, tmp_path / "unlisted")
+    shutil.copy(tmp_path / "unlisted" / "train" / "000000.tar",
+                tmp_path / "unlisted" / "train" / "000099.tar")
     cases = {"empty": "no shards match", "notar": "is not a tar or parquet file",
              "disagree": "index disagrees with the shards",
-             "missing": "index disagrees with the shards"}
+             "missing": "index disagrees with the shards",
+             "unlisted": "does not list train/000099.tar; the index disagrees with the shards"}
     for name, message in cases.items():
         out = tmp_path / f"out_{name}"
         result = accel_train_here("--data-dir", str(tmp_path / name), "--streaming",

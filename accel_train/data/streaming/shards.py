@@ -226,8 +226,9 @@ def open_shards(config) -> ShardData:
         unlisted = [p for p in sorted(root.rglob("*.tar")) + sorted(root.rglob("*.parquet"))
                     if p.resolve() not in listed]
         if unlisted:
-            raise UsageError(f"{index_path} does not list {unlisted[0].relative_to(root)} (and "
-                             f"{len(unlisted) - 1} more); the index disagrees with the shards")
+            more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+            raise UsageError(f"{index_path} does not list {unlisted[0].relative_to(root)}{more}; "
+                             f"the index disagrees with the shards")
     else:
         files = sorted(root.glob("*.tar")) + sorted(root.glob("*/*.tar"))
         if getattr(config, "streaming", False):

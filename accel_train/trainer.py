@@ -55,8 +55,8 @@ from accel_train.train.host_memory import keep_freed_host_memory
 from accel_train.train.lookahead import maybe_lookahead
 from accel_train.train.network import Network, build_network
 from accel_train.train.network_choice import choice_words, network_for_run
-from accel_train.train.optim import (base_learning_rates, build_optimizer, plan_schedule,
-                                     scheduler_for, take_new_learning_rate)
+from accel_train.train.optim import (base_learning_rates, build_optimizer, long_warmup_warning,
+                                     plan_schedule, scheduler_for, take_new_learning_rate)
 from accel_train.train.pacing import maybe_pacer
 from accel_train.train.precision import (accelerate_fp16_note, resolve_precision,
                                          use_fast_cuda_math)
@@ -150,7 +150,8 @@ class Trainer:
         self._prepare_checkpointed_parts()
         self.learning_rate_change = self._maybe_restore()
         self._prepare_step_parts()
-        self._open_records([precision_warning, distributed.unusable_gpu_warning(),
+        self._open_records([precision_warning, long_warmup_warning(self.config, self.schedule),
+                            distributed.unusable_gpu_warning(),
                             distributed.ignored_dist_url_warning(self.config, plan.env),
                             accelerate_fp16_note(self.config.mixed_precision, self.precision,
                                                  os.environ)])

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from accel_train.train.optim import Schedule, scheduler_for
+from accel_train.config import TrainConfig
+from accel_train.train.optim import Schedule, long_warmup_warning, plan_schedule, scheduler_for
 from accel_train.run.track import read_metrics
 
 from conftest import TINY_TRAIN, accel_train_here
@@ -436,3 +437,22 @@ def test_an_older_versions_schedule_without_warmup_decays_from_the_first_update(
     resumed.load(tmp_path)
     assert [resumed.factor(k) for k in (0, 5, 10, 20)] == pytest.approx(
         [1.0, 0.75, 0.5, 0.0], abs=TOL)
+
+
+@pytest.mark.parametrize("options, steps_per_epoch, warned", [
+    ({"epochs": 1, "warmup_epochs": 1}, 10, True),       # warmup 10 of 10 steps: no decay
+    ({"epochs": 3, "warmup_epochs": 1}, 10, False),
+    ({"epochs": 3, "max_steps": 6, "warmup_epochs": 1}, 10, True),   # 10 of 6
+    ({"epochs": 3, "max_steps": 11, "warmup_epochs": 1}, 10, False),
+    ({"epochs": 1, "warmup_epochs": 0}, 10, False),
+    ({"epochs": 1, "warmup_fraction": 0.5}, 10, False),  # a share always leaves a decay
+    ({"epochs": 1, "warmup_epochs": 5, "time_budget": "60s"}, 10, False),  # pacing.py warns
+])
+def test_a_warmup_as_long_as_the_run_is_warned_of(options, steps_per_epoch, warned):
+    config = TrainConfig.from_dict(options, source="test")
+    words = long_warmup_warning(config, plan_schedule(config, steps_per_epoch))
+    assert (words is not None) == warned, words
+    if warned:
+        assert words.startswith(f"--warmup-epochs {config.warmup_epochs:g} is "
+                                f"{round(config.warmup_epochs * steps_per_epoch)} steps")
+        assert "will not come down from its peak" in words

@@ -30,8 +30,11 @@ def tracked_run(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("tracking") / "run"
     printed = io.StringIO()
     with clean_accelerate_state(), contextlib.redirect_stdout(printed):
+        # (a warmup that is a share of the short run: one in epochs would outlast it, and the
+        # run would rightly warn before its summary)
         code = main([*TINY_TRAIN, "--plots", "--report-to", "tensorboard", "--log-every", "2",
-                     "--max-steps", str(MAX_STEPS), "--output-dir", str(out)])
+                     "--max-steps", str(MAX_STEPS), "--warmup-fraction", "0.25",
+                     "--output-dir", str(out)])
     assert code == 0, printed.getvalue()
     return out, printed.getvalue()
 

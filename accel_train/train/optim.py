@@ -322,3 +322,16 @@ def plan_schedule(config: TrainConfig, steps_per_epoch: int) -> Schedule:
         warmup = warmup_share(config.warmup_fraction, total)
     return Schedule(warmup, total, decay=config.lr_decay, warmup_start=config.warmup_start_factor,
                     final_factor=config.final_lr_factor, warmup_fraction=config.warmup_fraction)
+
+
+def long_warmup_warning(config: TrainConfig, schedule: Schedule) -> Optional[str]:
+    """A warmup in epochs as long as the whole run (--max-steps, or few --epochs): the rate
+    rises to its peak at the last step and never comes down, which a run should say (as a time
+    budget's does: pacing.py)."""
+    if (schedule.total_steps == OPEN_ENDED or config.warmup_fraction is not None
+            or schedule.warmup_steps < schedule.total_steps):
+        return None
+    return (f"--warmup-epochs {config.warmup_epochs:g} is {schedule.warmup_steps:,} steps, as "
+            f"many as or more than the run's {schedule.total_steps:,}: the learning rate will "
+            f"not come down from its peak (--warmup-fraction F makes the warmup a share of the "
+            f"run, the decay the rest)")

@@ -131,6 +131,27 @@ def test_held_out_shards_of_photographs_in_many_sizes_are_evaluated_as_the_folde
     assert report["loss"] == pytest.approx(streamed["eval_loss"], abs=1e-4)
 
 
+def test_parquet_shards_keep_the_class_names_their_features_give(cifar10_layout, tmp_path):
+    """Parquet files streamed as they are (no index) name their classes as `datasets` reads
+    them (a ClassLabel in the schema's metadata: CIFAR-10's names), no longer 0..9; a file
+    without such metadata still gets numbers."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    from accel_train.config import TrainConfig
+    from accel_train.data.streaming import open_shards
+    theirs = datasets.load_dataset("parquet", data_dir=str(cifar10_layout))["train"]
+    config = TrainConfig(data_dir=str(cifar10_layout), streaming=True)
+    assert open_shards(config).class_names == theirs.features["label"].names
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for split in ("train", "test"):
+        table = pq.read_table(cifar10_layout / f"{split}.parquet")
+        pq.write_table(table.replace_schema_metadata(None), plain / f"{split}.parquet")
+    names = open_shards(TrainConfig(data_dir=str(plain), streaming=True)).class_names
+    assert names == [str(i) for i in range(10)]
+
+
 def test_shard_bad_input_one_line_nothing_written(tmp_path):
     out = tmp_path / "out"
     result = _shard_here("--data-dir", str(tmp_path / "missing"), "--output", str(out))

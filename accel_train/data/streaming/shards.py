@@ -7,6 +7,7 @@ the split (its key).  The counts come from index.json, checked against the tars'
 
 from __future__ import annotations
 
+import json
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,22 @@ def iter_parquet(path: Path, image_column: Optional[str] = None,
 
 def iter_shard(path: Path):
     return iter_tar(path) if shard_kind(path) == "tar" else iter_parquet(path)
+
+
+def parquet_class_names(path: Path) -> Optional[list[str]]:
+    """The label column's class names where a parquet file carries them (Hugging Face
+    `datasets` writes its features, a ClassLabel's names among them, into the schema's
+    metadata, as in CIFAR-10's parquet files); None where it does not."""
+    schema = parquet_file(path, "shard", "shard").schema_arrow
+    label = next((c for c in LABEL_COLUMN_NAMES if c in schema.names), None)
+    try:
+        feature = json.loads((schema.metadata or {})[b"huggingface"])["info"]["features"][label]
+    except (KeyError, TypeError, ValueError):  # none, or not datasets' layout: numbers it is
+        return None
+    if not isinstance(feature, dict) or feature.get("_type") != "ClassLabel" \
+            or not isinstance(feature.get("names"), list):
+        return None
+    return [str(name) for name in feature["names"]]
 
 
 def _count(path: Path) -> tuple[int, int]:
@@ -244,6 +261,10 @@ def open_shards(config) -> ShardData:
             top = max([top] + [t for _, t in counted])
             splits[name] = ShardSet(paths, [c for c, _ in counted])
         class_names = [str(i) for i in range(top)]
+        named = {tuple(names) for path in files if shard_kind(path) == "parquet"
+                 and (names := parquet_class_names(path)) is not None}
+        if len(named) == 1 and len(next(iter(named))) >= top:  # every parquet file agrees
+            class_names = list(named.pop())
     if eval_pattern:
         held = _glob(root, eval_pattern)
         held_set = {p.resolve() for p in held}

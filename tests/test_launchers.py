@@ -148,6 +148,20 @@ def test_launch_refuses_bad_training_flags_before_starting_anything(tmp_path, ca
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("misplaced, message", [
+    (["--epochs", "2"], "--epochs is an accel_train flag: put it after `--`"),
+    (["--batch_size=8"], "--batch_size is an accel_train flag"),
+    (["--no-plots"], "--no-plots is an accel_train flag"),
+    (["--max_restart", "3"], "--max_restart: accelerate launch has no such flag"),
+])
+def test_launch_names_a_flag_before_the_separator_that_accelerate_does_not_take(
+        capsys, misplaced, message):
+    code = cli.main(["launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"), "--dry-run",
+                     "--main_process_port", "29600", *misplaced, "--", "--max-steps", "2"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err, (out, err)
+
+
 def test_launch_without_config_file_is_one_line_exit_2(capsys):
     code = cli.main(["launch", "--dry-run", "--", "--epochs", "2"])
     err = capsys.readouterr().err

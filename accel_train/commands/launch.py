@@ -25,6 +25,7 @@ import os
 import shlex
 import shutil
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Sequence
 
@@ -168,9 +169,30 @@ def check_train_args(train_args: list[str]) -> None:
     config_from_args(build_train_parser(prog="accel-train launch ... --").parse_args(train_args))
 
 
+def check_launch_args(launch_args: list[str]) -> None:
+    """A flag before `--` that `accelerate launch` does not know: one line now, naming where an
+    accel_train flag goes, rather than accelerate's usage text on every machine."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from accel_train.config import TrainConfig
+    _, unknown = launch_command_parser().parse_known_args([*launch_args, "-m", "accel_train"])
+    flag = next((word.split("=")[0] for word in unknown if word.startswith("-")), None)
+    if flag is None:
+        return
+    name = flag.lstrip("-").replace("-", "_")
+    ours = {f.name for f in fields(TrainConfig)}
+    if name in ours or name.removeprefix("no_") in ours:
+        raise UsageError(f"{flag} is an accel_train flag: put it after `--` (accel-train launch "
+                         f"--config_file FILE -- {flag} ...); before it, flags go to accelerate "
+                         f"launch")
+    raise UsageError(f"{flag}: accelerate launch has no such flag (see accelerate launch "
+                     f"--help); accel_train's flags go after `--`")
+
+
 def main(argv: Sequence[str]) -> int:
     args, launch_args, train_args = parse(argv)
     command = build_command(args.config_file, args.elastic, launch_args, train_args)
+    check_launch_args(launch_args)
     check_train_args(train_args)
     elastic = read_yaml(args.elastic, "--elastic") if args.elastic else {}
     environment = launcher_environment(elastic)

@@ -152,6 +152,23 @@ def test_parquet_shards_keep_the_class_names_their_features_give(cifar10_layout,
     assert names == [str(i) for i in range(10)]
 
 
+def test_shard_progress_off_a_terminal_is_whole_lines(tmp_path):
+    """A log file or pipe gets whole progress lines (no carriage returns gluing them into one),
+    the last at 100%."""
+    from PIL import Image
+    src = tmp_path / "folder"
+    for cls in ("cat", "dog"):
+        (src / cls).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(src / cls / f"{i}.png")
+    result = accel_train_here("shard", "--data-dir", str(src), "--output",
+                              str(tmp_path / "shards"), check=True)
+    lines = result.stderr.splitlines()
+    assert "\r" not in result.stderr and lines, result.stderr
+    assert all(line.startswith("shard: ") for line in lines), lines
+    assert lines[-1].startswith("shard: 6/6 images (100%)"), lines
+
+
 def test_shard_bad_input_one_line_nothing_written(tmp_path):
     out = tmp_path / "out"
     result = _shard_here("--data-dir", str(tmp_path / "missing"), "--output", str(out))

@@ -131,6 +131,10 @@ def convert(args, say=print) -> Path:
     total = sum(counts.values())
     done, started, last = 0, time.monotonic(), 0.0
     show = not args.no_progress
+    # A terminal gets one line rewritten in place twice a second; a file or pipe (a job's log)
+    # a line every ten seconds, as the trainer's own progress does off a terminal.
+    terminal = sys.stderr.isatty()
+    every, ending = (0.5, "") if terminal else (10.0, "\n")
     written: dict[str, list[dict]] = {}
     tmp = output.with_name(output.name + ".partial")
     if tmp.exists():
@@ -144,12 +148,13 @@ def convert(args, say=print) -> Path:
                 writer.write(data, ext, label)
                 done += 1
                 now = time.monotonic()
-                if show and (now - last > 0.5 or done == total):
+                if show and (now - last > every or done == total):
                     last = now
                     rate = done / max(now - started, 1e-6)
-                    print(f"\rshard: {done:,}/{total:,} images ({done / max(total, 1):.0%}), "
-                          f"{split} shard {len(writer.entries)}, {rate:,.0f} images/s",
-                          end="", file=sys.stderr, flush=True)
+                    print(f"{chr(13) if terminal else ''}shard: {done:,}/{total:,} images "
+                          f"({done / max(total, 1):.0%}), {split} shard "
+                          f"{len(writer.entries)}, {rate:,.0f} images/s",
+                          end=ending, file=sys.stderr, flush=True)
             writer.close()
             written[split] = writer.entries
         write_index(tmp, written, class_names, origin)
@@ -157,7 +162,7 @@ def convert(args, say=print) -> Path:
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if show:
+    if show and terminal:
         print(file=sys.stderr)
     if output.exists():
         output.rmdir()

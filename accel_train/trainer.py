@@ -285,12 +285,14 @@ class Trainer:
         self.pacer.start(state.step)
         with self.stop.handlers_installed():
             try:
+                first_step = state.step
                 while state.step < self.total_steps:
                     epoch_started = time.perf_counter()
                     if self.train_epoch():
                         return self._stop_for_signal()
                     self.end_epoch(time.perf_counter() - epoch_started, self._mid_epoch())
-                if state.samples_in_epoch and state.eval_step != state.step:
+                if state.step == first_step and state.samples_in_epoch \
+                        and state.eval_step != state.step:
                     # stopped by a signal at the last step: that step's end is still to do (a
                     # finished run resumed has done it)
                     self.end_epoch(mid_epoch=self._mid_epoch())

@@ -143,13 +143,14 @@ def test_parquet_shards_keep_the_class_names_their_features_give(cifar10_layout,
     theirs = datasets.load_dataset("parquet", data_dir=str(cifar10_layout))["train"]
     config = TrainConfig(data_dir=str(cifar10_layout), streaming=True)
     assert open_shards(config).class_names == theirs.features["label"].names
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    for split in ("train", "test"):
-        table = pq.read_table(cifar10_layout / f"{split}.parquet")
-        pq.write_table(table.replace_schema_metadata(None), plain / f"{split}.parquet")
-    names = open_shards(TrainConfig(data_dir=str(plain), streaming=True)).class_names
-    assert names == [str(i) for i in range(10)]
+    for kind, metadata in (("plain", None), ("garbled", {"huggingface": "{not json"})):
+        folder = tmp_path / kind
+        folder.mkdir()
+        for split in ("train", "test"):
+            table = pq.read_table(cifar10_layout / f"{split}.parquet")
+            pq.write_table(table.replace_schema_metadata(metadata), folder / f"{split}.parquet")
+        names = open_shards(TrainConfig(data_dir=str(folder), streaming=True)).class_names
+        assert names == [str(i) for i in range(10)], kind
 
 
 def test_shard_progress_off_a_terminal_is_whole_lines(tmp_path):

@@ -231,6 +231,9 @@ BAD = [
                                                       "--model user_nets:small_net is your own "
                                                       "factory"]),
     (f"{MODULE}:bare", ["--freeze-backbone"], ["--freeze-backbone", "get_classifier()"]),
+    # a network for 32 px only, and no pretrained_cfg to name its size: timm's default, 224
+    (f"{MODULE}:bare", ["--image-size", "40"], ["--image-size 40 does not work with "
+                                                "user_nets:bare (", "); try --image-size 224"]),
 ]
 
 

@@ -333,8 +333,8 @@ def test_a_longer_run_resumed_where_max_steps_ended_mid_epoch_trains_the_rest_of
 def test_a_resume_at_another_image_size_or_model_is_refused_in_one_line_and_moves_nothing(
         tmp_path, capsys):
     """A finished run resumed with another --image-size (its final model still records the
-    size it trained at: it was rewritten with the new one) or another --model: one line naming
-    what the checkpoint holds."""
+    size it trained at: it was rewritten with the new one), another --model, or options that
+    group the parameters otherwise: one line naming what the checkpoint holds."""
     out = tmp_path / "run"
     assert main([*TINY_TRAIN, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir",
                  str(out)]) == 0
@@ -344,7 +344,11 @@ def test_a_resume_at_another_image_size_or_model_is_refused_in_one_line_and_move
             (["--image-size", "40"], "was trained at --image-size 32 but this start asks for "
                                      "40; resume with --image-size 32"),
             (["--model", "cifar_convnet_s"], "was trained with --model test_resnet (10 classes) "
-                                             "but this start builds cifar_convnet_s (10 classes)")):
+                                             "but this start builds cifar_convnet_s (10 classes)"),
+            # options that group the parameters otherwise: torch's ValueError was a traceback
+            (["--freeze-backbone"], "holds the optimizer state of other parameter groups than "
+                                    "this start builds"),
+            (["--layer-decay", "0.7"], "resume with the --freeze-backbone, --layer-decay")):
         code, err = run_cli(capsys, *flags, "--max-steps", "2", "--output-dir", str(out),
                             "--resume", "auto")
         assert code == 2 and len(err) == 1, err

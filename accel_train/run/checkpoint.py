@@ -344,6 +344,14 @@ class AccelerateState:
             self.accelerator.load_state(str(folder))
         except pickle.UnpicklingError as err:
             raise UsageError(_refusal(folder, err)) from None
+        except ValueError as err:
+            if "parameter group" not in str(err):  # torch's words for another grouping
+                raise
+            raise UsageError(f"checkpoint {folder} holds the optimizer state of other parameter "
+                             f"groups than this start builds ({first_line(err)}): resume with "
+                             f"the --freeze-backbone, --layer-decay, --decay-norm-and-bias and "
+                             f"--norm-bias-lr-scale the run started with, or start a new "
+                             f"run") from None
         finally:
             self.accelerator.scaler = scaler
         # Accelerate counts micro-steps to know when to sync; a resume is always at an

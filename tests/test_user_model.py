@@ -277,13 +277,19 @@ def test_a_timm_local_dir_trains_offline_from_its_weights(tmp_path):
     source, tuned = tmp_path / "source", tmp_path / "tuned"
     accel_train_here("--model", "test_resnet", *TINY, "--max-steps", "2", "--output-dir",
                      str(source), check=True)
-    accel_train_here("--model", f"local-dir:{source}", "--pretrained", "hub",
-                     "--freeze-backbone", *TINY, "--output-dir", str(tuned), check=True)
+    tuning = accel_train_here("--model", f"local-dir:{source}", "--pretrained", "hub",
+                              "--freeze-backbone", *TINY, "--output-dir", str(tuned), check=True)
     before, after = load_file(str(source / "model.safetensors")), \
         load_file(str(tuned / "model.safetensors"))
     assert before.keys() == after.keys()
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved and all(k.startswith("fc.") for k in moved), moved
+    assert "random weights" not in tuning.stdout + tuning.stderr
+    # without --pretrained hub the folder gives the architecture only, and the run says so
+    fresh = accel_train_here("--model", f"local-dir:{source}", *TINY, "--max-steps", "1",
+                             "--output-dir", str(tmp_path / "fresh"), check=True)
+    assert f"warning: --model local-dir:{source}: the folder's architecture, from random " \
+           f"weights; --pretrained hub starts from its model.safetensors" in fresh.stdout
 
     line = one_error_line(accel_train_here("--model", f"local-dir:{tmp_path / 'nothing'}",
                                            *TINY, "--output-dir", str(tmp_path / "run")))

@@ -17,7 +17,7 @@ from accel_train.data.loaders import dataset_mean_std
 from accel_train.data.sources import ArraySource
 from accel_train.data.transforms import SMALL_IMAGE, held_out_transform
 from accel_train.model.build import (check_first_forward, check_model_name, create_model,
-                                     freeze_backbone, pretrained_normalization)
+                                     freeze_backbone, pretrained_normalization, timm_source)
 from accel_train.model.saved import ModelSpec
 from accel_train.model.syncbn import convert_sync_batchnorm, num_batchnorm_layers
 from accel_train.model.whitening import (IMAGES_DECODED, IMAGES_IN_MEMORY, float32_layers,
@@ -59,6 +59,9 @@ def build_network(config, data, num_processes: int, cuda: bool,
         warn(f"the model's class {type(model).__qualname__} is defined in the script that runs, "
              f"which eval, predict and export cannot import to rebuild the network; define it "
              f"in a module the script imports to use them")
+    if model is None and timm_source(config.model) == "local-dir" and config.pretrained is None:
+        warn(f"--model {config.model}: the folder's architecture, from random weights; "
+             f"--pretrained hub starts from its model.safetensors")
     if model is None:
         torch.manual_seed(config.seed)  # model init is a function of --seed alone
         model = create_model(config.model, len(data.class_names), config.drop_rate,

@@ -444,6 +444,7 @@ def test_an_older_versions_schedule_without_warmup_decays_from_the_first_update(
     ({"epochs": 3, "warmup_epochs": 1}, 10, False),
     ({"epochs": 3, "max_steps": 6, "warmup_epochs": 1}, 10, True),   # 10 of 6
     ({"epochs": 3, "max_steps": 11, "warmup_epochs": 1}, 10, False),
+    ({"epochs": 1, "warmup_epochs": 0.1, "max_steps": 1}, 10, True),  # "1 step"
     ({"epochs": 1, "warmup_epochs": 0}, 10, False),
     ({"epochs": 1, "warmup_fraction": 0.5}, 10, False),  # a share always leaves a decay
     ({"epochs": 1, "warmup_epochs": 5, "time_budget": "60s"}, 10, False),  # pacing.py warns
@@ -453,6 +454,7 @@ def test_a_warmup_as_long_as_the_run_is_warned_of(options, steps_per_epoch, warn
     words = long_warmup_warning(config, plan_schedule(config, steps_per_epoch))
     assert (words is not None) == warned, words
     if warned:
-        assert words.startswith(f"--warmup-epochs {config.warmup_epochs:g} is "
-                                f"{round(config.warmup_epochs * steps_per_epoch)} steps")
+        steps = round(config.warmup_epochs * steps_per_epoch)
+        assert words.startswith(f"--warmup-epochs {config.warmup_epochs:g} is {steps} "
+                                f"step{'' if steps == 1 else 's'}, as many")
         assert "will not come down from its peak" in words

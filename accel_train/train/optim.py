@@ -331,7 +331,8 @@ def long_warmup_warning(config: TrainConfig, schedule: Schedule) -> Optional[str
     if (schedule.total_steps == OPEN_ENDED or config.warmup_fraction is not None
             or schedule.warmup_steps < schedule.total_steps):
         return None
-    return (f"--warmup-epochs {config.warmup_epochs:g} is {schedule.warmup_steps:,} steps, as "
+    steps = f"{schedule.warmup_steps:,} step{'' if schedule.warmup_steps == 1 else 's'}"
+    return (f"--warmup-epochs {config.warmup_epochs:g} is {steps}, as "
             f"many as or more than the run's {schedule.total_steps:,}: the learning rate will "
             f"not come down from its peak (--warmup-fraction F makes the warmup a share of the "
             f"run, the decay the rest)")

@@ -342,6 +342,7 @@ def test_damaged_metrics(trained, image, tmp_path, corruption, command):
         assert _hashes(run) == before
     elif corruption == "empty" and command == "plot":
         assert "holds no training or epoch lines" in _one_line(result, metrics)
+        assert not (tmp_path / "plots").exists()  # nothing to draw: no folder left behind
     elif command == "plot":  # the partial line left out, with a warning; what is left plotted
         assert f"warning: the last line of {metrics} is cut short" in result.stderr
         assert result.returncode == 0 or "holds no training or epoch lines" in \

@@ -167,6 +167,8 @@ def write_plots(run_dir: Path, out_dir: Optional[Path] = None) -> list[Path]:
     train = [r for r in records if r.get("type") == "train" and r.get("loss") is not None]
     epochs = [r for r in records if r.get("type") == "epoch"]
     resumes = [r for r in records if r.get("type") == "resume"]
+    if not train and not epochs:
+        return []  # nothing to draw: no folder made either
     out_dir = Path(out_dir) if out_dir is not None else run_paths(run_dir).plots
     out_dir.mkdir(parents=True, exist_ok=True)
     resolved = _read_resolved(run_dir)

@@ -290,6 +290,20 @@ def test_a_resume_that_would_change_the_data_order_is_refused(bundle, tmp_path, 
         assert code == 2 and len(err) == 1 and message in err[0], err
 
 
+def test_the_best_held_out_top1_counts_the_ema_weights_the_run_may_save():
+    """The run's closing line ("best held-out top-1") read the raw weights' best while the EMA
+    weights, better, were the ones saved."""
+    run_state = TrainerState()
+    run_state.note_evaluation({"eval_top1": 0.30, "eval_ema_top1": 0.25})
+    run_state.note_evaluation({"eval_top1": 0.1094, "eval_ema_top1": 0.1406})
+    assert (run_state.best_top1, run_state.eval_top1, run_state.ema_top1) == (0.30, 0.1094, 0.1406)
+    run_state.note_evaluation({"eval_top1": 0.31})  # (no --model-ema)
+    assert run_state.best_top1 == 0.31
+    later = TrainerState()
+    later.note_evaluation({"eval_top1": 0.1094, "eval_ema_top1": 0.1406})
+    assert later.best_top1 == 0.1406
+
+
 class BatchLabels(Callback):
     """Each optimizer step's batch labels, by the step it makes (accumulation 1)."""
 

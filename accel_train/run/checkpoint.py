@@ -104,8 +104,10 @@ class TrainerState:
 
     def note_evaluation(self, record: dict) -> None:
         """An epoch end's evaluation (its record's eval_top1, and eval_ema_top1 with
-        --model-ema), made at this step."""
-        self.best_top1 = max(record["eval_top1"], self.best_top1 or 0.0)
+        --model-ema), made at this step.  The best counts both: the EMA weights are the ones
+        saved when they are the better."""
+        self.best_top1 = max(record["eval_top1"], record.get("eval_ema_top1", 0.0),
+                             self.best_top1 or 0.0)
         self.eval_top1, self.eval_step = record["eval_top1"], self.step
         if "eval_ema_top1" in record:
             self.ema_top1 = record["eval_ema_top1"]

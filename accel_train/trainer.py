@@ -278,6 +278,8 @@ class Trainer:
         """Epochs until the schedule's steps are trained (or a stop signal or a stalled rank
         ends the run); returns the process exit code."""
         state = self.state
+        # a finished run resumed: its end (the test split's one evaluation) is behind it
+        finished_before = state.step >= self.total_steps and state.eval_step == state.step
         self.callbacks.on_train_begin(self)
         self.accelerator.wait_for_everyone()  # every rank's callbacks began before any trains
         self.progress.start(self.pacer.known_total(self.total_steps), state.step)
@@ -307,7 +309,7 @@ class Trainer:
         self.timeouts.relax()
         self.pacer.finish(state.step)
         self.report.say(f"Training took {time.perf_counter() - started:.1f}s")
-        self._finish()
+        self._finish(tested=finished_before)
         return 0
 
     def _mid_epoch(self) -> bool:
@@ -464,13 +466,15 @@ class Trainer:
         return STOPPED_EXIT
 
     # -- the end --------------------------------------------------------------------------------
-    def _finish(self):
-        """The final model (the better of the raw and EMA weights), the plots, the last words."""
+    def _finish(self, tested: bool = False):
+        """The final model (the better of the raw and EMA weights), the plots, the last words.
+        `tested`: a start before this one evaluated the test split with these weights."""
         if self.bad_images.summary():
             self.report.say(self.bad_images.summary())
         saved = save_final_model(self.accelerator, self.bare_model(), self.ema.averaged(),
                                  self.state, self.net.spec, self.plan.output_dir, self.report)
-        self._maybe_test(saved)
+        if not tested:
+            self._maybe_test(saved)
         maybe_plot(self.config.plots, self.accelerator.is_main_process, self.plan.output_dir,
                    self.report)
         say_next(self.state.best_top1, self.plan.output_dir, self.report)

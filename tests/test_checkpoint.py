@@ -304,6 +304,28 @@ def test_the_best_held_out_top1_counts_the_ema_weights_the_run_may_save():
     assert later.best_top1 == 0.1406
 
 
+def test_a_finished_run_resumed_again_evaluates_its_test_split_no_second_time(tmp_path):
+    """The test split is evaluated once, at the end: --resume auto of a run already finished
+    trains nothing and adds no second test record."""
+    from PIL import Image
+    data = tmp_path / "data"
+    for split, count in (("train", 8), ("val", 2), ("test", 2)):
+        for cls in ("a", "b"):
+            (data / split / cls).mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (16, 16), (200 * (cls == "a"), 20 * i, 90)).save(
+                    data / split / cls / f"{i}.png")
+    command = ["--data-dir", str(data), "--model", "test_resnet", "--batch-size", "4",
+               "--max-steps", "3", "--warmup-epochs", "0", "--progress", "log", "--no-plots",
+               "--output-dir", str(tmp_path / "run")]
+    accel_train_here(*command, check=True)
+    again = accel_train_here(*command, "--resume", "auto", check=True)
+    records = [json.loads(line) for line in
+               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "test"] == [3], records
+    assert "test top-1" not in again.stdout
+
+
 class BatchLabels(Callback):
     """Each optimizer step's batch labels, by the step it makes (accumulation 1)."""
 

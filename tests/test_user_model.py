@@ -231,6 +231,11 @@ BAD = [
                                                       "--model user_nets:small_net is your own "
                                                       "factory"]),
     (f"{MODULE}:bare", ["--freeze-backbone"], ["--freeze-backbone", "get_classifier()"]),
+    # timm finds no layers to decay by in a network without group_matcher() or a classifier
+    # named in a pretrained_cfg: the flag would change nothing
+    (f"{MODULE}:small_net", ["--layer-decay", "0.7"], ["--layer-decay 0.7: --model "
+                                                       "user_nets:small_net names no layers",
+                                                       "drop --layer-decay"]),
     # a network for 32 px only, and no pretrained_cfg to name its size: timm's default, 224
     (f"{MODULE}:bare", ["--image-size", "40"], ["--image-size 40 does not work with "
                                                 "user_nets:bare (", "); try --image-size 224"]),

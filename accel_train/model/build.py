@@ -258,6 +258,21 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
                          f"the data); make its last layer give num_classes outputs")
 
 
+def check_layer_decay(model: nn.Module, name: str, layer_decay: Optional[float]) -> None:
+    """--layer-decay groups the parameters by timm's layers: through the model's
+    group_matcher(), else by its pretrained_cfg's classifier (timm.optim's layer grouping).
+    A network with neither gets one layer, and the flag would change nothing (timm only logs
+    that): one line now instead."""
+    if layer_decay is None or callable(getattr(model, "group_matcher", None)):
+        return
+    if (getattr(model, "pretrained_cfg", None) or {}).get("classifier"):
+        return
+    raise UsageError(f"--layer-decay {layer_decay:g}: --model {name} names no layers for it "
+                     f"(timm groups layers through a group_matcher() method or a "
+                     f"pretrained_cfg['classifier'], as timm's models have); drop --layer-decay, "
+                     f"or give the network a group_matcher()")
+
+
 def freeze_backbone(model: nn.Module) -> int:
     """Leave only the classifier trainable; returns the number of trainable parameters."""
     # timm's interface for the head; a user's network may offer the same method

@@ -16,8 +16,9 @@ from accel_train.data.augment import build_policy
 from accel_train.data.loaders import dataset_mean_std
 from accel_train.data.sources import ArraySource
 from accel_train.data.transforms import SMALL_IMAGE, held_out_transform
-from accel_train.model.build import (check_first_forward, check_model_name, create_model,
-                                     freeze_backbone, pretrained_normalization, timm_source)
+from accel_train.model.build import (check_first_forward, check_layer_decay, check_model_name,
+                                     create_model, freeze_backbone, pretrained_normalization,
+                                     timm_source)
 from accel_train.model.saved import ModelSpec
 from accel_train.model.syncbn import convert_sync_batchnorm, num_batchnorm_layers
 from accel_train.model.whitening import (IMAGES_DECODED, IMAGES_IN_MEMORY, float32_layers,
@@ -67,6 +68,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
         model = create_model(config.model, len(data.class_names), config.drop_rate,
                              config.pretrained, config.drop_path)
     check_first_forward(model, config.model, image_size, len(data.class_names))
+    check_layer_decay(model, config.model, config.layer_decay)
     mean, std = pretrained_normalization(model) if config.pretrained else \
         dataset_mean_std(data.train)
     native_size = data.train.native_size

@@ -77,6 +77,15 @@ def test_plots_are_drawn_at_the_end_of_training(tracked_run):
     assert f"plots: {out / 'plots' / 'loss_lr.png'}" in printed
 
 
+def test_the_accuracy_plots_title_gives_the_final_numbers_and_the_emas_beside_them():
+    from accel_train.run.plots import accuracy_title
+    raw = {"eval_top1": 0.1094, "eval_top5": 0.5}
+    assert accuracy_title(raw) == "Accuracy: final held-out top-1 10.9%, top-5 50.0%"
+    assert accuracy_title({**raw, "eval_ema_top1": 0.1406}) == \
+        "Accuracy: final held-out top-1 10.9%, top-5 50.0%; EMA weights top-1 14.1%"
+    assert accuracy_title(None) == "Accuracy"
+
+
 def test_start_up_summary_progress_and_closing_lines(tracked_run):
     out, printed = tracked_run
     lines = printed.splitlines()

@@ -125,6 +125,18 @@ def _plot_throughput(plt, train, resumes, run_name, path: Path):
                  ("images / s", "waiting for data (%)"), draw)
 
 
+def accuracy_title(final: Optional[dict]) -> str:
+    """The final numbers, readable without a ruler: the raw weights', and with --model-ema the
+    averaged weights' beside them (the run saves the better of the two)."""
+    if not final:
+        return "Accuracy"
+    text = (f"Accuracy: final held-out top-1 {100 * final['eval_top1']:.1f}%, top-5 "
+            f"{100 * final['eval_top5']:.1f}%")
+    if final.get("eval_ema_top1") is not None:
+        text += f"; EMA weights top-1 {100 * final['eval_ema_top1']:.1f}%"
+    return text
+
+
 def _plot_accuracy(plt, train, epochs, resumes, steps_per_epoch, run_name, path: Path):
     fig, ax = plt.subplots(figsize=_FIGURE_SIZE)
     scale = steps_per_epoch or 1.0
@@ -147,9 +159,7 @@ def _plot_accuracy(plt, train, epochs, resumes, steps_per_epoch, run_name, path:
     ax.set_xlim(left=0)
     if steps_per_epoch:
         _mark_resumes([ax], resumes, scale)
-    final = evals[-1] if evals else None  # the final numbers, readable without a ruler
-    _title(ax, f"Accuracy: final held-out top-1 {100 * final['eval_top1']:.1f}%, top-5 "
-               f"{100 * final['eval_top5']:.1f}%" if final else "Accuracy", run_name)
+    _title(ax, accuracy_title(evals[-1] if evals else None), run_name)
     _style(ax, "epoch", "accuracy (%)")
     _save(plt, fig, path)
 

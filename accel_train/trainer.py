@@ -278,8 +278,10 @@ class Trainer:
         """Epochs until the schedule's steps are trained (or a stop signal or a stalled rank
         ends the run); returns the process exit code."""
         state = self.state
-        # a finished run resumed: its end (the test split's one evaluation) is behind it
-        finished_before = state.step >= self.total_steps and state.eval_step == state.step
+        # Resumed at its last step: finished (its end, the test split's one evaluation, behind
+        # it), or stopped by a signal there (that step's end still to do).
+        at_end = state.step >= self.total_steps
+        finished_before = at_end and state.eval_step == state.step
         self.callbacks.on_train_begin(self)
         self.accelerator.wait_for_everyone()  # every rank's callbacks began before any trains
         self.progress.start(self.pacer.known_total(self.total_steps), state.step)
@@ -287,17 +289,15 @@ class Trainer:
         self.pacer.start(state.step)
         with self.stop.handlers_installed():
             try:
-                first_step = state.step
                 while state.step < self.total_steps:
                     epoch_started = time.perf_counter()
                     if self.train_epoch():
                         return self._stop_for_signal()
-                    self.end_epoch(time.perf_counter() - epoch_started, self._mid_epoch())
-                if state.step == first_step and state.samples_in_epoch \
-                        and state.eval_step != state.step:
-                    # stopped by a signal at the last step: that step's end is still to do (a
-                    # finished run resumed has done it)
-                    self.end_epoch(mid_epoch=self._mid_epoch())
+                    # --max-steps or a time budget may end the run inside the epoch
+                    self.end_epoch(time.perf_counter() - epoch_started,
+                                   mid_epoch=not self._epoch_used_up())
+                if at_end and not finished_before and state.samples_in_epoch:
+                    self.end_epoch(mid_epoch=not self._epoch_used_up())
             except RuntimeError as err:
                 if not (self.timeouts.active and is_timeout(err)):
                     raise
@@ -312,9 +312,9 @@ class Trainer:
         self._finish(tested=finished_before)
         return 0
 
-    def _mid_epoch(self) -> bool:
-        """Whether the run's steps (--max-steps, a time budget) ended inside the epoch."""
-        return 0 < self.state.samples_in_epoch < self.train_loader.usable
+    def _epoch_used_up(self) -> bool:
+        """Whether the epoch's samples are all trained (its last batch taken)."""
+        return self.state.samples_in_epoch >= self.train_loader.usable
 
     # -- accumulate -----------------------------------------------------------------------------
     def train_epoch(self) -> bool:
@@ -443,8 +443,8 @@ class Trainer:
         state = self.state
         if event == "step":
             every = self.config.checkpoint_every
-            at_epoch_end = state.samples_in_epoch >= self.train_loader.usable
-            if not every or state.step % every or at_epoch_end or state.step >= self.total_steps:
+            if not every or state.step % every or self._epoch_used_up() \
+                    or state.step >= self.total_steps:
                 return None
         with self.timeouts.relaxed():  # rank 0 writes; the others wait at its barrier
             return self.save_checkpoint(event)

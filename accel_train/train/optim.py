@@ -331,8 +331,14 @@ def long_warmup_warning(config: TrainConfig, schedule: Schedule) -> Optional[str
     if (schedule.total_steps == OPEN_ENDED or config.warmup_fraction is not None
             or schedule.warmup_steps < schedule.total_steps):
         return None
-    steps = f"{schedule.warmup_steps:,} step{'' if schedule.warmup_steps == 1 else 's'}"
-    return (f"--warmup-epochs {config.warmup_epochs:g} is {steps}, as "
-            f"many as or more than the run's {schedule.total_steps:,}: the learning rate will "
-            f"not come down from its peak (--warmup-fraction F makes the warmup a share of the "
-            f"run, the decay the rest)")
+    return warmup_outlasts_words(config.warmup_epochs, schedule.warmup_steps,
+                                 f"the run's {schedule.total_steps:,}")
+
+
+def warmup_outlasts_words(warmup_epochs: float, warmup_steps: int, run_steps: str) -> str:
+    """The warning that a warmup in epochs is as long as the run (`run_steps`: its steps, in
+    words), whether --epochs, --max-steps or a time budget's fit made it that short."""
+    steps = f"{warmup_steps:,} step{'' if warmup_steps == 1 else 's'}"
+    return (f"--warmup-epochs {warmup_epochs:g} is {steps}, as many as or more than "
+            f"{run_steps}: the learning rate will not come down from its peak "
+            f"(--warmup-fraction F makes the warmup a share of the run, the decay the rest)")

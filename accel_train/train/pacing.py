@@ -12,6 +12,7 @@ from typing import Callable, Optional, Protocol
 
 from accel_train.config import parse_duration
 from accel_train.train.budget import SAY_REFIT_FRACTION, TimeBudget, evaluation_passes
+from accel_train.train.optim import warmup_outlasts_words
 
 
 class RankAgreement(Protocol):
@@ -144,11 +145,8 @@ class BudgetPacer:
                             f"{1000 * step_seconds:.0f} ms/step (every evaluation included; "
                             f"fitted again as the run goes)")
             if config.warmup_fraction is None and planned >= total:
-                self.report.warn(f"--warmup-epochs {config.warmup_epochs:g} is {planned:,} "
-                                 f"steps, as many as or more than the {total:,} that fit the "
-                                 f"budget here: the learning rate will not come down from its "
-                                 f"peak (--warmup-fraction F makes the warmup a share of the "
-                                 f"run, the decay the rest)")
+                self.report.warn(warmup_outlasts_words(
+                    config.warmup_epochs, planned, f"the {total:,} that fit the budget here"))
         elif abs(total - before) >= SAY_REFIT_FRACTION * before:
             self.progress.write(f"{budget}: {before:,} -> {total:,} steps at "
                                 f"{1000 * step_seconds:.0f} ms/step lately")

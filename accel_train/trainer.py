@@ -40,7 +40,8 @@ from accel_train.model.ema import maybe_ema
 from accel_train.run import distributed
 from accel_train.run.checkpoint import AccelerateState, Checkpointer, TrainerState
 from accel_train.run.collectives import CollectiveTimeouts, StepWatch, is_timeout, report_stall
-from accel_train.run.finish import maybe_plot, save_final_model, say_next, test_record
+from accel_train.run.finish import (already_finished, maybe_plot, save_final_model, say_next,
+                                    tested_at, test_record)
 from accel_train.run.records import open_records, resolved_facts
 from accel_train.run.report import Reporter
 from accel_train.run.resume import StartPlan, plan_start
@@ -150,6 +151,12 @@ class Trainer:
         self._prepare_checkpointed_parts()
         self.learning_rate_change = self._maybe_restore()
         self._prepare_step_parts()
+        # A finished run started again with the same options: nothing to train, nothing to write.
+        self.finished_before = self.plan.resume_from is not None and distributed.decide_on_main(
+            lambda: already_finished(plan.output_dir, self.state, self.total_steps,
+                                     self.loaders.test is not None))
+        if self.finished_before:
+            return
         self._open_records([precision_warning, long_warmup_warning(self.config, self.schedule),
                             distributed.unusable_gpu_warning(),
                             distributed.ignored_dist_url_warning(self.config, plan.env),
@@ -278,10 +285,17 @@ class Trainer:
         """Epochs until the schedule's steps are trained (or a stop signal or a stalled rank
         ends the run); returns the process exit code."""
         state = self.state
-        # Resumed at its last step: finished (its end, the test split's one evaluation, behind
-        # it), or stopped by a signal there (that step's end still to do).
+        if self.finished_before:
+            self.report.say(f"{self.plan.output_dir} finished: it trained its {state.step} steps "
+                            f"and saved its model; nothing to do.  To train on, give more "
+                            f"--epochs or --max-steps; accel-train eval {self.plan.output_dir} "
+                            f"evaluates it")
+            return 0
+        # Resumed at its last step: evaluated there (killed in its end: the final model and the
+        # test split's one evaluation still to do, or done), or stopped by a signal there
+        # (that step's end still to do).
         at_end = state.step >= self.total_steps
-        finished_before = at_end and state.eval_step == state.step
+        evaluated_at_end = at_end and state.eval_step == state.step
         self.callbacks.on_train_begin(self)
         self.accelerator.wait_for_everyone()  # every rank's callbacks began before any trains
         self.progress.start(self.pacer.known_total(self.total_steps), state.step)
@@ -296,7 +310,7 @@ class Trainer:
                     # --max-steps or a time budget may end the run inside the epoch
                     self.end_epoch(time.perf_counter() - epoch_started,
                                    mid_epoch=not self._epoch_used_up())
-                if at_end and not finished_before and state.samples_in_epoch:
+                if at_end and not evaluated_at_end and state.samples_in_epoch:
                     self.end_epoch(mid_epoch=not self._epoch_used_up())
             except RuntimeError as err:
                 if not (self.timeouts.active and is_timeout(err)):
@@ -309,7 +323,8 @@ class Trainer:
         self.timeouts.relax()
         self.pacer.finish(state.step)
         self.report.say(f"Training took {time.perf_counter() - started:.1f}s")
-        self._finish(tested=finished_before)
+        self._finish(tested=evaluated_at_end and distributed.decide_on_main(
+            lambda: tested_at(self.plan.output_dir, state.step)))
         return 0
 
     def _epoch_used_up(self) -> bool:

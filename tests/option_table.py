@@ -461,6 +461,10 @@ ROWS: dict[str, Row] = {
     "eval --tta": effect(
         f"{ORACLE}::test_eval_with_flip_tta_matches_a_plain_torch_evaluation_of_both_views",
         "flip: logits averaged with numpy-mirrored images, in plain torch"),
+    "eval --ema": effect(
+        "test_commands.py::test_a_checkpoints_ema_weights_through_eval_export_and_predict",
+        "a checkpoint's ema.safetensors: loss and top-1 equal the run's own epoch-end evaluation "
+        "of its average (eval_ema_*), not of its trained weights; one line where none is kept"),
     "eval --json": effect(
         f"{ORACLE}::test_eval_held_out_matches_a_plain_torch_evaluation",
         "the JSON fields are compared with the oracle's numbers"),
@@ -482,6 +486,9 @@ ROWS: dict[str, Row] = {
         f"{ORACLE}::test_predict_runs_in_the_precision_the_run_evaluated_in",
         "bf16: the softmax of plain torch's bf16-autocast logits; no: of the fp32 ones; auto: "
         "as the run ran where bf16 is native, else fp32; with an .onnx model, one line"),
+    "predict --ema": effect(
+        "test_commands.py::test_a_checkpoints_ema_weights_through_eval_export_and_predict",
+        "the checkpoint's EMA weights: the same lines as predict of export --ema"),
     "predict --json": effect(
         "test_commands.py::test_predict_table_and_json_lines",
         "one JSON object per image with its ranked classes"),
@@ -493,6 +500,9 @@ ROWS: dict[str, Row] = {
         "test_commands.py::test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept",
         "exactly model.safetensors, config.json and README.md in the folder given; a folder "
         "holding an export is refused"),
+    "export --ema": effect(
+        "test_commands.py::test_a_checkpoints_ema_weights_through_eval_export_and_predict",
+        "model.safetensors holds ema.safetensors' tensors exactly; config.json says weights: ema"),
     "export --format": effect(
         "test_export_formats.py::test_onnx_runtime_agrees_with_predict",
         "onnx: model.onnx in ONNX Runtime on real held-out images, preprocessed from "

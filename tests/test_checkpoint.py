@@ -304,9 +304,11 @@ def test_the_best_held_out_top1_counts_the_ema_weights_the_run_may_save():
     assert later.best_top1 == 0.1406
 
 
-def test_a_finished_run_resumed_again_evaluates_its_test_split_no_second_time(tmp_path):
+def test_a_finished_run_resumed_again_does_nothing_and_one_killed_in_its_end_finishes_it(
+        tmp_path):
     """The test split is evaluated once, at the end: --resume auto of a run already finished
-    trains nothing and adds no second test record."""
+    trains nothing and writes nothing; one killed after its last checkpoint writes what its
+    end had left (the model, the test record), and only that."""
     from PIL import Image
     data = tmp_path / "data"
     for split, count in (("train", 8), ("val", 2), ("test", 2)):
@@ -318,12 +320,28 @@ def test_a_finished_run_resumed_again_evaluates_its_test_split_no_second_time(tm
     command = ["--data-dir", str(data), "--model", "test_resnet", "--batch-size", "4",
                "--max-steps", "3", "--warmup-epochs", "0", "--progress", "log", "--no-plots",
                "--output-dir", str(tmp_path / "run")]
+    run = tmp_path / "run"
     accel_train_here(*command, check=True)
+    written = {path: path.stat().st_mtime_ns for path in run.rglob("*") if path.is_file()}
     again = accel_train_here(*command, "--resume", "auto", check=True)
-    records = [json.loads(line) for line in
-               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert f"{run} finished: it trained its 3 steps" in again.stdout, again.stdout
+    assert "test top-1" not in again.stdout and "Epoch" not in again.stdout
+    # nothing written: no resume record, no second config, the same model
+    assert {path: path.stat().st_mtime_ns for path in run.rglob("*") if path.is_file()} == written
+    # killed inside its end, after the model and before the test record: the end is finished
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("".join(
+        line + "\n" for line in lines if json.loads(line)["type"] != "test"))
+    ended = accel_train_here(*command, "--resume", "auto", check=True)
+    assert "test top-1" in ended.stdout and "nothing to do" not in ended.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["type"] == "test"] == [3], records
-    assert "test top-1" not in again.stdout
+    # killed before the final model was written: written, and not tested a second time
+    (run / "model.safetensors").unlink()
+    (run / "config.json").unlink()
+    ended = accel_train_here(*command, "--resume", "auto", check=True)
+    assert "saved" in ended.stdout and "test top-1" not in ended.stdout, ended.stdout
+    assert json.loads((run / "config.json").read_text())["accel_train"]["step"] == 3
 
 
 class BatchLabels(Callback):

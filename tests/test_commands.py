@@ -194,6 +194,40 @@ def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_
     assert code == 2 and "already holds an export (model.safetensors)" in err
 
 
+def test_a_checkpoints_ema_weights_through_eval_export_and_predict(run_dir, image_folder,
+                                                                     tmp_path, capsys):
+    """--ema: the averaged weights the checkpoint kept (--model-ema).  The run's own epoch-end
+    evaluation of its average is the oracle for eval; export copies those tensors as they are
+    (read back by safetensors) and says they are the EMA's; predict of the checkpoint agrees
+    with predict of that export.  Where there is one set of weights, or no average, one line."""
+    out = tmp_path / "ema_run"
+    accel_train_here(*TINY_TRAIN, "--model-ema", "--model-ema-decay", "0.5", "--output-dir",
+                     str(out), check=True)
+    checkpoint = out / "checkpoints" / "step_00000016"
+    epoch = last_epoch(out)
+    averaged = eval_json(capsys, str(checkpoint), "--ema")
+    assert averaged["loss"] == pytest.approx(epoch["eval_ema_loss"], abs=1e-6)
+    assert averaged["top1"] == pytest.approx(epoch["eval_ema_top1"])
+    trained = eval_json(capsys, str(checkpoint))
+    assert trained["loss"] == pytest.approx(epoch["eval_loss"], abs=1e-6)
+    assert averaged["loss"] != pytest.approx(trained["loss"], abs=1e-6)
+    export_dir = tmp_path / "ema_export"
+    code, printed, err = command(capsys, "export", str(checkpoint), "--ema", "-o", str(export_dir))
+    assert code == 0 and "its EMA weights" in printed, err
+    exported, kept = (load_file(str(path)) for path in
+                      (export_dir / "model.safetensors", checkpoint / "ema.safetensors"))
+    assert exported.keys() == kept.keys()
+    assert all(torch.equal(exported[k], kept[k]) for k in kept)
+    assert json.loads((export_dir / "config.json").read_text())["accel_train"]["weights"] == "ema"
+    assert predict_json(capsys, str(checkpoint), str(image_folder), "--ema") == \
+        predict_json(capsys, str(export_dir), str(image_folder))
+    for argv, words in (((str(run_dir / "checkpoints" / "step_00000016"),), "holds no EMA weights"),
+                        ((str(out),), "holds one set of weights"),
+                        ((str(export_dir),), "holds one set of weights")):
+        code, _, err = command(capsys, "eval", *argv, "--ema")
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_plot_command_writes_the_pngs(run_dir, tmp_path, capsys):
     plots = run_dir / "plots"
     before = sorted(plots.iterdir()) if plots.exists() else []

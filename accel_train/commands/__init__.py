@@ -22,6 +22,10 @@ SUMMARIES = {
     "shard": "any training data -> WebDataset tar shards + index.json, for --data-dir streaming",
 }
 
+# eval, predict and export: a checkpoint's averaged weights instead of its trained ones
+EMA_HELP = ("a checkpoint's EMA weights (ema.safetensors, kept by --model-ema) instead of its "
+            "trained weights; a finished run's model.safetensors is already the better of the two")
+
 
 def _lazy(name: str) -> Callable[[Sequence[str]], int]:
     def run(argv: Sequence[str]) -> int:

@@ -10,6 +10,7 @@ first: a truncated or modified checkpoint is refused rather than silently evalua
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -21,6 +22,7 @@ from accel_train.base.weightfiles import read_safetensors
 from accel_train.run.checkpoint import (NAME_PATTERN, find_latest_valid, list_checkpoints,
                                         read_state, verify)
 from accel_train.base.errors import UsageError, first_line
+from accel_train.model.ema import EMA_FILE
 from accel_train.model.saved import SPEC_FILE, WEIGHTS_FILE, ModelSpec
 from accel_train.model.build import build_from_spec
 from accel_train.train.precision import cpu_has_native_bf16
@@ -106,8 +108,31 @@ def _checkpoint_root(run_dir: Path) -> Path:
     return run_paths(run_dir).checkpoints
 
 
-def find_trained_model(path_text: str, warn: Callable[[str], None]) -> TrainedModel:
-    """Resolve RUN_OR_CHECKPOINT; `warn` is told about skipped (incomplete) checkpoints."""
+def find_trained_model(path_text: str, warn: Callable[[str], None],
+                       ema: bool = False) -> TrainedModel:
+    """Resolve RUN_OR_CHECKPOINT; `warn` is told about skipped (incomplete) checkpoints.
+    `ema` (--ema): a checkpoint's EMA weights instead of its trained ones."""
+    trained = _find(path_text, warn)
+    return _ema_of(trained, path_text) if ema else trained
+
+
+def _ema_of(trained: TrainedModel, path_text: str) -> TrainedModel:
+    """The averaged weights beside a checkpoint's trained ones.  A final model or an export
+    holds one set of weights, already the better of the two (config.json says which)."""
+    if trained.step is None:
+        raise UsageError(f"--ema: {path_text} holds one set of weights ({trained.description}, "
+                         f"the {trained.spec.weights} weights); pass a checkpoint, "
+                         f"<run>/checkpoints/step_XXXXXXXX, for its EMA weights, or drop --ema")
+    averaged = trained.weights.parent / EMA_FILE
+    if not averaged.is_file():
+        raise UsageError(f"--ema: {trained.weights.parent} holds no EMA weights (its run trained "
+                         f"without --model-ema); drop --ema")
+    return dataclasses.replace(trained, spec=dataclasses.replace(trained.spec, weights="ema"),
+                               weights=averaged, description=f"{trained.description}, "
+                                                             f"its EMA weights")
+
+
+def _find(path_text: str, warn: Callable[[str], None]) -> TrainedModel:
     path = Path(path_text)
     if not path.exists():
         raise UsageError(f"{path_text}: no such run directory, checkpoint or export folder")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from accel_train.cli import _Parser
+from accel_train.commands import EMA_HELP
 from accel_train.config import PRECISIONS, TTA_MODES, TrainConfig
 from accel_train.base.errors import UsageError
 
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", metavar="RUN_OR_CHECKPOINT",
                         help="a run directory, a step_XXXXXXXX checkpoint, or an export folder")
+    parser.add_argument("--ema", action="store_true", help=EMA_HELP)
     data = parser.add_argument_group("data (default: the run's own held-out data)")
     data.add_argument("--data-dir", help="local data, as for training (parquet, save_to_disk, "
                       "image folder)")
@@ -172,7 +174,7 @@ def main(argv: Sequence[str]) -> int:
 
     launcher = distributed.LauncherEnv.from_environ()
     say = print if launcher.rank == 0 else (lambda text: None)
-    trained = find_trained_model(args.model, lambda text: say(f"warning: {text}"))
+    trained = find_trained_model(args.model, lambda text: say(f"warning: {text}"), args.ema)
     config = data_config(trained, args)
     run_record = read_run_config(trained.run_dir) if trained.run_dir else {}
     recorded = run_record.get("train", {})

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from accel_train.cli import _Parser
+from accel_train.commands import EMA_HELP
 from accel_train.base.errors import UsageError
 
 FORMATS = {"timm": "model.safetensors + config.json (timm's folder format) + README.md",
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", metavar="RUN_OR_CHECKPOINT",
                         help="a run directory (its final model, else its newest valid "
                              "checkpoint), a step_XXXXXXXX checkpoint folder, or an export")
+    parser.add_argument("--ema", action="store_true", help=EMA_HELP)
     parser.add_argument("--output-dir", "-o", required=True, metavar="DIR",
                         help="a new (or empty) folder to write the export into")
     parser.add_argument("--format", choices=list(FORMATS), default="timm",
@@ -131,7 +133,7 @@ def main(argv: Sequence[str]) -> int:
     output_dir = Path(args.output_dir)
     check_output_dir(output_dir)
     from accel_train.commands.artifacts import find_trained_model
-    trained = find_trained_model(args.model, lambda text: print(f"warning: {text}"))
+    trained = find_trained_model(args.model, lambda text: print(f"warning: {text}"), args.ema)
     written = write_export(trained, output_dir, args.format, print)
     print(f"exported {trained.description}\n" + "\n".join(f"  -> {p}" for p in written))
     return 0

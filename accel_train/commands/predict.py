@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from accel_train.cli import _Parser
+from accel_train.commands import EMA_HELP
 from accel_train.config import PRECISIONS
 from accel_train.base.errors import UsageError
 
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("inputs", nargs="+", metavar="IMAGES_OR_FOLDERS",
                         help="image files, or folders searched recursively for "
                              f"{', '.join(sorted(IMAGE_SUFFIXES))} files")
+    parser.add_argument("--ema", action="store_true", help=EMA_HELP)
     parser.add_argument("--top-k", type=int, default=3,
                         help="classes shown per image (default: 3)")
     parser.add_argument("--batch-size", type=int, default=64,
@@ -115,14 +117,15 @@ def _table_row(path: Path, ranked, names: list[str], path_width: int, name_width
     return f"{str(path):<{path_width}}  {cells}"
 
 
-def _load(model_text: str, asked: str, torch):
+def _load(model_text: str, asked: str, ema: bool, torch):
     """(model, spec, description, device, autocast, channels_last, precision name): an ONNX file
     through ONNX Runtime on the CPU, as exported; else the torch model of a run, checkpoint or
     export on CUDA when there is one, in --mixed-precision (auto: as the run ran, eval's rule)."""
     if model_text.endswith(".onnx") and Path(model_text).is_file():
-        if asked != "auto":
-            raise UsageError(f"--mixed-precision {asked}: an .onnx model runs in the precision "
-                             f"it was exported in (ONNX Runtime); drop the flag")
+        if asked != "auto" or ema:
+            flag = "--ema" if ema else f"--mixed-precision {asked}"
+            raise UsageError(f"{flag}: an .onnx model runs the weights and the precision it "
+                             f"was exported with (ONNX Runtime); drop the flag")
         from accel_train.model.onnx_export import OnnxClassifier
         onnx_model = OnnxClassifier(Path(model_text))
         return onnx_model, onnx_model.spec, f"ONNX file {model_text} (ONNX Runtime)", \
@@ -132,7 +135,7 @@ def _load(model_text: str, asked: str, torch):
     from accel_train.train.precision import precision_name, resolve_precision
     from accel_train.commands.artifacts import (as_the_run_ran, find_trained_model, load_model,
                                                 read_run_config)
-    trained = find_trained_model(model_text, lambda text: print(f"warning: {text}"))
+    trained = find_trained_model(model_text, lambda text: print(f"warning: {text}"), ema)
     cuda = torch.cuda.is_available()
     record = read_run_config(trained.run_dir) if trained.run_dir else {}
     asked, channels_last = as_the_run_ran(asked, record.get("resolved", {}), cuda)
@@ -156,7 +159,7 @@ def main(argv: Sequence[str]) -> int:
     import torch
 
     model, spec, description, device, autocast, channels_last, ran_in = \
-        _load(args.model, args.mixed_precision, torch)
+        _load(args.model, args.mixed_precision, args.ema, torch)
     names = spec.class_names
     path_width = max(len(str(p)) for p in images)
     name_width = max(len(name) for name in names)

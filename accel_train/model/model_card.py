@@ -79,13 +79,29 @@ def _metrics_table(facts: CardFacts) -> str:
     return f"On {facts.held_out}, measured at export:\n\n" + "\n".join(rows) + "\n"
 
 
+def shown_command(command: list) -> list[str]:
+    """The recorded argv as a reader can type it: `python -m accel_train` and the console
+    script record their program as the path of accel_train/__main__.py or of bin/accel-train,
+    which mean nothing on another machine; a program of the user's (fit()) stays itself."""
+    words = [str(word) for word in command]
+    if not words:
+        return words
+    program = Path(words[0])
+    if program.name == "accel-train" or (program.name == "__main__.py"
+                                         and program.parent.name == "accel_train"):
+        return ["accel-train", *words[1:]]
+    if program.suffix == ".py":  # as typed: python records argv[0] so
+        return ["python", *words]
+    return words
+
+
 def _training(facts: CardFacts) -> str:
     record = facts.run_record
     if not record:
         return "No run record (config.yaml) came with these weights.\n"
     resolved, train = record.get("resolved", {}), record.get("train", {})
     seconds = sum(e.get("epoch_time", 0) for e in facts.epochs)
-    lines = [f"- **Command:** `{shlex.join(str(a) for a in record.get('command', []))}`",
+    lines = [f"- **Command:** `{shlex.join(shown_command(record.get('command', [])))}`",
              f"- **Recipe** (options that differ from the defaults): "
              f"`{yaml.safe_dump(_recipe(train), default_flow_style=True, width=10**6).strip()}`",
              f"- **Epochs:** {len(facts.epochs)}, {resolved.get('total_steps', '?')} steps of "

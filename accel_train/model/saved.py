@@ -168,17 +168,18 @@ SOURCE_ONLY = ("tag", "test_input_size", "test_crop_pct")
 
 
 def write_model_folder(model: nn.Module, directory: Path, spec: ModelSpec,
-                       command: Optional[list] = None) -> Path:
+                       command: Optional[list] = None, step: Optional[int] = None) -> Path:
     """DIR/model.safetensors (our writer: plain contiguous CPU tensors with the "pt" metadata;
     timm's save_for_hf writes `model.state_dict()` as it is) and DIR/config.json by timm's
-    saver; returns the weights' path."""
+    saver, last: its `step` (the optimizer steps the weights trained) says the folder is whole
+    for that step.  Returns the weights' path."""
     from timm.models._hub import save_config_for_hf
 
     directory = Path(directory)
     weights = save_weights(model.state_dict(), directory, spec, with_spec=False)
     ours = {"format_version": FORMAT_VERSION, "weights": spec.weights, "tta": spec.tta,
             "drop_rate": spec.drop_rate, "float32_layers": list(spec.float32_layers),
-            "command": list(command or [])}
+            "command": list(command or []), **({"step": step} if step is not None else {})}
     if is_import_path(spec.model_name):
         # A user's factory built it: the architecture must name that factory (even when it
         # returned a timm model, whose own config would name the timm network it started from),

@@ -8,8 +8,11 @@ from pathlib import Path
 
 from torch import nn
 
-from accel_train.model.saved import write_model_folder
+from accel_train.base.errors import UsageError
+from accel_train.model.saved import read_our_section, write_model_folder
 from accel_train.run.plots import write_plots
+from accel_train.run.rundir import run_paths
+from accel_train.run.track import read_metrics
 from accel_train.train.divergence import stop_if_diverged
 
 
@@ -25,11 +28,33 @@ def save_final_model(accelerator, model: nn.Module, averages: dict[str, nn.Modul
     stop_if_diverged(chosen, state.step, "model.safetensors")
     if accelerator.is_main_process:
         spec = dataclasses.replace(spec, weights="ema" if use_ema else "model")
-        path = write_model_folder(chosen, output_dir, spec, command=sys.argv)
+        path = write_model_folder(chosen, output_dir, spec, command=sys.argv, step=state.step)
         report.say(f"saved {path}" + (f" (the EMA weights: held-out top-1 {state.ema_top1:.2%} "
                                       f"vs {state.eval_top1:.2%})" if use_ema else ""))
     accelerator.wait_for_everyone()
     return chosen
+
+
+def already_finished(output_dir: Path, state, total_steps: int, has_test_split: bool) -> bool:
+    """Whether a resumed run's end is all behind it: its steps trained and evaluated at the
+    last, its final model written for that step (config.json's step, written after the
+    weights) and its test split evaluated.  Then a start with the same options has nothing to
+    do and writes nothing; a run killed inside its end finishes it instead."""
+    if state.step < total_steps or state.eval_step != state.step:
+        return False
+    try:
+        if read_our_section(output_dir).get("step") != state.step:
+            return False
+        return not has_test_split or tested_at(output_dir, state.step)
+    except UsageError:  # a damaged config.json or metrics.jsonl: the end is written again
+        return False
+
+
+def tested_at(output_dir: Path, step: int) -> bool:
+    """Whether metrics.jsonl holds the test split's record for `step`."""
+    metrics = run_paths(output_dir).metrics
+    return metrics.is_file() and any(record.get("type") == "test" and record.get("step") == step
+                                     for record in read_metrics(metrics, warn=lambda _: None))
 
 
 def test_record(results: dict, step: int) -> dict:

@@ -58,6 +58,7 @@ from accel_train.train.network import Network, build_network
 from accel_train.train.network_choice import choice_words, network_for_run
 from accel_train.train.optim import (base_learning_rates, build_optimizer, long_warmup_warning,
                                      plan_schedule, scheduler_for, take_new_learning_rate)
+from accel_train.train.idle_options import idle_option_warnings
 from accel_train.train.pacing import maybe_pacer
 from accel_train.train.precision import (accelerate_fp16_note, resolve_precision,
                                          use_fast_cuda_math)
@@ -158,6 +159,8 @@ class Trainer:
         if self.finished_before:
             return
         self._open_records([precision_warning, long_warmup_warning(self.config, self.schedule),
+                            *idle_option_warnings(self.config,
+                                                  self.pacer.known_total(self.total_steps)),
                             distributed.unusable_gpu_warning(),
                             distributed.ignored_dist_url_warning(self.config, plan.env),
                             accelerate_fp16_note(self.config.mixed_precision, self.precision,

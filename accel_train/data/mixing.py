@@ -43,6 +43,7 @@ class NoMixing:
 
 def maybe_mixup(config, num_classes: int):
     """SeededMixup with --mixup or --cutmix, else NoMixing; each has the `loss_fn` that fits
-    its targets."""
-    return SeededMixup(config, num_classes) if config.mixup > 0 or config.cutmix > 0 \
-        else NoMixing(config)
+    its targets.  --mixup-prob 0 mixes no batch: NoMixing, whose hard-label loss is the one
+    the run without them computes (the soft-target loss is equal only up to rounding)."""
+    mixes = (config.mixup > 0 or config.cutmix > 0) and config.mixup_prob > 0
+    return SeededMixup(config, num_classes) if mixes else NoMixing(config)

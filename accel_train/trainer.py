@@ -161,6 +161,7 @@ class Trainer:
         self._open_records([precision_warning, long_warmup_warning(self.config, self.schedule),
                             *idle_option_warnings(self.config,
                                                   self.pacer.known_total(self.total_steps)),
+                            *self.data.warnings,
                             distributed.unusable_gpu_warning(),
                             distributed.ignored_dist_url_warning(self.config, plan.env),
                             accelerate_fp16_note(self.config.mixed_precision, self.precision,

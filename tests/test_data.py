@@ -17,6 +17,7 @@ from accel_train.data.loaders import EpochSampler, TrainImages, dataset_mean_std
 from accel_train.base.errors import UsageError
 from accel_train.data.sources import ArraySource, HFSource, load_data
 from accel_train.data.transforms import ImageTransform
+from conftest import accel_train_here
 
 CLASSES = ["cat", "dog", "fish"]
 
@@ -135,6 +136,51 @@ def test_string_labels_become_sorted_class_names(tmp_path):
     data = load_data(config(data_dir=str(tmp_path)))
     assert data.class_names == ["a", "b"]
     assert data.train.labels.tolist() == [1, 0] * 3
+
+
+def _labelled_parquet(path: Path, labels: list, kind: str = "string") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    datasets.Dataset.from_dict(
+        {"image": [_image(i % 3, i) for i in range(len(labels))], "label": labels},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.Value(kind)})
+    ).to_parquet(str(path))
+
+
+def test_a_held_out_label_value_train_lacks_is_refused_in_one_line(tmp_path):
+    """Labels as strings (or numbers): 'Dog' in validation and 'dog' in train would be two
+    classes, one never trained.  Checked over whole splits, before any sample limit; a value
+    only in train (none held out) is fine.  Through the CLI: one line, exit 2."""
+    _labelled_parquet(tmp_path / "train.parquet", ["cat", "dog", "cat", "dog"])
+    _labelled_parquet(tmp_path / "validation.parquet", ["cat", "Dog"])
+    with pytest.raises(UsageError, match=r"the validation split's 'label' holds 'Dog', which no "
+                                         r"row of train has"):
+        load_data(config(data_dir=str(tmp_path)))
+    _labelled_parquet(tmp_path / "validation.parquet", ["cat"])
+    _labelled_parquet(tmp_path / "test.parquet", ["dog", "bird", "cat"])
+    with pytest.raises(UsageError, match=r"the test split's 'label' holds 'bird'"):
+        load_data(config(data_dir=str(tmp_path)))
+    result = accel_train_here("--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "run"))
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1 and "'bird'" in err[0], result.stderr
+    assert not (tmp_path / "run").exists()
+    _labelled_parquet(tmp_path / "test.parquet", ["dog"])
+    data = load_data(config(data_dir=str(tmp_path), max_train_samples=1))  # whole splits count
+    assert data.class_names == ["cat", "dog"] and data.warnings == []
+
+
+def test_numeric_labels_with_gaps_warn_of_outputs_no_image_trains(tmp_path):
+    """Labels 1, 5 and 9 number ten classes: the run gets ten outputs, seven for no image, and
+    is told; labels 0..2 say nothing."""
+    _labelled_parquet(tmp_path / "gaps" / "train.parquet", [1, 5, 9, 1, 5, 9], "int64")
+    _labelled_parquet(tmp_path / "gaps" / "validation.parquet", [5, 9], "int64")
+    data = load_data(config(data_dir=str(tmp_path / "gaps")))
+    assert data.class_names == [str(i) for i in range(10)]
+    (words,) = data.warnings
+    assert "numbers the classes 0..9 and 7 of those numbers (0, 2, 3, 4, 6, 7, 8) no row has" \
+        in words and "renumber the labels 0..2" in words
+    _labelled_parquet(tmp_path / "whole" / "train.parquet", [0, 1, 2, 0], "int64")
+    _labelled_parquet(tmp_path / "whole" / "validation.parquet", [2], "int64")
+    assert load_data(config(data_dir=str(tmp_path / "whole"))).warnings == []
 
 
 def _write_class_folders(root: Path, per_class: int, size: int = 12):

@@ -31,6 +31,8 @@ from accel_train.base.errors import UsageError, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.imagefolder import index_folder
+from accel_train.data.labels import (check_label_values, label_gap_warnings,  # noqa: F401
+                                     labels_and_names, refuse_folders_never_trained)
 
 IMAGE_COLUMN_NAMES = ("img", "image", "images", "pixel_values", "picture", "jpg", "png", "webp")
 LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "coarse_label", "class", "target", "y")
@@ -328,6 +330,7 @@ class LoadedData:
     test: Optional[ImageSource] = None
     # Datasets a program handed to fit(), which no command can load again (eval asks for data)
     from_program: bool = False
+    warnings: list[str] = field(default_factory=list)  # said at the start, on the main rank
 
 
 @dataclass
@@ -365,31 +368,6 @@ def find_columns(dataset, config: TrainConfig) -> tuple[str, str]:
                          "--image-column"),
             _find_column(dataset, config.label_column, LABEL_COLUMN_NAMES, ClassLabel,
                          "--label-column"))
-
-
-def labels_and_names(splits: dict, label_column: str) -> tuple[dict[str, torch.Tensor],
-                                                               list[str]]:
-    from datasets import ClassLabel
-    feature = next(iter(splits.values())).features[label_column]
-    # Through Arrow: `ds[column]` is a lazy Column here, and building a tensor from it walked the
-    # rows one by one (over a minute for CIFAR-10's 50,000 labels on a busy machine).
-    columns = {k: ds.with_format("arrow")[label_column] for k, ds in splits.items()}
-    if isinstance(feature, ClassLabel):  # numbers already: no Python object per row
-        return ({k: torch.from_numpy(np.array(column.to_numpy(), dtype=np.int64))
-                 for k, column in columns.items()}, list(feature.names))
-    values = {k: column.to_pylist() for k, column in columns.items()}
-    distinct = sorted({v for vs in values.values() for v in vs})
-    if all(isinstance(v, (int, np.integer)) for v in distinct):
-        if distinct and min(distinct) < 0:
-            raise UsageError(f"label column {label_column!r} holds negative labels; labels must "
-                             f"be class indices 0..N-1 or class names")
-        names = [str(i) for i in range(int(max(distinct)) + 1)] if distinct else []
-        index = {v: int(v) for v in distinct}
-    else:
-        names = [str(v) for v in distinct]
-        index = {v: i for i, v in enumerate(distinct)}
-    return {k: torch.tensor([index[v] for v in vs], dtype=torch.long)
-            for k, vs in values.items()}, names
 
 
 def _quiet_datasets():
@@ -531,32 +509,6 @@ def pick_splits(raw: RawData, val_fraction: float, select_on_test: bool = False)
                   + (f"; {test} kept for the end" if test else ""))
 
 
-def _refuse_classes_never_trained(raw: RawData, splits: Splits) -> None:
-    """An image folder's held-out split with a class folder that train/ has no images of gives
-    the model a class it never trains on, most often one class named differently in the two
-    splits: refused.  (A class with no held-out images is common in small validation sets and
-    passes; parquet and hub data declare their classes once, in their features.)"""
-    if raw.root is None:
-        return
-
-    def classes_with_images(split: str) -> set[int]:
-        return set(np.unique(raw.splits[split].with_format("arrow")["label"].to_numpy()).tolist())
-
-    trained = classes_with_images(splits.train_name)
-    names = raw.splits[splits.train_name].features["label"].names
-    for held_out in (splits.eval_name, splits.test_name):
-        if held_out in (None, splits.train_name):
-            continue
-        never = [names[c] for c in sorted(classes_with_images(held_out) - trained)]
-        if never:
-            shown = ", ".join(never[:5]) + (f" and {len(never) - 5} more" if len(never) > 5 else "")
-            raise UsageError(f"--data-dir {raw.root}: the {held_out} split has images of "
-                             f"class(es) {shown}, of which train has none: the model would never "
-                             f"learn them; give them training images, or rename or remove those "
-                             f"folders (accel-train check-data {raw.root} lists each split's "
-                             f"classes)")
-
-
 def carve_rows(num_rows: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(rows kept for training, rows held out): `val_fraction` of the rows, chosen with a fixed
     seed.  datasets' own split of a stand-in that holds the row numbers: the same rows as
@@ -612,7 +564,7 @@ def load_data(config: TrainConfig) -> LoadedData:
                           data.description)
     raw = open_data(config)
     splits = pick_splits(raw, config.val_fraction, config.select_on_test)
-    _refuse_classes_never_trained(raw, splits)
+    refuse_folders_never_trained(raw, splits)
     train_rows, eval_rows = splits.train_rows, splits.eval_rows
     if config.max_train_samples:
         train_rows = train_rows[:config.max_train_samples]
@@ -624,7 +576,9 @@ def load_data(config: TrainConfig) -> LoadedData:
         roles.append(("test", splits.test_name, test_rows[:config.max_eval_samples or None]))
     parts = {role: rows_of(raw.splits[name], rows) for role, name, rows in roles}
     image_column, label_column = find_columns(parts["train"], config)
+    check_label_values(raw, splits, label_column)
     labels, class_names = labels_and_names(parts, label_column)
+    warnings = label_gap_warnings(raw, splits, label_column, class_names)
     if len(class_names) < 2:
         raise UsageError(f"{raw.origin}: found {len(class_names)} class(es) in "
                          f"{label_column!r}; a classifier needs at least 2")
@@ -647,4 +601,4 @@ def load_data(config: TrainConfig) -> LoadedData:
         if isinstance(source, HFSource):
             source.on_substitute = warn_substitute
     return LoadedData(sources[0], sources[1], class_names, f"{raw.origin} ({splits.description})",
-                      bad, test=sources[2] if len(sources) > 2 else None)
+                      bad, test=sources[2] if len(sources) > 2 else None, warnings=warnings)

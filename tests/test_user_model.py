@@ -254,6 +254,32 @@ def test_a_bad_factory_is_one_line_naming_what_to_fix(user_modules, tmp_path, mo
         assert part in line, (part, line)
 
 
+def test_a_factory_changed_since_training_is_one_line_naming_the_difference(user_modules,
+                                                                             tmp_path):
+    """The weights were trained as the factory built the network then; today it builds a
+    wider first layer and one more layer.  eval, predict and export say so in one line, with
+    the first differences (checked against the two networks' own state dicts), and send the
+    user to the factory instead of to a copied config file."""
+    run = tmp_path / "run"
+    accel_train_here("--model", f"{MODULE}:bare", *TINY, "--output-dir", str(run), check=True)
+    wider = USER_NETS.replace("nn.Linear(3 * 32 * 32, num_classes))",
+                              "nn.Linear(3 * 32 * 32, 8), nn.Linear(8, num_classes))")
+    write_module(user_modules, text=wider)
+    for name in [n for n in sys.modules if n.startswith(MODULE)]:
+        del sys.modules[name]  # the changed file, as a new process would import it
+    trained = load_file(str(run / "model.safetensors"))
+    built = import_from(user_modules).bare(10).state_dict()
+    assert trained["1.weight"].shape != built["1.weight"].shape and "2.weight" not in trained
+    Image.new("RGB", (32, 32)).save(tmp_path / "one.png")
+    for argv in (("eval", str(run)), ("predict", str(run), str(tmp_path / "one.png")),
+                 ("export", str(run), "-o", str(tmp_path / "export"))):
+        line = one_error_line(accel_train_here(*argv))
+        assert f"{MODULE}:bare (num_classes=10) builds another network than the one" in line
+        assert "1.weight: [10, 3072] saved, [8, 3072] built" in line, line
+        assert "not saved: 2.weight, 2.bias" in line and "as it was when the run trained" in line
+    assert not (tmp_path / "export").exists()
+
+
 def test_a_factory_that_takes_drop_rate_gets_it_and_freezes_by_its_classifier(user_modules,
                                                                               tmp_path):
     """--drop-rate reaches the factory's parameter of that name (recorded, and rebuilt with it);

@@ -21,12 +21,12 @@ from accel_train.base.readers import read_yaml
 from accel_train.base.weightfiles import read_safetensors
 from accel_train.run.checkpoint import (NAME_PATTERN, find_latest_valid, list_checkpoints,
                                         read_state, verify)
-from accel_train.base.errors import UsageError, first_line
+from accel_train.base.errors import UsageError
 from accel_train.model.ema import EMA_FILE
 from accel_train.model.saved import SPEC_FILE, WEIGHTS_FILE, ModelSpec
 from accel_train.model.build import build_from_spec
 from accel_train.train.precision import cpu_has_native_bf16
-from accel_train.model.saved import holds_model_spec
+from accel_train.model.saved import holds_model_spec, is_import_path
 from accel_train.run.rundir import CONFIG_FILE as RUN_CONFIG
 from accel_train.run.rundir import run_paths
 # Prefixes that wrappers add to parameter names: DDP (`module.`) and torch.compile (`_orig_mod.`).
@@ -177,9 +177,27 @@ def load_model(trained: TrainedModel) -> nn.Module:
         "train again, or use another checkpoint or export of the run"))
     try:
         model.load_state_dict(state)
-    except RuntimeError as err:
-        raise UsageError(f"{trained.weights} does not fit {trained.spec.model_name} with "
-                         f"{trained.spec.num_classes} classes ({first_line(err)}); "
-                         f"was its config.json or {SPEC_FILE} copied from another "
-                         f"run?") from None
+    except RuntimeError:
+        spec = trained.spec
+        mismatch = state_dict_mismatch(state, model.state_dict())
+        if is_import_path(spec.model_name):  # the user's code, which may have changed since
+            raise UsageError(f"{spec.model_name} (num_classes={spec.num_classes}) builds another "
+                             f"network than the one {trained.weights} was trained as "
+                             f"({mismatch}); run with the factory as it was when the run "
+                             f"trained, or train again") from None
+        raise UsageError(f"{trained.weights} does not fit {spec.model_name} with "
+                         f"{spec.num_classes} classes ({mismatch}); was its config.json or "
+                         f"{SPEC_FILE} copied from another run?") from None
     return model.eval()
+
+
+def state_dict_mismatch(saved: dict, built: dict) -> str:
+    """The first differences between saved weights and a built model's, in words (torch's
+    own message puts them on lines after a first line that names none)."""
+    shapes = [f"{name}: {list(saved[name].shape)} saved, {list(built[name].shape)} built"
+              for name in saved if name in built and saved[name].shape != built[name].shape]
+    missing = [name for name in built if name not in saved]
+    extra = [name for name in saved if name not in built]
+    parts = shapes[:2] + ([f"not saved: {', '.join(missing[:3])}"] if missing else []) + \
+        ([f"not built: {', '.join(extra[:3])}"] if extra else [])
+    return "; ".join(parts) or "the same names and shapes, yet torch refused them"

@@ -336,6 +336,10 @@ def test_a_finished_run_resumed_again_does_nothing_and_one_killed_in_its_end_fin
     assert "test top-1" in ended.stdout and "nothing to do" not in ended.stdout
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["type"] == "test"] == [3], records
+    # a damaged config.json: the end is written again rather than trusted (or refused)
+    (run / "config.json").write_text("{not json")
+    ended = accel_train_here(*command, "--resume", "auto", check=True)
+    assert "saved" in ended.stdout and "test top-1" not in ended.stdout, ended.stdout
     # killed before the final model was written: written, and not tested a second time
     (run / "model.safetensors").unlink()
     (run / "config.json").unlink()

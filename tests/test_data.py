@@ -166,6 +166,12 @@ def test_a_held_out_label_value_train_lacks_is_refused_in_one_line(tmp_path):
     _labelled_parquet(tmp_path / "test.parquet", ["dog"])
     data = load_data(config(data_dir=str(tmp_path), max_train_samples=1))  # whole splits count
     assert data.class_names == ["cat", "dog"] and data.warnings == []
+    # no validation file: validation is carved from train, and test is still held to train's
+    (tmp_path / "validation.parquet").unlink()
+    _labelled_parquet(tmp_path / "test.parquet", ["zebra", "dog", "bird", *"ABCDE"])
+    with pytest.raises(UsageError, match=r"the test split's 'label' holds 'A', 'B', 'C', 'D', "
+                                         r"'E' and 2 more, which no row of train has"):
+        load_data(config(data_dir=str(tmp_path)))
 
 
 def test_numeric_labels_with_gaps_warn_of_outputs_no_image_trains(tmp_path):
@@ -178,6 +184,9 @@ def test_numeric_labels_with_gaps_warn_of_outputs_no_image_trains(tmp_path):
     (words,) = data.warnings
     assert "numbers the classes 0..9 and 7 of those numbers (0, 2, 3, 4, 6, 7, 8) no row has" \
         in words and "renumber the labels 0..2" in words
+    _labelled_parquet(tmp_path / "sparse" / "train.parquet", [0, 20, 0, 20], "int64")
+    (words,) = load_data(config(data_dir=str(tmp_path / "sparse"))).warnings
+    assert "19 of those numbers (1, 2, 3, 4, 5, 6, 7, 8, ...) no row has" in words, words
     _labelled_parquet(tmp_path / "whole" / "train.parquet", [0, 1, 2, 0], "int64")
     _labelled_parquet(tmp_path / "whole" / "validation.parquet", [2], "int64")
     assert load_data(config(data_dir=str(tmp_path / "whole"))).warnings == []

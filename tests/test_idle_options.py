@@ -25,6 +25,8 @@ def test_the_defaults_and_options_that_act_say_nothing():
 
 @pytest.mark.parametrize("options, words", [
     (dict(cutmix=1.0, mixup_prob=0.0), "--cutmix 1: --mixup-prob 0 mixes no batch"),
+    (dict(mixup=0.5, mixup_prob=0.0), "--mixup 0.5: --mixup-prob 0 mixes no batch"),
+    (dict(cutmix=1.0, mixup_switch_prob=0.2), "--mixup-switch-prob 0.2 chooses between"),
     (dict(mixup=0.8, cutmix=1.0, mixup_prob=0.0),
      "--mixup 0.8 and --cutmix 1: --mixup-prob 0 mixes no batch"),
     (dict(mixup_prob=0.5), "--mixup-prob 0.5 has no effect without --mixup or --cutmix"),

@@ -280,6 +280,19 @@ def test_a_factory_changed_since_training_is_one_line_naming_the_difference(user
     assert not (tmp_path / "export").exists()
 
 
+def test_the_mismatch_words_name_the_first_differences_of_each_kind():
+    from accel_train.commands.artifacts import state_dict_mismatch
+    built = {name: torch.zeros(2) for name in "abcd"} | {"x": torch.zeros(3, 1)}
+    saved = {"a": torch.zeros(5), "b": torch.zeros(6), "c": torch.zeros(7), "x": torch.zeros(3, 1),
+             "old1": torch.zeros(1), "old2": torch.zeros(1)}
+    assert state_dict_mismatch(saved, built) == (
+        "a: [5] saved, [2] built; b: [6] saved, [2] built; not saved: d; not built: old1, old2")
+    four_new = built | {f"new{i}": torch.zeros(1) for i in range(4)}
+    assert state_dict_mismatch(built, four_new) == "not saved: new0, new1, new2"
+    assert state_dict_mismatch(built, built) == \
+        "the same names and shapes, yet torch refused them"
+
+
 def test_a_factory_that_takes_drop_rate_gets_it_and_freezes_by_its_classifier(user_modules,
                                                                               tmp_path):
     """--drop-rate reaches the factory's parameter of that name (recorded, and rebuilt with it);

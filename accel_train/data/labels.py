@@ -65,15 +65,14 @@ def check_label_values(raw, splits, label_column: str) -> None:
 
 
 def label_gap_warnings(raw, splits, label_column: str, class_names: list[str]) -> list[str]:
-    """Numbers as labels number the classes 0..max: numbers no row of any split has become
+    """Numbers as labels number the classes 0..max: numbers no row has become
     outputs no image trains (labels 1, 5, 9 give ten outputs).  Said, not refused: a subset of
     a larger numbering is a choice."""
     if declares_classes(raw, splits, label_column) or \
             not all(name == str(i) for i, name in enumerate(class_names)):
         return []  # declared classes, or names from strings: no numbering to leave gaps in
-    present = set()
-    for split in {splits.train_name, splits.eval_name, splits.test_name} - {None}:
-        present |= _values(raw, split, label_column)
+    # train's numbers are all there are: a held-out number train lacks is refused before this
+    present = _values(raw, splits.train_name, label_column)
     missing = [i for i in range(len(class_names)) if i not in present]
     if not missing:
         return []

@@ -121,6 +121,16 @@ def test_eval_of_its_checkpoint_and_of_an_unfinished_run(run_dir, tmp_path, caps
     assert code == 0, err
     assert "step_00000016 (step 16), newest valid: training did not finish" in out
     assert from_checkpoint["loss"] == pytest.approx(last_epoch(run_dir)["eval_loss"])
+    # copied under another name it is still a checkpoint, verified: changed bytes are refused
+    renamed = tmp_path / "best_weights"
+    shutil.copytree(checkpoint, renamed)
+    assert eval_json(capsys, str(renamed), "--dataset", "synthetic", "--max-samples",
+                     "64")["loss"] == pytest.approx(from_checkpoint["loss"])
+    weights = bytearray((renamed / "model.safetensors").read_bytes())
+    weights[-4000:] = bytes(4000)
+    (renamed / "model.safetensors").write_bytes(bytes(weights))
+    code, _, err = command(capsys, "eval", str(renamed), "--dataset", "synthetic")
+    assert code == 2 and "is not usable" in err and "checksum" in err, err
 
 
 def test_eval_on_another_folder_maps_classes_by_name(run_dir, image_folder, capsys):

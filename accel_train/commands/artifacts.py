@@ -19,8 +19,8 @@ from torch import nn
 
 from accel_train.base.readers import read_yaml
 from accel_train.base.weightfiles import read_safetensors
-from accel_train.run.checkpoint import (NAME_PATTERN, find_latest_valid, list_checkpoints,
-                                        read_state, verify)
+from accel_train.run.checkpoint import (MANIFEST, NAME_PATTERN, STATE_FILE, find_latest_valid,
+                                        list_checkpoints, read_state, verify)
 from accel_train.base.errors import UsageError
 from accel_train.model.ema import EMA_FILE
 from accel_train.model.saved import SPEC_FILE, WEIGHTS_FILE, ModelSpec
@@ -139,7 +139,10 @@ def _find(path_text: str, warn: Callable[[str], None]) -> TrainedModel:
     if not path.is_dir():
         raise UsageError(f"{path_text} is a file; pass the run directory, the step_XXXXXXXX "
                          f"checkpoint folder or the export folder that holds it")
-    if NAME_PATTERN.match(path.name):
+    # A checkpoint copied under another name is still verified against its manifest, never
+    # read as an export that nothing checks.
+    if NAME_PATTERN.match(path.name) or (path / MANIFEST).is_file() and \
+            (path / STATE_FILE).is_file():
         return _from_checkpoint(path, None)
     if (path / WEIGHTS_FILE).is_file() and holds_model_spec(path):
         run_dir = path if (path / RUN_CONFIG).is_file() else None

@@ -166,13 +166,20 @@ def check(args) -> dict:
     finally:
         progress.close()
     readable = np.concatenate([sizes[s][sizes[s][:, 0] > 0] for s in sizes])
-    counts = {split: np.bincount(labels[split].numpy(), minlength=len(class_names)).tolist()
+    labelled = {split: labels[split][labels[split] >= 0] for split in sources}
+    counts = {split: np.bincount(labelled[split].numpy(), minlength=len(class_names)).tolist()
               for split in sources}
+    train = "train" if "train" in sources else next(iter(sources))
+    unlabelled = {split: len(labels[split]) - len(labelled[split]) for split in sources
+                  if len(labelled[split]) < len(labels[split])}
+    # a split with no labels at all beside a labelled train split is left out by training
+    refused = [s for s, n in unlabelled.items() if s == train or n < len(labels[s])]
     duplicates = [[{"split": s, "image": sources[s].name(i)} for s, i in sorted(places)]
                   for places in by_digest.values() if len({s for s, _ in places}) > 1]
-    one_split = {name: next(s for s in counts if counts[s][c]) for c, name in
+    with_labels = [s for s in counts if len(labelled[s])]  # an unlabelled split names no class
+    one_split = {name: next(s for s in with_labels if counts[s][c]) for c, name in
                  enumerate(class_names)
-                 if len(counts) > 1 and sum(1 for s in counts if counts[s][c]) == 1}
+                 if len(with_labels) > 1 and sum(1 for s in with_labels if counts[s][c]) == 1}
     findings = {
         "data": raw.origin, "images": int(sum(len(s) for s in sources.values())),
         "splits": {split: len(source) for split, source in sources.items()},
@@ -186,8 +193,12 @@ def check(args) -> dict:
                   for k, axis in enumerate(("width", "height"))},
         "duplicates_across_splits": sorted(duplicates, key=lambda group: group[0]["image"]),
         "classes_in_one_split": one_split,
+        "unlabelled": {split: {"rows": n, "of": len(labels[split]), "refused": split in refused}
+                       for split, n in unlabelled.items()},
+        "too_few_classes": len(class_names) < 2,
         "workers": args.workers, "seconds": round(time.perf_counter() - started, 2)}
-    findings["problems"] = (len(findings["unreadable"]) + len(duplicates) + len(one_split))
+    findings["problems"] = (len(findings["unreadable"]) + len(duplicates) + len(one_split)
+                            + len(refused) + findings["too_few_classes"])
     return findings
 
 
@@ -230,11 +241,22 @@ def format_table(findings: dict) -> str:
     one_split = findings["classes_in_one_split"]
     lines += ["", f"classes in one split only ({len(one_split)})" + (":" if one_split else "")]
     lines += [f"  {name}: {split} only" for name, split in one_split.items()]
+    unlabelled = findings["unlabelled"]
+    lines += ["", f"splits with rows without a label, -1 or empty ({len(unlabelled)})"
+              + (":" if unlabelled else "")]
+    lines += [f"  {split}: {u['rows']:,} of {u['of']:,} rows (" +
+              ("training refuses them" if u["refused"] else "no labels at all: training leaves "
+               "the split out") + ")" for split, u in unlabelled.items()]
+    refused = sum(u["refused"] for u in unlabelled.values())
+    if findings["too_few_classes"]:
+        lines += ["", f"{len(names)} class: training needs at least 2"]
     problems = findings["problems"]
     lines += ["", "result: no problems found" if not problems else
               f"result: {problems} problem(s): {len(unreadable)} unreadable image(s) (training "
               f"replaces each with a substitute, --bad-images), {len(duplicates)} file(s) in "
-              f"two splits, {len(one_split)} class(es) in one split only"]
+              f"two splits, {len(one_split)} class(es) in one split only, {refused} split(s) "
+              f"partly unlabelled" + (", fewer than 2 classes" if findings["too_few_classes"]
+                                      else "")]
     return "\n".join(lines)
 
 

@@ -18,28 +18,85 @@ from accel_train.base.errors import UsageError
 
 def labels_and_names(splits: dict, label_column: str) -> tuple[dict[str, torch.Tensor],
                                                                list[str]]:
+    """Each split's class indices and the class names.  A row with no label (None, or the -1
+    that Hugging Face data sets give unlabelled rows) gets UNLABELLED: training refuses such
+    rows (refuse_unlabelled_rows) and check-data counts them."""
     from datasets import ClassLabel
     feature = next(iter(splits.values())).features[label_column]
     # Through Arrow: `ds[column]` is a lazy Column here, and building a tensor from it walked the
     # rows one by one (over a minute for CIFAR-10's 50,000 labels on a busy machine).
     columns = {k: ds.with_format("arrow")[label_column] for k, ds in splits.items()}
     if isinstance(feature, ClassLabel):  # numbers already: no Python object per row
-        return ({k: torch.from_numpy(np.array(column.to_numpy(), dtype=np.int64))
-                 for k, column in columns.items()}, list(feature.names))
+        return _declared_labels(splits, columns, label_column, list(feature.names))
     values = {k: column.to_pylist() for k, column in columns.items()}
-    distinct = sorted({v for vs in values.values() for v in vs})
+    distinct = sorted({v for vs in values.values() for v in vs if not _unlabelled(v)})
     if all(isinstance(v, (int, np.integer)) for v in distinct):
-        if distinct and min(distinct) < 0:
-            raise UsageError(f"label column {label_column!r} holds negative labels; labels must "
-                             f"be class indices 0..N-1 or class names")
         names = [str(i) for i in range(int(max(distinct)) + 1)] if distinct else []
         index = {v: int(v) for v in distinct}
     else:
         names = [str(v) for v in distinct]
         index = {v: i for i, v in enumerate(distinct)}
-    return {k: torch.tensor([index[v] for v in vs], dtype=torch.long)
-            for k, vs in values.items()}, names
+    return {k: torch.tensor([UNLABELLED if _unlabelled(v) else index[v] for v in vs],
+                            dtype=torch.long) for k, vs in values.items()}, names
 
+
+UNLABELLED = -1  # what Hugging Face data sets store for a row without a label
+
+
+def _unlabelled(value) -> bool:
+    return value is None or (isinstance(value, (int, np.integer)) and value < 0)
+
+
+def _declared_labels(splits: dict, columns: dict, label_column: str,
+                     names: list[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """ClassLabel columns: indices into the first split's names.  A split whose feature lists
+    its names in another order (each split built with the names it holds, say) is mapped by
+    name, not by index; names only it has are added after the first's."""
+    from datasets import ClassLabel
+    labels = {}
+    for k, column in columns.items():
+        values = np.array(column.fill_null(UNLABELLED).to_numpy(), dtype=np.int64)
+        own = splits[k].features[label_column]
+        if isinstance(own, ClassLabel) and list(own.names) != names:
+            names += [name for name in own.names if name not in names]
+            by_name = np.array([names.index(name) for name in own.names], dtype=np.int64)
+            values = np.where(values >= 0, by_name[values.clip(0)], UNLABELLED)
+        labels[k] = torch.from_numpy(values)
+    return labels, names
+
+
+def unlabelled_rows(dataset, label_column: str) -> int:
+    """How many rows have no label (None, or a negative number)."""
+    import pyarrow.compute as pc
+    import pyarrow.types as pa_types
+    column = dataset.with_format("arrow")[label_column]
+    missing = pc.sum(pc.is_null(column)).as_py() or 0
+    if pa_types.is_integer(column.type):
+        missing += pc.sum(pc.less(column, 0)).as_py() or 0
+    return int(missing)
+
+
+def set_aside_unlabelled_splits(raw, label_column: str, train_name: str) -> list[str]:
+    """Hugging Face data sets often ship a test split without labels (every row -1): it is left
+    out, with a warning, instead of failing at the end of training.  A split with some rows
+    unlabelled, or a training split with none labelled, is refused in one line (training would
+    fail at the first such row, or evaluate them as a class).  Returns the warnings."""
+    warnings = []
+    for name in list(raw.splits):
+        dataset = raw.splits[name]
+        missing = unlabelled_rows(dataset, label_column)
+        if not missing:
+            continue
+        if missing == len(dataset) and name != train_name:
+            del raw.splits[name]
+            warnings.append(f"the {name} split has no labels ({label_column!r} is -1 or empty in "
+                            f"all {missing:,} rows): left out; accel-train predict RUN IMAGES "
+                            f"gives its classes")
+            continue
+        raise UsageError(f"{raw.origin}: {missing:,} of the {len(dataset):,} rows of the {name} "
+                         f"split have no label ({label_column!r} is -1 or empty); label them or "
+                         f"remove them (accel-train check-data counts them per split)")
+    return warnings
 
 
 def check_label_values(raw, splits, label_column: str) -> None:

@@ -32,7 +32,8 @@ from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.imagefolder import index_folder
 from accel_train.data.labels import (check_label_values, label_gap_warnings,  # noqa: F401
-                                     labels_and_names, refuse_folders_never_trained)
+                                     labels_and_names, refuse_folders_never_trained,
+                                     set_aside_unlabelled_splits)
 
 IMAGE_COLUMN_NAMES = ("img", "image", "images", "pixel_values", "picture", "jpg", "png", "webp")
 LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "coarse_label", "class", "target", "y")
@@ -392,6 +393,47 @@ def _parquet_names(data_dir: Path, files: list[Path], rows: dict[Path, int]) -> 
                                     for file in files])
 
 
+def parquet_splits(root: Path, parquet: list[Path]) -> dict[str, list[Path]]:
+    """The split of each parquet file, by its name or its folder's, as Hugging Face's
+    `load_dataset` reads a folder (`train*`, `validation*`/`valid*`/`val*`/`dev*`,
+    `test*`/`eval*`, each followed by a separator or a digit: `test_data.parquet`,
+    `train-00000-of-00001.parquet`, `validation/0000.parquet`).  A file no split names
+    trains (where datasets would leave it out without a word)."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+    found = DataFilesDict.from_patterns(get_data_patterns(str(root)), base_path=str(root))
+    ours = {file.resolve(): file for file in parquet}  # datasets lists absolute paths
+    splits: dict[str, list[Path]] = {}
+    for split, names in found.items():
+        listed = sorted({ours[Path(n).resolve()] for n in names if Path(n).resolve() in ours})
+        if listed:
+            splits[str(split)] = listed
+    placed = {file for group in splits.values() for file in group}
+    rest = [file for file in parquet if file not in placed]
+    if rest:
+        splits["train"] = sorted(splits.get("train", []) + rest)
+    return splits
+
+
+def _own_class_labels(dataset, file: Path, data_dir: str):
+    """datasets' parquet loader gives every split the first split's features; a split whose
+    files name their classes otherwise (each split written with the names it holds, say) gets
+    its own ClassLabel names back, and labels.py maps its labels by name."""
+    from datasets import ClassLabel, Features
+    schema = parquet_file(file, "parquet", f"--data-dir {data_dir}:").schema_arrow
+    try:
+        own = Features.from_arrow_schema(schema)
+    except (ValueError, TypeError, KeyError):  # metadata datasets cannot read: as loaded
+        return dataset
+    changed = {name: feature for name, feature in own.items()
+               if isinstance(feature, ClassLabel) and name in dataset.features
+               and dataset.features[name] != feature}
+    if not changed:
+        return dataset
+    features = dataset.features.copy()
+    features.update(changed)
+    return dataset.cast(features)
+
+
 def _load_local(config: TrainConfig) -> RawData:
     """Every split of a save_to_disk folder, a folder of parquet files, or an image folder."""
     datasets = _quiet_datasets()
@@ -407,18 +449,17 @@ def _load_local(config: TrainConfig) -> RawData:
             loaded = datasets.DatasetDict(train=loaded)
         return RawData(dict(loaded), {split: RowNames(f"{data_dir} split '{split}'")
                                       for split in loaded}, data_dir)
-    parquet = sorted(path.glob("*.parquet")) + sorted(path.glob("data/*.parquet"))
+    parquet = sorted(file for file in path.rglob("*.parquet")
+                     if not any(part.startswith(".") for part in file.relative_to(path).parts))
     if parquet:
-        files: dict[str, list[Path]] = {}
+        files = parquet_splits(path, parquet)
         rows = {file: _parquet_rows(file, data_dir) for file in parquet}  # each footer read once
-        for file in parquet:
-            stem = file.stem.split("-")[0].lower()
-            split = stem if stem in ("train", *EVAL_SPLIT_NAMES) else "train"
-            files.setdefault(split, []).append(file)
         loaded = datasets.load_dataset("parquet", data_files={
             split: [str(file) for file in group] for split, group in files.items()})
-        return RawData(dict(loaded), {split: _parquet_names(path, group, rows)
-                                      for split, group in files.items()}, data_dir)
+        splits = {split: _own_class_labels(loaded[split], group[0], data_dir)
+                  for split, group in files.items()}
+        return RawData(splits, {split: _parquet_names(path, group, rows)
+                                for split, group in files.items()}, data_dir)
     if not any(p.is_file() for p in path.rglob("*")):
         raise UsageError(f"--data-dir {data_dir} holds no files; expected parquet files, a "
                          f"save_to_disk folder or one subfolder of images per class")
@@ -486,12 +527,17 @@ class Splits:
     description: str
 
 
+def training_split_name(raw: RawData) -> str:
+    """`train`, else the data's first split."""
+    return "train" if "train" in raw.splits else next(iter(raw.splits))
+
+
 def pick_splits(raw: RawData, val_fraction: float, select_on_test: bool = False) -> Splits:
     """The data's own validation split; else `val_fraction` of the training split carved off
     with a fixed seed, the test split kept for the end; with `select_on_test`, a data set with
     only train and test uses its test split for selection (and says so)."""
     names = list(raw.splits)
-    train_name = "train" if "train" in names else names[0]
+    train_name = training_split_name(raw)
     others = [n for n in names if n != train_name]
     validation = next((n for n in VALIDATION_SPLIT_NAMES if n in others), None)
     test = next((n for n in TEST_SPLIT_NAMES if n in others), None)
@@ -563,6 +609,9 @@ def load_data(config: TrainConfig) -> LoadedData:
                           _limit(data.held_out, config.max_eval_samples), data.class_names,
                           data.description)
     raw = open_data(config)
+    train_name = training_split_name(raw)
+    _, label_column = find_columns(raw.splits[train_name], config)
+    warnings = set_aside_unlabelled_splits(raw, label_column, train_name)
     splits = pick_splits(raw, config.val_fraction, config.select_on_test)
     refuse_folders_never_trained(raw, splits)
     train_rows, eval_rows = splits.train_rows, splits.eval_rows
@@ -578,7 +627,7 @@ def load_data(config: TrainConfig) -> LoadedData:
     image_column, label_column = find_columns(parts["train"], config)
     check_label_values(raw, splits, label_column)
     labels, class_names = labels_and_names(parts, label_column)
-    warnings = label_gap_warnings(raw, splits, label_column, class_names)
+    warnings += label_gap_warnings(raw, splits, label_column, class_names)
     if len(class_names) < 2:
         raise UsageError(f"{raw.origin}: found {len(class_names)} class(es) in "
                          f"{label_column!r}; a classifier needs at least 2")

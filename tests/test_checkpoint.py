@@ -417,6 +417,32 @@ def test_a_resume_at_another_image_size_or_model_is_refused_in_one_line_and_move
     assert code == 0, err  # the size it trained at, given explicitly: resumes
 
 
+def test_a_resume_on_other_classes_of_the_same_count_is_refused_and_moves_nothing(tmp_path,
+                                                                                  capsys):
+    """Two image folders of as many images in two classes each, named a/b and xx/yy: the
+    count and the training-set size agree, so only the names tell.  Resumed on the second,
+    the run went on and its final model named xx, yy for outputs trained as a, b."""
+    from PIL import Image
+    for data, names in (("ab", ("a", "b")), ("xy", ("xx", "yy"))):
+        for label, name in enumerate(names):
+            folder = tmp_path / data / "train" / name
+            folder.mkdir(parents=True)
+            for i in range(8):
+                Image.new("RGB", (16, 16), (200 * label, 20 * i, 90)).save(folder / f"{i}.png")
+    out = tmp_path / "run"
+    flags = ["--model", "test_resnet", "--batch-size", "4", "--max-steps", "2",
+             "--warmup-epochs", "0", "--progress", "log", "--no-plots", "--output-dir", str(out)]
+    assert main(["--data-dir", str(tmp_path / "ab"), *flags]) == 0
+    capsys.readouterr()
+    before = tree_digest(out)
+    code, err = run_cli(capsys, "--data-dir", str(tmp_path / "xy"), *flags, "--max-steps", "3",
+                        "--resume", "auto")
+    assert code == 2 and len(err) == 1, err
+    assert "was trained on classes a, b but this start's data has xx, yy (a -> xx, b -> yy)" \
+        in err[0], err
+    assert tree_digest(out) == before
+
+
 def test_a_resume_with_another_optimizer_is_refused_in_one_line_and_moves_nothing(tmp_path,
                                                                                 capsys):
     """SGD's state (the default --optimizer) resumed with --optimizer adamw: torch would load

@@ -92,6 +92,17 @@ class ModelSpec:
                              f"{saved.model_name} ({saved.num_classes} classes) but this start "
                              f"builds {self.model_name} ({self.num_classes} classes); resume "
                              f"with the same --model and data, or start a new run")
+        if list(saved.class_names) != list(self.class_names):
+            # the same count of other classes: the outputs would change meaning silently, and
+            # the final model would record names its first steps never trained
+            differ = [f"{a} -> {b}" for a, b in zip(saved.class_names, self.class_names)
+                      if a != b]
+            raise UsageError(f"checkpoint {directory} was trained on classes "
+                             f"{_shown(saved.class_names)} but this start's data has "
+                             f"{_shown(self.class_names)} ({', '.join(differ[:3])}"
+                             f"{', ...' if len(differ) > 3 else ''}); resume with the data it "
+                             f"trained on, or start a new run (--pretrained takes the run's "
+                             f"model.safetensors)")
         if saved.image_size != self.image_size:
             # the crops it trained on, and the size its final model records for eval, predict
             # and export: a run has one
@@ -211,6 +222,12 @@ def write_model_folder(model: nn.Module, directory: Path, spec: ModelSpec,
     config.get("model_args", {}).pop("num_classes", None)
     (directory / TIMM_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return weights
+
+
+def _shown(names) -> str:
+    """Class names for a message: the first five, and how many more."""
+    names = list(names)
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def holds_model_spec(directory: Path) -> bool:

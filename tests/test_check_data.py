@@ -166,3 +166,16 @@ def test_bad_input_exits_2_in_one_line(tmp_path, capsys, args, message):
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and out == "", err
     assert lines[0].startswith("accel_train: error: ") and message.format(tmp=tmp_path) in lines[0]
+
+
+def test_one_class_is_a_problem_as_training_refuses_it(tmp_path, capsys):
+    """check-data said "no problems found" of a folder training refuses (a classifier needs
+    at least 2 classes)."""
+    for i in range(3):
+        (tmp_path / "only" / "cat").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8), (80 * i, 0, 0)).save(tmp_path / "only" / "cat" / f"{i}.png")
+    code, out, _ = check_here(capsys, "--data-dir", str(tmp_path / "only"))
+    assert code == 1 and "1 class: training needs at least 2" in out, out
+    assert "fewer than 2 classes" in out.splitlines()[-1]
+    code, out, _ = check_here(capsys, "--data-dir", str(tmp_path / "only"), "--json")
+    assert json.loads(out.strip().splitlines()[-1])["too_few_classes"] is True

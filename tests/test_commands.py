@@ -169,6 +169,28 @@ def test_predict_table_and_json_lines(run_dir, image_folder, capsys):
     assert f"{top['probability']:.1%}" in row
 
 
+def test_predict_of_a_folder_leaves_out_what_training_leaves_out(run_dir, image_folder,
+                                                                  tmp_path, capsys):
+    """A folder copied from a Mac: `._0.png` resource forks beside each image and a
+    `__MACOSX/` tree.  Training never reads them as images (imagefolder.py); predict did,
+    and failed on the first.  A hidden file named explicitly is still predicted."""
+    folder = tmp_path / "from_a_mac"
+    shutil.copytree(image_folder / "ring", folder / "ring")
+    images = sorted(p.name for p in (folder / "ring").glob("*.png"))
+    fork = b"\x00\x05\x16\x07" + bytes(60)  # AppleDouble's magic: not an image
+    for name in images:
+        (folder / "ring" / f"._{name}").write_bytes(fork)
+    (folder / "__MACOSX" / "ring").mkdir(parents=True)
+    (folder / "__MACOSX" / "ring" / f"._{images[0]}").write_bytes(fork)
+    shutil.copy(folder / "ring" / images[0], folder / "__MACOSX" / "ring" / images[0])
+    rows = predict_json(capsys, str(run_dir), str(folder))
+    assert [Path(row["image"]).name for row in rows] == images
+    hidden = folder / "ring" / ".hidden.png"
+    shutil.copy(folder / "ring" / images[0], hidden)
+    assert [row["image"] for row in predict_json(capsys, str(run_dir), str(hidden))] == \
+        [str(hidden)]
+
+
 def test_predict_reports_an_unreadable_image_and_predicts_the_others(run_dir, image_folder,
                                                                      tmp_path, capsys):
     folder = tmp_path / "mixed"

@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def find_images(inputs: Sequence[str]) -> list[Path]:
-    """Files as given; folders expanded (sorted, recursive) to the image files inside."""
+    """Files as given; folders expanded (sorted, recursive) to the image files inside, less
+    what training leaves out of a folder too (`._photo.jpg`, `__MACOSX/`: imagefolder.py)."""
+    from accel_train.data.imagefolder import left_out
     images: list[Path] = []
     for text in inputs:
         path = Path(text)
@@ -60,7 +62,10 @@ def find_images(inputs: Sequence[str]) -> list[Path]:
             images.append(path)
         elif path.is_dir():
             found = sorted(p for p in path.rglob("*")
-                           if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+                           if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+                           and not left_out(p.name, False)
+                           and not any(left_out(part, True)
+                                       for part in p.relative_to(path).parts[:-1]))
             if not found:
                 raise UsageError(f"{text}: no image files in that folder (looked for "
                                  f"{', '.join(sorted(IMAGE_SUFFIXES))})")

@@ -138,6 +138,12 @@ class _Progress:
                  f"{time.monotonic() - self.started:.1f}s")
 
 
+def left_out(name: str, is_folder: bool) -> bool:
+    """Hidden files and folders (`.DS_Store`, macOS's `._photo.jpg`) and folders starting with
+    `__` (`__MACOSX`, `__pycache__`): never images, in training, check-data or predict."""
+    return name.startswith(".") or (is_folder and name.startswith("__"))
+
+
 def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: list[str],
           dirs: list[tuple[str, int]], empty: list[str]) -> None:
     """Append the image paths under `folder` (as prefix + relative path) to `found`, every
@@ -150,12 +156,11 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
         with os.scandir(path) as entries:
             for entry in entries:
                 name = entry.name
-                if name.startswith("."):
+                if left_out(name, entry.is_dir()):
                     continue
                 if entry.is_dir():
-                    if not name.startswith("__"):
-                        stack.append((entry.path, f"{rel}{name}/"))
-                        has_subfolder = True
+                    stack.append((entry.path, f"{rel}{name}/"))
+                    has_subfolder = True
                 elif os.path.splitext(name)[1].lower() in extensions:
                     found.append(rel + name)
                     has_image = True

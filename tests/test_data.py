@@ -301,6 +301,19 @@ def test_native_size_does_not_depend_on_decoding_in_memory(tmp_path):
     assert in_memory.train.native_size == lazy.train.native_size == 12
 
 
+def test_the_default_size_looks_past_the_first_classes(tmp_path):
+    """Classes a and b of 12 px images, then c of 20 px: rows go class by class, and the first
+    32 images were all 12 px, so the run trained c at 12 px.  Spread over the split, the
+    probe sees both sizes: the mixed-size default."""
+    for name, size in (("a", 12), ("b", 12), ("c", 20)):
+        for i in range(20):
+            path = tmp_path / "train" / name / f"{i}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _image(0, i, size=size).save(path)
+    data = load_data(config(data_dir=str(tmp_path), in_memory="never", val_fraction=0.05))
+    assert data.train.native_size == 224
+
+
 def test_mixed_sizes_stay_on_disk_and_decode_per_sample(tmp_path):
     _write_class_folders(tmp_path / "train", 3, size=12)
     _write_class_folders(tmp_path / "test", 1, size=20)

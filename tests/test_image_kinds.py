@@ -229,10 +229,20 @@ def test_relative_paths_are_read_under_the_root_and_absolute_ones_as_they_are(tm
     assert read_value(str(tmp_path / "a.png"), root=tmp_path / "root") == b"in the working folder"
 
 
-def test_a_missing_or_unreadable_file_and_a_foreign_value_say_why_in_words(tmp_path):
+def test_a_missing_or_unreadable_file_and_a_foreign_value_say_why_in_words(tmp_path,
+                                                                          monkeypatch):
+    # an indexed folder's file was there; a path stored in the data may never have been
     with pytest.raises(Unreadable) as gone:
-        read_value({"bytes": None, "path": str(tmp_path / "gone.png")})
+        read_value({"bytes": None, "path": "gone.png"}, root=tmp_path)
     assert gone.value.reason == "the file is gone (deleted or moved since the data was indexed)"
+    with pytest.raises(Unreadable) as stored:
+        read_value({"bytes": None, "path": str(tmp_path / "gone.png")})
+    assert stored.value.reason == f"no file at {tmp_path / 'gone.png'}"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Unreadable) as relative:
+        read_value({"bytes": None, "path": "photos/gone.png"})
+    assert relative.value.reason == (f"no file at {tmp_path / 'photos' / 'gone.png'}: a relative "
+                                     f"path, read from the current folder")
     with pytest.raises(Unreadable) as folder:
         read_value(tmp_path)                                    # a folder: OSError, its strerror
     assert folder.value.reason == "cannot read the file (Is a directory)"

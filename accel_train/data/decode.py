@@ -63,8 +63,13 @@ def read_value(value, root: Optional[Path] = None) -> Union[bytes, Image.Image]:
         try:
             return path.read_bytes()
         except FileNotFoundError:
-            raise Unreadable("the file is gone (deleted or moved since the data was indexed)") \
-                from None
+            if root is not None:  # an indexed folder's file: it was there
+                raise Unreadable("the file is gone (deleted or moved since the data was "
+                                 "indexed)") from None
+            # a path stored in the data (a parquet column): say where it was looked for
+            where = f"{path.absolute()}" + ("" if path.is_absolute() else
+                                            ": a relative path, read from the current folder")
+            raise Unreadable(f"no file at {where}") from None
         except OSError as err:
             raise Unreadable(f"cannot read the file ({err.strerror or err})") from None
     raise Unreadable(f"not an image value (got {type(value).__name__})")

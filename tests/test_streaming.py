@@ -75,6 +75,11 @@ def test_shard_round_trip_synthetic_and_parquet(synthetic_shards, cifar10_layout
     for split, loaded in (("train", source.train), ("test", source.held_out)):
         images, labels = _decoded(sets[split])
         assert torch.equal(images, loaded.images) and torch.equal(labels, loaded.labels)
+    # and a streamed run says so, as a map-style run with --select-on-test does
+    from accel_train.data.streaming import load_streaming
+    assert load_streaming(TrainConfig(data_dir=str(out))).description.endswith(
+        f"test {len(source.held_out)}, the test split used for selection)")
+    assert "used for selection" in source.description
 
 
 def test_shard_round_trip_image_folder(tmp_path):

@@ -5,8 +5,10 @@ embedded synthetic set with --dataset synthetic) -> WebDataset tar shards plus a
 DIR/train/000000.tar, ... and DIR/<held-out split>/000000.tar, ... hold `KEY.jpg` (or .png,
 the image file's own bytes, unchanged; generated images as PNG) and `KEY.cls` (the class index);
 DIR/index.json lists every shard with its sample count, the class names and the splits.  The
-splits are the ones training on SRC uses: its own held-out split, or --val-fraction carved off
-as the trainer carves it.  Train on the result with `accel-train --data-dir DIR`.
+splits are the data's own: train and its validation split, else its test split (CIFAR-10's),
+else --val-fraction carved off as the trainer carves it; a split without labels (-1 in every
+row) is left out.  Train on the result with `accel-train --data-dir DIR`, which selects on the
+held-out split the shards hold.
 """
 
 from __future__ import annotations
@@ -75,11 +77,15 @@ def _samples(args):
                 {split: len(parts[split][1]) for split in ("train", "test")})
     from accel_train.data.decode import Unreadable, read_value
     from accel_train.data.sources import (find_columns, labels_and_names, open_data, pick_splits,
-                                          rows_of)
+                                          rows_of, set_aside_unlabelled_splits,
+                                          training_split_name)
     config = TrainConfig(data_dir=args.data_dir, dataset=args.dataset or SYNTHETIC_DATASET,
                          val_fraction=args.val_fraction, image_column=args.image_column,
                          label_column=args.label_column)
     raw = open_data(config)
+    _, label_column = find_columns(raw.splits[training_split_name(raw)], config)
+    for warning in set_aside_unlabelled_splits(raw, label_column, training_split_name(raw)):
+        print(f"warning: {warning}", file=sys.stderr)
     # The data's own splits as they are (train and its test or validation split; a carved one
     # only where there is neither): shards are a copy of the data, not of one run's roles.
     splits = pick_splits(raw, config.val_fraction, select_on_test=True)

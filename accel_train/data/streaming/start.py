@@ -13,8 +13,8 @@ from accel_train.data.streaming.plan import Layout, fit_workers, rank_batches_pe
 from accel_train.data.streaming.shards import (ShardSet, is_shard_folder, iter_shard, open_shards,
                                                read_split)
 from accel_train.data.decode import decode_many, Unreadable
-from accel_train.data.sources import (ArraySource, BadImage, DecodedImages, ImageSource,
-                                      LoadedData)
+from accel_train.data.sources import (TEST_SPLIT_NAMES, ArraySource, BadImage, DecodedImages,
+                                      ImageSource, LoadedData)
 
 
 def load_streaming(config):
@@ -63,8 +63,12 @@ def load_streaming(config):
     # one size: one tensor, transformed in batches; photographs of many sizes: each as decoded
     held_out = (ArraySource(torch.stack(images), labels) if len({i.shape for i in images}) == 1
                 else DecodedImages(images, labels))
+    # shards of CIFAR-10 hold its test split beside train: the run selects on it, and says so
+    # as a map-style run with --select-on-test does
+    selects_on_test = data.eval_name.lower() in TEST_SPLIT_NAMES
     description = (f"{data.origin} (streamed: {len(data.train.files)} train shards, "
-                   f"{len(data.train):,} images / {data.eval_name} {len(held_out):,})")
+                   f"{len(data.train):,} images / {data.eval_name} {len(held_out):,}"
+                   f"{', the test split used for selection' if selects_on_test else ''})")
     loaded = LoadedData(StreamSource(data.train), held_out, data.class_names, description,
                         [BadImage("held-out", position, samples[position][2], reason)
                          for position, reason in bad])

@@ -443,6 +443,14 @@ ROWS: dict[str, Row] = {
     "eval --label-column": effect(
         f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
         "per-class counts are the truth column's, not the decoy's"),
+    "eval --val-labels": effect(
+        "test_commands.py::test_eval_of_one_class_and_of_imagenets_validation_layout",
+        "ImageNet's layout (train/CLASS, val/IMAGE, a label file): top-1 equals predict's "
+        "top-1 on the val/ files against the file's labels"),
+    "eval --class-depth": effect(
+        "test_commands.py::test_eval_of_one_class_and_of_imagenets_validation_layout",
+        "without --data-dir: one line (the run's data is read as it trained); with it, as in "
+        "training (test_layouts.py)"),
     "eval --split": effect(
         f"{ORACLE}::test_eval_train_split_with_a_ragged_last_batch",
         "train split: equals plain torch on the first training images"),

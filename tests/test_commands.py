@@ -133,6 +133,38 @@ def test_eval_of_its_checkpoint_and_of_an_unfinished_run(run_dir, tmp_path, caps
     assert code == 2 and "is not usable" in err and "checksum" in err, err
 
 
+def test_eval_of_one_class_and_of_imagenets_validation_layout(run_dir, image_folder, tmp_path,
+                                                                capsys):
+    """New photographs of one class are data to evaluate on (training needs two classes, eval
+    refused one); ImageNet's layout needs --val-labels, which eval did not take.  Oracle:
+    predict's top-1 on the same files."""
+    rings = sorted((image_folder / "ring").glob("*.png"))
+    one = tmp_path / "only_rings" / "ring"
+    shutil.copytree(image_folder / "ring", one)
+    result = eval_json(capsys, str(run_dir), "--data-dir", str(one.parent), "--split", "all")
+    predicted = predict_json(capsys, str(run_dir), str(one), "--top-k", "1")
+    right = sum(row["predictions"][0]["class"] == "ring" for row in predicted)
+    assert result["count"] == len(rings) and result["top1"] == pytest.approx(right / len(rings))
+    layout = tmp_path / "imagenet_like"
+    for name in ("ring", "disk"):
+        shutil.copytree(image_folder / name, layout / "train" / name)
+    (layout / "val").mkdir()
+    lines = []
+    for name in ("ring", "disk"):
+        for path in sorted((image_folder / name).glob("*.png"))[:3]:
+            shutil.copy(path, layout / "val" / f"{name}_{path.name}")
+            lines.append(f"{name}_{path.name},{name}")
+    (tmp_path / "val_labels.csv").write_text("\n".join(lines) + "\n")
+    result = eval_json(capsys, str(run_dir), "--data-dir", str(layout), "--val-labels",
+                       str(tmp_path / "val_labels.csv"))
+    predicted = predict_json(capsys, str(run_dir), str(layout / "val"), "--top-k", "1")
+    right = sum(row["predictions"][0]["class"] == Path(row["image"]).name.split("_")[0]
+                for row in predicted)
+    assert result["count"] == 6 and result["top1"] == pytest.approx(right / 6)
+    code, _, err = command(capsys, "eval", str(run_dir), "--class-depth", "1")
+    assert code == 2 and "describe the data of --data-dir" in err, err
+
+
 def test_eval_on_another_folder_maps_classes_by_name(run_dir, image_folder, capsys):
     predictions = predict_json(capsys, str(run_dir), str(image_folder), "--top-k", "1")
     agree = sum(p["predictions"][0]["class"] == Path(p["image"]).parent.name

@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--dataset", help="Hugging Face hub dataset id, or 'synthetic'")
     data.add_argument("--image-column", help="image column (default: found by name/type)")
     data.add_argument("--label-column", help="label column (default: found by name/type)")
+    data.add_argument("--val-labels", metavar="FILE", help="with --data-dir: the label file of "
+                      "an ImageNet-style val/ folder of unlabelled images, as for training")
+    data.add_argument("--class-depth", type=int, metavar="N", help="with --data-dir: the "
+                      "folder level that names the class, as for training")
     data.add_argument("--split", choices=list(SPLITS), default="held-out",
                       help="held-out: the validation split the run selected on (the data's "
                            "own, or the fraction training carved off); test: the test split, "
@@ -93,7 +97,10 @@ def data_config(trained, args) -> TrainConfig:
                          f"there from this folder; pass --data-dir PATH to that data")
     if other_data:
         values.update(dataset=args.dataset or "synthetic", data_dir=args.data_dir)
-    for name in ("image_column", "label_column"):
+    elif args.val_labels is not None or args.class_depth is not None:
+        raise UsageError("--val-labels and --class-depth describe the data of --data-dir; the "
+                         "run's own data is read as it trained on it")
+    for name in ("image_column", "label_column", "val_labels", "class_depth"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.max_samples is not None:  # a limit given here replaces the run's
@@ -195,7 +202,9 @@ def main(argv: Sequence[str]) -> int:
             raise UsageError(f"--split {args.split}: a streamed run's training shards are read "
                              f"by the trainer's loader only; evaluate its held-out split, or "
                              f"pass --data-dir of a folder")
-        data = main_first(lambda: load_streaming(config) if streamed else load_data(config))
+        # one class is data to evaluate a classifier on, if not to train one
+        data = main_first(lambda: load_streaming(config) if streamed else
+                          load_data(config, min_classes=1))
         sources = (data.train, data.held_out, *([data.test] if data.test is not None else []))
         for source in sources if not streamed else (data.held_out,):
             align_labels(source, data.class_names, trained.spec.class_names, data.description)

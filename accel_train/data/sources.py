@@ -604,8 +604,9 @@ def embedded_set(config: TrainConfig) -> bool:
     return config.data_dir is None and config.dataset == SYNTHETIC_DATASET
 
 
-def load_data(config: TrainConfig) -> LoadedData:
-    """Load, pick splits and columns, apply sample limits, decode into memory when worthwhile."""
+def load_data(config: TrainConfig, min_classes: int = 2) -> LoadedData:
+    """Load, pick splits and columns, apply sample limits, decode into memory when worthwhile.
+    `min_classes`: 2 to train on; eval takes data of one class."""
     if embedded_set(config):
         data = _synthetic(config)
         return LoadedData(_limit(data.train, config.max_train_samples),
@@ -631,7 +632,7 @@ def load_data(config: TrainConfig) -> LoadedData:
     check_label_values(raw, splits, label_column)
     labels, class_names = labels_and_names(parts, label_column)
     warnings += label_gap_warnings(raw, splits, label_column, class_names)
-    if len(class_names) < 2:
+    if len(class_names) < min_classes:
         raise UsageError(f"{raw.origin}: found {len(class_names)} class(es) in "
                          f"{label_column!r}; a classifier needs at least 2")
     sources = [HFSource(parts[role], image_column, labels[role], role, rows=rows,

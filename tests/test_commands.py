@@ -165,6 +165,23 @@ def test_eval_of_one_class_and_of_imagenets_validation_layout(run_dir, image_fol
     assert code == 2 and "describe the data of --data-dir" in err, err
 
 
+def test_class_names_match_whether_composed_or_decomposed():
+    """A folder copied from a Mac names 'café' as c-a-f-e + U+0301; the model, trained on the
+    composed name, has the same class."""
+    import unicodedata
+    from types import SimpleNamespace
+
+    from accel_train.commands.eval import align_labels
+    composed = ["café", "thé"]
+    decomposed = [unicodedata.normalize("NFD", name) for name in reversed(composed)]
+    assert decomposed[1] != "café"
+    source = SimpleNamespace(labels=torch.tensor([0, 1, 1]))
+    align_labels(source, decomposed, composed, "the folder")
+    assert source.labels.tolist() == [1, 0, 0]
+    with pytest.raises(Exception, match="class\\(es\\) tea are not among"):
+        align_labels(source, ["tea", "café"], composed, "the folder")
+
+
 def test_eval_on_another_folder_maps_classes_by_name(run_dir, image_folder, capsys):
     predictions = predict_json(capsys, str(run_dir), str(image_folder), "--top-k", "1")
     agree = sum(p["predictions"][0]["class"] == Path(p["image"]).parent.name

@@ -114,15 +114,22 @@ def align_labels(source, data_names: list[str], model_names: list[str], origin: 
     set (an image folder sorts its class names) may list the same classes in another order."""
     if list(data_names) == list(model_names):
         return
+    import unicodedata
+
     import torch
-    index = {name: i for i, name in enumerate(model_names)}
-    unknown = [name for name in data_names if name not in index]
+
+    def same(name: str) -> str:
+        # macOS writes folder names decomposed (NFD): "é" as "e" and a combining accent
+        return unicodedata.normalize("NFC", name)
+
+    index = {same(name): i for i, name in enumerate(model_names)}
+    unknown = [name for name in data_names if same(name) not in index]
     if unknown:
         raise UsageError(f"{origin}: class(es) {', '.join(unknown[:5])} are not among the "
                          f"model's {len(model_names)} classes ({', '.join(model_names[:10])}"
                          f"{', ...' if len(model_names) > 10 else ''}); evaluate on data "
                          f"labelled with the model's class names")
-    source.labels = torch.tensor([index[name] for name in data_names])[source.labels]
+    source.labels = torch.tensor([index[same(name)] for name in data_names])[source.labels]
 
 
 def _dataset_for_split(data, split: str, transform, max_samples):

@@ -302,6 +302,10 @@ def test_a_checkpoints_ema_weights_through_eval_export_and_predict(run_dir, imag
     assert json.loads((export_dir / "config.json").read_text())["accel_train"]["weights"] == "ema"
     assert predict_json(capsys, str(checkpoint), str(image_folder), "--ema") == \
         predict_json(capsys, str(export_dir), str(image_folder))
+    (export_dir / "model.onnx").write_bytes(b"not read: refused before")
+    code, _, err = command(capsys, "predict", str(export_dir / "model.onnx"),
+                           str(image_folder), "--ema")
+    assert code == 2 and "--ema: an .onnx model holds the weights it was exported with" in err
     for argv, words in (((str(run_dir / "checkpoints" / "step_00000016"),), "holds no EMA weights"),
                         ((str(out),), "holds one set of weights"),
                         ((str(export_dir),), "holds one set of weights")):

@@ -127,10 +127,12 @@ def _load(model_text: str, asked: str, ema: bool, torch):
     through ONNX Runtime on the CPU, as exported; else the torch model of a run, checkpoint or
     export on CUDA when there is one, in --mixed-precision (auto: as the run ran, eval's rule)."""
     if model_text.endswith(".onnx") and Path(model_text).is_file():
-        if asked != "auto" or ema:
-            flag = "--ema" if ema else f"--mixed-precision {asked}"
-            raise UsageError(f"{flag}: an .onnx model runs the weights and the precision it "
-                             f"was exported with (ONNX Runtime); drop the flag")
+        if asked != "auto":
+            raise UsageError(f"--mixed-precision {asked}: an .onnx model runs in the precision "
+                             f"it was exported in (ONNX Runtime); drop the flag")
+        if ema:
+            raise UsageError("--ema: an .onnx model holds the weights it was exported with; "
+                             "export the checkpoint with --ema --format onnx, or drop the flag")
         from accel_train.model.onnx_export import OnnxClassifier
         onnx_model = OnnxClassifier(Path(model_text))
         return onnx_model, onnx_model.spec, f"ONNX file {model_text} (ONNX Runtime)", \

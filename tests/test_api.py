@@ -194,3 +194,22 @@ def test_the_example_on_two_processes_equals_one_process(tmp_path):
     assert [p["index"] for p in top] == expected.argsort(descending=True).tolist()
     assert [p["probability"] for p in top] == pytest.approx(
         expected.sort(descending=True).values.tolist(), abs=1e-5)
+
+
+def test_float_images_outside_0_1_are_refused_and_0_1_are_the_uint8_image(tmp_path):
+    """fit() clamped floats to 0-1: 0-255 floats trained on near-white images and normalized
+    ones lost everything below 0, without a word.  A float image in 0-1 is the uint8 image
+    x / 255 (the oracle: numpy's rounding of x * 255)."""
+    import numpy as np
+
+    from accel_train.data.user_data import as_uint8_chw
+    pixels = torch.randint(0, 256, (3, 4, 5), dtype=torch.uint8)
+    assert torch.equal(as_uint8_chw(pixels.float() / 255, "item 0"), pixels)
+    assert torch.equal(as_uint8_chw(np.full((4, 5), 0.5, np.float32), "item 0"),
+                       torch.full((3, 4, 5), 128, dtype=torch.uint8))
+    with pytest.raises(UsageError, match=r"item 3: a float image must hold values in 0-1, got "
+                                         r"0 to 255 \(0-255 values: divide by 255"):
+        as_uint8_chw(pixels.float().index_fill(1, torch.tensor([0]), 255)
+                     .index_fill(1, torch.tensor([1]), 0), "item 3")
+    with pytest.raises(UsageError, match=r"got -2 to 0.5 \(normalized values"):
+        as_uint8_chw(torch.tensor([[[-2.0, 0.5]]]), "item 0")

@@ -37,7 +37,14 @@ def as_uint8_chw(value: Any, where: str) -> torch.Tensor:
         raise UsageError(f"{where}: a tensor image must be channels-first (C, H, W) with 1 or 3 "
                          f"channels, got shape {tuple(value.shape)}")
     if image.is_floating_point():
-        image = (image.clamp(0, 1) * 255).round().to(torch.uint8)
+        low, high = float(image.min()), float(image.max())
+        if low < 0 or high > 1:  # 0-255 floats, or already normalized: clamped, they were lost
+            hint = ("0-255 values: divide by 255, or pass uint8" if high > 1 and low >= 0 else
+                    "normalized values: pass the images before normalization (the run "
+                    "normalizes with its own mean and std)")
+            raise UsageError(f"{where}: a float image must hold values in 0-1, got {low:g} to "
+                             f"{high:g} ({hint})")
+        image = (image * 255).round().to(torch.uint8)
     elif image.dtype != torch.uint8:
         raise UsageError(f"{where}: integer images must be uint8 (0-255), got {image.dtype}")
     return image.expand(3, -1, -1).contiguous() if image.shape[0] == 1 else image.contiguous()

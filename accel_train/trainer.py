@@ -67,9 +67,11 @@ from accel_train.train.stem_bias import maybe_stem_bias_stop
 STOPPED_EXIT = 143  # 128 + SIGTERM: schedulers read it as "terminated", not "finished"
 
 
-def build_accelerator(config: TrainConfig, precision: str, trackers_dir: Path) -> Accelerator:
+def build_accelerator(config: TrainConfig, precision: str, trackers_dir: Path,
+                      find_unused: bool = False) -> Accelerator:
+    """`find_unused`: the network has trainable parameters its forward never uses."""
     ddp_kwargs = DistributedDataParallelKwargs(
-        find_unused_parameters=False, bucket_cap_mb=config.ddp_bucket_mb,
+        find_unused_parameters=find_unused, bucket_cap_mb=config.ddp_bucket_mb,
         gradient_as_bucket_view=config.ddp_grad_as_bucket_view,
         static_graph=config.ddp_static_graph)
     return Accelerator(
@@ -143,7 +145,8 @@ class Trainer:
         # change nothing and give the summary its words, also for a Trainer built directly)
         self.host_memory = keep_freed_host_memory(cuda, os.environ)
         self.precision, precision_warning = resolve_precision(speed.precision, cuda)
-        self.accelerator = build_accelerator(self.config, self.precision, self.paths.trackers)
+        self.accelerator = build_accelerator(self.config, self.precision, self.paths.trackers,
+                                             find_unused=bool(net.unused))
         if self.accelerator.num_processes != plan.env.world_size:
             raise RuntimeError(f"Accelerate sees {self.accelerator.num_processes} processes but "
                                f"the launcher started {plan.env.world_size}: the process group "

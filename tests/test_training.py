@@ -104,7 +104,8 @@ BAD_INPUTS = [
     (["--mixed-precision", "fp64"], "invalid choice: 'fp64'"),
     # what the model said, and the size of its pretrained_cfg (timm's test_vit: 160 px)
     (["--model", "test_vit", "--image-size", "40"], "--image-size 40 does not work with test_vit "
-     "(Input height (40) should be divisible by patch size (16).); try --image-size 160"),
+     "(AssertionError: Input height (40) should be divisible by patch size (16).); try "
+     "--image-size 160"),
     (["--pretrained", "/nonexistent.safetensors"],
      "--pretrained /nonexistent.safetensors: no such"),
     (["--world_size", "2"], "--world_size 2 without a launcher needs --rank and --dist_url"),

@@ -23,7 +23,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from accel_train.run.checkpoint import write_manifest
-from conftest import PINNED, accel_train, accel_train_here
+from conftest import PINNED, accel_train, accel_train_here, free_port, run
 from conftest import test_env as child_env  # (as test_env, pytest would collect it)
 
 MODULE = "user_nets"
@@ -73,6 +73,32 @@ class WithFeatures(nn.Module):  # (logits, features): not the logits the loop ne
 
     def forward(self, x):
         return self.head(x), x
+
+
+def all_frozen(num_classes):
+    net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+    for param in net.parameters():
+        param.requires_grad_(False)
+    return net
+
+
+class ForwardRaises(nn.Module):  # a bug in the user's forward, at any size
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head = nn.Linear(3, num_classes)
+
+    def forward(self, x):
+        raise KeyError("features")
+
+
+class WithUnused(nn.Module):  # a head left over from an experiment: never called
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+        self.old_head = nn.Linear(7, num_classes)
+
+    def forward(self, x):
+        return self.head(x)
 
 
 width = 8
@@ -236,6 +262,12 @@ BAD = [
     (f"{MODULE}:small_net", ["--layer-decay", "0.7"], ["--layer-decay 0.7: --model "
                                                        "user_nets:small_net names no layers",
                                                        "drop --layer-decay"]),
+    (f"{MODULE}:all_frozen", [], ["--model user_nets:all_frozen has no trainable parameters "
+                                  "(none with requires_grad=True)"]),
+    # at the size its pretrained_cfg (timm's default, 224) names: the forward itself broke
+    (f"{MODULE}:ForwardRaises", ["--image-size", "224"], [
+        "--model user_nets:ForwardRaises failed on a [1, 3, 224, 224] batch of images "
+        "(KeyError: 'features'); fix the network's forward"]),
     # a network for 32 px only, and no pretrained_cfg to name its size: timm's default, 224
     (f"{MODULE}:bare", ["--image-size", "40"], ["--image-size 40 does not work with "
                                                 "user_nets:bare (", "); try --image-size 224"]),
@@ -291,6 +323,21 @@ def test_the_mismatch_words_name_the_first_differences_of_each_kind():
     assert state_dict_mismatch(built, four_new) == "not saved: new0, new1, new2"
     assert state_dict_mismatch(built, built) == \
         "the same names and shapes, yet torch refused them"
+
+
+@pytest.mark.slow
+def test_a_parameter_the_forward_never_uses_trains_on_two_processes(tmp_path):
+    """DDP waits for a gradient of every trainable parameter and failed at the second step
+    with its traceback; the start finds the unused one, says so, and DDP looks for it."""
+    nets = write_module(tmp_path / "nets")
+    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                  "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                  "-m", "accel_train", "--model", f"{MODULE}:WithUnused", *TINY, "--max-steps",
+                  "3", "--output-dir", str(tmp_path / "run")],
+                 env=child_env(PYTHONPATH=str(nets)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 trainable parameter(s) its forward pass never uses (old_head.weight, " \
+        "old_head.bias)" in result.stdout + result.stderr
 
 
 def test_a_factory_that_takes_drop_rate_gets_it_and_freezes_by_its_classifier(user_modules,

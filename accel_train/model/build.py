@@ -245,9 +245,14 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
             output = model(torch.zeros(1, 3, image_size, image_size))
     except Exception as err:  # shape errors surface as RuntimeError/AssertionError/ValueError
         default = (getattr(model, "pretrained_cfg", {}) or {}).get("input_size", (3, 224, 224))[-1]
+        if default == image_size:  # the size is the network's own: the forward itself broke
+            raise UsageError(f"--model {name} failed on a [1, 3, {image_size}, {image_size}] "
+                             f"batch of images ({type(err).__name__}: {first_line(err)}); fix "
+                             f"the network's forward") from None
         raise UsageError(f"--image-size {image_size} does not work with {name} "
-                         f"({first_line(err)}); try --image-size "
-                         f"{default}") from None
+                         f"({type(err).__name__}: {first_line(err)}); try --image-size "
+                         f"{default}, or fix the network's forward if the size is not the "
+                         f"cause") from None
     finally:
         model.train(was_training)
     if not isinstance(output, torch.Tensor) or tuple(output.shape) != (1, num_classes):
@@ -256,6 +261,35 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
         raise UsageError(f"--model {name} maps a [1, 3, {image_size}, {image_size}] batch of "
                          f"images to {got}, not to [1, {num_classes}] logits (one per class of "
                          f"the data); make its last layer give num_classes outputs")
+
+
+def check_trainable(num_trainable: int, name: str, frozen_backbone: bool) -> None:
+    """A network with nothing to train (every parameter frozen, or none at all) is one line,
+    not the optimizer's "empty parameter list" traceback."""
+    if num_trainable == 0:
+        raise UsageError(f"--model {name} has no trainable parameters ("
+                         + ("--freeze-backbone left its classifier none" if frozen_backbone else
+                            "none with requires_grad=True") + "); nothing would train")
+
+
+def unused_parameters(model: nn.Module, image_size: int) -> list[str]:
+    """The trainable parameters one forward and backward pass never reach.  DDP waits for a
+    gradient of each at every step and fails at the second ("Expected to have finished
+    reduction ..."), unless told to look for them (find_unused_parameters, which costs a
+    graph walk each step).  Measured in eval mode, so that BatchNorm's statistics stay as they
+    are; the gradients are dropped again."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            output = model(torch.zeros(1, 3, image_size, image_size))
+            output.float().sum().backward()
+        unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    finally:
+        for param in model.parameters():
+            param.grad = None
+        model.train(was_training)
+    return unused
 
 
 def check_layer_decay(model: nn.Module, name: str, layer_decay: Optional[float]) -> None:

@@ -17,6 +17,7 @@ from accel_train.data.loaders import dataset_mean_std
 from accel_train.data.sources import ArraySource
 from accel_train.data.transforms import SMALL_IMAGE, held_out_transform
 from accel_train.model.build import (check_first_forward, check_layer_decay, check_model_name,
+                                     check_trainable, unused_parameters,
                                      create_model, freeze_backbone, pretrained_normalization,
                                      timm_source)
 from accel_train.model.saved import ModelSpec
@@ -45,6 +46,8 @@ class Network:
     num_trainable: int
     sync_bn: bool
     whitened: Optional[str] = None   # --whiten-stem: what was whitened, from what
+    # trainable parameters the forward never uses: DDP must look for them (build.py)
+    unused: tuple[str, ...] = ()
 
 
 def build_network(config, data, num_processes: int, cuda: bool,
@@ -88,13 +91,20 @@ def build_network(config, data, num_processes: int, cuda: bool,
     spec.float32_layers = float32_layers(model)
     num_trainable = (freeze_backbone(model) if config.freeze_backbone
                      else sum(p.numel() for p in model.parameters() if p.requires_grad))
+    check_trainable(num_trainable, config.model, config.freeze_backbone)
+    unused = tuple(unused_parameters(model, image_size)) if num_processes > 1 else ()
+    if unused:
+        warn(f"--model {config.model}: {len(unused)} trainable parameter(s) its forward pass "
+             f"never uses ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}): DDP "
+             f"looks for them at every step (find_unused_parameters, slower); remove them or "
+             f"set their requires_grad=False")
     sync_bn = config.sync_bn and num_processes > 1
     if sync_bn:
         convert_sync_batchnorm(model, cuda=cuda)
     if config.sync_bn and num_batchnorm_layers(model) == 0:
         warn(f"--sync-bn: {config.model} has no BatchNorm layers; nothing to sync")
     return Network(model, spec, num_trainable, sync_bn,
-                   whitened if config.whiten_stem else None)
+                   whitened if config.whiten_stem else None, unused)
 
 
 def choose_held_out_crop(config, model: nn.Module, native_size: int) -> dict:

@@ -313,6 +313,29 @@ def test_a_checkpoints_ema_weights_through_eval_export_and_predict(run_dir, imag
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_an_export_whose_data_is_gone_says_what_its_checks_ran_on(image_folder, tmp_path,
+                                                                   capsys):
+    """The run's image folder deleted: export goes on without held-out numbers, its note
+    gives the reason without eval's remedy (export takes no --data-dir), and the card says
+    the ONNX check ran on random inputs, not "on held-out images"."""
+    pytest.importorskip("onnxruntime")
+    data = tmp_path / "pngs"
+    shutil.copytree(image_folder, data)
+    run = tmp_path / "run"
+    accel_train_here("--data-dir", str(data), "--model", "test_resnet", "--batch-size", "8",
+                     "--max-steps", "2", "--progress", "log", "--no-plots", "--output-dir",
+                     str(run), check=True)
+    shutil.rmtree(data)
+    code, out, err = command(capsys, "export", str(run), "-o", str(tmp_path / "export"),
+                             "--format", "onnx")
+    assert code == 0, err
+    assert "note: no held-out accuracy in the model card: the run's data is not reachable" in out
+    assert "--data-dir PATH" not in out and "on 16 random inputs (no held-out images:" in out
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "within" in card and "on 16 random inputs (`accel-train predict" in card
+    assert "on held-out images" not in card
+
+
 def test_plot_command_writes_the_pngs(run_dir, tmp_path, capsys):
     plots = run_dir / "plots"
     before = sorted(plots.iterdir()) if plots.exists() else []

@@ -107,11 +107,14 @@ def _write_into(trained, folder: Path, name: str, fmt: str, say) -> None:
     if metrics_file is not None and metrics_file.is_file():
         facts.epochs = [r for r in read_metrics(metrics_file) if r.get("type") == "epoch"]
     if fmt == "onnx":
-        facts.onnx_diff = _write_onnx(model, folder, trained.spec, held_out, say)
+        facts.onnx_diff, facts.onnx_checked_on = _write_onnx(model, folder, trained.spec,
+                                                             held_out, say)
     (folder / "README.md").write_text(model_card(facts))
 
 
-def _write_onnx(model, folder: Path, spec, held_out, say) -> float:
+def _write_onnx(model, folder: Path, spec, held_out, say) -> tuple[float, str]:
+    """model.onnx, checked against torch; returns the largest logit difference and what the
+    check ran on, in words."""
     import torch
 
     from accel_train.model.onnx_export import ONNX_FILE, check_onnx, export_onnx
@@ -120,12 +123,13 @@ def _write_onnx(model, folder: Path, spec, held_out, say) -> float:
     if images is None:  # no data here: the check still runs, on seeded noise of the right shape
         images = torch.randn(CHECK_IMAGES, 3, spec.image_size, spec.image_size,
                              generator=torch.Generator().manual_seed(0))
-        what = f"{CHECK_IMAGES} random inputs (no held-out images: {held_out.description})"
+        what = f"{CHECK_IMAGES} random inputs"
     export_onnx(model, folder / ONNX_FILE, images, spec)
     worst = check_onnx(folder / ONNX_FILE, model, images)
-    say(f"checked {ONNX_FILE} with ONNX Runtime on {what}: logits within {worst:.1e} of "
+    why = "" if held_out.dataset is not None else f" (no held-out images: {held_out.description})"
+    say(f"checked {ONNX_FILE} with ONNX Runtime on {what}{why}: logits within {worst:.1e} of "
         f"torch's")
-    return worst
+    return worst, what
 
 
 def main(argv: Sequence[str]) -> int:

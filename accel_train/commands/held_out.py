@@ -45,7 +45,9 @@ def run_held_out(trained) -> HeldOut:
         config = data_config(trained, no_other_data)
         data = load_streaming(config) if streaming_wanted(config) else load_data(config)
     except UsageError as err:
-        return HeldOut(None, f"the run's data is not reachable here ({err})")
+        # eval's words without eval's remedy: export takes no --data-dir or --dataset
+        reason = str(err).split("; pass --data-dir")[0]
+        return HeldOut(None, f"the run's data is not reachable here ({reason})")
     align_labels(data.held_out, data.class_names, trained.spec.class_names, data.description)
     spec = trained.spec
     transform = held_out_transform(spec)

@@ -28,6 +28,7 @@ class CardFacts:
     held_out: str = ""                # the held-out data measured, or why none
     metrics: dict = field(default_factory=dict)   # tta -> {"top1", "top5", "count"}
     onnx_diff: Optional[float] = None  # ONNX Runtime vs torch, when model.onnx is there
+    onnx_checked_on: str = "held-out images"  # what that check ran on
 
 
 def _dataset_name(train: dict) -> Optional[str]:
@@ -216,8 +217,8 @@ x = (np.asarray(image, np.float32) / 255 - {list(spec.mean)}) / {list(spec.std)}
 logits = session.run(None, {{"images": x.transpose(2, 0, 1)[None].astype(np.float32)}})[0]
 ```
 
-Checked at export: ONNX Runtime's logits equal torch's within {facts.onnx_diff:.1e} on held-out \
-images (`accel-train predict ./{name}/model.onnx IMAGES...` reads it too).
+Checked at export: ONNX Runtime's logits equal torch's within {facts.onnx_diff:.1e} on \
+{facts.onnx_checked_on} (`accel-train predict ./{name}/model.onnx IMAGES...` reads it too).
 """
     return text
 

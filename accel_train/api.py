@@ -14,6 +14,7 @@ process runs it, and `fit` joins them as the command line does.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any, Iterable, Union
 
@@ -23,6 +24,7 @@ from accel_train.base.errors import UsageError
 from accel_train.callbacks import Callback
 from accel_train.config import TrainConfig
 from accel_train.data.user_data import load_user_data
+from accel_train.base.main_guard import refuse_unguarded_call
 from accel_train.trainer import train_and_close
 from accel_train.train.network import check_library_names
 
@@ -47,9 +49,14 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
     (run as `__main__`, it cannot be imported again; fit warns). The datasets are not recorded:
     `eval` of such a run takes `--data-dir` or `--dataset`.
 
+    Call it under `if __name__ == "__main__":` in a script: loader worker processes import
+    the script again, and an unguarded call would start a training in each (refused, in one
+    line, before anything starts).
+
     A run stopped by a signal (SIGTERM, Ctrl-C) has saved a checkpoint; the process then ends
     with the command line's exit code (143), so a scheduler sees the same thing.
     """
+    refuse_unguarded_call(inspect.currentframe().f_back)
     config = config_for(model, options)
     user_module = model if isinstance(model, nn.Module) else None
     if user_module is None:

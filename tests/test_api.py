@@ -213,3 +213,38 @@ def test_float_images_outside_0_1_are_refused_and_0_1_are_the_uint8_image(tmp_pa
                      .index_fill(1, torch.tensor([1]), 0), "item 3")
     with pytest.raises(UsageError, match=r"got -2 to 0.5 \(normalized values"):
         as_uint8_chw(torch.tensor([[[-2.0, 0.5]]]), "item 0")
+
+
+GUARD_SCRIPT = """
+import sys
+import torch
+import accel_train
+from torch.utils.data import TensorDataset
+
+images = torch.rand(16, 3, 8, 8)
+data = TensorDataset(images, torch.arange(16) % 2)
+{call}
+"""
+
+
+@pytest.mark.parametrize("call, refused", [
+    ("accel_train.fit('test_resnet', data, max_steps=1, output_dir=sys.argv[1])", True),
+    ("def main():\n    accel_train.fit('test_resnet', data, max_steps=1, "
+     "output_dir=sys.argv[1])\n\nmain()", True),
+    ("if __name__ == '__main__':\n    accel_train.fit('test_resnet', data, max_steps=1, "
+     "output_dir=sys.argv[1], num_workers=1, batch_size=4)", False),
+])
+def test_fit_outside_a_main_guard_is_one_line_before_anything_starts(tmp_path, call, refused):
+    """Loader workers import the script again: an unguarded fit() started a training in each
+    (the run hung, then failed inside multiprocessing).  Under the guard it trains, workers
+    and all."""
+    script = tmp_path / "train_script.py"
+    script.write_text(GUARD_SCRIPT.format(call=call))
+    result = run([sys.executable, str(script), str(tmp_path / "run")], timeout=240)
+    if refused:
+        line = result.stderr.strip().splitlines()[-1]
+        assert result.returncode != 0 and "fit() runs at the top level of the script" in line
+        assert f"{script}:" in line and not (tmp_path / "run").exists()
+    else:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert (tmp_path / "run" / "model.safetensors").is_file()

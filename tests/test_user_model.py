@@ -82,6 +82,15 @@ def all_frozen(num_classes):
     return net
 
 
+def int_logits(num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes), Rounded())
+
+
+class Rounded(nn.Module):
+    def forward(self, x):
+        return x.round().long()
+
+
 class ForwardRaises(nn.Module):  # a bug in the user's forward, at any size
     def __init__(self, num_classes):
         super().__init__()
@@ -262,6 +271,8 @@ BAD = [
     (f"{MODULE}:small_net", ["--layer-decay", "0.7"], ["--layer-decay 0.7: --model "
                                                        "user_nets:small_net names no layers",
                                                        "drop --layer-decay"]),
+    (f"{MODULE}:int_logits", [], ["--model user_nets:int_logits gives torch.int64 outputs; "
+                                  "logits are floating point"]),
     (f"{MODULE}:all_frozen", [], ["--model user_nets:all_frozen has no trainable parameters "
                                   "(none with requires_grad=True)"]),
     # at the size its pretrained_cfg (timm's default, 224) names: the forward itself broke

@@ -255,6 +255,10 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
                          f"cause") from None
     finally:
         model.train(was_training)
+    if isinstance(output, torch.Tensor) and not output.is_floating_point():
+        raise UsageError(f"--model {name} gives {output.dtype} outputs; logits are floating "
+                         f"point (cross-entropy and softmax need them): drop the cast to "
+                         f"{output.dtype} from its forward")
     if not isinstance(output, torch.Tensor) or tuple(output.shape) != (1, num_classes):
         got = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
                else f"a {type(output).__name__}")

@@ -27,7 +27,9 @@ from accelerate import Accelerator
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
                                ProjectConfiguration)
 
+from accel_train.base.errors import UsageError
 from accel_train.base.randomness import MICRO_BATCH_SALT, seed_globals
+from accel_train.base.readers import ANOTHER_MODELS_WEIGHTS, BadFile
 from accel_train.callbacks import Callback, CallbackList
 from accel_train.config import TrainConfig
 from accel_train.data.badimages import BadImageLog
@@ -37,6 +39,7 @@ from accel_train.data.sources import LoadedData, load_data
 from accel_train.data.streaming import load_streaming, streaming_wanted
 from accel_train.model.build import create_model, set_train_mode
 from accel_train.model.ema import maybe_ema
+from accel_train.model.saved import is_import_path
 from accel_train.run import distributed
 from accel_train.run.checkpoint import AccelerateState, Checkpointer, TrainerState
 from accel_train.run.collectives import CollectiveTimeouts, StepWatch, is_timeout, report_stall
@@ -232,7 +235,17 @@ class Trainer:
         if self.plan.resume_from is None:
             return None
         wanted = base_learning_rates(self.optimizer)  # what this start's flags built
-        self.checkpointer.restore(self.plan.resume_from)
+        try:
+            self.checkpointer.restore(self.plan.resume_from)
+        except BadFile as err:
+            # the same import path, another network: the user's code changed since, which is
+            # likelier than an edited checkpoint (the file's own fix says that)
+            name = self.net.spec.model_name
+            if not (is_import_path(name) and err.problem.startswith(ANOTHER_MODELS_WEIGHTS)):
+                raise
+            raise UsageError(f"{self.plan.resume_from}: {err.problem}: --model {name} builds "
+                             f"another network than the one this run trained; run with the "
+                             f"factory as it was, or start a new run") from None
         return take_new_learning_rate(self.optimizer, self.scheduler, wanted)
 
     def _prepare_step_parts(self):

@@ -321,6 +321,11 @@ def test_a_factory_changed_since_training_is_one_line_naming_the_difference(user
         assert "1.weight: [10, 3072] saved, [8, 3072] built" in line, line
         assert "not saved: 2.weight, 2.bias" in line and "as it was when the run trained" in line
     assert not (tmp_path / "export").exists()
+    # resumed: the checkpoint's weights do not fit either, and the factory is named as the cause
+    line = one_error_line(accel_train_here("--model", f"{MODULE}:bare", *TINY, "--output-dir",
+                                           str(run), "--resume", "auto"))
+    assert "holds another model's weights" in line and f"--model {MODULE}:bare builds another " \
+        "network than the one this run trained" in line and "edited" not in line, line
 
 
 def test_the_mismatch_words_name_the_first_differences_of_each_kind():

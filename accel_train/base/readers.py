@@ -28,6 +28,7 @@ CUT_SHORT = "it may be cut short (an interrupted download, copy or write)"
 EDITED = ("the checkpoint was edited after it was written, or written by another version of "
           "accel_train; resume from another checkpoint (--resume PATH) or start a new run")
 RUN_FILE = "written by training; restore it from a copy of the run, or train again"
+ANOTHER_MODELS_WEIGHTS = "holds another model's weights"  # check_fits's problem, by its words
 
 
 class BadFile(UsageError):
@@ -322,7 +323,7 @@ def check_fits(path: Path, kind_name: str, expected: dict[str, tuple[int, ...]])
         first = (f"{wrong[0]} is {list(found[wrong[0]])}, not {list(expected[wrong[0]])}"
                  if wrong else f"{missing[0]} is missing" if missing
                  else f"{extra[0]} is not in this model")
-        raise bad(path, kind_name, f"holds another model's weights ({len(missing)} missing, "
+        raise bad(path, kind_name, f"{ANOTHER_MODELS_WEIGHTS} ({len(missing)} missing, "
                                    f"{len(extra)} unexpected, {len(wrong)} of another shape; "
                                    f"{first})")
 

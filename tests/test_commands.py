@@ -263,6 +263,10 @@ def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_
     assert code == 0, err
     assert sorted(p.name for p in export_dir.iterdir()) == ["README.md", "config.json",
                                                             "model.safetensors"]
+    # the card counts the images as the run recorded them (256 trained, 64 for validation)
+    card = (export_dir / "README.md").read_text()
+    assert "; 256 training images, 64 for validation.\n" in card, card
+    assert "ONNX" not in card.split("## Training")[0]  # no ONNX file: none is mentioned
     exported, final = (load_file(str(d / "model.safetensors")) for d in (export_dir, run_dir))
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k]) for k in final)  # step 16 is the last step

@@ -205,6 +205,9 @@ def test_the_model_card_renders_the_runs_numbers(run_dir, export_dir):
     scores = meta["model-index"][0]["results"][0]["metrics"]
     assert scores[0]["value"] == round(epoch["eval_top1"], 4)
     assert f"{epoch['epoch_time']:.1f} s" in body
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())["resolved"]
+    assert (f"{resolved['train_samples']:,} training images, {resolved['eval_samples']:,} for "
+            f"validation, {resolved['test_samples']:,} test images") in body
     for snippet in ('timm.create_model("local-dir:', 'pipeline("image-classification"',
                     "onnxruntime.InferenceSession", "import accel_train", "max_steps: 3"):
         assert snippet in body, snippet

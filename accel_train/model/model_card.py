@@ -38,6 +38,22 @@ def _dataset_name(train: dict) -> Optional[str]:
     return dataset if dataset and dataset != "synthetic" else None
 
 
+def _data_counts(facts: CardFacts) -> str:
+    """The images each role had, as the run recorded them (config.yaml's resolved facts);
+    from the options alone for a run recorded before those were."""
+    record = facts.run_record or {}
+    resolved, train = record.get("resolved", {}), record.get("train", {})
+    if isinstance(resolved.get("train_samples"), int):
+        counts = [f"{resolved['train_samples']:,} training images",
+                  f"{resolved.get('eval_samples', 0):,} for validation"]
+        if resolved.get("test_samples"):
+            counts.append(f"{resolved['test_samples']:,} test images (evaluated once, at the end)")
+        return ", ".join(counts)
+    return (f"{train.get('max_train_samples') or 'all'} training images"
+            + (f", at most {train['max_eval_samples']} held out"
+               if train.get("max_eval_samples") else ""))
+
+
 def _recipe(train: dict) -> dict:
     """The training options that differ from the defaults: what to repeat the run."""
     defaults = TrainConfig().to_dict()
@@ -149,8 +165,9 @@ def _usage(facts: CardFacts) -> str:
     prelude = (f"import accel_train  # registers {spec.model_name} in timm's registry\n"
                if own else "")
     note = (f"\n`{spec.model_name}` is one of accel_train's small networks: timm and "
-            f"transformers know it once `accel_train` is imported (`pip install accel_train`); "
-            f"the ONNX file needs nothing of ours.\n" if own else "")
+            f"transformers know it once `accel_train` is imported (`pip install accel_train`)"
+            + ("; the ONNX file needs nothing of ours" if facts.onnx_diff is not None else "")
+            + ".\n" if own else "")
     tta = (f"\nThe run evaluates with {spec.tta} TTA (the logits of several views of each "
            f"image averaged); `accel-train predict` does that, the snippets below do not.\n"
            if spec.tta != "none" else "")
@@ -249,9 +266,7 @@ scaled to [0, 1], normalized with mean {list(spec.mean)} and std {list(spec.std)
 
 ## Training data
 
-{f'`{dataset}`' if dataset else 'synthetic or unrecorded data'}; \
-{train.get('max_train_samples') or 'all'} training images\
-{f", at most {train['max_eval_samples']} held out" if train.get('max_eval_samples') else ''}.
+{f'`{dataset}`' if dataset else 'synthetic or unrecorded data'}; {_data_counts(facts)}.
 
 ## Training
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -401,6 +402,12 @@ def test_a_timm_local_dir_trains_offline_from_its_weights(tmp_path):
     line = one_error_line(accel_train_here("--model", f"local-dir:{tmp_path / 'nothing'}",
                                            *TINY, "--output-dir", str(tmp_path / "run")))
     assert "no such folder" in line and "timm's format" in line, line
+    # the source folder gone: its checkpoints cannot be rebuilt, the run folder can
+    shutil.rmtree(source)
+    line = one_error_line(accel_train_here("eval", str(tuned / "checkpoints")))
+    assert "no such folder (from this folder); the network is built from that folder's " \
+        "config.json: put it back, or pass the run folder" in line, line
+    assert accel_train_here("eval", str(tuned)).returncode == 0
 
 
 @pytest.mark.slow

@@ -75,6 +75,10 @@ def _check_local_dir(name: str, flag: str) -> None:
     folder = Path(name.partition(":")[2])
     if not (folder / TIMM_CONFIG).is_file():
         what = "no such folder" if not folder.is_dir() else f"no {TIMM_CONFIG} in it"
+        if not flag.startswith("--"):  # eval, predict, export of what trained so
+            raise UsageError(f"{flag} {name}: {what} (from this folder); the network is built "
+                             f"from that folder's {TIMM_CONFIG}: put it back, or pass the run "
+                             f"folder, whose own {TIMM_CONFIG} describes the trained network")
         raise UsageError(f"{flag} {name}: {what}; pass a folder in timm's format "
                          f"({TIMM_CONFIG} and model.safetensors: an accel-train export or run)")
     architecture = read_json(folder / TIMM_CONFIG, "timm_config")["architecture"]

@@ -19,8 +19,9 @@ from accel_train.base.errors import UsageError
 def labels_and_names(splits: dict, label_column: str) -> tuple[dict[str, torch.Tensor],
                                                                list[str]]:
     """Each split's class indices and the class names.  A row with no label (None, or the -1
-    that Hugging Face data sets give unlabelled rows) gets UNLABELLED: training refuses such
-    rows (refuse_unlabelled_rows) and check-data counts them."""
+    that Hugging Face data sets give unlabelled rows) gets UNLABELLED: training leaves out a
+    split of only those and refuses them elsewhere (set_aside_unlabelled_splits), check-data
+    counts them."""
     from datasets import ClassLabel
     feature = next(iter(splits.values())).features[label_column]
     # Through Arrow: `ds[column]` is a lazy Column here, and building a tensor from it walked the

@@ -108,6 +108,7 @@ BAD_INPUTS = [
      "--image-size 160"),
     (["--pretrained", "/nonexistent.safetensors"],
      "--pretrained /nonexistent.safetensors: no such"),
+
     (["--world_size", "2"], "--world_size 2 without a launcher needs --rank and --dist_url"),
     (["--gpu_ids", "0,1"], "--gpu_ids 0,1 given but this machine has no CUDA device"),
     (["--batch_size", "512", "--synthetic-train-size", "100"], "fewer than one global batch"),
@@ -123,6 +124,19 @@ def test_bad_input_is_one_line_exit_2_and_leaves_outputs_alone(tmp_path, capsys,
     err = capsys.readouterr().err.strip()
     assert message in err and err.count("\n") == 0, err
     assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_an_exports_onnx_file_as_pretrained_weights_is_named_so(tmp_path, capsys):
+    """An export holds model.onnx beside model.safetensors; the ONNX file given to
+    --pretrained was reported as torch's refused pickle."""
+    onnx = tmp_path / "export" / "model.onnx"
+    onnx.parent.mkdir()
+    onnx.write_bytes(b"\x08\x07\x12\x07pytorch")  # an ONNX protobuf's first bytes
+    assert main(["--pretrained", str(onnx), "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is an ONNX model, which training cannot start from; pass the " \
+        "model.safetensors beside it" in err[0], err
+    assert not (tmp_path / "run").exists()
 
 
 def test_bad_input_from_a_real_process_has_no_traceback(tmp_path, cifar10_layout):

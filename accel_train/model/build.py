@@ -191,12 +191,16 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
             return timm.create_model(name, pretrained=True, **kwargs)
         except Exception as err:  # offline, missing cache entry, no weights for this name
             raise UsageError(f"--pretrained hub: cannot fetch weights for {name} "
-                             f"({first_line(err)}); with no network, pass "
+                             f"({first_line(err, 400)}); with no network, pass "
                              f"--pretrained PATH to a local .safetensors or .pth file") from None
     path = Path(pretrained)
     if not path.is_file():
         raise UsageError(f"--pretrained {pretrained}: no such file; pass a local .safetensors/"
                          f".pth weights file, or 'hub'")
+    if path.suffix.lower() == ".onnx":  # torch would report a refused pickle
+        raise UsageError(f"--pretrained {pretrained} is an ONNX model, which training cannot "
+                         f"start from; pass the model.safetensors beside it (an accel-train "
+                         f"export holds both)")
     check_weights_file(path, f"--pretrained {pretrained}", "fetch or copy it again")
     try:
         # timm loads the file and drops a classifier whose class count differs from ours.

@@ -24,7 +24,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from accel_train.run.checkpoint import write_manifest
-from conftest import PINNED, accel_train, accel_train_here, free_port, run
+from conftest import PINNED, accel_train, accel_train_here, free_port, model_spec_of, run
 from conftest import test_env as child_env  # (as test_env, pytest would collect it)
 
 MODULE = "user_nets"
@@ -393,6 +393,10 @@ def test_a_timm_local_dir_trains_offline_from_its_weights(tmp_path):
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved and all(k.startswith("fc.") for k in moved), moved
     assert "random weights" not in tuning.stdout + tuning.stderr
+    # the source's class names stay with the source: only the top-level list names the classes
+    tuned_config = json.loads((tuned / "config.json").read_text())
+    assert "label_names" not in tuned_config["pretrained_cfg"]
+    assert tuned_config["label_names"] == model_spec_of(tuned)["class_names"]
     # without --pretrained hub the folder gives the architecture only, and the run says so
     fresh = accel_train_here("--model", f"local-dir:{source}", *TINY, "--max-steps", "1",
                              "--output-dir", str(tmp_path / "fresh"), check=True)

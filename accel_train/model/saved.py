@@ -175,7 +175,7 @@ def resize_description(spec: ModelSpec) -> str:
 
 
 # pretrained_cfg entries of the source checkpoint that say nothing true of the trained weights
-SOURCE_ONLY = ("tag", "test_input_size", "test_crop_pct")
+SOURCE_ONLY = ("tag", "test_input_size", "test_crop_pct", "label_names", "label_descriptions")
 
 
 def write_model_folder(model: nn.Module, directory: Path, spec: ModelSpec,

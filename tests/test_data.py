@@ -242,6 +242,12 @@ def test_class_labels_listed_in_another_order_per_split_are_matched_by_name(tmp_
     assert data.class_names == ["apple", "banana", "cherry"]
     assert [data.class_names[i] for i in data.train.labels.tolist()] == train
     assert [data.class_names[i] for i in data.held_out.labels.tolist()] == held_out
+    # a name only validation's rows have: a class the model would never learn, one line
+    _class_label_parquet(tmp_path / "validation.parquet", ["durian", "banana"],
+                         ["banana", "durian"])
+    with pytest.raises(UsageError, match=r"the validation split's 'label' holds 'durian', which "
+                                         r"no row of train has"):
+        load_data(config(data_dir=str(tmp_path), in_memory="never"))
 
 
 @pytest.mark.parametrize("layout", [

@@ -101,17 +101,18 @@ def set_aside_unlabelled_splits(raw, label_column: str, train_name: str) -> list
 
 
 def check_label_values(raw, splits, label_column: str) -> None:
-    """Labels given as values (strings or numbers): a held-out or test split whose values
-    train has none of is refused, as an image folder's class is (refuse_folders_never_trained).
-    Read over whole splits: --max-train-samples choosing no image of a class is not the data's
-    fault."""
-    if declares_classes(raw, splits, label_column):
+    """A held-out or test split with rows of a class that no training row has is refused, as
+    an image folder's class is (refuse_folders_never_trained, which speaks of folders): a
+    value ('Dog' beside 'dog'), or a ClassLabel name (each split's own names: they may list
+    them in another order).  Read over whole splits: --max-train-samples choosing no image
+    of a class is not the data's fault."""
+    if raw.root is not None:  # an image folder: its folders were checked
         return
-    trained = _values(raw, splits.train_name, label_column)
+    trained = _classes_used(raw, splits.train_name, label_column)
     for held_out in (splits.eval_name, splits.test_name):
         if held_out in (None, splits.train_name):
             continue
-        never = sorted(_values(raw, held_out, label_column) - trained,
+        never = sorted(_classes_used(raw, held_out, label_column) - trained,
                        key=lambda v: (str(type(v)), v))
         if never:
             shown = ", ".join(repr(v) for v in never[:5]) + \
@@ -145,6 +146,16 @@ def declares_classes(raw, splits, label_column: str) -> bool:
     """Whether the label column is a ClassLabel (image folders' are): classes named once."""
     from datasets import ClassLabel
     return isinstance(raw.splits[splits.train_name].features[label_column], ClassLabel)
+
+
+def _classes_used(raw, split: str, label_column: str) -> set:
+    """The classes a split's labelled rows belong to: values, or a ClassLabel's names."""
+    from datasets import ClassLabel
+    feature = raw.splits[split].features[label_column]
+    values = {v for v in _values(raw, split, label_column) if not _unlabelled(v)}
+    if isinstance(feature, ClassLabel):
+        return {feature.names[v] for v in values if v < len(feature.names)}
+    return values
 
 
 def _values(raw, split: str, label_column: str) -> set:

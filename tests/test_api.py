@@ -204,6 +204,7 @@ def test_float_images_outside_0_1_are_refused_and_0_1_are_the_uint8_image(tmp_pa
 
     from accel_train.data.user_data import as_uint8_chw
     pixels = torch.randint(0, 256, (3, 4, 5), dtype=torch.uint8)
+    pixels[0, 0, :2] = torch.tensor([0, 255], dtype=torch.uint8)  # both ends of the range
     assert torch.equal(as_uint8_chw(pixels.float() / 255, "item 0"), pixels)
     assert torch.equal(as_uint8_chw(np.full((4, 5), 0.5, np.float32), "item 0"),
                        torch.full((3, 4, 5), 128, dtype=torch.uint8))
@@ -213,6 +214,10 @@ def test_float_images_outside_0_1_are_refused_and_0_1_are_the_uint8_image(tmp_pa
                      .index_fill(1, torch.tensor([1]), 0), "item 3")
     with pytest.raises(UsageError, match=r"got -2 to 0.5 \(normalized values"):
         as_uint8_chw(torch.tensor([[[-2.0, 0.5]]]), "item 0")
+    with pytest.raises(UsageError, match=r"got -1.5 to 2.5 \(normalized values"):
+        as_uint8_chw(torch.tensor([[[-1.5, 2.5]]]), "item 0")
+    with pytest.raises(UsageError, match=r"got 0 to 1.5 \(0-255 values"):
+        as_uint8_chw(torch.tensor([[[0.0, 1.5]]]), "item 0")
 
 
 GUARD_SCRIPT = """
@@ -248,3 +253,34 @@ def test_fit_outside_a_main_guard_is_one_line_before_anything_starts(tmp_path, c
     else:
         assert result.returncode == 0, result.stderr[-3000:]
         assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("script, refused", [
+    ("x = 1\nfit()\n", True),
+    ("def main():\n    fit()\n\nmain()\n", True),
+    ("if __name__ == '__main__':\n    fit()\n", False),
+    ("if '__main__' == __name__:\n    fit()\n", False),
+    ("import sys\nif len(sys.argv) > 500:\n    pass\nelse:\n    fit()\n", True),
+])
+def test_the_guard_check_reads_the_statement_that_calls(tmp_path, monkeypatch, script, refused):
+    """In process, as the script's own module: the statement at the calling line decides (the
+    subprocess test above runs the whole thing)."""
+    import inspect
+    import types
+
+    from accel_train.base.main_guard import refuse_unguarded_call
+    path = tmp_path / "user_script.py"
+    path.write_text(script)
+    module = types.ModuleType("__main__")
+    module.__file__ = str(path)
+    monkeypatch.setitem(sys.modules, "__main__", module)
+    module.fit = lambda: refuse_unguarded_call(inspect.currentframe().f_back)
+    code = compile(script, str(path), "exec")
+    if refused:
+        with pytest.raises(UsageError, match=rf"{path}:\d+: fit\(\) runs at the top level"):
+            exec(code, module.__dict__)
+    else:
+        exec(code, module.__dict__)
+    # a script with no file (a notebook, python -c) is not judged
+    module.__file__ = None
+    exec(compile(script, "<stdin>", "exec"), module.__dict__)

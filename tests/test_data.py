@@ -190,7 +190,9 @@ def test_numeric_labels_with_gaps_warn_of_outputs_no_image_trains(tmp_path):
     assert "19 of those numbers (1, 2, 3, 4, 5, 6, 7, 8, ...) no row has" in words, words
     _labelled_parquet(tmp_path / "whole" / "train.parquet", [0, 1, 2, 0], "int64")
     _labelled_parquet(tmp_path / "whole" / "validation.parquet", [2], "int64")
-    assert load_data(config(data_dir=str(tmp_path / "whole"))).warnings == []
+    whole = load_data(config(data_dir=str(tmp_path / "whole"), in_memory="never"))
+    assert whole.warnings == [] and whole.held_out.labels.tolist() == [2]
+    assert sorted(whole.train.labels.tolist()) == [0, 0, 1, 2]  # 0 is a class, not "no label"
 
 
 def _class_label_parquet(path: Path, labels: list, names: list[str], first: int = 0) -> None:

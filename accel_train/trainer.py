@@ -307,7 +307,7 @@ class Trainer:
         state = self.state
         if self.finished_before:
             self.report.say(f"{self.plan.output_dir} finished: it trained its {state.step} steps "
-                            f"and saved its model; nothing to do.  To train on, give more "
+                            f"and saved its model; nothing to do. To train on, give more "
                             f"--epochs or --max-steps; accel-train eval {self.plan.output_dir} "
                             f"evaluates it")
             return 0

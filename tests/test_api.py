@@ -259,6 +259,7 @@ def test_fit_outside_a_main_guard_is_one_line_before_anything_starts(tmp_path, c
     ("x = 1\nfit()\n", True),
     ("def main():\n    fit()\n\nmain()\n", True),
     ("if __name__ == '__main__':\n    fit()\n", False),
+    ("def main():\n    fit()\n\n\nif __name__ == '__main__':\n    main()\n", False),
     ("if '__main__' == __name__:\n    fit()\n", False),
     ("import sys\nif len(sys.argv) > 500:\n    pass\nelse:\n    fit()\n", True),
 ])

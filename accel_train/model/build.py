@@ -275,13 +275,13 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
                          f"the data); make its last layer give num_classes outputs")
 
 
-def check_trainable(num_trainable: int, name: str, frozen_backbone: bool) -> None:
+def check_trainable(num_trainable: int, name: str) -> None:
     """A network with nothing to train (every parameter frozen, or none at all) is one line,
-    not the optimizer's "empty parameter list" traceback."""
+    not the optimizer's "empty parameter list" traceback.  (--freeze-backbone refuses a
+    classifier without parameters itself.)"""
     if num_trainable == 0:
-        raise UsageError(f"--model {name} has no trainable parameters ("
-                         + ("--freeze-backbone left its classifier none" if frozen_backbone else
-                            "none with requires_grad=True") + "); nothing would train")
+        raise UsageError(f"--model {name} has no trainable parameters (none with "
+                         f"requires_grad=True); nothing would train")
 
 
 def unused_parameters(model: nn.Module, image_size: int) -> list[str]:

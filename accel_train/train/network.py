@@ -91,7 +91,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
     spec.float32_layers = float32_layers(model)
     num_trainable = (freeze_backbone(model) if config.freeze_backbone
                      else sum(p.numel() for p in model.parameters() if p.requires_grad))
-    check_trainable(num_trainable, config.model, config.freeze_backbone)
+    check_trainable(num_trainable, config.model)
     unused = tuple(unused_parameters(model, image_size)) if num_processes > 1 else ()
     if unused:
         warn(f"--model {config.model}: {len(unused)} trainable parameter(s) its forward pass "

@@ -231,6 +231,9 @@ def test_an_unlabelled_test_split_is_left_out_and_unlabelled_rows_are_refused(tm
     _labelled_parquet(tmp_path / "validation.parquet", ["cat", None, "dog"])
     with pytest.raises(UsageError, match=r"1 of the 3 rows of the validation split have no"):
         load_data(config(data_dir=str(tmp_path)))
+    result = accel_train_here("check-data", "--data-dir", str(tmp_path))  # None crashed it
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "validation: 1 of 3 rows (training refuses them)" in result.stdout, result.stdout
 
 
 def test_class_labels_listed_in_another_order_per_split_are_matched_by_name(tmp_path):

@@ -12,6 +12,13 @@ class UsageError(ValueError):
     """Bad input: the message names what is wrong and the flag or file to change."""
 
 
+def first_few(words, limit: int = 5) -> str:
+    """A list for a one-line message: the first `limit` words, and how many more."""
+    words = list(words)
+    return ", ".join(words[:limit]) + (f" and {len(words) - limit} more"
+                                       if len(words) > limit else "")
+
+
 def first_line(err: BaseException, limit: int = 160) -> str:
     """A library error's first line (its type's name if it has no text), cut to `limit`
     characters: the reason inside one of our one-line messages."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from accel_train.base.errors import UsageError
+from accel_train.base.errors import UsageError, first_few
 
 
 def labels_and_names(splits: dict, label_column: str) -> tuple[dict[str, torch.Tensor],
@@ -115,12 +115,11 @@ def check_label_values(raw, splits, label_column: str) -> None:
         never = sorted(_classes_used(raw, held_out, label_column) - trained,
                        key=lambda v: (str(type(v)), v))
         if never:
-            shown = ", ".join(repr(v) for v in never[:5]) + \
-                (f" and {len(never) - 5} more" if len(never) > 5 else "")
             raise UsageError(f"{raw.origin}: the {held_out} split's {label_column!r} holds "
-                             f"{shown}, which no row of {splits.train_name} has: the model "
-                             f"would never learn that class; correct the label (one spelling "
-                             f"in every split) or give it training rows")
+                             f"{first_few(repr(v) for v in never)}, which no row of "
+                             f"{splits.train_name} has: the model would never learn that class; "
+                             f"correct the label (one spelling in every split) or give it "
+                             f"training rows")
 
 
 def label_gap_warnings(raw, splits, label_column: str, class_names: list[str]) -> list[str]:
@@ -180,9 +179,8 @@ def refuse_folders_never_trained(raw, splits) -> None:
             continue
         never = [names[c] for c in sorted(classes_with_images(held_out) - trained)]
         if never:
-            shown = ", ".join(never[:5]) + (f" and {len(never) - 5} more" if len(never) > 5 else "")
             raise UsageError(f"--data-dir {raw.root}: the {held_out} split has images of "
-                             f"class(es) {shown}, of which train has none: the model would never "
-                             f"learn them; give them training images, or rename or remove those "
-                             f"folders (accel-train check-data {raw.root} lists each split's "
-                             f"classes)")
+                             f"class(es) {first_few(never)}, of which train has none: the "
+                             f"model would never learn them; give them training images, or "
+                             f"rename or remove those folders (accel-train check-data "
+                             f"{raw.root} lists each split's classes)")

@@ -25,7 +25,7 @@ from typing import Optional
 from timm.data.constants import DEFAULT_CROP_MODE, DEFAULT_CROP_PCT
 from torch import nn
 
-from accel_train.base.errors import UsageError, first_line
+from accel_train.base.errors import UsageError, first_few, first_line
 from accel_train.base.readers import read_json
 from accel_train.model.small_nets import NETWORKS
 
@@ -98,8 +98,8 @@ class ModelSpec:
             differ = [f"{a} -> {b}" for a, b in zip(saved.class_names, self.class_names)
                       if a != b]
             raise UsageError(f"checkpoint {directory} was trained on classes "
-                             f"{_shown(saved.class_names)} but this start's data has "
-                             f"{_shown(self.class_names)} ({', '.join(differ[:3])}"
+                             f"{first_few(saved.class_names)} but this start's data has "
+                             f"{first_few(self.class_names)} ({', '.join(differ[:3])}"
                              f"{', ...' if len(differ) > 3 else ''}); resume with the data it "
                              f"trained on, or start a new run (--pretrained takes the run's "
                              f"model.safetensors)")
@@ -222,12 +222,6 @@ def write_model_folder(model: nn.Module, directory: Path, spec: ModelSpec,
     config.get("model_args", {}).pop("num_classes", None)
     (directory / TIMM_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return weights
-
-
-def _shown(names) -> str:
-    """Class names for a message: the first five, and how many more."""
-    names = list(names)
-    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def holds_model_spec(directory: Path) -> bool:

@@ -133,7 +133,8 @@ def check(args) -> dict:
     """Every image decoded; the findings as a JSON-ready dict."""
     import numpy as np
 
-    from accel_train.data.sources import HFSource, find_columns, labels_and_names, open_data
+    from accel_train.data.labels import labels_and_names, left_out_unlabelled
+    from accel_train.data.sources import HFSource, find_columns, open_data, training_split_name
     from accel_train.data.streaming import is_shard_folder
     config = _config(args)
     if is_shard_folder(config.data_dir):
@@ -169,11 +170,11 @@ def check(args) -> dict:
     labelled = {split: labels[split][labels[split] >= 0] for split in sources}
     counts = {split: np.bincount(labelled[split].numpy(), minlength=len(class_names)).tolist()
               for split in sources}
-    train = "train" if "train" in sources else next(iter(sources))
+    train = training_split_name(raw)
     unlabelled = {split: len(labels[split]) - len(labelled[split]) for split in sources
                   if len(labelled[split]) < len(labels[split])}
-    # a split with no labels at all beside a labelled train split is left out by training
-    refused = [s for s, n in unlabelled.items() if s == train or n < len(labels[s])]
+    refused = [s for s, n in unlabelled.items()
+               if not left_out_unlabelled(s, n, len(labels[s]), train)]
     duplicates = [[{"split": s, "image": sources[s].name(i)} for s, i in sorted(places)]
                   for places in by_digest.values() if len({s for s, _ in places}) > 1]
     with_labels = [s for s in counts if len(labelled[s])]  # an unlabelled split names no class

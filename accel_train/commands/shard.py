@@ -76,15 +76,16 @@ def _samples(args):
                 {split: generated(*parts[split]) for split in ("train", "test")},
                 {split: len(parts[split][1]) for split in ("train", "test")})
     from accel_train.data.decode import Unreadable, read_value
-    from accel_train.data.sources import (find_columns, labels_and_names, open_data, pick_splits,
-                                          rows_of, set_aside_unlabelled_splits,
+    from accel_train.data.labels import labels_and_names, set_aside_unlabelled_splits
+    from accel_train.data.sources import (find_columns, open_data, pick_splits, rows_of,
                                           training_split_name)
     config = TrainConfig(data_dir=args.data_dir, dataset=args.dataset or SYNTHETIC_DATASET,
                          val_fraction=args.val_fraction, image_column=args.image_column,
                          label_column=args.label_column)
     raw = open_data(config)
-    _, label_column = find_columns(raw.splits[training_split_name(raw)], config)
-    for warning in set_aside_unlabelled_splits(raw, label_column, training_split_name(raw)):
+    train_split = training_split_name(raw)
+    _, label_column = find_columns(raw.splits[train_split], config)
+    for warning in set_aside_unlabelled_splits(raw, label_column, train_split):
         print(f"warning: {warning}", file=sys.stderr)
     # The data's own splits as they are (train and its test or validation split; a carved one
     # only where there is neither): shards are a copy of the data, not of one run's roles.

@@ -77,6 +77,12 @@ def unlabelled_rows(dataset, label_column: str) -> int:
     return int(missing)
 
 
+def left_out_unlabelled(split: str, unlabelled: int, rows: int, train_name: str) -> bool:
+    """Training leaves out a split whose rows all lack a label, unless it is the training
+    split; it refuses unlabelled rows anywhere else (check-data reports the same verdict)."""
+    return unlabelled == rows and split != train_name
+
+
 def set_aside_unlabelled_splits(raw, label_column: str, train_name: str) -> list[str]:
     """Hugging Face data sets often ship a test split without labels (every row -1): it is left
     out, with a warning, instead of failing at the end of training.  A split with some rows
@@ -88,7 +94,7 @@ def set_aside_unlabelled_splits(raw, label_column: str, train_name: str) -> list
         missing = unlabelled_rows(dataset, label_column)
         if not missing:
             continue
-        if missing == len(dataset) and name != train_name:
+        if left_out_unlabelled(name, missing, len(dataset), train_name):
             del raw.splits[name]
             warnings.append(f"the {name} split has no labels ({label_column!r} is -1 or empty in "
                             f"all {missing:,} rows): left out; accel-train predict RUN IMAGES "

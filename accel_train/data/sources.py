@@ -31,9 +31,8 @@ from accel_train.base.errors import UsageError, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.imagefolder import index_folder
-from accel_train.data.labels import (check_label_values, label_gap_warnings,  # noqa: F401
-                                     labels_and_names, refuse_folders_never_trained,
-                                     set_aside_unlabelled_splits)
+from accel_train.data.labels import (check_label_values, label_gap_warnings, labels_and_names,
+                                     refuse_folders_never_trained, set_aside_unlabelled_splits)
 
 IMAGE_COLUMN_NAMES = ("img", "image", "images", "pixel_values", "picture", "jpg", "png", "webp")
 LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "coarse_label", "class", "target", "y")
@@ -614,7 +613,8 @@ def load_data(config: TrainConfig, min_classes: int = 2) -> LoadedData:
                           data.description)
     raw = open_data(config)
     train_name = training_split_name(raw)
-    _, label_column = find_columns(raw.splits[train_name], config)
+    # the columns of the training split are every split's (datasets loads them as one)
+    image_column, label_column = find_columns(raw.splits[train_name], config)
     warnings = set_aside_unlabelled_splits(raw, label_column, train_name)
     splits = pick_splits(raw, config.val_fraction, config.select_on_test)
     refuse_folders_never_trained(raw, splits)
@@ -628,7 +628,6 @@ def load_data(config: TrainConfig, min_classes: int = 2) -> LoadedData:
         test_rows = np.arange(len(raw.splits[splits.test_name]))
         roles.append(("test", splits.test_name, test_rows[:config.max_eval_samples or None]))
     parts = {role: rows_of(raw.splits[name], rows) for role, name, rows in roles}
-    image_column, label_column = find_columns(parts["train"], config)
     check_label_values(raw, splits, label_column)
     labels, class_names = labels_and_names(parts, label_column)
     warnings += label_gap_warnings(raw, splits, label_column, class_names)

@@ -159,8 +159,8 @@ class Trainer:
         self.learning_rate_change = self._maybe_restore()
         self._prepare_step_parts()
         # A finished run started again with the same options: nothing to train, nothing to write.
-        self.finished_before = self.plan.resume_from is not None and distributed.decide_on_main(
-            lambda: already_finished(plan.output_dir, self.state, self.total_steps,
+        self.finished_before = self._evaluated_at_end() and distributed.decide_on_main(
+            lambda: already_finished(plan.output_dir, self.state.step,
                                      self.loaders.test is not None))
         if self.finished_before:
             return
@@ -315,7 +315,7 @@ class Trainer:
         # test split's one evaluation still to do, or done), or stopped by a signal there
         # (that step's end still to do).
         at_end = state.step >= self.total_steps
-        evaluated_at_end = at_end and state.eval_step == state.step
+        evaluated_at_end = self._evaluated_at_end()
         self.callbacks.on_train_begin(self)
         self.accelerator.wait_for_everyone()  # every rank's callbacks began before any trains
         self.progress.start(self.pacer.known_total(self.total_steps), state.step)
@@ -346,6 +346,11 @@ class Trainer:
         self._finish(tested=evaluated_at_end and distributed.decide_on_main(
             lambda: tested_at(self.plan.output_dir, state.step)))
         return 0
+
+    def _evaluated_at_end(self) -> bool:
+        """Whether this start stands at the run's last step, evaluated there (the state as
+        restored: a fresh run stands at step 0)."""
+        return self.state.step >= self.total_steps and self.state.eval_step == self.state.step
 
     def _epoch_used_up(self) -> bool:
         """Whether the epoch's samples are all trained (its last batch taken)."""

@@ -35,17 +35,15 @@ def save_final_model(accelerator, model: nn.Module, averages: dict[str, nn.Modul
     return chosen
 
 
-def already_finished(output_dir: Path, state, total_steps: int, has_test_split: bool) -> bool:
-    """Whether a resumed run's end is all behind it: its steps trained and evaluated at the
-    last, its final model written for that step (config.json's step, written after the
-    weights) and its test split evaluated.  Then a start with the same options has nothing to
-    do and writes nothing; a run killed inside its end finishes it instead."""
-    if state.step < total_steps or state.eval_step != state.step:
-        return False
+def already_finished(output_dir: Path, step: int, has_test_split: bool) -> bool:
+    """Of a run resumed at its last step, evaluated there: whether the rest of its end is
+    behind it too, its final model written for that step (config.json's step, written after
+    the weights) and its test split evaluated.  Then a start with the same options has
+    nothing to do and writes nothing; a run killed inside its end finishes it instead."""
     try:
-        if read_our_section(output_dir).get("step") != state.step:
+        if read_our_section(output_dir).get("step") != step:
             return False
-        return not has_test_split or tested_at(output_dir, state.step)
+        return not has_test_split or tested_at(output_dir, step)
     except UsageError:  # a damaged config.json or metrics.jsonl: the end is written again
         return False
 

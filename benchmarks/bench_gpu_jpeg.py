@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
+from accel_train.base.errors import RunStopped  # noqa: E402
 from bench_gpu import HandLoop, flops_per_image, peak_tflops  # noqa: E402
 from make_imagenet_like import make_folder  # noqa: E402
 
@@ -125,24 +126,26 @@ def trainer_rate(args, root: Path, mode: str, device, work: Path) -> dict:
     decoding = trainer.loaders.decoding or ("on the device" if trainer.loaders.decoded_on_device
                                             else "by the loader workers")
     seconds, steps = [], []
-    for epoch in range(args.epochs):
-        wait(device)
-        before, started = trainer.state.step, time.perf_counter()
-        trainer.train_epoch()
-        wait(device)
-        if epoch:  # the first pays the workers' start and cuDNN's choices
-            seconds.append(time.perf_counter() - started)
-            steps.append(trainer.state.step - before)
-        trainer.next_epoch()
+    try:
+        for epoch in range(args.epochs):
+            wait(device)
+            before, started = trainer.state.step, time.perf_counter()
+            trainer.train_epoch()
+            wait(device)
+            if epoch:  # the first pays the workers' start and cuDNN's choices
+                seconds.append(time.perf_counter() - started)
+                steps.append(trainer.state.step - before)
+            trainer.next_epoch()
+    finally:  # a diverged arm too: its loader workers would keep this process alive
+        trainer.close()
+        # Accelerate keeps one state per process; the next arm is a new run
+        from accelerate.state import AcceleratorState
+        AcceleratorState._reset_state(reset_partial_state=True)
     records = [r for r in benchlib.read_jsonl(trainer.plan.output_dir / "metrics.jsonl")
                if r.get("type") == "train"]
     per_epoch = max(1, trainer.loaders.steps_per_epoch)
     later = [r for r in records if r.get("step", 0) > per_epoch] or records
     data_wait = benchlib.median([r["data_wait"] for r in later]) if later else float("nan")
-    trainer.close()
-    # Accelerate keeps one state per process; the next arm is a new run
-    from accelerate.state import AcceleratorState
-    AcceleratorState._reset_state(reset_partial_state=True)
     return {"img_per_s": args.batch * sum(steps) / sum(seconds), "data_wait": data_wait,
             "decoding": decoding, "workers": trainer.loaders.num_workers,
             "steps_per_epoch": per_epoch}
@@ -171,9 +174,14 @@ def measure(args, report, device, name: str, peak: float, work: Path) -> int:
     flops = flops_per_image(args.model, args.size, device)
     results = {}
     for mode in args.modes:
-        results[mode] = trainer_rate(args, root, mode, device, work)
+        try:
+            results[mode] = trainer_rate(args, root, mode, device, work)
+        except RunStopped as stopped:  # a row that says so, and the other arms still run
+            results[mode] = {"img_per_s": float("nan"), "data_wait": float("nan"),
+                             "decoding": f"stopped: {str(stopped)[:90]}", "workers": "",
+                             "steps_per_epoch": 0}
         print(f"{mode}: {results[mode]}", flush=True)
-    steps = next(iter(results.values()))["steps_per_epoch"] if results else 10
+    steps = max([r["steps_per_epoch"] for r in results.values()], default=0) or 10
     hand = hand_rate(args, device, steps)
     rows = [["hand loop (batch on the device)", "", hand, 1.0, flops * hand / 1e12 / peak, "", ""]]
     for mode, result in results.items():

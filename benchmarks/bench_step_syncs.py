@@ -77,7 +77,9 @@ def options(args, out: Path) -> dict:
     steps = args.warmup + args.steps
     data = ({"dataset": "synthetic", "synthetic_train_size": 64 * (steps + 1),
              "batch_size": 64} if args.allow_cpu and not on_cuda()
-            else {"data_dir": args.data_dir, "batch_size": args.batch_size})
+            else {"data_dir": args.data_dir, "batch_size": args.batch_size,
+                  # all 50,000 training images: 48 steps of 1,024 in the first epoch
+                  "select_on_test": True})
     return {**recipe, **data, "data_on_device": "always", "mixed_precision": args.precision,
             "max_steps": steps, "log_every": steps + 1, "eval_every": 0, "epochs": 1,
             "max_eval_samples": 256, "progress": "log", "plots": False, "output_dir": str(out)}

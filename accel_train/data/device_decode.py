@@ -228,14 +228,25 @@ class DeviceDecoder:
         with warnings.catch_warnings():  # torchvision's decoders are deprecated for TorchCodec's
             warnings.simplefilter("ignore", DeprecationWarning)
             from torchvision.io import ImageReadMode, decode_jpeg
-        read = dict(mode=ImageReadMode.RGB, device=self.device)
+
+        def decode(data):
+            if self.device.type == "cuda":
+                # nvJPEG's hardware decoder (A100, H100, H200) writes its outputs before the
+                # work already queued on its stream has run, and the caching allocator may hand
+                # it blocks that queued kernels still read: the last step's tensors are
+                # overwritten (NaN in the weights within five steps on an H200).  Draining the
+                # caller's stream first is the known cure (torchcodec's decoder does it;
+                # torchvision's does not yet); it costs the host its lead over the GPU.
+                torch.cuda.current_stream(self.device).synchronize()
+            return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+
         try:
-            return list(decode_jpeg(blobs, **read)), []
+            return list(decode(blobs)), []
         except (RuntimeError, ValueError):
             decoded, refused = [], []
             for k, blob in enumerate(blobs):
                 try:
-                    decoded.append(decode_jpeg(blob, **read))
+                    decoded.append(decode(blob))
                 except (RuntimeError, ValueError):
                     decoded.append(None)
                     refused.append(k)

@@ -77,9 +77,8 @@ def config(args, root: Path, mode: str, work: Path):
                        plots=False, log_every=5, output_dir=str(work / f"run-{mode}"))
 
 
-def pixels_agree(args, root: Path, device, work: Path) -> dict:
-    """The same training samples through the workers' path and the device's."""
-    from accel_train.data.device_decode import DeviceDecoder
+def train_images(args, root: Path, work: Path):
+    """The run's training images (loaders.TrainImages) as --decode-on-device always sees them."""
     from accel_train.data.loaders import TrainImages, run_transforms
     from accel_train.data.sources import load_data
     from accel_train.model.saved import ModelSpec
@@ -87,8 +86,13 @@ def pixels_agree(args, root: Path, device, work: Path) -> dict:
     data = load_data(cfg)
     spec = ModelSpec(model_name=args.model, num_classes=10, image_size=args.size,
                      mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), class_names=[])
-    images = TrainImages(data.train, run_transforms(cfg, spec)[0], seed=0, mark_replaced=True)
-    keys = list(range(min(64, len(data.train))))
+    return TrainImages(data.train, run_transforms(cfg, spec)[0], seed=0, mark_replaced=True)
+
+
+def pixels_agree(images, device) -> dict:
+    """The same training samples through the workers' path and the device's."""
+    from accel_train.data.device_decode import DeviceDecoder
+    keys = list(range(min(64, len(images))))
     host = images.host_batch(keys)
     encoded = images.encoded_batch(keys)
     pixels, labels, _ = DeviceDecoder(device, images)(encoded.images, encoded.labels,
@@ -96,6 +100,36 @@ def pixels_agree(args, root: Path, device, work: Path) -> dict:
     diff = (pixels.cpu().int() - host.images.int()).abs().float()
     return {"images": len(keys), "mean_abs": diff.mean().item(), "max": diff.max().item(),
             "labels_equal": bool(torch.equal(labels.cpu(), host.labels))}
+
+
+def device_path_parts(images, device, batch: int) -> dict:
+    """Where the device path's time goes, one batch alone (median of 3, synchronized): the
+    batched decode_jpeg call by itself, and the whole DeviceDecoder call (decode, crops,
+    resizes, flips); img/s each.  What the rest of a step leaves the device path is in the
+    arms' rows."""
+    from accel_train.data.device_decode import DeviceDecoder
+    from torchvision.io import ImageReadMode, decode_jpeg
+    keys = list(range(min(batch, len(images))))
+    encoded = images.encoded_batch(keys).images
+    blobs = list(encoded.data.split(encoded.lengths))
+    decoder = DeviceDecoder(device, images)
+    replaced = torch.full((len(keys),), -1)
+    labels = torch.zeros(len(keys), dtype=torch.int64)
+
+    def timed(work) -> float:
+        seconds = []
+        for _ in range(4):  # the first pays the decoder's start
+            wait(device)
+            started = time.perf_counter()
+            work()
+            wait(device)
+            seconds.append(time.perf_counter() - started)
+        return len(keys) / benchlib.median(seconds[1:])
+
+    return {"decode_img_per_s": timed(lambda: decode_jpeg(blobs, mode=ImageReadMode.RGB,
+                                                          device=device)),
+            "decode_and_crop_img_per_s": timed(lambda: decoder(encoded, labels, replaced)),
+            "images": len(keys)}
 
 
 def wait(device) -> None:
@@ -169,8 +203,11 @@ def main() -> int:
 
 def measure(args, report, device, name: str, peak: float, work: Path) -> int:
     root = folder(args, work)
-    agree = pixels_agree(args, root, device, work)
+    images = train_images(args, root, work)
+    agree = pixels_agree(images, device)
     print(f"pixels: {agree}", flush=True)
+    parts = device_path_parts(images, device, args.batch)
+    print(f"device path: {parts}", flush=True)
     flops = flops_per_image(args.model, args.size, device)
     results = {}
     for mode in args.modes:
@@ -197,8 +234,11 @@ def measure(args, report, device, name: str, peak: float, work: Path) -> int:
                  notes=[f"the same {agree['images']} samples through both paths: pixels differ "
                         f"by {agree['mean_abs']:.3f} levels on average, {agree['max']:.0f} at "
                         f"most; labels equal: {agree['labels_equal']}",
+                        f"the device path on one batch of {parts['images']} alone: "
+                        f"decode_jpeg {parts['decode_img_per_s']:,.0f} img/s, with the crops "
+                        f"and flips {parts['decode_and_crop_img_per_s']:,.0f} img/s",
                         f"forward + backward FLOPs per image: {flops / 1e9:.3g} GFLOP"])
-    report.data.update(result=results, hand_img_per_s=hand, pixels=agree)
+    report.data.update(result=results, hand_img_per_s=hand, pixels=agree, device_path=parts)
     print(f"wrote {report.save()}")
     return 0
 

@@ -164,6 +164,7 @@ def every_step_watched(data: dict) -> None:
     events are always reached: no step ahead) and no sync was flagged (a CPU flags none)."""
     assert data["result"]["watched"] == 10, data["result"]
     assert data["result"]["host_ahead"] == 0 and data["result"]["syncs_flagged"] == 0, data
+    assert data["result"]["sync_calls"] == {}, data  # the profiled steps ran, CUDA's calls none
 
 
 TABLE_CHECKS = {"anchor_side_by_side": both_arms_and_a_ratio, "host_memory": each_arm_as_it_says,

@@ -14,7 +14,9 @@ process runs it, and `fit` joins them as the command line does.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import re
 from pathlib import Path
 from typing import Any, Iterable, Union
 
@@ -57,17 +59,56 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
     with the command line's exit code (143), so a scheduler sees the same thing.
     """
     refuse_unguarded_call(inspect.currentframe().f_back)
-    config = config_for(model, options)
-    user_module = model if isinstance(model, nn.Module) else None
-    if user_module is None:
-        check_library_names(config)
+
     def bring_data(options: TrainConfig):
         return load_user_data(train_dataset, eval_dataset, options)
 
-    result = train_and_close(config, callbacks, bring_data=bring_data, model=user_module)
+    try:
+        config = config_for(model, options)
+        user_module = model if isinstance(model, nn.Module) else None
+        if user_module is None:
+            check_library_names(config)
+        result = train_and_close(config, callbacks, bring_data=bring_data, model=user_module)
+    except UsageError as err:  # the product's messages name flags; fit()'s caller wrote keywords
+        raise UsageError(in_python_terms(str(err))) from None
     if result.exit_code != 0:
         raise SystemExit(result.exit_code)
     return result.output_dir
+
+
+# a flag as messages write it, and the word after it
+FLAG_IN_TEXT = re.compile(r"--(no-)?([a-z][a-z0-9_-]*)(?: ('[^' ]*'|[\w./:~+-]+))?")
+# words that are an option's value where they follow its flag (else the sentence goes on)
+KEYWORD_VALUES = {"auto", "always", "never", "no", "yes", "hub", "none"}
+
+
+def in_python_terms(message: str) -> str:
+    """A message for fit()'s caller: each flag of a TrainConfig field as the keyword argument
+    that sets it (`--resume auto` -> `resume='auto'`, `--epochs 3` -> `epochs=3`, `--no-plots`
+    -> `plots=False`, a flag with no value after it -> `output_dir=`); other words stay."""
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+    def is_value(word: str, name: str) -> bool:
+        return bool(re.search(r"\d", word) or set(word) & set("/.:~_'")
+                    or word in KEYWORD_VALUES
+                    or word in (fields[name].metadata.get("choices") or ()))
+
+    def keyword(match: re.Match) -> str:
+        negated, name, word = match.group(1), match.group(2).replace("-", "_"), match.group(3)
+        if name not in fields or (negated and not isinstance(fields[name].default, bool)):
+            return match.group(0)
+        word, stop = word or "", ""
+        if word[-1:] in (":", "."):  # the sentence's punctuation, not the value's
+            word, stop = word[:-1], word[-1]
+        after = (f" {word}" if word else "") + stop
+        if isinstance(fields[name].default, bool):
+            return f"{name}={not negated}" + after
+        if word and is_value(word, name):
+            numeric = re.fullmatch(r"-?[\d.]+(e-?\d+)?", word) or word.startswith("'")
+            return (f"{name}={word}" if numeric else f"{name}={word!r}") + stop
+        return f"{name}=" + after
+
+    return FLAG_IN_TEXT.sub(keyword, message)
 
 
 def config_for(model: Union[nn.Module, str], options: dict) -> TrainConfig:

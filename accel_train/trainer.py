@@ -116,7 +116,7 @@ class Trainer:
             net = build_network(config, data, plan.env.world_size, cuda, report.warn, model)
             fresh_model = (lambda: copy.deepcopy(untouched)) if model is not None else (
                 lambda: create_model(config.model, net.spec.num_classes, config.drop_rate, None,
-                                     config.drop_path))
+                                     config.drop_path, net.spec.model_args))
             speed = speed_for_run(config, fresh_model, net.spec, plan.kept_choices,
                                   choice.speed if choice else None, cuda)
             return cls(dataclasses.replace(plan, config=config), data, net, speed, report=report,

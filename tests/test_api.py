@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 import accel_train
 import accel_train.callbacks
 from accel_train.cli import main
+from accel_train.api import in_python_terms
 from conftest import CONFIGS, REPO, free_port, model_spec_of, run
 from conftest import test_env as child_env
 from accel_train.base.errors import UsageError
@@ -136,7 +137,7 @@ def test_a_scripts_own_class_and_datasets_are_named_as_what_commands_cannot_rebu
 
 
 @pytest.mark.parametrize("call, expected", [
-    (lambda: accel_train.fit("no_such_model_name", Squares(8)), "--model"),
+    (lambda: accel_train.fit("no_such_model_name", Squares(8)), "model='no_such_model_name'"),
     (lambda: accel_train.fit(Tiny(), Squares(8), batch_sise=8), "unknown option"),
     (lambda: accel_train.fit(Tiny(), [1, 2, 3], epochs=1), "each item must be"),
     (lambda: accel_train.fit(Tiny(), object()), "map-style dataset"),
@@ -149,6 +150,32 @@ def test_bad_arguments_are_one_clear_error(tmp_path, monkeypatch, call, expected
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("message, expected", [
+    ("--output-dir /x/run holds a finished run; pass --resume auto to go on, or another "
+     "--output-dir", "output_dir='/x/run' holds a finished run; pass resume='auto' to go on, or "
+     "another output_dir="),
+    ("--image-size 96 does not work with vit; try --image-size 224",
+     "image_size=96 does not work with vit; try image_size=224"),
+    ("Lower --learning-rate (or set --grad-clip, or --mixed-precision no)",
+     "Lower learning_rate= (or set grad_clip=, or mixed_precision='no')"),
+    ("drop --no-plots or --model-ema; --model resnet18: x", "drop plots=False or model_ema=True; "
+     "model='resnet18': x"),
+    ("--cutmix 1.0 with --mixup-prob 0: idle. --epochs 3.",
+     "cutmix=1.0 with mixup_prob=0: idle. epochs=3."),
+    ("--val-fraction must be between 0 and 1", "val_fraction= must be between 0 and 1"),
+    ("--format onnx beside --data-on-device always", "--format onnx beside "
+     "data_on_device='always'"),  # --format is export's, no option of fit()
+])
+def test_messages_name_keyword_arguments_where_the_command_line_names_flags(message, expected):
+    assert in_python_terms(message) == expected
+
+
+def test_fit_says_what_to_change_in_its_own_keywords(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"^val_fraction= must be between 0 and 1 \(got 2\)"):
+        accel_train.fit(Tiny(), Squares(8), val_fraction=2)
+
+
 def test_the_example_on_two_processes_equals_one_process(tmp_path):
     """examples/custom_model.py as its docstring says: 1 process x 32 and, under `accelerate
     launch` with accelerate_configs/cpu_2proc.yaml, 2 processes x 16 train the same weights."""

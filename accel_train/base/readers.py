@@ -117,7 +117,7 @@ _register("model_config", "a model's model_config.json",
           Shape({"model_name": TEXT, "num_classes": INT, "class_names": LIST,
                  "image_size": INT, "mean": LIST, "std": LIST},
                 optional=frozenset({"drop_rate", "weights", "tta", "crop_pct", "crop_mode",
-                                    "interpolation", "float32_layers"})))
+                                    "interpolation", "float32_layers", "model_args"})))
 _register("timm_config", "a model folder's config.json (timm's layout)",
           "restore it, or export the model again (accel-train export)",
           Shape({"architecture": TEXT, "pretrained_cfg": MAPPING}))

@@ -162,13 +162,14 @@ def _create_from_factory(name: str, num_classes: int, drop_rate: float,
 
 
 def create_model(name: str, num_classes: int, drop_rate: float = 0.0,
-                 pretrained: Optional[str] = None, drop_path: float = 0.0) -> nn.Module:
+                 pretrained: Optional[str] = None, drop_path: float = 0.0,
+                 model_args: Optional[dict] = None) -> nn.Module:
     """A timm model, or the user's factory's; `pretrained` is None, 'hub', or a local weights
-    file (timm models only)."""
+    file (timm models only); `model_args`: more of timm's arguments (ModelSpec.model_args)."""
     check_model_name(name)
     if is_import_path(name):
         return _create_from_factory(name, num_classes, drop_rate, pretrained, drop_path)
-    kwargs = dict(num_classes=num_classes, drop_rate=drop_rate)
+    kwargs = dict(num_classes=num_classes, drop_rate=drop_rate, **(model_args or {}))
     if drop_path:  # only when asked: not every timm model takes it
         kwargs["drop_path_rate"] = drop_path
     try:
@@ -362,6 +363,7 @@ def build_from_spec(spec: ModelSpec) -> nn.Module:
         raise UsageError(f"the model's architecture {spec.model_name!r} is not in this timm's "
                          f"registry (timm {timm.__version__}); "
                          f"{unknown_architecture_hint(spec.model_name)}")
-    model = create_model(spec.model_name, spec.num_classes, spec.drop_rate)
+    model = create_model(spec.model_name, spec.num_classes, spec.drop_rate,
+                         model_args=spec.model_args)
     compute_in_float32(model, spec.float32_layers)
     return model

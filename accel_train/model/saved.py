@@ -36,6 +36,7 @@ LEGACY_SPEC_FILE = SPEC_FILE
 TIMM_CONFIG = "config.json"
 OUR_SECTION = "accel_train"  # keys timm's and transformers' readers leave alone
 FORMAT_VERSION = 1
+MODEL_ARGS = ("img_size",)  # timm arguments a ModelSpec records (ModelSpec.model_args)
 # The networks accel_train registers in timm's registry: other programs know them only once
 # accel_train is imported.
 OWN_NETWORKS = NETWORKS
@@ -74,6 +75,9 @@ class ModelSpec:
     # Layers that compute in float32 under autocast (--whiten-stem's layer: whitening.py), so that
     # eval, predict and export rebuild them as the run computed; older spec files had none.
     float32_layers: list[str] = field(default_factory=list)
+    # More of timm's arguments the network was built with: {"img_size": S} for a network of a
+    # fixed input size (ViT, Swin) trained at another (input_size.py); older files had none.
+    model_args: dict = field(default_factory=dict)
 
     name = "model_spec"  # a checkpointed part (checkpoint.py): export/eval read a checkpoint alone
 
@@ -250,11 +254,19 @@ def spec_from_timm_config(path: Path) -> ModelSpec:
                          crop_mode=cfg.get("crop_mode") or DEFAULT_CROP_MODE,
                          interpolation=cfg.get("interpolation") or "bicubic",
                          # as written: build_from_spec says in one line when it is not a list
-                         float32_layers=ours.get("float32_layers", []))
+                         float32_layers=ours.get("float32_layers", []),
+                         model_args=timm_model_args(config))
     except (ValueError, KeyError, TypeError, IndexError) as err:
         raise UsageError(f"{path} is not a timm model config ({type(err).__name__}: "
                          f"{first_line(err)}); export the run again with accel-train "
                          f"export") from None
+
+
+def timm_model_args(config: dict) -> dict:
+    """Of the model_args timm's saver records (every argument create_model was given), those a
+    ModelSpec keeps: the rest (drop_rate, num_classes) it holds in fields of its own."""
+    recorded = config.get("model_args") or {}
+    return {key: recorded[key] for key in MODEL_ARGS if key in recorded}
 
 
 def read_our_section(directory: Path) -> dict:

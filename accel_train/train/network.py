@@ -17,9 +17,9 @@ from accel_train.data.loaders import dataset_mean_std
 from accel_train.data.sources import ArraySource
 from accel_train.data.transforms import SMALL_IMAGE, held_out_transform
 from accel_train.model.build import (check_first_forward, check_layer_decay, check_model_name,
-                                     check_trainable, unused_parameters,
-                                     create_model, freeze_backbone, pretrained_normalization,
-                                     timm_source)
+                                     check_trainable, freeze_backbone, pretrained_normalization,
+                                     timm_source, unused_parameters)
+from accel_train.model.input_size import create_at_size
 from accel_train.model.saved import ModelSpec
 from accel_train.model.syncbn import convert_sync_batchnorm, num_batchnorm_layers
 from accel_train.model.whitening import (IMAGES_DECODED, IMAGES_IN_MEMORY, float32_layers,
@@ -66,10 +66,12 @@ def build_network(config, data, num_processes: int, cuda: bool,
     if model is None and timm_source(config.model) == "local-dir" and config.pretrained is None:
         warn(f"--model {config.model}: the folder's architecture, from random weights; "
              f"--pretrained hub starts from its model.safetensors")
+    model_args = {}
     if model is None:
         torch.manual_seed(config.seed)  # model init is a function of --seed alone
-        model = create_model(config.model, len(data.class_names), config.drop_rate,
-                             config.pretrained, config.drop_path)
+        model, model_args = create_at_size(config.model, len(data.class_names), image_size,
+                                           config.drop_rate, config.pretrained,
+                                           config.drop_path)
     check_first_forward(model, config.model, image_size, len(data.class_names))
     check_layer_decay(model, config.model, config.layer_decay)
     mean, std = pretrained_normalization(model) if config.pretrained else \
@@ -77,7 +79,8 @@ def build_network(config, data, num_processes: int, cuda: bool,
     native_size = data.train.native_size
     spec = ModelSpec(config.model, len(data.class_names), list(data.class_names), image_size,
                      tuple(mean), tuple(std), config.drop_rate, tta=config.tta,
-                     **choose_held_out_crop(config, model, native_size))
+                     **choose_held_out_crop(config, model, native_size),
+                     model_args=model_args)
     small_data_notes(config, native_size, warn)
     if config.bn_momentum is not None:
         for module in model.modules():

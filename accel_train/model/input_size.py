@@ -1,0 +1,68 @@
+"""Networks of a fixed input size trained at another: timm's ViT, DeiT, Swin, BEiT, EVA, MaxViT
+and kin build their position embeddings (or windows) for the `img_size` they are constructed
+with, 224 by default, and refuse any other size at their first forward.  timm's own answer is
+that argument: `create_model(name, img_size=S)` builds the network for S, and loading
+pretrained weights resamples the position embeddings to it (timm's checkpoint filters).  So a
+run at --image-size S builds such a network with img_size=S, and records it (ModelSpec.
+model_args; timm's saver writes it among the export's model_args), so that eval, predict,
+export and timm itself rebuild the same network.  A network that takes S as it is built is
+left as it is: older runs rebuild unchanged."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+from torch import nn
+
+from accel_train.model.build import create_model
+from accel_train.model.saved import is_import_path
+
+
+def takes_size(model: nn.Module, image_size: int) -> bool:
+    """Whether one forward of a [1, 3, S, S] batch goes through (eval mode, no gradients:
+    BatchNorm's statistics stay as they are)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, 3, image_size, image_size))
+        return True
+    except Exception:  # shape errors surface as RuntimeError, AssertionError, ValueError
+        return False
+    finally:
+        model.train(was_training)
+
+
+def builds_for_size(model: nn.Module) -> bool:
+    """The network's class is built for an input size (timm's `img_size` argument)."""
+    try:
+        return "img_size" in inspect.signature(type(model).__init__).parameters
+    except (TypeError, ValueError):  # a class whose signature Python cannot read
+        return False
+
+
+def create_at_size(name: str, num_classes: int, image_size: int, drop_rate: float = 0.0,
+                   pretrained: Optional[str] = None, drop_path: float = 0.0
+                   ) -> tuple[nn.Module, dict]:
+    """(the network, the model_args it was built with): as `create_model` builds it, or, when
+    that network refuses `image_size` and its class takes img_size, built again for that size
+    from the same random state (the weights are those a first build with img_size would have
+    drawn: a run's initialisation stays a function of --seed alone)."""
+    state = torch.random.get_rng_state()
+    model = create_model(name, num_classes, drop_rate, pretrained, drop_path)
+    default = (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224, 224))[-1]
+    if is_import_path(name) or default == image_size or not builds_for_size(model) \
+            or takes_size(model, image_size):
+        return model, {}
+    torch.random.set_rng_state(state)
+    model_args = {"img_size": image_size}
+    try:
+        return create_model(name, num_classes, drop_rate, pretrained, drop_path,
+                            model_args), model_args
+    except (TypeError, ValueError, AssertionError, RuntimeError):
+        # it takes img_size but not this one (a window or patch it does not divide): the
+        # first build, whose forward then says in one line what the size breaks
+        torch.random.set_rng_state(state)
+        return create_model(name, num_classes, drop_rate, pretrained, drop_path), {}

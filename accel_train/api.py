@@ -17,11 +17,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Union
 
 from torch import nn
 
+from accel_train.base.command import set_command
 from accel_train.base.errors import UsageError
 from accel_train.callbacks import Callback
 from accel_train.config import TrainConfig
@@ -59,6 +61,7 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
     with the command line's exit code (143), so a scheduler sees the same thing.
     """
     refuse_unguarded_call(inspect.currentframe().f_back)
+    set_command(sys.argv)  # the program ran itself (and may have run the command line before)
 
     def bring_data(options: TrainConfig):
         return load_user_data(train_dataset, eval_dataset, options)

@@ -14,6 +14,7 @@ from dataclasses import MISSING, fields
 from typing import Callable, Sequence
 
 from accel_train.config import PRECISIONS, TrainConfig, load_run_yaml
+from accel_train.base.command import set_command
 from accel_train.base.errors import RunStopped, UsageError, stacks_on_request
 
 GROUP_TITLES = {
@@ -195,6 +196,7 @@ def _error_prefix() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line."""
+    set_command(sys.argv if argv is None else ["accel-train", *argv])
     argv = list(sys.argv[1:] if argv is None else argv)
     stacks_on_request()  # `kill -USR1 PID`: where a process that hangs sits
     commands = _subcommands()

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from PIL import Image
 from safetensors.torch import load_file
 from torch import nn
@@ -70,6 +71,18 @@ def test_fit_trains_a_module_on_a_dataset_into_a_run_folder(tmp_path):
     assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints").is_dir()
     saved = load_file(str(run_dir / "model.safetensors"))
     assert set(saved) == set(Tiny().state_dict())
+
+
+def test_fit_records_its_program_even_after_the_command_line_ran_in_the_process(tmp_path):
+    """A program that called the command line (cli.main) and then fit(): each run records
+    what ran it, `accel-train ARGS` and then the program's own argv."""
+    assert main(["--dataset", "synthetic", "--synthetic-train-size", "32", "--batch-size", "16",
+                 "--max-steps", "1", "--no-plots", "--output-dir", str(tmp_path / "cli")]) == 0
+    fit_tiny(tmp_path, "fit", max_steps=1)
+    recorded = {name: yaml.safe_load((tmp_path / name / "config.yaml").read_text())["command"]
+                for name in ("cli", "fit")}
+    assert recorded["cli"][:2] == ["accel-train", "--dataset"]
+    assert recorded["fit"] == sys.argv
 
 
 def test_fit_resumes_bit_identically(tmp_path):

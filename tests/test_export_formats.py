@@ -127,9 +127,12 @@ def test_the_folder_is_timms_format_with_the_runs_preprocessing(run_dir, export_
     assert cfg["input_size"] == [3, 32, 32] and cfg["crop_pct"] == 1.0
     assert cfg["mean"] == recorded["mean"] and cfg["std"] == recorded["std"]
     assert config["accel_train"]["tta"] == "none" and config["accel_train"]["weights"] == "model"
-    # the command as config.yaml records it (in this process: pytest's own argv)
-    assert config["accel_train"]["command"] == \
-        yaml.safe_load((run_dir / "config.yaml").read_text())["command"]
+    # the command as config.yaml records it: the command line this process called (cli.main
+    # with the fixture's arguments), as a user would type it, not pytest's own argv
+    command = config["accel_train"]["command"]
+    assert command == yaml.safe_load((run_dir / "config.yaml").read_text())["command"]
+    assert command[0] == "accel-train" and command[-2:] == ["--output-dir", str(run_dir)]
+    assert command[1] == "--data-dir" and "--whiten-stem" in command
     # The run's own final model is the same format, and eval/predict read both.
     assert json.loads((run_dir / "config.json").read_text())["pretrained_cfg"] == cfg
 
@@ -188,7 +191,11 @@ def test_the_model_card_renders_the_runs_numbers(run_dir, export_dir):
     _, header, body = text.split("---\n", 2)
     meta = yaml.safe_load(header)
     assert meta["library_name"] == "timm" and meta["pipeline_tag"] == "image-classification"
-    assert "timm" in meta["tags"] and meta["datasets"] == ["cifar10"]
+    # a local --data-dir is no Hub dataset id: named in the text and model-index, not datasets:
+    assert "timm" in meta["tags"] and "datasets" not in meta
+    assert meta["model-index"][0]["results"][0]["dataset"] == {
+        "type": "custom", "name": "cifar10", "split": "held-out"}
+    assert "## Training data\n\na local folder, `cifar10`;" in body
     assert meta["metrics"] == ["accuracy"]
     headings = [line for line in body.splitlines() if line.startswith("#")]
     assert headings == ["# cifar-small", "## Model details", "## Training data", "## Training",
@@ -211,6 +218,18 @@ def test_the_model_card_renders_the_runs_numbers(run_dir, export_dir):
     for snippet in ('timm.create_model("local-dir:', 'pipeline("image-classification"',
                     "onnxruntime.InferenceSession", "import accel_train", "max_steps: 3"):
         assert snippet in body, snippet
+
+
+def test_an_export_exported_again_keeps_its_command_in_the_card(run_dir, export_dir, tmp_path):
+    """An export carries no config.yaml, but its config.json records the command: the new
+    card shows it (it said "No run record")."""
+    again = tmp_path / "again"
+    accel_train_here("export", str(export_dir), "-o", str(again), check=True)
+    command = json.loads((export_dir / "config.json").read_text())["accel_train"]["command"]
+    body = (again / "README.md").read_text()
+    assert command and "No run record" not in body
+    assert "- **Command:** `accel-train " in body and "as the weights' config.json recorded it" \
+        in body
 
 
 # -- bad input ----------------------------------------------------------------------------------

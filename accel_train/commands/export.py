@@ -102,7 +102,8 @@ def _write_into(trained, folder: Path, name: str, fmt: str, say) -> None:
         say(f"note: no held-out accuracy in the model card: {held_out.description}")
     measure(held_out, model, trained.spec.num_classes, run_tta=trained.spec.tta)
     facts = CardFacts(trained.spec, name, trained.description, record,
-                      held_out=held_out.description, metrics=held_out.metrics)
+                      held_out=held_out.description, metrics=held_out.metrics,
+                      command=[] if record else list(command or []))
     metrics_file = trained.run_dir / "metrics.jsonl" if trained.run_dir else None
     if metrics_file is not None and metrics_file.is_file():
         facts.epochs = [r for r in read_metrics(metrics_file) if r.get("type") == "epoch"]

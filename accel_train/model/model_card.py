@@ -29,13 +29,21 @@ class CardFacts:
     metrics: dict = field(default_factory=dict)   # tta -> {"top1", "top5", "count"}
     onnx_diff: Optional[float] = None  # ONNX Runtime vs torch, when model.onnx is there
     onnx_checked_on: str = "held-out images"  # what that check ran on
+    command: list = field(default_factory=list)  # the weights' config.json's, without a record
 
 
-def _dataset_name(train: dict) -> Optional[str]:
-    if train.get("data_dir"):
-        return Path(train["data_dir"]).name
+def _hub_dataset(train: dict) -> Optional[str]:
+    """The training data as the Hub's card metadata names data (`datasets:`): a Hub dataset's
+    id (--dataset); a local folder is no such id."""
     dataset = train.get("dataset")
-    return dataset if dataset and dataset != "synthetic" else None
+    return dataset if dataset and dataset != "synthetic" and not train.get("data_dir") else None
+
+
+def _data_words(train: dict) -> str:
+    if train.get("data_dir"):
+        return f"a local folder, `{Path(train['data_dir']).name}`"
+    dataset = _hub_dataset(train)
+    return f"`{dataset}` (Hugging Face Hub)" if dataset else "synthetic or unrecorded data"
 
 
 def _data_counts(facts: CardFacts) -> str:
@@ -61,7 +69,9 @@ def _recipe(train: dict) -> dict:
             and k not in ("output_dir", "resume")}
 
 
-def _header(facts: CardFacts, dataset: Optional[str]) -> str:
+def _header(facts: CardFacts, dataset: Optional[str], data_name: Optional[str]) -> str:
+    """`dataset`: a Hub id (the metadata's `datasets:`); `data_name`: what model-index calls
+    the evaluation's data (a local folder's name too)."""
     timm = not is_import_path(facts.spec.model_name)  # else a user's factory built it
     tags = ["image-classification", *(["timm"] if timm else []), "accel_train"] + \
         (["onnx"] if facts.onnx_diff is not None else [])
@@ -74,7 +84,7 @@ def _header(facts: CardFacts, dataset: Optional[str]) -> str:
     if own:
         header["model-index"] = [{"name": facts.folder_name, "results": [{
             "task": {"type": "image-classification", "name": "Image Classification"},
-            "dataset": {"type": dataset or "custom", "name": dataset or "custom",
+            "dataset": {"type": dataset or "custom", "name": data_name or "custom",
                         "split": "held-out"},
             "metrics": [{"type": "accuracy", "name": "top-1 accuracy",
                          "value": round(own["top1"], 4)},
@@ -114,6 +124,10 @@ def shown_command(command: list) -> list[str]:
 
 def _training(facts: CardFacts) -> str:
     record = facts.run_record
+    if not record and facts.command:
+        return (f"- **Command:** `{shlex.join(shown_command(facts.command))}` (as the weights' "
+                f"config.json recorded it; the rest of the run's record, config.yaml, did not "
+                f"come with them)\n")
     if not record:
         return "No run record (config.yaml) came with these weights.\n"
     resolved, train = record.get("resolved", {}), record.get("train", {})
@@ -243,13 +257,14 @@ Checked at export: ONNX Runtime's logits equal torch's within {facts.onnx_diff:.
 def model_card(facts: CardFacts) -> str:
     spec = facts.spec
     train = facts.run_record.get("train", {})
-    dataset = _dataset_name(train)
+    dataset = _hub_dataset(train)
+    data_name = dataset or (Path(train["data_dir"]).name if train.get("data_dir") else None)
     names = ", ".join(spec.class_names[:20]) + (", ..." if len(spec.class_names) > 20 else "")
     weights = "the exponential moving average (EMA)" if spec.weights == "ema" else "the raw"
     own = is_import_path(spec.model_name)
     kind = "the network that the factory" if own else "timm's"
     origin = "the trainer's own factory, by import path" if own else "timm"
-    return f"""{_header(facts, dataset)}
+    return f"""{_header(facts, dataset, data_name)}
 # {facts.folder_name}
 
 An image classifier trained with accel_train: {kind} `{spec.model_name}` for \
@@ -266,7 +281,7 @@ scaled to [0, 1], normalized with mean {list(spec.mean)} and std {list(spec.std)
 
 ## Training data
 
-{f'`{dataset}`' if dataset else 'synthetic or unrecorded data'}; {_data_counts(facts)}.
+{_data_words(train)}; {_data_counts(facts)}.
 
 ## Training
 

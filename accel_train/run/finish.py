@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 from torch import nn
 
+from accel_train.base.command import recorded_command
 from accel_train.base.errors import UsageError
 from accel_train.model.saved import read_our_section, write_model_folder
 from accel_train.run.plots import write_plots
@@ -28,7 +28,8 @@ def save_final_model(accelerator, model: nn.Module, averages: dict[str, nn.Modul
     stop_if_diverged(chosen, state.step, "model.safetensors")
     if accelerator.is_main_process:
         spec = dataclasses.replace(spec, weights="ema" if use_ema else "model")
-        path = write_model_folder(chosen, output_dir, spec, command=sys.argv, step=state.step)
+        path = write_model_folder(chosen, output_dir, spec, command=recorded_command(),
+                                  step=state.step)
         report.say(f"saved {path}" + (f" (the EMA weights: held-out top-1 {state.ema_top1:.2%} "
                                       f"vs {state.eval_top1:.2%})" if use_ema else ""))
     accelerator.wait_for_everyone()

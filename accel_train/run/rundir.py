@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from accel_train.config import TrainConfig
+from accel_train.base.command import recorded_command
 from accel_train.base.errors import UsageError
 from accel_train.base.readers import read_yaml
 from accel_train.model.saved import SPEC_FILE, WEIGHTS_FILE  # noqa: F401  (run folders hold them)
@@ -167,7 +168,7 @@ def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict) -> P
         if options[name] and options[name] != "hub":
             options[name] = str(Path(options[name]).resolve())
     record = {"train": options, "resolved": resolved, "versions": package_versions(),
-              "git_revision": git_revision(), "command": sys.argv}
+              "git_revision": git_revision(), "command": recorded_command()}
     path = run_paths(output_dir).config
     if path.exists():
         path = output_dir / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"

@@ -414,6 +414,24 @@ def test_a_timm_local_dir_trains_offline_from_its_weights(tmp_path):
     assert accel_train_here("eval", str(tuned)).returncode == 0
 
 
+def test_a_relative_local_dir_is_recorded_so_checkpoints_rebuild_from_elsewhere(tmp_path,
+                                                                               monkeypatch):
+    """local-dir:source given relative to the working folder: the checkpoints record the
+    folder's absolute path, so eval of them works from another working folder."""
+    accel_train_here("--model", "test_resnet", *TINY, "--max-steps", "1", "--output-dir",
+                     str(tmp_path / "source"), check=True)
+    monkeypatch.chdir(tmp_path)
+    accel_train_here("--model", "local-dir:source", "--pretrained", "hub", *TINY, "--max-steps",
+                     "1", "--output-dir", str(tmp_path / "tuned"), check=True)
+    spec_file = next((tmp_path / "tuned" / "checkpoints").rglob("model_config.json"))
+    assert json.loads(spec_file.read_text())["model_name"] == f"local-dir:{tmp_path / 'source'}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    result = accel_train_here("eval", str(tmp_path / "tuned" / "checkpoints"))
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.slow
 def test_a_timm_hub_name_without_network_says_what_is_missing(tmp_path):
     """hf-hub: is accepted as timm accepts it; with no network and nothing in the cache, the

@@ -47,6 +47,15 @@ def timm_source(name: str) -> Optional[str]:
     return "hf-hub" if prefix.lower() in ("hf-hub", "hf_hub") else "local-dir"
 
 
+def recorded_model_name(name: str) -> str:
+    """The name a run records to rebuild its network: a `local-dir:` folder by its absolute
+    path (eval, predict and export may run from another working folder)."""
+    if timm_source(name) != "local-dir":
+        return name
+    prefix, _, folder = name.partition(":")
+    return f"{prefix}:{Path(folder).expanduser().resolve()}"
+
+
 def check_model_name(name: str, flag: str = "--model") -> None:
     """One line now for a name that cannot be built: a timm name timm does not know, a
     `local-dir:` folder that is not a model folder, an import path that does not import.  An

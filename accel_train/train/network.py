@@ -18,7 +18,8 @@ from accel_train.data.sources import ArraySource
 from accel_train.data.transforms import SMALL_IMAGE, held_out_transform
 from accel_train.model.build import (check_first_forward, check_layer_decay, check_model_name,
                                      check_trainable, freeze_backbone, pretrained_normalization,
-                                     timm_source, unused_parameters)
+                                     recorded_model_name, timm_source,
+                                     unused_parameters)
 from accel_train.model.input_size import create_at_size
 from accel_train.model.saved import ModelSpec
 from accel_train.model.syncbn import convert_sync_batchnorm, num_batchnorm_layers
@@ -77,7 +78,8 @@ def build_network(config, data, num_processes: int, cuda: bool,
     mean, std = pretrained_normalization(model) if config.pretrained else \
         dataset_mean_std(data.train)
     native_size = data.train.native_size
-    spec = ModelSpec(config.model, len(data.class_names), list(data.class_names), image_size,
+    spec = ModelSpec(recorded_model_name(config.model), len(data.class_names),
+                     list(data.class_names), image_size,
                      tuple(mean), tuple(std), config.drop_rate, tta=config.tta,
                      **choose_held_out_crop(config, model, native_size),
                      model_args=model_args)

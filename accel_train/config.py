@@ -353,7 +353,8 @@ class TrainConfig:
                                    "epoch ends).", "output")
     keep_checkpoints: int = option(3, "Keep the newest K checkpoints.", "output")
     keep_best: int = option(0, "Also keep the K checkpoints with the best held-out top-1 "
-                            "(saved at epoch ends), as timm's checkpoint saver does.", "output")
+                            "(saved at epoch ends; with --model-ema the better of the raw and "
+                            "the EMA weights'), as timm's checkpoint saver does.", "output")
     resume: Optional[str] = option(None, "'auto' (the newest valid checkpoint of this run), or a "
                                    "path: a step_XXXXXXXX checkpoint, a folder of them (its "
                                    "newest valid one), or a run folder.", "output")

@@ -524,6 +524,7 @@ class Trainer:
         """The test split, once, with the saved weights (none: nothing to do)."""
         with self.timeouts.relaxed():
             results = self.test_split.evaluate_once(saved, self.state.step)
+            self.bad_images.collect()  # what the test split's files held (every rank calls)
         if results is not None:
             self.metrics.write(test_record(results, self.state.step))
             self.report.say(f"test top-1 {results['top1']:.2%} top-5 {results['top5']:.2%} "

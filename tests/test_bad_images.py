@@ -11,10 +11,13 @@ named file and row back.
 
 from __future__ import annotations
 
+import shutil
 import signal
 
 import datasets
 import pyarrow.parquet as pq
+import json
+
 import pytest
 
 import imagekinds as kinds
@@ -187,6 +190,27 @@ def test_save_to_disk_rows_are_named_by_folder_split_and_row(tmp_path):
         load_data(TrainConfig(data_dir=str(folder), bad_images="error"))
 
 
+@pytest.mark.parametrize("in_memory", ["never", "always"])
+def test_a_broken_test_image_is_named_and_left_out_of_the_test_numbers(tmp_path, broken_folder,
+                                                                        in_memory):
+    """A broken file in the test split, decoded per step or into memory: named once by its own
+    path (its marks were looked up in the validation split), and the test split's one
+    evaluation counts the images that decode, not the substitute in the broken one's place."""
+    data, _ = broken_folder
+    folder = tmp_path / "data"
+    shutil.copytree(data / "val", folder / "train")  # small: 9 images, one of them broken
+    shutil.copytree(data / "val", folder / "val")
+    shutil.copytree(data / "val", folder / "test")
+    for split in ("train", "val"):
+        (folder / split / "bee" / "002_garbage.png").unlink()
+    result = accel_train_here("--data-dir", str(folder), *TRAIN, "--epochs", "1",
+                              "--in-memory", in_memory, "--output-dir", str(tmp_path / "run"))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert output.count("image test/bee/002_garbage.png cannot be decoded") == 1, output[-3000:]
+    assert "(8 images of the test split, evaluated once" in output, output[-3000:]
+
+
 @pytest.mark.slow
 def test_eval_names_a_broken_held_out_image(tmp_path, broken_folder):
     data, _ = broken_folder
@@ -196,4 +220,12 @@ def test_eval_names_a_broken_held_out_image(tmp_path, broken_folder):
     result = accel_train("eval", str(out), check=True)  # a new process: its warnings alone
     assert result.stderr.count("warning: image val/bee/002_garbage.png cannot be decoded "
                                "(not an image") == 1, result.stderr[-3000:]
-    assert "(9 images)" in result.stdout  # the broken one's slot holds its substitute
+    # the broken one is left out (its substitute, another image, was counted in its place)
+    assert "(8 images; 1 that could not be decoded left out)" in result.stdout, result.stdout
+    measured = json.loads(accel_train_here("eval", str(out), "--json").stdout.splitlines()[-1])
+    on_disk = {name: len([f for f in (data / "val" / name).iterdir()
+                          if f.name != "002_garbage.png"]) for name in ("ant", "bee")}
+    assert {name: c["images"] for name, c in measured["per_class"].items()} == on_disk
+    assert measured["count"] == sum(on_disk.values()) and measured["left_out"] == 1
+    # the run's own evaluation counted the same images
+    assert [r for r in metrics(out) if r["type"] == "epoch"][-1]["eval_count"] == measured["count"]

@@ -560,6 +560,20 @@ def test_keep_best_keeps_the_highest_evaluated_top1_besides_the_newest(bundle):
     assert all(verify(p) is None for p in ck.list_checkpoints(saver.root))
 
 
+def test_keep_best_ranks_by_the_better_of_the_raw_and_the_ema_weights(bundle):
+    """With --model-ema the run's best (and its final model) is the better of the two
+    evaluations: an evaluation whose EMA weights scored highest is kept as the best."""
+    saver, _, train_step, _ = bundle
+    saver.keep, saver.keep_best = 1, 1
+    # (step, raw top-1, EMA top-1), each saved right after its evaluation
+    for step, raw, ema in [(2, 0.33, 0.52), (4, 0.36, 0.44), (6, 0.30, 0.31)]:
+        train_step()
+        save_as(saver, dataclasses.replace(state(step), eval_top1=raw, ema_top1=ema,
+                                           eval_step=step))
+    kept = [p.name for p in ck.list_checkpoints(saver.root)]
+    assert kept == ["step_00000006", "step_00000002"]  # the newest; the best, by its EMA 0.52
+
+
 def test_resume_auto_among_checkpoints_none_usable_stops_in_one_line(bundle, tmp_path, capsys):
     """Checkpoints there, none usable (each cut short): --resume auto names each with why and
     stops, exit 2, moving nothing; it never starts over from scratch in a folder that holds a

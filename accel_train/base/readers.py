@@ -382,7 +382,11 @@ def load_saved_dataset(folder: Path, label: str = ""):
     for split in splits:
         read_json(split / "dataset_info.json", "saved_dataset", label, Shape())
         state = split / "state.json"
-        for entry in read_json(state, "saved_dataset", label, SAVED_STATE)["_data_files"]:
+        files = read_json(state, "saved_dataset", label, SAVED_STATE)["_data_files"]
+        if not files:  # save_to_disk of a split with no rows; datasets' reader fails on it
+            raise UsageError(f"{label + ' ' if label else ''}its split {split.name!r} holds no "
+                             f"rows; save the data again without it, or with its images")
+        for entry in files:
             if not (isinstance(entry, dict) and isinstance(entry.get("filename"), str)):
                 raise bad(state, "saved_dataset", f"is not {kind('saved_dataset').what} (it "
                                                   f"lists {str(entry)[:40]!r} as a data file)",

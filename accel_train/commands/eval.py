@@ -141,7 +141,8 @@ def _dataset_for_split(data, split: str, transform, max_samples):
     if not parts[split]:
         raise UsageError(f"--split {split}: {data.description} has no test split; choose "
                          f"held-out, train or all")
-    datasets = [HeldOutImages(source, transform) for source in parts[split]]
+    # marked: evaluate_classifier leaves out what could not be decoded (a substitute's image)
+    datasets = [HeldOutImages(source, transform, mark_replaced=True) for source in parts[split]]
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     if isinstance(max_samples, int) and max_samples < len(dataset):
         dataset = Subset(dataset, range(max_samples))
@@ -160,7 +161,8 @@ def _report(results: dict, trained, data, split: str, num_processes: int, device
         return json.dumps({
             "model": trained.description, "weights": str(trained.weights),
             "data": data.description, "split": split, "processes": num_processes, "tta": tta,
-            "precision": ran_in, **{k: results[k] for k in ("loss", "top1", "top5", "count")},
+            "precision": ran_in,
+            **{k: results[k] for k in ("loss", "top1", "top5", "count", "left_out")},
             "per_class": {name: {"correct": c, "images": t, "top1": c / t if t else None}
                           for name, c, t in zip(names, per_class["correct"], per_class["total"])}})
     return (f"model: {trained.spec.model_name} ({len(names)} classes) from {trained.description}\n"

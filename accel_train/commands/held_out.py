@@ -53,7 +53,7 @@ def run_held_out(trained) -> HeldOut:
     transform = held_out_transform(spec)
     if len(data.held_out) == 0:
         return HeldOut(None, f"the held-out split of {data.description} is empty")
-    return HeldOut(HeldOutImages(data.held_out, transform),
+    return HeldOut(HeldOutImages(data.held_out, transform, mark_replaced=True),
                    f"{len(data.held_out)} held-out images of {data.description}")
 
 

@@ -33,7 +33,8 @@ class BadImageLog:
 
     def __init__(self, path: Path, report, data: LoadedData, is_main: bool):
         self.path, self.report, self.is_main = Path(path), report, is_main
-        self.sources = {"train": data.train, "held-out": data.held_out}
+        self.sources = {"train": data.train, "held-out": data.held_out,
+                        **({"test": data.test} if data.test is not None else {})}
         for source in self.sources.values():
             if hasattr(source, "on_substitute"):
                 source.on_substitute = None  # this log names them, once for all processes
@@ -70,15 +71,18 @@ class BadImageLog:
         self.marks.append((split, replaced))
 
     def strip(self, batches: Iterable, split: str = "held-out"):
-        """(images, labels) of marked held-out batches, noting the marks on the way."""
+        """Marked held-out batches as they come (evaluate_classifier leaves the marked images
+        out of its numbers), noting the marks on the way."""
         for images, labels, replaced in batches:
             self.note(split, replaced)
-            yield images, labels
+            yield images, labels, replaced
 
     def _check_marks(self) -> None:
         """Re-check the images the marks say were replaced (each once on this rank)."""
         marks, self.marks = self.marks, []
         for split, replaced in marks:
+            if not hasattr(self.sources[split], "bad_image"):
+                continue  # decoded into memory: met, and named, while loading
             for index in replaced[replaced >= 0].tolist():
                 if (split, index) in self.checked:
                     continue

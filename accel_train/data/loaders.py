@@ -221,6 +221,9 @@ class HeldOutImages(Dataset):
             if marks is not None:
                 marks = replaced_marks(indices, used)
             return SampleBatch(batch, self.source.labels[used], replaced=marks)
+        if marks is not None and self.source.bad_images:  # their slots hold substitutes
+            bad = torch.tensor(sorted({bad.index for bad in self.source.bad_images}))
+            marks = torch.where(torch.isin(indices, bad), indices, marks)
         return SampleBatch(self.transform.batch(self.source.images.index_select(0, indices)),
                            self.source.labels[indices], replaced=marks)
 

@@ -14,6 +14,7 @@ exact resumes keep working; the trainer says each once (badimages.py).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -38,8 +39,9 @@ IMAGE_COLUMN_NAMES = ("img", "image", "images", "pixel_values", "picture", "jpg"
 LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "coarse_label", "class", "target", "y")
 # Three roles: train, validation (every decision: best checkpoints, EMA or raw weights, the time
 # budget's probes) and test (evaluated once, at the end, and decides nothing).
-VALIDATION_SPLIT_NAMES = ("validation", "val", "valid", "eval", "evaluation")
-TEST_SPLIT_NAMES = ("test",)
+# the names image folders and parquet files take too (imagefolder.py, datasets' patterns)
+VALIDATION_SPLIT_NAMES = ("validation", "val", "valid", "dev", "eval", "evaluation")
+TEST_SPLIT_NAMES = ("test", "testing")
 EVAL_SPLIT_NAMES = VALIDATION_SPLIT_NAMES + TEST_SPLIT_NAMES
 VAL_CARVE_SEED = 0  # fixed: the held-out set must not change with --seed
 MATERIALIZE_BATCH = 1024  # rows read from Arrow at a time when decoding into memory
@@ -456,6 +458,12 @@ def _load_local(config: TrainConfig) -> RawData:
     if parquet:
         files = parquet_splits(path, parquet)
         rows = {file: _parquet_rows(file, data_dir) for file in parquet}  # each footer read once
+        for split, group in files.items():  # datasets' builder fails on a split of no rows
+            if not sum(rows[file] for file in group):
+                raise UsageError(f"--data-dir {data_dir}: its {split} split "
+                                 f"({', '.join(str(f.relative_to(path)) for f in group)}) holds "
+                                 f"no rows; remove the file(s), or write the split's images "
+                                 f"into them")
         loaded = datasets.load_dataset("parquet", data_files={
             split: [str(file) for file in group] for split, group in files.items()})
         splits = {split: _own_class_labels(loaded[split], group[0], data_dir)
@@ -530,8 +538,15 @@ class Splits:
 
 
 def training_split_name(raw: RawData) -> str:
-    """`train`, else the data's first split."""
-    return "train" if "train" in raw.splits else next(iter(raw.splits))
+    """`train`, else the data's first split, unless every split is named for evaluation
+    (validation, test, ...): one line then, where training on a test split would go unsaid."""
+    if "train" in raw.splits:
+        return "train"
+    if all(name.lower() in EVAL_SPLIT_NAMES for name in raw.splits):
+        raise UsageError(f"{raw.origin} has no training split: its splits are "
+                         f"{', '.join(raw.splits)}, each named for evaluation; put the "
+                         f"training images in a split named train")
+    return next(iter(raw.splits))
 
 
 def pick_splits(raw: RawData, val_fraction: float, select_on_test: bool = False) -> Splits:
@@ -553,7 +568,7 @@ def pick_splits(raw: RawData, val_fraction: float, select_on_test: bool = False)
                       f"{train_name}/{validation}" + (f"/{test}" if test else ""))
     train_rows, held_out_rows = carve_rows(len(train_rows), val_fraction)
     return Splits(train_name, train_rows, train_name, held_out_rows, test,
-                  f"{train_name} minus {val_fraction:.0%} for validation"
+                  f"{train_name} minus {100 * val_fraction:.3g}% for validation"
                   + (f"; {test} kept for the end" if test else ""))
 
 
@@ -564,6 +579,11 @@ def carve_rows(num_rows: int, val_fraction: float) -> tuple[np.ndarray, np.ndarr
     row numbers still name each image."""
     if num_rows < 2:
         raise UsageError("the data has fewer than 2 images; nothing to hold out for evaluation")
+    held_out = math.ceil(num_rows * val_fraction)  # as datasets' train_test_split counts it
+    if held_out >= num_rows:
+        raise UsageError(f"--val-fraction {val_fraction:g} holds out all {num_rows} training "
+                         f"images, leaving none to train on; choose a smaller fraction "
+                         f"(0.1 holds out {math.ceil(num_rows * 0.1)})")
     from datasets import Dataset
     stand_in = Dataset.from_dict({"row": np.arange(num_rows)})
     parts = stand_in.train_test_split(test_size=val_fraction, seed=VAL_CARVE_SEED, shuffle=True)

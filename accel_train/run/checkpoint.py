@@ -488,9 +488,10 @@ class Checkpointer:
 
     def _prune(self) -> None:
         """Keep the newest K complete checkpoints, and the best `keep_best` by held-out top-1
-        among those saved right after an evaluation (timm's checkpoint saver keeps its best the
-        same way).  Each old one is renamed first and deleted after, so a kill mid-delete leaves
-        a `.tmp-` folder, never a half-deleted checkpoint."""
+        (raw or EMA weights, the better) among those saved right after an evaluation (timm's
+        checkpoint saver keeps its best the same way).  Each old one is renamed first and
+        deleted after, so a kill mid-delete leaves a `.tmp-` folder, never a half-deleted
+        checkpoint."""
         complete = [p for p in list_checkpoints(self.root) if (p / MANIFEST).is_file()]
         kept = set(complete[:self.keep]) | set(self._best(complete))
         for old in [p for p in complete if p not in kept]:
@@ -505,7 +506,10 @@ class Checkpointer:
         for path in complete:
             state = read_state(path)
             if state.eval_top1 is not None and state.eval_step == state.step:
-                scored.append((state.eval_top1, state.step, path))
+                # the better of the raw and the EMA weights, as the run's best and the final
+                # model count them (TrainerState.note_evaluation, finish.py)
+                score = max(state.eval_top1, state.ema_top1 or 0.0)
+                scored.append((score, state.step, path))
         return [path for _, _, path in sorted(scored, reverse=True)[:self.keep_best]]
 
 

@@ -49,8 +49,12 @@ def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
     """
     was_training = model.training
     model.eval()
-    parts: dict[str, list] = {"loss": [], "top1": [], "top5": [], "labels": []}
-    for images, labels in loader:
+    parts: dict[str, list] = {"loss": [], "top1": [], "top5": [], "labels": [], "kept": []}
+    for images, labels, *marks in loader:
+        # a batch's third tensor, where the loader marks them: the images that could not be
+        # decoded (>= 0), whose places a substitute image took.  Left out of the numbers: a
+        # substitute is another class's image, or one counted twice.
+        kept = marks[0] < 0 if marks else torch.ones_like(labels, dtype=torch.bool)
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         # no_grad as a block (not a decorator: mutmut leaves decorated functions alone)
@@ -58,15 +62,17 @@ def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
             logits = logits_of(model, images, tta)
         topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
         values = (F.cross_entropy(logits, labels, reduction="none"), topk[:, 0] == labels,
-                  (topk == labels[:, None]).any(dim=1), labels)
+                  (topk == labels[:, None]).any(dim=1), labels, kept.to(labels.device))
         for key, value in zip(parts, accelerator.gather_for_metrics(values)):
             parts[key].append(value.cpu())
     model.train(was_training)
-    merged = {k: torch.cat(v) for k, v in parts.items()}
+    kept = torch.cat(parts.pop("kept"))
+    merged = {k: torch.cat(v)[kept] for k, v in parts.items()}
     per_class_total = torch.bincount(merged["labels"], minlength=num_classes)
     per_class_correct = torch.bincount(merged["labels"][merged["top1"]], minlength=num_classes)
     return {"loss": float(merged["loss"].mean()), "top1": float(merged["top1"].float().mean()),
             "top5": float(merged["top5"].float().mean()), "count": len(merged["labels"]),
+            "left_out": int((~kept).sum()),
             "per_class": {"correct": per_class_correct.tolist(),
                           "total": per_class_total.tolist()}}
 
@@ -105,8 +111,11 @@ def batch_seconds(accelerator, model: nn.Module, dataset, batch_size: int,
 
 def format_results(results: dict, class_names: list[str]) -> str:
     """The summary line and a per-class accuracy table, for a terminal."""
+    left_out = results.get("left_out", 0)
     lines = [f"loss {results['loss']:.4f}  top-1 {results['top1']:.2%}  top-5 "
-             f"{results['top5']:.2%}  ({results['count']} images)", ""]
+             f"{results['top5']:.2%}  ({results['count']} images"
+             + (f"; {left_out} that could not be decoded left out" if left_out else "") + ")",
+             ""]
     width = max([len("class"), *(len(name) for name in class_names)])
     lines.append(f"{'class':<{width}}  {'correct':>7}  {'images':>6}  {'top-1':>7}")
     per_class = results["per_class"]
@@ -121,8 +130,9 @@ class HeldOutEvaluator:
     share, with rank 0's BatchNorm statistics), and one batch timed for the time budget."""
 
     def __init__(self, accelerator, loader, bad_images, num_classes: int, channels_last: bool,
-                 config):
+                 config, split: str = "held-out"):
         self.accelerator, self.loader, self.bad_images = accelerator, loader, bad_images
+        self.split = split  # the loader's: where bad_images looks up the images it marks
         self.num_classes, self.channels_last, self.tta = num_classes, channels_last, config.tta
         self.batch_size, self.loader_timeout = config.batch_size, config.loader_timeout
         self.eval_every = config.eval_every
@@ -147,7 +157,8 @@ class HeldOutEvaluator:
                 dist.broadcast(buffer, src=0)
         batches = stop_when_stuck(self.loader, self.loader_timeout,
                                   f"evaluating after step {step}")
-        return evaluate_classifier(self.accelerator, model, self.bad_images.strip(batches),
+        return evaluate_classifier(self.accelerator, model,
+                                   self.bad_images.strip(batches, self.split),
                                    self.num_classes, self.channels_last, self.tta)
 
     def time_one_batch(self, model: nn.Module) -> tuple[float, int]:
@@ -182,7 +193,7 @@ def maybe_test_split(accelerator, loader, bad_images, num_classes: int, channels
     if loader is None:
         return NoTestSplit()
     return TestSplit(HeldOutEvaluator(accelerator, accelerator.prepare(loader), bad_images,
-                                      num_classes, channels_last, config))
+                                      num_classes, channels_last, config, split="test"))
 
 
 def epoch_record(results: dict[str, dict]) -> dict:

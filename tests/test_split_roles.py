@@ -1,0 +1,121 @@
+"""Which split plays which role, whatever the data's layout: data without a training split, an
+empty split, a carve that leaves nothing to train, and the split names (dev, testing) that
+image folders and parquet files already took, in a save_to_disk folder too.  Oracles: the
+splits and row counts built here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+from PIL import Image
+
+from accel_train.base.errors import UsageError
+from accel_train.config import TrainConfig
+from accel_train.data.sources import load_data
+from conftest import accel_train_here
+
+FEATURES = datasets.Features({"image": datasets.Image(),
+                              "label": datasets.ClassLabel(names=["a", "b"])})
+
+
+def rows(count: int, seed: int = 0) -> datasets.Dataset:
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+              for _ in range(count)]
+    return datasets.Dataset.from_dict({"image": images, "label": [i % 2 for i in range(count)]},
+                                      features=FEATURES)
+
+
+def image_folder(root: Path, splits: dict[str, int]) -> Path:
+    for split, count in splits.items():
+        for i in range(count):
+            path = root / split / "ab"[i % 2] / f"{i}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((8, 8, 3), i, dtype=np.uint8)).save(path)
+    return root
+
+
+def parquet_folder(root: Path, splits: dict[str, int]) -> Path:
+    root.mkdir(parents=True)
+    for seed, (split, count) in enumerate(splits.items()):
+        rows(count, seed).to_parquet(str(root / f"{split}.parquet"))
+    return root
+
+
+def saved_folder(root: Path, splits: dict[str, int]) -> Path:
+    datasets.DatasetDict({split: rows(count, seed) for seed, (split, count)
+                          in enumerate(splits.items())}).save_to_disk(str(root))
+    return root
+
+
+LAYOUTS = {"folder": image_folder, "parquet": parquet_folder, "save_to_disk": saved_folder}
+
+
+def one_line(tmp_path, data: Path, *flags: str) -> str:
+    """`accel-train --data-dir DATA ...` and `check-data`: the same one line, exit 2."""
+    said = []
+    for command in (["--model", "test_resnet", "--epochs", "1", "--output-dir",
+                     str(tmp_path / "run"), *flags], ["check-data", *flags]):
+        result = accel_train_here(*command[:1], "--data-dir", str(data), *command[1:]) \
+            if command[0] == "check-data" else accel_train_here("--data-dir", str(data), *command)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stdout[-2000:] + result.stderr
+        said.append(lines[0])
+    assert not (tmp_path / "run").exists()
+    return said[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_data_without_a_training_split_is_refused_not_trained_from_its_test_split(tmp_path,
+                                                                                   layout):
+    data = LAYOUTS[layout](tmp_path / "data", {"validation": 6, "test": 6})
+    line = one_line(tmp_path, data)
+    assert "has no training split: its splits are" in line and "test" in line, line
+    assert "put the training images in a split named train" in line
+
+
+@pytest.mark.parametrize("layout", ["parquet", "save_to_disk"])
+def test_a_split_with_no_rows_is_one_line_naming_it(tmp_path, layout):
+    data = LAYOUTS[layout](tmp_path / "data", {"train": 8, "validation": 0})
+    line = one_line(tmp_path, data)
+    assert "validation" in line and "holds no rows" in line, line
+
+
+def test_a_carve_that_leaves_nothing_to_train_is_one_line(tmp_path):
+    data = parquet_folder(tmp_path / "data", {"train": 20})
+    line = one_line(tmp_path, data, "--val-fraction", "0.999")
+    assert line.endswith("--val-fraction 0.999 holds out all 20 training images, leaving none "
+                         "to train on; choose a smaller fraction (0.1 holds out 2)"), line
+    # the largest fraction that leaves one image trains, and says so as a percentage
+    loaded = load_data(TrainConfig(data_dir=str(data), val_fraction=0.95, in_memory="never"))
+    assert (len(loaded.train), len(loaded.held_out)) == (1, 19)
+    assert "train minus 95% for validation" in loaded.description
+
+
+@pytest.mark.parametrize("validation, test", [("dev", "testing"), ("valid", "test")])
+def test_save_to_disk_split_names_play_the_roles_image_folders_give_them(tmp_path, validation,
+                                                                        test):
+    data = saved_folder(tmp_path / "data", {"train": 10, validation: 4, test: 6})
+    loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never"))
+    assert (len(loaded.train), len(loaded.held_out), len(loaded.test)) == (10, 4, 6)
+    assert f"(train/{validation}/{test})" in loaded.description
+
+
+def test_image_folder_dev_and_testing_are_the_same_roles(tmp_path):
+    data = image_folder(tmp_path / "data", {"train": 10, "dev": 4, "testing": 6})
+    loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never"))
+    assert (len(loaded.train), len(loaded.held_out), len(loaded.test)) == (10, 4, 6)
+
+
+def test_a_split_of_another_name_alone_still_trains(tmp_path):
+    """A save_to_disk folder whose one split is named neither train nor for evaluation (a
+    hub dataset's 'default', say) trains on it, with 10% carved off, as before."""
+    data = saved_folder(tmp_path / "data", {"default": 20})
+    loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never"))
+    assert (len(loaded.train), len(loaded.held_out)) == (18, 2)
+    with pytest.raises(UsageError, match="no training split"):
+        load_data(TrainConfig(data_dir=str(saved_folder(tmp_path / "t", {"test": 20})),
+                              in_memory="never"))

@@ -212,6 +212,9 @@ class Trainer:
         self.state = TrainerState(world_size=acc.num_processes, batch_size=config.batch_size,
                                   accumulation_steps=config.accumulation_steps, seed=config.seed,
                                   train_samples=len(self.data.train), precision=self.precision,
+                                  held_out_samples=len(self.data.held_out),
+                                  test_samples=len(self.data.test)
+                                  if self.data.test is not None else 0,
                                   channels_last=self.speed.channels_last,
                                   optimizer=config.optimizer,
                                   # None where auto had nothing to choose

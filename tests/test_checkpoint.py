@@ -244,6 +244,24 @@ def run_cli(capsys, *args: str) -> tuple[int, list[str]]:
     return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 
+def test_a_resume_on_another_held_out_set_is_refused(tmp_path, capsys):
+    """--max-eval-samples changed between starts: the run's evaluations (its best, --keep-best)
+    would compare numbers of different image sets; one line, and nothing written."""
+    out = tmp_path / "run"
+    assert run_cli(capsys, "--output-dir", str(out), "--max-eval-samples", "30",
+                   "--max-steps", "2")[0] == 0
+    before = tree_digest(out)
+    code, err = run_cli(capsys, "--output-dir", str(out), "--max-eval-samples", "10",
+                        "--max-steps", "4", "--resume", "auto")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].endswith("the checkpoint's run evaluated 30 held-out images but this start "
+                           "has 10; resume with the same data options (--max-eval-samples, the "
+                           "data's splits), or start a new run"), err
+    assert tree_digest(out) == before
+    assert run_cli(capsys, "--output-dir", str(out), "--max-eval-samples", "30",
+                   "--max-steps", "4", "--resume", "auto")[0] == 0
+
+
 def test_resume_from_a_bad_checkpoint_fails_in_one_line_and_touches_nothing(bundle, tmp_path,
                                                                            capsys):
     saver, _, train_step, _ = bundle

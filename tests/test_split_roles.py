@@ -119,3 +119,23 @@ def test_a_split_of_another_name_alone_still_trains(tmp_path):
     with pytest.raises(UsageError, match="no training split"):
         load_data(TrainConfig(data_dir=str(saved_folder(tmp_path / "t", {"test": 20})),
                               in_memory="never"))
+
+
+def test_eval_of_a_run_whose_folder_changed_warns_that_its_validation_split_is_another(
+        tmp_path):
+    """A flat folder's validation split is carved: images added since make the carve another
+    one (with images the run trained on).  eval of the run says so; of the unchanged folder, not."""
+    data = image_folder(tmp_path / "data", {"train": 40})
+    run = tmp_path / "run"
+    accel_train_here("--data-dir", str(data), "--model", "test_resnet", "--epochs", "1",
+                     "--batch-size", "8", "--no-plots", "--output-dir", str(run), check=True)
+    unchanged = accel_train_here("eval", str(run))
+    assert unchanged.returncode == 0 and "data changed" not in unchanged.stdout + unchanged.stderr
+    for i in range(40, 60):  # 20 more images: the carve of 60 is 54 / 6, not 36 / 4
+        Image.fromarray(np.full((8, 8, 3), i, dtype=np.uint8)).save(
+            data / "train" / "ab"[i % 2] / f"{i}.png")
+    changed = accel_train_here("eval", str(run))
+    said = changed.stdout + changed.stderr
+    assert changed.returncode == 0
+    assert "now gives 54 training and 6 validation images, where the run had 36 and 4: the " \
+           "data changed since" in said, said

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from accel_train.cli import _Parser
 from accel_train.commands import EMA_HELP
@@ -107,6 +107,24 @@ def data_config(trained, args) -> TrainConfig:
         values.update(max_train_samples=None, max_eval_samples=None)
     # Decode on demand: eval reads each image once, and need not decode the train split.
     return TrainConfig.from_dict({**values, "in_memory": "never"}, source="eval")
+
+
+def data_changed_since_run(data, run_record: dict, args) -> Optional[str]:
+    """A warning when the run's own data now gives other split sizes than the run recorded: the
+    folder changed, and the validation split rebuilt now is not the one the run held out (a
+    carved one is carved from other images, and may hold images the run trained on)."""
+    resolved = run_record.get("resolved") or {}
+    if args.data_dir is not None or args.dataset is not None or args.max_samples is not None:
+        return None  # other data, or another limit: nothing to compare with
+    then = (resolved.get("train_samples"), resolved.get("eval_samples"))
+    now = (len(data.train), len(data.held_out))
+    if not all(isinstance(count, int) for count in then) or then == now:
+        return None
+    return (f"{data.description} now gives {now[0]} training and {now[1]} validation images, "
+            f"where the run had {then[0]} and {then[1]}: the data changed since, and the "
+            f"validation split evaluated now is not the one the run held out (a carved one may "
+            f"hold images it trained on); evaluate new images with --data-dir PATH of a folder "
+            f"of their own")
 
 
 def align_labels(source, data_names: list[str], model_names: list[str], origin: str) -> None:
@@ -214,6 +232,9 @@ def main(argv: Sequence[str]) -> int:
         # one class is data to evaluate a classifier on, if not to train one
         data = main_first(lambda: load_streaming(config) if streamed else
                           load_data(config, min_classes=1))
+        changed = None if streamed else data_changed_since_run(data, run_record, args)
+        if changed:
+            print_once(f"warning: {changed}")
         sources = (data.train, data.held_out, *([data.test] if data.test is not None else []))
         for source in sources if not streamed else (data.held_out,):
             align_labels(source, data.class_names, trained.spec.class_names, data.description)

@@ -73,6 +73,8 @@ class TrainerState:
     accumulation_steps: int = 1
     seed: int = 0
     train_samples: int = 0        # N in the sampler's keys (epoch * N + index); 0: not recorded
+    held_out_samples: int = 0     # the images its evaluations counted, and the test split's:
+    test_samples: int = 0         # a resume on others would compare numbers of other sets
     best_top1: Optional[float] = None
     eval_top1: Optional[float] = None  # the last held-out evaluation: raw weights
     eval_step: Optional[int] = None    # the step it was made at
@@ -128,6 +130,7 @@ class TrainerState:
         itself (THIS_START)."""
         previous = read_state(folder)
         check_same_data_order(previous, self.seed, self.train_samples)
+        check_same_held_out(previous, self.held_out_samples, self.test_samples)
         continued = previous.continued_on(**{name: getattr(self, name)
                                              for name in self.THIS_START})
         for field in fields(self):
@@ -144,6 +147,19 @@ def check_same_data_order(previous: TrainerState, seed: int, train_samples: int)
         raise UsageError(f"the checkpoint was trained on {previous.train_samples} training "
                          f"images but this start has {train_samples}; resume with the same data "
                          f"options (--max-train-samples, --val-fraction, ...), or start a new run")
+
+
+def check_same_held_out(previous: TrainerState, held_out_samples: int,
+                        test_samples: int) -> None:
+    """The best checkpoint, --keep-best and the numbers a run reports compare evaluations: on
+    another held-out set (--max-eval-samples changed, or the data) they would compare
+    different things, and the run's records would no longer say what was measured."""
+    for what, before, now in (("held-out", previous.held_out_samples, held_out_samples),
+                              ("test", previous.test_samples, test_samples)):
+        if before and now != before:
+            raise UsageError(f"the checkpoint's run evaluated {before} {what} images but this "
+                             f"start has {now}; resume with the same data options "
+                             f"(--max-eval-samples, the data's splits), or start a new run")
 
 
 SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)

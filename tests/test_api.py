@@ -53,6 +53,20 @@ class Squares(Dataset):
         return image, index % 2
 
 
+class Relabelled(Dataset):
+    """Another dataset's items, some labels replaced (a class the training data lacks)."""
+
+    def __init__(self, dataset, mapping: dict):
+        self.dataset, self.mapping = dataset, mapping
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        image, label = self.dataset[index]
+        return image, self.mapping.get(label, label)
+
+
 def fit_tiny(tmp_path, name: str, **options):
     torch.manual_seed(0)
     return accel_train.fit(Tiny(), Squares(64), Squares(16), batch_size=8, epochs=2,
@@ -155,6 +169,12 @@ def test_a_scripts_own_class_and_datasets_are_named_as_what_commands_cannot_rebu
     (lambda: accel_train.fit(Tiny(), [1, 2, 3], epochs=1), "each item must be"),
     (lambda: accel_train.fit(Tiny(), object()), "map-style dataset"),
     (lambda: accel_train.fit(Tiny(), Squares(8), pretrained="w.safetensors"), "pretrained"),
+    (lambda: accel_train.fit(Tiny(), Squares(8), Squares(0)), r"^eval_dataset: it holds no "
+                                                              r"items to evaluate on"),
+    (lambda: accel_train.fit(Tiny(), Squares(0), Squares(8)), r"^train_dataset: it holds no "
+                                                              r"items"),
+    (lambda: accel_train.fit(Tiny(), Squares(8), Relabelled(Squares(8), {1: 7})),
+     r"^eval_dataset: its labels hold 7, which no item of train_dataset has"),
 ])
 def test_bad_arguments_are_one_clear_error(tmp_path, monkeypatch, call, expected):
     monkeypatch.chdir(tmp_path)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from accel_train.base.errors import UsageError
+from accel_train.base.errors import UsageError, first_few
 from accel_train.data.sources import (IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, ArraySource,
                                       ImageSource, LoadedData, carve_rows)
 
@@ -147,7 +147,7 @@ def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> Loaded
         train_rows, eval_rows = carve_rows(len(train_dataset), config.val_fraction)
         train = DatasetSource(train_dataset, train_labels, train_rows, "train_dataset")
         held_out = DatasetSource(train_dataset, train_labels, eval_rows, "train_dataset")
-        description = f"train_dataset minus {config.val_fraction:.0%} held out"
+        description = f"train_dataset minus {100 * config.val_fraction:.3g}% held out"
         all_labels = [train_labels]
     else:
         eval_labels = labels_of(eval_dataset, "eval_dataset")
@@ -157,8 +157,19 @@ def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> Loaded
                                  "eval_dataset")
         description = "train_dataset/eval_dataset"
         all_labels = [train_labels, eval_labels]
-    if len(train) == 0 or len(held_out) == 0:
-        raise UsageError("train_dataset: too few items to train and evaluate on")
+    if len(train) == 0:
+        raise UsageError("train_dataset: it holds no items to train on")
+    if len(held_out) == 0:  # only a given eval_dataset can be empty: a carve holds one or more
+        raise UsageError("eval_dataset: it holds no items to evaluate on; pass one that does, "
+                         "or none (then val_fraction of train_dataset is held out)")
+    if eval_dataset is not None:
+        unseen = sorted(set(eval_labels.unique().tolist()) - set(train_labels.unique().tolist()))
+        if unseen:
+            raise UsageError(f"eval_dataset: its labels hold {first_few(map(str, unseen))}, "
+                             f"which no item of train_dataset has: the model would be scored on "
+                             f"classes it "
+                             f"never trains on; give train_dataset items of those classes, or "
+                             f"leave them out of eval_dataset")
     class_names = class_names_of(train_dataset, all_labels)
     if len(class_names) < 2:
         raise UsageError(f"train_dataset: found {len(class_names)} class(es); a classifier "

@@ -572,6 +572,26 @@ def pick_splits(raw: RawData, val_fraction: float, select_on_test: bool = False)
                   + (f"; {test} kept for the end" if test else ""))
 
 
+def few_classes_in_the_first(config: TrainConfig, labels: dict, num_classes: int) -> list[str]:
+    """--max-train-samples / --max-eval-samples take the first N images of a split: of an image
+    folder (listed class by class) or any sorted data, that can be one class, and the numbers
+    of such a run say little.  A warning where the images taken hold fewer of the classes."""
+    warnings = []
+    for role, flag, limit in (("train", "--max-train-samples", config.max_train_samples),
+                              ("held-out", "--max-eval-samples", config.max_eval_samples),
+                              ("test", "--max-eval-samples", config.max_eval_samples)):
+        if not limit or role not in labels:
+            continue
+        present = len(torch.unique(torch.as_tensor(labels[role])))
+        if present < num_classes and len(labels[role]) >= num_classes:
+            split = {"train": "training", "held-out": "validation", "test": "test"}[role]
+            warnings.append(f"{flag} {limit} takes the first {len(labels[role])} {split} "
+                            f"images, which hold {present} of the {num_classes} classes (the "
+                            f"data lists its images in order, an image folder class by class); "
+                            f"its numbers say little of the others")
+    return warnings
+
+
 def carve_rows(num_rows: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(rows kept for training, rows held out): `val_fraction` of the rows, chosen with a fixed
     seed.  datasets' own split of a stand-in that holds the row numbers: the same rows as
@@ -651,6 +671,7 @@ def load_data(config: TrainConfig, min_classes: int = 2) -> LoadedData:
     check_label_values(raw, splits, label_column)
     labels, class_names = labels_and_names(parts, label_column)
     warnings += label_gap_warnings(raw, splits, label_column, class_names)
+    warnings += few_classes_in_the_first(config, labels, len(class_names))
     if len(class_names) < min_classes:
         raise UsageError(f"{raw.origin}: found {len(class_names)} class(es) in "
                          f"{label_column!r}; a classifier needs at least 2")

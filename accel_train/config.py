@@ -429,6 +429,10 @@ class TrainConfig:
                      "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{flag(name)} must be >= 0 (got {getattr(self, name)!r})")
+        if not (isinstance(self.in_memory_limit_gb, (int, float))
+                and math.isfinite(self.in_memory_limit_gb) and self.in_memory_limit_gb > 0):
+            raise UsageError(f"--in-memory-limit-gb must be a number of GiB > 0 (got "
+                             f"{self.in_memory_limit_gb!r}); --in-memory never holds nothing")
         if self.crop_pad is not None and self.crop_pad < 0:
             raise UsageError(f"--crop-pad must be 0 or more pixels (got {self.crop_pad})")
         if not isinstance(self.eval_every, int) or isinstance(self.eval_every, bool) \

@@ -32,9 +32,10 @@ def _channels_differ(rng: np.random.Generator, n: int, h: int, w: int) -> np.nda
     return np.stack([red, green, blue], axis=1).astype(np.uint8)
 
 
-def test_in_memory_mean_std_equal_numpy():
-    pixels = _channels_differ(np.random.default_rng(11), 40, 32, 32)
-    mean, std = dataset_mean_std(ArraySource(torch.from_numpy(pixels), torch.zeros(40).long()))
+@pytest.mark.parametrize("n", [40, 600])  # 600: more than one chunk of images at a time
+def test_in_memory_mean_std_equal_numpy(n):
+    pixels = _channels_differ(np.random.default_rng(11), n, 32, 32)
+    mean, std = dataset_mean_std(ArraySource(torch.from_numpy(pixels), torch.zeros(n).long()))
     scaled = pixels.astype(np.float64) / 255
     np_mean = scaled.mean(axis=(0, 2, 3))
     np_std = scaled.std(axis=(0, 2, 3))  # 40960 pixels a channel: ddof 0 or 1 differ by < 1e-5

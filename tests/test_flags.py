@@ -483,6 +483,9 @@ def test_in_memory_limit_decides_whether_images_are_decoded_up_front(tmp_path):
     tight = load_data(TrainConfig(data_dir=str(tmp_path), in_memory_limit_gb=1e-6))
     assert not isinstance(tight.train, ArraySource)
     assert torch.equal(tight.train.image(3), roomy.train.images[3])  # same pixels, on demand
+    # one budget for all the splits held: each split's 3456 bytes fit 5000, both together not
+    both = load_data(TrainConfig(data_dir=str(tmp_path), in_memory_limit_gb=5000 / 2**30))
+    assert not isinstance(both.train, ArraySource) and not isinstance(both.held_out, ArraySource)
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ from accel_train.data.transforms import (ImageTransform, held_out_crop, held_out
 from accel_train.data.worker_start import worker_context, worker_init_fn
 
 STATS_SAMPLE = 5000  # images used to estimate the dataset's mean/std
+STATS_CHUNK = 256  # images converted to float64 at a time for them
 
 
 class Batch(NamedTuple):
@@ -257,9 +258,19 @@ def dataset_mean_std(source: ImageSource) -> tuple[tuple[float, ...], tuple[floa
     """Per-channel mean and std of (a deterministic sample of) the training images, in [0, 1]."""
     count = min(len(source), STATS_SAMPLE)
     if isinstance(source, ArraySource):
-        pixels = source.images[:count].float().div_(255)
-        mean = pixels.mean(dim=(0, 2, 3))
-        std = pixels.std(dim=(0, 2, 3))
+        # A few images at a time, in float64: the whole uint8 array as float32 was 4x its
+        # bytes, and std another such copy (photos decoded into memory ran out of it).
+        total = torch.zeros(3, dtype=torch.float64)
+        total_sq = torch.zeros(3, dtype=torch.float64)
+        for start in range(0, count, STATS_CHUNK):
+            chunk = source.images[start:min(count, start + STATS_CHUNK)].double().div_(255)
+            total += chunk.sum(dim=(0, 2, 3))
+            total_sq += (chunk * chunk).sum(dim=(0, 2, 3))
+        num_pixels = count * source.images.shape[2] * source.images.shape[3]
+        mean = total / num_pixels
+        # the sample's (n - 1) std, as torch.std gives it
+        std = ((total_sq - num_pixels * mean * mean) / max(1, num_pixels - 1)) \
+            .clamp_min(1e-12).sqrt()
     else:  # images may differ in size: accumulate per-channel sums
         total = torch.zeros(3, dtype=torch.float64)
         total_sq = torch.zeros(3, dtype=torch.float64)

@@ -44,7 +44,8 @@ VALIDATION_SPLIT_NAMES = ("validation", "val", "valid", "dev", "eval", "evaluati
 TEST_SPLIT_NAMES = ("test", "testing")
 EVAL_SPLIT_NAMES = VALIDATION_SPLIT_NAMES + TEST_SPLIT_NAMES
 VAL_CARVE_SEED = 0  # fixed: the held-out set must not change with --seed
-MATERIALIZE_BATCH = 1024  # rows read from Arrow at a time when decoding into memory
+MATERIALIZE_BATCH = 1024  # rows read from Arrow at a time when decoding into memory,
+MATERIALIZE_BYTES = 256 * 2**20  # or fewer: the decoded images a batch holds at most
 NATIVE_SIZE_PROBE = 32  # images looked at to tell a data set's own image size
 MIXED_SIZE_DEFAULT = 224  # --image-size for data sets of mixed sizes: timm's usual input size
 
@@ -298,9 +299,12 @@ class HFSource(ImageSource):
             return None
         images = torch.empty((len(self), *first.shape), dtype=torch.uint8)
         bad: dict[int, str] = {}
-        # Arrow batches: a row-by-row walk through the dataset cost more than the decoding.
+        # Arrow batches: a row-by-row walk through the dataset cost more than the decoding.  A
+        # batch's decoded images are held until copied in: as many as MATERIALIZE_BYTES take
+        # (1,024 CIFAR images; a few photographs of 12 megapixels).
+        batch = max(1, min(MATERIALIZE_BATCH, MATERIALIZE_BYTES // first.numel()))
         start = 0
-        for table in self.column.iter(batch_size=MATERIALIZE_BATCH):
+        for table in self.column.iter(batch_size=batch):
             values = table.column(0).to_pylist()
             for offset, result in enumerate(self._decode_values(values)):
                 if isinstance(result, Unreadable):
@@ -682,9 +686,14 @@ def load_data(config: TrainConfig, min_classes: int = 2) -> LoadedData:
         source.on_substitute = None
     bad: list[BadImage] = []
     if config.in_memory != "never":
-        limit = config.in_memory_limit_gb * 2**30
-        decoded = [s.materialize(limit) for s in sources]
-        if all(d is not None for d in decoded):
+        # one budget for all the splits held (each was held to all of it)
+        decoded, left = [], config.in_memory_limit_gb * 2**30
+        for source in sources:
+            decoded.append(source.materialize(left) if left > 0 else None)
+            if decoded[-1] is None:
+                break
+            left -= decoded[-1].images.numel()
+        if len(decoded) == len(sources) and all(d is not None for d in decoded):
             sources = decoded
             bad = [image for source in decoded for image in source.bad_images]
         elif config.in_memory == "always":

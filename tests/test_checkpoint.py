@@ -885,3 +885,18 @@ def test_a_stale_folder_of_the_same_save_is_replaced_not_merged(bundle):
     (stale / "leftover.bin").write_bytes(b"from a save that died")
     path = save_steps(saver, train_step, 3)[3]
     assert "leftover.bin" not in os.listdir(path) and verify(path) is None
+
+
+def test_weight_files_are_readable_as_every_other_file_the_run_writes(tmp_path, capsys):
+    """safetensors creates its files 0600: a run's model, EMA and lookahead weights and an
+    export's take the umask every other file takes (config.yaml's mode the oracle)."""
+    out = tmp_path / "run"
+    assert run_cli(capsys, "--output-dir", str(out), "--max-steps", "2", "--model-ema",
+                   "--lookahead-every", "2")[0] == 0
+    assert main(["export", str(out), "-o", str(tmp_path / "export")]) == 0
+    expected = (out / "config.yaml").stat().st_mode & 0o777
+    weights = [*out.rglob("*.safetensors"), *(tmp_path / "export").rglob("*.safetensors")]
+    assert {p.name for p in weights} >= {"model.safetensors", "ema.safetensors",
+                                         "lookahead.safetensors"}
+    assert {str(p): p.stat().st_mode & 0o777 for p in weights} == \
+        {str(p): expected for p in weights}

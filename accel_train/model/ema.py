@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from safetensors.torch import save_file
+from accel_train.base.weightfiles import write_safetensors
 from timm.utils import ModelEmaV3
 from torch import nn
 
@@ -55,7 +55,7 @@ class ModelEma:
 
     def save(self, folder: Path) -> None:
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()}
-        save_file(tensors, str(Path(folder) / EMA_FILE))
+        write_safetensors(tensors, Path(folder) / EMA_FILE)
 
     def load(self, folder: Path) -> None:
         """The checkpoint's average; one saved without --model-ema has none, and the average

@@ -25,6 +25,7 @@ from typing import Optional
 from timm.data.constants import DEFAULT_CROP_MODE, DEFAULT_CROP_PCT
 from torch import nn
 
+from accel_train.base.weightfiles import write_safetensors
 from accel_train.base.errors import UsageError, first_few, first_line
 from accel_train.base.readers import read_json
 from accel_train.model.small_nets import NETWORKS
@@ -140,12 +141,11 @@ def save_weights(state_dict: dict, directory: Path, spec: ModelSpec,
     metadata that tools reading safetensors as PyTorch weights look for) and, `with_spec`,
     DIR/model_config.json beside it (checkpoints; a model folder has timm's config.json
     instead: write_model_folder)."""
-    from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    write_safetensors(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
     if with_spec:
         spec.save(directory)
     return directory / WEIGHTS_FILE

@@ -37,6 +37,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from accel_train.base.errors import DISK_FULL_EXIT, RunStopped, UsageError, first_line
 from accel_train.base.readers import BadFile, Shape, check_fits, check_torch_file, read_json
+from accel_train.base.weightfiles import with_the_umask
 
 MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.json"
@@ -346,6 +347,9 @@ class AccelerateState:
 
     def save(self, folder: Path) -> None:
         self.accelerator.save_state(str(folder), safe_serialization=True)
+        if self.accelerator.is_main_process:  # the rank that wrote the model's weights
+            for path in Path(folder).glob("*.safetensors"):
+                with_the_umask(path)
 
     def load(self, folder: Path) -> None:
         from accelerate.utils.constants import SCALER_NAME

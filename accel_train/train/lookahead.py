@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
+from accel_train.base.weightfiles import write_safetensors
 from torch import nn
 
 from accel_train.base.readers import check_fits, read_safetensors
@@ -83,7 +83,7 @@ class LookaheadAverage:
 
     def save(self, folder: Path) -> None:
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.slow.items()}
-        save_file(tensors, str(Path(folder) / LOOKAHEAD_FILE))
+        write_safetensors(tensors, Path(folder) / LOOKAHEAD_FILE)
 
     def load(self, folder: Path) -> None:
         """The checkpoint's slow copy; one saved without --lookahead-every has none, and the

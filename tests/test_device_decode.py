@@ -241,7 +241,8 @@ def test_the_rule_auto_decides_by(photos, tmp_path):
     for source, how, streaming, reason in (
             (files, transform, True, "the training data is streamed from shards"),
             (in_memory, transform, False,
-             "the training images are decoded once, into memory (--in-memory)"),
+             "the training images are decoded once, into memory (--in-memory always; "
+             "--in-memory never leaves them files)"),
             (decoded, transform, False, "the training images are not files"),
             (files, plain, False, "the training images are not augmented"),
             (files, policy, False,
@@ -250,6 +251,22 @@ def test_the_rule_auto_decides_by(photos, tmp_path):
             choose("always", source, how, True, streaming)
         assert str(raised.value) == (f"--decode-on-device always: {reason}; use "
                                      f"--decode-on-device auto or never")
+
+
+def test_decode_on_device_always_takes_files_that_in_memory_auto_would_hold(tmp_path):
+    """Same-size photos fit in memory, which --in-memory auto would choose: --decode-on-device
+    always, asked for, has them decoded per batch instead (it was refused, naming --in-memory,
+    which the user never set)."""
+    folder = _folder_of(tmp_path / "same", 80)
+    assert isinstance(load_data(TrainConfig(data_dir=str(folder))).train, ArraySource)
+    kept = load_data(TrainConfig(data_dir=str(folder), decode_on_device="always"))
+    assert not isinstance(kept.train, ArraySource)
+    result = accel_train_here("--data-dir", str(folder), "--model", "test_resnet",
+                              "--decode-on-device", "always", "--image-size", "64",
+                              "--batch-size", "4", "--max-steps", "1", "--no-plots",
+                              "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "JPEGs decoded on the device (--decode-on-device always)" in result.stdout
 
 
 def test_auto_times_both_paths_on_the_runs_own_images(photos):

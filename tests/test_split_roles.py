@@ -5,6 +5,7 @@ splits and row counts built here."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import datasets
@@ -154,3 +155,17 @@ def test_the_first_images_of_a_sorted_folder_holding_one_class_are_said(tmp_path
     loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never", max_train_samples=20))
     assert set(loaded.train.labels.tolist()) == {0, 1}
     assert not [w for w in loaded.warnings if "takes the first" in w]
+
+
+def test_eval_given_the_data_dir_splits_it_as_the_run_split_its_own(tmp_path):
+    """eval RUN --data-dir DATA (the run's own folder found elsewhere, say): its validation
+    split is carved with the run's --val-fraction (20% of 40: 8 images), not the default 10%,
+    which would hold images the run trained on."""
+    data = image_folder(tmp_path / "data", {"train": 40})
+    run = tmp_path / "run"
+    accel_train_here("--data-dir", str(data), "--model", "test_resnet", "--epochs", "1",
+                     "--batch-size", "8", "--no-plots", "--val-fraction", "0.2",
+                     "--output-dir", str(run), check=True)
+    result = accel_train_here("eval", str(run), "--data-dir", str(data), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["count"] == 8

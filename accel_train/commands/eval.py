@@ -26,6 +26,7 @@ DATA_OPTIONS = ("dataset", "data_dir", "image_column", "label_column", "val_frac
                 "max_train_samples", "max_eval_samples", "synthetic_train_size", "val_labels",
                 "select_on_test",
                 "class_depth", "streaming", "eval_shards")
+SPLIT_OPTIONS = ("val_fraction", "select_on_test")  # kept for other data (--data-dir) too
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +91,13 @@ def data_config(trained, args) -> TrainConfig:
         raise UsageError(f"{trained.description} was trained on datasets a program handed to "
                          f"fit() ({resolved.get('data', 'not recorded')}), which no command can "
                          f"load again; pass --data-dir PATH or --dataset NAME")
-    values = {} if other_data else {k: recorded[k] for k in DATA_OPTIONS if k in recorded}
+    values = {k: recorded[k] for k in DATA_OPTIONS if k in recorded} \
+        if isinstance(recorded, dict) else {}
+    if other_data:
+        # other data, split as the run split its own: the same carve (--val-fraction) and the
+        # same role for a test split (--select-on-test); where the data lives and what it is
+        # are the new data's
+        values = {k: v for k, v in values.items() if k in SPLIT_OPTIONS}
     if values.get("data_dir") and not Path(values["data_dir"]).exists():
         # config.yaml records the path as typed: relative to wherever training was started
         raise UsageError(f"the run was trained on --data-dir {values['data_dir']}, which is not "

@@ -311,7 +311,8 @@ def unfit_reason(source: ImageSource, transform: ImageTransform, streaming: bool
     if streaming:
         return "the training data is streamed from shards"
     if isinstance(source, ArraySource):
-        return "the training images are decoded once, into memory (--in-memory)"
+        return ("the training images are decoded once, into memory (--in-memory always; "
+                "--in-memory never leaves them files)")
     if not isinstance(source, HFSource):
         return "the training images are not files"
     if not transform.augment:

@@ -685,7 +685,10 @@ def load_data(config: TrainConfig, min_classes: int = 2) -> LoadedData:
     for source in sources:  # while loading, every rank would say it: LoadedData.bad_images
         source.on_substitute = None
     bad: list[BadImage] = []
-    if config.in_memory != "never":
+    # --decode-on-device always asks for the files decoded per batch: auto's memory yields
+    held = config.in_memory == "always" or (config.in_memory == "auto"
+                                            and config.decode_on_device != "always")
+    if held:
         # one budget for all the splits held (each was held to all of it)
         decoded, left = [], config.in_memory_limit_gb * 2**30
         for source in sources:

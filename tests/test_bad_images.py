@@ -11,14 +11,15 @@ named file and row back.
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 
 import datasets
+import numpy as np
 import pyarrow.parquet as pq
-import json
-
 import pytest
+from PIL import Image
 
 import imagekinds as kinds
 from accel_train.config import TrainConfig
@@ -64,7 +65,7 @@ def assert_named_once(output: str, out, expected: dict) -> None:
         assert words in listed[name], (name, listed[name])
     epochs = [r for r in metrics(out) if r["type"] == "epoch"]
     assert [r["bad_images"] for r in epochs][-1] == len(expected)
-    assert f"{len(expected)} broken image(s) replaced by substitutes" in output
+    assert f"{len(expected)} broken image(s) replaced by substitutes in training" in output
 
 
 @pytest.mark.slow
@@ -229,3 +230,38 @@ def test_eval_names_a_broken_held_out_image(tmp_path, broken_folder):
     assert measured["count"] == sum(on_disk.values()) and measured["left_out"] == 1
     # the run's own evaluation counted the same images
     assert [r for r in metrics(out) if r["type"] == "epoch"][-1]["eval_count"] == measured["count"]
+
+
+def test_a_class_none_of_whose_training_images_decodes_is_refused_and_checked(tmp_path):
+    """Class b's three files are all empty: decoded into memory, the run refuses in one line
+    (it trained b's output on substitutes of class a, and scored 100%); check-data says so."""
+    folder = tmp_path / "data"
+    for i in range(12):
+        path = folder / "a" / f"{i}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((16, 16, 3), 10 * i, dtype=np.uint8)).save(path)
+    (folder / "b").mkdir()
+    for i in range(3):
+        (folder / "b" / f"{i}.jpg").write_bytes(b"")
+    result = accel_train_here("--data-dir", str(folder), *TRAIN, "--batch-size", "4",
+                              "--output-dir", str(tmp_path / "run"))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "no training image of class 'b' (3 images) can be decoded" in lines[0]
+    checked = accel_train_here("check-data", "--data-dir", str(folder), "--json")
+    findings = json.loads(checked.stdout)
+    assert checked.returncode == 1
+    assert findings["classes_without_a_readable_training_image"] == ["b"]
+
+
+def test_in_memory_always_says_why_the_images_cannot_be_held(tmp_path):
+    folder = tmp_path / "data"
+    for i, size in enumerate([16] * 10 + [24]):
+        path = folder / "ab"[i % 2] / f"{i}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.zeros((size, size, 3), dtype=np.uint8)).save(path)
+    result = accel_train_here("--data-dir", str(folder), *TRAIN, "--batch-size", "4",
+                              "--in-memory", "always", "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert "its train images differ in size (16x16 and 24x24, height x width)" in \
+        result.stderr, result.stderr

@@ -240,6 +240,22 @@ def test_predict_of_a_folder_leaves_out_what_training_leaves_out(run_dir, image_
         [str(hidden)]
 
 
+def test_predict_of_a_folder_takes_every_extension_training_takes(run_dir, image_folder,
+                                                                    tmp_path, capsys):
+    """A camera's .jfif and .jpe files are JPEGs that training reads from a folder (every
+    extension PIL opens); predict of the folder found only eight extensions of its own."""
+    folder = tmp_path / "camera"
+    folder.mkdir()
+    source = sorted((image_folder / "ring").glob("*.png"))[0]
+    from PIL import Image
+    with Image.open(source) as image:
+        for name in ("a.jfif", "b.jpe", "c.jpg", "d.png"):
+            image.convert("RGB").save(folder / name, format="PNG" if name == "d.png" else "JPEG")
+    (folder / "notes.txt").write_text("not an image")
+    rows = predict_json(capsys, str(run_dir), str(folder))
+    assert [Path(row["image"]).name for row in rows] == ["a.jfif", "b.jpe", "c.jpg", "d.png"]
+
+
 def test_predict_reports_an_unreadable_image_and_predicts_the_others(run_dir, image_folder,
                                                                      tmp_path, capsys):
     folder = tmp_path / "mixed"

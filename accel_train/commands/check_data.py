@@ -181,6 +181,13 @@ def check(args) -> dict:
     one_split = {name: next(s for s in with_labels if counts[s][c]) for c, name in
                  enumerate(class_names)
                  if len(with_labels) > 1 and sum(1 for s in with_labels if counts[s][c]) == 1}
+    # classes whose every training image is unreadable: training refuses them (in memory) or
+    # would teach them only with other classes' images (decoded per step)
+    broken_train = [index for split, index, _ in unreadable if split == train]
+    lost = np.bincount(labels[train][broken_train].numpy(), minlength=len(class_names)) \
+        if broken_train and train in labels else np.zeros(len(class_names), dtype=np.int64)
+    no_readable = [name for c, name in enumerate(class_names)
+                   if train in counts and counts[train][c] and lost[c] == counts[train][c]]
     findings = {
         "data": raw.origin, "images": int(sum(len(s) for s in sources.values())),
         "splits": {split: len(source) for split, source in sources.items()},
@@ -197,9 +204,10 @@ def check(args) -> dict:
         "unlabelled": {split: {"rows": n, "of": len(labels[split]), "refused": split in refused}
                        for split, n in unlabelled.items()},
         "too_few_classes": len(class_names) < 2,
+        "classes_without_a_readable_training_image": no_readable,
         "workers": args.workers, "seconds": round(time.perf_counter() - started, 2)}
     findings["problems"] = (len(findings["unreadable"]) + len(duplicates) + len(one_split)
-                            + len(refused) + findings["too_few_classes"])
+                            + len(refused) + findings["too_few_classes"] + len(no_readable))
     return findings
 
 
@@ -251,13 +259,19 @@ def format_table(findings: dict) -> str:
     refused = sum(u["refused"] for u in unlabelled.values())
     if findings["too_few_classes"]:
         lines += ["", f"{len(names)} class: training needs at least 2"]
+    no_readable = findings["classes_without_a_readable_training_image"]
+    if no_readable:
+        lines += ["", f"classes none of whose training images can be read ({len(no_readable)}): "
+                  + ", ".join(no_readable)]
     problems = findings["problems"]
     lines += ["", "result: no problems found" if not problems else
               f"result: {problems} problem(s): {len(unreadable)} unreadable image(s) (training "
               f"replaces each with a substitute, --bad-images), {len(duplicates)} file(s) in "
               f"two splits, {len(one_split)} class(es) in one split only, {refused} split(s) "
               f"partly unlabelled" + (", fewer than 2 classes" if findings["too_few_classes"]
-                                      else "")]
+                                      else "")
+              + (f", {len(no_readable)} class(es) without a readable training image"
+                 if no_readable else "")]
     return "\n".join(lines)
 
 

@@ -23,9 +23,6 @@ from accel_train.commands import EMA_HELP
 from accel_train.config import PRECISIONS
 from accel_train.base.errors import UsageError
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="accel-train predict", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,8 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a run directory, a step_XXXXXXXX checkpoint, an export folder, or "
                              "an export's model.onnx")
     parser.add_argument("inputs", nargs="+", metavar="IMAGES_OR_FOLDERS",
-                        help="image files, or folders searched recursively for "
-                             f"{', '.join(sorted(IMAGE_SUFFIXES))} files")
+                        help="image files, or folders searched recursively for the image files "
+                             "training takes (every extension PIL opens: .jpg, .png, .webp, "
+                             ".jfif, .tif, ...)")
     parser.add_argument("--ema", action="store_true", help=EMA_HELP)
     parser.add_argument("--top-k", type=int, default=3,
                         help="classes shown per image (default: 3)")
@@ -54,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 def find_images(inputs: Sequence[str]) -> list[Path]:
     """Files as given; folders expanded (sorted, recursive) to the image files inside, less
     what training leaves out of a folder too (`._photo.jpg`, `__MACOSX/`: imagefolder.py)."""
-    from accel_train.data.imagefolder import left_out
+    from accel_train.data.imagefolder import image_extensions, left_out
+    suffixes = image_extensions()  # training's: a folder predicts what it would train on
     images: list[Path] = []
     for text in inputs:
         path = Path(text)
@@ -62,13 +61,13 @@ def find_images(inputs: Sequence[str]) -> list[Path]:
             images.append(path)
         elif path.is_dir():
             found = sorted(p for p in path.rglob("*")
-                           if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+                           if p.is_file() and p.suffix.lower() in suffixes
                            and not left_out(p.name, False)
                            and not any(left_out(part, True)
                                        for part in p.relative_to(path).parts[:-1]))
             if not found:
-                raise UsageError(f"{text}: no image files in that folder (looked for "
-                                 f"{', '.join(sorted(IMAGE_SUFFIXES))})")
+                raise UsageError(f"{text}: no image files in that folder (looked for every "
+                                 f"extension PIL opens: .jpg, .png, .webp, .tif, ...)")
             images.extend(found)
         else:
             raise UsageError(f"{text}: no such image file or folder")

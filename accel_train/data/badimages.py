@@ -111,9 +111,10 @@ class BadImageLog:
         self.named[bad.name] = bad.reason
         with self.path.open("a") as handle:
             handle.write(f"{bad.name}\t{bad.reason}\n")
-        text = (f"{'held-out ' if bad.split == 'held-out' else ''}image {bad.name} cannot be "
-                f"decoded ({bad.reason}); a substitute (the next image that decodes) takes its "
-                f"place")
+        what = ("a substitute (the next image that decodes) takes its place" if bad.split ==
+                "train" else "left out of the evaluation's numbers")
+        text = (f"{'' if bad.split == 'train' else bad.split + ' '}image {bad.name} cannot be "
+                f"decoded ({bad.reason}); {what}")
         self.said += 1
         if self.said <= MAX_SAID:
             self.report.warn(text)
@@ -125,5 +126,6 @@ class BadImageLog:
     def summary(self) -> Optional[str]:
         if not self.count:
             return None
-        return (f"{self.count} broken image(s) replaced by substitutes, listed in {self.path}; "
-                f"accel-train check-data --data-dir DIR checks a folder before training")
+        return (f"{self.count} broken image(s) replaced by substitutes in training and left "
+                f"out of the evaluations, listed in {self.path}; accel-train check-data "
+                f"--data-dir DIR checks a folder before training")

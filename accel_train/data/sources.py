@@ -28,7 +28,7 @@ import torch
 from accel_train.data import synthetic
 from accel_train.config import SYNTHETIC_DATASET, TrainConfig
 from accel_train.data.decode import Unreadable, decode_many, read_value
-from accel_train.base.errors import UsageError, first_line
+from accel_train.base.errors import UsageError, first_few, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.imagefolder import index_folder
@@ -142,10 +142,12 @@ class RowNames:
 
 def warn_substitute(source: "HFSource", bad: BadImage, used: int) -> None:
     """What a source decoding on demand does by default on meeting a broken image (in whatever
-    process meets it): say so on stderr.  The trainer replaces this: it collects them from
-    every rank and worker and says each once (badimages.py)."""
-    print(f"warning: image {bad.name} cannot be decoded ({bad.reason}); "
-          f"{source.name(used)} is used in its place", file=sys.stderr, flush=True)
+    process meets it): say so on stderr.  Outside training that is an evaluation (eval, an
+    export's model card), which leaves the image out of its numbers (evaluate_classifier).
+    The trainer replaces this: it collects them from every rank and worker and says each once
+    (badimages.py)."""
+    print(f"warning: image {bad.name} cannot be decoded ({bad.reason}); left out of the "
+          f"evaluation's numbers", file=sys.stderr, flush=True)
 
 
 class HFSource(ImageSource):
@@ -175,6 +177,7 @@ class HFSource(ImageSource):
         self.bad_images = bad_images
         self.on_substitute = warn_substitute  # None: tell nobody (the caller collects them)
         self.bad: dict[int, str] = {}  # index -> reason, met by this process
+        self.not_held = ""  # why materialize held nothing, for --in-memory always's message
         self._substitutes: dict[int, int] = {}
         # Rows of the image column as Arrow: fetching a batch of rows at once is far cheaper
         # than one Python dict per row (0.3 ms a row here, more than decoding a CIFAR image).
@@ -296,6 +299,10 @@ class HFSource(ImageSource):
             return None
         first = self.image(0)  # a substitute's, if image 0 is broken: the shape is what counts
         if first.numel() * len(self) > limit_bytes:
+            self.not_held = (f"its {len(self)} {self.split} images take "
+                             f"{first.numel() * len(self) / 2**30:.3g} GiB, over the "
+                             f"{max(0.0, limit_bytes) / 2**30:.3g} GiB left of "
+                             f"--in-memory-limit-gb")
             return None
         images = torch.empty((len(self), *first.shape), dtype=torch.uint8)
         bad: dict[int, str] = {}
@@ -311,6 +318,9 @@ class HFSource(ImageSource):
                     self._met_bad(start + offset, result.reason)
                     bad[start + offset] = result.reason
                 elif result.shape != first.shape:
+                    self.not_held = (f"its {self.split} images differ in size "
+                                     f"({'x'.join(map(str, first.shape[1:]))} and "
+                                     f"{'x'.join(map(str, result.shape[1:]))}, height x width)")
                     return None
                 else:
                     images[start + offset] = result
@@ -576,6 +586,22 @@ def pick_splits(raw: RawData, val_fraction: float, select_on_test: bool = False)
                   + (f"; {test} kept for the end" if test else ""))
 
 
+def refuse_classes_left_unreadable(source: "HFSource", decoded: ArraySource,
+                                   class_names: list[str]) -> None:
+    """A class none of whose training images decodes would train as an output that only
+    substitutes (other classes' images) teach: one line, as an empty class folder is."""
+    counts = torch.bincount(source.labels, minlength=len(class_names))
+    broken = torch.bincount(source.labels[[bad.index for bad in decoded.bad_images]],
+                            minlength=len(class_names)) if decoded.bad_images else counts * 0
+    lost = [i for i in range(len(class_names)) if counts[i] and broken[i] == counts[i]]
+    if lost:
+        names = first_few(f"{class_names[i]!r} ({int(counts[i])} images)" for i in lost)
+        raise UsageError(f"no training image of class {names} can be decoded: the run would "
+                         f"train those outputs on substitutes of other classes; fix or replace "
+                         f"the files (accel-train check-data --data-dir DIR lists them), or "
+                         f"remove the class")
+
+
 def few_classes_in_the_first(config: TrainConfig, labels: dict, num_classes: int) -> list[str]:
     """--max-train-samples / --max-eval-samples take the first N images of a split: of an image
     folder (listed class by class) or any sorted data, that can be one class, and the numbers
@@ -697,11 +723,13 @@ def load_data(config: TrainConfig, min_classes: int = 2) -> LoadedData:
                 break
             left -= decoded[-1].images.numel()
         if len(decoded) == len(sources) and all(d is not None for d in decoded):
+            refuse_classes_left_unreadable(sources[0], decoded[0], class_names)
             sources = decoded
             bad = [image for source in decoded for image in source.bad_images]
         elif config.in_memory == "always":
-            raise UsageError("--in-memory always: the images do not share one size or exceed "
-                             "--in-memory-limit-gb; use --in-memory auto or raise the limit")
+            why = sources[len(decoded) - 1].not_held or "no images to hold"
+            raise UsageError(f"--in-memory always: the data cannot be held in memory: {why}; "
+                             f"use --in-memory auto (or never) to decode the images per step")
     for source in sources:
         if isinstance(source, HFSource):
             source.on_substitute = warn_substitute

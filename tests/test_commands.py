@@ -5,6 +5,7 @@ the ~10 s import of torch/timm/accelerate per call; the two-process eval goes th
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -238,6 +239,29 @@ def test_predict_of_a_folder_leaves_out_what_training_leaves_out(run_dir, image_
     shutil.copy(folder / "ring" / images[0], hidden)
     assert [row["image"] for row in predict_json(capsys, str(run_dir), str(hidden))] == \
         [str(hidden)]
+
+
+def test_the_last_words_name_the_run_folder_as_a_shell_takes_it(tmp_path, capsys):
+    """The end of a run suggests commands: a folder with spaces, quoted, pastes as one word."""
+    out = tmp_path / "my run é"
+    code, said, err = command(capsys, "--dataset", "synthetic", "--synthetic-train-size", "64",
+                              "--batch-size", "16", "--max-steps", "1", "--no-plots",
+                              "--output-dir", str(out))
+    assert code == 0, err
+    assert f"next: accel-train eval {shlex.quote(str(out))}  |  accel-train predict " \
+           f"{shlex.quote(str(out))} IMAGES..." in said
+    assert shlex.split(said.split("next: ")[1].split("  |  ")[0]) == ["accel-train", "eval",
+                                                                    str(out)]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--top-k", "0"], "--top-k must be a whole number >= 1 (got 0)"),
+    (["--batch-size", "-2"], "--batch-size must be a whole number >= 1 (got -2)"),
+])
+def test_predict_names_the_flag_that_is_out_of_range(run_dir, image_folder, capsys, flags,
+                                                      expected):
+    code, _, err = command(capsys, "predict", str(run_dir), str(image_folder), *flags)
+    assert code == 2 and err.strip().splitlines() == [f"accel_train: error: {expected}"], err
 
 
 def test_predict_of_a_folder_takes_every_extension_training_takes(run_dir, image_folder,

@@ -159,8 +159,9 @@ def _load(model_text: str, asked: str, ema: bool, torch):
 
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.top_k < 1 or args.batch_size < 1:
-        raise UsageError("--top-k and --batch-size must be whole numbers >= 1")
+    for flag, value in (("--top-k", args.top_k), ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise UsageError(f"{flag} must be a whole number >= 1 (got {value})")
     images = find_images(args.inputs)
     import torch
 

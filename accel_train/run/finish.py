@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from pathlib import Path
 
 from torch import nn
@@ -79,6 +80,6 @@ def maybe_plot(wanted: bool, is_main: bool, output_dir: Path, report) -> None:
 
 
 def say_next(best_top1, output_dir: Path, report) -> None:
-    report.say(f"best held-out top-1 {best_top1 or 0:.2%}; next: accel-train eval {output_dir}"
-               f"  |  accel-train predict {output_dir} IMAGES...  |  accel-train plot "
-               f"{output_dir}")
+    folder = shlex.quote(str(output_dir))  # a command a reader can paste, spaces and all
+    report.say(f"best held-out top-1 {best_top1 or 0:.2%}; next: accel-train eval {folder}"
+               f"  |  accel-train predict {folder} IMAGES...  |  accel-train plot {folder}")

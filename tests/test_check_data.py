@@ -179,3 +179,26 @@ def test_one_class_is_a_problem_as_training_refuses_it(tmp_path, capsys):
     assert "fewer than 2 classes" in out.splitlines()[-1]
     code, out, _ = check_here(capsys, "--data-dir", str(tmp_path / "only"), "--json")
     assert json.loads(out.strip().splitlines()[-1])["too_few_classes"] is True
+
+
+def test_files_training_does_not_read_are_counted_and_photos_among_them_are_problems(
+        tmp_path, capsys):
+    """An iPhone's .HEIC photo beside JPEGs: training leaves it out without a word (PIL opens no
+    such file).  check-data counts every file it will not read, by extension, and a photo
+    format among them is a problem; notes and hidden files are only counted or left out."""
+    root = tmp_path / "photos"
+    for label in ("ant", "bee"):
+        (root / label).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (8, 8), (60 * i, 0, 0)).save(root / label / f"{i}.jpg")
+    (root / "bee" / "IMG_0001.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic")
+    (root / "ant" / "notes.txt").write_text("taken in May")
+    (root / "ant" / ".DS_Store").write_bytes(b"\x00")
+    code, out, _ = check_here(capsys, "--data-dir", str(root), "--json")
+    findings = json.loads(out.strip().splitlines()[-1])
+    assert code == 1 and findings["images"] == 4
+    assert findings["files_not_read"] == {".heic": 1, ".txt": 1}
+    assert findings["photos_not_read"] == {".heic": 1} and findings["problems"] == 1
+    (root / "bee" / "IMG_0001.HEIC").unlink()
+    code, out, _ = check_here(capsys, "--data-dir", str(root))
+    assert code == 0 and "files not read as images (1): .txt 1" in out, out

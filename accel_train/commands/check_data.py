@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Sequence
 
 from accel_train.cli import _Parser
@@ -188,6 +189,7 @@ def check(args) -> dict:
         if broken_train and train in labels else np.zeros(len(class_names), dtype=np.int64)
     no_readable = [name for c, name in enumerate(class_names)
                    if train in counts and counts[train][c] and lost[c] == counts[train][c]]
+    not_read = files_not_read(raw.root) if raw.root is not None else {}
     findings = {
         "data": raw.origin, "images": int(sum(len(s) for s in sources.values())),
         "splits": {split: len(source) for split, source in sources.items()},
@@ -205,10 +207,33 @@ def check(args) -> dict:
                        for split, n in unlabelled.items()},
         "too_few_classes": len(class_names) < 2,
         "classes_without_a_readable_training_image": no_readable,
+        "files_not_read": not_read,
+        "photos_not_read": {k: n for k, n in not_read.items() if k in PHOTO_FORMATS_NOT_OPENED},
         "workers": args.workers, "seconds": round(time.perf_counter() - started, 2)}
     findings["problems"] = (len(findings["unreadable"]) + len(duplicates) + len(one_split)
-                            + len(refused) + findings["too_few_classes"] + len(no_readable))
+                            + len(refused) + findings["too_few_classes"] + len(no_readable)
+                            + sum(findings["photos_not_read"].values()))
     return findings
+
+
+# photographs in formats PIL does not open (phones' HEIC, cameras' raw files): an image folder
+# that holds them trains without them, which check-data counts as a problem
+PHOTO_FORMATS_NOT_OPENED = (".heic", ".heif", ".avif", ".cr2", ".cr3", ".nef", ".arw", ".dng",
+                            ".orf", ".rw2", ".raf")
+
+
+def files_not_read(root: Path) -> dict[str, int]:
+    """{extension: count} of the files in an image folder that training does not read as
+    images (PIL opens no such file; hidden files and __ folders left out, as training does)."""
+    from accel_train.data.imagefolder import image_extensions, left_out
+    extensions, counts = image_extensions(), defaultdict(int)
+    for _, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders if not left_out(name, True)]
+        for name in files:
+            suffix = os.path.splitext(name)[1].lower()
+            if not left_out(name, False) and suffix not in extensions:
+                counts[suffix or "(no extension)"] += 1
+    return dict(sorted(counts.items()))
 
 
 def _number(value) -> str:
@@ -259,6 +284,12 @@ def format_table(findings: dict) -> str:
     refused = sum(u["refused"] for u in unlabelled.values())
     if findings["too_few_classes"]:
         lines += ["", f"{len(names)} class: training needs at least 2"]
+    not_read = findings["files_not_read"]
+    if not_read:
+        lines += ["", f"files not read as images ({sum(not_read.values())}): "
+                  + ", ".join(f"{suffix} {n}" for suffix, n in not_read.items())
+                  + ("; photos among them: convert them to JPEG or PNG to train on them"
+                     if findings["photos_not_read"] else "")]
     no_readable = findings["classes_without_a_readable_training_image"]
     if no_readable:
         lines += ["", f"classes none of whose training images can be read ({len(no_readable)}): "
@@ -271,7 +302,9 @@ def format_table(findings: dict) -> str:
               f"partly unlabelled" + (", fewer than 2 classes" if findings["too_few_classes"]
                                       else "")
               + (f", {len(no_readable)} class(es) without a readable training image"
-                 if no_readable else "")]
+                 if no_readable else "")
+              + (f", {sum(findings['photos_not_read'].values())} photo(s) in a format PIL "
+                 f"does not open" if findings["photos_not_read"] else "")]
     return "\n".join(lines)
 
 

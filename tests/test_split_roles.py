@@ -169,3 +169,45 @@ def test_eval_given_the_data_dir_splits_it_as_the_run_split_its_own(tmp_path):
     result = accel_train_here("eval", str(run), "--data-dir", str(data), "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.splitlines()[-1])["count"] == 8
+
+
+@pytest.mark.parametrize("splits, words", [
+    ({"train": 10, "validation": 4, "test": 6}, "has a validation split (validation), which "
+                                                "selects"),
+    ({"train": 20}, "has no test split; part of train is held out for validation"),
+])
+def test_select_on_test_that_changes_nothing_is_said(tmp_path, splits, words):
+    data = parquet_folder(tmp_path / "data", splits)
+    loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never", select_on_test=True))
+    assert f"--select-on-test has no effect: {data} {words}" in loaded.warnings
+    used = parquet_folder(tmp_path / "used", {"train": 10, "test": 6})
+    loaded = load_data(TrainConfig(data_dir=str(used), in_memory="never", select_on_test=True))
+    assert not [w for w in loaded.warnings if "--select-on-test" in w]
+    assert len(loaded.held_out) == 6 and loaded.test is None
+
+
+def test_eval_on_other_data_checks_its_classes_against_the_models(tmp_path):
+    """Other data whose validation folder holds a class its own train/ lacks: training would
+    refuse it in its words; eval checks the classes against the model's, and says that."""
+    data = image_folder(tmp_path / "data", {"train": 20})
+    run = tmp_path / "run"
+    accel_train_here("--data-dir", str(data), "--model", "test_resnet", "--epochs", "1",
+                     "--batch-size", "8", "--no-plots", "--output-dir", str(run), check=True)
+    other = image_folder(tmp_path / "other", {"train": 4, "val": 4})
+    (other / "val" / "b").rename(other / "val" / "c")
+    result = accel_train_here("eval", str(run), "--data-dir", str(other))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "class(es) c are not among the model's 2 classes (a, b)" in lines[0], lines[0]
+
+
+def test_eval_split_test_of_a_run_that_selected_on_its_test_split_names_held_out(tmp_path):
+    data = parquet_folder(tmp_path / "data", {"train": 16, "test": 8})
+    run = tmp_path / "run"
+    accel_train_here("--data-dir", str(data), "--model", "test_resnet", "--epochs", "1",
+                     "--batch-size", "8", "--no-plots", "--select-on-test", "--output-dir",
+                     str(run), check=True)
+    result = accel_train_here("eval", str(run), "--split", "test")
+    assert result.returncode == 2 and "the run selected on its test split" in result.stderr
+    assert result.stderr.strip().endswith("pass --split held-out"), result.stderr
+    assert accel_train_here("eval", str(run), "--split", "held-out").returncode == 0

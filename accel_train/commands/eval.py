@@ -164,6 +164,10 @@ def _dataset_for_split(data, split: str, transform, max_samples):
     parts = {"held-out": [data.held_out], "train": [data.train], "all": [data.train, data.held_out],
              "test": [data.test] if data.test is not None else []}
     if not parts[split]:
+        if "the test split used for selection" in data.description:  # --select-on-test
+            raise UsageError(f"--split test: the run selected on its test split, so that split "
+                             f"is its held-out split here ({data.description}); pass --split "
+                             f"held-out")
         raise UsageError(f"--split {split}: {data.description} has no test split; choose "
                          f"held-out, train or all")
     # marked: evaluate_classifier leaves out what could not be decoded (a substitute's image)
@@ -238,7 +242,7 @@ def main(argv: Sequence[str]) -> int:
                              f"pass --data-dir of a folder")
         # one class is data to evaluate a classifier on, if not to train one
         data = main_first(lambda: load_streaming(config) if streamed else
-                          load_data(config, min_classes=1))
+                          load_data(config, min_classes=1, to_train=False))
         changed = None if streamed else data_changed_since_run(data, run_record, args)
         if changed:
             print_once(f"warning: {changed}")

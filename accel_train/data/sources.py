@@ -673,9 +673,11 @@ def embedded_set(config: TrainConfig) -> bool:
     return config.data_dir is None and config.dataset == SYNTHETIC_DATASET
 
 
-def load_data(config: TrainConfig, min_classes: int = 2) -> LoadedData:
+def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True) -> LoadedData:
     """Load, pick splits and columns, apply sample limits, decode into memory when worthwhile.
-    `min_classes`: 2 to train on; eval takes data of one class."""
+    `min_classes`: 2 to train on; eval takes data of one class.  `to_train`: False for data a
+    trained model is evaluated on, whose held-out classes are checked against the model's
+    (eval.align_labels), not against the data's own training split."""
     if embedded_set(config):
         data = _synthetic(config)
         return LoadedData(_limit(data.train, config.max_train_samples),
@@ -687,7 +689,13 @@ def load_data(config: TrainConfig, min_classes: int = 2) -> LoadedData:
     image_column, label_column = find_columns(raw.splits[train_name], config)
     warnings = set_aside_unlabelled_splits(raw, label_column, train_name)
     splits = pick_splits(raw, config.val_fraction, config.select_on_test)
-    refuse_folders_never_trained(raw, splits)
+    if config.select_on_test and splits.eval_name not in TEST_SPLIT_NAMES:
+        warnings.append(f"--select-on-test has no effect: {raw.origin} "
+                        + (f"has a validation split ({splits.eval_name}), which selects"
+                           if splits.eval_name != splits.train_name else
+                           "has no test split; part of train is held out for validation"))
+    if to_train:
+        refuse_folders_never_trained(raw, splits)
     train_rows, eval_rows = splits.train_rows, splits.eval_rows
     if config.max_train_samples:
         train_rows = train_rows[:config.max_train_samples]
@@ -698,7 +706,8 @@ def load_data(config: TrainConfig, min_classes: int = 2) -> LoadedData:
         test_rows = np.arange(len(raw.splits[splits.test_name]))
         roles.append(("test", splits.test_name, test_rows[:config.max_eval_samples or None]))
     parts = {role: rows_of(raw.splits[name], rows) for role, name, rows in roles}
-    check_label_values(raw, splits, label_column)
+    if to_train:
+        check_label_values(raw, splits, label_column)
     labels, class_names = labels_and_names(parts, label_column)
     warnings += label_gap_warnings(raw, splits, label_column, class_names)
     warnings += few_classes_in_the_first(config, labels, len(class_names))

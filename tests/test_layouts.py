@@ -200,6 +200,14 @@ def _bad(tmp_path: Path, case: str) -> tuple[list[str], str]:
         return ["--data-dir", str(mixed)], \
             (f"--data-dir {mixed}: the validation split has images of class(es) n01484851, of "
              f"which train has none")
+    elif case == "empty split folder":
+        split = tmp_path / "s"
+        _files(split, ["train/a/1.png", "train/b/2.png"])
+        (split / "val").mkdir()
+        (split / "val" / "notes.txt").write_text("nothing yet")
+        return ["--data-dir", str(split)], \
+            (f"split folder {split}/val holds no images; put its images in one folder per "
+             f"class inside it, or remove it")
     elif case == "unlabelled held-out folder":
         return ["--data-dir", str(root)], \
             f"{root}/val/ILSVRC2012_val_00000001.JPEG is not inside a class folder"
@@ -211,7 +219,7 @@ def _bad(tmp_path: Path, case: str) -> tuple[list[str], str]:
 @pytest.mark.parametrize("case", ["no images", "empty class folder", "label for a missing image",
                                   "unknown class", "class number", "unlabelled image",
                                   "no label file", "unlabelled held-out folder",
-                                  "held-out class never trained"])
+                                  "held-out class never trained", "empty split folder"])
 def test_bad_folders_and_label_files_are_one_line_errors(tmp_path, capsys, case):
     args, expected = _bad(tmp_path, case)
     out = tmp_path / "run"

@@ -278,6 +278,9 @@ def _check_empty_folders(root: Path, empty: list[str], found: list[str], prefix:
         empty = [folder for folder in empty
                  if _folder_class(folder[len(prefix):].split("/")[:-1], depth)
                  not in with_images | {None}]
+    if empty and empty[0] == prefix and prefix:  # the split folder itself (val/, test/)
+        raise UsageError(f"split folder {root / prefix.rstrip('/')} holds no images; put its "
+                         f"images in one folder per class inside it, or remove it")
     if empty:
         raise UsageError(f"class folder {root / empty[0]} holds no images; add images to it "
                          f"or remove it")

@@ -106,6 +106,41 @@ def test_shard_round_trip_image_folder(tmp_path):
         assert torch.equal(images, source.images) and torch.equal(labels, source.labels)
 
 
+def test_a_test_split_beside_a_validation_split_is_sharded_and_tested_at_the_end(tmp_path):
+    """train/, val/ and test/: shard copies all three (it dropped test/), and a streamed run
+    selects on the validation shards and evaluates the test shards once at the end, as the
+    map-style run of the folder does (its numbers the oracle)."""
+    from PIL import Image
+    src = tmp_path / "folder"
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 8), ("val", 4), ("test", 6)):
+        for cls in ("cat", "dog"):
+            (src / split / cls).mkdir(parents=True)
+            for i in range(count):
+                Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(
+                    src / split / cls / f"{i}.png")
+    out = tmp_path / "shards"
+    result = _shard_here("--data-dir", str(src), "--samples-per-shard", "4", "--output",
+                         str(out))
+    assert result.returncode == 0, result.stderr
+    from accel_train.config import TrainConfig
+    from accel_train.data.sources import load_data
+    loaded = load_data(TrainConfig(data_dir=str(src), in_memory="always"))
+    sets = _index_sets(out)
+    assert set(sets) == {"train", "validation", "test"}
+    for split, source in (("train", loaded.train), ("validation", loaded.held_out),
+                          ("test", loaded.test)):
+        images, labels = _decoded(sets[split])
+        assert torch.equal(images, source.images) and torch.equal(labels, source.labels)
+    run = accel_train_here("--data-dir", str(out), "--model", "test_resnet", "--batch-size",
+                           "4", "--epochs", "1", "--no-plots", "--output-dir",
+                           str(tmp_path / "run"))
+    said = run.stdout + run.stderr
+    assert run.returncode == 0, said[-3000:]
+    assert "validation 8; test 12 kept for the end" in said, said[-3000:]
+    assert "(12 images of the test split, evaluated once" in said
+
+
 def test_held_out_shards_of_photographs_in_many_sizes_are_evaluated_as_the_folder_is(tmp_path):
     """An image folder whose validation photographs differ in size (landscape and portrait
     JPEGs), sharded and trained streamed at 48 px: its evaluation gives the numbers that

@@ -87,16 +87,20 @@ def _samples(args):
     _, label_column = find_columns(raw.splits[train_split], config)
     for warning in set_aside_unlabelled_splits(raw, label_column, train_split):
         print(f"warning: {warning}", file=sys.stderr)
-    # The data's own splits as they are (train and its test or validation split; a carved one
-    # only where there is neither): shards are a copy of the data, not of one run's roles.
+    # The data's own splits as they are (train, its validation split and its test split; a
+    # carved validation split only where there is neither): shards are a copy of the data, not
+    # of one run's roles.
     splits = pick_splits(raw, config.val_fraction, select_on_test=True)
     train_name, train_rows = splits.train_name, splits.train_rows
     eval_name, eval_rows = splits.eval_name, splits.eval_rows
-    train = rows_of(raw.splits[train_name], train_rows)
-    held_out = rows_of(raw.splits[eval_name], eval_rows)
-    image_column, label_column = find_columns(train, config)
-    labels, class_names = labels_and_names({"train": train, "eval": held_out}, label_column)
+    parts = {"train": rows_of(raw.splits[train_name], train_rows),
+             "eval": rows_of(raw.splits[eval_name], eval_rows)}
+    if splits.test_name is not None:  # beside a validation split
+        parts["test"] = raw.splits[splits.test_name]
+    image_column, label_column = find_columns(parts["train"], config)
+    labels, class_names = labels_and_names(parts, label_column)
     out_eval = eval_name if eval_name != train_name else "validation"
+    names = {"train": "train", "eval": out_eval, "test": splits.test_name}
 
     def rows(dataset, split_labels):
         from datasets import Image as ImageFeature
@@ -117,9 +121,9 @@ def _samples(args):
                     ext = image_ext(data, path)
                 yield data, ext, int(split_labels[row])
                 row += 1
-    return (class_names, f"{raw.origin}", {"train": rows(train, labels["train"]),
-                                           out_eval: rows(held_out, labels["eval"])},
-            {"train": len(train), out_eval: len(held_out)})
+    return (class_names, f"{raw.origin}",
+            {names[part]: rows(dataset, labels[part]) for part, dataset in parts.items()},
+            {names[part]: len(dataset) for part, dataset in parts.items()})
 
 
 def convert(args, say=print) -> Path:

@@ -17,7 +17,7 @@ import numpy as np
 
 from accel_train.base.errors import UsageError
 from accel_train.base.readers import BadFile, Shape, bad, parquet_file, read_json
-from accel_train.data.sources import IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES
+from accel_train.data.sources import IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, TEST_SPLIT_NAMES
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "accel_train-shards/1"
@@ -169,6 +169,7 @@ class ShardData:
     class_names: list[str]
     origin: str
     eval_name: str
+    test: Optional[ShardSet] = None  # a test split beside a validation one: for the end
 
 
 def is_shard_folder(data_dir: Optional[str]) -> bool:
@@ -284,7 +285,9 @@ def open_shards(config) -> ShardData:
     if len(class_names) < 2:
         raise UsageError(f"{config.data_dir}: found {len(class_names)} class(es); a classifier "
                          f"needs at least 2")
-    return ShardData(splits["train"], splits[eval_name], class_names, str(root), eval_name)
+    test_name = next((n for n in TEST_SPLIT_NAMES if n in splits and n != eval_name), None)
+    return ShardData(splits["train"], splits[eval_name], class_names, str(root), eval_name,
+                     splits[test_name] if test_name else None)
 
 
 def read_split(shards: ShardSet, limit: Optional[int] = None) -> tuple[list, list[int]]:

@@ -57,23 +57,34 @@ def load_streaming(config):
                         "train", index, f"{self.shards.files[s].name} {name}", reason)
             return None
 
-    samples, _ = read_split(data.held_out, config.max_eval_samples)
-    images, labels, bad = decode_substituting(samples, config.bad_images)
-    labels = torch.as_tensor(labels, dtype=torch.long)
-    # one size: one tensor, transformed in batches; photographs of many sizes: each as decoded
-    held_out = (ArraySource(torch.stack(images), labels) if len({i.shape for i in images}) == 1
-                else DecodedImages(images, labels))
+    held_out, bad = read_whole(data.held_out, config, "held-out")
+    test, test_bad = read_whole(data.test, config, "test") if data.test is not None \
+        else (None, [])
     # shards of CIFAR-10 hold its test split beside train: the run selects on it, and says so
     # as a map-style run with --select-on-test does
     selects_on_test = data.eval_name.lower() in TEST_SPLIT_NAMES
     description = (f"{data.origin} (streamed: {len(data.train.files)} train shards, "
                    f"{len(data.train):,} images / {data.eval_name} {len(held_out):,}"
-                   f"{', the test split used for selection' if selects_on_test else ''})")
+                   f"{', the test split used for selection' if selects_on_test else ''}"
+                   f"{f'; test {len(test):,} kept for the end' if test is not None else ''})")
     loaded = LoadedData(StreamSource(data.train), held_out, data.class_names, description,
-                        [BadImage("held-out", position, samples[position][2], reason)
-                         for position, reason in bad])
+                        bad + test_bad, test=test)
     loaded.shards = data
     return loaded
+
+
+def read_whole(shards: ShardSet, config, role: str):
+    """(images, the BadImages among them) of held-out shards, read whole and decoded into
+    memory (at most --max-eval-samples): one size, one tensor, transformed in batches;
+    photographs of many sizes, each as decoded."""
+    samples, _ = read_split(shards, config.max_eval_samples)
+    images, labels, bad = decode_substituting(samples, config.bad_images)
+    labels = torch.as_tensor(labels, dtype=torch.long)
+    broken = [BadImage(role, position, samples[position][2], reason) for position, reason in bad]
+    # (an ArraySource's broken images are left out of the evaluations' numbers)
+    held = (ArraySource(torch.stack(images), labels, broken)
+            if len({i.shape for i in images}) == 1 else DecodedImages(images, labels))
+    return held, broken
 
 
 def streaming_wanted(config) -> bool:

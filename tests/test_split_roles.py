@@ -211,3 +211,24 @@ def test_eval_split_test_of_a_run_that_selected_on_its_test_split_names_held_out
     assert result.returncode == 2 and "the run selected on its test split" in result.stderr
     assert result.stderr.strip().endswith("pass --split held-out"), result.stderr
     assert accel_train_here("eval", str(run), "--split", "held-out").returncode == 0
+
+
+def test_eval_takes_data_whose_class_label_declares_names_no_image_has(tmp_path):
+    """A parquet file whose ClassLabel lists a spare name beside the model's two: eval counts
+    the images by the model's names (the spare one has none); a name that images have and the
+    model lacks is still refused."""
+    data = image_folder(tmp_path / "data", {"train": 20})
+    run = tmp_path / "run"
+    accel_train_here("--data-dir", str(data), "--model", "test_resnet", "--epochs", "1",
+                     "--batch-size", "8", "--no-plots", "--output-dir", str(run), check=True)
+    spare = datasets.Features({"image": datasets.Image(),
+                               "label": datasets.ClassLabel(names=["a", "b", "spare"])})
+    other = tmp_path / "other"
+    other.mkdir()
+    rows(8).cast(spare).to_parquet(str(other / "test.parquet"))
+    rows(8, seed=1).cast(spare).to_parquet(str(other / "train.parquet"))
+    result = accel_train_here("eval", str(run), "--data-dir", str(other), "--split", "test",
+                              "--json")
+    assert result.returncode == 0, result.stderr
+    per_class = json.loads(result.stdout.splitlines()[-1])["per_class"]
+    assert {name: c["images"] for name, c in per_class.items()} == {"a": 4, "b": 4}

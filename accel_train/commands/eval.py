@@ -148,13 +148,18 @@ def align_labels(source, data_names: list[str], model_names: list[str], origin: 
         return unicodedata.normalize("NFC", name)
 
     index = {same(name): i for i, name in enumerate(model_names)}
-    unknown = [name for name in data_names if same(name) not in index]
+    # names the data declares but no image of this split has (a ClassLabel's spare names) do
+    # not stand in the way; they map to nothing
+    present = set(torch.unique(source.labels).tolist()) if len(source.labels) else set()
+    unknown = [name for i, name in enumerate(data_names)
+               if same(name) not in index and i in present]
     if unknown:
         raise UsageError(f"{origin}: class(es) {', '.join(unknown[:5])} are not among the "
                          f"model's {len(model_names)} classes ({', '.join(model_names[:10])}"
                          f"{', ...' if len(model_names) > 10 else ''}); evaluate on data "
                          f"labelled with the model's class names")
-    source.labels = torch.tensor([index[same(name)] for name in data_names])[source.labels]
+    source.labels = torch.tensor([index.get(same(name), -1) for name in data_names]
+                                 )[source.labels]
 
 
 def _dataset_for_split(data, split: str, transform, max_samples):

@@ -91,7 +91,8 @@ def test_fit_records_its_program_even_after_the_command_line_ran_in_the_process(
     """A program that called the command line (cli.main) and then fit(): each run records
     what ran it, `accel-train ARGS` and then the program's own argv."""
     assert main(["--dataset", "synthetic", "--synthetic-train-size", "32", "--batch-size", "16",
-                 "--max-steps", "1", "--no-plots", "--output-dir", str(tmp_path / "cli")]) == 0
+                 "--max-steps", "1", "--no-plots", "--mixed-precision", "no",
+                 "--no-channels-last", "--output-dir", str(tmp_path / "cli")]) == 0
     fit_tiny(tmp_path, "fit", max_steps=1)
     recorded = {name: yaml.safe_load((tmp_path / name / "config.yaml").read_text())["command"]
                 for name in ("cli", "fit")}

@@ -340,8 +340,10 @@ def test_mixed_sizes_stay_on_disk_and_decode_per_sample(tmp_path):
 
 
 def test_unreadable_image_is_named(tmp_path):
+    # class 1 keeps one readable image (a class with none is refused: test_bad_images.py)
     rows = {"image": [{"bytes": _png_bytes(_image(0, 0)), "path": None},
-                      {"bytes": b"not an image", "path": None}], "label": [0, 1]}
+                      {"bytes": b"not an image", "path": None},
+                      {"bytes": _png_bytes(_image(1, 1)), "path": None}], "label": [0, 1, 1]}
     ds = datasets.Dataset.from_dict(rows, features=datasets.Features(
         {"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES[:2])}))
     ds.to_parquet(str(tmp_path / "train.parquet"))
@@ -352,8 +354,8 @@ def test_unreadable_image_is_named(tmp_path):
     data = load_data(config(data_dir=str(tmp_path)))  # the default: a substitute, and its label
     assert [(bad.split, bad.index, bad.name) for bad in data.bad_images] == \
         [("train", 1, "train.parquet row 1"), ("held-out", 1, "validation.parquet row 1")]
-    assert torch.equal(data.train.images[1], data.train.images[0])
-    assert data.train.labels.tolist() == [0, 0]
+    assert torch.equal(data.train.images[1], data.train.images[2])  # the next that decodes
+    assert data.train.labels.tolist() == [0, 1, 1]
 
 
 @pytest.mark.parametrize("setup, expected", [

@@ -26,6 +26,8 @@ EXCEPTIONS = {
     ("accel_train/run/runlock.py", "read_text"): "/proc files of the kernel (boot id, a process's "
     "start time), not files users or runs hand us",
     ("accel_train/run/distributed.py", "read_text"): "NVIDIA's kernel-module version file in /proc",
+    ("accel_train/base/weightfiles.py", "read_text"): "/proc/self/status, the kernel's word on "
+    "this process's umask",
     ("accel_train/run/rank_launcher.py", "read_bytes"): "/proc/PID/cmdline of the parent launcher",
     ("accel_train/run/rank_launcher.py", "load_config_from_file"): "accelerate's default or given "
     "config, which accelerate launch itself has just read successfully to start this process",

@@ -157,7 +157,7 @@ def check_same_held_out(previous: TrainerState, held_out_samples: int,
     different things, and the run's records would no longer say what was measured."""
     for what, before, now in (("held-out", previous.held_out_samples, held_out_samples),
                               ("test", previous.test_samples, test_samples)):
-        if before and now != before:
+        if before and now and now != before:  # 0: not recorded (a checkpoint before these)
             raise UsageError(f"the checkpoint's run evaluated {before} {what} images but this "
                              f"start has {now}; resume with the same data options "
                              f"(--max-eval-samples, the data's splits), or start a new run")

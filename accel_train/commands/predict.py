@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from accel_train.base.columns import display_width, pad
 from accel_train.cli import _Parser
 from accel_train.commands import EMA_HELP
 from accel_train.config import PRECISIONS
@@ -112,13 +113,13 @@ def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device
 
 
 def _table_header(k: int, path_width: int, name_width: int) -> str:
-    cells = "  ".join(f"{f'top-{rank + 1}':<{name_width + 7}}" for rank in range(k))
-    return f"{'image':<{path_width}}  {cells}".rstrip()
+    cells = "  ".join(pad(f"top-{rank + 1}", name_width + 7) for rank in range(k))
+    return f"{pad('image', path_width)}  {cells}".rstrip()
 
 
 def _table_row(path: Path, ranked, names: list[str], path_width: int, name_width: int) -> str:
-    cells = "  ".join(f"{names[i]:<{name_width}} {p:6.1%}" for i, p in ranked)
-    return f"{str(path):<{path_width}}  {cells}"
+    cells = "  ".join(f"{pad(names[i], name_width)} {p:6.1%}" for i, p in ranked)
+    return f"{pad(str(path), path_width)}  {cells}"
 
 
 def _load(model_text: str, asked: str, ema: bool, torch):
@@ -168,8 +169,8 @@ def main(argv: Sequence[str]) -> int:
     model, spec, description, device, autocast, channels_last, ran_in = \
         _load(args.model, args.mixed_precision, args.ema, torch)
     names = spec.class_names
-    path_width = max(len(str(p)) for p in images)
-    name_width = max(len(name) for name in names)
+    path_width = max(display_width(str(p)) for p in images)
+    name_width = max(display_width(name) for name in names)
     if not args.json:
         print(f"model: {spec.model_name} from {description}; {len(images)} image(s) on "
               f"{device.type} in {ran_in}\n\n"
@@ -180,7 +181,7 @@ def main(argv: Sequence[str]) -> int:
         if reason is not None:
             failures.append(f"{path} cannot be decoded ({reason})")
             print(json.dumps({"image": str(path), "error": failures[-1]}) if args.json
-                  else f"{str(path):<{path_width}}  (not predicted: {reason})")
+                  else f"{pad(str(path), path_width)}  (not predicted: {reason})")
         elif args.json:
             print(json.dumps({"image": str(path), "predictions": [
                 {"class": names[i], "index": i, "probability": round(p, 6)} for i, p in ranked]}))

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from accel_train.base.columns import display_width, pad
 from accel_train.data.loaders import collate_batch
 from accel_train.data.loading import stop_when_stuck
 from accel_train.train.budget import TTA_PASSES
@@ -116,12 +117,12 @@ def format_results(results: dict, class_names: list[str]) -> str:
              f"{results['top5']:.2%}  ({results['count']} images"
              + (f"; {left_out} that could not be decoded left out" if left_out else "") + ")",
              ""]
-    width = max([len("class"), *(len(name) for name in class_names)])
-    lines.append(f"{'class':<{width}}  {'correct':>7}  {'images':>6}  {'top-1':>7}")
+    width = max([len("class"), *(display_width(name) for name in class_names)])
+    lines.append(f"{pad('class', width)}  {'correct':>7}  {'images':>6}  {'top-1':>7}")
     per_class = results["per_class"]
     for name, correct, total in zip(class_names, per_class["correct"], per_class["total"]):
         accuracy = f"{correct / total:.1%}" if total else "-"
-        lines.append(f"{name:<{width}}  {correct:>7}  {total:>6}  {accuracy:>7}")
+        lines.append(f"{pad(name, width)}  {correct:>7}  {total:>6}  {accuracy:>7}")
     return "\n".join(lines)
 
 

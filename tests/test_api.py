@@ -183,7 +183,6 @@ def test_bad_arguments_are_one_clear_error(tmp_path, monkeypatch, call, expected
         call()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("message, expected", [
     ("--output-dir /x/run holds a finished run; pass --resume auto to go on, or another "
      "--output-dir", "output_dir='/x/run' holds a finished run; pass resume='auto' to go on, or "
@@ -210,6 +209,7 @@ def test_fit_says_what_to_change_in_its_own_keywords(tmp_path, monkeypatch):
         accel_train.fit(Tiny(), Squares(8), val_fraction=2)
 
 
+@pytest.mark.slow
 def test_the_example_on_two_processes_equals_one_process(tmp_path):
     """examples/custom_model.py as its docstring says: 1 process x 32 and, under `accelerate
     launch` with accelerate_configs/cpu_2proc.yaml, 2 processes x 16 train the same weights."""

@@ -198,6 +198,8 @@ def test_bad_arguments_are_one_clear_error(tmp_path, monkeypatch, call, expected
     ("--val-fraction must be between 0 and 1", "val_fraction= must be between 0 and 1"),
     ("--format onnx beside --data-on-device always", "--format onnx beside "
      "data_on_device='always'"),  # --format is export's, no option of fit()
+    ("--tta flip and --model resnet18.", "tta='flip' and model='resnet18'."),  # a choice, a stop
+    ("--learning-rate 1e-05 is small", "learning_rate=1e-05 is small"),
 ])
 def test_messages_name_keyword_arguments_where_the_command_line_names_flags(message, expected):
     assert in_python_terms(message) == expected

@@ -18,6 +18,7 @@ from accelerate.state import AcceleratorState
 
 from accel_train.run import checkpoint as ck
 from accel_train.run.checkpoint import (MANIFEST, STATE_FILE, AccelerateState, Checkpointer,
+                                        check_same_held_out,
                                         TrainerState, find_latest_valid, read_state,
                                         recover_interrupted_saves, verify)
 from accel_train.run.resume import accumulation_for, resolve_resume, set_aside_newer
@@ -260,6 +261,14 @@ def test_a_resume_on_another_held_out_set_is_refused(tmp_path, capsys):
     assert tree_digest(out) == before
     assert run_cli(capsys, "--output-dir", str(out), "--max-eval-samples", "30",
                    "--max-steps", "4", "--resume", "auto")[0] == 0
+
+
+def test_the_held_out_and_test_counts_are_each_compared_when_both_were_recorded():
+    previous = TrainerState(held_out_samples=30, test_samples=20)
+    check_same_held_out(previous, 30, 20)
+    check_same_held_out(TrainerState(), 30, 20)  # a checkpoint from before these were recorded
+    with pytest.raises(UsageError, match=r"evaluated 20 test images but this start has 5;"):
+        check_same_held_out(previous, 30, 5)
 
 
 def test_resume_from_a_bad_checkpoint_fails_in_one_line_and_touches_nothing(bundle, tmp_path,

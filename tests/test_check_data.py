@@ -193,12 +193,16 @@ def test_files_training_does_not_read_are_counted_and_photos_among_them_are_prob
             Image.new("RGB", (8, 8), (60 * i, 0, 0)).save(root / label / f"{i}.jpg")
     (root / "bee" / "IMG_0001.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic")
     (root / "ant" / "notes.txt").write_text("taken in May")
+    (root / "bee" / "more notes.txt").write_text("and June")
+    (root / "bee" / "__README").write_text("a file named so is read as any other")
     (root / "ant" / ".DS_Store").write_bytes(b"\x00")
+    (root / "__MACOSX" / "ant").mkdir(parents=True)  # left out whole, as training leaves it
+    (root / "__MACOSX" / "ant" / "x.txt").write_text("")
     code, out, _ = check_here(capsys, "--data-dir", str(root), "--json")
     findings = json.loads(out.strip().splitlines()[-1])
     assert code == 1 and findings["images"] == 4
-    assert findings["files_not_read"] == {".heic": 1, ".txt": 1}
+    assert findings["files_not_read"] == {"(no extension)": 1, ".heic": 1, ".txt": 2}
     assert findings["photos_not_read"] == {".heic": 1} and findings["problems"] == 1
     (root / "bee" / "IMG_0001.HEIC").unlink()
     code, out, _ = check_here(capsys, "--data-dir", str(root))
-    assert code == 0 and "files not read as images (1): .txt 1" in out, out
+    assert code == 0 and "files not read as images (3): (no extension) 1, .txt 2" in out, out

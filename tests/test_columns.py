@@ -8,6 +8,7 @@ from accel_train.train.evaluate import format_results
 def test_widths_counted_as_a_terminal_shows_them():
     assert display_width("cat.jpg") == 7
     assert display_width("日本.jpg") == 8          # two wide characters, then four
+    assert display_width("ＡＢ") == 4              # fullwidth Latin letters: two columns each
     assert display_width("e\u0301t\u00e9") == 3   # decomposed é (two code points) and composed
     assert pad("日本", 5) == "日本 " and pad("toolong", 3) == "toolong"
 

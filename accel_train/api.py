@@ -58,7 +58,9 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
     line, before anything starts).
 
     A run stopped by a signal (SIGTERM, Ctrl-C) has saved a checkpoint; the process then ends
-    with the command line's exit code (143), so a scheduler sees the same thing.
+    with the command line's exit code (143), so a scheduler sees the same thing.  Bad input
+    raises `UsageError`, whose one line names the keyword arguments to change (`resume='auto'`,
+    not the command line's `--resume auto`).
     """
     refuse_unguarded_call(inspect.currentframe().f_back)
     set_command(sys.argv)  # the program ran itself (and may have run the command line before)

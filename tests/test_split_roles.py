@@ -232,3 +232,20 @@ def test_eval_takes_data_whose_class_label_declares_names_no_image_has(tmp_path)
     assert result.returncode == 0, result.stderr
     per_class = json.loads(result.stdout.splitlines()[-1])["per_class"]
     assert {name: c["images"] for name, c in per_class.items()} == {"a": 4, "b": 4}
+
+
+def test_eval_names_the_first_unknown_classes_and_the_models_first_ten(tmp_path):
+    """The words of align_labels' refusal: five unknown classes and how many more, the
+    model's first ten and how many more (the lists cut as first_few cuts them)."""
+    from accel_train.commands.eval import align_labels
+    from accel_train.data.sources import ArraySource
+    import torch
+    model = [f"m{i:02d}" for i in range(12)]
+    data = [f"d{i}" for i in range(7)]
+    source = ArraySource(torch.zeros(7, 3, 4, 4, dtype=torch.uint8), torch.arange(7))
+    with pytest.raises(UsageError) as raised:
+        align_labels(source, data, model, "DATA")
+    assert str(raised.value) == (
+        "DATA: class(es) d0, d1, d2, d3, d4 and 2 more are not among the model's 12 classes "
+        "(m00, m01, m02, m03, m04, m05, m06, m07, m08, m09 and 2 more); evaluate on data "
+        "labelled with the model's class names")

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from accel_train.cli import _Parser
 from accel_train.commands import EMA_HELP
 from accel_train.config import PRECISIONS, TTA_MODES, TrainConfig
-from accel_train.base.errors import UsageError
+from accel_train.base.errors import UsageError, first_few
 
 SPLITS = {"held-out": "the validation images", "test": "the test split (kept for the end)",
           "train": "the training images",
@@ -154,10 +154,9 @@ def align_labels(source, data_names: list[str], model_names: list[str], origin: 
     unknown = [name for i, name in enumerate(data_names)
                if same(name) not in index and i in present]
     if unknown:
-        raise UsageError(f"{origin}: class(es) {', '.join(unknown[:5])} are not among the "
-                         f"model's {len(model_names)} classes ({', '.join(model_names[:10])}"
-                         f"{', ...' if len(model_names) > 10 else ''}); evaluate on data "
-                         f"labelled with the model's class names")
+        raise UsageError(f"{origin}: class(es) {first_few(unknown)} are not among the "
+                         f"model's {len(model_names)} classes ({first_few(model_names, 10)}); "
+                         f"evaluate on data labelled with the model's class names")
     source.labels = torch.tensor([index.get(same(name), -1) for name in data_names]
                                  )[source.labels]
 

@@ -145,13 +145,15 @@ def test_eval_of_a_run_whose_folder_changed_warns_that_its_validation_split_is_a
 def test_the_first_images_of_a_sorted_folder_holding_one_class_are_said(tmp_path):
     """--max-train-samples 10 of a folder listed class by class: its first 10 images are all of
     class a (15 of each); the run says so.  20 images hold both: nothing said."""
-    data = image_folder(tmp_path / "data", {"train": 30, "val": 12})
+    data = image_folder(tmp_path / "data", {"train": 30, "val": 12, "test": 12})
     loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never", max_train_samples=10,
                                    max_eval_samples=4))
     assert set(loaded.train.labels.tolist()) == {0}  # the oracle: what the folder lists first
+    said = " ".join(loaded.warnings)
     assert ("--max-train-samples 10 takes the first 10 training images, which hold 1 of the 2 "
-            "classes") in " ".join(loaded.warnings)
-    assert "--max-eval-samples 4 takes the first 4 validation images" in " ".join(loaded.warnings)
+            "classes") in said
+    assert "--max-eval-samples 4 takes the first 4 validation images" in said
+    assert "--max-eval-samples 4 takes the first 4 test images" in said
     loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never", max_train_samples=20))
     assert set(loaded.train.labels.tolist()) == {0, 1}
     assert not [w for w in loaded.warnings if "takes the first" in w]

@@ -592,7 +592,7 @@ def refuse_classes_left_unreadable(source: "HFSource", decoded: ArraySource,
     substitutes (other classes' images) teach: one line, as an empty class folder is."""
     counts = torch.bincount(source.labels, minlength=len(class_names))
     broken = torch.bincount(source.labels[[bad.index for bad in decoded.bad_images]],
-                            minlength=len(class_names)) if decoded.bad_images else counts * 0
+                            minlength=len(class_names))
     lost = [i for i in range(len(class_names)) if counts[i] and broken[i] == counts[i]]
     if lost:
         names = first_few(f"{class_names[i]!r} ({int(counts[i])} images)" for i in lost)

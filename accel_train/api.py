@@ -70,12 +70,20 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
 
     try:
         config = config_for(model, options)
+        callbacks = callback_list(callbacks)
         user_module = model if isinstance(model, nn.Module) else None
         if user_module is None:
             check_library_names(config)
         result = train_and_close(config, callbacks, bring_data=bring_data, model=user_module)
     except UsageError as err:  # the product's messages name flags; fit()'s caller wrote keywords
         raise UsageError(in_python_terms(str(err))) from None
+    finally:
+        # Accelerate keeps one AcceleratorState a process, its mixed precision fixed: a second
+        # fit() (a notebook, a loop over settings) in another precision raised its ValueError.
+        # It offers no public reset; its own test utilities reset it this way.  The process
+        # group (PartialState) stays, for a script launched on several processes.
+        from accelerate.state import AcceleratorState
+        AcceleratorState._reset_state(reset_partial_state=False)
     if result.exit_code != 0:
         raise SystemExit(result.exit_code)
     return result.output_dir
@@ -116,16 +124,40 @@ def in_python_terms(message: str) -> str:
     return FLAG_IN_TEXT.sub(keyword, message)
 
 
+# options that choose or read the data, which fit() is handed: they would be ignored
+DATA_SOURCE_OPTIONS = ("data_dir", "dataset", "image_column", "label_column", "val_labels",
+                       "class_depth", "eval_shards", "streaming", "select_on_test")
+
+
+def callback_list(callbacks) -> list[Callback]:
+    """callbacks= as a list of Callback instances (None or one instance taken as such)."""
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, Callback):
+        return [callbacks]
+    items = list(callbacks) if isinstance(callbacks, (list, tuple)) else None
+    wrong = next((c for c in items or [] if not isinstance(c, Callback)), None)
+    if items is None or wrong is not None:
+        got = callbacks if items is None else wrong
+        raise UsageError(f"fit(): callbacks= takes a list of accel_train.callbacks.Callback "
+                         f"instances (got {type(got).__name__}: {got!r:.60})")
+    return items
+
+
 def config_for(model: Union[nn.Module, str], options: dict) -> TrainConfig:
     """The run's options; a module object is recorded by its class's import name."""
     if "model" in options:
         raise UsageError("fit(): pass the model as the first argument, not as model=")
+    given = [f"{key}=" for key in DATA_SOURCE_OPTIONS if options.get(key)]
+    if given:
+        raise UsageError(f"fit(): {', '.join(given)} choose and read data for the command "
+                         f"line; fit() trains on the datasets it is handed (drop them)")
     if isinstance(model, nn.Module):
         name = f"{type(model).__module__}:{type(model).__qualname__}"
-        refused = [key for key in ("pretrained", "smaller_models") if options.get(key)]
+        refused = [f"{key}=" for key in ("pretrained", "smaller_models") if options.get(key)]
         if refused:
-            raise UsageError(f"fit(): {', '.join(refused)} choose or load a network by name; "
-                             f"they do not apply to a module you pass (load your weights "
+            raise UsageError(f"fit(): {', '.join(refused)} choose or load a network by name, "
+                             f"which does not apply to a module you pass (load your weights "
                              f"into it first)")
     elif isinstance(model, str):
         name = model

@@ -404,7 +404,32 @@ class TrainConfig:
 
     def __post_init__(self):
         self.channels_last = _auto_or_bool(self.channels_last, "channels_last")
+        if isinstance(self.report_to, str):  # report_to="tensorboard" means the one tracker
+            self.report_to = [self.report_to]
+        self._check_types()
         self._check_ranges()
+
+    def _check_types(self):
+        """Values from a run YAML or fit()'s keywords, which no argparse type has read: a
+        switch given as 'no' would be taken as on, a choice outside the list go unsaid."""
+        for spec in dataclasses.fields(self):
+            value, default = getattr(self, spec.name), spec.default
+            choices = spec.metadata.get("choices")
+            if isinstance(default, bool) and not isinstance(value, bool):
+                # (named as in a run YAML and fit(): on the command line a switch is a flag)
+                raise UsageError(f"{spec.name} is a switch: true or false (got {value!r})")
+            if isinstance(default, int) and not isinstance(default, bool) and (
+                    isinstance(value, bool) or not isinstance(value, int)):
+                raise UsageError(f"{flag(spec.name)} must be a whole number (got {value!r})")
+            if isinstance(default, float) and (isinstance(value, bool)
+                                               or not isinstance(value, (int, float))):
+                raise UsageError(f"{flag(spec.name)} must be a number (got {value!r})")
+            if isinstance(default, str) and not isinstance(value, str):
+                raise UsageError(f"{flag(spec.name)} must be a word such as {default!r} (got "
+                                 f"{value!r})")
+            if choices and value is not None and value not in choices:
+                raise UsageError(f"{flag(spec.name)} {value!r} is not one of "
+                                 f"{', '.join(map(str, choices))}")
 
     # Each check names the flag and says what would work.
     def _check_ranges(self):
@@ -455,8 +480,9 @@ class TrainConfig:
         if not (self.norm_bias_lr_scale > 0 and math.isfinite(self.norm_bias_lr_scale)):
             raise UsageError(f"--norm-bias-lr-scale must be a number > 0 (got "
                              f"{self.norm_bias_lr_scale!r}); 1 trains them like the rest")
-        if self.label_smoothing >= 1 or self.drop_rate >= 1:
-            raise UsageError("--label-smoothing and --drop-rate must be below 1")
+        for name in ("label_smoothing", "drop_rate"):
+            if getattr(self, name) >= 1:
+                raise UsageError(f"{flag(name)} must be below 1 (got {getattr(self, name)!r})")
         if not 0 < self.val_fraction < 1:
             raise UsageError(f"--val-fraction must be between 0 and 1 (got {self.val_fraction})")
         if self.grad_clip is not None and self.grad_clip <= 0:

@@ -100,6 +100,26 @@ def test_fit_records_its_program_even_after_the_command_line_ran_in_the_process(
     assert recorded["fit"] == sys.argv
 
 
+def test_fit_twice_in_one_process_in_two_precisions(tmp_path):
+    """A notebook's second fit() in another precision: accelerate's one state a process made
+    it raise (its ValueError); each fit starts afresh now.  One Callback instance, not a
+    list, is taken as the one callback."""
+    seen = []
+
+    class Count(accel_train.callbacks.Callback):
+        def on_step_end(self, trainer, step):
+            seen.append(step)
+
+    first = fit_tiny(tmp_path, "fp32", max_steps=1)
+    second = accel_train.fit(Tiny(), Squares(64), Squares(16), batch_size=8, max_steps=1,
+                             mixed_precision="bf16", channels_last=False, augment=False,
+                             progress="log", plots=False, output_dir=str(tmp_path / "bf16"),
+                             callbacks=Count())
+    precisions = [yaml.safe_load((run / "config.yaml").read_text())["resolved"]["precision_used"]
+                  for run in (first, second)]
+    assert precisions == ["fp32", "bf16"] and seen == [1]
+
+
 def test_fit_resumes_bit_identically(tmp_path):
     """Stopped after its first epoch's checkpoint and resumed: the weights of the run that was
     never stopped, exactly."""
@@ -176,6 +196,20 @@ def test_a_scripts_own_class_and_datasets_are_named_as_what_commands_cannot_rebu
                                                               r"items"),
     (lambda: accel_train.fit(Tiny(), Squares(8), Relabelled(Squares(8), {1: 7})),
      r"^eval_dataset: its labels hold 7, which no item of train_dataset has"),
+    # values no argparse type read: a switch as 'no' was taken as on, a seed of 1.7 kept
+    (lambda: accel_train.fit(Tiny(), Squares(8), plots="no"),
+     r"^plots is a switch: true or false \(got 'no'\)"),
+    (lambda: accel_train.fit(Tiny(), Squares(8), seed=1.7), r"^seed= must be a whole number"),
+    (lambda: accel_train.fit(Tiny(), Squares(8), progress="fancy"),
+     r"^progress='fancy' is not one of auto, bar, log"),
+    (lambda: accel_train.fit(Tiny(), Squares(8), label_smoothing=2.0),
+     r"^label_smoothing= must be below 1 \(got 2.0\)"),
+    (lambda: accel_train.fit(Tiny(), Squares(8), data_dir="/elsewhere", streaming=True),
+     r"^fit\(\): data_dir=, streaming= choose and read data for the command line"),
+    (lambda: accel_train.fit(Tiny(), Squares(8), callbacks=[len]),
+     r"^fit\(\): callbacks= takes a list of accel_train.callbacks.Callback instances "
+     r"\(got builtin_function_or_method"),
+    (lambda: accel_train.fit(Tiny(), Squares(8), callbacks=3), r"callbacks= takes a list"),
 ])
 def test_bad_arguments_are_one_clear_error(tmp_path, monkeypatch, call, expected):
     monkeypatch.chdir(tmp_path)

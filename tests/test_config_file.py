@@ -117,3 +117,23 @@ def test_a_runs_config_yaml_repeats_it_under_accelerate_config_default(tmp_path)
     assert weights[0].keys() == weights[1].keys()
     different = [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])]
     assert not different, f"the repeat differs in {different[:5]}"
+
+
+@pytest.mark.parametrize("values, expected", [
+    ({"plots": "no"}, "plots is a switch: true or false (got 'no')"),
+    ({"augment": "false"}, "augment is a switch: true or false (got 'false')"),
+    ({"epochs": 2.5}, "--epochs must be a whole number (got 2.5)"),
+    ({"progress": "fancy"}, "--progress 'fancy' is not one of auto, bar, log"),
+    ({"report_to": "tensorboard"}, None),  # one tracker as a word: the list of it
+])
+def test_a_recipes_values_are_checked_as_the_flags_are(tmp_path, values, expected):
+    """A run YAML's values reach the options without argparse's types: a switch written 'no'
+    was taken as on (a non-empty string), an epoch count of 2.5 kept."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    if expected is None:
+        assert parse(["--config", str(recipe)]).report_to == ["tensorboard"]
+        return
+    with pytest.raises(UsageError) as raised:
+        parse(["--config", str(recipe)])
+    assert str(raised.value) == expected

@@ -382,3 +382,35 @@ def test_the_guard_check_reads_the_statement_that_calls(tmp_path, monkeypatch, s
     # a script with no file (a notebook, python -c) is not judged
     module.__file__ = None
     exec(compile(script, "<stdin>", "exec"), module.__dict__)
+
+
+def test_a_module_its_class_cannot_rebuild_from_the_class_count_is_said(tmp_path, capsys):
+    """A timm module handed to fit(): eval, predict and export rebuild a program's module as
+    CLASS(num_classes=N), which timm's ResNet cannot be (it needs block and layers); the run
+    says so at its start and names the timm name to pass instead."""
+    import timm
+    accel_train.fit(timm.create_model("test_resnet", num_classes=2), Squares(64), Squares(16),
+                    batch_size=8, max_steps=1, mixed_precision="no", channels_last=False,
+                    progress="log", plots=False, output_dir=str(tmp_path / "run"))
+    said = capsys.readouterr()
+    assert "eval, predict and export rebuild the network as ResNet(num_classes=N), which that " \
+           "class cannot do (its constructor needs more); pass the model by its timm name, " \
+           "fit('test_resnet', ...), to use them" in said.out + said.err
+    accel_train.fit(Tiny(), Squares(64), Squares(16), batch_size=8, max_steps=1,
+                    mixed_precision="no", channels_last=False, progress="log", plots=False,
+                    output_dir=str(tmp_path / "tiny"))
+    said = capsys.readouterr()  # Tiny() takes no num_classes either: a factory is named
+    assert "Tiny(num_classes=N), which that class cannot do (its constructor needs more); " \
+           "give it a constructor that takes num_classes alone" in said.out + said.err
+    accel_train.fit(Sized(num_classes=2), Squares(64), Squares(16), batch_size=8, max_steps=1,
+                    mixed_precision="no", channels_last=False, progress="log", plots=False,
+                    output_dir=str(tmp_path / "sized"))
+    said = capsys.readouterr()
+    assert "rebuild the network as" not in said.out + said.err
+
+
+class Sized(Tiny):
+    """Tiny, built from the class count as eval, predict and export rebuild a module."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()

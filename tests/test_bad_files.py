@@ -96,6 +96,28 @@ def test_pretrained_weights_whole_are_taken(tmp_path, suffix):
                      "--output-dir", str(tmp_path / "run"), check=True)
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_pretrained_weights_of_another_network_are_one_line(tmp_path, suffix):
+    """test_vit's weights for test_resnet: no key name matches, and timm logged the unexpected
+    keys and trained from random weights (exit 0).  A folder is named as one."""
+    state = timm.create_model("test_vit", num_classes=10).state_dict()
+    weights = tmp_path / f"vit{suffix}"
+    if suffix == ".safetensors":
+        save_file({k: v.contiguous() for k, v in state.items()}, str(weights))
+    else:
+        torch.save(state, weights)
+    out = tmp_path / "run"
+    line = _one_line(accel_train_here(*TINY_TRAIN, "--max-steps", "1", "--pretrained",
+                                      str(weights), "--output-dir", str(out)), weights)
+    assert line.endswith("none of its weights fit model test_resnet (no tensor of it was "
+                         "loaded: weights of another network); pass weights saved from "
+                         "test_resnet"), line
+    assert not out.exists()
+    line = _one_line(accel_train_here(*TINY_TRAIN, "--pretrained", str(tmp_path),
+                                      "--output-dir", str(out)), tmp_path)
+    assert "is a folder; pass the weights file in it" in line
+
+
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 @pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
 def test_pretrained_weights_damaged(tmp_path, suffix, corruption):

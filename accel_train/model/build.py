@@ -204,6 +204,9 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
                              f"({first_line(err, 400)}); with no network, pass "
                              f"--pretrained PATH to a local .safetensors or .pth file") from None
     path = Path(pretrained)
+    if path.is_dir():
+        raise UsageError(f"--pretrained {pretrained} is a folder; pass the weights file in it "
+                         f"(model.safetensors of a run or an export), or 'hub'")
     if not path.is_file():
         raise UsageError(f"--pretrained {pretrained}: no such file; pass a local .safetensors/"
                          f".pth weights file, or 'hub'")
@@ -212,14 +215,29 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
                          f"start from; pass the model.safetensors beside it (an accel-train "
                          f"export holds both)")
     check_weights_file(path, f"--pretrained {pretrained}", "fetch or copy it again")
+    state = torch.random.get_rng_state()
     try:
         # timm loads the file and drops a classifier whose class count differs from ours.
-        return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
-                                 **kwargs)
+        model = timm.create_model(name, pretrained=True,
+                                  pretrained_cfg_overlay=dict(file=str(path)), **kwargs)
     except (RuntimeError, KeyError, ValueError, OSError) as err:
         raise UsageError(f"--pretrained {pretrained}: does not fit model {name} "
                          f"({first_line(err, 200)}); pass weights saved from "
                          f"{name}") from None
+    # timm loads another network's file without a word where no key name matches (it logs the
+    # unexpected keys and keeps the random weights): the same random start, built again,
+    # shows which weights the file gave.
+    after = torch.random.get_rng_state()
+    torch.random.set_rng_state(state)
+    fresh = timm.create_model(name, pretrained=False, **kwargs)
+    torch.random.set_rng_state(after)
+    loaded = [k for k, v in fresh.state_dict().items()
+              if v.is_floating_point() and not torch.equal(v, model.state_dict()[k])]
+    if not loaded:
+        raise UsageError(f"--pretrained {pretrained}: none of its weights fit model {name} (no "
+                         f"tensor of it was loaded: weights of another network); pass weights "
+                         f"saved from {name}")
+    return model
 
 
 def _create_from_source(name: str, source: str, weights: bool, kwargs: dict) -> nn.Module:

@@ -4,6 +4,7 @@ and tensors.  The model package never imports the data package; this start step 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -25,6 +26,18 @@ from accel_train.model.saved import ModelSpec
 from accel_train.model.syncbn import convert_sync_batchnorm, num_batchnorm_layers
 from accel_train.model.whitening import (IMAGES_DECODED, IMAGES_IN_MEMORY, float32_layers,
                                          whiten_first_conv)
+
+
+def rebuilt_by_class_count(cls) -> bool:
+    """Whether `cls(num_classes=N)` can be called, as eval, predict and export rebuild a
+    program's module (model/build.py's factory call)."""
+    try:
+        inspect.signature(cls).bind(num_classes=1)
+        return True
+    except TypeError:
+        return False
+    except ValueError:  # a signature Python cannot read: let the rebuild itself say
+        return True
 
 
 def check_library_names(config) -> None:
@@ -60,6 +73,15 @@ def build_network(config, data, num_processes: int, cuda: bool,
     `accelerator.prepare`.  `model`: a module a program brings (the Python API), initialised
     by the program, used as it is."""
     image_size = config.image_size or data.train.native_size
+    if model is not None and type(model).__module__ != "__main__" and \
+            not rebuilt_by_class_count(type(model)):
+        arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
+        warn(f"eval, predict and export rebuild the network as {type(model).__qualname__}("
+             f"num_classes=N), which that class cannot do (its constructor needs more); "
+             + (f"pass the model by its timm name, fit({arch!r}, ...), to use them"
+                if type(model).__module__.startswith("timm.") and arch else
+                "give it a constructor that takes num_classes alone, or a factory function "
+                "(package.module:factory) that builds it so, to use them"))
     if model is not None and type(model).__module__ == "__main__":
         warn(f"the model's class {type(model).__qualname__} is defined in the script that runs, "
              f"which eval, predict and export cannot import to rebuild the network; define it "

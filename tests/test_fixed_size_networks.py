@@ -113,3 +113,17 @@ def test_model_args_edited_into_another_shape_are_one_line(tmp_path):
     result = accel_train_here("eval", str(run))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "config.json is not a timm model config" in result.stderr
+
+
+def test_the_network_built_for_the_size_keeps_the_runs_dropout_and_drop_path():
+    """--drop-rate and --drop-path reach the network built again for the size (the oracle:
+    timm's own network with them and img_size)."""
+    torch.manual_seed(5)
+    model, _ = create_at_size("vit_tiny_patch16_224", 10, 64, drop_rate=0.3, drop_path=0.1)
+    torch.manual_seed(5)
+    expected = timm.create_model("vit_tiny_patch16_224", num_classes=10, img_size=64,
+                                 drop_rate=0.3, drop_path_rate=0.1)
+    assert state_equal(model, expected)
+    assert model.head_drop.p == expected.head_drop.p == 0.3
+    assert model.blocks[-1].drop_path1.drop_prob == expected.blocks[-1].drop_path1.drop_prob
+    assert model.blocks[-1].drop_path1.drop_prob > 0

@@ -13,7 +13,7 @@ import sys
 from dataclasses import MISSING, fields
 from typing import Callable, Sequence
 
-from accel_train.config import PRECISIONS, TrainConfig, load_run_yaml
+from accel_train.config import FROM_PROGRAM, PRECISIONS, TrainConfig, load_run_yaml
 from accel_train.base.command import set_command
 from accel_train.base.errors import RunStopped, UsageError, stacks_on_request
 
@@ -131,6 +131,11 @@ def config_from_args(namespace: argparse.Namespace, environ=None) -> TrainConfig
     values = launcher_defaults(os.environ if environ is None else environ)
     if getattr(namespace, "config", None):
         values.update(load_run_yaml(namespace.config))
+        given = vars(namespace)
+        if values.pop(FROM_PROGRAM, False) and not (given.get("data_dir") or given.get("dataset")):
+            raise UsageError(f"--config {namespace.config} is the record of a run of fit() on "
+                             f"datasets a program handed it, which the command line cannot "
+                             f"load; pass --data-dir PATH or --dataset NAME beside it")
     names = {f.name for f in fields(TrainConfig)}
     values.update({k: v for k, v in vars(namespace).items() if k in names})
     config = TrainConfig.from_dict(values, source=namespace.config or "command line")

@@ -641,9 +641,19 @@ def load_run_yaml(path: str) -> dict[str, Any]:
     if not file.is_file():
         raise UsageError(f"--config {path}: no such file")
     data = read_yaml(file, "recipe", "--config", empty={})  # readers.py: bad YAML is one line
+    from_program = False
     if isinstance(data.get("train"), dict):
+        resolved = data.get("resolved")
+        from_program = isinstance(resolved, dict) and bool(resolved.get("data_from_program"))
         data = data["train"]  # a run's config.yaml
-    return {key.replace("-", "_"): value for key, value in data.items()}
+    values = {key.replace("-", "_"): value for key, value in data.items()}
+    if from_program:  # fit() records the embedded set's name as its data: no data at all
+        values[FROM_PROGRAM] = True
+    return values
+
+
+# load_run_yaml's mark on a run of fit(), whose datasets were a program's (no option names them)
+FROM_PROGRAM = "_trained_on_a_programs_datasets"
 
 
 def check_optimizer_name(name: str) -> str:

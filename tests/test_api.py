@@ -414,3 +414,17 @@ class Sized(Tiny):
 
     def __init__(self, num_classes: int):
         super().__init__()
+
+
+def test_the_record_of_a_fit_run_as_a_recipe_asks_for_data(tmp_path, capsys):
+    """--config RUN/config.yaml of a fit() run: its datasets were a program's, and the record's
+    dataset entry is the embedded set's name; the command line trained the synthetic shapes
+    in their place.  One line now, and with --dataset given it trains on that."""
+    run = fit_tiny(tmp_path, "fit", max_steps=1)
+    capsys.readouterr()
+    again = tmp_path / "again"
+    assert main(["--config", str(run / "config.yaml"), "--output-dir", str(again)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "is the record of a run of fit() on datasets a program handed " \
+        "it" in lines[0] and lines[0].endswith("pass --data-dir PATH or --dataset NAME beside it")
+    assert not again.exists()

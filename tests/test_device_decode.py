@@ -263,7 +263,7 @@ def test_decode_on_device_always_takes_files_that_in_memory_auto_would_hold(tmp_
     assert not isinstance(kept.train, ArraySource)
     result = accel_train_here("--data-dir", str(folder), "--model", "test_resnet",
                               "--decode-on-device", "always", "--image-size", "64",
-                              "--batch-size", "4", "--max-steps", "1", "--no-plots",
+                              "--batch-size", "4", "--max-steps", "1", "--no-plots", *PINNED,
                               "--output-dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "JPEGs decoded on the device (--decode-on-device always)" in result.stdout

@@ -16,7 +16,7 @@ from PIL import Image
 from accel_train.base.errors import UsageError
 from accel_train.config import TrainConfig
 from accel_train.data.sources import load_data
-from conftest import accel_train_here
+from conftest import PINNED, accel_train_here
 
 FEATURES = datasets.Features({"image": datasets.Image(),
                               "label": datasets.ClassLabel(names=["a", "b"])})
@@ -128,7 +128,7 @@ def test_eval_of_a_run_whose_folder_changed_warns_that_its_validation_split_is_a
     one (with images the run trained on).  eval of the run says so; of the unchanged folder, not."""
     data = image_folder(tmp_path / "data", {"train": 40})
     run = tmp_path / "run"
-    accel_train_here("--data-dir", str(data), "--model", "test_resnet", "--epochs", "1",
+    accel_train_here("--data-dir", str(data), *PINNED, "--model", "test_resnet", "--epochs", "1",
                      "--batch-size", "8", "--no-plots", "--output-dir", str(run), check=True)
     unchanged = accel_train_here("eval", str(run))
     assert unchanged.returncode == 0 and "data changed" not in unchanged.stdout + unchanged.stderr
@@ -165,7 +165,7 @@ def test_eval_given_the_data_dir_splits_it_as_the_run_split_its_own(tmp_path):
     which would hold images the run trained on."""
     data = image_folder(tmp_path / "data", {"train": 40})
     run = tmp_path / "run"
-    accel_train_here("--data-dir", str(data), "--model", "test_resnet", "--epochs", "1",
+    accel_train_here("--data-dir", str(data), *PINNED, "--model", "test_resnet", "--epochs", "1",
                      "--batch-size", "8", "--no-plots", "--val-fraction", "0.2",
                      "--output-dir", str(run), check=True)
     result = accel_train_here("eval", str(run), "--data-dir", str(data), "--json")
@@ -193,7 +193,7 @@ def test_eval_on_other_data_checks_its_classes_against_the_models(tmp_path):
     refuse it in its words; eval checks the classes against the model's, and says that."""
     data = image_folder(tmp_path / "data", {"train": 20})
     run = tmp_path / "run"
-    accel_train_here("--data-dir", str(data), "--model", "test_resnet", "--epochs", "1",
+    accel_train_here("--data-dir", str(data), *PINNED, "--model", "test_resnet", "--epochs", "1",
                      "--batch-size", "8", "--no-plots", "--output-dir", str(run), check=True)
     other = image_folder(tmp_path / "other", {"train": 4, "val": 4})
     (other / "val" / "b").rename(other / "val" / "c")
@@ -206,7 +206,7 @@ def test_eval_on_other_data_checks_its_classes_against_the_models(tmp_path):
 def test_eval_split_test_of_a_run_that_selected_on_its_test_split_names_held_out(tmp_path):
     data = parquet_folder(tmp_path / "data", {"train": 16, "test": 8})
     run = tmp_path / "run"
-    accel_train_here("--data-dir", str(data), "--model", "test_resnet", "--epochs", "1",
+    accel_train_here("--data-dir", str(data), *PINNED, "--model", "test_resnet", "--epochs", "1",
                      "--batch-size", "8", "--no-plots", "--select-on-test", "--output-dir",
                      str(run), check=True)
     result = accel_train_here("eval", str(run), "--split", "test")
@@ -221,7 +221,7 @@ def test_eval_takes_data_whose_class_label_declares_names_no_image_has(tmp_path)
     model lacks is still refused."""
     data = image_folder(tmp_path / "data", {"train": 20})
     run = tmp_path / "run"
-    accel_train_here("--data-dir", str(data), "--model", "test_resnet", "--epochs", "1",
+    accel_train_here("--data-dir", str(data), *PINNED, "--model", "test_resnet", "--epochs", "1",
                      "--batch-size", "8", "--no-plots", "--output-dir", str(run), check=True)
     spare = datasets.Features({"image": datasets.Image(),
                                "label": datasets.ClassLabel(names=["a", "b", "spare"])})

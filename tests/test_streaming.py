@@ -133,7 +133,7 @@ def test_a_test_split_beside_a_validation_split_is_sharded_and_tested_at_the_end
         images, labels = _decoded(sets[split])
         assert torch.equal(images, source.images) and torch.equal(labels, source.labels)
     run = accel_train_here("--data-dir", str(out), "--model", "test_resnet", "--batch-size",
-                           "4", "--epochs", "1", "--no-plots", "--output-dir",
+                           "4", "--epochs", "1", "--no-plots", *PINNED, "--output-dir",
                            str(tmp_path / "run"))
     said = run.stdout + run.stderr
     assert run.returncode == 0, said[-3000:]

@@ -24,8 +24,9 @@ from accel_train.model.build import (check_first_forward, check_layer_decay, che
 from accel_train.model.input_size import create_at_size
 from accel_train.model.saved import ModelSpec
 from accel_train.model.syncbn import convert_sync_batchnorm, num_batchnorm_layers
-from accel_train.model.whitening import (IMAGES_DECODED, IMAGES_IN_MEMORY, float32_layers,
-                                         whiten_first_conv)
+from accel_train.model.narrow_convs import narrower_than_stride, recording_input_widths
+from accel_train.model.whitening import (IMAGES_DECODED, IMAGES_IN_MEMORY, compute_in_float32,
+                                         float32_layers, whiten_first_conv)
 
 
 def rebuilt_by_class_count(cls) -> bool:
@@ -95,7 +96,9 @@ def build_network(config, data, num_processes: int, cuda: bool,
         model, model_args = create_at_size(config.model, len(data.class_names), image_size,
                                            config.drop_rate, config.pretrained,
                                            config.drop_path)
-    check_first_forward(model, config.model, image_size, len(data.class_names))
+    with recording_input_widths(model) as widths:
+        check_first_forward(model, config.model, image_size, len(data.class_names))
+    compute_in_float32(model, narrower_than_stride(model, widths))  # a oneDNN bf16 bug: see there
     check_layer_decay(model, config.model, config.layer_decay)
     mean, std = pretrained_normalization(model) if config.pretrained else \
         dataset_mean_std(data.train)

@@ -46,7 +46,7 @@ def bundle(tmp_path):
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     warnings = Warnings()
     saver = Checkpointer(tmp_path / "checkpoints", keep=10, warn=warnings,
-                         parts=[TrainerState(), AccelerateState(acc, warnings)],
+                         parts=[TrainerState(), AccelerateState(acc, warnings, models=[model])],
                          barrier=acc.wait_for_everyone)
 
     def train_step():

@@ -79,7 +79,7 @@ def test_accelerates_part_resumes_with_and_without_a_loss_scaler(tmp_path, fresh
     model, optimizer = acc.prepare(torch.nn.Linear(4, 2), torch.optim.SGD(
         torch.nn.Linear(4, 2).parameters(), lr=0.1))
     warnings = []
-    part = AccelerateState(acc, warnings.append)
+    part = AccelerateState(acc, warnings.append, models=[model])
     plain = tmp_path / "plain"
     part.save(plain)
     assert not (plain / "scaler.pt").exists()

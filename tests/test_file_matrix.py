@@ -245,6 +245,31 @@ def test_a_damaged_file(trained, image, tmp_path, row, corruption, command):
     assert not (tmp_path / "export").exists()
 
 
+def test_a_run_config_cut_at_any_line_end_is_refused(trained, tmp_path):
+    """config.yaml cut at a line's end still parses where the cut lands inside a mapping (the
+    half above landed so for some lengths of the file: its last line holds the commit, whose
+    length moves it): every such cut before its last keys is refused, and eval says so in one
+    line."""
+    from accel_train.base.readers import BadFile
+    from accel_train.commands.artifacts import read_run_config
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    whole = (run / "config.yaml").read_text()
+    lines = whole.splitlines(keepends=True)
+    last_keys = next(i for i, line in enumerate(lines) if line.startswith("versions:"))
+    for end in range(1, last_keys + 1):
+        (run / "config.yaml").write_text("".join(lines[:end]))
+        with pytest.raises(BadFile):
+            read_run_config(run)
+    (run / "config.yaml").write_text("".join(lines[:last_keys]))
+    before = _hashes(run)
+    line = _one_line(accel_train_here("eval", str(run)), run / "config.yaml")
+    assert "has no 'versions'" in line and _hashes(run) == before
+    (run / "config.yaml").write_text(whole)
+    assert read_run_config(run)["resolved"]["world_size"] == 1
+
+
 # -- the manifest: the checkpoint's seal ---------------------------------------------------------
 def _format(value) -> Callable[[Path], None]:
     def write(path: Path) -> None:

@@ -33,11 +33,14 @@ import re
 import shutil
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 from accel_train.base.errors import DISK_FULL_EXIT, RunStopped, UsageError, first_line
 from accel_train.base.readers import BadFile, Shape, check_fits, check_torch_file, read_json
 from accel_train.base.weightfiles import with_the_umask
+
+if TYPE_CHECKING:
+    from torch import nn
 
 MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.json"
@@ -342,8 +345,10 @@ class AccelerateState:
     name = "accelerate"
     collective = True
 
-    def __init__(self, accelerator, warn: Callable[[str], None]):
-        self.accelerator, self.warn = accelerator, warn
+    def __init__(self, accelerator, warn: Callable[[str], None], models: Sequence[nn.Module]):
+        """`models`: what the run passed through `accelerator.prepare`, in that order (the
+        order Accelerate's save_state numbers their weight files in)."""
+        self.accelerator, self.warn, self.models = accelerator, warn, tuple(models)
 
     def save(self, folder: Path) -> None:
         self.accelerator.save_state(str(folder), safe_serialization=True)
@@ -386,7 +391,7 @@ class AccelerateState:
         torch would otherwise fail deep inside, or load another model's tensors by name."""
         from accelerate.utils.constants import SAFE_WEIGHTS_NAME
 
-        for index, model in enumerate(self.accelerator._models):
+        for index, model in enumerate(self.models):
             stem, suffix = SAFE_WEIGHTS_NAME.rsplit(".", 1)
             name = SAFE_WEIGHTS_NAME if index == 0 else f"{stem}_{index}.{suffix}"
             if (folder / name).is_file():

@@ -24,6 +24,7 @@ from typing import Any, Iterable, Union
 from torch import nn
 
 from accel_train.base.command import set_command
+from accel_train.base.wording import spoken_as
 from accel_train.base.errors import UsageError
 from accel_train.callbacks import Callback
 from accel_train.config import TrainConfig
@@ -60,7 +61,7 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
     A run stopped by a signal (SIGTERM, Ctrl-C) has saved a checkpoint; the process then ends
     with the command line's exit code (143), so a scheduler sees the same thing.  Bad input
     raises `UsageError`, whose one line names the keyword arguments to change (`resume='auto'`,
-    not the command line's `--resume auto`).
+    not the command line's `--resume auto`); its warnings and start summary name them so too.
     """
     refuse_unguarded_call(inspect.currentframe().f_back)
     set_command(sys.argv)  # the program ran itself (and may have run the command line before)
@@ -74,7 +75,9 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
         user_module = model if isinstance(model, nn.Module) else None
         if user_module is None:
             check_library_names(config)
-        result = train_and_close(config, callbacks, bring_data=bring_data, model=user_module)
+        with spoken_as(in_python_terms):  # its warnings and summary in keyword arguments too
+            result = train_and_close(config, callbacks, bring_data=bring_data,
+                                     model=user_module)
     except UsageError as err:  # the product's messages name flags; fit()'s caller wrote keywords
         raise UsageError(in_python_terms(str(err))) from None
     except ValueError as err:
@@ -94,6 +97,9 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
 
 # a flag as messages write it, and the word after it
 FLAG_IN_TEXT = re.compile(r"--(no-)?([a-z][a-z0-9_-]*)(?: ('[^' ]*'|[\w./:~+-]+))?")
+# a command a message quotes for the user to run (`accel-train check-data --data-dir DIR`), up to
+# the clause's end: its flags are the command line's, whoever reads them
+COMMAND_IN_TEXT = re.compile(r"(?:accel-train|accelerate launch|torchrun)\b[^;,()|`]*")
 # words that are an option's value where they follow its flag (else the sentence goes on)
 KEYWORD_VALUES = {"auto", "always", "never", "no", "yes", "hub", "none"}
 
@@ -101,7 +107,8 @@ KEYWORD_VALUES = {"auto", "always", "never", "no", "yes", "hub", "none"}
 def in_python_terms(message: str) -> str:
     """A message for fit()'s caller: each flag of a TrainConfig field as the keyword argument
     that sets it (`--resume auto` -> `resume='auto'`, `--epochs 3` -> `epochs=3`, `--no-plots`
-    -> `plots=False`, a flag with no value after it -> `output_dir=`); other words stay."""
+    -> `plots=False`, a flag with no value after it -> `output_dir=`); other words stay, and
+    so do the commands it quotes to run (`accel-train eval RUN --data-dir DATA`)."""
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
     def is_value(word: str, name: str) -> bool:
@@ -124,7 +131,10 @@ def in_python_terms(message: str) -> str:
             return (f"{name}={word}" if numeric else f"{name}={word!r}") + stop
         return f"{name}=" + after
 
-    return FLAG_IN_TEXT.sub(keyword, message)
+    pieces = COMMAND_IN_TEXT.split(message)
+    commands = COMMAND_IN_TEXT.findall(message)
+    return "".join(FLAG_IN_TEXT.sub(keyword, piece) + (commands[i] if i < len(commands) else "")
+                   for i, piece in enumerate(pieces))
 
 
 # options that choose or read the data, which fit() is handed: they would be ignored

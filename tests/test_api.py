@@ -233,9 +233,30 @@ def test_bad_arguments_are_one_clear_error(tmp_path, monkeypatch, call, expected
      "data_on_device='always'"),  # --format is export's, no option of fit()
     ("--tta flip and --model resnet18.", "tta='flip' and model='resnet18'."),  # a choice, a stop
     ("--learning-rate 1e-05 is small", "learning_rate=1e-05 is small"),
+    # a command quoted to run keeps its flags, to the clause's end
+    ("list them (accel-train check-data --data-dir DIR), or pass --resume auto",
+     "list them (accel-train check-data --data-dir DIR), or pass resume='auto'"),
+    ("next: accel-train eval r  |  accel-train predict r --top-k 3; --epochs 2",
+     "next: accel-train eval r  |  accel-train predict r --top-k 3; epochs=2"),
 ])
 def test_messages_name_keyword_arguments_where_the_command_line_names_flags(message, expected):
     assert in_python_terms(message) == expected
+
+
+def test_fits_warnings_and_summary_name_keywords_and_the_command_line_then_flags(tmp_path,
+                                                                                capsys):
+    """Not only its errors: what fit() prints on the way is in its caller's terms; the
+    command line run after it in the same process speaks flags again."""
+    fit_tiny(tmp_path, "fit", max_steps=1, sync_bn=True)
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert "warning: sync_bn=True: " in text and "--sync-bn" not in text
+    assert "(data_on_device='auto': not on a CUDA device)" in text and "--data-on" not in text
+    assert main(["--dataset", "synthetic", "--synthetic-train-size", "32", "--batch-size", "16",
+                 "--max-steps", "1", "--no-plots", "--mixed-precision", "no",
+                 "--no-channels-last", "--output-dir", str(tmp_path / "cli")]) == 0
+    said = capsys.readouterr()
+    assert "(--data-on-device auto: not on a CUDA device)" in said.out + said.err
 
 
 def test_fit_says_what_to_change_in_its_own_keywords(tmp_path, monkeypatch):

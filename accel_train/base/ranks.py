@@ -10,6 +10,7 @@ from typing import Callable, TypeVar
 import torch.distributed as dist
 
 from accel_train.base.errors import UsageError
+from accel_train.base.wording import in_callers_words
 
 T = TypeVar("T")
 
@@ -69,4 +70,4 @@ def print_once(text: str) -> None:
     *machine* (local main process), so a 2-machine run, or the manual --rank start where every
     process is local rank 0, would print everything twice."""
     if is_global_main():
-        print(text, flush=True)
+        print(in_callers_words(text), flush=True)

@@ -358,7 +358,8 @@ class TrainConfig:
     resume: Optional[str] = option(None, "'auto' (the newest valid checkpoint of this run), or a "
                                    "path: a step_XXXXXXXX checkpoint, a folder of them (its "
                                    "newest valid one), or a run folder.", "output")
-    log_every: int = option(20, "Log a metrics line every N optimizer steps.", "output")
+    log_every: int = option(20, "Log a metrics line every N optimizer steps (and at the end of an "
+                                 "epoch none of whose steps fell on it).", "output")
     eval_every: int = option(1, "Evaluate on the held-out split at every Nth epoch end, and "
                              "always at the last (0: only at the last). A time budget counts "
                              "only the evaluations that will run; an epoch end without one "

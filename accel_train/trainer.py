@@ -430,6 +430,7 @@ class Trainer:
         from it trains the rest of the epoch instead of skipping it."""
         state = self.state
         self.timeouts.relax()  # evaluation and checkpoint: healthy long waits
+        self.train_log.end_epoch()
         last = state.step >= self.total_steps
         evaluates = self.evaluator.due(state.epoch, last=last)
         with self.pacer.paused(evaluates):

@@ -35,24 +35,32 @@ def _files(folder):
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-CAUGHT = {  # --log-every: where the poisoned weights (after step 19) are caught, and the words
-    100: f"at step {2 * STEPS_PER_EPOCH}: parameter conv1.0.weight holds NaN or infinite values; "
-         f"the checkpoint (epoch end) was not written; checkpoints written before are intact.",
-    2: f"at step {STEPS_PER_EPOCH + 4}: parameter conv1.0.weight holds NaN or infinite values; "
-       f"checkpoints written before are intact.",
+CAUGHT = {  # the flags, and where the poisoned weights (after step 19) are caught, in what words
+    # a step's checkpoint before any log window closes (an epoch too short for --log-every is
+    # logged at its end: the log would catch it there)
+    "caught-by-the-save": (["--log-every", "100", "--checkpoint-every", str(STEPS_PER_EPOCH + 4)],
+                           f"at step {STEPS_PER_EPOCH + 4}: parameter conv1.0.weight holds NaN or "
+                           f"infinite values; the checkpoint (step) was not written; checkpoints "
+                           f"written before are intact."),
+    "caught-by-the-log": (["--log-every", "2"],
+                          f"at step {STEPS_PER_EPOCH + 4}: parameter conv1.0.weight holds NaN or "
+                          f"infinite values; checkpoints written before are intact."),
+    "caught-at-the-epochs-end": (["--log-every", "100"],
+                                 f"at step {2 * STEPS_PER_EPOCH}: parameter conv1.0.weight holds "
+                                 f"NaN or infinite values; checkpoints written before are "
+                                 f"intact."),
 }
 
 
-@pytest.mark.parametrize("log_every", sorted(CAUGHT, reverse=True),
-                         ids=["caught-by-the-save", "caught-by-the-log"])
-def test_nan_weights_stop_the_run_and_keep_earlier_checkpoints(tmp_path, monkeypatch, log_every):
+@pytest.mark.parametrize("caught", list(CAUGHT))
+def test_nan_weights_stop_the_run_and_keep_earlier_checkpoints(tmp_path, monkeypatch, caught):
     out = tmp_path / "run"
     _poison_after(monkeypatch, STEPS_PER_EPOCH + 3)  # in the second epoch
-    result = accel_train_here(*TWO_EPOCHS, "--log-every", str(log_every), "--output-dir",
-                              str(out))
+    flags, words = CAUGHT[caught]
+    result = accel_train_here(*TWO_EPOCHS, *flags, "--output-dir", str(out))
     assert result.returncode == DIVERGED_EXIT == 65, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith("accel_train: error: training diverged " + CAUGHT[log_every])
+    assert lines[-1].startswith("accel_train: error: training diverged " + words), lines[-1]
     assert lines[-1].endswith("Lower --learning-rate (or set --grad-clip, or --mixed-precision "
                               "no) and go on from one of them with --resume, or train again")
     assert "Traceback" not in result.stderr

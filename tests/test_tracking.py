@@ -117,3 +117,28 @@ def test_an_unusable_tracker_is_one_line_before_anything_is_written(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("accel_train: error: " + message)
     assert not out.exists()
+
+
+def test_an_epoch_shorter_than_log_every_gets_one_train_record_at_its_end(tmp_path):
+    """Epochs of 4 steps, --log-every 100, the run ending at step 6 inside its second epoch:
+    a record at each epoch's end (4) and at the last step (6), each the mean of its steps'
+    losses and accuracies as the same run logging every step records them; the rate and
+    learning rate there too."""
+    runs = {}
+    for every in (1, 100):
+        out = tmp_path / f"every{every}"
+        with clean_accelerate_state(), contextlib.redirect_stdout(io.StringIO()):
+            assert main([*TINY_TRAIN, "--synthetic-train-size", "64", "--epochs", "2",
+                         "--max-steps", "6", "--log-every", str(every),
+                         "--output-dir", str(out)]) == 0
+        runs[every] = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "train"]
+    each_step = {r["step"]: r for r in runs[1]}
+    assert sorted(each_step) == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in runs[100]] == [4, 6]
+    for record, steps in zip(runs[100], ([1, 2, 3, 4], [5, 6])):
+        assert record["loss"] == pytest.approx(
+            sum(each_step[s]["loss"] for s in steps) / len(steps), abs=2e-6)
+        assert record["top1"] == pytest.approx(
+            sum(each_step[s]["top1"] for s in steps) / len(steps), abs=1e-4)
+        assert record["lr"] == each_step[record["step"]]["lr"] and record["img_per_s"] > 0
+        assert record["epoch"] == each_step[record["step"]]["epoch"]

@@ -189,10 +189,11 @@ class LogWindow:
 
 
 class TrainLog:
-    """The `train` records: every --log-every optimizer steps, the loss and top-1 of the steps
-    since the last one over all ranks (a loss that is no longer finite stops the run), the
-    learning rate, images per second and the share of that time spent waiting for input; into
-    metrics.jsonl, the trackers, the progress display and `on_record` (the callbacks)."""
+    """The `train` records: every --log-every optimizer steps (and at the end of an epoch none
+    of whose steps fell on it), the loss and top-1 of the steps since the last one over all
+    ranks (a loss that is no longer finite stops the run), the learning rate, images per second
+    and the share of that time spent waiting for input; into metrics.jsonl, the trackers, the
+    progress display and `on_record` (the callbacks)."""
 
     def __init__(self, accelerator, state, every: int, metrics: MetricsLog, progress: Progress,
                  wait_clock, model: torch.nn.Module, optimizer, bad_images,
@@ -204,10 +205,24 @@ class TrainLog:
         self.model, self.optimizer, self.bad_images = model, optimizer, bad_images
         self.on_record = on_record
         self.window = LogWindow()
+        self.epoch_began_at = 0
 
     def start_epoch(self) -> None:
         self.window = LogWindow()
         self.wait_clock.take()  # the last epoch's steps after its last logged one
+        # the epoch's first step, also where a resume starts inside it
+        self.epoch_began_at = self.state.step - \
+            self.state.samples_in_epoch // self.state.global_batch
+
+    def end_epoch(self) -> None:
+        """An epoch none of whose steps falls on --log-every (a run shorter than it, epochs of
+        fewer steps) still gets one record, at its last step: else such a run records no loss,
+        learning rate or pace, and plots accuracy alone.  A function of the steps, so a resumed
+        run writes it where the run it continues would have."""
+        if self.window.losses and \
+                self.state.step // self.every == self.epoch_began_at // self.every:
+            self._write(self.window)
+            self.window = LogWindow()
 
     def add(self, loss: torch.Tensor, num_correct: torch.Tensor, samples: int) -> None:
         self.window.add(loss, num_correct, samples)

@@ -168,17 +168,52 @@ class DeviceDecoder:
 
     def __init__(self, device: torch.device, dataset):
         self.device, self.dataset = torch.device(device), dataset
+        self._side: Optional[torch.cuda.Stream] = None
 
     def __call__(self, batch: EncodedImages, labels: torch.Tensor,
                  replaced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pixels, labels, replaced): the labels and marks change only where a file the device
-        refused was replaced by a substitute on the host."""
+        refused was replaced by a substitute on the host.
+
+        On a GPU the batch is decoded and cropped on a side stream of its own, and the caller's
+        stream waits for it there (an event, not the host).  Why: nvJPEG must not start while
+        work queued on its stream may still read memory the caching allocator could hand it
+        (`_decode`); on the caller's stream that meant waiting for the last training step, so
+        decoding (about 76 ms a batch of 256 on an H200) and the step (54 ms) ran one after the
+        other.  The allocator gives a stream's allocations only blocks freed on that stream,
+        so draining the side stream alone keeps nvJPEG off memory in use, and the next batch
+        can decode while the GPU trains on this one (a step bounded by the longer of the two,
+        where they were the sum: benchmarks/bench_gpu_jpeg.py measures it)."""
+        if self.device.type != "cuda":
+            pixels, substitutes = self._decode_and_crop(batch)
+        else:
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device)
+            # Nothing the side stream reads was made on the caller's: the batch's bytes and
+            # draws are host tensors, and the labels are changed below, on the caller's stream.
+            with torch.cuda.stream(self._side):
+                pixels, substitutes = self._decode_and_crop(batch)
+            caller = torch.cuda.current_stream(self.device)
+            caller.wait_stream(self._side)
+            # made on the side stream, read on the caller's: not handed out again before that
+            pixels.record_stream(caller)
+        if substitutes:
+            labels, replaced = labels.clone(), replaced.clone()
+            for position, used, index in substitutes:
+                labels[position] = self.dataset.source.labels[used]
+                replaced[position] = index
+        return pixels, labels, replaced
+
+    def _decode_and_crop(self, batch: EncodedImages) -> tuple[torch.Tensor,
+                                                              list[tuple[int, int, int]]]:
+        """The batch's pixels on the device, and (position, the image used, its own index) for
+        each file the device refused whose host decoding took a substitute."""
         size = batch.size
         out = torch.empty(batch.count, 3, size, size, dtype=torch.uint8, device=self.device)
         if len(batch.ready_positions):
             out[self._sent(batch.ready_positions)] = self._sent(batch.ready)
         if not batch.lengths:
-            return out, labels, replaced
+            return out, []
         decoded, refused = self._decode(list(batch.data.split(batch.lengths)))
         crops = []
         for k, image in enumerate(decoded):
@@ -201,16 +236,15 @@ class DeviceDecoder:
             crops = jitter(crops, self._sent(batch.jitter_order),
                            self._sent(batch.jitter_factors))
         out[self._sent(batch.positions)] = crops
+        substitutes = []
         for k in refused:
             epoch, index = batch.keys[k].tolist()
             pixels, used = self.dataset.host_sample(epoch, index)
             position = int(batch.positions[k])
             out[position] = pixels.to(self.device)
             if used != index:
-                labels, replaced = labels.clone(), replaced.clone()
-                labels[position] = self.dataset.source.labels[used]
-                replaced[position] = index
-        return out, labels, replaced
+                substitutes.append((position, used, index))
+        return out, substitutes
 
     def _sent(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device without waiting for the GPU: a copy from pageable memory
@@ -233,10 +267,11 @@ class DeviceDecoder:
             if self.device.type == "cuda":
                 # nvJPEG's hardware decoder (A100, H100, H200) writes its outputs before the
                 # work already queued on its stream has run, and the caching allocator may hand
-                # it blocks that queued kernels still read: the last step's tensors are
-                # overwritten (NaN in the weights within five steps on an H200).  Draining the
-                # caller's stream first is the known cure (torchcodec's decoder does it;
-                # torchvision's does not yet); it costs the host its lead over the GPU.
+                # it blocks that queued kernels still read: with the training step's stream,
+                # the last step's tensors were overwritten (NaN in the weights within five
+                # steps on an H200).  Draining its stream first is the known cure (torchcodec's
+                # decoder does it; torchvision's does not yet): here the side stream
+                # (`__call__`), which holds only the last batch's crops.
                 torch.cuda.current_stream(self.device).synchronize()
             return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
 

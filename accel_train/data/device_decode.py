@@ -392,25 +392,21 @@ def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool
     return False, f"by the loader workers ({flag}: {figures})"
 
 
-def time_paths(dataset, workers: int, device: torch.device,
+def time_paths(dataset, host_rate: Callable[[], float], device: torch.device,
                train_rate: Callable[[], float]) -> dict:
-    """The rates `choose` weighs, on the run's own first PROBE_IMAGES training images: the host
-    path in this process on one thread (a worker's), times the workers; the device path
-    decoding and cropping the same images; and `train_rate()`."""
+    """The rates `choose` weighs: `host_rate()` (the loader's workers, timed together:
+    loaders.workers_rate), the device path decoding and cropping the run's own first
+    PROBE_IMAGES training images, and `train_rate()`."""
     count = min(PROBE_IMAGES, len(dataset))
     keys = list(range(count))
     decoder = DeviceDecoder(device, dataset)
-    seconds = {"host": math.inf, "device": math.inf}
-    for _ in range(2):  # the first of each pays its start-up (libraries, kernels)
-        started = time.perf_counter()
-        dataset.host_batch(keys)
-        seconds["host"] = min(seconds["host"], time.perf_counter() - started)
+    seconds = math.inf
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(2):  # the first pays its start-up (libraries, kernels)
         encoded = dataset.encoded_batch(keys)
-        wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         wait()
         started = time.perf_counter()
         decoder(encoded.images, encoded.labels, torch.full_like(encoded.labels, -1))
         wait()
-        seconds["device"] = min(seconds["device"], time.perf_counter() - started)
-    return {"host": count / seconds["host"] * max(1, workers),
-            "device": count / seconds["device"], "train": train_rate()}
+        seconds = min(seconds, time.perf_counter() - started)
+    return {"host": host_rate(), "device": count / seconds, "train": train_rate()}

@@ -10,7 +10,9 @@ processes and still use each sample of the interrupted epoch exactly once.
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from collections.abc import Sequence
 from typing import Iterator, NamedTuple
 
@@ -28,6 +30,9 @@ from accel_train.data.worker_start import worker_context, worker_init_fn
 
 STATS_SAMPLE = 5000  # images used to estimate the dataset's mean/std
 STATS_CHUNK = 256  # images converted to float64 at a time for them
+# --decode-on-device auto times the loader's workers together: each decodes this many batches
+# of this many images in the timed pass (a few tenths of a second at ImageNet sizes)
+RATE_BATCH, RATE_BATCHES_EACH = 8, 4
 
 
 class Batch(NamedTuple):
@@ -339,6 +344,33 @@ def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_fa
                       drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
                       collate_fn=collate_batch, generator=loader_generator(seed),
                       worker_init_fn=worker_init_fn(timeout), **extra)
+
+
+def workers_rate(dataset: "TrainImages", workers: int) -> float:
+    """Images a second `workers` loader worker processes decode and augment together (the
+    host path --decode-on-device auto weighs against the GPU's), over the run's first training
+    keys; with no workers, this process alone.  Why together: one thread's rate times the
+    workers overestimated them 1.6x on an H200 node (15 workers on 16 logical CPUs, of which
+    SMT siblings share cores, and all share memory bandwidth), and auto kept the workers where
+    the GPU was faster."""
+    if workers == 0:
+        keys = list(range(RATE_BATCH * RATE_BATCHES_EACH))
+        best = math.inf
+        for _ in range(2):  # the first pays its start-up (libraries, caches)
+            started = time.perf_counter()
+            dataset.host_batch(keys)
+            best = min(best, time.perf_counter() - started)
+        return len(keys) / best
+    count = workers * RATE_BATCHES_EACH * RATE_BATCH
+    # persistent: the timed pass starts with the workers up and their libraries loaded
+    loader = make_loader(dataset, RATE_BATCH, workers, prefetch_factor=2,
+                         persistent_workers=True, pin_memory=False, sampler=range(count))
+    for _ in loader:
+        pass
+    started = time.perf_counter()
+    for _ in loader:
+        pass
+    return count / (time.perf_counter() - started)
 
 
 class FinishOnDevice:

@@ -28,7 +28,8 @@ from typing import Callable, Iterable, Iterator, Optional, Protocol
 from torch.utils.data import DataLoader
 
 from accel_train.data.loaders import (Batch, EpochSampler, FinishOnDevice, HeldOutImages,
-                                      TrainImages, default_num_workers, make_loader, run_transforms)
+                                      TrainImages, default_num_workers, make_loader, run_transforms,
+                                      workers_rate)
 from accel_train.base.errors import STALLED_EXIT, RunStopped, UsageError
 from accel_train.base.randomness import reseed_loader
 from accel_train.base.ranks import decide_on_main
@@ -266,8 +267,8 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                                  place_on_device=cuda)
             decoding = choose_device_decoding(
                 config.decode_on_device, data.train, train_tf, cuda, streaming=False,
-                rates=lambda: decide_on_main(lambda: time_paths(images, wanted_workers, device,
-                                                                train_rate)))
+                rates=lambda: decide_on_main(lambda: time_paths(
+                    images, lambda: workers_rate(images, wanted_workers), device, train_rate)))
             images.decodes_on_device = decoding[0]
             loader = make_loader(images,
                                  config.batch_size, wanted_workers, config.prefetch_factor,

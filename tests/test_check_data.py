@@ -206,3 +206,16 @@ def test_files_training_does_not_read_are_counted_and_photos_among_them_are_prob
     (root / "bee" / "IMG_0001.HEIC").unlink()
     code, out, _ = check_here(capsys, "--data-dir", str(root))
     assert code == 0 and "files not read as images (3): (no extension) 1, .txt 2" in out, out
+
+
+def test_the_classes_left_unreadable_by_hand():
+    """The one rule training and check-data share: classes with images, none of which decodes;
+    an unlabelled image (-1), broken or not, counts for no class (it made check-data's count
+    fail before)."""
+    from accel_train.data.labels import classes_left_unreadable
+    labels = [0, 0, 1, 1, 2, -1, -1]
+    assert classes_left_unreadable(labels, [], 4) == []
+    assert classes_left_unreadable(labels, [0], 4) == []           # class 0 keeps image 1
+    assert classes_left_unreadable(labels, [0, 1], 4) == [0]
+    assert classes_left_unreadable(labels, [0, 1, 4, 5], 4) == [0, 2]  # class 3 has no images
+    assert classes_left_unreadable(labels, [5, 6], 4) == []

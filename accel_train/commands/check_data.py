@@ -134,7 +134,8 @@ def check(args) -> dict:
     """Every image decoded; the findings as a JSON-ready dict."""
     import numpy as np
 
-    from accel_train.data.labels import labels_and_names, left_out_unlabelled
+    from accel_train.data.labels import (classes_left_unreadable, labels_and_names,
+                                         left_out_unlabelled)
     from accel_train.data.sources import HFSource, find_columns, open_data, training_split_name
     from accel_train.data.streaming import is_shard_folder
     config = _config(args)
@@ -184,11 +185,9 @@ def check(args) -> dict:
                  if len(with_labels) > 1 and sum(1 for s in with_labels if counts[s][c]) == 1}
     # classes whose every training image is unreadable: training refuses them (in memory) or
     # would teach them only with other classes' images (decoded per step)
-    broken_train = [index for split, index, _ in unreadable if split == train]
-    lost = np.bincount(labels[train][broken_train].numpy(), minlength=len(class_names)) \
-        if broken_train and train in labels else np.zeros(len(class_names), dtype=np.int64)
-    no_readable = [name for c, name in enumerate(class_names)
-                   if train in counts and counts[train][c] and lost[c] == counts[train][c]]
+    no_readable = [class_names[c] for c in classes_left_unreadable(
+        labels[train], [index for split, index, _ in unreadable if split == train],
+        len(class_names))] if train in labels else []
     not_read = files_not_read(raw.root) if raw.root is not None else {}
     findings = {
         "data": raw.origin, "images": int(sum(len(s) for s in sources.values())),

@@ -190,3 +190,15 @@ def refuse_folders_never_trained(raw, splits) -> None:
                              f"model would never learn them; give them training images, or "
                              f"rename or remove those folders (accel-train check-data "
                              f"{raw.root} lists each split's classes)")
+
+
+def classes_left_unreadable(labels: torch.Tensor, broken, num_classes: int) -> list[int]:
+    """The classes that have images in a split (`labels`, -1 for an unlabelled image) none of
+    which decodes (`broken`: the indices of those that do not).  Training refuses them, and
+    check-data names them: such a class would train on substitutes of other classes."""
+    labels = torch.as_tensor(labels)
+    broken = torch.as_tensor(list(broken), dtype=torch.long)
+    counts = torch.bincount(labels[labels >= 0], minlength=num_classes)
+    lost = labels[broken]
+    lost = torch.bincount(lost[lost >= 0], minlength=num_classes)
+    return [c for c in range(num_classes) if counts[c] and lost[c] == counts[c]]

@@ -32,7 +32,8 @@ from accel_train.base.errors import UsageError, first_few, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.imagefolder import index_folder
-from accel_train.data.labels import (check_label_values, label_gap_warnings, labels_and_names,
+from accel_train.data.labels import (check_label_values, classes_left_unreadable,
+                                     label_gap_warnings, labels_and_names,
                                      refuse_folders_never_trained, set_aside_unlabelled_splits)
 
 IMAGE_COLUMN_NAMES = ("img", "image", "images", "pixel_values", "picture", "jpg", "png", "webp")
@@ -590,11 +591,10 @@ def refuse_classes_left_unreadable(source: "HFSource", decoded: ArraySource,
                                    class_names: list[str]) -> None:
     """A class none of whose training images decodes would train as an output that only
     substitutes (other classes' images) teach: one line, as an empty class folder is."""
-    counts = torch.bincount(source.labels, minlength=len(class_names))
-    broken = torch.bincount(source.labels[[bad.index for bad in decoded.bad_images]],
-                            minlength=len(class_names))
-    lost = [i for i in range(len(class_names)) if counts[i] and broken[i] == counts[i]]
+    lost = classes_left_unreadable(source.labels, [bad.index for bad in decoded.bad_images],
+                                   len(class_names))
     if lost:
+        counts = torch.bincount(source.labels[source.labels >= 0], minlength=len(class_names))
         names = first_few(f"{class_names[i]!r} ({int(counts[i])} images)" for i in lost)
         raise UsageError(f"no training image of class {names} can be decoded: the run would "
                          f"train those outputs on substitutes of other classes; fix or replace "

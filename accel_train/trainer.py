@@ -227,8 +227,8 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.plan.checkpoint_dir, config.keep_checkpoints, self.report.warn,
             parts=[self.net.spec, self.state, self.train_loader,
-                   AccelerateState(acc, self.report.warn, models=[self.model]), self.schedule,
-                   self.ema, self.lookahead, self.bad_images],
+                   AccelerateState(acc, self.report.warn, models=[self.bare_model()]),
+                   self.schedule, self.ema, self.lookahead, self.bad_images],
             is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
             keep_best=config.keep_best)
 

@@ -346,8 +346,9 @@ class AccelerateState:
     collective = True
 
     def __init__(self, accelerator, warn: Callable[[str], None], models: Sequence[nn.Module]):
-        """`models`: what the run passed through `accelerator.prepare`, in that order (the
-        order Accelerate's save_state numbers their weight files in)."""
+        """`models`: the modules the run passed through `accelerator.prepare`, bare (without
+        DDP's or torch.compile's wrapper: save_state writes their own parameter names), in
+        that order (the order it numbers their weight files in)."""
         self.accelerator, self.warn, self.models = accelerator, warn, tuple(models)
 
     def save(self, folder: Path) -> None:

@@ -30,6 +30,7 @@ from accel_train.base.readers import read_json
 from accel_train.model.saved import (TIMM_CONFIG, ModelSpec, is_import_path,
                                      unknown_architecture_hint)
 from accel_train.base.weightfiles import check_weights_file
+from accel_train.model.hub_cache import cached_weights, hub_unreachable
 from accel_train.model.whitening import compute_in_float32
 
 _IDENTIFIERS = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
@@ -196,6 +197,8 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
         return _create_from_source(name, source, pretrained == "hub", kwargs)
     if pretrained is None:
         return timm.create_model(name, pretrained=False, **kwargs)
+    if pretrained == "hub" and hub_unreachable():
+        pretrained = cached_weights(name)  # loaded as a local file, below: no request at all
     if pretrained == "hub":
         try:
             return timm.create_model(name, pretrained=True, **kwargs)

@@ -22,9 +22,9 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 def hub_unreachable() -> bool:
     """True in huggingface_hub's offline mode (HF_HUB_OFFLINE=1) or where the endpoint's host
     name does not resolve."""
-    from huggingface_hub import constants, is_offline_mode
+    from huggingface_hub import constants
 
-    if is_offline_mode():
+    if constants.HF_HUB_OFFLINE:
         return True
     host = urlparse(constants.ENDPOINT).hostname
     try:

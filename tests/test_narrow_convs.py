@@ -39,11 +39,12 @@ def test_the_rule_picks_the_convolutions_whose_input_is_narrower_than_their_stri
     model.add_module("stride_one", nn.Conv2d(16, 16, 3, padding=1))           # stride 1
     model.add_module("subclass", SameConv(16, 16, 3, stride=2, padding=1))    # own forward
     model.add_module("tall", nn.Conv2d(16, 16, (1, 3), stride=(1, 2), padding=(0, 1)))
+    model.add_module("two_wide", nn.Conv2d(16, 16, 2, stride=2, padding=1))  # a 2-px kernel
     with recording_input_widths(model) as widths:
         model(torch.zeros(1, 8, 4, 4))
     assert widths == {"wide": 4, "still_wide": 2, "narrow": 1, "pointwise": 1, "stride_one": 1,
-                      "subclass": 1, "tall": 1}
-    assert narrower_than_stride(model, widths) == ["narrow", "tall"]
+                      "subclass": 1, "tall": 1, "two_wide": 1}
+    assert narrower_than_stride(model, widths) == ["narrow", "tall", "two_wide"]
     assert not any(module._forward_hooks for module in model.modules())   # hooks removed
     with recording_input_widths(model) as widths:   # the narrowest of several forwards
         model(torch.zeros(1, 8, 8, 8))

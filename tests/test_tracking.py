@@ -142,3 +142,18 @@ def test_an_epoch_shorter_than_log_every_gets_one_train_record_at_its_end(tmp_pa
             sum(each_step[s]["top1"] for s in steps) / len(steps), abs=1e-4)
         assert record["lr"] == each_step[record["step"]]["lr"] and record["img_per_s"] > 0
         assert record["epoch"] == each_step[record["step"]]["epoch"]
+
+
+def test_a_run_resumed_inside_an_epoch_logs_where_the_run_it_continues_would(tmp_path):
+    """Epochs of 4 steps, --log-every 3: each epoch holds a logged step (3; 6), so none gets a
+    record at its end.  A run stopped at step 6, inside its second epoch, and resumed: the same
+    steps logged, no record at step 8 (the resumed start knows where its epoch began)."""
+    def train(out, *extra):
+        with clean_accelerate_state(), contextlib.redirect_stdout(io.StringIO()):
+            assert main([*TINY_TRAIN, "--synthetic-train-size", "64", "--epochs", "2",
+                         "--log-every", "3", "--output-dir", str(out), *extra]) == 0
+        return [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["type"] == "train"]
+
+    assert train(tmp_path / "whole") == [3, 6]
+    assert train(tmp_path / "resumed", "--max-steps", "6") == [3, 6]
+    assert train(tmp_path / "resumed", "--resume", "auto") == [3, 6]

@@ -10,7 +10,9 @@ torch.nn.grad.conv2d_weight in float32 on a 2-core AMD EPYC with AVX512-BF16, wi
 strides 1-4, kernels 2-7: every case with width < stride and a kernel wider than one pixel was
 broken, no other.
 
-These layers see one to three pixel columns: float32 costs nothing measurable there.  The rule
+These layers see one to three pixel columns: float32 costs nothing measurable there (a bf16
+training step of resnet18 / resnet50 at 16 px, batch 128, took 0.99 / 0.95 of the plain
+network's time, medians of 15 interleaved steps, same 2-core AMD EPYC).  The rule
 holds on every device (a GPU does not need it), so that a run's network, and the float32_layers
 its saved model records, are the same wherever it trains, resumes or is evaluated.
 """

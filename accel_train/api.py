@@ -98,8 +98,10 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
 # a flag as messages write it, and the word after it
 FLAG_IN_TEXT = re.compile(r"--(no-)?([a-z][a-z0-9_-]*)(?: ('[^' ]*'|[\w./:~+-]+))?")
 # a command a message quotes for the user to run (`accel-train check-data --data-dir DIR`), up to
-# the clause's end: its flags are the command line's, whoever reads them
-COMMAND_IN_TEXT = re.compile(r"(?:accel-train|accelerate launch|torchrun)\b[^;,()|`]*")
+# the clause's or the sentence's end (a dot inside a path goes on): its flags are the command
+# line's, whoever reads them
+COMMAND_IN_TEXT = re.compile(r"(?:accel-train|accelerate launch|torchrun)\b"
+                             r"(?:[^;,()|`.]|\.(?!\s|$))*")
 # words that are an option's value where they follow its flag (else the sentence goes on)
 KEYWORD_VALUES = {"auto", "always", "never", "no", "yes", "hub", "none"}
 

@@ -238,6 +238,8 @@ def test_bad_arguments_are_one_clear_error(tmp_path, monkeypatch, call, expected
      "list them (accel-train check-data --data-dir DIR), or pass resume='auto'"),
     ("next: accel-train eval r  |  accel-train predict r --top-k 3; --epochs 2",
      "next: accel-train eval r  |  accel-train predict r --top-k 3; epochs=2"),
+    ("accel-train eval /x/r1.v2 evaluates it. Then pass --epochs 5",   # a sentence's end
+     "accel-train eval /x/r1.v2 evaluates it. Then pass epochs=5"),
 ])
 def test_messages_name_keyword_arguments_where_the_command_line_names_flags(message, expected):
     assert in_python_terms(message) == expected

@@ -247,9 +247,9 @@ def test_a_damaged_file(trained, image, tmp_path, row, corruption, command):
 
 def test_a_run_config_cut_at_any_line_end_is_refused(trained, tmp_path):
     """config.yaml cut at a line's end still parses where the cut lands inside a mapping (the
-    half above landed so for some lengths of the file: its last line holds the commit, whose
-    length moves it): every such cut before its last keys is refused, and eval says so in one
-    line."""
+    half above landed so for some lengths of the file, which the commit id it records moves):
+    every such cut before its last keys' values is refused, and eval says so in one line.
+    (Training writes it whole and renames it: no reader sees a cut inside the last list.)"""
     from accel_train.base.readers import BadFile
     from accel_train.commands.artifacts import read_run_config
 
@@ -258,7 +258,9 @@ def test_a_run_config_cut_at_any_line_end_is_refused(trained, tmp_path):
     whole = (run / "config.yaml").read_text()
     lines = whole.splitlines(keepends=True)
     last_keys = next(i for i, line in enumerate(lines) if line.startswith("versions:"))
-    for end in range(1, last_keys + 1):
+    command = next(i for i, line in enumerate(lines) if line.startswith("command:"))
+    assert command > last_keys   # the last key, a list: a cut after its name leaves it empty
+    for end in range(1, command + 2):
         (run / "config.yaml").write_text("".join(lines[:end]))
         with pytest.raises(BadFile):
             read_run_config(run)

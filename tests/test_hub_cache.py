@@ -78,3 +78,21 @@ def test_weights_in_the_cache_are_loaded_without_a_request(tmp_path):
                          "--output-dir", str(tmp_path / "run"),
                          env=test_env(HF_HUB_CACHE=str(cache)))
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_behind_a_proxy_an_unresolvable_name_says_nothing():
+    """Clusters that reach the Hub through HTTPS_PROXY often resolve no outside name: the proxy
+    does.  There the look-up concludes nothing (the Hub is tried as before); without a proxy,
+    or with the Hub's host in NO_PROXY, it does."""
+    script = ("import os\n"
+              "from accel_train.model.hub_cache import hub_unreachable\n"
+              "print(hub_unreachable())\n"
+              "os.environ['HTTPS_PROXY'] = 'http://127.0.0.1:9'\n"
+              "print(hub_unreachable())\n"
+              "os.environ['NO_PROXY'] = 'hub.example.invalid'\n"
+              "print(hub_unreachable())\n")
+    env = test_env(HF_HUB_OFFLINE="0", HF_ENDPOINT="https://hub.example.invalid")
+    for name in ("HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        env.pop(name, None)
+    result = run([sys.executable, "-c", script], env=env)
+    assert result.stdout.split() == ["True", "False", "True"], result.stderr[-2000:]

@@ -106,11 +106,12 @@ def _register(name: str, what: str, fix: str, shape: Optional[Shape] = None) -> 
 # -- every kind of file the product reads ---------------------------------------------------------
 _register("recipe", "a recipe of training options (--config)",
           "fix it, or pass another --config file", Shape())
-# versions and git_revision are the last keys every config.yaml was written with: a file cut
-# short that still parses (halfway through `resolved`, at a line's end) lacks them
+# versions, git_revision and command are the last keys every config.yaml was written with: a
+# file cut short that still parses (halfway through `resolved`, at a line's end) lacks them (a
+# cut inside the command's list cannot happen: the file is written whole, then renamed)
 _register("run_config", "a run's config.yaml", RUN_FILE,
           Shape({"train": MAPPING, "resolved": MAPPING, "versions": MAPPING,
-                 "git_revision": (TEXT, NONE)}))
+                 "git_revision": (TEXT, NONE), "command": LIST}))
 _register("accelerate_config", "an accelerate config (--config_file)",
           "recreate it with `accelerate config --config_file PATH`", Shape())
 _register("elastic_config", "an elastic settings file (--elastic)",

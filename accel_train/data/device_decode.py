@@ -199,8 +199,8 @@ class DeviceDecoder:
             pixels.record_stream(caller)
         if substitutes:
             labels, replaced = labels.clone(), replaced.clone()
-            for position, used, index in substitutes:
-                labels[position] = self.dataset.source.labels[used]
+            for position, used, index in substitutes:  # Python numbers: no copy, no sync
+                labels[position] = int(self.dataset.source.labels[used])
                 replaced[position] = index
         return pixels, labels, replaced
 

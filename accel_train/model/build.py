@@ -197,8 +197,10 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
         return _create_from_source(name, source, pretrained == "hub", kwargs)
     if pretrained is None:
         return timm.create_model(name, pretrained=False, **kwargs)
+    said = pretrained  # what messages name: the flag's value, not a cache file it came from
     if pretrained == "hub" and hub_unreachable():
         pretrained = cached_weights(name)  # loaded as a local file, below: no request at all
+        said = f"hub (the cached {pretrained})"
     if pretrained == "hub":
         try:
             return timm.create_model(name, pretrained=True, **kwargs)
@@ -208,23 +210,23 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
                              f"--pretrained PATH to a local .safetensors or .pth file") from None
     path = Path(pretrained)
     if path.is_dir():
-        raise UsageError(f"--pretrained {pretrained} is a folder; pass the weights file in it "
+        raise UsageError(f"--pretrained {said} is a folder; pass the weights file in it "
                          f"(model.safetensors of a run or an export), or 'hub'")
     if not path.is_file():
-        raise UsageError(f"--pretrained {pretrained}: no such file; pass a local .safetensors/"
+        raise UsageError(f"--pretrained {said}: no such file; pass a local .safetensors/"
                          f".pth weights file, or 'hub'")
     if path.suffix.lower() == ".onnx":  # torch would report a refused pickle
-        raise UsageError(f"--pretrained {pretrained} is an ONNX model, which training cannot "
+        raise UsageError(f"--pretrained {said} is an ONNX model, which training cannot "
                          f"start from; pass the model.safetensors beside it (an accel-train "
                          f"export holds both)")
-    check_weights_file(path, f"--pretrained {pretrained}", "fetch or copy it again")
+    check_weights_file(path, f"--pretrained {said}", "fetch or copy it again")
     state = torch.random.get_rng_state()
     try:
         # timm loads the file and drops a classifier whose class count differs from ours.
         model = timm.create_model(name, pretrained=True,
                                   pretrained_cfg_overlay=dict(file=str(path)), **kwargs)
     except (RuntimeError, KeyError, ValueError, OSError) as err:
-        raise UsageError(f"--pretrained {pretrained}: does not fit model {name} "
+        raise UsageError(f"--pretrained {said}: does not fit model {name} "
                          f"({first_line(err, 200)}); pass weights saved from "
                          f"{name}") from None
     # timm loads another network's file without a word where no key name matches (it logs the
@@ -237,7 +239,7 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
     loaded = [k for k, v in fresh.state_dict().items()
               if v.is_floating_point() and not torch.equal(v, model.state_dict()[k])]
     if not loaded:
-        raise UsageError(f"--pretrained {pretrained}: none of its weights fit model {name} (no "
+        raise UsageError(f"--pretrained {said}: none of its weights fit model {name} (no "
                          f"tensor of it was loaded: weights of another network); pass weights "
                          f"saved from {name}")
     return model

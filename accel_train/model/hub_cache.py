@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 from typing import Optional
 from urllib.parse import urlparse
+from urllib.request import getproxies, proxy_bypass
 
 from accel_train.base.errors import UsageError
 
@@ -21,12 +22,16 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 def hub_unreachable() -> bool:
     """True in huggingface_hub's offline mode (HF_HUB_OFFLINE=1) or where the endpoint's host
-    name does not resolve."""
+    name does not resolve.  Behind a proxy (HTTPS_PROXY, which huggingface_hub's client takes)
+    the name need not resolve here: the proxy resolves it, so nothing is concluded."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return True
-    host = urlparse(constants.ENDPOINT).hostname
+    endpoint = urlparse(constants.ENDPOINT)
+    host = endpoint.hostname
+    if endpoint.scheme in getproxies() and not proxy_bypass(host or ""):
+        return False
     try:
         socket.getaddrinfo(host, 443)
     except (OSError, UnicodeError):

@@ -34,6 +34,8 @@ def recording_input_widths(model: nn.Module) -> Iterator[dict[str, int]]:
     for name, module in model.named_modules():
         if isinstance(module, nn.Conv2d):
             def record(_module, inputs, _output, name=name):
+                if not inputs:  # called with its input as a keyword: not seen, not changed
+                    return
                 width = inputs[0].shape[-1]
                 widths[name] = min(width, widths.get(name, width))
             handles.append(module.register_forward_hook(record))

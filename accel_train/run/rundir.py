@@ -172,5 +172,7 @@ def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict) -> P
     path = run_paths(output_dir).config
     if path.exists():
         path = output_dir / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-    path.write_text(yaml.safe_dump(record, sort_keys=False))
+    tmp = path.with_suffix(".yaml.tmp")  # whole or not at all: a reader never sees half of it
+    tmp.write_text(yaml.safe_dump(record, sort_keys=False))
+    tmp.replace(path)
     return path

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from accel_train.base.errors import UsageError
 from accel_train.base.readers import read_json_lines
+from accel_train.base.wording import in_callers_words
 from accel_train.train.divergence import stop_if_diverged
 from accel_train.train.optim import scheduled_learning_rate
 # metrics.jsonl record -> tracker scalar names; the prefix groups charts in TensorBoard and wandb.
@@ -161,6 +162,7 @@ class Progress:
     def write(self, text: str) -> None:
         if not self.enabled:
             return
+        text = in_callers_words(text)
         if self.bar is not None:
             self.bar.write(text)
         else:

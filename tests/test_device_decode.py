@@ -298,7 +298,7 @@ class PidsOfDecoders(TrainImages):
         return super().host_batch(keys)
 
 
-@pytest.mark.parametrize("workers", [0, 3])
+@pytest.mark.parametrize("workers", [0, pytest.param(3, marks=pytest.mark.slow)])
 def test_the_workers_are_timed_together_in_their_own_processes(photos, tmp_path, workers):
     """The host rate auto weighs is the workers' own, timed while they all decode (one
     thread's rate times their number overestimated them 1.6x on an H200 node): each of 3
@@ -359,3 +359,20 @@ def test_the_summary_of_a_run_with_nothing_to_choose_says_nothing_of_it(tmp_path
                             "--progress", "log", "--no-plots", *PINNED, "--output-dir",
                             str(out), check=True).stdout
     assert "JPEGs decoded" not in said, said
+
+
+@pytest.mark.slow
+def test_a_machine_of_two_processes_times_all_their_workers_at_once(photos, tmp_path):
+    """Two processes a machine with 2 workers each: rank 0 times 4 workers together, and each
+    process is given half of what they decode."""
+    from accel_train.data.loaders import RATE_BATCH, RATE_BATCHES_EACH
+    from accel_train.data.loading import machine_workers_rate
+    plain = _dataset(photos)
+    images = PidsOfDecoders(plain.source, plain.transform, seed=11, mark_replaced=True,
+                            folder=tmp_path)
+    started = time.perf_counter()
+    rate = machine_workers_rate(images, 2, 2)
+    whole = time.perf_counter() - started
+    pids = [path.name.split("-")[0] for path in tmp_path.iterdir()]
+    assert len(set(pids)) == 4 and len(pids) == 2 * 4 * RATE_BATCHES_EACH
+    assert rate >= 4 * RATE_BATCHES_EACH * RATE_BATCH / whole / 2

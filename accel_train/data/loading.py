@@ -222,6 +222,15 @@ class Loaders:
     decoded_on_device: bool = False
 
 
+def machine_workers_rate(images: TrainImages, workers: int, processes_per_machine: int) -> float:
+    """A process's share of what its machine's loader workers decode together: every process
+    on the machine runs `workers` of them while it trains, and rank 0 times them all at once
+    for all (the others wait), so that they meet the contention they will train with."""
+    if workers == 0:  # each process decodes for itself, in its own process
+        return workers_rate(images, 0)
+    return workers_rate(images, workers * processes_per_machine) / processes_per_machine
+
+
 def build_loaders(config, data, spec, num_processes: int, rank: int, processes_per_machine: int,
                   cuda: bool, device=None,
                   train_rate: Optional[Callable[[], float]] = None) -> Loaders:
@@ -268,7 +277,9 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
             decoding = choose_device_decoding(
                 config.decode_on_device, data.train, train_tf, cuda, streaming=False,
                 rates=lambda: decide_on_main(lambda: time_paths(
-                    images, lambda: workers_rate(images, wanted_workers), device, train_rate)))
+                    images, lambda: machine_workers_rate(images, wanted_workers,
+                                                         processes_per_machine),
+                    device, train_rate)))
             images.decodes_on_device = decoding[0]
             loader = make_loader(images,
                                  config.batch_size, wanted_workers, config.prefetch_factor,

@@ -102,6 +102,8 @@ FLAG_IN_TEXT = re.compile(r"--(no-)?([a-z][a-z0-9_-]*)(?: ('[^' ]*'|[\w./:~+-]+)
 # line's, whoever reads them
 COMMAND_IN_TEXT = re.compile(r"(?:accel-train|accelerate launch|torchrun)\b"
                              r"(?:[^;,()|`.]|\.(?!\s|$))*")
+# a word in capitals after a flag stands for the value the reader gives (PATH, N, F, DIR)
+PLACEHOLDER = re.compile(r"[A-Z][A-Z_]*")
 # words that are an option's value where they follow its flag (else the sentence goes on)
 KEYWORD_VALUES = {"auto", "always", "never", "no", "yes", "hub", "none"}
 
@@ -131,6 +133,8 @@ def in_python_terms(message: str) -> str:
         if word and is_value(word, name):
             numeric = re.fullmatch(r"-?[\d.]+(e-?\d+)?", word) or word.startswith("'")
             return (f"{name}={word}" if numeric else f"{name}={word!r}") + stop
+        if PLACEHOLDER.fullmatch(word):  # what the reader fills in: --pretrained PATH
+            return f"{name}={word}" + stop
         return f"{name}=" + after
 
     pieces = COMMAND_IN_TEXT.split(message)

@@ -240,6 +240,9 @@ def test_bad_arguments_are_one_clear_error(tmp_path, monkeypatch, call, expected
      "next: accel-train eval r  |  accel-train predict r --top-k 3; epochs=2"),
     ("accel-train eval /x/r1.v2 evaluates it. Then pass --epochs 5",   # a sentence's end
      "accel-train eval /x/r1.v2 evaluates it. Then pass epochs=5"),
+    # a placeholder the reader fills in
+    ("or pass --pretrained PATH to a local file (--warmup-fraction F makes it a share)",
+     "or pass pretrained=PATH to a local file (warmup_fraction=F makes it a share)"),
 ])
 def test_messages_name_keyword_arguments_where_the_command_line_names_flags(message, expected):
     assert in_python_terms(message) == expected
@@ -254,11 +257,14 @@ def test_fits_warnings_and_summary_name_keywords_and_the_command_line_then_flags
     text = said.out + said.err
     assert "warning: sync_bn=True: " in text and "--sync-bn" not in text
     assert "(data_on_device='auto': not on a CUDA device)" in text and "--data-on" not in text
+    # the commands to run next keep their flags; eval of a program's data needs data named
+    assert f"next: accel-train eval {tmp_path / 'fit'} --data-dir DATA  |" in text
     assert main(["--dataset", "synthetic", "--synthetic-train-size", "32", "--batch-size", "16",
                  "--max-steps", "1", "--no-plots", "--mixed-precision", "no",
                  "--no-channels-last", "--output-dir", str(tmp_path / "cli")]) == 0
     said = capsys.readouterr()
     assert "(--data-on-device auto: not on a CUDA device)" in said.out + said.err
+    assert f"next: accel-train eval {tmp_path / 'cli'}  |" in said.out + said.err
 
 
 def test_fit_says_what_to_change_in_its_own_keywords(tmp_path, monkeypatch):

@@ -35,20 +35,39 @@ def test_the_repository_is_the_one_timm_names():
     assert timm.models.get_pretrained_cfg("test_resnet").hf_hub_id == REPO_ID
 
 
+UNREACHABLE = {  # the environment, and why the run says the Hub is not asked
+    "offline-mode": ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set (unset it where there is "
+                                              "network to download)"),
+    "host-does-not-resolve": ({"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "https://hub.example.invalid"},
+                              "the Hugging Face Hub (https://hub.example.invalid) cannot be "
+                              "reached from here")}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("unreachable", [{"HF_HUB_OFFLINE": "1"},
-                                         {"HF_HUB_OFFLINE": "0",
-                                          "HF_ENDPOINT": "https://hub.example.invalid"}],
-                         ids=["offline-mode", "host-does-not-resolve"])
+@pytest.mark.parametrize("unreachable", list(UNREACHABLE))
 def test_weights_not_in_the_cache_are_one_line_at_once(tmp_path, unreachable):
+    env, why = UNREACHABLE[unreachable]
     result = accel_train(*TINY, "--model", "test_resnet", "--pretrained", "hub",
                          "--output-dir", str(tmp_path / "run"),
-                         env=test_env(HF_HUB_CACHE=str(tmp_path / "cache"), **unreachable))
+                         env=test_env(HF_HUB_CACHE=str(tmp_path / "cache"), **env))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith("accel_train: error: --pretrained hub: the Hugging Face Hub (")
-    assert f"test_resnet's weights ({REPO_ID}: model.safetensors or pytorch_model.bin) are not " \
-           f"in the local cache ({tmp_path / 'cache'})" in line
+    assert line.startswith(f"accel_train: error: --pretrained hub: {why}, and test_resnet's "
+                           f"weights ({REPO_ID}: model.safetensors or pytorch_model.bin) are not "
+                           f"in the local cache ({tmp_path / 'cache'})"), line
+    assert "Retrying" not in result.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_an_hf_hub_model_not_in_the_cache_is_one_line_at_once(tmp_path):
+    env, why = UNREACHABLE["host-does-not-resolve"]
+    result = accel_train(*TINY, "--model", f"hf-hub:{REPO_ID}", "--output-dir",
+                         str(tmp_path / "run"),
+                         env=test_env(HF_HUB_CACHE=str(tmp_path / "cache"), **env))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"accel_train: error: --model hf-hub:{REPO_ID}: {why}, and the "
+                           f"repository's config.json is not in the local cache"), line
     assert "Retrying" not in result.stderr and not (tmp_path / "run").exists()
 
 
@@ -86,11 +105,11 @@ def test_behind_a_proxy_an_unresolvable_name_says_nothing():
     or with the Hub's host in NO_PROXY, it does."""
     script = ("import os\n"
               "from accel_train.model.hub_cache import hub_unreachable\n"
-              "print(hub_unreachable())\n"
+              "print(bool(hub_unreachable()))\n"
               "os.environ['HTTPS_PROXY'] = 'http://127.0.0.1:9'\n"
-              "print(hub_unreachable())\n"
+              "print(bool(hub_unreachable()))\n"
               "os.environ['NO_PROXY'] = 'hub.example.invalid'\n"
-              "print(hub_unreachable())\n")
+              "print(bool(hub_unreachable()))\n")
     env = test_env(HF_HUB_OFFLINE="0", HF_ENDPOINT="https://hub.example.invalid")
     for name in ("HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
         env.pop(name, None)

@@ -98,6 +98,9 @@ def test_pretrained_local_weights_and_frozen_backbone(tmp_path):
 
 BAD_INPUTS = [
     (["--model", "resnet_does_not_exist"], "--model 'resnet_does_not_exist' is not a timm model"),
+    # a tag timm has no weights config for (timm.is_model takes it; building it raised)
+    (["--model", "test_resnet.bogus_tag"], "--model 'test_resnet.bogus_tag': timm has no "
+     "'bogus_tag' weights for test_resnet (its tags: test_resnet.r160_in1k); pass 'test_resnet'"),
     (["--data-dir", "/nonexistent/data"], "--data-dir /nonexistent/data: no such folder"),
     (["--batch_size", "0"], "--batch-size must be a whole number >= 1"),
     (["--learning_rate", "-1"], "--learning_rate must be a number > 0"),

@@ -30,7 +30,8 @@ from accel_train.base.readers import read_json
 from accel_train.model.saved import (TIMM_CONFIG, ModelSpec, is_import_path,
                                      unknown_architecture_hint)
 from accel_train.base.weightfiles import check_weights_file
-from accel_train.model.hub_cache import cached_weights, hub_unreachable
+from accel_train.model.hub_cache import (cached_weights, hub_unreachable,
+                                         refuse_uncached_repository)
 from accel_train.model.whitening import compute_in_float32
 
 _IDENTIFIERS = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
@@ -73,6 +74,15 @@ def check_model_name(name: str, flag: str = "--model") -> None:
             raise UsageError(f"{flag} {name!r} names no repository; write hf-hub:OWNER/NAME")
         return
     if timm.is_model(name):
+        architecture, _, tag = name.partition(".")
+        # timm.is_model takes any tag after a known architecture; building with one it has no
+        # weights config for raises deep inside timm
+        tags = timm.list_pretrained(f"{architecture}.*")
+        if tag and name not in tags:
+            known = ", ".join(tags[:5]) + (", ..." if len(tags) > 5 else "")
+            raise UsageError(f"{flag} {name!r}: timm has no {tag!r} weights for {architecture}"
+                             + (f" (its tags: {known})" if tags else " (it has no tags)")
+                             + f"; pass {architecture!r} or one of those")
         return
     close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
     hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -198,8 +208,9 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
     if pretrained is None:
         return timm.create_model(name, pretrained=False, **kwargs)
     said = pretrained  # what messages name: the flag's value, not a cache file it came from
-    if pretrained == "hub" and hub_unreachable():
-        pretrained = cached_weights(name)  # loaded as a local file, below: no request at all
+    unreachable = hub_unreachable() if pretrained == "hub" else None
+    if unreachable:
+        pretrained = cached_weights(name, unreachable)  # loaded as a local file, below
         said = f"hub (the cached {pretrained})"
     if pretrained == "hub":
         try:
@@ -248,6 +259,9 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
 def _create_from_source(name: str, source: str, weights: bool, kwargs: dict) -> nn.Module:
     """timm reads the config (and with --pretrained hub the weights) from the Hub or the folder;
     what it cannot read is one line, not a traceback."""
+    unreachable = hub_unreachable() if source == "hf-hub" else None
+    if unreachable:
+        refuse_uncached_repository(name, unreachable)
     try:
         return timm.create_model(name, pretrained=weights, **kwargs)
     except TypeError as err:

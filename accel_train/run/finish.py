@@ -79,7 +79,10 @@ def maybe_plot(wanted: bool, is_main: bool, output_dir: Path, report) -> None:
         report.say(f"plots: {', '.join(str(path) for path in written)}")
 
 
-def say_next(best_top1, output_dir: Path, report) -> None:
+def say_next(best_top1, output_dir: Path, report, data_from_program: bool = False) -> None:
+    """`data_from_program`: fit()'s datasets, which the run cannot find again: eval needs data
+    named (it says so itself, but the hint should not send the reader there empty-handed)."""
     folder = shlex.quote(str(output_dir))  # a command a reader can paste, spaces and all
-    report.say(f"best held-out top-1 {best_top1 or 0:.2%}; next: accel-train eval {folder}"
+    data = " --data-dir DATA" if data_from_program else ""
+    report.say(f"best held-out top-1 {best_top1 or 0:.2%}; next: accel-train eval {folder}{data}"
                f"  |  accel-train predict {folder} IMAGES...  |  accel-train plot {folder}")

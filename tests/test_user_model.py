@@ -439,6 +439,8 @@ def test_a_timm_hub_name_without_network_says_what_is_missing(tmp_path):
     result = accel_train("--model", "hf-hub:timm/resnet18.a1_in1k", *TINY, "--output-dir",
                          str(tmp_path / "run"), env=child_env(HF_HOME=str(tmp_path / "hf")))
     line = one_error_line(result)
-    assert "--model hf-hub:timm/resnet18.a1_in1k: timm could not get the model's config.json "\
-           "from the Hugging Face Hub" in line, line
-    assert "needs network" in line and "local-dir:FOLDER" in line, line
+    # the children run offline (HF_HUB_OFFLINE=1): said at once, before timm asks the Hub
+    assert "--model hf-hub:timm/resnet18.a1_in1k: HF_HUB_OFFLINE is set (unset it where there "\
+           "is network to download), and the repository's config.json is not in the local " \
+           f"cache ({tmp_path / 'hf' / 'hub'})" in line, line
+    assert "local-dir:FOLDER" in line, line

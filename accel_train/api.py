@@ -100,8 +100,8 @@ FLAG_IN_TEXT = re.compile(r"--(no-)?([a-z][a-z0-9_-]*)(?: ('[^' ]*'|[\w./:~+-]+)
 # a command a message quotes for the user to run (`accel-train check-data --data-dir DIR`), up to
 # the clause's or the sentence's end (a dot inside a path goes on): its flags are the command
 # line's, whoever reads them
-COMMAND_IN_TEXT = re.compile(r"(?:accel-train|accelerate launch|torchrun)\b"
-                             r"(?:[^;,()|`.]|\.(?!\s|$))*")
+COMMAND_IN_TEXT = re.compile(r"((?:accel-train|accelerate launch|torchrun)\b"
+                             r"(?:[^;,()|`.]|\.(?!\s|$))*)")   # one group: split keeps them
 # a word in capitals after a flag stands for the value the reader gives (PATH, N, F, DIR)
 PLACEHOLDER = re.compile(r"[A-Z][A-Z_]*")
 # words that are an option's value where they follow its flag (else the sentence goes on)
@@ -137,9 +137,9 @@ def in_python_terms(message: str) -> str:
             return f"{name}={word}" + stop
         return f"{name}=" + after
 
+    # prose and quoted commands alternate: only the prose is translated
     pieces = COMMAND_IN_TEXT.split(message)
-    commands = COMMAND_IN_TEXT.findall(message)
-    return "".join(FLAG_IN_TEXT.sub(keyword, piece) + (commands[i] if i < len(commands) else "")
+    return "".join(piece if i % 2 else FLAG_IN_TEXT.sub(keyword, piece)
                    for i, piece in enumerate(pieces))
 
 

@@ -153,10 +153,16 @@ def update_resolved(output_dir: Path, updates: dict) -> Path:
     path = resumes[-1] if resumes else paths.config
     record = read_yaml(path, "run_config")
     record["resolved"].update(updates)
+    _write_whole(path, record)
+    return path
+
+
+def _write_whole(path: Path, record: dict) -> None:
+    """A run record as YAML, whole or not at all: written beside, then renamed, so that a
+    reader (eval of a running run, a kill mid-write) never sees half of it."""
     tmp = path.with_suffix(".yaml.tmp")
     tmp.write_text(yaml.safe_dump(record, sort_keys=False))
     tmp.replace(path)
-    return path
 
 
 def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict) -> Path:
@@ -172,7 +178,5 @@ def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict) -> P
     path = run_paths(output_dir).config
     if path.exists():
         path = output_dir / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-    tmp = path.with_suffix(".yaml.tmp")  # whole or not at all: a reader never sees half of it
-    tmp.write_text(yaml.safe_dump(record, sort_keys=False))
-    tmp.replace(path)
+    _write_whole(path, record)
     return path

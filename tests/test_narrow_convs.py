@@ -46,7 +46,7 @@ def test_the_rule_picks_the_convolutions_whose_input_is_narrower_than_their_stri
                       "subclass": 1, "tall": 1, "two_wide": 1}
     assert narrower_than_stride(model, widths) == ["narrow", "tall", "two_wide"]
     seen = dict(widths)
-    model(torch.zeros(1, 8, 8, 8))   # after the block: nothing is recorded (hooks removed)
+    model(torch.zeros(1, 8, 2, 2))   # narrower, after the block: not recorded (hooks removed)
     assert widths == seen
     with recording_input_widths(model) as widths:   # the narrowest of several forwards
         model(torch.zeros(1, 8, 8, 8))

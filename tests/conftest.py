@@ -310,12 +310,19 @@ def synthetic_shards(tmp_path_factory) -> Path:
 def clean_accelerate_state():
     """Accelerate keeps process-wide singletons: an in-process run starts and leaves them clean
     (tests that build Accelerators in the test process itself must not see each other's)."""
-    from accelerate.state import AcceleratorState
-    AcceleratorState._reset_state(reset_partial_state=True)
+    reset_accelerate()
     try:
         yield
     finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
+        reset_accelerate()
+
+
+def reset_accelerate() -> None:
+    """Accelerate's own way for tests to forget its process-wide state (the accelerator and
+    gradient singletons): the tearDown of the test case its documentation asks such tests to
+    inherit from."""
+    from accelerate.test_utils.testing import AccelerateTestCase
+    AccelerateTestCase().tearDown()
 
 
 @pytest.fixture

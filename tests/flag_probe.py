@@ -2,8 +2,9 @@
 dtype at every training Conv2d, torch.compile calls, the DDP wrapper's settings, the DataLoaders'
 worker settings, and the share of zeros that reach each training Linear (what dropout leaves).
 
-`install()` patches torch and returns the records it fills; `uninstall()` puts torch back (an
-in-process run; a probed subprocess simply exits).
+`install()` patches torch's public entry points (and adds a global forward hook for the
+convolutions) and returns the records it fills; `uninstall()` puts torch back (an in-process run;
+a probed subprocess simply exits).
 """
 
 from __future__ import annotations
@@ -15,17 +16,19 @@ _ORIGINALS: dict = {}
 
 def install(conv: bool = True) -> dict:
     records: dict = {"conv": [], "compile": [], "ddp": [], "loaders": [], "linear_zeros": []}
-    conv_forward = torch.nn.Conv2d._conv_forward
     compile_fn = torch.compile
     ddp_init = torch.nn.parallel.DistributedDataParallel.__init__
     loader_init = torch.utils.data.DataLoader.__init__
     linear_forward = torch.nn.Linear.forward
-    _ORIGINALS.update(conv=conv_forward, compile=compile_fn, ddp=ddp_init, loader=loader_init,
+    _ORIGINALS.update(compile=compile_fn, ddp=ddp_init, loader=loader_init,
                       linear=linear_forward)
 
-    def _conv_forward(self, input, weight, bias):
-        out = conv_forward(self, input, weight, bias)
-        if self.training and len(records["conv"]) < 200:
+    def _conv_seen(module, args, out):
+        # torch's global hook sees every module's call: the convolutions' are the ones wanted
+        if not isinstance(module, torch.nn.Conv2d):
+            return
+        input, weight = args[0], module.weight
+        if module.training and len(records["conv"]) < 200:
             records["conv"].append({
                 "batch": int(input.shape[0]), "hw": list(input.shape[-2:]),
                 # (a tensor with size-1 dims can be both contiguous and channels_last)
@@ -34,7 +37,6 @@ def install(conv: bool = True) -> dict:
                 "weight_channels_last": weight.is_contiguous(memory_format=torch.channels_last),
                 "weight_contiguous": weight.is_contiguous(),
                 "out_dtype": str(out.dtype)})
-        return out
 
     def _compile(model=None, *args, **kwargs):
         records["compile"].append({"module": isinstance(model, torch.nn.Module),
@@ -43,11 +45,9 @@ def install(conv: bool = True) -> dict:
 
     def _ddp_init(self, *args, **kwargs):
         ddp_init(self, *args, **kwargs)
-        config = getattr(self, "_bucket_config", None)
         records["ddp"].append({
             "kwargs": {k: v for k, v in kwargs.items() if isinstance(v, (int, float, bool, str))},
-            "bucket_bytes_cap": getattr(self, "bucket_bytes_cap",
-                                        getattr(config, "bucket_bytes_cap", None)),
+            "bucket_bytes_cap": self.bucket_bytes_cap,
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
             "static_graph": self.static_graph})
 
@@ -65,7 +65,7 @@ def install(conv: bool = True) -> dict:
         return linear_forward(self, input)
 
     if conv:
-        torch.nn.Conv2d._conv_forward = _conv_forward
+        _ORIGINALS["conv_hook"] = torch.nn.modules.module.register_module_forward_hook(_conv_seen)
     torch.compile = _compile
     torch.nn.parallel.DistributedDataParallel.__init__ = _ddp_init
     torch.utils.data.DataLoader.__init__ = _loader_init
@@ -74,7 +74,8 @@ def install(conv: bool = True) -> dict:
 
 
 def uninstall() -> None:
-    torch.nn.Conv2d._conv_forward = _ORIGINALS["conv"]
+    if "conv_hook" in _ORIGINALS:
+        _ORIGINALS.pop("conv_hook").remove()
     torch.compile = _ORIGINALS["compile"]
     torch.nn.parallel.DistributedDataParallel.__init__ = _ORIGINALS["ddp"]
     torch.utils.data.DataLoader.__init__ = _ORIGINALS["loader"]

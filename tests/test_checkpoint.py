@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState
 
 from accel_train.run import checkpoint as ck
 from accel_train.run.checkpoint import (MANIFEST, STATE_FILE, AccelerateState, Checkpointer,
@@ -25,7 +24,7 @@ from accel_train.run.resume import accumulation_for, resolve_resume, set_aside_n
 from accel_train.cli import main
 from accel_train.base.errors import UsageError
 from accel_train.callbacks import Callback
-from conftest import PINNED, TINY_TRAIN, accel_train_here
+from conftest import PINNED, TINY_TRAIN, accel_train_here, reset_accelerate
 
 
 class Warnings(list):
@@ -36,7 +35,7 @@ class Warnings(list):
 @pytest.fixture
 def bundle(tmp_path):
     """An Accelerator with a prepared model, optimizer and scheduler, and a Checkpointer."""
-    AcceleratorState._reset_state(True)  # other tests in this process may have built one
+    reset_accelerate()  # other tests in this process may have built one
     acc = Accelerator(cpu=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
@@ -57,7 +56,7 @@ def bundle(tmp_path):
         optimizer.zero_grad()
 
     yield saver, model, train_step, warnings
-    AcceleratorState._reset_state(True)
+    reset_accelerate()
 
 
 def state(step: int) -> TrainerState:
@@ -552,7 +551,7 @@ def test_an_fp16_grad_scaler_state_is_saved_vetted_and_restored(bundle, tmp_path
     saver, _, train_step, _ = bundle
     acc = saver.parts[1].accelerator
     acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 13, growth_interval=7)
-    acc.scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    acc.scaler.scale(torch.ones(()))  # its first use makes its scale and growth tensors
     acc.scaler.update(2.0 ** 9)  # a state that is not the default: scale 512
     saved = acc.scaler.state_dict()
     path = save_steps(saver, train_step, 4)[4]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from accel_train.model.narrow_convs import narrower_than_stride, recording_input_widths
-from accel_train.model.whitening import Float32Conv2d, compute_in_float32
+from accel_train.model.float32_convs import Float32Conv2d, compute_in_float32
 from conftest import accel_train_here
 
 # oneDNN's wrong columns come back in about a third of a lone convolution's backward passes and

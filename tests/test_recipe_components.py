@@ -389,7 +389,7 @@ def test_norm_bias_lr_scale_multiplies_only_the_normalization_shifts(layer_decay
     (oracle: timm's own param groups, and the BatchNorm modules of the model); the optimizer
     is still the one asked for, with the momentum asked for."""
     import timm
-    from timm.optim._param_groups import param_groups_layer_decay, param_groups_weight_decay
+    from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 
     from accel_train.train.optim import build_optimizer
 
@@ -461,7 +461,7 @@ def test_decay_norm_and_bias_decays_every_parameter_the_shifts_per_step_alike(la
 
 def test_layer_decay_scales_each_parameters_rate_as_timm_does():
     import timm
-    from timm.optim._param_groups import param_groups_layer_decay
+    from timm.optim import param_groups_layer_decay
 
     from accel_train.train.optim import build_optimizer, scheduler_for, Schedule
 

@@ -17,7 +17,8 @@ from torch import nn
 from accel_train.base.errors import UsageError
 from accel_train.model.build import build_from_spec
 from accel_train.model.saved import ModelSpec, write_model_folder
-from accel_train.model.whitening import float32_layers, whiten_first_conv
+from accel_train.model.float32_convs import float32_layers
+from accel_train.model.whitening import whiten_first_conv
 
 BF16 = {"device_type": "cpu", "dtype": torch.bfloat16}
 

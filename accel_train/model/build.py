@@ -32,7 +32,7 @@ from accel_train.model.saved import (TIMM_CONFIG, ModelSpec, is_import_path,
 from accel_train.base.weightfiles import check_weights_file
 from accel_train.model.hub_cache import (cached_weights, hub_unreachable,
                                          refuse_uncached_repository)
-from accel_train.model.whitening import compute_in_float32
+from accel_train.model.float32_convs import compute_in_float32
 
 _IDENTIFIERS = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 # package.module:factory (the factory may be dotted too: module:Class.create)

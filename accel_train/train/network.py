@@ -25,8 +25,8 @@ from accel_train.model.input_size import create_at_size
 from accel_train.model.saved import ModelSpec
 from accel_train.model.syncbn import convert_sync_batchnorm, num_batchnorm_layers
 from accel_train.model.narrow_convs import narrower_than_stride, recording_input_widths
-from accel_train.model.whitening import (IMAGES_DECODED, IMAGES_IN_MEMORY, compute_in_float32,
-                                         float32_layers, whiten_first_conv)
+from accel_train.model.float32_convs import compute_in_float32, float32_layers
+from accel_train.model.whitening import IMAGES_DECODED, IMAGES_IN_MEMORY, whiten_first_conv
 
 
 def rebuilt_by_class_count(cls) -> bool:

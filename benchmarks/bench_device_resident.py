@@ -92,10 +92,11 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps before them")
     parser.add_argument("--rounds", type=int, default=2, help="arm orders alternate per round")
     parser.add_argument("--reprob", type=float, nargs="+", default=[0.0],
-                        help="--reprob of both arms, a table for each value (the device arm "
-                             "draws its erasing at each epoch's start, on the host)")
+                        help="--reprob of both arms, a table for each value (the device arm's "
+                             "loader workers draw its erasing plans)")
     parser.add_argument("--workers", type=int, default=None,
-                        help="the loader arm's --num-workers (default: accel_train's)")
+                        help="both arms' --num-workers (default: accel_train's); the device "
+                             "arm's draw --reprob's erasing plans")
     parser.add_argument("--allow-cpu", action="store_true",
                         help="run on the CPU with the embedded data (to test this script)")
     return parser.parse_args()

@@ -126,8 +126,9 @@ ROWS: dict[str, Row] = {
         "test_data_on_device.py::"
         "test_device_batches_equal_the_loaders_for_an_epoch_and_a_half_and_across_a_resume",
         "always: every batch of an epoch and a half, resumed mid-epoch from either loader's "
-        "checkpoint, equals the DataLoader path's (never) to the bit; a second rank's are "
-        "Accelerate's BatchSamplerShard's; a 2-step run's weights equal never's"),
+        "checkpoint, equals the DataLoader path's (never) to the bit, also with --reprob's "
+        "erasing plans drawn by 2 loader workers; a second rank's are Accelerate's "
+        "BatchSamplerShard's; a 2-step run's weights equal never's"),
     "train --decode-on-device": effect(
         "test_device_decode.py::test_the_device_path_trains_the_workers_samples",
         "always: the same labels as the loader workers' path (timm's transform on PIL images) "

@@ -48,7 +48,8 @@ def _data(n: int = N, size: int = 32) -> SimpleNamespace:
 
 
 def _loader(mode: str, accelerator, image_size: int = 32, **options):
-    config = TrainConfig(batch_size=BATCH, num_workers=0, seed=7, data_on_device=mode, **options)
+    config = TrainConfig(**{"batch_size": BATCH, "num_workers": 0, "seed": 7,
+                            "data_on_device": mode, **options})
     spec = _spec(image_size)
     train = build_loaders(config, _data(), spec, 1, 0, 1, False).train
     train.prepare(accelerator)
@@ -73,19 +74,25 @@ def _assert_same(got: list, expected: list, about: str) -> None:
 
 @pytest.mark.parametrize("image_size, options", [
     (32, {"reprob": 0.5, "flip": "alternate", "crop_pad": 2}),  # crop, flip, erasing
+    (32, {"reprob": 0.5, "num_workers": 2}),  # erasing plans drawn by two loader workers
     (40, {}),                                                    # resized, default crop
     (32, {"augment": False})])                                   # no plans at all
 def test_device_batches_equal_the_loaders_for_an_epoch_and_a_half_and_across_a_resume(
         image_size, options, tmp_path):
     """Epoch 0 whole and epoch 1 in two halves: the second half from a fresh loader that loaded
     the position saved after the first, each loader from its own checkpoint and from the
-    other's.  Every batch equals the DataLoader path's to the bit."""
+    other's.  Every batch equals the DataLoader path's to the bit.  With loader workers, the
+    device path's erasing plans come from them (persistent across the epochs, a pass left
+    after two batches)."""
     with clean_accelerate_state():
         accelerator = Accelerator(cpu=True)
         make = {mode: (lambda mode=mode: _loader(mode, accelerator, image_size, **options))
                 for mode in ("never", "always")}
         assert isinstance(make["never"](), IndexedTrainLoader)
-        assert isinstance(make["always"](), DeviceResidentTrainLoader)
+        on_device = make["always"]()
+        assert isinstance(on_device, DeviceResidentTrainLoader)
+        if "reprob" in options:
+            assert on_device.erasing.loader.num_workers == options.get("num_workers", 0)
         reference = make["never"]()
         expected = {0: _batches(reference)}
         reference.set_epoch(1)
@@ -149,8 +156,8 @@ class _Decoded(ImageSource):
 
 def test_auto_always_and_never_choose_and_say_why():
     """auto holds the data on a CUDA device when it fits in a tenth of its memory (`memory`
-    planted here), not on a CPU, not with erasing; always does whatever the images allow, and
-    is bad input where they do not."""
+    planted here), not on a CPU, not with erasing unless loader workers draw it; always does
+    whatever the images allow, and is bad input where they do not."""
     small, large = _data().train, _data(n=4, size=72).train
     size = small.images.numel() + small.labels.numel() * 8  # uint8 pixels, int64 labels
     plain = run_transforms(TrainConfig(), _spec())[0]
@@ -167,7 +174,12 @@ def test_auto_always_and_never_choose_and_say_why():
     assert choose("auto", small, plain, False, False, memory=10**12) == \
         (False, "a DataLoader (--data-on-device auto: not on a CUDA device)")
     held, why = choose("auto", small, erasing, True, False, memory=10**12)
-    assert not held and "--reprob" in why, why
+    assert why == ("a DataLoader (--data-on-device auto: --reprob's erasing is drawn image by "
+                   "image on the host, and with --num-workers 0 the training process would "
+                   "draw it)") and not held
+    # with loader workers to draw the erasing plans, as without erasing
+    assert choose("auto", small, erasing, True, False, memory=10**12, workers=1) == \
+        choose("auto", small, plain, True, False, memory=10**12)
     assert choose("always", small, erasing, False, False)[0]  # on a CPU, with erasing too
     # the sizes in the words, by hand: 44 x 3 x 32 x 32 bytes of pixels + 44 x 8 of labels =
     # 135,520 bytes; a device of exactly 10^8 bytes is the first said in GB
@@ -222,6 +234,10 @@ def test_the_summary_names_the_training_loader_and_why():
     loaders = build_loaders(TrainConfig(batch_size=BATCH, data_on_device="always"), _data(),
                             _spec(), 1, 0, 1, False)
     assert loaders.num_workers == 0 and loaders.choice.startswith("drawn on the device")
+    erasing = build_loaders(TrainConfig(batch_size=BATCH, data_on_device="always", reprob=0.5,
+                                        num_workers=2), _data(), _spec(), 1, 0, 1, False)
+    assert erasing.num_workers == 2 and erasing.choice.endswith(
+        "; --reprob's erasing plans drawn by 2 loader worker(s)"), erasing.choice
     said = summary({**facts, "train_loader": loaders.choice}, "data", 1, None, "m")
     assert f"\n  train batches: {loaders.choice}\n" in said
     assert "train batches" not in summary(facts, "data", 1, None, "m")

@@ -1,15 +1,15 @@
 """The resume matrix: every option that draws random numbers on at once, on the three data paths
-(decoded in memory, decoded per step by loader workers, streamed from shards), on 1 process and
-on 2 under torchrun; and, on 1 process, the in-memory images held on the device with their
-batches drawn there (--data-on-device always; without --auto-augment, which that path
-refuses).  A run stopped by SIGTERM mid-epoch (after a checkpoint) and continued with
-`--resume auto` (on 1 process all three runs in the pytest process, the SIGTERM sent to it)
-ends bit-identical to the run left alone (and, on 1 process, the in-memory run
-with its global batch made of 2 accumulation steps, and timm's training transform on images
-above 64 px, in memory, with its colour jitter and flips and no policy, and the same as JPEG
-files decoded and cropped "on the device" with --decode-on-device always): the final weights and
-the EMA weights of the last checkpoint, max |difference| 0.0, with Accelerate's RNG files
-removed from the checkpoint before the resume (exactness must not depend on a saved RNG stream).
+(decoded in memory, decoded per step by loader workers, streamed from shards), on 1 process and on
+2 under torchrun; and, on 1 process, the in-memory images held on the device with their batches
+drawn there (--data-on-device always, its erasing plans drawn by a loader worker; without
+--auto-augment, which that path refuses).  A run stopped by SIGTERM mid-epoch (after a checkpoint)
+and continued with `--resume auto` (on 1 process all three runs in the pytest process, the SIGTERM
+sent to it) ends bit-identical to the run left alone (and, on 1 process, the in-memory run with its
+global batch made of 2 accumulation steps, and timm's training transform on images above 64 px, in
+memory, with its colour jitter and flips and no policy, and the same as JPEG files decoded and
+cropped "on the device" with --decode-on-device always): the final weights and the EMA weights of
+the last checkpoint, max |difference| 0.0, with Accelerate's RNG files removed from the checkpoint
+before the resume (exactness must not depend on a saved RNG stream).
 
 Oracle: the uninterrupted run of the same command.  Each draw (dropout, drop-path, Mixup/CutMix,
 the policy, random erasing, crop and flip) must be a function of its place in the run, and every
@@ -68,8 +68,10 @@ def _common(path: str) -> list[str]:
 
 
 def _data_options(path: str, data: dict) -> list[str]:
-    if path == "on-device":  # the in-memory images held on the device, batches drawn there
-        return [*_data_options("in-memory", data), "--data-on-device", "always"]
+    if path == "on-device":  # the in-memory images held on the device, batches drawn there,
+        # the erasing plans by a loader worker
+        return [*_data_options("in-memory", data), "--data-on-device", "always",
+                "--num-workers", "1"]
     if path in ("in-memory", "accumulated"):
         # accumulated: the same global batch of 16 as 8 x 2 accumulation steps (a resume must
         # restart the accumulation count at an optimizer step's boundary)

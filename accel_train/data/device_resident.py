@@ -3,16 +3,18 @@
 CIFAR-10's decoded pixels are 150 MB, a sliver of a GPU's memory.  Copied there once, a
 micro-batch is an `index_select` of the stored uint8 images, then the small-image path's
 resize, crop and flip (`ImageTransform.place`) and normalization and erasing (`finish`) on the
-device: no worker processes, no pinned host batch, no copy per step, and nothing in the loop
-waits for the device (no `.item()`, `.cpu()` or blocking copy per step).
+device: no pinned host batch, no copy of images per step, and nothing in the loop waits for
+the device (no `.item()`, `.cpu()` or blocking copy per step).  Loader workers run only for
+--reprob, whose erasing plans they draw ahead (device_erasing.py).
 
 Exact resume and equality with the DataLoader path come from drawing nothing new: an epoch's
 order is `EpochSampler.order(epoch)` (a function of (seed, epoch)), each sample's key is
 `epoch * N + index`, the crop plan and the erasing plan are the very functions `TrainImages`
 calls with the same (seed, epoch, index) arguments, and rank r's k-th micro-batch is the
 sampler's batch k * processes + r, as Accelerate's batch-sampler sharding hands it out.  The
-order and the plans are made on the host once per epoch (the erasing plan, timm's draws per
-image, is the costly part: milliseconds per batch) and copied to the device in one go.
+order and the crop plans are made on the host once per epoch and copied to the device in one
+go; the erasing plans (timm's draws per image: milliseconds per batch) come a micro-batch at a
+time.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from accel_train.base.errors import UsageError
+from accel_train.data.device_erasing import ErasingAhead, ErasingPlans, PlanLoaderMaker, in_process
 from accel_train.data.loaders import Batch, EpochSampler, FinishOnDevice
 from accel_train.data.sources import ArraySource, ImageSource
 from accel_train.data.transforms import SMALL_IMAGE, ImageTransform
@@ -46,10 +49,11 @@ def _gb(count: int) -> str:
 
 
 def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool,
-           streaming: bool, memory: Optional[int] = None) -> tuple[bool, str]:
+           streaming: bool, memory: Optional[int] = None, workers: int = 0) -> tuple[bool, str]:
     """(whether the training set is held on the device, why: for the run's summary).  `mode`
-    is --data-on-device; `memory` the device's bytes (read from CUDA when None and needed).
-    `always` on data this path cannot hold is bad input: a UsageError naming what is missing."""
+    is --data-on-device; `memory` the device's bytes (read from CUDA when None and needed);
+    `workers` the run's loader workers (they draw --reprob's erasing plans).  `always` on data
+    this path cannot hold is bad input: a UsageError naming what is missing."""
     flag = f"--data-on-device {mode}"
     if mode == "never":
         return False, f"a DataLoader ({flag})"
@@ -74,11 +78,12 @@ def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool
         return True, f"drawn on the device, the training set held there ({_gb(size)}; {flag})"
     if not cuda:
         return False, f"a DataLoader ({flag}: not on a CUDA device)"
-    if transform.erases:
-        # Its plan is timm's draws image by image on the host; loader workers make them in
-        # parallel, where one training process would stall each epoch's start for seconds.
+    if transform.erases and workers == 0:
+        # Its plan is timm's draws image by image on the host: without workers to draw them,
+        # the training process would, a few times a GPU step's time for each batch.
         return False, (f"a DataLoader ({flag}: --reprob's erasing is drawn image by image on "
-                       f"the host, which the loader's workers do in parallel)")
+                       f"the host, and with --num-workers 0 the training process would draw "
+                       f"it)")
     memory = device_memory() if memory is None else memory
     if size > MEMORY_SHARE * memory:
         return False, (f"a DataLoader ({flag}: the training set's {_gb(size)} is over "
@@ -94,7 +99,10 @@ class DeviceResidentBatches:
     name = "train_loader"
 
     def __init__(self, source: ArraySource, transform: ImageTransform, sampler: EpochSampler,
-                 batch_size: int, num_processes: int, rank: int, seed: int):
+                 batch_size: int, num_processes: int, rank: int, seed: int,
+                 plan_loader: PlanLoaderMaker = in_process):
+        """`plan_loader` makes the DataLoader that draws --reprob's erasing plans (the run's
+        loader workers; by default the training process itself)."""
         self.source, self.transform, self.sampler = source, transform, sampler
         self.batch_size, self.num_processes, self.rank, self.seed = (batch_size, num_processes,
                                                                      rank, seed)
@@ -106,6 +114,13 @@ class DeviceResidentBatches:
         self.images, self.labels = source.images, source.labels
         self.replaced = self._no_marks()
         self.warn = lambda text: print(f"warning: {text}", file=sys.stderr)  # the trainer's
+        self.erasing = None
+        if transform.erases:
+            # The shape TrainImages draws for: the placed pixels (the size the model sees).
+            shape = torch.Size((batch_size, source.images.shape[1], transform.image_size,
+                                transform.image_size))
+            self.erasing = ErasingAhead(ErasingPlans(transform, sampler, shape, seed,
+                                                     num_processes, rank), plan_loader)
 
     @property
     def usable(self) -> int:
@@ -138,8 +153,7 @@ class DeviceResidentBatches:
 
     def _epoch_plan(self, first: int):
         """This rank's micro-batches of the epoch from the `first` on, as device tensors:
-        (sample indices [count, B], crop plans [count, B, 3] or None, the erasing plans' positions
-        and values concatenated, each micro-batch's span in them)."""
+        (sample indices [count, B], crop plans [count, B, 3] or None)."""
         epoch, count = self.epoch, len(self) - first
         # rank r's k-th micro-batch: the sampler's batch k * processes + r (Accelerate's sharding)
         batches = self.sampler.order(epoch).view(-1, self.num_processes, self.batch_size)
@@ -149,31 +163,21 @@ class DeviceResidentBatches:
         crops = self.transform.crop_plan(self.seed, epochs, flat)            # [count * B, 3]
         if crops is not None:
             crops = self._to_device(crops.view(count, self.batch_size, 3))
-        erasing, spans = None, []
-        if self.transform.erases:
-            # The shape TrainImages draws for: the placed pixels (the size the model sees).
-            size = self.transform.image_size
-            shape = torch.Size((self.batch_size, self.source.images.shape[1], size, size))
-            plans = [self.transform.erasing_plan(shape, self.seed, epochs[:self.batch_size],
-                                                 row.numpy()) for row in indices]
-            ends = np.cumsum([0] + [len(where) for where, _ in plans])
-            spans = list(zip(ends[:-1].tolist(), ends[1:].tolist()))
-            erasing = tuple(self._to_device(torch.cat(parts)) for parts in zip(*plans))
-        return self._to_device(indices), crops, erasing, spans
+        return self._to_device(indices), crops
 
     def __iter__(self) -> Iterator[Batch]:
         """The rest of the epoch; every operation is queued on the device, none waits for it."""
         first = self.samples_in_epoch // self.per_micro_step
         if first >= len(self):
             return
-        indices, crops, erasing, spans = self._epoch_plan(first)
+        indices, crops = self._epoch_plan(first)
+        erasing = self.erasing.each(self.epoch, first) if self.erasing is not None else None
         offset = self.epoch * len(self.source)
         for k in range(len(indices)):
             chosen = indices[k]
             plans = () if crops is None else (crops[k],)
             if erasing is not None:
-                start, end = spans[k]
-                plans += (erasing[0][start:end], erasing[1][start:end])
+                plans += tuple(self._to_device(part) for part in next(erasing))
             pixels = self.images.index_select(0, chosen)
             labels = self.labels.index_select(0, chosen)
             keys = chosen + offset

@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
@@ -329,20 +329,22 @@ def describe_reads(source: ImageSource, indices: list[int]) -> str:
     return name + (f" (and {len(indices) - 1} more images)" if len(indices) > 1 else "")
 
 
-def make_loader(dataset: Dataset, batch_size: int, num_workers: int, prefetch_factor: int,
-                persistent_workers: bool, pin_memory: bool, sampler: Sampler | None = None,
-                drop_last: bool = False, seed: int = 0, timeout: float = 0) -> DataLoader:
+def make_loader(dataset: Dataset, batch_size: Optional[int], num_workers: int,
+                prefetch_factor: int, persistent_workers: bool, pin_memory: bool,
+                sampler: Sampler | None = None, drop_last: bool = False, seed: int = 0,
+                timeout: float = 0, collate: Optional[Callable] = collate_batch) -> DataLoader:
     """A DataLoader with its own generator (randomness.py): its iterators' base seeds never
     come from, or move, torch's global generator; its workers leave stop signals to the
     training process and are started from a fork server (worker_start.py).  `timeout`: seconds
-    to wait for a batch from the workers (0: forever)."""
+    to wait for a batch from the workers (0: forever).  `batch_size` None with `collate` None:
+    each item handed over as the dataset made it (torch's default_convert)."""
     extra = {}
     if num_workers > 0:
         extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                      timeout=timeout, multiprocessing_context=worker_context())
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=False,
                       drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
-                      collate_fn=collate_batch, generator=loader_generator(seed),
+                      collate_fn=collate, generator=loader_generator(seed),
                       worker_init_fn=worker_init_fn(timeout), **extra)
 
 

@@ -205,6 +205,16 @@ class DeviceResidentTrainLoader(EpochPosition, DeviceResidentBatches):
     """The training set held on the device, its batches drawn there (device_resident.py)."""
 
     on_device = True
+    timeout = 0.0  # --loader-timeout, for the workers that draw --reprob's erasing plans
+
+    def __iter__(self) -> Iterator[Batch]:
+        try:
+            yield from DeviceResidentBatches.__iter__(self)
+        except RuntimeError as err:
+            if not timed_out(err):
+                raise
+            raise loader_stuck(self.timeout, f"{self.samples_in_epoch} samples into epoch "
+                                             f"{self.epoch + 1}") from None
 
 
 @dataclass
@@ -264,11 +274,20 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                              f"accumulation_steps); lower --batch-size")
         sampler = EpochSampler(len(data.train), global_batch, config.seed)
         on_device, choice = choose_data_on_device(config.data_on_device, data.train, train_tf,
-                                                  cuda, streaming=False)
-        if on_device:  # no loader: batches are drawn from the images held on the device
+                                                  cuda, streaming=False, workers=wanted_workers)
+        if on_device:  # no image loader: batches are drawn from the images held on the device
+            workers = wanted_workers if train_tf.erases else 0  # they draw erasing plans
+
+            def plan_loader(plans, positions):
+                return make_loader(plans, None, workers, config.prefetch_factor,
+                                   config.persistent_workers, pin_memory, sampler=positions,
+                                   seed=config.seed, timeout=config.loader_timeout, collate=None)
+
             train = DeviceResidentTrainLoader(data.train, train_tf, sampler, config.batch_size,
-                                              num_processes, rank, config.seed)
-            workers = 0
+                                              num_processes, rank, config.seed, plan_loader)
+            train.timeout = config.loader_timeout
+            if workers:
+                choice += f"; --reprob's erasing plans drawn by {workers} loader worker(s)"
         else:
             # The marks of replaced images ride along to the loop (badimages.py names them); on
             # a GPU small in-memory images are resized and cropped there (TrainImages).

@@ -10,8 +10,11 @@ second process draws; a run with --data-on-device never for what a run with alwa
 from __future__ import annotations
 
 import json
+import os
+import signal
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 from accelerate import Accelerator
@@ -118,6 +121,38 @@ def test_device_batches_equal_the_loaders_for_an_epoch_and_a_half_and_across_a_r
                 assert (resumed.epoch, resumed.samples_in_epoch) == (1, 2 * BATCH)
                 _assert_same(_batches(resumed), expected[1][2:],
                              f"{mode} resumed from the {source} loader's checkpoint")
+
+
+def _loader_workers() -> set[int]:
+    """The pids of this process's loader workers: the fork server's children."""
+    me = psutil.Process()
+    children = set(me.children())
+    return {p.pid for p in me.children(recursive=True) if p not in children}
+
+
+@pytest.mark.slow  # torch looks at its workers every 5 s
+def test_a_dead_erasing_worker_is_replaced_and_the_batches_stay_the_same():
+    """--reprob's erasing plans drawn by one loader worker, SIGKILLed after the second batch:
+    one warning naming it, new workers from that position, and every batch of the epoch still
+    the DataLoader path's to the bit."""
+    with clean_accelerate_state():
+        accelerator = Accelerator(cpu=True)
+        # (a timeout: a loader left with its dead worker waits for it forever)
+        options = {"reprob": 0.5, "num_workers": 1, "loader_timeout": 30}
+        expected = _batches(_loader("never", accelerator, **options))
+        loader = _loader("always", accelerator, **options)
+        warnings: list[str] = []
+        loader.warn = warnings.append
+        before = _loader_workers()
+        got, killed = [], None
+        for k, batch in enumerate(loader):
+            got.append(tuple(t.clone() for t in batch))
+            if k == 1:
+                (killed,) = _loader_workers() - before
+                os.kill(killed, signal.SIGKILL)
+        _assert_same(got, expected, "with a worker killed after batch 2")
+        assert len(warnings) == 1 and f"pid(s) {killed}" in warnings[0], warnings
+        assert "16 samples into epoch 1" in warnings[0], warnings[0]
 
 
 @pytest.mark.parametrize("rank", [0, 1])

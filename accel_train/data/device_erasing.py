@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from accel_train.data.loaders import EpochSampler
 from accel_train.data.transforms import ImageTransform
+from accel_train.data.worker_deaths import watch_workers_quietly
 
 
 class MicroBatchPositions(Sampler):
@@ -82,11 +83,16 @@ class ErasingAhead:
     DataLoader (the run's workers, or `in_process`)."""
 
     def __init__(self, plans: ErasingPlans, make_loader: PlanLoaderMaker = in_process):
-        self.plans, self.positions = plans, MicroBatchPositions()
+        self.plans, self.positions, self.make_loader = plans, MicroBatchPositions(), make_loader
         self.loader = make_loader(plans, self.positions)
+
+    def restart(self) -> None:
+        """A new DataLoader, after one of the old one's workers died: torch shuts the old
+        one's workers down when it is let go, and the next pass starts new ones."""
+        self.loader = self.make_loader(self.plans, self.positions)
 
     def each(self, epoch: int, first: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(flat positions, values) of micro-batches `first`, `first` + 1, ... of `epoch`."""
         self.positions.start(epoch, first, len(self.plans))
-        for where, values in self.loader:
+        for where, values in watch_workers_quietly(self.loader):
             yield where, values

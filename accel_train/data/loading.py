@@ -18,9 +18,7 @@ device_resident.py) and streamed from shards (streaming/).  The trainer sees one
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Protocol
@@ -39,24 +37,9 @@ from accel_train.data.device_decode import choose as choose_device_decoding
 from accel_train.data.device_resident import DeviceResidentBatches
 from accel_train.data.device_resident import choose as choose_data_on_device
 from accel_train.data.streaming import STREAM_STATE, build_stream_loader, streaming_wanted
-from accel_train.data.worker_deaths import restarting_dead_workers
+from accel_train.data.worker_deaths import restarting_dead_workers, watch_workers_quietly
 
 LOADER_STATE = "loader.json"  # in each checkpoint of an indexed run
-
-
-def watch_workers_quietly(loader) -> Iterator:
-    """Iterate `loader` with torch's SIGCHLD handler taken out once its workers exist.  That
-    handler raises "DataLoader worker ... is killed by signal" wherever the main thread happens
-    to be (seen: in the middle of a checkpoint write, which then failed); without it the loader
-    finds a dead worker at its next batch (torch checks every MP_STATUS_CHECK_INTERVAL, 5 s),
-    where IndexedTrainLoader restarts its workers."""
-    for item in loader:
-        # The handler is installed once per process, when the first workers start, so it is
-        # there from the first batch on (Accelerate's loaders start theirs lazily).
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGCHLD) not in (signal.SIG_DFL, signal.SIG_IGN, None):
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        yield item
 
 
 def timed_out(err: RuntimeError) -> bool:
@@ -108,6 +91,9 @@ class EpochPosition:
     `epoch`, `samples_in_epoch`, `seed`, `sampler` and `per_micro_step`."""
 
     on_device = False  # recorded with the position: which loader drew the batches
+
+    def where(self) -> str:
+        return f"{self.samples_in_epoch} samples into epoch {self.epoch + 1}"
 
     def save(self, folder: Path) -> None:
         (Path(folder) / LOADER_STATE).write_text(json.dumps(
@@ -173,9 +159,6 @@ class IndexedTrainLoader(EpochPosition):
                 raise
             raise loader_stuck(self.timeout, self.where()) from None
 
-    def where(self) -> str:
-        return f"{self.samples_in_epoch} samples into epoch {self.epoch + 1}"
-
     def _from_position(self) -> Iterator[Batch]:
         self.loader.set_epoch(self.epoch)  # the sampler, which a skipping loader shares
         loader, done = self.loader, self.samples_in_epoch // self.per_micro_step
@@ -208,13 +191,19 @@ class DeviceResidentTrainLoader(EpochPosition, DeviceResidentBatches):
     timeout = 0.0  # --loader-timeout, for the workers that draw --reprob's erasing plans
 
     def __iter__(self) -> Iterator[Batch]:
+        """The rest of the epoch.  A worker drawing erasing plans that dies costs a warning, as
+        the DataLoader path's do: new workers from the same position."""
         try:
-            yield from DeviceResidentBatches.__iter__(self)
+            yield from restarting_dead_workers(lambda: DeviceResidentBatches.__iter__(self),
+                                               self._new_plan_workers, self.where, self.warn)
         except RuntimeError as err:
             if not timed_out(err):
                 raise
-            raise loader_stuck(self.timeout, f"{self.samples_in_epoch} samples into epoch "
-                                             f"{self.epoch + 1}") from None
+            raise loader_stuck(self.timeout, self.where()) from None
+
+    def _new_plan_workers(self) -> None:
+        if self.erasing is not None:  # (only its workers can die)
+            self.erasing.restart()
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Telling a loader worker's death from other loader errors, whichever way torch reports it.
+"""Telling a loader worker's death from other loader errors, whichever way torch reports it, and
+letting the training process find it at a batch rather than wherever a signal lands.
 
 torch reports a dead worker as a RuntimeError ("DataLoader worker (pid(s) N) exited
 unexpectedly", or "... is killed by signal") when it sees the death itself.  It misses one case:
@@ -13,6 +14,8 @@ found dead within a few seconds.
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from typing import Callable, Iterator, Optional
 
@@ -95,3 +98,18 @@ def _loader_iterator_in(err: BaseException):
             return candidate
         tb = tb.tb_next
     return None
+
+
+def watch_workers_quietly(loader) -> Iterator:
+    """Iterate `loader` with torch's SIGCHLD handler taken out once its workers exist.  That
+    handler raises "DataLoader worker ... is killed by signal" wherever the main thread happens
+    to be (seen: in the middle of a checkpoint write, which then failed); without it the loader
+    finds a dead worker at its next batch (torch checks every MP_STATUS_CHECK_INTERVAL, 5 s),
+    where IndexedTrainLoader restarts its workers."""
+    for item in loader:
+        # The handler is installed once per process, when the first workers start, so it is
+        # there from the first batch on (Accelerate's loaders start theirs lazily).
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGCHLD) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        yield item

@@ -546,7 +546,8 @@ def test_a_run_with_its_images_placed_on_the_device_stops_resumes_and_ends_bit_i
     command = ["--dataset", "synthetic", "--synthetic-train-size", "96", "--max-eval-samples",
                "32", "--model", "test_resnet", "--image-size", "40", "--batch-size", "16",
                "--epochs", "2", "--reprob", "0.5", "--flip", "alternate", "--num-workers", "1",
-               "--checkpoint-every", "3", "--progress", "log", "--no-plots", *PINNED]
+               "--checkpoint-every", "3", "--progress", "log", "--no-plots", *PINNED,
+               "--data-on-device", "never"]  # a DataLoader (auto would hold these on a GPU)
     kept = accel_train_here(*command, "--output-dir", str(tmp_path / "kept"), check=True)
     assert "on the device" not in kept.stdout
     build = trainer_module.build_loaders

@@ -70,19 +70,15 @@ class ErasingPlans(Dataset):
                                            np.full(len(indices), epoch, dtype=np.int64), indices)
 
 
+# (plans, positions) -> the DataLoader that draws them: the run's loader settings
 PlanLoaderMaker = Callable[[Dataset, Sampler], DataLoader]
-
-
-def in_process(plans: Dataset, positions: Sampler) -> DataLoader:
-    """The plans drawn by the training process itself, each as its batch comes."""
-    return DataLoader(plans, batch_size=None, sampler=positions, num_workers=0)
 
 
 class ErasingAhead:
     """The erasing plans of a device-drawn pass, in micro-batch order, from `make_loader`'s
-    DataLoader (the run's workers, or `in_process`)."""
+    DataLoader (with no workers, the training process draws each as its batch comes)."""
 
-    def __init__(self, plans: ErasingPlans, make_loader: PlanLoaderMaker = in_process):
+    def __init__(self, plans: ErasingPlans, make_loader: PlanLoaderMaker):
         self.plans, self.positions, self.make_loader = plans, MicroBatchPositions(), make_loader
         self.loader = make_loader(plans, self.positions)
 

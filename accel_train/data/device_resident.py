@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from accel_train.base.errors import UsageError
-from accel_train.data.device_erasing import ErasingAhead, ErasingPlans, PlanLoaderMaker, in_process
+from accel_train.data.device_erasing import ErasingAhead, ErasingPlans, PlanLoaderMaker
 from accel_train.data.loaders import Batch, EpochSampler, FinishOnDevice
 from accel_train.data.sources import ArraySource, ImageSource
 from accel_train.data.transforms import SMALL_IMAGE, ImageTransform
@@ -100,9 +100,9 @@ class DeviceResidentBatches:
 
     def __init__(self, source: ArraySource, transform: ImageTransform, sampler: EpochSampler,
                  batch_size: int, num_processes: int, rank: int, seed: int,
-                 plan_loader: PlanLoaderMaker = in_process):
+                 plan_loader: PlanLoaderMaker):
         """`plan_loader` makes the DataLoader that draws --reprob's erasing plans (the run's
-        loader workers; by default the training process itself)."""
+        loader workers)."""
         self.source, self.transform, self.sampler = source, transform, sampler
         self.batch_size, self.num_processes, self.rank, self.seed = (batch_size, num_processes,
                                                                      rank, seed)

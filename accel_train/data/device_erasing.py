@@ -60,9 +60,6 @@ class ErasingPlans(Dataset):
             self._order = (epoch, batches[:, self.rank].numpy())
         return self._order[1]
 
-    def __len__(self) -> int:
-        return self.sampler.usable // (self.shape[0] * self.num_processes)
-
     def __getitem__(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         epoch, k = position
         indices = self.batch_indices(epoch)[k]
@@ -87,8 +84,9 @@ class ErasingAhead:
         one's workers down when it is let go, and the next pass starts new ones."""
         self.loader = self.make_loader(self.plans, self.positions)
 
-    def each(self, epoch: int, first: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(flat positions, values) of micro-batches `first`, `first` + 1, ... of `epoch`."""
-        self.positions.start(epoch, first, len(self.plans))
+    def each(self, epoch: int, first: int, end: int
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(flat positions, values) of micro-batches `first` to `end` - 1 of `epoch`."""
+        self.positions.start(epoch, first, end)
         for where, values in watch_workers_quietly(self.loader):
             yield where, values

@@ -171,7 +171,8 @@ class DeviceResidentBatches:
         if first >= len(self):
             return
         indices, crops = self._epoch_plan(first)
-        erasing = self.erasing.each(self.epoch, first) if self.erasing is not None else None
+        erasing = self.erasing.each(self.epoch, first, len(self)) if self.erasing is not None \
+            else None
         offset = self.epoch * len(self.source)
         for k in range(len(indices)):
             chosen = indices[k]

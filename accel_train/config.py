@@ -81,11 +81,12 @@ class TrainConfig:
                             "size).", "data", choices=IN_MEMORY_MODES)
     in_memory_limit_gb: float = option(8.0, "Memory budget for --in-memory auto.", "data")
     data_on_device: str = option("auto", "Hold the training images on the device and draw "
-                                 "each batch there (crop, flip and erasing too): no loader "
-                                 "workers, no copy per step. auto: on a CUDA device, for images "
-                                 "decoded in memory of 64 px or less, without --auto-augment "
-                                 "or --reprob, that fit in a tenth of its memory; always: "
-                                 "whenever the images allow (on a CPU too); never: a "
+                                 "each batch there (crop, flip and erasing too): no copy of "
+                                 "images per step; loader workers draw --reprob's erasing "
+                                 "plans. auto: on a CUDA device, for images decoded in memory "
+                                 "of 64 px or less, without --auto-augment (and with --reprob, "
+                                 "with loader workers), that fit in a tenth of its memory; "
+                                 "always: whenever the images allow (on a CPU too); never: a "
                                  "DataLoader. The same batches either way.", "data",
                                  choices=DATA_ON_DEVICE_MODES)
     decode_on_device: str = option("auto", "Decode the training JPEGs on the GPU (nvJPEG) and "

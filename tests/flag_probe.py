@@ -65,6 +65,8 @@ def install(conv: bool = True) -> dict:
         return linear_forward(self, input)
 
     if conv:
+        if "conv_hook" in _ORIGINALS:  # installed twice: one watcher
+            _ORIGINALS.pop("conv_hook").remove()
         _ORIGINALS["conv_hook"] = torch.nn.modules.module.register_module_forward_hook(_conv_seen)
     torch.compile = _compile
     torch.nn.parallel.DistributedDataParallel.__init__ = _ddp_init

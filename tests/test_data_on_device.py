@@ -84,9 +84,9 @@ def test_device_batches_equal_the_loaders_for_an_epoch_and_a_half_and_across_a_r
         image_size, options, tmp_path):
     """Epoch 0 whole and epoch 1 in two halves: the second half from a fresh loader that loaded
     the position saved after the first, each loader from its own checkpoint and from the
-    other's.  Every batch equals the DataLoader path's to the bit.  With loader workers, the
-    device path's erasing plans come from them (persistent across the epochs, a pass left
-    after two batches)."""
+    other's; the first loader also goes on by itself, in a pass of one batch and then the
+    rest.  Every batch equals the DataLoader path's to the bit.  With loader workers, the
+    device path's erasing plans come from them (persistent across the epochs and passes)."""
     with clean_accelerate_state():
         accelerator = Accelerator(cpu=True)
         make = {mode: (lambda mode=mode: _loader(mode, accelerator, image_size, **options))
@@ -114,6 +114,9 @@ def test_device_batches_equal_the_loaders_for_an_epoch_and_a_half_and_across_a_r
             loader.save(saved[mode])
             assert json.loads((saved[mode] / LOADER_STATE).read_text())["on_device"] == \
                 (mode == "always")
+            # the same loader, a pass left after its third batch, then the rest of the epoch
+            _assert_same(_batches(loader, 1), expected[1][2:3], f"{mode}, a one-batch pass")
+            _assert_same(_batches(loader), expected[1][3:], f"{mode}, the same loader's rest")
         for mode in ("never", "always"):
             for source in ("never", "always"):
                 resumed = make[mode]()

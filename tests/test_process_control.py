@@ -45,7 +45,7 @@ LONG_TRAIN = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--epochs"
 # The same with a network whose checkpoint is 86 MB (resnet18's weights and momentum): its save
 # lasts a tenth of a second or more, a window a second SIGINT can be aimed at.
 TWICE_TRAIN = [*[a for a in LONG_TRAIN if a not in ("--model", "test_resnet")], "--model",
-               "resnet18", "--keep-checkpoints", "3"]
+               "resnet18"]
 PROMPT = 60.0  # seconds: a bad input must end every rank well within this (imports included)
 
 
@@ -148,8 +148,8 @@ def _ctrl_c_twice(root: Path, runs: list, after: int) -> Optional[tuple[Run, lis
     bursts of about a millisecond, paused (SIGSTOP) between them while its checkpoint folder
     is read.  The first time a pause finds a new save unfinished (its .tmp- folder there), the
     second SIGINT is queued and the process resumed (SIGCONT), so that it arrives inside the
-    save whatever the machine's speed: a busy machine that keeps this process from running
-    stretches the pauses, not the bursts.  None when a pause found the save already finished
+    save whatever the machine's speed (a save lasts a tenth of a second of the process's own
+    running, many bursts).  None when a pause found the save already finished
     (the process is then let go to exit)."""
     out = root / "run"
     folder = out / "checkpoints"

@@ -3,9 +3,9 @@
 CIFAR-10's decoded pixels are 150 MB, a sliver of a GPU's memory.  Copied there once, a
 micro-batch is an `index_select` of the stored uint8 images, then the small-image path's
 resize, crop and flip (`ImageTransform.place`) and normalization and erasing (`finish`) on the
-device: no pinned host batch, no copy of images per step, and nothing in the loop waits for
-the device (no `.item()`, `.cpu()` or blocking copy per step).  Loader workers run only for
---reprob, whose erasing plans they draw ahead (device_erasing.py).
+device: no copy of images per step (only --reprob's erasing plans, pinned), and nothing in the
+loop waits for the device (no `.item()`, `.cpu()` or blocking copy per step).  Loader workers
+run only for --reprob, whose erasing plans they draw ahead (device_erasing.py).
 
 Exact resume and equality with the DataLoader path come from drawing nothing new: an epoch's
 order is `EpochSampler.order(epoch)` (a function of (seed, epoch)), each sample's key is
@@ -80,7 +80,9 @@ def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool
         return False, f"a DataLoader ({flag}: not on a CUDA device)"
     if transform.erases and workers == 0:
         # Its plan is timm's draws image by image on the host: without workers to draw them,
-        # the training process would, a few times a GPU step's time for each batch.
+        # the training process would, a few times a GPU step's time for each batch.  With
+        # workers the device path never asks more of them than a DataLoader would: the same
+        # plans, without the pixels' crop, flip and copy.
         return False, (f"a DataLoader ({flag}: --reprob's erasing is drawn image by image on "
                        f"the host, and with --num-workers 0 the training process would draw "
                        f"it)")

@@ -126,7 +126,7 @@ def pipeline_rate(loader, batches: int, finish=None) -> float:
     for _ in range(batches):
         batch = next(iterator)
         if finish is not None:
-            finish(batch[0], batch[2])
+            finish(batch[0], batch[4:])  # the pixels, then any plans after the samples
         images += len(batch[0])
     return images / (time.perf_counter() - started)
 
@@ -143,7 +143,7 @@ class NormalizedInLoader(Dataset):
     def __getitems__(self, keys):
         from accel_train.data.loaders import SampleBatch
         batch = self.dataset.__getitems__(keys)
-        return SampleBatch(self.finish(batch.images, batch.keys), batch.labels, batch.keys,
+        return SampleBatch(self.finish(batch.images), batch.labels, batch.keys,
                            batch.replaced)
 
 
@@ -155,7 +155,7 @@ def transfer(args, report, memory, disk, transform, loader) -> dict:
     rows, rates = [], {}
     for where, source, workers in (("in memory", memory, 0),
                                    ("decoded per step", disk, args.workers)):
-        finish = FinishOnDevice(transform, 0, len(source))
+        finish = FinishOnDevice(transform)
         arms = (("float32 out of the loader (before)",
                  lambda s=source, f=finish, w=workers:
                  loader(NormalizedInLoader(TrainImages(s, transform, 0), f), w), None, 4),
@@ -193,8 +193,7 @@ def pipelines(args, report) -> dict:
                                  max_eval_samples=1, in_memory="never")).train
     mean, std = dataset_mean_std(memory)
     transform = ImageTransform(32, mean, std, augment=True)
-    finish_memory = FinishOnDevice(transform, 0, len(memory))
-    finish_disk = FinishOnDevice(transform, 0, len(disk))
+    finish_memory = finish_disk = FinishOnDevice(transform)  # (no erasing: no plan needed)
     batch, batches = 64, args.batches
     workers = args.workers
 

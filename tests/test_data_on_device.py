@@ -178,11 +178,11 @@ def test_each_process_draws_the_batches_accelerates_sharding_hands_it(rank):
                               process_index=rank)
     train_tf, _ = run_transforms(config, spec)
     dataset = TrainImages(data.train, train_tf, 3, mark_replaced=True)
-    finish = FinishOnDevice(train_tf, 3, N)
+    finish = FinishOnDevice(train_tf)
     expected = []
     for keys in shard:
         pixels, labels, keys, replaced, *plans = dataset.__getitems__(keys).tensors()
-        expected.append((finish(pixels, keys, plans), labels, keys, replaced))
+        expected.append((finish(pixels, plans), labels, keys, replaced))
     assert len(expected) == len(train) == N // 8
     _assert_same(got, expected, f"rank {rank}")
 

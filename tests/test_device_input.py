@@ -49,7 +49,7 @@ def test_the_dataset_hands_out_uint8_and_the_device_half_normalizes_as_numpy_doe
     keys = [N + 5, 3, 2 * N + 17, 9]  # epochs 1, 0, 2, 0
     pixels = dataset.__getitems__(keys).images
     assert pixels.dtype == torch.uint8 and pixels.shape == (4, 3, 32, 32)
-    finished = FinishOnDevice(transform, SEED, N)(pixels, torch.tensor(keys))
+    finished = FinishOnDevice(transform)(pixels)
     assert finished.dtype == torch.float32
     np.testing.assert_array_equal(finished.numpy(), _numpy_normalized(pixels))
     # the same tensors as the one-call float path (held-out, predict, whitening use it)
@@ -59,19 +59,20 @@ def test_the_dataset_hands_out_uint8_and_the_device_half_normalizes_as_numpy_doe
     assert torch.equal(whole, finished)
 
 
-@pytest.mark.parametrize("drawn_by", ["loader", "device half"])
-def test_erasing_on_the_device_half_is_timms_with_each_samples_seed(drawn_by):
+def test_erasing_on_the_device_half_is_timms_with_each_samples_seed():
     """The loader draws each batch's erasing with its pixels (in its workers, beside the
-    training step); a reader that hands over no plan gets the same erasing drawn where the batch
-    is finished.  Both are timm's, each sample inside its own seed."""
+    training step), timm's, each sample inside its own seed; the device half writes it.  A
+    reader that hands over no plan is a programming error, said at once (drawn there, the
+    erasing would cost the training process its time and a sync a step)."""
     transform = ImageTransform(32, MEAN, STD, augment=True, erasing=build_erasing(1.0))
     dataset = TrainImages(_source(), transform, SEED, mark_replaced=True)
     keys = [N + 5, 3, 2 * N + 17, 9]
     batch = dataset.__getitems__(keys)
     handed_over = batch.tensors()
     assert len(handed_over) == 6 and handed_over[:4] == batch.samples_tensors()
-    plan = handed_over[4:] if drawn_by == "loader" else ()
-    finished = FinishOnDevice(transform, SEED, N)(batch.images, torch.tensor(keys), plan)
+    with pytest.raises(ValueError, match="no erasing plan"):
+        FinishOnDevice(transform)(batch.images)
+    finished = FinishOnDevice(transform)(batch.images, handed_over[4:])
     from timm.data.random_erasing import RandomErasing
     timm_erasing = RandomErasing(probability=1.0, mode="pixel", device="cpu")
     normalized = torch.from_numpy(_numpy_normalized(batch.images))
@@ -151,7 +152,7 @@ def test_a_batch_through_the_training_loader_brings_its_erasing_along(monkeypatc
     keys = [N + 5, 3, 2 * N + 17, 9, 1, N + 30]
     loader = data_module.make_loader(dataset, batch_size=3, num_workers=0, prefetch_factor=2,
                                      persistent_workers=False, pin_memory=False, sampler=keys)
-    finish = FinishOnDevice(transform, SEED, N)
+    finish = FinishOnDevice(transform)
     handed = list(loader)
     expected = [transform.batch(_source().images.index_select(0, torch.tensor(part) % N), SEED,
                                 np.array(part) // N, np.array(part) % N)
@@ -160,20 +161,8 @@ def test_a_batch_through_the_training_loader_brings_its_erasing_along(monkeypatc
                         lambda *a, **k: pytest.fail("drawn again in the training process"))
     for (pixels, _, batch_keys, _, *erasing), start, oracle in zip(handed, (0, 3), expected):
         assert len(erasing) == 2 and batch_keys.tolist() == keys[start:start + 3]
-        assert torch.equal(finish(pixels, batch_keys, erasing), oracle)
+        assert torch.equal(finish(pixels, erasing), oracle)
     assert sum(batch[4].numel() for batch in handed) > 0  # some patches were drawn
-
-
-def test_the_streamed_loader_finishes_with_the_same_key_arithmetic():
-    """Streaming keys are epoch * len(shards) + the sample's number; the indexed loader's are
-    epoch * N + index: one FinishOnDevice serves both, the epoch read from the key."""
-    transform = ImageTransform(32, MEAN, STD, augment=True, erasing=build_erasing(1.0))
-    pixels = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
-    finish = FinishOnDevice(transform, SEED, 7)
-    a = finish(pixels, torch.tensor([3 * 7 + 2, 5]))
-    b = transform.finish(pixels, SEED, [3, 0], [2, 5])
-    assert torch.equal(a, b)
-    assert not torch.equal(a, transform.finish(pixels, SEED, [0, 0], [2, 5]))
 
 
 def test_loader_workers_follow_the_cores_each_gpu_has(monkeypatch):
@@ -331,7 +320,7 @@ def test_images_placed_on_the_device_are_the_loaders_own_to_the_bit(stored, size
     loader = data_module.make_loader(placed, batch_size=3, num_workers=workers,
                                      prefetch_factor=2, persistent_workers=False,
                                      pin_memory=False, sampler=keys)
-    finish = FinishOnDevice(transform, SEED, N, places=True)
+    finish = FinishOnDevice(transform, places=True)
     handed = list(loader)
     oracles = []
     for start, (pixels, _, batch_keys, _, *plans) in zip((0, 3), handed):
@@ -343,26 +332,25 @@ def test_images_placed_on_the_device_are_the_loaders_own_to_the_bit(stored, size
         assert len(plans) == int(transform.augment) + 2 * int(transform.erases)
         oracles.append(transform.batch(pixels, SEED, epochs, indices))
         assert oracles[-1].shape == (3, 3, size, size)
-    # the plans came along: the device half draws nothing more (only a reader without them does)
+    # the plans came along: the device half draws nothing more
     monkeypatch.setattr(ImageTransform, "erasing_plan",
                         lambda *a, **k: pytest.fail("drawn again in the training process"))
     monkeypatch.setattr(ImageTransform, "crop_plan",
                         lambda *a, **k: pytest.fail("drawn again in the training process"))
-    for (pixels, _, batch_keys, _, *plans), oracle in zip(handed, oracles):
-        assert torch.equal(finish(pixels, batch_keys, plans), oracle), plans
+    for (pixels, _, _, _, *plans), oracle in zip(handed, oracles):
+        assert torch.equal(finish(pixels, plans), oracle), plans
     # and a loader that keeps the geometry gives those very tensors
     monkeypatch.undo()
     kept = TrainImages(source, transform, SEED, mark_replaced=True)
     assert not kept.places_on_device
     batch = kept.__getitems__(keys[:3])
-    assert torch.equal(FinishOnDevice(transform, SEED, N)(batch.images, torch.tensor(keys[:3]),
-                                                          batch.tensors()[4:]),
+    assert torch.equal(FinishOnDevice(transform)(batch.images, batch.tensors()[4:]),
                        finish(*_handed(placed, keys[:3])))
 
 
 def _handed(dataset, keys):
     tensors = dataset.__getitems__(keys).tensors()
-    return tensors[0], tensors[2], tensors[4:]
+    return tensors[0], tensors[4:]
 
 
 M64 = (1 << 64) - 1

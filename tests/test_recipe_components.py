@@ -183,16 +183,20 @@ def _train_loader(data_dir, in_memory: str, **options):
 
 
 def _images(train, keys) -> torch.Tensor:
-    """What the training loop gets: the loader's uint8 pixels, finished "on the device"."""
-    pixels = train.loader.dataset.__getitems__(keys).images
+    """What the training loop gets: the loader's uint8 pixels and the erasing plan drawn with
+    them, finished "on the device"."""
+    pixels, _, _, _, *plans = train.loader.dataset.__getitems__(keys).tensors()
     assert pixels.dtype == torch.uint8  # what travels to the device
-    return train.finish(pixels, torch.as_tensor(keys))
+    return train.finish(pixels, plans)
 
 
 def _image(train, key) -> torch.Tensor:
-    """One sample through the dataset's single-item path."""
-    pixels = train.loader.dataset[key][0]
-    return train.finish(pixels.unsqueeze(0), torch.as_tensor([key]))[0]
+    """One sample through the dataset's single-item path (its erasing plan drawn for it)."""
+    dataset = train.loader.dataset
+    pixels = dataset[key][0].unsqueeze(0)
+    epoch, index = divmod(key, len(dataset.source))
+    plan = dataset.transform.erasing_plan(pixels.shape, dataset.seed, [epoch], [index])
+    return train.finish(pixels, plan or ())[0]
 
 
 def _rng_states():

@@ -110,7 +110,7 @@ class DeviceResidentBatches:
                                                                      rank, seed)
         self.per_micro_step = batch_size * num_processes
         # places: the stored pixels are resized, cropped and flipped here, on the device
-        self.finish = FinishOnDevice(transform, seed, len(source), places=True)
+        self.finish = FinishOnDevice(transform, places=True)
         self.epoch, self.samples_in_epoch = 0, 0
         self.device = torch.device("cpu")
         self.images, self.labels = source.images, source.labels
@@ -186,4 +186,4 @@ class DeviceResidentBatches:
             keys = chosen + offset
             # Counted as handed out: a checkpoint after this batch's step includes it.
             self.samples_in_epoch += self.per_micro_step
-            yield Batch(self.finish(pixels, keys, plans), labels, keys, self.replaced)
+            yield Batch(self.finish(pixels, plans), labels, keys, self.replaced)

@@ -49,7 +49,7 @@ class SampleBatch(Sequence):
     of samples to any reader (default_collate included), while `collate_batch` hands the loader
     the stacked tensors it already holds, with no unbinding and re-stacking, followed by the
     batch's erasing plan when there is one (`ImageTransform.erasing_plan`: a batch's, not a
-    sample's; a reader without it gets the same erasing drawn where the batch is finished)."""
+    sample's)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor,
                  keys: torch.Tensor | None = None, replaced: torch.Tensor | None = None,
@@ -379,19 +379,16 @@ class FinishOnDevice:
     """The second half of the training transform (`ImageTransform.finish`: normalize, then
     erase with --reprob), run on a micro-batch's uint8 pixels once they are on the device;
     with `places` (TrainImages.places_on_device) the resize, crop and flip before it
-    (`ImageTransform.place`).  Training keys are `epoch * num_samples + index`, the same for the
-    indexed and the streamed loaders; erasing's seeded draws need each sample's (epoch, index),
-    normalizing does not."""
+    (`ImageTransform.place`).  The erasing is the plan every training loader draws with the
+    pixels (a function of each sample's (seed, epoch, index)), never drawn here: here it would
+    take the training process's time, and a host sync a step to read the keys."""
 
-    def __init__(self, transform: ImageTransform, seed: int, num_samples: int,
-                 places: bool = False):
-        self.transform, self.seed, self.num_samples = transform, seed, num_samples
-        self.places = places
+    def __init__(self, transform: ImageTransform, places: bool = False):
+        self.transform, self.places = transform, places
 
-    def __call__(self, pixels: torch.Tensor, keys: torch.Tensor,
-                 plans: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    def __call__(self, pixels: torch.Tensor, plans: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """`plans`: what the loader drew with the pixels (`SampleBatch.tensors`' tail): with
-        `places` and augmenting, the crop plan first; then the erasing plan, if it drew one."""
+        `places` and augmenting, the crop plan first; then, with --reprob, the erasing plan."""
         erasing = plans
         if self.places:
             crop = None
@@ -400,13 +397,10 @@ class FinishOnDevice:
             pixels = self.transform.place(pixels, crop)
         if not self.transform.erases:
             return self.transform.finish(pixels)
-        if erasing:
-            return self.transform.finish(pixels, erasing=tuple(erasing))
-        # Drawn here, on the host, per sample: the keys come back from the device (a sync
-        # per step) and the draws take the training process's time.
-        keys = keys.cpu()
-        return self.transform.finish(pixels, self.seed, (keys // self.num_samples).numpy(),
-                                     (keys % self.num_samples).numpy())
+        if not erasing:
+            raise ValueError("--reprob: the loader handed over no erasing plan with the pixels "
+                             "(ImageTransform.erasing_plan)")
+        return self.transform.finish(pixels, erasing=tuple(erasing))
 
 
 def run_transforms(config, spec) -> tuple[ImageTransform, ImageTransform]:

@@ -124,7 +124,7 @@ class IndexedTrainLoader(EpochPosition):
                  num_processes: int, rank: int, seed: int, timeout: float = 0):
         self.loader, self.sampler, self.generator = loader, sampler, loader.generator
         # The second half of its dataset's transform (TrainImages hands out uint8 pixels).
-        self.finish = FinishOnDevice(loader.dataset.transform, seed, len(loader.dataset),
+        self.finish = FinishOnDevice(loader.dataset.transform,
                                      places=loader.dataset.places_on_device)
         self.per_micro_step = batch_size * num_processes
         self.rank, self.seed, self.timeout = rank, seed, timeout
@@ -173,7 +173,7 @@ class IndexedTrainLoader(EpochPosition):
             self.samples_in_epoch += self.per_micro_step
             if isinstance(pixels, EncodedImages):  # --decode-on-device: bytes and draws
                 pixels, labels, replaced = self.decoder(pixels, labels, replaced)
-            yield Batch(self.finish(pixels, keys, erasing), labels, keys, replaced)
+            yield Batch(self.finish(pixels, erasing), labels, keys, replaced)
 
     def _drop_workers(self) -> None:
         """Persistent workers live in the DataLoader's kept iterator: shut it down, so that the

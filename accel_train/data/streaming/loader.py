@@ -151,7 +151,7 @@ class StreamLoader:
                                  worker_init_fn=worker_init_fn(), **extra)
         self.device = None
         # Sample keys are epoch * len(shards) + the sample's number, as the indexed loader's.
-        self.finish = FinishOnDevice(dataset.transform, dataset.seed, len(dataset.shards))
+        self.finish = FinishOnDevice(dataset.transform)
         self.samples_in_epoch = 0
         self.warn = lambda text: print(f"warning: {text}", file=sys.stderr)  # the trainer's
 
@@ -204,7 +204,7 @@ class StreamLoader:
             self.samples_in_epoch += per_micro_step
             pixels, labels, keys, replaced, *erasing = (t.to(self.device, non_blocking=True)
                                                         for t in batch)
-            yield Batch(self.finish(pixels, keys, erasing), labels, keys, replaced)
+            yield Batch(self.finish(pixels, erasing), labels, keys, replaced)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state(self) -> dict:

@@ -42,9 +42,8 @@ class MicroBatchPositions(Sampler):
 
 
 class ErasingPlans(Dataset):
-    """Item (epoch, k): the erasing plan of rank `rank`'s k-th micro-batch of that epoch, for
-    images of `shape` (a micro-batch of placed pixels): its samples are the sampler's batch
-    k * processes + rank, as Accelerate's batch-sampler sharding hands them out."""
+    """Item (epoch, k): the erasing plan of rank `rank`'s k-th micro-batch of that epoch
+    (EpochSampler.rank_batches), for images of `shape` (a micro-batch of placed pixels)."""
 
     def __init__(self, transform: ImageTransform, sampler: EpochSampler, shape: torch.Size,
                  seed: int, num_processes: int, rank: int):
@@ -56,8 +55,8 @@ class ErasingPlans(Dataset):
         """This rank's micro-batches of `epoch` as sample indices [count, B] (the epoch's order
         is made once per epoch in each process that asks)."""
         if self._order[0] != epoch:
-            batches = self.sampler.order(epoch).view(-1, self.num_processes, self.shape[0])
-            self._order = (epoch, batches[:, self.rank].numpy())
+            self._order = (epoch, self.sampler.rank_batches(epoch, self.num_processes,
+                                                            self.shape[0], self.rank).numpy())
         return self._order[1]
 
     def __getitem__(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

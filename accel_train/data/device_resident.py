@@ -157,9 +157,8 @@ class DeviceResidentBatches:
         """This rank's micro-batches of the epoch from the `first` on, as device tensors:
         (sample indices [count, B], crop plans [count, B, 3] or None)."""
         epoch, count = self.epoch, len(self) - first
-        # rank r's k-th micro-batch: the sampler's batch k * processes + r (Accelerate's sharding)
-        batches = self.sampler.order(epoch).view(-1, self.num_processes, self.batch_size)
-        indices = batches[first:, self.rank]                                 # [count, B]
+        indices = self.sampler.rank_batches(epoch, self.num_processes, self.batch_size,
+                                            self.rank)[first:]                # [count, B]
         flat = indices.reshape(-1).numpy()
         epochs = np.full_like(flat, epoch)
         crops = self.transform.crop_plan(self.seed, epochs, flat)            # [count * B, 3]

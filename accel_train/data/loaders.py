@@ -251,6 +251,13 @@ class EpochSampler(Sampler[int]):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_samples, generator=generator)[: self.usable]
 
+    def rank_batches(self, epoch: int, num_processes: int, batch_size: int,
+                     rank: int) -> torch.Tensor:
+        """Rank `rank`'s micro-batches of `epoch` as sample indices [count, batch_size]: its
+        k-th is the order's batch k * processes + rank, as Accelerate's batch-sampler
+        sharding hands them out."""
+        return self.order(epoch).view(-1, num_processes, batch_size)[:, rank]
+
     def __iter__(self) -> Iterator[int]:
         offset = self.epoch * self.num_samples
         return iter((self.order(self.epoch) + offset).tolist())

@@ -87,13 +87,27 @@ class TrainLoader(Protocol):
 
 class EpochPosition:
     """The saved position of an indexed epoch (`epoch`, `samples_in_epoch`): the same file for
-    both indexed loaders, so that either resumes a checkpoint of the other.  Its loader has
-    `epoch`, `samples_in_epoch`, `seed`, `sampler` and `per_micro_step`."""
+    both indexed loaders, so that either resumes a checkpoint of the other; and the pass from
+    it.  Its loader has `epoch`, `samples_in_epoch`, `seed`, `sampler`, `per_micro_step`,
+    `timeout`, `warn`, `_from_position()` (the batches from the position on) and
+    `_drop_workers()` (after one of its loader workers died)."""
 
     on_device = False  # recorded with the position: which loader drew the batches
 
     def where(self) -> str:
         return f"{self.samples_in_epoch} samples into epoch {self.epoch + 1}"
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The rest of the epoch.  A loader worker that dies costs a warning: the workers start
+        again at the same position, and since a batch is a function of its position the run
+        goes on as if nothing had happened."""
+        try:
+            yield from restarting_dead_workers(self._from_position, self._drop_workers,
+                                               self.where, self.warn)
+        except RuntimeError as err:
+            if not timed_out(err):
+                raise
+            raise loader_stuck(self.timeout, self.where()) from None
 
     def save(self, folder: Path) -> None:
         (Path(folder) / LOADER_STATE).write_text(json.dumps(
@@ -147,18 +161,6 @@ class IndexedTrainLoader(EpochPosition):
     def __len__(self) -> int:
         return self.usable // self.per_micro_step
 
-    def __iter__(self) -> Iterator[Batch]:
-        """The rest of the epoch.  A loader worker that dies costs a warning: the workers start
-        again at the same position, and since a batch is a function of its position the run
-        goes on as if nothing had happened."""
-        try:
-            yield from restarting_dead_workers(self._from_position, self._drop_workers,
-                                               self.where, self.warn)
-        except RuntimeError as err:
-            if not timed_out(err):
-                raise
-            raise loader_stuck(self.timeout, self.where()) from None
-
     def _from_position(self) -> Iterator[Batch]:
         self.loader.set_epoch(self.epoch)  # the sampler, which a skipping loader shares
         loader, done = self.loader, self.samples_in_epoch // self.per_micro_step
@@ -190,19 +192,11 @@ class DeviceResidentTrainLoader(EpochPosition, DeviceResidentBatches):
     on_device = True
     timeout = 0.0  # --loader-timeout, for the workers that draw --reprob's erasing plans
 
-    def __iter__(self) -> Iterator[Batch]:
-        """The rest of the epoch.  A worker drawing erasing plans that dies costs a warning, as
-        the DataLoader path's do: new workers from the same position."""
-        try:
-            yield from restarting_dead_workers(lambda: DeviceResidentBatches.__iter__(self),
-                                               self._new_plan_workers, self.where, self.warn)
-        except RuntimeError as err:
-            if not timed_out(err):
-                raise
-            raise loader_stuck(self.timeout, self.where()) from None
+    def _from_position(self) -> Iterator[Batch]:
+        return DeviceResidentBatches.__iter__(self)
 
-    def _new_plan_workers(self) -> None:
-        if self.erasing is not None:  # (only its workers can die)
+    def _drop_workers(self) -> None:
+        if self.erasing is not None:  # (only the erasing plans' workers can die)
             self.erasing.restart()
 
 

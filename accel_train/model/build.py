@@ -77,7 +77,7 @@ def check_model_name(name: str, flag: str = "--model") -> None:
         architecture, _, tag = name.partition(".")
         # timm.is_model takes any tag after a known architecture; building with one it has no
         # weights config for raises deep inside timm
-        tags = timm.list_pretrained(f"{architecture}.*")
+        tags = timm.list_pretrained(f"{architecture}.*") if tag else []
         if tag and name not in tags:
             known = ", ".join(tags[:5]) + (", ..." if len(tags) > 5 else "")
             raise UsageError(f"{flag} {name!r}: timm has no {tag!r} weights for {architecture}"

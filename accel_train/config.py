@@ -24,6 +24,7 @@ IN_MEMORY_MODES = ("auto", "always", "never")
 DATA_ON_DEVICE_MODES = ("auto", "always", "never")
 BAD_IMAGE_MODES = ("substitute", "error")
 TTA_MODES = ("none", "flip", "flip-translate")
+SAMPLE_SUBSETS = ("random", "first")  # data/sample_limits.py
 FLIP_MODES = ("random", "alternate")
 # timm's names (timm.data.transforms.str_to_interp_mode) for the resize of images above 64 px;
 # training may also draw bilinear or bicubic per image ("random", timm's train.py default).
@@ -67,9 +68,18 @@ class TrainConfig:
                                   "for validation and selection (best checkpoints, EMA or raw "
                                   "weights) instead of carving --val-fraction from train; the "
                                   "summary says so.", "data")
-    max_train_samples: Optional[int] = option(None, "Use only the first N training samples.",
-                                              "data")
-    max_eval_samples: Optional[int] = option(None, "Use only the first N held-out samples.", "data")
+    max_train_samples: Optional[int] = option(None, "Use only N of the training images (which "
+                                              "ones: --sample-subset).", "data")
+    max_eval_samples: Optional[int] = option(None, "Use only N of the held-out images, and N of "
+                                             "the test split's (which ones: --sample-subset).",
+                                             "data")
+    sample_subset: str = option("random", "Which images --max-train-samples and "
+                                "--max-eval-samples keep: 'random', the ones "
+                                "split.shuffle(seed=0).select(range(N)) keeps in Hugging Face "
+                                "datasets (every class in about its share; the same images for "
+                                "every --seed), or 'first', the first N in the data's order (an "
+                                "image folder lists its images class by class).", "data",
+                                choices=SAMPLE_SUBSETS)
     tta: str = option("none", "Test-time augmentation in evaluations: 'flip' also evaluates each "
                       "image mirrored and averages the two logits; 'flip-translate' adds both "
                       "views shifted one pixel up-left and down-right (6 passes, airbench's "

@@ -217,6 +217,7 @@ class Trainer:
                                   if self.data.test is not None else 0,
                                   channels_last=self.speed.channels_last,
                                   optimizer=config.optimizer,
+                                  sample_subset=self.data.sample_subset or "all",
                                   # None where auto had nothing to choose
                                   decoded_on_device=self.loaders.decoded_on_device
                                   if self.loaders.decoding else None)

@@ -19,6 +19,7 @@ import time
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,6 +173,13 @@ def training_callbacks(callbacks):
         yield
     finally:
         trainer.run_training = run_training
+
+
+def drawn_subset(length: int, limit: int) -> np.ndarray:
+    """The positions --sample-subset random keeps of a split of `length` images, from numpy
+    alone: Hugging Face datasets' shuffle(seed=0) is default_rng(0).permutation; the first
+    `limit` of it, in the split's order."""
+    return np.sort(np.random.default_rng(0).permutation(length)[:limit])
 
 
 def accel_train_here(*args: str, check: bool = False,

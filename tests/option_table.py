@@ -101,6 +101,11 @@ ROWS: dict[str, Row] = {
     "train --max-eval-samples": effect(
         f"{EQ}::test_distributed_eval_counts_each_sample_once",
         "101 held-out images counted exactly once on 1 and 2 processes"),
+    "train --sample-subset": effect(
+        "test_split_roles.py::test_the_first_images_of_a_sorted_folder_holding_one_class_are_said",
+        "first: the folder's first 10 files (all of class a), said; random (the default, "
+        "test_a_limit_keeps_the_images_datasets_shuffle_keeps): the file names datasets' own "
+        "image folder reader shuffled with seed 0 keeps"),
     "train --tta": effect(
         "test_small_nets.py::test_a_run_trains_exports_and_evaluates_one_with_flip_tta",
         "the run's own evaluation equals eval --tta flip, itself checked against plain torch; "
@@ -458,6 +463,11 @@ ROWS: dict[str, Row] = {
     "eval --max-samples": effect(
         f"{ORACLE}::test_eval_train_split_with_a_ragged_last_batch",
         "40: count 40 and the oracle on those 40"),
+    "eval --sample-subset": effect(
+        f"{ORACLE}::test_eval_of_images_without_the_last_class_still_counts_every_class",
+        "first: the oracle on the split's first N images; random (the default, "
+        "test_eval_train_split_with_a_ragged_last_batch): the oracle on numpy's "
+        "default_rng(0).permutation's first 40"),
     "eval --batch-size": effect(
         f"{ORACLE}::test_eval_loader_flags_reach_its_loader",
         "a DataLoader probe sees batch_size 7 and the numbers still equal the oracle"),

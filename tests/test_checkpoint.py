@@ -262,6 +262,40 @@ def test_a_resume_on_another_held_out_set_is_refused(tmp_path, capsys):
                    "--max-steps", "4", "--resume", "auto")[0] == 0
 
 
+def test_a_resume_keeping_other_images_by_another_rule_is_refused(tmp_path, capsys):
+    """--max-eval-samples 30 by --sample-subset random, resumed by first: as many images, other
+    ones; one line, and nothing written.  By the same rule it goes on."""
+    out = tmp_path / "run"
+    assert run_cli(capsys, "--output-dir", str(out), "--max-eval-samples", "30",
+                   "--max-steps", "2")[0] == 0
+    before = tree_digest(out)
+    code, err = run_cli(capsys, "--output-dir", str(out), "--max-eval-samples", "30",
+                        "--sample-subset", "first", "--max-steps", "4", "--resume", "auto")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].endswith("the checkpoint's run kept its sample limits' images by "
+                           "--sample-subset random, this start by first: they are other images; "
+                           "resume with --sample-subset random, or start a new run"), err
+    assert tree_digest(out) == before
+    assert run_cli(capsys, "--output-dir", str(out), "--max-eval-samples", "30",
+                   "--max-steps", "4", "--resume", "auto")[0] == 0
+
+
+def test_a_checkpoint_from_before_the_subset_rule_kept_the_first_images():
+    """A state without sample_subset (written before --sample-subset, when a limit kept the first
+    N): a start that keeps random images is refused, one that keeps the first goes on, and one
+    that cuts no split is not asked (nor is a start asked of a checkpoint that cut none: the
+    counts differ, and say so: a streamed run's checkpoint is then refused for what it is)."""
+    old = ck.TrainerState.from_json({"seed": 0, "train_samples": 100})
+    assert old.sample_subset is None
+    with pytest.raises(UsageError, match="by --sample-subset first, this start by random"):
+        ck.check_same_subset(old, "random")
+    ck.check_same_subset(old, "first")
+    ck.check_same_subset(old, "all")
+    ck.check_same_subset(dataclasses.replace(old, sample_subset="all"), "random")
+    with pytest.raises(UsageError, match="by --sample-subset random, this start by first"):
+        ck.check_same_subset(dataclasses.replace(old, sample_subset="random"), "first")
+
+
 def test_the_held_out_and_test_counts_are_each_compared_when_both_were_recorded():
     previous = TrainerState(held_out_samples=30, test_samples=20)
     check_same_held_out(previous, 30, 20)

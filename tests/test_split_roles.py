@@ -143,20 +143,47 @@ def test_eval_of_a_run_whose_folder_changed_warns_that_its_validation_split_is_a
 
 
 def test_the_first_images_of_a_sorted_folder_holding_one_class_are_said(tmp_path):
-    """--max-train-samples 10 of a folder listed class by class: its first 10 images are all of
-    class a (15 of each); the run says so.  20 images hold both: nothing said."""
+    """--sample-subset first, --max-train-samples 10 of a folder listed class by class: its first
+    10 images are all of class a (15 of each); the run says so.  20 images hold both: nothing
+    said."""
     data = image_folder(tmp_path / "data", {"train": 30, "val": 12, "test": 12})
     loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never", max_train_samples=10,
-                                   max_eval_samples=4))
+                                   max_eval_samples=4, sample_subset="first"))
     assert set(loaded.train.labels.tolist()) == {0}  # the oracle: what the folder lists first
     said = " ".join(loaded.warnings)
-    assert ("--max-train-samples 10 takes the first 10 training images, which hold 1 of the 2 "
+    assert ("--max-train-samples 10 keeps 10 training images (first), which hold 1 of the 2 "
             "classes") in said
-    assert "--max-eval-samples 4 takes the first 4 validation images" in said
-    assert "--max-eval-samples 4 takes the first 4 test images" in said
-    loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never", max_train_samples=20))
+    assert "--max-eval-samples 4 keeps 4 validation images (first)" in said
+    assert "--max-eval-samples 4 keeps 4 test images (first)" in said
+    loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never", max_train_samples=20,
+                                   sample_subset="first"))
     assert set(loaded.train.labels.tolist()) == {0, 1}
-    assert not [w for w in loaded.warnings if "takes the first" in w]
+    assert not [w for w in loaded.warnings if "which hold" in w]
+
+
+def test_a_limit_keeps_the_images_datasets_shuffle_keeps(tmp_path):
+    """--max-train-samples 10 and --max-eval-samples 5 (--sample-subset random, the default) of a
+    folder listed class by class keep, of each split, the images Hugging Face datasets' own
+    image folder reader, shuffled with seed 0, puts first (its file names compared), in the
+    folder's order; so both classes, nothing warned; the same for every --seed."""
+    from datasets import load_dataset
+    data = image_folder(tmp_path / "data", {"train": 30, "val": 12, "test": 12})
+    loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never", max_train_samples=10,
+                                   max_eval_samples=5))
+    for source, split, count in ((loaded.train, "train", 10), (loaded.held_out, "val", 5),
+                                 (loaded.test, "test", 5)):
+        theirs = load_dataset("imagefolder", data_dir=str(data / split), split="train")
+        files = [Path(image.filename).relative_to(data).as_posix()
+                 for image in theirs.shuffle(seed=0).select(range(count))["image"]]
+        ours = [source.name(i) for i in range(len(source))]
+        assert sorted(ours) == sorted(files), (split, ours, files)
+        assert ours == sorted(ours)  # the folder's order: class, then file
+    assert set(loaded.train.labels.tolist()) == {0, 1} and loaded.sample_subset == "random"
+    assert not [w for w in loaded.warnings if "which hold" in w]
+    again = load_data(TrainConfig(data_dir=str(data), in_memory="never", max_train_samples=10,
+                                  max_eval_samples=5, seed=7))
+    assert [again.train.name(i) for i in range(10)] == \
+        [loaded.train.name(i) for i in range(10)]
 
 
 def test_eval_given_the_data_dir_splits_it_as_the_run_split_its_own(tmp_path):

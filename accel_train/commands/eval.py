@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from accel_train.cli import _Parser
 from accel_train.commands import EMA_HELP
-from accel_train.config import PRECISIONS, TTA_MODES, TrainConfig
+from accel_train.config import PRECISIONS, SAMPLE_SUBSETS, TTA_MODES, TrainConfig
 from accel_train.base.errors import UsageError, first_few
 
 SPLITS = {"held-out": "the validation images", "test": "the test split (kept for the end)",
@@ -23,7 +23,8 @@ SPLITS = {"held-out": "the validation images", "test": "the test split (kept for
           "all": "all images (training and validation together)"}
 # The options that say which data a run used; nothing else of the run matters to eval.
 DATA_OPTIONS = ("dataset", "data_dir", "image_column", "label_column", "val_fraction",
-                "max_train_samples", "max_eval_samples", "synthetic_train_size", "val_labels",
+                "max_train_samples", "max_eval_samples", "sample_subset",
+                "synthetic_train_size", "val_labels",
                 "select_on_test",
                 "class_depth", "streaming", "eval_shards")
 SPLIT_OPTIONS = ("val_fraction", "select_on_test")  # kept for other data (--data-dir) too
@@ -52,8 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "train; all: train and validation (e.g. a folder of labelled images "
                            "with no splits) (default: held-out)")
     data.add_argument("--max-samples", type=_positive_or_all, metavar="N|all",
-                      help="evaluate the first N images (default: as many as the run evaluated "
-                           "on its own data; all of other data)")
+                      help="evaluate N of the images, chosen by --sample-subset (default: "
+                           "those the run evaluated on its own data; all of other data)")
+    data.add_argument("--sample-subset", choices=SAMPLE_SUBSETS,
+                      help="which images --max-samples keeps: random (the ones "
+                           "split.shuffle(seed=0).select(range(N)) keeps in Hugging Face "
+                           "datasets) or the first N (default: the run's --sample-subset on "
+                           "its own data, else random)")
     run = parser.add_argument_group("running")
     run.add_argument("--batch-size", type=int, help="per process (default: the run's)")
     run.add_argument("--num-workers", type=int, help="data loader workers per process "
@@ -110,8 +116,12 @@ def data_config(trained, args) -> TrainConfig:
     for name in ("image_column", "label_column", "val_labels", "class_depth"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    if not other_data and isinstance(recorded, dict) and "sample_subset" not in recorded:
+        values["sample_subset"] = "first"  # the rule of runs from before --sample-subset
     if args.max_samples is not None:  # a limit given here replaces the run's
         values.update(max_train_samples=None, max_eval_samples=None)
+    if args.sample_subset is not None:
+        values["sample_subset"] = args.sample_subset
     # Decode on demand: eval reads each image once, and need not decode the train split.
     return TrainConfig.from_dict({**values, "in_memory": "never"}, source="eval")
 
@@ -161,10 +171,11 @@ def align_labels(source, data_names: list[str], model_names: list[str], origin: 
                                  )[source.labels]
 
 
-def _dataset_for_split(data, split: str, transform, max_samples):
+def _dataset_for_split(data, split: str, transform, max_samples, sample_subset: str):
     from torch.utils.data import ConcatDataset, Subset
 
     from accel_train.data.loaders import HeldOutImages
+    from accel_train.data.sample_limits import kept_positions
     parts = {"held-out": [data.held_out], "train": [data.train], "all": [data.train, data.held_out],
              "test": [data.test] if data.test is not None else []}
     if not parts[split]:
@@ -177,8 +188,10 @@ def _dataset_for_split(data, split: str, transform, max_samples):
     # marked: evaluate_classifier leaves out what could not be decoded (a substitute's image)
     datasets = [HeldOutImages(source, transform, mark_replaced=True) for source in parts[split]]
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
-    if isinstance(max_samples, int) and max_samples < len(dataset):
-        dataset = Subset(dataset, range(max_samples))
+    kept = kept_positions(len(dataset), max_samples if isinstance(max_samples, int) else None,
+                          sample_subset)
+    if kept is not None:
+        dataset = Subset(dataset, kept.tolist())
     if len(dataset) == 0:
         raise UsageError(f"the {split} split of {data.description} is empty; choose another "
                          f"--split")
@@ -255,7 +268,8 @@ def main(argv: Sequence[str]) -> int:
             align_labels(source, data.class_names, trained.spec.class_names, data.description)
         spec = trained.spec
         transform = held_out_transform(spec)
-        dataset = _dataset_for_split(data, args.split, transform, args.max_samples)
+        dataset = _dataset_for_split(data, args.split, transform, args.max_samples,
+                                     config.sample_subset)
         cuda = acc.device.type == "cuda"
         workers = args.num_workers if args.num_workers is not None else \
             default_num_workers(data.held_out, env.local_world_size, cuda)

@@ -40,7 +40,7 @@ def run_held_out(trained) -> HeldOut:
         return HeldOut(None, f"{trained.description} has no run directory with its data")
     no_other_data = SimpleNamespace(data_dir=None, dataset=None, image_column=None,
                                     label_column=None, val_labels=None, class_depth=None,
-                                    max_samples=None)
+                                    max_samples=None, sample_subset=None)
     try:
         config = data_config(trained, no_other_data)
         data = load_streaming(config) if streaming_wanted(config) else load_data(config)

@@ -32,6 +32,8 @@ from accel_train.base.errors import UsageError, first_few, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.imagefolder import index_folder
+from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
+                                            subset_if_cut)
 from accel_train.data.labels import (check_label_values, classes_left_unreadable,
                                      label_gap_warnings, labels_and_names,
                                      refuse_folders_never_trained, set_aside_unlabelled_splits)
@@ -351,6 +353,8 @@ class LoadedData:
     # Datasets a program handed to fit(), which no command can load again (eval asks for data)
     from_program: bool = False
     warnings: list[str] = field(default_factory=list)  # said at the start, on the main rank
+    # --sample-subset, where a sample limit cut a split (a resume must keep the same images)
+    sample_subset: Optional[str] = None
 
 
 @dataclass
@@ -602,26 +606,6 @@ def refuse_classes_left_unreadable(source: "HFSource", decoded: ArraySource,
                          f"remove the class")
 
 
-def few_classes_in_the_first(config: TrainConfig, labels: dict, num_classes: int) -> list[str]:
-    """--max-train-samples / --max-eval-samples take the first N images of a split: of an image
-    folder (listed class by class) or any sorted data, that can be one class, and the numbers
-    of such a run say little.  A warning where the images taken hold fewer of the classes."""
-    warnings = []
-    for role, flag, limit in (("train", "--max-train-samples", config.max_train_samples),
-                              ("held-out", "--max-eval-samples", config.max_eval_samples),
-                              ("test", "--max-eval-samples", config.max_eval_samples)):
-        if not limit or role not in labels:
-            continue
-        present = len(torch.unique(torch.as_tensor(labels[role])))
-        if present < num_classes and len(labels[role]) >= num_classes:
-            split = {"train": "training", "held-out": "validation", "test": "test"}[role]
-            warnings.append(f"{flag} {limit} takes the first {len(labels[role])} {split} "
-                            f"images, which hold {present} of the {num_classes} classes (the "
-                            f"data lists its images in order, an image folder class by class); "
-                            f"its numbers say little of the others")
-    return warnings
-
-
 def carve_rows(num_rows: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(rows kept for training, rows held out): `val_fraction` of the rows, chosen with a fixed
     seed.  datasets' own split of a stand-in that holds the row numbers: the same rows as
@@ -648,12 +632,14 @@ def rows_of(dataset, rows: np.ndarray):
     return dataset.select(rows)
 
 
-def _limit(source: ImageSource, limit: Optional[int]) -> ImageSource:
-    if limit is None or limit >= len(source):
+def _limit(source: ImageSource, limit: Optional[int], how: str) -> ImageSource:
+    kept = kept_positions(len(source), limit, how)
+    if kept is None:
         return source
     if isinstance(source, ArraySource):
-        return ArraySource(source.images[:limit], source.labels[:limit])
-    return source.subset(np.arange(limit))
+        index = torch.from_numpy(kept)
+        return ArraySource(source.images[index], source.labels[index])
+    return source.subset(kept)
 
 
 def _synthetic(config: TrainConfig) -> LoadedData:
@@ -680,9 +666,12 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True) 
     (eval.align_labels), not against the data's own training split."""
     if embedded_set(config):
         data = _synthetic(config)
-        return LoadedData(_limit(data.train, config.max_train_samples),
-                          _limit(data.held_out, config.max_eval_samples), data.class_names,
-                          data.description)
+        limits = {"train": config.max_train_samples, "held-out": config.max_eval_samples}
+        return LoadedData(_limit(data.train, limits["train"], config.sample_subset),
+                          _limit(data.held_out, limits["held-out"], config.sample_subset),
+                          data.class_names, data.description,
+                          sample_subset=subset_if_cut(config, limits, {
+                              "train": len(data.train), "held-out": len(data.held_out)}))
     raw = open_data(config)
     train_name = training_split_name(raw)
     # the columns of the training split are every split's (datasets loads them as one)
@@ -696,21 +685,23 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True) 
                            "has no test split; part of train is held out for validation"))
     if to_train:
         refuse_folders_never_trained(raw, splits)
-    train_rows, eval_rows = splits.train_rows, splits.eval_rows
-    if config.max_train_samples:
-        train_rows = train_rows[:config.max_train_samples]
-    if config.max_eval_samples:
-        eval_rows = eval_rows[:config.max_eval_samples]
-    roles = [("train", splits.train_name, train_rows), ("held-out", splits.eval_name, eval_rows)]
+    limits = {"train": ("--max-train-samples", config.max_train_samples),
+              "held-out": ("--max-eval-samples", config.max_eval_samples),
+              "test": ("--max-eval-samples", config.max_eval_samples)}
+    roles = [("train", splits.train_name, splits.train_rows),
+             ("held-out", splits.eval_name, splits.eval_rows)]
     if splits.test_name is not None:
-        test_rows = np.arange(len(raw.splits[splits.test_name]))
-        roles.append(("test", splits.test_name, test_rows[:config.max_eval_samples or None]))
+        roles.append(("test", splits.test_name, np.arange(len(raw.splits[splits.test_name]))))
+    cut = subset_if_cut(config, {role: limit for role, (_, limit) in limits.items()},
+                        {role: len(rows) for role, _, rows in roles})
+    roles = [(role, name, limit_rows(rows, limits[role][1], config.sample_subset))
+             for role, name, rows in roles]
     parts = {role: rows_of(raw.splits[name], rows) for role, name, rows in roles}
     if to_train:
         check_label_values(raw, splits, label_column)
     labels, class_names = labels_and_names(parts, label_column)
     warnings += label_gap_warnings(raw, splits, label_column, class_names)
-    warnings += few_classes_in_the_first(config, labels, len(class_names))
+    warnings += few_classes_kept(limits, labels, len(class_names), config.sample_subset)
     if len(class_names) < min_classes:
         raise UsageError(f"{raw.origin}: found {len(class_names)} class(es) in "
                          f"{label_column!r}; a classifier needs at least 2")
@@ -743,4 +734,5 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True) 
         if isinstance(source, HFSource):
             source.on_substitute = warn_substitute
     return LoadedData(sources[0], sources[1], class_names, f"{raw.origin} ({splits.description})",
-                      bad, test=sources[2] if len(sources) > 2 else None, warnings=warnings)
+                      bad, test=sources[2] if len(sources) > 2 else None, warnings=warnings,
+                      sample_subset=cut)

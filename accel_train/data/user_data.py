@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from accel_train.base.errors import UsageError, first_few
+from accel_train.data.sample_limits import kept_positions, subset_if_cut
 from accel_train.data.sources import (IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, ArraySource,
                                       ImageSource, LoadedData, carve_rows)
 
@@ -127,11 +128,12 @@ class DatasetSource(ImageSource):
         return ArraySource(images, self.labels)
 
 
-def first_items(source: DatasetSource, limit: Optional[int]) -> DatasetSource:
-    """--max-train-samples / --max-eval-samples: the first `limit` items, as for the CLI's data."""
-    if not limit or limit >= len(source):
+def kept_items(source: DatasetSource, limit: Optional[int], how: str) -> DatasetSource:
+    """--max-train-samples / --max-eval-samples: the items `limit` keeps, as of the CLI's data."""
+    kept = kept_positions(len(source), limit, how)
+    if kept is None:
         return source
-    return DatasetSource(source.dataset, source.all_labels, source.indices[:limit], source.name)
+    return DatasetSource(source.dataset, source.all_labels, source.indices[kept], source.name)
 
 
 def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> LoadedData:
@@ -174,10 +176,13 @@ def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> Loaded
     if len(class_names) < 2:
         raise UsageError(f"train_dataset: found {len(class_names)} class(es); a classifier "
                          f"needs at least 2")
-    train, held_out = (first_items(train, config.max_train_samples),
-                       first_items(held_out, config.max_eval_samples))
+    limits = {"train": config.max_train_samples, "held-out": config.max_eval_samples}
+    cut = subset_if_cut(config, limits, {"train": len(train), "held-out": len(held_out)})
+    train, held_out = (kept_items(train, limits["train"], config.sample_subset),
+                       kept_items(held_out, limits["held-out"], config.sample_subset))
     if config.in_memory != "never":
         limit = config.in_memory_limit_gb * 2**30
         train, held_out = train.in_memory(limit), held_out.in_memory(limit)
     return LoadedData(train, held_out, class_names, f"{type(train_dataset).__name__} "
-                                                    f"({description})", from_program=True)
+                                                    f"({description})", from_program=True,
+                      sample_subset=cut)

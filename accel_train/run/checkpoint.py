@@ -87,6 +87,9 @@ class TrainerState:
     channels_last: Optional[bool] = None  # fp16) and its memory format: a resume keeps them
     optimizer: Optional[str] = None    # the --optimizer whose state the checkpoint holds
     decoded_on_device: Optional[bool] = None  # --decode-on-device's choice: a resume keeps it
+    # which images a sample limit kept: 'random' or 'first' (--sample-subset), 'all' where no
+    # limit cut a split; None: a checkpoint from before the option, whose limits kept the first
+    sample_subset: Optional[str] = None
 
     # What a start decides for itself, not taken from the checkpoint: its process layout (the
     # global batch is kept: resume.keep_global_batch), and how it computes (autotune.py: a
@@ -135,6 +138,7 @@ class TrainerState:
         previous = read_state(folder)
         check_same_data_order(previous, self.seed, self.train_samples)
         check_same_held_out(previous, self.held_out_samples, self.test_samples)
+        check_same_subset(previous, self.sample_subset)
         continued = previous.continued_on(**{name: getattr(self, name)
                                              for name in self.THIS_START})
         for field in fields(self):
@@ -164,6 +168,19 @@ def check_same_held_out(previous: TrainerState, held_out_samples: int,
             raise UsageError(f"the checkpoint's run evaluated {before} {what} images but this "
                              f"start has {now}; resume with the same data options "
                              f"(--max-eval-samples, the data's splits), or start a new run")
+
+
+def check_same_subset(previous: TrainerState, sample_subset: str) -> None:
+    """The same number of images kept by another rule are other images: the epoch's order
+    would skip and repeat other ones, and the evaluations would measure another set."""
+    if "all" in (sample_subset, previous.sample_subset):
+        return  # one of the two kept whole splits: the counts differ, and say so
+    before = previous.sample_subset or "first"
+    if before != sample_subset:
+        raise UsageError(f"the checkpoint's run kept its sample limits' images by "
+                         f"--sample-subset {before}, this start by {sample_subset}: they are "
+                         f"other images; resume with --sample-subset {before}, or start a new "
+                         f"run")
 
 
 SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)

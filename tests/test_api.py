@@ -321,6 +321,27 @@ def test_the_example_on_two_processes_equals_one_process(tmp_path):
         expected.sort(descending=True).values.tolist(), abs=1e-5)
 
 
+def test_fits_sample_limits_keep_the_cli_draw_of_the_users_items():
+    """max_train_samples=10 and max_eval_samples=4 of a program's datasets keep the items the
+    CLI's rule keeps (numpy's default_rng(0).permutation, as datasets' shuffle(seed=0)), in the
+    datasets' order; sample_subset="first" the first ones."""
+    from accel_train.config import TrainConfig
+    from accel_train.data.user_data import load_user_data
+    from conftest import drawn_subset
+    drawn = load_user_data(Squares(64), Squares(16), TrainConfig(
+        max_train_samples=10, max_eval_samples=4, in_memory="never"))
+    assert drawn.train.indices.tolist() == drawn_subset(64, 10).tolist()
+    assert drawn.held_out.indices.tolist() == drawn_subset(16, 4).tolist()
+    assert drawn.sample_subset == "random"
+    first = load_user_data(Squares(64), Squares(16), TrainConfig(
+        max_train_samples=10, max_eval_samples=4, sample_subset="first", in_memory="never"))
+    assert first.train.indices.tolist() == list(range(10))
+    assert first.held_out.indices.tolist() == list(range(4))
+    whole = load_user_data(Squares(64), Squares(16), TrainConfig(max_train_samples=64,
+                                                                 in_memory="never"))
+    assert whole.sample_subset is None and len(whole.train) == 64
+
+
 def test_float_images_outside_0_1_are_refused_and_0_1_are_the_uint8_image(tmp_path):
     """fit() clamped floats to 0-1: 0-255 floats trained on near-white images and normalized
     ones lost everything below 0, without a word.  A float image in 0-1 is the uint8 image

@@ -399,8 +399,8 @@ def test_dataset_names_a_local_parquet_folder(cifar10_layout, tmp_path):
     out = tmp_path / "run"
     trained = accel_train_here("--dataset", str(cifar10_layout), *SMALL_RUN,
                                "--max-train-samples", "64", "--output-dir", str(out), check=True)
-    assert "64 train / 64 validation / 160 test images, 10 classes" in trained.stdout, \
-        trained.stdout
+    assert "64 train / 64 validation / 160 test images (limits kept a seeded draw: " \
+        "--sample-subset random), 10 classes" in trained.stdout, trained.stdout
     assert model_spec_of(out)["class_names"] == CIFAR10_CLASSES
 
 

@@ -93,7 +93,8 @@ def test_start_up_summary_progress_and_closing_lines(tracked_run):
         "synthetic shapes" in lines[0]
     summary = "\n".join(lines[:8])
     for fact in ("device cpu x 1 process(es)", "precision fp32",
-                 "data: 256 train / 64 validation images, 10 classes, 32px",
+                 "data: 256 train / 64 validation images (limits kept a seeded draw: "
+                 "--sample-subset random), 10 classes, 32px",
                  "global batch 16 = 16 per process", f"16 steps/epoch, {MAX_STEPS} steps in all",
                  f"output: {out} (checkpoints in {out / 'checkpoints'})",
                  "records: metrics.jsonl, tensorboard (files in trackers/), PNG curves"):

@@ -54,6 +54,11 @@ class Reporter:
             self._logger.exception(text)
 
 
+# what a sample limit (--max-train-samples, --max-eval-samples) kept, by --sample-subset
+LIMITS_KEPT = {"random": "limits kept a seeded draw: --sample-subset random",
+               "first": "limits kept the first ones: --sample-subset first"}
+
+
 def summary(facts: dict, data_description: str, accumulation_steps: int, backend: Optional[str],
             records: str) -> str:
     """The start-up summary: what will really run, from the resolved facts."""
@@ -72,7 +77,9 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         + (f"  network: {facts['network_choice']}\n" if facts.get("network_choice") else "")
         + (f"  init: {facts['whitened_stem']}\n" if facts.get("whitened_stem") else "") +
         f"  data: {facts['train_samples']} train / {facts['eval_samples']} validation"
-        + (f" / {facts['test_samples']} test" if facts.get("test_samples") else "") + " images, "
+        + (f" / {facts['test_samples']} test" if facts.get("test_samples") else "") + " images"
+        + (f" ({LIMITS_KEPT[facts['sample_subset']]})" if facts.get("sample_subset") else "")
+        + ", "
         f"{len(model['class_names'])} classes, {model['image_size']}px, "
         f"{'decoded in memory' if facts['data_in_memory'] else 'decoded per step'}, "
         + ("resized and cropped on the device, " if facts.get("placed_on_device") else "") +

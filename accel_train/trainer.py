@@ -446,6 +446,8 @@ class Trainer:
             if epoch_seconds is not None:
                 record["epoch_time"] = round(epoch_seconds, 3)
             record["bad_images"] = self.bad_images.collect()
+            if self.accelerator.is_main_process and not mid_epoch:  # every image met
+                self.bad_images.after_epoch()
             self.metrics.write(record)
             self.accelerator.log(tracker_scalars(record), step=state.step)
             timing = f" Time {epoch_seconds:.1f}s" if epoch_seconds is not None else ""

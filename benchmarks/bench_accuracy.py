@@ -68,7 +68,7 @@ def recipe_flags(name: str, args) -> list[str]:
         flags = ["--model", args.model, *flags]
     if args.max_train:
         flags += ["--max-train-samples", str(args.max_train)]
-    return flags
+    return flags + ["--sample-subset", "first"]  # the first N, as the seed loop takes them
 
 
 def accel_arm(name: str, args, work: Path) -> dict:
@@ -107,6 +107,7 @@ def recipe_file_arm(path: str, args, work: Path, budget_given: bool) -> dict:
         cmd += ["--max-eval-samples", str(args.eval_samples)]
     if args.max_train:
         cmd += ["--max-train-samples", str(args.max_train)]
+    cmd += ["--sample-subset", "first"]  # the first N, as the seed loop takes them
     cmd += shlex.split(args.recipe_file_extra)
     started = time.perf_counter()
     output = benchlib.run(cmd, env=benchlib.child_env(), timeout=7200).stdout

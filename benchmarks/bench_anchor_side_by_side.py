@@ -79,6 +79,8 @@ def shrink(args, anchor: bool) -> list[str]:
     out = []
     for name, value in zip(names, (args.train_images, args.test_images)):
         out += [name, str(value)] if value else []
+    if out and not anchor:  # the first N, as the anchor takes them
+        out += ["--sample-subset", "first"]
     return out + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
 
 

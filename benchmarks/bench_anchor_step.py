@@ -167,7 +167,8 @@ def trainer_row(args, images, labels, bias_epochs: int, out: Path) -> list:
             "--mixed-precision", "bf16" if airbench_cpu.AUTOCAST["enabled"] else "no",
             "--channels-last"]
     if args.train_images:
-        argv += ["--max-train-samples", str(args.train_images), "--max-eval-samples", "64"]
+        argv += ["--max-train-samples", str(args.train_images), "--max-eval-samples", "64",
+                 "--sample-subset", "first"]  # the first N, as the anchor takes them
     config = config_from_args(build_train_parser().parse_args(argv))
     pairs, fetches = [], []
 

@@ -38,7 +38,8 @@ def one_run(args, recipe: Path, env_extra: dict, out: Path) -> dict:
            "--epochs", "10", "--max-steps", str(args.steps), "--log-every", str(args.log_every),
            "--eval-every", "0", "--checkpoint-every", "0", "--max-eval-samples", "64",
            *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
-           *(["--max-train-samples", str(args.max_train)] if args.max_train else [])]
+           *(["--max-train-samples", str(args.max_train)] if args.max_train else []),
+           "--sample-subset", "first"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
     done = benchlib.run(cmd, env=benchlib.child_env(**env_extra), timeout=args.timeout)
     faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before

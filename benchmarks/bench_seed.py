@@ -48,7 +48,9 @@ def accel_arm(procs: int, args, work: Path) -> dict:
         else [sys.executable]
     cmd = [*launcher, "-m", "accel_train", "--data-dir", args.data_dir, "--output-dir", str(out),
            "--model", args.model, "--batch-size", str(args.global_batch // procs),
-           "--max-train-samples", str(args.images), "--max-eval-samples", "64", "--epochs",
+           # the first N, as the tutorial's arms take them
+           "--max-train-samples", str(args.images), "--sample-subset", "first",
+           "--max-eval-samples", "64", "--epochs",
            str(args.epochs), "--progress", "log", "--no-plots", *benchlib.FIXED_COMPUTE]
     benchlib.run(cmd, env=benchlib.child_env(threads))
     epochs = [r for r in benchlib.read_jsonl(out / "metrics.jsonl") if r.get("type") == "epoch"]

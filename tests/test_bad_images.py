@@ -252,6 +252,26 @@ def test_a_class_none_of_whose_training_images_decodes_is_refused_and_checked(tm
     findings = json.loads(checked.stdout)
     assert checked.returncode == 1
     assert findings["classes_without_a_readable_training_image"] == ["b"]
+    # decoded per step, the run meets them as it goes: said once an epoch's end has seen
+    # each of them replaced, and again in the closing summary
+    per_step = accel_train_here("--data-dir", str(folder), *TRAIN, "--batch-size", "4",
+                                "--in-memory", "never", "--epochs", "2",
+                                "--output-dir", str(tmp_path / "per_step"))
+    assert per_step.returncode == 0, per_step.stderr
+    said = [line for line in (per_step.stdout + per_step.stderr).splitlines()
+            if line.startswith("warning: no training image of class")]
+    assert len(said) == 1, per_step.stdout + per_step.stderr
+    assert said[0].startswith("warning: no training image of class 'b' (3 images) decodes (each "
+                              "was met and replaced): the run trains those outputs on "
+                              "substitutes"), said
+    assert "(no training image of class 'b' (3 images) decoded)" in \
+        per_step.stdout + per_step.stderr
+    # one of b's images decodes: nothing said
+    Image.fromarray(np.full((16, 16, 3), 200, dtype=np.uint8)).save(folder / "b" / "0.jpg")
+    one_good = accel_train_here("--data-dir", str(folder), *TRAIN, "--batch-size", "4",
+                                "--in-memory", "never", "--output-dir", str(tmp_path / "one"))
+    assert one_good.returncode == 0 and "no training image of class" not in \
+        one_good.stdout + one_good.stderr, one_good.stderr
 
 
 def test_in_memory_always_says_why_the_images_cannot_be_held(tmp_path):

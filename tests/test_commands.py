@@ -305,7 +305,8 @@ def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_
                                                             "model.safetensors"]
     # the card counts the images as the run recorded them (256 trained, 64 for validation)
     card = (export_dir / "README.md").read_text()
-    assert "; 256 training images, 64 for validation.\n" in card, card
+    assert ("; 256 training images, 64 for validation (the sample limits kept a seeded draw of "
+            "each split: --sample-subset random).\n") in card, card
     assert "ONNX" not in card.split("## Training")[0]  # no ONNX file: none is mentioned
     exported, final = (load_file(str(d / "model.safetensors")) for d in (export_dir, run_dir))
     assert exported.keys() == final.keys()

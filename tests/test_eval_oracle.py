@@ -174,6 +174,12 @@ def test_eval_of_images_without_the_last_class_still_counts_every_class(run_dir)
     report = _eval_json(str(run_dir), "--max-samples", str(count), "--sample-subset", "first")
     assert len(report["per_class"]) == 10
     _check(report, _oracle(run_dir, images[:count], labels[:count]))
+    # without --max-samples the rule would silently rebuild other held-out images: refused
+    alone = accel_train_here("eval", str(run_dir), "--sample-subset", "first")
+    assert alone.returncode == 2 and alone.stderr.strip().splitlines() == [
+        "accel_train: error: --sample-subset chooses which images --max-samples keeps; give "
+        "--max-samples N too (without it, eval rebuilds the run's own held-out images by the "
+        "run's own rule)"], alone.stderr
 
 
 def test_eval_of_a_run_from_before_the_subset_rule_rebuilds_its_first_images(run_dir, tmp_path):

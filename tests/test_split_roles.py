@@ -152,13 +152,28 @@ def test_the_first_images_of_a_sorted_folder_holding_one_class_are_said(tmp_path
     assert set(loaded.train.labels.tolist()) == {0}  # the oracle: what the folder lists first
     said = " ".join(loaded.warnings)
     assert ("--max-train-samples 10 keeps 10 training images (first), which hold 1 of the 2 "
-            "classes") in said
+            "classes (the data lists its images in order, an image folder class by class; "
+            "--sample-subset random draws them from the whole split); its numbers say little "
+            "of the others") in said
     assert "--max-eval-samples 4 keeps 4 validation images (first)" in said
     assert "--max-eval-samples 4 keeps 4 test images (first)" in said
     loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never", max_train_samples=20,
                                    sample_subset="first"))
     assert set(loaded.train.labels.tolist()) == {0, 1}
     assert not [w for w in loaded.warnings if "which hold" in w]
+    # without a training limit the held-out ones are still looked at; 2 images of 2 classes
+    # are enough to hold both
+    loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never", max_eval_samples=2,
+                                   sample_subset="first"))
+    said = [w.split(",")[0] for w in loaded.warnings if "which hold" in w]
+    assert said == ["--max-eval-samples 2 keeps 2 validation images (first)",
+                    "--max-eval-samples 2 keeps 2 test images (first)"], loaded.warnings
+    # a draw can hold fewer classes too (positions 2 and 11 of 30: both in a's 15)
+    loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never", max_train_samples=2))
+    assert set(loaded.train.labels.tolist()) == {0}
+    assert ("--max-train-samples 2 keeps 2 training images (random), which hold 1 of the 2 "
+            "classes (drawn at random from the whole split); its numbers say little of the "
+            "others") in loaded.warnings
 
 
 def test_a_limit_keeps_the_images_datasets_shuffle_keeps(tmp_path):

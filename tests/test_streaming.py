@@ -39,6 +39,25 @@ def _index_sets(folder: Path) -> dict[str, ShardSet]:
             for name, entries in index["splits"].items()}
 
 
+def test_streamed_held_out_images_are_those_a_sample_limit_keeps(synthetic_shards):
+    """--max-eval-samples 64 of the synthetic set's 1,000 held-out images in shards: the draw's
+    64 (numpy's default_rng(0).permutation, as for map-style data), or with --sample-subset
+    first the first 64; the summary's rule recorded either way."""
+    from accel_train.config import TrainConfig
+    from accel_train.data import synthetic
+    from accel_train.data.streaming import load_streaming
+    from conftest import drawn_subset
+    images, labels = synthetic.splits(200)["test"]
+    for how, kept in (("random", drawn_subset(1000, 64)), ("first", np.arange(64))):
+        loaded = load_streaming(TrainConfig(data_dir=str(synthetic_shards), max_eval_samples=64,
+                                            sample_subset=how))
+        assert torch.equal(loaded.held_out.images,
+                           torch.from_numpy(images[kept]).permute(0, 3, 1, 2)), how
+        assert loaded.held_out.labels.tolist() == labels[kept].tolist()
+        assert loaded.sample_subset == how
+    assert load_streaming(TrainConfig(data_dir=str(synthetic_shards))).sample_subset is None
+
+
 def test_shard_round_trip_synthetic_and_parquet(synthetic_shards, cifar10_layout, tmp_path):
     """The shards hold the same images (pixel for pixel) and labels as the source, in order,
     with counts and class names in the index."""

@@ -121,6 +121,10 @@ def data_config(trained, args) -> TrainConfig:
     if args.max_samples is not None:  # a limit given here replaces the run's
         values.update(max_train_samples=None, max_eval_samples=None)
     if args.sample_subset is not None:
+        if args.max_samples is None:  # the run's own limits keep the images by its own rule
+            raise UsageError("--sample-subset chooses which images --max-samples keeps; give "
+                             "--max-samples N too (without it, eval rebuilds the run's own "
+                             "held-out images by the run's own rule)")
         values["sample_subset"] = args.sample_subset
     # Decode on demand: eval reads each image once, and need not decode the train split.
     return TrainConfig.from_dict({**values, "in_memory": "never"}, source="eval")

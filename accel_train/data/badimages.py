@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from accel_train.base.ranks import more_than_one_rank
 from accel_train.base.readers import read_json
+from accel_train.data.labels import unreadable_classes_named
 from accel_train.data.sources import BadImage, LoadedData
 
 BAD_IMAGES_FILE = "bad_images.json"  # in each checkpoint: name -> reason
@@ -43,6 +44,12 @@ class BadImageLog:
         self.checked: set[tuple[str, int]] = set()  # (split, index) met by this rank
         self.named: dict[str, str] = {}  # name -> reason, on the main process
         self.said = 0
+        # Training images decoded per step are met as the epoch goes: a class none of whose
+        # images decodes is found once an epoch has met them all (decoded into memory, the
+        # run refuses it before training: sources.refuse_classes_left_unreadable).
+        self.class_names = data.class_names
+        self.broken_train: set[int] = set()  # their indices, as named in this start
+        self.lost_classes = ""  # said once
 
     # -- a checkpointed part (checkpoint.py): a resumed run knows what was named before ----------
     name = "bad_images"
@@ -106,6 +113,8 @@ class BadImageLog:
         return self.count
 
     def _name(self, bad: BadImage) -> None:
+        if bad.split == "train":
+            self.broken_train.add(bad.index)
         if bad.name in self.named:
             return
         self.named[bad.name] = bad.reason
@@ -123,9 +132,29 @@ class BadImageLog:
         if self.said == MAX_SAID:
             self.report.warn(f"more broken images are listed in {self.path} only")
 
+    def after_epoch(self) -> None:
+        """At an epoch's end (main process, after `collect`): a class every training image of
+        which has been met and could not be decoded trains its output on substitutes of other
+        classes; said once, and in the final summary.  Only images met count (an epoch's
+        remainder may be left for the next, and a start resumed mid-epoch knows only what it
+        met itself): such a class may be said an epoch later, never one wrongly."""
+        labels = self.sources["train"].labels
+        if self.lost_classes or not self.broken_train or not len(labels):  # (streamed: no labels)
+            return
+        self.lost_classes = unreadable_classes_named(labels, self.broken_train, self.class_names)
+        if self.lost_classes:
+            self.report.warn(f"no training image of class {self.lost_classes} decodes (each "
+                             f"was met and replaced): the run trains those outputs on "
+                             f"substitutes of other "
+                             f"classes, and its numbers for them mean nothing; fix or replace "
+                             f"the files (listed in {self.path}), or remove the class, and "
+                             f"start again")
+
     def summary(self) -> Optional[str]:
         if not self.count:
             return None
         return (f"{self.count} broken image(s) replaced by substitutes in training and left "
-                f"out of the evaluations, listed in {self.path}; accel-train check-data "
-                f"--data-dir DIR checks a folder before training")
+                f"out of the evaluations, listed in {self.path}"
+                + (f" (no training image of class {self.lost_classes} decoded)"
+                   if self.lost_classes else "")
+                + "; accel-train check-data --data-dir DIR checks a folder before training")

@@ -202,3 +202,13 @@ def classes_left_unreadable(labels: torch.Tensor, broken, num_classes: int) -> l
     lost = labels[broken]
     lost = torch.bincount(lost[lost >= 0], minlength=num_classes)
     return [c for c in range(num_classes) if counts[c] and lost[c] == counts[c]]
+
+
+def unreadable_classes_named(labels: torch.Tensor, broken, class_names: list[str]) -> str:
+    """The classes none of whose images in a split (`labels`) decodes, named with their image
+    counts ("'b' (3 images)"); '' when there are none."""
+    labels = torch.as_tensor(labels)
+    lost = classes_left_unreadable(labels, broken, len(class_names))
+    counts = torch.bincount(labels[labels >= 0], minlength=len(class_names))
+    return first_few(f"{class_names[i]!r} ({int(counts[i])} images)" for i in lost) if lost \
+        else ""

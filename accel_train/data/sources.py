@@ -28,13 +28,13 @@ import torch
 from accel_train.data import synthetic
 from accel_train.config import SYNTHETIC_DATASET, TrainConfig
 from accel_train.data.decode import Unreadable, decode_many, read_value
-from accel_train.base.errors import UsageError, first_few, first_line
+from accel_train.base.errors import UsageError, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.imagefolder import index_folder
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
                                             subset_if_cut)
-from accel_train.data.labels import (check_label_values, classes_left_unreadable,
+from accel_train.data.labels import (check_label_values, unreadable_classes_named,
                                      label_gap_warnings, labels_and_names,
                                      refuse_folders_never_trained, set_aside_unlabelled_splits)
 
@@ -595,11 +595,9 @@ def refuse_classes_left_unreadable(source: "HFSource", decoded: ArraySource,
                                    class_names: list[str]) -> None:
     """A class none of whose training images decodes would train as an output that only
     substitutes (other classes' images) teach: one line, as an empty class folder is."""
-    lost = classes_left_unreadable(source.labels, [bad.index for bad in decoded.bad_images],
-                                   len(class_names))
-    if lost:
-        counts = torch.bincount(source.labels[source.labels >= 0], minlength=len(class_names))
-        names = first_few(f"{class_names[i]!r} ({int(counts[i])} images)" for i in lost)
+    names = unreadable_classes_named(source.labels, [bad.index for bad in decoded.bad_images],
+                                     class_names)
+    if names:
         raise UsageError(f"no training image of class {names} can be decoded: the run would "
                          f"train those outputs on substitutes of other classes; fix or replace "
                          f"the files (accel-train check-data --data-dir DIR lists them), or "

@@ -56,7 +56,11 @@ def _data_counts(facts: CardFacts) -> str:
                   f"{resolved.get('eval_samples', 0):,} for validation"]
         if resolved.get("test_samples"):
             counts.append(f"{resolved['test_samples']:,} test images (evaluated once, at the end)")
-        return ", ".join(counts)
+        kept = resolved.get("sample_subset")  # the rule of a sample limit that cut a split
+        return ", ".join(counts) + (" (the sample limits kept a seeded draw of each split: "
+                                    "--sample-subset random)" if kept == "random" else
+                                    " (the sample limits kept each split's first images: "
+                                    "--sample-subset first)" if kept == "first" else "")
     return (f"{train.get('max_train_samples') or 'all'} training images"
             + (f", at most {train['max_eval_samples']} held out"
                if train.get("max_eval_samples") else ""))

@@ -290,14 +290,22 @@ def open_shards(config) -> ShardData:
                      splits[test_name] if test_name else None)
 
 
-def read_split(shards: ShardSet, limit: Optional[int] = None) -> tuple[list, list[int]]:
-    """A split's samples in order, at most `limit`: (image bytes, label, name) each (decoded
-    later, under --bad-images), and their labels (-1 where a sample has none)."""
+def read_split(shards: ShardSet, limit: Optional[int] = None,
+               kept: Optional[np.ndarray] = None) -> tuple[list, list[int]]:
+    """A split's samples in order, at most `limit` (the first ones), or only those at the
+    ascending positions `kept`: (image bytes, label, name) each (decoded later, under
+    --bad-images), and their labels (-1 where a sample has none)."""
     images, labels = [], []
+    wanted = None if kept is None else set(kept.tolist())
+    position = -1
     for s in shards:
         for image, label, name in iter_shard(shards.files[s]):
-            if limit is not None and len(images) >= limit:
+            position += 1
+            if limit is not None and len(images) >= limit or \
+                    wanted is not None and len(images) == len(wanted):
                 return images, labels
+            if wanted is not None and position not in wanted:
+                continue
             images.append((image, label, f"{shards.files[s].name} {name}"))
             labels.append(-1 if label is None else int(label))
     return images, labels

@@ -13,6 +13,7 @@ from accel_train.data.streaming.plan import Layout, fit_workers, rank_batches_pe
 from accel_train.data.streaming.shards import (ShardSet, is_shard_folder, iter_shard, open_shards,
                                                read_split)
 from accel_train.data.decode import decode_many, Unreadable
+from accel_train.data.sample_limits import few_classes_kept, kept_positions, subset_if_cut
 from accel_train.data.sources import (TEST_SPLIT_NAMES, ArraySource, BadImage, DecodedImages,
                                       ImageSource, LoadedData)
 
@@ -67,8 +68,16 @@ def load_streaming(config):
                    f"{len(data.train):,} images / {data.eval_name} {len(held_out):,}"
                    f"{', the test split used for selection' if selects_on_test else ''}"
                    f"{f'; test {len(test):,} kept for the end' if test is not None else ''})")
+    limit = config.max_eval_samples
+    roles = {"held-out": held_out, **({"test": test} if test is not None else {})}
+    warnings = few_classes_kept({role: ("--max-eval-samples", limit) for role in roles},
+                                {role: held.labels for role, held in roles.items()},
+                                len(data.class_names), config.sample_subset)
+    cut = subset_if_cut(config, {role: limit for role in roles},
+                        {"held-out": len(data.held_out),
+                         **({"test": len(data.test)} if test is not None else {})})
     loaded = LoadedData(StreamSource(data.train), held_out, data.class_names, description,
-                        bad + test_bad, test=test)
+                        bad + test_bad, test=test, warnings=warnings, sample_subset=cut)
     loaded.shards = data
     return loaded
 
@@ -77,7 +86,8 @@ def read_whole(shards: ShardSet, config, role: str):
     """(images, the BadImages among them) of held-out shards, read whole and decoded into
     memory (at most --max-eval-samples): one size, one tensor, transformed in batches;
     photographs of many sizes, each as decoded."""
-    samples, _ = read_split(shards, config.max_eval_samples)
+    samples, _ = read_split(shards, kept=kept_positions(len(shards), config.max_eval_samples,
+                                                         config.sample_subset))
     images, labels, bad = decode_substituting(samples, config.bad_images)
     labels = torch.as_tensor(labels, dtype=torch.long)
     broken = [BadImage(role, position, samples[position][2], reason) for position, reason in bad]

@@ -291,6 +291,7 @@ def test_a_checkpoint_from_before_the_subset_rule_kept_the_first_images():
         ck.check_same_subset(old, "random")
     ck.check_same_subset(old, "first")
     ck.check_same_subset(old, "all")
+    ck.check_same_subset(old, None)  # a state made without the field: nothing to compare
     ck.check_same_subset(dataclasses.replace(old, sample_subset="all"), "random")
     with pytest.raises(UsageError, match="by --sample-subset random, this start by first"):
         ck.check_same_subset(dataclasses.replace(old, sample_subset="random"), "first")

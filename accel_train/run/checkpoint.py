@@ -170,11 +170,11 @@ def check_same_held_out(previous: TrainerState, held_out_samples: int,
                              f"(--max-eval-samples, the data's splits), or start a new run")
 
 
-def check_same_subset(previous: TrainerState, sample_subset: str) -> None:
+def check_same_subset(previous: TrainerState, sample_subset: Optional[str]) -> None:
     """The same number of images kept by another rule are other images: the epoch's order
     would skip and repeat other ones, and the evaluations would measure another set."""
-    if "all" in (sample_subset, previous.sample_subset):
-        return  # one of the two kept whole splits: the counts differ, and say so
+    if sample_subset in (None, "all") or previous.sample_subset == "all":
+        return  # one of the two kept whole splits (the counts differ, and say so), or unknown
     before = previous.sample_subset or "first"
     if before != sample_subset:
         raise UsageError(f"the checkpoint's run kept its sample limits' images by "

@@ -244,37 +244,27 @@ def run_cli(capsys, *args: str) -> tuple[int, list[str]]:
     return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 
-def test_a_resume_on_another_held_out_set_is_refused(tmp_path, capsys):
-    """--max-eval-samples changed between starts: the run's evaluations (its best, --keep-best)
-    would compare numbers of different image sets; one line, and nothing written."""
+@pytest.mark.parametrize("other, said", [
+    (["--max-eval-samples", "10"],
+     "the checkpoint's run evaluated 30 held-out images but this start has 10; resume with the "
+     "same data options (--max-eval-samples, the data's splits), or start a new run"),
+    (["--max-eval-samples", "30", "--sample-subset", "first"],
+     "the checkpoint's run kept its sample limits' images by --sample-subset random, this "
+     "start by first: they are other images; resume with --sample-subset random, or start a "
+     "new run")], ids=["another count", "another rule"])
+def test_a_resume_on_another_held_out_set_is_refused(tmp_path, capsys, other, said):
+    """--max-eval-samples changed between starts, or the rule that keeps its images
+    (--sample-subset: as many images, other ones): the run's evaluations (its best,
+    --keep-best) would compare numbers of different image sets; one line, and nothing
+    written.  With the same options it goes on."""
     out = tmp_path / "run"
     assert run_cli(capsys, "--output-dir", str(out), "--max-eval-samples", "30",
                    "--max-steps", "2")[0] == 0
     before = tree_digest(out)
-    code, err = run_cli(capsys, "--output-dir", str(out), "--max-eval-samples", "10",
-                        "--max-steps", "4", "--resume", "auto")
+    code, err = run_cli(capsys, "--output-dir", str(out), *other, "--max-steps", "4",
+                        "--resume", "auto")
     assert code == 2 and len(err) == 1, err
-    assert err[0].endswith("the checkpoint's run evaluated 30 held-out images but this start "
-                           "has 10; resume with the same data options (--max-eval-samples, the "
-                           "data's splits), or start a new run"), err
-    assert tree_digest(out) == before
-    assert run_cli(capsys, "--output-dir", str(out), "--max-eval-samples", "30",
-                   "--max-steps", "4", "--resume", "auto")[0] == 0
-
-
-def test_a_resume_keeping_other_images_by_another_rule_is_refused(tmp_path, capsys):
-    """--max-eval-samples 30 by --sample-subset random, resumed by first: as many images, other
-    ones; one line, and nothing written.  By the same rule it goes on."""
-    out = tmp_path / "run"
-    assert run_cli(capsys, "--output-dir", str(out), "--max-eval-samples", "30",
-                   "--max-steps", "2")[0] == 0
-    before = tree_digest(out)
-    code, err = run_cli(capsys, "--output-dir", str(out), "--max-eval-samples", "30",
-                        "--sample-subset", "first", "--max-steps", "4", "--resume", "auto")
-    assert code == 2 and len(err) == 1, err
-    assert err[0].endswith("the checkpoint's run kept its sample limits' images by "
-                           "--sample-subset random, this start by first: they are other images; "
-                           "resume with --sample-subset random, or start a new run"), err
+    assert err[0].endswith(said), err
     assert tree_digest(out) == before
     assert run_cli(capsys, "--output-dir", str(out), "--max-eval-samples", "30",
                    "--max-steps", "4", "--resume", "auto")[0] == 0

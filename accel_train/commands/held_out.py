@@ -6,7 +6,6 @@ prepared as training prepared its held-out images."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -34,13 +33,12 @@ def run_held_out(trained) -> HeldOut:
     from accel_train.data.loaders import HeldOutImages
     from accel_train.data.sources import load_data
     from accel_train.data.streaming import load_streaming, streaming_wanted
-    from accel_train.commands.eval import align_labels, data_config
+    from accel_train.commands.eval import align_labels, build_parser, data_config
 
     if trained.run_dir is None:
         return HeldOut(None, f"{trained.description} has no run directory with its data")
-    no_other_data = SimpleNamespace(data_dir=None, dataset=None, image_column=None,
-                                    label_column=None, val_labels=None, class_depth=None,
-                                    max_samples=None, sample_subset=None)
+    # eval's own parser with no options given: the run's own data, whatever options eval has
+    no_other_data = build_parser().parse_args([str(trained.run_dir)])
     try:
         config = data_config(trained, no_other_data)
         data = load_streaming(config) if streaming_wanted(config) else load_data(config)

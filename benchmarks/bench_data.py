@@ -63,8 +63,9 @@ def decode_rates(args, report) -> dict:
         for blob in blobs:
             torch.from_numpy(np.asarray(Image.open(io.BytesIO(blob)).convert("RGB")).copy())
 
+    # the first N: the images of `blobs`, read straight from the file
     config = TrainConfig(data_dir=str(args.data_dir), max_train_samples=count,
-                         max_eval_samples=1, in_memory="never")
+                         max_eval_samples=1, in_memory="never", sample_subset="first")
     source = load_data(config).train
     materialized = {}
 
@@ -187,10 +188,13 @@ def pipelines(args, report) -> dict:
     from accel_train.data.sources import load_data
     from accel_train.data.transforms import ImageTransform
     count = args.pipeline_images
+    # the first N, read in the file's order (a draw would scatter the disk arm's reads)
     memory = load_data(TrainConfig(data_dir=str(args.data_dir), max_train_samples=count,
-                                   max_eval_samples=1, in_memory="always")).train
+                                   max_eval_samples=1, in_memory="always",
+                                   sample_subset="first")).train
     disk = load_data(TrainConfig(data_dir=str(args.data_dir), max_train_samples=count,
-                                 max_eval_samples=1, in_memory="never")).train
+                                 max_eval_samples=1, in_memory="never",
+                                 sample_subset="first")).train
     mean, std = dataset_mean_std(memory)
     transform = ImageTransform(32, mean, std, augment=True)
     finish_memory = finish_disk = FinishOnDevice(transform)  # (no erasing: no plan needed)

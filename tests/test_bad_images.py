@@ -255,7 +255,7 @@ def test_a_class_none_of_whose_training_images_decodes_is_refused_and_checked(tm
     # decoded per step, the run meets them as it goes: said once an epoch's end has seen
     # each of them replaced, and again in the closing summary
     per_step = accel_train_here("--data-dir", str(folder), *TRAIN, "--batch-size", "4",
-                                "--in-memory", "never", "--epochs", "2",
+                                "--in-memory", "never", "--epochs", "3",
                                 "--output-dir", str(tmp_path / "per_step"))
     assert per_step.returncode == 0, per_step.stderr
     said = [line for line in (per_step.stdout + per_step.stderr).splitlines()

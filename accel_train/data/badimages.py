@@ -145,10 +145,9 @@ class BadImageLog:
         if self.lost_classes:
             self.report.warn(f"no training image of class {self.lost_classes} decodes (each "
                              f"was met and replaced): the run trains those outputs on "
-                             f"substitutes of other "
-                             f"classes, and its numbers for them mean nothing; fix or replace "
-                             f"the files (listed in {self.path}), or remove the class, and "
-                             f"start again")
+                             f"substitutes of other classes, and its numbers for them mean "
+                             f"nothing; fix or replace the files (listed in {self.path}), or "
+                             f"remove the class, and start again")
 
     def summary(self) -> Optional[str]:
         if not self.count:

@@ -18,10 +18,15 @@ import torch
 SUBSET_SEED = 0  # fixed, as the validation carve's: the kept images must not change with --seed
 
 
+def cuts(length: int, limit: Optional[int]) -> bool:
+    """Whether `limit` keeps fewer than a split's `length` images."""
+    return bool(limit) and limit < length
+
+
 def kept_positions(length: int, limit: Optional[int], how: str) -> Optional[np.ndarray]:
     """The positions (ascending) of a split of `length` images that `limit` keeps by rule
     `how`; None when the limit keeps them all."""
-    if not limit or limit >= length:
+    if not cuts(length, limit):
         return None
     if how == "first":
         return np.arange(limit)
@@ -40,11 +45,10 @@ def limit_rows(rows: np.ndarray, limit: Optional[int], how: str) -> np.ndarray:
     return rows if kept is None else rows[kept]
 
 
-def subset_if_cut(config, limits: dict, lengths: dict) -> Optional[str]:
-    """config.sample_subset where one of `limits` (role -> limit) keeps fewer images than its
-    split's length (`lengths`: role -> length), else None."""
-    cut = any(limits.get(role) and limits[role] < length for role, length in lengths.items())
-    return config.sample_subset if cut else None
+def subset_if_cut(config, *splits: tuple[int, Optional[int]]) -> Optional[str]:
+    """config.sample_subset where a limit cuts one of `splits` ((length, limit) each), else
+    None."""
+    return config.sample_subset if any(cuts(*split) for split in splits) else None
 
 
 def few_classes_kept(limits: dict, labels: dict, num_classes: int, how: str) -> list[str]:

@@ -664,12 +664,12 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True) 
     (eval.align_labels), not against the data's own training split."""
     if embedded_set(config):
         data = _synthetic(config)
-        limits = {"train": config.max_train_samples, "held-out": config.max_eval_samples}
-        return LoadedData(_limit(data.train, limits["train"], config.sample_subset),
-                          _limit(data.held_out, limits["held-out"], config.sample_subset),
+        return LoadedData(_limit(data.train, config.max_train_samples, config.sample_subset),
+                          _limit(data.held_out, config.max_eval_samples, config.sample_subset),
                           data.class_names, data.description,
-                          sample_subset=subset_if_cut(config, limits, {
-                              "train": len(data.train), "held-out": len(data.held_out)}))
+                          sample_subset=subset_if_cut(
+                              config, (len(data.train), config.max_train_samples),
+                              (len(data.held_out), config.max_eval_samples)))
     raw = open_data(config)
     train_name = training_split_name(raw)
     # the columns of the training split are every split's (datasets loads them as one)
@@ -690,8 +690,7 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True) 
              ("held-out", splits.eval_name, splits.eval_rows)]
     if splits.test_name is not None:
         roles.append(("test", splits.test_name, np.arange(len(raw.splits[splits.test_name]))))
-    cut = subset_if_cut(config, {role: limit for role, (_, limit) in limits.items()},
-                        {role: len(rows) for role, _, rows in roles})
+    cut = subset_if_cut(config, *((len(rows), limits[role][1]) for role, _, rows in roles))
     roles = [(role, name, limit_rows(rows, limits[role][1], config.sample_subset))
              for role, name, rows in roles]
     parts = {role: rows_of(raw.splits[name], rows) for role, name, rows in roles}

@@ -176,10 +176,10 @@ def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> Loaded
     if len(class_names) < 2:
         raise UsageError(f"train_dataset: found {len(class_names)} class(es); a classifier "
                          f"needs at least 2")
-    limits = {"train": config.max_train_samples, "held-out": config.max_eval_samples}
-    cut = subset_if_cut(config, limits, {"train": len(train), "held-out": len(held_out)})
-    train, held_out = (kept_items(train, limits["train"], config.sample_subset),
-                       kept_items(held_out, limits["held-out"], config.sample_subset))
+    cut = subset_if_cut(config, (len(train), config.max_train_samples),
+                        (len(held_out), config.max_eval_samples))
+    train, held_out = (kept_items(train, config.max_train_samples, config.sample_subset),
+                       kept_items(held_out, config.max_eval_samples, config.sample_subset))
     if config.in_memory != "never":
         limit = config.in_memory_limit_gb * 2**30
         train, held_out = train.in_memory(limit), held_out.in_memory(limit)

@@ -73,9 +73,8 @@ def load_streaming(config):
     warnings = few_classes_kept({role: ("--max-eval-samples", limit) for role in roles},
                                 {role: held.labels for role, held in roles.items()},
                                 len(data.class_names), config.sample_subset)
-    cut = subset_if_cut(config, {role: limit for role in roles},
-                        {"held-out": len(data.held_out),
-                         **({"test": len(data.test)} if test is not None else {})})
+    cut = subset_if_cut(config, (len(data.held_out), limit),
+                        *([(len(data.test), limit)] if test is not None else []))
     loaded = LoadedData(StreamSource(data.train), held_out, data.class_names, description,
                         bad + test_bad, test=test, warnings=warnings, sample_subset=cut)
     loaded.shards = data

@@ -164,12 +164,9 @@ def folder_figures(files: list[Path], repeats: int) -> list[list]:
 
 
 def main() -> None:
-    parser = benchlib.make_parser(__doc__)
-    for action in parser._actions:  # benchlib's --data-dir is CIFAR-10's; this one is JPEGs
-        if action.dest == "data_dir":
-            action.default, action.help = None, (
-                "an image folder of JPEGs, DIR/train/CLASS/*.jpg (default: one made by "
-                "make_imagenet_like.py in a temporary folder)")
+    parser = benchlib.make_parser(__doc__, data_dir=None, data_help=(
+        "an image folder of JPEGs, DIR/train/CLASS/*.jpg; when not given, one made by "
+        "make_imagenet_like.py in a temporary folder"))
     parser.add_argument("--classes", type=int, default=None, help="classes of the made folder")
     parser.add_argument("--per-class", type=int, default=None, help="its images per class")
     parser.add_argument("--rounds", type=int, default=None)

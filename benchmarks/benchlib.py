@@ -49,8 +49,11 @@ TRAINING_TOOK = re.compile(r"Training took ([\d.]+)s")
 
 
 # -- command line and output ------------------------------------------------------------------
-def make_parser(module_doc: str) -> argparse.ArgumentParser:
-    """The options every benchmark has; --help describes it by its docstring's first paragraph."""
+def make_parser(module_doc: str, data_dir: Optional[str] = str(SHARED_CIFAR10),
+                data_help: str = "CIFAR-10 parquet folder (train.parquet, test.parquet)",
+                ) -> argparse.ArgumentParser:
+    """The options every benchmark has; --help describes it by its docstring's first paragraph.
+    `data_dir`/`data_help`: for a benchmark whose --data-dir is not CIFAR-10's."""
     description = " ".join(module_doc.split("\n\n")[0].split())
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -58,8 +61,7 @@ def make_parser(module_doc: str) -> argparse.ArgumentParser:
                         help="a few minutes instead of the full measurement")
     parser.add_argument("--out", default=str(DEFAULT_OUT),
                         help="folder for raw results (JSON) and this run's markdown")
-    parser.add_argument("--data-dir", default=str(SHARED_CIFAR10),
-                        help="CIFAR-10 parquet folder (train.parquet, test.parquet)")
+    parser.add_argument("--data-dir", default=data_dir, help=data_help)
     parser.add_argument("--tag", default="", help="suffix for this run's output file names")
     return parser
 

@@ -10,8 +10,8 @@ if no test checks it yet, the test.
 
 from __future__ import annotations
 
-import argparse
 import importlib
+import re
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -32,8 +32,9 @@ def not_cheaply(why: str) -> Row:
 
 
 def all_options() -> dict[str, tuple[str, ...]]:
-    """Every option and positional argument, as "COMMAND --flag" (or "COMMAND dest"): its
-    spellings (none for a positional argument)."""
+    """Every option and positional argument, as "COMMAND --flag" (or "COMMAND METAVAR"): its
+    spellings (none for a positional argument), read from each command's --help as users read
+    it (argparse has no public list of a parser's arguments)."""
     from accel_train.cli import build_train_parser
     from accel_train.commands import SUMMARIES
 
@@ -43,12 +44,32 @@ def all_options() -> dict[str, tuple[str, ...]]:
         parsers[name] = module.build_parser()
     options = {}
     for command, parser in parsers.items():
-        for action in parser._actions:
-            if isinstance(action, argparse._HelpAction):
-                continue
-            key = action.option_strings[0] if action.option_strings else action.dest
-            options[f"{command} {key}"] = tuple(action.option_strings)
+        for key, flags in help_arguments(parser.format_help()):
+            options[f"{command} {key}"] = flags
     return options
+
+
+def help_arguments(help_text: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(key, spellings) of each argument --help lists but -h/--help itself.  An argument's line
+    is indented two spaces (its help, when wrapped, further); a positional argument's line
+    holds its name alone, an option's its spellings, comma-separated, each perhaps followed by
+    its value's name."""
+    arguments, positional = [], False
+    for line in help_text.splitlines():
+        if line and not line.startswith(" "):  # a section's title
+            positional = line.startswith("positional arguments")
+            continue
+        match = re.match(r"  (\S+(?: \S+)*?)(?:  |$)", line)
+        if not match:
+            continue
+        invocation = match.group(1)
+        if positional:
+            arguments.append((invocation, ()))
+        elif invocation.startswith("-"):
+            flags = tuple(part.split(" ")[0] for part in invocation.split(", "))
+            if "--help" not in flags:
+                arguments.append((flags[0], flags))
+    return arguments
 
 
 def spellings(option: str, flags: tuple[str, ...]) -> list[str]:
@@ -434,7 +455,7 @@ ROWS: dict[str, Row] = {
         f"{FLAGS}::test_ddp_knobs_reach_the_ddp_wrapper", "the DDP probe sees static_graph True"),
 
     # -- eval -------------------------------------------------------------------------------------
-    "eval model": effect(
+    "eval RUN_OR_CHECKPOINT": effect(
         f"{ORACLE}::test_eval_held_out_matches_a_plain_torch_evaluation",
         "loss, top-1/5 and per-class counts equal a plain timm+safetensors evaluation"),
     "eval --data-dir": effect(
@@ -488,11 +509,11 @@ ROWS: dict[str, Row] = {
         f"{ORACLE}::test_eval_held_out_matches_a_plain_torch_evaluation",
         "the JSON fields are compared with the oracle's numbers"),
     # -- predict ----------------------------------------------------------------------------------
-    "predict model": effect(
+    "predict RUN_OR_CHECKPOINT": effect(
         f"{ORACLE}::test_predict_is_the_softmax_of_plain_torch_logits",
         "probabilities equal softmax of plain-torch logits, for a run and a trained-with-flip "
         "run"),
-    "predict inputs": effect(
+    "predict IMAGES_OR_FOLDERS": effect(
         "test_commands.py::test_predict_table_and_json_lines",
         "a file given twice plus a folder: one row per distinct image, recursively"),
     "predict --top-k": effect(
@@ -512,7 +533,7 @@ ROWS: dict[str, Row] = {
         "test_commands.py::test_predict_table_and_json_lines",
         "one JSON object per image with its ranked classes"),
     # -- export -----------------------------------------------------------------------------------
-    "export model": effect(
+    "export RUN_OR_CHECKPOINT": effect(
         "test_commands.py::test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept",
         "tensors equal the run's final weights read with safetensors"),
     "export --output-dir": effect(
@@ -528,7 +549,7 @@ ROWS: dict[str, Row] = {
         "preprocessing.json with numpy, gives predict's probabilities within 1e-4 (timm, "
         "transformers: the tests beside it)"),
     # -- plot -------------------------------------------------------------------------------------
-    "plot run_dir": effect(
+    "plot RUN_DIR": effect(
         "test_commands.py::test_plot_command_writes_the_pngs",
         "three PNGs of 800x600 that PIL opens"),
     "plot --output-dir": effect(

@@ -87,6 +87,7 @@ def test_fit_trains_a_module_on_a_dataset_into_a_run_folder(tmp_path):
     assert set(saved) == set(Tiny().state_dict())
 
 
+@pytest.mark.slow
 def test_fit_records_its_program_even_after_the_command_line_ran_in_the_process(tmp_path):
     """A program that called the command line (cli.main) and then fit(): each run records
     what ran it, `accel-train ARGS` and then the program's own argv."""
@@ -248,6 +249,7 @@ def test_messages_name_keyword_arguments_where_the_command_line_names_flags(mess
     assert in_python_terms(message) == expected
 
 
+@pytest.mark.slow
 def test_fits_warnings_and_summary_name_keywords_and_the_command_line_then_flags(tmp_path,
                                                                                 capsys):
     """Not only its errors: what fit() prints on the way is in its caller's terms; the
@@ -385,6 +387,7 @@ data = TensorDataset(images, torch.arange(16) % 2)
     ("if __name__ == '__main__':\n    accel_train.fit('test_resnet', data, max_steps=1, "
      "output_dir=sys.argv[1], num_workers=1, batch_size=4)", False),
 ])
+@pytest.mark.slow
 def test_fit_outside_a_main_guard_is_one_line_before_anything_starts(tmp_path, call, refused):
     """Loader workers import the script again: an unguarded fit() started a training in each
     (the run hung, then failed inside multiprocessing).  Under the guard it trains, workers

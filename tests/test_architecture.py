@@ -86,6 +86,7 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+@pytest.mark.slow
 def test_no_import_cycle_counting_function_level_imports():
     cycle = find_cycle(without_lazy_entry_points(package_imports(REPO)))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)

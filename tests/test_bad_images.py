@@ -192,6 +192,7 @@ def test_save_to_disk_rows_are_named_by_folder_split_and_row(tmp_path):
 
 
 @pytest.mark.parametrize("in_memory", ["never", "always"])
+@pytest.mark.slow
 def test_a_broken_test_image_is_named_and_left_out_of_the_test_numbers(tmp_path, broken_folder,
                                                                         in_memory):
     """A broken file in the test split, decoded per step or into memory: named once by its own
@@ -232,6 +233,7 @@ def test_eval_names_a_broken_held_out_image(tmp_path, broken_folder):
     assert [r for r in metrics(out) if r["type"] == "epoch"][-1]["eval_count"] == measured["count"]
 
 
+@pytest.mark.slow
 def test_a_class_none_of_whose_training_images_decodes_is_refused_and_checked(tmp_path):
     """Class b's three files are all empty: decoded into memory, the run refuses in one line
     (it trained b's output on substitutes of class a, and scored 100%); check-data says so."""

@@ -78,6 +78,7 @@ def check_here(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.slow
 def test_a_clean_folder_exits_0_with_the_table(clean):
     root, upright = clean
     result = check("--data-dir", str(root), "--workers", "2")
@@ -97,6 +98,7 @@ def test_a_clean_folder_exits_0_with_the_table(clean):
         assert [float(v) for v in line.split()[1:]] == expected, line
 
 
+@pytest.mark.slow
 def test_problems_exit_1_and_are_all_named_in_the_json(troubled, capsys):
     result = check("--data-dir", str(troubled), "--json", "--workers", "2")
     assert result.returncode == 1

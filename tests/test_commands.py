@@ -241,6 +241,7 @@ def test_predict_of_a_folder_leaves_out_what_training_leaves_out(run_dir, image_
         [str(hidden)]
 
 
+@pytest.mark.slow
 def test_the_last_words_name_the_run_folder_as_a_shell_takes_it(tmp_path, capsys):
     """The end of a run suggests commands: a folder with spaces, quoted, pastes as one word."""
     out = tmp_path / "my run é"
@@ -320,6 +321,7 @@ def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_
     assert code == 2 and "already holds an export (model.safetensors)" in err
 
 
+@pytest.mark.slow
 def test_a_checkpoints_ema_weights_through_eval_export_and_predict(run_dir, image_folder,
                                                                      tmp_path, capsys):
     """--ema: the averaged weights the checkpoint kept (--model-ema).  The run's own epoch-end
@@ -358,6 +360,7 @@ def test_a_checkpoints_ema_weights_through_eval_export_and_predict(run_dir, imag
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_an_export_whose_data_is_gone_says_what_its_checks_ran_on(image_folder, tmp_path,
                                                                    capsys):
     """The run's image folder deleted: export goes on without held-out numbers, its note

@@ -329,6 +329,7 @@ def test_a_resumed_run_keeps_the_choice_auto_made():
     assert config.decode_on_device == "never" and "decoding" not in kept
 
 
+@pytest.mark.slow
 def test_a_run_decoding_on_the_device_says_so_and_records_it(photos, tmp_path):
     out = tmp_path / "run"
     said = accel_train_here("--data-dir", str(photos), "--model", "test_resnet", "--image-size",
@@ -342,6 +343,7 @@ def test_a_run_decoding_on_the_device_says_so_and_records_it(photos, tmp_path):
     assert recorded["resolved"]["jpeg_decoding"].startswith("on the device")
 
 
+@pytest.mark.slow
 def test_unfit_data_is_one_line_exit_2(tmp_path):
     bad = accel_train_here("--dataset", "synthetic", "--synthetic-train-size", "64",
                            "--decode-on-device", "always", "--max-steps", "1", "--no-plots",

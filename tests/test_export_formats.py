@@ -23,6 +23,8 @@ from PIL import Image
 from conftest import PINNED, accel_train_here
 from conftest import test_env as child_env
 
+pytestmark = pytest.mark.slow  # trains on the real CIFAR-10
+
 TOLERANCE = 1e-4
 IMAGES = 8  # real held-out images compared
 

@@ -568,6 +568,7 @@ def test_a_damaged_shard_folder(shards, tmp_path, file, corruption):
     assert _hashes(data) == before and not out.exists()
 
 
+@pytest.mark.slow
 def test_a_damaged_stream_state(shards, tmp_path):
     """A streaming run's stream.json, hand-edited: one line for each corruption, the run
     folder byte-identical (one run trained, its checkpoint copied per corruption)."""

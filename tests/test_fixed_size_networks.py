@@ -27,6 +27,7 @@ def state_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
                                                  for k in first)
 
 
+@pytest.mark.slow
 def test_a_fixed_size_network_is_built_for_the_size_as_timm_builds_it():
     """vit_tiny at 64 px: refused as built (224's position embeddings), so built again with
     img_size=64 from the same random state: the weights timm draws for that size."""
@@ -101,6 +102,7 @@ def test_a_size_the_network_cannot_take_even_so_is_one_line(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_model_args_edited_into_another_shape_are_one_line(tmp_path):
     """A run folder's config.json whose model_args is no longer a mapping: eval says so in one
     line (timm's reader would pass it on to create_model)."""
@@ -115,6 +117,7 @@ def test_model_args_edited_into_another_shape_are_one_line(tmp_path):
     assert "config.json is not a timm model config" in result.stderr
 
 
+@pytest.mark.slow
 def test_the_network_built_for_the_size_keeps_the_runs_dropout_and_drop_path():
     """--drop-rate and --drop-path reach the network built again for the size (the oracle:
     timm's own network with them and img_size)."""

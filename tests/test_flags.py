@@ -206,6 +206,7 @@ def runs(tmp_path_factory):
 
 
 # -- tests ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_weight_decay_groups_exclude_norms_and_biases():
     model = initial_model()
     names = {id(p): n for n, p in model.named_parameters()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
 from conftest import PINNED, run
@@ -53,6 +54,7 @@ sys.exit(main(sys.argv[4:]))
 """ % TOO_EARLY
 
 
+@pytest.mark.slow
 def test_gpu_ids_are_visible_before_the_first_cuda_query_of_a_training_run(tmp_path):
     gpus = torch.cuda.device_count()
     wanted = "1" if gpus != 1 else "0"  # one this machine has, where it has any

@@ -56,6 +56,7 @@ def _steps(environ: dict, call: bool) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_step_reuses_the_memory_the_step_before_freed():
     plain, kept = _steps({}, call=False), _steps({}, call=True)
     # glibc's defaults: every step maps its large activations afresh and faults them in
@@ -65,6 +66,7 @@ def test_a_step_reuses_the_memory_the_step_before_freed():
     assert sum(kept["faults"][-3:]) < min(plain["faults"]) / 4, (kept, plain)
 
 
+@pytest.mark.slow
 def test_an_allocator_the_environment_chose_is_left_alone():
     """MALLOC_* (glibc's settings, jemalloc's MALLOC_CONF), GLIBC_TUNABLES and LD_PRELOAD are the
     user's choice: nothing is changed, and the summary says why."""

@@ -168,6 +168,7 @@ def test_launch_without_config_file_is_one_line_exit_2(capsys):
     assert code == 2 and "--config_file" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 def test_launch_dry_run_through_the_console_entry_point(tmp_path):
     """The real path a user takes: `python -m accel_train launch ...` in its own process."""
     result = conftest.run([sys.executable, "-m", "accel_train", "launch", "--config_file",

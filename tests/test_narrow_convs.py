@@ -81,6 +81,7 @@ def test_a_narrow_convolution_in_float32_has_the_right_weight_gradient_under_cpu
         assert relative_error(conv.weight.grad, oracle) < 1e-5
 
 
+@pytest.mark.slow
 def test_every_convolution_of_a_resnet_at_8_px_has_the_right_weight_gradient_in_bf16():
     """The network a run at 8 px trains, in CPU bf16 autocast: each convolution's weight
     gradient against torch.nn.grad.conv2d_weight in float64 on the input and output gradient

@@ -174,6 +174,7 @@ def _largest_total(passes: int, steps_done: int) -> int:
 
 @pytest.mark.parametrize("flags, passes", [((), 1), (("--model-ema", "--tta", "flip"), 4)],
                          ids=["plain", "ema-and-flip"])
+@pytest.mark.slow
 def test_time_budget_fits_every_evaluation_pass(monkeypatch, tmp_path, flags, passes):
     """A fake clock that moves 1 s per micro-batch (budget.py's clock, moved by a callback):
     the step count the run fixes is the hand-computed one for the raw model's pass, the EMA's,
@@ -410,6 +411,7 @@ STREAM_RUN = ["--model", "test_resnet", "--batch-size", "8", "--epochs", "1", "-
               "--no-plots", "--mixed-precision", "no", "--no-channels-last", "--num-workers", "0"]
 
 
+@pytest.mark.slow
 def test_streaming_flag_and_eval_shards(cifar10_layout, synthetic_shards, tmp_path):
     """--streaming on a parquet folder streams it (the loader's position is a stream.json in the
     checkpoint; without the flag the same folder is indexed whole); --eval-shards holds two

@@ -126,6 +126,7 @@ def test_sigterm_to_one_worker_stops_both_ranks_at_the_same_step(tmp_path, runs,
     assert output.count(f"stopped by a signal at step {stops[0]}:") == 1  # rank 0 prints
 
 
+@pytest.mark.slow
 def test_one_ctrl_c_saves_a_checkpoint_and_exits_143(tmp_path, runs, rng):
     out = tmp_path / "run"
     after = rng.choice([3, 6, 9])
@@ -185,6 +186,7 @@ def _ctrl_c_twice(root: Path, runs: list, after: int) -> Optional[tuple[Run, lis
     return run, finished_before
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_while_stopping_exits_130_and_loses_no_checkpoint(tmp_path, runs, rng):
     """The first Ctrl-C asks for a checkpoint at the next optimizer step; a second one while
     that is under way means "now": KeyboardInterrupt, `accel_train: interrupted`, exit 130

@@ -538,6 +538,7 @@ def _max_difference(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+@pytest.mark.slow
 def test_mixup_changes_training(cli_runs):
     plain = load_file(str(_checkpoint(cli_runs["ema"], 2) / "model.safetensors"))
     mixed = load_file(str(_checkpoint(cli_runs["mixup"], 2) / "model.safetensors"))
@@ -549,6 +550,7 @@ def test_mixup_changes_training(cli_runs):
     assert losses[0] != losses[1] and len(losses[0]) == 2
 
 
+@pytest.mark.slow
 def test_model_ema_follows_timms_rule_and_is_evaluated_saved_and_exported(cli_runs):
     out, decay = cli_runs["ema"], 0.5
     model1 = load_file(str(_checkpoint(out, 1) / "model.safetensors"))
@@ -584,6 +586,7 @@ def test_model_ema_follows_timms_rule_and_is_evaluated_saved_and_exported(cli_ru
     assert _max_difference(exported, ema2 if spec["weights"] == "ema" else model2) == 0.0
 
 
+@pytest.mark.slow
 def test_the_optimizer_is_recorded_and_is_the_one_that_ran(cli_runs):
     out = cli_runs["ema"]
     assert yaml.safe_load((out / "config.yaml").read_text())["train"]["optimizer"] == "lamb"
@@ -594,6 +597,7 @@ def test_the_optimizer_is_recorded_and_is_the_one_that_ran(cli_runs):
     assert all(int(g["step"]) == 2 for g in state["param_groups"])  # LAMB's per-group count
 
 
+@pytest.mark.slow
 def test_an_ema_runs_export_eval_and_predict_use_the_weights_it_says(cli_runs, tmp_path):
     """eval, predict and export of an --model-ema run: the export of the run holds exactly its
     model.safetensors (the better of raw and EMA) and says which; eval and predict of the run and

@@ -21,7 +21,10 @@ def test_there_are_recipes():
                                          "imagenet-deit-small-gpus.yaml"}
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.stem)
+# A ViT's start takes seconds more than the others': in the full suite only
+@pytest.mark.parametrize("recipe", [
+    pytest.param(recipe, marks=pytest.mark.slow) if "deit" in recipe.stem else recipe
+    for recipe in RECIPES], ids=lambda path: path.stem)
 def test_a_recipe_loads_and_starts(recipe, tmp_path):
     settings = yaml.safe_load(recipe.read_text())
     assert recipe.read_text().startswith("#") and "Source:" in recipe.read_text()

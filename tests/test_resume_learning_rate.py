@@ -24,6 +24,7 @@ def _logged_rates(out):
     return {r["step"]: r["lr"] for r in records if r.get("type") == "train"}
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_learning_rate_follows_a_run_started_with_it(tmp_path):
     first, fresh = tmp_path / "first", tmp_path / "fresh"
     accel_train_here(*TWO_EPOCHS, "--learning-rate", "0.1", "--output-dir", str(first),

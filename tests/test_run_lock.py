@@ -116,6 +116,7 @@ def test_the_lock_is_released_on_bad_input_and_a_new_folder_is_not_left_behind(t
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
 def test_a_stop_by_signal_releases_the_lock(tmp_path, runs):
     out = tmp_path / "run"
     long_run = [*FAULT_TRAIN, "--epochs", "50"]  # the last --epochs counts

@@ -377,6 +377,7 @@ def test_decay_norm_and_bias_through_the_command_line(tmp_path):
             assert torch.equal(decayed[key], value), key
 
 
+@pytest.mark.slow
 def test_whiten_bias_epochs_through_the_command_line(tmp_path):
     """cifar_airbench_xs (its 2x2 whitened stem has a bias), 16 steps an epoch, 2 epochs: with
     --whiten-bias-epochs 1 the bias moved in epoch 1 and not at all in epoch 2 (no update, no

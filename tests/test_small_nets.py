@@ -240,6 +240,7 @@ def test_local_pretrained_weights_load_and_a_new_classifier_is_made(tmp_path):
     assert model.fc.out_features == 4
 
 
+@pytest.mark.slow
 def test_a_run_trains_exports_and_evaluates_one_with_flip_tta(tmp_path):
     """The run evaluates with --tta flip, records it, and `accel-train eval` repeats it by
     default: the same top-1 as the run's last epoch record, on the same images and weights (the
@@ -259,6 +260,7 @@ def test_a_run_trains_exports_and_evaluates_one_with_flip_tta(tmp_path):
     assert report["loss"] == pytest.approx(last_epoch["eval_loss"], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_compiled_bf16_gradients_are_as_close_to_fp32_as_eager_bf16_ones():
     """torch.compile + bf16 autocast on a CPU once gave NaN gradients from the global max pool
     (torch.amax).  The oracle is eager fp32: bf16 alone moves these gradients by some 20% (the

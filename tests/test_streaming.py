@@ -39,6 +39,7 @@ def _index_sets(folder: Path) -> dict[str, ShardSet]:
             for name, entries in index["splits"].items()}
 
 
+@pytest.mark.slow
 def test_streamed_held_out_images_are_those_a_sample_limit_keeps(synthetic_shards):
     """--max-eval-samples 64 of the synthetic set's 1,000 held-out images in shards: the draw's
     64 (numpy's default_rng(0).permutation, as for map-style data), or with --sample-subset
@@ -125,6 +126,7 @@ def test_shard_round_trip_image_folder(tmp_path):
         assert torch.equal(images, source.images) and torch.equal(labels, source.labels)
 
 
+@pytest.mark.slow
 def test_a_test_split_beside_a_validation_split_is_sharded_and_tested_at_the_end(tmp_path):
     """train/, val/ and test/: shard copies all three (it dropped test/), and a streamed run
     selects on the validation shards and evaluates the test shards once at the end, as the
@@ -160,6 +162,7 @@ def test_a_test_split_beside_a_validation_split_is_sharded_and_tested_at_the_end
     assert "(12 images of the test split, evaluated once" in said
 
 
+@pytest.mark.slow
 def test_held_out_shards_of_photographs_in_many_sizes_are_evaluated_as_the_folder_is(tmp_path):
     """An image folder whose validation photographs differ in size (landscape and portrait
     JPEGs), sharded and trained streamed at 48 px: its evaluation gives the numbers that

@@ -769,6 +769,7 @@ def _lr_by_hand(step: int, warmup: int, fits: list[dict], peak: float) -> float:
     return peak * fit["lr_factor"] * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@pytest.mark.slow
 def test_a_load_that_goes_away_is_followed_and_the_run_ends_on_its_budget(tmp_path, clock):
     """Another job holds the cores for the first 20 steps (1 s a step on the fake clock), then
     leaves (0.5 s a step).  The first fit, at step 13 and 1 s a step, plans 34 steps of the 40 s
@@ -820,6 +821,7 @@ def _slow_machine_run(tmp_path, clock, *warmup: str):
     return output, fits, train
 
 
+@pytest.mark.slow
 def test_a_warmup_share_follows_the_budget_on_a_slow_machine(tmp_path, clock):
     """--warmup-fraction 0.3: the estimate from the pilot's first step (128 steps) makes the
     warmup 38 steps, rising from update 4 (the rate still ~0: the warmup of the open-ended run
@@ -836,6 +838,7 @@ def test_a_warmup_share_follows_the_budget_on_a_slow_machine(tmp_path, clock):
     assert "warning" not in output
 
 
+@pytest.mark.slow
 def test_a_warmup_in_epochs_longer_than_the_budget_is_warned_of(tmp_path, clock):
     """--warmup-epochs 10 is 160 steps, more than the 128 that fit: the rate would rise to the
     end and never come down; the run says so, naming --warmup-fraction.  The rise: over 160

@@ -28,6 +28,7 @@ def _fresh(fresh_accelerate):
     """Every test here runs in process (conftest.fresh_accelerate)."""
 
 
+@pytest.mark.slow
 def test_training_in_a_subprocess_improves_accuracy(tmp_path):
     out = tmp_path / "run"
     result = accel_train("--model", "test_resnet", "--synthetic-train-size", "1000",
@@ -142,6 +143,7 @@ def test_an_exports_onnx_file_as_pretrained_weights_is_named_so(tmp_path, capsys
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_bad_input_from_a_real_process_has_no_traceback(tmp_path, cifar10_layout):
     result = accel_train("--data-dir", str(cifar10_layout), "--label-column", "nope",
                          "--max-train-samples", "64", "--output-dir", str(tmp_path / "run"))

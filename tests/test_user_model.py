@@ -379,6 +379,7 @@ def test_a_factory_that_takes_drop_rate_gets_it_and_freezes_by_its_classifier(us
     assert json.loads((out / "config.json").read_text())["accel_train"]["drop_rate"] == 0.3
 
 
+@pytest.mark.slow
 def test_a_timm_local_dir_trains_offline_from_its_weights(tmp_path):
     """timm's `local-dir:FOLDER` name (a run's folder, timm's format): built and loaded by timm
     with no network; frozen, its backbone ends equal to the folder's weights file."""
@@ -414,6 +415,7 @@ def test_a_timm_local_dir_trains_offline_from_its_weights(tmp_path):
     assert accel_train_here("eval", str(tuned)).returncode == 0
 
 
+@pytest.mark.slow
 def test_a_relative_local_dir_is_recorded_so_checkpoints_rebuild_from_elsewhere(tmp_path,
                                                                                monkeypatch):
     """local-dir:source given relative to the working folder: the checkpoints record the

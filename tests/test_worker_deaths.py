@@ -153,6 +153,7 @@ def test_an_oserror_a_worker_raised_reading_is_its_own_error_not_a_handover():
     assert dead_loader_worker(caught.value) is None
 
 
+@pytest.mark.slow
 def test_the_training_loader_restarts_its_workers_after_a_reset_handover_and_loses_nothing():
     """The whole path: the training loader of a run (persistent workers, so that its iterator
     can be reached between two batches) meets the reset at its fourth batch, warns once

@@ -107,10 +107,12 @@ def networks_table(args, report: benchlib.Report, images, labels) -> dict:
     base = seconds[next(iter(arms))]
     rows = [[name, benchlib.median(s), benchlib.spread(s),
              benchlib.median([a / b for a, b in zip(s, base)])] for name, s in seconds.items()]
+    precision = "bf16 autocast" if airbench_cpu.AUTOCAST["enabled"] else "fp32"
+    native = "yes" if airbench_cpu.native_bf16() else "no"
     report.table(f"Networks alone: one training step at batch {args.batch_size}, {args.rounds} "
                  f"rounds", ["arm", "s a step (median)", "range", "ratio to the first arm"],
-                 rows, notes=["precision: bf16 autocast" if airbench_cpu.AUTOCAST["enabled"]
-                              else "precision: fp32 (no native bf16 on this CPU)"])
+                 rows, notes=[f"precision: {precision} (--precision {args.precision}; native "
+                              f"bf16 on this CPU: {native})"])
     return {name: s for name, s in seconds.items()}
 
 
@@ -203,7 +205,13 @@ def main() -> int:
     parser.add_argument("--train-images", type=int, default=0, help="the first N (0: all)")
     parser.add_argument("--skip-networks", action="store_true")
     parser.add_argument("--tmp", default=None, help="folder for the trainer's runs")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="both arms': auto is the anchor's (bf16 where the CPU has native "
+                             "bf16, else fp32)")
     args = parser.parse_args()
+    # Set before anything steps: the imported loop's default is bf16, which a CPU without
+    # native bf16 emulates at a fraction of fp32's pace.
+    airbench_cpu.use_precision(args.precision)
     if args.quick:
         args.rounds, args.steps, args.skip = min(args.rounds, 2), min(args.steps, 3), 1
     data = benchlib.check_cifar(args.data_dir)

@@ -169,8 +169,16 @@ def native_bf16() -> bool:
                for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
-# bf16 autocast where native (main() sets it from --precision)
+# bf16 autocast where native: use_precision() sets it from --precision, here and in the
+# benchmarks that import this loop
 AUTOCAST = {"device_type": "cpu", "dtype": torch.bfloat16, "enabled": True}
+
+
+def use_precision(choice: str) -> str:
+    """--precision: 'bf16', 'fp32', or 'auto' (bf16 where the CPU has native bf16, else fp32);
+    the precision this process's loop then runs in."""
+    AUTOCAST["enabled"] = choice == "bf16" or (choice == "auto" and native_bf16())
+    return "bf16" if AUTOCAST["enabled"] else "fp32"
 
 
 def _mirror(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -209,9 +217,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="auto: bf16 where the CPU has native bf16, else fp32")
     args = parser.parse_args()
-    AUTOCAST["enabled"] = args.precision == "bf16" or (args.precision == "auto"
-                                                        and native_bf16())
-    print(f"precision: {'bf16' if AUTOCAST['enabled'] else 'fp32'}", flush=True)
+    print(f"precision: {use_precision(args.precision)}", flush=True)
     torch.manual_seed(args.seed)
     train_images, train_labels = load(Path(args.data_dir) / "train.parquet", args.train_images)
     test_images, test_labels = load(Path(args.data_dir) / "test.parquet", args.test_images)

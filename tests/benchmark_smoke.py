@@ -167,8 +167,18 @@ def every_step_watched(data: dict) -> None:
     assert data["result"]["sync_calls"] == {}, data  # the profiled steps ran, CUDA's calls none
 
 
+def the_anchors_precision(data: dict) -> None:
+    """bench_anchor_step.py: both arms in the anchor's precision, bf16 only where the CPU has
+    it natively (/proc/cpuinfo's flags: torch's own check is what the script asks)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    native = bool({"avx512_bf16", "amx_tile"} & flags)
+    expected = "bf16 autocast" if native else "fp32"
+    notes = data["tables"][0]["notes"]
+    assert notes[0].startswith(f"precision: {expected} (--precision auto;"), notes
+
+
 TABLE_CHECKS = {"anchor_side_by_side": both_arms_and_a_ratio, "host_memory": each_arm_as_it_says,
-                "step_syncs": every_step_watched}
+                "step_syncs": every_step_watched, "anchor_step": the_anchors_precision}
 
 
 def env() -> dict:

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from conftest import REPO, run
+from conftest import REPO, cpu_flags_say_native_bf16, run
 from conftest import test_env as child_env  # not test_*: pytest would collect it
 
 SCRIPTS = REPO / "benchmarks"
@@ -170,9 +170,7 @@ def every_step_watched(data: dict) -> None:
 def the_anchors_precision(data: dict) -> None:
     """bench_anchor_step.py: both arms in the anchor's precision, bf16 only where the CPU has
     it natively (/proc/cpuinfo's flags: torch's own check is what the script asks)."""
-    flags = set(Path("/proc/cpuinfo").read_text().split())
-    native = bool({"avx512_bf16", "amx_tile"} & flags)
-    expected = "bf16 autocast" if native else "fp32"
+    expected = "bf16 autocast" if cpu_flags_say_native_bf16() else "fp32"
     notes = data["tables"][0]["notes"]
     assert notes[0].startswith(f"precision: {expected} (--precision auto;"), notes
 

@@ -226,6 +226,24 @@ def model_spec_of(folder: Path) -> dict:
             "weights": ours.get("weights"), "tta": ours.get("tta")}
 
 
+# The CPU features that make bf16 native (faster than fp32), as the kernel lists them: the
+# oracle for every check of a precision chosen by the CPU (torch's own checks are the product's).
+NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_tile"}
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it has none: not x86 Linux)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_flags_say_native_bf16() -> bool:
+    return bool(NATIVE_BF16_FLAGS & cpu_flags())
+
+
 def write_cifar10_layout(folder: Path, train_rows: int = 640, test_rows: int = 160) -> Path:
     """A small stand-in for ../shared/data/cifar10 in the same layout and schema: train.parquet
     and test.parquet, columns `img` (datasets.Image: struct of JPEG `bytes` and `path`) and

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmark_smoke import ANCHOR_ARGS, CASES, GPU_SCRIPTS, SCRIPTS, ran, run_script
-from conftest import write_cifar10_layout
+from conftest import cpu_flags_say_native_bf16, write_cifar10_layout
 
 pytestmark = pytest.mark.slow  # every script with the programs it starts
 
@@ -42,9 +42,7 @@ def test_the_airbench_anchor_trains_and_reports_each_tta_level(tmp_path_factory)
     report = json.loads(stdout.strip().splitlines()[-1])
     assert report["steps"] == 8 and report["epochs"] == 4.0
     # bf16 only where the CPU has it natively (emulated, it is many times slower than fp32)
-    flags = Path("/proc/cpuinfo").read_text().split()
-    assert report["precision"] == ("bf16" if {"avx512_bf16", "amx_tile"} & set(flags)
-                                   else "fp32"), report
+    assert report["precision"] == ("bf16" if cpu_flags_say_native_bf16() else "fp32"), report
     assert all(0.0 <= report[f"top1_tta{level}"] <= 1.0 for level in (0, 1, 2))
     parts = [report[k] for k in ("whitening_seconds", "training_seconds", "mirror_eval_seconds")]
     assert all(part > 0 for part in parts), report

@@ -77,8 +77,8 @@ def _assert_same(got: list, expected: list, about: str) -> None:
 
 @pytest.mark.parametrize("image_size, options", [
     (32, {"reprob": 0.5, "flip": "alternate", "crop_pad": 2}),  # crop, flip, erasing
-    pytest.param(32, {"reprob": 0.5, "num_workers": 2},  # erasing plans drawn by two loader
-                 marks=pytest.mark.slow),                 # workers
+    # erasing plans drawn by two loader workers (their start: the full suite's)
+    pytest.param(32, {"reprob": 0.5, "num_workers": 2}, marks=pytest.mark.slow),
     (40, {}),                                                    # resized, default crop
     (32, {"augment": False})])                                   # no plans at all
 def test_device_batches_equal_the_loaders_for_an_epoch_and_a_half_and_across_a_resume(

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import platform
 import re
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
 from accel_train.train.precision import cpu_has_native_bf16, resolve_precision, use_fast_cuda_math
-from conftest import PINNED, TINY_TRAIN, accel_train_here
+from conftest import PINNED, TINY_TRAIN, accel_train_here, cpu_flags, cpu_flags_say_native_bf16
 
 
 @pytest.mark.parametrize("requested, cuda, used, warns", [
@@ -49,19 +48,12 @@ def test_bf16_on_a_gpu_without_bf16_runs_fp32_and_says_so(monkeypatch, supported
                                               "evaluates in fp32")
 
 
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
                     reason="reads the x86 CPU flags of /proc/cpuinfo")
 def test_native_bf16_is_what_the_cpu_flags_say():
     """The kernel's list of CPU features is the oracle: AVX512-BF16 or AMX."""
-    flags = _cpu_flags()
-    assert cpu_has_native_bf16() == bool({"avx512_bf16", "amx_tile"} & flags), sorted(
+    flags = cpu_flags()
+    assert cpu_has_native_bf16() == cpu_flags_say_native_bf16(), sorted(
         f for f in flags if "bf16" in f or "amx" in f or f == "avx512f")
 
 
@@ -74,7 +66,7 @@ def test_native_bf16_is_what_the_cpu_flags_say():
 def test_either_feature_alone_is_native_bf16(monkeypatch, flag, other_check):
     """A CPU with one of the two features: the other's check answers no."""
     monkeypatch.setattr(torch.cpu, other_check, lambda: False)
-    assert cpu_has_native_bf16() == (flag in _cpu_flags())
+    assert cpu_has_native_bf16() == (flag in cpu_flags())
 
 
 def test_fast_cuda_math_is_set_on_cuda_only(monkeypatch):

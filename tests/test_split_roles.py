@@ -201,6 +201,18 @@ def test_a_limit_keeps_the_images_datasets_shuffle_keeps(tmp_path):
         [loaded.train.name(i) for i in range(10)]
 
 
+@pytest.mark.parametrize("length, limit", [(10, 3), (256, 64), (1000, 999), (50_000, 5_000)])
+def test_kept_positions_are_the_rows_datasets_shuffle_puts_first(length, limit):
+    """The positions a random limit keeps are, sorted, the rows that datasets' own
+    Dataset.shuffle(seed=0).select(range(limit)) picks from a split of that length."""
+    from accel_train.data.sample_limits import kept_positions
+    stand_in = datasets.Dataset.from_dict({"row": np.arange(length)})
+    theirs = stand_in.shuffle(seed=0).select(range(limit))["row"]
+    assert kept_positions(length, limit, "random").tolist() == sorted(theirs)
+    assert kept_positions(length, limit, "first").tolist() == list(range(limit))
+    assert kept_positions(length, length, "random") is None
+
+
 def test_eval_given_the_data_dir_splits_it_as_the_run_split_its_own(tmp_path):
     """eval RUN --data-dir DATA (the run's own folder found elsewhere, say): its validation
     split is carved with the run's --val-fraction (20% of 40: 8 images), not the default 10%,

@@ -43,10 +43,17 @@ TINY_TRAIN = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--max-
 def pytest_configure(config):
     """One torch thread in each pytest process, as in every process a test starts (`test_env`):
     the pytest workers share the cores with each other and with the runs they start, and a
-    second OpenMP thread then mostly spins, waiting for a core."""
+    second OpenMP thread then mostly spins, waiting for a core.
+
+    The console scripts installed beside the interpreter running the tests (accelerate,
+    torchrun, accel-train, ruff, lint-imports) come first on PATH, for the tests and every
+    process they start, as in an activated environment: the suite run as `ENV/bin/python -m
+    pytest` must not fail to find `accelerate`, skip the lint, or start another install's."""
     import torch
 
     torch.set_num_threads(1)
+    scripts = os.path.dirname(sys.executable)
+    os.environ["PATH"] = os.pathsep.join([scripts, os.environ.get("PATH", "")])
 
 
 @pytest.hookimpl(tryfirst=True)

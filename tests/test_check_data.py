@@ -6,6 +6,7 @@ they hold are known; sizes are summarized with Python's statistics module.
 
 from __future__ import annotations
 
+import io
 import json
 import tarfile
 import shutil
@@ -153,7 +154,8 @@ def test_parquet_rows_are_checked_and_named(tmp_path, capsys):
     (["--data-dir", "{tmp}/empty_class"], "class folder {tmp}/empty_class/dog holds no images"),
     ([], "check-data needs the data: pass --data-dir DIR"),
     (["--data-dir", "{tmp}/nothing", "--workers", "0"], "--workers must be a whole number"),
-    (["--data-dir", "{tmp}/shards"], "--data-dir {tmp}/shards holds streaming shards"),
+    # a tar with no member at all (only the end blocks): read as a shard, named as one
+    (["--data-dir", "{tmp}/shards"], "000000.tar is not a tar or parquet file"),
 ])
 def test_bad_input_exits_2_in_one_line(tmp_path, capsys, args, message):
     (tmp_path / "nothing").mkdir()
@@ -168,6 +170,118 @@ def test_bad_input_exits_2_in_one_line(tmp_path, capsys, args, message):
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and out == "", err
     assert lines[0].startswith("accel_train: error: ") and message.format(tmp=tmp_path) in lines[0]
+
+
+# Hand-made WebDataset shards with an index (classes ant, bee, cow, dog): (stem, label or
+# None, image bytes) per sample.  Training: a broken cow (cow's only training image), a sample
+# with no label, one labelled 7 (no such class), a bee whose bytes are also in the test split,
+# and dog, found in training only.
+def _png(seed: int, width: int, height: int) -> bytes:
+    return kinds.encoded(kinds.pixels(seed, height, width), "PNG")
+
+
+BROKEN_DATA, BROKEN_WORDS = kinds.broken_files()["truncated.jpg"]
+SHARDS = {
+    "train/000000.tar": [("s0", 0, _png(0, 12, 10)), ("s1", 0, _png(1, 20, 10)),
+                         ("s2", 1, _png(2, 30, 30)), ("s3", 2, BROKEN_DATA)],
+    "train/000001.tar": [("s4", 1, _png(4, 8, 12)), ("s5", None, _png(5, 16, 16)),
+                         ("s6", 7, _png(6, 9, 9)), ("s7", 3, _png(7, 10, 20))],
+    "test/000000.tar": [("t0", 0, _png(10, 14, 14)), ("t1", 1, _png(4, 8, 12)),
+                        ("t2", 2, _png(12, 22, 8))]}
+# (width, height) of every sample that decodes and is labelled with a class: s0-s2, s4, s7, t*
+READABLE = [(12, 10), (20, 10), (30, 30), (8, 12), (10, 20), (14, 14), (8, 12), (22, 8)]
+
+
+def _write_shards(root: Path) -> Path:
+    for file, samples in SHARDS.items():
+        (root / file).parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(root / file, "w") as tar:
+            for stem, label, image in samples:
+                members = [(f"{stem}.png", image)]
+                if label is not None:
+                    members.append((f"{stem}.cls", str(label).encode()))
+                for name, data in members:
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    index = {"format": "accel_train-shards/1", "class_names": ["ant", "bee", "cow", "dog"],
+             "splits": {split: [{"file": f, "count": len(SHARDS[f])} for f in SHARDS
+                                if f.startswith(split + "/")] for split in ("train", "test")}}
+    (root / "index.json").write_text(json.dumps(index))
+    return root
+
+
+def _expected_shard_findings(findings: dict) -> None:
+    assert findings["splits"] == {"train": 8, "test": 3}
+    assert findings["unreadable"] == [
+        {"split": "train", "image": "000000.tar s3", "reason": findings["unreadable"][0]["reason"]},
+        {"split": "train", "image": "000001.tar s5", "reason": "no label (.cls)"},
+        {"split": "train", "image": "000001.tar s6",
+         "reason": "label 7 is not one of the 4 classes (0 to 3)"}]
+    assert BROKEN_WORDS in findings["unreadable"][0]["reason"]
+    assert findings["class_counts"] == {"train": {"ant": 2, "bee": 2, "cow": 1, "dog": 1},
+                                        "test": {"ant": 1, "bee": 1, "cow": 1, "dog": 0}}
+    assert findings["duplicates_across_splits"] == [[
+        {"split": "test", "image": "000000.tar t1"}, {"split": "train", "image": "000001.tar s4"}]]
+    assert findings["classes_in_one_split"] == {"dog": "train"}
+    assert findings["classes_without_a_readable_training_image"] == ["cow"]
+    widths, heights = zip(*READABLE)
+    for axis, values in (("width", widths), ("height", heights)):
+        assert findings["sizes"][axis] == {"min": min(values),
+                                           "median": statistics.median(values),
+                                           "max": max(values)}, axis
+    assert findings["problems"] == 3 + 1 + 1 + 1
+
+
+def test_streaming_shards_are_checked_sample_by_sample(tmp_path, capsys):
+    """check-data reads WebDataset shards as a streaming run does and finds each problem a run
+    would meet there, each sample named as the run names it ("000001.tar s5"): an image that
+    does not decode, a sample with no label, a label that is no class, a file in two splits, a
+    class in one split only, and a class none of whose training images decodes."""
+    root = _write_shards(tmp_path / "shards")
+    code, out, _ = check_here(capsys, "--data-dir", str(root), "--json", "--workers", "1")
+    assert code == 1
+    _expected_shard_findings(json.loads(out))
+    code, table, _ = check_here(capsys, "--data-dir", str(root), "--workers", "1")
+    assert code == 1 and table.startswith(f"check-data {root}: 11 images in 2 split(s) "
+                                          f"(train 8, test 3), 4 classes"), table
+    assert "000001.tar s4 (train) = 000000.tar t1 (test)" not in table  # sorted by split
+    assert "000000.tar t1 (test) = 000001.tar s4 (train)" in table
+    assert "classes none of whose training images can be read (1): cow" in table
+    assert "  dog: train only" in table
+
+
+def test_shards_of_a_clean_folder_read_as_the_folder_does(clean, tmp_path, capsys):
+    """`accel-train shard` of a clean folder, checked: no problem, and the same images per class
+    and image sizes as check-data finds in the folder itself (the oracle: the folder's known
+    sizes, its EXIF-turned JPEG upright)."""
+    root, upright = clean
+    shards = tmp_path / "shards"
+    assert main(["shard", "--data-dir", str(root), "--output", str(shards),
+                 "--no-progress"]) in (0, None)
+    code, out, _ = check_here(capsys, "--data-dir", str(shards), "--json", "--workers", "1")
+    from_shards = json.loads(out)
+    code_folder, out, _ = check_here(capsys, "--data-dir", str(root), "--json", "--workers", "1")
+    from_folder = json.loads(out)
+    assert code == code_folder == 0 and from_shards["problems"] == 0, from_shards
+    assert list(from_shards["class_counts"].values()) == \
+        list(from_folder["class_counts"].values())
+    assert from_shards["sizes"] == from_folder["sizes"]
+    widths, heights = zip(*upright)
+    assert from_shards["sizes"]["width"]["median"] == statistics.median(widths)
+    assert from_shards["sizes"]["height"]["max"] == max(heights)
+
+
+@pytest.mark.slow
+def test_shards_checked_by_two_worker_processes_find_the_same(tmp_path):
+    """The same shards, in the real command's own process with a worker process per core: the
+    same findings as the one-process check above."""
+    root = _write_shards(tmp_path / "shards")
+    result = check("--data-dir", str(root), "--json", "--workers", "2")
+    assert result.returncode == 1, result.stdout + result.stderr
+    findings = json.loads(result.stdout)
+    assert findings["workers"] == 2
+    _expected_shard_findings(findings)
 
 
 def test_one_class_is_a_problem_as_training_refuses_it(tmp_path, capsys):

@@ -552,17 +552,20 @@ def _first_tar(folder: Path) -> Path:
 SHARD_CASES = [("index.json", c) for c in JSON] + [("a tar shard", c) for c in COMMON]
 
 
+@pytest.mark.parametrize("command", ["train", "check-data"])
 @pytest.mark.parametrize("file, corruption", SHARD_CASES)
-def test_a_damaged_shard_folder(shards, tmp_path, file, corruption):
-    """Training from shards: a damaged index.json or shard is one line naming it."""
+def test_a_damaged_shard_folder(shards, tmp_path, file, corruption, command):
+    """Training from shards, or checking them: a damaged index.json or shard is one line
+    naming it."""
     data = tmp_path / "shards"
     shutil.copytree(shards, data)
     path = data / "index.json" if file == "index.json" else _first_tar(data)
     (JSON if file == "index.json" else COMMON)[corruption](path)
     before = _hashes(data)
     out = tmp_path / "run"
-    line = _one_line(accel_train_here(*TINY_TRAIN, "--data-dir", str(data), "--output-dir",
-                                      str(out)), path)
+    args = {"train": [*TINY_TRAIN, "--data-dir", str(data), "--output-dir", str(out)],
+            "check-data": ["check-data", "--data-dir", str(data)]}[command]
+    line = _one_line(accel_train_here(*args), path)
     if file == "index.json" and corruption == "JSON of another shape":
         assert "is not a shard folder's index.json (it has no 'splits')" in line
     assert _hashes(data) == before and not out.exists()

@@ -1,11 +1,12 @@
 """`accel-train check-data --data-dir DIR`: decode every image before training and say what is
 wrong with the data.
 
-Reads the data as training would (image folders with their layouts, parquet, save_to_disk, or a
-hub dataset), decodes every image of every split in parallel worker processes (the machine's
-cores; --workers N), and reports: each unreadable image and why, the images per class and split,
-the image sizes (min / median / max, after EXIF orientation), files with the same bytes in two
-splits (a held-out image that is also a training image), and classes found in one split only.
+Reads the data as training would (image folders with their layouts, parquet, save_to_disk, a
+hub dataset, or streaming shards: check_shards.py), decodes every image of every split in
+parallel worker processes (the machine's cores; --workers N), and reports: each unreadable image
+and why, the images per class and split, the image sizes (min / median / max, after EXIF
+orientation), files with the same bytes in two splits (a held-out image that is also a training
+image), and classes found in one split only.
 A table, or one JSON object with --json.  Exit code 0: no problem found; 1: problems found
 (unreadable images, duplicates across splits, classes in one split only); 2: bad input.
 """
@@ -34,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="accel-train check-data", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     data = parser.add_argument_group("data (as for training)")
-    data.add_argument("--data-dir", help="local data: an image folder, parquet files or a "
-                      "save_to_disk folder")
+    data.add_argument("--data-dir", help="local data: an image folder, parquet files, a "
+                      "save_to_disk folder or a folder of streaming shards")
     data.add_argument("--dataset", help="a Hugging Face hub dataset id (instead of --data-dir)")
     data.add_argument("--image-column", help="image column (default: found by name/type)")
     data.add_argument("--label-column", help="label column (default: found by name/type)")
@@ -90,17 +91,23 @@ def _decode_all(sources: dict, workers: int):
     """Yields (split, start, results) for every chunk, in parallel when workers > 1."""
     tasks = [(split, start, min(start + CHUNK, len(source)))
              for split, source in sources.items() for start in range(0, len(source), CHUNK)]
+    yield from in_workers(_check_chunk, tasks, workers)
+
+
+def in_workers(work, tasks: list[tuple], workers: int):
+    """Yields work(*task) for every task: here, in order, with one worker (or one task); else
+    as each finishes in `workers` processes forked from this one."""
     if workers == 1 or len(tasks) == 1:
         _init_worker()
         for task in tasks:
-            yield _check_chunk(*task)
+            yield work(*task)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
-    # Forked workers inherit the sources (memory-mapped Arrow, or the folder index) as they are.
+    # Forked workers inherit what the tasks read (memory-mapped Arrow, the folder index) as it is.
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
                              initializer=_init_worker) as pool:
-        for future in as_completed([pool.submit(_check_chunk, *task) for task in tasks]):
+        for future in as_completed([pool.submit(work, *task) for task in tasks]):
             yield future.result()
 
 
@@ -140,10 +147,8 @@ def check(args) -> dict:
     from accel_train.data.streaming import is_shard_folder
     config = _config(args)
     if is_shard_folder(config.data_dir):
-        raise UsageError(f"--data-dir {config.data_dir} holds streaming shards (tar files, as "
-                         f"`accel-train shard` writes them), which check-data does not read; "
-                         f"check the data the shards were made from (a bad sample in a shard "
-                         f"is named by the run that streams it)")
+        from accel_train.commands.check_shards import check_shards
+        return check_shards(config, args.workers, _Progress)
     started = time.perf_counter()
     raw = open_data(config)
     splits = {name: ds for name, ds in raw.splits.items() if len(ds)}

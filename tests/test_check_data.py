@@ -173,9 +173,11 @@ def test_bad_input_exits_2_in_one_line(tmp_path, capsys, args, message):
 
 
 # Hand-made WebDataset shards with an index (classes ant, bee, cow, dog): (stem, label or
-# None, image bytes) per sample.  Training: a broken cow (cow's only training image), a sample
-# with no label, one labelled 7 (no such class), a bee whose bytes are also in the test split,
-# and dog, found in training only.
+# None, image bytes or None) per sample.  Training: a broken cow (cow's only training image), a
+# sample with no label, one labelled 4 (no such class), a dog with no image, a bee whose bytes
+# are also in the test split, and dog, found in training only; a validation split beside the
+# test split, whose one bee is a copy of a training ant (the validation split holds the
+# held-out role, the test split is the run's test set).
 def _png(seed: int, width: int, height: int) -> bytes:
     return kinds.encoded(kinds.pixels(seed, height, width), "PNG")
 
@@ -185,11 +187,14 @@ SHARDS = {
     "train/000000.tar": [("s0", 0, _png(0, 12, 10)), ("s1", 0, _png(1, 20, 10)),
                          ("s2", 1, _png(2, 30, 30)), ("s3", 2, BROKEN_DATA)],
     "train/000001.tar": [("s4", 1, _png(4, 8, 12)), ("s5", None, _png(5, 16, 16)),
-                         ("s6", 7, _png(6, 9, 9)), ("s7", 3, _png(7, 10, 20))],
+                         ("s6", 4, _png(6, 9, 9)), ("s7", 3, _png(7, 10, 20)),
+                         ("s8", 3, None)],
+    "validation/000000.tar": [("v0", 1, _png(0, 12, 10))],
     "test/000000.tar": [("t0", 0, _png(10, 14, 14)), ("t1", 1, _png(4, 8, 12)),
                         ("t2", 2, _png(12, 22, 8))]}
-# (width, height) of every sample that decodes and is labelled with a class: s0-s2, s4, s7, t*
-READABLE = [(12, 10), (20, 10), (30, 30), (8, 12), (10, 20), (14, 14), (8, 12), (22, 8)]
+# (width, height) of every sample that decodes and is labelled with a class: s0-s2, s4, s7, v0, t*
+READABLE = [(12, 10), (20, 10), (30, 30), (8, 12), (10, 20), (12, 10), (14, 14), (8, 12),
+            (22, 8)]
 
 
 def _write_shards(root: Path) -> Path:
@@ -197,7 +202,7 @@ def _write_shards(root: Path) -> Path:
         (root / file).parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(root / file, "w") as tar:
             for stem, label, image in samples:
-                members = [(f"{stem}.png", image)]
+                members = [(f"{stem}.png", image)] if image is not None else []
                 if label is not None:
                     members.append((f"{stem}.cls", str(label).encode()))
                 for name, data in members:
@@ -206,23 +211,31 @@ def _write_shards(root: Path) -> Path:
                     tar.addfile(info, io.BytesIO(data))
     index = {"format": "accel_train-shards/1", "class_names": ["ant", "bee", "cow", "dog"],
              "splits": {split: [{"file": f, "count": len(SHARDS[f])} for f in SHARDS
-                                if f.startswith(split + "/")] for split in ("train", "test")}}
+                                if f.startswith(split + "/")]
+                        for split in ("train", "validation", "test")}}
     (root / "index.json").write_text(json.dumps(index))
     return root
 
 
 def _expected_shard_findings(findings: dict) -> None:
-    assert findings["splits"] == {"train": 8, "test": 3}
+    assert findings["splits"] == {"train": 9, "validation": 1, "test": 3}
     assert findings["unreadable"] == [
         {"split": "train", "image": "000000.tar s3", "reason": findings["unreadable"][0]["reason"]},
         {"split": "train", "image": "000001.tar s5", "reason": "no label (.cls)"},
         {"split": "train", "image": "000001.tar s6",
-         "reason": "label 7 is not one of the 4 classes (0 to 3)"}]
+         "reason": "label 4 is not one of the 4 classes (0 to 3)"},
+        {"split": "train", "image": "000001.tar s8",
+         "reason": "no image (no member with an image file's extension)"}]
     assert BROKEN_WORDS in findings["unreadable"][0]["reason"]
-    assert findings["class_counts"] == {"train": {"ant": 2, "bee": 2, "cow": 1, "dog": 1},
+    assert findings["class_counts"] == {"train": {"ant": 2, "bee": 2, "cow": 1, "dog": 2},
+                                        "validation": {"ant": 0, "bee": 1, "cow": 0, "dog": 0},
                                         "test": {"ant": 1, "bee": 1, "cow": 1, "dog": 0}}
-    assert findings["duplicates_across_splits"] == [[
-        {"split": "test", "image": "000000.tar t1"}, {"split": "train", "image": "000001.tar s4"}]]
+    # in the order each first copy comes (train before the held-out splits), each group by split
+    assert findings["duplicates_across_splits"] == [
+        [{"split": "train", "image": "000000.tar s0"},
+         {"split": "validation", "image": "000000.tar v0"}],
+        [{"split": "test", "image": "000000.tar t1"},
+         {"split": "train", "image": "000001.tar s4"}]]
     assert findings["classes_in_one_split"] == {"dog": "train"}
     assert findings["classes_without_a_readable_training_image"] == ["cow"]
     widths, heights = zip(*READABLE)
@@ -230,7 +243,7 @@ def _expected_shard_findings(findings: dict) -> None:
         assert findings["sizes"][axis] == {"min": min(values),
                                            "median": statistics.median(values),
                                            "max": max(values)}, axis
-    assert findings["problems"] == 3 + 1 + 1 + 1
+    assert findings["problems"] == 4 + 2 + 1 + 1
 
 
 def test_streaming_shards_are_checked_sample_by_sample(tmp_path, capsys):
@@ -243,8 +256,8 @@ def test_streaming_shards_are_checked_sample_by_sample(tmp_path, capsys):
     assert code == 1
     _expected_shard_findings(json.loads(out))
     code, table, _ = check_here(capsys, "--data-dir", str(root), "--workers", "1")
-    assert code == 1 and table.startswith(f"check-data {root}: 11 images in 2 split(s) "
-                                          f"(train 8, test 3), 4 classes"), table
+    assert code == 1 and table.startswith(f"check-data {root}: 13 images in 3 split(s) "
+                                          f"(train 9, validation 1, test 3), 4 classes"), table
     assert "000001.tar s4 (train) = 000000.tar t1 (test)" not in table  # sorted by split
     assert "000000.tar t1 (test) = 000001.tar s4 (train)" in table
     assert "classes none of whose training images can be read (1): cow" in table

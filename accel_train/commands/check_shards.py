@@ -4,9 +4,9 @@ A shard folder (WebDataset tars, or `accel-train shard`'s tars with their index.
 as a streaming run reads it (data/streaming: open_shards, iter_shard) and every sample decoded
 as that run decodes it, one shard per task in worker processes.  A sample is named as the run
 names it ("000003.tar 000000017"), beside its split.  What a run would replace with a
-substitute is unreadable here: an image that does not decode, a sample with no label (.cls);
-and a label that is none of the classes (training has no output for it).  Duplicates are the
-same image bytes in two splits.  Folders and parquet files: check_data.py.
+substitute is unreadable here: an image that does not decode, a sample with no image or no
+label (.cls); and a label that is none of the classes (training has no output for it).
+Duplicates are the same image bytes in two splits.  Folders and parquet files: check_data.py.
 """
 
 from __future__ import annotations
@@ -37,8 +37,12 @@ def _check_shard(split: str, number: int, path: Path, num_classes: int) -> tuple
                                              f"{num_classes} classes (0 to {num_classes - 1})",
                             digest))
             continue
+        if image is None:  # of its class, for the classes left with no readable image
+            results.append((named, int(label), None, "no image (no member with an image "
+                                                     "file's extension)", digest))
+            continue
         try:
-            pixels = decode(image if image is not None else b"")
+            pixels = decode(image)
             results.append((named, int(label), int(pixels.shape[2]), int(pixels.shape[1]),
                             digest))
         except Unreadable as err:
@@ -83,10 +87,12 @@ def check_shards(config, workers: int, progress) -> dict:
               for split, rows in samples.items()}
     counts = {split: np.bincount(values[values >= 0], minlength=num_classes).tolist()
               for split, values in labels.items()}
+    # in the order the first copy of each comes in the run's order
     duplicates = [[{"split": s, "image": name} for s, _, name in sorted(places)]
                   for places in by_digest.values() if len({s for s, _, _ in places}) > 1]
+    # (open_shards refuses shards without held-out ones: there are always two splits or more)
     one_split = {name: next(s for s in counts if counts[s][c]) for c, name in enumerate(names)
-                 if len(counts) > 1 and sum(1 for s in counts if counts[s][c]) == 1}
+                 if sum(1 for s in counts if counts[s][c]) == 1}
     broken_train = [i for i, row in enumerate(samples["train"]) if row[2] is None]
     no_readable = [names[c] for c in classes_left_unreadable(labels["train"], broken_train,
                                                              num_classes)]
@@ -98,15 +104,14 @@ def check_shards(config, workers: int, progress) -> dict:
         "class_counts": {split: dict(zip(names, c)) for split, c in counts.items()},
         "unreadable": sorted(unreadable, key=lambda u: (u["split"], u["image"])),
         "sizes": {axis: _spread(readable[:, k]) for k, axis in enumerate(("width", "height"))},
-        "duplicates_across_splits": sorted(duplicates, key=lambda group: group[0]["image"]),
+        "duplicates_across_splits": duplicates,
         "classes_in_one_split": one_split,
         "unlabelled": {},  # a sample without a label is unreadable: the run replaces it
-        "too_few_classes": num_classes < 2,
+        "too_few_classes": False,  # open_shards refuses fewer than 2 classes
         "classes_without_a_readable_training_image": no_readable,
         "files_not_read": {}, "photos_not_read": {},
         "workers": workers, "seconds": round(time.perf_counter() - started, 2)}
-    findings["problems"] = (len(unreadable) + len(duplicates) + len(one_split)
-                            + findings["too_few_classes"] + len(no_readable))
+    findings["problems"] = len(unreadable) + len(duplicates) + len(one_split) + len(no_readable)
     return findings
 
 

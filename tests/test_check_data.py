@@ -187,8 +187,7 @@ SHARDS = {
     "train/000000.tar": [("s0", 0, _png(0, 12, 10)), ("s1", 0, _png(1, 20, 10)),
                          ("s2", 1, _png(2, 30, 30)), ("s3", 2, BROKEN_DATA)],
     "train/000001.tar": [("s4", 1, _png(4, 8, 12)), ("s5", None, _png(5, 16, 16)),
-                         ("s6", 4, _png(6, 9, 9)), ("s7", 3, _png(7, 10, 20)),
-                         ("s8", 3, None)],
+                         ("s6", 4, _png(6, 9, 9)), ("s8", 3, None), ("s7", 3, _png(7, 10, 20))],
     "validation/000000.tar": [("v0", 1, _png(0, 12, 10))],
     "test/000000.tar": [("t0", 0, _png(10, 14, 14)), ("t1", 1, _png(4, 8, 12)),
                         ("t2", 2, _png(12, 22, 8))]}
@@ -243,6 +242,7 @@ def _expected_shard_findings(findings: dict) -> None:
         assert findings["sizes"][axis] == {"min": min(values),
                                            "median": statistics.median(values),
                                            "max": max(values)}, axis
+    assert findings["too_few_classes"] is False and findings["unlabelled"] == {}
     assert findings["problems"] == 4 + 2 + 1 + 1
 
 

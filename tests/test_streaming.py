@@ -495,19 +495,26 @@ def test_resume_across_map_style_and_streaming_is_refused(synthetic_shards, tmp_
         assert _files(out) == before
 
 
-def test_a_broken_image_in_a_shard_is_replaced_and_named_once(tmp_path):
+@pytest.mark.parametrize("bad", ["an image that does not decode", "a label of no class"])
+def test_a_broken_image_in_a_shard_is_replaced_and_named_once(tmp_path, bad):
     """--bad-images substitute (the default): the run goes on with the next good sample of the
-    batch in its place and names it once; --bad-images error stops, naming it, exit 2."""
+    batch in its place and names it once; --bad-images error stops, naming it, exit 2.  A label
+    that is none of the index's classes is such a sample (the loss failed on it mid-run, a
+    traceback), in training and, left out of the numbers, in the held-out split."""
     from accel_train.data import synthetic
     from accel_train.data.streaming import ShardWriter, png_bytes, write_index
     root = tmp_path / "shards"
     images, labels = synthetic.generate(80, 5)
+    no_class = len(synthetic.CLASS_NAMES)
     entries = {}
     for split, rows in (("train", range(64)), ("test", range(64, 80))):
         writer = ShardWriter(root / split, root, None, 16)
         for i in rows:
-            data = b"this is not an image" if i == 5 else png_bytes(images[i])
-            writer.write(data, "png", int(labels[i]))
+            broken = i in (5, 70)
+            data = b"this is not an image" if broken and bad.startswith("an image") \
+                else png_bytes(images[i])
+            writer.write(data, "png", no_class if broken and bad.startswith("a label")
+                         else int(labels[i]))
         writer.close()
         entries[split] = writer.entries
     write_index(root, entries, list(synthetic.CLASS_NAMES), "test")
@@ -517,10 +524,17 @@ def test_a_broken_image_in_a_shard_is_replaced_and_named_once(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     said = (result.stdout + result.stderr).count("000000.tar 000000005")
     assert said == 1, result.stdout + result.stderr
-    assert "000000.tar 000000005" in (tmp_path / "run" / "bad_images.txt").read_text()
+    named = (tmp_path / "run" / "bad_images.txt").read_text()
+    assert "000000.tar 000000005" in named
+    if bad.startswith("a label"):
+        why = f"label {no_class} is not one of the {no_class} classes (0 to {no_class - 1})"
+        assert named.count(why) == 2, named  # the training sample and the held-out one
     result = accel_train_here(*common, "--bad-images", "error", "--output-dir",
                               str(tmp_path / "r2"))
-    assert result.returncode == 2 and "000000.tar 000000005" in result.stderr
+    # the held-out split is read whole at the start: its bad sample (the test shard's 7th)
+    # stops the run before training does
+    assert result.returncode == 2 and "000000.tar 000000006" in result.stderr, result.stderr
+    assert bad.startswith("an image") or why in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
 
 

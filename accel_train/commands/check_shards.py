@@ -25,17 +25,14 @@ def _check_shard(split: str, number: int, path: Path, num_classes: int) -> tuple
     Decoded one sample at a time: a shard may hold thousands of large photographs."""
     from accel_train.data.decode import Unreadable, decode
     from accel_train.data.streaming import iter_shard
+    from accel_train.data.streaming.decoding import label_problem
     results = []
     for image, label, name in iter_shard(path):
         named = f"{path.name} {name}"
         digest = hashlib.blake2b(image, digest_size=16).digest() if image else None
-        if label is None:
-            results.append((named, -1, None, "no label (.cls)", digest))
-            continue
-        if not 0 <= int(label) < num_classes:
-            results.append((named, -1, None, f"label {label} is not one of the "
-                                             f"{num_classes} classes (0 to {num_classes - 1})",
-                            digest))
+        problem = label_problem(label, num_classes)  # as the run finds it
+        if problem is not None:
+            results.append((named, -1, None, problem, digest))
             continue
         if image is None:  # of its class, for the classes left with no readable image
             results.append((named, int(label), None, "no image (no member with an image "

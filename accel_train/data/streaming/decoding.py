@@ -6,6 +6,8 @@ the batch: a resumed run replaces the same samples with the same substitutes.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from accel_train.base.errors import UsageError
@@ -25,16 +27,27 @@ def decode_batch(samples: list[tuple]) -> tuple[list[torch.Tensor], list[int]]:
     return images, labels
 
 
-def decode_substituting(samples: list[tuple], policy: str):
+def label_problem(label, num_classes: Optional[int]) -> Optional[str]:
+    """Why a sample's label cannot train (None: it can): none at all, or none of the
+    `num_classes` classes (the network has no output for it: the loss would fail mid-run)."""
+    if label is None:
+        return "no label (.cls)"
+    if num_classes is not None and not 0 <= int(label) < num_classes:
+        return f"label {label} is not one of the {num_classes} classes (0 to {num_classes - 1})"
+    return None
+
+
+def decode_substituting(samples: list[tuple], policy: str, num_classes: Optional[int] = None):
     """(images, labels, [(position, reason)] of the samples replaced): under --bad-images
-    substitute, a sample whose image cannot be decoded (or that has no label) takes the image
-    and label of the next good sample of the same batch (a function of the batch alone, so a
-    resumed run replaces it the same way); under error, the first one stops the run, named."""
+    substitute, a sample whose image cannot be decoded (or whose label is missing or none of
+    the `num_classes` classes) takes the image and label of the next good sample of the same
+    batch (a function of the batch alone, so a resumed run replaces it the same way); under
+    error, the first one stops the run, named."""
     images = decode_many([image if image is not None else b"" for image, _, _ in samples])
     bad = []
     for position, (result, (_, label, name)) in enumerate(zip(images, samples)):
         reason = result.reason if isinstance(result, Unreadable) else \
-            ("no label (.cls)" if label is None else None)
+            label_problem(label, num_classes)
         if reason is None:
             continue
         if policy == "error":

@@ -75,6 +75,7 @@ class StreamingTrain(IterableDataset):
         self.shards, self.layout, self.rank, self.seed = shards, layout, rank, seed
         self.buffer, self.transform, self.shuffle = buffer, transform, shuffle
         self.bad_images = "substitute"  # --bad-images
+        self.num_classes: Optional[int] = None  # a label outside them is a bad sample
         self.epoch = 0
         # (epoch, the layout that planned it, global samples of it already trained)
         self.resume: Optional[tuple[int, Layout, int]] = None
@@ -111,7 +112,8 @@ class StreamingTrain(IterableDataset):
             keys = [int(k) for slot, a, b in batch for k in keys_of[slot][a:b]]
             slots = [slot for slot, a, b in batch for _ in range(b - a)]
             images, labels, bad = decode_substituting(
-                [readers[s].take(k) for s, k in zip(slots, keys)], self.bad_images)
+                [readers[s].take(k) for s, k in zip(slots, keys)], self.bad_images,
+                self.num_classes)
             keys_t = torch.as_tensor(keys, dtype=torch.long)
             replaced = torch.full((len(keys),), -1, dtype=torch.long)
             for position, _ in bad:  # the trainer names them (badimages.py, StreamSource)

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from accel_train.base.errors import UsageError
-from accel_train.data.streaming.decoding import decode_substituting
+from accel_train.data.streaming.decoding import decode_substituting, label_problem
 from accel_train.data.streaming.loader import StreamingTrain, StreamLoader
 from accel_train.data.streaming.plan import Layout, fit_workers, rank_batches_per_epoch
 from accel_train.data.streaming.shards import (ShardSet, is_shard_folder, iter_shard, open_shards,
@@ -42,7 +42,8 @@ def load_streaming(config):
         def image(self, index: int) -> torch.Tensor:
             if index >= len(self._first):
                 samples, _ = read_split(self.shards, limit=max(index + 1, 500))
-                self._first, _, _ = decode_substituting(samples, "substitute")
+                self._first, _, _ = decode_substituting(samples, "substitute",
+                                                        len(data.class_names))
             return self._first[index]
 
         def bad_image(self, index: int):
@@ -53,14 +54,14 @@ def load_streaming(config):
                 if k == index - int(self.shards.offsets[s]):
                     result = decode_many([image if image is not None else b""])[0]
                     reason = result.reason if isinstance(result, Unreadable) else \
-                        ("no label (.cls)" if label is None else None)
+                        label_problem(label, len(data.class_names))
                     return None if reason is None else BadImage(
                         "train", index, f"{self.shards.files[s].name} {name}", reason)
             return None
 
-    held_out, bad = read_whole(data.held_out, config, "held-out")
-    test, test_bad = read_whole(data.test, config, "test") if data.test is not None \
-        else (None, [])
+    held_out, bad = read_whole(data.held_out, config, "held-out", len(data.class_names))
+    test, test_bad = read_whole(data.test, config, "test", len(data.class_names)) \
+        if data.test is not None else (None, [])
     # shards of CIFAR-10 hold its test split beside train: the run selects on it, and says so
     # as a map-style run with --select-on-test does
     selects_on_test = data.eval_name.lower() in TEST_SPLIT_NAMES
@@ -81,13 +82,13 @@ def load_streaming(config):
     return loaded
 
 
-def read_whole(shards: ShardSet, config, role: str):
+def read_whole(shards: ShardSet, config, role: str, num_classes: int):
     """(images, the BadImages among them) of held-out shards, read whole and decoded into
     memory (at most --max-eval-samples): one size, one tensor, transformed in batches;
     photographs of many sizes, each as decoded."""
     samples, _ = read_split(shards, kept=kept_positions(len(shards), config.max_eval_samples,
                                                          config.sample_subset))
-    images, labels, bad = decode_substituting(samples, config.bad_images)
+    images, labels, bad = decode_substituting(samples, config.bad_images, num_classes)
     labels = torch.as_tensor(labels, dtype=torch.long)
     broken = [BadImage(role, position, samples[position][2], reason) for position, reason in bad]
     # (an ArraySource's broken images are left out of the evaluations' numbers)
@@ -110,6 +111,7 @@ def build_stream_loader(config, data, train_tf, num_processes: int, rank: int,
     layout = Layout(num_processes, slots, config.batch_size, config.accumulation_steps)
     dataset = StreamingTrain(shards, layout, rank, config.seed, config.shuffle_buffer, train_tf)
     dataset.bad_images = config.bad_images
+    dataset.num_classes = len(data.class_names)
     # --num-workers 0 reads the slot in this process (one slot per rank then).
     train = StreamLoader(dataset, slots if wanted_workers > 0 else 0, config.prefetch_factor,
                          pin_memory)

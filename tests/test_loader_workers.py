@@ -39,15 +39,28 @@ def assert_workers_from_fork_server(run: Run, preloaded: tuple[str, ...] = ()) -
     process started (never forked from the training process itself, whose threads' locks a fork
     would copy), with `preloaded` among the modules it imported first (its command line names
     them: `from multiprocessing.forkserver import main; main(..., [modules], ...)`)."""
-    trainer = psutil.Process(run.proc.pid)
-    servers = {worker.ppid() for worker in _loader_workers(run)}
+    trainer = run.proc.pid
+    # workers and their server read in one look: a worker seen a moment ago may be gone
+    servers = wait_until(lambda: _parents_of_workers(run), "a loader worker's parent", run)
     assert len(servers) == 1, servers
-    server = psutil.Process(servers.pop())
-    command = " ".join(server.cmdline())
-    assert server.ppid() == trainer.pid, (server.ppid(), trainer.pid)
+    (parent, command), = servers.values()
+    assert parent == trainer, (parent, trainer)
     assert "from multiprocessing.forkserver import main" in command, command
     for module in preloaded:
         assert repr(module) in command, (module, command)
+
+
+def _parents_of_workers(run: Run) -> dict[int, tuple[int, str]]:
+    """{pid: (its parent's pid, its command line)} of the processes the run's live loader
+    workers came from; {} when none could be read (a worker or its parent gone meanwhile)."""
+    servers = {}
+    try:
+        for worker in _loader_workers(run):
+            server = psutil.Process(worker.ppid())
+            servers[server.pid] = (server.ppid(), " ".join(server.cmdline()))
+    except psutil.NoSuchProcess:
+        return {}
+    return servers
 
 
 # The indexed loader with workers started each epoch or kept, and the streaming loader (whose new

@@ -17,7 +17,8 @@ from the repository root.  The product itself reads none of these variables.
 * FAULT_BLOCK_READ=INDEX: in a loader worker, reading the training image INDEX (a lazily
   decoded source) blocks for an hour, as a read from a dead network mount does (patched in each
   loader worker, which imports this module as `__mp_main__` as it starts; the training
-  process's own reads go through).
+  process's own reads go through).  SPLIT:INDEX names another split ("held-out:5"), and INDEX
+  "*" any image of it: a sample limit keeps a subset of rows, which need not hold a given one.
 * FAULT_POISON_STEP=STEP: right after the micro-batch of optimizer step STEP, the model's first
   parameter is filled with NaN (a run diverging at a known step).
 * FAULT_STOP=RANK:STEP: in the first launch attempt, rank RANK stops itself with SIGSTOP as it
@@ -191,17 +192,18 @@ class SlowSteps(Callback):
 
 def block_read(where: str) -> None:
     """A loader worker's read of image INDEX of SPLIT blocks for an hour (`where`:
-    "INDEX" for the train split, or "SPLIT:INDEX")."""
+    "INDEX" for the train split, or "SPLIT:INDEX"; INDEX "*" is any image)."""
     from accel_train.data.sources import HFSource
 
     split, _, index = where.rpartition(":")
-    split, index = split or "train", int(index)
+    split = split or "train"
     samples_at = HFSource.samples_at
 
     def blocking(self, indices):
         from torch.utils.data import get_worker_info
 
-        if (self.split == split and index in [int(i) for i in indices]
+        wanted = index == "*" or int(index) in [int(i) for i in indices]
+        if (self.split == split and wanted
                 and get_worker_info() is not None):  # a loader worker's read, not the trainer's
             time.sleep(3600)
         return samples_at(self, indices)

@@ -495,6 +495,10 @@ ROWS: dict[str, Row] = {
     "eval --num-workers": effect(
         f"{ORACLE}::test_eval_loader_flags_reach_its_loader",
         "the DataLoader probe sees num_workers 1"),
+    "eval --loader-timeout": effect(
+        "test_loader_workers.py::test_eval_with_workers_starts_them_from_a_fork_server_and_stops_when_one_is_stuck",
+        "a held-out read blocked in the eval's one worker: the worker names its row, eval "
+        "stops in one line at 8 s, exit 75 (it waited for ever without the option)"),
     "eval --mixed-precision": effect(
         f"{ORACLE}::test_eval_in_bf16_is_near_but_not_the_fp32_oracle",
         "bf16: loss within 0.05 of the fp32 oracle but not equal; no: equal"),

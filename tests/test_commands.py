@@ -425,6 +425,8 @@ def test_bad_input_is_one_line_with_the_fix(run_dir, tmp_path, capsys):
         (["plot", str(tmp_path)], "no metrics.jsonl there"),
         (["evl", str(run_dir)], "unknown subcommand 'evl'; choose from train, eval, predict,"),
         (["eval", str(run_dir), "--max-samples", "0"], "expected a whole number >= 1 or 'all'"),
+        (["eval", str(run_dir), "--loader-timeout", "-1"],
+         "--loader-timeout must be seconds >= 0 (got -1.0)"),
     ]
     for argv, message in cases:
         code, _, err = command(capsys, *argv)

@@ -168,20 +168,35 @@ def test_sigusr1_writes_the_stacks_of_a_hung_run_and_it_goes_on(cifar10_layout, 
     assert run.check(expected=75)
 
 
-def test_eval_with_workers_starts_them_from_a_fork_server(cifar10_layout, tmp_path, runs):
+def test_eval_with_workers_starts_them_from_a_fork_server_and_stops_when_one_is_stuck(
+        cifar10_layout, tmp_path, runs):
     """`accel-train eval RUN --num-workers 1` starts its workers from a fork server too, Hugging
     Face datasets among its preloads (the parquet layout is read with it): seen while the
-    worker's read of held-out image 0 blocks."""
+    worker's first read of a held-out image blocks (any: --max-samples keeps a subset of rows,
+    and a row the subset lacks is never read; the worker then lives some 50 ms).  That read
+    never ends: the worker names it, and eval stops at its --loader-timeout in one line, exit
+    75, as training does (it waited for ever before)."""
     run_dir = tmp_path / "run"
     accel_train_here("--data-dir", str(cifar10_layout), "--model", "test_resnet", "--batch-size",
                      "16", "--max-steps", "1", "--max-eval-samples", "32", "--progress", "log",
                      "--no-plots", "--mixed-precision", "no", "--no-channels-last",
                      "--output-dir", str(run_dir), check=True)
-    run = Run(python_cmd("eval", str(run_dir), "--num-workers", "1", "--max-samples", "32"),
-              tmp_path / "eval.log", **{BLOCK_READ_ENV: "held-out:0"})
+    run = Run(python_cmd("eval", str(run_dir), "--num-workers", "1", "--max-samples", "32",
+                         "--loader-timeout", "8"),
+              tmp_path / "eval.log", **{BLOCK_READ_ENV: "held-out:*"})
     runs.append(run)
     wait_until(lambda: len(_loader_workers(run)) == 1, "the eval's loader worker", run)
     assert_workers_from_fork_server(run, preloaded=("datasets",))
+    output = run.check(expected=75)
+
+    said = [line for line in output.splitlines() if "has been reading" in line]
+    assert len(said) == 1 and "train.parquet row" in said[0], output[-3000:]  # carved from train
+    last = output.strip().splitlines()[-1]
+    assert last == ("accel_train: error: no batch from the loader workers in 8 s "
+                    "(--loader-timeout), evaluating the held-out split: a worker is stuck (its "
+                    "own line above names what it was reading); exit 75, for another try once "
+                    "the data can be read"), last
+    assert "Traceback" not in output
 
 
 def test_workers_start_while_another_thread_of_the_process_holds_a_lock_they_need():

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=int, help="per process (default: the run's)")
     run.add_argument("--num-workers", type=int, help="data loader workers per process "
                      "(default: as training chooses)")
+    run.add_argument("--loader-timeout", type=float, metavar="SECONDS",
+                     help="seconds to wait for a batch from the loader workers before stopping "
+                          "in one line, exit 75 (a read stuck on a dead mount); 0 waits "
+                          "forever (default: the run's --loader-timeout)")
     run.add_argument("--mixed-precision", choices=PRECISIONS, default="auto",
                      help="autocast precision; auto: what the run trained and evaluated in, on "
                           "the same kind of device (with its memory format), else fp16 on CUDA "
@@ -126,6 +130,10 @@ def data_config(trained, args) -> TrainConfig:
                              "--max-samples N too (without it, eval rebuilds the run's own "
                              "held-out images by the run's own rule)")
         values["sample_subset"] = args.sample_subset
+    if args.loader_timeout is not None:  # else the run's own (a dead mount stops both alike)
+        values["loader_timeout"] = args.loader_timeout
+    elif isinstance(recorded, dict) and "loader_timeout" in recorded:
+        values["loader_timeout"] = recorded["loader_timeout"]
     # Decode on demand: eval reads each image once, and need not decode the train split.
     return TrainConfig.from_dict({**values, "in_memory": "never"}, source="eval")
 
@@ -229,6 +237,7 @@ def main(argv: Sequence[str]) -> int:
 
     from accel_train.run import distributed
     from accel_train.data.loaders import default_num_workers, make_loader
+    from accel_train.data.loading import stop_when_stuck
     from accel_train.train.evaluate import evaluate_classifier
     from accel_train.data.sources import load_data
     from accel_train.data.streaming import load_streaming, streaming_wanted
@@ -277,12 +286,16 @@ def main(argv: Sequence[str]) -> int:
         cuda = acc.device.type == "cuda"
         workers = args.num_workers if args.num_workers is not None else \
             default_num_workers(data.held_out, env.local_world_size, cuda)
-        loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False, cuda))
+        loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False, cuda,
+                                         timeout=config.loader_timeout))
         model = load_model(trained).to(acc.device)  # not DDP-wrapped: inference only
         tta = args.tta or spec.tta
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
-        results = evaluate_classifier(acc, model, loader, spec.num_classes,
+        batches = stop_when_stuck(loader, config.loader_timeout,
+                                  f"evaluating the {args.split} split",
+                                  then="for another try once the data can be read")
+        results = evaluate_classifier(acc, model, batches, spec.num_classes,
                                       channels_last=channels_last, tta=tta)
         ran_in = precision_name(precision) + (", channels_last" if channels_last else "")
         print_once(_report(results, trained, data, args.split, acc.num_processes, acc.device,

@@ -47,23 +47,27 @@ def timed_out(err: RuntimeError) -> bool:
     return "DataLoader timed out" in str(err)
 
 
-def loader_stuck(timeout: float, where: str) -> RunStopped:
-    """The one-line stop when no batch came in --loader-timeout; `where` says at what point."""
+RESTART_HINT = "for a restart with --resume auto"
+
+
+def loader_stuck(timeout: float, where: str, then: str = RESTART_HINT) -> RunStopped:
+    """The one-line stop when no batch came in --loader-timeout; `where` says at what point,
+    `then` what the exit code is for."""
     return RunStopped(f"no batch from the loader workers in {timeout:g} s (--loader-timeout), "
                       f"{where}: a worker is stuck (its own line above names what it was "
-                      f"reading); exit {STALLED_EXIT}, for a restart with --resume auto",
-                      STALLED_EXIT)
+                      f"reading); exit {STALLED_EXIT}, {then}", STALLED_EXIT)
 
 
-def stop_when_stuck(batches: Iterable, timeout: float, where: str) -> Iterator:
-    """`batches`, with the loader's timeout turned into the one-line stop (held-out data: the
-    training loader does this itself, with its place in the epoch)."""
+def stop_when_stuck(batches: Iterable, timeout: float, where: str,
+                    then: str = RESTART_HINT) -> Iterator:
+    """`batches`, with the loader's timeout turned into the one-line stop (held-out data, and
+    `accel-train eval`: the training loader does this itself, with its place in the epoch)."""
     try:
         yield from batches
     except RuntimeError as err:
         if not timed_out(err):
             raise
-        raise loader_stuck(timeout, where) from None
+        raise loader_stuck(timeout, where, then) from None
 
 
 class TrainLoader(Protocol):

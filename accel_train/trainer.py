@@ -376,7 +376,7 @@ class Trainer:
             except StopIteration:
                 break
             self.wait_clock.after_fetch()
-            self.bad_images.note("train", batch.replaced)
+            self.bad_images.note("train", batch.replaced, batch.labels)
             self.callbacks.on_batch_start(self, batch)
             with acc.accumulate(self.model):
                 loss, num_correct = self.train_step(batch.images, batch.labels)

@@ -495,6 +495,29 @@ def test_resume_across_map_style_and_streaming_is_refused(synthetic_shards, tmp_
         assert _files(out) == before
 
 
+def _shards_with_broken_samples(root: Path, broken, label_of_no_class: bool = False):
+    """64 training and 16 test samples of the synthetic shapes (10 classes) in shards of 16,
+    with an index: sample i (0-79, its number in the synthetic set) for which `broken(i, its
+    label)` holds has bytes that do not decode, or with `label_of_no_class`, label 10."""
+    from accel_train.data import synthetic
+    from accel_train.data.streaming import ShardWriter, png_bytes, write_index
+    images, labels = synthetic.generate(80, 5)
+    no_class = len(synthetic.CLASS_NAMES)
+    entries = {}
+    for split, rows in (("train", range(64)), ("test", range(64, 80))):
+        writer = ShardWriter(root / split, root, None, 16)
+        for i in rows:
+            is_broken = broken(i, int(labels[i]))
+            data = b"this is not an image" if is_broken and not label_of_no_class \
+                else png_bytes(images[i])
+            writer.write(data, "png", no_class if is_broken and label_of_no_class
+                         else int(labels[i]))
+        writer.close()
+        entries[split] = writer.entries
+    write_index(root, entries, list(synthetic.CLASS_NAMES), "test")
+    return labels[:64]
+
+
 @pytest.mark.parametrize("bad", ["an image that does not decode", "a label of no class"])
 def test_a_broken_image_in_a_shard_is_replaced_and_named_once(tmp_path, bad):
     """--bad-images substitute (the default): the run goes on with the next good sample of the
@@ -502,22 +525,10 @@ def test_a_broken_image_in_a_shard_is_replaced_and_named_once(tmp_path, bad):
     that is none of the index's classes is such a sample (the loss failed on it mid-run, a
     traceback), in training and, left out of the numbers, in the held-out split."""
     from accel_train.data import synthetic
-    from accel_train.data.streaming import ShardWriter, png_bytes, write_index
     root = tmp_path / "shards"
-    images, labels = synthetic.generate(80, 5)
     no_class = len(synthetic.CLASS_NAMES)
-    entries = {}
-    for split, rows in (("train", range(64)), ("test", range(64, 80))):
-        writer = ShardWriter(root / split, root, None, 16)
-        for i in rows:
-            broken = i in (5, 70)
-            data = b"this is not an image" if broken and bad.startswith("an image") \
-                else png_bytes(images[i])
-            writer.write(data, "png", no_class if broken and bad.startswith("a label")
-                         else int(labels[i]))
-        writer.close()
-        entries[split] = writer.entries
-    write_index(root, entries, list(synthetic.CLASS_NAMES), "test")
+    _shards_with_broken_samples(root, lambda i, label: i in (5, 70),
+                                label_of_no_class=bad.startswith("a label"))
     common = ["--data-dir", str(root), *PINNED, "--model", "test_resnet", "--batch-size", "8",
               "--epochs", "1", "--num-workers", "1", "--no-plots", "--progress", "log"]
     result = accel_train_here(*common, "--output-dir", str(tmp_path / "run"))
@@ -536,6 +547,73 @@ def test_a_broken_image_in_a_shard_is_replaced_and_named_once(tmp_path, bad):
     assert result.returncode == 2 and "000000.tar 000000006" in result.stderr, result.stderr
     assert bad.startswith("an image") or why in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+
+
+LOST_CLASS = 3
+
+
+def _lost_class_shards(root: Path) -> tuple[list[str], int]:
+    """Shards in which every training sample of class LOST_CLASS is broken: (the run's flags
+    on them, how many such samples, counted by hand from the synthetic set's labels)."""
+    labels = _shards_with_broken_samples(root, lambda i, label: i < 64 and label == LOST_CLASS)
+    count = int((labels == LOST_CLASS).sum())
+    assert count >= 2
+    return ["--data-dir", str(root), *PINNED, "--model", "test_resnet", "--batch-size", "8",
+            "--epochs", "2", "--no-plots", "--progress", "log", "--max-eval-samples", "8"], count
+
+
+def assert_lost_class_said_once(output: str, count: int, run_dir: Path) -> None:
+    from accel_train.data import synthetic
+    name = synthetic.CLASS_NAMES[LOST_CLASS]
+    said = [line for line in output.splitlines()
+            if line.startswith("warning: no training image of class")]
+    assert said == [f"warning: no training image of class {name!r} ({count} images) decodes "
+                    f"(each was met and replaced): the run trains those outputs on substitutes "
+                    f"of other classes, and its numbers for them mean nothing; fix or replace "
+                    f"the files (listed in {run_dir / 'bad_images.txt'}), or remove "
+                    f"the class, and start again"], output[-3000:]
+    assert f"(no training image of class {name!r} ({count} images) decoded)" in output
+
+
+def test_a_streamed_class_none_of_whose_training_samples_decodes_is_said_once(tmp_path):
+    """Every training sample of class 3 in the shards is broken: the run cannot know it before
+    reading them (the index holds no labels), so it says so at the end of the first epoch that
+    met every sample, once, and in its closing summary, as a map-style run decoding per step
+    does.  With one of them decoding, nothing is said."""
+    common, count = _lost_class_shards(tmp_path / "shards")
+    result = accel_train_here(*common, "--num-workers", "1", "--output-dir",
+                              str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_lost_class_said_once(result.stdout + result.stderr, count, tmp_path / "run")
+    # one of class 3's samples decodes: nothing said
+    root2 = tmp_path / "one_good"
+    labels = _shards_with_broken_samples(root2, lambda i, label: False)
+    first = int(np.flatnonzero(labels == LOST_CLASS)[0])
+    shutil.rmtree(root2)
+    _shards_with_broken_samples(root2, lambda i, label: i < 64 and label == LOST_CLASS
+                                and i != first)
+    common[1] = str(root2)
+    result = accel_train_here(*common, "--num-workers", "1", "--output-dir",
+                              str(tmp_path / "one"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no training image of class" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_on_two_processes_a_streamed_class_none_of_whose_samples_decodes_is_said_once(tmp_path):
+    """As above, each rank meeting half the shards: the ranks' counts are summed on rank 0."""
+    from faults import Run, torchrun_cmd
+    common, count = _lost_class_shards(tmp_path / "shards")
+    run = Run(torchrun_cmd(*common, "--num-workers", "0", "--output-dir", str(tmp_path / "run")),
+              tmp_path / "run.log")
+    try:
+        output = run.check()
+    finally:
+        run.close()
+    import yaml
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["resolved"][
+        "world_size"] == 2
+    assert_lost_class_said_once(output, count, tmp_path / "run")
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from accel_train.base.errors import first_few
 from accel_train.base.ranks import more_than_one_rank
 from accel_train.base.readers import read_json
 from accel_train.data.labels import unreadable_classes_named
@@ -50,6 +51,10 @@ class BadImageLog:
         self.class_names = data.class_names
         self.broken_train: set[int] = set()  # their indices, as named in this start
         self.lost_classes = ""  # said once
+        # Streamed shards have no labels before they are read: their classes are counted as
+        # an epoch meets them instead (StreamCounts).
+        self.stream = StreamCounts(len(data.class_names)) if not len(data.train.labels) \
+            and len(data.train) else None
 
     # -- a checkpointed part (checkpoint.py): a resumed run knows what was named before ----------
     name = "bad_images"
@@ -73,9 +78,13 @@ class BadImageLog:
         """Broken images named so far in this run (main process; 0 elsewhere)."""
         return len(self.named)
 
-    def note(self, split: str, replaced: torch.Tensor) -> None:
-        """A batch's marks (data.replaced_marks), looked at in `collect`."""
+    def note(self, split: str, replaced: torch.Tensor,
+             labels: Optional[torch.Tensor] = None) -> None:
+        """A batch's marks (data.replaced_marks), looked at in `collect`; a streamed training
+        batch's `labels` are counted too."""
         self.marks.append((split, replaced))
+        if self.stream is not None and split == "train" and labels is not None:
+            self.stream.add(labels, replaced)
 
     def strip(self, batches: Iterable, split: str = "held-out"):
         """Marked held-out batches as they come (evaluate_classifier leaves the marked images
@@ -103,18 +112,26 @@ class BadImageLog:
         last call.  Returns the count (on the main process)."""
         self._check_marks()
         found, self.pending = self.pending, []
+        counted = self.stream.take() if self.stream is not None else None
         if more_than_one_rank():
-            parts: list[Optional[list]] = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, found)
-            found = [bad for part in parts for bad in part]
+            parts: list[Optional[tuple]] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, (found, counted))
+            found = [bad for part, _ in parts for bad in part]
+            counts = [count for _, count in parts]
+        else:
+            counts = [counted]
         if self.is_main:
             for bad in found:
                 self._name(bad)
+            if self.stream is not None:
+                self.stream.merge(counts)
         return self.count
 
     def _name(self, bad: BadImage) -> None:
         if bad.split == "train":
             self.broken_train.add(bad.index)
+            if self.stream is not None and bad.label is not None:
+                self.stream.broken[bad.index] = bad.label
         if bad.name in self.named:
             return
         self.named[bad.name] = bad.reason
@@ -138,11 +155,16 @@ class BadImageLog:
         classes; said once, and in the final summary.  Only images met count (an epoch's
         remainder may be left for the next, and a start resumed mid-epoch knows only what it
         met itself): such a class may be said an epoch later, never one wrongly."""
-        labels = self.sources["train"].labels
-        if self.lost_classes or not self.broken_train or not len(labels):  # (streamed: no labels)
+        if self.stream is not None:  # (always: its epoch's counts start again)
+            lost = first_few(f"{self.class_names[c]!r} ({count} images)"
+                             for c, count in self.stream.lost_in_epoch(len(self.sources["train"])))
+        elif self.broken_train and not self.lost_classes:
+            lost = unreadable_classes_named(self.sources["train"].labels, self.broken_train,
+                                            self.class_names)
+        else:
             return
-        self.lost_classes = unreadable_classes_named(labels, self.broken_train, self.class_names)
-        if self.lost_classes:
+        if lost and not self.lost_classes:
+            self.lost_classes = lost
             self.report.warn(f"no training image of class {self.lost_classes} decodes (each "
                              f"was met and replaced): the run trains those outputs on "
                              f"substitutes of other classes, and its numbers for them mean "
@@ -157,3 +179,49 @@ class BadImageLog:
                 + (f" (no training image of class {self.lost_classes} decoded)"
                    if self.lost_classes else "")
                 + "; accel-train check-data --data-dir DIR checks a folder before training")
+
+
+class StreamCounts:
+    """A streamed run's classes, counted as its epochs meet them: per class, the training
+    samples that decoded (a replaced one carries its substitute's label, so it counts for
+    none), and the samples met at all.  Counted on the device where the labels are (no host
+    wait per step), handed to the main process at each `collect`.  A class is lost when an
+    epoch met every training sample and none of its own decoded, but some of its samples were
+    met broken: an epoch that met fewer (a start resumed inside it, samples left out to keep
+    the ranks in step) decides nothing, so a class is never named wrongly."""
+
+    def __init__(self, num_classes: int):
+        self.num_classes = num_classes
+        self.good: Optional[torch.Tensor] = None  # this rank, since the last take
+        self.met = 0
+        self.epoch_good = [0] * num_classes  # main process: all ranks, this epoch
+        self.epoch_met = 0
+        self.broken: dict[int, int] = {}  # main process: index -> class of a broken sample
+
+    def add(self, labels: torch.Tensor, replaced: torch.Tensor) -> None:
+        if self.good is None:
+            self.good = torch.zeros(self.num_classes, dtype=torch.long, device=labels.device)
+        self.good.index_add_(0, labels, (replaced < 0).long())
+        self.met += len(labels)
+
+    def take(self) -> tuple[int, list[int]]:
+        """(samples met, decoded per class) on this rank since the last take, and reset."""
+        good = self.good.tolist() if self.good is not None else [0] * self.num_classes
+        met, self.good, self.met = self.met, None, 0
+        return met, good
+
+    def merge(self, counts: list[tuple[int, list[int]]]) -> None:
+        for met, good in counts:
+            self.epoch_met += met
+            self.epoch_good = [a + b for a, b in zip(self.epoch_good, good)]
+
+    def lost_in_epoch(self, samples: int) -> list[tuple[int, int]]:
+        """[(class, its broken samples)] lost in the epoch just ended (`samples`: the training
+        split's); the epoch's counts start again."""
+        whole = self.epoch_met >= samples
+        good, self.epoch_good, self.epoch_met = self.epoch_good, [0] * self.num_classes, 0
+        if not whole:
+            return []
+        broken = torch.bincount(torch.tensor(list(self.broken.values()), dtype=torch.long),
+                                minlength=self.num_classes).tolist()
+        return [(c, broken[c]) for c in range(self.num_classes) if broken[c] and not good[c]]

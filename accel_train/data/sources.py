@@ -96,6 +96,7 @@ class BadImage:
     index: int
     name: str
     reason: str
+    label: Optional[int] = None  # its class, where only reading it again tells (streamed)
 
 
 class ArraySource(ImageSource):

@@ -37,6 +37,14 @@ def label_problem(label, num_classes: Optional[int]) -> Optional[str]:
     return None
 
 
+def sample_problem(decoded, label, num_classes: Optional[int]) -> Optional[str]:
+    """Why a sample cannot train (None: it can): `decoded`, decode_many's result for its image,
+    says the image does not decode, else its label's problem (label_problem)."""
+    if isinstance(decoded, Unreadable):
+        return decoded.reason
+    return label_problem(label, num_classes)
+
+
 def decode_substituting(samples: list[tuple], policy: str, num_classes: Optional[int] = None):
     """(images, labels, [(position, reason)] of the samples replaced): under --bad-images
     substitute, a sample whose image cannot be decoded (or whose label is missing or none of
@@ -46,8 +54,7 @@ def decode_substituting(samples: list[tuple], policy: str, num_classes: Optional
     images = decode_many([image if image is not None else b"" for image, _, _ in samples])
     bad = []
     for position, (result, (_, label, name)) in enumerate(zip(images, samples)):
-        reason = result.reason if isinstance(result, Unreadable) else \
-            label_problem(label, num_classes)
+        reason = sample_problem(result, label, num_classes)
         if reason is None:
             continue
         if policy == "error":

@@ -7,12 +7,13 @@ import numpy as np
 import torch
 
 from accel_train.base.errors import UsageError
-from accel_train.data.streaming.decoding import decode_substituting, label_problem
+from accel_train.data.streaming.decoding import (decode_substituting, label_problem,
+                                                 sample_problem)
 from accel_train.data.streaming.loader import StreamingTrain, StreamLoader
 from accel_train.data.streaming.plan import Layout, fit_workers, rank_batches_per_epoch
 from accel_train.data.streaming.shards import (ShardSet, is_shard_folder, iter_shard, open_shards,
                                                read_split)
-from accel_train.data.decode import decode_many, Unreadable
+from accel_train.data.decode import decode_many
 from accel_train.data.sample_limits import few_classes_kept, kept_positions, subset_if_cut
 from accel_train.data.sources import (TEST_SPLIT_NAMES, ArraySource, BadImage, DecodedImages,
                                       ImageSource, LoadedData)
@@ -52,11 +53,13 @@ def load_streaming(config):
             s = int(np.searchsorted(self.shards.offsets, index, side="right")) - 1
             for k, (image, label, name) in enumerate(iter_shard(self.shards.files[s])):
                 if k == index - int(self.shards.offsets[s]):
-                    result = decode_many([image if image is not None else b""])[0]
-                    reason = result.reason if isinstance(result, Unreadable) else \
-                        label_problem(label, len(data.class_names))
-                    return None if reason is None else BadImage(
-                        "train", index, f"{self.shards.files[s].name} {name}", reason)
+                    decoded = decode_many([image if image is not None else b""])[0]
+                    reason = sample_problem(decoded, label, len(data.class_names))
+                    if reason is None:
+                        return None
+                    of_class = label_problem(label, len(data.class_names)) is None
+                    return BadImage("train", index, f"{self.shards.files[s].name} {name}",
+                                    reason, int(label) if of_class else None)
             return None
 
     held_out, bad = read_whole(data.held_out, config, "held-out", len(data.class_names))

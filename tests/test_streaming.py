@@ -27,9 +27,10 @@ def _shard_here(*args: str) -> subprocess.CompletedProcess:
 
 
 def _decoded(shards: ShardSet):
-    from accel_train.data.streaming import decode_batch
+    """A split's images as a streamed run decodes them (a broken sample stops it)."""
+    from accel_train.data.streaming import decode_substituting
     samples, labels = read_split(shards)
-    images, _ = decode_batch(samples)
+    images, _, _ = decode_substituting(samples, "error")
     return torch.stack(images), torch.tensor(labels)
 
 
@@ -342,6 +343,37 @@ def test_recut_epoch_trains_the_rest_exactly_once(old, new):
         everything = trained + rest_keys
         assert len(everything) == len(set(everything))
         assert set(everything) == {k for rank in full for batch in rank for k in batch}
+
+
+def _png(value: int) -> bytes:
+    import io
+    from PIL import Image
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((4, 4, 3), value, dtype=np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_broken_sample_takes_the_next_good_sample_of_its_batch_wrapping_around():
+    """decode_substituting's rule, by hand: positions 1 and 2 (an image that does not decode, a
+    sample with no image) take position 3's image and label; the last (a label of no class)
+    wraps around to position 0; a batch with no good sample is one line naming its first."""
+    from accel_train.base.errors import UsageError
+    from accel_train.data.streaming import decode_substituting
+    samples = [(_png(10), 0, "s0"), (b"not an image", 1, "s1"), (None, 2, "s2"),
+               (_png(40), 3, "s3"), (_png(50), 4, "s4")]
+    images, labels, bad = decode_substituting(samples, "substitute", num_classes=4)
+    assert [int(image[0, 0, 0]) for image in images] == [10, 40, 40, 40, 10]
+    assert labels == [0, 3, 3, 3, 0]
+    assert [position for position, _ in bad] == [1, 2, 4]
+    assert bad[2][1] == "label 4 is not one of the 4 classes (0 to 3)"
+    with pytest.raises(UsageError, match=r"sample s1 cannot be used \("):
+        decode_substituting(samples, "error", num_classes=4)
+    with pytest.raises(UsageError) as raised:
+        decode_substituting([(b"x", 0, "first"), (None, 1, "second")], "substitute", 4)
+    assert str(raised.value).startswith("no sample of a batch can be decoded (the first: first: ")
+    assert str(raised.value).endswith("); check the shards")
+    reason = str(raised.value).split("first: first: ")[1][:-len("); check the shards")]
+    assert reason and "first" not in reason  # the decoder's reason, not a sample's name
 
 
 def test_shuffle_buffer_plan_is_a_bounded_permutation():

@@ -55,7 +55,7 @@ loader.py (the training loader, checkpoint state and resume), start.py (what the
 at a run's start), writer.py (`accel-train shard`'s tar and index writer).
 """
 
-from accel_train.data.streaming.decoding import decode_batch, decode_substituting
+from accel_train.data.streaming.decoding import decode_substituting
 from accel_train.data.streaming.loader import STREAM_STATE, SlotReader, StreamingTrain, StreamLoader
 from accel_train.data.streaming.plan import (Layout, Segment, batches_per_slot, fit_workers,
                                              planned_shuffle, rank_batches_per_epoch,
@@ -71,7 +71,7 @@ __all__ = [
     "EVAL_SPLITS", "IMAGE_EXTS", "INDEX_FORMAT", "INDEX_NAME", "STREAM_STATE", "Layout",
     "Segment", "ShardData", "ShardSet", "ShardWriter", "SlotReader", "StreamLoader",
     "StreamingTrain", "batches_per_slot", "build_stream_loader",
-    "decode_batch", "decode_substituting", "fit_workers", "image_ext", "is_shard_folder",
+    "decode_substituting", "fit_workers", "image_ext", "is_shard_folder",
     "iter_parquet", "iter_shard", "iter_tar", "load_streaming", "open_shards", "planned_shuffle",
     "png_bytes", "rank_batches_per_epoch", "read_split", "remaining_batches",
     "shard_kind", "shard_order", "slot_keys", "slot_shards", "streaming_wanted", "write_index",

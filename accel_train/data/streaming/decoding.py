@@ -8,23 +8,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from accel_train.base.errors import UsageError
 from accel_train.data.decode import decode_many, Unreadable
-
-
-def decode_batch(samples: list[tuple]) -> tuple[list[torch.Tensor], list[int]]:
-    images = decode_many([image if image is not None else b"" for image, _, _ in samples])
-    labels = []
-    for result, (_, label, name) in zip(images, samples):
-        if isinstance(result, Unreadable):
-            raise UsageError(f"image {name} cannot be decoded ({result.reason}); remove it from "
-                             f"the shard")
-        if label is None:
-            raise UsageError(f"sample {name} has no label (.cls)")
-        labels.append(int(label))
-    return images, labels
 
 
 def label_problem(label, num_classes: Optional[int]) -> Optional[str]:

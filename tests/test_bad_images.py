@@ -290,7 +290,7 @@ def test_in_memory_always_says_why_the_images_cannot_be_held(tmp_path):
 
 
 def test_streamed_class_counts_name_a_class_only_after_an_epoch_that_met_every_sample():
-    """StreamCounts by hand: 6 training samples; class 2's two (indices 7 and 8) are broken, so
+    """StreamCounts by hand: 6 training samples; class 2's two (indices 0 and 8) are broken, so
     the batches carry substitutes' labels in their places (replaced >= 0).  Epochs that met 5 of
     the 6 (a resumed start, samples left out) decide nothing, however many of them; the first
     whole epoch names class 2 with its 2 samples; a later whole epoch in which one of class 2's
@@ -299,30 +299,34 @@ def test_streamed_class_counts_name_a_class_only_after_an_epoch_that_met_every_s
 
     from accel_train.data.badimages import StreamCounts
 
-    counts = StreamCounts(3)
-    counts.broken.update({7: 2, 8: 2})
-    rank_batches = (torch.tensor([0, 1, 0]), torch.tensor([-1, -1, 7])), \
+    def counts_of_broken() -> StreamCounts:
+        counts = StreamCounts(3)
+        counts.broken.update({0: 2, 8: 2})
+        return counts
+
+    rank_batches = (torch.tensor([0, 1, 0]), torch.tensor([-1, -1, 0])), \
         (torch.tensor([1, 0, 1]), torch.tensor([-1, 8, -1]))
 
-    def epoch(batches) -> list:
+    def epoch(counts: StreamCounts, batches) -> list:
         for labels, replaced in batches:
             counts.add(labels, replaced)
             counts.merge([counts.take()])  # one rank's take per collect
         return counts.lost_in_epoch(6)
 
+    assert epoch(counts_of_broken(), rank_batches) == [(2, 2)]  # the first epoch, whole
+    counts = counts_of_broken()
     partial = [(labels[:-1] if n else labels, replaced[:-1] if n else replaced)
                for n, (labels, replaced) in enumerate(rank_batches)]  # 5 samples
-    assert epoch(partial) == [] and epoch(partial) == []
-    assert epoch(rank_batches) == [(2, 2)]
+    assert epoch(counts, partial) == [] and epoch(counts, partial) == []
+    assert epoch(counts, rank_batches) == [(2, 2)]
     # one of class 2's samples decoded this time: counted for class 2
-    assert epoch([(torch.tensor([0, 1, 2]), torch.tensor([-1, -1, -1])),
-                  rank_batches[1]]) == []
+    assert epoch(counts, [(torch.tensor([0, 1, 2]), torch.tensor([-1, -1, -1])),
+                          rank_batches[1]]) == []
     # two ranks at one collect: their counts summed
     for labels, replaced in rank_batches:
         counts.add(labels, replaced)
-    first = counts.take()
     # decoded: class 0 once (the first batch's first), class 1 three times; the replaced count
-    # for none
-    assert first == (6, [1, 3, 0]) and counts.take() == (0, [0, 0, 0])
+    # for none (sample 0 among them: a mark of 0 is a replaced sample)
+    assert counts.take() == (6, [1, 3, 0]) and counts.take() == (0, [0, 0, 0])
     counts.merge([(3, [1, 1, 0]), (3, [1, 1, 0])])
     assert counts.lost_in_epoch(6) == [(2, 2)]

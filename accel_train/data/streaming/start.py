@@ -27,6 +27,7 @@ def load_streaming(config):
         raise UsageError("--max-train-samples does not apply to streamed shards (an epoch is a "
                          "pass over the shards); bound the run with --max-steps instead")
     data = open_shards(config)
+    num_classes = len(data.class_names)  # a label outside them is a bad sample
 
     class StreamSource(ImageSource):
         """Stands for the training shards: a length, and the first images (for the native
@@ -43,8 +44,7 @@ def load_streaming(config):
         def image(self, index: int) -> torch.Tensor:
             if index >= len(self._first):
                 samples, _ = read_split(self.shards, limit=max(index + 1, 500))
-                self._first, _, _ = decode_substituting(samples, "substitute",
-                                                        len(data.class_names))
+                self._first, _, _ = decode_substituting(samples, "substitute", num_classes)
             return self._first[index]
 
         def bad_image(self, index: int):
@@ -54,16 +54,16 @@ def load_streaming(config):
             for k, (image, label, name) in enumerate(iter_shard(self.shards.files[s])):
                 if k == index - int(self.shards.offsets[s]):
                     decoded = decode_many([image if image is not None else b""])[0]
-                    reason = sample_problem(decoded, label, len(data.class_names))
+                    reason = sample_problem(decoded, label, num_classes)
                     if reason is None:
                         return None
-                    of_class = label_problem(label, len(data.class_names)) is None
+                    of_class = label_problem(label, num_classes) is None
                     return BadImage("train", index, f"{self.shards.files[s].name} {name}",
                                     reason, int(label) if of_class else None)
             return None
 
-    held_out, bad = read_whole(data.held_out, config, "held-out", len(data.class_names))
-    test, test_bad = read_whole(data.test, config, "test", len(data.class_names)) \
+    held_out, bad = read_whole(data.held_out, config, "held-out", num_classes)
+    test, test_bad = read_whole(data.test, config, "test", num_classes) \
         if data.test is not None else (None, [])
     # shards of CIFAR-10 hold its test split beside train: the run selects on it, and says so
     # as a map-style run with --select-on-test does
@@ -76,7 +76,7 @@ def load_streaming(config):
     roles = {"held-out": held_out, **({"test": test} if test is not None else {})}
     warnings = few_classes_kept({role: ("--max-eval-samples", limit) for role in roles},
                                 {role: held.labels for role, held in roles.items()},
-                                len(data.class_names), config.sample_subset)
+                                num_classes, config.sample_subset)
     cut = subset_if_cut(config, (len(data.held_out), limit),
                         *([(len(data.test), limit)] if test is not None else []))
     loaded = LoadedData(StreamSource(data.train), held_out, data.class_names, description,

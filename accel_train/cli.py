@@ -175,8 +175,12 @@ def _run_train(argv: Sequence[str]) -> int:
     asked = rank_launcher.ranks_asked()
     if asked is not None:  # accelerate's MULTI_CPU answers: start the ranks it did not
         return rank_launcher.start_ranks(asked)
+    from accel_train.data.loading import RESTART_HINT
     from accel_train.trainer import run_training  # heavy imports only once the input is known good
-    return run_training(config)
+    # (the loader workers' reads have the DataLoader's timeout; these are the process's own)
+    with stop_on_a_stuck_read(config.loader_timeout, "--loader-timeout", "training",
+                              RESTART_HINT):
+        return run_training(config)
 
 
 def _subcommands() -> dict[str, Callable[[Sequence[str]], int]]:
@@ -193,10 +197,22 @@ def _one_line(err: UsageError) -> str:
     return " ".join(text.split("\n"))
 
 
-def _error_prefix() -> str:
+def error_prefix() -> str:
     rank = os.environ.get("RANK")
     return "accel_train: error: " if rank in (None, "0") else \
         f"accel_train: error (rank {rank}): "
+
+
+RETRY_HINT = "for another try once the data can be read"  # what exit 75 is for, outside training
+
+
+def stop_on_a_stuck_read(timeout: float, flag: str, where: str, then: str = RETRY_HINT):
+    """Within: this command's own reads of image files; one that takes `timeout` seconds (a
+    network mount that went away) ends the process in one line naming the file, exit 75
+    (loader_watch.stop_when_a_read_sticks: nothing else could end it)."""
+    from accel_train.data.loader_watch import read_stuck_line, stop_when_a_read_sticks
+    return stop_when_a_read_sticks(timeout, lambda what, seconds: error_prefix() +
+                                   read_stuck_line(what, seconds, flag, where, then))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -222,10 +238,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return commands[name](rest) or 0
     except UsageError as err:
-        print(_error_prefix() + _one_line(err), file=sys.stderr)
+        print(error_prefix() + _one_line(err), file=sys.stderr)
         return 2
     except RunStopped as err:  # a full disk, a stuck loader: one line, its own exit code
-        print(_error_prefix() + " ".join(str(err).split("\n")), file=sys.stderr)
+        print(error_prefix() + " ".join(str(err).split("\n")), file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("accel_train: interrupted", file=sys.stderr)

@@ -116,7 +116,10 @@ class TrainConfig:
     persistent_workers: bool = option(True, "Keep loader workers alive across epochs.", "data")
     loader_timeout: float = option(600.0, "Seconds to wait for a batch from the loader workers "
                                    "(0: forever). A worker stuck reading a file names it "
-                                   "before then; the run then exits 75.", "data")
+                                   "before then; the run then exits 75. A file the training "
+                                   "process reads itself (decoding in memory at the start, "
+                                   "--num-workers 0) gets as long, then the run stops in one "
+                                   "line naming it, exit 75.", "data")
     bad_images: str = option("substitute", "An image that cannot be decoded: substitute (train "
                              "on with the next image that decodes in its place; each is named "
                              "once and listed in <output-dir>/bad_images.txt) or error (stop, "

@@ -591,6 +591,9 @@ ROWS: dict[str, Row] = {
     "check-data --workers": effect(
         "test_check_data.py::test_problems_exit_1_and_are_all_named_in_the_json",
         "1 and 2 workers find exactly the planted problems"),
+    "check-data --read-timeout": effect(
+        "test_stuck_reads.py::test_check_data_stops_in_one_line_at_a_read_that_never_returns",
+        "a FIFO under an image's name: exit 75 after the 3 s given, the one line naming it"),
     "check-data --json": effect(
         "test_check_data.py::test_problems_exit_1_and_are_all_named_in_the_json",
         "one JSON object naming exactly the problems the test planted"),
@@ -621,6 +624,9 @@ ROWS: dict[str, Row] = {
     "shard --label-column": effect(
         f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
         "the shards' labels are the truth column's"),
+    "shard --read-timeout": effect(
+        "test_stuck_reads.py::test_shard_stops_in_one_line_and_its_next_start_finishes",
+        "a FIFO under an image's name: exit 75 after the 3 s given, no --output folder"),
     "shard --no-progress": effect(
         f"{EFFECTS}::test_shard_progress_line_or_none",
         "the progress line on stderr without it, an empty stderr with it"),

@@ -154,6 +154,9 @@ def test_parquet_rows_are_checked_and_named(tmp_path, capsys):
     (["--data-dir", "{tmp}/empty_class"], "class folder {tmp}/empty_class/dog holds no images"),
     ([], "check-data needs the data: pass --data-dir DIR"),
     (["--data-dir", "{tmp}/nothing", "--workers", "0"], "--workers must be a whole number"),
+    (["--data-dir", "{tmp}/nothing", "--read-timeout", "-1"],
+     "--read-timeout must be seconds >= 0 (got -1); 0 waits for ever"),
+    (["--data-dir", "{tmp}/nothing", "--read-timeout", "inf"], "--read-timeout must be seconds"),
     # a tar with no member at all (only the end blocks): read as a shard, named as one
     (["--data-dir", "{tmp}/shards"], "000000.tar is not a tar or parquet file"),
 ])

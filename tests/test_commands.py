@@ -427,6 +427,8 @@ def test_bad_input_is_one_line_with_the_fix(run_dir, tmp_path, capsys):
         (["eval", str(run_dir), "--max-samples", "0"], "expected a whole number >= 1 or 'all'"),
         (["eval", str(run_dir), "--loader-timeout", "-1"],
          "--loader-timeout must be seconds >= 0 (got -1.0)"),
+        (["shard", "--data-dir", str(tmp_path / "other"), "--output", str(tmp_path / "x"),
+          "--read-timeout", "nan"], "--read-timeout must be seconds >= 0 (got nan)"),
     ]
     for argv, message in cases:
         code, _, err = command(capsys, *argv)

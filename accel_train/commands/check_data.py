@@ -23,8 +23,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
 
-from accel_train.cli import _Parser
-from accel_train.base.errors import UsageError
+from accel_train.cli import RETRY_HINT, _Parser, stop_on_a_stuck_read
+from accel_train.base.errors import STALLED_EXIT, RunStopped, UsageError
+from accel_train.data.loader_watch import start_watch
 
 CHUNK = 256  # images per task handed to a worker process
 PLAIN_PROGRESS_SECONDS = 10.0  # between progress lines when stderr is not a terminal
@@ -47,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
                         help="decoding processes (default: one per core, here "
                              f"{os.cpu_count() or 1})")
+    parser.add_argument("--read-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="seconds one image's read may take before check-data stops in "
+                             "one line naming it, exit 75 (a network mount that went away); "
+                             "0 waits for ever (default: 600)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -57,6 +62,9 @@ def _config(args):
         raise UsageError("check-data needs the data: pass --data-dir DIR (or --dataset NAME)")
     if args.workers < 1:
         raise UsageError(f"--workers must be a whole number >= 1 (got {args.workers})")
+    if not (0 <= args.read_timeout < float("inf")):
+        raise UsageError(f"--read-timeout must be seconds >= 0 (got {args.read_timeout:g}); "
+                         f"0 waits for ever")
     return TrainConfig(dataset=args.dataset or "synthetic", data_dir=args.data_dir,
                        image_column=args.image_column, label_column=args.label_column,
                        val_labels=args.val_labels, class_depth=args.class_depth,
@@ -64,9 +72,21 @@ def _config(args):
 
 
 # -- decoding, in worker processes --------------------------------------------------------------
-def _init_worker() -> None:
+_last_read = None  # in a worker process: when any worker last finished reading an image
+
+
+def _init_worker(last_read=None, read_timeout: float = 0.0) -> None:
     import torch
     torch.set_num_threads(1)  # one process per core already
+    global _last_read
+    _last_read = last_read
+    start_watch("check-data worker", read_timeout)
+
+
+def one_read_done() -> None:
+    """After each image: the clock by which the parent process sees a read stuck."""
+    if _last_read is not None:
+        _last_read.value = time.monotonic()  # CLOCK_MONOTONIC: one clock for all processes
 
 
 def _check_chunk(split: str, start: int, stop: int) -> tuple[str, int, list]:
@@ -84,31 +104,51 @@ def _check_chunk(split: str, start: int, stop: int) -> tuple[str, int, list]:
             results.append((int(image.shape[2]), int(image.shape[1]), digest))
         except Unreadable as err:
             results.append((None, err.reason, digest))
+        one_read_done()
     return split, start, results
 
 
-def _decode_all(sources: dict, workers: int):
+def _decode_all(sources: dict, workers: int, read_timeout: float):
     """Yields (split, start, results) for every chunk, in parallel when workers > 1."""
     tasks = [(split, start, min(start + CHUNK, len(source)))
              for split, source in sources.items() for start in range(0, len(source), CHUNK)]
-    yield from in_workers(_check_chunk, tasks, workers)
+    yield from in_workers(_check_chunk, tasks, workers, read_timeout)
 
 
-def in_workers(work, tasks: list[tuple], workers: int):
+def in_workers(work, tasks: list[tuple], workers: int, read_timeout: float):
     """Yields work(*task) for every task: here, in order, with one worker (or one task); else
-    as each finishes in `workers` processes forked from this one."""
+    as each finishes in `workers` processes forked from this one.  A read stuck for
+    `read_timeout` seconds ends check-data in one line, exit 75: here the watch of
+    loader_watch.py ends the process (the read cannot be interrupted); with worker processes,
+    the stuck worker names its read and this process stops once no worker has finished an
+    image for that long (the others may still have been working)."""
     if workers == 1 or len(tasks) == 1:
         _init_worker()
-        for task in tasks:
-            yield work(*task)
+        with stop_on_a_stuck_read(read_timeout, "--read-timeout", "checking the data"):
+            for task in tasks:
+                yield work(*task)
         return
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     # Forked workers inherit what the tasks read (memory-mapped Arrow, the folder index) as it is.
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
-                             initializer=_init_worker) as pool:
-        for future in as_completed([pool.submit(work, *task) for task in tasks]):
-            yield future.result()
+    forking = multiprocessing.get_context("fork")
+    last_read = forking.RawValue("d", time.monotonic())
+    with ProcessPoolExecutor(max_workers=workers, mp_context=forking, initializer=_init_worker,
+                             initargs=(last_read, read_timeout)) as pool:
+        pending = {pool.submit(work, *task) for task in tasks}
+        while pending:
+            done, pending = wait(pending, timeout=min(1.0, read_timeout / 10 or 1.0),
+                                 return_when=FIRST_COMPLETED)
+            for future in done:
+                yield future.result()
+            if pending and read_timeout and time.monotonic() - last_read.value >= read_timeout:
+                pool.shutdown(wait=False, cancel_futures=True)
+                for worker in multiprocessing.active_children():
+                    worker.kill()  # SIGKILL: a read in the kernel may not return for SIGTERM
+                raise RunStopped(f"no image read in {read_timeout:g} s (--read-timeout), "
+                                 f"checking the data: a worker is stuck (its own line above "
+                                 f"names what it was reading); exit {STALLED_EXIT}, {RETRY_HINT}",
+                                 STALLED_EXIT)
 
 
 class _Progress:
@@ -148,7 +188,7 @@ def check(args) -> dict:
     config = _config(args)
     if is_shard_folder(config.data_dir):
         from accel_train.commands.check_shards import check_shards
-        return check_shards(config, args.workers, _Progress)
+        return check_shards(config, args.workers, _Progress, args.read_timeout)
     started = time.perf_counter()
     raw = open_data(config)
     splits = {name: ds for name, ds in raw.splits.items() if len(ds)}
@@ -162,7 +202,7 @@ def check(args) -> dict:
     unreadable, by_digest = [], defaultdict(list)
     progress = _Progress(sum(len(source) for source in sources.values()))
     try:
-        for split, start, results in _decode_all(sources, args.workers):
+        for split, start, results in _decode_all(sources, args.workers, args.read_timeout):
             for offset, (width, second, digest) in enumerate(results):
                 if width is None:
                     unreadable.append((split, start + offset, second))

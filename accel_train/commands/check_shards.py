@@ -23,11 +23,20 @@ import numpy as np
 def _check_shard(split: str, number: int, path: Path, num_classes: int) -> tuple:
     """(split, shard number, [(name, label or -1, width or None, height or reason, digest)]).
     Decoded one sample at a time: a shard may hold thousands of large photographs."""
+    from accel_train.commands.check_data import one_read_done
     from accel_train.data.decode import Unreadable, decode
+    from accel_train.data.loader_watch import reading
     from accel_train.data.streaming import iter_shard
     from accel_train.data.streaming.decoding import label_problem
     results = []
-    for image, label, name in iter_shard(path):
+    samples, name = iter_shard(path), None
+    while True:  # each sample's read noted: a shard on a dead mount stops the read mid-way
+        with reading(lambda after=name: str(path) + (f" after sample {after}" if after else "")):
+            sample = next(samples, None)
+        if sample is None:
+            break
+        one_read_done()
+        image, label, name = sample
         named = f"{path.name} {name}"
         digest = hashlib.blake2b(image, digest_size=16).digest() if image else None
         problem = label_problem(label, num_classes)  # as the run finds it
@@ -47,9 +56,10 @@ def _check_shard(split: str, number: int, path: Path, num_classes: int) -> tuple
     return split, number, results
 
 
-def check_shards(config, workers: int, progress) -> dict:
+def check_shards(config, workers: int, progress, read_timeout: float) -> dict:
     """Every sample of every split decoded; check_data's findings, as a JSON-ready dict.
-    `progress(total)`: an object with update(count) and close()."""
+    `progress(total)`: an object with update(count) and close(); a read stuck for
+    `read_timeout` seconds stops check-data (check_data.in_workers)."""
     from accel_train.commands.check_data import in_workers
     from accel_train.data.labels import classes_left_unreadable
     from accel_train.data.streaming import open_shards
@@ -63,7 +73,7 @@ def check_shards(config, workers: int, progress) -> dict:
     per_shard: dict[tuple[str, int], list] = {}
     bar = progress(sum(len(shards) for shards in splits.values()))
     try:
-        for split, number, results in in_workers(_check_shard, tasks, workers):
+        for split, number, results in in_workers(_check_shard, tasks, workers, read_timeout):
             per_shard[split, number] = results
             bar.update(len(results))
     finally:

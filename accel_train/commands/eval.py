@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from accel_train.cli import _Parser
+from accel_train.cli import RETRY_HINT, _Parser, stop_on_a_stuck_read
 from accel_train.commands import EMA_HELP
 from accel_train.config import PRECISIONS, SAMPLE_SUBSETS, TTA_MODES, TrainConfig
 from accel_train.base.errors import UsageError, first_few
@@ -65,9 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--num-workers", type=int, help="data loader workers per process "
                      "(default: as training chooses)")
     run.add_argument("--loader-timeout", type=float, metavar="SECONDS",
-                     help="seconds to wait for a batch from the loader workers before stopping "
-                          "in one line, exit 75 (a read stuck on a dead mount); 0 waits "
-                          "forever (default: the run's --loader-timeout)")
+                     help="seconds to wait for a batch from the loader workers, or for one "
+                          "image file eval reads itself (--num-workers 0), before stopping in "
+                          "one line, exit 75 (a read stuck on a dead mount); 0 waits forever "
+                          "(default: the run's --loader-timeout)")
     run.add_argument("--mixed-precision", choices=PRECISIONS, default="auto",
                      help="autocast precision; auto: what the run trained and evaluated in, on "
                           "the same kind of device (with its memory format), else fp16 on CUDA "
@@ -258,48 +259,50 @@ def main(argv: Sequence[str]) -> int:
         raise UsageError(f"--batch-size must be >= 1 (got {batch_size})")
     env = distributed.setup(TrainConfig())  # starts the process group when launched
     try:
-        cuda = torch.cuda.is_available()
-        asked, channels_last = as_the_run_ran(args.mixed_precision, run_record.get("resolved", {}),
-                                              cuda)
-        precision, warning = resolve_precision(asked, cuda, "evaluates")
-        acc = Accelerator(cpu=not cuda, mixed_precision=precision)
-        if warning:
-            print_once(f"warning: {warning}")
-        streamed = streaming_wanted(config)
-        if streamed and args.split != "held-out":
-            raise UsageError(f"--split {args.split}: a streamed run's training shards are read "
-                             f"by the trainer's loader only; evaluate its held-out split, or "
-                             f"pass --data-dir of a folder")
-        # one class is data to evaluate a classifier on, if not to train one
-        data = main_first(lambda: load_streaming(config) if streamed else
-                          load_data(config, min_classes=1, to_train=False))
-        changed = None if streamed else data_changed_since_run(data, run_record, args)
-        if changed:
-            print_once(f"warning: {changed}")
-        sources = (data.train, data.held_out, *([data.test] if data.test is not None else []))
-        for source in sources if not streamed else (data.held_out,):
-            align_labels(source, data.class_names, trained.spec.class_names, data.description)
-        spec = trained.spec
-        transform = held_out_transform(spec)
-        dataset = _dataset_for_split(data, args.split, transform, args.max_samples,
-                                     config.sample_subset)
-        cuda = acc.device.type == "cuda"
-        workers = args.num_workers if args.num_workers is not None else \
-            default_num_workers(data.held_out, env.local_world_size, cuda)
-        loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False, cuda,
-                                         timeout=config.loader_timeout))
-        model = load_model(trained).to(acc.device)  # not DDP-wrapped: inference only
-        tta = args.tta or spec.tta
-        if channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        batches = stop_when_stuck(loader, config.loader_timeout,
-                                  f"evaluating the {args.split} split",
-                                  then="for another try once the data can be read")
-        results = evaluate_classifier(acc, model, batches, spec.num_classes,
-                                      channels_last=channels_last, tta=tta)
-        ran_in = precision_name(precision) + (", channels_last" if channels_last else "")
-        print_once(_report(results, trained, data, args.split, acc.num_processes, acc.device,
-                           args.json, tta, ran_in))
+        # the reads made here (--num-workers 0); the workers' have the loader's timeout
+        with stop_on_a_stuck_read(config.loader_timeout, "--loader-timeout",
+                                  f"evaluating the {args.split} split"):
+            cuda = torch.cuda.is_available()
+            asked, channels_last = as_the_run_ran(args.mixed_precision,
+                                                  run_record.get("resolved", {}), cuda)
+            precision, warning = resolve_precision(asked, cuda, "evaluates")
+            acc = Accelerator(cpu=not cuda, mixed_precision=precision)
+            if warning:
+                print_once(f"warning: {warning}")
+            streamed = streaming_wanted(config)
+            if streamed and args.split != "held-out":
+                raise UsageError(f"--split {args.split}: a streamed run's training shards are read "
+                                 f"by the trainer's loader only; evaluate its held-out split, or "
+                                 f"pass --data-dir of a folder")
+            # one class is data to evaluate a classifier on, if not to train one
+            data = main_first(lambda: load_streaming(config) if streamed else
+                              load_data(config, min_classes=1, to_train=False))
+            changed = None if streamed else data_changed_since_run(data, run_record, args)
+            if changed:
+                print_once(f"warning: {changed}")
+            sources = (data.train, data.held_out, *([data.test] if data.test is not None else []))
+            for source in sources if not streamed else (data.held_out,):
+                align_labels(source, data.class_names, trained.spec.class_names, data.description)
+            spec = trained.spec
+            transform = held_out_transform(spec)
+            dataset = _dataset_for_split(data, args.split, transform, args.max_samples,
+                                         config.sample_subset)
+            cuda = acc.device.type == "cuda"
+            workers = args.num_workers if args.num_workers is not None else \
+                default_num_workers(data.held_out, env.local_world_size, cuda)
+            loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False, cuda,
+                                             timeout=config.loader_timeout))
+            model = load_model(trained).to(acc.device)  # not DDP-wrapped: inference only
+            tta = args.tta or spec.tta
+            if channels_last:
+                model = model.to(memory_format=torch.channels_last)
+            batches = stop_when_stuck(loader, config.loader_timeout,
+                                      f"evaluating the {args.split} split", then=RETRY_HINT)
+            results = evaluate_classifier(acc, model, batches, spec.num_classes,
+                                          channels_last=channels_last, tta=tta)
+            ran_in = precision_name(precision) + (", channels_last" if channels_last else "")
+            print_once(_report(results, trained, data, args.split, acc.num_processes, acc.device,
+                               args.json, tta, ran_in))
     finally:
         distributed.teardown()
     return 0

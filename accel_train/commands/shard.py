@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from accel_train.cli import _Parser
+from accel_train.cli import _Parser, stop_on_a_stuck_read
 from accel_train.base.errors import UsageError
 
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="held out when SRC has no held-out split (as training carves it)")
     parser.add_argument("--image-column", default=None)
     parser.add_argument("--label-column", default=None)
+    parser.add_argument("--read-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="seconds one image's read may take before shard stops in one "
+                             "line naming it, exit 75 (a network mount that went away); 0 "
+                             "waits for ever (default: 600)")
     parser.add_argument("--no-progress", action="store_true", help="no progress line")
     return parser
 
@@ -190,5 +194,12 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.data_dir is None and args.dataset is None:
         raise UsageError("pass --data-dir SRC (or --dataset synthetic)")
-    convert(args)
+    if not (0 <= args.read_timeout < float("inf")):
+        raise UsageError(f"--read-timeout must be seconds >= 0 (got {args.read_timeout:g}); "
+                         f"0 waits for ever")
+    # A file that never answers ends the process (its read cannot be interrupted): the
+    # .partial folder stays, and the next start on the same --output removes it first.
+    with stop_on_a_stuck_read(args.read_timeout, "--read-timeout",
+                              f"writing shards to {args.output}"):
+        convert(args)
     return 0

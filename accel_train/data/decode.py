@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from accel_train.data.loader_watch import reading
+
 _JPEG_MAGIC = b"\xff\xd8\xff"
 _SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 _ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
@@ -61,7 +63,8 @@ def read_value(value, root: Optional[Path] = None) -> Union[bytes, Image.Image]:
         if root is not None and not path.is_absolute():
             path = root / path
         try:
-            return path.read_bytes()
+            with reading(lambda: str(path)):  # named if it never returns (loader_watch.py)
+                return path.read_bytes()
         except FileNotFoundError:
             if root is not None:  # an indexed folder's file: it was there
                 raise Unreadable("the file is gone (deleted or moved since the data was "

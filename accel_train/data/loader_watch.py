@@ -1,13 +1,23 @@
-"""A loader worker stuck reading a file (a dead network mount, a disk that stopped answering)
-names that file itself.
+"""A read stuck on a file (a dead network mount, a disk that stopped answering) is named, and
+the process that waits for it stops instead of hanging silently.
 
-The training process only sees that no batch comes: the DataLoader's own timeout
-(--loader-timeout) ends the wait with "DataLoader timed out", which says nothing of why.  The
-worker knows what it was reading.  Each worker keeps a note of the images it is decoding and
-since when (`reading`, a module global: one per worker process), and a watch thread in it
-(`start_watch`, from the loader's worker_init_fn) says on stderr, once per stuck read, which
-file it has been reading and for how long, with the worker's Python stack, shortly before the
-training process gives up.  The note costs two assignments per batch.
+The process waiting only sees that nothing comes; the reader knows what it was reading.  Each
+reader keeps a note of the images it is reading and since when (`reading`, a module global: one
+per process; read_value notes each file it opens, a loader worker each batch), and a watch
+thread reads the note:
+
+* in a loader worker (`start_watch`, from the loader's worker_init_fn), the watch says on
+  stderr, once per stuck read, which file it has been reading and for how long, with the
+  worker's Python stack, shortly before the process waiting for it gives up (the DataLoader's
+  timeout: --loader-timeout);
+* in a process that reads images itself (`stop_when_a_read_sticks`: the train command's own
+  reads, the in-memory decoding at the start or --num-workers 0; eval, check-data, shard), the
+  watch ends the process in one line naming the file once the read has taken the timeout.  It
+  has to end it: a read blocked in the kernel cannot be interrupted from Python, so nothing
+  else would.  Only the command line installs it, never the Python API (a program's own process
+  is not ours to end).
+
+A note costs two assignments per read.
 """
 
 from __future__ import annotations
@@ -20,39 +30,93 @@ import threading
 import time
 from typing import Callable, Optional
 
+from accel_train.base.errors import STALLED_EXIT
+
 SAY_AT = 0.8  # of the loader timeout: the worker speaks before the training process stops
-_reading: Optional[tuple[Callable[[], str], float]] = None  # (what, since) in this worker
+_reading: Optional[tuple[Callable[[], str], float]] = None  # (what, since) in this process
+# stop_when_a_read_sticks' (timeout, line), and whether its thread runs
+_stopping: Optional[tuple[float, Callable[[str, float], str]]] = None
+_stop_watch_started = False
 
 
 @contextlib.contextmanager
 def reading(describe: Callable[[], str]):
-    """Around a read of image files: `describe()` names them (called only if it gets stuck)."""
+    """Around a read of image files: `describe()` names them (called only if it gets stuck).
+    Notes nest (a file read inside a batch's read): the innermost is the one watched, and the
+    outer one is watched again once it ends."""
     global _reading
+    outer = _reading
     _reading = (describe, time.monotonic())
     try:
         yield
     finally:
-        _reading = None
+        _reading = outer
 
 
-def start_watch(worker_id: int, timeout: float) -> None:
-    """In a loader worker: a daemon thread that names a read stuck for SAY_AT x `timeout`."""
-    if timeout <= 0:
-        return
-
+def _watch(name: str, every: float, after: Callable[[], float],
+           act: Callable[[str, float], None]) -> None:
+    """A daemon thread calling `act(what, seconds)` once for each note older than `after()`,
+    looking every `every` seconds."""
     def watch():
-        said_for = None
+        acted_on = None
         while True:
-            time.sleep(min(1.0, timeout / 10))
+            time.sleep(every)
             note = _reading
-            if note is None or note is said_for:
+            if note is None or note is acted_on:
                 continue
             describe, since = note
             stuck = time.monotonic() - since
-            if stuck >= SAY_AT * timeout:
-                said_for = note
-                print(f"accel_train: loader worker {worker_id} (pid {os.getpid()}) has been "
-                      f"reading {describe()} for {stuck:.0f} s", file=sys.stderr, flush=True)
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            if stuck >= after():
+                acted_on = note
+                act(describe(), stuck)
 
-    threading.Thread(target=watch, name="accel_train-loader-watch", daemon=True).start()
+    threading.Thread(target=watch, name=name, daemon=True).start()
+
+
+def start_watch(worker: str, timeout: float) -> None:
+    """In a worker process ("loader worker 3"): a daemon thread that names a read stuck for
+    SAY_AT x `timeout`."""
+    if timeout <= 0:
+        return
+
+    def say(what: str, stuck: float) -> None:
+        print(f"accel_train: {worker} (pid {os.getpid()}) has been reading {what} for "
+              f"{stuck:.0f} s", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+    _watch("accel_train-loader-watch", min(1.0, timeout / 10), lambda: SAY_AT * timeout, say)
+
+
+@contextlib.contextmanager
+def stop_when_a_read_sticks(timeout: float, stop_line: Callable[[str, float], str]):
+    """Within: in a command-line process that reads images itself, once a read noted with
+    `reading` has taken `timeout` seconds, print `stop_line(what, seconds)` on stderr and end
+    the process with exit code 75 (sysexits' EX_TEMPFAIL).  0 waits for ever.  One watch
+    thread per process, idle outside (a command called in a process that goes on)."""
+    global _stopping, _stop_watch_started
+    outer = _stopping
+    _stopping = (timeout, stop_line) if timeout > 0 else None
+    if timeout > 0 and not _stop_watch_started:
+        _stop_watch_started = True
+
+        def stop(what: str, stuck: float) -> None:
+            asked = _stopping
+            if asked is None:
+                return
+            sys.stdout.flush()
+            print(asked[1](what, stuck), file=sys.stderr, flush=True)
+            os._exit(STALLED_EXIT)  # the main thread sits in the read: no exception reaches it
+
+        # (the first timeout sets how often it looks: a tenth of it, at most every second)
+        _watch("accel_train-read-watch", min(1.0, timeout / 10),
+               lambda: _stopping[0] if _stopping is not None else float("inf"), stop)
+    try:
+        yield
+    finally:
+        _stopping = outer
+
+
+def read_stuck_line(what: str, seconds: float, flag: str, where: str, then: str) -> str:
+    """The one line of a stop by stop_when_a_read_sticks."""
+    return (f"reading {what} has taken {seconds:.0f} s ({flag}), {where}: the file system does "
+            f"not answer (a network mount that went away?); exit {STALLED_EXIT}, {then}")

@@ -86,7 +86,7 @@ def init_worker(worker_id: int, read_timeout: float, trainer: int) -> None:
     loader_worker_in_own_group(worker_id)
     end_with(trainer)
     stacks_on_request()
-    start_watch(worker_id, read_timeout)
+    start_watch(f"loader worker {worker_id}", read_timeout)
 
 
 def end_with(pid: int) -> None:

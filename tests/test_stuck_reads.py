@@ -1,0 +1,184 @@
+"""A read that never returns (a network mount that went away) stops each command that reads
+images in one line naming the file, exit 75, instead of hanging silently.
+
+The stuck file is real, not a patched function: a named pipe (FIFO) under an image's name.
+Opening it for reading blocks in the kernel until a writer comes, and none does, as a read
+from a dead mount blocks.  Each command runs in a process of its own: it is that process that
+has to end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from PIL import Image
+
+import imagekinds as kinds
+from conftest import accel_train, accel_train_here
+
+STOP = ("the file system does not answer (a network mount that went away?); exit 75, for "
+        "another try once the data can be read")
+
+
+def _image_folder(root: Path) -> Path:
+    """train/ and val/ with two classes of 8 small PNGs each."""
+    for split, count in (("train", 8), ("val", 4)):
+        for label, name in enumerate(("ant", "bee")):
+            (root / split / name).mkdir(parents=True)
+            for i in range(count):
+                Image.fromarray(kinds.pixels(100 * label + i, 16, 16)).save(
+                    root / split / name / f"{i}.png")
+    return root
+
+
+def _stuck_file(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def _no_process_mentions(text: str) -> list[str]:
+    """Processes still running whose command line holds `text` (a command's forked workers
+    carry its command line): none may outlive the command."""
+    left = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if process.info["status"] != psutil.STATUS_ZOMBIE and \
+                    any(text in part for part in process.info["cmdline"] or []):
+                left.append(f"{process.pid}: {' '.join(process.info['cmdline'])}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return left
+
+
+def _stopped(result: subprocess.CompletedProcess) -> str:
+    """The command's last line, once it has exited 75 without a traceback."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 75, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_a_note_names_the_innermost_read_and_the_outer_one_again_after_it(tmp_path):
+    """loader_watch's stop, in a process of its own (it ends that process): a read noted inside
+    another and finished leaves the outer read watched again, from when the outer one began;
+    its line comes after the timeout, with exit 75.  Outside the `with`, nothing is watched."""
+    script = textwrap.dedent("""
+        import sys, time
+        from accel_train.data.loader_watch import reading, stop_when_a_read_sticks
+        line = lambda what, seconds: f"stuck: {what} after {seconds:.1f} s"
+        with stop_when_a_read_sticks(1.0, line):
+            pass
+        with reading(lambda: "unwatched"):
+            time.sleep(1.5)  # no watch now: nothing happens
+        print("went on", flush=True)
+        with stop_when_a_read_sticks(1.0, line):
+            with reading(lambda: "outer"):
+                with reading(lambda: "inner"):
+                    pass
+                time.sleep(30)
+        print("never")
+    """)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60)
+    took = time.monotonic() - started
+    assert result.returncode == 75, result
+    assert result.stdout == "went on\n", result
+    stuck = result.stderr.strip()
+    assert stuck.startswith("stuck: outer after "), stuck
+    assert 1.0 <= float(stuck.split()[-2]) < 3.0, stuck
+    assert took < 20, took
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_check_data_stops_in_one_line_at_a_read_that_never_returns(tmp_path, workers):
+    """With one worker the read is the command's own and its line names the file; with two,
+    the stuck worker names the file (with its stack) and check-data stops once no image has
+    been read for --read-timeout, its workers killed."""
+    data = _image_folder(tmp_path / "data")
+    fifo = _stuck_file(data / "train" / "bee" / "stuck.png")
+    result = accel_train("check-data", "--data-dir", str(data), "--workers", str(workers),
+                         "--read-timeout", "3", timeout=120)
+    last = _stopped(result)
+    if workers == 1:
+        assert last == (f"accel_train: error: reading {fifo} has taken 3 s (--read-timeout), "
+                        f"checking the data: {STOP}"), last
+    else:
+        said = [line for line in result.stderr.splitlines() if "has been reading" in line]
+        assert len(said) == 1 and said[0].startswith("accel_train: check-data worker (pid "), \
+            result.stderr[-3000:]
+        assert said[0].endswith(f"has been reading {fifo} for 2 s") or \
+            said[0].endswith(f"has been reading {fifo} for 3 s"), said[0]  # at 80% of 3 s
+        assert last == ("accel_train: error: no image read in 3 s (--read-timeout), checking "
+                        "the data: a worker is stuck (its own line above names what it was "
+                        "reading); exit 75, for another try once the data can be read"), last
+    assert not _no_process_mentions(str(data))
+
+
+@pytest.mark.slow
+def test_shard_stops_in_one_line_and_its_next_start_finishes(tmp_path):
+    """shard reads in its own process: stopped, it leaves no --output folder (its .partial
+    one only), and once the file answers the same command writes every image."""
+    data, shards = _image_folder(tmp_path / "data"), tmp_path / "shards"
+    fifo = _stuck_file(data / "train" / "ant" / "stuck.png")
+    last = _stopped(accel_train("shard", "--data-dir", str(data), "--output", str(shards),
+                                "--read-timeout", "3", "--no-progress", timeout=120))
+    assert last == (f"accel_train: error: reading {fifo} has taken 3 s (--read-timeout), "
+                    f"writing shards to {shards}: {STOP}"), last
+    assert not shards.exists()
+    fifo.unlink()
+    Image.fromarray(kinds.pixels(7, 16, 16)).save(fifo)  # the mount is back
+    done = accel_train_here("shard", "--data-dir", str(data), "--output", str(shards),
+                            "--no-progress", check=True)
+    assert "wrote 25 images in" in done.stdout, done.stdout
+    assert not shards.with_name("shards.partial").exists()
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.slow
+def test_training_and_eval_stop_in_one_line_and_touch_no_checkpoint(tmp_path):
+    """A run trained on the folder; then a file of it stops answering.  Resumed, reading per
+    step in the training process (--in-memory never --num-workers 0), the run stops in one line
+    at its --loader-timeout, its checkpoints byte for byte as they were; eval reading the
+    held-out images itself stops alike; a start that decodes everything in memory too."""
+    data, out = _image_folder(tmp_path / "data"), tmp_path / "run"
+    common = ["--data-dir", str(data), "--model", "test_resnet", "--batch-size", "4",
+              "--max-eval-samples", "8", "--no-plots", "--progress", "log"]
+    accel_train_here(*common, "--epochs", "1", "--output-dir", str(out), check=True)
+    before = _digests(out / "checkpoints")
+    assert before, "the first run saved a checkpoint"
+    fifo = _stuck_file(data / "train" / "bee" / "stuck.png")
+    last = _stopped(accel_train(*common, "--epochs", "2", "--resume", "auto", "--in-memory",
+                                "never", "--num-workers", "0", "--loader-timeout", "3",
+                                "--output-dir", str(out), timeout=180))
+    assert last == (f"accel_train: error: reading {fifo} has taken 3 s (--loader-timeout), "
+                    f"training: the file system does not answer (a network mount that went "
+                    f"away?); exit 75, for a restart with --resume auto"), last
+    assert _digests(out / "checkpoints") == before
+    fifo.unlink()
+
+    held_out = _stuck_file(data / "val" / "ant" / "stuck.png")
+    last = _stopped(accel_train("eval", str(out), "--data-dir", str(data), "--num-workers", "0",
+                                "--loader-timeout", "3", timeout=180))
+    assert last == (f"accel_train: error: reading {held_out} has taken 3 s (--loader-timeout), "
+                    f"evaluating the held-out split: {STOP}"), last
+    held_out.unlink()
+
+    fifo = _stuck_file(data / "train" / "ant" / "stuck.png")
+    last = _stopped(accel_train(*common, "--epochs", "1", "--in-memory", "always",
+                                "--loader-timeout", "3", "--output-dir", str(tmp_path / "new"),
+                                timeout=180))
+    assert last.startswith(f"accel_train: error: reading {fifo} has taken 3 s"), last

@@ -10,9 +10,11 @@ has to end.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 from pathlib import Path
@@ -96,6 +98,52 @@ def test_a_note_names_the_innermost_read_and_the_outer_one_again_after_it(tmp_pa
     assert stuck.startswith("stuck: outer after "), stuck
     assert 1.0 <= float(stuck.split()[-2]) < 3.0, stuck
     assert took < 20, took
+
+
+@pytest.mark.slow
+def test_a_shard_that_stops_mid_way_is_named_with_the_sample_after_which_it_stopped(tmp_path):
+    """A streamed shard whose file answers for its first two tar records (the first sample
+    whole) and then never again, read by iter_shard as a streaming run and check-data read
+    shards, under the command line's watch: the first sample comes, then the line names the
+    shard and the sample after which it stopped.  The shard is a FIFO fed by a thread of the
+    reading process: a first writer for the look at its first block that tells a tar from a
+    parquet file, a second for the stream, which stops after 2 x 10,240 bytes."""
+    tar = io.BytesIO()
+    with tarfile.open(fileobj=tar, mode="w") as archive:
+        for key in range(3):  # 15,000 bytes of image and a label: 16,896 bytes a sample
+            for ext, data in (("jpg", os.urandom(15000)), ("cls", b"1")):
+                member = tarfile.TarInfo(f"{key:06d}.{ext}")
+                member.size = len(data)
+                archive.addfile(member, io.BytesIO(data))
+    (tmp_path / "shard.bytes").write_bytes(tar.getvalue())
+    fifo = _stuck_file(tmp_path / "000000.tar")
+    script = textwrap.dedent("""
+        import sys, threading, time
+        from pathlib import Path
+        fifo, data = Path(sys.argv[1]), Path(sys.argv[2]).read_bytes()
+        def answer_then_stall():
+            with open(fifo, "wb") as out:
+                try:
+                    out.write(data[:512])
+                except BrokenPipeError:
+                    pass
+            out = open(fifo, "wb")
+            out.write(data[:2 * 10240])
+            out.flush()
+            time.sleep(3600)
+        threading.Thread(target=answer_then_stall, daemon=True).start()
+        from accel_train.data.loader_watch import stop_when_a_read_sticks
+        from accel_train.data.streaming.shards import iter_shard
+        with stop_when_a_read_sticks(2.0, lambda what, seconds: f"stuck: {what}"):
+            for image, label, name in iter_shard(fifo):
+                print("read", name, len(image), label, flush=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", script, str(fifo),
+                             str(tmp_path / "shard.bytes")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 75, result
+    assert result.stdout == "read 000000 15000 1\n", result
+    assert result.stderr.strip() == f"stuck: {fifo} after sample 000000", result
 
 
 @pytest.mark.slow

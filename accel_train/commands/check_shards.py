@@ -25,18 +25,11 @@ def _check_shard(split: str, number: int, path: Path, num_classes: int) -> tuple
     Decoded one sample at a time: a shard may hold thousands of large photographs."""
     from accel_train.commands.check_data import one_read_done
     from accel_train.data.decode import Unreadable, decode
-    from accel_train.data.loader_watch import reading
     from accel_train.data.streaming import iter_shard
     from accel_train.data.streaming.decoding import label_problem
     results = []
-    samples, name = iter_shard(path), None
-    while True:  # each sample's read noted: a shard on a dead mount stops the read mid-way
-        with reading(lambda after=name: str(path) + (f" after sample {after}" if after else "")):
-            sample = next(samples, None)
-        if sample is None:
-            break
+    for image, label, name in iter_shard(path):  # (each sample's read noted)
         one_read_done()
-        image, label, name = sample
         named = f"{path.name} {name}"
         digest = hashlib.blake2b(image, digest_size=16).digest() if image else None
         problem = label_problem(label, num_classes)  # as the run finds it

@@ -17,6 +17,7 @@ import numpy as np
 
 from accel_train.base.errors import UsageError
 from accel_train.base.readers import BadFile, Shape, bad, parquet_file, read_json
+from accel_train.data.loader_watch import reading
 from accel_train.data.sources import IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, TEST_SPLIT_NAMES
 
 INDEX_NAME = "index.json"
@@ -106,8 +107,22 @@ def iter_parquet(path: Path, image_column: Optional[str] = None,
             row += 1
 
 
-def iter_shard(path: Path):
-    return iter_tar(path) if shard_kind(path) == "tar" else iter_parquet(path)
+def iter_shard(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
+    """(image bytes, label or None, sample name) of each sample of a shard, each sample's read
+    noted (loader_watch.reading): a shard on a mount that stops answering is named, and the
+    sample after which it stopped, by a loader worker's watch or the command's own."""
+    with reading(lambda: str(path)):
+        kind = shard_kind(path)
+    samples = iter_tar(path) if kind == "tar" else iter_parquet(path)
+    after = None
+    while True:
+        with reading(lambda previous=after: str(path) + (f" after sample {previous}"
+                                                         if previous else "")):
+            sample = next(samples, None)
+        if sample is None:
+            return
+        yield sample
+        after = sample[2]
 
 
 def parquet_class_names(path: Path) -> Optional[list[str]]:

@@ -173,6 +173,38 @@ def test_check_data_stops_in_one_line_at_a_read_that_never_returns(tmp_path, wor
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("command, listing", [("check-data", 2), ("shard", 1)])
+def test_a_folder_whose_listing_never_returns_is_named(tmp_path, command, listing):
+    """An image folder on a mount that stops answering while it is listed (before any image is
+    read): a listing of the class folder train/bee blocks (os.scandir wrapped in the command's
+    process, as a dead mount's directory read blocks in the kernel), and the command stops in
+    one line naming that folder.  The first listing is the search for parquet files, the
+    second the image folder's index.  A FIFO cannot stand for a folder, hence the seam."""
+    data = _image_folder(tmp_path / "data")
+    script = textwrap.dedent("""
+        import os, sys, time
+        listing, blocked, listed = os.scandir, int(sys.argv[1]), []
+        def scandir(path="."):
+            if os.fspath(path).endswith(os.path.join("train", "bee")):
+                listed.append(path)
+                if len(listed) == blocked:
+                    time.sleep(3600)
+            return listing(path)
+        os.scandir = scandir
+        from accel_train.cli import main
+        sys.exit(main(sys.argv[2:]))
+    """)
+    args = {"check-data": ["--workers", "1"], "shard": ["--output", str(tmp_path / "shards")]}
+    result = subprocess.run([sys.executable, "-c", script, str(listing), command, "--data-dir",
+                             str(data), "--read-timeout", "2", *args[command]],
+                            capture_output=True, text=True, timeout=120)
+    where = {"check-data": "checking the data",
+             "shard": f"writing shards to {tmp_path / 'shards'}"}[command]
+    assert _stopped(result) == (f"accel_train: error: reading the folder {data / 'train' / 'bee'}"
+                                f" has taken 2 s (--read-timeout), {where}: {STOP}")
+
+
+@pytest.mark.slow
 def test_shard_stops_in_one_line_and_its_next_start_finishes(tmp_path):
     """shard reads in its own process: stopped, it leaves no --output folder (its .partial
     one only), and once the file answers the same command writes every image."""

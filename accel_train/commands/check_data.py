@@ -124,9 +124,8 @@ def in_workers(work, tasks: list[tuple], workers: int, read_timeout: float):
     image for that long (the others may still have been working)."""
     if workers == 1 or len(tasks) == 1:
         _init_worker()
-        with stop_on_a_stuck_read(read_timeout, "--read-timeout", "checking the data"):
-            for task in tasks:
-                yield work(*task)
+        for task in tasks:  # (under main's watch: a stuck read ends the process)
+            yield work(*task)
         return
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -354,6 +353,8 @@ def format_table(findings: dict) -> str:
 
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
-    findings = check(args)
+    # this process's own reads: the folders listed, and the images with --workers 1
+    with stop_on_a_stuck_read(args.read_timeout, "--read-timeout", "checking the data"):
+        findings = check(args)
     print(json.dumps(findings) if args.json else format_table(findings), flush=True)
     return 1 if findings["problems"] else 0

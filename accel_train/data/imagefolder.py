@@ -40,6 +40,7 @@ from PIL import Image
 
 from accel_train.base.errors import UsageError
 from accel_train.base.readers import Shape, read_arrow_cache, read_text
+from accel_train.data.loader_watch import reading
 
 SPLIT_FOLDERS = {"train": "train", "training": "train", "validation": "validation",
                  "val": "validation", "valid": "validation", "dev": "validation",
@@ -151,19 +152,21 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
     stack = [(str(folder), prefix)]
     while stack:
         path, rel = stack.pop()
-        dirs.append((rel, os.stat(path).st_mtime_ns))  # before listing: a later change shows
         has_image = has_subfolder = False
-        with os.scandir(path) as entries:
-            for entry in entries:
-                name = entry.name
-                if left_out(name, entry.is_dir()):
-                    continue
-                if entry.is_dir():
-                    stack.append((entry.path, f"{rel}{name}/"))
-                    has_subfolder = True
-                elif os.path.splitext(name)[1].lower() in extensions:
-                    found.append(rel + name)
-                    has_image = True
+        # noted: a folder on a mount that stopped answering is named (loader_watch.py)
+        with reading(lambda folder=path: f"the folder {folder}"):
+            dirs.append((rel, os.stat(path).st_mtime_ns))  # before listing: a later change shows
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    name = entry.name
+                    if left_out(name, entry.is_dir()):
+                        continue
+                    if entry.is_dir():
+                        stack.append((entry.path, f"{rel}{name}/"))
+                        has_subfolder = True
+                    elif os.path.splitext(name)[1].lower() in extensions:
+                        found.append(rel + name)
+                        has_image = True
         if not (has_image or has_subfolder):
             empty.append(rel)
         progress.update(len(found))

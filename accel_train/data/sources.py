@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from accel_train.base.errors import UsageError, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.imagefolder import index_folder
+from accel_train.data.loader_watch import reading
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
                                             subset_if_cut)
 from accel_train.data.labels import (check_label_values, unreadable_classes_named,
@@ -458,6 +459,27 @@ def _own_class_labels(dataset, file: Path, data_dir: str):
     return dataset.cast(features)
 
 
+def files_under(root: Path, suffix: str = "") -> Iterator[Path]:
+    """The files under `root` whose names end in `suffix`, as Path.rglob finds them (symlinked
+    folders not followed, unreadable ones skipped), but each folder's listing noted
+    (loader_watch.reading): on a mount that stops answering, the folder is named.  Inside one
+    rglob call a large image folder's whole walk would be one read, too long to time."""
+    folders = [root]
+    while folders:
+        folder, files = folders.pop(), []
+        with reading(lambda listed=folder: f"the folder {listed}"):
+            try:
+                with os.scandir(folder) as entries:
+                    for entry in entries:
+                        if entry.is_dir(follow_symlinks=False):
+                            folders.append(Path(entry.path))
+                        elif entry.name.endswith(suffix) and entry.is_file():
+                            files.append(Path(entry.path))
+            except PermissionError:
+                continue
+        yield from files
+
+
 def _load_local(config: TrainConfig) -> RawData:
     """Every split of a save_to_disk folder, a folder of parquet files, or an image folder."""
     datasets = _quiet_datasets()
@@ -473,7 +495,7 @@ def _load_local(config: TrainConfig) -> RawData:
             loaded = datasets.DatasetDict(train=loaded)
         return RawData(dict(loaded), {split: RowNames(f"{data_dir} split '{split}'")
                                       for split in loaded}, data_dir)
-    parquet = sorted(file for file in path.rglob("*.parquet")
+    parquet = sorted(file for file in files_under(path, ".parquet")
                      if not any(part.startswith(".") for part in file.relative_to(path).parts))
     if parquet:
         files = parquet_splits(path, parquet)
@@ -490,7 +512,7 @@ def _load_local(config: TrainConfig) -> RawData:
                   for split, group in files.items()}
         return RawData(splits, {split: _parquet_names(path, group, rows)
                                 for split, group in files.items()}, data_dir)
-    if not any(p.is_file() for p in path.rglob("*")):
+    if next(files_under(path), None) is None:
         raise UsageError(f"--data-dir {data_dir} holds no files; expected parquet files, a "
                          f"save_to_disk folder or one subfolder of images per class")
     return _load_image_folder(config, path)

@@ -34,9 +34,6 @@ from accel_train.base.errors import STALLED_EXIT
 
 SAY_AT = 0.8  # of the loader timeout: the worker speaks before the training process stops
 _reading: Optional[tuple[Callable[[], str], float]] = None  # (what, since) in this process
-# stop_when_a_read_sticks' (timeout, line), and whether its thread runs
-_stopping: Optional[tuple[float, Callable[[str, float], str]]] = None
-_stop_watch_started = False
 
 
 class reading:  # lower case: used as a function is, `with reading(...)`
@@ -60,24 +57,27 @@ class reading:  # lower case: used as a function is, `with reading(...)`
         _reading = self.outer
 
 
-def _watch(name: str, every: float, after: Callable[[], float],
-           act: Callable[[str, float], None]) -> None:
-    """A daemon thread calling `act(what, seconds)` once for each note older than `after()`,
-    looking every `every` seconds."""
+def _watch(name: str, every: float, after: float, act: Callable[[str, float], None],
+           done: Optional[threading.Event] = None) -> threading.Thread:
+    """A daemon thread calling `act(what, seconds)` once for each note older than `after`
+    seconds, looking every `every` seconds, until `done` is set."""
+    done = done or threading.Event()
+
     def watch():
         acted_on = None
-        while True:
-            time.sleep(every)
+        while not done.wait(every):
             note = _reading
             if note is None or note is acted_on:
                 continue
             describe, since = note
             stuck = time.monotonic() - since
-            if stuck >= after():
+            if stuck >= after:
                 acted_on = note
                 act(describe(), stuck)
 
-    threading.Thread(target=watch, name=name, daemon=True).start()
+    thread = threading.Thread(target=watch, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 def start_watch(worker: str, timeout: float) -> None:
@@ -91,36 +91,32 @@ def start_watch(worker: str, timeout: float) -> None:
               f"{stuck:.0f} s", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
-    _watch("accel_train-loader-watch", min(1.0, timeout / 10), lambda: SAY_AT * timeout, say)
+    _watch("accel_train-loader-watch", min(1.0, timeout / 10), SAY_AT * timeout, say)
 
 
 @contextlib.contextmanager
 def stop_when_a_read_sticks(timeout: float, stop_line: Callable[[str, float], str]):
     """Within: in a command-line process that reads images itself, once a read noted with
     `reading` has taken `timeout` seconds, print `stop_line(what, seconds)` on stderr and end
-    the process with exit code 75 (sysexits' EX_TEMPFAIL).  0 waits for ever.  One watch
-    thread per process, idle outside (a command called in a process that goes on)."""
-    global _stopping, _stop_watch_started
-    outer = _stopping
-    _stopping = (timeout, stop_line) if timeout > 0 else None
-    if timeout > 0 and not _stop_watch_started:
-        _stop_watch_started = True
+    the process with exit code 75 (sysexits' EX_TEMPFAIL).  0 waits for ever.  The watch's
+    thread ends with the `with` (a process then exits, or goes on, without it: a thread still
+    running as the interpreter exits is one more thing for its shutdown to meet)."""
+    if timeout <= 0:
+        yield
+        return
 
-        def stop(what: str, stuck: float) -> None:
-            asked = _stopping
-            if asked is None:
-                return
-            sys.stdout.flush()
-            print(asked[1](what, stuck), file=sys.stderr, flush=True)
-            os._exit(STALLED_EXIT)  # the main thread sits in the read: no exception reaches it
+    def stop(what: str, stuck: float) -> None:
+        sys.stdout.flush()
+        print(stop_line(what, stuck), file=sys.stderr, flush=True)
+        os._exit(STALLED_EXIT)  # the main thread sits in the read: no exception reaches it
 
-        # (the first timeout sets how often it looks: a tenth of it, at most every second)
-        _watch("accel_train-read-watch", min(1.0, timeout / 10),
-               lambda: _stopping[0] if _stopping is not None else float("inf"), stop)
+    done = threading.Event()
+    thread = _watch("accel_train-read-watch", min(1.0, timeout / 10), timeout, stop, done)
     try:
         yield
     finally:
-        _stopping = outer
+        done.set()
+        thread.join()
 
 
 def read_stuck_line(what: str, seconds: float, flag: str, where: str, then: str) -> str:

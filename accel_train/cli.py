@@ -206,6 +206,14 @@ def error_prefix() -> str:
 RETRY_HINT = "for another try once the data can be read"  # what exit 75 is for, outside training
 
 
+def read_timeout_checked(seconds: float) -> float:
+    """--read-timeout's value (check-data, shard), or the one-line error."""
+    if not (0 <= seconds < float("inf")):
+        raise UsageError(f"--read-timeout must be seconds >= 0 (got {seconds:g}); 0 waits for "
+                         f"ever")
+    return seconds
+
+
 def stop_on_a_stuck_read(timeout: float, flag: str, where: str, then: str = RETRY_HINT):
     """Within: this command's own reads of image files; one that takes `timeout` seconds (a
     network mount that went away) ends the process in one line naming the file, exit 75

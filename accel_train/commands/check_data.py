@@ -23,7 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
 
-from accel_train.cli import RETRY_HINT, _Parser, stop_on_a_stuck_read
+from accel_train.cli import RETRY_HINT, _Parser, read_timeout_checked, stop_on_a_stuck_read
 from accel_train.base.errors import STALLED_EXIT, RunStopped, UsageError
 from accel_train.data.loader_watch import start_watch
 
@@ -62,9 +62,7 @@ def _config(args):
         raise UsageError("check-data needs the data: pass --data-dir DIR (or --dataset NAME)")
     if args.workers < 1:
         raise UsageError(f"--workers must be a whole number >= 1 (got {args.workers})")
-    if not (0 <= args.read_timeout < float("inf")):
-        raise UsageError(f"--read-timeout must be seconds >= 0 (got {args.read_timeout:g}); "
-                         f"0 waits for ever")
+    read_timeout_checked(args.read_timeout)
     return TrainConfig(dataset=args.dataset or "synthetic", data_dir=args.data_dir,
                        image_column=args.image_column, label_column=args.label_column,
                        val_labels=args.val_labels, class_depth=args.class_depth,

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from accel_train.cli import _Parser, stop_on_a_stuck_read
+from accel_train.cli import _Parser, read_timeout_checked, stop_on_a_stuck_read
 from accel_train.base.errors import UsageError
 
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
@@ -194,9 +194,7 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.data_dir is None and args.dataset is None:
         raise UsageError("pass --data-dir SRC (or --dataset synthetic)")
-    if not (0 <= args.read_timeout < float("inf")):
-        raise UsageError(f"--read-timeout must be seconds >= 0 (got {args.read_timeout:g}); "
-                         f"0 waits for ever")
+    read_timeout_checked(args.read_timeout)
     # A file that never answers ends the process (its read cannot be interrupted): the
     # .partial folder stays, and the next start on the same --output removes it first.
     with stop_on_a_stuck_read(args.read_timeout, "--read-timeout",

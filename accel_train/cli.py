@@ -207,7 +207,7 @@ RETRY_HINT = "for another try once the data can be read"  # what exit 75 is for,
 
 
 def read_timeout_checked(seconds: float) -> float:
-    """--read-timeout's value (check-data, shard), or the one-line error."""
+    """--read-timeout's value (check-data, shard, predict), or the one-line error."""
     if not (0 <= seconds < float("inf")):
         raise UsageError(f"--read-timeout must be seconds >= 0 (got {seconds:g}); 0 waits for "
                          f"ever")

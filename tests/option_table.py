@@ -533,6 +533,9 @@ ROWS: dict[str, Row] = {
     "predict --ema": effect(
         "test_commands.py::test_a_checkpoints_ema_weights_through_eval_export_and_predict",
         "the checkpoint's EMA weights: the same lines as predict of export --ema"),
+    "predict --read-timeout": effect(
+        "test_stuck_reads.py::test_training_and_eval_stop_in_one_line_and_touch_no_checkpoint",
+        "a FIFO given as the image: exit 75 after the 3 s given, the one line naming it"),
     "predict --json": effect(
         "test_commands.py::test_predict_table_and_json_lines",
         "one JSON object per image with its ranked classes"),

@@ -5,9 +5,11 @@ the ~10 s import of torch/timm/accelerate per call; the two-process eval goes th
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -258,11 +260,28 @@ def test_the_last_words_name_the_run_folder_as_a_shell_takes_it(tmp_path, capsys
 @pytest.mark.parametrize("flags, expected", [
     (["--top-k", "0"], "--top-k must be a whole number >= 1 (got 0)"),
     (["--batch-size", "-2"], "--batch-size must be a whole number >= 1 (got -2)"),
+    (["--read-timeout", "-1"], "--read-timeout must be seconds >= 0 (got -1); 0 waits for ever"),
 ])
 def test_predict_names_the_flag_that_is_out_of_range(run_dir, image_folder, capsys, flags,
                                                       expected):
     code, _, err = command(capsys, "predict", str(run_dir), str(image_folder), *flags)
     assert code == 2 and err.strip().splitlines() == [f"accel_train: error: {expected}"], err
+
+
+def test_predict_reads_an_image_from_a_pipe_as_from_its_file(run_dir, image_folder, tmp_path,
+                                                             capsys):
+    """`accel-train predict RUN <(curl -s URL)`: the shell passes a pipe, not a regular file;
+    its image is predicted as the same bytes in a file are."""
+    source = sorted((image_folder / "ring").glob("*.png"))[0]
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=pipe.write_bytes, args=(source.read_bytes(),))
+    writer.start()
+    from_pipe = predict_json(capsys, str(run_dir), str(pipe))
+    writer.join(timeout=30)
+    from_file = predict_json(capsys, str(run_dir), str(source))
+    assert [row["image"] for row in from_pipe] == [str(pipe)]
+    assert from_pipe[0]["predictions"] == from_file[0]["predictions"]
 
 
 def test_predict_of_a_folder_takes_every_extension_training_takes(run_dir, image_folder,

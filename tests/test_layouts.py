@@ -20,6 +20,7 @@ from PIL import Image
 from accel_train.cli import main
 from accel_train.config import TrainConfig
 from accel_train.base.errors import UsageError
+from accel_train.data import imagefolder
 from accel_train.data.imagefolder import index_folder
 from accel_train.data.sources import load_data
 from conftest import PINNED, accel_train, accel_train_here, age_folders
@@ -255,6 +256,60 @@ def test_the_index_is_cached_and_rebuilt_when_a_folder_changes(tmp_path):
         assert before.cached and not after.cached
         assert after.splits["train"][0].to_pylist() != before.splits["train"][0].to_pylist()
     assert "z" in after.class_names
+
+
+def _parquet(path: Path, rows: int) -> None:
+    """A parquet file of `rows` rows in the shape `datasets` writes: PNG bytes and labels."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    blobs = []
+    for seed in range(rows):
+        buffer = io.BytesIO()
+        Image.fromarray(np.full((4, 4, 3), seed, np.uint8)).save(buffer, format="PNG")
+        blobs.append({"bytes": buffer.getvalue(), "path": None})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"image": blobs, "label": [i % 2 for i in range(rows)]}), path)
+
+
+def test_an_unchanged_indexed_folder_starts_without_listing_a_folder(tmp_path, monkeypatch):
+    """The cached index is tried before the search for parquet files (a listing of every
+    folder in the tree): an unchanged image folder's start lists none, and a parquet file
+    added anywhere that search looks changes a folder the index saw, so it is found."""
+    root, cache = tmp_path / "data", tmp_path / "cache"
+    _files(root, [f"{c}/{i}.png" for c in ("x", "y") for i in range(10)])
+    age_folders(root)
+    index_folder(root, cache_dir=cache, cache_min_files=0)  # the first start's walk, cached
+    monkeypatch.setenv(imagefolder.CACHE_ENV, str(cache))
+    listed = []
+    scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path=".": listed.append(path) or scandir(path))
+    config = TrainConfig(data_dir=str(root), in_memory="never", val_fraction=0.1)
+    data = load_data(config)
+    assert listed == [] and data.class_names == ["x", "y"]
+    assert sorted(_paths(data.train) + _paths(data.held_out)) == \
+        sorted(f"{c}/{i}.png" for c in ("x", "y") for i in range(10))
+    for where in ("train.parquet", "y/more.parquet"):
+        _parquet(root / where, rows=6)
+        loaded = load_data(config)
+        assert len(loaded.train) + len(loaded.held_out) == 6, where
+        assert listed, where  # the folder was searched again, and the parquet file taken
+        (root / where).unlink()
+        age_folders(root)
+        index_folder(root, cache_dir=cache, cache_min_files=0)
+        listed.clear()
+
+
+def test_the_search_for_parquet_files_leaves_out_what_datasets_leaves_out(tmp_path):
+    """Hidden files and folders and folders starting with `__` hold no data for `datasets`
+    (its data_files patterns) nor for the image-folder index: nor for the search."""
+    _parquet(tmp_path / "train.parquet", rows=4)
+    for left_out in (".cache/train.parquet", "__MACOSX/train.parquet", "._train.parquet",
+                     "sub/__old/train-00001.parquet"):
+        _parquet(tmp_path / left_out, rows=3)
+    data = load_data(TrainConfig(data_dir=str(tmp_path), in_memory="never", val_fraction=0.25))
+    assert len(data.train) + len(data.held_out) == 4
 
 
 @pytest.mark.slow

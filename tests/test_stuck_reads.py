@@ -239,7 +239,8 @@ def test_training_and_eval_stop_in_one_line_and_touch_no_checkpoint(tmp_path):
     """A run trained on the folder; then a file of it stops answering.  Resumed, reading per
     step in the training process (--in-memory never --num-workers 0), the run stops in one line
     at its --loader-timeout, its checkpoints byte for byte as they were; eval reading the
-    held-out images itself stops alike; a start that decodes everything in memory too."""
+    held-out images itself stops alike, and predict at its --read-timeout; a start that decodes
+    everything in memory too."""
     data, out = _image_folder(tmp_path / "data"), tmp_path / "run"
     common = ["--data-dir", str(data), "--model", "test_resnet", "--batch-size", "4",
               "--max-eval-samples", "8", "--no-plots", "--progress", "log"]
@@ -262,6 +263,13 @@ def test_training_and_eval_stop_in_one_line_and_touch_no_checkpoint(tmp_path):
     assert last == (f"accel_train: error: reading {held_out} has taken 3 s (--loader-timeout), "
                     f"evaluating the held-out split: {STOP}"), last
     held_out.unlink()
+
+    # predict of a file that does not answer (given as itself: a pipe is a file predict reads)
+    photo = _stuck_file(tmp_path / "photo.png")
+    last = _stopped(accel_train("predict", str(out), str(data / "val" / "bee"), str(photo),
+                                "--read-timeout", "3", timeout=180))
+    assert last == (f"accel_train: error: reading {photo} has taken 3 s (--read-timeout), "
+                    f"predicting: {STOP}"), last
 
     fifo = _stuck_file(data / "train" / "ant" / "stuck.png")
     last = _stopped(accel_train(*common, "--epochs", "1", "--in-memory", "always",

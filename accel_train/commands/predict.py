@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from accel_train.base.columns import display_width, pad
-from accel_train.cli import _Parser
+from accel_train.cli import _Parser, read_timeout_checked, stop_on_a_stuck_read
 from accel_train.commands import EMA_HELP
 from accel_train.config import PRECISIONS
 from accel_train.base.errors import UsageError
@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "on the same kind of device (with its memory format), as eval does, "
                              "else fp16 on CUDA and fp32 on a CPU; an .onnx model runs as it "
                              "was exported (default: auto)")
+    parser.add_argument("--read-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="seconds one image's read (or a folder's listing) may take before "
+                             "predict stops in one line naming it, exit 75 (a network mount "
+                             "that went away); 0 waits for ever (default: 600)")
     parser.add_argument("--json", action="store_true",
                         help='one JSON object per line: {"image": ..., "predictions": '
                              '[{"class": ..., "index": ..., "probability": ...}, ...]}')
@@ -51,25 +55,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def find_images(inputs: Sequence[str]) -> list[Path]:
-    """Files as given; folders expanded (sorted, recursive) to the image files inside, less
-    what training leaves out of a folder too (`._photo.jpg`, `__MACOSX/`: imagefolder.py)."""
-    from accel_train.data.imagefolder import image_extensions, left_out
+    """Files as given (a pipe too: `<(curl -s URL)`); folders expanded (sorted, recursive) to
+    the image files inside, less what training leaves out of a folder too (`._photo.jpg`,
+    `__MACOSX/`: imagefolder.py)."""
+    from accel_train.data.imagefolder import files_under, image_extensions
+    from accel_train.data.loader_watch import reading
     suffixes = image_extensions()  # training's: a folder predicts what it would train on
     images: list[Path] = []
     for text in inputs:
         path = Path(text)
-        if path.is_file():
-            images.append(path)
-        elif path.is_dir():
-            found = sorted(p for p in path.rglob("*")
-                           if p.is_file() and p.suffix.lower() in suffixes
-                           and not left_out(p.name, False)
-                           and not any(left_out(part, True)
-                                       for part in p.relative_to(path).parts[:-1]))
+        with reading(lambda given=text: given):  # a look at a dead mount blocks as a read does
+            is_folder, exists = path.is_dir(), path.exists()
+        if is_folder:
+            found = sorted(p for p in files_under(path) if p.suffix.lower() in suffixes)
             if not found:
                 raise UsageError(f"{text}: no image files in that folder (looked for every "
                                  f"extension PIL opens: .jpg, .png, .webp, .tif, ...)")
             images.extend(found)
+        elif exists:
+            images.append(path)
         else:
             raise UsageError(f"{text}: no such image file or folder")
     return list(dict.fromkeys(images))  # a file given twice (or inside two folders) once
@@ -163,6 +167,13 @@ def main(argv: Sequence[str]) -> int:
     for flag, value in (("--top-k", args.top_k), ("--batch-size", args.batch_size)):
         if value < 1:
             raise UsageError(f"{flag} must be a whole number >= 1 (got {value})")
+    read_timeout_checked(args.read_timeout)
+    # this process's own reads: the paths given, the folders listed, each image
+    with stop_on_a_stuck_read(args.read_timeout, "--read-timeout", "predicting"):
+        return _predict_all(args)
+
+
+def _predict_all(args) -> int:
     images = find_images(args.inputs)
     import torch
 

@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -88,15 +88,27 @@ def index_folder(root: str | Path, class_depth: Optional[int] = None,
     walking it (and cached when large).  `say` gets the progress lines; UsageError for folders
     that are not a dataset (no images, an empty class folder, images outside class folders)."""
     root = Path(root)
-    cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
-    key = _cache_key(root, class_depth, val_labels)
-    cached = _read_cache(cache_dir / f"{key}.arrow", root)
+    cached = cached_index(root, class_depth, val_labels, cache_dir)
     if cached is not None:
         return cached
     index = _build(root, class_depth, val_labels, say)
     if len(index) >= cache_min_files:
-        _write_cache(cache_dir / f"{key}.arrow", index)
+        _write_cache(_cache_file(root, class_depth, val_labels, cache_dir), index)
     return index
+
+
+def cached_index(root: str | Path, class_depth: Optional[int] = None,
+                 val_labels: Optional[str] = None,
+                 cache_dir: Optional[Path] = None) -> Optional[FolderIndex]:
+    """The cached index of `root` when every folder its walk saw still has its mtime (nothing
+    added, removed or renamed in any of them), else None."""
+    root = Path(root)
+    return _read_cache(_cache_file(root, class_depth, val_labels, cache_dir), root)
+
+
+def _cache_file(root: Path, class_depth, val_labels, cache_dir: Optional[Path]) -> Path:
+    cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
+    return cache_dir / f"{_cache_key(root, class_depth, val_labels)}.arrow"
 
 
 def default_cache_dir() -> Path:
@@ -143,6 +155,31 @@ def left_out(name: str, is_folder: bool) -> bool:
     """Hidden files and folders (`.DS_Store`, macOS's `._photo.jpg`) and folders starting with
     `__` (`__MACOSX`, `__pycache__`): never images, in training, check-data or predict."""
     return name.startswith(".") or (is_folder and name.startswith("__"))
+
+
+def files_under(root: Path, suffix: str = "") -> Iterator[Path]:
+    """The files under `root` whose names end in `suffix`, leaving out what datasets' own
+    search of a data folder leaves out and so does the image folder's index (hidden files and
+    folders, folders starting with `__`), symlinked folders not followed, unreadable ones
+    skipped.  Each folder's listing is noted (loader_watch.reading): on a mount that stops
+    answering, the folder is named (one rglob over a large folder would be one read, too long
+    to time)."""
+    folders = [root]
+    while folders:
+        folder, files = folders.pop(), []
+        with reading(lambda listed=folder: f"the folder {listed}"):
+            try:
+                with os.scandir(folder) as entries:
+                    for entry in entries:
+                        if entry.is_dir(follow_symlinks=False):
+                            if not left_out(entry.name, is_folder=True):
+                                folders.append(Path(entry.path))
+                        elif (entry.name.endswith(suffix) and not left_out(entry.name, False)
+                              and entry.is_file()):
+                            files.append(Path(entry.path))
+            except PermissionError:
+                continue
+        yield from files
 
 
 def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: list[str],
@@ -408,6 +445,12 @@ def _write_cache(path: Path, index: FolderIndex) -> None:
         return  # a read-only home: every start walks the folder
 
 
+def _mtime(folder: Path) -> int:
+    # noted: on a mount that stopped answering, the folder is named (loader_watch.py)
+    with reading(lambda: f"the folder {folder}"):
+        return os.stat(folder).st_mtime_ns
+
+
 # What the cache's metadata holds (_write_cache); another shape is a damaged cache, rebuilt.
 CACHE_META = Shape({"root": str, "classes": list, "splits": list, "dirs": list})
 
@@ -419,7 +462,7 @@ def _read_cache(path: Path, root: Path) -> Optional[FolderIndex]:
         return None  # missing or damaged: the folder is walked again and the cache rewritten
     table, meta = read
     try:
-        if any(os.stat(root / rel).st_mtime_ns != mtime for rel, mtime in meta["dirs"]):
+        if any(_mtime(root / rel) != mtime for rel, mtime in meta["dirs"]):
             return None
     except OSError:  # a folder is gone
         return None

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -31,8 +31,7 @@ from accel_train.data.decode import Unreadable, decode_many, read_value
 from accel_train.base.errors import UsageError, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
-from accel_train.data.imagefolder import index_folder
-from accel_train.data.loader_watch import reading
+from accel_train.data.imagefolder import FolderIndex, cached_index, files_under, index_folder
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
                                             subset_if_cut)
 from accel_train.data.labels import (check_label_values, unreadable_classes_named,
@@ -459,27 +458,6 @@ def _own_class_labels(dataset, file: Path, data_dir: str):
     return dataset.cast(features)
 
 
-def files_under(root: Path, suffix: str = "") -> Iterator[Path]:
-    """The files under `root` whose names end in `suffix`, as Path.rglob finds them (symlinked
-    folders not followed, unreadable ones skipped), but each folder's listing noted
-    (loader_watch.reading): on a mount that stops answering, the folder is named.  Inside one
-    rglob call a large image folder's whole walk would be one read, too long to time."""
-    folders = [root]
-    while folders:
-        folder, files = folders.pop(), []
-        with reading(lambda listed=folder: f"the folder {listed}"):
-            try:
-                with os.scandir(folder) as entries:
-                    for entry in entries:
-                        if entry.is_dir(follow_symlinks=False):
-                            folders.append(Path(entry.path))
-                        elif entry.name.endswith(suffix) and entry.is_file():
-                            files.append(Path(entry.path))
-            except PermissionError:
-                continue
-        yield from files
-
-
 def _load_local(config: TrainConfig) -> RawData:
     """Every split of a save_to_disk folder, a folder of parquet files, or an image folder."""
     datasets = _quiet_datasets()
@@ -495,8 +473,13 @@ def _load_local(config: TrainConfig) -> RawData:
             loaded = datasets.DatasetDict(train=loaded)
         return RawData(dict(loaded), {split: RowNames(f"{data_dir} split '{split}'")
                                       for split in loaded}, data_dir)
-    parquet = sorted(file for file in files_under(path, ".parquet")
-                     if not any(part.startswith(".") for part in file.relative_to(path).parts))
+    # An image folder indexed before and unchanged since is one still: a parquet file added
+    # anywhere the search below looks changes the mtime of a folder the index saw.  The search
+    # lists every folder of the tree, most of a repeated start at a million files.
+    index = cached_index(path, config.class_depth, config.val_labels)
+    if index is not None:
+        return _image_folder_data(path, index)
+    parquet = sorted(files_under(path, ".parquet"))
     if parquet:
         files = parquet_splits(path, parquet)
         rows = {file: _parquet_rows(file, data_dir) for file in parquet}  # each footer read once
@@ -520,11 +503,15 @@ def _load_local(config: TrainConfig) -> RawData:
 
 def _load_image_folder(config: TrainConfig, path: Path) -> RawData:
     """An image folder through our own index (imagefolder.py): splits of (path, label) rows."""
+    return _image_folder_data(path, index_folder(path, config.class_depth, config.val_labels,
+                                                 say=print_once))
+
+
+def _image_folder_data(path: Path, index: FolderIndex) -> RawData:
     import pyarrow as pa
     from datasets import ClassLabel, Dataset, DatasetInfo, Features, Image as ImageFeature
     from datasets.table import InMemoryTable
 
-    index = index_folder(path, config.class_depth, config.val_labels, say=print_once)
     features = Features({"image": ImageFeature(decode=False),
                          "label": ClassLabel(names=index.class_names)})
     splits = {}

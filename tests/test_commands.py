@@ -4,6 +4,7 @@ the ~10 s import of torch/timm/accelerate per call; the two-process eval goes th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -275,10 +276,18 @@ def test_predict_reads_an_image_from_a_pipe_as_from_its_file(run_dir, image_fold
     source = sorted((image_folder / "ring").glob("*.png"))[0]
     pipe = tmp_path / "pipe"
     os.mkfifo(pipe)
-    writer = threading.Thread(target=pipe.write_bytes, args=(source.read_bytes(),))
+
+    def feed() -> None:
+        with contextlib.suppress(BrokenPipeError):
+            pipe.write_bytes(source.read_bytes())
+
+    writer = threading.Thread(target=feed, daemon=True)
     writer.start()
-    from_pipe = predict_json(capsys, str(run_dir), str(pipe))
-    writer.join(timeout=30)
+    try:
+        from_pipe = predict_json(capsys, str(run_dir), str(pipe))
+    finally:  # a writer still waiting for its reader (predict never opened the pipe) gets one
+        os.close(os.open(pipe, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(timeout=30)
     from_file = predict_json(capsys, str(run_dir), str(source))
     assert [row["image"] for row in from_pipe] == [str(pipe)]
     assert from_pipe[0]["predictions"] == from_file[0]["predictions"]

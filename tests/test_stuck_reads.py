@@ -211,6 +211,36 @@ def test_a_folder_whose_listing_never_returns_is_named(tmp_path, command, listin
 
 
 @pytest.mark.slow
+def test_a_cached_index_whose_folder_never_answers_is_named(tmp_path):
+    """A repeated start reads the image folder's cached index after checking each folder's
+    mtime, before anything lists the tree: a folder whose stat blocks there (os.stat wrapped in
+    the command's process, as a dead mount's blocks in the kernel) is named in the one line."""
+    from accel_train.data.imagefolder import CACHE_ENV, index_folder
+    from conftest import age_folders, test_env
+
+    data, cache = _image_folder(tmp_path / "data"), tmp_path / "cache"
+    age_folders(data)
+    index_folder(data, cache_dir=cache, cache_min_files=0)  # the first start's walk, cached
+    script = textwrap.dedent("""
+        import os, sys, time
+        look = os.stat
+        def stat(path, *args, **kwargs):
+            if os.fspath(path).endswith(os.path.join("train", "bee")):
+                time.sleep(3600)
+            return look(path, *args, **kwargs)
+        os.stat = stat
+        from accel_train.cli import main
+        sys.exit(main(sys.argv[1:]))
+    """)
+    result = subprocess.run([sys.executable, "-c", script, "check-data", "--data-dir", str(data),
+                             "--workers", "1", "--read-timeout", "2"],
+                            capture_output=True, text=True, timeout=120,
+                            env=test_env(**{CACHE_ENV: str(cache)}))
+    assert _stopped(result) == (f"accel_train: error: reading the folder {data / 'train' / 'bee'}"
+                                f" has taken 2 s (--read-timeout), checking the data: {STOP}")
+
+
+@pytest.mark.slow
 def test_shard_stops_in_one_line_and_its_next_start_finishes(tmp_path):
     """shard reads in its own process: stopped, it leaves no --output folder (its .partial
     one only), and once the file answers the same command writes every image."""

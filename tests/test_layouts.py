@@ -209,6 +209,14 @@ def _bad(tmp_path: Path, case: str) -> tuple[list[str], str]:
         return ["--data-dir", str(split)], \
             (f"split folder {split}/val holds no images; put its images in one folder per "
              f"class inside it, or remove it")
+    elif case == "symlink loop":
+        # a link inside a class folder back to the data folder: walked, it never ends
+        looped = tmp_path / "l"
+        _files(looped, ["cat/1.png", "dog/2.png"])
+        (looped / "cat" / "back").symlink_to("..")
+        return ["--data-dir", str(looped)], \
+            (f"the folder {looped}/cat/back is a link back to {looped}, which holds it (a "
+             f"symlink loop: indexing would never end); remove the link or point it elsewhere")
     elif case == "unlabelled held-out folder":
         return ["--data-dir", str(root)], \
             f"{root}/val/ILSVRC2012_val_00000001.JPEG is not inside a class folder"
@@ -220,7 +228,8 @@ def _bad(tmp_path: Path, case: str) -> tuple[list[str], str]:
 @pytest.mark.parametrize("case", ["no images", "empty class folder", "label for a missing image",
                                   "unknown class", "class number", "unlabelled image",
                                   "no label file", "unlabelled held-out folder",
-                                  "held-out class never trained", "empty split folder"])
+                                  "held-out class never trained", "empty split folder",
+                                  "symlink loop"])
 def test_bad_folders_and_label_files_are_one_line_errors(tmp_path, capsys, case):
     args, expected = _bad(tmp_path, case)
     out = tmp_path / "run"
@@ -230,6 +239,19 @@ def test_bad_folders_and_label_files_are_one_line_errors(tmp_path, capsys, case)
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("accel_train: error: ") and expected in err[0], err[0]
     assert not out.exists()
+
+
+def test_a_symlinked_class_folder_is_followed_and_a_link_to_a_sibling_is_no_loop(tmp_path):
+    """Links are followed (a class folder kept on another disk); only a link back to a folder
+    above it is a loop.  Two links to one folder index its images under each name."""
+    elsewhere, root = tmp_path / "elsewhere", tmp_path / "data"
+    _files(elsewhere, ["birds/1.png", "birds/2.png"])
+    _files(root, ["cat/1.png", "dog/2.png"])
+    (root / "birds").symlink_to(elsewhere / "birds")
+    (root / "dog" / "pets").symlink_to(root / "cat")
+    index = index_folder(root, cache_dir=tmp_path / "cache", cache_min_files=10**9)
+    assert sorted(index.splits["train"][0].to_pylist()) == \
+        ["birds/1.png", "birds/2.png", "cat/1.png", "dog/2.png", "dog/pets/1.png"]
 
 
 # -- the cached index -----------------------------------------------------------------------------

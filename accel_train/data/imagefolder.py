@@ -186,20 +186,30 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
           dirs: list[tuple[str, int]], empty: list[str]) -> None:
     """Append the image paths under `folder` (as prefix + relative path) to `found`, every
     folder and its mtime to `dirs`, and folders with no image and no subfolder to `empty`."""
-    stack = [(str(folder), prefix)]
+    # Symlinked folders are followed (a class folder may live elsewhere), so each folder carries
+    # the identities (device, inode) of the folders above it: a link back to one of them would
+    # be walked until the kernel refuses the path (ELOOP), every image indexed forty times.
+    stack = [(str(folder), prefix, {})]
     while stack:
-        path, rel = stack.pop()
+        path, rel, above = stack.pop()
         has_image = has_subfolder = False
         # noted: a folder on a mount that stopped answering is named (loader_watch.py)
         with reading(lambda folder=path: f"the folder {folder}"):
-            dirs.append((rel, os.stat(path).st_mtime_ns))  # before listing: a later change shows
+            stat = os.stat(path)
+            identity = (stat.st_dev, stat.st_ino)
+            if identity in above:
+                raise UsageError(f"the folder {path} is a link back to {above[identity]}, which "
+                                 f"holds it (a symlink loop: indexing would never end); remove "
+                                 f"the link or point it elsewhere")
+            here = {**above, identity: path}
+            dirs.append((rel, stat.st_mtime_ns))  # before listing: a later change shows
             with os.scandir(path) as entries:
                 for entry in entries:
                     name = entry.name
                     if left_out(name, entry.is_dir()):
                         continue
                     if entry.is_dir():
-                        stack.append((entry.path, f"{rel}{name}/"))
+                        stack.append((entry.path, f"{rel}{name}/", here))
                         has_subfolder = True
                     elif os.path.splitext(name)[1].lower() in extensions:
                         found.append(rel + name)

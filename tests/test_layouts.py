@@ -325,13 +325,15 @@ def test_an_unchanged_indexed_folder_starts_without_listing_a_folder(tmp_path, m
 
 def test_the_search_for_parquet_files_leaves_out_what_datasets_leaves_out(tmp_path):
     """Hidden files and folders and folders starting with `__` hold no data for `datasets`
-    (its data_files patterns) nor for the image-folder index: nor for the search."""
+    (its data_files patterns) nor for the image-folder index: nor for the search.  A file
+    starting with `__` is data for `datasets` (only folders are special): it trains."""
     _parquet(tmp_path / "train.parquet", rows=4)
+    _parquet(tmp_path / "__extra.parquet", rows=4)
     for left_out in (".cache/train.parquet", "__MACOSX/train.parquet", "._train.parquet",
                      "sub/__old/train-00001.parquet"):
         _parquet(tmp_path / left_out, rows=3)
     data = load_data(TrainConfig(data_dir=str(tmp_path), in_memory="never", val_fraction=0.25))
-    assert len(data.train) + len(data.held_out) == 4
+    assert len(data.train) + len(data.held_out) == 8
 
 
 @pytest.mark.slow

@@ -178,6 +178,28 @@ def test_check_data_stops_in_one_line_at_a_read_that_never_returns(tmp_path, wor
     assert not _no_process_mentions(str(data))
 
 
+def _with_a_folder_blocked(function: str, nth: int, argv: list[str], env=None):
+    """The command line `argv` run in a process of its own whose `nth` call of os.`function`
+    (scandir, stat) on the class folder train/bee never returns, as a call on a dead mount
+    blocks in the kernel.  A FIFO cannot stand for a folder, hence this seam."""
+    script = textwrap.dedent("""
+        import os, sys, time
+        function, nth = sys.argv[1], int(sys.argv[2])
+        original, calls = getattr(os, function), []
+        def blocked(*args, **kwargs):
+            if os.fspath(args[0] if args else ".").endswith(os.path.join("train", "bee")):
+                calls.append(args)
+                if len(calls) == nth:
+                    time.sleep(3600)
+            return original(*args, **kwargs)
+        setattr(os, function, blocked)
+        from accel_train.cli import main
+        sys.exit(main(sys.argv[3:]))
+    """)
+    return subprocess.run([sys.executable, "-c", script, function, str(nth), *argv],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command, listing", [("check-data", 2), ("shard", 1)])
 def test_a_folder_whose_listing_never_returns_is_named(tmp_path, command, listing):
@@ -185,25 +207,11 @@ def test_a_folder_whose_listing_never_returns_is_named(tmp_path, command, listin
     read): a listing of the class folder train/bee blocks (os.scandir wrapped in the command's
     process, as a dead mount's directory read blocks in the kernel), and the command stops in
     one line naming that folder.  The first listing is the search for parquet files, the
-    second the image folder's index.  A FIFO cannot stand for a folder, hence the seam."""
+    second the image folder's index."""
     data = _image_folder(tmp_path / "data")
-    script = textwrap.dedent("""
-        import os, sys, time
-        listing, blocked, listed = os.scandir, int(sys.argv[1]), []
-        def scandir(path="."):
-            if os.fspath(path).endswith(os.path.join("train", "bee")):
-                listed.append(path)
-                if len(listed) == blocked:
-                    time.sleep(3600)
-            return listing(path)
-        os.scandir = scandir
-        from accel_train.cli import main
-        sys.exit(main(sys.argv[2:]))
-    """)
     args = {"check-data": ["--workers", "1"], "shard": ["--output", str(tmp_path / "shards")]}
-    result = subprocess.run([sys.executable, "-c", script, str(listing), command, "--data-dir",
-                             str(data), "--read-timeout", "2", *args[command]],
-                            capture_output=True, text=True, timeout=120)
+    result = _with_a_folder_blocked("scandir", listing, [command, "--data-dir", str(data),
+                                                         "--read-timeout", "2", *args[command]])
     where = {"check-data": "checking the data",
              "shard": f"writing shards to {tmp_path / 'shards'}"}[command]
     assert _stopped(result) == (f"accel_train: error: reading the folder {data / 'train' / 'bee'}"
@@ -221,21 +229,9 @@ def test_a_cached_index_whose_folder_never_answers_is_named(tmp_path):
     data, cache = _image_folder(tmp_path / "data"), tmp_path / "cache"
     age_folders(data)
     index_folder(data, cache_dir=cache, cache_min_files=0)  # the first start's walk, cached
-    script = textwrap.dedent("""
-        import os, sys, time
-        look = os.stat
-        def stat(path, *args, **kwargs):
-            if os.fspath(path).endswith(os.path.join("train", "bee")):
-                time.sleep(3600)
-            return look(path, *args, **kwargs)
-        os.stat = stat
-        from accel_train.cli import main
-        sys.exit(main(sys.argv[1:]))
-    """)
-    result = subprocess.run([sys.executable, "-c", script, "check-data", "--data-dir", str(data),
-                             "--workers", "1", "--read-timeout", "2"],
-                            capture_output=True, text=True, timeout=120,
-                            env=test_env(**{CACHE_ENV: str(cache)}))
+    result = _with_a_folder_blocked("stat", 1, ["check-data", "--data-dir", str(data),
+                                                "--workers", "1", "--read-timeout", "2"],
+                                    env=test_env(**{CACHE_ENV: str(cache)}))
     assert _stopped(result) == (f"accel_train: error: reading the folder {data / 'train' / 'bee'}"
                                 f" has taken 2 s (--read-timeout), checking the data: {STOP}")
 

@@ -336,6 +336,65 @@ def test_the_search_for_parquet_files_leaves_out_what_datasets_leaves_out(tmp_pa
     assert len(data.train) + len(data.held_out) == 8
 
 
+def test_a_first_start_lists_each_folder_of_an_image_folder_once(tmp_path, monkeypatch):
+    """No cached index: one walk both indexes the images and looks for parquet files (a
+    search for parquet files and then the index's walk listed every folder twice)."""
+    root = tmp_path / "data"
+    _files(root, [f"{c}/{sub}/{i}.png" for c in ("x", "y") for sub in ("p", "q")
+                  for i in range(3)])
+    monkeypatch.setenv(imagefolder.CACHE_ENV, str(tmp_path / "cache"))
+    listed = []
+    scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path=".": listed.append(str(path)) or scandir(path))
+    data = load_data(TrainConfig(data_dir=str(root), in_memory="never", val_fraction=0.25))
+    assert data.class_names == ["p", "q"] and len(data.train) + len(data.held_out) == 12
+    folders = [str(root), *(str(root / c / sub) for c in ("x", "y") for sub in ("", "p", "q"))]
+    # the root twice: once for split folders (a few entries), once walked
+    assert sorted(listed) == sorted([str(root), *(f.rstrip("/") for f in folders)]), listed
+
+
+@pytest.mark.parametrize("where", ["train/cat/deep/more.parquet", "extra.parquet"])
+def test_a_parquet_file_an_image_folders_walk_meets_makes_it_a_parquet_folder(tmp_path, where):
+    """As when every parquet file was searched for first: a parquet file inside the image
+    tree, or in the root beside split folders (which the split folders' walks do not list),
+    makes the folder a parquet one, as datasets' own search would."""
+    root = tmp_path / "data"
+    _files(root, [f"{split}/{c}/{i}.png" for split in ("train", "test") for c in ("cat", "dog")
+                  for i in range(4)])
+    _parquet(root / where, rows=6)
+    data = load_data(TrainConfig(data_dir=str(root), in_memory="never", val_fraction=0.5))
+    assert len(data.train) + len(data.held_out) == 6
+
+
+def test_a_parquet_file_behind_a_symlinked_folder_leaves_an_image_folder_one(tmp_path):
+    """The search for parquet files does not follow links (nor does datasets'); the index
+    does: a parquet file only behind a link is not data, the images are."""
+    root, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    _files(root, [f"{c}/{i}.png" for c in ("cat", "dog") for i in range(4)])
+    _files(elsewhere, ["birds/1.png", "birds/2.png"])
+    _parquet(elsewhere / "birds" / "old.parquet", rows=6)
+    (root / "birds").symlink_to(elsewhere / "birds")
+    data = load_data(TrainConfig(data_dir=str(root), in_memory="never", val_fraction=0.25))
+    assert data.class_names == ["birds", "cat", "dog"]
+    assert len(data.train) + len(data.held_out) == 10
+
+
+def test_a_folder_the_index_refuses_is_still_read_for_its_parquet_files(tmp_path):
+    """Split folders beside another folder are no image folder (one line, exit 2), but
+    parquet files in them are data, as before the index was tried first."""
+    root = tmp_path / "data"
+    _parquet(root / "train" / "part-0.parquet", rows=6)
+    _parquet(root / "test" / "part-0.parquet", rows=4)
+    (root / "notes").mkdir()
+    data = load_data(TrainConfig(data_dir=str(root), in_memory="never"))
+    assert len(data.train) + len(data.held_out) == 6 and len(data.test) == 4
+    (root / "train" / "part-0.parquet").unlink()
+    (root / "test" / "part-0.parquet").unlink()
+    _files(root, ["train/cat/1.png", "test/cat/2.png"])
+    with pytest.raises(UsageError, match="mixes split folders"):
+        load_data(TrainConfig(data_dir=str(root), in_memory="never"))
+
+
 @pytest.mark.slow
 def test_training_on_an_image_folder_prints_nothing_of_datasets(tmp_path):
     """Output to a pipe (not a terminal): the start-up summary first, no progress bars."""

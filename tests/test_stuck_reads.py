@@ -201,17 +201,19 @@ def _with_a_folder_blocked(function: str, nth: int, argv: list[str], env=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command, listing", [("check-data", 2), ("shard", 1)])
-def test_a_folder_whose_listing_never_returns_is_named(tmp_path, command, listing):
+@pytest.mark.parametrize("command, parquet_in_root", [("check-data", False), ("shard", True)])
+def test_a_folder_whose_listing_never_returns_is_named(tmp_path, command, parquet_in_root):
     """An image folder on a mount that stops answering while it is listed (before any image is
     read): a listing of the class folder train/bee blocks (os.scandir wrapped in the command's
     process, as a dead mount's directory read blocks in the kernel), and the command stops in
-    one line naming that folder.  The first listing is the search for parquet files, the
-    second the image folder's index."""
+    one line naming that folder.  The image folder's walk lists it; with a parquet file in the
+    root (never read here), which stops that walk at once, the search for parquet files."""
     data = _image_folder(tmp_path / "data")
+    if parquet_in_root:
+        (data / "extra.parquet").write_bytes(b"")
     args = {"check-data": ["--workers", "1"], "shard": ["--output", str(tmp_path / "shards")]}
-    result = _with_a_folder_blocked("scandir", listing, [command, "--data-dir", str(data),
-                                                         "--read-timeout", "2", *args[command]])
+    result = _with_a_folder_blocked("scandir", 1, [command, "--data-dir", str(data),
+                                                   "--read-timeout", "2", *args[command]])
     where = {"check-data": "checking the data",
              "shard": f"writing shards to {tmp_path / 'shards'}"}[command]
     assert _stopped(result) == (f"accel_train: error: reading the folder {data / 'train' / 'bee'}"

@@ -81,17 +81,28 @@ class FolderIndex:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+PARQUET = ".parquet"  # what sources.py's search for parquet files looks for
+
+
+class HoldsParquet(Exception):
+    """A walk told to stop at parquet files met one: the folder may be a parquet layout, which
+    only a search for every parquet file decides (sources.py)."""
+
+
 def index_folder(root: str | Path, class_depth: Optional[int] = None,
                  val_labels: Optional[str] = None, cache_dir: Optional[Path] = None,
-                 cache_min_files: int = CACHE_MIN_FILES, say=print) -> FolderIndex:
+                 cache_min_files: int = CACHE_MIN_FILES, say=print,
+                 stop_at_parquet: bool = False) -> FolderIndex:
     """The index of an image folder: from the cache when its folders are unchanged, else by
     walking it (and cached when large).  `say` gets the progress lines; UsageError for folders
-    that are not a dataset (no images, an empty class folder, images outside class folders)."""
+    that are not a dataset (no images, an empty class folder, images outside class folders).
+    `stop_at_parquet`: HoldsParquet at the first parquet file the walk meets, so that a start
+    whose layout is not yet known lists an image folder's tree once, not twice."""
     root = Path(root)
     cached = cached_index(root, class_depth, val_labels, cache_dir)
     if cached is not None:
         return cached
-    index = _build(root, class_depth, val_labels, say)
+    index = _build(root, class_depth, val_labels, say, stop_at_parquet)
     if len(index) >= cache_min_files:
         _write_cache(_cache_file(root, class_depth, val_labels, cache_dir), index)
     return index
@@ -142,6 +153,11 @@ class _Progress:
             return
         self.shown, self.last = True, now
 
+    def abandon(self) -> None:
+        """The walk stopped early: the terminal's counter line is cleared."""
+        if self.shown and self.terminal:
+            sys.stderr.write("\r\033[K")
+
     def done(self, count: int, classes: int) -> None:
         if not self.shown:
             return
@@ -183,9 +199,10 @@ def files_under(root: Path, suffix: str = "") -> Iterator[Path]:
 
 
 def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: list[str],
-          dirs: list[tuple[str, int]], empty: list[str]) -> None:
+          dirs: list[tuple[str, int]], empty: list[str], stop_at_parquet: bool) -> None:
     """Append the image paths under `folder` (as prefix + relative path) to `found`, every
-    folder and its mtime to `dirs`, and folders with no image and no subfolder to `empty`."""
+    folder and its mtime to `dirs`, and folders with no image and no subfolder to `empty`;
+    `stop_at_parquet`: HoldsParquet at the first parquet file."""
     # Symlinked folders are followed (a class folder may live elsewhere), so each folder carries
     # the identities (device, inode) of the folders above it: a link back to one of them would
     # be walked until the kernel refuses the path (ELOOP), every image indexed forty times.
@@ -214,15 +231,26 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
                     elif os.path.splitext(name)[1].lower() in extensions:
                         found.append(rel + name)
                         has_image = True
+                    elif stop_at_parquet and name.endswith(PARQUET):  # (only non-images pay)
+                        raise HoldsParquet(entry.path)
         if not (has_image or has_subfolder):
             empty.append(rel)
         progress.update(len(found))
 
 
-def _split_folders(root: Path) -> dict[str, Path]:
-    """{split: folder} when the root holds split folders (train/, val/, ...), else {}."""
-    folders = [entry for entry in os.scandir(root)
+def _split_folders(root: Path, stop_at_parquet: bool = False) -> dict[str, Path]:
+    """{split: folder} when the root holds split folders (train/, val/, ...), else {}.
+    `stop_at_parquet`: HoldsParquet for a parquet file in the root itself (beside split
+    folders, the walks of the split folders would not see it)."""
+    with reading(lambda: f"the folder {root}"), os.scandir(root) as listing:
+        entries = list(listing)
+    folders = [entry for entry in entries
                if entry.is_dir() and not entry.name.startswith((".", "__"))]
+    if stop_at_parquet:
+        for entry in entries:
+            if (not entry.is_dir() and entry.name.endswith(PARQUET)
+                    and not left_out(entry.name, False)):
+                raise HoldsParquet(entry.path)
     splits: dict[str, Path] = {}
     for entry in sorted(folders, key=lambda e: e.name):
         split = SPLIT_FOLDERS.get(entry.name.lower())
@@ -255,22 +283,27 @@ def _folder_class(folders: list[str], depth: Optional[int]) -> Optional[str]:
 
 
 def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
-           say) -> FolderIndex:
+           say, stop_at_parquet: bool = False) -> FolderIndex:
     extensions = image_extensions()
     progress = _Progress(root, say)
-    splits = _split_folders(root) or {"train": root}
+    splits = _split_folders(root, stop_at_parquet) or {"train": root}
     dirs: list[tuple[str, int]] = []
     if splits.get("train") is not root:
         dirs.append(("", os.stat(root).st_mtime_ns))  # a new split folder changes the root
     walked: dict[str, tuple[str, list[str]]] = {}
     empties: dict[str, list[str]] = {}
-    for split, folder in splits.items():
-        prefix = "" if folder is root else f"{folder.name}/"
-        found: list[str] = []
-        empties[split] = []
-        _walk(folder, prefix, extensions, progress, found, dirs, empties[split])
-        found.sort()  # as datasets orders the rows
-        walked[split] = (prefix, found)
+    try:
+        for split, folder in splits.items():
+            prefix = "" if folder is root else f"{folder.name}/"
+            found: list[str] = []
+            empties[split] = []
+            _walk(folder, prefix, extensions, progress, found, dirs, empties[split],
+                  stop_at_parquet)
+            found.sort()  # as datasets orders the rows
+            walked[split] = (prefix, found)
+    except HoldsParquet:
+        progress.abandon()
+        raise
     total = sum(len(found) for _, found in walked.values())
     if total == 0:
         raise UsageError(f"--data-dir {root} holds no image files (looked for .jpg, .png, .webp, "

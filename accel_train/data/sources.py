@@ -31,7 +31,8 @@ from accel_train.data.decode import Unreadable, decode_many, read_value
 from accel_train.base.errors import UsageError, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
-from accel_train.data.imagefolder import FolderIndex, cached_index, files_under, index_folder
+from accel_train.data.imagefolder import (PARQUET, FolderIndex, HoldsParquet, files_under,
+                                          index_folder)
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
                                             subset_if_cut)
 from accel_train.data.labels import (check_label_values, unreadable_classes_named,
@@ -473,38 +474,47 @@ def _load_local(config: TrainConfig) -> RawData:
             loaded = datasets.DatasetDict(train=loaded)
         return RawData(dict(loaded), {split: RowNames(f"{data_dir} split '{split}'")
                                       for split in loaded}, data_dir)
-    # An image folder indexed before and unchanged since is one still: a parquet file added
-    # anywhere the search below looks changes the mtime of a folder the index saw.  The search
-    # lists every folder of the tree, most of a repeated start at a million files.
-    index = cached_index(path, config.class_depth, config.val_labels)
-    if index is not None:
-        return _image_folder_data(path, index)
-    parquet = sorted(files_under(path, ".parquet"))
-    if parquet:
-        files = parquet_splits(path, parquet)
-        rows = {file: _parquet_rows(file, data_dir) for file in parquet}  # each footer read once
-        for split, group in files.items():  # datasets' builder fails on a split of no rows
-            if not sum(rows[file] for file in group):
-                raise UsageError(f"--data-dir {data_dir}: its {split} split "
-                                 f"({', '.join(str(f.relative_to(path)) for f in group)}) holds "
-                                 f"no rows; remove the file(s), or write the split's images "
-                                 f"into them")
-        loaded = datasets.load_dataset("parquet", data_files={
-            split: [str(file) for file in group] for split, group in files.items()})
-        splits = {split: _own_class_labels(loaded[split], group[0], data_dir)
-                  for split, group in files.items()}
-        return RawData(splits, {split: _parquet_names(path, group, rows)
-                                for split, group in files.items()}, data_dir)
-    if next(files_under(path), None) is None:
-        raise UsageError(f"--data-dir {data_dir} holds no files; expected parquet files, a "
-                         f"save_to_disk folder or one subfolder of images per class")
-    return _load_image_folder(config, path)
+    # The image folder's index first (its cache, else a walk that stops at the first parquet
+    # file): a start lists an image folder's tree once (the search for parquet files lists
+    # every folder too: a second walk, a fifth of a first start at a million files), and an
+    # unchanged folder's not at all.  Exact: a parquet file added anywhere the search looks
+    # changes the mtime of a folder the cached index saw, and stops a walk that meets it.
+    try:
+        index = index_folder(path, config.class_depth, config.val_labels, say=print_once,
+                             stop_at_parquet=True)
+    except (HoldsParquet, UsageError) as stopped:
+        # A parquet layout, or a folder that is no image folder: what the search finds decides
+        parquet = sorted(files_under(path, PARQUET))
+        if parquet:
+            return _load_parquet(path, parquet, data_dir)
+        if next(files_under(path), None) is None:
+            raise UsageError(f"--data-dir {data_dir} holds no files; expected parquet files, a "
+                             f"save_to_disk folder or one subfolder of images per class") from None
+        if isinstance(stopped, UsageError):
+            raise
+        # the parquet files met are behind a symlinked folder, which the search (as datasets')
+        # does not follow: the images are the data
+        index = index_folder(path, config.class_depth, config.val_labels, say=print_once)
+    return _image_folder_data(path, index)
 
 
-def _load_image_folder(config: TrainConfig, path: Path) -> RawData:
-    """An image folder through our own index (imagefolder.py): splits of (path, label) rows."""
-    return _image_folder_data(path, index_folder(path, config.class_depth, config.val_labels,
-                                                 say=print_once))
+def _load_parquet(path: Path, parquet: list[Path], data_dir: str) -> RawData:
+    """The splits of a folder of parquet files, as datasets' own builder reads them."""
+    datasets = _quiet_datasets()
+    files = parquet_splits(path, parquet)
+    rows = {file: _parquet_rows(file, data_dir) for file in parquet}  # each footer read once
+    for split, group in files.items():  # datasets' builder fails on a split of no rows
+        if not sum(rows[file] for file in group):
+            raise UsageError(f"--data-dir {data_dir}: its {split} split "
+                             f"({', '.join(str(f.relative_to(path)) for f in group)}) holds "
+                             f"no rows; remove the file(s), or write the split's images "
+                             f"into them")
+    loaded = datasets.load_dataset("parquet", data_files={
+        split: [str(file) for file in group] for split, group in files.items()})
+    splits = {split: _own_class_labels(loaded[split], group[0], data_dir)
+              for split, group in files.items()}
+    return RawData(splits, {split: _parquet_names(path, group, rows)
+                            for split, group in files.items()}, data_dir)
 
 
 def _image_folder_data(path: Path, index: FolderIndex) -> RawData:

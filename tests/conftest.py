@@ -332,10 +332,9 @@ def big_jpeg_folder(tmp_path_factory) -> Path:
 def synthetic_shards(tmp_path_factory) -> Path:
     """`accel-train shard` of 200 synthetic images, 24 per shard (9 training shards)."""
     out = tmp_path_factory.mktemp("shards") / "synthetic"
-    result = accel_train("shard", "--no-progress", "--dataset", "synthetic",
-                         "--synthetic-train-size", "200", "--samples-per-shard", "24",
-                         "--output", str(out))
-    assert result.returncode == 0, result.stderr
+    accel_train_here("shard", "--no-progress", "--dataset", "synthetic",
+                     "--synthetic-train-size", "200", "--samples-per-shard", "24",
+                     "--output", str(out), check=True)  # (setting up: in process)
     return out
 
 

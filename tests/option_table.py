@@ -10,6 +10,7 @@ if no test checks it yet, the test.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from dataclasses import dataclass, fields
@@ -31,6 +32,7 @@ def not_cheaply(why: str) -> Row:
     return Row(None, why=why)
 
 
+@functools.cache  # every row's test asks: the parsers are built once
 def all_options() -> dict[str, tuple[str, ...]]:
     """Every option and positional argument, as "COMMAND --flag" (or "COMMAND METAVAR"): its
     spellings (none for a positional argument), read from each command's --help as users read

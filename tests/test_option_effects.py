@@ -12,6 +12,7 @@ in-process run whose expectation is computed here by hand.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import math
 import os
@@ -44,8 +45,14 @@ def test_every_option_has_a_row_and_every_row_an_option():
     assert not stale, f"rows for options that no longer exist: {stale}"
 
 
+@functools.cache  # a test file is named by many rows: read and parsed once
+def _test_source(path: Path) -> str:
+    return path.read_text()
+
+
+@functools.cache
 def _test_functions(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+    tree = ast.parse(_test_source(path))
     return {node.name for node in ast.walk(tree)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.name.startswith("test_")}
@@ -61,7 +68,7 @@ def test_each_row_names_a_real_test_that_passes_the_option(option):
     path = TESTS / file
     assert path.is_file(), f"{option}: {file} does not exist"
     assert function.split("[")[0] in _test_functions(path), f"{option}: no {row.test}"
-    source = path.read_text()
+    source = _test_source(path)
     names = spellings(option, all_options()[option])
     if names:  # (a positional argument has no spelling to look for)
         # (a flag must not be the start of a longer one: --mixup is not --mixup-prob)

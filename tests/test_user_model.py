@@ -141,8 +141,12 @@ def one_error_line(result) -> str:
 
 
 @pytest.mark.slow
-def test_a_factory_trains_resumes_and_is_evaluated_predicted_and_exported(tmp_path):
-    nets = write_module(tmp_path / "nets")
+def test_a_factory_trains_resumes_and_is_evaluated_predicted_and_exported(tmp_path,
+                                                                          user_modules):
+    """The training command as a user runs it (its own process, the module found through
+    PYTHONPATH); the resume, predict, eval and export that check it in this process (the
+    module on sys.path: user_modules); and a process without the module, for its one line."""
+    nets = user_modules
     env = child_env(PYTHONPATH=str(nets))
     # 8 steps over 2 epochs; the resumed run starts from the checkpoint of step 3, mid-epoch, as
     # a run killed there would (its newest checkpoint), with Accelerate's RNG files removed:
@@ -156,8 +160,8 @@ def test_a_factory_trains_resumes_and_is_evaluated_predicted_and_exported(tmp_pa
     for rng_file in stop.glob("random_states_*.pkl"):
         rng_file.unlink()
     write_manifest(stop, 3)
-    again = accel_train(*common, "--resume", str(stop), "--output-dir", str(resumed), env=env,
-                        check=True)
+    again = accel_train_here(*common, "--resume", str(stop), "--output-dir", str(resumed),
+                             check=True)
     assert f"resumed from {stop} at step 3 (epoch 1, 48 samples into it)" in again.stdout, \
         again.stdout
 
@@ -189,8 +193,8 @@ def test_a_factory_trains_resumes_and_is_evaluated_predicted_and_exported(tmp_pa
         logits = model(batch)
     probabilities = logits.softmax(dim=1)
 
-    predicted = accel_train("predict", str(reference), *map(str, images), "--json", "--top-k",
-                            "10", env=env, check=True)
+    predicted = accel_train_here("predict", str(reference), *map(str, images), "--json",
+                                 "--top-k", "10", check=True)
     rows = [json.loads(line) for line in predicted.stdout.splitlines() if line.startswith("{")]
     assert [row["image"] for row in rows] == [str(p) for p in images]
     for row, expected in zip(rows, probabilities):
@@ -199,7 +203,7 @@ def test_a_factory_trains_resumes_and_is_evaluated_predicted_and_exported(tmp_pa
             got[entry["index"]] = entry["probability"]
         assert (got - expected).abs().max().item() < 1e-5, (row, expected)
 
-    evaluated = accel_train("eval", str(reference), "--json", env=env, check=True)
+    evaluated = accel_train_here("eval", str(reference), "--json", check=True)
     record = json.loads(evaluated.stdout.strip().splitlines()[-1])
     last_epoch = [json.loads(line) for line in (reference / "metrics.jsonl").read_text()
                   .splitlines() if '"epoch"' in line][-1]
@@ -207,8 +211,8 @@ def test_a_factory_trains_resumes_and_is_evaluated_predicted_and_exported(tmp_pa
     assert record["top1"] == pytest.approx(last_epoch["eval_top1"], abs=1e-6)
 
     export = tmp_path / "export"
-    exported = accel_train("export", str(reference), "--output-dir", str(export), "--format",
-                           "onnx", env=env, check=True)
+    exported = accel_train_here("export", str(reference), "--output-dir", str(export),
+                                "--format", "onnx", check=True)
     assert "checked model.onnx with ONNX Runtime" in exported.stdout, exported.stdout
     assert json.loads((export / "config.json").read_text())["architecture"] == FACTORY
     assert f"{MODULE}.small_net(num_classes=10, drop_rate=0.3)" in \

@@ -43,7 +43,7 @@ def _files(root: Path, relative: list[str]) -> None:
 
 TRICKY = ["a/1.png", "a/10.png", "a/2.PNG", "a-b/1.png", "a_b/x.jpg.png", "b/3.png",
           "b/4.png", "B/5.png", "c d/6.png", ".hidden/7.png", "a/.8.png", "__MACOSX/a/9.png",
-          "a/notes.txt", "b/thumbs.db"]
+          "a/notes.txt", "b/thumbs.db", "b/__7.png", "c d/noextension"]
 
 
 @pytest.mark.parametrize("splits", [False, True])

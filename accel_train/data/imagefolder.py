@@ -220,15 +220,21 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
                                  f"the link or point it elsewhere")
             here = {**above, identity: path}
             dirs.append((rel, stat.st_mtime_ns))  # before listing: a later change shows
+            # Per entry, the fewest calls: left_out's rule written out, one is_dir, the suffix
+            # by rfind (a name not starting with "." has splitext's): 1.7 s instead of 3.0 s
+            # for a million files (AMD EPYC), 0.9 s of either the listing itself.
             with os.scandir(path) as entries:
                 for entry in entries:
                     name = entry.name
-                    if left_out(name, entry.is_dir()):
+                    if name[0] == ".":
                         continue
                     if entry.is_dir():
-                        stack.append((entry.path, f"{rel}{name}/", here))
-                        has_subfolder = True
-                    elif os.path.splitext(name)[1].lower() in extensions:
+                        if not name.startswith("__"):
+                            stack.append((entry.path, f"{rel}{name}/", here))
+                            has_subfolder = True
+                        continue
+                    dot = name.rfind(".")
+                    if dot > 0 and name[dot:].lower() in extensions:
                         found.append(rel + name)
                         has_image = True
                     elif stop_at_parquet and name.endswith(PARQUET):  # (only non-images pay)
@@ -275,6 +281,18 @@ def _class_of(path: str, split_prefix: str, depth: Optional[int]) -> Optional[st
     return _folder_class(path[len(split_prefix):].split("/")[:-1], depth)
 
 
+def _classes_of(found: list[str], split_prefix: str, depth: Optional[int]) -> list[Optional[str]]:
+    """Each image's class (_class_of), worked out once per folder: its images share it."""
+    of_folder: dict[str, Optional[str]] = {}
+    names = []
+    for path in found:
+        folder = path[:path.rfind("/") + 1]
+        if folder not in of_folder:
+            of_folder[folder] = _class_of(path, split_prefix, depth)
+        names.append(of_folder[folder])
+    return names
+
+
 def _folder_class(folders: list[str], depth: Optional[int]) -> Optional[str]:
     """The class of what sits in the folder `folders` (its parts under the split folder)."""
     if depth is None:
@@ -317,7 +335,7 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
     for split, (prefix, found) in walked.items():
         if split == labelled:
             continue
-        names = [_class_of(path, prefix, class_depth) for path in found]
+        names = _classes_of(found, prefix, class_depth)
         missing = next((path for path, name in zip(found, names) if name is None), None)
         if missing is not None:
             _outside_class_folder(root, missing, split, class_depth)

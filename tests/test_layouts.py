@@ -336,28 +336,34 @@ def test_the_search_for_parquet_files_leaves_out_what_datasets_leaves_out(tmp_pa
     assert len(data.train) + len(data.held_out) == 8
 
 
-def test_a_first_start_lists_each_folder_of_an_image_folder_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("split", ["", "train/"])
+def test_a_first_start_lists_each_folder_of_an_image_folder_once(tmp_path, monkeypatch, split):
     """No cached index: one walk both indexes the images and looks for parquet files (a
-    search for parquet files and then the index's walk listed every folder twice)."""
+    search for parquet files and then the index's walk listed every folder twice).  Beside
+    split folders, a file in the root that is no parquet file changes nothing."""
     root = tmp_path / "data"
-    _files(root, [f"{c}/{sub}/{i}.png" for c in ("x", "y") for sub in ("p", "q")
+    _files(root, [f"{split}{c}/{sub}/{i}.png" for c in ("x", "y") for sub in ("p", "q")
                   for i in range(3)])
+    (root / "README.md").write_text("cats and dogs\n")
     monkeypatch.setenv(imagefolder.CACHE_ENV, str(tmp_path / "cache"))
     listed = []
     scandir = os.scandir
     monkeypatch.setattr(os, "scandir", lambda path=".": listed.append(str(path)) or scandir(path))
     data = load_data(TrainConfig(data_dir=str(root), in_memory="never", val_fraction=0.25))
     assert data.class_names == ["p", "q"] and len(data.train) + len(data.held_out) == 12
-    folders = [str(root), *(str(root / c / sub) for c in ("x", "y") for sub in ("", "p", "q"))]
-    # the root twice: once for split folders (a few entries), once walked
-    assert sorted(listed) == sorted([str(root), *(f.rstrip("/") for f in folders)]), listed
+    walked = root / split
+    folders = [str(walked), *(str(walked / c / sub) for c in ("x", "y") for sub in ("", "p", "q"))]
+    # the root once more: listed for split folders (a few entries) before any walk
+    assert sorted(listed) == sorted([str(root), *folders]), listed
 
 
-@pytest.mark.parametrize("where", ["train/cat/deep/more.parquet", "extra.parquet"])
+@pytest.mark.parametrize("where", ["train/cat/deep/more.parquet", "extra.parquet",
+                                   "__extra.parquet"])
 def test_a_parquet_file_an_image_folders_walk_meets_makes_it_a_parquet_folder(tmp_path, where):
     """As when every parquet file was searched for first: a parquet file inside the image
     tree, or in the root beside split folders (which the split folders' walks do not list),
-    makes the folder a parquet one, as datasets' own search would."""
+    makes the folder a parquet one, as datasets' own search would (for which only folders
+    starting with __ are no data, not files)."""
     root = tmp_path / "data"
     _files(root, [f"{split}/{c}/{i}.png" for split in ("train", "test") for c in ("cat", "dog")
                   for i in range(4)])

@@ -238,7 +238,7 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
                         found.append(rel + name)
                         has_image = True
                     elif stop_at_parquet and name.endswith(PARQUET):  # (only non-images pay)
-                        raise HoldsParquet(entry.path)
+                        raise HoldsParquet
         if not (has_image or has_subfolder):
             empty.append(rel)
         progress.update(len(found))
@@ -256,7 +256,7 @@ def _split_folders(root: Path, stop_at_parquet: bool = False) -> dict[str, Path]
         for entry in entries:
             if (not entry.is_dir() and entry.name.endswith(PARQUET)
                     and not left_out(entry.name, False)):
-                raise HoldsParquet(entry.path)
+                raise HoldsParquet
     splits: dict[str, Path] = {}
     for entry in sorted(folders, key=lambda e: e.name):
         split = SPLIT_FOLDERS.get(entry.name.lower())

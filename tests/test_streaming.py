@@ -510,6 +510,7 @@ def test_bad_shard_folders_one_line_exit_2_nothing_written(synthetic_shards, tmp
     assert result.returncode == 2 and "no shards match 'nothing/*.tar'" in result.stderr
 
 
+@pytest.mark.slow  # four runs, 8-9 s on this tier's slowest machine
 def test_resume_across_map_style_and_streaming_is_refused(synthetic_shards, tmp_path):
     common = [*PINNED, "--model", "test_resnet", "--batch-size", "8", "--max-steps", "2",
               "--max-eval-samples", "16", "--no-plots", "--progress", "log"]

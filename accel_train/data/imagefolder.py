@@ -244,14 +244,14 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
         progress.update(len(found))
 
 
-def _split_folders(root: Path, stop_at_parquet: bool = False) -> dict[str, Path]:
+def _split_folders(root: Path, stop_at_parquet: bool) -> dict[str, Path]:
     """{split: folder} when the root holds split folders (train/, val/, ...), else {}.
     `stop_at_parquet`: HoldsParquet for a parquet file in the root itself (beside split
     folders, the walks of the split folders would not see it)."""
     with reading(lambda: f"the folder {root}"), os.scandir(root) as listing:
         entries = list(listing)
     folders = [entry for entry in entries
-               if entry.is_dir() and not entry.name.startswith((".", "__"))]
+               if entry.is_dir() and not left_out(entry.name, is_folder=True)]
     if stop_at_parquet:
         for entry in entries:
             if (not entry.is_dir() and entry.name.endswith(PARQUET)
@@ -301,7 +301,7 @@ def _folder_class(folders: list[str], depth: Optional[int]) -> Optional[str]:
 
 
 def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
-           say, stop_at_parquet: bool = False) -> FolderIndex:
+           say, stop_at_parquet: bool) -> FolderIndex:
     extensions = image_extensions()
     progress = _Progress(root, say)
     splits = _split_folders(root, stop_at_parquet) or {"train": root}

@@ -106,7 +106,8 @@ class TrainConfig:
                                    "device, for image files above 64 px, when timing both "
                                    "paths at the start shows the workers cannot keep up; "
                                    "always: whenever the data allows (on a CPU too, with "
-                                   "torchvision's CPU decoder); never: the loader workers.",
+                                   "libjpeg-turbo); never: the loader workers. The decoder: "
+                                   "torchvision's, else TorchCodec's where installed.",
                                    "data", choices=DATA_ON_DEVICE_MODES)
     num_workers: Optional[int] = option(None, "DataLoader worker processes per process (default: "
                                         "on a CPU, 0 for in-memory data, else min(4, cpus per "

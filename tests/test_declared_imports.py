@@ -11,7 +11,8 @@ Which lists may declare what:
 - install_requires: anything the product imports, anywhere.
 - the extras in OPTIONAL_EXTRAS: only inside functions (a plain install lacks them, so the
   module that imports one must still import without it).  `onnx`: `export --format onnx`'s
-  exporter and its ONNX Runtime check.
+  exporter and its ONNX Runtime check; `torchcodec`: the JPEG decoder where torchvision has
+  none left.
 - `test`: never; the product must not need the test tools.
 """
 
@@ -28,7 +29,7 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-OPTIONAL_EXTRAS = ("onnx",)
+OPTIONAL_EXTRAS = ("onnx", "torchcodec")
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,6 +1,6 @@
 """--decode-on-device: training JPEGs read by the loader workers and decoded, cropped, flipped and
 colour-jittered on the device (accel_train/data/device_decode.py), checked on a CPU, where
-`always` takes that path with torchvision's CPU decoder.
+`always` takes that path with the CPU's JPEG decoder (jpeg_decoders.py).
 
 Oracles: the loader workers' path (timm's training transform on PIL images, `host_batch`) for
 the same seed and position: the same labels, and pixels within the resizers' rounding (a
@@ -28,7 +28,8 @@ from torchvision.transforms import functional as F
 from accel_train.base.errors import UsageError
 from accel_train.config import TrainConfig
 from accel_train.data.decode import jpeg_header
-from accel_train.data.device_decode import DeviceDecoder, choose, jitter, orient, time_paths
+from accel_train.data.device_decode import DeviceDecoder, choose, jitter, time_paths
+from accel_train.data.jpeg_decoders import orient
 from accel_train.data.loaders import TrainImages, run_transforms
 from accel_train.data.sources import ArraySource, ImageSource, load_data
 from accel_train.run.checkpoint import TrainerState

@@ -44,6 +44,8 @@ EXCEPTIONS = {
     "named (--bad-images, badimages.py; tests/test_bad_images.py), never read as one of our kinds",
     ("accel_train/data/decode.py", "Image.open"): "the same images, decoded by Pillow under "
     "--bad-images",
+    ("accel_train/data/jpeg_decoders.py", "Image.open"): "the EXIF orientation of image bytes "
+    "already read (decode.py's), from their header; one PIL cannot read is taken as upright",
     ("accel_train/__init__.py", "load"): "an import hook's module loader (timm's), not a file",
     ("accel_train/base/main_guard.py", "read_text"): "the source of the user's running script, "
     "parsed to see whether fit() is under a __main__ guard; unreadable or not Python: no check",

@@ -2,8 +2,10 @@
 
 What each kind of file becomes:
 
-- JPEG: torchvision's libjpeg-turbo decoder, a whole list in one call (about 3x PIL, and
-  pixel-identical to PIL's RGB), EXIF orientation applied; PIL gets the ones it cannot decode.
+- JPEG: libjpeg-turbo through torchvision's decoder (TorchCodec's where torchvision has none
+  left: jpeg_decoders.py), a whole list in one call (faster than PIL, and pixel-identical to
+  PIL's RGB), EXIF orientation applied; PIL gets the ones it cannot decode, and all of them
+  where neither library is there.
 - EXIF orientation (any format): applied, as PIL's `ImageOps.exif_transpose` does.
 - 16-bit grayscale PNG/TIFF (PIL modes I;16*, I): scaled to 8 bits (v >> 8), not clipped at 255.
   16-bit RGB PNG: PIL keeps the high byte, which is the same scaling.
@@ -32,9 +34,11 @@ import numpy as np
 import torch
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from accel_train.data.jpeg_decoders import jpeg_decoder, pil_orientation
 from accel_train.data.loader_watch import reading
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
+_CPU = torch.device("cpu")
 _SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 _ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 _ORIENTATION = ExifTags.Base.Orientation
@@ -80,7 +84,7 @@ def read_value(value, root: Optional[Path] = None) -> Union[bytes, Image.Image]:
 
 def decode_many(items: list) -> list[Union[torch.Tensor, Unreadable]]:
     """decode() over a list: a tensor, or the Unreadable explaining why not, per item; the JPEGs
-    among them go to torchvision's decoder in one call."""
+    among them go to the JPEG decoder in one call."""
     results: list = [None] * len(items)
     jpegs = [i for i, item in enumerate(items)
              if isinstance(item, bytes) and item.startswith(_JPEG_MAGIC)]
@@ -127,12 +131,11 @@ def jpeg_header(blob: bytes) -> Optional[tuple[int, int, int]]:
             if pil.format != "JPEG" or pil.mode not in _DEVICE_MODES:
                 return None
             width, height = pil.size
-            orientation = pil.getexif().get(_ORIENTATION, 1)
+            orientation = pil_orientation(pil)
     except Exception:  # noqa: BLE001 -- a broken header is the host path's to name
         return None
     if width * height > (Image.MAX_IMAGE_PIXELS or math.inf):
         return None
-    orientation = orientation if orientation in range(1, 9) else 1  # as exif_transpose reads it
     if orientation in (5, 6, 7, 8):  # a quarter turn: the sides swap
         return width, height, orientation
     return height, width, orientation
@@ -167,21 +170,18 @@ def _rgb_pixels(pil: Image.Image) -> np.ndarray:
 
 
 def _decode_jpegs(blobs: list[bytes]) -> list[Optional[torch.Tensor]]:
-    """JPEG bytes -> uint8 CHW RGB tensors with torchvision's decoder, one call for the list,
-    EXIF orientation applied; None where it fails (PIL then gets it and names the problem), or
-    for every one when torchvision's decoder is gone (deprecated in favour of TorchCodec)."""
-    if not blobs:
-        return []
-    try:
-        from torchvision.io import ImageReadMode, decode_jpeg
-    except ImportError:
+    """JPEG bytes -> uint8 CHW RGB tensors with libjpeg-turbo (torchvision's or TorchCodec's
+    decoder: jpeg_decoders.py), one call for the list, EXIF orientation applied; None where it
+    fails (PIL then gets it and names the problem), or for every one where neither library
+    decodes JPEGs."""
+    decoder = jpeg_decoder()
+    if not blobs or decoder is None:
         return [None] * len(blobs)
     tensors = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # deprecation; libjpeg's "corrupt data" warnings
+        warnings.simplefilter("ignore")  # libjpeg's "corrupt data" warnings
         try:
-            images = list(decode_jpeg(tensors, mode=ImageReadMode.RGB,
-                                      apply_exif_orientation=True))
+            images = decoder.decode(tensors, _CPU, None)
         except (RuntimeError, ValueError):
             if len(tensors) == 1:
                 return [None]

@@ -1,6 +1,7 @@
 """Training JPEGs decoded on the device (--decode-on-device): the loader workers read the files'
 bytes and draw each image's crop, flips and colour jitter; the GPU decodes the batch
-(torchvision's `decode_jpeg(device="cuda")`, nvJPEG) and crops, resizes, flips and jitters it.
+(nvJPEG, through torchvision's or TorchCodec's `decode_jpeg`: jpeg_decoders.py) and crops,
+resizes, flips and jitters it.
 
 Why: at ImageNet sizes a CPU core decodes and crops a few hundred images a second
 (BENCHMARKS.md, "JPEG input at ImageNet sizes, per core"), and a GPU trains ResNet-50 at
@@ -25,7 +26,6 @@ from __future__ import annotations
 import math
 import random
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -37,6 +37,7 @@ from torchvision.transforms.v2 import functional as TF
 from accel_train.base.errors import UsageError
 from accel_train.base.randomness import each_seeded
 from accel_train.data.decode import jpeg_header
+from accel_train.data.jpeg_decoders import jpeg_decoder, missing
 from accel_train.data.sources import ArraySource, HFSource, ImageSource
 from accel_train.data.transforms import CROP_SALT, SMALL_IMAGE, ImageTransform
 
@@ -61,6 +62,7 @@ class EncodedImages:
     positions: torch.Tensor   # int64 [J]: where each JPEG goes in the batch
     keys: torch.Tensor        # int64 [J, 2]: its (epoch, index), for a host decode if need be
     orientations: torch.Tensor  # int64 [J]: EXIF orientation (1-8), applied after decoding
+    sizes: torch.Tensor       # int64 [J, 2]: height, width with the orientation applied
     boxes: torch.Tensor       # int64 [J, 4]: top, left, height, width in the oriented image
     bicubic: torch.Tensor     # bool [J]: resized bicubic (else bilinear)
     mirrored: torch.Tensor    # bool [J]: flipped left-right (the draw, or --flip alternate)
@@ -154,7 +156,8 @@ def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs:
                             .astype(np.int64)).view(-1, 2)
     encoded = EncodedImages(data, [len(b) for b in blobs], torch.tensor(positions,
                                                                           dtype=torch.int64),
-                            keys, torch.tensor(orientations, dtype=torch.int64), **plans,
+                            keys, torch.tensor(orientations, dtype=torch.int64),
+                            torch.tensor(sizes, dtype=torch.int64).view(-1, 2), **plans,
                             ready=ready,
                             ready_positions=torch.tensor(host, dtype=torch.int64),
                             count=len(indices), size=transform.image_size)
@@ -214,13 +217,19 @@ class DeviceDecoder:
             out[self._sent(batch.ready_positions)] = self._sent(batch.ready)
         if not batch.lengths:
             return out, []
-        decoded, refused = self._decode(list(batch.data.split(batch.lengths)))
+        decoded, refused = self._decode(list(batch.data.split(batch.lengths)),
+                                        batch.orientations.tolist())
         crops = []
         for k, image in enumerate(decoded):
+            if image is not None and list(image.shape[-2:]) != batch.sizes[k].tolist():
+                # A quarter turn otherwise than the workers read the header (TorchCodec reads
+                # EXIF itself), or another size: the crop was drawn for the workers' image, so
+                # the host path makes this one, as the workers would have.
+                image = None
+                refused.append(k)
             if image is None:
                 crops.append(torch.zeros(3, size, size, dtype=torch.uint8, device=self.device))
                 continue
-            image = orient(image, int(batch.orientations[k]))
             top, left, height, width = batch.boxes[k].tolist()
             mode = INTERPOLATION_MODES["bicubic" if batch.bicubic[k] else "bilinear"]
             crops.append(TF.resize(image[:, top:top + height, left:left + width], [size, size],
@@ -254,16 +263,14 @@ class DeviceDecoder:
             return tensor.to(self.device)
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _decode(self, blobs: list[torch.Tensor]) -> tuple[list[Optional[torch.Tensor]],
-                                                          list[int]]:
-        """The batch in one call; when the decoder refuses it, each file alone, to find which.
-        Not oriented here: torchvision's CUDA decoder ignores apply_exif_orientation (its
-        batched CUDA call takes no such argument), so `orient` does it on either device."""
-        with warnings.catch_warnings():  # torchvision's decoders are deprecated for TorchCodec's
-            warnings.simplefilter("ignore", DeprecationWarning)
-            from torchvision.io import ImageReadMode, decode_jpeg
+    def _decode(self, blobs: list[torch.Tensor], orientations: list[int]) -> \
+            tuple[list[Optional[torch.Tensor]], list[int]]:
+        """The batch in one call, each image turned as its EXIF orientation says (read by the
+        workers: `jpeg_header`); when the decoder refuses the batch, each file alone, to find
+        which."""
+        decoder = jpeg_decoder()  # (unfit_reason refused the device path without one)
 
-        def decode(data):
+        def decode(data: list[torch.Tensor], turns: list[int]) -> list[torch.Tensor]:
             if self.device.type == "cuda":
                 # nvJPEG's hardware decoder (A100, H100, H200) writes its outputs before the
                 # work already queued on its stream has run, and the caching allocator may hand
@@ -273,40 +280,19 @@ class DeviceDecoder:
                 # decoder does it; torchvision's does not yet): here the side stream
                 # (`__call__`), which holds only the last batch's crops.
                 torch.cuda.current_stream(self.device).synchronize()
-            return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+            return decoder.decode(data, self.device, turns)
 
         try:
-            return list(decode(blobs)), []
+            return decode(blobs, orientations), []
         except (RuntimeError, ValueError):
             decoded, refused = [], []
-            for k, blob in enumerate(blobs):
+            for k, (blob, turn) in enumerate(zip(blobs, orientations)):
                 try:
-                    decoded.append(decode(blob))
+                    decoded.append(decode([blob], [turn])[0])
                 except (RuntimeError, ValueError):
                     decoded.append(None)
                     refused.append(k)
             return decoded, refused
-
-
-def orient(image: torch.Tensor, orientation: int) -> torch.Tensor:
-    """A decoded [3, H, W] image as its EXIF orientation says it is seen: PIL's exif_transpose
-    (2 mirror, 3 half turn, 4 upside down, 5 transpose, 6 a quarter turn clockwise, 7
-    transverse, 8 a quarter turn anticlockwise)."""
-    if orientation == 2:
-        return image.flip(-1)
-    if orientation == 3:
-        return image.flip(-1).flip(-2)
-    if orientation == 4:
-        return image.flip(-2)
-    if orientation == 5:
-        return image.transpose(-1, -2)
-    if orientation == 6:
-        return image.transpose(-1, -2).flip(-1)
-    if orientation == 7:
-        return image.transpose(-1, -2).flip(-1).flip(-2)
-    if orientation == 8:
-        return image.transpose(-1, -2).flip(-2)
-    return image
 
 
 def _blend(images: torch.Tensor, other, ratio: torch.Tensor) -> torch.Tensor:
@@ -357,6 +343,8 @@ def unfit_reason(source: ImageSource, transform: ImageTransform, streaming: bool
     if transform.train_interpolation not in ("random", *INTERPOLATION_MODES):
         return (f"--train-interpolation {transform.train_interpolation} is PIL's only; use "
                 f"random, bilinear or bicubic")
+    if jpeg_decoder() is None:  # (last: data the device cannot take is the first thing to say)
+        return missing()
     return None
 
 

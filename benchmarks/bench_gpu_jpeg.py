@@ -12,7 +12,9 @@ Arms, in one process, one after the other:
                        images), always (the workers read the files, the GPU decodes them with
                        nvJPEG and crops them); the first epoch untimed (workers, cuDNN)
 and the pixels: the same 64 training samples through both paths (mean and largest difference
-in levels of 255; the crops, flips and labels are the same by construction).
+in levels of 255; the crops, flips and labels are the same by construction); and one batch
+through the device path alone: torchvision's batched decode_jpeg, TorchCodec's where it loads,
+and the whole decode with the crops.
 MFU = forward + backward FLOPs per image (FlopCounterMode) x img/s / the GPU's dense peak.
 
     python benchmarks/bench_gpu_jpeg.py                  # on a machine with CUDA
@@ -126,10 +128,20 @@ def device_path_parts(images, device, batch: int) -> dict:
             seconds.append(time.perf_counter() - started)
         return len(keys) / benchlib.median(seconds[1:])
 
-    return {"decode_img_per_s": timed(lambda: decode_jpeg(blobs, mode=ImageReadMode.RGB,
-                                                          device=device)),
-            "decode_and_crop_img_per_s": timed(lambda: decoder(encoded, labels, replaced)),
-            "images": len(keys)}
+    parts = {"decode_img_per_s": timed(lambda: decode_jpeg(blobs, mode=ImageReadMode.RGB,
+                                                           device=device)),
+             "decode_and_crop_img_per_s": timed(lambda: decoder(encoded, labels, replaced)),
+             "images": len(keys)}
+    # TorchCodec's decoder, which the product takes where torchvision has none left
+    # (jpeg_decoders.py): the same batch, where it loads
+    try:
+        from torchcodec.decoders import decode_jpeg as codec_decode_jpeg
+    except Exception as err:  # noqa: BLE001 -- not installed, or built for another torch
+        parts["torchcodec"] = f"not available ({type(err).__name__})"
+    else:
+        parts["torchcodec"] = (f"{timed(lambda: codec_decode_jpeg(blobs, device=device)):,.0f} "
+                               f"img/s")
+    return parts
 
 
 def wait(device) -> None:
@@ -235,8 +247,9 @@ def measure(args, report, device, name: str, peak: float, work: Path) -> int:
                         f"by {agree['mean_abs']:.3f} levels on average, {agree['max']:.0f} at "
                         f"most; labels equal: {agree['labels_equal']}",
                         f"the device path on one batch of {parts['images']} alone: "
-                        f"decode_jpeg {parts['decode_img_per_s']:,.0f} img/s, with the crops "
-                        f"and flips {parts['decode_and_crop_img_per_s']:,.0f} img/s",
+                        f"decode_jpeg {parts['decode_img_per_s']:,.0f} img/s (TorchCodec's: "
+                        f"{parts['torchcodec']}), with the crops and flips "
+                        f"{parts['decode_and_crop_img_per_s']:,.0f} img/s",
                         f"forward + backward FLOPs per image: {flops / 1e9:.3g} GFLOP"])
     report.data.update(result=results, hand_img_per_s=hand, pixels=agree, device_path=parts)
     print(f"wrote {report.save()}")

@@ -61,7 +61,7 @@ def kinds() -> dict[str, bytes]:
              "444": _jpeg(_photo(rng, 33, 17), quality=95, subsampling=0),
              "progressive": _jpeg(_photo(rng, 70, 40), quality=80, progressive=True),
              "gray": _jpeg(_photo(rng, 40, 30, "L"), quality=90)}
-    for orientation in (*range(1, 9), 9):
+    for orientation in (*range(1, 9), 9, 0):
         found[f"exif{orientation}"] = _jpeg(_photo(rng, 41, 23), quality=90,
                                             exif=_exif(orientation))
     return found
@@ -97,6 +97,7 @@ def environment(monkeypatch):
                 monkeypatch.setitem(sys.modules, "torchcodec.decoders", broken)
         jpeg_decoders._found.cache_clear()
 
+    jpeg_decoders._found.cache_clear()  # looked up by this test itself
     yield make
     jpeg_decoders._found.cache_clear()
 
@@ -114,9 +115,27 @@ def test_each_library_decodes_as_pil_does_with_the_exif_orientation(kinds, libra
     # The orientations given (the device path reads them from the headers in its workers): the
     # same images; torchvision turns them itself then, as on CUDA.
     turns = [jpeg_decoders.exif_orientation(blob) for blob in kinds.values()]
-    assert turns[-9:] == [*range(1, 9), 1]  # (9 is no orientation: taken as stored)
+    assert turns[-10:] == [*range(1, 9), 1, 1]  # (9 and 0 are no orientation: taken as stored)
     for image, again in zip(images, decoder.decode(_tensors(kinds.values()), CPU, turns)):
         assert torch.equal(image, again)
+
+
+def test_torchvisions_decoder_turns_the_images_by_the_orientations_it_is_handed(kinds,
+                                                                                 environment):
+    """Its CUDA call cannot read EXIF, so the orientations the workers read are applied after
+    decoding, on either device (here the CPU runs that code): handed "upright" for every file,
+    it gives each as stored."""
+    decoder = jpeg_decoders.jpeg_decoder()
+    assert decoder.library == "torchvision"
+    stored = decoder.decode(_tensors(kinds.values()), CPU, [1] * len(kinds))
+    for (name, blob), image in zip(kinds.items(), stored):
+        as_stored = np.asarray(Image.open(io.BytesIO(blob)).convert("RGB"))
+        assert np.array_equal(image.permute(1, 2, 0).numpy(), as_stored), name
+
+
+def test_an_unreadable_header_has_no_orientation():
+    assert jpeg_decoders.exif_orientation(b"\xff\xd8\xff\xe1 not a header") == 1
+    assert jpeg_decoders.exif_orientation(b"") == 1
 
 
 @pytest.mark.parametrize("library", ["torchvision", "torchcodec"])

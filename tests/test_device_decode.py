@@ -379,3 +379,27 @@ def test_a_machine_of_two_processes_times_all_their_workers_at_once(photos, tmp_
     pids = [path.name.split("-")[0] for path in tmp_path.iterdir()]
     assert len(set(pids)) == 4 and len(pids) == 2 * 4 * RATE_BATCHES_EACH
     assert rate >= 4 * RATE_BATCHES_EACH * RATE_BATCH / whole / 2
+
+
+@pytest.mark.parametrize("options, said", [
+    (["--data-on-device", "always", "--in-memory", "never"],
+     "--data-on-device always: the training images are decoded per step, not held in memory"),
+    (["--decode-on-device", "always", "--in-memory", "never", "--auto-augment",
+      "rand-m9-mstd0.5"],
+     "--decode-on-device always: --auto-augment's policy works on the host"),
+], ids=["data-on-device", "decode-on-device"])
+def test_an_always_the_data_cannot_take_is_refused_before_the_start_up_timings(
+        photos, tmp_path, monkeypatch, options, said):
+    """One line, exit 2, nothing written, and before the speed probe runs the model for
+    seconds (here it would fail the run instead)."""
+    import accel_train.trainer
+
+    def probed(*args, **kwargs):
+        raise AssertionError("the speed probe ran before the refusal")
+    monkeypatch.setattr(accel_train.trainer, "speed_for_run", probed)
+    out = tmp_path / "run"
+    result = accel_train_here("--data-dir", str(photos), *options, "--batch-size", "4",
+                              "--model", "test_resnet", "--output-dir", str(out))
+    assert result.returncode == 2 and not out.exists(), result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(f"accel_train: error: {said}"), \
+        result.stderr[-3000:]

@@ -228,6 +228,18 @@ def machine_workers_rate(images: TrainImages, workers: int, processes_per_machin
     return workers_rate(images, workers * processes_per_machine) / processes_per_machine
 
 
+def refuse_unfit_always(config, data, spec, cuda: bool) -> None:
+    """--data-on-device always and --decode-on-device always on data their path cannot take:
+    the UsageError build_loaders would raise, raised before the start-up's timings (the speed
+    probe runs the model for seconds) rather than after them."""
+    streaming = streaming_wanted(config)
+    train_tf = run_transforms(config, spec)[0]
+    if config.data_on_device == "always":
+        choose_data_on_device("always", data.train, train_tf, cuda, streaming=streaming)
+    if config.decode_on_device == "always":
+        choose_device_decoding("always", data.train, train_tf, cuda, streaming=streaming)
+
+
 def build_loaders(config, data, spec, num_processes: int, rank: int, processes_per_machine: int,
                   cuda: bool, device=None,
                   train_rate: Optional[Callable[[], float]] = None) -> Loaders:

@@ -4,15 +4,16 @@ on a CUDA device (nvJPEG): torchvision's decoder while torchvision has one, else
 torchvision deprecates its image decoders from 0.29 in favour of TorchCodec's (from 0.16), which
 decode the same way (on the CPU to the same pixels: tests/test_jpeg_decoders.py).  torchvision's
 stays first while it exists because it is the one measured on GPUs (BENCHMARKS.md).  TorchCodec
-is not a dependency of the package: its wheels do not name the torch they were built for, and
-one built for another torch fails at import, which here counts as not installed (`missing()`
-then says what failed).
+is an optional extra (`accel_train[torchcodec]`), not a dependency: its wheels do not name the
+torch they were built for, and one built for another torch fails at import, which here counts
+as not installed (`missing()` then says what failed).
 
 Both give each image turned as its EXIF orientation says, as PIL's exif_transpose does:
-TorchCodec always does it itself; torchvision does on the CPU, and its CUDA call takes no such
-argument, so `orient` does it here.  Both raise RuntimeError (or ValueError) on a file they
-cannot decode; the callers then find the bad file and hand it to PIL (decode.py) or the host
-path (device_decode.py).
+TorchCodec always reads it and turns the image itself, on either device; torchvision's CUDA
+call takes no such argument, so `orient` turns its images here, by the orientations the caller
+read (the device path's workers have them from the headers) or PIL's reading of each header.
+Both raise RuntimeError (or ValueError) on a file they cannot decode; the callers then find the
+bad file and hand it to PIL (decode.py) or the host path (device_decode.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ _ORIENTATION = ExifTags.Base.Orientation
 class JpegDecoder:
     library: str  # "torchvision" or "torchcodec": for messages
     # (blobs, device, orientations): each blob a 1-D uint8 CPU tensor of a file's bytes; the
-    # files' EXIF orientations where the caller has read them already, else None
+    # files' EXIF orientations where the caller has read them already, else None (TorchCodec
+    # reads its own either way)
     decode: Callable[[list[torch.Tensor], torch.device, Optional[list[int]]],
                      list[torch.Tensor]]
 

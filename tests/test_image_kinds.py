@@ -251,7 +251,7 @@ def test_a_missing_or_unreadable_file_and_a_foreign_value_say_why_in_words(tmp_p
     assert foreign.value.reason == "not an image value (got int)"
 
 
-# -- JPEGs in a batch, and torchvision's decoder missing -------------------------------------------
+# -- JPEGs in a batch, and no JPEG decoder ---------------------------------------------------------
 def _jpeg(width: int, height: int, seed: int) -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     out = io.BytesIO()
@@ -289,10 +289,23 @@ def test_a_non_square_jpeg_over_the_pixel_limit_is_refused(monkeypatch):
     assert str(results[1]).startswith("20x8 = 160 pixels, over PIL's decompression-bomb limit")
 
 
-def test_without_torchvisions_jpeg_decoder_pil_decodes_them(monkeypatch):
+@pytest.fixture
+def no_jpeg_decoder(monkeypatch):
+    """Neither torchvision's JPEG decoder (its import fails, as if removed) nor TorchCodec (not
+    installed); the decoder is looked up again under that, and again after."""
     import sys
+
+    from accel_train.data import jpeg_decoders
+    for name in ("torchvision.io", "torchcodec", "torchcodec.decoders"):
+        monkeypatch.setitem(sys.modules, name, None)
+    jpeg_decoders._found.cache_clear()
+    assert jpeg_decoders.jpeg_decoder() is None
+    yield
+    jpeg_decoders._found.cache_clear()
+
+
+def test_without_a_jpeg_decoder_pil_decodes_them(no_jpeg_decoder):
     blobs = [_jpeg(16, 12, 0), _jpeg(8, 8, 1)]
-    monkeypatch.setitem(sys.modules, "torchvision.io", None)  # the import fails, as if removed
     for blob, image in zip(blobs, decode_many(blobs)):
         expected = np.array(Image.open(io.BytesIO(blob)).convert("RGB"))
         assert torch.equal(image, torch.from_numpy(expected).permute(2, 0, 1))

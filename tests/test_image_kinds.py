@@ -121,16 +121,16 @@ def test_cmyk_becomes_rgb_by_the_subtractive_formula_and_both_jpeg_decoders_agre
     assert torch.equal(decode(jpeg), decode(jpeg, fast=False))
 
 
-def test_a_lists_jpegs_go_to_torchvision_in_one_call_and_the_rest_to_pil(monkeypatch):
-    """decode_many hands every JPEG of the list to torchvision's decoder in one call (the reason
-    it exists: a batch of CIFAR-10 is JPEG); PIL opens only the others.  Both decoders give the
-    same pixels here, so only this watch sees a JPEG that went to PIL.  The oracle for the
-    pixels: PIL's own decode of each file."""
-    import torchvision.io
-
+def test_a_lists_jpegs_go_to_the_jpeg_decoder_in_one_call_and_the_rest_to_pil(monkeypatch):
+    """decode_many hands every JPEG of the list to the JPEG decoder (jpeg_decoders.py) in one
+    call (the reason it exists: a batch of CIFAR-10 is JPEG); PIL opens only the others.  Both
+    decoders give the same pixels here, so only this watch sees a JPEG that went to PIL.  The
+    oracle for the pixels: PIL's own decode of each file."""
     import accel_train.data.decode as decode_module
-    if not hasattr(torchvision.io, "decode_jpeg"):
-        pytest.skip("this torchvision has no JPEG decoder: every file goes to PIL")
+    from accel_train.data.jpeg_decoders import jpeg_decoder
+    if jpeg_decoder() is None:
+        pytest.skip("neither torchvision nor TorchCodec decodes JPEGs here: every file goes to "
+                    "PIL")
     files = [kinds.encoded(kinds.pixels(1), "JPEG"), kinds.encoded(kinds.pixels(2), "PNG"),
              kinds.encoded(kinds.pixels(3), "JPEG")]
     expected = [np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in files]

@@ -33,7 +33,7 @@ from accel_train.base.readers import ANOTHER_MODELS_WEIGHTS, BadFile
 from accel_train.callbacks import Callback, CallbackList
 from accel_train.config import TrainConfig
 from accel_train.data.badimages import BadImageLog
-from accel_train.data.loading import build_loaders, refuse_unfit_always
+from accel_train.data.loading import build_loaders, refuse_bad_loader_input
 from accel_train.data.mixing import maybe_mixup
 from accel_train.data.sources import LoadedData, load_data
 from accel_train.data.streaming import load_streaming, streaming_wanted
@@ -114,7 +114,7 @@ class Trainer:
             # the speed probe times fresh copies: of the program's module as it was handed over
             untouched = copy.deepcopy(model) if model is not None else None
             net = build_network(config, data, plan.env.world_size, cuda, report.warn, model)
-            refuse_unfit_always(config, data, net.spec, cuda)
+            refuse_bad_loader_input(config, data, net.spec, plan.env.world_size, cuda)
             fresh_model = (lambda: copy.deepcopy(untouched)) if model is not None else (
                 lambda: create_model(config.model, net.spec.num_classes, config.drop_rate, None,
                                      config.drop_path, net.spec.model_args))

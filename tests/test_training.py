@@ -120,7 +120,15 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[m[:30] for _, m in BAD_INPUTS])
-def test_bad_input_is_one_line_exit_2_and_leaves_outputs_alone(tmp_path, capsys, argv, message):
+def test_bad_input_is_one_line_exit_2_and_leaves_outputs_alone(tmp_path, capsys, monkeypatch,
+                                                               argv, message):
+    """... and before the start-up's speed probe, which would run the model for seconds first
+    (here it fails the run instead)."""
+    import accel_train.trainer
+
+    def probed(*args, **kwargs):
+        raise AssertionError("the speed probe ran before the refusal")
+    monkeypatch.setattr(accel_train.trainer, "speed_for_run", probed)
     out = tmp_path / "run"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")

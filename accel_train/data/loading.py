@@ -228,11 +228,20 @@ def machine_workers_rate(images: TrainImages, workers: int, processes_per_machin
     return workers_rate(images, workers * processes_per_machine) / processes_per_machine
 
 
-def refuse_unfit_always(config, data, spec, cuda: bool) -> None:
-    """--data-on-device always and --decode-on-device always on data their path cannot take:
-    the UsageError build_loaders would raise, raised before the start-up's timings (the speed
-    probe runs the model for seconds) rather than after them."""
+def refuse_bad_loader_input(config, data, spec, num_processes: int, cuda: bool) -> None:
+    """The UsageErrors of build_loaders that the options and the data alone decide: an empty
+    held-out split, fewer training images than one global batch, --data-on-device always or
+    --decode-on-device always on data their path cannot take.  Trainer.from_config asks before
+    the start-up's timings (the speed probe runs the model for seconds), not after them."""
+    if len(data.held_out) == 0:
+        raise UsageError("the held-out split is empty; raise --val-fraction or "
+                         "--max-eval-samples")
     streaming = streaming_wanted(config)
+    global_batch = config.batch_size * num_processes * config.accumulation_steps
+    if not streaming and len(data.train) < global_batch:
+        raise UsageError(f"the training set has {len(data.train)} images, fewer than one "
+                         f"global batch of {global_batch} (batch_size x processes x "
+                         f"accumulation_steps); lower --batch-size")
     train_tf = run_transforms(config, spec)[0]
     if config.data_on_device == "always":
         choose_data_on_device("always", data.train, train_tf, cuda, streaming=streaming)
@@ -248,11 +257,9 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
     the batches wait in pinned memory (the copy to the device can then overlap the step).
     `device` and `train_rate()` (img/s the run's model trains at): for --decode-on-device
     auto on a GPU, which times both input paths on `device` (by rank 0 for all)."""
+    refuse_bad_loader_input(config, data, spec, num_processes, cuda)
     pin_memory = cuda
     global_batch = config.batch_size * num_processes * config.accumulation_steps
-    if len(data.held_out) == 0:
-        raise UsageError("the held-out split is empty; raise --val-fraction or "
-                         "--max-eval-samples")
     train_tf, held_out_tf = run_transforms(config, spec)
     wanted_workers = config.num_workers if config.num_workers is not None else \
         default_num_workers(data.train, processes_per_machine, cuda)
@@ -267,10 +274,6 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                                                     wanted_workers, pin_memory)
         held_out_workers = 0  # held-out shards are decoded in memory at the start
     else:
-        if len(data.train) < global_batch:
-            raise UsageError(f"the training set has {len(data.train)} images, fewer than one "
-                             f"global batch of {global_batch} (batch_size x processes x "
-                             f"accumulation_steps); lower --batch-size")
         sampler = EpochSampler(len(data.train), global_batch, config.seed)
         on_device, choice = choose_data_on_device(config.data_on_device, data.train, train_tf,
                                                   cuda, streaming=False, workers=wanted_workers)

@@ -32,7 +32,7 @@ from typing import Optional, Union
 
 import numpy as np
 import torch
-from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from accel_train.data.jpeg_decoders import jpeg_decoder, pil_orientation
 from accel_train.data.loader_watch import reading
@@ -41,7 +41,6 @@ _JPEG_MAGIC = b"\xff\xd8\xff"
 _CPU = torch.device("cpu")
 _SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 _ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
-_ORIENTATION = ExifTags.Base.Orientation
 _DEVICE_MODES = ("RGB", "L")  # PIL modes of the JPEGs nvJPEG turns into RGB as PIL does
 
 
@@ -156,8 +155,7 @@ def pil_size(item) -> tuple[int, int]:
 
 def _rgb_pixels(pil: Image.Image) -> np.ndarray:
     """uint8 [H, W, 3]: orientation applied, 16 bits scaled, transparency over white."""
-    orientation = pil.getexif().get(_ORIENTATION, 1)
-    if orientation in range(2, 9):
+    if pil_orientation(pil) != 1:
         pil = ImageOps.exif_transpose(pil)
     if pil.mode in _SIXTEEN_BIT_MODES:
         gray = (np.asarray(pil).astype(np.int64).clip(0, 65535) >> 8).astype(np.uint8)

@@ -146,8 +146,41 @@ def test_a_file_either_library_cannot_decode_raises_what_the_callers_catch(kinds
     decoder = jpeg_decoders.jpeg_decoder()
     good = kinds["420"]
     for bad in (good[:len(good) // 3], b"\xff\xd8\xff" + b"\x00" * 40):
-        with pytest.raises((RuntimeError, ValueError)):
+        with pytest.raises(jpeg_decoders.DECODE_ERRORS):
             decoder.decode(_tensors([good, bad]), CPU, None)
+
+
+@pytest.mark.parametrize("library", ["torchvision", "torchcodec"])
+def test_a_refused_list_is_decoded_file_by_file_to_find_the_bad_ones(kinds, library,
+                                                                     environment):
+    """each_or_none: the good files as PIL decodes them, None in the bad files' places, the
+    orientations handed on with their own files."""
+    if library == "torchcodec":
+        environment("no torchvision")
+    decoder = jpeg_decoders.jpeg_decoder()
+    good = [kinds["420"], kinds["exif6"], kinds["gray"], kinds["exif3"]]
+    cut = good[0][:len(good[0]) // 3]
+    blobs = [good[0], cut, good[1], good[2], b"\xff\xd8\xff" + b"\x00" * 40, good[3]]
+    calls = []
+
+    def decode(data, turns):
+        calls.append(len(data))
+        return decoder.decode(data, CPU, turns)
+
+    for turns in (None, [1, 1, 6, 1, 1, 3]):
+        calls.clear()
+        images = jpeg_decoders.each_or_none(decode, _tensors(blobs), turns)
+        assert calls == [6, 1, 1, 1, 1, 1, 1]  # the list, then each file alone
+        assert [image is None for image in images] == [False, True, False, False, True, False]
+        for image, blob in zip([images[0], images[2], images[3], images[5]], good):
+            assert np.array_equal(image.permute(1, 2, 0).numpy(), _pil(blob))
+    if library == "torchvision":  # which turns the images by what it is handed
+        stored = jpeg_decoders.each_or_none(decode, _tensors(blobs), [1] * 6)[2]
+        as_stored = np.asarray(Image.open(io.BytesIO(good[1])).convert("RGB"))
+        assert np.array_equal(stored.permute(1, 2, 0).numpy(), as_stored)
+    calls.clear()
+    assert len(jpeg_decoders.each_or_none(decode, _tensors(good), None)) == 4 and calls == [4]
+    assert jpeg_decoders.each_or_none(decode, _tensors([cut]), None) == [None]
 
 
 def _decoded(items: list) -> list:

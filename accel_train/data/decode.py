@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from accel_train.data.jpeg_decoders import jpeg_decoder, pil_orientation
+from accel_train.data.jpeg_decoders import each_or_none, jpeg_decoder, pil_orientation
 from accel_train.data.loader_watch import reading
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -178,14 +178,10 @@ def _decode_jpegs(blobs: list[bytes]) -> list[Optional[torch.Tensor]]:
     tensors = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # libjpeg's "corrupt data" warnings
-        try:
-            images = decoder.decode(tensors, _CPU, None)
-        except (RuntimeError, ValueError):
-            if len(tensors) == 1:
-                return [None]
-            return [_decode_jpegs([blob])[0] for blob in blobs]  # find the bad one(s)
+        images = each_or_none(lambda data, turns: decoder.decode(data, _CPU, turns), tensors, None)
     # Over the pixel limit: PIL's path raises the reason (the limit is the same for all).
-    return [None if image.shape[-1] * image.shape[-2] > (Image.MAX_IMAGE_PIXELS or np.inf)
+    return [None if image is None or
+            image.shape[-1] * image.shape[-2] > (Image.MAX_IMAGE_PIXELS or np.inf)
             else image for image in images]
 
 

@@ -37,7 +37,7 @@ from torchvision.transforms.v2 import functional as TF
 from accel_train.base.errors import UsageError
 from accel_train.base.randomness import each_seeded
 from accel_train.data.decode import jpeg_header
-from accel_train.data.jpeg_decoders import jpeg_decoder, missing
+from accel_train.data.jpeg_decoders import each_or_none, jpeg_decoder, missing
 from accel_train.data.sources import ArraySource, HFSource, ImageSource
 from accel_train.data.transforms import CROP_SALT, SMALL_IMAGE, ImageTransform
 
@@ -282,17 +282,8 @@ class DeviceDecoder:
                 torch.cuda.current_stream(self.device).synchronize()
             return decoder.decode(data, self.device, turns)
 
-        try:
-            return decode(blobs, orientations), []
-        except (RuntimeError, ValueError):
-            decoded, refused = [], []
-            for k, (blob, turn) in enumerate(zip(blobs, orientations)):
-                try:
-                    decoded.append(decode([blob], [turn])[0])
-                except (RuntimeError, ValueError):
-                    decoded.append(None)
-                    refused.append(k)
-            return decoded, refused
+        decoded = each_or_none(decode, blobs, orientations)
+        return decoded, [k for k, image in enumerate(decoded) if image is None]
 
 
 def _blend(images: torch.Tensor, other, ratio: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ Both give each image turned as its EXIF orientation says, as PIL's exif_transpos
 TorchCodec always reads it and turns the image itself, on either device; torchvision's CUDA
 call takes no such argument, so `orient` turns its images here, by the orientations the caller
 read (the device path's workers have them from the headers) or PIL's reading of each header.
-Both raise RuntimeError (or ValueError) on a file they cannot decode; the callers then find the
-bad file and hand it to PIL (decode.py) or the host path (device_decode.py).
+Both raise RuntimeError (or ValueError) on a file they cannot decode, and refuse the whole list
+for it: `each_or_none` then finds the bad file, which the callers hand to PIL (decode.py) or the
+host path (device_decode.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from PIL import ExifTags, Image
 
 _ORIENTATION = ExifTags.Base.Orientation
+DECODE_ERRORS = (RuntimeError, ValueError)  # what both libraries raise for a file they refuse
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,23 @@ def _torchcodec() -> JpegDecoder:
         return list(decode_jpeg(blobs, mode="RGB", device=device))  # (oriented)
 
     return JpegDecoder("torchcodec", decode)
+
+
+Decode = Callable[[list[torch.Tensor], Optional[list[int]]], list[torch.Tensor]]
+
+
+def each_or_none(decode: Decode, blobs: list[torch.Tensor],
+                 orientations: Optional[list[int]]) -> list[Optional[torch.Tensor]]:
+    """`decode(blobs, orientations)` in one call; when the decoder refuses the list, each file
+    alone, None for each it refuses."""
+    try:
+        return list(decode(blobs, orientations))
+    except DECODE_ERRORS:
+        if len(blobs) == 1:
+            return [None]
+    turns = orientations or [None] * len(blobs)
+    return [each_or_none(decode, [blob], None if turn is None else [turn])[0]
+            for blob, turn in zip(blobs, turns)]
 
 
 def exif_orientation(blob: bytes) -> int:

@@ -206,6 +206,15 @@ def error_prefix() -> str:
 RETRY_HINT = "for another try once the data can be read"  # what exit 75 is for, outside training
 
 
+def add_read_timeout(parser, command: str, what: str = "one image's read") -> None:
+    """--read-timeout, for the commands that read image files themselves (check-data, shard,
+    predict): training's loader workers have --loader-timeout instead."""
+    parser.add_argument("--read-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help=f"seconds {what} may take before {command} stops in one line "
+                             f"naming it, exit 75 (a network mount that went away); 0 waits "
+                             f"for ever (default: 600)")
+
+
 def read_timeout_checked(seconds: float) -> float:
     """--read-timeout's value (check-data, shard, predict), or the one-line error."""
     if not (0 <= seconds < float("inf")):

@@ -23,7 +23,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
 
-from accel_train.cli import RETRY_HINT, _Parser, read_timeout_checked, stop_on_a_stuck_read
+from accel_train.cli import (RETRY_HINT, _Parser, add_read_timeout, read_timeout_checked,
+                             stop_on_a_stuck_read)
 from accel_train.base.errors import STALLED_EXIT, RunStopped, UsageError
 from accel_train.data.loader_watch import start_watch
 
@@ -48,10 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
                         help="decoding processes (default: one per core, here "
                              f"{os.cpu_count() or 1})")
-    parser.add_argument("--read-timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="seconds one image's read may take before check-data stops in "
-                             "one line naming it, exit 75 (a network mount that went away); "
-                             "0 waits for ever (default: 600)")
+    add_read_timeout(parser, "check-data")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from accel_train.base.columns import display_width, pad
-from accel_train.cli import _Parser, read_timeout_checked, stop_on_a_stuck_read
+from accel_train.cli import _Parser, add_read_timeout, read_timeout_checked, stop_on_a_stuck_read
 from accel_train.commands import EMA_HELP
 from accel_train.config import PRECISIONS
 from accel_train.base.errors import UsageError
@@ -44,10 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "on the same kind of device (with its memory format), as eval does, "
                              "else fp16 on CUDA and fp32 on a CPU; an .onnx model runs as it "
                              "was exported (default: auto)")
-    parser.add_argument("--read-timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="seconds one image's read (or a folder's listing) may take before "
-                             "predict stops in one line naming it, exit 75 (a network mount "
-                             "that went away); 0 waits for ever (default: 600)")
+    add_read_timeout(parser, "predict", "one image's read (or a folder's listing)")
     parser.add_argument("--json", action="store_true",
                         help='one JSON object per line: {"image": ..., "predictions": '
                              '[{"class": ..., "index": ..., "probability": ...}, ...]}')

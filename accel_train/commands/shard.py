@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from accel_train.cli import _Parser, read_timeout_checked, stop_on_a_stuck_read
+from accel_train.cli import _Parser, add_read_timeout, read_timeout_checked, stop_on_a_stuck_read
 from accel_train.base.errors import UsageError
 
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
@@ -57,10 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="held out when SRC has no held-out split (as training carves it)")
     parser.add_argument("--image-column", default=None)
     parser.add_argument("--label-column", default=None)
-    parser.add_argument("--read-timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="seconds one image's read may take before shard stops in one "
-                             "line naming it, exit 75 (a network mount that went away); 0 "
-                             "waits for ever (default: 600)")
+    add_read_timeout(parser, "shard")
     parser.add_argument("--no-progress", action="store_true", help="no progress line")
     return parser
 

@@ -197,6 +197,17 @@ def metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def metrics_so_far(output_dir: Path) -> list[dict]:
+    """metrics.jsonl's records while its run may still write it: none before it exists, and
+    without a last line that has no newline yet.  A record is one write(), but the kernel
+    shows a write that crosses a page boundary one page at a time, so a reader polling the
+    file can see a record's first part alone."""
+    path = Path(output_dir) / "metrics.jsonl"
+    text = path.read_text() if path.is_file() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()
+            if line.strip()]
+
+
 def assert_metrics_continuous(output_dir: Path, total_steps: int, log_every: int = 2,
                               epochs: int = 2) -> list[dict]:
     """metrics.jsonl reads as one run: each logged step and each epoch exactly once, in order."""

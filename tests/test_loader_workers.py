@@ -16,7 +16,8 @@ import pytest
 
 from conftest import accel_train_here
 from fault_entry import BLOCK_READ_ENV, STEP_SECONDS_ENV
-from faults import LOADER_WORKER_NAME, Run, max_weight_difference, metrics, python_cmd, wait_until
+from faults import (LOADER_WORKER_NAME, Run, max_weight_difference, metrics, metrics_so_far,
+                    python_cmd, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -88,8 +89,8 @@ def test_a_killed_loader_worker_costs_a_warning_and_the_run_ends_bit_identical(
     run = Run(python_cmd(*flags, "--output-dir", str(out)), tmp_path / "run.log",
               **{STEP_SECONDS_ENV: "0.2"})
     runs.append(run)
-    wait_until(lambda: any(r["type"] == "train" and r["step"] >= 5 for r in metrics(out))
-               if (out / "metrics.jsonl").is_file() else False, "step 5", run)
+    wait_until(lambda: any(r["type"] == "train" and r["step"] >= 5
+                           for r in metrics_so_far(out)), "step 5", run)
     workers = wait_until(lambda: _loader_workers(run), "the loader workers", run)
     workers[0].send_signal(signal.SIGKILL)
     output = run.check()
@@ -237,8 +238,7 @@ def test_a_stop_sent_to_the_whole_process_group_leaves_the_workers_to_finish_the
                          "--prefetch-factor", "1", "--output-dir", str(out)),
               tmp_path / "run.log", **{STEP_SECONDS_ENV: "1"})
     runs.append(run)
-    wait_until(lambda: any(r["type"] == "train" for r in metrics(out))
-               if (out / "metrics.jsonl").is_file() else False, "step 1", run)
+    wait_until(lambda: any(r["type"] == "train" for r in metrics_so_far(out)), "step 1", run)
     os.killpg(run.proc.pid, signal.SIGTERM)  # the run is its own group's leader (Run)
     output = run.check(expected=143)
     assert "stopped by a signal at step 2" in output, output[-3000:]

@@ -28,7 +28,7 @@ from accel_train.config import parse_duration
 from accel_train.run.checkpoint import verify
 from accel_train.base.errors import UsageError
 from conftest import accel_train_here, TINY_TRAIN, free_port
-from faults import Run, checkpoint_steps, metrics, wait_until
+from faults import Run, checkpoint_steps, metrics, metrics_so_far, wait_until
 
 
 
@@ -430,8 +430,7 @@ def _announced(out, rank: int) -> list[int]:
 
 
 def _budget_records(out) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [r for r in metrics(out) if r["type"] == "budget"] if path.is_file() else []
+    return [r for r in metrics_so_far(out) if r["type"] == "budget"]  # (polled while it runs)
 
 
 def _state(out, step: int) -> dict:

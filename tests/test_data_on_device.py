@@ -318,3 +318,21 @@ def test_a_two_step_run_with_the_data_on_the_device_trains_what_the_loader_train
         assert state["on_device"] == (mode == "always"), state
         assert [r["step"] for r in metrics(out) if r["type"] == "train"] == [1, 2]
     assert max_weight_difference(runs["never"], runs["always"]) == 0.0
+
+
+def test_build_loaders_refuses_an_empty_held_out_split_and_a_set_short_of_one_global_batch():
+    """The refusals the data alone decides, for a program that builds the loaders itself (the
+    command line and fit() refuse an empty split earlier, as they load it)."""
+    data = _data()
+    empty = SimpleNamespace(train=data.train, test=None,
+                            held_out=ArraySource(data.held_out.images[:0], torch.zeros(0)))
+    with pytest.raises(UsageError, match=r"^the held-out split is empty; raise --val-fraction "
+                                         r"or --max-eval-samples$"):
+        build_loaders(TrainConfig(batch_size=BATCH), empty, _spec(), 1, 0, 1, False)
+    # 44 images; 8 x 3 processes x 2 micro-batches = 48 a step: one short of a step
+    with pytest.raises(UsageError, match=r"^the training set has 44 images, fewer than one "
+                                         r"global batch of 48 \(batch_size x processes x "):
+        build_loaders(TrainConfig(batch_size=BATCH, accumulation_steps=2), data, _spec(), 3, 0,
+                      1, False)
+    assert build_loaders(TrainConfig(batch_size=BATCH, accumulation_steps=2), data, _spec(),
+                         2, 0, 1, False).global_batch == 32  # 44 images hold one

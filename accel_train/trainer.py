@@ -33,6 +33,7 @@ from accel_train.base.readers import ANOTHER_MODELS_WEIGHTS, BadFile
 from accel_train.callbacks import Callback, CallbackList
 from accel_train.config import TrainConfig
 from accel_train.data.badimages import BadImageLog
+from accel_train.data.loaders import end_workers
 from accel_train.data.loading import build_loaders, refuse_bad_loader_input
 from accel_train.data.mixing import maybe_mixup
 from accel_train.data.sources import LoadedData, load_data
@@ -542,6 +543,9 @@ class Trainer:
 
     def close(self):
         try:
+            # Now, not when the collector gets to them: loaders.end_workers says why.
+            self.train_loader.close()
+            end_workers(self.held_out_loader)
             self.accelerator.end_training()
         finally:
             self.plan.release()

@@ -2,18 +2,25 @@
 x prefetch x image size outgrow memory) costs a warning, not the run: the workers start again at
 the same position and the run ends in the weights of a run where nothing died.  One stuck
 reading a file (a dead network mount) names the file itself, and the run stops in one line at
---loader-timeout."""
+--loader-timeout.  A run in a program that goes on ends its workers itself when it returns."""
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
 import threading
+from typing import Callable
 
 import psutil
 import pytest
+import torch
+from torch import nn
+from torchvision.datasets import FakeData
 
+import accel_train
+from accel_train.callbacks import Callback
 from conftest import accel_train_here
 from fault_entry import BLOCK_READ_ENV, STEP_SECONDS_ENV
 from faults import (LOADER_WORKER_NAME, Run, max_weight_difference, metrics, metrics_so_far,
@@ -261,3 +268,115 @@ def test_a_training_process_killed_outright_takes_its_workers_and_their_server_a
     run.proc.wait()
     gone, alive = psutil.wait_procs(left_behind, timeout=20)
     assert not alive, f"still running after the training process was killed: {alive}"
+
+
+class StopAtStep(Callback):
+    """SIGTERM to this process at `step` (what a scheduler sends): the run saves and stops."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer, step: int) -> None:
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _live_loader_workers() -> set[int]:
+    """The pids of this process's live loader workers (children of its fork server)."""
+    found = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.name() == LOADER_WORKER_NAME and child.status() != psutil.STATUS_ZOMBIE:
+                found.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+class WorkersSeen(Callback):
+    """The loader workers alive at each training step's end."""
+
+    def __init__(self):
+        self.seen: set[int] = set()
+
+    def on_step_end(self, trainer, step: int) -> None:
+        self.seen |= _live_loader_workers()
+
+
+def _workers_left_by(run: Callable[[list[Callback]], None]) -> set[int]:
+    """`run(callbacks)`, a run in this process, with the cyclic garbage collector off (the
+    workers of a loader it frees are ended in time, a loader in a reference cycle's are not):
+    the loader workers it started that are still alive when it returns (it started some)."""
+    before, watch = _live_loader_workers(), WorkersSeen()
+    gc.disable()
+    try:
+        run([watch])
+        left = _live_loader_workers() - before
+    finally:
+        gc.enable()
+    assert watch.seen - before, "the run trained with no loader worker"
+    return left
+
+
+def _cli_run(*args: str, expected: int = 0, callbacks=()) -> Callable[[list[Callback]], None]:
+    """`accel_train ARGS` called in this process (cli.main), ending with `expected`."""
+    def run(watching: list[Callback]) -> None:
+        result = accel_train_here(*args, callbacks=[*watching, *callbacks])
+        assert result.returncode == expected, result.stderr[-3000:]
+    return run
+
+
+# Each loader that keeps workers between passes: the training and held-out loaders' (kept
+# across epochs), the erasing plans' of data held on the device, and a resumed epoch's; and the
+# streaming loader, whose workers are started each epoch.
+RUN_END_CASES = {
+    "finished": [*TRAIN, "--persistent-workers"],
+    "data-on-device": [*TRAIN, "--persistent-workers", "--data-on-device", "always", "--reprob",
+                       "0.25"],
+    "streaming": KILLED_WORKER_CASES["streaming"],
+}
+
+
+def _run_end_flags(case: str, request) -> list[str]:
+    flags = RUN_END_CASES[case]
+    if case == "streaming":
+        flags = ["--data-dir", str(request.getfixturevalue("synthetic_shards")), *flags]
+    return flags
+
+
+@pytest.mark.parametrize("case", RUN_END_CASES)
+def test_a_run_in_a_process_that_goes_on_ends_its_loader_workers_when_it_returns(
+        tmp_path, case, request):
+    """fit(), or the command line called in a program: when the run returns, its loader workers
+    are gone.  Left to the garbage collector they are not: a run's loaders sit in reference
+    cycles, and a collection that frees them ended each worker only after torch's 5-s join
+    timeout (20 s of one gc.collect() after a run with 2 workers)."""
+    flags = [*_run_end_flags(case, request), "--epochs", "2"]
+    assert _workers_left_by(_cli_run(*flags, "--output-dir", str(tmp_path / "run"))) == set()
+
+
+def test_fit_returns_with_its_loader_workers_ended(tmp_path):
+    """The Python API's run, on a program's own datasets (torchvision's FakeData: PIL images)."""
+    def run(callbacks: list[Callback]) -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                              nn.Linear(8, 2))
+        images = {split: FakeData(size, (3, 16, 16), num_classes=2, random_offset=offset)
+                  for split, size, offset in (("train", 64, 0), ("eval", 32, 1000))}
+        accel_train.fit(model, images["train"], images["eval"], batch_size=16, epochs=2,
+                        num_workers=2, persistent_workers=True, mixed_precision="no",
+                        channels_last=False, plots=False, progress="log", callbacks=callbacks,
+                        output_dir=str(tmp_path / "run"))
+    assert _workers_left_by(run) == set()
+
+
+@pytest.mark.parametrize("case", ["finished", "streaming"])
+def test_a_run_stopped_by_a_signal_and_its_resumed_epoch_end_their_loader_workers(
+        tmp_path, case, request):
+    """Stopped by SIGTERM mid-epoch (exit 143), and then resumed mid-epoch (the indexed loader
+    skips the batches already trained through a loader of its own): either way no loader
+    worker outlives the run."""
+    flags = [*_run_end_flags(case, request), "--checkpoint-every", "3",
+             "--output-dir", str(tmp_path / "run")]
+    assert _workers_left_by(_cli_run(*flags, expected=143, callbacks=[StopAtStep(5)])) == set()
+    assert _workers_left_by(_cli_run(*flags, "--resume", "auto")) == set()

@@ -355,6 +355,21 @@ def make_loader(dataset: Dataset, batch_size: Optional[int], num_workers: int,
                       worker_init_fn=worker_init_fn(timeout), **extra)
 
 
+def end_workers(loader: Optional[DataLoader]) -> None:
+    """Shut down the workers `loader` keeps between passes (persistent workers), now; the next
+    pass starts new ones.  Torch would do it when the loader is freed, but only in time when
+    the loader is freed by reference count: a run's loaders sit in reference cycles (trainer,
+    Accelerator), and the cyclic collector stops the workers' queue feeder threads before the
+    iterator's shutdown puts its last message on them, so that torch then waits out a 5-s join
+    timeout for each worker (measured: 20 s of one gc.collect() after a finished run with 2
+    workers).  Torch has no public call for this (pytorch/pytorch#64766): its kept iterator's
+    own shutdown it is."""
+    kept = getattr(loader, "_iterator", None)
+    if kept is not None:
+        kept._shutdown_workers()
+        loader._iterator = None
+
+
 def workers_rate(dataset: "TrainImages", workers: int) -> float:
     """Images a second `workers` loader worker processes decode and augment together (the
     host path --decode-on-device auto weighs against the GPU's), over the run's first training

@@ -26,8 +26,8 @@ from typing import Callable, Iterable, Iterator, Optional, Protocol
 from torch.utils.data import DataLoader
 
 from accel_train.data.loaders import (Batch, EpochSampler, FinishOnDevice, HeldOutImages,
-                                      TrainImages, default_num_workers, make_loader, run_transforms,
-                                      workers_rate)
+                                      TrainImages, default_num_workers, end_workers, make_loader,
+                                      run_transforms, workers_rate)
 from accel_train.base.errors import STALLED_EXIT, RunStopped, UsageError
 from accel_train.base.randomness import reseed_loader
 from accel_train.base.ranks import decide_on_main
@@ -87,6 +87,8 @@ class TrainLoader(Protocol):
     def save(self, folder: Path) -> None: ...
 
     def load(self, folder: Path) -> None: ...
+
+    def close(self) -> None: ...  # its loader workers ended now (the run's end, a stop)
 
 
 class EpochPosition:
@@ -182,12 +184,10 @@ class IndexedTrainLoader(EpochPosition):
             yield Batch(self.finish(pixels, erasing), labels, keys, replaced)
 
     def _drop_workers(self) -> None:
-        """Persistent workers live in the DataLoader's kept iterator: shut it down, so that the
-        next iteration starts new ones."""
-        kept = getattr(self.loader, "_iterator", None)
-        if kept is not None:
-            kept._shutdown_workers()
-            self.loader._iterator = None
+        end_workers(self.loader)
+
+    def close(self) -> None:
+        end_workers(self.loader)
 
 
 class DeviceResidentTrainLoader(EpochPosition, DeviceResidentBatches):
@@ -202,6 +202,10 @@ class DeviceResidentTrainLoader(EpochPosition, DeviceResidentBatches):
     def _drop_workers(self) -> None:
         if self.erasing is not None:  # (only the erasing plans' workers can die)
             self.erasing.restart()
+
+    def close(self) -> None:
+        if self.erasing is not None:
+            end_workers(self.erasing.loader)
 
 
 @dataclass

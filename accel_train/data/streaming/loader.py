@@ -227,6 +227,10 @@ class StreamLoader:
                 "layout": lay.__dict__,  # the layout that planned this epoch
                 "positions": positions}
 
+    def close(self) -> None:
+        """Nothing to end: its workers are not persistent, and end with the pass that started
+        them (freed with the iteration, by reference count)."""
+
     def save(self, folder: Path) -> None:
         (Path(folder) / STREAM_STATE).write_text(json.dumps(self.state(), indent=1) + "\n")
 

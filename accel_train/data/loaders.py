@@ -355,7 +355,7 @@ def make_loader(dataset: Dataset, batch_size: Optional[int], num_workers: int,
                       worker_init_fn=worker_init_fn(timeout), **extra)
 
 
-def end_workers(loader: Optional[DataLoader]) -> None:
+def end_workers(loader: DataLoader) -> None:
     """Shut down the workers `loader` keeps between passes (persistent workers), now; the next
     pass starts new ones.  Torch would do it when the loader is freed, but only in time when
     the loader is freed by reference count: a run's loaders sit in reference cycles (trainer,
@@ -364,7 +364,7 @@ def end_workers(loader: Optional[DataLoader]) -> None:
     timeout for each worker (measured: 20 s of one gc.collect() after a finished run with 2
     workers).  Torch has no public call for this (pytorch/pytorch#64766): its kept iterator's
     own shutdown it is."""
-    kept = getattr(loader, "_iterator", None)
+    kept = loader._iterator
     if kept is not None:
         kept._shutdown_workers()
         loader._iterator = None

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from accel_train.data.loaders import EpochSampler
+from accel_train.data.loaders import EpochSampler, end_workers
 from accel_train.data.transforms import ImageTransform
 from accel_train.data.worker_deaths import watch_workers_quietly
 
@@ -75,13 +75,13 @@ class ErasingAhead:
     DataLoader (with no workers, the training process draws each as its batch comes)."""
 
     def __init__(self, plans: ErasingPlans, make_loader: PlanLoaderMaker):
-        self.plans, self.positions, self.make_loader = plans, MicroBatchPositions(), make_loader
+        self.plans, self.positions = plans, MicroBatchPositions()
         self.loader = make_loader(plans, self.positions)
 
-    def restart(self) -> None:
-        """A new DataLoader, after one of the old one's workers died: torch shuts the old
-        one's workers down when it is let go, and the next pass starts new ones."""
-        self.loader = self.make_loader(self.plans, self.positions)
+    def end_workers(self) -> None:
+        """The workers it keeps between passes ended now (after one of them died, and at the
+        run's end); the next pass starts new ones."""
+        end_workers(self.loader)
 
     def each(self, epoch: int, first: int, end: int
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

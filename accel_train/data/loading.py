@@ -187,7 +187,7 @@ class IndexedTrainLoader(EpochPosition):
         end_workers(self.loader)
 
     def close(self) -> None:
-        end_workers(self.loader)
+        self._drop_workers()
 
 
 class DeviceResidentTrainLoader(EpochPosition, DeviceResidentBatches):
@@ -201,11 +201,10 @@ class DeviceResidentTrainLoader(EpochPosition, DeviceResidentBatches):
 
     def _drop_workers(self) -> None:
         if self.erasing is not None:  # (only the erasing plans' workers can die)
-            self.erasing.restart()
+            self.erasing.end_workers()
 
     def close(self) -> None:
-        if self.erasing is not None:
-            end_workers(self.erasing.loader)
+        self._drop_workers()
 
 
 @dataclass

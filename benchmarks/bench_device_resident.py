@@ -202,6 +202,9 @@ def measure(args, data, spec, accelerator, reprob: float, classes: int) -> dict[
             measured["input_steps_per_s"] = input_alone(loaders.train, args.steps,
                                                         accelerator.device)
             measured["num_workers"] = loaders.num_workers
+            # The arm's workers ended before the next arm is timed: the Accelerator keeps every
+            # loader it prepared, and with it their persistent workers.
+            loaders.train.close()
             results[arm].append(measured)
     return results
 

@@ -149,6 +149,8 @@ def throughput(args, report: benchlib.Report) -> dict:
                         "accel_train: the real Trainer.train_epoch on in-memory data "
                         f"(data_wait in its last log window: {_last_data_wait(plain)}; with "
                         f"augmentation: {_last_data_wait(augmented)})"])
+    for trainer in (plain, augmented):
+        trainer.close()  # its loader workers and run lock, as a run's end releases them
     return result
 
 

@@ -75,7 +75,7 @@ class ErasingAhead:
     DataLoader (with no workers, the training process draws each as its batch comes)."""
 
     def __init__(self, plans: ErasingPlans, make_loader: PlanLoaderMaker):
-        self.plans, self.positions = plans, MicroBatchPositions()
+        self.positions = MicroBatchPositions()
         self.loader = make_loader(plans, self.positions)
 
     def end_workers(self) -> None:

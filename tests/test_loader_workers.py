@@ -11,7 +11,7 @@ import os
 import re
 import signal
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 import psutil
 import pytest
@@ -35,11 +35,22 @@ TRAIN = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--max-eval-
          "--no-channels-last"]
 
 
+def _live_loader_workers(pid: Optional[int] = None) -> list[psutil.Process]:
+    """The live loader workers under process `pid` (None: this one): children of its fork
+    server, named by torch."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if child.name() == LOADER_WORKER_NAME and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.NoSuchProcess:  # gone since the listing
+            pass
+    return found
+
+
 def _loader_workers(run: Run) -> list[psutil.Process]:
-    """The run's live loader workers (children of its fork server, named by torch)."""
-    return [child for child in psutil.Process(run.proc.pid).children(recursive=True)
-            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE
-            and child.name() == LOADER_WORKER_NAME]
+    """The run's live loader workers."""
+    return _live_loader_workers(run.proc.pid)
 
 
 def assert_workers_from_fork_server(run: Run, preloaded: tuple[str, ...] = ()) -> None:
@@ -83,12 +94,18 @@ KILLED_WORKER_CASES = {
 }
 
 
+def _case_flags(cases: dict, case: str, request) -> list[str]:
+    """A case's flags; the streaming case's read the synthetic shards."""
+    flags = cases[case]
+    if case == "streaming":
+        flags = ["--data-dir", str(request.getfixturevalue("synthetic_shards")), *flags]
+    return flags
+
+
 @pytest.mark.parametrize("case", KILLED_WORKER_CASES)
 def test_a_killed_loader_worker_costs_a_warning_and_the_run_ends_bit_identical(
         tmp_path, runs, case, request):
-    flags = KILLED_WORKER_CASES[case]
-    if case == "streaming":
-        flags = ["--data-dir", str(request.getfixturevalue("synthetic_shards")), *flags]
+    flags = _case_flags(KILLED_WORKER_CASES, case, request)
     # the reference in this process: no process start, and another history of global draws
     accel_train_here(*flags, "--output-dir", str(tmp_path / "reference"), check=True)
 
@@ -281,16 +298,9 @@ class StopAtStep(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _live_loader_workers() -> set[int]:
-    """The pids of this process's live loader workers (children of its fork server)."""
-    found = set()
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.name() == LOADER_WORKER_NAME and child.status() != psutil.STATUS_ZOMBIE:
-                found.add(child.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return found
+def _worker_pids() -> set[int]:
+    """The pids of this process's live loader workers."""
+    return {worker.pid for worker in _live_loader_workers()}
 
 
 class WorkersSeen(Callback):
@@ -300,18 +310,18 @@ class WorkersSeen(Callback):
         self.seen: set[int] = set()
 
     def on_step_end(self, trainer, step: int) -> None:
-        self.seen |= _live_loader_workers()
+        self.seen |= _worker_pids()
 
 
 def _workers_left_by(run: Callable[[list[Callback]], None]) -> set[int]:
     """`run(callbacks)`, a run in this process, with the cyclic garbage collector off (the
     workers of a loader it frees are ended in time, a loader in a reference cycle's are not):
     the loader workers it started that are still alive when it returns (it started some)."""
-    before, watch = _live_loader_workers(), WorkersSeen()
+    before, watch = _worker_pids(), WorkersSeen()
     gc.disable()
     try:
         run([watch])
-        left = _live_loader_workers() - before
+        left = _worker_pids() - before
     finally:
         gc.enable()
     assert watch.seen - before, "the run trained with no loader worker"
@@ -337,13 +347,6 @@ RUN_END_CASES = {
 }
 
 
-def _run_end_flags(case: str, request) -> list[str]:
-    flags = RUN_END_CASES[case]
-    if case == "streaming":
-        flags = ["--data-dir", str(request.getfixturevalue("synthetic_shards")), *flags]
-    return flags
-
-
 @pytest.mark.parametrize("case", RUN_END_CASES)
 def test_a_run_in_a_process_that_goes_on_ends_its_loader_workers_when_it_returns(
         tmp_path, case, request):
@@ -351,7 +354,7 @@ def test_a_run_in_a_process_that_goes_on_ends_its_loader_workers_when_it_returns
     are gone.  Left to the garbage collector they are not: a run's loaders sit in reference
     cycles, and a collection that frees them ended each worker only after torch's 5-s join
     timeout (20 s of one gc.collect() after a run with 2 workers)."""
-    flags = [*_run_end_flags(case, request), "--epochs", "2"]
+    flags = [*_case_flags(RUN_END_CASES, case, request), "--epochs", "2"]
     assert _workers_left_by(_cli_run(*flags, "--output-dir", str(tmp_path / "run"))) == set()
 
 
@@ -376,7 +379,7 @@ def test_a_run_stopped_by_a_signal_and_its_resumed_epoch_end_their_loader_worker
     """Stopped by SIGTERM mid-epoch (exit 143), and then resumed mid-epoch (the indexed loader
     skips the batches already trained through a loader of its own): either way no loader
     worker outlives the run."""
-    flags = [*_run_end_flags(case, request), "--checkpoint-every", "3",
+    flags = [*_case_flags(RUN_END_CASES, case, request), "--checkpoint-every", "3",
              "--output-dir", str(tmp_path / "run")]
     assert _workers_left_by(_cli_run(*flags, expected=143, callbacks=[StopAtStep(5)])) == set()
     assert _workers_left_by(_cli_run(*flags, "--resume", "auto")) == set()

@@ -569,6 +569,7 @@ def train_and_close(config: TrainConfig, callbacks: Iterable[Callback] = (), **b
     finally:
         if trainer is not None:
             trainer.close()
+        trainer = None  # its reference cycles hold the process groups: teardown frees them
         distributed.teardown()
 
 

@@ -19,6 +19,7 @@ decides and broadcasts (`decide_on_main`), rank 0 first then the rest (`main_fir
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
@@ -41,6 +42,9 @@ LAUNCHER_HELP = ("torchrun/accelerate launch set WORLD_SIZE = nnodes x nproc-per
                  "LOCAL_RANK per process, and MASTER_ADDR/MASTER_PORT from --master-addr/"
                  "--master-port (or the accelerate YAML's main_process_ip/port)")
 _STORE: Optional[dist.Store] = None  # the process group's store, once setup made one
+# The training run's process groups, referenced from Python until teardown() frees them
+# (its docstring says why).
+_HELD_GROUPS: list = []
 T = TypeVar("T")
 
 
@@ -370,7 +374,11 @@ def cpu_control_group(num_processes: int):
     steps?): under NCCL a CPU tensor there costs no host wait for the GPU, where the default
     group's .item() would sync every step.  Every rank must call it, in the same order, as
     new_group requires; None for one process."""
-    return dist.new_group(backend="gloo") if num_processes > 1 else None
+    if num_processes <= 1:
+        return None
+    group = dist.new_group(backend="gloo")
+    _HELD_GROUPS.extend([dist.group.WORLD, group])
+    return group
 
 
 def max_over_ranks(value: float, control_group) -> float:
@@ -412,7 +420,25 @@ def group_store() -> Optional[dist.Store]:
 
 
 def teardown() -> None:
+    """Destroy the process groups, and free the training run's while the interpreter lives.
+
+    Why: a gloo group's worker thread drops a finished collective after its caller has moved
+    on, and a tensor the collective holds may be the last reference to a Python object, which
+    takes the GIL.  destroy_process_group() forgets the groups, but the DDP reducer still holds
+    the default one from C++ (and the run's control group sits in its reference cycles), so
+    they lived until the interpreter finalized: a worker thread taking the GIL then ends the
+    process with "terminate called without an active exception" (SIGABRT, about one rank in
+    250 two-process runs on a 2-core CPU; pytorch/pytorch#179291).  Freeing a group joins its
+    threads.  The last reference must go from Python, since torch's holder releases the GIL
+    while the group joins (a thread may be waiting for it); from the reducer's C++ the GIL
+    would be held, a deadlock.  Hence the collection first (the run's cycles, the reducer
+    among them; the caller has dropped the trainer) while these references keep the groups,
+    then these dropped.  A trainer still referenced (by an exception's traceback, or a
+    program's callback) keeps its groups until it goes."""
     global _STORE
     _STORE = None
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _HELD_GROUPS:
+        gc.collect()
+        _HELD_GROUPS.clear()

@@ -1,0 +1,50 @@
+"""A program that trains through `accel_train.fit` and goes on; run under a real launcher by
+test_process_group_end.py:
+
+    torchrun --nproc-per-node 2 -m tests.fit_threads_probe OUTPUT_DIR
+
+Each rank prints, once fit has returned, the kernel names of the threads its process still has
+(gloo names its worker threads `pt_gloo_runloop` and `gloo_tcp_loop`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+from torchvision.datasets import FakeData
+
+import accel_train
+
+
+def thread_names() -> list[str]:
+    """What the kernel calls each thread of this process (an oracle outside Python and torch)."""
+    tasks = f"/proc/{os.getpid()}/task"
+    names = []
+    for task in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{task}/comm") as handle:
+                names.append(handle.read().strip())
+        except FileNotFoundError:  # ended while listed
+            pass
+    return sorted(names)
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 2))
+    images = {split: FakeData(size, (3, 16, 16), num_classes=2, random_offset=offset)
+              for split, size, offset in (("train", 64, 0), ("eval", 32, 1000))}
+    accel_train.fit(model, images["train"], images["eval"], batch_size=8, epochs=1,
+                    accumulation_steps=2, mixed_precision="no", channels_last=False,
+                    plots=False, progress="log", output_dir=sys.argv[1])
+    print("threads after fit:", json.dumps({"rank": os.environ["RANK"],
+                                            "threads": thread_names()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -567,10 +568,12 @@ def train_and_close(config: TrainConfig, callbacks: Iterable[Callback] = (), **b
         trainer = Trainer.from_config(config, callbacks, **brought)
         return RunOutcome(trainer.train(), trainer.plan.output_dir)
     finally:
+        run = None
         if trainer is not None:
+            run = weakref.ref(trainer)
             trainer.close()
         trainer = None  # its reference cycles hold the process groups: teardown frees them
-        distributed.teardown()
+        distributed.teardown(run)
 
 
 def run_training(config: TrainConfig, callbacks: Iterable[Callback] = ()) -> int:

@@ -1,13 +1,17 @@
 """A program that trains through `accel_train.fit` and goes on; run under a real launcher by
 test_process_group_end.py:
 
-    torchrun --nproc-per-node 2 -m tests.fit_threads_probe OUTPUT_DIR
+    torchrun --nproc-per-node 2 -m tests.fit_threads_probe OUTPUT_DIR [fails]
 
-Each rank prints, once fit has returned, the kernel names of the threads its process still has
-(gloo names its worker threads `pt_gloo_runloop` and `gloo_tcp_loop`)."""
+Each rank prints the kernel names of the threads its process still has (gloo names its worker
+threads `pt_gloo_runloop` and `gloo_tcp_loop`): once fit has returned, and from an exit handler
+registered before fit, so run after any the run registers (Python runs them last registered
+first), before the interpreter finalizes.  `fails`: a callback raises at the second step, and
+the program catches the error (whose traceback holds the run) and goes on."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -17,6 +21,17 @@ from torch import nn
 from torchvision.datasets import FakeData
 
 import accel_train
+from accel_train.callbacks import Callback
+
+
+class ProbeFailure(RuntimeError):
+    pass
+
+
+class FailAtSecondStep(Callback):
+    def on_step_end(self, trainer, step: int) -> None:
+        if step == 2:
+            raise ProbeFailure("the probe's callback failed at step 2")
 
 
 def thread_names() -> list[str]:
@@ -32,17 +47,28 @@ def thread_names() -> list[str]:
     return sorted(names)
 
 
+def report(when: str) -> None:
+    print(f"threads {when}:", json.dumps({"rank": os.environ["RANK"], "threads": thread_names()}),
+          flush=True)
+
+
 def main() -> int:
+    atexit.register(report, "at exit")
+    fails = sys.argv[2:] == ["fails"]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.AdaptiveAvgPool2d(1),
                           nn.Flatten(), nn.Linear(8, 2))
     images = {split: FakeData(size, (3, 16, 16), num_classes=2, random_offset=offset)
               for split, size, offset in (("train", 64, 0), ("eval", 32, 1000))}
-    accel_train.fit(model, images["train"], images["eval"], batch_size=8, epochs=1,
-                    accumulation_steps=2, mixed_precision="no", channels_last=False,
-                    plots=False, progress="log", output_dir=sys.argv[1])
-    print("threads after fit:", json.dumps({"rank": os.environ["RANK"],
-                                            "threads": thread_names()}), flush=True)
+    try:
+        accel_train.fit(model, images["train"], images["eval"], batch_size=8, epochs=1,
+                        accumulation_steps=2 if not fails else 1, mixed_precision="no",
+                        channels_last=False, plots=False, progress="log",
+                        callbacks=[FailAtSecondStep()] if fails else [],
+                        output_dir=sys.argv[1])
+    except ProbeFailure as error:
+        print(f"fit raised: {error}", flush=True)
+    report("after fit")
     return 0
 
 

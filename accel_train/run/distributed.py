@@ -19,11 +19,13 @@ decides and broadcasts (`decide_on_main`), rank 0 first then the rest (`main_fir
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import re
 import signal
 import socket
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, TypeVar
@@ -42,8 +44,8 @@ LAUNCHER_HELP = ("torchrun/accelerate launch set WORLD_SIZE = nnodes x nproc-per
                  "LOCAL_RANK per process, and MASTER_ADDR/MASTER_PORT from --master-addr/"
                  "--master-port (or the accelerate YAML's main_process_ip/port)")
 _STORE: Optional[dist.Store] = None  # the process group's store, once setup made one
-# The training run's process groups, referenced from Python until teardown() frees them
-# (its docstring says why).
+# The training run's process groups, referenced from Python until they can be freed safely
+# (teardown's docstring says why).
 _HELD_GROUPS: list = []
 T = TypeVar("T")
 
@@ -378,6 +380,8 @@ def cpu_control_group(num_processes: int):
         return None
     group = dist.new_group(backend="gloo")
     _HELD_GROUPS.extend([dist.group.WORLD, group])
+    atexit.unregister(_free_held_groups)  # once, however many runs the process makes
+    atexit.register(_free_held_groups)
     return group
 
 
@@ -419,7 +423,7 @@ def group_store() -> Optional[dist.Store]:
     return _STORE if dist.is_initialized() else None
 
 
-def teardown() -> None:
+def teardown(run: Optional[weakref.ref] = None) -> None:
     """Destroy the process groups, and free the training run's while the interpreter lives.
 
     Why: a gloo group's worker thread drops a finished collective after its caller has moved
@@ -432,13 +436,24 @@ def teardown() -> None:
     threads.  The last reference must go from Python, since torch's holder releases the GIL
     while the group joins (a thread may be waiting for it); from the reducer's C++ the GIL
     would be held, a deadlock.  Hence the collection first (the run's cycles, the reducer
-    among them; the caller has dropped the trainer) while these references keep the groups,
-    then these dropped.  A trainer still referenced (by an exception's traceback, or a
-    program's callback) keeps its groups until it goes."""
+    among them) while these references keep the groups, then these dropped.
+
+    `run`: a weak reference to what holds the groups (the trainer, which the caller has
+    dropped; None: none was built).  Unless it is gone after the collection (an exception's
+    traceback, a program's callback keeps it), the groups stay held until the interpreter's
+    exit handlers, which run before it finalizes: `_free_held_groups` then."""
     global _STORE
     _STORE = None
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _HELD_GROUPS:
+        gc.collect()
+        if run is not None and run() is None:
+            _HELD_GROUPS.clear()
+
+
+def _free_held_groups() -> None:
+    """At exit: the process groups a run still referenced at its teardown."""
     if _HELD_GROUPS:
         gc.collect()
         _HELD_GROUPS.clear()

@@ -266,8 +266,9 @@ def main() -> None:
     result = {"precision": "bf16" if AUTOCAST["enabled"] else "fp32", "epochs": args.epochs,
               "steps": step, "training_seconds": round(trained, 1),
               "timed_seconds": round(whitening + trained + evaluation, 1),
+              # the two short parts to 0.01 s: a small test split evaluates in under 0.05 s
               "whitening_seconds": round(whitening, 2),
-              "mirror_eval_seconds": round(evaluation, 1), **top1}
+              "mirror_eval_seconds": round(evaluation, 2), **top1}
     print(json.dumps(result))
 
 

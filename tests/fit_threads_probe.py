@@ -1,12 +1,13 @@
 """A program that trains through `accel_train.fit` and goes on; run under a real launcher by
 test_process_group_end.py:
 
-    torchrun --nproc-per-node 2 -m tests.fit_threads_probe OUTPUT_DIR [fails]
+    torchrun --nproc-per-node 2 -m tests.fit_threads_probe WORK_DIR [fails]
 
-Each rank prints the kernel names of the threads its process still has (gloo names its worker
-threads `pt_gloo_runloop` and `gloo_tcp_loop`): once fit has returned, and from an exit handler
-registered before fit, so run after any the run registers (Python runs them last registered
-first), before the interpreter finalizes.  `fails`: a callback raises at the second step, and
+Each rank writes the kernel names of the threads its process still has (gloo names its worker
+threads `pt_gloo_runloop` and `gloo_tcp_loop`) to WORK_DIR/threads-WHEN-RANK.json: once fit
+(whose run folder is WORK_DIR/run) has returned, and from an exit handler registered before
+fit, so run after any the run registers (Python runs them last registered first), before the
+interpreter finalizes.  `fails`: a callback raises at the second step, and
 the program catches the error (whose traceback holds the run) and goes on."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import atexit
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -47,14 +49,15 @@ def thread_names() -> list[str]:
     return sorted(names)
 
 
-def report(when: str) -> None:
-    print(f"threads {when}:", json.dumps({"rank": os.environ["RANK"], "threads": thread_names()}),
-          flush=True)
+def report(work: Path, when: str) -> None:
+    """A file per rank, not a line on the launcher's shared output, where the ranks' writes
+    interleave."""
+    (work / f"threads-{when}-{os.environ['RANK']}.json").write_text(json.dumps(thread_names()))
 
 
 def main() -> int:
-    atexit.register(report, "at exit")
-    fails = sys.argv[2:] == ["fails"]
+    work, fails = Path(sys.argv[1]), sys.argv[2:] == ["fails"]
+    atexit.register(report, work, "at-exit")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.AdaptiveAvgPool2d(1),
                           nn.Flatten(), nn.Linear(8, 2))
@@ -65,10 +68,10 @@ def main() -> int:
                         accumulation_steps=2 if not fails else 1, mixed_precision="no",
                         channels_last=False, plots=False, progress="log",
                         callbacks=[FailAtSecondStep()] if fails else [],
-                        output_dir=sys.argv[1])
+                        output_dir=str(work / "run"))
     except ProbeFailure as error:
         print(f"fit raised: {error}", flush=True)
-    report("after fit")
+    report(work, "after-fit")
     return 0
 
 

@@ -126,7 +126,6 @@ def main() -> int:
                 json.dump({"ranks": gathered}, handle, indent=1)
     finally:
         trainer.close()  # ends the process group too
-        del trainer  # distributed.teardown frees the groups its reference cycles hold
         distributed.teardown()
     return 0
 

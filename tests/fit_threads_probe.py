@@ -1,14 +1,15 @@
 """A program that trains through `accel_train.fit` and goes on; run under a real launcher by
 test_process_group_end.py:
 
-    torchrun --nproc-per-node 2 -m tests.fit_threads_probe WORK_DIR [fails]
+    torchrun --nproc-per-node 2 -m tests.fit_threads_probe WORK_DIR [fails | refused]
 
 Each rank writes the kernel names of the threads its process still has (gloo names its worker
 threads `pt_gloo_runloop` and `gloo_tcp_loop`) to WORK_DIR/threads-WHEN-RANK.json: once fit
 (whose run folder is WORK_DIR/run) has returned, and from an exit handler registered before
 fit, so run after any the run registers (Python runs them last registered first), before the
-interpreter finalizes.  `fails`: a callback raises at the second step, and
-the program catches the error (whose traceback holds the run) and goes on."""
+interpreter finalizes.  `fails`: a callback raises at the second step; `refused`: a narrower
+network resumes WORK_DIR/run (a probe's run), which the trainer refuses after it has prepared
+DDP.  The program catches either error (whose traceback holds the run) and goes on."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from torch import nn
 from torchvision.datasets import FakeData
 
 import accel_train
+from accel_train.base.errors import UsageError
 from accel_train.callbacks import Callback
 
 
@@ -56,20 +58,22 @@ def report(work: Path, when: str) -> None:
 
 
 def main() -> int:
-    work, fails = Path(sys.argv[1]), sys.argv[2:] == ["fails"]
+    work, mode = Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else ""
     atexit.register(report, work, "at-exit")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.AdaptiveAvgPool2d(1),
-                          nn.Flatten(), nn.Linear(8, 2))
+    width = 4 if mode == "refused" else 8
+    model = nn.Sequential(nn.Conv2d(3, width, 3), nn.BatchNorm2d(width), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(width, 2))
     images = {split: FakeData(size, (3, 16, 16), num_classes=2, random_offset=offset)
               for split, size, offset in (("train", 64, 0), ("eval", 32, 1000))}
     try:
         accel_train.fit(model, images["train"], images["eval"], batch_size=8, epochs=1,
-                        accumulation_steps=2 if not fails else 1, mixed_precision="no",
+                        accumulation_steps=2, mixed_precision="no",
                         channels_last=False, plots=False, progress="log",
-                        callbacks=[FailAtSecondStep()] if fails else [],
+                        callbacks=[FailAtSecondStep()] if mode == "fails" else [],
+                        resume="auto" if mode == "refused" else None,
                         output_dir=str(work / "run"))
-    except ProbeFailure as error:
+    except (ProbeFailure, UsageError) as error:
         print(f"fit raised: {error}", flush=True)
     report(work, "after-fit")
     return 0

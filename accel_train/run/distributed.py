@@ -44,8 +44,8 @@ LAUNCHER_HELP = ("torchrun/accelerate launch set WORLD_SIZE = nnodes x nproc-per
                  "LOCAL_RANK per process, and MASTER_ADDR/MASTER_PORT from --master-addr/"
                  "--master-port (or the accelerate YAML's main_process_ip/port)")
 _STORE: Optional[dist.Store] = None  # the process group's store, once setup made one
-# The training run's process groups, referenced from Python until they can be freed safely
-# (teardown's docstring says why).
+# The process groups of this process's runs, referenced from Python until they can be freed
+# safely (teardown's docstring says why).
 _HELD_GROUPS: list = []
 T = TypeVar("T")
 
@@ -237,6 +237,7 @@ def setup(config: TrainConfig) -> LauncherEnv:
         # Long, for start-up and the first step; collectives.py tightens it after that.
         dist.init_process_group("nccl" if use_cuda else "gloo", store=_STORE,
                                 rank=env.rank, world_size=env.world_size, timeout=LONG_TIMEOUT)
+        _hold(dist.group.WORLD)
     return env
 
 
@@ -379,9 +380,8 @@ def cpu_control_group(num_processes: int):
     if num_processes <= 1:
         return None
     group = dist.new_group(backend="gloo")
-    _HELD_GROUPS.extend([dist.group.WORLD, group])
-    atexit.unregister(_free_held_groups)  # once, however many runs the process makes
-    atexit.register(_free_held_groups)
+    _hold(dist.group.WORLD)  # already held unless a program started it
+    _hold(group)
     return group
 
 
@@ -446,10 +446,18 @@ def teardown(run: Optional[weakref.ref] = None) -> None:
     _STORE = None
     if dist.is_initialized():
         dist.destroy_process_group()
-    if _HELD_GROUPS:
+    if _HELD_GROUPS and run is not None:
         gc.collect()
-        if run is not None and run() is None:
+        if run() is None:
             _HELD_GROUPS.clear()
+
+
+def _hold(group) -> None:
+    """Reference `group` from Python until teardown() or the exit handlers free it."""
+    if not any(held is group for held in _HELD_GROUPS):
+        _HELD_GROUPS.append(group)
+    atexit.unregister(_free_held_groups)  # once, however many runs the process makes
+    atexit.register(_free_held_groups)
 
 
 def _free_held_groups() -> None:

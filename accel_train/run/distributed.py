@@ -44,8 +44,8 @@ LAUNCHER_HELP = ("torchrun/accelerate launch set WORLD_SIZE = nnodes x nproc-per
                  "LOCAL_RANK per process, and MASTER_ADDR/MASTER_PORT from --master-addr/"
                  "--master-port (or the accelerate YAML's main_process_ip/port)")
 _STORE: Optional[dist.Store] = None  # the process group's store, once setup made one
-# The process groups of this process's runs, referenced from Python until they can be freed
-# safely (teardown's docstring says why).
+# The default process group, referenced from Python until it can be freed safely (teardown's
+# docstring says why).
 _HELD_GROUPS: list = []
 T = TypeVar("T")
 
@@ -237,7 +237,8 @@ def setup(config: TrainConfig) -> LauncherEnv:
         # Long, for start-up and the first step; collectives.py tightens it after that.
         dist.init_process_group("nccl" if use_cuda else "gloo", store=_STORE,
                                 rank=env.rank, world_size=env.world_size, timeout=LONG_TIMEOUT)
-        _hold(dist.group.WORLD)
+    if dist.is_initialized():  # started here, or by the program that called fit
+        _hold_default_group()
     return env
 
 
@@ -377,12 +378,7 @@ def cpu_control_group(num_processes: int):
     steps?): under NCCL a CPU tensor there costs no host wait for the GPU, where the default
     group's .item() would sync every step.  Every rank must call it, in the same order, as
     new_group requires; None for one process."""
-    if num_processes <= 1:
-        return None
-    group = dist.new_group(backend="gloo")
-    _hold(dist.group.WORLD)  # already held unless a program started it
-    _hold(group)
-    return group
+    return dist.new_group(backend="gloo") if num_processes > 1 else None
 
 
 def max_over_ranks(value: float, control_group) -> float:
@@ -429,14 +425,15 @@ def teardown(run: Optional[weakref.ref] = None) -> None:
     Why: a gloo group's worker thread drops a finished collective after its caller has moved
     on, and a tensor the collective holds may be the last reference to a Python object, which
     takes the GIL.  destroy_process_group() forgets the groups, but the DDP reducer still holds
-    the default one from C++ (and the run's control group sits in its reference cycles), so
+    the default one from C++ and the run's control group sits in its reference cycles, so
     they lived until the interpreter finalized: a worker thread taking the GIL then ends the
     process with "terminate called without an active exception" (SIGABRT, about one rank in
     250 two-process runs on a 2-core CPU; pytorch/pytorch#179291).  Freeing a group joins its
     threads.  The last reference must go from Python, since torch's holder releases the GIL
     while the group joins (a thread may be waiting for it); from the reducer's C++ the GIL
-    would be held, a deadlock.  Hence the collection first (the run's cycles, the reducer
-    among them) while these references keep the groups, then these dropped.
+    would be held, a deadlock.  Hence the collection first (the run's cycles: the reducer, and
+    the control group, which only Python objects reference) while `_HELD_GROUPS` keeps the
+    default group, then that reference dropped.
 
     `run`: a weak reference to what holds the groups (the trainer, which the caller has
     dropped; None: none was built).  Unless it is gone after the collection (an exception's
@@ -452,10 +449,10 @@ def teardown(run: Optional[weakref.ref] = None) -> None:
             _HELD_GROUPS.clear()
 
 
-def _hold(group) -> None:
-    """Reference `group` from Python until teardown() or the exit handlers free it."""
-    if not any(held is group for held in _HELD_GROUPS):
-        _HELD_GROUPS.append(group)
+def _hold_default_group() -> None:
+    """Reference the default group from Python until teardown() or the exit handlers free it."""
+    if not any(held is dist.group.WORLD for held in _HELD_GROUPS):
+        _HELD_GROUPS.append(dist.group.WORLD)
     atexit.unregister(_free_held_groups)  # once, however many runs the process makes
     atexit.register(_free_held_groups)
 

@@ -436,9 +436,10 @@ def teardown(run: Optional[weakref.ref] = None) -> None:
     default group, then that reference dropped.
 
     `run`: a weak reference to what holds the groups (the trainer, which the caller has
-    dropped; None: none was built).  Unless it is gone after the collection (an exception's
-    traceback, a program's callback keeps it), the groups stay held until the interpreter's
-    exit handlers, which run before it finalizes: `_free_held_groups` then."""
+    dropped).  Unless it is gone after the collection (an exception's traceback, a program's
+    callback keeps it), or with none (eval's teardown, a start that failed before the trainer
+    existed), the default group stays held until the interpreter's exit handlers, which run
+    before it finalizes: `_free_held_groups` then."""
     global _STORE
     _STORE = None
     if dist.is_initialized():
@@ -458,7 +459,7 @@ def _hold_default_group() -> None:
 
 
 def _free_held_groups() -> None:
-    """At exit: the process groups a run still referenced at its teardown."""
+    """At exit, before the interpreter finalizes: the default group teardown() left held."""
     if _HELD_GROUPS:
         gc.collect()
         _HELD_GROUPS.clear()

@@ -58,6 +58,10 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
     the script again, and an unguarded call would start a training in each (refused, in one
     line, before anything starts).
 
+    A program may call it again (a sweep), under a launcher too, where every rank must make
+    the same calls in the same order: each run starts its own process group.  Accelerate keeps
+    one mixed precision a process, so a sweep keeps one `mixed_precision`.
+
     A run stopped by a signal (SIGTERM, Ctrl-C) has saved a checkpoint; the process then ends
     with the command line's exit code (143), so a scheduler sees the same thing.  Bad input
     raises `UsageError`, whose one line names the keyword arguments to change (`resume='auto'`,

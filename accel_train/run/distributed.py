@@ -47,6 +47,9 @@ _STORE: Optional[dist.Store] = None  # the process group's store, once setup mad
 # The default process group, referenced from Python until it can be freed safely (teardown's
 # docstring says why).
 _HELD_GROUPS: list = []
+# How many process groups this process has started: a program may call fit() again under the
+# same launcher (a sweep), every rank the same number of times (see `_make_store`).
+_groups_started = 0
 T = TypeVar("T")
 
 
@@ -210,7 +213,13 @@ def _make_store(env: LauncherEnv) -> dist.Store:
     # agent, so a machine that joined later has a lower one and would wait in another namespace
     # forever (found with `torchrun --nnodes 1:2`, a node leaving and a new one joining).
     attempt = f"attempt_{env.restart_count}" if env.agent_store else "own_store"
-    return dist.PrefixStore(f"accel_train/{env.run_id}/{attempt}", base)
+    # A second run in the same processes (fit() called again) finds the first one's keys on the
+    # agent's store too: gloo would connect to the first group's closed sockets ("Connection
+    # refused") and the heartbeats would read the first run's.  Each group gets its own
+    # namespace; the ranks agree on its number because each starts the same runs in order.
+    global _groups_started
+    _groups_started += 1
+    return dist.PrefixStore(f"accel_train/{env.run_id}/{attempt}/group_{_groups_started}", base)
 
 
 def setup(config: TrainConfig) -> LauncherEnv:

@@ -164,11 +164,47 @@ def test_on_this_machine_the_capabilities_are_read_for_the_device_in_use(
     monkeypatch.setattr(autotune, "cpu_has_native_bf16", lambda: read.append("cpu") or native)
     monkeypatch.setattr(autotune, "cuda_has_tensor_cores",
                         lambda: read.append("cuda") or tensor_cores)
+    # as in a new process (an earlier in-process test may have left Accelerate holding one)
+    monkeypatch.setattr(autotune, "precision_this_process_holds", lambda: None)
     cpu = choose_on_this_machine("auto", None, cuda=False, time_step=Timings(**ALL))
     assert (cpu.precision, read) == (("bf16" if native else "no"), ["cpu"])
     read.clear()
     gpu = choose_on_this_machine("auto", None, cuda=True, time_step=Timings(**ALL))
     assert (gpu.precision, gpu.channels_last, read) == ("fp16", tensor_cores, ["cuda"])
+
+
+HELD = "the precision this process trained in before (accelerate keeps one a process)"
+
+
+def test_auto_keeps_the_precision_an_earlier_run_left_the_process_in():
+    """A sweep in one program: Accelerate can only run the precision its first run chose."""
+    timings = Timings(**ALL)
+    choice = choose("auto", None, cuda=False, native_bf16=True, time_step=timings,
+                    held_precision="no")  # where bf16 would win the timing
+    assert (choice.precision, choice.channels_last) == ("no", True)
+    assert sorted(timings.asked) == sorted(["fp32_NCHW", "fp32_channels_last"] * PROBE_ROUNDS)
+    assert choice.how == (f"fp32: {HELD}; fastest of 2 timed on this model, a step in fp32 "
+                          f"NCHW 1000 ms, fp32 channels_last 900 ms")
+    timings = Timings(**ALL)  # bf16 held where the CPU would not choose it
+    choice = choose("auto", False, cuda=False, native_bf16=False, time_step=timings,
+                    held_precision="bf16")
+    assert (choice.precision, choice.how, timings.asked) == ("bf16", f"bf16: {HELD}", [])
+    choice = choose("auto", None, cuda=True, native_bf16=False, time_step=timings,
+                    held_precision="bf16")
+    assert (choice.precision, choice.channels_last, choice.how) == \
+        ("bf16", True, f"bf16: {HELD}; channels_last for tensor cores")
+    choice = choose("auto", None, cuda=True, native_bf16=False, time_step=timings,
+                    held_precision="no")
+    assert (choice.precision, choice.channels_last) == ("no", False)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_an_explicit_precision_is_taken_whatever_the_process_holds(cuda):
+    """fit() then refuses it in one line if Accelerate cannot switch to it."""
+    timings = Timings(**ALL)
+    choice = choose("bf16", False, cuda=cuda, native_bf16=True, time_step=timings,
+                    held_precision="no")
+    assert (choice.precision, choice.how, timings.asked) == ("bf16", "as asked", [])
 
 
 def test_an_emulated_bf16_asked_for_explicitly_gets_a_one_line_warning():

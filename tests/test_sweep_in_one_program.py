@@ -1,10 +1,12 @@
-"""A program may call `fit` again in the same processes under a launcher (a sweep): the second
-run starts its own process group and trains as it would alone.
+"""A program may call `fit` again in the same processes (a sweep), under a launcher too: the
+second run starts its own process group and trains as it would alone, and `mixed_precision`
+left to auto keeps the precision Accelerate already holds.
 
-Its first version failed: the second run's gloo group read the first one's peer addresses
-from the launcher's store and gave up on "Connection refused".  The oracle is the same run
-made alone by a new program under the same launcher: the sweep's second run ends with the same
-weights, bit for bit."""
+Both failed at first: the second run's gloo group read the first one's peer addresses from
+the launcher's store and gave up on "Connection refused"; and auto timed the second network
+anew, chose another precision than the first run's, and Accelerate refused to switch.  The
+oracle for the first is the same run made alone by a new program under the same launcher: the
+sweep's second run ends with the same weights, bit for bit."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 from conftest import CONFIGS, free_port, run
@@ -26,17 +29,19 @@ LAUNCHERS = {
 }
 
 
-def _sweep(launcher: str, work: Path, learning_rates: str) -> str:
-    cmd = [sys.executable, "-m", *LAUNCHERS[launcher], str(free_port()),
-           "-m", "tests.fit_sweep_probe", str(work), learning_rates]
+def _sweep(launcher: str, work: Path, runs: str) -> str:
+    """`launcher` "": the program alone, one process."""
+    launch = ["-m", *LAUNCHERS[launcher], str(free_port())] if launcher else []
+    cmd = [sys.executable, *launch, "-m", "tests.fit_sweep_probe", str(work), runs]
     return run(cmd, check=True).stdout
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_second_fit_under_a_launcher_trains_as_it_would_alone(launcher, tmp_path):
-    out = _sweep(launcher, tmp_path / "sweep", "0.1,0.01")
+    # the precision pinned: auto could time the lone run into another one
+    out = _sweep(launcher, tmp_path / "sweep", "0.1/no,0.01/no")
     assert out.count("x 2 process(es), gloo") == 2, out[-3000:]  # both runs on both ranks
-    _sweep(launcher, tmp_path / "alone", "0.01")
+    _sweep(launcher, tmp_path / "alone", "0.01/no")
     second = load_file(tmp_path / "sweep" / "run-0.01" / "model.safetensors")
     alone = load_file(tmp_path / "alone" / "run-0.01" / "model.safetensors")
     first = load_file(tmp_path / "sweep" / "run-0.1" / "model.safetensors")
@@ -44,3 +49,16 @@ def test_a_second_fit_under_a_launcher_trains_as_it_would_alone(launcher, tmp_pa
     for name in alone:
         assert second[name].equal(alone[name]), name
     assert any(not first[name].equal(alone[name]) for name in alone)  # the runs differ
+
+
+@pytest.mark.parametrize("first", ["no", "bf16"])
+def test_auto_keeps_the_precision_the_first_run_trained_in(first, tmp_path):
+    """Each order fails without the mend on one kind of CPU: after fp32 where the CPU has
+    native bf16 (the probe's network runs about three times as fast in bf16 there), after bf16
+    where it has none (auto is fp32 there without timing)."""
+    out = _sweep("", tmp_path, f"0.1/{first},0.01")
+    resolved = yaml.safe_load((tmp_path / "run-0.01" / "config.yaml").read_text())["resolved"]
+    named = "fp32" if first == "no" else first
+    assert (resolved["precision_requested"], resolved["precision_used"]) == ("auto", named)
+    assert f"precision {named}" in out and \
+        f"{named}: the precision this process trained in before" in out, out[-3000:]

@@ -15,7 +15,8 @@ a GPU without them (compute capability below 7.0) has no such kernels to feed: N
 
 The choice is part of the run: the start summary says it with the figures it was made on, the
 run record and every checkpoint keep it, and a resumed run takes it from the checkpoint without
-probing again (exact resume holds).  Explicit flags always win.
+probing again (exact resume holds).  Explicit flags always win.  A process that trained
+before (a program calling fit() again) keeps its precision: Accelerate holds one a process.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from accel_train.base.ranks import decide_on_main
-from accel_train.train.precision import cpu_has_native_bf16, cuda_has_tensor_cores
+from accel_train.train.precision import (cpu_has_native_bf16, cuda_has_tensor_cores,
+                                         precision_name, precision_this_process_holds)
 
 PROBE_ROUNDS = 2       # candidates timed in turn, round after round: a load that comes and goes
                        # falls on all of them, and the first candidate is not the only one cold
@@ -54,15 +56,23 @@ def candidate_name(precision: str, channels_last: bool) -> str:
 
 def choose(requested_precision: str, requested_channels_last: Optional[bool], cuda: bool,
            native_bf16: bool, time_step: Callable[[str, bool], float],
-           tensor_cores: bool = True) -> SpeedChoice:
+           tensor_cores: bool = True, held_precision: Optional[str] = None) -> SpeedChoice:
     """The precision and memory format for a run that asked for these (`"auto"` / None: to be
     chosen).  `time_step(precision, channels_last)` times a training step of the run's model;
     it is called only when there is something to choose between.  `tensor_cores`: whether the
-    GPU has them (precision.cuda_has_tensor_cores; ignored on a CPU).  Explicit values are taken
-    as they are (precision.resolve_precision says what then really runs)."""
+    GPU has them (precision.cuda_has_tensor_cores; ignored on a CPU).  `held_precision`: the
+    one an earlier run left this process in (precision.precision_this_process_holds), which
+    "auto" then keeps: Accelerate could run no other.  Explicit values are taken as they are
+    (precision.resolve_precision says what then really runs)."""
+    if requested_precision == "auto" and held_precision is not None:
+        requested_precision = held_precision
+        held = [f"{precision_name(held_precision)}: the precision this process trained in "
+                f"before (accelerate keeps one a process)"]
+    else:
+        held = []
     if cuda:
         precision = "fp16" if requested_precision == "auto" else requested_precision
-        reasons = ["CUDA: fp16 autocast"] if requested_precision == "auto" else []
+        reasons = held + (["CUDA: fp16 autocast"] if requested_precision == "auto" else [])
         channels_last = requested_channels_last
         if channels_last is None:
             channels_last = tensor_cores and precision in ("fp16", "bf16")
@@ -71,7 +81,7 @@ def choose(requested_precision: str, requested_channels_last: Optional[bool], cu
                            else "NCHW: this GPU has no tensor cores")
         return SpeedChoice(precision, channels_last, "; ".join(reasons) or "as asked")
     precisions = [requested_precision]
-    reasons = []
+    reasons = held
     if requested_precision == "auto":
         precisions = ["no", "bf16"] if native_bf16 else ["no"]
         if not native_bf16:
@@ -102,7 +112,8 @@ def choose_on_this_machine(requested_precision: str, requested_channels_last: Op
     GPU (the trainer's choice and --smaller-models' probe of each network ask the same way)."""
     return choose(requested_precision, requested_channels_last, cuda,
                   native_bf16=not cuda and cpu_has_native_bf16(), time_step=time_step,
-                  tensor_cores=cuda and cuda_has_tensor_cores())
+                  tensor_cores=cuda and cuda_has_tensor_cores(),
+                  held_precision=precision_this_process_holds())
 
 
 def step_timer(make_model: Callable[[], torch.nn.Module], batch_size: int, image_size: int,

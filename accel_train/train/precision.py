@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 import torch
+from accelerate import state as accelerate_state
 
 
 def cpu_has_native_bf16() -> bool:
@@ -46,6 +47,16 @@ def resolve_precision(requested: str, cuda: bool, activity: str = "trains",
                                "or AMX), so bf16 is emulated and usually slower than fp32; drop "
                                "the flag (or use mixed_precision: no) for speed")
     return requested, None
+
+
+def precision_this_process_holds() -> Optional[str]:
+    """The mixed precision an earlier run left this process in ("no", "bf16" or "fp16"), None
+    where nothing has trained yet.  Accelerate keeps one state a process, its precision fixed
+    by the first Accelerator (with no public way to reset it), so a later run in the same
+    program (a sweep calling fit() again) can only train in that one."""
+    if not accelerate_state.is_initialized():
+        return None
+    return accelerate_state.AcceleratorState().mixed_precision
 
 
 def precision_name(precision: str) -> str:

@@ -130,6 +130,8 @@ def test_each_network_is_timed_as_the_run_would_compute_it(monkeypatch, native, 
     monkeypatch.setattr(network_choice, "step_timer", step_timer)
     # the capability choose_on_this_machine reads for every network probed
     monkeypatch.setattr(autotune, "cpu_has_native_bf16", lambda: native)
+    # as in a new process (an earlier in-process test may have left Accelerate holding one)
+    monkeypatch.setattr(autotune, "precision_this_process_holds", lambda: None)
     config = TrainConfig(model="test_resnet", smaller_models=["cifar_convnet_s"],
                          min_budget_epochs=12, time_budget="20s", batch_size=64, drop_rate=0.25,
                          drop_path=0.1, mixed_precision=precision, channels_last=channels_last)

@@ -84,16 +84,6 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
                                      model=user_module)
     except UsageError as err:  # the product's messages name flags; fit()'s caller wrote keywords
         raise UsageError(in_python_terms(str(err))) from None
-    except ValueError as err:
-        # Accelerate keeps one state a process, its mixed precision fixed by the first
-        # Accelerator (and offers no public way to reset it): a second fit() in another
-        # precision cannot run in this process.
-        if "AcceleratorState has already been initialized" not in str(err):
-            raise
-        raise UsageError(f"fit(): this process already trained in another precision, and "
-                         f"accelerate keeps one a process; pass the same mixed_precision= as "
-                         f"before, or run this fit() in a new process "
-                         f"(mixed_precision={config.mixed_precision!r} asked now)") from None
     if result.exit_code != 0:
         raise SystemExit(result.exit_code)
     return result.output_dir

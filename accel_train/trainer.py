@@ -65,7 +65,8 @@ from accel_train.train.optim import (base_learning_rates, build_optimizer, long_
                                      plan_schedule, scheduler_for, take_new_learning_rate)
 from accel_train.train.idle_options import idle_option_warnings
 from accel_train.train.pacing import maybe_pacer
-from accel_train.train.precision import (accelerate_fp16_note, resolve_precision,
+from accel_train.train.precision import (accelerate_fp16_note, precision_name,
+                                         precision_this_process_holds, resolve_precision,
                                          use_fast_cuda_math)
 from accel_train.train.stem_bias import maybe_stem_bias_stop
 
@@ -75,6 +76,12 @@ STOPPED_EXIT = 143  # 128 + SIGTERM: schedulers read it as "terminated", not "fi
 def build_accelerator(config: TrainConfig, precision: str, trackers_dir: Path,
                       find_unused: bool = False) -> Accelerator:
     """`find_unused`: the network has trainable parameters its forward never uses."""
+    held = precision_this_process_holds()
+    if held is not None and held != precision:  # Accelerate would raise its ValueError
+        raise UsageError(f"this process already trained in {precision_name(held)}, and "
+                         f"accelerate keeps one precision a process: this run cannot train in "
+                         f"{precision_name(precision)}; pass --mixed-precision {held} (or leave "
+                         f"it to auto), or train in a new process")
     ddp_kwargs = DistributedDataParallelKwargs(
         find_unused_parameters=find_unused, bucket_cap_mb=config.ddp_bucket_mb,
         gradient_as_bucket_view=config.ddp_grad_as_bucket_view,

@@ -199,6 +199,15 @@ def test_auto_keeps_the_precision_an_earlier_run_left_the_process_in():
 
 
 @pytest.mark.parametrize("cuda", [False, True])
+def test_on_this_machine_auto_keeps_what_the_process_holds(monkeypatch, cuda):
+    monkeypatch.setattr(autotune, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(autotune, "cuda_has_tensor_cores", lambda: True)
+    monkeypatch.setattr(autotune, "precision_this_process_holds", lambda: "no")
+    choice = choose_on_this_machine("auto", False, cuda=cuda, time_step=Timings(**ALL))
+    assert (choice.precision, choice.how) == ("no", f"fp32: {HELD}")
+
+
+@pytest.mark.parametrize("cuda", [False, True])
 def test_an_explicit_precision_is_taken_whatever_the_process_holds(cuda):
     """fit() then refuses it in one line if Accelerate cannot switch to it."""
     timings = Timings(**ALL)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import platform
 import re
+import sys
 
 import pytest
 import torch
 import yaml
 
 from accel_train.train.precision import cpu_has_native_bf16, resolve_precision, use_fast_cuda_math
-from conftest import PINNED, TINY_TRAIN, accel_train_here, cpu_flags, cpu_flags_say_native_bf16
+from conftest import (PINNED, TINY_TRAIN, accel_train_here, cpu_flags, cpu_flags_say_native_bf16,
+                      run)
 
 
 @pytest.mark.parametrize("requested, cuda, used, warns", [
@@ -67,6 +69,18 @@ def test_either_feature_alone_is_native_bf16(monkeypatch, flag, other_check):
     """A CPU with one of the two features: the other's check answers no."""
     monkeypatch.setattr(torch.cpu, other_check, lambda: False)
     assert cpu_has_native_bf16() == (flag in cpu_flags())
+
+
+@pytest.mark.parametrize("first", ["no", "bf16"])
+def test_the_precision_a_process_holds_is_the_first_accelerators(first):
+    """None until an Accelerator exists, then the precision it fixed for the process; read in
+    a new process (the test's own may already hold one from an earlier test)."""
+    program = ("from accelerate import Accelerator\n"
+               "from accel_train.train.precision import precision_this_process_holds as held\n"
+               f"before = held()\nAccelerator(cpu=True, mixed_precision={first!r})\n"
+               "after = held()\nAccelerator(cpu=True)\nprint(before, after, held())\n")
+    result = run([sys.executable, "-c", program], check=True)
+    assert result.stdout.split() == ["None", first, first]
 
 
 def test_fast_cuda_math_is_set_on_cuda_only(monkeypatch):

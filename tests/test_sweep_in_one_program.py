@@ -2,11 +2,12 @@
 second run starts its own process group and trains as it would alone, and `mixed_precision`
 left to auto keeps the precision Accelerate already holds.
 
-Both failed at first: the second run's gloo group read the first one's peer addresses from
-the launcher's store and gave up on "Connection refused"; and auto timed the second network
-anew, chose another precision than the first run's, and Accelerate refused to switch.  The
-oracle for the first is the same run made alone by a new program under the same launcher: the
-sweep's second run ends with the same weights, bit for bit."""
+What each guards against: on the launcher's store the second run's gloo group would read the
+first one's peer addresses (and fail on "Connection refused", or hang); and auto would time
+the second network anew and could choose another precision than the one Accelerate holds,
+which Accelerate refuses to switch to.  The oracle for the first is the same run made alone by
+a new program under the same launcher: the sweep's second run ends with the same weights, bit
+for bit."""
 
 from __future__ import annotations
 

@@ -554,7 +554,10 @@ class Trainer:
             # Now, not when the collector gets to them: loaders.end_workers says why.
             self.train_loader.close()
             end_workers(self.held_out_loader)
-            self.accelerator.end_training()
+            # What Accelerator.end_training does but destroy the default process group, which
+            # may be the calling program's own: distributed.teardown destroys the run's.
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
         finally:
             self.plan.release()
 

@@ -30,10 +30,10 @@ LAUNCHERS = {
 }
 
 
-def _sweep(launcher: str, work: Path, runs: str) -> str:
+def _sweep(launcher: str, work: Path, runs: str, *mode: str) -> str:
     """`launcher` "": the program alone, one process."""
     launch = ["-m", *LAUNCHERS[launcher], str(free_port())] if launcher else []
-    cmd = [sys.executable, *launch, "-m", "tests.fit_sweep_probe", str(work), runs]
+    cmd = [sys.executable, *launch, "-m", "tests.fit_sweep_probe", str(work), runs, *mode]
     return run(cmd, check=True).stdout
 
 
@@ -50,6 +50,23 @@ def test_a_second_fit_under_a_launcher_trains_as_it_would_alone(launcher, tmp_pa
     for name in alone:
         assert second[name].equal(alone[name]), name
     assert any(not first[name].equal(alone[name]) for name in alone)  # the runs differ
+
+
+def test_a_program_keeps_its_own_process_group_through_a_sweep(tmp_path):
+    """A torchrun script that starts the default group itself goes on using it after fit():
+    the runs destroy only their own control group, and give the program's group torch's
+    default timeout back: the first and the last run fail at a step run under a 3-s timeout
+    (the program catches it), and rank 1 then comes 6 s late to the program's reduction; the
+    run between them trains as it would alone."""
+    out = _sweep("torchrun", tmp_path / "sweep", "0.1/no/fails,0.01/no,0.001/no/fails",
+                 "own-group")
+    assert out.count("run failed") == 4, out[-3000:]  # two runs, two ranks
+    assert out.count("after the sweep: all_reduce 3.0") == 2, out[-3000:]
+    _sweep("torchrun", tmp_path / "alone", "0.01/no")
+    second = load_file(tmp_path / "sweep" / "run-0.01" / "model.safetensors")
+    alone = load_file(tmp_path / "alone" / "run-0.01" / "model.safetensors")
+    for name in alone:
+        assert second[name].equal(alone[name]), name
 
 
 @pytest.mark.parametrize("first", ["no", "bf16"])

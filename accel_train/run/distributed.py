@@ -27,12 +27,14 @@ import signal
 import socket
 import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Mapping, Optional, TypeVar
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed import constants as dist_constants
 
 from accel_train.run.collectives import LONG_TIMEOUT
 from accel_train.config import TrainConfig, parse_gpu_ids
@@ -50,6 +52,10 @@ _HELD_GROUPS: list = []
 # How many process groups this process has started: a program may call fit() again under the
 # same launcher (a sweep), every rank the same number of times (see `_make_store`).
 _groups_started = 0
+# Whether setup() started the default group.  When the program that called fit() started it,
+# the group stays the program's: teardown() destroys only the groups the run made for itself.
+_started_default_group = False
+_RUN_SUBGROUPS: list = []  # the groups cpu_control_group() made, for teardown()
 T = TypeVar("T")
 
 
@@ -241,11 +247,12 @@ def setup(config: TrainConfig) -> LauncherEnv:
         # NCCL ends a collective that overruns its timeout only with async error handling on
         # (its watchdog aborts the communicator); without it a hang would last forever.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        global _STORE
+        global _STORE, _started_default_group
         _STORE = _make_store(env)
         # Long, for start-up and the first step; collectives.py tightens it after that.
         dist.init_process_group("nccl" if use_cuda else "gloo", store=_STORE,
                                 rank=env.rank, world_size=env.world_size, timeout=LONG_TIMEOUT)
+        _started_default_group = True
     if dist.is_initialized():  # started here, or by the program that called fit
         _hold_default_group()
     return env
@@ -387,7 +394,11 @@ def cpu_control_group(num_processes: int):
     steps?): under NCCL a CPU tensor there costs no host wait for the GPU, where the default
     group's .item() would sync every step.  Every rank must call it, in the same order, as
     new_group requires; None for one process."""
-    return dist.new_group(backend="gloo") if num_processes > 1 else None
+    if num_processes == 1:
+        return None
+    group = dist.new_group(backend="gloo")
+    _RUN_SUBGROUPS.append(group)
+    return group
 
 
 def max_over_ranks(value: float, control_group) -> float:
@@ -429,7 +440,9 @@ def group_store() -> Optional[dist.Store]:
 
 
 def teardown(run: Optional[weakref.ref] = None) -> None:
-    """Destroy the process groups, and free the training run's while the interpreter lives.
+    """Destroy the process groups the run started, and free them while the interpreter lives.
+    A default group that the program calling fit() started stays, its own (its timeout set
+    back to torch's default): only the run's control group goes.
 
     Why: a gloo group's worker thread drops a finished collective after its caller has moved
     on, and a tensor the collective holds may be the last reference to a Python object, which
@@ -449,14 +462,29 @@ def teardown(run: Optional[weakref.ref] = None) -> None:
     callback keeps it), or with none (eval's teardown, a start that failed before the trainer
     existed), the default group stays held until the interpreter's exit handlers, which run
     before it finalizes: `_free_held_groups` then."""
-    global _STORE
+    global _STORE, _started_default_group
     _STORE = None
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if _started_default_group:
+            dist.destroy_process_group()
+        else:  # the calling program's group: it may go on using it (another fit, a barrier)
+            # The run tightened its timeout (collectives.py); torch offers no public way to
+            # read the one it had, so it gets torch's default for its backend back.
+            dist.set_timeout(torch_default_timeout(dist.get_backend()))
+            for group in _RUN_SUBGROUPS:
+                dist.destroy_process_group(group)
+    _RUN_SUBGROUPS.clear()
+    _started_default_group = False
     if _HELD_GROUPS and run is not None:
         gc.collect()
         if run() is None:
             _HELD_GROUPS.clear()
+
+
+def torch_default_timeout(backend: str) -> timedelta:
+    """What init_process_group gives a group when its caller names no timeout."""
+    return (dist_constants.default_pg_nccl_timeout if backend == "nccl"
+            else dist_constants.default_pg_timeout)
 
 
 def _hold_default_group() -> None:

@@ -15,10 +15,13 @@ make there.
 
 `own-group`: the program starts the default process group itself, as scripts written for
 torchrun do, gives the runs a tight collective timeout (3 s), and after them reduces over its
-group with rank 1 arriving 6 s late, printing `after the sweep: all_reduce SUM` on each rank."""
+group with rank 1 arriving 6 s late, printing `after the sweep: all_reduce SUM` on each rank,
+and `gloo threads: BEFORE -> AFTER`, the program's gloo threads before the first run and after
+the last once the garbage is collected (fit_threads_probe.thread_names)."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from pathlib import Path
@@ -30,6 +33,9 @@ from torchvision.datasets import FakeData
 
 import accel_train
 from accel_train.callbacks import Callback
+from tests.fit_threads_probe import thread_names
+
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
 
 class ProbeFailure(RuntimeError):
@@ -42,12 +48,18 @@ class FailAtSecondStep(Callback):
             raise ProbeFailure("the probe's callback failed at step 2")
 
 
+def gloo_threads() -> int:
+    return sum(name in GLOO_THREADS for name in thread_names())
+
+
 def main() -> int:
     work, own_group = Path(sys.argv[1]), sys.argv[3:] == ["own-group"]
     runs = [(parts[0], parts[1] if len(parts) > 1 else "auto", parts[2:] == ["fails"])
             for parts in (run.split("/") for run in sys.argv[2].split(","))]
     if own_group:
         dist.init_process_group("gloo")
+        dist.barrier()  # the group's threads all started
+        threads_before = gloo_threads()
     images = {split: FakeData(size, (3, 32, 32), num_classes=2, random_offset=offset)
               for split, size, offset in (("train", 64, 0), ("eval", 32, 1000))}
     for learning_rate, precision, fails in runs:
@@ -69,6 +81,8 @@ def main() -> int:
         total = torch.ones(1) * (dist.get_rank() + 1)
         dist.all_reduce(total)
         print(f"after the sweep: all_reduce {total.item()}", flush=True)
+        gc.collect()  # a failed run's trainer, in reference cycles the program dropped
+        print(f"gloo threads: {threads_before} -> {gloo_threads()}", flush=True)
         dist.destroy_process_group()
     return 0
 

@@ -11,6 +11,7 @@ for bit."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -62,6 +63,9 @@ def test_a_program_keeps_its_own_process_group_through_a_sweep(tmp_path):
                  "own-group")
     assert out.count("run failed") == 4, out[-3000:]  # two runs, two ranks
     assert out.count("after the sweep: all_reduce 3.0") == 2, out[-3000:]
+    # the runs' control groups gone with their threads, the program's own still there
+    threads = re.findall(r"gloo threads: (\d+) -> (\d+)", out)
+    assert len(threads) == 2 and all(before == after != "0" for before, after in threads), out
     _sweep("torchrun", tmp_path / "alone", "0.01/no")
     second = load_file(tmp_path / "sweep" / "run-0.01" / "model.safetensors")
     alone = load_file(tmp_path / "alone" / "run-0.01" / "model.safetensors")

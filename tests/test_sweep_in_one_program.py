@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,10 @@ def test_auto_keeps_the_precision_the_first_run_trained_in(first, tmp_path):
     assert (resolved["precision_requested"], resolved["precision_used"]) == ("auto", named)
     assert f"precision {named}" in out and \
         f"{named}: the precision this process trained in before" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("backend, minutes", [("nccl", 10), ("gloo", 30)])
+def test_the_timeout_given_back_is_torchs_documented_default(backend, minutes):
+    """init_process_group's documentation: 10 minutes for NCCL, 30 for the other backends."""
+    from accel_train.run.distributed import torch_default_timeout
+    assert torch_default_timeout(backend) == timedelta(minutes=minutes)

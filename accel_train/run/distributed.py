@@ -52,7 +52,7 @@ _HELD_GROUPS: list = []
 # How many process groups this process has started: a program may call fit() again under the
 # same launcher (a sweep), every rank the same number of times (see `_make_store`).
 _groups_started = 0
-# Whether setup() started the default group.  When the program that called fit() started it,
+# Whether the last setup() started the default group.  When the program that called fit() did,
 # the group stays the program's: teardown() destroys only the groups the run made for itself.
 _started_default_group = False
 _RUN_SUBGROUPS: list = []  # the groups cpu_control_group() made, for teardown()
@@ -240,19 +240,19 @@ def setup(config: TrainConfig) -> LauncherEnv:
     check_manual_flags(config, env, cuda_count)
     if not env.launched and (config.world_size or 1) > 1:
         env = _env_from_manual_flags(config, cuda_count)
-    if env.world_size > 1 and not dist.is_initialized():
+    global _STORE, _started_default_group
+    _started_default_group = env.world_size > 1 and not dist.is_initialized()
+    if _started_default_group:
         use_cuda = cuda_count > 0
         if use_cuda:
             torch.cuda.set_device(env.local_rank)
         # NCCL ends a collective that overruns its timeout only with async error handling on
         # (its watchdog aborts the communicator); without it a hang would last forever.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        global _STORE, _started_default_group
         _STORE = _make_store(env)
         # Long, for start-up and the first step; collectives.py tightens it after that.
         dist.init_process_group("nccl" if use_cuda else "gloo", store=_STORE,
                                 rank=env.rank, world_size=env.world_size, timeout=LONG_TIMEOUT)
-        _started_default_group = True
     if dist.is_initialized():  # started here, or by the program that called fit
         _hold_default_group()
     return env
@@ -462,7 +462,7 @@ def teardown(run: Optional[weakref.ref] = None) -> None:
     callback keeps it), or with none (eval's teardown, a start that failed before the trainer
     existed), the default group stays held until the interpreter's exit handlers, which run
     before it finalizes: `_free_held_groups` then."""
-    global _STORE, _started_default_group
+    global _STORE
     _STORE = None
     if dist.is_initialized():
         if _started_default_group:
@@ -474,7 +474,6 @@ def teardown(run: Optional[weakref.ref] = None) -> None:
             for group in _RUN_SUBGROUPS:
                 dist.destroy_process_group(group)
     _RUN_SUBGROUPS.clear()
-    _started_default_group = False
     if _HELD_GROUPS and run is not None:
         gc.collect()
         if run() is None:

@@ -150,6 +150,22 @@ def free_port() -> int:
             return port
 
 
+# Two CPU processes on 127.0.0.1 through each real launcher, up to the option its port follows.
+TWO_PROCESS_LAUNCHERS = {
+    "torchrun": ["torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                 "--master-port"],
+    "accelerate launch": ["accelerate.commands.launch", "--config_file",
+                          str(CONFIGS / "cpu_2proc.yaml"), "--main_process_port"],
+}
+
+
+def launched_program(launcher: str, module: str, *args: str) -> list[str]:
+    """The command running `python -m module args` in two processes under `launcher` (a key
+    of TWO_PROCESS_LAUNCHERS) on a free port."""
+    return [sys.executable, "-m", *TWO_PROCESS_LAUNCHERS[launcher], str(free_port()),
+            "-m", module, *args]
+
+
 def run(cmd: list[str], cwd: Path | None = None, timeout: float = 300, env: dict | None = None,
         check: bool = False) -> subprocess.CompletedProcess:
     """Run a command, capturing text output; on failure with check=True, show its output."""

@@ -33,9 +33,7 @@ from torchvision.datasets import FakeData
 
 import accel_train
 from accel_train.callbacks import Callback
-from tests.fit_threads_probe import thread_names
-
-GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+from tests.fit_threads_probe import GLOO_THREADS, thread_names
 
 
 class ProbeFailure(RuntimeError):

@@ -28,6 +28,9 @@ from accel_train.base.errors import UsageError
 from accel_train.callbacks import Callback
 
 
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")  # what gloo names its worker threads
+
+
 class ProbeFailure(RuntimeError):
     pass
 

@@ -11,30 +11,22 @@ launchers."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, free_port, run
+from conftest import TWO_PROCESS_LAUNCHERS, launched_program, run
+from tests.fit_threads_probe import GLOO_THREADS
 
 pytestmark = pytest.mark.slow
 
-LAUNCHERS = {
-    "torchrun": ["torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                 "--master-port"],
-    "accelerate launch": ["accelerate.commands.launch", "--config_file",
-                          str(CONFIGS / "cpu_2proc.yaml"), "--main_process_port"],
-}
-GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
 
 def _gloo_threads(launcher: str, work: Path, *mode: str) -> dict[str, dict[str, list[str]]]:
     """{when: {rank: the gloo threads its process had then}} for a probe run, when being
     "after-fit" and "at-exit"."""
-    cmd = [sys.executable, "-m", *LAUNCHERS[launcher], str(free_port()),
-           "-m", "tests.fit_threads_probe", str(work), *mode]
-    result = run(cmd, check=True)
+    result = run(launched_program(launcher, "tests.fit_threads_probe", str(work), *mode),
+                 check=True)
     # two ranks: the start summary's words, or each rank's caught error
     assert result.stdout.count("fit raised") == (2 if mode else 0), result.stdout[-3000:]
     assert mode or "x 2 process(es), gloo" in result.stdout, result.stdout[-3000:]
@@ -46,7 +38,7 @@ def _gloo_threads(launcher: str, work: Path, *mode: str) -> dict[str, dict[str, 
     return seen
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", TWO_PROCESS_LAUNCHERS)
 def test_fit_returns_with_no_gloo_thread_left(launcher, tmp_path):
     seen = _gloo_threads(launcher, tmp_path)
     assert seen["after-fit"] == {"0": [], "1": []}

@@ -20,26 +20,19 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, free_port, run
+from conftest import TWO_PROCESS_LAUNCHERS, launched_program, run
 
 pytestmark = pytest.mark.slow
 
-LAUNCHERS = {
-    "torchrun": ["torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                 "--master-port"],
-    "accelerate launch": ["accelerate.commands.launch", "--config_file",
-                          str(CONFIGS / "cpu_2proc.yaml"), "--main_process_port"],
-}
-
-
 def _sweep(launcher: str, work: Path, runs: str, *mode: str) -> str:
     """`launcher` "": the program alone, one process."""
-    launch = ["-m", *LAUNCHERS[launcher], str(free_port())] if launcher else []
-    cmd = [sys.executable, *launch, "-m", "tests.fit_sweep_probe", str(work), runs, *mode]
+    args = (str(work), runs, *mode)
+    cmd = (launched_program(launcher, "tests.fit_sweep_probe", *args) if launcher
+           else [sys.executable, "-m", "tests.fit_sweep_probe", *args])
     return run(cmd, check=True).stdout
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", TWO_PROCESS_LAUNCHERS)
 def test_a_second_fit_under_a_launcher_trains_as_it_would_alone(launcher, tmp_path):
     # the precision pinned: auto could time the lone run into another one
     out = _sweep(launcher, tmp_path / "sweep", "0.1/no,0.01/no")

@@ -38,11 +38,12 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
         callbacks: Iterable[Callback] = (), **options: Any) -> Path:
     """Train `model` on `train_dataset`, select on `eval_dataset`; returns the run folder.
 
-    `model`: an `nn.Module` whose output has one logit per class (trained in place: after
-    `fit` it holds the run's last weights; the run folder's `model.safetensors` holds the
+    `model`: an `nn.Module` whose output has one logit per class, as a tensor or as an object
+    holding them as `.logits` (a transformers classifier's output), or a name as `--model`
+    takes it (a timm model, `package.module:factory`).  A module is trained in place: after
+    `fit` it holds the run's last weights (the run folder's `model.safetensors` holds the
     chosen ones; with `whiten_stem` its first layer comes back whitened, `requires_grad` False
-    where the run fixed it: docs/training.md), or a name as `--model` takes it (a timm model,
-    `package.module:factory`).
+    where the run fixed it: docs/training.md).
     `train_dataset`, `eval_dataset`: map-style datasets (a torch `Dataset`, a Hugging Face
     dataset) whose items are `(image, label)` or a dict with both; an image is a PIL image or a
     uint8 or float (0-1) CHW tensor, a label a class index. Without `eval_dataset`,

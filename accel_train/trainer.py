@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import torch
+from torch.utils.hooks import RemovableHandle
 from accelerate import Accelerator
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
                                ProjectConfiguration)
@@ -41,6 +42,7 @@ from accel_train.data.sources import LoadedData, load_data
 from accel_train.data.streaming import load_streaming, streaming_wanted
 from accel_train.model.build import create_model, set_train_mode
 from accel_train.model.ema import maybe_ema
+from accel_train.model.outputs import return_logits
 from accel_train.model.saved import is_import_path
 from accel_train.run import distributed
 from accel_train.run.checkpoint import AccelerateState, Checkpointer, TrainerState
@@ -74,14 +76,19 @@ STOPPED_EXIT = 143  # 128 + SIGTERM: schedulers read it as "terminated", not "fi
 
 
 def build_accelerator(config: TrainConfig, precision: str, trackers_dir: Path,
-                      find_unused: bool = False) -> Accelerator:
-    """`find_unused`: the network has trainable parameters its forward never uses."""
+                      find_unused: bool = False, resumed_precision: bool = False) -> Accelerator:
+    """`find_unused`: the network has trainable parameters its forward never uses;
+    `resumed_precision`: `precision` is the one the checkpoint this run resumes trained in."""
     held = precision_this_process_holds()
     if held is not None and held != precision:  # Accelerate would raise its ValueError
-        raise UsageError(f"this process already trained in {precision_name(held)}, and "
-                         f"accelerate keeps one precision a process: this run cannot train in "
-                         f"{precision_name(precision)}; pass --mixed-precision {held} (or leave "
-                         f"it to auto), or train in a new process")
+        refused = (f"this process already trained in {precision_name(held)}, and accelerate "
+                   f"keeps one precision a process: ")
+        # auto takes the checkpoint's precision on resume: only a new process helps there
+        raise UsageError(refused + (
+            f"the checkpoint this run resumes trained in {precision_name(precision)}; resume "
+            f"it in a new process" if resumed_precision else
+            f"this run cannot train in {precision_name(precision)}; pass --mixed-precision "
+            f"{held} (or leave it to auto), or train in a new process"))
     ddp_kwargs = DistributedDataParallelKwargs(
         find_unused_parameters=find_unused, bucket_cap_mb=config.ddp_bucket_mb,
         gradient_as_bucket_view=config.ddp_grad_as_bucket_view,
@@ -110,6 +117,7 @@ class Trainer:
         and the network a program brings instead of those the options name."""
         callbacks = CallbackList(callbacks)  # a wrong one refused before anything starts
         plan = plan_start(config, distributed.setup(config))
+        logits_hook = None
         try:
             config, cuda, report = plan.config, torch.cuda.is_available(), Reporter(plan.messages)
             keep_freed_host_memory(cuda, os.environ)  # before the probes time any step
@@ -120,6 +128,9 @@ class Trainer:
             bad_images = BadImageLog(run_paths(plan.output_dir).bad_images, report, data,
                                      distributed.is_global_main())
             config, choice = network_for_run(config, data, plan.env.world_size, cuda, report.warn)
+            # its calls return the logits tensor, also where it returns an object holding them
+            # (outputs.py); undone at close, for the program to have its module back as it was
+            logits_hook = return_logits(model) if model is not None else None
             # the speed probe times fresh copies: of the program's module as it was handed over
             untouched = copy.deepcopy(model) if model is not None else None
             net = build_network(config, data, plan.env.world_size, cuda, report.warn, model)
@@ -131,20 +142,25 @@ class Trainer:
                                   choice.speed if choice else None, cuda)
             return cls(dataclasses.replace(plan, config=config), data, net, speed, report=report,
                        bad_images=bad_images, callbacks=callbacks,
-                       network_choice=choice_words(choice, plan.kept_choices))
+                       network_choice=choice_words(choice, plan.kept_choices),
+                       logits_hook=logits_hook)
         except BaseException:
             plan.release()
+            if logits_hook is not None:
+                logits_hook.remove()
             raise
 
     # -- prepare --------------------------------------------------------------------------------
     def __init__(self, plan: StartPlan, data, net: Network, speed: SpeedChoice, *,
                  report: Optional[Reporter] = None, bad_images: Optional[BadImageLog] = None,
-                 network_choice: Optional[str] = None, callbacks: Iterable[Callback] = ()):
+                 network_choice: Optional[str] = None, callbacks: Iterable[Callback] = (),
+                 logits_hook: Optional[RemovableHandle] = None):
         """A run of `net` on `data` (`from_config` builds both from the options), computing as
         `speed` says: the Accelerator, the model, optimizer, schedule and loaders through
         `accelerator.prepare`, the checkpointed parts (restored on resume), the loop's parts,
         then the run's records.  `report` and `bad_images`: those the build spoke through;
-        `network_choice`: how --smaller-models chose the network, for the summary."""
+        `network_choice`: how --smaller-models chose the network, for the summary;
+        `logits_hook`: what makes a program's module return its logits, removed at close."""
         self.plan, self.config, self.data, self.net, self.speed = \
             plan, plan.config, data, net, speed
         self.paths = run_paths(plan.output_dir)
@@ -152,14 +168,16 @@ class Trainer:
         self.bad_images = bad_images or BadImageLog(self.paths.bad_images, self.report, data,
                                                     distributed.is_global_main())
         self.network_choice, self.callbacks = network_choice, CallbackList(callbacks)
+        self.logits_hook = logits_hook
         cuda = torch.cuda.is_available()
         self.cuda_math = use_fast_cuda_math(cuda)
         # (from_config made the same two mallopt calls before its probes; made again here, they
         # change nothing and give the summary its words, also for a Trainer built directly)
         self.host_memory = keep_freed_host_memory(cuda, os.environ)
         self.precision, precision_warning = resolve_precision(speed.precision, cuda)
-        self.accelerator = build_accelerator(self.config, self.precision, self.paths.trackers,
-                                             find_unused=bool(net.unused))
+        self.accelerator = build_accelerator(
+            self.config, self.precision, self.paths.trackers, find_unused=bool(net.unused),
+            resumed_precision="precision" in plan.kept_choices)
         if self.accelerator.num_processes != plan.env.world_size:
             raise RuntimeError(f"Accelerate sees {self.accelerator.num_processes} processes but "
                                f"the launcher started {plan.env.world_size}: the process group "
@@ -560,6 +578,8 @@ class Trainer:
                 tracker.finish()
         finally:
             self.plan.release()
+            if self.logits_hook is not None:
+                self.logits_hook.remove()
 
 
 @dataclasses.dataclass

@@ -123,6 +123,30 @@ def test_fit_twice_in_one_process_in_two_precisions_is_one_line(tmp_path):
     assert seen == [1]
 
 
+@pytest.mark.slow
+def test_a_resume_in_another_precision_than_the_process_holds_says_to_use_a_new_process(tmp_path):
+    """A sweep whose later run resumes a checkpoint saved in bf16 by another process: auto takes
+    the checkpoint's precision on resume, so the refusal names a new process, not the keyword
+    (auto would choose the same precision again)."""
+    saved_in_bf16 = tmp_path / "bf16"
+    run([sys.executable, "-c", (
+        "import sys, torch, accel_train; sys.path.insert(0, 'tests')\n"
+        "from test_api import Tiny, Squares\n"
+        "torch.manual_seed(0)\n"
+        "accel_train.fit(Tiny(), Squares(64), Squares(16), batch_size=8, epochs=2, max_steps=8,"
+        " mixed_precision='bf16', channels_last=False, augment=False, plots=False,"
+        f" output_dir={str(saved_in_bf16)!r})")], check=True)
+    assert list((saved_in_bf16 / "checkpoints").iterdir())
+    fit_tiny(tmp_path, "fp32", max_steps=1)
+    with pytest.raises(UsageError) as refused:
+        accel_train.fit(Tiny(), Squares(64), Squares(16), batch_size=8, epochs=2,
+                        channels_last=False, augment=False, plots=False, resume="auto",
+                        output_dir=str(saved_in_bf16))
+    assert str(refused.value) == (
+        "this process already trained in fp32, and accelerate keeps one precision a process: "
+        "the checkpoint this run resumes trained in bf16; resume it in a new process")
+
+
 def test_fit_resumes_bit_identically(tmp_path):
     """Stopped after its first epoch's checkpoint and resumed: the weights of the run that was
     never stopped, exactly."""

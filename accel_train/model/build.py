@@ -26,6 +26,7 @@ from torch import nn
 
 from accel_train.model import small_nets  # noqa: F401  (registers the small-image networks in timm's registry)
 from accel_train.base.errors import UsageError, first_line
+from accel_train.model.outputs import return_logits
 from accel_train.base.readers import read_json
 from accel_train.model.saved import (TIMM_CONFIG, ModelSpec, is_import_path,
                                      unknown_architecture_hint)
@@ -178,6 +179,7 @@ def _create_from_factory(name: str, num_classes: int, drop_rate: float,
     if not isinstance(model, nn.Module):
         raise UsageError(f"--model {name}: {call} returned a {type(model).__name__}, not a "
                          f"torch nn.Module; return the network")
+    return_logits(model)  # it may return an object holding its logits (outputs.py)
     return model
 
 
@@ -317,9 +319,12 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
     if not isinstance(output, torch.Tensor) or tuple(output.shape) != (1, num_classes):
         got = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
                else f"a {type(output).__name__}")
+        fix = ("make its last layer give num_classes outputs" if isinstance(
+            output, torch.Tensor) else "return the logits tensor, or an object holding it as "
+            "`.logits`")
         raise UsageError(f"--model {name} maps a [1, 3, {image_size}, {image_size}] batch of "
                          f"images to {got}, not to [1, {num_classes}] logits (one per class of "
-                         f"the data); make its last layer give num_classes outputs")
+                         f"the data); {fix}")
 
 
 def check_trainable(num_trainable: int, name: str) -> None:

@@ -1,0 +1,32 @@
+"""Networks whose forward returns an object holding the logits, as networks from outside timm
+do; importable (PYTHONPATH=tests) so that `--model nets_with_output_objects:...` builds them."""
+
+from __future__ import annotations
+
+from torch import nn
+from torchvision.models.inception import InceptionOutputs
+from transformers import ResNetConfig, ResNetForImageClassification
+
+
+def tiny_hf_resnet(num_classes: int = 10) -> ResNetForImageClassification:
+    """A Hugging Face transformers image classifier (returns an ImageClassifierOutput...)."""
+    return ResNetForImageClassification(ResNetConfig(
+        num_labels=num_classes, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1]))
+
+
+class AuxHeadNet(nn.Module):
+    """Shaped like torchvision's Inception v3: in train mode (logits, aux_logits) as its named
+    tuple, in eval mode the logits alone."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(8, num_classes)
+        self.aux = nn.Linear(8, num_classes)
+
+    def forward(self, images):
+        features = self.body(images)
+        if self.training:
+            return InceptionOutputs(self.fc(features), self.aux(features))
+        return self.fc(features)

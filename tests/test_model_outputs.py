@@ -1,0 +1,140 @@
+"""Networks whose forward returns an object holding the logits (Hugging Face transformers'
+ModelOutput, torchvision's Inception named tuple) train, evaluate, predict and export on their
+logits, through fit() and through a factory on the command line, on one process and under DDP;
+a program's module comes back from fit() returning what it returned before."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from torch import nn
+from torchvision.models.googlenet import GoogLeNetOutputs
+from torchvision.models.inception import InceptionOutputs
+from transformers.modeling_outputs import ImageClassifierOutputWithNoAttention
+
+import accel_train
+from accel_train.base.errors import UsageError
+from accel_train.model.outputs import logits_from
+from conftest import REPO, launched_program, model_spec_of, run
+from conftest import test_env as child_env
+from nets_with_output_objects import AuxHeadNet, tiny_hf_resnet
+from test_api import Squares
+
+TESTS = str(REPO / "tests")
+
+
+def test_the_logits_are_found_in_each_kind_of_output():
+    logits, aux = torch.randn(2, 3), torch.randn(2, 3)
+    assert logits_from(logits) is logits
+    assert logits_from(ImageClassifierOutputWithNoAttention(logits=logits)) is logits
+    assert logits_from(InceptionOutputs(logits, aux)) is logits
+    assert logits_from(GoogLeNetOutputs(logits, aux, aux)) is logits
+    # what holds no logits tensor is handed back, for the first-forward check to name
+    pair = (logits, aux)
+    assert logits_from(pair) is pair
+    empty = ImageClassifierOutputWithNoAttention(logits=None)
+    assert logits_from(empty) is empty
+
+
+class LogitsOf(nn.Module):
+    """The hand-written adapter a user would otherwise write: forward returns `.logits`."""
+
+    def __init__(self, network: nn.Module):
+        super().__init__()
+        self.network = network
+
+    def forward(self, images):
+        return self.network(images).logits
+
+
+def fit_on_squares(tmp_path, name, model, **options):
+    return accel_train.fit(model, Squares(64), Squares(16), batch_size=8, epochs=2,
+                           mixed_precision="no", channels_last=False, progress="log",
+                           plots=False, output_dir=str(tmp_path / name), **options)
+
+
+def test_fit_trains_a_transformers_model_as_the_adapter_that_returns_its_logits(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_hf_resnet(num_classes=2)
+    adapted = LogitsOf(copy.deepcopy(model))
+    initial = copy.deepcopy(model.state_dict())
+    fit_on_squares(tmp_path, "output-object", model)
+    fit_on_squares(tmp_path, "adapter", adapted)
+    trained, oracle = model.state_dict(), adapted.network.state_dict()
+    assert all(torch.equal(trained[k], oracle[k]) for k in oracle)
+    assert max(float((trained[k].float() - initial[k].float()).abs().max()) for k in initial) > 1e-3
+    records = [json.loads(line) for line in
+               (tmp_path / "output-object" / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in records if r.get("type") == "epoch"]
+    assert len(epochs) == 2 and epochs[-1]["eval_count"] == 16
+    # the program gets its module back as it was: calls return the transformers output again
+    assert isinstance(model(torch.zeros(1, 3, 16, 16)), ImageClassifierOutputWithNoAttention)
+
+
+def test_a_refused_fit_gives_the_module_back_as_it_was(tmp_path):
+    model = tiny_hf_resnet(num_classes=2)
+    with pytest.raises(UsageError, match="layer_decay=0.7"):
+        fit_on_squares(tmp_path, "refused", model, layer_decay=0.7)
+    assert isinstance(model(torch.zeros(1, 3, 16, 16)), ImageClassifierOutputWithNoAttention)
+
+
+def train_on_synthetic(output_dir, *extra: str, launcher=None, batch_size=16):
+    options = ["--model", "nets_with_output_objects:" + extra[0], "--synthetic-train-size",
+               "128", "--max-steps", "4", "--epochs", "1", "--no-plots", "--mixed-precision",
+               "no", "--no-channels-last", "--no-augment", "--num-workers", "0",
+               "--batch-size", str(batch_size), "--output-dir", str(output_dir), *extra[1:]]
+    command = (launched_program(launcher, "accel_train", *options) if launcher else
+               [sys.executable, "-m", "accel_train", *options])
+    return run(command, env=child_env(PYTHONPATH=TESTS), check=True)
+
+
+@pytest.mark.slow
+def test_a_transformers_factory_predicts_and_exports_its_logits(tmp_path):
+    """--model package.module:factory building a transformers classifier: predict's
+    probabilities are plain torch's softmax of `.logits` for the saved weights, and the ONNX
+    export predicts the same."""
+    train_on_synthetic(tmp_path / "run", "tiny_hf_resnet")
+    image = (torch.rand(32, 32, 3) * 255).to(torch.uint8)
+    Image.fromarray(image.numpy()).save(tmp_path / "image.png")
+    run([sys.executable, "-m", "accel_train", "export", str(tmp_path / "run"), "--format",
+         "onnx", "--output", str(tmp_path / "exported")], env=child_env(PYTHONPATH=TESTS),
+        check=True)
+    spec = model_spec_of(tmp_path / "run")
+    network = tiny_hf_resnet(spec["num_classes"]).eval()
+    network.load_state_dict(load_file(str(tmp_path / "run" / "model.safetensors")))
+    mean, std = (torch.tensor(spec[k]).view(1, 3, 1, 1) for k in ("mean", "std"))
+    with torch.no_grad():
+        normalized = (image.permute(2, 0, 1)[None].float() / 255 - mean) / std
+        expected = network(normalized).logits.softmax(-1)[0]
+    for trained in ("run", "exported/model.onnx"):
+        predicted = run([sys.executable, "-m", "accel_train", "predict",
+                         str(tmp_path / trained), str(tmp_path / "image.png"), "--json",
+                         "--top-k", "3"], env=child_env(PYTHONPATH=TESTS), check=True)
+        top = json.loads(predicted.stdout.splitlines()[-1])["predictions"]
+        assert [p["index"] for p in top] == expected.argsort(descending=True)[:3].tolist()
+        assert [p["probability"] for p in top] == pytest.approx(
+            expected.sort(descending=True).values[:3].tolist(), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_an_auxiliary_head_trains_under_ddp_as_on_one_process(tmp_path):
+    """A network returning (logits, aux_logits) in train mode, as Inception does: DDP would
+    wait for the auxiliary head's gradients if it saw its output.  Two processes under
+    torchrun train the weights of one process with the same global batch, and the auxiliary
+    head, which no loss reaches, keeps its initial weights."""
+    train_on_synthetic(tmp_path / "one", "AuxHeadNet", batch_size=16)
+    train_on_synthetic(tmp_path / "two", "AuxHeadNet", launcher="torchrun", batch_size=8)
+    one = load_file(str(tmp_path / "one" / "model.safetensors"))
+    two = load_file(str(tmp_path / "two" / "model.safetensors"))
+    for key in one:
+        assert torch.allclose(one[key], two[key], rtol=1e-5, atol=1e-6), key
+    torch.manual_seed(0)  # the run's initial weights: a function of --seed (0) alone
+    initial = AuxHeadNet(num_classes=10).state_dict()
+    assert all(torch.equal(one[k], initial[k]) for k in ("aux.weight", "aux.bias"))
+    assert float((one["fc.weight"] - initial["fc.weight"]).abs().max()) > 1e-4

@@ -92,6 +92,11 @@ class Rounded(nn.Module):
         return x.round().long()
 
 
+def grey_cnn(num_classes):  # written for MNIST: its first layer takes one channel
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, num_classes))
+
+
 class ForwardRaises(nn.Module):  # a bug in the user's forward, at any size
     def __init__(self, num_classes):
         super().__init__()
@@ -277,6 +282,10 @@ BAD = [
     (f"{MODULE}:small_net", ["--layer-decay", "0.7"], ["--layer-decay 0.7: --model "
                                                        "user_nets:small_net names no layers",
                                                        "drop --layer-decay"]),
+    # at 32 px, not timm's default 224: the size is not what to change
+    (f"{MODULE}:grey_cnn", [], ["--model user_nets:grey_cnn takes 1-channel images, and the run "
+                                "feeds 3-channel ones (grey images repeated to RGB): make its "
+                                "first layer take 3 channels"]),
     (f"{MODULE}:int_logits", [], ["--model user_nets:int_logits gives torch.int64 outputs; "
                                   "logits are floating point"]),
     (f"{MODULE}:all_frozen", [], ["--model user_nets:all_frozen has no trainable parameters "

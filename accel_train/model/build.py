@@ -290,6 +290,16 @@ def pretrained_normalization(model: nn.Module) -> tuple[tuple, tuple]:
             tuple(cfg.get("std", (0.229, 0.224, 0.225))))
 
 
+def takes_grey_images(model: nn.Module, image_size: int) -> bool:
+    """Whether a forward of a [1, 1, S, S] batch goes through (eval mode, no gradients)."""
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, 1, image_size, image_size))
+        return True
+    except Exception:  # the network's own error for what it cannot take
+        return False
+
+
 def check_first_forward(model: nn.Module, name: str, image_size: int, num_classes: int) -> None:
     """One tiny forward pass, so that a size the model cannot take, or an output other than a
     row of `num_classes` logits per image, is one line now: not a traceback at the first step
@@ -301,6 +311,11 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
         with torch.no_grad():
             output = model(torch.zeros(1, 3, image_size, image_size))
     except Exception as err:  # shape errors surface as RuntimeError/AssertionError/ValueError
+        if takes_grey_images(model, image_size):  # a network written for MNIST-like data
+            raise UsageError(f"--model {name} takes 1-channel images, and the run feeds "
+                             f"3-channel ones (grey images repeated to RGB): make its first "
+                             f"layer take 3 channels (nn.Conv2d(3, ...); timm's in_chans=3)"
+                             ) from None
         default = (getattr(model, "pretrained_cfg", {}) or {}).get("input_size", (3, 224, 224))[-1]
         if default == image_size:  # the size is the network's own: the forward itself broke
             raise UsageError(f"--model {name} failed on a [1, 3, {image_size}, {image_size}] "

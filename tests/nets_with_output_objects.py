@@ -5,13 +5,22 @@ from __future__ import annotations
 
 from torch import nn
 from torchvision.models.inception import InceptionOutputs
-from transformers import ResNetConfig, ResNetForImageClassification
+from transformers import (ResNetConfig, ResNetForImageClassification, ViTConfig,
+                          ViTForImageClassification)
 
 
 def tiny_hf_resnet(num_classes: int = 10) -> ResNetForImageClassification:
     """A Hugging Face transformers image classifier (returns an ImageClassifierOutput...)."""
     return ResNetForImageClassification(ResNetConfig(
         num_labels=num_classes, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1]))
+
+
+
+def tiny_hf_vit(num_classes: int = 10, image_size: int = 32) -> ViTForImageClassification:
+    """A transformers ViT, built for one input size (its config's image_size)."""
+    return ViTForImageClassification(ViTConfig(
+        num_labels=num_classes, image_size=image_size, patch_size=8, hidden_size=16,
+        num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
 
 
 class AuxHeadNet(nn.Module):

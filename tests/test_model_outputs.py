@@ -10,20 +10,23 @@ import json
 import sys
 
 import pytest
+import timm
 import torch
 from PIL import Image
 from safetensors.torch import load_file
 from torch import nn
 from torchvision.models.googlenet import GoogLeNetOutputs
 from torchvision.models.inception import InceptionOutputs
+from transformers import ViTConfig, ViTForImageClassification
 from transformers.modeling_outputs import ImageClassifierOutputWithNoAttention
 
 import accel_train
 from accel_train.base.errors import UsageError
+from accel_train.model.build import native_image_size
 from accel_train.model.outputs import logits_from
 from conftest import REPO, launched_program, model_spec_of, run
 from conftest import test_env as child_env
-from nets_with_output_objects import AuxHeadNet, tiny_hf_resnet
+from nets_with_output_objects import AuxHeadNet, tiny_hf_resnet, tiny_hf_vit
 from test_api import Squares
 
 TESTS = str(REPO / "tests")
@@ -82,6 +85,27 @@ def test_a_refused_fit_gives_the_module_back_as_it_was(tmp_path):
     with pytest.raises(UsageError, match="layer_decay=0.7"):
         fit_on_squares(tmp_path, "refused", model, layer_decay=0.7)
     assert isinstance(model(torch.zeros(1, 3, 16, 16)), ImageClassifierOutputWithNoAttention)
+
+
+def test_a_transformers_network_built_for_another_size_is_told_its_own():
+    """The size to try is the one the network's config was built for, not timm's 224."""
+    assert native_image_size(tiny_hf_vit(image_size=48)) == 48
+    assert native_image_size(ViTForImageClassification(ViTConfig(image_size=(40, 40),
+                                                                  hidden_size=8,
+                                                                  num_hidden_layers=1,
+                                                                  num_attention_heads=2,
+                                                                  intermediate_size=8))) == 40
+    assert native_image_size(timm.create_model("resnet18", pretrained=False)) == 224
+    assert native_image_size(timm.create_model("test_vit", pretrained=False)) == \
+        timm.get_pretrained_cfg("test_vit").input_size[-1]
+    assert native_image_size(nn.Linear(2, 2)) == 224
+    with pytest.raises(UsageError) as refused:
+        accel_train.fit(tiny_hf_vit(num_classes=2, image_size=32), Squares(8), batch_size=8,
+                        epochs=1, mixed_precision="no", plots=False)
+    assert str(refused.value).startswith(
+        "image_size=16 does not work with transformers.models.vit.modeling_vit:"
+        "ViTForImageClassification (ValueError: Input image size (16*16) doesn't match model "
+        "(32*32).); try image_size=32")
 
 
 def train_on_synthetic(output_dir, *extra: str, launcher=None, batch_size=16):

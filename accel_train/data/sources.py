@@ -639,8 +639,10 @@ def carve_rows(num_rows: int, val_fraction: float) -> tuple[np.ndarray, np.ndarr
     from datasets import Dataset
     stand_in = Dataset.from_dict({"row": np.arange(num_rows)})
     parts = stand_in.train_test_split(test_size=val_fraction, seed=VAL_CARVE_SEED, shuffle=True)
-    return (parts["train"].with_format("arrow")["row"].to_numpy(),
-            parts["test"].with_format("arrow")["row"].to_numpy())
+    # copies: an array over Arrow's buffer can be read-only (a part of one row is), and
+    # torch.from_numpy of one warns (fit() printed torch's warning for such a carve)
+    return (parts["train"].with_format("arrow")["row"].to_numpy().copy(),
+            parts["test"].with_format("arrow")["row"].to_numpy().copy())
 
 
 def rows_of(dataset, rows: np.ndarray):

@@ -290,6 +290,18 @@ def pretrained_normalization(model: nn.Module) -> tuple[tuple, tuple]:
             tuple(cfg.get("std", (0.229, 0.224, 0.225))))
 
 
+def native_image_size(model: nn.Module) -> int:
+    """The input size a network is built for: timm's pretrained_cfg, else a Hugging Face
+    transformers config's image_size, else timm's usual 224."""
+    timm_size = (getattr(model, "pretrained_cfg", None) or {}).get("input_size")
+    if timm_size:
+        return int(timm_size[-1])
+    hf_size = getattr(getattr(model, "config", None), "image_size", None)
+    if isinstance(hf_size, (list, tuple)) and hf_size:
+        hf_size = hf_size[-1]
+    return hf_size if isinstance(hf_size, int) and hf_size > 0 else 224
+
+
 def takes_grey_images(model: nn.Module, image_size: int) -> bool:
     """Whether a forward of a [1, 1, S, S] batch goes through (eval mode, no gradients)."""
     try:
@@ -316,7 +328,7 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
                              f"3-channel ones (grey images repeated to RGB): make its first "
                              f"layer take 3 channels (nn.Conv2d(3, ...); timm's in_chans=3)"
                              ) from None
-        default = (getattr(model, "pretrained_cfg", {}) or {}).get("input_size", (3, 224, 224))[-1]
+        default = native_image_size(model)
         if default == image_size:  # the size is the network's own: the forward itself broke
             raise UsageError(f"--model {name} failed on a [1, 3, {image_size}, {image_size}] "
                              f"batch of images ({type(err).__name__}: {first_line(err)}); fix "

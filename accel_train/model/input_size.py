@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from accel_train.model.build import create_model
+from accel_train.model.build import create_model, native_image_size
 from accel_train.model.saved import is_import_path
 
 
@@ -52,8 +52,7 @@ def create_at_size(name: str, num_classes: int, image_size: int, drop_rate: floa
     drawn: a run's initialisation stays a function of --seed alone)."""
     state = torch.random.get_rng_state()
     model = create_model(name, num_classes, drop_rate, pretrained, drop_path)
-    default = (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224, 224))[-1]
-    if is_import_path(name) or default == image_size or not builds_for_size(model) \
+    if is_import_path(name) or native_image_size(model) == image_size or not builds_for_size(model) \
             or takes_size(model, image_size):
         return model, {}
     torch.random.set_rng_state(state)

@@ -52,8 +52,8 @@ def create_at_size(name: str, num_classes: int, image_size: int, drop_rate: floa
     drawn: a run's initialisation stays a function of --seed alone)."""
     state = torch.random.get_rng_state()
     model = create_model(name, num_classes, drop_rate, pretrained, drop_path)
-    if is_import_path(name) or native_image_size(model) == image_size or not builds_for_size(model) \
-            or takes_size(model, image_size):
+    if is_import_path(name) or native_image_size(model) == image_size \
+            or not builds_for_size(model) or takes_size(model, image_size):
         return model, {}
     torch.random.set_rng_state(state)
     model_args = {"img_size": image_size}

@@ -1,7 +1,9 @@
-"""Networks whose forward returns an object holding the logits (Hugging Face transformers'
-ModelOutput, torchvision's Inception named tuple) train, evaluate, predict and export on their
-logits, through fit() and through a factory on the command line, on one process and under DDP;
-a program's module comes back from fit() returning what it returned before."""
+"""Networks from outside timm.  Those whose forward returns an object holding the logits
+(Hugging Face transformers' ModelOutput, torchvision's Inception named tuple) train, evaluate,
+predict and export on their logits, through fit() and through a factory on the command line,
+on one process and under DDP; a program's module comes back from fit() returning what it
+returned before.  A transformers model handed to fit() is rebuilt from the config the run
+records: resume, predict and export need no factory."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from transformers import ViTConfig, ViTForImageClassification
 from transformers.modeling_outputs import ImageClassifierOutputWithNoAttention
 
 import accel_train
+import accel_train.callbacks
 from accel_train.base.errors import UsageError
-from accel_train.model.build import native_image_size
+from accel_train.model.build import create_model, native_image_size
 from accel_train.model.outputs import logits_from
 from conftest import REPO, launched_program, model_spec_of, run
 from conftest import test_env as child_env
@@ -106,6 +109,76 @@ def test_a_transformers_network_built_for_another_size_is_told_its_own():
         "image_size=16 does not work with transformers.models.vit.modeling_vit:"
         "ViTForImageClassification (ValueError: Input image size (16*16) doesn't match model "
         "(32*32).); try image_size=32")
+
+
+def test_a_transformers_model_resumes_bit_identically_from_its_recorded_config(tmp_path):
+    torch.manual_seed(0)
+    initial = tiny_hf_resnet(num_classes=2)
+    whole = copy.deepcopy(initial)
+    fit_on_squares(tmp_path, "whole", whole)
+
+    class StopAfterFirstCheckpoint(accel_train.callbacks.Callback):
+        def on_checkpoint(self, trainer, path):
+            raise KeyboardInterrupt  # a user's Ctrl-C right after the checkpoint
+
+    with pytest.raises(KeyboardInterrupt):
+        fit_on_squares(tmp_path, "halves", copy.deepcopy(initial),
+                       callbacks=[StopAfterFirstCheckpoint()])
+    steps = []
+
+    class Steps(accel_train.callbacks.Callback):
+        def on_step_end(self, trainer, step):
+            steps.append(step)
+
+    resumed = copy.deepcopy(initial)
+    fit_on_squares(tmp_path, "halves", resumed, resume="auto", callbacks=[Steps()])
+    assert steps == list(range(9, 17))  # the second epoch's 8 steps: it resumed
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(),
+                                                 resumed.state_dict().values()))
+    recorded = json.loads((tmp_path / "halves" / "config.json").read_text())["model_args"]
+    assert recorded["transformers_config"]["hidden_sizes"] == [8, 16]
+
+
+HF_RESNET = "transformers.models.resnet.modeling_resnet:ResNetForImageClassification"
+
+
+def test_a_transformers_class_is_built_from_a_recorded_config_and_returns_its_logits():
+    recorded = {"num_labels": 3, "embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1]}
+    built = create_model(HF_RESNET, 3, model_args={"transformers_config": recorded})
+    assert (built.config.hidden_sizes, built.config.num_labels) == ([8, 16], 3)
+    assert built(torch.zeros(2, 3, 16, 16)).shape == (2, 3)  # the logits tensor
+    with pytest.raises(UsageError) as refused:
+        create_model(HF_RESNET, 3, model_args={"transformers_config": {"embedding_size": -1}})
+    assert str(refused.value).startswith(
+        f"--model {HF_RESNET}: building it from the config the run recorded raised "
+        f"RuntimeError: ")
+    assert str(refused.value).endswith(
+        "; use the transformers version that trained it (config.json's "
+        "model_args.transformers_config holds the config)")
+
+
+@pytest.mark.slow
+def test_a_transformers_model_fit_trained_is_rebuilt_by_predict_from_its_config(tmp_path):
+    """No factory: a new process rebuilds the class from the recorded config.  Oracle: the
+    saved weights in the network built here, in plain torch."""
+    torch.manual_seed(0)
+    run_dir = fit_on_squares(tmp_path, "run", tiny_hf_resnet(num_classes=2))
+    image = torch.full((16, 16, 3), 40, dtype=torch.uint8)
+    image[5:11, 5:11] = 220
+    Image.fromarray(image.numpy()).save(tmp_path / "square.png")
+    predicted = run([sys.executable, "-m", "accel_train", "predict", str(run_dir),
+                     str(tmp_path / "square.png"), "--json"], check=True)
+    spec = model_spec_of(run_dir)
+    network = tiny_hf_resnet(num_classes=2).eval()
+    network.load_state_dict(load_file(str(run_dir / "model.safetensors")))
+    mean, std = (torch.tensor(spec[k]).view(1, 3, 1, 1) for k in ("mean", "std"))
+    with torch.no_grad():
+        expected = network((image.permute(2, 0, 1)[None].float() / 255 - mean) / std
+                           ).logits.softmax(-1)[0]
+    top = json.loads(predicted.stdout.splitlines()[-1])["predictions"]
+    assert [p["index"] for p in top] == expected.argsort(descending=True).tolist()
+    assert [p["probability"] for p in top] == pytest.approx(
+        expected.sort(descending=True).values.tolist(), abs=1e-5)
 
 
 def train_on_synthetic(output_dir, *extra: str, launcher=None, batch_size=16):

@@ -27,6 +27,8 @@ from torch import nn
 from accel_train.model import small_nets  # noqa: F401  (registers the small-image networks in timm's registry)
 from accel_train.base.errors import UsageError, first_line
 from accel_train.model.outputs import return_logits
+from accel_train.model.transformers_models import (TRANSFORMERS_CONFIG,
+                                                  build_from_transformers_config)
 from accel_train.base.readers import read_json
 from accel_train.model.saved import (TIMM_CONFIG, ModelSpec, is_import_path,
                                      unknown_architecture_hint)
@@ -156,12 +158,24 @@ def _takes(factory: Callable, keyword: str) -> bool:
 
 
 def _create_from_factory(name: str, num_classes: int, drop_rate: float,
-                         pretrained: Optional[str], drop_path: float) -> nn.Module:
+                         pretrained: Optional[str], drop_path: float,
+                         model_args: Optional[dict] = None) -> nn.Module:
     if pretrained is not None:
         raise UsageError(f"--pretrained {pretrained} loads timm's weights into a timm model; "
                          f"--model {name} is your own factory: load weights there, or drop "
                          f"--pretrained")
     factory = user_factory(name)
+    recorded = (model_args or {}).get(TRANSFORMERS_CONFIG)
+    if recorded is not None:  # a transformers model a program trained (transformers_models.py)
+        try:
+            model = build_from_transformers_config(factory, recorded)
+        except Exception as err:  # the installed transformers cannot read the recorded config
+            raise UsageError(f"--model {name}: building it from the config the run recorded "
+                             f"raised {type(err).__name__}: {first_line(err)}; use the "
+                             f"transformers version that trained it (config.json's "
+                             f"model_args.{TRANSFORMERS_CONFIG} holds the config)") from None
+        return_logits(model)
+        return model
     kwargs = {"num_classes": num_classes}
     for flag, keyword, value in (("--drop-rate", "drop_rate", drop_rate),
                                  ("--drop-path", "drop_path_rate", drop_path)):
@@ -190,7 +204,8 @@ def create_model(name: str, num_classes: int, drop_rate: float = 0.0,
     file (timm models only); `model_args`: more of timm's arguments (ModelSpec.model_args)."""
     check_model_name(name)
     if is_import_path(name):
-        return _create_from_factory(name, num_classes, drop_rate, pretrained, drop_path)
+        return _create_from_factory(name, num_classes, drop_rate, pretrained, drop_path,
+                                    model_args)
     kwargs = dict(num_classes=num_classes, drop_rate=drop_rate, **(model_args or {}))
     if drop_path:  # only when asked: not every timm model takes it
         kwargs["drop_path_rate"] = drop_path

@@ -29,6 +29,7 @@ from accel_train.base.weightfiles import write_safetensors
 from accel_train.base.errors import UsageError, first_few, first_line
 from accel_train.base.readers import read_json
 from accel_train.model.small_nets import NETWORKS
+from accel_train.model.transformers_models import TRANSFORMERS_CONFIG
 
 WEIGHTS_FILE = "model.safetensors"  # in checkpoints, run folders and export folders
 SPEC_FILE = "model_config.json"     # in checkpoints (and runs and exports made before config.json)
@@ -37,7 +38,9 @@ LEGACY_SPEC_FILE = SPEC_FILE
 TIMM_CONFIG = "config.json"
 OUR_SECTION = "accel_train"  # keys timm's and transformers' readers leave alone
 FORMAT_VERSION = 1
-MODEL_ARGS = ("img_size",)  # timm arguments a ModelSpec records (ModelSpec.model_args)
+# what a ModelSpec records of how the network was built (ModelSpec.model_args): timm's
+# arguments, and a transformers model's config (transformers_models.py)
+MODEL_ARGS = ("img_size", TRANSFORMERS_CONFIG)
 # The networks accel_train registers in timm's registry: other programs know them only once
 # accel_train is imported.
 OWN_NETWORKS = NETWORKS
@@ -202,6 +205,7 @@ def write_model_folder(model: nn.Module, directory: Path, spec: ModelSpec,
         # such a folder by itself; the layout is still timm's, which ModelSpec.read reads.
         config = {"architecture": spec.model_name, "num_classes": spec.num_classes,
                   "label_names": list(spec.class_names), "pretrained_cfg": preprocessing(spec),
+                  **({"model_args": spec.model_args} if spec.model_args else {}),
                   OUR_SECTION: ours}
         (directory / TIMM_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         return weights

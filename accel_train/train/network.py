@@ -23,6 +23,7 @@ from accel_train.model.build import (check_first_forward, check_layer_decay, che
                                      unused_parameters)
 from accel_train.model.input_size import create_at_size
 from accel_train.model.saved import ModelSpec
+from accel_train.model.transformers_models import TRANSFORMERS_CONFIG, transformers_config_of
 from accel_train.model.syncbn import convert_sync_batchnorm, num_batchnorm_layers
 from accel_train.model.narrow_convs import narrower_than_stride, recording_input_widths
 from accel_train.model.float32_convs import compute_in_float32, float32_layers
@@ -74,7 +75,10 @@ def build_network(config, data, num_processes: int, cuda: bool,
     `accelerator.prepare`.  `model`: a module a program brings (the Python API), initialised
     by the program, used as it is."""
     image_size = config.image_size or data.train.native_size
-    if model is not None and type(model).__module__ != "__main__" and \
+    hf_config = transformers_config_of(model) if model is not None else None
+    # a transformers model is rebuilt from the config it records, not from the class count
+    model_args = {TRANSFORMERS_CONFIG: hf_config} if hf_config is not None else {}
+    if model is not None and type(model).__module__ != "__main__" and not model_args and \
             not rebuilt_by_class_count(type(model)):
         arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
         warn(f"eval, predict and export rebuild the network as {type(model).__qualname__}("
@@ -90,7 +94,6 @@ def build_network(config, data, num_processes: int, cuda: bool,
     if model is None and timm_source(config.model) == "local-dir" and config.pretrained is None:
         warn(f"--model {config.model}: the folder's architecture, from random weights; "
              f"--pretrained hub starts from its model.safetensors")
-    model_args = {}
     if model is None:
         torch.manual_seed(config.seed)  # model init is a function of --seed alone
         model, model_args = create_at_size(config.model, len(data.class_names), image_size,

@@ -142,6 +142,16 @@ def test_a_transformers_model_resumes_bit_identically_from_its_recorded_config(t
 HF_RESNET = "transformers.models.resnet.modeling_resnet:ResNetForImageClassification"
 
 
+def test_a_transformers_head_for_another_class_count_is_told_num_labels(tmp_path):
+    with pytest.raises(UsageError) as refused:
+        fit_on_squares(tmp_path, "ten", tiny_hf_resnet(num_classes=10))
+    assert str(refused.value) == (
+        f"model='{HF_RESNET}' maps a [1, 3, 16, 16] batch of images to a tensor of shape "
+        f"[1, 10], not to [1, 2] logits (one per class of the data); build it with "
+        f"num_labels=2 (from_pretrained(..., num_labels=2, ignore_mismatched_sizes=True) "
+        f"replaces a pretrained head)")
+
+
 def test_a_transformers_class_is_built_from_a_recorded_config_and_returns_its_logits():
     recorded = {"num_labels": 3, "embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1]}
     built = create_model(HF_RESNET, 3, model_args={"transformers_config": recorded})

@@ -28,7 +28,8 @@ from accel_train.model import small_nets  # noqa: F401  (registers the small-ima
 from accel_train.base.errors import UsageError, first_line
 from accel_train.model.outputs import return_logits
 from accel_train.model.transformers_models import (TRANSFORMERS_CONFIG,
-                                                  build_from_transformers_config)
+                                                  build_from_transformers_config,
+                                                  transformers_config_of)
 from accel_train.base.readers import read_json
 from accel_train.model.saved import (TIMM_CONFIG, ModelSpec, is_import_path,
                                      unknown_architecture_hint)
@@ -361,9 +362,13 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
     if not isinstance(output, torch.Tensor) or tuple(output.shape) != (1, num_classes):
         got = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
                else f"a {type(output).__name__}")
-        fix = ("make its last layer give num_classes outputs" if isinstance(
-            output, torch.Tensor) else "return the logits tensor, or an object holding it as "
-            "`.logits`")
+        if not isinstance(output, torch.Tensor):
+            fix = "return the logits tensor, or an object holding it as `.logits`"
+        elif transformers_config_of(model) is not None:  # its head is sized by its config
+            fix = (f"build it with num_labels={num_classes} (from_pretrained(..., num_labels="
+                   f"{num_classes}, ignore_mismatched_sizes=True) replaces a pretrained head)")
+        else:
+            fix = "make its last layer give num_classes outputs"
         raise UsageError(f"--model {name} maps a [1, 3, {image_size}, {image_size}] batch of "
                          f"images to {got}, not to [1, {num_classes}] logits (one per class of "
                          f"the data); {fix}")

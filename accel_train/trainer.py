@@ -553,7 +553,8 @@ class Trainer:
         maybe_plot(self.config.plots, self.accelerator.is_main_process, self.plan.output_dir,
                    self.report)
         say_next(self.state.best_top1, self.plan.output_dir, self.report,
-                 data_from_program=self.data.from_program)
+                 data_from_program=self.data.from_program,
+                 rebuilt_by_commands=self.net.rebuilt_by_commands)
         self.callbacks.on_train_end(self)
 
     def _maybe_test(self, saved: torch.nn.Module):

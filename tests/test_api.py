@@ -179,7 +179,11 @@ def test_callbacks_see_every_step_and_evaluation(tmp_path):
 
 
 class ScriptTiny(Tiny):
-    """Tiny as a class of the script that runs: what `python my_script.py` defines."""
+    """Tiny as a class of the script that runs: what `python my_script.py` defines.  Built
+    from the class count, so only where it is defined keeps commands from rebuilding it."""
+
+    def __init__(self, num_classes: int = 2):
+        super().__init__()
 
 
 ScriptTiny.__module__ = "__main__"
@@ -197,6 +201,7 @@ def test_a_scripts_own_class_and_datasets_are_named_as_what_commands_cannot_rebu
     said = capsys.readouterr()
     assert "the model's class ScriptTiny is defined in the script that runs" in \
         said.out + said.err
+    assert "cannot rebuild this network" in said.out + said.err
     image = tmp_path / "square.png"
     Image.fromarray(Squares(2)[1][0].permute(1, 2, 0).numpy()).save(image)
     for command, expected in (
@@ -475,6 +480,10 @@ def test_a_module_its_class_cannot_rebuild_from_the_class_count_is_said(tmp_path
     assert "eval, predict and export rebuild the network as ResNet(num_classes=N), which that " \
            "class cannot do (its constructor needs more); pass the model by its timm name, " \
            "fit('test_resnet', ...), to use them" in said.out + said.err
+    # and the last line offers only what works on such a run
+    assert f"; next: accel-train plot {tmp_path / 'run'} (eval, predict and export cannot " \
+           f"rebuild this network: the warning at the start says why)" in said.out + said.err
+    assert "accel-train eval" not in said.out + said.err
     accel_train.fit(Tiny(), Squares(64), Squares(16), batch_size=8, max_steps=1,
                     mixed_precision="no", channels_last=False, progress="log", plots=False,
                     output_dir=str(tmp_path / "tiny"))
@@ -486,6 +495,8 @@ def test_a_module_its_class_cannot_rebuild_from_the_class_count_is_said(tmp_path
                     output_dir=str(tmp_path / "sized"))
     said = capsys.readouterr()
     assert "rebuild the network as" not in said.out + said.err
+    assert f"next: accel-train eval {tmp_path / 'sized'} --data-dir DATA  |  accel-train " \
+           f"predict {tmp_path / 'sized'} IMAGES..." in said.out + said.err
 
 
 class Sized(Tiny):

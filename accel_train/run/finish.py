@@ -79,10 +79,18 @@ def maybe_plot(wanted: bool, is_main: bool, output_dir: Path, report) -> None:
         report.say(f"plots: {', '.join(str(path) for path in written)}")
 
 
-def say_next(best_top1, output_dir: Path, report, data_from_program: bool = False) -> None:
+def say_next(best_top1, output_dir: Path, report, data_from_program: bool = False,
+             rebuilt_by_commands: bool = True) -> None:
     """`data_from_program`: fit()'s datasets, which the run cannot find again: eval needs data
-    named (it says so itself, but the hint should not send the reader there empty-handed)."""
+    named (it says so itself, but the hint should not send the reader there empty-handed);
+    `rebuilt_by_commands` False: a network eval and predict cannot build again (the start
+    warned why), so they are not offered."""
     folder = shlex.quote(str(output_dir))  # a command a reader can paste, spaces and all
     data = " --data-dir DATA" if data_from_program else ""
-    report.say(f"best held-out top-1 {best_top1 or 0:.2%}; next: accel-train eval {folder}{data}"
-               f"  |  accel-train predict {folder} IMAGES...  |  accel-train plot {folder}")
+    best = f"best held-out top-1 {best_top1 or 0:.2%}"
+    if not rebuilt_by_commands:
+        report.say(f"{best}; next: accel-train plot {folder} (eval, predict and export cannot "
+                   f"rebuild this network: the warning at the start says why)")
+        return
+    report.say(f"{best}; next: accel-train eval {folder}{data}  |  accel-train predict "
+               f"{folder} IMAGES...  |  accel-train plot {folder}")

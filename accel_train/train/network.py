@@ -64,6 +64,9 @@ class Network:
     whitened: Optional[str] = None   # --whiten-stem: what was whitened, from what
     # trainable parameters the forward never uses: DDP must look for them (build.py)
     unused: tuple[str, ...] = ()
+    # eval, predict and export can build it again (not a class a script defined in itself, or
+    # one whose constructor needs more than the class count)
+    rebuilt_by_commands: bool = True
 
 
 def build_network(config, data, num_processes: int, cuda: bool,
@@ -78,8 +81,10 @@ def build_network(config, data, num_processes: int, cuda: bool,
     hf_config = transformers_config_of(model) if model is not None else None
     # a transformers model is rebuilt from the config it records, not from the class count
     model_args = {TRANSFORMERS_CONFIG: hf_config} if hf_config is not None else {}
-    if model is not None and type(model).__module__ != "__main__" and not model_args and \
-            not rebuilt_by_class_count(type(model)):
+    in_script = model is not None and type(model).__module__ == "__main__"
+    rebuilt_by_commands = model is None or not in_script and (
+        bool(model_args) or rebuilt_by_class_count(type(model)))
+    if not in_script and not rebuilt_by_commands:
         arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
         warn(f"eval, predict and export rebuild the network as {type(model).__qualname__}("
              f"num_classes=N), which that class cannot do (its constructor needs more); "
@@ -87,7 +92,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
                 if type(model).__module__.startswith("timm.") and arch else
                 "give it a constructor that takes num_classes alone, or a factory function "
                 "(package.module:factory) that builds it so, to use them"))
-    if model is not None and type(model).__module__ == "__main__":
+    if in_script:
         warn(f"the model's class {type(model).__qualname__} is defined in the script that runs, "
              f"which eval, predict and export cannot import to rebuild the network; define it "
              f"in a module the script imports to use them")
@@ -137,7 +142,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
     if config.sync_bn and num_batchnorm_layers(model) == 0:
         warn(f"--sync-bn: {config.model} has no BatchNorm layers; nothing to sync")
     return Network(model, spec, num_trainable, sync_bn,
-                   whitened if config.whiten_stem else None, unused)
+                   whitened if config.whiten_stem else None, unused, rebuilt_by_commands)
 
 
 def choose_held_out_crop(config, model: nn.Module, native_size: int) -> dict:

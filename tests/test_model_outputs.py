@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torchvision.models.googlenet import GoogLeNetOutputs
 from torchvision.models.inception import InceptionOutputs
-from transformers import ViTConfig, ViTForImageClassification
+from transformers import ResNetConfig, ViTConfig, ViTForImageClassification
 from transformers.modeling_outputs import ImageClassifierOutputWithNoAttention
 
 import accel_train
@@ -27,6 +27,7 @@ import accel_train.callbacks
 from accel_train.base.errors import UsageError
 from accel_train.model.build import create_model, native_image_size
 from accel_train.model.outputs import logits_from
+from accel_train.model.transformers_models import transformers_config_of
 from conftest import REPO, launched_program, model_spec_of, run
 from conftest import test_env as child_env
 from nets_with_output_objects import AuxHeadNet, tiny_hf_resnet, tiny_hf_vit
@@ -140,6 +141,37 @@ def test_a_transformers_model_resumes_bit_identically_from_its_recorded_config(t
 
 
 HF_RESNET = "transformers.models.resnet.modeling_resnet:ResNetForImageClassification"
+
+
+class ConfigOfItsOwn(nn.Linear):
+    """A user's network with a `config` attribute of its own: not a transformers model."""
+
+    class Settings:
+        def to_json_string(self, use_diff=True):
+            return "{}"
+
+    def __init__(self):
+        super().__init__(2, 2)
+        self.config = self.Settings()
+
+
+class ClassWithoutConfig(nn.Linear):
+    config_class = dict  # the attribute alone, and no config
+
+    def __init__(self):
+        super().__init__(2, 2)
+
+
+def test_only_a_transformers_model_has_its_config_recorded_with_every_field():
+    recorded = transformers_config_of(tiny_hf_resnet(num_classes=3))
+    assert (len(recorded["id2label"]), recorded["hidden_sizes"]) == (3, [8, 16])
+    # fields left at their defaults too (a later transformers may change a default): the
+    # model's own and the generic ones (return_dict decides what its forward returns)
+    assert recorded["hidden_act"] == ResNetConfig().hidden_act
+    assert recorded["return_dict"] is True and "output_hidden_states" in recorded
+    for other in (nn.Linear(2, 2), timm.create_model("test_resnet"), ConfigOfItsOwn(),
+                  ClassWithoutConfig()):
+        assert transformers_config_of(other) is None
 
 
 def test_a_transformers_head_for_another_class_count_is_told_num_labels(tmp_path):

@@ -31,6 +31,8 @@ EXCEPTIONS = {
     ("accel_train/run/rank_launcher.py", "read_bytes"): "/proc/PID/cmdline of the parent launcher",
     ("accel_train/run/rank_launcher.py", "load_config_from_file"): "accelerate's default or given "
     "config, which accelerate launch itself has just read successfully to start this process",
+    ("accel_train/model/transformers_models.py", "json.loads"): "a transformers model's config "
+    "as transformers itself serialized it in this process (to_json_string): not a file",
     ("accel_train/run/collectives.py", "json.loads"): "a heartbeat from the process group's store, "
     "written by our own ranks: not a file",
     ("accel_train/data/streaming/shards.py", "json.loads"): "the `datasets` features inside the "

@@ -200,9 +200,11 @@ def test_a_transformers_class_is_built_from_a_recorded_config_and_returns_its_lo
 
 
 @pytest.mark.slow
-def test_a_transformers_model_fit_trained_is_rebuilt_by_predict_from_its_config(tmp_path):
-    """No factory: a new process rebuilds the class from the recorded config.  Oracle: the
-    saved weights in the network built here, in plain torch."""
+def test_a_transformers_model_fit_trained_is_rebuilt_by_predict_from_its_config(tmp_path,
+                                                                              monkeypatch):
+    """No factory: a new process rebuilds the class from the recorded config, and so does the
+    export's model card's snippet.  Oracle: the saved weights in the network built here, in
+    plain torch."""
     torch.manual_seed(0)
     run_dir = fit_on_squares(tmp_path, "run", tiny_hf_resnet(num_classes=2))
     image = torch.full((16, 16, 3), 40, dtype=torch.uint8)
@@ -214,13 +216,23 @@ def test_a_transformers_model_fit_trained_is_rebuilt_by_predict_from_its_config(
     network = tiny_hf_resnet(num_classes=2).eval()
     network.load_state_dict(load_file(str(run_dir / "model.safetensors")))
     mean, std = (torch.tensor(spec[k]).view(1, 3, 1, 1) for k in ("mean", "std"))
+    normalized = (image.permute(2, 0, 1)[None].float() / 255 - mean) / std
     with torch.no_grad():
-        expected = network((image.permute(2, 0, 1)[None].float() / 255 - mean) / std
-                           ).logits.softmax(-1)[0]
+        expected = network(normalized).logits.softmax(-1)[0]
     top = json.loads(predicted.stdout.splitlines()[-1])["predictions"]
     assert [p["index"] for p in top] == expected.argsort(descending=True).tolist()
     assert [p["probability"] for p in top] == pytest.approx(
         expected.sort(descending=True).values.tolist(), abs=1e-5)
+    # the card's snippet, run as a reader would (from the folder beside the export)
+    run([sys.executable, "-m", "accel_train", "export", str(run_dir), "-o",
+         str(tmp_path / "exported")], check=True)
+    card = (tmp_path / "exported" / "README.md").read_text()
+    snippet = card.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(snippet, namespace)
+    with torch.no_grad():
+        assert torch.equal(namespace["model"](normalized).logits, network(normalized).logits)
 
 
 def train_on_synthetic(output_dir, *extra: str, launcher=None, batch_size=16):

@@ -15,6 +15,7 @@ import yaml
 
 from accel_train.model.saved import ModelSpec, is_import_path, resize_description
 from accel_train.model.saved import OWN_NETWORKS
+from accel_train.model.transformers_models import TRANSFORMERS_CONFIG
 from accel_train.config import TrainConfig
 
 
@@ -175,10 +176,39 @@ accel-train: `accel-train predict ./{name} IMAGES...`, `accel-train eval ./{name
 """
 
 
+def _transformers_usage(facts: CardFacts) -> str:
+    """A transformers model handed to fit(): its class, built from the config the run recorded
+    (transformers_models.py)."""
+    spec, name = facts.spec, facts.folder_name
+    module, _, cls = spec.model_name.partition(":")
+    tta = (f"\nThe run evaluates with {spec.tta} TTA; `accel-train predict` does that, the "
+           f"snippet below does not.\n" if spec.tta != "none" else "")
+    return f"""
+`{spec.model_name}` is a Hugging Face transformers class, built from the config its run
+recorded (config.json's `model_args.{TRANSFORMERS_CONFIG}`); config.json keeps timm's layout,
+which transformers' own `from_pretrained` does not read.
+{tta}
+```python
+import json
+from safetensors.torch import load_file
+import {module}
+recorded = json.load(open("./{name}/config.json"))["model_args"]["{TRANSFORMERS_CONFIG}"]
+network = {module}.{cls}
+model = network(network.config_class.from_dict(recorded))
+model.load_state_dict(load_file("./{name}/model.safetensors"))
+model.eval()  # model(images).logits
+```
+
+accel-train: `accel-train predict ./{name} IMAGES...`, `accel-train eval ./{name} --data-dir DATA`.
+"""
+
+
 def _usage(facts: CardFacts) -> str:
     spec, name = facts.spec, facts.folder_name
     if is_import_path(spec.model_name):
-        return _factory_usage(facts) + _onnx_usage(facts)
+        usage = (_transformers_usage if TRANSFORMERS_CONFIG in spec.model_args else
+                 _factory_usage)
+        return usage(facts) + _onnx_usage(facts)
     own = spec.model_name in OWN_NETWORKS
     prelude = (f"import accel_train  # registers {spec.model_name} in timm's registry\n"
                if own else "")

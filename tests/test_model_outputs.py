@@ -197,6 +197,10 @@ def test_a_transformers_class_is_built_from_a_recorded_config_and_returns_its_lo
     assert str(refused.value).endswith(
         "; use the transformers version that trained it (config.json's "
         "model_args.transformers_config holds the config)")
+    # a config.json edited by hand into something that is no config at all: the same one line
+    for damaged in ("not a config", [1, 2]):
+        with pytest.raises(UsageError, match=r"building it from the config the run recorded"):
+            create_model(HF_RESNET, 3, model_args={"transformers_config": damaged})
 
 
 @pytest.mark.slow

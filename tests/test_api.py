@@ -67,9 +67,9 @@ class Relabelled(Dataset):
         return image, self.mapping.get(label, label)
 
 
-def fit_tiny(tmp_path, name: str, **options):
+def fit_tiny(tmp_path, name: str, model: nn.Module | None = None, **options):
     torch.manual_seed(0)
-    return accel_train.fit(Tiny(), Squares(64), Squares(16), batch_size=8, epochs=2,
+    return accel_train.fit(Tiny() if model is None else model, Squares(64), Squares(16), batch_size=8, epochs=2,
                            mixed_precision="no", channels_last=False, augment=False,
                            progress="log", plots=False, output_dir=str(tmp_path / name),
                            **options)
@@ -286,7 +286,7 @@ def test_fits_warnings_and_summary_name_keywords_and_the_command_line_then_flags
                                                                                 capsys):
     """Not only its errors: what fit() prints on the way is in its caller's terms; the
     command line run after it in the same process speaks flags again."""
-    fit_tiny(tmp_path, "fit", max_steps=1, sync_bn=True)
+    fit_tiny(tmp_path, "fit", Sized(num_classes=2), max_steps=1, sync_bn=True)
     said = capsys.readouterr()
     text = said.out + said.err
     assert "warning: sync_bn=True: " in text and "--sync-bn" not in text

@@ -69,8 +69,9 @@ class Relabelled(Dataset):
 
 def fit_tiny(tmp_path, name: str, model: nn.Module | None = None, **options):
     torch.manual_seed(0)
-    return accel_train.fit(Tiny() if model is None else model, Squares(64), Squares(16), batch_size=8, epochs=2,
-                           mixed_precision="no", channels_last=False, augment=False,
+    return accel_train.fit(Tiny() if model is None else model, Squares(64), Squares(16),
+                           batch_size=8, epochs=2, mixed_precision="no", channels_last=False,
+                           augment=False,
                            progress="log", plots=False, output_dir=str(tmp_path / name),
                            **options)
 

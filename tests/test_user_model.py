@@ -19,10 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import nn
 import yaml
 from PIL import Image
 from safetensors.torch import load_file
 
+from accel_train.model.build import check_train_forward
 from accel_train.run.checkpoint import write_manifest
 from conftest import PINNED, accel_train, accel_train_here, free_port, model_spec_of, run
 from conftest import test_env as child_env  # (as test_env, pytest would collect it)
@@ -95,6 +97,16 @@ class Rounded(nn.Module):
 def grey_cnn(num_classes):  # written for MNIST: its first layer takes one channel
     return nn.Sequential(nn.Conv2d(1, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                          nn.Linear(4, num_classes))
+
+
+class TrainOnlyHead(nn.Module):  # as Inception v3: an auxiliary head for images of 40 px and up
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+        self.aux = nn.Conv2d(3, num_classes, 40)
+
+    def forward(self, x):
+        return (self.head(x), self.aux(x)) if self.training else self.head(x)
 
 
 class ForwardRaises(nn.Module):  # a bug in the user's forward, at any size
@@ -286,6 +298,10 @@ BAD = [
     (f"{MODULE}:grey_cnn", [], ["--model user_nets:grey_cnn takes 1-channel images, and the run "
                                 "feeds 3-channel ones (grey images repeated to RGB): make its "
                                 "first layer take 3 channels"]),
+    # eval mode takes the size, train mode's auxiliary head does not: found before training
+    (f"{MODULE}:TrainOnlyHead", [], ["--model user_nets:TrainOnlyHead takes [N, 3, 32, 32] "
+                                     "images in eval mode but fails in train mode "
+                                     "(RuntimeError: ", "; try a larger --image-size"]),
     (f"{MODULE}:int_logits", [], ["--model user_nets:int_logits gives torch.int64 outputs; "
                                   "logits are floating point"]),
     (f"{MODULE}:all_frozen", [], ["--model user_nets:all_frozen has no trainable parameters "
@@ -310,6 +326,28 @@ def test_a_bad_factory_is_one_line_naming_what_to_fix(user_modules, tmp_path, mo
     line = one_error_line(result)
     for part in said:
         assert part in line, (part, line)
+
+
+def test_the_train_mode_check_leaves_the_statistics_the_random_state_and_the_mode():
+    """Its forward in train mode moves BatchNorm's statistics and draws dropout's mask: both
+    are put back, as the network's mode (the control: the same forward, unchecked, moves
+    them)."""
+    def network():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2)).eval()
+
+    model, control = network(), network()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    random_state = torch.random.get_rng_state()
+    check_train_forward(model, "net", 8)
+    assert not model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(torch.random.get_rng_state(), random_state)
+    with torch.no_grad():
+        control.train()(torch.zeros(2, 3, 8, 8))
+    assert not torch.equal(control.state_dict()["1.running_mean"], before["1.running_mean"])
+    assert not torch.equal(torch.random.get_rng_state(), random_state)
 
 
 def test_a_factory_changed_since_training_is_one_line_naming_the_difference(user_modules,

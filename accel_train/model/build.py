@@ -374,6 +374,31 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
                          f"the data); {fix}")
 
 
+def check_train_forward(model: nn.Module, name: str, image_size: int) -> None:
+    """A forward in train mode too, where a network may compute more than in eval mode:
+    torchvision's Inception v3 runs its auxiliary head, which needs larger images than the
+    rest (at 80 px its pooling has a 3x3 map to pool 5x5), so the run passed the eval-mode
+    check and ended in a traceback at the speed probe or the first step.  Two images
+    (BatchNorm in train mode needs more than one value per channel); the buffers it updates
+    (BatchNorm's statistics) and the random state (dropout) are put back."""
+    saved = {key: buffer.clone() for key, buffer in model.named_buffers()}
+    was_training = model.training
+    model.train()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(torch.zeros(2, 3, image_size, image_size))
+    except Exception as err:  # as in check_first_forward
+        raise UsageError(f"--model {name} takes [N, 3, {image_size}, {image_size}] images in "
+                         f"eval mode but fails in train mode ({type(err).__name__}: "
+                         f"{first_line(err)}): a part only training runs (an auxiliary head) "
+                         f"needs other images; try a larger --image-size") from None
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for key, buffer in model.named_buffers():
+                buffer.copy_(saved[key])
+
+
 def check_trainable(num_trainable: int, name: str) -> None:
     """A network with nothing to train (every parameter frozen, or none at all) is one line,
     not the optimizer's "empty parameter list" traceback.  (--freeze-backbone refuses a

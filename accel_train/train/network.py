@@ -18,7 +18,8 @@ from accel_train.data.loaders import dataset_mean_std
 from accel_train.data.sources import ArraySource
 from accel_train.data.transforms import SMALL_IMAGE, held_out_transform
 from accel_train.model.build import (check_first_forward, check_layer_decay, check_model_name,
-                                     check_trainable, freeze_backbone, pretrained_normalization,
+                                     check_train_forward, check_trainable, freeze_backbone,
+                                     pretrained_normalization,
                                      recorded_model_name, timm_source,
                                      unused_parameters)
 from accel_train.model.input_size import create_at_size
@@ -106,6 +107,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
                                            config.drop_path)
     with recording_input_widths(model) as widths:
         check_first_forward(model, config.model, image_size, len(data.class_names))
+    check_train_forward(model, config.model, image_size)
     compute_in_float32(model, narrower_than_stride(model, widths))  # a oneDNN bf16 bug: see there
     check_layer_decay(model, config.model, config.layer_decay)
     mean, std = pretrained_normalization(model) if config.pretrained else \

@@ -27,7 +27,7 @@ import accel_train.callbacks
 from accel_train.base.errors import UsageError
 from accel_train.model.build import create_model, native_image_size
 from accel_train.model.outputs import logits_from
-from accel_train.model.transformers_models import transformers_config_of
+from accel_train.model.transformers_models import transformers_classifier, transformers_config_of
 from conftest import REPO, launched_program, model_spec_of, run
 from conftest import test_env as child_env
 from nets_with_output_objects import AuxHeadNet, tiny_hf_resnet, tiny_hf_vit
@@ -172,6 +172,28 @@ def test_only_a_transformers_model_has_its_config_recorded_with_every_field():
     for other in (nn.Linear(2, 2), timm.create_model("test_resnet"), ConfigOfItsOwn(),
                   ClassWithoutConfig()):
         assert transformers_config_of(other) is None
+
+
+def test_a_transformers_classifier_is_the_head_named_classifier_of_a_transformers_model():
+    model = tiny_hf_resnet(num_classes=3)
+    assert transformers_classifier(model) is model.classifier
+    mine = nn.Sequential()
+    mine.classifier = nn.Linear(2, 2)  # a head by that name, on a network of one's own
+    assert transformers_classifier(mine) is None
+    del model.classifier
+    model.classifier = "not a module"
+    assert transformers_classifier(model) is None
+
+
+def test_a_transformers_model_trains_its_classifier_alone_with_the_backbone_frozen(tmp_path):
+    """--freeze-backbone finds a transformers model's head by its name, `classifier`: only its
+    weights move, the backbone's (BatchNorm statistics too) stay as they were."""
+    torch.manual_seed(0)
+    model = tiny_hf_resnet(num_classes=2)
+    initial = copy.deepcopy(model.state_dict())
+    fit_on_squares(tmp_path, "frozen", model, freeze_backbone=True)
+    moved = {k for k, v in model.state_dict().items() if not torch.equal(v, initial[k])}
+    assert moved == {"classifier.1.weight", "classifier.1.bias"}
 
 
 def test_a_transformers_head_for_another_class_count_is_told_num_labels(tmp_path):

@@ -29,6 +29,7 @@ from accel_train.base.errors import UsageError, first_line
 from accel_train.model.outputs import return_logits
 from accel_train.model.transformers_models import (TRANSFORMERS_CONFIG,
                                                   build_from_transformers_config,
+                                                  transformers_classifier,
                                                   transformers_config_of)
 from accel_train.base.readers import read_json
 from accel_train.model.saved import (TIMM_CONFIG, ModelSpec, is_import_path,
@@ -446,11 +447,15 @@ def check_layer_decay(model: nn.Module, name: str, layer_decay: Optional[float])
 def freeze_backbone(model: nn.Module) -> int:
     """Leave only the classifier trainable; returns the number of trainable parameters."""
     # timm's interface for the head; a user's network may offer the same method
-    if not callable(getattr(model, "get_classifier", None)):
+    if callable(getattr(model, "get_classifier", None)):
+        classifier = model.get_classifier()
+    else:
+        classifier = transformers_classifier(model)
+    if classifier is None:
         raise UsageError("--freeze-backbone: this model has no get_classifier() method (timm's "
-                         "way to name the classifier); give your network one that returns its "
-                         "head, or drop --freeze-backbone")
-    classifier = model.get_classifier()
+                         "way to name the classifier; transformers' classifiers name it "
+                         "`classifier`); give your network one that returns its head, or drop "
+                         "--freeze-backbone")
     if not isinstance(classifier, nn.Module) or not any(True for _ in classifier.parameters()):
         raise UsageError("--freeze-backbone: this model has no separate classifier to train")
     for param in model.parameters():

@@ -34,3 +34,12 @@ def build_from_transformers_config(cls: type, recorded: dict) -> nn.Module:
     """`cls` built from the config the run recorded (random weights: the caller loads the
     trained ones)."""
     return cls(cls.config_class.from_dict(recorded))
+
+
+def transformers_classifier(model: nn.Module) -> Optional[nn.Module]:
+    """The head of a transformers image classifier, which names it `classifier` (ViT, DeiT,
+    BEiT, Swin, ConvNeXt, ResNet, ...) where timm's networks have get_classifier(); None for
+    other networks."""
+    head = getattr(model, "classifier", None)
+    return head if transformers_config_of(model) is not None and isinstance(head, nn.Module) \
+        else None

@@ -180,7 +180,8 @@ def test_a_transformers_classifier_is_the_head_named_classifier_of_a_transformer
     mine = nn.Sequential()
     mine.classifier = nn.Linear(2, 2)  # a head by that name, on a network of one's own
     assert transformers_classifier(mine) is None
-    del model.classifier
+    del model.classifier  # a transformers model without that head
+    assert transformers_classifier(model) is None
     model.classifier = "not a module"
     assert transformers_classifier(model) is None
 

@@ -28,7 +28,9 @@ def install(conv: bool = True) -> dict:
         if not isinstance(module, torch.nn.Conv2d):
             return
         input, weight = args[0], module.weight
-        if module.training and len(records["conv"]) < 200:
+        # training steps: train mode with gradients (the start's train-mode check of the
+        # network runs without: build.check_train_forward)
+        if module.training and torch.is_grad_enabled() and len(records["conv"]) < 200:
             records["conv"].append({
                 "batch": int(input.shape[0]), "hw": list(input.shape[-2:]),
                 # (a tensor with size-1 dims can be both contiguous and channels_last)
@@ -60,7 +62,8 @@ def install(conv: bool = True) -> dict:
 
     def _linear_forward(self, input):
         # the classifier's input in training: the share of exact zeros (what dropout leaves)
-        if self.training and input.shape[0] > 1 and len(records["linear_zeros"]) < 50:
+        if self.training and torch.is_grad_enabled() and input.shape[0] > 1 and \
+                len(records["linear_zeros"]) < 50:
             records["linear_zeros"].append(float((input == 0).float().mean()))
         return linear_forward(self, input)
 

@@ -319,14 +319,19 @@ def native_image_size(model: nn.Module) -> int:
     return hf_size if isinstance(hf_size, int) and hf_size > 0 else 224
 
 
-def takes_grey_images(model: nn.Module, image_size: int) -> bool:
-    """Whether a forward of a [1, 1, S, S] batch goes through (eval mode, no gradients)."""
+def takes_size(model: nn.Module, image_size: int, channels: int = 3) -> bool:
+    """Whether one forward of a [1, channels, S, S] batch goes through (eval mode, no
+    gradients: BatchNorm's statistics stay as they are)."""
+    was_training = model.training
+    model.eval()
     try:
         with torch.no_grad():
-            model(torch.zeros(1, 1, image_size, image_size))
+            model(torch.zeros(1, channels, image_size, image_size))
         return True
-    except Exception:  # the network's own error for what it cannot take
+    except Exception:  # shape errors surface as RuntimeError, AssertionError, ValueError
         return False
+    finally:
+        model.train(was_training)
 
 
 def check_first_forward(model: nn.Module, name: str, image_size: int, num_classes: int) -> None:
@@ -340,7 +345,7 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
         with torch.no_grad():
             output = model(torch.zeros(1, 3, image_size, image_size))
     except Exception as err:  # shape errors surface as RuntimeError/AssertionError/ValueError
-        if takes_grey_images(model, image_size):  # a network written for MNIST-like data
+        if takes_size(model, image_size, channels=1):  # written for MNIST-like data
             raise UsageError(f"--model {name} takes 1-channel images, and the run feeds "
                              f"3-channel ones (grey images repeated to RGB): make its first "
                              f"layer take 3 channels (nn.Conv2d(3, ...); timm's in_chans=3)"

@@ -16,23 +16,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from accel_train.model.build import create_model, native_image_size
+from accel_train.model.build import create_model, native_image_size, takes_size
 from accel_train.model.saved import is_import_path
-
-
-def takes_size(model: nn.Module, image_size: int) -> bool:
-    """Whether one forward of a [1, 3, S, S] batch goes through (eval mode, no gradients:
-    BatchNorm's statistics stay as they are)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(torch.zeros(1, 3, image_size, image_size))
-        return True
-    except Exception:  # shape errors surface as RuntimeError, AssertionError, ValueError
-        return False
-    finally:
-        model.train(was_training)
 
 
 def builds_for_size(model: nn.Module) -> bool:

@@ -83,8 +83,8 @@ def build_network(config, data, num_processes: int, cuda: bool,
     # a transformers model is rebuilt from the config it records, not from the class count
     model_args = {TRANSFORMERS_CONFIG: hf_config} if hf_config is not None else {}
     in_script = model is not None and type(model).__module__ == "__main__"
-    rebuilt_by_commands = model is None or not in_script and (
-        bool(model_args) or rebuilt_by_class_count(type(model)))
+    rebuilt_by_commands = model is None or (not in_script and (
+        bool(model_args) or rebuilt_by_class_count(type(model))))
     if not in_script and not rebuilt_by_commands:
         arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
         warn(f"eval, predict and export rebuild the network as {type(model).__qualname__}("

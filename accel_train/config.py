@@ -207,6 +207,16 @@ class TrainConfig:
                                       "transform. Not set: the model's (usually center); "
                                       "squash when the images are 64 px or less.", "data",
                                       choices=CROP_MODES)
+    mean: Optional[list] = option(None, "The per-channel mean images are normalized with, R G B "
+                                  "(or one value for all three), on pixels scaled to [0, 1] "
+                                  "(timm's --mean). Not set: the pretrained weights' with "
+                                  "--pretrained, else the training images'. A network handed "
+                                  "to fit() with weights of its own takes its own here (timm's "
+                                  "model.pretrained_cfg['mean'], a transformers image "
+                                  "processor's image_mean).", "data", nargs="+")
+    std: Optional[list] = option(None, "The per-channel standard deviation images are divided "
+                                 "by, as --mean (timm's --std). Not set: chosen as --mean's.",
+                                 "data", nargs="+")
 
     # -- model --------------------------------------------------------------------------------
     model: str = option("resnet18", "A timm model name (also timm's hf-hub:OWNER/NAME and "
@@ -581,6 +591,7 @@ class TrainConfig:
             raise UsageError(f"--ratio is a range of aspect ratios: 0 < low <= high (got "
                              f"{self.ratio[0]:g} {self.ratio[1]:g}); e.g. --ratio 0.75 1.3333")
         self._check_probabilities("hflip", "vflip")
+        self._check_normalization()
         if self.flip == "alternate" and self.hflip != 0.5:
             raise UsageError(f"--flip alternate mirrors exactly half of the images each epoch; "
                              f"--hflip {self.hflip:g} is a probability for --flip random: drop "
@@ -599,6 +610,23 @@ class TrainConfig:
             if value is not None and value not in allowed:
                 raise UsageError(f"{flag(name)} {value!r} is not supported: choose one of "
                                  f"{', '.join(allowed)}")
+
+    def _check_normalization(self):
+        """--mean and --std as three numbers for the [0, 1] pixels the run normalizes; one
+        value stands for all three channels, as timm's resolve_data_config repeats it."""
+        for name, example, lowest in (("mean", "0.485 0.456 0.406", ">= 0"),
+                                      ("std", "0.229 0.224 0.225", "> 0")):
+            if getattr(self, name) is None:
+                continue
+            numbers = _channel_values(getattr(self, name), name, example)
+            if max(numbers) > 1:  # mmcv's and Caffe's 123.675 ...: on the 0-255 scale
+                raise UsageError(f"{flag(name)} {_listed(numbers)}: the run normalizes pixels "
+                                 f"scaled to [0, 1], so each value is <= 1; divide values on "
+                                 f"the 0-255 scale by 255 (e.g. {flag(name)} {example})")
+            if min(numbers) < 0 or (name == "std" and min(numbers) == 0):
+                raise UsageError(f"{flag(name)} {_listed(numbers)}: each value must be "
+                                 f"{lowest} (e.g. {flag(name)} {example})")
+            setattr(self, name, numbers)
 
     def _check_probabilities(self, *names: str):
         for name in names:
@@ -701,6 +729,26 @@ def _number_pair(value, name: str, example: str) -> list[float]:
     if not (math.isfinite(low) and math.isfinite(high)):
         raise UsageError(f"{flag(name)} takes two finite numbers (got {value!r}); {example}")
     return [low, high]
+
+
+def _channel_values(value, name: str, example: str) -> list[float]:
+    """Three finite numbers, one per channel (R G B); one number stands for all three.  The
+    command line gives text, a run YAML or fit() numbers (or one number alone)."""
+    try:
+        numbers = [float(value)] if isinstance(value, (int, float)) else \
+            [float(v) for v in value]
+    except (TypeError, ValueError):
+        numbers = []
+    if len(numbers) == 1:
+        numbers *= 3
+    if len(numbers) != 3 or not all(math.isfinite(v) for v in numbers):
+        raise UsageError(f"{flag(name)} takes three numbers, R G B (or one for all three), "
+                         f"got {value!r}; e.g. {flag(name)} {example}")
+    return numbers
+
+
+def _listed(numbers: list[float]) -> str:
+    return " ".join(f"{v:g}" for v in numbers)
 
 
 def _auto_or_bool(value, name: str) -> Optional[bool]:

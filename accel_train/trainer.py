@@ -255,7 +255,9 @@ class Trainer:
                                          self.report.warn)
         self.checkpointer = Checkpointer(
             self.plan.checkpoint_dir, config.keep_checkpoints, self.report.warn,
-            parts=[self.net.spec, self.state, self.train_loader,
+            # the data's checks (state) before the network's (spec): other data also gives
+            # other normalization statistics, and the data is what to name
+            parts=[self.state, self.net.spec, self.train_loader,
                    AccelerateState(acc, self.report.warn, models=[self.bare_model()]),
                    self.schedule, self.ema, self.lookahead, self.bad_images],
             is_main=acc.is_main_process, barrier=acc.wait_for_everyone,

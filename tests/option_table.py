@@ -237,6 +237,14 @@ ROWS: dict[str, Row] = {
         f"{TIMM}::test_held_out_images_are_prepared_by_timms_eval_transform",
         "center (the model's), squash and border given: held-out pixels equal timm's eval "
         "transform within 1e-5; 64 px images keep squash"),
+    "train --mean": effect(
+        f"{FLAGS}::test_mean_and_std_normalize_what_the_model_sees",
+        "--mean 0.25 (one value for all channels): the first loss and SGD step equal plain "
+        "torch's on (x - 0.25) / std written out from the flags, not the data's statistics' "
+        "step; recorded in the spec for eval and export"),
+    "train --std": effect(
+        f"{FLAGS}::test_mean_and_std_normalize_what_the_model_sees",
+        "--std 0.5 0.25 0.125 per channel: the same hand-written step as --mean's row"),
     # -- train: model ---------------------------------------------------------------------------
     "train --model": effect(
         f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",

@@ -458,7 +458,10 @@ def test_a_resume_at_another_image_size_or_model_is_refused_in_one_line_and_move
             # options that group the parameters otherwise: torch's ValueError was a traceback
             (["--freeze-backbone"], "holds the optimizer state of other parameter groups than "
                                     "this start builds"),
-            (["--layer-decay", "0.7"], "resume with the --freeze-backbone, --layer-decay")):
+            (["--layer-decay", "0.7"], "resume with the --freeze-backbone, --layer-decay"),
+            # the weights learned from inputs scaled by the data's statistics
+            (["--mean", "0.5"], "was trained on images normalized with --mean "),
+            (["--std", "0.2", "0.3", "0.4"], "but this start normalizes with --mean ")):
         code, err = run_cli(capsys, *flags, "--max-steps", "2", "--output-dir", str(out),
                             "--resume", "auto")
         assert code == 2 and len(err) == 1, err
@@ -467,6 +470,18 @@ def test_a_resume_at_another_image_size_or_model_is_refused_in_one_line_and_move
     code, err = run_cli(capsys, "--image-size", "32", "--max-steps", "2", "--output-dir",
                         str(out), "--resume", "auto")
     assert code == 0, err  # the size it trained at, given explicitly: resumes
+    # the normalization it trained with, given explicitly (the values the refusal names)
+    _, err = run_cli(capsys, "--mean", "0.5", "--max-steps", "2", "--output-dir", str(out),
+                     "--resume", "auto")
+    recorded = json.loads((out / "checkpoints" / "step_00000002" / "model_config.json")
+                          .read_text())
+    said = err[0].split("resume with ")[1].split(", or")[0].split()
+    assert said == ["--mean", *(f"{v:.6g}" for v in recorded["mean"]),
+                    "--std", *(f"{v:.6g}" for v in recorded["std"])], err
+    assert recorded["mean"] != [0.5] * 3
+    code, err = run_cli(capsys, *said, "--max-steps", "2", "--output-dir", str(out),
+                        "--resume", "auto")
+    assert code == 0, err
 
 
 def test_a_resume_on_other_classes_of_the_same_count_is_refused_and_moves_nothing(tmp_path,

@@ -38,10 +38,34 @@ def test_defaults_are_valid():
                               "lamb"),
     (["--auto-augment", "randaugmnet"], "--auto-augment 'randaugmnet' is not a policy we know"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--mean", "123.675", "116.28", "103.53"], "--mean 123.675 116.28 103.53: the run normalizes "
+                                                "pixels scaled to [0, 1], so each value is <= 1; "
+                                                "divide values on the 0-255 scale by 255"),
+    (["--std", "58.395"], "--std 58.395 58.395 58.395: the run normalizes pixels scaled to"),
+    (["--std", "0.2", "0.2"], "--std takes three numbers, R G B .or one for all three., got "
+                              "['0.2', '0.2']; e.g. --std 0.229 0.224 0.225"),
+    (["--mean", "0.5", "0.5", "0.5", "0.5"], "--mean takes three numbers"),
+    (["--mean", "nan"], "--mean takes three numbers"),
+    (["--mean", "red"], "--mean takes three numbers"),
+    (["--mean", "-0.1", "0.5", "0.5"], "--mean -0.1 0.5 0.5: each value must be >= 0"),
+    (["--std", "0.2", "0", "0.2"], "--std 0.2 0 0.2: each value must be > 0"),
+    (["--mean"], "--mean: expected at least one argument"),
 ])
 def test_bad_values_name_the_flag(argv, expected):
     with pytest.raises(UsageError, match=expected.replace("(", r"\(").replace("[", r"\[")):
         parse(*argv)
+
+
+def test_mean_and_std_take_three_values_or_one_for_all():
+    assert parse("--mean", "0.5", "--std", "0.1", "0.2", "0.3").mean == [0.5, 0.5, 0.5]
+    assert parse("--mean", "0.5", "--std", "0.1", "0.2", "0.3").std == [0.1, 0.2, 0.3]
+    assert parse().mean is None and parse().std is None  # chosen at the start (network.py)
+    # fit() and run YAMLs give numbers: a tuple (timm's pretrained_cfg) or one number
+    config = TrainConfig(mean=(0.485, 0.456, 0.406), std=0.25)
+    assert (config.mean, config.std) == ([0.485, 0.456, 0.406], [0.25] * 3)
+    assert TrainConfig(mean=[0, 1, 0.5]).mean == [0, 1, 0.5]  # both ends allowed
+    with pytest.raises(UsageError, match="--mean takes three numbers"):
+        TrainConfig(mean="0.5")  # a YAML's string is not split
 
 
 def test_manual_flags_in_both_spellings():

@@ -80,14 +80,15 @@ def initial_model(seed: int = SEED) -> nn.Module:
     return timm.create_model(MODEL, num_classes=NUM_CLASSES, drop_rate=0.0)
 
 
-def first_step(run_dir, label_smoothing: float, seed: int = SEED) -> dict:
-    """W0, the first batch's loss and gradient, computed here."""
+def first_step(run_dir, label_smoothing: float, seed: int = SEED, mean=None, std=None) -> dict:
+    """W0, the first batch's loss and gradient, computed here; the images normalized with
+    `mean` and `std` where given, else with the run's recorded ones."""
     spec = model_spec_of(run_dir)
     assert (spec["model_name"], spec["num_classes"], spec["image_size"]) == (MODEL, NUM_CLASSES, 32)
     images, labels = synthetic.splits(TRAIN_SIZE)["train"]
     x = torch.from_numpy(images).permute(0, 3, 1, 2).to(torch.float64) / 255
-    x = (x - torch.tensor(spec["mean"], dtype=torch.float64).view(1, 3, 1, 1)) \
-        / torch.tensor(spec["std"], dtype=torch.float64).view(1, 3, 1, 1)
+    x = (x - torch.tensor(mean or spec["mean"], dtype=torch.float64).view(1, 3, 1, 1)) \
+        / torch.tensor(std or spec["std"], dtype=torch.float64).view(1, 3, 1, 1)
     y = torch.from_numpy(labels)
     model = initial_model(seed).train()
     w0 = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -176,6 +177,7 @@ def flag_run(root, name: str, *flags: str, launcher: list[str] | None = None,
 SGD_LR, CLIP, SGD_WD, SMOOTHING = 0.05, 0.1, 0.5, 0.3
 ADAM_LR, ADAM_WD = 0.01, 0.05
 BF16_LR = 0.05
+MEAN, STD = 0.25, (0.5, 0.25, 0.125)
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +204,10 @@ def runs(tmp_path_factory):
                       "--label-smoothing", "0", "--lr", str(SGD_LR)),
         # the model sees images resized to 16 px (the synthetic data is 32 px)
         "small": here(root, "small", "--image-size", "16"),
+        # normalized with given statistics, one value for all channels in --mean
+        "normalized": here(root, "normalized", "--mean", str(MEAN), "--std", *map(str, STD),
+                           "--momentum", "0", "--weight-decay", "0", "--label-smoothing", "0",
+                           "--lr", str(SGD_LR)),
     }
 
 
@@ -448,6 +454,22 @@ def test_image_size_resizes_what_the_model_sees(runs):
     assert runs["adamw"].training_convs()[0]["hw"] == [32, 32]
     spec = model_spec_of(runs["small"].out)
     assert spec["image_size"] == 16
+
+
+def test_mean_and_std_normalize_what_the_model_sees(runs):
+    """--mean 0.25 --std 0.5 0.25 0.125: the first loss and step are the plain SGD step on
+    (x - 0.25) / std, written out here from the flags' values, not from the run's record; the
+    data's own statistics (which the other runs use, test_data_stats.py) give another step."""
+    run_ = runs["normalized"]
+    flags = {"mean": [MEAN] * 3, "std": list(STD)}
+    ref = first_step(run_.out, label_smoothing=0.0, **flags)
+    assert run_.first_loss == pytest.approx(ref["plain_loss"], abs=2e-5)
+    expected = {n: w - SGD_LR * ref["grad"][n] for n, w in ref["w0"].items()}
+    assert max_diff(run_.params, expected) < 2e-6
+    data_stats = first_step(runs["adamw"].out, label_smoothing=0.0)
+    assert abs(data_stats["plain_loss"] - ref["plain_loss"]) > 1e-3
+    assert {k: model_spec_of(run_.out)[k] for k in flags} == flags  # eval and export take them
+    assert model_spec_of(runs["adamw"].out)["mean"] != flags["mean"]
 
 
 def test_loader_flags_reach_the_training_loader(runs):

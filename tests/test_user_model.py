@@ -109,6 +109,16 @@ class TrainOnlyHead(nn.Module):  # as Inception v3: an auxiliary head for images
         return (self.head(x), self.aux(x)) if self.training else self.head(x)
 
 
+class AuxFrom40(nn.Module):  # its auxiliary head takes images of 40 px and up
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, num_classes))
+        self.aux = nn.Conv2d(3, num_classes, 40)
+
+    def forward(self, x):
+        return (self.head(x), self.aux(x)) if self.training else self.head(x)
+
+
 class ForwardRaises(nn.Module):  # a bug in the user's forward, at any size
     def __init__(self, num_classes):
         super().__init__()
@@ -302,6 +312,14 @@ BAD = [
     (f"{MODULE}:TrainOnlyHead", [], ["--model user_nets:TrainOnlyHead takes [N, 3, 32, 32] "
                                      "images in eval mode but fails in train mode "
                                      "(RuntimeError: ", "; try a larger --image-size"]),
+    # ... where a larger size trains, the first of those tried that does: 64 (2 x 32 >= 40)
+    (f"{MODULE}:AuxFrom40", [], ["--model user_nets:AuxFrom40 takes [N, 3, 32, 32] images in "
+                                 "eval mode but fails in train mode (RuntimeError: ",
+                                 "needs other images; it trains at --image-size 64"]),
+    # torchvision's own: its auxiliary head fails at 160, 224 and 256 px; 299 is its size
+    ("torchvision.models:inception_v3", ["--image-size", "80"], [
+        "--model torchvision.models:inception_v3 takes [N, 3, 80, 80] images in eval mode but "
+        "fails in train mode (", "; it trains at --image-size 299"]),
     (f"{MODULE}:int_logits", [], ["--model user_nets:int_logits gives torch.int64 outputs; "
                                   "logits are floating point"]),
     (f"{MODULE}:all_frozen", [], ["--model user_nets:all_frozen has no trainable parameters "

@@ -384,25 +384,46 @@ def check_train_forward(model: nn.Module, name: str, image_size: int) -> None:
     """A forward in train mode too, where a network may compute more than in eval mode:
     torchvision's Inception v3 runs its auxiliary head, which needs larger images than the
     rest (at 80 px its pooling has a 3x3 map to pool 5x5), so the run passed the eval-mode
-    check and ended in a traceback at the speed probe or the first step.  Two images
-    (BatchNorm in train mode needs more than one value per channel); the buffers it updates
-    (BatchNorm's statistics) and the random state (dropout) are put back."""
+    check and ended in a traceback at the speed probe or the first step.  A refusal names the
+    first larger size that trains, where one of a few tried does."""
+    err = train_forward_error(model, image_size)
+    if err is None:
+        return
+    larger = next((size for size in larger_sizes(image_size, native_image_size(model))
+                   if train_forward_error(model, size) is None), None)
+    fix = (f"it trains at --image-size {larger}" if larger else
+           "try a larger --image-size")
+    raise UsageError(f"--model {name} takes [N, 3, {image_size}, {image_size}] images in eval "
+                     f"mode but fails in train mode ({type(err).__name__}: {first_line(err)}): "
+                     f"a part only training runs (an auxiliary head) needs other images; {fix}")
+
+
+def train_forward_error(model: nn.Module, image_size: int) -> Optional[Exception]:
+    """What a train-mode forward of two images of `image_size` raises, if anything (BatchNorm
+    in train mode needs more than one value per channel); the buffers it updates (BatchNorm's
+    statistics), the mode and the random state (dropout) are put back."""
     saved = {key: buffer.clone() for key, buffer in model.named_buffers()}
     was_training = model.training
     model.train()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model(torch.zeros(2, 3, image_size, image_size))
+        return None
     except Exception as err:  # as in check_first_forward
-        raise UsageError(f"--model {name} takes [N, 3, {image_size}, {image_size}] images in "
-                         f"eval mode but fails in train mode ({type(err).__name__}: "
-                         f"{first_line(err)}): a part only training runs (an auxiliary head) "
-                         f"needs other images; try a larger --image-size") from None
+        return err
     finally:
         model.train(was_training)
         with torch.no_grad():
             for key, buffer in model.named_buffers():
                 buffer.copy_(saved[key])
+
+
+def larger_sizes(image_size: int, native_size: int) -> list[int]:
+    """The sizes a refusal tries, smallest first: the network's own (timm's pretrained_cfg, a
+    transformers config; 224 otherwise), Inception's 299, and twice and four times the run's,
+    up to 1024 px (a CPU forward of two images each: only when the run is refused anyway)."""
+    return sorted({size for size in (native_size, 299, 2 * image_size, 4 * image_size)
+                   if image_size < size <= 1024})
 
 
 def check_trainable(num_trainable: int, name: str) -> None:

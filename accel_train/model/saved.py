@@ -18,6 +18,7 @@ hold: `ModelSpec.read` reads both.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -54,6 +55,17 @@ def is_import_path(model_name: str) -> bool:
     than a name that timm builds."""
     prefix, colon, _ = model_name.partition(":")
     return bool(colon) and prefix.lower() not in TIMM_SOURCES
+
+
+def same_normalization(a: "ModelSpec", b: "ModelSpec") -> bool:
+    """Whether two specs normalize alike (within what a JSON round trip of a float32 keeps)."""
+    return all(math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9)
+               for x, y in zip((*a.mean, *a.std), (*b.mean, *b.std)))
+
+
+def normalization_flags(spec: "ModelSpec") -> str:
+    return (f"--mean {' '.join(f'{v:.6g}' for v in spec.mean)} "
+            f"--std {' '.join(f'{v:.6g}' for v in spec.std)}")
 
 
 @dataclass
@@ -118,6 +130,14 @@ class ModelSpec:
                              f"{saved.image_size} but this start asks for {self.image_size}; "
                              f"resume with --image-size {saved.image_size}, or start a new run "
                              f"(--pretrained takes the run's model.safetensors)")
+        if not same_normalization(saved, self):
+            # the weights learned from inputs scaled one way; eval, predict and export would
+            # record the other
+            raise UsageError(f"checkpoint {directory} was trained on images normalized with "
+                             f"{normalization_flags(saved)} but this start normalizes with "
+                             f"{normalization_flags(self)} (the training images' "
+                             f"statistics where --mean and --std are not given); resume "
+                             f"with {normalization_flags(saved)}, or start a new run")
 
     @classmethod
     def read(cls, directory: Path) -> "ModelSpec":

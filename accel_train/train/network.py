@@ -73,10 +73,10 @@ class Network:
 def build_network(config, data, num_processes: int, cuda: bool,
                   warn: Callable[[str], None], model: Optional[nn.Module] = None) -> Network:
     """The model a run trains: created from --seed alone, checked against the image size,
-    normalized like its pretrained weights (else like the data), maybe frozen, maybe with
-    synchronized BatchNorm.  Still a bare module in its default memory format (the trainer
-    applies channels_last once it is chosen: autotune.py); wrapping happens in
-    `accelerator.prepare`.  `model`: a module a program brings (the Python API), initialised
+    normalized by --mean/--std, else like its pretrained weights, else like the data; maybe
+    frozen, maybe with synchronized BatchNorm.  Still a bare module in its default memory
+    format (the trainer applies channels_last once it is chosen: autotune.py); wrapping is
+    `accelerator.prepare`'s.  `model`: a module a program brings (the Python API), initialised
     by the program, used as it is."""
     image_size = config.image_size or data.train.native_size
     hf_config = transformers_config_of(model) if model is not None else None
@@ -110,8 +110,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
     check_train_forward(model, config.model, image_size)
     compute_in_float32(model, narrower_than_stride(model, widths))  # a oneDNN bf16 bug: see there
     check_layer_decay(model, config.model, config.layer_decay)
-    mean, std = pretrained_normalization(model) if config.pretrained else \
-        dataset_mean_std(data.train)
+    mean, std = choose_normalization(config, model, data.train)
     native_size = data.train.native_size
     spec = ModelSpec(recorded_model_name(config.model), len(data.class_names),
                      list(data.class_names), image_size,
@@ -145,6 +144,17 @@ def build_network(config, data, num_processes: int, cuda: bool,
         warn(f"--sync-bn: {config.model} has no BatchNorm layers; nothing to sync")
     return Network(model, spec, num_trainable, sync_bn,
                    whitened if config.whiten_stem else None, unused, rebuilt_by_commands)
+
+
+def choose_normalization(config, model: nn.Module, train) -> tuple[tuple, tuple]:
+    """The mean and std images are normalized with: --mean and --std where given, else the
+    pretrained weights' (--pretrained), else the training images' (computed only when one of
+    the two is still needed: a sample of a large folder is decoded for it)."""
+    if config.mean is not None and config.std is not None:
+        return tuple(config.mean), tuple(config.std)
+    mean, std = pretrained_normalization(model) if config.pretrained else \
+        dataset_mean_std(train)
+    return (tuple(config.mean or mean), tuple(config.std or std))
 
 
 def choose_held_out_crop(config, model: nn.Module, native_size: int) -> dict:

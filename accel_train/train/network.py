@@ -25,6 +25,7 @@ from accel_train.model.build import (check_first_forward, check_layer_decay, che
 from accel_train.model.input_size import create_at_size
 from accel_train.model.saved import ModelSpec
 from accel_train.model.transformers_models import TRANSFORMERS_CONFIG, transformers_config_of
+from accel_train.model.torchvision_models import torchvision_builder
 from accel_train.model.syncbn import convert_sync_batchnorm, num_batchnorm_layers
 from accel_train.model.narrow_convs import narrower_than_stride, recording_input_widths
 from accel_train.model.float32_convs import compute_in_float32, float32_layers
@@ -79,27 +80,11 @@ def build_network(config, data, num_processes: int, cuda: bool,
     `accelerator.prepare`'s.  `model`: a module a program brings (the Python API), initialised
     by the program, used as it is."""
     image_size = config.image_size or data.train.native_size
-    hf_config = transformers_config_of(model) if model is not None else None
-    # a transformers model is rebuilt from the config it records, not from the class count
-    model_args = {TRANSFORMERS_CONFIG: hf_config} if hf_config is not None else {}
-    in_script = model is not None and type(model).__module__ == "__main__"
-    rebuilt_by_commands = model is None or (not in_script and (
-        bool(model_args) or rebuilt_by_class_count(type(model))))
-    if not in_script and not rebuilt_by_commands:
-        arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
-        warn(f"eval, predict and export rebuild the network as {type(model).__qualname__}("
-             f"num_classes=N), which that class cannot do (its constructor needs more); "
-             + (f"pass the model by its timm name, fit({arch!r}, ...), to use them"
-                if type(model).__module__.startswith("timm.") and arch else
-                "give it a constructor that takes num_classes alone, or a factory function "
-                "(package.module:factory) that builds it so, to use them"))
-    if in_script:
-        warn(f"the model's class {type(model).__qualname__} is defined in the script that runs, "
-             f"which eval, predict and export cannot import to rebuild the network; define it "
-             f"in a module the script imports to use them")
+    program_module = model
     if model is None and timm_source(config.model) == "local-dir" and config.pretrained is None:
         warn(f"--model {config.model}: the folder's architecture, from random weights; "
              f"--pretrained hub starts from its model.safetensors")
+    model_args = {}
     if model is None:
         torch.manual_seed(config.seed)  # model init is a function of --seed alone
         model, model_args = create_at_size(config.model, len(data.class_names), image_size,
@@ -108,11 +93,16 @@ def build_network(config, data, num_processes: int, cuda: bool,
     with recording_input_widths(model) as widths:
         check_first_forward(model, config.model, image_size, len(data.class_names))
     check_train_forward(model, config.model, image_size)
+    model_name, program_args, rebuilt_by_commands = (recorded_model_name(config.model), {}, True)
+    if program_module is not None:
+        model_name, program_args, rebuilt_by_commands = how_commands_rebuild(
+            program_module, model_name, len(data.class_names), image_size, warn)
+    model_args = {**model_args, **program_args}
     compute_in_float32(model, narrower_than_stride(model, widths))  # a oneDNN bf16 bug: see there
     check_layer_decay(model, config.model, config.layer_decay)
     mean, std = choose_normalization(config, model, data.train)
     native_size = data.train.native_size
-    spec = ModelSpec(recorded_model_name(config.model), len(data.class_names),
+    spec = ModelSpec(model_name, len(data.class_names),
                      list(data.class_names), image_size,
                      tuple(mean), tuple(std), config.drop_rate, tta=config.tta,
                      **choose_held_out_crop(config, model, native_size),
@@ -144,6 +134,37 @@ def build_network(config, data, num_processes: int, cuda: bool,
         warn(f"--sync-bn: {config.model} has no BatchNorm layers; nothing to sync")
     return Network(model, spec, num_trainable, sync_bn,
                    whitened if config.whiten_stem else None, unused, rebuilt_by_commands)
+
+
+def how_commands_rebuild(model: nn.Module, name: str, num_classes: int, image_size: int,
+                         warn: Callable[[str], None]) -> tuple[str, dict, bool]:
+    """How eval, predict, export and resume rebuild a module a program hands over: the name
+    to record (`name`, its class's import path; or the torchvision builder that makes it),
+    the arguments to record (a transformers model's config), and whether they can at all
+    (else a warning says why and what would)."""
+    hf_config = transformers_config_of(model)
+    # a transformers model is rebuilt from the config it records, not from the class count
+    model_args = {TRANSFORMERS_CONFIG: hf_config} if hf_config is not None else {}
+    if type(model).__module__ == "__main__":
+        warn(f"the model's class {type(model).__qualname__} is defined in the script that runs, "
+             f"which eval, predict and export cannot import to rebuild the network; define it "
+             f"in a module the script imports to use them")
+        return name, model_args, False
+    if model_args:
+        return name, model_args, True
+    builder = torchvision_builder(model, num_classes, image_size)
+    if builder is not None:
+        return builder, {}, True
+    if rebuilt_by_class_count(type(model)):
+        return name, {}, True
+    arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
+    warn(f"eval, predict and export rebuild the network as {type(model).__qualname__}("
+         f"num_classes=N), which that class cannot do (its constructor needs more); "
+         + (f"pass the model by its timm name, fit({arch!r}, ...), to use them"
+            if type(model).__module__.startswith("timm.") and arch else
+            "give it a constructor that takes num_classes alone, or a factory function "
+            "(package.module:factory) that builds it so, to use them"))
+    return name, {}, False
 
 
 def choose_normalization(config, model: nn.Module, train) -> tuple[tuple, tuple]:

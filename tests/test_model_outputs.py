@@ -207,6 +207,30 @@ def test_a_transformers_head_for_another_class_count_is_told_num_labels(tmp_path
         f"replaces a pretrained head)")
 
 
+def test_a_from_pretrained_model_without_mean_and_std_is_told_its_processors(tmp_path, capsys):
+    """A model loaded by from_pretrained learned from its image processor's normalization,
+    which the run cannot read: it says so unless mean= and std= are given; a model built from
+    a config (no weights loaded) is not told."""
+    from transformers import AutoModelForImageClassification
+    tiny_hf_resnet(num_classes=2).save_pretrained(tmp_path / "saved")
+    said = {}
+    for name, loaded, options in (
+            ("loaded", True, {}), ("loaded-mean-only", True, {"mean": 0.5}),
+            ("given", True, {"mean": 0.5, "std": 0.5}), ("built", False, {})):
+        model = (AutoModelForImageClassification.from_pretrained(str(tmp_path / "saved"))
+                 if loaded else tiny_hf_resnet(num_classes=2))
+        capsys.readouterr()
+        fit_on_squares(tmp_path, name, model, max_steps=1, **options)
+        out = capsys.readouterr()
+        said[name] = out.out + out.err
+    line = (f"the model was loaded from '{tmp_path / 'saved'}', whose weights learned from "
+            f"images its image processor normalized; without mean= and std= the run normalizes "
+            f"with the training images' statistics: pass the processor's, AutoImageProcessor."
+            f"from_pretrained('{tmp_path / 'saved'}').image_mean and .image_std")
+    assert line in said["loaded"] and line in said["loaded-mean-only"]
+    assert "whose weights learned" not in said["given"] + said["built"]
+
+
 def test_a_transformers_class_is_built_from_a_recorded_config_and_returns_its_logits():
     recorded = {"num_labels": 3, "embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1]}
     built = create_model(HF_RESNET, 3, model_args={"transformers_config": recorded})

@@ -101,6 +101,8 @@ def build_network(config, data, num_processes: int, cuda: bool,
     compute_in_float32(model, narrower_than_stride(model, widths))  # a oneDNN bf16 bug: see there
     check_layer_decay(model, config.model, config.layer_decay)
     mean, std = choose_normalization(config, model, data.train)
+    if program_module is not None and (config.mean is None or config.std is None):
+        warn_of_own_normalization(program_module, warn)
     native_size = data.train.native_size
     spec = ModelSpec(model_name, len(data.class_names),
                      list(data.class_names), image_size,
@@ -176,6 +178,19 @@ def choose_normalization(config, model: nn.Module, train) -> tuple[tuple, tuple]
     mean, std = pretrained_normalization(model) if config.pretrained else \
         dataset_mean_std(train)
     return (tuple(config.mean or mean), tuple(config.std or std))
+
+
+def warn_of_own_normalization(model: nn.Module, warn: Callable[[str], None]) -> None:
+    """A transformers model loaded by from_pretrained learned its weights from images its image
+    processor normalized (ViT's 0.5, ResNet's ImageNet statistics), which the run cannot read
+    from the model: without mean= and std= it normalizes with the training images' own."""
+    loaded_from = getattr(model, "name_or_path", "") \
+        if transformers_config_of(model) is not None else ""
+    if isinstance(loaded_from, str) and loaded_from:
+        warn(f"the model was loaded from {loaded_from!r}, whose weights learned from images "
+             f"its image processor normalized; without mean= and std= the run normalizes with "
+             f"the training images' statistics: pass the processor's, "
+             f"AutoImageProcessor.from_pretrained({loaded_from!r}).image_mean and .image_std")
 
 
 def choose_held_out_crop(config, model: nn.Module, native_size: int) -> dict:

@@ -58,7 +58,8 @@ def is_import_path(model_name: str) -> bool:
 
 
 def same_normalization(a: "ModelSpec", b: "ModelSpec") -> bool:
-    """Whether two specs normalize alike (within what a JSON round trip of a float32 keeps)."""
+    """Whether two specs normalize alike, within float32's rounding (the values are written to
+    JSON and may have passed through float32 tensors)."""
     return all(math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9)
                for x, y in zip((*a.mean, *a.std), (*b.mean, *b.std)))
 

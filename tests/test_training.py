@@ -95,6 +95,12 @@ def test_pretrained_local_weights_and_frozen_backbone(tmp_path):
     for name, tensor in source.state_dict().items():
         if name not in head:  # backbone weights AND BatchNorm statistics did not move
             assert torch.equal(trained[name], tensor), name
+    # --mean given: it wins over the weights' own, whose std stays
+    config = TrainConfig(**QUICK, output_dir=str(tmp_path / "given"), pretrained=str(weights),
+                         mean=[0.25])
+    assert run_training(config) == 0
+    spec = model_spec_of(tmp_path / "given")
+    assert (spec["mean"], spec["std"]) == ([0.25] * 3, list(source.pretrained_cfg["std"]))
 
 
 BAD_INPUTS = [

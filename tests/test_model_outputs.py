@@ -229,6 +229,14 @@ def test_a_from_pretrained_model_without_mean_and_std_is_told_its_processors(tmp
             f"from_pretrained('{tmp_path / 'saved'}').image_mean and .image_std")
     assert line in said["loaded"] and line in said["loaded-mean-only"]
     assert "whose weights learned" not in said["given"] + said["built"]
+    # where the weights came from stays on this machine: the recorded config does not carry it
+    models = [json.loads(p.read_text()) for p in (tmp_path / "given").rglob("config.json")]
+    assert models
+    for recorded in models:
+        config = recorded["model_args"]["transformers_config"]
+        assert config["hidden_sizes"] == [8, 16] and "_name_or_path" not in config
+    run_files = [p for p in (tmp_path / "given").rglob("*") if p.suffix in (".json", ".yaml")]
+    assert run_files and not [p for p in run_files if str(tmp_path / "saved") in p.read_text()]
 
 
 def test_a_transformers_class_is_built_from_a_recorded_config_and_returns_its_logits():

@@ -27,7 +27,12 @@ def transformers_config_of(model: nn.Module) -> Optional[dict]:
     if getattr(type(model), "config_class", None) is None or \
             not callable(getattr(config, "to_json_string", None)):
         return None
-    return json.loads(config.to_json_string(use_diff=False))
+    recorded = json.loads(config.to_json_string(use_diff=False))
+    # Where from_pretrained read the weights (a folder on the user's machine, or a hub name) is
+    # not what the network is, and would travel into every config.json the run writes and
+    # publishes: the rebuild loads the trained weights anyway.
+    recorded.pop("_name_or_path", None)
+    return recorded
 
 
 def build_from_transformers_config(cls: type, recorded: dict) -> nn.Module:

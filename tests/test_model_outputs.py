@@ -229,6 +229,9 @@ def test_a_from_pretrained_model_without_mean_and_std_is_told_its_processors(tmp
             f"from_pretrained('{tmp_path / 'saved'}').image_mean and .image_std")
     assert line in said["loaded"] and line in said["loaded-mean-only"]
     assert "whose weights learned" not in said["given"] + said["built"]
+    # rebuilt from its recorded config, so the last line offers eval and predict
+    assert "rebuild the network as" not in said["built"]
+    assert f"next: accel-train eval {tmp_path / 'built'} --data-dir DATA  |" in said["built"]
     # where the weights came from stays on this machine: the recorded config does not carry it
     models = [json.loads(p.read_text()) for p in (tmp_path / "given").rglob("config.json")]
     assert models

@@ -23,6 +23,7 @@ from accel_train.api import in_python_terms
 from conftest import CONFIGS, REPO, free_port, model_spec_of, run
 from conftest import test_env as child_env
 from accel_train.base.errors import UsageError
+from accel_train.model.build import cuda_index, probe_images, weights_device
 
 EXAMPLE = REPO / "examples" / "custom_model.py"
 
@@ -86,6 +87,55 @@ def test_fit_trains_a_module_on_a_dataset_into_a_run_folder(tmp_path):
     assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints").is_dir()
     saved = load_file(str(run_dir / "model.safetensors"))
     assert set(saved) == set(Tiny().state_dict())
+
+
+class HalfAndBfloat(Tiny):
+    """Weights in two half precisions at once: both are named."""
+
+    def __init__(self):
+        super().__init__()
+        self.body[0].to(torch.bfloat16)
+        self.body[4].to(torch.float16)
+
+
+@pytest.mark.parametrize("cast, named", [(lambda m: m.to(torch.bfloat16), "bfloat16"),
+                                         (lambda m: m.half(), "float16"),
+                                         (lambda m: m.double(), "float64"),
+                                         (lambda m: HalfAndBfloat(), "bfloat16 and float16")],
+                         ids=["bf16", "fp16", "fp64", "two"])
+def test_a_module_in_another_precision_than_float32_is_one_line(tmp_path, cast, named):
+    """Its first forward on float32 images fails; the refusal names the weights' dtype, not an
+    image size that is not the cause, and the run writes nothing."""
+    model = cast(Tiny())
+    dtypes = [p.dtype for p in model.parameters()]
+    with pytest.raises(UsageError) as refused:
+        fit_tiny(tmp_path, "run", model)
+    assert str(refused.value) == (
+        f"model='{type(model).__module__}:{type(model).__qualname__}' holds {named} weights, "
+        f"and the run trains float32 weights (mixed precision computes in bf16 or fp16 under "
+        f"autocast): build it in float32 (model.float()); mixed_precision='bf16' gives half "
+        f"precision's speed")
+    assert not (tmp_path / "run").exists()
+    assert [p.dtype for p in model.parameters()] == dtypes  # the program's module as it was
+
+
+def test_the_starts_probe_images_are_made_where_the_weights_are():
+    """A module a program moved to its GPU is probed there, not with CPU images that would fail
+    its forward as if the size were wrong (the meta device stands in for a GPU here)."""
+    assert probe_images(Tiny().to("meta"), 2, 16).device == torch.device("meta")
+    assert probe_images(Tiny(), 2, 16).shape == (2, 3, 16, 16)
+    buffers_only = nn.BatchNorm2d(3, affine=False).to("meta")
+    assert weights_device(buffers_only) == torch.device("meta")
+    assert weights_device(nn.ReLU()) == torch.device("cpu")
+    assert cuda_index(torch.device("cpu")) == [] and cuda_index(torch.device("cuda", 1)) == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a module already on a GPU needs one")
+def test_a_module_already_on_the_gpu_trains_there(tmp_path):
+    model = Tiny().cuda()
+    run_dir = fit_tiny(tmp_path, "run", model)
+    assert (run_dir / "model.safetensors").is_file()
+    assert next(model.parameters()).is_cuda
 
 
 @pytest.mark.slow

@@ -94,6 +94,10 @@ class Rounded(nn.Module):
         return x.round().long()
 
 
+def half_net(num_classes):  # cast for inference, as a from_pretrained(torch_dtype=...) may be
+    return small_net(num_classes).half()
+
+
 def grey_cnn(num_classes):  # written for MNIST: its first layer takes one channel
     return nn.Sequential(nn.Conv2d(1, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                          nn.Linear(4, num_classes))
@@ -304,6 +308,11 @@ BAD = [
     (f"{MODULE}:small_net", ["--layer-decay", "0.7"], ["--layer-decay 0.7: --model "
                                                        "user_nets:small_net names no layers",
                                                        "drop --layer-decay"]),
+    # half-precision weights fail on float32 images: the dtype is named, not the image size
+    (f"{MODULE}:half_net", [], ["--model user_nets:half_net holds float16 weights, and the run "
+                                "trains float32 weights (mixed precision computes in bf16 or "
+                                "fp16 under autocast): build it in float32 (model.float()); "
+                                "--mixed-precision bf16 gives half precision's speed"]),
     # at 32 px, not timm's default 224: the size is not what to change
     (f"{MODULE}:grey_cnn", [], ["--model user_nets:grey_cnn takes 1-channel images, and the run "
                                 "feeds 3-channel ones (grey images repeated to RGB): make its "

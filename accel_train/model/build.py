@@ -319,6 +319,43 @@ def native_image_size(model: nn.Module) -> int:
     return hf_size if isinstance(hf_size, int) and hf_size > 0 else 224
 
 
+def weights_device(model: nn.Module) -> torch.device:
+    """Where the model's weights are (the CPU for a network without any)."""
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def probe_images(model: nn.Module, count: int, image_size: int, channels: int = 3) -> torch.Tensor:
+    """A batch of zeros for the start's forward probes, on the model's device: a program may
+    hand fit() a module it has moved to its GPU already (accelerator.prepare moves it to the
+    run's device anyway), and CPU images would fail its forward as if the size were wrong."""
+    return torch.zeros(count, channels, image_size, image_size, device=weights_device(model))
+
+
+def cuda_index(device: torch.device) -> list[int]:
+    """fork_rng's `devices` for a forward on `device`: its CUDA generator too, where it has one
+    (dropout on a GPU draws from it)."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
+def check_float32_weights(model: nn.Module, name: str) -> None:
+    """The run keeps float32 weights and computes in bf16 or fp16 under autocast (what
+    --mixed-precision chooses); a network handed over in half or double precision would fail
+    its first forward on float32 images, and be told of an image size that is not the cause."""
+    others = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                     if p.is_floating_point() and p.dtype != torch.float32})
+    if others:
+        raise UsageError(f"--model {name} holds {' and '.join(others)} weights, and the run "
+                         f"trains float32 weights (mixed precision computes in bf16 or fp16 "
+                         f"under autocast): build it in float32 (model.float()); "
+                         f"--mixed-precision bf16 gives half precision's speed")
+
+
 def takes_size(model: nn.Module, image_size: int, channels: int = 3) -> bool:
     """Whether one forward of a [1, channels, S, S] batch goes through (eval mode, no
     gradients: BatchNorm's statistics stay as they are)."""
@@ -326,7 +363,7 @@ def takes_size(model: nn.Module, image_size: int, channels: int = 3) -> bool:
     model.eval()
     try:
         with torch.no_grad():
-            model(torch.zeros(1, channels, image_size, image_size))
+            model(probe_images(model, 1, image_size, channels))
         return True
     except Exception:  # shape errors surface as RuntimeError, AssertionError, ValueError
         return False
@@ -343,7 +380,7 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
     model.eval()
     try:
         with torch.no_grad():
-            output = model(torch.zeros(1, 3, image_size, image_size))
+            output = model(probe_images(model, 1, image_size))
     except Exception as err:  # shape errors surface as RuntimeError/AssertionError/ValueError
         if takes_size(model, image_size, channels=1):  # written for MNIST-like data
             raise UsageError(f"--model {name} takes 1-channel images, and the run feeds "
@@ -406,8 +443,9 @@ def train_forward_error(model: nn.Module, image_size: int) -> Optional[Exception
     was_training = model.training
     model.train()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            model(torch.zeros(2, 3, image_size, image_size))
+        images = probe_images(model, 2, image_size)
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda_index(images.device)):
+            model(images)
         return None
     except Exception as err:  # as in check_first_forward
         return err
@@ -445,7 +483,7 @@ def unused_parameters(model: nn.Module, image_size: int) -> list[str]:
     model.eval()
     try:
         with torch.enable_grad():
-            output = model(torch.zeros(1, 3, image_size, image_size))
+            output = model(probe_images(model, 1, image_size))
             output.float().sum().backward()
         unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     finally:

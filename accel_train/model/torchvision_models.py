@@ -14,6 +14,7 @@ import torch
 import torchvision
 from torch import nn
 
+from accel_train.model.build import weights_device
 from accel_train.model.outputs import logits_from
 
 TORCHVISION_FACTORY = "torchvision.models:{}"
@@ -63,7 +64,7 @@ def _same_outputs(model: nn.Module, builder, num_classes: int, image_size: int) 
         with torch.no_grad():
             torch.manual_seed(0)
             images = torch.rand(2, 3, image_size, image_size)
-            ours = logits_from(model(images)).float()
+            ours = logits_from(model(images.to(weights_device(model)))).float().cpu()
             theirs = logits_from(candidate.eval()(images)).float()
         return ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5)
     finally:

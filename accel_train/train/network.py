@@ -17,7 +17,8 @@ from accel_train.data.augment import build_policy
 from accel_train.data.loaders import dataset_mean_std
 from accel_train.data.sources import ArraySource
 from accel_train.data.transforms import SMALL_IMAGE, held_out_transform
-from accel_train.model.build import (check_first_forward, check_layer_decay, check_model_name,
+from accel_train.model.build import (check_first_forward, check_float32_weights,
+                                     check_layer_decay, check_model_name,
                                      check_train_forward, check_trainable, freeze_backbone,
                                      pretrained_normalization,
                                      recorded_model_name, timm_source,
@@ -90,6 +91,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
         model, model_args = create_at_size(config.model, len(data.class_names), image_size,
                                            config.drop_rate, config.pretrained,
                                            config.drop_path)
+    check_float32_weights(model, config.model)
     with recording_input_widths(model) as widths:
         check_first_forward(model, config.model, image_size, len(data.class_names))
     check_train_forward(model, config.model, image_size)

@@ -45,8 +45,9 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
     chosen ones; with `whiten_stem` its first layer comes back whitened, `requires_grad` False
     where the run fixed it: docs/training.md).
     `train_dataset`, `eval_dataset`: map-style datasets (a torch `Dataset`, a Hugging Face
-    dataset) whose items are `(image, label)` or a dict with both; an image is a PIL image or a
-    uint8 or float (0-1) CHW tensor, a label a class index. Without `eval_dataset`,
+    dataset) whose items are `(image, label)` or a dict with both; an image is a PIL image, a
+    uint8 or float (0-1) CHW tensor or an HWC numpy array (RGB), a label a class index (the
+    dataset's `classes`, where it has them, name the indices). Without `eval_dataset`,
     `val_fraction` of the training set is held out for validation with a fixed seed.
     `callbacks`: `accel_train.callbacks.Callback` instances. `options`: `TrainConfig`'s fields.
 

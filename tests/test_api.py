@@ -451,6 +451,44 @@ def test_float_images_outside_0_1_are_refused_and_0_1_are_the_uint8_image(tmp_pa
         as_uint8_chw(torch.tensor([[[0.0, 1.5]]]), "item 0")
 
 
+@pytest.mark.filterwarnings("error")  # torch's warning for read-only arrays reaches users
+def test_numpy_images_are_height_width_channels_as_numpy_writes_them():
+    """np.asarray of a PIL image (H, W, 3), of a grey one (H, W), of an RGBA one (alpha dropped,
+    as PIL's convert("RGB") drops it); a channels-first array stays as it is.  Oracle: PIL's own
+    pixels, read back through torchvision's pil_to_tensor."""
+    import numpy as np
+    from torchvision.transforms.functional import pil_to_tensor
+
+    from accel_train.data.user_data import as_uint8_chw
+    rgba = Image.fromarray(np.random.default_rng(0).integers(0, 256, (5, 7, 4), np.uint8), "RGBA")
+    for image in (rgba.convert("RGB"), rgba.convert("L"), rgba):
+        expected = pil_to_tensor(image.convert("RGB"))
+        assert torch.equal(as_uint8_chw(np.asarray(image), "item 0"), expected), image.mode
+    chw = pil_to_tensor(rgba.convert("RGB")).numpy()
+    assert torch.equal(as_uint8_chw(chw, "item 0"), torch.from_numpy(chw))
+    with pytest.raises(UsageError, match=r"item 2: a tensor image must be channels-first"):
+        as_uint8_chw(np.zeros((5, 7, 2), np.uint8), "item 2")
+
+
+class NamedLabels(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.zeros(3, 8, 8, dtype=torch.uint8), ["cat", "dog"][index % 2]
+
+
+def test_labels_that_are_names_are_one_line_saying_how_to_map_them(tmp_path):
+    with pytest.raises(UsageError) as refused:
+        accel_train.fit(Tiny(), NamedLabels(), batch_size=4, epochs=1, mixed_precision="no",
+                        plots=False, output_dir=str(tmp_path / "run"))
+    assert str(refused.value) == (
+        "train_dataset: labels must be class indices 0..N-1 (integers), found 'cat' (str); map "
+        "class names to indices, say {name: i for i, name in enumerate(sorted(names))}, and "
+        "pass the names in that order as the dataset's `classes`")
+    assert not (tmp_path / "run").exists()
+
+
 GUARD_SCRIPT = """
 import sys
 import torch

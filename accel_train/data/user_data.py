@@ -1,7 +1,8 @@
 """Data a user hands to `accel_train.fit`: a map-style torch `Dataset` or a Hugging Face dataset,
-each item an image (a PIL image, or a uint8 or float CHW tensor) and a label, made into the
-trainer's `LoadedData` so that everything the CLI does (in-memory decoding, the batched
-small-image path, seeded augmentation, exact resume) applies to it unchanged.
+each item an image (a PIL image, a uint8 or float CHW tensor, or an HWC numpy array) and a
+label, made into the trainer's `LoadedData` so that everything the CLI does (in-memory
+decoding, the batched small-image path, seeded augmentation, exact resume) applies to it
+unchanged.
 
 Items may be `(image, label)` pairs or dicts (the image and label found under the usual column
 names, as for Hugging Face datasets). Float images are taken to lie in [0, 1], the convention of
@@ -29,9 +30,14 @@ def as_uint8_chw(value: Any, where: str) -> torch.Tensor:
         array = np.asarray(value.convert("RGB"))
         return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
     if isinstance(value, np.ndarray):
-        value = torch.from_numpy(value)
+        if value.ndim == 3 and value.shape[-1] in (1, 3, 4):
+            # numpy's images are height, width, channels (np.asarray of a PIL image, imageio,
+            # matplotlib); a fourth channel is alpha, dropped as PIL's convert("RGB") drops it
+            value = np.moveaxis(value[..., :3], -1, 0)
+        value = torch.tensor(value)  # a copy: np.asarray of a PIL image is read-only
     if not isinstance(value, torch.Tensor) or value.dim() not in (2, 3):
-        raise UsageError(f"{where}: an image must be a PIL image or a CHW tensor, got "
+        raise UsageError(f"{where}: an image must be a PIL image, a CHW tensor or an HWC numpy "
+                         f"array, got "
                          f"{type(value).__name__}{tuple(getattr(value, 'shape', ()))}")
     image = value.unsqueeze(0) if value.dim() == 2 else value
     if image.shape[0] not in (1, 3):
@@ -79,10 +85,22 @@ def labels_of(dataset, name: str) -> torch.Tensor:
     try:
         labels = torch.as_tensor([int(t) for t in targets], dtype=torch.long)
     except (TypeError, ValueError):
-        raise UsageError(f"{name}: labels must be class indices 0..N-1 (integers)") from None
+        found = next(t for t in targets if not _is_index(t))
+        raise UsageError(f"{name}: labels must be class indices 0..N-1 (integers), found "
+                         f"{str(found)[:40]!r} ({type(found).__name__}); map class names to "
+                         f"indices, say {{name: i for i, name in enumerate(sorted(names))}}, "
+                         f"and pass the names in that order as the dataset's `classes`") from None
     if len(labels) and labels.min() < 0:
         raise UsageError(f"{name}: labels must be class indices 0..N-1, found {labels.min()}")
     return labels
+
+
+def _is_index(value: Any) -> bool:
+    try:
+        int(value)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 def class_names_of(dataset, labels: Sequence[torch.Tensor]) -> list[str]:

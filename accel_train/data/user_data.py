@@ -87,7 +87,7 @@ def labels_of(dataset, name: str) -> torch.Tensor:
     except (TypeError, ValueError):
         found = next(t for t in targets if not _is_index(t))
         raise UsageError(f"{name}: labels must be class indices 0..N-1 (integers), found "
-                         f"{str(found)[:40]!r} ({type(found).__name__}); map class names to "
+                         f"{repr(found)[:40]} ({type(found).__name__}); map class names to "
                          f"indices, say {{name: i for i, name in enumerate(sorted(names))}}, "
                          f"and pass the names in that order as the dataset's `classes`") from None
     if len(labels) and labels.min() < 0:
@@ -106,6 +106,8 @@ def _is_index(value: Any) -> bool:
 def class_names_of(dataset, labels: Sequence[torch.Tensor]) -> list[str]:
     """torchvision's `classes`, a Hugging Face ClassLabel's names, else the indices as text."""
     names = getattr(dataset, "classes", None)
+    if not isinstance(names, (list, tuple)):  # a count or a mapping of one's own: not names
+        names = None
     features = getattr(dataset, "features", None) or {}
     for column in LABEL_COLUMN_NAMES:
         if names is None and hasattr(features.get(column), "names"):

@@ -1,0 +1,228 @@
+"""The datasets a program hands to fit(), read as the run reads them: items as pairs, lists,
+triples or dicts; labels from `targets`, a Hugging Face label column or the items; class names
+from `classes` or a ClassLabel; the held-out part carved or given; the images decoded into
+memory where they fit.  Oracles: the items as the test wrote them, torchvision's pil_to_tensor,
+and hand-counted sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision.transforms.functional import pil_to_tensor
+
+from accel_train.base.errors import UsageError
+from accel_train.config import TrainConfig
+from accel_train.data.sources import ArraySource
+from accel_train.data.user_data import (DatasetSource, as_uint8_chw, class_names_of,
+                                        labels_of, load_user_data, split_item)
+
+
+def pixels(index: int, size: int = 6) -> torch.Tensor:
+    """Item `index`'s image: uint8 CHW, each item's own."""
+    return (torch.arange(3 * size * size).view(3, size, size) * (index + 1) % 256).to(torch.uint8)
+
+
+class Items(Dataset):
+    """`count` items, item i of label i % classes, in the form `shape` says."""
+
+    def __init__(self, count: int, classes: int = 2, shape=lambda image, label: (image, label)):
+        self.count, self.num_classes, self.shape = count, classes, shape
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        return self.shape(pixels(index), index % self.num_classes)
+
+
+def all_images(source) -> torch.Tensor:
+    return torch.stack([source.image(i) for i in range(len(source))])
+
+
+@pytest.mark.parametrize("shape", [lambda image, label: (image, label),
+                                   lambda image, label: [image, label],
+                                   lambda image, label: (image, label, "extra"),
+                                   lambda image, label: {"image": image, "label": label},
+                                   lambda image, label: {"img": image, "fine_label": label,
+                                                         "id": 7},
+                                   lambda image, label: {"pixel_values": image, "labels": label}],
+                         ids=["pair", "list", "triple", "dict", "dict-cifar100", "dict-hf"])
+def test_every_item_form_gives_the_items_images_and_labels(shape):
+    dataset = Items(8, shape=shape)
+    data = load_user_data(dataset, Items(4, shape=shape), TrainConfig(in_memory="never"))
+    assert torch.equal(all_images(data.train), torch.stack([pixels(i) for i in range(8)]))
+    assert data.train.labels.tolist() == [0, 1] * 4
+    assert torch.equal(all_images(data.held_out), torch.stack([pixels(i) for i in range(4)]))
+    assert data.class_names == ["0", "1"] and data.from_program
+    assert data.description == "Items (train_dataset/eval_dataset)"
+
+
+def test_items_that_are_neither_pairs_nor_dicts_with_both_are_one_line():
+    with pytest.raises(UsageError) as refused:
+        split_item({"image": pixels(0), "caption": "a cat"}, "train_dataset[3]")
+    assert str(refused.value) == (
+        "train_dataset[3]: a dict item needs an image under one of img, image, images, "
+        "pixel_values, picture, jpg, png, webp and a label under one of label, labels, "
+        "fine_label, coarse_label, class, target, y; it has image, caption")
+    with pytest.raises(UsageError, match=r"a dict item needs .*; it has label$"):
+        split_item({"label": 1}, "train_dataset[0]")
+    for item in ((pixels(0),), pixels(0), 5):
+        with pytest.raises(UsageError) as refused:
+            split_item(item, "train_dataset[2]")
+        assert str(refused.value) == ("train_dataset[2]: each item must be (image, label) or a "
+                                      f"dict with both, got {type(item).__name__}")
+
+
+def test_without_an_eval_dataset_the_held_out_part_is_carved_from_the_training_items():
+    data = load_user_data(Items(20), None, TrainConfig(in_memory="never", val_fraction=0.25))
+    train, held_out = data.train.indices.tolist(), data.held_out.indices.tolist()
+    assert len(held_out) == 5 and sorted(train + held_out) == list(range(20))  # ceil(20 x 0.25)
+    assert torch.equal(all_images(data.held_out), torch.stack([pixels(i) for i in held_out]))
+    assert data.held_out.labels.tolist() == [i % 2 for i in held_out]
+    assert data.description == "Items (train_dataset minus 25% held out)"
+
+
+class LabelsOnly(Items):
+    """torchvision's way: the labels in `targets`, read without touching an image."""
+
+    def __init__(self, targets):
+        super().__init__(len(targets))
+        self.targets = targets
+
+    def __getitem__(self, index):
+        raise AssertionError("labels are read from targets, not from the items")
+
+
+def test_labels_come_from_targets_a_label_column_or_the_items():
+    assert labels_of(LabelsOnly([1, 0, 2]), "train_dataset").tolist() == [1, 0, 2]
+    from datasets import Dataset as HFDataset
+    columns = HFDataset.from_dict({"img": [[0]] * 3, "coarse_label": [2, 0, 1]})
+    assert labels_of(columns, "train_dataset").tolist() == [2, 0, 1]
+    assert labels_of(Items(5, classes=3), "train_dataset").tolist() == [0, 1, 2, 0, 1]
+    # numpy and 0-d tensor labels are indices too
+    assert labels_of(LabelsOnly([np.int64(1), torch.tensor(0)]), "x").tolist() == [1, 0]
+    with pytest.raises(UsageError) as refused:
+        labels_of(LabelsOnly([0, -1, 1]), "eval_dataset")
+    assert str(refused.value) == "eval_dataset: labels must be class indices 0..N-1, found -1"
+    with pytest.raises(UsageError, match=r"^train_dataset: labels must be class indices 0\.\.N-1 "
+                                         r"\(integers\), found None \(NoneType\); map class names"):
+        labels_of(LabelsOnly([0, None]), "train_dataset")
+
+
+class Named(Items):
+    classes = ["cat", "dog", "eel"]
+
+
+def test_class_names_come_from_classes_or_a_class_label_else_the_indices():
+    labels = [torch.tensor([0, 1]), torch.tensor([2])]  # the largest label of either part counts
+    assert class_names_of(Named(3), labels) == ["cat", "dog", "eel"]
+    from datasets import ClassLabel, Dataset as HFDataset, Features, Value
+    columns = HFDataset.from_dict({"x": [0, 1, 2], "label": [0, 1, 2]}, features=Features(
+        {"x": Value("int64"), "label": ClassLabel(names=["a", "b", "c"])}))
+    assert class_names_of(columns, labels) == ["a", "b", "c"]
+    assert class_names_of(Items(3), labels) == ["0", "1", "2"]
+    # fewer names than classes: the names cannot be the labels', the indices are
+    assert class_names_of(Named(3), [torch.tensor([3])]) == ["0", "1", "2", "3"]
+    assert class_names_of(Items(3), [torch.tensor([], dtype=torch.long), torch.tensor([1])]) \
+        == ["0", "1"]
+    # a `classes` of the dataset's own that holds no names (a count): the indices
+    counted = Items(3)
+    counted.classes = 3
+    assert class_names_of(counted, labels) == ["0", "1", "2"]
+
+
+def test_images_are_decoded_into_memory_where_they_fit_and_share_one_size():
+    source = DatasetSource(Items(4), torch.tensor([0, 1, 0, 1]), np.array([3, 1]), "train_dataset")
+    per_image = 3 * 6 * 6
+    kept = source.in_memory(limit_bytes=2 * per_image)  # exactly the two images' bytes
+    assert isinstance(kept, ArraySource)
+    assert torch.equal(kept.images, torch.stack([pixels(3), pixels(1)]))
+    assert kept.labels.tolist() == [1, 1]
+    assert source.in_memory(limit_bytes=2 * per_image - 1) is source
+
+    class TwoSizes(Items):
+        def __getitem__(self, index):
+            return pixels(index, size=6 if index == 0 else 8), 0
+
+    mixed = DatasetSource(TwoSizes(2), torch.tensor([0, 0]), np.arange(2), "train_dataset")
+    assert mixed.in_memory(limit_bytes=1e9) is mixed
+    empty = DatasetSource(Items(2), torch.tensor([0, 1]), np.arange(0), "eval_dataset")
+    assert empty.in_memory(limit_bytes=1e9) is empty
+
+
+def test_a_broken_image_names_the_item_it_came_from():
+    class Broken(Items):
+        def __getitem__(self, index):
+            return torch.zeros(5, 4, 4, dtype=torch.uint8), 0
+
+    source = DatasetSource(Broken(9), torch.zeros(9, dtype=torch.long), np.array([7]),
+                           "eval_dataset")
+    with pytest.raises(UsageError) as refused:
+        source.image(0)
+    assert str(refused.value) == ("eval_dataset[7]: a tensor image must be channels-first "
+                                  "(C, H, W) with 1 or 3 channels, got shape (5, 4, 4)")
+
+
+@pytest.mark.parametrize("train, held_out, said", [
+    (iter([]), None, "train_dataset: a map-style dataset is needed (__getitem__ and __len__); "
+                     "got list_iterator"),
+    (Items(8), (x for x in []), "eval_dataset: a map-style dataset is needed (__getitem__ and "
+                                "__len__); got generator"),
+    (Items(8), Items(0), "eval_dataset: it holds no items to evaluate on; pass one that does, "
+                        "or none (then val_fraction of train_dataset is held out)"),
+    (Items(8), Items(3, classes=3), "eval_dataset: its labels hold 2, which no item of "
+                                    "train_dataset has"),
+    (Items(8, classes=1), Items(2, classes=1), "train_dataset: found 1 class(es); a classifier "
+                                               "needs at least 2"),
+    (Items(0), Items(2), "train_dataset: it holds no items to train on"),
+], ids=["train-iterator", "eval-generator", "eval-empty", "eval-unseen-class", "one-class",
+        "train-empty"])
+def test_datasets_the_run_cannot_use_are_one_line(train, held_out, said):
+    with pytest.raises(UsageError) as refused:
+        load_user_data(train, held_out, TrainConfig(in_memory="never"))
+    assert str(refused.value).startswith(said), str(refused.value)
+
+
+def test_the_sample_limits_cut_the_users_items_and_record_how():
+    data = load_user_data(Items(20), Items(10), TrainConfig(
+        in_memory="never", max_train_samples=6, max_eval_samples=3, sample_subset="first"))
+    assert data.train.indices.tolist() == list(range(6))
+    assert data.held_out.indices.tolist() == [0, 1, 2]
+    assert torch.equal(all_images(data.train), torch.stack([pixels(i) for i in range(6)]))
+    assert data.sample_subset == "first"
+    whole = load_user_data(Items(20), Items(10), TrainConfig(in_memory="never"))
+    assert whole.sample_subset is None and len(whole.train) == 20 and len(whole.held_out) == 10
+
+
+def test_in_memory_always_holds_every_image_and_never_holds_none():
+    held = load_user_data(Items(8), Items(4), TrainConfig(in_memory="always"))
+    assert isinstance(held.train, ArraySource) and isinstance(held.held_out, ArraySource)
+    assert torch.equal(held.train.images, torch.stack([pixels(i) for i in range(8)]))
+    read = load_user_data(Items(8), Items(4), TrainConfig(in_memory="never"))
+    assert isinstance(read.train, DatasetSource) and isinstance(read.held_out, DatasetSource)
+
+
+def test_integer_images_other_than_uint8_and_non_images_are_one_line():
+    with pytest.raises(UsageError) as refused:
+        as_uint8_chw(torch.zeros(3, 4, 4, dtype=torch.int32), "train_dataset[1]")
+    assert str(refused.value) == ("train_dataset[1]: integer images must be uint8 (0-255), got "
+                                  "torch.int32")
+    for value, named in (("cat.jpg", "str()"), (torch.zeros(1, 3, 4, 4), "Tensor(1, 3, 4, 4)"),
+                         (torch.zeros(4), "Tensor(4,)")):
+        with pytest.raises(UsageError) as refused:
+            as_uint8_chw(value, "train_dataset[0]")
+        assert str(refused.value) == ("train_dataset[0]: an image must be a PIL image, a CHW "
+                                      f"tensor or an HWC numpy array, got {named}")
+    with pytest.raises(UsageError) as refused:
+        as_uint8_chw(torch.tensor([[[-0.5, 0.5]]]), "train_dataset[0]")
+    assert str(refused.value) == (
+        "train_dataset[0]: a float image must hold values in 0-1, got -0.5 to 0.5 (normalized "
+        "values: pass the images before normalization (the run normalizes with its own mean and "
+        "std))")
+    assert as_uint8_chw(torch.full((3, 2, 2), 0.5), "x").dtype == torch.uint8
+    grey = np.asarray(Image.fromarray(np.arange(12, dtype=np.uint8).reshape(3, 4)))
+    assert torch.equal(as_uint8_chw(grey[..., None], "x"),  # (H, W, 1): numpy's grey channel
+                       pil_to_tensor(Image.fromarray(grey).convert("RGB")))

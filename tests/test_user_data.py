@@ -137,20 +137,47 @@ def test_class_names_come_from_classes_or_a_class_label_else_the_indices():
 def test_images_are_decoded_into_memory_where_they_fit_and_share_one_size():
     source = DatasetSource(Items(4), torch.tensor([0, 1, 0, 1]), np.array([3, 1]), "train_dataset")
     per_image = 3 * 6 * 6
-    kept = source.in_memory(limit_bytes=2 * per_image)  # exactly the two images' bytes
-    assert isinstance(kept, ArraySource)
+    kept = source.materialize(limit_bytes=2 * per_image)  # exactly the two images' bytes
+    assert isinstance(kept, ArraySource) and kept.images.dtype == torch.uint8
     assert torch.equal(kept.images, torch.stack([pixels(3), pixels(1)]))
     assert kept.labels.tolist() == [1, 1]
-    assert source.in_memory(limit_bytes=2 * per_image - 1) is source
+    assert source.materialize(limit_bytes=2 * per_image - 1) is None
+    assert source.not_held == ("the 2 images of train_dataset take 2.01e-07 GiB, over the "
+                               "2e-07 GiB left of --in-memory-limit-gb")  # 216 and 215 bytes
 
     class TwoSizes(Items):
         def __getitem__(self, index):
             return pixels(index, size=6 if index == 0 else 8), 0
 
-    mixed = DatasetSource(TwoSizes(2), torch.tensor([0, 0]), np.arange(2), "train_dataset")
-    assert mixed.in_memory(limit_bytes=1e9) is mixed
+    mixed = DatasetSource(TwoSizes(2), torch.tensor([0, 0]), np.arange(2), "eval_dataset")
+    assert mixed.materialize(limit_bytes=1e9) is None
+    assert mixed.not_held == ("the images of eval_dataset differ in size (6x6 and 8x8, height x "
+                              "width)")
     empty = DatasetSource(Items(2), torch.tensor([0, 1]), np.arange(0), "eval_dataset")
-    assert empty.in_memory(limit_bytes=1e9) is empty
+    assert empty.materialize(limit_bytes=1e9) is None
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_both_parts_are_held_on_one_budget_or_neither(mode):
+    """--in-memory-limit-gb is one budget for the training and held-out images together, as
+    for the command line's data: 8 + 4 images of 108 bytes fit in 1296 bytes and not in one
+    byte less, where the held-out part would still fit alone."""
+    per_image = 3 * 6 * 6
+    fits = load_user_data(Items(8), Items(4), TrainConfig(
+        in_memory=mode, in_memory_limit_gb=12 * per_image / 2**30))
+    assert isinstance(fits.train, ArraySource) and isinstance(fits.held_out, ArraySource)
+    assert torch.equal(fits.held_out.images, torch.stack([pixels(i) for i in range(4)]))
+    tight = TrainConfig(in_memory=mode, in_memory_limit_gb=(12 * per_image - 1) / 2**30)
+    if mode == "auto":
+        read = load_user_data(Items(8), Items(4), tight)
+        assert isinstance(read.train, DatasetSource) and isinstance(read.held_out, DatasetSource)
+        return
+    with pytest.raises(UsageError) as refused:
+        load_user_data(Items(8), Items(4), tight)
+    assert str(refused.value) == (
+        "--in-memory always: the data cannot be held in memory: the 4 images of eval_dataset "
+        "take 4.02e-07 GiB, over the 4.01e-07 GiB left of --in-memory-limit-gb; use "
+        "--in-memory auto (or never) to decode the images per step")
 
 
 def test_a_broken_image_names_the_item_it_came_from():
@@ -166,11 +193,20 @@ def test_a_broken_image_names_the_item_it_came_from():
                                   "(C, H, W) with 1 or 3 channels, got shape (5, 4, 4)")
 
 
+class Sized:
+    """A length and no items."""
+
+    def __len__(self):
+        return 3
+
+
 @pytest.mark.parametrize("train, held_out, said", [
     (iter([]), None, "train_dataset: a map-style dataset is needed (__getitem__ and __len__); "
                      "got list_iterator"),
     (Items(8), (x for x in []), "eval_dataset: a map-style dataset is needed (__getitem__ and "
                                 "__len__); got generator"),
+    (Sized(), None, "train_dataset: a map-style dataset is needed (__getitem__ and __len__); "
+                    "got Sized"),
     (Items(8), Items(0), "eval_dataset: it holds no items to evaluate on; pass one that does, "
                         "or none (then val_fraction of train_dataset is held out)"),
     (Items(8), Items(3, classes=3), "eval_dataset: its labels hold 2, which no item of "
@@ -178,12 +214,47 @@ def test_a_broken_image_names_the_item_it_came_from():
     (Items(8, classes=1), Items(2, classes=1), "train_dataset: found 1 class(es); a classifier "
                                                "needs at least 2"),
     (Items(0), Items(2), "train_dataset: it holds no items to train on"),
-], ids=["train-iterator", "eval-generator", "eval-empty", "eval-unseen-class", "one-class",
-        "train-empty"])
+], ids=["train-iterator", "eval-generator", "length-only", "eval-empty", "eval-unseen-class",
+        "one-class", "train-empty"])
 def test_datasets_the_run_cannot_use_are_one_line(train, held_out, said):
     with pytest.raises(UsageError) as refused:
         load_user_data(train, held_out, TrainConfig(in_memory="never"))
     assert str(refused.value).startswith(said), str(refused.value)
+
+
+class Broken(Items):
+    """Item 5 has no label under a known name; its label is read from `targets`, its image
+    only when the run asks for it."""
+
+    @property
+    def targets(self):
+        return [i % 2 for i in range(self.count)]
+
+    def __getitem__(self, index):
+        return {"picture": pixels(index)} if index == 5 else (pixels(index), index % 2)
+
+
+def test_a_bad_item_is_named_by_its_dataset_and_position_however_the_parts_were_made():
+    carved = load_user_data(Broken(10), None, TrainConfig(in_memory="never", val_fraction=0.5))
+    given = load_user_data(Items(10), Broken(8), TrainConfig(in_memory="never"))
+    cut = load_user_data(Broken(10), Items(4), TrainConfig(
+        in_memory="never", max_train_samples=8, sample_subset="first"))
+    carved_part = next(p for p in (carved.train, carved.held_out) if 5 in p.indices.tolist())
+    for source in (carved_part, given.held_out, cut.train):
+        position = source.indices.tolist().index(5)
+        with pytest.raises(UsageError) as refused:
+            source.image(position)
+        dataset = "eval_dataset" if source is given.held_out else "train_dataset"
+        assert str(refused.value).startswith(f"{dataset}[5]: a dict item needs an image under "
+                                             f"one of img, "), str(refused.value)
+    with pytest.raises(UsageError, match=r"^eval_dataset: labels must be class indices 0\.\.N-1 "
+                                         r"\(integers\), found 'cat'"):
+        load_user_data(Items(8), LabelsOnly([0, "cat"]), TrainConfig(in_memory="never"))
+
+
+def test_the_training_datasets_class_names_name_the_classes():
+    data = load_user_data(Named(6, classes=3), Items(3, classes=3), TrainConfig(in_memory="never"))
+    assert data.class_names == ["cat", "dog", "eel"]
 
 
 def test_the_sample_limits_cut_the_users_items_and_record_how():
@@ -193,6 +264,9 @@ def test_the_sample_limits_cut_the_users_items_and_record_how():
     assert data.held_out.indices.tolist() == [0, 1, 2]
     assert torch.equal(all_images(data.train), torch.stack([pixels(i) for i in range(6)]))
     assert data.sample_subset == "first"
+    train_only = load_user_data(Items(20), Items(10), TrainConfig(
+        in_memory="never", max_train_samples=6, sample_subset="first"))
+    assert train_only.sample_subset == "first" and len(train_only.held_out) == 10
     whole = load_user_data(Items(20), Items(10), TrainConfig(in_memory="never"))
     assert whole.sample_subset is None and len(whole.train) == 20 and len(whole.held_out) == 10
 

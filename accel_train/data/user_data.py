@@ -125,27 +125,55 @@ class DatasetSource(ImageSource):
         self.dataset, self.indices, self.name = dataset, np.asarray(indices, np.int64), name
         self.all_labels = all_labels  # the whole dataset's, for subsets of this one
         self.labels = all_labels[torch.from_numpy(self.indices)]
+        self.not_held = ""  # why materialize held nothing, for --in-memory always's message
 
     def image(self, index: int) -> torch.Tensor:
         row = int(self.indices[index])
         where = f"{self.name}[{row}]"
         return as_uint8_chw(split_item(self.dataset[row], where)[0], where)
 
-    def in_memory(self, limit_bytes: float) -> ImageSource:
-        """Every image decoded once (the fast paths need that), or itself where the sizes differ
-        or they would not fit in `limit_bytes`."""
+    def materialize(self, limit_bytes: float) -> Optional[ArraySource]:
+        """Every image decoded once (the fast paths need that); None, with the reason in
+        `not_held`, where there are none, the sizes differ, or they would take more than
+        `limit_bytes` (as the command line's sources do)."""
         if len(self) == 0:
-            return self
+            self.not_held = f"{self.name} holds no images"
+            return None
         first = self.image(0)
         if first.numel() * len(self) > limit_bytes:
-            return self
+            self.not_held = (f"the {len(self)} images of {self.name} take "
+                             f"{first.numel() * len(self) / 2**30:.3g} GiB, over the "
+                             f"{max(0.0, limit_bytes) / 2**30:.3g} GiB left of "
+                             f"--in-memory-limit-gb")
+            return None
         images = torch.empty((len(self), *first.shape), dtype=torch.uint8)
         for index in range(len(self)):
             image = self.image(index)
             if image.shape != first.shape:
-                return self
+                self.not_held = (f"the images of {self.name} differ in size "
+                                 f"({'x'.join(map(str, first.shape[1:]))} and "
+                                 f"{'x'.join(map(str, image.shape[1:]))}, height x width)")
+                return None
             images[index] = image
         return ArraySource(images, self.labels)
+
+
+def held_in_memory(sources: Sequence[DatasetSource], config) -> Optional[list[ArraySource]]:
+    """Every source decoded into memory, on one --in-memory-limit-gb budget for all, or none
+    of them (None); --in-memory always refuses in one line when they cannot be, as it does
+    for the command line's data."""
+    held, left = [], config.in_memory_limit_gb * 2**30
+    for source in sources:
+        decoded = source.materialize(left)
+        if decoded is None:
+            if config.in_memory == "always":
+                raise UsageError(f"--in-memory always: the data cannot be held in memory: "
+                                 f"{source.not_held}; use --in-memory auto (or never) to decode "
+                                 f"the images per step")
+            return None
+        held.append(decoded)
+        left -= decoded.images.numel()
+    return held
 
 
 def kept_items(source: DatasetSource, limit: Optional[int], how: str) -> DatasetSource:
@@ -201,8 +229,7 @@ def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> Loaded
     train, held_out = (kept_items(train, config.max_train_samples, config.sample_subset),
                        kept_items(held_out, config.max_eval_samples, config.sample_subset))
     if config.in_memory != "never":
-        limit = config.in_memory_limit_gb * 2**30
-        train, held_out = train.in_memory(limit), held_out.in_memory(limit)
+        train, held_out = held_in_memory([train, held_out], config) or (train, held_out)
     return LoadedData(train, held_out, class_names, f"{type(train_dataset).__name__} "
                                                     f"({description})", from_program=True,
                       sample_subset=cut)

@@ -155,6 +155,7 @@ def test_images_are_decoded_into_memory_where_they_fit_and_share_one_size():
                               "width)")
     empty = DatasetSource(Items(2), torch.tensor([0, 1]), np.arange(0), "eval_dataset")
     assert empty.materialize(limit_bytes=1e9) is None
+    assert empty.not_held == "eval_dataset holds no images"
 
 
 @pytest.mark.parametrize("mode", ["auto", "always"])
@@ -178,6 +179,11 @@ def test_both_parts_are_held_on_one_budget_or_neither(mode):
         "--in-memory always: the data cannot be held in memory: the 4 images of eval_dataset "
         "take 4.02e-07 GiB, over the 4.01e-07 GiB left of --in-memory-limit-gb; use "
         "--in-memory auto (or never) to decode the images per step")
+    # the training images take the whole budget: none is left for the held-out ones
+    with pytest.raises(UsageError, match=r"the 4 images of eval_dataset take 4\.02e-07 GiB, "
+                                         r"over the 0 GiB left of --in-memory-limit-gb"):
+        load_user_data(Items(8), Items(4), TrainConfig(
+            in_memory=mode, in_memory_limit_gb=8 * per_image / 2**30))
 
 
 def test_a_broken_image_names_the_item_it_came_from():

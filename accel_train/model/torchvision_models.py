@@ -55,16 +55,20 @@ def _shapes(model: nn.Module) -> dict[str, tuple]:
 
 def _same_outputs(model: nn.Module, builder, num_classes: int, image_size: int) -> bool:
     """Whether the builder's network, holding `model`'s weights, gives its logits for two
-    random images (eval mode: BatchNorm's statistics stay as they are)."""
+    random images (eval mode: BatchNorm's statistics stay as they are).  Both run on the
+    module's device (a GPU's TF32 convolutions would differ from the CPU's beyond the
+    tolerance)."""
+    device = weights_device(model)
     candidate = builder(num_classes=num_classes)
     candidate.load_state_dict(model.state_dict())
+    candidate.to(device)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             torch.manual_seed(0)
-            images = torch.rand(2, 3, image_size, image_size)
-            ours = logits_from(model(images.to(weights_device(model)))).float().cpu()
+            images = torch.rand(2, 3, image_size, image_size).to(device)
+            ours = logits_from(model(images)).float()
             theirs = logits_from(candidate.eval()(images)).float()
         return ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5)
     finally:

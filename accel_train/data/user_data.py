@@ -82,25 +82,21 @@ def labels_of(dataset, name: str) -> torch.Tensor:
         targets = dataset[column] if column is not None else None
     if targets is None:
         targets = [split_item(dataset[i], f"{name}[{i}]")[1] for i in range(len(dataset))]
-    try:
-        labels = torch.as_tensor([int(t) for t in targets], dtype=torch.long)
-    except (TypeError, ValueError):
-        found = next(t for t in targets if not _is_index(t))
-        raise UsageError(f"{name}: labels must be class indices 0..N-1 (integers), found "
-                         f"{repr(found)[:40]} ({type(found).__name__}); map class names to "
-                         f"indices, say {{name: i for i, name in enumerate(sorted(names))}}, "
-                         f"and pass the names in that order as the dataset's `classes`") from None
+    labels = torch.as_tensor([class_index(t, name) for t in targets], dtype=torch.long)
     if len(labels) and labels.min() < 0:
         raise UsageError(f"{name}: labels must be class indices 0..N-1, found {labels.min()}")
     return labels
 
 
-def _is_index(value: Any) -> bool:
+def class_index(label: Any, name: str) -> int:
+    """One label as a class index; a name or anything else int() refuses is one line."""
     try:
-        int(value)
-        return True
+        return int(label)
     except (TypeError, ValueError):
-        return False
+        raise UsageError(f"{name}: labels must be class indices 0..N-1 (integers), found "
+                         f"{repr(label)[:40]} ({type(label).__name__}); map class names to "
+                         f"indices, say {{name: i for i, name in enumerate(sorted(names))}}, "
+                         f"and pass the names in that order as the dataset's `classes`") from None
 
 
 def class_names_of(dataset, labels: Sequence[torch.Tensor]) -> list[str]:

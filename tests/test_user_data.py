@@ -112,6 +112,33 @@ def test_labels_come_from_targets_a_label_column_or_the_items():
         labels_of(LabelsOnly([0, None]), "train_dataset")
 
 
+@pytest.mark.parametrize("label", [0.7, np.float64(2.5), torch.tensor(1.25)])
+def test_a_fractional_label_is_refused_rather_than_truncated(label):
+    # int() alone turned 0.7 into class 0: a soft label would have trained as a wrong hard one
+    with pytest.raises(UsageError) as refused:
+        labels_of(LabelsOnly([1, label]), "train_dataset")
+    assert str(refused.value) == (
+        f"train_dataset: labels must be class indices 0..N-1 (integers), found {float(label):g}, "
+        "which is not a whole number; pass each image's class index (for soft targets, "
+        "label_smoothing= smooths the one-hot ones)")
+
+
+def test_whole_floats_and_one_element_labels_are_the_indices_they_hold():
+    held = [2.0, np.float32(1.0), torch.tensor([3]), np.array([0]), torch.tensor(4.0)]
+    assert labels_of(LabelsOnly(held), "train_dataset").tolist() == [2, 1, 3, 0, 4]
+
+
+@pytest.mark.parametrize("label, kind, shape", [
+    (torch.tensor([0.0, 1.0, 0.0]), "Tensor", (3,)), (np.eye(4)[2], "ndarray", (4,)),
+    ([0, 1], "list", (2,)), (torch.zeros(0), "Tensor", (0,))])
+def test_a_one_hot_label_is_one_line_naming_its_shape(label, kind, shape):
+    with pytest.raises(UsageError) as refused:
+        labels_of(LabelsOnly([label]), "eval_dataset")
+    assert str(refused.value) == (
+        f"eval_dataset: each label must be one class index, found a {kind} of shape {shape} "
+        "(one-hot or soft labels?); pass the class index, say label.argmax()")
+
+
 class Named(Items):
     classes = ["cat", "dog", "eel"]
 

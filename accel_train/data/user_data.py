@@ -12,6 +12,7 @@ uint8 pixels until normalisation.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -89,14 +90,28 @@ def labels_of(dataset, name: str) -> torch.Tensor:
 
 
 def class_index(label: Any, name: str) -> int:
-    """One label as a class index; a name or anything else int() refuses is one line."""
+    """One label as a class index. int() alone would truncate a fractional label (a soft label's
+    0.7 became class 0 and trained silently), so the value must survive the conversion."""
+    shape = tuple(label.shape) if hasattr(label, "shape") else (
+        np.shape(label) if isinstance(label, (list, tuple)) else ())
+    if math.prod(shape) != 1:
+        raise UsageError(f"{name}: each label must be one class index, found a "
+                         f"{type(label).__name__} of shape {shape} (one-hot or soft labels?); "
+                         f"pass the class index, say label.argmax()")
+    value = label.item() if hasattr(label, "item") else label  # numpy's int() takes 0-d only
     try:
-        return int(label)
+        index = int(value)
+        exact = float(value) == index
     except (TypeError, ValueError):
         raise UsageError(f"{name}: labels must be class indices 0..N-1 (integers), found "
                          f"{repr(label)[:40]} ({type(label).__name__}); map class names to "
                          f"indices, say {{name: i for i, name in enumerate(sorted(names))}}, "
                          f"and pass the names in that order as the dataset's `classes`") from None
+    if not exact:
+        raise UsageError(f"{name}: labels must be class indices 0..N-1 (integers), found "
+                         f"{float(value):g}, which is not a whole number; pass each image's class "
+                         f"index (for soft targets, label_smoothing= smooths the one-hot ones)")
+    return index
 
 
 def class_names_of(dataset, labels: Sequence[torch.Tensor]) -> list[str]:

@@ -4,6 +4,7 @@ export rebuild the network through it.  Oracles: torchvision's own builders and 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import accel_train
+from accel_train.model.saved import builder_makes_class
 from accel_train.model.torchvision_models import torchvision_builder
 from conftest import model_spec_of, run
 from test_api import Squares
@@ -98,3 +100,54 @@ def test_a_torchvision_module_fit_trained_is_rebuilt_by_predict_through_its_buil
     assert [p["index"] for p in top] == expected.argsort(descending=True).tolist()
     assert [p["probability"] for p in top] == pytest.approx(
         expected.sort(descending=True).values.tolist(), abs=1e-5)
+
+
+def fit_resnet18(tmp_path, name: str, **options):
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=2)
+    return accel_train.fit(model, Squares(16), Squares(8), batch_size=8, epochs=2,
+                           mixed_precision="no", channels_last=False, augment=False,
+                           progress="log", plots=False, output_dir=str(tmp_path / name),
+                           **options)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_recorded_the_torchvision_class_resumes_bit_identically(tmp_path):
+    """Earlier versions recorded a torchvision module by its class
+    (torchvision.models.resnet:ResNet): such a checkpoint resumes into the weights of the run
+    that was never stopped, and the run then records the builder."""
+    whole = fit_resnet18(tmp_path, "whole")
+
+    class StopAfterFirstCheckpoint(accel_train.callbacks.Callback):
+        def on_checkpoint(self, trainer, path):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fit_resnet18(tmp_path, "halves", callbacks=[StopAfterFirstCheckpoint()])
+    specs = list((tmp_path / "halves").rglob("model_config.json"))
+    assert len(specs) == 1
+    earlier = json.loads(specs[0].read_text())
+    assert earlier["model_name"] == "torchvision.models:resnet18"
+    specs[0].write_text(json.dumps({**earlier, "model_name": "torchvision.models.resnet:ResNet"}))
+    # as that version wrote it: the manifest's checksum is of the file it holds
+    manifest_path = specs[0].parent / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][specs[0].name] = {"sha256": hashlib.sha256(specs[0].read_bytes()).hexdigest(),
+                                        "bytes": specs[0].stat().st_size}
+    manifest_path.write_text(json.dumps(manifest))
+    halves = fit_resnet18(tmp_path, "halves", resume="auto")
+    a = load_file(str(whole / "model.safetensors"))
+    b = load_file(str(halves / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert model_spec_of(halves)["model_name"] == "torchvision.models:resnet18"
+
+
+def test_only_the_class_a_torchvision_builder_returns_is_its_earlier_name():
+    assert builder_makes_class("torchvision.models:resnet18", "torchvision.models.resnet:ResNet")
+    assert builder_makes_class("torchvision.models:vgg11", "torchvision.models.vgg:VGG")
+    for builder, cls in [("torchvision.models:resnet18", "torchvision.models.vgg:VGG"),
+                         ("torchvision.models:no_such_net", "torchvision.models.resnet:ResNet"),
+                         ("resnet18", "torchvision.models.resnet:ResNet"),
+                         ("torchvision.models:resnet18", "mypackage.nets:ResNet"),
+                         ("torchvision.models:resnet18", "torchvision.models.resnet:BasicBlock")]:
+        assert not builder_makes_class(builder, cls), (builder, cls)

@@ -17,12 +17,14 @@ hold: `ModelSpec.read` reads both.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torchvision
 from timm.data.constants import DEFAULT_CROP_MODE, DEFAULT_CROP_PCT
 from torch import nn
 
@@ -69,6 +71,21 @@ def normalization_flags(spec: "ModelSpec") -> str:
             f"--std {' '.join(f'{v:.6g}' for v in spec.std)}")
 
 
+def builder_makes_class(builder_name: str, class_path: str) -> bool:
+    """Whether `builder_name` is a torchvision builder (torchvision.models:resnet18) returning
+    the class `class_path` names (torchvision.models.resnet:ResNet): earlier versions recorded a
+    torchvision module fit() trained by its class, this one by its builder
+    (torchvision_models.py), and a checkpoint of either holds the same network's state."""
+    prefix, _, name = builder_name.partition(":")
+    if prefix != "torchvision.models" or not class_path.startswith("torchvision.models."):
+        return False
+    try:
+        made = inspect.signature(torchvision.models.get_model_builder(name)).return_annotation
+    except ValueError:  # not one of torchvision's builders
+        return False
+    return isinstance(made, type) and class_path == f"{made.__module__}:{made.__qualname__}"
+
+
 @dataclass
 class ModelSpec:
     """Everything needed to rebuild the network and feed it images like training did."""
@@ -108,7 +125,9 @@ class ModelSpec:
         (restored before the weights, so that another --model is one line, not a state-dict
         size mismatch)."""
         saved = ModelSpec.read(directory)
-        if (saved.model_name, saved.num_classes) != (self.model_name, self.num_classes):
+        same_network = (saved.model_name == self.model_name
+                        or builder_makes_class(self.model_name, saved.model_name))
+        if not same_network or saved.num_classes != self.num_classes:
             raise UsageError(f"checkpoint {directory} was trained with --model "
                              f"{saved.model_name} ({saved.num_classes} classes) but this start "
                              f"builds {self.model_name} ({self.num_classes} classes); resume "

@@ -415,3 +415,22 @@ def test_dataset_statistics():
     mean, std = dataset_mean_std(ArraySource(images, torch.zeros(10, dtype=torch.long)))
     assert mean == pytest.approx((0.2, 0.2, 0.2), abs=1e-4)
     assert std == pytest.approx((0.001,) * 3)  # clamped: never divide by zero
+
+
+def test_the_splits_share_one_in_memory_budget_or_stay_on_disk_together(tmp_path):
+    """12 training and 6 validation images of 12x12 RGB: 432 bytes each, 7,776 in all."""
+    _write_class_folders(tmp_path / "train", 4)
+    _write_class_folders(tmp_path / "val", 2)
+    both = 18 * 432 / 2**30
+    held = load_data(config(data_dir=str(tmp_path), in_memory_limit_gb=both))
+    assert isinstance(held.train, ArraySource) and isinstance(held.held_out, ArraySource)
+    for limit in (both - 1 / 2**30, 12 * 432 / 2**30):  # a byte short; the training part's own
+        on_disk = load_data(config(data_dir=str(tmp_path), in_memory_limit_gb=limit))
+        assert isinstance(on_disk.train, HFSource) and isinstance(on_disk.held_out, HFSource)
+    with pytest.raises(UsageError) as refused:
+        load_data(config(data_dir=str(tmp_path), in_memory="always",
+                         in_memory_limit_gb=12 * 432 / 2**30))
+    assert str(refused.value) == (
+        "--in-memory always: the data cannot be held in memory: its 6 held-out images take "
+        f"{6 * 432 / 2**30:.3g} GiB, over the 0 GiB left of --in-memory-limit-gb; use "
+        "--in-memory auto (or never) to decode the images per step")

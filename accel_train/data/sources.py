@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -301,6 +301,7 @@ class HFSource(ImageSource):
         """Decode every image once into memory, or None if sizes differ or it would not fit.
         Images that cannot be decoded get their substitutes (or raise, see _met_bad)."""
         if len(self) == 0:
+            self.not_held = f"its {self.split} split holds no images"
             return None
         first = self.image(0)  # a substitute's, if image 0 is broken: the shape is what counts
         if first.numel() * len(self) > limit_bytes:
@@ -339,6 +340,25 @@ class HFSource(ImageSource):
                 images[index], labels[index] = images[used], labels[used]
         return ArraySource(images, labels, [BadImage(self.split, index, self.name(index), why)
                                             for index, why in sorted(bad.items())])
+
+
+def held_in_memory(sources: Sequence, config) -> Optional[list[ArraySource]]:
+    """Every source decoded into memory (each one's `materialize`), on one
+    --in-memory-limit-gb budget for all, or none of them (None): a held training split beside a
+    held-out one decoded per step would gain little.  --in-memory always refuses in one line
+    naming the source that could not be held and why (its `not_held`)."""
+    held, left = [], config.in_memory_limit_gb * 2**30
+    for source in sources:
+        decoded = source.materialize(left)
+        if decoded is None:
+            if config.in_memory == "always":
+                raise UsageError(f"--in-memory always: the data cannot be held in memory: "
+                                 f"{source.not_held}; use --in-memory auto (or never) to decode "
+                                 f"the images per step")
+            return None
+        held.append(decoded)
+        left -= decoded.images.numel()
+    return held
 
 
 @dataclass
@@ -734,21 +754,11 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True) 
     held = config.in_memory == "always" or (config.in_memory == "auto"
                                             and config.decode_on_device != "always")
     if held:
-        # one budget for all the splits held (each was held to all of it)
-        decoded, left = [], config.in_memory_limit_gb * 2**30
-        for source in sources:
-            decoded.append(source.materialize(left) if left > 0 else None)
-            if decoded[-1] is None:
-                break
-            left -= decoded[-1].images.numel()
-        if len(decoded) == len(sources) and all(d is not None for d in decoded):
+        decoded = held_in_memory(sources, config)
+        if decoded is not None:
             refuse_classes_left_unreadable(sources[0], decoded[0], class_names)
             sources = decoded
             bad = [image for source in decoded for image in source.bad_images]
-        elif config.in_memory == "always":
-            why = sources[len(decoded) - 1].not_held or "no images to hold"
-            raise UsageError(f"--in-memory always: the data cannot be held in memory: {why}; "
-                             f"use --in-memory auto (or never) to decode the images per step")
     for source in sources:
         if isinstance(source, HFSource):
             source.on_substitute = warn_substitute

@@ -22,7 +22,7 @@ from PIL import Image
 from accel_train.base.errors import UsageError, first_few
 from accel_train.data.sample_limits import kept_positions, subset_if_cut
 from accel_train.data.sources import (IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, ArraySource,
-                                      ImageSource, LoadedData, carve_rows)
+                                      ImageSource, LoadedData, carve_rows, held_in_memory)
 
 
 def as_uint8_chw(value: Any, where: str) -> torch.Tensor:
@@ -167,24 +167,6 @@ class DatasetSource(ImageSource):
                 return None
             images[index] = image
         return ArraySource(images, self.labels)
-
-
-def held_in_memory(sources: Sequence[DatasetSource], config) -> Optional[list[ArraySource]]:
-    """Every source decoded into memory, on one --in-memory-limit-gb budget for all, or none
-    of them (None); --in-memory always refuses in one line when they cannot be, as it does
-    for the command line's data."""
-    held, left = [], config.in_memory_limit_gb * 2**30
-    for source in sources:
-        decoded = source.materialize(left)
-        if decoded is None:
-            if config.in_memory == "always":
-                raise UsageError(f"--in-memory always: the data cannot be held in memory: "
-                                 f"{source.not_held}; use --in-memory auto (or never) to decode "
-                                 f"the images per step")
-            return None
-        held.append(decoded)
-        left -= decoded.images.numel()
-    return held
 
 
 def kept_items(source: DatasetSource, limit: Optional[int], how: str) -> DatasetSource:

@@ -48,7 +48,9 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
     dataset) whose items are `(image, label)` or a dict with both; an image is a PIL image, a
     uint8 or float (0-1) CHW tensor or an HWC numpy array (RGB), a label a class index (the
     dataset's `classes`, where it has them, name the indices). Without `eval_dataset`,
-    `val_fraction` of the training set is held out for validation with a fixed seed.
+    `val_fraction` of the training set is held out for validation with a fixed seed.  No
+    random transforms in them: the run augments the images itself (refused at the start; a
+    dataset's own augmentation alone trains with augment=False and in_memory='never').
     `callbacks`: `accel_train.callbacks.Callback` instances. `options`: `TrainConfig`'s fields.
 
     The run records the module by its class's import name, through which `eval`, `predict` and

@@ -6,11 +6,14 @@ and hand-counted sizes."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
+from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 
 from accel_train.base.errors import UsageError
@@ -268,7 +271,8 @@ class Broken(Items):
 
 
 def test_a_bad_item_is_named_by_its_dataset_and_position_however_the_parts_were_made():
-    carved = load_user_data(Broken(10), None, TrainConfig(in_memory="never", val_fraction=0.5))
+    # (item 5 is not the first of its part: the start reads each part's first item)
+    carved = load_user_data(Broken(10), None, TrainConfig(in_memory="never", val_fraction=0.3))
     given = load_user_data(Items(10), Broken(8), TrainConfig(in_memory="never"))
     cut = load_user_data(Broken(10), Items(4), TrainConfig(
         in_memory="never", max_train_samples=8, sample_subset="first"))
@@ -333,3 +337,71 @@ def test_integer_images_other_than_uint8_and_non_images_are_one_line():
     grey = np.asarray(Image.fromarray(np.arange(12, dtype=np.uint8).reshape(3, 4)))
     assert torch.equal(as_uint8_chw(grey[..., None], "x"),  # (H, W, 1): numpy's grey channel
                        pil_to_tensor(Image.fromarray(grey).convert("RGB")))
+
+
+class Transformed(Items):
+    """Items(count) as PIL images through `transform`, as torchvision's datasets apply one."""
+
+    def __init__(self, count: int, transform):
+        super().__init__(count)
+        self.transform = transform
+
+    def __getitem__(self, index):
+        image = Image.fromarray(pixels(index, size=16).permute(1, 2, 0).numpy())
+        return self.transform(image), index % 2
+
+
+def python_random_flip(image):  # an albumentations-style transform: Python's generator
+    return image.transpose(Image.FLIP_LEFT_RIGHT) if random.random() < 0.5 else image
+
+
+def numpy_random_shift(image):
+    return Image.fromarray(np.roll(np.asarray(image), np.random.randint(1, 16), axis=1))
+
+
+TRAIN_REFUSAL = (
+    "train_dataset: its images change each time they are read (a random transform of its own: "
+    "RandomResizedCrop, RandomHorizontalFlip, ...); the run augments the images itself, and held "
+    "in memory yours would be one draw: give the dataset no random transform (PIL images, or "
+    "Resize alone), or keep yours with augment=False and in_memory='never'")
+
+
+def held_out_refusal(where: str) -> str:
+    return (f"{where}: its images change each time they are read (a random transform of its "
+            f"own), and validation must score the same images at every evaluation: pass "
+            f"eval_dataset= a dataset with a deterministic transform (Resize and CenterCrop, or "
+            f"none)")
+
+
+RANDOM_TRANSFORMS = [v2.Compose([v2.RandomResizedCrop(8), v2.PILToTensor()]),
+                     v2.RandomHorizontalFlip(), python_random_flip, numpy_random_shift]
+
+
+@pytest.mark.parametrize("transform", RANDOM_TRANSFORMS,
+                         ids=["torchvision-crop", "torchvision-flip", "python", "numpy"])
+def test_a_dataset_with_its_own_random_transform_is_refused_unless_it_augments_alone(transform):
+    deterministic = Transformed(8, v2.Resize(8))
+    for options in ({}, {"in_memory": "never"}, {"augment": False}):
+        with pytest.raises(UsageError) as refused:
+            load_user_data(Transformed(16, transform), deterministic, TrainConfig(**options))
+        assert str(refused.value) == TRAIN_REFUSAL
+    alone = TrainConfig(augment=False, in_memory="never")
+    data = load_user_data(Transformed(16, transform), deterministic, alone)
+    assert data.train.dataset.transform is transform  # read per step, its transform each time
+    with pytest.raises(UsageError) as refused:
+        load_user_data(Transformed(16, transform), None, alone)
+    assert str(refused.value) == held_out_refusal("train_dataset's held-out part (val_fraction)")
+    with pytest.raises(UsageError) as refused:
+        load_user_data(deterministic, Transformed(8, transform), TrainConfig())
+    assert str(refused.value) == held_out_refusal("eval_dataset")
+
+
+def test_a_deterministic_transform_is_read_as_it_is_and_the_generators_are_left_alone():
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    data = load_user_data(Transformed(16, v2.Resize(8)), None, TrainConfig(in_memory="never"))
+    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
+    assert np.array_equal(np.random.get_state()[1], states[2])
+    resized = v2.Resize(8)(Image.fromarray(pixels(0, size=16).permute(1, 2, 0).numpy()))
+    source = next(part for part in (data.train, data.held_out) if 0 in part.indices.tolist())
+    assert torch.equal(source.image(source.indices.tolist().index(0)), pil_to_tensor(resized))

@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 from accel_train.base.errors import UsageError, first_few
+from accel_train.base.randomness import seeded
 from accel_train.data.sample_limits import kept_positions, subset_if_cut
 from accel_train.data.sources import (IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, ArraySource,
                                       ImageSource, LoadedData, carve_rows, held_in_memory)
@@ -169,6 +170,41 @@ class DatasetSource(ImageSource):
         return ArraySource(images, self.labels)
 
 
+def changes_when_read(source: DatasetSource, reads: int = 8) -> bool:
+    """Whether the first item's image differs between reads with the global generators
+    (Python's, numpy's, torch's) seeded apart: the dataset applies a random transform of its
+    own (torchvision's RandomResizedCrop, an albumentations pipeline).  Eight reads: a flip
+    of probability 0.5 alone leaves all eight alike once in 128 transforms."""
+    with seeded(1):
+        first = source.image(0)
+    for key in range(2, reads + 1):
+        with seeded(key):
+            again = source.image(0)
+        if first.shape != again.shape or not torch.equal(first, again):
+            return True
+    return False
+
+
+def refuse_random_items(train: DatasetSource, held_out: DatasetSource, config) -> None:
+    """A dataset with a random transform of its own (the torchvision tutorials' training
+    transform) would train on one frozen draw where its images are held in memory, under the
+    run's own augmentation on top; its own augmentation alone is kept with augment=False and
+    in_memory='never'.  Validation needs the same images at every evaluation."""
+    if (config.augment or config.in_memory != "never") and changes_when_read(train):
+        raise UsageError("train_dataset: its images change each time they are read (a random "
+                         "transform of its own: RandomResizedCrop, RandomHorizontalFlip, ...); "
+                         "the run augments the images itself, and held in memory yours would "
+                         "be one draw: give the dataset no random transform (PIL images, or "
+                         "Resize alone), or keep yours with augment=False and in_memory='never'")
+    if changes_when_read(held_out):
+        where = ("eval_dataset" if held_out.dataset is not train.dataset else
+                 "train_dataset's held-out part (val_fraction)")
+        raise UsageError(f"{where}: its images change each time they are read (a random "
+                         f"transform of its own), and validation must score the same images "
+                         f"at every evaluation: pass eval_dataset= a dataset with a "
+                         f"deterministic transform (Resize and CenterCrop, or none)")
+
+
 def kept_items(source: DatasetSource, limit: Optional[int], how: str) -> DatasetSource:
     """--max-train-samples / --max-eval-samples: the items `limit` keeps, as of the CLI's data."""
     kept = kept_positions(len(source), limit, how)
@@ -213,6 +249,7 @@ def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> Loaded
                              f"classes it "
                              f"never trains on; give train_dataset items of those classes, or "
                              f"leave them out of eval_dataset")
+    refuse_random_items(train, held_out, config)
     class_names = class_names_of(train_dataset, all_labels)
     if len(class_names) < 2:
         raise UsageError(f"train_dataset: found {len(class_names)} class(es); a classifier "

@@ -215,6 +215,42 @@ def test_fit_resumes_bit_identically(tmp_path):
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
 
 
+class ShiftedSquares(Squares):
+    """Squares through a random transform of the dataset's own (a shift drawn from torch's
+    global generator), as a program keeps its own augmentation with augment=False."""
+
+    def __getitem__(self, index):
+        image, label = super().__getitem__(index)
+        image[:, :, 0] = 0  # a dark edge: no image is flat, so every shift shows
+        return torch.roll(image, int(torch.randint(-3, 4, ())), dims=2), label
+
+
+def test_a_datasets_own_augmentation_resumes_bit_identically_mid_epoch(tmp_path):
+    """Its draws are a function of the sample's place in the run, not of what the loader
+    worker drew before: a run stopped after a mid-epoch checkpoint and resumed ends with the
+    weights of the run that never stopped."""
+    def fit_own(name: str, **options):
+        torch.manual_seed(0)
+        return accel_train.fit(Tiny(), ShiftedSquares(64), Squares(16), batch_size=8, epochs=2,
+                               augment=False, in_memory="never", checkpoint_every=3,
+                               mixed_precision="no", channels_last=False, progress="log",
+                               plots=False, output_dir=str(tmp_path / name), **options)
+
+    whole = fit_own("whole")
+
+    class StopAtFirstCheckpoint(accel_train.callbacks.Callback):
+        def on_checkpoint(self, trainer, path):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fit_own("halves", callbacks=[StopAtFirstCheckpoint()])
+    assert [p.name for p in (tmp_path / "halves" / "checkpoints").iterdir()] == ["step_00000003"]
+    halves = fit_own("halves", resume="auto")
+    a = load_file(str(whole / "model.safetensors"))
+    b = load_file(str(halves / "model.safetensors"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+
+
 def test_callbacks_see_every_step_and_evaluation(tmp_path):
     seen = {"steps": [], "evaluations": 0}
 

@@ -388,6 +388,7 @@ def test_a_dataset_with_its_own_random_transform_is_refused_unless_it_augments_a
     alone = TrainConfig(augment=False, in_memory="never")
     data = load_user_data(Transformed(16, transform), deterministic, alone)
     assert data.train.dataset.transform is transform  # read per step, its transform each time
+    assert data.train.reads_randomly  # so the loader seeds each read (test_api: exact resume)
     with pytest.raises(UsageError) as refused:
         load_user_data(Transformed(16, transform), None, alone)
     assert str(refused.value) == held_out_refusal("train_dataset's held-out part (val_fraction)")
@@ -400,6 +401,7 @@ def test_a_deterministic_transform_is_read_as_it_is_and_the_generators_are_left_
     torch.manual_seed(3), random.seed(3), np.random.seed(3)
     states = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
     data = load_user_data(Transformed(16, v2.Resize(8)), None, TrainConfig(in_memory="never"))
+    assert not data.train.reads_randomly
     assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
     assert np.array_equal(np.random.get_state()[1], states[2])
     resized = v2.Resize(8)(Image.fromarray(pixels(0, size=16).permute(1, 2, 0).numpy()))

@@ -33,6 +33,7 @@ import torch
 # Salts keep keys of different purposes apart when the rest of the key is the same.
 MICRO_BATCH_SALT = 0x6D62  # the global generators before a micro-batch ("mb")
 LOADER_SALT = 0x6C64       # a loader's own generator ("ld")
+DATASET_READ_SALT = 0x6472  # the global generators while a program's dataset reads a sample ("dr")
 
 
 def derive_seed(*key: int) -> int:

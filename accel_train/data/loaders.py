@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from accel_train.data.augment import build_erasing, build_policy
 from accel_train.data.device_decode import encode_batch
 from accel_train.data.loader_watch import reading
-from accel_train.base.randomness import loader_generator
+from accel_train.base.randomness import DATASET_READ_SALT, loader_generator, seeded
 from accel_train.data.sources import ArraySource, ImageSource
 from accel_train.data.transforms import (ImageTransform, held_out_crop, held_out_transform,
                                          single_threaded)
@@ -158,8 +158,23 @@ class TrainImages(Dataset):
     def host_sample(self, epoch: int, index: int) -> tuple[torch.Tensor, int]:
         """One training image decoded and augmented here: (uint8 [3, S, S], the index whose
         image it is: a substitute's when its own cannot be decoded)."""
-        (image,), (used,) = read_samples(self.source, [index])
+        (image,), (used,) = self.read([epoch], [index])
         return self.transform.pixels(image, (self.seed, epoch, index)), used
+
+    def read(self, epochs, indices) -> tuple[list[torch.Tensor], list[int]]:
+        """The samples at `indices` as the source gives them.  A program's dataset with a random
+        transform of its own (user_data.py) draws from the global generators as it reads: each
+        read is seeded by its sample's place in the run, as the run's own augmentation is, so
+        that the draws do not depend on the worker or on what it read before (exact resume)."""
+        if not self.source.reads_randomly:
+            return read_samples(self.source, list(indices))
+        images, used = [], []
+        for epoch, index in zip(epochs, indices):
+            with seeded(self.seed, int(epoch), int(index), DATASET_READ_SALT):
+                (image,), (one,) = read_samples(self.source, [int(index)])
+            images.append(image)
+            used.append(one)
+        return images, used
 
     def host_batch(self, keys: list[int]) -> SampleBatch:
         """The batch decoded (if stored encoded) and augmented here, in a loader worker."""
@@ -168,7 +183,7 @@ class TrainImages(Dataset):
         marks = torch.full_like(indices, -1) if self.mark_replaced else None
         if not isinstance(self.source, ArraySource):  # decoded now
             # A replaced sample keeps its own index's augmentation: a function of the index.
-            images, used = read_samples(self.source, indices.tolist())
+            images, used = self.read(epochs.tolist(), indices.tolist())
             if len({image.shape for image in images}) == 1:  # one size: one batched transform
                 batch = self.transform.pixel_batch(torch.stack(images), self.seed,
                                                    epochs.numpy(), indices.numpy())

@@ -58,6 +58,9 @@ class ImageSource:
     """Indexable images (uint8 CHW RGB tensors) with integer labels."""
 
     labels: torch.Tensor
+    # reading an image draws from the global generators (a program's dataset with a random
+    # transform of its own: user_data.py), so the training loader seeds each read
+    reads_randomly: bool = False
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -174,7 +174,8 @@ def changes_when_read(source: DatasetSource, reads: int = 8) -> bool:
     """Whether the first item's image differs between reads with the global generators
     (Python's, numpy's, torch's) seeded apart: the dataset applies a random transform of its
     own (torchvision's RandomResizedCrop, an albumentations pipeline).  Eight reads: a flip
-    of probability 0.5 alone leaves all eight alike once in 128 transforms."""
+    of probability 0.5 alone leaves all eight alike once in 128 transforms (and a flat first
+    image hides any shift or flip)."""
     with seeded(1):
         first = source.image(0)
     for key in range(2, reads + 1):
@@ -185,12 +186,14 @@ def changes_when_read(source: DatasetSource, reads: int = 8) -> bool:
     return False
 
 
-def refuse_random_items(train: DatasetSource, held_out: DatasetSource, config) -> None:
+def refuse_random_items(train: DatasetSource, held_out: DatasetSource, config) -> bool:
     """A dataset with a random transform of its own (the torchvision tutorials' training
     transform) would train on one frozen draw where its images are held in memory, under the
     run's own augmentation on top; its own augmentation alone is kept with augment=False and
-    in_memory='never'.  Validation needs the same images at every evaluation."""
-    if (config.augment or config.in_memory != "never") and changes_when_read(train):
+    in_memory='never' (then True: the training images' reads draw at random).  Validation needs
+    the same images at every evaluation."""
+    random_train = changes_when_read(train)
+    if random_train and (config.augment or config.in_memory != "never"):
         raise UsageError("train_dataset: its images change each time they are read (a random "
                          "transform of its own: RandomResizedCrop, RandomHorizontalFlip, ...); "
                          "the run augments the images itself, and held in memory yours would "
@@ -203,6 +206,7 @@ def refuse_random_items(train: DatasetSource, held_out: DatasetSource, config) -
                          f"transform of its own), and validation must score the same images "
                          f"at every evaluation: pass eval_dataset= a dataset with a "
                          f"deterministic transform (Resize and CenterCrop, or none)")
+    return random_train
 
 
 def kept_items(source: DatasetSource, limit: Optional[int], how: str) -> DatasetSource:
@@ -249,7 +253,6 @@ def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> Loaded
                              f"classes it "
                              f"never trains on; give train_dataset items of those classes, or "
                              f"leave them out of eval_dataset")
-    refuse_random_items(train, held_out, config)
     class_names = class_names_of(train_dataset, all_labels)
     if len(class_names) < 2:
         raise UsageError(f"train_dataset: found {len(class_names)} class(es); a classifier "
@@ -258,6 +261,7 @@ def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> Loaded
                         (len(held_out), config.max_eval_samples))
     train, held_out = (kept_items(train, config.max_train_samples, config.sample_subset),
                        kept_items(held_out, config.max_eval_samples, config.sample_subset))
+    train.reads_randomly = refuse_random_items(train, held_out, config)
     if config.in_memory != "never":
         train, held_out = held_in_memory([train, held_out], config) or (train, held_out)
     return LoadedData(train, held_out, class_names, f"{type(train_dataset).__name__} "

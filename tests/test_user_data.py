@@ -113,6 +113,11 @@ def test_labels_come_from_targets_a_label_column_or_the_items():
     with pytest.raises(UsageError, match=r"^train_dataset: labels must be class indices 0\.\.N-1 "
                                          r"\(integers\), found None \(NoneType\); map class names"):
         labels_of(LabelsOnly([0, None]), "train_dataset")
+    with pytest.raises(UsageError) as refused:  # a long name: its first 40 characters
+        labels_of(LabelsOnly(["n02085620-" + "Chihuahua" * 8]), "train_dataset")
+    assert str(refused.value).startswith(
+        "train_dataset: labels must be class indices 0..N-1 (integers), found "
+        "'n02085620-ChihuahuaChihuahuaChihuahuaCh (str); map class names")
 
 
 @pytest.mark.parametrize("label", [0.7, np.float64(2.5), torch.tensor(1.25)])

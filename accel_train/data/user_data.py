@@ -93,8 +93,7 @@ def labels_of(dataset, name: str) -> torch.Tensor:
 def class_index(label: Any, name: str) -> int:
     """One label as a class index. int() alone would truncate a fractional label (a soft label's
     0.7 became class 0 and trained silently), so the value must survive the conversion."""
-    shape = tuple(label.shape) if hasattr(label, "shape") else (
-        np.shape(label) if isinstance(label, (list, tuple)) else ())
+    shape = tuple(label.shape) if hasattr(label, "shape") else np.shape(label)
     if math.prod(shape) != 1:
         raise UsageError(f"{name}: each label must be one class index, found a "
                          f"{type(label).__name__} of shape {shape} (one-hot or soft labels?); "

@@ -18,7 +18,9 @@ from torchvision.transforms.functional import pil_to_tensor
 
 from accel_train.base.errors import UsageError
 from accel_train.config import TrainConfig
+from accel_train.data.loaders import TrainImages
 from accel_train.data.sources import ArraySource
+from accel_train.data.transforms import ImageTransform
 from accel_train.data.user_data import (DatasetSource, as_uint8_chw, class_names_of,
                                         labels_of, load_user_data, split_item)
 
@@ -412,3 +414,28 @@ def test_a_deterministic_transform_is_read_as_it_is_and_the_generators_are_left_
     resized = v2.Resize(8)(Image.fromarray(pixels(0, size=16).permute(1, 2, 0).numpy()))
     source = next(part for part in (data.train, data.held_out) if 0 in part.indices.tolist())
     assert torch.equal(source.image(source.indices.tolist().index(0)), pil_to_tensor(resized))
+
+
+class OnePicture(Transformed):
+    """Every item the same picture through `transform`: what differs between reads is the draw."""
+
+    def __getitem__(self, index):
+        return super().__getitem__(0)[0], index % 2
+
+
+def test_a_datasets_own_random_reads_are_a_function_of_the_samples_place_in_the_run():
+    """The training reads of a dataset that augments alone: the same (seed, epoch, index) gives
+    the same crop whatever was read before it, another epoch, index or seed another crop."""
+    crop = v2.Compose([v2.RandomCrop(10), v2.PILToTensor()])
+    data = load_user_data(OnePicture(16, crop), Items(4),
+                          TrainConfig(augment=False, in_memory="never"))
+    reads = TrainImages(data.train, ImageTransform(10, (0.0,) * 3, (1.0,) * 3), seed=5)
+    states = torch.get_rng_state(), random.getstate()
+    alone = reads[3][0]
+    after_others = reads.__getitems__([0, 1, 2, 3])[3][0]
+    assert torch.equal(alone, after_others) and torch.equal(reads[3][0], alone)
+    assert (torch.equal(torch.get_rng_state(), states[0]), random.getstate()) == (True, states[1])
+    n = len(data.train)
+    again = TrainImages(data.train, ImageTransform(10, (0.0,) * 3, (1.0,) * 3), seed=6)
+    for other in (reads[3 + n][0], reads[4][0], again[3][0]):  # epoch, index, seed
+        assert not torch.equal(other, alone)

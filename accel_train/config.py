@@ -63,7 +63,8 @@ class TrainConfig:
                                          "data")
     val_fraction: float = option(0.1, "Fraction of train carved off (deterministically, seed 0) "
                                  "for validation when the data has no validation split (a test "
-                                 "split is then kept for one evaluation at the end).", "data")
+                                 "split is then kept for one evaluation at the end; a class it "
+                                 "would hold out whole keeps one image for training).", "data")
     select_on_test: bool = option(False, "With only train and test splits, use the test split "
                                   "for validation and selection (best checkpoints, EMA or raw "
                                   "weights) instead of carving --val-fraction from train; the "

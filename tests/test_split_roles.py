@@ -6,11 +6,13 @@ splits and row counts built here."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from accel_train.base.errors import UsageError
@@ -90,10 +92,12 @@ def test_a_carve_that_leaves_nothing_to_train_is_one_line(tmp_path):
     line = one_line(tmp_path, data, "--val-fraction", "0.999")
     assert line.endswith("--val-fraction 0.999 holds out all 20 training images, leaving none "
                          "to train on; choose a smaller fraction (0.1 holds out 2)"), line
-    # the largest fraction that leaves one image trains, and says so as a percentage
+    # the largest fraction that leaves one image trains, and says so as a percentage; the
+    # other class's first held-out image trains too
     loaded = load_data(TrainConfig(data_dir=str(data), val_fraction=0.95, in_memory="never"))
-    assert (len(loaded.train), len(loaded.held_out)) == (1, 19)
-    assert "train minus 95% for validation" in loaded.description
+    assert (len(loaded.train), len(loaded.held_out)) == (2, 18)
+    assert sorted(loaded.train.labels.tolist()) == [0, 1]
+    assert "train minus 95% for validation; 1 held-out image(s)" in loaded.description
 
 
 @pytest.mark.parametrize("validation, test", [("dev", "testing"), ("valid", "test")])
@@ -315,3 +319,65 @@ def test_the_carved_rows_are_arrays_torch_takes_without_a_warning():
         parts = carve_rows(num_rows, fraction)
         assert all(part.flags.writeable for part in parts), (num_rows, fraction)
         np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(num_rows))
+
+
+def datasets_own_carve(num_rows: int, fraction: float) -> tuple[list[int], list[int]]:
+    """The oracle: datasets' train_test_split with the product's fixed seed, called here."""
+    parts = datasets.Dataset.from_dict({"row": list(range(num_rows))}).train_test_split(
+        test_size=fraction, seed=0, shuffle=True)
+    return list(parts["train"]["row"]), list(parts["test"]["row"])
+
+
+def test_a_class_the_draw_holds_out_whole_keeps_its_first_held_out_image_for_training():
+    """83 rows: classes 0 and 1 of 40, class 2 of one image (row 80), class 3 of two (81, 82).
+    At 0.68 datasets' draw holds out both of class 3's: the model would never train on it."""
+    labels = np.array([0] * 40 + [1] * 40 + [2] + [3, 3])
+    plain_train, plain_held = datasets_own_carve(83, 0.68)
+    assert {81, 82} <= set(plain_held) and 80 in plain_train  # the premise
+    back = next(row for row in plain_held if labels[row] == 3)  # the first held out, by order
+    for given in (labels, torch.as_tensor(labels), labels.tolist()):  # fit()'s and the CLI's
+        train, held = carve_rows(83, 0.68, given)
+        assert train.tolist() == plain_train + [back]
+        assert held.tolist() == [row for row in plain_held if row != back]
+    # a draw that trains every class is datasets' own, as carve_rows without labels gives it
+    train, held = carve_rows(83, 0.3, labels)
+    assert (train.tolist(), held.tolist()) == datasets_own_carve(83, 0.3)
+    assert set(labels[train]) == {0, 1, 2, 3}
+
+
+def test_rows_with_no_class_stay_held_out_and_a_carve_of_only_classes_never_trained_is_refused():
+    plain_train, plain_held = datasets_own_carve(4, 0.5)
+    labels = np.array([0, 0, 0, 0])
+    labels[plain_held] = -1  # unlabelled: no class to train
+    train, held = carve_rows(4, 0.5, labels)
+    assert (train.tolist(), held.tolist()) == (plain_train, plain_held)
+    labels = np.array([0, 0, 0, 0])
+    labels[plain_held] = [1, 2]  # each held-out image the only one of its class
+    with pytest.raises(UsageError) as raised:
+        carve_rows(4, 0.5, labels)
+    assert str(raised.value) == (
+        "--val-fraction holds out 2 image(s), each of a class with no other image to train on; "
+        "give those classes more images, or a validation split of your own")
+
+
+def test_an_image_folder_carve_trains_every_class_and_says_what_it_gave_back(tmp_path):
+    """The folder read by datasets' own imagefolder builder is the oracle for which image is
+    which row; the run's training images then hold all four classes."""
+    counts = {"a": 40, "b": 40, "c": 1, "d": 2}
+    for name, count in counts.items():
+        for i in range(count):
+            path = tmp_path / "data" / name / f"{i}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((8, 8, 3), i, dtype=np.uint8)).save(path)
+    read = datasets.load_dataset("imagefolder", data_dir=str(tmp_path / "data"), split="train")
+    labels = np.array(read["label"])
+    _, plain_held = datasets_own_carve(83, 0.68)
+    d = read.features["label"].names.index("d")
+    assert set(np.flatnonzero(labels == d)) <= set(plain_held)  # the premise: d held out whole
+    data = load_data(TrainConfig(data_dir=str(tmp_path / "data"), val_fraction=0.68,
+                                 in_memory="always"))
+    assert sorted(set(data.train.labels.tolist())) == [0, 1, 2, 3]
+    assert len(data.held_out) == math.ceil(83 * 0.68) - 1
+    assert data.description.endswith(
+        "(train minus 68% for validation; 1 held-out image(s) trained on instead: no other "
+        "image of their class was left for training)"), data.description

@@ -90,6 +90,35 @@ def test_without_an_eval_dataset_the_held_out_part_is_carved_from_the_training_i
     assert data.description == "Items (train_dataset minus 25% held out)"
 
 
+class Targets(Items):
+    """Items whose labels are `targets` (torchvision's attribute), images as Items'."""
+
+    def __init__(self, targets):
+        super().__init__(len(targets))
+        self.targets = targets
+
+    def __getitem__(self, index):
+        return pixels(index), self.targets[index]
+
+
+def test_a_carve_holding_a_class_out_whole_trains_on_its_first_held_out_item():
+    """datasets' own draw, called here, holds out both items of class 3 at 0.68 of 83; fit()'s
+    carve gives the first of them back for training (the model would never learn class 3)."""
+    from datasets import Dataset as HFDataset
+    targets = [0] * 40 + [1] * 40 + [2] + [3, 3]
+    draw = HFDataset.from_dict({"row": list(range(83))}).train_test_split(
+        test_size=0.68, seed=0, shuffle=True)
+    plain_held = list(draw["test"]["row"])
+    assert {81, 82} <= set(plain_held)
+    back = 81 if plain_held.index(81) < plain_held.index(82) else 82
+    data = load_user_data(Targets(targets), None, TrainConfig(in_memory="never",
+                                                             val_fraction=0.68))
+    assert data.train.indices.tolist() == list(draw["train"]["row"]) + [back]
+    assert data.held_out.indices.tolist() == [row for row in plain_held if row != back]
+    assert sorted(set(data.train.labels.tolist())) == [0, 1, 2, 3]
+    assert "1 held-out image(s) trained on instead" in data.description
+
+
 class LabelsOnly(Items):
     """torchvision's way: the labels in `targets`, read without touching an image."""
 
@@ -402,6 +431,26 @@ def test_a_dataset_with_its_own_random_transform_is_refused_unless_it_augments_a
     with pytest.raises(UsageError) as refused:
         load_user_data(deterministic, Transformed(8, transform), TrainConfig())
     assert str(refused.value) == held_out_refusal("eval_dataset")
+
+
+class FlatFirst(Transformed):
+    """Transformed, but its first picture one colour: no flip or shift changes it."""
+
+    def __getitem__(self, index):
+        if index == 0:
+            return self.transform(Image.new("RGB", (16, 16), (90, 30, 200))), 0
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("transform", RANDOM_TRANSFORMS[1:], ids=["torchvision-flip", "python",
+                                                                  "numpy"])
+def test_a_random_transform_a_flat_first_image_hides_is_still_found(transform):
+    flat = FlatFirst(16, transform)
+    assert all(torch.equal(as_uint8_chw(flat[0][0], "x"), as_uint8_chw(flat[0][0], "x"))
+               for _ in range(8))  # the premise: the first item alone reads the same
+    with pytest.raises(UsageError) as refused:
+        load_user_data(flat, Transformed(8, v2.Resize(8)), TrainConfig())
+    assert str(refused.value) == TRAIN_REFUSAL
 
 
 def test_a_deterministic_transform_is_read_as_it_is_and_the_generators_are_left_alone():

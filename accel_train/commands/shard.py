@@ -91,7 +91,7 @@ def _samples(args):
     # The data's own splits as they are (train, its validation split and its test split; a
     # carved validation split only where there is neither): shards are a copy of the data, not
     # of one run's roles.
-    splits = pick_splits(raw, config.val_fraction, select_on_test=True)
+    splits = pick_splits(raw, config.val_fraction, label_column, select_on_test=True)
     train_name, train_rows = splits.train_name, splits.train_rows
     eval_name, eval_rows = splits.eval_name, splits.eval_rows
     parts = {"train": rows_of(raw.splits[train_name], train_rows),

@@ -611,9 +611,11 @@ def training_split_name(raw: RawData) -> str:
     return next(iter(raw.splits))
 
 
-def pick_splits(raw: RawData, val_fraction: float, select_on_test: bool = False) -> Splits:
+def pick_splits(raw: RawData, val_fraction: float, label_column: str,
+                select_on_test: bool = False) -> Splits:
     """The data's own validation split; else `val_fraction` of the training split carved off
-    with a fixed seed, the test split kept for the end; with `select_on_test`, a data set with
+    with a fixed seed (each class keeping a training image: carve_rows), the test split kept
+    for the end; with `select_on_test`, a data set with
     only train and test uses its test split for selection (and says so)."""
     names = list(raw.splits)
     train_name = training_split_name(raw)
@@ -628,9 +630,12 @@ def pick_splits(raw: RawData, val_fraction: float, select_on_test: bool = False)
         return Splits(train_name, train_rows, validation,
                       np.arange(len(raw.splits[validation])), test,
                       f"{train_name}/{validation}" + (f"/{test}" if test else ""))
-    train_rows, held_out_rows = carve_rows(len(train_rows), val_fraction)
+    labels = raw.splits[train_name].with_format("arrow")[label_column].to_numpy()
+    train_rows, held_out_rows = carve_rows(len(train_rows), val_fraction, labels)
     return Splits(train_name, train_rows, train_name, held_out_rows, test,
                   f"{train_name} minus {100 * val_fraction:.3g}% for validation"
+                  + trained_instead(len(train_rows) + len(held_out_rows), val_fraction,
+                                    held_out_rows)
                   + (f"; {test} kept for the end" if test else ""))
 
 
@@ -647,11 +652,15 @@ def refuse_classes_left_unreadable(source: "HFSource", decoded: ArraySource,
                          f"remove the class")
 
 
-def carve_rows(num_rows: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def carve_rows(num_rows: int, val_fraction: float,
+               labels: Optional[Sequence] = None) -> tuple[np.ndarray, np.ndarray]:
     """(rows kept for training, rows held out): `val_fraction` of the rows, chosen with a fixed
     seed.  datasets' own split of a stand-in that holds the row numbers: the same rows as
     train.train_test_split(...) gives (it depends on the length and the seed only), and the
-    row numbers still name each image."""
+    row numbers still name each image.  With `labels` (one per row), a class whose every image
+    the draw held out gets its first held-out image back for training (returned last): the
+    model would never train on that class, which a validation folder of such a class is refused
+    for (labels.refuse_folders_never_trained); classes with more images keep datasets' draw."""
     if num_rows < 2:
         raise UsageError("the data has fewer than 2 images; nothing to hold out for evaluation")
     held_out = math.ceil(num_rows * val_fraction)  # as datasets' train_test_split counts it
@@ -664,8 +673,40 @@ def carve_rows(num_rows: int, val_fraction: float) -> tuple[np.ndarray, np.ndarr
     parts = stand_in.train_test_split(test_size=val_fraction, seed=VAL_CARVE_SEED, shuffle=True)
     # copies: an array over Arrow's buffer can be read-only (a part of one row is), and
     # torch.from_numpy of one warns (fit() printed torch's warning for such a carve)
-    return (parts["train"].with_format("arrow")["row"].to_numpy().copy(),
-            parts["test"].with_format("arrow")["row"].to_numpy().copy())
+    train_rows = parts["train"].with_format("arrow")["row"].to_numpy().copy()
+    held_out_rows = parts["test"].with_format("arrow")["row"].to_numpy().copy()
+    if labels is None:
+        return train_rows, held_out_rows
+    return train_each_class(train_rows, held_out_rows, labels)
+
+
+def train_each_class(train_rows: np.ndarray, held_out_rows: np.ndarray,
+                     labels: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """`carve_rows`' rows with the first held-out row of each class that has no training row
+    moved to the end of the training rows.  A label of None or -1 (no class) is no class."""
+    labels = np.asarray(labels)  # a tensor's items would hash by identity, not value
+    trained = set(labels[train_rows].tolist())
+    back = []
+    for position, label in enumerate(labels[held_out_rows].tolist()):
+        if label not in trained and label is not None and label != -1:
+            trained.add(label)
+            back.append(position)
+    if not back:
+        return train_rows, held_out_rows
+    if len(back) == len(held_out_rows):
+        raise UsageError(f"--val-fraction holds out {len(held_out_rows)} image(s), each of a "
+                         f"class with no other image to train on; give those classes more "
+                         f"images, or a validation split of your own")
+    return (np.concatenate([train_rows, held_out_rows[back]]),
+            np.delete(held_out_rows, back))
+
+
+def trained_instead(num_rows: int, val_fraction: float, held_out_rows: np.ndarray) -> str:
+    """What the start summary adds where carve_rows gave images back for training."""
+    given_back = math.ceil(num_rows * val_fraction) - len(held_out_rows)
+    return (f"; {given_back} held-out image(s) trained on instead: no other image of their "
+            f"class was left for training"
+            if given_back else "")
 
 
 def rows_of(dataset, rows: np.ndarray):
@@ -720,7 +761,7 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True) 
     # the columns of the training split are every split's (datasets loads them as one)
     image_column, label_column = find_columns(raw.splits[train_name], config)
     warnings = set_aside_unlabelled_splits(raw, label_column, train_name)
-    splits = pick_splits(raw, config.val_fraction, config.select_on_test)
+    splits = pick_splits(raw, config.val_fraction, label_column, config.select_on_test)
     if config.select_on_test and splits.eval_name not in TEST_SPLIT_NAMES:
         warnings.append(f"--select-on-test has no effect: {raw.origin} "
                         + (f"has a validation split ({splits.eval_name}), which selects"

@@ -23,7 +23,8 @@ from accel_train.base.errors import UsageError, first_few
 from accel_train.base.randomness import seeded
 from accel_train.data.sample_limits import kept_positions, subset_if_cut
 from accel_train.data.sources import (IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, ArraySource,
-                                      ImageSource, LoadedData, carve_rows, held_in_memory)
+                                      ImageSource, LoadedData, carve_rows, held_in_memory,
+                                      trained_instead)
 
 
 def as_uint8_chw(value: Any, where: str) -> torch.Tensor:
@@ -170,18 +171,19 @@ class DatasetSource(ImageSource):
 
 
 def changes_when_read(source: DatasetSource, reads: int = 8) -> bool:
-    """Whether the first item's image differs between reads with the global generators
-    (Python's, numpy's, torch's) seeded apart: the dataset applies a random transform of its
-    own (torchvision's RandomResizedCrop, an albumentations pipeline).  Eight reads: a flip
-    of probability 0.5 alone leaves all eight alike once in 128 transforms (and a flat first
-    image hides any shift or flip)."""
-    with seeded(1):
-        first = source.image(0)
-    for key in range(2, reads + 1):
-        with seeded(key):
-            again = source.image(0)
-        if first.shape != again.shape or not torch.equal(first, again):
-            return True
+    """Whether an item's image differs between reads with the global generators (Python's,
+    numpy's, torch's) seeded apart: the dataset applies a random transform of its own
+    (torchvision's RandomResizedCrop, an albumentations pipeline).  Eight reads of the first
+    item, then of the middle one: a flat or symmetric first image hides a shift or a flip, and
+    a flip of probability 0.5 alone leaves eight reads alike once in 128 transforms."""
+    for position in sorted({0, len(source) // 2}):
+        with seeded(1):
+            first = source.image(position)
+        for key in range(2, reads + 1):
+            with seeded(key):
+                again = source.image(position)
+            if first.shape != again.shape or not torch.equal(first, again):
+                return True
     return False
 
 
@@ -226,10 +228,11 @@ def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> Loaded
                              f"got {type(dataset).__name__}")
     train_labels = labels_of(train_dataset, "train_dataset")
     if eval_dataset is None:
-        train_rows, eval_rows = carve_rows(len(train_dataset), config.val_fraction)
+        train_rows, eval_rows = carve_rows(len(train_dataset), config.val_fraction, train_labels)
         train = DatasetSource(train_dataset, train_labels, train_rows, "train_dataset")
         held_out = DatasetSource(train_dataset, train_labels, eval_rows, "train_dataset")
-        description = f"train_dataset minus {100 * config.val_fraction:.3g}% held out"
+        description = (f"train_dataset minus {100 * config.val_fraction:.3g}% held out"
+                       + trained_instead(len(train_dataset), config.val_fraction, eval_rows))
         all_labels = [train_labels]
     else:
         eval_labels = labels_of(eval_dataset, "eval_dataset")

@@ -96,6 +96,9 @@ def test_env(**extra: str) -> dict:
     env = dict(os.environ)
     env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+    if "PYTHONPATH" in extra:  # before, not instead of, the clone scripts/with_env put first
+        extra["PYTHONPATH"] = os.pathsep.join(filter(None, [extra["PYTHONPATH"],
+                                                            env.get("PYTHONPATH")]))
     env.update(extra)
     return env
 

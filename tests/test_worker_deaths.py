@@ -2,33 +2,33 @@
 
 The batch's tensors come over a socket from that worker; the kill resets the socket and torch,
 which asks its workers whether they live before the fork server has reported the death, lets
-the bare ConnectionResetError out (a CI run failed so).  These tests reproduce that order of
-events: the first `get` from the workers' queue raises the reset, and the worker is killed after
-torch's own check found it alive (by the test once the error is out; inside the training
-loader, which has no such moment, by a timer a moment later)."""
+the bare ConnectionResetError out (a CI run failed so).  These tests raise that error where it
+comes from, out of the loader's iterator in the training process, through public means only: a
+sampler (which torch reads in the training process while it hands out batches) SIGKILLs the
+loader's workers, found with psutil, and raises the socket error."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
-import threading
 import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from accel_train.config import TrainConfig
+from accel_train.data.loaders import EpochSampler
 from accel_train.data.loading import build_loaders
 from accel_train.data.sources import load_data
-from accel_train.data.worker_deaths import (_loader_iterator_in, dead_loader_worker,
+from accel_train.data.worker_deaths import (handover_death, naming_handover_deaths,
                                             restarting_dead_workers, worker_died)
 from accel_train.data.worker_start import worker_context, worker_init_fn
 
-KILL_AFTER = 0.3  # seconds: after torch's check of its workers (microseconds after the raise),
-# well before dead_loader_worker's 5 s wait ends
 # What taking the batch's file descriptors from a dying worker raises, by the moment it dies: the
 # handshake reset (seen in CI), its socket gone (refused), its end closed before the answer (EOF).
 RESET = ConnectionResetError(104, "Connection reset by peer")
@@ -42,97 +42,90 @@ def products_workers() -> dict:
     return dict(multiprocessing_context=worker_context(), worker_init_fn=worker_init_fn())
 
 
-class ResetOnce:
-    """The workers' queue, whose first `get` is a reset handover: the worker that was handing
-    the batch over is SIGKILLed `kill_after` seconds later (None: it lives on)."""
-
-    def __init__(self, queue, worker_pid: int, kill_after: float | None,
-                 error: BaseException = RESET):
-        self.queue, self.worker_pid, self.kill_after = queue, worker_pid, kill_after
-        self.error = error
-        self.broken = False
-
-    def get(self, *args, **kwargs):
-        if self.broken:
-            return self.queue.get(*args, **kwargs)
-        self.broken = True
-        if self.kill_after is not None:
-            threading.Timer(self.kill_after, os.kill, (self.worker_pid, signal.SIGKILL)).start()
-        raise self.error
-
-    def __getattr__(self, name):
-        return getattr(self.queue, name)
+def loader_workers(before: set[int]) -> list[psutil.Process]:
+    """The loader workers started since `before` (pids): the fork server's children, this
+    process's grandchildren (its own children are the fork server and the resource tracker)."""
+    me = os.getpid()
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.ppid() != me]
 
 
-def _iterator_with_one_worker():
-    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=1,
-                        persistent_workers=True, **products_workers())
-    iterator = iter(loader)
-    next(iterator)  # its worker runs
-    return loader, iterator
+def pids_now() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def _reset_error(iterator, kill_after, error=RESET):
-    iterator._data_queue = ResetOnce(iterator._data_queue, iterator._workers[0].pid, kill_after,
-                                     error)
-    with pytest.raises(type(error)) as caught:
-        # With two workers a batch that came in ahead of its turn waits in torch's reorder
-        # buffer and is handed out without a `get` (seen once in a suite run: DID NOT RAISE):
-        # the first `get` comes within the loader's batches.
-        for _ in range(len(iterator)):
-            next(iterator)
-    return caught.value
+def reported_dead(pids: list[int]) -> None:
+    """Until the fork server has reported each of `pids` dead (multiprocessing's children no
+    longer hold them)."""
+    deadline = time.monotonic() + 30
+    while {p.pid for p in multiprocessing.active_children()} & set(pids):
+        assert time.monotonic() < deadline, f"{pids} still reported alive"
+        time.sleep(0.05)
+
+
+class BreaksAt(Sampler):
+    """Indices 0..n-1.  Asked for index `at` (while the training process takes an earlier
+    batch), it SIGKILLs `kill` of the workers started since it was made, then raises `error`,
+    once (`reported`: after the fork server has reported those deaths)."""
+
+    def __init__(self, n: int, at: int, error: BaseException, kill: int, reported=False):
+        self.n, self.at, self.error, self.kill = n, at, error, kill
+        self.reported = reported
+        self.before, self.killed, self.raised = pids_now(), [], False
+
+    def __iter__(self):
+        for index in range(self.n):
+            if index == self.at and not self.raised:
+                self.raised = True
+                for worker in loader_workers(self.before)[: self.kill]:
+                    os.kill(worker.pid, signal.SIGKILL)
+                    self.killed.append(worker.pid)
+                if self.reported:
+                    reported_dead(self.killed)
+                raise self.error
+            yield index
+
+    def __len__(self):
+        return self.n
+
+
+def broken_epoch(error: BaseException, kill: int, num_workers: int = 1, wait: float = 5.0,
+                 reported: bool = False):
+    sampler = BreaksAt(64, 40, error, kill, reported)
+    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, sampler=sampler,
+                        num_workers=num_workers, **products_workers())
+    with pytest.raises((RuntimeError, type(error))) as caught:
+        for _ in naming_handover_deaths(loader, wait=wait):
+            pass
+    return caught.value, sampler.killed
 
 
 @pytest.mark.parametrize("error", HANDOVER_ERRORS, ids=lambda e: type(e).__name__)
-def test_a_broken_handover_whose_worker_then_dies_is_a_dead_worker_named_by_its_pid(error):
-    loader, iterator = _iterator_with_one_worker()
-    pid = iterator._workers[0].pid
-    err = _reset_error(iterator, None, error)
-    assert err is error  # torch let it out as it is: the race
-    os.kill(pid, signal.SIGKILL)  # after torch's look; the fork server reports it a moment later
-    said = dead_loader_worker(err)
-    assert said == (f"DataLoader worker (pid(s) {pid}) died while handing over a batch: "
-                    f"{type(error).__name__}: {str(error) or type(error).__name__}"), said
-    iterator._shutdown_workers()
+def test_a_socket_error_whose_worker_died_is_a_death_in_torchs_words_naming_its_pid(error):
+    said, (pid,) = broken_epoch(error, kill=1)
+    assert isinstance(said, RuntimeError) and worker_died(said), said
+    assert str(said) == (f"DataLoader worker (pid(s) {pid}) died while handing over a batch: "
+                         f"{type(error).__name__}: {str(error) or type(error).__name__}"), said
+    assert said.__cause__ is error
 
 
 def test_every_worker_found_dead_is_named():
-    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=2,
-                        persistent_workers=True, **products_workers())
-    iterator = iter(loader)
-    next(iterator)
-    pids = [worker.pid for worker in iterator._workers]
-    err = _reset_error(iterator, None)
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    while any(worker.is_alive() for worker in iterator._workers):  # both reported dead
-        time.sleep(0.05)
-    said = dead_loader_worker(err)
-    assert said is not None and f"pid(s) {pids[0]}, {pids[1]})" in said, said
-    iterator._shutdown_workers()
+    said, killed = broken_epoch(RESET, kill=2, num_workers=2, reported=True)
+    assert len(killed) == 2 and worker_died(said), said
+    named = str(said).split("(pid(s) ")[1].split(")")[0].split(", ")
+    assert sorted(map(int, named)) == sorted(killed), said
 
 
-def test_a_reset_handover_whose_worker_lives_is_not_a_dead_worker():
-    loader, iterator = _iterator_with_one_worker()
-    err = _reset_error(iterator, None)
-    assert dead_loader_worker(err, wait=0.5) is None
-    assert iterator._workers[0].is_alive()
-    iterator._shutdown_workers()
+def test_a_socket_error_whose_workers_live_goes_out_as_it_came():
+    said, killed = broken_epoch(RESET, kill=0, wait=0.5)
+    assert said is RESET and not killed
 
 
-def test_only_errors_out_of_a_loader_iterator_or_torchs_words_are_deaths():
-    try:
-        raise ConnectionResetError(104, "Connection reset by peer")  # not from a loader
-    except ConnectionResetError as err:
-        assert dead_loader_worker(err, wait=0.1) is None
-    torch_words = RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
-    assert worker_died(torch_words) and dead_loader_worker(torch_words) == str(torch_words)
-    assert worker_died(RuntimeError("DataLoader worker (pid 7) is killed by signal: Killed."))
-    assert not worker_died(RuntimeError("DataLoader worker (pid 7) raised ValueError"))
-    assert not worker_died(ValueError("DataLoader worker (pid(s) 7) exited unexpectedly"))
-    assert dead_loader_worker(ValueError("DataLoader worker (pid(s) 7) exited unexpectedly")) \
-        is None
+def a_dead_process() -> multiprocessing.Process:
+    process = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+    process.start()
+    process.join()
+    return process
 
 
 class MissingFile(torch.utils.data.Dataset):
@@ -143,46 +136,66 @@ class MissingFile(torch.utils.data.Dataset):
         raise FileNotFoundError(2, "No such file or directory", f"/data/{index}.png")
 
 
-def test_an_oserror_a_worker_raised_reading_is_its_own_error_not_a_handover():
-    """torch re-raises a worker's own error in the training process with the same type: an
-    OSError that must go out at once as the worker's, without waiting for a death."""
+def test_a_workers_own_error_and_errors_of_other_kinds_are_not_deaths():
+    """torch raises a worker's own error again in the training process with the same type: an
+    OSError that goes out at once as the worker's, even beside a dead worker."""
+    dead = a_dead_process()
     loader = DataLoader(MissingFile(), batch_size=4, num_workers=1, **products_workers())
     with pytest.raises(FileNotFoundError) as caught:
-        next(iter(loader))
-    assert _loader_iterator_in(caught.value) is None
-    assert dead_loader_worker(caught.value) is None
+        next(iter(naming_handover_deaths(loader)))
+    assert str(caught.value).startswith("Caught FileNotFoundError in DataLoader worker process")
+    assert handover_death(caught.value, [dead], wait=0) is None
+    assert handover_death(RESET, [dead], wait=0).startswith(
+        f"DataLoader worker (pid(s) {dead.pid}) died while handing over a batch")
+    assert handover_death(RESET, None, wait=0) is None  # the workers never listed
+    assert handover_death(ValueError("reset"), [dead], wait=0) is None
+    assert worker_died(RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly"))
+    assert worker_died(RuntimeError("DataLoader worker (pid 7) is killed by signal: Killed."))
+    assert not worker_died(RuntimeError("DataLoader worker (pid 7) raised ValueError"))
+    assert not worker_died(ValueError("DataLoader worker (pid(s) 7) exited unexpectedly"))
 
 
 @pytest.mark.slow
-def test_the_training_loader_restarts_its_workers_after_a_reset_handover_and_loses_nothing():
-    """The whole path: the training loader of a run (persistent workers, so that its iterator
-    can be reached between two batches) meets the reset at its fourth batch, warns once
-    naming the pid, and hands out the very batches of a loader where nothing happened."""
+def test_the_training_loader_restarts_its_workers_after_a_reset_handover_and_loses_nothing(
+        monkeypatch):
+    """The whole path: the training loader of a run meets the reset while handing out its
+    fourth batch, warns once naming the pid, and hands out the very batches of a loader where
+    nothing happened."""
     config = TrainConfig(synthetic_train_size=128, max_eval_samples=16, batch_size=8,
                          num_workers=1, persistent_workers=True, image_size=32)
     data = load_data(config)
     spec = SimpleNamespace(image_size=32, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
     accelerator = Accelerator(cpu=True)
 
-    def epoch(interrupt_at: int | None, warnings: list):
+    def epoch(warnings: list):
         train = build_loaders(config, data, spec, 1, 0, 1, False).train
         train.prepare(accelerator)
         train.warn = warnings.append
         train.set_epoch(0)
-        batches, pid = [], None
-        for position, batch in enumerate(train):
-            batches.append((batch.images.clone(), batch.labels.clone()))
-            if position == interrupt_at:
-                kept = train.loader._iterator
-                pid = kept._workers[0].pid
-                kept._data_queue = ResetOnce(kept._data_queue, pid, KILL_AFTER)
-        train._drop_workers()
-        return batches, pid
+        batches = [(batch.images.clone(), batch.labels.clone()) for batch in train]
+        train.close()
+        return batches
 
-    reference, _ = epoch(None, [])
+    reference = epoch([])
+    keys = EpochSampler.__iter__
+    broken = BreaksAt(0, 0, RESET, kill=1)  # its plan: 6 batches of 8 in, kill and raise once
+
+    def breaking_keys(sampler):
+        for position, key in enumerate(keys(sampler)):
+            if position == 48 and not broken.raised:
+                broken.raised = True
+                for worker in loader_workers(broken.before)[:1]:
+                    os.kill(worker.pid, signal.SIGKILL)
+                    broken.killed.append(worker.pid)
+                raise RESET
+            yield key
+
+    monkeypatch.setattr(EpochSampler, "__iter__", breaking_keys)
     warnings: list[str] = []
-    batches, pid = epoch(3, warnings)
-    assert len(warnings) == 1 and f"pid(s) {pid})" in warnings[0], warnings
+    batches = epoch(warnings)
+    assert broken.raised and len(broken.killed) == 1
+    assert len(warnings) == 1 and f"pid(s) {broken.killed[0]}) died while handing over" in \
+        warnings[0], warnings
     assert "start again there" in warnings[0]
     assert len(batches) == len(reference) == 128 // 8
     for (images, labels), (ref_images, ref_labels) in zip(batches, reference):

@@ -7,17 +7,21 @@ a worker killed while the main process is taking a batch from it.  A batch's ten
 a socket from the worker that made them (torch's file-descriptor sharing); the kill resets that
 socket, and torch's own check that follows asks the workers whether they live before the fork
 server has reported the death, finds them all alive and re-raises the bare socket error
-(ConnectionResetError inside `rebuild_storage_fd`; seen in CI).  `dead_loader_worker` covers
-both: torch's words, or a socket error raised inside a loader iterator one of whose workers is
-found dead within a few seconds.
+(ConnectionResetError inside `rebuild_storage_fd`; seen in CI).  `naming_handover_deaths`
+turns such an error into torch's words when one of the loader's workers is found dead: the
+workers are this process's multiprocessing children when the first batch came
+(`multiprocessing.active_children`: torch's iterator keeps its own list in private fields),
+and dead is what `Process.is_alive` says once the fork server has reported the exit.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from multiprocessing.process import BaseProcess
+from typing import Callable, Iterable, Iterator, Optional
 
 from accel_train.base.errors import first_line
 
@@ -25,34 +29,59 @@ MAX_WORKER_RESTARTS = 3  # per epoch: a worker that keeps dying is a bug to see,
 # How long a worker killed mid-handover may take to be reported dead (the fork server reaps it
 # and writes its exit status; torch itself polls its workers every 5 s).
 HANDOVER_DEATH_WAIT = 5.0
+HANDOVER = "died while handing over a batch"
 
 
 def worker_died(err: BaseException) -> bool:
-    """torch's words for a loader worker that exited or was killed."""
+    """torch's words for a loader worker that exited or was killed, or naming_handover_deaths'."""
     text = str(err)
     return isinstance(err, RuntimeError) and "DataLoader worker (pid" in text and (
-        "exited unexpectedly" in text or "killed by signal" in text)
+        "exited unexpectedly" in text or "killed by signal" in text or HANDOVER in text)
 
 
-def dead_loader_worker(err: BaseException, wait: float = HANDOVER_DEATH_WAIT) -> Optional[str]:
-    """What to say of `err` when it means a loader worker died (torch's first line, or one
-    naming the pid that died during a batch's handover); None when it means anything else."""
-    if worker_died(err):
-        return first_line(err)
-    if not isinstance(err, (OSError, EOFError)):
+def worker_own_error(err: BaseException) -> bool:
+    """An error a worker raised itself (reading a file), which torch raises again here with its
+    own first words: the worker's to show at once, not a death."""
+    return str(err).startswith(f"Caught {type(err).__name__} in DataLoader worker process")
+
+
+def handover_death(err: BaseException, workers: Optional[Iterable[BaseProcess]],
+                   wait: float = HANDOVER_DEATH_WAIT) -> Optional[str]:
+    """torch's words for the death of one of `workers` that `err` (a socket error out of the
+    loader's iterator) means, naming the pids found dead within `wait` seconds; None when
+    none is (or the error is a worker's own, or the workers were never listed)."""
+    if workers is None or not isinstance(err, (OSError, EOFError)) or worker_own_error(err):
         return None
-    iterator = _loader_iterator_in(err)
-    if iterator is None:
-        return None
+    workers = list(workers)
     deadline = time.monotonic() + wait
     while True:
-        dead = [str(worker.pid) for worker in iterator._workers if not worker.is_alive()]
+        dead = [str(worker.pid) for worker in workers if not worker.is_alive()]
         if dead:
-            return (f"DataLoader worker (pid(s) {', '.join(dead)}) died while handing over a "
-                    f"batch: {type(err).__name__}: {first_line(err)}")
+            return (f"DataLoader worker (pid(s) {', '.join(dead)}) {HANDOVER}: "
+                    f"{type(err).__name__}: {first_line(err)}")
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.05)
+
+
+def naming_handover_deaths(loader: Iterable, wait: float = HANDOVER_DEATH_WAIT) -> Iterator:
+    """`loader`'s batches; a socket error out of it that a dead worker explains goes out as a
+    RuntimeError in torch's words for a death (worker_died), any other error as it came.  A
+    death at the very first batch goes out as it came: its workers were not yet listed."""
+    batches, workers = iter(loader), None
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (OSError, EOFError) as err:
+            death = handover_death(err, workers, wait)
+            if death is None:
+                raise
+            raise RuntimeError(death) from err
+        if workers is None:  # the loader's workers run by now (Accelerate starts them lazily)
+            workers = multiprocessing.active_children()
+        yield batch
 
 
 def restarting_dead_workers(from_position: Callable[[], Iterator],
@@ -68,10 +97,10 @@ def restarting_dead_workers(from_position: Callable[[], Iterator],
         try:
             yield from from_position()
             return
-        except (RuntimeError, OSError, EOFError) as err:
-            death = dead_loader_worker(err)
-            if death is None or restarts >= MAX_WORKER_RESTARTS:
+        except RuntimeError as err:
+            if not worker_died(err) or restarts >= MAX_WORKER_RESTARTS:
                 raise
+            death = first_line(err)
             restarts += 1
             before_restart()
             warn(f"a loader worker died ({death}) {where()}: its workers start again there "
@@ -80,33 +109,13 @@ def restarting_dead_workers(from_position: Callable[[], Iterator],
                  f"or the image size")
 
 
-def _loader_iterator_in(err: BaseException):
-    """The multi-process DataLoader iterator that was taking a batch from its workers' queue
-    when `err` was raised, from the traceback's frames (its `self`): neither torch nor
-    Accelerate keeps a per-epoch iterator anywhere else.  None when the error came from
-    anywhere else: an OSError a worker raised reading a file is re-raised by torch from
-    another method, and is the worker's error to show, at once."""
-    tb = err.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        # torch's private _MultiProcessingDataLoaderIter._try_get_data: should it be renamed,
-        # the error goes out as torch raised it, as before.
-        candidate = frame.f_locals.get("self")
-        if frame.f_code.co_name == "_try_get_data" and \
-                isinstance(getattr(candidate, "_workers", None), list) and \
-                not getattr(candidate, "_shutdown", True):
-            return candidate
-        tb = tb.tb_next
-    return None
-
-
 def watch_workers_quietly(loader) -> Iterator:
     """Iterate `loader` with torch's SIGCHLD handler taken out once its workers exist.  That
     handler raises "DataLoader worker ... is killed by signal" wherever the main thread happens
     to be (seen: in the middle of a checkpoint write, which then failed); without it the loader
     finds a dead worker at its next batch (torch checks every MP_STATUS_CHECK_INTERVAL, 5 s),
     where IndexedTrainLoader restarts its workers."""
-    for item in loader:
+    for item in naming_handover_deaths(loader):
         # The handler is installed once per process, when the first workers start, so it is
         # there from the first batch on (Accelerate's loaders start theirs lazily).
         if threading.current_thread() is threading.main_thread() and \

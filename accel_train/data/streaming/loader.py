@@ -18,7 +18,7 @@ from accel_train.base.errors import UsageError
 from accel_train.data.loaders import Batch, FinishOnDevice
 from accel_train.base.randomness import loader_generator, reseed_loader
 from accel_train.base.readers import read_json
-from accel_train.data.worker_deaths import restarting_dead_workers
+from accel_train.data.worker_deaths import naming_handover_deaths, restarting_dead_workers
 from accel_train.data.worker_start import worker_context, worker_init_fn
 from accel_train.data.streaming.decoding import decode_substituting
 from accel_train.data.streaming.plan import (Layout, Segment, rank_batches_per_epoch,
@@ -202,7 +202,7 @@ class StreamLoader:
         # A restored epoch starts where it stopped by itself (StreamingTrain.plan).
         reseed_loader(self.loader.generator, self.dataset.seed, self.epoch, self.dataset.rank)
         per_micro_step = self.layout.batch * self.layout.ranks
-        for batch in self.loader:
+        for batch in naming_handover_deaths(self.loader):
             self.samples_in_epoch += per_micro_step
             pixels, labels, keys, replaced, *erasing = (t.to(self.device, non_blocking=True)
                                                         for t in batch)

@@ -334,6 +334,12 @@ class TrainConfig:
                                     "at.", "optimization")
     label_smoothing: float = option(0.1, "Label smoothing for the cross-entropy loss.",
                                     "optimization")
+    aux_loss_weight: float = option(0.0, "Add this times the loss of each auxiliary classifier "
+                                    "to the training loss: torchvision's inception_v3 and "
+                                    "googlenet return auxiliary logits in train mode (its "
+                                    "fine-tuning tutorial weighs Inception's 0.4, GoogLeNet's "
+                                    "paper 0.3). 0: the auxiliary heads do not train.",
+                                    "optimization")
     mixup: float = option(0.0, "Mixup alpha (timm's Mixup on the batch; 0: off; 0.8 is usual). "
                           "Targets become soft; the loss follows.", "optimization",
                           draws_random=True)
@@ -478,7 +484,7 @@ class TrainConfig:
                 and math.isfinite(self.learning_rate)):
             raise UsageError(f"--learning_rate must be a number > 0 (got {self.learning_rate!r})")
         for name in ("weight_decay", "momentum", "label_smoothing", "warmup_epochs", "drop_rate",
-                     "checkpoint_every"):
+                     "checkpoint_every", "aux_loss_weight"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{flag(name)} must be >= 0 (got {getattr(self, name)!r})")
         if not (isinstance(self.in_memory_limit_gb, (int, float))

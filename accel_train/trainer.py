@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import torch
-from torch.utils.hooks import RemovableHandle
 from accelerate import Accelerator
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
                                ProjectConfiguration)
@@ -42,7 +41,7 @@ from accel_train.data.sources import LoadedData, load_data
 from accel_train.data.streaming import load_streaming, streaming_wanted
 from accel_train.model.build import create_model, set_train_mode
 from accel_train.model.ema import maybe_ema
-from accel_train.model.outputs import return_logits
+from accel_train.model.outputs import LogitsHook, kept_auxiliary_logits, return_logits
 from accel_train.model.saved import is_import_path
 from accel_train.run import distributed
 from accel_train.run.checkpoint import AccelerateState, Checkpointer, TrainerState
@@ -154,7 +153,7 @@ class Trainer:
     def __init__(self, plan: StartPlan, data, net: Network, speed: SpeedChoice, *,
                  report: Optional[Reporter] = None, bad_images: Optional[BadImageLog] = None,
                  network_choice: Optional[str] = None, callbacks: Iterable[Callback] = (),
-                 logits_hook: Optional[RemovableHandle] = None):
+                 logits_hook: Optional[LogitsHook] = None):
         """A run of `net` on `data` (`from_config` builds both from the options), computing as
         `speed` says: the Accelerator, the model, optimizer, schedule and loaders through
         `accelerator.prepare`, the checkpointed parts (restored on resume), the loop's parts,
@@ -444,6 +443,9 @@ class Trainer:
         with self.accelerator.autocast():
             logits = self.model(images)
             loss = self.mixup.loss_fn(logits, targets)
+            # --aux-loss-weight: the auxiliary heads' logits this forward set aside (outputs.py)
+            for auxiliary in kept_auxiliary_logits(self.net.model):
+                loss = loss + self.config.aux_loss_weight * self.mixup.loss_fn(auxiliary, targets)
         self.accelerator.backward(loss)
         self.stem_bias.before_update(self.state.epoch)
         if self.config.grad_clip and self.accelerator.sync_gradients:

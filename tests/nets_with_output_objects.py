@@ -3,6 +3,7 @@ do; importable (PYTHONPATH=tests) so that `--model nets_with_output_objects:...`
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torchvision.models.inception import InceptionOutputs
 from transformers import (ResNetConfig, ResNetForImageClassification, ViTConfig,
@@ -39,3 +40,22 @@ class AuxHeadNet(nn.Module):
         if self.training:
             return InceptionOutputs(self.fc(features), self.aux(features))
         return self.fc(features)
+
+
+class BiasAuxNet(nn.Module):
+    """In train mode (logits, aux_logits) as Inception v3's named tuple, where the auxiliary
+    logits are a bias the images do not change, zero at the start: their loss and its gradient
+    are known by hand (uniform probabilities over the classes)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1),
+                                  nn.Flatten())
+        self.fc = nn.Linear(4, num_classes)
+        self.aux_bias = nn.Parameter(torch.zeros(num_classes))
+
+    def forward(self, images):
+        logits = self.fc(self.body(images))
+        if self.training:
+            return InceptionOutputs(logits, self.aux_bias.expand(len(images), -1))
+        return logits

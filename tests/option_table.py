@@ -363,6 +363,10 @@ ROWS: dict[str, Row] = {
     "train --label-smoothing": effect(
         f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
         "the first loss equals hand-written smoothed cross-entropy with eps 0.3"),
+    "train --aux-loss-weight": effect(
+        "test_auxiliary_loss.py::test_the_auxiliary_loss_and_its_gradient_are_the_hand_computed_ones",
+        "the logged loss grows by w ln 5 and the auxiliary bias moves by the hand-computed "
+        "gradient; GoogLeNet's aux heads train only when weighted (tests/test_auxiliary_loss.py)"),
     "train --mixup": effect(
         f"{FLAGS}::test_mix_probability_zero_trains_the_plain_step",
         "with probability 0 the step is the plain oracle's; the mix itself is checked in "

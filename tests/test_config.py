@@ -30,6 +30,7 @@ def test_defaults_are_valid():
     (["--val-fraction", "1.5"], "--val-fraction must be between 0 and 1"),
     (["--image-size", "4"], "--image-size 4 is too small"),
     (["--grad-clip", "0"], "--grad-clip must be > 0"),
+    (["--aux-loss-weight", "-0.4"], "--aux-loss-weight must be >= 0 .got -0.4."),
     (["--in-memory-limit-gb", "-1"], "--in-memory-limit-gb must be a number of GiB > 0"),
     (["--in-memory-limit-gb", "nan"], "--in-memory-limit-gb must be a number of GiB > 0"),
     (["--gpu_ids", "a,b"], "--gpu_ids 'a,b' is not a comma-separated list"),

@@ -26,7 +26,7 @@ from torch import nn
 
 from accel_train.model import small_nets  # noqa: F401  (registers the small-image networks in timm's registry)
 from accel_train.base.errors import UsageError, first_line
-from accel_train.model.outputs import return_logits
+from accel_train.model.outputs import keep_auxiliary_logits, return_logits
 from accel_train.model.transformers_models import (TRANSFORMERS_CONFIG,
                                                   build_from_transformers_config,
                                                   transformers_classifier,
@@ -433,6 +433,20 @@ def check_train_forward(model: nn.Module, name: str, image_size: int) -> None:
     raise UsageError(f"--model {name} takes [N, 3, {image_size}, {image_size}] images in eval "
                      f"mode but fails in train mode ({type(err).__name__}: {first_line(err)}): "
                      f"a part only training runs (an auxiliary head) needs other images; {fix}")
+
+
+def keep_auxiliary_losses(model: nn.Module, name: str, image_size: int, weight: float) -> None:
+    """--aux-loss-weight: the auxiliary logits of `model`'s train-mode forwards kept for the
+    training step's loss (outputs.py).  A network with none is refused: the flag would change
+    nothing, and a user who set it believes their auxiliary heads train."""
+    if not weight:
+        return
+    kept = keep_auxiliary_logits(model)
+    train_forward_error(model, image_size)  # check_train_forward saw it pass
+    if not kept.take():
+        raise UsageError(f"--aux-loss-weight {weight:g}: --model {name} returns no auxiliary "
+                         f"logits in train mode (torchvision's inception_v3 and googlenet, "
+                         f"built with aux_logits=True, do); drop the flag")
 
 
 def train_forward_error(model: nn.Module, image_size: int) -> Optional[Exception]:

@@ -20,6 +20,7 @@ from accel_train.data.transforms import SMALL_IMAGE, held_out_transform
 from accel_train.model.build import (check_first_forward, check_float32_weights,
                                      check_layer_decay, check_model_name,
                                      check_train_forward, check_trainable, freeze_backbone,
+                                     keep_auxiliary_losses,
                                      pretrained_normalization,
                                      recorded_model_name, timm_source,
                                      unused_parameters)
@@ -95,6 +96,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
     with recording_input_widths(model) as widths:
         check_first_forward(model, config.model, image_size, len(data.class_names))
     check_train_forward(model, config.model, image_size)
+    keep_auxiliary_losses(model, config.model, image_size, config.aux_loss_weight)
     model_name, program_args, rebuilt_by_commands = (recorded_model_name(config.model), {}, True)
     if program_module is not None:
         model_name, program_args, rebuilt_by_commands = how_commands_rebuild(

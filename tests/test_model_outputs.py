@@ -336,18 +336,22 @@ def test_a_transformers_factory_predicts_and_exports_its_logits(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_auxiliary_head_trains_under_ddp_as_on_one_process(tmp_path):
+@pytest.mark.parametrize("weight", ["0", "0.4"])
+def test_an_auxiliary_head_trains_under_ddp_as_on_one_process(tmp_path, weight):
     """A network returning (logits, aux_logits) in train mode, as Inception does: DDP would
     wait for the auxiliary head's gradients if it saw its output.  Two processes under
-    torchrun train the weights of one process with the same global batch, and the auxiliary
-    head, which no loss reaches, keeps its initial weights."""
-    train_on_synthetic(tmp_path / "one", "AuxHeadNet", batch_size=16)
-    train_on_synthetic(tmp_path / "two", "AuxHeadNet", launcher="torchrun", batch_size=8)
+    torchrun train the weights of one process with the same global batch; the auxiliary
+    head keeps its initial weights where no loss reaches it, and trains alike in both with
+    --aux-loss-weight."""
+    extra = ("AuxHeadNet", "--aux-loss-weight", weight)
+    train_on_synthetic(tmp_path / "one", *extra, batch_size=16)
+    train_on_synthetic(tmp_path / "two", *extra, launcher="torchrun", batch_size=8)
     one = load_file(str(tmp_path / "one" / "model.safetensors"))
     two = load_file(str(tmp_path / "two" / "model.safetensors"))
     for key in one:
         assert torch.allclose(one[key], two[key], rtol=1e-5, atol=1e-6), key
     torch.manual_seed(0)  # the run's initial weights: a function of --seed (0) alone
     initial = AuxHeadNet(num_classes=10).state_dict()
-    assert all(torch.equal(one[k], initial[k]) for k in ("aux.weight", "aux.bias"))
+    assert all(torch.equal(one[k], initial[k]) == (weight == "0") for k in ("aux.weight",
+                                                                             "aux.bias"))
     assert float((one["fc.weight"] - initial["fc.weight"]).abs().max()) > 1e-4

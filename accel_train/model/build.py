@@ -26,7 +26,8 @@ from torch import nn
 
 from accel_train.model import small_nets  # noqa: F401  (registers the small-image networks in timm's registry)
 from accel_train.base.errors import UsageError, first_line
-from accel_train.model.outputs import keep_auxiliary_logits, return_logits
+from accel_train.model.outputs import (AUXILIARY_LOGITS, keep_auxiliary_logits,
+                                       kept_auxiliary_logits, return_logits)
 from accel_train.model.transformers_models import (TRANSFORMERS_CONFIG,
                                                   build_from_transformers_config,
                                                   transformers_classifier,
@@ -492,18 +493,31 @@ def unused_parameters(model: nn.Module, image_size: int) -> list[str]:
     gradient of each at every step and fails at the second ("Expected to have finished
     reduction ..."), unless told to look for them (find_unused_parameters, which costs a
     graph walk each step).  Measured in eval mode, so that BatchNorm's statistics stay as they
-    are; the gradients are dropped again."""
+    are; the gradients are dropped again.  Where --aux-loss-weight keeps a network's auxiliary
+    logits, in train mode (its statistics put back), their loss reaching the auxiliary heads:
+    DDP, told to look for unused parameters, would take those heads for unused (it looks from
+    the logits the forward returns) and fail when the auxiliary loss's gradient reaches them
+    ("Expected to mark a variable ready only once")."""
+    auxiliary = getattr(model, AUXILIARY_LOGITS, None) is not None
     was_training = model.training
-    model.eval()
+    saved = {key: buffer.clone() for key, buffer in model.named_buffers()}
+    model.train(auxiliary)
     try:
-        with torch.enable_grad():
-            output = model(probe_images(model, 1, image_size))
-            output.float().sum().backward()
+        images = probe_images(model, 2 if auxiliary else 1, image_size)
+        with torch.enable_grad(), torch.random.fork_rng(devices=cuda_index(images.device)):
+            output = model(images)
+            total = output.float().sum()
+            for logits in kept_auxiliary_logits(model):
+                total = total + logits.float().sum()
+            total.backward()
         unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     finally:
         for param in model.parameters():
             param.grad = None
         model.train(was_training)
+        with torch.no_grad():
+            for key, buffer in model.named_buffers():
+                buffer.copy_(saved[key])
     return unused
 
 

@@ -42,11 +42,14 @@ def test_the_logits_are_found_in_each_kind_of_output():
     assert logits_from(ImageClassifierOutputWithNoAttention(logits=logits)) is logits
     assert logits_from(InceptionOutputs(logits, aux)) is logits
     assert logits_from(GoogLeNetOutputs(logits, aux, aux)) is logits
+    assert logits_from({"logits": logits, "features": aux}) is logits  # a program's own dict
     # what holds no logits tensor is handed back, for the first-forward check to name
     pair = (logits, aux)
     assert logits_from(pair) is pair
     empty = ImageClassifierOutputWithNoAttention(logits=None)
     assert logits_from(empty) is empty
+    features = {"features": aux}
+    assert logits_from(features) is features
 
 
 class LogitsOf(nn.Module):
@@ -82,6 +85,24 @@ def test_fit_trains_a_transformers_model_as_the_adapter_that_returns_its_logits(
     assert len(epochs) == 2 and epochs[-1]["eval_count"] == 16
     # the program gets its module back as it was: calls return the transformers output again
     assert isinstance(model(torch.zeros(1, 3, 16, 16)), ImageClassifierOutputWithNoAttention)
+
+
+class DictOf(LogitsOf):
+    """A program's own forward returning a dict with a "logits" entry beside others."""
+
+    def forward(self, images):
+        return {"logits": self.network(images).logits, "pooled": images.mean((2, 3))}
+
+
+def test_fit_trains_a_module_returning_a_dict_as_the_adapter_that_returns_its_logits(tmp_path):
+    torch.manual_seed(0)
+    network = tiny_hf_resnet(num_classes=2)
+    as_dict, adapted = DictOf(copy.deepcopy(network)), LogitsOf(copy.deepcopy(network))
+    fit_on_squares(tmp_path, "dict", as_dict)
+    fit_on_squares(tmp_path, "adapter", adapted)
+    trained, oracle = as_dict.network.state_dict(), adapted.network.state_dict()
+    assert all(torch.equal(trained[k], oracle[k]) for k in oracle)
+    assert set(as_dict(torch.zeros(1, 3, 16, 16))) == {"logits", "pooled"}  # given back as it was
 
 
 def test_a_refused_fit_gives_the_module_back_as_it_was(tmp_path):

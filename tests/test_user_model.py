@@ -290,7 +290,8 @@ BAD = [
                                     "logits", "num_classes outputs"]),
     (f"{MODULE}:WithFeatures", [], ["--model user_nets:WithFeatures maps", "to a tuple, not to "
                                     "[1, 10] logits", "; return the logits tensor, or an object "
-                                    "holding it as `.logits`"]),
+                                    "holding it as `.logits` (or a dict, as its \"logits\" "
+                                    "entry)"]),
     ("user-nets:small_net", [], ["--model 'user-nets:small_net'", "import path "
                                  "package.module:factory"]),
     (f"{MODULE}_broken:small_net", [], ["--model user_nets_broken:small_net", "importing "

@@ -407,7 +407,8 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
         got = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
                else f"a {type(output).__name__}")
         if not isinstance(output, torch.Tensor):
-            fix = "return the logits tensor, or an object holding it as `.logits`"
+            fix = ("return the logits tensor, or an object holding it as `.logits` (or a dict, "
+                   "as its \"logits\" entry)")
         elif transformers_config_of(model) is not None:  # its head is sized by its config
             fix = (f"build it with num_labels={num_classes} (from_pretrained(..., num_labels="
                    f"{num_classes}, ignore_mismatched_sizes=True) replaces a pretrained head)")

@@ -1,7 +1,7 @@
 """Networks whose forward returns more than the logits tensor.
 
 timm's networks return the logits.  Networks from elsewhere wrap them in an object that names
-them `logits`: Hugging Face transformers' image classifiers return a `ModelOutput`
+them `logits` (a program's own may return a dict with a "logits" entry): Hugging Face transformers' image classifiers return a `ModelOutput`
 (`ImageClassifierOutput...`), and torchvision's Inception v3 and GoogLeNet a named tuple
 `(logits, aux_logits...)` in train mode.  The run trains and evaluates on the logits alone, as
 those networks are used for inference: an auxiliary head gets no loss, unless
@@ -20,6 +20,7 @@ registered on (`keep_auxiliary_logits`), for the training step to take.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,11 +29,13 @@ from torch.utils.hooks import RemovableHandle
 
 
 def logits_from(output: Any) -> Any:
-    """`output` if it is a tensor, else its `logits` attribute where that is a tensor;
-    anything else unchanged (build.check_first_forward names what it is)."""
+    """`output` if it is a tensor, else its `logits` attribute or, for a dict (a program's
+    forward returning {"logits": ..., "features": ...}), its "logits" entry where that is a
+    tensor; anything else unchanged (build.check_first_forward names what it is)."""
     if isinstance(output, torch.Tensor):
         return output
-    logits = getattr(output, "logits", None)
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(
+        output, "logits", None)
     return logits if isinstance(logits, torch.Tensor) else output
 
 

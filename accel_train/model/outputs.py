@@ -1,9 +1,10 @@
 """Networks whose forward returns more than the logits tensor.
 
 timm's networks return the logits.  Networks from elsewhere wrap them in an object that names
-them `logits` (a program's own may return a dict with a "logits" entry): Hugging Face transformers' image classifiers return a `ModelOutput`
-(`ImageClassifierOutput...`), and torchvision's Inception v3 and GoogLeNet a named tuple
-`(logits, aux_logits...)` in train mode.  The run trains and evaluates on the logits alone, as
+them `logits`: Hugging Face transformers' image classifiers return a `ModelOutput`
+(`ImageClassifierOutput...`), torchvision's Inception v3 and GoogLeNet a named tuple
+`(logits, aux_logits...)` in train mode, and a program's own may return a dict with a
+"logits" entry.  The run trains and evaluates on the logits alone, as
 those networks are used for inference: an auxiliary head gets no loss, unless
 --aux-loss-weight asks for its loss (torchvision's fine-tuning tutorial trains Inception v3 on
 the logits' loss plus 0.4 times the auxiliary logits'; GoogLeNet's paper weighs its two 0.3).

@@ -345,6 +345,15 @@ def test_a_class_the_draw_holds_out_whole_keeps_its_first_held_out_image_for_tra
     assert set(labels[train]) == {0, 1, 2, 3}
 
 
+def test_two_images_carve_into_one_of_each_and_one_is_refused():
+    assert [part.tolist() for part in carve_rows(2, 0.5)] == \
+        [list(part) for part in datasets_own_carve(2, 0.5)]
+    with pytest.raises(UsageError) as refused:
+        carve_rows(1, 0.5)
+    assert str(refused.value) == ("the data has fewer than 2 images; nothing to hold out for "
+                                  "evaluation")
+
+
 def test_rows_with_no_class_stay_held_out_and_a_carve_of_only_classes_never_trained_is_refused():
     plain_train, plain_held = datasets_own_carve(4, 0.5)
     labels = np.array([0, 0, 0, 0])

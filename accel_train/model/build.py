@@ -17,8 +17,9 @@ import difflib
 import importlib
 import inspect
 import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import timm
 import torch
@@ -451,25 +452,32 @@ def keep_auxiliary_losses(model: nn.Module, name: str, image_size: int, weight: 
                          f"built with aux_logits=True, do); drop the flag")
 
 
-def train_forward_error(model: nn.Module, image_size: int) -> Optional[Exception]:
-    """What a train-mode forward of two images of `image_size` raises, if anything (BatchNorm
-    in train mode needs more than one value per channel); the buffers it updates (BatchNorm's
-    statistics), the mode and the random state (dropout) are put back."""
+@contextmanager
+def probing(model: nn.Module, training: bool) -> Iterator[None]:
+    """A probe forward in train or eval mode that leaves no trace: the mode, the buffers it
+    updates (BatchNorm's statistics) and the random state (dropout) are put back."""
     saved = {key: buffer.clone() for key, buffer in model.named_buffers()}
     was_training = model.training
-    model.train()
+    model.train(training)
     try:
-        images = probe_images(model, 2, image_size)
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda_index(images.device)):
-            model(images)
-        return None
-    except Exception as err:  # as in check_first_forward
-        return err
+        with torch.random.fork_rng(devices=cuda_index(weights_device(model))):
+            yield
     finally:
         model.train(was_training)
         with torch.no_grad():
             for key, buffer in model.named_buffers():
                 buffer.copy_(saved[key])
+
+
+def train_forward_error(model: nn.Module, image_size: int) -> Optional[Exception]:
+    """What a train-mode forward of two images of `image_size` raises, if anything (BatchNorm
+    in train mode needs more than one value per channel), leaving no trace (probing)."""
+    try:
+        with probing(model, training=True), torch.no_grad():
+            model(probe_images(model, 2, image_size))
+        return None
+    except Exception as err:  # as in check_first_forward
+        return err
 
 
 def larger_sizes(image_size: int, native_size: int) -> list[int]:
@@ -500,13 +508,9 @@ def unused_parameters(model: nn.Module, image_size: int) -> list[str]:
     the logits the forward returns) and fail when the auxiliary loss's gradient reaches them
     ("Expected to mark a variable ready only once")."""
     auxiliary = getattr(model, AUXILIARY_LOGITS, None) is not None
-    was_training = model.training
-    saved = {key: buffer.clone() for key, buffer in model.named_buffers()}
-    model.train(auxiliary)
     try:
-        images = probe_images(model, 2 if auxiliary else 1, image_size)
-        with torch.enable_grad(), torch.random.fork_rng(devices=cuda_index(images.device)):
-            output = model(images)
+        with probing(model, training=auxiliary), torch.enable_grad():
+            output = model(probe_images(model, 2 if auxiliary else 1, image_size))
             total = output.float().sum()
             for logits in kept_auxiliary_logits(model):
                 total = total + logits.float().sum()
@@ -515,10 +519,6 @@ def unused_parameters(model: nn.Module, image_size: int) -> list[str]:
     finally:
         for param in model.parameters():
             param.grad = None
-        model.train(was_training)
-        with torch.no_grad():
-            for key, buffer in model.named_buffers():
-                buffer.copy_(saved[key])
     return unused
 
 

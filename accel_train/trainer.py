@@ -245,6 +245,7 @@ class Trainer:
                                   channels_last=self.speed.channels_last,
                                   optimizer=config.optimizer,
                                   sample_subset=self.data.sample_subset or "all",
+                                  held_out_carve=self.data.held_out_carve,
                                   # None where auto had nothing to choose
                                   decoded_on_device=self.loaders.decoded_on_device
                                   if self.loaders.decoding else None)

@@ -116,6 +116,12 @@ ROWS: dict[str, Row] = {
     "train --val-fraction": effect(
         "test_bad_images.py::test_parquet_rows_are_named_by_file_and_row_also_after_carving",
         "0.25 of 17 rows carves ceil(4.25) = 5 held-out rows"),
+    "train --val-stratify": effect(
+        "test_split_roles.py::test_an_image_folder_carved_class_by_class_says_so_and_records_how",
+        "45 + 5 images at 0.2 hold out 9 and 1 (by hand; datasets' own stratified split in "
+        "test_a_stratified_carve_holds_out_each_class_in_its_share); eval and resume of such a "
+        "run carve the same: test_a_stratified_run_is_evaluated_and_resumed_on_the_images_it_"
+        "carved"),
     "train --select-on-test": effect(
         "test_three_roles.py::test_select_on_test_uses_the_test_split_for_selection_and_says_so",
         "64 train / 32 held-out rows: the test split itself, no test split kept"),
@@ -635,6 +641,9 @@ ROWS: dict[str, Row] = {
     "shard --val-fraction": effect(
         f"{STREAM}::test_shard_round_trip_image_folder",
         "validation shards equal the 0.25 carve that training makes of the same folder"),
+    "shard --val-stratify": effect(
+        f"{STREAM}::test_shard_carves_class_by_class_with_val_stratify",
+        "12 + 4 images at 0.25: validation shards hold 3 and 1 (by hand), training's carve"),
     "shard --image-column": effect(
         f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
         "the shards hold the photo column's pixels exactly"),

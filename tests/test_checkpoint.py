@@ -287,6 +287,27 @@ def test_a_checkpoint_from_before_the_subset_rule_kept_the_first_images():
         ck.check_same_subset(dataclasses.replace(old, sample_subset="random"), "first")
 
 
+def test_a_carve_drawn_another_way_is_refused_and_one_from_before_the_option_was_random():
+    """A state without held_out_carve (written before --val-stratify, whose carves were one
+    random draw): a stratified start is refused, a random one goes on, and a start that
+    carves nothing (the data's own splits) is not asked."""
+    old = ck.TrainerState.from_json({"seed": 0, "train_samples": 100})
+    assert old.held_out_carve is None
+    with pytest.raises(UsageError) as refused:
+        ck.check_same_carve(old, "stratified")
+    assert str(refused.value) == (
+        "the checkpoint's run carved its validation images by one random draw, this start "
+        "class by class: they are other images; resume without --val-stratify, or start a new "
+        "run")
+    ck.check_same_carve(old, "random")
+    ck.check_same_carve(old, None)
+    stratified = dataclasses.replace(old, held_out_carve="stratified")
+    ck.check_same_carve(stratified, "stratified")
+    ck.check_same_carve(stratified, None)
+    with pytest.raises(UsageError, match="resume with --val-stratify"):
+        ck.check_same_carve(stratified, "random")
+
+
 def test_the_held_out_and_test_counts_are_each_compared_when_both_were_recorded():
     previous = TrainerState(held_out_samples=30, test_samples=20)
     check_same_held_out(previous, 30, 20)

@@ -17,7 +17,8 @@ from PIL import Image
 
 from accel_train.base.errors import UsageError
 from accel_train.config import TrainConfig
-from accel_train.data.sources import carve_rows, load_data
+from accel_train.data.carve import carve_rows
+from accel_train.data.sources import load_data
 from conftest import PINNED, accel_train_here
 
 FEATURES = datasets.Features({"image": datasets.Image(),
@@ -390,3 +391,114 @@ def test_an_image_folder_carve_trains_every_class_and_says_what_it_gave_back(tmp
     assert data.description.endswith(
         "(train minus 68% for validation; 1 held-out image(s) trained on instead: no other "
         "image of their class was left for training)"), data.description
+
+
+def datasets_own_stratified_carve(labels: list[int], held_out: int) -> tuple[list, list]:
+    """The oracle: datasets' train_test_split(stratify_by_column=...) of rows labelled by a
+    ClassLabel column, with the product's fixed seed, called here."""
+    features = datasets.Features({"row": datasets.Value("int64"),
+                                  "label": datasets.ClassLabel(num_classes=max(labels) + 1)})
+    parts = datasets.Dataset.from_dict({"row": list(range(len(labels))), "label": labels},
+                                       features=features).train_test_split(
+        test_size=held_out, seed=0, shuffle=True, stratify_by_column="label")
+    return list(parts["train"]["row"]), list(parts["test"]["row"])
+
+
+def test_a_stratified_carve_holds_out_each_class_in_its_share():
+    """100 images, 90 of class 0 and 10 of class 1, 20% held out: class by class that is
+    exactly 18 and 2 (by hand); the random draw of the same rows holds out another balance."""
+    labels = np.array([0] * 90 + [1] * 10)
+    train, held = carve_rows(100, 0.2, labels, stratify=True)
+    assert (train.tolist(), held.tolist()) == datasets_own_stratified_carve(labels.tolist(), 20)
+    assert np.bincount(labels[held]).tolist() == [18, 2]
+    assert np.bincount(labels[train]).tolist() == [72, 8]
+    _, randomly_held = carve_rows(100, 0.2, labels)
+    assert np.bincount(labels[randomly_held]).tolist() != [18, 2]  # the option's effect here
+    # string labels, as a folder's names or a program's labels may be
+    names = np.array(["cat", "dog"])[labels]
+    assert carve_rows(100, 0.2, names, stratify=True)[1].tolist() == held.tolist()
+
+
+def test_a_stratified_carve_trains_a_class_of_one_and_draws_the_others_class_by_class():
+    """26 images: class a 20, b 5, c 1 (the last row).  ceil(26 x 0.2) = 6 are held out, drawn
+    from the 25 of a and b by class (4.8 and 1.2 each by share: within one); c's one image
+    trains (datasets refuses to stratify a class of one)."""
+    labels = np.array([0] * 20 + [1] * 5 + [2])
+    train, held = carve_rows(26, 0.2, labels, stratify=True)
+    plain_train, plain_held = datasets_own_stratified_carve(labels[:25].tolist(), 6)
+    assert held.tolist() == plain_held and train.tolist() == plain_train + [25]
+    a, b = np.bincount(labels[held], minlength=3)[:2]
+    assert a in (4, 5) and b in (1, 2) and a + b == 6
+
+
+@pytest.mark.parametrize("fraction, said", [
+    (0.02, "--val-stratify: --val-fraction 0.02 holds out 1 image(s), fewer than the 5 classes "
+           "with two or more images, and a stratified carve holds out one of each at least; use "
+           "--val-fraction 0.193 or more, or drop --val-stratify"),
+    (0.9, "--val-stratify: --val-fraction 0.9 holds out 24 of the 25 images of classes with two "
+          "or more images, leaving fewer than one of each of their 5 classes to train on; "
+          "choose a smaller fraction")])
+def test_a_stratified_carve_that_cannot_hold_one_of_each_class_is_refused(fraction, said):
+    """5 classes of 5 images and one of 1: 26 images.  0.193 (the fraction named) holds out
+    ceil(5.018) = 6 >= 5, and is taken."""
+    labels = np.array([0, 1, 2, 3, 4] * 5 + [9])
+    with pytest.raises(UsageError) as refused:
+        carve_rows(26, fraction, labels, stratify=True)
+    assert str(refused.value) == said
+    _, held = carve_rows(26, 0.193, labels, stratify=True)
+    assert len(held) == 6 and set(labels[held].tolist()) == {0, 1, 2, 3, 4}
+
+
+def test_an_image_folder_carved_class_by_class_says_so_and_records_how(tmp_path):
+    """--val-stratify through load_data with a whole TrainConfig: the held-out images of a
+    folder of 45 + 5 images at 0.2 are 9 and 1 (by hand); the start says how it carved, and
+    the run records it for a resume; a folder with its own val/ carves nothing."""
+    for name, count in (("common", 45), ("rare", 5)):
+        for i in range(count):
+            path = tmp_path / "data" / name / f"{i}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((8, 8, 3), i, dtype=np.uint8)).save(path)
+    data = load_data(TrainConfig(data_dir=str(tmp_path / "data"), val_fraction=0.2,
+                                 val_stratify=True, in_memory="always"))
+    assert np.bincount(data.held_out.labels.numpy()).tolist() == [9, 1]
+    assert data.description.endswith(
+        "(train minus 20% for validation, class by class (--val-stratify))"), data.description
+    assert data.held_out_carve == "stratified"
+    assert load_data(TrainConfig(data_dir=str(tmp_path / "data"), val_fraction=0.2,
+                                 in_memory="always")).held_out_carve == "random"
+    split = image_folder(tmp_path / "split", {"train": 8, "val": 4})
+    assert load_data(TrainConfig(data_dir=str(split), val_stratify=True)).held_out_carve is None
+
+
+@pytest.mark.slow
+def test_a_stratified_run_is_evaluated_and_resumed_on_the_images_it_carved(tmp_path):
+    """45 + 5 images at 0.2: the random draw holds out none of the rare class (10 + 0: its
+    premise, from load_data), --val-stratify 9 + 1 (by hand).  The run records how it carved:
+    `accel-train eval` of it counts 9 and 1, and a resume without the flag (other images, as
+    many) is refused in one line, nothing written; with it, it goes on."""
+    for name, count in (("common", 45), ("rare", 5)):
+        for i in range(count):
+            path = tmp_path / "data" / name / f"{i}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((8, 8, 3), 5 * i, dtype=np.uint8)).save(path)
+    data_dir = str(tmp_path / "data")
+    randomly = load_data(TrainConfig(data_dir=data_dir, val_fraction=0.2, in_memory="always"))
+    assert np.bincount(randomly.held_out.labels.numpy(), minlength=2).tolist() == [10, 0]
+    run = tmp_path / "run"
+    flags = ["--data-dir", data_dir, "--val-fraction", "0.2", "--model", "test_resnet",
+             "--batch-size", "8", "--output-dir", str(run), "--no-plots", "--progress", "log",
+             *PINNED]
+    accel_train_here(*flags, "--val-stratify", "--max-steps", "2", check=True)
+    evaluated = json.loads(accel_train_here("eval", str(run), "--json", check=True).stdout)
+    assert {name: counts["images"] for name, counts in evaluated["per_class"].items()} == \
+        {"common": 9, "rare": 1}, evaluated
+    assert evaluated["data"].endswith("class by class (--val-stratify))"), evaluated
+    files = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    refused = accel_train_here(*flags, "--max-steps", "4", "--resume", "auto")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "accel_train: error: the checkpoint's run carved its validation images class by class, "
+        "this start by one random draw: they are other images; resume with --val-stratify, or "
+        "start a new run"], refused.stderr
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
+    accel_train_here(*flags, "--val-stratify", "--max-steps", "4", "--resume", "auto",
+                     check=True)

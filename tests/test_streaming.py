@@ -127,6 +127,32 @@ def test_shard_round_trip_image_folder(tmp_path):
         assert torch.equal(images, source.images) and torch.equal(labels, source.labels)
 
 
+
+def test_shard_carves_class_by_class_with_val_stratify(tmp_path):
+    """12 cats and 4 dogs, 0.25 held out: class by class 3 and 1 (by hand: the dogs' share is
+    one; the random draw of these rows holds out four cats), as training carves the folder."""
+    from PIL import Image
+    src = tmp_path / "folder"
+    rng = np.random.default_rng(0)
+    for cls, count in (("cat", 12), ("dog", 4)):
+        (src / cls).mkdir(parents=True)
+        for i in range(count):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(
+                src / cls / f"{i}.png")
+    out = tmp_path / "shards"
+    result = _shard_here("--data-dir", str(src), "--val-fraction", "0.25", "--val-stratify",
+                         "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    from accel_train.config import TrainConfig
+    from accel_train.data.sources import load_data
+    loaded = load_data(TrainConfig(data_dir=str(src), in_memory="always", val_fraction=0.25,
+                                   val_stratify=True))
+    sets = _index_sets(out)
+    images, labels = _decoded(sets["validation"])
+    assert torch.bincount(labels).tolist() == [3, 1]
+    assert torch.equal(images, loaded.held_out.images) and torch.equal(labels,
+                                                                      loaded.held_out.labels)
+
 @pytest.mark.slow
 def test_a_test_split_beside_a_validation_split_is_sharded_and_tested_at_the_end(tmp_path):
     """train/, val/ and test/: shard copies all three (it dropped test/), and a streamed run

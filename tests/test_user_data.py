@@ -119,6 +119,21 @@ def test_a_carve_holding_a_class_out_whole_trains_on_its_first_held_out_item():
     assert "1 held-out image(s) trained on instead" in data.description
 
 
+
+def test_val_stratify_carves_a_programs_items_class_by_class():
+    """90 items of class 0 and 10 of class 1, 0.2 held out: class by class exactly 18 and 2
+    (by hand), as fit(val_stratify=True) asks; the start says so and records it."""
+    data = load_user_data(Targets([0] * 90 + [1] * 10), None, TrainConfig(
+        in_memory="never", val_fraction=0.2, val_stratify=True))
+    assert np.bincount(data.held_out.labels.numpy()).tolist() == [18, 2]
+    assert sorted(data.train.indices.tolist() + data.held_out.indices.tolist()) == \
+        list(range(100))
+    assert data.description == ("Targets (train_dataset minus 20% held out, class by class "
+                                "(--val-stratify))")
+    assert data.held_out_carve == "stratified"
+    given = load_user_data(Items(8), Items(4), TrainConfig(in_memory="never", val_stratify=True))
+    assert given.held_out_carve is None  # an eval_dataset of the program's: nothing carved
+
 class LabelsOnly(Items):
     """torchvision's way: the labels in `targets`, read without touching an image."""
 

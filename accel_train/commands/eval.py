@@ -23,11 +23,12 @@ SPLITS = {"held-out": "the validation images", "test": "the test split (kept for
           "all": "all images (training and validation together)"}
 # The options that say which data a run used; nothing else of the run matters to eval.
 DATA_OPTIONS = ("dataset", "data_dir", "image_column", "label_column", "val_fraction",
-                "max_train_samples", "max_eval_samples", "sample_subset",
+                "val_stratify", "max_train_samples", "max_eval_samples", "sample_subset",
                 "synthetic_train_size", "val_labels",
                 "select_on_test",
                 "class_depth", "streaming", "eval_shards")
-SPLIT_OPTIONS = ("val_fraction", "select_on_test")  # kept for other data (--data-dir) too
+# kept for other data (--data-dir) too
+SPLIT_OPTIONS = ("val_fraction", "val_stratify", "select_on_test")
 
 
 def build_parser() -> argparse.ArgumentParser:

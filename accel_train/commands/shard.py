@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="at most N samples per shard")
     parser.add_argument("--val-fraction", type=float, default=0.1,
                         help="held out when SRC has no held-out split (as training carves it)")
+    parser.add_argument("--val-stratify", action="store_true",
+                        help="carve --val-fraction class by class (as training's --val-stratify)")
     parser.add_argument("--image-column", default=None)
     parser.add_argument("--label-column", default=None)
     add_read_timeout(parser, "shard")
@@ -91,7 +93,8 @@ def _samples(args):
     # The data's own splits as they are (train, its validation split and its test split; a
     # carved validation split only where there is neither): shards are a copy of the data, not
     # of one run's roles.
-    splits = pick_splits(raw, config.val_fraction, label_column, select_on_test=True)
+    splits = pick_splits(raw, config.val_fraction, label_column, select_on_test=True,
+                         stratify=args.val_stratify)
     train_name, train_rows = splits.train_name, splits.train_rows
     eval_name, eval_rows = splits.eval_name, splits.eval_rows
     parts = {"train": rows_of(raw.splits[train_name], train_rows),

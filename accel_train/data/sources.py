@@ -14,7 +14,6 @@ exact resumes keep working; the trainer says each once (badimages.py).
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ import torch
 
 from accel_train.data import synthetic
 from accel_train.config import SYNTHETIC_DATASET, TrainConfig
+from accel_train.data.carve import carve_description, carve_name, carve_rows
 from accel_train.data.decode import Unreadable, decode_many, read_value
 from accel_train.base.errors import UsageError, first_line
 from accel_train.base.ranks import print_once
@@ -47,7 +47,6 @@ LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "coarse_label", "class", 
 VALIDATION_SPLIT_NAMES = ("validation", "val", "valid", "dev", "eval", "evaluation")
 TEST_SPLIT_NAMES = ("test", "testing")
 EVAL_SPLIT_NAMES = VALIDATION_SPLIT_NAMES + TEST_SPLIT_NAMES
-VAL_CARVE_SEED = 0  # fixed: the held-out set must not change with --seed
 MATERIALIZE_BATCH = 1024  # rows read from Arrow at a time when decoding into memory,
 MATERIALIZE_BYTES = 256 * 2**20  # or fewer: the decoded images a batch holds at most
 NATIVE_SIZE_PROBE = 32  # images looked at to tell a data set's own image size
@@ -380,6 +379,9 @@ class LoadedData:
     warnings: list[str] = field(default_factory=list)  # said at the start, on the main rank
     # --sample-subset, where a sample limit cut a split (a resume must keep the same images)
     sample_subset: Optional[str] = None
+    # how the held-out images were carved off the training split, where they were: 'random'
+    # or 'stratified' (--val-stratify; a resume must keep the same images)
+    held_out_carve: Optional[str] = None
 
 
 @dataclass
@@ -612,9 +614,10 @@ def training_split_name(raw: RawData) -> str:
 
 
 def pick_splits(raw: RawData, val_fraction: float, label_column: str,
-                select_on_test: bool = False) -> Splits:
+                select_on_test: bool = False, stratify: bool = False) -> Splits:
     """The data's own validation split; else `val_fraction` of the training split carved off
-    with a fixed seed (each class keeping a training image: carve_rows), the test split kept
+    with a fixed seed (class by class with `stratify`; each class keeping a training image:
+    carve.carve_rows), the test split kept
     for the end; with `select_on_test`, a data set with
     only train and test uses its test split for selection (and says so)."""
     names = list(raw.splits)
@@ -631,11 +634,11 @@ def pick_splits(raw: RawData, val_fraction: float, label_column: str,
                       np.arange(len(raw.splits[validation])), test,
                       f"{train_name}/{validation}" + (f"/{test}" if test else ""))
     labels = raw.splits[train_name].with_format("arrow")[label_column].to_numpy()
-    train_rows, held_out_rows = carve_rows(len(train_rows), val_fraction, labels)
+    train_rows, held_out_rows = carve_rows(len(train_rows), val_fraction, labels, stratify)
     return Splits(train_name, train_rows, train_name, held_out_rows, test,
                   f"{train_name} minus {100 * val_fraction:.3g}% for validation"
-                  + trained_instead(len(train_rows) + len(held_out_rows), val_fraction,
-                                    held_out_rows)
+                  + carve_description(len(train_rows) + len(held_out_rows), val_fraction,
+                                      held_out_rows, stratify)
                   + (f"; {test} kept for the end" if test else ""))
 
 
@@ -650,63 +653,6 @@ def refuse_classes_left_unreadable(source: "HFSource", decoded: ArraySource,
                          f"train those outputs on substitutes of other classes; fix or replace "
                          f"the files (accel-train check-data --data-dir DIR lists them), or "
                          f"remove the class")
-
-
-def carve_rows(num_rows: int, val_fraction: float,
-               labels: Optional[Sequence] = None) -> tuple[np.ndarray, np.ndarray]:
-    """(rows kept for training, rows held out): `val_fraction` of the rows, chosen with a fixed
-    seed.  datasets' own split of a stand-in that holds the row numbers: the same rows as
-    train.train_test_split(...) gives (it depends on the length and the seed only), and the
-    row numbers still name each image.  With `labels` (one per row), a class whose every image
-    the draw held out gets its first held-out image back for training (returned last): the
-    model would never train on that class, which a validation folder of such a class is refused
-    for (labels.refuse_folders_never_trained); classes with more images keep datasets' draw."""
-    if num_rows < 2:
-        raise UsageError("the data has fewer than 2 images; nothing to hold out for evaluation")
-    held_out = math.ceil(num_rows * val_fraction)  # as datasets' train_test_split counts it
-    if held_out >= num_rows:
-        raise UsageError(f"--val-fraction {val_fraction:g} holds out all {num_rows} training "
-                         f"images, leaving none to train on; choose a smaller fraction "
-                         f"(0.1 holds out {math.ceil(num_rows * 0.1)})")
-    from datasets import Dataset
-    stand_in = Dataset.from_dict({"row": np.arange(num_rows)})
-    parts = stand_in.train_test_split(test_size=val_fraction, seed=VAL_CARVE_SEED, shuffle=True)
-    # copies: an array over Arrow's buffer can be read-only (a part of one row is), and
-    # torch.from_numpy of one warns (fit() printed torch's warning for such a carve)
-    train_rows = parts["train"].with_format("arrow")["row"].to_numpy().copy()
-    held_out_rows = parts["test"].with_format("arrow")["row"].to_numpy().copy()
-    if labels is None:
-        return train_rows, held_out_rows
-    return train_each_class(train_rows, held_out_rows, labels)
-
-
-def train_each_class(train_rows: np.ndarray, held_out_rows: np.ndarray,
-                     labels: Sequence) -> tuple[np.ndarray, np.ndarray]:
-    """`carve_rows`' rows with the first held-out row of each class that has no training row
-    moved to the end of the training rows.  A label of None or -1 (no class) is no class."""
-    labels = np.asarray(labels)  # a tensor's items would hash by identity, not value
-    trained = set(labels[train_rows].tolist())
-    back = []
-    for position, label in enumerate(labels[held_out_rows].tolist()):
-        if label not in trained and label is not None and label != -1:
-            trained.add(label)
-            back.append(position)
-    if not back:
-        return train_rows, held_out_rows
-    if len(back) == len(held_out_rows):
-        raise UsageError(f"--val-fraction holds out {len(held_out_rows)} image(s), each of a "
-                         f"class with no other image to train on; give those classes more "
-                         f"images, or a validation split of your own")
-    return (np.concatenate([train_rows, held_out_rows[back]]),
-            np.delete(held_out_rows, back))
-
-
-def trained_instead(num_rows: int, val_fraction: float, held_out_rows: np.ndarray) -> str:
-    """What the start summary adds where carve_rows gave images back for training."""
-    given_back = math.ceil(num_rows * val_fraction) - len(held_out_rows)
-    return (f"; {given_back} held-out image(s) trained on instead: no other image of their "
-            f"class was left for training"
-            if given_back else "")
 
 
 def rows_of(dataset, rows: np.ndarray):
@@ -761,7 +707,8 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True) 
     # the columns of the training split are every split's (datasets loads them as one)
     image_column, label_column = find_columns(raw.splits[train_name], config)
     warnings = set_aside_unlabelled_splits(raw, label_column, train_name)
-    splits = pick_splits(raw, config.val_fraction, label_column, config.select_on_test)
+    splits = pick_splits(raw, config.val_fraction, label_column, config.select_on_test,
+                         config.val_stratify)
     if config.select_on_test and splits.eval_name not in TEST_SPLIT_NAMES:
         warnings.append(f"--select-on-test has no effect: {raw.origin} "
                         + (f"has a validation split ({splits.eval_name}), which selects"
@@ -808,4 +755,6 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True) 
             source.on_substitute = warn_substitute
     return LoadedData(sources[0], sources[1], class_names, f"{raw.origin} ({splits.description})",
                       bad, test=sources[2] if len(sources) > 2 else None, warnings=warnings,
-                      sample_subset=cut)
+                      sample_subset=cut,
+                      held_out_carve=carve_name(config.val_stratify)
+                      if splits.eval_name == splits.train_name else None)

@@ -22,9 +22,9 @@ from PIL import Image
 from accel_train.base.errors import UsageError, first_few
 from accel_train.base.randomness import seeded
 from accel_train.data.sample_limits import kept_positions, subset_if_cut
+from accel_train.data.carve import carve_description, carve_name, carve_rows
 from accel_train.data.sources import (IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, ArraySource,
-                                      ImageSource, LoadedData, carve_rows, held_in_memory,
-                                      trained_instead)
+                                      ImageSource, LoadedData, held_in_memory)
 
 
 def as_uint8_chw(value: Any, where: str) -> torch.Tensor:
@@ -228,11 +228,13 @@ def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> Loaded
                              f"got {type(dataset).__name__}")
     train_labels = labels_of(train_dataset, "train_dataset")
     if eval_dataset is None:
-        train_rows, eval_rows = carve_rows(len(train_dataset), config.val_fraction, train_labels)
+        train_rows, eval_rows = carve_rows(len(train_dataset), config.val_fraction, train_labels,
+                                           config.val_stratify)
         train = DatasetSource(train_dataset, train_labels, train_rows, "train_dataset")
         held_out = DatasetSource(train_dataset, train_labels, eval_rows, "train_dataset")
         description = (f"train_dataset minus {100 * config.val_fraction:.3g}% held out"
-                       + trained_instead(len(train_dataset), config.val_fraction, eval_rows))
+                       + carve_description(len(train_dataset), config.val_fraction, eval_rows,
+                                           config.val_stratify))
         all_labels = [train_labels]
     else:
         eval_labels = labels_of(eval_dataset, "eval_dataset")
@@ -268,4 +270,6 @@ def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> Loaded
         train, held_out = held_in_memory([train, held_out], config) or (train, held_out)
     return LoadedData(train, held_out, class_names, f"{type(train_dataset).__name__} "
                                                     f"({description})", from_program=True,
-                      sample_subset=cut)
+                      sample_subset=cut,
+                      held_out_carve=carve_name(config.val_stratify)
+                      if eval_dataset is None else None)

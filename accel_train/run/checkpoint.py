@@ -90,6 +90,9 @@ class TrainerState:
     # which images a sample limit kept: 'random' or 'first' (--sample-subset), 'all' where no
     # limit cut a split; None: a checkpoint from before the option, whose limits kept the first
     sample_subset: Optional[str] = None
+    # how the held-out images were carved off the training split: 'random' or 'stratified'
+    # (--val-stratify), None where nothing was carved or before the option (a random draw)
+    held_out_carve: Optional[str] = None
 
     # What a start decides for itself, not taken from the checkpoint: its process layout (the
     # global batch is kept: resume.keep_global_batch), and how it computes (autotune.py: a
@@ -139,6 +142,7 @@ class TrainerState:
         check_same_data_order(previous, self.seed, self.train_samples)
         check_same_held_out(previous, self.held_out_samples, self.test_samples)
         check_same_subset(previous, self.sample_subset)
+        check_same_carve(previous, self.held_out_carve)
         continued = previous.continued_on(**{name: getattr(self, name)
                                              for name in self.THIS_START})
         for field in fields(self):
@@ -181,6 +185,21 @@ def check_same_subset(previous: TrainerState, sample_subset: Optional[str]) -> N
                          f"--sample-subset {before}, this start by {sample_subset}: they are "
                          f"other images; resume with --sample-subset {before}, or start a new "
                          f"run")
+
+
+def check_same_carve(previous: TrainerState, held_out_carve: Optional[str]) -> None:
+    """As many held-out images carved by another draw are other images, and so are the
+    training images: the epoch's order would skip and repeat other ones."""
+    if held_out_carve is None:
+        return  # nothing carved: the data's own splits (other data is refused by its counts)
+    before = previous.held_out_carve or "random"  # before --val-stratify, every carve was
+    if before != held_out_carve:
+        drawn = {"random": "by one random draw", "stratified": "class by class"}
+        raise UsageError(f"the checkpoint's run carved its validation images "
+                         f"{drawn[before]}, this start {drawn[held_out_carve]}: they are other "
+                         f"images; resume "
+                         f"{'with' if before == 'stratified' else 'without'} --val-stratify, "
+                         f"or start a new run")
 
 
 SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)

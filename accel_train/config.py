@@ -65,12 +65,11 @@ class TrainConfig:
                                  "for validation when the data has no validation split (a test "
                                  "split is then kept for one evaluation at the end; a class it "
                                  "would hold out whole keeps one image for training).", "data")
-    val_stratify: bool = option(False, "Carve --val-fraction class by class: each class holds out "
-                                "its share of its images, within one (datasets' "
-                                "train_test_split(stratify_by_column=...), scikit-learn's "
-                                "stratify=), so each class is as large a part of validation as "
-                                "of the data; without it, one random draw over all images. A "
-                                "class of one image trains.", "data")
+    val_stratify: bool = option(False, "Carve --val-fraction class by class (scikit-learn's "
+                                "stratify=): each class holds out one image at least and about "
+                                "its share of the rest, so validation measures every class in "
+                                "about the data's balance; without it, one random draw over all "
+                                "images. A class of one image trains.", "data")
     select_on_test: bool = option(False, "With only train and test splits, use the test split "
                                   "for validation and selection (best checkpoints, EMA or raw "
                                   "weights) instead of carving --val-fraction from train; the "

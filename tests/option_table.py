@@ -118,10 +118,10 @@ ROWS: dict[str, Row] = {
         "0.25 of 17 rows carves ceil(4.25) = 5 held-out rows"),
     "train --val-stratify": effect(
         "test_split_roles.py::test_an_image_folder_carved_class_by_class_says_so_and_records_how",
-        "45 + 5 images at 0.2 hold out 9 and 1 (by hand; datasets' own stratified split in "
-        "test_a_stratified_carve_holds_out_each_class_in_its_share); eval and resume of such a "
-        "run carve the same: test_a_stratified_run_is_evaluated_and_resumed_on_the_images_it_"
-        "carved"),
+        "45 + 5 images at 0.2 hold out 9 and 1 (by hand; where datasets' own stratified split "
+        "holds out none of a rare class, one: test_a_stratified_carve_holds_out_one_image_of_"
+        "every_class_where_datasets_held_none); eval and resume of such a run carve the same: "
+        "test_a_stratified_run_is_evaluated_and_resumed_on_the_images_it_carved"),
     "train --select-on-test": effect(
         "test_three_roles.py::test_select_on_test_uses_the_test_split_for_selection_and_says_so",
         "64 train / 32 held-out rows: the test split itself, no test split kept"),

@@ -394,8 +394,8 @@ def test_an_image_folder_carve_trains_every_class_and_says_what_it_gave_back(tmp
 
 
 def datasets_own_stratified_carve(labels: list[int], held_out: int) -> tuple[list, list]:
-    """The oracle: datasets' train_test_split(stratify_by_column=...) of rows labelled by a
-    ClassLabel column, with the product's fixed seed, called here."""
+    """datasets' train_test_split(stratify_by_column=...) of rows labelled by a ClassLabel
+    column, called here: what --val-stratify would draw had it taken datasets' split."""
     features = datasets.Features({"row": datasets.Value("int64"),
                                   "label": datasets.ClassLabel(num_classes=max(labels) + 1)})
     parts = datasets.Dataset.from_dict({"row": list(range(len(labels))), "label": labels},
@@ -404,36 +404,66 @@ def datasets_own_stratified_carve(labels: list[int], held_out: int) -> tuple[lis
     return list(parts["train"]["row"]), list(parts["test"]["row"])
 
 
+def check_partition(train: np.ndarray, held: np.ndarray, num_rows: int) -> None:
+    assert np.array_equal(np.sort(np.concatenate([train, held])), np.arange(num_rows))
+
+
 def test_a_stratified_carve_holds_out_each_class_in_its_share():
-    """100 images, 90 of class 0 and 10 of class 1, 20% held out: class by class that is
-    exactly 18 and 2 (by hand); the random draw of the same rows holds out another balance."""
+    """100 images, 90 of class 0 and 10 of class 1, 20% held out: class by class exactly 18
+    and 2 (by hand), drawn at random within each class (not its first rows), the same for
+    labels given as strings; the random draw of the same rows holds out another balance."""
     labels = np.array([0] * 90 + [1] * 10)
     train, held = carve_rows(100, 0.2, labels, stratify=True)
-    assert (train.tolist(), held.tolist()) == datasets_own_stratified_carve(labels.tolist(), 20)
+    check_partition(train, held, 100)
     assert np.bincount(labels[held]).tolist() == [18, 2]
-    assert np.bincount(labels[train]).tolist() == [72, 8]
-    _, randomly_held = carve_rows(100, 0.2, labels)
-    assert np.bincount(labels[randomly_held]).tolist() != [18, 2]  # the option's effect here
-    # string labels, as a folder's names or a program's labels may be
+    assert held[:18].tolist() != list(range(18))
+    assert np.bincount(labels[carve_rows(100, 0.2, labels)[1]]).tolist() != [18, 2]
     names = np.array(["cat", "dog"])[labels]
     assert carve_rows(100, 0.2, names, stratify=True)[1].tolist() == held.tolist()
 
 
+def test_a_stratified_carve_holds_out_one_image_of_every_class_where_datasets_held_none():
+    """Four classes of 24 images and one of 4, 0.2 held out: each share is 4.8 (0.8 for the
+    rare class), every remainder 0.8.  datasets' own stratified split (called here) held out
+    none of the rare class, so validation never measured it; --val-stratify holds out one of
+    it, and 5, 5, 5, 4 of the others (by hand: 20 in all, the floors 4 and one each, three more
+    to the ties at random)."""
+    labels = np.array([0] * 24 + [1] * 24 + [2] * 24 + [3] * 24 + [4] * 4)
+    _, datasets_held = datasets_own_stratified_carve(labels.tolist(), 20)
+    assert np.bincount(labels[datasets_held], minlength=5)[4] == 0  # the premise
+    train, held = carve_rows(100, 0.2, labels, stratify=True)
+    check_partition(train, held, 100)
+    counts = np.bincount(labels[held], minlength=5)
+    assert counts[4] == 1 and sorted(counts[:4].tolist()) == [4, 5, 5, 5]
+    assert (np.bincount(labels[train]) >= 1).all()
+
+
+@pytest.mark.parametrize("counts, held_out, expected", [
+    ([1000] + [2] * 100, 120, [20] + [1] * 100),  # one each first: the large class gives way
+    ([2, 2, 2, 2, 50], 10, [1, 1, 1, 1, 6]),      # shares 0.34 and 8.6: 1s and 8 are 12, 2 too many
+    ([3, 3, 3], 6, [2, 2, 2]),                    # all but one of each
+    ([7, 3], 2, [1, 1])])                         # the fewest that holds one of each
+def test_held_out_counts_keep_one_of_each_class_on_both_sides(counts, held_out, expected):
+    """By hand: each class holds out one at least and keeps one at least; the rest by share."""
+    from accel_train.data.carve import held_out_counts
+    taken = held_out_counts(np.array(counts), held_out, np.random.default_rng(0))
+    assert taken.tolist() == expected
+
+
 def test_a_stratified_carve_trains_a_class_of_one_and_draws_the_others_class_by_class():
     """26 images: class a 20, b 5, c 1 (the last row).  ceil(26 x 0.2) = 6 are held out, drawn
-    from the 25 of a and b by class (4.8 and 1.2 each by share: within one); c's one image
-    trains (datasets refuses to stratify a class of one)."""
-    labels = np.array([0] * 20 + [1] * 5 + [2])
+    from the 25 of a and b by class (shares 4.8 and 1.2 of 6: 5 and 1 by hand, the larger
+    remainder gaining); c's one image trains (it cannot be both)."""
+    labels = np.array(["a"] * 20 + ["b"] * 5 + ["c"])
     train, held = carve_rows(26, 0.2, labels, stratify=True)
-    plain_train, plain_held = datasets_own_stratified_carve(labels[:25].tolist(), 6)
-    assert held.tolist() == plain_held and train.tolist() == plain_train + [25]
-    a, b = np.bincount(labels[held], minlength=3)[:2]
-    assert a in (4, 5) and b in (1, 2) and a + b == 6
+    check_partition(train, held, 26)
+    assert 25 in train.tolist()
+    assert sorted(labels[held].tolist()) == ["a"] * 5 + ["b"]
 
 
 @pytest.mark.parametrize("fraction, said", [
     (0.02, "--val-stratify: --val-fraction 0.02 holds out 1 image(s), fewer than the 5 classes "
-           "with two or more images, and a stratified carve holds out one of each at least; use "
+           "with two or more images, and a stratified carve holds out one of each; use "
            "--val-fraction 0.193 or more, or drop --val-stratify"),
     (0.9, "--val-stratify: --val-fraction 0.9 holds out 24 of the 25 images of classes with two "
           "or more images, leaving fewer than one of each of their 5 classes to train on; "

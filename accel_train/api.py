@@ -143,7 +143,8 @@ def in_python_terms(message: str) -> str:
 
 # options that choose or read the data, which fit() is handed: they would be ignored
 DATA_SOURCE_OPTIONS = ("data_dir", "dataset", "image_column", "label_column", "val_labels",
-                       "class_depth", "eval_shards", "streaming", "select_on_test")
+                       "train_labels", "class_depth", "eval_shards", "streaming",
+                       "select_on_test")
 
 
 def callback_list(callbacks) -> list[Callback]:

@@ -136,6 +136,13 @@ class TrainConfig:
                                        "IMAGE and DIR/val/IMAGE): 'IMAGE,CLASS' lines (CSV or "
                                        "whitespace) or one CLASS per line in file-name order.",
                                        "data")
+    train_labels: Optional[str] = option(None, "Label file for training images not sorted into "
+                                         "class folders (DIR/IMAGE or DIR/train/IMAGE, as "
+                                         "Kaggle hands out train.csv beside train/): "
+                                         "'IMAGE,CLASS' lines (CSV, a header line allowed, or "
+                                         "whitespace), IMAGE a path, a file name or a file name "
+                                         "without its extension; the classes are the file's "
+                                         "labels (whole numbers in their order).", "data")
     class_depth: Optional[int] = option(None, "Image folders: the folder level under the split "
                                         "folder that names the class (1: the top level; "
                                         "default: the folder that holds the image).", "data")
@@ -523,6 +530,12 @@ class TrainConfig:
                 raise UsageError(f"{flag(name)} must be below 1 (got {getattr(self, name)!r})")
         if not 0 < self.val_fraction < 1:
             raise UsageError(f"--val-fraction must be between 0 and 1 (got {self.val_fraction})")
+        # (checked here: without --data-dir the embedded set would train, the file unread)
+        for name, what in (("val_labels", "the held-out folder"),
+                           ("train_labels", "the training images")):
+            if getattr(self, name) is not None and self.data_dir is None:
+                raise UsageError(f"{flag(name)} labels {what} of an image folder: pass "
+                                 f"--data-dir DIR too")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise UsageError(f"--grad-clip must be > 0 (got {self.grad_clip}); omit it to not clip")
         if not (isinstance(self.loader_timeout, (int, float)) and self.loader_timeout >= 0

@@ -183,6 +183,10 @@ ROWS: dict[str, Row] = {
     "train --val-labels": effect(
         "test_layouts.py::test_train_and_eval_on_the_imagenet_layout",
         "12 train / 9 held-out images of 3 classes, as the test's label file says"),
+    "train --train-labels": effect(
+        "test_train_labels.py::test_each_image_takes_the_class_its_line_gives",
+        "each image's class is its line's as pandas' read_csv reads the file (ids without "
+        "extension, quoted names with commas, whitespace without a header)"),
     "train --class-depth": effect(
         f"{EFFECTS}::test_class_depth_alike_in_training_and_check_data",
         "the top folder names the class: the counts the test wrote, in both commands"),
@@ -494,6 +498,10 @@ ROWS: dict[str, Row] = {
         "test_commands.py::test_eval_of_one_class_and_of_imagenets_validation_layout",
         "ImageNet's layout (train/CLASS, val/IMAGE, a label file): top-1 equals predict's "
         "top-1 on the val/ files against the file's labels"),
+    "eval --train-labels": effect(
+        "test_train_labels.py::test_train_labels_alike_in_training_check_data_and_eval",
+        "--data-dir with it, --split all: every image counted under the file's class (pandas' "
+        "value_counts); without --data-dir the run's own file is read again"),
     "eval --class-depth": effect(
         "test_commands.py::test_eval_of_one_class_and_of_imagenets_validation_layout",
         "without --data-dir: one line (the run's data is read as it trained); with it, as in "
@@ -608,6 +616,9 @@ ROWS: dict[str, Row] = {
     "check-data --val-labels": effect(
         f"{EFFECTS}::test_val_labels_alike_in_training_and_check_data",
         "held-out class counts are those of the label file the test wrote"),
+    "check-data --train-labels": effect(
+        "test_train_labels.py::test_train_labels_alike_in_training_check_data_and_eval",
+        "class counts are the label file's (pandas' value_counts)"),
     "check-data --class-depth": effect(
         f"{EFFECTS}::test_class_depth_alike_in_training_and_check_data",
         "the top folder names the class: the counts the test wrote"),

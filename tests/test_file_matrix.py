@@ -628,6 +628,7 @@ COVERED_ELSEWHERE = {
     "pretrained": "test_bad_files.py::test_pretrained_weights_damaged",
     "run_lock": "test_bad_files.py::test_a_run_lock_damaged",
     "val_labels": "test_layouts.py::test_bad_folders_and_label_files_are_one_line_errors",
+    "train_labels": "test_train_labels.py::test_each_label_file_problem_is_one_sentence",
     "elastic_job": "test_file_matrix.py::test_a_damaged_elastic_job_marker",
 }
 

@@ -20,7 +20,8 @@ from PIL import Image
 
 from accel_train.data import imagefolder
 from accel_train.base.errors import UsageError
-from accel_train.data.imagefolder import index_folder, read_val_labels
+from accel_train.data.imagefolder import index_folder
+from accel_train.data.label_files import read_val_labels
 from conftest import age_folders
 
 NEVER_CACHED = 10**9
@@ -151,7 +152,8 @@ def test_an_image_outside_any_class_folder_is_refused(tmp_path, held_out):
         ["cat/1.png", "2.png"]
     root = _tree(tmp_path / "d", files)
     image = "val/2.png" if held_out else "2.png"
-    hint = " (a held-out folder of unlabelled images needs --val-labels FILE)" if held_out else ""
+    hint = " (a held-out folder of unlabelled images needs --val-labels FILE)" if held_out \
+        else " (or name each image's class in a file: --train-labels FILE)"
     with pytest.raises(UsageError) as caught:
         _index(root)
     assert str(caught.value) == (f"{root}/{image} is not inside a class folder; put each "

@@ -150,6 +150,7 @@ _register("parquet", "a parquet file of --data-dir", "copy it again")
 _register("saved_dataset", "a file of a save_to_disk folder (--data-dir)",
           "save the dataset again with save_to_disk, or copy the folder again")
 _register("val_labels", "a --val-labels file", "fix the line or pass another file")
+_register("train_labels", "a --train-labels file", "fix the line or pass another file")
 _register("imagefolder_cache", "an image folder's cached index",
           "(not an error: a damaged cache is rebuilt by walking the folder)")
 _register("shard_index", "a shard folder's index.json",

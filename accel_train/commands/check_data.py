@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--label-column", help="label column (default: found by name/type)")
     data.add_argument("--val-labels", metavar="FILE", help="label file of a held-out folder of "
                       "unlabelled images (ImageNet's validation layout)")
+    data.add_argument("--train-labels", metavar="FILE", help="label file of a folder of "
+                      "training images not sorted into class folders (Kaggle's train.csv)")
     data.add_argument("--class-depth", type=int, metavar="N", help="image folders: the folder "
                       "level under the split folder that names the class (1: the top level)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
@@ -63,7 +65,8 @@ def _config(args):
     read_timeout_checked(args.read_timeout)
     return TrainConfig(dataset=args.dataset or "synthetic", data_dir=args.data_dir,
                        image_column=args.image_column, label_column=args.label_column,
-                       val_labels=args.val_labels, class_depth=args.class_depth,
+                       val_labels=args.val_labels, train_labels=args.train_labels,
+                       class_depth=args.class_depth,
                        in_memory="never")
 
 

@@ -24,7 +24,7 @@ SPLITS = {"held-out": "the validation images", "test": "the test split (kept for
 # The options that say which data a run used; nothing else of the run matters to eval.
 DATA_OPTIONS = ("dataset", "data_dir", "image_column", "label_column", "val_fraction",
                 "val_stratify", "max_train_samples", "max_eval_samples", "sample_subset",
-                "synthetic_train_size", "val_labels",
+                "synthetic_train_size", "val_labels", "train_labels",
                 "select_on_test",
                 "class_depth", "streaming", "eval_shards")
 # kept for other data (--data-dir) too
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--label-column", help="label column (default: found by name/type)")
     data.add_argument("--val-labels", metavar="FILE", help="with --data-dir: the label file of "
                       "an ImageNet-style val/ folder of unlabelled images, as for training")
+    data.add_argument("--train-labels", metavar="FILE", help="with --data-dir: the label file "
+                      "of a folder of training images not sorted into class folders, as for "
+                      "training")
     data.add_argument("--class-depth", type=int, metavar="N", help="with --data-dir: the "
                       "folder level that names the class, as for training")
     data.add_argument("--split", choices=list(SPLITS), default="held-out",
@@ -116,10 +119,10 @@ def data_config(trained, args) -> TrainConfig:
                          f"there from this folder; pass --data-dir PATH to that data")
     if other_data:
         values.update(dataset=args.dataset or "synthetic", data_dir=args.data_dir)
-    elif args.val_labels is not None or args.class_depth is not None:
-        raise UsageError("--val-labels and --class-depth describe the data of --data-dir; the "
-                         "run's own data is read as it trained on it")
-    for name in ("image_column", "label_column", "val_labels", "class_depth"):
+    elif (args.val_labels, args.train_labels, args.class_depth) != (None, None, None):
+        raise UsageError("--val-labels, --train-labels and --class-depth describe the data of "
+                         "--data-dir; the run's own data is read as it trained on it")
+    for name in ("image_column", "label_column", "val_labels", "train_labels", "class_depth"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if not other_data and isinstance(recorded, dict) and "sample_subset" not in recorded:

@@ -6,7 +6,9 @@ Layouts (`--data-dir DIR`):
 - `DIR/SPLIT/CLASS/IMAGE`, SPLIT one of train/training, validation/val/valid/dev,
   test/testing/eval/evaluation (Hugging Face's split names; any letter case).
 - ImageNet's validation layout: `DIR/train/CLASS/IMAGE` plus all held-out images in one folder
-  (`DIR/val/IMAGE`), labelled by a file (`--val-labels FILE`, see `read_val_labels`).
+  (`DIR/val/IMAGE`), labelled by a file (`--val-labels FILE`, label_files.py).
+- Training images in one folder (`DIR/IMAGE` or `DIR/train/IMAGE`) labelled by a file
+  (`--train-labels FILE`: Kaggle's train.csv and train/; label_files.py).
 - Nested class folders: the class is the folder that holds the image (as Hugging Face's
   imagefolder has it), or with `--class-depth N` the N-th folder level under the split folder
   (1: the top level, so `animals/cat/siamese/1.jpg` is class `animals`).
@@ -31,7 +33,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
@@ -39,7 +41,8 @@ import pyarrow as pa
 from PIL import Image
 
 from accel_train.base.errors import UsageError
-from accel_train.base.readers import Shape, read_arrow_cache, read_text
+from accel_train.base.readers import Shape, read_arrow_cache
+from accel_train.data.label_files import class_order, read_train_labels, read_val_labels
 from accel_train.data.loader_watch import reading
 
 SPLIT_FOLDERS = {"train": "train", "training": "train", "validation": "validation",
@@ -92,34 +95,37 @@ class HoldsParquet(Exception):
 def index_folder(root: str | Path, class_depth: Optional[int] = None,
                  val_labels: Optional[str] = None, cache_dir: Optional[Path] = None,
                  cache_min_files: int = CACHE_MIN_FILES, say=print,
-                 stop_at_parquet: bool = False) -> FolderIndex:
+                 stop_at_parquet: bool = False,
+                 train_labels: Optional[str] = None) -> FolderIndex:
     """The index of an image folder: from the cache when its folders are unchanged, else by
     walking it (and cached when large).  `say` gets the progress lines; UsageError for folders
     that are not a dataset (no images, an empty class folder, images outside class folders).
     `stop_at_parquet`: HoldsParquet at the first parquet file the walk meets, so that a start
     whose layout is not yet known lists an image folder's tree once, not twice."""
     root = Path(root)
-    cached = cached_index(root, class_depth, val_labels, cache_dir)
+    cached = cached_index(root, class_depth, val_labels, cache_dir, train_labels)
     if cached is not None:
         return cached
-    index = _build(root, class_depth, val_labels, say, stop_at_parquet)
+    index = _build(root, class_depth, val_labels, say, stop_at_parquet, train_labels)
     if len(index) >= cache_min_files:
-        _write_cache(_cache_file(root, class_depth, val_labels, cache_dir), index)
+        _write_cache(_cache_file(root, class_depth, val_labels, cache_dir, train_labels), index)
     return index
 
 
 def cached_index(root: str | Path, class_depth: Optional[int] = None,
-                 val_labels: Optional[str] = None,
-                 cache_dir: Optional[Path] = None) -> Optional[FolderIndex]:
+                 val_labels: Optional[str] = None, cache_dir: Optional[Path] = None,
+                 train_labels: Optional[str] = None) -> Optional[FolderIndex]:
     """The cached index of `root` when every folder its walk saw still has its mtime (nothing
-    added, removed or renamed in any of them), else None."""
+    added, removed or renamed in any of them) and its label files are unchanged, else None."""
     root = Path(root)
-    return _read_cache(_cache_file(root, class_depth, val_labels, cache_dir), root)
+    return _read_cache(_cache_file(root, class_depth, val_labels, cache_dir, train_labels),
+                       root)
 
 
-def _cache_file(root: Path, class_depth, val_labels, cache_dir: Optional[Path]) -> Path:
+def _cache_file(root: Path, class_depth, val_labels, cache_dir: Optional[Path],
+                train_labels: Optional[str]) -> Path:
     cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
-    return cache_dir / f"{_cache_key(root, class_depth, val_labels)}.arrow"
+    return cache_dir / f"{_cache_key(root, class_depth, val_labels, train_labels)}.arrow"
 
 
 def default_cache_dir() -> Path:
@@ -301,7 +307,7 @@ def _folder_class(folders: list[str], depth: Optional[int]) -> Optional[str]:
 
 
 def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
-           say, stop_at_parquet: bool) -> FolderIndex:
+           say, stop_at_parquet: bool, train_labels: Optional[str]) -> FolderIndex:
     extensions = image_extensions()
     progress = _Progress(root, say)
     splits = _split_folders(root, stop_at_parquet) or {"train": root}
@@ -327,20 +333,27 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
         raise UsageError(f"--data-dir {root} holds no image files (looked for .jpg, .png, .webp, "
                          f"... in it and its subfolders); expected one subfolder of images per "
                          f"class, parquet files or a save_to_disk folder")
+    labelled_train = "train" if train_labels is not None else None
     for split, (prefix, found) in walked.items():
-        if empties[split] and not (class_depth is None and _is_labelled_split(split, val_labels)):
+        if empties[split] and not (class_depth is None and _is_labelled_split(split, val_labels)
+                                   or split == labelled_train):
             _check_empty_folders(root, sorted(empties[split]), found, prefix, class_depth)
     labelled = _labelled_split(walked, val_labels, root)
     classes: dict[str, list] = {}
+    if labelled_train is not None:
+        prefix, found = walked["train"]
+        classes["train"] = read_train_labels(Path(train_labels), root / prefix.rstrip("/"),
+                                             [path[len(prefix):] for path in found])
     for split, (prefix, found) in walked.items():
-        if split == labelled:
+        if split in (labelled, labelled_train):
             continue
         names = _classes_of(found, prefix, class_depth)
         missing = next((path for path, name in zip(found, names) if name is None), None)
         if missing is not None:
             _outside_class_folder(root, missing, split, class_depth)
         classes[split] = names
-    class_names = sorted({name for names in classes.values() for name in names})
+    class_names = class_order({name for names in classes.values() for name in names},
+                              numbers_by_value=train_labels is not None)
     if labelled is not None:
         prefix, found = walked[labelled]
         classes[labelled] = read_val_labels(Path(val_labels), root / prefix.rstrip("/"),
@@ -393,91 +406,23 @@ def _outside_class_folder(root: Path, path: str, split: str, depth: Optional[int
                          f"folder, so --class-depth {depth} gives it no class; lower "
                          f"--class-depth or move the image into a class folder")
     hint = (" (a held-out folder of unlabelled images needs --val-labels FILE)"
-            if split != "train" else "")
+            if split != "train" else
+            " (or name each image's class in a file: --train-labels FILE)")
     raise UsageError(f"{root / path} is not inside a class folder; put each class's images in "
                      f"a subfolder named after the class{hint}")
 
 
-# -- ImageNet's validation layout: a label file --------------------------------------------------
-def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[str]) -> list[str]:
-    """The class of each image (paths relative to `folder`, sorted) from `file`:
-
-    - `IMAGE,CLASS` or `IMAGE CLASS` lines (CSV or whitespace), IMAGE a path relative to the
-      folder, a file name, or a file name without its extension; the first line may be a header;
-      CLASS may be followed by more fields (Kaggle's LOC_val_solution.csv: `ImageId,
-      PredictionString` with the class first in the string);
-    - or one CLASS per line, for the images in sorted file-name order.
-
-    Every image needs a label, every label a class folder of the training split, and every
-    line an image of the folder; anything else is a UsageError naming the line."""
-    if not file.is_file():
-        raise UsageError(f"--val-labels {file}: no such file")
-    rows = []
-    text = read_text(file, "val_labels", "--val-labels", errors="replace")  # judged by line
-    for number, line in enumerate(text.splitlines(), 1):
-        if line.strip() and not line.lstrip().startswith("#"):
-            fields = [f.strip() for f in line.split(",")] if "," in line else line.split()
-            rows.append((number, fields))
-    if not rows:
-        raise UsageError(f"--val-labels {file} holds no labels")
-    where = f"--val-labels {file}"
-    if all(len(fields) == 1 for _, fields in rows):
-        if len(rows) != len(images):
-            raise UsageError(f"{where} has {len(rows)} one-field lines for the {len(images)} "
-                             f"images of {folder}; one class per image, in file-name order")
-        return [_known_class(fields[0], classes, where, number) for number, fields in rows]
-    lookup = _image_lookup(images)
-    labels: dict[str, str] = {}
-    for position, (number, fields) in enumerate(rows):
-        if len(fields) == 1:
-            if position == 0:
-                continue  # a header line of one field
-            raise UsageError(f"{where} line {number} gives {fields[0]!r} and no class; write "
-                             f"IMAGE,CLASS on every line (or one CLASS a line, nothing else)")
-        image = lookup.get(fields[0])
-        label = fields[1].split()[0] if fields[1].split() else ""
-        if position == 0 and image is None and label not in classes:
-            continue  # a header line
-        if image is None:
-            raise UsageError(f"{where} line {number} names {fields[0]!r}, which is not an image "
-                             f"in {folder}; fix the line or add the image")
-        labels[image] = _known_class(label, classes, where, number)
-    unlabelled = [image for image in images if image not in labels]
-    if unlabelled:
-        raise UsageError(f"{where} gives no label for {len(unlabelled)} image(s) of {folder} "
-                         f"(first: {unlabelled[0]}); label every image or remove the others")
-    return [labels[image] for image in images]
-
-
-def _image_lookup(images: list[str]) -> dict[str, str]:
-    """Relative path, file name and file name without extension -> image (names that are not
-    unique only by their path)."""
-    by_key: dict[str, Optional[str]] = {}
-    for image in images:
-        name = PurePosixPath(image).name
-        for key in {name, os.path.splitext(name)[0]} - {image}:
-            by_key[key] = None if key in by_key else image
-    by_key.update({image: image for image in images})
-    return {key: image for key, image in by_key.items() if image is not None}
-
-
-def _known_class(label: str, classes: set[str], where: str, number: int) -> str:
-    if label in classes:
-        return label
-    examples = ", ".join(sorted(classes)[:3])
-    hint = " (class numbers are not accepted: they mean different things in different files)" \
-        if label.isdigit() else ""
-    raise UsageError(f"{where} line {number}: {label!r} is not a class (the class folders of "
-                     f"train/ are {examples}, ...){hint}; use the class folder names")
-
-
 # -- the cache ------------------------------------------------------------------------------------
-def _cache_key(root: Path, class_depth, val_labels) -> str:
-    labels = None
-    if val_labels is not None and Path(val_labels).is_file():
-        stat = Path(val_labels).stat()
-        labels = [str(Path(val_labels).resolve()), stat.st_mtime_ns, stat.st_size]
-    text = json.dumps([CACHE_VERSION, str(root.resolve()), class_depth, labels])
+def _cache_key(root: Path, class_depth, val_labels, train_labels) -> str:
+    def file_key(path: Optional[str]):
+        if path is None or not Path(path).is_file():
+            return None
+        stat = Path(path).stat()
+        return [str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size]
+    key = [CACHE_VERSION, str(root.resolve()), class_depth, file_key(val_labels)]
+    if train_labels is not None:  # (the key of an index without one is as it was)
+        key.append(file_key(train_labels))
+    text = json.dumps(key)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -506,7 +506,7 @@ def _load_local(config: TrainConfig) -> RawData:
     # changes the mtime of a folder the cached index saw, and stops a walk that meets it.
     try:
         index = index_folder(path, config.class_depth, config.val_labels, say=print_once,
-                             stop_at_parquet=True)
+                             stop_at_parquet=True, train_labels=config.train_labels)
     except (HoldsParquet, UsageError) as stopped:
         # A parquet layout, or a folder that is no image folder: what the search finds decides
         parquet = sorted(files_under(path, PARQUET))
@@ -519,7 +519,8 @@ def _load_local(config: TrainConfig) -> RawData:
             raise
         # the parquet files met are behind a symlinked folder, which the search (as datasets')
         # does not follow: the images are the data
-        index = index_folder(path, config.class_depth, config.val_labels, say=print_once)
+        index = index_folder(path, config.class_depth, config.val_labels, say=print_once,
+                             train_labels=config.train_labels)
     return _image_folder_data(path, index)
 
 
@@ -579,9 +580,6 @@ def _load_hub(name: str) -> RawData:
 
 def open_data(config: TrainConfig) -> RawData:
     """Every split of --data-dir or --dataset, as read (not the embedded synthetic set)."""
-    if config.val_labels is not None and config.data_dir is None:
-        raise UsageError("--val-labels labels the held-out folder of an image folder: pass "
-                         "--data-dir DIR too")
     raw = _load_local(config) if config.data_dir is not None else _load_hub(config.dataset)
     if not raw.splits or all(len(split) == 0 for split in raw.splits.values()):
         raise UsageError(f"{raw.origin}: the dataset is empty")

@@ -170,7 +170,8 @@ def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict) -> P
     rewriting what the original run was."""
     output_dir.mkdir(parents=True, exist_ok=True)
     options = config.to_dict()
-    for name in ("data_dir", "pretrained", "val_labels"):  # absolute: `eval` may run elsewhere
+    # absolute: `eval` may run elsewhere
+    for name in ("data_dir", "pretrained", "val_labels", "train_labels"):
         if options[name] and options[name] != "hub":
             options[name] = str(Path(options[name]).resolve())
     record = {"train": options, "resolved": resolved, "versions": package_versions(),

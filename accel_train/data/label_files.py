@@ -1,0 +1,148 @@
+"""Label files for folders of images not sorted into class folders.
+
+- `--val-labels FILE`: ImageNet's validation layout, `DIR/train/CLASS/IMAGE` beside all held-out
+  images in one folder (`DIR/val/IMAGE`); its classes are the class folders of train/.
+- `--train-labels FILE`: the layout Kaggle and many labelling tools hand out, the training
+  images in one folder (`DIR/IMAGE` or `DIR/train/IMAGE`, subfolders allowed) and a CSV naming
+  each one's class (`train.csv`: `id,label`); its classes are the file's labels.
+
+In both, IMAGE may be the path relative to the folder, the file name, or the file name without
+its extension (Kaggle's ids), and every image needs a label and every label an image: anything
+else is one line naming the file's line.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path, PurePosixPath
+from typing import Optional
+
+from accel_train.base.errors import UsageError
+from accel_train.base.readers import read_text
+
+
+def label_lines(file: Path, flag: str, read) -> list[tuple[int, str]]:
+    """(line number, line) of each line of `file` that is not blank or a comment; `read` reads
+    its text (readers.read_text under the file's own kind, bytes that are not UTF-8 replaced:
+    a bad byte is judged by the line it stands in)."""
+    if not file.is_file():
+        raise UsageError(f"{flag} {file}: no such file")
+    text = read()
+    lines = [(number, line) for number, line in enumerate(text.splitlines(), 1)
+             if line.strip() and not line.lstrip().startswith("#")]
+    if not lines:
+        raise UsageError(f"{flag} {file} holds no labels")
+    return lines
+
+
+def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[str]) -> list[str]:
+    """The class of each image (paths relative to `folder`, sorted) from `file`:
+
+    - `IMAGE,CLASS` or `IMAGE CLASS` lines (CSV or whitespace), IMAGE a path relative to the
+      folder, a file name, or a file name without its extension; the first line may be a header;
+      CLASS may be followed by more fields (Kaggle's LOC_val_solution.csv: `ImageId,
+      PredictionString` with the class first in the string);
+    - or one CLASS per line, for the images in sorted file-name order.
+
+    Every image needs a label, every label a class folder of the training split, and every
+    line an image of the folder; anything else is a UsageError naming the line."""
+    rows = [(number, [f.strip() for f in line.split(",")] if "," in line else line.split())
+            for number, line in label_lines(file, "--val-labels", lambda: read_text(
+                file, "val_labels", "--val-labels", errors="replace"))]
+    where = f"--val-labels {file}"
+    if all(len(fields) == 1 for _, fields in rows):
+        if len(rows) != len(images):
+            raise UsageError(f"{where} has {len(rows)} one-field lines for the {len(images)} "
+                             f"images of {folder}; one class per image, in file-name order")
+        return [_known_class(fields[0], classes, where, number) for number, fields in rows]
+    lookup = _image_lookup(images)
+    labels: dict[str, str] = {}
+    for position, (number, fields) in enumerate(rows):
+        if len(fields) == 1:
+            if position == 0:
+                continue  # a header line of one field
+            raise UsageError(f"{where} line {number} gives {fields[0]!r} and no class; write "
+                             f"IMAGE,CLASS on every line (or one CLASS a line, nothing else)")
+        image = lookup.get(fields[0])
+        label = fields[1].split()[0] if fields[1].split() else ""
+        if position == 0 and image is None and label not in classes:
+            continue  # a header line
+        if image is None:
+            raise UsageError(f"{where} line {number} names {fields[0]!r}, which is not an image "
+                             f"in {folder}; fix the line or add the image")
+        labels[image] = _known_class(label, classes, where, number)
+    unlabelled = [image for image in images if image not in labels]
+    if unlabelled:
+        raise UsageError(f"{where} gives no label for {len(unlabelled)} image(s) of {folder} "
+                         f"(first: {unlabelled[0]}); label every image or remove the others")
+    return [labels[image] for image in images]
+
+def read_train_labels(file: Path, folder: Path, images: list[str]) -> list[str]:
+    """The class of each training image (paths relative to `folder`, sorted) from `file`:
+    `IMAGE,CLASS` lines (CSV, quoted fields as the csv module reads them, or whitespace), the
+    first line a header where its first field names no image.  Every CLASS is a class name.
+    Exactly two fields a line: a table of more columns (a fold number, one column per class)
+    would otherwise train on whichever column came second."""
+    where = f"--train-labels {file}"
+    lookup = _image_lookup(images)
+    labels: dict[str, tuple[str, int]] = {}
+    for position, (number, line) in enumerate(label_lines(
+            file, "--train-labels",
+            lambda: read_text(file, "train_labels", "--train-labels", errors="replace"))):
+        fields = ([f.strip() for f in next(csv.reader([line]))] if "," in line
+                  else line.split())
+        image = lookup.get(fields[0])
+        if position == 0 and image is None:
+            continue  # a header line
+        if len(fields) != 2:
+            raise UsageError(f"{where} line {number} has {len(fields)} field(s); write "
+                             f"IMAGE,CLASS on every line (a table of more columns, a fold "
+                             f"number or one column per class, is not read: keep the image "
+                             f"and class columns)")
+        if image is None:
+            raise UsageError(f"{where} line {number} names {fields[0]!r}, which is not an "
+                             f"image in {folder}; fix the line or add the image")
+        if not fields[1]:
+            raise UsageError(f"{where} line {number} gives {fields[0]!r} no class; write "
+                             f"IMAGE,CLASS on every line")
+        if image in labels:
+            raise UsageError(f"{where} line {number} labels {image} again (line "
+                             f"{labels[image][1]} did); one line per image")
+        labels[image] = (fields[1], number)
+    unlabelled = [image for image in images if image not in labels]
+    if unlabelled:
+        raise UsageError(f"{where} gives no label for {len(unlabelled)} image(s) of {folder} "
+                         f"(first: {unlabelled[0]}); label every image or remove the others")
+    return [labels[image][0] for image in images]
+
+
+def class_order(names: set[str], numbers_by_value: bool) -> list[str]:
+    """Class names in index order: sorted, as image folders sort their class folders; with
+    `numbers_by_value`, names that are all whole numbers sort by value, so a label file's
+    classes 0..N-1 are the class indices (as strings they sort 0, 1, 10, 11, 2)."""
+    if numbers_by_value and names and all(name.lstrip("-").isdigit() for name in names):
+        return sorted(names, key=lambda name: (int(name), name))
+    return sorted(names)
+
+
+def _image_lookup(images: list[str]) -> dict[str, str]:
+    """Relative path, file name and file name without extension -> image (names that are not
+    unique only by their path)."""
+    by_key: dict[str, Optional[str]] = {}
+    for image in images:
+        name = PurePosixPath(image).name
+        for key in {name, os.path.splitext(name)[0]} - {image}:
+            by_key[key] = None if key in by_key else image
+    by_key.update({image: image for image in images})
+    return {key: image for key, image in by_key.items() if image is not None}
+
+
+def _known_class(label: str, classes: set[str], where: str, number: int) -> str:
+    if label in classes:
+        return label
+    examples = ", ".join(sorted(classes)[:3])
+    hint = " (class numbers are not accepted: they mean different things in different files)" \
+        if label.isdigit() else ""
+    raise UsageError(f"{where} line {number}: {label!r} is not a class (the class folders of "
+                     f"train/ are {examples}, ...){hint}; use the class folder names")

@@ -178,8 +178,12 @@ def test_bad_input_through_the_command_line_is_one_line_and_writes_nothing(tmp_p
                      str(tmp_path / "nope.csv"))
     assert code == 2 and err == [f"accel_train: error: --train-labels {tmp_path}/nope.csv: no "
                                  f"such file"]
+    # without --data-dir the embedded set trained and the file went unread (--val-labels too)
     code, err = _run(tmp_path, capsys, "--train-labels", str(tmp_path / "nope.csv"))
     assert code == 2 and err == ["accel_train: error: --train-labels labels the training images "
+                                 "of an image folder: pass --data-dir DIR too"]
+    code, err = _run(tmp_path, capsys, "--val-labels", str(tmp_path / "nope.csv"))
+    assert code == 2 and err == ["accel_train: error: --val-labels labels the held-out folder "
                                  "of an image folder: pass --data-dir DIR too"]
 
 

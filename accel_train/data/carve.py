@@ -107,7 +107,8 @@ def held_out_counts(counts: np.ndarray, held_out: int, rng: np.random.Generator)
     gain one (or, where the one-each floor took too many, the furthest above lose one), ties
     broken at random."""
     share = held_out * counts / counts.sum()
-    taken = np.clip(np.floor(share).astype(np.int64), 1, counts - 1)
+    # (below count - 1 already: held_out < the images, so each share < its count)
+    taken = np.maximum(np.floor(share).astype(np.int64), 1)
     while taken.sum() != held_out:
         short = taken.sum() < held_out
         room = taken < counts - 1 if short else taken > 1

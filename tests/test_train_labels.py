@@ -178,6 +178,14 @@ def test_bad_input_through_the_command_line_is_one_line_and_writes_nothing(tmp_p
                      str(tmp_path / "nope.csv"))
     assert code == 2 and err == [f"accel_train: error: --train-labels {tmp_path}/nope.csv: no "
                                  f"such file"]
+    for i in range(2):
+        _image(tmp_path / "no_train" / "val" / "cat" / f"{i}.png", i)
+    code, err = _run(tmp_path, capsys, "--data-dir", str(tmp_path / "no_train"),
+                     "--train-labels", str(tmp_path / "nope.csv"))
+    assert code == 2 and err == [
+        f"accel_train: error: --train-labels {tmp_path}/nope.csv: --data-dir "
+        f"{tmp_path}/no_train has split folders (val/) and no train/ folder of images to "
+        f"label; put the training images in {tmp_path}/no_train/train"]
     # without --data-dir the embedded set trained and the file went unread (--val-labels too)
     code, err = _run(tmp_path, capsys, "--train-labels", str(tmp_path / "nope.csv"))
     assert code == 2 and err == ["accel_train: error: --train-labels labels the training images "

@@ -341,6 +341,11 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
     labelled = _labelled_split(walked, val_labels, root)
     classes: dict[str, list] = {}
     if labelled_train is not None:
+        if "train" not in walked:
+            folders = ", ".join(sorted(f"{folder.name}/" for folder in splits.values()))
+            raise UsageError(f"--train-labels {train_labels}: --data-dir {root} has split "
+                             f"folders ({folders}) and no train/ folder of images to label; "
+                             f"put the training images in {root}/train")
         prefix, found = walked["train"]
         classes["train"] = read_train_labels(Path(train_labels), root / prefix.rstrip("/"),
                                              [path[len(prefix):] for path in found])

@@ -128,7 +128,10 @@ def _oracle(run_dir, images_nhwc, labels, mirrored_too: bool = False) -> dict:
     names = spec["class_names"]
     per_class = {name: {"correct": int((top1 & (y == c)).sum()), "images": int((y == c).sum())}
                  for c, name in enumerate(names)}
-    return {"loss": loss, "top1_correct": int(top1.sum()), "top5_correct": int(top5.sum()),
+    present = [c for c in range(len(names)) if (y == c).any()]
+    mean_class_top1 = float(torch.stack([top1[y == c].double().mean() for c in present]).mean())
+    return {"loss": loss, "mean_class_top1": mean_class_top1,
+            "top1_correct": int(top1.sum()), "top5_correct": int(top5.sum()),
             "count": len(y), "per_class": per_class,
             "loss_if_train_mode": loss_if_train_mode}
 
@@ -143,6 +146,7 @@ def _check(report: dict, oracle: dict):
     got = {name: {"correct": v["correct"], "images": v["images"]}
            for name, v in report["per_class"].items()}
     assert got == oracle["per_class"]
+    assert report["mean_class_top1"] == pytest.approx(oracle["mean_class_top1"], abs=1e-9)
     # The oracle can tell a wrong evaluation apart (BatchNorm in train mode, say).
     assert abs(oracle["loss_if_train_mode"] - oracle["loss"]) > 1e-3
 
@@ -388,7 +392,9 @@ def test_the_eval_table_is_the_oracles_numbers(run_dir):
     names = model_spec_of(run_dir)["class_names"]
     width = max(len("class"), *(len(n) for n in names))
     top1, top5 = oracle["top1_correct"] / 10, oracle["top5_correct"] / 10
-    expected = [f"loss {oracle['loss']:.4f}  top-1 {top1:.2%}  top-5 {top5:.2%}  (10 images)", "",
+    mean = oracle["mean_class_top1"]
+    expected = [f"loss {oracle['loss']:.4f}  top-1 {top1:.2%}  top-5 {top5:.2%}  mean per-class "
+                f"top-1 {mean:.2%}  (10 images)", "",
                 f"{'class':<{width}}  {'correct':>7}  {'images':>6}  {'top-1':>7}"]
     for name in names:
         correct, count = oracle["per_class"][name]["correct"], oracle["per_class"][name]["images"]
@@ -407,3 +413,12 @@ def test_the_eval_table_is_the_oracles_numbers(run_dir):
     for name in shown:
         correct, count = oracle["per_class"][name]["correct"], oracle["per_class"][name]["images"]
         assert rows[name] == [str(correct), str(count), f"{100 * correct / count:.1f}%"]
+
+
+def test_the_mean_per_class_top1_weighs_each_class_alike():
+    """By hand: 9 of 9 right in one class and 0 of 1 in another is 50%, where top-1 says 90%;
+    a class without held-out images is left out of the mean, not counted as 0."""
+    from accel_train.train.evaluate import mean_class_top1
+    assert mean_class_top1([9, 0], [9, 1]) == 0.5
+    assert mean_class_top1([3, 0, 1], [4, 0, 2]) == pytest.approx((3 / 4 + 1 / 2) / 2)
+    assert mean_class_top1([0, 0], [0, 0]) == 0.0

@@ -225,7 +225,8 @@ def _report(results: dict, trained, data, split: str, num_processes: int, device
             "model": trained.description, "weights": str(trained.weights),
             "data": data.description, "split": split, "processes": num_processes, "tta": tta,
             "precision": ran_in,
-            **{k: results[k] for k in ("loss", "top1", "top5", "count", "left_out")},
+            **{k: results[k] for k in ("loss", "top1", "top5", "mean_class_top1", "count",
+                                       "left_out")},
             "per_class": {name: {"correct": c, "images": t, "top1": c / t if t else None}
                           for name, c, t in zip(names, per_class["correct"], per_class["total"])}})
     return (f"model: {trained.spec.model_name} ({len(names)} classes) from {trained.description}\n"

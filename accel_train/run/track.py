@@ -27,7 +27,8 @@ from accel_train.train.optim import scheduled_learning_rate
 _TRACKED = {"train": {"loss": "train/loss", "top1": "train/top1", "lr": "train/lr",
                       "img_per_s": "train/img_per_s", "data_wait": "train/data_wait"},
             "epoch": {"eval_loss": "eval/loss", "eval_top1": "eval/top1",
-                      "eval_top5": "eval/top5", "epoch_time": "train/epoch_seconds",
+                      "eval_top5": "eval/top5", "eval_mean_class_top1": "eval/mean_class_top1",
+                      "epoch_time": "train/epoch_seconds",
                       "eval_ema_loss": "eval_ema/loss", "eval_ema_top1": "eval_ema/top1",
                       "eval_ema_top5": "eval_ema/top5"}}
 

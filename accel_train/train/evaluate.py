@@ -41,7 +41,7 @@ def logits_of(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torc
 
 def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
                         channels_last: bool, tta: str) -> dict:
-    """Loss, top-1, top-5 and per-class accuracy.
+    """Loss, top-1, top-5, per-class accuracy and its mean over the classes (mean_class_top1).
 
     `model` must be the bare module (not DDP-wrapped): DDP broadcasts buffers at every forward,
     a collective that would hang if ranks see different numbers of batches.  Per-sample values
@@ -74,8 +74,18 @@ def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
     return {"loss": float(merged["loss"].mean()), "top1": float(merged["top1"].float().mean()),
             "top5": float(merged["top5"].float().mean()), "count": len(merged["labels"]),
             "left_out": int((~kept).sum()),
+            "mean_class_top1": mean_class_top1(per_class_correct.tolist(),
+                                               per_class_total.tolist()),
             "per_class": {"correct": per_class_correct.tolist(),
                           "total": per_class_total.tolist()}}
+
+
+def mean_class_top1(correct: list[int], total: list[int]) -> float:
+    """Top-1 of each class with held-out images, averaged over those classes (scikit-learn's
+    balanced accuracy): where one class is most of the images, top-1 can be high while a rare
+    class is never right; this is not."""
+    shares = [right / images for right, images in zip(correct, total) if images]
+    return sum(shares) / len(shares) if shares else 0.0
 
 
 def batch_seconds(accelerator, model: nn.Module, dataset, batch_size: int,
@@ -114,7 +124,8 @@ def format_results(results: dict, class_names: list[str]) -> str:
     """The summary line and a per-class accuracy table, for a terminal."""
     left_out = results.get("left_out", 0)
     lines = [f"loss {results['loss']:.4f}  top-1 {results['top1']:.2%}  top-5 "
-             f"{results['top5']:.2%}  ({results['count']} images"
+             f"{results['top5']:.2%}  mean per-class top-1 {results['mean_class_top1']:.2%}  "
+             f"({results['count']} images"
              + (f"; {left_out} that could not be decoded left out" if left_out else "") + ")",
              ""]
     width = max([len("class"), *(display_width(name) for name in class_names)])

@@ -150,6 +150,15 @@ def test_each_label_file_problem_is_one_sentence(tmp_path, text, message):
     assert "\n" not in str(caught.value)
 
 
+def test_a_file_saved_by_excel_with_a_byte_order_mark_and_no_header(tmp_path):
+    """Excel's "CSV UTF-8" starts with a byte-order mark: without a header line, the first
+    image's name would carry it, name no image, and be taken for a header."""
+    file = tmp_path / "labels.csv"
+    file.write_bytes("a.png,cat\r\nb,dog\r\nsub/c.png,cat\r\n".encode("utf-8-sig"))
+    assert read_train_labels(file, tmp_path, IMAGES) == \
+        pd.read_csv(file, header=None, encoding="utf-8-sig", dtype=str)[1].tolist()
+
+
 def test_a_header_line_and_quoted_fields_are_read_as_pandas_reads_them(tmp_path):
     file = tmp_path / "labels.csv"
     file.write_text('filename,class\n"a.png","a, b"\nb,"c"\nsub/c.png,d\n')

@@ -28,7 +28,7 @@ def label_lines(file: Path, flag: str, read) -> list[tuple[int, str]]:
     a bad byte is judged by the line it stands in)."""
     if not file.is_file():
         raise UsageError(f"{flag} {file}: no such file")
-    text = read()
+    text = read().removeprefix("\ufeff")  # the byte-order mark Excel starts a CSV with
     lines = [(number, line) for number, line in enumerate(text.splitlines(), 1)
              if line.strip() and not line.lstrip().startswith("#")]
     if not lines:

@@ -445,7 +445,9 @@ def test_a_stratified_carve_holds_out_one_image_of_every_class_where_datasets_he
     ([7, 3], 2, [1, 1]),                          # the fewest that holds one of each
     ([11, 9], 4, [2, 2]),                         # shares 2.2, 1.8: the larger remainder gains
     ([30, 3, 3, 3], 6, [3, 1, 1, 1]),             # shares 4.6, 0.46: only 4 can give one back
-    ([10, 3, 3, 3], 4, [1, 1, 1, 1])])            # shares 2.1, 0.63: 2 gives back to one
+    ([10, 3, 3, 3], 4, [1, 1, 1, 1]),             # shares 2.1, 0.63: 2 gives back to one
+    ([12, 9, 2, 2, 2], 6, [2, 1, 1, 1, 1]),       # shares 2.67, 2.0: 2.0's is the furthest above
+    ([2, 20], 20, [1, 19])])                      # shares 1.82, 18.2: the 2 keeps one to train
 def test_held_out_counts_keep_one_of_each_class_on_both_sides(counts, held_out, expected):
     """By hand: each class holds out one at least and keeps one at least; the rest by share."""
     from accel_train.data.carve import held_out_counts
@@ -492,6 +494,12 @@ def test_a_stratified_carve_that_cannot_hold_one_of_each_class_is_refused(fracti
     assert str(refused.value) == said
     _, held = carve_rows(26, 0.193, labels, stratify=True)
     assert len(held) == 6 and set(labels[held].tolist()) == {0, 1, 2, 3, 4}
+    # at both edges: one held-out image of each class, and one left of each to train on
+    labels = np.array([0, 1, 2, 3, 4] * 5)
+    _, held = carve_rows(25, 0.2, labels, stratify=True)
+    assert sorted(labels[held].tolist()) == [0, 1, 2, 3, 4]
+    train, _ = carve_rows(25, 0.8, labels, stratify=True)
+    assert sorted(labels[train].tolist()) == [0, 1, 2, 3, 4]
 
 
 def test_an_image_folder_carved_class_by_class_says_so_and_records_how(tmp_path):

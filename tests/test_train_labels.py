@@ -242,3 +242,12 @@ def test_train_labels_alike_in_training_check_data_and_eval(tmp_path):
     whole = json.loads(accel_train_here("eval", str(run), *data, "--split", "all", "--json",
                                         check=True).stdout.strip().splitlines()[-1])
     assert {k: v["images"] for k, v in whole["per_class"].items()} == counts
+
+
+def test_classes_sort_by_value_only_where_every_name_is_a_whole_number():
+    from accel_train.data.label_files import class_order
+    assert class_order({"10", "2", "-1", "0"}, numbers_by_value=True) == ["-1", "0", "2", "10"]
+    assert class_order({"10", "2", "x"}, numbers_by_value=True) == ["10", "2", "x"]
+    assert class_order({"10", "2"}, numbers_by_value=False) == ["10", "2"]
+    # not whole numbers as int() reads them: sorted as text, no error
+    assert class_order({"--1", "2", "²"}, numbers_by_value=True) == ["--1", "2", "²"]

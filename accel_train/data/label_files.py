@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
@@ -72,11 +73,9 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
             raise UsageError(f"{where} line {number} names {fields[0]!r}, which is not an image "
                              f"in {folder}; fix the line or add the image")
         labels[image] = _known_class(label, classes, where, number)
-    unlabelled = [image for image in images if image not in labels]
-    if unlabelled:
-        raise UsageError(f"{where} gives no label for {len(unlabelled)} image(s) of {folder} "
-                         f"(first: {unlabelled[0]}); label every image or remove the others")
+    refuse_unlabelled(where, folder, images, labels)
     return [labels[image] for image in images]
+
 
 def read_train_labels(file: Path, folder: Path, images: list[str]) -> list[str]:
     """The class of each training image (paths relative to `folder`, sorted) from `file`:
@@ -110,18 +109,22 @@ def read_train_labels(file: Path, folder: Path, images: list[str]) -> list[str]:
             raise UsageError(f"{where} line {number} labels {image} again (line "
                              f"{labels[image][1]} did); one line per image")
         labels[image] = (fields[1], number)
-    unlabelled = [image for image in images if image not in labels]
+    refuse_unlabelled(where, folder, images, labels)
+    return [labels[image][0] for image in images]
+
+
+def refuse_unlabelled(where: str, folder: Path, images: list[str], labelled) -> None:
+    unlabelled = [image for image in images if image not in labelled]
     if unlabelled:
         raise UsageError(f"{where} gives no label for {len(unlabelled)} image(s) of {folder} "
                          f"(first: {unlabelled[0]}); label every image or remove the others")
-    return [labels[image][0] for image in images]
 
 
 def class_order(names: set[str], numbers_by_value: bool) -> list[str]:
     """Class names in index order: sorted, as image folders sort their class folders; with
     `numbers_by_value`, names that are all whole numbers sort by value, so a label file's
     classes 0..N-1 are the class indices (as strings they sort 0, 1, 10, 11, 2)."""
-    if numbers_by_value and names and all(name.lstrip("-").isdigit() for name in names):
+    if numbers_by_value and names and all(re.fullmatch(r"-?[0-9]+", name) for name in names):
         return sorted(names, key=lambda name: (int(name), name))
     return sorted(names)
 

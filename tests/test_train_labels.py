@@ -251,3 +251,19 @@ def test_classes_sort_by_value_only_where_every_name_is_a_whole_number():
     assert class_order({"10", "2"}, numbers_by_value=False) == ["10", "2"]
     # not whole numbers as int() reads them: sorted as text, no error
     assert class_order({"--1", "2", "²"}, numbers_by_value=True) == ["--1", "2", "²"]
+
+
+def test_bytes_that_are_not_utf8_and_an_unreadable_file(tmp_path, monkeypatch):
+    """A file written on Windows (its header in cp1252) is read line by line, the bad byte
+    replaced; a file that cannot be read is one line naming the flag."""
+    file = tmp_path / "labels.csv"
+    file.write_bytes("image,étiquette\na,cat\nb,dog\nsub/c.png,cat\n".encode("cp1252"))
+    assert read_train_labels(file, tmp_path, IMAGES) == ["cat", "dog", "cat"]
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    with pytest.raises(Exception) as caught:
+        read_train_labels(file, tmp_path, IMAGES)
+    assert str(caught.value).startswith(f"--train-labels {file}: cannot be read (Permission "
+                                        f"denied)"), str(caught.value)

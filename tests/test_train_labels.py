@@ -267,3 +267,24 @@ def test_bytes_that_are_not_utf8_and_an_unreadable_file(tmp_path, monkeypatch):
         read_train_labels(file, tmp_path, IMAGES)
     assert str(caught.value).startswith(f"--train-labels {file}: cannot be read (Permission "
                                         f"denied)"), str(caught.value)
+
+
+def test_val_labels_beside_train_labels_name_the_files_classes(tmp_path):
+    """DIR/train/IMAGE with --train-labels, DIR/val/IMAGE with --val-labels: the held-out
+    labels must be the training file's classes, and a refusal says so (not "class folders")."""
+    for i in range(4):
+        _image(tmp_path / "d" / "train" / f"t{i}.png", i)
+        _image(tmp_path / "d" / "val" / f"v{i}.png", 50 + i)
+    (tmp_path / "train.csv").write_text("".join(f"t{i},{i % 2}\n" for i in range(4)))
+    (tmp_path / "val.csv").write_text("v0,1\nv1,0\nv2,1\nv3,0\n")
+    config = dict(data_dir=str(tmp_path / "d"), train_labels=str(tmp_path / "train.csv"),
+                  val_labels=str(tmp_path / "val.csv"), in_memory="never")
+    data = load_data(TrainConfig(**config))
+    assert _paths_and_classes(data) == {**{f"train/t{i}.png": str(i % 2) for i in range(4)},
+                                        **{f"val/v{i}.png": str((i + 1) % 2) for i in range(4)}}
+    (tmp_path / "val.csv").write_text("v0,1\nv1,0\nv2,cat\nv3,0\n")
+    with pytest.raises(Exception) as refused:
+        load_data(TrainConfig(**config))
+    assert str(refused.value) == (
+        f"--val-labels {tmp_path}/val.csv line 3: 'cat' is not a class (the classes of "
+        f"--train-labels are 0, 1, ...); use its class names")

@@ -361,9 +361,9 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
                               numbers_by_value=train_labels is not None)
     if labelled is not None:
         prefix, found = walked[labelled]
-        classes[labelled] = read_val_labels(Path(val_labels), root / prefix.rstrip("/"),
-                                            [path[len(prefix):] for path in found],
-                                            set(class_names))
+        classes[labelled] = read_val_labels(
+            Path(val_labels), root / prefix.rstrip("/"), [path[len(prefix):] for path in found],
+            set(class_names), classes_from_file=train_labels is not None)
     number = {name: i for i, name in enumerate(class_names)}
     result = {split: (pa.array(found, pa.string()),
                       np.array([number[name] for name in classes[split]], dtype=np.int64))

@@ -37,7 +37,8 @@ def label_lines(file: Path, flag: str, read) -> list[tuple[int, str]]:
     return lines
 
 
-def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[str]) -> list[str]:
+def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[str],
+                    classes_from_file: bool = False) -> list[str]:
     """The class of each image (paths relative to `folder`, sorted) from `file`:
 
     - `IMAGE,CLASS` or `IMAGE CLASS` lines (CSV or whitespace), IMAGE a path relative to the
@@ -46,8 +47,9 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
       PredictionString` with the class first in the string);
     - or one CLASS per line, for the images in sorted file-name order.
 
-    Every image needs a label, every label a class folder of the training split, and every
-    line an image of the folder; anything else is a UsageError naming the line."""
+    Every image needs a label, every label one of `classes` (the class folders of train/, or
+    with `classes_from_file` the labels of --train-labels), and every line an image of the
+    folder; anything else is a UsageError naming the line."""
     rows = [(number, [f.strip() for f in line.split(",")] if "," in line else line.split())
             for number, line in label_lines(file, "--val-labels", lambda: read_text(
                 file, "val_labels", "--val-labels", errors="replace"))]
@@ -56,7 +58,8 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
         if len(rows) != len(images):
             raise UsageError(f"{where} has {len(rows)} one-field lines for the {len(images)} "
                              f"images of {folder}; one class per image, in file-name order")
-        return [_known_class(fields[0], classes, where, number) for number, fields in rows]
+        return [_known_class(fields[0], classes, where, number, classes_from_file)
+                for number, fields in rows]
     lookup = _image_lookup(images)
     labels: dict[str, str] = {}
     for position, (number, fields) in enumerate(rows):
@@ -72,7 +75,7 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
         if image is None:
             raise UsageError(f"{where} line {number} names {fields[0]!r}, which is not an image "
                              f"in {folder}; fix the line or add the image")
-        labels[image] = _known_class(label, classes, where, number)
+        labels[image] = _known_class(label, classes, where, number, classes_from_file)
     refuse_unlabelled(where, folder, images, labels)
     return [labels[image] for image in images]
 
@@ -141,11 +144,14 @@ def _image_lookup(images: list[str]) -> dict[str, str]:
     return {key: image for key, image in by_key.items() if image is not None}
 
 
-def _known_class(label: str, classes: set[str], where: str, number: int) -> str:
+def _known_class(label: str, classes: set[str], where: str, number: int,
+                 classes_from_file: bool) -> str:
     if label in classes:
         return label
     examples = ", ".join(sorted(classes)[:3])
     hint = " (class numbers are not accepted: they mean different things in different files)" \
         if label.isdigit() else ""
-    raise UsageError(f"{where} line {number}: {label!r} is not a class (the class folders of "
-                     f"train/ are {examples}, ...){hint}; use the class folder names")
+    named = ("the classes of --train-labels", "its class names") if classes_from_file else \
+        ("the class folders of train/", "the class folder names")
+    raise UsageError(f"{where} line {number}: {label!r} is not a class ({named[0]} are "
+                     f"{examples}, ...){hint}; use {named[1]}")

@@ -655,6 +655,12 @@ ROWS: dict[str, Row] = {
     "shard --val-stratify": effect(
         f"{STREAM}::test_shard_carves_class_by_class_with_val_stratify",
         "12 + 4 images at 0.25: validation shards hold 3 and 1 (by hand), training's carve"),
+    "shard --train-labels": effect(
+        f"{STREAM}::test_shard_reads_label_files_as_training_does",
+        "the training shards' labels are the file's (cat, dog, ... written by the test)"),
+    "shard --val-labels": effect(
+        f"{STREAM}::test_shard_reads_label_files_as_training_does",
+        "the validation shards' labels are the file's (dog, cat, ...)"),
     "shard --image-column": effect(
         f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
         "the shards hold the photo column's pixels exactly"),

@@ -153,6 +153,44 @@ def test_shard_carves_class_by_class_with_val_stratify(tmp_path):
     assert torch.equal(images, loaded.held_out.images) and torch.equal(labels,
                                                                       loaded.held_out.labels)
 
+
+def test_shard_reads_label_files_as_training_does(tmp_path):
+    """train/IMAGE labelled by --train-labels, val/IMAGE by --val-labels: the shards hold each
+    image under its file's class (the files written here), as training reads the folder; the
+    label files without --data-dir are one line (the synthetic set was sharded instead)."""
+    from PIL import Image
+    src = tmp_path / "folder"
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 6), ("val", 4)):
+        (src / split).mkdir(parents=True)
+        for i in range(count):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(
+                src / split / f"{split}{i}.png")
+    (tmp_path / "train.csv").write_text("id,label\n" + "".join(
+        f"train{i},{['cat', 'dog'][i % 2]}\n" for i in range(6)))
+    (tmp_path / "val.csv").write_text("".join(f"val{i},{['dog', 'cat'][i % 2]}\n"
+                                              for i in range(4)))
+    labels = ["--train-labels", str(tmp_path / "train.csv"), "--val-labels",
+              str(tmp_path / "val.csv")]
+    out = tmp_path / "shards"
+    result = _shard_here("--data-dir", str(src), *labels, "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    sets = _index_sets(out)
+    assert torch.equal(_decoded(sets["train"])[1], torch.tensor([0, 1, 0, 1, 0, 1]))
+    assert torch.equal(_decoded(sets["validation"])[1], torch.tensor([1, 0, 1, 0]))
+    from accel_train.config import TrainConfig
+    from accel_train.data.sources import load_data
+    loaded = load_data(TrainConfig(data_dir=str(src), in_memory="always",
+                                   train_labels=labels[1], val_labels=labels[3]))
+    assert torch.equal(_decoded(sets["train"])[0], loaded.train.images)
+    refused = _shard_here("--dataset", "synthetic", *labels[:2], "--output",
+                          str(tmp_path / "other"))
+    assert refused.returncode == 2 and refused.stderr.strip().endswith(
+        "--train-labels labels the training images of an image folder: pass --data-dir DIR "
+        "too"), refused.stderr
+    assert not (tmp_path / "other").exists()
+
+
 @pytest.mark.slow
 def test_a_test_split_beside_a_validation_split_is_sharded_and_tested_at_the_end(tmp_path):
     """train/, val/ and test/: shard copies all three (it dropped test/), and a streamed run

@@ -7,7 +7,8 @@ the image file's own bytes, unchanged; generated images as PNG) and `KEY.cls` (t
 DIR/index.json lists every shard with its sample count, the class names and the splits.  The
 splits are the data's own: train and its validation split, else its test split (CIFAR-10's),
 else --val-fraction carved off as the trainer carves it; a split without labels (-1 in every
-row) is left out.  Train on the result with `accel-train --data-dir DIR`, which selects on the
+row) is left out.  Folders labelled by files (--train-labels, --val-labels) are read as training
+reads them.  Train on the result with `accel-train --data-dir DIR`, which selects on the
 held-out split the shards hold.
 """
 
@@ -57,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="held out when SRC has no held-out split (as training carves it)")
     parser.add_argument("--val-stratify", action="store_true",
                         help="carve --val-fraction class by class (as training's --val-stratify)")
+    parser.add_argument("--train-labels", metavar="FILE", default=None,
+                        help="label file of training images not sorted into class folders, "
+                             "as for training")
+    parser.add_argument("--val-labels", metavar="FILE", default=None,
+                        help="label file of a held-out folder of unlabelled images, as for "
+                             "training")
     parser.add_argument("--image-column", default=None)
     parser.add_argument("--label-column", default=None)
     add_read_timeout(parser, "shard")
@@ -68,6 +75,12 @@ def _samples(args):
     """(class names, source description, {split: iterator of (bytes, ext, label)}, counts)."""
     from accel_train.config import SYNTHETIC_DATASET, TrainConfig
     from accel_train.data.streaming import image_ext, png_bytes
+    # built first: it refuses label files without --data-dir (the synthetic set would be
+    # sharded, the files unread)
+    config = TrainConfig(data_dir=args.data_dir, dataset=args.dataset or SYNTHETIC_DATASET,
+                         val_fraction=args.val_fraction, image_column=args.image_column,
+                         label_column=args.label_column, train_labels=args.train_labels,
+                         val_labels=args.val_labels)
     if args.data_dir is None and (args.dataset or SYNTHETIC_DATASET) == SYNTHETIC_DATASET:
         from accel_train.data import synthetic
         parts = synthetic.splits(args.synthetic_train_size)
@@ -82,9 +95,6 @@ def _samples(args):
     from accel_train.data.labels import labels_and_names, set_aside_unlabelled_splits
     from accel_train.data.sources import (find_columns, open_data, pick_splits, rows_of,
                                           training_split_name)
-    config = TrainConfig(data_dir=args.data_dir, dataset=args.dataset or SYNTHETIC_DATASET,
-                         val_fraction=args.val_fraction, image_column=args.image_column,
-                         label_column=args.label_column)
     raw = open_data(config)
     train_split = training_split_name(raw)
     _, label_column = find_columns(raw.splits[train_split], config)

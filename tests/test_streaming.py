@@ -128,17 +128,24 @@ def test_shard_round_trip_image_folder(tmp_path):
 
 
 
+def _noise_images(root: Path, counts: dict[str, int], named_by_folder: bool = False) -> Path:
+    """8x8 noise PNGs, `count` in each folder of `counts` (named 0.png, ..., or by the folder:
+    train0.png, ...)."""
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for folder, count in counts.items():
+        (root / folder).mkdir(parents=True)
+        for i in range(count):
+            name = f"{folder}{i}.png" if named_by_folder else f"{i}.png"
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(
+                root / folder / name)
+    return root
+
+
 def test_shard_carves_class_by_class_with_val_stratify(tmp_path):
     """12 cats and 4 dogs, 0.25 held out: class by class 3 and 1 (by hand: the dogs' share is
     one; the random draw of these rows holds out four cats), as training carves the folder."""
-    from PIL import Image
-    src = tmp_path / "folder"
-    rng = np.random.default_rng(0)
-    for cls, count in (("cat", 12), ("dog", 4)):
-        (src / cls).mkdir(parents=True)
-        for i in range(count):
-            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(
-                src / cls / f"{i}.png")
+    src = _noise_images(tmp_path / "folder", {"cat": 12, "dog": 4})
     out = tmp_path / "shards"
     result = _shard_here("--data-dir", str(src), "--val-fraction", "0.25", "--val-stratify",
                          "--output", str(out))
@@ -158,14 +165,7 @@ def test_shard_reads_label_files_as_training_does(tmp_path):
     """train/IMAGE labelled by --train-labels, val/IMAGE by --val-labels: the shards hold each
     image under its file's class (the files written here), as training reads the folder; the
     label files without --data-dir are one line (the synthetic set was sharded instead)."""
-    from PIL import Image
-    src = tmp_path / "folder"
-    rng = np.random.default_rng(0)
-    for split, count in (("train", 6), ("val", 4)):
-        (src / split).mkdir(parents=True)
-        for i in range(count):
-            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(
-                src / split / f"{split}{i}.png")
+    src = _noise_images(tmp_path / "folder", {"train": 6, "val": 4}, named_by_folder=True)
     (tmp_path / "train.csv").write_text("id,label\n" + "".join(
         f"train{i},{['cat', 'dog'][i % 2]}\n" for i in range(6)))
     (tmp_path / "val.csv").write_text("".join(f"val{i},{['dog', 'cat'][i % 2]}\n"

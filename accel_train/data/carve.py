@@ -28,7 +28,8 @@ def carve_rows(num_rows: int, val_fraction: float, labels: Optional[Sequence] = 
     image the draw held out gets its first held-out image back for training (returned last):
     the model would never train on that class, which a validation folder of such a class is
     refused for (labels.refuse_folders_never_trained); classes with more images keep the draw.
-    `stratify` (needs `labels`): the draw is made class by class (stratified_rows)."""
+    `stratify` (needs `labels`): the draw is made class by class (stratified_rows), which
+    keeps a training image of every class itself."""
     if num_rows < 2:
         raise UsageError("the data has fewer than 2 images; nothing to hold out for evaluation")
     held_out = math.ceil(num_rows * val_fraction)  # as datasets' train_test_split counts it
@@ -39,9 +40,8 @@ def carve_rows(num_rows: int, val_fraction: float, labels: Optional[Sequence] = 
     if stratify:
         if labels is None:
             raise ValueError("a stratified carve needs the rows' labels")
-        train_rows, held_out_rows = stratified_rows(np.asarray(labels), held_out, val_fraction)
-    else:
-        train_rows, held_out_rows = split_rows(np.arange(num_rows), held_out)
+        return stratified_rows(np.asarray(labels), held_out, val_fraction)
+    train_rows, held_out_rows = split_rows(np.arange(num_rows), held_out)
     if labels is None:
         return train_rows, held_out_rows
     return train_each_class(train_rows, held_out_rows, labels)

@@ -149,8 +149,10 @@ def _known_class(label: str, classes: set[str], where: str, number: int,
     if label in classes:
         return label
     examples = ", ".join(sorted(classes)[:3])
+    # the hint is for numbered labels against named class folders (ImageNet's numbering is not
+    # the sorted one); a --train-labels file's classes may be numbers themselves
     hint = " (class numbers are not accepted: they mean different things in different files)" \
-        if label.isdigit() else ""
+        if label.isdigit() and not classes_from_file else ""
     named = ("the classes of --train-labels", "its class names") if classes_from_file else \
         ("the class folders of train/", "the class folder names")
     raise UsageError(f"{where} line {number}: {label!r} is not a class ({named[0]} are "

@@ -567,6 +567,21 @@ ROWS: dict[str, Row] = {
     "predict --json": effect(
         "test_commands.py::test_predict_table_and_json_lines",
         "one JSON object per image with its ranked classes"),
+    "predict --csv": effect(
+        "test_predict_csv.py::test_the_csv_holds_each_images_top1_as_predict_shows_it",
+        "pandas' read_csv of the file: each image's path inside the folder and its top-1 as "
+        "predict --json ranks it; as --train-labels, eval of the folder scores 100%; an "
+        "unreadable image leaves an earlier file byte-equal"),
+    "predict --csv-image": effect(
+        "test_predict_csv.py::test_kaggle_ids_and_header",
+        "name: img01.png, stem: img01 (pandas); ids two images share: one line each form"),
+    "predict --csv-header": effect(
+        "test_predict_csv.py::test_kaggle_ids_and_header",
+        "id,label: pandas reads those columns; wrong counts and names: one line each"),
+    "predict --csv-probabilities": effect(
+        "test_predict_csv.py::test_the_probability_csv_is_every_class_in_the_models_order",
+        "one column per class name in the model's order, each within 1e-6 of predict --json's "
+        "probability, rows summing to 1"),
     # -- export -----------------------------------------------------------------------------------
     "export RUN_OR_CHECKPOINT": effect(
         "test_commands.py::test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept",

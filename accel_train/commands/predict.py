@@ -5,7 +5,8 @@ model's size as its config records, timm's eval transform above 64 px, normalize
 mean/std).  The model may also be the model.onnx of an export made
 with --format onnx: ONNX Runtime runs it, with the preparation recorded in the file.  Folders
 are searched recursively for image files.  Output is a table, or with --json one JSON object
-per line (for scripts).  An image that cannot be read is reported in its row and the others
+per line (for scripts); --csv FILE writes a competition's submission (each image's top-1 class,
+or with --csv-probabilities every class's probability).  An image that cannot be read is reported in its row and the others
 are still predicted; the exit code is then 2.
 """
 
@@ -16,11 +17,14 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from accel_train.base.columns import display_width, pad
 from accel_train.cli import _Parser, add_read_timeout, read_timeout_checked, stop_on_a_stuck_read
 from accel_train.commands import EMA_HELP
+from accel_train.commands.predict_csv import (IMAGE_FORMS, CsvOutput, check_csv_target,
+                                              csv_row, header_of, image_ids,
+                                              refuse_csv_options_without_csv)
 from accel_train.config import PRECISIONS
 from accel_train.base.errors import UsageError
 
@@ -48,17 +52,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true",
                         help='one JSON object per line: {"image": ..., "predictions": '
                              '[{"class": ..., "index": ..., "probability": ...}, ...]}')
+    parser.add_argument("--csv", metavar="FILE", default=None,
+                        help="also write FILE, a CSV of each image and its top-1 class (a "
+                             "competition's submission; header image,class), in place of the "
+                             "table; written only when every image was predicted")
+    parser.add_argument("--csv-image", choices=IMAGE_FORMS, default=None,
+                        help="the CSV's image column: the path inside the folder given (a file "
+                             "given alone: its name), the file name, or the name without its "
+                             "extension (Kaggle's ids) (default: relative)")
+    parser.add_argument("--csv-header", metavar="NAMES", default=None,
+                        help="the CSV's column names, comma-separated: the image's and the "
+                             "class's (id,label); with --csv-probabilities the image's only "
+                             "(default: image,class)")
+    parser.add_argument("--csv-probabilities", action="store_true",
+                        help="the CSV holds every class's probability, one column per class "
+                             "named by it, in the model's class order (log-loss submissions)")
     return parser
 
 
-def find_images(inputs: Sequence[str]) -> list[Path]:
-    """Files as given (a pipe too: `<(curl -s URL)`); folders expanded (sorted, recursive) to
-    the image files inside, less what training leaves out of a folder too (`._photo.jpg`,
-    `__MACOSX/`: imagefolder.py)."""
+def find_images(inputs: Sequence[str]) -> list[tuple[Path, Optional[Path]]]:
+    """(image, the folder given it was found in, or None for a file given by itself): files as
+    given (a pipe too: `<(curl -s URL)`); folders expanded (sorted, recursive) to the image
+    files inside, less what training leaves out of a folder too (`._photo.jpg`, `__MACOSX/`:
+    imagefolder.py).  An image given twice (or inside two folders given) comes once."""
     from accel_train.data.imagefolder import files_under, image_extensions
     from accel_train.data.loader_watch import reading
     suffixes = image_extensions()  # training's: a folder predicts what it would train on
-    images: list[Path] = []
+    images: dict[Path, Optional[Path]] = {}
     for text in inputs:
         path = Path(text)
         with reading(lambda given=text: given):  # a look at a dead mount blocks as a read does
@@ -68,12 +88,13 @@ def find_images(inputs: Sequence[str]) -> list[Path]:
             if not found:
                 raise UsageError(f"{text}: no image files in that folder (looked for every "
                                  f"extension PIL opens: .jpg, .png, .webp, .tif, ...)")
-            images.extend(found)
+            for image in found:
+                images.setdefault(image, path)
         elif exists:
-            images.append(path)
+            images.setdefault(path, None)
         else:
             raise UsageError(f"{text}: no such image file or folder")
-    return list(dict.fromkeys(images))  # a file given twice (or inside two folders) once
+    return list(images.items())
 
 
 def predict(model, spec, images: list[Path], top_k: int, batch_size: int, device,
@@ -165,13 +186,19 @@ def main(argv: Sequence[str]) -> int:
         if value < 1:
             raise UsageError(f"{flag} must be a whole number >= 1 (got {value})")
     read_timeout_checked(args.read_timeout)
+    refuse_csv_options_without_csv(args)
+    if args.csv is not None:  # before any work: the file's folder, the header's names
+        check_csv_target(Path(args.csv))
+        header_of(args.csv_header, args.csv_probabilities, [])
     # this process's own reads: the paths given, the folders listed, each image
     with stop_on_a_stuck_read(args.read_timeout, "--read-timeout", "predicting"):
         return _predict_all(args)
 
 
 def _predict_all(args) -> int:
-    images = find_images(args.inputs)
+    found = find_images(args.inputs)
+    ids = image_ids(found, args.csv_image or "relative") if args.csv is not None else None
+    images = [image for image, _ in found]
     import torch
 
     model, spec, description, device, autocast, channels_last, ran_in = \
@@ -179,23 +206,46 @@ def _predict_all(args) -> int:
     names = spec.class_names
     path_width = max(display_width(str(p)) for p in images)
     name_width = max(display_width(name) for name in names)
+    table = not args.json and args.csv is None
     if not args.json:
         print(f"model: {spec.model_name} from {description}; {len(images)} image(s) on "
-              f"{device.type} in {ran_in}\n\n"
-              f"{_table_header(min(args.top_k, len(names)), path_width, name_width)}")
-    failures: list[str] = []
-    for path, ranked, reason in predict(model, spec, images, args.top_k, args.batch_size,
-                                        device, autocast, channels_last):
-        if reason is not None:
-            failures.append(f"{path} cannot be decoded ({reason})")
-            print(json.dumps({"image": str(path), "error": failures[-1]}) if args.json
-                  else f"{pad(str(path), path_width)}  (not predicted: {reason})")
-        elif args.json:
-            print(json.dumps({"image": str(path), "predictions": [
-                {"class": names[i], "index": i, "probability": round(p, 6)} for i, p in ranked]}))
-        else:
-            print(_table_row(path, ranked, names, path_width, name_width))
-    if failures:  # the others were predicted; the exit code still tells scripts that some were not
-        raise UsageError(f"{len(failures)} of {len(images)} image(s) could not be read, first: "
-                         f"{failures[0]}")
+              f"{device.type} in {ran_in}")
+    if table:
+        print(f"\n{_table_header(min(args.top_k, len(names)), path_width, name_width)}")
+    # every class ranked for a CSV of probabilities; the top-k shown otherwise
+    top_k = len(names) if args.csv_probabilities else args.top_k
+    with contextlib.ExitStack() as stack:
+        csv_out = None if ids is None else stack.enter_context(CsvOutput(
+            Path(args.csv), header_of(args.csv_header, args.csv_probabilities, names)))
+        failures: list[str] = []
+        for position, (path, ranked, reason) in enumerate(predict(
+                model, spec, images, top_k, args.batch_size, device, autocast, channels_last)):
+            if reason is not None:
+                failures.append(f"{path} cannot be decoded ({reason})")
+                print(json.dumps({"image": str(path), "error": failures[-1]}) if args.json
+                      else f"{pad(str(path), path_width if table else 0)}  (not predicted: "
+                           f"{reason})")
+                continue
+            if csv_out is not None:
+                csv_out.write(csv_row(ids[position], ranked, names, args.csv_probabilities))
+            shown = ranked[:args.top_k]
+            if args.json:
+                print(json.dumps({"image": str(path), "predictions": [
+                    {"class": names[i], "index": i, "probability": round(p, 6)}
+                    for i, p in shown]}))
+            elif table:
+                print(_table_row(path, shown, names, path_width, name_width))
+        # the others were predicted; the exit code still tells scripts that some were not
+        if failures:
+            unwritten = (f"; {args.csv} was not written (a submission needs every image): "
+                         f"fix or remove the image" if csv_out is not None else "")
+            raise UsageError(f"{len(failures)} of {len(images)} image(s) could not be read, "
+                             f"first: {failures[0]}{unwritten}")
+        if csv_out is not None:
+            csv_out.commit()
+            if not args.json:
+                holds = (f"the probabilities of {len(names)} classes" if args.csv_probabilities
+                         else "the top-1 class")
+                print(f"wrote {args.csv}: {csv_out.rows} image(s), {holds} each")
     return 0
+

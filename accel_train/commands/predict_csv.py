@@ -1,0 +1,149 @@
+"""`accel-train predict RUN IMAGES... --csv FILE`: the predictions as the CSV file a
+competition's submission or a spreadsheet takes.
+
+Two forms, the two Kaggle's image competitions ask for:
+- top-1 (default): `image,class` lines, the best class's name for each image (`id,label` with
+  `--csv-header id,label`);
+- `--csv-probabilities`: `image,CLASS_1,CLASS_2,...` lines, every class's probability in the
+  model's class order (the log-loss competitions' `sample_submission.csv`).
+
+The image column is the image's path relative to the folder given (a file given by itself: its
+name), its file name, or its file name without extension (`--csv-image stem`: Kaggle's ids); the
+label files of training read each of the three forms, so a model's predictions label a folder
+again.  Ids that two images share are refused before anything is predicted.  The file is
+written beside its final name and renamed onto it only when every image was predicted: an
+interrupted or failed prediction leaves an earlier file of that name as it was.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+from accel_train.base.errors import UsageError
+
+IMAGE_FORMS = ("relative", "name", "stem")
+DEFAULT_HEADER = ("image", "class")
+
+
+def image_ids(found: Sequence[tuple[Path, Optional[Path]]], form: str) -> list[str]:
+    """The CSV's id of each (image, folder it was found under or None) in `form`; a UsageError
+    naming two images that would share one (a submission with a repeated id is rejected, and
+    a label file with one is refused by training)."""
+    ids, first_holder = [], {}
+    for image, folder in found:
+        if form == "stem":
+            text = image.stem
+        elif form == "name" or folder is None:
+            text = image.name
+        else:
+            text = image.relative_to(folder).as_posix()
+        if text in first_holder:
+            raise UsageError(f"--csv-image {form}: {first_holder[text]} and {image} would both "
+                             f"be {text!r} in the CSV; {_other_form_hint(form)}")
+        first_holder[text] = image
+        ids.append(text)
+    return ids
+
+
+def _other_form_hint(form: str) -> str:
+    if form == "stem":
+        return "use --csv-image name (ids with extensions) or rename one"
+    if form == "name":
+        return "use --csv-image relative (paths inside the folder given) or rename one"
+    return "predict the two folders into two files, or give the folder that holds both"
+
+
+def header_of(text: Optional[str], probabilities: bool, class_names: Sequence[str]) -> list[str]:
+    """The CSV's header line: `--csv-header` (the image column's name, and in the top-1 form
+    the class column's), the class names as the probability columns."""
+    names = [name.strip() for name in text.split(",")] if text is not None else None
+    if names is not None and (not all(names) or len(set(names)) != len(names)):
+        raise UsageError(f"--csv-header {text}: give distinct column names separated by commas "
+                         f"(id,label)")
+    if probabilities:
+        if names is not None and len(names) != 1:
+            raise UsageError(f"--csv-header {text}: with --csv-probabilities name the image "
+                             f"column only (id); the classes' columns are their names")
+        image_column = names[0] if names else DEFAULT_HEADER[0]
+        if image_column in class_names:  # two columns of one name: readers keep one of them
+            raise UsageError(f"--csv-header: the image column {image_column!r} is also a "
+                             f"class's name; name it otherwise (--csv-header id)")
+        return [image_column, *class_names]
+    if names is not None and len(names) != 2:
+        raise UsageError(f"--csv-header {text}: name the two columns, the image's and the "
+                         f"class's (id,label)")
+    return names or list(DEFAULT_HEADER)
+
+
+def refuse_csv_options_without_csv(args) -> None:
+    for flag, given in (("--csv-image", args.csv_image is not None),
+                        ("--csv-header", args.csv_header is not None),
+                        ("--csv-probabilities", args.csv_probabilities)):
+        if given and args.csv is None:
+            raise UsageError(f"{flag} shapes the file of --csv FILE: pass --csv FILE too, or "
+                             f"drop {flag}")
+
+
+def csv_row(image_id: str, ranked: Sequence[tuple[int, float]], names: Sequence[str],
+            probabilities: bool) -> list:
+    """One CSV line: the id and the top-1 class's name, or every class's probability in the
+    model's class order (`ranked` is then all classes, best first)."""
+    if not probabilities:
+        return [image_id, names[ranked[0][0]]]
+    by_class = dict(ranked)
+    return [image_id, *(f"{by_class[index]:.6f}" for index in range(len(names)))]
+
+
+def check_csv_target(path: Path) -> None:
+    """Before any work: --csv names a file whose folder exists."""
+    if path.is_dir():
+        raise UsageError(f"--csv {path} is a folder; name the file to write (predictions.csv)")
+    if not path.parent.is_dir():
+        raise UsageError(f"--csv {path}: the folder {path.parent} does not exist; create it "
+                         f"or name a file in an existing folder")
+
+
+class CsvOutput:
+    """Rows written to a hidden file beside `path` as they are predicted (a test set of any size
+    in constant memory), renamed onto `path` by `commit`; `discard` (or an exception inside
+    the `with`) removes it."""
+
+    def __init__(self, path: Path, header: Sequence[str]):
+        check_csv_target(path)
+        self.path = path
+        try:
+            handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial",
+                                           dir=path.parent)
+        except OSError as err:
+            raise UsageError(f"--csv {path}: cannot write in {path.parent} "
+                             f"({err.strerror}); name a file in a folder you can write") from None
+        self._tmp = Path(tmp)
+        self._file = os.fdopen(handle, "w", newline="", encoding="utf-8")
+        self._writer = csv.writer(self._file)  # quotes a name holding a comma, as readers expect
+        self._writer.writerow(header)
+        self.rows = 0
+
+    def write(self, row: Sequence[object]) -> None:
+        self._writer.writerow(row)
+        self.rows += 1
+
+    def commit(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+
+    def discard(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "CsvOutput":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if not self._file.closed:  # not committed: an exception or a failed image
+            self.discard()

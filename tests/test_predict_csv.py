@@ -1,0 +1,220 @@
+"""`accel-train predict ... --csv FILE`: a submission's CSV of one real tiny run's predictions.
+
+Oracles: pandas' CSV reader for what the file says, predict's own --json lines (checked against
+plain torch in test_eval_oracle.py) for what it should say, and eval's top-1 over the folder
+labelled by the file: a model scores 100% on its own predictions.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from PIL import Image
+
+from accel_train.data import synthetic
+from conftest import TINY_TRAIN, accel_train_here
+from test_commands import command, eval_json, predict_json
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("predict_csv") / "run"
+    accel_train_here(*TINY_TRAIN, "--output-dir", str(out), check=True)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _fresh(fresh_accelerate):
+    """Every test here runs in process (conftest.fresh_accelerate)."""
+
+
+@pytest.fixture(scope="module")
+def test_folder(tmp_path_factory) -> Path:
+    """A competition's test/ folder: images in two subfolders, no classes."""
+    root = tmp_path_factory.mktemp("competition") / "test"
+    images, _ = synthetic.generate(12, seed=5)
+    for index, image in enumerate(images):
+        folder = root / ("day1" if index % 2 else "day2")
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(folder / f"img{index:02d}.png")
+    return root
+
+
+def fp32(*argv: str) -> tuple[str, ...]:
+    """One precision and batch for predict and eval alike: their top-1 then come from the same
+    arithmetic (a near tie cannot flip between them)."""
+    return (*argv, "--mixed-precision", "no", "--batch-size", "64")
+
+
+def test_the_csv_holds_each_images_top1_as_predict_shows_it(run_dir, test_folder, tmp_path,
+                                                           capsys):
+    shown = predict_json(capsys, *fp32(str(run_dir), str(test_folder), "--top-k", "1"))
+    out_file = tmp_path / "submission.csv"
+    code, out, err = command(capsys, "predict", *fp32(str(run_dir), str(test_folder),
+                                                      "--csv", str(out_file)))
+    assert code == 0, err
+    assert out.splitlines()[-1] == f"wrote {out_file}: 12 image(s), the top-1 class each"
+    assert len(out.splitlines()) == 2  # the model line and this: the table gives way
+    table = pd.read_csv(out_file, dtype=str)
+    assert list(table.columns) == ["image", "class"]
+    # paths inside the folder given, in predict's order, each with its top-1 class
+    assert table["image"].tolist() == [
+        Path(row["image"]).relative_to(test_folder).as_posix() for row in shown]
+    assert table["class"].tolist() == [row["predictions"][0]["class"] for row in shown]
+    assert not [p for p in tmp_path.iterdir() if p.name != "submission.csv"]  # no partial file
+
+
+@pytest.mark.parametrize("form, first", [("name", "img01.png"), ("stem", "img01")])
+def test_kaggle_ids_and_header(run_dir, test_folder, tmp_path, capsys, form, first):
+    out_file = tmp_path / "submission.csv"
+    code, _, err = command(capsys, "predict", str(run_dir), str(test_folder), "--csv",
+                           str(out_file), "--csv-image", form, "--csv-header", "id,label")
+    assert code == 0, err
+    table = pd.read_csv(out_file, dtype=str)
+    assert list(table.columns) == ["id", "label"]
+    assert table["id"].iloc[0] == first  # day1/img01.png sorts first
+    assert set(table["label"]) <= set(synthetic.CLASS_NAMES)
+
+
+def test_the_probability_csv_is_every_class_in_the_models_order(run_dir, test_folder,
+                                                                tmp_path, capsys):
+    classes = len(synthetic.CLASS_NAMES)
+    shown = predict_json(capsys, *fp32(str(run_dir), str(test_folder), "--top-k", str(classes)))
+    out_file = tmp_path / "probabilities.csv"
+    code, out, err = command(capsys, "predict", *fp32(
+        str(run_dir), str(test_folder), "--csv", str(out_file), "--csv-probabilities",
+        "--csv-header", "id", "--csv-image", "stem"))
+    assert code == 0, err
+    assert out.splitlines()[-1].endswith(f"12 image(s), the probabilities of {classes} classes "
+                                         f"each")
+    table = pd.read_csv(out_file, dtype={"id": str})
+    assert list(table.columns) == ["id", *synthetic.CLASS_NAMES]
+    for (_, line), row in zip(table.iterrows(), shown):
+        assert line["id"] == Path(row["image"]).stem
+        for prediction in row["predictions"]:
+            assert line[prediction["class"]] == pytest.approx(prediction["probability"],
+                                                              abs=1e-6)
+        assert sum(line[name] for name in synthetic.CLASS_NAMES) == pytest.approx(1, abs=1e-5)
+
+
+def test_a_model_scores_100_percent_on_the_folder_its_csv_labels(run_dir, test_folder,
+                                                                 tmp_path, capsys):
+    """The file is a label file training reads back (--train-labels, each of the id forms):
+    eval of the folder so labelled counts every image right."""
+    for form in ("relative", "name", "stem"):
+        labels = tmp_path / f"labels_{form}.csv"
+        code, _, err = command(capsys, "predict", *fp32(str(run_dir), str(test_folder),
+                                                        "--csv", str(labels),
+                                                        "--csv-image", form))
+        assert code == 0, err
+        result = eval_json(capsys, *fp32(str(run_dir), "--data-dir", str(test_folder),
+                                         "--train-labels", str(labels), "--split", "all",
+                                         "--tta", "none"))
+        assert result["count"] == 12 and result["top1"] == 1.0, form
+
+
+def test_an_unreadable_image_leaves_the_earlier_file_as_it_was(run_dir, test_folder, tmp_path,
+                                                              capsys):
+    folder = tmp_path / "test"
+    shutil.copytree(test_folder, folder)
+    (folder / "zz_broken.png").write_bytes(b"\x89PNG broken")
+    out_file = tmp_path / "submission.csv"
+    out_file.write_text("an earlier submission\n")
+    code, out, err = command(capsys, "predict", str(run_dir), str(folder), "--csv",
+                             str(out_file))
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        f"accel_train: error: 1 of 13 image(s) could not be read, first: {folder}/zz_broken.png "
+        f"cannot be decoded (not an image format PIL can read (first bytes 89504e472062726f)); "
+        f"{out_file} was not written (a submission needs every image): fix or remove the image")
+    assert f"{folder}/zz_broken.png  (not predicted: not an image format" in out
+    assert out_file.read_text() == "an earlier submission\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["submission.csv", "test"]
+
+
+def test_json_lines_beside_the_csv(run_dir, test_folder, tmp_path, capsys):
+    out_file = tmp_path / "submission.csv"
+    code, out, err = command(capsys, "predict", str(run_dir), str(test_folder), "--csv",
+                             str(out_file), "--json", "--top-k", "2")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 12 and all(len(row["predictions"]) == 2 for row in rows)
+    table = pd.read_csv(out_file, dtype=str)
+    assert table["class"].tolist() == [row["predictions"][0]["class"] for row in rows]
+
+
+def _two_folders_of_one_name(tmp_path: Path, test_folder: Path) -> tuple[Path, Path]:
+    first, second = tmp_path / "a" / "test", tmp_path / "b" / "test"
+    shutil.copytree(test_folder, first)
+    shutil.copytree(test_folder, second)
+    return first, second
+
+
+@pytest.mark.parametrize("case", ["stem", "name", "relative"])
+def test_ids_two_images_share_are_refused_before_any_work(run_dir, test_folder, tmp_path,
+                                                          capsys, case):
+    image = test_folder / "day1" / "img01.png"
+    if case == "stem":  # img01.png and img01.jpg
+        other = tmp_path / "img01.jpg"
+        Image.open(image).convert("RGB").save(other)
+        inputs, clash, second = [str(image), str(other)], "'img01'", other
+        hint = "use --csv-image name (ids with extensions) or rename one"
+    elif case == "name":  # day1/img01.png and a copy elsewhere
+        other = tmp_path / "elsewhere" / "img01.png"
+        other.parent.mkdir()
+        shutil.copy(image, other)
+        inputs, clash, second = [str(test_folder), str(other.parent)], "'img01.png'", other
+        hint = "use --csv-image relative (paths inside the folder given) or rename one"
+    else:  # two folders holding the same paths
+        first, other_folder = _two_folders_of_one_name(tmp_path, test_folder)
+        inputs, clash = [str(first), str(other_folder)], "'day1/img01.png'"
+        image, second = first / "day1" / "img01.png", other_folder / "day1" / "img01.png"
+        hint = "predict the two folders into two files, or give the folder that holds both"
+    out_file = tmp_path / "submission.csv"
+    code, out, err = command(capsys, "predict", str(run_dir), *inputs, "--csv", str(out_file),
+                             "--csv-image", case)
+    assert code == 2 and out == ""
+    assert err.strip() == (f"accel_train: error: --csv-image {case}: {image} and {second} would "
+                           f"both be {clash} in the CSV; {hint}")
+    assert not out_file.exists()
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--csv-header", "id,label"], "--csv-header shapes the file of --csv FILE: pass --csv FILE "
+                                   "too, or drop --csv-header"),
+    (["--csv-image", "stem"], "--csv-image shapes the file of --csv FILE: pass --csv FILE too, "
+                              "or drop --csv-image"),
+    (["--csv-probabilities"], "--csv-probabilities shapes the file of --csv FILE: pass --csv "
+                              "FILE too, or drop --csv-probabilities"),
+    (["--csv", "OUT", "--csv-header", "id"], "--csv-header id: name the two columns, the "
+                                             "image's and the class's (id,label)"),
+    (["--csv", "OUT", "--csv-header", "id,label", "--csv-probabilities"],
+     "--csv-header id,label: with --csv-probabilities name the image column only (id); the "
+     "classes' columns are their names"),
+    (["--csv", "OUT", "--csv-header", "id,id"], "--csv-header id,id: give distinct column "
+                                                "names separated by commas (id,label)"),
+    (["--csv", "OUT", "--csv-header", "id,"], "--csv-header id,: give distinct column names "
+                                              "separated by commas (id,label)"),
+    (["--csv", "OUT", "--csv-header", "ring", "--csv-probabilities"],
+     "--csv-header: the image column 'ring' is also a class's name; name it otherwise "
+     "(--csv-header id)"),
+    (["--csv", "NOWHERE/out.csv"], "--csv NOWHERE/out.csv: the folder NOWHERE does not exist; "
+                                   "create it or name a file in an existing folder"),
+    (["--csv", "TMP"], "--csv TMP is a folder; name the file to write (predictions.csv)"),
+])
+def test_csv_options_refused_in_one_line(run_dir, test_folder, tmp_path, capsys, flags, line):
+    out_file = tmp_path / "out.csv"
+    swap = {"OUT": str(out_file), "NOWHERE": str(tmp_path / "nowhere"), "TMP": str(tmp_path)}
+    argv = [swap.get(flag.split("/")[0], flag.split("/")[0]) +
+            ("/" + flag.split("/", 1)[1] if "/" in flag else "") for flag in flags]
+    expected = line
+    for key, value in swap.items():
+        expected = expected.replace(key, value)
+    code, out, err = command(capsys, "predict", str(run_dir), str(test_folder), *argv)
+    assert code == 2
+    assert err.strip() == f"accel_train: error: {expected}"
+    assert list(tmp_path.iterdir()) == []  # nothing written

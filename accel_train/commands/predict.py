@@ -6,8 +6,8 @@ mean/std).  The model may also be the model.onnx of an export made
 with --format onnx: ONNX Runtime runs it, with the preparation recorded in the file.  Folders
 are searched recursively for image files.  Output is a table, or with --json one JSON object
 per line (for scripts); --csv FILE writes a competition's submission (each image's top-1 class,
-or with --csv-probabilities every class's probability).  An image that cannot be read is reported in its row and the others
-are still predicted; the exit code is then 2.
+or with --csv-probabilities every class's probability).  An image that cannot be read is
+reported in its row and the others are still predicted; the exit code is then 2.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ INTERPOLATIONS = ("bilinear", "bicubic", "nearest", "box", "hamming", "lanczos")
 TRAIN_INTERPOLATIONS = ("random", *INTERPOLATIONS)
 CROP_MODES = ("center", "squash", "border")  # timm's eval crop modes (pretrained_cfg crop_mode)
 LR_DECAYS = ("cosine", "linear")  # optim.Schedule's decays
+EVAL_METRICS = ("top1", "top5", "loss", "mean_class_top1")  # train/selection.py
 SYNTHETIC_DATASET = "synthetic"
 
 
@@ -396,9 +397,16 @@ class TrainConfig:
     checkpoint_every: int = option(0, "Also checkpoint every N optimizer steps (0: only at "
                                    "epoch ends).", "output")
     keep_checkpoints: int = option(3, "Keep the newest K checkpoints.", "output")
-    keep_best: int = option(0, "Also keep the K checkpoints with the best held-out top-1 "
-                            "(saved at epoch ends; with --model-ema the better of the raw and "
-                            "the EMA weights'), as timm's checkpoint saver does.", "output")
+    keep_best: int = option(0, "Also keep the K checkpoints with the best held-out "
+                            "--eval-metric (saved at epoch ends; with --model-ema the better of "
+                            "the raw and the EMA weights'), as timm's checkpoint saver does.",
+                            "output")
+    eval_metric: str = option("top1", "The held-out number that picks the best: the checkpoints "
+                              "--keep-best keeps, the raw or the EMA weights (--model-ema) for "
+                              "model.safetensors, the best the run reports (timm's "
+                              "--eval-metric). mean_class_top1, the mean of the classes' top-1, "
+                              "for classes of very different sizes; loss: lower is better.",
+                              "output", choices=EVAL_METRICS)
     resume: Optional[str] = option(None, "'auto' (the newest valid checkpoint of this run), or a "
                                    "path: a step_XXXXXXXX checkpoint, a folder of them (its "
                                    "newest valid one), or a run folder.", "output")

@@ -246,6 +246,7 @@ class Trainer:
                                   optimizer=config.optimizer,
                                   sample_subset=self.data.sample_subset or "all",
                                   held_out_carve=self.data.held_out_carve,
+                                  eval_metric=config.eval_metric,
                                   # None where auto had nothing to choose
                                   decoded_on_device=self.loaders.decoded_on_device
                                   if self.loaders.decoding else None)
@@ -499,7 +500,7 @@ class Trainer:
         record.update(evaluated)
         self.state.note_evaluation(evaluated)
         self.callbacks.on_evaluate(self, evaluated)
-        return epoch_words(results)
+        return epoch_words(results, self.config.eval_metric)
 
     def evaluate(self, model: Optional[torch.nn.Module] = None) -> dict:
         """Loss, top-1, top-5 and per-class accuracy over the whole held-out split, each sample
@@ -557,7 +558,7 @@ class Trainer:
             self._maybe_test(saved)
         maybe_plot(self.config.plots, self.accelerator.is_main_process, self.plan.output_dir,
                    self.report)
-        say_next(self.state.best_top1, self.plan.output_dir, self.report,
+        say_next(self.state.best_words(), self.plan.output_dir, self.report,
                  data_from_program=self.data.from_program,
                  rebuilt_by_commands=self.net.rebuilt_by_commands)
         self.callbacks.on_train_end(self)

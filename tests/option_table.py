@@ -426,6 +426,13 @@ ROWS: dict[str, Row] = {
     "train --keep-best": effect(
         f"{EFFECTS}::test_checkpoint_folder_keep_checkpoints_and_keep_best",
         "the 2 epoch-end saves with the highest eval_top1 in metrics.jsonl are kept"),
+    "train --eval-metric": effect(
+        f"{EFFECTS}::test_eval_metric_loss_picks_the_kept_checkpoint_the_weights_and_the_best",
+        "loss with --model-ema: the kept best is the epoch end of metrics.jsonl's lowest loss "
+        "(raw or EMA), the saved weights the lower loss's, the last line its value; a resume "
+        "by top1 refused in one line, nothing touched; mean_class_top1 on each epoch line "
+        "(test_eval_metric_mean_class_top1_on_each_epoch_line_and_the_last); by-hand ranks in "
+        "test_checkpoint.py"),
     "train --resume": effect(
         f"{EFFECTS}::test_resume_from_each_form_of_path_ends_bit_identical",
         "checkpoints folder, run folder and step folder each end bit-identical to the run "

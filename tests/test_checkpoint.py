@@ -577,7 +577,8 @@ def test_a_resumed_state_keeps_every_field_of_the_checkpoint_but_the_process_lay
         setattr(saved, field.name, 0.5 * number if isinstance(value, float) or value is None
                 else number)
     saved.save(tmp_path)
-    resumed = TrainerState(**layout, seed=saved.seed, train_samples=saved.train_samples)
+    resumed = TrainerState(**layout, seed=saved.seed, train_samples=saved.train_samples,
+                           eval_metric=saved.eval_metric)  # (a resume keeps the metric)
     resumed.load(tmp_path)
     for field in dataclasses.fields(TrainerState):
         expected = layout.get(field.name, getattr(saved, field.name))
@@ -663,6 +664,81 @@ def test_keep_best_ranks_by_the_better_of_the_raw_and_the_ema_weights(bundle):
                                            eval_step=step))
     kept = [p.name for p in ck.list_checkpoints(saver.root)]
     assert kept == ["step_00000006", "step_00000002"]  # the newest; the best, by its EMA 0.52
+
+
+def _evaluated(step: int, metric: str, record: dict) -> TrainerState:
+    """The state of a run picking by `metric`, right after an epoch end's evaluation
+    (`record`: its eval_* numbers, as epoch_record writes them)."""
+    run_state = dataclasses.replace(state(step), eval_metric=metric)
+    run_state.note_evaluation({"eval_top1": 0.5, **record})
+    return run_state
+
+
+@pytest.mark.parametrize("metric, history, best", [
+    # the lowest loss is the best: steps 4 (0.61) and 8 (0.70), where top-1 (0.5 in every
+    # state here: ties, the newest first) would keep 8 and 6
+    ("loss", [(2, {"eval_loss": 1.4}), (4, {"eval_loss": 0.61}), (6, {"eval_loss": 0.90}),
+              (8, {"eval_loss": 0.70})], [8, 4]),
+    # the mean of the classes' top-1, not top-1 (which the state's notes hold at 0.5 for all)
+    ("mean_class_top1", [(2, {"eval_mean_class_top1": 0.30}),
+                         (4, {"eval_mean_class_top1": 0.62}),
+                         (6, {"eval_mean_class_top1": 0.58}),
+                         (8, {"eval_mean_class_top1": 0.41})], [6, 4]),
+    # the EMA weights' loss when lower than the raw weights'
+    ("loss", [(2, {"eval_loss": 1.0, "eval_ema_loss": 0.2}), (4, {"eval_loss": 0.5}),
+              (6, {"eval_loss": 0.3, "eval_ema_loss": 0.9}), (8, {"eval_loss": 0.8})], [6, 2]),
+])
+def test_keep_best_ranks_by_the_eval_metric(bundle, metric, history, best):
+    saver, _, train_step, _ = bundle
+    saver.keep, saver.keep_best = 1, 2
+    for step, record in history:
+        train_step()
+        save_as(saver, _evaluated(step, metric, {f"eval_{metric}": 0.0, **record}))
+    kept = {int(p.name[5:]) for p in ck.list_checkpoints(saver.root)}
+    assert kept == {8, *best}  # the newest, and the best two by the metric
+
+
+def test_the_eval_metric_names_the_best_and_the_better_weights():
+    """By hand: the state's best and its raw-or-EMA choice follow the metric's direction."""
+    by_loss = dataclasses.replace(state(4), eval_metric="loss")
+    by_loss.note_evaluation({"eval_top1": 0.9, "eval_loss": 0.8, "eval_ema_top1": 0.7,
+                             "eval_ema_loss": 0.6})
+    assert by_loss.ema_is_better()  # lower loss, lower top-1
+    assert (by_loss.best_score, by_loss.best_top1) == (0.6, 0.9)
+    by_loss.note_evaluation({"eval_top1": 0.95, "eval_loss": 0.7, "eval_ema_top1": 0.8,
+                             "eval_ema_loss": 0.75})
+    assert not by_loss.ema_is_better() and by_loss.best_score == 0.6  # 0.6 stays the best
+    assert by_loss.best_words() == "best held-out loss 0.6000"
+    by_class = dataclasses.replace(state(4), eval_metric="mean_class_top1")
+    by_class.note_evaluation({"eval_top1": 0.9, "eval_mean_class_top1": 0.5,
+                              "eval_ema_top1": 0.8, "eval_ema_mean_class_top1": 0.55})
+    assert by_class.ema_is_better() and by_class.best_top1 == 0.9
+    assert by_class.best_words() == "best held-out mean per-class top-1 55.00%"
+    by_top1 = dataclasses.replace(state(4), eval_metric="top1")
+    by_top1.note_evaluation({"eval_top1": 0.9, "eval_ema_top1": 0.8})
+    assert not by_top1.ema_is_better()
+    assert by_top1.best_words() == "best held-out top-1 90.00%"
+    # a checkpoint from before the option: its top-1 fields are its scores
+    old = ck.TrainerState.from_json({"seed": 0, "eval_top1": 0.4, "ema_top1": 0.6,
+                                     "best_top1": 0.6})
+    assert old.metric == "top1" and old.scores() == (0.4, 0.6) and old.ema_is_better()
+    assert old.best_words() == "best held-out top-1 60.00%"
+
+
+def test_a_resume_picking_by_another_metric_is_refused():
+    """The best kept so far were chosen by the checkpoint's metric; one from before the
+    option chose by top-1."""
+    old = ck.TrainerState.from_json({"seed": 0, "train_samples": 100})
+    from accel_train.train.selection import check_same_eval_metric
+    check_same_eval_metric(old.eval_metric, "top1")
+    with pytest.raises(UsageError) as refused:
+        check_same_eval_metric(old.eval_metric, "loss")
+    assert str(refused.value) == (
+        "the checkpoint's run picked its best checkpoints and weights by --eval-metric top1, "
+        "this start by loss; resume with --eval-metric top1, or start a new run")
+    check_same_eval_metric("mean_class_top1", "mean_class_top1")
+    with pytest.raises(UsageError, match="resume with --eval-metric mean_class_top1, or"):
+        check_same_eval_metric("mean_class_top1", "top1")
 
 
 def test_resume_auto_among_checkpoints_none_usable_stops_in_one_line(bundle, tmp_path, capsys):

@@ -105,6 +105,49 @@ def test_checkpoint_folder_keep_checkpoints_and_keep_best(tmp_path):
     assert all(top1[s] >= cutoff for s in best)
 
 
+def test_eval_metric_loss_picks_the_kept_checkpoint_the_weights_and_the_best(tmp_path):
+    """--eval-metric loss with --model-ema: the checkpoint kept as the best is the epoch end
+    whose lower loss (raw or EMA) is the lowest, model.safetensors holds the weights of the
+    lower loss at the end, the last line names the lowest loss; the oracle is metrics.jsonl's
+    numbers, ranked here.  A resume picking by top-1 is refused in one line, nothing touched."""
+    out = tmp_path / "run"
+    argv = [*TINY_TRAIN, "--synthetic-train-size", "64", "--epochs", "3", "--model-ema",
+            "--model-ema-decay", "0.5", "--checkpoint-every", "1", "--keep-checkpoints", "1",
+            "--keep-best", "1", "--output-dir", str(out)]
+    result = accel_train_here(*argv, "--eval-metric", "loss", check=True)
+    epochs = [r for r in metrics(out) if r["type"] == "epoch"]
+    lowest = {r["step"]: min(r["eval_loss"], r["eval_ema_loss"]) for r in epochs}
+    best_step = min(lowest, key=lowest.get)
+    assert set(_steps(out / "checkpoints")) == {12, best_step}
+    last = epochs[-1]
+    assert model_spec_of(out)["weights"] == ("ema" if last["eval_ema_loss"] < last["eval_loss"]
+                                             else "model")
+    assert f"best held-out loss {min(lowest.values()):.4f}; next:" in result.stdout
+    for record in epochs:  # the averages' loss on each epoch's line, as the metric picks by it
+        assert f"EMA top1 {record['eval_ema_top1']:.2%} loss {record['eval_ema_loss']:.4f}" \
+            in result.stdout
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    refused = accel_train_here(*argv, "--resume", "auto")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "accel_train: error: the checkpoint's run picked its best checkpoints and weights by "
+        "--eval-metric loss, this start by top1; resume with --eval-metric loss, or start a new "
+        "run"]
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_eval_metric_mean_class_top1_on_each_epoch_line_and_the_last(tmp_path):
+    out = tmp_path / "run"
+    result = accel_train_here(*TINY_TRAIN, "--synthetic-train-size", "64", "--epochs", "2",
+                              "--eval-metric", "mean_class_top1", "--output-dir", str(out),
+                              check=True)
+    epochs = [r for r in metrics(out) if r["type"] == "epoch"]
+    for record in epochs:
+        assert (f"top5 {record['eval_top5']:.2%} mean per-class top1 "
+                f"{record['eval_mean_class_top1']:.2%} (") in result.stdout
+    best = max(r["eval_mean_class_top1"] for r in epochs)
+    assert f"best held-out mean per-class top-1 {best:.2%}; next:" in result.stdout
+
+
 # -- resume: a checkpoints folder, a run folder, a step folder -----------------------------------
 
 @pytest.fixture(scope="module")

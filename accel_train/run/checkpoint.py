@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 from accel_train.base.errors import DISK_FULL_EXIT, RunStopped, UsageError, first_line
 from accel_train.base.readers import BadFile, Shape, check_fits, check_torch_file, read_json
 from accel_train.base.weightfiles import with_the_umask
+from accel_train.train.selection import (WORDS, best_of, check_same_eval_metric, describe,
+                                         rank)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -83,6 +85,13 @@ class TrainerState:
     eval_top1: Optional[float] = None  # the last held-out evaluation: raw weights
     eval_step: Optional[int] = None    # the step it was made at
     ema_top1: Optional[float] = None   # and EMA weights (--model-ema)
+    # --eval-metric and its numbers (train/selection.py): the last evaluation's of the raw and
+    # the EMA weights, and the best so far; None: a checkpoint from before the option, which
+    # picked by top-1 (the *_top1 fields above)
+    eval_metric: Optional[str] = None
+    eval_score: Optional[float] = None
+    ema_score: Optional[float] = None
+    best_score: Optional[float] = None
     precision: Optional[str] = None    # what the run computes in (Accelerate's name: no, bf16,
     channels_last: Optional[bool] = None  # fp16) and its memory format: a resume keeps them
     optimizer: Optional[str] = None    # the --optimizer whose state the checkpoint holds
@@ -123,6 +132,33 @@ class TrainerState:
         self.eval_top1, self.eval_step = record["eval_top1"], self.step
         if "eval_ema_top1" in record:
             self.ema_top1 = record["eval_ema_top1"]
+        metric = self.metric
+        self.eval_score = record[f"eval_{metric}"]
+        self.ema_score = record.get(f"eval_ema_{metric}", self.ema_score)
+        self.best_score = best_of(metric, self.eval_score, record.get(f"eval_ema_{metric}"),
+                                  self.best_score)
+
+    @property
+    def metric(self) -> str:
+        return self.eval_metric or "top1"
+
+    def scores(self) -> tuple[Optional[float], Optional[float]]:
+        """The last evaluation's --eval-metric of the raw and the EMA weights."""
+        if self.eval_metric is None:  # from before the option: its numbers are the top-1's
+            return self.eval_top1, self.ema_top1
+        return self.eval_score, self.ema_score
+
+    def ema_is_better(self) -> bool:
+        raw, ema = self.scores()
+        return ema is not None and rank(self.metric, ema) > rank(self.metric, raw)
+
+    def best_words(self) -> str:
+        """'best held-out top-1 93.10%', or of the --eval-metric the run picked by."""
+        if self.eval_metric in (None, "top1"):
+            return f"best held-out top-1 {self.best_top1 or 0:.2%}"
+        if self.best_score is None:
+            return f"best held-out {WORDS[self.metric]}: none (not evaluated)"
+        return f"best held-out {describe(self.metric, self.best_score)}"
 
     @classmethod
     def from_json(cls, data: dict) -> "TrainerState":
@@ -143,6 +179,7 @@ class TrainerState:
         check_same_held_out(previous, self.held_out_samples, self.test_samples)
         check_same_subset(previous, self.sample_subset)
         check_same_carve(previous, self.held_out_carve)
+        check_same_eval_metric(previous.eval_metric, self.metric)
         continued = previous.continued_on(**{name: getattr(self, name)
                                              for name in self.THIS_START})
         for field in fields(self):
@@ -549,11 +586,11 @@ class Checkpointer:
             shutil.rmtree(replaced, ignore_errors=True)
 
     def _prune(self) -> None:
-        """Keep the newest K complete checkpoints, and the best `keep_best` by held-out top-1
-        (raw or EMA weights, the better) among those saved right after an evaluation (timm's
-        checkpoint saver keeps its best the same way).  Each old one is renamed first and
-        deleted after, so a kill mid-delete leaves a `.tmp-` folder, never a half-deleted
-        checkpoint."""
+        """Keep the newest K complete checkpoints, and the best `keep_best` by the held-out
+        --eval-metric (raw or EMA weights, the better) among those saved right after an
+        evaluation (timm's checkpoint saver keeps its best the same way).  Each old one is
+        renamed first and deleted after, so a kill mid-delete leaves a `.tmp-` folder, never a
+        half-deleted checkpoint."""
         complete = [p for p in list_checkpoints(self.root) if (p / MANIFEST).is_file()]
         kept = set(complete[:self.keep]) | set(self._best(complete))
         for old in [p for p in complete if p not in kept]:
@@ -567,10 +604,11 @@ class Checkpointer:
         scored = []
         for path in complete:
             state = read_state(path)
-            if state.eval_top1 is not None and state.eval_step == state.step:
+            raw, ema = state.scores()
+            if raw is not None and state.eval_step == state.step:
                 # the better of the raw and the EMA weights, as the run's best and the final
                 # model count them (TrainerState.note_evaluation, finish.py)
-                score = max(state.eval_top1, state.ema_top1 or 0.0)
+                score = max(rank(state.metric, raw), rank(state.metric, ema))
                 scored.append((score, state.step, path))
         return [path for _, _, path in sorted(scored, reverse=True)[:self.keep_best]]
 

@@ -15,6 +15,7 @@ from accel_train.run.plots import write_plots
 from accel_train.run.rundir import run_paths
 from accel_train.run.track import read_metrics
 from accel_train.train.divergence import stop_if_diverged
+from accel_train.train.selection import describe, value_text
 
 
 def save_final_model(accelerator, model: nn.Module, averages: dict[str, nn.Module], state, spec,
@@ -24,15 +25,17 @@ def save_final_model(accelerator, model: nn.Module, averages: dict[str, nn.Modul
     (`averages["ema"]`), the better of the raw and the EMA weights on the held-out split.
     Returns the module saved (on every rank)."""
     accelerator.wait_for_everyone()
-    use_ema = "ema" in averages and (state.ema_top1 or 0) > (state.eval_top1 or 0)
+    use_ema = "ema" in averages and state.ema_is_better()
     chosen = averages["ema"] if use_ema else model
     stop_if_diverged(chosen, state.step, "model.safetensors")
     if accelerator.is_main_process:
         spec = dataclasses.replace(spec, weights="ema" if use_ema else "model")
         path = write_model_folder(chosen, output_dir, spec, command=recorded_command(),
                                   step=state.step)
-        report.say(f"saved {path}" + (f" (the EMA weights: held-out top-1 {state.ema_top1:.2%} "
-                                      f"vs {state.eval_top1:.2%})" if use_ema else ""))
+        raw, ema = state.scores()
+        report.say(f"saved {path}" + (f" (the EMA weights: held-out {describe(state.metric, ema)} "
+                                      f"vs {value_text(state.metric, raw)})"
+                                      if use_ema else ""))
     accelerator.wait_for_everyone()
     return chosen
 
@@ -79,7 +82,7 @@ def maybe_plot(wanted: bool, is_main: bool, output_dir: Path, report) -> None:
         report.say(f"plots: {', '.join(str(path) for path in written)}")
 
 
-def say_next(best_top1, output_dir: Path, report, data_from_program: bool = False,
+def say_next(best: str, output_dir: Path, report, data_from_program: bool = False,
              rebuilt_by_commands: bool = True) -> None:
     """`data_from_program`: fit()'s datasets, which the run cannot find again: eval needs data
     named (it says so itself, but the hint should not send the reader there empty-handed);
@@ -87,7 +90,6 @@ def say_next(best_top1, output_dir: Path, report, data_from_program: bool = Fals
     warned why), so they are not offered."""
     folder = shlex.quote(str(output_dir))  # a command a reader can paste, spaces and all
     data = " --data-dir DATA" if data_from_program else ""
-    best = f"best held-out top-1 {best_top1 or 0:.2%}"
     if not rebuilt_by_commands:
         report.say(f"{best}; next: accel-train plot {folder} (eval, predict and export cannot "
                    f"rebuild this network: the warning at the start says why)")

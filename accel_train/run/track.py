@@ -30,7 +30,8 @@ _TRACKED = {"train": {"loss": "train/loss", "top1": "train/top1", "lr": "train/l
                       "eval_top5": "eval/top5", "eval_mean_class_top1": "eval/mean_class_top1",
                       "epoch_time": "train/epoch_seconds",
                       "eval_ema_loss": "eval_ema/loss", "eval_ema_top1": "eval_ema/top1",
-                      "eval_ema_top5": "eval_ema/top5"}}
+                      "eval_ema_top5": "eval_ema/top5",
+                      "eval_ema_mean_class_top1": "eval_ema/mean_class_top1"}}
 
 
 class MetricsLog:

@@ -19,6 +19,7 @@ from accel_train.base.columns import display_width, pad
 from accel_train.data.loaders import collate_batch
 from accel_train.data.loading import stop_when_stuck
 from accel_train.train.budget import TTA_PASSES
+from accel_train.train.selection import value_text
 
 
 def logits_of(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torch.Tensor:
@@ -214,14 +215,26 @@ def epoch_record(results: dict[str, dict]) -> dict:
     entries = {f"eval_{k}": v for k, v in results[""].items() if k != "per_class"}
     for name, averaged in results.items():
         if name:
-            entries.update({f"eval_{name}_{k}": averaged[k] for k in ("loss", "top1", "top5")})
+            entries.update({f"eval_{name}_{k}": averaged[k]
+                            for k in ("loss", "top1", "top5", "mean_class_top1")})
     return entries
 
 
-def epoch_words(results: dict[str, dict]) -> str:
-    """The console's words for an epoch end's evaluations."""
+def epoch_words(results: dict[str, dict], metric: str = "top1") -> str:
+    """The console's words for an epoch end's evaluations: loss, top-1 and top-5, the
+    averages' top-1, and the --eval-metric the run picks by where these leave it out (the
+    mean per-class top-1; the averages' loss or top-5)."""
     model = results[""]
+    extra = f" mean per-class top1 {model[metric]:.2%}" if metric == "mean_class_top1" else ""
     averages = "".join(f", {name.upper()} top1 {averaged['top1']:.2%}"
+                       f"{_average_metric(averaged, metric)}"
                        for name, averaged in results.items() if name)
     return (f"eval loss {model['loss']:.4f} top1 {model['top1']:.2%} top5 {model['top5']:.2%}"
-            f"{averages} ({model['count']} images)")
+            f"{extra}{averages} ({model['count']} images)")
+
+
+def _average_metric(averaged: dict, metric: str) -> str:
+    if metric == "top1":
+        return ""
+    words = {"loss": "loss", "top5": "top5", "mean_class_top1": "mean per-class top1"}[metric]
+    return f" {words} {value_text(metric, averaged[metric])}"

@@ -44,7 +44,8 @@ from accel_train.model.ema import maybe_ema
 from accel_train.model.outputs import LogitsHook, kept_auxiliary_logits, return_logits
 from accel_train.model.saved import is_import_path
 from accel_train.run import distributed
-from accel_train.run.checkpoint import AccelerateState, Checkpointer, TrainerState
+from accel_train.run.checkpoint import AccelerateState, Checkpointer
+from accel_train.run.trainer_state import TrainerState
 from accel_train.run.collectives import CollectiveTimeouts, StepWatch, is_timeout, report_stall
 from accel_train.run.finish import (already_finished, maybe_plot, save_final_model, say_next,
                                     tested_at, test_record)

@@ -16,10 +16,11 @@ import torch
 from accelerate import Accelerator
 
 from accel_train.run import checkpoint as ck
-from accel_train.run.checkpoint import (MANIFEST, STATE_FILE, AccelerateState, Checkpointer,
-                                        check_same_held_out,
-                                        TrainerState, find_latest_valid, read_state,
-                                        recover_interrupted_saves, verify)
+from accel_train.run import trainer_state as ts
+from accel_train.run.checkpoint import (MANIFEST, AccelerateState, Checkpointer,
+                                        find_latest_valid, recover_interrupted_saves, verify)
+from accel_train.run.trainer_state import (STATE_FILE, TrainerState, check_same_held_out,
+                                           read_state)
 from accel_train.run.resume import accumulation_for, resolve_resume, set_aside_newer
 from accel_train.cli import main
 from accel_train.base.errors import UsageError
@@ -275,37 +276,37 @@ def test_a_checkpoint_from_before_the_subset_rule_kept_the_first_images():
     N): a start that keeps random images is refused, one that keeps the first goes on, and one
     that cuts no split is not asked (nor is a start asked of a checkpoint that cut none: the
     counts differ, and say so: a streamed run's checkpoint is then refused for what it is)."""
-    old = ck.TrainerState.from_json({"seed": 0, "train_samples": 100})
+    old = TrainerState.from_json({"seed": 0, "train_samples": 100})
     assert old.sample_subset is None
     with pytest.raises(UsageError, match="by --sample-subset first, this start by random"):
-        ck.check_same_subset(old, "random")
-    ck.check_same_subset(old, "first")
-    ck.check_same_subset(old, "all")
-    ck.check_same_subset(old, None)  # a state made without the field: nothing to compare
-    ck.check_same_subset(dataclasses.replace(old, sample_subset="all"), "random")
+        ts.check_same_subset(old, "random")
+    ts.check_same_subset(old, "first")
+    ts.check_same_subset(old, "all")
+    ts.check_same_subset(old, None)  # a state made without the field: nothing to compare
+    ts.check_same_subset(dataclasses.replace(old, sample_subset="all"), "random")
     with pytest.raises(UsageError, match="by --sample-subset random, this start by first"):
-        ck.check_same_subset(dataclasses.replace(old, sample_subset="random"), "first")
+        ts.check_same_subset(dataclasses.replace(old, sample_subset="random"), "first")
 
 
 def test_a_carve_drawn_another_way_is_refused_and_one_from_before_the_option_was_random():
     """A state without held_out_carve (written before --val-stratify, whose carves were one
     random draw): a stratified start is refused, a random one goes on, and a start that
     carves nothing (the data's own splits) is not asked."""
-    old = ck.TrainerState.from_json({"seed": 0, "train_samples": 100})
+    old = TrainerState.from_json({"seed": 0, "train_samples": 100})
     assert old.held_out_carve is None
     with pytest.raises(UsageError) as refused:
-        ck.check_same_carve(old, "stratified")
+        ts.check_same_carve(old, "stratified")
     assert str(refused.value) == (
         "the checkpoint's run carved its validation images by one random draw, this start "
         "class by class: they are other images; resume without --val-stratify, or start a new "
         "run")
-    ck.check_same_carve(old, "random")
-    ck.check_same_carve(old, None)
+    ts.check_same_carve(old, "random")
+    ts.check_same_carve(old, None)
     stratified = dataclasses.replace(old, held_out_carve="stratified")
-    ck.check_same_carve(stratified, "stratified")
-    ck.check_same_carve(stratified, None)
+    ts.check_same_carve(stratified, "stratified")
+    ts.check_same_carve(stratified, None)
     with pytest.raises(UsageError, match="resume with --val-stratify"):
-        ck.check_same_carve(stratified, "random")
+        ts.check_same_carve(stratified, "random")
 
 
 def test_the_held_out_and_test_counts_are_each_compared_when_both_were_recorded():
@@ -719,7 +720,7 @@ def test_the_eval_metric_names_the_best_and_the_better_weights():
     assert not by_top1.ema_is_better()
     assert by_top1.best_words() == "best held-out top-1 90.00%"
     # a checkpoint from before the option: its top-1 fields are its scores
-    old = ck.TrainerState.from_json({"seed": 0, "eval_top1": 0.4, "ema_top1": 0.6,
+    old = TrainerState.from_json({"seed": 0, "eval_top1": 0.4, "ema_top1": 0.6,
                                      "best_top1": 0.6})
     assert old.metric == "top1" and old.scores() == (0.4, 0.6) and old.ema_is_better()
     assert old.best_words() == "best held-out top-1 60.00%"
@@ -728,7 +729,7 @@ def test_the_eval_metric_names_the_best_and_the_better_weights():
 def test_a_resume_picking_by_another_metric_is_refused():
     """The best kept so far were chosen by the checkpoint's metric; one from before the
     option chose by top-1."""
-    old = ck.TrainerState.from_json({"seed": 0, "train_samples": 100})
+    old = TrainerState.from_json({"seed": 0, "train_samples": 100})
     from accel_train.train.selection import check_same_eval_metric
     check_same_eval_metric(old.eval_metric, "top1")
     with pytest.raises(UsageError) as refused:

@@ -32,7 +32,7 @@ from accel_train.data.device_decode import DeviceDecoder, choose, jitter, time_p
 from accel_train.data.jpeg_decoders import orient
 from accel_train.data.loaders import TrainImages, run_transforms
 from accel_train.data.sources import ArraySource, ImageSource, load_data
-from accel_train.run.checkpoint import TrainerState
+from accel_train.run.trainer_state import TrainerState
 from accel_train.run.resume import keep_choices
 from conftest import PINNED, accel_train_here
 

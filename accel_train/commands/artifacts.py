@@ -19,8 +19,9 @@ from torch import nn
 
 from accel_train.base.readers import read_yaml
 from accel_train.base.weightfiles import read_safetensors
-from accel_train.run.checkpoint import (MANIFEST, NAME_PATTERN, STATE_FILE, find_latest_valid,
-                                        list_checkpoints, read_state, verify)
+from accel_train.run.checkpoint import (MANIFEST, NAME_PATTERN, find_latest_valid,
+                                        list_checkpoints, verify)
+from accel_train.run.trainer_state import STATE_FILE, read_state
 from accel_train.base.errors import UsageError
 from accel_train.model.ema import EMA_FILE
 from accel_train.model.saved import SPEC_FILE, WEIGHTS_FILE, ModelSpec

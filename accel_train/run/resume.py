@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from accel_train.run import distributed, runlock
-from accel_train.run.checkpoint import (NAME_PATTERN, SUPERSEDED_PREFIX, TrainerState, check_format,
-                                        find_latest_valid, list_checkpoints, read_state,
+from accel_train.run.checkpoint import (NAME_PATTERN, SUPERSEDED_PREFIX, check_format,
+                                        find_latest_valid, list_checkpoints,
                                         recover_interrupted_saves, verify)
+from accel_train.run.trainer_state import TrainerState, read_state
 from accel_train.config import TrainConfig
 from accel_train.run.distributed import LauncherEnv
 from accel_train.base.errors import UsageError

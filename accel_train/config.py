@@ -33,6 +33,7 @@ TRAIN_INTERPOLATIONS = ("random", *INTERPOLATIONS)
 CROP_MODES = ("center", "squash", "border")  # timm's eval crop modes (pretrained_cfg crop_mode)
 LR_DECAYS = ("cosine", "linear")  # optim.Schedule's decays
 EVAL_METRICS = ("top1", "top5", "loss", "mean_class_top1")  # train/selection.py
+CLASS_WEIGHTS = ("none", "balanced")  # data/class_weights.py
 SYNTHETIC_DATASET = "synthetic"
 
 
@@ -347,6 +348,11 @@ class TrainConfig:
                                     "at.", "optimization")
     label_smoothing: float = option(0.1, "Label smoothing for the cross-entropy loss.",
                                     "optimization")
+    class_weight: str = option("none", "balanced: weigh each class's training loss by "
+                               "n_images / (n_classes x its images), scikit-learn's "
+                               "class_weight='balanced', for classes of very different sizes "
+                               "(the held-out loss stays unweighted); none: every image alike.",
+                               "optimization", choices=CLASS_WEIGHTS)
     aux_loss_weight: float = option(0.0, "Add this times the loss of each auxiliary classifier "
                                     "to the training loss: torchvision's inception_v3 and "
                                     "googlenet return auxiliary logits in train mode (its "

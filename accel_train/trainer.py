@@ -36,6 +36,7 @@ from accel_train.config import TrainConfig
 from accel_train.data.badimages import BadImageLog
 from accel_train.data.loaders import end_workers
 from accel_train.data.loading import build_loaders, refuse_bad_loader_input
+from accel_train.data.class_weights import maybe_class_weights
 from accel_train.data.mixing import maybe_mixup
 from accel_train.data.sources import LoadedData, load_data
 from accel_train.data.streaming import load_streaming, streaming_wanted
@@ -251,7 +252,11 @@ class Trainer:
                                   # None where auto had nothing to choose
                                   decoded_on_device=self.loaders.decoded_on_device
                                   if self.loaders.decoding else None)
-        self.mixup = maybe_mixup(config, self.net.spec.num_classes)
+        self.class_weights = maybe_class_weights(config.class_weight, self.data.train,
+                                                 self.data.class_names)
+        self.mixup = maybe_mixup(config, self.net.spec.num_classes,
+                                 None if self.class_weights is None
+                                 else self.class_weights.to(acc.device))
         self.ema = maybe_ema(self.bare_model(), config, self.report.warn)
         self.lookahead = maybe_lookahead(self.bare_model(), config, lambda: self.total_steps,
                                          self.report.warn)
@@ -316,7 +321,8 @@ class Trainer:
         facts = resolved_facts(self.accelerator, self.config, self.plan, self.data, self.net,
                                self.loaders, self.speed, self.precision, self.cuda_math,
                                self.host_memory,
-                               self.network_choice, self.pacer.known_total(self.total_steps))
+                               self.network_choice, self.pacer.known_total(self.total_steps),
+                               self.class_weights)
         open_records(self.accelerator, self.plan, self.config, self.speed, self.state,
                      self.metrics, self.report, self.paths, facts, self.data.description,
                      self.learning_rate_change, warnings)

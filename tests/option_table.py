@@ -373,6 +373,11 @@ ROWS: dict[str, Row] = {
     "train --label-smoothing": effect(
         f"{FLAGS}::test_sgd_grad_clip_weight_decay_and_label_smoothing",
         "the first loss equals hand-written smoothed cross-entropy with eps 0.3"),
+    "train --class-weight": effect(
+        f"{FLAGS}::test_class_weight_balanced_weighs_the_first_loss_and_step",
+        "weights counted by hand (32 / (10 x count)) in config.yaml; the first loss and SGD "
+        "step of the weighted smoothed cross-entropy written out in plain torch, not the "
+        "unweighted one's; Mixup's weighted soft loss by hand in test_class_weights.py"),
     "train --aux-loss-weight": effect(
         "test_auxiliary_loss.py::test_the_auxiliary_loss_and_its_gradient_are_the_hand_computed_ones",
         "the logged loss grows by w ln 5 and the auxiliary bias moves by the hand-computed "

@@ -21,6 +21,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import pytest
 import timm
 import torch
@@ -80,9 +81,12 @@ def initial_model(seed: int = SEED) -> nn.Module:
     return timm.create_model(MODEL, num_classes=NUM_CLASSES, drop_rate=0.0)
 
 
-def first_step(run_dir, label_smoothing: float, seed: int = SEED, mean=None, std=None) -> dict:
+def first_step(run_dir, label_smoothing: float, seed: int = SEED, mean=None, std=None,
+               class_weights=None) -> dict:
     """W0, the first batch's loss and gradient, computed here; the images normalized with
-    `mean` and `std` where given, else with the run's recorded ones."""
+    `mean` and `std` where given, else with the run's recorded ones; each class's terms
+    weighted by `class_weights` where given (the weighted mean over the batch's targets'
+    weights, as torch's cross-entropy defines it)."""
     spec = model_spec_of(run_dir)
     assert (spec["model_name"], spec["num_classes"], spec["image_size"]) == (MODEL, NUM_CLASSES, 32)
     images, labels = synthetic.splits(TRAIN_SIZE)["train"]
@@ -97,6 +101,10 @@ def first_step(run_dir, label_smoothing: float, seed: int = SEED, mean=None, std
     uniform = -log_p.mean(dim=1)  # cross-entropy against the uniform distribution
     eps = label_smoothing
     loss = ((1 - eps) * nll + eps * uniform).mean()
+    if class_weights is not None:
+        w = torch.as_tensor(class_weights, dtype=log_p.dtype)
+        smooth = -(log_p * w).mean(dim=1)  # each class's term weighted, over the classes
+        loss = ((1 - eps) * w[y] * nll + eps * smooth).sum() / w[y].sum()
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     return {"w0": w0, "grad": grads, "loss": float(loss.detach()),
@@ -208,6 +216,10 @@ def runs(tmp_path_factory):
         "normalized": here(root, "normalized", "--mean", str(MEAN), "--std", *map(str, STD),
                            "--momentum", "0", "--weight-decay", "0", "--label-smoothing", "0",
                            "--lr", str(SGD_LR)),
+        # each class's loss weighted by its rarity in the training split, smoothing kept
+        "class_weight": here(root, "class_weight", "--class-weight", "balanced", "--momentum",
+                             "0", "--weight-decay", "0", "--label-smoothing", str(SMOOTHING),
+                             "--lr", str(SGD_LR)),
     }
 
 
@@ -470,6 +482,25 @@ def test_mean_and_std_normalize_what_the_model_sees(runs):
     assert abs(data_stats["plain_loss"] - ref["plain_loss"]) > 1e-3
     assert {k: model_spec_of(run_.out)[k] for k in flags} == flags  # eval and export take them
     assert model_spec_of(runs["adamw"].out)["mean"] != flags["mean"]
+
+
+def test_class_weight_balanced_weighs_the_first_loss_and_step(runs):
+    """--class-weight balanced: the weights are 32 / (10 x each class's count in the 32
+    training images), counted here; the first loss and SGD step are those of the weighted,
+    smoothed cross-entropy written out in first_step; the unweighted loss gives another step."""
+    run_ = runs["class_weight"]
+    _, labels = synthetic.splits(TRAIN_SIZE)["train"]
+    counts = np.bincount(labels, minlength=NUM_CLASSES)
+    weights = [TRAIN_SIZE / (NUM_CLASSES * int(count)) for count in counts]
+    assert len(set(weights)) > 1  # the split is uneven: a weighting that does something
+    assert run_.resolved["class_weights"]["weights"] == pytest.approx(weights, abs=1e-6)
+    ref = first_step(run_.out, label_smoothing=SMOOTHING, class_weights=weights)
+    assert run_.first_loss == pytest.approx(ref["loss"], abs=2e-5)
+    expected = {n: w - SGD_LR * ref["grad"][n] for n, w in ref["w0"].items()}
+    assert max_diff(run_.params, expected) < 2e-6
+    unweighted = first_step(run_.out, label_smoothing=SMOOTHING)
+    plain_step = {n: w - SGD_LR * unweighted["grad"][n] for n, w in ref["w0"].items()}
+    assert max_diff(run_.params, plain_step) > 100 * 2e-6
 
 
 def test_loader_flags_reach_the_training_loader(runs):

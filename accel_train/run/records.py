@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from accel_train.data.class_weights import describe_weights
 from accel_train.data.sources import ArraySource
 from accel_train.run import distributed
 from accel_train.run.report import records_text, summary
@@ -21,10 +22,10 @@ from accel_train.train.precision import precision_name
 def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precision: str,
                    cuda_math: Optional[str], host_memory: Optional[str],
                    network_choice: Optional[str],
-                   known_total: Optional[int]) -> dict:
+                   known_total: Optional[int], class_weights=None) -> dict:
     """What this start really runs, for config.yaml's `resolved` and the summary.
     `known_total`: the run's length, None while a time budget is to fit it (then recorded when
-    it does)."""
+    it does); `class_weights`: --class-weight's, one a class, or None."""
     return {"precision_used": precision_name(precision),
             "precision_requested": config.mixed_precision,
             "channels_last": speed.channels_last, "speed_choice": speed.how,
@@ -45,6 +46,9 @@ def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precisi
             "placed_on_device": loaders.train.finish.places,
             "sync_bn": net.sync_bn, "model": net.spec.__dict__, "whitened_stem": net.whitened,
             "network_choice": network_choice, "trainable_parameters": net.num_trainable,
+            "class_weights": None if class_weights is None else
+            {"weights": [round(float(w), 6) for w in class_weights],
+             "summary": describe_weights(class_weights, data.class_names)},
             "launcher": distributed.launcher_facts(),
             "output_dir": str(plan.output_dir), "checkpoint_dir": str(plan.checkpoint_dir)}
 

@@ -583,7 +583,8 @@ ROWS: dict[str, Row] = {
         "test_predict_csv.py::test_the_csv_holds_each_images_top1_as_predict_shows_it",
         "pandas' read_csv of the file: each image's path inside the folder and its top-1 as "
         "predict --json ranks it; as --train-labels, eval of the folder scores 100%; an "
-        "unreadable image leaves an earlier file byte-equal"),
+        "unreadable image, or a stuck read's exit 75, leaves an earlier file byte-equal and "
+        "no partial file"),
     "predict --csv-image": effect(
         "test_predict_csv.py::test_kaggle_ids_and_header",
         "name: img01.png, stem: img01 (pandas); ids two images share: one line each form"),

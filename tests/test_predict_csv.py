@@ -218,3 +218,60 @@ def test_csv_options_refused_in_one_line(run_dir, test_folder, tmp_path, capsys,
     assert code == 2
     assert err.strip() == f"accel_train: error: {expected}"
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_the_default_header_of_each_form():
+    from accel_train.commands.predict_csv import header_of
+    assert header_of(None, False, ["cat", "dog"]) == ["image", "class"]
+    assert header_of(None, True, ["cat", "dog"]) == ["image", "cat", "dog"]
+    assert header_of(" id , label ", False, ["cat"]) == ["id", "label"]
+
+
+def test_a_file_that_cannot_be_made_beside_the_target_is_one_line(run_dir, test_folder,
+                                                                  tmp_path, capsys):
+    """A name the folder takes but not its hidden partial file beside it (255 bytes: the
+    filesystems' limit), refused before any prediction, nothing written."""
+    name = "p" * 250 + ".csv"
+    code, out, err = command(capsys, "predict", str(run_dir), str(test_folder), "--csv",
+                             str(tmp_path / name))
+    assert code == 2
+    assert err.strip() == (f"accel_train: error: --csv {tmp_path / name}: cannot write in "
+                           f"{tmp_path} (File name too long); name a file in a folder you can "
+                           f"write")
+    assert list(tmp_path.iterdir()) == [] and "image(s)" not in out.split("\n", 1)[-1]
+
+
+@pytest.mark.slow
+def test_the_partial_file_is_hidden_beside_the_target_and_gone_after_a_stop(run_dir,
+                                                                          test_folder,
+                                                                          tmp_path):
+    """While predicting, the rows go to `.NAME.*.partial` in the target's folder (a rename
+    there is atomic); a stop (an image read that never returns: --read-timeout) removes it and
+    leaves the earlier file as it was."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from conftest import REPO
+    from conftest import test_env as child_env  # (as test_env, pytest would collect it)
+    fifo = tmp_path / "zz_stuck.png"  # sorted after the folder's images: read in the loop
+    os.mkfifo(fifo)
+    out_file = tmp_path / "out" / "submission.csv"
+    out_file.parent.mkdir()
+    out_file.write_text("an earlier submission\n")
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "accel_train", "predict", str(run_dir), str(test_folder),
+         str(fifo), "--csv", str(out_file), "--read-timeout", "5", "--batch-size", "4"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial, deadline = [], time.monotonic() + 60
+    while not partial and time.monotonic() < deadline and process.poll() is None:
+        partial = [p.name for p in out_file.parent.iterdir() if p.name != out_file.name]
+        time.sleep(0.05)
+    _, err = process.communicate(timeout=120)
+    assert len(partial) == 1 and partial[0].startswith(".submission.csv.") and \
+        partial[0].endswith(".partial"), (partial, err)
+    assert process.returncode == 75, err
+    assert sorted(p.name for p in out_file.parent.iterdir()) == ["submission.csv"]
+    assert out_file.read_text() == "an earlier submission\n"

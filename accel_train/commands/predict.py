@@ -196,6 +196,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _predict_all(args) -> int:
+    from accel_train.data.loader_watch import undone_on_a_stop
     found = find_images(args.inputs)
     ids = image_ids(found, args.csv_image or "relative") if args.csv is not None else None
     images = [image for image, _ in found]
@@ -217,6 +218,8 @@ def _predict_all(args) -> int:
     with contextlib.ExitStack() as stack:
         csv_out = None if ids is None else stack.enter_context(CsvOutput(
             Path(args.csv), header_of(args.csv_header, args.csv_probabilities, names)))
+        if csv_out is not None:  # a stuck read's stop skips the `with`'s own removal
+            stack.enter_context(undone_on_a_stop(csv_out.discard))
         failures: list[str] = []
         for position, (path, ranked, reason) in enumerate(predict(
                 model, spec, images, top_k, args.batch_size, device, autocast, channels_last)):

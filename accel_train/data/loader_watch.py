@@ -34,6 +34,7 @@ from accel_train.base.errors import STALLED_EXIT
 
 SAY_AT = 0.8  # of the loader timeout: the worker speaks before the training process stops
 _reading: Optional[tuple[Callable[[], str], float]] = None  # (what, since) in this process
+_undo_before_a_stop: list[Callable[[], None]] = []  # undone_on_a_stop's, innermost last
 
 
 class reading:  # lower case: used as a function is, `with reading(...)`
@@ -108,6 +109,9 @@ def stop_when_a_read_sticks(timeout: float, stop_line: Callable[[str, float], st
     def stop(what: str, stuck: float) -> None:
         sys.stdout.flush()
         print(stop_line(what, stuck), file=sys.stderr, flush=True)
+        for undo in reversed(_undo_before_a_stop):
+            with contextlib.suppress(OSError):
+                undo()
         os._exit(STALLED_EXIT)  # the main thread sits in the read: no exception reaches it
 
     done = threading.Event()
@@ -117,6 +121,18 @@ def stop_when_a_read_sticks(timeout: float, stop_line: Callable[[str, float], st
     finally:
         done.set()
         thread.join()
+
+
+@contextlib.contextmanager
+def undone_on_a_stop(undo: Callable[[], None]):
+    """Within: `undo` runs before a stuck read ends the process (stop_when_a_read_sticks),
+    whose os._exit skips every `finally` and `with` exit: a half-written output removed there
+    would otherwise stay."""
+    _undo_before_a_stop.append(undo)
+    try:
+        yield
+    finally:
+        _undo_before_a_stop.remove(undo)
 
 
 def read_stuck_line(what: str, seconds: float, flag: str, where: str, then: str) -> str:

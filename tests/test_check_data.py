@@ -313,6 +313,37 @@ def test_one_class_is_a_problem_as_training_refuses_it(tmp_path, capsys):
     assert json.loads(out.strip().splitlines()[-1])["too_few_classes"] is True
 
 
+@pytest.mark.parametrize("counts, expected", [
+    # 12, 4 and 3 images: the largest holds 4 times the smallest's
+    ({"ant": 12, "bee": 4, "cow": 3}, {"smallest": {"class": "cow", "images": 3},
+                                       "largest": {"class": "ant", "images": 12}, "ratio": 4.0}),
+    # 3 times: named; under it (ImageNet's 1.8x), quiet
+    ({"ant": 3, "bee": 9}, {"smallest": {"class": "ant", "images": 3},
+                            "largest": {"class": "bee", "images": 9}, "ratio": 3.0}),
+    ({"ant": 4, "bee": 11}, None),
+])
+def test_uneven_classes_name_their_options_and_are_no_problem(tmp_path, capsys, counts,
+                                                              expected):
+    root = tmp_path / "data"
+    for label, (name, count) in enumerate(counts.items()):
+        (root / name).mkdir(parents=True)
+        for i in range(count):
+            Image.new("RGB", (8, 8), (20 * i, 60 * label, 0)).save(root / name / f"{i}.png")
+    code, out, _ = check_here(capsys, "--data-dir", str(root), "--json")
+    findings = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and findings["uneven_classes"] == expected
+    code, out, _ = check_here(capsys, "--data-dir", str(root))
+    line = [text for text in out.splitlines() if text.startswith("  uneven")]
+    if expected is None:
+        assert code == 0 and line == []
+        return
+    low, high = expected["smallest"], expected["largest"]
+    assert code == 0 and line == [
+        f"  uneven: {low['class']} has {low['images']} training image(s), {high['class']} "
+        f"{high['images']} ({expected['ratio']:g}x); for classes this uneven: --val-stratify, "
+        f"--class-weight balanced, --eval-metric mean_class_top1"]
+
+
 def test_files_training_does_not_read_are_counted_and_photos_among_them_are_problems(
         tmp_path, capsys):
     """An iPhone's .HEIC photo beside JPEGs: training leaves it out without a word (PIL opens no

@@ -53,7 +53,7 @@ def check_shards(config, workers: int, progress, read_timeout: float) -> dict:
     """Every sample of every split decoded; check_data's findings, as a JSON-ready dict.
     `progress(total)`: an object with update(count) and close(); a read stuck for
     `read_timeout` seconds stops check-data (check_data.in_workers)."""
-    from accel_train.commands.check_data import in_workers
+    from accel_train.commands.check_data import in_workers, uneven_classes
     from accel_train.data.labels import classes_left_unreadable
     from accel_train.data.streaming import open_shards
     started = time.perf_counter()
@@ -108,6 +108,7 @@ def check_shards(config, workers: int, progress, read_timeout: float) -> dict:
         "classes_in_one_split": one_split,
         "unlabelled": {},  # a sample without a label is unreadable: the run replaces it
         "too_few_classes": False,  # open_shards refuses fewer than 2 classes
+        "uneven_classes": uneven_classes(counts.get("train"), names),
         "classes_without_a_readable_training_image": no_readable,
         "files_not_read": {}, "photos_not_read": {},
         "workers": workers, "seconds": round(time.perf_counter() - started, 2)}

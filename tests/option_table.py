@@ -650,6 +650,10 @@ ROWS: dict[str, Row] = {
     "check-data --class-depth": effect(
         f"{EFFECTS}::test_class_depth_alike_in_training_and_check_data",
         "the top folder names the class: the counts the test wrote"),
+    "shard --class-depth": effect(
+        f"{EFFECTS}::test_class_depth_alike_in_training_and_check_data",
+        "the top folder names the class: index.json's classes and the .cls members tarfile "
+        "reads are the counts the test wrote"),
     "check-data --workers": effect(
         "test_check_data.py::test_problems_exit_1_and_are_all_named_in_the_json",
         "1 and 2 workers find exactly the planted problems"),

@@ -18,6 +18,7 @@ import math
 import os
 import re
 import shutil
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -392,7 +393,8 @@ def _png(path: Path, seed: int) -> None:
 
 def test_class_depth_alike_in_training_and_check_data(tmp_path):
     """Nested folders, --class-depth 1: the top folder names the class (3 animals, 2 plants, as
-    written here) in training and in check-data alike; without it the leaf folders would."""
+    written here) in training, check-data and shard alike; without it the leaf folders
+    would."""
     tree = ["animals/cat/siamese/1.png", "animals/cat/2.png", "animals/dog/3.png",
             "plants/tree/oak/4.png", "plants/5.png"]
     for i, name in enumerate(tree):
@@ -408,6 +410,18 @@ def test_class_depth_alike_in_training_and_check_data(tmp_path):
     totals = {name: sum(counts[name] for counts in report["class_counts"].values())
               for name in report["classes"]}
     assert totals == {"animals": 3, "plants": 2}
+    # sharded alike: the index's classes, and each sample's .cls read back with tarfile
+    shards = tmp_path / "shards"
+    accel_train_here("shard", *data, "--val-fraction", "0.4", "--no-progress", "--output",
+                     str(shards), check=True)
+    index = json.loads((shards / "index.json").read_text())
+    assert index["class_names"] == ["animals", "plants"]
+    labels = []
+    for tar in sorted(shards.rglob("*.tar")):
+        with tarfile.open(tar) as archive:
+            labels += [int(archive.extractfile(m).read()) for m in archive.getmembers()
+                       if m.name.endswith(".cls")]
+    assert sorted(labels) == [0, 0, 0, 1, 1]
 
 
 def test_val_labels_alike_in_training_and_check_data(tmp_path):

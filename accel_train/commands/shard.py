@@ -7,9 +7,9 @@ the image file's own bytes, unchanged; generated images as PNG) and `KEY.cls` (t
 DIR/index.json lists every shard with its sample count, the class names and the splits.  The
 splits are the data's own: train and its validation split, else its test split (CIFAR-10's),
 else --val-fraction carved off as the trainer carves it; a split without labels (-1 in every
-row) is left out.  Folders labelled by files (--train-labels, --val-labels) are read as training
-reads them.  Train on the result with `accel-train --data-dir DIR`, which selects on the
-held-out split the shards hold.
+row) is left out.  Folders labelled by files (--train-labels, --val-labels) or classes named by
+a higher folder level (--class-depth) are read as training reads them.  Train on the result
+with `accel-train --data-dir DIR`, which selects on the held-out split the shards hold.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--val-labels", metavar="FILE", default=None,
                         help="label file of a held-out folder of unlabelled images, as for "
                              "training")
+    parser.add_argument("--class-depth", type=int, metavar="N", default=None,
+                        help="image folders: the folder level under the split folder that "
+                             "names the class (1: the top level), as for training")
     parser.add_argument("--image-column", default=None)
     parser.add_argument("--label-column", default=None)
     add_read_timeout(parser, "shard")
@@ -80,7 +83,7 @@ def _samples(args):
     config = TrainConfig(data_dir=args.data_dir, dataset=args.dataset or SYNTHETIC_DATASET,
                          val_fraction=args.val_fraction, image_column=args.image_column,
                          label_column=args.label_column, train_labels=args.train_labels,
-                         val_labels=args.val_labels)
+                         val_labels=args.val_labels, class_depth=args.class_depth)
     if args.data_dir is None and (args.dataset or SYNTHETIC_DATASET) == SYNTHETIC_DATASET:
         from accel_train.data import synthetic
         parts = synthetic.splits(args.synthetic_train_size)

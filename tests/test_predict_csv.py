@@ -190,33 +190,28 @@ def test_ids_two_images_share_are_refused_before_any_work(run_dir, test_folder, 
                               "or drop --csv-image"),
     (["--csv-probabilities"], "--csv-probabilities shapes the file of --csv FILE: pass --csv "
                               "FILE too, or drop --csv-probabilities"),
-    (["--csv", "OUT", "--csv-header", "id"], "--csv-header id: name the two columns, the "
+    (["--csv", "{out}", "--csv-header", "id"], "--csv-header id: name the two columns, the "
                                              "image's and the class's (id,label)"),
-    (["--csv", "OUT", "--csv-header", "id,label", "--csv-probabilities"],
+    (["--csv", "{out}", "--csv-header", "id,label", "--csv-probabilities"],
      "--csv-header id,label: with --csv-probabilities name the image column only (id); the "
      "classes' columns are their names"),
-    (["--csv", "OUT", "--csv-header", "id,id"], "--csv-header id,id: give distinct column "
+    (["--csv", "{out}", "--csv-header", "id,id"], "--csv-header id,id: give distinct column "
                                                 "names separated by commas (id,label)"),
-    (["--csv", "OUT", "--csv-header", "id,"], "--csv-header id,: give distinct column names "
+    (["--csv", "{out}", "--csv-header", "id,"], "--csv-header id,: give distinct column names "
                                               "separated by commas (id,label)"),
-    (["--csv", "OUT", "--csv-header", "ring", "--csv-probabilities"],
+    (["--csv", "{out}", "--csv-header", "ring", "--csv-probabilities"],
      "--csv-header: the image column 'ring' is also a class's name; name it otherwise "
      "(--csv-header id)"),
-    (["--csv", "NOWHERE/out.csv"], "--csv NOWHERE/out.csv: the folder NOWHERE does not exist; "
-                                   "create it or name a file in an existing folder"),
-    (["--csv", "TMP"], "--csv TMP is a folder; name the file to write (predictions.csv)"),
+    (["--csv", "{nowhere}/out.csv"], "--csv {nowhere}/out.csv: the folder {nowhere} does not "
+                                     "exist; create it or name a file in an existing folder"),
+    (["--csv", "{tmp}"], "--csv {tmp} is a folder; name the file to write (predictions.csv)"),
 ])
 def test_csv_options_refused_in_one_line(run_dir, test_folder, tmp_path, capsys, flags, line):
-    out_file = tmp_path / "out.csv"
-    swap = {"OUT": str(out_file), "NOWHERE": str(tmp_path / "nowhere"), "TMP": str(tmp_path)}
-    argv = [swap.get(flag.split("/")[0], flag.split("/")[0]) +
-            ("/" + flag.split("/", 1)[1] if "/" in flag else "") for flag in flags]
-    expected = line
-    for key, value in swap.items():
-        expected = expected.replace(key, value)
-    code, out, err = command(capsys, "predict", str(run_dir), str(test_folder), *argv)
+    paths = {"out": tmp_path / "out.csv", "nowhere": tmp_path / "nowhere", "tmp": tmp_path}
+    code, out, err = command(capsys, "predict", str(run_dir), str(test_folder),
+                             *(flag.format(**paths) for flag in flags))
     assert code == 2
-    assert err.strip() == f"accel_train: error: {expected}"
+    assert err.strip() == f"accel_train: error: {line.format(**paths)}"
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 

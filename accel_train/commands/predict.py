@@ -53,9 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help='one JSON object per line: {"image": ..., "predictions": '
                              '[{"class": ..., "index": ..., "probability": ...}, ...]}')
     parser.add_argument("--csv", metavar="FILE", default=None,
-                        help="also write FILE, a CSV of each image and its top-1 class (a "
-                             "competition's submission; header image,class), in place of the "
-                             "table; written only when every image was predicted")
+                        help="write FILE, a CSV of each image and its top-1 class (a "
+                             "competition's submission; header image,class), instead of the "
+                             "table (--json lines still print); written only when every image "
+                             "was predicted")
     parser.add_argument("--csv-image", choices=IMAGE_FORMS, default=None,
                         help="the CSV's image column: the path inside the folder given (a file "
                              "given alone: its name), the file name, or the name without its "

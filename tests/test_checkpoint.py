@@ -719,11 +719,33 @@ def test_the_eval_metric_names_the_best_and_the_better_weights():
     by_top1.note_evaluation({"eval_top1": 0.9, "eval_ema_top1": 0.8})
     assert not by_top1.ema_is_better()
     assert by_top1.best_words() == "best held-out top-1 90.00%"
+    tied = dataclasses.replace(state(4), eval_metric="loss")
+    tied.note_evaluation({"eval_top1": 0.9, "eval_loss": 0.5, "eval_ema_loss": 0.5})
+    assert not tied.ema_is_better()  # a tie keeps the trained weights, as top-1 always did
+    assert state(4).best_words() == "best held-out top-1 0.00%"  # never evaluated
     # a checkpoint from before the option: its top-1 fields are its scores
     old = TrainerState.from_json({"seed": 0, "eval_top1": 0.4, "ema_top1": 0.6,
                                      "best_top1": 0.6})
     assert old.metric == "top1" and old.scores() == (0.4, 0.6) and old.ema_is_better()
     assert old.best_words() == "best held-out top-1 60.00%"
+
+
+def test_loading_a_state_runs_every_check_with_this_starts_values(tmp_path):
+    """TrainerState.load hands each check this start's own numbers: other test images and
+    another carve are each refused."""
+    saved = dataclasses.replace(state(4), held_out_samples=30, test_samples=20,
+                                held_out_carve="stratified", train_samples=100)
+    saved.save(tmp_path)
+    for change, words in [({"test_samples": 5}, "evaluated 20 test images but this start has 5"),
+                          ({"held_out_carve": "random"}, "carved its validation images class "
+                                                         "by class, this start by one random"),
+                          ({"eval_metric": "loss"}, "--eval-metric top1, this start by loss")]:
+        start = dataclasses.replace(saved, **change)
+        with pytest.raises(UsageError, match=words):
+            start.load(tmp_path)
+    same = dataclasses.replace(saved, step=0)
+    same.load(tmp_path)
+    assert same.step == 4
 
 
 def test_a_resume_picking_by_another_metric_is_refused():

@@ -39,6 +39,13 @@ def test_a_class_without_training_images_is_refused_by_name():
     assert str(refused.value) == (
         "--class-weight balanced: class(es) dog have no training images to weigh by; give them "
         "images (or a larger --max-train-samples), or drop the flag")
+    with pytest.raises(UsageError, match=r"class\(es\) owl have no training images"):
+        balanced_weights(torch.tensor([0, 1, 0]), ["cat", "dog", "owl"])  # the last class
+    names = [f"c{i}" for i in range(9)]
+    with pytest.raises(UsageError, match=r"class\(es\) c1, c2, c3, c4, c5 and 2 more have"):
+        balanced_weights(torch.tensor([0, 0, 8]), names)  # 7 without images: 5 named
+    with pytest.raises(UsageError, match=r"class\(es\) c1, c2, c3, c4, c5 have no"):
+        balanced_weights(torch.tensor([0, 6, 7, 8]), names)  # exactly 5: all named
 
 
 def test_the_mixed_batches_loss_weighs_each_class_term():

@@ -15,7 +15,8 @@ def test_widths_counted_as_a_terminal_shows_them():
 
 def test_the_per_class_table_lines_up_names_of_any_script():
     results = {"loss": 0.5, "top1": 0.5, "top5": 1.0, "mean_class_top1": 0.5, "count": 4,
-               "per_class": {"correct": [1, 1], "total": [2, 2]}}
+               "per_class": {"correct": [1, 1], "total": [2, 2], "predicted": [2, 2],
+                             "mistaken_for": [(1, 1), (0, 1)]}}
     lines = format_results(results, ["猫", "cat"]).splitlines()[2:]
     # the 'correct' column ends at the same terminal column in every row
     ends = [display_width(line[:line.index(word) + len(word)])

@@ -126,7 +126,11 @@ def _oracle(run_dir, images_nhwc, labels, mirrored_too: bool = False) -> dict:
     with torch.no_grad():
         loss_if_train_mode = float(F.cross_entropy(model.train()(x), y))
     names = spec["class_names"]
-    per_class = {name: {"correct": int((top1 & (y == c)).sum()), "images": int((y == c).sum())}
+    guess = logits.argmax(dim=1)
+    per_class = {name: {"correct": int((top1 & (y == c)).sum()), "images": int((y == c).sum()),
+                        "predicted": int((guess == c).sum()),
+                        "mistaken_for": _most_common_mistake(guess[(y == c) & (guess != c)],
+                                                             names)}
                  for c, name in enumerate(names)}
     present = [c for c in range(len(names)) if (y == c).any()]
     mean_class_top1 = float(torch.stack([top1[y == c].double().mean() for c in present]).mean())
@@ -136,6 +140,18 @@ def _oracle(run_dir, images_nhwc, labels, mirrored_too: bool = False) -> dict:
             "loss_if_train_mode": loss_if_train_mode}
 
 
+def _most_common_mistake(guesses: torch.Tensor, names: list[str]):
+    """The class these wrong guesses name most often (the first in class order among equals),
+    counted with collections.Counter; None where there are none."""
+    import collections
+    counts = collections.Counter(guesses.tolist())
+    if not counts:
+        return None
+    most = max(counts.values())
+    first = min(c for c, n in counts.items() if n == most)
+    return {"class": names[first], "images": most}
+
+
 def _check(report: dict, oracle: dict):
     assert report["count"] == oracle["count"]
     assert report["loss"] == pytest.approx(oracle["loss"], abs=1e-4)
@@ -143,9 +159,11 @@ def _check(report: dict, oracle: dict):
     assert round(report["top5"] * report["count"]) == oracle["top5_correct"]
     assert report["top1"] == pytest.approx(oracle["top1_correct"] / oracle["count"], abs=1e-6)
     assert report["top5"] == pytest.approx(oracle["top5_correct"] / oracle["count"], abs=1e-6)
-    got = {name: {"correct": v["correct"], "images": v["images"]}
+    got = {name: {key: v[key] for key in ("correct", "images", "predicted", "mistaken_for")}
            for name, v in report["per_class"].items()}
     assert got == oracle["per_class"]
+    for v in report["per_class"].values():  # precision: right among those predicted as it
+        assert v["precision"] == (v["correct"] / v["predicted"] if v["predicted"] else None)
     assert report["mean_class_top1"] == pytest.approx(oracle["mean_class_top1"], abs=1e-9)
     # The oracle can tell a wrong evaluation apart (BatchNorm in train mode, say).
     assert abs(oracle["loss_if_train_mode"] - oracle["loss"]) > 1e-3
@@ -395,11 +413,17 @@ def test_the_eval_table_is_the_oracles_numbers(run_dir):
     mean = oracle["mean_class_top1"]
     expected = [f"loss {oracle['loss']:.4f}  top-1 {top1:.2%}  top-5 {top5:.2%}  mean per-class "
                 f"top-1 {mean:.2%}  (10 images)", "",
-                f"{'class':<{width}}  {'correct':>7}  {'images':>6}  {'top-1':>7}"]
+                f"{'class':<{width}}  {'correct':>7}  {'images':>6}  {'top-1':>7}  "
+                f"{'predicted':>9}  {'precision':>9}  mostly mistaken for"]
     for name in names:
-        correct, count = oracle["per_class"][name]["correct"], oracle["per_class"][name]["images"]
+        row = oracle["per_class"][name]
+        correct, count, predicted = row["correct"], row["images"], row["predicted"]
         accuracy = f"{100 * correct / count:.1f}%" if count else "-"
-        expected.append(f"{name:<{width}}  {correct:>7}  {count:>6}  {accuracy:>7}")
+        precision = f"{100 * correct / predicted:.1f}%" if predicted else "-"
+        mistake = row["mistaken_for"]
+        confused = f"{mistake['class']} ({mistake['images']})" if mistake else "-"
+        expected.append(f"{name:<{width}}  {correct:>7}  {count:>6}  {accuracy:>7}  "
+                        f"{predicted:>9}  {precision:>9}  {confused}")
     assert any(oracle["per_class"][n]["images"] == 0 for n in names)  # the '-' row is seen
     assert "\n".join(expected) in text, text
     # and a class with several images, some right: its share is correct / images
@@ -412,7 +436,7 @@ def test_the_eval_table_is_the_oracles_numbers(run_dir):
     assert shown
     for name in shown:
         correct, count = oracle["per_class"][name]["correct"], oracle["per_class"][name]["images"]
-        assert rows[name] == [str(correct), str(count), f"{100 * correct / count:.1f}%"]
+        assert rows[name][:3] == [str(correct), str(count), f"{100 * correct / count:.1f}%"]
 
 
 def test_the_mean_per_class_top1_weighs_each_class_alike():
@@ -422,3 +446,12 @@ def test_the_mean_per_class_top1_weighs_each_class_alike():
     assert mean_class_top1([9, 0], [9, 1]) == 0.5
     assert mean_class_top1([3, 0, 1], [4, 0, 2]) == pytest.approx((3 / 4 + 1 / 2) / 2)
     assert mean_class_top1([0, 0], [0, 0]) == 0.0
+
+
+def test_the_class_each_class_is_mistaken_for_by_hand():
+    """Class 0's wrong images went to 2 twice and to 1 once: 2; class 1's to 0 and 2 once
+    each: a tie, the lower index (0); class 2 never wrong: None; class 3 no images: None."""
+    from accel_train.train.evaluate import most_mistaken_for
+    labels = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2])
+    guesses = torch.tensor([2, 1, 2, 0, 2, 0, 1, 2, 2])
+    assert most_mistaken_for(labels, guesses, 4) == [(2, 2), (0, 1), None, None]

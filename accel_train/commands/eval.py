@@ -227,8 +227,14 @@ def _report(results: dict, trained, data, split: str, num_processes: int, device
             "precision": ran_in,
             **{k: results[k] for k in ("loss", "top1", "top5", "mean_class_top1", "count",
                                        "left_out")},
-            "per_class": {name: {"correct": c, "images": t, "top1": c / t if t else None}
-                          for name, c, t in zip(names, per_class["correct"], per_class["total"])}})
+            "per_class": {name: {"correct": c, "images": t, "top1": c / t if t else None,
+                                 "predicted": p, "precision": c / p if p else None,
+                                 "mistaken_for": {"class": names[m[0]], "images": m[1]}
+                                 if m else None}
+                          for name, c, t, p, m in zip(names, per_class["correct"],
+                                                      per_class["total"],
+                                                      per_class["predicted"],
+                                                      per_class["mistaken_for"])}})
     return (f"model: {trained.spec.model_name} ({len(names)} classes) from {trained.description}\n"
             f"data:  {data.description}; evaluated on {SPLITS[split]}\n"
             f"       by {num_processes} process(es) on {device} in {ran_in}"

@@ -42,7 +42,8 @@ def logits_of(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torc
 
 def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
                         channels_last: bool, tta: str) -> dict:
-    """Loss, top-1, top-5, per-class accuracy and its mean over the classes (mean_class_top1).
+    """Loss, top-1, top-5, per-class accuracy and its mean over the classes (mean_class_top1),
+    and per class the images predicted as it and the class its wrong images went to most.
 
     `model` must be the bare module (not DDP-wrapped): DDP broadcasts buffers at every forward,
     a collective that would hang if ranks see different numbers of batches.  Per-sample values
@@ -51,7 +52,8 @@ def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
     """
     was_training = model.training
     model.eval()
-    parts: dict[str, list] = {"loss": [], "top1": [], "top5": [], "labels": [], "kept": []}
+    parts: dict[str, list] = {"loss": [], "top1": [], "top5": [], "labels": [], "predicted": [],
+                              "kept": []}
     for images, labels, *marks in loader:
         # a batch's third tensor, where the loader marks them: the images that could not be
         # decoded (>= 0), whose places a substitute image took.  Left out of the numbers: a
@@ -64,7 +66,8 @@ def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
             logits = logits_of(model, images, tta)
         topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
         values = (F.cross_entropy(logits, labels, reduction="none"), topk[:, 0] == labels,
-                  (topk == labels[:, None]).any(dim=1), labels, kept.to(labels.device))
+                  (topk == labels[:, None]).any(dim=1), labels, topk[:, 0],
+                  kept.to(labels.device))
         for key, value in zip(parts, accelerator.gather_for_metrics(values)):
             parts[key].append(value.cpu())
     model.train(was_training)
@@ -78,7 +81,27 @@ def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
             "mean_class_top1": mean_class_top1(per_class_correct.tolist(),
                                                per_class_total.tolist()),
             "per_class": {"correct": per_class_correct.tolist(),
-                          "total": per_class_total.tolist()}}
+                          "total": per_class_total.tolist(),
+                          "predicted": torch.bincount(merged["predicted"],
+                                                      minlength=num_classes).tolist(),
+                          "mistaken_for": most_mistaken_for(merged["labels"],
+                                                            merged["predicted"], num_classes)}}
+
+
+def most_mistaken_for(labels: torch.Tensor, predicted: torch.Tensor,
+                      num_classes: int) -> list[Optional[tuple[int, int]]]:
+    """For each class, (the class its wrong images were predicted as most often, how many), or
+    None where none was wrong; a tie goes to the lower class index.  From the pairs that occur
+    (not a classes x classes matrix: 10,000 classes would be 800 MB)."""
+    wrong = labels != predicted
+    pairs, counts = torch.unique(labels[wrong] * num_classes + predicted[wrong],
+                                 return_counts=True)
+    mistaken: list[Optional[tuple[int, int]]] = [None] * num_classes
+    for pair, count in zip(pairs.tolist(), counts.tolist()):  # ascending: lower index first
+        truth, guess = divmod(pair, num_classes)
+        if mistaken[truth] is None or count > mistaken[truth][1]:
+            mistaken[truth] = (guess, count)
+    return mistaken
 
 
 def mean_class_top1(correct: list[int], total: list[int]) -> float:
@@ -130,11 +153,17 @@ def format_results(results: dict, class_names: list[str]) -> str:
              + (f"; {left_out} that could not be decoded left out" if left_out else "") + ")",
              ""]
     width = max([len("class"), *(display_width(name) for name in class_names)])
-    lines.append(f"{pad('class', width)}  {'correct':>7}  {'images':>6}  {'top-1':>7}")
+    lines.append(f"{pad('class', width)}  {'correct':>7}  {'images':>6}  {'top-1':>7}  "
+                 f"{'predicted':>9}  {'precision':>9}  mostly mistaken for")
     per_class = results["per_class"]
-    for name, correct, total in zip(class_names, per_class["correct"], per_class["total"]):
+    for name, correct, total, predicted, mistaken in zip(
+            class_names, per_class["correct"], per_class["total"], per_class["predicted"],
+            per_class["mistaken_for"]):
         accuracy = f"{correct / total:.1%}" if total else "-"
-        lines.append(f"{pad(name, width)}  {correct:>7}  {total:>6}  {accuracy:>7}")
+        precision = f"{correct / predicted:.1%}" if predicted else "-"
+        confused = f"{class_names[mistaken[0]]} ({mistaken[1]})" if mistaken else "-"
+        lines.append(f"{pad(name, width)}  {correct:>7}  {total:>6}  {accuracy:>7}  "
+                     f"{predicted:>9}  {precision:>9}  {confused}")
     return "\n".join(lines)
 
 

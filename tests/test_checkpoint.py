@@ -699,6 +699,13 @@ def test_keep_best_ranks_by_the_eval_metric(bundle, metric, history, best):
     assert kept == {8, *best}  # the newest, and the best two by the metric
 
 
+def test_the_best_of_numbers_by_each_metrics_direction():
+    from accel_train.train.selection import best_of, describe
+    assert best_of("loss", 0.5, None, 0.3) == 0.3 and best_of("top1", 0.5, None, 0.3) == 0.5
+    assert best_of("mean_class_top1", None, None) is None  # nothing evaluated yet
+    assert describe("loss", 0.25) == "loss 0.2500" and describe("top5", 0.875) == "top-5 87.50%"
+
+
 def test_the_eval_metric_names_the_best_and_the_better_weights():
     """By hand: the state's best and its raw-or-EMA choice follow the metric's direction."""
     by_loss = dataclasses.replace(state(4), eval_metric="loss")

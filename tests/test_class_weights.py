@@ -46,6 +46,8 @@ def test_a_class_without_training_images_is_refused_by_name():
         balanced_weights(torch.tensor([0, 0, 8]), names)  # 7 without images: 5 named
     with pytest.raises(UsageError, match=r"class\(es\) c1, c2, c3, c4, c5 have no"):
         balanced_weights(torch.tensor([0, 6, 7, 8]), names)  # exactly 5: all named
+    with pytest.raises(UsageError, match=r"class\(es\) c1, c2, c3, c4, c5 and 1 more have"):
+        balanced_weights(torch.tensor([0, 7, 8]), names)  # 6: the sixth counted
 
 
 def test_the_mixed_batches_loss_weighs_each_class_term():

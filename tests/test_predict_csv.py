@@ -236,7 +236,6 @@ def test_a_file_that_cannot_be_made_beside_the_target_is_one_line(run_dir, test_
     assert list(tmp_path.iterdir()) == [] and "image(s)" not in out.split("\n", 1)[-1]
 
 
-@pytest.mark.slow
 def test_the_partial_file_is_hidden_beside_the_target_and_gone_after_a_stop(run_dir,
                                                                           test_folder,
                                                                           tmp_path):
@@ -258,7 +257,7 @@ def test_the_partial_file_is_hidden_beside_the_target_and_gone_after_a_stop(run_
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     process = subprocess.Popen(
         [sys.executable, "-m", "accel_train", "predict", str(run_dir), str(test_folder),
-         str(fifo), "--csv", str(out_file), "--read-timeout", "5", "--batch-size", "4"],
+         str(fifo), "--csv", str(out_file), "--read-timeout", "3", "--batch-size", "4"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     partial, deadline = [], time.monotonic() + 60
     while not partial and time.monotonic() < deadline and process.poll() is None:

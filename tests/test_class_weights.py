@@ -14,7 +14,11 @@ from accel_train.base.errors import UsageError
 from accel_train.config import TrainConfig
 from accel_train.data.class_weights import balanced_weights, describe_weights
 from accel_train.data.mixing import maybe_mixup
-from conftest import accel_train_here
+import numpy as np
+import yaml
+
+from accel_train.data import synthetic
+from conftest import TINY_TRAIN, accel_train_here
 
 
 def test_balanced_weights_by_hand():
@@ -78,3 +82,20 @@ def test_streamed_shards_are_refused_before_anything_is_written(synthetic_shards
         "before training, which streamed shards do not tell; drop the flag, or train from the "
         "image folder or parquet files"]
     assert not out.exists()
+
+
+def test_a_run_weighs_by_its_training_splits_counts(tmp_path):
+    """Through the command line: the weights config.yaml records and the summary's words are
+    those of the training split's class counts, counted here."""
+    out = tmp_path / "run"
+    result = accel_train_here(*TINY_TRAIN, "--synthetic-train-size", "64", "--class-weight",
+                              "balanced", "--output-dir", str(out), check=True)
+    _, labels = synthetic.splits(64)["train"]
+    counts = np.bincount(labels, minlength=len(synthetic.CLASS_NAMES))
+    weights = [64 / (len(counts) * int(n)) for n in counts]
+    recorded = yaml.safe_load((out / "config.yaml").read_text())["resolved"]["class_weights"]
+    assert recorded["weights"] == pytest.approx(weights, abs=1e-6)
+    low, high = int(np.argmin(weights)), int(np.argmax(weights))
+    names = synthetic.CLASS_NAMES
+    assert (f"  loss: each class's loss weighted by its rarity, x{weights[low]:.3g} ({names[low]}) "
+            f"to x{weights[high]:.3g} ({names[high]}) (--class-weight balanced)\n") in result.stdout

@@ -254,16 +254,17 @@ def epoch_words(results: dict[str, dict], metric: str = "top1") -> str:
     averages' top-1, and the --eval-metric the run picks by where these leave it out (the
     mean per-class top-1; the averages' loss or top-5)."""
     model = results[""]
-    extra = f" mean per-class top1 {model[metric]:.2%}" if metric == "mean_class_top1" else ""
+    extra = _metric_words(model, metric) if metric == "mean_class_top1" else ""
     averages = "".join(f", {name.upper()} top1 {averaged['top1']:.2%}"
-                       f"{_average_metric(averaged, metric)}"
+                       f"{_metric_words(averaged, metric) if metric != 'top1' else ''}"
                        for name, averaged in results.items() if name)
     return (f"eval loss {model['loss']:.4f} top1 {model['top1']:.2%} top5 {model['top5']:.2%}"
             f"{extra}{averages} ({model['count']} images)")
 
 
-def _average_metric(averaged: dict, metric: str) -> str:
-    if metric == "top1":
-        return ""
-    words = {"loss": "loss", "top5": "top5", "mean_class_top1": "mean per-class top1"}[metric]
-    return f" {words} {value_text(metric, averaged[metric])}"
+# the epoch line's names (top1, not top-1) of the metrics --eval-metric may add to it
+_EPOCH_LINE_WORDS = {"loss": "loss", "top5": "top5", "mean_class_top1": "mean per-class top1"}
+
+
+def _metric_words(results: dict, metric: str) -> str:
+    return f" {_EPOCH_LINE_WORDS[metric]} {value_text(metric, results[metric])}"

@@ -110,10 +110,10 @@ def check_csv_target(path: Path) -> None:
 class CsvOutput:
     """Rows written to a hidden file beside `path` as they are predicted (a test set of any size
     in constant memory), renamed onto `path` by `commit`; `discard` (or an exception inside
-    the `with`) removes it."""
+    the `with`) removes it.  `path` is checked before any work (check_csv_target); a folder
+    that went away since, or cannot be written, is the refusal here."""
 
     def __init__(self, path: Path, header: Sequence[str]):
-        check_csv_target(path)
         self.path = path
         try:
             handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial",

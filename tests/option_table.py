@@ -595,6 +595,11 @@ ROWS: dict[str, Row] = {
         "test_predict_csv.py::test_the_probability_csv_is_every_class_in_the_models_order",
         "one column per class name in the model's order, each within 1e-6 of predict --json's "
         "probability, rows summing to 1"),
+    "predict --csv-top-k": effect(
+        "test_predict_csv.py::test_the_top_k_csv_names_the_k_best_classes_best_first",
+        "each cell the 3 best classes, space-separated, as predict --json ranks them and as "
+        "numpy sorts the probability CSV's columns; 50 of 10 classes: every class; a class "
+        "name with a space refused"),
     # -- export -----------------------------------------------------------------------------------
     "export RUN_OR_CHECKPOINT": effect(
         "test_commands.py::test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept",

@@ -11,10 +11,12 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from PIL import Image
 
+from accel_train.base.errors import UsageError
 from accel_train.data import synthetic
 from conftest import TINY_TRAIN, accel_train_here
 from test_commands import command, eval_json, predict_json
@@ -99,6 +101,55 @@ def test_the_probability_csv_is_every_class_in_the_models_order(run_dir, test_fo
             assert line[prediction["class"]] == pytest.approx(prediction["probability"],
                                                               abs=1e-6)
         assert sum(line[name] for name in synthetic.CLASS_NAMES) == pytest.approx(1, abs=1e-5)
+
+
+def test_the_top_k_csv_names_the_k_best_classes_best_first(run_dir, test_folder, tmp_path,
+                                                          capsys):
+    """Each cell against predict --json's ranking and, by a second route, against the
+    probability CSV's columns sorted by numpy (pandas reads both files)."""
+    shown = predict_json(capsys, *fp32(str(run_dir), str(test_folder), "--top-k", "3"))
+    top3, probabilities = tmp_path / "top3.csv", tmp_path / "probabilities.csv"
+    code, out, err = command(capsys, "predict", *fp32(str(run_dir), str(test_folder), "--csv",
+                                                      str(top3), "--csv-top-k", "3"))
+    assert code == 0, err
+    assert out.splitlines()[-1] == f"wrote {top3}: 12 image(s), the top-3 classes each"
+    code, _, err = command(capsys, "predict", *fp32(str(run_dir), str(test_folder), "--csv",
+                                                    str(probabilities), "--csv-probabilities"))
+    assert code == 0, err
+    cells = pd.read_csv(top3, dtype=str)
+    assert list(cells.columns) == ["image", "class"]
+    assert cells["class"].tolist() == [" ".join(p["class"] for p in row["predictions"])
+                                       for row in shown]
+    numbers = pd.read_csv(probabilities)[synthetic.CLASS_NAMES].to_numpy()
+    by_numpy = [" ".join(synthetic.CLASS_NAMES[i] for i in np.argsort(-line, kind="stable")[:3])
+                for line in numbers]
+    assert cells["class"].tolist() == by_numpy
+
+
+def test_a_top_k_above_the_class_count_names_every_class(run_dir, test_folder, tmp_path,
+                                                        capsys):
+    out_file = tmp_path / "all.csv"
+    code, out, err = command(capsys, "predict", str(run_dir), str(test_folder), "--csv",
+                             str(out_file), "--csv-top-k", "50", "--csv-image", "stem")
+    assert code == 0, err
+    assert out.splitlines()[-1] == f"wrote {out_file}: 12 image(s), the top-10 classes each"
+    for cell in pd.read_csv(out_file, dtype=str)["class"]:
+        assert sorted(cell.split(" ")) == sorted(synthetic.CLASS_NAMES)
+
+
+def test_class_names_with_spaces_are_refused_in_a_top_k_cell():
+    from accel_train.commands.predict_csv import csv_row, refuse_names_with_spaces
+    refuse_names_with_spaces(1, ["sea lion", "seal"])  # one class a cell: any name goes
+    refuse_names_with_spaces(2, ["sea_lion", "seal"])
+    for spaced in ("sea lion", "sea\tlion"):
+        with pytest.raises(UsageError) as caught:
+            refuse_names_with_spaces(2, ["seal", spaced, "walrus pup"])
+        assert str(caught.value) == (f"--csv-top-k 2: the class {spaced!r} has a space in its "
+                                     f"name, and spaces separate the classes of a cell; use "
+                                     f"--csv-top-k 1 or --csv-probabilities")
+    ranked = [(2, 0.5), (0, 0.3), (1, 0.2)]
+    assert csv_row("a.jpg", ranked, ["x", "y", "z"], False) == ["a.jpg", "z"]
+    assert csv_row("a.jpg", ranked, ["x", "y", "z"], False, 2) == ["a.jpg", "z x"]
 
 
 def test_a_model_scores_100_percent_on_the_folder_its_csv_labels(run_dir, test_folder,
@@ -202,6 +253,12 @@ def test_ids_two_images_share_are_refused_before_any_work(run_dir, test_folder, 
     (["--csv", "{out}", "--csv-header", "ring", "--csv-probabilities"],
      "--csv-header: the image column 'ring' is also a class's name; name it otherwise "
      "(--csv-header id)"),
+    (["--csv-top-k", "2"], "--csv-top-k shapes the file of --csv FILE: pass --csv FILE too, "
+                           "or drop --csv-top-k"),
+    (["--csv", "{out}", "--csv-top-k", "0"], "--csv-top-k must be a whole number >= 1 (got 0)"),
+    (["--csv", "{out}", "--csv-top-k", "2", "--csv-probabilities"],
+     "--csv-top-k and --csv-probabilities are two forms of the file: the K best classes' "
+     "names, or every class's probability; pass one"),
     (["--csv", "{nowhere}/out.csv"], "--csv {nowhere}/out.csv: the folder {nowhere} does not "
                                      "exist; create it or name a file in an existing folder"),
     (["--csv", "{tmp}"], "--csv {tmp} is a folder; name the file to write (predictions.csv)"),

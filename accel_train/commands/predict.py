@@ -6,8 +6,9 @@ mean/std).  The model may also be the model.onnx of an export made
 with --format onnx: ONNX Runtime runs it, with the preparation recorded in the file.  Folders
 are searched recursively for image files.  Output is a table, or with --json one JSON object
 per line (for scripts); --csv FILE writes a competition's submission (each image's top-1 class,
-or with --csv-probabilities every class's probability).  An image that cannot be read is
-reported in its row and the others are still predicted; the exit code is then 2.
+its top-k with --csv-top-k, or with --csv-probabilities every class's probability).  An image
+that cannot be read is reported in its row and the others are still predicted; the exit code is
+then 2.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from accel_train.base.columns import display_width, pad
 from accel_train.cli import _Parser, add_read_timeout, read_timeout_checked, stop_on_a_stuck_read
 from accel_train.commands import EMA_HELP
 from accel_train.commands.predict_csv import (IMAGE_FORMS, CsvOutput, check_csv_target,
-                                              csv_row, header_of, image_ids,
-                                              refuse_csv_options_without_csv)
+                                              check_csv_top_k, csv_row, header_of, image_ids,
+                                              refuse_csv_options_without_csv,
+                                              refuse_names_with_spaces, what_each_row_holds)
 from accel_train.config import PRECISIONS
 from accel_train.base.errors import UsageError
 
@@ -68,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--csv-probabilities", action="store_true",
                         help="the CSV holds every class's probability, one column per class "
                              "named by it, in the model's class order (log-loss submissions)")
+    parser.add_argument("--csv-top-k", type=int, metavar="K", default=None,
+                        help="the CSV's class cell holds the K best classes' names, best first, "
+                             "separated by spaces (MAP@K submissions) (default: 1)")
     return parser
 
 
@@ -191,6 +196,7 @@ def main(argv: Sequence[str]) -> int:
     if args.csv is not None:  # before any work: the file's folder, the header's names
         check_csv_target(Path(args.csv))
         header_of(args.csv_header, args.csv_probabilities, [])
+        check_csv_top_k(args.csv_top_k, args.csv_probabilities)
     # this process's own reads: the paths given, the folders listed, each image
     with stop_on_a_stuck_read(args.read_timeout, "--read-timeout", "predicting"):
         return _predict_all(args)
@@ -206,6 +212,9 @@ def _predict_all(args) -> int:
     model, spec, description, device, autocast, channels_last, ran_in = \
         _load(args.model, args.mixed_precision, args.ema, torch)
     names = spec.class_names
+    csv_top_k = args.csv_top_k or 1
+    if ids is not None:
+        refuse_names_with_spaces(min(csv_top_k, len(names)), names)
     path_width = max(display_width(str(p)) for p in images)
     name_width = max(display_width(name) for name in names)
     table = not args.json and args.csv is None
@@ -214,8 +223,8 @@ def _predict_all(args) -> int:
               f"{device.type} in {ran_in}")
     if table:
         print(f"\n{_table_header(min(args.top_k, len(names)), path_width, name_width)}")
-    # every class ranked for a CSV of probabilities; the top-k shown otherwise
-    top_k = len(names) if args.csv_probabilities else args.top_k
+    # every class ranked for a CSV of probabilities; else as many as the table or CSV shows
+    top_k = len(names) if args.csv_probabilities else max(args.top_k, csv_top_k)
     with contextlib.ExitStack() as stack:
         csv_out = None if ids is None else stack.enter_context(CsvOutput(
             Path(args.csv), header_of(args.csv_header, args.csv_probabilities, names)))
@@ -231,7 +240,8 @@ def _predict_all(args) -> int:
                            f"{reason})")
                 continue
             if csv_out is not None:
-                csv_out.write(csv_row(ids[position], ranked, names, args.csv_probabilities))
+                csv_out.write(csv_row(ids[position], ranked, names, args.csv_probabilities,
+                                      csv_top_k))
             shown = ranked[:args.top_k]
             if args.json:
                 print(json.dumps({"image": str(path), "predictions": [
@@ -248,8 +258,7 @@ def _predict_all(args) -> int:
         if csv_out is not None:
             csv_out.commit()
             if not args.json:
-                holds = (f"the probabilities of {len(names)} classes" if args.csv_probabilities
-                         else "the top-1 class")
+                holds = what_each_row_holds(args.csv_probabilities, len(names), csv_top_k)
                 print(f"wrote {args.csv}: {csv_out.rows} image(s), {holds} each")
     return 0
 

@@ -1,9 +1,11 @@
 """`accel-train predict RUN IMAGES... --csv FILE`: the predictions as the CSV file a
 competition's submission or a spreadsheet takes.
 
-Two forms, the two Kaggle's image competitions ask for:
+Three forms, the ones Kaggle's image competitions ask for:
 - top-1 (default): `image,class` lines, the best class's name for each image (`id,label` with
   `--csv-header id,label`);
+- `--csv-top-k K`: the K best classes' names in the class cell, best first, separated by
+  spaces (the MAP@K competitions' `Id` column: `new_whale w_1287fbc w_98baff9`);
 - `--csv-probabilities`: `image,CLASS_1,CLASS_2,...` lines, every class's probability in the
   model's class order (the log-loss competitions' `sample_submission.csv`).
 
@@ -82,20 +84,53 @@ def header_of(text: Optional[str], probabilities: bool, class_names: Sequence[st
 def refuse_csv_options_without_csv(args) -> None:
     for flag, given in (("--csv-image", args.csv_image is not None),
                         ("--csv-header", args.csv_header is not None),
-                        ("--csv-probabilities", args.csv_probabilities)):
+                        ("--csv-probabilities", args.csv_probabilities),
+                        ("--csv-top-k", args.csv_top_k is not None)):
         if given and args.csv is None:
             raise UsageError(f"{flag} shapes the file of --csv FILE: pass --csv FILE too, or "
                              f"drop {flag}")
 
 
+def check_csv_top_k(top_k: Optional[int], probabilities: bool) -> None:
+    """Before any work: --csv-top-k is a count, and names classes (not probabilities)."""
+    if top_k is None:
+        return
+    if top_k < 1:
+        raise UsageError(f"--csv-top-k must be a whole number >= 1 (got {top_k})")
+    if probabilities:
+        raise UsageError("--csv-top-k and --csv-probabilities are two forms of the file: the "
+                         "K best classes' names, or every class's probability; pass one")
+
+
+def refuse_names_with_spaces(top_k: int, names: Sequence[str]) -> None:
+    """With more than one class in a cell, spaces separate them: a name holding one would
+    read as two classes.  Checked once the model's names are known, before any image."""
+    if top_k < 2:
+        return
+    spaced = [name for name in names if any(char.isspace() for char in name)]
+    if spaced:
+        raise UsageError(f"--csv-top-k {top_k}: the class {spaced[0]!r} has a space in its "
+                         f"name, and spaces separate the classes of a cell; use --csv-top-k 1 "
+                         f"or --csv-probabilities")
+
+
 def csv_row(image_id: str, ranked: Sequence[tuple[int, float]], names: Sequence[str],
-            probabilities: bool) -> list:
-    """One CSV line: the id and the top-1 class's name, or every class's probability in the
-    model's class order (`ranked` is then all classes, best first)."""
+            probabilities: bool, top_k: int = 1) -> list:
+    """One CSV line: the id and the top-k classes' names (best first, space-separated), or
+    every class's probability in the model's class order (`ranked` is then all classes, best
+    first)."""
     if not probabilities:
-        return [image_id, names[ranked[0][0]]]
+        return [image_id, " ".join(names[index] for index, _ in ranked[:top_k])]
     by_class = dict(ranked)
     return [image_id, *(f"{by_class[index]:.6f}" for index in range(len(names)))]
+
+
+def what_each_row_holds(probabilities: bool, num_classes: int, top_k: int) -> str:
+    """The end of the "wrote FILE" line."""
+    if probabilities:
+        return f"the probabilities of {num_classes} classes"
+    shown = min(top_k, num_classes)
+    return "the top-1 class" if shown == 1 else f"the top-{shown} classes"
 
 
 def check_csv_target(path: Path) -> None:

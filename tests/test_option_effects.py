@@ -147,6 +147,14 @@ def test_eval_metric_mean_class_top1_on_each_epoch_line_and_the_last(tmp_path):
                 f"{record['eval_mean_class_top1']:.2%} (") in result.stdout
     best = max(r["eval_mean_class_top1"] for r in epochs)
     assert f"best held-out mean per-class top-1 {best:.2%}; next:" in result.stdout
+    # the plot marks the epoch the run picked by its metric, read from its config.yaml
+    from accel_train.base.readers import read_yaml
+    from accel_train.run.plots import best_epoch, eval_metric_of
+    assert eval_metric_of(read_yaml(out / "config.yaml", "run_config")) == "mean_class_top1"
+    assert eval_metric_of({"train": {"epochs": 2}}) == "top1"  # a run from before the option
+    assert best_epoch(epochs, "mean_class_top1")[1] == best
+    drawn = accel_train_here("plot", str(out), check=True)
+    assert f"{out / 'plots' / 'accuracy.png'}" in drawn.stdout
 
 
 # -- resume: a checkpoints folder, a run folder, a step folder -----------------------------------

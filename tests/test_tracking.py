@@ -86,6 +86,29 @@ def test_the_accuracy_plots_title_gives_the_final_numbers_and_the_emas_beside_th
     assert accuracy_title(None) == "Accuracy"
 
 
+def test_the_accuracy_plot_marks_the_best_epoch_by_the_runs_eval_metric():
+    """By hand: the better of raw and EMA per epoch, lower for loss, the first of equals."""
+    from accel_train.run.plots import best_epoch, best_label
+    epochs = [
+        {"epoch": 1, "eval_top1": 0.50, "eval_loss": 0.9, "eval_mean_class_top1": 0.40},
+        {"epoch": 2, "eval_top1": 0.70, "eval_loss": 0.7, "eval_mean_class_top1": 0.35,
+         "eval_ema_top1": 0.60, "eval_ema_loss": 0.5},
+        {"epoch": 3, "eval_top1": 0.60, "eval_loss": 0.6, "eval_mean_class_top1": 0.40,
+         "eval_ema_top1": 0.72, "eval_ema_loss": 0.8},
+        {"epoch": 4, "eval_top1": 0.72, "eval_loss": 0.65, "eval_mean_class_top1": 0.30},
+    ]
+    picked = {metric: (record["epoch"], value) for metric in ("top1", "loss", "mean_class_top1")
+              for record, value in [best_epoch(epochs, metric)]}
+    assert picked == {"top1": (3, 0.72), "loss": (2, 0.5), "mean_class_top1": (1, 0.40)}
+    assert best_epoch([], "top1") is None
+    assert best_epoch([{"epoch": 1}], "loss") is None  # an epoch record with no evaluation
+    record, value = best_epoch(epochs, "loss")
+    assert best_label(record, value, "loss") == "best held-out loss 0.5000 (epoch 2)"
+    record, value = best_epoch(epochs, "mean_class_top1")
+    assert best_label(record, value, "mean_class_top1") == \
+        "best held-out mean per-class top-1 40.00% (epoch 1)"
+
+
 def test_start_up_summary_progress_and_closing_lines(tracked_run):
     out, printed = tracked_run
     lines = printed.splitlines()

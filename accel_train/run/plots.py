@@ -2,7 +2,8 @@
 what `accel-train plot RUN_DIR` writes on demand.
 
   loss_lr.png      training loss (and held-out loss at epoch ends) and learning rate vs step
-  accuracy.png     running train top-1 and held-out top-1/top-5 vs epoch
+  accuracy.png     running train top-1 and held-out top-1/top-5 vs epoch (and the mean
+                   per-class top-1 when the run picks by it), the best epoch by --eval-metric
   throughput.png   images per second and the share of time spent waiting for data vs step
 
 matplotlib's Agg backend draws without a display (servers, CI, launched workers).
@@ -10,21 +11,28 @@ matplotlib's Agg backend draws without a display (servers, CI, launched workers)
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
 from accel_train.base.readers import read_yaml
 from accel_train.run.rundir import PLOTS_DIR, run_paths  # noqa: F401  (PLOTS_DIR: named in messages)
 from accel_train.run.track import read_metrics
+from accel_train.train.selection import best_of, describe, rank
 
 _FIGURE_SIZE = (8, 6)
 
 
-def _read_resolved(run_dir: Path) -> dict:
+def _read_config(run_dir: Path) -> dict:
     config_path = run_paths(run_dir).config
     if not config_path.is_file():
         return {}
-    return read_yaml(config_path, "run_config")["resolved"]
+    return read_yaml(config_path, "run_config")
+
+
+def eval_metric_of(config: dict) -> str:
+    """The --eval-metric the run picked its best by (a run from before the option: top-1)."""
+    return (config.get("train") or {}).get("eval_metric") or "top1"
 
 
 def _run_name(run_dir: Path, resolved: dict) -> str:
@@ -137,7 +145,24 @@ def accuracy_title(final: Optional[dict]) -> str:
     return text
 
 
-def _plot_accuracy(plt, train, epochs, resumes, steps_per_epoch, run_name, path: Path):
+def best_epoch(epochs: list[dict], metric: str) -> Optional[tuple[dict, float]]:
+    """The epoch record holding the run's best held-out number by `metric` (the better of its
+    raw and EMA weights', as the run saves the better) and that number; the first of equal
+    ones, as the run replaces its best only by a better one.  None: nothing evaluated."""
+    best, best_value, best_rank = None, None, -math.inf
+    for record in epochs:
+        value = best_of(metric, record.get(f"eval_{metric}"), record.get(f"eval_ema_{metric}"))
+        if value is not None and rank(metric, value) > best_rank:
+            best, best_value, best_rank = record, value, rank(metric, value)
+    return None if best is None else (best, best_value)
+
+
+def best_label(record: dict, value: float, metric: str) -> str:
+    return f"best held-out {describe(metric, value)} (epoch {record['epoch']})"
+
+
+def _plot_accuracy(plt, train, epochs, resumes, steps_per_epoch, run_name, path: Path,
+                   metric: str = "top1"):
     fig, ax = plt.subplots(figsize=_FIGURE_SIZE)
     scale = steps_per_epoch or 1.0
     with_top1 = [r for r in train if r.get("top1") is not None]
@@ -151,10 +176,22 @@ def _plot_accuracy(plt, train, epochs, resumes, steps_per_epoch, run_name, path:
             label="held-out top-1")
     ax.plot(x, [100 * e["eval_top5"] for e in evals], marker="^", linestyle="--",
             label="held-out top-5")
+    if metric == "mean_class_top1":  # what the run picks by: top-1 hides a neglected class
+        with_mean = [(xi, e) for xi, e in zip(x, evals) if e.get("eval_mean_class_top1")
+                     is not None]
+        ax.plot([xi for xi, _ in with_mean], [100 * e["eval_mean_class_top1"]
+                                              for _, e in with_mean],
+                marker="D", linestyle="-.", label="held-out mean per-class top-1")
     with_ema = [(xi, e) for xi, e in zip(x, evals) if e.get("eval_ema_top1") is not None]
     if with_ema:  # --model-ema: the averaged weights, evaluated beside the raw ones
         ax.plot([xi for xi, _ in with_ema], [100 * e["eval_ema_top1"] for _, e in with_ema],
                 marker="o", linewidth=2, label="held-out top-1, EMA weights")
+    best = best_epoch(evals, metric)
+    if best is not None:  # the epoch whose weights --keep-best and model.safetensors hold
+        record, value = best
+        ax.axvline(record["step"] / scale if steps_per_epoch else record["epoch"],
+                   color="tab:green", linestyle=":", linewidth=1.5,
+                   label=best_label(record, value, metric))
     ax.set_ylim(0, 101)
     ax.set_xlim(left=0)
     if steps_per_epoch:
@@ -181,7 +218,8 @@ def write_plots(run_dir: Path, out_dir: Optional[Path] = None) -> list[Path]:
         return []  # nothing to draw: no folder made either
     out_dir = Path(out_dir) if out_dir is not None else run_paths(run_dir).plots
     out_dir.mkdir(parents=True, exist_ok=True)
-    resolved = _read_resolved(run_dir)
+    config = _read_config(run_dir)
+    resolved = config.get("resolved") or {}
     run_name = _run_name(run_dir, resolved)
     written = []
     if train:
@@ -192,5 +230,5 @@ def write_plots(run_dir: Path, out_dir: Optional[Path] = None) -> list[Path]:
     if epochs:
         written.append(out_dir / "accuracy.png")
         _plot_accuracy(plt, train, epochs, resumes, _steps_per_epoch(resolved, epochs), run_name,
-                       written[-1])
+                       written[-1], eval_metric_of(config))
     return written

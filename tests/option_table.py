@@ -552,6 +552,11 @@ ROWS: dict[str, Row] = {
     "eval --json": effect(
         f"{ORACLE}::test_eval_held_out_matches_a_plain_torch_evaluation",
         "the JSON fields are compared with the oracle's numbers"),
+    "eval --mistakes": effect(
+        f"{ORACLE}::test_the_mistakes_file_is_plain_torchs_wrong_images_least_likely_first",
+        "pandas' read of the file: plain torch's wrong images of a PNG class folder, each "
+        "path, label, guess and both probabilities, the label's ascending; on 2 processes "
+        "(torchrun) the same rows as on 1"),
     # -- predict ----------------------------------------------------------------------------------
     "predict RUN_OR_CHECKPOINT": effect(
         f"{ORACLE}::test_predict_is_the_softmax_of_plain_torch_logits",

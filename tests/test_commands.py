@@ -13,6 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from PIL import Image
@@ -494,6 +495,14 @@ def test_two_process_run_and_eval_agree_with_one_process_eval(tmp_path, capsys):
         assert double[key] == pytest.approx(single[key], rel=1e-5), key
         assert single[key] == pytest.approx(logged[f"eval_{key}"], rel=1e-5), key
     assert double["per_class"] == single["per_class"]
+    # each wrong image named by its key, not by its place in what the ranks gathered
+    torchrun("eval", str(out), "--mistakes", str(tmp_path / "two.csv"))
+    code, _, err = command(capsys, "eval", str(out), "--mistakes", str(tmp_path / "one.csv"))
+    assert code == 0, err
+    two, one = (pd.read_csv(tmp_path / name) for name in ("two.csv", "one.csv"))
+    assert len(one) == 61 - round(single["top1"] * 61) > 0
+    assert two[["image", "class", "predicted"]].equals(one[["image", "class", "predicted"]])
+    assert (two["class_probability"] - one["class_probability"]).abs().max() < 1e-5
 
 
 def test_a_metrics_file_cut_short_or_damaged(run_dir, tmp_path, capsys):

@@ -318,6 +318,57 @@ def _held_out_pngs(folder, count: int):
     return images, files
 
 
+def test_the_mistakes_file_is_plain_torchs_wrong_images_least_likely_first(run_dir,
+                                                                           tmp_path):
+    """eval --mistakes of a class-folder of PNGs against plain torch's softmax of each file:
+    every wrong image, its path inside the folder, its label and guess, the guess's and the
+    label's probabilities, ordered by the label's; and refusals of the file's place."""
+    import pandas as pd
+    from PIL import Image
+    images, labels = synthetic.splits(TRAIN_SIZE)["test"]
+    images, labels = images[:40], labels[:40]
+    names = model_spec_of(run_dir)["class_names"]
+    folder = tmp_path / "photos"
+    files = []
+    for index, (array, label) in enumerate(zip(images, labels)):
+        files.append(f"{names[label]}/{index:02d}.png")
+        (folder / names[label]).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(array).save(folder / files[-1])
+    out_file = tmp_path / "mistakes.csv"
+    result = accel_train_here("eval", str(run_dir), "--data-dir", str(folder), "--split", "all",
+                              "--mixed-precision", "no", "--mistakes", str(out_file), check=True)
+    probabilities = _plain_logits(run_dir, images).softmax(dim=1)
+    guesses = probabilities.argmax(dim=1)
+    wrong = [i for i in range(40) if guesses[i] != labels[i]]
+    assert 0 < len(wrong) < 40  # the model is right on some, wrong on others
+    assert result.stdout.strip().splitlines()[-1] == (
+        f"wrote {out_file}: {len(wrong)} wrong image(s) of 40, the least likely under their own "
+        f"label first")
+    table = pd.read_csv(out_file)
+    assert list(table.columns) == ["image", "class", "predicted", "probability",
+                                   "class_probability"]
+    assert sorted(table["image"]) == sorted(files[i] for i in wrong)
+    by_file = {files[i]: i for i in wrong}
+    for _, row in table.iterrows():
+        i = by_file[row["image"]]
+        assert (row["class"], row["predicted"]) == (names[labels[i]], names[guesses[i]])
+        assert row["probability"] == pytest.approx(float(probabilities[i, guesses[i]]), abs=1e-5)
+        assert row["class_probability"] == pytest.approx(float(probabilities[i, labels[i]]),
+                                                         abs=1e-5)
+    assert table["class_probability"].is_monotonic_increasing
+    # refused before any work, nothing written, the earlier file untouched
+    for target, line in ((tmp_path / "nowhere" / "m.csv",
+                          f"--mistakes {tmp_path / 'nowhere' / 'm.csv'}: the folder "
+                          f"{tmp_path / 'nowhere'} does not exist; create it or name a file in "
+                          f"an existing folder"),
+                         (folder, f"--mistakes {folder} is a folder; name the file to write "
+                                  f"(mistakes.csv)")):
+        refused = accel_train_here("eval", str(run_dir), "--mistakes", str(target))
+        assert refused.returncode == 2
+        assert refused.stderr.strip() == f"accel_train: error: {line}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mistakes.csv", "photos"]
+
+
 def _bf16_logits(run_dir, images_nhwc, float32_stem: bool = False) -> torch.Tensor:
     """_plain_logits' model under plain torch's CPU autocast to bfloat16 (what a bf16 run's own
     evaluation runs in).  Its input normalized in float32, as torchvision does it: bf16 rounds

@@ -15,6 +15,8 @@ from typing import Optional, Sequence
 
 from accel_train.cli import RETRY_HINT, _Parser, stop_on_a_stuck_read
 from accel_train.commands import EMA_HELP
+from accel_train.commands.mistakes import mistake_rows, write_mistakes
+from accel_train.commands.predict_csv import check_csv_target
 from accel_train.config import PRECISIONS, SAMPLE_SUBSETS, TTA_MODES, TrainConfig
 from accel_train.base.errors import UsageError, first_few
 
@@ -81,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "the logits of each image and its mirror image (default: the run's --tta)")
     run.add_argument("--json", action="store_true",
                      help="print one JSON object instead of the table")
+    run.add_argument("--mistakes", metavar="FILE", default=None,
+                     help="also write FILE, a CSV of each image the model got wrong (image, "
+                          "class, predicted, probability, class_probability), the least likely "
+                          "under its own label first: where mislabelled images gather")
     return parser
 
 
@@ -188,8 +194,14 @@ def align_labels(source, data_names: list[str], model_names: list[str], origin: 
                                  )[source.labels]
 
 
-def _dataset_for_split(data, split: str, transform, max_samples, sample_subset: str):
+def _dataset_for_split(data, split: str, transform, max_samples, sample_subset: str,
+                       keyed: bool = False):
+    """The images of `split` as one dataset, and the image_namer of its samples' keys (with
+    `keyed`: each sample carries its key, a position in the parts before any --max-samples
+    limit) or None."""
     from torch.utils.data import ConcatDataset, Subset
+
+    from accel_train.commands.mistakes import image_namer
 
     from accel_train.data.loaders import HeldOutImages
     from accel_train.data.sample_limits import kept_positions
@@ -203,7 +215,11 @@ def _dataset_for_split(data, split: str, transform, max_samples, sample_subset: 
         raise UsageError(f"--split {split}: {data.description} has no test split; choose "
                          f"held-out, train or all")
     # marked: evaluate_classifier leaves out what could not be decoded (a substitute's image)
-    datasets = [HeldOutImages(source, transform, mark_replaced=True) for source in parts[split]]
+    first_keys = [sum(len(source) for source in parts[split][:k])
+                  for k in range(len(parts[split]))]
+    datasets = [HeldOutImages(source, transform, mark_replaced=True,
+                              first_key=first if keyed else None)
+                for source, first in zip(parts[split], first_keys)]
     dataset = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     kept = kept_positions(len(dataset), max_samples if isinstance(max_samples, int) else None,
                           sample_subset)
@@ -212,7 +228,8 @@ def _dataset_for_split(data, split: str, transform, max_samples, sample_subset: 
     if len(dataset) == 0:
         raise UsageError(f"the {split} split of {data.description} is empty; choose another "
                          f"--split")
-    return dataset
+    split_names = ["train", "held-out"] if split == "all" else [split]
+    return dataset, image_namer(parts[split], first_keys, split_names) if keyed else None
 
 
 def _report(results: dict, trained, data, split: str, num_processes: int, device,
@@ -259,6 +276,8 @@ def main(argv: Sequence[str]) -> int:
     from accel_train.commands.artifacts import (as_the_run_ran, find_trained_model, load_model,
                                                 read_run_config)
 
+    if args.mistakes is not None:  # before any work: the file's folder
+        check_csv_target(Path(args.mistakes), "--mistakes", "mistakes.csv")
     launcher = distributed.LauncherEnv.from_environ()
     say = print if launcher.rank == 0 else (lambda text: None)
     trained = find_trained_model(args.model, lambda text: say(f"warning: {text}"), args.ema)
@@ -296,8 +315,9 @@ def main(argv: Sequence[str]) -> int:
                 align_labels(source, data.class_names, trained.spec.class_names, data.description)
             spec = trained.spec
             transform = held_out_transform(spec)
-            dataset = _dataset_for_split(data, args.split, transform, args.max_samples,
-                                         config.sample_subset)
+            dataset, image_name = _dataset_for_split(data, args.split, transform,
+                                                     args.max_samples, config.sample_subset,
+                                                     keyed=args.mistakes is not None)
             cuda = acc.device.type == "cuda"
             workers = args.num_workers if args.num_workers is not None else \
                 default_num_workers(data.held_out, env.local_world_size, cuda)
@@ -310,10 +330,17 @@ def main(argv: Sequence[str]) -> int:
             batches = stop_when_stuck(loader, config.loader_timeout,
                                       f"evaluating the {args.split} split", then=RETRY_HINT)
             results = evaluate_classifier(acc, model, batches, spec.num_classes,
-                                          channels_last=channels_last, tta=tta)
+                                          channels_last=channels_last, tta=tta,
+                                          keep_samples=args.mistakes is not None)
             ran_in = precision_name(precision) + (", channels_last" if channels_last else "")
             print_once(_report(results, trained, data, args.split, acc.num_processes, acc.device,
                                args.json, tta, ran_in))
+            if args.mistakes is not None and acc.is_main_process:
+                rows = mistake_rows(results["samples"], spec.class_names, image_name)
+                write_mistakes(Path(args.mistakes), rows)
+                if not args.json:
+                    print(f"\nwrote {args.mistakes}: {len(rows)} wrong image(s) of "
+                          f"{results['count']}, the least likely under their own label first")
     finally:
         distributed.teardown()
     return 0

@@ -133,12 +133,13 @@ def what_each_row_holds(probabilities: bool, num_classes: int, top_k: int) -> st
     return "the top-1 class" if shown == 1 else f"the top-{shown} classes"
 
 
-def check_csv_target(path: Path) -> None:
-    """Before any work: --csv names a file whose folder exists."""
+def check_csv_target(path: Path, flag: str = "--csv", example: str = "predictions.csv"
+                     ) -> None:
+    """Before any work: `flag` names a file whose folder exists."""
     if path.is_dir():
-        raise UsageError(f"--csv {path} is a folder; name the file to write (predictions.csv)")
+        raise UsageError(f"{flag} {path} is a folder; name the file to write ({example})")
     if not path.parent.is_dir():
-        raise UsageError(f"--csv {path}: the folder {path.parent} does not exist; create it "
+        raise UsageError(f"{flag} {path}: the folder {path.parent} does not exist; create it "
                          f"or name a file in an existing folder")
 
 
@@ -148,13 +149,13 @@ class CsvOutput:
     the `with`) removes it.  `path` is checked before any work (check_csv_target); a folder
     that went away since, or cannot be written, is the refusal here."""
 
-    def __init__(self, path: Path, header: Sequence[str]):
+    def __init__(self, path: Path, header: Sequence[str], flag: str = "--csv"):
         self.path = path
         try:
             handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial",
                                            dir=path.parent)
         except OSError as err:
-            raise UsageError(f"--csv {path}: cannot write in {path.parent} "
+            raise UsageError(f"{flag} {path}: cannot write in {path.parent} "
                              f"({err.strerror}); name a file in a folder you can write") from None
         self._tmp = Path(tmp)
         self._file = os.fdopen(handle, "w", newline="", encoding="utf-8")

@@ -215,12 +215,14 @@ class TrainImages(Dataset):
 
 
 class HeldOutImages(Dataset):
-    """Returns (image tensor, label), and with `mark_replaced` a third element as TrainImages'
-    fourth."""
+    """Returns (image tensor, label), then with `first_key` the sample's key (`first_key` +
+    its index: a position in the data evaluated, for naming each image afterwards), then with
+    `mark_replaced` the mark TrainImages' fourth element is."""
 
     def __init__(self, source: ImageSource, transform: ImageTransform,
-                 mark_replaced: bool = False):
+                 mark_replaced: bool = False, first_key: Optional[int] = None):
         self.source, self.transform, self.mark_replaced = source, transform, mark_replaced
+        self.first_key = first_key
 
     def __len__(self) -> int:
         return len(self.source)
@@ -228,12 +230,15 @@ class HeldOutImages(Dataset):
     def __getitem__(self, index: int):
         (image,), (used,) = read_samples(self.source, [index])
         sample = self.transform(image), self.source.labels[used]
+        if self.first_key is not None:
+            sample = (*sample, torch.tensor(self.first_key + index))
         return (*sample, index if used != index else -1) if self.mark_replaced else sample
 
     @single_threaded
     def __getitems__(self, indices: list[int]):
         indices = torch.as_tensor(indices, dtype=torch.long)
         marks = torch.full_like(indices, -1) if self.mark_replaced else None
+        keys = None if self.first_key is None else self.first_key + indices
         if not isinstance(self.source, ArraySource):
             images, used = read_samples(self.source, indices.tolist())
             batch = self.transform.batch(torch.stack(images)) \
@@ -241,12 +246,12 @@ class HeldOutImages(Dataset):
                 else torch.stack([self.transform(image) for image in images])
             if marks is not None:
                 marks = replaced_marks(indices, used)
-            return SampleBatch(batch, self.source.labels[used], replaced=marks)
+            return SampleBatch(batch, self.source.labels[used], keys=keys, replaced=marks)
         if marks is not None and self.source.bad_images:  # their slots hold substitutes
             bad = torch.tensor(sorted({bad.index for bad in self.source.bad_images}))
             marks = torch.where(torch.isin(indices, bad), indices, marks)
         return SampleBatch(self.transform.batch(self.source.images.index_select(0, indices)),
-                           self.source.labels[indices], replaced=marks)
+                           self.source.labels[indices], keys=keys, replaced=marks)
 
 
 class EpochSampler(Sampler[int]):

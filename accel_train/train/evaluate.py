@@ -41,9 +41,12 @@ def logits_of(model: nn.Module, images: torch.Tensor, tta: str = "none") -> torc
 
 
 def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
-                        channels_last: bool, tta: str) -> dict:
+                        channels_last: bool, tta: str, keep_samples: bool = False) -> dict:
     """Loss, top-1, top-5, per-class accuracy and its mean over the classes (mean_class_top1),
     and per class the images predicted as it and the class its wrong images went to most.
+    With `keep_samples` (a loader whose batches carry each sample's key after its label:
+    HeldOutImages' first_key), also "samples": each evaluated image's key, label, predicted
+    class and the probabilities of the two.
 
     `model` must be the bare module (not DDP-wrapped): DDP broadcasts buffers at every forward,
     a collective that would hang if ranks see different numbers of batches.  Per-sample values
@@ -52,10 +55,12 @@ def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
     """
     was_training = model.training
     model.eval()
-    parts: dict[str, list] = {"loss": [], "top1": [], "top5": [], "labels": [], "predicted": [],
-                              "kept": []}
-    for images, labels, *marks in loader:
-        # a batch's third tensor, where the loader marks them: the images that could not be
+    names = ("loss", "top1", "top5", "labels", "predicted", "kept") + \
+        (("keys", "probability", "label_probability") if keep_samples else ())
+    parts: dict[str, list] = {name: [] for name in names}
+    for images, labels, *rest in loader:
+        keys, marks = (rest[0], rest[1:]) if keep_samples else (None, rest)
+        # a batch's last tensor, where the loader marks them: the images that could not be
         # decoded (>= 0), whose places a substitute image took.  Left out of the numbers: a
         # substitute is another class's image, or one counted twice.
         kept = marks[0] < 0 if marks else torch.ones_like(labels, dtype=torch.bool)
@@ -68,6 +73,10 @@ def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
         values = (F.cross_entropy(logits, labels, reduction="none"), topk[:, 0] == labels,
                   (topk == labels[:, None]).any(dim=1), labels, topk[:, 0],
                   kept.to(labels.device))
+        if keep_samples:
+            probabilities = logits.softmax(dim=1)
+            values += (keys.to(labels.device), probabilities.gather(1, topk[:, :1])[:, 0],
+                       probabilities.gather(1, labels[:, None])[:, 0])
         for key, value in zip(parts, accelerator.gather_for_metrics(values)):
             parts[key].append(value.cpu())
     model.train(was_training)
@@ -75,17 +84,22 @@ def evaluate_classifier(accelerator, model: nn.Module, loader, num_classes: int,
     merged = {k: torch.cat(v)[kept] for k, v in parts.items()}
     per_class_total = torch.bincount(merged["labels"], minlength=num_classes)
     per_class_correct = torch.bincount(merged["labels"][merged["top1"]], minlength=num_classes)
-    return {"loss": float(merged["loss"].mean()), "top1": float(merged["top1"].float().mean()),
-            "top5": float(merged["top5"].float().mean()), "count": len(merged["labels"]),
-            "left_out": int((~kept).sum()),
-            "mean_class_top1": mean_class_top1(per_class_correct.tolist(),
-                                               per_class_total.tolist()),
-            "per_class": {"correct": per_class_correct.tolist(),
-                          "total": per_class_total.tolist(),
-                          "predicted": torch.bincount(merged["predicted"],
-                                                      minlength=num_classes).tolist(),
-                          "mistaken_for": most_mistaken_for(merged["labels"],
-                                                            merged["predicted"], num_classes)}}
+    results = {
+        "loss": float(merged["loss"].mean()), "top1": float(merged["top1"].float().mean()),
+        "top5": float(merged["top5"].float().mean()), "count": len(merged["labels"]),
+        "left_out": int((~kept).sum()),
+        "mean_class_top1": mean_class_top1(per_class_correct.tolist(),
+                                           per_class_total.tolist()),
+        "per_class": {"correct": per_class_correct.tolist(),
+                      "total": per_class_total.tolist(),
+                      "predicted": torch.bincount(merged["predicted"],
+                                                  minlength=num_classes).tolist(),
+                      "mistaken_for": most_mistaken_for(merged["labels"], merged["predicted"],
+                                                        num_classes)}}
+    if keep_samples:
+        results["samples"] = {k: merged[k] for k in ("keys", "labels", "predicted",
+                                                      "probability", "label_probability")}
+    return results
 
 
 def most_mistaken_for(labels: torch.Tensor, predicted: torch.Tensor,

@@ -271,7 +271,9 @@ ROWS: dict[str, Row] = {
         "the probe sees 16x16 inputs at the first conv where the data is 32x32"),
     "train --pretrained": effect(
         "test_training.py::test_pretrained_local_weights_and_frozen_backbone",
-        "every backbone tensor equals the weights file's after training"),
+        "every backbone tensor equals the weights file's after training; a run's own file "
+        "(test_pretrained_file.py) keeps its classifier for the same classes, rows in the new "
+        "order: eval of the unchanged start equals the original run's, its mean/std too"),
     "train --freeze-backbone": effect(
         "test_training.py::test_pretrained_local_weights_and_frozen_backbone",
         "backbone and BatchNorm statistics bit-identical to the source; only the head moves"),

@@ -203,9 +203,12 @@ def _create_from_factory(name: str, num_classes: int, drop_rate: float,
 
 def create_model(name: str, num_classes: int, drop_rate: float = 0.0,
                  pretrained: Optional[str] = None, drop_path: float = 0.0,
-                 model_args: Optional[dict] = None) -> nn.Module:
+                 model_args: Optional[dict] = None,
+                 head_overlay: Optional[dict] = None) -> nn.Module:
     """A timm model, or the user's factory's; `pretrained` is None, 'hub', or a local weights
-    file (timm models only); `model_args`: more of timm's arguments (ModelSpec.model_args)."""
+    file (timm models only); `model_args`: more of timm's arguments (ModelSpec.model_args);
+    `head_overlay`: a local file's classifier kept or dropped, its normalization
+    (pretrained_file.py)."""
     check_model_name(name)
     if is_import_path(name):
         return _create_from_factory(name, num_classes, drop_rate, pretrained, drop_path,
@@ -214,7 +217,7 @@ def create_model(name: str, num_classes: int, drop_rate: float = 0.0,
     if drop_path:  # only when asked: not every timm model takes it
         kwargs["drop_path_rate"] = drop_path
     try:
-        return _create(name, pretrained, kwargs)
+        return _create(name, pretrained, kwargs, head_overlay or {})
     except TypeError as err:
         if "drop_path_rate" not in str(err):
             raise
@@ -222,7 +225,8 @@ def create_model(name: str, num_classes: int, drop_rate: float = 0.0,
                          f"drop --drop-path or choose a residual model") from None
 
 
-def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
+def _create(name: str, pretrained: Optional[str], kwargs: dict, head_overlay: dict
+            ) -> nn.Module:
     source = timm_source(name)
     if source is not None and pretrained in (None, "hub"):
         return _create_from_source(name, source, pretrained == "hub", kwargs)
@@ -254,9 +258,11 @@ def _create(name: str, pretrained: Optional[str], kwargs: dict) -> nn.Module:
     check_weights_file(path, f"--pretrained {said}", "fetch or copy it again")
     state = torch.random.get_rng_state()
     try:
-        # timm loads the file and drops a classifier whose class count differs from ours.
+        # timm loads the file and drops its classifier where our class count differs from
+        # the pretrained_cfg's, which head_overlay sets from the file (pretrained_file.py)
         model = timm.create_model(name, pretrained=True,
-                                  pretrained_cfg_overlay=dict(file=str(path)), **kwargs)
+                                  pretrained_cfg_overlay=dict(file=str(path), **head_overlay),
+                                  **kwargs)
     except (RuntimeError, KeyError, ValueError, OSError) as err:
         raise UsageError(f"--pretrained {said}: does not fit model {name} "
                          f"({first_line(err, 200)}); pass weights saved from "

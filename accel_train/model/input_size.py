@@ -29,14 +29,15 @@ def builds_for_size(model: nn.Module) -> bool:
 
 
 def create_at_size(name: str, num_classes: int, image_size: int, drop_rate: float = 0.0,
-                   pretrained: Optional[str] = None, drop_path: float = 0.0
-                   ) -> tuple[nn.Module, dict]:
+                   pretrained: Optional[str] = None, drop_path: float = 0.0,
+                   head_overlay: Optional[dict] = None) -> tuple[nn.Module, dict]:
     """(the network, the model_args it was built with): as `create_model` builds it, or, when
     that network refuses `image_size` and its class takes img_size, built again for that size
     from the same random state (the weights are those a first build with img_size would have
     drawn: a run's initialisation stays a function of --seed alone)."""
     state = torch.random.get_rng_state()
-    model = create_model(name, num_classes, drop_rate, pretrained, drop_path)
+    model = create_model(name, num_classes, drop_rate, pretrained, drop_path,
+                         head_overlay=head_overlay)
     if is_import_path(name) or native_image_size(model) == image_size \
             or not builds_for_size(model) or takes_size(model, image_size):
         return model, {}
@@ -44,9 +45,10 @@ def create_at_size(name: str, num_classes: int, image_size: int, drop_rate: floa
     model_args = {"img_size": image_size}
     try:
         return create_model(name, num_classes, drop_rate, pretrained, drop_path,
-                            model_args), model_args
+                            model_args, head_overlay), model_args
     except (TypeError, ValueError, AssertionError, RuntimeError):
         # it takes img_size but not this one (a window or patch it does not divide): the
         # first build, whose forward then says in one line what the size breaks
         torch.random.set_rng_state(state)
-        return create_model(name, num_classes, drop_rate, pretrained, drop_path), {}
+        return create_model(name, num_classes, drop_rate, pretrained, drop_path,
+                            head_overlay=head_overlay), {}

@@ -45,6 +45,7 @@ def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precisi
             # resized, cropped and flipped on the device rather than in the loader
             "placed_on_device": loaders.train.finish.places,
             "sync_bn": net.sync_bn, "model": net.spec.__dict__, "whitened_stem": net.whitened,
+            "pretrained": net.weights,
             "network_choice": network_choice, "trainable_parameters": net.num_trainable,
             "class_weights": None if class_weights is None else
             {"weights": [round(float(w), 6) for w in class_weights],

@@ -75,6 +75,7 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         + (f"  cuda: {facts['cuda_math']}\n" if facts.get("cuda_math") else "")
         + (f"  host memory: {facts['host_memory']}\n" if facts.get("host_memory") else "")
         + (f"  network: {facts['network_choice']}\n" if facts.get("network_choice") else "")
+        + (f"  weights: {facts['pretrained']}\n" if facts.get("pretrained") else "")
         + (f"  init: {facts['whitened_stem']}\n" if facts.get("whitened_stem") else "")
         + (f"  loss: {facts['class_weights']['summary']}\n" if facts.get("class_weights")
            else "") +

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -25,7 +26,8 @@ from accel_train.model.build import (check_first_forward, check_float32_weights,
                                      recorded_model_name, timm_source,
                                      unused_parameters)
 from accel_train.model.input_size import create_at_size
-from accel_train.model.saved import ModelSpec
+from accel_train.model.pretrained_file import plan_head, reorder_classifier
+from accel_train.model.saved import ModelSpec, is_import_path
 from accel_train.model.transformers_models import TRANSFORMERS_CONFIG, transformers_config_of
 from accel_train.model.torchvision_models import torchvision_builder
 from accel_train.model.syncbn import convert_sync_batchnorm, num_batchnorm_layers
@@ -71,6 +73,7 @@ class Network:
     # eval, predict and export can build it again (not a class a script defined in itself, or
     # one whose constructor needs more than the class count)
     rebuilt_by_commands: bool = True
+    weights: Optional[str] = None  # --pretrained: the weights it started from, its classifier
 
 
 def build_network(config, data, num_processes: int, cuda: bool,
@@ -87,11 +90,15 @@ def build_network(config, data, num_processes: int, cuda: bool,
         warn(f"--model {config.model}: the folder's architecture, from random weights; "
              f"--pretrained hub starts from its model.safetensors")
     model_args = {}
+    head = pretrained_head(config, data.class_names) if model is None else None
     if model is None:
         torch.manual_seed(config.seed)  # model init is a function of --seed alone
         model, model_args = create_at_size(config.model, len(data.class_names), image_size,
                                            config.drop_rate, config.pretrained,
-                                           config.drop_path)
+                                           config.drop_path,
+                                           head.overlay() if head is not None else None)
+        if head is not None and head.order is not None:
+            reorder_classifier(model, head.order)
     check_float32_weights(model, config.model)
     with recording_input_widths(model) as widths:
         check_first_forward(model, config.model, image_size, len(data.class_names))
@@ -139,7 +146,33 @@ def build_network(config, data, num_processes: int, cuda: bool,
     if config.sync_bn and num_batchnorm_layers(model) == 0:
         warn(f"--sync-bn: {config.model} has no BatchNorm layers; nothing to sync")
     return Network(model, spec, num_trainable, sync_bn,
-                   whitened if config.whiten_stem else None, unused, rebuilt_by_commands)
+                   whitened if config.whiten_stem else None, unused, rebuilt_by_commands,
+                   weights_words(config, head, len(data.class_names), model))
+
+
+def pretrained_head(config, class_names):
+    """A local --pretrained file's plan for a timm model (pretrained_file.py)."""
+    if config.pretrained in (None, "hub") or timm_source(config.model) is not None \
+            or is_import_path(config.model):
+        return None
+    path = Path(config.pretrained)
+    return plan_head(path, config.model, class_names) if path.is_file() else None
+
+
+def weights_words(config, head, num_classes: int, model: nn.Module) -> Optional[str]:
+    """The summary's account of --pretrained: the file and its classifier, or the hub's
+    weights and timm's rule for theirs (kept only for as many classes as they were for)."""
+    if config.pretrained is None:
+        return None
+    if head is not None:
+        return head.words
+    if config.pretrained != "hub":
+        return config.pretrained
+    theirs = (getattr(model, "pretrained_cfg", None) or {}).get("num_classes")
+    if not isinstance(theirs, int) or theirs == num_classes:
+        return f"timm's pretrained {config.model}"
+    return (f"timm's pretrained {config.model} with a new {num_classes}-class classifier "
+            f"(theirs has {theirs} classes)")
 
 
 def how_commands_rebuild(model: nn.Module, name: str, num_classes: int, image_size: int,

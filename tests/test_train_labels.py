@@ -138,6 +138,11 @@ IMAGES = ["a.png", "b.jpg", "sub/c.png"]
     ("a,cat\nc,cat\n", "--train-labels {file} gives no label for 1 image(s) of {folder} (first: "
                        "b.jpg); label every image or remove the others"),
     ("cat\ndog\ncat\n", "--train-labels {file} line 2 has 1 field(s)"),
+    ("a,cat\nb,NaN\nc,cat\n", "--train-labels {file} line 2 gives 'b' the class 'NaN', the mark "
+                              "of a missing value (pandas and R write it for an empty cell); "
+                              "give the image its class, or remove the line"),
+    ("a,cat\nb,dog\nc,NA\n", "--train-labels {file} line 3 gives 'c' the class 'NA', the mark"),
+    ("a,cat\nb,dog\nc,#N/A\n", "--train-labels {file} line 3 gives 'c' the class '#N/A'"),
 ])
 def test_each_label_file_problem_is_one_sentence(tmp_path, text, message):
     file, folder = tmp_path / "labels.txt", tmp_path / "train"
@@ -148,6 +153,48 @@ def test_each_label_file_problem_is_one_sentence(tmp_path, text, message):
     expected = message.format(file=file, folder=folder)
     assert str(caught.value).startswith(expected), (str(caught.value), expected)
     assert "\n" not in str(caught.value)
+
+
+def test_whole_numbers_written_as_floats_are_the_class_numbers(tmp_path):
+    """pandas writes a class column as 3.0 once it held a missing value: the classes are still
+    0..11 in value order (not the text order 0.0, 1.0, 10.0, 11.0, 2.0), named as numbers,
+    and a validation file's 3.0 names the class 3 too."""
+    lines = ["image_id,label"]
+    for i in range(24):
+        _image(tmp_path / "data" / "train" / f"{i}.png", i)
+        lines.append(f"{i}.png,{float(i % 12)}")
+    (tmp_path / "labels.csv").write_text("\n".join(lines) + "\n")
+    for i in range(12):
+        _image(tmp_path / "data" / "val" / f"v{i}.png", 100 + i)
+    (tmp_path / "val.csv").write_text("".join(f"v{i}.png,{i}.0\n" for i in range(12)))
+    data = load_data(TrainConfig(data_dir=str(tmp_path / "data"),
+                                 train_labels=str(tmp_path / "labels.csv"),
+                                 val_labels=str(tmp_path / "val.csv"), in_memory="never"))
+    assert data.class_names == [str(i) for i in range(12)]
+    named = _paths_and_classes(data)
+    assert all(named[f"train/{i}.png"] == str(i % 12) for i in range(24))
+    assert all(named[f"val/v{i}.png"] == str(i) for i in range(12))
+    # a mix with a real fraction stays text: 2.5 is a name, not a number
+    from accel_train.data.label_files import whole_numbers_as_written
+    assert whole_numbers_as_written(["1.0", "2.5"]) == ["1.0", "2.5"]
+    assert whole_numbers_as_written(["1.0", "-2.", "3", "10.00"]) == ["1", "-2", "3", "10"]
+    assert whole_numbers_as_written([]) == []
+
+
+def test_a_name_two_images_share_names_both(tmp_path):
+    """img000.jpg and img000.png: the id img000 is either; the line says so (not that there is
+    no such image), and the names with extensions work."""
+    images = ["img000.jpg", "img000.png", "x/b.png", "y/b.png"]
+    file = tmp_path / "labels.csv"
+    for key, both in (("img000", "img000.jpg and img000.png"), ("b.png", "x/b.png and y/b.png")):
+        file.write_text(f"id,label\nimg000.jpg,cat\n{key},dog\n")
+        with pytest.raises(Exception) as caught:
+            read_train_labels(file, tmp_path, images)
+        assert str(caught.value) == (f"--train-labels {file} line 3 names {key!r}, which "
+                                     f"is {both} alike; name the file with its extension, or "
+                                     f"its path inside {tmp_path}")
+    file.write_text("img000.jpg,cat\nimg000.png,dog\nx/b.png,cat\ny/b.png,dog\n")
+    assert read_train_labels(file, tmp_path, images) == ["cat", "dog", "cat", "dog"]
 
 
 def test_a_file_saved_by_excel_with_a_byte_order_mark_and_no_header(tmp_path):

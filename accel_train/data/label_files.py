@@ -22,6 +22,10 @@ from typing import Optional
 from accel_train.base.errors import UsageError
 from accel_train.base.readers import read_text
 
+# how programs write a missing value in a CSV cell (pandas' NaN and <NA>, R's NA, Excel's #N/A,
+# SQL's NULL): a class of that name is a label that was never given
+MISSING_VALUE_MARKS = frozenset({"nan", "-nan", "<na>", "na", "n/a", "#n/a", "null"})
+
 
 def label_lines(file: Path, flag: str, read) -> list[tuple[int, str]]:
     """(line number, line) of each line of `file` that is not blank or a comment; `read` reads
@@ -60,7 +64,7 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
                              f"images of {folder}; one class per image, in file-name order")
         return [_known_class(fields[0], classes, where, number, classes_from_file)
                 for number, fields in rows]
-    lookup = _image_lookup(images)
+    lookup = ImageLookup(images)
     labels: dict[str, str] = {}
     for position, (number, fields) in enumerate(rows):
         if len(fields) == 1:
@@ -68,13 +72,10 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
                 continue  # a header line of one field
             raise UsageError(f"{where} line {number} gives {fields[0]!r} and no class; write "
                              f"IMAGE,CLASS on every line (or one CLASS a line, nothing else)")
-        image = lookup.get(fields[0])
         label = fields[1].split()[0] if fields[1].split() else ""
-        if position == 0 and image is None and label not in classes:
+        if position == 0 and fields[0] not in lookup.holders and label not in classes:
             continue  # a header line
-        if image is None:
-            raise UsageError(f"{where} line {number} names {fields[0]!r}, which is not an image "
-                             f"in {folder}; fix the line or add the image")
+        image = lookup.image(fields[0], where, number, folder)
         labels[image] = _known_class(label, classes, where, number, classes_from_file)
     refuse_unlabelled(where, folder, images, labels)
     return [labels[image] for image in images]
@@ -87,33 +88,44 @@ def read_train_labels(file: Path, folder: Path, images: list[str]) -> list[str]:
     Exactly two fields a line: a table of more columns (a fold number, one column per class)
     would otherwise train on whichever column came second."""
     where = f"--train-labels {file}"
-    lookup = _image_lookup(images)
+    lookup = ImageLookup(images)
     labels: dict[str, tuple[str, int]] = {}
     for position, (number, line) in enumerate(label_lines(
             file, "--train-labels",
             lambda: read_text(file, "train_labels", "--train-labels", errors="replace"))):
         fields = ([f.strip() for f in next(csv.reader([line]))] if "," in line
                   else line.split())
-        image = lookup.get(fields[0])
-        if position == 0 and image is None:
+        if position == 0 and fields[0] not in lookup.holders:
             continue  # a header line
         if len(fields) != 2:
             raise UsageError(f"{where} line {number} has {len(fields)} field(s); write "
                              f"IMAGE,CLASS on every line (a table of more columns, a fold "
                              f"number or one column per class, is not read: keep the image "
                              f"and class columns)")
-        if image is None:
-            raise UsageError(f"{where} line {number} names {fields[0]!r}, which is not an "
-                             f"image in {folder}; fix the line or add the image")
+        image = lookup.image(fields[0], where, number, folder)
         if not fields[1]:
             raise UsageError(f"{where} line {number} gives {fields[0]!r} no class; write "
                              f"IMAGE,CLASS on every line")
+        if fields[1].lower() in MISSING_VALUE_MARKS:
+            raise UsageError(f"{where} line {number} gives {fields[0]!r} the class "
+                             f"{fields[1]!r}, the mark of a missing value (pandas and R write "
+                             f"it for an empty cell); give the image its class, or remove the "
+                             f"line")
         if image in labels:
             raise UsageError(f"{where} line {number} labels {image} again (line "
                              f"{labels[image][1]} did); one line per image")
         labels[image] = (fields[1], number)
     refuse_unlabelled(where, folder, images, labels)
-    return [labels[image][0] for image in images]
+    return whole_numbers_as_written([labels[image][0] for image in images])
+
+
+def whole_numbers_as_written(labels: list[str]) -> list[str]:
+    """Class numbers a program wrote as floats (pandas writes 3.0 once a column held a
+    missing value) as the whole numbers they are, so that they sort by value and name the
+    classes 0..N-1 (class_order), not 0.0, 1.0, 10.0, 2.0 as text."""
+    if labels and all(re.fullmatch(r"-?[0-9]+(\.0*)?", label) for label in labels):
+        return [re.sub(r"\.0*$", "", label) for label in labels]
+    return labels
 
 
 def refuse_unlabelled(where: str, folder: Path, images: list[str], labelled) -> None:
@@ -132,22 +144,39 @@ def class_order(names: set[str], numbers_by_value: bool) -> list[str]:
     return sorted(names)
 
 
-def _image_lookup(images: list[str]) -> dict[str, str]:
-    """Relative path, file name and file name without extension -> image (names that are not
-    unique only by their path)."""
-    by_key: dict[str, Optional[str]] = {}
-    for image in images:
-        name = PurePosixPath(image).name
-        for key in {name, os.path.splitext(name)[0]} - {image}:
-            by_key[key] = None if key in by_key else image
-    by_key.update({image: image for image in images})
-    return {key: image for key, image in by_key.items() if image is not None}
+class ImageLookup:
+    """Relative path, file name and file name without extension -> image; a name two images
+    share (img000.jpg and img000.png; a/x.jpg and b/x.jpg) names neither, and `image` says
+    which two it would be."""
+
+    def __init__(self, images: list[str]):
+        self.holders: dict[str, list[str]] = {}
+        for image in images:
+            name = PurePosixPath(image).name
+            for key in {name, os.path.splitext(name)[0]} - {image}:
+                self.holders.setdefault(key, []).append(image)
+        for image in images:
+            self.holders[image] = [image]
+
+    def image(self, key: str, where: str, number: int, folder: Path) -> str:
+        """The image `key` names, or the line's refusal: no such image, or two of that name."""
+        holders = self.holders.get(key, [])
+        if len(holders) > 1:
+            raise UsageError(f"{where} line {number} names {key!r}, which is {holders[0]} and "
+                             f"{holders[1]} alike; name the file with its extension, or its "
+                             f"path inside {folder}")
+        if not holders:
+            raise UsageError(f"{where} line {number} names {key!r}, which is not an image "
+                             f"in {folder}; fix the line or add the image")
+        return holders[0]
 
 
 def _known_class(label: str, classes: set[str], where: str, number: int,
                  classes_from_file: bool) -> str:
     if label in classes:
         return label
+    if classes_from_file and whole_numbers_as_written([label])[0] in classes:
+        return whole_numbers_as_written([label])[0]  # 3.0 for the class 3 training read
     examples = ", ".join(sorted(classes)[:3])
     # the hint is for numbered labels against named class folders (ImageNet's numbering is not
     # the sorted one); a --train-labels file's classes may be numbers themselves

@@ -205,11 +205,18 @@ def _two_folders_of_one_name(tmp_path: Path, test_folder: Path) -> tuple[Path, P
     return first, second
 
 
-@pytest.mark.parametrize("case", ["stem", "name", "relative"])
+@pytest.mark.parametrize("case", ["stem", "stem of one name", "name", "relative"])
 def test_ids_two_images_share_are_refused_before_any_work(run_dir, test_folder, tmp_path,
                                                           capsys, case):
     image = test_folder / "day1" / "img01.png"
-    if case == "stem":  # img01.png and img01.jpg
+    if case == "stem of one name":  # a/img01.png and b/img01.png: the name would clash too
+        for folder in ("a", "b"):
+            (tmp_path / "both" / folder).mkdir(parents=True)
+            shutil.copy(image, tmp_path / "both" / folder / "img01.png")
+        image, other = tmp_path / "both" / "a" / "img01.png", tmp_path / "both" / "b" / "img01.png"
+        inputs, clash, second = [str(tmp_path / "both")], "'img01'", other
+        hint = "use --csv-image relative (paths inside the folder given) or rename one"
+    elif case == "stem":  # img01.png and img01.jpg
         other = tmp_path / "img01.jpg"
         Image.open(image).convert("RGB").save(other)
         inputs, clash, second = [str(image), str(other)], "'img01'", other
@@ -226,10 +233,11 @@ def test_ids_two_images_share_are_refused_before_any_work(run_dir, test_folder, 
         image, second = first / "day1" / "img01.png", other_folder / "day1" / "img01.png"
         hint = "predict the two folders into two files, or give the folder that holds both"
     out_file = tmp_path / "submission.csv"
+    form = case.split()[0]
     code, out, err = command(capsys, "predict", str(run_dir), *inputs, "--csv", str(out_file),
-                             "--csv-image", case)
+                             "--csv-image", form)
     assert code == 2 and out == ""
-    assert err.strip() == (f"accel_train: error: --csv-image {case}: {image} and {second} would "
+    assert err.strip() == (f"accel_train: error: --csv-image {form}: {image} and {second} would "
                            f"both be {clash} in the CSV; {hint}")
     assert not out_file.exists()
 

@@ -37,24 +37,31 @@ def image_ids(found: Sequence[tuple[Path, Optional[Path]]], form: str) -> list[s
     a label file with one is refused by training)."""
     ids, first_holder = [], {}
     for image, folder in found:
-        if form == "stem":
-            text = image.stem
-        elif form == "name" or folder is None:
-            text = image.name
-        else:
-            text = image.relative_to(folder).as_posix()
+        text = _image_id(image, folder, form)
         if text in first_holder:
-            raise UsageError(f"--csv-image {form}: {first_holder[text]} and {image} would both "
-                             f"be {text!r} in the CSV; {_other_form_hint(form)}")
-        first_holder[text] = image
+            raise UsageError(f"--csv-image {form}: {first_holder[text][0]} and {image} would "
+                             f"both be {text!r} in the CSV; "
+                             f"{_other_form_hint(first_holder[text], (image, folder))}")
+        first_holder[text] = (image, folder)
         ids.append(text)
     return ids
 
 
-def _other_form_hint(form: str) -> str:
+def _image_id(image: Path, folder: Optional[Path], form: str) -> str:
     if form == "stem":
+        return image.stem
+    if form == "name" or folder is None:
+        return image.name
+    return image.relative_to(folder).as_posix()
+
+
+def _other_form_hint(first: tuple[Path, Optional[Path]],
+                     second: tuple[Path, Optional[Path]]) -> str:
+    """The first form that tells the two apart: the file name (img01.png, img01.jpg), else
+    the path inside the folder given (day1/img01.png, day2/img01.png), else neither."""
+    if _image_id(*first, "name") != _image_id(*second, "name"):
         return "use --csv-image name (ids with extensions) or rename one"
-    if form == "name":
+    if _image_id(*first, "relative") != _image_id(*second, "relative"):
         return "use --csv-image relative (paths inside the folder given) or rename one"
     return "predict the two folders into two files, or give the folder that holds both"
 

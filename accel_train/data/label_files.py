@@ -17,7 +17,6 @@ import csv
 import os
 import re
 from pathlib import Path, PurePosixPath
-from typing import Optional
 
 from accel_train.base.errors import UsageError
 from accel_train.base.readers import read_text

@@ -102,6 +102,31 @@ def test_a_size_the_network_cannot_take_even_so_is_one_line(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_size_its_patches_do_not_divide_is_one_line(tmp_path):
+    """vit_tiny (16-pixel patches) at 100 px builds and runs, and would train on the top-left
+    96x96 pixels only: that the last 4 rows and columns change nothing is checked in plain
+    timm here, and the run refuses the size in one line naming the two that fit."""
+    model = timm.create_model("vit_tiny_patch16_224", img_size=100, num_classes=3).eval()
+    images = torch.rand(2, 3, 100, 100)
+    edges = images.clone()
+    edges[:, :, 96:, :] = 0
+    edges[:, :, :, 96:] = 0
+    with torch.no_grad():
+        assert torch.equal(model(images), model(edges))  # what the refusal spares a user
+    result = accel_train_here("--model", "vit_tiny_patch16_224", "--image-size", "100", *TINY,
+                              "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "accel_train: error: --image-size 100 is not a whole number of vit_tiny_patch16_224's "
+        "16-pixel patches: it would never see the last 4 rows and columns of each image; use "
+        "--image-size 96 or 112"], result.stderr
+    assert not (tmp_path / "run").exists()
+    # padded patches (timm's dynamic_img_pad) see every pixel: nothing to refuse
+    from accel_train.model.input_size import check_whole_patches
+    check_whole_patches(timm.create_model("vit_tiny_patch16_224", img_size=100,
+                                          dynamic_img_pad=True), "padded", 100)
+    check_whole_patches(model, "at 96", 96)
+
+
 @pytest.mark.slow
 def test_model_args_edited_into_another_shape_are_one_line(tmp_path):
     """A run folder's config.json whose model_args is no longer a mapping: eval says so in one

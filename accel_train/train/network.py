@@ -25,7 +25,7 @@ from accel_train.model.build import (check_first_forward, check_float32_weights,
                                      pretrained_normalization,
                                      recorded_model_name, timm_source,
                                      unused_parameters)
-from accel_train.model.input_size import create_at_size
+from accel_train.model.input_size import check_whole_patches, create_at_size
 from accel_train.model.pretrained_file import plan_head, reorder_classifier
 from accel_train.model.saved import ModelSpec, is_import_path
 from accel_train.model.transformers_models import TRANSFORMERS_CONFIG, transformers_config_of
@@ -100,6 +100,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
         if head is not None and head.order is not None:
             reorder_classifier(model, head.order)
     check_float32_weights(model, config.model)
+    check_whole_patches(model, config.model, image_size)
     with recording_input_widths(model) as widths:
         check_first_forward(model, config.model, image_size, len(data.class_names))
     check_train_forward(model, config.model, image_size)

@@ -247,8 +247,9 @@ def run_cli(capsys, *args: str) -> tuple[int, list[str]]:
 
 @pytest.mark.parametrize("other, said", [
     (["--max-eval-samples", "10"],
-     "the checkpoint's run evaluated 30 held-out images but this start has 10; resume with the "
-     "same data options (--max-eval-samples, the data's splits), or start a new run"),
+     "the checkpoint's run evaluated 30 held-out images but this start has 10 (20 fewer); resume "
+     "with the same data options (--max-eval-samples, the data's splits) on the same images, or "
+     "start a new run"),
     (["--max-eval-samples", "30", "--sample-subset", "first"],
      "the checkpoint's run kept its sample limits' images by --sample-subset random, this "
      "start by first: they are other images; resume with --sample-subset random, or start a "
@@ -313,7 +314,7 @@ def test_the_held_out_and_test_counts_are_each_compared_when_both_were_recorded(
     previous = TrainerState(held_out_samples=30, test_samples=20)
     check_same_held_out(previous, 30, 20)
     check_same_held_out(TrainerState(), 30, 20)  # a checkpoint from before these were recorded
-    with pytest.raises(UsageError, match=r"evaluated 20 test images but this start has 5;"):
+    with pytest.raises(UsageError, match=r"evaluated 20 test images but this start has 5 \(15 fewer\);"):
         check_same_held_out(previous, 30, 5)
 
 
@@ -357,7 +358,13 @@ def test_a_resume_that_would_change_the_data_order_is_refused(bundle, tmp_path, 
     assert code == 0
     capsys.readouterr()
     for flags, message in ((["--seed", "1"], "trained with --seed 0"),
-                           (["--synthetic-train-size", "128"], "but this start has 128")):
+                           (["--synthetic-train-size", "128"],
+                            "the checkpoint was trained on 256 training images but this start "
+                            "has 128 (128 fewer): images were added to or removed from the data "
+                            "since, or its options changed (--max-train-samples, --val-fraction, "
+                            "...); resume on the same images with the same options, or start a "
+                            "new run (--pretrained RUN/model.safetensors goes on from its "
+                            "weights)")):
         code, err = run_cli(capsys, *flags, "--max-steps", "2", "--output-dir", str(out),
                             "--resume", "auto")
         assert code == 2 and len(err) == 1 and message in err[0], err

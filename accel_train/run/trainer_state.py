@@ -149,8 +149,16 @@ def check_same_data_order(previous: TrainerState, seed: int, train_samples: int)
                          f"the same seed (got {seed}), or start a new run")
     if previous.train_samples and train_samples and previous.train_samples != train_samples:
         raise UsageError(f"the checkpoint was trained on {previous.train_samples} training "
-                         f"images but this start has {train_samples}; resume with the same data "
-                         f"options (--max-train-samples, --val-fraction, ...), or start a new run")
+                         f"images but this start has {train_samples} "
+                         f"({_more_or_fewer(train_samples - previous.train_samples)}): images "
+                         f"were added to or removed from the data since, or its options "
+                         f"changed (--max-train-samples, --val-fraction, ...); resume on the same "
+                         f"images with the same options, or start a new run (--pretrained "
+                         f"RUN/model.safetensors goes on from its weights)")
+
+
+def _more_or_fewer(difference: int) -> str:
+    return f"{difference} more" if difference > 0 else f"{-difference} fewer"
 
 
 def check_same_held_out(previous: TrainerState, held_out_samples: int,
@@ -162,8 +170,9 @@ def check_same_held_out(previous: TrainerState, held_out_samples: int,
                               ("test", previous.test_samples, test_samples)):
         if before and now and now != before:  # 0: not recorded (a checkpoint before these)
             raise UsageError(f"the checkpoint's run evaluated {before} {what} images but this "
-                             f"start has {now}; resume with the same data options "
-                             f"(--max-eval-samples, the data's splits), or start a new run")
+                             f"start has {now} ({_more_or_fewer(now - before)}); resume with the "
+                             f"same data options (--max-eval-samples, the data's splits) on the "
+                             f"same images, or start a new run")
 
 
 def check_same_subset(previous: TrainerState, sample_subset: Optional[str]) -> None:

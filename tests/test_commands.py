@@ -445,6 +445,9 @@ def test_bad_input_is_one_line_with_the_fix(run_dir, tmp_path, capsys):
         folder = tmp_path / "other" / ("dog" if index % 2 else "disk")
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray(image).save(folder / f"{index}.png")
+    stopped = tmp_path / "stopped"  # a run stopped before its first logged steps
+    stopped.mkdir()
+    shutil.copy(run_dir / "config.yaml", stopped)
     cases = [
         (["eval", str(tmp_path / "nowhere")], "no such run directory, checkpoint or export"),
         (["export", str(broken), "-o", str(tmp_path / "x")], "does not match its checksum"),
@@ -452,6 +455,8 @@ def test_bad_input_is_one_line_with_the_fix(run_dir, tmp_path, capsys):
         (["eval", str(run_dir), "--data-dir", str(tmp_path / "other"), "--split", "all"],
          "class(es) dog are not among the model's 10 classes"),
         (["plot", str(tmp_path)], "no metrics.jsonl there"),
+        (["plot", str(stopped)], f"{stopped}: the run logged no step yet (metrics.jsonl comes "
+                                 f"with the first --log-every steps); plot again after them"),
         (["evl", str(run_dir)], "unknown subcommand 'evl'; choose from train, eval, predict,"),
         (["eval", str(run_dir), "--max-samples", "0"], "expected a whole number >= 1 or 'all'"),
         (["eval", str(run_dir), "--loader-timeout", "-1"],

@@ -26,9 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     from accel_train.run.plots import write_plots
-    from accel_train.run.rundir import METRICS_FILE
+    from accel_train.run.rundir import CONFIG_FILE, METRICS_FILE
     run_dir = Path(args.run_dir)
     if not (run_dir / METRICS_FILE).is_file():
+        if (run_dir / CONFIG_FILE).is_file():  # a run stopped before its first logged steps
+            raise UsageError(f"{run_dir}: the run logged no step yet ({METRICS_FILE} comes with "
+                             f"the first --log-every steps); plot again after them")
         raise UsageError(f"{run_dir}: no {METRICS_FILE} there; pass a run directory (the "
                          f"--output-dir of a training run)")
     written = write_plots(run_dir, Path(args.output_dir) if args.output_dir else None)

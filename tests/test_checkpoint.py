@@ -314,7 +314,8 @@ def test_the_held_out_and_test_counts_are_each_compared_when_both_were_recorded(
     previous = TrainerState(held_out_samples=30, test_samples=20)
     check_same_held_out(previous, 30, 20)
     check_same_held_out(TrainerState(), 30, 20)  # a checkpoint from before these were recorded
-    with pytest.raises(UsageError, match=r"evaluated 20 test images but this start has 5 \(15 fewer\);"):
+    with pytest.raises(UsageError,
+                       match=r"evaluated 20 test images but this start has 5 \(15 fewer\);"):
         check_same_held_out(previous, 30, 5)
 
 

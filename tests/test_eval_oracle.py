@@ -369,6 +369,35 @@ def test_the_mistakes_file_is_plain_torchs_wrong_images_least_likely_first(run_d
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mistakes.csv", "photos"]
 
 
+def test_mistake_rows_and_image_names_by_hand(tmp_path):
+    """The order (the label's probability, then the data's order among equals), the cells,
+    the names of files and of images held as arrays, and the refusal of a file that cannot be
+    made, all written out by hand."""
+    from accel_train.base.errors import UsageError
+    from accel_train.commands.mistakes import image_namer, mistake_rows, write_mistakes
+
+    class Files:
+        def name(self, index):
+            return f"file{index}.png"
+
+    name = image_namer([object(), Files()], [0, 5], ["train", "held-out"])
+    assert [name(0), name(4), name(5), name(7)] == ["train image 0", "train image 4",
+                                                    "file0.png", "file2.png"]
+    samples = {"keys": torch.tensor([3, 1, 2, 0]), "labels": torch.tensor([0, 1, 1, 2]),
+               "predicted": torch.tensor([1, 1, 0, 0]),
+               "probability": torch.tensor([0.5, 0.9, 0.6, 0.7]),
+               "label_probability": torch.tensor([0.2, 0.9, 0.2, 0.1])}
+    rows = mistake_rows(samples, ["a", "b", "c"], lambda key: f"k{key}")
+    assert rows == [["k0", "c", "a", "0.700000", "0.100000"],
+                    ["k2", "b", "a", "0.600000", "0.200000"],
+                    ["k3", "a", "b", "0.500000", "0.200000"]]
+    too_long = tmp_path / ("m" * 250 + ".csv")  # the hidden partial name is over 255 bytes
+    with pytest.raises(UsageError) as caught:
+        write_mistakes(too_long, rows)
+    assert str(caught.value) == (f"--mistakes {too_long}: cannot write in {tmp_path} (File name "
+                                 f"too long); name a file in a folder you can write")
+
+
 def _bf16_logits(run_dir, images_nhwc, float32_stem: bool = False) -> torch.Tensor:
     """_plain_logits' model under plain torch's CPU autocast to bfloat16 (what a bf16 run's own
     evaluation runs in).  Its input normalized in float32, as torchvision does it: bf16 rounds

@@ -120,6 +120,12 @@ def test_the_top_k_csv_names_the_k_best_classes_best_first(run_dir, test_folder,
     assert list(cells.columns) == ["image", "class"]
     assert cells["class"].tolist() == [" ".join(p["class"] for p in row["predictions"])
                                        for row in shown]
+    one, plain = tmp_path / "top1.csv", tmp_path / "plain.csv"
+    for target, extra in ((one, ["--csv-top-k", "1"]), (plain, [])):
+        code, _, err = command(capsys, "predict", *fp32(str(run_dir), str(test_folder), "--csv",
+                                                        str(target), *extra))
+        assert code == 0, err
+    assert one.read_bytes() == plain.read_bytes()  # 1 is the default's one class a cell
     numbers = pd.read_csv(probabilities)[synthetic.CLASS_NAMES].to_numpy()
     by_numpy = [" ".join(synthetic.CLASS_NAMES[i] for i in np.argsort(-line, kind="stable")[:3])
                 for line in numbers]

@@ -46,6 +46,9 @@ FORMS = {
                                           for i, name in enumerate(IDS)), {"sep": ","}),
     "file names, quoted": ("file,label\n" + "".join(f'{name}.png,"{BREEDS[i % 3]}"\n'
                                                     for i, name in enumerate(IDS)), {"sep": ","}),
+    "semicolons (Excel where the comma is the decimal mark)": (
+        "id;label\r\n" + "".join(f'{name};"{BREEDS[i % 3].replace(",", "")}"\r\n'
+                                   for i, name in enumerate(IDS)), {"sep": ";"}),
     "whitespace, no header": ("".join(f"{name}.png\t{i % 4}\n" for i, name in enumerate(IDS)),
                               {"sep": r"\s+", "header": None}),
 }
@@ -179,6 +182,26 @@ def test_whole_numbers_written_as_floats_are_the_class_numbers(tmp_path):
     assert whole_numbers_as_written(["1.0", "2.5"]) == ["1.0", "2.5"]
     assert whole_numbers_as_written(["1.0", "-2.", "3", "10.00"]) == ["1", "-2", "3", "10"]
     assert whole_numbers_as_written([]) == []
+
+
+def test_a_test_folder_beside_the_labelled_train_folder_names_the_way_out(tmp_path):
+    """Kaggle's layout, train/ + test/ + train.csv, given whole: test/'s images have no labels;
+    the line names --data-dir train/ and predicting test/."""
+    for i in range(4):
+        _image(tmp_path / "kag" / "train" / f"t{i}.png", i)
+        _image(tmp_path / "kag" / "test" / f"s{i}.png", 50 + i)
+    (tmp_path / "train.csv").write_text("".join(f"t{i},{'ab'[i % 2]}\n" for i in range(4)))
+    root = tmp_path / "kag"
+    with pytest.raises(Exception) as caught:
+        load_data(TrainConfig(data_dir=str(root), train_labels=str(tmp_path / "train.csv"),
+                              in_memory="never"))
+    assert str(caught.value) == (
+        f"{root}/test/s0.png is in test/, images without labels beside the labelled train/ (a "
+        f"competition's test set?): pass --data-dir {root}/train to train, then predict "
+        f"{root}/test (a labelled held-out folder needs --val-labels FILE)")
+    data = load_data(TrainConfig(data_dir=str(root / "train"),
+                                 train_labels=str(tmp_path / "train.csv"), in_memory="never"))
+    assert data.class_names == ["a", "b"]
 
 
 def test_a_name_two_images_share_names_both(tmp_path):

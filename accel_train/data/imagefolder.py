@@ -355,7 +355,8 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
         names = _classes_of(found, prefix, class_depth)
         missing = next((path for path, name in zip(found, names) if name is None), None)
         if missing is not None:
-            _outside_class_folder(root, missing, split, class_depth)
+            _outside_class_folder(root, missing, split, class_depth,
+                                  beside_labelled_train=labelled_train is not None)
         classes[split] = names
     class_names = class_order({name for names in classes.values() for name in names},
                               numbers_by_value=train_labels is not None)
@@ -405,11 +406,18 @@ def _check_empty_folders(root: Path, empty: list[str], found: list[str], prefix:
                          f"or remove it")
 
 
-def _outside_class_folder(root: Path, path: str, split: str, depth: Optional[int]) -> None:
+def _outside_class_folder(root: Path, path: str, split: str, depth: Optional[int],
+                          beside_labelled_train: bool = False) -> None:
     if depth is not None:
         raise UsageError(f"{root / path} is less than {depth} folder(s) deep in its split "
                          f"folder, so --class-depth {depth} gives it no class; lower "
                          f"--class-depth or move the image into a class folder")
+    folder = path.split("/")[0]
+    if beside_labelled_train and split != "train":  # Kaggle's train/ + test/ + train.csv
+        raise UsageError(f"{root / path} is in {folder}/, images without labels beside the "
+                         f"labelled train/ (a competition's test set?): pass --data-dir "
+                         f"{root / 'train'} to train, then predict {root / folder} (a labelled "
+                         f"held-out folder needs --val-labels FILE)")
     hint = (" (a held-out folder of unlabelled images needs --val-labels FILE)"
             if split != "train" else
             " (or name each image's class in a file: --train-labels FILE)")

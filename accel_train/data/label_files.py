@@ -8,7 +8,8 @@
 
 In both, IMAGE may be the path relative to the folder, the file name, or the file name without
 its extension (Kaggle's ids), and every image needs a label and every label an image: anything
-else is one line naming the file's line.
+else is one line naming the file's line.  Fields are separated by commas, else by semicolons
+(Excel's CSV where the comma is the decimal mark), else by whitespace.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
     Every image needs a label, every label one of `classes` (the class folders of train/, or
     with `classes_from_file` the labels of --train-labels), and every line an image of the
     folder; anything else is a UsageError naming the line."""
-    rows = [(number, [f.strip() for f in line.split(",")] if "," in line else line.split())
+    rows = [(number, line_fields(line, quoted=False))
             for number, line in label_lines(file, "--val-labels", lambda: read_text(
                 file, "val_labels", "--val-labels", errors="replace"))]
     where = f"--val-labels {file}"
@@ -92,8 +93,7 @@ def read_train_labels(file: Path, folder: Path, images: list[str]) -> list[str]:
     for position, (number, line) in enumerate(label_lines(
             file, "--train-labels",
             lambda: read_text(file, "train_labels", "--train-labels", errors="replace"))):
-        fields = ([f.strip() for f in next(csv.reader([line]))] if "," in line
-                  else line.split())
+        fields = line_fields(line, quoted=True)
         if position == 0 and fields[0] not in lookup.holders:
             continue  # a header line
         if len(fields) != 2:
@@ -125,6 +125,18 @@ def whole_numbers_as_written(labels: list[str]) -> list[str]:
     if labels and all(re.fullmatch(r"-?[0-9]+(\.0*)?", label) for label in labels):
         return [re.sub(r"\.0*$", "", label) for label in labels]
     return labels
+
+
+def line_fields(line: str, quoted: bool) -> list[str]:
+    """A line's fields: comma-separated (CSV, quoted fields as the csv module reads them when
+    `quoted`), else semicolon-separated (Excel's CSV where the comma is the decimal mark), else
+    separated by whitespace."""
+    for separator in (",", ";"):
+        if separator in line:
+            fields = next(csv.reader([line], delimiter=separator)) if quoted \
+                else line.split(separator)
+            return [field.strip() for field in fields]
+    return line.split()
 
 
 def refuse_unlabelled(where: str, folder: Path, images: list[str], labelled) -> None:

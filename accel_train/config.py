@@ -508,7 +508,7 @@ class TrainConfig:
             raise UsageError(f"--image-size {self.image_size} is too small: use 8 or more")
         if not (isinstance(self.learning_rate, (int, float)) and self.learning_rate > 0
                 and math.isfinite(self.learning_rate)):
-            raise UsageError(f"--learning_rate must be a number > 0 (got {self.learning_rate!r})")
+            raise UsageError(f"--learning-rate must be a number > 0 (got {self.learning_rate!r})")
         for name in ("weight_decay", "momentum", "label_smoothing", "warmup_epochs", "drop_rate",
                      "checkpoint_every", "aux_loss_weight"):
             if getattr(self, name) < 0:

@@ -324,8 +324,9 @@ def test_images_are_found_by_path_name_or_stem_unless_ambiguous(tmp_path):
     images = ["x/1.png", "y/1.png", "x/2.png", "y/3.jpg", "y/3.png"]
     text = "x/1.png,cat\ny/1.png,dog\n2,cat\n2.png,cat\ny/3.jpg,dog\ny/3.png,n01\n"
     assert _labels(tmp_path, text, images) == ["cat", "dog", "cat", "dog", "n01"]
-    for ambiguous in ("1.png", "3"):
-        with pytest.raises(UsageError, match=f"line 1 names '{ambiguous}', which is not an image"):
+    for ambiguous, both in (("1.png", "x/1.png and y/1.png"), ("3", "y/3.jpg and y/3.png")):
+        with pytest.raises(UsageError, match=f"line 1 names '{ambiguous}', which is {both} "
+                                             f"alike; name the file with its extension"):
             _labels(tmp_path, f"{ambiguous},cat\n", images)
 
 
@@ -597,3 +598,16 @@ def test_image_extensions_are_what_pil_opens_less_data_files():
     extensions = imagefolder.image_extensions()
     assert {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif"} <= extensions
     assert not {".h5", ".hdf", ".txt", ".db"} & extensions
+
+
+def test_a_folder_of_one_class_is_one_line_naming_its_class_folder(tmp_path):
+    from accel_train.config import TrainConfig
+    from accel_train.data.sources import load_data
+    for i in range(3):
+        (tmp_path / "only").mkdir(exist_ok=True)
+        Image.fromarray(np.full((8, 8, 3), i, dtype=np.uint8)).save(tmp_path / "only" / f"{i}.png")
+    with pytest.raises(UsageError) as caught:
+        load_data(TrainConfig(data_dir=str(tmp_path), in_memory="never"))
+    assert str(caught.value) == (f"{tmp_path}: found 1 class(es) (only; an image folder's "
+                                 f"classes are its class folders, or the labels of "
+                                 f"--train-labels); a classifier needs at least 2")

@@ -110,12 +110,12 @@ BAD_INPUTS = [
      "'bogus_tag' weights for test_resnet (its tags: test_resnet.r160_in1k); pass 'test_resnet'"),
     (["--data-dir", "/nonexistent/data"], "--data-dir /nonexistent/data: no such folder"),
     (["--batch_size", "0"], "--batch-size must be a whole number >= 1"),
-    (["--learning_rate", "-1"], "--learning_rate must be a number > 0"),
+    (["--learning_rate", "-1"], "--learning-rate must be a number > 0"),
     (["--mixed-precision", "fp64"], "invalid choice: 'fp64'"),
-    # what the model said, and the size of its pretrained_cfg (timm's test_vit: 160 px)
-    (["--model", "test_vit", "--image-size", "40"], "--image-size 40 does not work with test_vit "
-     "(AssertionError: Input height (40) should be divisible by patch size (16).); try "
-     "--image-size 160"),
+    # its 16-pixel patches (test_maxvit in test_fixed_size_networks.py: what a model says)
+    (["--model", "test_vit", "--image-size", "40"], "--image-size 40 is not a whole number of "
+     "test_vit's 16-pixel patches: it would never see the last 8 rows and columns of each "
+     "image; use --image-size 32 or 48"),
     (["--pretrained", "/nonexistent.safetensors"],
      "--pretrained /nonexistent.safetensors: no such"),
 

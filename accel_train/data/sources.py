@@ -28,7 +28,7 @@ from accel_train.data import synthetic
 from accel_train.config import SYNTHETIC_DATASET, TrainConfig
 from accel_train.data.carve import carve_description, carve_name, carve_rows
 from accel_train.data.decode import Unreadable, decode_many, read_value
-from accel_train.base.errors import UsageError, first_line
+from accel_train.base.errors import UsageError, first_few, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.imagefolder import (PARQUET, FolderIndex, HoldsParquet, files_under,
@@ -731,8 +731,11 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True) 
     warnings += label_gap_warnings(raw, splits, label_column, class_names)
     warnings += few_classes_kept(limits, labels, len(class_names), config.sample_subset)
     if len(class_names) < min_classes:
-        raise UsageError(f"{raw.origin}: found {len(class_names)} class(es) in "
-                         f"{label_column!r}; a classifier needs at least 2")
+        where = f"in {label_column!r}" if raw.root is None else \
+            f"({first_few(class_names)}; an image folder's classes are its class folders, or " \
+            f"the labels of --train-labels)"
+        raise UsageError(f"{raw.origin}: found {len(class_names)} class(es) {where}; a "
+                         f"classifier needs at least 2")
     sources = [HFSource(parts[role], image_column, labels[role], role, rows=rows,
                         names=raw.names[name], root=raw.root, bad_images=config.bad_images)
                for role, name, rows in roles]

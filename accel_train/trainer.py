@@ -493,6 +493,8 @@ class Trainer:
             self.accelerator.log(tracker_scalars(record), step=state.step)
             timing = f" Time {epoch_seconds:.1f}s" if epoch_seconds is not None else ""
             self.progress.write(f"Epoch {state.epoch + 1}{timing}: {words}")
+            # the log too: a run started detached (nohup, --progress none) keeps its numbers
+            self.report.log(f"Epoch {state.epoch + 1}{timing}: {words}")
             if not mid_epoch:
                 self.next_epoch()
             self.maybe_checkpoint("the last step, mid-epoch" if mid_epoch else "epoch end")

@@ -499,13 +499,13 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(f"{flag(name)} must be a whole number >= 1 (got {value!r})")
-        for name in ("max_steps", "max_train_samples", "max_eval_samples", "image_size",
-                     "class_depth"):
+        for name, least in (("max_steps", 1), ("max_train_samples", 1),
+                            ("max_eval_samples", 1), ("image_size", 8), ("class_depth", 1)):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise UsageError(f"{flag(name)} must be a whole number >= 1 (got {value!r})")
-        if self.image_size is not None and self.image_size < 8:
-            raise UsageError(f"--image-size {self.image_size} is too small: use 8 or more")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < least):
+                raise UsageError(f"{flag(name)} must be a whole number >= {least} (got "
+                                 f"{value!r})")
         if not (isinstance(self.learning_rate, (int, float)) and self.learning_rate > 0
                 and math.isfinite(self.learning_rate)):
             raise UsageError(f"--learning-rate must be a number > 0 (got {self.learning_rate!r})")

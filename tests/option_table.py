@@ -495,7 +495,9 @@ ROWS: dict[str, Row] = {
     # -- eval -------------------------------------------------------------------------------------
     "eval RUN_OR_CHECKPOINT": effect(
         f"{ORACLE}::test_eval_held_out_matches_a_plain_torch_evaluation",
-        "loss, top-1/5 and per-class counts equal a plain timm+safetensors evaluation"),
+        "loss, top-1/5 and per-class counts equal a plain timm+safetensors evaluation; an "
+        "export's model.onnx (test_export_formats.py): the export's numbers within 1e-4 and "
+        "its wrong images, through ONNX Runtime"),
     "eval --data-dir": effect(
         "test_commands.py::test_eval_on_another_folder_maps_classes_by_name",
         "counts equal the PNGs the test wrote; classes mapped by name"),

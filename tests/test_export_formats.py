@@ -295,6 +295,43 @@ def _test_data_dependent(pretrained=False, **kwargs):
 _test_data_dependent.__name__ = "test_data_dependent"  # the name timm registers it under
 
 
+def test_eval_of_the_onnx_file_is_eval_of_the_export(export_dir, real_cifar10, tmp_path):
+    """The model.onnx evaluated by ONNX Runtime on 64 real held-out images: the numbers of the
+    torch export's evaluation (fp32) within the exporter's tolerance, the same per-class counts
+    and wrong images; what an ONNX file cannot do is one line each."""
+    import json
+
+    def evaluated(model: Path, mistakes: Path) -> dict:
+        result = accel_train_here("eval", str(model), "--data-dir", str(real_cifar10),
+                                  "--max-samples", "64", "--mixed-precision", "auto"
+                                  if model.suffix == ".onnx" else "no", "--json", "--mistakes",
+                                  str(mistakes), check=True)
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    torch_side = evaluated(export_dir, tmp_path / "torch.csv")
+    onnx_side = evaluated(export_dir / "model.onnx", tmp_path / "onnx.csv")
+    assert onnx_side["model"] == f"ONNX file {export_dir / 'model.onnx'} (ONNX Runtime)"
+    assert onnx_side["count"] == torch_side["count"] == 64
+    assert onnx_side["loss"] == pytest.approx(torch_side["loss"], abs=TOLERANCE)
+    assert onnx_side["per_class"] == torch_side["per_class"]
+    import pandas as pd
+    wrong = [pd.read_csv(tmp_path / name) for name in ("torch.csv", "onnx.csv")]
+    assert len(wrong[0]) > 0 and [set(map(tuple, table[["image", "class", "predicted"]].values))
+                                  for table in wrong][0] == \
+        set(map(tuple, wrong[1][["image", "class", "predicted"]].values))
+    onnx_file = export_dir / "model.onnx"
+    for flags, line in (
+            ([], f"{onnx_file} is a model alone, without the run that says what it was trained "
+                 f"on; pass --data-dir PATH or --dataset NAME"),
+            (["--data-dir", str(real_cifar10), "--mixed-precision", "bf16"],
+             "--mixed-precision: an .onnx model runs as it was exported (its weights, its "
+             "precision); drop --mixed-precision"),
+            (["--data-dir", str(real_cifar10), "--ema"],
+             "--ema: an .onnx model runs as it was exported (its weights, its precision); drop "
+             "--ema")):
+        one_line(accel_train_here("eval", str(onnx_file), *flags), line)
+
+
 def test_a_model_the_onnx_exporter_cannot_trace(tmp_path, capfd):
     from timm.models import register_model
     if not timm.is_model("test_data_dependent"):

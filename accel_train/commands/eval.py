@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="accel-train eval", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", metavar="RUN_OR_CHECKPOINT",
-                        help="a run directory, a step_XXXXXXXX checkpoint, or an export folder")
+                        help="a run directory, a step_XXXXXXXX checkpoint, an export folder, or "
+                             "an export's model.onnx (ONNX Runtime, with --data-dir or "
+                             "--dataset)")
     parser.add_argument("--ema", action="store_true", help=EMA_HELP)
     data = parser.add_argument_group("data (default: the run's own held-out data)")
     data.add_argument("--data-dir", help="local data, as for training (parquet, save_to_disk, "
@@ -96,6 +98,23 @@ def _positive_or_all(text: str):
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or 'all', got {text!r}")
     return int(text)
+
+
+def onnx_classifier(args):
+    """An export's model.onnx given as the model: ONNX Runtime runs it as exported (its
+    preprocessing recorded in the file), on data given here; None for anything else."""
+    if not (args.model.endswith(".onnx") and Path(args.model).is_file()):
+        return None
+    for flag, given in (("--mixed-precision", args.mixed_precision != "auto"),
+                        ("--ema", args.ema)):
+        if given:
+            raise UsageError(f"{flag}: an .onnx model runs as it was exported (its weights, its "
+                             f"precision); drop {flag}")
+    if args.data_dir is None and args.dataset is None:
+        raise UsageError(f"{args.model} is a model alone, without the run that says what it was "
+                         f"trained on; pass --data-dir PATH or --dataset NAME")
+    from accel_train.model.onnx_export import OnnxClassifier
+    return OnnxClassifier(Path(args.model))
 
 
 def data_config(trained, args) -> TrainConfig:
@@ -273,14 +292,17 @@ def main(argv: Sequence[str]) -> int:
     from accel_train.base.ranks import main_first, print_once
     from accel_train.train.precision import precision_name, resolve_precision
     from accel_train.data.transforms import held_out_transform
-    from accel_train.commands.artifacts import (as_the_run_ran, find_trained_model, load_model,
-                                                read_run_config)
+    from accel_train.commands.artifacts import (TrainedModel, as_the_run_ran,
+                                                find_trained_model, load_model, read_run_config)
 
     if args.mistakes is not None:  # before any work: the file's folder
         check_csv_target(Path(args.mistakes), "--mistakes", "mistakes.csv")
     launcher = distributed.LauncherEnv.from_environ()
     say = print if launcher.rank == 0 else (lambda text: None)
-    trained = find_trained_model(args.model, lambda text: say(f"warning: {text}"), args.ema)
+    onnx_model = onnx_classifier(args)
+    trained = find_trained_model(args.model, lambda text: say(f"warning: {text}"), args.ema) \
+        if onnx_model is None else TrainedModel(onnx_model.spec, Path(args.model), None,
+                                                f"ONNX file {args.model} (ONNX Runtime)")
     config = data_config(trained, args)
     run_record = read_run_config(trained.run_dir) if trained.run_dir else {}
     recorded = run_record.get("train", {})
@@ -295,6 +317,8 @@ def main(argv: Sequence[str]) -> int:
             cuda = torch.cuda.is_available()
             asked, channels_last = as_the_run_ran(args.mixed_precision,
                                                   run_record.get("resolved", {}), cuda)
+            if onnx_model is not None:  # runs as exported, on the CPU (ONNX Runtime)
+                asked, channels_last, cuda = "no", False, False
             precision, warning = resolve_precision(asked, cuda, "evaluates")
             acc = Accelerator(cpu=not cuda, mixed_precision=precision)
             if warning:
@@ -323,7 +347,8 @@ def main(argv: Sequence[str]) -> int:
                 default_num_workers(data.held_out, env.local_world_size, cuda)
             loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False, cuda,
                                              timeout=config.loader_timeout))
-            model = load_model(trained).to(acc.device)  # not DDP-wrapped: inference only
+            # not DDP-wrapped: inference only
+            model = load_model(trained).to(acc.device) if onnx_model is None else onnx_model
             tta = args.tta or spec.tta
             if channels_last:
                 model = model.to(memory_format=torch.channels_last)
@@ -333,6 +358,8 @@ def main(argv: Sequence[str]) -> int:
                                           channels_last=channels_last, tta=tta,
                                           keep_samples=args.mistakes is not None)
             ran_in = precision_name(precision) + (", channels_last" if channels_last else "")
+            if onnx_model is not None:
+                ran_in = "the precision it was exported in"
             print_once(_report(results, trained, data, args.split, acc.num_processes, acc.device,
                                args.json, tta, ran_in))
             if args.mistakes is not None and acc.is_main_process:

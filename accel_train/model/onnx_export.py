@@ -143,8 +143,8 @@ def check_onnx(path: Path, model: nn.Module, images: torch.Tensor) -> float:
 
 
 class OnnxClassifier:
-    """An ONNX file behind the small part of nn.Module's interface that predict uses: called on
-    a torch batch, it returns torch logits (on the CPU, through ONNX Runtime)."""
+    """An ONNX file behind the small part of nn.Module's interface that predict and eval use:
+    called on a torch batch, it returns torch logits (computed on the CPU by ONNX Runtime)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -162,8 +162,17 @@ class OnnxClassifier:
                              f"the run again with --format onnx") from None
         self.input = self.session.get_inputs()[0].name
 
+    training = False  # the graph as exported: BatchNorm and dropout in inference form
+
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.session.run(None, {self.input: images.cpu().numpy()})[0])
+        logits = self.session.run(None, {self.input: images.float().cpu().numpy()})[0]
+        return torch.from_numpy(logits).to(images.device)
 
     def to(self, device) -> "OnnxClassifier":
         return self  # ONNX Runtime's CPU provider: the batch is moved there in __call__
+
+    def eval(self) -> "OnnxClassifier":
+        return self
+
+    def train(self, mode: bool = True) -> "OnnxClassifier":
+        return self  # nothing to switch: evaluate_classifier restores what it found

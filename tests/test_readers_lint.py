@@ -19,10 +19,6 @@ READER_MODULE = "accel_train/base/readers.py"
 
 # (module, the call) -> why it is not a reader call.
 EXCEPTIONS = {
-    ("accel_train/model/pretrained_file.py", "safe_open"): "the classifier's row count in a "
-    "--pretrained file's header, to keep or drop it: any error there means 'unknown', and the "
-    "load right after vets the file (readers.check_weights_file: one line; tests/"
-    "test_bad_files.py)",
     ("accel_train/run/runlock.py", "read_bytes"): "run.lock: a record another start may be writing "
     "this instant, judged by runlock.read_holder itself (its own one line, never 'stale'); the "
     "matrix row is tests/test_bad_files.py::test_a_run_lock_damaged",

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from accel_train.base.errors import first_few
-from accel_train.base.readers import BadFile, read_json
+from accel_train.base.readers import BadFile, read_json, safetensors_shapes
 
 # beside a weights file, the files that describe it: (file, kind, the class names' key, where
 # its mean and std are: a section, or the top level)
@@ -70,22 +70,20 @@ def classifier_names(model_name: str) -> Optional[tuple[str, ...]]:
 
 
 def file_class_count(path: Path, classifiers: Sequence[str]) -> Optional[int]:
-    """Rows of the file's first classifier weight, None where it has none.  Read errors fall
-    through as None: the load that follows names a damaged file in one line."""
+    """Rows of the file's first classifier weight, None where it has none.  A file that cannot
+    be read is left to the load that follows, which names it in one line."""
     keys = [f"{name}.weight" for name in classifiers]
     try:
         if path.suffix.lower() == ".safetensors":
-            from safetensors import safe_open
-            with safe_open(str(path), framework="pt") as weights:
-                held = set(weights.keys())
-                key = next((k for k in keys if k in held), None)
-                return None if key is None else int(weights.get_slice(key).get_shape()[0])
-        from timm.models import load_state_dict  # unwraps 'state_dict', 'model', 'module.'
-        state = load_state_dict(str(path))
-    except Exception:  # noqa: BLE001 (any reader's error: reported by the load itself)
+            shapes = safetensors_shapes(path, "pretrained")  # the header alone
+        else:
+            from timm.models import load_state_dict  # weights_only; unwraps 'state_dict', ...
+            shapes = {key: tuple(value.shape) for key, value in load_state_dict(str(path)).items()
+                      if hasattr(value, "shape")}
+    except Exception:  # noqa: BLE001 (any reader's error: the load reports it)
         return None
-    key = next((k for k in keys if k in state), None)
-    return None if key is None else int(state[key].shape[0])
+    key = next((k for k in keys if k in shapes), None)
+    return None if key is None or not shapes[key] else int(shapes[key][0])
 
 
 def described_beside(path: Path) -> Described:

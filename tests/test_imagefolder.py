@@ -315,6 +315,8 @@ def _labels(tmp_path: Path, text: str, images=IMAGES) -> list[str]:
     "ImageId,PredictionString\na,cat 1 2 3 4 dog 5 6 7 8\nb,dog 9 9 9 9\nc,cat\n",  # Kaggle's
     "cat\ndog\ncat\n",                                          # one class a line, name order
     " a.png , cat \nb.jpg,dog\nc.png,cat",                     # spaces around CSV fields
+    '"a.png","cat"\n"b.jpg",dog\nc.png,"cat"\n',                # quoted as Excel quotes
+    "a.png;cat\nb.jpg;dog\nc.png;cat\n",                      # Excel where , is a decimal
 ])
 def test_label_files_in_each_form(tmp_path, text):
     assert _labels(tmp_path, text) == ["cat", "dog", "cat"]

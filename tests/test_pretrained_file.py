@@ -128,3 +128,7 @@ def test_what_the_folder_says_of_a_file(tmp_path):
         "architecture": "resnet18", "pretrained_cfg": {"mean": [0.1, 0.2], "std": [1, 1, 1]}}))
     said = described_beside(file)
     assert (said.class_names, said.mean, said.std) == (None, None, None)
+    for mean in (["a", "b", "c"], [True, 0.5, 0.5]):  # not numbers: nothing taken
+        (tmp_path / "config.json").write_text(json.dumps({
+            "architecture": "resnet18", "pretrained_cfg": {"mean": mean, "std": [1, 1, 1]}}))
+        assert described_beside(file).mean is None

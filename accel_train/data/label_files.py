@@ -54,7 +54,7 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
     Every image needs a label, every label one of `classes` (the class folders of train/, or
     with `classes_from_file` the labels of --train-labels), and every line an image of the
     folder; anything else is a UsageError naming the line."""
-    rows = [(number, line_fields(line, quoted=False))
+    rows = [(number, line_fields(line))
             for number, line in label_lines(file, "--val-labels", lambda: read_text(
                 file, "val_labels", "--val-labels", errors="replace"))]
     where = f"--val-labels {file}"
@@ -93,7 +93,7 @@ def read_train_labels(file: Path, folder: Path, images: list[str]) -> list[str]:
     for position, (number, line) in enumerate(label_lines(
             file, "--train-labels",
             lambda: read_text(file, "train_labels", "--train-labels", errors="replace"))):
-        fields = line_fields(line, quoted=True)
+        fields = line_fields(line)
         if position == 0 and fields[0] not in lookup.holders:
             continue  # a header line
         if len(fields) != 2:
@@ -127,15 +127,13 @@ def whole_numbers_as_written(labels: list[str]) -> list[str]:
     return labels
 
 
-def line_fields(line: str, quoted: bool) -> list[str]:
-    """A line's fields: comma-separated (CSV, quoted fields as the csv module reads them when
-    `quoted`), else semicolon-separated (Excel's CSV where the comma is the decimal mark), else
-    separated by whitespace."""
+def line_fields(line: str) -> list[str]:
+    """A line's fields: comma-separated (CSV: quoted fields as the csv module reads them), else
+    semicolon-separated (Excel's CSV where the comma is the decimal mark), else separated by
+    whitespace."""
     for separator in (",", ";"):
         if separator in line:
-            fields = next(csv.reader([line], delimiter=separator)) if quoted \
-                else line.split(separator)
-            return [field.strip() for field in fields]
+            return [field.strip() for field in next(csv.reader([line], delimiter=separator))]
     return line.split()
 
 

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from accel_train.cli import RETRY_HINT, _Parser, stop_on_a_stuck_read
 from accel_train.commands import EMA_HELP
 from accel_train.commands.mistakes import mistake_rows, write_mistakes
-from accel_train.commands.predict_csv import check_csv_target
+from accel_train.commands.csv_files import check_csv_target
 from accel_train.config import PRECISIONS, SAMPLE_SUBSETS, TTA_MODES, TrainConfig
 from accel_train.base.errors import UsageError, first_few
 

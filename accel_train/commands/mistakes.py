@@ -8,7 +8,7 @@ the same order, the loss being -log of it), and the rest say which classes look 
 
 `image` names the file as training's own messages do (its path inside --data-dir for a
 folder; a parquet file and row, or a split and row), `probability` is the predicted class's.
-Written beside its name and renamed onto it (predict_csv.CsvOutput), by the main process.
+Written beside its name and renamed onto it (csv_files.CsvOutput), by the main process.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Sequence
 
-from accel_train.commands.predict_csv import CsvOutput
+from accel_train.commands.csv_files import CsvOutput
 
 HEADER = ("image", "class", "predicted", "probability", "class_probability")
 

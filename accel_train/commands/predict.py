@@ -23,8 +23,9 @@ from typing import Optional, Sequence
 from accel_train.base.columns import display_width, pad
 from accel_train.cli import _Parser, add_read_timeout, read_timeout_checked, stop_on_a_stuck_read
 from accel_train.commands import EMA_HELP
-from accel_train.commands.predict_csv import (IMAGE_FORMS, CsvOutput, check_csv_target,
-                                              check_csv_top_k, csv_row, header_of, image_ids,
+from accel_train.commands.csv_files import CsvOutput, check_csv_target
+from accel_train.commands.predict_csv import (IMAGE_FORMS, check_csv_top_k, csv_row,
+                                              header_of, image_ids,
                                               refuse_csv_options_without_csv,
                                               refuse_names_with_spaces, what_each_row_holds)
 from accel_train.config import PRECISIONS

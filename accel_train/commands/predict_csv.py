@@ -13,15 +13,13 @@ The image column is the image's path relative to the folder given (a file given 
 name), its file name, or its file name without extension (`--csv-image stem`: Kaggle's ids); the
 label files of training read each of the three forms, so a model's predictions label a folder
 again.  Ids that two images share are refused before anything is predicted.  The file is
-written beside its final name and renamed onto it only when every image was predicted: an
-interrupted or failed prediction leaves an earlier file of that name as it was.
+written beside its final name and renamed onto it only when every image was predicted
+(csv_files.CsvOutput): an interrupted or failed prediction leaves an earlier file of that name
+as it was.
 """
 
 from __future__ import annotations
 
-import csv
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -138,55 +136,3 @@ def what_each_row_holds(probabilities: bool, num_classes: int, top_k: int) -> st
         return f"the probabilities of {num_classes} classes"
     shown = min(top_k, num_classes)
     return "the top-1 class" if shown == 1 else f"the top-{shown} classes"
-
-
-def check_csv_target(path: Path, flag: str = "--csv", example: str = "predictions.csv"
-                     ) -> None:
-    """Before any work: `flag` names a file whose folder exists."""
-    if path.is_dir():
-        raise UsageError(f"{flag} {path} is a folder; name the file to write ({example})")
-    if not path.parent.is_dir():
-        raise UsageError(f"{flag} {path}: the folder {path.parent} does not exist; create it "
-                         f"or name a file in an existing folder")
-
-
-class CsvOutput:
-    """Rows written to a hidden file beside `path` as they are predicted (a test set of any size
-    in constant memory), renamed onto `path` by `commit`; `discard` (or an exception inside
-    the `with`) removes it.  `path` is checked before any work (check_csv_target); a folder
-    that went away since, or cannot be written, is the refusal here."""
-
-    def __init__(self, path: Path, header: Sequence[str], flag: str = "--csv"):
-        self.path = path
-        try:
-            handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial",
-                                           dir=path.parent)
-        except OSError as err:
-            raise UsageError(f"{flag} {path}: cannot write in {path.parent} "
-                             f"({err.strerror}); name a file in a folder you can write") from None
-        self._tmp = Path(tmp)
-        self._file = os.fdopen(handle, "w", newline="", encoding="utf-8")
-        self._writer = csv.writer(self._file)  # quotes a name holding a comma, as readers expect
-        self._writer.writerow(header)
-        self.rows = 0
-
-    def write(self, row: Sequence[object]) -> None:
-        self._writer.writerow(row)
-        self.rows += 1
-
-    def commit(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self._tmp, self.path)
-
-    def discard(self) -> None:
-        self._file.close()
-        self._tmp.unlink(missing_ok=True)
-
-    def __enter__(self) -> "CsvOutput":
-        return self
-
-    def __exit__(self, kind, value, traceback) -> None:
-        if not self._file.closed:  # not committed: an exception or a failed image
-            self.discard()

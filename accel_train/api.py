@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import re
 import sys
 from pathlib import Path
@@ -182,4 +183,7 @@ def config_for(model: Union[nn.Module, str], options: dict) -> TrainConfig:
     else:
         raise UsageError(f"fit(): model must be an nn.Module or a model name, not "
                          f"{type(model).__name__}")
+    # paths as a program holds them (fit() itself returns a Path): the options take text
+    options = {key: os.fspath(value) if isinstance(value, os.PathLike) else value
+               for key, value in options.items()}
     return TrainConfig.from_dict({**options, "model": name}, source="fit()")

@@ -284,7 +284,9 @@ def test_a_scripts_own_class_and_datasets_are_named_as_what_commands_cannot_rebu
     torch.manual_seed(0)
     run_dir = accel_train.fit(ScriptTiny(), Squares(32), Squares(8), batch_size=8, epochs=1,
                               mixed_precision="no", channels_last=False, augment=False,
-                              progress="log", plots=False, output_dir=str(tmp_path / "run"))
+                              progress="log", plots=False,
+                              output_dir=tmp_path / "run")  # a Path, as fit() returns one
+    assert run_dir.resolve() == (tmp_path / "run").resolve()
     said = capsys.readouterr()
     assert "the model's class ScriptTiny is defined in the script that runs" in \
         said.out + said.err

@@ -369,6 +369,23 @@ def test_the_mistakes_file_is_plain_torchs_wrong_images_least_likely_first(run_d
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mistakes.csv", "photos"]
 
 
+def test_eval_of_every_image_of_a_folder_of_one_image_a_class(run_dir, tmp_path):
+    """--split all of other data carves nothing: a folder of one image per class (which a
+    training carve refuses: each image would leave its class nothing to train on) is
+    evaluated whole, as plain torch evaluates the ten images."""
+    from PIL import Image
+    images, labels = synthetic.splits(TRAIN_SIZE)["test"]
+    names = model_spec_of(run_dir)["class_names"]
+    first = [int(next(i for i in range(len(labels)) if labels[i] == c)) for c in range(10)]
+    for c, i in enumerate(first):
+        (tmp_path / "one" / names[c]).mkdir(parents=True)
+        Image.fromarray(images[i]).save(tmp_path / "one" / names[c] / "only.png")
+    report = _eval_json(str(run_dir), "--data-dir", str(tmp_path / "one"), "--split", "all",
+                        "--mixed-precision", "no")
+    assert report["data"] == f"{tmp_path / 'one'} (train, nothing held out)"
+    _check(report, _oracle(run_dir, images[first], labels[first]))
+
+
 def test_mistake_rows_and_image_names_by_hand(tmp_path):
     """The order (the label's probability, then the data's order among equals), the cells,
     the names of files and of images held as arrays, and the refusal of a file that cannot be

@@ -329,8 +329,12 @@ def main(argv: Sequence[str]) -> int:
                                  f"by the trainer's loader only; evaluate its held-out split, or "
                                  f"pass --data-dir of a folder")
             # one class is data to evaluate a classifier on, if not to train one
+            # --split all of other data: every image, no carve to make (a class of one image
+            # could not give one)
+            every_image = args.split == "all" and (args.data_dir or args.dataset) is not None
             data = main_first(lambda: load_streaming(config) if streamed else
-                              load_data(config, min_classes=1, to_train=False))
+                              load_data(config, min_classes=1, to_train=False,
+                                        every_image=every_image))
             changed = None if streamed else data_changed_since_run(data, run_record, args)
             if changed:
                 print_once(f"warning: {changed}")

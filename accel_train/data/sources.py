@@ -612,7 +612,8 @@ def training_split_name(raw: RawData) -> str:
 
 
 def pick_splits(raw: RawData, val_fraction: float, label_column: str,
-                select_on_test: bool = False, stratify: bool = False) -> Splits:
+                select_on_test: bool = False, stratify: bool = False,
+                carve: bool = True) -> Splits:
     """The data's own validation split; else `val_fraction` of the training split carved off
     with a fixed seed (class by class with `stratify`; each class keeping a training image:
     carve.carve_rows), the test split kept
@@ -631,6 +632,9 @@ def pick_splits(raw: RawData, val_fraction: float, label_column: str,
         return Splits(train_name, train_rows, validation,
                       np.arange(len(raw.splits[validation])), test,
                       f"{train_name}/{validation}" + (f"/{test}" if test else ""))
+    if not carve:  # every image where it is: the training split whole, nothing held out
+        return Splits(train_name, train_rows, train_name, np.arange(0), test,
+                      f"{train_name}, nothing held out" + (f"; {test} apart" if test else ""))
     labels = raw.splits[train_name].with_format("arrow")[label_column].to_numpy()
     train_rows, held_out_rows = carve_rows(len(train_rows), val_fraction, labels, stratify)
     return Splits(train_name, train_rows, train_name, held_out_rows, test,
@@ -687,11 +691,13 @@ def embedded_set(config: TrainConfig) -> bool:
     return config.data_dir is None and config.dataset == SYNTHETIC_DATASET
 
 
-def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True) -> LoadedData:
+def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True,
+              every_image: bool = False) -> LoadedData:
     """Load, pick splits and columns, apply sample limits, decode into memory when worthwhile.
     `min_classes`: 2 to train on; eval takes data of one class.  `to_train`: False for data a
     trained model is evaluated on, whose held-out classes are checked against the model's
-    (eval.align_labels), not against the data's own training split."""
+    (eval.align_labels), not against the data's own training split.  `every_image`: nothing
+    carved off a data set without a validation split (eval --split all of other data)."""
     if embedded_set(config):
         data = _synthetic(config)
         return LoadedData(_limit(data.train, config.max_train_samples, config.sample_subset),
@@ -706,7 +712,7 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True) 
     image_column, label_column = find_columns(raw.splits[train_name], config)
     warnings = set_aside_unlabelled_splits(raw, label_column, train_name)
     splits = pick_splits(raw, config.val_fraction, label_column, config.select_on_test,
-                         config.val_stratify)
+                         config.val_stratify, carve=not every_image)
     if config.select_on_test and splits.eval_name not in TEST_SPLIT_NAMES:
         warnings.append(f"--select-on-test has no effect: {raw.origin} "
                         + (f"has a validation split ({splits.eval_name}), which selects"

@@ -66,3 +66,34 @@ def test_a_manual_flag_a_single_process_cannot_use_stops_in_one_line(tmp_path, f
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("accel_train: error: ") and message in lines[0]
     assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_a_rank_waiting_for_its_peer_says_so_and_stops_at_ctrl_c(tmp_path):
+    """--world_size 2 --rank 0 started alone (the second shell's command never ran): one line
+    says what it waits for, and Ctrl-C ends it at once (the rendezvous waits inside torch's
+    C++, where Python's handler never ran: it sat through Ctrl-C for 30 minutes)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from conftest import REPO, free_port
+    from conftest import test_env as child_env  # (as test_env, pytest would collect it)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "accel_train", *TINY_TRAIN, "--world_size", "2", "--rank", "0",
+         "--dist_url", url, "--output-dir", str(tmp_path / "run")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waiting = process.stderr.readline()  # blocks until the line comes (or the process ends)
+    assert waiting.strip() == (f"rank 0 of 2: waiting for the other ranks at {url} (each "
+                               f"started with --world_size 2, its own --rank and this "
+                               f"--dist_url; Ctrl-C stops)")
+    time.sleep(1)  # inside the rendezvous
+    sent = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    process.wait(timeout=30)
+    assert process.returncode == -signal.SIGINT and time.monotonic() - sent < 10
+    assert not (tmp_path / "run").exists()

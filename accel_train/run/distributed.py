@@ -20,11 +20,13 @@ decides and broadcasts (`decide_on_main`), rank 0 first then the rest (`main_fir
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import re
 import signal
 import socket
+import sys
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -228,6 +230,23 @@ def _make_store(env: LauncherEnv) -> dist.Store:
     return dist.PrefixStore(f"accel_train/{env.run_id}/{attempt}/group_{_groups_started}", base)
 
 
+@contextlib.contextmanager
+def interruptible_by_ctrl_c():
+    """The rendezvous waits inside torch's C++ (the store, the group's first barrier), where
+    Python's Ctrl-C handler never runs: a rank waiting for a peer that was never started sat
+    through Ctrl-C until its 30-minute timeout.  Nothing is trained or written yet, so the
+    default action (end the process) is the right one meanwhile; restored after."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():  # signal.signal refuses
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def setup(config: TrainConfig) -> LauncherEnv:
     """Check the manual's flags and start the process group when there is more than one process.
 
@@ -238,7 +257,8 @@ def setup(config: TrainConfig) -> LauncherEnv:
         _show_only_the_gpus_asked_for(config.gpu_ids)
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     check_manual_flags(config, env, cuda_count)
-    if not env.launched and (config.world_size or 1) > 1:
+    by_hand = not env.launched and (config.world_size or 1) > 1
+    if by_hand:
         env = _env_from_manual_flags(config, cuda_count)
     global _STORE, _started_default_group
     _started_default_group = env.world_size > 1 and not dist.is_initialized()
@@ -249,10 +269,16 @@ def setup(config: TrainConfig) -> LauncherEnv:
         # NCCL ends a collective that overruns its timeout only with async error handling on
         # (its watchdog aborts the communicator); without it a hang would last forever.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        _STORE = _make_store(env)
-        # Long, for start-up and the first step; collectives.py tightens it after that.
-        dist.init_process_group("nccl" if use_cuda else "gloo", store=_STORE,
-                                rank=env.rank, world_size=env.world_size, timeout=LONG_TIMEOUT)
+        if by_hand:  # no launcher says what it waits for; a missing rank would look hung
+            print(f"rank {env.rank} of {env.world_size}: waiting for the other ranks at "
+                  f"{config.dist_url} (each started with --world_size {env.world_size}, its own "
+                  f"--rank and this --dist_url; Ctrl-C stops)", file=sys.stderr, flush=True)
+        with interruptible_by_ctrl_c():
+            _STORE = _make_store(env)
+            # Long, for start-up and the first step; collectives.py tightens it after that.
+            dist.init_process_group("nccl" if use_cuda else "gloo", store=_STORE,
+                                    rank=env.rank, world_size=env.world_size,
+                                    timeout=LONG_TIMEOUT)
     if dist.is_initialized():  # started here, or by the program that called fit
         _hold_default_group()
     return env

@@ -97,3 +97,29 @@ def test_a_rank_waiting_for_its_peer_says_so_and_stops_at_ctrl_c(tmp_path):
     process.wait(timeout=30)
     assert process.returncode == -signal.SIGINT and time.monotonic() - sent < 10
     assert not (tmp_path / "run").exists()
+
+
+def test_ranks_started_with_other_options_are_refused_in_one_line(tmp_path):
+    """Two shells, one typo: --seed 3 and --seed 4 trained two data orders as one run (exit 0),
+    --batch_size 8 and 16 ended in gloo's C++ abort.  Now every rank says which option differs
+    (exit 2) and nothing is written."""
+    import subprocess
+    import sys
+    from conftest import REPO, free_port
+    from conftest import test_env as child_env  # (as test_env, pytest would collect it)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    ranks = [subprocess.Popen(
+        [sys.executable, "-m", "accel_train", *TINY_TRAIN, "--world_size", "2", "--rank",
+         str(rank), "--dist_url", url, "--seed", str(3 + rank), "--output-dir",
+         str(tmp_path / "run")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for rank in (0, 1)]
+    said = [process.communicate(timeout=300) for process in ranks]
+    line = "rank 1 was started with --seed 4, rank 0 with 3: start every rank with the same options"
+    assert [process.returncode for process in ranks] == [2, 2], said
+    assert said[0][1].strip().splitlines()[-1] == f"accel_train: error: {line}"
+    assert said[1][1].strip().splitlines()[-1] == f"accel_train: error (rank 1): {line}"
+    assert not (tmp_path / "run").exists()

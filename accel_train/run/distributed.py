@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import gc
 import os
 import re
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed import constants as dist_constants
 
 from accel_train.run.collectives import LONG_TIMEOUT
-from accel_train.config import TrainConfig, parse_gpu_ids
+from accel_train.config import TrainConfig, flag, parse_gpu_ids
 from accel_train.base.errors import UsageError
 from accel_train.base.ranks import (any_rank, decide_on_main, is_global_main, main_first,  # noqa: F401
                                      more_than_one_rank, print_once)
@@ -281,7 +282,36 @@ def setup(config: TrainConfig) -> LauncherEnv:
                                     timeout=LONG_TIMEOUT)
     if dist.is_initialized():  # started here, or by the program that called fit
         _hold_default_group()
+        check_same_options(config)
     return env
+
+
+# options that may differ between the ranks of one run: which process it is, and where its
+# machine keeps the data, the weights and the run (paths local to each machine)
+PER_PROCESS_OPTIONS = frozenset({"rank", "local_rank", "gpu_ids", "dist_url", "num_workers",
+                                 "progress", "data_dir", "train_labels", "val_labels",
+                                 "pretrained", "output_dir", "checkpoint", "config"})
+
+
+def check_same_options(config: TrainConfig) -> None:
+    """Every rank was started with the same options: commands typed per process (the manual's
+    flags, one shell a machine) can differ by a typo, and then the ranks disagreed in a C++
+    abort (another --batch-size: gloo's "data size doesn't match") or, worse, silently (another
+    --seed: another data order on each rank).  One line on every rank, naming the first."""
+    if dist.get_world_size() < 2:
+        return
+    mine = {key: value for key, value in dataclasses.asdict(config).items()
+            if key not in PER_PROCESS_OPTIONS}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        differing = [key for key in mine if theirs.get(key) != everyone[0].get(key)]
+        if differing:
+            key, more = differing[0], len(differing) - 1
+            also = f" (and {more} more option(s))" if more else ""
+            raise UsageError(f"rank {rank} was started with {flag(key)} {theirs.get(key)!r}, "
+                             f"rank 0 with {everyone[0].get(key)!r}{also}: start every rank "
+                             f"with the same options")
 
 
 def launcher_facts() -> dict:

@@ -205,8 +205,12 @@ def test_class_names_come_from_classes_or_a_class_label_else_the_indices():
         {"x": Value("int64"), "label": ClassLabel(names=["a", "b", "c"])}))
     assert class_names_of(columns, labels) == ["a", "b", "c"]
     assert class_names_of(Items(3), labels) == ["0", "1", "2"]
-    # fewer names than classes: the names cannot be the labels', the indices are
-    assert class_names_of(Named(3), [torch.tensor([3])]) == ["0", "1", "2", "3"]
+    # a label past the names: a wrong label (not a model of the wrong size), named
+    with pytest.raises(UsageError) as caught:
+        class_names_of(Named(3), [torch.tensor([0, 1, 2]), torch.tensor([1, 2, 9, 5])])
+    assert str(caught.value) == ("eval_dataset[2]: label 9 is past the dataset's 3 class names "
+                                 "(cat, dog, eel: labels 0..2); fix the label, or add its class "
+                                 "to the names")
     assert class_names_of(Items(3), [torch.tensor([], dtype=torch.long), torch.tensor([1])]) \
         == ["0", "1"]
     # a `classes` of the dataset's own that holds no names (a count): the indices

@@ -115,8 +115,11 @@ def class_index(label: Any, name: str) -> int:
     return index
 
 
-def class_names_of(dataset, labels: Sequence[torch.Tensor]) -> list[str]:
-    """torchvision's `classes`, a Hugging Face ClassLabel's names, else the indices as text."""
+def class_names_of(dataset, labels: Sequence[torch.Tensor],
+                   parts: Sequence[str] = ("train_dataset", "eval_dataset")) -> list[str]:
+    """torchvision's `classes`, a Hugging Face ClassLabel's names, else the indices as text.
+    A label past the names is one line naming its item: the model would otherwise be built
+    for more classes than the data names, and refused as the wrong shape."""
     names = getattr(dataset, "classes", None)
     if not isinstance(names, (list, tuple)):  # a count or a mapping of one's own: not names
         names = None
@@ -125,7 +128,14 @@ def class_names_of(dataset, labels: Sequence[torch.Tensor]) -> list[str]:
         if names is None and hasattr(features.get(column), "names"):
             names = features[column].names
     count = max(int(part.max()) + 1 for part in labels if len(part))
-    if names is not None and len(names) >= count:
+    if names is not None and len(names) < count:
+        part, index = next((name, int((part >= len(names)).nonzero()[0])) for name, part
+                           in zip(parts, labels) if len(part) and int(part.max()) >= len(names))
+        label = int(labels[list(parts).index(part)][index])
+        raise UsageError(f"{part}[{index}]: label {label} is past the dataset's {len(names)} "
+                         f"class names ({first_few(map(str, names))}: labels 0..{len(names) - 1}); "
+                         f"fix the label, or add its class to the names")
+    if names is not None:
         return [str(name) for name in names]
     return [str(i) for i in range(count)]
 

@@ -195,8 +195,10 @@ def _create_from_factory(name: str, num_classes: int, drop_rate: float,
         raise UsageError(f"--model {name}: {call} raised {type(err).__name__}: "
                          f"{first_line(err)}; fix the factory") from None
     if not isinstance(model, nn.Module):
-        raise UsageError(f"--model {name}: {call} returned a {type(model).__name__}, not a "
-                         f"torch nn.Module; return the network")
+        kind = type(model).__name__
+        article = "an" if kind[:1].lower() in tuple("aeiou") else "a"
+        raise UsageError(f"--model {name}: {call} returned {article} {kind}, not a torch "
+                         f"nn.Module; return the network")
     return_logits(model)  # it may return an object holding its logits (outputs.py)
     return model
 

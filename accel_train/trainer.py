@@ -376,10 +376,14 @@ class Trainer:
                     self.end_epoch(mid_epoch=not self._epoch_used_up())
             except RuntimeError as err:
                 if not (self.timeouts.active and is_timeout(err)):
+                    self.report.log_exception("the run stopped on an error")  # in its rank's log
                     raise
                 return report_stall(self.timeouts, err, state.step, self.accelerator.process_index,
                                     self.paths.logs / f"rank{self.accelerator.process_index}.log",
                                     self.report)
+            except Exception:
+                self.report.log_exception("the run stopped on an error")  # in its rank's log
+                raise
             finally:
                 self.progress.close()
         self.timeouts.relax()

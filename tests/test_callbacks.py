@@ -128,6 +128,22 @@ def test_a_callback_must_be_a_callback(tmp_path, fresh_accelerate):
     assert not (tmp_path / "run").exists()  # refused before anything starts
 
 
+def test_an_error_inside_the_loop_is_in_the_ranks_log_too(tmp_path, fresh_accelerate):
+    """A callback (a program's code) raising at step 2: the error propagates as it was, and
+    the rank's log keeps its traceback (under a launcher stderr is the launcher's, often
+    lost)."""
+    class Breaks(Callback):
+        def on_step_end(self, trainer, step):
+            if step == 2:
+                raise RuntimeError("the program's own bug")
+
+    with pytest.raises(RuntimeError, match="the program's own bug"):
+        run_training(_config(tmp_path / "run"), callbacks=[Breaks()])
+    log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
+    assert "the run stopped on an error" in log and "RuntimeError: the program's own bug" in log
+    assert "Traceback" in log
+
+
 def test_a_cpu_run_updates_with_the_unfused_optimizer(tmp_path, fresh_accelerate):
     """On a CPU the trainer builds the unfused optimizer the CPU figures were measured with;
     the fused kernels are for CUDA (train/optim.py says why)."""

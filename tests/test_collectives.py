@@ -95,6 +95,11 @@ def test_the_report_names_the_ranks_that_never_timed_out_with_their_last_step(se
     assert line.endswith("rank 1 (last completed step 35, 61 s ago), rank 3 (no step "
                          "completed)")
     assert store.check([collectives.TIMED_OUT_KEY.format(0)]), "this rank said it timed out"
+    # a peer that ended closed its connection: no wait to speak of, and it is gone, not stalled
+    line = timeouts.describe_stall(my_step=35, peer_gone=True)
+    assert line.startswith("a collective lost another rank: its connection closed (that "
+                           "process ended: a crash or a kill; its own output says which); this "
+                           "is rank 0, at step 35; gone: ")
 
 
 def test_when_every_rank_timed_out_none_is_named(set_timeouts, monkeypatch):

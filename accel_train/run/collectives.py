@@ -147,13 +147,17 @@ class CollectiveTimeouts:
         except (RuntimeError, ValueError):  # the store's host is gone or hung
             return None
 
-    def describe_stall(self, my_step: int) -> str:
-        """One line: the timeout, the ranks that never arrived with their last completed step
-        and how long ago, and where this rank stood."""
+    def describe_stall(self, my_step: int, peer_gone: bool = False) -> str:
+        """One line: the timeout (or, `peer_gone`, the connection a rank closed by ending), the
+        ranks that never arrived with their last completed step and how long ago, and where
+        this rank stood."""
         waited = f"{self.tight_seconds:g} s for another rank (--collective-timeout)" \
             if self._tight_now else \
             f"{LONG_TIMEOUT.total_seconds():.0f} s for another rank (the long timeout)"
-        head = f"a collective waited {waited}; this is rank {self.rank}, at step {my_step}"
+        lost = ("a collective lost another rank: its connection closed (that process ended: a "
+                "crash or a kill; its own output says which)")
+        head = (lost if peer_gone else f"a collective waited {waited}") + \
+            f"; this is rank {self.rank}, at step {my_step}"
         absent = self._who_did_not_arrive(my_step)
         if absent is None:
             return (f"{head}; the process group's store does not answer, so its host (rank 0 "
@@ -164,7 +168,7 @@ class CollectiveTimeouts:
         names = [f"rank {rank} (last completed step {beat['step']}, {now - beat['time']:.0f} s "
                  f"ago)" if beat else f"rank {rank} (no step completed)"
                  for rank, beat in sorted(absent.items())]
-        return f"{head}; stalled: {', '.join(names)}"
+        return f"{head}; {'gone' if peer_gone else 'stalled'}: {', '.join(names)}"
 
     def first_to_report(self) -> bool:
         """Only the first live rank to see the timeout prints the line (the others log it)."""
@@ -214,7 +218,9 @@ def report_stall(timeouts: CollectiveTimeouts, err: RuntimeError, step: int, ran
     """A collective timed out: name who stalled, keep this rank's stacks in its `log`, and
     return EXIT_STALLED, so that the elastic launcher restarts the group from the newest
     checkpoint."""
-    line = timeouts.describe_stall(step)
+    text = str(err).lower()
+    line = timeouts.describe_stall(step, peer_gone="closed by peer" in text
+                                   or "reset by peer" in text)
     # Where this rank waited (the error's traceback), then every thread as it is now.
     report.log_exception(f"{line} ({first_line(err, 300)})")
     dump_stacks(log)

@@ -181,3 +181,11 @@ def test_a_run_resumed_inside_an_epoch_logs_where_the_run_it_continues_would(tmp
     assert train(tmp_path / "whole") == [3, 6]
     assert train(tmp_path / "resumed", "--max-steps", "6") == [3, 6]
     assert train(tmp_path / "resumed", "--resume", "auto") == [3, 6]
+
+
+def test_the_summary_says_a_budget_run_stays_within_max_steps():
+    from accel_train.run.report import _length_words
+    assert _length_words(120, None) == "120 steps in all"
+    assert _length_words(None, None) == "fitted to --time-budget after a few steps in all"
+    assert _length_words(None, 40) == ("fitted to --time-budget after a few steps in all, at "
+                                       "most 40 (--max-steps)")

@@ -35,6 +35,7 @@ def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precisi
             "host_memory": host_memory,
             "world_size": accelerator.num_processes, "global_batch": loaders.global_batch,
             "steps_per_epoch": loaders.steps_per_epoch, "total_steps": known_total,
+            "max_steps": config.max_steps,
             "data": data.description, "data_from_program": data.from_program,
             "train_samples": len(data.train), "eval_samples": len(data.held_out),
             "test_samples": len(data.test) if data.test is not None else 0,

@@ -93,9 +93,18 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         + f"  global batch {facts['global_batch']} = {per_process} per process x {world} "
         f"process(es) x {accumulation_steps} accumulation step(s); "
         f"{facts['steps_per_epoch']} steps/epoch, "
-        f"{facts['total_steps'] or 'fitted to --time-budget after a few'} steps in all\n"
+        f"{_length_words(facts['total_steps'], facts.get('max_steps'))}\n"
         f"  output: {facts['output_dir']} (checkpoints in {facts['checkpoint_dir']})\n"
         f"  records: {records}" + _slurm_line(facts.get("launcher", {}).get("slurm")))
+
+
+def _length_words(total_steps: Optional[int], max_steps: Optional[int]) -> str:
+    """The run's length, or how a --time-budget run fits it after a few steps (within
+    --max-steps where given: the budget then only shortens the run)."""
+    if total_steps:
+        return f"{total_steps} steps in all"
+    cap = f", at most {max_steps} (--max-steps)" if max_steps else ""
+    return f"fitted to --time-budget after a few steps in all{cap}"
 
 
 def _slurm_line(slurm: Optional[dict]) -> str:

@@ -70,8 +70,9 @@ def test_a_manual_flag_a_single_process_cannot_use_stops_in_one_line(tmp_path, f
 
 def test_a_rank_waiting_for_its_peer_says_so_and_stops_at_ctrl_c(tmp_path):
     """--world_size 2 --rank 0 started alone (the second shell's command never ran): one line
-    says what it waits for, and Ctrl-C ends it at once (the rendezvous waits inside torch's
-    C++, where Python's handler never ran: it sat through Ctrl-C for 30 minutes)."""
+    on stdout says what it waits for (stderr stays for errors), and Ctrl-C ends it at once
+    (the rendezvous waits inside torch's C++, where Python's handler never ran: it sat through
+    Ctrl-C for 30 minutes)."""
     import signal
     import subprocess
     import sys
@@ -87,7 +88,7 @@ def test_a_rank_waiting_for_its_peer_says_so_and_stops_at_ctrl_c(tmp_path):
         [sys.executable, "-m", "accel_train", *TINY_TRAIN, "--world_size", "2", "--rank", "0",
          "--dist_url", url, "--output-dir", str(tmp_path / "run")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    waiting = process.stderr.readline()  # blocks until the line comes (or the process ends)
+    waiting = process.stdout.readline()  # blocks until the line comes (or the process ends)
     assert waiting.strip() == (f"rank 0 of 2: waiting for the other ranks at {url} (each "
                                f"started with --world_size 2, its own --rank and this "
                                f"--dist_url; Ctrl-C stops)")

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from accel_train.cli import RETRY_HINT, _Parser, stop_on_a_stuck_read
 from accel_train.commands import EMA_HELP
-from accel_train.commands.mistakes import mistake_rows, write_mistakes
+from accel_train.commands.mistakes import image_namer, mistake_rows, write_mistakes
 from accel_train.commands.csv_files import check_csv_target
 from accel_train.config import PRECISIONS, SAMPLE_SUBSETS, TTA_MODES, TrainConfig
 from accel_train.base.errors import UsageError, first_few
@@ -219,8 +219,6 @@ def _dataset_for_split(data, split: str, transform, max_samples, sample_subset: 
     `keyed`: each sample carries its key, a position in the parts before any --max-samples
     limit) or None."""
     from torch.utils.data import ConcatDataset, Subset
-
-    from accel_train.commands.mistakes import image_namer
 
     from accel_train.data.loaders import HeldOutImages
     from accel_train.data.sample_limits import kept_positions

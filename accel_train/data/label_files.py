@@ -184,8 +184,9 @@ def _known_class(label: str, classes: set[str], where: str, number: int,
                  classes_from_file: bool) -> str:
     if label in classes:
         return label
-    if classes_from_file and whole_numbers_as_written([label])[0] in classes:
-        return whole_numbers_as_written([label])[0]  # 3.0 for the class 3 training read
+    whole = whole_numbers_as_written([label])[0]
+    if classes_from_file and whole in classes:
+        return whole  # 3.0 for the class 3 training read
     examples = ", ".join(sorted(classes)[:3])
     # the hint is for numbered labels against named class folders (ImageNet's numbering is not
     # the sorted one); a --train-labels file's classes may be numbers themselves

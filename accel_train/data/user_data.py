@@ -129,11 +129,12 @@ def class_names_of(dataset, labels: Sequence[torch.Tensor],
             names = features[column].names
     count = max(int(part.max()) + 1 for part in labels if len(part))
     if names is not None and len(names) < count:
-        part, index = next((name, int((part >= len(names)).nonzero()[0])) for name, part
-                           in zip(parts, labels) if len(part) and int(part.max()) >= len(names))
-        label = int(labels[list(parts).index(part)][index])
-        raise UsageError(f"{part}[{index}]: label {label} is past the dataset's {len(names)} "
-                         f"class names ({first_few(map(str, names))}: labels 0..{len(names) - 1}); "
+        part, values = next((name, values) for name, values in zip(parts, labels)
+                            if len(values) and int(values.max()) >= len(names))
+        index = int((values >= len(names)).nonzero()[0])
+        raise UsageError(f"{part}[{index}]: label {int(values[index])} is past the dataset's "
+                         f"{len(names)} class names ({first_few(map(str, names))}: labels "
+                         f"0..{len(names) - 1}); "
                          f"fix the label, or add its class to the names")
     if names is not None:
         return [str(name) for name in names]

@@ -272,7 +272,7 @@ def setup(config: TrainConfig) -> LauncherEnv:
         if by_hand:  # no launcher says what it waits for; a missing rank would look hung
             print(f"rank {env.rank} of {env.world_size}: waiting for the other ranks at "
                   f"{config.dist_url} (each started with --world_size {env.world_size}, its own "
-                  f"--rank and this --dist_url; Ctrl-C stops)", flush=True)  # (stderr: errors)
+                  f"--rank and this --dist_url; Ctrl-C stops)", flush=True)  # stdout: not an error
         with interruptible_by_ctrl_c():
             _STORE = _make_store(env)
             # Long, for start-up and the first step; collectives.py tightens it after that.

@@ -178,9 +178,13 @@ def _run_train(argv: Sequence[str]) -> int:
     from accel_train.data.loading import RESTART_HINT
     from accel_train.trainer import run_training  # heavy imports only once the input is known good
     # (the loader workers' reads have the DataLoader's timeout; these are the process's own)
+    from accel_train.run.resume_options import naming_differences
     with stop_on_a_stuck_read(config.loader_timeout, "--loader-timeout", "training",
                               RESTART_HINT):
-        return run_training(config)
+        try:
+            return run_training(config)
+        except UsageError as err:  # a refused resume: every option that differs, at once
+            raise naming_differences(err, config) from None
 
 
 def _subcommands() -> dict[str, Callable[[Sequence[str]], int]]:

@@ -148,13 +148,19 @@ def git_revision() -> str | None:
 def update_resolved(output_dir: Path, updates: dict) -> Path:
     """Facts resolved after the start (a --time-budget run's step count) into the record of
     this start: config.yaml, or the newest config.resume-*.yaml when this start resumed."""
-    paths = run_paths(output_dir)
-    resumes = sorted(paths.root.glob("config.resume-*.yaml"))
-    path = resumes[-1] if resumes else paths.config
+    path = latest_record(output_dir)
     record = read_yaml(path, "run_config")
     record["resolved"].update(updates)
     _write_whole(path, record)
     return path
+
+
+def latest_record(output_dir: Path) -> Path:
+    """The record of the run's latest start: config.yaml, or the newest config.resume-*.yaml
+    (their names sort by the time of the start)."""
+    paths = run_paths(output_dir)
+    resumes = sorted(paths.root.glob("config.resume-*.yaml"))
+    return resumes[-1] if resumes else paths.config
 
 
 def _write_whole(path: Path, record: dict) -> None:
@@ -165,16 +171,21 @@ def _write_whole(path: Path, record: dict) -> None:
     tmp.replace(path)
 
 
+def recorded_options(config: TrainConfig) -> dict:
+    """The options as a run's record holds them: paths made absolute (`eval` may run
+    elsewhere)."""
+    options = config.to_dict()
+    for name in ("data_dir", "pretrained", "val_labels", "train_labels"):
+        if options[name] and options[name] != "hub":
+            options[name] = str(Path(options[name]).resolve())
+    return options
+
+
 def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict) -> Path:
     """config.yaml on the first start; a resumed start records itself beside it instead of
     rewriting what the original run was."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    options = config.to_dict()
-    # absolute: `eval` may run elsewhere
-    for name in ("data_dir", "pretrained", "val_labels", "train_labels"):
-        if options[name] and options[name] != "hub":
-            options[name] = str(Path(options[name]).resolve())
-    record = {"train": options, "resolved": resolved, "versions": package_versions(),
+    record = {"train": recorded_options(config), "resolved": resolved, "versions": package_versions(),
               "git_revision": git_revision(), "command": recorded_command()}
     path = run_paths(output_dir).config
     if path.exists():

@@ -1,0 +1,77 @@
+"""A refused resume names every option the start sets otherwise than the run's last start did,
+not only the one that stopped it, and the flag that takes them all from the run's record."""
+
+from __future__ import annotations
+
+import re
+
+from accel_train.config import TrainConfig
+from accel_train.run.resume_options import differences
+from conftest import TINY_TRAIN, accel_train_here
+
+FIRST = [*TINY_TRAIN, "--max-steps", "2", "--seed", "3", "--image-size", "40"]
+
+
+def named_differences(line: str) -> tuple[str, set[str]]:
+    """(the record the line names, the differences it lists)."""
+    match = re.search(r"otherwise than the run's last start \((.+?)\): (.+); --config (\S+) "
+                      r"--resume auto takes the run's options$", line)
+    assert match, line
+    assert match.group(1) == match.group(3), line
+    return match.group(1), set(match.group(2).split(", "))
+
+
+def test_a_resume_with_only_the_output_dir_names_every_option_of_the_run(tmp_path):
+    out = tmp_path / "run"
+    accel_train_here(*FIRST, "--output-dir", str(out), check=True)
+    alone = accel_train_here("--output-dir", str(out), "--resume", "auto", "--progress", "log")
+    lines = alone.stderr.strip().splitlines()
+    assert alone.returncode == 2 and len(lines) == 1, alone.stderr
+    record, found = named_differences(lines[0])
+    assert record == str(out / "config.yaml")
+    # FIRST against the defaults, by hand: the precision and memory format it pins are left
+    # to auto here, which takes the checkpoint's; --no-plots and --progress are this start's
+    assert found == {"--synthetic-train-size 4000 (the run: 256)",
+                     "--max-eval-samples not set (the run: 64)",
+                     "--model resnet18 (the run: test_resnet)",
+                     "--batch-size 64 (the run: 16)", "--epochs 10 (the run: 1)",
+                     "--max-steps not set (the run: 2)", "--seed 0 (the run: 3)",
+                     "--image-size not set (the run: 40)"}, lines[0]
+
+    # the flag it offers resumes, with what is changed on purpose added
+    accel_train_here("--config", record, "--resume", "auto", "--max-steps", "3",
+                     check=True)
+    # and the next refusal compares with that start's record, which trained to step 3
+    again = accel_train_here("--config", record, "--resume", "auto", "--seed", "5")
+    assert again.returncode == 2, again.stderr
+    latest, found = named_differences(again.stderr.strip())
+    assert re.fullmatch(re.escape(str(out)) + r"/config\.resume-\d{8}-\d{6}\.yaml", latest)
+    assert found == {"--seed 5 (the run: 3)", "--max-steps 2 (the run: 3)"}
+    assert "was trained with --seed 3" in again.stderr
+
+
+def test_a_refusal_with_no_difference_from_the_record_is_left_as_it_is(tmp_path):
+    """The refusal alone where the options are the run's: another --output-dir holds no
+    record (a checkpoint resumed elsewhere), or the record says what this start says."""
+    out = tmp_path / "run"
+    accel_train_here(*FIRST, "--output-dir", str(out), check=True)
+    elsewhere = accel_train_here(*FIRST, "--output-dir", str(tmp_path / "other"), "--resume",
+                                 str(out / "checkpoints" / "step_00000002"), "--optimizer",
+                                 "adamw")
+    assert elsewhere.returncode == 2
+    assert elsewhere.stderr.strip().endswith("or start a new run in another --output-dir"), \
+        elsewhere.stderr
+
+
+def test_paths_lists_and_auto_choices_compare_as_the_record_holds_them(tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    config = TrainConfig(data_dir="data", scale=(0.08, 1.0))
+    record = {**config.to_dict(), "data_dir": str(tmp_path / "data"), "scale": [0.08, 1.0],
+              "mixed_precision": "bf16", "channels_last": True, "num_workers": 3}
+    assert differences(config, record) == []
+    assert differences(TrainConfig(data_dir="data", freeze_backbone=True), record) == \
+        ["--freeze-backbone on (the run: off)"]
+    assert differences(TrainConfig(data_dir="data", mixed_precision="no"), record) == \
+        ["--mixed-precision no (the run: bf16)"]

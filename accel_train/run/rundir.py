@@ -185,8 +185,9 @@ def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict) -> P
     """config.yaml on the first start; a resumed start records itself beside it instead of
     rewriting what the original run was."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    record = {"train": recorded_options(config), "resolved": resolved, "versions": package_versions(),
-              "git_revision": git_revision(), "command": recorded_command()}
+    record = {"train": recorded_options(config), "resolved": resolved,
+              "versions": package_versions(), "git_revision": git_revision(),
+              "command": recorded_command()}
     path = run_paths(output_dir).config
     if path.exists():
         path = output_dir / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"

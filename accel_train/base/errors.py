@@ -12,6 +12,12 @@ class UsageError(ValueError):
     """Bad input: the message names what is wrong and the flag or file to change."""
 
 
+class RunDiffers(UsageError):
+    """A resume refused because this start's options or data are not the checkpoint's run's
+    (another --model, seed, image size, set of images): the command line names every option
+    that differs from the run's record beside it (run/resume_options.py)."""
+
+
 def first_few(words, limit: int = 5) -> str:
     """A list for a one-line message: the first `limit` words, and how many more."""
     words = list(words)

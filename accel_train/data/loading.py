@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from accel_train.data.loaders import (Batch, EpochSampler, FinishOnDevice, HeldOutImages,
                                       TrainImages, default_num_workers, end_workers, make_loader,
                                       run_transforms, workers_rate)
-from accel_train.base.errors import STALLED_EXIT, RunStopped, UsageError
+from accel_train.base.errors import STALLED_EXIT, RunDiffers, RunStopped, UsageError
 from accel_train.base.randomness import reseed_loader
 from accel_train.base.ranks import decide_on_main
 from accel_train.base.readers import read_json
@@ -123,12 +123,12 @@ class EpochPosition:
 
     def load(self, folder: Path) -> None:
         if (Path(folder) / STREAM_STATE).is_file():
-            raise UsageError(f"{folder} was saved by a streaming run (it holds {STREAM_STATE}); "
+            raise RunDiffers(f"{folder} was saved by a streaming run (it holds {STREAM_STATE}); "
                              f"resume it with the same shard folder (--data-dir SHARDS), or "
                              f"start a new run")
         saved = read_json(Path(folder) / LOADER_STATE, "loader_state")  # its shape checked
         if saved["samples_in_epoch"] % self.per_micro_step:
-            raise UsageError(f"{folder} stopped {saved['samples_in_epoch']} samples into its "
+            raise RunDiffers(f"{folder} stopped {saved['samples_in_epoch']} samples into its "
                              f"epoch, which {self.per_micro_step} samples per micro-step do not "
                              f"divide; resume with the global batch it was trained with")
         self.epoch, self.samples_in_epoch = saved["epoch"], saved["samples_in_epoch"]

@@ -29,7 +29,7 @@ from timm.data.constants import DEFAULT_CROP_MODE, DEFAULT_CROP_PCT
 from torch import nn
 
 from accel_train.base.weightfiles import write_safetensors
-from accel_train.base.errors import UsageError, first_few, first_line
+from accel_train.base.errors import RunDiffers, UsageError, first_few, first_line
 from accel_train.base.readers import read_json
 from accel_train.model.small_nets import NETWORKS
 from accel_train.model.transformers_models import TRANSFORMERS_CONFIG
@@ -128,7 +128,7 @@ class ModelSpec:
         same_network = (saved.model_name == self.model_name
                         or builder_makes_class(self.model_name, saved.model_name))
         if not same_network or saved.num_classes != self.num_classes:
-            raise UsageError(f"checkpoint {directory} was trained with --model "
+            raise RunDiffers(f"checkpoint {directory} was trained with --model "
                              f"{saved.model_name} ({saved.num_classes} classes) but this start "
                              f"builds {self.model_name} ({self.num_classes} classes); resume "
                              f"with the same --model and data, or start a new run")
@@ -137,7 +137,7 @@ class ModelSpec:
             # the final model would record names its first steps never trained
             differ = [f"{a} -> {b}" for a, b in zip(saved.class_names, self.class_names)
                       if a != b]
-            raise UsageError(f"checkpoint {directory} was trained on classes "
+            raise RunDiffers(f"checkpoint {directory} was trained on classes "
                              f"{first_few(saved.class_names)} but this start's data has "
                              f"{first_few(self.class_names)} ({', '.join(differ[:3])}"
                              f"{', ...' if len(differ) > 3 else ''}); resume with the data it "
@@ -146,14 +146,14 @@ class ModelSpec:
         if saved.image_size != self.image_size:
             # the crops it trained on, and the size its final model records for eval, predict
             # and export: a run has one
-            raise UsageError(f"checkpoint {directory} was trained at --image-size "
+            raise RunDiffers(f"checkpoint {directory} was trained at --image-size "
                              f"{saved.image_size} but this start asks for {self.image_size}; "
                              f"resume with --image-size {saved.image_size}, or start a new run "
                              f"(--pretrained takes the run's model.safetensors)")
         if not same_normalization(saved, self):
             # the weights learned from inputs scaled one way; eval, predict and export would
             # record the other
-            raise UsageError(f"checkpoint {directory} was trained on images normalized with "
+            raise RunDiffers(f"checkpoint {directory} was trained on images normalized with "
                              f"{normalization_flags(saved)} but this start normalizes with "
                              f"{normalization_flags(self)} (the training images' "
                              f"statistics where --mean and --std are not given); resume "

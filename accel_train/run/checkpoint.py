@@ -34,7 +34,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
-from accel_train.base.errors import DISK_FULL_EXIT, RunStopped, UsageError, first_line
+from accel_train.base.errors import DISK_FULL_EXIT, RunDiffers, RunStopped, UsageError, first_line
 from accel_train.base.readers import BadFile, Shape, check_fits, check_torch_file, read_json
 from accel_train.base.weightfiles import with_the_umask
 from accel_train.run.trainer_state import STATE_FILE, TrainerState, read_state
@@ -269,7 +269,7 @@ class AccelerateState:
         except ValueError as err:
             if "parameter group" not in str(err):  # torch's words for another grouping
                 raise
-            raise UsageError(f"checkpoint {folder} holds the optimizer state of other parameter "
+            raise RunDiffers(f"checkpoint {folder} holds the optimizer state of other parameter "
                              f"groups than this start builds ({first_line(err)}): resume with "
                              f"the --freeze-backbone, --layer-decay, --decay-norm-and-bias and "
                              f"--norm-bias-lr-scale the run started with, or start a new "

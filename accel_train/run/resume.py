@@ -20,7 +20,7 @@ from accel_train.run.checkpoint import (NAME_PATTERN, SUPERSEDED_PREFIX, check_f
 from accel_train.run.trainer_state import TrainerState, read_state
 from accel_train.config import TrainConfig
 from accel_train.run.distributed import LauncherEnv
-from accel_train.base.errors import UsageError
+from accel_train.base.errors import RunDiffers, UsageError
 from accel_train.base.readers import read_text
 from accel_train.run.rundir import (CHECKPOINTS_DIR, prepare_output_dir, refuse_new_run_over_old,
                                     run_paths)
@@ -99,7 +99,7 @@ def refuse_another_optimizer(config: TrainConfig, previous: TrainerState,
     SGD's state into Adam and fail deep inside (KeyError 'step').  Checkpoints written before
     the name was recorded are not checked."""
     if previous.optimizer is not None and previous.optimizer != config.optimizer:
-        raise UsageError(f"--optimizer {config.optimizer}: {checkpoint} holds the state of "
+        raise RunDiffers(f"--optimizer {config.optimizer}: {checkpoint} holds the state of "
                          f"--optimizer {previous.optimizer}; resume with --optimizer "
                          f"{previous.optimizer}, or start a new run in another --output-dir")
 
@@ -252,7 +252,7 @@ def accumulation_for(previous: TrainerState, batch_size: int, num_processes: int
         hints.append(f"{' or '.join(map(str, proc_options))} process(es) with --batch-size "
                      f"{batch_size}")
     hint = "; or ".join(hints) if hints else f"a batch size and process count dividing {target}"
-    raise UsageError(
+    raise RunDiffers(
         f"the checkpoint was trained with a global batch of {target} ({previous.batch_size} x "
         f"{previous.world_size} process(es) x {previous.accumulation_steps} accumulation), which "
         f"--batch-size {batch_size} on {num_processes} process(es) cannot make with whole "

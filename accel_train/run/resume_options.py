@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from accel_train.base.errors import UsageError, first_few
+from accel_train.base.errors import RunDiffers, UsageError, first_few
 from accel_train.base.readers import BadFile, read_yaml
 from accel_train.config import TrainConfig, flag
 from accel_train.run.distributed import PER_PROCESS_OPTIONS
@@ -53,12 +53,15 @@ def _words(value) -> str:
 
 
 def naming_differences(err: UsageError, config: TrainConfig) -> UsageError:
-    """`err`, raised while a --resume started, with the options that differ from the run's
-    latest start and the way to take them all; `err` as it is where none differ or the run's
-    record cannot be read (a checkpoint resumed into another --output-dir)."""
-    record = _latest_options(config.output_dir) if config.resume else None
+    """`err`, a resume refused for an option or data not the run's, with the options that
+    differ from the run's latest start and the way to take them all.  `err` as it is where it
+    is another refusal, where only one option differs (the refusal names it), or where the
+    run's record cannot be read (a checkpoint resumed into another --output-dir)."""
+    if not isinstance(err, RunDiffers) or not config.resume:
+        return err
+    record = _latest_options(config.output_dir)
     found = differences(config, record) if record else []
-    if not found:
+    if len(found) < 2:
         return err
     path = latest_record(Path(config.output_dir))
     return UsageError(f"{err}; this start sets {len(found)} option(s) otherwise than the run's "

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Optional
 
-from accel_train.base.errors import UsageError
+from accel_train.base.errors import RunDiffers
 from accel_train.base.readers import read_json
 from accel_train.train.selection import (WORDS, best_of, check_same_eval_metric, describe,
                                          rank)
@@ -145,10 +145,10 @@ def check_same_data_order(previous: TrainerState, seed: int, train_samples: int)
     """The epoch's order is a function of the seed and the training set: with either changed,
     skipping the samples already used would skip other ones, and some would be used twice."""
     if previous.seed != seed:
-        raise UsageError(f"the checkpoint was trained with --seed {previous.seed}; resume with "
+        raise RunDiffers(f"the checkpoint was trained with --seed {previous.seed}; resume with "
                          f"the same seed (got {seed}), or start a new run")
     if previous.train_samples and train_samples and previous.train_samples != train_samples:
-        raise UsageError(f"the checkpoint was trained on {previous.train_samples} training "
+        raise RunDiffers(f"the checkpoint was trained on {previous.train_samples} training "
                          f"images but this start has {train_samples} "
                          f"({_more_or_fewer(train_samples - previous.train_samples)}): images "
                          f"were added to or removed from the data since, or its options "
@@ -169,7 +169,7 @@ def check_same_held_out(previous: TrainerState, held_out_samples: int,
     for what, before, now in (("held-out", previous.held_out_samples, held_out_samples),
                               ("test", previous.test_samples, test_samples)):
         if before and now and now != before:  # 0: not recorded (a checkpoint before these)
-            raise UsageError(f"the checkpoint's run evaluated {before} {what} images but this "
+            raise RunDiffers(f"the checkpoint's run evaluated {before} {what} images but this "
                              f"start has {now} ({_more_or_fewer(now - before)}); resume with the "
                              f"same data options (--max-eval-samples, the data's splits) on the "
                              f"same images, or start a new run")
@@ -182,7 +182,7 @@ def check_same_subset(previous: TrainerState, sample_subset: Optional[str]) -> N
         return  # one of the two kept whole splits (the counts differ, and say so), or unknown
     before = previous.sample_subset or "first"
     if before != sample_subset:
-        raise UsageError(f"the checkpoint's run kept its sample limits' images by "
+        raise RunDiffers(f"the checkpoint's run kept its sample limits' images by "
                          f"--sample-subset {before}, this start by {sample_subset}: they are "
                          f"other images; resume with --sample-subset {before}, or start a new "
                          f"run")
@@ -196,7 +196,7 @@ def check_same_carve(previous: TrainerState, held_out_carve: Optional[str]) -> N
     before = previous.held_out_carve or "random"  # before --val-stratify, every carve was
     if before != held_out_carve:
         drawn = {"random": "by one random draw", "stratified": "class by class"}
-        raise UsageError(f"the checkpoint's run carved its validation images "
+        raise RunDiffers(f"the checkpoint's run carved its validation images "
                          f"{drawn[before]}, this start {drawn[held_out_carve]}: they are other "
                          f"images; resume "
                          f"{'with' if before == 'stratified' else 'without'} --val-stratify, "

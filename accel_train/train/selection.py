@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from accel_train.base.errors import UsageError
+from accel_train.base.errors import RunDiffers
 
 WORDS = {"top1": "top-1", "top5": "top-5", "loss": "loss",
          "mean_class_top1": "mean per-class top-1"}
@@ -48,6 +48,6 @@ def check_same_eval_metric(before: Optional[str], now: str) -> None:
     were never chosen by."""
     before = before or "top1"  # before --eval-metric, every run picked by top-1
     if before != now:
-        raise UsageError(f"the checkpoint's run picked its best checkpoints and weights by "
+        raise RunDiffers(f"the checkpoint's run picked its best checkpoints and weights by "
                          f"--eval-metric {before}, this start by {now}; resume with "
                          f"--eval-metric {before}, or start a new run")

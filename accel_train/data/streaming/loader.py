@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from accel_train.base.errors import UsageError
+from accel_train.base.errors import RunDiffers, UsageError
 from accel_train.data.loaders import Batch, FinishOnDevice
 from accel_train.base.randomness import loader_generator, reseed_loader
 from accel_train.base.readers import read_json
@@ -238,15 +238,15 @@ class StreamLoader:
         """A resumed start: the interrupted epoch continues with the old plan's next batches."""
         path = Path(folder) / STREAM_STATE
         if not path.is_file():
-            raise UsageError(f"{folder} was saved by a map-style run (no {STREAM_STATE}); "
+            raise RunDiffers(f"{folder} was saved by a map-style run (no {STREAM_STATE}); "
                              f"it cannot resume a streaming run: start a new run, or resume "
                              f"without --streaming and a shard folder")
         saved = read_json(path, "stream_state")  # its shape checked (readers.py)
         if saved.get("shuffle_buffer") != self.dataset.buffer:
-            raise UsageError(f"the checkpoint was trained with --shuffle-buffer "
+            raise RunDiffers(f"the checkpoint was trained with --shuffle-buffer "
                              f"{saved.get('shuffle_buffer')}; resume with the same value")
         if saved.get("num_shards") != len(self.dataset.shards.files):
-            raise UsageError(f"the checkpoint was trained on {saved.get('num_shards')} shards but "
+            raise RunDiffers(f"the checkpoint was trained on {saved.get('num_shards')} shards but "
                              f"this start has {len(self.dataset.shards.files)}")
         epoch, samples_in_epoch = saved["epoch"], saved["samples_in_epoch"]
         self.dataset.epoch, self.samples_in_epoch = epoch, samples_in_epoch

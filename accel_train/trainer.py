@@ -343,6 +343,12 @@ class Trainer:
         return self.schedule.total_steps
 
     # -- loop -----------------------------------------------------------------------------------
+    def _ending_on(self, err: Exception) -> None:
+        """An error ends the loop: its traceback into this rank's log, and a word in the store
+        for the ranks it leaves waiting (collectives.note_crash)."""
+        self.report.log_exception("the run stopped on an error")
+        self.timeouts.note_crash(self.state.step, err)
+
     def train(self) -> int:
         """Epochs until the schedule's steps are trained (or a stop signal or a stalled rank
         ends the run); returns the process exit code."""
@@ -376,13 +382,13 @@ class Trainer:
                     self.end_epoch(mid_epoch=not self._epoch_used_up())
             except RuntimeError as err:
                 if not (self.timeouts.active and is_timeout(err)):
-                    self.report.log_exception("the run stopped on an error")  # in its rank's log
+                    self._ending_on(err)
                     raise
                 return report_stall(self.timeouts, err, state.step, self.accelerator.process_index,
                                     self.paths.logs / f"rank{self.accelerator.process_index}.log",
                                     self.report)
-            except Exception:
-                self.report.log_exception("the run stopped on an error")  # in its rank's log
+            except Exception as err:
+                self._ending_on(err)
                 raise
             finally:
                 self.progress.close()

@@ -102,6 +102,25 @@ def test_the_report_names_the_ranks_that_never_timed_out_with_their_last_step(se
                            "is rank 0, at step 35; gone: ")
 
 
+def test_a_rank_that_ended_on_an_error_is_named_with_it(set_timeouts, monkeypatch):
+    """Rank 1 said, as it ended, which error ended it during step 36 (after 35 completed):
+    the rank it left names the error, the step and where its traceback is."""
+    monkeypatch.setattr(collectives, "ARRIVAL_GRACE_SECONDS", 0.3)
+    store = dist.HashStore()
+    _beat(store, 1, 35, 2)
+    _timeouts(store=store, rank=1, world_size=3).note_crash(
+        35, ValueError("the user's bug\nsecond line"))
+    line = _timeouts(store=store, rank=0, world_size=3).describe_stall(my_step=35,
+                                                                       peer_gone=True)
+    assert line.endswith("gone: rank 1 (ended on ValueError: the user's bug in step 36; its "
+                         "traceback in its log, logs/rank1.log), rank 2 (no step completed)")
+    # one process, or no store: nothing to tell, nothing raised
+    _timeouts(store=None, rank=0).note_crash(3, ValueError("x"))
+    alone = dist.HashStore()
+    _timeouts(store=alone, rank=0, world_size=1).note_crash(3, ValueError("x"))
+    assert not alone.check([collectives.CRASHED_KEY.format(0)])
+
+
 def test_when_every_rank_timed_out_none_is_named(set_timeouts, monkeypatch):
     monkeypatch.setattr(collectives, "ARRIVAL_GRACE_SECONDS", 5.0)
     store = dist.HashStore()

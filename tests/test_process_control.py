@@ -248,10 +248,10 @@ def test_manual_start_without_a_launcher_trains_like_torchrun(tmp_path, runs):
 
 # -- bad input on every rank ----------------------------------------------------------------------
 
-def _start_manual_pair(argv: list[str]) -> list[subprocess.Popen]:
+def _start_manual_pair(argv: list[str], **env: str) -> list[subprocess.Popen]:
     url = f"tcp://127.0.0.1:{free_port()}"
     return [subprocess.Popen(cli(*argv, "--world_size", "2", "--rank", str(r), "--dist_url", url),
-                             cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL,
+                             cwd=REPO, env=child_env(**env), stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
             for r in (0, 1)]
@@ -285,6 +285,36 @@ def test_bad_input_on_two_processes_exits_2_on_every_rank(tmp_path):
         assert len(lines) == 1 and lines[0].startswith(prefix) and message in lines[0], stderr
         assert "Traceback" not in stdout + stderr
     assert not out.exists() or not any(out.iterdir()), sorted(os.listdir(out))
+
+
+@pytest.mark.slow
+def test_a_rank_that_crashes_is_named_with_its_error_by_the_rank_it_leaves(tmp_path):
+    """Rank 1 of a manual start meets a bug in the user's network (its third training forward
+    raises): it ends with its traceback (exit 1, the traceback in its log too); rank 0, left
+    waiting in the step's all-reduce, names rank 1's error and step in its one line, not only
+    a closed connection: the crash's own output may be on another machine."""
+    out = tmp_path / "run"
+    procs = _start_manual_pair([*TINY_TRAIN, "--model", "failing_nets:fails_on_rank_1",
+                                "--output-dir", str(out)], PYTHONPATH=str(REPO / "tests"))
+    results = []
+    try:
+        for proc in procs:
+            _, stderr = proc.communicate(timeout=PROMPT)
+            results.append((proc.returncode, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    (code0, err0), (code1, err1) = results
+    assert code1 == 1 and "ZeroDivisionError: a bug only rank 1's batch meets" in err1, err1
+    assert "ZeroDivisionError: a bug only rank 1's batch meets" in \
+        (out / "logs" / "rank1.log").read_text()
+    assert code0 == 75, err0
+    # rank 0 stood after step N, waiting in step N + 1's all-reduce: the step rank 1 failed in
+    standing = int(re.search(r"this is rank 0, at step (\d+);", err0).group(1))
+    assert ("gone: rank 1 (ended on ZeroDivisionError: a bug only rank 1's batch meets in step "
+            f"{standing + 1}; its traceback in its log, logs/rank1.log)") in err0, err0
 
 
 @pytest.mark.slow

@@ -53,6 +53,10 @@ EXIT_STALLED = STALLED_EXIT  # a temporary failure, worth a restart (errors.py)
 HEARTBEAT_KEY = "accel_train/heartbeat/rank{}"
 TIMED_OUT_KEY = "accel_train/timed_out/rank{}"
 REPORTED_KEY = "accel_train/stall_reported"
+# A rank that ends on an error in the loop says which in the store before it goes, so that the
+# ranks it leaves waiting name the error, not only a closed connection: the crash's own output
+# may be on another machine, or lost in an interleaved console.
+CRASHED_KEY = "accel_train/crashed/rank{}"
 STORE_READ_SECONDS = 10.0  # a store that does not answer in this long is down (its host hung)
 # The live ranks wait in the same collective and time out within moments of each other; each
 # says so in the store, and the ranks that have not after this long are the stalled ones.
@@ -122,6 +126,17 @@ class CollectiveTimeouts:
             self.store.set(HEARTBEAT_KEY.format(self.rank),
                            json.dumps({"step": step, "time": time.time()}))
 
+    def note_crash(self, step: int, err: BaseException) -> None:
+        """This rank is ending on `err` during step `step`: its type and first line into the
+        store, for the line the others print (best effort: the store may be what failed)."""
+        if not self.active or self.store is None:
+            return
+        try:
+            self.store.set(CRASHED_KEY.format(self.rank), json.dumps(
+                {"step": step, "error": f"{type(err).__name__}: {first_line(err, 200)}"}))
+        except (RuntimeError, ValueError):
+            pass
+
     # -- when a collective timed out -------------------------------------------------------
     def _read(self, key: str) -> Optional[dict]:
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
@@ -143,9 +158,15 @@ class CollectiveTimeouts:
                 if not missing or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
-            return {rank: self._read(HEARTBEAT_KEY.format(rank)) for rank in missing}
+            return {rank: self._last_word(rank) for rank in missing}
         except (RuntimeError, ValueError):  # the store's host is gone or hung
             return None
+
+    def _last_word(self, rank: int) -> Optional[dict]:
+        """A rank's last heartbeat, with the error it ended on if it said one."""
+        beat, crash = self._read(HEARTBEAT_KEY.format(rank)), \
+            self._read(CRASHED_KEY.format(rank))
+        return {**(beat or {}), "crash": crash} if crash else beat
 
     def describe_stall(self, my_step: int, peer_gone: bool = False) -> str:
         """One line: the timeout (or, `peer_gone`, the connection a rank closed by ending), the
@@ -164,10 +185,7 @@ class CollectiveTimeouts:
                     f"or the launcher's agent) is the one that stalled")
         if not absent:
             return f"{head}; every rank timed out waiting: none stalled alone (a network fault?)"
-        now = time.time()
-        names = [f"rank {rank} (last completed step {beat['step']}, {now - beat['time']:.0f} s "
-                 f"ago)" if beat else f"rank {rank} (no step completed)"
-                 for rank, beat in sorted(absent.items())]
+        names = [describe_rank(rank, beat) for rank, beat in sorted(absent.items())]
         return f"{head}; {'gone' if peer_gone else 'stalled'}: {', '.join(names)}"
 
     def first_to_report(self) -> bool:
@@ -187,6 +205,18 @@ def dump_stacks(path) -> None:
                      f"(a collective timed out) ---\n")
         handle.flush()
         faulthandler.dump_traceback(file=handle, all_threads=True)
+
+
+def describe_rank(rank: int, beat: Optional[dict]) -> str:
+    """'rank 1 (last completed step 35, 61 s ago)', and the error it ended on if it said one."""
+    crash = (beat or {}).get("crash")
+    if crash:
+        return (f"rank {rank} (ended on {crash['error']} in step {crash['step'] + 1}; its "
+                f"traceback in its log, logs/rank{rank}.log)")
+    if beat:
+        return (f"rank {rank} (last completed step {beat['step']}, "
+                f"{time.time() - beat['time']:.0f} s ago)")
+    return f"rank {rank} (no step completed)"
 
 
 class StepWatch:

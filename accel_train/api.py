@@ -28,7 +28,7 @@ from accel_train.base.command import set_command
 from accel_train.base.wording import spoken_as
 from accel_train.base.errors import UsageError
 from accel_train.callbacks import Callback
-from accel_train.config import TrainConfig
+from accel_train.config import TrainConfig, check_one_run_length
 from accel_train.data.user_data import load_user_data
 from accel_train.base.main_guard import refuse_unguarded_call
 from accel_train.trainer import train_and_close
@@ -183,6 +183,7 @@ def config_for(model: Union[nn.Module, str], options: dict) -> TrainConfig:
     else:
         raise UsageError(f"fit(): model must be an nn.Module or a model name, not "
                          f"{type(model).__name__}")
+    check_one_run_length(options)
     # paths as a program holds them (fit() itself returns a Path): the options take text
     options = {key: os.fspath(value) if isinstance(value, os.PathLike) else value
                for key, value in options.items()}

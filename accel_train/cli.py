@@ -13,7 +13,8 @@ import sys
 from dataclasses import MISSING, fields
 from typing import Callable, Sequence
 
-from accel_train.config import FROM_PROGRAM, PRECISIONS, TrainConfig, load_run_yaml
+from accel_train.config import (FROM_PROGRAM, PRECISIONS, TrainConfig, check_one_run_length,
+                                load_run_yaml)
 from accel_train.base.command import set_command
 from accel_train.base.errors import RunStopped, UsageError, stacks_on_request
 
@@ -137,7 +138,11 @@ def config_from_args(namespace: argparse.Namespace, environ=None) -> TrainConfig
                              f"datasets a program handed it, which the command line cannot "
                              f"load; pass --data-dir PATH or --dataset NAME beside it")
     names = {f.name for f in fields(TrainConfig)}
-    values.update({k: v for k, v in vars(namespace).items() if k in names})
+    given = {k: v for k, v in vars(namespace).items() if k in names}  # flags typed
+    check_one_run_length(given)
+    if "epochs" in given:  # the command line's length over a --config file's time budget
+        values.pop("time_budget", None)
+    values.update(given)
     config = TrainConfig.from_dict(values, source=namespace.config or "command line")
     # The policy and network names resolve through timm (imported here, not for --help): a typo
     # is one line now, not after the data has loaded.

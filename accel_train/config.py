@@ -389,8 +389,10 @@ class TrainConfig:
     time_budget: Optional[str] = option(None, "Wall-clock training budget (600, 90s, 10m, 1h): "
                                         "the run measures its step time after a few steps and "
                                         "fits the whole schedule, warmup to the end of the "
-                                        "decay, into it (instead of --epochs), its "
-                                        "evaluations included, the final one too.",
+                                        "decay, into it (instead of --epochs: not both; "
+                                        "--epochs typed over a --config file's budget "
+                                        "replaces it), its evaluations included, the final "
+                                        "one too.",
                                         "optimization")
     seed: int = option(0, "Seed for model init, data order and augmentation.", "optimization")
 
@@ -697,6 +699,15 @@ class TrainConfig:
             raise UsageError(f"{source}: unknown option(s) {', '.join(unknown)}; "
                              f"see `python -m accel_train --help` for the names")
         return cls(**values)
+
+
+def check_one_run_length(given: dict[str, Any]) -> None:
+    """--epochs and --time-budget given together: the budget fits the steps into its time and
+    the epochs were ignored without a word (--help says "instead of --epochs")."""
+    if given.get("epochs") is not None and given.get("time_budget") is not None:
+        raise UsageError(f"--epochs {given['epochs']} and --time-budget {given['time_budget']} "
+                         f"both set the run's length: give one (a budget fits the steps into "
+                         f"its time; --max-steps caps them)")
 
 
 def flag(name: str) -> str:

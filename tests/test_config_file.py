@@ -79,6 +79,30 @@ def test_override_order(tmp_path):
     assert (flags.mixed_precision, flags.batch_size, flags.epochs) == ("bf16", 12, 2)
 
 
+def test_one_length_for_a_run_epochs_or_a_time_budget(tmp_path, capsys):
+    """--epochs and --time-budget typed together are refused (the budget ignored the epochs
+    without a word); a length typed on the command line beats the other kind from a --config
+    file (the file's budget, or its epochs, which a budget never reads)."""
+    code = main(["--epochs", "3", "--time-budget", "10m", "--output-dir",
+                 str(tmp_path / "run")])
+    assert code == 2 and capsys.readouterr().err == (
+        "accel_train: error: --epochs 3 and --time-budget 10m both set the run's length: give "
+        "one (a budget fits the steps into its time; --max-steps caps them)\n")
+    assert not (tmp_path / "run").exists()
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("time_budget: 10m\nepochs: 5\nbatch_size: 12\n")
+    typed_epochs = parse(["--config", str(recipe), "--epochs", "3"])
+    assert (typed_epochs.time_budget, typed_epochs.epochs, typed_epochs.batch_size) == \
+        (None, 3, 12)
+    typed_budget = parse(["--config", str(recipe), "--time-budget", "2m"])
+    assert typed_budget.time_budget == "2m"
+    assert parse(["--config", str(recipe)]).time_budget == "10m"  # the file's, as it was
+    from accel_train import fit
+    with pytest.raises(UsageError, match=r"^epochs=3 and time_budget='1m' both set the run's "
+                                         r"length: give one .*; max_steps= caps them\)$"):
+        fit("test_resnet", [], epochs=3, time_budget="1m")
+
+
 def test_an_accelerate_precision_we_cannot_run_is_one_clear_error():
     with pytest.raises(UsageError, match="accelerate config asks for mixed_precision 'fp8'.*"
                                          "pass --mixed-precision auto/no/fp16/bf16"):

@@ -34,6 +34,8 @@ from faults import metrics
 from option_table import ROWS, all_options, spellings
 
 TESTS = REPO / "tests"
+# a budget sets the run's length in place of --epochs (the two together are refused)
+TINY_BUDGET = [a for a in TINY_TRAIN if a not in ("--epochs", "1")]
 
 
 # -- the table ------------------------------------------------------------------------------------
@@ -243,7 +245,7 @@ def test_time_budget_fits_every_evaluation_pass(monkeypatch, tmp_path, flags, pa
     clock = fake_clock(monkeypatch)
     tick = ticking(clock)
     out = tmp_path / "run"
-    accel_train_here(*TINY_TRAIN, "--time-budget", f"{BUDGET_SECONDS}s", *flags,
+    accel_train_here(*TINY_BUDGET, "--time-budget", f"{BUDGET_SECONDS}s", *flags,
                      "--output-dir", str(out), check=True, callbacks=tick)
     record = next(r for r in metrics(out) if r["type"] == "budget")
     assert record["step_seconds"] == 1.0
@@ -265,7 +267,7 @@ def test_time_budget_fits_every_evaluation_pass(monkeypatch, tmp_path, flags, pa
     if passes > 1:  # the same with --max-steps below the fitted count: it ends there
         clock.now = 0.0
         capped = tmp_path / "capped"
-        accel_train_here(*TINY_TRAIN, "--time-budget", f"{BUDGET_SECONDS}s", *flags,
+        accel_train_here(*TINY_BUDGET, "--time-budget", f"{BUDGET_SECONDS}s", *flags,
                          "--max-steps", "20", "--log-every", "1", "--output-dir", str(capped),
                          check=True, callbacks=tick)
         records = metrics(capped)
@@ -284,7 +286,7 @@ def test_a_budget_run_resumed_keeps_its_step_count_and_ends_bit_identical(monkey
 
     clock = fake_clock(monkeypatch)
     tick = ticking(clock)
-    common = [*TINY_TRAIN, "--time-budget", "30s", "--checkpoint-every", "10",
+    common = [*TINY_BUDGET, "--time-budget", "30s", "--checkpoint-every", "10",
               "--keep-checkpoints", "10"]
     full = tmp_path / "full"
     accel_train_here(*common, "--output-dir", str(full), check=True, callbacks=tick)

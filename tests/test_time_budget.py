@@ -528,14 +528,17 @@ def test_config_yaml_records_the_step_count_the_budget_fixed(stopped_and_resumed
 
 def test_the_budget_replaces_epochs_even_when_they_are_fewer_than_the_measured_steps(tmp_path,
                                                                                      clock):
-    """128 images at batch 16 with --epochs 1 is 8 steps, fewer than the 13 the budget needs to
-    measure: the run must still measure and fit the budget (it replaces --epochs), not end after
-    8 steps as if no budget had been given.  (The budget's clock is the fake one, moved 1 s a
-    step by a callback: the run is in this process and takes no real 20 s.)"""
+    """128 images at batch 16 with epochs 1 (from a --config file) is 8 steps, fewer than the
+    13 the budget on the command line needs to measure: the run must still measure and fit the
+    budget (it replaces the epochs), not end after 8 steps as if no budget had been given.
+    (The budget's clock is the fake one, moved 1 s a step by a callback: the run is in this
+    process and takes no real 20 s.)"""
     out = tmp_path / "run"
-    command = [*[a for a in TINY_TRAIN if a not in ("--synthetic-train-size", "256")],
-               "--synthetic-train-size", "128", "--time-budget", "20s", "--log-every", "1",
-               "--output-dir", str(out)]
+    (tmp_path / "one_epoch.yaml").write_text("epochs: 1\n")
+    command = [*[a for a in TINY_TRAIN if a not in ("--synthetic-train-size", "256", "--epochs",
+                                                    "1")],
+               "--config", str(tmp_path / "one_epoch.yaml"), "--synthetic-train-size", "128",
+               "--time-budget", "20s", "--log-every", "1", "--output-dir", str(out)]
     tick = ticking(clock)
     accel_train_here(*command, check=True, callbacks=tick)
     records = _budget_records(out)

@@ -43,6 +43,7 @@ CASES = {
                  "--max-train", "512", "--recipe-file", "recipes/cifar10-cpu-10min.yaml",
                  "--recipe-file-extra", "--max-steps 2 --batch-size 16"],
     "threads": [*TINY, "--steps", "1", "--conditions", "quiet"],
+    "manual_ranks": [*TINY, "--steps", "4", "--log-every", "2"],
     "host_memory": ["--quick", "--max-train", "256", "--batch-size", "32"],
     # one loaded arm and its quiet reference: a budget run and a --max-steps run
     "budget": ["--quick", "--budget", "4", "--hog-seconds", "1", "--arms", "load first",
@@ -86,7 +87,7 @@ CASES = {
 # The scripts that make their own data instead of reading CIFAR-10
 OWN_DATA = {"jpeg_input", "gpu_jpeg"}
 # The scripts that take no --tmp (they write nothing large)
-NO_TMP = {"comm", "gpu", "threads", "precision", "worker_start", "gpu_cifar",
+NO_TMP = {"comm", "gpu", "threads", "manual_ranks", "precision", "worker_start", "gpu_cifar",
           "device_resident", "jpeg_input", "gpu_jpeg"}
 # benchmarks/anchors/airbench_cpu.py on generated data in the CIFAR-10 layout: 2 steps an epoch
 # for 4 epochs (the averaging syncs at steps 5 and the last, 8), one JSON line with the three

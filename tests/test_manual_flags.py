@@ -124,3 +124,35 @@ def test_ranks_started_with_other_options_are_refused_in_one_line(tmp_path):
     assert said[0][1].strip().splitlines()[-1] == f"accel_train: error: {line}"
     assert said[1][1].strip().splitlines()[-1] == f"accel_train: error (rank 1): {line}"
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # two pairs of ranks trained
+@pytest.mark.parametrize("omp, threads", [(None, max(1, len(os.sched_getaffinity(0)) // 2)),
+                                          ("2", 2)], ids=["unset", "OMP_NUM_THREADS=2"])
+def test_ranks_started_by_hand_on_one_machine_share_its_cores(tmp_path, omp, threads):
+    """torch gives every process a thread per core: two ranks on two cores ran four threads
+    (several times slower, BENCHMARKS.md).  Ranks started by hand on one machine get its cores
+    divided among them, as the launchers' OMP_NUM_THREADS does; one the user set is kept."""
+    import subprocess
+    import sys
+    from conftest import REPO, free_port
+    from conftest import test_env as child_env  # (as test_env, pytest would collect it)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "OMP_NUM_THREADS"):
+        env.pop(key, None)
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    out = tmp_path / "run"
+    ranks = [subprocess.Popen(
+        [sys.executable, "-m", "accel_train", *TINY_TRAIN, "--max-steps", "2", "--world_size",
+         "2", "--rank", str(rank), "--dist_url", url, "--output-dir", str(out)], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    said = [process.communicate(timeout=300) for process in ranks]
+    assert [process.returncode for process in ranks] == [0, 0], said
+    each = f"{threads} thread{'' if threads == 1 else 's'} each"
+    assert f"x 2 process(es), gloo, {each};" in said[0][0], said[0][0][-2000:]
+    assert yaml.safe_load((out / "config.yaml").read_text())["resolved"]["cpu_threads"] == \
+        threads

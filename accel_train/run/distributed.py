@@ -282,7 +282,31 @@ def setup(config: TrainConfig) -> LauncherEnv:
     if dist.is_initialized():  # started here, or by the program that called fit
         _hold_default_group()
         check_same_options(config)
+    if _started_default_group:
+        share_the_cores()
     return env
+
+
+def share_the_cores() -> None:
+    """Ranks on one machine share its cores: torch gives each process a thread per core, so
+    two ranks on two cores ran four threads whose OpenMP barriers waited on each other
+    (BENCHMARKS.md: a manual 2-rank start on 2 cores trained several times slower than with
+    one thread each).  torchrun, `python -m torch.distributed.launch` and accelerate launch set
+    OMP_NUM_THREADS for their workers; ranks started by hand (--world_size --rank --dist_url),
+    or by SLURM's srun, get here the machine's cores divided among its ranks, and
+    OMP_NUM_THREADS set to match (Accelerate, finding it unset, would give each process all
+    the cores again: it counts the ranks on a machine from LOCAL_WORLD_SIZE, which only a
+    launcher sets).  An OMP_NUM_THREADS the user set is kept.  Every rank takes part in the
+    gather."""
+    import socket
+    host = socket.gethostname()
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host)
+    sharing = hosts.count(host)
+    if sharing > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // sharing)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 # options that may differ between the ranks of one run: which process it is, and where its

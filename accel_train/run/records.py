@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from accel_train.data.class_weights import describe_weights
@@ -30,7 +31,7 @@ def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precisi
             "precision_requested": config.mixed_precision,
             "channels_last": speed.channels_last, "speed_choice": speed.how,
             "speed_timings": speed.timings,
-            "device": str(accelerator.device),
+            "device": str(accelerator.device), "cpu_threads": torch.get_num_threads(),
             "distributed_type": str(accelerator.distributed_type), "cuda_math": cuda_math,
             "host_memory": host_memory,
             "world_size": accelerator.num_processes, "global_batch": loaders.global_batch,

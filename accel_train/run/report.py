@@ -66,6 +66,10 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
     world = facts["world_size"]
     per_process = facts["global_batch"] // world // accumulation_steps
     backend_text = f", {backend}" if world > 1 and backend else ""
+    if facts["device"].startswith("cpu") and facts.get("cpu_threads"):  # what ranks share
+        threads = facts["cpu_threads"]
+        backend_text += f", {threads} thread{'' if threads == 1 else 's'}" + \
+            (" each" if world > 1 else "")
     return (
         f"accel_train: {model['model_name']} ({facts['trainable_parameters']:,} trainable "
         f"parameters) on {data_description}\n"

@@ -95,12 +95,14 @@ def fit(model: Union[nn.Module, str], train_dataset, eval_dataset=None, *,
 
 
 # a flag as messages write it, and the word after it
-FLAG_IN_TEXT = re.compile(r"--(no-)?([a-z][a-z0-9_-]*)(?: ('[^' ]*'|[\w./:~+-]+))?")
+FLAG_IN_TEXT = re.compile(r"--(no-)?([a-z][a-z0-9_-]*)(?: ('[^' ]*'|[\w./:~+-]+))?"
+                          r"((?: -?\d[\d.]*(?:e-?\d+)?(?=[\s,;)]|$))*)")  # a list's numbers
 # a command a message quotes for the user to run (`accel-train check-data --data-dir DIR`), up to
 # the clause's or the sentence's end (a dot inside a path goes on): its flags are the command
 # line's, whoever reads them
 COMMAND_IN_TEXT = re.compile(r"((?:accel-train|accelerate launch|torchrun)\b"
                              r"(?:[^;,()|`.]|\.(?!\s|$))*)")   # one group: split keeps them
+NUMBER = r"-?[\d.]+(e-?\d+)?"
 # a word in capitals after a flag stands for the value the reader gives (PATH, N, F, DIR)
 PLACEHOLDER = re.compile(r"[A-Z][A-Z_]*")
 # words that are an option's value where they follow its flag (else the sentence goes on)
@@ -123,6 +125,12 @@ def in_python_terms(message: str) -> str:
         negated, name, word = match.group(1), match.group(2).replace("-", "_"), match.group(3)
         if name not in fields or (negated and not isinstance(fields[name].default, bool)):
             return match.group(0)
+        numbers = match.group(4).split()
+        if "list" in str(fields[name].type) and re.fullmatch(NUMBER, word or ""):
+            return f"{name}=[{', '.join([word, *numbers])}]"  # --mean 0.485 0.456 0.406
+        if numbers:  # the words after a one-value flag: the sentence's own
+            return keyword(FLAG_IN_TEXT.match(match.group(0)[:match.start(4) - match.start()])) \
+                + match.group(4)
         word, stop = word or "", ""
         if word[-1:] in (":", "."):  # the sentence's punctuation, not the value's
             word, stop = word[:-1], word[-1]
@@ -130,7 +138,7 @@ def in_python_terms(message: str) -> str:
         if isinstance(fields[name].default, bool):
             return f"{name}={not negated}" + after
         if word and is_value(word, name):
-            numeric = re.fullmatch(r"-?[\d.]+(e-?\d+)?", word) or word.startswith("'")
+            numeric = re.fullmatch(NUMBER, word) or word.startswith("'")
             return (f"{name}={word}" if numeric else f"{name}={word!r}") + stop
         if PLACEHOLDER.fullmatch(word):  # what the reader fills in: --pretrained PATH
             return f"{name}={word}" + stop

@@ -362,6 +362,10 @@ def test_bad_arguments_are_one_clear_error(tmp_path, monkeypatch, call, expected
      "next: accel-train eval r  |  accel-train predict r --top-k 3; epochs=2"),
     ("accel-train eval /x/r1.v2 evaluates it. Then pass --epochs 5",   # a sentence's end
      "accel-train eval /x/r1.v2 evaluates it. Then pass epochs=5"),
+    # a list's numbers as a Python list; numbers after a one-value option stay the sentence's
+    ("e.g. --mean 0.485 0.456 0.406 or --scale 0.08 1; --epochs 3 2 more",
+     "e.g. mean=[0.485, 0.456, 0.406] or scale=[0.08, 1]; epochs=3 2 more"),
+    ("resume with --mean 0.5 --std 0.25, or start", "resume with mean=[0.5] std=[0.25], or start"),
     # a placeholder the reader fills in
     ("or pass --pretrained PATH to a local file (--warmup-fraction F makes it a share)",
      "or pass pretrained=PATH to a local file (warmup_fraction=F makes it a share)"),

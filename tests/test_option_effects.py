@@ -245,12 +245,17 @@ def test_time_budget_fits_every_evaluation_pass(monkeypatch, tmp_path, flags, pa
     clock = fake_clock(monkeypatch)
     tick = ticking(clock)
     out = tmp_path / "run"
-    accel_train_here(*TINY_BUDGET, "--time-budget", f"{BUDGET_SECONDS}s", *flags,
-                     "--output-dir", str(out), check=True, callbacks=tick)
+    said = accel_train_here(*TINY_BUDGET, "--time-budget", f"{BUDGET_SECONDS}s", *flags,
+                            "--output-dir", str(out), check=True, callbacks=tick).stdout
     record = next(r for r in metrics(out) if r["type"] == "budget")
     assert record["step_seconds"] == 1.0
     expected = _largest_total(passes, record["step"])
     assert record["total_steps"] == expected
+    # an EMA of the default decay (about 5,000 steps) over the few steps the budget fits: said
+    # once the fit knows the length, as a run of known length says it at its start
+    ema_words = (f"warning: --model-ema-decay 0.9998 averages over about 5,000 steps and the "
+                 f"budget fits {expected}: the EMA weights stay close to the starting weights")
+    assert (ema_words in said) == ("--model-ema" in flags), said[-3000:]
     assert expected != _largest_total(1 if passes > 1 else 4, record["step"])  # it can tell
     # The re-fits after it: the epoch ends took no time on this clock, and the latest measured
     # one is what those to come will cost; the run ends at the last fit's count

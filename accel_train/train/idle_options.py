@@ -41,15 +41,22 @@ def idle_option_warnings(config: TrainConfig, total_steps: Optional[int]) -> lis
     if not config.model_ema and _given(config, "model_ema_decay"):
         warnings.append(f"--model-ema-decay {config.model_ema_decay:g} has no effect without "
                         f"--model-ema")
-    # An EMA follows about 1 / (1 - decay) steps; over a run shorter than that, the average is
-    # mostly the weights it started from (timm's ModelEmaV3 runs here without its warmup).
-    if config.model_ema and total_steps:
-        horizon = round(1 / (1 - config.model_ema_decay))
-        if horizon > total_steps:
-            suggested = max(0.5, 1 - 10 / total_steps)  # over the run's last tenth
-            warnings.append(
-                f"--model-ema-decay {config.model_ema_decay:g} averages over about "
-                f"{horizon:,.0f} steps and this run has {total_steps:,}: the EMA weights stay "
-                f"close to the starting weights (and the final model will be the trained "
-                f"ones); --model-ema-decay {suggested:.4g} averages over its last tenth")
-    return warnings
+    short_ema = ema_outlasts_the_run(config, total_steps)
+    return warnings + ([short_ema] if short_ema else [])
+
+
+def ema_outlasts_the_run(config: TrainConfig, total_steps: Optional[int],
+                         run: str = "this run has") -> Optional[str]:
+    """An EMA follows about 1 / (1 - decay) steps; over a run shorter than that, the average is
+    mostly the weights it started from (timm's ModelEmaV3 runs here without its warmup).  Said
+    at the start, or (`run`: words for the length) when a time budget has fitted the length."""
+    if not (config.model_ema and total_steps):
+        return None
+    horizon = round(1 / (1 - config.model_ema_decay))
+    if horizon <= total_steps:
+        return None
+    suggested = max(0.5, 1 - 10 / total_steps)  # over the run's last tenth
+    return (f"--model-ema-decay {config.model_ema_decay:g} averages over about "
+            f"{horizon:,.0f} steps and {run} {total_steps:,}: the EMA weights stay close to the "
+            f"starting weights (and the final model will be the trained ones); "
+            f"--model-ema-decay {suggested:.4g} averages over its last tenth")

@@ -12,6 +12,7 @@ from typing import Callable, Optional, Protocol
 
 from accel_train.config import parse_duration
 from accel_train.train.budget import SAY_REFIT_FRACTION, TimeBudget, evaluation_passes
+from accel_train.train.idle_options import ema_outlasts_the_run
 from accel_train.train.optim import warmup_outlasts_words
 
 
@@ -147,6 +148,9 @@ class BudgetPacer:
             if config.warmup_fraction is None and planned >= total:
                 self.report.warn(warmup_outlasts_words(
                     config.warmup_epochs, planned, f"the {total:,} that fit the budget here"))
+            short_ema = ema_outlasts_the_run(config, total, "the budget fits")
+            if short_ema:
+                self.report.warn(short_ema)
         elif abs(total - before) >= SAY_REFIT_FRACTION * before:
             self.progress.write(f"{budget}: {before:,} -> {total:,} steps at "
                                 f"{1000 * step_seconds:.0f} ms/step lately")

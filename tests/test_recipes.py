@@ -35,8 +35,10 @@ def test_a_recipe_loads_and_starts(recipe, tmp_path):
     recorded = yaml.safe_load((out / "config.yaml").read_text())["train"]
     # (the network --smaller-models chose is recorded as `model`, with no more to choose from:
     # tests/test_network_choice.py)
-    overridden = {"batch_size", "epochs", "mixed_precision", "channels_last", "smaller_models"}
+    overridden = {"batch_size", "epochs", "mixed_precision", "channels_last", "smaller_models",
+                  "time_budget"}
     for key, value in settings.items():
         if key not in overridden:
             assert recorded[key] == value, key
+    assert recorded["time_budget"] is None  # --epochs typed replaces a recipe's budget
     assert (out / "model.safetensors").is_file()

@@ -127,6 +127,37 @@ def test_a_split_of_another_name_alone_still_trains(tmp_path):
                               in_memory="never"))
 
 
+@pytest.mark.parametrize("splits, roles", [
+    # the test split first: it trained, its 9 images carved, the 30 training images unused
+    ({"test": 9, "training": 30}, ("training", 27, "training", 3, "test", 9)),
+    # capitals: Test was dropped without a word, Validation carved around
+    ({"Train": 30, "Test": 9}, ("Train", 27, "Train", 3, "Test", 9)),
+    ({"train": 30, "Validation": 9, "TEST": 6}, ("train", 30, "Validation", 9, "TEST", 6))],
+    ids=["test first, training", "capitals", "Validation TEST"])
+def test_save_to_disk_split_names_match_in_any_case_and_training(tmp_path, splits, roles):
+    data = saved_folder(tmp_path / "data", splits)
+    loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never"))
+    train, n_train, held, n_held, test, n_test = roles
+    assert (len(loaded.train), len(loaded.held_out), len(loaded.test)) == \
+        (n_train, n_held, n_test)
+    assert loaded.description.startswith(f"{data} ({train}") and f"{test}" in \
+        loaded.description, loaded.description
+    assert held in loaded.description
+
+
+def test_splits_no_role_takes_are_said_and_two_that_could_train_are_refused(tmp_path):
+    data = saved_folder(tmp_path / "data", {"train": 10, "holdout": 4, "test": 6})
+    loaded = load_data(TrainConfig(data_dir=str(data), in_memory="never"))
+    assert len(loaded.train) + len(loaded.held_out) == 10 and len(loaded.test) == 6
+    assert f"{data}: split(s) holdout left out: neither train, validation nor test by name " \
+           f"(rename a split to one of those to use it)" in loaded.warnings
+    line = one_line(tmp_path, saved_folder(tmp_path / "two", {"part1": 10, "part2": 10,
+                                                               "test": 4}))
+    assert line.endswith("has no split named train, and 2 that could be it (part1, part2); "
+                         "name the training split train (and the others validation or "
+                         "test)"), line
+
+
 def test_eval_of_a_run_whose_folder_changed_warns_that_its_validation_split_is_another(
         tmp_path):
     """A flat folder's validation split is carved: images added since make the carve another
@@ -548,10 +579,12 @@ def test_a_stratified_run_is_evaluated_and_resumed_on_the_images_it_carved(tmp_p
     assert evaluated["data"].endswith("class by class (--val-stratify))"), evaluated
     files = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
     refused = accel_train_here(*flags, "--max-steps", "4", "--resume", "auto")
-    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+    # the refusal, then the two options that differ (tests/test_resume_options.py)
+    assert refused.returncode == 2 and refused.stderr.strip().split("; this start sets ")[0] == (
         "accel_train: error: the checkpoint's run carved its validation images class by class, "
         "this start by one random draw: they are other images; resume with --val-stratify, or "
-        "start a new run"], refused.stderr
+        "start a new run"), refused.stderr
+    assert "--val-stratify off (the run: on), --max-steps 4 (the run: 2)" in refused.stderr
     assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
     accel_train_here(*flags, "--val-stratify", "--max-steps", "4", "--resume", "auto",
                      check=True)

@@ -44,6 +44,7 @@ LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "coarse_label", "class", 
 # Three roles: train, validation (every decision: best checkpoints, EMA or raw weights, the time
 # budget's probes) and test (evaluated once, at the end, and decides nothing).
 # the names image folders and parquet files take too (imagefolder.py, datasets' patterns)
+TRAIN_SPLIT_NAMES = ("train", "training")
 VALIDATION_SPLIT_NAMES = ("validation", "val", "valid", "dev", "eval", "evaluation")
 TEST_SPLIT_NAMES = ("test", "testing")
 EVAL_SPLIT_NAMES = VALIDATION_SPLIT_NAMES + TEST_SPLIT_NAMES
@@ -599,16 +600,31 @@ class Splits:
     description: str
 
 
+def split_named(names, wanted: tuple[str, ...]) -> Optional[str]:
+    """The first of `names` that is one of `wanted`, in any letter case (`Train`, `TEST`, as
+    image folders are matched): a DatasetDict's keys are whatever its maker typed."""
+    lowered = {name.lower(): name for name in reversed(list(names))}
+    return next((lowered[w] for w in wanted if w in lowered), None)
+
+
 def training_split_name(raw: RawData) -> str:
-    """`train`, else the data's first split, unless every split is named for evaluation
-    (validation, test, ...): one line then, where training on a test split would go unsaid."""
-    if "train" in raw.splits:
-        return "train"
-    if all(name.lower() in EVAL_SPLIT_NAMES for name in raw.splits):
+    """The split named train or training (any case), else the one split not named for
+    evaluation.  Every split named for evaluation (validation, test, ...), or several that
+    could each be the training split: one line, where the first split (a DatasetDict's test,
+    say) trained without a word."""
+    named = split_named(raw.splits, TRAIN_SPLIT_NAMES)
+    if named is not None:
+        return named
+    candidates = [name for name in raw.splits if name.lower() not in EVAL_SPLIT_NAMES]
+    if not candidates:
         raise UsageError(f"{raw.origin} has no training split: its splits are "
                          f"{', '.join(raw.splits)}, each named for evaluation; put the "
                          f"training images in a split named train")
-    return next(iter(raw.splits))
+    if len(candidates) > 1:
+        raise UsageError(f"{raw.origin} has no split named train, and {len(candidates)} that "
+                         f"could be it ({', '.join(candidates)}); name the training split "
+                         f"train (and the others validation or test)")
+    return candidates[0]
 
 
 def pick_splits(raw: RawData, val_fraction: float, label_column: str,
@@ -622,8 +638,8 @@ def pick_splits(raw: RawData, val_fraction: float, label_column: str,
     names = list(raw.splits)
     train_name = training_split_name(raw)
     others = [n for n in names if n != train_name]
-    validation = next((n for n in VALIDATION_SPLIT_NAMES if n in others), None)
-    test = next((n for n in TEST_SPLIT_NAMES if n in others), None)
+    validation = split_named(others, VALIDATION_SPLIT_NAMES)
+    test = split_named(others, TEST_SPLIT_NAMES)
     train_rows = np.arange(len(raw.splits[train_name]))
     if validation is None and test is not None and select_on_test:
         return Splits(train_name, train_rows, test, np.arange(len(raw.splits[test])), None,
@@ -713,7 +729,13 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True,
     warnings = set_aside_unlabelled_splits(raw, label_column, train_name)
     splits = pick_splits(raw, config.val_fraction, label_column, config.select_on_test,
                          config.val_stratify, carve=not every_image)
-    if config.select_on_test and splits.eval_name not in TEST_SPLIT_NAMES:
+    unused = [name for name in raw.splits
+              if name not in (splits.train_name, splits.eval_name, splits.test_name)]
+    if unused:  # a DatasetDict's own names (holdout, extra): said, never dropped unsaid
+        warnings.append(f"{raw.origin}: split(s) {', '.join(unused)} left out: neither "
+                        f"train, validation nor test by name (rename a split to one of those "
+                        f"to use it)")
+    if config.select_on_test and splits.eval_name.lower() not in TEST_SPLIT_NAMES:
         warnings.append(f"--select-on-test has no effect: {raw.origin} "
                         + (f"has a validation split ({splits.eval_name}), which selects"
                            if splits.eval_name != splits.train_name else

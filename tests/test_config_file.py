@@ -103,6 +103,21 @@ def test_one_length_for_a_run_epochs_or_a_time_budget(tmp_path, capsys):
         fit("test_resnet", [], epochs=3, time_budget="1m")
 
 
+def test_numbers_in_exponent_form_are_numbers(tmp_path):
+    """`1e-3` is a number to YAML 1.2 and to every reader but PyYAML's 1.1, which needs a dot
+    (`1.0e-3`): a recipe's learning rate so written was refused as text.  Oracle: Python's
+    float() of the same words."""
+    written = {"learning-rate": "1e-3", "weight_decay": "5E-4", "momentum": ".9",
+               "label_smoothing": "1.5e-1", "warmup_epochs": "2"}
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("".join(f"{key}: {value}\n" for key, value in written.items())
+                      + "output_dir: 1e3x\n")  # not a number: a word, as before
+    config = parse(["--config", str(recipe)])
+    for key, value in written.items():
+        assert getattr(config, key.replace("-", "_")) == float(value), key
+    assert isinstance(config.warmup_epochs, int) and config.output_dir == "1e3x"
+
+
 def test_an_accelerate_precision_we_cannot_run_is_one_clear_error():
     with pytest.raises(UsageError, match="accelerate config asks for mixed_precision 'fp8'.*"
                                          "pass --mixed-precision auto/no/fp16/bf16"):

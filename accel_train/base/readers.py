@@ -14,6 +14,7 @@ the weights' checks built on it) decodes a file itself.
 
 from __future__ import annotations
 
+import functools
 import json
 import zipfile
 from dataclasses import dataclass, field
@@ -223,6 +224,27 @@ def read_json(path: Path, kind_name: str, label: str = "", shape: Optional[Shape
     return parse_json(read_text(path, kind_name, label), path, kind_name, label, shape)
 
 
+# YAML 1.1 (PyYAML's) reads `1e-3` and `5e-4` as text: a float needs a dot there (`1.0e-3`).
+# YAML 1.2 and every other reader take them as numbers, and a recipe's learning rate or weight
+# decay is written so: "--learning-rate must be a number (got '1e-3')" told the user otherwise.
+# The safe loader, with YAML 1.2's float pattern (PyYAML's own documented way, a resolver).
+FLOAT_1_2 = (r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+"
+             r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?)$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$")
+
+
+@functools.lru_cache(maxsize=None)
+def _yaml_loader():
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(FLOAT_1_2),
+                                 list("-+0123456789."))
+    return Loader
+
+
 def read_yaml(path: Path, kind_name: str, label: str = "", empty: Any = None,
               shape: Optional[Shape] = None) -> Any:
     """A YAML file of `kind_name`; an empty one is `empty` when given (a recipe without
@@ -235,7 +257,7 @@ def read_yaml(path: Path, kind_name: str, label: str = "", empty: Any = None,
             return empty
         raise bad(path, kind_name, f"is empty; {CUT_SHORT}", label)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_yaml_loader())
     except yaml.YAMLError as err:
         raise bad(path, kind_name, f"is not valid YAML ({first_line(err)})", label) from None
     if data is None and empty is not None:

@@ -7,6 +7,7 @@ and hand-counted sizes."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -507,3 +508,41 @@ def test_a_datasets_own_random_reads_are_a_function_of_the_samples_place_in_the_
     again = TrainImages(data.train, ImageTransform(10, (0.0,) * 3, (1.0,) * 3), seed=6)
     for other in (reads[3 + n][0], reads[4][0], again[3][0]):  # epoch, index, seed
         assert not torch.equal(other, alone)
+
+
+def _image_folders(root, classes_of_split: dict[str, list[str]]):
+    from torchvision.datasets import ImageFolder
+    made = {}
+    for split, classes in classes_of_split.items():
+        for name in classes:
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(3):
+                Image.new("RGB", (8, 8), (40 * len(name), 20 * i, 9)).save(folder / f"{i}.png")
+        made[split] = ImageFolder(str(root / split))
+    return made
+
+
+def test_an_eval_folder_lacking_a_class_is_scored_by_class_name(tmp_path):
+    """torchvision's ImageFolder numbers the classes it finds: val/ without dog makes fox 1,
+    train's dog.  Each held-out label must be train's index of the folder the file is in
+    (the oracle: ImageFolder's own file list)."""
+    folders = _image_folders(tmp_path, {"train": ["cat", "dog", "fox"], "val": ["cat", "fox"]})
+    data = load_user_data(folders["train"], folders["val"], TrainConfig(in_memory="never"))
+    expected = [["cat", "dog", "fox"].index(Path(path).parent.name)
+                for path, _ in folders["val"].samples]
+    assert data.held_out.labels.tolist() == expected == [0, 0, 0, 2, 2, 2]
+    assert data.class_names == ["cat", "dog", "fox"]
+    assert "eval_dataset's classes matched to train_dataset's by name" in data.description
+    same = load_user_data(folders["train"], folders["train"], TrainConfig(in_memory="never"))
+    assert "by name" not in same.description
+
+
+def test_an_eval_class_train_does_not_name_is_one_line(tmp_path):
+    folders = _image_folders(tmp_path, {"train": ["cat", "dog"], "val": ["cat", "emu"]})
+    with pytest.raises(UsageError) as refused:
+        load_user_data(folders["train"], folders["val"], TrainConfig(in_memory="never"))
+    assert str(refused.value) == (
+        "eval_dataset: its class 'emu' is not one of train_dataset's classes (cat, dog): the "
+        "model cannot be scored on a class it does not train on; leave those items out of "
+        "eval_dataset")

@@ -115,18 +115,48 @@ def class_index(label: Any, name: str) -> int:
     return index
 
 
-def class_names_of(dataset, labels: Sequence[torch.Tensor],
-                   parts: Sequence[str] = ("train_dataset", "eval_dataset")) -> list[str]:
-    """torchvision's `classes`, a Hugging Face ClassLabel's names, else the indices as text.
-    A label past the names is one line naming its item: the model would otherwise be built
-    for more classes than the data names, and refused as the wrong shape."""
+def declared_names(dataset) -> Optional[list[str]]:
+    """The class names a dataset declares: torchvision's `classes`, a Hugging Face ClassLabel's
+    names; None where it declares none (a count or a mapping of one's own is not names)."""
     names = getattr(dataset, "classes", None)
-    if not isinstance(names, (list, tuple)):  # a count or a mapping of one's own: not names
+    if not isinstance(names, (list, tuple)):
         names = None
     features = getattr(dataset, "features", None) or {}
     for column in LABEL_COLUMN_NAMES:
         if names is None and hasattr(features.get(column), "names"):
             names = features[column].names
+    return None if names is None else [str(name) for name in names]
+
+
+def eval_labels_by_name(train_dataset, eval_dataset, eval_labels: torch.Tensor
+                        ) -> tuple[torch.Tensor, bool]:
+    """eval_dataset's labels as train_dataset's class indices, where both declare their class
+    names and these differ: two torchvision ImageFolders whose val/ lacks a class number the
+    classes after it otherwise (val's fox 1 is train's dog 1), and every evaluation scored the
+    model against the wrong classes without a word.  Returns the labels and whether they were
+    matched by name; a class train_dataset does not name is one line."""
+    train_names, eval_names = declared_names(train_dataset), declared_names(eval_dataset)
+    if train_names is None or eval_names is None or eval_names == train_names:
+        return eval_labels, False
+    index = {name: i for i, name in enumerate(train_names)}
+    for label in sorted(set(eval_labels.tolist())):
+        name = eval_names[label] if label < len(eval_names) else None
+        if name not in index:
+            what = f"class {name!r}" if name is not None else f"label {label}, past its names,"
+            raise UsageError(f"eval_dataset: its {what} is not one of train_dataset's classes "
+                             f"({first_few(train_names)}): the model cannot be scored on a "
+                             f"class it does not train on; leave those items out of "
+                             f"eval_dataset")
+    by_name = torch.tensor([index.get(name, -1) for name in eval_names], dtype=torch.long)
+    return by_name[eval_labels], True
+
+
+def class_names_of(dataset, labels: Sequence[torch.Tensor],
+                   parts: Sequence[str] = ("train_dataset", "eval_dataset")) -> list[str]:
+    """The declared names (declared_names), else the indices as text.  A label past the names
+    is one line naming its item: the model would otherwise be built for more classes than the
+    data names, and refused as the wrong shape."""
+    names = declared_names(dataset)
     count = max(int(part.max()) + 1 for part in labels if len(part))
     if names is not None and len(names) < count:
         part, values = next((name, values) for name, values in zip(parts, labels)
@@ -137,7 +167,7 @@ def class_names_of(dataset, labels: Sequence[torch.Tensor],
                          f"0..{len(names) - 1}); "
                          f"fix the label, or add its class to the names")
     if names is not None:
-        return [str(name) for name in names]
+        return names
     return [str(i) for i in range(count)]
 
 
@@ -248,12 +278,14 @@ def load_user_data(train_dataset, eval_dataset: Optional[Any], config) -> Loaded
                                            config.val_stratify))
         all_labels = [train_labels]
     else:
-        eval_labels = labels_of(eval_dataset, "eval_dataset")
+        eval_labels, matched = eval_labels_by_name(
+            train_dataset, eval_dataset, labels_of(eval_dataset, "eval_dataset"))
         train = DatasetSource(train_dataset, train_labels, np.arange(len(train_dataset)),
                               "train_dataset")
         held_out = DatasetSource(eval_dataset, eval_labels, np.arange(len(eval_dataset)),
                                  "eval_dataset")
-        description = "train_dataset/eval_dataset"
+        description = "train_dataset/eval_dataset" + (
+            ", eval_dataset's classes matched to train_dataset's by name" if matched else "")
         all_labels = [train_labels, eval_labels]
     if len(train) == 0:
         raise UsageError("train_dataset: it holds no items to train on")

@@ -613,3 +613,31 @@ def test_a_folder_of_one_class_is_one_line_naming_its_class_folder(tmp_path):
     assert str(caught.value) == (f"{tmp_path}: found 1 class(es) (only; an image folder's "
                                  f"classes are its class folders, or the labels of "
                                  f"--train-labels); a classifier needs at least 2")
+
+
+def test_a_run_folder_inside_the_data_is_refused_before_it_is_made(tmp_path, monkeypatch):
+    """Its plots would be read as images of a class named after it; the line that followed
+    blamed the data, naming a folder the start had just made."""
+    from PIL import Image
+    from conftest import PINNED, accel_train_here
+    data = tmp_path / "photos"
+    for name in ("cat", "dog"):
+        (data / name).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (8, 8), (60 * i, 9, 9)).save(data / name / f"{i}.png")
+    before = sorted(p.relative_to(data) for p in data.rglob("*"))
+    common = ["--model", "test_resnet", "--max-steps", "1", "--batch-size", "2", "--no-plots",
+              *PINNED]
+    refused = accel_train_here("--data-dir", str(data), "--output-dir", str(data / "runs" / "a"),
+                               *common)
+    assert refused.returncode == 2 and refused.stderr == (
+        f"accel_train: error: --output-dir {data / 'runs' / 'a'} is inside --data-dir {data}: "
+        f"the run's files would be read as its images; choose an --output-dir outside the "
+        f"data\n")
+    monkeypatch.chdir(data)  # the default runs/<time> under the working folder: the data's
+    default = accel_train_here("--data-dir", ".", *common)
+    assert default.returncode == 2 and "(the default, under the working folder) is inside " \
+        "--data-dir .: " in default.stderr, default.stderr
+    assert sorted(p.relative_to(data) for p in data.rglob("*")) == before
+    monkeypatch.chdir(tmp_path)  # beside the data: trains
+    accel_train_here("--data-dir", "photos", "--output-dir", "run", *common, check=True)

@@ -48,10 +48,30 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting, so every bad input takes the same exit path."""
+    """argparse that raises instead of exiting, so every bad input takes the same exit path.
+    No abbreviations: with two spellings of every option, `--out` was "ambiguous" between
+    --output-dir and --output_dir while `--epoch` silently meant --epochs, and an option added
+    later would make a script's abbreviation ambiguous.  A word close to an option's name is
+    offered instead."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
-        raise UsageError(f"{message} (see --help)")
+        raise UsageError(f"{message}{self._close_option(message)} (see --help)")
+
+    def _close_option(self, message: str) -> str:
+        import difflib
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        known = [s for action in self._actions for s in action.option_strings
+                 if s.startswith("--")]
+        for word in message.split(": ", 1)[1].split():
+            close = difflib.get_close_matches(word.split("=")[0], known, n=1, cutoff=0.75)
+            if word.startswith("--") and close:
+                return f"; {word.split('=')[0]} is not an option: did you mean {close[0]}?"
+        return ""
 
 
 def _field_flags(f) -> tuple[list[str], list[str]]:

@@ -693,21 +693,36 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "config") -> "TrainConfig":
+        """The options by field name, or by the other names the command line takes (`lr`,
+        `sync_batchnorm`: a recipe or fit() refused the words --help lists)."""
         known = {f.name for f in fields(cls)}
+        aliases = {alias.lstrip("-").replace("-", "_"): f.name for f in fields(cls)
+                   for alias in f.metadata.get("flags", ())}
+        twice = sorted(name for name in set(values) & set(aliases) if aliases[name] in values)
+        if twice:
+            raise UsageError(f"{source}: {twice[0]} and {aliases[twice[0]]} are one option; "
+                             f"give one")
+        values = {aliases.get(key, key): value for key, value in values.items()}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise UsageError(f"{source}: unknown option(s) {', '.join(unknown)}; "
-                             f"see `python -m accel_train --help` for the names")
+            import difflib
+            close = {name: difflib.get_close_matches(name, [*known, *aliases], n=1)
+                     for name in unknown}
+            named = ", ".join(name + (f" (did you mean {close[name][0]}?)" if close[name] else "")
+                              for name in unknown)
+            raise UsageError(f"{source}: unknown option(s) {named}; see `python -m accel_train "
+                             f"--help` for the names")
         return cls(**values)
 
 
-def check_one_run_length(given: dict[str, Any]) -> None:
-    """--epochs and --time-budget given together: the budget fits the steps into its time and
-    the epochs were ignored without a word (--help says "instead of --epochs")."""
+def check_one_run_length(given: dict[str, Any], where: str = "") -> None:
+    """--epochs and --time-budget given together (typed, or in one recipe file: `where` names
+    it): the budget fits the steps into its time and the epochs were ignored without a word
+    (--help says "instead of --epochs")."""
     if given.get("epochs") is not None and given.get("time_budget") is not None:
-        raise UsageError(f"--epochs {given['epochs']} and --time-budget {given['time_budget']} "
-                         f"both set the run's length: give one (a budget fits the steps into "
-                         f"its time; --max-steps caps them)")
+        raise UsageError(f"{where}--epochs {given['epochs']} and --time-budget "
+                         f"{given['time_budget']} both set the run's length: give one (a "
+                         f"budget fits the steps into its time; --max-steps caps them)")
 
 
 def flag(name: str) -> str:
@@ -735,12 +750,14 @@ def load_run_yaml(path: str) -> dict[str, Any]:
     if not file.is_file():
         raise UsageError(f"--config {path}: no such file")
     data = read_yaml(file, "recipe", "--config", empty={})  # readers.py: bad YAML is one line
-    from_program = False
-    if isinstance(data.get("train"), dict):
+    from_program, a_runs_record = False, isinstance(data.get("train"), dict)
+    if a_runs_record:
         resolved = data.get("resolved")
         from_program = isinstance(resolved, dict) and bool(resolved.get("data_from_program"))
         data = data["train"]  # a run's config.yaml
     values = {key.replace("-", "_"): value for key, value in data.items()}
+    if not a_runs_record:  # a recipe written by hand (a run's record holds every option)
+        check_one_run_length(values, f"--config {path}: ")
     if from_program:  # fit() records the embedded set's name as its data: no data at all
         values[FROM_PROGRAM] = True
     return values

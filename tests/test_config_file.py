@@ -90,13 +90,22 @@ def test_one_length_for_a_run_epochs_or_a_time_budget(tmp_path, capsys):
         "one (a budget fits the steps into its time; --max-steps caps them)\n")
     assert not (tmp_path / "run").exists()
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("time_budget: 10m\nepochs: 5\nbatch_size: 12\n")
+    recipe.write_text("time_budget: 10m\nbatch_size: 12\n")
     typed_epochs = parse(["--config", str(recipe), "--epochs", "3"])
     assert (typed_epochs.time_budget, typed_epochs.epochs, typed_epochs.batch_size) == \
         (None, 3, 12)
-    typed_budget = parse(["--config", str(recipe), "--time-budget", "2m"])
-    assert typed_budget.time_budget == "2m"
     assert parse(["--config", str(recipe)]).time_budget == "10m"  # the file's, as it was
+    epochs_recipe = tmp_path / "epochs.yaml"
+    epochs_recipe.write_text("epochs: 5\n")
+    typed_budget = parse(["--config", str(epochs_recipe), "--time-budget", "2m"])
+    assert typed_budget.time_budget == "2m"
+    both = tmp_path / "both.yaml"  # one recipe holding both: its epochs went unused unsaid
+    both.write_text("time_budget: 10\nepochs: 2\n")
+    with pytest.raises(UsageError) as refused:
+        parse(["--config", str(both)])
+    assert str(refused.value) == (
+        f"--config {both}: --epochs 2 and --time-budget 10 both set the run's length: give "
+        f"one (a budget fits the steps into its time; --max-steps caps them)")
     from accel_train import fit
     with pytest.raises(UsageError, match=r"^epochs=3 and time_budget='1m' both set the run's "
                                          r"length: give one .*; max_steps= caps them\)$"):
@@ -116,6 +125,26 @@ def test_numbers_in_exponent_form_are_numbers(tmp_path):
     for key, value in written.items():
         assert getattr(config, key.replace("-", "_")) == float(value), key
     assert isinstance(config.warmup_epochs, int) and config.output_dir == "1e3x"
+
+
+def test_a_recipe_takes_the_other_names_the_command_line_takes(tmp_path):
+    """--help lists --lr, --gradient_accumulation_steps, --sync_batchnorm, --checkpoint-dir:
+    a recipe holding them was refused as "unknown option(s)", pointing at --help."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("lr: 0.02\ngradient_accumulation_steps: 3\nsync_batchnorm: false\n"
+                      "checkpoint-dir: ckpt\n")
+    config = parse(["--config", str(recipe)])
+    assert (config.learning_rate, config.accumulation_steps, config.sync_bn,
+            config.checkpoint) == (0.02, 3, False, "ckpt")
+    recipe.write_text("lr: 0.02\nlearning_rate: 0.1\n")
+    with pytest.raises(UsageError, match=r"lr and learning_rate are one option; give one$"):
+        parse(["--config", str(recipe)])
+    recipe.write_text("epoch: 3\nwarmpu_epochs: 1\n")
+    with pytest.raises(UsageError) as refused:
+        parse(["--config", str(recipe)])
+    assert str(refused.value) == (
+        f"{recipe}: unknown option(s) epoch (did you mean epochs?), warmpu_epochs (did "
+        f"you mean warmup_epochs?); see `python -m accel_train --help` for the names")
 
 
 def test_an_accelerate_precision_we_cannot_run_is_one_clear_error():

@@ -615,9 +615,9 @@ def test_a_folder_of_one_class_is_one_line_naming_its_class_folder(tmp_path):
                                  f"--train-labels); a classifier needs at least 2")
 
 
-def test_a_run_folder_inside_the_data_is_refused_before_it_is_made(tmp_path, monkeypatch):
-    """Its plots would be read as images of a class named after it; the line that followed
-    blamed the data, naming a folder the start had just made."""
+def test_a_run_folder_inside_an_image_folder_is_refused(tmp_path, monkeypatch):
+    """Its plots would be read as images of a class named after it; the line that came first
+    blamed the data, naming a folder the start had just made (and removed again)."""
     from PIL import Image
     from conftest import PINNED, accel_train_here
     data = tmp_path / "photos"
@@ -628,16 +628,13 @@ def test_a_run_folder_inside_the_data_is_refused_before_it_is_made(tmp_path, mon
     before = sorted(p.relative_to(data) for p in data.rglob("*"))
     common = ["--model", "test_resnet", "--max-steps", "1", "--batch-size", "2", "--no-plots",
               *PINNED]
-    refused = accel_train_here("--data-dir", str(data), "--output-dir", str(data / "runs" / "a"),
-                               *common)
-    assert refused.returncode == 2 and refused.stderr == (
-        f"accel_train: error: --output-dir {data / 'runs' / 'a'} is inside --data-dir {data}: "
-        f"the run's files would be read as its images; choose an --output-dir outside the "
-        f"data\n")
-    monkeypatch.chdir(data)  # the default runs/<time> under the working folder: the data's
-    default = accel_train_here("--data-dir", ".", *common)
-    assert default.returncode == 2 and "(the default, under the working folder) is inside " \
-        "--data-dir .: " in default.stderr, default.stderr
-    assert sorted(p.relative_to(data) for p in data.rglob("*")) == before
+    for inside in (data / "runs" / "a", data / "cat" / "run"):
+        refused = accel_train_here("--data-dir", str(data), "--output-dir", str(inside),
+                                   *common)
+        assert refused.returncode == 2 and refused.stderr == (
+            f"accel_train: error: --output-dir {inside} is inside --data-dir {data}, an image "
+            f"folder: the run's files would be read as its images; choose an --output-dir "
+            f"outside the data\n")
+        assert sorted(p.relative_to(data) for p in data.rglob("*")) == before
     monkeypatch.chdir(tmp_path)  # beside the data: trains
     accel_train_here("--data-dir", "photos", "--output-dir", "run", *common, check=True)

@@ -517,12 +517,27 @@ def _load_local(config: TrainConfig) -> RawData:
             raise UsageError(f"--data-dir {data_dir} holds no files; expected parquet files, a "
                              f"save_to_disk folder or one subfolder of images per class") from None
         if isinstance(stopped, UsageError):
+            refuse_a_run_inside(path, config)
             raise
         # the parquet files met are behind a symlinked folder, which the search (as datasets')
         # does not follow: the images are the data
         index = index_folder(path, config.class_depth, config.val_labels, say=print_once,
                              train_labels=config.train_labels)
+    refuse_a_run_inside(path, config)
     return _image_folder_data(path, index)
+
+
+def refuse_a_run_inside(image_folder: Path, config: TrainConfig) -> None:
+    """A run folder inside an image folder is walked as part of it: its plots would be images
+    of a class named after it, and the refusal that came first blamed the data ("class folder
+    runs/first holds no images", about a folder this start had just made).  (Parquet files and
+    a save_to_disk folder are found by name: a run beside them is not read.)"""
+    data = image_folder.resolve()
+    for name, folder in (("--output-dir", config.output_dir), ("--checkpoint", config.checkpoint)):
+        if folder and (Path(folder).resolve() == data or data in Path(folder).resolve().parents):
+            raise UsageError(f"{name} {folder} is inside --data-dir {config.data_dir}, an image "
+                             f"folder: the run's files would be read as its images; choose an "
+                             f"{name} outside the data")
 
 
 def _load_parquet(path: Path, parquet: list[Path], data_dir: str) -> RawData:

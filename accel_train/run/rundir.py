@@ -98,28 +98,6 @@ def _holds_a_run(path: Path) -> bool:
 def prepare_output_dir(config: TrainConfig, env) -> str:
     """Pick the run directory without creating or touching anything (a failed start must leave
     no trace)."""
-    path = _pick_output_dir(config, env)
-    refuse_inside_the_data(config, path)
-    return path
-
-
-def refuse_inside_the_data(config: TrainConfig, output_dir: str) -> None:
-    """A run folder inside --data-dir is walked as part of the data: its plots are PNG images
-    of a class named after it, and the refusal that followed blamed the data ("class folder
-    runs/first holds no images", about a folder this start had just made)."""
-    if not config.data_dir or not Path(config.data_dir).is_dir():
-        return
-    data = Path(config.data_dir).resolve()
-    for name, folder in (("--output-dir", output_dir), ("--checkpoint", config.checkpoint)):
-        if folder and (Path(folder).resolve() == data or data in Path(folder).resolve().parents):
-            default = " (the default, under the working folder)" \
-                if name == "--output-dir" and config.output_dir is None else ""
-            raise UsageError(f"{name} {folder}{default} is inside --data-dir "
-                             f"{config.data_dir}: the run's files would be read as its images; "
-                             f"choose an {name} outside the data")
-
-
-def _pick_output_dir(config: TrainConfig, env) -> str:
     if config.output_dir is None:
         if env.max_restarts > 0:
             raise UsageError("elastic restarts (--max-restarts) need a fixed --output-dir so that "

@@ -132,6 +132,16 @@ class ForwardRaises(nn.Module):  # a bug in the user's forward, at any size
         raise KeyError("features")
 
 
+class TupleInTraining(nn.Module):  # (logits, aux_logits) as a plain tuple, in train mode only
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+        self.aux = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+
+    def forward(self, x):
+        return (self.head(x), self.aux(x)) if self.training else self.head(x)
+
+
 class WithUnused(nn.Module):  # a head left over from an experiment: never called
     def __init__(self, num_classes):
         super().__init__()
@@ -330,6 +340,15 @@ BAD = [
     ("torchvision.models:inception_v3", ["--image-size", "80"], [
         "--model torchvision.models:inception_v3 takes [N, 3, 80, 80] images in eval mode but "
         "fails in train mode (", "; it trains at --image-size 299"]),
+    # eval mode returns the logits, train mode a plain tuple: its logits are not named (a
+    # named tuple's are), and the first loss failed after the run folder was written
+    *[(f"{MODULE}:TupleInTraining", flags, [
+        "--model user_nets:TupleInTraining maps a [2, 3, 32, 32] batch of images in train mode "
+        "to a tuple, not to [2, 10] logits (one per class of the data); return the logits "
+        "tensor, or an object holding it as `.logits` (or a dict, as its \"logits\" entry) in "
+        "train mode too; a named tuple with fields logits and aux_logits (as torchvision's "
+        "Inception v3 returns) names auxiliary logits for --aux-loss-weight"])
+      for flags in ([], ["--aux-loss-weight", "0.4"])],
     (f"{MODULE}:int_logits", [], ["--model user_nets:int_logits gives torch.int64 outputs; "
                                   "logits are floating point"]),
     (f"{MODULE}:all_frozen", [], ["--model user_nets:all_frozen has no trainable parameters "
@@ -354,6 +373,7 @@ def test_a_bad_factory_is_one_line_naming_what_to_fix(user_modules, tmp_path, mo
     line = one_error_line(result)
     for part in said:
         assert part in line, (part, line)
+    assert not (tmp_path / "run").exists()  # refused before the run folder is written
 
 
 def test_the_train_mode_check_leaves_the_statistics_the_random_state_and_the_mode():
@@ -368,7 +388,7 @@ def test_the_train_mode_check_leaves_the_statistics_the_random_state_and_the_mod
     model, control = network(), network()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     random_state = torch.random.get_rng_state()
-    check_train_forward(model, "net", 8)
+    check_train_forward(model, "net", 8, num_classes=2)
     assert not model.training
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(torch.random.get_rng_state(), random_state)

@@ -103,7 +103,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
     check_whole_patches(model, config.model, image_size)
     with recording_input_widths(model) as widths:
         check_first_forward(model, config.model, image_size, len(data.class_names))
-    check_train_forward(model, config.model, image_size)
+    check_train_forward(model, config.model, image_size, len(data.class_names))
     keep_auxiliary_losses(model, config.model, image_size, config.aux_loss_weight)
     model_name, program_args, rebuilt_by_commands = (recorded_model_name(config.model), {}, True)
     if program_module is not None:

@@ -27,8 +27,8 @@ from torch import nn
 
 from accel_train.model import small_nets  # noqa: F401  (registers the small-image networks in timm's registry)
 from accel_train.base.errors import UsageError, first_line
-from accel_train.model.outputs import (AUXILIARY_LOGITS, keep_auxiliary_logits,
-                                       kept_auxiliary_logits, return_logits)
+from accel_train.model.outputs import (keep_auxiliary_logits, kept_auxiliary_logits,
+                                       return_logits)
 from accel_train.model.transformers_models import (TRANSFORMERS_CONFIG,
                                                   build_from_transformers_config,
                                                   transformers_classifier,
@@ -528,19 +528,20 @@ def check_trainable(num_trainable: int, name: str) -> None:
 
 
 def unused_parameters(model: nn.Module, image_size: int) -> list[str]:
-    """The trainable parameters one forward and backward pass never reach.  DDP waits for a
-    gradient of each at every step and fails at the second ("Expected to have finished
-    reduction ..."), unless told to look for them (find_unused_parameters, which costs a
-    graph walk each step).  Measured in eval mode, so that BatchNorm's statistics stay as they
-    are; the gradients are dropped again.  Where --aux-loss-weight keeps a network's auxiliary
-    logits, in train mode (its statistics put back), their loss reaching the auxiliary heads:
-    DDP, told to look for unused parameters, would take those heads for unused (it looks from
-    the logits the forward returns) and fail when the auxiliary loss's gradient reaches them
-    ("Expected to mark a variable ready only once")."""
-    auxiliary = getattr(model, AUXILIARY_LOGITS, None) is not None
+    """The trainable parameters one train-mode forward and backward pass leaves without a
+    gradient.  DDP waits for a gradient of each at every step and fails at the second
+    ("Expected to have finished reduction ..."), unless told to look for them
+    (find_unused_parameters, which costs a graph walk each step).  Train mode, as the steps
+    run: a layer only eval mode uses (a calibration after the head) gets no gradient in
+    training, and an eval-mode probe took it for used.  Two images (BatchNorm's minimum in
+    train mode); probing puts the statistics and the random state back, and the gradients
+    are dropped again.  Where --aux-loss-weight keeps a network's auxiliary logits, their
+    loss reaches the auxiliary heads: DDP, told to look for unused parameters, would take
+    those heads for unused (it looks from the logits the forward returns) and fail when the
+    auxiliary loss's gradient reaches them ("Expected to mark a variable ready only once")."""
     try:
-        with probing(model, training=auxiliary), torch.enable_grad():
-            output = model(probe_images(model, 2 if auxiliary else 1, image_size))
+        with probing(model, training=True), torch.enable_grad():
+            output = model(probe_images(model, 2, image_size))
             total = output.float().sum()
             for logits in kept_auxiliary_logits(model):
                 total = total + logits.float().sum()

@@ -78,7 +78,7 @@ STOPPED_EXIT = 143  # 128 + SIGTERM: schedulers read it as "terminated", not "fi
 
 def build_accelerator(config: TrainConfig, precision: str, trackers_dir: Path,
                       find_unused: bool = False, resumed_precision: bool = False) -> Accelerator:
-    """`find_unused`: the network has trainable parameters its forward never uses;
+    """`find_unused`: the network has trainable parameters its train-mode forward never uses;
     `resumed_precision`: `precision` is the one the checkpoint this run resumes trained in."""
     held = precision_this_process_holds()
     if held is not None and held != precision:  # Accelerate would raise its ValueError

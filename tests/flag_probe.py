@@ -29,7 +29,9 @@ def install(conv: bool = True) -> dict:
             return
         input, weight = args[0], module.weight
         # training steps: train mode with gradients (the start's train-mode check of the
-        # network runs without: build.check_train_forward)
+        # network runs without: build.check_train_forward; a multi-process start's search
+        # for unused parameters, build.unused_parameters, runs with them, on two images, and
+        # the conv records are read of one-process runs only)
         if module.training and torch.is_grad_enabled() and len(records["conv"]) < 200:
             records["conv"].append({
                 "batch": int(input.shape[0]), "hw": list(input.shape[-2:]),

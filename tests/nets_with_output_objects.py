@@ -3,6 +3,8 @@ do; importable (PYTHONPATH=tests) so that `--model nets_with_output_objects:...`
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
 from torch import nn
 from torchvision.models.inception import InceptionOutputs
@@ -42,13 +44,19 @@ class AuxHeadNet(nn.Module):
         return self.fc(features)
 
 
-class BiasAuxNet(nn.Module):
-    """In train mode (logits, aux_logits) as Inception v3's named tuple, where the auxiliary
-    logits are a bias the images do not change, zero at the start: their loss and its gradient
-    are known by hand (uniform probabilities over the classes)."""
+# a program's own named tuple: its fields, not its class, name the logits and auxiliary logits
+OwnOutputs = namedtuple("OwnOutputs", "logits aux_logits")
 
-    def __init__(self, num_classes: int = 10):
+
+class BiasAuxNet(nn.Module):
+    """In train mode (logits, aux_logits) as Inception v3's named tuple (or `outputs`, another
+    with those fields), where the auxiliary logits are a bias the images do not change, zero at
+    the start: their loss and its gradient are known by hand (uniform probabilities over the
+    classes)."""
+
+    def __init__(self, num_classes: int = 10, outputs: type = InceptionOutputs):
         super().__init__()
+        self.outputs = outputs
         self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1),
                                   nn.Flatten())
         self.fc = nn.Linear(4, num_classes)
@@ -57,5 +65,5 @@ class BiasAuxNet(nn.Module):
     def forward(self, images):
         logits = self.fc(self.body(images))
         if self.training:
-            return InceptionOutputs(logits, self.aux_bias.expand(len(images), -1))
+            return self.outputs(logits, self.aux_bias.expand(len(images), -1))
         return logits

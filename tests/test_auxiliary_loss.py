@@ -14,10 +14,11 @@ import torch
 import torchvision
 from safetensors.torch import load_file
 from torch.utils.data import Dataset
+from torchvision.models.inception import InceptionOutputs
 
 import accel_train
 from accel_train.base.errors import UsageError
-from nets_with_output_objects import BiasAuxNet
+from nets_with_output_objects import BiasAuxNet, OwnOutputs
 
 LABELS = [0, 0, 0, 1, 1, 2, 3, 4]  # five classes, their shares 3/8, 2/8, 1/8, 1/8, 1/8
 
@@ -38,9 +39,9 @@ ONE_PLAIN_STEP = dict(batch_size=8, epochs=1, optimizer="momentum", momentum=0.0
                       mixed_precision="no", num_workers=0, log_every=1)
 
 
-def one_step(tmp_path, weight: float, name: str):
+def one_step(tmp_path, weight: float, name: str, outputs: type = InceptionOutputs):
     torch.manual_seed(0)
-    model = BiasAuxNet(num_classes=5)
+    model = BiasAuxNet(num_classes=5, outputs=outputs)
     run = accel_train.fit(model, Pictures(), Pictures(), aux_loss_weight=weight,
                           output_dir=str(tmp_path / name), **ONE_PLAIN_STEP)
     (record,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
@@ -48,12 +49,15 @@ def one_step(tmp_path, weight: float, name: str):
     return model, record
 
 
-def test_the_auxiliary_loss_and_its_gradient_are_the_hand_computed_ones(tmp_path):
+@pytest.mark.parametrize("outputs", [InceptionOutputs, OwnOutputs],
+                         ids=["torchvision's", "a program's own"])
+def test_the_auxiliary_loss_and_its_gradient_are_the_hand_computed_ones(tmp_path, outputs):
     """One plain SGD step on all eight images.  The auxiliary logits start at zero: their
     cross-entropy is ln 5 whatever the images, and the gradient of w times it with respect to
-    the bias is w (1/5 - share of class c); with the weight 0 the bias gets no gradient."""
-    plain, plain_record = one_step(tmp_path, 0.0, "plain")
-    weighted, record = one_step(tmp_path, 0.4, "weighted")
+    the bias is w (1/5 - share of class c); with the weight 0 the bias gets no gradient.  A
+    named tuple of the program's own, with the same fields, is taken as torchvision's is."""
+    plain, plain_record = one_step(tmp_path, 0.0, "plain", outputs)
+    weighted, record = one_step(tmp_path, 0.4, "weighted", outputs)
     assert torch.equal(plain.aux_bias, torch.zeros(5))  # never trained
     assert record["loss"] == pytest.approx(plain_record["loss"] + 0.4 * math.log(5), abs=2e-6)
     shares = np.bincount(LABELS) / len(LABELS)

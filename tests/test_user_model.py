@@ -24,9 +24,10 @@ import yaml
 from PIL import Image
 from safetensors.torch import load_file
 
-from accel_train.model.build import check_train_forward
+from accel_train.model.build import check_train_forward, unused_parameters
 from accel_train.run.checkpoint import write_manifest
-from conftest import PINNED, accel_train, accel_train_here, free_port, model_spec_of, run
+from conftest import (PINNED, accel_train, accel_train_here, free_port, launched_program,
+                      model_spec_of, run)
 from conftest import test_env as child_env  # (as test_env, pytest would collect it)
 
 MODULE = "user_nets"
@@ -130,6 +131,27 @@ class ForwardRaises(nn.Module):  # a bug in the user's forward, at any size
 
     def forward(self, x):
         raise KeyError("features")
+
+
+class TupleInTraining(nn.Module):  # (logits, aux_logits) as a plain tuple, in train mode only
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+        self.aux = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+
+    def forward(self, x):
+        return (self.head(x), self.aux(x)) if self.training else self.head(x)
+
+
+class EvalOnlyCalibration(nn.Module):  # a layer after the head that only eval mode runs
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+        self.calib = nn.Linear(num_classes, num_classes)
+
+    def forward(self, x):
+        out = self.head(x)
+        return out if self.training else self.calib(out)
 
 
 class WithUnused(nn.Module):  # a head left over from an experiment: never called
@@ -330,6 +352,15 @@ BAD = [
     ("torchvision.models:inception_v3", ["--image-size", "80"], [
         "--model torchvision.models:inception_v3 takes [N, 3, 80, 80] images in eval mode but "
         "fails in train mode (", "; it trains at --image-size 299"]),
+    # eval mode returns the logits, train mode a plain tuple: its logits are not named (a
+    # named tuple's are), and the first loss failed after the run folder was written
+    *[(f"{MODULE}:TupleInTraining", flags, [
+        "--model user_nets:TupleInTraining maps a [2, 3, 32, 32] batch of images in train mode "
+        "to a tuple, not to [2, 10] logits (one per class of the data); return the logits "
+        "tensor, or an object holding it as `.logits` (or a dict, as its \"logits\" entry) in "
+        "train mode too; a named tuple with fields logits and aux_logits (as torchvision's "
+        "Inception v3 returns) names auxiliary logits for --aux-loss-weight"])
+      for flags in ([], ["--aux-loss-weight", "0.4"])],
     (f"{MODULE}:int_logits", [], ["--model user_nets:int_logits gives torch.int64 outputs; "
                                   "logits are floating point"]),
     (f"{MODULE}:all_frozen", [], ["--model user_nets:all_frozen has no trainable parameters "
@@ -354,6 +385,7 @@ def test_a_bad_factory_is_one_line_naming_what_to_fix(user_modules, tmp_path, mo
     line = one_error_line(result)
     for part in said:
         assert part in line, (part, line)
+    assert not (tmp_path / "run").exists()  # refused before the run folder is written
 
 
 def test_the_train_mode_check_leaves_the_statistics_the_random_state_and_the_mode():
@@ -368,7 +400,7 @@ def test_the_train_mode_check_leaves_the_statistics_the_random_state_and_the_mod
     model, control = network(), network()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     random_state = torch.random.get_rng_state()
-    check_train_forward(model, "net", 8)
+    check_train_forward(model, "net", 8, num_classes=2)
     assert not model.training
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(torch.random.get_rng_state(), random_state)
@@ -433,8 +465,48 @@ def test_a_parameter_the_forward_never_uses_trains_on_two_processes(tmp_path):
                   "3", "--output-dir", str(tmp_path / "run")],
                  env=child_env(PYTHONPATH=str(nets)))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 trainable parameter(s) its forward pass never uses (old_head.weight, " \
+    assert "2 trainable parameter(s) its train-mode forward pass never uses (old_head.weight, " \
         "old_head.bias)" in result.stdout + result.stderr
+
+
+def test_the_unused_parameters_are_those_the_train_mode_forward_leaves_without_gradient(
+        tmp_path):
+    """What DDP needs told: the parameters no gradient reaches in a training step.  A layer
+    only eval mode runs is one of them; the network is left in its mode."""
+    nets = import_from(write_module(tmp_path / "nets"))
+    for factory, unused in ((nets.EvalOnlyCalibration, ["calib.weight", "calib.bias"]),
+                            (nets.WithUnused, ["old_head.weight", "old_head.bias"]),
+                            (nets.small_net, [])):
+        network = factory(10).eval()
+        assert unused_parameters(network, 32) == unused, factory
+        assert not network.training
+        assert all(p.grad is None for p in network.parameters())
+
+
+@pytest.mark.slow
+def test_a_layer_only_eval_mode_runs_trains_on_two_processes_as_on_one(tmp_path):
+    """A calibration layer after the head, run in eval mode only: the training steps give it
+    no gradient, and DDP, not told to look for such parameters, failed at the second step
+    ("Expected to have finished reduction ...").  Two processes under torchrun, each with
+    half the batch, train the weights one process trains; the layer keeps its initial
+    weights (the factory's, built from --seed 0 as the run builds it) and is evaluated."""
+    nets = write_module(tmp_path / "nets")
+    options = ["--model", f"{MODULE}:EvalOnlyCalibration", *TINY, "--no-augment",
+               "--num-workers", "0"]
+    env = child_env(PYTHONPATH=str(nets))
+    run([sys.executable, "-m", "accel_train", *options, "--output-dir", str(tmp_path / "one")],
+        env=env, check=True)
+    two = run(launched_program("torchrun", "accel_train", *options, "--batch-size", "8",
+                               "--output-dir", str(tmp_path / "two")), env=env, check=True)
+    assert "2 trainable parameter(s) its train-mode forward pass never uses (calib.weight, " \
+        "calib.bias)" in two.stdout + two.stderr
+    one, both = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("one", "two"))
+    for key in one:
+        assert torch.allclose(one[key], both[key], rtol=1e-5, atol=1e-6), key
+    torch.manual_seed(0)
+    initial = import_from(nets).EvalOnlyCalibration(10).state_dict()
+    assert all(torch.equal(one[k], initial[k]) for k in ("calib.weight", "calib.bias"))
+    assert float((one["head.1.weight"] - initial["head.1.weight"]).abs().max()) > 1e-4
 
 
 def test_a_factory_that_takes_drop_rate_gets_it_and_freezes_by_its_classifier(user_modules,

@@ -19,7 +19,7 @@ import inspect
 import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import timm
 import torch
@@ -27,8 +27,8 @@ from torch import nn
 
 from accel_train.model import small_nets  # noqa: F401  (registers the small-image networks in timm's registry)
 from accel_train.base.errors import UsageError, first_line
-from accel_train.model.outputs import (AUXILIARY_LOGITS, keep_auxiliary_logits,
-                                       kept_auxiliary_logits, return_logits)
+from accel_train.model.outputs import (keep_auxiliary_logits, kept_auxiliary_logits,
+                                       return_logits)
 from accel_train.model.transformers_models import (TRANSFORMERS_CONFIG,
                                                   build_from_transformers_config,
                                                   transformers_classifier,
@@ -408,34 +408,51 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
                          f"cause") from None
     finally:
         model.train(was_training)
+    check_logits(model, name, output, image_size, num_classes, training=False)
+
+
+def check_logits(model: nn.Module, name: str, output: Any, image_size: int, num_classes: int,
+                 training: bool) -> None:
+    """What a probe forward of `model` returned (through its logits hook, outputs.py) must be
+    a row of `num_classes` floating-point logits per image, in eval mode and in train mode
+    alike: the training step's loss and evaluation take it as that."""
     if isinstance(output, torch.Tensor) and not output.is_floating_point():
         raise UsageError(f"--model {name} gives {output.dtype} outputs; logits are floating "
                          f"point (cross-entropy and softmax need them): drop the cast to "
                          f"{output.dtype} from its forward")
-    if not isinstance(output, torch.Tensor) or tuple(output.shape) != (1, num_classes):
+    count = 2 if training else 1  # train_forward's two images: BatchNorm's minimum
+    if not isinstance(output, torch.Tensor) or tuple(output.shape) != (count, num_classes):
         got = (f"a tensor of shape {list(output.shape)}" if isinstance(output, torch.Tensor)
                else f"a {type(output).__name__}")
         if not isinstance(output, torch.Tensor):
             fix = ("return the logits tensor, or an object holding it as `.logits` (or a dict, "
                    "as its \"logits\" entry)")
+            if training:  # a plain tuple names neither its logits nor its auxiliary logits
+                fix += (" in train mode too; a named tuple with fields logits and aux_logits "
+                        "(as torchvision's Inception v3 returns) names auxiliary logits for "
+                        "--aux-loss-weight")
         elif transformers_config_of(model) is not None:  # its head is sized by its config
             fix = (f"build it with num_labels={num_classes} (from_pretrained(..., num_labels="
                    f"{num_classes}, ignore_mismatched_sizes=True) replaces a pretrained head)")
         else:
             fix = "make its last layer give num_classes outputs"
-        raise UsageError(f"--model {name} maps a [1, 3, {image_size}, {image_size}] batch of "
-                         f"images to {got}, not to [1, {num_classes}] logits (one per class of "
-                         f"the data); {fix}")
+        mode = " in train mode" if training else ""
+        raise UsageError(f"--model {name} maps a [{count}, 3, {image_size}, {image_size}] "
+                         f"batch of images{mode} to {got}, not to [{count}, {num_classes}] "
+                         f"logits (one per class of the data); {fix}")
 
 
-def check_train_forward(model: nn.Module, name: str, image_size: int) -> None:
+def check_train_forward(model: nn.Module, name: str, image_size: int, num_classes: int) -> None:
     """A forward in train mode too, where a network may compute more than in eval mode:
     torchvision's Inception v3 runs its auxiliary head, which needs larger images than the
     rest (at 80 px its pooling has a 3x3 map to pool 5x5), so the run passed the eval-mode
     check and ended in a traceback at the speed probe or the first step.  A refusal names the
-    first larger size that trains, where one of a few tried does."""
-    err = train_forward_error(model, image_size)
+    first larger size that trains, where one of a few tried does.  What it returns is held to
+    the eval-mode rule (check_logits): a network returning a plain tuple (logits, aux) in
+    train mode only failed at the first loss, after the run folder was written."""
+    output, err = train_forward(model, image_size)
     if err is None:
+        check_logits(model, name, output, image_size, num_classes, training=True)
         return
     larger = next((size for size in larger_sizes(image_size, native_image_size(model))
                    if train_forward_error(model, size) is None), None)
@@ -477,15 +494,20 @@ def probing(model: nn.Module, training: bool) -> Iterator[None]:
                 buffer.copy_(saved[key])
 
 
-def train_forward_error(model: nn.Module, image_size: int) -> Optional[Exception]:
-    """What a train-mode forward of two images of `image_size` raises, if anything (BatchNorm
-    in train mode needs more than one value per channel), leaving no trace (probing)."""
+def train_forward(model: nn.Module, image_size: int) -> tuple[Any, Optional[Exception]]:
+    """What a train-mode forward of two images of `image_size` returns, or else raises
+    (BatchNorm in train mode needs more than one value per channel), leaving no trace
+    (probing)."""
     try:
         with probing(model, training=True), torch.no_grad():
-            model(probe_images(model, 2, image_size))
-        return None
+            return model(probe_images(model, 2, image_size)), None
     except Exception as err:  # as in check_first_forward
-        return err
+        return None, err
+
+
+def train_forward_error(model: nn.Module, image_size: int) -> Optional[Exception]:
+    """What a train-mode forward of two images of `image_size` raises, if anything."""
+    return train_forward(model, image_size)[1]
 
 
 def larger_sizes(image_size: int, native_size: int) -> list[int]:
@@ -506,19 +528,20 @@ def check_trainable(num_trainable: int, name: str) -> None:
 
 
 def unused_parameters(model: nn.Module, image_size: int) -> list[str]:
-    """The trainable parameters one forward and backward pass never reach.  DDP waits for a
-    gradient of each at every step and fails at the second ("Expected to have finished
-    reduction ..."), unless told to look for them (find_unused_parameters, which costs a
-    graph walk each step).  Measured in eval mode, so that BatchNorm's statistics stay as they
-    are; the gradients are dropped again.  Where --aux-loss-weight keeps a network's auxiliary
-    logits, in train mode (its statistics put back), their loss reaching the auxiliary heads:
-    DDP, told to look for unused parameters, would take those heads for unused (it looks from
-    the logits the forward returns) and fail when the auxiliary loss's gradient reaches them
-    ("Expected to mark a variable ready only once")."""
-    auxiliary = getattr(model, AUXILIARY_LOGITS, None) is not None
+    """The trainable parameters one train-mode forward and backward pass leaves without a
+    gradient.  DDP waits for a gradient of each at every step and fails at the second
+    ("Expected to have finished reduction ..."), unless told to look for them
+    (find_unused_parameters, which costs a graph walk each step).  Train mode, as the steps
+    run: a layer only eval mode uses (a calibration after the head) gets no gradient in
+    training, and an eval-mode probe took it for used.  Two images (BatchNorm's minimum in
+    train mode); probing puts the statistics and the random state back, and the gradients
+    are dropped again.  Where --aux-loss-weight keeps a network's auxiliary logits, their
+    loss reaches the auxiliary heads: DDP, told to look for unused parameters, would take
+    those heads for unused (it looks from the logits the forward returns) and fail when the
+    auxiliary loss's gradient reaches them ("Expected to mark a variable ready only once")."""
     try:
-        with probing(model, training=auxiliary), torch.enable_grad():
-            output = model(probe_images(model, 2 if auxiliary else 1, image_size))
+        with probing(model, training=True), torch.enable_grad():
+            output = model(probe_images(model, 2, image_size))
             total = output.float().sum()
             for logits in kept_auxiliary_logits(model):
                 total = total + logits.float().sum()

@@ -68,7 +68,8 @@ class Network:
     num_trainable: int
     sync_bn: bool
     whitened: Optional[str] = None   # --whiten-stem: what was whitened, from what
-    # trainable parameters the forward never uses: DDP must look for them (build.py)
+    # trainable parameters the train-mode forward never uses: DDP must look for them
+    # (build.py)
     unused: tuple[str, ...] = ()
     # eval, predict and export can build it again (not a class a script defined in itself, or
     # one whose constructor needs more than the class count)
@@ -103,7 +104,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
     check_whole_patches(model, config.model, image_size)
     with recording_input_widths(model) as widths:
         check_first_forward(model, config.model, image_size, len(data.class_names))
-    check_train_forward(model, config.model, image_size)
+    check_train_forward(model, config.model, image_size, len(data.class_names))
     keep_auxiliary_losses(model, config.model, image_size, config.aux_loss_weight)
     model_name, program_args, rebuilt_by_commands = (recorded_model_name(config.model), {}, True)
     if program_module is not None:
@@ -137,8 +138,9 @@ def build_network(config, data, num_processes: int, cuda: bool,
     check_trainable(num_trainable, config.model)
     unused = tuple(unused_parameters(model, image_size)) if num_processes > 1 else ()
     if unused:
-        warn(f"--model {config.model}: {len(unused)} trainable parameter(s) its forward pass "
-             f"never uses ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}): DDP "
+        warn(f"--model {config.model}: {len(unused)} trainable parameter(s) its train-mode "
+             f"forward pass never uses ({', '.join(unused[:3])}"
+             f"{', ...' if len(unused) > 3 else ''}): DDP "
              f"looks for them at every step (find_unused_parameters, slower); remove them or "
              f"set their requires_grad=False")
     sync_bn = config.sync_bn and num_processes > 1

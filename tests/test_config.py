@@ -39,7 +39,13 @@ def test_defaults_are_valid():
     (["--optimizer", "lanb"], "--optimizer 'lanb' is not one of timm's optimizers; did you mean "
                               "lamb"),
     (["--auto-augment", "randaugmnet"], "--auto-augment 'randaugmnet' is not a policy we know"),
-    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag .see --help.$"),
+    # no abbreviations: --epoch meant --epochs without a word, --out was "ambiguous" between
+    # the two spellings of one option; a close option's name is offered
+    (["--epoch", "3"], "^unrecognized arguments: --epoch 3; --epoch is not an option: did you "
+                       "mean --epochs. .see --help.$"),
+    (["--out", "r"], "^unrecognized arguments: --out r .see --help.$"),
+    (["--learnig-rate=0.1"], "--learnig-rate is not an option: did you mean --learning-rate"),
     (["--mean", "123.675", "116.28", "103.53"], "--mean 123.675 116.28 103.53: the run normalizes "
                                                 "pixels scaled to [0, 1], so each value is <= 1; "
                                                 "divide values on the 0-255 scale by 255"),

@@ -251,8 +251,9 @@ class TrainConfig:
                                                 "the --time-budget must hold of a network for "
                                                 "it to be trained (estimated from one timed "
                                                 "step at the start: an upper bound).", "model")
-    image_size: Optional[int] = option(None, "Input resolution (default: the dataset's native "
-                                       "size).", "model")
+    image_size: Optional[int] = option(None, "Input resolution (default: the images' own "
+                                       "size where they share one, up to 224; else 224).",
+                                       "model")
     pretrained: Optional[str] = option(None, "Pretrained weights: a local .safetensors/.pth file, "
                                        "or 'hub' for timm's hub weights (needs network or cache).",
                                        "model")

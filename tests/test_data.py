@@ -18,7 +18,7 @@ from accel_train.data.loaders import EpochSampler, TrainImages, dataset_mean_std
 from accel_train.base.errors import UsageError
 from accel_train.data.sources import ArraySource, HFSource, load_data
 from accel_train.data.transforms import ImageTransform
-from conftest import accel_train_here
+from conftest import accel_train_here, model_spec_of
 
 CLASSES = ["cat", "dog", "fish"]
 
@@ -310,6 +310,22 @@ def test_native_size_does_not_depend_on_decoding_in_memory(tmp_path):
     lazy = load_data(config(data_dir=str(tmp_path), in_memory="never"))
     assert isinstance(in_memory.train, ArraySource) and isinstance(lazy.train, HFSource)
     assert in_memory.train.native_size == lazy.train.native_size == 12
+
+
+def test_photos_of_one_size_train_at_most_at_224_by_default(tmp_path):
+    """A folder of one camera's photos shares one size: trained at it, 3024 px photos cost 180x
+    the pixels of 224 a step.  The default is the shared size up to 224 (CIFAR's 32 stays 32:
+    tests above); --image-size given wins."""
+    _write_class_folders(tmp_path / "photos" / "train", 3, size=240)
+    data = load_data(config(data_dir=str(tmp_path / "photos"), in_memory="never"))
+    assert data.train.native_size == 240
+    common = ["--data-dir", str(tmp_path / "photos"), "--model", "test_resnet", "--batch-size", "2",
+              "--max-steps", "1", "--no-plots", "--mixed-precision", "no", "--no-channels-last"]
+    for flags, size in (([], 224), (["--image-size", "240"], 240)):
+        out = tmp_path / f"run{size}"
+        said = accel_train_here(*common, *flags, "--output-dir", str(out), check=True).stdout
+        assert f"classes, {size}px," in said, said
+        assert model_spec_of(out)["image_size"] == size
 
 
 def test_the_default_size_looks_past_the_first_classes(tmp_path):

@@ -54,6 +54,14 @@ NATIVE_SIZE_PROBE = 32  # images looked at to tell a data set's own image size
 MIXED_SIZE_DEFAULT = 224  # --image-size for data sets of mixed sizes: timm's usual input size
 
 
+def default_image_size(source: "ImageSource") -> int:
+    """--image-size when not given: the images' own size where they share one (CIFAR's 32, no
+    resize at all), but no more than MIXED_SIZE_DEFAULT: photographs from one camera share a
+    size too, and a folder of 4032x3024 phone photos trained at 3024 px (180x the pixels of
+    224, each step seconds on a CPU) where one rotated photo among them made it 224."""
+    return min(source.native_size, MIXED_SIZE_DEFAULT)
+
+
 class ImageSource:
     """Indexable images (uint8 CHW RGB tensors) with integer labels."""
 

@@ -16,7 +16,7 @@ from torch import nn
 from accel_train.config import TrainConfig
 from accel_train.data.augment import build_policy
 from accel_train.data.loaders import dataset_mean_std
-from accel_train.data.sources import ArraySource
+from accel_train.data.sources import ArraySource, default_image_size
 from accel_train.data.transforms import SMALL_IMAGE, held_out_transform
 from accel_train.model.build import (check_first_forward, check_float32_weights,
                                      check_layer_decay, check_model_name,
@@ -85,7 +85,7 @@ def build_network(config, data, num_processes: int, cuda: bool,
     format (the trainer applies channels_last once it is chosen: autotune.py); wrapping is
     `accelerator.prepare`'s.  `model`: a module a program brings (the Python API), initialised
     by the program, used as it is."""
-    image_size = config.image_size or data.train.native_size
+    image_size = config.image_size or default_image_size(data.train)
     program_module = model
     if model is None and timm_source(config.model) == "local-dir" and config.pretrained is None:
         warn(f"--model {config.model}: the folder's architecture, from random weights; "

@@ -40,6 +40,7 @@ from accel_train.base.ranks import decide_on_main
 from accel_train.train.autotune import (PROBE_MAX_BATCH, SpeedChoice, candidate_name,
                                         choose_on_this_machine, step_timer)
 from accel_train.config import parse_duration
+from accel_train.data.sources import default_image_size
 from accel_train.model.build import create_model
 
 # The batch a CPU's estimate is timed on, at most: near the per-image cost of the run's batch
@@ -145,7 +146,7 @@ def network_for_run(config, data, world_size: int, cuda: bool,
              f"training --model {config.model}")
         return config, None
     choice = NetworkChoice.from_dict(decide_on_main(lambda: choose_for_run(
-        config, config.image_size or data.train.native_size, len(data.class_names),
+        config, config.image_size or default_image_size(data.train), len(data.class_names),
         len(data.train), world_size, cuda).to_dict()))
     return dataclasses.replace(config, model=choice.model, smaller_models=[]), choice
 

@@ -69,6 +69,9 @@ def read_value(value, root: Optional[Path] = None) -> Union[bytes, Image.Image]:
             with reading(lambda: str(path)):  # named if it never returns (loader_watch.py)
                 return path.read_bytes()
         except FileNotFoundError:
+            if path.is_symlink():  # never there: "gone" or "no file" would send one looking
+                raise Unreadable(f"a broken symlink: its target {os.readlink(path)} does not "
+                                 f"exist") from None
             if root is not None:  # an indexed folder's file: it was there
                 raise Unreadable("the file is gone (deleted or moved since the data was "
                                  "indexed)") from None

@@ -275,6 +275,33 @@ def test_parquet_file_names_split_as_datasets_reads_them(tmp_path, layout):
     assert {k: len(v) for k, v in ours.items()} == {k: len(v) for k, v in theirs.items()}
 
 
+@pytest.mark.parametrize("layout", [
+    ["Train.parquet", "Test.parquet"],
+    ["train.parquet", "Validation.parquet", "TEST_data.parquet"],
+    ["Train/0000.parquet", "Train/0001.parquet", "VAL/0000.parquet"],
+])
+def test_parquet_split_names_match_in_any_case(tmp_path, layout):
+    """Train.parquet beside Test.parquet trained on both (datasets' split patterns are
+    case-sensitive), where image folders take split names in any case.  Oracle: Hugging Face's
+    own load_dataset on a copy whose names are lower case, split by split (file i holds i + 2
+    rows); and the command line keeps the test file for the end."""
+    from accel_train.data.sources import open_data
+    for i, name in enumerate(layout):
+        for root, written in ((tmp_path / "ours", name), (tmp_path / "lower", name.lower())):
+            (root / written).parent.mkdir(parents=True, exist_ok=True)
+            _labelled_parquet(root / written, ["cat", "dog"] * (i + 2))
+    ours = open_data(config(data_dir=str(tmp_path / "ours"))).splits
+    theirs = datasets.load_dataset(str(tmp_path / "lower"))
+    assert len(theirs) > 1  # the oracle itself splits the folder
+    assert {k: len(v) for k, v in ours.items()} == {k: len(v) for k, v in theirs.items()}
+    if "test" in theirs:
+        result = accel_train_here("--data-dir", str(tmp_path / "ours"), "--model", "test_resnet",
+                                  "--max-steps", "1", "--batch-size", "2", "--num-workers", "0",
+                                  "--no-plots", "--output-dir", str(tmp_path / "run"))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f" / {len(theirs['test'])} test images" in result.stdout, result.stdout
+
+
 def test_a_parquet_file_no_split_names_trains(tmp_path):
     """datasets leaves a file out when others name splits; here it trains, with train's."""
     from accel_train.data.sources import open_data

@@ -31,6 +31,7 @@ from accel_train.data.decode import Unreadable, decode_many, read_value
 from accel_train.base.errors import UsageError, first_few, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
+from accel_train.data.pixel_arrays import check_pixel_arrays, image_files
 from accel_train.data.imagefolder import (PARQUET, FolderIndex, HoldsParquet, files_under,
                                           index_folder)
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
@@ -171,11 +172,7 @@ class HFSource(ImageSource):
     def __init__(self, dataset, image_column: str, labels: torch.Tensor, split: str, *,
                  rows: Optional[np.ndarray] = None, names: Optional[Callable] = None,
                  root: Optional[Path] = None, bad_images: str = "substitute"):
-        from datasets import Image as ImageFeature
-        feature = dataset.features[image_column]
-        if not (isinstance(feature, ImageFeature) and not feature.decode):
-            dataset = dataset.cast_column(image_column, ImageFeature(decode=False))
-        self.dataset = dataset
+        self.dataset = image_files(dataset, image_column)
         self.image_column = image_column
         self.labels = labels
         self.split = split
@@ -414,12 +411,14 @@ def _find_column(dataset, wanted: Optional[str], names: tuple[str, ...], feature
 
 
 def find_columns(dataset, config: TrainConfig) -> tuple[str, str]:
-    """(image column, label column): as named by the flags, else found by name or type."""
+    """(image column, label column): as named by the flags, else found by name or type; an
+    image column of arrays that are not pixels is refused (check_pixel_arrays)."""
     from datasets import ClassLabel, Image as ImageFeature
-    return (_find_column(dataset, config.image_column, IMAGE_COLUMN_NAMES, ImageFeature,
-                         "--image-column"),
-            _find_column(dataset, config.label_column, LABEL_COLUMN_NAMES, ClassLabel,
-                         "--label-column"))
+    image = _find_column(dataset, config.image_column, IMAGE_COLUMN_NAMES, ImageFeature,
+                         "--image-column")
+    check_pixel_arrays(dataset, image)
+    return image, _find_column(dataset, config.label_column, LABEL_COLUMN_NAMES, ClassLabel,
+                               "--label-column")
 
 
 def _quiet_datasets():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import shlex
 import tarfile
 import shutil
 import statistics
@@ -19,7 +20,7 @@ from PIL import Image
 
 import imagekinds as kinds
 from accel_train.cli import main
-from conftest import accel_train
+from conftest import accel_train, accel_train_here
 
 # (width, height) of the training images per class; one JPEG is stored 30 wide and 40 high
 # with EXIF orientation 6 (a quarter turn): it is 40 wide and 30 high upright.
@@ -382,3 +383,20 @@ def test_the_classes_left_unreadable_by_hand():
     assert classes_left_unreadable(labels, [0, 1], 4) == [0]
     assert classes_left_unreadable(labels, [0, 1, 4, 5], 4) == [0, 2]  # class 3 has no images
     assert classes_left_unreadable(labels, [5, 6], 4) == []
+
+
+def test_a_training_refusals_check_data_hint_is_a_command_check_data_takes(tmp_path, capsys):
+    """A refusal that points to check-data gives the command line to paste: check-data takes
+    the folder as --data-dir (a folder named with a space quoted), and that command names the
+    class the refusal is about.  Oracle: the hint's own words, run as the command it says."""
+    root = tmp_path / "my photos"
+    for folder, count in (("train/cat", 2), ("train/dog", 2), ("val/Cat", 1), ("val/dog", 1)):
+        (root / folder).mkdir(parents=True)
+        for i in range(count):
+            Image.new("RGB", (8, 8), (40 * i, 90, 0)).save(root / folder / f"{i}.png")
+    refused = accel_train_here("--data-dir", str(root), "--output-dir", str(tmp_path / "run"))
+    assert refused.returncode == 2 and not (tmp_path / "run").exists(), refused.stderr
+    hint = refused.stderr.split("(accel-train check-data ")[1].split(" lists each")[0]
+    code, out, err = check_here(capsys, *shlex.split(hint))
+    assert code == 1, err  # problems found (Cat in one split), not an unrecognized argument
+    assert "  Cat: validation only" in out

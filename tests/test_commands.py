@@ -310,6 +310,41 @@ def test_predict_of_a_folder_takes_every_extension_training_takes(run_dir, image
     assert [Path(row["image"]).name for row in rows] == ["a.jfif", "b.jpe", "c.jpg", "d.png"]
 
 
+def test_predict_of_a_folder_follows_linked_folders_and_names_a_dangling_link(
+        run_dir, image_folder, tmp_path, capsys):
+    """Class folders kept elsewhere and linked in, as training, check-data and eval read them:
+    predict listed no image of a linked folder (a CSV short of rows, without a word) and left a
+    dangling link out silently.  Oracles: os.walk following links lists the images; each image
+    reached through a link is predicted as its real file is; check-data names the dangling link
+    with the same reason; a link back up is refused in one line."""
+    store, folder = tmp_path / "store", tmp_path / "linked"
+    shutil.copytree(image_folder / "disk", store / "disk")
+    shutil.copytree(image_folder / "ring", folder / "ring")
+    (folder / "disk").symlink_to(store / "disk", target_is_directory=True)
+    expected = sorted(Path(top, name) for top, _, names in os.walk(folder, followlinks=True)
+                      for name in names)
+    assert any("disk" in path.parts for path in expected)
+    rows = predict_json(capsys, str(run_dir), str(folder))
+    assert [Path(row["image"]) for row in rows] == expected
+    linked = {row["image"]: row["predictions"] for row in rows if "/disk/" in row["image"]}
+    for row in predict_json(capsys, str(run_dir), str(store / "disk")):
+        assert linked[str(folder / "disk" / Path(row["image"]).name)] == row["predictions"]
+    (folder / "ring" / "zz_gone.png").symlink_to(tmp_path / "moved_away.png")
+    code, out, err = command(capsys, "predict", str(run_dir), str(folder), "--csv",
+                             str(tmp_path / "submission.csv"))
+    assert code == 2 and not (tmp_path / "submission.csv").exists()
+    assert f"{folder / 'ring' / 'zz_gone.png'} cannot be decoded (a broken symlink: its target " \
+           f"{tmp_path / 'moved_away.png'} does not exist)" in err, err
+    code, out, err = command(capsys, "check-data", "--data-dir", str(folder), "--json")
+    assert {u["image"]: u["reason"] for u in json.loads(out)["unreadable"]} == {
+        "ring/zz_gone.png": f"a broken symlink: its target {tmp_path / 'moved_away.png'} "
+                            f"does not exist"}
+    (folder / "ring" / "zz_gone.png").unlink()
+    (store / "disk" / "up").symlink_to(folder, target_is_directory=True)  # a loop
+    code, out, err = command(capsys, "predict", str(run_dir), str(folder))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "symlink loop" in err, err
+
+
 def test_predict_reports_an_unreadable_image_and_predicts_the_others(run_dir, image_folder,
                                                                      tmp_path, capsys):
     folder = tmp_path / "mixed"

@@ -275,6 +275,33 @@ def test_parquet_file_names_split_as_datasets_reads_them(tmp_path, layout):
     assert {k: len(v) for k, v in ours.items()} == {k: len(v) for k, v in theirs.items()}
 
 
+@pytest.mark.parametrize("layout", [
+    ["Train.parquet", "Test.parquet"],
+    ["train.parquet", "Validation.parquet", "TEST_data.parquet"],
+    ["Train/0000.parquet", "Train/0001.parquet", "VAL/0000.parquet"],
+])
+def test_parquet_split_names_match_in_any_case(tmp_path, layout):
+    """Train.parquet beside Test.parquet trained on both (datasets' split patterns are
+    case-sensitive), where image folders take split names in any case.  Oracle: Hugging Face's
+    own load_dataset on a copy whose names are lower case, split by split (file i holds i + 2
+    rows); and the command line keeps the test file for the end."""
+    from accel_train.data.sources import open_data
+    for i, name in enumerate(layout):
+        for root, written in ((tmp_path / "ours", name), (tmp_path / "lower", name.lower())):
+            (root / written).parent.mkdir(parents=True, exist_ok=True)
+            _labelled_parquet(root / written, ["cat", "dog"] * (i + 2))
+    ours = open_data(config(data_dir=str(tmp_path / "ours"))).splits
+    theirs = datasets.load_dataset(str(tmp_path / "lower"))
+    assert len(theirs) > 1  # the oracle itself splits the folder
+    assert {k: len(v) for k, v in ours.items()} == {k: len(v) for k, v in theirs.items()}
+    if "test" in theirs:
+        result = accel_train_here("--data-dir", str(tmp_path / "ours"), "--model", "test_resnet",
+                                  "--max-steps", "1", "--batch-size", "2", "--num-workers", "0",
+                                  "--no-plots", "--output-dir", str(tmp_path / "run"))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f" / {len(theirs['test'])} test images" in result.stdout, result.stdout
+
+
 def test_a_parquet_file_no_split_names_trains(tmp_path):
     """datasets leaves a file out when others name splits; here it trains, with train's."""
     from accel_train.data.sources import open_data
@@ -450,3 +477,94 @@ def test_the_splits_share_one_in_memory_budget_or_stay_on_disk_together(tmp_path
         "--in-memory always: the data cannot be held in memory: its 6 held-out images take "
         f"{6 * 432 / 2**30:.3g} GiB, over the 0 GiB left of --in-memory-limit-gb; use "
         "--in-memory auto (or never) to decode the images per step")
+
+
+def _pixel_rows(count: int, seed: int) -> list[np.ndarray]:
+    """HxWx3 uint8 images, 8 high and 10 wide: not square, so a transposed read shows."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (8, 10, 3), dtype=np.uint8) for _ in range(count)]
+
+
+def _pixel_splits(root: Path, layout: str) -> dict[str, list[np.ndarray]]:
+    """train (6) and validation (3) of pixel arrays as `layout` stores them; returns what each
+    split's images are, as PIL reads the HxWx3 (or HxW) array they came from."""
+    splits, stored = {}, {}
+    for split, count, seed in (("train", 6, 1), ("validation", 3, 2)):
+        images = _pixel_rows(count, seed)
+        if layout == "gray":
+            images = [image[:, :, 0] for image in images]
+        stored[split] = [image.transpose(2, 0, 1) if layout in ("chw", "lists") else image
+                         for image in images]
+        splits[split] = [np.asarray(Image.fromarray(image).convert("RGB")) for image in images]
+    labels = {split: [i % 2 for i in range(len(rows))] for split, rows in stored.items()}
+    if layout == "lists":  # pandas' parquet of arrays: lists of lists of int64
+        import pandas as pd
+        root.mkdir(parents=True)
+        for split, rows in stored.items():
+            pd.DataFrame({"pixel_values": [row.tolist() for row in rows],
+                          "label": labels[split]}).to_parquet(root / f"{split}.parquet")
+        return splits
+    shape = stored["train"][0].shape
+    kind = datasets.Array2D if len(shape) == 2 else datasets.Array3D
+    features = datasets.Features({"pixel_values": kind(shape=shape, dtype="uint8"),
+                                  "label": datasets.ClassLabel(names=["a", "b"])})
+    datasets.DatasetDict({split: datasets.Dataset.from_dict(
+        {"pixel_values": rows, "label": labels[split]}, features=features)
+        for split, rows in stored.items()}).save_to_disk(str(root))
+    return splits
+
+
+@pytest.mark.parametrize("layout", ["chw", "hwc", "gray", "lists"])
+def test_a_column_of_uint8_pixel_arrays_trains_on_the_images_it_holds(tmp_path, layout):
+    """transformers' `pixel_values` of plain pixels, channels first or last, gray, or lists as
+    pandas writes them: datasets' cast to Image crashed on CxHxW arrays.  Oracle: PIL's image of
+    each HxWx3 array, in RGB; and the command line trains and checks them."""
+    expected = _pixel_splits(tmp_path / "data", layout)
+    data = load_data(config(data_dir=str(tmp_path / "data")))
+    for source, split in ((data.train, "train"), (data.held_out, "validation")):
+        ours = [source.image(i).permute(1, 2, 0).numpy() for i in range(len(source))]
+        assert len(ours) == len(expected[split])
+        assert all(np.array_equal(a, b) for a, b in zip(ours, expected[split]))
+    if layout == "chw":
+        result = accel_train_here("--data-dir", str(tmp_path / "data"), "--model",
+                                  "test_resnet", "--max-steps", "1", "--batch-size", "2",
+                                  "--num-workers", "0", "--no-plots", "--output-dir",
+                                  str(tmp_path / "run"))
+        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+        assert "6 train / 3 validation images, 2 classes, 8px" in result.stdout
+        checked = accel_train_here("check-data", "--data-dir", str(tmp_path / "data"), "--json",
+                                   "--workers", "1")
+        sizes = json.loads(checked.stdout)["sizes"]
+        assert checked.returncode == 0 and sizes["width"]["min"] == 10, checked.stdout
+
+
+@pytest.mark.parametrize("shape", [(3, 8, 8), (8, 8, 3)])
+def test_float_pixel_values_are_refused_in_one_line_naming_what_to_pass(tmp_path, shape):
+    """An image processor's float output (normalized, its mean and std not recorded) gave a
+    traceback from datasets' cast; now one line, exit 2, nothing written.  Its advice works:
+    --image-column naming the column of the images themselves trains."""
+    rng = np.random.default_rng(0)
+    columns = {"pixel_values": [rng.random(shape, dtype=np.float32) for _ in range(8)],
+               "label": [i % 2 for i in range(8)]}
+    features = {"pixel_values": datasets.Array3D(shape=shape, dtype="float32"),
+                "label": datasets.Value("int64")}
+    datasets.Dataset.from_dict(columns, features=datasets.Features(features)).save_to_disk(
+        str(tmp_path / "d"))
+    columns["image"] = [Image.fromarray(rows) for rows in _pixel_rows(8, 3)]
+    datasets.Dataset.from_dict(columns, features=datasets.Features(
+        {**features, "image": datasets.Image()})).save_to_disk(str(tmp_path / "with_images"))
+    run = ["--data-dir", str(tmp_path / "d"), "--model", "test_resnet", "--max-steps", "1",
+           "--batch-size", "2", "--num-workers", "0", "--no-plots"]
+    for args in (["check-data", "--data-dir", str(tmp_path / "d")],
+                 [*run, "--output-dir", str(tmp_path / "run")],
+                 ["shard", "--data-dir", str(tmp_path / "d"), "--output", str(tmp_path / "s")]):
+        result = accel_train_here(*args)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+        assert f"the image column 'pixel_values' holds float32 arrays of shape {shape}, not " \
+               f"8-bit pixels" in lines[0] and "--image-column" in lines[0]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "s").exists()
+    run[1] = str(tmp_path / "with_images")
+    trained = accel_train_here(*run, "--image-column", "image", "--output-dir",
+                               str(tmp_path / "run"))
+    assert trained.returncode == 0, trained.stderr[-2000:]

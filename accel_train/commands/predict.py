@@ -80,18 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
 def find_images(inputs: Sequence[str]) -> list[tuple[Path, Optional[Path]]]:
     """(image, the folder given it was found in, or None for a file given by itself): files as
     given (a pipe too: `<(curl -s URL)`); folders expanded (sorted, recursive) to the image
-    files inside, less what training leaves out of a folder too (`._photo.jpg`, `__MACOSX/`:
-    imagefolder.py).  An image given twice (or inside two folders given) comes once."""
-    from accel_train.data.imagefolder import files_under, image_extensions
+    files inside as training's walk lists them (linked folders followed, a dangling link kept
+    to be named as unreadable; less `._photo.jpg`, `__MACOSX/`: imagefolder.images_under).  An
+    image given twice (or inside two folders given) comes once."""
+    from accel_train.data.imagefolder import images_under
     from accel_train.data.loader_watch import reading
-    suffixes = image_extensions()  # training's: a folder predicts what it would train on
+
+    def say(text: str) -> None:  # a large folder's progress: stdout is the table or the JSON
+        print(text, file=sys.stderr)
+
     images: dict[Path, Optional[Path]] = {}
     for text in inputs:
         path = Path(text)
         with reading(lambda given=text: given):  # a look at a dead mount blocks as a read does
             is_folder, exists = path.is_dir(), path.exists()
         if is_folder:
-            found = sorted(p for p in files_under(path) if p.suffix.lower() in suffixes)
+            found = sorted(images_under(path, say))  # a folder predicts what it would train on
             if not found:
                 raise UsageError(f"{text}: no image files in that folder (looked for every "
                                  f"extension PIL opens: .jpg, .png, .webp, .tif, ...)")

@@ -96,8 +96,8 @@ def _samples(args):
                 {split: len(parts[split][1]) for split in ("train", "test")})
     from accel_train.data.decode import Unreadable, read_value
     from accel_train.data.labels import labels_and_names, set_aside_unlabelled_splits
-    from accel_train.data.sources import (find_columns, open_data, pick_splits, rows_of,
-                                          training_split_name)
+    from accel_train.data.sources import (find_columns, image_files, open_data, pick_splits,
+                                          rows_of, training_split_name)
     raw = open_data(config)
     train_split = training_split_name(raw)
     _, label_column = find_columns(raw.splits[train_split], config)
@@ -120,9 +120,8 @@ def _samples(args):
     names = {"train": "train", "eval": out_eval, "test": splits.test_name}
 
     def rows(dataset, split_labels):
-        from datasets import Image as ImageFeature
-        column = dataset.cast_column(image_column, ImageFeature(decode=False)) \
-            .select_columns([image_column]).with_format("arrow")
+        column = image_files(dataset, image_column).select_columns([image_column]) \
+            .with_format("arrow")
         row = 0
         for table in column.iter(batch_size=512):
             for value in table.column(0).to_pylist():

@@ -57,6 +57,8 @@ def read_value(value, root: Optional[Path] = None) -> Union[bytes, Image.Image]:
     (or the PIL image as it is).  Relative paths are relative to `root` (an indexed folder)."""
     if isinstance(value, Image.Image):
         return value
+    if isinstance(value, (list, np.ndarray)):  # a column of pixel arrays (sources.py checks it)
+        return array_image(np.asarray(value))
     if isinstance(value, dict):
         if value.get("bytes") is not None:
             return value["bytes"]
@@ -69,6 +71,9 @@ def read_value(value, root: Optional[Path] = None) -> Union[bytes, Image.Image]:
             with reading(lambda: str(path)):  # named if it never returns (loader_watch.py)
                 return path.read_bytes()
         except FileNotFoundError:
+            if path.is_symlink():  # never there: "gone" or "no file" would send one looking
+                raise Unreadable(f"a broken symlink: its target {os.readlink(path)} does not "
+                                 f"exist") from None
             if root is not None:  # an indexed folder's file: it was there
                 raise Unreadable("the file is gone (deleted or moved since the data was "
                                  "indexed)") from None
@@ -79,6 +84,37 @@ def read_value(value, root: Optional[Path] = None) -> Union[bytes, Image.Image]:
         except OSError as err:
             raise Unreadable(f"cannot read the file ({err.strerror or err})") from None
     raise Unreadable(f"not an image value (got {type(value).__name__})")
+
+
+CHANNELS = (1, 3, 4)  # gray, RGB, RGBA: the channel axis of a pixel array holds one of these
+
+
+def array_layout(shape: tuple) -> Optional[str]:
+    """"HW", "HWC" or "CHW" for a pixel array of this shape, or None where it is none of them or
+    either of two (3 x 20 x 3): the channel axis is the first or the last, whichever alone has
+    1, 3 or 4 entries (numpy and PIL put it last; torch and transformers' processors first)."""
+    if len(shape) == 2:
+        return "HW"
+    if len(shape) != 3:
+        return None
+    first, last = shape[0] in CHANNELS, shape[2] in CHANNELS
+    return "HWC" if last and not first else "CHW" if first and not last else None
+
+
+def array_image(pixels: np.ndarray) -> Image.Image:
+    """A whole-number pixel array (HW, HWC or CHW: array_layout) -> a PIL image, which decode()
+    turns into RGB as it does a file's (gray widened, RGBA composited over white)."""
+    layout = array_layout(pixels.shape)
+    if layout is None:
+        raise Unreadable(f"a pixel array of shape {pixels.shape}, neither HxW, HxWxC nor CxHxW "
+                         f"with C 1, 3 or 4")
+    if pixels.size and (pixels.min() < 0 or pixels.max() > 255):
+        raise Unreadable(f"pixel values from {pixels.min()} to {pixels.max()}, outside 0..255")
+    if layout == "CHW":
+        pixels = pixels.transpose(1, 2, 0)
+    if pixels.ndim == 3 and pixels.shape[2] == 1:
+        pixels = pixels[:, :, 0]
+    return Image.fromarray(np.ascontiguousarray(pixels, dtype=np.uint8))
 
 
 def decode_many(items: list) -> list[Union[torch.Tensor, Unreadable]]:

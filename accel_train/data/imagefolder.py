@@ -204,6 +204,17 @@ def files_under(root: Path, suffix: str = "") -> Iterator[Path]:
         yield from files
 
 
+def images_under(root: Path, say=print) -> list[Path]:
+    """The image files under `root` as training's walk indexes them (_walk): symlinked folders
+    followed, a link back to a folder above refused, and a link to a file listed whether or not
+    its target exists, so that reading it names it as broken.  What predict lists for a folder:
+    files_under follows no linked folder and skips dangling links, and a folder of linked class
+    folders would predict nothing (or a submission would be short, without a word)."""
+    found: list[str] = []
+    _walk(root, "", image_extensions(), _Progress(root, say), found, [], [], False)
+    return [root / path for path in found]
+
+
 def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: list[str],
           dirs: list[tuple[str, int]], empty: list[str], stop_at_parquet: bool) -> None:
     """Append the image paths under `folder` (as prefix + relative path) to `found`, every

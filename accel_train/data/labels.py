@@ -10,6 +10,8 @@ a warning.
 
 from __future__ import annotations
 
+import shlex
+
 import numpy as np
 import torch
 
@@ -120,7 +122,7 @@ def check_label_values(raw, splits, label_column: str) -> None:
             continue
         never = sorted(_classes_used(raw, held_out, label_column) - trained,
                        key=lambda v: (str(type(v)), v))
-        if never:
+        if never:  # the hint is a command to paste: check-data takes --data-dir, quoted
             raise UsageError(f"{raw.origin}: the {held_out} split's {label_column!r} holds "
                              f"{first_few(repr(v) for v in never)}, which no row of "
                              f"{splits.train_name} has: the model would never learn that class; "
@@ -184,12 +186,13 @@ def refuse_folders_never_trained(raw, splits) -> None:
         if held_out in (None, splits.train_name):
             continue
         never = [names[c] for c in sorted(classes_with_images(held_out) - trained)]
-        if never:
+        if never:  # the hint is a command to paste: check-data takes --data-dir, quoted
             raise UsageError(f"--data-dir {raw.root}: the {held_out} split has images of "
                              f"class(es) {first_few(never)}, of which train has none: the "
                              f"model would never learn them; give them training images, or "
                              f"rename or remove those folders (accel-train check-data "
-                             f"{raw.root} lists each split's classes)")
+                             f"--data-dir {shlex.quote(str(raw.root))} lists each split's "
+                             f"classes)")
 
 
 def classes_left_unreadable(labels: torch.Tensor, broken, num_classes: int) -> list[int]:

@@ -31,6 +31,7 @@ from accel_train.data.decode import Unreadable, decode_many, read_value
 from accel_train.base.errors import UsageError, first_few, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
+from accel_train.data.pixel_arrays import check_pixel_arrays, image_files
 from accel_train.data.imagefolder import (PARQUET, FolderIndex, HoldsParquet, files_under,
                                           index_folder)
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
@@ -179,11 +180,7 @@ class HFSource(ImageSource):
     def __init__(self, dataset, image_column: str, labels: torch.Tensor, split: str, *,
                  rows: Optional[np.ndarray] = None, names: Optional[Callable] = None,
                  root: Optional[Path] = None, bad_images: str = "substitute"):
-        from datasets import Image as ImageFeature
-        feature = dataset.features[image_column]
-        if not (isinstance(feature, ImageFeature) and not feature.decode):
-            dataset = dataset.cast_column(image_column, ImageFeature(decode=False))
-        self.dataset = dataset
+        self.dataset = image_files(dataset, image_column)
         self.image_column = image_column
         self.labels = labels
         self.split = split
@@ -422,12 +419,14 @@ def _find_column(dataset, wanted: Optional[str], names: tuple[str, ...], feature
 
 
 def find_columns(dataset, config: TrainConfig) -> tuple[str, str]:
-    """(image column, label column): as named by the flags, else found by name or type."""
+    """(image column, label column): as named by the flags, else found by name or type; an
+    image column of arrays that are not pixels is refused (check_pixel_arrays)."""
     from datasets import ClassLabel, Image as ImageFeature
-    return (_find_column(dataset, config.image_column, IMAGE_COLUMN_NAMES, ImageFeature,
-                         "--image-column"),
-            _find_column(dataset, config.label_column, LABEL_COLUMN_NAMES, ClassLabel,
-                         "--label-column"))
+    image = _find_column(dataset, config.image_column, IMAGE_COLUMN_NAMES, ImageFeature,
+                         "--image-column")
+    check_pixel_arrays(dataset, image)
+    return image, _find_column(dataset, config.label_column, LABEL_COLUMN_NAMES, ClassLabel,
+                               "--label-column")
 
 
 def _quiet_datasets():
@@ -456,10 +455,14 @@ def parquet_splits(root: Path, parquet: list[Path]) -> dict[str, list[Path]]:
     """The split of each parquet file, by its name or its folder's, as Hugging Face's
     `load_dataset` reads a folder (`train*`, `validation*`/`valid*`/`val*`/`dev*`,
     `test*`/`eval*`, each followed by a separator or a digit: `test_data.parquet`,
-    `train-00000-of-00001.parquet`, `validation/0000.parquet`).  A file no split names
+    `train-00000-of-00001.parquet`, `validation/0000.parquet`), the split's name in any
+    letter case (`Train.parquet`, `TEST/`), as image folders are split.  A file no split names
     trains (where datasets would leave it out without a word)."""
     from datasets.data_files import DataFilesDict, get_data_patterns
-    found = DataFilesDict.from_patterns(get_data_patterns(str(root)), base_path=str(root))
+    patterns = get_data_patterns(str(root))
+    if not _sharded(patterns):
+        patterns = _split_patterns_any_case(root) or patterns
+    found = DataFilesDict.from_patterns(patterns, base_path=str(root))
     ours = {file.resolve(): file for file in parquet}  # datasets lists absolute paths
     splits: dict[str, list[Path]] = {}
     for split, names in found.items():
@@ -471,6 +474,37 @@ def parquet_splits(root: Path, parquet: list[Path]) -> dict[str, list[Path]]:
     if rest:
         splits["train"] = sorted(splits.get("train", []) + rest)
     return splits
+
+
+def _sharded(patterns: dict) -> bool:
+    """Whether datasets split the folder by its `data/{split}-00000-of-00001` file names: those
+    keep the split names as written, which split_named matches in any case."""
+    from datasets.data_files import SPLIT_PATTERN_SHARDED
+    return any(SPLIT_PATTERN_SHARDED.format(split=split) in names
+               for split, names in patterns.items())
+
+
+def _split_patterns_any_case(root: Path) -> Optional[dict[str, list[str]]]:
+    """datasets' own split patterns (split names in folder names first, then in file names),
+    each keyword matched in any letter case: datasets' patterns are case-sensitive, so
+    `Train.parquet` beside `Test.parquet` gave one train split of both, and the test rows were
+    trained on.  None where no file or folder names a split."""
+    from datasets.data_files import (KEYWORDS_IN_DIR_NAME_BASE_PATTERNS,
+                                     KEYWORDS_IN_FILENAME_BASE_PATTERNS, NON_WORDS_CHARS,
+                                     SPLIT_KEYWORDS, DataFilesDict)
+
+    def any_case(word: str) -> str:  # glob's own classes: [tT][rR][aA][iI][nN]
+        return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in word)
+
+    for bases in (KEYWORDS_IN_DIR_NAME_BASE_PATTERNS, KEYWORDS_IN_FILENAME_BASE_PATTERNS):
+        patterns = {str(split): [base.format(keyword=any_case(word), sep=NON_WORDS_CHARS)
+                                 for word in words for base in bases]
+                    for split, words in SPLIT_KEYWORDS.items()}
+        found = DataFilesDict.from_patterns(patterns, base_path=str(root))
+        named = {split: patterns[split] for split, files in found.items() if files}
+        if named:
+            return named
+    return None
 
 
 def _own_class_labels(dataset, file: Path, data_dir: str):

@@ -48,8 +48,10 @@ def test_a_single_process_without_a_dist_url_says_nothing_of_it(tmp_path):
 BAD = [
     (["--rank", "1"], "--rank 1 given for a single process; add --world_size and --dist_url, "
                       "or use a launcher"),
-    (["--world_size", "1", "--rank", "1", "--dist_url", URL], "--rank 1 given for a single "
-                                                              "process"),
+    # --world_size was given: the rank is what is wrong
+    (["--world_size", "1", "--rank", "1", "--dist_url", URL],
+     "--rank 1 must be below --world_size 1 (a single process is rank 0); for more processes "
+     "give each --world_size N, its --rank and the same --dist_url, or use a launcher"),
     (["--dist_url", "127.0.0.1:23456"], "--dist_url '127.0.0.1:23456' is not of the form "
                                         "tcp://HOST:PORT"),
     (["--gpu_ids", "0"], "--gpu_ids 0 given but this machine has no CUDA device"),

@@ -15,11 +15,20 @@ fused BatchNormAct2d).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.nn.functional import all_reduce
 
 from accel_train.base.ranks import more_than_one_rank
+
+# torch deprecates this public all-reduce for one in a private module (_functional_collectives);
+# it still works, and its FutureWarning, once a rank at the first step, spoke of our code to
+# users who can do nothing about it.  Only that message, for the process (a filter set around
+# each call would cost every BatchNorm layer at every step, and break a compiled graph).
+warnings.filterwarnings("ignore", "torch.distributed.nn.functional.all_reduce is deprecated",
+                        FutureWarning)
 
 try:
     from timm.layers import BatchNormAct2d

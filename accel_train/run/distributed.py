@@ -147,6 +147,10 @@ def check_manual_flags(config: TrainConfig, env: LauncherEnv, cuda_count: int) -
                              f"{config.world_size}")
         _parse_dist_url(config.dist_url)
     elif config.rank not in (None, 0):
+        if config.world_size == 1:  # it was given: the rank is what cannot be
+            raise UsageError(f"--rank {config.rank} must be below --world_size 1 (a single "
+                             f"process is rank 0); for more processes give each --world_size N, "
+                             f"its --rank and the same --dist_url, or use a launcher")
         raise UsageError(f"--rank {config.rank} given for a single process; add --world_size "
                          f"and --dist_url, or use a launcher")
     elif config.dist_url is not None:

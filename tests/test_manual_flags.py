@@ -158,3 +158,21 @@ def test_ranks_started_by_hand_on_one_machine_share_its_cores(tmp_path, omp, thr
     assert f"x 2 process(es), gloo, {each};" in said[0][0], said[0][0][-2000:]
     assert yaml.safe_load((out / "config.yaml").read_text())["resolved"]["cpu_threads"] == \
         threads
+
+
+def test_a_checkpoint_file_of_the_manual_is_refused_at_the_start(tmp_path):
+    """The seed manual's --checkpoint names a file (model_checkpoint.pth); here it is a folder.
+    A file already there ended the run at its first save, after training, in a traceback."""
+    old = tmp_path / "model_checkpoint.pth"
+    old.write_bytes(b"the seed script's weights")
+    result = accel_train_here(*TINY_TRAIN, "--max-steps", "1", "--checkpoint", str(old),
+                              "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and result.stderr == (
+        f"accel_train: error: --checkpoint {old} is a file; accel_train keeps its checkpoints "
+        f"in a folder (a step_XXXXXXXX folder each, the final weights in the run's "
+        f"model.safetensors): pass a folder's name\n")
+    assert old.read_bytes() == b"the seed script's weights" and not (tmp_path / "run").exists()
+    # a new name of the manual's form is the folder the checkpoints go in
+    accel_train_here(*TINY_TRAIN, "--max-steps", "1", "--checkpoint", str(tmp_path / "new.pth"),
+                     "--output-dir", str(tmp_path / "run"), check=True)
+    assert (tmp_path / "new.pth" / "step_00000001" / "manifest.json").is_file()

@@ -74,6 +74,7 @@ def plan_start(config: TrainConfig, env: LauncherEnv) -> StartPlan:
 
     try:
         output_dir = Path(distributed.decide_on_main(choose_and_lock))
+        refuse_a_checkpoint_file(config.checkpoint)
         checkpoint_dir = Path(config.checkpoint) if config.checkpoint else \
             run_paths(output_dir).checkpoints
         resume_from = distributed.decide_on_main(
@@ -91,6 +92,16 @@ def plan_start(config: TrainConfig, env: LauncherEnv) -> StartPlan:
         raise
     return StartPlan(config, env, output_dir, checkpoint_dir, resume, resume_from, previous,
                      tuple(messages), kept, held[0] if held else None)
+
+
+def refuse_a_checkpoint_file(checkpoint: Optional[str]) -> None:
+    """The seed manual's --checkpoint is a file (model_checkpoint.pth); here it is the folder
+    the step_XXXXXXXX checkpoints go in.  A new name makes that folder; an existing file ended
+    the run at its first save, after training, with a NotADirectoryError."""
+    if checkpoint and Path(checkpoint).exists() and not Path(checkpoint).is_dir():
+        raise UsageError(f"--checkpoint {checkpoint} is a file; accel_train keeps its "
+                         f"checkpoints in a folder (a step_XXXXXXXX folder each, the final "
+                         f"weights in the run's model.safetensors): pass a folder's name")
 
 
 def refuse_another_optimizer(config: TrainConfig, previous: TrainerState,

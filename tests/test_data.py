@@ -568,3 +568,36 @@ def test_float_pixel_values_are_refused_in_one_line_naming_what_to_pass(tmp_path
     trained = accel_train_here(*run, "--image-column", "image", "--output-dir",
                                str(tmp_path / "run"))
     assert trained.returncode == 0, trained.stderr[-2000:]
+
+
+def _float_label_parquet(folder: Path, split: str, labels: list) -> None:
+    import pandas as pd
+    folder.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame({"image": [{"bytes": _png_bytes(_image(0, i)), "path": None}
+                            for i in range(len(labels))],
+                  "label": labels}).to_parquet(folder / f"{split}.parquet")
+
+
+def test_float_class_numbers_are_the_numbers_and_nan_is_no_label(tmp_path):
+    """pandas writes an integer column that held a missing value as floats, NaN for the
+    missing one: 3.0 named a class "3.0" and NaN trained as a class "nan"."""
+    import pandas as pd
+    data = tmp_path / "floats"
+    _float_label_parquet(data, "train", [0.0, 1.0, 2.0, 10.0] * 5)
+    loaded = load_data(config(data_dir=str(data), in_memory="never", val_fraction=0.2))
+    assert loaded.class_names == [str(i) for i in range(11)]  # as an integer column's
+    read = pd.read_parquet(data / "train.parquet")["label"].astype(int).tolist()
+    every = torch.cat([loaded.train.labels, loaded.held_out.labels]).tolist()
+    assert sorted(every) == sorted(read)
+    with_nan = tmp_path / "nan"
+    _float_label_parquet(with_nan, "train", [0.0, 1.0, float("nan"), 1.0] * 5)
+    with pytest.raises(UsageError) as refused:
+        load_data(config(data_dir=str(with_nan), in_memory="never"))
+    assert str(refused.value) == (
+        f"{with_nan}: 5 of the 20 rows of the train split have no label ('label' is -1, empty "
+        f"or NaN); label them or remove them (accel-train check-data counts them per split)")
+    _float_label_parquet(with_nan, "train", [0.0, 1.0] * 10)  # a test split of NaN only
+    _float_label_parquet(with_nan, "test", [float("nan")] * 4)
+    loaded = load_data(config(data_dir=str(with_nan), in_memory="never"))
+    assert loaded.test is None and any("the test split has no labels" in w
+                                       for w in loaded.warnings)

@@ -348,7 +348,7 @@ def format_table(findings: dict) -> str:
     lines += ["", f"classes in one split only ({len(one_split)})" + (":" if one_split else "")]
     lines += [f"  {name}: {split} only" for name, split in one_split.items()]
     unlabelled = findings["unlabelled"]
-    lines += ["", f"splits with rows without a label, -1 or empty ({len(unlabelled)})"
+    lines += ["", f"splits with rows without a label, -1, empty or NaN ({len(unlabelled)})"
               + (":" if unlabelled else "")]
     lines += [f"  {split}: {u['rows']:,} of {u['of']:,} rows (" +
               ("training refuses them" if u["refused"] else "no labels at all: training leaves "

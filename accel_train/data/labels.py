@@ -10,6 +10,7 @@ a warning.
 
 from __future__ import annotations
 
+import math
 import shlex
 
 import numpy as np
@@ -33,6 +34,11 @@ def labels_and_names(splits: dict, label_column: str) -> tuple[dict[str, torch.T
         return _declared_labels(splits, columns, label_column, list(feature.names))
     values = {k: column.to_pylist() for k, column in columns.items()}
     distinct = sorted({v for vs in values.values() for v in vs if not _unlabelled(v)})
+    if distinct and all(_whole_float(v) for v in distinct):
+        # class numbers stored as floats: pandas writes an integer column that held a missing
+        # value (NaN) so; named "3.0" they read as other classes than the data's numbers
+        values = {k: [v if _unlabelled(v) else int(v) for v in vs] for k, vs in values.items()}
+        distinct = sorted({int(v) for v in distinct})
     if all(isinstance(v, (int, np.integer)) for v in distinct):
         names = [str(i) for i in range(int(max(distinct)) + 1)] if distinct else []
         index = {v: int(v) for v in distinct}
@@ -47,7 +53,16 @@ UNLABELLED = -1  # what Hugging Face data sets store for a row without a label
 
 
 def _unlabelled(value) -> bool:
+    """None, a negative class number (Hugging Face's -1), or NaN: a float column's missing
+    value (pandas), which trained as a class named "nan"."""
+    if isinstance(value, (float, np.floating)):
+        return math.isnan(value) or value < 0
     return value is None or (isinstance(value, (int, np.integer)) and value < 0)
+
+
+def _whole_float(value) -> bool:
+    return isinstance(value, (float, np.floating)) and math.isfinite(value) and \
+        value == int(value)
 
 
 def _declared_labels(splits: dict, columns: dict, label_column: str,
@@ -76,6 +91,8 @@ def unlabelled_rows(dataset, label_column: str) -> int:
     missing = pc.sum(pc.is_null(column)).as_py() or 0
     if pa_types.is_integer(column.type):
         missing += pc.sum(pc.less(column, 0)).as_py() or 0
+    if pa_types.is_floating(column.type):  # NaN (pandas' missing value) or negative
+        missing += pc.sum(pc.or_(pc.is_nan(column), pc.less(column, 0))).as_py() or 0
     return int(missing)
 
 
@@ -98,13 +115,13 @@ def set_aside_unlabelled_splits(raw, label_column: str, train_name: str) -> list
             continue
         if left_out_unlabelled(name, missing, len(dataset), train_name):
             del raw.splits[name]
-            warnings.append(f"the {name} split has no labels ({label_column!r} is -1 or empty in "
-                            f"all {missing:,} rows): left out; accel-train predict RUN IMAGES "
-                            f"gives its classes")
+            warnings.append(f"the {name} split has no labels ({label_column!r} is -1, empty or "
+                            f"NaN in all {missing:,} rows): left out; accel-train predict RUN "
+                            f"IMAGES gives its classes")
             continue
         raise UsageError(f"{raw.origin}: {missing:,} of the {len(dataset):,} rows of the {name} "
-                         f"split have no label ({label_column!r} is -1 or empty); label them or "
-                         f"remove them (accel-train check-data counts them per split)")
+                         f"split have no label ({label_column!r} is -1, empty or NaN); label "
+                         f"them or remove them (accel-train check-data counts them per split)")
     return warnings
 
 

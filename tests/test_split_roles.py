@@ -588,3 +588,18 @@ def test_a_stratified_run_is_evaluated_and_resumed_on_the_images_it_carved(tmp_p
     assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
     accel_train_here(*flags, "--val-stratify", "--max-steps", "4", "--resume", "auto",
                      check=True)
+
+
+def test_a_local_folder_given_as_dataset_names_data_dir(tmp_path, monkeypatch):
+    """--dataset takes a hub id; datasets reads a local folder with its own loaders, and where
+    they fail the line said only that the hub could not be reached."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "photos").mkdir()
+    result = accel_train_here("--dataset", "photos", "--model", "test_resnet", "--output-dir",
+                              str(tmp_path / "run"))
+    assert result.returncode == 2 and result.stderr.startswith(
+        "accel_train: error: --dataset photos is a local folder, which Hugging Face datasets' "
+        "loader could not read (") and result.stderr.endswith(
+        "); pass it as --data-dir photos (--dataset takes a hub id)\n"), result.stderr
+    assert not (tmp_path / "run").exists()

@@ -628,6 +628,10 @@ def _load_hub(name: str) -> RawData:
     except Exception as err:  # offline, unknown id, gated: all end the same way for the user
         offline = (os.environ.get("HF_DATASETS_OFFLINE") == "1"
                    or os.environ.get("HF_HUB_OFFLINE") == "1")
+        if Path(name).is_dir():  # datasets read it with its own folder loaders, and failed
+            raise UsageError(f"--dataset {name} is a local folder, which Hugging Face datasets' "
+                             f"loader could not read ({first_line(err, 200)}); pass it as "
+                             f"--data-dir {name} (--dataset takes a hub id)") from None
         reason = "offline mode is set" if offline else first_line(err, 200)
         raise UsageError(f"--dataset {name}: cannot load it from the Hugging Face hub ({reason}); "
                          f"with no network, pass --data-dir PATH to a local copy, or --dataset "

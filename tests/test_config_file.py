@@ -79,6 +79,14 @@ def test_override_order(tmp_path):
     assert (flags.mixed_precision, flags.batch_size, flags.epochs) == ("bf16", 12, 2)
 
 
+def recipe_refusal(path, text: str) -> str:
+    """The one line a recipe of `text` at `path` is refused with."""
+    path.write_text(text)
+    with pytest.raises(UsageError) as refused:
+        parse(["--config", str(path)])
+    return str(refused.value)
+
+
 def test_one_length_for_a_run_epochs_or_a_time_budget(tmp_path, capsys):
     """--epochs and --time-budget typed together are refused (the budget ignored the epochs
     without a word); a length typed on the command line beats the other kind from a --config
@@ -100,10 +108,7 @@ def test_one_length_for_a_run_epochs_or_a_time_budget(tmp_path, capsys):
     typed_budget = parse(["--config", str(epochs_recipe), "--time-budget", "2m"])
     assert typed_budget.time_budget == "2m"
     both = tmp_path / "both.yaml"  # one recipe holding both: its epochs went unused unsaid
-    both.write_text("time_budget: 10\nepochs: 2\n")
-    with pytest.raises(UsageError) as refused:
-        parse(["--config", str(both)])
-    assert str(refused.value) == (
+    assert recipe_refusal(both, "time_budget: 10\nepochs: 2\n") == (
         f"--config {both}: --epochs 2 and --time-budget 10 both set the run's length: give "
         f"one (a budget fits the steps into its time; --max-steps caps them)")
     from accel_train import fit
@@ -136,13 +141,9 @@ def test_a_recipe_takes_the_other_names_the_command_line_takes(tmp_path):
     config = parse(["--config", str(recipe)])
     assert (config.learning_rate, config.accumulation_steps, config.sync_bn,
             config.checkpoint) == (0.02, 3, False, "ckpt")
-    recipe.write_text("lr: 0.02\nlearning_rate: 0.1\n")
-    with pytest.raises(UsageError, match=r"lr and learning_rate are one option; give one$"):
-        parse(["--config", str(recipe)])
-    recipe.write_text("epoch: 3\nwarmpu_epochs: 1\n")
-    with pytest.raises(UsageError) as refused:
-        parse(["--config", str(recipe)])
-    assert str(refused.value) == (
+    assert recipe_refusal(recipe, "lr: 0.02\nlearning_rate: 0.1\n").endswith(
+        "lr and learning_rate are one option; give one")
+    assert recipe_refusal(recipe, "epoch: 3\nwarmpu_epochs: 1\n") == (
         f"{recipe}: unknown option(s) epoch (did you mean epochs?), warmpu_epochs (did "
         f"you mean warmup_epochs?); see `python -m accel_train --help` for the names")
 

@@ -638,3 +638,38 @@ def test_a_run_folder_inside_an_image_folder_is_refused(tmp_path, monkeypatch):
         assert sorted(p.relative_to(data) for p in data.rglob("*")) == before
     monkeypatch.chdir(tmp_path)  # beside the data: trains
     accel_train_here("--data-dir", "photos", "--output-dir", "run", *common, check=True)
+
+
+@pytest.mark.parametrize("split_folder", ["", "train/"], ids=["flat", "train/"])
+def test_deepest_folder_classes_spread_over_top_level_folders_are_said(tmp_path, split_folder):
+    """cat/2019, cat/2020, dog/2019, dog/2020: the deepest folders are the classes (datasets'
+    imagefolder rule), so the run trained 2019 against 2020, cats and dogs in each, and
+    check-data found no problem.  Said in training's warnings and check-data's table, with
+    --class-depth 1; the classes of a plain layout are not."""
+    from PIL import Image
+    from accel_train.config import TrainConfig
+    from accel_train.data.sources import load_data
+    from conftest import accel_train_here
+    for top in ("cat", "dog"):
+        for year in ("2019", "2020"):
+            folder = tmp_path / "nested" / split_folder / top / year
+            folder.mkdir(parents=True)
+            for i in range(3):
+                Image.new("RGB", (8, 8), (40 * i, 9, 9)).save(folder / f"{i}.png")
+    line = ("the classes are the deepest folders (2019, 2020 of 2), each found under several "
+            "top-level folders (cat, dog): if the top-level folders are the classes, pass "
+            "--class-depth 1")
+    data = str(tmp_path / "nested")
+    assert line in load_data(TrainConfig(data_dir=data, in_memory="never")).warnings
+    assert load_data(TrainConfig(data_dir=data, in_memory="never", class_depth=1)
+                     ).class_names == ["cat", "dog"]
+    table = accel_train_here("check-data", "--data-dir", data, "--workers", "1")
+    assert table.returncode == 0 and f"  note: {line}\n" in table.stdout, table.stdout
+    plain = tmp_path / "plain" / "cat"
+    plain.mkdir(parents=True)
+    for name in ("cat", "dog"):
+        (tmp_path / "plain" / name).mkdir(exist_ok=True)
+        for i in range(3):
+            Image.new("RGB", (8, 8), (40 * i, 9, 9)).save(tmp_path / "plain" / name / f"{i}.png")
+    assert not any("deepest folders" in w for w in load_data(TrainConfig(
+        data_dir=str(tmp_path / "plain"), in_memory="never")).warnings)

@@ -182,7 +182,8 @@ def check(args) -> dict:
 
     from accel_train.data.labels import (classes_left_unreadable, labels_and_names,
                                          left_out_unlabelled)
-    from accel_train.data.sources import HFSource, find_columns, open_data, training_split_name
+    from accel_train.data.sources import (HFSource, deepest_classes_spread, find_columns,
+                                          open_data, training_split_name)
     from accel_train.data.streaming import is_shard_folder
     config = _config(args)
     if is_shard_folder(config.data_dir):
@@ -251,6 +252,10 @@ def check(args) -> dict:
         "too_few_classes": len(class_names) < 2,
         "uneven_classes": uneven_classes(counts.get(train), class_names),
         "classes_without_a_readable_training_image": no_readable,
+        # not a problem: the folders cannot tell which level was meant
+        "classes_across_folders": deepest_classes_spread(raw, train)
+        if raw.root is not None and args.class_depth is None and args.train_labels is None
+        and train in raw.splits else None,
         "files_not_read": not_read,
         "photos_not_read": {k: n for k, n in not_read.items() if k in PHOTO_FORMATS_NOT_OPENED},
         "workers": args.workers, "seconds": round(time.perf_counter() - started, 2)}
@@ -327,6 +332,8 @@ def format_table(findings: dict) -> str:
             f"  {findings['class_counts'][s][name]:>{w},}" for s, w in zip(splits, columns)))
     lines.append("  " + f"{'total':<{name_width}}" + "".join(
         f"  {findings['splits'][s]:>{w},}" for s, w in zip(splits, columns)))
+    if findings.get("classes_across_folders"):
+        lines.append(f"  note: {findings['classes_across_folders']}")
     uneven = findings["uneven_classes"]
     if uneven:
         low, high = uneven["smallest"], uneven["largest"]

@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image
 
-from accel_train.base.errors import UsageError
+from accel_train.base.errors import UsageError, first_few
 from accel_train.base.readers import Shape, read_arrow_cache
 from accel_train.data.label_files import class_order, read_train_labels, read_val_labels
 from accel_train.data.loader_watch import reading
@@ -82,6 +82,30 @@ class FolderIndex:
         text = json.dumps([str(self.root.resolve()), split, len(self.splits[split][0]),
                            self.class_names, self.dirs])
         return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def classes_across_folders(paths: pa.Array, class_names: list[str], prefix: str = ""
+                           ) -> Optional[str]:
+    """Where the classes are the deepest folders (no --class-depth) and each sits under more
+    than one top-level folder (cat/2019, dog/2019: the classes 2019 and 2020, each holding
+    cats and dogs), a line saying so: the folders say nothing to tell that from photos sorted
+    by source first (batch1/cat, batch2/cat), so it is said, not refused.  `paths`: a split's
+    image paths, each under `prefix` (its split folder's, `train/`)."""
+    import pyarrow.compute as pc
+    folders = pc.unique(pc.replace_substring_regex(paths, r"/[^/]*$", "")).to_pylist()
+    tops: dict[str, set[str]] = {}
+    for folder in folders:
+        parts = folder[len(prefix):].split("/")
+        if len(parts) >= 2:  # an image two folders deep or more
+            tops.setdefault(parts[-1], set()).add(parts[0])
+    spread = sorted(name for name, under in tops.items() if len(under) > 1)
+    if len(spread) < 2:
+        return None
+    top_level = sorted(set().union(*(tops[name] for name in spread)))
+    return (f"the classes are the deepest folders ({first_few(spread)} of "
+            f"{len(class_names)}), each found under several top-level folders "
+            f"({first_few(top_level)}): if the top-level folders are the classes, pass "
+            f"--class-depth 1")
 
 
 PARQUET = ".parquet"  # what sources.py's search for parquet files looks for

@@ -32,8 +32,8 @@ from accel_train.base.errors import UsageError, first_few, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.pixel_arrays import check_pixel_arrays, image_files
-from accel_train.data.imagefolder import (PARQUET, FolderIndex, HoldsParquet, files_under,
-                                          index_folder)
+from accel_train.data.imagefolder import (PARQUET, SPLIT_FOLDERS, FolderIndex, HoldsParquet,
+                                          classes_across_folders, files_under, index_folder)
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
                                             subset_if_cut)
 from accel_train.data.labels import (check_label_values, unreadable_classes_named,
@@ -621,6 +621,16 @@ def _image_folder_data(path: Path, index: FolderIndex) -> RawData:
                    str(path), root=path)
 
 
+def deepest_classes_spread(raw: RawData, train_name: str) -> Optional[str]:
+    """An image folder's classes_across_folders line for its training split."""
+    paths = raw.splits[train_name].with_format("arrow")["image"].combine_chunks().field("path")
+    first = (paths[0].as_py() or "").split("/")[0] if len(paths) else ""
+    prefix = f"{first}/" if (raw.root / first).is_dir() and \
+        SPLIT_FOLDERS.get(first.lower()) == "train" else ""
+    return classes_across_folders(paths, raw.splits[train_name].features["label"].names,
+                                  prefix)
+
+
 def _load_hub(name: str) -> RawData:
     datasets = _quiet_datasets()
     try:
@@ -796,6 +806,9 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True,
         warnings.append(f"{raw.origin}: split(s) {', '.join(unused)} left out: neither "
                         f"train, validation nor test by name (rename a split to one of those "
                         f"to use it)")
+    if raw.root is not None and config.class_depth is None and config.train_labels is None:
+        spread = deepest_classes_spread(raw, splits.train_name)
+        warnings += [spread] if spread else []
     if config.select_on_test and splits.eval_name.lower() not in TEST_SPLIT_NAMES:
         warnings.append(f"--select-on-test has no effect: {raw.origin} "
                         + (f"has a validation split ({splits.eval_name}), which selects"

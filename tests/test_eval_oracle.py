@@ -184,6 +184,9 @@ def test_eval_train_split_with_a_ragged_last_batch(run_dir):
                         "--batch-size", "7")
     assert report["split"] == "train"
     _check(report, _oracle(run_dir, *_drawn("train", 40)))
+    # training's name for the limit, carried over from the run's command: the same images
+    _check(_eval_json(str(run_dir), "--split", "train", "--max-eval-samples", "40"),
+           _oracle(run_dir, *_drawn("train", 40)))
 
 
 def test_eval_of_images_without_the_last_class_still_counts_every_class(run_dir):

@@ -75,3 +75,26 @@ def test_paths_lists_and_auto_choices_compare_as_the_record_holds_them(tmp_path,
         ["--freeze-backbone on (the run: off)"]
     assert differences(TrainConfig(data_dir="data", mixed_precision="no"), record) == \
         ["--mixed-precision no (the run: bf16)"]
+
+
+def test_a_first_start_that_ended_before_its_first_checkpoint_is_not_the_runs_record(tmp_path):
+    """A first start that crashed at its first step left config.yaml; the next start, finding
+    no checkpoint, trains from scratch, and its options are the run's: config.yaml described
+    the start that never trained, and --config RUN/config.yaml repeated it."""
+    from accel_train.callbacks import Callback
+    import pytest
+    import yaml
+
+    class Crash(Callback):
+        def on_step_end(self, trainer, step):
+            raise RuntimeError("a crash at the first step")
+
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="a crash at the first step"):
+        accel_train_here(*FIRST, "--output-dir", str(out), callbacks=[Crash()])
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["seed"] == 3
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    accel_train_here(*FIRST[:-4], "--seed", "5", "--output-dir", str(out), "--resume", "auto",
+                     check=True)
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["seed"] == 5
+    assert not list(out.glob("config.resume-*.yaml"))

@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "where the data has one beside a validation split or a carved one; "
                            "train; all: train and validation (e.g. a folder of labelled images "
                            "with no splits) (default: held-out)")
-    data.add_argument("--max-samples", type=_positive_or_all, metavar="N|all",
+    # training's name for the same limit, which users carry over from the run's command
+    data.add_argument("--max-samples", "--max-eval-samples", type=_positive_or_all,
+                      metavar="N|all", dest="max_samples",
                       help="evaluate N of the images, chosen by --sample-subset (default: "
                            "those the run evaluated on its own data; all of other data)")
     data.add_argument("--sample-subset", choices=SAMPLE_SUBSETS,

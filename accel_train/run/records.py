@@ -87,7 +87,7 @@ def open_records(accelerator, plan, config, speed, state, metrics, report, paths
                                      channels_last=speed.channels_last,
                                      decode_on_device={True: "always", False: "never"}.get(
                                          state.decoded_on_device, config.decode_on_device))
-        write_run_config(plan.output_dir, chosen, facts)
+        write_run_config(plan.output_dir, chosen, facts, resumed=plan.resume_from is not None)
         record_elastic_job(plan.output_dir, plan.env.run_id)
     if config.report_to:
         accelerator.init_trackers("accel_train", config={

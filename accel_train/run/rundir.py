@@ -181,15 +181,20 @@ def recorded_options(config: TrainConfig) -> dict:
     return options
 
 
-def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict) -> Path:
+def write_run_config(output_dir: Path, config: TrainConfig, resolved: dict,
+                     resumed: bool = False) -> Path:
     """config.yaml on the first start; a resumed start records itself beside it instead of
-    rewriting what the original run was."""
+    rewriting what the original run was.  A start that found no checkpoint to resume from is
+    a first start: a record left by one that ended before its first checkpoint (a crash)
+    described a run that never trained, and `--config RUN/config.yaml` repeated it."""
     output_dir.mkdir(parents=True, exist_ok=True)
     record = {"train": recorded_options(config), "resolved": resolved,
               "versions": package_versions(), "git_revision": git_revision(),
               "command": recorded_command()}
     path = run_paths(output_dir).config
-    if path.exists():
+    # (a folder whose earlier starts resumed keeps its records as they are: latest_record
+    # would read their newest, not a rewritten config.yaml)
+    if path.exists() and (resumed or latest_record(output_dir) != path):
         path = output_dir / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
     _write_whole(path, record)
     return path

@@ -246,10 +246,11 @@ def test_held_out_shards_of_photographs_in_many_sizes_are_evaluated_as_the_folde
     shards, run = tmp_path / "shards", tmp_path / "run"
     assert _shard_here("--data-dir", str(src), "--samples-per-shard", "8", "--output",
                        str(shards)).returncode == 0
-    accel_train_here("--data-dir", str(shards), "--model", "test_resnet", "--image-size", "48",
-                     "--batch-size", "4", "--max-steps", "2", "--num-workers", "0",
-                     "--progress", "log", "--no-plots", *PINNED, "--output-dir", str(run),
-                     check=True)
+    said = accel_train_here("--data-dir", str(shards), "--model", "test_resnet", "--image-size",
+                            "48", "--batch-size", "4", "--max-steps", "2", "--num-workers", "0",
+                            "--progress", "log", "--no-plots", *PINNED, "--output-dir",
+                            str(run), check=True).stdout
+    assert ", 0 loader worker(s)" in said, said  # the slot read in this process: no worker
     streamed = [r for r in metrics_of(run) if r["type"] == "epoch"][-1]
     report = json.loads(accel_train_here("eval", str(run), "--data-dir", str(src), "--json",
                                          check=True).stdout)

@@ -119,4 +119,5 @@ def build_stream_loader(config, data, train_tf, num_processes: int, rank: int,
     train = StreamLoader(dataset, slots if wanted_workers > 0 else 0, config.prefetch_factor,
                          pin_memory)
     steps = rank_batches_per_epoch(shards, layout) // config.accumulation_steps
-    return train, slots, steps
+    # the loader workers started: none with --num-workers 0 (the summary said 1, the slot)
+    return train, slots if wanted_workers > 0 else 0, steps

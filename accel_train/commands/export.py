@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a run directory (its final model, else its newest valid "
                              "checkpoint), a step_XXXXXXXX checkpoint folder, or an export")
     parser.add_argument("--ema", action="store_true", help=EMA_HELP)
-    parser.add_argument("--output-dir", "-o", required=True, metavar="DIR",
+    # --output: shard's name for its folder, and what an abbreviation of --output-dir was
+    parser.add_argument("--output-dir", "--output", "-o", required=True, metavar="DIR",
                         help="a new (or empty) folder to write the export into")
     parser.add_argument("--format", choices=list(FORMATS), default="timm",
                         help="; ".join(f"{k}: {v}" for k, v in FORMATS.items())

@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="accel-train plot", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.jsonl)")
-    parser.add_argument("--output-dir", "-o", metavar="DIR",
+    parser.add_argument("--output-dir", "--output", "-o", metavar="DIR",
                         help="where to write the PNGs (default: RUN_DIR/plots)")
     return parser
 

@@ -75,6 +75,32 @@ def test_paths_lists_and_auto_choices_compare_as_the_record_holds_them(tmp_path,
         ["--freeze-backbone on (the run: off)"]
     assert differences(TrainConfig(data_dir="data", mixed_precision="no"), record) == \
         ["--mixed-precision no (the run: bf16)"]
+    # lists in words, as they are typed; an empty one as none
+    found = differences(TrainConfig(data_dir="data", scale=(0.5, 1.0), time_budget="1m",
+                                    smaller_models=["cifar_convnet_s"], min_budget_epochs=2),
+                        record)
+    assert "--scale 0.5 1.0 (the run: 0.08 1.0)" in found
+    assert "--smaller-models cifar_convnet_s (the run: none)" in found
+
+
+def test_only_a_refusal_for_another_option_gets_the_list(tmp_path):
+    """Any other refusal of a resumed start (a damaged file, a full disk) is left as it is,
+    however many options differ; so is a record that is not one (no crash)."""
+    import yaml
+    from accel_train.base.errors import RunDiffers, UsageError
+    from accel_train.run.resume_options import naming_differences
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(  # a run record's shape
+        {"train": {**TrainConfig().to_dict(), "seed": 3, "epochs": 2}, "resolved": {},
+         "versions": {}, "git_revision": None, "command": []}))
+    config = TrainConfig(output_dir=str(tmp_path), resume="auto")
+    other = UsageError("run.lock is damaged")
+    assert naming_differences(other, config) is other
+    listed = str(naming_differences(RunDiffers("another seed"), config))
+    assert listed.startswith("another seed; this start sets 2 option(s)") and \
+        "--epochs 10 (the run: 2), --seed 0 (the run: 3)" in listed, listed
+    (tmp_path / "config.yaml").write_text("train: [1, 2]\n")
+    refused = RunDiffers("another seed")
+    assert naming_differences(refused, config) is refused
 
 
 def test_a_first_start_that_ended_before_its_first_checkpoint_is_not_the_runs_record(tmp_path):

@@ -32,14 +32,9 @@ def differences(config: TrainConfig, record: dict) -> list[str]:
     for key, value in mine.items():
         if key in THIS_START or key not in record or AUTO.get(key, ...) == value:
             continue
-        if _plain(value) != _plain(record[key]):
+        if value != record[key]:  # (the config holds its pairs and triples as lists, as YAML)
             found.append(f"{flag(key)} {_words(value)} (the run: {_words(record[key])})")
     return found
-
-
-def _plain(value):
-    """Tuples as the YAML record's lists."""
-    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def _words(value) -> str:

@@ -546,3 +546,29 @@ def test_an_eval_class_train_does_not_name_is_one_line(tmp_path):
         "eval_dataset: its class 'emu' is not one of train_dataset's classes (cat, dog): the "
         "model cannot be scored on a class it does not train on; leave those items out of "
         "eval_dataset")
+
+
+class _Declared(Dataset):
+    """Items of one 8x8 image each, with the class names it declares (torchvision's way)."""
+
+    def __init__(self, classes: list[str], targets: list[int]):
+        self.classes, self.targets = classes, targets
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, i):
+        return torch.full((3, 8, 8), 10 * i, dtype=torch.uint8), self.targets[i]
+
+
+def test_eval_names_matched_past_unused_and_missing_names():
+    """A class eval_dataset names but holds no item of (emu) matches nothing and is no
+    trouble; a label past eval_dataset's own names is refused as such."""
+    train = _Declared(["cat", "dog", "fox"], [0, 1, 2] * 4)
+    data = load_user_data(train, _Declared(["cat", "emu", "fox"], [0, 2, 2]),
+                          TrainConfig(in_memory="never"))
+    assert data.held_out.labels.tolist() == [0, 2, 2]  # cat 0, fox 2 in train's numbering
+    with pytest.raises(UsageError) as refused:
+        load_user_data(train, _Declared(["cat", "fox"], [0, 2]), TrainConfig(in_memory="never"))
+    assert str(refused.value).startswith("eval_dataset: its label 2, past its names, is not one "
+                                         "of train_dataset's classes (cat, dog, fox)")

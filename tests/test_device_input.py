@@ -13,6 +13,8 @@ first-step oracle in test_flags.py keeps the normalization honest in a real run.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -166,7 +168,7 @@ def test_a_batch_through_the_training_loader_brings_its_erasing_along(monkeypatc
 
 
 def test_loader_workers_follow_the_cores_each_gpu_has(monkeypatch):
-    monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda pid: set(range(16)),
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)),
                         raising=False)
     decoded = ImageSource()  # decoded per step: workers are wanted
     assert default_num_workers(decoded, 1, cuda=True) == 15   # one core drives the GPU
@@ -183,7 +185,7 @@ def test_loader_workers_follow_the_cores_each_gpu_has(monkeypatch):
     assert default_num_workers(in_memory, 8, cuda=True) == 1
     assert default_num_workers(in_memory, 16, cuda=True) == 0  # one core each: it drives the GPU
     assert default_num_workers(in_memory, 1, cuda=False) == 0  # a CPU step needs the cores
-    monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda pid: {0, 1, 2},
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2},
                         raising=False)  # a SLURM allocation of 3 of the machine's cores
     assert default_num_workers(decoded, 1, cuda=True) == 2
 

@@ -5,6 +5,7 @@ one-process answer."""
 
 from __future__ import annotations
 
+import os
 from typing import Callable, TypeVar
 
 import torch.distributed as dist
@@ -13,6 +14,15 @@ from accel_train.base.errors import UsageError
 from accel_train.base.wording import in_callers_words
 
 T = TypeVar("T")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a SLURM allocation or taskset narrows them), not all
+    of the machine's: what the loader workers and the ranks of one machine share."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def more_than_one_rank() -> bool:

@@ -11,7 +11,6 @@ processes and still use each sample of the interrupted epoch exactly once.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Sequence
 from typing import Callable, Iterator, NamedTuple, Optional
@@ -23,6 +22,7 @@ from accel_train.data.augment import build_erasing, build_policy
 from accel_train.data.device_decode import encode_batch
 from accel_train.data.loader_watch import reading
 from accel_train.base.randomness import DATASET_READ_SALT, loader_generator, seeded
+from accel_train.base.ranks import usable_cores
 from accel_train.data.sources import ArraySource, ImageSource
 from accel_train.data.transforms import (ImageTransform, held_out_crop, held_out_transform,
                                          single_threaded)
@@ -316,15 +316,6 @@ def dataset_mean_std(source: ImageSource) -> tuple[tuple[float, ...], tuple[floa
         std = (total_sq / num_pixels - mean * mean).clamp_min(1e-12).sqrt()
     return (tuple(round(float(v), 4) for v in mean),
             tuple(round(float(max(v, 1e-3)), 4) for v in std))
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (a SLURM allocation or taskset narrows them), not all
-    of the machine's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def default_num_workers(source: ImageSource, processes_per_machine: int, cuda: bool) -> int:

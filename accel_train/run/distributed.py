@@ -42,7 +42,7 @@ from accel_train.run.collectives import LONG_TIMEOUT
 from accel_train.config import TrainConfig, flag, parse_gpu_ids
 from accel_train.base.errors import UsageError
 from accel_train.base.ranks import (any_rank, decide_on_main, is_global_main, main_first,  # noqa: F401
-                                     more_than_one_rank, print_once)
+                                     more_than_one_rank, print_once, usable_cores)
 
 LAUNCHER_HELP = ("torchrun/accelerate launch set WORLD_SIZE = nnodes x nproc-per-node, RANK and "
                  "LOCAL_RANK per process, and MASTER_ADDR/MASTER_PORT from --master-addr/"
@@ -308,7 +308,7 @@ def share_the_cores() -> None:
     dist.all_gather_object(hosts, host)
     sharing = hosts.count(host)
     if sharing > 1 and "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, len(os.sched_getaffinity(0)) // sharing)
+        threads = max(1, usable_cores() // sharing)  # (the affinity where the OS has one)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
 

@@ -202,8 +202,8 @@ def _run_train(argv: Sequence[str]) -> int:
         return rank_launcher.start_ranks(asked)
     from accel_train.data.loading import RESTART_HINT
     from accel_train.trainer import run_training  # heavy imports only once the input is known good
-    # (the loader workers' reads have the DataLoader's timeout; these are the process's own)
     from accel_train.run.resume_options import naming_differences
+    # (the loader workers' reads have the DataLoader's timeout; these are the process's own)
     with stop_on_a_stuck_read(config.loader_timeout, "--loader-timeout", "training",
                               RESTART_HINT):
         try:

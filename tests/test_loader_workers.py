@@ -7,10 +7,12 @@ reading a file (a dead network mount) names the file itself, and the run stops i
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import signal
 import threading
+from pathlib import Path
 from typing import Callable, Optional
 
 import psutil
@@ -22,7 +24,7 @@ from torchvision.datasets import FakeData
 import accel_train
 from accel_train.callbacks import Callback
 from conftest import accel_train_here
-from fault_entry import BLOCK_READ_ENV, STEP_SECONDS_ENV
+from fault_entry import BLOCK_READ_ENV, SAMPLE_LOG_ENV, STEP_SECONDS_ENV
 from faults import (LOADER_WORKER_NAME, Run, max_weight_difference, metrics, metrics_so_far,
                     python_cmd, wait_until)
 
@@ -260,14 +262,24 @@ def test_a_stop_sent_to_the_whole_process_group_leaves_the_workers_to_finish_the
     out = tmp_path / "run"
     run = Run(python_cmd(*TRAIN, "--batch-size", "2", "--accumulation-steps", "8",
                          "--prefetch-factor", "1", "--output-dir", str(out)),
-              tmp_path / "run.log", **{STEP_SECONDS_ENV: "1"})
+              tmp_path / "run.log", **{STEP_SECONDS_ENV: "1", SAMPLE_LOG_ENV: "1"})
     runs.append(run)
-    wait_until(lambda: any(r["type"] == "train" for r in metrics_so_far(out)), "step 1", run)
+    # The signal lands once step 2's first micro-batch has begun (seven more of 1 s each to
+    # go): sent at step 1's record, a loaded machine may deliver it before step 2 begins, and
+    # the run then rightly stops at step 1 without a step to finish.
+    wait_until(lambda: _micro_batches_begun(out, step=2) >= 1, "step 2's first micro-batch", run)
     os.killpg(run.proc.pid, signal.SIGTERM)  # the run is its own group's leader (Run)
     output = run.check(expected=143)
     assert "stopped by a signal at step 2" in output, output[-3000:]
     assert "a loader worker died" not in output, output[-3000:]
     assert "Traceback" not in output
+
+
+def _micro_batches_begun(out: Path, step: int) -> int:
+    """How many micro-batches of optimizer step `step` rank 0 has begun (fault_entry's log)."""
+    log = out / "logs" / "samples-rank0.jsonl"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return sum(1 for line in lines if line.endswith("}") and json.loads(line)["step"] == step)
 
 
 def test_a_training_process_killed_outright_takes_its_workers_and_their_server_along(tmp_path,

@@ -286,6 +286,48 @@ def test_a_fused_optimizer_makes_torchs_own_update(name, norm_bias_lr_scale):
                                                      initial_model().parameters()))
 
 
+@pytest.mark.parametrize("name", ["sgd", "momentum"])
+def test_a_fused_sgd_step_the_gradient_scaler_skips_leaves_momentum_as_torchs_own(name):
+    """fp16's GradScaler skips a step whose gradients overflowed, routine in a run's first
+    steps.  Torch's fused SGD made its momentum buffers with empty_like at its first step and
+    left them unwritten when that step was skipped: the next step took uninitialized memory
+    for momentum (NaN or garbage weights).  The buffers start at zero before any step, and a
+    skipped first step then three finite ones leave every parameter as torch's plain SGD
+    (foreach=False, its own GradScaler on the same scaled gradients) leaves it."""
+    config = TrainConfig(optimizer=name, learning_rate=0.1, weight_decay=0.05, momentum=0.9)
+    model, oracle_model = initial_model(), initial_model()
+    fused = build_optimizer(model, config, fused=True)
+    for param in model.parameters():
+        assert torch.equal(fused.state[param]["momentum_buffer"], torch.zeros_like(param))
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    oracle_params = list(oracle_model.parameters())
+    groups = [{"params": [oracle_params[index[id(p)]] for p in group["params"]],
+               "weight_decay": group["weight_decay"], "lr": group["lr"]}
+              for group in fused.param_groups]
+    oracle = torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=name == "sgd",
+                             foreach=False)
+    scaler, oracle_scaler = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    images = torch.randn(4, 3, 32, 32)
+    for overflow in (True, False, False, False):
+        fused.zero_grad()
+        loss = model(images).square().mean() * (float("inf") if overflow else 1.0)
+        scaler.scale(loss).backward()
+        oracle_scaler.scale(torch.ones(()))  # (its scale starts where the other's does)
+        for param, oracle_param in zip(model.parameters(), oracle_params):
+            oracle_param.grad = param.grad.clone()
+        # freed NaN-filled memory of the parameters' sizes, which an uninitialized buffer
+        # made next would likely be given
+        garbage = [torch.full_like(p, float("nan")) for p in model.parameters()]
+        del garbage
+        for optimizer, its_scaler in ((fused, scaler), (oracle, oracle_scaler)):
+            its_scaler.step(optimizer)
+            its_scaler.update()
+    assert scaler.get_scale() == oracle_scaler.get_scale() == 2.0 ** 15  # one step skipped
+    for (param_name, param), expected in zip(model.named_parameters(), oracle_params):
+        assert torch.isfinite(param).all(), param_name
+        torch.testing.assert_close(param, expected, rtol=1e-5, atol=1e-6, msg=param_name)
+
+
 @pytest.mark.parametrize("saved_fused, built_fused", [(False, True), (True, False)])
 def test_a_checkpoints_optimizer_state_keeps_the_kernels_chosen(saved_fused, built_fused):
     """A checkpoint saved unfused (on a CPU, or before the trainer fused on CUDA) resumed where

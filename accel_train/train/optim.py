@@ -59,7 +59,26 @@ def build_optimizer(model: nn.Module, config: TrainConfig, fused: bool = False
         group["lr"] = config.learning_rate * group.get("lr_scale", 1.0)
     if fusable:
         keep_kernels_on_load(optimizer)
+    if kernels and isinstance(optimizer, torch.optim.SGD):
+        start_momentum_at_zero(optimizer)
     return optimizer
+
+
+def start_momentum_at_zero(optimizer: torch.optim.SGD) -> None:
+    """Fused SGD's momentum buffers, made as zeros before its first step.  Why: torch's fused
+    SGD makes them with `empty_like` at its first step and leaves filling them to its kernel;
+    where fp16's GradScaler skips that step (an overflow, routine while the scaler finds its
+    scale), the kernel writes nothing, and the next step takes the uninitialized memory for
+    momentum: weights of garbage or NaN (torch 2.14.1 on a CPU, tests/test_optim.py; torch
+    2.11 on CUDA alike).  From a zero buffer the first step's momentum is momentum x 0 plus
+    the gradient, the gradient itself, as torch's own first step makes it (where dampening is
+    0, as timm's SGD has it; a group with dampening is left to torch)."""
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0 or group["dampening"] != 0:
+            continue
+        for param in group["params"]:
+            if param.requires_grad:
+                optimizer.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
 
 
 def keep_kernels_on_load(optimizer: torch.optim.Optimizer) -> None:

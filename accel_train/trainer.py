@@ -392,6 +392,7 @@ class Trainer:
                 raise
             finally:
                 self.progress.close()
+        self.train_log.stop_if_nothing_learned("model.safetensors")
         self.timeouts.relax()
         self.pacer.finish(state.step)
         self.report.say(f"Training took {time.perf_counter() - started:.1f}s")

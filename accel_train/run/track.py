@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from accel_train.base.errors import UsageError
 from accel_train.base.readers import read_json_lines
 from accel_train.base.wording import in_callers_words
-from accel_train.train.divergence import stop_if_diverged
+from accel_train.train.divergence import NonFiniteLosses, stop_if_diverged
 from accel_train.train.optim import scheduled_learning_rate
 # metrics.jsonl record -> tracker scalar names; the prefix groups charts in TensorBoard and wandb.
 _TRACKED = {"train": {"loss": "train/loss", "top1": "train/top1", "lr": "train/lr",
@@ -195,7 +195,8 @@ class LogWindow:
 class TrainLog:
     """The `train` records: every --log-every optimizer steps (and at the end of an epoch none
     of whose steps fell on it), the loss and top-1 of the steps since the last one over all
-    ranks (a loss that is no longer finite stops the run), the learning rate, images per second
+    ranks (a loss that is not finite checks the weights, and stops the run where it persists:
+    divergence.py), the learning rate, images per second
     and the share of that time spent waiting for input; into metrics.jsonl, the trackers, the
     progress display and `on_record` (the callbacks)."""
 
@@ -209,9 +210,14 @@ class TrainLog:
         self.model, self.optimizer, self.bad_images = model, optimizer, bad_images
         self.on_record = on_record
         self.window = LogWindow()
+        self.non_finite = NonFiniteLosses()
+        self.unlogged: list[torch.Tensor] = []
         self.epoch_began_at = 0
 
     def start_epoch(self) -> None:
+        # the last epoch's steps after its last record go unlogged, but they are batches in a
+        # row all the same: their losses are counted with the next record's
+        self.unlogged += self.window.losses
         self.window = LogWindow()
         self.wait_clock.take()  # the last epoch's steps after its last logged one
         # the epoch's first step, also where a resume starts inside it
@@ -236,11 +242,30 @@ class TrainLog:
             self._write(self.window)
             self.window = LogWindow()
 
+    def stop_if_nothing_learned(self, unsaved: str) -> None:
+        """At the end of training (every rank): stop before `unsaved` is written when no batch
+        of this start had a finite loss, counting the batches since the last record too."""
+        if self.unlogged or self.window.losses:
+            self.non_finite.add(self._finite_per_batch(self.unlogged + self.window.losses))
+            self.unlogged, self.window = [], LogWindow()
+        self.non_finite.stop_if_none_finite(self.state.step, unsaved)
+
+    def _finite_per_batch(self, losses: list[torch.Tensor]) -> list[bool]:
+        """Whether each batch's loss was finite on every rank (one collective)."""
+        acc = self.accelerator
+        bad = (~torch.isfinite(torch.stack(losses))).float().to(acc.device)
+        return (acc.reduce(bad, "sum") == 0).tolist()
+
     def _write(self, window: LogWindow) -> None:
         acc, state = self.accelerator, self.state
         loss = acc.reduce(torch.stack(window.losses).mean().to(acc.device), "mean").item()
-        if not math.isfinite(loss):  # (the reduced loss: every rank takes this branch)
+        batches, self.unlogged = self.unlogged + window.losses, []
+        if math.isfinite(loss):  # then so were the window's batches, the last ones in the row
+            self.non_finite.add([True] * len(batches))
+        else:  # (the reduced loss: every rank takes this branch)
             stop_if_diverged(self.model, state.step)
+            self.non_finite.add(self._finite_per_batch(batches))
+            self.non_finite.stop_if_too_many(state.step)
         correct = acc.reduce(torch.stack(window.correct).sum().to(acc.device), "sum").item()
         elapsed = time.perf_counter() - window.started
         window.data_wait = self.wait_clock.take()  # after the .item()s: no sync of its own

@@ -7,11 +7,17 @@ yet the run would go on for hours and its checkpoints would rotate the good ones
 about to happen and where a logged loss is not finite, never per step.  A non-finite loss alone
 does not stop a run: under fp16 the gradient scaler skips such steps and the weights stay intact.
 All ranks hold the same weights (DDP), so all reach the same verdict without a collective.
+
+A loss that stays non-finite is another matter: the scaler then skips every step, the weights
+stay finite, and a run trains nothing to its end with exit 0 (torchvision's GoogLeNet in fp16 on
+an H200 did: its forward pass gave NaN from the first step, in bf16 and fp32 it trained).
+NonFiniteLosses counts such batches in a row and stops the run once they are too many to be a
+passing overflow, or at the end of a start none of whose batches had a finite loss.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -38,3 +44,45 @@ def stop_if_diverged(model: torch.nn.Module, step: int, unsaved: str = "") -> No
                      f"values{skipped}; checkpoints written before are intact. Lower "
                      f"--learning-rate (or set --grad-clip, or --mixed-precision no) and go on "
                      f"from one of them with --resume, or train again", DIVERGED_EXIT)
+
+
+# Batches in a row with a non-finite loss that stop a run.  A passing overflow in fp16 spoils a
+# step or two while the scaler finds its scale; a forward pass that overflows on every batch
+# does so on each of them, whatever the data.
+NON_FINITE_LOSSES_LIMIT = 100
+
+_CAUSE = ("the weights stayed finite, so nothing is being learned (under fp16 the gradient "
+          "scaler skips every such step). A forward pass that overflows in fp16 is the usual "
+          "cause: --mixed-precision bf16 (or no) computes it in a wider range; else lower "
+          "--learning-rate, or look for NaN in the inputs")
+
+
+class NonFiniteLosses:
+    """Batches in a row whose training loss was NaN or infinite on any rank.  Fed the same
+    reduced flags on every rank (track.py), so every rank reaches the same verdict."""
+
+    def __init__(self, limit: int = NON_FINITE_LOSSES_LIMIT):
+        self.limit = limit
+        self.in_a_row = 0
+        self.batches = 0  # trained by this start
+
+    def add(self, finite: Iterable[bool]) -> None:
+        for ok in finite:
+            self.batches += 1
+            self.in_a_row = 0 if ok else self.in_a_row + 1
+
+    def stop_if_too_many(self, step: int) -> None:
+        """Raise RunStopped (exit DIVERGED_EXIT) once `limit` batches in a row were non-finite."""
+        if self.in_a_row >= self.limit:
+            raise RunStopped(f"training stopped at step {step}: the training loss was NaN or "
+                             f"infinite in each of the last {self.in_a_row} batches, while "
+                             f"{_CAUSE}; checkpoints written before are intact",
+                             DIVERGED_EXIT)
+
+    def stop_if_none_finite(self, step: int, unsaved: str) -> None:
+        """At the end of a start: raise RunStopped when not one of its batches had a finite
+        loss (a run shorter than `limit` batches), before `unsaved` is written."""
+        if self.batches and self.in_a_row == self.batches:
+            raise RunStopped(f"training stopped at step {step}: the training loss was NaN or "
+                             f"infinite in every one of this start's {self.batches} batches, "
+                             f"while {_CAUSE}; {unsaved} was not written", DIVERGED_EXIT)

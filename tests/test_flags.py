@@ -328,6 +328,15 @@ def test_a_fused_sgd_step_the_gradient_scaler_skips_leaves_momentum_as_torchs_ow
         torch.testing.assert_close(param, expected, rtol=1e-5, atol=1e-6, msg=param_name)
 
 
+def test_fused_sgd_without_momentum_keeps_no_momentum_buffers():
+    """--momentum 0: torch's SGD keeps no buffer, and a zero one per parameter would be
+    memory the size of the network for nothing."""
+    optimizer = build_optimizer(initial_model(), TrainConfig(optimizer="sgd", momentum=0),
+                                fused=True)
+    assert all(group["fused"] and group["momentum"] == 0 for group in optimizer.param_groups)
+    assert len(optimizer.state) == 0
+
+
 @pytest.mark.parametrize("saved_fused, built_fused", [(False, True), (True, False)])
 def test_a_checkpoints_optimizer_state_keeps_the_kernels_chosen(saved_fused, built_fused):
     """A checkpoint saved unfused (on a CPU, or before the trainer fused on CUDA) resumed where

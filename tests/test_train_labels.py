@@ -249,6 +249,29 @@ def _run(tmp_path: Path, capsys, *args: str) -> tuple[int, list[str]]:
     return code, err
 
 
+def test_hugging_faces_metadata_csv_beside_unsorted_images_is_named_and_serves(tmp_path,
+                                                                                capsys):
+    """Hugging Face's imagefolder layout (train/ of images and a metadata.csv naming each
+    one's file_name and label): the refusal names the file and the flag to pass it with, and
+    passed so it labels each image as pandas reads the file."""
+    for i in range(8):
+        _image(tmp_path / "hf" / "train" / f"{i}.png", i)
+    metadata = tmp_path / "hf" / "train" / "metadata.csv"
+    metadata.write_text("file_name,label\n" + "".join(f"{i}.png,{'cat' if i % 3 else 'dog'}\n"
+                                                      for i in range(8)))
+    code, err = _run(tmp_path, capsys, "--data-dir", str(tmp_path / "hf"))
+    assert code == 2 and err == [
+        f"accel_train: error: {tmp_path}/hf/train/0.png is not inside a class folder; put each "
+        f"class's images in a subfolder named after the class (or pass the metadata.csv beside "
+        f"it, Hugging Face's imagefolder layout, as --train-labels {metadata}: two columns, "
+        f"file_name and the class)"]
+    data = load_data(TrainConfig(data_dir=str(tmp_path / "hf"), train_labels=str(metadata),
+                                 in_memory="never"))
+    expected = pd.read_csv(metadata, dtype=str)
+    assert _paths_and_classes(data) == {f"train/{name}": label for name, label
+                                        in zip(expected["file_name"], expected["label"])}
+
+
 def test_bad_input_through_the_command_line_is_one_line_and_writes_nothing(tmp_path, capsys):
     for i in range(4):
         _image(tmp_path / "flat" / f"{i}.png", i)

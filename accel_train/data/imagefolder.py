@@ -453,9 +453,15 @@ def _outside_class_folder(root: Path, path: str, split: str, depth: Optional[int
                          f"labelled train/ (a competition's test set?): pass --data-dir "
                          f"{root / 'train'} to train, then predict {root / folder} (a labelled "
                          f"held-out folder needs --val-labels FILE)")
-    hint = (" (a held-out folder of unlabelled images needs --val-labels FILE)"
-            if split != "train" else
-            " (or name each image's class in a file: --train-labels FILE)")
+    flag = "--val-labels" if split != "train" else "--train-labels"
+    metadata = (root / path).parent / "metadata.csv"
+    if metadata.is_file():  # Hugging Face's imagefolder layout: its labels in a file beside
+        hint = (f" (or pass the metadata.csv beside it, Hugging Face's imagefolder layout, as "
+                f"{flag} {metadata}: two columns, file_name and the class)")
+    elif split != "train":
+        hint = " (a held-out folder of unlabelled images needs --val-labels FILE)"
+    else:
+        hint = " (or name each image's class in a file: --train-labels FILE)"
     raise UsageError(f"{root / path} is not inside a class folder; put each class's images in "
                      f"a subfolder named after the class{hint}")
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks to run on a machine with one CUDA GPU, in order of what they are for, each under its own
-# time limit so that one that hangs leaves time for the rest (about 8 minutes in all):
+# time limit so that one that hangs leaves time for the rest (about 9 minutes in all):
 #   1. bench_gpu_jpeg.py: ResNet-50 at 224 px, bf16, from a folder of ImageNet-sized JPEGs it
 #      makes (make_imagenet_like.py, 6,400 files), against the same model trained by hand on a
 #      batch already on the GPU: --decode-on-device auto, never (the loader workers decode) and
@@ -17,7 +17,10 @@
 #      synchronizes every step, without and with --reprob 0.25;
 #   4. bench_step_syncs.py: the trainer's own loop (the airbench recipe, fp16 by auto, the data
 #      on the device): whether the host runs ahead of the GPU step after step, and the CUDA
-#      runtime's synchronizing calls in a few profiled steps.
+#      runtime's synchronizing calls in a few profiled steps;
+#   5. bench_fp16_networks.py: torchvision's GoogLeNet and ResNet-18, 30 steps each in fp16 (the
+#      GradScaler and fused SGD) and in bf16: whether fp16 trains (GoogLeNet once gave a NaN
+#      loss from its first steps there) and the runs' losses.
 # Left out to stay within 9 minutes, each measured before (BENCHMARKS.md, "GPU"):
 # a smoke run, bench_gpu_cifar.py (ResNet-9 to 94%, SIGTERM + resume), bench_gpu.py (the step
 # against a hand loop on in-memory images), the longer runs toward 94%, the side by side with
@@ -63,4 +66,8 @@ stamp bench_step_syncs
 timeout 45 "$python" benchmarks/bench_step_syncs.py --data-dir "$data_dir" --out "$out" \
     --tmp "$work/step_syncs"
 echo "bench_step_syncs exit $?"
+stamp bench_fp16_networks
+timeout 130 "$python" benchmarks/bench_fp16_networks.py --data-dir "$data_dir" --out "$out" \
+    --arm-timeout 30
+echo "bench_fp16_networks exit $?"
 stamp done

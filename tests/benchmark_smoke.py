@@ -83,12 +83,14 @@ CASES = {
                             "--test-images", "64", "--batch-size", "32", "--cli-processes", "2",
                             "--anchor-again", "--anchor-memory", "kept", "--seed", "1",
                             "--cli-epochs", "1", "2"],
+    # one tiny network in both precisions (a CPU's fp16 is fp32: the arms' code, no figures)
+    "fp16_networks": ["--quick", "--allow-cpu", "--models", "test_resnet", "--image-size", "32"],
 }
 # The scripts that make their own data instead of reading CIFAR-10
 OWN_DATA = {"jpeg_input", "gpu_jpeg"}
 # The scripts that take no --tmp (they write nothing large)
 NO_TMP = {"comm", "gpu", "threads", "manual_ranks", "precision", "worker_start", "gpu_cifar",
-          "device_resident", "jpeg_input", "gpu_jpeg"}
+          "device_resident", "jpeg_input", "gpu_jpeg", "fp16_networks"}
 # benchmarks/anchors/airbench_cpu.py on generated data in the CIFAR-10 layout: 2 steps an epoch
 # for 4 epochs (the averaging syncs at steps 5 and the last, 8), one JSON line with the three
 # levels.  Batch
@@ -176,8 +178,16 @@ def the_anchors_precision(data: dict) -> None:
     assert notes[0].startswith(f"precision: {expected} (--precision auto;"), notes
 
 
+def every_arm_trained(data: dict) -> None:
+    """bench_fp16_networks.py: each arm exited 0 with a finite first and last loss (a CPU's
+    fp16 runs fp32)."""
+    assert [(r["precision"], r["exit"]) for r in data["result"]] == [("fp16", 0), ("bf16", 0)]
+    assert all(r["first_loss"] != "NaN" and r["last_loss"] != "NaN" for r in data["result"])
+
+
 TABLE_CHECKS = {"anchor_side_by_side": both_arms_and_a_ratio, "host_memory": each_arm_as_it_says,
-                "step_syncs": every_step_watched, "anchor_step": the_anchors_precision}
+                "step_syncs": every_step_watched, "anchor_step": the_anchors_precision,
+                "fp16_networks": every_arm_trained}
 
 
 def env() -> dict:
@@ -195,7 +205,7 @@ def ran(cmd: list[str], name: str) -> str:
 
 # The scripts written for a GPU (tests/test_benchmarks_gpu.py runs them with --allow-cpu)
 GPU_SCRIPTS = {"gpu", "gpu_cifar", "device_resident", "gpu_jpeg", "anchor_side_by_side",
-               "step_syncs"}
+               "step_syncs", "fp16_networks"}
 
 
 def run_script(name: str, cifar10_like: Path, tmp_path: Path) -> None:

@@ -345,6 +345,31 @@ def test_predict_of_a_folder_follows_linked_folders_and_names_a_dangling_link(
     assert code == 2 and len(err.strip().splitlines()) == 1 and "symlink loop" in err, err
 
 
+def test_a_folder_entry_that_cannot_be_looked_at_is_one_line(run_dir, image_folder, tmp_path,
+                                                              capsys):
+    """A link to itself inside the folder (ELOOP: a listing that fails even for root, whom
+    permission bits do not stop) ended predict, check-data and training in a traceback.
+    Oracle: os.stat of the link raises ELOOP; each command is one line naming it, exit 2, and
+    training writes no run folder."""
+    import errno
+    folder = tmp_path / "looped"
+    shutil.copytree(image_folder / "ring", folder / "ring")
+    for link in (folder / "ring" / "self", folder / "self"):  # in a subfolder, then the top
+        link.symlink_to(link.name)
+        with pytest.raises(OSError) as looked:
+            os.stat(link)
+        assert looked.value.errno == errno.ELOOP
+        code, out, err = command(capsys, "predict", str(run_dir), str(folder))
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"{link}: " in err and "Traceback" not in err, err
+    code, out, err = command(capsys, "check-data", "--data-dir", str(folder))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"{link}: " in err, err
+    code, out, err = command(capsys, "--data-dir", str(folder), "--output-dir",
+                             str(tmp_path / "run"), "--model", "test_resnet", "--max-steps", "1")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"{link}: " in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_predict_reports_an_unreadable_image_and_predicts_the_others(run_dir, image_folder,
                                                                      tmp_path, capsys):
     folder = tmp_path / "mixed"

@@ -386,6 +386,33 @@ def test_predict_reports_an_unreadable_image_and_predicts_the_others(run_dir, im
     assert "zz_broken.png cannot be decoded" in err
 
 
+def test_a_run_that_has_saved_nothing_yet_is_named_as_one(run_dir, image_folder, tmp_path,
+                                                          capsys):
+    """eval and predict of a run still in its first epoch (or stopped before its first save):
+    the line said "expected a run directory (with model.safetensors or checkpoints/)" of a run
+    directory.  Now it says the run has saved no checkpoint, and names the training that holds
+    its lock.  Oracles: the lock written here with this process's pid (os.getpid); the
+    run's config.yaml as PyYAML reads it, its own checkpoint folder left absent."""
+    import socket
+    import yaml
+    running = tmp_path / "running"
+    running.mkdir()
+    record = yaml.safe_load((run_dir / "config.yaml").read_text())
+    record.get("resolved", {}).pop("checkpoint_dir", None)  # its own, not run_dir's
+    (running / "config.yaml").write_text(yaml.safe_dump(record))
+    image = str(next((image_folder / "ring").glob("*.png")))
+    for argv in (["eval", str(running)], ["predict", str(running), image]):
+        code, out, err = command(capsys, *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "stopped before its first checkpoint" in err and "expected a run" not in err, err
+    (running / "run.lock").write_text(json.dumps(
+        {"host": socket.gethostname(), "pid": os.getpid(), "token": "held-here"}))
+    for argv in (["eval", str(running)], ["predict", str(running), image]):
+        code, out, err = command(capsys, *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"pid {os.getpid()}" in err and "has saved no checkpoint yet" in err, err
+
+
 def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_path, capsys):
     export_dir = tmp_path / "export"
     code, out, err = command(capsys, "export", str(run_dir / "checkpoints" / "step_00000016"),

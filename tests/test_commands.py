@@ -345,6 +345,31 @@ def test_predict_of_a_folder_follows_linked_folders_and_names_a_dangling_link(
     assert code == 2 and len(err.strip().splitlines()) == 1 and "symlink loop" in err, err
 
 
+def test_a_folder_entry_that_cannot_be_looked_at_is_one_line(run_dir, image_folder, tmp_path,
+                                                              capsys):
+    """A link to itself inside the folder (ELOOP: a listing that fails even for root, whom
+    permission bits do not stop) ended predict, check-data and training in a traceback.
+    Oracle: os.stat of the link raises ELOOP; each command is one line naming it, exit 2, and
+    training writes no run folder."""
+    import errno
+    folder = tmp_path / "looped"
+    shutil.copytree(image_folder / "ring", folder / "ring")
+    for link in (folder / "ring" / "self", folder / "self"):  # in a subfolder, then the top
+        link.symlink_to(link.name)
+        with pytest.raises(OSError) as looked:
+            os.stat(link)
+        assert looked.value.errno == errno.ELOOP
+        code, out, err = command(capsys, "predict", str(run_dir), str(folder))
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"{link}: " in err and "Traceback" not in err, err
+    code, out, err = command(capsys, "check-data", "--data-dir", str(folder))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"{link}: " in err, err
+    code, out, err = command(capsys, "--data-dir", str(folder), "--output-dir",
+                             str(tmp_path / "run"), "--model", "test_resnet", "--max-steps", "1")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"{link}: " in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_predict_reports_an_unreadable_image_and_predicts_the_others(run_dir, image_folder,
                                                                      tmp_path, capsys):
     folder = tmp_path / "mixed"
@@ -359,6 +384,33 @@ def test_predict_reports_an_unreadable_image_and_predicts_the_others(run_dir, im
     assert len(predicted) == len(list((image_folder / "ring").glob("*.png"))) > 0
     assert err.strip().splitlines()[-1].startswith("accel_train: error: 1 of ")
     assert "zz_broken.png cannot be decoded" in err
+
+
+def test_a_run_that_has_saved_nothing_yet_is_named_as_one(run_dir, image_folder, tmp_path,
+                                                          capsys):
+    """eval and predict of a run still in its first epoch (or stopped before its first save):
+    the line said "expected a run directory (with model.safetensors or checkpoints/)" of a run
+    directory.  Now it says the run has saved no checkpoint, and names the training that holds
+    its lock.  Oracles: the lock written here with this process's pid (os.getpid); the
+    run's config.yaml as PyYAML reads it, its own checkpoint folder left absent."""
+    import socket
+    import yaml
+    running = tmp_path / "running"
+    running.mkdir()
+    record = yaml.safe_load((run_dir / "config.yaml").read_text())
+    record.get("resolved", {}).pop("checkpoint_dir", None)  # its own, not run_dir's
+    (running / "config.yaml").write_text(yaml.safe_dump(record))
+    image = str(next((image_folder / "ring").glob("*.png")))
+    for argv in (["eval", str(running)], ["predict", str(running), image]):
+        code, out, err = command(capsys, *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "stopped before its first checkpoint" in err and "expected a run" not in err, err
+    (running / "run.lock").write_text(json.dumps(
+        {"host": socket.gethostname(), "pid": os.getpid(), "token": "held-here"}))
+    for argv in (["eval", str(running)], ["predict", str(running), image]):
+        code, out, err = command(capsys, *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"pid {os.getpid()}" in err and "has saved no checkpoint yet" in err, err
 
 
 def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_path, capsys):

@@ -485,16 +485,17 @@ def _pixel_rows(count: int, seed: int) -> list[np.ndarray]:
     return [rng.integers(0, 256, (8, 10, 3), dtype=np.uint8) for _ in range(count)]
 
 
-def _pixel_splits(root: Path, layout: str) -> dict[str, list[np.ndarray]]:
-    """train (6) and validation (3) of pixel arrays as `layout` stores them; returns what each
-    split's images are, as PIL reads the HxWx3 (or HxW) array they came from."""
+def _pixel_splits(root: Path, layout: str, dtype: str = "uint8") -> dict[str, list[np.ndarray]]:
+    """train (6) and validation (3) of pixel arrays as `layout` stores them (their values in
+    `dtype`); returns what each split's images are, as PIL reads the HxWx3 (or HxW) uint8 array
+    they came from."""
     splits, stored = {}, {}
     for split, count, seed in (("train", 6, 1), ("validation", 3, 2)):
         images = _pixel_rows(count, seed)
         if layout == "gray":
             images = [image[:, :, 0] for image in images]
-        stored[split] = [image.transpose(2, 0, 1) if layout in ("chw", "lists") else image
-                         for image in images]
+        stored[split] = [(image.transpose(2, 0, 1) if layout in ("chw", "lists") else image)
+                         .astype(dtype) for image in images]
         splits[split] = [np.asarray(Image.fromarray(image).convert("RGB")) for image in images]
     labels = {split: [i % 2 for i in range(len(rows))] for split, rows in stored.items()}
     if layout == "lists":  # pandas' parquet of arrays: lists of lists of int64
@@ -506,7 +507,7 @@ def _pixel_splits(root: Path, layout: str) -> dict[str, list[np.ndarray]]:
         return splits
     shape = stored["train"][0].shape
     kind = datasets.Array2D if len(shape) == 2 else datasets.Array3D
-    features = datasets.Features({"pixel_values": kind(shape=shape, dtype="uint8"),
+    features = datasets.Features({"pixel_values": kind(shape=shape, dtype=dtype),
                                   "label": datasets.ClassLabel(names=["a", "b"])})
     datasets.DatasetDict({split: datasets.Dataset.from_dict(
         {"pixel_values": rows, "label": labels[split]}, features=features)
@@ -536,6 +537,50 @@ def test_a_column_of_uint8_pixel_arrays_trains_on_the_images_it_holds(tmp_path, 
                                    "--workers", "1")
         sizes = json.loads(checked.stdout)["sizes"]
         assert checked.returncode == 0 and sizes["width"]["min"] == 10, checked.stdout
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "int32", "int64"])
+def test_wider_whole_number_pixels_train_within_0_to_255_and_are_refused_beyond(tmp_path,
+                                                                               dtype):
+    """Whole-number arrays of a wider type: within 0..255 they are 8-bit pixels and train;
+    beyond (16-bit images), every row was counted as a broken image, one by one.  Now one line
+    naming the column and the range, exit 2, nothing written.  Oracles: PIL's image of each
+    array cast to uint8; numpy's min and max of the values written."""
+    expected = _pixel_splits(tmp_path / "fits", "chw", dtype)
+    data = load_data(config(data_dir=str(tmp_path / "fits")))
+    ours = [data.train.image(i).permute(1, 2, 0).numpy() for i in range(len(data.train))]
+    assert len(ours) == 6 and all(np.array_equal(a, b) for a, b in zip(ours, expected["train"]))
+
+    rng = np.random.default_rng(4)
+    rows = [rng.integers(0, 256, (3, 8, 10)).astype(dtype) for _ in range(6)]
+    rows[2][0, 1, 1] = 1000  # one value of one image: a 16-bit image's
+    if dtype != "uint16":
+        rows[4][1, 2, 3] = -7
+    low, high = int(min(r.min() for r in rows)), int(max(r.max() for r in rows))
+    labels = [i % 2 for i in range(6)]
+    if dtype == "int64":  # as pandas writes arrays to parquet: lists of lists
+        import pandas as pd
+        (tmp_path / "wide").mkdir()
+        pd.DataFrame({"pixel_values": [r.tolist() for r in rows], "label": labels}).to_parquet(
+            tmp_path / "wide" / "train.parquet")
+    else:
+        datasets.Dataset.from_dict({"pixel_values": rows, "label": labels}, features=(
+            datasets.Features({"pixel_values": datasets.Array3D(shape=(3, 8, 10), dtype=dtype),
+                               "label": datasets.ClassLabel(names=["a", "b"])}))).save_to_disk(
+            str(tmp_path / "wide"))
+    wide = str(tmp_path / "wide")
+    for args in (["check-data", "--data-dir", wide],
+                 ["--data-dir", wide, "--model", "test_resnet", "--max-steps", "1",
+                  "--batch-size", "2", "--num-workers", "0", "--no-plots", "--output-dir",
+                  str(tmp_path / "run")],
+                 ["shard", "--data-dir", wide, "--output", str(tmp_path / "s")]):
+        result = accel_train_here(*args)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+        assert f"the image column 'pixel_values' holds {dtype} arrays of shape (3, 8, 10) " \
+               f"with values from {low} to {high}, outside the 0..255" in lines[0], lines[0]
+        assert "uint8" in lines[0] and "Image column" in lines[0]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "s").exists()
 
 
 @pytest.mark.parametrize("shape", [(3, 8, 8), (8, 8, 3)])

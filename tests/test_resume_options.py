@@ -124,3 +124,22 @@ def test_a_first_start_that_ended_before_its_first_checkpoint_is_not_the_runs_re
                      check=True)
     assert yaml.safe_load((out / "config.yaml").read_text())["train"]["seed"] == 5
     assert not list(out.glob("config.resume-*.yaml"))
+
+
+def test_a_refused_resume_says_nothing_of_the_batch_it_would_have_kept(tmp_path):
+    """A start with another --batch-size and another --seed printed "resuming a global batch
+    of 16 ...: accumulation steps 1 -> 2" just before its refusal, as though it had resumed.
+    Oracle: the refusal is all the start prints; an accepted start with --batch-size 8 says
+    accumulation 1 -> 2 (16 / 8, by hand) after its "resumed from" line, in its log too."""
+    out = tmp_path / "run"
+    accel_train_here(*FIRST, "--output-dir", str(out), check=True)
+    resume = [*FIRST, "--output-dir", str(out), "--resume", "auto", "--batch-size", "8"]
+    refused = accel_train_here(*resume, "--seed", "4")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "was trained with --seed 3" in refused.stderr and "accumul" not in refused.stderr
+    accepted = accel_train_here(*resume, "--max-steps", "3", check=True)
+    lines = accepted.stdout.splitlines()
+    resumed = next(i for i, line in enumerate(lines) if line.startswith("resumed from"))
+    assert lines[resumed + 1].endswith("accumulation steps 1 -> 2"), lines
+    assert "accumulation steps 1 -> 2" in (out / "logs" / "rank0.log").read_text()

@@ -30,6 +30,7 @@ from accel_train.train.precision import cpu_has_native_bf16
 from accel_train.model.saved import holds_model_spec, is_import_path
 from accel_train.run.rundir import CONFIG_FILE as RUN_CONFIG
 from accel_train.run.rundir import run_paths
+from accel_train.run.runlock import read_holder
 # Prefixes that wrappers add to parameter names: DDP (`module.`) and torch.compile (`_orig_mod.`).
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -158,8 +159,24 @@ def _find(path_text: str, warn: Callable[[str], None]) -> TrainedModel:
                              f"is nothing to load")
         why = ", newest valid: training did not finish" if is_run else ", newest valid"
         return _from_checkpoint(latest, path if is_run else None, why)
+    if is_run:
+        raise _no_model_saved_yet(path_text, path)
     raise UsageError(f"{path_text} holds no trained model: expected a run directory (with "
                      f"{WEIGHTS_FILE} or checkpoints/), a step_XXXXXXXX checkpoint or an export")
+
+
+def _no_model_saved_yet(path_text: str, run_dir: Path) -> UsageError:
+    """A run folder whose training has saved neither a checkpoint nor its final model: still in
+    its first epoch, or stopped before its first save.  "Expected a run directory" misread a
+    run directory; its lock (runlock.py) tells a training that holds the folder."""
+    holder = read_holder(run_paths(run_dir).lock)
+    if holder is not None:
+        return UsageError(f"{path_text} is a run whose training ({holder.describe()}) has saved "
+                          f"no checkpoint yet; run this again after its first checkpoint "
+                          f"(every --checkpoint-every steps and at each epoch's end)")
+    return UsageError(f"{path_text} is a run whose training stopped before its first "
+                      f"checkpoint: there is no model to load; train it again (it has "
+                      f"nothing to resume from)")
 
 
 def strip_wrapper_prefixes(state: dict) -> dict:

@@ -27,6 +27,7 @@ is cached (an Arrow file, memory-mapped): a repeated start only checks the folde
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -203,6 +204,16 @@ def left_out(name: str, is_folder: bool) -> bool:
     return name.startswith(".") or (is_folder and name.startswith("__"))
 
 
+def _plainly_a_file(entry: os.DirEntry) -> bool:
+    """Whether `entry` is a file (a link to one too); False for one that cannot be looked at
+    (a link to itself): the image folder's walk names it in one line (images_under), and this
+    search, which runs after that walk refused, would otherwise end in a traceback first."""
+    try:
+        return entry.is_file()
+    except OSError:
+        return False
+
+
 def files_under(root: Path, suffix: str = "") -> Iterator[Path]:
     """The files under `root` whose names end in `suffix`, leaving out what datasets' own
     search of a data folder leaves out and so does the image folder's index (hidden files and
@@ -221,11 +232,26 @@ def files_under(root: Path, suffix: str = "") -> Iterator[Path]:
                             if not left_out(entry.name, is_folder=True):
                                 folders.append(Path(entry.path))
                         elif (entry.name.endswith(suffix) and not left_out(entry.name, False)
-                              and entry.is_file()):
+                              and _plainly_a_file(entry)):
                             files.append(Path(entry.path))
             except PermissionError:
                 continue
         yield from files
+
+
+@contextlib.contextmanager
+def _listing_refused_in_one_line(listed: str, root: Path):
+    """Within: the listing of `listed`, a folder under `root`.  Any entry that cannot be looked
+    at (a link to itself, ELOOP; a folder removed while the walk ran; a path too long; a folder
+    root may not read) is bad input, named in one line: the error would otherwise reach the
+    user as a traceback, and skipping it would leave images out without a word."""
+    try:
+        yield
+    except OSError as error:
+        where = error.filename or listed
+        raise UsageError(f"{root} cannot be listed: {where}: "
+                         f"{error.strerror or error}; repair or remove {where}, or give a "
+                         f"folder without it") from error
 
 
 def images_under(root: Path, say=print) -> list[Path]:
@@ -252,7 +278,8 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
         path, rel, above = stack.pop()
         has_image = has_subfolder = False
         # noted: a folder on a mount that stopped answering is named (loader_watch.py)
-        with reading(lambda folder=path: f"the folder {folder}"):
+        with reading(lambda folder=path: f"the folder {folder}"), \
+                _listing_refused_in_one_line(path, folder):
             stat = os.stat(path)
             identity = (stat.st_dev, stat.st_ino)
             if identity in above:
@@ -289,15 +316,17 @@ def _split_folders(root: Path, stop_at_parquet: bool) -> dict[str, Path]:
     """{split: folder} when the root holds split folders (train/, val/, ...), else {}.
     `stop_at_parquet`: HoldsParquet for a parquet file in the root itself (beside split
     folders, the walks of the split folders would not see it)."""
-    with reading(lambda: f"the folder {root}"), os.scandir(root) as listing:
-        entries = list(listing)
-    folders = [entry for entry in entries
-               if entry.is_dir() and not left_out(entry.name, is_folder=True)]
-    if stop_at_parquet:
-        for entry in entries:
-            if (not entry.is_dir() and entry.name.endswith(PARQUET)
-                    and not left_out(entry.name, False)):
-                raise HoldsParquet
+    with reading(lambda: f"the folder {root}"), \
+            _listing_refused_in_one_line(str(root), root):
+        with os.scandir(root) as listing:
+            entries = list(listing)
+        folders = [entry for entry in entries
+                   if entry.is_dir() and not left_out(entry.name, is_folder=True)]
+        if stop_at_parquet:
+            for entry in entries:
+                if (not entry.is_dir() and entry.name.endswith(PARQUET)
+                        and not left_out(entry.name, False)):
+                    raise HoldsParquet
     splits: dict[str, Path] = {}
     for entry in sorted(folders, key=lambda e: e.name):
         split = SPLIT_FOLDERS.get(entry.name.lower())

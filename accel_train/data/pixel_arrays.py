@@ -61,6 +61,42 @@ def check_pixel_arrays(dataset, column: str) -> None:
         raise UsageError(f"{what}, neither HxW, HxWxC nor CxHxW with C 1, 3 or 4 channels; "
                          f"store the images as an Image column or uint8 HxWx3 arrays, or name "
                          f"another column with --image-column")
+    if dtype != "uint8":  # (uint8 cannot leave 0..255)
+        refuse_values_beyond_8_bits(dataset, column, what)
+
+
+def refuse_values_beyond_8_bits(dataset, column: str, what: str) -> None:
+    """Whole numbers of a wider type (uint16, int32, pandas' int64) train as the 8-bit pixels
+    they are where every value lies in 0..255.  Values outside (16-bit images, a label map)
+    are refused here, once, naming the range: image by image, every row was counted as a
+    broken image (decode.array_image), a run's worth of warnings for one wrong column."""
+    found = _value_range(dataset, column)
+    if found is None or (found[0] >= 0 and found[1] <= 255):
+        return
+    low, high = found
+    raise UsageError(f"{what} with values from {low} to {high}, outside the 0..255 of 8-bit "
+                     f"pixels; pass uint8 pixel arrays of 0..255 (16-bit images divided by "
+                     f"257, say) or the images themselves (an Image column), or name another "
+                     f"column with --image-column")
+
+
+def _value_range(dataset, column: str) -> Optional[tuple[int, int]]:
+    """(smallest, largest) value in an array column's rows, None where it holds none: one
+    pass of Arrow's min_max over the rows' values (the rows a selection kept), no copy."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    lows, highs = [], []
+    for chunk in dataset.with_format("arrow")[column].chunks:
+        if isinstance(chunk, pa.ExtensionArray):  # datasets' ArrayND: lists underneath
+            chunk = chunk.storage
+        while (pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type)
+               or pa.types.is_fixed_size_list(chunk.type)):
+            chunk = chunk.flatten()  # (a sliced list array flattens to its own values only)
+        extremes = pc.min_max(chunk)
+        if extremes["min"].is_valid:
+            lows.append(extremes["min"].as_py())
+            highs.append(extremes["max"].as_py())
+    return (min(lows), max(highs)) if lows else None
 
 
 def image_files(dataset, column: str):

@@ -76,6 +76,8 @@ def open_records(accelerator, plan, config, speed, state, metrics, report, paths
                        "accumulation_steps": config.accumulation_steps})
         report.say(f"resumed from {plan.resume_from} at step {state.step} (epoch "
                    f"{state.epoch + 1}, {state.samples_in_epoch} samples into it)")
+        if plan.accumulation_change is not None:
+            report.say(plan.accumulation_change)
         if learning_rate_change is not None:
             before, now = learning_rate_change
             report.say(f"--learning-rate {now:g} (the checkpoint's run had {before:g}): the "

@@ -42,6 +42,8 @@ class StartPlan:
     messages: tuple[str, ...] = ()  # what planning printed, for the run's log ("warning: ...")
     kept_choices: tuple[str, ...] = ()  # what auto chose at the run's start, kept (keep_choices)
     lock: Optional[RunLock] = None  # the output directory's, on the global main rank
+    # "accumulation steps 1 -> 2" (keep_global_batch): said once the resume is accepted
+    accumulation_change: Optional[str] = None
 
     def release(self) -> None:
         """The run is over (finished, failed or stopped): another may write here."""
@@ -82,16 +84,17 @@ def plan_start(config: TrainConfig, env: LauncherEnv) -> StartPlan:
         resume_from = Path(resume_from) if resume_from else None
         previous = read_state(resume_from) if resume_from else None
         kept: tuple[str, ...] = ()
+        accumulation_change = None
         if previous is not None:
             refuse_another_optimizer(config, previous, resume_from)
-            config = keep_global_batch(config, previous, env.world_size, say)
+            config, accumulation_change = keep_global_batch(config, previous, env.world_size)
             config, kept = keep_choices(config, previous, resume_from)
     except BaseException:
         for lock in held:
             lock.release()
         raise
     return StartPlan(config, env, output_dir, checkpoint_dir, resume, resume_from, previous,
-                     tuple(messages), kept, held[0] if held else None)
+                     tuple(messages), kept, held[0] if held else None, accumulation_change)
 
 
 def refuse_a_checkpoint_file(checkpoint: Optional[str]) -> None:
@@ -168,16 +171,20 @@ def choose_resume_point(checkpoint_dir: Path, resume: Optional[str],
     return None if path is None else str(path)
 
 
-def keep_global_batch(config: TrainConfig, previous: TrainerState, num_processes: int,
-                      say: Callable[[str], None]) -> TrainConfig:
+def keep_global_batch(config: TrainConfig, previous: TrainerState,
+                      num_processes: int) -> tuple[TrainConfig, Optional[str]]:
     """The global batch is part of the run: on another number of processes (or with another
-    --batch-size) the accumulation steps change so that it stays what it was."""
+    --batch-size) the accumulation steps change so that it stays what it was.  Returns the
+    config and the line that says so, or None.  The line is not printed here: a start refused
+    later (another --model, --seed, ...) would have said "resuming" just before its refusal, as
+    though it had resumed; the trainer says it beside "resumed from" (records.open_records)."""
     accumulation = accumulation_for(previous, config.batch_size, num_processes)
     if accumulation == config.accumulation_steps:
-        return config
-    say(f"resuming a global batch of {previous.global_batch} on {num_processes} process(es) x "
-        f"{config.batch_size}: accumulation steps {config.accumulation_steps} -> {accumulation}")
-    return dataclasses.replace(config, accumulation_steps=accumulation)
+        return config, None
+    change = (f"the global batch of {previous.global_batch} kept on {num_processes} "
+              f"process(es) x {config.batch_size}: accumulation steps "
+              f"{config.accumulation_steps} -> {accumulation}")
+    return dataclasses.replace(config, accumulation_steps=accumulation), change
 
 
 def set_aside_newer(root: Path, step: int, warn: Callable[[str], None]) -> None:

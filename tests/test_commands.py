@@ -120,8 +120,10 @@ def test_eval_of_its_checkpoint_and_of_an_unfinished_run(run_dir, tmp_path, caps
     assert (checkpoint / "model_config.json").is_file()  # every checkpoint carries its spec
     from_checkpoint = eval_json(capsys, str(checkpoint))
     unfinished = tmp_path / "unfinished"
-    shutil.copytree(run_dir, unfinished, ignore=shutil.ignore_patterns("model.safetensors",
-                                                                      "config.json"))
+    # the final model left out, the checkpoints' own weights kept (the copy's checkpoints are
+    # what it reads: config.yaml's absolute path names the original's)
+    shutil.copytree(run_dir, unfinished, ignore=lambda folder, names: (
+        {"model.safetensors", "config.json"} & set(names) if Path(folder) == run_dir else ()))
     code, out, err = command(capsys, "eval", str(unfinished))
     assert code == 0, err
     assert "step_00000016 (step 16), newest valid: training did not finish" in out
@@ -392,14 +394,11 @@ def test_a_run_that_has_saved_nothing_yet_is_named_as_one(run_dir, image_folder,
     the line said "expected a run directory (with model.safetensors or checkpoints/)" of a run
     directory.  Now it says the run has saved no checkpoint, and names the training that holds
     its lock.  Oracles: the lock written here with this process's pid (os.getpid); the
-    run's config.yaml as PyYAML reads it, its own checkpoint folder left absent."""
+    run's config.yaml copied, its own checkpoint folder left absent."""
     import socket
-    import yaml
     running = tmp_path / "running"
     running.mkdir()
-    record = yaml.safe_load((run_dir / "config.yaml").read_text())
-    record.get("resolved", {}).pop("checkpoint_dir", None)  # its own, not run_dir's
-    (running / "config.yaml").write_text(yaml.safe_dump(record))
+    (running / "config.yaml").write_text((run_dir / "config.yaml").read_text())
     image = str(next((image_folder / "ring").glob("*.png")))
     for argv in (["eval", str(running)], ["predict", str(running), image]):
         code, out, err = command(capsys, *argv)
@@ -411,6 +410,19 @@ def test_a_run_that_has_saved_nothing_yet_is_named_as_one(run_dir, image_folder,
         code, out, err = command(capsys, *argv)
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert f"pid {os.getpid()}" in err and "has saved no checkpoint yet" in err, err
+
+
+def test_a_copied_run_folder_reads_its_own_checkpoints(run_dir, tmp_path, capsys):
+    """config.yaml records the checkpoint folder as an absolute path: a copy of the run folder
+    (another disk, another machine) without its final model read the original's checkpoints
+    while the original was there.  Oracle: the copy's own checkpoint path, by shutil's copy."""
+    copy = tmp_path / "copied_run"
+    shutil.copytree(run_dir, copy)
+    (copy / "model.safetensors").unlink()
+    code, out, err = command(capsys, "eval", str(copy), "--max-samples", "16")
+    assert code == 0, err
+    assert f"from checkpoint {copy}/checkpoints/step_00000016 (step 16)" in out, out
+    assert str(run_dir) not in out, out
 
 
 def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_path, capsys):

@@ -103,9 +103,13 @@ def _from_checkpoint(checkpoint: Path, run_dir: Optional[Path], why: str = "") -
 
 
 def _checkpoint_root(run_dir: Path) -> Path:
-    """A run's checkpoint folder: <run>/checkpoints unless the run chose another (--checkpoint)."""
-    recorded = read_run_config(run_dir).get("resolved", {}).get("checkpoint_dir")
-    if recorded and Path(recorded).is_dir():
+    """A run's checkpoint folder: <run>/checkpoints unless the run chose another (--checkpoint).
+    The recorded path is absolute: for a run folder copied or moved elsewhere it names the
+    original's, so it is followed only where the run chose its folder."""
+    config = read_run_config(run_dir)
+    recorded = config.get("resolved", {}).get("checkpoint_dir")
+    chosen = (config.get("train") or {}).get("checkpoint")
+    if chosen and recorded and Path(recorded).is_dir():
         return Path(recorded)
     return run_paths(run_dir).checkpoints
 

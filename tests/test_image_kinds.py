@@ -135,13 +135,14 @@ def test_a_lists_jpegs_go_to_the_jpeg_decoder_in_one_call_and_the_rest_to_pil(mo
              kinds.encoded(kinds.pixels(3), "JPEG")]
     expected = [np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in files]
     batches, opened = [], []
-    real_batch, real_open = decode_module._decode_jpegs, decode_module.Image.open
+    real_batch, real_pixels = decode_module._decode_jpegs, decode_module._rgb_pixels
     monkeypatch.setattr(decode_module, "_decode_jpegs",
                         lambda blobs: batches.append(len(blobs)) or real_batch(blobs))
-    monkeypatch.setattr(decode_module.Image, "open",
-                        lambda fp, *a, **k: opened.append(fp.getvalue()[:2]) or real_open(fp))
+    # PIL's decodes, not its header reads (the pixel limit is read from each JPEG's header)
+    monkeypatch.setattr(decode_module, "_rgb_pixels",
+                        lambda pil: opened.append(pil.format) or real_pixels(pil))
     results = decode_many(files)
-    assert batches == [2] and opened == [files[1][:2]], (batches, opened)
+    assert batches == [2] and opened == ["PNG"], (batches, opened)
     for result, pixels in zip(results, expected):
         assert np.array_equal(hwc(result), pixels)
     assert np.array_equal(hwc(decode(files[2])), expected[2])  # one file: the same way
@@ -331,3 +332,30 @@ def test_gray_with_alpha_is_blended_over_white_like_rgba():
     expected = ((g * a + 255 * (255 - a) + 127) // 255).astype(np.uint8)
     image = decode(out.getvalue())
     assert torch.equal(image, torch.from_numpy(np.repeat(expected[None], 3, axis=0)))
+
+
+def test_a_jpeg_over_the_pixel_limit_is_never_handed_to_the_fast_decoder(monkeypatch):
+    """libjpeg allocates the whole image before anything checks its size (a 5 MB JPEG of
+    20000x20000 took 1.3 GB), so the limit is read from the header first.  Oracle: PIL's own
+    header size of each file the decoder is handed, against PIL's limit."""
+    from accel_train.data import decode as decode_module
+    from accel_train.data.jpeg_decoders import jpeg_decoder
+
+    real = jpeg_decoder()
+    if real is None:
+        pytest.skip("no fast JPEG decoder in this environment")
+    handed = []
+
+    def spying(blobs, device, turns):
+        handed.extend(Image.open(io.BytesIO(blob.numpy().tobytes())).size for blob in blobs)
+        return real.decode(blobs, device, turns)
+
+    monkeypatch.setattr(decode_module, "jpeg_decoder", lambda: type(real)(real.library, spying))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    small, large = (kinds.encoded(kinds.pixels(0, 10, 10), "JPEG"),
+                    kinds.encoded(kinds.pixels(0, 12, 10), "JPEG"))
+    results = decode_many([small, large])
+    with pytest.raises(Unreadable, match="10x12 = 120 pixels, over PIL's decompression-bomb"):
+        decode(large)
+    assert results[0].shape == (3, 10, 10) and isinstance(results[1], Unreadable)
+    assert handed and all(width * height <= Image.MAX_IMAGE_PIXELS for width, height in handed)

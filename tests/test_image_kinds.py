@@ -359,3 +359,24 @@ def test_a_jpeg_over_the_pixel_limit_is_never_handed_to_the_fast_decoder(monkeyp
         decode(large)
     assert results[0].shape == (3, 10, 10) and isinstance(results[1], Unreadable)
     assert handed and all(width * height <= Image.MAX_IMAGE_PIXELS for width, height in handed)
+
+
+HEIC_REASON = ("a HEIC photo, a format PIL does not open (phones save photos in it): convert it "
+               "to JPEG or PNG")
+
+
+@pytest.mark.parametrize("head, reason", [
+    (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic", HEIC_REASON),  # an iPhone's
+    (b"\x00\x00\x00\x1cftypmif1\x00\x00\x00\x00mif1heicmiaf", HEIC_REASON),  # HEIC compatible
+    (b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isommp41",  # an MP4 video: no HEIC brand
+     "not an image format PIL can read (first bytes 0000001866747970)"),
+    (b"\x00\x00\x00\x10ftypmp41\x00\x00\x00\x00heic",  # "heic" after the box's 16 bytes
+     "not an image format PIL can read (first bytes 0000001066747970)"),
+], ids=["heic-major", "heic-compatible", "mp4", "heic-outside-the-box"])
+def test_a_heic_photo_is_named_as_one(head, reason):
+    """A phone's HEIC photo is named with what to do, not by its first bytes in hex.  Oracle:
+    the ftyp boxes written by hand after ISO/IEC 14496-12 (size, 'ftyp', major brand, minor
+    version, compatible brands) with HEIF's brand 'heic' (ISO/IEC 23008-12)."""
+    with pytest.raises(Unreadable) as caught:
+        decode(head + bytes(100))
+    assert str(caught.value) == reason

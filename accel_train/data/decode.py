@@ -247,8 +247,26 @@ def _too_large(width: int, height: int) -> str:
             f"of {Image.MAX_IMAGE_PIXELS:,} (PIL.Image.MAX_IMAGE_PIXELS)")
 
 
+# HEIF's brands (ISO/IEC 23008-12) naming HEVC-coded images: an iPhone's .HEIC photo, which PIL
+# opens only with a plugin it does not ship; its first bytes in hex would not tell a user that
+_HEIC_BRANDS = (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs")
+
+
+def _is_heic(head: bytes) -> bool:
+    """Whether a file's first bytes are an ISO media file's `ftyp` box naming HEIC among its
+    brands (the major brand at 8..12, the compatible ones after the version at 16..)."""
+    if head[4:8] != b"ftyp":
+        return False
+    box = head[8:int.from_bytes(head[:4], "big")]
+    brands = [box[:4]] + [box[i:i + 4] for i in range(8, len(box) - 3, 4)]
+    return any(brand in _HEIC_BRANDS for brand in brands)
+
+
 def _not_an_image(item) -> str:
     head = bytes(item[:64]) if isinstance(item, bytes) else b""
+    if _is_heic(head):
+        return ("a HEIC photo, a format PIL does not open (phones save photos in it): convert it "
+                "to JPEG or PNG")
     try:  # incremental: a character cut by the 64-byte head is left out, not taken for binary
         text = codecs.getincrementaldecoder("utf-8")().decode(head)
     except UnicodeDecodeError:

@@ -352,12 +352,17 @@ def test_a_jpeg_over_the_pixel_limit_is_never_handed_to_the_fast_decoder(monkeyp
 
     monkeypatch.setattr(decode_module, "jpeg_decoder", lambda: type(real)(real.library, spying))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
-    small, large = (kinds.encoded(kinds.pixels(0, 10, 10), "JPEG"),
-                    kinds.encoded(kinds.pixels(0, 12, 10), "JPEG"))
-    results = decode_many([small, large])
+    # 120 pixels: PIL only warns when it opens it; 210, over twice the limit: PIL refuses
+    small, large, larger = (kinds.encoded(kinds.pixels(0, 10, 10), "JPEG"),
+                            kinds.encoded(kinds.pixels(0, 12, 10), "JPEG"),
+                            kinds.encoded(kinds.pixels(0, 21, 10), "JPEG"))
+    results = decode_many([small, large, larger])
     with pytest.raises(Unreadable, match="10x12 = 120 pixels, over PIL's decompression-bomb"):
         decode(large)
-    assert results[0].shape == (3, 10, 10) and isinstance(results[1], Unreadable)
+    with pytest.raises(Unreadable, match="10x21 = 210 pixels, over PIL's decompression-bomb"):
+        decode(larger)
+    assert results[0].shape == (3, 10, 10)
+    assert isinstance(results[1], Unreadable) and isinstance(results[2], Unreadable)
     assert handed and all(width * height <= Image.MAX_IMAGE_PIXELS for width, height in handed)
 
 

@@ -234,9 +234,16 @@ def _pixel_limit() -> float:
 
 def _over_pixel_limit(blob: bytes) -> bool:
     """Whether a file's header gives it more pixels than PIL's decompression-bomb limit; False
-    where PIL cannot read the header (the decoder, then PIL, name what is wrong)."""
+    where PIL cannot read the header (the decoder, then PIL, name what is wrong).  PIL's limit
+    is left as it is (pil_size lifts it for a moment): this runs for every JPEG, and another
+    thread's Image.open must not meet the limit lifted."""
     try:
-        width, height = pil_size(blob)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # counted below
+            with Image.open(io.BytesIO(blob)) as pil:
+                width, height = pil.size
+    except Image.DecompressionBombError:  # twice the limit or more: PIL refuses to open it
+        return True
     except Exception:  # noqa: BLE001 -- a broken header is named where it is decoded
         return False
     return width * height > _pixel_limit()

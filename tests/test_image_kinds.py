@@ -135,13 +135,14 @@ def test_a_lists_jpegs_go_to_the_jpeg_decoder_in_one_call_and_the_rest_to_pil(mo
              kinds.encoded(kinds.pixels(3), "JPEG")]
     expected = [np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in files]
     batches, opened = [], []
-    real_batch, real_open = decode_module._decode_jpegs, decode_module.Image.open
+    real_batch, real_pixels = decode_module._decode_jpegs, decode_module._rgb_pixels
     monkeypatch.setattr(decode_module, "_decode_jpegs",
                         lambda blobs: batches.append(len(blobs)) or real_batch(blobs))
-    monkeypatch.setattr(decode_module.Image, "open",
-                        lambda fp, *a, **k: opened.append(fp.getvalue()[:2]) or real_open(fp))
+    # PIL's decodes, not its header reads (the pixel limit is read from each JPEG's header)
+    monkeypatch.setattr(decode_module, "_rgb_pixels",
+                        lambda pil: opened.append(pil.format) or real_pixels(pil))
     results = decode_many(files)
-    assert batches == [2] and opened == [files[1][:2]], (batches, opened)
+    assert batches == [2] and opened == ["PNG"], (batches, opened)
     for result, pixels in zip(results, expected):
         assert np.array_equal(hwc(result), pixels)
     assert np.array_equal(hwc(decode(files[2])), expected[2])  # one file: the same way
@@ -331,3 +332,56 @@ def test_gray_with_alpha_is_blended_over_white_like_rgba():
     expected = ((g * a + 255 * (255 - a) + 127) // 255).astype(np.uint8)
     image = decode(out.getvalue())
     assert torch.equal(image, torch.from_numpy(np.repeat(expected[None], 3, axis=0)))
+
+
+def test_a_jpeg_over_the_pixel_limit_is_never_handed_to_the_fast_decoder(monkeypatch):
+    """libjpeg allocates the whole image before anything checks its size (a 5 MB JPEG of
+    20000x20000 took 1.3 GB), so the limit is read from the header first.  Oracle: PIL's own
+    header size of each file the decoder is handed, against PIL's limit."""
+    from accel_train.data import decode as decode_module
+    from accel_train.data.jpeg_decoders import jpeg_decoder
+
+    real = jpeg_decoder()
+    if real is None:
+        pytest.skip("no fast JPEG decoder in this environment")
+    handed = []
+
+    def spying(blobs, device, turns):
+        handed.extend(Image.open(io.BytesIO(blob.numpy().tobytes())).size for blob in blobs)
+        return real.decode(blobs, device, turns)
+
+    monkeypatch.setattr(decode_module, "jpeg_decoder", lambda: type(real)(real.library, spying))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    # 120 pixels: PIL only warns when it opens it; 210, over twice the limit: PIL refuses
+    small, large, larger = (kinds.encoded(kinds.pixels(0, 10, 10), "JPEG"),
+                            kinds.encoded(kinds.pixels(0, 12, 10), "JPEG"),
+                            kinds.encoded(kinds.pixels(0, 21, 10), "JPEG"))
+    results = decode_many([small, large, larger])
+    with pytest.raises(Unreadable, match="10x12 = 120 pixels, over PIL's decompression-bomb"):
+        decode(large)
+    with pytest.raises(Unreadable, match="10x21 = 210 pixels, over PIL's decompression-bomb"):
+        decode(larger)
+    assert results[0].shape == (3, 10, 10)
+    assert isinstance(results[1], Unreadable) and isinstance(results[2], Unreadable)
+    assert handed and all(width * height <= Image.MAX_IMAGE_PIXELS for width, height in handed)
+
+
+HEIC_REASON = ("a HEIC photo, a format PIL does not open (phones save photos in it): convert it "
+               "to JPEG or PNG")
+
+
+@pytest.mark.parametrize("head, reason", [
+    (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic", HEIC_REASON),  # an iPhone's
+    (b"\x00\x00\x00\x1cftypmif1\x00\x00\x00\x00mif1heicmiaf", HEIC_REASON),  # HEIC compatible
+    (b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isommp41",  # an MP4 video: no HEIC brand
+     "not an image format PIL can read (first bytes 0000001866747970)"),
+    (b"\x00\x00\x00\x10ftypmp41\x00\x00\x00\x00heic",  # "heic" after the box's 16 bytes
+     "not an image format PIL can read (first bytes 0000001066747970)"),
+], ids=["heic-major", "heic-compatible", "mp4", "heic-outside-the-box"])
+def test_a_heic_photo_is_named_as_one(head, reason):
+    """A phone's HEIC photo is named with what to do, not by its first bytes in hex.  Oracle:
+    the ftyp boxes written by hand after ISO/IEC 14496-12 (size, 'ftyp', major brand, minor
+    version, compatible brands) with HEIF's brand 'heic' (ISO/IEC 23008-12)."""
+    with pytest.raises(Unreadable) as caught:
+        decode(head + bytes(100))
+    assert str(caught.value) == reason

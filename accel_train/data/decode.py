@@ -14,7 +14,7 @@ What each kind of file becomes:
   colour the invisible pixels happen to hold (often black) into the training image.
 - Animated GIF/PNG/WebP: the first frame.  Grayscale, palette and CMYK: converted to RGB.
 - More pixels than PIL's decompression-bomb limit (`PIL.Image.MAX_IMAGE_PIXELS`, 89,478,485 by
-  default): unreadable, with that reason; decoding it could exhaust memory.
+  default): unreadable, with that reason, from the header alone; decoding it could exhaust memory.
 
 A file that cannot be decoded raises `Unreadable` with a short reason (empty file, holds text,
 truncated, ...): the caller names the file and decides what happens (sources.py).
@@ -169,7 +169,7 @@ def jpeg_header(blob: bytes) -> Optional[tuple[int, int, int]]:
             orientation = pil_orientation(pil)
     except Exception:  # noqa: BLE001 -- a broken header is the host path's to name
         return None
-    if width * height > (Image.MAX_IMAGE_PIXELS or math.inf):
+    if width * height > _pixel_limit():
         return None
     if orientation in (5, 6, 7, 8):  # a quarter turn: the sides swap
         return width, height, orientation
@@ -209,16 +209,44 @@ def _decode_jpegs(blobs: list[bytes]) -> list[Optional[torch.Tensor]]:
     fails (PIL then gets it and names the problem), or for every one where neither library
     decodes JPEGs."""
     decoder = jpeg_decoder()
-    if not blobs or decoder is None:
-        return [None] * len(blobs)
-    tensors = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
+    results: list[Optional[torch.Tensor]] = [None] * len(blobs)
+    if decoder is None:
+        return results
+    # Over the pixel limit by its header: never handed to libjpeg, which would allocate the
+    # whole image first (a 5 MB JPEG of 20000x20000 is 1.2 GB decoded); PIL's path names it.
+    within = [i for i, blob in enumerate(blobs) if not _over_pixel_limit(blob)]
+    if not within:
+        return results
+    tensors = [torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8) for i in within]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # libjpeg's "corrupt data" warnings
         images = each_or_none(lambda data, turns: decoder.decode(data, _CPU, turns), tensors, None)
-    # Over the pixel limit: PIL's path raises the reason (the limit is the same for all).
-    return [None if image is None or
-            image.shape[-1] * image.shape[-2] > (Image.MAX_IMAGE_PIXELS or np.inf)
-            else image for image in images]
+    for i, image in zip(within, images):
+        # A header PIL could not read may hide a size the decoder found: checked again.
+        if image is not None and image.shape[-1] * image.shape[-2] <= _pixel_limit():
+            results[i] = image
+    return results
+
+
+def _pixel_limit() -> float:
+    return Image.MAX_IMAGE_PIXELS or math.inf
+
+
+def _over_pixel_limit(blob: bytes) -> bool:
+    """Whether a file's header gives it more pixels than PIL's decompression-bomb limit; False
+    where PIL cannot read the header (the decoder, then PIL, name what is wrong).  PIL's limit
+    is left as it is (pil_size lifts it for a moment): this runs for every JPEG, and another
+    thread's Image.open must not meet the limit lifted."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # counted below
+            with Image.open(io.BytesIO(blob)) as pil:
+                width, height = pil.size
+    except Image.DecompressionBombError:  # twice the limit or more: PIL refuses to open it
+        return True
+    except Exception:  # noqa: BLE001 -- a broken header is named where it is decoded
+        return False
+    return width * height > _pixel_limit()
 
 
 def _too_large(width: int, height: int) -> str:
@@ -226,8 +254,26 @@ def _too_large(width: int, height: int) -> str:
             f"of {Image.MAX_IMAGE_PIXELS:,} (PIL.Image.MAX_IMAGE_PIXELS)")
 
 
+# HEIF's brands (ISO/IEC 23008-12) naming HEVC-coded images: an iPhone's .HEIC photo, which PIL
+# opens only with a plugin it does not ship; its first bytes in hex would not tell a user that
+_HEIC_BRANDS = (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs")
+
+
+def _is_heic(head: bytes) -> bool:
+    """Whether a file's first bytes are an ISO media file's `ftyp` box naming HEIC among its
+    brands (the major brand at 8..12, the compatible ones after the version at 16..)."""
+    if head[4:8] != b"ftyp":
+        return False
+    box = head[8:int.from_bytes(head[:4], "big")]
+    brands = [box[:4]] + [box[i:i + 4] for i in range(8, len(box) - 3, 4)]
+    return any(brand in _HEIC_BRANDS for brand in brands)
+
+
 def _not_an_image(item) -> str:
     head = bytes(item[:64]) if isinstance(item, bytes) else b""
+    if _is_heic(head):
+        return ("a HEIC photo, a format PIL does not open (phones save photos in it): convert it "
+                "to JPEG or PNG")
     try:  # incremental: a character cut by the 64-byte head is left out, not taken for binary
         text = codecs.getincrementaldecoder("utf-8")().decode(head)
     except UnicodeDecodeError:

@@ -12,7 +12,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 import imagekinds as kinds
 from accel_train.config import TrainConfig
@@ -175,14 +175,47 @@ def test_a_decompression_bomb_is_unreadable_naming_pils_limit():
 
 
 def test_the_pixel_limit_is_pils_and_holds_for_the_fast_jpeg_decoder_too(monkeypatch):
+    """Over the limit a PNG is unreadable; a JPEG is decoded at half its size (within it)."""
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
-    for data in (kinds.encoded(kinds.pixels(0, 12, 10), "JPEG"),
-                 kinds.encoded(kinds.pixels(0, 12, 10), "PNG")):
-        with pytest.raises(Unreadable, match="10x12 = 120 pixels, over PIL's decompression-bomb "
-                                             "limit of 100"):
-            decode(data)
-        assert isinstance(decode_many([data])[0], Unreadable)
+    png = kinds.encoded(kinds.pixels(0, 12, 10), "PNG")
+    with pytest.raises(Unreadable, match="10x12 = 120 pixels, over PIL's decompression-bomb "
+                                         "limit of 100"):
+        decode(png)
+    assert isinstance(decode_many([png])[0], Unreadable)
+    jpeg = kinds.encoded(kinds.pixels(0, 12, 10), "JPEG")
+    assert decode(jpeg).shape == decode_many([jpeg])[0].shape == (3, 6, 5)
     assert decode(kinds.encoded(kinds.pixels(0, 10, 10), "PNG")).shape == (3, 10, 10)
+
+
+@pytest.mark.parametrize("limit, reduction", [(3000, 2), (800, 4), (200, 8)])
+def test_a_jpeg_over_the_pixel_limit_is_decoded_at_the_largest_reduction_within_it(
+        monkeypatch, limit, reduction):
+    """A 100-megapixel camera's photo is over PIL's limit: libjpeg's DCT scaling decodes it at
+    1/2, 1/4 or 1/8 of its size, the largest within the limit.  Oracle: PIL's full decode
+    (its limit lifted by hand) reduced by the same factor with PIL's box filter, EXIF
+    orientation applied by PIL's exif_transpose; the DCT's scaling is near it, not equal."""
+    height, width = 96, 80
+    gradient = np.add.outer(np.arange(height) * 2, np.arange(width) * 3) % 256
+    array = np.stack([gradient, gradient[::-1], np.full_like(gradient, 90)], axis=2)
+    buffer = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # a quarter turn: the sides swap
+    Image.fromarray(array.astype(np.uint8)).save(buffer, "JPEG", quality=95, exif=exif)
+    blob = buffer.getvalue()
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    full = ImageOps.exif_transpose(Image.open(io.BytesIO(blob))).convert("RGB")
+    expected = np.asarray(full.reduce(reduction)).astype(int)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", limit)
+    for image in (decode(blob), decode_many([blob])[0]):
+        got = hwc(image).astype(int)
+        assert got.shape == expected.shape == (width // reduction, height // reduction, 3)
+        assert np.abs(got - expected).mean() < 4, np.abs(got - expected).mean()
+
+
+def test_a_jpeg_over_64_times_the_limit_is_unreadable(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(Unreadable, match="90x80 = 7,200 pixels, over PIL's decompression-bomb"):
+        decode(kinds.encoded(kinds.pixels(0, 80, 90), "JPEG"))
 
 
 def test_every_broken_file_in_a_folder_is_named_by_its_path(tmp_path):
@@ -281,13 +314,13 @@ def test_a_broken_jpeg_among_good_ones_costs_only_itself():
     assert isinstance(results[1], Unreadable) and str(results[1]).startswith("truncated file (")
 
 
-def test_a_non_square_jpeg_over_the_pixel_limit_is_refused(monkeypatch):
+def test_a_non_square_jpeg_over_the_pixel_limit_is_decoded_at_half_its_size(monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 150)
     fits, over = _jpeg(16, 8, 0), _jpeg(20, 8, 1)  # 128 and 160 pixels (8 x 8 = 64 for both)
     results = decode_many([fits, over])
     assert torch.equal(results[0], _torchvision_pixels(fits))
-    assert isinstance(results[1], Unreadable), results[1]
-    assert str(results[1]).startswith("20x8 = 160 pixels, over PIL's decompression-bomb limit")
+    assert results[1].shape[1:] == (_torchvision_pixels(over).shape[1] // 2,
+                                    _torchvision_pixels(over).shape[2] // 2), results[1].shape
 
 
 @pytest.fixture
@@ -357,12 +390,8 @@ def test_a_jpeg_over_the_pixel_limit_is_never_handed_to_the_fast_decoder(monkeyp
                             kinds.encoded(kinds.pixels(0, 12, 10), "JPEG"),
                             kinds.encoded(kinds.pixels(0, 21, 10), "JPEG"))
     results = decode_many([small, large, larger])
-    with pytest.raises(Unreadable, match="10x12 = 120 pixels, over PIL's decompression-bomb"):
-        decode(large)
-    with pytest.raises(Unreadable, match="10x21 = 210 pixels, over PIL's decompression-bomb"):
-        decode(larger)
-    assert results[0].shape == (3, 10, 10)
-    assert isinstance(results[1], Unreadable) and isinstance(results[2], Unreadable)
+    # (over the limit: PIL's reduced decode, at half the size)
+    assert [tuple(image.shape) for image in results] == [(3, 10, 10), (3, 6, 5), (3, 11, 5)]
     assert handed and all(width * height <= Image.MAX_IMAGE_PIXELS for width, height in handed)
 
 

@@ -15,6 +15,8 @@ What each kind of file becomes:
 - Animated GIF/PNG/WebP: the first frame.  Grayscale, palette and CMYK: converted to RGB.
 - More pixels than PIL's decompression-bomb limit (`PIL.Image.MAX_IMAGE_PIXELS`, 89,478,485 by
   default): unreadable, with that reason, from the header alone; decoding it could exhaust memory.
+  A JPEG is decoded at 1/2, 1/4 or 1/8 of its size instead, the largest within the limit
+  (_reduced_jpeg).
 
 A file that cannot be decoded raises `Unreadable` with a short reason (empty file, holds text,
 truncated, ...): the caller names the file and decides what happens (sources.py).
@@ -23,6 +25,7 @@ truncated, ...): the caller names the file and decides what happens (sources.py)
 from __future__ import annotations
 
 import codecs
+import contextlib
 import io
 import math
 import os
@@ -148,6 +151,8 @@ def decode(item: Union[bytes, Image.Image], fast: bool = True) -> torch.Tensor:
             pil = item if isinstance(item, Image.Image) else Image.open(io.BytesIO(item))
             pixels = _rgb_pixels(pil)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        if isinstance(item, bytes) and item.startswith(_JPEG_MAGIC):
+            return _reduced_jpeg(item)
         raise Unreadable(_too_large(*pil_size(item))) from None
     except UnidentifiedImageError:
         raise Unreadable(_not_an_image(item)) from None
@@ -176,17 +181,56 @@ def jpeg_header(blob: bytes) -> Optional[tuple[int, int, int]]:
     return height, width, orientation
 
 
+# libjpeg's DCT scaling (PIL's draft): decodes at 1/2, 1/4 or 1/8 of the size without ever
+# holding the whole image
+_JPEG_REDUCTIONS = (2, 4, 8)
+
+
+def _reduced_jpeg(blob: bytes) -> torch.Tensor:
+    """A JPEG over the pixel limit (a 100-megapixel camera's photo: 11648x8736), decoded at the
+    largest of 1/2, 1/4 or 1/8 of its size that is within the limit, by libjpeg's DCT scaling
+    (PIL's draft), which never holds the whole image: training at a few hundred pixels loses
+    nothing by it, where refusing every such photo trained on none of them.  Over the limit
+    even at 1/8 (64 times it): unreadable, as any other image over it."""
+    width, height = pil_size(blob)
+    limit = _pixel_limit()
+    reduction = next((r for r in _JPEG_REDUCTIONS
+                      if math.ceil(width / r) * math.ceil(height / r) <= limit), None)
+    if reduction is None:
+        raise Unreadable(_too_large(width, height))
+    try:
+        with _limit_lifted():
+            pil = Image.open(io.BytesIO(blob))
+        # (draft takes the largest scale whose floor-divided size still covers the one asked)
+        pil.draft("RGB", (max(1, width // reduction), max(1, height // reduction)))
+        if pil.size[0] * pil.size[1] > limit:  # a side shorter than the reduction
+            raise Unreadable(_too_large(width, height))
+        pixels = _rgb_pixels(pil)
+    except Unreadable:
+        raise
+    except Exception as err:  # noqa: BLE001 -- a broken file may raise anything; it is data
+        raise Unreadable(_describe(err)) from None
+    return torch.from_numpy(np.array(pixels)).permute(2, 0, 1)
+
+
+@contextlib.contextmanager
+def _limit_lifted():
+    """PIL's decompression-bomb limit lifted while a header is read (PIL's open checks it, with
+    no per-call setting): for a size this module checks itself."""
+    limit = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+
+
 def pil_size(item) -> tuple[int, int]:
     """(width, height) from the header alone, without the decompression-bomb check."""
     if isinstance(item, Image.Image):
         return item.size
-    limit = Image.MAX_IMAGE_PIXELS
-    Image.MAX_IMAGE_PIXELS = None
-    try:
-        with Image.open(io.BytesIO(item)) as pil:
-            return pil.size
-    finally:
-        Image.MAX_IMAGE_PIXELS = limit
+    with _limit_lifted(), Image.open(io.BytesIO(item)) as pil:
+        return pil.size
 
 
 def _rgb_pixels(pil: Image.Image) -> np.ndarray:

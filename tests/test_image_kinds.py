@@ -218,6 +218,22 @@ def test_a_jpeg_over_64_times_the_limit_is_unreadable(monkeypatch):
         decode(kinds.encoded(kinds.pixels(0, 80, 90), "JPEG"))
 
 
+def test_the_reductions_edges(monkeypatch):
+    """Half of 20x10 is 50 pixels: at a limit of 50 it is within (not a quarter); a 2x400 JPEG
+    is 50 pixels at 1/8 by its sides' ceilings, but libjpeg cannot scale a side of 2 below 1,
+    so it is still 200: unreadable; a truncated one over the limit is named as truncated."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 50)
+    assert decode(kinds.encoded(kinds.pixels(0, 10, 20), "JPEG")).shape == (3, 5, 10)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(Unreadable) as thin:
+        decode(kinds.encoded(kinds.pixels(0, 400, 2), "JPEG"))
+    assert str(thin.value) == ("2x400 = 800 pixels, over PIL's decompression-bomb limit of 100 "
+                               "(PIL.Image.MAX_IMAGE_PIXELS)")
+    whole = kinds.encoded(kinds.pixels(0, 80, 60), "JPEG")
+    with pytest.raises(Unreadable, match=r"^truncated file \("):
+        decode(whole[:len(whole) // 2])
+
+
 def test_every_broken_file_in_a_folder_is_named_by_its_path(tmp_path):
     """Broken files among good ones, in class folders: the default substitutes each and names
     it (path relative to --data-dir, and why); --bad-images error stops at the first, naming it."""

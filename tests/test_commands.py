@@ -412,6 +412,24 @@ def test_a_run_that_has_saved_nothing_yet_is_named_as_one(run_dir, image_folder,
         assert f"pid {os.getpid()}" in err and "has saved no checkpoint yet" in err, err
 
 
+def test_predict_of_a_folder_says_which_photos_pil_cannot_open_it_leaves_out(run_dir,
+                                                                            tmp_path, capsys):
+    """A phone's folder, half HEIC: predict listed the JPEGs and said nothing of the rest.
+    Oracle: the files written here, by extension."""
+    folder = tmp_path / "phone"
+    folder.mkdir()
+    for i in range(2):
+        Image.new("RGB", (16, 16), (80 * i, 0, 0)).save(folder / f"IMG_000{i}.JPG")
+    for name in ("IMG_0002.HEIC", "IMG_0003.heic", "DSC_0004.NEF"):
+        (folder / name).write_bytes(b"\x00\x00\x00\x18ftypheic")
+    (folder / "notes.txt").write_text("not a photo: not counted")
+    code, out, err = command(capsys, "predict", str(run_dir), str(folder), "--json")
+    assert code == 0, err
+    assert len(out.strip().splitlines()) == 2, out  # one JSON line per JPEG
+    assert (f"warning: 3 photo(s) under {folder} left out (.heic 2, .nef 1): a format PIL does "
+            f"not open (phones' HEIC, cameras' raw files); convert them to JPEG or PNG") in err
+
+
 def test_a_copied_run_folder_reads_its_own_checkpoints(run_dir, tmp_path, capsys):
     """config.yaml records the checkpoint folder as an absolute path: a copy of the run folder
     (another disk, another machine) without its final model read the original's checkpoints

@@ -27,6 +27,7 @@ from typing import Sequence
 from accel_train.cli import (RETRY_HINT, _Parser, add_read_timeout, read_timeout_checked,
                              stop_on_a_stuck_read)
 from accel_train.base.errors import STALLED_EXIT, RunStopped, UsageError
+from accel_train.data.imagefolder import PHOTO_FORMATS_NOT_OPENED
 from accel_train.data.loader_watch import start_watch
 
 CHUNK = 256  # images per task handed to a worker process
@@ -284,12 +285,6 @@ def uneven_classes(train_counts, class_names: list[str]):
         return None
     return {"smallest": {"class": low_name, "images": low},
             "largest": {"class": high_name, "images": high}, "ratio": round(high / low, 2)}
-
-
-# photographs in formats PIL does not open (phones' HEIC, cameras' raw files): an image folder
-# that holds them trains without them, which check-data counts as a problem
-PHOTO_FORMATS_NOT_OPENED = (".heic", ".heif", ".avif", ".cr2", ".cr3", ".nef", ".arw", ".dng",
-                            ".orf", ".rw2", ".raf")
 
 
 def files_not_read(root: Path) -> dict[str, int]:

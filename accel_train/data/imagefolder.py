@@ -254,6 +254,12 @@ def _listing_refused_in_one_line(listed: str, root: Path):
                          f"folder without it") from error
 
 
+# photographs in formats PIL does not open (phones' HEIC, cameras' raw files): an image folder
+# that holds them trains without them, which check-data counts as a problem and predict says
+PHOTO_FORMATS_NOT_OPENED = (".heic", ".heif", ".avif", ".cr2", ".cr3", ".nef", ".arw", ".dng",
+                            ".orf", ".rw2", ".raf")
+
+
 def images_under(root: Path, say=print) -> list[Path]:
     """The image files under `root` as training's walk indexes them (_walk): symlinked folders
     followed, a link back to a folder above refused, and a link to a file listed whether or not
@@ -261,15 +267,23 @@ def images_under(root: Path, say=print) -> list[Path]:
     files_under follows no linked folder and skips dangling links, and a folder of linked class
     folders would predict nothing (or a submission would be short, without a word)."""
     found: list[str] = []
-    _walk(root, "", image_extensions(), _Progress(root, say), found, [], [], False)
+    not_opened: dict[str, int] = {}
+    _walk(root, "", image_extensions(), _Progress(root, say), found, [], [], False, not_opened)
+    if not_opened:
+        counts = ", ".join(f"{suffix} {n}" for suffix, n in sorted(not_opened.items()))
+        say(f"warning: {sum(not_opened.values())} photo(s) under {root} left out ({counts}): a "
+            f"format PIL does not open (phones' HEIC, cameras' raw files); convert them to JPEG "
+            f"or PNG")
     return [root / path for path in found]
 
 
 def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: list[str],
-          dirs: list[tuple[str, int]], empty: list[str], stop_at_parquet: bool) -> None:
+          dirs: list[tuple[str, int]], empty: list[str], stop_at_parquet: bool,
+          not_opened: Optional[dict[str, int]] = None) -> None:
     """Append the image paths under `folder` (as prefix + relative path) to `found`, every
     folder and its mtime to `dirs`, and folders with no image and no subfolder to `empty`;
-    `stop_at_parquet`: HoldsParquet at the first parquet file."""
+    `stop_at_parquet`: HoldsParquet at the first parquet file; `not_opened`, where given:
+    {extension: count} of the photos in formats PIL does not open."""
     # Symlinked folders are followed (a class folder may live elsewhere), so each folder carries
     # the identities (device, inode) of the folders above it: a link back to one of them would
     # be walked until the kernel refuses the path (ELOOP), every image indexed forty times.
@@ -307,6 +321,10 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
                         has_image = True
                     elif stop_at_parquet and name.endswith(PARQUET):  # (only non-images pay)
                         raise HoldsParquet
+                    elif (not_opened is not None and dot > 0
+                          and name[dot:].lower() in PHOTO_FORMATS_NOT_OPENED):
+                        suffix = name[dot:].lower()
+                        not_opened[suffix] = not_opened.get(suffix, 0) + 1
         if not (has_image or has_subfolder):
             empty.append(rel)
         progress.update(len(found))

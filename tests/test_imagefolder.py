@@ -673,3 +673,29 @@ def test_deepest_folder_classes_spread_over_top_level_folders_are_said(tmp_path,
             Image.new("RGB", (8, 8), (40 * i, 9, 9)).save(tmp_path / "plain" / name / f"{i}.png")
     assert not any("deepest folders" in w for w in load_data(TrainConfig(
         data_dir=str(tmp_path / "plain"), in_memory="never")).warnings)
+
+
+def test_photos_pil_does_not_open_are_said_at_every_start_cached_or_not(tmp_path):
+    """An iPhone's folder, part HEIC: training left those out without a word.  The count by
+    extension is said at the start and kept in the index's cache, so a start that reads the
+    cache (and walks nothing) says it too.  Oracle: the files written here."""
+    from accel_train.config import TrainConfig
+    from accel_train.data.sources import load_data
+
+    root = tmp_path / "phone"
+    for label in ("cat", "dog"):
+        (root / label).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(root / label / f"IMG_{i}.jpg")
+    for name in ("cat/IMG_7.HEIC", "dog/IMG_8.heic", "dog/DSC_9.NEF"):
+        (root / name).write_bytes(b"\x00\x00\x00\x18ftypheic")
+    (root / "cat" / "notes.txt").write_text("not a photo: not counted")
+    line = (f"3 photo(s) under {root} left out (.heic 2, .nef 1): a format PIL does not open "
+            f"(phones' HEIC, cameras' raw files); convert them to JPEG or PNG")
+    assert line in load_data(TrainConfig(data_dir=str(root), in_memory="never")).warnings
+    age_folders(root)
+    cache = tmp_path / "cache"
+    built = index_folder(root, cache_dir=cache, cache_min_files=1)
+    cached = imagefolder.cached_index(root, cache_dir=cache)
+    assert not built.cached and cached is not None and cached.cached
+    assert built.not_opened == cached.not_opened == {".heic": 2, ".nef": 1}

@@ -33,7 +33,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -73,6 +73,8 @@ class FolderIndex:
     class_names: list[str]
     dirs: list[tuple[str, int]]  # every folder walked (relative) and its mtime_ns
     cached: bool = False  # read from the cache
+    # {extension: count} of the photos in formats PIL does not open, which it leaves out
+    not_opened: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return sum(len(paths) for paths, _ in self.splits.values())
@@ -270,11 +272,15 @@ def images_under(root: Path, say=print) -> list[Path]:
     not_opened: dict[str, int] = {}
     _walk(root, "", image_extensions(), _Progress(root, say), found, [], [], False, not_opened)
     if not_opened:
-        counts = ", ".join(f"{suffix} {n}" for suffix, n in sorted(not_opened.items()))
-        say(f"warning: {sum(not_opened.values())} photo(s) under {root} left out ({counts}): a "
-            f"format PIL does not open (phones' HEIC, cameras' raw files); convert them to JPEG "
-            f"or PNG")
+        say(f"warning: {photos_left_out(root, not_opened)}")
     return [root / path for path in found]
+
+
+def photos_left_out(root: Path, not_opened: dict[str, int]) -> str:
+    """The line for the photos under `root` in formats PIL does not open."""
+    counts = ", ".join(f"{suffix} {n}" for suffix, n in sorted(not_opened.items()))
+    return (f"{sum(not_opened.values())} photo(s) under {root} left out ({counts}): a format "
+            f"PIL does not open (phones' HEIC, cameras' raw files); convert them to JPEG or PNG")
 
 
 def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: list[str],
@@ -398,13 +404,14 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
         dirs.append(("", os.stat(root).st_mtime_ns))  # a new split folder changes the root
     walked: dict[str, tuple[str, list[str]]] = {}
     empties: dict[str, list[str]] = {}
+    not_opened: dict[str, int] = {}
     try:
         for split, folder in splits.items():
             prefix = "" if folder is root else f"{folder.name}/"
             found: list[str] = []
             empties[split] = []
             _walk(folder, prefix, extensions, progress, found, dirs, empties[split],
-                  stop_at_parquet)
+                  stop_at_parquet, not_opened)
             found.sort()  # as datasets orders the rows
             walked[split] = (prefix, found)
     except HoldsParquet:
@@ -452,7 +459,7 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
                       np.array([number[name] for name in classes[split]], dtype=np.int64))
               for split, (_, found) in walked.items()}
     progress.done(total, len(class_names))
-    return FolderIndex(root, result, class_names, dirs)
+    return FolderIndex(root, result, class_names, dirs, not_opened=not_opened)
 
 
 def _is_labelled_split(split: str, val_labels: Optional[str]) -> bool:
@@ -538,7 +545,7 @@ def _write_cache(path: Path, index: FolderIndex) -> None:
         spans.append([split, start, start + len(paths)])
         start += len(paths)
     meta = {"root": str(index.root.resolve()), "classes": index.class_names, "splits": spans,
-            "dirs": index.dirs}
+            "dirs": index.dirs, "not_opened": index.not_opened}
     table = pa.table({"path": pa.concat_arrays([p for p, _ in index.splits.values()]),
                       "label": np.concatenate([labels for _, labels in index.splits.values()])},
                      metadata={"accel_train": json.dumps(meta)})
@@ -578,5 +585,8 @@ def _read_cache(path: Path, root: Path) -> Optional[FolderIndex]:
     splits = {split: (paths.slice(start, stop - start),
                       labels.slice(start, stop - start).to_numpy(zero_copy_only=True))
               for split, start, stop in meta["splits"]}
+    # (a cache written before it counted them has none: as many as it would have said)
+    not_opened = meta.get("not_opened")
     return FolderIndex(root, splits, meta["classes"], [tuple(d) for d in meta["dirs"]],
-                       cached=True)
+                       cached=True,
+                       not_opened=not_opened if isinstance(not_opened, dict) else {})

@@ -33,7 +33,8 @@ from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.pixel_arrays import check_pixel_arrays, image_files
 from accel_train.data.imagefolder import (PARQUET, SPLIT_FOLDERS, FolderIndex, HoldsParquet,
-                                          classes_across_folders, files_under, index_folder)
+                                          classes_across_folders, files_under, index_folder,
+                                          photos_left_out)
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
                                             subset_if_cut)
 from accel_train.data.labels import (check_label_values, unreadable_classes_named,
@@ -398,6 +399,8 @@ class RawData:
     names: dict[str, Callable[[int], str]]  # split name -> names of its rows
     origin: str
     root: Optional[Path] = None  # the folder relative image paths are in
+    # an image folder's photos in formats PIL does not open, {extension: count}: left out
+    photos_not_opened: dict = field(default_factory=dict)
 
 
 def _find_column(dataset, wanted: Optional[str], names: tuple[str, ...], feature_type,
@@ -618,7 +621,7 @@ def _image_folder_data(path: Path, index: FolderIndex) -> RawData:
         splits[split] = Dataset(InMemoryTable(table), info=DatasetInfo(features=features),
                                 fingerprint=index.fingerprint(split))
     return RawData(splits, {split: RowNames(f"{path} split '{split}'") for split in splits},
-                   str(path), root=path)
+                   str(path), root=path, photos_not_opened=index.not_opened)
 
 
 def deepest_classes_spread(raw: RawData, train_name: str) -> Optional[str]:
@@ -809,6 +812,8 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True,
     if raw.root is not None and config.class_depth is None and config.train_labels is None:
         spread = deepest_classes_spread(raw, splits.train_name)
         warnings += [spread] if spread else []
+    if raw.photos_not_opened:  # an iPhone's folder, half HEIC, trained on half without a word
+        warnings.append(photos_left_out(raw.root, raw.photos_not_opened))
     if config.select_on_test and splits.eval_name.lower() not in TEST_SPLIT_NAMES:
         warnings.append(f"--select-on-test has no effect: {raw.origin} "
                         + (f"has a validation split ({splits.eval_name}), which selects"

@@ -10,7 +10,9 @@ All ranks hold the same weights (DDP), so all reach the same verdict without a c
 
 A loss that stays non-finite is another matter: the scaler then skips every step, the weights
 stay finite, and a run trains nothing to its end with exit 0 (torchvision's GoogLeNet in fp16 on
-an H200 did: its forward pass gave NaN from the first step, in bf16 and fp32 it trained).
+an H200 did, its loss NaN from its first steps; the likely cause, fused SGD's momentum left
+uninitialized by a skipped first step, is mended in optim.start_momentum_at_zero, but any
+forward pass that overflows in fp16 on every batch does the same).
 NonFiniteLosses counts such batches in a row and stops the run once they are too many to be a
 passing overflow, or at the end of a start none of whose batches had a finite loss.
 """

@@ -263,13 +263,27 @@ def test_hugging_faces_metadata_csv_beside_unsorted_images_is_named_and_serves(t
     assert code == 2 and err == [
         f"accel_train: error: {tmp_path}/hf/train/0.png is not inside a class folder; put each "
         f"class's images in a subfolder named after the class (or pass the metadata.csv beside "
-        f"it, Hugging Face's imagefolder layout, as --train-labels {metadata}: two columns, "
-        f"file_name and the class)"]
+        f"it, Hugging Face's imagefolder layout, as --train-labels {metadata}: its file_name "
+        f"and label columns are read)"]
     data = load_data(TrainConfig(data_dir=str(tmp_path / "hf"), train_labels=str(metadata),
                                  in_memory="never"))
     expected = pd.read_csv(metadata, dtype=str)
     assert _paths_and_classes(data) == {f"train/{name}": label for name, label
                                         in zip(expected["file_name"], expected["label"])}
+    # its other columns (a caption, a quoted one with a comma), label not second: read by name
+    metadata.write_text("caption,label,file_name\n" + "".join(
+        f'"a photo, number {i}",{"bird" if i % 2 else "fish"},{i}.png\n' for i in range(8)))
+    data = load_data(TrainConfig(data_dir=str(tmp_path / "hf"), train_labels=str(metadata),
+                                 in_memory="never"))
+    expected = pd.read_csv(metadata, dtype=str)
+    assert _paths_and_classes(data) == {f"train/{name}": label for name, label
+                                        in zip(expected["file_name"], expected["label"])}
+    metadata.write_text("file_name,label,caption\n0.png,cat\n")
+    code, err = _run(tmp_path, capsys, "--data-dir", str(tmp_path / "hf"), "--train-labels",
+                     str(metadata))
+    assert code == 2 and err == [f"accel_train: error: --train-labels {metadata} line 2 has 2 "
+                                 f"field(s) where its header names 3; give every line a value "
+                                 f"for each column"]
 
 
 def test_bad_input_through_the_command_line_is_one_line_and_writes_nothing(tmp_path, capsys):

@@ -511,7 +511,7 @@ def _outside_class_folder(root: Path, path: str, split: str, depth: Optional[int
     metadata = (root / path).parent / "metadata.csv"
     if metadata.is_file():  # Hugging Face's imagefolder layout: its labels in a file beside
         hint = (f" (or pass the metadata.csv beside it, Hugging Face's imagefolder layout, as "
-                f"{flag} {metadata}: two columns, file_name and the class)")
+                f"{flag} {metadata}: its file_name and label columns are read)")
     elif split != "train":
         hint = " (a held-out folder of unlabelled images needs --val-labels FILE)"
     else:

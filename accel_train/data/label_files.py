@@ -18,6 +18,7 @@ import csv
 import os
 import re
 from pathlib import Path, PurePosixPath
+from typing import Optional
 
 from accel_train.base.errors import UsageError
 from accel_train.base.readers import read_text
@@ -90,12 +91,16 @@ def read_train_labels(file: Path, folder: Path, images: list[str]) -> list[str]:
     where = f"--train-labels {file}"
     lookup = ImageLookup(images)
     labels: dict[str, tuple[str, int]] = {}
+    named: Optional[tuple[int, int, int]] = None  # metadata columns: file_name, label, count
     for position, (number, line) in enumerate(label_lines(
             file, "--train-labels",
             lambda: read_text(file, "train_labels", "--train-labels", errors="replace"))):
         fields = line_fields(line)
         if position == 0 and fields[0] not in lookup.holders:
+            named = metadata_columns(fields)
             continue  # a header line
+        if named is not None:
+            fields = _named_fields(fields, named, where, number)
         if len(fields) != 2:
             raise UsageError(f"{where} line {number} has {len(fields)} field(s); write "
                              f"IMAGE,CLASS on every line (a table of more columns, a fold "
@@ -116,6 +121,26 @@ def read_train_labels(file: Path, folder: Path, images: list[str]) -> list[str]:
         labels[image] = (fields[1], number)
     refuse_unlabelled(where, folder, images, labels)
     return whole_numbers_as_written([labels[image][0] for image in images])
+
+
+def metadata_columns(header: list[str]) -> Optional[tuple[int, int, int]]:
+    """(file_name's column, label's column, the number of columns) where a header names both,
+    as Hugging Face's imagefolder metadata.csv does among its other columns (a caption, a
+    split); None otherwise, where every line is IMAGE,CLASS."""
+    names = [name.strip().lower() for name in header]
+    if "file_name" in names and "label" in names:
+        return names.index("file_name"), names.index("label"), len(names)
+    return None
+
+
+def _named_fields(fields: list[str], named: tuple[int, int, int], where: str,
+                  number: int) -> list[str]:
+    """A metadata line's file_name and label, by the header's columns."""
+    image_column, label_column, count = named
+    if len(fields) != count:
+        raise UsageError(f"{where} line {number} has {len(fields)} field(s) where its header "
+                         f"names {count}; give every line a value for each column")
+    return [fields[image_column], fields[label_column]]
 
 
 def whole_numbers_as_written(labels: list[str]) -> list[str]:

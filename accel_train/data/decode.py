@@ -192,15 +192,15 @@ def _reduced_jpeg(blob: bytes) -> torch.Tensor:
     (PIL's draft), which never holds the whole image: training at a few hundred pixels loses
     nothing by it, where refusing every such photo trained on none of them.  Over the limit
     even at 1/8 (64 times it): unreadable, as any other image over it."""
-    width, height = pil_size(blob)
-    limit = _pixel_limit()
-    reduction = next((r for r in _JPEG_REDUCTIONS
-                      if math.ceil(width / r) * math.ceil(height / r) <= limit), None)
-    if reduction is None:
-        raise Unreadable(_too_large(width, height))
     try:
-        with _limit_lifted():
+        with _limit_lifted():  # one open: its header gives the size, then draft decodes
             pil = Image.open(io.BytesIO(blob))
+        width, height = pil.size
+        limit = _pixel_limit()
+        reduction = next((r for r in _JPEG_REDUCTIONS
+                          if math.ceil(width / r) * math.ceil(height / r) <= limit), None)
+        if reduction is None:
+            raise Unreadable(_too_large(width, height))
         # (draft takes the largest scale whose floor-divided size still covers the one asked)
         pil.draft("RGB", (max(1, width // reduction), max(1, height // reduction)))
         if pil.size[0] * pil.size[1] > limit:  # a side shorter than the reduction

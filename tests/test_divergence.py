@@ -6,7 +6,9 @@ torchrun both stop, neither hangs.
 
 A loss that stays NaN while the weights stay finite (fp16's gradient scaler skipping every step
 of a forward pass that overflows; failing_nets.py makes it on a CPU) stops the run too: after
-100 batches in a row, or at the end of a shorter start none of whose batches had a finite loss."""
+100 batches in a row, or at the end of a shorter start none of whose batches had a finite loss.
+So does a finite loss whose gradients overflow fp16 at every scale: torch's own GradScaler backs
+its scale off below fairseq's floor, 1e-4, after 30 skipped steps (counted by hand)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ import torch
 from torch import nn
 
 from accel_train import trainer
-from accel_train.train.divergence import NonFiniteLosses, first_non_finite, stop_if_diverged
+from accel_train.run import track
+from accel_train.train.divergence import NonFiniteLosses, first_non_finite, loss_scale, \
+    stop_if_diverged, stop_if_scale_collapsed
 from accel_train.base.errors import DIVERGED_EXIT, RunStopped
 import conftest
 from conftest import REPO, TINY_TRAIN, accel_train_here, run
@@ -212,6 +216,68 @@ def test_batches_in_a_row_are_counted_by_hand():
     with pytest.raises(RunStopped) as stopped:
         fresh.stop_if_none_finite(2, "model.safetensors")
     assert "every one of this start's 2 batches" in str(stopped.value)
+
+
+def _first_step_stopped(scaler, model, loss_of, steps: int):
+    """Steps of torch's own GradScaler loop on `model`; the first whose scale the product
+    stops at, or None."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, steps + 1):
+        optimizer.zero_grad()
+        scaler.scale(loss_of(model)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        try:
+            stop_if_scale_collapsed(loss_scale(scaler), step)
+        except RunStopped as stopped:
+            assert stopped.exit_code == DIVERGED_EXIT
+            assert "--mixed-precision bf16" in str(stopped)
+            return step
+    return None
+
+
+def _sqrt_at_zero(model):
+    """A finite loss (0) whose gradient is infinite at every scale: d sqrt(w) / dw at w = 0."""
+    return torch.sqrt(model.weight).sum()
+
+
+def test_a_finite_loss_whose_gradients_overflow_at_every_scale_stops_after_30_steps():
+    """65536 halved at each skipped step: 2^16 * 2^-29 = 1.2e-4 stays, 2^16 * 2^-30 = 6.1e-5
+    is below 1e-4."""
+    model = nn.Linear(3, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    assert _first_step_stopped(scaler, model, _sqrt_at_zero, 40) == 30
+    assert torch.equal(model.weight, torch.zeros_like(model.weight))  # every step skipped
+
+
+def test_a_scaler_that_overflows_now_and_then_never_stops():
+    """Finite gradients: the scale only grows (every 2 steps here); no scaler at all: None."""
+    model = nn.Linear(3, 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** -10, growth_interval=2)
+    assert _first_step_stopped(scaler, model, lambda m: m(torch.ones(4, 3)).sum(), 40) is None
+    assert loss_scale(None) is None
+    assert loss_scale(torch.amp.GradScaler("cpu", enabled=False)) is None
+
+
+def test_the_record_carries_the_scale_and_a_collapsed_one_stops_the_run(tmp_path, monkeypatch):
+    """The trainer's records (every 2 steps) read the scale: fp16 runs only on CUDA, so here
+    the scale the records read is handed in, 2^16 divided by 8 at each record: the tenth
+    (step 20) reads 2^-11 = 4.9e-4, the 11th (step 22, in the second epoch) 2^-14 = 6.1e-5."""
+    scales = iter(2.0 ** (16 - 3 * k) for k in range(100))
+    monkeypatch.setattr(track, "loss_scale", lambda scaler: next(scales))
+    out = tmp_path / "run"
+    result = accel_train_here(*TWO_EPOCHS, "--log-every", "2", "--output-dir", str(out))
+    assert result.returncode == DIVERGED_EXIT, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("accel_train: error: training stopped at step 22: fp16's gradient "
+                           "scaler backed its scale off to 6.1e-05 (below 0.0001)"), last
+    assert "Traceback" not in result.stderr
+    assert not (out / "model.safetensors").exists()
+    records = [r for r in track.read_metrics(out / "metrics.jsonl") if r["type"] == "train"]
+    assert [r["loss_scale"] for r in records] == [2.0 ** (16 - 3 * k) for k in range(10)]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == \
+        [f"step_{STEPS_PER_EPOCH:08d}"]
 
 
 @pytest.mark.slow  # two processes

@@ -21,11 +21,13 @@ from tqdm.auto import tqdm
 from accel_train.base.errors import UsageError
 from accel_train.base.readers import read_json_lines
 from accel_train.base.wording import in_callers_words
-from accel_train.train.divergence import NonFiniteLosses, stop_if_diverged
+from accel_train.train.divergence import NonFiniteLosses, loss_scale, \
+    stop_if_diverged, stop_if_scale_collapsed
 from accel_train.train.optim import scheduled_learning_rate
 # metrics.jsonl record -> tracker scalar names; the prefix groups charts in TensorBoard and wandb.
 _TRACKED = {"train": {"loss": "train/loss", "top1": "train/top1", "lr": "train/lr",
-                      "img_per_s": "train/img_per_s", "data_wait": "train/data_wait"},
+                      "img_per_s": "train/img_per_s", "data_wait": "train/data_wait",
+                      "loss_scale": "train/loss_scale"},
             "epoch": {"eval_loss": "eval/loss", "eval_top1": "eval/top1",
                       "eval_top5": "eval/top5", "eval_mean_class_top1": "eval/mean_class_top1",
                       "epoch_time": "train/epoch_seconds",
@@ -266,6 +268,8 @@ class TrainLog:
             stop_if_diverged(self.model, state.step)
             self.non_finite.add(self._finite_per_batch(batches))
             self.non_finite.stop_if_too_many(state.step)
+        scale = loss_scale(acc.scaler)  # the same on every rank
+        stop_if_scale_collapsed(scale, state.step)
         correct = acc.reduce(torch.stack(window.correct).sum().to(acc.device), "sum").item()
         elapsed = time.perf_counter() - window.started
         window.data_wait = self.wait_clock.take()  # after the .item()s: no sync of its own
@@ -275,6 +279,8 @@ class TrainLog:
                   "img_per_s": round(window.samples / elapsed, 2),
                   "data_wait": round(window.data_wait / elapsed, 4),
                   "samples_seen": state.samples_seen}
+        if scale is not None:
+            record["loss_scale"] = scale
         self.bad_images.collect()
         self.metrics.write(record)
         acc.log(tracker_scalars(record), step=state.step)

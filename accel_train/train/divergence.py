@@ -15,6 +15,12 @@ uninitialized by a skipped first step, is mended in optim.start_momentum_at_zero
 forward pass that overflows in fp16 on every batch does the same).
 NonFiniteLosses counts such batches in a row and stops the run once they are too many to be a
 passing overflow, or at the end of a start none of whose batches had a finite loss.
+
+The loss can stay finite while the backward pass overflows fp16 at every scale (activations or
+gradients past fp16's 65504): the scaler then halves its scale at each skipped step, 65536 to
+below 1e-4 in 30 steps, and on to zero, where every gradient is zero and nothing is skipped or
+learned again.  stop_if_scale_collapsed stops such a run at the floor fairseq's dynamic loss
+scaler stops at (its --min-loss-scale), read where a record already reads the loss.
 """
 
 from __future__ import annotations
@@ -88,3 +94,29 @@ class NonFiniteLosses:
             raise RunStopped(f"training stopped at step {step}: the training loss was NaN or "
                              f"infinite in every one of this start's {self.batches} batches, "
                              f"while {_CAUSE}; {unsaved} was not written", DIVERGED_EXIT)
+
+
+# fairseq's --min-loss-scale default: below it the gradients overflow fp16 even scaled down more
+# than 10,000 times, which no passing spike does.
+MIN_LOSS_SCALE = 1e-4
+
+
+def loss_scale(scaler) -> Optional[float]:
+    """fp16's gradient scale (a torch GradScaler's), None without one.  One synchronization:
+    read where a record already made one."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return float(scaler.get_scale())
+
+
+def stop_if_scale_collapsed(scale: Optional[float], step: int) -> None:
+    """Raise RunStopped (exit DIVERGED_EXIT) when fp16's gradient scaler has backed its scale
+    (`loss_scale`) off below MIN_LOSS_SCALE."""
+    if scale is None or scale >= MIN_LOSS_SCALE:
+        return
+    raise RunStopped(f"training stopped at step {step}: fp16's gradient scaler backed its scale "
+                     f"off to {scale:.3g} (below {MIN_LOSS_SCALE:g}), halving it at each step "
+                     f"whose gradients overflowed, so the steps are being skipped and nothing "
+                     f"is learned. --mixed-precision bf16 (or no) computes the backward pass in "
+                     f"a wider range; else lower --learning-rate; checkpoints written before are "
+                     f"intact", DIVERGED_EXIT)

@@ -8,6 +8,7 @@ were made from, and each file's own bytes for the broken ones.
 from __future__ import annotations
 
 import io
+import warnings
 
 import numpy as np
 import pytest
@@ -16,7 +17,8 @@ from PIL import Image, ImageOps
 
 import imagekinds as kinds
 from accel_train.config import TrainConfig
-from accel_train.data.decode import Unreadable, decode, decode_many, read_value
+from accel_train.data.decode import Unreadable, decode, decode_many, jpeg_header, \
+    read_value
 from accel_train.base.errors import UsageError
 from accel_train.data.sources import load_data
 
@@ -409,6 +411,20 @@ def test_a_jpeg_over_the_pixel_limit_is_never_handed_to_the_fast_decoder(monkeyp
     # (over the limit: PIL's reduced decode, at half the size)
     assert [tuple(image.shape) for image in results] == [(3, 10, 10), (3, 6, 5), (3, 11, 5)]
     assert handed and all(width * height <= Image.MAX_IMAGE_PIXELS for width, height in handed)
+
+
+def test_the_device_paths_header_check_says_nothing_of_a_file_over_the_limit(monkeypatch):
+    """A JPEG between the limit and twice it (PIL warns as it opens one) goes the host way
+    without a DecompressionBombWarning on stderr from every loader worker at every epoch: the
+    host decode says what it does with it.  Under the limit, the size as PIL reads it."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    small, large = (kinds.encoded(kinds.pixels(0, 10, 10), "JPEG"),
+                    kinds.encoded(kinds.pixels(0, 12, 10), "JPEG"))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert jpeg_header(large) is None
+        assert jpeg_header(small) == (10, 10, 1)
+    assert [str(w.message) for w in said] == []
 
 
 HEIC_REASON = ("a HEIC photo, a format PIL does not open (phones save photos in it): convert it "

@@ -167,7 +167,10 @@ def jpeg_header(blob: bytes) -> Optional[tuple[int, int, int]]:
     (device_decode.py): not a JPEG PIL can read, CMYK, over PIL's decompression-bomb limit
     (decoding it here names the problem)."""
     try:
-        with Image.open(io.BytesIO(blob)) as pil:
+        with warnings.catch_warnings():  # over the limit: the host path says what it does
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            pil = Image.open(io.BytesIO(blob))
+        with pil:
             if pil.format != "JPEG" or pil.mode not in _DEVICE_MODES:
                 return None
             width, height = pil.size

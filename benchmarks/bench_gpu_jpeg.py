@@ -14,7 +14,8 @@ Arms, in one process, one after the other:
 and the pixels: the same 64 training samples through both paths (mean and largest difference
 in levels of 255; the crops, flips and labels are the same by construction); and one batch
 through the device path alone: torchvision's batched decode_jpeg, TorchCodec's where it loads,
-and the whole decode with the crops.
+the whole decode with the crops, and the crops' resize alone, batched (the product's) against
+torchvision's resize crop by crop.
 MFU = forward + backward FLOPs per image (FlopCounterMode) x img/s / the GPU's dense peak.
 
     python benchmarks/bench_gpu_jpeg.py                  # on a machine with CUDA
@@ -106,11 +107,14 @@ def pixels_agree(images, device) -> dict:
 
 def device_path_parts(images, device, batch: int) -> dict:
     """Where the device path's time goes, one batch alone (median of 3, synchronized): the
-    batched decode_jpeg call by itself, and the whole DeviceDecoder call (decode, crops,
-    resizes, flips); img/s each.  What the rest of a step leaves the device path is in the
+    batched decode_jpeg call by itself, the whole DeviceDecoder call (decode, crops,
+    resizes, flips), and the crops' resize alone, batched (the product's) and crop by crop
+    (torchvision's); img/s each.  What the rest of a step leaves the device path is in the
     arms' rows."""
+    from accel_train.data.batched_resize import resized_as_batch
     from accel_train.data.device_decode import DeviceDecoder
     from torchvision.io import ImageReadMode, decode_jpeg
+    from torchvision.transforms.v2 import functional as TF
     keys = list(range(min(batch, len(images))))
     encoded = images.encoded_batch(keys).images
     blobs = list(encoded.data.split(encoded.lengths))
@@ -128,9 +132,21 @@ def device_path_parts(images, device, batch: int) -> dict:
             seconds.append(time.perf_counter() - started)
         return len(keys) / benchlib.median(seconds[1:])
 
+    decoded = decode_jpeg(blobs, mode=ImageReadMode.RGB, device=device)
+    crops = [image[:, top:top + height, left:left + width] for image, (top, left, height, width)
+             in zip(decoded, encoded.boxes.tolist())]
     parts = {"decode_img_per_s": timed(lambda: decode_jpeg(blobs, mode=ImageReadMode.RGB,
                                                            device=device)),
              "decode_and_crop_img_per_s": timed(lambda: decoder(encoded, labels, replaced)),
+             # the crops' resize alone, the product's batched one against torchvision's
+             # resize crop by crop (what the device path did before), on the same crops
+             "resize_batched_img_per_s": timed(lambda: resized_as_batch(
+                 crops, encoded.size, encoded.bicubic, device)),
+             "resize_per_crop_img_per_s": timed(lambda: [TF.resize(
+                 crop, [encoded.size] * 2, antialias=True,
+                 interpolation=TF.InterpolationMode.BICUBIC if bicubic
+                 else TF.InterpolationMode.BILINEAR)
+                 for crop, bicubic in zip(crops, encoded.bicubic.tolist())]),
              "images": len(keys)}
     # TorchCodec's decoder, which the product takes where torchvision has none left
     # (jpeg_decoders.py): the same batch, where it loads
@@ -249,7 +265,10 @@ def measure(args, report, device, name: str, peak: float, work: Path) -> int:
                         f"the device path on one batch of {parts['images']} alone: "
                         f"decode_jpeg {parts['decode_img_per_s']:,.0f} img/s (TorchCodec's: "
                         f"{parts['torchcodec']}), with the crops and flips "
-                        f"{parts['decode_and_crop_img_per_s']:,.0f} img/s",
+                        f"{parts['decode_and_crop_img_per_s']:,.0f} img/s; the resize of "
+                        f"its crops alone, batched "
+                        f"{parts['resize_batched_img_per_s']:,.0f} img/s, crop by crop "
+                        f"(torchvision's resize) {parts['resize_per_crop_img_per_s']:,.0f} img/s",
                         f"forward + backward FLOPs per image: {flops / 1e9:.3g} GFLOP"])
     report.data.update(result=results, hand_img_per_s=hand, pixels=agree, device_path=parts)
     print(f"wrote {report.save()}")

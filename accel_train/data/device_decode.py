@@ -32,10 +32,10 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 from torchvision.transforms import ColorJitter
-from torchvision.transforms.v2 import functional as TF
 
 from accel_train.base.errors import UsageError
 from accel_train.base.randomness import each_seeded
+from accel_train.data.batched_resize import on_device, resized_crops
 from accel_train.data.decode import jpeg_header
 from accel_train.data.jpeg_decoders import each_or_none, jpeg_decoder, missing
 from accel_train.data.sources import ArraySource, HFSource, ImageSource
@@ -45,8 +45,7 @@ MODES = ("auto", "always", "never")
 # timm's RandomResizedCropAndInterpolation with interpolation "random" picks one of these
 # (timm.data.transforms._RANDOM_INTERPOLATION), in this order.
 RANDOM_INTERPOLATIONS = ("bilinear", "bicubic")
-INTERPOLATION_MODES = {"bilinear": TF.InterpolationMode.BILINEAR,
-                       "bicubic": TF.InterpolationMode.BICUBIC}
+DEVICE_INTERPOLATIONS = ("bilinear", "bicubic")  # the ones batched_resize.py computes
 PROBE_IMAGES = 32            # images each input path is timed on when auto chooses
 
 
@@ -219,22 +218,26 @@ class DeviceDecoder:
             return out, []
         decoded, refused = self._decode(list(batch.data.split(batch.lengths)),
                                         batch.orientations.tolist())
-        crops = []
+        kept, boxes = [], []
         for k, image in enumerate(decoded):
             if image is not None and list(image.shape[-2:]) != batch.sizes[k].tolist():
                 # A quarter turn otherwise than the workers read the header (TorchCodec reads
                 # EXIF itself), or another size: the crop was drawn for the workers' image, so
                 # the host path makes this one, as the workers would have.
-                image = None
                 refused.append(k)
-            if image is None:
-                crops.append(torch.zeros(3, size, size, dtype=torch.uint8, device=self.device))
                 continue
-            top, left, height, width = batch.boxes[k].tolist()
-            mode = INTERPOLATION_MODES["bicubic" if batch.bicubic[k] else "bilinear"]
-            crops.append(TF.resize(image[:, top:top + height, left:left + width], [size, size],
-                                   interpolation=mode, antialias=True))
-        crops = torch.stack(crops)
+            if image is not None:
+                top, left, height, width = batch.boxes[k].tolist()
+                kept.append(k)
+                boxes.append(image[:, top:top + height, left:left + width])
+        # (bicubic or bilinear, antialiased: one resize for the batch, not one a crop)
+        resized = resized_crops(boxes, size, batch.bicubic[kept], self.device)
+        if len(kept) == len(decoded):
+            crops = resized
+        else:  # the refused ones are made on the host below
+            crops = torch.zeros(len(decoded), 3, size, size, dtype=torch.uint8,
+                                device=self.device)
+            crops[self._sent(torch.tensor(kept, dtype=torch.int64))] = resized
         if batch.mirrored.any():  # host tensors: no device synchronization
             crops = torch.where(self._sent(batch.mirrored).view(-1, 1, 1, 1), crops.flip(-1),
                                 crops)
@@ -256,12 +259,7 @@ class DeviceDecoder:
         return out, substitutes
 
     def _sent(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device without waiting for the GPU: a copy from pageable memory
-        first synchronizes the stream (CUDA's rule for such copies), one from pinned memory
-        is queued behind the work already there."""
-        if self.device.type != "cuda":
-            return tensor.to(self.device)
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return on_device(tensor, self.device)
 
     def _decode(self, blobs: list[torch.Tensor], orientations: list[int]) -> \
             tuple[list[Optional[torch.Tensor]], list[int]]:
@@ -331,7 +329,7 @@ def unfit_reason(source: ImageSource, transform: ImageTransform, streaming: bool
         return "the training images are not augmented"
     if transform.policy is not None:
         return "--auto-augment's policy works on the host, one image at a time"
-    if transform.train_interpolation not in ("random", *INTERPOLATION_MODES):
+    if transform.train_interpolation not in ("random", *DEVICE_INTERPOLATIONS):
         return (f"--train-interpolation {transform.train_interpolation} is PIL's only; use "
                 f"random, bilinear or bicubic")
     if jpeg_decoder() is None:  # (last: data the device cannot take is the first thing to say)

@@ -1,0 +1,156 @@
+"""Crops of different sizes resized to one square size: on a GPU as a batch, in a few kernels,
+the antialiased bilinear or bicubic resize of torch's `interpolate(..., antialias=True)` (what
+torchvision's resize calls, itself PIL's filters) written as two matrix products, each chunk of
+crops padded into one tensor; on a CPU crop by crop, by torchvision's resize.
+
+Why batched on a GPU: crops of different sizes take torchvision's resize one call each, and
+each call costs about 65 us of host time (its checks, dtype conversions and several kernels;
+AMD EPYC, 256 calls on 8x7 crops: 17 ms a batch), while the GPU waits for the next call.  On
+an H200 the crops and flips took two thirds of the device path's time (BENCHMARKS.md: 5,729
+img/s with them, 17,284 for decoding alone).  Here each crop costs one copy into its chunk;
+the weights of the whole chunk are computed at once.  The products are dense (about 0.4 GFLOP
+a 224 px crop of a 400x500 photograph, a few ms a batch of 256 on a GPU): on a CPU that is
+50 times the separable resize's work (AMD EPYC, one thread: 40 crops a second against
+2,000), so there torchvision's resize stays.
+
+The weights are torch's antialiasing ones (aten's `upsample_*_aa` kernels, after PIL's
+ImagingResample): each output pixel i of a side resized from n to `size` pixels weighs input
+pixel j by filter((j + 0.5 - center) * invscale) inside [floor(center - support + 0.5),
+floor(center + support + 0.5)), normalised to sum to one, where scale = n / size, center =
+scale * (i + 0.5), support = the filter's radius (1 bilinear, 2 bicubic) times max(scale, 1),
+invscale = 1 / max(scale, 1); bicubic with a = -0.5, as torch and PIL antialias it.  Computed in
+float32, the width then the height, each pass rounded to 8 bits as PIL rounds them (the loader
+workers' resize; torchvision's on uint8 on a CPU): tests compare it with torchvision's resize,
+crop by crop.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchvision.transforms.v2 import functional as TF
+
+# A chunk's padded float32 pixels at most (a crop larger than it is a chunk of its own): a few
+# chunks for a batch of 256 ImageNet crops, a small share of the memory a network trains in.
+CHUNK_BYTES = 512 * 2 ** 20
+_BICUBIC_A = -0.5  # torch's and PIL's antialiasing bicubic
+
+
+def on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the GPU: a copy from pageable memory first
+    synchronizes the stream (CUDA's rule for such copies), one from pinned memory is queued
+    behind the work already there."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def resized_crops(crops: list[torch.Tensor], size: int, bicubic: torch.Tensor,
+                  device: torch.device) -> torch.Tensor:
+    """uint8 [N, C, size, size] on `device`: each uint8 [C, h, w] crop (on `device`) resized,
+    bicubic where the host bool tensor `bicubic` [N] says, else bilinear: as a batch on a GPU,
+    crop by crop on a CPU (the module's docstring says why)."""
+    device = torch.device(device)
+    if not crops:
+        return torch.zeros(0, 3, size, size, dtype=torch.uint8, device=device)
+    if device.type == "cpu":
+        return resized_one_by_one(crops, size, bicubic)
+    return resized_as_batch(crops, size, bicubic, device)
+
+
+def resized_one_by_one(crops: list[torch.Tensor], size: int,
+                       bicubic: torch.Tensor) -> torch.Tensor:
+    """torchvision's resize of each crop (on a CPU its uint8 path: PIL's arithmetic)."""
+    modes = {True: TF.InterpolationMode.BICUBIC, False: TF.InterpolationMode.BILINEAR}
+    return torch.stack([TF.resize(crop, [size, size], interpolation=modes[cubic],
+                                  antialias=True)
+                        for crop, cubic in zip(crops, bicubic.tolist())])
+
+
+def resized_as_batch(crops: list[torch.Tensor], size: int, bicubic: torch.Tensor,
+                     device: torch.device) -> torch.Tensor:
+    """`resized_crops` in a few kernels a chunk (any device: the tests run it on a CPU)."""
+    device = torch.device(device)
+    channels = crops[0].shape[0]
+    out = torch.empty(len(crops), channels, size, size, dtype=torch.uint8, device=device)
+    for chunk in _chunks([tuple(crop.shape[-2:]) for crop in crops], channels):
+        resized = _resized_chunk([crops[k] for k in chunk], size, bicubic[chunk], device)
+        out[on_device(torch.tensor(chunk), device)] = resized
+    return out
+
+
+def _chunks(shapes: list[tuple[int, int]], channels: int) -> list[list[int]]:
+    """The crops' indices in chunks whose padded float32 pixels stay within CHUNK_BYTES, the
+    largest crops first, so that little of a chunk is padding."""
+    order = sorted(range(len(shapes)), key=lambda k: shapes[k][0] * shapes[k][1], reverse=True)
+    chunks: list[list[int]] = []
+    height = width = 0
+    for k in order:
+        grown_h, grown_w = max(height, shapes[k][0]), max(width, shapes[k][1])
+        if chunks and (len(chunks[-1]) + 1) * channels * grown_h * grown_w * 4 <= CHUNK_BYTES:
+            chunks[-1].append(k)
+            height, width = grown_h, grown_w
+        else:
+            chunks.append([k])
+            height, width = shapes[k]
+    return chunks
+
+
+def _resized_chunk(crops: list[torch.Tensor], size: int, bicubic: torch.Tensor,
+                   device: torch.device) -> torch.Tensor:
+    heights = [crop.shape[-2] for crop in crops]
+    widths = [crop.shape[-1] for crop in crops]
+    padded = torch.zeros(len(crops), crops[0].shape[0], max(heights), max(widths),
+                         dtype=torch.float32, device=device)
+    for k, crop in enumerate(crops):
+        padded[k, :, :heights[k], :widths[k]].copy_(crop)  # one kernel, uint8 to float
+    bicubic = on_device(bicubic, device)
+    rows = resize_weights(on_device(torch.tensor(heights), device), size, max(heights), bicubic)
+    columns = resize_weights(on_device(torch.tensor(widths), device), size, max(widths),
+                             bicubic)
+    # Full float32 products: the trainer asks for TF32 matmuls on a GPU (precision.py), whose
+    # 10-bit mantissa would move a pixel by a level in a quarter of them.
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        # PIL's order and rounding: the width first, its result rounded to 8 bits, then the
+        # height (a bicubic overshoot clamped in between, as PIL's and the workers' resize do)
+        across = _as_levels(padded @ columns.transpose(1, 2).unsqueeze(1))
+        resized = _as_levels(rows.unsqueeze(1) @ across)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    return resized.to(torch.uint8)
+
+
+def _as_levels(pixels: torch.Tensor) -> torch.Tensor:
+    """Rounded half up, as PIL's fixed-point sums are (torch's round goes half to even: a level
+    off wherever a sum ends in .5, common in smooth images)."""
+    return pixels.add_(0.5).floor_().clamp_(0, 255)
+
+
+def resize_weights(lengths: torch.Tensor, size: int, span: int,
+                   bicubic: torch.Tensor) -> torch.Tensor:
+    """float32 [N, size, span]: row i of item k holds the weights output pixel i gives input
+    pixels 0..span-1 when `lengths[k]` pixels are resized to `size` (zero past lengths[k])."""
+    length = lengths.to(torch.float32).view(-1, 1, 1)
+    scale = length / size
+    widened = torch.clamp(scale, min=1.0)  # a reduction widens the filter, an enlargement not
+    radius = torch.where(bicubic, 2.0, 1.0).view(-1, 1, 1)
+    support, invscale = radius * widened, 1.0 / widened
+    center = scale * (torch.arange(size, device=lengths.device, dtype=torch.float32)
+                      .view(1, -1, 1) + 0.5)
+    first = torch.floor(center - support + 0.5).clamp(min=0)
+    end = torch.minimum(torch.floor(center + support + 0.5), length)
+    pixel = torch.arange(span, device=lengths.device, dtype=torch.float32).view(1, 1, -1)
+    distance = ((pixel - center + 0.5) * invscale).abs()
+    weights = torch.where(bicubic.view(-1, 1, 1), _cubic(distance),
+                          torch.clamp(1.0 - distance, min=0.0))
+    weights = torch.where((pixel >= first) & (pixel < end), weights, 0.0)
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def _cubic(x: torch.Tensor) -> torch.Tensor:
+    """Keys' cubic convolution kernel with a = -0.5 at distances x >= 0."""
+    a = _BICUBIC_A
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = (((x - 5) * x + 8) * x - 4) * a
+    return torch.where(x < 1, near, torch.where(x < 2, far, 0.0))

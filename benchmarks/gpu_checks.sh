@@ -5,7 +5,8 @@
 #      makes (make_imagenet_like.py, 6,400 files), against the same model trained by hand on a
 #      batch already on the GPU: --decode-on-device auto, never (the loader workers decode) and
 #      always (nvJPEG on the GPU), img/s, data wait and MFU, the pixels of both paths, and one
-#      batch through the device path alone (decode_jpeg by itself, then with the crops);
+#      batch through the device path alone (decode_jpeg by itself, then with the crops, and the
+#      crops' resize batched against torchvision's crop by crop);
 #   2. bench_anchor_side_by_side.py, eager: airbench94's own loop (anchors/airbench_gpu.py) for
 #      10 epochs, then recipes/cifar10-gpu-airbench.yaml for 14 epochs at airbench's warmup
 #      share with the data set held on the GPU: the CLI's time to the anchor's 10-epoch

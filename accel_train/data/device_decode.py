@@ -219,15 +219,16 @@ class DeviceDecoder:
         decoded, refused = self._decode(list(batch.data.split(batch.lengths)),
                                         batch.orientations.tolist())
         kept, boxes = [], []
+        sizes, drawn = batch.sizes.tolist(), batch.boxes.tolist()  # once, not a call an image
         for k, image in enumerate(decoded):
-            if image is not None and list(image.shape[-2:]) != batch.sizes[k].tolist():
+            if image is not None and list(image.shape[-2:]) != sizes[k]:
                 # A quarter turn otherwise than the workers read the header (TorchCodec reads
                 # EXIF itself), or another size: the crop was drawn for the workers' image, so
                 # the host path makes this one, as the workers would have.
                 refused.append(k)
                 continue
             if image is not None:
-                top, left, height, width = batch.boxes[k].tolist()
+                top, left, height, width = drawn[k]
                 kept.append(k)
                 boxes.append(image[:, top:top + height, left:left + width])
         # (bicubic or bilinear, antialiased: one resize for the batch, not one a crop)

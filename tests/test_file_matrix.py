@@ -629,6 +629,8 @@ COVERED_ELSEWHERE = {
     "run_lock": "test_bad_files.py::test_a_run_lock_damaged",
     "val_labels": "test_layouts.py::test_bad_folders_and_label_files_are_one_line_errors",
     "train_labels": "test_train_labels.py::test_each_label_file_problem_is_one_sentence",
+    "imagefolder_metadata":
+        "test_imagefolder_metadata.py::test_each_metadata_jsonl_problem_is_one_line_naming_its_line",
     "elastic_job": "test_file_matrix.py::test_a_damaged_elastic_job_marker",
 }
 

@@ -249,22 +249,17 @@ def _run(tmp_path: Path, capsys, *args: str) -> tuple[int, list[str]]:
     return code, err
 
 
-def test_hugging_faces_metadata_csv_beside_unsorted_images_is_named_and_serves(tmp_path,
-                                                                                capsys):
+def test_hugging_faces_metadata_csv_passed_as_train_labels_is_read_by_its_column_names(
+        tmp_path, capsys):
     """Hugging Face's imagefolder layout (train/ of images and a metadata.csv naming each
-    one's file_name and label): the refusal names the file and the flag to pass it with, and
-    passed so it labels each image as pandas reads the file."""
+    one's file_name and label), passed with --train-labels: it labels each image as pandas
+    reads the file, its columns found by name.  (Taken without the flag:
+    test_imagefolder_metadata.py.)"""
     for i in range(8):
         _image(tmp_path / "hf" / "train" / f"{i}.png", i)
     metadata = tmp_path / "hf" / "train" / "metadata.csv"
     metadata.write_text("file_name,label\n" + "".join(f"{i}.png,{'cat' if i % 3 else 'dog'}\n"
                                                       for i in range(8)))
-    code, err = _run(tmp_path, capsys, "--data-dir", str(tmp_path / "hf"))
-    assert code == 2 and err == [
-        f"accel_train: error: {tmp_path}/hf/train/0.png is not inside a class folder; put each "
-        f"class's images in a subfolder named after the class (or pass the metadata.csv beside "
-        f"it, Hugging Face's imagefolder layout, as --train-labels {metadata}: its file_name "
-        f"and label columns are read)"]
     data = load_data(TrainConfig(data_dir=str(tmp_path / "hf"), train_labels=str(metadata),
                                  in_memory="never"))
     expected = pd.read_csv(metadata, dtype=str)

@@ -152,6 +152,8 @@ _register("saved_dataset", "a file of a save_to_disk folder (--data-dir)",
           "save the dataset again with save_to_disk, or copy the folder again")
 _register("val_labels", "a --val-labels file", "fix the line or pass another file")
 _register("train_labels", "a --train-labels file", "fix the line or pass another file")
+_register("imagefolder_metadata", "an image folder's metadata.csv or metadata.jsonl",
+          "fix the line, or remove the file and sort the images into class folders")
 _register("imagefolder_cache", "an image folder's cached index",
           "(not an error: a damaged cache is rebuilt by walking the folder)")
 _register("shard_index", "a shard folder's index.json",
@@ -217,6 +219,16 @@ def parse_json(text: str, path: Path, kind_name: str, label: str = "",
         raise bad(path, kind_name, f"is not valid JSON ({first_line(err)}); {CUT_SHORT}",
                   label) from None
     return _checked(data, path, kind_name, label, shape)
+
+
+def parse_json_line(line: str, number: int, path: Path, kind_name: str, label: str = "") -> Any:
+    """Line `number` of a JSON-lines file a user wrote (a metadata.jsonl), decoded; a line that
+    is not JSON is named with its line number and the place in it."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise bad(path, kind_name, f"line {number} is not JSON ({err.msg}, column {err.colno})",
+                  label) from None
 
 
 def read_json(path: Path, kind_name: str, label: str = "", shape: Optional[Shape] = None) -> Any:

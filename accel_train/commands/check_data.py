@@ -183,8 +183,9 @@ def check(args) -> dict:
 
     from accel_train.data.labels import (classes_left_unreadable, labels_and_names,
                                          left_out_unlabelled)
+    from accel_train.data.imagefolder import metadata_labels_line
     from accel_train.data.sources import (HFSource, deepest_classes_spread, find_columns,
-                                          open_data, training_split_name)
+                                          folder_classes, open_data, training_split_name)
     from accel_train.data.streaming import is_shard_folder
     config = _config(args)
     if is_shard_folder(config.data_dir):
@@ -234,10 +235,14 @@ def check(args) -> dict:
     no_readable = [class_names[c] for c in classes_left_unreadable(
         labels[train], [index for split, index, _ in unreadable if split == train],
         len(class_names))] if train in labels else []
-    not_read = files_not_read(raw.root) if raw.root is not None else {}
+    not_read = files_not_read(raw.root, raw.metadata_labels.values()) \
+        if raw.root is not None else {}
     findings = {
         "data": raw.origin, "images": int(sum(len(s) for s in sources.values())),
         "splits": {split: len(source) for split, source in sources.items()},
+        # {split: its metadata file} where one labels it (Hugging Face's imagefolder layout)
+        "labels_from": dict(raw.metadata_labels),
+        "labels": metadata_labels_line(raw.metadata_labels),
         "classes": class_names,
         "class_counts": {split: dict(zip(class_names, c)) for split, c in counts.items()},
         "unreadable": [{"split": split, "image": sources[split].name(index), "reason": reason}
@@ -255,7 +260,7 @@ def check(args) -> dict:
         "classes_without_a_readable_training_image": no_readable,
         # not a problem: the folders cannot tell which level was meant
         "classes_across_folders": deepest_classes_spread(raw, train)
-        if raw.root is not None and args.class_depth is None and args.train_labels is None
+        if folder_classes(raw, train, args.class_depth, args.train_labels)
         and train in raw.splits else None,
         "files_not_read": not_read,
         "photos_not_read": {k: n for k, n in not_read.items() if k in PHOTO_FORMATS_NOT_OPENED},
@@ -287,18 +292,21 @@ def uneven_classes(train_counts, class_names: list[str]):
             "largest": {"class": high_name, "images": high}, "ratio": round(high / low, 2)}
 
 
-def files_not_read(root: Path) -> dict[str, int]:
+def files_not_read(root: Path, label_files=()) -> dict[str, int]:
     """{extension: count} of the files in an image folder that training does not read as
-    images (PIL opens no such file; hidden files and __ folders left out, as training does)."""
+    images (PIL opens no such file; hidden files and __ folders left out, as training does),
+    less the metadata files that label it (`label_files`, relative to root): those are read."""
     from accel_train.data.imagefolder import image_extensions, left_out
     extensions, counts = image_extensions(), defaultdict(int)
+    for file in label_files:
+        counts[os.path.splitext(file)[1].lower()] -= 1
     for _, subfolders, files in os.walk(root):
         subfolders[:] = [name for name in subfolders if not left_out(name, True)]
         for name in files:
             suffix = os.path.splitext(name)[1].lower()
             if not left_out(name, False) and suffix not in extensions:
                 counts[suffix or "(no extension)"] += 1
-    return dict(sorted(counts.items()))
+    return dict(sorted((suffix, n) for suffix, n in counts.items() if n))
 
 
 def _number(value) -> str:
@@ -312,6 +320,8 @@ def format_table(findings: dict) -> str:
              + ", ".join(f"{s} {n:,}" for s, n in findings["splits"].items())
              + f"), {len(findings['classes'])} classes; {findings['workers']} worker "
                f"process(es), {findings['seconds']:.1f}s", ""]
+    if findings.get("labels"):  # a metadata file's, not the class folders'
+        lines.insert(1, f"labels: {findings['labels']}")
     unreadable = findings["unreadable"]
     lines.append(f"unreadable images ({len(unreadable)})" + (":" if unreadable else ""))
     width = max([len(u["image"]) for u in unreadable] or [0])

@@ -9,6 +9,9 @@ Layouts (`--data-dir DIR`):
   (`DIR/val/IMAGE`), labelled by a file (`--val-labels FILE`, label_files.py).
 - Training images in one folder (`DIR/IMAGE` or `DIR/train/IMAGE`) labelled by a file
   (`--train-labels FILE`: Kaggle's train.csv and train/; label_files.py).
+- Hugging Face's imagefolder layout: a metadata.csv or metadata.jsonl at the root of a split
+  folder (or of DIR) naming each image's file_name and label labels that split without a flag,
+  as datasets' imagefolder reads it (its labels, not class folders, where both are there).
 - Nested class folders: the class is the folder that holds the image (as Hugging Face's
   imagefolder has it), or with `--class-depth N` the N-th folder level under the split folder
   (1: the top level, so `animals/cat/siamese/1.jpg` is class `animals`).
@@ -43,7 +46,8 @@ from PIL import Image
 
 from accel_train.base.errors import UsageError, first_few
 from accel_train.base.readers import Shape, read_arrow_cache
-from accel_train.data.label_files import class_order, read_train_labels, read_val_labels
+from accel_train.data.label_files import (METADATA_FILES, class_order, metadata_missing,
+                                          read_train_labels, read_val_labels)
 from accel_train.data.loader_watch import reading
 
 SPLIT_FOLDERS = {"train": "train", "training": "train", "validation": "validation",
@@ -51,7 +55,7 @@ SPLIT_FOLDERS = {"train": "train", "training": "train", "validation": "validatio
                  "test": "test", "testing": "test", "eval": "test", "evaluation": "test"}
 CACHE_MIN_FILES = 10_000  # below this a walk takes well under a second: no cache file
 CACHE_ENV = "ACCEL_TRAIN_INDEX_CACHE"  # folder for cached indexes (default ~/.cache/accel_train)
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: a split's metadata file labels it
 RACY_SECONDS = 2.0  # a folder changed this recently may change again within its mtime's tick
 PROGRESS_AFTER = 1.0  # seconds of walking before we say anything
 PROGRESS_LOG_EVERY = 10.0  # seconds between plain progress lines (not a terminal)
@@ -75,6 +79,8 @@ class FolderIndex:
     cached: bool = False  # read from the cache
     # {extension: count} of the photos in formats PIL does not open, which it leaves out
     not_opened: dict[str, int] = field(default_factory=dict)
+    # {split: its metadata.csv or metadata.jsonl, relative to the root} where one labels it
+    metadata_labels: dict[str, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return sum(len(paths) for paths, _ in self.splits.values())
@@ -422,24 +428,21 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
         raise UsageError(f"--data-dir {root} holds no image files (looked for .jpg, .png, .webp, "
                          f"... in it and its subfolders); expected one subfolder of images per "
                          f"class, parquet files or a save_to_disk folder")
-    labelled_train = "train" if train_labels is not None else None
+    files = _label_files(root, splits, walked, val_labels, train_labels)
+    metadata = _metadata_labels(root, splits, dirs, files)
     for split, (prefix, found) in walked.items():
         if empties[split] and not (class_depth is None and _is_labelled_split(split, val_labels)
-                                   or split == labelled_train):
+                                   or split in files):
             _check_empty_folders(root, sorted(empties[split]), found, prefix, class_depth)
-    labelled = _labelled_split(walked, val_labels, root)
+    images = {split: [path[len(prefix):] for path in found]
+              for split, (prefix, found) in walked.items()}
     classes: dict[str, list] = {}
+    labelled_train = files.get("train")
     if labelled_train is not None:
-        if "train" not in walked:
-            folders = ", ".join(sorted(f"{folder.name}/" for folder in splits.values()))
-            raise UsageError(f"--train-labels {train_labels}: --data-dir {root} has split "
-                             f"folders ({folders}) and no train/ folder of images to label; "
-                             f"put the training images in {root}/train")
-        prefix, found = walked["train"]
-        classes["train"] = read_train_labels(Path(train_labels), root / prefix.rstrip("/"),
-                                             [path[len(prefix):] for path in found])
+        file, flag = labelled_train
+        classes["train"] = read_train_labels(file, splits["train"], images["train"], flag)
     for split, (prefix, found) in walked.items():
-        if split in (labelled, labelled_train):
+        if split in files:
             continue
         names = _classes_of(found, prefix, class_depth)
         missing = next((path for path, name in zip(found, names) if name is None), None)
@@ -448,18 +451,71 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
                                   beside_labelled_train=labelled_train is not None)
         classes[split] = names
     class_names = class_order({name for names in classes.values() for name in names},
-                              numbers_by_value=train_labels is not None)
-    if labelled is not None:
-        prefix, found = walked[labelled]
-        classes[labelled] = read_val_labels(
-            Path(val_labels), root / prefix.rstrip("/"), [path[len(prefix):] for path in found],
-            set(class_names), classes_from_file=train_labels is not None)
+                              numbers_by_value=labelled_train is not None)
+    for split, (file, flag) in files.items():
+        if split != "train":
+            classes[split] = read_val_labels(file, splits[split], images[split],
+                                             set(class_names),
+                                             classes_from_file=labelled_train is not None,
+                                             flag=flag)
     number = {name: i for i, name in enumerate(class_names)}
     result = {split: (pa.array(found, pa.string()),
                       np.array([number[name] for name in classes[split]], dtype=np.int64))
               for split, (_, found) in walked.items()}
     progress.done(total, len(class_names))
-    return FolderIndex(root, result, class_names, dirs, not_opened=not_opened)
+    return FolderIndex(root, result, class_names, dirs, not_opened=not_opened,
+                       metadata_labels=metadata)
+
+
+def metadata_labels_line(metadata_labels: dict[str, str]) -> Optional[str]:
+    """What the start summary and check-data say where metadata files gave the labels."""
+    if not metadata_labels:
+        return None
+    order = ("train", "validation", "test")
+    files = [metadata_labels[split] for split in order if split in metadata_labels]
+    return f"from {', '.join(files)} (file_name, label)"
+
+
+def _label_files(root: Path, splits: dict[str, Path], walked: dict,
+                 val_labels: Optional[str], train_labels: Optional[str]
+                 ) -> dict[str, tuple[Path, Optional[str]]]:
+    """{split: (its label file, the flag that gave it)} for --train-labels and --val-labels."""
+    files: dict[str, tuple[Path, Optional[str]]] = {}
+    if train_labels is not None:
+        if "train" not in walked:
+            folders = ", ".join(sorted(f"{folder.name}/" for folder in splits.values()))
+            raise UsageError(f"--train-labels {train_labels}: --data-dir {root} has split "
+                             f"folders ({folders}) and no train/ folder of images to "
+                             f"label; put the training images in {root}/train")
+        files["train"] = (Path(train_labels), "--train-labels")
+    labelled = _labelled_split(walked, val_labels, root)
+    if labelled is not None:
+        files[labelled] = (Path(val_labels), "--val-labels")
+    return files
+
+
+def _metadata_labels(root: Path, splits: dict[str, Path], dirs: list[tuple[str, int]],
+                     files: dict[str, tuple[Path, Optional[str]]]) -> dict[str, str]:
+    """Hugging Face's imagefolder layout: a metadata.csv or metadata.jsonl at a split folder's
+    root naming file_name and label labels that split, as datasets' imagefolder reads it (its
+    label column, not the class folders, where both are there), unless a flag gave the split a
+    label file; added to `files` (flag None).  Each one found goes into `dirs`, so that an edit
+    of it (which changes no folder's mtime) is seen by the cached index.  {split: the file,
+    relative to root} of those taken."""
+    taken = {}
+    for split, folder in splits.items():
+        found = [folder / name for name in METADATA_FILES if (folder / name).is_file()]
+        if len(found) > 1:  # datasets refuses metadata files of two kinds too
+            raise UsageError(f"{folder} holds both {found[0].name} and {found[1].name}; keep "
+                             f"one (Hugging Face's imagefolder reads one kind of metadata file)")
+        if not found:
+            continue
+        relative = found[0].relative_to(root).as_posix()
+        dirs.append((relative, os.stat(found[0]).st_mtime_ns))
+        if split not in files and not metadata_missing(found[0]):
+            files[split] = (found[0], None)
+            taken[split] = relative
+    return taken
 
 
 def _is_labelled_split(split: str, val_labels: Optional[str]) -> bool:
@@ -507,11 +563,14 @@ def _outside_class_folder(root: Path, path: str, split: str, depth: Optional[int
                          f"labelled train/ (a competition's test set?): pass --data-dir "
                          f"{root / 'train'} to train, then predict {root / folder} (a labelled "
                          f"held-out folder needs --val-labels FILE)")
-    flag = "--val-labels" if split != "train" else "--train-labels"
-    metadata = (root / path).parent / "metadata.csv"
-    if metadata.is_file():  # Hugging Face's imagefolder layout: its labels in a file beside
-        hint = (f" (or pass the metadata.csv beside it, Hugging Face's imagefolder layout, as "
-                f"{flag} {metadata}: its file_name and label columns are read)")
+    # (the image sits in its split folder itself: a metadata file there that labelled it
+    # would have been read, _metadata_labels)
+    here = (root / path).parent
+    metadata = next((here / name for name in METADATA_FILES if (here / name).is_file()), None)
+    if metadata is not None:  # Hugging Face's imagefolder layout, without its labels
+        missing = " or ".join(metadata_missing(metadata))
+        hint = (f" (the {metadata.name} beside it, Hugging Face's imagefolder layout, has no "
+                f"{missing} column to label the images by; add one naming each image's class)")
     elif split != "train":
         hint = " (a held-out folder of unlabelled images needs --val-labels FILE)"
     else:
@@ -545,7 +604,8 @@ def _write_cache(path: Path, index: FolderIndex) -> None:
         spans.append([split, start, start + len(paths)])
         start += len(paths)
     meta = {"root": str(index.root.resolve()), "classes": index.class_names, "splits": spans,
-            "dirs": index.dirs, "not_opened": index.not_opened}
+            "dirs": index.dirs, "not_opened": index.not_opened,
+            "metadata_labels": index.metadata_labels}
     table = pa.table({"path": pa.concat_arrays([p for p, _ in index.splits.values()]),
                       "label": np.concatenate([labels for _, labels in index.splits.values()])},
                      metadata={"accel_train": json.dumps(meta)})
@@ -587,6 +647,8 @@ def _read_cache(path: Path, root: Path) -> Optional[FolderIndex]:
               for split, start, stop in meta["splits"]}
     # (a cache written before it counted them has none: as many as it would have said)
     not_opened = meta.get("not_opened")
+    metadata = meta.get("metadata_labels")
     return FolderIndex(root, splits, meta["classes"], [tuple(d) for d in meta["dirs"]],
                        cached=True,
-                       not_opened=not_opened if isinstance(not_opened, dict) else {})
+                       not_opened=not_opened if isinstance(not_opened, dict) else {},
+                       metadata_labels=metadata if isinstance(metadata, dict) else {})

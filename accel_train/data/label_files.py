@@ -10,40 +10,133 @@ In both, IMAGE may be the path relative to the folder, the file name, or the fil
 its extension (Kaggle's ids), and every image needs a label and every label an image: anything
 else is one line naming the file's line.  Fields are separated by commas, else by semicolons
 (Excel's CSV where the comma is the decimal mark), else by whitespace.
+
+Hugging Face's imagefolder layout labels a folder with a metadata.csv (a header naming
+file_name and label among other columns) or a metadata.jsonl (one JSON object a line with
+file_name and label keys) beside the images: both flags read either, by those names, and an
+image folder takes one at a split folder's root as its labels without a flag (imagefolder.py).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
 from accel_train.base.errors import UsageError
-from accel_train.base.readers import read_text
+from accel_train.base.readers import parse_json_line, read_text
 
 # how programs write a missing value in a CSV cell (pandas' NaN and <NA>, R's NA, Excel's #N/A,
 # SQL's NULL): a class of that name is a label that was never given
 MISSING_VALUE_MARKS = frozenset({"nan", "-nan", "<na>", "na", "n/a", "#n/a", "null"})
+# Hugging Face's imagefolder metadata files (datasets' METADATA_FILENAMES, less metadata.parquet)
+METADATA_FILES = ("metadata.csv", "metadata.jsonl")
+NAMED_COLUMNS = ("file_name", "label")  # the two columns a metadata file is read by
 
 
-def label_lines(file: Path, flag: str, read) -> list[tuple[int, str]]:
-    """(line number, line) of each line of `file` that is not blank or a comment; `read` reads
-    its text (readers.read_text under the file's own kind, bytes that are not UTF-8 replaced:
-    a bad byte is judged by the line it stands in)."""
+def where_of(file: Path, flag: Optional[str]) -> str:
+    """How errors name a label file: with the flag it was passed with, or alone where the image
+    folder's own metadata file was taken without one."""
+    return f"{flag} {file}" if flag else str(file)
+
+
+def label_text(file: Path, flag: Optional[str]) -> tuple[str, str]:
+    """The text of a label file (bytes that are not UTF-8 replaced: a bad byte is judged by the
+    line it stands in) and its reader's kind: the file of a flag, or (None) an image folder's
+    own metadata file."""
+    if flag == "--train-labels":
+        return read_text(file, "train_labels", flag, errors="replace"), "train_labels"
+    if flag == "--val-labels":
+        return read_text(file, "val_labels", flag, errors="replace"), "val_labels"
+    return read_text(file, "imagefolder_metadata", errors="replace"), "imagefolder_metadata"
+
+
+def label_lines(file: Path, flag: Optional[str]) -> tuple[list[tuple[int, str]], str]:
+    """(line number, line) of each line of `file` that is not blank or a comment, and its
+    reader's kind (label_text)."""
+    where = where_of(file, flag)
     if not file.is_file():
-        raise UsageError(f"{flag} {file}: no such file")
-    text = read().removeprefix("\ufeff")  # the byte-order mark Excel starts a CSV with
+        raise UsageError(f"{where}: no such file")
+    text, kind = label_text(file, flag)
+    text = text.removeprefix("\ufeff")  # the byte-order mark Excel starts a CSV with
     lines = [(number, line) for number, line in enumerate(text.splitlines(), 1)
              if line.strip() and not line.lstrip().startswith("#")]
     if not lines:
-        raise UsageError(f"{flag} {file} holds no labels")
-    return lines
+        raise UsageError(f"{where} holds no labels")
+    return lines, kind
+
+
+def label_rows(file: Path, flag: Optional[str]) -> tuple[list[tuple[int, list[str]]], bool]:
+    """(line number, fields) of each line of a label file, and whether its columns are named:
+    a metadata.jsonl, or a header naming file_name and label (Hugging Face's metadata.csv), whose
+    rows are then [file_name, label] each, the header not among them.  Otherwise every line's
+    fields as line_fields splits them, a header line (if any) still first."""
+    where = where_of(file, flag)
+    lines, kind = label_lines(file, flag)
+    if file.suffix.lower() == ".jsonl":
+        return [(number, _json_fields(line, number, file, flag, kind))
+                for number, line in lines], True
+    rows = [(number, line_fields(line)) for number, line in lines]
+    named = metadata_columns(rows[0][1])
+    if named is None:
+        return rows, False
+    return [(number, _named_fields(fields, named, where, number))
+            for number, fields in rows[1:]], True
+
+
+def _json_fields(line: str, number: int, file: Path, flag: Optional[str],
+                 kind: str) -> list[str]:
+    """A metadata.jsonl line's file_name and label as text, as a CSV cell would give them
+    (3 -> "3", 3.0 -> "3.0", null -> "", NaN -> "nan"): the same checks then apply."""
+    where = where_of(file, flag)
+    record = parse_json_line(line, number, file, kind, flag or "")
+    if not isinstance(record, dict):
+        raise UsageError(f"{where} line {number} is not a JSON object; write one "
+                         f'{{"file_name": ..., "label": ...}} object a line')
+    missing = [key for key in NAMED_COLUMNS if key not in record]
+    if missing:
+        raise UsageError(f"{where} line {number} has no {' or '.join(map(repr, missing))} key; "
+                         f"give every line the image's file_name and its label")
+    fields = []
+    for key in NAMED_COLUMNS:
+        value = record[key]
+        if value is None:
+            value = ""
+        elif isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise UsageError(f"{where} line {number} gives {key} {json_text(value)}, neither "
+                             f"text nor a number; write the {key} as text or a number")
+        fields.append(str(value).strip())
+    return fields
+
+
+def json_text(value) -> str:
+    """A JSON value as the file wrote it, shortened, for an error."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def metadata_missing(file: Path) -> list[str]:
+    """Which of file_name and label an image folder's metadata file does not name (its CSV
+    header, or its first JSON object's keys): [] where it labels the images."""
+    text = label_text(file, None)[0].removeprefix("\ufeff")
+    first = next(((number, line) for number, line in enumerate(text.splitlines(), 1)
+                  if line.strip()), None)
+    if first is None:
+        return list(NAMED_COLUMNS)
+    if file.suffix.lower() == ".jsonl":
+        record = parse_json_line(first[1], first[0], file, "imagefolder_metadata")
+        names = list(record) if isinstance(record, dict) else []
+    else:
+        names = [name.strip().lower() for name in line_fields(first[1])]
+    return [column for column in NAMED_COLUMNS if column not in names]
 
 
 def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[str],
-                    classes_from_file: bool = False) -> list[str]:
+                    classes_from_file: bool = False,
+                    flag: Optional[str] = "--val-labels") -> list[str]:
     """The class of each image (paths relative to `folder`, sorted) from `file`:
 
     - `IMAGE,CLASS` or `IMAGE CLASS` lines (CSV or whitespace), IMAGE a path relative to the
@@ -54,11 +147,16 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
 
     Every image needs a label, every label one of `classes` (the class folders of train/, or
     with `classes_from_file` the labels of --train-labels), and every line an image of the
-    folder; anything else is a UsageError naming the line."""
-    rows = [(number, line_fields(line))
-            for number, line in label_lines(file, "--val-labels", lambda: read_text(
-                file, "val_labels", "--val-labels", errors="replace"))]
-    where = f"--val-labels {file}"
+    folder; anything else is a UsageError naming the line.  A file whose columns are named
+    (label_rows: metadata.jsonl, a header naming file_name and label) is read by those names, as
+    read_train_labels reads it.  `flag` None: the folder's own metadata file, taken without
+    one."""
+    where = where_of(file, flag)
+    rows, by_name = label_rows(file, flag)
+    if by_name:
+        labels = labelled_images(rows, ImageLookup(images), images, where, folder, by_name)
+        return [_known_class(labels[image][0], classes, where, labels[image][1],
+                             classes_from_file) for image in images]
     if all(len(fields) == 1 for _, fields in rows):
         if len(rows) != len(images):
             raise UsageError(f"{where} has {len(rows)} one-field lines for the {len(images)} "
@@ -82,25 +180,34 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
     return [labels[image] for image in images]
 
 
-def read_train_labels(file: Path, folder: Path, images: list[str]) -> list[str]:
+def read_train_labels(file: Path, folder: Path, images: list[str],
+                      flag: Optional[str] = "--train-labels") -> list[str]:
     """The class of each training image (paths relative to `folder`, sorted) from `file`:
     `IMAGE,CLASS` lines (CSV, quoted fields as the csv module reads them, or whitespace), the
-    first line a header where its first field names no image.  Every CLASS is a class name.
-    Exactly two fields a line: a table of more columns (a fold number, one column per class)
-    would otherwise train on whichever column came second."""
-    where = f"--train-labels {file}"
+    first line a header where its first field names no image; a file whose columns are named
+    (label_rows) by those names.  Every CLASS is a class name.  Exactly two fields a line: a
+    table of more columns (a fold number, one column per class) would otherwise train on
+    whichever column came second.  `flag` None: the folder's own metadata file, taken without
+    one."""
+    where = where_of(file, flag)
+    rows, by_name = label_rows(file, flag)
     lookup = ImageLookup(images)
+    if not by_name and rows[0][1][0] not in lookup.holders:
+        rows = rows[1:]  # a header line
+    labels = labelled_images(rows, lookup, images, where, folder, by_name)
+    return whole_numbers_as_written([labels[image][0] for image in images])
+
+
+def labelled_images(rows: list[tuple[int, list[str]]], lookup: "ImageLookup",
+                    images: list[str], where: str, folder: Path,
+                    by_name: bool) -> dict[str, tuple[str, int]]:
+    """{image: (its class, the line that gives it)} from IMAGE,CLASS rows (`by_name`: a
+    metadata file's file_name and label), each of `images` labelled once; a missing class, a
+    missing value's mark (a CSV's NaN, a JSON null), a second label for an image or an
+    unlabelled image is one line."""
+    write = "a label for every file_name" if by_name else "IMAGE,CLASS on every line"
     labels: dict[str, tuple[str, int]] = {}
-    named: Optional[tuple[int, int, int]] = None  # metadata columns: file_name, label, count
-    for position, (number, line) in enumerate(label_lines(
-            file, "--train-labels",
-            lambda: read_text(file, "train_labels", "--train-labels", errors="replace"))):
-        fields = line_fields(line)
-        if position == 0 and fields[0] not in lookup.holders:
-            named = metadata_columns(fields)
-            continue  # a header line
-        if named is not None:
-            fields = _named_fields(fields, named, where, number)
+    for number, fields in rows:
         if len(fields) != 2:
             raise UsageError(f"{where} line {number} has {len(fields)} field(s); write "
                              f"IMAGE,CLASS on every line (a table of more columns, a fold "
@@ -109,7 +216,7 @@ def read_train_labels(file: Path, folder: Path, images: list[str]) -> list[str]:
         image = lookup.image(fields[0], where, number, folder)
         if not fields[1]:
             raise UsageError(f"{where} line {number} gives {fields[0]!r} no class; write "
-                             f"IMAGE,CLASS on every line")
+                             f"{write}")
         if fields[1].lower() in MISSING_VALUE_MARKS:
             raise UsageError(f"{where} line {number} gives {fields[0]!r} the class "
                              f"{fields[1]!r}, the mark of a missing value (pandas and R write "
@@ -120,7 +227,7 @@ def read_train_labels(file: Path, folder: Path, images: list[str]) -> list[str]:
                              f"{labels[image][1]} did); one line per image")
         labels[image] = (fields[1], number)
     refuse_unlabelled(where, folder, images, labels)
-    return whole_numbers_as_written([labels[image][0] for image in images])
+    return labels
 
 
 def metadata_columns(header: list[str]) -> Optional[tuple[int, int, int]]:

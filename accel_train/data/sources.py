@@ -34,7 +34,7 @@ from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.pixel_arrays import check_pixel_arrays, image_files
 from accel_train.data.imagefolder import (PARQUET, SPLIT_FOLDERS, FolderIndex, HoldsParquet,
                                           classes_across_folders, files_under, index_folder,
-                                          photos_left_out)
+                                          metadata_labels_line, photos_left_out)
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
                                             subset_if_cut)
 from accel_train.data.labels import (check_label_values, unreadable_classes_named,
@@ -389,6 +389,9 @@ class LoadedData:
     # how the held-out images were carved off the training split, where they were: 'random'
     # or 'stratified' (--val-stratify; a resume must keep the same images)
     held_out_carve: Optional[str] = None
+    # where the labels came from when not from class folders or flags: a metadata file's
+    # (Hugging Face's imagefolder layout), said in the start summary
+    labels: Optional[str] = None
 
 
 @dataclass
@@ -401,6 +404,8 @@ class RawData:
     root: Optional[Path] = None  # the folder relative image paths are in
     # an image folder's photos in formats PIL does not open, {extension: count}: left out
     photos_not_opened: dict = field(default_factory=dict)
+    # {split: the metadata file, relative to root} of the splits a metadata file labels
+    metadata_labels: dict = field(default_factory=dict)
 
 
 def _find_column(dataset, wanted: Optional[str], names: tuple[str, ...], feature_type,
@@ -621,7 +626,16 @@ def _image_folder_data(path: Path, index: FolderIndex) -> RawData:
         splits[split] = Dataset(InMemoryTable(table), info=DatasetInfo(features=features),
                                 fingerprint=index.fingerprint(split))
     return RawData(splits, {split: RowNames(f"{path} split '{split}'") for split in splits},
-                   str(path), root=path, photos_not_opened=index.not_opened)
+                   str(path), root=path, photos_not_opened=index.not_opened,
+                   metadata_labels=index.metadata_labels)
+
+
+def folder_classes(raw: RawData, train_name: str, class_depth: Optional[int],
+                   train_labels: Optional[str]) -> bool:
+    """Whether an image folder's training classes are its deepest folders (no --class-depth,
+    no label file, no metadata file): where deepest_classes_spread has something to say."""
+    return (raw.root is not None and class_depth is None and train_labels is None
+            and train_name not in raw.metadata_labels)
 
 
 def deepest_classes_spread(raw: RawData, train_name: str) -> Optional[str]:
@@ -809,7 +823,7 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True,
         warnings.append(f"{raw.origin}: split(s) {', '.join(unused)} left out: neither "
                         f"train, validation nor test by name (rename a split to one of those "
                         f"to use it)")
-    if raw.root is not None and config.class_depth is None and config.train_labels is None:
+    if folder_classes(raw, splits.train_name, config.class_depth, config.train_labels):
         spread = deepest_classes_spread(raw, splits.train_name)
         warnings += [spread] if spread else []
     if raw.photos_not_opened:  # an iPhone's folder, half HEIC, trained on half without a word
@@ -865,4 +879,5 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True,
                       bad, test=sources[2] if len(sources) > 2 else None, warnings=warnings,
                       sample_subset=cut,
                       held_out_carve=carve_name(config.val_stratify)
-                      if splits.eval_name == splits.train_name else None)
+                      if splits.eval_name == splits.train_name else None,
+                      labels=metadata_labels_line(raw.metadata_labels))

@@ -41,6 +41,7 @@ def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precisi
             "train_samples": len(data.train), "eval_samples": len(data.held_out),
             "test_samples": len(data.test) if data.test is not None else 0,
             "sample_subset": data.sample_subset,  # the rule of a sample limit that cut a split
+            "labels": data.labels,  # a metadata file's, where one gave them
             "num_workers": loaders.num_workers, "train_loader": loaders.choice,
             "jpeg_decoding": loaders.decoding,
             "data_in_memory": isinstance(data.train, ArraySource),

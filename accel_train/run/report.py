@@ -91,6 +91,7 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         f"{'decoded in memory' if facts['data_in_memory'] else 'decoded per step'}, "
         + ("resized and cropped on the device, " if facts.get("placed_on_device") else "") +
         f"{facts['num_workers']} loader worker(s)\n"
+        + (f"  labels: {facts['labels']}\n" if facts.get("labels") else "")
         # which training loader build_loaders chose, and why (--data-on-device)
         + (f"  train batches: {facts['train_loader']}\n" if facts.get("train_loader") else "")
         + (f"  JPEGs decoded {facts['jpeg_decoding']}\n" if facts.get("jpeg_decoding") else "")

@@ -89,6 +89,17 @@ def test_chunks_hold_every_crop_once_within_the_budget(monkeypatch):
     shapes = [(5, 5), (10, 10), (30, 30), (10, 9), (4, 12)]
     chunks = batched_resize._chunks(shapes, 3)
     assert chunks == [[2], [1, 3], [4, 0]]  # 10x12 padding holds two: 4x12 and 5x5
+    # a wide crop and a tall one of the same area pad to 20x20 together: too much
+    assert batched_resize._chunks([(2, 20), (20, 2)], 3) == [[0], [1]]
+
+
+def test_black_stays_black_and_white_white():
+    """A single crop (the batch's first sets the channels), all 0 or all 255, bicubic's
+    overshoot clamped: the same levels after."""
+    for level in (0, 255):
+        crop = torch.full((3, 37, 23), level, dtype=torch.uint8)
+        resized = resized_as_batch([crop], 16, torch.tensor([True]), CPU)
+        assert torch.equal(resized, torch.full((1, 3, 16, 16), level, dtype=torch.uint8))
 
 
 def test_the_callers_matmul_precision_is_kept():
@@ -111,4 +122,5 @@ def test_a_cpu_resizes_crop_by_crop_with_torchvision():
     expected = torch.stack([_torchvision(crop, 24, bool(cubic))
                             for crop, cubic in zip(crops, bicubic)])
     assert torch.equal(resized_crops(crops, 24, bicubic, CPU), expected)
-    assert resized_crops([], 16, torch.zeros(0, dtype=torch.bool), CPU).shape == (0, 3, 16, 16)
+    empty = resized_crops([], 16, torch.zeros(0, dtype=torch.bool), CPU)
+    assert empty.shape == (0, 3, 16, 16) and empty.dtype == torch.uint8

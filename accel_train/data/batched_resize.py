@@ -16,7 +16,8 @@ a 224 px crop of a 400x500 photograph, a few ms a batch of 256 on a GPU): on a C
 The weights are torch's antialiasing ones (aten's `upsample_*_aa` kernels, after PIL's
 ImagingResample): each output pixel i of a side resized from n to `size` pixels weighs input
 pixel j by filter((j + 0.5 - center) * invscale) inside [floor(center - support + 0.5),
-floor(center + support + 0.5)), normalised to sum to one, where scale = n / size, center =
+floor(center + support + 0.5)) and the crop (outside the first, the filter is zero),
+normalised to sum to one, where scale = n / size, center =
 scale * (i + 0.5), support = the filter's radius (1 bilinear, 2 bicubic) times max(scale, 1),
 invscale = 1 / max(scale, 1); bicubic with a = -0.5, as torch and PIL antialias it.  Computed in
 float32, the width then the height, each pass rounded to 8 bits as PIL rounds them (the loader
@@ -133,18 +134,17 @@ def resize_weights(lengths: torch.Tensor, size: int, span: int,
     pixels 0..span-1 when `lengths[k]` pixels are resized to `size` (zero past lengths[k])."""
     length = lengths.to(torch.float32).view(-1, 1, 1)
     scale = length / size
-    widened = torch.clamp(scale, min=1.0)  # a reduction widens the filter, an enlargement not
-    radius = torch.where(bicubic, 2.0, 1.0).view(-1, 1, 1)
-    support, invscale = radius * widened, 1.0 / widened
+    # a reduction widens the filter (its support times the scale), an enlargement does not
+    invscale = 1.0 / torch.clamp(scale, min=1.0)
     center = scale * (torch.arange(size, device=lengths.device, dtype=torch.float32)
                       .view(1, -1, 1) + 0.5)
-    first = torch.floor(center - support + 0.5).clamp(min=0)
-    end = torch.minimum(torch.floor(center + support + 0.5), length)
     pixel = torch.arange(span, device=lengths.device, dtype=torch.float32).view(1, 1, -1)
     distance = ((pixel - center + 0.5) * invscale).abs()
     weights = torch.where(bicubic.view(-1, 1, 1), _cubic(distance),
                           torch.clamp(1.0 - distance, min=0.0))
-    weights = torch.where((pixel >= first) & (pixel < end), weights, 0.0)
+    # torch's window [first, end) holds every pixel whose filter is not zero: only its clamp
+    # to the crop matters here, where the padding past the crop would count in the sum
+    weights = torch.where(pixel < length, weights, 0.0)
     return weights / weights.sum(dim=-1, keepdim=True)
 
 

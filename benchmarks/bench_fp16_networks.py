@@ -3,11 +3,12 @@ r"""GPU: do networks train in fp16, as --mixed-precision auto chooses on a GPU, 
 Each of --models trains --steps steps on CIFAR-10 at --image-size with the command line as a
 user runs it (`python -m accel_train`, fp16's GradScaler with the optimizer's fused kernels),
 in each of --precisions.  Per arm: the exit code (65 where the loss stayed NaN: the run stops
-rather than train nothing), the first and last logged training loss, the held-out top-1 and
-the wall time.  torchvision's GoogLeNet once gave a NaN loss from its first steps in fp16 on
-an H200 (bf16 and fp32 trained), and the same network trained in fp16 in a plain torch loop
-with torch's unfused SGD: the likely cause, fused SGD's momentum left uninitialized by a first
-step the scaler skipped, is mended, and this check says whether the mend holds on a GPU.
+rather than train nothing), the first and last logged training loss, fp16's gradient scale at
+the last record, the held-out top-1 and the wall time.  torchvision's GoogLeNet once gave a NaN
+loss from its first steps in fp16 on an H200 (bf16 and fp32 trained), and the same network
+trained in fp16 in a plain torch loop with torch's unfused SGD: the likely cause, fused SGD's
+momentum left uninitialized by a first step the scaler skipped, is mended, and this check says
+whether the mend holds on a GPU.
 Needs a CUDA device: without one it says so in one line and exits 1.  `--allow-cpu` runs the
 same code on the CPU (the embedded data; fp16 is fp32 there) so that tests keep it working;
 its figures mean nothing.
@@ -53,15 +54,18 @@ def arm_row(args, model: str, precision: str, tmp: Path) -> list:
                                 env=benchlib.child_env(), cwd=benchlib.REPO,
                                 capture_output=True, text=True, timeout=args.arm_timeout)
     except subprocess.TimeoutExpired:
-        return [model, precision, "timed out", "-", "-", "-", f"{args.arm_timeout:g}", ""]
+        return [model, precision, "timed out", "-", "-", "-", "-", f"{args.arm_timeout:g}", ""]
     wall = time.perf_counter() - started
     records = benchlib.read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() \
         else []
     losses = [r.get("loss") for r in records if r.get("type") == "train"]
+    # fp16's gradient scale at the last record: halved at each skipped step (a run whose
+    # scale falls below 1e-4 stops with exit 65); bf16 has none
+    scales = [r["loss_scale"] for r in records if "loss_scale" in r]
     evals = [r["eval_top1"] for r in records if r.get("type") == "epoch" and "eval_top1" in r]
     said = (result.stderr.strip().splitlines() or [""])[-1]
     return [model, precision, result.returncode, _loss(losses[0] if losses else None),
-            _loss(losses[-1] if losses else None),
+            _loss(losses[-1] if losses else None), f"{scales[-1]:g}" if scales else "-",
             f"{evals[-1]:.1%}" if evals else "-", f"{wall:.1f}",
             said[:160] if result.returncode else ""]
 
@@ -97,10 +101,11 @@ def main() -> int:
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else \
         "CPU (--allow-cpu: fp16 runs fp32, no figures)"
     report.table(f"{name}: {args.steps} steps of {args.batch_size} at {args.image_size} px",
-                 ["model", "precision", "exit", "first loss", "last loss", "held-out top-1",
-                  "wall s", "last line (where it failed)"], rows)
+                 ["model", "precision", "exit", "first loss", "last loss", "loss scale",
+                  "held-out top-1", "wall s", "last line (where it failed)"], rows)
     report.data["result"] = [{"model": r[0], "precision": r[1], "exit": r[2],
-                              "first_loss": r[3], "last_loss": r[4]} for r in rows]
+                              "first_loss": r[3], "last_loss": r[4], "loss_scale": r[5]}
+                             for r in rows]
     print(f"wrote {report.save()}")
     return 0
 

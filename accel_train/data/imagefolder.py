@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
@@ -51,7 +52,7 @@ SPLIT_FOLDERS = {"train": "train", "training": "train", "validation": "validatio
                  "test": "test", "testing": "test", "eval": "test", "evaluation": "test"}
 CACHE_MIN_FILES = 10_000  # below this a walk takes well under a second: no cache file
 CACHE_ENV = "ACCEL_TRAIN_INDEX_CACHE"  # folder for cached indexes (default ~/.cache/accel_train)
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # raised whenever the same folder would index otherwise
 RACY_SECONDS = 2.0  # a folder changed this recently may change again within its mtime's tick
 PROGRESS_AFTER = 1.0  # seconds of walking before we say anything
 PROGRESS_LOG_EVERY = 10.0  # seconds between plain progress lines (not a terminal)
@@ -447,6 +448,7 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
             _outside_class_folder(root, missing, split, class_depth,
                                   beside_labelled_train=labelled_train is not None)
         classes[split] = names
+    classes = _one_spelling_per_class(classes)
     class_names = class_order({name for names in classes.values() for name in names},
                               numbers_by_value=train_labels is not None)
     if labelled is not None:
@@ -460,6 +462,24 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
               for split, (_, found) in walked.items()}
     progress.done(total, len(class_names))
     return FolderIndex(root, result, class_names, dirs, not_opened=not_opened)
+
+
+def _one_spelling_per_class(classes: dict[str, list]) -> dict[str, list]:
+    """Each split's class names, those that differ only in their Unicode form (macOS writes
+    "é" decomposed, NFD; Linux tools composed, NFC: a val/ copied from a Mac beside a train/
+    made on Linux) spelt one way: the training split's where it has one, else the first in
+    sorted order.  The two print alike; as two classes, val's would have no training image.
+    Names written in one form only are kept as they are (a resumed run's classes are)."""
+    spellings: dict[str, set[str]] = {}
+    for names in classes.values():
+        for name in set(names):
+            spellings.setdefault(unicodedata.normalize("NFC", name), set()).add(name)
+    if all(len(forms) == 1 for forms in spellings.values()):
+        return classes
+    trained = set(classes.get("train", ()))
+    chosen = {name: min(forms, key=lambda form: (form not in trained, form))
+              for forms in spellings.values() for name in forms}
+    return {split: [chosen[name] for name in names] for split, names in classes.items()}
 
 
 def _is_labelled_split(split: str, val_labels: Optional[str]) -> bool:

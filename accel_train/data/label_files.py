@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import unicodedata
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
@@ -74,7 +75,7 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
             raise UsageError(f"{where} line {number} gives {fields[0]!r} and no class; write "
                              f"IMAGE,CLASS on every line (or one CLASS a line, nothing else)")
         label = fields[1].split()[0] if fields[1].split() else ""
-        if position == 0 and fields[0] not in lookup.holders and label not in classes:
+        if position == 0 and not lookup.holders(fields[0]) and label not in classes:
             continue  # a header line
         image = lookup.image(fields[0], where, number, folder)
         labels[image] = _known_class(label, classes, where, number, classes_from_file)
@@ -96,7 +97,7 @@ def read_train_labels(file: Path, folder: Path, images: list[str]) -> list[str]:
             file, "--train-labels",
             lambda: read_text(file, "train_labels", "--train-labels", errors="replace"))):
         fields = line_fields(line)
-        if position == 0 and fields[0] not in lookup.holders:
+        if position == 0 and not lookup.holders(fields[0]):
             named = metadata_columns(fields)
             continue  # a header line
         if named is not None:
@@ -178,23 +179,35 @@ def class_order(names: set[str], numbers_by_value: bool) -> list[str]:
     return sorted(names)
 
 
+def same_text(text: str) -> str:
+    """`text` as names are compared: in Unicode's composed form (NFC).  macOS writes file names
+    decomposed (NFD, "é" as "e" and a combining accent), a CSV written elsewhere composes them:
+    the two print alike, and a line naming a photo copied from a Mac names that photo."""
+    return unicodedata.normalize("NFC", text)
+
+
 class ImageLookup:
     """Relative path, file name and file name without extension -> image; a name two images
     share (img000.jpg and img000.png; a/x.jpg and b/x.jpg) names neither, and `image` says
-    which two it would be."""
+    which two it would be.  Names match whatever their Unicode form (same_text)."""
 
     def __init__(self, images: list[str]):
-        self.holders: dict[str, list[str]] = {}
+        self.by_name: dict[str, list[str]] = {}
+        self.by_path: dict[str, list[str]] = {}
         for image in images:
+            self.by_path.setdefault(same_text(image), []).append(image)
             name = PurePosixPath(image).name
             for key in {name, os.path.splitext(name)[0]} - {image}:
-                self.holders.setdefault(key, []).append(image)
-        for image in images:
-            self.holders[image] = [image]
+                self.by_name.setdefault(same_text(key), []).append(image)
+
+    def holders(self, key: str) -> list[str]:
+        """The images `key` may name: the one at that path, else those of that name."""
+        key = same_text(key)
+        return self.by_path.get(key) or self.by_name.get(key, [])
 
     def image(self, key: str, where: str, number: int, folder: Path) -> str:
         """The image `key` names, or the line's refusal: no such image, or two of that name."""
-        holders = self.holders.get(key, [])
+        holders = self.holders(key)
         if len(holders) > 1:
             raise UsageError(f"{where} line {number} names {key!r}, which is {holders[0]} and "
                              f"{holders[1]} alike; name the file with its extension, or its "
@@ -209,6 +222,9 @@ def _known_class(label: str, classes: set[str], where: str, number: int,
                  classes_from_file: bool) -> str:
     if label in classes:
         return label
+    spelt = {same_text(name): name for name in classes}.get(same_text(label))
+    if spelt is not None:
+        return spelt  # the class folder's own spelling
     whole = whole_numbers_as_written([label])[0]
     if classes_from_file and whole in classes:
         return whole  # 3.0 for the class 3 training read

@@ -324,6 +324,8 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
                         continue
                     dot = name.rfind(".")
                     if dot > 0 and name[dot:].lower() in extensions:
+                        if not (rel.isascii() and name.isascii()):
+                            refuse_unless_utf8(entry.path, rel + name)
                         found.append(rel + name)
                         has_image = True
                     elif stop_at_parquet and name.endswith(PARQUET):  # (only non-images pay)
@@ -335,6 +337,25 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
         if not (has_image or has_subfolder):
             empty.append(rel)
         progress.update(len(found))
+
+
+def refuse_unless_utf8(path: str, name: str) -> None:
+    """One line for an image at `path` whose name (`name`: the end of `path` from the folder
+    indexed, or all of it) is not UTF-8: a zip made on Windows, unpacked on Linux, keeps its
+    names in the old Windows code page, which Python reads with surrogates that the index
+    (Arrow strings), the logs and the CSV files cannot hold; each ended in a traceback."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = os.fsencode(name)
+        folder = os.fsencode(path)[:-len(raw)].rstrip(b"/").decode("utf-8", "replace")
+        fix = (f"convmv -r -f cp1252 -t utf-8 --notest {folder}" if folder else
+               "convmv -f cp1252 -t utf-8 --notest FILE")
+        raise UsageError(f"the image {raw!r}{' under ' + folder if folder else ''} is named in "
+                         f"bytes that are not UTF-8 (a zip made on Windows keeps its names in "
+                         f"the Windows code page; read as Windows-1252 it is "
+                         f"{raw.decode('cp1252', 'replace')!r}); rename the files to UTF-8, "
+                         f"e.g. {fix}") from None
 
 
 def _split_folders(root: Path, stop_at_parquet: bool) -> dict[str, Path]:

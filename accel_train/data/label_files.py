@@ -15,6 +15,7 @@ else is one line naming the file's line.  Fields are separated by commas, else b
 from __future__ import annotations
 
 import csv
+import functools
 import os
 import re
 import unicodedata
@@ -56,6 +57,7 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
     Every image needs a label, every label one of `classes` (the class folders of train/, or
     with `classes_from_file` the labels of --train-labels), and every line an image of the
     folder; anything else is a UsageError naming the line."""
+    classes = frozenset(classes)  # (its hash kept: _spellings looks it up per line)
     rows = [(number, line_fields(line))
             for number, line in label_lines(file, "--val-labels", lambda: read_text(
                 file, "val_labels", "--val-labels", errors="replace"))]
@@ -218,11 +220,17 @@ class ImageLookup:
         return holders[0]
 
 
+@functools.lru_cache(maxsize=4)
+def _spellings(classes: frozenset) -> dict[str, str]:
+    """same_text(class) -> the class as spelt: made once per set of classes, not per line."""
+    return {same_text(name): name for name in classes}
+
+
 def _known_class(label: str, classes: set[str], where: str, number: int,
                  classes_from_file: bool) -> str:
     if label in classes:
         return label
-    spelt = {same_text(name): name for name in classes}.get(same_text(label))
+    spelt = _spellings(frozenset(classes)).get(same_text(label))
     if spelt is not None:
         return spelt  # the class folder's own spelling
     whole = whole_numbers_as_written([label])[0]

@@ -201,10 +201,20 @@ class _Progress:
                  f"{time.monotonic() - self.started:.1f}s")
 
 
+# Folders that NAS boxes and file systems add beside the user's files: a Synology NAS's
+# thumbnails of each photo (@eaDir/PHOTO.jpg/SYNOPHOTO_THUMB_M.jpg: read as one class per
+# photo), its recycle bin and snapshots (deleted files, copies of the share), Windows' recycle
+# bin and volume data, ext4's lost+found at a disk's root (empty: refused as a class folder).
+SYSTEM_FOLDERS = frozenset({"@eaDir", "#recycle", "#snapshot", "$RECYCLE.BIN",
+                            "System Volume Information", "lost+found"})
+
+
 def left_out(name: str, is_folder: bool) -> bool:
-    """Hidden files and folders (`.DS_Store`, macOS's `._photo.jpg`) and folders starting with
-    `__` (`__MACOSX`, `__pycache__`): never images, in training, check-data or predict."""
-    return name.startswith(".") or (is_folder and name.startswith("__"))
+    """Hidden files and folders (`.DS_Store`, macOS's `._photo.jpg`), folders starting with
+    `__` (`__MACOSX`, `__pycache__`) and SYSTEM_FOLDERS: never the user's images, in training,
+    check-data or predict."""
+    return name.startswith(".") or (is_folder and (name.startswith("__")
+                                                   or name in SYSTEM_FOLDERS))
 
 
 def _plainly_a_file(entry: os.DirEntry) -> bool:
@@ -318,7 +328,7 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
                     if name[0] == ".":
                         continue
                     if entry.is_dir():
-                        if not name.startswith("__"):
+                        if not (name.startswith("__") or name in SYSTEM_FOLDERS):
                             stack.append((entry.path, f"{rel}{name}/", here))
                             has_subfolder = True
                         continue

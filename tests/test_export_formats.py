@@ -349,3 +349,30 @@ def test_without_onnx_installed_it_says_what_to_install(run_dir, tmp_path, monke
     one_line(accel_train_here("export", str(run_dir), "-o", str(tmp_path / "o"), "--format",
                               "onnx"), "onnxruntime", 'pip install "accel_train[onnx]"')
     assert not (tmp_path / "o").exists()
+
+
+def test_the_cards_onnx_snippet_sees_a_photo_as_predict_does(export_dir, images, tmp_path):
+    """The card's ONNX Runtime lines, run as a reader copies them, on a phone's photo stored on
+    its side (EXIF orientation 6, not square) and on a cut-out with transparent corners: the
+    same probabilities as `accel-train predict`, which turns the one upright and puts the other
+    over white.  A plain convert("RGB") fed the first lying down, the second over black."""
+    card = (export_dir / "README.md").read_text()
+    snippet = next(block for block in card.split("```python\n")[1:]
+                   if "onnxruntime.InferenceSession" in block).split("```")[0]
+    snippet = snippet.replace(f'"./{export_dir.name}/', f'"{export_dir}/')
+    photo = np.asarray(Image.open(images[0]).convert("RGB").resize((48, 32)))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    sideways, cutout = tmp_path / "sideways.jpg", tmp_path / "cutout.png"
+    Image.fromarray(photo).save(sideways, exif=exif, quality=95)
+    rgba = np.dstack([np.asarray(Image.open(images[1]).convert("RGB")),
+                      np.full((32, 32), 255, np.uint8)])
+    rgba[:8, :8, 3] = rgba[-8:, -8:, 3] = 0
+    rgba[:8, :8, :3] = 0  # what the transparent pixels hold: black, not what anyone sees
+    Image.fromarray(rgba, "RGBA").save(cutout)
+    predicted = predict_probabilities(export_dir, [sideways, cutout])
+    for row, path in enumerate((sideways, cutout)):
+        scope: dict = {}
+        exec(snippet.replace('"image.png"', f'"{path}"'), scope)  # noqa: S102 -- the card's code
+        probabilities = torch.from_numpy(scope["logits"]).double().softmax(dim=1).numpy()
+        agree(probabilities, predicted[row:row + 1])

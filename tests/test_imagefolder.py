@@ -75,6 +75,21 @@ def test_class_folders_hidden_and_system_entries_and_extensions(tmp_path):
     assert labels.dtype == np.int64
 
 
+def test_the_folders_nas_and_disks_add_beside_photos_are_left_out(tmp_path):
+    """A Synology NAS keeps thumbnails of each photo in @eaDir/PHOTO/ (read as a class per
+    photo: "1.jpg"), deleted files in #recycle and copies in #snapshot; Windows and ext4 add
+    $RECYCLE.BIN, System Volume Information and an empty lost+found at a disk's root.  None is
+    the user's data: training on them taught thumbnails under bogus classes, without a word."""
+    root = _tree(tmp_path / "d", [
+        "cat/1.jpg", "cat/@eaDir/1.jpg/SYNOPHOTO_THUMB_M.jpg", "dog/2.jpg",
+        "dog/@eaDir/2.jpg/SYNOPHOTO_THUMB_XL.jpg", "#recycle/cat/old.jpg",
+        "#snapshot/GMT+00_2024/cat/1.jpg", "$RECYCLE.BIN/S-1-5-21/$R1.jpg",
+        "System Volume Information/x.jpg", "lost+found/"])
+    index = _index(root)
+    assert _rows(index) == {"train": [("cat/1.jpg", "cat"), ("dog/2.jpg", "dog")]}
+    assert [path.name for path in imagefolder.images_under(root)] == ["1.jpg", "2.jpg"]
+
+
 def test_every_folder_walked_is_recorded_with_its_mtime(tmp_path):
     root = _tree(tmp_path / "d", ["cat/1.png", "dog/sub/2.png", ".hidden/3.png",
                                   "__MACOSX/4.png"])

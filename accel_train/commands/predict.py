@@ -83,7 +83,7 @@ def find_images(inputs: Sequence[str]) -> list[tuple[Path, Optional[Path]]]:
     files inside as training's walk lists them (linked folders followed, a dangling link kept
     to be named as unreadable; less `._photo.jpg`, `__MACOSX/`: imagefolder.images_under).  An
     image given twice (or inside two folders given) comes once."""
-    from accel_train.data.imagefolder import images_under
+    from accel_train.data.imagefolder import images_under, refuse_unless_utf8
     from accel_train.data.loader_watch import reading
 
     def say(text: str) -> None:  # a large folder's progress: stdout is the table or the JSON
@@ -102,6 +102,8 @@ def find_images(inputs: Sequence[str]) -> list[tuple[Path, Optional[Path]]]:
             for image in found:
                 images.setdefault(image, path)
         elif exists:
+            if not text.isascii():  # as a folder's images are (the CSV could not name it)
+                refuse_unless_utf8(text, text)
             images.setdefault(path, None)
         else:
             raise UsageError(f"{text}: no such image file or folder")

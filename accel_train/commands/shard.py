@@ -94,7 +94,7 @@ def _samples(args):
         return (list(synthetic.CLASS_NAMES), "synthetic shapes (embedded)",
                 {split: generated(*parts[split]) for split in ("train", "test")},
                 {split: len(parts[split][1]) for split in ("train", "test")})
-    from accel_train.data.decode import Unreadable, read_value
+    from accel_train.data.decode import Unreadable, decode, read_value
     from accel_train.data.labels import labels_and_names, set_aside_unlabelled_splits
     from accel_train.data.sources import (find_columns, image_files, open_data, pick_splits,
                                           rows_of, training_split_name)
@@ -127,14 +127,13 @@ def _samples(args):
             for value in table.column(0).to_pylist():
                 try:
                     data = read_value(value, raw.root)
+                    if not isinstance(data, bytes):  # a pixel array's PIL image
+                        # as training decodes it (alpha over white), not convert("RGB")'s
+                        data = png_bytes(decode(data).permute(1, 2, 0).numpy())
                 except Unreadable as err:
                     raise UsageError(f"{raw.origin} row {row}: {err.reason}") from None
                 path = value.get("path") if isinstance(value, dict) else None
-                if not isinstance(data, bytes):  # a PIL image
-                    import numpy as np
-                    data, ext = png_bytes(np.asarray(data.convert("RGB"))), "png"
-                else:
-                    ext = image_ext(data, path)
+                ext = image_ext(data, path)
                 yield data, ext, int(split_labels[row])
                 row += 1
     return (class_names, f"{raw.origin}",

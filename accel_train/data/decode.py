@@ -8,7 +8,10 @@ What each kind of file becomes:
   where neither library is there.
 - EXIF orientation (any format): applied, as PIL's `ImageOps.exif_transpose` does.
 - 16-bit grayscale PNG/TIFF (PIL modes I;16*, I): scaled to 8 bits (v >> 8), not clipped at 255.
-  16-bit RGB PNG: PIL keeps the high byte, which is the same scaling.
+  16-bit RGB PNG: PIL keeps the high byte, which is the same scaling.  32-bit integer pixels
+  beyond 0..65535: unreadable, saying their range.
+- Float TIFF (PIL mode F): 0..1 scaled to 0..255 (rounded), 0..255 kept; any other range
+  unreadable, saying it (PIL's convert would make a black or white square of it).
 - Transparency (RGBA, LA, a palette or RGB image with a transparent colour): composited over
   white, the background an image viewer shows; dropping the alpha channel would put whatever
   colour the invisible pixels happen to hold (often black) into the training image.
@@ -156,6 +159,8 @@ def decode(item: Union[bytes, Image.Image], fast: bool = True) -> torch.Tensor:
         raise Unreadable(_too_large(*pil_size(item))) from None
     except UnidentifiedImageError:
         raise Unreadable(_not_an_image(item)) from None
+    except Unreadable:  # its pixels' own reason (_wide_gray)
+        raise
     except Exception as err:  # noqa: BLE001 -- a broken file may raise anything; it is data
         raise Unreadable(_describe(err)) from None
     return torch.from_numpy(np.array(pixels)).permute(2, 0, 1)  # a writable copy
@@ -240,14 +245,38 @@ def _rgb_pixels(pil: Image.Image) -> np.ndarray:
     """uint8 [H, W, 3]: orientation applied, 16 bits scaled, transparency over white."""
     if pil_orientation(pil) != 1:
         pil = ImageOps.exif_transpose(pil)
-    if pil.mode in _SIXTEEN_BIT_MODES:
-        gray = (np.asarray(pil).astype(np.int64).clip(0, 65535) >> 8).astype(np.uint8)
-        return np.repeat(gray[:, :, None], 3, axis=2)
+    if pil.mode in _SIXTEEN_BIT_MODES or pil.mode == "F":
+        return np.repeat(_wide_gray(pil)[:, :, None], 3, axis=2)
     if pil.mode in _ALPHA_MODES or "transparency" in pil.info:
         rgba = np.asarray(pil.convert("RGBA")).astype(np.uint32)
         alpha = rgba[:, :, 3:]
         return ((rgba[:, :, :3] * alpha + 255 * (255 - alpha) + 127) // 255).astype(np.uint8)
     return np.asarray(pil.convert("RGB"))
+
+
+def _wide_gray(pil: Image.Image) -> np.ndarray:
+    """uint8 [H, W] of a gray image stored in more than 8 bits.  Integers (16-bit PNG/TIFF, and
+    32-bit TIFFs holding 16-bit values): v >> 8.  Floats (mode F TIFFs): 0..1, the float
+    convention, scaled by 255 and rounded (pixels / 255 come back exactly); 0..255 kept as
+    PIL's convert keeps them.  Any other range is no picture one rule could recover (a depth
+    map in metres, normalized values): unreadable, saying the range, where PIL's convert
+    would clip it to a black or white square without a word."""
+    values = np.asarray(pil)
+    if pil.mode == "F":
+        if not np.isfinite(values).all():
+            raise Unreadable("floating-point pixels holding not a number or an infinity")
+        low, high = float(values.min()), float(values.max())
+        if low >= 0 and high <= 1:
+            return np.rint(values.astype(np.float64) * 255).astype(np.uint8)
+        if low >= 0 and high <= 255:
+            return np.asarray(pil.convert("L"))
+        raise Unreadable(f"floating-point pixels from {low:g} to {high:g}, neither 0..1 nor "
+                         f"0..255: save it as an 8- or 16-bit image")
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high > 65535:  # a 32-bit integer TIFF
+        raise Unreadable(f"integer pixels from {low} to {high}, beyond 16 bits (0..65535): "
+                         f"save it as an 8- or 16-bit image")
+    return (values.astype(np.int64) >> 8).astype(np.uint8)
 
 
 def _decode_jpegs(blobs: list[bytes]) -> list[Optional[torch.Tensor]]:

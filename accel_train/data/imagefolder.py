@@ -36,6 +36,7 @@ import json
 import os
 import sys
 import time
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
@@ -55,7 +56,7 @@ SPLIT_FOLDERS = {"train": "train", "training": "train", "validation": "validatio
                  "test": "test", "testing": "test", "eval": "test", "evaluation": "test"}
 CACHE_MIN_FILES = 10_000  # below this a walk takes well under a second: no cache file
 CACHE_ENV = "ACCEL_TRAIN_INDEX_CACHE"  # folder for cached indexes (default ~/.cache/accel_train)
-CACHE_VERSION = 2  # 2: a split's metadata file labels it
+CACHE_VERSION = 3  # raised whenever the same folder would index otherwise
 RACY_SECONDS = 2.0  # a folder changed this recently may change again within its mtime's tick
 PROGRESS_AFTER = 1.0  # seconds of walking before we say anything
 PROGRESS_LOG_EVERY = 10.0  # seconds between plain progress lines (not a terminal)
@@ -206,10 +207,20 @@ class _Progress:
                  f"{time.monotonic() - self.started:.1f}s")
 
 
+# Folders that NAS boxes and file systems add beside the user's files: a Synology NAS's
+# thumbnails of each photo (@eaDir/PHOTO.jpg/SYNOPHOTO_THUMB_M.jpg: read as one class per
+# photo), its recycle bin and snapshots (deleted files, copies of the share), Windows' recycle
+# bin and volume data, ext4's lost+found at a disk's root (empty: refused as a class folder).
+SYSTEM_FOLDERS = frozenset({"@eaDir", "#recycle", "#snapshot", "$RECYCLE.BIN",
+                            "System Volume Information", "lost+found"})
+
+
 def left_out(name: str, is_folder: bool) -> bool:
-    """Hidden files and folders (`.DS_Store`, macOS's `._photo.jpg`) and folders starting with
-    `__` (`__MACOSX`, `__pycache__`): never images, in training, check-data or predict."""
-    return name.startswith(".") or (is_folder and name.startswith("__"))
+    """Hidden files and folders (`.DS_Store`, macOS's `._photo.jpg`), folders starting with
+    `__` (`__MACOSX`, `__pycache__`) and SYSTEM_FOLDERS: never the user's images, in training,
+    check-data or predict."""
+    return name.startswith(".") or (is_folder and (name.startswith("__")
+                                                   or name in SYSTEM_FOLDERS))
 
 
 def _plainly_a_file(entry: os.DirEntry) -> bool:
@@ -323,12 +334,14 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
                     if name[0] == ".":
                         continue
                     if entry.is_dir():
-                        if not name.startswith("__"):
+                        if not (name.startswith("__") or name in SYSTEM_FOLDERS):
                             stack.append((entry.path, f"{rel}{name}/", here))
                             has_subfolder = True
                         continue
                     dot = name.rfind(".")
                     if dot > 0 and name[dot:].lower() in extensions:
+                        if not (rel.isascii() and name.isascii()):
+                            refuse_unless_utf8(entry.path, rel + name)
                         found.append(rel + name)
                         has_image = True
                     elif stop_at_parquet and name.endswith(PARQUET):  # (only non-images pay)
@@ -340,6 +353,25 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
         if not (has_image or has_subfolder):
             empty.append(rel)
         progress.update(len(found))
+
+
+def refuse_unless_utf8(path: str, name: str) -> None:
+    """One line for an image at `path` whose name (`name`: the end of `path` from the folder
+    indexed, or all of it) is not UTF-8: a zip made on Windows, unpacked on Linux, keeps its
+    names in the old Windows code page, which Python reads with surrogates that the index
+    (Arrow strings), the logs and the CSV files cannot hold; each ended in a traceback."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = os.fsencode(name)
+        folder = os.fsencode(path)[:-len(raw)].rstrip(b"/").decode("utf-8", "replace")
+        fix = (f"convmv -r -f cp1252 -t utf-8 --notest {folder}" if folder else
+               "convmv -f cp1252 -t utf-8 --notest FILE")
+        raise UsageError(f"the image {raw!r}{' under ' + folder if folder else ''} is named in "
+                         f"bytes that are not UTF-8 (a zip made on Windows keeps its names in "
+                         f"the Windows code page; read as Windows-1252 it is "
+                         f"{raw.decode('cp1252', 'replace')!r}); rename the files to UTF-8, "
+                         f"e.g. {fix}") from None
 
 
 def _split_folders(root: Path, stop_at_parquet: bool) -> dict[str, Path]:
@@ -450,6 +482,7 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
             _outside_class_folder(root, missing, split, class_depth,
                                   beside_labelled_train=labelled_train is not None)
         classes[split] = names
+    classes = _one_spelling_per_class(classes)
     class_names = class_order({name for names in classes.values() for name in names},
                               numbers_by_value=labelled_train is not None)
     for split, (file, flag) in files.items():
@@ -516,6 +549,24 @@ def _metadata_labels(root: Path, splits: dict[str, Path], dirs: list[tuple[str, 
             files[split] = (found[0], None)
             taken[split] = relative
     return taken
+
+
+def _one_spelling_per_class(classes: dict[str, list]) -> dict[str, list]:
+    """Each split's class names, those that differ only in their Unicode form (macOS writes
+    "é" decomposed, NFD; Linux tools composed, NFC: a val/ copied from a Mac beside a train/
+    made on Linux) spelt one way: the training split's where it has one, else the first in
+    sorted order.  The two print alike; as two classes, val's would have no training image.
+    Names written in one form only are kept as they are (a resumed run's classes are)."""
+    spellings: dict[str, set[str]] = {}
+    for names in classes.values():
+        for name in set(names):
+            spellings.setdefault(unicodedata.normalize("NFC", name), set()).add(name)
+    if all(len(forms) == 1 for forms in spellings.values()):
+        return classes
+    trained = set(classes.get("train", ()))
+    chosen = {name: min(forms, key=lambda form: (form not in trained, form))
+              for forms in spellings.values() for name in forms}
+    return {split: [chosen[name] for name in names] for split, names in classes.items()}
 
 
 def _is_labelled_split(split: str, val_labels: Optional[str]) -> bool:

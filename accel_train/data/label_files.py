@@ -20,9 +20,11 @@ image folder takes one at a split folder's root as its labels without a flag (im
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import re
+import unicodedata
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
@@ -172,7 +174,7 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
             raise UsageError(f"{where} line {number} gives {fields[0]!r} and no class; write "
                              f"IMAGE,CLASS on every line (or one CLASS a line, nothing else)")
         label = fields[1].split()[0] if fields[1].split() else ""
-        if position == 0 and fields[0] not in lookup.holders and label not in classes:
+        if position == 0 and not lookup.holders(fields[0]) and label not in classes:
             continue  # a header line
         image = lookup.image(fields[0], where, number, folder)
         labels[image] = _known_class(label, classes, where, number, classes_from_file)
@@ -192,7 +194,7 @@ def read_train_labels(file: Path, folder: Path, images: list[str],
     where = where_of(file, flag)
     rows, by_name = label_rows(file, flag)
     lookup = ImageLookup(images)
-    if not by_name and rows[0][1][0] not in lookup.holders:
+    if not by_name and not lookup.holders(rows[0][1][0]):
         rows = rows[1:]  # a header line
     labels = labelled_images(rows, lookup, images, where, folder, by_name)
     return whole_numbers_as_written([labels[image][0] for image in images])
@@ -285,23 +287,35 @@ def class_order(names: set[str], numbers_by_value: bool) -> list[str]:
     return sorted(names)
 
 
+def same_text(text: str) -> str:
+    """`text` as names are compared: in Unicode's composed form (NFC).  macOS writes file names
+    decomposed (NFD, "é" as "e" and a combining accent), a CSV written elsewhere composes them:
+    the two print alike, and a line naming a photo copied from a Mac names that photo."""
+    return unicodedata.normalize("NFC", text)
+
+
 class ImageLookup:
     """Relative path, file name and file name without extension -> image; a name two images
     share (img000.jpg and img000.png; a/x.jpg and b/x.jpg) names neither, and `image` says
-    which two it would be."""
+    which two it would be.  Names match whatever their Unicode form (same_text)."""
 
     def __init__(self, images: list[str]):
-        self.holders: dict[str, list[str]] = {}
+        self.by_name: dict[str, list[str]] = {}
+        self.by_path: dict[str, list[str]] = {}
         for image in images:
+            self.by_path.setdefault(same_text(image), []).append(image)
             name = PurePosixPath(image).name
             for key in {name, os.path.splitext(name)[0]} - {image}:
-                self.holders.setdefault(key, []).append(image)
-        for image in images:
-            self.holders[image] = [image]
+                self.by_name.setdefault(same_text(key), []).append(image)
+
+    def holders(self, key: str) -> list[str]:
+        """The images `key` may name: the one at that path, else those of that name."""
+        key = same_text(key)
+        return self.by_path.get(key) or self.by_name.get(key, [])
 
     def image(self, key: str, where: str, number: int, folder: Path) -> str:
         """The image `key` names, or the line's refusal: no such image, or two of that name."""
-        holders = self.holders.get(key, [])
+        holders = self.holders(key)
         if len(holders) > 1:
             raise UsageError(f"{where} line {number} names {key!r}, which is {holders[0]} and "
                              f"{holders[1]} alike; name the file with its extension, or its "
@@ -312,10 +326,19 @@ class ImageLookup:
         return holders[0]
 
 
+@functools.lru_cache(maxsize=4)
+def _spellings(classes: frozenset) -> dict[str, str]:
+    """same_text(class) -> the class as spelt: made once per set of classes, not per line."""
+    return {same_text(name): name for name in classes}
+
+
 def _known_class(label: str, classes: set[str], where: str, number: int,
                  classes_from_file: bool) -> str:
     if label in classes:
         return label
+    spelt = _spellings(frozenset(classes)).get(same_text(label))
+    if spelt is not None:
+        return spelt  # the class folder's own spelling
     whole = whole_numbers_as_written([label])[0]
     if classes_from_file and whole in classes:
         return whole  # 3.0 for the class 3 training read

@@ -22,16 +22,23 @@ from PIL import Image
 from accel_train.base.errors import UsageError, first_few
 from accel_train.base.randomness import seeded
 from accel_train.data.sample_limits import kept_positions, subset_if_cut
+from accel_train.data.decode import Unreadable, decode
 from accel_train.data.carve import carve_description, carve_name, carve_rows
 from accel_train.data.sources import (IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, ArraySource,
                                       ImageSource, LoadedData, held_in_memory)
 
 
 def as_uint8_chw(value: Any, where: str) -> torch.Tensor:
-    """One image as a uint8 [3, H, W] tensor (grey images repeated to three channels)."""
+    """One image as a uint8 [3, H, W] tensor (grey images repeated to three channels).  A PIL
+    image becomes what its file becomes on the command line (decode.py: EXIF orientation
+    applied, transparency over white, 16-bit and float gray scaled), so that a model fit() trained
+    sees its photos as `predict` and `eval` show them to it; a plain convert("RGB") would train
+    on a phone's photos lying on their side."""
     if isinstance(value, Image.Image):
-        array = np.asarray(value.convert("RGB"))
-        return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+        try:
+            return decode(value).contiguous()
+        except Unreadable as err:
+            raise UsageError(f"{where}: the image cannot be decoded ({err.reason})") from None
     if isinstance(value, np.ndarray):
         if value.ndim == 3 and value.shape[-1] in (1, 3, 4):
             # numpy's images are height, width, channels (np.asarray of a PIL image, imageio,

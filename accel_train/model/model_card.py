@@ -242,16 +242,26 @@ accel-train: `accel-train predict ./{name} IMAGES...`, `accel-train eval ./{name
     return text + _onnx_usage(facts)
 
 
+# An image as the run saw it (decode.py): upright by its EXIF orientation (a phone's photo is
+# stored on its side), transparency over white (convert("RGB") shows what the invisible pixels
+# hold, often black).
+_PIL_OPENING = (
+    'image = ImageOps.exif_transpose(Image.open("image.png"))  # upright, as trained',
+    'image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), '
+    'image.convert("RGBA")).convert("RGB")  # transparency over white')
+
+
 def _pil_preparation(spec: ModelSpec) -> str:
     """PIL lines that resize and crop an image as timm's eval transform does for this spec
     (torchvision's Resize and CenterCrop arithmetic), for a program without torch."""
     size, method = spec.image_size, spec.interpolation.upper()
     scaled = int(size / spec.crop_pct)  # timm: floor(size / crop_pct)
+    lines = list(_PIL_OPENING)
     if spec.crop_mode == "border":  # padding with the mean: timm's own transform says it best
-        return (f"image = Image.open(\"image.png\").convert(\"RGB\")  # then timm.data."
-                f"create_transform(input_size={size}, crop_pct={spec.crop_pct}, crop_mode="
-                f"\"border\", interpolation=\"{spec.interpolation}\", use_prefetcher=True)")
-    lines = ['image = Image.open("image.png").convert("RGB")']
+        return "\n".join(lines + [
+            f"# then timm.data.create_transform(input_size={size}, crop_pct={spec.crop_pct}, "
+            f"crop_mode=\"border\", interpolation=\"{spec.interpolation}\", "
+            f"use_prefetcher=True)"])
     if spec.crop_mode == "squash":
         lines.append(f"image = image.resize(({scaled}, {scaled}), Image.{method})")
     else:  # center: the shorter side to `scaled`, the longer in proportion (truncated)
@@ -275,7 +285,7 @@ ONNX Runtime (`model.onnx`: input `images` float32 [batch, 3, {spec.image_size},
 
 ```python
 import numpy as np, onnxruntime
-from PIL import Image
+from PIL import Image, ImageOps
 session = onnxruntime.InferenceSession("./{name}/model.onnx")
 {_pil_preparation(spec)}
 x = (np.asarray(image, np.float32) / 255 - {list(spec.mean)}) / {list(spec.std)}

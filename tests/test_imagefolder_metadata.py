@@ -160,6 +160,13 @@ JSONL_PROBLEMS = {
     "no label key": (GOOD + '{"file_name": "1.png", "class": "dog"}\n' + REST,
                      "{file} line 2 has no 'label' key; give every line the image's file_name "
                      "and its label"),
+    "neither key": (GOOD + '{"path": "1.png", "class": "dog"}\n' + REST,
+                    "{file} line 2 has no 'file_name' or 'label' key; give every line the "
+                    "image's file_name and its label"),
+    "a long object": (GOOD + '{"file_name": "1.png", "label": {"name": "a dog of many colours '
+                      'and sizes"}}\n' + REST,
+                      '{file} line 2 gives label {{"name": "a dog of many colours and s..., neither '
+                      "text nor a number"),
     "null": (GOOD + '{"file_name": "1.png", "label": null}\n' + REST,
              "{file} line 2 gives '1.png' no class; write a label for every file_name"),
     "NaN": (GOOD + '{"file_name": "1.png", "label": NaN}\n' + REST,
@@ -201,6 +208,22 @@ def test_each_metadata_jsonl_problem_is_one_line_naming_its_line(tmp_path, probl
         assert ran.stderr.strip().startswith(flagged), (ran.stderr, flagged)
     else:  # (the reader's kind names the flag's fix)
         assert ran.stderr.strip().startswith(flagged.split("; fix")[0]), (ran.stderr, flagged)
+
+
+def test_a_metadata_csv_excel_saved_with_its_byte_order_mark_is_read(tmp_path):
+    """Excel's "CSV UTF-8" starts the file with a byte order mark: the header still names
+    file_name, as pandas reads it (its oracle: encoding utf-8-sig)."""
+    folder = tmp_path / "hf" / "train"
+    for i in range(4):
+        _image(folder / f"{i}.png", 50 * i)
+    file = folder / "metadata.csv"
+    file.write_bytes("file_name,label\n0.png,cat\n1.png,dog\n2.png,cat\n3.png,dog\n"
+                     .encode("utf-8-sig"))
+    expected = pd.read_csv(file, encoding="utf-8-sig")
+    data = load_data(TrainConfig(data_dir=str(tmp_path / "hf"), in_memory="never"))
+    ours = _ours(data)
+    assert ours == {f"train/{name}": label
+                    for name, label in zip(expected["file_name"], expected["label"])}
 
 
 def test_metadata_files_of_both_kinds_in_one_folder_are_refused(tmp_path):

@@ -88,6 +88,28 @@ def test_a_split_with_no_rows_is_one_line_naming_it(tmp_path, layout):
     assert "validation" in line and "holds no rows" in line, line
 
 
+def streamed_shards(root: Path, splits: dict[str, int]) -> Path:
+    source = parquet_folder(root.with_name(root.name + "_parquet"), splits)
+    accel_train_here("shard", "--data-dir", str(source), "--output", str(root), check=True)
+    return root
+
+
+@pytest.mark.parametrize("layout", ["parquet", "save_to_disk", "shards"])
+@pytest.mark.parametrize("flag", ["--val-labels", "--train-labels", "--class-depth"])
+def test_an_image_folders_labelling_options_on_data_with_labels_are_refused(tmp_path, layout,
+                                                                         flag):
+    """--val-labels, --train-labels and --class-depth say how an image folder's images are
+    labelled; given with parquet, save_to_disk data or streamed shards they went unread
+    without a word (the run trained on the data's own labels), so one line says so."""
+    make = {**LAYOUTS, "shards": streamed_shards}[layout]
+    data = make(tmp_path / "data", {"train": 6, "validation": 4})
+    labels = tmp_path / "labels.csv"
+    labels.write_text("0.png,a\n")
+    value = "1" if flag == "--class-depth" else str(labels)
+    line = one_line(tmp_path, data, flag, value)
+    assert f"{flag} {value}" in line and "image folder" in line and f"drop {flag}" in line, line
+
+
 def test_a_carve_that_leaves_nothing_to_train_is_one_line(tmp_path):
     data = parquet_folder(tmp_path / "data", {"train": 20})
     line = one_line(tmp_path, data, "--val-fraction", "0.999")

@@ -540,6 +540,7 @@ def _load_local(config: TrainConfig) -> RawData:
     if not path.is_dir():
         raise UsageError(f"--data-dir {data_dir} is a file; pass the folder that holds the data")
     if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        refuse_image_folder_options(config, "a save_to_disk folder, labelled by its label column")
         loaded = load_saved_dataset(path, f"--data-dir {data_dir}:")
         if not isinstance(loaded, datasets.DatasetDict):
             loaded = datasets.DatasetDict(train=loaded)
@@ -557,6 +558,8 @@ def _load_local(config: TrainConfig) -> RawData:
         # A parquet layout, or a folder that is no image folder: what the search finds decides
         parquet = sorted(files_under(path, PARQUET))
         if parquet:
+            refuse_image_folder_options(config, "a folder of parquet files, labelled by their "
+                                                "label column")
             return _load_parquet(path, parquet, data_dir)
         if next(files_under(path), None) is None:
             raise UsageError(f"--data-dir {data_dir} holds no files; expected parquet files, a "
@@ -570,6 +573,18 @@ def _load_local(config: TrainConfig) -> RawData:
                              train_labels=config.train_labels)
     refuse_a_run_inside(path, config)
     return _image_folder_data(path, index)
+
+
+def refuse_image_folder_options(config, what: str) -> None:
+    """--val-labels, --train-labels and --class-depth say how an image folder's images are
+    labelled; data with a label column of its own would train on that column, the option
+    unread."""
+    for name in ("val_labels", "train_labels", "class_depth"):
+        value = getattr(config, name, None)
+        if value is not None:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} {value} labels the images of an image folder, and "
+                             f"--data-dir {config.data_dir} is {what}; drop {flag}")
 
 
 def refuse_a_run_inside(image_folder: Path, config: TrainConfig) -> None:

@@ -300,6 +300,28 @@ def test_select_on_test_that_changes_nothing_is_said(tmp_path, splits, words):
     assert len(loaded.held_out) == 6 and loaded.test is None
 
 
+def test_a_carve_asked_of_data_with_its_own_validation_split_is_said_to_change_nothing(
+        tmp_path):
+    """--val-fraction and --val-stratify carve a validation split off train where the data has
+    none; beside a val/ folder they went unread without a word, the run holding out val/ (its
+    4 images, counted here) where the user asked for 30% of train.  A folder without val/ is
+    carved as asked, and nothing is said."""
+    data = image_folder(tmp_path / "data", {"train": 10, "val": 4})
+    argv = ["--model", "test_resnet", "--max-steps", "1", "--batch-size", "4", "--progress",
+            "log", "--no-plots", *PINNED, "--val-fraction", "0.3", "--val-stratify"]
+    result = accel_train_here("--data-dir", str(data), *argv, "--output-dir",
+                              str(tmp_path / "run"), check=True)
+    said = [line for line in (result.stdout + result.stderr).splitlines()
+            if "no effect" in line]
+    assert said == [f"warning: --val-fraction 0.3 and --val-stratify have no effect: {data} has "
+                    f"a validation split (validation), which the run holds out"], result.stdout
+    assert "10 train / 4 validation images" in result.stdout
+    carved = accel_train_here("--data-dir", str(data / "train"), *argv, "--output-dir",
+                              str(tmp_path / "carved"), check=True)
+    assert "no effect" not in carved.stdout + carved.stderr
+    assert "7 train / 3 validation images" in carved.stdout  # ceil(10 x 0.3) held out
+
+
 def test_eval_on_other_data_checks_its_classes_against_the_models(tmp_path):
     """Other data whose validation folder holds a class its own train/ lacks: training would
     refuse it in its words; eval checks the classes against the model's, and says that."""

@@ -17,7 +17,7 @@ import functools
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -749,6 +749,22 @@ def pick_splits(raw: RawData, val_fraction: float, label_column: str,
                   + (f"; {test} kept for the end" if test else ""))
 
 
+def carve_options_unused(config: TrainConfig, origin: str, eval_name: str) -> Optional[str]:
+    """The carve options given (--val-fraction other than its default, --val-stratify) where
+    the data holds out a split of its own: nothing is carved, which a run should say rather
+    than hold out other images than the ones asked for without a word."""
+    default = next(f.default for f in fields(TrainConfig) if f.name == "val_fraction")
+    given = ([f"--val-fraction {config.val_fraction:g}"]
+             if config.val_fraction != default else []) + \
+        (["--val-stratify"] if config.val_stratify else [])
+    if not given:
+        return None
+    split = "test split, used for selection" if eval_name.lower() in TEST_SPLIT_NAMES else \
+        "validation split"
+    return (f"{' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect: {origin} "
+            f"has a {split} ({eval_name}), which the run holds out")
+
+
 def refuse_classes_left_unreadable(source: "HFSource", decoded: ArraySource,
                                    class_names: list[str]) -> None:
     """A class none of whose training images decodes would train as an output that only
@@ -834,6 +850,9 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True,
                         + (f"has a validation split ({splits.eval_name}), which selects"
                            if splits.eval_name != splits.train_name else
                            "has no test split; part of train is held out for validation"))
+    if splits.eval_name != splits.train_name and not every_image:
+        unused_carve = carve_options_unused(config, raw.origin, splits.eval_name)
+        warnings += [unused_carve] if unused_carve else []
     if to_train:
         refuse_folders_never_trained(raw, splits)
     limits = {"train": ("--max-train-samples", config.max_train_samples),

@@ -182,6 +182,27 @@ def test_an_unlabelled_test_folder_beside_labelled_train_and_val_names_the_way_o
     assert not (tmp_path / "run").exists()
 
 
+def test_a_class_folder_named_in_another_unicode_form_in_val_is_named_as_such(tmp_path):
+    """val/'s "café" written decomposed (NFD: "e" and a combining accent, as macOS writes
+    names) beside train/'s composed one (NFC): two names that print alike, so the line that
+    val/ has a class train/ lacks read as nonsense.  It shows the two spellings (Python's
+    ascii() of each, the oracle) and says what differs."""
+    import unicodedata
+
+    from conftest import PINNED, accel_train_here
+    composed, decomposed = (unicodedata.normalize(form, "café") for form in ("NFC", "NFD"))
+    root = _tree(tmp_path / "d", [f"train/{composed}/1.png", "train/tea/2.png",
+                                  f"val/{decomposed}/3.png", "val/tea/4.png"])
+    result = accel_train_here("--data-dir", str(root), "--model", "test_resnet", *PINNED,
+                              "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"accel_train: error: --data-dir {root}: the validation split's class folder "
+        f"{ascii(decomposed)} and train's {ascii(composed)} are one name in two Unicode forms "
+        f"(decomposed, as macOS writes names, and composed): they would be two classes; "
+        f"rename one of the two folders"], result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("files", [[], ["cat/notes.txt", "dog/"], [".hidden/1.png"],
                                    ["__MACOSX/cat/1.png"]])
 def test_no_images_at_all_is_refused(tmp_path, files):

@@ -203,6 +203,7 @@ def refuse_folders_never_trained(raw, splits) -> None:
         if held_out in (None, splits.train_name):
             continue
         never = [names[c] for c in sorted(classes_with_images(held_out) - trained)]
+        refuse_unicode_twins(raw.root, held_out, never, [names[c] for c in trained])
         if never:  # the hint is a command to paste: check-data takes --data-dir, quoted
             raise UsageError(f"--data-dir {raw.root}: the {held_out} split has images of "
                              f"class(es) {first_few(never)}, of which train has none: the "
@@ -210,6 +211,24 @@ def refuse_folders_never_trained(raw, splits) -> None:
                              f"rename or remove those folders (accel-train check-data "
                              f"--data-dir {shlex.quote(str(raw.root))} lists each split's "
                              f"classes)")
+
+
+def refuse_unicode_twins(root, held_out: str, never: list[str], trained: list[str]) -> None:
+    """A held-out class folder whose name is a training class's in the other Unicode form
+    (decomposed, NFD, as macOS writes names; composed, NFC, elsewhere): the two print alike,
+    so the refusal shows each spelling (ascii()) and says what differs."""
+    import unicodedata
+    composed = {unicodedata.normalize("NFC", name): name for name in trained}
+    for name in never:
+        twin = composed.get(unicodedata.normalize("NFC", name))
+        if twin is not None:
+            forms = ("decomposed, as macOS writes names, and composed"
+                     if unicodedata.is_normalized("NFD", name) else
+                     "composed, and decomposed as macOS writes names")
+            raise UsageError(f"--data-dir {root}: the {held_out} split's class folder "
+                             f"{ascii(name)} and train's {ascii(twin)} are one name in two "
+                             f"Unicode forms ({forms}): they would be two classes; rename one "
+                             f"of the two folders")
 
 
 def classes_left_unreadable(labels: torch.Tensor, broken, num_classes: int) -> list[int]:

@@ -553,6 +553,9 @@ class TrainConfig:
             if getattr(self, name) is not None and self.data_dir is None:
                 raise UsageError(f"{flag(name)} labels {what} of an image folder: pass "
                                  f"--data-dir DIR too")
+        if self.class_depth is not None and self.data_dir is None:
+            raise UsageError("--class-depth names the folder level of an image folder's "
+                             "classes: pass --data-dir DIR too")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise UsageError(f"--grad-clip must be > 0 (got {self.grad_clip}); omit it to not clip")
         if not (isinstance(self.loader_timeout, (int, float)) and self.loader_timeout >= 0

@@ -72,6 +72,7 @@ from accel_train.train.precision import (accelerate_fp16_note, precision_name,
                                          precision_this_process_holds, resolve_precision,
                                          use_fast_cuda_math)
 from accel_train.train.stem_bias import maybe_stem_bias_stop
+from accel_train.train.selection import top5_picks_nothing
 
 STOPPED_EXIT = 143  # 128 + SIGTERM: schedulers read it as "terminated", not "finished"
 
@@ -197,6 +198,7 @@ class Trainer:
                             *idle_option_warnings(self.config,
                                                   self.pacer.known_total(self.total_steps)),
                             *self.data.warnings,
+                            top5_picks_nothing(self.config.eval_metric, net.spec.num_classes),
                             distributed.unusable_gpu_warning(),
                             distributed.ignored_dist_url_warning(self.config, plan.env),
                             accelerate_fp16_note(self.config.mixed_precision, self.precision,

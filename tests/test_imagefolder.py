@@ -175,6 +175,28 @@ def test_an_image_outside_any_class_folder_is_refused(tmp_path, held_out):
                                  f"class's images in a subfolder named after the class{hint}")
 
 
+@pytest.mark.parametrize("flags", [[], ["--val-labels", "labels.csv"]])
+def test_an_unlabelled_test_folder_beside_labelled_train_and_val_names_the_way_out(tmp_path,
+                                                                                   flags):
+    """train/ and val/ sorted into class folders, test/ of unsorted images (a competition's
+    test set): the line said that a held-out folder of unlabelled images needs --val-labels,
+    which labels val/, not test/, and given so the same line came back.  It names the way
+    out: test/ out of the data, predicted after training; nothing is written."""
+    from conftest import PINNED, accel_train_here
+    root = _tree(tmp_path / "d", ["train/cat/1.png", "train/dog/2.png", "val/cat/3.png",
+                                  "val/dog/4.png", "test/5.png", "test/6.png"])
+    (tmp_path / "labels.csv").write_text("cat/3.png,cat\ndog/4.png,dog\n")
+    given = [flag if flag.startswith("--") else str(tmp_path / flag) for flag in flags]
+    result = accel_train_here("--data-dir", str(root), *given, "--model", "test_resnet",
+                              *PINNED, "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"accel_train: error: {root}/test/5.png is in test/, images not sorted into class "
+        f"folders beside the labelled train/ and val/ (a competition's test set?): move "
+        f"test/ out of {root} to train on train/ and val/, then predict it (accel-train "
+        f"predict RUN FOLDER), or sort its images into class folders"], result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("files", [[], ["cat/notes.txt", "dog/"], [".hidden/1.png"],
                                    ["__MACOSX/cat/1.png"]])
 def test_no_images_at_all_is_refused(tmp_path, files):
@@ -421,7 +443,8 @@ def test_a_labelled_held_out_folder_through_the_index(tmp_path):
                             "train": [("train/cat/1.png", "cat"), ("train/dog/2.png", "dog")],
                             "validation": [("val/a.png", "dog"), ("val/b.png", "cat")]}
     (root / "test" / "dog" / "c.png").rename(root / "test" / "c.png")
-    with pytest.raises(UsageError, match="test/c.png is not inside a class folder"):
+    with pytest.raises(UsageError, match="test/c.png is in test/, images not sorted into "
+                                         "class folders beside "):
         _index(root, val_labels=str(labels))  # only the labelled split may do without
 
 

@@ -165,8 +165,8 @@ JSONL_PROBLEMS = {
                     "image's file_name and its label"),
     "a long object": (GOOD + '{"file_name": "1.png", "label": {"name": "a dog of many colours '
                       'and sizes"}}\n' + REST,
-                      '{file} line 2 gives label {{"name": "a dog of many colours and s..., neither '
-                      "text nor a number"),
+                      '{file} line 2 gives label {{"name": "a dog of many colours and s..., '
+                      "neither text nor a number"),
     "null": (GOOD + '{"file_name": "1.png", "label": null}\n' + REST,
              "{file} line 2 gives '1.png' no class; write a label for every file_name"),
     "NaN": (GOOD + '{"file_name": "1.png", "label": NaN}\n' + REST,

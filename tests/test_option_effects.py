@@ -674,3 +674,32 @@ def test_a_manual_start_without_local_rank_spreads_a_machines_processes_over_its
     assert distributed._env_from_manual_flags(TrainConfig(rank=3, **manual), 0).local_rank == 0
     assert distributed._env_from_manual_flags(
         TrainConfig(rank=3, local_rank=0, **manual), 2).local_rank == 0  # given: kept
+
+
+def test_eval_metric_top5_with_five_classes_or_fewer_is_said_to_pick_nothing(tmp_path):
+    """Top-5 of a model of 5 classes or fewer holds every class: each evaluation scores 100%
+    (metrics.jsonl's eval_top5, the oracle), so --eval-metric top5 ranks every epoch alike and
+    the best checkpoints and weights it keeps are no choice at all; the start says so.  Ten
+    classes (the synthetic set) leave top-5 a number to pick by: not said."""
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for name in ("cat", "dog", "fox"):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(
+                tmp_path / "data" / name / f"{i}.png")
+    out = tmp_path / "run"
+    result = accel_train_here("--data-dir", str(tmp_path / "data"), "--model", "test_resnet",
+                              "--epochs", "2", "--batch-size", "4", "--progress", "log",
+                              "--no-plots", "--mixed-precision", "no", "--eval-metric", "top5",
+                              "--keep-best", "1", "--output-dir", str(out), check=True)
+    assert {r["eval_top5"] for r in metrics(out) if r["type"] == "epoch"} == {1.0}
+    said = [line for line in (result.stdout + result.stderr).splitlines()
+            if line.startswith("warning: --eval-metric top5")]
+    assert said == ["warning: --eval-metric top5 with 3 classes: every class is among an "
+                    "image's top 5, so every evaluation scores 100% and picks nothing (the "
+                    "best checkpoints, the weights saved); pick by top1, loss or "
+                    "mean_class_top1"], result.stdout
+    ten = accel_train_here(*TINY_TRAIN, "--max-steps", "2", "--eval-metric", "top5",
+                           "--output-dir", str(tmp_path / "ten"), check=True)
+    assert "--eval-metric top5 with" not in ten.stdout + ten.stderr

@@ -88,6 +88,28 @@ def test_a_split_with_no_rows_is_one_line_naming_it(tmp_path, layout):
     assert "validation" in line and "holds no rows" in line, line
 
 
+def streamed_shards(root: Path, splits: dict[str, int]) -> Path:
+    source = parquet_folder(root.with_name(root.name + "_parquet"), splits)
+    accel_train_here("shard", "--data-dir", str(source), "--output", str(root), check=True)
+    return root
+
+
+@pytest.mark.parametrize("layout", ["parquet", "save_to_disk", "shards"])
+@pytest.mark.parametrize("flag", ["--val-labels", "--train-labels", "--class-depth"])
+def test_an_image_folders_labelling_options_on_data_with_labels_are_refused(tmp_path, layout,
+                                                                         flag):
+    """--val-labels, --train-labels and --class-depth say how an image folder's images are
+    labelled; given with parquet, save_to_disk data or streamed shards they went unread
+    without a word (the run trained on the data's own labels), so one line says so."""
+    make = {**LAYOUTS, "shards": streamed_shards}[layout]
+    data = make(tmp_path / "data", {"train": 6, "validation": 4})
+    labels = tmp_path / "labels.csv"
+    labels.write_text("0.png,a\n")
+    value = "1" if flag == "--class-depth" else str(labels)
+    line = one_line(tmp_path, data, flag, value)
+    assert f"{flag} {value}" in line and "image folder" in line and f"drop {flag}" in line, line
+
+
 def test_a_carve_that_leaves_nothing_to_train_is_one_line(tmp_path):
     data = parquet_folder(tmp_path / "data", {"train": 20})
     line = one_line(tmp_path, data, "--val-fraction", "0.999")
@@ -276,6 +298,28 @@ def test_select_on_test_that_changes_nothing_is_said(tmp_path, splits, words):
     loaded = load_data(TrainConfig(data_dir=str(used), in_memory="never", select_on_test=True))
     assert not [w for w in loaded.warnings if "--select-on-test" in w]
     assert len(loaded.held_out) == 6 and loaded.test is None
+
+
+def test_a_carve_asked_of_data_with_its_own_validation_split_is_said_to_change_nothing(
+        tmp_path):
+    """--val-fraction and --val-stratify carve a validation split off train where the data has
+    none; beside a val/ folder they went unread without a word, the run holding out val/ (its
+    4 images, counted here) where the user asked for 30% of train.  A folder without val/ is
+    carved as asked, and nothing is said."""
+    data = image_folder(tmp_path / "data", {"train": 10, "val": 4})
+    argv = ["--model", "test_resnet", "--max-steps", "1", "--batch-size", "4", "--progress",
+            "log", "--no-plots", *PINNED, "--val-fraction", "0.3", "--val-stratify"]
+    result = accel_train_here("--data-dir", str(data), *argv, "--output-dir",
+                              str(tmp_path / "run"), check=True)
+    said = [line for line in (result.stdout + result.stderr).splitlines()
+            if "no effect" in line]
+    assert said == [f"warning: --val-fraction 0.3 and --val-stratify have no effect: {data} has "
+                    f"a validation split (validation), which the run holds out"], result.stdout
+    assert "10 train / 4 validation images" in result.stdout
+    carved = accel_train_here("--data-dir", str(data / "train"), *argv, "--output-dir",
+                              str(tmp_path / "carved"), check=True)
+    assert "no effect" not in carved.stdout + carved.stderr
+    assert "7 train / 3 validation images" in carved.stdout  # ceil(10 x 0.3) held out
 
 
 def test_eval_on_other_data_checks_its_classes_against_the_models(tmp_path):

@@ -308,6 +308,9 @@ def test_bad_input_through_the_command_line_is_one_line_and_writes_nothing(tmp_p
     code, err = _run(tmp_path, capsys, "--val-labels", str(tmp_path / "nope.csv"))
     assert code == 2 and err == ["accel_train: error: --val-labels labels the held-out folder "
                                  "of an image folder: pass --data-dir DIR too"]
+    code, err = _run(tmp_path, capsys, "--class-depth", "1")  # the embedded set trained too
+    assert code == 2 and err == ["accel_train: error: --class-depth names the folder level of "
+                                 "an image folder's classes: pass --data-dir DIR too"]
 
 
 @pytest.mark.slow

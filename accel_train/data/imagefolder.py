@@ -479,8 +479,12 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
         names = _classes_of(found, prefix, class_depth)
         missing = next((path for path, name in zip(found, names) if name is None), None)
         if missing is not None:
+            # a test/ beside val/: --val-labels would label val/, not it
+            beside_val = walked["validation"][0] if split == "test" and "validation" in walked \
+                else None
             _outside_class_folder(root, missing, split, class_depth,
-                                  beside_labelled_train=labelled_train is not None)
+                                  beside_labelled_train=labelled_train is not None,
+                                  beside_val=beside_val)
         classes[split] = names
     classes = _one_spelling_per_class(classes)
     class_names = class_order({name for names in classes.values() for name in names},
@@ -603,7 +607,10 @@ def _check_empty_folders(root: Path, empty: list[str], found: list[str], prefix:
 
 
 def _outside_class_folder(root: Path, path: str, split: str, depth: Optional[int],
-                          beside_labelled_train: bool = False) -> None:
+                          beside_labelled_train: bool = False,
+                          beside_val: Optional[str] = None) -> None:
+    """`beside_val`: the validation folder's prefix (`val/`) where the image is in a test
+    folder beside it."""
     if depth is not None:
         raise UsageError(f"{root / path} is less than {depth} folder(s) deep in its split "
                          f"folder, so --class-depth {depth} gives it no class; lower "
@@ -614,6 +621,12 @@ def _outside_class_folder(root: Path, path: str, split: str, depth: Optional[int
                          f"labelled train/ (a competition's test set?): pass --data-dir "
                          f"{root / 'train'} to train, then predict {root / folder} (a labelled "
                          f"held-out folder needs --val-labels FILE)")
+    if beside_val is not None and not beside_labelled_train:  # a competition's test/
+        raise UsageError(f"{root / path} is in {folder}/, images not sorted into class folders "
+                         f"beside the labelled train/ and {beside_val} (a competition's test "
+                         f"set?): move {folder}/ out of {root} to train on train/ and "
+                         f"{beside_val}, then predict it (accel-train predict RUN FOLDER), or "
+                         f"sort its images into class folders")
     # (the image sits in its split folder itself: a metadata file there that labelled it
     # would have been read, _metadata_labels)
     here = (root / path).parent

@@ -17,7 +17,7 @@ import functools
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -545,6 +545,7 @@ def _load_local(config: TrainConfig) -> RawData:
     if not path.is_dir():
         raise UsageError(f"--data-dir {data_dir} is a file; pass the folder that holds the data")
     if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        refuse_image_folder_options(config, "a save_to_disk folder, labelled by its label column")
         loaded = load_saved_dataset(path, f"--data-dir {data_dir}:")
         if not isinstance(loaded, datasets.DatasetDict):
             loaded = datasets.DatasetDict(train=loaded)
@@ -562,6 +563,8 @@ def _load_local(config: TrainConfig) -> RawData:
         # A parquet layout, or a folder that is no image folder: what the search finds decides
         parquet = sorted(files_under(path, PARQUET))
         if parquet:
+            refuse_image_folder_options(config, "a folder of parquet files, labelled by their "
+                                                "label column")
             return _load_parquet(path, parquet, data_dir)
         if next(files_under(path), None) is None:
             raise UsageError(f"--data-dir {data_dir} holds no files; expected parquet files, a "
@@ -575,6 +578,18 @@ def _load_local(config: TrainConfig) -> RawData:
                              train_labels=config.train_labels)
     refuse_a_run_inside(path, config)
     return _image_folder_data(path, index)
+
+
+def refuse_image_folder_options(config, what: str) -> None:
+    """--val-labels, --train-labels and --class-depth say how an image folder's images are
+    labelled; data with a label column of its own would train on that column, the option
+    unread."""
+    for name in ("val_labels", "train_labels", "class_depth"):
+        value = getattr(config, name, None)
+        if value is not None:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} {value} labels the images of an image folder, and "
+                             f"--data-dir {config.data_dir} is {what}; drop {flag}")
 
 
 def refuse_a_run_inside(image_folder: Path, config: TrainConfig) -> None:
@@ -748,6 +763,22 @@ def pick_splits(raw: RawData, val_fraction: float, label_column: str,
                   + (f"; {test} kept for the end" if test else ""))
 
 
+def carve_options_unused(config: TrainConfig, origin: str, eval_name: str) -> Optional[str]:
+    """The carve options given (--val-fraction other than its default, --val-stratify) where
+    the data holds out a split of its own: nothing is carved, which a run should say rather
+    than hold out other images than the ones asked for without a word."""
+    default = next(f.default for f in fields(TrainConfig) if f.name == "val_fraction")
+    given = ([f"--val-fraction {config.val_fraction:g}"]
+             if config.val_fraction != default else []) + \
+        (["--val-stratify"] if config.val_stratify else [])
+    if not given:
+        return None
+    split = "test split, used for selection" if eval_name.lower() in TEST_SPLIT_NAMES else \
+        "validation split"
+    return (f"{' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect: {origin} "
+            f"has a {split} ({eval_name}), which the run holds out")
+
+
 def refuse_classes_left_unreadable(source: "HFSource", decoded: ArraySource,
                                    class_names: list[str]) -> None:
     """A class none of whose training images decodes would train as an output that only
@@ -833,6 +864,9 @@ def load_data(config: TrainConfig, min_classes: int = 2, to_train: bool = True,
                         + (f"has a validation split ({splits.eval_name}), which selects"
                            if splits.eval_name != splits.train_name else
                            "has no test split; part of train is held out for validation"))
+    if splits.eval_name != splits.train_name and not every_image:
+        unused_carve = carve_options_unused(config, raw.origin, splits.eval_name)
+        warnings += [unused_carve] if unused_carve else []
     if to_train:
         refuse_folders_never_trained(raw, splits)
     limits = {"train": ("--max-train-samples", config.max_train_samples),

@@ -42,6 +42,17 @@ def describe(metric: str, value: float) -> str:
     return f"{WORDS[metric]} {value_text(metric, value)}"
 
 
+def top5_picks_nothing(metric: str, num_classes: int) -> Optional[str]:
+    """A warning where --eval-metric top5 cannot tell evaluations apart: with 5 classes or
+    fewer every class is among an image's top 5 (the evaluation's top-k is of min(5, classes)),
+    every evaluation scores 100%, and the first one stays the best."""
+    if metric != "top5" or num_classes > 5:
+        return None
+    return (f"--eval-metric top5 with {num_classes} classes: every class is among an image's "
+            f"top 5, so every evaluation scores 100% and picks nothing (the best checkpoints, "
+            f"the weights saved); pick by top1, loss or mean_class_top1")
+
+
 def check_same_eval_metric(before: Optional[str], now: str) -> None:
     """The checkpoints a run kept as its best, and the best it reports, were picked by one
     metric: ranked by another on resume, the earlier ones would be compared by a number they

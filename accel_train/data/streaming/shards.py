@@ -18,7 +18,8 @@ import numpy as np
 from accel_train.base.errors import UsageError
 from accel_train.base.readers import BadFile, Shape, bad, parquet_file, read_json
 from accel_train.data.loader_watch import reading
-from accel_train.data.sources import IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, TEST_SPLIT_NAMES
+from accel_train.data.sources import (IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, TEST_SPLIT_NAMES,
+                                      refuse_image_folder_options)
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "accel_train-shards/1"
@@ -226,6 +227,8 @@ def open_shards(config) -> ShardData:
     root = Path(config.data_dir)
     if not root.is_dir():
         raise UsageError(f"--data-dir {config.data_dir}: no such folder")
+    refuse_image_folder_options(config, "a folder of streamed shards, labelled by "
+                                        "their samples' classes")
     index_path = root / INDEX_NAME
     eval_pattern = getattr(config, "eval_shards", None)
     if index_path.is_file():

@@ -53,19 +53,29 @@ FLOAT_RANGE = ("floating-point pixels from {} to {}, neither 0..1 nor 0..255: sa
     (np.linspace(0, 65535, 64, dtype=np.float32).reshape(8, 8), FLOAT_RANGE.format(0, 65535)),
     (np.array([[0.5, np.nan], [0.2, 0.1]], dtype=np.float32),
      "floating-point pixels holding not a number or an infinity"),
-], ids=["normalized", "16-bit-range", "nan"])
+    (np.array([[0, 255.5], [3, 4]], dtype=np.float32), FLOAT_RANGE.format(0, 255.5)),
+], ids=["normalized", "16-bit-range", "nan", "just-past-255"])
 def test_a_float_tiff_of_another_range_is_unreadable_saying_its_range(values, reason):
     with pytest.raises(Unreadable) as caught:
         decode(tiff(values))
     assert caught.value.reason == reason
 
 
+def test_a_float_tiff_just_past_1_is_read_as_0_to_255():
+    """The boundaries: a maximum of 2 is no 0..1 image (scaled, it would wrap past 255): its
+    values as PIL's convert keeps them."""
+    values = np.array([[0, 1], [2, 1.5]], dtype=np.float32)
+    expected = np.asarray(Image.fromarray(values, "F").convert("L"))
+    assert np.array_equal(decoded(tiff(values)), gray_rgb(expected))
+
+
 def test_a_32_bit_integer_tiff_within_16_bits_is_scaled_as_16_bit_images_are():
     values = np.arange(0, 65536, 256, dtype=np.int32).reshape(16, 16)
+    values[-1, -1] = 65535  # the largest 16-bit value stays readable
     assert np.array_equal(decoded(tiff(values)), gray_rgb((values >> 8).astype(np.uint8)))
 
 
-@pytest.mark.parametrize("low, high", [(0, 1_000_000), (-5, 200)])
+@pytest.mark.parametrize("low, high", [(0, 1_000_000), (-5, 200), (0, 65536)])
 def test_a_32_bit_integer_tiff_beyond_16_bits_is_unreadable_saying_its_range(low, high):
     values = np.linspace(low, high, 64).astype(np.int32).reshape(8, 8)
     with pytest.raises(Unreadable) as caught:

@@ -82,15 +82,15 @@ def test_a_halving_weighs_as_by_hand():
     assert torch.allclose(weights, expected, atol=1e-6), weights
 
 
-def test_chunks_hold_every_crop_once_within_the_budget(monkeypatch):
+def test_chunks_hold_every_crop_once_within_the_budget():
     """Largest first; a chunk grows while its padded float32 pixels stay within the budget;
     a crop larger than the budget is a chunk of its own."""
-    monkeypatch.setattr(batched_resize, "CHUNK_BYTES", 3 * 10 * 10 * 4 * 2)  # two 10x10 crops
+    budget = 3 * 10 * 10 * 4 * 2  # two 10x10 crops
     shapes = [(5, 5), (10, 10), (30, 30), (10, 9), (4, 12)]
-    chunks = batched_resize._chunks(shapes, 3)
+    chunks = batched_resize._chunks(shapes, 3, budget)
     assert chunks == [[2], [1, 3], [4, 0]]  # 10x12 padding holds two: 4x12 and 5x5
     # a wide crop and a tall one of the same area pad to 20x20 together: too much
-    assert batched_resize._chunks([(2, 20), (20, 2)], 3) == [[0], [1]]
+    assert batched_resize._chunks([(2, 20), (20, 2)], 3, budget) == [[0], [1]]
 
 
 def test_black_stays_black_and_white_white():

@@ -31,8 +31,11 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 
 # A chunk's padded float32 pixels at most (a crop larger than it is a chunk of its own): a few
-# chunks for a batch of 256 ImageNet crops, a small share of the memory a network trains in.
+# chunks for a batch of 256 ImageNet crops, a small share of the memory a network trains in;
+# on a GPU of less than 32 GiB, 1/64 of its memory (an 8 GiB card: 128 MiB), since the chunk
+# comes on top of a step that may fill it.
 CHUNK_BYTES = 512 * 2 ** 20
+GPU_MEMORY_SHARE = 64
 _BICUBIC_A = -0.5  # torch's and PIL's antialiasing bicubic
 
 
@@ -73,21 +76,25 @@ def resized_as_batch(crops: list[torch.Tensor], size: int, bicubic: torch.Tensor
     device = torch.device(device)
     channels = crops[0].shape[0]
     out = torch.empty(len(crops), channels, size, size, dtype=torch.uint8, device=device)
-    for chunk in _chunks([tuple(crop.shape[-2:]) for crop in crops], channels):
+    budget = CHUNK_BYTES
+    if device.type == "cuda":
+        budget = min(budget, torch.cuda.get_device_properties(device).total_memory
+                     // GPU_MEMORY_SHARE)
+    for chunk in _chunks([tuple(crop.shape[-2:]) for crop in crops], channels, budget):
         resized = _resized_chunk([crops[k] for k in chunk], size, bicubic[chunk], device)
         out[on_device(torch.tensor(chunk), device)] = resized
     return out
 
 
-def _chunks(shapes: list[tuple[int, int]], channels: int) -> list[list[int]]:
-    """The crops' indices in chunks whose padded float32 pixels stay within CHUNK_BYTES, the
-    largest crops first, so that little of a chunk is padding."""
+def _chunks(shapes: list[tuple[int, int]], channels: int, budget: int) -> list[list[int]]:
+    """The crops' indices in chunks whose padded float32 pixels stay within `budget` bytes,
+    the largest crops first, so that little of a chunk is padding."""
     order = sorted(range(len(shapes)), key=lambda k: shapes[k][0] * shapes[k][1], reverse=True)
     chunks: list[list[int]] = []
     height = width = 0
     for k in order:
         grown_h, grown_w = max(height, shapes[k][0]), max(width, shapes[k][1])
-        if chunks and (len(chunks[-1]) + 1) * channels * grown_h * grown_w * 4 <= CHUNK_BYTES:
+        if chunks and (len(chunks[-1]) + 1) * channels * grown_h * grown_w * 4 <= budget:
             chunks[-1].append(k)
             height, width = grown_h, grown_w
         else:

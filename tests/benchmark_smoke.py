@@ -83,14 +83,16 @@ CASES = {
                             "--test-images", "64", "--batch-size", "32", "--cli-processes", "2",
                             "--anchor-again", "--anchor-memory", "kept", "--seed", "1",
                             "--cli-epochs", "1", "2"],
+    # both kinds of batch, a few crops, two rounds
+    "crop_resize": ["--quick"],
     # one tiny network in both precisions (a CPU's fp16 is fp32: the arms' code, no figures)
     "fp16_networks": ["--quick", "--allow-cpu", "--models", "test_resnet", "--image-size", "32"],
 }
 # The scripts that make their own data instead of reading CIFAR-10
-OWN_DATA = {"jpeg_input", "gpu_jpeg"}
+OWN_DATA = {"jpeg_input", "gpu_jpeg", "crop_resize"}
 # The scripts that take no --tmp (they write nothing large)
 NO_TMP = {"comm", "gpu", "threads", "manual_ranks", "precision", "worker_start", "gpu_cifar",
-          "device_resident", "jpeg_input", "gpu_jpeg", "fp16_networks"}
+          "device_resident", "jpeg_input", "gpu_jpeg", "fp16_networks", "crop_resize"}
 # benchmarks/anchors/airbench_cpu.py on generated data in the CIFAR-10 layout: 2 steps an epoch
 # for 4 epochs (the averaging syncs at steps 5 and the last, 8), one JSON line with the three
 # levels.  Batch

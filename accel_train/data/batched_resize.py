@@ -8,10 +8,10 @@ each call costs about 65 us of host time (its checks, dtype conversions and seve
 AMD EPYC, 256 calls on 8x7 crops: 17 ms a batch), while the GPU waits for the next call.  On
 an H200 the crops and flips took two thirds of the device path's time (BENCHMARKS.md: 5,729
 img/s with them, 17,284 for decoding alone).  Here each crop costs one copy into its chunk;
-the weights of the whole chunk are computed at once.  The products are dense (about 0.4 GFLOP
-a 224 px crop of a 400x500 photograph, a few ms a batch of 256 on a GPU): on a CPU that is
-50 times the separable resize's work (AMD EPYC, one thread: 40 crops a second against
-2,000), so there torchvision's resize stays.
+the weights of the whole chunk are computed at once.  The products are dense (about 0.5 GFLOP
+a 224 px crop of a 400x500 photograph, a few ms a batch of 256 on a GPU): on a CPU they cost
+21 times torchvision's separable resize (AMD EPYC, one thread: benchmarks/bench_crop_resize.py),
+so there torchvision's resize stays.
 
 The weights are torch's antialiasing ones (aten's `upsample_*_aa` kernels, after PIL's
 ImagingResample): each output pixel i of a side resized from n to `size` pixels weighs input

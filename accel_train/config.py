@@ -548,14 +548,12 @@ class TrainConfig:
         if not 0 < self.val_fraction < 1:
             raise UsageError(f"--val-fraction must be between 0 and 1 (got {self.val_fraction})")
         # (checked here: without --data-dir the embedded set would train, the file unread)
-        for name, what in (("val_labels", "the held-out folder"),
-                           ("train_labels", "the training images")):
+        for name, what in (("val_labels", "labels the held-out folder of an image folder"),
+                           ("train_labels", "labels the training images of an image folder"),
+                           ("class_depth", "names the folder level of an image folder's "
+                                           "classes")):
             if getattr(self, name) is not None and self.data_dir is None:
-                raise UsageError(f"{flag(name)} labels {what} of an image folder: pass "
-                                 f"--data-dir DIR too")
-        if self.class_depth is not None and self.data_dir is None:
-            raise UsageError("--class-depth names the folder level of an image folder's "
-                             "classes: pass --data-dir DIR too")
+                raise UsageError(f"{flag(name)} {what}: pass --data-dir DIR too")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise UsageError(f"--grad-clip must be > 0 (got {self.grad_clip}); omit it to not clip")
         if not (isinstance(self.loader_timeout, (int, float)) and self.loader_timeout >= 0

@@ -531,6 +531,11 @@ def _label_files(root: Path, splits: dict[str, Path], walked: dict,
     return files
 
 
+def _metadata_files(folder: Path) -> list[Path]:
+    """The metadata.csv and metadata.jsonl (Hugging Face's imagefolder layout) in `folder`."""
+    return [folder / name for name in METADATA_FILES if (folder / name).is_file()]
+
+
 def _metadata_labels(root: Path, splits: dict[str, Path], dirs: list[tuple[str, int]],
                      files: dict[str, tuple[Path, Optional[str]]]) -> dict[str, str]:
     """Hugging Face's imagefolder layout: a metadata.csv or metadata.jsonl at a split folder's
@@ -541,7 +546,7 @@ def _metadata_labels(root: Path, splits: dict[str, Path], dirs: list[tuple[str, 
     relative to root} of those taken."""
     taken = {}
     for split, folder in splits.items():
-        found = [folder / name for name in METADATA_FILES if (folder / name).is_file()]
+        found = _metadata_files(folder)
         if len(found) > 1:  # datasets refuses metadata files of two kinds too
             raise UsageError(f"{folder} holds both {found[0].name} and {found[1].name}; keep "
                              f"one (Hugging Face's imagefolder reads one kind of metadata file)")
@@ -630,7 +635,7 @@ def _outside_class_folder(root: Path, path: str, split: str, depth: Optional[int
     # (the image sits in its split folder itself: a metadata file there that labelled it
     # would have been read, _metadata_labels)
     here = (root / path).parent
-    metadata = next((here / name for name in METADATA_FILES if (here / name).is_file()), None)
+    metadata = next(iter(_metadata_files(here)), None)
     if metadata is not None:  # Hugging Face's imagefolder layout, without its labels
         missing = " or ".join(metadata_missing(metadata))
         hint = (f" (the {metadata.name} beside it, Hugging Face's imagefolder layout, has no "

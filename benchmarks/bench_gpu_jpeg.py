@@ -17,6 +17,10 @@ through the device path alone: torchvision's batched decode_jpeg, TorchCodec's w
 the whole decode with the crops, and the crops' resize alone, batched (the product's) against
 torchvision's resize crop by crop.
 MFU = forward + backward FLOPs per image (FlopCounterMode) x img/s / the GPU's dense peak.
+With --profile-steps N, each arm of --profile-modes trains one epoch more, untimed, N of its
+steps under torch.profiler (step_profile.py): the GPU's busy share of the wall time, whether the
+device path's side stream overlaps the step's, the longest kernels and host operators; the
+traces go to OUT (trace-MODE.json.gz).
 
     python benchmarks/bench_gpu_jpeg.py                  # on a machine with CUDA
     python benchmarks/bench_gpu_jpeg.py --allow-cpu --quick --model test_resnet --size 96 \
@@ -37,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 from accel_train.base.errors import RunStopped  # noqa: E402
 from bench_gpu import HandLoop, flops_per_image, peak_tflops  # noqa: E402
+from step_profile import ProfileSteps, describe  # noqa: E402
 from make_imagenet_like import make_folder  # noqa: E402
 
 
@@ -54,6 +59,9 @@ def parse_args():
     parser.add_argument("--workers", type=int, default=None, help="loader workers (default: "
                         "accel_train's own choice)")
     parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="steps profiled in one more epoch of each --profile-modes arm")
+    parser.add_argument("--profile-modes", nargs="*", default=["always"])
     parser.add_argument("--allow-cpu", action="store_true",
                         help="run on the CPU (to test this script, not to measure)")
     return parser.parse_args()
@@ -181,20 +189,28 @@ def hand_rate(args, device, steps: int) -> float:
     return args.batch * steps / benchlib.median(seconds)
 
 
-def trainer_rate(args, root: Path, mode: str, device, work: Path) -> dict:
+def trainer_rate(args, root: Path, mode: str, device, work: Path, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
     from accel_train.trainer import Trainer
-    trainer = Trainer.from_config(config(args, root, mode, work))
+    profiled = args.profile_steps > 0 and mode in args.profile_modes
+    profile = ProfileSteps(0, args.profile_steps, out / f"trace-{mode}.json.gz")
+    trainer = Trainer.from_config(config(args, root, mode, work),
+                                  [profile] if profiled else [])
     trainer.progress.enabled = False
     decoding = trainer.loaders.decoding or ("on the device" if trainer.loaders.decoded_on_device
                                             else "by the loader workers")
+    per_epoch = max(1, trainer.loaders.steps_per_epoch)
+    # the profiled steps: inside one more epoch, after its first two (the workers' restart)
+    profile.skip = per_epoch * args.epochs + 2
+    profile.count = min(args.profile_steps, max(1, per_epoch - 3))
     seconds, steps = [], []
     try:
-        for epoch in range(args.epochs):
+        for epoch in range(args.epochs + profiled):
             wait(device)
             before, started = trainer.state.step, time.perf_counter()
             trainer.train_epoch()
             wait(device)
-            if epoch:  # the first pays the workers' start and cuDNN's choices
+            if 0 < epoch < args.epochs:  # the first pays the workers' start and cuDNN's
                 seconds.append(time.perf_counter() - started)
                 steps.append(trainer.state.step - before)
             trainer.next_epoch()
@@ -205,12 +221,17 @@ def trainer_rate(args, root: Path, mode: str, device, work: Path) -> dict:
         AcceleratorState._reset_state(reset_partial_state=True)
     records = [r for r in benchlib.read_jsonl(trainer.plan.output_dir / "metrics.jsonl")
                if r.get("type") == "train"]
-    per_epoch = max(1, trainer.loaders.steps_per_epoch)
-    later = [r for r in records if r.get("step", 0) > per_epoch] or records
+    later = [r for r in records if per_epoch < r.get("step", 0) <= per_epoch * args.epochs] \
+        or records
     data_wait = benchlib.median([r["data_wait"] for r in later]) if later else float("nan")
-    return {"img_per_s": args.batch * sum(steps) / sum(seconds), "data_wait": data_wait,
-            "decoding": decoding, "workers": trainer.loaders.num_workers,
-            "steps_per_epoch": per_epoch}
+    result = {"img_per_s": args.batch * sum(steps) / sum(seconds), "data_wait": data_wait,
+              "decoding": decoding, "workers": trainer.loaders.num_workers,
+              "steps_per_epoch": per_epoch}
+    if profile.summary is not None:
+        result["profile"] = describe(profile.summary, profile.host_ops)
+        for line in result["profile"]:
+            print(f"{mode}: {line}", flush=True)
+    return result
 
 
 def main() -> int:
@@ -240,7 +261,7 @@ def measure(args, report, device, name: str, peak: float, work: Path) -> int:
     results = {}
     for mode in args.modes:
         try:
-            results[mode] = trainer_rate(args, root, mode, device, work)
+            results[mode] = trainer_rate(args, root, mode, device, work, Path(args.out))
         except RunStopped as stopped:  # a row that says so, and the other arms still run
             results[mode] = {"img_per_s": float("nan"), "data_wait": float("nan"),
                              "decoding": f"stopped: {str(stopped)[:90]}", "workers": "",
@@ -269,7 +290,9 @@ def measure(args, report, device, name: str, peak: float, work: Path) -> int:
                         f"its crops alone, batched "
                         f"{parts['resize_batched_img_per_s']:,.0f} img/s, crop by crop "
                         f"(torchvision's resize) {parts['resize_per_crop_img_per_s']:,.0f} img/s",
-                        f"forward + backward FLOPs per image: {flops / 1e9:.3g} GFLOP"])
+                        f"forward + backward FLOPs per image: {flops / 1e9:.3g} GFLOP",
+                        *[f"{mode}: {line}" for mode, result in results.items()
+                          for line in result.get("profile", [])]])
     report.data.update(result=results, hand_img_per_s=hand, pixels=agree, device_path=parts)
     print(f"wrote {report.save()}")
     return 0

@@ -6,7 +6,9 @@
 #      batch already on the GPU: --decode-on-device auto, never (the loader workers decode) and
 #      always (nvJPEG on the GPU), img/s, data wait and MFU, the pixels of both paths, and one
 #      batch through the device path alone (decode_jpeg by itself, then with the crops, and the
-#      crops' resize batched against torchvision's crop by crop);
+#      crops' resize batched against torchvision's crop by crop); then 6 steps of the always
+#      arm under torch.profiler: the GPU's busy share, whether the side stream's decoding
+#      overlaps the step, the longest kernels and host operators (trace-always.json.gz);
 #   2. bench_anchor_side_by_side.py, eager: airbench94's own loop (anchors/airbench_gpu.py) for
 #      10 epochs, then recipes/cifar10-gpu-airbench.yaml for 14 epochs at airbench's warmup
 #      share with the data set held on the GPU: the CLI's time to the anchor's 10-epoch
@@ -53,7 +55,7 @@ trap 'kill $dmon 2>/dev/null; pack' EXIT
 stamp() { pack; echo "== $(date +%T) $*"; }
 work=$(mktemp -d)
 stamp bench_gpu_jpeg
-timeout 185 "$python" benchmarks/bench_gpu_jpeg.py --out "$out"
+timeout 200 "$python" benchmarks/bench_gpu_jpeg.py --out "$out" --profile-steps 6
 echo "bench_gpu_jpeg exit $?"
 stamp bench_anchor_side_by_side
 timeout 150 "$python" benchmarks/bench_anchor_side_by_side.py --data-dir "$data_dir" --out "$out" \

@@ -128,19 +128,23 @@ def test_exif_orientations_are_applied_as_the_workers_decoder_applies_them(photo
     assert difference.mean(dim=(1, 2, 3)).max() < 1.0, difference.mean(dim=(1, 2, 3))
 
 
-def test_the_batched_colour_jitter_is_torchvisions_image_by_image():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+@pytest.mark.parametrize("low, high", [(0.6, 1.4), (0.0, 3.0)])  # timm's 0.4; clamped ones
+def test_the_batched_colour_jitter_is_torchvisions_image_by_image(low, high, device):
     generator = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (12, 3, 9, 11), dtype=torch.uint8, generator=generator)
-    order = torch.stack([torch.randperm(4, generator=generator) for _ in range(12)])
-    factors = torch.empty(12, 3, dtype=torch.float64).uniform_(0.6, 1.4, generator=generator)
+    images = torch.randint(0, 256, (48, 3, 9, 11), dtype=torch.uint8, generator=generator)
+    order = torch.stack([torch.randperm(4, generator=generator) for _ in range(48)])
+    factors = torch.empty(48, 3, dtype=torch.float64).uniform_(low, high, generator=generator)
     expected = []
     adjust = (F.adjust_brightness, F.adjust_contrast, F.adjust_saturation)
     for image, parts, image_factors in zip(images, order, factors.tolist()):
         for part in parts.tolist():
             if part < 3:  # 3, hue: off, as timm's scalar jitter has it
-                image = adjust[part](image, image_factors[part])
-        expected.append(image)
-    assert torch.equal(jitter(images, order, factors), torch.stack(expected))
+                image = adjust[part](image.to(device), image_factors[part])
+        expected.append(image.to(device))
+    batched = jitter(images.to(device), order.to(device), factors.to(device))
+    assert torch.equal(batched, torch.stack(expected))
 
 
 def test_files_the_device_cannot_take_are_finished_by_the_workers(photos, tmp_path):

@@ -163,6 +163,17 @@ def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs:
     return encoded, source.labels[used], used
 
 
+@dataclass
+class Started:
+    """A batch the device decoded and cropped, not yet handed to the trainer."""
+
+    pixels: torch.Tensor   # uint8 [B, 3, S, S] on the device
+    substitutes: list[tuple[int, int, int]]  # (position, image used, its own index)
+    labels: torch.Tensor
+    replaced: torch.Tensor
+    done: Optional["torch.cuda.Event"]  # after the batch's work on the side stream (GPU)
+
+
 class DeviceDecoder:
     """The device's half: EncodedImages -> uint8 [B, 3, S, S] on `device`, the same pixels the
     workers' path makes within the decoders' rounding.  `dataset` (loaders.TrainImages) makes
@@ -175,33 +186,46 @@ class DeviceDecoder:
     def __call__(self, batch: EncodedImages, labels: torch.Tensor,
                  replaced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pixels, labels, replaced): the labels and marks change only where a file the device
-        refused was replaced by a substitute on the host.
+        refused was replaced by a substitute on the host."""
+        return self.hand_over(self.start(batch, labels, replaced))
 
-        On a GPU the batch is decoded and cropped on a side stream of its own, and the caller's
-        stream waits for it there (an event, not the host).  Why: nvJPEG must not start while
-        work queued on its stream may still read memory the caching allocator could hand it
-        (`_decode`); on the caller's stream that meant waiting for the last training step, so
-        decoding (about 76 ms a batch of 256 on an H200) and the step (54 ms) ran one after the
-        other.  The allocator gives a stream's allocations only blocks freed on that stream,
-        so draining the side stream alone keeps nvJPEG off memory in use, and the next batch
-        can decode while the GPU trains on this one (a step bounded by the longer of the two,
-        where they were the sum: benchmarks/bench_gpu_jpeg.py measures it)."""
+    def start(self, batch: EncodedImages, labels: torch.Tensor,
+              replaced: torch.Tensor) -> "Started":
+        """The first half of a call, which another thread may run (decode_ahead.py): the
+        batch decoded and cropped, on a GPU queued on a side stream of its own.
+
+        Why a side stream: nvJPEG must not start while work queued on its stream may still
+        read memory the caching allocator could hand it (`_decode`); on the caller's stream
+        that meant waiting for the last training step, so decoding and the step ran one after
+        the other.  The allocator gives a stream's allocations only blocks freed on that
+        stream, so draining the side stream alone keeps nvJPEG off memory in use, and the next
+        batch decodes while the GPU trains on this one."""
         if self.device.type != "cuda":
-            pixels, substitutes = self._decode_and_crop(batch)
-        else:
+            return Started(*self._decode_and_crop(batch), labels, replaced, None)
+        with torch.cuda.device(self.device):  # (a thread starts on the first GPU)
             if self._side is None:
                 self._side = torch.cuda.Stream(self.device)
             # Nothing the side stream reads was made on the caller's: the batch's bytes and
-            # draws are host tensors, and the labels are changed below, on the caller's stream.
+            # draws are host tensors, and the labels are changed in hand_over, on the caller's.
             with torch.cuda.stream(self._side):
                 pixels, substitutes = self._decode_and_crop(batch)
+                done = torch.cuda.Event()
+                done.record(self._side)  # this batch's work, not the next one's after it
+        return Started(pixels, substitutes, labels, replaced, done)
+
+    def hand_over(self, started: "Started") -> tuple[torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
+        """The second half, in the thread that trains: the caller's stream waits for the
+        batch's work (an event, not the host)."""
+        pixels, labels, replaced = started.pixels, started.labels, started.replaced
+        if started.done is not None:
             caller = torch.cuda.current_stream(self.device)
-            caller.wait_stream(self._side)
+            caller.wait_event(started.done)
             # made on the side stream, read on the caller's: not handed out again before that
             pixels.record_stream(caller)
-        if substitutes:
+        if started.substitutes:
             labels, replaced = labels.clone(), replaced.clone()
-            for position, used, index in substitutes:  # Python numbers: no copy, no sync
+            for position, used, index in started.substitutes:  # Python numbers: no sync
                 labels[position] = int(self.dataset.source.labels[used])
                 replaced[position] = index
         return pixels, labels, replaced
@@ -285,34 +309,41 @@ class DeviceDecoder:
         return decoded, [k for k, image in enumerate(decoded) if image is None]
 
 
-def _blend(images: torch.Tensor, other, ratio: torch.Tensor) -> torch.Tensor:
-    """torchvision's tensor `_blend` with a ratio per image: computed in float32, clamped,
-    truncated back to uint8 (as its adjust_* functions do after each part)."""
+def _blend(images: torch.Tensor, other: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """torchvision's tensor `_blend` on uint8 images held as float32 integers, with a ratio per
+    image: computed in float32, clamped, truncated to a whole level (its `.to(uint8)`)."""
     ratio64 = ratio.view(-1, 1, 1, 1)
     mixed = ratio64.float() * images + (1.0 - ratio64).float() * other
-    return mixed.clamp_(0, 255).to(torch.uint8)
+    return mixed.clamp_(0, 255).floor_()
 
 
 def _grayscale(images: torch.Tensor) -> torch.Tensor:
-    """torchvision's rgb_to_grayscale on uint8: float32 weights, truncated to uint8."""
+    """torchvision's rgb_to_grayscale on uint8 (here held as float32 integers): float32
+    weights, truncated to a whole level."""
     r, g, b = images.unbind(1)
-    return (0.2989 * r + 0.587 * g + 0.114 * b).to(torch.uint8).unsqueeze(1)
+    return (0.2989 * r + 0.587 * g + 0.114 * b).floor_().unsqueeze(1)
 
 
 def jitter(images: torch.Tensor, order: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     """ColorJitter (brightness, contrast, saturation; no hue) on a uint8 batch, each image with
-    its own order and factors (on the images' device): torchvision's tensor arithmetic batched,
-    one part at a time (per image it equals `F.adjust_*` in that order; the tests check it
-    against them)."""
+    its own order and factors (on the images' device): torchvision's tensor arithmetic batched
+    (per image it equals `F.adjust_*` in that order; the tests check it against them).
+
+    Each of the three parts blends the image with something else (black, its grey mean, its
+    grey image) by its factor, so one blend a place does all three, each image with its own
+    `other`; and the pixels stay float32 from part to part, each part truncated to whole
+    levels as torchvision's uint8 results are.  Why: a blend of the whole batch for every
+    part, and a conversion to uint8 and back after each, made the jitter most of the device
+    path's GPU time (about 13 of 18 ms a batch of 256 at 224 px on an H200)."""
+    pixels = images.float()
     for place in range(order.shape[1]):
-        part = order[:, place]
-        for which, adjust in ((0, lambda x, f: _blend(x, 0.0, f)),
-                              (1, lambda x, f: _blend(x, _grayscale(x).float().mean(
-                                  dim=(-3, -2, -1), keepdim=True), f)),
-                              (2, lambda x, f: _blend(x, _grayscale(x), f))):
-            images = torch.where((part == which).view(-1, 1, 1, 1),
-                                 adjust(images, factors[:, which]), images)
-    return images
+        part = order[:, place].view(-1, 1, 1, 1)  # 0 brightness, 1 contrast, 2 saturation
+        gray = _grayscale(pixels)
+        mean = gray.mean(dim=(-3, -2, -1), keepdim=True)
+        other = torch.where(part == 0, 0.0, torch.where(part == 1, mean, gray))
+        ratio = factors.gather(1, order[:, place].clamp(max=2).view(-1, 1))
+        pixels = torch.where(part <= 2, _blend(pixels, other, ratio), pixels)  # 3: hue, off
+    return pixels.to(torch.uint8)
 
 
 # -- choosing -----------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ from accel_train.base.errors import STALLED_EXIT, RunDiffers, RunStopped, UsageE
 from accel_train.base.randomness import reseed_loader
 from accel_train.base.ranks import decide_on_main
 from accel_train.base.readers import read_json
-from accel_train.data.device_decode import DeviceDecoder, EncodedImages, time_paths
+from accel_train.data.decode_ahead import DecodeAhead
+from accel_train.data.device_decode import DeviceDecoder, time_paths
 from accel_train.data.device_decode import choose as choose_device_decoding
 from accel_train.data.device_resident import DeviceResidentBatches
 from accel_train.data.device_resident import choose as choose_data_on_device
@@ -150,6 +151,7 @@ class IndexedTrainLoader(EpochPosition):
         self.rank, self.seed, self.timeout = rank, seed, timeout
         self.epoch, self.samples_in_epoch = 0, 0
         self.accelerator = None
+        self.ahead = DecodeAhead()  # --decode-on-device: the next batch decoded meanwhile
         self.warn = lambda text: print(f"warning: {text}", file=sys.stderr)  # the trainer's
 
     @property
@@ -176,18 +178,30 @@ class IndexedTrainLoader(EpochPosition):
         # The prepared and the skipping loader share this generator: the iterator's base seed
         # (its workers' seeds) is a function of (seed, epoch, rank), however the epoch starts.
         reseed_loader(self.generator, self.seed, self.epoch, self.rank)
-        for pixels, labels, keys, replaced, *erasing in watch_workers_quietly(loader):
+        batches = watch_workers_quietly(loader)
+        if self.loader.dataset.decodes_on_device:  # bytes and draws: decoded a batch ahead
+            batches = self.ahead.batches(batches, len(self) - done, self._decode_start,
+                                         self._decode_hand_over)
+        for pixels, labels, keys, replaced, *erasing in batches:
             # Counted as handed out: a checkpoint after this batch's step includes it.
             self.samples_in_epoch += self.per_micro_step
-            if isinstance(pixels, EncodedImages):  # --decode-on-device: bytes and draws
-                pixels, labels, replaced = self.decoder(pixels, labels, replaced)
             yield Batch(self.finish(pixels, erasing), labels, keys, replaced)
+
+    def _decode_start(self, batch: tuple):
+        encoded, labels, keys, replaced, *erasing = batch
+        return self.decoder.start(encoded, labels, replaced), keys, erasing
+
+    def _decode_hand_over(self, started: tuple) -> tuple:
+        decoded, keys, erasing = started
+        pixels, labels, replaced = self.decoder.hand_over(decoded)
+        return (pixels, labels, keys, replaced, *erasing)
 
     def _drop_workers(self) -> None:
         end_workers(self.loader)
 
     def close(self) -> None:
         self._drop_workers()
+        self.ahead.close()
 
 
 class DeviceResidentTrainLoader(EpochPosition, DeviceResidentBatches):

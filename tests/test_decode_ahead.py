@@ -1,0 +1,209 @@
+"""--decode-on-device's next batch decoded on a thread while the trainer holds this one
+(accel_train/data/decode_ahead.py): the batches, their order and the errors are those of
+decoding in line; the epoch's last batch is not taken from the loader early; the pixels are
+those of the decoder called in line (on a GPU too, where there is one).
+
+Oracles: a log of when each item was taken, started and handed over (the order the module
+promises, written out by hand); Accelerate's own GradientState, which must learn that the epoch
+ended at its last batch and no sooner, in a run through the trainer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from accel_train.callbacks import Callback
+from accel_train.config import TrainConfig
+from accel_train.data.decode_ahead import DecodeAhead
+from accel_train.data.device_decode import DeviceDecoder
+from accel_train.trainer import train_and_close
+from test_device_decode import _dataset, photos  # noqa: F401 -- the fixture, shared
+
+
+class Logged:
+    """A loader of `items` and a decoder that log what happens, in order."""
+
+    def __init__(self, items, fail_start_at=None, fail_take_at=None, slow_start=0.0):
+        self.items, self.log = list(items), []
+        self.fail_start_at, self.fail_take_at = fail_start_at, fail_take_at
+        self.slow_start, self.threads = slow_start, set()
+        self.started_all = threading.Event()
+
+    def raw(self):
+        for item in self.items:
+            if item == self.fail_take_at:
+                raise RuntimeError(f"loader failed at {item}")
+            self.log.append(("take", item))
+            yield item
+
+    def start(self, item):
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.slow_start)
+        if item == self.fail_start_at:
+            raise ValueError(f"decoder failed at {item}")
+        self.log.append(("start", item))
+        return item * 10
+
+    def hand_over(self, started):
+        self.log.append(("hand", started // 10))
+        return started + 1
+
+
+def test_each_batch_is_handed_over_in_order_decoded_on_a_thread():
+    logged = Logged(range(6))
+    ahead = DecodeAhead()
+    try:
+        got = list(ahead.batches(logged.raw(), 6, logged.start, logged.hand_over))
+    finally:
+        ahead.close()
+    assert got == [1, 11, 21, 31, 41, 51]
+    assert logged.threads and threading.current_thread().name not in logged.threads
+
+
+def test_the_next_batch_is_taken_before_this_one_is_handed_over_but_never_the_last():
+    logged = Logged(range(5))
+    ahead = DecodeAhead()
+    try:
+        for _ in ahead.batches(logged.raw(), 5, logged.start, logged.hand_over):
+            logged.log.append(("trained", None))
+    finally:
+        ahead.close()
+    events = [e for e in logged.log if e[0] in ("take", "hand", "trained")]
+    # by hand: 0 taken; 1 taken ahead before 0 goes out; ...; 4 (the last) only after 3 trained
+    assert events == [("take", 0), ("take", 1), ("hand", 0), ("trained", None),
+                      ("take", 2), ("hand", 1), ("trained", None),
+                      ("take", 3), ("hand", 2), ("trained", None),
+                      ("hand", 3), ("trained", None),
+                      ("take", 4), ("hand", 4), ("trained", None)]
+
+
+def test_a_resumed_epoch_counts_only_its_remaining_batches():
+    logged = Logged(range(3))  # the loader, skipped ahead, has 3 left; so does the count
+    ahead = DecodeAhead()
+    try:
+        got = list(ahead.batches(logged.raw(), 3, logged.start, logged.hand_over))
+    finally:
+        ahead.close()
+    assert got == [1, 11, 21]
+    assert [e for e in logged.log if e[0] == "take"][-1] == ("take", 2)
+    # the last batch was taken after the one before it was handed over
+    assert logged.log.index(("take", 2)) > logged.log.index(("hand", 1))
+
+
+def test_no_more_than_count_batches_are_taken_and_a_short_loader_just_ends():
+    logged = Logged(range(10))
+    ahead = DecodeAhead()
+    try:
+        assert list(ahead.batches(logged.raw(), 4, logged.start, logged.hand_over)) == \
+            [1, 11, 21, 31]
+        assert [e for e in logged.log if e[0] == "take"] == [("take", k) for k in range(4)]
+        short = Logged(range(2))
+        assert list(ahead.batches(short.raw(), 5, short.start, short.hand_over)) == [1, 11]
+    finally:
+        ahead.close()
+
+
+def test_a_decoding_error_comes_out_at_its_own_batch():
+    logged = Logged(range(5), fail_start_at=2)
+    ahead = DecodeAhead()
+    got = []
+    try:
+        with pytest.raises(ValueError, match="decoder failed at 2"):
+            for batch in ahead.batches(logged.raw(), 5, logged.start, logged.hand_over):
+                got.append(batch)
+    finally:
+        ahead.close()
+    assert got == [1, 11]
+
+
+def test_a_loader_error_met_reading_ahead_comes_out_after_the_batch_in_hand():
+    logged = Logged(range(5), fail_take_at=3)
+    ahead = DecodeAhead()
+    got = []
+    try:
+        with pytest.raises(RuntimeError, match="loader failed at 3"):
+            for batch in ahead.batches(logged.raw(), 5, logged.start, logged.hand_over):
+                got.append(batch)
+    finally:
+        ahead.close()
+    assert got == [1, 11, 21]  # as in line: batches 0-2 trained, then the loader's error
+
+
+def test_a_stop_waits_for_the_batch_being_decoded():
+    logged = Logged(range(5), slow_start=0.2)
+    ahead = DecodeAhead()
+    try:
+        batches = ahead.batches(logged.raw(), 5, logged.start, logged.hand_over)
+        assert next(batches) == 1
+        batches.close()  # the trainer stops: batch 1 was being decoded on the thread
+        assert ("start", 1) in logged.log  # finished before close returned, not abandoned
+    finally:
+        ahead.close()
+
+
+class EpochEnds(Callback):
+    """At each micro-batch: where the trainer stands and whether Accelerate believes the
+    training loader has handed out its last batch."""
+
+    def __init__(self):
+        self.seen: list[tuple[int, bool]] = []
+
+    def on_batch_start(self, trainer, batch) -> None:
+        self.seen.append((trainer.train_loader.samples_in_epoch,
+                          trainer.accelerator.gradient_state.end_of_dataloader))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_accelerate_learns_of_the_epochs_end_at_its_last_batch(photos, tmp_path,  # noqa: F811
+                                                                 mode):
+    """The 12 training photos in batches of 2, 2 micro-batches a step: Accelerate's
+    accumulate() syncs where its loader says the epoch ends, so that must be the last batch
+    (the 6th, 12 samples in), with the device decoding ahead as without it."""
+    watch = EpochEnds()
+    config = TrainConfig(data_dir=str(photos), model="test_resnet", image_size=64,
+                         batch_size=2, accumulation_steps=2, epochs=2, in_memory="never",
+                         num_workers=0, decode_on_device=mode,
+                         progress="log", plots=False, seed=3,
+                         output_dir=str(Path(tmp_path) / "run"))
+    outcome = train_and_close(config, [watch])
+    assert outcome.exit_code == 0
+    # counted as handed out, before the callback: 2, 4, ... 12, the end known at 12 alone
+    per_epoch = [(2 * k, k == 6) for k in range(1, 7)]
+    assert watch.seen == per_epoch * 2, watch.seen
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the GPU's side stream needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batches_decoded_ahead_are_the_batches_decoded_in_line(photos, device):  # noqa: F811
+    """On a GPU the thread queues each batch on the decoder's side stream while the caller's
+    stream is busy (here: products standing in for a training step, which read the last
+    batch): the pixels must be those of the decoder called in line, batch by batch."""
+    images = _dataset(photos)
+    keys = [[len(images) * epoch + k for k in range(4)] for epoch in range(5)]
+    encoded = [images.encoded_batch(batch) for batch in keys]
+    in_line = DeviceDecoder(device, images)
+    expected = [in_line(e.images, e.labels, e.replaced)[0].cpu() for e in encoded]
+    decoder = DeviceDecoder(device, images)
+    ahead = DecodeAhead()
+    got = []
+    busy = torch.randn(1024, 1024, device=device)
+    try:
+        for pixels, *_ in ahead.batches(
+                iter(encoded), len(encoded),
+                lambda e: decoder.start(e.images, e.labels, e.replaced), decoder.hand_over):
+            for _ in range(20):  # the step's stream stays busy while the next batch decodes
+                busy = (busy @ busy).tanh_() + pixels.float().mean()
+            got.append(pixels.cpu())
+    finally:
+        ahead.close()
+    for batch, (want, have) in enumerate(zip(expected, got)):
+        assert torch.equal(want, have), batch

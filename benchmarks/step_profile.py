@@ -46,7 +46,8 @@ class ProfileSteps(Callback):
             plain = self.trace.with_suffix("")
             self.profiler.export_chrome_trace(str(plain))
             self.summary = read_trace(json.loads(plain.read_text()), self.count)
-            # the host's own time: the operators that held the training process longest
+            # the training thread's own time (torch's profiler records the operators of the
+            # thread that started it: the decoding thread's are not among them)
             self.host_ops = [(a.key, a.self_cpu_time_total / 1e3 / self.count, a.count)
                              for a in sorted(self.profiler.key_averages(),
                                              key=lambda a: -a.self_cpu_time_total)[:TOP_KERNELS]]
@@ -110,6 +111,6 @@ def describe(summary: dict, host_ops: list[tuple[str, float, int]]) -> list[str]
              f"{summary['overlap_ms']:.1f} ms; by stream: {streams or 'no kernels'}",
              "kernels, ms a step (calls in the window): " + "; ".join(
                  f"{name} {ms:.2f} ({calls})" for name, ms, calls in summary["top"]),
-             "host operators by their own time, ms a step (calls): " + "; ".join(
+             "the training thread's operators by their own time, ms a step (calls): " + "; ".join(
                  f"{name} {ms:.2f} ({calls})" for name, ms, calls in host_ops)]
     return lines

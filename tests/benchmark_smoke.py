@@ -73,7 +73,7 @@ CASES = {
     "jpeg_input": ["--quick", "--classes", "2", "--per-class", "16", "--rounds", "1"],
     # the JPEG folder it makes (6 images a class), each arm 2 epochs of 2 steps at 96 px
     "gpu_jpeg": ["--quick", "--allow-cpu", "--model", "test_resnet", "--size", "96", "--images",
-                 "60", "--batch", "16", "--epochs", "2"],
+                 "60", "--batch", "16", "--epochs", "2", "--profile-steps", "1"],
     # the anchor's network and cifar_airbench one step each, then each trainer row 3 steps
     "anchor_step": ["--quick", "--train-images", "128", "--batch-size", "16"],
     # both rows (the GPU row's code on the CPU): each anchor 2 epochs of 2 steps, each CLI run
@@ -187,9 +187,19 @@ def every_arm_trained(data: dict) -> None:
     assert all(r["first_loss"] != "NaN" and r["last_loss"] != "NaN" for r in data["result"])
 
 
+def the_always_arm_profiled(data: dict) -> None:
+    """bench_gpu_jpeg.py --profile-steps 1: the always arm's step profiled (a CPU runs no
+    kernels: none to read); the training thread ran the step's operators and not the JPEG
+    decoder, which runs on the decoding thread (data/decode_ahead.py)."""
+    profile = data["result"]["always"]["profile"]
+    assert profile[0].startswith("profiled 1 steps:") and "no kernels" in profile[0], profile
+    assert "convolution" in profile[2] and "decode_jpeg" not in profile[2], profile
+    assert "profile" not in data["result"]["never"], data["result"]["never"]
+
+
 TABLE_CHECKS = {"anchor_side_by_side": both_arms_and_a_ratio, "host_memory": each_arm_as_it_says,
                 "step_syncs": every_step_watched, "anchor_step": the_anchors_precision,
-                "fp16_networks": every_arm_trained}
+                "fp16_networks": every_arm_trained, "gpu_jpeg": the_always_arm_profiled}
 
 
 def env() -> dict:

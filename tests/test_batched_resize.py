@@ -102,16 +102,79 @@ def test_black_stays_black_and_white_white():
         assert torch.equal(resized, torch.full((1, 3, 16, 16), level, dtype=torch.uint8))
 
 
-def test_the_callers_matmul_precision_is_kept():
-    """The products run in full float32, whatever the trainer asked for (TF32 on a GPU), and
-    the setting is handed back."""
+def test_weights_split_into_parts_bfloat16_holds_exactly():
+    """Under TF32 or bfloat16 matmuls the weights go in as parts: their sum is the weights to
+    the bit, and each part survives torch's own conversion to bfloat16 (8 significant bits)
+    and back unchanged, as the levels 0-255 do."""
+    generator = torch.Generator().manual_seed(1)
+    weights = torch.cat([torch.rand(500, generator=generator),
+                         -torch.rand(100, generator=generator) * 1e-3,
+                         torch.tensor([1.0, 0.0, 1 / 3, -0.123456789, 2.0 ** -30])])
     before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
     try:
-        resized_as_batch(_crops(2, 10, 20), 8, torch.tensor([True, False]), CPU)
-        assert torch.get_float32_matmul_precision() == "high"
+        torch.set_float32_matmul_precision("high")
+        parts = batched_resize.exact_parts(weights)
+        torch.set_float32_matmul_precision("highest")
+        assert batched_resize.exact_parts(weights) == [weights]
     finally:
         torch.set_float32_matmul_precision(before)
+    assert len(parts) == 3
+    assert torch.equal(parts[0] + parts[1] + parts[2], weights)
+    assert torch.equal((parts[0] + parts[1]) + parts[2], weights)
+    for part in parts:
+        assert torch.equal(part.to(torch.bfloat16).float(), part)
+    levels = torch.arange(256, dtype=torch.float32)
+    assert torch.equal(levels.to(torch.bfloat16).float(), levels)
+
+
+@pytest.mark.parametrize("precision", ["high", "medium"])
+def test_the_pixels_do_not_depend_on_the_matmul_precision(precision):
+    """What the trainer asks for on a GPU (TF32: "high") or less: the resize of the parts is as
+    close to torchvision's, crop by crop, as full float32 products are (the parts' sums differ
+    from one product's in the last bit, which moves a sum ending in exactly .5 by a level)."""
+    crops = _crops(24, 20, 90, seed=5)
+    bicubic = torch.tensor([k % 2 == 0 for k in range(24)])
+    expected = torch.stack([_torchvision(c, 24, bool(b)) for c, b in zip(crops, bicubic)])
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        full = (resized_as_batch(crops, 24, bicubic, CPU).int() - expected.int()).abs()
+        torch.set_float32_matmul_precision(precision)
+        parts = (resized_as_batch(crops, 24, bicubic, CPU).int() - expected.int()).abs()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert parts.max() <= 1 and full.max() <= 1
+    assert parts.float().mean() <= full.float().mean() + 0.002, (parts.float().mean(),
+                                                                 full.float().mean())
+
+
+def test_the_resize_never_touches_the_process_matmul_precision():
+    """The products run on the decoding thread while the training thread trains: the
+    process's setting (which the training thread's matmuls read) must stay what the trainer
+    set throughout, not only after."""
+    import threading
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    seen, done = set(), threading.Event()
+
+    def resize_many():
+        try:
+            for seed in range(6):
+                resized_as_batch(_crops(8, 30, 120, seed=seed), 32, torch.tensor([True] * 8),
+                                 CPU)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=resize_many)
+    try:
+        worker.start()
+        while not done.is_set():
+            seen.add(torch.get_float32_matmul_precision())
+        worker.join()
+        seen.add(torch.get_float32_matmul_precision())
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert seen == {"high"}, seen
 
 
 def test_a_cpu_resizes_crop_by_crop_with_torchvision():

@@ -207,3 +207,46 @@ def test_batches_decoded_ahead_are_the_batches_decoded_in_line(photos, device): 
         ahead.close()
     for batch, (want, have) in enumerate(zip(expected, got)):
         assert torch.equal(want, have), batch
+
+
+def test_files_the_device_refuses_are_made_in_the_training_thread(photos, tmp_path):  # noqa: F811
+    """A JPEG whose header reads but whose data is noise goes to the device, which refuses it;
+    the host way then draws its crop from the process's generators, seeded for the image: that
+    must happen in the thread that trains (whose own draws, dropout and Mixup, it would
+    otherwise cut into), and the batch must be the one decoded in line."""
+    import io
+    import shutil
+
+    import numpy as np
+    from PIL import Image
+    root = tmp_path / "with_garbled"
+    shutil.copytree(photos, root)
+    a_class = sorted((root / "train").iterdir())[0]
+    whole = io.BytesIO()
+    Image.open(next(a_class.iterdir())).convert("RGB").resize((160, 120)).save(whole, "JPEG")
+    start = whole.getvalue().index(b"\xff\xda") + 14
+    noise = np.random.default_rng(1).integers(0, 255, 3000, dtype=np.uint8).tobytes()
+    (a_class / "z_garbled.jpg").write_bytes(whole.getvalue()[:start] + noise)
+    images = _dataset(root)
+    garbled = next(i for i in range(len(images))
+                   if images.source.name(i).endswith("z_garbled.jpg"))
+    threads = []
+    host_sample = images.host_sample
+
+    def watched(epoch, index):
+        threads.append(threading.current_thread().name)
+        return host_sample(epoch, index)
+
+    images.host_sample = watched
+    batches = [images.encoded_batch([garbled, (garbled + 1) % len(images)]) for _ in range(3)]
+    expected = [DeviceDecoder("cpu", images)(b.images, b.labels, b.replaced)[0] for b in batches]
+    threads.clear()
+    decoder, ahead = DeviceDecoder("cpu", images), DecodeAhead()
+    try:
+        got = [pixels for pixels, *_ in ahead.batches(
+            iter(batches), 3, lambda b: decoder.start(b.images, b.labels, b.replaced),
+            decoder.hand_over)]
+    finally:
+        ahead.close()
+    assert threads == [threading.current_thread().name] * 3, threads
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))

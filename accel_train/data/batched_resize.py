@@ -20,9 +20,9 @@ floor(center + support + 0.5)) and the crop (outside the first, the filter is ze
 normalised to sum to one, where scale = n / size, center =
 scale * (i + 0.5), support = the filter's radius (1 bilinear, 2 bicubic) times max(scale, 1),
 invscale = 1 / max(scale, 1); bicubic with a = -0.5, as torch and PIL antialias it.  Computed in
-float32, the width then the height, each pass rounded to 8 bits as PIL rounds them (the loader
-workers' resize; torchvision's on uint8 on a CPU): tests compare it with torchvision's resize,
-crop by crop.
+float32 whatever the process's matmul precision (`exact_parts`), the width then the height, each
+pass rounded to 8 bits as PIL rounds them (the loader workers' resize; torchvision's on uint8 on
+a CPU): tests compare it with torchvision's resize, crop by crop.
 """
 
 from __future__ import annotations
@@ -115,18 +115,33 @@ def _resized_chunk(crops: list[torch.Tensor], size: int, bicubic: torch.Tensor,
     rows = resize_weights(on_device(torch.tensor(heights), device), size, max(heights), bicubic)
     columns = resize_weights(on_device(torch.tensor(widths), device), size, max(widths),
                              bicubic)
-    # Full float32 products: the trainer asks for TF32 matmuls on a GPU (precision.py), whose
-    # 10-bit mantissa would move a pixel by a level in a quarter of them.
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        # PIL's order and rounding: the width first, its result rounded to 8 bits, then the
-        # height (a bicubic overshoot clamped in between, as PIL's and the workers' resize do)
-        across = _as_levels(padded @ columns.transpose(1, 2).unsqueeze(1))
-        resized = _as_levels(rows.unsqueeze(1) @ across)
-    finally:
-        torch.set_float32_matmul_precision(precision)
+    # PIL's order and rounding: the width first, its result rounded to 8 bits, then the height
+    # (a bicubic overshoot clamped in between, as PIL's and the workers' resize do)
+    across = _as_levels(sum(padded @ part for part in
+                            exact_parts(columns.transpose(1, 2).unsqueeze(1))))
+    resized = _as_levels(sum(part @ across for part in exact_parts(rows.unsqueeze(1))))
     return resized.to(torch.uint8)
+
+
+def exact_parts(weights: torch.Tensor) -> list[torch.Tensor]:
+    """`weights` as float32 parts whose products with whole levels (0-255) are float32's in any
+    matmul precision: the weights alone under "highest"; else three parts that sum to them
+    exactly, each of 8 significant bits, which TF32 ("high") and bfloat16 ("medium") hold
+    exactly, as they hold the levels.
+
+    Why: the trainer asks for TF32 matmuls on a GPU (precision.py), whose 10-bit mantissa
+    would move a pixel by a level in a quarter of them; setting the precision to "highest"
+    around the products is not an option, as the setting is the process's, and the products
+    run on the decoding thread (decode_ahead.py) while the training thread runs its step."""
+    if torch.get_float32_matmul_precision() == "highest":
+        return [weights]
+    parts, rest = [], weights
+    for _ in range(2):
+        # float32's low 16 bits cleared: the value truncated to bfloat16's 8 significant bits
+        high = (rest.contiguous().view(torch.int32) & -65536).view(torch.float32)
+        parts.append(high)
+        rest = rest - high  # exact: what the truncation left, at most 16 significant bits
+    return parts + [rest]  # at most 8 significant bits left
 
 
 def _as_levels(pixels: torch.Tensor) -> torch.Tensor:

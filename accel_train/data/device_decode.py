@@ -168,7 +168,7 @@ class Started:
     """A batch the device decoded and cropped, not yet handed to the trainer."""
 
     pixels: torch.Tensor   # uint8 [B, 3, S, S] on the device
-    substitutes: list[tuple[int, int, int]]  # (position, image used, its own index)
+    refused: list[tuple[int, int, int]]  # (position, epoch, index): files left to the host
     labels: torch.Tensor
     replaced: torch.Tensor
     done: Optional["torch.cuda.Event"]  # after the batch's work on the side stream (GPU)
@@ -208,32 +208,41 @@ class DeviceDecoder:
             # Nothing the side stream reads was made on the caller's: the batch's bytes and
             # draws are host tensors, and the labels are changed in hand_over, on the caller's.
             with torch.cuda.stream(self._side):
-                pixels, substitutes = self._decode_and_crop(batch)
+                pixels, refused = self._decode_and_crop(batch)
                 done = torch.cuda.Event()
                 done.record(self._side)  # this batch's work, not the next one's after it
-        return Started(pixels, substitutes, labels, replaced, done)
+        return Started(pixels, refused, labels, replaced, done)
 
     def hand_over(self, started: "Started") -> tuple[torch.Tensor, torch.Tensor,
                                                       torch.Tensor]:
         """The second half, in the thread that trains: the caller's stream waits for the
-        batch's work (an event, not the host)."""
+        batch's work (an event, not the host), and the files the device refused are made the
+        host way here.  Why here: the host's transform draws its crop from the process's
+        random generators, seeded for the image (as in a worker); on the decoding thread that
+        seeding would land in the middle of the training step's own draws (dropout, Mixup)."""
         pixels, labels, replaced = started.pixels, started.labels, started.replaced
         if started.done is not None:
             caller = torch.cuda.current_stream(self.device)
             caller.wait_event(started.done)
             # made on the side stream, read on the caller's: not handed out again before that
             pixels.record_stream(caller)
-        if started.substitutes:
+        substitutes = []
+        for position, epoch, index in started.refused:
+            image, used = self.dataset.host_sample(epoch, index)
+            pixels[position] = image.to(self.device)
+            if used != index:
+                substitutes.append((position, used, index))
+        if substitutes:
             labels, replaced = labels.clone(), replaced.clone()
-            for position, used, index in started.substitutes:  # Python numbers: no sync
+            for position, used, index in substitutes:  # Python numbers: no sync
                 labels[position] = int(self.dataset.source.labels[used])
                 replaced[position] = index
         return pixels, labels, replaced
 
     def _decode_and_crop(self, batch: EncodedImages) -> tuple[torch.Tensor,
                                                               list[tuple[int, int, int]]]:
-        """The batch's pixels on the device, and (position, the image used, its own index) for
-        each file the device refused whose host decoding took a substitute."""
+        """The batch's pixels on the device, and (position, epoch, index) of each file the
+        device refused, whose place `hand_over` fills the host way."""
         size = batch.size
         out = torch.empty(batch.count, 3, size, size, dtype=torch.uint8, device=self.device)
         if len(batch.ready_positions):
@@ -259,7 +268,7 @@ class DeviceDecoder:
         resized = resized_crops(boxes, size, batch.bicubic[kept], self.device)
         if len(kept) == len(decoded):
             crops = resized
-        else:  # the refused ones are made on the host below
+        else:  # the refused ones are made on the host (hand_over)
             crops = torch.zeros(len(decoded), 3, size, size, dtype=torch.uint8,
                                 device=self.device)
             crops[self._sent(torch.tensor(kept, dtype=torch.int64))] = resized
@@ -273,15 +282,8 @@ class DeviceDecoder:
             crops = jitter(crops, self._sent(batch.jitter_order),
                            self._sent(batch.jitter_factors))
         out[self._sent(batch.positions)] = crops
-        substitutes = []
-        for k in refused:
-            epoch, index = batch.keys[k].tolist()
-            pixels, used = self.dataset.host_sample(epoch, index)
-            position = int(batch.positions[k])
-            out[position] = pixels.to(self.device)
-            if used != index:
-                substitutes.append((position, used, index))
-        return out, substitutes
+        keys, positions = batch.keys.tolist(), batch.positions.tolist()
+        return out, [(positions[k], *keys[k]) for k in refused]
 
     def _sent(self, tensor: torch.Tensor) -> torch.Tensor:
         return on_device(tensor, self.device)

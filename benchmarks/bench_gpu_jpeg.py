@@ -17,6 +17,9 @@ through the device path alone: torchvision's batched decode_jpeg, TorchCodec's w
 the whole decode with the crops, and the crops' resize alone, batched (the product's) against
 torchvision's resize crop by crop.
 MFU = forward + backward FLOPs per image (FlopCounterMode) x img/s / the GPU's dense peak.
+img/s within epochs: the median of the train records' windows (5 steps each), each epoch's first
+left out (it waits for the workers' first batches: a short epoch weighs that far more than an
+ImageNet epoch of thousands of steps does).
 With --profile-steps N, each arm of --profile-modes trains one epoch more, untimed, N of its
 steps under torch.profiler (step_profile.py): the GPU's busy share of the wall time, whether the
 device path's side stream overlaps the step's, the longest kernels and host operators; the
@@ -79,13 +82,16 @@ def folder(args, work: Path) -> Path:
     return root
 
 
+LOG_EVERY = 5  # steps a train record's window spans
+
+
 def config(args, root: Path, mode: str, work: Path):
     from accel_train.config import TrainConfig
     return TrainConfig(data_dir=str(root), model=args.model, image_size=args.size,
                        batch_size=args.batch, mixed_precision=args.precision,
                        channels_last=True, in_memory="never", decode_on_device=mode,
                        num_workers=args.workers, epochs=1_000_000, progress="log",
-                       plots=False, log_every=5, output_dir=str(work / f"run-{mode}"))
+                       plots=False, log_every=LOG_EVERY, output_dir=str(work / f"run-{mode}"))
 
 
 def train_images(args, root: Path, work: Path):
@@ -224,7 +230,11 @@ def trainer_rate(args, root: Path, mode: str, device, work: Path, out: Path) -> 
     later = [r for r in records if per_epoch < r.get("step", 0) <= per_epoch * args.epochs] \
         or records
     data_wait = benchlib.median([r["data_wait"] for r in later]) if later else float("nan")
+    # Within epochs: each epoch's first window waits for the workers' first batches, which a
+    # short epoch (25 steps here, thousands on ImageNet) weighs far more than a real one does.
+    within = [r["img_per_s"] for r in later if (r["step"] - 1) % per_epoch >= LOG_EVERY]
     result = {"img_per_s": args.batch * sum(steps) / sum(seconds), "data_wait": data_wait,
+              "within_epochs_img_per_s": benchlib.median(within) if within else float("nan"),
               "decoding": decoding, "workers": trainer.loaders.num_workers,
               "steps_per_epoch": per_epoch}
     if profile.summary is not None:
@@ -269,17 +279,18 @@ def measure(args, report, device, name: str, peak: float, work: Path) -> int:
         print(f"{mode}: {results[mode]}", flush=True)
     steps = max([r["steps_per_epoch"] for r in results.values()], default=0) or 10
     hand = hand_rate(args, device, steps)
-    rows = [["hand loop (batch on the device)", "", hand, 1.0, flops * hand / 1e12 / peak, "", ""]]
+    rows = [["hand loop (batch on the device)", "", hand, 1.0, flops * hand / 1e12 / peak, "",
+             "", "", ""]]
     for mode, result in results.items():
-        rate = result["img_per_s"]
+        rate, within = result["img_per_s"], result.get("within_epochs_img_per_s", float("nan"))
         rows.append([f"accel_train --decode-on-device {mode}", result["decoding"], rate,
                      rate / hand, flops * rate / 1e12 / peak, f"{result['data_wait']:.1%}",
-                     result["workers"]])
+                     within, within / hand, result["workers"]])
     report.table(f"{args.model}, {args.size} px, {args.precision}, batch {args.batch}, on {name} "
                  f"(peak {peak} TFLOP/s dense), {os.cpu_count()} CPU cores; "
                  f"{args.epochs - 1} timed epochs of {steps} steps per arm",
                  ["arm", "JPEGs decoded", "img/s", "ratio to hand loop", "MFU", "data_wait",
-                  "workers"], rows,
+                  "img/s within epochs", "its ratio", "workers"], rows,
                  notes=[f"the same {agree['images']} samples through both paths: pixels differ "
                         f"by {agree['mean_abs']:.3f} levels on average, {agree['max']:.0f} at "
                         f"most; labels equal: {agree['labels_equal']}",

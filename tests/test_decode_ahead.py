@@ -251,3 +251,26 @@ def test_files_the_device_refuses_are_made_in_the_training_thread(photos, tmp_pa
         ahead.close()
     assert threads == [threading.current_thread().name] * 3, threads
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_close_ends_the_thread_and_a_later_epoch_starts_another():
+    """The loader's close (the run's end, a stop) ends the decoding thread, waiting for it; the
+    next pass (a later run of the same loader) starts a new one."""
+    threads = []
+
+    def start(item):
+        threads.append(threading.current_thread())
+        return item
+
+    ahead = DecodeAhead()
+    try:
+        assert list(ahead.batches(iter(range(3)), 3, start, lambda x: x)) == [0, 1, 2]
+    finally:
+        ahead.close()
+    assert threads and not any(thread.is_alive() for thread in threads)
+    first = set(threads)
+    try:
+        assert list(ahead.batches(iter(range(2)), 2, start, lambda x: x)) == [0, 1]
+    finally:
+        ahead.close()
+    assert set(threads) - first and not any(thread.is_alive() for thread in threads)

@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Optional, TypeVar
 Raw = TypeVar("Raw")
 Started = TypeVar("Started")
 Ready = TypeVar("Ready")
+_END = object()  # `raw` has no more
 
 
 class DecodeAhead:
@@ -60,7 +61,7 @@ def _ahead(pool: ThreadPoolExecutor, raw: Iterator[Raw], count: int,
     taken = 0  # items taken from `raw`
     try:
         for _ in range(count):
-            if deferred is not None:
+            if deferred is not None:  # (only ever set below when a batch follows)
                 raise deferred
             if pending is None:  # not read ahead: the first, or the epoch's last
                 item = next(raw, _END)
@@ -79,11 +80,7 @@ def _ahead(pool: ThreadPoolExecutor, raw: Iterator[Raw], count: int,
                         taken += 1
                         pending = pool.submit(start, item)
             yield hand_over(started)
-        if deferred is not None:
-            raise deferred
     finally:
         if pending is not None:  # a stop or an error: the thread's batch finishes, unused
             pending.exception()
 
-
-_END = object()

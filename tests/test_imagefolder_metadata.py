@@ -21,6 +21,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
+from accel_train.base.errors import UsageError
 from accel_train.config import TrainConfig
 from accel_train.data.imagefolder import index_folder
 from accel_train.data.sources import load_data
@@ -328,3 +329,36 @@ def test_training_says_where_its_labels_came_from_and_eval_counts_them(tmp_path)
                                             check=True).stdout.strip().splitlines()[-1])
     assert {name: c["images"] for name, c in evaluated["per_class"].items() if c["images"]} \
         == dict(Counter(theirs["test"].values()))
+
+
+def test_class_depth_where_files_label_every_split_is_refused(tmp_path):
+    """--class-depth names the level of class folders; where metadata files (or label files)
+    label every split, no class folder is read and the flag would change nothing: one line,
+    exit 2.  Where a split is still labelled by its class folders, the flag is taken."""
+    root = tmp_path / "hf"
+    _hf_folder(root, "csv")
+    ran = accel_train_here("--data-dir", str(root), "--class-depth", "1", *PINNED,
+                           "--output-dir", str(tmp_path / "run"))
+    assert ran.returncode == 2 and ran.stderr.strip().splitlines() == [
+        f"accel_train: error: --class-depth 1 names the folder level of the classes, and files "
+        f"label every split of {root} (test: test/metadata.csv; train: train/metadata.csv), "
+        f"so no class folder is read; drop --class-depth"], ran.stderr
+    assert not (tmp_path / "run").exists()
+    # the training images labelled by --train-labels, no other split
+    flat = tmp_path / "flat"
+    for i in range(4):
+        _image(flat / f"{i}.png", 40 * i)
+    (tmp_path / "labels.csv").write_text("".join(f"{i}.png,{i % 2}\n" for i in range(4)))
+    with pytest.raises(UsageError, match=r"--class-depth 2 names .* \(train: --train-labels "):
+        index_folder(flat, class_depth=2, train_labels=str(tmp_path / "labels.csv"))
+    # train/ by its metadata file, val/ by class folders two levels down: --class-depth reads
+    # val's
+    mixed = tmp_path / "mixed"
+    rows = []
+    for i in range(4):
+        _image(mixed / "train" / f"{i}.png", 30 * i)
+        rows.append({"file_name": f"{i}.png", "label": ["cat", "dog"][i % 2]})
+        _image(mixed / "val" / "site" / ["cat", "dog"][i % 2] / f"v{i}.png", 30 * i + 5)
+    _write_metadata(mixed / "train" / "metadata.csv", rows)
+    index = index_folder(mixed, class_depth=2)
+    assert index.class_names == ["cat", "dog"]

@@ -462,6 +462,8 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
                          f"class, parquet files or a save_to_disk folder")
     files = _label_files(root, splits, walked, val_labels, train_labels)
     metadata = _metadata_labels(root, splits, dirs, files)
+    if class_depth is not None and all(split in files for split in walked):
+        _class_depth_unread(root, class_depth, files)
     for split, (prefix, found) in walked.items():
         if empties[split] and not (class_depth is None and _is_labelled_split(split, val_labels)
                                    or split in files):
@@ -558,6 +560,18 @@ def _metadata_labels(root: Path, splits: dict[str, Path], dirs: list[tuple[str, 
             files[split] = (found[0], None)
             taken[split] = relative
     return taken
+
+
+def _class_depth_unread(root: Path, class_depth: int,
+                        files: dict[str, tuple[Path, Optional[str]]]) -> None:
+    """--class-depth where files label every split: no class folder is read, and a run would
+    train on the files' labels as if the flag were not there."""
+    by = "; ".join(f"{split}: {flag + ' ' if flag else ''}"
+                   f"{file.relative_to(root).as_posix() if file.is_relative_to(root) else file}"
+                   for split, (file, flag) in sorted(files.items()))
+    raise UsageError(f"--class-depth {class_depth} names the folder level of the classes, and "
+                     f"files label every split of {root} ({by}), so no class folder is read; "
+                     f"drop --class-depth")
 
 
 def _one_spelling_per_class(classes: dict[str, list]) -> dict[str, list]:

@@ -647,3 +647,26 @@ def test_a_local_folder_given_as_dataset_names_data_dir(tmp_path, monkeypatch):
         "loader could not read (") and result.stderr.endswith(
         "); pass it as --data-dir photos (--dataset takes a hub id)\n"), result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["parquet", "save_to_disk"])
+def test_eval_reads_a_run_that_recorded_image_folder_options_on_labelled_data(tmp_path,
+                                                                           layout):
+    """Runs from before those options were refused on data with a label column recorded them
+    (unread: they trained on the column); eval of such a run reads its data as it trained, and
+    gives what eval of the same run without them gives."""
+    import yaml
+    data = LAYOUTS[layout](tmp_path / "data", {"train": 16, "validation": 8})
+    run = tmp_path / "run"
+    accel_train_here("--data-dir", str(data), *PINNED, "--model", "test_resnet", "--epochs",
+                     "1", "--batch-size", "8", "--no-plots", "--output-dir", str(run),
+                     check=True)
+    before = accel_train_here("eval", str(run), "--json")
+    assert before.returncode == 0, before.stderr
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    recorded["train"].update(val_labels=str(tmp_path / "labels.csv"), class_depth=1)
+    (run / "config.yaml").write_text(yaml.safe_dump(recorded))
+    after = accel_train_here("eval", str(run), "--json")
+    assert after.returncode == 0, after.stderr
+    assert json.loads(after.stdout.splitlines()[-1]) == json.loads(before.stdout.splitlines()[-1])

@@ -144,6 +144,13 @@ def data_config(trained, args) -> TrainConfig:
         # config.yaml records the path as typed: relative to wherever training was started
         raise UsageError(f"the run was trained on --data-dir {values['data_dir']}, which is not "
                          f"there from this folder; pass --data-dir PATH to that data")
+    from accel_train.data.sources import IMAGE_FOLDER_OPTIONS, labelled_by_a_column
+    if not other_data and values.get("data_dir") and \
+            any(values.get(name) is not None for name in IMAGE_FOLDER_OPTIONS) and \
+            labelled_by_a_column(values["data_dir"]):
+        # recorded by a run from before these options were refused on such data, which it
+        # trained on its label column, the option unread: read as it trained
+        values.update({name: None for name in IMAGE_FOLDER_OPTIONS})
     if other_data:
         values.update(dataset=args.dataset or "synthetic", data_dir=args.data_dir)
     elif (args.val_labels, args.train_labels, args.class_depth) != (None, None, None):

@@ -544,7 +544,7 @@ def _load_local(config: TrainConfig) -> RawData:
         raise UsageError(f"--data-dir {data_dir}: no such folder")
     if not path.is_dir():
         raise UsageError(f"--data-dir {data_dir} is a file; pass the folder that holds the data")
-    if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+    if saved_by_datasets(path):
         refuse_image_folder_options(config, "a save_to_disk folder, labelled by its label column")
         loaded = load_saved_dataset(path, f"--data-dir {data_dir}:")
         if not isinstance(loaded, datasets.DatasetDict):
@@ -580,11 +580,27 @@ def _load_local(config: TrainConfig) -> RawData:
     return _image_folder_data(path, index)
 
 
+IMAGE_FOLDER_OPTIONS = ("val_labels", "train_labels", "class_depth")
+
+
+def labelled_by_a_column(data_dir: str) -> bool:
+    """Whether --data-dir holds data labelled by its own label column (a save_to_disk folder,
+    parquet files), which --val-labels, --train-labels and --class-depth never applied to."""
+    path = Path(data_dir)
+    return path.is_dir() and (saved_by_datasets(path) or
+                              next(iter(files_under(path, PARQUET)), None) is not None)
+
+
+def saved_by_datasets(path: Path) -> bool:
+    """A folder `save_to_disk` wrote (a DatasetDict's, or one Dataset's)."""
+    return (path / "dataset_dict.json").exists() or (path / "state.json").exists()
+
+
 def refuse_image_folder_options(config, what: str) -> None:
     """--val-labels, --train-labels and --class-depth say how an image folder's images are
     labelled; data with a label column of its own would train on that column, the option
     unread."""
-    for name in ("val_labels", "train_labels", "class_depth"):
+    for name in IMAGE_FOLDER_OPTIONS:
         value = getattr(config, name, None)
         if value is not None:
             flag = "--" + name.replace("_", "-")

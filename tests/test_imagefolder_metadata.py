@@ -362,3 +362,30 @@ def test_class_depth_where_files_label_every_split_is_refused(tmp_path):
     _write_metadata(mixed / "train" / "metadata.csv", rows)
     index = index_folder(mixed, class_depth=2)
     assert index.class_names == ["cat", "dog"]
+
+
+def test_metadata_parquet_is_one_line_saying_how_to_write_it_as_csv(tmp_path):
+    """datasets' imagefolder also reads a metadata.parquet; taken here for a folder of parquet
+    data files, it failed naming columns the user never chose.  Now one line names the file and
+    the pandas call that writes it as metadata.csv; done as it says, the labels are those
+    datasets reads from the parquet file."""
+    root = tmp_path / "hf"
+    rows = []
+    for i in range(8):
+        _image(root / "train" / f"{i}.png", 30 * i)
+        rows.append({"file_name": f"{i}.png", "label": ["tabby", "siamese"][i % 2]})
+    parquet = root / "train" / "metadata.parquet"
+    pd.DataFrame(rows).to_parquet(parquet)
+    theirs = _theirs(root)
+    ran = accel_train_here("--data-dir", str(root), *PINNED, "--output-dir",
+                           str(tmp_path / "run"))
+    csv = root / "train" / "metadata.csv"
+    assert ran.returncode == 2 and ran.stderr.strip().splitlines() == [
+        f"accel_train: error: {parquet} is Hugging Face's imagefolder metadata as parquet, "
+        f"which is not read here; write it as {csv} (pandas: pd.read_parquet('{parquet}')"
+        f".to_csv('{csv}', index=False)) and move the parquet file out"], ran.stderr
+    assert not (tmp_path / "run").exists()
+    pd.read_parquet(parquet).to_csv(csv, index=False)  # as the line says
+    parquet.rename(tmp_path / "metadata.parquet")
+    data = load_data(TrainConfig(data_dir=str(root), in_memory="never", val_fraction=0.25))
+    assert _ours(data) == theirs["train"]

@@ -34,7 +34,8 @@ from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.pixel_arrays import check_pixel_arrays, image_files
 from accel_train.data.imagefolder import (PARQUET, SPLIT_FOLDERS, FolderIndex, HoldsParquet,
                                           classes_across_folders, files_under, index_folder,
-                                          metadata_labels_line, photos_left_out)
+                                          image_extensions, metadata_labels_line,
+                                          photos_left_out)
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
                                             subset_if_cut)
 from accel_train.data.labels import (check_label_values, unreadable_classes_named,
@@ -563,6 +564,7 @@ def _load_local(config: TrainConfig) -> RawData:
         # A parquet layout, or a folder that is no image folder: what the search finds decides
         parquet = sorted(files_under(path, PARQUET))
         if parquet:
+            refuse_parquet_metadata(path, parquet)
             refuse_image_folder_options(config, "a folder of parquet files, labelled by their "
                                                 "label column")
             return _load_parquet(path, parquet, data_dir)
@@ -581,6 +583,25 @@ def _load_local(config: TrainConfig) -> RawData:
 
 
 IMAGE_FOLDER_OPTIONS = ("val_labels", "train_labels", "class_depth")
+
+
+def refuse_parquet_metadata(root: Path, parquet: list[Path]) -> None:
+    """Hugging Face's imagefolder layout with its metadata as metadata.parquet (which datasets
+    reads, as it reads metadata.csv): taken for a folder of parquet data files, it failed with
+    "cannot tell which column holds the images (columns: file_name, label)".  Not read here:
+    one line saying how to write it as a file that is."""
+    if any(file.name != "metadata.parquet" for file in parquet):
+        return  # parquet data files (a metadata file among them is theirs to explain)
+    first = parquet[0]
+    folder = first.parent
+    extensions = image_extensions()
+    if not any(entry.is_dir() or entry.suffix.lower() in extensions
+               for entry in folder.iterdir()):
+        return
+    csv = folder / "metadata.csv"
+    raise UsageError(f"{first} is Hugging Face's imagefolder metadata as parquet, which is not "
+                     f"read here; write it as {csv} (pandas: pd.read_parquet('{first}')"
+                     f".to_csv('{csv}', index=False)) and move the parquet file out")
 
 
 def labelled_by_a_column(data_dir: str) -> bool:

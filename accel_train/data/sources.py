@@ -564,7 +564,7 @@ def _load_local(config: TrainConfig) -> RawData:
         # A parquet layout, or a folder that is no image folder: what the search finds decides
         parquet = sorted(files_under(path, PARQUET))
         if parquet:
-            refuse_parquet_metadata(path, parquet)
+            refuse_parquet_metadata(parquet)
             refuse_image_folder_options(config, "a folder of parquet files, labelled by their "
                                                 "label column")
             return _load_parquet(path, parquet, data_dir)
@@ -585,7 +585,7 @@ def _load_local(config: TrainConfig) -> RawData:
 IMAGE_FOLDER_OPTIONS = ("val_labels", "train_labels", "class_depth")
 
 
-def refuse_parquet_metadata(root: Path, parquet: list[Path]) -> None:
+def refuse_parquet_metadata(parquet: list[Path]) -> None:
     """Hugging Face's imagefolder layout with its metadata as metadata.parquet (which datasets
     reads, as it reads metadata.csv): taken for a folder of parquet data files, it failed with
     "cannot tell which column holds the images (columns: file_name, label)".  Not read here:

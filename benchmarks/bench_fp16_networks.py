@@ -44,17 +44,21 @@ def arm_command(args, model: str, precision: str, out: Path) -> list[str]:
             "--output-dir", str(out)]
 
 
-def arm_row(args, model: str, precision: str, tmp: Path) -> list:
+def arm_row(args, model: str, precision: str, tmp: Path, seconds_left: float) -> list:
     out = tmp / f"{model.replace(':', '_').replace('.', '_')}-{precision}"
+    timeout = min(args.arm_timeout, seconds_left)
+    if timeout < 5:
+        return [model, precision, "not run", "-", "-", "-", "-", "-",
+                "--total-timeout spent by the arms before it"]
     started = time.perf_counter()
     # (not benchlib.run: an arm that exits 65, or runs out of time, is a result, not a
     # failure of this script)
     try:
         result = subprocess.run(arm_command(args, model, precision, out),
                                 env=benchlib.child_env(), cwd=benchlib.REPO,
-                                capture_output=True, text=True, timeout=args.arm_timeout)
+                                capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return [model, precision, "timed out", "-", "-", "-", "-", f"{args.arm_timeout:g}", ""]
+        return [model, precision, "timed out", "-", "-", "-", "-", f"{timeout:.0f}", ""]
     wall = time.perf_counter() - started
     records = benchlib.read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() \
         else []
@@ -86,6 +90,10 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--arm-timeout", type=float, default=120, help="seconds an arm may take")
+    parser.add_argument("--total-timeout", type=float, default=math.inf,
+                        help="seconds all arms may take together: the arms after it are "
+                             "reported as not run, and the table is still written (a caller's "
+                             "own time limit would kill the script before it writes one)")
     parser.add_argument("--allow-cpu", action="store_true",
                         help="run on the CPU with the embedded data (to test this script)")
     args = parser.parse_args()
@@ -96,7 +104,8 @@ def main() -> int:
         args.steps, args.batch_size = min(args.steps, 3), min(args.batch_size, 16)
     report = benchlib.Report("fp16_networks", "GPU: networks in fp16 beside bf16", args)
     tmp = Path(tempfile.mkdtemp(prefix="bench-fp16-networks-"))
-    rows = [arm_row(args, model, precision, tmp)
+    deadline = time.perf_counter() + args.total_timeout
+    rows = [arm_row(args, model, precision, tmp, deadline - time.perf_counter())
             for model in args.models for precision in args.precisions]
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else \
         "CPU (--allow-cpu: fp16 runs fp32, no figures)"

@@ -53,26 +53,26 @@ class Logged:
         return started + 1
 
 
-def test_each_batch_is_handed_over_in_order_decoded_on_a_thread():
+@pytest.fixture
+def ahead():
+    """A DecodeAhead, its thread ended after the test whatever the test met."""
+    decoding = DecodeAhead()
+    yield decoding
+    decoding.close()
+
+
+def test_each_batch_is_handed_over_in_order_decoded_on_a_thread(ahead):
     logged = Logged(range(6))
-    ahead = DecodeAhead()
-    try:
-        got = list(ahead.batches(logged.raw(), 6, logged.start, logged.hand_over))
-    finally:
-        ahead.close()
+    got = list(ahead.batches(logged.raw(), 6, logged.start, logged.hand_over))
     assert got == [1, 11, 21, 31, 41, 51]
     # a thread of its own, named for what it does (in a profiler's or py-spy's list of threads)
     assert logged.threads and all(name.startswith("decode-ahead") for name in logged.threads)
 
 
-def test_the_next_batch_is_taken_before_this_one_is_handed_over_but_never_the_last():
+def test_the_next_batch_is_taken_before_this_one_is_handed_over_but_never_the_last(ahead):
     logged = Logged(range(5))
-    ahead = DecodeAhead()
-    try:
-        for _ in ahead.batches(logged.raw(), 5, logged.start, logged.hand_over):
-            logged.log.append(("trained", None))
-    finally:
-        ahead.close()
+    for _ in ahead.batches(logged.raw(), 5, logged.start, logged.hand_over):
+        logged.log.append(("trained", None))
     events = [e for e in logged.log if e[0] in ("take", "hand", "trained")]
     # by hand: 0 taken; 1 taken ahead before 0 goes out; ...; 4 (the last) only after 3 trained
     assert events == [("take", 0), ("take", 1), ("hand", 0), ("trained", None),
@@ -82,68 +82,48 @@ def test_the_next_batch_is_taken_before_this_one_is_handed_over_but_never_the_la
                       ("take", 4), ("hand", 4), ("trained", None)]
 
 
-def test_a_resumed_epoch_counts_only_its_remaining_batches():
+def test_a_resumed_epoch_counts_only_its_remaining_batches(ahead):
     logged = Logged(range(3))  # the loader, skipped ahead, has 3 left; so does the count
-    ahead = DecodeAhead()
-    try:
-        got = list(ahead.batches(logged.raw(), 3, logged.start, logged.hand_over))
-    finally:
-        ahead.close()
+    got = list(ahead.batches(logged.raw(), 3, logged.start, logged.hand_over))
     assert got == [1, 11, 21]
     assert [e for e in logged.log if e[0] == "take"][-1] == ("take", 2)
     # the last batch was taken after the one before it was handed over
     assert logged.log.index(("take", 2)) > logged.log.index(("hand", 1))
 
 
-def test_no_more_than_count_batches_are_taken_and_a_short_loader_just_ends():
+def test_no_more_than_count_batches_are_taken_and_a_short_loader_just_ends(ahead):
     logged = Logged(range(10))
-    ahead = DecodeAhead()
-    try:
-        assert list(ahead.batches(logged.raw(), 4, logged.start, logged.hand_over)) == \
-            [1, 11, 21, 31]
-        assert [e for e in logged.log if e[0] == "take"] == [("take", k) for k in range(4)]
-        short = Logged(range(2))
-        assert list(ahead.batches(short.raw(), 5, short.start, short.hand_over)) == [1, 11]
-    finally:
-        ahead.close()
+    assert list(ahead.batches(logged.raw(), 4, logged.start, logged.hand_over)) == \
+        [1, 11, 21, 31]
+    assert [e for e in logged.log if e[0] == "take"] == [("take", k) for k in range(4)]
+    short = Logged(range(2))
+    assert list(ahead.batches(short.raw(), 5, short.start, short.hand_over)) == [1, 11]
 
 
-def test_a_decoding_error_comes_out_at_its_own_batch():
+def test_a_decoding_error_comes_out_at_its_own_batch(ahead):
     logged = Logged(range(5), fail_start_at=2)
-    ahead = DecodeAhead()
     got = []
-    try:
-        with pytest.raises(ValueError, match="decoder failed at 2"):
-            for batch in ahead.batches(logged.raw(), 5, logged.start, logged.hand_over):
-                got.append(batch)
-    finally:
-        ahead.close()
+    with pytest.raises(ValueError, match="decoder failed at 2"):
+        for batch in ahead.batches(logged.raw(), 5, logged.start, logged.hand_over):
+            got.append(batch)
     assert got == [1, 11]
 
 
-def test_a_loader_error_met_reading_ahead_comes_out_after_the_batch_in_hand():
+def test_a_loader_error_met_reading_ahead_comes_out_after_the_batch_in_hand(ahead):
     logged = Logged(range(5), fail_take_at=3)
-    ahead = DecodeAhead()
     got = []
-    try:
-        with pytest.raises(RuntimeError, match="loader failed at 3"):
-            for batch in ahead.batches(logged.raw(), 5, logged.start, logged.hand_over):
-                got.append(batch)
-    finally:
-        ahead.close()
+    with pytest.raises(RuntimeError, match="loader failed at 3"):
+        for batch in ahead.batches(logged.raw(), 5, logged.start, logged.hand_over):
+            got.append(batch)
     assert got == [1, 11, 21]  # as in line: batches 0-2 trained, then the loader's error
 
 
-def test_a_stop_waits_for_the_batch_being_decoded():
+def test_a_stop_waits_for_the_batch_being_decoded(ahead):
     logged = Logged(range(5), slow_start=0.2)
-    ahead = DecodeAhead()
-    try:
-        batches = ahead.batches(logged.raw(), 5, logged.start, logged.hand_over)
-        assert next(batches) == 1
-        batches.close()  # the trainer stops: batch 1 was being decoded on the thread
-        assert ("start", 1) in logged.log  # finished before close returned, not abandoned
-    finally:
-        ahead.close()
+    batches = ahead.batches(logged.raw(), 5, logged.start, logged.hand_over)
+    assert next(batches) == 1
+    batches.close()  # the trainer stops: batch 1 was being decoded on the thread
+    assert ("start", 1) in logged.log  # finished before close returned, not abandoned
 
 
 class EpochEnds(Callback):
@@ -186,7 +166,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_batches_decoded_ahead_are_the_batches_decoded_in_line(photos, device):  # noqa: F811
+def test_batches_decoded_ahead_are_the_batches_decoded_in_line(photos, device,  # noqa: F811
+                                                                ahead):
     """On a GPU the thread queues each batch on the decoder's side stream while the caller's
     stream is busy (here: products standing in for a training step, which read the last
     batch): the pixels must be those of the decoder called in line, batch by batch."""
@@ -196,23 +177,20 @@ def test_batches_decoded_ahead_are_the_batches_decoded_in_line(photos, device): 
     in_line = DeviceDecoder(device, images)
     expected = [in_line(e.images, e.labels, e.replaced)[0].cpu() for e in encoded]
     decoder = DeviceDecoder(device, images)
-    ahead = DecodeAhead()
     got = []
     busy = torch.randn(1024, 1024, device=device)
-    try:
-        for pixels, *_ in ahead.batches(
-                iter(encoded), len(encoded),
-                lambda e: decoder.start(e.images, e.labels, e.replaced), decoder.hand_over):
-            for _ in range(20):  # the step's stream stays busy while the next batch decodes
-                busy = (busy @ busy).tanh_() + pixels.float().mean()
-            got.append(pixels.cpu())
-    finally:
-        ahead.close()
+    for pixels, *_ in ahead.batches(
+            iter(encoded), len(encoded),
+            lambda e: decoder.start(e.images, e.labels, e.replaced), decoder.hand_over):
+        for _ in range(20):  # the step's stream stays busy while the next batch decodes
+            busy = (busy @ busy).tanh_() + pixels.float().mean()
+        got.append(pixels.cpu())
     for batch, (want, have) in enumerate(zip(expected, got)):
         assert torch.equal(want, have), batch
 
 
-def test_files_the_device_refuses_are_made_in_the_training_thread(photos, tmp_path):  # noqa: F811
+def test_files_the_device_refuses_are_made_in_the_training_thread(photos, tmp_path,  # noqa: F811
+                                                                  ahead):
     """A JPEG whose header reads but whose data is noise goes to the device, which refuses it;
     the host way then draws its crop from the process's generators, seeded for the image: that
     must happen in the thread that trains (whose own draws, dropout and Mixup, it would
@@ -244,13 +222,10 @@ def test_files_the_device_refuses_are_made_in_the_training_thread(photos, tmp_pa
     batches = [images.encoded_batch([garbled, (garbled + 1) % len(images)]) for _ in range(3)]
     expected = [DeviceDecoder("cpu", images)(b.images, b.labels, b.replaced)[0] for b in batches]
     threads.clear()
-    decoder, ahead = DeviceDecoder("cpu", images), DecodeAhead()
-    try:
-        got = [pixels for pixels, *_ in ahead.batches(
-            iter(batches), 3, lambda b: decoder.start(b.images, b.labels, b.replaced),
-            decoder.hand_over)]
-    finally:
-        ahead.close()
+    decoder = DeviceDecoder("cpu", images)
+    got = [pixels for pixels, *_ in ahead.batches(
+        iter(batches), 3, lambda b: decoder.start(b.images, b.labels, b.replaced),
+        decoder.hand_over)]
     assert threads == [threading.current_thread().name] * 3, threads
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
 

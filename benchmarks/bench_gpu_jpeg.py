@@ -10,7 +10,9 @@ Arms, in one process, one after the other:
                        px, about 110 kB), --decode-on-device MODE: auto (what a user gets), never
                        (the loader workers decode, crop and jitter: timm's transform on PIL
                        images), always (the workers read the files, the GPU decodes them with
-                       nvJPEG and crops them); the first epoch untimed (workers, cuDNN)
+                       nvJPEG and crops them), always:0.4 (--host-decode-share 0.4: the workers
+                       decode 40% of each batch themselves); the first epoch untimed (workers,
+                       cuDNN)
 and the pixels: the same 64 training samples through both paths (mean and largest difference
 in levels of 255; the crops, flips and labels are the same by construction); and one batch
 through the device path alone: torchvision's batched decode_jpeg, TorchCodec's where it loads,
@@ -58,7 +60,9 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--precision", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--epochs", type=int, default=3, help="per arm, the first untimed")
-    parser.add_argument("--modes", nargs="*", default=["auto", "never", "always"])
+    parser.add_argument("--modes", nargs="*", default=["auto", "never", "always", "always:0.4"],
+                        help="--decode-on-device of each arm; MODE:SHARE adds "
+                             "--host-decode-share SHARE")
     parser.add_argument("--workers", type=int, default=None, help="loader workers (default: "
                         "accel_train's own choice)")
     parser.add_argument("--peak-tflops", type=float, default=None)
@@ -86,12 +90,16 @@ LOG_EVERY = 5  # steps a train record's window spans
 
 
 def config(args, root: Path, mode: str, work: Path):
+    """The run of an arm: MODE is --decode-on-device's, or MODE:SHARE with --host-decode-share
+    SHARE (always:0.4: the workers decode 40% of each batch, the GPU the rest)."""
     from accel_train.config import TrainConfig
+    decode, _, share = mode.partition(":")
     return TrainConfig(data_dir=str(root), model=args.model, image_size=args.size,
                        batch_size=args.batch, mixed_precision=args.precision,
-                       channels_last=True, in_memory="never", decode_on_device=mode,
-                       num_workers=args.workers, epochs=1_000_000, progress="log",
-                       plots=False, log_every=LOG_EVERY, output_dir=str(work / f"run-{mode}"))
+                       channels_last=True, in_memory="never", decode_on_device=decode,
+                       host_decode_share=float(share or 0), num_workers=args.workers,
+                       epochs=1_000_000, progress="log", plots=False, log_every=LOG_EVERY,
+                       output_dir=str(work / f"run-{mode.replace(':', '-')}"))
 
 
 def train_images(args, root: Path, work: Path):
@@ -283,7 +291,10 @@ def measure(args, report, device, name: str, peak: float, work: Path) -> int:
              "", "", ""]]
     for mode, result in results.items():
         rate, within = result["img_per_s"], result.get("within_epochs_img_per_s", float("nan"))
-        rows.append([f"accel_train --decode-on-device {mode}", result["decoding"], rate,
+        decode, _, share = mode.partition(":")
+        arm = f"accel_train --decode-on-device {decode}" + \
+            (f" --host-decode-share {share}" if share else "")
+        rows.append([arm, result["decoding"], rate,
                      rate / hand, flops * rate / 1e12 / peak, f"{result['data_wait']:.1%}",
                      within, within / hand, result["workers"]])
     report.table(f"{args.model}, {args.size} px, {args.precision}, batch {args.batch}, on {name} "

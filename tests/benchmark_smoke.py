@@ -195,6 +195,9 @@ def the_always_arm_profiled(data: dict) -> None:
     assert profile[0].startswith("profiled 1 steps:") and "no kernels" in profile[0], profile
     assert "convolution" in profile[2] and "decode_jpeg" not in profile[2], profile
     assert "profile" not in data["result"]["never"], data["result"]["never"]
+    # the arm with --host-decode-share: the workers decode 40% of each batch
+    assert "40% of each batch's by the loader workers" in \
+        data["result"]["always:0.4"]["decoding"], data["result"]["always:0.4"]
 
 
 TABLE_CHECKS = {"anchor_side_by_side": both_arms_and_a_ratio, "host_memory": each_arm_as_it_says,

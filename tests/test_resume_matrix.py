@@ -89,10 +89,11 @@ def _data_options(path: str, data: dict) -> list[str]:
         return ["--data-dir", str(data["images"]), "--in-memory", "always",
                 "--train-interpolation", "random", "--color-jitter", "0.4"]
     if path == "decoded-on-device":  # 80 px JPEGs, decoded, cropped and jittered "on the
-        # device" (torchvision's decoder on a CPU): timm's draws made in a loader worker
+        # device" (torchvision's decoder on a CPU): timm's draws made in a loader worker, which
+        # decodes a third of each batch itself (--host-decode-share)
         return ["--data-dir", str(data["jpegs"]), "--in-memory", "never", "--num-workers", "1",
-                "--decode-on-device", "always", "--train-interpolation", "random",
-                "--color-jitter", "0.4"]
+                "--decode-on-device", "always", "--host-decode-share", "0.34",
+                "--train-interpolation", "random", "--color-jitter", "0.4"]
     return ["--data-dir", str(data["shards"]), "--num-workers", "1",  # streamed
             "--max-eval-samples", "64"]
 
@@ -209,6 +210,7 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_da
             facts["model"]["crop_mode"] == "center", facts
     if path == "decoded-on-device":
         assert facts["jpeg_decoding"].startswith("on the device") and \
+            "34% of each batch's by the loader workers" in facts["jpeg_decoding"] and \
             state["decoded_on_device"] is True, (facts, state)
 
     # Exactness must not depend on Accelerate's RNG files: the resumed run starts without them

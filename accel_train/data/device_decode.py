@@ -127,11 +127,12 @@ def draw_plans(transform: ImageTransform, seed: int, epochs, indices,
 
 
 def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs: np.ndarray,
-                 indices: np.ndarray, host_samples: Callable) -> tuple[EncodedImages,
-                                                                       torch.Tensor, list[int]]:
+                 indices: np.ndarray, host_samples: Callable,
+                 host_share: float = 0.0) -> tuple[EncodedImages, torch.Tensor, list[int]]:
     """A loader worker's half: (the batch's EncodedImages, labels, used indices).  The JPEGs
-    the device can take are read, not decoded; the rest go through `host_samples(positions)`,
-    the loader's own path -> (uint8 pixels [K, 3, S, S], used indices)."""
+    the device can take are read, not decoded, but for `host_share` of them (--host-decode-
+    share: `shared_with_host`); the rest go through `host_samples(positions)`, the loader's
+    own path -> (uint8 pixels [K, 3, S, S], used indices)."""
     blobs, positions, sizes, orientations, host = [], [], [], [], []
     for k, item in enumerate(source.files_at(indices.tolist())):
         header = jpeg_header(item) if isinstance(item, bytes) else None
@@ -142,6 +143,12 @@ def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs:
         positions.append(k)
         sizes.append(header[:2])
         orientations.append(header[2])
+    if host_share > 0:
+        to_host = set(shared_with_host(len(blobs), host_share))
+        host = sorted(host + [positions[j] for j in to_host])
+        blobs, positions, sizes, orientations = (
+            [value for j, value in enumerate(column) if j not in to_host]
+            for column in (blobs, positions, sizes, orientations))
     used = indices.tolist()
     ready = torch.zeros(0, 3, transform.image_size, transform.image_size, dtype=torch.uint8)
     if host:
@@ -161,6 +168,18 @@ def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs:
                             ready_positions=torch.tensor(host, dtype=torch.int64),
                             count=len(indices), size=transform.image_size)
     return encoded, source.labels[used], used
+
+
+def shared_with_host(count: int, share: float) -> list[int]:
+    """Which of a batch's `count` device JPEGs the workers decode under --host-decode-share
+    `share`: floor(count x share) of them, spread evenly (the j-th where the running total
+    floor((j + 1) x share) steps up), a function of the batch alone, so a resumed run splits
+    its batches as the first start did.
+
+    Why a share: the device path leaves the loader workers' cores idle but for reading files,
+    while its decoding, crops and jitter take GPU time from the step; NVIDIA DALI's decoder
+    splits its batches so too (`hw_decoder_load`, the share its hardware decoder takes)."""
+    return [j for j in range(count) if math.floor((j + 1) * share) > math.floor(j * share)]
 
 
 @dataclass

@@ -119,8 +119,10 @@ class TrainImages(Dataset):
         self.mark_replaced = mark_replaced
         self.places_on_device = (place_on_device and isinstance(source, ArraySource)
                                  and transform.can_place(source.images.shape))
-        # JPEG bytes and their draws out, decoded and cropped on the device (device_decode.py)
+        # JPEG bytes and their draws out, decoded and cropped on the device (device_decode.py),
+        # but for this share of them, decoded here (--host-decode-share)
         self.decodes_on_device = decode_on_device
+        self.host_decode_share = 0.0
 
     def __len__(self) -> int:
         return len(self.source)
@@ -148,7 +150,7 @@ class TrainImages(Dataset):
             return torch.stack([pixels for pixels, _ in done]), [used for _, used in done]
 
         encoded, labels, used = encode_batch(self.source, self.transform, self.seed, epochs,
-                                             indices, host_samples)
+                                             indices, host_samples, self.host_decode_share)
         marks = replaced_marks(torch.from_numpy(indices), used) if self.mark_replaced else None
         shape = (len(keys), 3, self.transform.image_size, self.transform.image_size)
         return SampleBatch(encoded, labels, keys, marks,

@@ -319,6 +319,11 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                                                          processes_per_machine),
                     device, train_rate)))
             images.decodes_on_device = decoding[0]
+            if decoding[0] and config.host_decode_share > 0:
+                images.host_decode_share = config.host_decode_share
+                decoding = (True, f"{decoding[1]}; {config.host_decode_share:.0%} of each "
+                                  f"batch's by the loader workers (--host-decode-share "
+                                  f"{config.host_decode_share:g})")
             loader = make_loader(images,
                                  config.batch_size, wanted_workers, config.prefetch_factor,
                                  config.persistent_workers, pin_memory, sampler=sampler,

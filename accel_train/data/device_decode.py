@@ -356,14 +356,19 @@ def jitter(images: torch.Tensor, order: torch.Tensor, factors: torch.Tensor) -> 
     levels as torchvision's uint8 results are.  Why: a blend of the whole batch for every
     part, and a conversion to uint8 and back after each, made the jitter most of the device
     path's GPU time (about 13 of 18 ms a batch of 256 at 224 px on an H200)."""
+    # Hue (3) is off: each image's place for it is dropped and its three other parts kept in
+    # their order (a stable sort moves the 3 last, with no device-to-host read), so that three
+    # places do the work, not four with a quarter of their images passed through unchanged
+    # (AMD EPYC, one thread, 64 images at 224 px: 324 ms against 446, the same pixels).
+    hue_last = (order == 3).to(torch.uint8).sort(dim=1, stable=True).indices
+    order = order.gather(1, hue_last)[:, :3]
     pixels = images.float()
     for place in range(order.shape[1]):
         part = order[:, place].view(-1, 1, 1, 1)  # 0 brightness, 1 contrast, 2 saturation
         gray = _grayscale(pixels)
         mean = gray.mean(dim=(-3, -2, -1), keepdim=True)
         other = torch.where(part == 0, 0.0, torch.where(part == 1, mean, gray))
-        ratio = factors.gather(1, order[:, place].clamp(max=2).view(-1, 1))
-        pixels = torch.where(part <= 2, _blend(pixels, other, ratio), pixels)  # 3: hue, off
+        pixels = _blend(pixels, other, factors.gather(1, order[:, place].view(-1, 1)))
     return pixels.to(torch.uint8)
 
 

@@ -631,6 +631,8 @@ COVERED_ELSEWHERE = {
     "train_labels": "test_train_labels.py::test_each_label_file_problem_is_one_sentence",
     "imagefolder_metadata":
         "test_imagefolder_metadata.py::test_each_metadata_jsonl_problem_is_one_line_naming_its_line",
+    "imagefolder_metadata_parquet":
+        "test_imagefolder_metadata.py::test_a_damaged_metadata_parquet_is_one_line",
     "elastic_job": "test_file_matrix.py::test_a_damaged_elastic_job_marker",
 }
 
@@ -657,7 +659,8 @@ def _reader_kinds_named_in_the_product() -> set[str]:
     argument of readers' functions that take one, or a `kind_name=` keyword)."""
     takes_kind = {"read_bytes", "read_text", "read_json", "parse_json", "read_yaml",
                   "read_json_lines", "read_safetensors", "safetensors_shapes", "check_fits",
-                  "check_torch_file", "parquet_file", "read_arrow_cache", "bad"}
+                  "check_torch_file", "parquet_file", "read_parquet_table",
+                  "read_arrow_cache", "bad"}
     found = set()
     for source in (REPO / "accel_train").rglob("*.py"):
         tree = ast.parse(source.read_text())

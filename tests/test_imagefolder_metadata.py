@@ -1,11 +1,12 @@
-"""Hugging Face's imagefolder layout labelled by a metadata file: a metadata.csv or
-metadata.jsonl at a split folder's root, naming each image's file_name and label (other columns
-beside them), taken without a flag; the same files passed as --train-labels or --val-labels;
-each problem of such a file as one line naming it and its line; the cached index.
+"""Hugging Face's imagefolder layout labelled by a metadata file: a metadata.csv,
+metadata.jsonl or metadata.parquet at a split folder's root, naming each image's file_name and
+label (other columns beside them), taken without a flag; the same files passed as
+--train-labels or --val-labels; each problem of such a file as one line naming it and its line
+(a parquet file's row); the cached index.
 
 Oracles: Hugging Face's own builder (`datasets.load_dataset("imagefolder")`) for each image's
-label; pandas' readers (read_csv, read_json with lines=True) for what a label file passed with
-a flag says; the folder trees and files written here for the rest."""
+label; pandas' readers (read_csv, read_json with lines=True) and writer (to_parquet) for what a
+label file says; the folder trees and files written here for the rest."""
 
 from __future__ import annotations
 
@@ -34,9 +35,12 @@ def _image(path: Path, value: int) -> None:
 
 
 def _write_metadata(file: Path, rows: list[dict]) -> None:
-    """rows as Hugging Face's docs write them: JSON lines, or a CSV through pandas."""
+    """rows as Hugging Face's docs write them: JSON lines, or a CSV or parquet file through
+    pandas."""
     if file.suffix == ".jsonl":
         file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    elif file.suffix == ".parquet":
+        pd.DataFrame(rows).to_parquet(file)
     else:
         pd.DataFrame(rows).to_csv(file, index=False)
 
@@ -68,8 +72,8 @@ def _ours(data) -> dict[str, str]:
 
 def _hf_folder(root: Path, kind: str) -> None:
     """train/ of 12 images (three in a subfolder) and test/ of 4, each split labelled by its
-    metadata file; labels as text with a space (CSV) or as numbers past 9 (JSON lines), a
-    caption column beside them, file_name not the first column."""
+    metadata file; labels as text with a space (CSV) or as numbers past 9 (JSON lines, parquet's
+    int64 column), a caption column beside them, file_name not the first column."""
     labels = ["golden retriever", "pug", "beagle"] if kind == "csv" else [0, 2, 10]
     for split, count in (("train", 12), ("test", 4)):
         rows = []
@@ -81,7 +85,7 @@ def _hf_folder(root: Path, kind: str) -> None:
         _write_metadata(root / split / f"metadata.{kind}", rows)
 
 
-@pytest.mark.parametrize("kind", ["csv", "jsonl"])
+@pytest.mark.parametrize("kind", ["csv", "jsonl", "parquet"])
 def test_a_metadata_file_labels_its_split_as_datasets_imagefolder_reads_it(tmp_path, kind):
     root = tmp_path / "hf"
     _hf_folder(root, kind)
@@ -95,6 +99,9 @@ def test_a_metadata_file_labels_its_split_as_datasets_imagefolder_reads_it(tmp_p
                                          "1", "--json", check=True).stdout)
     assert report["labels_from"] == {"train": f"train/metadata.{kind}",
                                      "test": f"test/metadata.{kind}"}
+    # the line the start summary prints too
+    assert report["labels"] == \
+        f"from train/metadata.{kind}, test/metadata.{kind} (file_name, label)"
     assert report["files_not_read"] == {}  # the metadata files are read
     for split in ("train", "test"):
         assert {name: n for name, n in report["class_counts"][split].items() if n} == \
@@ -227,17 +234,21 @@ def test_a_metadata_csv_excel_saved_with_its_byte_order_mark_is_read(tmp_path):
                     for name, label in zip(expected["file_name"], expected["label"])}
 
 
-def test_metadata_files_of_both_kinds_in_one_folder_are_refused(tmp_path):
+@pytest.mark.parametrize("other", ["jsonl", "parquet"])
+def test_metadata_files_of_both_kinds_in_one_folder_are_refused(tmp_path, other):
+    """As datasets refuses them ("Found metadata files with different extensions")."""
     folder = tmp_path / "hf"
     for i in range(4):
         _image(folder / f"{i}.png", 50 * i)
     rows = [{"file_name": f"{i}.png", "label": i % 2} for i in range(4)]
     _write_metadata(folder / "metadata.csv", rows)
-    _write_metadata(folder / "metadata.jsonl", rows)
+    _write_metadata(folder / f"metadata.{other}", rows)
+    with pytest.raises(ValueError, match="different extensions"):
+        datasets.load_dataset("imagefolder", data_dir=str(folder))
     ran = accel_train_here("--data-dir", str(folder), *PINNED, "--output-dir",
                            str(tmp_path / "run"))
     assert ran.returncode == 2 and ran.stderr.strip().splitlines() == [
-        f"accel_train: error: {folder} holds both metadata.csv and metadata.jsonl; keep one "
+        f"accel_train: error: {folder} holds both metadata.csv and metadata.{other}; keep one "
         f"(Hugging Face's imagefolder reads one kind of metadata file)"]
 
 
@@ -290,22 +301,25 @@ def test_train_labels_read_json_lines(tmp_path):
                                                                     table["label"])}
 
 
-def test_an_edited_metadata_file_is_read_again_not_taken_from_the_cached_index(tmp_path):
+@pytest.mark.parametrize("kind", ["csv", "parquet"])
+def test_an_edited_metadata_file_is_read_again_not_taken_from_the_cached_index(tmp_path, kind):
     """Rewriting a file in place changes no folder's mtime: the cached index checks the
     metadata file's own."""
     root, cache = tmp_path / "hf", tmp_path / "cache"
     for i in range(4):
         _image(root / f"{i}.png", 40 * i)
-    metadata = root / "metadata.csv"
-    metadata.write_text("file_name,label\n0.png,a\n1.png,a\n2.png,b\n3.png,b\n")
+    metadata = root / f"metadata.{kind}"
+    _write_metadata(metadata, [{"file_name": f"{i}.png", "label": label}
+                               for i, label in enumerate("aabb")])
     old = time.time() - 3600
     os.utime(metadata, (old, old))
     age_folders(root, then=old)
     index_folder(root, cache_dir=cache, cache_min_files=0)
     cached = index_folder(root, cache_dir=cache, cache_min_files=0)
     assert cached.cached and cached.splits["train"][1].tolist() == [0, 0, 1, 1]
-    assert cached.metadata_labels == {"train": "metadata.csv"}
-    metadata.write_text("file_name,label\n0.png,a\n1.png,b\n2.png,b\n3.png,c\n")
+    assert cached.metadata_labels == {"train": f"metadata.{kind}"}
+    _write_metadata(metadata, [{"file_name": f"{i}.png", "label": label}
+                               for i, label in enumerate("abbc")])
     age_folders(root, then=old)
     edited = index_folder(root, cache_dir=cache, cache_min_files=0)
     assert not edited.cached and edited.class_names == ["a", "b", "c"]
@@ -364,28 +378,150 @@ def test_class_depth_where_files_label_every_split_is_refused(tmp_path):
     assert index.class_names == ["cat", "dog"]
 
 
-def test_metadata_parquet_is_one_line_saying_how_to_write_it_as_csv(tmp_path):
-    """datasets' imagefolder also reads a metadata.parquet; taken here for a folder of parquet
-    data files, it failed naming columns the user never chose.  Now one line names the file and
-    the pandas call that writes it as metadata.csv; done as it says, the labels are those
-    datasets reads from the parquet file."""
+def _parquet_problem_folder(root: Path) -> Path:
+    folder = root / "train"
+    for i in range(4):
+        _image(folder / f"{i}.png", 50 * i)
+    return folder
+
+
+def _cat_dog(labels: list, names=("0.png", "1.png", "2.png", "3.png")) -> list[dict]:
+    return [{"file_name": name, "label": label} for name, label in zip(names, labels)]
+
+
+# {problem: (the rows pandas writes, the line that names the file and its row)}: rows count
+# from 1, pandas' index + 1 (each case's bad row is pandas' index 1, else its first)
+PARQUET_PROBLEMS = {
+    "no such image": (_cat_dog(["cat", "dog", "dog", "cat"], ["0.png", "zz.png", "2.png",
+                                                            "3.png"]),
+                      "{file} row 2 names 'zz.png', which is not an image in {folder}; fix the "
+                      "row or add the image"),
+    "a missing label": (_cat_dog(["cat", None, "dog", "cat"]),
+                        "{file} row 2 gives '1.png' no class; write a label for every "
+                        "file_name"),
+    # (pandas writes a NaN of a column of numbers as parquet's null)
+    "NaN in a column of numbers": (_cat_dog([0, float("nan"), 1, 0]),
+                                   "{file} row 2 gives '1.png' no class"),
+    "NA as text": (_cat_dog(["cat", "NA", "dog", "cat"]),
+                   "{file} row 2 gives '1.png' the class 'NA', the mark of a missing value "
+                   "(pandas and R write it for an empty cell); give the image its class, or "
+                   "remove the row"),
+    "a list": (_cat_dog([["cat"], ["dog"], ["dog"], ["cat"]]),
+               '{file} row 1 gives label ["cat"], neither text nor a number; write the label '
+               "as text or a number"),
+    "a struct": (_cat_dog([{"name": n} for n in ("cat", "dog", "dog", "cat")]),
+                 '{file} row 1 gives label {{"name": "cat"}}, neither text nor a number'),
+    "true/false": (_cat_dog([True, False, True, False]),
+                   "{file} row 1 gives label true, neither text nor a number"),
+    "twice": (_cat_dog(["cat", "dog", "dog", "cat"], ["0.png", "0.png", "2.png", "3.png"]),
+              "{file} row 2 labels 0.png again (row 1 did); one row per image"),
+    "an image left out": (_cat_dog(["cat", "dog", "cat"], ["0.png", "2.png", "3.png"]),
+                          "{file} gives no label for 1 image(s) of {folder} (first: 1.png)"),
+    "no rows": ([], "{file} holds no labels"),
+}
+
+
+@pytest.mark.parametrize("problem", list(PARQUET_PROBLEMS))
+def test_each_metadata_parquet_problem_is_one_line_naming_its_row(tmp_path, problem):
+    """Each is refused as the same problem of a metadata.jsonl is, the row in place of the
+    line; passed as --train-labels, the same line with the flag before the file."""
+    rows, message = PARQUET_PROBLEMS[problem]
+    folder = _parquet_problem_folder(tmp_path / "hf")
+    file = folder / "metadata.parquet"
+    frame = pd.DataFrame(rows) if rows else pd.DataFrame({"file_name": [], "label": []})
+    frame.to_parquet(file)
+    expected = message.format(file=file, folder=folder)
+    for flag in ([], ["--train-labels", str(file)]):
+        ran = accel_train_here("--data-dir", str(tmp_path / "hf"), *flag, *PINNED,
+                               "--output-dir", str(tmp_path / "run"))
+        err = ran.stderr.strip().splitlines()
+        assert ran.returncode == 2 and len(err) == 1, ran.stderr
+        said = "accel_train: error: " + " ".join([*flag[:1], expected])
+        assert err[0].startswith(said), (err[0], said)
+        assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("damage", ["random bytes", "cut short"])
+def test_a_damaged_metadata_parquet_is_one_line(tmp_path, damage):
+    folder = _parquet_problem_folder(tmp_path / "hf")
+    file = folder / "metadata.parquet"
+    _write_metadata(file, _cat_dog(["cat", "dog", "dog", "cat"]))
+    whole = file.read_bytes()
+    file.write_bytes(os.urandom(300) if damage == "random bytes" else whole[:len(whole) // 2])
+    ran = accel_train_here("--data-dir", str(tmp_path / "hf"), *PINNED, "--output-dir",
+                           str(tmp_path / "run"))
+    assert ran.returncode == 2 and len(ran.stderr.strip().splitlines()) == 1, ran.stderr
+    assert ran.stderr.startswith(f"accel_train: error: {file}: is not a readable parquet file ")
+    assert ran.stderr.strip().endswith("; write it again (pandas: DataFrame.to_parquet), or "
+                                       "remove the file and sort the images into class folders")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_metadata_parquet_without_a_label_column_beside_unsorted_images(tmp_path):
+    folder = _parquet_problem_folder(tmp_path / "hf")
+    _write_metadata(folder / "metadata.parquet",
+                    [{"file_name": f"{i}.png", "caption": "x"} for i in range(4)])
+    ran = accel_train_here("--data-dir", str(tmp_path / "hf"), *PINNED, "--output-dir",
+                           str(tmp_path / "run"))
+    assert ran.returncode == 2 and ran.stderr.strip().splitlines() == [
+        f"accel_train: error: {folder}/0.png is not inside a class folder; put each class's "
+        f"images in a subfolder named after the class (the metadata.parquet beside it, Hugging "
+        f"Face's imagefolder layout, has no label column to label the images by; add one "
+        f"naming each image's class)"]
+    # passed as --train-labels: the file itself is refused, naming the columns it has
+    file = folder / "metadata.parquet"
+    ran = accel_train_here("--data-dir", str(tmp_path / "hf"), "--train-labels", str(file),
+                           *PINNED, "--output-dir", str(tmp_path / "run"))
+    assert ran.returncode == 2 and ran.stderr.strip().splitlines() == [
+        f"accel_train: error: --train-labels {file} has no 'label' column (its columns: "
+        f"file_name, caption); name the images' column file_name and their classes' label"]
+
+
+def test_a_metadata_parquet_labels_a_single_split_folder_with_class_folders_as_datasets_does(
+        tmp_path):
+    """At the root of a folder without split folders, beside class folders: its labels win,
+    as datasets reads it; a parquet file of another name there is still a parquet layout."""
     root = tmp_path / "hf"
     rows = []
     for i in range(8):
-        _image(root / "train" / f"{i}.png", 30 * i)
-        rows.append({"file_name": f"{i}.png", "label": ["tabby", "siamese"][i % 2]})
-    parquet = root / "train" / "metadata.parquet"
-    pd.DataFrame(rows).to_parquet(parquet)
+        name = f"{['cat', 'dog'][i % 2]}/{i}.png"
+        _image(root / name, 30 * i)
+        rows.append({"file_name": name, "label": "indoor" if i < 5 else "outdoor",
+                     "caption": f"photo {i}"})
+    _write_metadata(root / "metadata.parquet", rows)
     theirs = _theirs(root)
-    ran = accel_train_here("--data-dir", str(root), *PINNED, "--output-dir",
-                           str(tmp_path / "run"))
-    csv = root / "train" / "metadata.csv"
-    assert ran.returncode == 2 and ran.stderr.strip().splitlines() == [
-        f"accel_train: error: {parquet} is Hugging Face's imagefolder metadata as parquet, "
-        f"which is not read here; write it as {csv} (pandas: pd.read_parquet('{parquet}')"
-        f".to_csv('{csv}', index=False)) and move the parquet file out"], ran.stderr
-    assert not (tmp_path / "run").exists()
-    pd.read_parquet(parquet).to_csv(csv, index=False)  # as the line says
-    parquet.rename(tmp_path / "metadata.parquet")
     data = load_data(TrainConfig(data_dir=str(root), in_memory="never", val_fraction=0.25))
     assert _ours(data) == theirs["train"]
+    assert data.class_names == ["indoor", "outdoor"]
+
+
+def test_whole_number_labels_in_parquet_are_the_classes_their_text_names(tmp_path):
+    """An int64 label column (train/) and a text one (test/): 3 and "3" are one class, named
+    "3", the classes sorted by value, as a metadata.csv's are."""
+    root = tmp_path / "hf"
+    labels = {"train": [3, 10, 2, 3, 10, 2], "test": ["10", "2", "3"]}
+    for split, written in labels.items():
+        for i in range(len(written)):
+            _image(root / split / f"{i}.png", 30 * i + (split == "test"))
+        _write_metadata(root / split / "metadata.parquet",
+                        [{"file_name": f"{i}.png", "label": label}
+                         for i, label in enumerate(written)])
+    data = load_data(TrainConfig(data_dir=str(root), in_memory="never"))
+    assert data.class_names == ["2", "3", "10"]
+    assert _ours(data) == {f"{split}/{i}.png": str(label) for split, written in labels.items()
+                           for i, label in enumerate(written)}
+
+
+def test_a_lone_metadata_parquet_of_image_rows_is_parquet_data(tmp_path):
+    """Named metadata.parquet with no image or folder beside it, a parquet file is data (the
+    parquet layout), not an image folder's labels."""
+    import io
+    blobs = []
+    for i in range(6):
+        buffer = io.BytesIO()
+        Image.fromarray(np.full((4, 4, 3), i, np.uint8)).save(buffer, format="PNG")
+        blobs.append({"bytes": buffer.getvalue(), "path": None})
+    pd.DataFrame({"image": blobs, "label": [i % 2 for i in range(6)]}).to_parquet(
+        tmp_path / "metadata.parquet")
+    data = load_data(TrainConfig(data_dir=str(tmp_path), in_memory="never", val_fraction=0.5))
+    assert len(data.train) + len(data.held_out) == 6

@@ -154,6 +154,9 @@ _register("val_labels", "a --val-labels file", "fix the line or pass another fil
 _register("train_labels", "a --train-labels file", "fix the line or pass another file")
 _register("imagefolder_metadata", "an image folder's metadata.csv or metadata.jsonl",
           "fix the line, or remove the file and sort the images into class folders")
+_register("imagefolder_metadata_parquet", "an image folder's metadata.parquet",
+          "write it again (pandas: DataFrame.to_parquet), or remove the file and sort the "
+          "images into class folders")
 _register("imagefolder_cache", "an image folder's cached index",
           "(not an error: a damaged cache is rebuilt by walking the folder)")
 _register("shard_index", "a shard folder's index.json",
@@ -395,6 +398,19 @@ def parquet_file(path: Path, kind_name: str, label: str = ""):
 
     try:
         return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise bad(path, kind_name, f"is not a readable parquet file ({first_line(err, 120)}); "
+                                   f"{CUT_SHORT}", label) from None
+
+
+def read_parquet_table(path: Path, kind_name: str, columns: list[str], label: str = ""):
+    """`columns` of a parquet file, read whole (a pyarrow Table); a file whose footer or pages
+    cannot be read is a BadFile, as parquet_file's footer is."""
+    import pyarrow as pa
+
+    handle = parquet_file(path, kind_name, label)
+    try:
+        return handle.read(columns=columns)
     except (pa.ArrowException, OSError) as err:
         raise bad(path, kind_name, f"is not a readable parquet file ({first_line(err, 120)}); "
                                    f"{CUT_SHORT}", label) from None

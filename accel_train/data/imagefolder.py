@@ -9,9 +9,10 @@ Layouts (`--data-dir DIR`):
   (`DIR/val/IMAGE`), labelled by a file (`--val-labels FILE`, label_files.py).
 - Training images in one folder (`DIR/IMAGE` or `DIR/train/IMAGE`) labelled by a file
   (`--train-labels FILE`: Kaggle's train.csv and train/; label_files.py).
-- Hugging Face's imagefolder layout: a metadata.csv or metadata.jsonl at the root of a split
-  folder (or of DIR) naming each image's file_name and label labels that split without a flag,
-  as datasets' imagefolder reads it (its labels, not class folders, where both are there).
+- Hugging Face's imagefolder layout: a metadata.csv, metadata.jsonl or metadata.parquet at the
+  root of a split folder (or of DIR) naming each image's file_name and label labels that split
+  without a flag, as datasets' imagefolder reads it (its labels, not class folders, where both
+  are there).  A metadata.parquet beside images or folders is no parquet layout's data file.
 - Nested class folders: the class is the folder that holds the image (as Hugging Face's
   imagefolder has it), or with `--class-depth N` the N-th folder level under the split folder
   (1: the top level, so `animals/cat/siamese/1.jpg` is class `animals`).
@@ -47,8 +48,8 @@ from PIL import Image
 
 from accel_train.base.errors import UsageError, first_few
 from accel_train.base.readers import Shape, read_arrow_cache
-from accel_train.data.label_files import (METADATA_FILES, class_order, metadata_missing,
-                                          read_train_labels, read_val_labels)
+from accel_train.data.label_files import (METADATA_FILES, METADATA_PARQUET, class_order,
+                                          metadata_missing, read_train_labels, read_val_labels)
 from accel_train.data.loader_watch import reading
 
 SPLIT_FOLDERS = {"train": "train", "training": "train", "validation": "validation",
@@ -80,7 +81,7 @@ class FolderIndex:
     cached: bool = False  # read from the cache
     # {extension: count} of the photos in formats PIL does not open, which it leaves out
     not_opened: dict[str, int] = field(default_factory=dict)
-    # {split: its metadata.csv or metadata.jsonl, relative to the root} where one labels it
+    # {split: its metadata.csv, .jsonl or .parquet, relative to the root} where one labels it
     metadata_labels: dict[str, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -123,7 +124,33 @@ PARQUET = ".parquet"  # what sources.py's search for parquet files looks for
 
 class HoldsParquet(Exception):
     """A walk told to stop at parquet files met one: the folder may be a parquet layout, which
-    only a search for every parquet file decides (sources.py)."""
+    only a search for every parquet file decides (sources.py).  Not raised for a
+    metadata.parquet beside images or folders: Hugging Face's imagefolder metadata."""
+
+
+def is_imagefolder_metadata(file: Path) -> bool:
+    """Whether a parquet file is Hugging Face's imagefolder metadata, not a parquet layout's
+    data: named metadata.parquet, beside images or folders (as datasets' imagefolder finds it;
+    alone, or beside other parquet files only, it is data)."""
+    if file.name != METADATA_PARQUET:
+        return False
+    extensions = image_extensions()
+    with reading(lambda: f"the folder {file.parent}"), os.scandir(file.parent) as entries:
+        return any(_beside_metadata(entry, extensions) for entry in entries)
+
+
+def _beside_metadata(entry: os.DirEntry, extensions) -> bool:
+    """Whether `entry` makes a metadata.parquet beside it imagefolder metadata: a folder or an
+    image the walk would take."""
+    if left_out(entry.name, entry.is_dir()):
+        return False
+    return entry.is_dir() or os.path.splitext(entry.name)[1].lower() in extensions
+
+
+def parquet_data_files(root: Path) -> Iterator[Path]:
+    """The parquet files under `root` (files_under), less Hugging Face's imagefolder metadata
+    (is_imagefolder_metadata): a parquet layout's data files."""
+    return (file for file in files_under(root, PARQUET) if not is_imagefolder_metadata(file))
 
 
 def index_folder(root: str | Path, class_depth: Optional[int] = None,
@@ -313,7 +340,7 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
     stack = [(str(folder), prefix, {})]
     while stack:
         path, rel, above = stack.pop()
-        has_image = has_subfolder = False
+        has_image = has_subfolder = has_metadata_parquet = False
         # noted: a folder on a mount that stopped answering is named (loader_watch.py)
         with reading(lambda folder=path: f"the folder {folder}"), \
                 _listing_refused_in_one_line(path, folder):
@@ -345,12 +372,16 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
                         found.append(rel + name)
                         has_image = True
                     elif stop_at_parquet and name.endswith(PARQUET):  # (only non-images pay)
-                        raise HoldsParquet
+                        if name != METADATA_PARQUET:
+                            raise HoldsParquet
+                        has_metadata_parquet = True
                     elif (not_opened is not None and dot > 0
                           and name[dot:].lower() in PHOTO_FORMATS_NOT_OPENED):
                         suffix = name[dot:].lower()
                         not_opened[suffix] = not_opened.get(suffix, 0) + 1
         if not (has_image or has_subfolder):
+            if has_metadata_parquet:  # alone: a parquet data file (is_imagefolder_metadata)
+                raise HoldsParquet
             empty.append(rel)
         progress.update(len(found))
 
@@ -377,7 +408,8 @@ def refuse_unless_utf8(path: str, name: str) -> None:
 def _split_folders(root: Path, stop_at_parquet: bool) -> dict[str, Path]:
     """{split: folder} when the root holds split folders (train/, val/, ...), else {}.
     `stop_at_parquet`: HoldsParquet for a parquet file in the root itself (beside split
-    folders, the walks of the split folders would not see it)."""
+    folders, the walks of the split folders would not see it), a metadata.parquet beside
+    images or folders aside (is_imagefolder_metadata)."""
     with reading(lambda: f"the folder {root}"), \
             _listing_refused_in_one_line(str(root), root):
         with os.scandir(root) as listing:
@@ -385,10 +417,14 @@ def _split_folders(root: Path, stop_at_parquet: bool) -> dict[str, Path]:
         folders = [entry for entry in entries
                    if entry.is_dir() and not left_out(entry.name, is_folder=True)]
         if stop_at_parquet:
-            for entry in entries:
-                if (not entry.is_dir() and entry.name.endswith(PARQUET)
-                        and not left_out(entry.name, False)):
+            parquet = {entry.name for entry in entries if not entry.is_dir()
+                       and entry.name.endswith(PARQUET) and not left_out(entry.name, False)}
+            if parquet == {METADATA_PARQUET}:  # data, unless beside images or folders
+                extensions = image_extensions()
+                if not any(_beside_metadata(entry, extensions) for entry in entries):
                     raise HoldsParquet
+            elif parquet:
+                raise HoldsParquet
     splits: dict[str, Path] = {}
     for entry in sorted(folders, key=lambda e: e.name):
         split = SPLIT_FOLDERS.get(entry.name.lower())
@@ -534,18 +570,19 @@ def _label_files(root: Path, splits: dict[str, Path], walked: dict,
 
 
 def _metadata_files(folder: Path) -> list[Path]:
-    """The metadata.csv and metadata.jsonl (Hugging Face's imagefolder layout) in `folder`."""
+    """The metadata.csv, metadata.jsonl and metadata.parquet (Hugging Face's imagefolder
+    layout) in `folder`."""
     return [folder / name for name in METADATA_FILES if (folder / name).is_file()]
 
 
 def _metadata_labels(root: Path, splits: dict[str, Path], dirs: list[tuple[str, int]],
                      files: dict[str, tuple[Path, Optional[str]]]) -> dict[str, str]:
-    """Hugging Face's imagefolder layout: a metadata.csv or metadata.jsonl at a split folder's
-    root naming file_name and label labels that split, as datasets' imagefolder reads it (its
-    label column, not the class folders, where both are there), unless a flag gave the split a
-    label file; added to `files` (flag None).  Each one found goes into `dirs`, so that an edit
-    of it (which changes no folder's mtime) is seen by the cached index.  {split: the file,
-    relative to root} of those taken."""
+    """Hugging Face's imagefolder layout: a metadata.csv, .jsonl or .parquet at a split
+    folder's root naming file_name and label labels that split, as datasets' imagefolder reads
+    it (its label column, not the class folders, where both are there), unless a flag gave the
+    split a label file; added to `files` (flag None).  Each one found goes into `dirs`, so
+    that an edit of it (which changes no folder's mtime) is seen by the cached index.  {split:
+    the file, relative to root} of those taken."""
     taken = {}
     for split, folder in splits.items():
         found = _metadata_files(folder)

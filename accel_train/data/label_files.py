@@ -8,13 +8,16 @@
 
 In both, IMAGE may be the path relative to the folder, the file name, or the file name without
 its extension (Kaggle's ids), and every image needs a label and every label an image: anything
-else is one line naming the file's line.  Fields are separated by commas, else by semicolons
-(Excel's CSV where the comma is the decimal mark), else by whitespace.
+else is one line naming the file's line (a parquet file's row).  Fields are separated by
+commas, else by semicolons (Excel's CSV where the comma is the decimal mark), else by
+whitespace.
 
 Hugging Face's imagefolder layout labels a folder with a metadata.csv (a header naming
-file_name and label among other columns) or a metadata.jsonl (one JSON object a line with
-file_name and label keys) beside the images: both flags read either, by those names, and an
-image folder takes one at a split folder's root as its labels without a flag (imagefolder.py).
+file_name and label among other columns), a metadata.jsonl (one JSON object a line with
+file_name and label keys) or a metadata.parquet (file_name and label columns) beside the images:
+both flags read any of them, by those names, and an image folder takes one at a split folder's
+root as its labels without a flag (imagefolder.py).  A parquet file has rows, not lines: its
+problems name "row N", counting its rows from 1 (pandas' index N-1).
 """
 
 from __future__ import annotations
@@ -28,15 +31,20 @@ import unicodedata
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
-from accel_train.base.errors import UsageError
-from accel_train.base.readers import parse_json_line, read_text
+from accel_train.base.errors import UsageError, first_few
+from accel_train.base.readers import (parquet_file, parse_json_line, read_parquet_table,
+                                      read_text)
 
 # how programs write a missing value in a CSV cell (pandas' NaN and <NA>, R's NA, Excel's #N/A,
 # SQL's NULL): a class of that name is a label that was never given
 MISSING_VALUE_MARKS = frozenset({"nan", "-nan", "<na>", "na", "n/a", "#n/a", "null"})
-# Hugging Face's imagefolder metadata files (datasets' METADATA_FILENAMES, less metadata.parquet)
-METADATA_FILES = ("metadata.csv", "metadata.jsonl")
+METADATA_PARQUET = "metadata.parquet"
+# Hugging Face's imagefolder metadata files (datasets' METADATA_FILENAMES)
+METADATA_FILES = ("metadata.csv", "metadata.jsonl", METADATA_PARQUET)
 NAMED_COLUMNS = ("file_name", "label")  # the two columns a metadata file is read by
+# the reader's kind of a parquet label file: a flag's, or (None) an image folder's own
+PARQUET_KINDS = {"--train-labels": "train_labels", "--val-labels": "val_labels",
+                 None: "imagefolder_metadata_parquet"}
 
 
 def where_of(file: Path, flag: Optional[str]) -> str:
@@ -71,22 +79,50 @@ def label_lines(file: Path, flag: Optional[str]) -> tuple[list[tuple[int, str]],
     return lines, kind
 
 
-def label_rows(file: Path, flag: Optional[str]) -> tuple[list[tuple[int, list[str]]], bool]:
-    """(line number, fields) of each line of a label file, and whether its columns are named:
-    a metadata.jsonl, or a header naming file_name and label (Hugging Face's metadata.csv), whose
-    rows are then [file_name, label] each, the header not among them.  Otherwise every line's
-    fields as line_fields splits them, a header line (if any) still first."""
+def label_rows(file: Path, flag: Optional[str]) -> tuple[list[tuple[str, list[str]]], bool]:
+    """(where in the file, fields) of each line of a label file ("line 3"; a parquet file's
+    "row 3"), and whether its columns are named: a metadata.jsonl, a parquet file, or a header
+    naming file_name and label (Hugging Face's metadata.csv), whose rows are then [file_name,
+    label] each, the header not among them.  Otherwise every line's fields as line_fields
+    splits them, a header line (if any) still first."""
     where = where_of(file, flag)
+    if file.suffix.lower() == ".parquet":
+        return parquet_rows(file, flag), True
     lines, kind = label_lines(file, flag)
     if file.suffix.lower() == ".jsonl":
-        return [(number, _json_fields(line, number, file, flag, kind))
+        return [(f"line {number}", _json_fields(line, number, file, flag, kind))
                 for number, line in lines], True
-    rows = [(number, line_fields(line)) for number, line in lines]
+    rows = [(f"line {number}", line_fields(line)) for number, line in lines]
     named = metadata_columns(rows[0][1])
     if named is None:
         return rows, False
-    return [(number, _named_fields(fields, named, where, number))
-            for number, fields in rows[1:]], True
+    return [(place, _named_fields(fields, named, where, place))
+            for place, fields in rows[1:]], True
+
+
+def parquet_rows(file: Path, flag: Optional[str]) -> list[tuple[str, list[str]]]:
+    """("row N", [file_name, label]) of each row of a parquet label file (a metadata.parquet),
+    its columns found by name as a metadata.csv's are, each cell as text as a metadata.jsonl's
+    value is (_cell_text): the same checks then apply.  Rows count from 1."""
+    where = where_of(file, flag)
+    if not file.is_file():
+        raise UsageError(f"{where}: no such file")
+    kind = PARQUET_KINDS[flag]
+    names = parquet_file(file, kind, flag or "").schema_arrow.names
+    columns = {name.strip().lower(): name for name in reversed(names)}  # the first of a name
+    missing = [column for column in NAMED_COLUMNS if column not in columns]
+    if missing:
+        raise UsageError(f"{where} has no {' or '.join(map(repr, missing))} column (its "
+                         f"columns: {first_few(names) if names else 'none'}); name the "
+                         f"images' column file_name and their classes' label")
+    table = read_parquet_table(file, kind, [columns[column] for column in NAMED_COLUMNS],
+                               flag or "")
+    if table.num_rows == 0:
+        raise UsageError(f"{where} holds no labels")
+    cells = [table.column(i).to_pylist() for i in range(len(NAMED_COLUMNS))]
+    return [(f"row {number}", [_cell_text(value, key, where, f"row {number}")
+                               for key, value in zip(NAMED_COLUMNS, row)])
+            for number, row in enumerate(zip(*cells), 1)]
 
 
 def _json_fields(line: str, number: int, file: Path, flag: Optional[str],
@@ -102,27 +138,35 @@ def _json_fields(line: str, number: int, file: Path, flag: Optional[str],
     if missing:
         raise UsageError(f"{where} line {number} has no {' or '.join(map(repr, missing))} key; "
                          f"give every line the image's file_name and its label")
-    fields = []
-    for key in NAMED_COLUMNS:
-        value = record[key]
-        if value is None:
-            value = ""
-        elif isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise UsageError(f"{where} line {number} gives {key} {json_text(value)}, neither "
-                             f"text nor a number; write the {key} as text or a number")
-        fields.append(str(value).strip())
-    return fields
+    return [_cell_text(record[key], key, where, f"line {number}") for key in NAMED_COLUMNS]
+
+
+def _cell_text(value, key: str, where: str, place: str) -> str:
+    """A metadata value as text, as a CSV cell would give it (3 -> "3", 3.0 -> "3.0", a null
+    -> "", NaN -> "nan"); a list, a mapping, true/false, a date is refused: no class name."""
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise UsageError(f"{where} {place} gives {key} {json_text(value)}, neither text nor a "
+                         f"number; write the {key} as text or a number")
+    return str(value).strip()
 
 
 def json_text(value) -> str:
-    """A JSON value as the file wrote it, shortened, for an error."""
-    text = json.dumps(value)
+    """A JSON value as the file wrote it (anything else as Python writes it), shortened, for
+    an error."""
+    text = json.dumps(value, default=str)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
 def metadata_missing(file: Path) -> list[str]:
     """Which of file_name and label an image folder's metadata file does not name (its CSV
-    header, or its first JSON object's keys): [] where it labels the images."""
+    header, its first JSON object's keys, a parquet file's columns): [] where it labels the
+    images."""
+    if file.suffix.lower() == ".parquet":
+        names = parquet_file(file, "imagefolder_metadata_parquet").schema_arrow.names
+        names = [name.strip().lower() for name in names]
+        return [column for column in NAMED_COLUMNS if column not in names]
     text = label_text(file, None)[0].removeprefix("\ufeff")
     first = next(((number, line) for number, line in enumerate(text.splitlines(), 1)
                   if line.strip()), None)
@@ -163,21 +207,21 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
         if len(rows) != len(images):
             raise UsageError(f"{where} has {len(rows)} one-field lines for the {len(images)} "
                              f"images of {folder}; one class per image, in file-name order")
-        return [_known_class(fields[0], classes, where, number, classes_from_file)
-                for number, fields in rows]
+        return [_known_class(fields[0], classes, where, place, classes_from_file)
+                for place, fields in rows]
     lookup = ImageLookup(images)
     labels: dict[str, str] = {}
-    for position, (number, fields) in enumerate(rows):
+    for position, (place, fields) in enumerate(rows):
         if len(fields) == 1:
             if position == 0:
                 continue  # a header line of one field
-            raise UsageError(f"{where} line {number} gives {fields[0]!r} and no class; write "
+            raise UsageError(f"{where} {place} gives {fields[0]!r} and no class; write "
                              f"IMAGE,CLASS on every line (or one CLASS a line, nothing else)")
         label = fields[1].split()[0] if fields[1].split() else ""
         if position == 0 and not lookup.holders(fields[0]) and label not in classes:
             continue  # a header line
-        image = lookup.image(fields[0], where, number, folder)
-        labels[image] = _known_class(label, classes, where, number, classes_from_file)
+        image = lookup.image(fields[0], where, place, folder)
+        labels[image] = _known_class(label, classes, where, place, classes_from_file)
     refuse_unlabelled(where, folder, images, labels)
     return [labels[image] for image in images]
 
@@ -200,34 +244,34 @@ def read_train_labels(file: Path, folder: Path, images: list[str],
     return whole_numbers_as_written([labels[image][0] for image in images])
 
 
-def labelled_images(rows: list[tuple[int, list[str]]], lookup: "ImageLookup",
+def labelled_images(rows: list[tuple[str, list[str]]], lookup: "ImageLookup",
                     images: list[str], where: str, folder: Path,
-                    by_name: bool) -> dict[str, tuple[str, int]]:
-    """{image: (its class, the line that gives it)} from IMAGE,CLASS rows (`by_name`: a
-    metadata file's file_name and label), each of `images` labelled once; a missing class, a
-    missing value's mark (a CSV's NaN, a JSON null), a second label for an image or an
-    unlabelled image is one line."""
+                    by_name: bool) -> dict[str, tuple[str, str]]:
+    """{image: (its class, where the file gives it: "line 3", a parquet file's "row 3")} from
+    IMAGE,CLASS rows (`by_name`: a metadata file's file_name and label), each of `images`
+    labelled once; a missing class, a missing value's mark (a CSV's NaN, a JSON null), a second
+    label for an image or an unlabelled image is one line."""
     write = "a label for every file_name" if by_name else "IMAGE,CLASS on every line"
-    labels: dict[str, tuple[str, int]] = {}
-    for number, fields in rows:
+    labels: dict[str, tuple[str, str]] = {}
+    for place, fields in rows:
         if len(fields) != 2:
-            raise UsageError(f"{where} line {number} has {len(fields)} field(s); write "
+            raise UsageError(f"{where} {place} has {len(fields)} field(s); write "
                              f"IMAGE,CLASS on every line (a table of more columns, a fold "
                              f"number or one column per class, is not read: keep the image "
                              f"and class columns)")
-        image = lookup.image(fields[0], where, number, folder)
+        image = lookup.image(fields[0], where, place, folder)
         if not fields[1]:
-            raise UsageError(f"{where} line {number} gives {fields[0]!r} no class; write "
+            raise UsageError(f"{where} {place} gives {fields[0]!r} no class; write "
                              f"{write}")
         if fields[1].lower() in MISSING_VALUE_MARKS:
-            raise UsageError(f"{where} line {number} gives {fields[0]!r} the class "
+            raise UsageError(f"{where} {place} gives {fields[0]!r} the class "
                              f"{fields[1]!r}, the mark of a missing value (pandas and R write "
                              f"it for an empty cell); give the image its class, or remove the "
-                             f"line")
+                             f"{place.split()[0]}")
         if image in labels:
-            raise UsageError(f"{where} line {number} labels {image} again (line "
-                             f"{labels[image][1]} did); one line per image")
-        labels[image] = (fields[1], number)
+            raise UsageError(f"{where} {place} labels {image} again ({labels[image][1]} "
+                             f"did); one {place.split()[0]} per image")
+        labels[image] = (fields[1], place)
     refuse_unlabelled(where, folder, images, labels)
     return labels
 
@@ -243,11 +287,11 @@ def metadata_columns(header: list[str]) -> Optional[tuple[int, int, int]]:
 
 
 def _named_fields(fields: list[str], named: tuple[int, int, int], where: str,
-                  number: int) -> list[str]:
+                  place: str) -> list[str]:
     """A metadata line's file_name and label, by the header's columns."""
     image_column, label_column, count = named
     if len(fields) != count:
-        raise UsageError(f"{where} line {number} has {len(fields)} field(s) where its header "
+        raise UsageError(f"{where} {place} has {len(fields)} field(s) where its header "
                          f"names {count}; give every line a value for each column")
     return [fields[image_column], fields[label_column]]
 
@@ -313,16 +357,17 @@ class ImageLookup:
         key = same_text(key)
         return self.by_path.get(key) or self.by_name.get(key, [])
 
-    def image(self, key: str, where: str, number: int, folder: Path) -> str:
-        """The image `key` names, or the line's refusal: no such image, or two of that name."""
+    def image(self, key: str, where: str, place: str, folder: Path) -> str:
+        """The image `key` names, or the refusal of its line (`place`, "line 3"): no such
+        image, or two of that name."""
         holders = self.holders(key)
         if len(holders) > 1:
-            raise UsageError(f"{where} line {number} names {key!r}, which is {holders[0]} and "
+            raise UsageError(f"{where} {place} names {key!r}, which is {holders[0]} and "
                              f"{holders[1]} alike; name the file with its extension, or its "
                              f"path inside {folder}")
         if not holders:
-            raise UsageError(f"{where} line {number} names {key!r}, which is not an image "
-                             f"in {folder}; fix the line or add the image")
+            raise UsageError(f"{where} {place} names {key!r}, which is not an image "
+                             f"in {folder}; fix the {place.split()[0]} or add the image")
         return holders[0]
 
 
@@ -332,7 +377,7 @@ def _spellings(classes: frozenset) -> dict[str, str]:
     return {same_text(name): name for name in classes}
 
 
-def _known_class(label: str, classes: set[str], where: str, number: int,
+def _known_class(label: str, classes: set[str], where: str, place: str,
                  classes_from_file: bool) -> str:
     if label in classes:
         return label
@@ -349,5 +394,5 @@ def _known_class(label: str, classes: set[str], where: str, number: int,
         if label.isdigit() and not classes_from_file else ""
     named = ("the classes of --train-labels", "its class names") if classes_from_file else \
         ("the class folders of train/", "the class folder names")
-    raise UsageError(f"{where} line {number}: {label!r} is not a class ({named[0]} are "
+    raise UsageError(f"{where} {place}: {label!r} is not a class ({named[0]} are "
                      f"{examples}, ...){hint}; use {named[1]}")

@@ -32,9 +32,9 @@ from accel_train.base.errors import UsageError, first_few, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.pixel_arrays import check_pixel_arrays, image_files
-from accel_train.data.imagefolder import (PARQUET, SPLIT_FOLDERS, FolderIndex, HoldsParquet,
+from accel_train.data.imagefolder import (SPLIT_FOLDERS, FolderIndex, HoldsParquet,
                                           classes_across_folders, files_under, index_folder,
-                                          image_extensions, metadata_labels_line,
+                                          metadata_labels_line, parquet_data_files,
                                           photos_left_out)
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
                                             subset_if_cut)
@@ -562,9 +562,10 @@ def _load_local(config: TrainConfig) -> RawData:
                              stop_at_parquet=True, train_labels=config.train_labels)
     except (HoldsParquet, UsageError) as stopped:
         # A parquet layout, or a folder that is no image folder: what the search finds decides
-        parquet = sorted(files_under(path, PARQUET))
+        # (an image folder's metadata.parquet is not among them: a problem it has is the
+        # image folder's refusal, re-raised below)
+        parquet = sorted(parquet_data_files(path))
         if parquet:
-            refuse_parquet_metadata(parquet)
             refuse_image_folder_options(config, "a folder of parquet files, labelled by their "
                                                 "label column")
             return _load_parquet(path, parquet, data_dir)
@@ -585,31 +586,12 @@ def _load_local(config: TrainConfig) -> RawData:
 IMAGE_FOLDER_OPTIONS = ("val_labels", "train_labels", "class_depth")
 
 
-def refuse_parquet_metadata(parquet: list[Path]) -> None:
-    """Hugging Face's imagefolder layout with its metadata as metadata.parquet (which datasets
-    reads, as it reads metadata.csv): taken for a folder of parquet data files, it failed with
-    "cannot tell which column holds the images (columns: file_name, label)".  Not read here:
-    one line saying how to write it as a file that is."""
-    if any(file.name != "metadata.parquet" for file in parquet):
-        return  # parquet data files (a metadata file among them is theirs to explain)
-    first = parquet[0]
-    folder = first.parent
-    extensions = image_extensions()
-    if not any(entry.is_dir() or entry.suffix.lower() in extensions
-               for entry in folder.iterdir()):
-        return
-    csv = folder / "metadata.csv"
-    raise UsageError(f"{first} is Hugging Face's imagefolder metadata as parquet, which is not "
-                     f"read here; write it as {csv} (pandas: pd.read_parquet('{first}')"
-                     f".to_csv('{csv}', index=False)) and move the parquet file out")
-
-
 def labelled_by_a_column(data_dir: str) -> bool:
     """Whether --data-dir holds data labelled by its own label column (a save_to_disk folder,
     parquet files), which --val-labels, --train-labels and --class-depth never applied to."""
     path = Path(data_dir)
     return path.is_dir() and (saved_by_datasets(path) or
-                              next(iter(files_under(path, PARQUET)), None) is not None)
+                              next(parquet_data_files(path), None) is not None)
 
 
 def saved_by_datasets(path: Path) -> bool:

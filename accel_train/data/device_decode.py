@@ -128,7 +128,7 @@ def draw_plans(transform: ImageTransform, seed: int, epochs, indices,
 
 def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs: np.ndarray,
                  indices: np.ndarray, host_samples: Callable,
-                 host_share: float = 0.0) -> tuple[EncodedImages, torch.Tensor, list[int]]:
+                 host_share: float) -> tuple[EncodedImages, torch.Tensor, list[int]]:
     """A loader worker's half: (the batch's EncodedImages, labels, used indices).  The JPEGs
     the device can take are read, not decoded, but for `host_share` of them (--host-decode-
     share: `shared_with_host`); the rest go through `host_samples(positions)`, the loader's

@@ -418,9 +418,10 @@ def main() -> int:
     args.repeats = args.repeats or (1 if quick else 3)
     args.trainer_steps = args.trainer_steps or (30 if quick else 100)
     if args.workers is None:
+        from accel_train.base.ranks import process_cores
         from accel_train.data.loaders import default_num_workers
         from accel_train.data.sources import ImageSource
-        args.workers = default_num_workers(ImageSource(), 1, cuda=False)
+        args.workers = default_num_workers(ImageSource(), process_cores(1), cuda=False)
     report = benchlib.Report("data", "Data: input pipeline, decode once vs every epoch, "
                              "data-wait", args)
     result = {}

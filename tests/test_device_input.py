@@ -21,6 +21,7 @@ import torch
 
 from accel_train.data import loaders as data_module
 from accel_train.data.augment import ERASING_SALT, apply_erasing, build_erasing, erasing_plan
+from accel_train.base.ranks import fair_core_share, process_cores
 from accel_train.data.loaders import FinishOnDevice, TrainImages, default_num_workers
 from accel_train.train.datawait import HostWaitClock, StreamWaitClock, data_wait_clock
 from accel_train.train.precision import use_fast_cuda_math
@@ -171,23 +172,49 @@ def test_loader_workers_follow_the_cores_each_gpu_has(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)),
                         raising=False)
     decoded = ImageSource()  # decoded per step: workers are wanted
-    assert default_num_workers(decoded, 1, cuda=True) == 15   # one core drives the GPU
-    assert default_num_workers(decoded, 2, cuda=True) == 7
-    assert default_num_workers(decoded, 8, cuda=True) == 1
-    assert default_num_workers(decoded, 1, cuda=False) == 4   # a CPU step needs the cores
-    assert default_num_workers(decoded, 8, cuda=False) == 2
-    assert default_num_workers(decoded, 16, cuda=False) == 1  # its process's one core
-    workers = default_num_workers(decoded, 3, cuda=True)  # 5 whole cores each, not 5.33
-    assert workers == 4 and isinstance(workers, int)
+
+    def workers(source, processes, cuda):  # processes on the machine, not pinned
+        return default_num_workers(source, process_cores(processes), cuda)
+
+    assert workers(decoded, 1, cuda=True) == 15   # one core drives the GPU
+    assert workers(decoded, 2, cuda=True) == 7
+    assert workers(decoded, 8, cuda=True) == 1
+    assert workers(decoded, 1, cuda=False) == 4   # a CPU step needs the cores
+    assert workers(decoded, 8, cuda=False) == 2
+    assert workers(decoded, 16, cuda=False) == 1  # its process's one core
+    three = workers(decoded, 3, cuda=True)  # 5 whole cores each, not 5.33
+    assert three == 4 and isinstance(three, int)
     in_memory = _source()  # decoded already: workers resize, crop and flip, only for a GPU
-    assert default_num_workers(in_memory, 1, cuda=True) == 15
-    assert default_num_workers(in_memory, 2, cuda=True) == 7
-    assert default_num_workers(in_memory, 8, cuda=True) == 1
-    assert default_num_workers(in_memory, 16, cuda=True) == 0  # one core each: it drives the GPU
-    assert default_num_workers(in_memory, 1, cuda=False) == 0  # a CPU step needs the cores
+    assert workers(in_memory, 1, cuda=True) == 15
+    assert workers(in_memory, 2, cuda=True) == 7
+    assert workers(in_memory, 8, cuda=True) == 1
+    assert workers(in_memory, 16, cuda=True) == 0  # one core each: it drives the GPU
+    assert workers(in_memory, 1, cuda=False) == 0  # a CPU step needs the cores
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2},
                         raising=False)  # a SLURM allocation of 3 of the machine's cores
-    assert default_num_workers(decoded, 1, cuda=True) == 2
+    assert workers(decoded, 1, cuda=True) == 2
+
+
+@pytest.mark.parametrize("mine, others, share", [
+    (range(16), [range(16)] * 7, 2.0),           # 8 ranks given the machine's 16 cores: 2 each
+    (range(12), [range(12 * k, 12 * k + 12) for k in range(1, 8)], 12.0),  # pinned, 12 each
+    (range(48), [range(48)] * 3 + [range(48, 96)] * 4, 12.0),  # a NUMA node's 48 cores, 4 ranks
+    ({0, 1}, [{1}], 1.5),                        # core 0 its own, core 1 shared by two
+    ({1}, [{0, 1}], 0.5),
+    ({0, 1}, [], 2.0),                           # alone on its machine
+])
+def test_ranks_share_the_cores_their_affinities_share(mine, others, share):
+    """By hand: each core counts 1/n for the n ranks of the machine that may run on it.
+    Dividing a pinned rank's cores by the machine's 8 ranks again gave 12 // 8 = 1 core."""
+    assert fair_core_share(mine, others) == pytest.approx(share)
+
+
+def test_a_rank_pinned_to_cores_of_its_own_keeps_its_workers():
+    """torchrun --numa-binding exclusive on a machine of 96 cores and 8 GPUs: each rank may run
+    on 12 cores of its own; with the machine's cores divided by its 8 ranks (the rule before),
+    12 // 8 = 1 core and a single loader worker fed the GPU."""
+    pinned = fair_core_share(range(12), [range(12 * k, 12 * k + 12) for k in range(1, 8)])
+    assert default_num_workers(ImageSource(), pinned, cuda=True) == 11
 
 
 class FakeEvent:

@@ -5,6 +5,7 @@ line that it is ignored and why; bad values stop in one line (exit 2) with the f
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import yaml
@@ -158,6 +159,38 @@ def test_ranks_started_by_hand_on_one_machine_share_its_cores(tmp_path, omp, thr
     assert f"x 2 process(es), gloo, {each};" in said[0][0], said[0][0][-2000:]
     assert yaml.safe_load((out / "config.yaml").read_text())["resolved"]["cpu_threads"] == \
         threads
+
+
+@pytest.mark.slow  # two ranks trained
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or shutil.which("taskset") is None,
+                    reason="needs two cores and taskset to pin two ranks")
+def test_ranks_pinned_by_hand_share_only_the_cores_they_share(tmp_path):
+    """Rank 0 pinned to two cores, rank 1 to the second of them (taskset, as numactl or
+    torchrun --numa-binding pin ranks): by hand, rank 0 has its first core to itself and half
+    of the second, 1.5 cores (its threads: 1), where dividing its cores by the machine's two
+    ranks gave 1.  config.yaml records rank 0's."""
+    import subprocess
+    import sys
+    from conftest import REPO, free_port
+    from conftest import test_env as child_env  # (as test_env, pytest would collect it)
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    url = f"tcp://127.0.0.1:{free_port()}"
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "OMP_NUM_THREADS"):
+        env.pop(key, None)
+    out = tmp_path / "run"
+    cores = {0: f"{first},{second}", 1: f"{second}"}
+    ranks = [subprocess.Popen(
+        ["taskset", "-c", cores[rank], sys.executable, "-m", "accel_train", *TINY_TRAIN,
+         "--max-steps", "2", "--world_size", "2", "--rank", str(rank), "--dist_url", url,
+         "--output-dir", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for rank in (0, 1)]
+    said = [process.communicate(timeout=300) for process in ranks]
+    assert [process.returncode for process in ranks] == [0, 0], said
+    resolved = yaml.safe_load((out / "config.yaml").read_text())["resolved"]
+    assert resolved["cpu_cores"] == 1.5 and resolved["cpu_threads"] == 1, resolved
 
 
 def test_a_checkpoint_file_of_the_manual_is_refused_at_the_start(tmp_path):

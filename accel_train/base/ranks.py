@@ -6,7 +6,7 @@ one-process answer."""
 from __future__ import annotations
 
 import os
-from typing import Callable, TypeVar
+from typing import Callable, Collection, Iterable, Optional, TypeVar
 
 import torch.distributed as dist
 
@@ -23,6 +23,37 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def fair_core_share(mine: Collection[int], others: Iterable[Collection[int]]) -> float:
+    """This process's share of the cores it may run on (`mine`), `others` being the cores each
+    other process on its machine may run on: each core counts 1/n for the n processes that may
+    run on it.  Processes given the same cores (what a launcher does by default) split them
+    evenly; processes pinned to cores of their own (torchrun --numa-binding exclusive, taskset,
+    numactl, srun's CPU binding) keep theirs, where dividing their own cores by the machine's
+    process count again left a rank bound to 12 of 96 cores beside 7 others with one loader
+    worker."""
+    others = [set(cores) for cores in others]
+    return sum(1 / (1 + sum(core in cores for cores in others)) for core in mine)
+
+
+# This process's share of its machine's cores once the ranks of its process group compared the
+# cores each may run on (run/distributed.py, at the group's start); None outside a group.
+_compared_share: Optional[float] = None
+
+
+def record_core_share(share: Optional[float]) -> None:
+    global _compared_share
+    _compared_share = share
+
+
+def process_cores(processes_per_machine: int) -> float:
+    """This process's share of its machine's cores: as the ranks of its group divided them
+    among themselves (fair_core_share), else the usable cores split evenly among the machine's
+    `processes_per_machine` processes."""
+    if _compared_share is not None:
+        return _compared_share
+    return usable_cores() / max(1, processes_per_machine)
 
 
 def more_than_one_rank() -> bool:

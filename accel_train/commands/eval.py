@@ -296,7 +296,7 @@ def main(argv: Sequence[str]) -> int:
     from accel_train.train.evaluate import evaluate_classifier
     from accel_train.data.sources import load_data
     from accel_train.data.streaming import load_streaming, streaming_wanted
-    from accel_train.base.ranks import main_first, print_once
+    from accel_train.base.ranks import main_first, print_once, process_cores
     from accel_train.train.precision import precision_name, resolve_precision
     from accel_train.data.transforms import held_out_transform
     from accel_train.commands.artifacts import (TrainedModel, as_the_run_ran,
@@ -355,7 +355,7 @@ def main(argv: Sequence[str]) -> int:
                                                      keyed=args.mistakes is not None)
             cuda = acc.device.type == "cuda"
             workers = args.num_workers if args.num_workers is not None else \
-                default_num_workers(data.held_out, env.local_world_size, cuda)
+                default_num_workers(data.held_out, process_cores(env.local_world_size), cuda)
             loader = acc.prepare(make_loader(dataset, batch_size, workers, 2, False, cuda,
                                              timeout=config.loader_timeout))
             # not DDP-wrapped: inference only

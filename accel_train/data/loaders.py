@@ -22,7 +22,6 @@ from accel_train.data.augment import build_erasing, build_policy
 from accel_train.data.device_decode import encode_batch
 from accel_train.data.loader_watch import reading
 from accel_train.base.randomness import DATASET_READ_SALT, loader_generator, seeded
-from accel_train.base.ranks import usable_cores
 from accel_train.data.sources import ArraySource, ImageSource
 from accel_train.data.transforms import (ImageTransform, held_out_crop, held_out_transform,
                                          single_threaded)
@@ -320,14 +319,15 @@ def dataset_mean_std(source: ImageSource) -> tuple[tuple[float, ...], tuple[floa
             tuple(round(float(max(v, 1e-3)), 4) for v in std))
 
 
-def default_num_workers(source: ImageSource, processes_per_machine: int, cuda: bool) -> int:
+def default_num_workers(source: ImageSource, cores: float, cuda: bool) -> int:
     """On a CPU: no workers for in-memory data (decoding is done; the step needs every core,
     and workers would only add IPC), else a share of the cores, at most 4 per process.  On a
     GPU the step runs on the device, so every core of the process's share but its own prepares
     images, decoded or in memory: a GPU eats them faster than a few cores resize, crop and
     flip them (BENCHMARKS.md, "GPU: one NVIDIA H100": with four, the step still waited for
-    in-memory images being resized)."""
-    share = usable_cores() // max(1, processes_per_machine)
+    in-memory images being resized).  `cores`: this process's share of its machine's cores
+    (base.ranks.process_cores)."""
+    share = int(cores)  # whole cores
     if isinstance(source, ArraySource):
         return share - 1 if cuda and share > 1 else 0
     if cuda:

@@ -30,7 +30,7 @@ from accel_train.data.loaders import (Batch, EpochSampler, FinishOnDevice, HeldO
                                       run_transforms, workers_rate)
 from accel_train.base.errors import STALLED_EXIT, RunDiffers, RunStopped, UsageError
 from accel_train.base.randomness import reseed_loader
-from accel_train.base.ranks import decide_on_main
+from accel_train.base.ranks import decide_on_main, process_cores
 from accel_train.base.readers import read_json
 from accel_train.data.decode_ahead import DecodeAhead
 from accel_train.data.device_decode import DeviceDecoder, time_paths
@@ -279,7 +279,7 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
     global_batch = config.batch_size * num_processes * config.accumulation_steps
     train_tf, held_out_tf = run_transforms(config, spec)
     wanted_workers = config.num_workers if config.num_workers is not None else \
-        default_num_workers(data.train, processes_per_machine, cuda)
+        default_num_workers(data.train, process_cores(processes_per_machine), cuda)
     decoding = (False, "")
     if streaming_wanted(config):
         # (--data-on-device always is bad input here; auto's reason is for the summary)

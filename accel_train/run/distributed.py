@@ -41,8 +41,10 @@ from torch.distributed import constants as dist_constants
 from accel_train.run.collectives import LONG_TIMEOUT
 from accel_train.config import TrainConfig, flag, parse_gpu_ids
 from accel_train.base.errors import UsageError
-from accel_train.base.ranks import (any_rank, decide_on_main, is_global_main, main_first,  # noqa: F401
-                                     more_than_one_rank, print_once, usable_cores)
+from accel_train.base.ranks import (any_rank, decide_on_main, fair_core_share,  # noqa: F401
+                                     is_global_main, main_first, more_than_one_rank,
+                                     print_once, process_cores, record_core_share,
+                                     usable_cores)
 
 LAUNCHER_HELP = ("torchrun/accelerate launch set WORLD_SIZE = nnodes x nproc-per-node, RANK and "
                  "LOCAL_RANK per process, and MASTER_ADDR/MASTER_PORT from --master-addr/"
@@ -283,12 +285,44 @@ def setup(config: TrainConfig) -> LauncherEnv:
             dist.init_process_group("nccl" if use_cuda else "gloo", store=_STORE,
                                     rank=env.rank, world_size=env.world_size,
                                     timeout=LONG_TIMEOUT)
+    record_core_share(None)
     if dist.is_initialized():  # started here, or by the program that called fit
         _hold_default_group()
-        check_same_options(config)
+        everyone = gather_each_rank(config)
+        check_same_options(config, everyone)
+        record_core_share(core_share(everyone))
     if _started_default_group:
         share_the_cores()
     return env
+
+
+def gather_each_rank(config: TrainConfig) -> list[dict]:
+    """What each rank was started with that the others must know, in one gather: its options
+    (check_same_options), its machine and the cores it may run on (core_share)."""
+    import socket
+    mine = {"options": {key: value for key, value in dataclasses.asdict(config).items()
+                        if key not in PER_PROCESS_OPTIONS},
+            "host": socket.gethostname(), "cores": sorted(_affinity())}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _affinity() -> set[int]:
+    try:
+        return os.sched_getaffinity(0)
+    except AttributeError:  # not on Linux: every core
+        return set(range(os.cpu_count() or 1))
+
+
+def core_share(everyone: list[dict]) -> float:
+    """This rank's share of its machine's cores, beside the other ranks there (fair_core_share:
+    ranks pinned to cores of their own keep them)."""
+    rank = dist.get_rank()
+    mine = everyone[rank]
+    others = [theirs["cores"] for other, theirs in enumerate(everyone)
+              if other != rank and theirs["host"] == mine["host"]]
+    return fair_core_share(mine["cores"], others)
 
 
 def share_the_cores() -> None:
@@ -300,15 +334,12 @@ def share_the_cores() -> None:
     or by SLURM's srun, get here the machine's cores divided among its ranks, and
     OMP_NUM_THREADS set to match (Accelerate, finding it unset, would give each process all
     the cores again: it counts the ranks on a machine from LOCAL_WORLD_SIZE, which only a
-    launcher sets).  An OMP_NUM_THREADS the user set is kept.  Every rank takes part in the
-    gather."""
-    import socket
-    host = socket.gethostname()
-    hosts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, host)
-    sharing = hosts.count(host)
-    if sharing > 1 and "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, usable_cores() // sharing)  # (the affinity where the OS has one)
+    launcher sets).  An OMP_NUM_THREADS the user set is kept.  The cores are divided as the
+    ranks' affinities share them (base.ranks.fair_core_share: a rank pinned to cores of its own
+    keeps them), whole cores, at least one."""
+    share = process_cores(1)  # as the ranks compared their cores at the group's start
+    if share < usable_cores() and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, int(share))
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
 
@@ -320,24 +351,20 @@ PER_PROCESS_OPTIONS = frozenset({"rank", "local_rank", "gpu_ids", "dist_url", "n
                                  "pretrained", "output_dir", "checkpoint", "config"})
 
 
-def check_same_options(config: TrainConfig) -> None:
+def check_same_options(config: TrainConfig, everyone: list[dict]) -> None:
     """Every rank was started with the same options: commands typed per process (the manual's
     flags, one shell a machine) can differ by a typo, and then the ranks disagreed in a C++
     abort (another --batch-size: gloo's "data size doesn't match") or, worse, silently (another
-    --seed: another data order on each rank).  One line on every rank, naming the first."""
-    if dist.get_world_size() < 2:
-        return
-    mine = {key: value for key, value in dataclasses.asdict(config).items()
-            if key not in PER_PROCESS_OPTIONS}
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    for rank, theirs in enumerate(everyone):
-        differing = [key for key in mine if theirs.get(key) != everyone[0].get(key)]
+    --seed: another data order on each rank).  One line on every rank, naming the first.
+    `everyone`: what each rank was started with (gather_each_rank)."""
+    options = [theirs["options"] for theirs in everyone]
+    for rank, theirs in enumerate(options):
+        differing = [key for key in options[0] if theirs.get(key) != options[0].get(key)]
         if differing:
             key, more = differing[0], len(differing) - 1
             also = f" (and {more} more option(s))" if more else ""
             raise UsageError(f"rank {rank} was started with {flag(key)} {theirs.get(key)!r}, "
-                             f"rank 0 with {everyone[0].get(key)!r}{also}: start every rank "
+                             f"rank 0 with {options[0].get(key)!r}{also}: start every rank "
                              f"with the same options")
 
 

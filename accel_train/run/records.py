@@ -32,6 +32,9 @@ def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precisi
             "channels_last": speed.channels_last, "speed_choice": speed.how,
             "speed_timings": speed.timings,
             "device": str(accelerator.device), "cpu_threads": torch.get_num_threads(),
+            # this process's share of its machine's cores, beside the ranks there (the loader
+            # workers' default and a hand-started rank's threads follow it)
+            "cpu_cores": round(distributed.process_cores(1), 2),
             "distributed_type": str(accelerator.distributed_type), "cuda_math": cuda_math,
             "host_memory": host_memory,
             "world_size": accelerator.num_processes, "global_batch": loaders.global_batch,

@@ -312,7 +312,8 @@ class TrainConfig:
                             "list_optimizers()); lookahead_NAME wraps one in timm's Lookahead. "
                             "Norms and biases get no weight decay (--decay-norm-and-bias).",
                             "optimization")
-    momentum: float = option(0.9, "Momentum of the optimizers that have one (SGD: Nesterov).",
+    momentum: float = option(0.9, "Momentum of the optimizers that have one (SGD: Nesterov); "
+                             "in [0, 1).",
                              "optimization")
     layer_decay: Optional[float] = option(None, "Layer-wise learning-rate decay for fine-tuning "
                                           "(timm): each layer's rate is this times the next "
@@ -522,6 +523,9 @@ class TrainConfig:
                      "checkpoint_every", "aux_loss_weight"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{flag(name)} must be >= 0 (got {getattr(self, name)!r})")
+        if self.momentum >= 1:  # a velocity that never decays: the steps grow without bound
+            raise UsageError(f"--momentum is the share of the last step kept: in [0, 1) (got "
+                             f"{self.momentum!r}); 0.9 is usual")
         if not (isinstance(self.in_memory_limit_gb, (int, float))
                 and math.isfinite(self.in_memory_limit_gb) and self.in_memory_limit_gb > 0):
             raise UsageError(f"--in-memory-limit-gb must be a number of GiB > 0 (got "

@@ -495,19 +495,18 @@ def test_float_images_outside_0_1_are_refused_and_0_1_are_the_uint8_image(tmp_pa
 
 @pytest.mark.filterwarnings("error")  # torch's warning for read-only arrays reaches users
 def test_numpy_images_are_height_width_channels_as_numpy_writes_them():
-    """PIL images, and np.asarray of one (H, W, 3), of a grey one (H, W), of an RGBA one (alpha
-    dropped, as PIL's convert("RGB") drops it); a channels-first array stays as it is.  Oracle:
-    PIL's own pixels, read back through torchvision's pil_to_tensor."""
+    """PIL images, and np.asarray of one (H, W, 3), of a grey one (H, W); a channels-first array
+    stays as it is.  Oracle: PIL's own pixels, read back through torchvision's pil_to_tensor.
+    (An RGBA array is blended over white as its PIL image is: test_user_photos.)"""
     import numpy as np
     from torchvision.transforms.functional import pil_to_tensor
 
     from accel_train.data.user_data import as_uint8_chw
     rgba = Image.fromarray(np.random.default_rng(0).integers(0, 256, (5, 7, 4), np.uint8), "RGBA")
-    for image in (rgba.convert("RGB"), rgba.convert("L"), rgba):
+    for image in (rgba.convert("RGB"), rgba.convert("L")):
         expected = pil_to_tensor(image.convert("RGB"))
         assert torch.equal(as_uint8_chw(np.asarray(image), "item 0"), expected), image.mode
-        if image.mode != "RGBA":  # a PIL image's alpha is blended over white: test_user_photos
-            assert torch.equal(as_uint8_chw(image, "item 0"), expected), image.mode  # PIL's own
+        assert torch.equal(as_uint8_chw(image, "item 0"), expected), image.mode  # PIL's own
     chw = pil_to_tensor(rgba.convert("RGB")).numpy()
     assert torch.equal(as_uint8_chw(chw, "item 0"), torch.from_numpy(chw))
     with pytest.raises(UsageError, match=r"item 2: a tensor image must be channels-first"):

@@ -32,6 +32,10 @@ def test_defaults_are_valid():
     (["--image-size", "0"], "--image-size must be a whole number >= 8 .got 0."),
     (["--grad-clip", "0"], "--grad-clip must be > 0"),
     (["--aux-loss-weight", "-0.4"], "--aux-loss-weight must be >= 0 .got -0.4."),
+    # momentum m keeps m of the last step's velocity: at 1 a gradient is never forgotten, above
+    # it the steps grow by m each time; 9 (for 0.9) trained on with a loss that only blew up
+    (["--momentum", "1"], "--momentum is the share of the last step kept: in .0, 1. .got 1.0."),
+    (["--momentum", "9"], "--momentum is the share of the last step kept: in .0, 1. .got 9.0."),
     (["--in-memory-limit-gb", "-1"], "--in-memory-limit-gb must be a number of GiB > 0"),
     (["--in-memory-limit-gb", "nan"], "--in-memory-limit-gb must be a number of GiB > 0"),
     (["--gpu_ids", "a,b"], "--gpu_ids 'a,b' is not a comma-separated list"),

@@ -153,6 +153,11 @@ def test_class_names_with_spaces_are_refused_in_a_top_k_cell():
         assert str(caught.value) == (f"--csv-top-k 2: the class {spaced!r} has a space in its "
                                      f"name, and spaces separate the classes of a cell; use "
                                      f"--csv-top-k 1 or --csv-probabilities")
+    # the count the user typed is the one named, above the class count too; a model of one
+    # class has one name a cell, whatever the count
+    with pytest.raises(UsageError, match=r"^--csv-top-k 5: the class 'sea lion' has a space"):
+        refuse_names_with_spaces(5, ["seal", "sea lion", "walrus"])
+    refuse_names_with_spaces(5, ["sea lion"])
     ranked = [(2, 0.5), (0, 0.3), (1, 0.2)]
     assert csv_row("a.jpg", ranked, ["x", "y", "z"], False) == ["a.jpg", "z"]
     assert csv_row("a.jpg", ranked, ["x", "y", "z"], False, 2) == ["a.jpg", "z x"]

@@ -369,9 +369,14 @@ BAD = [
     (f"{MODULE}:ForwardRaises", ["--image-size", "224"], [
         "--model user_nets:ForwardRaises failed on a [1, 3, 224, 224] batch of images "
         "(KeyError: 'features'); fix the network's forward"]),
-    # a network for 32 px only, and no pretrained_cfg to name its size: timm's default, 224
+    # ... and at the run's size (32 px): no size helps, so none is suggested
+    (f"{MODULE}:ForwardRaises", [], [
+        "--model user_nets:ForwardRaises failed on a [1, 3, 32, 32] batch of images "
+        "(KeyError: 'features'); fix the network's forward"]),
+    # a network for 32 px only, and no pretrained_cfg to name its size: not timm's default
+    # 224, which fails as well, but the size that works
     (f"{MODULE}:bare", ["--image-size", "40"], ["--image-size 40 does not work with "
-                                                "user_nets:bare (", "); try --image-size 224"]),
+                                                "user_nets:bare (", "); try --image-size 32,"]),
 ]
 
 

@@ -58,3 +58,31 @@ def test_transparency_is_over_white_and_wide_gray_is_scaled():
     assert np.abs(blended - over_white).max() <= 0.5 + 1e-9
     assert np.array_equal(sixteen, np.repeat((values >> 8).astype(np.uint8)[:, :, None], 3, 2))
     assert np.array_equal(floats, np.repeat(gray[:, :, None], 3, 2))
+
+
+class FileArrays(Dataset):
+    """np.asarray of each opened file, as a Dataset over PNGs with transparency often returns
+    them: (H, W, 4) uint8 for an RGBA PNG, or the same pixels as floats in [0, 1]."""
+
+    def __init__(self, files: list[bytes], floats: bool = False):
+        self.files, self.floats = files, floats
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, index):
+        array = np.asarray(Image.open(io.BytesIO(self.files[index])))
+        return (array / 255 if self.floats else array), index % 2
+
+
+@pytest.mark.parametrize("floats", [False, True], ids=["uint8", "float"])
+def test_an_rgba_array_is_blended_over_white_as_its_png_file_is(floats):
+    """An RGBA array's colour under a transparent pixel is whatever the file kept there (often
+    black): dropping alpha trained on that, while predict shows the model the file on white."""
+    data, rgba = kinds.rgba_png()
+    alpha = rgba[:, :, 3:].astype(np.float64) / 255
+    over_white = rgba[:, :, :3] * alpha + 255 * (1 - alpha)
+    loaded = load_user_data(FileArrays([data, data], floats), FileArrays([data, data], floats),
+                            TrainConfig(in_memory="never"))
+    blended = loaded.train.image(0).permute(1, 2, 0).numpy()
+    assert np.abs(blended - over_white).max() <= 0.5 + 1e-9

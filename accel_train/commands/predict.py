@@ -221,7 +221,7 @@ def _predict_all(args) -> int:
     names = spec.class_names
     csv_top_k = args.csv_top_k or 1
     if ids is not None:
-        refuse_names_with_spaces(min(csv_top_k, len(names)), names)
+        refuse_names_with_spaces(csv_top_k, names)
     path_width = max(display_width(str(p)) for p in images)
     name_width = max(display_width(name) for name in names)
     table = not args.json and args.csv is None

@@ -109,8 +109,9 @@ def check_csv_top_k(top_k: Optional[int], probabilities: bool) -> None:
 
 def refuse_names_with_spaces(top_k: int, names: Sequence[str]) -> None:
     """With more than one class in a cell, spaces separate them: a name holding one would
-    read as two classes.  Checked once the model's names are known, before any image."""
-    if top_k < 2:
+    read as two classes.  Checked once the model's names are known, before any image; the
+    line names `top_k` as the user typed it (a cell holds at most every class)."""
+    if min(top_k, len(names)) < 2:
         return
     spaced = [name for name in names if any(char.isspace() for char in name)]
     if spaced:

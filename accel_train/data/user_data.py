@@ -40,9 +40,18 @@ def as_uint8_chw(value: Any, where: str) -> torch.Tensor:
         except Unreadable as err:
             raise UsageError(f"{where}: the image cannot be decoded ({err.reason})") from None
     if isinstance(value, np.ndarray):
+        if value.ndim == 3 and value.shape[-1] == 4:
+            # a fourth channel is alpha (np.asarray of an RGBA PNG): over white, as decode()
+            # puts the same file's transparent pixels for predict and eval; dropping it trained
+            # on whatever colour the file kept under them (often black)
+            if value.dtype == np.uint8:
+                return as_uint8_chw(Image.fromarray(value, "RGBA"), where)
+            alpha = value[..., 3:]
+            if np.issubdtype(value.dtype, np.floating) and 0 <= alpha.min() <= alpha.max() <= 1:
+                value = value[..., :3] * alpha + (1 - alpha)  # (other floats: refused below)
         if value.ndim == 3 and value.shape[-1] in (1, 3, 4):
             # numpy's images are height, width, channels (np.asarray of a PIL image, imageio,
-            # matplotlib); a fourth channel is alpha, dropped as PIL's convert("RGB") drops it
+            # matplotlib)
             value = np.moveaxis(value[..., :3], -1, 0)
         value = torch.tensor(value)  # a copy: np.asarray of a PIL image is read-only
     if not isinstance(value, torch.Tensor) or value.dim() not in (2, 3):

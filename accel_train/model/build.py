@@ -381,6 +381,26 @@ def takes_size(model: nn.Module, image_size: int, channels: int = 3) -> bool:
         model.train(was_training)
 
 
+def builds_for_size(model: nn.Module) -> bool:
+    """The network's class is built for an input size (timm's `img_size` argument)."""
+    try:
+        return "img_size" in inspect.signature(type(model).__init__).parameters
+    except (TypeError, ValueError):  # a class whose signature Python cannot read
+        return False
+
+
+def size_that_works(model: nn.Module, image_size: int) -> Optional[int]:
+    """The size a refusal of `image_size` names: the network's own where its class is built
+    for a size (a run at that size builds it so), else the first of a few that this network
+    takes, its own first; naming one that fails too (a network for 32 px told to try timm's
+    default 224) only sent the user on, and where none works the forward itself is broken."""
+    native = native_image_size(model)
+    if builds_for_size(model):
+        return native if native != image_size else None
+    return next((size for size in dict.fromkeys((native, 224, 32, 64, 128, 256))
+                 if size != image_size and takes_size(model, size)), None)
+
+
 def check_first_forward(model: nn.Module, name: str, image_size: int, num_classes: int) -> None:
     """One tiny forward pass, so that a size the model cannot take, or an output other than a
     row of `num_classes` logits per image, is one line now: not a traceback at the first step
@@ -397,14 +417,14 @@ def check_first_forward(model: nn.Module, name: str, image_size: int, num_classe
                              f"3-channel ones (grey images repeated to RGB): make its first "
                              f"layer take 3 channels (nn.Conv2d(3, ...); timm's in_chans=3)"
                              ) from None
-        default = native_image_size(model)
-        if default == image_size:  # the size is the network's own: the forward itself broke
+        working = size_that_works(model, image_size)
+        if working is None:  # no size helps (a forward that wants other arguments, a bug)
             raise UsageError(f"--model {name} failed on a [1, 3, {image_size}, {image_size}] "
                              f"batch of images ({type(err).__name__}: {first_line(err)}); fix "
                              f"the network's forward") from None
         raise UsageError(f"--image-size {image_size} does not work with {name} "
                          f"({type(err).__name__}: {first_line(err)}); try --image-size "
-                         f"{default}, or fix the network's forward if the size is not the "
+                         f"{working}, or fix the network's forward if the size is not the "
                          f"cause") from None
     finally:
         model.train(was_training)

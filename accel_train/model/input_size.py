@@ -10,23 +10,14 @@ left as it is: older runs rebuild unchanged."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
 import torch
 from torch import nn
 
 from accel_train.base.errors import UsageError
-from accel_train.model.build import create_model, native_image_size, takes_size
+from accel_train.model.build import builds_for_size, create_model, native_image_size, takes_size
 from accel_train.model.saved import is_import_path
-
-
-def builds_for_size(model: nn.Module) -> bool:
-    """The network's class is built for an input size (timm's `img_size` argument)."""
-    try:
-        return "img_size" in inspect.signature(type(model).__init__).parameters
-    except (TypeError, ValueError):  # a class whose signature Python cannot read
-        return False
 
 
 def create_at_size(name: str, num_classes: int, image_size: int, drop_rate: float = 0.0,

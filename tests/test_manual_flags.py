@@ -109,13 +109,9 @@ def test_ranks_started_with_other_options_are_refused_in_one_line(tmp_path):
     (exit 2) and nothing is written."""
     import subprocess
     import sys
-    from conftest import REPO, free_port
-    from conftest import test_env as child_env  # (as test_env, pytest would collect it)
+    from conftest import free_port
     url = f"tcp://127.0.0.1:{free_port()}"
-    env = child_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = _hand_started_env()
     ranks = [subprocess.Popen(
         [sys.executable, "-m", "accel_train", *TINY_TRAIN, "--world_size", "2", "--rank",
          str(rank), "--dist_url", url, "--seed", str(3 + rank), "--output-dir",
@@ -129,6 +125,19 @@ def test_ranks_started_with_other_options_are_refused_in_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def _hand_started_env() -> dict:
+    """The environment of a rank started by hand: the repository importable, nothing a launcher
+    would set, no OMP_NUM_THREADS."""
+    from conftest import REPO
+    from conftest import test_env as child_env  # (as test_env, pytest would collect it)
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "OMP_NUM_THREADS"):
+        env.pop(key, None)
+    return env
+
+
 @pytest.mark.slow  # two pairs of ranks trained
 @pytest.mark.parametrize("omp, threads", [(None, max(1, len(os.sched_getaffinity(0)) // 2)),
                                           ("2", 2)], ids=["unset", "OMP_NUM_THREADS=2"])
@@ -138,14 +147,9 @@ def test_ranks_started_by_hand_on_one_machine_share_its_cores(tmp_path, omp, thr
     divided among them, as the launchers' OMP_NUM_THREADS does; one the user set is kept."""
     import subprocess
     import sys
-    from conftest import REPO, free_port
-    from conftest import test_env as child_env  # (as test_env, pytest would collect it)
+    from conftest import free_port
     url = f"tcp://127.0.0.1:{free_port()}"
-    env = child_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "OMP_NUM_THREADS"):
-        env.pop(key, None)
+    env = _hand_started_env()
     if omp is not None:
         env["OMP_NUM_THREADS"] = omp
     out = tmp_path / "run"
@@ -171,15 +175,10 @@ def test_ranks_pinned_by_hand_share_only_the_cores_they_share(tmp_path):
     ranks gave 1.  config.yaml records rank 0's."""
     import subprocess
     import sys
-    from conftest import REPO, free_port
-    from conftest import test_env as child_env  # (as test_env, pytest would collect it)
+    from conftest import free_port
     first, second = sorted(os.sched_getaffinity(0))[:2]
     url = f"tcp://127.0.0.1:{free_port()}"
-    env = child_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "OMP_NUM_THREADS"):
-        env.pop(key, None)
+    env = _hand_started_env()
     out = tmp_path / "run"
     cores = {0: f"{first},{second}", 1: f"{second}"}
     ranks = [subprocess.Popen(

@@ -467,6 +467,16 @@ def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_
     assert code == 2 and "already holds an export (model.safetensors)" in err
 
 
+def test_export_names_its_files_under_the_folder_as_typed(run_dir, tmp_path, monkeypatch, capsys):
+    """docs/commands.md's transcript: `--output-dir exports/cifar` lists `exports/cifar/...`, as
+    training's `saved runs/r1/model.safetensors` names the folder the user gave."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = command(capsys, "export", str(run_dir), "--output-dir", "exports/tiny")
+    assert code == 0, err
+    listed = [line.strip() for line in out.splitlines() if line.startswith("  -> ")]
+    assert listed == [f"-> exports/tiny/{name}" for name in sorted(os.listdir("exports/tiny"))]
+
+
 @pytest.mark.slow
 def test_a_checkpoints_ema_weights_through_eval_export_and_predict(run_dir, image_folder,
                                                                      tmp_path, capsys):

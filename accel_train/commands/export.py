@@ -141,5 +141,7 @@ def main(argv: Sequence[str]) -> int:
     from accel_train.commands.artifacts import find_trained_model
     trained = find_trained_model(args.model, lambda text: print(f"warning: {text}"), args.ema)
     written = write_export(trained, output_dir, args.format, print)
-    print(f"exported {trained.description}\n" + "\n".join(f"  -> {p}" for p in written))
+    # named under the folder as the user typed it, as training's "saved DIR/..." lines are
+    print(f"exported {trained.description}\n"
+          + "\n".join(f"  -> {output_dir / p.name}" for p in written))
     return 0

@@ -108,17 +108,20 @@ def test_a_metadata_file_labels_its_split_as_datasets_imagefolder_reads_it(tmp_p
             dict(Counter(theirs[split].values()))
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
 def test_class_folders_and_a_metadata_label_column_take_the_metadata_as_datasets_does(
-        tmp_path):
-    """datasets' imagefolder adds no folder labels where it finds a metadata file: the
-    file's label column labels each image, whatever class folder holds it."""
+        tmp_path, kind):
+    """datasets' imagefolder adds no folder labels where it finds a metadata file (at the root
+    of a folder without split folders, beside class folders): the file's label column labels
+    each image, whatever class folder holds it; other columns are left alone."""
     root = tmp_path / "hf"
     rows = []
     for i in range(8):
         name = f"{['cat', 'dog'][i % 2]}/{i}.png"
         _image(root / name, 30 * i)
-        rows.append({"file_name": name, "label": "indoor" if i < 5 else "outdoor"})
-    _write_metadata(root / "metadata.jsonl", rows)
+        rows.append({"file_name": name, "label": "indoor" if i < 5 else "outdoor",
+                     "caption": f"photo {i}"})
+    _write_metadata(root / f"metadata.{kind}", rows)
     theirs = _theirs(root)
     data = load_data(TrainConfig(data_dir=str(root), in_memory="never", val_fraction=0.25))
     assert _ours(data) == theirs["train"]
@@ -475,24 +478,6 @@ def test_a_metadata_parquet_without_a_label_column_beside_unsorted_images(tmp_pa
     assert ran.returncode == 2 and ran.stderr.strip().splitlines() == [
         f"accel_train: error: --train-labels {file} has no 'label' column (its columns: "
         f"file_name, caption); name the images' column file_name and their classes' label"]
-
-
-def test_a_metadata_parquet_labels_a_single_split_folder_with_class_folders_as_datasets_does(
-        tmp_path):
-    """At the root of a folder without split folders, beside class folders: its labels win,
-    as datasets reads it; a parquet file of another name there is still a parquet layout."""
-    root = tmp_path / "hf"
-    rows = []
-    for i in range(8):
-        name = f"{['cat', 'dog'][i % 2]}/{i}.png"
-        _image(root / name, 30 * i)
-        rows.append({"file_name": name, "label": "indoor" if i < 5 else "outdoor",
-                     "caption": f"photo {i}"})
-    _write_metadata(root / "metadata.parquet", rows)
-    theirs = _theirs(root)
-    data = load_data(TrainConfig(data_dir=str(root), in_memory="never", val_fraction=0.25))
-    assert _ours(data) == theirs["train"]
-    assert data.class_names == ["indoor", "outdoor"]
 
 
 def test_whole_number_labels_in_parquet_are_the_classes_their_text_names(tmp_path):

@@ -16,13 +16,18 @@ from accel_train.base.wording import in_callers_words
 T = TypeVar("T")
 
 
-def usable_cores() -> int:
+def usable_core_ids() -> set[int]:
     """The cores this process may run on (a SLURM allocation or taskset narrows them), not all
     of the machine's: what the loader workers and the ranks of one machine share."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        return os.sched_getaffinity(0)
+    except AttributeError:  # not on Linux: every core
+        return set(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    """How many cores this process may run on (usable_core_ids)."""
+    return len(usable_core_ids())
 
 
 def fair_core_share(mine: Collection[int], others: Iterable[Collection[int]]) -> float:

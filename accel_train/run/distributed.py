@@ -44,7 +44,7 @@ from accel_train.base.errors import UsageError
 from accel_train.base.ranks import (any_rank, decide_on_main, fair_core_share,  # noqa: F401
                                      is_global_main, main_first, more_than_one_rank,
                                      print_once, process_cores, record_core_share,
-                                     usable_cores)
+                                     usable_core_ids, usable_cores)
 
 LAUNCHER_HELP = ("torchrun/accelerate launch set WORLD_SIZE = nnodes x nproc-per-node, RANK and "
                  "LOCAL_RANK per process, and MASTER_ADDR/MASTER_PORT from --master-addr/"
@@ -302,17 +302,10 @@ def gather_each_rank(config: TrainConfig) -> list[dict]:
     import socket
     mine = {"options": {key: value for key, value in dataclasses.asdict(config).items()
                         if key not in PER_PROCESS_OPTIONS},
-            "host": socket.gethostname(), "cores": sorted(_affinity())}
+            "host": socket.gethostname(), "cores": sorted(usable_core_ids())}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return everyone
-
-
-def _affinity() -> set[int]:
-    try:
-        return os.sched_getaffinity(0)
-    except AttributeError:  # not on Linux: every core
-        return set(range(os.cpu_count() or 1))
 
 
 def core_share(everyone: list[dict]) -> float:

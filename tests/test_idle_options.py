@@ -21,6 +21,9 @@ def test_the_defaults_and_options_that_act_say_nothing():
     assert said(cutmix=1.0, mixup_prob=0.5) == []
     assert said(model_ema=True, model_ema_decay=0.9) == []          # 10 steps of 100
     assert said(total_steps=None, model_ema=True) == []             # a budget: length unknown
+    for optimizer in ("sgd", "momentum", "lars", "madgrad", "lookahead_sgd"):
+        assert said(optimizer=optimizer, momentum=0.5) == [], optimizer
+    assert said(optimizer="adamw") == []                            # the default momentum
 
 
 @pytest.mark.parametrize("options, words", [
@@ -32,6 +35,9 @@ def test_the_defaults_and_options_that_act_say_nothing():
     (dict(mixup_prob=0.5), "--mixup-prob 0.5 has no effect without --mixup or --cutmix"),
     (dict(mixup=0.8, mixup_switch_prob=0.2), "--mixup-switch-prob 0.2 chooses between"),
     (dict(model_ema_decay=0.99), "--model-ema-decay 0.99 has no effect without --model-ema"),
+    (dict(optimizer="adamw", momentum=0.5), "--momentum 0.5 has no effect with --optimizer adamw"),
+    (dict(optimizer="lookahead_lamb", momentum=0),
+     "--momentum 0 has no effect with --optimizer lookahead_lamb"),
 ])
 def test_an_option_with_nothing_to_do_is_named(options, words):
     warnings = said(**options)
@@ -58,3 +64,23 @@ def test_cutmix_that_mixes_no_batch_trains_as_the_run_without_it(tmp_path):
     assert "mixes no batch" not in plain.stdout + plain.stderr
     a, b = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("plain", "idle"))
     assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_momentum_an_optimizer_has_none_of_trains_as_the_run_without_it(tmp_path):
+    """The warning's claim, through the CLI: AdamW's weights with --momentum 0.5 equal those
+    with the default, and the same --momentum does change SGD's (the check can tell)."""
+    common = [*TINY_TRAIN, "--max-steps", "3", "--warmup-epochs", "0"]
+
+    def weights(name, *options):
+        run = accel_train_here(*common, *options, "--output-dir", str(tmp_path / name),
+                               check=True)
+        return load_file(str(tmp_path / name / "model.safetensors")), run.stdout + run.stderr
+
+    adamw, _ = weights("adamw", "--optimizer", "adamw")
+    adamw_momentum, said_there = weights("adamw_m", "--optimizer", "adamw", "--momentum", "0.5")
+    assert "--momentum 0.5 has no effect with --optimizer adamw" in said_there
+    assert all(adamw[k].equal(adamw_momentum[k]) for k in adamw)
+    sgd, _ = weights("sgd")
+    sgd_momentum, said_there = weights("sgd_m", "--momentum", "0.5")
+    assert "has no effect" not in said_there
+    assert not all(sgd[k].equal(sgd_momentum[k]) for k in sgd)

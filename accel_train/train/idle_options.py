@@ -41,8 +41,20 @@ def idle_option_warnings(config: TrainConfig, total_steps: Optional[int]) -> lis
     if not config.model_ema and _given(config, "model_ema_decay"):
         warnings.append(f"--model-ema-decay {config.model_ema_decay:g} has no effect without "
                         f"--model-ema")
+    if _given(config, "momentum") and not optimizer_has_momentum(config.optimizer):
+        warnings.append(f"--momentum {config.momentum:g} has no effect with --optimizer "
+                        f"{config.optimizer} (timm's {config.optimizer} has no momentum; its "
+                        f"betas are its own); sgd, momentum, lars or madgrad take it")
     short_ema = ema_outlasts_the_run(config, total_steps)
     return warnings + ([short_ema] if short_ema else [])
+
+
+def optimizer_has_momentum(name: str) -> bool:
+    """Whether timm's optimizer (or the one a lookahead_ name wraps) takes --momentum: timm's
+    factory passes it only to those its registry says have one, and drops it for the rest."""
+    from timm.optim import get_optimizer_info
+
+    return get_optimizer_info(name.lower().removeprefix("lookahead_")).has_momentum
 
 
 def ema_outlasts_the_run(config: TrainConfig, total_steps: Optional[int],

@@ -18,6 +18,7 @@ they could not do from a script's own classes:
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from torch.utils.data import Dataset
@@ -61,7 +62,8 @@ def main() -> None:
         batch_size=args.batch_size, epochs=args.epochs, output_dir=args.output_dir,
         learning_rate=0.05, augment=False, mixed_precision="no", channels_last=False,
         progress="log", plots=False)
-    print(f"trained: {run_dir}")
+    if os.environ.get("RANK", "0") == "0":  # every process gets the folder back; one says it
+        print(f"trained: {run_dir}")
 
 
 if __name__ == "__main__":

@@ -413,6 +413,7 @@ def test_the_example_on_two_processes_equals_one_process(tmp_path):
               cwd=tmp_path, env=child_env())
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 process(es)" in two.stdout
+    assert two.stdout.count("trained: ") == one.stdout.count("trained: ") == 1, two.stdout
     a = load_file(str(tmp_path / "one" / "model.safetensors"))
     b = load_file(str(tmp_path / "two" / "model.safetensors"))
     for key in a:

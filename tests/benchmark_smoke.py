@@ -71,6 +71,8 @@ CASES = {
     "step_syncs": ["--quick", "--allow-cpu"],
     # JPEGs at ImageNet sizes it makes itself (make_imagenet_like.py): 2 classes of 16
     "jpeg_input": ["--quick", "--classes", "2", "--per-class", "16", "--rounds", "1"],
+    # 32 photos it makes at 800x600, stored at 256
+    "max_side": ["--quick", "--camera-size", "800", "600", "--max-side", "256", "--rounds", "1"],
     # the JPEG folder it makes (6 images a class), each arm 2 epochs of 2 steps at 96 px
     "gpu_jpeg": ["--quick", "--allow-cpu", "--model", "test_resnet", "--size", "96", "--images",
                  "60", "--batch", "16", "--epochs", "2", "--profile-steps", "1"],
@@ -89,10 +91,11 @@ CASES = {
     "fp16_networks": ["--quick", "--allow-cpu", "--models", "test_resnet", "--image-size", "32"],
 }
 # The scripts that make their own data instead of reading CIFAR-10
-OWN_DATA = {"jpeg_input", "gpu_jpeg", "crop_resize"}
+OWN_DATA = {"jpeg_input", "gpu_jpeg", "crop_resize", "max_side"}
 # The scripts that take no --tmp (they write nothing large)
 NO_TMP = {"comm", "gpu", "threads", "manual_ranks", "precision", "worker_start", "gpu_cifar",
-          "device_resident", "jpeg_input", "gpu_jpeg", "fp16_networks", "crop_resize"}
+          "device_resident", "jpeg_input", "gpu_jpeg", "fp16_networks", "crop_resize",
+          "max_side"}
 # benchmarks/anchors/airbench_cpu.py on generated data in the CIFAR-10 layout: 2 steps an epoch
 # for 4 epochs (the averaging syncs at steps 5 and the last, 8), one JSON line with the three
 # levels.  Batch
@@ -200,7 +203,17 @@ def the_always_arm_profiled(data: dict) -> None:
         data["result"]["always:0.4"]["decoding"], data["result"]["always:0.4"]
 
 
-TABLE_CHECKS = {"anchor_side_by_side": both_arms_and_a_ratio, "host_memory": each_arm_as_it_says,
+def both_folders_at_their_sizes(data: dict) -> None:
+    """bench_max_side.py: the photos as made (800x600) and as stored (256x192), both timed."""
+    (table,) = data["tables"]
+    taken, stored = table["rows"]
+    assert taken[0].startswith("as taken (800x600") and stored[0].startswith("stored (256x192"), \
+        table
+    assert float(taken[1]) > 0 and float(stored[1].replace(",", "")) > 0, table
+
+
+TABLE_CHECKS = {"max_side": both_folders_at_their_sizes,
+                "anchor_side_by_side": both_arms_and_a_ratio, "host_memory": each_arm_as_it_says,
                 "step_syncs": every_step_watched, "anchor_step": the_anchors_precision,
                 "fp16_networks": every_arm_trained, "gpu_jpeg": the_always_arm_profiled}
 

@@ -718,6 +718,10 @@ ROWS: dict[str, Row] = {
     "shard --label-column": effect(
         f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
         "the shards' labels are the truth column's"),
+    "shard --max-side": effect(
+        "test_shard_max_side.py::test_a_wide_jpeg_is_resized_to_the_side_and_stays_a_jpeg",
+        "1200x800 stored 500x333, the bytes of PIL's Lanczos resize of the file saved at "
+        "quality 95; a PNG blended over white by hand, exactly; a small file byte for byte"),
     "shard --read-timeout": effect(
         "test_stuck_reads.py::test_shard_stops_in_one_line_and_its_next_start_finishes",
         "a FIFO under an image's name: exit 75 after the 3 s given, no --output folder"),

@@ -3,7 +3,8 @@ any data the trainer reads (an image folder, parquet files, a save_to_disk folde
 embedded synthetic set with --dataset synthetic) -> WebDataset tar shards plus an index.
 
 DIR/train/000000.tar, ... and DIR/<held-out split>/000000.tar, ... hold `KEY.jpg` (or .png,
-the image file's own bytes, unchanged; generated images as PNG) and `KEY.cls` (the class index);
+the image file's own bytes, unchanged; generated images as PNG; with --max-side N, images
+whose longer side exceeds N stored at N: streaming/max_side.py) and `KEY.cls` (the class index);
 DIR/index.json lists every shard with its sample count, the class names and the splits.  The
 splits are the data's own: train and its validation split, else its test split (CIFAR-10's),
 else --val-fraction carved off as the trainer carves it; a split without labels (-1 in every
@@ -69,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "names the class (1: the top level), as for training")
     parser.add_argument("--image-column", default=None)
     parser.add_argument("--label-column", default=None)
+    parser.add_argument("--max-side", type=int, metavar="N", default=None,
+                        help="store images whose longer side exceeds N pixels at N (the aspect "
+                             "kept; JPEGs as JPEG quality 95, others as PNG), decoded as "
+                             "training decodes them: large photos then decode fast at every "
+                             "step (e.g. 512 for training at 224 px; default: every file as "
+                             "it is)")
     add_read_timeout(parser, "shard")
     parser.add_argument("--no-progress", action="store_true", help="no progress line")
     return parser
@@ -143,6 +150,7 @@ def _samples(args):
 
 def convert(args, say=print) -> Path:
     from accel_train.data.streaming import ShardWriter, write_index
+    from accel_train.data.streaming.max_side import check_max_side, within_max_side
     output = Path(args.output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UsageError(f"--output {output} already exists and is not an empty folder; choose "
@@ -153,6 +161,7 @@ def convert(args, say=print) -> Path:
         (None if args.samples_per_shard else parse_size("256MB"))
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise UsageError(f"--data-dir {args.data_dir}: no such folder")
+    max_side = check_max_side(args.max_side)
     class_names, origin, splits, counts = _samples(args)  # raises before anything is written
     total = sum(counts.values())
     done, started, last = 0, time.monotonic(), 0.0
@@ -162,6 +171,7 @@ def convert(args, say=print) -> Path:
     terminal = sys.stderr.isatty()
     every, ending = (0.5, "") if terminal else (10.0, "\n")
     written: dict[str, list[dict]] = {}
+    resized = 0
     tmp = output.with_name(output.name + ".partial")
     if tmp.exists():
         import shutil
@@ -171,6 +181,9 @@ def convert(args, say=print) -> Path:
         for split, samples in splits.items():
             writer = ShardWriter(tmp / split, tmp, max_bytes, args.samples_per_shard)
             for data, ext, label in samples:
+                if max_side is not None:
+                    data, ext, smaller = within_max_side(data, ext, max_side)
+                    resized += smaller
                 writer.write(data, ext, label)
                 done += 1
                 now = time.monotonic()
@@ -197,7 +210,9 @@ def convert(args, say=print) -> Path:
     say(f"wrote {total:,} images in {shards} shard(s) to {output} ("
         + ", ".join(f"{split}: {sum(e['count'] for e in entries):,} in {len(entries)}"
                     for split, entries in written.items())
-        + f"); train with: accel-train --data-dir {output}")
+        + ")" + (f"; {resized:,} stored at a longer side of {max_side} px (--max-side)"
+                 if max_side is not None else "")
+        + f"; train with: accel-train --data-dir {output}")
     return output
 
 

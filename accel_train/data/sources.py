@@ -90,15 +90,20 @@ class ImageSource:
         return self.images_at(indices), indices
 
     @functools.cached_property
-    def native_size(self) -> int:
-        """The default --image-size: the images' own (shorter) side when a few spread over the
-        split share one size, else 224.  Spread, not the first few: an image folder's rows go
-        class by class, and the first class's size is not the others'.  Whether or not the
-        images are decoded in memory: a lazily decoded CIFAR-10 (--in-memory never) is still
-        32 px."""
+    def probed_shapes(self) -> list[tuple[int, int]]:
+        """(height, width) of up to NATIVE_SIZE_PROBE images spread over the split.  Spread,
+        not the first few: an image folder's rows go class by class, and the first class's
+        size is not the others'."""
         spread = np.linspace(0, len(self) - 1, min(len(self), NATIVE_SIZE_PROBE))
-        probe = self.images_at(sorted({int(i) for i in spread}))
-        shapes = {tuple(image.shape[-2:]) for image in probe}
+        return [tuple(image.shape[-2:]) for image in
+                self.images_at(sorted({int(i) for i in spread}))]
+
+    @functools.cached_property
+    def native_size(self) -> int:
+        """The default --image-size: the images' own (shorter) side when the probed ones share
+        one size, else 224.  Whether or not the images are decoded in memory: a lazily decoded
+        CIFAR-10 (--in-memory never) is still 32 px."""
+        shapes = set(self.probed_shapes)
         return min(shapes.pop()) if len(shapes) == 1 else MIXED_SIZE_DEFAULT
 
 

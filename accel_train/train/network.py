@@ -16,7 +16,8 @@ from torch import nn
 from accel_train.config import TrainConfig
 from accel_train.data.augment import build_policy
 from accel_train.data.loaders import dataset_mean_std
-from accel_train.data.sources import ArraySource, default_image_size
+from accel_train.data.large_photos import large_photo_note
+from accel_train.data.sources import ArraySource, HFSource, default_image_size
 from accel_train.data.transforms import SMALL_IMAGE, held_out_transform
 from accel_train.model.build import (check_first_forward, check_float32_weights,
                                      check_layer_decay, check_model_name,
@@ -123,6 +124,12 @@ def build_network(config, data, num_processes: int, cuda: bool,
                      **choose_held_out_crop(config, model, native_size),
                      model_args=model_args)
     small_data_notes(config, native_size, warn)
+    if isinstance(data.train, HFSource):  # files decoded per step, which shard can store
+        where = f"--data-dir {config.data_dir}" if config.data_dir else \
+            f"--dataset {config.dataset}"
+        note = large_photo_note(data.train.probed_shapes, image_size, where)
+        if note:
+            warn(note)
     if config.bn_momentum is not None:
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):

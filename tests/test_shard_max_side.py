@@ -203,3 +203,57 @@ def test_a_run_on_large_photos_names_the_shard_command_which_then_stores_them(tm
     stored = accel_train_here(*common[2:], "--data-dir", str(tmp_path / "shards"),
                               "--output-dir", str(tmp_path / "stored"), check=True)
     assert "accel-train shard" not in stored.stdout + stored.stderr
+
+
+# -- the function shard calls, file by file --------------------------------------------------
+
+def jpeg_file(image: Image.Image, orientation: int = 1) -> bytes:
+    buffer = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    image.save(buffer, format="JPEG", quality=92, exif=exif)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_each_exif_orientation_is_stored_upright_at_the_side(orientation):
+    """1200x700 as stored: the quarter turns (5-8) are shown 700 wide, the others 1200."""
+    from accel_train.data.streaming.max_side import within_max_side
+    data = jpeg_file(photo(1200, 700, orientation), orientation)
+    stored, ext, resized = within_max_side(data, "jpg", 500)
+    size = (292, 500) if orientation >= 5 else (500, 292)  # 700 x 500/1200 = 291.7
+    expected = lanczos(ImageOps.exif_transpose(Image.open(io.BytesIO(data))), size)
+    assert (ext, resized, decoded(stored).size) == ("jpg", True, size)
+    assert stored == as_jpeg(expected)
+
+
+def test_a_turned_photo_is_decoded_reduced_along_its_stored_sides():
+    """2000x1200 stored, turned a quarter (shown 1200x2000), to 300x500: PIL's draft asked for
+    twice the target on the stored sides (1000x600) decodes at half, 1000x600."""
+    from accel_train.data.streaming.max_side import within_max_side
+    data = jpeg_file(photo(2000, 1200, 7), 6)
+    stored, _, _ = within_max_side(data, "jpg", 500)
+    image = Image.open(io.BytesIO(data))
+    image.draft("RGB", (1000, 600))
+    assert image.size == (1000, 600)  # (what the reduced decode gives, by hand)
+    assert stored == as_jpeg(lanczos(ImageOps.exif_transpose(image), (300, 500)))
+
+
+def test_files_that_cannot_be_read_are_kept_as_they_are():
+    from accel_train.data.streaming.max_side import within_max_side
+    whole = jpeg_file(photo(2000, 1500, 8))
+    for broken in (b"\xff\xd8\xff" + b"\x00" * 100, whole[:3000], b"not an image"):
+        assert within_max_side(broken, "jpg", 500) == (broken, "jpg", False)
+
+
+def test_the_sizes_at_the_boundaries():
+    from accel_train.base.errors import UsageError
+    from accel_train.data.streaming.max_side import check_max_side, target_size
+    assert target_size(500, 300, 500) is None and target_size(300, 500, 500) is None
+    assert target_size(501, 300, 500) == (500, 299)      # 300 x 500/501 = 299.4
+    assert target_size(300, 501, 500) == (299, 500)
+    assert target_size(640, 640, 500) == (500, 500)
+    assert target_size(4000, 1, 500) == (500, 1) and target_size(1, 4000, 500) == (1, 500)
+    assert check_max_side(16) == 16 and check_max_side(None) is None
+    with pytest.raises(UsageError):
+        check_max_side(15)

@@ -48,6 +48,9 @@ EXCEPTIONS = {
     "--bad-images",
     ("accel_train/data/jpeg_decoders.py", "Image.open"): "the EXIF orientation of image bytes "
     "already read (decode.py's), from their header; one PIL cannot read is taken as upright",
+    ("accel_train/data/streaming/max_side.py", "Image.open"): "image bytes shard has read, "
+    "opened for their size before a resize; one PIL cannot open is stored as it is, for "
+    "training's --bad-images to name (tests/test_shard_max_side.py)",
     ("accel_train/__init__.py", "load"): "an import hook's module loader (timm's), not a file",
     ("accel_train/base/main_guard.py", "read_text"): "the source of the user's running script, "
     "parsed to see whether fit() is under a __main__ guard; unreadable or not Python: no check",

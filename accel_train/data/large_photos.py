@@ -2,7 +2,7 @@
 whole at every step, with the command that stores them smaller once (`accel-train shard
 --max-side`, streaming/max_side.py).
 
-Why a note: a phone's 12-megapixel photo costs the loader path about 50 times a 512 px copy
+Why a note: a phone's 12-megapixel photo costs the loader path about 40 times a 512 px copy
 of it (AMD EPYC, one core: benchmarks/bench_max_side.py), so a GPU fed from such a folder waits
 on the cores whatever the model, and nothing else in the run says why."""
 

@@ -4,8 +4,9 @@ instead of decoded at full size at every step.
 Why: a phone's 12-megapixel JPEG takes a CPU core about 53 ms to decode (AMD EPYC, torchvision's
 libjpeg-turbo decoder), nearly forty times an ImageNet-sized photo's 1.4 ms, and the training
 crop is then resized from millions of pixels to 224 px: 202 ms a photo through the loader path
-against 5 ms for the same photo stored at 512 px (benchmarks/bench_max_side.py).  Decoding once at shard time is what FFCV's
-`max_resolution` and img2dataset's `--image_size` do for the same reason.
+against 5 ms for the same photo stored at 512 px (benchmarks/bench_max_side.py).  Decoding
+once at shard time is what FFCV's `max_resolution` and img2dataset's `--image_size` do for the
+same reason.
 
 The stored image is the one training would decode (EXIF orientation applied, transparency over
 white, 16-bit scaled: decode.decode), resized with PIL's Lanczos filter to a longer side of N,

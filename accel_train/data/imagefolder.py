@@ -52,8 +52,8 @@ from accel_train.base.errors import UsageError, first_few
 from accel_train.base.readers import Shape, read_arrow_cache
 from accel_train.data.label_files import (METADATA_FILES, METADATA_PARQUET, class_order,
                                           metadata_header, metadata_missing, missing_columns,
-                                          read_metadata_labels, read_train_labels,
-                                          read_val_labels)
+                                          read_metadata, read_metadata_labels,
+                                          read_train_labels, read_val_labels)
 from accel_train.data.loader_watch import reading
 
 SPLIT_FOLDERS = {"train": "train", "training": "train", "validation": "validation",
@@ -508,7 +508,7 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
                          f"... in it and its subfolders); expected one subfolder of images per "
                          f"class, parquet files or a save_to_disk folder")
     files = _label_files(root, splits, walked, val_labels, train_labels)
-    metadata = _metadata_labels(root, metadata_found, dirs, files)
+    metadata, read = _metadata_labels(root, metadata_found, dirs, files)
     if class_depth is not None and all(split in files for split in walked):
         _class_depth_unread(root, class_depth, files)
     for split, (prefix, found) in walked.items():
@@ -520,7 +520,8 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
     classes: dict[str, list] = {}
     labelled_train = files.get("train")
     if labelled_train is not None:
-        classes["train"] = _read_labels(labelled_train, splits["train"], images["train"])
+        classes["train"] = _read_labels(labelled_train, splits["train"], images["train"],
+                                        read=read)
     for split, (prefix, found) in walked.items():
         if split in files:
             continue
@@ -540,7 +541,7 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
     for split, given in files.items():
         if split != "train":
             classes[split] = _read_labels(given, splits[split], images[split],
-                                          set(class_names), labelled_train is not None)
+                                          set(class_names), labelled_train is not None, read)
     number = {name: i for i, name in enumerate(class_names)}
     result = {split: (pa.array(found, pa.string()),
                       np.array([number[name] for name in classes[split]], dtype=np.int64))
@@ -579,13 +580,14 @@ def _label_files(root: Path, splits: dict[str, Path], walked: dict,
 
 
 def _read_labels(given: tuple[list[Path], Optional[str]], folder: Path, images: list[str],
-                 classes: Optional[set[str]] = None, classes_from_file: bool = False
-                 ) -> list[str]:
+                 classes: Optional[set[str]] = None, classes_from_file: bool = False,
+                 read: Optional[dict] = None) -> list[str]:
     """A split's classes from its label files (_label_files, _metadata_labels): a flag's one
-    file, or (flag None) the split's metadata files.  `classes` None: the training split's."""
+    file, or (flag None) the split's metadata files (`read`: {file: its read_metadata}).
+    `classes` None: the training split's."""
     paths, flag = given
     if flag is None:
-        return read_metadata_labels(paths, folder, images, classes, classes_from_file)
+        return read_metadata_labels(paths, folder, images, classes, classes_from_file, read)
     if classes is None:
         return read_train_labels(paths[0], folder, images, flag)
     return read_val_labels(paths[0], folder, images, classes, classes_from_file, flag)
@@ -599,7 +601,7 @@ def _metadata_files(folder: Path) -> list[Path]:
 
 def _metadata_labels(root: Path, found: dict[str, list[str]], dirs: list[tuple[str, int]],
                      files: dict[str, tuple[list[Path], Optional[str]]]
-                     ) -> dict[str, list[str]]:
+                     ) -> tuple[dict[str, list[str]], dict[Path, object]]:
     """Hugging Face's imagefolder layout: the metadata.csv, .jsonl or .parquet files in a split
     folder and its subfolders (`found`: {split: their paths relative to root}) that name
     file_name and label label that split, as datasets' imagefolder reads them (their label
@@ -609,13 +611,15 @@ def _metadata_labels(root: Path, found: dict[str, list[str]], dirs: list[tuple[s
     datasets refuses them: files of two kinds; files of two splits naming different columns
     (datasets compares one file of each split); beside a file that labels a split, one that
     does not (datasets would give its images no label).  The files of a split a flag labels
-    are not read.  {split: the files, relative to root} of those taken."""
+    are not read.  {split: the files, relative to root} of those taken, and {file: what
+    read_metadata gave} of those, each file read once (its header, then its rows)."""
     every = sorted(rel for rels in found.values() for rel in rels)
     for rel in every:
         dirs.append((rel, os.stat(root / rel).st_mtime_ns))
     _one_kind_of_metadata(root, every)
     found = {split: sorted(rels) for split, rels in found.items() if split not in files}
-    header = {rel: metadata_header(root / rel) for rels in found.values() for rel in rels}
+    read = {rel: read_metadata(root / rel) for rels in found.values() for rel in rels}
+    header = {rel: metadata_header(root / rel, read[rel]) for rel in read}
     _same_columns_across_splits(root, found, header)
     taken = {}
     for split, rels in found.items():
@@ -631,7 +635,7 @@ def _metadata_labels(root: Path, found: dict[str, list[str]], dirs: list[tuple[s
                              f"Face's imagefolder would leave its images without a label)")
         files[split] = ([root / rel for rel in labelling], None)
         taken[split] = labelling
-    return taken
+    return taken, {root / rel: read[rel] for rels in taken.values() for rel in rels}
 
 
 def _one_kind_of_metadata(root: Path, metadata: list[str]) -> None:

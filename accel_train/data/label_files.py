@@ -66,13 +66,28 @@ def label_text(file: Path, flag: Optional[str]) -> tuple[str, str]:
     return read_text(file, "imagefolder_metadata", errors="replace"), "imagefolder_metadata"
 
 
-def label_lines(file: Path, flag: Optional[str]) -> tuple[list[tuple[int, str]], str]:
+def read_metadata(file: Path):
+    """An image folder's metadata file read once, for its header (metadata_header) and then its
+    rows (label_rows): its text, or a parquet file's footer (a ParquetFile's `metadata`; the
+    file itself closed, not held open while a folder's many files are looked at)."""
+    if file.suffix.lower() == ".parquet":
+        with parquet_file(file, "imagefolder_metadata_parquet") as handle:
+            return handle.metadata
+    return label_text(file, None)[0]
+
+
+def label_lines(file: Path, flag: Optional[str], text: Optional[str] = None
+                ) -> tuple[list[tuple[int, str]], str]:
     """(line number, line) of each line of `file` that is not blank or a comment, and its
-    reader's kind (label_text)."""
+    reader's kind (label_text).  `text`: an image folder's own metadata file's (flag None),
+    where read before (read_metadata)."""
     where = where_of(file, flag)
-    if not file.is_file():
+    if text is not None:
+        kind = "imagefolder_metadata"
+    elif not file.is_file():
         raise UsageError(f"{where}: no such file")
-    text, kind = label_text(file, flag)
+    else:
+        text, kind = label_text(file, flag)
     text = text.removeprefix("\ufeff")  # the byte-order mark Excel starts a CSV with
     lines = [(number, line) for number, line in enumerate(text.splitlines(), 1)
              if line.strip() and not line.lstrip().startswith("#")]
@@ -81,16 +96,18 @@ def label_lines(file: Path, flag: Optional[str]) -> tuple[list[tuple[int, str]],
     return lines, kind
 
 
-def label_rows(file: Path, flag: Optional[str]) -> tuple[list[tuple[str, list[str]]], bool]:
+def label_rows(file: Path, flag: Optional[str], read=None
+               ) -> tuple[list[tuple[str, list[str]]], bool]:
     """(where in the file, fields) of each line of a label file ("line 3"; a parquet file's
     "row 3"), and whether its columns are named: a metadata.jsonl, a parquet file, or a header
     naming file_name and label (Hugging Face's metadata.csv), whose rows are then [file_name,
     label] each, the header not among them.  Otherwise every line's fields as line_fields
-    splits them, a header line (if any) still first."""
+    splits them, a header line (if any) still first.  `read`: what read_metadata gave for the
+    file, where it was read before."""
     where = where_of(file, flag)
     if file.suffix.lower() == ".parquet":
-        return parquet_rows(file, flag), True
-    lines, kind = label_lines(file, flag)
+        return parquet_rows(file, flag, read), True
+    lines, kind = label_lines(file, flag, read)
     if file.suffix.lower() == ".jsonl":
         return [(f"line {number}", _json_fields(line, number, file, flag, kind))
                 for number, line in lines], True
@@ -102,15 +119,17 @@ def label_rows(file: Path, flag: Optional[str]) -> tuple[list[tuple[str, list[st
             for place, fields in rows[1:]], True
 
 
-def parquet_rows(file: Path, flag: Optional[str]) -> list[tuple[str, list[str]]]:
+def parquet_rows(file: Path, flag: Optional[str], footer=None) -> list[tuple[str, list[str]]]:
     """("row N", [file_name, label]) of each row of a parquet label file (a metadata.parquet),
     its columns found by name as a metadata.csv's are, each cell as text as a metadata.jsonl's
-    value is (_cell_text): the same checks then apply.  Rows count from 1."""
+    value is (_cell_text): the same checks then apply.  Rows count from 1.  `footer`: the
+    file's footer where read before (read_metadata)."""
     where = where_of(file, flag)
-    if not file.is_file():
+    if footer is None and not file.is_file():
         raise UsageError(f"{where}: no such file")
     kind = PARQUET_KINDS[flag]
-    names = parquet_file(file, kind, flag or "").schema_arrow.names
+    handle = parquet_file(file, kind, flag or "", footer)
+    names = handle.schema_arrow.names
     columns = {name.strip().lower(): name for name in reversed(names)}  # the first of a name
     missing = [column for column in NAMED_COLUMNS if column not in columns]
     if missing:
@@ -118,7 +137,7 @@ def parquet_rows(file: Path, flag: Optional[str]) -> list[tuple[str, list[str]]]
                          f"columns: {first_few(names) if names else 'none'}); name the "
                          f"images' column file_name and their classes' label")
     table = read_parquet_table(file, kind, [columns[column] for column in NAMED_COLUMNS],
-                               flag or "")
+                               flag or "", handle)
     if table.num_rows == 0:
         raise UsageError(f"{where} holds no labels")
     cells = [table.column(i).to_pylist() for i in range(len(NAMED_COLUMNS))]
@@ -161,12 +180,14 @@ def json_text(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def metadata_header(file: Path) -> list[str]:
+def metadata_header(file: Path, read=None) -> list[str]:
     """The columns an image folder's metadata file names, as it writes them: its CSV header,
-    its first JSON object's keys, a parquet file's columns ([] for an empty file)."""
+    its first JSON object's keys, a parquet file's columns ([] for an empty file).  `read`:
+    what read_metadata gave for the file, where it was read before."""
+    read = read_metadata(file) if read is None else read
     if file.suffix.lower() == ".parquet":
-        return parquet_file(file, "imagefolder_metadata_parquet").schema_arrow.names
-    text = label_text(file, None)[0].removeprefix("\ufeff")
+        return read.schema.to_arrow_schema().names
+    text = read.removeprefix("\ufeff")
     first = next(((number, line) for number, line in enumerate(text.splitlines(), 1)
                   if line.strip()), None)
     if first is None:
@@ -257,14 +278,15 @@ def read_train_labels(file: Path, folder: Path, images: list[str],
 
 
 def read_metadata_labels(files: list[Path], folder: Path, images: list[str],
-                         classes: Optional[set[str]] = None,
-                         classes_from_file: bool = False) -> list[str]:
+                         classes: Optional[set[str]] = None, classes_from_file: bool = False,
+                         read: Optional[dict] = None) -> list[str]:
     """The class of each image of a split folder (paths relative to `folder`, sorted) from its
     metadata files (Hugging Face's imagefolder layout), in `folder` and its subfolders: each
     file's file_name is relative to the folder that holds it, as datasets' imagefolder reads
     it.  Every image labelled once across the files (datasets would leave an unlisted image
     out and give one listed twice two rows).  `classes` None: the training split's, whose
-    classes are its labels; else every label must be one of `classes` (read_val_labels)."""
+    classes are its labels; else every label must be one of `classes` (read_val_labels).
+    `read`: {file: what read_metadata gave for it} of the files read before."""
     labels: dict[str, tuple[str, str, str]] = {}  # image: (class, file, "line 3")
     for file in files:
         under = file.parent.relative_to(folder).as_posix()
@@ -273,7 +295,7 @@ def read_metadata_labels(files: list[Path], folder: Path, images: list[str],
         own = images[bisect.bisect_left(images, prefix):
                      bisect.bisect_left(images, prefix[:-1] + "0")] if prefix else images
         own = [image[len(prefix):] for image in own]
-        rows, _ = label_rows(file, None)
+        rows, _ = label_rows(file, None, (read or {}).get(file))
         found = labelled_images(rows, ImageLookup(own), own, str(file), file.parent, True)
         for image, (label, place) in found.items():
             image = prefix + image

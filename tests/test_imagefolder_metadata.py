@@ -97,8 +97,8 @@ def test_a_metadata_file_labels_its_split_as_datasets_imagefolder_reads_it(tmp_p
                                 ["0", "2", "10"])
     report = json.loads(accel_train_here("check-data", "--data-dir", str(root), "--workers",
                                          "1", "--json", check=True).stdout)
-    assert report["labels_from"] == {"train": f"train/metadata.{kind}",
-                                     "test": f"test/metadata.{kind}"}
+    assert report["labels_from"] == {"train": [f"train/metadata.{kind}"],
+                                     "test": [f"test/metadata.{kind}"]}
     # the line the start summary prints too
     assert report["labels"] == \
         f"from train/metadata.{kind}, test/metadata.{kind} (file_name, label)"
@@ -320,7 +320,7 @@ def test_an_edited_metadata_file_is_read_again_not_taken_from_the_cached_index(t
     index_folder(root, cache_dir=cache, cache_min_files=0)
     cached = index_folder(root, cache_dir=cache, cache_min_files=0)
     assert cached.cached and cached.splits["train"][1].tolist() == [0, 0, 1, 1]
-    assert cached.metadata_labels == {"train": f"metadata.{kind}"}
+    assert cached.metadata_labels == {"train": [f"metadata.{kind}"]}
     _write_metadata(metadata, [{"file_name": f"{i}.png", "label": label}
                                for i, label in enumerate("abbc")])
     age_folders(root, then=old)

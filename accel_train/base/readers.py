@@ -390,25 +390,30 @@ def check_torch_file(path: Path, kind_name: str) -> None:
 
 
 # -- parquet and Arrow ----------------------------------------------------------------------------
-def parquet_file(path: Path, kind_name: str, label: str = ""):
+def parquet_file(path: Path, kind_name: str, label: str = "", footer=None):
     """pyarrow's ParquetFile with its footer read; a footer that cannot be read (a copy cut
-    short, garbage) is a BadFile, not pyarrow's ArrowInvalid from deep inside a loader."""
+    short, garbage) is a BadFile, not pyarrow's ArrowInvalid from deep inside a loader.
+    `footer`: the file's footer (a ParquetFile's `metadata`) where read before, not read
+    again."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(path, metadata=footer)
     except (pa.ArrowException, OSError) as err:
         raise bad(path, kind_name, f"is not a readable parquet file ({first_line(err, 120)}); "
                                    f"{CUT_SHORT}", label) from None
 
 
-def read_parquet_table(path: Path, kind_name: str, columns: list[str], label: str = ""):
+def read_parquet_table(path: Path, kind_name: str, columns: list[str], label: str = "",
+                       handle=None):
     """`columns` of a parquet file, read whole (a pyarrow Table); a file whose footer or pages
-    cannot be read is a BadFile, as parquet_file's footer is."""
+    cannot be read is a BadFile, as parquet_file's footer is.  `handle`: the file's
+    ParquetFile where already open."""
     import pyarrow as pa
 
-    handle = parquet_file(path, kind_name, label)
+    if handle is None:
+        handle = parquet_file(path, kind_name, label)
     try:
         return handle.read(columns=columns)
     except (pa.ArrowException, OSError) as err:

@@ -235,12 +235,13 @@ def check(args) -> dict:
     no_readable = [class_names[c] for c in classes_left_unreadable(
         labels[train], [index for split, index, _ in unreadable if split == train],
         len(class_names))] if train in labels else []
-    not_read = files_not_read(raw.root, raw.metadata_labels.values()) \
+    not_read = files_not_read(raw.root, [file for files in raw.metadata_labels.values()
+                                         for file in files]) \
         if raw.root is not None else {}
     findings = {
         "data": raw.origin, "images": int(sum(len(s) for s in sources.values())),
         "splits": {split: len(source) for split, source in sources.items()},
-        # {split: its metadata file} where one labels it (Hugging Face's imagefolder layout)
+        # {split: its metadata files} where they label it (Hugging Face's imagefolder layout)
         "labels_from": dict(raw.metadata_labels),
         "labels": metadata_labels_line(raw.metadata_labels),
         "classes": class_names,

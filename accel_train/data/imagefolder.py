@@ -9,10 +9,12 @@ Layouts (`--data-dir DIR`):
   (`DIR/val/IMAGE`), labelled by a file (`--val-labels FILE`, label_files.py).
 - Training images in one folder (`DIR/IMAGE` or `DIR/train/IMAGE`) labelled by a file
   (`--train-labels FILE`: Kaggle's train.csv and train/; label_files.py).
-- Hugging Face's imagefolder layout: a metadata.csv, metadata.jsonl or metadata.parquet at the
-  root of a split folder (or of DIR) naming each image's file_name and label labels that split
-  without a flag, as datasets' imagefolder reads it (its labels, not class folders, where both
-  are there).  A metadata.parquet beside images or folders is no parquet layout's data file.
+- Hugging Face's imagefolder layout: metadata.csv, metadata.jsonl or metadata.parquet files in
+  a split folder (or in DIR without split folders) and its subfolders, each naming file_name
+  (relative to its own folder) and label, label that split without a flag, as datasets'
+  imagefolder reads them (their labels, not class folders, where both are there).  One beside
+  the split folders is not read, by datasets either.  A metadata.parquet beside images or
+  folders is no parquet layout's data file.
 - Nested class folders: the class is the folder that holds the image (as Hugging Face's
   imagefolder has it), or with `--class-depth N` the N-th folder level under the split folder
   (1: the top level, so `animals/cat/siamese/1.jpg` is class `animals`).
@@ -49,7 +51,9 @@ from PIL import Image
 from accel_train.base.errors import UsageError, first_few
 from accel_train.base.readers import Shape, read_arrow_cache
 from accel_train.data.label_files import (METADATA_FILES, METADATA_PARQUET, class_order,
-                                          metadata_missing, read_train_labels, read_val_labels)
+                                          metadata_header, metadata_missing, missing_columns,
+                                          read_metadata, read_metadata_labels,
+                                          read_train_labels, read_val_labels)
 from accel_train.data.loader_watch import reading
 
 SPLIT_FOLDERS = {"train": "train", "training": "train", "validation": "validation",
@@ -57,7 +61,7 @@ SPLIT_FOLDERS = {"train": "train", "training": "train", "validation": "validatio
                  "test": "test", "testing": "test", "eval": "test", "evaluation": "test"}
 CACHE_MIN_FILES = 10_000  # below this a walk takes well under a second: no cache file
 CACHE_ENV = "ACCEL_TRAIN_INDEX_CACHE"  # folder for cached indexes (default ~/.cache/accel_train)
-CACHE_VERSION = 3  # raised whenever the same folder would index otherwise
+CACHE_VERSION = 4  # raised whenever the same folder would index otherwise
 RACY_SECONDS = 2.0  # a folder changed this recently may change again within its mtime's tick
 PROGRESS_AFTER = 1.0  # seconds of walking before we say anything
 PROGRESS_LOG_EVERY = 10.0  # seconds between plain progress lines (not a terminal)
@@ -81,8 +85,9 @@ class FolderIndex:
     cached: bool = False  # read from the cache
     # {extension: count} of the photos in formats PIL does not open, which it leaves out
     not_opened: dict[str, int] = field(default_factory=dict)
-    # {split: its metadata.csv, .jsonl or .parquet, relative to the root} where one labels it
-    metadata_labels: dict[str, str] = field(default_factory=dict)
+    # {split: its metadata.csv, .jsonl or .parquet files, relative to the root} where they
+    # label it
+    metadata_labels: dict[str, list[str]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return sum(len(paths) for paths, _ in self.splits.values())
@@ -329,11 +334,13 @@ def photos_left_out(root: Path, not_opened: dict[str, int]) -> str:
 
 def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: list[str],
           dirs: list[tuple[str, int]], empty: list[str], stop_at_parquet: bool,
-          not_opened: Optional[dict[str, int]] = None) -> None:
+          not_opened: Optional[dict[str, int]] = None,
+          metadata: Optional[list[str]] = None) -> None:
     """Append the image paths under `folder` (as prefix + relative path) to `found`, every
     folder and its mtime to `dirs`, and folders with no image and no subfolder to `empty`;
     `stop_at_parquet`: HoldsParquet at the first parquet file; `not_opened`, where given:
-    {extension: count} of the photos in formats PIL does not open."""
+    {extension: count} of the photos in formats PIL does not open; `metadata`, where given:
+    the paths of Hugging Face's imagefolder metadata files (METADATA_FILES)."""
     # Symlinked folders are followed (a class folder may live elsewhere), so each folder carries
     # the identities (device, inode) of the folders above it: a link back to one of them would
     # be walked until the kernel refuses the path (ELOOP), every image indexed forty times.
@@ -371,16 +378,19 @@ def _walk(folder: Path, prefix: str, extensions, progress: _Progress, found: lis
                             refuse_unless_utf8(entry.path, rel + name)
                         found.append(rel + name)
                         has_image = True
-                    elif stop_at_parquet and name.endswith(PARQUET):  # (only non-images pay)
-                        if name != METADATA_PARQUET:
-                            raise HoldsParquet
-                        has_metadata_parquet = True
+                    elif name in METADATA_FILES:  # (only non-images pay)
+                        if metadata is not None:
+                            metadata.append(rel + name)
+                        has_metadata_parquet = has_metadata_parquet or name == METADATA_PARQUET
+                    elif stop_at_parquet and name.endswith(PARQUET):
+                        raise HoldsParquet
                     elif (not_opened is not None and dot > 0
                           and name[dot:].lower() in PHOTO_FORMATS_NOT_OPENED):
                         suffix = name[dot:].lower()
                         not_opened[suffix] = not_opened.get(suffix, 0) + 1
         if not (has_image or has_subfolder):
-            if has_metadata_parquet:  # alone: a parquet data file (is_imagefolder_metadata)
+            if stop_at_parquet and has_metadata_parquet:  # alone: a parquet data file
+                # (is_imagefolder_metadata)
                 raise HoldsParquet
             empty.append(rel)
         progress.update(len(found))
@@ -477,15 +487,16 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
     if splits.get("train") is not root:
         dirs.append(("", os.stat(root).st_mtime_ns))  # a new split folder changes the root
     walked: dict[str, tuple[str, list[str]]] = {}
+    metadata_found: dict[str, list[str]] = {}  # {split: its metadata files}
     empties: dict[str, list[str]] = {}
     not_opened: dict[str, int] = {}
     try:
         for split, folder in splits.items():
             prefix = "" if folder is root else f"{folder.name}/"
             found: list[str] = []
-            empties[split] = []
+            empties[split], metadata_found[split] = [], []
             _walk(folder, prefix, extensions, progress, found, dirs, empties[split],
-                  stop_at_parquet, not_opened)
+                  stop_at_parquet, not_opened, metadata_found[split])
             found.sort()  # as datasets orders the rows
             walked[split] = (prefix, found)
     except HoldsParquet:
@@ -497,7 +508,7 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
                          f"... in it and its subfolders); expected one subfolder of images per "
                          f"class, parquet files or a save_to_disk folder")
     files = _label_files(root, splits, walked, val_labels, train_labels)
-    metadata = _metadata_labels(root, splits, dirs, files)
+    metadata, read = _metadata_labels(root, metadata_found, dirs, files)
     if class_depth is not None and all(split in files for split in walked):
         _class_depth_unread(root, class_depth, files)
     for split, (prefix, found) in walked.items():
@@ -509,8 +520,8 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
     classes: dict[str, list] = {}
     labelled_train = files.get("train")
     if labelled_train is not None:
-        file, flag = labelled_train
-        classes["train"] = read_train_labels(file, splits["train"], images["train"], flag)
+        classes["train"] = _read_labels(labelled_train, splits["train"], images["train"],
+                                        read=read)
     for split, (prefix, found) in walked.items():
         if split in files:
             continue
@@ -527,12 +538,10 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
     classes = _one_spelling_per_class(classes)
     class_names = class_order({name for names in classes.values() for name in names},
                               numbers_by_value=labelled_train is not None)
-    for split, (file, flag) in files.items():
+    for split, given in files.items():
         if split != "train":
-            classes[split] = read_val_labels(file, splits[split], images[split],
-                                             set(class_names),
-                                             classes_from_file=labelled_train is not None,
-                                             flag=flag)
+            classes[split] = _read_labels(given, splits[split], images[split],
+                                          set(class_names), labelled_train is not None, read)
     number = {name: i for i, name in enumerate(class_names)}
     result = {split: (pa.array(found, pa.string()),
                       np.array([number[name] for name in classes[split]], dtype=np.int64))
@@ -542,31 +551,46 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
                        metadata_labels=metadata)
 
 
-def metadata_labels_line(metadata_labels: dict[str, str]) -> Optional[str]:
+def metadata_labels_line(metadata_labels: dict[str, list[str]]) -> Optional[str]:
     """What the start summary and check-data say where metadata files gave the labels."""
     if not metadata_labels:
         return None
     order = ("train", "validation", "test")
-    files = [metadata_labels[split] for split in order if split in metadata_labels]
-    return f"from {', '.join(files)} (file_name, label)"
+    files = [file for split in order for file in metadata_labels.get(split, ())]
+    return f"from {first_few(files)} (file_name, label)"
 
 
 def _label_files(root: Path, splits: dict[str, Path], walked: dict,
                  val_labels: Optional[str], train_labels: Optional[str]
-                 ) -> dict[str, tuple[Path, Optional[str]]]:
-    """{split: (its label file, the flag that gave it)} for --train-labels and --val-labels."""
-    files: dict[str, tuple[Path, Optional[str]]] = {}
+                 ) -> dict[str, tuple[list[Path], Optional[str]]]:
+    """{split: ([its label file], the flag that gave it)} for --train-labels and
+    --val-labels."""
+    files: dict[str, tuple[list[Path], Optional[str]]] = {}
     if train_labels is not None:
         if "train" not in walked:
             folders = ", ".join(sorted(f"{folder.name}/" for folder in splits.values()))
             raise UsageError(f"--train-labels {train_labels}: --data-dir {root} has split "
                              f"folders ({folders}) and no train/ folder of images to "
                              f"label; put the training images in {root}/train")
-        files["train"] = (Path(train_labels), "--train-labels")
+        files["train"] = ([Path(train_labels)], "--train-labels")
     labelled = _labelled_split(walked, val_labels, root)
     if labelled is not None:
-        files[labelled] = (Path(val_labels), "--val-labels")
+        files[labelled] = ([Path(val_labels)], "--val-labels")
     return files
+
+
+def _read_labels(given: tuple[list[Path], Optional[str]], folder: Path, images: list[str],
+                 classes: Optional[set[str]] = None, classes_from_file: bool = False,
+                 read: Optional[dict] = None) -> list[str]:
+    """A split's classes from its label files (_label_files, _metadata_labels): a flag's one
+    file, or (flag None) the split's metadata files (`read`: {file: its read_metadata}).
+    `classes` None: the training split's."""
+    paths, flag = given
+    if flag is None:
+        return read_metadata_labels(paths, folder, images, classes, classes_from_file, read)
+    if classes is None:
+        return read_train_labels(paths[0], folder, images, flag)
+    return read_val_labels(paths[0], folder, images, classes, classes_from_file, flag)
 
 
 def _metadata_files(folder: Path) -> list[Path]:
@@ -575,37 +599,93 @@ def _metadata_files(folder: Path) -> list[Path]:
     return [folder / name for name in METADATA_FILES if (folder / name).is_file()]
 
 
-def _metadata_labels(root: Path, splits: dict[str, Path], dirs: list[tuple[str, int]],
-                     files: dict[str, tuple[Path, Optional[str]]]) -> dict[str, str]:
-    """Hugging Face's imagefolder layout: a metadata.csv, .jsonl or .parquet at a split
-    folder's root naming file_name and label labels that split, as datasets' imagefolder reads
-    it (its label column, not the class folders, where both are there), unless a flag gave the
-    split a label file; added to `files` (flag None).  Each one found goes into `dirs`, so
-    that an edit of it (which changes no folder's mtime) is seen by the cached index.  {split:
-    the file, relative to root} of those taken."""
+def _metadata_labels(root: Path, found: dict[str, list[str]], dirs: list[tuple[str, int]],
+                     files: dict[str, tuple[list[Path], Optional[str]]]
+                     ) -> tuple[dict[str, list[str]], dict[Path, object]]:
+    """Hugging Face's imagefolder layout: the metadata.csv, .jsonl or .parquet files in a split
+    folder and its subfolders (`found`: {split: their paths relative to root}) that name
+    file_name and label label that split, as datasets' imagefolder reads them (their label
+    column, not the class folders, where both are there), unless a flag gave the split a
+    label file; added to `files` (flag None).  Each one found goes into `dirs`, so that an
+    edit of it (which changes no folder's mtime) is seen by the cached index.  Refused, as
+    datasets refuses them: files of two kinds; files of two splits naming different columns
+    (datasets compares one file of each split); beside a file that labels a split, one that
+    does not (datasets would give its images no label).  The files of a split a flag labels
+    are not read.  {split: the files, relative to root} of those taken, and {file: what
+    read_metadata gave} of those, each file read once (its header, then its rows)."""
+    every = sorted(rel for rels in found.values() for rel in rels)
+    for rel in every:
+        dirs.append((rel, os.stat(root / rel).st_mtime_ns))
+    _one_kind_of_metadata(root, every)
+    found = {split: sorted(rels) for split, rels in found.items() if split not in files}
+    read = {rel: read_metadata(root / rel) for rels in found.values() for rel in rels}
+    header = {rel: metadata_header(root / rel, read[rel]) for rel in read}
+    _same_columns_across_splits(root, found, header)
     taken = {}
-    for split, folder in splits.items():
-        found = _metadata_files(folder)
-        if len(found) > 1:  # datasets refuses metadata files of two kinds too
-            raise UsageError(f"{folder} holds both {found[0].name} and {found[1].name}; keep "
-                             f"one (Hugging Face's imagefolder reads one kind of metadata file)")
-        if not found:
-            continue
-        relative = found[0].relative_to(root).as_posix()
-        dirs.append((relative, os.stat(found[0]).st_mtime_ns))
-        if split not in files and not metadata_missing(found[0]):
-            files[split] = (found[0], None)
-            taken[split] = relative
-    return taken
+    for split, rels in found.items():
+        labelling = [rel for rel in rels if not missing_columns(header[rel])]
+        if not labelling:
+            continue  # (without a label column, the class folders are the classes)
+        lacking = next((rel for rel in rels if rel not in labelling), None)
+        if lacking is not None:
+            missing = " or ".join(missing_columns(header[lacking]))
+            raise UsageError(f"{root / lacking} has no {missing} column, and "
+                             f"{root / labelling[0]} labels the images of the same split; "
+                             f"name each image's file_name and label in it too (Hugging "
+                             f"Face's imagefolder would leave its images without a label)")
+        files[split] = ([root / rel for rel in labelling], None)
+        taken[split] = labelling
+    return taken, {root / rel: read[rel] for rels in taken.values() for rel in rels}
+
+
+def _one_kind_of_metadata(root: Path, metadata: list[str]) -> None:
+    """Metadata files of two kinds (metadata.csv and metadata.jsonl) are refused, in one
+    folder or in two: datasets' imagefolder refuses them ("different extensions")."""
+    first_of_kind: dict[str, str] = {}
+    for rel in metadata:
+        first_of_kind.setdefault(os.path.splitext(rel)[1], rel)
+    if len(first_of_kind) < 2:
+        return
+    by_folder: dict[str, list[str]] = {}
+    for rel in metadata:
+        by_folder.setdefault(os.path.dirname(rel), []).append(os.path.basename(rel))
+    both = next((folder for folder, names in by_folder.items() if len(names) > 1), None)
+    if both is not None:
+        first, second = sorted(by_folder[both])[:2]
+        raise UsageError(f"{root / both} holds both {first} and {second}; keep one (Hugging "
+                         f"Face's imagefolder reads one kind of metadata file)")
+    first, second = sorted(first_of_kind.values())[:2]
+    raise UsageError(f"{root / first} and {root / second} are metadata files of two kinds; "
+                     f"keep one kind (Hugging Face's imagefolder reads one kind of metadata "
+                     f"file in a dataset)")
+
+
+def _same_columns_across_splits(root: Path, found: dict[str, list[str]],
+                                header: dict[str, list[str]]) -> None:
+    """Where metadata files label more than one split, every one must name the same columns:
+    datasets' imagefolder compares the columns of one file of each split, whichever it lists
+    first, and refuses a difference ("different features")."""
+    if sum(1 for rels in found.values() if rels) < 2 or \
+            len({frozenset(columns) for columns in header.values()}) < 2:
+        return
+    split_of = {rel: split for split, rels in found.items() for rel in rels}
+    every = sorted(header)
+    first, second = next((a, b) for a in every for b in every
+                         if split_of[a] != split_of[b] and set(header[a]) != set(header[b]))
+    raise UsageError(f"{root / first} names the columns {', '.join(header[first]) or 'none'} "
+                     f"and {root / second} {', '.join(header[second]) or 'none'}; give the "
+                     f"metadata files of every split the same columns (Hugging Face's "
+                     f"imagefolder refuses them otherwise)")
 
 
 def _class_depth_unread(root: Path, class_depth: int,
-                        files: dict[str, tuple[Path, Optional[str]]]) -> None:
+                        files: dict[str, tuple[list[Path], Optional[str]]]) -> None:
     """--class-depth where files label every split: no class folder is read, and a run would
     train on the files' labels as if the flag were not there."""
-    by = "; ".join(f"{split}: {flag + ' ' if flag else ''}"
-                   f"{file.relative_to(root).as_posix() if file.is_relative_to(root) else file}"
-                   for split, (file, flag) in sorted(files.items()))
+    def named(file: Path) -> str:
+        return file.relative_to(root).as_posix() if file.is_relative_to(root) else str(file)
+    by = "; ".join(f"{split}: {flag + ' ' if flag else ''}{first_few(map(named, paths))}"
+                   for split, (paths, flag) in sorted(files.items()))
     raise UsageError(f"--class-depth {class_depth} names the folder level of the classes, and "
                      f"files label every split of {root} ({by}), so no class folder is read; "
                      f"drop --class-depth")
@@ -683,14 +763,20 @@ def _outside_class_folder(root: Path, path: str, split: str, depth: Optional[int
                          f"set?): move {folder}/ out of {root} to train on train/ and "
                          f"{beside_val}, then predict it (accel-train predict RUN FOLDER), or "
                          f"sort its images into class folders")
-    # (the image sits in its split folder itself: a metadata file there that labelled it
-    # would have been read, _metadata_labels)
+    # (no metadata file in the split labels it: one that did would have been read,
+    # _metadata_labels)
     here = (root / path).parent
     metadata = next(iter(_metadata_files(here)), None)
+    beside_splits = next(iter(_metadata_files(root)), None) \
+        if SPLIT_FOLDERS.get(folder.lower()) and folder != path else None
     if metadata is not None:  # Hugging Face's imagefolder layout, without its labels
         missing = " or ".join(metadata_missing(metadata))
         hint = (f" (the {metadata.name} beside it, Hugging Face's imagefolder layout, has no "
                 f"{missing} column to label the images by; add one naming each image's class)")
+    elif beside_splits is not None:  # datasets' imagefolder reads none there either
+        hint = (f" (the {beside_splits.name} beside the split folders is not read, as Hugging "
+                f"Face's imagefolder reads none there: put one in {folder}/, each file_name "
+                f"relative to it)")
     elif split != "train":
         hint = " (a held-out folder of unlabelled images needs --val-labels FILE)"
     else:

@@ -15,13 +15,15 @@ whitespace.
 Hugging Face's imagefolder layout labels a folder with a metadata.csv (a header naming
 file_name and label among other columns), a metadata.jsonl (one JSON object a line with
 file_name and label keys) or a metadata.parquet (file_name and label columns) beside the images:
-both flags read any of them, by those names, and an image folder takes one at a split folder's
-root as its labels without a flag (imagefolder.py).  A parquet file has rows, not lines: its
-problems name "row N", counting its rows from 1 (pandas' index N-1).
+both flags read any of them, by those names, and an image folder takes those in a split folder
+and its subfolders as its labels without a flag (imagefolder.py, read_metadata_labels).  A
+parquet file has rows, not lines: its problems name "row N", counting its rows from 1 (pandas'
+index N-1).
 """
 
 from __future__ import annotations
 
+import bisect
 import csv
 import functools
 import json
@@ -64,13 +66,28 @@ def label_text(file: Path, flag: Optional[str]) -> tuple[str, str]:
     return read_text(file, "imagefolder_metadata", errors="replace"), "imagefolder_metadata"
 
 
-def label_lines(file: Path, flag: Optional[str]) -> tuple[list[tuple[int, str]], str]:
+def read_metadata(file: Path):
+    """An image folder's metadata file read once, for its header (metadata_header) and then its
+    rows (label_rows): its text, or a parquet file's footer (a ParquetFile's `metadata`; the
+    file itself closed, not held open while a folder's many files are looked at)."""
+    if file.suffix.lower() == ".parquet":
+        with parquet_file(file, "imagefolder_metadata_parquet") as handle:
+            return handle.metadata
+    return label_text(file, None)[0]
+
+
+def label_lines(file: Path, flag: Optional[str], text: Optional[str] = None
+                ) -> tuple[list[tuple[int, str]], str]:
     """(line number, line) of each line of `file` that is not blank or a comment, and its
-    reader's kind (label_text)."""
+    reader's kind (label_text).  `text`: an image folder's own metadata file's (flag None),
+    where read before (read_metadata)."""
     where = where_of(file, flag)
-    if not file.is_file():
+    if text is not None:
+        kind = "imagefolder_metadata"
+    elif not file.is_file():
         raise UsageError(f"{where}: no such file")
-    text, kind = label_text(file, flag)
+    else:
+        text, kind = label_text(file, flag)
     text = text.removeprefix("\ufeff")  # the byte-order mark Excel starts a CSV with
     lines = [(number, line) for number, line in enumerate(text.splitlines(), 1)
              if line.strip() and not line.lstrip().startswith("#")]
@@ -79,16 +96,18 @@ def label_lines(file: Path, flag: Optional[str]) -> tuple[list[tuple[int, str]],
     return lines, kind
 
 
-def label_rows(file: Path, flag: Optional[str]) -> tuple[list[tuple[str, list[str]]], bool]:
+def label_rows(file: Path, flag: Optional[str], read=None
+               ) -> tuple[list[tuple[str, list[str]]], bool]:
     """(where in the file, fields) of each line of a label file ("line 3"; a parquet file's
     "row 3"), and whether its columns are named: a metadata.jsonl, a parquet file, or a header
     naming file_name and label (Hugging Face's metadata.csv), whose rows are then [file_name,
     label] each, the header not among them.  Otherwise every line's fields as line_fields
-    splits them, a header line (if any) still first."""
+    splits them, a header line (if any) still first.  `read`: what read_metadata gave for the
+    file, where it was read before."""
     where = where_of(file, flag)
     if file.suffix.lower() == ".parquet":
-        return parquet_rows(file, flag), True
-    lines, kind = label_lines(file, flag)
+        return parquet_rows(file, flag, read), True
+    lines, kind = label_lines(file, flag, read)
     if file.suffix.lower() == ".jsonl":
         return [(f"line {number}", _json_fields(line, number, file, flag, kind))
                 for number, line in lines], True
@@ -100,15 +119,17 @@ def label_rows(file: Path, flag: Optional[str]) -> tuple[list[tuple[str, list[st
             for place, fields in rows[1:]], True
 
 
-def parquet_rows(file: Path, flag: Optional[str]) -> list[tuple[str, list[str]]]:
+def parquet_rows(file: Path, flag: Optional[str], footer=None) -> list[tuple[str, list[str]]]:
     """("row N", [file_name, label]) of each row of a parquet label file (a metadata.parquet),
     its columns found by name as a metadata.csv's are, each cell as text as a metadata.jsonl's
-    value is (_cell_text): the same checks then apply.  Rows count from 1."""
+    value is (_cell_text): the same checks then apply.  Rows count from 1.  `footer`: the
+    file's footer where read before (read_metadata)."""
     where = where_of(file, flag)
-    if not file.is_file():
+    if footer is None and not file.is_file():
         raise UsageError(f"{where}: no such file")
     kind = PARQUET_KINDS[flag]
-    names = parquet_file(file, kind, flag or "").schema_arrow.names
+    handle = parquet_file(file, kind, flag or "", footer)
+    names = handle.schema_arrow.names
     columns = {name.strip().lower(): name for name in reversed(names)}  # the first of a name
     missing = [column for column in NAMED_COLUMNS if column not in columns]
     if missing:
@@ -116,7 +137,7 @@ def parquet_rows(file: Path, flag: Optional[str]) -> list[tuple[str, list[str]]]
                          f"columns: {first_few(names) if names else 'none'}); name the "
                          f"images' column file_name and their classes' label")
     table = read_parquet_table(file, kind, [columns[column] for column in NAMED_COLUMNS],
-                               flag or "")
+                               flag or "", handle)
     if table.num_rows == 0:
         raise UsageError(f"{where} holds no labels")
     cells = [table.column(i).to_pylist() for i in range(len(NAMED_COLUMNS))]
@@ -159,24 +180,34 @@ def json_text(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def metadata_missing(file: Path) -> list[str]:
-    """Which of file_name and label an image folder's metadata file does not name (its CSV
-    header, its first JSON object's keys, a parquet file's columns): [] where it labels the
-    images."""
+def metadata_header(file: Path, read=None) -> list[str]:
+    """The columns an image folder's metadata file names, as it writes them: its CSV header,
+    its first JSON object's keys, a parquet file's columns ([] for an empty file).  `read`:
+    what read_metadata gave for the file, where it was read before."""
+    read = read_metadata(file) if read is None else read
     if file.suffix.lower() == ".parquet":
-        names = parquet_file(file, "imagefolder_metadata_parquet").schema_arrow.names
-        names = [name.strip().lower() for name in names]
-        return [column for column in NAMED_COLUMNS if column not in names]
-    text = label_text(file, None)[0].removeprefix("\ufeff")
+        return read.schema.to_arrow_schema().names
+    text = read.removeprefix("\ufeff")
     first = next(((number, line) for number, line in enumerate(text.splitlines(), 1)
                   if line.strip()), None)
     if first is None:
-        return list(NAMED_COLUMNS)
+        return []
     if file.suffix.lower() == ".jsonl":
         record = parse_json_line(first[1], first[0], file, "imagefolder_metadata")
-        names = list(record) if isinstance(record, dict) else []
-    else:
-        names = [name.strip().lower() for name in line_fields(first[1])]
+        return list(record) if isinstance(record, dict) else []
+    return line_fields(first[1])
+
+
+def metadata_missing(file: Path) -> list[str]:
+    """Which of file_name and label an image folder's metadata file does not name: [] where
+    it labels the images."""
+    return missing_columns(metadata_header(file))
+
+
+def missing_columns(header: list[str]) -> list[str]:
+    """Which of file_name and label a metadata file's columns (metadata_header) leave out,
+    whatever their letter case."""
+    names = [name.strip().lower() for name in header]
     return [column for column in NAMED_COLUMNS if column not in names]
 
 
@@ -201,6 +232,7 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
     rows, by_name = label_rows(file, flag)
     if by_name:
         labels = labelled_images(rows, ImageLookup(images), images, where, folder, by_name)
+        refuse_unlabelled(where, folder, images, labels)
         return [_known_class(labels[image][0], classes, where, labels[image][1],
                              classes_from_file) for image in images]
     if all(len(fields) == 1 for _, fields in rows):
@@ -241,16 +273,56 @@ def read_train_labels(file: Path, folder: Path, images: list[str],
     if not by_name and not lookup.holders(rows[0][1][0]):
         rows = rows[1:]  # a header line
     labels = labelled_images(rows, lookup, images, where, folder, by_name)
+    refuse_unlabelled(where, folder, images, labels)
     return whole_numbers_as_written([labels[image][0] for image in images])
+
+
+def read_metadata_labels(files: list[Path], folder: Path, images: list[str],
+                         classes: Optional[set[str]] = None, classes_from_file: bool = False,
+                         read: Optional[dict] = None) -> list[str]:
+    """The class of each image of a split folder (paths relative to `folder`, sorted) from its
+    metadata files (Hugging Face's imagefolder layout), in `folder` and its subfolders: each
+    file's file_name is relative to the folder that holds it, as datasets' imagefolder reads
+    it.  Every image labelled once across the files (datasets would leave an unlisted image
+    out and give one listed twice two rows).  `classes` None: the training split's, whose
+    classes are its labels; else every label must be one of `classes` (read_val_labels).
+    `read`: {file: what read_metadata gave for it} of the files read before."""
+    labels: dict[str, tuple[str, str, str]] = {}  # image: (class, file, "line 3")
+    for file in files:
+        under = file.parent.relative_to(folder).as_posix()
+        prefix = "" if under == "." else f"{under}/"
+        # the images under the file's folder: a run of the sorted paths
+        own = images[bisect.bisect_left(images, prefix):
+                     bisect.bisect_left(images, prefix[:-1] + "0")] if prefix else images
+        own = [image[len(prefix):] for image in own]
+        rows, _ = label_rows(file, None, (read or {}).get(file))
+        found = labelled_images(rows, ImageLookup(own), own, str(file), file.parent, True)
+        for image, (label, place) in found.items():
+            image = prefix + image
+            if image in labels:
+                _, other, other_place = labels[image]
+                raise UsageError(f"{file} {place} labels {image} again ({other} {other_place} "
+                                 f"did); label each image in one metadata file")
+            labels[image] = (label, str(file), place)
+    if len(files) == 1:
+        where = str(files[0])
+    else:
+        where = f"the metadata files of {folder} ({first_few(str(file) for file in files)})"
+    refuse_unlabelled(where, folder, images, labels)
+    if classes is None:
+        return whole_numbers_as_written([labels[image][0] for image in images])
+    return [_known_class(labels[image][0], classes, labels[image][1], labels[image][2],
+                         classes_from_file) for image in images]
 
 
 def labelled_images(rows: list[tuple[str, list[str]]], lookup: "ImageLookup",
                     images: list[str], where: str, folder: Path,
                     by_name: bool) -> dict[str, tuple[str, str]]:
     """{image: (its class, where the file gives it: "line 3", a parquet file's "row 3")} from
-    IMAGE,CLASS rows (`by_name`: a metadata file's file_name and label), each of `images`
-    labelled once; a missing class, a missing value's mark (a CSV's NaN, a JSON null), a second
-    label for an image or an unlabelled image is one line."""
+    IMAGE,CLASS rows (`by_name`: a metadata file's file_name and label), each image labelled
+    at most once; a missing class, a missing value's mark (a CSV's NaN, a JSON null) or a
+    second label for an image is one line.  Images left unlabelled are the caller's to refuse
+    (refuse_unlabelled): a split's metadata files label its images together."""
     write = "a label for every file_name" if by_name else "IMAGE,CLASS on every line"
     labels: dict[str, tuple[str, str]] = {}
     for place, fields in rows:
@@ -272,7 +344,6 @@ def labelled_images(rows: list[tuple[str, list[str]]], lookup: "ImageLookup",
             raise UsageError(f"{where} {place} labels {image} again ({labels[image][1]} "
                              f"did); one {place.split()[0]} per image")
         labels[image] = (fields[1], place)
-    refuse_unlabelled(where, folder, images, labels)
     return labels
 
 

@@ -410,7 +410,7 @@ class RawData:
     root: Optional[Path] = None  # the folder relative image paths are in
     # an image folder's photos in formats PIL does not open, {extension: count}: left out
     photos_not_opened: dict = field(default_factory=dict)
-    # {split: the metadata file, relative to root} of the splits a metadata file labels
+    # {split: its metadata files, relative to root} of the splits metadata files label
     metadata_labels: dict = field(default_factory=dict)
 
 

@@ -183,7 +183,7 @@ def check(args) -> dict:
 
     from accel_train.data.labels import (classes_left_unreadable, labels_and_names,
                                          left_out_unlabelled)
-    from accel_train.data.imagefolder import metadata_labels_line
+    from accel_train.data.folder_labels import metadata_labels_line
     from accel_train.data.sources import (HFSource, deepest_classes_spread, find_columns,
                                           folder_classes, open_data, training_split_name)
     from accel_train.data.streaming import is_shard_folder

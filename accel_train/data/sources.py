@@ -32,10 +32,10 @@ from accel_train.base.errors import UsageError, first_few, first_line
 from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.pixel_arrays import check_pixel_arrays, image_files
+from accel_train.data.folder_labels import metadata_labels_line
 from accel_train.data.imagefolder import (SPLIT_FOLDERS, FolderIndex, HoldsParquet,
                                           classes_across_folders, files_under, index_folder,
-                                          metadata_labels_line, parquet_data_files,
-                                          photos_left_out)
+                                          parquet_data_files, photos_left_out)
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
                                             subset_if_cut)
 from accel_train.data.labels import (check_label_values, unreadable_classes_named,

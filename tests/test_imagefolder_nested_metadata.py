@@ -215,3 +215,20 @@ def test_an_image_no_metadata_file_lists_is_refused(tmp_path):
     assert _refusal(tmp_path, root) == (
         f"{root / 'train' / 'cat' / 'metadata.csv'} gives no label for 2 image(s) of "
         f"{root / 'train'} (first: dog/0.png); label every image or remove the others")
+
+
+def test_a_held_out_label_training_never_saw_is_refused_in_one_line(tmp_path):
+    """Metadata files label both splits; the test split's `bird` is no training class."""
+    root = tmp_path / "hf"
+    _labelled(root / "train" / "indoor", "csv", {"0.png": "cat", "1.png": "dog"})
+    _labelled(root / "test", "csv", {"0.png": "cat", "1.png": "bird"}, value=3)
+    line = _refusal(tmp_path, root)
+    assert "bird" in line and "Traceback" not in line, line
+
+
+def test_metadata_files_of_three_kinds_in_one_folder_are_refused_naming_two(tmp_path):
+    root = tmp_path / "hf"
+    for kind in KINDS:
+        _labelled(root / "train", kind, {"0.png": "cat", "1.png": "dog"})
+    line = _refusal(tmp_path, root)
+    assert "holds both metadata.csv and metadata.jsonl" in line, line

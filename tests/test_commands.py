@@ -467,6 +467,41 @@ def test_export_of_a_checkpoint_is_a_model_eval_and_predict_accept(run_dir, tmp_
     assert code == 2 and "already holds an export (model.safetensors)" in err
 
 
+def test_eval_of_an_export_without_data_names_the_data_it_was_trained_on(tmp_path, monkeypatch,
+                                                                       capsys):
+    """An export carries the training command, whose --data-dir is relative to where training
+    ran: eval asks for --data-dir in one line naming that folder, and does not read it by
+    itself, even where the same relative path exists here (it may be other data)."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    images, labels = synthetic.generate(16, seed=3)
+    for index, (image, label) in enumerate(zip(images, labels)):
+        folder = work / "data" / "shapes" / synthetic.CLASS_NAMES[int(label) % 2]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(folder / f"{index}.png")
+    monkeypatch.chdir(work)
+    accel_train_here("--data-dir", "data/shapes", "--model", "test_resnet", "--batch-size", "8",
+                     "--epochs", "1", "--progress", "log", "--no-plots", *conftest.PINNED,
+                     "--output-dir", str(tmp_path / "run"), check=True)
+    accel_train_here("export", str(tmp_path / "run"), "-o", str(tmp_path / "export"), check=True)
+    elsewhere.mkdir()
+    shutil.copytree(work / "data", elsewhere / "data")  # the same relative path, here too
+    monkeypatch.chdir(elsewhere)
+    code, out, err = command(capsys, "eval", str(tmp_path / "export"))
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [
+        f"accel_train: error: export {tmp_path / 'export'} has no run config.yaml saying what "
+        f"it was trained on; pass --data-dir PATH: it was trained on --data-dir data/shapes "
+        f"(relative to the folder training ran in)"]
+
+
+def test_eval_of_an_export_of_a_hub_or_synthetic_run_names_its_dataset(run_dir, tmp_path, capsys):
+    accel_train_here("export", str(run_dir), "-o", str(tmp_path / "export"), check=True)
+    code, out, err = command(capsys, "eval", str(tmp_path / "export"))
+    assert code == 2
+    assert err.strip().endswith("pass --data-dir PATH or --dataset NAME: it was trained on "
+                                "--dataset synthetic"), err
+
+
 def test_export_names_its_files_under_the_folder_as_typed(run_dir, tmp_path, monkeypatch, capsys):
     """docs/commands.md's transcript: `--output-dir exports/cifar` lists `exports/cifar/...`, as
     training's `saved runs/r1/model.safetensors` names the folder the user gave."""

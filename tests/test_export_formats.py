@@ -319,7 +319,9 @@ def test_eval_of_the_onnx_file_is_eval_of_the_export(export_dir, real_cifar10, t
     onnx_file = export_dir / "model.onnx"
     for flags, line in (
             ([], f"{onnx_file} is a model alone, without the run that says what it was trained "
-                 f"on; pass --data-dir PATH or --dataset NAME"),
+                 f"on; pass --data-dir PATH: it was trained on --data-dir {real_cifar10}" +
+                 (", which is there: pass it" if real_cifar10.is_absolute() else
+                  " (relative to the folder training ran in)")),
             (["--data-dir", str(real_cifar10), "--mixed-precision", "bf16"],
              "--mixed-precision: an .onnx model runs as it was exported (its weights, its "
              "precision); drop --mixed-precision"),

@@ -143,6 +143,23 @@ def test_a_top_k_above_the_class_count_names_every_class(run_dir, test_folder, t
         assert sorted(cell.split(" ")) == sorted(synthetic.CLASS_NAMES)
 
 
+def test_a_top_k_above_the_class_count_shows_every_class_and_says_so(run_dir, test_folder,
+                                                                     capsys):
+    """--top-k 12 on a model of 10 classes: the table's 10 columns, each image's 10 classes
+    (every class once), and one line on stderr saying why; a --top-k within the count, none."""
+    one = sorted(test_folder.rglob("*.png"))[0]
+    code, out, err = command(capsys, "predict", str(run_dir), str(one), "--top-k", "12")
+    assert code == 0, err
+    header, row = out.strip().splitlines()[-2:]
+    assert header.split() == ["image", *(f"top-{k}" for k in range(1, 11))]
+    assert err.strip().splitlines() == ["note: --top-k 12 is more than the model's 10 classes: "
+                                        "showing all 10"]
+    shown = predict_json(capsys, str(run_dir), str(one), "--top-k", "12")[0]["predictions"]
+    assert sorted(p["class"] for p in shown) == sorted(synthetic.CLASS_NAMES)
+    code, out, err = command(capsys, "predict", str(run_dir), str(one), "--top-k", "10")
+    assert code == 0 and "note:" not in err, err
+
+
 def test_class_names_with_spaces_are_refused_in_a_top_k_cell():
     from accel_train.commands.predict_csv import csv_row, refuse_names_with_spaces
     refuse_names_with_spaces(1, ["sea lion", "seal"])  # one class a cell: any name goes

@@ -17,6 +17,7 @@ from accel_train.cli import RETRY_HINT, _Parser, stop_on_a_stuck_read
 from accel_train.commands import EMA_HELP
 from accel_train.commands.mistakes import image_namer, mistake_rows, write_mistakes
 from accel_train.commands.csv_files import check_csv_target
+from accel_train.commands.recorded_data import data_hint
 from accel_train.config import PRECISIONS, SAMPLE_SUBSETS, TTA_MODES, TrainConfig
 from accel_train.base.errors import UsageError, first_few
 
@@ -113,8 +114,9 @@ def onnx_classifier(args):
             raise UsageError(f"{flag}: an .onnx model runs as it was exported (its weights, its "
                              f"precision); drop {flag}")
     if args.data_dir is None and args.dataset is None:
+        hint = data_hint(Path(args.model).parent)  # an export's folder records the command
         raise UsageError(f"{args.model} is a model alone, without the run that says what it was "
-                         f"trained on; pass --data-dir PATH or --dataset NAME")
+                         f"trained on; {hint or 'pass --data-dir PATH or --dataset NAME'}")
     from accel_train.model.onnx_export import OnnxClassifier
     return OnnxClassifier(Path(args.model))
 
@@ -126,8 +128,10 @@ def data_config(trained, args) -> TrainConfig:
     recorded = run_config.get("train")
     other_data = args.data_dir is not None or args.dataset is not None
     if not other_data and not isinstance(recorded, dict):
+        # an export's config.json names the data in the training command, as it was typed
+        hint = data_hint(trained.weights.parent) if trained.run_dir is None else None
         raise UsageError(f"{trained.description} has no run config.yaml saying what it was "
-                         f"trained on; pass --data-dir PATH or --dataset NAME")
+                         f"trained on; {hint or 'pass --data-dir PATH or --dataset NAME'}")
     resolved = run_config.get("resolved")
     if not other_data and isinstance(resolved, dict) and resolved.get("data_from_program"):
         raise UsageError(f"{trained.description} was trained on datasets a program handed to "

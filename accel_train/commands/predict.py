@@ -219,6 +219,12 @@ def _predict_all(args) -> int:
     model, spec, description, device, autocast, channels_last, ran_in = \
         _load(args.model, args.mixed_precision, args.ema, torch)
     names = spec.class_names
+    if args.top_k > len(names):
+        # Shown, not refused: --csv-top-k above the count names every class too, and timm's
+        # inference script clamps its --topk to the class count (top_k = min(args.topk,
+        # args.num_classes)), silently; a table three classes long says why it is not ten.
+        print(f"note: --top-k {args.top_k} is more than the model's {len(names)} classes: "
+              f"showing all {len(names)}", file=sys.stderr)
     csv_top_k = args.csv_top_k or 1
     if ids is not None:
         refuse_names_with_spaces(csv_top_k, names)

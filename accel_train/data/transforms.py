@@ -35,6 +35,7 @@ from torchvision.transforms.v2 import functional as TF
 from accel_train.base.errors import UsageError
 from accel_train.base.randomness import each_seeded
 from accel_train.data.augment import apply_erasing, apply_seeded, erasing_plan
+from accel_train.data.centre_crop import long_thin_centre_crop
 
 SMALL_IMAGE = 64  # at or below: pad-and-crop (CIFAR style); above: timm's transforms
 CROP_SALT = 0xC809  # keeps the crop's draws apart from the policy's (salt 0) for the same image
@@ -190,7 +191,7 @@ class ImageTransform:
         if self.augment and large:
             images = self._augment_large(images, seed, epochs, indices)
         elif not self.augment and (large or not self.plain_resize):
-            return torch.stack([self._timm_eval(TF.to_pil_image(image)) for image in images])
+            return torch.stack([self._held_out(TF.to_pil_image(image)) for image in images])
         else:
             images = self.place(images, self.crop_plan(seed, epochs, indices))
             if not self.augment:
@@ -335,6 +336,17 @@ class ImageTransform:
             hflip=0.0 if self.flip == "alternate" else self.hflip, vflip=self.vflip,
             color_jitter=self.color_jitter or None, interpolation=self.train_interpolation,
             mean=self.mean, std=self.std, use_prefetcher=True)
+
+    def _held_out(self, pil) -> torch.Tensor:
+        """timm's eval transform of one PIL image; a very long, thin one's centre crop made from
+        the region it keeps (centre_crop.py: the full resize of a 1 x 4000 strip takes 786 MB)."""
+        if self.crop_mode == "center":
+            from timm.data.transforms import str_to_pil_interp  # as _timm_eval's, imported late
+            crop = long_thin_centre_crop(pil, self.image_size, self.crop_pct,
+                                         str_to_pil_interp(self.interpolation))
+            if crop is not None:
+                return TF.pil_to_tensor(crop)  # timm's MaybePILToTensor (use_prefetcher)
+        return self._timm_eval(pil)
 
     @functools.cached_property
     def _timm_eval(self):

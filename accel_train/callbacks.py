@@ -64,6 +64,13 @@ class CallbackList:
     def __iter__(self):
         return iter(self.callbacks)
 
+    @property
+    def watch_checkpoints(self) -> bool:
+        """Whether a callback has an on_checkpoint of its own (it is then called with the
+        checkpoint complete, which the trainer otherwise completes while training goes on)."""
+        return any(type(callback).on_checkpoint is not Callback.on_checkpoint
+                   for callback in self.callbacks)
+
     def on_train_begin(self, trainer) -> None:
         for callback in self.callbacks:
             callback.on_train_begin(trainer)

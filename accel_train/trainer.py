@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
                                ProjectConfiguration)
 
-from accel_train.base.errors import UsageError
+from accel_train.base.errors import UsageError, first_line
 from accel_train.base.randomness import MICRO_BATCH_SALT, seed_globals
 from accel_train.base.readers import ANOTHER_MODELS_WEIGHTS, BadFile
 from accel_train.callbacks import Callback, CallbackList
@@ -396,6 +396,7 @@ class Trainer:
                 self.progress.close()
         self.train_log.stop_if_nothing_learned("model.safetensors")
         self.timeouts.relax()
+        self.checkpointer.wait()  # the last checkpoint sealed before the end's words
         self.pacer.finish(state.step)
         self.report.say(f"Training took {time.perf_counter() - started:.1f}s")
         self._finish(tested=evaluated_at_end and distributed.decide_on_main(
@@ -550,13 +551,19 @@ class Trainer:
                     or state.step >= self.total_steps:
                 return None
         with self.timeouts.relaxed():  # rank 0 writes; the others wait at its barrier
-            return self.save_checkpoint(event)
+            # Sealed on a thread while training goes on (save_finishing.py), but not the one
+            # a stop signal asks for: the process ends right after it.
+            return self.save_checkpoint(event, background=event != "stop signal")
 
-    def save_checkpoint(self, why: str = "asked") -> Path:
-        """Save now (every rank calls it together); `maybe_checkpoint` decides when."""
+    def save_checkpoint(self, why: str = "asked", background: bool = False) -> Path:
+        """Save now (every rank calls it together); `maybe_checkpoint` decides when.
+        `background`: return once every part is written, and seal the checkpoint (manifest,
+        rename, pruning) on a thread of the main process; sealed in line all the same where a
+        callback's on_checkpoint is to see it complete."""
         stop_if_diverged(self.bare_model(), self.state.step, f"the checkpoint ({why})")
-        path = self.checkpointer.save()
-        self.report.log(f"saved checkpoint {path} ({why})")
+        path = self.checkpointer.save(
+            background=background and not self.callbacks.watch_checkpoints,
+            sealed=lambda path: self.report.log(f"saved checkpoint {path} ({why})"))
         self.callbacks.on_checkpoint(self, path)
         return path
 
@@ -598,6 +605,7 @@ class Trainer:
 
     def close(self):
         try:
+            self._last_checkpoint_sealed()
             # Now, not when the collector gets to them: loaders.end_workers says why.
             self.train_loader.close()
             end_workers(self.held_out_loader)
@@ -609,6 +617,16 @@ class Trainer:
             self.plan.release()
             if self.logits_hook is not None:
                 self.logits_hook.remove()
+
+
+    def _last_checkpoint_sealed(self) -> None:
+        """A checkpoint still being sealed when an error, a stall or a stop ends the run is
+        completed before the process goes on to end; what failed in it is said, not raised:
+        the run's own ending is the one to tell."""
+        try:
+            self.checkpointer.wait()
+        except Exception as err:
+            self.report.warn(f"the last checkpoint was not completed: {first_line(err)}")
 
 
 @dataclasses.dataclass

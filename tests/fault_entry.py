@@ -8,10 +8,14 @@ from the repository root.  The product itself reads none of these variables.
   save of checkpoint STEP stalls after every file but the manifest is written, and says so on
   stdout ("fault injection: stalling the save of step STEP"), so a test can kill the process
   mid-save.  Restarted workers never stall: they must get past the same step to finish.
+  The loop's saves are sealed on a thread (run/save_finishing.py): training goes on to the next
+  save, which waits there; with FAULT_SEAL_IN_LINE=1 the whole process stalls in the save.
+* FAULT_SEAL_IN_LINE=1: a callback with an on_checkpoint of its own (as a program that reads
+  each checkpoint has), so that every save is sealed in line, the loop waiting for it.
 * FAULT_STEP_SECONDS=S: every micro-batch of every rank takes at least S seconds more (a slow
   model), so that a test has time to act between two steps.
 * FAULT_SLOW_SAVE=STEP:S: on the main process, the save of checkpoint STEP takes S seconds more
-  before its manifest (a slow disk); the other ranks wait for it at the save's barrier.
+  before its manifest (a slow disk); the other ranks wait for it at the next save's barrier.
 * FAULT_SLOW_DATA=S: rank 0's data preparation takes S seconds more (the other ranks wait for
   it before they start on theirs: distributed.main_first).
 * FAULT_BLOCK_READ=INDEX: in a loader worker, reading the training image INDEX (a lazily
@@ -42,6 +46,7 @@ from pathlib import Path
 from accel_train.callbacks import Callback
 
 STALL_ENV = "FAULT_STALL_SAVE"
+SEAL_IN_LINE_ENV = "FAULT_SEAL_IN_LINE"
 STEP_SECONDS_ENV = "FAULT_STEP_SECONDS"
 SLOW_SAVE_ENV = "FAULT_SLOW_SAVE"
 SLOW_DATA_ENV = "FAULT_SLOW_DATA"
@@ -76,6 +81,13 @@ def stall_before_manifest(wanted_step: int):
         while time.monotonic() < deadline:  # short sleeps: a signal handler still runs promptly
             time.sleep(0.05)
     return stall
+
+
+class SeesCheckpoints(Callback):
+    """Has its own on_checkpoint: the trainer then seals each save before going on."""
+
+    def on_checkpoint(self, trainer, path: Path) -> None:
+        pass
 
 
 class SampleLog(Callback):
@@ -226,6 +238,8 @@ def callbacks_from_environ(argv: list[str]) -> list[Callback]:
     callbacks: list[Callback] = []
     if float(os.environ.get(STEP_SECONDS_ENV) or 0):
         callbacks.append(SlowSteps(float(os.environ[STEP_SECONDS_ENV])))
+    if os.environ.get(SEAL_IN_LINE_ENV, "") not in ("", "0"):
+        callbacks.append(SeesCheckpoints())
     if os.environ.get(SAMPLE_LOG_ENV, "") not in ("", "0"):
         callbacks.append(SampleLog(_output_dir(argv) / "logs", int(os.environ.get("RANK", 0))))
     if os.environ.get(STOP_ENV):

@@ -61,13 +61,14 @@ def _exited_pid() -> int:
 @pytest.mark.slow  # two runs at once
 def test_a_second_start_stops_in_one_line_and_touches_nothing(tmp_path, runs):
     """The holder is stalled inside the save of step 6 (its .tmp-step_00000006 half written,
-    which a resuming start would delete).  A second start, new or --resume auto, in a fresh
-    process: exit 2, one line with the holder's host and pid and the folder, every file of the
-    folder byte-identical.  Then the holder is killed: its lock is stale, and --resume auto
-    takes it over and continues from step 3."""
+    which a resuming start would delete; sealed in line, so that nothing of it moves).  A
+    second start, new or --resume auto, in a fresh process: exit 2, one line with the
+    holder's host and pid and the folder, every file of the folder byte-identical.  Then the
+    holder is killed: its lock is stale, and --resume auto takes it over and continues from
+    step 3."""
     out = tmp_path / "run"
     holder = Run(python_cmd(*FAULT_TRAIN, "--output-dir", str(out)), tmp_path / "holder.log",
-                 FAULT_STALL_SAVE="6")
+                 FAULT_STALL_SAVE="6", FAULT_SEAL_IN_LINE="1")
     runs.append(holder)
     wait_for_stall(holder, 6)
     assert (out / "checkpoints" / ".tmp-step_00000006").is_dir() and (out / "run.lock").is_file()

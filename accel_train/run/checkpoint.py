@@ -24,6 +24,7 @@ RNG file, which Accelerate would silently skip if it failed to load, is vetted h
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 from accel_train.base.errors import DISK_FULL_EXIT, RunDiffers, RunStopped, UsageError, first_line
 from accel_train.base.readers import BadFile, Shape, check_fits, check_torch_file, read_json
 from accel_train.base.weightfiles import with_the_umask
+from accel_train.run.save_finishing import BackgroundSealing
 from accel_train.run.trainer_state import STATE_FILE, TrainerState, read_state
 from accel_train.train.selection import rank
 
@@ -333,25 +335,37 @@ class Checkpointer:
         self.parts, self.state = list(parts), states[0]
         self.is_main, self.barrier = is_main, barrier
         self.keep_best = keep_best
+        self.sealing = BackgroundSealing()
 
-    def save(self) -> Path:
-        """Every part into `.tmp-step_N`, then the manifest, then the rename into place."""
+    def save(self, background: bool = False,
+             sealed: Optional[Callable[[Path], None]] = None) -> Path:
+        """Every part into `.tmp-step_N`, then the manifest, then the rename into place and the
+        pruning; `sealed(path)` once it is in place (on other ranks: once their parts are
+        written).  `background`: the main process seals on a thread (save_finishing.py) and
+        returns as soon as every part is written; `wait` (or the next save) joins it."""
+        self.wait()
         step = self.state.step
         final = self.root / checkpoint_name(step)
         tmp = self.root / (TMP_PREFIX + final.name)
-        try:
-            self._write(step, tmp, final)
-        except Exception as err:
-            if not out_of_space(err, self.root):
-                raise
-            raise RunStopped(self._out_of_space_message(err, tmp, final), DISK_FULL_EXIT) \
-                from err
-        if self.is_main:
-            self._prune()
-        self.barrier()
+        with self._stopped_when_full(tmp, final):
+            self._write_parts(tmp)
+        if not self.is_main:
+            if sealed is not None:
+                sealed(final)
+        elif background:
+            self.sealing.start(lambda: self._seal(step, tmp, final, sealed))
+        else:
+            self._seal(step, tmp, final, sealed)
+        if not background:
+            self.barrier()  # every rank sees it in place, the old ones pruned
         return final
 
-    def _write(self, step: int, tmp: Path, final: Path) -> None:
+    def wait(self) -> None:
+        """Until the save under way is sealed (nothing where none is); what failed in it,
+        raised here (a full disk: RunStopped)."""
+        self.sealing.wait()
+
+    def _write_parts(self, tmp: Path) -> None:
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -362,9 +376,27 @@ class Checkpointer:
             elif self.is_main:
                 part.save(tmp)
         self.barrier()  # every rank's files are on disk before the manifest
-        if self.is_main:
+
+    def _seal(self, step: int, tmp: Path, final: Path,
+              sealed: Optional[Callable[[Path], None]]) -> None:
+        """The main process: the manifest, the rename into place, the pruning."""
+        with self._stopped_when_full(tmp, final):
             write_manifest(tmp, step)
             self._publish(tmp, final)
+        self._prune()
+        if sealed is not None:
+            sealed(final)
+
+    @contextlib.contextmanager
+    def _stopped_when_full(self, tmp: Path, final: Path):
+        """A full disk or quota while saving: RunStopped, the partial save removed."""
+        try:
+            yield
+        except Exception as err:
+            if not out_of_space(err, self.root):
+                raise
+            raise RunStopped(self._out_of_space_message(err, tmp, final), DISK_FULL_EXIT) \
+                from err
 
     def _out_of_space_message(self, err: Exception, tmp: Path, final: Path) -> str:
         """Remove the partial save (it holds the space that is missing) and say what happened,

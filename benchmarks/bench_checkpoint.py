@@ -147,11 +147,11 @@ def measure(model: str, args, work: Path) -> dict:
         started = time.perf_counter()
         trainer.checkpointer.restore(path)
         loads.append(time.perf_counter() - started)
+    size = sum(f.stat().st_size for f in files_under(paths[-1]))  # before pruning takes it
     lost = {True: [], False: []}
     for _ in range(args.repeats):
         for background in (False, True):
             lost[background].append(time_lost(trainer, background, args.epochs_after))
-    size = sum(f.stat().st_size for f in files_under(paths[-1]))
     weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     plain = [plain_io(work, size) for _ in range(args.repeats)]
     trainer.close()

@@ -139,6 +139,41 @@ def test_a_full_disk_while_sealing_stops_the_run_in_one_line_and_removes_the_par
     assert list(saver.root.iterdir()) == []  # the partial save removed, step 8 never begun
 
 
+def test_another_rank_is_told_once_its_parts_are_written_and_seals_nothing(bundle, monkeypatch):
+    """A rank other than the main one writes its parts (the collective ones: Accelerate's), is
+    told at once, and leaves the manifest, the rename and the pruning to the main process."""
+    saver, _, train_step, warnings = bundle
+    held = HeldSealing(monkeypatch)
+    other = Checkpointer(saver.root, keep=1, warn=warnings, parts=saver.parts, is_main=False)
+    (saver.root / ".tmp-step_00000005").mkdir(parents=True)  # the main process made it
+    told = []
+    train_step()
+    path = save_at(other, 5, background=True, sealed=told.append)
+    assert told == [path] and held.calls == []
+    written = {p.name for p in (saver.root / ".tmp-step_00000005").iterdir()}
+    assert "model.safetensors" in written  # Accelerate's part: every rank saves it
+    assert "trainer_state.json" not in written  # the main process's alone
+    assert not path.exists()
+    other.wait()
+    assert held.calls == []
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["in line", "background"])
+def test_in_line_every_rank_waits_until_the_checkpoint_is_in_place(bundle, background):
+    """What each of the save's barriers sees (every rank waits at them together): the last one
+    of a save sealed in line comes after the rename, so that every rank returns with the
+    checkpoint in place; one sealed in the background has none after the parts."""
+    saver, _, train_step, warnings = bundle
+    seen = []
+    final = saver.root / "step_00000002"
+    waiting = Checkpointer(saver.root, keep=3, warn=warnings, parts=saver.parts,
+                           barrier=lambda: seen.append(final.exists()))
+    train_step()
+    save_at(waiting, 2, background=background)
+    waiting.wait()
+    assert seen == ([False, False] if background else [False, False, True])
+
+
 class SeesCheckpoints(Callback):
     def __init__(self):
         self.seen = []

@@ -9,9 +9,7 @@ every order below is forced, not raced."""
 from __future__ import annotations
 
 import errno
-import os
 import re
-import signal
 import threading
 
 import pytest
@@ -27,6 +25,7 @@ import test_checkpoint
 from test_checkpoint import state, tree_digest
 
 from conftest import TINY_TRAIN
+from test_loader_workers import StopAtStep  # SIGTERM at a step: a stop signal's save
 
 bundle = test_checkpoint.bundle  # the fixture: an Accelerator, a tiny model, a Checkpointer
 # 64 images, batch 16: 4 steps an epoch, 3 epochs
@@ -180,15 +179,6 @@ class SeesCheckpoints(Callback):
 
     def on_checkpoint(self, trainer, path) -> None:
         self.seen.append((path.name, verify(path)))
-
-
-class StopAtStep(Callback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, trainer, step: int) -> None:
-        if step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def sealing_threads(monkeypatch) -> list[tuple[int, str]]:

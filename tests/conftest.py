@@ -103,6 +103,9 @@ def test_env(**extra: str) -> dict:
     return env
 
 
+test_env.__test__ = False  # a helper the test files import, not a test pytest should collect
+
+
 @pytest.fixture(autouse=True)
 def environment_restored():
     """Each test leaves os.environ as it found it: in-process runs go through code that sets

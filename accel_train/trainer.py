@@ -618,7 +618,6 @@ class Trainer:
             if self.logits_hook is not None:
                 self.logits_hook.remove()
 
-
     def _last_checkpoint_sealed(self) -> None:
         """A checkpoint still being sealed when an error, a stall or a stop ends the run is
         completed before the process goes on to end; what failed in it is said, not raised:

@@ -181,18 +181,6 @@ class SeesCheckpoints(Callback):
         self.seen.append((path.name, verify(path)))
 
 
-def sealing_threads(monkeypatch) -> list[tuple[int, str]]:
-    """Each save's step and the thread that sealed it, as the run goes."""
-    calls, real = [], ck.write_manifest
-
-    def recorded(directory, step):
-        calls.append((step, threading.current_thread().name))
-        real(directory, step)
-
-    monkeypatch.setattr(ck, "write_manifest", recorded)
-    return calls
-
-
 @pytest.mark.parametrize("callbacks, stop", [((), None), ((SeesCheckpoints(),), None),
                                              ((StopAtStep(6),), 6)],
                          ids=["a run's own saves", "a callback sees them", "a stop signal"])
@@ -200,7 +188,9 @@ def test_a_runs_saves_are_sealed_on_a_thread_unless_something_is_to_see_them_com
         tmp_path, monkeypatch, callbacks, stop):
     """3 epochs of 4 steps, --checkpoint-every 3: saves at steps 3, 4 (epoch end), 6, 8, 9,
     12; every one complete at the end, and the log names each once, after it is sealed."""
-    calls = sealing_threads(monkeypatch)
+    held = HeldSealing(monkeypatch)
+    held.release()  # not held: each save's step and the thread that sealed it, as the run goes
+    calls = held.calls
     out = tmp_path / "run"
     code = run_training(config_from_args(build_train_parser().parse_args(
         [*TINY_TRAIN_3_EPOCHS, "--output-dir", str(out)]), environ={}), list(callbacks))

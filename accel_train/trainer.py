@@ -539,11 +539,12 @@ class Trainer:
         self.train_loader.set_epoch(self.state.epoch)
 
     # -- checkpoint -----------------------------------------------------------------------------
-    def maybe_checkpoint(self, event: str) -> Optional[Path]:
+    def maybe_checkpoint(self, event: str, process_ends: bool = False) -> Optional[Path]:
         """The one place that decides when to save: at every epoch end (after evaluating, so
         the checkpoint's best top-1 is current), on an agreed stop signal, and every
         --checkpoint-every optimizer steps in between (not at an epoch's last step or the
-        run's last step: the epoch end saves those)."""
+        run's last step: the epoch end saves those).  `process_ends`: nothing follows the
+        save but the process's exit, so it is sealed in line."""
         state = self.state
         if event == "step":
             every = self.config.checkpoint_every
@@ -551,9 +552,8 @@ class Trainer:
                     or state.step >= self.total_steps:
                 return None
         with self.timeouts.relaxed():  # rank 0 writes; the others wait at its barrier
-            # Sealed on a thread while training goes on (save_finishing.py), but not the one
-            # a stop signal asks for: the process ends right after it.
-            return self.save_checkpoint(event, background=event != "stop signal")
+            # Sealed on a thread while training goes on (save_finishing.py).
+            return self.save_checkpoint(event, background=not process_ends)
 
     def save_checkpoint(self, why: str = "asked", background: bool = False) -> Path:
         """Save now (every rank calls it together); `maybe_checkpoint` decides when.
@@ -570,7 +570,7 @@ class Trainer:
     def _stop_for_signal(self) -> int:
         self.timeouts.relax()
         self.bad_images.collect()
-        path = self.maybe_checkpoint("stop signal")
+        path = self.maybe_checkpoint("stop signal", process_ends=True)
         self.report.say(f"stopped by a signal at step {self.state.step}: saved {path}; run the "
                         f"same command with --resume auto to continue")
         return STOPPED_EXIT

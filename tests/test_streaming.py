@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PINNED, accel_train, accel_train_here
+from conftest import PINNED, accel_train_here
 
 from accel_train.data.streaming import (Layout, ShardSet, rank_batches_per_epoch, read_split,
                                         remaining_batches, slot_keys, slot_shards)
@@ -758,12 +758,12 @@ def test_two_then_one_then_two_processes_each_sample_once(synthetic_shards, tmp_
 def test_eval_of_a_streamed_run_reads_its_held_out_shards(stream_reference):
     """`accel-train eval RUN` on a run trained from shards evaluates the held-out shards and
     gives the numbers of the run's last epoch line; its training shards are not evaluable."""
-    result = accel_train("eval", str(stream_reference), "--json", check=True)
+    result = accel_train_here("eval", str(stream_reference), "--json", check=True)
     report = json.loads(result.stdout)
     last_epoch = [r for r in metrics_of(stream_reference) if r["type"] == "epoch"][-1]
     assert report["count"] == last_epoch["eval_count"] == 32
     assert report["top1"] == pytest.approx(last_epoch["eval_top1"], abs=1e-6)
-    refused = accel_train("eval", str(stream_reference), "--split", "train")
+    refused = accel_train_here("eval", str(stream_reference), "--split", "train")
     assert refused.returncode == 2 and "--split train" in refused.stderr
 
 

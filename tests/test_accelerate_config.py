@@ -83,8 +83,8 @@ def test_the_answers_train_two_ranks_with_the_numbers_of_one_process(uninterrupt
     assert printed.count("step 16/16 ") == 1, "progress from one rank"
 
     one = tmp_path / "one"
-    conftest.run([sys.executable, "-m", "accel_train", *TRAIN, *PINNED, "--batch-size", "32",
-                  "--output-dir", str(one)], check=True)
+    conftest.accel_train_here(*TRAIN, *PINNED, "--batch-size", "32", "--output-dir", str(one),
+                              check=True)  # (in this process: no second start's imports)
     two, one_weights = _weights(out), _weights(one)
     _, difference = weight_differences(two, one_weights)
     moved = overall_change(one_weights, initial_weights("test_convnext"))

@@ -652,7 +652,8 @@ def test_two_process_run_and_eval_agree_with_one_process_eval(tmp_path, capsys):
     torchrun(*TINY_TRAIN, "--max-steps", "4", "--max-eval-samples", "61", "--batch-size", "8",
              "--output-dir", str(out))
     logged = last_epoch(out)
-    printed = torchrun("eval", str(out), "--json").stdout
+    # (one launch for both: --json keeps the report to its JSON line beside the CSV)
+    printed = torchrun("eval", str(out), "--json", "--mistakes", str(tmp_path / "two.csv")).stdout
     lines = [line for line in printed.splitlines() if line.startswith("{")]
     assert len(lines) == 1  # printed by the main process only
     double, single = json.loads(lines[0]), eval_json(capsys, str(out))
@@ -663,7 +664,6 @@ def test_two_process_run_and_eval_agree_with_one_process_eval(tmp_path, capsys):
         assert single[key] == pytest.approx(logged[f"eval_{key}"], rel=1e-5), key
     assert double["per_class"] == single["per_class"]
     # each wrong image named by its key, not by its place in what the ranks gathered
-    torchrun("eval", str(out), "--mistakes", str(tmp_path / "two.csv"))
     code, _, err = command(capsys, "eval", str(out), "--mistakes", str(tmp_path / "one.csv"))
     assert code == 0, err
     two, one = (pd.read_csv(tmp_path / name) for name in ("two.csv", "one.csv"))

@@ -28,7 +28,7 @@ from accel_train.base.errors import UsageError
 from accel_train.model.build import create_model, native_image_size
 from accel_train.model.outputs import logits_from
 from accel_train.model.transformers_models import transformers_classifier, transformers_config_of
-from conftest import REPO, launched_program, model_spec_of, run
+from conftest import REPO, accel_train_here, launched_program, model_spec_of, run
 from conftest import test_env as child_env
 from nets_with_output_objects import AuxHeadNet, tiny_hf_resnet, tiny_hf_vit
 from test_api import Squares
@@ -318,11 +318,16 @@ def test_a_transformers_model_fit_trained_is_rebuilt_by_predict_from_its_config(
         assert torch.equal(namespace["model"](normalized).logits, network(normalized).logits)
 
 
-def train_on_synthetic(output_dir, *extra: str, launcher=None, batch_size=16):
+def train_on_synthetic(output_dir, *extra: str, launcher=None, batch_size=16,
+                       in_process=False):
+    """`in_process`: one process's run called here (the network imported from tests/, which
+    is on this process's path), without a new process's seconds of imports."""
     options = ["--model", "nets_with_output_objects:" + extra[0], "--synthetic-train-size",
                "128", "--max-steps", "4", "--epochs", "1", "--no-plots", "--mixed-precision",
                "no", "--no-channels-last", "--no-augment", "--num-workers", "0",
                "--batch-size", str(batch_size), "--output-dir", str(output_dir), *extra[1:]]
+    if in_process:
+        return accel_train_here(*options, check=True)
     command = (launched_program(launcher, "accel_train", *options) if launcher else
                [sys.executable, "-m", "accel_train", *options])
     return run(command, env=child_env(PYTHONPATH=TESTS), check=True)
@@ -332,12 +337,13 @@ def train_on_synthetic(output_dir, *extra: str, launcher=None, batch_size=16):
 def test_a_transformers_factory_predicts_and_exports_its_logits(tmp_path):
     """--model package.module:factory building a transformers classifier: its ONNX export
     predicts plain torch's softmax of `.logits` for the saved weights."""
-    train_on_synthetic(tmp_path / "run", "tiny_hf_resnet")
+    # (each command in this process, the factory's module imported from tests/ on its path;
+    # the test above runs a new process, which rebuilds the network from the run's record)
+    train_on_synthetic(tmp_path / "run", "tiny_hf_resnet", in_process=True)
     image = (torch.rand(32, 32, 3) * 255).to(torch.uint8)
     Image.fromarray(image.numpy()).save(tmp_path / "image.png")
-    run([sys.executable, "-m", "accel_train", "export", str(tmp_path / "run"), "--format",
-         "onnx", "--output", str(tmp_path / "exported")], env=child_env(PYTHONPATH=TESTS),
-        check=True)
+    accel_train_here("export", str(tmp_path / "run"), "--format", "onnx", "--output",
+                     str(tmp_path / "exported"), check=True)
     spec = model_spec_of(tmp_path / "run")
     network = tiny_hf_resnet(spec["num_classes"]).eval()
     network.load_state_dict(load_file(str(tmp_path / "run" / "model.safetensors")))
@@ -347,9 +353,9 @@ def test_a_transformers_factory_predicts_and_exports_its_logits(tmp_path):
         expected = network(normalized).logits.softmax(-1)[0]
     # (export rebuilt the network through the factory; predict of a run folder rebuilds it
     # the same way: the fit() test above runs that)
-    predicted = run([sys.executable, "-m", "accel_train", "predict",
-                     str(tmp_path / "exported" / "model.onnx"), str(tmp_path / "image.png"),
-                     "--json", "--top-k", "3"], env=child_env(PYTHONPATH=TESTS), check=True)
+    predicted = accel_train_here("predict", str(tmp_path / "exported" / "model.onnx"),
+                                 str(tmp_path / "image.png"), "--json", "--top-k", "3",
+                                 check=True)
     top = json.loads(predicted.stdout.splitlines()[-1])["predictions"]
     assert [p["index"] for p in top] == expected.argsort(descending=True)[:3].tolist()
     assert [p["probability"] for p in top] == pytest.approx(
@@ -365,7 +371,7 @@ def test_an_auxiliary_head_trains_under_ddp_as_on_one_process(tmp_path, weight):
     head keeps its initial weights where no loss reaches it, and trains alike in both with
     --aux-loss-weight."""
     extra = ("AuxHeadNet", "--aux-loss-weight", weight)
-    train_on_synthetic(tmp_path / "one", *extra, batch_size=16)
+    train_on_synthetic(tmp_path / "one", *extra, batch_size=16, in_process=True)
     train_on_synthetic(tmp_path / "two", *extra, launcher="torchrun", batch_size=8)
     one = load_file(str(tmp_path / "one" / "model.safetensors"))
     two = load_file(str(tmp_path / "two" / "model.safetensors"))

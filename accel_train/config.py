@@ -470,6 +470,12 @@ class TrainConfig:
     ddp_static_graph: bool = option(False, "DDP static_graph: the set of used parameters never "
                                     "changes, so DDP can skip per-step bookkeeping.",
                                     "distributed")
+    ddp_find_unused_parameters: bool = option(
+        False, "DDP find_unused_parameters: at every step, look for the parameters the forward "
+        "pass left out (a walk of the autograd graph each step).  Turned on by itself for "
+        "parameters the training forward never uses; needed where a network leaves some out "
+        "only at some steps (a layer skipped at random, LayerDrop; a branch the input chooses), "
+        "which DDP otherwise stops at.", "distributed")
 
     def __post_init__(self):
         self.channels_last = _auto_or_bool(self.channels_last, "channels_last")

@@ -73,6 +73,7 @@ from accel_train.train.precision import (accelerate_fp16_note, precision_name,
                                          use_fast_cuda_math)
 from accel_train.train.stem_bias import maybe_stem_bias_stop
 from accel_train.train.selection import top5_picks_nothing
+from accel_train.train.skipped_parameters import naming_skipped_parameters
 
 STOPPED_EXIT = 143  # 128 + SIGTERM: schedulers read it as "terminated", not "finished"
 
@@ -92,7 +93,8 @@ def build_accelerator(config: TrainConfig, precision: str, trackers_dir: Path,
             f"this run cannot train in {precision_name(precision)}; pass --mixed-precision "
             f"{held} (or leave it to auto), or train in a new process"))
     ddp_kwargs = DistributedDataParallelKwargs(
-        find_unused_parameters=find_unused, bucket_cap_mb=config.ddp_bucket_mb,
+        find_unused_parameters=find_unused or config.ddp_find_unused_parameters,
+        bucket_cap_mb=config.ddp_bucket_mb,
         gradient_as_bucket_view=config.ddp_grad_as_bucket_view,
         static_graph=config.ddp_static_graph)
     return Accelerator(
@@ -463,7 +465,8 @@ class Trainer:
         images, targets = self.mixup(images, labels, position)
         if self.speed.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        with self.accelerator.autocast():
+        with self.accelerator.autocast(), \
+                naming_skipped_parameters(self.state.step + 1, self.config.model):
             logits = self.model(images)
             loss = self.mixup.loss_fn(logits, targets)
             # --aux-loss-weight: the auxiliary heads' logits this forward set aside (outputs.py)

@@ -154,6 +154,24 @@ class EvalOnlyCalibration(nn.Module):  # a layer after the head that only eval m
         return out if self.training else self.calib(out)
 
 
+class SkipsEverySecondBatch(nn.Module):  # LayerDrop's skipped layer on a schedule, the same
+    # on every rank: a block left out of every second training batch (the start's probe of
+    # 2 images not counted, so that 1 and 2 processes skip at the same steps)
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+        self.block = nn.Linear(num_classes, num_classes)
+        self.batches = 0
+
+    def forward(self, x):
+        out = self.head(x)
+        if self.training and len(x) > 2:
+            self.batches += 1
+            if self.batches % 2 == 0:
+                return out
+        return self.block(out)
+
+
 class WithUnused(nn.Module):  # a head left over from an experiment: never called
     def __init__(self, num_classes):
         super().__init__()
@@ -472,6 +490,65 @@ def test_a_parameter_the_forward_never_uses_trains_on_two_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 trainable parameter(s) its train-mode forward pass never uses (old_head.weight, " \
         "old_head.bias)" in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_a_layer_skipped_at_some_steps_stops_in_one_line_or_trains_as_on_one_process(tmp_path):
+    """A block left out of every second batch (LayerDrop's way, on a schedule): the start's
+    one forward sees it used, DDP waits for its gradient, and the step after the first skip
+    raised torch's RuntimeError, whose advice (find_unused_parameters=True) the command line
+    could not follow.  Now one line names --ddp-find-unused-parameters; with it, two
+    processes under torchrun train the weights one process trains (the block's weights left
+    alone at the skipping steps in both)."""
+    nets = write_module(tmp_path / "nets")
+    env = child_env(PYTHONPATH=str(nets))
+    options = ["--model", f"{MODULE}:SkipsEverySecondBatch", *TINY, "--no-augment",
+               "--num-workers", "0", "--mixed-precision", "no"]
+
+    def torchrun(*extra: str):
+        return run(launched_program("torchrun", "accel_train", *options, "--batch-size", "8",
+                                    *extra), env=env)
+
+    stopped = torchrun("--output-dir", str(tmp_path / "stopped"))
+    said = stopped.stdout + stopped.stderr
+    assert stopped.returncode != 0, said[-3000:]
+    assert "accel_train: error: training stopped at step 3: --model user_nets:" \
+        "SkipsEverySecondBatch left some of its trainable parameters without a gradient in " \
+        "the step before" in said, said[-3000:]
+    assert "pass --ddp-find-unused-parameters" in said
+    assert "Expected to have finished reduction" not in said, said[-3000:]
+
+    run([sys.executable, "-m", "accel_train", *options, "--output-dir", str(tmp_path / "one")],
+        env=env, check=True)
+    two = torchrun("--ddp-find-unused-parameters", "--output-dir", str(tmp_path / "two"))
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    one, both = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("one", "two"))
+    for key in one:
+        assert torch.allclose(one[key], both[key], rtol=1e-5, atol=1e-6), key
+    torch.manual_seed(0)  # the factory's initial weights, as the run builds them (--seed 0)
+    initial = import_from(nets).SkipsEverySecondBatch(10).state_dict()
+    assert not torch.equal(one["block.weight"], initial["block.weight"]), "the block trained"
+
+
+def test_only_ddps_unfinished_reduction_becomes_the_one_line():
+    """The text torch 2.x raises (the slow test above meets the real one under torchrun);
+    any other RuntimeError in the forward keeps its traceback."""
+    from accel_train.base.errors import UsageError
+    from accel_train.train.skipped_parameters import naming_skipped_parameters
+    ddp_says = ("Expected to have finished reduction in the prior iteration before starting a "
+                "new one. This error indicates that your module has parameters that were not "
+                "used in producing loss.")
+    with pytest.raises(UsageError) as said:
+        with naming_skipped_parameters(7, "mynets:Net"):
+            raise RuntimeError(ddp_says)
+    assert str(said.value).startswith("training stopped at step 7: --model mynets:Net left "
+                                      "some of its trainable parameters without a gradient")
+    assert said.value.__cause__ is None and said.value.__suppress_context__
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        with naming_skipped_parameters(7, "mynets:Net"):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    with naming_skipped_parameters(7, "mynets:Net"):
+        pass
 
 
 def test_the_unused_parameters_are_those_the_train_mode_forward_leaves_without_gradient(

@@ -541,8 +541,12 @@ def test_only_ddps_unfinished_reduction_becomes_the_one_line():
     with pytest.raises(UsageError) as said:
         with naming_skipped_parameters(7, "mynets:Net"):
             raise RuntimeError(ddp_says)
-    assert str(said.value).startswith("training stopped at step 7: --model mynets:Net left "
-                                      "some of its trainable parameters without a gradient")
+    assert str(said.value) == (
+        "training stopped at step 7: --model mynets:Net left some of its trainable parameters "
+        "without a gradient in the step before (a layer skipped at random, as LayerDrop does, "
+        "or a branch the input chooses), and DDP waits for a gradient of each at every step; "
+        "pass --ddp-find-unused-parameters (DDP then looks for them at every step), or have "
+        "every parameter take part in every step; checkpoints written before are intact")
     assert said.value.__cause__ is None and said.value.__suppress_context__
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         with naming_skipped_parameters(7, "mynets:Net"):

@@ -510,3 +510,42 @@ def test_a_lone_metadata_parquet_of_image_rows_is_parquet_data(tmp_path):
         tmp_path / "metadata.parquet")
     data = load_data(TrainConfig(data_dir=str(tmp_path), in_memory="never", val_fraction=0.5))
     assert len(data.train) + len(data.held_out) == 6
+
+
+def test_a_held_out_label_outside_the_metadata_labelled_classes_names_their_file(tmp_path):
+    """train/ and val/ each labelled by their own metadata.csv (no flag, no class folders): a
+    val/ label the training file does not hold is refused naming the training split's
+    metadata file, not --train-labels (which was never given) nor class folders."""
+    root = tmp_path / "d"
+    for i in range(4):
+        _image(root / "train" / f"t{i}.png", 10 * i)
+        _image(root / "val" / f"v{i}.png", 10 * i + 5)
+    _write_metadata(root / "train" / "metadata.csv",
+                    [{"file_name": f"t{i}.png", "label": ["cat", "dog"][i % 2]} for i in range(4)])
+    _write_metadata(root / "val" / "metadata.csv",
+                    [{"file_name": f"v{i}.png", "label": ["cat", "dog", "cat", "bird"][i]}
+                     for i in range(4)])
+    with pytest.raises(UsageError) as refused:
+        load_data(TrainConfig(data_dir=str(root), in_memory="never"))
+    assert str(refused.value) == (
+        f"{root}/val/metadata.csv line 5: 'bird' is not a class (the classes of "
+        f"{root}/train/metadata.csv are cat, dog, ...); use its class names")
+
+
+def test_the_training_labels_source_in_words(tmp_path):
+    """--train-labels by its flag, one metadata file by its path, several as the split's
+    metadata files, whose classes a refusal then calls theirs; class folders: None."""
+    from accel_train.data.folder_labels import training_labels_words
+    from accel_train.data.label_files import read_val_labels
+    one, two = tmp_path / "train" / "metadata.csv", tmp_path / "train" / "a" / "metadata.csv"
+    assert training_labels_words(None) is None
+    assert training_labels_words(([tmp_path / "t.csv"], "--train-labels")) == "--train-labels"
+    assert training_labels_words(([one], None)) == str(one)
+    several = training_labels_words(([one, two], None))
+    assert several == "the training split's metadata files"
+    (tmp_path / "val.csv").write_text("v.png,bird\n")
+    with pytest.raises(UsageError) as refused:
+        read_val_labels(tmp_path / "val.csv", tmp_path, ["v.png"], {"cat", "dog"}, several)
+    assert str(refused.value).endswith(
+        "'bird' is not a class (the classes of the training split's metadata files are cat, "
+        "dog, ...); use their class names")

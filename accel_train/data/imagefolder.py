@@ -51,7 +51,8 @@ from PIL import Image
 from accel_train.base.errors import UsageError, first_few
 from accel_train.base.readers import Shape, read_arrow_cache
 from accel_train.data.folder_labels import (is_labelled_split, label_files_given,
-                                            metadata_labels, split_classes)
+                                            metadata_labels, split_classes,
+                                            training_labels_words)
 from accel_train.data.label_files import (METADATA_FILES, METADATA_PARQUET, class_order,
                                           metadata_missing)
 from accel_train.data.loader_watch import reading
@@ -541,7 +542,8 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
     for split, given in files.items():
         if split != "train":
             classes[split] = split_classes(given, splits[split], images[split],
-                                          set(class_names), labelled_train is not None, read)
+                                          set(class_names), training_labels_words(labelled_train),
+                                          read)
     number = {name: i for i, name in enumerate(class_names)}
     result = {split: (pa.array(found, pa.string()),
                       np.array([number[name] for name in classes[split]], dtype=np.int64))

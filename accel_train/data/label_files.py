@@ -212,7 +212,7 @@ def missing_columns(header: list[str]) -> list[str]:
 
 
 def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[str],
-                    classes_from_file: bool = False,
+                    classes_from: Optional[str] = None,
                     flag: Optional[str] = "--val-labels") -> list[str]:
     """The class of each image (paths relative to `folder`, sorted) from `file`:
 
@@ -223,7 +223,8 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
     - or one CLASS per line, for the images in sorted file-name order.
 
     Every image needs a label, every label one of `classes` (the class folders of train/, or
-    with `classes_from_file` the labels of --train-labels), and every line an image of the
+    the labels of the file(s) `classes_from` names: --train-labels, train/'s metadata files),
+    and every line an image of the
     folder; anything else is a UsageError naming the line.  A file whose columns are named
     (label_rows: metadata.jsonl, a header naming file_name and label) is read by those names, as
     read_train_labels reads it.  `flag` None: the folder's own metadata file, taken without
@@ -234,12 +235,12 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
         labels = labelled_images(rows, ImageLookup(images), images, where, folder, by_name)
         refuse_unlabelled(where, folder, images, labels)
         return [_known_class(labels[image][0], classes, where, labels[image][1],
-                             classes_from_file) for image in images]
+                             classes_from) for image in images]
     if all(len(fields) == 1 for _, fields in rows):
         if len(rows) != len(images):
             raise UsageError(f"{where} has {len(rows)} one-field lines for the {len(images)} "
                              f"images of {folder}; one class per image, in file-name order")
-        return [_known_class(fields[0], classes, where, place, classes_from_file)
+        return [_known_class(fields[0], classes, where, place, classes_from)
                 for place, fields in rows]
     lookup = ImageLookup(images)
     labels: dict[str, str] = {}
@@ -253,7 +254,7 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
         if position == 0 and not lookup.holders(fields[0]) and label not in classes:
             continue  # a header line
         image = lookup.image(fields[0], where, place, folder)
-        labels[image] = _known_class(label, classes, where, place, classes_from_file)
+        labels[image] = _known_class(label, classes, where, place, classes_from)
     refuse_unlabelled(where, folder, images, labels)
     return [labels[image] for image in images]
 
@@ -278,7 +279,7 @@ def read_train_labels(file: Path, folder: Path, images: list[str],
 
 
 def read_metadata_labels(files: list[Path], folder: Path, images: list[str],
-                         classes: Optional[set[str]] = None, classes_from_file: bool = False,
+                         classes: Optional[set[str]] = None, classes_from: Optional[str] = None,
                          read: Optional[dict] = None) -> list[str]:
     """The class of each image of a split folder (paths relative to `folder`, sorted) from its
     metadata files (Hugging Face's imagefolder layout), in `folder` and its subfolders: each
@@ -312,7 +313,7 @@ def read_metadata_labels(files: list[Path], folder: Path, images: list[str],
     if classes is None:
         return whole_numbers_as_written([labels[image][0] for image in images])
     return [_known_class(labels[image][0], classes, labels[image][1], labels[image][2],
-                         classes_from_file) for image in images]
+                         classes_from) for image in images]
 
 
 def labelled_images(rows: list[tuple[str, list[str]]], lookup: "ImageLookup",
@@ -449,7 +450,10 @@ def _spellings(classes: frozenset) -> dict[str, str]:
 
 
 def _known_class(label: str, classes: set[str], where: str, place: str,
-                 classes_from_file: bool) -> str:
+                 classes_from: Optional[str]) -> str:
+    """`label` as one of `classes` spells it; `classes_from`: the training labels' file(s), in
+    words ("--train-labels", a metadata file), or None where the class folders gave them."""
+    classes_from_file = classes_from is not None
     if label in classes:
         return label
     spelt = _spellings(frozenset(classes)).get(same_text(label))
@@ -463,7 +467,8 @@ def _known_class(label: str, classes: set[str], where: str, place: str,
     # the sorted one); a --train-labels file's classes may be numbers themselves
     hint = " (class numbers are not accepted: they mean different things in different files)" \
         if label.isdigit() and not classes_from_file else ""
-    named = ("the classes of --train-labels", "its class names") if classes_from_file else \
-        ("the class folders of train/", "the class folder names")
+    named = (f"the classes of {classes_from}",
+             "their class names" if classes_from.endswith("files") else "its class names") \
+        if classes_from_file else ("the class folders of train/", "the class folder names")
     raise UsageError(f"{where} {place}: {label!r} is not a class ({named[0]} are "
                      f"{examples}, ...){hint}; use {named[1]}")

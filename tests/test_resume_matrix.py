@@ -130,8 +130,9 @@ def matrix_data(big_image_folder, big_jpeg_folder, synthetic_shards) -> dict:
 
 # (the checkpoint after which SIGTERM is sent, the epoch the stop then falls in): the first
 # epoch and a later one (where the epoch must reach the sampler of a loader that skips the
-# batches already trained) on both process counts.  Steps per epoch: 16, 16, 12 on 1 process;
-# 8, 8, 5 on 2.
+# batches already trained) on 1 process, a later one on 2.  Steps per epoch (in memory, per
+# step, streamed): 16, 16, 12 on 1 process; in memory and streamed 8 and 5 on 2, the
+# decoded-on-device row 9 (its batch below).
 STOP_AFTER = {("in-memory", 1): (18, 1), ("per-step", 1): (3, 0), ("streamed", 1): (15, 1),
               ("in-memory", 2): (9, 1), ("streamed", 2): (6, 1),
               ("accumulated", 1): (6, 0), ("on-device", 1): (18, 1), ("timm", 1): (9, 1),
@@ -143,9 +144,8 @@ STOP_AFTER = {("in-memory", 1): (18, 1), ("per-step", 1): (3, 0), ("streamed", 1
     *[pytest.param(path, 1, marks=pytest.mark.slow)
       for path in ("in-memory", "accumulated", "on-device", "timm", "per-step", "streamed",
                    "decoded-on-device")],
-    # (files decoded per step by two workers a rank: the decoded-on-device row on 2 processes,
-    # whose workers draw every image's crop and decode a share; a per-step row of its own cost
-    # the full suite 90 CPU seconds of processes and checked nothing that one does not)
+    # (files decoded per step on 2 processes: the decoded-on-device row, whose two loader
+    # workers a rank draw every image's crop and decode a share of the files)
     *[pytest.param(path, 2, marks=pytest.mark.slow)
       for path in ("in-memory", "streamed", "decoded-on-device")]])
 def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_data, tmp_path,

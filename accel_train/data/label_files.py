@@ -224,11 +224,10 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
 
     Every image needs a label, every label one of `classes` (the class folders of train/, or
     the labels of the file(s) `classes_from` names: --train-labels, train/'s metadata files),
-    and every line an image of the
-    folder; anything else is a UsageError naming the line.  A file whose columns are named
-    (label_rows: metadata.jsonl, a header naming file_name and label) is read by those names, as
-    read_train_labels reads it.  `flag` None: the folder's own metadata file, taken without
-    one."""
+    and every line an image of the folder; anything else is a UsageError naming the line.  A
+    file whose columns are named (label_rows: metadata.jsonl, a header naming file_name and
+    label) is read by those names, as read_train_labels reads it.  `flag` None: the folder's
+    own metadata file, taken without one."""
     where = where_of(file, flag)
     rows, by_name = label_rows(file, flag)
     if by_name:

@@ -17,6 +17,7 @@ CLASS_NAMES = ["disk", "square", "diamond", "ring", "plus", "hbar", "vbar", "tri
 IMAGE_SIZE = 32
 EVAL_SIZE = 1000
 _TRAIN_SEED, _EVAL_SEED = 1, 2
+_BLOCK = 256  # images generated at once
 _PALETTE = np.array([[230, 60, 60], [60, 200, 60], [70, 90, 230], [230, 200, 50], [200, 70, 200],
                      [60, 200, 210], [240, 140, 40], [150, 150, 150], [120, 60, 30],
                      [250, 250, 250]], dtype=np.float32)
@@ -50,16 +51,26 @@ def generate(num_images: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     cx = rng.uniform(10, 22, size=(num_images, 1, 1)).astype(np.float32)
     cy = rng.uniform(10, 22, size=(num_images, 1, 1)).astype(np.float32)
     radius = rng.uniform(5, 9, size=(num_images, 1, 1)).astype(np.float32)
-    dx = grid[None, None, :] - cx
-    dy = grid[None, :, None] - cy
-    masks = np.stack(_shape_masks(dx, dy, radius), axis=1)          # [N, classes, H, W]
-    mask = masks[np.arange(num_images), labels]                      # [N, H, W]
-
     colour = 0.55 * _PALETTE[labels] + 0.45 * rng.uniform(0, 255, size=(num_images, 3))
     background = rng.uniform(0, 90, size=(num_images, 1, 1, 3))
-    noise = rng.normal(0, 18, size=(num_images, IMAGE_SIZE, IMAGE_SIZE, 3))
-    images = np.where(mask[..., None], colour[:, None, None, :], background) + noise
-    return np.clip(images, 0, 255).astype(np.uint8), labels
+
+    # Drawn a block of images at a time: the whole set's float64 pixels at once (about 100 MB
+    # an array for the default 4,000) cost a new process more in page faults than in arithmetic
+    # (2.4 s against 0.35 s in a process that has the memory already, AMD EPYC), and every run
+    # on the embedded set is a new process.  The noise, drawn last, comes from the one stream in
+    # blocks as it would all at once: the same bytes.
+    images = np.empty((num_images, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+    for start in range(0, num_images, _BLOCK):
+        part = slice(start, start + _BLOCK)
+        block_labels = labels[part]
+        dx = grid[None, None, :] - cx[part]
+        dy = grid[None, :, None] - cy[part]
+        masks = np.stack(_shape_masks(dx, dy, radius[part]), axis=1)  # [n, classes, H, W]
+        mask = masks[np.arange(len(block_labels)), block_labels]      # [n, H, W]
+        noise = rng.normal(0, 18, size=(len(block_labels), IMAGE_SIZE, IMAGE_SIZE, 3))
+        pixels = np.where(mask[..., None], colour[part, None, None, :], background[part]) + noise
+        images[part] = np.clip(pixels, 0, 255).astype(np.uint8)
+    return images, labels
 
 
 @functools.cache

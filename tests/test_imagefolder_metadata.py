@@ -539,10 +539,11 @@ def test_the_training_labels_source_in_words(tmp_path):
     from accel_train.data.label_files import read_val_labels
     one, two = tmp_path / "train" / "metadata.csv", tmp_path / "train" / "a" / "metadata.csv"
     assert training_labels_words(None) is None
-    assert training_labels_words(([tmp_path / "t.csv"], "--train-labels")) == "--train-labels"
-    assert training_labels_words(([one], None)) == str(one)
+    assert tuple(training_labels_words(([tmp_path / "t.csv"], "--train-labels"))) == (
+        "--train-labels", "its class names")
+    assert tuple(training_labels_words(([one], None))) == (str(one), "its class names")
     several = training_labels_words(([one, two], None))
-    assert several == "the training split's metadata files"
+    assert tuple(several) == ("the training split's metadata files", "their class names")
     (tmp_path / "val.csv").write_text("v.png,bird\n")
     with pytest.raises(UsageError) as refused:
         read_val_labels(tmp_path / "val.csv", tmp_path, ["v.png"], {"cat", "dog"}, several)

@@ -16,7 +16,7 @@ from PIL import Image
 from accel_train.cli import main
 from accel_train.config import TrainConfig
 from accel_train.data.imagefolder import index_folder
-from accel_train.data.label_files import read_train_labels, read_val_labels
+from accel_train.data.label_files import LabelSource, read_train_labels, read_val_labels
 from accel_train.data.sources import load_data
 from conftest import PINNED, age_folders
 
@@ -180,7 +180,7 @@ def test_whole_numbers_written_as_floats_are_the_class_numbers(tmp_path):
     one_a_line = tmp_path / "one_a_line.txt"  # the val file's other form: a class a line
     one_a_line.write_text("3.0\n4\n")
     assert read_val_labels(one_a_line, tmp_path, ["a.png", "b.png"], {"3", "4"},
-                           classes_from="--train-labels") == ["3", "4"]
+                           classes_from=LabelSource("--train-labels")) == ["3", "4"]
     # a mix with a real fraction stays text: 2.5 is a name, not a number
     from accel_train.data.label_files import whole_numbers_as_written
     assert whole_numbers_as_written(["1.0", "2.5"]) == ["1.0", "2.5"]

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Optional
 
 from accel_train.base.errors import UsageError, first_few
-from accel_train.data.label_files import (metadata_header, missing_columns, read_metadata,
-                                          read_metadata_labels, read_train_labels,
-                                          read_val_labels)
+from accel_train.data.label_files import (LabelSource, metadata_header, missing_columns,
+                                          read_metadata, read_metadata_labels,
+                                          read_train_labels, read_val_labels)
 
 
 def metadata_labels_line(metadata_labels: dict[str, list[str]]) -> Optional[str]:
@@ -44,12 +44,13 @@ def label_files_given(root: Path, splits: dict[str, Path], walked: dict,
 
 
 def split_classes(given: tuple[list[Path], Optional[str]], folder: Path, images: list[str],
-                 classes: Optional[set[str]] = None, classes_from: Optional[str] = None,
+                 classes: Optional[set[str]] = None,
+                 classes_from: Optional[LabelSource] = None,
                  read: Optional[dict] = None) -> list[str]:
     """A split's classes from its label files (label_files_given, metadata_labels): a flag's one
     file, or (flag None) the split's metadata files (`read`: {file: its read_metadata}).
     `classes` None: the training split's; `classes_from`: where the training split's labels
-    came from, in words (training_labels_words), None for class folders."""
+    came from (training_labels_words), None for class folders."""
     paths, flag = given
     if flag is None:
         return read_metadata_labels(paths, folder, images, classes, classes_from, read)
@@ -58,13 +59,16 @@ def split_classes(given: tuple[list[Path], Optional[str]], folder: Path, images:
     return read_val_labels(paths[0], folder, images, classes, classes_from, flag)
 
 
-def training_labels_words(given: Optional[tuple[list[Path], Optional[str]]]) -> Optional[str]:
+def training_labels_words(given: Optional[tuple[list[Path], Optional[str]]]
+                          ) -> Optional[LabelSource]:
     """The file(s) that labelled the training split (`given`, as split_classes takes it), as a
     refusal of another split's label names them; None where class folders labelled it."""
     if given is None:
         return None
     paths, flag = given
-    return flag or (str(paths[0]) if len(paths) == 1 else "the training split's metadata files")
+    if flag or len(paths) == 1:
+        return LabelSource(flag or str(paths[0]))
+    return LabelSource("the training split's metadata files", "their class names")
 
 
 def metadata_labels(root: Path, found: dict[str, list[str]], dirs: list[tuple[str, int]],

@@ -31,7 +31,7 @@ import os
 import re
 import unicodedata
 from pathlib import Path, PurePosixPath
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from accel_train.base.errors import UsageError, first_few
 from accel_train.base.readers import (parquet_file, parse_json_line, read_parquet_table,
@@ -47,6 +47,14 @@ NAMED_COLUMNS = ("file_name", "label")  # the two columns a metadata file is rea
 # the reader's kind of a parquet label file: a flag's, or (None) an image folder's own
 PARQUET_KINDS = {"--train-labels": "train_labels", "--val-labels": "val_labels",
                  None: "imagefolder_metadata_parquet"}
+
+
+class LabelSource(NamedTuple):
+    """Where the training split's labels came from, as a refusal of another split's label
+    names them: `name` ("--train-labels", a metadata file's path, the split's metadata files)
+    and what to use instead (`use`: "its class names", "their class names")."""
+    name: str
+    use: str = "its class names"
 
 
 def where_of(file: Path, flag: Optional[str]) -> str:
@@ -212,7 +220,7 @@ def missing_columns(header: list[str]) -> list[str]:
 
 
 def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[str],
-                    classes_from: Optional[str] = None,
+                    classes_from: Optional[LabelSource] = None,
                     flag: Optional[str] = "--val-labels") -> list[str]:
     """The class of each image (paths relative to `folder`, sorted) from `file`:
 
@@ -278,7 +286,8 @@ def read_train_labels(file: Path, folder: Path, images: list[str],
 
 
 def read_metadata_labels(files: list[Path], folder: Path, images: list[str],
-                         classes: Optional[set[str]] = None, classes_from: Optional[str] = None,
+                         classes: Optional[set[str]] = None,
+                         classes_from: Optional[LabelSource] = None,
                          read: Optional[dict] = None) -> list[str]:
     """The class of each image of a split folder (paths relative to `folder`, sorted) from its
     metadata files (Hugging Face's imagefolder layout), in `folder` and its subfolders: each
@@ -449,9 +458,9 @@ def _spellings(classes: frozenset) -> dict[str, str]:
 
 
 def _known_class(label: str, classes: set[str], where: str, place: str,
-                 classes_from: Optional[str]) -> str:
-    """`label` as one of `classes` spells it; `classes_from`: the training labels' file(s), in
-    words ("--train-labels", a metadata file), or None where the class folders gave them."""
+                 classes_from: Optional[LabelSource]) -> str:
+    """`label` as one of `classes` spells it; `classes_from`: the training labels' file(s), or
+    None where the class folders gave them."""
     classes_from_file = classes_from is not None
     if label in classes:
         return label
@@ -466,8 +475,7 @@ def _known_class(label: str, classes: set[str], where: str, place: str,
     # the sorted one); a --train-labels file's classes may be numbers themselves
     hint = " (class numbers are not accepted: they mean different things in different files)" \
         if label.isdigit() and not classes_from_file else ""
-    named = (f"the classes of {classes_from}",
-             "their class names" if classes_from.endswith("files") else "its class names") \
-        if classes_from_file else ("the class folders of train/", "the class folder names")
+    named = (f"the classes of {classes_from.name}", classes_from.use) if classes_from_file \
+        else ("the class folders of train/", "the class folder names")
     raise UsageError(f"{where} {place}: {label!r} is not a class ({named[0]} are "
                      f"{examples}, ...){hint}; use {named[1]}")

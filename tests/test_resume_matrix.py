@@ -130,11 +130,11 @@ def matrix_data(big_image_folder, big_jpeg_folder, synthetic_shards) -> dict:
 
 # (the checkpoint after which SIGTERM is sent, the epoch the stop then falls in): the first
 # epoch and a later one (where the epoch must reach the sampler of a loader that skips the
-# batches already trained) on 1 process, a later one on 2.  Steps per epoch (in memory, per
+# batches already trained) on 1 process and on 2 alike.  Steps per epoch (in memory, per
 # step, streamed): 16, 16, 12 on 1 process; in memory and streamed 8 and 5 on 2, the
 # decoded-on-device row 9 (its batch below).
 STOP_AFTER = {("in-memory", 1): (18, 1), ("per-step", 1): (3, 0), ("streamed", 1): (15, 1),
-              ("in-memory", 2): (9, 1), ("streamed", 2): (6, 1),
+              ("in-memory", 2): (3, 0), ("streamed", 2): (6, 1),
               ("accumulated", 1): (6, 0), ("on-device", 1): (18, 1), ("timm", 1): (9, 1),
               ("decoded-on-device", 1): (9, 1), ("decoded-on-device", 2): (9, 1)}
 

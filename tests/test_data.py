@@ -67,6 +67,9 @@ def test_synthetic_is_deterministic_balanced_and_held_out():
 # SHA-256 of the embedded set's test split (images then labels, as bytes) as every earlier
 # version generated it: held-out figures compare across versions only while this holds.
 HELD_OUT_SHA256 = "58cf5132120e7edc5e8665fbba9baec734c61e1ab4aa6a153013f24c83768ecc"
+# and of a 300-image training split (more than one block of the generator), as the version that
+# made the whole set at once generated it: a run on the embedded set trains on the same images
+TRAIN_300_SHA256 = "1c59e11543877e349bf736541b3ccfba53fdfc205c7d7f6c32f8e02953f2ca81"
 
 
 def test_the_held_out_split_is_made_once_and_each_caller_gets_its_own_copy():
@@ -81,6 +84,7 @@ def test_the_held_out_split_is_made_once_and_each_caller_gets_its_own_copy():
     first[1][0] = 9 - first[1][0]
     assert digest(synthetic.splits(10)["test"]) == HELD_OUT_SHA256
     assert digest(synthetic.held_out_split()) == HELD_OUT_SHA256
+    assert digest(synthetic.splits(300)["train"]) == TRAIN_300_SHA256
 
 
 @pytest.mark.parametrize("copy", ["real_cifar10", "cifar10_layout"])

@@ -532,17 +532,17 @@ def test_a_held_out_label_outside_the_metadata_labelled_classes_names_their_file
         f"{root}/train/metadata.csv are cat, dog, ...); use its class names")
 
 
-def test_the_training_labels_source_in_words(tmp_path):
+def test_the_training_labels_source_names_the_file_or_flag(tmp_path):
     """--train-labels by its flag, one metadata file by its path, several as the split's
     metadata files, whose classes a refusal then calls theirs; class folders: None."""
-    from accel_train.data.folder_labels import training_labels_words
+    from accel_train.data.folder_labels import training_labels_source
     from accel_train.data.label_files import read_val_labels
     one, two = tmp_path / "train" / "metadata.csv", tmp_path / "train" / "a" / "metadata.csv"
-    assert training_labels_words(None) is None
-    assert tuple(training_labels_words(([tmp_path / "t.csv"], "--train-labels"))) == (
+    assert training_labels_source(None) is None
+    assert tuple(training_labels_source(([tmp_path / "t.csv"], "--train-labels"))) == (
         "--train-labels", "its class names")
-    assert tuple(training_labels_words(([one], None))) == (str(one), "its class names")
-    several = training_labels_words(([one, two], None))
+    assert tuple(training_labels_source(([one], None))) == (str(one), "its class names")
+    several = training_labels_source(([one, two], None))
     assert tuple(several) == ("the training split's metadata files", "their class names")
     (tmp_path / "val.csv").write_text("v.png,bird\n")
     with pytest.raises(UsageError) as refused:

@@ -50,7 +50,7 @@ def split_classes(given: tuple[list[Path], Optional[str]], folder: Path, images:
     """A split's classes from its label files (label_files_given, metadata_labels): a flag's one
     file, or (flag None) the split's metadata files (`read`: {file: its read_metadata}).
     `classes` None: the training split's; `classes_from`: where the training split's labels
-    came from (training_labels_words), None for class folders."""
+    came from (training_labels_source), None for class folders."""
     paths, flag = given
     if flag is None:
         return read_metadata_labels(paths, folder, images, classes, classes_from, read)
@@ -59,7 +59,7 @@ def split_classes(given: tuple[list[Path], Optional[str]], folder: Path, images:
     return read_val_labels(paths[0], folder, images, classes, classes_from, flag)
 
 
-def training_labels_words(given: Optional[tuple[list[Path], Optional[str]]]
+def training_labels_source(given: Optional[tuple[list[Path], Optional[str]]]
                           ) -> Optional[LabelSource]:
     """The file(s) that labelled the training split (`given`, as split_classes takes it), as a
     refusal of another split's label names them; None where class folders labelled it."""

@@ -52,7 +52,7 @@ from accel_train.base.errors import UsageError, first_few
 from accel_train.base.readers import Shape, read_arrow_cache
 from accel_train.data.folder_labels import (is_labelled_split, label_files_given,
                                             metadata_labels, split_classes,
-                                            training_labels_words)
+                                            training_labels_source)
 from accel_train.data.label_files import (METADATA_FILES, METADATA_PARQUET, class_order,
                                           metadata_missing)
 from accel_train.data.loader_watch import reading
@@ -542,7 +542,7 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
     for split, given in files.items():
         if split != "train":
             classes[split] = split_classes(given, splits[split], images[split],
-                                          set(class_names), training_labels_words(labelled_train),
+                                          set(class_names), training_labels_source(labelled_train),
                                           read)
     number = {name: i for i, name in enumerate(class_names)}
     result = {split: (pa.array(found, pa.string()),

@@ -38,6 +38,7 @@ from accel_train.run.checkpoint import write_manifest
 from accel_train.cli import build_train_parser, config_from_args
 from accel_train.config import TrainConfig
 from conftest import BIG_SIZE, PINNED, accel_train_here
+from fault_entry import STEP_SECONDS_ENV
 from faults import (Run, checkpoint, checkpoint_steps, max_weight_difference, metrics, resolved,
                     stopped_at, torchrun_cmd, wait_until)
 
@@ -182,7 +183,12 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_da
         reference_run = Run(launch(*command, "--output-dir", str(reference)),
                             tmp_path / "reference.log")
         runs.append(reference_run)
-        victim = Run(launch(*command, "--output-dir", str(stopped)), tmp_path / "stopped.log")
+        # Each step of the run to be stopped takes a second more (a sleep, no arithmetic: its
+        # numbers stay those of the reference): the SIGTERM sent once checkpoint `after`
+        # appears, forwarded by torchrun, must land before the last step (the streamed row
+        # has 4 steps left, which a quiet machine trains in well under a second).
+        victim = Run(launch(*command, "--output-dir", str(stopped)), tmp_path / "stopped.log",
+                     **{STEP_SECONDS_ENV: "1"})
         runs.append(victim)
         wait_until(lambda: after in checkpoint_steps(stopped), f"the checkpoint of step {after}",
                    victim)

@@ -17,7 +17,8 @@ import accel_train  # noqa: F401  (what a user's program imports first: the smal
 from accel_train.model.input_size import create_at_size
 from conftest import PINNED, accel_train_here
 
-TINY = ("--dataset", "synthetic", "--synthetic-train-size", "64", "--batch-size", "16",
+TINY = ("--dataset", "synthetic", "--synthetic-train-size", "64", "--max-eval-samples", "64",
+        "--batch-size", "16",
         "--epochs", "1", "--progress", "log", "--no-plots", *PINNED)
 
 

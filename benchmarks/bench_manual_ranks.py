@@ -24,6 +24,7 @@ import benchlib  # noqa: E402
 CORES = len(os.sched_getaffinity(0))
 ARMS = {f"every rank {CORES} threads (OMP_NUM_THREADS={CORES})": str(CORES),
         "cores divided among the ranks (OMP_NUM_THREADS unset)": None}
+ARM_NAMES = dict(zip(("every-core", "divided"), ARMS))  # --arms
 
 
 def pair(args, omp, out: Path) -> float:
@@ -56,20 +57,23 @@ def main() -> None:
                         "--quick 60)")
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--arms", nargs="+", choices=list(ARM_NAMES), default=list(ARM_NAMES),
+                        help="which arms to run (the ratio is to the first of them)")
     args = parser.parse_args()
+    arms = {ARM_NAMES[name]: ARMS[ARM_NAMES[name]] for name in dict.fromkeys(args.arms)}
     args.steps = args.steps or (60 if args.quick else 120)
     if args.quick:
         args.rounds = 1
     report = benchlib.Report("manual_ranks", "Two ranks started by hand on one machine", args)
     work = Path(args.out) / "manual_ranks_runs"
-    rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    for round_number, order in enumerate(benchlib.round_orders(list(ARMS), args.rounds)):
+    rates: dict[str, list[float]] = {arm: [] for arm in arms}
+    for round_number, order in enumerate(benchlib.round_orders(list(arms), args.rounds)):
         for arm in order:
             out = work / f"round{round_number}-{list(ARMS).index(arm)}"
             subprocess.run(["rm", "-rf", str(out)], check=True)
-            rates[arm].append(pair(args, ARMS[arm], out))
+            rates[arm].append(pair(args, arms[arm], out))
             print(f"round {round_number}: {arm}: {rates[arm][-1]:.0f} img/s", flush=True)
-    base = benchlib.median(rates[next(iter(ARMS))])
+    base = benchlib.median(rates[next(iter(arms))])
     report.table(f"{args.model} at 32 px, batch 32 a rank, {args.steps} steps, fp32 NCHW, "
                  f"{args.rounds} round(s)",
                  ["threads", "img/s (median)", "spread", "ratio"],

@@ -43,7 +43,9 @@ CASES = {
                  "--max-train", "512", "--recipe-file", "recipes/cifar10-cpu-10min.yaml",
                  "--recipe-file-extra", "--max-steps 2 --batch-size 16"],
     "threads": [*TINY, "--steps", "1", "--conditions", "quiet"],
-    "manual_ranks": [*TINY, "--steps", "4", "--log-every", "2"],
+    # the product's own division of the cores (the every-core arm is the same program with
+    # OMP_NUM_THREADS set, which tests/test_manual_flags.py runs)
+    "manual_ranks": [*TINY, "--steps", "4", "--log-every", "2", "--arms", "divided"],
     "host_memory": ["--quick", "--max-train", "256", "--batch-size", "32"],
     # one loaded arm and its quiet reference: a budget run and a --max-steps run
     "budget": ["--quick", "--budget", "4", "--hog-seconds", "1", "--arms", "load first",

@@ -143,6 +143,7 @@ def test_fit_records_its_program_even_after_the_command_line_ran_in_the_process(
     """A program that called the command line (cli.main) and then fit(): each run records
     what ran it, `accel-train ARGS` and then the program's own argv."""
     assert main(["--dataset", "synthetic", "--synthetic-train-size", "32", "--batch-size", "16",
+                 "--model", "test_resnet", "--max-eval-samples", "16",
                  "--max-steps", "1", "--no-plots", "--mixed-precision", "no",
                  "--no-channels-last", "--output-dir", str(tmp_path / "cli")]) == 0
     fit_tiny(tmp_path, "fit", max_steps=1)
@@ -387,6 +388,7 @@ def test_fits_warnings_and_summary_name_keywords_and_the_command_line_then_flags
     # the commands to run next keep their flags; eval of a program's data needs data named
     assert f"next: accel-train eval {tmp_path / 'fit'} --data-dir DATA  |" in text
     assert main(["--dataset", "synthetic", "--synthetic-train-size", "32", "--batch-size", "16",
+                 "--model", "test_resnet", "--max-eval-samples", "16",
                  "--max-steps", "1", "--no-plots", "--mixed-precision", "no",
                  "--no-channels-last", "--output-dir", str(tmp_path / "cli")]) == 0
     said = capsys.readouterr()

@@ -400,3 +400,31 @@ def test_a_training_refusals_check_data_hint_is_a_command_check_data_takes(tmp_p
     code, out, err = check_here(capsys, *shlex.split(hint))
     assert code == 1, err  # problems found (Cat in one split), not an unrecognized argument
     assert "  Cat: validation only" in out
+
+
+def test_the_table_lines_up_class_and_file_names_of_any_script(tmp_path, capsys):
+    """Class folders named in Japanese and a broken file among them: each name is padded by the
+    terminal columns it takes (a CJK character two, counted here by hand), so every count ends
+    in one column and every reason starts in one."""
+    root = tmp_path / "data"
+    for label, name in enumerate(["猫", "cat", "犬犬犬"]):
+        (root / name).mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(kinds.pixels(10 * label + i, 8, 8)).save(root / name / f"{i}.png")
+    (root / "猫" / "壊れた.png").write_bytes(b"not a png")
+    (root / "cat" / "bad.png").write_bytes(b"not a png")
+    code, out, _ = check_here(capsys, "--data-dir", str(root))
+    assert code == 1, out
+    lines = out.splitlines()
+    # names padded to 6 columns (犬犬犬: 3 wide characters), the counts (broken files counted)
+    # right-aligned under "train" in 6
+    table = lines[lines.index("images per class:") + 1:][:5]
+    assert table == ["  class    train",
+                     "  cat          3",
+                     "  犬犬犬       2",
+                     "  猫           3",
+                     "  total        8"], table
+    # the paths padded to 13 columns (猫/壊れた.png: 4 wide characters and 5 narrow ones)
+    unreadable = lines[lines.index("unreadable images (2):") + 1:][:2]
+    assert [line.split(" not an image")[0] for line in sorted(unreadable)] == \
+        ["  cat/bad.png   ", "  猫/壊れた.png "], unreadable

@@ -252,6 +252,7 @@ def test_the_last_words_name_the_run_folder_as_a_shell_takes_it(tmp_path, capsys
     """The end of a run suggests commands: a folder with spaces, quoted, pastes as one word."""
     out = tmp_path / "my run é"
     code, said, err = command(capsys, "--dataset", "synthetic", "--synthetic-train-size", "64",
+                              "--model", "test_resnet", "--max-eval-samples", "16",
                               "--batch-size", "16", "--max-steps", "1", "--no-plots",
                               "--output-dir", str(out))
     assert code == 0, err

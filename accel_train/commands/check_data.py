@@ -26,6 +26,7 @@ from typing import Sequence
 
 from accel_train.cli import (RETRY_HINT, _Parser, add_read_timeout, read_timeout_checked,
                              stop_on_a_stuck_read)
+from accel_train.base.columns import display_width, pad
 from accel_train.base.errors import STALLED_EXIT, RunStopped, UsageError
 from accel_train.data.imagefolder import PHOTO_FORMATS_NOT_OPENED
 from accel_train.data.loader_watch import start_watch
@@ -325,18 +326,19 @@ def format_table(findings: dict) -> str:
         lines.insert(1, f"labels: {findings['labels']}")
     unreadable = findings["unreadable"]
     lines.append(f"unreadable images ({len(unreadable)})" + (":" if unreadable else ""))
-    width = max([len(u["image"]) for u in unreadable] or [0])
-    lines += [f"  {u['image']:<{width}}  {u['reason']}" for u in unreadable]
+    # padded by the columns a name shows at (CJK takes two), not its characters: columns.py
+    width = max([display_width(u["image"]) for u in unreadable] or [0])
+    lines += [f"  {pad(u['image'], width)}  {u['reason']}" for u in unreadable]
     names = findings["classes"]
-    name_width = max(len("class"), len("total"), *(len(n) for n in names))
-    columns = [max(len(s), 6) for s in splits]
+    name_width = max(len("class"), len("total"), *(display_width(n) for n in names))
+    columns = [max(display_width(s), 6) for s in splits]
     lines += ["", "images per class:",
-              "  " + f"{'class':<{name_width}}" + "".join(f"  {s:>{w}}" for s, w in
-                                                           zip(splits, columns))]
+              "  " + pad("class", name_width) + "".join(
+                  "  " + " " * (w - display_width(s)) + s for s, w in zip(splits, columns))]
     for name in names:
-        lines.append("  " + f"{name:<{name_width}}" + "".join(
+        lines.append("  " + pad(name, name_width) + "".join(
             f"  {findings['class_counts'][s][name]:>{w},}" for s, w in zip(splits, columns)))
-    lines.append("  " + f"{'total':<{name_width}}" + "".join(
+    lines.append("  " + pad("total", name_width) + "".join(
         f"  {findings['splits'][s]:>{w},}" for s, w in zip(splits, columns)))
     if findings.get("classes_across_folders"):
         lines.append(f"  note: {findings['classes_across_folders']}")

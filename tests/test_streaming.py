@@ -511,13 +511,17 @@ def stream_reference(synthetic_shards, tmp_path_factory):
 @pytest.mark.slow
 def test_sigterm_on_two_processes_then_finished_on_one_each_sample_once(synthetic_shards,
                                                                          tmp_path):
+    from fault_entry import STEP_SECONDS_ENV
     from faults import (SAMPLE_LOG_ENV, Run, checkpoint_steps, python_cmd, torchrun_cmd,
                         wait_until)
     import signal
     out = tmp_path / "run"
     command = ["--data-dir", str(synthetic_shards), *STREAM_TRAIN, "--num-workers", "1",
                "--checkpoint-every", "3", "--output-dir", str(out)]
-    first = Run(torchrun_cmd(*command), tmp_path / "first.log", **{SAMPLE_LOG_ENV: "1"})
+    # each step of the first start half a second more (a sleep: the samples stay the same),
+    # so that the SIGTERM sent once checkpoint 3 appears lands within the first epoch's 10
+    first = Run(torchrun_cmd(*command), tmp_path / "first.log",
+                **{SAMPLE_LOG_ENV: "1", STEP_SECONDS_ENV: "0.5"})
     try:
         wait_until(lambda: 3 in checkpoint_steps(out), "the first checkpoint", first)
         first.proc.send_signal(signal.SIGTERM)

@@ -60,7 +60,7 @@ def split_classes(given: tuple[list[Path], Optional[str]], folder: Path, images:
 
 
 def training_labels_source(given: Optional[tuple[list[Path], Optional[str]]]
-                          ) -> Optional[LabelSource]:
+                           ) -> Optional[LabelSource]:
     """The file(s) that labelled the training split (`given`, as split_classes takes it), as a
     refusal of another split's label names them; None where class folders labelled it."""
     if given is None:

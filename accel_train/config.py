@@ -117,12 +117,12 @@ class TrainConfig:
                                    "libjpeg-turbo); never: the loader workers. The decoder: "
                                    "torchvision's, else TorchCodec's where installed.",
                                    "data", choices=DATA_ON_DEVICE_MODES)
-    host_decode_share: float = option(0.0, "Where the training JPEGs are decoded on the device "
-                                      "(--decode-on-device), the share of each batch's JPEGs "
-                                      "the loader workers decode anyway (0.25: every fourth), "
-                                      "so that cores the device path leaves idle take work "
-                                      "off the GPU. The same crops either way; those images' "
-                                      "pixels are the workers' path's.", "data")
+    host_decode_share: Optional[float] = option(
+        None, "Where the training JPEGs are decoded on the device (--decode-on-device), the "
+        "share of each batch's JPEGs the loader workers decode anyway (0.25: every fourth), so "
+        "that cores the device path leaves idle take work off the GPU (default: the share "
+        "auto weighs from its timings; 0 with always). The same crops either way; those "
+        "images' pixels are the workers' path's.", "data")
     num_workers: Optional[int] = option(None, "DataLoader worker processes per process (default: "
                                         "on a CPU, 0 for in-memory data, else min(4, cpus per "
                                         "process); on a GPU, the process's cores but one).",
@@ -547,7 +547,8 @@ class TrainConfig:
             raise UsageError(f"--warmup-fraction is a share of the run: at least 0 and below 1 "
                              f"(got {self.warmup_fraction!r}); 0.2 warms up over the first "
                              f"fifth")
-        if not (isinstance(self.host_decode_share, (int, float))
+        if self.host_decode_share is not None and not (
+                isinstance(self.host_decode_share, (int, float))
                 and 0 <= self.host_decode_share <= 1):
             raise UsageError(f"--host-decode-share is a share of each batch's JPEGs: between 0 "
                              f"and 1 (got {self.host_decode_share!r}); 0.25 leaves every "

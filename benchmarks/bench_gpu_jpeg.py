@@ -7,7 +7,9 @@ Arms, in one process, one after the other:
                        the trainer's on CUDA), on a random batch already on the GPU
                        (bench_gpu.HandLoop): the ceiling
   accel_train MODE     Trainer.train_epoch over the folder (make_imagenet_like.py's JPEGs, 300-500
-                       px, about 110 kB), --decode-on-device MODE: auto (what a user gets), never
+                       px, about 110 kB), --decode-on-device MODE: auto (what a user gets:
+                       where the device path wins, with the share of each batch auto gives
+                       the workers), never
                        (the loader workers decode, crop and jitter: timm's transform on PIL
                        images), always (the workers read the files, the GPU decodes them with
                        nvJPEG and crops them), always:0.4 (--host-decode-share 0.4: the workers
@@ -97,7 +99,8 @@ def config(args, root: Path, mode: str, work: Path):
     return TrainConfig(data_dir=str(root), model=args.model, image_size=args.size,
                        batch_size=args.batch, mixed_precision=args.precision,
                        channels_last=True, in_memory="never", decode_on_device=decode,
-                       host_decode_share=float(share or 0), num_workers=args.workers,
+                       host_decode_share=float(share) if share else None,
+                       num_workers=args.workers,
                        epochs=1_000_000, progress="log", plots=False, log_every=LOG_EVERY,
                        output_dir=str(work / f"run-{mode.replace(':', '-')}"))
 

@@ -581,7 +581,7 @@ def test_a_resumed_state_keeps_every_field_of_the_checkpoint_but_the_process_lay
     the ones this start decides for itself (its process layout, how it computes and where it
     decodes JPEGs)."""
     layout = {"world_size": 1, "batch_size": 64, "accumulation_steps": 2, "precision": "bf16",
-              "channels_last": True, "decoded_on_device": True}
+              "channels_last": True, "decoded_on_device": True, "host_decode_share": 0.25}
     assert set(layout) == set(TrainerState.THIS_START)
     saved = TrainerState()
     for number, field in enumerate(dataclasses.fields(TrainerState), start=3):

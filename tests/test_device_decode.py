@@ -214,19 +214,46 @@ def test_the_rule_auto_decides_by(photos, tmp_path):
     def rates(host, device, train):
         return lambda: {"host": host, "device": device, "train": train}
 
-    # workers 500 img/s, the GPU decodes 3000 beside training at 2000: 1 / (1/2000 + 1/3000)
-    # = 1200 img/s against 500
-    chosen, why = choose("auto", files, transform, True, False, rates(500, 3000, 2000))
-    assert chosen and "1,200 against 500 img/s" in why, why
-    # workers 1800: 1200 against 1800, the workers win
-    chosen, why = choose("auto", files, transform, True, False, rates(1800, 3000, 2000))
-    assert not chosen and "1,200 against 1,800 img/s" in why, why
-    # a tie: the device's time is the GPU's, so the workers keep the work
-    chosen, why = choose("auto", files, transform, True, False, rates(1200, 3000, 2000))
-    assert not chosen and "1,200 against 1,200 img/s" in why, why
+    # workers 500 img/s, the GPU decodes 3000 beside training at 2000.  The share where the
+    # workers' bound (500 / s) meets the GPU's (1 / (1/2000 + (1 - s)/3000)): s = (1/2000 +
+    # 1/3000) / (1/500 + 1/3000) = (5/6000) / (14/6000) = 0.357 -> 0.36; the loop then at
+    # min(500 / 0.36, 1 / (1/2000 + 0.64/3000)) = min(1388.9, 1401.9) = 1,389 img/s
+    chosen, why, share = choose("auto", files, transform, True, False, rates(500, 3000, 2000))
+    assert chosen and share == 0.36, (why, share)
+    assert "1,389 with 36% of each batch's JPEGs left to the workers against 500 img/s" in why
+    # without a share (given as 0), the device alone: 1 / (1/2000 + 1/3000) = 1,200
+    chosen, why, share = choose("auto", files, transform, True, False, rates(500, 3000, 2000),
+                                share=0.0)
+    assert chosen and share == 0.0 and ": 1,200 against 500 img/s" in why, why
+    # a share given is weighed as given: 0.5 -> min(1000, 1 / (1/2000 + 0.5/3000)) = 1,000
+    chosen, why, share = choose("auto", files, transform, True, False, rates(500, 3000, 2000),
+                                share=0.5)
+    assert chosen and share == 0.5 and "1,000 with 50% of" in why, why
+    # workers 1800: s = (5/6000) / (1/1800 + 1/3000) = 0.9375 -> 0.94, min(1800 / 0.94,
+    # 1 / (1/2000 + 0.06/3000)) = min(1914.9, 1923.1) = 1,915: 6% above the workers' 1,800,
+    # below the 10% (MIN_GAIN) the device path must promise
+    chosen, why, share = choose("auto", files, transform, True, False, rates(1800, 3000, 2000))
+    assert not chosen and share == 0.0, why
+    assert "1,915 with 94% of each batch's JPEGs left to the workers against 1,800 img/s" in why
+    # workers 1600: s = (5/6000) / (1/1600 + 1/3000) = 0.8696 -> 0.87, min(1600 / 0.87,
+    # 1 / (1/2000 + 0.13/3000)) = min(1839.1, 1840.5) = 1,839: 15% above 1,600
+    chosen, why, share = choose("auto", files, transform, True, False, rates(1600, 3000, 2000))
+    assert chosen and share == 0.87 and "1,839 with 87% of" in why and "against 1,600" in why
+    # workers that keep up with training (2500 > 2000): s = (5/6000) / (1/2500 + 1/3000) =
+    # 1.14 -> 1, the workers alone; so with a share of 1 given
+    for given in (None, 1.0):
+        chosen, why, share = choose("auto", files, transform, True, False,
+                                    rates(2500, 3000, 2000), share=given)
+        assert (chosen, share) == (False, 0.0) and why == (
+            "by the loader workers (--decode-on-device auto: they decode 2,500 img/s, at least "
+            "what training at 2,000 img/s takes)"), why
+    # always decodes on the device with the share given, else none
+    assert choose("always", files, transform, True, False, share=0.25) == (
+        True, "on the device (--decode-on-device always)", 0.25)
+    assert choose("always", files, transform, True, False).share == 0.0
     # nothing is timed without a GPU, or when asked
     never_timed = lambda: pytest.fail("timed")  # noqa: E731
-    assert choose("auto", files, transform, False, False, never_timed) == (False, "")
+    assert choose("auto", files, transform, False, False, never_timed) == (False, "", 0.0)
     assert choose("always", files, transform, False, False, never_timed)[0]
     assert not choose("never", files, transform, True, False, never_timed)[0]
     in_memory = ArraySource(torch.zeros(2, 3, 80, 80, dtype=torch.uint8), torch.zeros(2))
@@ -234,10 +261,10 @@ def test_the_rule_auto_decides_by(photos, tmp_path):
         choose("always", in_memory, transform, True, False)
     with pytest.raises(UsageError, match="streamed"):
         choose("always", files, transform, True, True)
-    assert choose("auto", in_memory, transform, True, False) == (False, "")
+    assert choose("auto", in_memory, transform, True, False) == (False, "", 0.0)
     # images of 64 px or less take the small-image path: nothing to weigh; 65 px are weighed
     small = _dataset(_folder_of(tmp_path / "64", 64)).source
-    assert choose("auto", small, transform, True, False, never_timed) == (False, "")
+    assert choose("auto", small, transform, True, False, never_timed) == (False, "", 0.0)
     larger = _dataset(_folder_of(tmp_path / "65", 65)).source
     assert choose("auto", larger, transform, True, False, rates(500, 3000, 2000))[0]
     # each reason in the words of the one line always gives
@@ -327,11 +354,18 @@ def test_the_workers_are_timed_together_in_their_own_processes(photos, tmp_path,
 
 
 def test_a_resumed_run_keeps_the_choice_auto_made():
-    previous = TrainerState(decoded_on_device=True)
+    previous = TrainerState(decoded_on_device=True, host_decode_share=0.58)
     config, kept = keep_choices(TrainConfig(), previous, Path("unused"))
-    assert config.decode_on_device == "always" and "decoding" in kept
-    config, kept = keep_choices(TrainConfig(decode_on_device="never"), previous, Path("unused"))
-    assert config.decode_on_device == "never" and "decoding" not in kept
+    assert (config.decode_on_device, config.host_decode_share) == ("always", 0.58)
+    assert "decoding" in kept and "decoding share" in kept
+    config, kept = keep_choices(TrainConfig(decode_on_device="never", host_decode_share=0.1),
+                                previous, Path("unused"))
+    assert (config.decode_on_device, config.host_decode_share) == ("never", 0.1)
+    assert "decoding" not in kept and "decoding share" not in kept
+    # a checkpoint from before the share was recorded: nothing to keep
+    config, kept = keep_choices(TrainConfig(), TrainerState(decoded_on_device=True),
+                                Path("unused"))
+    assert config.host_decode_share is None and "decoding share" not in kept
 
 
 @pytest.mark.slow
@@ -345,6 +379,7 @@ def test_a_run_decoding_on_the_device_says_so_and_records_it(photos, tmp_path):
     assert "\n  JPEGs decoded on the device (--decode-on-device always)\n" in said, said
     recorded = yaml.safe_load((out / "config.yaml").read_text())
     assert recorded["train"]["decode_on_device"] == "always", recorded["train"]
+    assert recorded["train"]["host_decode_share"] == 0.0, recorded["train"]  # none given
     assert recorded["resolved"]["jpeg_decoding"].startswith("on the device")
 
 

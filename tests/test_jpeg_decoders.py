@@ -292,7 +292,7 @@ def test_without_any_decoder_the_device_path_is_refused_in_one_line(turned_photo
     def never_timed():
         raise AssertionError("auto timed a path it cannot take")
     assert choose("auto", data.train, transform, cuda=True, streaming=False,
-                  rates=never_timed) == (False, "")
+                  rates=never_timed) == (False, "", 0.0)
     # the command itself: one line, exit 2, nothing written
     out = turned_photos.parent / "refused_run"
     result = accel_train_here("--data-dir", str(turned_photos), "--decode-on-device", "always",

@@ -27,7 +27,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -47,6 +47,10 @@ MODES = ("auto", "always", "never")
 RANDOM_INTERPOLATIONS = ("bilinear", "bicubic")
 DEVICE_INTERPOLATIONS = ("bilinear", "bicubic")  # the ones batched_resize.py computes
 PROBE_IMAGES = 32            # images each input path is timed on when auto chooses
+# How much faster than the loader workers alone auto's device path must promise to be: its
+# rate leaves out what the workers still do for the device's images (read the files, draw
+# the crops) and the training process's time handing them to the decoder.
+MIN_GAIN = 1.1
 
 
 @dataclass
@@ -397,36 +401,71 @@ def unfit_reason(source: ImageSource, transform: ImageTransform, streaming: bool
     return None
 
 
+class Decoding(NamedTuple):
+    """Where a run's training JPEGs are decoded: on the device or by the loader workers, why
+    (for the summary; empty when auto had nothing to choose), and the share of each batch's
+    JPEGs the workers decode all the same when the device takes the rest (--host-decode-
+    share, or the one auto chose)."""
+
+    on_device: bool
+    why: str
+    share: float = 0.0
+
+
+def loop_rate(share: float, host: float, device: float, train: float) -> float:
+    """Images a second the loop can train at when the loader workers decode `share` of each
+    batch's JPEGs and the device the rest (rates in img/s, as `time_paths` gives them): the
+    workers bound it at host / share, and the GPU, which decodes (1 - share) of the images
+    and trains them all in turn, at 1 / (1/train + (1 - share)/device)."""
+    workers = host / share if share > 0 else math.inf
+    return min(workers, 1 / (1 / train + (1 - share) / device))
+
+
+def best_share(host: float, device: float, train: float) -> float:
+    """The share at which `loop_rate`'s two bounds meet (share/host = 1/train + (1 - share)/
+    device), in hundredths; 1 where the workers alone keep up with training."""
+    return min(1.0, round((1 / train + 1 / device) / (1 / host + 1 / device), 2))
+
+
 def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool,
-           streaming: bool, rates: Optional[Callable[[], dict]] = None) -> tuple[bool, str]:
-    """(whether the training JPEGs are decoded on the device, why: for the summary, empty when
-    auto had nothing to choose: data the device path cannot take, no GPU, images of 64 px or
-    less).  `rates()`
+           streaming: bool, rates: Optional[Callable[[], dict]] = None,
+           share: Optional[float] = None) -> Decoding:
+    """Where the training JPEGs are decoded (`Decoding`).  `share`: --host-decode-share, None
+    where it was not given (auto then chooses one; always and never take 0).  `rates()`
     measures, for auto on a GPU: {"host": img/s the loader's workers decode and crop,
-    "device": img/s the GPU decodes and crops, "train": img/s it trains}.  The device path costs
-    the GPU time, so it is chosen only when the loop it gives, 1 / (1/train + 1/device) images a
-    second, beats the workers' min(train, host)."""
+    "device": img/s the GPU decodes and crops, "train": img/s it trains}.
+
+    auto weighs the workers alone, min(train, host), against the device path with the share
+    `best_share` gives (or the one given), at `loop_rate`, and takes the device only where it
+    promises MIN_GAIN more.  The device's rate is timed synchronously, its host work
+    included, which overstates its GPU time: the share chosen then leans to the workers, and
+    the loop runs at what they can feed it, which `loop_rate` predicts."""
     flag = f"--decode-on-device {mode}"
     if mode == "never":
-        return False, f"by the loader workers ({flag})"
+        return Decoding(False, f"by the loader workers ({flag})")
     unfit = unfit_reason(source, transform, streaming)
     if unfit and mode == "always":
         raise UsageError(f"{flag}: {unfit}; use --decode-on-device auto or never")
     if mode == "always":
-        return True, f"on the device ({flag})"
+        return Decoding(True, f"on the device ({flag})", share or 0.0)
     # Nothing to say where auto had nothing to weigh (the summary names only a real choice).
     if unfit or not cuda or source.native_size <= SMALL_IMAGE:
-        return False, ""
+        return Decoding(False, "")
     measured = rates()
     host, device, train = measured["host"], measured["device"], measured["train"]
-    with_device = 1 / (1 / train + 1 / device)
+    chosen = best_share(host, device, train) if share is None else share
+    if chosen >= 1:
+        return Decoding(False, f"by the loader workers ({flag}: they decode {host:,.0f} img/s, "
+                               f"at least what training at {train:,.0f} img/s takes)")
+    with_device = loop_rate(chosen, host, device, train)
     with_host = min(train, host)
+    split = f" with {chosen:.0%} of each batch's JPEGs left to the workers" if chosen else ""
     figures = (f"the workers decode {host:,.0f} img/s, the device {device:,.0f} img/s beside "
-               f"training at {train:,.0f} img/s: {with_device:,.0f} against {with_host:,.0f} "
-               f"img/s")
-    if with_device > with_host:
-        return True, f"on the device ({flag}: {figures})"
-    return False, f"by the loader workers ({flag}: {figures})"
+               f"training at {train:,.0f} img/s: {with_device:,.0f}{split} against "
+               f"{with_host:,.0f} img/s")
+    if with_device >= MIN_GAIN * with_host:
+        return Decoding(True, f"on the device ({flag}: {figures})", chosen)
+    return Decoding(False, f"by the loader workers ({flag}: {figures})")
 
 
 def time_paths(dataset, host_rate: Callable[[], float], device: torch.device,

@@ -33,7 +33,7 @@ from accel_train.base.randomness import reseed_loader
 from accel_train.base.ranks import decide_on_main, process_cores
 from accel_train.base.readers import read_json
 from accel_train.data.decode_ahead import DecodeAhead
-from accel_train.data.device_decode import DeviceDecoder, time_paths
+from accel_train.data.device_decode import Decoding, DeviceDecoder, time_paths
 from accel_train.data.device_decode import choose as choose_device_decoding
 from accel_train.data.device_resident import DeviceResidentBatches
 from accel_train.data.device_resident import choose as choose_data_on_device
@@ -234,6 +234,7 @@ class Loaders:
     test: Optional[DataLoader] = None  # the test split, evaluated once at the end
     decoding: str = ""    # where training JPEGs are decoded, and why (--decode-on-device)
     decoded_on_device: bool = False
+    host_decode_share: Optional[float] = None  # on the device: the workers' share of each batch
 
 
 def machine_workers_rate(images: TrainImages, workers: int, processes_per_machine: int) -> float:
@@ -280,7 +281,7 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
     train_tf, held_out_tf = run_transforms(config, spec)
     wanted_workers = config.num_workers if config.num_workers is not None else \
         default_num_workers(data.train, process_cores(processes_per_machine), cuda)
-    decoding = (False, "")
+    decoding = Decoding(False, "")
     if streaming_wanted(config):
         # (--data-on-device always is bad input here; auto's reason is for the summary)
         _, choice = choose_data_on_device(config.data_on_device, data.train, train_tf, cuda,
@@ -317,13 +318,15 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                 rates=lambda: decide_on_main(lambda: time_paths(
                     images, lambda: machine_workers_rate(images, wanted_workers,
                                                          processes_per_machine),
-                    device, train_rate)))
-            images.decodes_on_device = decoding[0]
-            if decoding[0] and config.host_decode_share > 0:
-                images.host_decode_share = config.host_decode_share
-                decoding = (True, f"{decoding[1]}; {config.host_decode_share:.0%} of each "
-                                  f"batch's by the loader workers (--host-decode-share "
-                                  f"{config.host_decode_share:g})")
+                    device, train_rate)),
+                share=config.host_decode_share)
+            images.decodes_on_device = decoding.on_device
+            if decoding.on_device and decoding.share > 0:
+                images.host_decode_share = decoding.share
+                if config.decode_on_device == "always":  # (auto's words already say it)
+                    decoding = decoding._replace(
+                        why=f"{decoding.why}; {decoding.share:.0%} of each batch's by the "
+                            f"loader workers (--host-decode-share {decoding.share:g})")
             loader = make_loader(images,
                                  config.batch_size, wanted_workers, config.prefetch_factor,
                                  config.persistent_workers, pin_memory, sampler=sampler,
@@ -341,5 +344,6 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
         if source is not None else None
         for source in (data.held_out, data.test))
     return Loaders(train, held_out, workers, global_batch, steps, choice, test,
-                   decoding=decoding[1], decoded_on_device=decoding[0])
+                   decoding=decoding.why, decoded_on_device=decoding.on_device,
+                   host_decode_share=decoding.share if decoding.on_device else None)
 

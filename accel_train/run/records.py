@@ -92,7 +92,10 @@ def open_records(accelerator, plan, config, speed, state, metrics, report, paths
         chosen = dataclasses.replace(config, mixed_precision=speed.precision,
                                      channels_last=speed.channels_last,
                                      decode_on_device={True: "always", False: "never"}.get(
-                                         state.decoded_on_device, config.decode_on_device))
+                                         state.decoded_on_device, config.decode_on_device),
+                                     host_decode_share=state.host_decode_share
+                                     if state.host_decode_share is not None
+                                     else config.host_decode_share)
         write_run_config(plan.output_dir, chosen, facts, resumed=plan.resume_from is not None)
         record_elastic_job(plan.output_dir, plan.env.run_id)
     if config.report_to:

@@ -140,6 +140,9 @@ def keep_choices(config: TrainConfig, previous: TrainerState,
     if config.decode_on_device == "auto" and previous.decoded_on_device is not None:
         changes["decode_on_device"] = "always" if previous.decoded_on_device else "never"
         kept.append("decoding")
+    if config.host_decode_share is None and previous.host_decode_share is not None:
+        changes["host_decode_share"] = previous.host_decode_share
+        kept.append("decoding share")
     return dataclasses.replace(config, **changes), tuple(kept)
 
 

@@ -51,6 +51,9 @@ class TrainerState:
     channels_last: Optional[bool] = None  # fp16) and its memory format: a resume keeps them
     optimizer: Optional[str] = None    # the --optimizer whose state the checkpoint holds
     decoded_on_device: Optional[bool] = None  # --decode-on-device's choice: a resume keeps it
+    # decoded on the device: the share of each batch's JPEGs the loader workers decode
+    # (--host-decode-share, or auto's), which a resume keeps (it decides those images' pixels)
+    host_decode_share: Optional[float] = None
     # which images a sample limit kept: 'random' or 'first' (--sample-subset), 'all' where no
     # limit cut a split; None: a checkpoint from before the option, whose limits kept the first
     sample_subset: Optional[str] = None
@@ -62,7 +65,7 @@ class TrainerState:
     # global batch is kept: resume.keep_global_batch), and how it computes (autotune.py: a
     # resumed run asks for the checkpoint's choice, unless told otherwise).
     THIS_START = ("world_size", "batch_size", "accumulation_steps", "precision", "channels_last",
-                  "decoded_on_device")
+                  "decoded_on_device", "host_decode_share")
 
     @property
     def global_batch(self) -> int:

@@ -176,7 +176,8 @@ def speed_for_run(config, make_model: Callable[[], torch.nn.Module], spec,
                                       time_step).__dict__
 
     choice = SpeedChoice(**decide_on_main(measure))
-    kept = [name for name in kept_choices if name not in ("network", "decoding")]
+    kept = [name for name in kept_choices
+            if name not in ("network", "decoding", "decoding share")]
     if kept:
         choice = dataclasses.replace(choice, how=f"{' and '.join(kept)} kept from the "
                                                  f"checkpoint")

@@ -128,6 +128,47 @@ def test_two_folders_for_one_split_are_refused_naming_both(tmp_path, names, spli
                                  f"({first}/ and {second}/); keep one")
 
 
+@pytest.mark.parametrize("name, split", [
+    ("my-train", "train"), ("train2017", "train"), ("ILSVRC2012_img_val", "validation"),
+    ("training set", "train"), ("Validation.v2", "validation"), ("dev_01", "validation"),
+    ("eval", "test"), ("2024-TESTING", "test"),
+    ("trainee", None), ("devices", None), ("retrain", None), ("contest", None),
+    ("train_val", None),          # two splits in one name
+    ("train-training", "train"),  # two names of one split
+])
+def test_a_split_in_a_folders_name_is_a_whole_word_between_separators(name, split):
+    """datasets' rule (data_files.py: a keyword between "-._ 0-9" or the name's ends)."""
+    assert imagefolder.split_in_name(name) == split
+
+
+def test_folders_that_all_name_splits_in_their_names_are_the_splits(tmp_path):
+    root = _tree(tmp_path / "d", ["train2017/cat/1.png", "train2017/dog/2.png",
+                                  "val2017/cat/3.png", "test2017/dog/4.png"])
+    assert _rows(_index(root)) == {"train": [("train2017/cat/1.png", "cat"),
+                                             ("train2017/dog/2.png", "dog")],
+                                   "test": [("test2017/dog/4.png", "dog")],
+                                   "validation": [("val2017/cat/3.png", "cat")]}
+
+
+@pytest.mark.parametrize("folders", [
+    ["test_tube", "beaker"],        # a class whose name holds a split's: not all name one
+    ["val2017", "test2017"],        # no training split
+    ["train-a", "train-b"],         # one split twice
+    ["train_val", "test"],          # a name with two splits ("test" alone: an exact name, below)
+    ["train2017", "test-dev2017"],  # (COCO's test-dev: a test and a validation split)
+    ["train2017"],                  # one folder: the root is the training split, as before
+])
+def test_folders_whose_names_do_not_all_name_one_split_each_are_class_folders(tmp_path,
+                                                                               folders):
+    if "test" in folders:  # an exact split name beside another folder: refused, as always
+        root = _tree(tmp_path / "d", [f"{name}/c/1.png" for name in folders])
+        with pytest.raises(UsageError, match="mixes split folders"):
+            _index(root)
+        return
+    root = _tree(tmp_path / "d", [f"{name}/1.png" for name in folders])
+    assert _rows(_index(root)) == {"train": [(f"{name}/1.png", name) for name in sorted(folders)]}
+
+
 def test_split_folders_mixed_with_class_folders_are_refused(tmp_path):
     root = _tree(tmp_path / "d", ["train/c/1.png", "val/c/2.png", "zebra/3.png", "ant/4.png",
                                   "cow/5.png", "dog/6.png", "__MACOSX/7.png"])
@@ -678,7 +719,8 @@ def test_a_run_folder_inside_an_image_folder_is_refused(tmp_path, monkeypatch):
     accel_train_here("--data-dir", "photos", "--output-dir", "run", *common, check=True)
 
 
-@pytest.mark.parametrize("split_folder", ["", "train/"], ids=["flat", "train/"])
+@pytest.mark.parametrize("split_folder", ["", "train/", "train2017/"],
+                         ids=["flat", "train/", "train2017/ beside val2017/"])
 def test_deepest_folder_classes_spread_over_top_level_folders_are_said(tmp_path, split_folder):
     """cat/2019, cat/2020, dog/2019, dog/2020: the deepest folders are the classes (datasets'
     imagefolder rule), so the run trained 2019 against 2020, cats and dogs in each, and
@@ -694,6 +736,11 @@ def test_deepest_folder_classes_spread_over_top_level_folders_are_said(tmp_path,
             folder.mkdir(parents=True)
             for i in range(3):
                 Image.new("RGB", (8, 8), (40 * i, 9, 9)).save(folder / f"{i}.png")
+    if split_folder == "train2017/":  # the validation split that makes it a split folder
+        for year in ("2019", "2020"):
+            (tmp_path / "nested" / "val2017" / "cat" / year).mkdir(parents=True)
+            Image.new("RGB", (8, 8)).save(tmp_path / "nested" / "val2017" / "cat" / year /
+                                          "0.png")
     line = ("the classes are the deepest folders (2019, 2020 of 2), each found under several "
             "top-level folders (cat, dog): if the top-level folders are the classes, pass "
             "--class-depth 1")

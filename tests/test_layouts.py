@@ -46,11 +46,16 @@ TRICKY = ["a/1.png", "a/10.png", "a/2.PNG", "a-b/1.png", "a_b/x.jpg.png", "b/3.p
           "a/notes.txt", "b/thumbs.db", "b/__7.png", "c d/noextension"]
 
 
-@pytest.mark.parametrize("splits", [False, True])
+# split folders named as datasets' imagefolder reads them: by name, or with the split's name
+# inside the folder's (COCO's train2017/, ImageNet's ILSVRC2012_img_val/)
+SPLIT_NAMES = [("train", "val"), ("my-train", "my-val"), ("train2017", "val2017"),
+               ("ILSVRC2012_img_train", "ILSVRC2012_img_val"), ("training set", "validation set")]
+
+
+@pytest.mark.parametrize("splits", [None, *SPLIT_NAMES])
 def test_rows_labels_and_classes_are_those_of_datasets_imagefolder(tmp_path, splits):
     root = tmp_path / "data"
-    names = [f"{split}/{name}" for split in ("train", "val") for name in TRICKY] if splits \
-        else TRICKY
+    names = [f"{split}/{name}" for split in splits for name in TRICKY] if splits else TRICKY
     _files(root, names)
     data = load_data(TrainConfig(data_dir=str(root), in_memory="never"))
     theirs = datasets.load_dataset("imagefolder", data_dir=str(root))

@@ -37,6 +37,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 import unicodedata
@@ -60,9 +61,15 @@ from accel_train.data.loader_watch import reading
 SPLIT_FOLDERS = {"train": "train", "training": "train", "validation": "validation",
                  "val": "validation", "valid": "validation", "dev": "validation",
                  "test": "test", "testing": "test", "eval": "test", "evaluation": "test"}
+# A split's name inside a folder's name, as Hugging Face datasets' imagefolder finds it there
+# (datasets.data_files: SPLIT_KEYWORDS between NON_WORDS_CHARS "-._ 0-9" or the name's ends):
+# my-train, val2017, ILSVRC2012_img_val.  Longest first: "training" before "train".
+SPLIT_WORD = re.compile(r"(?<![^-._ 0-9])(" + "|".join(sorted(SPLIT_FOLDERS, key=len,
+                                                              reverse=True))
+                        + r")(?![^-._ 0-9])", re.IGNORECASE)
 CACHE_MIN_FILES = 10_000  # below this a walk takes well under a second: no cache file
 CACHE_ENV = "ACCEL_TRAIN_INDEX_CACHE"  # folder for cached indexes (default ~/.cache/accel_train)
-CACHE_VERSION = 4  # raised whenever the same folder would index otherwise
+CACHE_VERSION = 5  # raised whenever the same folder would index otherwise
 RACY_SECONDS = 2.0  # a folder changed this recently may change again within its mtime's tick
 PROGRESS_AFTER = 1.0  # seconds of walking before we say anything
 PROGRESS_LOG_EVERY = 10.0  # seconds between plain progress lines (not a terminal)
@@ -451,7 +458,29 @@ def _split_folders(root: Path, stop_at_parquet: bool) -> dict[str, Path]:
         raise UsageError(f"--data-dir {root} mixes split folders ({named}) with other folders "
                          f"({', '.join(o + '/' for o in others[:3])}); put every class folder "
                          f"under a split folder, or remove the split folders")
-    return splits
+    return splits or _splits_in_names(folders)
+
+
+def split_in_name(name: str) -> Optional[str]:
+    """The split a folder's name names (SPLIT_WORD: train2017 -> train), None where it names
+    none or more than one (train_val)."""
+    named = {SPLIT_FOLDERS[word.lower()] for word in SPLIT_WORD.findall(name)}
+    return named.pop() if len(named) == 1 else None
+
+
+def _splits_in_names(folders: list[os.DirEntry]) -> dict[str, Path]:
+    """{split: folder} where the root's folders all name splits in their names (my-train/ and
+    my-val/, train2017/ and val2017/), a training split among them and no split twice, as
+    datasets' imagefolder reads them; else {}.  Stricter than datasets, which takes any folder
+    so named, at any depth, for a split (a class folder test_tube/ for a test split): here
+    the names must all agree, and class folders sit at the root only without them."""
+    named = {entry.name: split_in_name(entry.name) for entry in folders}
+    splits = list(named.values())
+    if len(folders) < 2 or None in splits or "train" not in splits \
+            or len(set(splits)) < len(splits):
+        return {}
+    return {named[entry.name]: Path(entry.path)
+            for entry in sorted(folders, key=lambda e: e.name)}
 
 
 def _class_of(path: str, split_prefix: str, depth: Optional[int]) -> Optional[str]:
@@ -633,7 +662,8 @@ def _outside_class_folder(root: Path, path: str, split: str, depth: Optional[int
     here = (root / path).parent
     metadata = next(iter(_metadata_files(here)), None)
     beside_splits = next(iter(_metadata_files(root)), None) \
-        if SPLIT_FOLDERS.get(folder.lower()) and folder != path else None
+        if (SPLIT_FOLDERS.get(folder.lower()) or split_in_name(folder)) and folder != path \
+        else None
     if metadata is not None:  # Hugging Face's imagefolder layout, without its labels
         missing = " or ".join(metadata_missing(metadata))
         hint = (f" (the {metadata.name} beside it, Hugging Face's imagefolder layout, has no "

@@ -35,7 +35,7 @@ from accel_train.data.pixel_arrays import check_pixel_arrays, image_files
 from accel_train.data.folder_labels import metadata_labels_line
 from accel_train.data.imagefolder import (SPLIT_FOLDERS, FolderIndex, HoldsParquet,
                                           classes_across_folders, files_under, index_folder,
-                                          parquet_data_files, photos_left_out)
+                                          parquet_data_files, photos_left_out, split_in_name)
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
                                             subset_if_cut)
 from accel_train.data.labels import (check_label_values, unreadable_classes_named,
@@ -679,10 +679,13 @@ def folder_classes(raw: RawData, train_name: str, class_depth: Optional[int],
 
 def deepest_classes_spread(raw: RawData, train_name: str) -> Optional[str]:
     """An image folder's classes_across_folders line for its training split."""
+    import pyarrow.compute as pc
     paths = raw.splits[train_name].with_format("arrow")["image"].combine_chunks().field("path")
     first = (paths[0].as_py() or "").split("/")[0] if len(paths) else ""
-    prefix = f"{first}/" if (raw.root / first).is_dir() and \
-        SPLIT_FOLDERS.get(first.lower()) == "train" else ""
+    # (told by the paths, not by listing the root again: a first start lists each folder once)
+    in_train_folder = (SPLIT_FOLDERS.get(first.lower()) or split_in_name(first)) == "train" \
+        and pc.all(pc.starts_with(paths, f"{first}/")).as_py()
+    prefix = f"{first}/" if in_train_folder else ""
     return classes_across_folders(paths, raw.splits[train_name].features["label"].names,
                                   prefix)
 

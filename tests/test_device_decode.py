@@ -28,7 +28,8 @@ from torchvision.transforms import functional as F
 from accel_train.base.errors import UsageError
 from accel_train.config import TrainConfig
 from accel_train.data.decode import jpeg_header
-from accel_train.data.device_decode import DeviceDecoder, choose, jitter, time_paths
+from accel_train.data.device_decode import (DeviceDecoder, best_share, choose, jitter,
+                                            time_paths)
 from accel_train.data.jpeg_decoders import orient
 from accel_train.data.loaders import TrainImages, run_transforms
 from accel_train.data.sources import ArraySource, ImageSource, load_data
@@ -241,6 +242,7 @@ def test_the_rule_auto_decides_by(photos, tmp_path):
     assert chosen and share == 0.87 and "1,839 with 87% of" in why and "against 1,600" in why
     # workers that keep up with training (2500 > 2000): s = (5/6000) / (1/2500 + 1/3000) =
     # 1.14 -> 1, the workers alone; so with a share of 1 given
+    assert best_share(2500, 3000, 2000) == 1.0
     for given in (None, 1.0):
         chosen, why, share = choose("auto", files, transform, True, False,
                                     rates(2500, 3000, 2000), share=given)

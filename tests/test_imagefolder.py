@@ -169,6 +169,34 @@ def test_folders_whose_names_do_not_all_name_one_split_each_are_class_folders(tm
     assert _rows(_index(root)) == {"train": [(f"{name}/1.png", name) for name in sorted(folders)]}
 
 
+@pytest.mark.parametrize("inner", [["train", "val"], ["my-train", "my-test"]])
+def test_split_folders_one_folder_down_are_refused_naming_the_folder_to_pass(tmp_path, inner):
+    """An archive unpacked into a folder of its own: read as one training split, its
+    validation images were trained on without a word."""
+    root = _tree(tmp_path / "d", [f"cifar/{name}/{c}/{i}.png" for name in inner
+                                  for c in ("cat", "dog") for i in range(2)])
+    with pytest.raises(UsageError) as caught:
+        _index(root)
+    assert str(caught.value) == (
+        f"--data-dir {root} holds one folder, cifar/, whose folders are splits "
+        f"({', '.join(name + '/' for name in sorted(inner))}): pass --data-dir "
+        f"{root / 'cifar'} to train on its "
+        f"training split and hold out the others")
+    assert set(_index(root / "cifar").splits) == {"train", "validation" if "val" in inner
+                                                  else "test"}
+
+
+@pytest.mark.parametrize("files", [
+    ["animals/cat/1.png", "animals/dog/2.png"],        # one folder of class folders
+    ["cifar/train/cat/1.png", "cifar/train/dog/2.png"],  # one split below: nothing held out
+    ["cifar/train/cat/1.png", "cifar/val/cat/2.png", "other/x/3.png"],  # two folders
+    ["cifar/train/c/1.png", "cifar/training/c/2.png"],  # one split twice: not splits
+])
+def test_one_folder_down_without_split_folders_is_read_as_before(tmp_path, files):
+    root = _tree(tmp_path / "d", files)
+    assert list(_index(root).splits) == ["train"]
+
+
 def test_split_folders_mixed_with_class_folders_are_refused(tmp_path):
     root = _tree(tmp_path / "d", ["train/c/1.png", "val/c/2.png", "zebra/3.png", "ant/4.png",
                                   "cow/5.png", "dog/6.png", "__MACOSX/7.png"])

@@ -70,6 +70,24 @@ def test_rows_labels_and_classes_are_those_of_datasets_imagefolder(tmp_path, spl
         assert ours.labels.tolist() == list(reference["label"])
 
 
+def test_split_folders_one_folder_down_that_datasets_reads_as_splits_are_refused(tmp_path):
+    """datasets' imagefolder finds split folders at any depth: photos/cifar/train/ and
+    photos/cifar/val/ are its train and validation splits.  Read as one training split here,
+    the validation images were trained on without a word: refused, naming the folder to
+    pass, which then gives datasets' splits."""
+    root = tmp_path / "photos"
+    _files(root, [f"cifar/{split}/{name}" for split in ("train", "val")
+                  for name in ("cat/1.png", "cat/2.png", "dog/3.png")])
+    theirs = datasets.load_dataset("imagefolder", data_dir=str(root))
+    assert set(theirs) == {"train", "validation"}
+    with pytest.raises(UsageError, match=f"pass --data-dir {root / 'cifar'} to train"):
+        load_data(TrainConfig(data_dir=str(root), in_memory="never"))
+    data = load_data(TrainConfig(data_dir=str(root / "cifar"), in_memory="never"))
+    reference = theirs["validation"].cast_column("image", datasets.Image(decode=False))
+    assert [os.path.basename(p) for p in _paths(data.held_out)] == \
+        [os.path.basename(v["path"]) for v in reference["image"]]
+
+
 def test_classes_missing_from_a_held_out_split_are_fine_and_keep_their_numbers(tmp_path):
     """A class with no validation or test images (small held-out splits) trains as usual;
     only a held-out class that train/ lacks is refused (test_bad_folders_...)."""
@@ -222,6 +240,12 @@ def _bad(tmp_path: Path, case: str) -> tuple[list[str], str]:
         return ["--data-dir", str(looped)], \
             (f"the folder {looped}/cat/back is a link back to {looped}, which holds it (a "
              f"symlink loop: indexing would never end); remove the link or point it elsewhere")
+    elif case == "split folders one folder down":  # an archive unpacked into its own folder
+        wrapped = tmp_path / "w"
+        _files(wrapped, ["cifar/train/a/1.png", "cifar/train/b/2.png", "cifar/val/a/3.png"])
+        return ["--data-dir", str(wrapped)], \
+            (f"--data-dir {wrapped} holds one folder, cifar/, whose folders are splits (train/, "
+             f"val/): pass --data-dir {wrapped}/cifar to train")
     elif case == "unlabelled held-out folder":
         return ["--data-dir", str(root)], \
             f"{root}/val/ILSVRC2012_val_00000001.JPEG is not inside a class folder"
@@ -234,7 +258,7 @@ def _bad(tmp_path: Path, case: str) -> tuple[list[str], str]:
                                   "unknown class", "class number", "unlabelled image",
                                   "no label file", "unlabelled held-out folder",
                                   "held-out class never trained", "empty split folder",
-                                  "symlink loop"])
+                                  "symlink loop", "split folders one folder down"])
 def test_bad_folders_and_label_files_are_one_line_errors(tmp_path, capsys, case):
     args, expected = _bad(tmp_path, case)
     out = tmp_path / "run"

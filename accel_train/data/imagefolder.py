@@ -458,7 +458,10 @@ def _split_folders(root: Path, stop_at_parquet: bool) -> dict[str, Path]:
         raise UsageError(f"--data-dir {root} mixes split folders ({named}) with other folders "
                          f"({', '.join(o + '/' for o in others[:3])}); put every class folder "
                          f"under a split folder, or remove the split folders")
-    return splits or _splits_in_names(folders)
+    if splits:
+        return splits
+    named = _splits_in_names([entry.name for entry in folders])
+    return {split: root / name for split, name in named.items()}
 
 
 def split_in_name(name: str) -> Optional[str]:
@@ -468,19 +471,38 @@ def split_in_name(name: str) -> Optional[str]:
     return named.pop() if len(named) == 1 else None
 
 
-def _splits_in_names(folders: list[os.DirEntry]) -> dict[str, Path]:
-    """{split: folder} where the root's folders all name splits in their names (my-train/ and
-    my-val/, train2017/ and val2017/), a training split among them and no split twice, as
+def _splits_in_names(folders: list[str]) -> dict[str, str]:
+    """{split: folder name} where the root's folders all name splits in their names (my-train/
+    and my-val/, train2017/ and val2017/), a training split among them and no split twice, as
     datasets' imagefolder reads them; else {}.  Stricter than datasets, which takes any folder
     so named, at any depth, for a split (a class folder test_tube/ for a test split): here
     the names must all agree, and class folders sit at the root only without them."""
-    named = {entry.name: split_in_name(entry.name) for entry in folders}
+    named = {name: split_in_name(name) for name in folders}
     splits = list(named.values())
     if len(folders) < 2 or None in splits or "train" not in splits \
             or len(set(splits)) < len(splits):
         return {}
-    return {named[entry.name]: Path(entry.path)
-            for entry in sorted(folders, key=lambda e: e.name)}
+    return {named[name]: name for name in sorted(folders)}
+
+
+def _refuse_split_folders_one_level_down(root: Path, dirs: list[tuple[str, int]]) -> None:
+    """A root read as one training split whose only folder holds split folders (an archive
+    unpacked into a folder of its own: photos/cifar/train/, photos/cifar/val/) is refused,
+    naming the folder to pass: read so, its validation images would be trained on, and a
+    tenth of all of them carved off instead, without a word (datasets' imagefolder finds split
+    folders at any depth).  Told from the walk's folders (`dirs`), not by listing again."""
+    tops = {rel.split("/")[0] for rel, _ in dirs if rel}
+    if len(tops) != 1:
+        return
+    top = tops.pop()
+    inner = sorted({rel.split("/")[1] for rel, _ in dirs if rel.count("/") >= 2})
+    exact = {SPLIT_FOLDERS.get(name.lower()) for name in inner}
+    by_name = len(inner) >= 2 and None not in exact and len(exact) == len(inner)
+    if by_name or _splits_in_names(inner):
+        raise UsageError(f"--data-dir {root} holds one folder, {top}/, whose folders are "
+                         f"splits ({', '.join(name + '/' for name in inner)}): pass "
+                         f"--data-dir {root / top} to train on its training split and hold "
+                         f"out the others")
 
 
 def _class_of(path: str, split_prefix: str, depth: Optional[int]) -> Optional[str]:
@@ -532,6 +554,8 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
     except HoldsParquet:
         progress.abandon()
         raise
+    if splits.get("train") is root:
+        _refuse_split_folders_one_level_down(root, dirs)
     total = sum(len(found) for _, found in walked.values())
     if total == 0:
         raise UsageError(f"--data-dir {root} holds no image files (looked for .jpg, .png, .webp, "

@@ -257,7 +257,8 @@ def test_the_rule_auto_decides_by(photos, tmp_path):
     never_timed = lambda: pytest.fail("timed")  # noqa: E731
     assert choose("auto", files, transform, False, False, never_timed) == (False, "", 0.0)
     assert choose("always", files, transform, False, False, never_timed)[0]
-    assert not choose("never", files, transform, True, False, never_timed)[0]
+    assert choose("never", files, transform, True, False, never_timed) == (
+        False, "by the loader workers (--decode-on-device never)", 0.0)
     in_memory = ArraySource(torch.zeros(2, 3, 80, 80, dtype=torch.uint8), torch.zeros(2))
     with pytest.raises(UsageError, match="--decode-on-device always: .*--in-memory"):
         choose("always", in_memory, transform, True, False)

@@ -70,6 +70,27 @@ def test_rows_labels_and_classes_are_those_of_datasets_imagefolder(tmp_path, spl
         assert ours.labels.tolist() == list(reference["label"])
 
 
+@pytest.mark.parametrize("name", ["my-train", "train2017", "ILSVRC2012_img_val", "training set",
+                                  "validation.v2", "dev_01", "eval", "2024-testing", "x.test",
+                                  "trainee", "devices", "retrain", "contest", "train_val",
+                                  "train-training", "test-dev2017"])
+def test_the_split_a_folders_name_names_is_the_one_datasets_finds_there(tmp_path, name):
+    """Oracle: datasets' own split patterns for folder names (DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME),
+    resolved by datasets on a folder of that name; a name that two splits' patterns match
+    names none here (its images would be in both splits there)."""
+    from datasets.data_files import DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME, resolve_pattern
+    _files(tmp_path, [f"{name}/c/1.png"])
+
+    def found(pattern: str) -> bool:
+        try:
+            return bool(resolve_pattern(pattern, str(tmp_path)))
+        except FileNotFoundError:
+            return False
+    theirs = {str(split) for split, patterns in DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME.items()
+              if any(found(pattern) for pattern in patterns)}
+    assert imagefolder.split_in_name(name) == (theirs.pop() if len(theirs) == 1 else None)
+
+
 def test_split_folders_one_folder_down_that_datasets_reads_as_splits_are_refused(tmp_path):
     """datasets' imagefolder finds split folders at any depth: photos/cifar/train/ and
     photos/cifar/val/ are its train and validation splits.  Read as one training split here,

@@ -21,7 +21,6 @@ from tests.fit_threads_probe import GLOO_THREADS
 pytestmark = pytest.mark.slow
 
 
-
 def _gloo_threads(launcher: str, work: Path, *mode: str) -> dict[str, dict[str, list[str]]]:
     """{when: {rank: the gloo threads its process had then}} for a probe run, when being
     "after-fit" and "at-exit"."""
@@ -38,9 +37,18 @@ def _gloo_threads(launcher: str, work: Path, *mode: str) -> dict[str, dict[str, 
     return seen
 
 
+@pytest.fixture(scope="module")
+def finished_under_torchrun(tmp_path_factory) -> tuple[Path, dict]:
+    """A probe run under torchrun left to finish: (its folder, the gloo threads it saw), read
+    by the torchrun case below and resumed (and refused) by the last test."""
+    work = tmp_path_factory.mktemp("finished")
+    return work, _gloo_threads("torchrun", work)
+
+
 @pytest.mark.parametrize("launcher", TWO_PROCESS_LAUNCHERS)
-def test_fit_returns_with_no_gloo_thread_left(launcher, tmp_path):
-    seen = _gloo_threads(launcher, tmp_path)
+def test_fit_returns_with_no_gloo_thread_left(launcher, tmp_path, request):
+    seen = request.getfixturevalue("finished_under_torchrun")[1] if launcher == "torchrun" \
+        else _gloo_threads(launcher, tmp_path)
     assert seen["after-fit"] == {"0": [], "1": []}
     assert seen["at-exit"] == {"0": [], "1": []}
 
@@ -53,10 +61,9 @@ def test_a_run_that_raises_leaves_no_gloo_thread_at_exit(tmp_path):
     assert seen["at-exit"] == {"0": [], "1": []}
 
 
-def test_a_start_refused_after_ddp_leaves_no_gloo_thread_at_exit(tmp_path):
+def test_a_start_refused_after_ddp_leaves_no_gloo_thread_at_exit(finished_under_torchrun):
     """Resuming a run with a narrower network is refused after `accelerator.prepare` has built
     DDP, before the trainer exists: its half-built parts hold the default group."""
-    _gloo_threads("torchrun", tmp_path)  # the run to resume
-    seen = _gloo_threads("torchrun", tmp_path, "refused")
+    seen = _gloo_threads("torchrun", finished_under_torchrun[0], "refused")
     assert all(seen["after-fit"].values()), seen
     assert seen["at-exit"] == {"0": [], "1": []}

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -43,8 +42,8 @@ from safetensors.torch import load_file
 
 from accel_train.config import TrainConfig
 from accel_train.data.mixing import SeededMixup
-from conftest import TINY_TRAIN, model_spec_of
-from faults import Run, metrics
+from conftest import TINY_TRAIN, accel_train_here, model_spec_of
+from faults import metrics
 
 NUM_CLASSES, SMOOTHING = 10, 0.1
 
@@ -514,18 +513,11 @@ TWO_STEPS = [*TINY_TRAIN, "--max-steps", "2", "--log-every", "1", "--checkpoint-
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
     """The same 2-step run (EMA with decay 0.5, LAMB, a checkpoint after each step) without and
-    with --mixup, started side by side."""
+    with --mixup, in this process (no new process's seconds of imports)."""
     root = tmp_path_factory.mktemp("components")
     commands = {"ema": [], "mixup": ["--mixup", "0.8"]}
-    started = {name: Run([sys.executable, "-m", "accel_train", *TWO_STEPS, *extra,
-                          "--output-dir", str(root / name)], root / f"{name}.log")
-               for name, extra in commands.items()}
-    try:
-        for run in started.values():
-            run.check()
-    finally:
-        for run in started.values():
-            run.close()
+    for name, extra in commands.items():
+        accel_train_here(*TWO_STEPS, *extra, "--output-dir", str(root / name), check=True)
     return {name: root / name for name in commands}
 
 
@@ -603,7 +595,6 @@ def test_an_ema_runs_export_eval_and_predict_use_the_weights_it_says(cli_runs, t
     model.safetensors (the better of raw and EMA) and says which; eval and predict of the run and
     of the export agree to the digit; a checkpoint's export holds that step's raw weights (its
     EMA stays in ema.safetensors)."""
-    from conftest import accel_train_here
     from PIL import Image
     from accel_train.data import synthetic
 

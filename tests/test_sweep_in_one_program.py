@@ -32,22 +32,36 @@ def _sweep(launcher: str, work: Path, runs: str, *mode: str) -> str:
     return run(cmd, check=True).stdout
 
 
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """alone(launcher): the weights of the oracle, the 0.01 run made alone by a new program
+    under `launcher`, made once for the tests that compare a sweep's run with it."""
+    made: dict[str, dict] = {}
+
+    def weights(launcher: str) -> dict:
+        if launcher not in made:
+            work = tmp_path_factory.mktemp("alone")
+            _sweep(launcher, work, "0.01/no")
+            made[launcher] = load_file(work / "run-0.01" / "model.safetensors")
+        return made[launcher]
+    return weights
+
+
 @pytest.mark.parametrize("launcher", TWO_PROCESS_LAUNCHERS)
-def test_a_second_fit_under_a_launcher_trains_as_it_would_alone(launcher, tmp_path):
+def test_a_second_fit_under_a_launcher_trains_as_it_would_alone(launcher, tmp_path, alone):
     # the precision pinned: auto could time the lone run into another one
     out = _sweep(launcher, tmp_path / "sweep", "0.1/no,0.01/no")
     assert out.count("x 2 process(es), gloo") == 2, out[-3000:]  # both runs on both ranks
-    _sweep(launcher, tmp_path / "alone", "0.01/no")
     second = load_file(tmp_path / "sweep" / "run-0.01" / "model.safetensors")
-    alone = load_file(tmp_path / "alone" / "run-0.01" / "model.safetensors")
+    made_alone = alone(launcher)
     first = load_file(tmp_path / "sweep" / "run-0.1" / "model.safetensors")
-    assert second.keys() == alone.keys()
-    for name in alone:
-        assert second[name].equal(alone[name]), name
-    assert any(not first[name].equal(alone[name]) for name in alone)  # the runs differ
+    assert second.keys() == made_alone.keys()
+    for name in made_alone:
+        assert second[name].equal(made_alone[name]), name
+    assert any(not first[name].equal(made_alone[name]) for name in made_alone)  # they differ
 
 
-def test_a_program_keeps_its_own_process_group_through_a_sweep(tmp_path):
+def test_a_program_keeps_its_own_process_group_through_a_sweep(tmp_path, alone):
     """A torchrun script that starts the default group itself goes on using it after fit():
     the runs destroy only their own control group, and give the program's group torch's
     default timeout back: the first and the last run fail at a step run under a 3-s timeout
@@ -60,11 +74,10 @@ def test_a_program_keeps_its_own_process_group_through_a_sweep(tmp_path):
     # the runs' control groups gone with their threads, the program's own still there
     threads = re.findall(r"gloo threads: (\d+) -> (\d+)", out)
     assert len(threads) == 2 and all(before == after != "0" for before, after in threads), out
-    _sweep("torchrun", tmp_path / "alone", "0.01/no")
     second = load_file(tmp_path / "sweep" / "run-0.01" / "model.safetensors")
-    alone = load_file(tmp_path / "alone" / "run-0.01" / "model.safetensors")
-    for name in alone:
-        assert second[name].equal(alone[name]), name
+    made_alone = alone("torchrun")
+    for name in made_alone:
+        assert second[name].equal(made_alone[name]), name
 
 
 @pytest.mark.parametrize("first", ["no", "bf16"])

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import TINY_TRAIN, accel_train, write_cifar10_layout
+from conftest import TINY_TRAIN, accel_train_here, write_cifar10_layout
 from accel_train.config import TrainConfig
 from accel_train.data.sources import load_data
 
@@ -94,9 +94,9 @@ def test_the_test_split_decides_nothing(tmp_path):
     outputs = []
     for data in (first, second):
         out = tmp_path / f"run-{data.parent.name}"
-        result = accel_train(*options, "--data-dir", str(data), "--epochs", "3",
-                             "--keep-best", "2", "--model-ema", "--model-ema-decay", "0.5",
-                             "--output-dir", str(out))
+        result = accel_train_here(*options, "--data-dir", str(data), "--epochs", "3",
+                                  "--keep-best", "2", "--model-ema", "--model-ema-decay", "0.5",
+                                  "--output-dir", str(out))
         assert result.returncode == 0, result.stderr[-3000:]
         outputs.append((out, result.stdout))
     (a, a_stdout), (b, b_stdout) = outputs

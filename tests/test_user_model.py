@@ -493,14 +493,15 @@ def test_a_parameter_the_forward_never_uses_trains_on_two_processes(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_layer_skipped_at_some_steps_stops_in_one_line_or_trains_as_on_one_process(tmp_path):
+def test_a_layer_skipped_at_some_steps_stops_in_one_line_or_trains_as_on_one_process(
+        user_modules, tmp_path):
     """A block left out of every second batch (LayerDrop's way, on a schedule): the start's
     one forward sees it used, DDP waits for its gradient, and the step after the first skip
     raised torch's RuntimeError, whose advice (find_unused_parameters=True) the command line
     could not follow.  Now one line names --ddp-find-unused-parameters; with it, two
     processes under torchrun train the weights one process trains (the block's weights left
     alone at the skipping steps in both)."""
-    nets = write_module(tmp_path / "nets")
+    nets = user_modules
     env = child_env(PYTHONPATH=str(nets))
     options = ["--model", f"{MODULE}:SkipsEverySecondBatch", *TINY, "--no-augment",
                "--num-workers", "0", "--mixed-precision", "no"]
@@ -518,8 +519,7 @@ def test_a_layer_skipped_at_some_steps_stops_in_one_line_or_trains_as_on_one_pro
     assert "pass --ddp-find-unused-parameters" in said
     assert "Expected to have finished reduction" not in said, said[-3000:]
 
-    run([sys.executable, "-m", "accel_train", *options, "--output-dir", str(tmp_path / "one")],
-        env=env, check=True)
+    accel_train_here(*options, "--output-dir", str(tmp_path / "one"), check=True)
     two = torchrun("--ddp-find-unused-parameters", "--output-dir", str(tmp_path / "two"))
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
     one, both = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("one", "two"))
@@ -570,18 +570,17 @@ def test_the_unused_parameters_are_those_the_train_mode_forward_leaves_without_g
 
 
 @pytest.mark.slow
-def test_a_layer_only_eval_mode_runs_trains_on_two_processes_as_on_one(tmp_path):
+def test_a_layer_only_eval_mode_runs_trains_on_two_processes_as_on_one(user_modules, tmp_path):
     """A calibration layer after the head, run in eval mode only: the training steps give it
     no gradient, and DDP, not told to look for such parameters, failed at the second step
     ("Expected to have finished reduction ...").  Two processes under torchrun, each with
     half the batch, train the weights one process trains; the layer keeps its initial
     weights (the factory's, built from --seed 0 as the run builds it) and is evaluated."""
-    nets = write_module(tmp_path / "nets")
+    nets = user_modules
     options = ["--model", f"{MODULE}:EvalOnlyCalibration", *TINY, "--no-augment",
                "--num-workers", "0"]
     env = child_env(PYTHONPATH=str(nets))
-    run([sys.executable, "-m", "accel_train", *options, "--output-dir", str(tmp_path / "one")],
-        env=env, check=True)
+    accel_train_here(*options, "--output-dir", str(tmp_path / "one"), check=True)
     two = run(launched_program("torchrun", "accel_train", *options, "--batch-size", "8",
                                "--output-dir", str(tmp_path / "two")), env=env, check=True)
     assert "2 trainable parameter(s) its train-mode forward pass never uses (calib.weight, " \

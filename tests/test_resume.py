@@ -9,6 +9,7 @@ import signal
 
 
 from accel_train.run.checkpoint import verify
+from conftest import accel_train_here
 from faults import (FAULT_TRAIN, STALL_ENV, Run, assert_metrics_continuous, checkpoint_steps,
                     max_weight_difference, python_cmd, wait_for_stall)
 
@@ -23,11 +24,12 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_bit_identical(tmp_path,
     previous = max(s for s in [*range(3, 33, 3), 16] if s < stall_at)
     about = f"(SIGKILL during the save of step {stall_at})"
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    runs.append(Run(python_cmd(*FAULT_TRAIN, "--output-dir", str(reference)),
-                    tmp_path / "reference.log"))
     victim = Run(python_cmd(*FAULT_TRAIN, "--output-dir", str(interrupted)),
                  tmp_path / "interrupted.log", **{STALL_ENV: str(stall_at)})
     runs.append(victim)
+    # the reference and the resumed run in this process (the victim, killed, must be a
+    # process of its own): no new process's seconds of imports
+    accel_train_here(*FAULT_TRAIN, "--output-dir", str(reference), check=True)
 
     wait_for_stall(victim, stall_at)
     victim.proc.send_signal(signal.SIGKILL)
@@ -38,14 +40,11 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_bit_identical(tmp_path,
     assert checkpoint_steps(interrupted)[-1] == previous, about
     assert verify(interrupted / "checkpoints" / f"step_{previous:08d}") is None, about
 
-    resumed = Run(python_cmd(*FAULT_TRAIN, "--output-dir", str(interrupted), "--resume", "auto"),
-                  tmp_path / "resumed.log")
-    runs.append(resumed)
-    output = resumed.check()
+    output = accel_train_here(*FAULT_TRAIN, "--output-dir", str(interrupted), "--resume",
+                              "auto", check=True).stdout
     assert f"resumed from {interrupted}/checkpoints/step_{previous:08d} at step {previous}" \
         in output, about
     assert not half_written.exists(), about
-    runs[0].check()
 
     assert max_weight_difference(reference, interrupted) == 0.0, about
     records = assert_metrics_continuous(interrupted, total_steps=32)

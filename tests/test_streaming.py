@@ -474,15 +474,11 @@ def _plan_set(shards: Path, layout: Layout, epoch: int) -> set[int]:
 
 @pytest.mark.slow  # loader workers over shards, > 10 s
 def test_one_process_two_workers_each_sample_once_per_epoch(synthetic_shards, tmp_path):
-    from faults import SAMPLE_LOG_ENV, Run, python_cmd
+    from fault_entry import SampleLog
     out = tmp_path / "run"
-    run = Run(python_cmd("--data-dir", str(synthetic_shards), *STREAM_TRAIN, "--num-workers",
-                         "2", "--output-dir", str(out)), tmp_path / "run.log",
-              **{SAMPLE_LOG_ENV: "1"})
-    try:
-        output = run.check()
-    finally:
-        run.close()
+    output = accel_train_here("--data-dir", str(synthetic_shards), *STREAM_TRAIN,
+                              "--num-workers", "2", "--output-dir", str(out), check=True,
+                              callbacks=[SampleLog(out / "logs", 0)]).stdout
     assert "streamed: 9 train shards" in output and "20 steps/epoch" in output
     assert (out / "model.safetensors").is_file()
     for epoch, keys in _keys_by_epoch(out).items():
@@ -511,9 +507,8 @@ def stream_reference(synthetic_shards, tmp_path_factory):
 @pytest.mark.slow
 def test_sigterm_on_two_processes_then_finished_on_one_each_sample_once(synthetic_shards,
                                                                          tmp_path):
-    from fault_entry import STEP_SECONDS_ENV
-    from faults import (SAMPLE_LOG_ENV, Run, checkpoint_steps, python_cmd, torchrun_cmd,
-                        wait_until)
+    from fault_entry import STEP_SECONDS_ENV, SampleLog
+    from faults import SAMPLE_LOG_ENV, Run, checkpoint_steps, torchrun_cmd, wait_until
     import signal
     out = tmp_path / "run"
     command = ["--data-dir", str(synthetic_shards), *STREAM_TRAIN, "--num-workers", "1",
@@ -530,12 +525,9 @@ def test_sigterm_on_two_processes_then_finished_on_one_each_sample_once(syntheti
         first.close()
     stopped = max(checkpoint_steps(out))
     assert 3 <= stopped < 10, "stopped within the first epoch"
-    second = Run(python_cmd(*command, "--resume", "auto"), tmp_path / "second.log",
-                 **{SAMPLE_LOG_ENV: "1"})
-    try:
-        output = second.check()
-    finally:
-        second.close()
+    # finished on one process in this process (no new process's seconds of imports)
+    output = accel_train_here(*command, "--resume", "auto", check=True,
+                              callbacks=[SampleLog(out / "logs", 0)]).stdout
     assert f"at step {stopped}" in output and "accumulation steps 1 -> 2" in output
     by_epoch = _keys_by_epoch(out)
     assert len(by_epoch[0]) == len(set(by_epoch[0])) == 160

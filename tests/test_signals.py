@@ -10,6 +10,8 @@ import signal
 import pytest
 
 from accel_train.run.checkpoint import verify
+from conftest import accel_train_here
+from fault_entry import SampleLog
 from faults import (FAULT_TRAIN, SAMPLE_LOG_ENV, Run, assert_each_sample_once_per_epoch,
                     assert_metrics_continuous, checkpoint_steps, metrics, python_cmd,
                     torchrun_cmd, wait_until)
@@ -68,10 +70,9 @@ def test_preempted_on_one_then_two_processes_and_finished_on_one(tmp_path, runs)
     state = _saved_state(out, stops[0])
     assert (state["world_size"], state["accumulation_steps"]) == (2, 1)
 
-    # 3. one process again, to the end
-    third = Run(python_cmd(*command, "--resume", "auto"), tmp_path / "third.log", **sample_log)
-    runs.append(third)
-    output = third.check()
+    # 3. one process again, to the end: in this process (no new process's imports)
+    output = accel_train_here(*command, "--resume", "auto", check=True,
+                              callbacks=[SampleLog(out / "logs", 0)]).stdout
     assert f"resumed from {out}/checkpoints/step_{stops[0]:08d}" in output
     assert "accumulation steps 1 -> 2" not in output  # the command already says 2
     final = _saved_state(out, 16)

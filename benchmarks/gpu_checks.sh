@@ -4,7 +4,8 @@
 # five took 6.6 on an H200):
 #   1. bench_gpu_jpeg.py: ResNet-50 at 224 px, bf16, from a folder of ImageNet-sized JPEGs it
 #      makes (make_imagenet_like.py, 6,400 files), against the same model trained by hand on a
-#      batch already on the GPU: --decode-on-device auto, never (the loader workers decode),
+#      batch already on the GPU: --decode-on-device auto (its row names the share of each batch
+#      it left to the workers and the img/s it predicted), never (the loader workers decode),
 #      always (nvJPEG on the GPU) and always with --host-decode-share 0.4 (the workers decode
 #      40% of each batch), img/s, data wait and MFU, the pixels of both paths, and one
 #      batch through the device path alone (decode_jpeg by itself, then with the crops, and the

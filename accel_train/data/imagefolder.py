@@ -496,9 +496,7 @@ def _refuse_split_folders_one_level_down(root: Path, dirs: list[tuple[str, int]]
         return
     top = tops.pop()
     inner = sorted({rel.split("/")[1] for rel, _ in dirs if rel.count("/") >= 2})
-    exact = {SPLIT_FOLDERS.get(name.lower()) for name in inner}
-    by_name = len(inner) >= 2 and None not in exact and len(exact) == len(inner)
-    if by_name or _splits_in_names(inner):
+    if _splits_in_names(inner):  # (train/ and val/ name their splits too)
         raise UsageError(f"--data-dir {root} holds one folder, {top}/, whose folders are "
                          f"splits ({', '.join(name + '/' for name in inner)}): pass "
                          f"--data-dir {root / top} to train on its training split and hold "

@@ -365,6 +365,11 @@ def test_a_resumed_run_keeps_the_choice_auto_made():
                                 previous, Path("unused"))
     assert (config.decode_on_device, config.host_decode_share) == ("never", 0.1)
     assert "decoding" not in kept and "decoding share" not in kept
+    # auto chose the workers: a resume keeps them (no share recorded: none to keep)
+    config, kept = keep_choices(TrainConfig(), TrainerState(decoded_on_device=False),
+                                Path("unused"))
+    assert (config.decode_on_device, config.host_decode_share) == ("never", None)
+    assert kept == ("decoding",)
     # a checkpoint from before the share was recorded: nothing to keep
     config, kept = keep_choices(TrainConfig(), TrainerState(decoded_on_device=True),
                                 Path("unused"))

@@ -169,24 +169,26 @@ def test_folders_whose_names_do_not_all_name_one_split_each_are_class_folders(tm
     assert _rows(_index(root)) == {"train": [(f"{name}/1.png", name) for name in sorted(folders)]}
 
 
-@pytest.mark.parametrize("inner, classes", [(["train", "val"], ["cat/", "dog/"]),
-                                           (["my-train", "my-test"], ["cat/", "dog/"]),
-                                           (["Train", "VAL"], [""])])  # labelled by a file
-def test_split_folders_one_folder_down_are_refused_naming_the_folder_to_pass(tmp_path, inner,
-                                                                            classes):
+@pytest.mark.parametrize("wrapper, inner, classes", [
+    ("cifar", ["train", "val"], ["cat/", "dog/"]),
+    ("cifar", ["my-train", "my-test"], ["cat/", "dog/"]),
+    ("cifar", ["Train", "VAL"], [""]),  # images in the split folders (labelled by a file)
+    ("cifar/cifar/data", ["train", "val"], ["cat/"]),  # unpacked twice, and one level more
+])
+def test_split_folders_further_down_are_refused_naming_the_folder_to_pass(tmp_path, wrapper,
+                                                                         inner, classes):
     """An archive unpacked into a folder of its own: read as one training split, its
     validation images were trained on without a word."""
-    root = _tree(tmp_path / "d", [f"cifar/{name}/{c}{i}.png" for name in inner
+    root = _tree(tmp_path / "d", [f"{wrapper}/{name}/{c}{i}.png" for name in inner
                                   for c in classes for i in range(2)])
     with pytest.raises(UsageError) as caught:
         _index(root)
     assert str(caught.value) == (
-        f"--data-dir {root} holds one folder, cifar/, whose folders are splits "
+        f"--data-dir {root} holds one folder, {wrapper}/, whose folders are splits "
         f"({', '.join(name + '/' for name in sorted(inner))}): pass --data-dir "
-        f"{root / 'cifar'} to train on its "
-        f"training split and hold out the others")
+        f"{root / wrapper} to train on its training split and hold out the others")
     if classes != [""]:
-        assert set(_index(root / "cifar").splits) == {"train", "validation" if "val" in inner
+        assert set(_index(root / wrapper).splits) == {"train", "validation" if "val" in inner
                                                       else "test"}
 
 
@@ -195,6 +197,7 @@ def test_split_folders_one_folder_down_are_refused_naming_the_folder_to_pass(tmp
     ["cifar/train/cat/1.png", "cifar/train/dog/2.png"],  # one split below: nothing held out
     ["cifar/train/cat/1.png", "cifar/val/cat/2.png", "other/x/3.png"],  # two folders
     ["cifar/train/c/1.png", "cifar/training/c/2.png"],  # one split twice: not splits
+    ["a/b/train/c/1.png", "a/b/val/c/2.png", "a/x/3.png"],  # a/ holds two folders
 ])
 def test_one_folder_down_without_split_folders_is_read_as_before(tmp_path, files):
     root = _tree(tmp_path / "d", files)

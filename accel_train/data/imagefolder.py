@@ -485,22 +485,27 @@ def _splits_in_names(folders: list[str]) -> dict[str, str]:
     return {named[name]: name for name in sorted(folders)}
 
 
-def _refuse_split_folders_one_level_down(root: Path, dirs: list[tuple[str, int]]) -> None:
-    """A root read as one training split whose only folder holds split folders (an archive
-    unpacked into a folder of its own: photos/cifar/train/, photos/cifar/val/) is refused,
-    naming the folder to pass: read so, its validation images would be trained on, and a
-    tenth of all of them carved off instead, without a word (datasets' imagefolder finds split
-    folders at any depth).  Told from the walk's folders (`dirs`), not by listing again."""
-    tops = {rel.split("/")[0] for rel, _ in dirs if rel}
-    if len(tops) != 1:
-        return
-    top = tops.pop()
-    inner = sorted({rel.split("/")[1] for rel, _ in dirs if rel.count("/") >= 2})
-    if _splits_in_names(inner):  # (train/ and val/ name their splits too)
-        raise UsageError(f"--data-dir {root} holds one folder, {top}/, whose folders are "
-                         f"splits ({', '.join(name + '/' for name in inner)}): pass "
-                         f"--data-dir {root / top} to train on its training split and hold "
-                         f"out the others")
+def _refuse_split_folders_further_down(root: Path, dirs: list[tuple[str, int]]) -> None:
+    """A root read as one training split whose only folder (or only folder's only folder, and
+    so on) holds split folders (an archive unpacked into a folder of its own:
+    photos/cifar/train/, photos/cifar/val/) is refused, naming the folder to pass: read so,
+    its validation images would be trained on, and a tenth of all of them carved off instead,
+    without a word (datasets' imagefolder finds split folders at any depth).  Told from the
+    walk's folders (`dirs`: "cifar/", "cifar/train/", ...), not by listing again."""
+    folders = [rel for rel, _ in dirs if rel]
+    wrapper = ""
+    while True:
+        below = {rel[len(wrapper):].split("/")[0] for rel in folders
+                 if rel.startswith(wrapper) and len(rel) > len(wrapper)}
+        if wrapper and _splits_in_names(sorted(below)):  # (train/ and val/ name theirs too)
+            break
+        if len(below) != 1:
+            return
+        wrapper += f"{below.pop()}/"
+    raise UsageError(f"--data-dir {root} holds one folder, {wrapper}, whose folders are "
+                     f"splits ({', '.join(name + '/' for name in sorted(below))}): pass "
+                     f"--data-dir {root / wrapper.rstrip('/')} to train on its training split "
+                     f"and hold out the others")
 
 
 def _class_of(path: str, split_prefix: str, depth: Optional[int]) -> Optional[str]:
@@ -553,7 +558,7 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
         progress.abandon()
         raise
     if splits.get("train") is root:
-        _refuse_split_folders_one_level_down(root, dirs)
+        _refuse_split_folders_further_down(root, dirs)
     total = sum(len(found) for _, found in walked.values())
     if total == 0:
         raise UsageError(f"--data-dir {root} holds no image files (looked for .jpg, .png, .webp, "

@@ -141,6 +141,11 @@ def test_a_split_in_a_folders_name_is_a_whole_word_between_separators(name, spli
     assert imagefolder.split_in_name(name) == split
 
 
+def test_an_exact_split_folder_name_names_its_split_in_any_case():
+    for name, split in imagefolder.SPLIT_FOLDERS.items():
+        assert imagefolder.split_in_name(name) == imagefolder.split_in_name(name.upper()) == split
+
+
 def test_folders_that_all_name_splits_in_their_names_are_the_splits(tmp_path):
     root = _tree(tmp_path / "d", ["train2017/cat/1.png", "train2017/dog/2.png",
                                   "val2017/cat/3.png", "test2017/dog/4.png"])

@@ -465,8 +465,9 @@ def _split_folders(root: Path, stop_at_parquet: bool) -> dict[str, Path]:
 
 
 def split_in_name(name: str) -> Optional[str]:
-    """The split a folder's name names (SPLIT_WORD: train2017 -> train), None where it names
-    none or more than one (train_val)."""
+    """The split a folder's name names (SPLIT_WORD: train2017 -> train; an exact split
+    folder name too: val -> validation), None where it names none or more than one
+    (train_val)."""
     named = {SPLIT_FOLDERS[word.lower()] for word in SPLIT_WORD.findall(name)}
     return named.pop() if len(named) == 1 else None
 
@@ -689,8 +690,7 @@ def _outside_class_folder(root: Path, path: str, split: str, depth: Optional[int
     here = (root / path).parent
     metadata = next(iter(_metadata_files(here)), None)
     beside_splits = next(iter(_metadata_files(root)), None) \
-        if (SPLIT_FOLDERS.get(folder.lower()) or split_in_name(folder)) and folder != path \
-        else None
+        if split_in_name(folder) and folder != path else None
     if metadata is not None:  # Hugging Face's imagefolder layout, without its labels
         missing = " or ".join(metadata_missing(metadata))
         hint = (f" (the {metadata.name} beside it, Hugging Face's imagefolder layout, has no "

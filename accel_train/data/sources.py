@@ -33,9 +33,9 @@ from accel_train.base.ranks import print_once
 from accel_train.base.readers import load_saved_dataset, parquet_file
 from accel_train.data.pixel_arrays import check_pixel_arrays, image_files
 from accel_train.data.folder_labels import metadata_labels_line
-from accel_train.data.imagefolder import (SPLIT_FOLDERS, FolderIndex, HoldsParquet,
-                                          classes_across_folders, files_under, index_folder,
-                                          parquet_data_files, photos_left_out, split_in_name)
+from accel_train.data.imagefolder import (FolderIndex, HoldsParquet, classes_across_folders,
+                                          files_under, index_folder, parquet_data_files,
+                                          photos_left_out, split_in_name)
 from accel_train.data.sample_limits import (few_classes_kept, kept_positions, limit_rows,
                                             subset_if_cut)
 from accel_train.data.labels import (check_label_values, unreadable_classes_named,
@@ -683,7 +683,7 @@ def deepest_classes_spread(raw: RawData, train_name: str) -> Optional[str]:
     paths = raw.splits[train_name].with_format("arrow")["image"].combine_chunks().field("path")
     first = (paths[0].as_py() or "").split("/")[0] if len(paths) else ""
     # (told by the paths, not by listing the root again: a first start lists each folder once)
-    in_train_folder = (SPLIT_FOLDERS.get(first.lower()) or split_in_name(first)) == "train" \
+    in_train_folder = split_in_name(first) == "train" \
         and pc.all(pc.starts_with(paths, f"{first}/")).as_py()
     prefix = f"{first}/" if in_train_folder else ""
     return classes_across_folders(paths, raw.splits[train_name].features["label"].names,

@@ -77,6 +77,30 @@ def test_plots_are_drawn_at_the_end_of_training(tracked_run):
     assert f"plots: {out / 'plots' / 'loss_lr.png'}" in printed
 
 
+def test_drawing_leaves_the_calling_programs_matplotlib_as_it_was(tracked_run, tmp_path):
+    """A notebook that calls fit() keeps its backend and its open figures: the run draws on
+    Figure objects of its own (matplotlib.use would switch the program's backend and close
+    every figure it holds)."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    from accel_train.run.plots import write_plots
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # the program's own choice: not the Agg the PNGs are drawn with
+    figure = plt.figure()
+    try:
+        written = write_plots(tracked_run[0], tmp_path)
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == [figure.number]
+    finally:
+        plt.close(figure)
+        matplotlib.use(before)
+    assert sorted(p.name for p in written) == ["accuracy.png", "loss_lr.png", "throughput.png"]
+    for path in written:
+        with Image.open(path) as image:
+            assert image.format == "PNG" and image.size == (800, 600)
+
+
 def test_the_accuracy_plots_title_gives_the_final_numbers_and_the_emas_beside_them():
     from accel_train.run.plots import accuracy_title
     raw = {"eval_top1": 0.1094, "eval_top5": 0.5}

@@ -6,7 +6,9 @@ what `accel-train plot RUN_DIR` writes on demand.
                    per-class top-1 when the run picks by it), the best epoch by --eval-metric
   throughput.png   images per second and the share of time spent waiting for data vs step
 
-matplotlib's Agg backend draws without a display (servers, CI, launched workers).
+Drawn on matplotlib Figure objects, without pyplot: they need no display (servers, CI,
+launched workers), and a program that calls fit() keeps its own backend and open figures
+(matplotlib.use would close them) and pays no pyplot import.
 """
 
 from __future__ import annotations
@@ -76,26 +78,32 @@ def _marker(count: int) -> str:
     return "o" if count <= 30 else ""
 
 
-def _save(plt, fig, path: Path):
+def _figure():
+    # imported here: a run with --no-plots, or one that has not finished, never loads matplotlib
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=_FIGURE_SIZE)
+
+
+def _save(fig, path: Path):
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    fig.savefig(path, dpi=100)  # the Agg renderer chosen by the file's suffix
 
 
-def _step_figure(plt, path: Path, title: str, run_name: str, resumes, labels: tuple[str, str],
+def _step_figure(path: Path, title: str, run_name: str, resumes, labels: tuple[str, str],
                  draw):
     """Two panels against the optimizer step: `draw(top_axes, bottom_axes)` fills them."""
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=_FIGURE_SIZE, sharex=True,
-                                      gridspec_kw={"height_ratios": [2, 1]})
+    fig = _figure()
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     draw(top, bottom)
     _mark_resumes([top, bottom], resumes)
     _title(top, title, run_name)
     _style(top, None, labels[0])
     _style(bottom, "optimizer step", labels[1])
-    _save(plt, fig, path)
+    _save(fig, path)
 
 
-def _plot_loss_lr(plt, train, epochs, resumes, run_name, path: Path):
+def _plot_loss_lr(train, epochs, resumes, run_name, path: Path):
     steps, marker = [r["step"] for r in train], _marker(len(train))
 
     def draw(loss_ax, lr_ax):
@@ -109,11 +117,11 @@ def _plot_loss_lr(plt, train, epochs, resumes, run_name, path: Path):
                    markersize=3)
         lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
 
-    _step_figure(plt, path, "Loss and learning rate", run_name, resumes,
+    _step_figure(path, "Loss and learning rate", run_name, resumes,
                  ("cross-entropy loss", "learning rate"), draw)
 
 
-def _plot_throughput(plt, train, resumes, run_name, path: Path):
+def _plot_throughput(train, resumes, run_name, path: Path):
     steps, marker = [r["step"] for r in train], _marker(len(train))
 
     def draw(speed_ax, wait_ax):
@@ -129,7 +137,7 @@ def _plot_throughput(plt, train, resumes, run_name, path: Path):
         # runs compare at a glance; beyond that the axis follows the data up to 100%.
         wait_ax.set_ylim(0, min(101, max(10, 1.15 * max(waits))))
 
-    _step_figure(plt, path, "Throughput (training images per second)", run_name, resumes,
+    _step_figure(path, "Throughput (training images per second)", run_name, resumes,
                  ("images / s", "waiting for data (%)"), draw)
 
 
@@ -161,9 +169,10 @@ def best_label(record: dict, value: float, metric: str) -> str:
     return f"best held-out {describe(metric, value)} (epoch {record['epoch']})"
 
 
-def _plot_accuracy(plt, train, epochs, resumes, steps_per_epoch, run_name, path: Path,
+def _plot_accuracy(train, epochs, resumes, steps_per_epoch, run_name, path: Path,
                    metric: str = "top1"):
-    fig, ax = plt.subplots(figsize=_FIGURE_SIZE)
+    fig = _figure()
+    ax = fig.subplots()
     scale = steps_per_epoch or 1.0
     with_top1 = [r for r in train if r.get("top1") is not None]
     if with_top1 and steps_per_epoch:  # runs from before train accuracy was logged have none
@@ -198,16 +207,12 @@ def _plot_accuracy(plt, train, epochs, resumes, steps_per_epoch, run_name, path:
         _mark_resumes([ax], resumes, scale)
     _title(ax, accuracy_title(evals[-1] if evals else None), run_name)
     _style(ax, "epoch", "accuracy (%)")
-    _save(plt, fig, path)
+    _save(fig, path)
 
 
 def write_plots(run_dir: Path, out_dir: Optional[Path] = None) -> list[Path]:
     """Draw the run's curves into out_dir (default <run>/plots); returns the files written.
     A run that logged nothing yet (no metrics.jsonl lines) gets no plots."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     run_dir = Path(run_dir)
     metrics_path = run_paths(run_dir).metrics
     records = read_metrics(metrics_path) if metrics_path.is_file() else []
@@ -224,11 +229,11 @@ def write_plots(run_dir: Path, out_dir: Optional[Path] = None) -> list[Path]:
     written = []
     if train:
         written.append(out_dir / "loss_lr.png")
-        _plot_loss_lr(plt, train, epochs, resumes, run_name, written[-1])
+        _plot_loss_lr(train, epochs, resumes, run_name, written[-1])
         written.append(out_dir / "throughput.png")
-        _plot_throughput(plt, train, resumes, run_name, written[-1])
+        _plot_throughput(train, resumes, run_name, written[-1])
     if epochs:
         written.append(out_dir / "accuracy.png")
-        _plot_accuracy(plt, train, epochs, resumes, _steps_per_epoch(resolved, epochs), run_name,
+        _plot_accuracy(train, epochs, resumes, _steps_per_epoch(resolved, epochs), run_name,
                        written[-1], eval_metric_of(config))
     return written

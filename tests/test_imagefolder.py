@@ -209,6 +209,47 @@ def test_one_folder_down_without_split_folders_is_read_as_before(tmp_path, files
     assert list(_index(root).splits) == ["train"]
 
 
+@pytest.mark.parametrize("files, depth, expected", [
+    (["cat/train/1.png", "cat/train/2.png", "cat/val/3.png", "dog/train/4.png", "dog/val/5.png"],
+     None, {"train": [("cat/train/1.png", "cat"), ("cat/train/2.png", "cat"),
+                      ("dog/train/4.png", "dog")],
+            "validation": [("cat/val/3.png", "cat"), ("dog/val/5.png", "dog")]}),
+    # nested class folders, split names inside folder names, a test split in one class only
+    (["animals/cat/train2017/1.png", "animals/dog/train2017/2.png", "animals/dog/val2017/3.png",
+      "animals/cat/Test/4.png"],
+     None, {"train": [("animals/cat/train2017/1.png", "cat"),
+                      ("animals/dog/train2017/2.png", "dog")],
+            "test": [("animals/cat/Test/4.png", "cat")],
+            "validation": [("animals/dog/val2017/3.png", "dog")]}),
+    # --class-depth 1: the class above breeds, the split folder left out of the count
+    (["cat/siamese/train/1.png", "cat/tabby/train/2.png", "cat/tabby/val/3.png",
+      "dog/pug/train/4.png"],
+     1, {"train": [("cat/siamese/train/1.png", "cat"), ("cat/tabby/train/2.png", "cat"),
+                   ("dog/pug/train/4.png", "dog")],
+         "validation": [("cat/tabby/val/3.png", "cat")]}),
+])
+def test_split_folders_inside_class_folders_are_the_splits(tmp_path, files, depth, expected):
+    """cat/train/, cat/val/, dog/train/...: read as class folders, the classes were train and
+    val (with --class-depth 1, cat and dog with every validation image trained on)."""
+    root = _tree(tmp_path / "d", files)
+    index = _index(root, class_depth=depth)
+    assert _rows(index) == expected
+    assert index.class_names == sorted({name for rows in expected.values() for _, name in rows})
+
+
+@pytest.mark.parametrize("files", [
+    ["cat/train/1.png", "dog/2.png"],                       # a class folder without splits
+    ["cat/train/1.png", "cat/3.png", "dog/train/2.png"],    # an image beside the split folders
+    ["cat/val/1.png", "dog/test/2.png"],                    # no training split
+    ["cat/train/1.png", "cat/training/2.png", "dog/train/3.png"],  # one class's train twice
+    ["cat/train_val/1.png", "dog/train_val/2.png"],         # a name with two splits
+])
+def test_class_folders_not_all_holding_split_folders_are_read_as_before(tmp_path, files):
+    root = _tree(tmp_path / "d", files)
+    assert _rows(_index(root)) == {"train": [(name, name.split("/")[-2]) for name in
+                                             sorted(files)]}
+
+
 def test_split_folders_mixed_with_class_folders_are_refused(tmp_path):
     root = _tree(tmp_path / "d", ["train/c/1.png", "val/c/2.png", "zebra/3.png", "ant/4.png",
                                   "cow/5.png", "dog/6.png", "__MACOSX/7.png"])

@@ -109,6 +109,25 @@ def test_split_folders_one_folder_down_that_datasets_reads_as_splits_are_refused
         [os.path.basename(v["path"]) for v in reference["image"]]
 
 
+def test_split_folders_inside_class_folders_are_the_splits_datasets_finds(tmp_path):
+    """photos/cat/train/, photos/cat/val/...: datasets' imagefolder finds its splits by those
+    folders at any depth (the oracle for which image is in which split) but labels each image
+    by its own folder, train or val; here the class is the folder above (cat, dog)."""
+    root = tmp_path / "photos"
+    names = [f"{c}/{split}/{i}.png" for c in ("cat", "dog") for split, count in
+             (("train", 3), ("val", 2)) for i in range(count)]
+    _files(root, names)
+    theirs = datasets.load_dataset("imagefolder", data_dir=str(root))
+    assert theirs["train"].features["label"].names == ["train", "val"]
+    data = load_data(TrainConfig(data_dir=str(root), in_memory="never"))
+    assert data.class_names == ["cat", "dog"]
+    for ours, split in ((data.train, "train"), (data.held_out, "validation")):
+        reference = theirs[split].cast_column("image", datasets.Image(decode=False))
+        assert _paths(ours) == [os.path.relpath(v["path"], root) for v in reference["image"]]
+        assert ours.labels.tolist() == [data.class_names.index(p.split("/")[0])
+                                        for p in _paths(ours)]
+
+
 def test_classes_missing_from_a_held_out_split_are_fine_and_keep_their_numbers(tmp_path):
     """A class with no validation or test images (small held-out splits) trains as usual;
     only a held-out class that train/ lacks is refused (test_bad_folders_...)."""

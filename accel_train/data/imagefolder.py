@@ -69,7 +69,7 @@ SPLIT_WORD = re.compile(r"(?<![^-._ 0-9])(" + "|".join(sorted(SPLIT_FOLDERS, key
                         + r")(?![^-._ 0-9])", re.IGNORECASE)
 CACHE_MIN_FILES = 10_000  # below this a walk takes well under a second: no cache file
 CACHE_ENV = "ACCEL_TRAIN_INDEX_CACHE"  # folder for cached indexes (default ~/.cache/accel_train)
-CACHE_VERSION = 5  # raised whenever the same folder would index otherwise
+CACHE_VERSION = 6  # raised whenever the same folder would index otherwise
 RACY_SECONDS = 2.0  # a folder changed this recently may change again within its mtime's tick
 PROGRESS_AFTER = 1.0  # seconds of walking before we say anything
 PROGRESS_LOG_EVERY = 10.0  # seconds between plain progress lines (not a terminal)
@@ -509,22 +509,51 @@ def _refuse_split_folders_further_down(root: Path, dirs: list[tuple[str, int]]) 
                      f"and hold out the others")
 
 
-def _class_of(path: str, split_prefix: str, depth: Optional[int]) -> Optional[str]:
+def _class_of(path: str, split_prefix: str, depth: Optional[int],
+              split_inside: bool = False) -> Optional[str]:
     """The class of an image from its path under the split folder; None if it has none.
+    `split_inside`: the image's own folder is its split's (cat/train/0.jpg), left out.
     (String splitting: PurePosixPath cost seconds per million paths.)"""
-    return _folder_class(path[len(split_prefix):].split("/")[:-1], depth)
+    folders = path[len(split_prefix):].split("/")[:-1]
+    return _folder_class(folders[:-1] if split_inside else folders, depth)
 
 
-def _classes_of(found: list[str], split_prefix: str, depth: Optional[int]) -> list[Optional[str]]:
+def _classes_of(found: list[str], split_prefix: str, depth: Optional[int],
+                split_inside: bool = False) -> list[Optional[str]]:
     """Each image's class (_class_of), worked out once per folder: its images share it."""
     of_folder: dict[str, Optional[str]] = {}
     names = []
     for path in found:
         folder = path[:path.rfind("/") + 1]
         if folder not in of_folder:
-            of_folder[folder] = _class_of(path, split_prefix, depth)
+            of_folder[folder] = _class_of(path, split_prefix, depth, split_inside)
         names.append(of_folder[folder])
     return names
+
+
+def _splits_inside_classes(found: list[str]) -> dict[str, list[str]]:
+    """{split: its image paths} where every image sits in a folder naming a split, inside a
+    class folder (cat/train/0.jpg, cat/val/1.jpg, dog/train/2.jpg), a training split among
+    them and no class folder holding two folders of one split; else {}.  Why: read as class
+    folders, the deepest folders train/ and val/ became the classes, and with --class-depth 1
+    each class's validation images were trained on.  datasets' imagefolder takes these
+    folders for its splits too (it finds a split folder at any depth), but labels the images
+    by their own folder (train, val), not by the class folder above it."""
+    split_of: dict[str, Optional[str]] = {}  # each image folder's split, worked out once
+    named: dict[tuple[str, str], str] = {}   # (class folder, split): the folder naming it
+    by_split: dict[str, list[str]] = {}
+    for path in found:
+        folder = path[:path.rfind("/")]
+        if folder not in split_of:
+            above, _, name = folder.rpartition("/")
+            split = split_in_name(name) if above else None
+            if split is not None and named.setdefault((above, split), name) != name:
+                return {}  # cat/train/ beside cat/training/: not one split folder a class
+            split_of[folder] = split
+        if split_of[folder] is None:
+            return {}
+        by_split.setdefault(split_of[folder], []).append(path)
+    return by_split if "train" in by_split else {}
 
 
 def _folder_class(folders: list[str], depth: Optional[int]) -> Optional[str]:
@@ -573,6 +602,10 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
         if empties[split] and not (class_depth is None and is_labelled_split(split, val_labels)
                                    or split in files):
             _check_empty_folders(root, sorted(empties[split]), found, prefix, class_depth)
+    inside_classes = splits.get("train") is root and not files and not metadata and \
+        _splits_inside_classes(walked["train"][1])
+    if inside_classes:  # cat/train/, cat/val/: each split's images found by their folder
+        walked = {split: ("", found) for split, found in inside_classes.items()}
     images = {split: [path[len(prefix):] for path in found]
               for split, (prefix, found) in walked.items()}
     classes: dict[str, list] = {}
@@ -583,7 +616,7 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
     for split, (prefix, found) in walked.items():
         if split in files:
             continue
-        names = _classes_of(found, prefix, class_depth)
+        names = _classes_of(found, prefix, class_depth, split_inside=bool(inside_classes))
         missing = next((path for path, name in zip(found, names) if name is None), None)
         if missing is not None:
             # a test/ beside val/: --val-labels would label val/, not it

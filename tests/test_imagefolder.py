@@ -200,9 +200,8 @@ def test_split_folders_further_down_are_refused_naming_the_folder_to_pass(tmp_pa
 @pytest.mark.parametrize("files", [
     ["animals/cat/1.png", "animals/dog/2.png"],        # one folder of class folders
     ["cifar/train/cat/1.png", "cifar/train/dog/2.png"],  # one split below: nothing held out
-    ["cifar/train/cat/1.png", "cifar/val/cat/2.png", "other/x/3.png"],  # two folders
     ["cifar/train/c/1.png", "cifar/training/c/2.png"],  # one split twice: not splits
-    ["a/b/train/c/1.png", "a/b/val/c/2.png", "a/x/3.png"],  # a/ holds two folders
+    ["a/train/c/1.png", "a/x/c/2.png", "b/val/c/3.png"],  # no folder holds only splits
 ])
 def test_one_folder_down_without_split_folders_is_read_as_before(tmp_path, files):
     root = _tree(tmp_path / "d", files)
@@ -248,6 +247,35 @@ def test_class_folders_not_all_holding_split_folders_are_read_as_before(tmp_path
     root = _tree(tmp_path / "d", files)
     assert _rows(_index(root)) == {"train": [(name, name.split("/")[-2]) for name in
                                              sorted(files)]}
+
+
+@pytest.mark.parametrize("files, holding", [
+    (["cifar/train/cat/1.png", "cifar/val/cat/2.png", "other/x/3.png"], ["cifar/"]),
+    (["a/b/train/c/1.png", "a/b/val/c/2.png", "a/x/3.png"], ["a/b/"]),
+    # two data sets unpacked side by side, and a folder of something else
+    (["cifar10/train/cat/1.png", "cifar10/test/cat/2.png", "cifar100/Training/apple/3.png",
+      "cifar100/Testing/apple/4.png", "extra/misc/5.png"], ["cifar10/", "cifar100/"]),
+    # five such folders: three named
+    ([f"set{k}/{split}/c/{k}.png" for k in range(5) for split in ("train", "val")],
+     [f"set{k}/" for k in range(5)]),
+])
+def test_split_folders_of_class_folders_beside_other_folders_are_refused(tmp_path, files,
+                                                                        holding):
+    """Read as class folders, each split's images joined the same classes of the others:
+    the held-out images were trained on without a word."""
+    root = _tree(tmp_path / "d", files)
+    below = {parent: sorted({name[len(parent):].split("/")[0] for name in files
+                             if name.startswith(parent)}) for parent in holding}
+    named = ", ".join(f"{parent} ({', '.join(name + '/' for name in below[parent])})"
+                      for parent in holding[:3]) + \
+        (f" and {len(holding) - 3} more" if len(holding) > 3 else "")
+    with pytest.raises(UsageError) as caught:
+        _index(root)
+    assert str(caught.value) == (
+        f"--data-dir {root} holds split folders further down, beside other folders: {named}; "
+        f"read as class folders, their held-out images would be trained on: pass --data-dir "
+        f"{root / holding[0].rstrip('/')} to train on its training split and hold out the "
+        f"others")
 
 
 def test_split_folders_mixed_with_class_folders_are_refused(tmp_path):

@@ -501,12 +501,36 @@ def _refuse_split_folders_further_down(root: Path, dirs: list[tuple[str, int]]) 
         if wrapper and _splits_in_names(sorted(below)):  # (train/ and val/ name theirs too)
             break
         if len(below) != 1:
+            _refuse_split_folders_beside_others(root, folders)
             return
         wrapper += f"{below.pop()}/"
     raise UsageError(f"--data-dir {root} holds one folder, {wrapper}, whose folders are "
                      f"splits ({', '.join(name + '/' for name in sorted(below))}): pass "
                      f"--data-dir {root / wrapper.rstrip('/')} to train on its training split "
                      f"and hold out the others")
+
+
+def _refuse_split_folders_beside_others(root: Path, folders: list[str]) -> None:
+    """Split folders of class folders further down beside other folders (photos/cifar10/
+    train/cat/ and photos/cifar10/test/ beside photos/cifar100/ or photos/extra/): read as class
+    folders, each split's images merged into the others' classes, its held-out images trained
+    on.  Refused, naming the folders that hold them.  Split folders holding images directly
+    (cat/train/, cat/val/) are a class's splits: _splits_inside_classes."""
+    children: dict[str, set[str]] = {}
+    for rel in folders:
+        parent, _, name = rel.rstrip("/").rpartition("/")
+        children.setdefault(f"{parent}/" if parent else "", set()).add(name)
+    holding = [parent for parent, names in sorted(children.items())
+               if _splits_in_names(sorted(names))  # (the root's: split by _split_folders)
+               and any(f"{parent}{name}/" in children for name in names)]
+    if holding:
+        named = ", ".join(f"{parent} ({', '.join(name + '/' for name in sorted(children[parent]))})"
+                          for parent in holding[:3])
+        more = f" and {len(holding) - 3} more" if len(holding) > 3 else ""
+        raise UsageError(f"--data-dir {root} holds split folders further down, beside other "
+                         f"folders: {named}{more}; read as class folders, their held-out images "
+                         f"would be trained on: pass --data-dir {root / holding[0].rstrip('/')} "
+                         f"to train on its training split and hold out the others")
 
 
 def _class_of(path: str, split_prefix: str, depth: Optional[int],

@@ -286,6 +286,13 @@ def _bad(tmp_path: Path, case: str) -> tuple[list[str], str]:
         return ["--data-dir", str(wrapped)], \
             (f"--data-dir {wrapped} holds one folder, cifar/, whose folders are splits (train/, "
              f"val/): pass --data-dir {wrapped}/cifar to train")
+    elif case == "split folders beside other folders":  # two data sets side by side
+        two = tmp_path / "t"
+        _files(two, ["cifar10/train/a/1.png", "cifar10/test/a/2.png", "extra/b/3.png"])
+        return ["--data-dir", str(two)], \
+            (f"--data-dir {two} holds split folders further down, beside other folders: "
+             f"cifar10/ (test/, train/); read as class folders, their held-out images would be "
+             f"trained on: pass --data-dir {two}/cifar10 to train")
     elif case == "unlabelled held-out folder":
         return ["--data-dir", str(root)], \
             f"{root}/val/ILSVRC2012_val_00000001.JPEG is not inside a class folder"
@@ -298,7 +305,8 @@ def _bad(tmp_path: Path, case: str) -> tuple[list[str], str]:
                                   "unknown class", "class number", "unlabelled image",
                                   "no label file", "unlabelled held-out folder",
                                   "held-out class never trained", "empty split folder",
-                                  "symlink loop", "split folders one folder down"])
+                                  "symlink loop", "split folders one folder down",
+                                  "split folders beside other folders"])
 def test_bad_folders_and_label_files_are_one_line_errors(tmp_path, capsys, case):
     args, expected = _bad(tmp_path, case)
     out = tmp_path / "run"

@@ -550,3 +550,33 @@ def test_the_training_labels_source_names_the_file_or_flag(tmp_path):
     assert str(refused.value).endswith(
         "'bird' is not a class (the classes of the training split's metadata files are cat, "
         "dog, ...); use their class names")
+
+
+@pytest.mark.parametrize("labelled_by", ["metadata.csv", "--train-labels"])
+def test_split_folders_inside_class_folders_under_one_label_file_are_refused(tmp_path,
+                                                                            labelled_by):
+    """cat/train/, cat/val/, dog/train/... with one file labelling every image (a metadata.csv
+    at the root, or --train-labels): read as one training split (the folders' splits are read
+    only where the folders label the images), its validation images were trained on.
+    datasets' imagefolder splits the folder by them and reads no metadata file above them."""
+    root = tmp_path / "photos"
+    rows = []
+    for i, name in enumerate(["cat/train/0.png", "cat/val/1.png", "dog/train/2.png",
+                              "dog/val/3.png"]):
+        _image(root / name, 40 * i)
+        rows.append({"file_name": name, "label": "indoor" if i < 2 else "outdoor"})
+    file = root / "metadata.csv" if labelled_by == "metadata.csv" else tmp_path / "labels.csv"
+    _write_metadata(file, rows)
+    if labelled_by == "metadata.csv":
+        assert set(_theirs(root)) == {"train", "validation"}
+    train_labels = str(file) if labelled_by == "--train-labels" else None
+    with pytest.raises(UsageError) as caught:
+        index_folder(root, train_labels=train_labels, cache_dir=tmp_path / "cache")
+    source = "metadata.csv" if labelled_by == "metadata.csv" else f"--train-labels {file}"
+    labels = "a metadata file in each" if labelled_by == "metadata.csv" else \
+        "labelled by --train-labels and --val-labels"
+    assert str(caught.value) == (
+        f"--data-dir {root}: its images sit in split folders inside other folders (cat/train/, "
+        f"cat/val/, dog/train/, dog/val/) and {source} labels them all as one training split, "
+        f"so its held-out images would be trained on; put each split's images in a split "
+        f"folder at the top of {root} (train/, val/), {labels}")

@@ -580,6 +580,22 @@ def _splits_inside_classes(found: list[str]) -> dict[str, list[str]]:
     return by_split if "train" in by_split else {}
 
 
+def _refuse_labelled_splits_inside_folders(root: Path, inside: dict[str, list[str]],
+                                           files: dict) -> None:
+    """Split folders inside other folders (_splits_inside_classes) under a label file or a
+    metadata file that labels the whole folder: read as one training split, as it was, the
+    held-out images were trained on (datasets' imagefolder splits it by the folders and reads
+    no metadata file above them)."""
+    folders = sorted({path[:path.rfind("/") + 1] for paths in inside.values() for path in paths})
+    paths, flag = next(iter(files.values()))
+    source = f"{flag} {paths[0]}" if flag else os.path.relpath(paths[0], root)
+    labels = "labelled by --train-labels and --val-labels" if flag else "a metadata file in each"
+    raise UsageError(f"--data-dir {root}: its images sit in split folders inside other folders "
+                     f"({first_few(folders)}) and {source} labels them all as one training "
+                     f"split, so its held-out images would be trained on; put each split's "
+                     f"images in a split folder at the top of {root} (train/, val/), {labels}")
+
+
 def _folder_class(folders: list[str], depth: Optional[int]) -> Optional[str]:
     """The class of what sits in the folder `folders` (its parts under the split folder)."""
     if depth is None:
@@ -626,8 +642,9 @@ def _build(root: Path, class_depth: Optional[int], val_labels: Optional[str],
         if empties[split] and not (class_depth is None and is_labelled_split(split, val_labels)
                                    or split in files):
             _check_empty_folders(root, sorted(empties[split]), found, prefix, class_depth)
-    inside_classes = splits.get("train") is root and not files and not metadata and \
-        _splits_inside_classes(walked["train"][1])
+    inside_classes = splits.get("train") is root and _splits_inside_classes(walked["train"][1])
+    if inside_classes and files:
+        _refuse_labelled_splits_inside_folders(root, inside_classes, files)
     if inside_classes:  # cat/train/, cat/val/: each split's images found by their folder
         walked = {split: ("", found) for split, found in inside_classes.items()}
     images = {split: [path[len(prefix):] for path in found]

@@ -255,7 +255,9 @@ def test_class_folders_not_all_holding_split_folders_are_read_as_before(tmp_path
     # two data sets unpacked side by side, and a folder of something else
     (["cifar10/train/cat/1.png", "cifar10/test/cat/2.png", "cifar100/Training/apple/3.png",
       "cifar100/Testing/apple/4.png", "extra/misc/5.png"], ["cifar10/", "cifar100/"]),
-    # five such folders: three named
+    # three such folders, all named; five: three named
+    ([f"set{k}/{split}/c/{k}.png" for k in range(3) for split in ("train", "val")],
+     [f"set{k}/" for k in range(3)]),
     ([f"set{k}/{split}/c/{k}.png" for k in range(5) for split in ("train", "val")],
      [f"set{k}/" for k in range(5)]),
 ])

@@ -228,8 +228,8 @@ def test_one_folder_down_without_split_folders_is_read_as_before(tmp_path, files
          "validation": [("cat/tabby/val/3.png", "cat")]}),
 ])
 def test_split_folders_inside_class_folders_are_the_splits(tmp_path, files, depth, expected):
-    """cat/train/, cat/val/, dog/train/...: read as class folders, the classes were train and
-    val (with --class-depth 1, cat and dog with every validation image trained on)."""
+    """cat/train/, cat/val/, dog/train/...: read as class folders, the classes would be train
+    and val (with --class-depth 1, cat and dog with every validation image trained on)."""
     root = _tree(tmp_path / "d", files)
     index = _index(root, class_depth=depth)
     assert _rows(index) == expected
@@ -263,8 +263,8 @@ def test_class_folders_not_all_holding_split_folders_are_read_as_before(tmp_path
 ])
 def test_split_folders_of_class_folders_beside_other_folders_are_refused(tmp_path, files,
                                                                         holding):
-    """Read as class folders, each split's images joined the same classes of the others:
-    the held-out images were trained on without a word."""
+    """Read as class folders, each split's images would join the same classes of the others:
+    the held-out images trained on without a word."""
     root = _tree(tmp_path / "d", files)
     below = {parent: sorted({name[len(parent):].split("/")[0] for name in files
                              if name.startswith(parent)}) for parent in holding}

@@ -557,7 +557,7 @@ def test_split_folders_inside_class_folders_under_one_label_file_are_refused(tmp
                                                                             labelled_by):
     """cat/train/, cat/val/, dog/train/... with one file labelling every image (a metadata.csv
     at the root, or --train-labels): read as one training split (the folders' splits are read
-    only where the folders label the images), its validation images were trained on.
+    only where the folders label the images), its validation images would be trained on.
     datasets' imagefolder splits the folder by them and reads no metadata file above them."""
     root = tmp_path / "photos"
     rows = []

@@ -559,8 +559,8 @@ def _splits_inside_classes(found: list[str]) -> dict[str, list[str]]:
     """{split: its image paths} where every image sits in a folder naming a split, inside a
     class folder (cat/train/0.jpg, cat/val/1.jpg, dog/train/2.jpg), a training split among
     them and no class folder holding two folders of one split; else {}.  Why: read as class
-    folders, the deepest folders train/ and val/ became the classes, and with --class-depth 1
-    each class's validation images were trained on.  datasets' imagefolder takes these
+    folders, the deepest folders train/ and val/ would be the classes, and with --class-depth
+    1 each class's validation images would be trained on.  datasets' imagefolder takes these
     folders for its splits too (it finds a split folder at any depth), but labels the images
     by their own folder (train, val), not by the class folder above it."""
     split_of: dict[str, Optional[str]] = {}  # each image folder's split, worked out once
@@ -583,9 +583,9 @@ def _splits_inside_classes(found: list[str]) -> dict[str, list[str]]:
 def _refuse_labelled_splits_inside_folders(root: Path, inside: dict[str, list[str]],
                                            files: dict) -> None:
     """Split folders inside other folders (_splits_inside_classes) under a label file or a
-    metadata file that labels the whole folder: read as one training split, as it was, the
-    held-out images were trained on (datasets' imagefolder splits it by the folders and reads
-    no metadata file above them)."""
+    metadata file that labels the whole folder: read as one training split, the held-out
+    images would be trained on (datasets' imagefolder splits it by the folders and reads no
+    metadata file above them)."""
     folders = sorted({path[:path.rfind("/") + 1] for paths in inside.values() for path in paths})
     paths, flag = next(iter(files.values()))
     source = f"{flag} {paths[0]}" if flag else os.path.relpath(paths[0], root)

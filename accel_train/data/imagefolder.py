@@ -493,33 +493,33 @@ def _refuse_split_folders_further_down(root: Path, dirs: list[tuple[str, int]]) 
     its validation images would be trained on, and a tenth of all of them carved off instead,
     without a word (datasets' imagefolder finds split folders at any depth).  Told from the
     walk's folders (`dirs`: "cifar/", "cifar/train/", ...), not by listing again."""
-    folders = [rel for rel, _ in dirs if rel]
+    children: dict[str, set[str]] = {}  # {folder: the names of its folders}, "" the root
+    for rel, _ in dirs:
+        if rel:
+            parent, _, name = rel.rstrip("/").rpartition("/")
+            children.setdefault(f"{parent}/" if parent else "", set()).add(name)
     wrapper = ""
     while True:
-        below = {rel[len(wrapper):].split("/")[0] for rel in folders
-                 if rel.startswith(wrapper) and len(rel) > len(wrapper)}
+        below = children.get(wrapper, set())
         if wrapper and _splits_in_names(sorted(below)):  # (train/ and val/ name theirs too)
             break
         if len(below) != 1:
-            _refuse_split_folders_beside_others(root, folders)
+            _refuse_split_folders_beside_others(root, children)
             return
-        wrapper += f"{below.pop()}/"
+        wrapper += f"{next(iter(below))}/"
     raise UsageError(f"--data-dir {root} holds one folder, {wrapper}, whose folders are "
                      f"splits ({', '.join(name + '/' for name in sorted(below))}): pass "
                      f"--data-dir {root / wrapper.rstrip('/')} to train on its training split "
                      f"and hold out the others")
 
 
-def _refuse_split_folders_beside_others(root: Path, folders: list[str]) -> None:
+def _refuse_split_folders_beside_others(root: Path, children: dict[str, set[str]]) -> None:
     """Split folders of class folders further down beside other folders (photos/cifar10/
     train/cat/ and photos/cifar10/test/ beside photos/cifar100/ or photos/extra/): read as class
     folders, each split's images merged into the others' classes, its held-out images trained
     on.  Refused, naming the folders that hold them.  Split folders holding images directly
-    (cat/train/, cat/val/) are a class's splits: _splits_inside_classes."""
-    children: dict[str, set[str]] = {}
-    for rel in folders:
-        parent, _, name = rel.rstrip("/").rpartition("/")
-        children.setdefault(f"{parent}/" if parent else "", set()).add(name)
+    (cat/train/, cat/val/) are a class's splits: _splits_inside_classes.  `children`: {folder:
+    the names of its folders}, as _refuse_split_folders_further_down gathers them."""
     holding = [parent for parent, names in sorted(children.items())
                if _splits_in_names(sorted(names))  # (the root's: split by _split_folders)
                and any(f"{parent}{name}/" in children for name in names)]

@@ -1,7 +1,7 @@
 r"""The device path's crop resize: a batch's random-resized crops resized one torchvision call a
-crop, against the same crops resized as a batch (accel_train/data/batched_resize.py: two matrix
-products a chunk), side by side in alternating rounds, on the GPU where there is one, else on
-the CPU.
+crop, against the same crops resized as a batch (accel_train/data/batched_resize.py: one gather
+from their images and two matrix products a chunk), side by side in alternating rounds, on the
+GPU where there is one, else on the CPU.
 
 Two kinds of batch: `calls`, 256 crops of 6-11 px resized to 4 px, where the work is the calls
 themselves (what a GPU spends its host time on: each torchvision call costs its checks, dtype
@@ -30,29 +30,34 @@ from make_imagenet_like import image_size  # noqa: E402
 from accel_train.data.batched_resize import resized_as_batch, resized_one_by_one  # noqa: E402
 
 
-def call_crops(count: int, device: torch.device) -> list[torch.Tensor]:
+Crops = tuple[list[torch.Tensor], torch.Tensor]  # images on the device, host boxes [N, 4]
+
+
+def call_crops(count: int, device: torch.device) -> Crops:
+    """Small images, each crop the whole image."""
     generator = torch.Generator().manual_seed(0)
     sizes = torch.randint(6, 12, (count, 2), generator=generator).tolist()
-    return [torch.randint(0, 256, (3, h, w), generator=generator, dtype=torch.uint8).to(device)
-            for h, w in sizes]
+    images = [torch.randint(0, 256, (3, h, w), generator=generator, dtype=torch.uint8).to(device)
+              for h, w in sizes]
+    return images, torch.tensor([[0, 0, h, w] for h, w in sizes], dtype=torch.int64)
 
 
-def photo_crops(count: int, device: torch.device) -> list[torch.Tensor]:
-    """Crops of smooth random images at ImageNet's sizes, boxes drawn as timm draws them."""
+def photo_crops(count: int, device: torch.device) -> Crops:
+    """Smooth random images at ImageNet's sizes, boxes drawn as timm draws them."""
     from timm.data.transforms import RandomResizedCropAndInterpolation
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
-    crops = []
+    images, boxes = [], []
     for _ in range(count):
         width, height = image_size(rng)
         coarse = torch.from_numpy(rng.integers(0, 256, (3, height // 16 + 2, width // 16 + 2),
                                                dtype=np.uint8))
         image = torch.nn.functional.interpolate(coarse[None].float(), (height, width),
                                                 mode="bilinear")[0].to(torch.uint8)
-        top, left, h, w = RandomResizedCropAndInterpolation.get_params(
-            image, (0.08, 1.0), (3 / 4, 4 / 3))
-        crops.append(image[:, top:top + h, left:left + w].to(device))
-    return crops
+        boxes.append(RandomResizedCropAndInterpolation.get_params(image, (0.08, 1.0),
+                                                                  (3 / 4, 4 / 3)))
+        images.append(image.to(device))
+    return images, torch.tensor(boxes, dtype=torch.int64)
 
 
 def timed(work, device: torch.device) -> float:
@@ -66,10 +71,12 @@ def timed(work, device: torch.device) -> float:
     return time.perf_counter() - started
 
 
-def measure(crops: list[torch.Tensor], size: int, device: torch.device, rounds: int) -> dict:
-    bicubic = torch.arange(len(crops)) % 2 == 0
-    arms = {"crop by crop (torchvision)": lambda: resized_one_by_one(crops, size, bicubic),
-            "batched": lambda: resized_as_batch(crops, size, bicubic, device)}
+def measure(crops: Crops, size: int, device: torch.device, rounds: int) -> dict:
+    images, boxes = crops
+    bicubic = torch.arange(len(images)) % 2 == 0
+    arms = {"crop by crop (torchvision)": lambda: resized_one_by_one(images, boxes, size,
+                                                                     bicubic),
+            "batched": lambda: resized_as_batch(images, boxes, size, bicubic, device)}
     seconds: dict[str, list[float]] = {name: [] for name in arms}
     outputs = {}
     for name in arms:  # once each untimed: kernels, caches
@@ -103,7 +110,7 @@ def main() -> int:
                               ("photos", photo_crops(args.photos, device), args.size)):
         result = measure(crops, size, device, args.rounds)
         per_crop, batched = result["ms"].values()
-        rows.append([kind, len(crops), size, per_crop, batched, per_crop / batched,
+        rows.append([kind, len(crops[0]), size, per_crop, batched, per_crop / batched,
                      f"{result['mean_abs']:.3f} / {result['max']:.0f}"])
     report.table(f"{name}: ms a batch, median of {args.rounds} alternating rounds",
                  ["batch", "crops", "to px", "crop by crop ms", "batched ms",

@@ -166,7 +166,7 @@ def device_path_parts(images, device, batch: int) -> dict:
              # the crops' resize alone, the product's batched one against torchvision's
              # resize crop by crop (what the device path did before), on the same crops
              "resize_batched_img_per_s": timed(lambda: resized_as_batch(
-                 crops, encoded.size, encoded.bicubic, device)),
+                 decoded, encoded.boxes, encoded.size, encoded.bicubic, device)),
              "resize_per_crop_img_per_s": timed(lambda: [TF.resize(
                  crop, [encoded.size] * 2, antialias=True,
                  interpolation=TF.InterpolationMode.BICUBIC if bicubic

@@ -1,7 +1,8 @@
 """The device path's crops resized as a batch, as on a GPU (accel_train/data/batched_resize.py;
 here on the CPU, whose own device path resizes crop by crop), against torchvision's own resize
 of each crop (uint8, antialiased: PIL's filters and rounding), and PIL's resize where both
-sides shrink; the weights of a halving by hand."""
+sides shrink; the weights of a halving by hand; each crop taken from its image by one gather,
+against slicing it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
 from accel_train.data import batched_resize
-from accel_train.data.batched_resize import resize_weights, resized_as_batch, resized_crops
+from accel_train.data.batched_resize import padded_crops, resize_weights, resized_as_batch, \
+    resized_crops
 
 CPU = torch.device("cpu")
 
@@ -34,6 +36,35 @@ def _crops(count: int, low: int, high: int, seed: int = 0) -> list[torch.Tensor]
     return crops
 
 
+def _boxed(crops: list[torch.Tensor], seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """What the device path hands over: each crop inside a larger image (margins of 0-6 px of
+    noise on each side, which a box off by a pixel would take in) and its box (top, left,
+    height, width) there; every third image a transposed view (not contiguous), as a quarter
+    turn leaves a decoded photograph."""
+    generator = torch.Generator().manual_seed(1000 + seed)
+    images, boxes = [], []
+    for k, crop in enumerate(crops):
+        if k % 3 == 1:
+            crop = crop.transpose(1, 2)
+        top, bottom, left, right = torch.randint(0, 7, (4,), generator=generator).tolist()
+        channels, height, width = crop.shape
+        image = torch.randint(0, 256, (channels, top + height + bottom, left + width + right),
+                              generator=generator, dtype=torch.uint8)
+        image[:, top:top + height, left:left + width] = crop
+        if k % 3 == 1:  # the same pixels, seen through a transposed view
+            image, top, left = image.transpose(1, 2), left, top
+        images.append(image)
+        boxes.append([top, left, crops[k].shape[1], crops[k].shape[2]])
+    return images, torch.tensor(boxes, dtype=torch.int64).view(-1, 4)
+
+
+def _resized(crops: list[torch.Tensor], size: int, bicubic: torch.Tensor,
+             seed: int = 0) -> torch.Tensor:
+    """`resized_as_batch` of the crops, each handed over inside its image (`_boxed`)."""
+    images, boxes = _boxed(crops, seed)
+    return resized_as_batch(images, boxes, size, bicubic, CPU)
+
+
 def _torchvision(crop: torch.Tensor, size: int, bicubic: bool) -> torch.Tensor:
     mode = TF.InterpolationMode.BICUBIC if bicubic else TF.InterpolationMode.BILINEAR
     return TF.resize(crop, [size, size], interpolation=mode, antialias=True)
@@ -46,7 +77,7 @@ def test_each_crop_is_torchvisions_resize_of_it(size, low, high, monkeypatch):
     monkeypatch.setattr(batched_resize, "CHUNK_BYTES", 3 * 120 * 120 * 4 * 3)
     crops = _crops(30, low, high)
     bicubic = torch.arange(30) % 2 == 0
-    resized = resized_as_batch(crops, size, bicubic, CPU)
+    resized = _resized(crops, size, bicubic)
     assert resized.shape == (30, 3, size, size) and resized.dtype == torch.uint8
     for k, crop in enumerate(crops):
         expected = _torchvision(crop, size, bool(bicubic[k]))
@@ -62,7 +93,7 @@ def test_shrinking_both_sides_is_as_close_to_pils_resize_as_torchvisions():
     (both sit a level off in 15-20% of the pixels of a tall bicubic crop)."""
     crops = _crops(12, 150, 400, seed=1)
     bicubic = torch.arange(12) % 2 == 1
-    resized = resized_as_batch(crops, 112, bicubic, CPU)
+    resized = _resized(crops, 112, bicubic)
     for k, crop in enumerate(crops):
         image = Image.fromarray(crop.permute(1, 2, 0).numpy())
         pil = torch.from_numpy(np.array(image.resize((112, 112), Image.BICUBIC if bicubic[k]
@@ -98,7 +129,7 @@ def test_black_stays_black_and_white_white():
     overshoot clamped: the same levels after."""
     for level in (0, 255):
         crop = torch.full((3, 37, 23), level, dtype=torch.uint8)
-        resized = resized_as_batch([crop], 16, torch.tensor([True]), CPU)
+        resized = _resized([crop], 16, torch.tensor([True]))
         assert torch.equal(resized, torch.full((1, 3, 16, 16), level, dtype=torch.uint8))
 
 
@@ -138,9 +169,9 @@ def test_the_pixels_do_not_depend_on_the_matmul_precision(precision):
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        full = (resized_as_batch(crops, 24, bicubic, CPU).int() - expected.int()).abs()
+        full = (_resized(crops, 24, bicubic).int() - expected.int()).abs()
         torch.set_float32_matmul_precision(precision)
-        parts = (resized_as_batch(crops, 24, bicubic, CPU).int() - expected.int()).abs()
+        parts = (_resized(crops, 24, bicubic).int() - expected.int()).abs()
     finally:
         torch.set_float32_matmul_precision(before)
     assert parts.max() <= 1 and full.max() <= 1
@@ -160,8 +191,7 @@ def test_the_resize_never_touches_the_process_matmul_precision():
     def resize_many():
         try:
             for seed in range(6):
-                resized_as_batch(_crops(8, 30, 120, seed=seed), 32, torch.tensor([True] * 8),
-                                 CPU)
+                _resized(_crops(8, 30, 120, seed=seed), 32, torch.tensor([True] * 8))
         finally:
             done.set()
 
@@ -184,6 +214,41 @@ def test_a_cpu_resizes_crop_by_crop_with_torchvision():
     bicubic = torch.tensor([True, False, True, False])
     expected = torch.stack([_torchvision(crop, 24, bool(cubic))
                             for crop, cubic in zip(crops, bicubic)])
-    assert torch.equal(resized_crops(crops, 24, bicubic, CPU), expected)
-    empty = resized_crops([], 16, torch.zeros(0, dtype=torch.bool), CPU)
+    images, boxes = _boxed(crops)
+    assert torch.equal(resized_crops(images, boxes, 24, bicubic, CPU), expected)
+    empty = resized_crops([], torch.zeros(0, 4, dtype=torch.int64), 16,
+                          torch.zeros(0, dtype=torch.bool), CPU)
     assert empty.shape == (0, 3, 16, 16) and empty.dtype == torch.uint8
+
+
+def test_the_gathered_crops_are_the_sliced_crops_zero_padded():
+    """`padded_crops` against slicing by hand: each box's pixels in its slot's top left corner,
+    zeros past it, for boxes of one pixel, whole images, transposed views and three channels
+    of different images; a uint8 image's levels as float32 integers."""
+    generator = torch.Generator().manual_seed(7)
+    images = [torch.randint(0, 256, (3, h, w), generator=generator, dtype=torch.uint8)
+              for h, w in [(9, 14), (20, 5), (1, 1), (12, 12), (30, 8)]]
+    images[3] = images[3].transpose(1, 2)
+    boxes = [[2, 3, 5, 9], [0, 0, 20, 5], [0, 0, 1, 1], [4, 1, 1, 11], [29, 7, 1, 1]]
+    padded = padded_crops(images, boxes, CPU)
+    expected = torch.zeros(5, 3, 20, 11)
+    for k, (image, (top, left, height, width)) in enumerate(zip(images, boxes)):
+        expected[k, :, :height, :width] = image[:, top:top + height, left:left + width].float()
+    assert padded.dtype == torch.float32 and torch.equal(padded, expected)
+
+
+def test_the_gather_costs_one_call_an_image_not_a_dozen():
+    """The point of the gather: the operators the host issues for a chunk grow by one an image
+    (its view as a row of pixels), not by a slice, a select and a copy a crop (counted by
+    torch's profiler: the top-level aten operators, those Python called)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def calls(count: int) -> int:
+        images = _crops(count, 10, 20)
+        boxes = [[1, 2, image.shape[1] - 3, image.shape[2] - 4] for image in images]
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            padded_crops(images, boxes, CPU)
+        return sum(event.cpu_parent is None and event.name.startswith("aten::")
+                   for event in profiler.events())
+
+    assert calls(40) - calls(8) <= 32, (calls(8), calls(40))

@@ -23,19 +23,27 @@ invscale = 1 / max(scale, 1); bicubic with a = -0.5, as torch and PIL antialias 
 float32 whatever the process's matmul precision (`exact_parts`), the width then the height, each
 pass rounded to 8 bits as PIL rounds them (the loader workers' resize; torchvision's on uint8 on
 a CPU): tests compare it with torchvision's resize, crop by crop.
+
+The crops reach a chunk as one gather from their images (`padded_crops`), not a copy a crop:
+on an H200 the crops' copies, slices and selects were 2,000 small operators a batch of 256,
+25-31 ms of the host's time a step (BENCHMARKS.md, the always arm's profile), as long as the
+step itself, on the thread that decodes the next batch.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-# A chunk's padded float32 pixels at most (a crop larger than it is a chunk of its own): a few
-# chunks for a batch of 256 ImageNet crops, a small share of the memory a network trains in;
-# on a GPU of less than 32 GiB, 1/64 of its memory (an 8 GiB card: 128 MiB), since the chunk
-# comes on top of a step that may fill it.
-CHUNK_BYTES = 512 * 2 ** 20
-GPU_MEMORY_SHARE = 64
+# A chunk's padded float32 pixels at most (a crop larger than it is a chunk of its own): one or
+# two chunks for a batch of 256 ImageNet crops, a small share of the memory a network trains in;
+# on a GPU of less than 32 GiB, 1/128 of its memory (an 8 GiB card: 64 MiB), since the chunk
+# comes on top of a step that may fill it.  While a chunk is gathered its int32 index takes as
+# many bytes again, and its images' pixels (uint8) come on top: about 2.5 times this at the most.
+CHUNK_BYTES = 256 * 2 ** 20
+GPU_MEMORY_SHARE = 128
 _BICUBIC_A = -0.5  # torch's and PIL's antialiasing bicubic
 
 
@@ -48,42 +56,75 @@ def on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def resized_crops(crops: list[torch.Tensor], size: int, bicubic: torch.Tensor,
-                  device: torch.device) -> torch.Tensor:
-    """uint8 [N, C, size, size] on `device`: each uint8 [C, h, w] crop (on `device`) resized,
-    bicubic where the host bool tensor `bicubic` [N] says, else bilinear: as a batch on a GPU,
-    crop by crop on a CPU (the module's docstring says why)."""
+def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, size: int,
+                  bicubic: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """uint8 [N, C, size, size] on `device`: the box of each uint8 [C, H, W] image (on `device`)
+    resized, where `boxes` is a host int64 tensor [N, 4] of (top, left, height, width), bicubic
+    where the host bool tensor `bicubic` [N] says, else bilinear: as a batch on a GPU, crop by
+    crop on a CPU (the module's docstring says why)."""
     device = torch.device(device)
-    if not crops:
+    if not images:
         return torch.zeros(0, 3, size, size, dtype=torch.uint8, device=device)
     if device.type == "cpu":
-        return resized_one_by_one(crops, size, bicubic)
-    return resized_as_batch(crops, size, bicubic, device)
+        return resized_one_by_one(images, boxes, size, bicubic)
+    return resized_as_batch(images, boxes, size, bicubic, device)
 
 
-def resized_one_by_one(crops: list[torch.Tensor], size: int,
+def resized_one_by_one(images: list[torch.Tensor], boxes: torch.Tensor, size: int,
                        bicubic: torch.Tensor) -> torch.Tensor:
-    """torchvision's resize of each crop (on a CPU its uint8 path: PIL's arithmetic)."""
+    """torchvision's resize of each image's box (on a CPU its uint8 path: PIL's arithmetic)."""
     modes = {True: TF.InterpolationMode.BICUBIC, False: TF.InterpolationMode.BILINEAR}
-    return torch.stack([TF.resize(crop, [size, size], interpolation=modes[cubic],
-                                  antialias=True)
-                        for crop, cubic in zip(crops, bicubic.tolist())])
+    return torch.stack([TF.resize(image[:, top:top + height, left:left + width], [size, size],
+                                  interpolation=modes[cubic], antialias=True)
+                        for image, (top, left, height, width), cubic
+                        in zip(images, boxes.tolist(), bicubic.tolist())])
 
 
-def resized_as_batch(crops: list[torch.Tensor], size: int, bicubic: torch.Tensor,
-                     device: torch.device) -> torch.Tensor:
+def resized_as_batch(images: list[torch.Tensor], boxes: torch.Tensor, size: int,
+                     bicubic: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`resized_crops` in a few kernels a chunk (any device: the tests run it on a CPU)."""
     device = torch.device(device)
-    channels = crops[0].shape[0]
-    out = torch.empty(len(crops), channels, size, size, dtype=torch.uint8, device=device)
+    channels = images[0].shape[0]
+    out = torch.empty(len(images), channels, size, size, dtype=torch.uint8, device=device)
     budget = CHUNK_BYTES
     if device.type == "cuda":
         budget = min(budget, torch.cuda.get_device_properties(device).total_memory
                      // GPU_MEMORY_SHARE)
-    for chunk in _chunks([tuple(crop.shape[-2:]) for crop in crops], channels, budget):
-        resized = _resized_chunk([crops[k] for k in chunk], size, bicubic[chunk], device)
+    boxes = boxes.tolist()  # Python numbers: no tensor operator a crop
+    for chunk in _chunks([(box[2], box[3]) for box in boxes], channels, budget):
+        padded = padded_crops([images[k] for k in chunk], [boxes[k] for k in chunk], device)
+        resized = _resized_chunk(padded, [boxes[k][2] for k in chunk],
+                                 [boxes[k][3] for k in chunk], size, bicubic[chunk], device)
         out[on_device(torch.tensor(chunk), device)] = resized
     return out
+
+
+def padded_crops(images: list[torch.Tensor], boxes: list[list[int]],
+                 device: torch.device) -> torch.Tensor:
+    """float32 [n, C, tallest box, widest box]: each uint8 [C, H, W] image's box (top, left,
+    height, width) in its slot's top left corner, zeros past it.  One gather for the whole
+    chunk from the images' pixels laid end to end, its index computed on `device`: a view an
+    image and a dozen operators in all, where a copy a crop costs a GPU a launch and the host a
+    slice, a select and a copy (the module's docstring says what those cost)."""
+    channels = images[0].shape[0]
+    # every image's pixels end to end, and one zero after them that the padding reads
+    flat = torch.cat([image.reshape(-1) for image in images]
+                     + [torch.zeros(1, dtype=images[0].dtype, device=device)])
+    starts = itertools.accumulate((image.numel() for image in images), initial=0)
+    geometry = torch.tensor([[start, image.shape[-2] * image.shape[-1], image.shape[-1], *box]
+                             for start, image, box in zip(starts, images, boxes)],
+                            dtype=torch.int64).T.contiguous()  # [7, n]
+    # int32 wherever it holds every position (a chunk's images under 2 GiB): half the index
+    kind = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
+    start, plane, row, top, left, height, width = \
+        on_device(geometry, device).to(kind).view(7, -1, 1, 1, 1)
+    span_h, span_w = max(box[2] for box in boxes), max(box[3] for box in boxes)
+    y = torch.arange(span_h, dtype=kind, device=device).view(1, 1, -1, 1)
+    x = torch.arange(span_w, dtype=kind, device=device).view(1, 1, 1, -1)
+    channel = torch.arange(channels, dtype=kind, device=device).view(1, -1, 1, 1)
+    index = (start + channel * plane) + (top + y) * row + (left + x)  # [n, C, span_h, span_w]
+    index.masked_fill_((y >= height) | (x >= width), flat.numel() - 1)
+    return flat[index].to(torch.float32)
 
 
 def _chunks(shapes: list[tuple[int, int]], channels: int, budget: int) -> list[list[int]]:
@@ -103,14 +144,8 @@ def _chunks(shapes: list[tuple[int, int]], channels: int, budget: int) -> list[l
     return chunks
 
 
-def _resized_chunk(crops: list[torch.Tensor], size: int, bicubic: torch.Tensor,
-                   device: torch.device) -> torch.Tensor:
-    heights = [crop.shape[-2] for crop in crops]
-    widths = [crop.shape[-1] for crop in crops]
-    padded = torch.zeros(len(crops), crops[0].shape[0], max(heights), max(widths),
-                         dtype=torch.float32, device=device)
-    for k, crop in enumerate(crops):
-        padded[k, :, :heights[k], :widths[k]].copy_(crop)  # one kernel, uint8 to float
+def _resized_chunk(padded: torch.Tensor, heights: list[int], widths: list[int], size: int,
+                   bicubic: torch.Tensor, device: torch.device) -> torch.Tensor:
     bicubic = on_device(bicubic, device)
     rows = resize_weights(on_device(torch.tensor(heights), device), size, max(heights), bicubic)
     columns = resize_weights(on_device(torch.tensor(widths), device), size, max(widths),

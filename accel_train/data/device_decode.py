@@ -274,8 +274,8 @@ class DeviceDecoder:
             return out, []
         decoded, refused = self._decode(list(batch.data.split(batch.lengths)),
                                         batch.orientations.tolist())
-        kept, boxes = [], []
-        sizes, drawn = batch.sizes.tolist(), batch.boxes.tolist()  # once, not a call an image
+        kept = []
+        sizes = batch.sizes.tolist()  # once, not a call an image
         for k, image in enumerate(decoded):
             if image is not None and list(image.shape[-2:]) != sizes[k]:
                 # A quarter turn otherwise than the workers read the header (TorchCodec reads
@@ -284,11 +284,10 @@ class DeviceDecoder:
                 refused.append(k)
                 continue
             if image is not None:
-                top, left, height, width = drawn[k]
                 kept.append(k)
-                boxes.append(image[:, top:top + height, left:left + width])
         # (bicubic or bilinear, antialiased: one resize for the batch, not one a crop)
-        resized = resized_crops(boxes, size, batch.bicubic[kept], self.device)
+        resized = resized_crops([decoded[k] for k in kept], batch.boxes[kept], size,
+                                batch.bicubic[kept], self.device)
         if len(kept) == len(decoded):
             crops = resized
         else:  # the refused ones are made on the host (hand_over)

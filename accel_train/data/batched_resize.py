@@ -124,7 +124,8 @@ def padded_crops(images: list[torch.Tensor], boxes: list[list[int]],
     channel = torch.arange(channels, dtype=kind, device=device).view(1, -1, 1, 1)
     index = (start + channel * plane) + (top + y) * row + (left + x)  # [n, C, span_h, span_w]
     index.masked_fill_((y >= height) | (x >= width), flat.numel() - 1)
-    return flat[index].to(torch.float32)
+    # index_select reads an int32 index as it is (indexing with [] would widen it to int64)
+    return flat.index_select(0, index.view(-1)).view(index.shape).to(torch.float32)
 
 
 def _chunks(shapes: list[tuple[int, int]], channels: int, budget: int) -> list[list[int]]:

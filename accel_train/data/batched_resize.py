@@ -41,7 +41,8 @@ from torchvision.transforms.v2 import functional as TF
 # two chunks for a batch of 256 ImageNet crops, a small share of the memory a network trains in;
 # on a GPU of less than 32 GiB, 1/128 of its memory (an 8 GiB card: 64 MiB), since the chunk
 # comes on top of a step that may fill it.  While a chunk is gathered its int32 index takes as
-# many bytes again, and its images' pixels (uint8) come on top: about 2.5 times this at the most.
+# many bytes again, and a copy of its images' uint8 pixels comes on top (256 photographs of
+# ImageNet's sizes: about 150 MB).
 CHUNK_BYTES = 256 * 2 ** 20
 GPU_MEMORY_SHARE = 128
 _BICUBIC_A = -0.5  # torch's and PIL's antialiasing bicubic

@@ -252,3 +252,20 @@ def test_the_gather_costs_one_call_an_image_not_a_dozen():
                    for event in profiler.events())
 
     assert calls(40) - calls(8) <= 32, (calls(8), calls(40))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_gather_and_the_resize_on_cuda_are_the_cpus():
+    """On the GPU (benchmarks/gpu_checks.sh runs it): the same padded crops to the bit (the
+    int32 index on CUDA's index_select), and the resize within a level of the CPU's (the
+    products' sums in another order)."""
+    crops = _crops(20, 5, 120, seed=3)
+    images, boxes = _boxed(crops, seed=3)
+    cuda = torch.device("cuda")
+    on_gpu = [image.to(cuda) for image in images]
+    bicubic = torch.arange(20) % 2 == 0
+    listed = boxes.tolist()
+    assert torch.equal(padded_crops(on_gpu, listed, cuda).cpu(), padded_crops(images, listed, CPU))
+    difference = (resized_as_batch(on_gpu, boxes, 40, bicubic, cuda).cpu().int()
+                  - resized_as_batch(images, boxes, 40, bicubic, CPU).int()).abs()
+    assert difference.max() <= 1, difference.max()

@@ -25,8 +25,8 @@ pass rounded to 8 bits as PIL rounds them (the loader workers' resize; torchvisi
 a CPU): tests compare it with torchvision's resize, crop by crop.
 
 The crops reach a chunk as one gather from their images (`padded_crops`), not a copy a crop:
-on an H200 the crops' copies, slices and selects were 2,000 small operators a batch of 256,
-25-31 ms of the host's time a step (BENCHMARKS.md, the always arm's profile), as long as the
+a slice, a select and a copy a crop make 2,000 small operators a batch of 256, which took an
+H200's host 25-31 ms a step to issue (BENCHMARKS.md, the always arm's profile), as long as the
 step itself, on the thread that decodes the next batch.
 """
 

@@ -118,6 +118,8 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
         else:
             kwargs["type"] = _TYPES[type_name]
             kwargs["metavar"] = f.name.upper()
+            if "bare" in meta:  # the flag alone stands for this value (--pretrained: hub)
+                kwargs.update(nargs="?", const=meta["bare"])
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
             kwargs.pop("metavar", None)

@@ -261,8 +261,9 @@ class TrainConfig:
                                        "size where they share one, up to 224; else 224).",
                                        "model")
     pretrained: Optional[str] = option(None, "Pretrained weights: a local .safetensors/.pth file, "
-                                       "or 'hub' for timm's hub weights (needs network or cache).",
-                                       "model")
+                                       "or 'hub' for timm's hub weights (needs network or cache; "
+                                       "the flag alone means hub, as timm's train.py's "
+                                       "--pretrained does).", "model", bare="hub")
     freeze_backbone: bool = option(False, "Train only the classifier head (transfer learning).",
                                    "model")
     sync_bn: bool = option(False, "Synchronize BatchNorm statistics across processes (gloo on "
@@ -481,15 +482,35 @@ class TrainConfig:
         self.channels_last = _auto_or_bool(self.channels_last, "channels_last")
         if isinstance(self.report_to, str):  # report_to="tensorboard" means the one tracker
             self.report_to = [self.report_to]
+        self._read_yaml_forms()
         self._check_types()
         self._check_ranges()
 
+    def _read_yaml_forms(self):
+        """What a run YAML or fit() writes for an option the command line spells as text: a
+        budget in seconds as a number (time_budget: 600), and an option whose flag alone means
+        a value (--pretrained: hub) as true, or false for not set (timm's args.yaml's
+        `pretrained: true`)."""
+        if isinstance(self.time_budget, (int, float)) and not isinstance(self.time_budget, bool):
+            self.time_budget = str(self.time_budget)
+        for spec in dataclasses.fields(self):
+            if "bare" in spec.metadata and isinstance(getattr(self, spec.name), bool):
+                setattr(self, spec.name, spec.metadata["bare"] if getattr(self, spec.name)
+                        else None)
+
     def _check_types(self):
         """Values from a run YAML or fit()'s keywords, which no argparse type has read: a
-        switch given as 'no' would be taken as on, a choice outside the list go unsaid."""
+        switch given as 'no' would be taken as on, a choice outside the list go unsaid, a
+        path given as true or a count as a word reach the code that uses them (a traceback
+        there).  An option that may be left unset (None) is checked when it is set."""
         for spec in dataclasses.fields(self):
             value, default = getattr(self, spec.name), spec.default
             choices = spec.metadata.get("choices")
+            unset_kind = _OPTIONAL_KIND.get(str(spec.type))  # the kind of an Optional[...]
+            if unset_kind is not None and value is not None:
+                kind_error = _kind_error(unset_kind, value)
+                if kind_error:
+                    raise UsageError(f"{flag(spec.name)} must be {kind_error} (got {value!r})")
             if isinstance(default, bool) and not isinstance(value, bool):
                 # (named as in a run YAML and fit(): on the command line a switch is a flag)
                 raise UsageError(f"{spec.name} is a switch: true or false (got {value!r})")
@@ -840,6 +861,21 @@ def _channel_values(value, name: str, example: str) -> list[float]:
 
 def _listed(numbers: list[float]) -> str:
     return " ".join(f"{v:g}" for v in numbers)
+
+
+# The options that may be left unset, by their declared type: what each holds when set
+_OPTIONAL_KIND = {"Optional[str]": str, "Optional[int]": int, "Optional[float]": float}
+
+
+def _kind_error(kind: type, value) -> Optional[str]:
+    """What `value` should have been, for an option of `kind` (None: it is of that kind)."""
+    if kind is str and not isinstance(value, str):
+        return "text: a path, a name or a word"
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        return "a whole number"
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        return "a number"
+    return None
 
 
 def _auto_or_bool(value, name: str) -> Optional[bool]:

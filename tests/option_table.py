@@ -280,7 +280,9 @@ ROWS: dict[str, Row] = {
         "test_training.py::test_pretrained_local_weights_and_frozen_backbone",
         "every backbone tensor equals the weights file's after training; a run's own file "
         "(test_pretrained_file.py) keeps its classifier for the same classes, rows in the new "
-        "order: eval of the unchanged start equals the original run's, its mean/std too"),
+        "order: eval of the unchanged start equals the original run's, its mean/std too; "
+        "the flag alone asks for the Hub's weights (test_hub_cache.py::"
+        "test_the_flag_alone_asks_for_the_hubs_weights)"),
     "train --freeze-backbone": effect(
         "test_training.py::test_pretrained_local_weights_and_frozen_backbone",
         "backbone and BatchNorm statistics bit-identical to the source; only the head moves"),

@@ -194,6 +194,13 @@ def test_a_runs_config_yaml_repeats_it_under_accelerate_config_default(tmp_path)
     ({"epochs": 2.5}, "--epochs must be a whole number (got 2.5)"),
     ({"progress": "fancy"}, "--progress 'fancy' is not one of auto, bar, log"),
     ({"report_to": "tensorboard"}, None),  # one tracker as a word: the list of it
+    # options that may be left unset, set to the wrong kind (a traceback where they are used)
+    ({"num_workers": "abc"}, "--num-workers must be a whole number (got 'abc')"),
+    ({"max_eval_samples": True}, "--max-eval-samples must be a whole number (got True)"),
+    ({"grad_clip": "x"}, "--grad-clip must be a number (got 'x')"),
+    ({"host_decode_share": True}, "--host-decode-share must be a number (got True)"),
+    ({"data_dir": True}, "--data-dir must be text: a path, a name or a word (got True)"),
+    ({"pretrained": 3}, "--pretrained must be text: a path, a name or a word (got 3)"),
 ])
 def test_a_recipes_values_are_checked_as_the_flags_are(tmp_path, values, expected):
     """A run YAML's values reach the options without argparse's types: a switch written 'no'
@@ -206,3 +213,20 @@ def test_a_recipes_values_are_checked_as_the_flags_are(tmp_path, values, expecte
     with pytest.raises(UsageError) as raised:
         parse(["--config", str(recipe)])
     assert str(raised.value) == expected
+
+
+@pytest.mark.parametrize("values, option, expected", [
+    ({"time_budget": 600}, "time_budget", "600"),          # seconds as a YAML number
+    ({"time_budget": 1.5}, "time_budget", "1.5"),
+    ({"pretrained": True}, "pretrained", "hub"),            # timm's args.yaml: the flag alone
+    ({"pretrained": False}, "pretrained", None),
+    ({"pretrained": "w.safetensors"}, "pretrained", "w.safetensors"),
+    ({"grad_clip": 1}, "grad_clip", 1),                     # a whole number is a number
+    ({"num_workers": None}, "num_workers", None),           # left unset
+])
+def test_a_recipe_writes_in_yamls_own_forms(tmp_path, values, option, expected):
+    """A run YAML's numbers, switches and nulls where the command line spells text or leaves
+    the option unset: read as the flag would be."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    assert getattr(parse(["--config", str(recipe)]), option) == expected

@@ -59,6 +59,27 @@ def test_weights_not_in_the_cache_are_one_line_at_once(tmp_path, unreachable):
 
 
 @pytest.mark.slow
+def test_the_flag_alone_asks_for_the_hubs_weights(tmp_path):
+    """`--pretrained` with no value, as timm's train.py takes it, before another option: the
+    Hub's weights (here the one line of an empty cache offline, naming hub); with a value after
+    it, that value is the weights file, as before."""
+    env, why = UNREACHABLE["offline-mode"]
+    result = accel_train(*TINY, "--model", "test_resnet", "--pretrained", "--output-dir",
+                         str(tmp_path / "run"),
+                         env=test_env(HF_HUB_CACHE=str(tmp_path / "cache"), **env))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"accel_train: error: --pretrained hub: {why}"), line
+    result = accel_train(*TINY, "--model", "test_resnet", "--pretrained",
+                         str(tmp_path / "w.safetensors"), "--output-dir", str(tmp_path / "run"),
+                         env=test_env(HF_HUB_CACHE=str(tmp_path / "cache"), **env))
+    line = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and line.startswith(
+        f"accel_train: error: --pretrained {tmp_path / 'w.safetensors'}: no such file"), line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
 def test_an_hf_hub_model_not_in_the_cache_is_one_line_at_once(tmp_path):
     env, why = UNREACHABLE["host-does-not-resolve"]
     result = accel_train(*TINY, "--model", f"hf-hub:{REPO_ID}", "--output-dir",

@@ -506,23 +506,17 @@ class TrainConfig:
         for spec in dataclasses.fields(self):
             value, default = getattr(self, spec.name), spec.default
             choices = spec.metadata.get("choices")
-            unset_kind = _OPTIONAL_KIND.get(str(spec.type))  # the kind of an Optional[...]
-            if unset_kind is not None and value is not None:
-                kind_error = _kind_error(unset_kind, value)
+            if isinstance(default, bool):
+                if not isinstance(value, bool):
+                    # (named as in a run YAML and fit(): on the command line a switch is a flag)
+                    raise UsageError(f"{spec.name} is a switch: true or false (got {value!r})")
+            else:
+                # the kind its default gives, else its Optional[...]'s, checked when it is set
+                kind = (type(default) if isinstance(default, (int, float, str))
+                        else _OPTIONAL_KIND.get(str(spec.type)) if value is not None else None)
+                kind_error = kind and _kind_error(kind, value, example=default)
                 if kind_error:
                     raise UsageError(f"{flag(spec.name)} must be {kind_error} (got {value!r})")
-            if isinstance(default, bool) and not isinstance(value, bool):
-                # (named as in a run YAML and fit(): on the command line a switch is a flag)
-                raise UsageError(f"{spec.name} is a switch: true or false (got {value!r})")
-            if isinstance(default, int) and not isinstance(default, bool) and (
-                    isinstance(value, bool) or not isinstance(value, int)):
-                raise UsageError(f"{flag(spec.name)} must be a whole number (got {value!r})")
-            if isinstance(default, float) and (isinstance(value, bool)
-                                               or not isinstance(value, (int, float))):
-                raise UsageError(f"{flag(spec.name)} must be a number (got {value!r})")
-            if isinstance(default, str) and not isinstance(value, str):
-                raise UsageError(f"{flag(spec.name)} must be a word such as {default!r} (got "
-                                 f"{value!r})")
             if choices and value is not None and value not in choices:
                 raise UsageError(f"{flag(spec.name)} {value!r} is not one of "
                                  f"{', '.join(map(str, choices))}")
@@ -867,10 +861,12 @@ def _listed(numbers: list[float]) -> str:
 _OPTIONAL_KIND = {"Optional[str]": str, "Optional[int]": int, "Optional[float]": float}
 
 
-def _kind_error(kind: type, value) -> Optional[str]:
-    """What `value` should have been, for an option of `kind` (None: it is of that kind)."""
+def _kind_error(kind: type, value, example: Any = None) -> Optional[str]:
+    """What `value` should have been, for an option of `kind` whose default is `example`
+    (None: it is of that kind)."""
     if kind is str and not isinstance(value, str):
-        return "text: a path, a name or a word"
+        return "text: a path, a name or a word" if example is None else \
+            f"a word such as {example!r}"
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
         return "a whole number"
     if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):

@@ -55,7 +55,7 @@ from accel_train.run.report import Reporter
 from accel_train.run.resume import StartPlan, plan_start
 from accel_train.run.rundir import run_paths, update_resolved
 from accel_train.run.track import MetricsLog, Progress, TrainLog, check_trackers, tracker_scalars
-from accel_train.train.autotune import SpeedChoice, speed_for_run, step_timer
+from accel_train.train.autotune import SpeedChoice, planned_images, speed_for_run, step_timer
 from accel_train.train.datawait import data_wait_clock
 from accel_train.train.divergence import stop_if_diverged
 from accel_train.train.evaluate import (HeldOutEvaluator, epoch_record, epoch_words,
@@ -143,7 +143,8 @@ class Trainer:
                 lambda: create_model(config.model, net.spec.num_classes, config.drop_rate, None,
                                      config.drop_path, net.spec.model_args))
             speed = speed_for_run(config, fresh_model, net.spec, plan.kept_choices,
-                                  choice.speed if choice else None, cuda)
+                                  choice.speed if choice else None, cuda,
+                                  planned_images(config, len(data.train), plan.env.world_size))
             return cls(dataclasses.replace(plan, config=config), data, net, speed, report=report,
                        bad_images=bad_images, callbacks=callbacks,
                        network_choice=choice_words(choice, plan.kept_choices),

@@ -279,3 +279,88 @@ def test_each_candidate_counts_its_fastest_round():
     choice = choose("no", None, cuda=False, native_bf16=False, time_step=time_step)
     assert (choice.precision, choice.channels_last) == ("no", False)
     assert choice.timings == {"fp32 NCHW": 0.2, "fp32 channels_last": 0.3}
+
+
+# A run's images a process against the probe's: 2 rounds x candidates x 2 steps (a warm one, a
+# timed one) x the probe's batch, counted by hand.  The line is 4x the probe's images.
+@pytest.mark.parametrize("precision, channels_last, native, batch, line, untimed", [
+    # 4 candidates at a batch of 32: 2 x 4 x 2 x 32 = 512 images, timed from 2,048
+    ("auto", None, True, 32, 2048, ("no", False)),
+    # no native bf16: fp32 alone, its 2 layouts: 256 images, timed from 1,024
+    ("auto", None, False, 32, 1024, ("no", False)),
+    # a batch of 8: 2 x 4 x 2 x 8 = 128 images, timed from 512
+    ("auto", None, True, 8, 512, ("no", False)),
+    # the precision asked, the layout left to auto: bf16's 2 layouts, NCHW untimed
+    ("bf16", None, True, 32, 1024, ("bf16", False)),
+    # the layout asked, the precision left to auto: fp32 untimed, channels_last kept
+    ("auto", True, True, 32, 1024, ("no", True)),
+])
+def test_a_run_too_short_to_pay_for_the_timing_keeps_pytorchs_defaults(
+        precision, channels_last, native, batch, line, untimed):
+    for run_images in (line - 1, 1, 0):
+        timings = Timings(**ALL)
+        choice = choose(precision, channels_last, cuda=False, native_bf16=native,
+                        time_step=timings, run_images=run_images, probe_batch=batch)
+        assert (choice.precision, choice.channels_last, timings.asked, choice.timings) == \
+            (*untimed, [], {}), run_images
+        assert choice.how.endswith(
+            f"PyTorch's defaults, not timed: this run trains {run_images:,} images a process "
+            f"and timing its {line // 4 // 2 // 2 // batch} candidates would train "
+            f"{line // 4:,} (auto times runs of {line:,} or more)"), choice.how
+    for run_images in (line, line + 1, 10 ** 9, None):  # None: the length is unknown
+        timings = Timings(**ALL)
+        choice = choose(precision, channels_last, cuda=False, native_bf16=native,
+                        time_step=timings, run_images=run_images, probe_batch=batch)
+        assert len(timings.asked) == line // 4 // 2 // batch and "fastest of" in choice.how, \
+            run_images
+
+
+def test_a_short_run_says_both_reasons_without_native_bf16():
+    choice = choose("auto", None, cuda=False, native_bf16=False, time_step=Timings(**ALL),
+                    run_images=96, probe_batch=16)
+    assert choice.how == ("fp32: this CPU has no native bf16 (AVX512-BF16 or AMX); PyTorch's "
+                          "defaults, not timed: this run trains 96 images a process and timing "
+                          "its 2 candidates would train 128 (auto times runs of 512 or more)")
+
+
+def test_a_short_run_on_cuda_or_asking_for_everything_is_as_before():
+    """The line only decides whether to time: CUDA's rule and explicit flags time nothing."""
+    timings = Timings(**ALL)
+    assert choose("auto", None, cuda=True, native_bf16=False, time_step=timings,
+                  run_images=1) == choose("auto", None, cuda=True, native_bf16=False,
+                                          time_step=timings)
+    assert choose("bf16", True, cuda=False, native_bf16=True, time_step=timings,
+                  run_images=1).how == "as asked"
+    assert timings.asked == []
+
+
+class Options:
+    """The options planned_images reads, as TrainConfig names them."""
+
+    def __init__(self, epochs=1, batch_size=16, accumulation_steps=1, max_steps=None,
+                 time_budget=None):
+        self.epochs, self.batch_size, self.accumulation_steps = epochs, batch_size, \
+            accumulation_steps
+        self.max_steps, self.time_budget = max_steps, time_budget
+
+
+@pytest.mark.parametrize("options, train_images, world_size, expected", [
+    # 3 epochs of 1,000 images, 16 a process on 2: 31 whole global batches of 32 an epoch,
+    # 3 x 31 x 16 = 1,488 images a process
+    (Options(epochs=3), 1000, 2, 1488),
+    # accumulation 2: global batch 64, 15 steps an epoch of 2 batches: 3 x 15 x 2 x 16 = 1,440
+    (Options(epochs=3, accumulation_steps=2), 1000, 2, 1440),
+    # --max-steps 5 caps it: 5 x 2 x 16 = 160
+    (Options(epochs=3, accumulation_steps=2, max_steps=5), 1000, 2, 160),
+    # --max-steps past the epochs' steps: the epochs decide
+    (Options(epochs=1, max_steps=1000), 100, 1, 96),   # 6 batches of 16
+    # a time budget decides the length: unknown, unless --max-steps caps it
+    (Options(epochs=3, time_budget="10m"), 1000, 1, None),
+    (Options(epochs=3, time_budget="10m", max_steps=7), 1000, 1, 112),
+    # the training set's size unknown
+    (Options(epochs=3), None, 1, None),
+    (Options(epochs=3, max_steps=2), None, 1, 32),
+])
+def test_the_images_a_run_plans_are_counted_as_the_loaders_count_them(
+        options, train_images, world_size, expected):
+    assert autotune.planned_images(options, train_images, world_size) == expected

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
+import signal
 import sys
 
 import pytest
 import torch
 import yaml
 
+from accel_train.callbacks import Callback
 from accel_train.train.precision import cpu_has_native_bf16, resolve_precision, use_fast_cuda_math
 from conftest import (PINNED, TINY_TRAIN, accel_train_here, cpu_flags, cpu_flags_say_native_bf16,
                       run)
@@ -108,18 +111,33 @@ def test_bf16_on_a_cpu_without_native_bf16_runs_and_says_it_is_slow():
     assert resolve_precision("no", False, native_cpu_bf16=False) == ("no", None)  # nothing to say
 
 
+class StopAfterCheckpoint(Callback):
+    """A real SIGTERM to this process once checkpoint `step` is written: the trainer's handler
+    hears it as from a launcher and stops at the end of the next step (exit 143)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_checkpoint(self, trainer, path) -> None:
+        if path.name == f"step_{self.step:08d}":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def test_the_default_on_a_cpu_is_chosen_said_recorded_and_kept_on_resume(tmp_path):
     """--mixed-precision auto and --channels-last auto (the defaults) through the real command:
     no warning, the choice and its figures in the summary and config.yaml, the checkpoint keeps
-    it, and the resumed run takes it from there without timing anything again.  Which choice
-    wins depends on this machine; what must hold does not.  (In this process: what the CLI
-    runs, without the imports of a new one.)"""
+    it, and the resumed run takes it from there without timing anything again.  4 epochs of
+    256 images at 16: 1,024 images, 4 times the probe's 256 (2 rounds x 4 candidates x 2 steps
+    x 16; without native bf16 2 candidates, 128): timed; each start stopped after a few steps.
+    Which choice wins depends on this machine; what must hold does not.  (In this process:
+    what the CLI runs, without the imports of a new one.)"""
     # (no warmup: one of an epoch would outlast the 2 steps, and the run would rightly warn)
-    auto = [*TINY_TRAIN[:-len(PINNED)], "--warmup-epochs", "0"]
+    auto = [*TINY_TRAIN[:-len(PINNED)], "--warmup-epochs", "0", "--epochs", "4",
+            "--checkpoint-every", "2"]
     assert TINY_TRAIN[-len(PINNED):] == PINNED
     out = tmp_path / "run"
-    first = accel_train_here(*auto, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir",
-                             str(out), check=True)
+    first = accel_train_here(*auto, "--output-dir", str(out), callbacks=[StopAfterCheckpoint(2)])
+    assert first.returncode == 143, first.stdout[-2000:] + first.stderr[-2000:]
     assert "warning" not in (first.stdout + first.stderr).lower()
     resolved = yaml.safe_load((out / "config.yaml").read_text())["resolved"]
     native = cpu_has_native_bf16()
@@ -134,14 +152,31 @@ def test_the_default_on_a_cpu_is_chosen_said_recorded_and_kept_on_resume(tmp_pat
     assert chosen == ({"fp32": "no"}.get(resolved["precision_used"], resolved["precision_used"]),
                       resolved["channels_last"])
 
-    second = accel_train_here(*auto, "--max-steps", "3", "--output-dir", str(out), "--resume",
-                              "auto", check=True)
+    second = accel_train_here(*auto, "--output-dir", str(out), "--resume", "auto",
+                              callbacks=[StopAfterCheckpoint(4)])
+    assert second.returncode == 143, second.stdout[-2000:] + second.stderr[-2000:]
     again = yaml.safe_load(sorted(out.glob("config.resume-*.yaml"))[-1].read_text())["resolved"]
     assert again["speed_timings"] == {}, "timed again after the resume"
     assert "precision and memory format kept from the checkpoint" in again["speed_choice"]
     assert (again["precision_used"], again["channels_last"]) == \
         (resolved["precision_used"], resolved["channels_last"])
     assert "kept from the checkpoint" in second.stdout
+
+
+def test_a_run_too_short_to_pay_for_the_timing_trains_in_pytorchs_defaults(tmp_path):
+    """2 steps of 16 images: 32 images, under 4 times the probe's (256 with native bf16, 128
+    without): nothing timed, fp32 and NCHW, and the summary and config.yaml say why."""
+    out = tmp_path / "run"
+    run = accel_train_here(*TINY_TRAIN[:-len(PINNED)], "--warmup-epochs", "0", "--max-steps",
+                           "2", "--output-dir", str(out), check=True)
+    resolved = yaml.safe_load((out / "config.yaml").read_text())["resolved"]
+    assert (resolved["precision_used"], resolved["channels_last"], resolved["speed_timings"]) \
+        == ("fp32", False, {})
+    candidates, probe, line = (4, 256, "1,024") if cpu_has_native_bf16() else (2, 128, "512")
+    said = (f"PyTorch's defaults, not timed: this run trains 32 images a process and timing "
+            f"its {candidates} candidates would train {probe} (auto times runs of {line} or "
+            f"more)")
+    assert resolved["speed_choice"].endswith(said) and said in run.stdout, resolved
 
 
 def test_an_explicit_precision_wins_over_the_checkpoints_on_resume(tmp_path):

@@ -7,10 +7,12 @@ runs at about half the speed; channels_last helps some networks and not others
 (benchmarks/BENCHMARKS.md).  So "auto" asks the machine: a capability check first (no native
 bf16: fp32, nothing to time for the precision), then, when more than one candidate is left, a
 few timed training steps of the run's own model on a batch of the run's shape per candidate
-(seconds), and the fastest wins.  On CUDA nothing is timed: auto is fp16 (tensor cores), and
-channels_last whenever the run computes in fp16 or bf16 on a GPU with tensor cores, since their
-convolutions read and write channels-last tensors and an NCHW network pays a transpose around
-each one (measured on a GPU: benchmarks/BENCHMARKS.md, "GPU: one NVIDIA H200, a third time");
+(seconds), and the fastest wins.  A run too short to pay for that timing is not timed: it
+trains in PyTorch's defaults, fp32 and NCHW (`PROBE_PAYBACK` says where the line is).  On
+CUDA nothing is timed: auto is fp16 (tensor cores), and channels_last whenever the run
+computes in fp16 or bf16 on a GPU with tensor cores, since their convolutions read and write
+channels-last tensors and an NCHW network pays a transpose around each one (measured on a
+GPU: benchmarks/BENCHMARKS.md, "GPU: one NVIDIA H200, a third time");
 a GPU without them (compute capability below 7.0) has no such kernels to feed: NCHW there.
 
 The choice is part of the run: the start summary says it with the figures it was made on, the
@@ -37,6 +39,14 @@ PROBE_ROUNDS = 2       # candidates timed in turn, round after round: a load tha
 PROBE_WARM_STEPS = 1   # per call: a new memory format pays oneDNN's kernel selection once more
 PROBE_TIMED_STEPS = 1  # then the fastest step over the rounds is the candidate's figure
 PROBE_MAX_BATCH = 32   # a smaller batch than the run's keeps the probe to seconds
+# The probe is timed only where the run trains at least this many times the images the probe
+# does (a process's share; unknown, as under --time-budget: timed).  The best choice saves up
+# to about half a step (bf16 against fp32 with native bf16: 1,045 against 2,252 ms a step of
+# ResNet-18 at 224 px, AMD EPYC with AVX512-BF16, 2 threads), often a tenth (the memory
+# format alone): at 4x the probe's images the timing costs at most a quarter of the training
+# it decides, and a one-epoch run on a few hundred photographs no longer spends more seconds
+# choosing (24 for ResNet-18, 74 for ResNet-50 there) than training.
+PROBE_PAYBACK = 4
 
 
 @dataclass(frozen=True)
@@ -56,10 +66,13 @@ def candidate_name(precision: str, channels_last: bool) -> str:
 
 def choose(requested_precision: str, requested_channels_last: Optional[bool], cuda: bool,
            native_bf16: bool, time_step: Callable[[str, bool], float],
-           tensor_cores: bool = True, held_precision: Optional[str] = None) -> SpeedChoice:
+           tensor_cores: bool = True, held_precision: Optional[str] = None,
+           run_images: Optional[int] = None, probe_batch: int = PROBE_MAX_BATCH) -> SpeedChoice:
     """The precision and memory format for a run that asked for these (`"auto"` / None: to be
-    chosen).  `time_step(precision, channels_last)` times a training step of the run's model;
-    it is called only when there is something to choose between.  `tensor_cores`: whether the
+    chosen).  `time_step(precision, channels_last)` times a training step of the run's model
+    on a batch of `probe_batch`; it is called only when there is something to choose between
+    and the run trains `run_images` (a process's; None: unknown) of at least PROBE_PAYBACK
+    times the probe's images.  `tensor_cores`: whether the
     GPU has them (precision.cuda_has_tensor_cores; ignored on a CPU).  `held_precision`: the
     one an earlier run left this process in (precision.precision_this_process_holds), which
     "auto" then keeps: Accelerate could run no other.  Explicit values are taken as they are
@@ -91,6 +104,17 @@ def choose(requested_precision: str, requested_channels_last: Optional[bool], cu
     if len(candidates) == 1:
         (precision, channels_last), = candidates
         return SpeedChoice(precision, channels_last, "; ".join(reasons) or "as asked")
+    probe_images = PROBE_ROUNDS * len(candidates) * (PROBE_WARM_STEPS + PROBE_TIMED_STEPS) \
+        * probe_batch
+    if run_images is not None and run_images < PROBE_PAYBACK * probe_images:
+        # candidates[0]: fp32 where the precision was left to auto, NCHW where the format was
+        (precision, channels_last) = candidates[0]
+        reasons.append(f"PyTorch's defaults, not timed: this run trains {run_images:,} images "
+                       f"a process and timing its {len(candidates)} candidates would train "
+                       f"{probe_images:,} (auto times runs of {PROBE_PAYBACK * probe_images:,} "
+                       f"or more)")
+        return SpeedChoice(precision, channels_last, "; ".join(reasons))
+
     def timed_as(p: str, c: bool) -> str:
         # fp16 asked for on a CPU trains, and is timed (step_timer), in fp32: named so
         return candidate_name("no" if p == "fp16" else p, c)
@@ -107,13 +131,32 @@ def choose(requested_precision: str, requested_channels_last: Optional[bool], cu
 
 
 def choose_on_this_machine(requested_precision: str, requested_channels_last: Optional[bool],
-                           cuda: bool, time_step: Callable[[str, bool], float]) -> SpeedChoice:
+                           cuda: bool, time_step: Callable[[str, bool], float],
+                           run_images: Optional[int] = None,
+                           probe_batch: int = PROBE_MAX_BATCH) -> SpeedChoice:
     """`choose` with this machine's capabilities read: native bf16 on a CPU, tensor cores on a
     GPU (the trainer's choice and --smaller-models' probe of each network ask the same way)."""
     return choose(requested_precision, requested_channels_last, cuda,
                   native_bf16=not cuda and cpu_has_native_bf16(), time_step=time_step,
                   tensor_cores=cuda and cuda_has_tensor_cores(),
-                  held_precision=precision_this_process_holds())
+                  held_precision=precision_this_process_holds(), run_images=run_images,
+                  probe_batch=probe_batch)
+
+
+def planned_images(config, train_images: Optional[int], world_size: int) -> Optional[int]:
+    """The images each process trains in the run as its options plan it, as the loaders
+    count them (whole global batches an epoch; an optimizer step is `accumulation_steps`
+    batches): None where a --time-budget decides the length (unless --max-steps caps it) or
+    the training set's size is unknown (`train_images` None)."""
+    batches = None
+    if train_images is not None and config.time_budget is None:
+        steps_per_epoch = train_images // (config.batch_size * world_size) \
+            // config.accumulation_steps
+        batches = config.epochs * steps_per_epoch * config.accumulation_steps
+    if config.max_steps is not None:
+        capped = config.max_steps * config.accumulation_steps
+        batches = capped if batches is None else min(batches, capped)
+    return None if batches is None else batches * config.batch_size
 
 
 def step_timer(make_model: Callable[[], torch.nn.Module], batch_size: int, image_size: int,
@@ -162,18 +205,20 @@ def step_timer(make_model: Callable[[], torch.nn.Module], batch_size: int, image
 
 def speed_for_run(config, make_model: Callable[[], torch.nn.Module], spec,
                   kept_choices: Sequence[str], chosen: Optional[SpeedChoice],
-                  cuda: bool) -> SpeedChoice:
+                  cuda: bool, run_images: Optional[int] = None) -> SpeedChoice:
     """--mixed-precision and --channels-last for a run: as asked; "auto" on a CPU, measured on
-    fresh copies of its model (`make_model()`), by rank 0 for all.  `chosen`: already timed
-    while choosing the network (network_choice.py).  A resumed run's plan already holds what
-    the checkpoint ran with (resume.keep_choices): `kept_choices` says so."""
+    fresh copies of its model (`make_model()`), by rank 0 for all, where the run trains
+    `run_images` a process (planned_images; None: unknown) enough to pay for it.  `chosen`:
+    already timed while choosing the network (network_choice.py).  A resumed run's plan
+    already holds what the checkpoint ran with (resume.keep_choices): `kept_choices` says so."""
     if chosen is not None:
         return chosen
 
     def measure() -> dict:
         time_step = step_timer(make_model, config.batch_size, spec.image_size, spec.num_classes)
         return choose_on_this_machine(config.mixed_precision, config.channels_last, cuda,
-                                      time_step).__dict__
+                                      time_step, run_images,
+                                      min(config.batch_size, PROBE_MAX_BATCH)).__dict__
 
     choice = SpeedChoice(**decide_on_main(measure))
     kept = [name for name in kept_choices

@@ -8,10 +8,14 @@ batches of 32 collated as a loader would:
 
 - accel_train: what its loader workers run for an image folder that is decoded per step (mixed
   sizes): `make_loader(TrainImages(...))` with 0 workers, built as `data/loading.py` builds it
-  (`load_data`, `run_transforms`, `EpochSampler`); files read through the Arrow index, a batch
-  decoded by torchvision's libjpeg-turbo decoder (`decode.decode_many`), then per image a
-  seeded random resized crop (scale 0.25-1) with antialiasing and a flip; uint8 out (normalizing
-  waits for the device: `FinishOnDevice`).
+  (`load_data`, `run_transforms`, `EpochSampler`); files read through the Arrow index, then
+  per image timm's training transform as `train.py` sets it (crop scale 0.08-1, random
+  interpolation, flip, colour jitter 0.4), seeded per sample; uint8 out (normalizing waits
+  for the device: `FinishOnDevice`).
+- accel_train --host-decode-share: what its loader workers run for their share of each batch
+  when the JPEGs are decoded on the device (--decode-on-device): the same files, crops and
+  flips, decoded, cropped and resized as the device would (`device_decode.decoded_crops` on
+  the CPU), the colour jitter left to the GPU with the rest of the batch's.
 - timm's loader: `timm.data.create_transform(224, is_training=True)` on
   `PIL.Image.open(f).convert('RGB')`, as timm's ImageDataset calls it: crop (scale 0.08-1,
   bilinear), flip, ColorJitter 0.4 (timm's default), to float and normalized.
@@ -58,23 +62,28 @@ def batches(files: list[Path]):
 
 
 # -- the arms: each a function that processes every file once and returns the image count ------
-def accel_train_arm(root: Path):
+def accel_train_arm(root: Path, share: bool = False):
+    """`share`: the workers' part of the device path's --host-decode-share, every JPEG of the
+    batch theirs (what --decode-on-device auto times them on: loading.sharing_all)."""
     from accel_train.config import TrainConfig
     from accel_train.data.loaders import EpochSampler, TrainImages, make_loader, run_transforms
+    from accel_train.data.loading import sharing_all
     from accel_train.data.sources import load_data
     config = TrainConfig(data_dir=str(root), in_memory="never", batch_size=BATCH)
     data = load_data(config)
     train_tf, _ = run_transforms(config, SimpleNamespace(image_size=SIZE, mean=MEAN, std=STD))
     sampler = EpochSampler(len(data.train), BATCH, config.seed)
+    images = TrainImages(data.train, train_tf, config.seed, mark_replaced=True)
     # As data/loading.py builds it on a CPU, with 0 workers: the loader then runs in this process
     # exactly what a worker runs (TrainImages.__getitems__, collate_batch), without the IPC.
-    loader = make_loader(TrainImages(data.train, train_tf, config.seed, mark_replaced=True),
-                         BATCH, 0, 2, False, False, sampler=sampler, drop_last=True,
-                         seed=config.seed)
+    loader = make_loader(sharing_all(images) if share else images, BATCH, 0, 2, False, False,
+                         sampler=sampler, drop_last=True, seed=config.seed)
     epoch = iter(range(10**9))
 
     def run() -> int:
         sampler.set_epoch(next(epoch))  # every round an epoch of its own: new crops
+        if share:  # (the batch's EncodedImages: every image cropped here, or finished here)
+            return sum(len(pixels.shared) + len(pixels.ready) for pixels, *_ in loader)
         return sum(len(pixels) for pixels, *_ in loader)
     return run
 
@@ -190,6 +199,8 @@ def main() -> None:
                                  args)
         codec, codec_note = torchcodec_decoder(files[0])
         arms = {"accel_train loader path": accel_train_arm(root),
+                "accel_train --host-decode-share (jitter left to the GPU)":
+                    accel_train_arm(root, share=True),
                 "timm loader (create_transform, PIL)": timm_arm(files),
                 "timm, no jitter, uint8 out": timm_arm(files, color_jitter=None,
                                                        use_prefetcher=True),

@@ -212,40 +212,61 @@ def test_the_rule_auto_decides_by(photos, tmp_path):
     files = _dataset(photos).source  # JPEG files of 300-500 px
     transform = run_transforms(TrainConfig(image_size=SIZE), _spec())[0]
 
-    def rates(host, device, train):
-        return lambda: {"host": host, "device": device, "train": train}
+    def rates(host, shared, device, jitter, train):
+        return lambda: {"host": host, "shared": shared, "device": device, "jitter": jitter,
+                        "train": train}
 
-    # workers 500 img/s, the GPU decodes 3000 beside training at 2000.  The share where the
-    # workers' bound (500 / s) meets the GPU's (1 / (1/2000 + (1 - s)/3000)): s = (1/2000 +
-    # 1/3000) / (1/500 + 1/3000) = (5/6000) / (14/6000) = 0.357 -> 0.36; the loop then at
-    # min(500 / 0.36, 1 / (1/2000 + 0.64/3000)) = min(1388.9, 1401.9) = 1,389 img/s
-    chosen, why, share = choose("auto", files, transform, True, False, rates(500, 3000, 2000))
-    assert chosen and share == 0.36, (why, share)
-    assert "1,389 with 36% of each batch's JPEGs left to the workers against 500 img/s" in why
+    # workers 500 img/s on their whole path, 1000 cropping for the device; the GPU decodes 3000
+    # and jitters the workers' crops at 12000, beside training at 2000.  The share where the
+    # workers' bound (1000 / s) meets the GPU's (1 / (1/2000 + (1 - s)/3000 + s/12000)):
+    # s = (1/2000 + 1/3000) / (1/1000 + 1/3000 - 1/12000) = (10/12000) / (15/12000) = 0.667
+    # -> 0.67; the loop then at min(1000 / 0.67, 1 / (1/2000 + 0.33/3000 + 0.67/12000)) =
+    # min(1492.5, 1501.9) = 1,493 img/s
+    chosen, why, share = choose("auto", files, transform, True, False,
+                                rates(500, 1000, 3000, 12000, 2000))
+    assert chosen and share == 0.67, (why, share)
+    assert why == ("on the device (--decode-on-device auto: the workers decode 500 img/s, or "
+                   "crop 1,000 for the device to jitter (12,000 img/s), which decodes 3,000 "
+                   "img/s beside training at 2,000 img/s: 1,493 with 67% of each batch's JPEGs "
+                   "left to the workers against 500 img/s)"), why
     # without a share (given as 0), the device alone: 1 / (1/2000 + 1/3000) = 1,200
-    chosen, why, share = choose("auto", files, transform, True, False, rates(500, 3000, 2000),
-                                share=0.0)
+    chosen, why, share = choose("auto", files, transform, True, False,
+                                rates(500, 1000, 3000, 12000, 2000), share=0.0)
     assert chosen and share == 0.0 and ": 1,200 against 500 img/s" in why, why
-    # a share given is weighed as given: 0.5 -> min(1000, 1 / (1/2000 + 0.5/3000)) = 1,000
-    chosen, why, share = choose("auto", files, transform, True, False, rates(500, 3000, 2000),
-                                share=0.5)
-    assert chosen and share == 0.5 and "1,000 with 50% of" in why, why
-    # workers 1800: s = (5/6000) / (1/1800 + 1/3000) = 0.9375 -> 0.94, min(1800 / 0.94,
-    # 1 / (1/2000 + 0.06/3000)) = min(1914.9, 1923.1) = 1,915: 6% above the workers' 1,800,
-    # below the 10% (MIN_GAIN) the device path must promise
-    chosen, why, share = choose("auto", files, transform, True, False, rates(1800, 3000, 2000))
+    # a share given is weighed as given: 0.5 -> min(1000 / 0.5, 1 / (1/2000 + 0.5/3000 +
+    # 0.5/12000)) = min(2000, 1411.8) = 1,412
+    chosen, why, share = choose("auto", files, transform, True, False,
+                                rates(500, 1000, 3000, 12000, 2000), share=0.5)
+    assert chosen and share == 0.5 and "1,412 with 50% of" in why, why
+    # workers 1800 whole, 1900 cropping: s = (10/12000) / (1/1900 + 1/3000 - 1/12000) = 1.07
+    # -> 1; min(1900, 1 / (1/2000 + 1/12000)) = 1,714, below the workers' 1,800 alone
+    chosen, why, share = choose("auto", files, transform, True, False,
+                                rates(1800, 1900, 3000, 12000, 2000))
     assert not chosen and share == 0.0, why
-    assert "1,915 with 94% of each batch's JPEGs left to the workers against 1,800 img/s" in why
-    # workers 1600: s = (5/6000) / (1/1600 + 1/3000) = 0.8696 -> 0.87, min(1600 / 0.87,
-    # 1 / (1/2000 + 0.13/3000)) = min(1839.1, 1840.5) = 1,839: 15% above 1,600
-    chosen, why, share = choose("auto", files, transform, True, False, rates(1600, 3000, 2000))
-    assert chosen and share == 0.87 and "1,839 with 87% of" in why and "against 1,600" in why
-    # workers that keep up with training (2500 > 2000): s = (5/6000) / (1/2500 + 1/3000) =
-    # 1.14 -> 1, the workers alone; so with a share of 1 given
-    assert best_share(2500, 3000, 2000) == 1.0
-    for given in (None, 1.0):
+    assert "1,714 with 100% of each batch's JPEGs left to the workers against 1,800 img/s" in why
+    # workers 1600 whole, 3200 cropping, the jitter at 20000: s = (10/12000) / (1/3200 +
+    # 1/3000 - 1/20000) = 1.40 -> 1; min(3200, 1 / (1/2000 + 1/20000)) = 1,818: 14% above
+    # 1,600, past the 10% (MIN_GAIN) the device path must promise
+    chosen, why, share = choose("auto", files, transform, True, False,
+                                rates(1600, 3200, 3000, 20000, 2000))
+    assert chosen and share == 1.0 and "1,818 with 100% of" in why and "against 1,600" in why
+    # with the jitter at 18000 the same loop is 1 / (1/2000 + 1/18000) = 1,800: 12.5% above,
+    # and at 15000, 1,765: 10.3% above; at 14000, 1,750: 9.4%, the workers alone
+    assert choose("auto", files, transform, True, False,
+                  rates(1600, 3200, 3000, 15000, 2000)).on_device
+    assert not choose("auto", files, transform, True, False,
+                      rates(1600, 3200, 3000, 14000, 2000)).on_device
+    # a crop of the workers' that costs the GPU more than decoding there (1/1000 + 1/3000 <
+    # 1/700): no share; the device alone at 1,200 against 500
+    assert best_share({"shared": 1000, "device": 3000, "jitter": 700, "train": 2000}) == 0.0
+    chosen, why, share = choose("auto", files, transform, True, False,
+                                rates(500, 1000, 3000, 700, 2000))
+    assert chosen and share == 0.0 and ": 1,200 against 500 img/s" in why, why
+    # workers whose whole path keeps up with training (2500 > 2000): the workers alone,
+    # whatever the share's figures or a share given
+    for given in (None, 1.0, 0.3):
         chosen, why, share = choose("auto", files, transform, True, False,
-                                    rates(2500, 3000, 2000), share=given)
+                                    rates(2500, 5000, 3000, 12000, 2000), share=given)
         assert (chosen, share) == (False, 0.0) and why == (
             "by the loader workers (--decode-on-device auto: they decode 2,500 img/s, at least "
             "what training at 2,000 img/s takes)"), why
@@ -269,7 +290,8 @@ def test_the_rule_auto_decides_by(photos, tmp_path):
     small = _dataset(_folder_of(tmp_path / "64", 64)).source
     assert choose("auto", small, transform, True, False, never_timed) == (False, "", 0.0)
     larger = _dataset(_folder_of(tmp_path / "65", 65)).source
-    assert choose("auto", larger, transform, True, False, rates(500, 3000, 2000))[0]
+    assert choose("auto", larger, transform, True, False,
+                  rates(500, 1000, 3000, 12000, 2000))[0]
     # each reason in the words of the one line always gives
     plain = run_transforms(TrainConfig(image_size=SIZE, augment=False), _spec())[0]
     policy = run_transforms(TrainConfig(image_size=SIZE, auto_augment="randaugment"),
@@ -308,17 +330,23 @@ def test_decode_on_device_always_takes_files_that_in_memory_auto_would_hold(tmp_
 
 def test_auto_times_both_paths_on_the_runs_own_images(photos):
     """time_paths, as auto on a GPU calls it, here on the CPU: the device path is timed on the
-    run's images, the host's rate and the training rate are asked for."""
+    run's images, whole and taking the workers' crops of them; the workers' rates (whole, and
+    cropping for the device) and the training rate are asked for."""
     images = _dataset(photos)
     count = min(32, len(images))  # the probe's images: all 12 here
     asked = []
     started = time.perf_counter()
-    rates = time_paths(images, lambda: asked.append("host") or 456.0, torch.device("cpu"),
+    rates = time_paths(images, lambda: asked.append("host") or 456.0,
+                       lambda: asked.append("shared") or 789.0, torch.device("cpu"),
                        lambda: asked.append("train") or 123.0)
     whole = time.perf_counter() - started
-    assert asked == ["host", "train"] and rates["host"] == 456.0 and rates["train"] == 123.0
-    # its best of two runs took less than the whole call
-    assert rates["device"] >= count / whole, (rates, whole)
+    assert asked == ["host", "shared", "train"]
+    assert (rates["host"], rates["shared"], rates["train"]) == (456.0, 789.0, 123.0)
+    # each best of two runs took less than the whole call
+    assert rates["device"] >= count / whole and rates["jitter"] >= count / whole, (rates, whole)
+    # taking crops made by the workers costs the device less than decoding the JPEGs
+    assert rates["jitter"] > rates["device"], rates
+    assert images.host_decode_share == 0.0  # the run's own dataset left as it was
 
 
 class PidsOfDecoders(TrainImages):

@@ -1,20 +1,27 @@
 """--host-decode-share: where the training JPEGs are decoded on the device, a share of each
-batch's JPEGs is decoded by the loader workers instead (device_decode.shared_with_host).
+batch's JPEGs is decoded, cropped, resized and flipped by the loader workers instead
+(device_decode.shared_with_host), their colour jitter left to the device with the rest.
 
-Oracles: the positions written out by hand; the loader workers' path (`host_batch`: timm's
-training transform on PIL images) for the images the share sends there, to the bit; the device
-path without a share for the others, to the bit; the summary's words and the run's record.
+Oracles: the positions written out by hand; the device path without a share, to the bit (on a
+CPU the device's decoder and resize are the workers': the share must change where the work is
+done, not a pixel); torchvision's own ColorJitter functions for the jitter left to the device;
+the summary's words and the run's record.
 """
 
 from __future__ import annotations
 
+import io
+import shutil
+
+import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 
 from accel_train.data.device_decode import DeviceDecoder, shared_with_host
 from conftest import PINNED, accel_train_here
-from test_device_decode import _dataset, photos  # noqa: F401 -- the fixture, shared
+from test_device_decode import SIZE, _dataset, photos  # noqa: F401 -- the fixture, shared
 
 
 @pytest.mark.parametrize("count, share, expected", [
@@ -29,27 +36,83 @@ def test_the_share_is_spread_evenly_over_the_batch(count, share, expected):
     assert shared_with_host(count, share) == expected
 
 
-def _decoded(images, keys):
+def _decoded(images, keys, device="cpu"):
     encoded = images.encoded_batch(keys)
-    pixels, labels, replaced = DeviceDecoder("cpu", images)(encoded.images, encoded.labels,
-                                                            encoded.replaced)
-    return encoded.images, pixels, labels, replaced
+    pixels, labels, replaced = DeviceDecoder(device, images)(encoded.images, encoded.labels,
+                                                             encoded.replaced)
+    return encoded.images, pixels.cpu(), labels, replaced
 
 
 def test_the_workers_decode_their_share_and_the_device_the_rest(photos):  # noqa: F811
     images = _dataset(photos)
     keys = [len(images) * 2 + index for index in range(8)]  # epoch 2: 8 photos, all JPEGs
     host = images.host_batch(keys)
-    _, on_device, _, _ = _decoded(images, keys)
+    plain, on_device, _, _ = _decoded(images, keys)
     images.host_decode_share = 0.25
     encoded, pixels, labels, replaced = _decoded(images, keys)
-    assert encoded.ready_positions.tolist() == [3, 7]
-    assert encoded.positions.tolist() == [0, 1, 2, 4, 5, 6]
-    for position in (3, 7):  # the workers' own pixels
-        assert torch.equal(pixels[position], host.images[position]), position
-    for position in (0, 1, 2, 4, 5, 6):  # the device path's, as without a share
-        assert torch.equal(pixels[position], on_device[position]), position
-    assert not torch.equal(on_device[3], host.images[3])  # the two paths' pixels do differ
+    assert encoded.shared_positions.tolist() == [3, 7] and len(encoded.ready_positions) == 0
+    assert encoded.positions.tolist() == [0, 1, 2, 4, 5, 6] and len(encoded.lengths) == 6
+    assert encoded.shared.shape == (2, 3, SIZE, SIZE) and encoded.shared.dtype == torch.uint8
+    # each image's draws travel with it: the device's six rows, then the two shared ones
+    assert torch.equal(encoded.jitter_order, plain.jitter_order[[0, 1, 2, 4, 5, 6, 3, 7]])
+    assert torch.equal(encoded.jitter_factors, plain.jitter_factors[[0, 1, 2, 4, 5, 6, 3, 7]])
+    assert torch.equal(pixels, on_device)  # every image, the shared ones too, to the bit
+    assert torch.equal(labels, host.labels) and torch.equal(replaced, host.replaced)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_the_shared_crops_wait_for_the_devices_colour_jitter(photos, device):  # noqa: F811
+    """The workers' crops are the device path's before its jitter: torchvision's own
+    adjust_brightness/contrast/saturation on the device, in each image's drawn order with its
+    factors, turn them into the device path's pixels to the bit; with --color-jitter 0 they
+    are final."""
+    from torchvision.transforms import functional as F
+    images = _dataset(photos)
+    keys = [len(images) + index for index in range(8)]
+    images.host_decode_share = 1.0
+    encoded, pixels, _, _ = _decoded(images, keys, device)
+    assert encoded.shared_positions.tolist() == list(range(8)) and not encoded.lengths
+    adjust = {0: F.adjust_brightness, 1: F.adjust_contrast, 2: F.adjust_saturation}
+    for row, position in enumerate(encoded.shared_positions.tolist()):
+        image = encoded.shared[row].to(device)
+        for part in encoded.jitter_order[row].tolist():
+            if part != 3:  # hue is off
+                image = adjust[part](image, float(encoded.jitter_factors[row, part]))
+        assert torch.equal(image.cpu(), pixels[position]), position
+    assert not torch.equal(encoded.shared, pixels[encoded.shared_positions])  # it did jitter
+
+    unjittered = _dataset(photos, color_jitter=0.0)
+    unjittered.host_decode_share = 1.0
+    encoded, pixels, _, _ = _decoded(unjittered, keys, device)
+    assert encoded.jitter_order is None and torch.equal(pixels, encoded.shared)
+
+
+def test_a_shared_file_the_decoder_refuses_is_finished_the_workers_whole_way(photos,  # noqa: F811
+                                                                             tmp_path):
+    """A shared JPEG whose header reads but whose data is noise: the workers' own path
+    (host_samples: timm's transform) makes it, in its place, as it makes a file the device
+    refuses; the other shared files stay the device path's."""
+    root = tmp_path / "photos"
+    shutil.copytree(photos, root)
+    a_class = sorted((root / "train").iterdir())[0]
+    whole = io.BytesIO()
+    Image.open(next(a_class.iterdir())).convert("RGB").resize((160, 120)).save(whole, "JPEG")
+    start = whole.getvalue().index(b"\xff\xda") + 14
+    noise = np.random.default_rng(1).integers(0, 255, 3000, dtype=np.uint8).tobytes()
+    (a_class / "z_garbled.jpg").write_bytes(whole.getvalue()[:start] + noise)
+    images = _dataset(root)
+    keys = list(range(len(images)))
+    garbled = next(i for i in keys if images.source.name(i).endswith("z_garbled.jpg"))
+    host = images.host_batch(keys)
+    _, on_device, _, _ = _decoded(images, keys)
+    images.host_decode_share = 1.0
+    encoded, pixels, labels, replaced = _decoded(images, keys)
+    assert encoded.ready_positions.tolist() == [garbled] and not encoded.lengths
+    assert torch.equal(pixels[garbled], host.images[garbled])
+    others = [k for k in keys if k != garbled]
+    assert encoded.shared_positions.tolist() == others
+    assert torch.equal(pixels[others], on_device[others])
     assert torch.equal(labels, host.labels) and torch.equal(replaced, host.replaced)
 
 
@@ -74,3 +137,19 @@ def test_a_share_outside_0_to_1_is_one_line_exit_2(value, tmp_path):
     assert result.stderr.count("\n") == 1 and "--host-decode-share" in result.stderr \
         and "between 0 and 1" in result.stderr, result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_auto_times_the_workers_share_on_a_view_of_the_runs_images(photos):  # noqa: F811
+    """What --decode-on-device auto times the workers' share on (loading.sharing_all): their
+    batches as the share of every JPEG, crops made, nothing left for the device to decode;
+    the run's own images untouched."""
+    from accel_train.data.device_decode import EncodedImages
+    from accel_train.data.loading import machine_workers_rate, sharing_all
+    images = _dataset(photos)
+    view = sharing_all(images)
+    keys = list(range(8))
+    batch = view.__getitems__(keys)
+    assert isinstance(batch.images, EncodedImages) and not batch.images.lengths
+    assert batch.images.shared_positions.tolist() == keys
+    assert (images.decodes_on_device, images.host_decode_share) == (False, 0.0)
+    assert machine_workers_rate(view, 0, 1) > 0

@@ -18,11 +18,15 @@ and the jitter follows torchvision's tensor arithmetic rather than PIL's ImageEn
 What the device cannot take goes the workers' way inside the same batch: files that are not
 JPEG, or whose header PIL cannot read, CMYK JPEGs, images of 64 px or less (their crop is the
 small-image one) and any file the device decoder refuses (decoded on the host instead, its
-substitute found as on the host path under --bad-images substitute).
+substitute found as on the host path under --bad-images substitute).  With --host-decode-share
+the workers also take a share of the JPEGs the device could, through the device's own steps on
+their CPU (`decoded_crops`), and leave those crops' colour jitter to the device (`encode_batch`
+says why).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -70,12 +74,18 @@ class EncodedImages:
     bicubic: torch.Tensor     # bool [J]: resized bicubic (else bilinear)
     mirrored: torch.Tensor    # bool [J]: flipped left-right (the draw, or --flip alternate)
     upside_down: torch.Tensor  # bool [J]: flipped top-bottom (--vflip)
-    jitter_order: Optional[torch.Tensor]    # int64 [J, 4]: ColorJitter's order of its parts
-    jitter_factors: Optional[torch.Tensor]  # float64 [J, 3]: brightness, contrast, saturation
+    # ColorJitter's order of its parts and its brightness, contrast and saturation factors:
+    # the J JPEGs' rows, then the L shared crops' (below), which the device jitters with them
+    jitter_order: Optional[torch.Tensor]    # int64 [J + L, 4]
+    jitter_factors: Optional[torch.Tensor]  # float64 [J + L, 3]
     ready: torch.Tensor       # uint8 [K, 3, S, S]: finished on the host
     ready_positions: torch.Tensor  # int64 [K]
     count: int                # images in the batch
     size: int                 # S
+    # --host-decode-share's JPEGs, decoded, cropped, resized and flipped by the workers as the
+    # device would (`decoded_crops`), their jitter left to the device
+    shared: Optional[torch.Tensor] = None            # uint8 [L, 3, S, S]
+    shared_positions: Optional[torch.Tensor] = None  # int64 [L]
 
 
 class _Shape:
@@ -135,8 +145,17 @@ def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs:
                  host_share: float) -> tuple[EncodedImages, torch.Tensor, list[int]]:
     """A loader worker's half: (the batch's EncodedImages, labels, used indices).  The JPEGs
     the device can take are read, not decoded, but for `host_share` of them (--host-decode-
-    share: `shared_with_host`); the rest go through `host_samples(positions)`, the loader's
-    own path -> (uint8 pixels [K, 3, S, S], used indices)."""
+    share: `shared_with_host`), which are decoded, cropped, resized and flipped here as the
+    device would (`decoded_crops` on this CPU), their colour jitter left to the device with the
+    rest of the batch's; the others, and a shared one this CPU's decoder refuses, go through
+    `host_samples(positions)`, the loader's own path -> (uint8 pixels [K, 3, S, S], used
+    indices).
+
+    Why the device's steps and not the loader's own path for the share: that path's colour
+    jitter and PIL resize are most of its cost (BENCHMARKS.md, "JPEG input at ImageNet sizes,
+    per core": timm's transform a third of decoding and cropping tensors), while the same
+    jitter batched on the GPU is a small part of its time; so each worker decodes about twice
+    the images of its share."""
     blobs, positions, sizes, orientations, host = [], [], [], [], []
     for k, item in enumerate(source.files_at(indices.tolist())):
         header = jpeg_header(item) if isinstance(item, bytes) else None
@@ -147,31 +166,49 @@ def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs:
         positions.append(k)
         sizes.append(header[:2])
         orientations.append(header[2])
-    if host_share > 0:
-        to_host = set(shared_with_host(len(blobs), host_share))
-        host = sorted(host + [positions[j] for j in to_host])
-        blobs, positions, sizes, orientations = (
-            [value for j, value in enumerate(column) if j not in to_host]
-            for column in (blobs, positions, sizes, orientations))
-    used = indices.tolist()
-    ready = torch.zeros(0, 3, transform.image_size, transform.image_size, dtype=torch.uint8)
-    if host:
-        ready, host_used = host_samples(host)
-        for k, index in zip(host, host_used):
-            used[k] = index
     plans = draw_plans(transform, seed, epochs[positions], indices[positions], sizes)
-    data = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if blobs else \
-        torch.zeros(0, dtype=torch.uint8)
     keys = torch.from_numpy(np.stack([epochs[positions], indices[positions]], axis=1)
                             .astype(np.int64)).view(-1, 2)
-    encoded = EncodedImages(data, [len(b) for b in blobs], torch.tensor(positions,
-                                                                          dtype=torch.int64),
-                            keys, torch.tensor(orientations, dtype=torch.int64),
-                            torch.tensor(sizes, dtype=torch.int64).view(-1, 2), **plans,
-                            ready=ready,
-                            ready_positions=torch.tensor(host, dtype=torch.int64),
-                            count=len(indices), size=transform.image_size)
+    columns = (blobs, positions, keys, orientations, sizes, plans)
+    shared = shared_with_host(len(blobs), host_share) if host_share > 0 else []
+    taken = set(shared)
+    encoded = _part(columns, [j for j in range(len(blobs)) if j not in taken], len(indices),
+                    transform.image_size)
+    shared_part = _part(columns, shared, len(indices), transform.image_size)
+    shared_crops, refused = decoded_crops(shared_part, torch.device("cpu"))
+    kept = [j for j in range(len(shared)) if j not in set(refused)]
+    host = sorted(host + [int(shared_part.positions[j]) for j in refused])
+    used = indices.tolist()
+    if host:
+        encoded.ready, host_used = host_samples(host)
+        encoded.ready_positions = torch.tensor(host, dtype=torch.int64)
+        for k, index in zip(host, host_used):
+            used[k] = index
+    if kept:
+        encoded.shared, encoded.shared_positions = shared_crops[kept], shared_part.positions[kept]
+        if encoded.jitter_order is not None:
+            encoded.jitter_order = torch.cat([encoded.jitter_order,
+                                              shared_part.jitter_order[kept]])
+            encoded.jitter_factors = torch.cat([encoded.jitter_factors,
+                                                shared_part.jitter_factors[kept]])
     return encoded, source.labels[used], used
+
+
+def _part(columns: tuple, rows: list[int], count: int, size: int) -> EncodedImages:
+    """The EncodedImages of the JPEGs at `rows` of `columns` (blobs, positions, keys,
+    orientations, sizes, plans), nothing finished on the host yet."""
+    blobs, positions, keys, orientations, sizes, plans = columns
+    index = torch.tensor(rows, dtype=torch.int64)
+    data = torch.frombuffer(bytearray(b"".join(blobs[j] for j in rows)), dtype=torch.uint8) \
+        if rows else torch.zeros(0, dtype=torch.uint8)
+    return EncodedImages(
+        data, [len(blobs[j]) for j in rows], torch.tensor([positions[j] for j in rows],
+                                                          dtype=torch.int64),
+        keys[index], torch.tensor([orientations[j] for j in rows], dtype=torch.int64),
+        torch.tensor([sizes[j] for j in rows], dtype=torch.int64).view(-1, 2),
+        **{name: None if plan is None else plan[index] for name, plan in plans.items()},
+        ready=torch.zeros(0, 3, size, size, dtype=torch.uint8),
+        ready_positions=torch.zeros(0, dtype=torch.int64), count=count, size=size)
 
 
 def shared_with_host(count: int, share: float) -> list[int]:
@@ -270,67 +307,82 @@ class DeviceDecoder:
         out = torch.empty(batch.count, 3, size, size, dtype=torch.uint8, device=self.device)
         if len(batch.ready_positions):
             out[self._sent(batch.ready_positions)] = self._sent(batch.ready)
-        if not batch.lengths:
-            return out, []
-        decoded, refused = self._decode(list(batch.data.split(batch.lengths)),
-                                        batch.orientations.tolist())
-        kept = []
-        sizes = batch.sizes.tolist()  # once, not a call an image
-        for k, image in enumerate(decoded):
-            if image is not None and list(image.shape[-2:]) != sizes[k]:
-                # A quarter turn otherwise than the workers read the header (TorchCodec reads
-                # EXIF itself), or another size: the crop was drawn for the workers' image, so
-                # the host path makes this one, as the workers would have.
-                refused.append(k)
-                continue
-            if image is not None:
-                kept.append(k)
-        # (bicubic or bilinear, antialiased: one resize for the batch, not one a crop)
-        resized = resized_crops([decoded[k] for k in kept], batch.boxes[kept], size,
-                                batch.bicubic[kept], self.device)
-        if len(kept) == len(decoded):
-            crops = resized
-        else:  # the refused ones are made on the host (hand_over)
-            crops = torch.zeros(len(decoded), 3, size, size, dtype=torch.uint8,
-                                device=self.device)
-            crops[self._sent(torch.tensor(kept, dtype=torch.int64))] = resized
-        if batch.mirrored.any():  # host tensors: no device synchronization
-            crops = torch.where(self._sent(batch.mirrored).view(-1, 1, 1, 1), crops.flip(-1),
-                                crops)
-        if batch.upside_down.any():
-            crops = torch.where(self._sent(batch.upside_down).view(-1, 1, 1, 1),
-                                crops.flip(-2), crops)
-        if batch.jitter_order is not None:
+        crops, refused = decoded_crops(batch, self.device)
+        positions = batch.positions
+        if batch.shared is not None:  # the workers' share, its jitter still to come
+            crops = torch.cat([crops, self._sent(batch.shared)])
+            positions = torch.cat([positions, batch.shared_positions])
+        if batch.jitter_order is not None and len(positions):
             crops = jitter(crops, self._sent(batch.jitter_order),
                            self._sent(batch.jitter_factors))
-        out[self._sent(batch.positions)] = crops
-        keys, positions = batch.keys.tolist(), batch.positions.tolist()
-        return out, [(positions[k], *keys[k]) for k in refused]
+        if len(positions):
+            out[self._sent(positions)] = crops
+        keys, places = batch.keys.tolist(), batch.positions.tolist()
+        return out, [(places[k], *keys[k]) for k in refused]
 
     def _sent(self, tensor: torch.Tensor) -> torch.Tensor:
         return on_device(tensor, self.device)
 
-    def _decode(self, blobs: list[torch.Tensor], orientations: list[int]) -> \
-            tuple[list[Optional[torch.Tensor]], list[int]]:
-        """The batch in one call, each image turned as its EXIF orientation says (read by the
-        workers: `jpeg_header`); when the decoder refuses the batch, each file alone, to find
-        which."""
-        decoder = jpeg_decoder()  # (unfit_reason refused the device path without one)
 
-        def decode(data: list[torch.Tensor], turns: list[int]) -> list[torch.Tensor]:
-            if self.device.type == "cuda":
-                # nvJPEG's hardware decoder (A100, H100, H200) writes its outputs before the
-                # work already queued on its stream has run, and the caching allocator may hand
-                # it blocks that queued kernels still read: with the training step's stream,
-                # the last step's tensors were overwritten (NaN in the weights within five
-                # steps on an H200).  Draining its stream first is the known cure (torchcodec's
-                # decoder does it; torchvision's does not yet): here the side stream
-                # (`__call__`), which holds only the last batch's crops.
-                torch.cuda.current_stream(self.device).synchronize()
-            return decoder.decode(data, self.device, turns)
+def decoded_crops(batch: EncodedImages, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """(uint8 [J, 3, S, S] on `device`: each of the batch's JPEGs decoded there, cropped,
+    resized and flipped as its draws say, the colour jitter not yet applied; the JPEGs the
+    decoder refused, zeros in their slots).  The device's part of a batch, and on a loader
+    worker's CPU its --host-decode-share."""
+    size = batch.size
+    if not batch.lengths:
+        return torch.zeros(0, 3, size, size, dtype=torch.uint8, device=device), []
+    decoded, refused = _decode(list(batch.data.split(batch.lengths)),
+                               batch.orientations.tolist(), device)
+    kept = []
+    sizes = batch.sizes.tolist()  # once, not a call an image
+    for k, image in enumerate(decoded):
+        if image is not None and list(image.shape[-2:]) != sizes[k]:
+            # A quarter turn otherwise than the workers read the header (TorchCodec reads
+            # EXIF itself), or another size: the crop was drawn for the workers' image, so
+            # the host path makes this one, as the workers would have.
+            refused.append(k)
+            continue
+        if image is not None:
+            kept.append(k)
+    # (bicubic or bilinear, antialiased: one resize for the batch, not one a crop)
+    resized = resized_crops([decoded[k] for k in kept], batch.boxes[kept], size,
+                            batch.bicubic[kept], device)
+    if len(kept) == len(decoded):
+        crops = resized
+    else:  # the refused ones are made on the host (hand_over)
+        crops = torch.zeros(len(decoded), 3, size, size, dtype=torch.uint8, device=device)
+        crops[on_device(torch.tensor(kept, dtype=torch.int64), device)] = resized
+    if batch.mirrored.any():  # host tensors: no device synchronization
+        crops = torch.where(on_device(batch.mirrored, device).view(-1, 1, 1, 1), crops.flip(-1),
+                            crops)
+    if batch.upside_down.any():
+        crops = torch.where(on_device(batch.upside_down, device).view(-1, 1, 1, 1),
+                            crops.flip(-2), crops)
+    return crops, sorted(refused)
 
-        decoded = each_or_none(decode, blobs, orientations)
-        return decoded, [k for k, image in enumerate(decoded) if image is None]
+
+def _decode(blobs: list[torch.Tensor], orientations: list[int], device: torch.device) -> \
+        tuple[list[Optional[torch.Tensor]], list[int]]:
+    """The batch in one call, each image turned as its EXIF orientation says (read by the
+    workers: `jpeg_header`); when the decoder refuses the batch, each file alone, to find
+    which."""
+    decoder = jpeg_decoder()  # (unfit_reason refused the device path without one)
+
+    def decode(data: list[torch.Tensor], turns: list[int]) -> list[torch.Tensor]:
+        if device.type == "cuda":
+            # nvJPEG's hardware decoder (A100, H100, H200) writes its outputs before the
+            # work already queued on its stream has run, and the caching allocator may hand
+            # it blocks that queued kernels still read: with the training step's stream,
+            # the last step's tensors were overwritten (NaN in the weights within five
+            # steps on an H200).  Draining its stream first is the known cure (torchcodec's
+            # decoder does it; torchvision's does not yet): here the side stream
+            # (`DeviceDecoder.start`), which holds only the last batch's crops.
+            torch.cuda.current_stream(device).synchronize()
+        return decoder.decode(data, device, turns)
+
+    decoded = each_or_none(decode, blobs, orientations)
+    return decoded, [k for k, image in enumerate(decoded) if image is None]
 
 
 def _blend(images: torch.Tensor, other: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -411,19 +463,25 @@ class Decoding(NamedTuple):
     share: float = 0.0
 
 
-def loop_rate(share: float, host: float, device: float, train: float) -> float:
-    """Images a second the loop can train at when the loader workers decode `share` of each
-    batch's JPEGs and the device the rest (rates in img/s, as `time_paths` gives them): the
-    workers bound it at host / share, and the GPU, which decodes (1 - share) of the images
-    and trains them all in turn, at 1 / (1/train + (1 - share)/device)."""
-    workers = host / share if share > 0 else math.inf
-    return min(workers, 1 / (1 / train + (1 - share) / device))
+def loop_rate(share: float, rates: dict) -> float:
+    """Images a second the loop can train at when the loader workers decode, crop and resize
+    `share` of each batch's JPEGs and the device the rest (`rates` as `time_paths` gives them,
+    img/s): the workers bound it at shared / share, and the GPU, which decodes (1 - share) of
+    the images, jitters the workers' crops and trains them all in turn, at 1 / (1/train +
+    (1 - share)/device + share/jitter)."""
+    workers = rates["shared"] / share if share > 0 else math.inf
+    return min(workers, 1 / (1 / rates["train"] + (1 - share) / rates["device"]
+                             + share / rates["jitter"]))
 
 
-def best_share(host: float, device: float, train: float) -> float:
-    """The share at which `loop_rate`'s two bounds meet (share/host = 1/train + (1 - share)/
-    device), in hundredths; 1 where the workers alone keep up with training."""
-    return min(1.0, round((1 / train + 1 / device) / (1 / host + 1 / device), 2))
+def best_share(rates: dict) -> float:
+    """The share at which `loop_rate`'s two bounds meet (share/shared = 1/train + (1 - share)/
+    device + share/jitter), in hundredths, at most 1; 0 where a crop of the workers' would cost
+    the GPU more than decoding its JPEG there (then nothing is gained by sharing)."""
+    gained = 1 / rates["shared"] + 1 / rates["device"] - 1 / rates["jitter"]
+    if gained <= 0:
+        return 0.0
+    return min(1.0, round((1 / rates["train"] + 1 / rates["device"]) / gained, 2))
 
 
 def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool,
@@ -431,14 +489,16 @@ def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool
            share: Optional[float] = None) -> Decoding:
     """Where the training JPEGs are decoded (`Decoding`).  `share`: --host-decode-share, None
     where it was not given (auto then chooses one; always and never take 0).  `rates()`
-    measures, for auto on a GPU: {"host": img/s the loader's workers decode and crop,
-    "device": img/s the GPU decodes and crops, "train": img/s it trains}.
+    measures, for auto on a GPU (`time_paths`), img/s: "host", the loader's workers' whole
+    path; "shared", their share's (decoded, cropped, resized, flipped); "device", the GPU
+    decoding and cropping; "jitter", the GPU taking the workers' crops; "train", training.
 
-    auto weighs the workers alone, min(train, host), against the device path with the share
-    `best_share` gives (or the one given), at `loop_rate`, and takes the device only where it
-    promises MIN_GAIN more.  The device's rate is timed synchronously, its host work
-    included, which overstates its GPU time: the share chosen then leans to the workers, and
-    the loop runs at what they can feed it, which `loop_rate` predicts."""
+    auto takes the workers alone where their whole path keeps up with training; else it weighs
+    them, min(train, host), against the device path with the share `best_share` gives (or the
+    one given), at `loop_rate`, and takes the device only where it promises MIN_GAIN more.
+    The device's rates are timed synchronously, their host work included, which overstates
+    their GPU time: the share chosen then leans to the workers, and the loop runs at what
+    they can feed it, which `loop_rate` predicts."""
     flag = f"--decode-on-device {mode}"
     if mode == "never":
         return Decoding(False, f"by the loader workers ({flag})")
@@ -451,37 +511,46 @@ def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool
     if unfit or not cuda or source.native_size <= SMALL_IMAGE:
         return Decoding(False, "")
     measured = rates()
-    host, device, train = measured["host"], measured["device"], measured["train"]
-    chosen = best_share(host, device, train) if share is None else share
-    if chosen >= 1:
+    host, train = measured["host"], measured["train"]
+    if host >= train:
         return Decoding(False, f"by the loader workers ({flag}: they decode {host:,.0f} img/s, "
                                f"at least what training at {train:,.0f} img/s takes)")
-    with_device = loop_rate(chosen, host, device, train)
+    chosen = best_share(measured) if share is None else share
+    with_device = loop_rate(chosen, measured)
     with_host = min(train, host)
     split = f" with {chosen:.0%} of each batch's JPEGs left to the workers" if chosen else ""
-    figures = (f"the workers decode {host:,.0f} img/s, the device {device:,.0f} img/s beside "
-               f"training at {train:,.0f} img/s: {with_device:,.0f}{split} against "
-               f"{with_host:,.0f} img/s")
+    figures = (f"the workers decode {host:,.0f} img/s, or crop {measured['shared']:,.0f} for "
+               f"the device to jitter ({measured['jitter']:,.0f} img/s), which decodes "
+               f"{measured['device']:,.0f} img/s beside training at {train:,.0f} img/s: "
+               f"{with_device:,.0f}{split} against {with_host:,.0f} img/s")
     if with_device >= MIN_GAIN * with_host:
         return Decoding(True, f"on the device ({flag}: {figures})", chosen)
     return Decoding(False, f"by the loader workers ({flag}: {figures})")
 
 
-def time_paths(dataset, host_rate: Callable[[], float], device: torch.device,
-               train_rate: Callable[[], float]) -> dict:
-    """The rates `choose` weighs: `host_rate()` (the loader's workers, timed together:
-    loaders.workers_rate), the device path decoding and cropping the run's own first
-    PROBE_IMAGES training images, and `train_rate()`."""
+def time_paths(dataset, host_rate: Callable[[], float], shared_rate: Callable[[], float],
+               device: torch.device, train_rate: Callable[[], float]) -> dict:
+    """The rates `choose` weighs: `host_rate()` and `shared_rate()` (the loader's workers, timed
+    together: loading.machine_workers_rate, on their whole path and on the share's), the device
+    path decoding and cropping the run's own first PROBE_IMAGES training images, and taking
+    the workers' crops of them (made here first, untimed), and `train_rate()`."""
     count = min(PROBE_IMAGES, len(dataset))
     keys = list(range(count))
     decoder = DeviceDecoder(device, dataset)
-    seconds = math.inf
     wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(2):  # the first pays its start-up (libraries, kernels)
-        encoded = dataset.encoded_batch(keys)
-        wait()
-        started = time.perf_counter()
-        decoder(encoded.images, encoded.labels, torch.full_like(encoded.labels, -1))
-        wait()
-        seconds = min(seconds, time.perf_counter() - started)
-    return {"host": host_rate(), "device": count / seconds, "train": train_rate()}
+    sharing = copy.copy(dataset)
+    sharing.host_decode_share = 1.0
+
+    def timed(encoded) -> float:
+        seconds = math.inf
+        for _ in range(2):  # the first pays its start-up (libraries, kernels)
+            wait()
+            started = time.perf_counter()
+            decoder(encoded.images, encoded.labels, torch.full_like(encoded.labels, -1))
+            wait()
+            seconds = min(seconds, time.perf_counter() - started)
+        return count / seconds
+
+    return {"host": host_rate(), "shared": shared_rate(),
+            "device": timed(dataset.encoded_batch(keys)),
+            "jitter": timed(sharing.encoded_batch(keys)), "train": train_rate()}

@@ -395,7 +395,7 @@ def workers_rate(dataset: "TrainImages", workers: int) -> float:
         best = math.inf
         for _ in range(2):  # the first pays its start-up (libraries, caches)
             started = time.perf_counter()
-            dataset.host_batch(keys)
+            dataset.__getitems__(keys)  # what a loader without workers fetches
             best = min(best, time.perf_counter() - started)
         return len(keys) / best
     count = workers * RATE_BATCHES_EACH * RATE_BATCH

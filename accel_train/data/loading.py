@@ -17,6 +17,7 @@ device_resident.py) and streamed from shards (streaming/).  The trainer sees one
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from dataclasses import dataclass
@@ -240,10 +241,20 @@ class Loaders:
 def machine_workers_rate(images: TrainImages, workers: int, processes_per_machine: int) -> float:
     """A process's share of what its machine's loader workers decode together: every process
     on the machine runs `workers` of them while it trains, and rank 0 times them all at once
-    for all (the others wait), so that they meet the contention they will train with."""
+    for all (the others wait), so that they meet the contention they will train with.  (The
+    device path's --host-decode-share: `images` as `sharing_all` makes it.)"""
     if workers == 0:  # each process decodes for itself, in its own process
         return workers_rate(images, 0)
     return workers_rate(images, workers * processes_per_machine) / processes_per_machine
+
+
+def sharing_all(images: TrainImages) -> TrainImages:
+    """`images` whose batches the workers hand the device as its --host-decode-share of all
+    their JPEGs (decoded, cropped, resized, flipped; device_decode.encode_batch): what a worker
+    spends on an image of the share, for --decode-on-device auto to time."""
+    view = copy.copy(images)
+    view.decodes_on_device, view.host_decode_share = True, 1.0
+    return view
 
 
 def refuse_bad_loader_input(config, data, spec, num_processes: int, cuda: bool) -> None:
@@ -318,6 +329,8 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                 rates=lambda: decide_on_main(lambda: time_paths(
                     images, lambda: machine_workers_rate(images, wanted_workers,
                                                          processes_per_machine),
+                    lambda: machine_workers_rate(sharing_all(images), wanted_workers,
+                                                 processes_per_machine),
                     device, train_rate)),
                 share=config.host_decode_share)
             images.decodes_on_device = decoding.on_device

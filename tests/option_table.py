@@ -170,11 +170,12 @@ ROWS: dict[str, Row] = {
         "auto's rule against hand-computed figures; never: the workers' path"),
     "train --host-decode-share": effect(
         "test_host_decode_share.py::test_the_workers_decode_their_share_and_the_device_the_rest",
-        "a quarter: positions 3 and 7 of 8 by hand, their pixels the workers' path's to the "
-        "bit, the other six the device path's without a share to the bit; the positions of "
-        "other shares by hand; the summary's words and the record; unset, auto's share "
-        "against hand-computed figures (test_device_decode.py), and a resume without it "
-        "keeps the checkpoint's to the bit (the resume matrix)"),
+        "a quarter: positions 3 and 7 of 8 by hand, cropped by the workers and jittered by the "
+        "device (torchvision's adjust_* on their crops give its pixels), all eight the device "
+        "path's without a share to the bit; the positions of other shares by hand; the "
+        "summary's words and the record; unset, auto's share against hand-computed figures "
+        "(test_device_decode.py), and a resume without it keeps the checkpoint's to the bit "
+        "(the resume matrix)"),
     "train --num-workers": effect(
         f"{FLAGS}::test_loader_flags_reach_the_training_loader",
         "a probe outside the package sees num_workers 1 in DataLoader, 0 in the control"),

@@ -254,16 +254,26 @@ def test_the_rule_auto_decides_by(photos, tmp_path):
     # and at 15000, 1,765: 10.3% above; at 14000, 1,750: 9.4%, the workers alone
     assert choose("auto", files, transform, True, False,
                   rates(1600, 3200, 3000, 15000, 2000)).on_device
-    assert not choose("auto", files, transform, True, False,
-                      rates(1600, 3200, 3000, 14000, 2000)).on_device
+    assert choose("auto", files, transform, True, False,
+                  rates(1600, 3200, 3000, 14000, 2000)) == (
+        False, "by the loader workers (--decode-on-device auto: the workers decode 1,600 img/s, "
+               "or crop 3,200 for the device to jitter (14,000 img/s), which decodes 3,000 img/s "
+               "beside training at 2,000 img/s: 1,750 with 100% of each batch's JPEGs left to "
+               "the workers against 1,600 img/s)", 0.0)
     # a crop of the workers' that costs the GPU more than decoding there (1/1000 + 1/3000 <
     # 1/700): no share; the device alone at 1,200 against 500
     assert best_share({"shared": 1000, "device": 3000, "jitter": 700, "train": 2000}) == 0.0
+    # and one that costs it exactly as much (1/2 + 1/2 = 1/1): nothing gained either
+    assert best_share({"shared": 2, "device": 2, "jitter": 1, "train": 2000}) == 0.0
     chosen, why, share = choose("auto", files, transform, True, False,
                                 rates(500, 1000, 3000, 700, 2000))
     assert chosen and share == 0.0 and ": 1,200 against 500 img/s" in why, why
-    # workers whose whole path keeps up with training (2500 > 2000): the workers alone,
-    # whatever the share's figures or a share given
+    # workers whose whole path keeps up with training (2500 > 2000; and 2000, level with
+    # it): the workers alone, whatever the share's figures or a share given
+    assert choose("auto", files, transform, True, False,
+                  rates(2000, 5000, 3000, 12000, 2000)) == (
+        False, "by the loader workers (--decode-on-device auto: they decode 2,000 img/s, at "
+               "least what training at 2,000 img/s takes)", 0.0)
     for given in (None, 1.0, 0.3):
         chosen, why, share = choose("auto", files, transform, True, False,
                                     rates(2500, 5000, 3000, 12000, 2000), share=given)

@@ -153,9 +153,9 @@ def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs:
 
     Why the device's steps and not the loader's own path for the share: that path's colour
     jitter and PIL resize are most of its cost (BENCHMARKS.md, "JPEG input at ImageNet sizes,
-    per core": timm's transform a third of decoding and cropping tensors), while the same
-    jitter batched on the GPU is a small part of its time; so each worker decodes about twice
-    the images of its share."""
+    per core": timm's transform makes under half the images a core that decoding and cropping
+    tensors make), while the same jitter batched on the GPU is a small part of its time; so a
+    worker makes 1.6-1.8 times the images of its share a core (AMD EPYC, bench_jpeg_input.py)."""
     blobs, positions, sizes, orientations, host = [], [], [], [], []
     for k, item in enumerate(source.files_at(indices.tolist())):
         header = jpeg_header(item) if isinstance(item, bytes) else None
@@ -170,13 +170,13 @@ def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs:
     keys = torch.from_numpy(np.stack([epochs[positions], indices[positions]], axis=1)
                             .astype(np.int64)).view(-1, 2)
     columns = (blobs, positions, keys, orientations, sizes, plans)
-    shared = shared_with_host(len(blobs), host_share) if host_share > 0 else []
+    shared = shared_with_host(len(blobs), host_share)
     taken = set(shared)
     encoded = _part(columns, [j for j in range(len(blobs)) if j not in taken], len(indices),
                     transform.image_size)
     shared_part = _part(columns, shared, len(indices), transform.image_size)
     shared_crops, refused = decoded_crops(shared_part, torch.device("cpu"))
-    kept = [j for j in range(len(shared)) if j not in set(refused)]
+    kept = sorted(set(range(len(shared))) - set(refused))
     host = sorted(host + [int(shared_part.positions[j]) for j in refused])
     used = indices.tolist()
     if host:

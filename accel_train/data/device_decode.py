@@ -155,7 +155,7 @@ def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs:
     jitter and PIL resize are most of its cost (BENCHMARKS.md, "JPEG input at ImageNet sizes,
     per core": timm's transform makes under half the images a core that decoding and cropping
     tensors make), while the same jitter batched on the GPU is a small part of its time; so a
-    worker makes 1.6-1.8 times the images of its share a core (AMD EPYC, bench_jpeg_input.py)."""
+    worker makes 1.6-2.0 times the images of its share a core (AMD EPYC, bench_jpeg_input.py)."""
     blobs, positions, sizes, orientations, host = [], [], [], [], []
     for k, item in enumerate(source.files_at(indices.tolist())):
         header = jpeg_header(item) if isinstance(item, bytes) else None

@@ -22,7 +22,7 @@ from accel_train.config import TrainConfig
 from accel_train.data.decode_ahead import DecodeAhead
 from accel_train.data.device_decode import DeviceDecoder
 from accel_train.trainer import train_and_close
-from test_device_decode import _dataset, photos  # noqa: F401 -- the fixture, shared
+from test_device_decode import _dataset, photos, with_a_garbled_jpeg  # noqa: F401 -- the fixture, shared
 
 
 class Logged:
@@ -195,20 +195,7 @@ def test_files_the_device_refuses_are_made_in_the_training_thread(photos, tmp_pa
     the host way then draws its crop from the process's generators, seeded for the image: that
     must happen in the thread that trains (whose own draws, dropout and Mixup, it would
     otherwise cut into), and the batch must be the one decoded in line."""
-    import io
-    import shutil
-
-    import numpy as np
-    from PIL import Image
-    root = tmp_path / "with_garbled"
-    shutil.copytree(photos, root)
-    a_class = sorted((root / "train").iterdir())[0]
-    whole = io.BytesIO()
-    Image.open(next(a_class.iterdir())).convert("RGB").resize((160, 120)).save(whole, "JPEG")
-    start = whole.getvalue().index(b"\xff\xda") + 14
-    noise = np.random.default_rng(1).integers(0, 255, 3000, dtype=np.uint8).tobytes()
-    (a_class / "z_garbled.jpg").write_bytes(whole.getvalue()[:start] + noise)
-    images = _dataset(root)
+    images = _dataset(with_a_garbled_jpeg(photos, tmp_path / "with_garbled"))
     garbled = next(i for i in range(len(images))
                    if images.source.name(i).endswith("z_garbled.jpg"))
     threads = []

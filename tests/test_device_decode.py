@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -73,6 +74,25 @@ def _dataset(root: Path, **options) -> TrainImages:
     data = load_data(config)
     return TrainImages(data.train, run_transforms(config, _spec())[0], seed=11,
                        mark_replaced=True)
+
+
+def garbled_jpeg(image: Image.Image) -> bytes:
+    """`image` as a JPEG whose header reads (160x120) and whose data is noise after its first
+    bytes: the device decoder refuses it, the host's PIL replaces it under --bad-images."""
+    whole = io.BytesIO()
+    image.convert("RGB").resize((160, 120)).save(whole, "JPEG")
+    start = whole.getvalue().index(b"\xff\xda") + 14
+    noise = np.random.default_rng(1).integers(0, 255, 3000, dtype=np.uint8).tobytes()
+    return whole.getvalue()[:start] + noise
+
+
+def with_a_garbled_jpeg(photos: Path, root: Path) -> Path:
+    """A copy of `photos` at `root` with z_garbled.jpg (`garbled_jpeg`) in its first training
+    class."""
+    shutil.copytree(photos, root)
+    a_class = sorted((root / "train").iterdir())[0]
+    (a_class / "z_garbled.jpg").write_bytes(garbled_jpeg(Image.open(next(a_class.iterdir()))))
+    return root
 
 
 def _both_ways(images: TrainImages, keys: list[int]):
@@ -168,11 +188,7 @@ def test_files_the_device_cannot_take_are_finished_by_the_workers(photos, tmp_pa
     photo.convert("L").save(a_class / "z_grey.jpg")
     (a_class / "z_cut.jpg").write_bytes(b"\xff\xd8\xff")
     # a readable header, then noise where the image data belongs: the device decoder refuses it
-    whole = io.BytesIO()
-    photo.resize((160, 120)).save(whole, "JPEG")
-    start = whole.getvalue().index(b"\xff\xda") + 14
-    noise = np.random.default_rng(1).integers(0, 255, 3000, dtype=np.uint8).tobytes()
-    (a_class / "z_garbled.jpg").write_bytes(whole.getvalue()[:start] + noise)
+    (a_class / "z_garbled.jpg").write_bytes(garbled_jpeg(photo))
     for name, kind in (("z_png.png", None), ("z_small.jpg", (30, 40, 1)),
                        ("z_64.jpg", (48, 64, 1)), ("z_cmyk.jpg", None), ("z_cut.jpg", None),
                        ("z_garbled.jpg", (120, 160, 1))):

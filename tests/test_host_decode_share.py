@@ -10,18 +10,13 @@ the summary's words and the run's record.
 
 from __future__ import annotations
 
-import io
-import shutil
-
-import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
 
 from accel_train.data.device_decode import DeviceDecoder, shared_with_host
 from conftest import PINNED, accel_train_here
-from test_device_decode import SIZE, _dataset, photos  # noqa: F401 -- the fixture, shared
+from test_device_decode import SIZE, _dataset, photos, with_a_garbled_jpeg  # noqa: F401 -- the fixture
 
 
 @pytest.mark.parametrize("count, share, expected", [
@@ -93,15 +88,7 @@ def test_a_shared_file_the_decoder_refuses_is_finished_the_workers_whole_way(pho
     """A shared JPEG whose header reads but whose data is noise: the workers' own path
     (host_samples: timm's transform) makes it, in its place, as it makes a file the device
     refuses; the other shared files stay the device path's."""
-    root = tmp_path / "photos"
-    shutil.copytree(photos, root)
-    a_class = sorted((root / "train").iterdir())[0]
-    whole = io.BytesIO()
-    Image.open(next(a_class.iterdir())).convert("RGB").resize((160, 120)).save(whole, "JPEG")
-    start = whole.getvalue().index(b"\xff\xda") + 14
-    noise = np.random.default_rng(1).integers(0, 255, 3000, dtype=np.uint8).tobytes()
-    (a_class / "z_garbled.jpg").write_bytes(whole.getvalue()[:start] + noise)
-    images = _dataset(root)
+    images = _dataset(with_a_garbled_jpeg(photos, tmp_path / "photos"))
     keys = list(range(len(images)))
     garbled = next(i for i in keys if images.source.name(i).endswith("z_garbled.jpg"))
     host = images.host_batch(keys)

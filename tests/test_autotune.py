@@ -357,9 +357,6 @@ class Options:
     # a time budget decides the length: unknown, unless --max-steps caps it
     (Options(epochs=3, time_budget="10m"), 1000, 1, None),
     (Options(epochs=3, time_budget="10m", max_steps=7), 1000, 1, 112),
-    # the training set's size unknown
-    (Options(epochs=3), None, 1, None),
-    (Options(epochs=3, max_steps=2), None, 1, 32),
 ])
 def test_the_images_a_run_plans_are_counted_as_the_loaders_count_them(
         options, train_images, world_size, expected):

@@ -71,11 +71,11 @@ def choose(requested_precision: str, requested_channels_last: Optional[bool], cu
     """The precision and memory format for a run that asked for these (`"auto"` / None: to be
     chosen).  `time_step(precision, channels_last)` times a training step of the run's model
     on a batch of `probe_batch`; it is called only when there is something to choose between
-    and the run trains `run_images` (a process's; None: unknown) of at least PROBE_PAYBACK
-    times the probe's images.  `tensor_cores`: whether the
-    GPU has them (precision.cuda_has_tensor_cores; ignored on a CPU).  `held_precision`: the
-    one an earlier run left this process in (precision.precision_this_process_holds), which
-    "auto" then keeps: Accelerate could run no other.  Explicit values are taken as they are
+    and the run trains at least PROBE_PAYBACK times the probe's images (`run_images`, a
+    process's; None: not known, timed).  `tensor_cores`: whether the GPU has them
+    (precision.cuda_has_tensor_cores; ignored on a CPU).  `held_precision`: the one an earlier
+    run left this process in (precision.precision_this_process_holds), which "auto" then
+    keeps: Accelerate could run no other.  Explicit values are taken as they are
     (precision.resolve_precision says what then really runs)."""
     if requested_precision == "auto" and held_precision is not None:
         requested_precision = held_precision
@@ -143,13 +143,12 @@ def choose_on_this_machine(requested_precision: str, requested_channels_last: Op
                   probe_batch=probe_batch)
 
 
-def planned_images(config, train_images: Optional[int], world_size: int) -> Optional[int]:
+def planned_images(config, train_images: int, world_size: int) -> Optional[int]:
     """The images each process trains in the run as its options plan it, as the loaders
     count them (whole global batches an epoch; an optimizer step is `accumulation_steps`
-    batches): None where a --time-budget decides the length (unless --max-steps caps it) or
-    the training set's size is unknown (`train_images` None)."""
+    batches): None where a --time-budget decides the length (unless --max-steps caps it)."""
     batches = None
-    if train_images is not None and config.time_budget is None:
+    if config.time_budget is None:
         steps_per_epoch = train_images // (config.batch_size * world_size) \
             // config.accumulation_steps
         batches = config.epochs * steps_per_epoch * config.accumulation_steps

@@ -64,10 +64,10 @@ def batches(files: list[Path]):
 # -- the arms: each a function that processes every file once and returns the image count ------
 def accel_train_arm(root: Path, share: bool = False):
     """`share`: the workers' part of the device path's --host-decode-share, every JPEG of the
-    batch theirs (what --decode-on-device auto times them on: loading.sharing_all)."""
+    batch theirs (what --decode-on-device auto times them on: device_decode.sharing_all)."""
     from accel_train.config import TrainConfig
     from accel_train.data.loaders import EpochSampler, TrainImages, make_loader, run_transforms
-    from accel_train.data.loading import sharing_all
+    from accel_train.data.device_decode import sharing_all
     from accel_train.data.sources import load_data
     config = TrainConfig(data_dir=str(root), in_memory="never", batch_size=BATCH)
     data = load_data(config)

@@ -127,11 +127,12 @@ def test_a_share_outside_0_to_1_is_one_line_exit_2(value, tmp_path):
 
 
 def test_auto_times_the_workers_share_on_a_view_of_the_runs_images(photos):  # noqa: F811
-    """What --decode-on-device auto times the workers' share on (loading.sharing_all): their
+    """What --decode-on-device auto times the workers' share on (device_decode.sharing_all): their
     batches as the share of every JPEG, crops made, nothing left for the device to decode;
     the run's own images untouched."""
     from accel_train.data.device_decode import EncodedImages
-    from accel_train.data.loading import machine_workers_rate, sharing_all
+    from accel_train.data.device_decode import sharing_all
+    from accel_train.data.loading import machine_workers_rate
     images = _dataset(photos)
     view = sharing_all(images)
     keys = list(range(8))

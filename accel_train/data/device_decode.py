@@ -528,6 +528,16 @@ def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool
     return Decoding(False, f"by the loader workers ({flag}: {figures})")
 
 
+def sharing_all(images):
+    """`images` (loaders.TrainImages) whose batches the workers hand the device as its
+    --host-decode-share of all their JPEGs (decoded, cropped, resized, flipped: `encode_batch`):
+    what a worker spends on an image of the share, and what the device then does with it, for
+    --decode-on-device auto to time."""
+    view = copy.copy(images)
+    view.decodes_on_device, view.host_decode_share = True, 1.0
+    return view
+
+
 def time_paths(dataset, host_rate: Callable[[], float], shared_rate: Callable[[], float],
                device: torch.device, train_rate: Callable[[], float]) -> dict:
     """The rates `choose` weighs: `host_rate()` and `shared_rate()` (the loader's workers, timed
@@ -538,8 +548,6 @@ def time_paths(dataset, host_rate: Callable[[], float], shared_rate: Callable[[]
     keys = list(range(count))
     decoder = DeviceDecoder(device, dataset)
     wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sharing = copy.copy(dataset)
-    sharing.host_decode_share = 1.0
 
     def timed(encoded) -> float:
         seconds = math.inf
@@ -553,4 +561,4 @@ def time_paths(dataset, host_rate: Callable[[], float], shared_rate: Callable[[]
 
     return {"host": host_rate(), "shared": shared_rate(),
             "device": timed(dataset.encoded_batch(keys)),
-            "jitter": timed(sharing.encoded_batch(keys)), "train": train_rate()}
+            "jitter": timed(sharing_all(dataset).encoded_batch(keys)), "train": train_rate()}

@@ -17,7 +17,6 @@ device_resident.py) and streamed from shards (streaming/).  The trainer sees one
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from accel_train.base.randomness import reseed_loader
 from accel_train.base.ranks import decide_on_main, process_cores
 from accel_train.base.readers import read_json
 from accel_train.data.decode_ahead import DecodeAhead
-from accel_train.data.device_decode import Decoding, DeviceDecoder, time_paths
+from accel_train.data.device_decode import Decoding, DeviceDecoder, sharing_all, time_paths
 from accel_train.data.device_decode import choose as choose_device_decoding
 from accel_train.data.device_resident import DeviceResidentBatches
 from accel_train.data.device_resident import choose as choose_data_on_device
@@ -242,19 +241,10 @@ def machine_workers_rate(images: TrainImages, workers: int, processes_per_machin
     """A process's share of what its machine's loader workers decode together: every process
     on the machine runs `workers` of them while it trains, and rank 0 times them all at once
     for all (the others wait), so that they meet the contention they will train with.  (The
-    device path's --host-decode-share: `images` as `sharing_all` makes it.)"""
+    device path's --host-decode-share: `images` as device_decode.sharing_all makes it.)"""
     if workers == 0:  # each process decodes for itself, in its own process
         return workers_rate(images, 0)
     return workers_rate(images, workers * processes_per_machine) / processes_per_machine
-
-
-def sharing_all(images: TrainImages) -> TrainImages:
-    """`images` whose batches the workers hand the device as its --host-decode-share of all
-    their JPEGs (decoded, cropped, resized, flipped; device_decode.encode_batch): what a worker
-    spends on an image of the share, for --decode-on-device auto to time."""
-    view = copy.copy(images)
-    view.decodes_on_device, view.host_decode_share = True, 1.0
-    return view
 
 
 def refuse_bad_loader_input(config, data, spec, num_processes: int, cuda: bool) -> None:

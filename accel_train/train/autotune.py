@@ -214,10 +214,10 @@ def speed_for_run(config, make_model: Callable[[], torch.nn.Module], spec,
         return chosen
 
     def measure() -> dict:
-        time_step = step_timer(make_model, config.batch_size, spec.image_size, spec.num_classes)
+        batch = min(config.batch_size, PROBE_MAX_BATCH)  # the probe's, and its images' count
+        time_step = step_timer(make_model, batch, spec.image_size, spec.num_classes)
         return choose_on_this_machine(config.mixed_precision, config.channels_last, cuda,
-                                      time_step, run_images,
-                                      min(config.batch_size, PROBE_MAX_BATCH)).__dict__
+                                      time_step, run_images, batch).__dict__
 
     choice = SpeedChoice(**decide_on_main(measure))
     kept = [name for name in kept_choices

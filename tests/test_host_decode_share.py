@@ -116,6 +116,26 @@ def test_a_run_with_a_share_says_so_and_records_it(photos, tmp_path):  # noqa: F
     assert recorded["host_decode_share"] == 0.5, recorded
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_pin_memory_thread_pins_the_shared_crops_and_leaves_the_jpeg_bytes(photos):  # noqa: F811
+    """Through a DataLoader with pin_memory as the run builds one on a GPU: the workers' crops
+    arrive pinned (the decoding thread then only queues their copy), the JPEG bytes as they
+    were, and the batch decodes to the same pixels as one never pinned."""
+    from accel_train.data.loaders import make_loader
+    images = _dataset(photos)
+    images.decodes_on_device, images.host_decode_share = True, 0.5
+    keys = list(range(8))
+    pinned, labels, _, replaced = next(iter(make_loader(images, 8, 0, 2, False, True,
+                                                       sampler=keys)))
+    assert pinned.shared.is_pinned() and len(pinned.shared) == 4
+    assert not pinned.data.is_pinned()
+    plain = images.encoded_batch(keys)
+    assert torch.equal(pinned.shared, plain.images.shared)
+    decoder = DeviceDecoder("cuda", images)
+    assert torch.equal(decoder(pinned, labels, replaced)[0].cpu(),
+                       decoder(plain.images, plain.labels, plain.replaced)[0].cpu())
+
+
 @pytest.mark.parametrize("value", ["1.5", "-0.1"])
 def test_a_share_outside_0_to_1_is_one_line_exit_2(value, tmp_path):
     result = accel_train_here("--dataset", "synthetic", "--host-decode-share", value,

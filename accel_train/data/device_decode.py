@@ -27,10 +27,10 @@ says why).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 import time
-from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
@@ -57,12 +57,12 @@ PROBE_IMAGES = 32            # images each input path is timed on when auto choo
 MIN_GAIN = 1.1
 
 
-@dataclass
+@dataclasses.dataclass
 class EncodedImages:
     """A training batch as the workers hand it over: JPEG bytes and each image's draws, plus the
-    images finished on the host.  Neither a tensor nor a sequence, and without `to` or
-    `pin_memory`: Accelerate's device placement and the pin-memory thread pass it through, so
-    the bytes stay on the host, where the decoder reads them."""
+    images finished on the host.  Neither a tensor nor a sequence, and without `to`:
+    Accelerate's device placement passes it through, so the bytes stay on the host, where the
+    decoder reads them; the DataLoader's pin-memory thread calls `pin_memory`."""
 
     data: torch.Tensor        # uint8: the JPEG files, one after the other
     lengths: list[int]        # bytes of each
@@ -86,6 +86,15 @@ class EncodedImages:
     # device would (`decoded_crops`), their jitter left to the device
     shared: Optional[torch.Tensor] = None            # uint8 [L, 3, S, S]
     shared_positions: Optional[torch.Tensor] = None  # int64 [L]
+
+    def pin_memory(self) -> "EncodedImages":
+        """This batch with the pixels finished on the host (`ready`, `shared`) in pinned memory,
+        by the DataLoader's pin-memory thread (on a GPU), so that the decoding thread only
+        queues their copy to the device: pinning them there cost it a host copy of every
+        batch's crops (about 30 MB a batch of 256 at a share of 0.8) on the thread that feeds
+        the GPU.  The JPEG bytes stay where they are: the decoder reads them on the host."""
+        shared = None if self.shared is None else self.shared.pin_memory()
+        return dataclasses.replace(self, ready=self.ready.pin_memory(), shared=shared)
 
 
 class _Shape:
@@ -155,7 +164,7 @@ def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs:
     jitter and PIL resize are most of its cost (BENCHMARKS.md, "JPEG input at ImageNet sizes,
     per core": timm's transform makes under half the images a core that decoding and cropping
     tensors make), while the same jitter batched on the GPU is a small part of its time; so a
-    worker makes 1.6-2.0 times the images of its share a core (AMD EPYC, bench_jpeg_input.py)."""
+    worker makes about twice the images of its share a core (AMD EPYC, bench_jpeg_input.py)."""
     blobs, positions, sizes, orientations, host = [], [], [], [], []
     for k, item in enumerate(source.files_at(indices.tolist())):
         header = jpeg_header(item) if isinstance(item, bytes) else None
@@ -185,7 +194,9 @@ def encode_batch(source: HFSource, transform: ImageTransform, seed: int, epochs:
         for k, index in zip(host, host_used):
             used[k] = index
     if kept:
-        encoded.shared, encoded.shared_positions = shared_crops[kept], shared_part.positions[kept]
+        # (indexing copies the crops, 3 ms a batch of 32 at 224 px: not where all were kept)
+        encoded.shared = shared_crops if len(kept) == len(shared) else shared_crops[kept]
+        encoded.shared_positions = shared_part.positions[kept]
         if encoded.jitter_order is not None:
             encoded.jitter_order = torch.cat([encoded.jitter_order,
                                               shared_part.jitter_order[kept]])
@@ -223,7 +234,7 @@ def shared_with_host(count: int, share: float) -> list[int]:
     return [j for j in range(count) if math.floor((j + 1) * share) > math.floor(j * share)]
 
 
-@dataclass
+@dataclasses.dataclass
 class Started:
     """A batch the device decoded and cropped, not yet handed to the trainer."""
 
@@ -353,13 +364,31 @@ def decoded_crops(batch: EncodedImages, device: torch.device) -> tuple[torch.Ten
     else:  # the refused ones are made on the host (hand_over)
         crops = torch.zeros(len(decoded), 3, size, size, dtype=torch.uint8, device=device)
         crops[on_device(torch.tensor(kept, dtype=torch.int64), device)] = resized
-    if batch.mirrored.any():  # host tensors: no device synchronization
-        crops = torch.where(on_device(batch.mirrored, device).view(-1, 1, 1, 1), crops.flip(-1),
+    return flipped(crops, batch.mirrored, batch.upside_down, device), sorted(refused)
+
+
+def flipped(crops: torch.Tensor, mirrored: torch.Tensor, upside_down: torch.Tensor,
+            device: torch.device) -> torch.Tensor:
+    """uint8 [J, 3, S, S] `crops` (on `device`), each flipped left-right where the host bool
+    tensor `mirrored` says and top-bottom where `upside_down` says.
+
+    On a GPU a batched select over the flipped batch (host masks: no synchronization, no
+    operator a crop).  On a CPU (a loader worker's --host-decode-share) one flip a flipped
+    crop, stacked: the select reads and writes whole batches, 4-9 ms a batch of 32 at 224 px
+    against 0.4 (AMD EPYC, one thread), a tenth of the share's time an image."""
+    if not (mirrored.any() or upside_down.any()):
+        return crops
+    if device.type == "cpu":
+        return torch.stack([
+            crop.flip([dim for dim, flip in ((-2, down), (-1, mirror)) if flip])
+            if mirror or down else crop
+            for crop, mirror, down in zip(crops, mirrored.tolist(), upside_down.tolist())])
+    if mirrored.any():
+        crops = torch.where(on_device(mirrored, device).view(-1, 1, 1, 1), crops.flip(-1), crops)
+    if upside_down.any():
+        crops = torch.where(on_device(upside_down, device).view(-1, 1, 1, 1), crops.flip(-2),
                             crops)
-    if batch.upside_down.any():
-        crops = torch.where(on_device(batch.upside_down, device).view(-1, 1, 1, 1),
-                            crops.flip(-2), crops)
-    return crops, sorted(refused)
+    return crops
 
 
 def _decode(blobs: list[torch.Tensor], orientations: list[int], device: torch.device) -> \

@@ -29,7 +29,7 @@ from torchvision.transforms import functional as F
 from accel_train.base.errors import UsageError
 from accel_train.config import TrainConfig
 from accel_train.data.decode import jpeg_header
-from accel_train.data.device_decode import (DeviceDecoder, best_share, choose, jitter,
+from accel_train.data.device_decode import (DeviceDecoder, best_share, choose, flipped, jitter,
                                             time_paths)
 from accel_train.data.jpeg_decoders import orient
 from accel_train.data.loaders import TrainImages, run_transforms
@@ -166,6 +166,33 @@ def test_the_batched_colour_jitter_is_torchvisions_image_by_image(low, high, dev
         expected.append(image.to(device))
     batched = jitter(images.to(device), order.to(device), factors.to(device))
     assert torch.equal(batched, torch.stack(expected))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+@pytest.mark.parametrize("batched", [True, False])  # a GPU's select; a CPU's flip a crop
+def test_each_crop_is_flipped_as_its_draws_say(device, batched):
+    """numpy's own flips, crop by crop: left-right, top-bottom, both, neither; and a batch
+    without a flip comes back as it was."""
+    generator = torch.Generator().manual_seed(0)
+    crops = torch.randint(0, 256, (6, 3, 5, 7), dtype=torch.uint8, generator=generator)
+    mirrored = torch.tensor([True, False, True, False, True, False])
+    upside_down = torch.tensor([False, True, True, False, False, True])
+    expected = [np.flip(crop, axis=[axis for axis, flip in ((1, down), (2, mirror)) if flip])
+                for crop, mirror, down in zip(crops.numpy(), mirrored.tolist(),
+                                              upside_down.tolist())]
+    out = flipped(crops.to(device), mirrored, upside_down, batched)
+    assert out.shape == crops.shape and out.device.type == device
+    assert np.array_equal(out.cpu().numpy(), np.stack(expected))
+    none = torch.zeros(6, dtype=torch.bool)
+    assert torch.equal(flipped(crops.to(device), none, none, batched).cpu(), crops)
+    # only left-right, only top-bottom
+    assert np.array_equal(flipped(crops.to(device), mirrored, none, batched).cpu().numpy(),
+                          np.stack([np.flip(c, 2) if m else c for c, m
+                                    in zip(crops.numpy(), mirrored.tolist())]))
+    assert np.array_equal(flipped(crops.to(device), none, upside_down, batched).cpu().numpy(),
+                          np.stack([np.flip(c, 1) if d else c for c, d
+                                    in zip(crops.numpy(), upside_down.tolist())]))
 
 
 def test_files_the_device_cannot_take_are_finished_by_the_workers(photos, tmp_path):

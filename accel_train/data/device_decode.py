@@ -93,8 +93,9 @@ class EncodedImages:
         queues their copy to the device: pinning them there cost it a host copy of every
         batch's crops (about 30 MB a batch of 256 at a share of 0.8) on the thread that feeds
         the GPU.  The JPEG bytes stay where they are: the decoder reads them on the host."""
-        shared = None if self.shared is None else self.shared.pin_memory()
-        return dataclasses.replace(self, ready=self.ready.pin_memory(), shared=shared)
+        def pinned(pixels: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return pixels.pin_memory() if pixels is not None and pixels.numel() else pixels
+        return dataclasses.replace(self, ready=pinned(self.ready), shared=pinned(self.shared))
 
 
 class _Shape:
@@ -364,30 +365,31 @@ def decoded_crops(batch: EncodedImages, device: torch.device) -> tuple[torch.Ten
     else:  # the refused ones are made on the host (hand_over)
         crops = torch.zeros(len(decoded), 3, size, size, dtype=torch.uint8, device=device)
         crops[on_device(torch.tensor(kept, dtype=torch.int64), device)] = resized
-    return flipped(crops, batch.mirrored, batch.upside_down, device), sorted(refused)
+    return flipped(crops, batch.mirrored, batch.upside_down, batched=device.type != "cpu"), \
+        sorted(refused)
 
 
 def flipped(crops: torch.Tensor, mirrored: torch.Tensor, upside_down: torch.Tensor,
-            device: torch.device) -> torch.Tensor:
-    """uint8 [J, 3, S, S] `crops` (on `device`), each flipped left-right where the host bool
-    tensor `mirrored` says and top-bottom where `upside_down` says.
+            batched: bool) -> torch.Tensor:
+    """uint8 [J, 3, S, S] `crops`, each flipped left-right where the host bool tensor
+    `mirrored` says and top-bottom where `upside_down` says.
 
-    On a GPU a batched select over the flipped batch (host masks: no synchronization, no
-    operator a crop).  On a CPU (a loader worker's --host-decode-share) one flip a flipped
-    crop, stacked: the select reads and writes whole batches, 4-9 ms a batch of 32 at 224 px
-    against 0.4 (AMD EPYC, one thread), a tenth of the share's time an image."""
+    `batched` (on a GPU): a select over the whole flipped batch, no operator a crop and no
+    synchronization (the masks are host tensors).  Else (on a CPU, a loader worker's
+    --host-decode-share) one flip a flipped crop, stacked: there the select reads and writes
+    whole batches, 4-9 ms a batch of 32 at 224 px against 0.4 (AMD EPYC, one thread), a tenth
+    of the share's time an image."""
     if not (mirrored.any() or upside_down.any()):
         return crops
-    if device.type == "cpu":
+    if not batched:
         return torch.stack([
             crop.flip([dim for dim, flip in ((-2, down), (-1, mirror)) if flip])
             if mirror or down else crop
             for crop, mirror, down in zip(crops, mirrored.tolist(), upside_down.tolist())])
-    if mirrored.any():
-        crops = torch.where(on_device(mirrored, device).view(-1, 1, 1, 1), crops.flip(-1), crops)
-    if upside_down.any():
-        crops = torch.where(on_device(upside_down, device).view(-1, 1, 1, 1), crops.flip(-2),
-                            crops)
+    for mask, dim in ((mirrored, -1), (upside_down, -2)):
+        if mask.any():
+            crops = torch.where(on_device(mask, crops.device).view(-1, 1, 1, 1), crops.flip(dim),
+                                crops)
     return crops
 
 

@@ -117,7 +117,7 @@ def test_a_run_with_a_share_says_so_and_records_it(photos, tmp_path):  # noqa: F
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_the_pin_memory_thread_pins_the_shared_crops_and_leaves_the_jpeg_bytes(photos):  # noqa: F811
+def test_on_the_gpu_the_pin_memory_thread_pins_the_shared_crops(photos):  # noqa: F811
     """Through a DataLoader with pin_memory as the run builds one on a GPU: the workers' crops
     arrive pinned (the decoding thread then only queues their copy), the JPEG bytes as they
     were, and the batch decodes to the same pixels as one never pinned."""

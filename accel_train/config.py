@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from accel_train.base.errors import UsageError
+from accel_train.base.errors import UsageError, did_you_mean
 from accel_train.base.readers import read_yaml
 
 PRECISIONS = ("auto", "no", "fp16", "bf16")
@@ -744,7 +744,6 @@ class TrainConfig:
         values = {aliases.get(key, key): value for key, value in values.items()}
         unknown = sorted(set(values) - known)
         if unknown:
-            import difflib
             close = {name: difflib.get_close_matches(name, [*known, *aliases], n=1)
                      for name in unknown}
             named = ", ".join(name + (f" (did you mean {close[name][0]}?)" if close[name] else "")
@@ -819,9 +818,8 @@ def check_optimizer_name(name: str) -> str:
     base = name.lower().removeprefix("lookahead_")
     if base != name.lower() and base in known:
         return name.lower()
-    close = difflib.get_close_matches(name.lower(), known, n=3)
-    hint = f"did you mean {', '.join(close)}? " if close else ""
-    raise UsageError(f"--optimizer {name!r} is not one of timm's optimizers; {hint}e.g. sgd, "
+    raise UsageError(f"--optimizer {name!r} is not one of timm's optimizers; "
+                     f"{did_you_mean(name.lower(), known)}e.g. sgd, "
                      f"adamw, lamb, lars, lion (lookahead_NAME wraps one in Lookahead)")
 
 

@@ -124,3 +124,17 @@ def test_run_yaml_gives_defaults_and_flags_override(tmp_path):
     run_yaml.write_text("batch_sise: 12\n")
     with pytest.raises(UsageError, match="unknown option.*batch_sise"):
         parse("--config", str(run_yaml))
+
+
+@pytest.mark.parametrize("word, known, hint", [
+    # difflib's ratio 2M/T: resnet18 shares 7 of 16 characters' pairs (0.875), resnet50 6 (0.75)
+    ("resnet19", ["vit_base", "resnet50", "resnet18"], "did you mean resnet18, resnet50? "),
+    ("resnet19", ["vit_base", "convnext_atto"], ""),
+    # four at 0.89: three of them, ties by the name, the later in the alphabet first (difflib)
+    ("adam", ["adamw", "adamp", "nadam", "radam", "sgd"], "did you mean radam, nadam, adamw? "),
+    ("ab", ["ac"], ""),  # 0.5: under the 0.6 line
+    ("abc", ["abd"], "did you mean abd? "),  # 0.67
+])
+def test_a_misspelt_name_is_offered_the_three_closest(word, known, hint):
+    from accel_train.base.errors import did_you_mean
+    assert did_you_mean(word, known) == hint

@@ -4,6 +4,7 @@ The CLI turns it into a single line on stderr and exit code 2; anything else is 
 its traceback.  It subclasses ValueError so library callers can catch it the usual way.
 """
 
+import difflib
 import faulthandler
 import signal
 
@@ -23,6 +24,13 @@ def first_few(words, limit: int = 5) -> str:
     words = list(words)
     return ", ".join(words[:limit]) + (f" and {len(words) - limit} more"
                                        if len(words) > limit else "")
+
+
+def did_you_mean(word: str, known) -> str:
+    """"did you mean A, B? " for up to three of `known` close to `word` (difflib's ratio at
+    least 0.6), or "" where none is: the hint a one-line message gives for a misspelt name."""
+    close = difflib.get_close_matches(word, list(known), n=3, cutoff=0.6)
+    return f"did you mean {', '.join(close)}? " if close else ""
 
 
 def first_line(err: BaseException, limit: int = 160) -> str:

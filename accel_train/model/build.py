@@ -13,7 +13,6 @@ The model knows nothing of ranks or devices; wrapping happens in `accelerator.pr
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import inspect
 import re
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from accel_train.model import small_nets  # noqa: F401  (registers the small-image networks in timm's registry)
-from accel_train.base.errors import UsageError, first_line
+from accel_train.base.errors import UsageError, did_you_mean, first_line
 from accel_train.model.outputs import (keep_auxiliary_logits, kept_auxiliary_logits,
                                        return_logits)
 from accel_train.model.transformers_models import (TRANSFORMERS_CONFIG,
@@ -91,9 +90,8 @@ def check_model_name(name: str, flag: str = "--model") -> None:
                              + (f" (its tags: {known})" if tags else " (it has no tags)")
                              + f"; pass {architecture!r} or one of those")
         return
-    close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
-    hint = f"did you mean {', '.join(close)}? " if close else ""
-    raise UsageError(f"{flag} {name!r} is not a timm model; {hint}list them with "
+    raise UsageError(f"{flag} {name!r} is not a timm model; "
+                     f"{did_you_mean(name, timm.list_models())}list them with "
                      f"python -c \"import timm; print(timm.list_models('*{name[:6]}*'))\", or "
                      f"pass your own network as package.module:factory")
 
@@ -139,9 +137,7 @@ def user_factory(name: str, flag: str = "--model") -> Callable:
     factory = module
     for part in attribute.split("."):
         if not hasattr(factory, part):
-            names = [n for n in dir(factory) if not n.startswith("_")]
-            close = difflib.get_close_matches(part, names, n=3, cutoff=0.6)
-            hint = f"did you mean {', '.join(close)}? " if close else ""
+            hint = did_you_mean(part, [n for n in dir(factory) if not n.startswith("_")])
             raise UsageError(f"{flag} {name}: {module_name} "
                              f"({getattr(module, '__file__', None) or 'a namespace package'}) "
                              f"has no {attribute!r}; {hint}name the factory after the colon")

@@ -116,6 +116,19 @@ def test_a_run_with_a_share_says_so_and_records_it(photos, tmp_path):  # noqa: F
     assert recorded["host_decode_share"] == 0.5, recorded
 
 
+def test_a_batch_with_nothing_finished_on_the_host_is_left_as_it_is_by_the_pin_thread(
+        photos):  # noqa: F811
+    """The pin-memory thread pins only pixels finished on the host: a batch of JPEGs alone
+    (no share, none refused) asks nothing of it, so even a machine without a GPU, where
+    pinning raises, passes it through; its bytes are never pinned."""
+    images = _dataset(photos)
+    batch = images.encoded_batch(list(range(8))).images
+    assert batch.shared is None and len(batch.ready) == 0 and len(batch.lengths) == 8
+    passed = batch.pin_memory()
+    assert passed.data is batch.data and passed.ready is batch.ready and passed.shared is None
+    assert torch.equal(passed.positions, batch.positions)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_the_gpu_the_pin_memory_thread_pins_the_shared_crops(photos):  # noqa: F811
     """Through a DataLoader with pin_memory as the run builds one on a GPU: the workers' crops

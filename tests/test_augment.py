@@ -58,6 +58,10 @@ SOURCES = {
     "per_image_mixed_sizes": lambda: ListSource(
         [_random_images(1, 24 + 4 * (i % 3), 32, 10 + i)[0] for i in range(6)]
         + [_random_images(1, 70, 100, 20 + i)[0] for i in range(3)], torch.arange(9) % 3),
+    # photos of many sizes, all above SMALL_IMAGE: timm's transform over the batch in one pass
+    "per_image_photos_of_many_sizes": lambda: ListSource(
+        [_random_images(1, 66 + 7 * i, 90 - 3 * i, 40 + i)[0] for i in range(8)],
+        torch.arange(8) % 3),
 }
 
 
@@ -283,6 +287,28 @@ def test_a_sample_is_transformed_alike_alone_and_in_a_batch_with_every_random_pi
     assert torch.equal(drawn, transform.batch(one, seed, [2], [5]))
     for other in ((seed + 1, [2], [5]), (seed, [4], [5]), (seed, [2], [6])):
         assert not torch.equal(drawn, transform.batch(one, *other)), other
+
+
+@pytest.mark.parametrize("augment", [True, False], ids=["training", "held_out"])
+def test_photos_of_many_sizes_in_one_pass_are_each_photo_alone(augment):
+    """A batch of photos of different sizes (decoded per step) through timm's transform in one
+    pass, with every random piece on (--flip alternate, --vflip, --auto-augment, colour
+    jitter, random interpolation), equals each photo through `pixels` alone: its own seed,
+    epoch and index decide its draws, not its neighbours."""
+    transform = ImageTransform(40, **IDENTITY, augment=augment, flip="alternate", vflip=0.5,
+                               color_jitter=0.4, train_interpolation="random",
+                               policy=build_policy("rand-m9-mstd0.5") if augment else None)
+    photos = [_random_images(1, 66 + 9 * k, 120 - 7 * k, 60 + k)[0] for k in range(6)]
+    seed, epochs, indices = 3, [0, 1, 2, 0, 1, 2], [4, 4, 9, 1, 0, 7]
+    together = transform.pixel_list(photos, seed, epochs, indices)
+    alone = torch.stack([transform.pixels(photo, (seed, epoch, index))
+                         for photo, epoch, index in zip(photos, epochs, indices)])
+    assert together.shape == (6, 3, 40, 40) and torch.equal(together, alone)
+    # a small image among them: its own path, still each alone's pixels
+    mixed = [*photos[:3], _random_images(1, 30, 28, 99)[0]]
+    assert torch.equal(transform.pixel_list(mixed, seed, epochs[:4], indices[:4]),
+                       torch.stack([transform.pixels(image, (seed, epochs[k], indices[k]))
+                                    for k, image in enumerate(mixed)]))
 
 
 @pytest.mark.parametrize("flip", ["random", "alternate"])

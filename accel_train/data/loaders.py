@@ -185,13 +185,8 @@ class TrainImages(Dataset):
         if not isinstance(self.source, ArraySource):  # decoded now
             # A replaced sample keeps its own index's augmentation: a function of the index.
             images, used = self.read(epochs.tolist(), indices.tolist())
-            if len({image.shape for image in images}) == 1:  # one size: one batched transform
-                batch = self.transform.pixel_batch(torch.stack(images), self.seed,
-                                                   epochs.numpy(), indices.numpy())
-            else:
-                batch = torch.stack([self.transform.pixels(image, (self.seed, int(epoch),
-                                                                   int(index)))
-                                     for image, epoch, index in zip(images, epochs, indices)])
+            batch = self.transform.pixel_list(images, self.seed, epochs.numpy(),
+                                              indices.numpy())
             if marks is not None:
                 marks = replaced_marks(indices, used)
             return SampleBatch(batch, self.source.labels[used], keys, marks,

@@ -120,12 +120,7 @@ class StreamingTrain(IterableDataset):
                 replaced[position] = keys[position]
             epochs = np.full(len(keys), epoch)
             # uint8 pixels; StreamLoader normalizes them on the device (data.FinishOnDevice)
-            if len({image.shape for image in images}) == 1:
-                pixels = self.transform.pixel_batch(torch.stack(images), self.seed, epochs,
-                                                    keys_t.numpy())
-            else:
-                pixels = torch.stack([self.transform.pixels(image, (self.seed, epoch, k))
-                                      for image, k in zip(images, keys)])
+            pixels = self.transform.pixel_list(images, self.seed, epochs, keys_t.numpy())
             # --reprob's erasing drawn here too, beside the training step (data.FinishOnDevice)
             erasing = self.transform.erasing_plan(pixels.shape, self.seed, epochs,
                                                   keys_t.numpy()) or ()

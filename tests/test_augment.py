@@ -304,11 +304,13 @@ def test_photos_of_many_sizes_in_one_pass_are_each_photo_alone(augment):
     alone = torch.stack([transform.pixels(photo, (seed, epoch, index))
                          for photo, epoch, index in zip(photos, epochs, indices)])
     assert together.shape == (6, 3, 40, 40) and torch.equal(together, alone)
-    # a small image among them: its own path, still each alone's pixels
-    mixed = [*photos[:3], _random_images(1, 30, 28, 99)[0]]
-    assert torch.equal(transform.pixel_list(mixed, seed, epochs[:4], indices[:4]),
-                       torch.stack([transform.pixels(image, (seed, epochs[k], indices[k]))
-                                    for k, image in enumerate(mixed)]))
+    # a small image among them (one of exactly SMALL_IMAGE px too): its own path, still each
+    # alone's pixels
+    for small in ((30, 28), (SMALL_IMAGE, SMALL_IMAGE)):
+        mixed = [*photos[:3], _random_images(1, *small, 99)[0]]
+        assert torch.equal(transform.pixel_list(mixed, seed, epochs[:4], indices[:4]),
+                           torch.stack([transform.pixels(image, (seed, epochs[k], indices[k]))
+                                        for k, image in enumerate(mixed)])), small
 
 
 @pytest.mark.parametrize("flip", ["random", "alternate"])

@@ -237,9 +237,9 @@ class HeldOutImages(Dataset):
         keys = None if self.first_key is None else self.first_key + indices
         if not isinstance(self.source, ArraySource):
             images, used = read_samples(self.source, indices.tolist())
-            batch = self.transform.batch(torch.stack(images)) \
-                if len({image.shape for image in images}) == 1 \
-                else torch.stack([self.transform(image) for image in images])
+            unseeded = [0] * len(images)  # nothing drawn held out: __call__'s (0, 0, 0)
+            batch = self.transform.finish(self.transform.pixel_list(images, 0, unseeded,
+                                                                    unseeded))
             if marks is not None:
                 marks = replaced_marks(indices, used)
             return SampleBatch(batch, self.source.labels[used], keys=keys, replaced=marks)

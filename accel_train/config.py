@@ -101,11 +101,14 @@ class TrainConfig:
     data_on_device: str = option("auto", "Hold the training images on the device and draw "
                                  "each batch there (crop, flip and erasing too): no copy of "
                                  "images per step; loader workers draw --reprob's erasing "
-                                 "plans. auto: on a CUDA device, for images decoded in memory "
-                                 "of 64 px or less, without --auto-augment (and with --reprob, "
-                                 "with loader workers), that fit in a tenth of its memory; "
-                                 "always: whenever the images allow (on a CPU too); never: a "
-                                 "DataLoader. The same batches either way.", "data",
+                                 "plans. Photographs (above 64 px) are decoded there once, at "
+                                 "the start, and cropped, flipped and colour-jittered there as "
+                                 "--decode-on-device would. auto: on a CUDA device, for data "
+                                 "without --auto-augment (and with --reprob, with loader "
+                                 "workers) whose decoded pixels fit in a tenth of its memory "
+                                 "(photographs: JPEG files, or arrays); always: whenever the "
+                                 "images allow (on a CPU too); never: a DataLoader. The same "
+                                 "batches either way.", "data",
                                  choices=DATA_ON_DEVICE_MODES)
     decode_on_device: str = option("auto", "Decode the training JPEGs on the GPU (nvJPEG) and "
                                    "crop, flip and colour-jitter them there, the loader workers "

@@ -162,7 +162,9 @@ ROWS: dict[str, Row] = {
         "always: every batch of an epoch and a half, resumed mid-epoch from either loader's "
         "checkpoint, equals the DataLoader path's (never) to the bit, also with --reprob's "
         "erasing plans drawn by 2 loader workers; a second rank's are Accelerate's "
-        "BatchSamplerShard's; a 2-step run's weights equal never's"),
+        "BatchSamplerShard's; a 2-step run's weights equal never's; photographs held decoded "
+        "give --decode-on-device always's batches to the bit "
+        "(test_photos_on_device.py)"),
     "train --decode-on-device": effect(
         "test_device_decode.py::test_the_device_path_trains_the_workers_samples",
         "always: the same labels as the loader workers' path (timm's transform on PIL images) "

@@ -244,8 +244,6 @@ def test_auto_always_and_never_choose_and_say_why():
     for source, transform, streaming, reason in (
             (small, policy, False, "--auto-augment's policy works on the host, one image at a "
                                    "time"),
-            (large, plain, False, "its images are 72 px, above the 64 px of the batched "
-                                  "small-image path"),
             (_Decoded(), plain, False, "the training images are decoded per step, not held in "
                                        "memory (--in-memory)"),
             (small, plain, True, "the training data is streamed from shards"),
@@ -257,6 +255,9 @@ def test_auto_always_and_never_choose_and_say_why():
             choose("always", source, transform, True, streaming, memory=10**12)
         assert str(raised.value) == f"--data-on-device always: {reason}; use " \
             "--data-on-device auto or never"
+    # above 64 px in memory: held as photographs are (test_photos_on_device.py)
+    assert choose("always", large, plain, False, False)[1].startswith(
+        "drawn on the device, the training photos decoded once and held there")
     # 64 px is the small-image path's own; a set of exactly a tenth of the memory fits
     at_64 = ArraySource(torch.zeros(2, 3, 64, 64, dtype=torch.uint8), torch.zeros(2).long())
     assert choose("always", at_64, plain, False, False)[0]

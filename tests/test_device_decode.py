@@ -510,8 +510,8 @@ def test_a_machine_of_two_processes_times_all_their_workers_at_once(photos, tmp_
 
 
 @pytest.mark.parametrize("options, said", [
-    (["--data-on-device", "always", "--in-memory", "never"],
-     "--data-on-device always: the training images are decoded per step, not held in memory"),
+    (["--data-on-device", "always", "--in-memory", "never", "--train-interpolation", "nearest"],
+     "--data-on-device always: --train-interpolation nearest is PIL's only"),
     (["--decode-on-device", "always", "--in-memory", "never", "--auto-augment",
       "rand-m9-mstd0.5"],
      "--decode-on-device always: --auto-augment's policy works on the host"),

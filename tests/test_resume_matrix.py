@@ -8,7 +8,8 @@ and continued with `--resume auto` (on 1 process all three runs in the pytest pr
 sent to it) ends bit-identical to the run left alone (and, on 1 process, the in-memory run with its
 global batch made of 2 accumulation steps, and timm's training transform on images above 64 px, in
 memory, with its colour jitter and flips and no policy, and the same as JPEG files decoded and
-cropped "on the device" with --decode-on-device always): the final weights and the EMA weights of
+cropped "on the device" with --decode-on-device always, and the same again decoded once and held
+there with --data-on-device always, also on 2 processes): the final weights and the EMA weights of
 the last checkpoint, max |difference| 0.0 (the in-memory rows train on the images
 --max-train-samples' seeded draw keeps), with Accelerate's RNG files removed from the checkpoint
 before the resume (exactness must not depend on a saved RNG stream).
@@ -60,11 +61,11 @@ def _common(path: str) -> list[str]:
     timm's pipeline (images above 64 px, in memory) without it too, for timm's colour jitter,
     which a policy turns off, and with timm's own random flip (--hflip 0.3) for --flip
     alternate's hash."""
-    if path not in ("on-device", "timm", "decoded-on-device"):
+    if path not in ("on-device", "timm", "decoded-on-device", "photos-on-device"):
         return COMMON
     at = COMMON.index("--auto-augment")
     common = COMMON[:at] + COMMON[at + 2:]
-    if path in ("timm", "decoded-on-device"):
+    if path in ("timm", "decoded-on-device", "photos-on-device"):
         at = common.index("--flip")
         common = common[:at] + ["--hflip", "0.3"] + common[at + 2:]
     return common
@@ -96,6 +97,11 @@ def _data_options(path: str, data: dict) -> list[str]:
         return ["--data-dir", str(data["jpegs"]), "--in-memory", "never", "--num-workers", "1",
                 "--decode-on-device", "always", "--host-decode-share", "0.34",
                 "--train-interpolation", "random", "--color-jitter", "0.4"]
+    if path == "photos-on-device":  # the same JPEGs decoded once and held "on the device",
+        # each batch cropped and jittered there; the erasing plans by a loader worker
+        return ["--data-dir", str(data["jpegs"]), "--in-memory", "never", "--num-workers", "1",
+                "--data-on-device", "always", "--train-interpolation", "random",
+                "--color-jitter", "0.4"]
     return ["--data-dir", str(data["shards"]), "--num-workers", "1",  # streamed
             "--max-eval-samples", "64"]
 
@@ -137,22 +143,23 @@ def matrix_data(big_image_folder, big_jpeg_folder, synthetic_shards) -> dict:
 STOP_AFTER = {("in-memory", 1): (18, 1), ("per-step", 1): (3, 0), ("streamed", 1): (15, 1),
               ("in-memory", 2): (3, 0), ("streamed", 2): (6, 1),
               ("accumulated", 1): (6, 0), ("on-device", 1): (18, 1), ("timm", 1): (9, 1),
-              ("decoded-on-device", 1): (9, 1), ("decoded-on-device", 2): (9, 1)}
+              ("decoded-on-device", 1): (9, 1), ("decoded-on-device", 2): (9, 1),
+              ("photos-on-device", 1): (9, 1), ("photos-on-device", 2): (9, 1)}
 
 
 @pytest.mark.parametrize("path, processes", [
     # every row takes over 10 s on a 2-core machine without AVX512: the full suite's
     *[pytest.param(path, 1, marks=pytest.mark.slow)
       for path in ("in-memory", "accumulated", "on-device", "timm", "per-step", "streamed",
-                   "decoded-on-device")],
+                   "decoded-on-device", "photos-on-device")],
     # (files decoded per step on 2 processes: the decoded-on-device row, whose two loader
     # workers a rank draw every image's crop and decode a share of the files)
     *[pytest.param(path, 2, marks=pytest.mark.slow)
-      for path in ("in-memory", "streamed", "decoded-on-device")]])
+      for path in ("in-memory", "streamed", "decoded-on-device", "photos-on-device")]])
 def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_data, tmp_path,
                                                       runs):
     command = [*_common(path), *_data_options(path, matrix_data), "--epochs", "2"]
-    if path == "decoded-on-device" and processes == 2:
+    if path in ("decoded-on-device", "photos-on-device") and processes == 2:
         # the global batch of one process (16): 9 steps an epoch, time for the stop to land
         # before the run ends, the next batch decoded ahead on each rank; two loader workers
         # a rank, each drawing its own images' crops (seeded by rank and worker)
@@ -209,7 +216,8 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_da
                                                 "timm")), facts
     if path != "streamed":  # which loader drew the batches: the saved position says
         position = stopped / "checkpoints" / f"step_{stop:08d}" / "loader.json"
-        assert json.loads(position.read_text())["on_device"] == (path == "on-device"), about
+        assert json.loads(position.read_text())["on_device"] == \
+            (path in ("on-device", "photos-on-device")), about
     if "--max-train-samples" in command:  # (256 of 288 images kept)
         assert state["sample_subset"] == "random", state
     if path == "accumulated":
@@ -219,6 +227,9 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_da
     if path == "timm":  # above 64 px: timm's crop, and the model's own held-out crop
         assert facts["model"]["image_size"] == BIG_SIZE and \
             facts["model"]["crop_mode"] == "center", facts
+    if path == "photos-on-device":
+        assert facts["train_loader"].startswith(
+            "drawn on the device, the training photos decoded once and held there"), facts
     if path == "decoded-on-device":
         assert facts["jpeg_decoding"].startswith("on the device") and \
             "34% of each batch's by the loader workers" in facts["jpeg_decoding"] and \

@@ -267,7 +267,7 @@ class DeviceDecoder:
         batch decoded and cropped, on a GPU queued on a side stream of its own.
 
         Why a side stream: nvJPEG must not start while work queued on its stream may still
-        read memory the caching allocator could hand it (`_decode`); on the caller's stream
+        read memory the caching allocator could hand it (`decode_jpegs`); on the caller's stream
         that meant waiting for the last training step, so decoding and the step ran one after
         the other.  The allocator gives a stream's allocations only blocks freed on that
         stream, so draining the side stream alone keeps nvJPEG off memory in use, and the next
@@ -344,7 +344,7 @@ def decoded_crops(batch: EncodedImages, device: torch.device) -> tuple[torch.Ten
     size = batch.size
     if not batch.lengths:
         return torch.zeros(0, 3, size, size, dtype=torch.uint8, device=device), []
-    decoded, refused = _decode(list(batch.data.split(batch.lengths)),
+    decoded, refused = decode_jpegs(list(batch.data.split(batch.lengths)),
                                batch.orientations.tolist(), device)
     kept = []
     sizes = batch.sizes.tolist()  # once, not a call an image
@@ -393,7 +393,7 @@ def flipped(crops: torch.Tensor, mirrored: torch.Tensor, upside_down: torch.Tens
     return crops
 
 
-def _decode(blobs: list[torch.Tensor], orientations: list[int], device: torch.device) -> \
+def decode_jpegs(blobs: list[torch.Tensor], orientations: list[int], device: torch.device) -> \
         tuple[list[Optional[torch.Tensor]], list[int]]:
     """The batch in one call, each image turned as its EXIF orientation says (read by the
     workers: `jpeg_header`); when the decoder refuses the batch, each file alone, to find

@@ -28,10 +28,17 @@ import torch
 from accel_train.base.errors import UsageError
 from accel_train.data.device_erasing import ErasingAhead, ErasingPlans, PlanLoaderMaker
 from accel_train.data.loaders import Batch, EpochSampler, FinishOnDevice
-from accel_train.data.sources import ArraySource, ImageSource
+from accel_train.data import held_photos
+from accel_train.data.sources import ArraySource, HFSource, ImageSource
 from accel_train.data.transforms import SMALL_IMAGE, ImageTransform
 
 MEMORY_SHARE = 0.1  # auto holds a training set on the device up to this share of its memory
+# auto reads every photo's header only where its probed images' sizes put the set within this
+# many times MEMORY_SHARE (photos differ: a few probed ones may miss the set's mean by half)
+SCAN_MARGIN = 2
+# auto holds photos only where the device decodes all but this share of the files: the others
+# are decoded at the start by the training process, one by one
+AUTO_HOST_DECODED = 0.01
 
 
 def stored_bytes(source: ArraySource) -> int:
@@ -48,34 +55,62 @@ def _gb(count: int) -> str:
     return f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.1f} MB"
 
 
+def small_in_memory(source: ImageSource) -> bool:
+    """Images decoded into memory, all of SMALL_IMAGE px or less: the small-image path's."""
+    return isinstance(source, ArraySource) and max(source.images.shape[-2:]) <= SMALL_IMAGE
+
+
+def _unfit(source: ImageSource, transform: ImageTransform, streaming: bool) -> Optional[str]:
+    """Why this data cannot be drawn on the device, whatever the memory (before any file is
+    read)."""
+    if streaming:
+        return "the training data is streamed from shards"
+    if not small_in_memory(source):
+        return held_photos.unfit_reason(source, transform)
+    if transform.policy is not None:
+        return "--auto-augment's policy works on the host, one image at a time"
+    if not transform.can_place(source.images.shape):
+        return "its resize (--crop-pct, --crop-mode, --interpolation) is timm's, on the host"
+    return None
+
+
+def _photos_unfit(found: held_photos.PhotoScan, auto: bool) -> Optional[str]:
+    """Why scanned photos are not held: images the small-image path crops; for auto, files
+    the device decoder does not take (this process would decode them at the start)."""
+    unfit = held_photos.small_images_reason(found)
+    others = len(found.shapes) - found.jpegs
+    if unfit is None and auto and others > AUTO_HOST_DECODED * len(found.shapes):
+        unfit = (f"{others} of its {len(found.shapes)} files are not JPEGs the device decodes "
+                 f"(the training process would decode them at the start)")
+    return unfit
+
+
 def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool,
            streaming: bool, memory: Optional[int] = None, workers: int = 0) -> tuple[bool, str]:
     """(whether the training set is held on the device, why: for the run's summary).  `mode`
     is --data-on-device; `memory` the device's bytes (read from CUDA when None and needed);
     `workers` the run's loader workers (they draw --reprob's erasing plans).  `always` on data
-    this path cannot hold is bad input: a UsageError naming what is missing."""
+    this path cannot hold is bad input: a UsageError naming what is missing.
+
+    Small images in memory are held as they are; photographs (files, or arrays above
+    SMALL_IMAGE px) decoded on the device at the start (held_photos.py), their headers read
+    first for their size, where auto reads them only when a few images' sizes promise a fit."""
     flag = f"--data-on-device {mode}"
     if mode == "never":
         return False, f"a DataLoader ({flag})"
-    unfit = None  # why this data cannot be drawn on the device, whatever the memory
-    if streaming:
-        unfit = "the training data is streamed from shards"
-    elif not isinstance(source, ArraySource):
-        unfit = "the training images are decoded per step, not held in memory (--in-memory)"
-    elif max(source.images.shape[-2:]) > SMALL_IMAGE:
-        unfit = (f"its images are {max(source.images.shape[-2:])} px, above the "
-                 f"{SMALL_IMAGE} px of the batched small-image path")
-    elif transform.policy is not None:
-        unfit = "--auto-augment's policy works on the host, one image at a time"
-    elif not transform.can_place(source.images.shape):
-        unfit = "its resize (--crop-pct, --crop-mode, --interpolation) is timm's, on the host"
+    unfit = _unfit(source, transform, streaming)
+    photos = not small_in_memory(source)
+    if unfit is None and mode == "always" and photos:
+        unfit = _photos_unfit(held_photos.scan(source), auto=False)
     if unfit and mode == "always":
         raise UsageError(f"{flag}: {unfit}; use --data-on-device auto or never")
     if unfit:
         return False, f"a DataLoader ({flag}: {unfit})"
-    size = stored_bytes(source)
+    what = "the training photos decoded once and held there" if photos else \
+        "the training set held there"
     if mode == "always":
-        return True, f"drawn on the device, the training set held there ({_gb(size)}; {flag})"
+        size = _held_bytes(source, photos)
+        return True, f"drawn on the device, {what} ({_gb(size)}; {flag})"
     if not cuda:
         return False, f"a DataLoader ({flag}: not on a CUDA device)"
     if transform.erases and workers == 0:
@@ -87,11 +122,37 @@ def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool
                        f"the host, and with --num-workers 0 the training process would draw "
                        f"it)")
     memory = device_memory() if memory is None else memory
+    if photos and isinstance(source, HFSource):
+        # Reading every file's header costs a read of every file: not for a set that a few
+        # images' sizes put far over the line (ImageNet's 1.28 million files).
+        estimate = guessed_bytes(source)
+        if estimate > SCAN_MARGIN * MEMORY_SHARE * memory:
+            return False, (f"a DataLoader ({flag}: the training set's about {_gb(estimate)} "
+                           f"decoded is over {MEMORY_SHARE:.0%} of the device's {_gb(memory)})")
+        unfit = _photos_unfit(held_photos.scan(source), auto=True)
+        if unfit:
+            return False, f"a DataLoader ({flag}: {unfit})"
+    size = _held_bytes(source, photos)
     if size > MEMORY_SHARE * memory:
         return False, (f"a DataLoader ({flag}: the training set's {_gb(size)} is over "
                        f"{MEMORY_SHARE:.0%} of the device's {_gb(memory)})")
-    return True, (f"drawn on the device, the training set held there ({_gb(size)}, within "
+    return True, (f"drawn on the device, {what} ({_gb(size)}, within "
                   f"{MEMORY_SHARE:.0%} of its {_gb(memory)}; {flag})")
+
+
+def _held_bytes(source: ImageSource, photos: bool) -> int:
+    """What holding a source on the device takes: small images as stored (`stored_bytes`),
+    photographs decoded (their pixels, labels and marks)."""
+    if not photos:
+        return stored_bytes(source)
+    return held_photos.scan(source).pixel_bytes + 2 * 8 * len(source)
+
+
+def guessed_bytes(source: ImageSource) -> int:
+    """The decoded RGB pixels of a source of files as its probed images' sizes put them (the
+    ones decoded for --image-size's default), without reading the others."""
+    shapes = source.probed_shapes
+    return int(len(source) * 3 * sum(h * w for h, w in shapes) / max(1, len(shapes)))
 
 
 class DeviceResidentBatches:
@@ -113,13 +174,12 @@ class DeviceResidentBatches:
         self.finish = FinishOnDevice(transform, places=True)
         self.epoch, self.samples_in_epoch = 0, 0
         self.device = torch.device("cpu")
-        self.images, self.labels = source.images, source.labels
-        self.replaced = self._no_marks()
+        self._hold()
         self.warn = lambda text: print(f"warning: {text}", file=sys.stderr)  # the trainer's
         self.erasing = None
         if transform.erases:
             # The shape TrainImages draws for: the placed pixels (the size the model sees).
-            shape = torch.Size((batch_size, source.images.shape[1], transform.image_size,
+            shape = torch.Size((batch_size, self.channels, transform.image_size,
                                 transform.image_size))
             self.erasing = ErasingAhead(ErasingPlans(transform, sampler, shape, seed,
                                                      num_processes, rank), plan_loader)
@@ -131,9 +191,17 @@ class DeviceResidentBatches:
     def __len__(self) -> int:
         return self.usable // self.per_micro_step
 
+    @property
+    def channels(self) -> int:
+        return self.source.images.shape[1]
+
     def prepare(self, accelerator) -> None:
-        """The one copy of the data to the device: the stored pixels and labels."""
+        """The one copy of the data to the device (Accelerate's)."""
         self.device = accelerator.device
+        self._hold()
+
+    def _hold(self) -> None:
+        """The stored pixels and labels on `self.device`."""
         self.images = self.source.images.to(self.device)
         self.labels = self.source.labels.to(self.device)
         self.replaced = self._no_marks()
@@ -154,11 +222,11 @@ class DeviceResidentBatches:
         return tensor.contiguous().pin_memory().to(self.device, non_blocking=True)
 
     def _epoch_plan(self, first: int):
-        """This rank's micro-batches of the epoch from the `first` on, as device tensors:
-        (sample indices [count, B], crop plans [count, B, 3] or None)."""
+        """This rank's micro-batches of the epoch from the `first` on: (sample indices [count,
+        B] as device tensors, what `_samples` needs beside them: the crop plans [count, B, 3]
+        as device tensors, or None)."""
         epoch, count = self.epoch, len(self) - first
-        indices = self.sampler.rank_batches(epoch, self.num_processes, self.batch_size,
-                                            self.rank)[first:]                # [count, B]
+        indices = self._rank_indices(first)
         flat = indices.reshape(-1).numpy()
         epochs = np.full_like(flat, epoch)
         crops = self.transform.crop_plan(self.seed, epochs, flat)            # [count * B, 3]
@@ -166,23 +234,66 @@ class DeviceResidentBatches:
             crops = self._to_device(crops.view(count, self.batch_size, 3))
         return self._to_device(indices), crops
 
+    def _rank_indices(self, first: int) -> torch.Tensor:
+        """Host int64 [count, B]: this rank's micro-batches of the epoch from the `first` on."""
+        return self.sampler.rank_batches(self.epoch, self.num_processes, self.batch_size,
+                                         self.rank)[first:]
+
+    def _samples(self, k: int, chosen: torch.Tensor, plan) -> tuple[torch.Tensor, ...]:
+        """The k-th micro-batch of the pass, whose samples are `chosen` (on the device):
+        (pixels, labels, marks of replaced samples, the plans FinishOnDevice reads before
+        --reprob's)."""
+        return (self.images.index_select(0, chosen), self.labels.index_select(0, chosen),
+                self.replaced, () if plan is None else (plan[k],))
+
     def __iter__(self) -> Iterator[Batch]:
         """The rest of the epoch; every operation is queued on the device, none waits for it."""
         first = self.samples_in_epoch // self.per_micro_step
         if first >= len(self):
             return
-        indices, crops = self._epoch_plan(first)
+        indices, plan = self._epoch_plan(first)
         erasing = self.erasing.each(self.epoch, first, len(self)) if self.erasing is not None \
             else None
         offset = self.epoch * len(self.source)
         for k in range(len(indices)):
             chosen = indices[k]
-            plans = () if crops is None else (crops[k],)
+            pixels, labels, replaced, plans = self._samples(k, chosen, plan)
             if erasing is not None:
                 plans += tuple(self._to_device(part) for part in next(erasing))
-            pixels = self.images.index_select(0, chosen)
-            labels = self.labels.index_select(0, chosen)
             keys = chosen + offset
             # Counted as handed out: a checkpoint after this batch's step includes it.
             self.samples_in_epoch += self.per_micro_step
-            yield Batch(self.finish(pixels, plans), labels, keys, self.replaced)
+            yield Batch(self.finish(pixels, plans), labels, keys, replaced)
+
+
+class DevicePhotoBatches(DeviceResidentBatches):
+    """Photographs decoded once into the device's memory at `prepare` (held_photos.py), and an
+    epoch's micro-batches cropped there from them: timm's draws for each sample, made on the
+    host a micro-batch at a time (about 0.05 ms an image), then the device decode path's crop,
+    resize, flips and jitter, queued on the device without waiting for it."""
+
+    channels = 3  # held RGB
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.finish = FinishOnDevice(self.transform)  # the crops are made before it
+
+    def _hold(self) -> None:
+        # Decoding waits for `prepare` and its device: one decode of every photo, not two.
+        self.held: Optional[held_photos.HeldPhotos] = None
+
+    def prepare(self, accelerator) -> None:
+        self.device = accelerator.device
+        self.held = held_photos.hold(self.source, self.device)
+
+    def _epoch_plan(self, first: int):
+        indices = self._rank_indices(first)
+        return self._to_device(indices), indices.tolist()  # the host's copy for the draws
+
+    def _samples(self, k: int, chosen: torch.Tensor, plan) -> tuple[torch.Tensor, ...]:
+        if self.held is None:
+            raise RuntimeError("DevicePhotoBatches: prepare(accelerator) decodes the photos "
+                               "before the first batch")
+        pixels = self.held.crops(self.transform, self.seed, self.epoch, plan[k])
+        return (pixels, self.held.labels.index_select(0, chosen),
+                self.held.replaced.index_select(0, chosen), ())

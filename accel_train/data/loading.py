@@ -35,7 +35,8 @@ from accel_train.base.readers import read_json
 from accel_train.data.decode_ahead import DecodeAhead
 from accel_train.data.device_decode import Decoding, DeviceDecoder, sharing_all, time_paths
 from accel_train.data.device_decode import choose as choose_device_decoding
-from accel_train.data.device_resident import DeviceResidentBatches
+from accel_train.data.device_resident import (DevicePhotoBatches, DeviceResidentBatches,
+                                              small_in_memory)
 from accel_train.data.device_resident import choose as choose_data_on_device
 from accel_train.data.streaming import STREAM_STATE, build_stream_loader, streaming_wanted
 from accel_train.data.worker_deaths import restarting_dead_workers, watch_workers_quietly
@@ -221,6 +222,12 @@ class DeviceResidentTrainLoader(EpochPosition, DeviceResidentBatches):
         self._drop_workers()
 
 
+class DevicePhotosTrainLoader(DeviceResidentTrainLoader, DevicePhotoBatches):
+    """Training photographs decoded once on the device, their batches cropped there
+    (device_resident.DevicePhotoBatches: its `_epoch_plan` and `_samples` make the batches
+    that DeviceResidentTrainLoader's pass hands out)."""
+
+
 @dataclass
 class Loaders:
     """The training and held-out loaders of a run, before `accelerator.prepare`."""
@@ -304,8 +311,10 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                                    config.persistent_workers, pin_memory, sampler=positions,
                                    seed=config.seed, timeout=config.loader_timeout, collate=None)
 
-            train = DeviceResidentTrainLoader(data.train, train_tf, sampler, config.batch_size,
-                                              num_processes, rank, config.seed, plan_loader)
+            kind = DeviceResidentTrainLoader if small_in_memory(data.train) else \
+                DevicePhotosTrainLoader
+            train = kind(data.train, train_tf, sampler, config.batch_size, num_processes, rank,
+                         config.seed, plan_loader)
             train.timeout = config.loader_timeout
             if workers:
                 choice += f"; --reprob's erasing plans drawn by {workers} loader worker(s)"

@@ -1,0 +1,187 @@
+"""Training photographs decoded once and held on the device, each batch cropped there.
+
+Why: photo data sets such as Oxford-IIIT Pets (7,349 photos, about 4 GB decoded) or
+Flowers-102 fit in a tenth of a large GPU's memory.  Decoded there once, every epoch trains
+without decoding at all: no loader workers, no copy of images per step, where decoding JPEGs at
+ImageNet sizes each epoch is what makes a GPU wait (device_decode.py says by how much).
+
+The same samples as the device decode path (--decode-on-device, device_decode.py), itself the
+loader workers' path within the decoders' rounding: each photo decoded by the same decoder with
+its EXIF orientation applied, each sample's draws timm's own for its (seed, epoch, index)
+(`draw_plans`), then the same crop and resize, flips and colour jitter on the device
+(`resized_crops`, `flipped`, `jitter`).  Files the device decoder does not take (not JPEG,
+CMYK, refused) are decoded once on the host, and a file that cannot be decoded at all holds its
+substitute (--bad-images substitute: the source's own choice), with that image's label; its
+samples carry the loader's marks (badimages.py names them).  Images of 64 px or less take the
+small-image crop, which this path does not make: data holding them is not held here.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from accel_train.data.batched_resize import on_device, resized_crops
+from accel_train.data.decode import Unreadable, jpeg_header, pil_size
+from accel_train.data.device_decode import DEVICE_INTERPOLATIONS, decode_jpegs, draw_plans, \
+    flipped, jitter
+from accel_train.data.jpeg_decoders import jpeg_decoder, missing
+from accel_train.data.sources import ArraySource, HFSource, ImageSource
+from accel_train.data.transforms import SMALL_IMAGE, ImageTransform
+
+SCAN_BATCH = 256  # files read at once while their headers are read and while decoding them
+
+
+@dataclass(frozen=True)
+class PhotoScan:
+    """What the files' headers say of a training set, before anything is decoded."""
+
+    shapes: list[Optional[tuple[int, int]]]  # (height, width) of each; None: unreadable
+    jpegs: int  # the files the device decoder takes (device_decode's JPEGs), the rest on the host
+
+    @property
+    def pixel_bytes(self) -> int:
+        """The decoded RGB pixels' bytes (a substitute's are not counted)."""
+        return sum(3 * height * width for height, width in filter(None, self.shapes))
+
+    @property
+    def small(self) -> int:
+        """Images of SMALL_IMAGE px or less, whose crop is the small-image one."""
+        return sum(1 for shape in self.shapes if shape is not None and max(shape) <= SMALL_IMAGE)
+
+
+@functools.lru_cache(maxsize=2)  # asked before the start-up's timings, and again after them
+def scan(source: ImageSource) -> PhotoScan:
+    """Each training image's size from its file's header (a JPEG's with its EXIF orientation
+    applied; the others' as PIL reads them, the same area), without decoding any."""
+    if isinstance(source, ArraySource):
+        return PhotoScan([tuple(source.images.shape[-2:])] * len(source), 0)
+    shapes: list[Optional[tuple[int, int]]] = []
+    jpegs = 0
+    for start in range(0, len(source), SCAN_BATCH):
+        for item in source.files_at(range(start, min(start + SCAN_BATCH, len(source)))):
+            header = jpeg_header(item) if isinstance(item, bytes) else None
+            if header is not None:
+                shapes.append(header[:2])
+                jpegs += 1
+            elif isinstance(item, Unreadable):
+                shapes.append(None)
+            else:
+                try:
+                    width, height = pil_size(item)
+                    shapes.append((height, width))
+                except Exception:  # noqa: BLE001 -- decoding it names the problem (substitute)
+                    shapes.append(None)
+    return PhotoScan(shapes, jpegs)
+
+
+def unfit_reason(source: ImageSource, transform: ImageTransform) -> Optional[str]:
+    """Why these training photos cannot be held and cropped on the device, whatever its memory
+    (None if they can); `scan` says more once read."""
+    per_step = "the training images are decoded per step, not held in memory (--in-memory)"
+    if not isinstance(source, (ArraySource, HFSource)):  # a program's own data set
+        return per_step
+    if not transform.augment:
+        return "the training images are not augmented"
+    if transform.policy is not None:
+        return "--auto-augment's policy works on the host, one image at a time"
+    if transform.train_interpolation not in ("random", *DEVICE_INTERPOLATIONS):
+        return (f"--train-interpolation {transform.train_interpolation} is PIL's only; use "
+                f"random, bilinear or bicubic")
+    if isinstance(source, HFSource) and source.native_size <= SMALL_IMAGE:  # CIFAR's files
+        return per_step
+    if isinstance(source, HFSource) and jpeg_decoder() is None:
+        return missing()
+    return None
+
+
+def small_images_reason(found: PhotoScan) -> Optional[str]:
+    """Why a scanned set cannot be held here: some of its images take the small-image crop."""
+    if not found.small:
+        return None
+    return (f"{found.small} of its images are {SMALL_IMAGE} px or less, whose crop is the "
+            f"small-image path's, not the photographs'")
+
+
+@dataclass
+class HeldPhotos:
+    """Every training photo decoded on one device: uint8 [3, H, W] views into one buffer
+    (substitutes held again), the label and the loader's mark of each (-1, or its own index
+    where its file was replaced)."""
+
+    images: list[torch.Tensor]
+    labels: torch.Tensor    # int64 [N] on the device
+    replaced: torch.Tensor  # int64 [N] on the device
+
+    def crops(self, transform: ImageTransform, seed: int, epoch: int,
+              indices: list[int]) -> torch.Tensor:
+        """uint8 [B, 3, S, S] on the device: the samples (epoch, index) of `indices` cropped,
+        resized, flipped and colour-jittered as their draws say (the device decode path's
+        steps, on held pixels in place of decoded ones)."""
+        images = [self.images[index] for index in indices]
+        device = self.labels.device
+        epochs = np.full(len(indices), epoch)
+        plans = draw_plans(transform, seed, epochs, np.asarray(indices),
+                           [tuple(image.shape[-2:]) for image in images])
+        crops = resized_crops(images, plans["boxes"], transform.image_size, plans["bicubic"],
+                              device)
+        crops = flipped(crops, plans["mirrored"], plans["upside_down"],
+                        batched=device.type != "cpu")
+        if plans["jitter_order"] is not None:
+            crops = jitter(crops, on_device(plans["jitter_order"], device),
+                           on_device(plans["jitter_factors"], device))
+        return crops
+
+
+def hold(source: ImageSource, device: torch.device) -> HeldPhotos:
+    """Every image of `source` decoded once into `device`'s memory (`scan`'s sizes decide the
+    buffer): JPEGs by the device decode path's decoder, SCAN_BATCH at a time, the others and
+    any it refuses on the host, as the loader would (the source's substitute for a file that
+    cannot be decoded)."""
+    device = torch.device(device)
+    labels = source.labels.clone()
+    replaced = torch.full((len(source),), -1, dtype=torch.int64)
+    if isinstance(source, ArraySource):  # decoded already: one copy
+        held = source.images.to(device)
+        return HeldPhotos(list(held.unbind(0)), labels.to(device), replaced.to(device))
+    found = scan(source)
+    buffer = torch.empty(found.pixel_bytes, dtype=torch.uint8, device=device)
+    images: list[Optional[torch.Tensor]] = []
+    on_host: list[int] = []
+    start = 0
+    for first in range(0, len(source), SCAN_BATCH):
+        indices = range(first, min(first + SCAN_BATCH, len(source)))
+        blobs, places, turns = [], [], []
+        for index, item in zip(indices, source.files_at(indices)):
+            shape = found.shapes[index]
+            slot = None
+            if shape is not None:  # its place in the buffer, whoever decodes it
+                slot = buffer[start:start + 3 * shape[0] * shape[1]].view(3, *shape)
+                start += slot.numel()
+            images.append(slot)
+            header = jpeg_header(item) if isinstance(item, bytes) else None
+            if header is None:
+                on_host.append(index)
+                continue
+            blobs.append(torch.frombuffer(bytearray(item), dtype=torch.uint8))
+            places.append(index)
+            turns.append(header[2])
+        for index, image in zip(places, decode_jpegs(blobs, turns, device)[0]):
+            if image is None or image.shape != images[index].shape:
+                on_host.append(index)  # refused, or read otherwise than its header
+            else:
+                images[index].copy_(image)
+    for index in sorted(on_host):
+        (image,), (used,) = source.samples_at([index])
+        image = image.to(device)
+        if images[index] is not None and images[index].shape == image.shape:
+            images[index].copy_(image)
+        else:  # a substitute, or another size than its header said: held apart
+            images[index] = image
+        if used != index:
+            labels[index], replaced[index] = source.labels[used], index
+    return HeldPhotos(images, labels.to(device), replaced.to(device))

@@ -1,0 +1,216 @@
+"""--data-on-device with photographs: every training photo decoded once into the device's memory
+and each batch cropped there (accel_train/data/held_photos.py), checked on a CPU, where
+`always` takes that path with the CPU's JPEG decoder.
+
+Oracles: the device decode path (--decode-on-device always: the same decoder, draws, resize,
+flips and jitter, on files decoded a batch at a time), batch by batch to the bit for the same
+seed and position, across an epoch and a half and a resume from either loader's checkpoint;
+the loader workers' path (timm's transform on PIL images) for labels and marks, and pixels
+within the resizers' rounding, where files the device decoder does not take are held; sizes
+added up by hand from the files' dimensions for what holding them takes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator
+from PIL import Image
+
+from accel_train.base.errors import UsageError
+from accel_train.config import TrainConfig
+from accel_train.data import held_photos
+from accel_train.data.device_resident import choose
+from accel_train.data.loaders import run_transforms
+from accel_train.data.loading import (LOADER_STATE, DevicePhotosTrainLoader,
+                                      IndexedTrainLoader, build_loaders)
+from accel_train.data.sources import ArraySource, load_data
+from conftest import clean_accelerate_state
+from test_device_decode import SIZE, _spec, garbled_jpeg, photos  # noqa: F401 -- the fixture
+
+BATCH = 4  # the fixture's 12 training photos: 3 batches an epoch
+
+
+def _config(root: Path, **options) -> TrainConfig:
+    return TrainConfig(**{"data_dir": str(root), "in_memory": "never", "image_size": SIZE,
+                          "batch_size": BATCH, "num_workers": 0, "seed": 7, **options})
+
+
+def _loader(root: Path, accelerator, where: str, **options):
+    """The training loader of a run on `root`: `where` "held" (--data-on-device always),
+    "decoded" (--decode-on-device always) or "workers" (both never)."""
+    modes = {"held": ("always", "never"), "decoded": ("never", "always"),
+             "workers": ("never", "never")}[where]
+    config = _config(root, data_on_device=modes[0], decode_on_device=modes[1], **options)
+    train = build_loaders(config, load_data(config), _spec(), 1, 0, 1, False).train
+    train.prepare(accelerator)
+    return train
+
+
+def _batches(loader, count: int | None = None) -> list[tuple[torch.Tensor, ...]]:
+    out = []
+    for batch in loader:
+        out.append(tuple(t.clone() for t in batch))
+        if count is not None and len(out) == count:
+            break
+    return out
+
+
+def _assert_same(got: list, expected: list, about: str) -> None:
+    assert len(got) == len(expected), about
+    for k, (a, b) in enumerate(zip(got, expected)):
+        for name, x, y in zip(("images", "labels", "keys", "replaced"), a, b):
+            assert x.dtype == y.dtype and torch.equal(x, y), f"{about}: batch {k}'s {name}"
+
+
+@pytest.mark.parametrize("options", [
+    {},  # the defaults: random interpolation, colour jitter 0.4, random flips
+    {"flip": "alternate", "vflip": 0.5, "train_interpolation": "bicubic", "color_jitter": 0.0,
+     "scale": [0.3, 0.6], "ratio": [0.5, 2.0], "reprob": 0.5},
+], ids=["defaults", "alternate-vflip-bicubic-erasing"])
+def test_held_photos_give_the_device_decode_paths_batches_and_resume_between_them(
+        photos, options, tmp_path):  # noqa: F811
+    """Epoch 0 whole, epoch 1 in two parts: a checkpoint after its first batch, then the rest
+    from a fresh loader of either kind that loaded either kind's checkpoint."""
+    with clean_accelerate_state():
+        accelerator = Accelerator(cpu=True)
+        reference = _loader(photos, accelerator, "decoded", **options)
+        assert isinstance(reference, IndexedTrainLoader)
+        expected = {0: _batches(reference)}
+        reference.set_epoch(1)
+        expected[1] = _batches(reference)
+        assert len(expected[1]) == 3
+        held = _loader(photos, accelerator, "held", **options)
+        assert isinstance(held, DevicePhotosTrainLoader)
+        _assert_same(_batches(held), expected[0], "held, epoch 0")
+        held.set_epoch(1)
+        _assert_same(_batches(held, 1), expected[1][:1], "held, epoch 1's start")
+        saved = {"held": tmp_path / "held", "decoded": tmp_path / "decoded"}
+        for folder in saved.values():
+            folder.mkdir()
+        held.save(saved["held"])
+        assert json.loads((saved["held"] / LOADER_STATE).read_text())["on_device"] is True
+        other = _loader(photos, accelerator, "decoded", **options)
+        other.set_epoch(1)
+        _batches(other, 1)
+        other.save(saved["decoded"])
+        for where in ("held", "decoded"):
+            for source, folder in saved.items():
+                resumed = _loader(photos, accelerator, where, **options)
+                resumed.load(folder)
+                _assert_same(_batches(resumed), expected[1][1:],
+                             f"{where} resumed from the {source} loader's checkpoint")
+
+
+def test_files_the_device_decoder_does_not_take_are_held_as_the_workers_read_them(
+        photos, tmp_path):  # noqa: F811
+    """A PNG, a CMYK JPEG, a JPEG whose data is noise after its header and a file that is only
+    a JPEG's first bytes (both replaced by the next image that decodes, and marked), among the
+    photos: every batch's
+    labels and marks are the loader workers' and its pixels theirs within the resizers'
+    rounding (another crop, flip or jitter would differ by tens of levels)."""
+    root = tmp_path / "mixed"
+    for split in ("train", "val"):
+        for folder in (photos / split).iterdir():
+            (root / split / folder.name).mkdir(parents=True)
+            for file in sorted(folder.iterdir()):
+                (root / split / folder.name / file.name).write_bytes(file.read_bytes())
+    a_class = sorted((root / "train").iterdir())[0]
+    photo = Image.open(next(a_class.iterdir())).convert("RGB")
+    photo.save(a_class / "z_png.png")
+    photo.convert("CMYK").save(a_class / "z_cmyk.jpg")
+    (a_class / "z_garbled.jpg").write_bytes(garbled_jpeg(photo))
+    (a_class / "z_cut.jpg").write_bytes(b"\xff\xd8\xff")
+    with clean_accelerate_state():
+        accelerator = Accelerator(cpu=True)
+        held = _loader(root, accelerator, "held")
+        workers = _loader(root, accelerator, "workers")
+        marked = 0
+        for epoch in (0, 1):
+            held.set_epoch(epoch)
+            workers.set_epoch(epoch)
+            for got, expected in zip(_batches(held), _batches(workers), strict=True):
+                for name, x, y in zip(("labels", "keys", "replaced"), got[1:], expected[1:]):
+                    assert torch.equal(x, y), name
+                marked += int((got[3] >= 0).sum())
+                difference = (got[0] - expected[0]).abs() * torch.tensor(
+                    (0.229, 0.224, 0.225)).view(1, 3, 1, 1) * 255  # in levels
+                assert difference.mean(dim=(1, 2, 3)).max() < 1.0, \
+                    difference.mean(dim=(1, 2, 3))
+        assert marked == 4  # the cut and the garbled file's samples, once an epoch
+        source = held.source
+        names = [source.name(i) for i in range(len(source))]
+        broken = sorted(i for i, name in enumerate(names) if "z_cut" in name or "z_garbled" in name)
+        assert held.held.replaced.tolist() == [i if i in broken else -1
+                                               for i in range(len(source))]
+        for index in broken:  # held again: its substitute's pixels and label, as the loader's
+            (_,), (used,) = source.samples_at([index])
+            assert used not in broken
+            assert torch.equal(held.held.images[index], held.held.images[used])
+            assert held.held.labels[index] == source.labels[used]
+
+
+def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_it(
+        photos, tmp_path):  # noqa: F811
+    config = _config(photos)
+    files = load_data(config).train
+    transform = run_transforms(config, _spec())[0]
+    shapes = [Image.open(file).size for file in photos.glob("train/*/*.jpg")]
+    pixels = sum(3 * width * height for width, height in shapes)  # by hand, from PIL
+    found = held_photos.scan(files)
+    assert found.pixel_bytes == pixels and found.jpegs == len(files) == 12
+    held = pixels + 16 * len(files)  # and an int64 label and mark an image
+    mb = f"{held / 1e6:.1f} MB"
+    assert choose("always", files, transform, False, False) == (
+        True, f"drawn on the device, the training photos decoded once and held there ({mb}; "
+              f"--data-on-device always)")
+    assert choose("auto", files, transform, True, False, memory=10 * held) == (
+        True, f"drawn on the device, the training photos decoded once and held there ({mb}, "
+              f"within 10% of its {10 * held / 1e6:.1f} MB; --data-on-device auto)")
+    assert choose("auto", files, transform, True, False, memory=10 * held - 1) == (
+        False, f"a DataLoader (--data-on-device auto: the training set's {mb} is over 10% of "
+               f"the device's {(10 * held - 1) / 1e6:.1f} MB)")
+    assert choose("auto", files, transform, False, False, memory=10**12) == \
+        (False, "a DataLoader (--data-on-device auto: not on a CUDA device)")
+    # far over by the probed images' sizes (those --image-size's default decoded): no header
+    # is read
+    fresh = load_data(config).train
+    guess = len(fresh) * 3 * np.mean([h * w for h, w in fresh.probed_shapes])
+    scans = held_photos.scan.cache_info().misses
+    assert choose("auto", fresh, transform, True, False, memory=int(5 * guess) - 10)[1] \
+        .startswith("a DataLoader (--data-on-device auto: the training set's about ")
+    assert held_photos.scan.cache_info().misses == scans
+    # each reason whole: auto says it, always refuses with it
+    policy = run_transforms(_config(photos, auto_augment="randaugment"), _spec())[0]
+    plain = run_transforms(_config(photos, augment=False), _spec())[0]
+    nearest = run_transforms(_config(photos, train_interpolation="nearest"), _spec())[0]
+    small = tmp_path / "small"
+    for split in ("train", "val"):
+        for label in ("a", "b"):
+            (small / split / label).mkdir(parents=True)
+            for i in range(3):
+                Image.new("RGB", (300, 200) if i else (60, 40)).save(
+                    small / split / label / f"{i}.jpg")
+    small_files = load_data(_config(small)).train
+    for source, tf, reason in (
+            (files, policy, "--auto-augment's policy works on the host, one image at a time"),
+            (files, plain, "the training images are not augmented"),
+            (files, nearest, "--train-interpolation nearest is PIL's only; use random, "
+                             "bilinear or bicubic"),
+            (small_files, transform, "2 of its images are 64 px or less, whose crop is the "
+                                     "small-image path's, not the photographs'")):
+        assert choose("auto", source, tf, True, False, memory=10**12) == (
+            False, f"a DataLoader (--data-on-device auto: {reason})"), reason
+        with pytest.raises(UsageError) as raised:
+            choose("always", source, tf, True, False, memory=10**12)
+        assert str(raised.value) == f"--data-on-device always: {reason}; use " \
+            "--data-on-device auto or never"
+    # arrays above 64 px (decoded in memory) are held as photographs: as they are stored
+    arrays = ArraySource(torch.zeros(4, 3, 80, 72, dtype=torch.uint8), torch.arange(4))
+    assert choose("always", arrays, transform, False, False)[1] == (
+        f"drawn on the device, the training photos decoded once and held there "
+        f"({(4 * 3 * 80 * 72 + 16 * 4) / 1e6:.1f} MB; --data-on-device always)")

@@ -13,7 +13,11 @@ Arms, in one process, one after the other:
                        (the loader workers decode, crop and jitter: timm's transform on PIL
                        images), always (the workers read the files, the GPU decodes them with
                        nvJPEG and crops them), always:0.4 (--host-decode-share 0.4: the workers
-                       decode 40% of each batch themselves); the first epoch untimed (workers,
+                       decode 40% of each batch themselves), each with --data-on-device never
+                       (the folder is small enough to be held on the GPU; a set of ImageNet's
+                       size is not); held (--data-on-device always: every photo decoded once
+                       on the GPU at the start, each batch cropped and jittered there from
+                       them, the workers drawing the crops); the first epoch untimed (workers,
                        cuDNN)
 and the pixels: the same 64 training samples through both paths (mean and largest difference
 in levels of 255; the crops, flips and labels are the same by construction); and one batch
@@ -62,9 +66,10 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--precision", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--epochs", type=int, default=3, help="per arm, the first untimed")
-    parser.add_argument("--modes", nargs="*", default=["auto", "never", "always", "always:0.4"],
+    parser.add_argument("--modes", nargs="*",
+                        default=["auto", "never", "always", "always:0.4", "held"],
                         help="--decode-on-device of each arm; MODE:SHARE adds "
-                             "--host-decode-share SHARE")
+                             "--host-decode-share SHARE; held: --data-on-device always")
     parser.add_argument("--workers", type=int, default=None, help="loader workers (default: "
                         "accel_train's own choice)")
     parser.add_argument("--peak-tflops", type=float, default=None)
@@ -93,12 +98,16 @@ LOG_EVERY = 5  # steps a train record's window spans
 
 def config(args, root: Path, mode: str, work: Path):
     """The run of an arm: MODE is --decode-on-device's, or MODE:SHARE with --host-decode-share
-    SHARE (always:0.4: the workers decode 40% of each batch, the GPU the rest)."""
+    SHARE (always:0.4: the workers decode 40% of each batch, the GPU the rest), the files
+    decoded every epoch (--data-on-device never); or held (--data-on-device always)."""
     from accel_train.config import TrainConfig
     decode, _, share = mode.partition(":")
+    held = mode == "held"
     return TrainConfig(data_dir=str(root), model=args.model, image_size=args.size,
                        batch_size=args.batch, mixed_precision=args.precision,
-                       channels_last=True, in_memory="never", decode_on_device=decode,
+                       channels_last=True, in_memory="never",
+                       data_on_device="always" if held else "never",
+                       decode_on_device="never" if held else decode,
                        host_decode_share=float(share) if share else None,
                        num_workers=args.workers,
                        epochs=1_000_000, progress="log", plots=False, log_every=LOG_EVERY,
@@ -216,6 +225,8 @@ def trainer_rate(args, root: Path, mode: str, device, work: Path, out: Path) -> 
     trainer.progress.enabled = False
     decoding = trainer.loaders.decoding or ("on the device" if trainer.loaders.decoded_on_device
                                             else "by the loader workers")
+    if mode == "held":
+        decoding = trainer.loaders.choice
     per_epoch = max(1, trainer.loaders.steps_per_epoch)
     # the profiled steps: inside one more epoch, after its first two (the workers' restart)
     profile.skip = per_epoch * args.epochs + 2
@@ -297,6 +308,8 @@ def measure(args, report, device, name: str, peak: float, work: Path) -> int:
         decode, _, share = mode.partition(":")
         arm = f"accel_train --decode-on-device {decode}" + \
             (f" --host-decode-share {share}" if share else "")
+        if mode == "held":
+            arm = "accel_train --data-on-device always (the photos held decoded)"
         rows.append([arm, result["decoding"], rate,
                      rate / hand, flops * rate / 1e12 / peak, f"{result['data_wait']:.1%}",
                      within, within / hand, result["workers"]])

@@ -96,7 +96,7 @@ def test_device_batches_equal_the_loaders_for_an_epoch_and_a_half_and_across_a_r
         on_device = make["always"]()
         assert isinstance(on_device, DeviceResidentTrainLoader)
         if "reprob" in options:
-            assert on_device.erasing.loader.num_workers == options.get("num_workers", 0)
+            assert on_device.ahead.loader.num_workers == options.get("num_workers", 0)
         reference = make["never"]()
         expected = {0: _batches(reference)}
         reference.set_epoch(1)

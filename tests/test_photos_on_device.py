@@ -71,7 +71,9 @@ def _assert_same(got: list, expected: list, about: str) -> None:
     {},  # the defaults: random interpolation, colour jitter 0.4, random flips
     {"flip": "alternate", "vflip": 0.5, "train_interpolation": "bicubic", "color_jitter": 0.0,
      "scale": [0.3, 0.6], "ratio": [0.5, 2.0], "reprob": 0.5},
-], ids=["defaults", "alternate-vflip-bicubic-erasing"])
+    # the draws (and erasing plans) by 2 loader workers, on both paths
+    pytest.param({"reprob": 0.5, "num_workers": 2}, marks=pytest.mark.slow),
+], ids=["defaults", "alternate-vflip-bicubic-erasing", "workers"])
 def test_held_photos_give_the_device_decode_paths_batches_and_resume_between_them(
         photos, options, tmp_path):  # noqa: F811
     """Epoch 0 whole, epoch 1 in two parts: a checkpoint after its first batch, then the rest
@@ -86,6 +88,7 @@ def test_held_photos_give_the_device_decode_paths_batches_and_resume_between_the
         assert len(expected[1]) == 3
         held = _loader(photos, accelerator, "held", **options)
         assert isinstance(held, DevicePhotosTrainLoader)
+        assert held.ahead.loader.num_workers == options.get("num_workers", 0)
         _assert_same(_batches(held), expected[0], "held, epoch 0")
         held.set_epoch(1)
         _assert_same(_batches(held, 1), expected[1][:1], "held, epoch 1's start")
@@ -108,9 +111,9 @@ def test_held_photos_give_the_device_decode_paths_batches_and_resume_between_the
 
 def test_files_the_device_decoder_does_not_take_are_held_as_the_workers_read_them(
         photos, tmp_path):  # noqa: F811
-    """A PNG, a CMYK JPEG, a JPEG whose data is noise after its header and a file that is only
-    a JPEG's first bytes (both replaced by the next image that decodes, and marked), among the
-    photos: every batch's
+    """A PNG, a CMYK JPEG, JPEGs with EXIF orientations, a JPEG whose data is noise after its
+    header and a file that is only a JPEG's first bytes (both replaced by the next image that
+    decodes, and marked), among the photos: every batch's
     labels and marks are the loader workers' and its pixels theirs within the resizers'
     rounding (another crop, flip or jitter would differ by tens of levels)."""
     root = tmp_path / "mixed"
@@ -124,11 +127,17 @@ def test_files_the_device_decoder_does_not_take_are_held_as_the_workers_read_the
     photo.save(a_class / "z_png.png")
     photo.convert("CMYK").save(a_class / "z_cmyk.jpg")
     (a_class / "z_garbled.jpg").write_bytes(garbled_jpeg(photo))
-    (a_class / "z_cut.jpg").write_bytes(b"\xff\xd8\xff")
+    # the class's last file: its substitute, the next class's first, has another label
+    (a_class / "zz_cut.jpg").write_bytes(b"\xff\xd8\xff")
+    for orientation in (3, 6, 8):  # turned by the decoder's caller: a half and quarter turns
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        photo.resize((300, 200)).save(a_class / f"z_turned{orientation}.jpg", exif=exif)
     with clean_accelerate_state():
         accelerator = Accelerator(cpu=True)
-        held = _loader(root, accelerator, "held")
-        workers = _loader(root, accelerator, "workers")
+        # (batches of one: every image in every epoch)
+        held = _loader(root, accelerator, "held", batch_size=1)
+        workers = _loader(root, accelerator, "workers", batch_size=1)
         marked = 0
         for epoch in (0, 1):
             held.set_epoch(epoch)
@@ -144,7 +153,8 @@ def test_files_the_device_decoder_does_not_take_are_held_as_the_workers_read_the
         assert marked == 4  # the cut and the garbled file's samples, once an epoch
         source = held.source
         names = [source.name(i) for i in range(len(source))]
-        broken = sorted(i for i, name in enumerate(names) if "z_cut" in name or "z_garbled" in name)
+        broken = sorted(i for i, name in enumerate(names)
+                        if name.endswith(("zz_cut.jpg", "z_garbled.jpg")))
         assert held.held.replaced.tolist() == [i if i in broken else -1
                                                for i in range(len(source))]
         for index in broken:  # held again: its substitute's pixels and label, as the loader's
@@ -152,6 +162,7 @@ def test_files_the_device_decoder_does_not_take_are_held_as_the_workers_read_the
             assert used not in broken
             assert torch.equal(held.held.images[index], held.held.images[used])
             assert held.held.labels[index] == source.labels[used]
+        assert held.held.labels[broken[-1]] != source.labels[broken[-1]]  # the cut file's
 
 
 def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_it(
@@ -168,20 +179,26 @@ def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_
     assert choose("always", files, transform, False, False) == (
         True, f"drawn on the device, the training photos decoded once and held there ({mb}; "
               f"--data-on-device always)")
-    assert choose("auto", files, transform, True, False, memory=10 * held) == (
+    assert choose("auto", files, transform, True, False, memory=10 * held, workers=1) == (
         True, f"drawn on the device, the training photos decoded once and held there ({mb}, "
               f"within 10% of its {10 * held / 1e6:.1f} MB; --data-on-device auto)")
-    assert choose("auto", files, transform, True, False, memory=10 * held - 1) == (
+    assert choose("auto", files, transform, True, False, memory=10 * held - 1, workers=1) == (
         False, f"a DataLoader (--data-on-device auto: the training set's {mb} is over 10% of "
                f"the device's {(10 * held - 1) / 1e6:.1f} MB)")
     assert choose("auto", files, transform, False, False, memory=10**12) == \
         (False, "a DataLoader (--data-on-device auto: not on a CUDA device)")
+    # the draws are host work: auto leaves them to loader workers or holds nothing
+    assert choose("auto", files, transform, True, False, memory=10 * held) == (
+        False, "a DataLoader (--data-on-device auto: each photograph's crop, flips and jitter "
+               "are timm's draws on the host, and with --num-workers 0 the training process "
+               "would draw them)")
     # far over by the probed images' sizes (those --image-size's default decoded): no header
     # is read
     fresh = load_data(config).train
     guess = len(fresh) * 3 * np.mean([h * w for h, w in fresh.probed_shapes])
     scans = held_photos.scan.cache_info().misses
-    assert choose("auto", fresh, transform, True, False, memory=int(5 * guess) - 10)[1] \
+    assert choose("auto", fresh, transform, True, False, memory=int(5 * guess) - 10,
+                  workers=1)[1] \
         .startswith("a DataLoader (--data-on-device auto: the training set's about ")
     assert held_photos.scan.cache_info().misses == scans
     # each reason whole: auto says it, always refuses with it
@@ -203,7 +220,7 @@ def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_
                              "bilinear or bicubic"),
             (small_files, transform, "2 of its images are 64 px or less, whose crop is the "
                                      "small-image path's, not the photographs'")):
-        assert choose("auto", source, tf, True, False, memory=10**12) == (
+        assert choose("auto", source, tf, True, False, memory=10**12, workers=1) == (
             False, f"a DataLoader (--data-on-device auto: {reason})"), reason
         with pytest.raises(UsageError) as raised:
             choose("always", source, tf, True, False, memory=10**12)
@@ -214,3 +231,19 @@ def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_
     assert choose("always", arrays, transform, False, False)[1] == (
         f"drawn on the device, the training photos decoded once and held there "
         f"({(4 * 3 * 80 * 72 + 16 * 4) / 1e6:.1f} MB; --data-on-device always)")
+
+
+def test_the_summary_says_the_photographs_are_held_and_who_draws_their_crops(photos):  # noqa: F811
+    for options, said in (
+            ({"num_workers": 2}, "; timm's draws for each photograph drawn by 2 loader "
+                                 "worker(s)"),
+            ({"num_workers": 1, "reprob": 0.5}, "; timm's draws for each photograph and "
+                                                "--reprob's erasing plans drawn by 1 loader "
+                                                "worker(s)"),
+            ({}, "; --data-on-device always)")):
+        config = _config(photos, data_on_device="always", **options)
+        loaders = build_loaders(config, load_data(config), _spec(), 1, 0, 1, False)
+        assert loaders.choice.startswith("drawn on the device, the training photos decoded "
+                                         "once and held there (") and \
+            loaders.choice.endswith(said), loaders.choice
+        assert loaders.num_workers == options.get("num_workers", 0)

@@ -8,7 +8,8 @@ DataLoader's steps a second with erasing, BENCHMARKS.md).  Here the run's loader
 them, one micro-batch each at a time, ahead of the loop as a DataLoader's images are; a plan is
 a function of (seed, epoch, index) alone, so whichever worker draws it the batch is the same,
 and so is a resumed run's.  With no workers (--num-workers 0) the training process draws each
-plan as its batch comes, not the whole epoch's at its start.
+plan as its batch comes, not the whole epoch's at its start.  Held photographs' crops, flips
+and jitter come the same way, before their erasing plans (held_photos.PhotoPlans).
 """
 
 from __future__ import annotations
@@ -70,11 +71,12 @@ class ErasingPlans(Dataset):
 PlanLoaderMaker = Callable[[Dataset, Sampler], DataLoader]
 
 
-class ErasingAhead:
-    """The erasing plans of a device-drawn pass, in micro-batch order, from `make_loader`'s
-    DataLoader (with no workers, the training process draws each as its batch comes)."""
+class PlansAhead:
+    """The plans of a device-drawn pass (a tuple of host tensors a micro-batch: `plans`'
+    items), in micro-batch order, from `make_loader`'s DataLoader (with no workers, the
+    training process draws each as its batch comes)."""
 
-    def __init__(self, plans: ErasingPlans, make_loader: PlanLoaderMaker):
+    def __init__(self, plans: Dataset, make_loader: PlanLoaderMaker):
         self.positions = MicroBatchPositions()
         self.loader = make_loader(plans, self.positions)
 
@@ -83,9 +85,8 @@ class ErasingAhead:
         run's end); the next pass starts new ones."""
         end_workers(self.loader)
 
-    def each(self, epoch: int, first: int, end: int
-             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(flat positions, values) of micro-batches `first` to `end` - 1 of `epoch`."""
+    def each(self, epoch: int, first: int, end: int) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The plans of micro-batches `first` to `end` - 1 of `epoch` (erasing's: flat
+        positions, values)."""
         self.positions.start(epoch, first, end)
-        for where, values in watch_workers_quietly(self.loader):
-            yield where, values
+        yield from watch_workers_quietly(self.loader)

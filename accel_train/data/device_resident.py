@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from accel_train.base.errors import UsageError
-from accel_train.data.device_erasing import ErasingAhead, ErasingPlans, PlanLoaderMaker
+from accel_train.data.device_erasing import ErasingPlans, PlanLoaderMaker, PlansAhead
 from accel_train.data.loaders import Batch, EpochSampler, FinishOnDevice
 from accel_train.data import held_photos
 from accel_train.data.sources import ArraySource, HFSource, ImageSource
@@ -113,6 +113,10 @@ def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool
         return True, f"drawn on the device, {what} ({_gb(size)}; {flag})"
     if not cuda:
         return False, f"a DataLoader ({flag}: not on a CUDA device)"
+    if photos and workers == 0:  # (DevicePhotoBatches says what they cost)
+        return False, (f"a DataLoader ({flag}: each photograph's crop, flips and jitter are "
+                       f"timm's draws on the host, and with --num-workers 0 the training "
+                       f"process would draw them)")
     if transform.erases and workers == 0:
         # Its plan is timm's draws image by image on the host: without workers to draw them,
         # the training process would, a few times a GPU step's time for each batch.  With
@@ -164,8 +168,8 @@ class DeviceResidentBatches:
     def __init__(self, source: ArraySource, transform: ImageTransform, sampler: EpochSampler,
                  batch_size: int, num_processes: int, rank: int, seed: int,
                  plan_loader: PlanLoaderMaker):
-        """`plan_loader` makes the DataLoader that draws --reprob's erasing plans (the run's
-        loader workers)."""
+        """`plan_loader` makes the DataLoader that draws --reprob's erasing plans, and held
+        photographs' draws (the run's loader workers)."""
         self.source, self.transform, self.sampler = source, transform, sampler
         self.batch_size, self.num_processes, self.rank, self.seed = (batch_size, num_processes,
                                                                      rank, seed)
@@ -176,13 +180,19 @@ class DeviceResidentBatches:
         self.device = torch.device("cpu")
         self._hold()
         self.warn = lambda text: print(f"warning: {text}", file=sys.stderr)  # the trainer's
-        self.erasing = None
-        if transform.erases:
-            # The shape TrainImages draws for: the placed pixels (the size the model sees).
-            shape = torch.Size((batch_size, self.channels, transform.image_size,
-                                transform.image_size))
-            self.erasing = ErasingAhead(ErasingPlans(transform, sampler, shape, seed,
-                                                     num_processes, rank), plan_loader)
+        # The shape TrainImages draws erasing for: the placed pixels (the size the model sees).
+        shape = torch.Size((batch_size, self.channels, transform.image_size,
+                            transform.image_size))
+        plans = self._plans(shape)
+        self.ahead = PlansAhead(plans, plan_loader) if plans is not None else None
+
+    def _plans(self, shape: torch.Size):
+        """What the loader workers draw for each micro-batch (a Dataset of (epoch, k)), or
+        None: here --reprob's erasing plans."""
+        if not self.transform.erases:
+            return None
+        return ErasingPlans(self.transform, self.sampler, shape, self.seed, self.num_processes,
+                            self.rank)
 
     @property
     def usable(self) -> int:
@@ -239,12 +249,14 @@ class DeviceResidentBatches:
         return self.sampler.rank_batches(self.epoch, self.num_processes, self.batch_size,
                                          self.rank)[first:]
 
-    def _samples(self, k: int, chosen: torch.Tensor, plan) -> tuple[torch.Tensor, ...]:
-        """The k-th micro-batch of the pass, whose samples are `chosen` (on the device):
-        (pixels, labels, marks of replaced samples, the plans FinishOnDevice reads before
-        --reprob's)."""
+    def _samples(self, k: int, chosen: torch.Tensor, plan,
+                 drawn: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The k-th micro-batch of the pass, whose samples are `chosen` (on the device), and
+        what the workers drew for it (`_plans`' item, host tensors): (pixels, labels, marks of
+        replaced samples, the plans FinishOnDevice reads)."""
+        crop = () if plan is None else (plan[k],)
         return (self.images.index_select(0, chosen), self.labels.index_select(0, chosen),
-                self.replaced, () if plan is None else (plan[k],))
+                self.replaced, crop + tuple(self._to_device(part) for part in drawn))
 
     def __iter__(self) -> Iterator[Batch]:
         """The rest of the epoch; every operation is queued on the device, none waits for it."""
@@ -252,14 +264,13 @@ class DeviceResidentBatches:
         if first >= len(self):
             return
         indices, plan = self._epoch_plan(first)
-        erasing = self.erasing.each(self.epoch, first, len(self)) if self.erasing is not None \
+        ahead = self.ahead.each(self.epoch, first, len(self)) if self.ahead is not None \
             else None
         offset = self.epoch * len(self.source)
         for k in range(len(indices)):
             chosen = indices[k]
-            pixels, labels, replaced, plans = self._samples(k, chosen, plan)
-            if erasing is not None:
-                plans += tuple(self._to_device(part) for part in next(erasing))
+            drawn = next(ahead) if ahead is not None else ()
+            pixels, labels, replaced, plans = self._samples(k, chosen, plan, drawn)
             keys = chosen + offset
             # Counted as handed out: a checkpoint after this batch's step includes it.
             self.samples_in_epoch += self.per_micro_step
@@ -268,9 +279,11 @@ class DeviceResidentBatches:
 
 class DevicePhotoBatches(DeviceResidentBatches):
     """Photographs decoded once into the device's memory at `prepare` (held_photos.py), and an
-    epoch's micro-batches cropped there from them: timm's draws for each sample, made on the
-    host a micro-batch at a time (about 0.05 ms an image), then the device decode path's crop,
-    resize, flips and jitter, queued on the device without waiting for it."""
+    epoch's micro-batches cropped there from them: timm's draws for each sample made by the
+    loader workers ahead of the loop (`held_photos.PhotoPlans`: about 0.14 ms an image on one
+    core of an AMD EPYC, 35 ms a batch of 256, a large share of an H200's ResNet-50 step had
+    the training process drawn them), then the device decode path's crop, resize, flips and
+    jitter, queued on the device without waiting for it."""
 
     channels = 3  # held RGB
 
@@ -282,18 +295,27 @@ class DevicePhotoBatches(DeviceResidentBatches):
         # Decoding waits for `prepare` and its device: one decode of every photo, not two.
         self.held: Optional[held_photos.HeldPhotos] = None
 
+    def _plans(self, shape: torch.Size) -> held_photos.PhotoPlans:
+        self.photo_plans = held_photos.PhotoPlans(self.transform, self.sampler, shape,
+                                                  self.seed, self.num_processes, self.rank)
+        return self.photo_plans
+
     def prepare(self, accelerator) -> None:
         self.device = accelerator.device
         self.held = held_photos.hold(self.source, self.device)
+        # (before the plans' workers start: they draw each crop for its photo's size)
+        self.photo_plans.sizes = self.held.sizes()
 
     def _epoch_plan(self, first: int):
-        indices = self._rank_indices(first)
-        return self._to_device(indices), indices.tolist()  # the host's copy for the draws
+        return self._to_device(self._rank_indices(first)), None
 
-    def _samples(self, k: int, chosen: torch.Tensor, plan) -> tuple[torch.Tensor, ...]:
+    def _samples(self, k: int, chosen: torch.Tensor, plan,
+                 drawn: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         if self.held is None:
             raise RuntimeError("DevicePhotoBatches: prepare(accelerator) decodes the photos "
                                "before the first batch")
-        pixels = self.held.crops(self.transform, self.seed, self.epoch, plan[k])
+        parts = self.photo_plans.parts
+        pixels = self.held.crops(self.transform.image_size, chosen, drawn[:parts])
         return (pixels, self.held.labels.index_select(0, chosen),
-                self.held.replaced.index_select(0, chosen), ())
+                self.held.replaced.index_select(0, chosen),
+                tuple(self._to_device(part) for part in drawn[parts:]))

@@ -27,6 +27,7 @@ import torch
 
 from accel_train.data.batched_resize import on_device, resized_crops
 from accel_train.data.decode import Unreadable, jpeg_header, pil_size
+from accel_train.data.device_erasing import ErasingPlans
 from accel_train.data.device_decode import DEVICE_INTERPOLATIONS, decode_jpegs, draw_plans, \
     flipped, jitter
 from accel_train.data.jpeg_decoders import jpeg_decoder, missing
@@ -34,6 +35,8 @@ from accel_train.data.sources import ArraySource, HFSource, ImageSource
 from accel_train.data.transforms import SMALL_IMAGE, ImageTransform
 
 SCAN_BATCH = 256  # files read at once while their headers are read and while decoding them
+# draw_plans' parts, in the order PhotoPlans hands them over (the jitter's where it is on)
+PLAN_PARTS = ("boxes", "bicubic", "mirrored", "upside_down", "jitter_order", "jitter_factors")
 
 
 @dataclass(frozen=True)
@@ -117,24 +120,50 @@ class HeldPhotos:
     labels: torch.Tensor    # int64 [N] on the device
     replaced: torch.Tensor  # int64 [N] on the device
 
-    def crops(self, transform: ImageTransform, seed: int, epoch: int,
-              indices: list[int]) -> torch.Tensor:
-        """uint8 [B, 3, S, S] on the device: the samples (epoch, index) of `indices` cropped,
-        resized, flipped and colour-jittered as their draws say (the device decode path's
-        steps, on held pixels in place of decoded ones)."""
-        images = [self.images[index] for index in indices]
+    def sizes(self) -> list[tuple[int, int]]:
+        """(height, width) of each held image: what its crop is drawn for."""
+        return [tuple(image.shape[-2:]) for image in self.images]
+
+    def crops(self, size: int, chosen: torch.Tensor,
+              drawn: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """uint8 [B, 3, size, size] on the device: the held images of a micro-batch cropped,
+        resized, flipped and colour-jittered as `PhotoPlans` drew them (`drawn`: its item's
+        first `parts`), the device decode path's steps on held pixels in place of decoded
+        ones.  `chosen`: the same indices on the device, unread (the host's are drawn's)."""
+        indices, boxes, bicubic, mirrored, upside_down, *jitter_plan = drawn
         device = self.labels.device
-        epochs = np.full(len(indices), epoch)
-        plans = draw_plans(transform, seed, epochs, np.asarray(indices),
-                           [tuple(image.shape[-2:]) for image in images])
-        crops = resized_crops(images, plans["boxes"], transform.image_size, plans["bicubic"],
-                              device)
-        crops = flipped(crops, plans["mirrored"], plans["upside_down"],
-                        batched=device.type != "cpu")
-        if plans["jitter_order"] is not None:
-            crops = jitter(crops, on_device(plans["jitter_order"], device),
-                           on_device(plans["jitter_factors"], device))
+        images = [self.images[index] for index in indices.tolist()]
+        crops = resized_crops(images, boxes, size, bicubic, device)
+        crops = flipped(crops, mirrored, upside_down, batched=device.type != "cpu")
+        if jitter_plan:
+            order, factors = jitter_plan
+            crops = jitter(crops, on_device(order, device), on_device(factors, device))
         return crops
+
+
+class PhotoPlans(ErasingPlans):
+    """Item (epoch, k): what the device needs to crop rank `rank`'s k-th micro-batch of that
+    epoch from the held photos, drawn by a loader worker: the sample indices, then timm's draws
+    for each (`draw_plans`: crop box, bicubic, flips; the jitter's order and factors where
+    --color-jitter is on), `parts` tensors in all, then --reprob's erasing plan where on.
+    `sizes` (each held image's, `HeldPhotos.sizes`) is set before the workers start."""
+
+    sizes: list[tuple[int, int]] = []
+
+    @property
+    def parts(self) -> int:
+        return 7 if self.transform.color_jitter else 5
+
+    def __getitem__(self, position: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        epoch, k = position
+        indices = self.batch_indices(epoch)[k]
+        plans = draw_plans(self.transform, self.seed, np.full(len(indices), epoch), indices,
+                           [self.sizes[index] for index in indices])
+        drawn = (torch.from_numpy(indices), *(plans[name] for name in PLAN_PARTS
+                                             if plans[name] is not None))
+        if self.transform.erases:
+            drawn += tuple(super().__getitem__(position))
+        return drawn
 
 
 def hold(source: ImageSource, device: torch.device) -> HeldPhotos:

@@ -209,14 +209,14 @@ class DeviceResidentTrainLoader(EpochPosition, DeviceResidentBatches):
     """The training set held on the device, its batches drawn there (device_resident.py)."""
 
     on_device = True
-    timeout = 0.0  # --loader-timeout, for the workers that draw --reprob's erasing plans
+    timeout = 0.0  # --loader-timeout, for the workers that draw its plans
 
     def _from_position(self) -> Iterator[Batch]:
         return DeviceResidentBatches.__iter__(self)
 
     def _drop_workers(self) -> None:
-        if self.erasing is not None:  # (only the erasing plans' workers can die)
-            self.erasing.end_workers()
+        if self.ahead is not None:  # (only the plans' workers can die)
+            self.ahead.end_workers()
 
     def close(self) -> None:
         self._drop_workers()
@@ -304,20 +304,24 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
         on_device, choice = choose_data_on_device(config.data_on_device, data.train, train_tf,
                                                   cuda, streaming=False, workers=wanted_workers)
         if on_device:  # no image loader: batches are drawn from the images held on the device
-            workers = wanted_workers if train_tf.erases else 0  # they draw erasing plans
+            photos = not small_in_memory(data.train)
+            # they draw erasing plans, and the photographs' crops, flips and jitter
+            workers = wanted_workers if train_tf.erases or photos else 0
 
             def plan_loader(plans, positions):
                 return make_loader(plans, None, workers, config.prefetch_factor,
                                    config.persistent_workers, pin_memory, sampler=positions,
                                    seed=config.seed, timeout=config.loader_timeout, collate=None)
 
-            kind = DeviceResidentTrainLoader if small_in_memory(data.train) else \
-                DevicePhotosTrainLoader
+            kind = DevicePhotosTrainLoader if photos else DeviceResidentTrainLoader
             train = kind(data.train, train_tf, sampler, config.batch_size, num_processes, rank,
                          config.seed, plan_loader)
             train.timeout = config.loader_timeout
+            drawn = " and ".join(what for what, on in (
+                ("timm's draws for each photograph", photos),
+                ("--reprob's erasing plans", train_tf.erases)) if on)
             if workers:
-                choice += f"; --reprob's erasing plans drawn by {workers} loader worker(s)"
+                choice += f"; {drawn} drawn by {workers} loader worker(s)"
         else:
             # The marks of replaced images ride along to the loop (badimages.py names them); on
             # a GPU small in-memory images are resized and cropped there (TrainImages).

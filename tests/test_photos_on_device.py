@@ -25,9 +25,9 @@ from accel_train.base.errors import UsageError
 from accel_train.config import TrainConfig
 from accel_train.data import held_photos
 from accel_train.data.device_resident import choose
-from accel_train.data.loaders import run_transforms
+from accel_train.data.loaders import TrainImages, run_transforms
 from accel_train.data.loading import (LOADER_STATE, DevicePhotosTrainLoader,
-                                      IndexedTrainLoader, build_loaders)
+                                      IndexedTrainLoader, StartUpRates, build_loaders)
 from accel_train.data.sources import ArraySource, load_data
 from conftest import clean_accelerate_state
 from test_device_decode import SIZE, _spec, garbled_jpeg, photos  # noqa: F401 -- the fixture
@@ -165,6 +165,11 @@ def test_files_the_device_decoder_does_not_take_are_held_as_the_workers_read_the
         assert held.held.labels[broken[-1]] != source.labels[broken[-1]]  # the cut file's
 
 
+def _rates(host, shared, device, jitter, train, held):
+    return lambda: {"host": host, "shared": shared, "device": device, "jitter": jitter,
+                    "train": train, "held": held}
+
+
 def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_it(
         photos, tmp_path):  # noqa: F811
     config = _config(photos)
@@ -179,14 +184,42 @@ def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_
     assert choose("always", files, transform, False, False) == (
         True, f"drawn on the device, the training photos decoded once and held there ({mb}; "
               f"--data-on-device always)")
-    assert choose("auto", files, transform, True, False, memory=10 * held, workers=1) == (
-        True, f"drawn on the device, the training photos decoded once and held there ({mb}, "
-              f"within 10% of its {10 * held / 1e6:.1f} MB; --data-on-device auto)")
+    fits = f"{mb}, within 10% of its {10 * held / 1e6:.1f} MB"
+    # the rates of test_device_decode's rule, where the device decode path promises 1,493
+    # img/s; cropping held photos at 8,000 beside training at 2,000: 1 / (1/2000 + 1/8000) =
+    # 1,600, held
+    assert choose("auto", files, transform, True, False, memory=10 * held, workers=1,
+                  rates=_rates(500, 1000, 3000, 12000, 2000, 8000)) == (
+        True, f"drawn on the device, the training photos decoded once and held there ({fits}; "
+              f"--data-on-device auto: cropping the held photos there at 8,000 img/s beside "
+              f"training at 2,000 img/s: 1,600 against 1,493 img/s decoding them every epoch)")
     assert choose("auto", files, transform, True, False, memory=10 * held - 1, workers=1) == (
         False, f"a DataLoader (--data-on-device auto: the training set's {mb} is over 10% of "
                f"the device's {(10 * held - 1) / 1e6:.1f} MB)")
     assert choose("auto", files, transform, False, False, memory=10**12) == \
         (False, "a DataLoader (--data-on-device auto: not on a CUDA device)")
+    # at 5,000: 1 / (1/2000 + 1/5000) = 1,429, below 1,493: the files decoded every epoch
+    assert choose("auto", files, transform, True, False, memory=10 * held, workers=1,
+                  rates=_rates(500, 1000, 3000, 12000, 2000, 5000)) == (
+        False, f"a DataLoader (--data-on-device auto: {fits}, but cropping the held photos "
+               f"there at 5,000 img/s beside training at 2,000 img/s: 1,429 against 1,493 "
+               f"img/s decoding them every epoch)")
+    # at 6,000: 1,500, held (a tie or better holds)
+    assert choose("auto", files, transform, True, False, memory=10 * held, workers=1,
+                  rates=_rates(500, 1000, 3000, 12000, 2000, 6000))[0]
+    # the workers alone keep up with training (2,500 against 2,000): nothing to gain
+    assert "1,600 against 2,000 img/s" in choose(
+        "auto", files, transform, True, False, memory=10 * held, workers=1,
+        rates=_rates(2500, 3000, 3000, 12000, 2000, 8000))[1]
+    # where the device cannot decode the files (arrays in memory): the workers alone, 500;
+    # held at 1,000: 1 / (1/2000 + 1/1000) = 667
+    arrays = ArraySource(torch.zeros(4, 3, 80, 72, dtype=torch.uint8), torch.arange(4))
+    held_arrays, why = choose("auto", arrays, transform, True, False, memory=10**12, workers=1,
+                              rates=lambda: {"host": 500, "train": 2000, "held": 1000})
+    assert held_arrays and ": 667 against 500 img/s" in why, why
+    # none of the probed photos decoded on the device: nothing held
+    assert not choose("auto", files, transform, True, False, memory=10 * held, workers=1,
+                      rates=_rates(500, 1000, 3000, 12000, 2000, 0))[0]
     # the draws are host work: auto leaves them to loader workers or holds nothing
     assert choose("auto", files, transform, True, False, memory=10 * held) == (
         False, "a DataLoader (--data-on-device auto: each photograph's crop, flips and jitter "
@@ -227,7 +260,6 @@ def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_
         assert str(raised.value) == f"--data-on-device always: {reason}; use " \
             "--data-on-device auto or never"
     # arrays above 64 px (decoded in memory) are held as photographs: as they are stored
-    arrays = ArraySource(torch.zeros(4, 3, 80, 72, dtype=torch.uint8), torch.arange(4))
     assert choose("always", arrays, transform, False, False)[1] == (
         f"drawn on the device, the training photos decoded once and held there "
         f"({(4 * 3 * 80 * 72 + 16 * 4) / 1e6:.1f} MB; --data-on-device always)")
@@ -247,3 +279,21 @@ def test_the_summary_says_the_photographs_are_held_and_who_draws_their_crops(pho
                                          "once and held there (") and \
             loaders.choice.endswith(said), loaders.choice
         assert loaders.num_workers == options.get("num_workers", 0)
+
+
+def test_the_start_up_times_holding_on_the_runs_own_photos_once(photos):  # noqa: F811
+    """What auto weighs (on a CPU here): the paths device_decode.time_paths times and the
+    device's crops of held photos, each measured once however often asked."""
+    config = _config(photos)
+    images = TrainImages(load_data(config).train, run_transforms(config, _spec())[0], seed=1)
+    rates = StartUpRates(images, 0, 1, torch.device("cpu"), lambda: 123.0)
+    measured = rates.with_held()
+    assert set(measured) == {"host", "shared", "device", "jitter", "train", "held"}
+    assert measured["train"] == 123.0 and all(rate > 0 for rate in measured.values())
+    assert rates.with_held() == measured and rates.paths() == \
+        {k: v for k, v in measured.items() if k != "held"}  # (timed again, they would differ)
+    arrays = ArraySource(torch.randint(0, 256, (8, 3, 90, 80), dtype=torch.uint8),
+                         torch.arange(8) % 2)
+    in_memory = StartUpRates(TrainImages(arrays, images.transform, seed=1), 0, 1,
+                             torch.device("cpu"), lambda: 50.0).with_held()
+    assert set(in_memory) == {"host", "train", "held"} and in_memory["held"] > 0

@@ -20,12 +20,13 @@ time.
 from __future__ import annotations
 
 import sys
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
 
 from accel_train.base.errors import UsageError
+from accel_train.data.device_decode import best_share, loop_rate
 from accel_train.data.device_erasing import ErasingPlans, PlanLoaderMaker, PlansAhead
 from accel_train.data.loaders import Batch, EpochSampler, FinishOnDevice
 from accel_train.data import held_photos
@@ -86,15 +87,19 @@ def _photos_unfit(found: held_photos.PhotoScan, auto: bool) -> Optional[str]:
 
 
 def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool,
-           streaming: bool, memory: Optional[int] = None, workers: int = 0) -> tuple[bool, str]:
+           streaming: bool, memory: Optional[int] = None, workers: int = 0,
+           rates: Optional[Callable[[], dict]] = None) -> tuple[bool, str]:
     """(whether the training set is held on the device, why: for the run's summary).  `mode`
     is --data-on-device; `memory` the device's bytes (read from CUDA when None and needed);
-    `workers` the run's loader workers (they draw --reprob's erasing plans).  `always` on data
-    this path cannot hold is bad input: a UsageError naming what is missing.
+    `workers` the run's loader workers (they draw --reprob's erasing plans, and photographs'
+    crops).  `always` on data this path cannot hold is bad input: a UsageError naming what is
+    missing.
 
     Small images in memory are held as they are; photographs (files, or arrays above
     SMALL_IMAGE px) decoded on the device at the start (held_photos.py), their headers read
-    first for their size, where auto reads them only when a few images' sizes promise a fit."""
+    first for their size, where auto reads them only when a few images' sizes promise a fit.
+    auto holds photographs that fit only where cropping them on the device trains faster than
+    the other paths would (`held_wins`, on `rates()`: img/s measured at the start)."""
     flag = f"--data-on-device {mode}"
     if mode == "never":
         return False, f"a DataLoader ({flag})"
@@ -140,8 +145,32 @@ def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool
     if size > MEMORY_SHARE * memory:
         return False, (f"a DataLoader ({flag}: the training set's {_gb(size)} is over "
                        f"{MEMORY_SHARE:.0%} of the device's {_gb(memory)})")
-    return True, (f"drawn on the device, {what} ({_gb(size)}, within "
-                  f"{MEMORY_SHARE:.0%} of its {_gb(memory)}; {flag})")
+    fits = f"{_gb(size)}, within {MEMORY_SHARE:.0%} of its {_gb(memory)}"
+    if photos:
+        wins, figures = held_wins(rates())
+        if not wins:
+            return False, f"a DataLoader ({flag}: {fits}, but {figures})"
+        return True, f"drawn on the device, {what} ({fits}; {flag}: {figures})"
+    return True, f"drawn on the device, {what} ({fits}; {flag})"
+
+
+def held_wins(rates: dict) -> tuple[bool, str]:
+    """Whether held photographs train faster than the files decoded every epoch, and the
+    figures why.  `rates` (img/s, as device_decode.time_paths measures them, and "held"):
+    held, the device cropping held photos (`held_photos.timed_rate`), then training them in
+    turn, 1 / (1/train + 1/held) (the workers' draws keep up: a few percent of what decoding
+    asks of them); else the loader workers alone, min(train, host), or, where the device can
+    decode the files ("device" measured), the device decode path at its best share
+    (device_decode.loop_rate).  Holding wins ties: it frees the workers and the host."""
+    train = rates["train"]
+    held = 1 / (1 / train + 1 / rates["held"]) if rates["held"] > 0 else 0.0
+    other = min(train, rates["host"])
+    if "device" in rates:
+        other = max(other, loop_rate(best_share(rates), rates))
+    figures = (f"cropping the held photos there at {rates['held']:,.0f} img/s beside training "
+               f"at {train:,.0f} img/s: {held:,.0f} against {other:,.0f} img/s decoding them "
+               f"every epoch")
+    return held >= other, figures
 
 
 def _held_bytes(source: ImageSource, photos: bool) -> int:

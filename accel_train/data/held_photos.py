@@ -19,6 +19,8 @@ small-image crop, which this path does not make: data holding them is not held h
 from __future__ import annotations
 
 import functools
+import math
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,8 +30,8 @@ import torch
 from accel_train.data.batched_resize import on_device, resized_crops
 from accel_train.data.decode import Unreadable, jpeg_header, pil_size
 from accel_train.data.device_erasing import ErasingPlans
-from accel_train.data.device_decode import DEVICE_INTERPOLATIONS, decode_jpegs, draw_plans, \
-    flipped, jitter
+from accel_train.data.device_decode import (DEVICE_INTERPOLATIONS, PROBE_IMAGES, decode_jpegs,
+                                            draw_plans, flipped, jitter)
 from accel_train.data.jpeg_decoders import jpeg_decoder, missing
 from accel_train.data.sources import ArraySource, HFSource, ImageSource
 from accel_train.data.transforms import SMALL_IMAGE, ImageTransform
@@ -157,13 +159,53 @@ class PhotoPlans(ErasingPlans):
     def __getitem__(self, position: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         epoch, k = position
         indices = self.batch_indices(epoch)[k]
-        plans = draw_plans(self.transform, self.seed, np.full(len(indices), epoch), indices,
-                           [self.sizes[index] for index in indices])
-        drawn = (torch.from_numpy(indices), *(plans[name] for name in PLAN_PARTS
-                                             if plans[name] is not None))
+        drawn = photo_draws(self.transform, self.seed, epoch, indices,
+                            [self.sizes[index] for index in indices])
         if self.transform.erases:
             drawn += tuple(super().__getitem__(position))
         return drawn
+
+
+def photo_draws(transform: ImageTransform, seed: int, epoch: int, indices: np.ndarray,
+                sizes: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+    """`PhotoPlans`' first parts for the samples (epoch, index) of images of `sizes`."""
+    plans = draw_plans(transform, seed, np.full(len(indices), epoch), indices, sizes)
+    return (torch.from_numpy(np.asarray(indices, dtype=np.int64)),
+            *(plans[name] for name in PLAN_PARTS if plans[name] is not None))
+
+
+def timed_rate(source: ImageSource, transform: ImageTransform, seed: int,
+               device: torch.device) -> float:
+    """Images a second `device` crops, resizes, flips and jitters held photos at (`HeldPhotos.
+    crops`, the draws made beforehand as the workers make them): the source's first
+    PROBE_IMAGES images (JPEGs decoded there), their crops timed, the best of two (the first
+    pays its start-up), waiting for the device.  0 where none of them decodes there."""
+    device = torch.device(device)
+    count = min(PROBE_IMAGES, len(source))
+    if isinstance(source, ArraySource):
+        images = list(source.images[:count].to(device).unbind(0))
+    else:
+        blobs, turns = [], []
+        for item in source.files_at(range(count)):
+            header = jpeg_header(item) if isinstance(item, bytes) else None
+            if header is not None:
+                blobs.append(torch.frombuffer(bytearray(item), dtype=torch.uint8))
+                turns.append(header[2])
+        images = [image for image in decode_jpegs(blobs, turns, device)[0] if image is not None]
+    if not images:
+        return 0.0
+    marks = torch.full((len(images),), -1, dtype=torch.int64, device=device)
+    held = HeldPhotos(images, marks, marks)
+    drawn = photo_draws(transform, seed, 0, np.arange(len(images)), held.sizes())
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    seconds = math.inf
+    for _ in range(2):
+        wait()
+        started = time.perf_counter()
+        held.crops(transform.image_size, marks, drawn)
+        wait()
+        seconds = min(seconds, time.perf_counter() - started)
+    return len(images) / seconds
 
 
 def hold(source: ImageSource, device: torch.device) -> HeldPhotos:

@@ -34,6 +34,8 @@ from accel_train.base.ranks import decide_on_main, process_cores
 from accel_train.base.readers import read_json
 from accel_train.data.decode_ahead import DecodeAhead
 from accel_train.data.device_decode import Decoding, DeviceDecoder, sharing_all, time_paths
+from accel_train.data.device_decode import unfit_reason as device_decoding_unfit
+from accel_train.data.held_photos import timed_rate
 from accel_train.data.device_decode import choose as choose_device_decoding
 from accel_train.data.device_resident import (DevicePhotoBatches, DeviceResidentBatches,
                                               small_in_memory)
@@ -254,6 +256,45 @@ def machine_workers_rate(images: TrainImages, workers: int, processes_per_machin
     return workers_rate(images, workers * processes_per_machine) / processes_per_machine
 
 
+class StartUpRates:
+    """The input paths' rates (img/s) that the start-up's auto choices weigh, each measured once
+    by rank 0 for all (`decide_on_main`: every rank asks, in the same order): `paths()`,
+    device_decode.time_paths' (or, where the device cannot decode the files, the loader
+    workers' whole path and training alone); `with_held()`, those and the device cropping held
+    photographs (held_photos.timed_rate)."""
+
+    def __init__(self, images: TrainImages, workers: int, processes_per_machine: int, device,
+                 train_rate: Optional[Callable[[], float]]):
+        self.images, self.workers, self.per_machine = images, workers, processes_per_machine
+        self.device, self.train_rate = device, train_rate
+        self._paths: Optional[dict] = None
+        self._held: Optional[float] = None
+
+    def _workers(self, images: TrainImages) -> float:
+        return machine_workers_rate(images, self.workers, self.per_machine)
+
+    def paths(self) -> dict:
+        if self._paths is None:
+            self._paths = decide_on_main(self._measured_paths)
+        return self._paths
+
+    def _measured_paths(self) -> dict:
+        images = self.images
+        if device_decoding_unfit(images.source, images.transform, streaming=False):
+            return {"host": self._workers(images), "train": self.train_rate()}
+        return time_paths(images, lambda: self._workers(images),
+                          lambda: self._workers(sharing_all(images)), self.device,
+                          self.train_rate)
+
+    def with_held(self) -> dict:
+        paths = self.paths()
+        if self._held is None:
+            images = self.images
+            self._held = decide_on_main(lambda: timed_rate(images.source, images.transform,
+                                                           images.seed, self.device))
+        return {**paths, "held": self._held}
+
+
 def refuse_bad_loader_input(config, data, spec, num_processes: int, cuda: bool) -> None:
     """The UsageErrors of build_loaders that the options and the data alone decide: an empty
     held-out split, fewer training images than one global batch, --data-on-device always or
@@ -301,8 +342,14 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
         held_out_workers = 0  # held-out shards are decoded in memory at the start
     else:
         sampler = EpochSampler(len(data.train), global_batch, config.seed)
+        # The marks of replaced images ride along to the loop (badimages.py names them); on
+        # a GPU small in-memory images are resized and cropped there (TrainImages).
+        images = TrainImages(data.train, train_tf, config.seed, mark_replaced=True,
+                             place_on_device=cuda)
+        rates = StartUpRates(images, wanted_workers, processes_per_machine, device, train_rate)
         on_device, choice = choose_data_on_device(config.data_on_device, data.train, train_tf,
-                                                  cuda, streaming=False, workers=wanted_workers)
+                                                  cuda, streaming=False, workers=wanted_workers,
+                                                  rates=rates.with_held)
         if on_device:  # no image loader: batches are drawn from the images held on the device
             photos = not small_in_memory(data.train)
             # they draw erasing plans, and the photographs' crops, flips and jitter
@@ -323,19 +370,9 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
             if workers:
                 choice += f"; {drawn} drawn by {workers} loader worker(s)"
         else:
-            # The marks of replaced images ride along to the loop (badimages.py names them); on
-            # a GPU small in-memory images are resized and cropped there (TrainImages).
-            images = TrainImages(data.train, train_tf, config.seed, mark_replaced=True,
-                                 place_on_device=cuda)
             decoding = choose_device_decoding(
                 config.decode_on_device, data.train, train_tf, cuda, streaming=False,
-                rates=lambda: decide_on_main(lambda: time_paths(
-                    images, lambda: machine_workers_rate(images, wanted_workers,
-                                                         processes_per_machine),
-                    lambda: machine_workers_rate(sharing_all(images), wanted_workers,
-                                                 processes_per_machine),
-                    device, train_rate)),
-                share=config.host_decode_share)
+                rates=rates.paths, share=config.host_decode_share)
             images.decodes_on_device = decoding.on_device
             if decoding.on_device and decoding.share > 0:
                 images.host_decode_share = decoding.share

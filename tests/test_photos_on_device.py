@@ -13,6 +13,7 @@ added up by hand from the files' dimensions for what holding them takes.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from accel_train.data.loading import (LOADER_STATE, DevicePhotosTrainLoader,
                                       IndexedTrainLoader, StartUpRates, build_loaders)
 from accel_train.data.sources import ArraySource, load_data
 from conftest import clean_accelerate_state
+from test_data_on_device import _assert_same, _batches
 from test_device_decode import SIZE, _spec, garbled_jpeg, photos  # noqa: F401 -- the fixture
 
 BATCH = 4  # the fixture's 12 training photos: 3 batches an epoch
@@ -49,22 +51,6 @@ def _loader(root: Path, accelerator, where: str, **options):
     train = build_loaders(config, load_data(config), _spec(), 1, 0, 1, False).train
     train.prepare(accelerator)
     return train
-
-
-def _batches(loader, count: int | None = None) -> list[tuple[torch.Tensor, ...]]:
-    out = []
-    for batch in loader:
-        out.append(tuple(t.clone() for t in batch))
-        if count is not None and len(out) == count:
-            break
-    return out
-
-
-def _assert_same(got: list, expected: list, about: str) -> None:
-    assert len(got) == len(expected), about
-    for k, (a, b) in enumerate(zip(got, expected)):
-        for name, x, y in zip(("images", "labels", "keys", "replaced"), a, b):
-            assert x.dtype == y.dtype and torch.equal(x, y), f"{about}: batch {k}'s {name}"
 
 
 @pytest.mark.parametrize("options", [
@@ -117,11 +103,7 @@ def test_files_the_device_decoder_does_not_take_are_held_as_the_workers_read_the
     labels and marks are the loader workers' and its pixels theirs within the resizers'
     rounding (another crop, flip or jitter would differ by tens of levels)."""
     root = tmp_path / "mixed"
-    for split in ("train", "val"):
-        for folder in (photos / split).iterdir():
-            (root / split / folder.name).mkdir(parents=True)
-            for file in sorted(folder.iterdir()):
-                (root / split / folder.name / file.name).write_bytes(file.read_bytes())
+    shutil.copytree(photos, root)
     a_class = sorted((root / "train").iterdir())[0]
     photo = Image.open(next(a_class.iterdir())).convert("RGB")
     photo.save(a_class / "z_png.png")

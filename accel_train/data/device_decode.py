@@ -471,6 +471,17 @@ def unfit_reason(source: ImageSource, transform: ImageTransform, streaming: bool
                 "--in-memory never leaves them files)")
     if not isinstance(source, HFSource):
         return "the training images are not files"
+    unfit = transform_unfit(transform)
+    if unfit:
+        return unfit
+    if jpeg_decoder() is None:  # (last: data the device cannot take is the first thing to say)
+        return missing()
+    return None
+
+
+def transform_unfit(transform: ImageTransform) -> Optional[str]:
+    """Why the device cannot make this training transform's crops (timm's crop, flips and
+    colour jitter, `draw_plans`), None if it can (held photographs too: held_photos.py)."""
     if not transform.augment:
         return "the training images are not augmented"
     if transform.policy is not None:
@@ -478,8 +489,6 @@ def unfit_reason(source: ImageSource, transform: ImageTransform, streaming: bool
     if transform.train_interpolation not in ("random", *DEVICE_INTERPOLATIONS):
         return (f"--train-interpolation {transform.train_interpolation} is PIL's only; use "
                 f"random, bilinear or bicubic")
-    if jpeg_decoder() is None:  # (last: data the device cannot take is the first thing to say)
-        return missing()
     return None
 
 

@@ -30,8 +30,8 @@ import torch
 from accel_train.data.batched_resize import on_device, resized_crops
 from accel_train.data.decode import Unreadable, jpeg_header, pil_size
 from accel_train.data.device_erasing import ErasingPlans
-from accel_train.data.device_decode import (DEVICE_INTERPOLATIONS, PROBE_IMAGES, decode_jpegs,
-                                            draw_plans, flipped, jitter)
+from accel_train.data.device_decode import (PROBE_IMAGES, decode_jpegs, draw_plans, flipped,
+                                            jitter, transform_unfit)
 from accel_train.data.jpeg_decoders import jpeg_decoder, missing
 from accel_train.data.sources import ArraySource, HFSource, ImageSource
 from accel_train.data.transforms import SMALL_IMAGE, ImageTransform
@@ -90,13 +90,9 @@ def unfit_reason(source: ImageSource, transform: ImageTransform) -> Optional[str
     per_step = "the training images are decoded per step, not held in memory (--in-memory)"
     if not isinstance(source, (ArraySource, HFSource)):  # a program's own data set
         return per_step
-    if not transform.augment:
-        return "the training images are not augmented"
-    if transform.policy is not None:
-        return "--auto-augment's policy works on the host, one image at a time"
-    if transform.train_interpolation not in ("random", *DEVICE_INTERPOLATIONS):
-        return (f"--train-interpolation {transform.train_interpolation} is PIL's only; use "
-                f"random, bilinear or bicubic")
+    unfit = transform_unfit(transform)
+    if unfit:
+        return unfit
     if isinstance(source, HFSource) and source.native_size <= SMALL_IMAGE:  # CIFAR's files
         return per_step
     if isinstance(source, HFSource) and jpeg_decoder() is None:

@@ -257,7 +257,8 @@ class Trainer:
                                   # None where auto had nothing to choose
                                   decoded_on_device=self.loaders.decoded_on_device
                                   if self.loaders.decoding else None,
-                                  host_decode_share=self.loaders.host_decode_share)
+                                  host_decode_share=self.loaders.host_decode_share,
+                                  photos_held=self.loaders.photos_held)
         self.class_weights = maybe_class_weights(config.class_weight, self.data.train,
                                                  self.data.class_names)
         self.mixup = maybe_mixup(config, self.net.spec.num_classes,

@@ -578,10 +578,11 @@ def test_a_resume_with_another_optimizer_is_refused_in_one_line_and_moves_nothin
 def test_a_resumed_state_keeps_every_field_of_the_checkpoint_but_the_process_layout(tmp_path):
     """Field by field restoring once dropped what it did not name; every field of the dataclass
     (including any added later) must come back from the checkpoint through its file, except
-    the ones this start decides for itself (its process layout, how it computes and where it
-    decodes JPEGs)."""
+    the ones this start decides for itself (its process layout, how it computes, where it
+    decodes JPEGs and whether it holds photographs on the device)."""
     layout = {"world_size": 1, "batch_size": 64, "accumulation_steps": 2, "precision": "bf16",
-              "channels_last": True, "decoded_on_device": True, "host_decode_share": 0.25}
+              "channels_last": True, "decoded_on_device": True, "host_decode_share": 0.25,
+              "photos_held": True}
     assert set(layout) == set(TrainerState.THIS_START)
     saved = TrainerState()
     for number, field in enumerate(dataclasses.fields(TrainerState), start=3):

@@ -30,6 +30,8 @@ from accel_train.data.loaders import TrainImages, run_transforms
 from accel_train.data.loading import (LOADER_STATE, DevicePhotosTrainLoader,
                                       IndexedTrainLoader, StartUpRates, build_loaders)
 from accel_train.data.sources import ArraySource, load_data
+from accel_train.run.resume import keep_choices
+from accel_train.run.trainer_state import TrainerState
 from conftest import clean_accelerate_state
 from test_data_on_device import _assert_same, _batches
 from test_device_decode import SIZE, _spec, garbled_jpeg, photos  # noqa: F401 -- the fixture
@@ -279,3 +281,17 @@ def test_the_start_up_times_holding_on_the_runs_own_photos_once(photos):  # noqa
     in_memory = StartUpRates(TrainImages(arrays, images.transform, seed=1), 0, 1,
                              torch.device("cpu"), lambda: 50.0).with_held()
     assert set(in_memory) == {"host", "train", "held"} and in_memory["held"] > 0
+
+
+def test_a_resume_keeps_whether_auto_held_the_photographs():
+    """Held photos' pixels are the device's crops, the workers' differ by the resizers'
+    rounding: a resume left to auto takes the checkpoint's choice (timing again could choose
+    otherwise); a flag given wins; data that are not photographs record nothing to keep."""
+    for held, mode in ((True, "always"), (False, "never")):
+        config, kept = keep_choices(TrainConfig(), TrainerState(photos_held=held), Path("x"))
+        assert config.data_on_device == mode and kept == ("photographs held",)
+    config, kept = keep_choices(TrainConfig(data_on_device="never"),
+                                TrainerState(photos_held=True), Path("x"))
+    assert config.data_on_device == "never" and kept == ()
+    config, kept = keep_choices(TrainConfig(), TrainerState(), Path("x"))
+    assert config.data_on_device == "auto" and kept == ()

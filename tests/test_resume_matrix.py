@@ -230,6 +230,7 @@ def test_a_stopped_and_resumed_run_ends_bit_identical(path, processes, matrix_da
     if path == "photos-on-device":
         assert facts["train_loader"].startswith(
             "drawn on the device, the training photos decoded once and held there"), facts
+        assert state["photos_held"] is True, state
     if path == "decoded-on-device":
         assert facts["jpeg_decoding"].startswith("on the device") and \
             "34% of each batch's by the loader workers" in facts["jpeg_decoding"] and \

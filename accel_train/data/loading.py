@@ -244,6 +244,9 @@ class Loaders:
     decoding: str = ""    # where training JPEGs are decoded, and why (--decode-on-device)
     decoded_on_device: bool = False
     host_decode_share: Optional[float] = None  # on the device: the workers' share of each batch
+    # photographs (not small in-memory images, not streamed) held on the device or not; None
+    # for other data
+    photos_held: Optional[bool] = None
 
 
 def machine_workers_rate(images: TrainImages, workers: int, processes_per_machine: int) -> float:
@@ -396,7 +399,9 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                     pin_memory, seed=config.seed, timeout=config.loader_timeout)
         if source is not None else None
         for source in (data.held_out, data.test))
+    photos = not streaming_wanted(config) and not small_in_memory(data.train)
     return Loaders(train, held_out, workers, global_batch, steps, choice, test,
                    decoding=decoding.why, decoded_on_device=decoding.on_device,
-                   host_decode_share=decoding.share if decoding.on_device else None)
+                   host_decode_share=decoding.share if decoding.on_device else None,
+                   photos_held=isinstance(train, DevicePhotosTrainLoader) if photos else None)
 

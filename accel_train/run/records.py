@@ -95,7 +95,9 @@ def open_records(accelerator, plan, config, speed, state, metrics, report, paths
                                          state.decoded_on_device, config.decode_on_device),
                                      host_decode_share=state.host_decode_share
                                      if state.host_decode_share is not None
-                                     else config.host_decode_share)
+                                     else config.host_decode_share,
+                                     data_on_device={True: "always", False: "never"}.get(
+                                         state.photos_held, config.data_on_device))
         write_run_config(plan.output_dir, chosen, facts, resumed=plan.resume_from is not None)
         record_elastic_job(plan.output_dir, plan.env.run_id)
     if config.report_to:

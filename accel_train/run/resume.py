@@ -121,7 +121,8 @@ def refuse_another_optimizer(config: TrainConfig, previous: TrainerState,
 def keep_choices(config: TrainConfig, previous: TrainerState,
                  checkpoint: Path) -> tuple[TrainConfig, tuple[str, ...]]:
     """How the run computes is part of the run: where this start leaves precision, memory
-    format or where JPEGs are decoded to auto, it takes what the checkpoint ran with (what
+    format, where JPEGs are decoded or whether photographs are held on the device to auto, it
+    takes what the checkpoint ran with (what
     auto chose when the run began; timing again could choose otherwise, and exact resume
     would be lost).  Explicit flags win.
     So with the network --smaller-models chose (network_choice.py), when it is one of this
@@ -143,6 +144,9 @@ def keep_choices(config: TrainConfig, previous: TrainerState,
     if config.host_decode_share is None and previous.host_decode_share is not None:
         changes["host_decode_share"] = previous.host_decode_share
         kept.append("decoding share")
+    if config.data_on_device == "auto" and previous.photos_held is not None:
+        changes["data_on_device"] = "always" if previous.photos_held else "never"
+        kept.append("photographs held")
     return dataclasses.replace(config, **changes), tuple(kept)
 
 

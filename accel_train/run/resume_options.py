@@ -20,7 +20,8 @@ THIS_START = PER_PROCESS_OPTIONS - {"data_dir", "train_labels", "val_labels", "p
     "resume", "world_size", "report_to", "plots", "log_every", "prefetch_factor",
     "persistent_workers", "loader_timeout", "collective_timeout"}
 # left to auto, a resume takes the checkpoint's choice (resume.keep_choices): no difference
-AUTO = {"mixed_precision": "auto", "channels_last": None, "decode_on_device": "auto"}
+AUTO = {"mixed_precision": "auto", "channels_last": None, "decode_on_device": "auto",
+        "data_on_device": "auto"}
 SHOWN = 8  # differences named in the line; the rest counted
 
 

@@ -54,6 +54,10 @@ class TrainerState:
     # decoded on the device: the share of each batch's JPEGs the loader workers decode
     # (--host-decode-share, or auto's), which a resume keeps (it decides those images' pixels)
     host_decode_share: Optional[float] = None
+    # photographs: whether --data-on-device held them decoded on the device (auto's choice, a
+    # resume keeps it: their pixels are the device's crops, not the loader workers'); None for
+    # other data, or where nothing was chosen
+    photos_held: Optional[bool] = None
     # which images a sample limit kept: 'random' or 'first' (--sample-subset), 'all' where no
     # limit cut a split; None: a checkpoint from before the option, whose limits kept the first
     sample_subset: Optional[str] = None
@@ -65,7 +69,7 @@ class TrainerState:
     # global batch is kept: resume.keep_global_batch), and how it computes (autotune.py: a
     # resumed run asks for the checkpoint's choice, unless told otherwise).
     THIS_START = ("world_size", "batch_size", "accumulation_steps", "precision", "channels_last",
-                  "decoded_on_device", "host_decode_share")
+                  "decoded_on_device", "host_decode_share", "photos_held")
 
     @property
     def global_batch(self) -> int:

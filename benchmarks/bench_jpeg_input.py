@@ -16,6 +16,9 @@ batches of 32 collated as a loader would:
   when the JPEGs are decoded on the device (--decode-on-device): the same files, crops and
   flips, decoded, cropped and resized as the device would (`device_decode.decoded_crops` on
   the CPU), the colour jitter left to the GPU with the rest of the batch's.
+- accel_train --data-on-device (photos held): what its loader workers run when the photos are
+  held decoded on the GPU: each sample's draws alone (`held_photos.PhotoPlans`: timm's crop
+  box, interpolation, flips and jitter factors), no file read, no pixel; the GPU crops.
 - timm's loader: `timm.data.create_transform(224, is_training=True)` on
   `PIL.Image.open(f).convert('RGB')`, as timm's ImageDataset calls it: crop (scale 0.08-1,
   bilinear), flip, ColorJitter 0.4 (timm's default), to float and normalized.
@@ -85,6 +88,28 @@ def accel_train_arm(root: Path, share: bool = False):
         if share:  # (the batch's EncodedImages: every image cropped here, or finished here)
             return sum(len(pixels.shared) + len(pixels.ready) for pixels, *_ in loader)
         return sum(len(pixels) for pixels, *_ in loader)
+    return run
+
+
+def held_draws_arm(root: Path):
+    """The loader workers' part when the photos are held on the device: PhotoPlans' items, one
+    a batch, as a worker draws them (the sizes from the files' headers, as held_photos.scan
+    reads them)."""
+    from accel_train.config import TrainConfig
+    from accel_train.data.held_photos import PhotoPlans, scan
+    from accel_train.data.loaders import EpochSampler, run_transforms
+    from accel_train.data.sources import load_data
+    config = TrainConfig(data_dir=str(root), in_memory="never", batch_size=BATCH)
+    data = load_data(config)
+    train_tf, _ = run_transforms(config, SimpleNamespace(image_size=SIZE, mean=MEAN, std=STD))
+    sampler = EpochSampler(len(data.train), BATCH, config.seed)
+    plans = PhotoPlans(train_tf, sampler, torch.Size((BATCH, 3, SIZE, SIZE)), config.seed, 1, 0)
+    plans.sizes = scan(data.train).shapes
+    epoch = iter(range(10**9))
+
+    def run() -> int:
+        number = next(epoch)
+        return sum(len(plans[number, k][0]) for k in range(sampler.usable // BATCH))
     return run
 
 
@@ -201,6 +226,8 @@ def main() -> None:
         arms = {"accel_train loader path": accel_train_arm(root),
                 "accel_train --host-decode-share (jitter left to the GPU)":
                     accel_train_arm(root, share=True),
+                "accel_train --data-on-device (photos held: the draws alone)":
+                    held_draws_arm(root),
                 "timm loader (create_transform, PIL)": timm_arm(files),
                 "timm, no jitter, uint8 out": timm_arm(files, color_jitter=None,
                                                        use_prefetcher=True),

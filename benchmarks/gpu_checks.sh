@@ -34,7 +34,8 @@
 #      against those decoded in line, a module already on the GPU trained there, the crops
 #      gathered and resized on CUDA against the same on the CPU, the loader workers' share of
 #      the crops jittered on CUDA against torchvision's and pinned by the pin-memory thread,
-#      the crops' flips on CUDA against numpy's.
+#      the crops' flips on CUDA against numpy's, photos held on the GPU against the device
+#      decode path's batches.
 # Left out to stay under 9 minutes, each measured before (BENCHMARKS.md, "GPU"):
 # a smoke run, bench_gpu_cifar.py (ResNet-9 to 94%, SIGTERM + resume), bench_gpu.py (the step
 # against a hand loop on in-memory images), the longer runs toward 94%, the side by side with
@@ -87,6 +88,7 @@ echo "bench_fp16_networks exit $?"
 stamp the tests that need a GPU
 timeout 40 "$python" -m pytest -q -p no:cacheprovider -n 0 tests/test_decode_ahead.py \
     tests/test_device_decode.py tests/test_api.py tests/test_batched_resize.py \
-    tests/test_host_decode_share.py -k "cuda or on_the_gpu" 2>&1 | tail -15
+    tests/test_host_decode_share.py tests/test_photos_on_device.py -k "cuda or on_the_gpu" 2>&1 \
+    | tail -15
 echo "tests exit ${PIPESTATUS[0]}"
 stamp done

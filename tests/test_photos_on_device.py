@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -97,8 +98,9 @@ def test_held_photos_give_the_device_decode_paths_batches_and_resume_between_the
                              f"{where} resumed from the {source} loader's checkpoint")
 
 
+@pytest.mark.parametrize("scan_batch", [held_photos.SCAN_BATCH, 3])  # one read; several
 def test_files_the_device_decoder_does_not_take_are_held_as_the_workers_read_them(
-        photos, tmp_path):  # noqa: F811
+        photos, tmp_path, monkeypatch, scan_batch):  # noqa: F811
     """A PNG, a CMYK JPEG, JPEGs with EXIF orientations, a JPEG whose data is noise after its
     header and a file that is only a JPEG's first bytes (both replaced by the next image that
     decodes, and marked), among the photos: every batch's
@@ -117,6 +119,9 @@ def test_files_the_device_decoder_does_not_take_are_held_as_the_workers_read_the
         exif = Image.Exif()
         exif[0x0112] = orientation
         photo.resize((300, 200)).save(a_class / f"z_turned{orientation}.jpg", exif=exif)
+    # files read and decoded a few at a time: the buffer filled across reads
+    monkeypatch.setattr(held_photos, "SCAN_BATCH", scan_batch)
+    held_photos.scan.cache_clear()
     with clean_accelerate_state():
         accelerator = Accelerator(cpu=True)
         # (batches of one: every image in every epoch)
@@ -230,7 +235,16 @@ def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_
                 Image.new("RGB", (300, 200) if i else (60, 40)).save(
                     small / split / label / f"{i}.jpg")
     small_files = load_data(_config(small)).train
+    at_64 = tmp_path / "at_64"  # all 64 px: the small-image path's, held only in memory
+    for split in ("train", "val"):
+        for label in ("a", "b"):
+            (at_64 / split / label).mkdir(parents=True)
+            for i in range(2):
+                Image.new("RGB", (64, 64)).save(at_64 / split / label / f"{i}.jpg")
     for source, tf, reason in (
+            (load_data(_config(at_64)).train, transform, "the training images are decoded per "
+                                                         "step, not held in memory "
+                                                         "(--in-memory)"),
             (files, policy, "--auto-augment's policy works on the host, one image at a time"),
             (files, plain, "the training images are not augmented"),
             (files, nearest, "--train-interpolation nearest is PIL's only; use random, "
@@ -295,3 +309,72 @@ def test_a_resume_keeps_whether_auto_held_the_photographs():
     assert config.data_on_device == "never" and kept == ()
     config, kept = keep_choices(TrainConfig(), TrainerState(), Path("x"))
     assert config.data_on_device == "auto" and kept == ()
+
+
+def test_photographs_decoded_in_memory_are_held_as_they_are_stored(photos):  # noqa: F811
+    """Arrays above 64 px (photos of one size decoded into memory): held as one copy, each
+    batch cropped from them; labels and keys the loader workers', pixels theirs within the
+    resizers' rounding (the workers' path is timm's transform on PIL)."""
+    files = sorted(photos.glob("train/*/*.jpg"))
+    pixels = torch.stack([torch.from_numpy(np.asarray(Image.open(f).convert("RGB").resize(
+        (120, 100), Image.BICUBIC))).permute(2, 0, 1) for f in files])
+    labels = torch.tensor([0 if f.parent.name == "a" else 1 for f in files])
+    data = SimpleNamespace(train=ArraySource(pixels, labels),
+                           held_out=ArraySource(pixels[:2], labels[:2]), test=None)
+    with clean_accelerate_state():
+        accelerator = Accelerator(cpu=True)
+        loaders = {}
+        for mode in ("always", "never"):
+            config = TrainConfig(batch_size=BATCH, num_workers=0, seed=7, image_size=SIZE,
+                                 data_on_device=mode, decode_on_device="never")
+            loaders[mode] = build_loaders(config, data, _spec(), 1, 0, 1, False).train
+            loaders[mode].prepare(accelerator)
+        held, workers = loaders["always"], loaders["never"]
+        assert isinstance(held, DevicePhotosTrainLoader)
+        assert [tuple(image.shape) for image in held.held.images] == [(3, 100, 120)] * 12
+        assert torch.equal(torch.stack(held.held.images), pixels)
+        for epoch in (0, 1):
+            held.set_epoch(epoch)
+            workers.set_epoch(epoch)
+            for got, expected in zip(_batches(held), _batches(workers), strict=True):
+                for name, x, y in zip(("labels", "keys", "replaced"), got[1:], expected[1:]):
+                    assert torch.equal(x, y), name
+                difference = (got[0] - expected[0]).abs() * torch.tensor(
+                    (0.229, 0.224, 0.225)).view(1, 3, 1, 1) * 255  # in levels
+                assert difference.mean(dim=(1, 2, 3)).max() < 1.0, \
+                    difference.mean(dim=(1, 2, 3))
+
+
+def test_the_held_crops_rate_is_images_over_the_best_of_two_timings(
+        photos, tmp_path, monkeypatch):  # noqa: F811
+    """A clock read at 0, 0.25, 0.75 and 1.5 s: the two timings 0.25 and 0.75 s, the rate the
+    12 photos over the shorter; a set without a JPEG among its first images: 0 (nothing to
+    time)."""
+    config = _config(photos)
+    files = load_data(config).train
+    transform = run_transforms(config, _spec())[0]
+    steps = iter([0.0, 0.25, 0.75, 1.5] + [9.0] * 10)
+    monkeypatch.setattr(held_photos.time, "perf_counter", lambda: next(steps))
+    assert held_photos.timed_rate(files, transform, 0, torch.device("cpu")) == 48.0
+    monkeypatch.undo()
+    pngs = tmp_path / "pngs"
+    for split in ("train", "val"):
+        for label in ("a", "b"):
+            (pngs / split / label).mkdir(parents=True)
+            for i in range(2):
+                Image.new("RGB", (150, 100)).save(pngs / split / label / f"{i}.png")
+    assert held_photos.timed_rate(load_data(_config(pngs)).train, transform, 0,
+                                  torch.device("cpu")) == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_held_photos_give_the_device_decode_paths_batches(photos):  # noqa: F811
+    """On CUDA (nvJPEG, the batched resize, the batched flips): held photos' batches equal
+    --decode-on-device always's to the bit, the same decoder's pixels cropped the same way."""
+    with clean_accelerate_state():
+        accelerator = Accelerator()
+        assert accelerator.device.type == "cuda"
+        expected = _batches(_loader(photos, accelerator, "decoded"))
+        held = _loader(photos, accelerator, "held")
+        assert held.held.labels.device.type == "cuda"
+        _assert_same(_batches(held), expected, "held on the GPU")

@@ -344,7 +344,7 @@ class DevicePhotoBatches(DeviceResidentBatches):
             raise RuntimeError("DevicePhotoBatches: prepare(accelerator) decodes the photos "
                                "before the first batch")
         parts = self.photo_plans.parts
-        pixels = self.held.crops(self.transform.image_size, chosen, drawn[:parts])
+        pixels = self.held.crops(self.transform.image_size, drawn[:parts])
         return (pixels, self.held.labels.index_select(0, chosen),
                 self.held.replaced.index_select(0, chosen),
                 tuple(self._to_device(part) for part in drawn[parts:]))

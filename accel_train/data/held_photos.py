@@ -122,12 +122,11 @@ class HeldPhotos:
         """(height, width) of each held image: what its crop is drawn for."""
         return [tuple(image.shape[-2:]) for image in self.images]
 
-    def crops(self, size: int, chosen: torch.Tensor,
-              drawn: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def crops(self, size: int, drawn: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """uint8 [B, 3, size, size] on the device: the held images of a micro-batch cropped,
         resized, flipped and colour-jittered as `PhotoPlans` drew them (`drawn`: its item's
-        first `parts`), the device decode path's steps on held pixels in place of decoded
-        ones.  `chosen`: the same indices on the device, unread (the host's are drawn's)."""
+        first `parts`, the sample indices first), the device decode path's steps on held
+        pixels in place of decoded ones."""
         indices, boxes, bicubic, mirrored, upside_down, *jitter_plan = drawn
         device = self.labels.device
         images = [self.images[index] for index in indices.tolist()]
@@ -198,7 +197,7 @@ def timed_rate(source: ImageSource, transform: ImageTransform, seed: int,
     for _ in range(2):
         wait()
         started = time.perf_counter()
-        held.crops(transform.image_size, marks, drawn)
+        held.crops(transform.image_size, drawn)
         wait()
         seconds = min(seconds, time.perf_counter() - started)
     return len(images) / seconds

@@ -206,9 +206,14 @@ def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_
     held_arrays, why = choose("auto", arrays, transform, True, False, memory=10**12, workers=1,
                               rates=lambda: {"host": 500, "train": 2000, "held": 1000})
     assert held_arrays and ": 667 against 500 img/s" in why, why
-    # none of the probed photos decoded on the device: nothing held
+    # none of the probed photos decoded on the device: nothing held, whatever the others
     assert not choose("auto", files, transform, True, False, memory=10 * held, workers=1,
                       rates=_rates(500, 1000, 3000, 12000, 2000, 0))[0]
+    assert not choose("auto", arrays, transform, True, False, memory=10**12, workers=1,
+                      rates=lambda: {"host": 0.5, "train": 2000, "held": 0})[0]
+    # a tie holds: 1 / (1/2000 + 1/2000) = 1,000 against the workers' 1,000
+    assert choose("auto", arrays, transform, True, False, memory=10**12, workers=1,
+                  rates=lambda: {"host": 1000, "train": 2000, "held": 2000})[0]
     # the draws are host work: auto leaves them to loader workers or holds nothing
     assert choose("auto", files, transform, True, False, memory=10 * held) == (
         False, "a DataLoader (--data-on-device auto: each photograph's crop, flips and jitter "
@@ -217,11 +222,15 @@ def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_
     # far over by the probed images' sizes (those --image-size's default decoded): no header
     # is read
     fresh = load_data(config).train
-    guess = len(fresh) * 3 * np.mean([h * w for h, w in fresh.probed_shapes])
+    probed = [Image.open(file).size for file in sorted(photos.glob("train/*/*.jpg"))]
+    assert sorted(fresh.probed_shapes) == sorted((h, w) for w, h in probed)  # all 12 probed
+    guess = 12 * 3 * sum(w * h for w, h in probed) / 12  # the probed images' mean, 12 times
     scans = held_photos.scan.cache_info().misses
-    assert choose("auto", fresh, transform, True, False, memory=int(5 * guess) - 10,
-                  workers=1)[1] \
-        .startswith("a DataLoader (--data-on-device auto: the training set's about ")
+    memory = int(5 * guess) - 10
+    assert choose("auto", fresh, transform, True, False, memory=memory, workers=1) == (
+        False, f"a DataLoader (--data-on-device auto: the training set's about "
+               f"{int(guess) / 1e6:.1f} MB decoded is over 10% of the device's "
+               f"{memory / 1e6:.1f} MB)")
     assert held_photos.scan.cache_info().misses == scans
     # each reason whole: auto says it, always refuses with it
     policy = run_transforms(_config(photos, auto_augment="randaugment"), _spec())[0]
@@ -347,13 +356,13 @@ def test_photographs_decoded_in_memory_are_held_as_they_are_stored(photos):  # n
 
 def test_the_held_crops_rate_is_images_over_the_best_of_two_timings(
         photos, tmp_path, monkeypatch):  # noqa: F811
-    """A clock read at 0, 0.25, 0.75 and 1.5 s: the two timings 0.25 and 0.75 s, the rate the
-    12 photos over the shorter; a set without a JPEG among its first images: 0 (nothing to
+    """A clock read at 10, 10.25, 10.75 and 11.5 s: the two timings 0.25 and 0.75 s, the rate
+    the 12 photos over the shorter; a set without a JPEG among its first images: 0 (nothing to
     time)."""
     config = _config(photos)
     files = load_data(config).train
     transform = run_transforms(config, _spec())[0]
-    steps = iter([0.0, 0.25, 0.75, 1.5] + [9.0] * 10)
+    steps = iter([10.0, 10.25, 10.75, 11.5] + [99.0] * 10)
     monkeypatch.setattr(held_photos.time, "perf_counter", lambda: next(steps))
     assert held_photos.timed_rate(files, transform, 0, torch.device("cpu")) == 48.0
     monkeypatch.undo()
@@ -378,3 +387,34 @@ def test_on_the_gpu_held_photos_give_the_device_decode_paths_batches(photos):  #
         held = _loader(photos, accelerator, "held")
         assert held.held.labels.device.type == "cuda"
         _assert_same(_batches(held), expected, "held on the GPU")
+
+
+def test_auto_holds_photo_files_only_where_all_but_one_in_a_hundred_are_jpegs(tmp_path):
+    """The files the device does not decode are decoded at the start by the training process:
+    auto takes 1 in 100 of them, not 2; always takes any."""
+    transform = run_transforms(_config(tmp_path), _spec())[0]
+    for others, held in ((1, True), (2, False)):
+        root = tmp_path / f"others{others}"
+        for split, count in (("train", 50), ("val", 1)):
+            for label in ("a", "b"):
+                (root / split / label).mkdir(parents=True)
+                for i in range(count):
+                    kind = "png" if split == "train" and label == "a" and i < others else "jpg"
+                    Image.new("RGB", (80, 70), (i, 0, 0)).save(root / split / label /
+                                                               f"{i}.{kind}")
+        files = load_data(_config(root)).train
+        chosen, why = choose("auto", files, transform, True, False, memory=10**12, workers=1,
+                             rates=_rates(500, 1000, 3000, 12000, 2000, 8000))
+        assert chosen == held, why
+        if not held:
+            assert why == ("a DataLoader (--data-on-device auto: 2 of its 100 files are not "
+                           "JPEGs the device decodes (the training process would decode them "
+                           "at the start))")
+        assert choose("always", files, transform, False, False)[0]
+
+
+def test_a_held_loader_not_prepared_says_so(photos):  # noqa: F811
+    config = _config(photos, data_on_device="always")
+    train = build_loaders(config, load_data(config), _spec(), 1, 0, 1, False).train
+    with pytest.raises(RuntimeError, match="prepare.accelerator. decodes the photos"):
+        next(iter(train))

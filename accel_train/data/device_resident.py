@@ -336,13 +336,13 @@ class DevicePhotoBatches(DeviceResidentBatches):
         self.photo_plans.sizes = self.held.sizes()
 
     def _epoch_plan(self, first: int):
+        if self.held is None:  # (the plans' workers would start without the photos' sizes)
+            raise RuntimeError("DevicePhotoBatches: prepare(accelerator) decodes the photos "
+                               "before the first batch")
         return self._to_device(self._rank_indices(first)), None
 
     def _samples(self, k: int, chosen: torch.Tensor, plan,
                  drawn: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        if self.held is None:
-            raise RuntimeError("DevicePhotoBatches: prepare(accelerator) decodes the photos "
-                               "before the first batch")
         parts = self.photo_plans.parts
         pixels = self.held.crops(self.transform.image_size, drawn[:parts])
         return (pixels, self.held.labels.index_select(0, chosen),

@@ -226,6 +226,7 @@ class ShiftedSquares(Squares):
         return torch.roll(image, int(torch.randint(-3, 4, ())), dims=2), label
 
 
+@pytest.mark.slow  # two runs of two epochs, one stopped and resumed: over 4 s
 def test_a_datasets_own_augmentation_resumes_bit_identically_mid_epoch(tmp_path):
     """Its draws are a function of the sample's place in the run, not of what the loader
     worker drew before: a run stopped after a mid-epoch checkpoint and resumed ends with the

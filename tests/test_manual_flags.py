@@ -71,6 +71,7 @@ def test_a_manual_flag_a_single_process_cannot_use_stops_in_one_line(tmp_path, f
     assert sorted(os.listdir(out)) == ["notes.txt"]
 
 
+@pytest.mark.slow  # a rank as a process, stopped by SIGINT: over 4 s
 def test_a_rank_waiting_for_its_peer_says_so_and_stops_at_ctrl_c(tmp_path):
     """--world_size 2 --rank 0 started alone (the second shell's command never ran): one line
     on stdout says what it waits for (stderr stays for errors), and Ctrl-C ends it at once
@@ -103,6 +104,7 @@ def test_a_rank_waiting_for_its_peer_says_so_and_stops_at_ctrl_c(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # two ranks, each a process: over 4 s
 def test_ranks_started_with_other_options_are_refused_in_one_line(tmp_path):
     """Two shells, one typo: --seed 3 and --seed 4 trained two data orders as one run (exit 0),
     --batch_size 8 and 16 ended in gloo's C++ abort.  Now every rank says which option differs

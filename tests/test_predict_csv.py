@@ -329,6 +329,7 @@ def test_a_file_that_cannot_be_made_beside_the_target_is_one_line(run_dir, test_
     assert list(tmp_path.iterdir()) == [] and "image(s)" not in out.split("\n", 1)[-1]
 
 
+@pytest.mark.slow  # a predict process stopped by its read timeout: over 4 s
 def test_the_partial_file_is_hidden_beside_the_target_and_gone_after_a_stop(run_dir,
                                                                           test_folder,
                                                                           tmp_path):

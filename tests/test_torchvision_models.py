@@ -40,6 +40,7 @@ def test_a_new_head_of_the_builders_shape_is_the_builders_network():
     assert torchvision_builder(model, 5, 64) == "torchvision.models:resnet34"
 
 
+@pytest.mark.slow  # several ResNet-50s and -18s built: over 4 s
 def test_networks_no_builder_makes_are_not_given_one():
     # a dilated ResNet-50 (a segmentation backbone): resnet50's shapes, other outputs
     dilated = torchvision.models.resnet50(num_classes=3,

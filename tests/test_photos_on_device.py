@@ -31,6 +31,7 @@ from accel_train.data.loaders import TrainImages, run_transforms
 from accel_train.data.loading import (LOADER_STATE, DevicePhotosTrainLoader,
                                       IndexedTrainLoader, StartUpRates, build_loaders)
 from accel_train.data.sources import ArraySource, load_data
+from accel_train.run.report import summary
 from accel_train.run.resume import keep_choices
 from accel_train.run.trainer_state import TrainerState
 from conftest import clean_accelerate_state
@@ -286,6 +287,19 @@ def test_the_summary_says_the_photographs_are_held_and_who_draws_their_crops(pho
                                          "once and held there (") and \
             loaders.choice.endswith(said), loaders.choice
         assert loaders.num_workers == options.get("num_workers", 0)
+        assert loaders.photos_held is True
+    # the data line says where the training photos were decoded (the held-out ones: per step)
+    facts = {"model": {"model_name": "m", "class_names": ["a", "b"], "image_size": SIZE},
+             "trainable_parameters": 1, "world_size": 1, "global_batch": 4, "device": "cpu",
+             "precision_used": "fp32", "channels_last": False, "speed_choice": "set",
+             "sync_bn": False, "train_samples": 12, "eval_samples": 2, "data_in_memory": False,
+             "num_workers": 1, "steps_per_epoch": 3, "total_steps": 3, "output_dir": "o",
+             "checkpoint_dir": "c"}
+    assert "12 train / 2 validation images, 2 classes, 128px, training photos decoded once on " \
+        "the device, 1 loader worker(s)\n" in summary({**facts, "photos_held": True}, "data", 1,
+                                                      None, "m")
+    assert "128px, decoded per step, 1 loader worker(s)\n" in summary(facts, "data", 1, None,
+                                                                       "m")
 
 
 def test_the_start_up_times_holding_on_the_runs_own_photos_once(photos):  # noqa: F811

@@ -48,6 +48,8 @@ def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precisi
             "num_workers": loaders.num_workers, "train_loader": loaders.choice,
             "jpeg_decoding": loaders.decoding,
             "data_in_memory": isinstance(data.train, ArraySource),
+            # the training photos decoded once on the device (--data-on-device)
+            "photos_held": bool(loaders.photos_held),
             # resized, cropped and flipped on the device rather than in the loader
             "placed_on_device": loaders.train.finish.places,
             "sync_bn": net.sync_bn, "model": net.spec.__dict__, "whitened_stem": net.whitened,

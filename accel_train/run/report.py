@@ -88,7 +88,8 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         + (f" ({LIMITS_KEPT[facts['sample_subset']]})" if facts.get("sample_subset") else "")
         + ", "
         f"{len(model['class_names'])} classes, {model['image_size']}px, "
-        f"{'decoded in memory' if facts['data_in_memory'] else 'decoded per step'}, "
+        + ("training photos decoded once on the device, " if facts.get("photos_held") else
+           f"{'decoded in memory' if facts['data_in_memory'] else 'decoded per step'}, ")
         + ("resized and cropped on the device, " if facts.get("placed_on_device") else "") +
         f"{facts['num_workers']} loader worker(s)\n"
         + (f"  labels: {facts['labels']}\n" if facts.get("labels") else "")

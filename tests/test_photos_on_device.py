@@ -99,6 +99,23 @@ def test_held_photos_give_the_device_decode_paths_batches_and_resume_between_the
                              f"{where} resumed from the {source} loader's checkpoint")
 
 
+def _as_the_workers_within_rounding(held, workers) -> int:
+    """Two epochs of both loaders: labels, keys and marks equal batch by batch, each image's
+    pixels within a level on average (in levels of 255); the samples marked replaced."""
+    marked = 0
+    for epoch in (0, 1):
+        held.set_epoch(epoch)
+        workers.set_epoch(epoch)
+        for got, expected in zip(_batches(held), _batches(workers), strict=True):
+            for name, x, y in zip(("labels", "keys", "replaced"), got[1:], expected[1:]):
+                assert torch.equal(x, y), name
+            marked += int((got[3] >= 0).sum())
+            difference = (got[0] - expected[0]).abs() * torch.tensor(
+                (0.229, 0.224, 0.225)).view(1, 3, 1, 1) * 255
+            assert difference.mean(dim=(1, 2, 3)).max() < 1.0, difference.mean(dim=(1, 2, 3))
+    return marked
+
+
 @pytest.mark.parametrize("scan_batch", [held_photos.SCAN_BATCH, 3])  # one read; several
 def test_files_the_device_decoder_does_not_take_are_held_as_the_workers_read_them(
         photos, tmp_path, monkeypatch, scan_batch):  # noqa: F811
@@ -128,18 +145,7 @@ def test_files_the_device_decoder_does_not_take_are_held_as_the_workers_read_the
         # (batches of one: every image in every epoch)
         held = _loader(root, accelerator, "held", batch_size=1)
         workers = _loader(root, accelerator, "workers", batch_size=1)
-        marked = 0
-        for epoch in (0, 1):
-            held.set_epoch(epoch)
-            workers.set_epoch(epoch)
-            for got, expected in zip(_batches(held), _batches(workers), strict=True):
-                for name, x, y in zip(("labels", "keys", "replaced"), got[1:], expected[1:]):
-                    assert torch.equal(x, y), name
-                marked += int((got[3] >= 0).sum())
-                difference = (got[0] - expected[0]).abs() * torch.tensor(
-                    (0.229, 0.224, 0.225)).view(1, 3, 1, 1) * 255  # in levels
-                assert difference.mean(dim=(1, 2, 3)).max() < 1.0, \
-                    difference.mean(dim=(1, 2, 3))
+        marked = _as_the_workers_within_rounding(held, workers)
         assert marked == 4  # the cut and the garbled file's samples, once an epoch
         source = held.source
         names = [source.name(i) for i in range(len(source))]
@@ -356,16 +362,7 @@ def test_photographs_decoded_in_memory_are_held_as_they_are_stored(photos):  # n
         assert isinstance(held, DevicePhotosTrainLoader)
         assert [tuple(image.shape) for image in held.held.images] == [(3, 100, 120)] * 12
         assert torch.equal(torch.stack(held.held.images), pixels)
-        for epoch in (0, 1):
-            held.set_epoch(epoch)
-            workers.set_epoch(epoch)
-            for got, expected in zip(_batches(held), _batches(workers), strict=True):
-                for name, x, y in zip(("labels", "keys", "replaced"), got[1:], expected[1:]):
-                    assert torch.equal(x, y), name
-                difference = (got[0] - expected[0]).abs() * torch.tensor(
-                    (0.229, 0.224, 0.225)).view(1, 3, 1, 1) * 255  # in levels
-                assert difference.mean(dim=(1, 2, 3)).max() < 1.0, \
-                    difference.mean(dim=(1, 2, 3))
+        _as_the_workers_within_rounding(held, workers)
 
 
 def test_the_held_crops_rate_is_images_over_the_best_of_two_timings(

@@ -193,6 +193,7 @@ class DeviceResidentBatches:
     loader's position on (`epoch`, `samples_in_epoch`).  loading.py adds the saved position."""
 
     name = "train_loader"
+    places = True  # the stored pixels are resized, cropped and flipped by `finish`, on the device
 
     def __init__(self, source: ArraySource, transform: ImageTransform, sampler: EpochSampler,
                  batch_size: int, num_processes: int, rank: int, seed: int,
@@ -203,8 +204,7 @@ class DeviceResidentBatches:
         self.batch_size, self.num_processes, self.rank, self.seed = (batch_size, num_processes,
                                                                      rank, seed)
         self.per_micro_step = batch_size * num_processes
-        # places: the stored pixels are resized, cropped and flipped here, on the device
-        self.finish = FinishOnDevice(transform, places=True)
+        self.finish = FinishOnDevice(transform, places=self.places)
         self.epoch, self.samples_in_epoch = 0, 0
         self.device = torch.device("cpu")
         self._hold()
@@ -315,10 +315,7 @@ class DevicePhotoBatches(DeviceResidentBatches):
     jitter, queued on the device without waiting for it."""
 
     channels = 3  # held RGB
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.finish = FinishOnDevice(self.transform)  # the crops are made before it
+    places = False  # the crops are made before `finish`, from the held photos
 
     def _hold(self) -> None:
         # Decoding waits for `prepare` and its device: one decode of every photo, not two.

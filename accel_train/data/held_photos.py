@@ -46,7 +46,14 @@ class PhotoScan:
     """What the files' headers say of a training set, before anything is decoded."""
 
     shapes: list[Optional[tuple[int, int]]]  # (height, width) of each; None: unreadable
-    jpegs: int  # the files the device decoder takes (device_decode's JPEGs), the rest on the host
+    # each file's EXIF orientation where the device decoder takes it (device_decode's JPEGs),
+    # None where the host decodes it
+    turns: list[Optional[int]]
+
+    @property
+    def jpegs(self) -> int:
+        """The files the device decoder takes."""
+        return sum(turn is not None for turn in self.turns)
 
     @property
     def pixel_bytes(self) -> int:
@@ -64,15 +71,15 @@ def scan(source: ImageSource) -> PhotoScan:
     """Each training image's size from its file's header (a JPEG's with its EXIF orientation
     applied; the others' as PIL reads them, the same area), without decoding any."""
     if isinstance(source, ArraySource):
-        return PhotoScan([tuple(source.images.shape[-2:])] * len(source), 0)
+        return PhotoScan([tuple(source.images.shape[-2:])] * len(source), [None] * len(source))
     shapes: list[Optional[tuple[int, int]]] = []
-    jpegs = 0
+    turns: list[Optional[int]] = []
     for start in range(0, len(source), SCAN_BATCH):
         for item in source.files_at(range(start, min(start + SCAN_BATCH, len(source)))):
             header = jpeg_header(item) if isinstance(item, bytes) else None
+            turns.append(None if header is None else header[2])
             if header is not None:
                 shapes.append(header[:2])
-                jpegs += 1
             elif isinstance(item, Unreadable):
                 shapes.append(None)
             else:
@@ -81,7 +88,7 @@ def scan(source: ImageSource) -> PhotoScan:
                     shapes.append((height, width))
                 except Exception:  # noqa: BLE001 -- decoding it names the problem (substitute)
                     shapes.append(None)
-    return PhotoScan(shapes, jpegs)
+    return PhotoScan(shapes, turns)
 
 
 def unfit_reason(source: ImageSource, transform: ImageTransform) -> Optional[str]:
@@ -205,9 +212,9 @@ def timed_rate(source: ImageSource, transform: ImageTransform, seed: int,
 
 def hold(source: ImageSource, device: torch.device) -> HeldPhotos:
     """Every image of `source` decoded once into `device`'s memory (`scan`'s sizes decide the
-    buffer): JPEGs by the device decode path's decoder, SCAN_BATCH at a time, the others and
-    any it refuses on the host, as the loader would (the source's substitute for a file that
-    cannot be decoded)."""
+    buffer, its orientations where to turn them): JPEGs by the device decode path's decoder,
+    SCAN_BATCH at a time, the others and any it refuses on the host, as the loader would (the
+    source's substitute for a file that cannot be decoded)."""
     device = torch.device(device)
     labels = source.labels.clone()
     replaced = torch.full((len(source),), -1, dtype=torch.int64)
@@ -229,13 +236,12 @@ def hold(source: ImageSource, device: torch.device) -> HeldPhotos:
                 slot = buffer[start:start + 3 * shape[0] * shape[1]].view(3, *shape)
                 start += slot.numel()
             images.append(slot)
-            header = jpeg_header(item) if isinstance(item, bytes) else None
-            if header is None:
+            if found.turns[index] is None:
                 on_host.append(index)
                 continue
             blobs.append(torch.frombuffer(bytearray(item), dtype=torch.uint8))
             places.append(index)
-            turns.append(header[2])
+            turns.append(found.turns[index])
         for index, image in zip(places, decode_jpegs(blobs, turns, device)[0]):
             if image is None or image.shape != images[index].shape:
                 on_host.append(index)  # refused, or read otherwise than its header

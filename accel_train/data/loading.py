@@ -35,11 +35,11 @@ from accel_train.base.readers import read_json
 from accel_train.data.decode_ahead import DecodeAhead
 from accel_train.data.device_decode import Decoding, DeviceDecoder, sharing_all, time_paths
 from accel_train.data.device_decode import unfit_reason as device_decoding_unfit
-from accel_train.data.held_photos import timed_rate
 from accel_train.data.device_decode import choose as choose_device_decoding
 from accel_train.data.device_resident import (DevicePhotoBatches, DeviceResidentBatches,
                                               small_in_memory)
 from accel_train.data.device_resident import choose as choose_data_on_device
+from accel_train.data.held_photos import timed_rate
 from accel_train.data.streaming import STREAM_STATE, build_stream_loader, streaming_wanted
 from accel_train.data.worker_deaths import restarting_dead_workers, watch_workers_quietly
 

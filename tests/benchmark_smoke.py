@@ -13,6 +13,7 @@ changes.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -196,7 +197,7 @@ def the_always_arm_profiled(data: dict) -> None:
     """bench_gpu_jpeg.py --profile-steps 1: the always arm's step profiled (a CPU runs no
     kernels: none to read); the training thread ran the step's operators and not the JPEG
     decoder, which runs on the decoding thread (data/decode_ahead.py); the held arm's photos
-    held."""
+    held, and what decoding them at the start took."""
     profile = data["result"]["always"]["profile"]
     assert profile[0].startswith("profiled 1 steps:") and "no kernels" in profile[0], profile
     # (the convolutions by whichever kernel this CPU's torch runs: aten::mkldnn_convolution,
@@ -211,6 +212,8 @@ def the_always_arm_profiled(data: dict) -> None:
         data["result"]["never"]
     assert data["result"]["held"]["decoding"].startswith(
         "drawn on the device, the training photos decoded once and held there"), \
+        data["result"]["held"]
+    assert re.search(r"; held in \d+\.\d s$", data["result"]["held"]["decoding"]), \
         data["result"]["held"]
     assert data["result"]["held"]["img_per_s"] > 0
 

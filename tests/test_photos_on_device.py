@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -304,6 +305,9 @@ def test_the_summary_says_the_photographs_are_held_and_who_draws_their_crops(pho
     assert "12 train / 2 validation images, 2 classes, 128px, training photos decoded once on " \
         "the device, 1 loader worker(s)\n" in summary({**facts, "photos_held": True}, "data", 1,
                                                       None, "m")
+    assert "128px, training photos decoded once on the device in 2.5 s, 1 loader worker(s)\n" \
+        in summary({**facts, "photos_held": True, "photos_held_seconds": 2.46}, "data", 1,
+                   None, "m")
     assert "128px, decoded per step, 1 loader worker(s)\n" in summary(facts, "data", 1, None,
                                                                        "m")
 
@@ -387,17 +391,74 @@ def test_the_held_crops_rate_is_images_over_the_best_of_two_timings(
                                   torch.device("cpu")) == 0.0
 
 
+def test_holding_the_photos_is_timed_from_the_first_read_to_the_last_decode(
+        photos, monkeypatch):  # noqa: F811
+    """A clock read at 5 s when holding starts and 7.5 s when it ends: 2.5 s, which the summary
+    gives (the start's cost of holding, in a real run's data line)."""
+    files = load_data(_config(photos)).train
+    held_photos.scan(files)  # (read beforehand, as choose reads it: no clock in it anyway)
+    steps = iter([5.0, 7.5])
+    monkeypatch.setattr(held_photos.time, "perf_counter", lambda: next(steps))
+    held = held_photos.hold(files, torch.device("cpu"))
+    monkeypatch.undo()
+    assert held.seconds == 2.5 and len(held.images) == len(files)
+    arrays = ArraySource(torch.zeros(3, 3, 80, 80, dtype=torch.uint8), torch.zeros(3).long())
+    steps = iter([1.0, 1.25])
+    monkeypatch.setattr(held_photos.time, "perf_counter", lambda: next(steps))
+    assert held_photos.hold(arrays, torch.device("cpu")).seconds == 0.25
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_the_gpu_held_photos_give_the_device_decode_paths_batches(photos):  # noqa: F811
-    """On CUDA (nvJPEG, the batched resize, the batched flips): held photos' batches equal
-    --decode-on-device always's to the bit, the same decoder's pixels cropped the same way."""
+    """On CUDA (nvJPEG, the batched resize, the batched flips, the crops queued ahead on a side
+    stream while the caller's stream is busy with products that read the last batch, standing
+    in for a training step): held photos' batches equal --decode-on-device always's to the
+    bit, the same decoder's pixels cropped the same way."""
     with clean_accelerate_state():
         accelerator = Accelerator()
         assert accelerator.device.type == "cuda"
         expected = _batches(_loader(photos, accelerator, "decoded"))
         held = _loader(photos, accelerator, "held")
         assert held.held.labels.device.type == "cuda"
-        _assert_same(_batches(held), expected, "held on the GPU")
+        got, busy = [], torch.randn(1024, 1024, device=accelerator.device)
+        for batch in held:
+            for _ in range(20):
+                busy = (busy @ busy).tanh_() + batch.images.float().mean()
+            got.append(tuple(t.clone() for t in batch))
+        _assert_same(got, expected, "held on the GPU")
+
+
+def test_the_next_batchs_crops_are_made_on_a_thread_while_this_one_trains(photos):  # noqa: F811
+    """The crops of batch k+1 are made on the decode-ahead thread before batch k is handed
+    out (on a GPU: queued on a side stream while the step runs), never the epoch's last
+    batch's before the one before it is trained (its end is the loader's end), in a resumed
+    epoch too; the loader's close ends the thread.  Oracle: the order written out by hand."""
+    with clean_accelerate_state():
+        held = _loader(photos, Accelerator(cpu=True), "held")
+        log, threads, crops = [], set(), held.held.crops
+
+        def logged(size, drawn):
+            threads.add(threading.current_thread())
+            log.append(("crop", int(drawn[0][0])))
+            return crops(size, drawn)
+
+        held.held.crops = logged
+        firsts = []
+        for batch in held:  # 3 batches of 4
+            firsts.append(int(batch.keys[0]))
+            log.append(("trained", firsts[-1]))
+        assert log == [("crop", firsts[0]), ("crop", firsts[1]), ("trained", firsts[0]),
+                       ("trained", firsts[1]), ("crop", firsts[2]), ("trained", firsts[2])]
+        assert threads and all(thread.name.startswith("decode-ahead") for thread in threads)
+        assert threading.current_thread() not in threads
+        log.clear()
+        held.samples_in_epoch = BATCH  # a resumed epoch: 2 batches left, the 2nd the last
+        for batch in held:
+            log.append(("trained", int(batch.keys[0])))
+        assert log == [("crop", firsts[1]), ("trained", firsts[1]), ("crop", firsts[2]),
+                       ("trained", firsts[2])]
+        held.close()
+        assert not any(thread.is_alive() for thread in threads)
 
 
 def test_auto_holds_photo_files_only_where_all_but_one_in_a_hundred_are_jpegs(tmp_path):

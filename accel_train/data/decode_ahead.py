@@ -19,6 +19,10 @@ each batch) are those of decoding in line.  What reading ahead may not change:
 * An error of the loader met while reading ahead (a worker's death, its timeout) is raised
   where it was raised before, after the batch in hand: the restart and the stop then name the
   same position.
+
+On a GPU the thread queues its work on a stream of its own (`SideStream`), which the training
+step's stream waits for by an event, not the host: the next batch's kernels run beside the
+step's.  Held photographs' crops (--data-on-device, held_photos.py) are made ahead the same way.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, Optional, TypeVar
 
+import torch
+
 Raw = TypeVar("Raw")
 Started = TypeVar("Started")
 Ready = TypeVar("Ready")
+Made = TypeVar("Made")
 _END = object()  # `raw` has no more
 
 
@@ -84,3 +91,42 @@ def _ahead(pool: ThreadPoolExecutor, raw: Iterator[Raw], count: int,
         if pending is not None:  # a stop or an error: the thread's batch finishes, unused
             pending.exception()
 
+
+
+class SideStream:
+    """Work queued on a CUDA stream of its own, from any thread; on other devices, in line.
+
+    Why a stream of its own: work queued on the training step's stream runs after the step,
+    however early it was queued.  And the caching allocator hands a stream's allocations only
+    blocks freed on that stream, so the side stream's work never writes memory the step's
+    stream may still read (nvJPEG needs that: device_decode.decode_jpegs)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._stream: Optional["torch.cuda.Stream"] = None
+
+    def run(self, work: Callable[[], Made]) -> tuple[Made, Optional["torch.cuda.Event"]]:
+        """`work()`'s result, and on a GPU the event recorded after its work on the side stream
+        (this work's, not the next call's after it): `taken_over` makes its tensors the
+        caller's."""
+        if self.device.type != "cuda":
+            return work(), None
+        with torch.cuda.device(self.device):  # (a thread starts on the first GPU)
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._stream):
+                made = work()
+                done = torch.cuda.Event()
+                done.record(self._stream)
+        return made, done
+
+
+def taken_over(tensor: torch.Tensor, done: Optional["torch.cuda.Event"]) -> torch.Tensor:
+    """`tensor`, made by `SideStream.run` before `done`, for the caller's stream: that stream
+    waits for the event (the host does not), and the allocator does not hand the tensor's memory
+    to the side stream again before the caller's stream is through with it."""
+    if done is not None:
+        caller = torch.cuda.current_stream(tensor.device)
+        caller.wait_event(done)
+        tensor.record_stream(caller)
+    return tensor

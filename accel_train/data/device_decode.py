@@ -41,6 +41,7 @@ from accel_train.base.errors import UsageError
 from accel_train.base.randomness import each_seeded
 from accel_train.data.batched_resize import on_device, resized_crops
 from accel_train.data.decode import jpeg_header
+from accel_train.data.decode_ahead import SideStream, taken_over
 from accel_train.data.jpeg_decoders import each_or_none, jpeg_decoder, missing
 from accel_train.data.sources import ArraySource, HFSource, ImageSource
 from accel_train.data.transforms import CROP_SALT, SMALL_IMAGE, ImageTransform
@@ -253,7 +254,7 @@ class DeviceDecoder:
 
     def __init__(self, device: torch.device, dataset):
         self.device, self.dataset = torch.device(device), dataset
-        self._side: Optional[torch.cuda.Stream] = None
+        self._side = SideStream(self.device)
 
     def __call__(self, batch: EncodedImages, labels: torch.Tensor,
                  replaced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -272,17 +273,9 @@ class DeviceDecoder:
         the other.  The allocator gives a stream's allocations only blocks freed on that
         stream, so draining the side stream alone keeps nvJPEG off memory in use, and the next
         batch decodes while the GPU trains on this one."""
-        if self.device.type != "cuda":
-            return Started(*self._decode_and_crop(batch), labels, replaced, None)
-        with torch.cuda.device(self.device):  # (a thread starts on the first GPU)
-            if self._side is None:
-                self._side = torch.cuda.Stream(self.device)
-            # Nothing the side stream reads was made on the caller's: the batch's bytes and
-            # draws are host tensors, and the labels are changed in hand_over, on the caller's.
-            with torch.cuda.stream(self._side):
-                pixels, refused = self._decode_and_crop(batch)
-                done = torch.cuda.Event()
-                done.record(self._side)  # this batch's work, not the next one's after it
+        # Nothing the side stream reads was made on the caller's: the batch's bytes and draws
+        # are host tensors, and the labels are changed in hand_over, on the caller's.
+        (pixels, refused), done = self._side.run(lambda: self._decode_and_crop(batch))
         return Started(pixels, refused, labels, replaced, done)
 
     def hand_over(self, started: "Started") -> tuple[torch.Tensor, torch.Tensor,
@@ -292,12 +285,8 @@ class DeviceDecoder:
         host way here.  Why here: the host's transform draws its crop from the process's
         random generators, seeded for the image (as in a worker); on the decoding thread that
         seeding would land in the middle of the training step's own draws (dropout, Mixup)."""
-        pixels, labels, replaced = started.pixels, started.labels, started.replaced
-        if started.done is not None:
-            caller = torch.cuda.current_stream(self.device)
-            caller.wait_event(started.done)
-            # made on the side stream, read on the caller's: not handed out again before that
-            pixels.record_stream(caller)
+        pixels = taken_over(started.pixels, started.done)
+        labels, replaced = started.labels, started.replaced
         substitutes = []
         for position, epoch, index in started.refused:
             image, used = self.dataset.host_sample(epoch, index)

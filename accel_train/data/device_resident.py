@@ -19,6 +19,7 @@ time.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Callable, Iterator, Optional
 
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from accel_train.base.errors import UsageError
+from accel_train.data.decode_ahead import DecodeAhead, SideStream, taken_over
 from accel_train.data.device_decode import best_share, loop_rate
 from accel_train.data.device_erasing import ErasingPlans, PlanLoaderMaker, PlansAhead
 from accel_train.data.loaders import Batch, EpochSampler, FinishOnDevice
@@ -293,17 +295,23 @@ class DeviceResidentBatches:
         if first >= len(self):
             return
         indices, plan = self._epoch_plan(first)
-        ahead = self.ahead.each(self.epoch, first, len(self)) if self.ahead is not None \
-            else None
+        count = len(indices)
+        drawn = self.ahead.each(self.epoch, first, len(self)) if self.ahead is not None \
+            else itertools.repeat(())
         offset = self.epoch * len(self.source)
-        for k in range(len(indices)):
-            chosen = indices[k]
-            drawn = next(ahead) if ahead is not None else ()
-            pixels, labels, replaced, plans = self._samples(k, chosen, plan, drawn)
-            keys = chosen + offset
+        # (range first: zip takes no draws past the epoch's last batch)
+        items = ((k, indices[k], each) for k, each in zip(range(count), drawn))
+        for k, (pixels, labels, replaced, plans) in enumerate(self._made(items, count, plan)):
+            keys = indices[k] + offset
             # Counted as handed out: a checkpoint after this batch's step includes it.
             self.samples_in_epoch += self.per_micro_step
             yield Batch(self.finish(pixels, plans), labels, keys, replaced)
+
+    def _made(self, items: Iterator[tuple[int, torch.Tensor, tuple[torch.Tensor, ...]]],
+              count: int, plan) -> Iterator[tuple[torch.Tensor, ...]]:
+        """`_samples` of each of the pass's `count` items (k, chosen, drawn), in order."""
+        for k, chosen, drawn in items:
+            yield self._samples(k, chosen, plan, drawn)
 
 
 class DevicePhotoBatches(DeviceResidentBatches):
@@ -320,6 +328,7 @@ class DevicePhotoBatches(DeviceResidentBatches):
     def _hold(self) -> None:
         # Decoding waits for `prepare` and its device: one decode of every photo, not two.
         self.held: Optional[held_photos.HeldPhotos] = None
+        self.crops_ahead = DecodeAhead()
 
     def _plans(self, shape: torch.Size) -> held_photos.PhotoPlans:
         self.photo_plans = held_photos.PhotoPlans(self.transform, self.sampler, shape,
@@ -328,6 +337,7 @@ class DevicePhotoBatches(DeviceResidentBatches):
 
     def prepare(self, accelerator) -> None:
         self.device = accelerator.device
+        self.side = SideStream(self.device)
         self.held = held_photos.hold(self.source, self.device)
         # (before the plans' workers start: they draw each crop for its photo's size)
         self.photo_plans.sizes = self.held.sizes()
@@ -338,10 +348,24 @@ class DevicePhotoBatches(DeviceResidentBatches):
                                "before the first batch")
         return self._to_device(self._rank_indices(first)), None
 
-    def _samples(self, k: int, chosen: torch.Tensor, plan,
-                 drawn: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def _made(self, items, count: int, plan) -> Iterator[tuple[torch.Tensor, ...]]:
+        # The crops of batch k+1 queued by a thread while the trainer runs batch k's step
+        # (decode_ahead.py): made in line, their host half (the gather's tables, a launch a
+        # kernel) ran after the step's launches and their kernels after the step's.
+        return self.crops_ahead.batches(items, count, self._crops_started,
+                                        self._crops_handed_over)
+
+    def _crops_started(self, item: tuple) -> tuple:
+        """On the thread: the micro-batch's crops queued (on a GPU, on a side stream)."""
+        _, chosen, drawn = item
         parts = self.photo_plans.parts
-        pixels = self.held.crops(self.transform.image_size, drawn[:parts])
-        return (pixels, self.held.labels.index_select(0, chosen),
+        pixels, done = self.side.run(
+            lambda: self.held.crops(self.transform.image_size, drawn[:parts]))
+        return pixels, done, chosen, drawn[parts:]
+
+    def _crops_handed_over(self, started: tuple) -> tuple[torch.Tensor, ...]:
+        """In the training thread: (pixels, labels, marks, the erasing plans)."""
+        pixels, done, chosen, erasing = started
+        return (taken_over(pixels, done), self.held.labels.index_select(0, chosen),
                 self.held.replaced.index_select(0, chosen),
-                tuple(self._to_device(part) for part in drawn[parts:]))
+                tuple(self._to_device(part) for part in erasing))

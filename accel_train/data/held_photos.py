@@ -124,6 +124,7 @@ class HeldPhotos:
     images: list[torch.Tensor]
     labels: torch.Tensor    # int64 [N] on the device
     replaced: torch.Tensor  # int64 [N] on the device
+    seconds: float = 0.0    # what reading and decoding them all took, the device waited for
 
     def sizes(self) -> list[tuple[int, int]]:
         """(height, width) of each held image: what its crop is drawn for."""
@@ -216,11 +217,13 @@ def hold(source: ImageSource, device: torch.device) -> HeldPhotos:
     SCAN_BATCH at a time, the others and any it refuses on the host, as the loader would (the
     source's substitute for a file that cannot be decoded)."""
     device = torch.device(device)
+    started = time.perf_counter()
     labels = source.labels.clone()
     replaced = torch.full((len(source),), -1, dtype=torch.int64)
     if isinstance(source, ArraySource):  # decoded already: one copy
         held = source.images.to(device)
-        return HeldPhotos(list(held.unbind(0)), labels.to(device), replaced.to(device))
+        return HeldPhotos(list(held.unbind(0)), labels.to(device), replaced.to(device),
+                          _seconds_since(started, device))
     found = scan(source)
     buffer = torch.empty(found.pixel_bytes, dtype=torch.uint8, device=device)
     images: list[Optional[torch.Tensor]] = []
@@ -256,4 +259,13 @@ def hold(source: ImageSource, device: torch.device) -> HeldPhotos:
             images[index] = image
         if used != index:
             labels[index], replaced[index] = source.labels[used], index
-    return HeldPhotos(images, labels.to(device), replaced.to(device))
+    return HeldPhotos(images, labels.to(device), replaced.to(device),
+                      _seconds_since(started, device))
+
+
+def _seconds_since(started: float, device: torch.device) -> float:
+    """Seconds from `started` to the end of the work queued on `device` (a wait once, at the
+    start: the summary says what holding the photos cost)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started

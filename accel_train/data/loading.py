@@ -226,8 +226,12 @@ class DeviceResidentTrainLoader(EpochPosition, DeviceResidentBatches):
 
 class DevicePhotosTrainLoader(DeviceResidentTrainLoader, DevicePhotoBatches):
     """Training photographs decoded once on the device, their batches cropped there
-    (device_resident.DevicePhotoBatches: its `_epoch_plan` and `_samples` make the batches
+    (device_resident.DevicePhotoBatches: its `_epoch_plan` and `_made` make the batches
     that DeviceResidentTrainLoader's pass hands out)."""
+
+    def close(self) -> None:
+        super().close()
+        self.crops_ahead.close()  # the thread that crops ahead (a later pass starts another)
 
 
 @dataclass

@@ -50,6 +50,7 @@ def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precisi
             "data_in_memory": isinstance(data.train, ArraySource),
             # the training photos decoded once on the device (--data-on-device)
             "photos_held": bool(loaders.photos_held),
+            "photos_held_seconds": loaders.train.held.seconds if loaders.photos_held else None,
             # resized, cropped and flipped on the device rather than in the loader
             "placed_on_device": loaders.train.finish.places,
             "sync_bn": net.sync_bn, "model": net.spec.__dict__, "whitened_stem": net.whitened,

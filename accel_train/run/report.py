@@ -88,7 +88,8 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         + (f" ({LIMITS_KEPT[facts['sample_subset']]})" if facts.get("sample_subset") else "")
         + ", "
         f"{len(model['class_names'])} classes, {model['image_size']}px, "
-        + ("training photos decoded once on the device, " if facts.get("photos_held") else
+        + (f"training photos decoded once on the device{_held_in(facts)}, "
+           if facts.get("photos_held") else
            f"{'decoded in memory' if facts['data_in_memory'] else 'decoded per step'}, ")
         + ("resized and cropped on the device, " if facts.get("placed_on_device") else "") +
         f"{facts['num_workers']} loader worker(s)\n"
@@ -102,6 +103,12 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         f"{_length_words(facts['total_steps'], facts.get('max_steps'))}\n"
         f"  output: {facts['output_dir']} (checkpoints in {facts['checkpoint_dir']})\n"
         f"  records: {records}" + _slurm_line(facts.get("launcher", {}).get("slurm")))
+
+
+def _held_in(facts: dict) -> str:
+    """How long decoding the held training photos took at the start, where known."""
+    seconds = facts.get("photos_held_seconds")
+    return f" in {seconds:.1f} s" if seconds is not None else ""
 
 
 def _length_words(total_steps: Optional[int], max_steps: Optional[int]) -> str:

@@ -32,8 +32,9 @@ from accel_train.data.decode import jpeg_header
 from accel_train.data.device_decode import (DeviceDecoder, best_share, choose, flipped, jitter,
                                             time_paths)
 from accel_train.data.jpeg_decoders import orient
-from accel_train.data.loaders import TrainImages, run_transforms
-from accel_train.data.sources import ArraySource, ImageSource, load_data
+from accel_train.data import held_photos
+from accel_train.data.loaders import TrainImages, run_transforms, workers_rate
+from accel_train.data.sources import ArraySource, ImageSource, load_data, spread
 from accel_train.run.trainer_state import TrainerState
 from accel_train.run.resume import keep_choices
 from conftest import PINNED, accel_train_here
@@ -400,6 +401,52 @@ def test_auto_times_both_paths_on_the_runs_own_images(photos):
     # taking crops made by the workers costs the device less than decoding the JPEGs
     assert rates["jitter"] > rates["device"], rates
     assert images.host_decode_share == 0.0  # the run's own dataset left as it was
+
+
+class KeysAsked(TrainImages):
+    """TrainImages that logs the keys of each batch asked of it, on either path."""
+
+    asked: list
+
+    def encoded_batch(self, keys):
+        self.asked.append(list(keys))
+        return super().encoded_batch(keys)
+
+    def __getitems__(self, keys):
+        self.asked.append(list(keys))
+        return super().__getitems__(keys)
+
+
+def test_the_start_up_timings_take_images_spread_over_the_set(tmp_path):
+    """An image folder's rows go class by class: the probes of auto's timings (the device
+    path's, the workers', the held photos' crops) and of --image-size's default take 32
+    images spread over a training set of 48 (24 a class, the second class's photos another
+    size), the first and the last among them, not the first class's alone."""
+    assert spread(8, 20) == [0, 2, 5, 8, 10, 13, 16, 19]  # 19/7 apart, by hand
+    assert spread(5, 5) == [0, 1, 2, 3, 4] and spread(7, 5) == list(range(7))
+    root = tmp_path / "two_sizes"
+    for split, count in (("train", 24), ("val", 1)):
+        for label, size in (("a", (90, 80)), ("b", (120, 100))):
+            (root / split / label).mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", size, (i * 10, 50, 0)).save(root / split / label / f"{i}.jpg")
+    plain = _dataset(root)
+    images = KeysAsked(plain.source, plain.transform, seed=11, mark_replaced=True)
+    images.asked = []
+    time_paths(images, lambda: 0.0, lambda: 0.0, torch.device("cpu"), lambda: 0.0)
+    workers_rate(images, 0)
+    read = []
+    files_at = images.source.files_at
+    images.source.files_at = lambda indices: read.append(list(indices)) or files_at(indices)
+    held_photos.timed_rate(images.source, images.transform, 0, torch.device("cpu"))
+    for keys in images.asked + read:
+        assert keys == spread(32, 48), keys
+        assert keys[0] == 0 and keys[-1] == 47 and len(set(keys)) == 32
+        assert max(b - a for a, b in zip(keys, keys[1:])) <= 2
+        assert sum(key >= 24 for key in keys) >= 15  # the second class's photos
+    # time_paths' two device timings (whole and shared), workers_rate's two passes
+    assert len(images.asked) == 4 and len(read) == 1
+    assert sorted(set(images.source.probed_shapes)) == [(80, 90), (100, 120)]
 
 
 class PidsOfDecoders(TrainImages):

@@ -429,34 +429,46 @@ def test_on_the_gpu_held_photos_give_the_device_decode_paths_batches(photos):  #
 
 
 def test_the_next_batchs_crops_are_made_on_a_thread_while_this_one_trains(photos):  # noqa: F811
-    """The crops of batch k+1 are made on the decode-ahead thread before batch k is handed
-    out (on a GPU: queued on a side stream while the step runs), never the epoch's last
-    batch's before the one before it is trained (its end is the loader's end), in a resumed
-    epoch too; the loader's close ends the thread.  Oracle: the order written out by hand."""
+    """The crops of batch k+1 are made on the decode-ahead thread while the trainer holds batch
+    k (on a GPU: queued on a side stream while the step runs), never the epoch's last batch's
+    before the one before it is trained (its end is the loader's end), in a resumed epoch too;
+    the loader's close ends the thread.  Oracle: the crops made by the time the trainer holds
+    each batch, counted by hand (the thread's crops waited for, with a generous timeout: the
+    thread runs when the machine lets it)."""
     with clean_accelerate_state():
         held = _loader(photos, Accelerator(cpu=True), "held")
-        log, threads, crops = [], set(), held.held.crops
+        made, threads, crops = [], set(), held.held.crops
+        changed = threading.Condition()
 
         def logged(size, drawn):
-            threads.add(threading.current_thread())
-            log.append(("crop", int(drawn[0][0])))
-            return crops(size, drawn)
+            pixels = crops(size, drawn)
+            with changed:
+                threads.add(threading.current_thread())
+                made.append(int(drawn[0][0]))
+                changed.notify_all()
+            return pixels
+
+        def made_by_now(count: int, seconds: float) -> bool:
+            with changed:
+                return changed.wait_for(lambda: len(made) >= count, timeout=seconds)
 
         held.held.crops = logged
-        firsts = []
-        for batch in held:  # 3 batches of 4
-            firsts.append(int(batch.keys[0]))
-            log.append(("trained", firsts[-1]))
-        assert log == [("crop", firsts[0]), ("crop", firsts[1]), ("trained", firsts[0]),
-                       ("trained", firsts[1]), ("crop", firsts[2]), ("trained", firsts[2])]
+        keys = []
+        for k, batch in enumerate(held):  # 3 batches of 4
+            keys.append(int(batch.keys[0]))
+            if k == 0:  # the next batch's crops, made while this one is held
+                assert made_by_now(2, 60), made
+            elif k == 1:  # the next is the last: not made before this one is done with
+                assert not made_by_now(3, 1.0), made
+        assert made == keys
         assert threads and all(thread.name.startswith("decode-ahead") for thread in threads)
         assert threading.current_thread() not in threads
-        log.clear()
+        made.clear()
         held.samples_in_epoch = BATCH  # a resumed epoch: 2 batches left, the 2nd the last
-        for batch in held:
-            log.append(("trained", int(batch.keys[0])))
-        assert log == [("crop", firsts[1]), ("trained", firsts[1]), ("crop", firsts[2]),
-                       ("trained", firsts[2])]
+        for k, batch in enumerate(held):
+            if k == 0:
+                assert not made_by_now(2, 1.0), made
+        assert made == keys[1:]
         held.close()
         assert not any(thread.is_alive() for thread in threads)
 

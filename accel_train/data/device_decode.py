@@ -43,7 +43,7 @@ from accel_train.data.batched_resize import on_device, resized_crops
 from accel_train.data.decode import jpeg_header
 from accel_train.data.decode_ahead import SideStream, taken_over
 from accel_train.data.jpeg_decoders import each_or_none, jpeg_decoder, missing
-from accel_train.data.sources import ArraySource, HFSource, ImageSource
+from accel_train.data.sources import ArraySource, HFSource, ImageSource, spread
 from accel_train.data.transforms import CROP_SALT, SMALL_IMAGE, ImageTransform
 
 MODES = ("auto", "always", "never")
@@ -571,10 +571,11 @@ def time_paths(dataset, host_rate: Callable[[], float], shared_rate: Callable[[]
                device: torch.device, train_rate: Callable[[], float]) -> dict:
     """The rates `choose` weighs: `host_rate()` and `shared_rate()` (the loader's workers, timed
     together: loading.machine_workers_rate, on their whole path and on the share's), the device
-    path decoding and cropping the run's own first PROBE_IMAGES training images, and taking
-    the workers' crops of them (made here first, untimed), and `train_rate()`."""
+    path decoding and cropping PROBE_IMAGES of the run's own training images (spread over
+    the set), and taking the workers' crops of them (made here first, untimed), and
+    `train_rate()`."""
     count = min(PROBE_IMAGES, len(dataset))
-    keys = list(range(count))
+    keys = spread(count, len(dataset))
     decoder = DeviceDecoder(device, dataset)
     wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 

@@ -33,7 +33,7 @@ from accel_train.data.device_erasing import ErasingPlans
 from accel_train.data.device_decode import (PROBE_IMAGES, decode_jpegs, draw_plans, flipped,
                                             jitter, transform_unfit)
 from accel_train.data.jpeg_decoders import jpeg_decoder, missing
-from accel_train.data.sources import ArraySource, HFSource, ImageSource
+from accel_train.data.sources import ArraySource, HFSource, ImageSource, spread
 from accel_train.data.transforms import SMALL_IMAGE, ImageTransform
 
 SCAN_BATCH = 256  # files read at once while their headers are read and while decoding them
@@ -180,16 +180,17 @@ def photo_draws(transform: ImageTransform, seed: int, epoch: int, indices: np.nd
 def timed_rate(source: ImageSource, transform: ImageTransform, seed: int,
                device: torch.device) -> float:
     """Images a second `device` crops, resizes, flips and jitters held photos at (`HeldPhotos.
-    crops`, the draws made beforehand as the workers make them): the source's first
-    PROBE_IMAGES images (JPEGs decoded there), their crops timed, the best of two (the first
-    pays its start-up), waiting for the device.  0 where none of them decodes there."""
+    crops`, the draws made beforehand as the workers make them): PROBE_IMAGES of the source's
+    images spread over it (the JPEGs among them decoded there), their crops timed, the best of
+    two (the first pays its start-up), waiting for the device.  0 where none of them decodes
+    there."""
     device = torch.device(device)
-    count = min(PROBE_IMAGES, len(source))
+    probed = spread(min(PROBE_IMAGES, len(source)), len(source))
     if isinstance(source, ArraySource):
-        images = list(source.images[:count].to(device).unbind(0))
+        images = list(source.images[probed].to(device).unbind(0))
     else:
         blobs, turns = [], []
-        for item in source.files_at(range(count)):
+        for item in source.files_at(probed):
             header = jpeg_header(item) if isinstance(item, bytes) else None
             if header is not None:
                 blobs.append(torch.frombuffer(bytearray(item), dtype=torch.uint8))

@@ -22,7 +22,7 @@ from accel_train.data.augment import build_erasing, build_policy
 from accel_train.data.device_decode import encode_batch
 from accel_train.data.loader_watch import reading
 from accel_train.base.randomness import DATASET_READ_SALT, loader_generator, seeded
-from accel_train.data.sources import ArraySource, ImageSource
+from accel_train.data.sources import ArraySource, ImageSource, spread
 from accel_train.data.transforms import (ImageTransform, held_out_crop, held_out_transform,
                                          single_threaded)
 from accel_train.data.worker_start import worker_context, worker_init_fn
@@ -380,13 +380,13 @@ def end_workers(loader: DataLoader) -> None:
 
 def workers_rate(dataset: "TrainImages", workers: int) -> float:
     """Images a second `workers` loader worker processes decode and augment together (the
-    host path --decode-on-device auto weighs against the GPU's), over the run's first training
-    keys; with no workers, this process alone.  Why together: one thread's rate times the
-    workers overestimated them 1.6x on an H200 node (15 workers on 16 logical CPUs, of which
-    SMT siblings share cores, and all share memory bandwidth), and auto kept the workers where
-    the GPU was faster."""
+    host path --decode-on-device auto weighs against the GPU's), over training keys spread
+    over the set (sources.spread); with no workers, this process alone.  Why together: one
+    thread's rate times the workers overestimated them 1.6x on an H200 node (15 workers on 16
+    logical CPUs, of which SMT siblings share cores, and all share memory bandwidth), and auto
+    kept the workers where the GPU was faster."""
     if workers == 0:
-        keys = list(range(RATE_BATCH * RATE_BATCHES_EACH))
+        keys = spread(RATE_BATCH * RATE_BATCHES_EACH, len(dataset))
         best = math.inf
         for _ in range(2):  # the first pays its start-up (libraries, caches)
             started = time.perf_counter()
@@ -396,7 +396,8 @@ def workers_rate(dataset: "TrainImages", workers: int) -> float:
     count = workers * RATE_BATCHES_EACH * RATE_BATCH
     # persistent: the timed pass starts with the workers up and their libraries loaded
     loader = make_loader(dataset, RATE_BATCH, workers, prefetch_factor=2,
-                         persistent_workers=True, pin_memory=False, sampler=range(count))
+                         persistent_workers=True, pin_memory=False,
+                         sampler=spread(count, len(dataset)))
     for _ in loader:
         pass
     started = time.perf_counter()

@@ -57,6 +57,16 @@ NATIVE_SIZE_PROBE = 32  # images looked at to tell a data set's own image size
 MIXED_SIZE_DEFAULT = 224  # --image-size for data sets of mixed sizes: timm's usual input size
 
 
+def spread(count: int, length: int) -> list[int]:
+    """`count` indices of a split of `length` images to look at or time: evenly spread over it,
+    first and last included, where it holds more, else 0..count-1 (as sample keys, those past
+    `length` are the next epoch's).  Spread, not the first few: an image folder's rows go class
+    by class, and the first class's images are not the others' sizes."""
+    if count >= length:
+        return list(range(count))
+    return sorted({int(i) for i in np.linspace(0, length - 1, count)})
+
+
 def default_image_size(source: "ImageSource") -> int:
     """--image-size when not given: the images' own size where they share one (CIFAR's 32, no
     resize at all), but no more than MIXED_SIZE_DEFAULT: photographs from one camera share a
@@ -91,12 +101,9 @@ class ImageSource:
 
     @functools.cached_property
     def probed_shapes(self) -> list[tuple[int, int]]:
-        """(height, width) of up to NATIVE_SIZE_PROBE images spread over the split.  Spread,
-        not the first few: an image folder's rows go class by class, and the first class's
-        size is not the others'."""
-        spread = np.linspace(0, len(self) - 1, min(len(self), NATIVE_SIZE_PROBE))
+        """(height, width) of up to NATIVE_SIZE_PROBE images spread over the split."""
         return [tuple(image.shape[-2:]) for image in
-                self.images_at(sorted({int(i) for i in spread}))]
+                self.images_at(spread(min(len(self), NATIVE_SIZE_PROBE), len(self)))]
 
     @functools.cached_property
     def native_size(self) -> int:

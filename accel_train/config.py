@@ -110,7 +110,9 @@ class TrainConfig:
                                  "there trains faster than decoding them every epoch, timed "
                                  "at the start); always: whenever the "
                                  "images allow (on a CPU too); never: a DataLoader. The same "
-                                 "batches either way.", "data",
+                                 "batches either way. Where the training images are held "
+                                 "there, the held-out batches are kept there after the first "
+                                 "evaluation if they fit beside them.", "data",
                                  choices=DATA_ON_DEVICE_MODES)
     decode_on_device: str = option("auto", "Decode the training JPEGs on the GPU (nvJPEG) and "
                                    "crop, flip and colour-jitter them there, the loader workers "

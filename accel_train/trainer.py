@@ -34,6 +34,7 @@ from accel_train.base.readers import ANOTHER_MODELS_WEIGHTS, BadFile
 from accel_train.callbacks import Callback, CallbackList
 from accel_train.config import TrainConfig
 from accel_train.data.badimages import BadImageLog
+from accel_train.data.held_out_kept import pacer_for
 from accel_train.data.loaders import end_workers
 from accel_train.data.loading import build_loaders, refuse_bad_loader_input
 from accel_train.data.class_weights import maybe_class_weights
@@ -226,6 +227,8 @@ class Trainer:
         self.train_loader.warn = self.report.warn  # a loader worker restarted, for one
         self.evaluator = HeldOutEvaluator(acc, self.held_out_loader, self.bad_images,
                                           net.spec.num_classes, self.speed.channels_last, config)
+        if self.loaders.held_out_kept:
+            self.evaluator.keep_batches(acc.prepare(pacer_for(self.loaders.held_out)))
         self.test_split = maybe_test_split(acc, self.loaders.test, self.bad_images,
                                            net.spec.num_classes, self.speed.channels_last, config)
 

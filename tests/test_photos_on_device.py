@@ -465,7 +465,7 @@ def test_the_next_batchs_crops_are_made_on_a_thread_while_this_one_trains(photos
         assert threading.current_thread() not in threads
         made.clear()
         held.samples_in_epoch = BATCH  # a resumed epoch: 2 batches left, the 2nd the last
-        for k, batch in enumerate(held):
+        for k, _ in enumerate(held):
             if k == 0:
                 assert not made_by_now(2, 1.0), made
         assert made == keys[1:]

@@ -54,7 +54,7 @@ def device_memory() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
-def _gb(count: int) -> str:
+def gb(count: int) -> str:
     return f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.1f} MB"
 
 
@@ -116,8 +116,8 @@ def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool
     what = "the training photos decoded once and held there" if photos else \
         "the training set held there"
     if mode == "always":
-        size = _held_bytes(source, photos)
-        return True, f"drawn on the device, {what} ({_gb(size)}; {flag})"
+        size = held_bytes(source, photos)
+        return True, f"drawn on the device, {what} ({gb(size)}; {flag})"
     if not cuda:
         return False, f"a DataLoader ({flag}: not on a CUDA device)"
     if photos and workers == 0:  # (DevicePhotoBatches says what they cost)
@@ -138,16 +138,16 @@ def choose(mode: str, source: ImageSource, transform: ImageTransform, cuda: bool
         # images' sizes put far over the line (ImageNet's 1.28 million files).
         estimate = guessed_bytes(source)
         if estimate > SCAN_MARGIN * MEMORY_SHARE * memory:
-            return False, (f"a DataLoader ({flag}: the training set's about {_gb(estimate)} "
-                           f"decoded is over {MEMORY_SHARE:.0%} of the device's {_gb(memory)})")
+            return False, (f"a DataLoader ({flag}: the training set's about {gb(estimate)} "
+                           f"decoded is over {MEMORY_SHARE:.0%} of the device's {gb(memory)})")
         unfit = _photos_unfit(held_photos.scan(source), auto=True)
         if unfit:
             return False, f"a DataLoader ({flag}: {unfit})"
-    size = _held_bytes(source, photos)
+    size = held_bytes(source, photos)
     if size > MEMORY_SHARE * memory:
-        return False, (f"a DataLoader ({flag}: the training set's {_gb(size)} is over "
-                       f"{MEMORY_SHARE:.0%} of the device's {_gb(memory)})")
-    fits = f"{_gb(size)}, within {MEMORY_SHARE:.0%} of its {_gb(memory)}"
+        return False, (f"a DataLoader ({flag}: the training set's {gb(size)} is over "
+                       f"{MEMORY_SHARE:.0%} of the device's {gb(memory)})")
+    fits = f"{gb(size)}, within {MEMORY_SHARE:.0%} of its {gb(memory)}"
     if photos:
         wins, figures = held_wins(rates())
         if not wins:
@@ -175,7 +175,7 @@ def held_wins(rates: dict) -> tuple[bool, str]:
     return held >= other, figures
 
 
-def _held_bytes(source: ImageSource, photos: bool) -> int:
+def held_bytes(source: ImageSource, photos: bool) -> int:
     """What holding a source on the device takes: small images as stored (`stored_bytes`),
     photographs decoded (their pixels, labels and marks)."""
     if not photos:

@@ -37,8 +37,9 @@ from accel_train.data.device_decode import Decoding, DeviceDecoder, sharing_all,
 from accel_train.data.device_decode import unfit_reason as device_decoding_unfit
 from accel_train.data.device_decode import choose as choose_device_decoding
 from accel_train.data.device_resident import (DevicePhotoBatches, DeviceResidentBatches,
-                                              small_in_memory)
+                                              held_bytes, small_in_memory)
 from accel_train.data.device_resident import choose as choose_data_on_device
+from accel_train.data.held_out_kept import keep_held_out, kept_bytes
 from accel_train.data.held_photos import timed_rate
 from accel_train.data.streaming import STREAM_STATE, build_stream_loader, streaming_wanted
 from accel_train.data.worker_deaths import restarting_dead_workers, watch_workers_quietly
@@ -251,6 +252,10 @@ class Loaders:
     # photographs (not small in-memory images, not streamed) held on the device or not; None
     # for other data
     photos_held: Optional[bool] = None
+    # the held-out batches kept on the device after the first evaluation (held_out_kept.py),
+    # and the summary's words for it ("" where the training set is not held there)
+    held_out_kept: bool = False
+    held_out_batches: str = ""
 
 
 def machine_workers_rate(images: TrainImages, workers: int, processes_per_machine: int) -> float:
@@ -338,6 +343,7 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
     wanted_workers = config.num_workers if config.num_workers is not None else \
         default_num_workers(data.train, process_cores(processes_per_machine), cuda)
     decoding = Decoding(False, "")
+    on_device = False
     if streaming_wanted(config):
         # (--data-on-device always is bad input here; auto's reason is for the summary)
         _, choice = choose_data_on_device(config.data_on_device, data.train, train_tf, cuda,
@@ -404,8 +410,14 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
         if source is not None else None
         for source in (data.held_out, data.test))
     photos = not streaming_wanted(config) and not small_in_memory(data.train)
+    keeps, kept_words = keep_held_out(
+        config.data_on_device, on_device,
+        kept_bytes(len(data.held_out), held_out_tf.image_size, config.batch_size,
+                   num_processes),
+        held_bytes(data.train, photos) if on_device else 0, cuda)
     return Loaders(train, held_out, workers, global_batch, steps, choice, test,
                    decoding=decoding.why, decoded_on_device=decoding.on_device,
                    host_decode_share=decoding.share if decoding.on_device else None,
-                   photos_held=isinstance(train, DevicePhotosTrainLoader) if photos else None)
+                   photos_held=isinstance(train, DevicePhotosTrainLoader) if photos else None,
+                   held_out_kept=keeps, held_out_batches=kept_words)
 

@@ -46,6 +46,7 @@ def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precisi
             "sample_subset": data.sample_subset,  # the rule of a sample limit that cut a split
             "labels": data.labels,  # a metadata file's, where one gave them
             "num_workers": loaders.num_workers, "train_loader": loaders.choice,
+            "held_out_batches": loaders.held_out_batches,
             "jpeg_decoding": loaders.decoding,
             "data_in_memory": isinstance(data.train, ArraySource),
             # the training photos decoded once on the device (--data-on-device)

@@ -96,6 +96,8 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         + (f"  labels: {facts['labels']}\n" if facts.get("labels") else "")
         # which training loader build_loaders chose, and why (--data-on-device)
         + (f"  train batches: {facts['train_loader']}\n" if facts.get("train_loader") else "")
+        + (f"  held-out batches: {facts['held_out_batches']}\n"
+           if facts.get("held_out_batches") else "")
         + (f"  JPEGs decoded {facts['jpeg_decoding']}\n" if facts.get("jpeg_decoding") else "")
         + f"  global batch {facts['global_batch']} = {per_process} per process x {world} "
         f"process(es) x {accumulation_steps} accumulation step(s); "

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel_train.base.columns import display_width, pad
-from accel_train.data.loaders import collate_batch
+from accel_train.data.held_out_kept import KeptHeldOut
+from accel_train.data.loaders import collate_batch, end_workers
 from accel_train.data.loading import stop_when_stuck
 from accel_train.train.budget import TTA_PASSES
 from accel_train.train.selection import value_text
@@ -192,6 +193,13 @@ class HeldOutEvaluator:
         self.num_classes, self.channels_last, self.tta = num_classes, channels_last, config.tta
         self.batch_size, self.loader_timeout = config.batch_size, config.loader_timeout
         self.eval_every = config.eval_every
+        self.batches = loader  # what each evaluation iterates
+
+    def keep_batches(self, pacer) -> None:
+        """Evaluations after the first take its batches, kept on the device (data/
+        held_out_kept.py; `pacer`: the loader's indices, prepared as the loader is); the
+        loader's workers end once it has been read through."""
+        self.batches = KeptHeldOut(self.loader, pacer, lambda: end_workers(self.loader))
 
     def due(self, epoch: int, last: bool) -> bool:
         """--eval-every N: the Nth epoch ends evaluate (`epoch` 0-based), and the `last` always
@@ -211,7 +219,7 @@ class HeldOutEvaluator:
             # and model.safetensors keep (and the ones training continues with anyway).
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
-        batches = stop_when_stuck(self.loader, self.loader_timeout,
+        batches = stop_when_stuck(self.batches, self.loader_timeout,
                                   f"evaluating after step {step}")
         return evaluate_classifier(self.accelerator, model,
                                    self.bad_images.strip(batches, self.split),

@@ -1,0 +1,140 @@
+"""The held-out batches kept on the device after the first evaluation where the training set is
+held there (accel_train/data/held_out_kept.py).
+
+Oracles: the prepared loader's own evaluation (the same numbers, to the bit, from the kept
+batches, with no image read again); `accel-train eval` on one process, the loader's path, against
+a two-process run's last evaluation, made from kept batches (each held-out image counted once,
+where the last batch was evened out with repeats); the bytes and the rule's words by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from PIL import Image
+from torch import nn
+
+from accel_train.config import TrainConfig
+from accel_train.data.held_out_kept import KeptHeldOut, keep_held_out, kept_bytes, pacer_for
+from accel_train.data.loaders import HeldOutImages, make_loader, run_transforms
+from accel_train.data.loading import build_loaders
+from accel_train.data.sources import load_data
+from accel_train.train.evaluate import evaluate_classifier
+from conftest import PINNED, clean_accelerate_state, free_port, run
+from test_device_decode import _spec
+
+MB = 10**6
+
+
+def test_what_keeping_takes_and_when_it_is_kept_by_hand():
+    # 10 images in batches of 4 on 2 processes: 2 batches of 4 a process, 8 images, each
+    # 3 x 8 x 8 float32 pixels (768 bytes) and a label and a mark (16)
+    assert kept_bytes(10, 8, 4, 2) == 8 * (3 * 8 * 8 * 4 + 16)
+    assert kept_bytes(16, 8, 4, 2) == 8 * 784 and kept_bytes(17, 8, 4, 2) == 12 * 784
+    assert kept_bytes(10, 8, 4, 1) == 12 * 784
+    # a tenth of 4 GB: 310 MB of training images and 90 MB kept fit, 91 MB do not
+    assert keep_held_out("auto", True, 90 * MB, 310 * MB, True, memory=4000 * MB) == (
+        True, "kept on the device after the first evaluation (90.0 MB a process; "
+              "--data-on-device auto)")
+    assert keep_held_out("always", True, 91 * MB, 310 * MB, False, memory=4000 * MB) == (
+        False, "from the loader at each evaluation (91.0 MB a process beside the training "
+               "set's 0.31 GB is over 10% of the machine's 4.00 GB)")
+    # the training set not held there, or never: not a word
+    assert keep_held_out("auto", False, 1, 0, True, memory=4000 * MB) == (False, "")
+    assert keep_held_out("never", True, 1, 0, True, memory=4000 * MB) == (False, "")
+
+
+class CountedReads(HeldOutImages):
+    """Held-out images that count the batches read from their files."""
+
+    reads = 0
+
+    def __getitems__(self, indices):
+        CountedReads.reads += 1
+        return super().__getitems__(indices)
+
+
+@pytest.fixture(scope="module")
+def photos_with_validation(tmp_path_factory) -> Path:
+    """2 classes, 16 training and 13 validation JPEGs of 70-90 px (13: no whole batch of 4)."""
+    root = tmp_path_factory.mktemp("kept")
+    for split, counts in (("train", (8, 8)), ("val", (7, 6))):
+        for (label, colour), count in zip((("a", (200, 40, 40)), ("b", (40, 40, 200))), counts):
+            (root / split / label).mkdir(parents=True)
+            for i in range(count):
+                image = Image.new("RGB", (70 + 3 * i, 90 - 2 * i), colour)
+                image.paste((i * 19 % 255, 128, 0), (5, 5, 30 + i, 40))
+                image.save(root / split / label / f"{i}.jpg")
+    return root
+
+
+def test_kept_batches_give_the_loaders_numbers_and_read_no_image_again(photos_with_validation):
+    config = TrainConfig(data_dir=str(photos_with_validation), in_memory="never",
+                         image_size=32)
+    data = load_data(config)
+    transform = run_transforms(config, _spec(32))[1]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 2))
+    with clean_accelerate_state():
+        accelerator = Accelerator(cpu=True)
+        raw = make_loader(CountedReads(data.held_out, transform, mark_replaced=True), 4, 0, 2,
+                          False, False)
+        loader = accelerator.prepare(raw)
+        expected = evaluate_classifier(accelerator, model, loader, 2, False, "none")
+        assert expected["count"] == len(data.held_out) == 13
+        ended = []
+        kept = KeptHeldOut(loader, accelerator.prepare(pacer_for(raw)),
+                           lambda: ended.append(True))
+        CountedReads.reads = 0
+        first = evaluate_classifier(accelerator, model, kept, 2, False, "none")
+        assert CountedReads.reads == 4 and ended == [True]  # 13 images in batches of 4
+        for _ in range(2):
+            again = evaluate_classifier(accelerator, model, kept, 2, False, "none")
+            assert again == first == expected
+        assert CountedReads.reads == 4 and ended == [True]  # nothing read, nor ended, again
+        # the same tensors, not copies of them
+        assert [b[0].data_ptr() for b in kept] == [b[0].data_ptr() for b in kept.kept]
+
+
+def test_the_summary_says_whether_the_held_out_batches_are_kept(photos_with_validation):
+    for mode, said in (("always", "kept on the device after the first evaluation (0.2 MB a "
+                                  "process; --data-on-device always)"),
+                       ("never", "")):
+        config = TrainConfig(data_dir=str(photos_with_validation), in_memory="never",
+                             image_size=32, batch_size=4, num_workers=0, data_on_device=mode)
+        loaders = build_loaders(config, load_data(config), _spec(32), 1, 0, 1, False)
+        # 13 images: 4 batches of 4, each image 3 x 32 x 32 float32 + 16 bytes
+        assert kept_bytes(13, 32, 4, 1) == 16 * (3 * 32 * 32 * 4 + 16) == 196_864
+        assert (loaders.held_out_kept, loaders.held_out_batches) == (bool(said), said)
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_kept_batches_as_eval_does_each_image_once(
+        photos_with_validation, tmp_path):
+    """A run on 2 processes (torchrun, gloo) holding its photos, 2 epochs: the second epoch's
+    evaluation comes from kept batches (2 a process of 4: 16 images for 13, the last batch
+    evened out with repeats that Accelerate must drop): its numbers are those of `accel-train
+    eval` on the saved model, one process reading the files."""
+    out = tmp_path / "run"
+    started = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                   "-m", "accel_train", "--data-dir", str(photos_with_validation),
+                   "--model", "test_resnet", "--image-size", "32", "--batch-size", "4",
+                   "--epochs", "2", "--data-on-device", "always", "--num-workers", "0",
+                   "--in-memory", "never", "--output-dir", str(out), "--progress", "log",
+                   *PINNED], timeout=300, check=True)
+    assert "held-out batches: kept on the device after the first evaluation" in started.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r.get("type") == "epoch"][-1]
+    evaluated = run([sys.executable, "-m", "accel_train", "eval", str(out), "--json"],
+                    timeout=300, check=True)
+    oracle = json.loads(evaluated.stdout)
+    assert last["eval_count"] == oracle["count"] == 13, (last, oracle)
+    assert last["eval_top1"] == oracle["top1"]
+    assert last["eval_loss"] == pytest.approx(oracle["loss"], abs=1e-5)

@@ -92,13 +92,15 @@ CASES = {
     "crop_resize": ["--quick"],
     # one tiny network in both precisions (a CPU's fp16 is fp32: the arms' code, no figures)
     "fp16_networks": ["--quick", "--allow-cpu", "--models", "test_resnet", "--image-size", "32"],
+    # 12 held-out photos it makes, 2 epochs a run at 64 px: a first and a later evaluation
+    "held_out": ["--quick", "--val-per-class", "3", "--size", "64", "--batch", "8"],
 }
 # The scripts that make their own data instead of reading CIFAR-10
-OWN_DATA = {"jpeg_input", "gpu_jpeg", "crop_resize", "max_side"}
+OWN_DATA = {"jpeg_input", "gpu_jpeg", "crop_resize", "max_side", "held_out"}
 # The scripts that take no --tmp (they write nothing large)
 NO_TMP = {"comm", "gpu", "threads", "manual_ranks", "precision", "worker_start", "gpu_cifar",
           "device_resident", "jpeg_input", "gpu_jpeg", "fp16_networks", "crop_resize",
-          "max_side"}
+          "max_side", "held_out"}
 # benchmarks/anchors/airbench_cpu.py on generated data in the CIFAR-10 layout: 2 steps an epoch
 # for 4 epochs (the averaging syncs at steps 5 and the last, 8), one JSON line with the three
 # levels.  Batch
@@ -227,7 +229,16 @@ def both_folders_at_their_sizes(data: dict) -> None:
     assert float(taken[1]) > 0 and float(stored[1].replace(",", "")) > 0, table
 
 
-TABLE_CHECKS = {"max_side": both_folders_at_their_sizes,
+def both_ways_of_evaluating(data: dict) -> None:
+    """bench_held_out.py: each arm ran a first and a later evaluation, each timed."""
+    (table,) = data["tables"]
+    never, kept = table["rows"]
+    assert never[0].startswith("from the loader") and kept[0].startswith("kept after"), table
+    assert all(len(run) == 2 and min(run) > 0 for runs in data["eval_times"].values()
+               for run in runs), data["eval_times"]
+
+
+TABLE_CHECKS = {"max_side": both_folders_at_their_sizes, "held_out": both_ways_of_evaluating,
                 "anchor_side_by_side": both_arms_and_a_ratio, "host_memory": each_arm_as_it_says,
                 "step_syncs": every_step_watched, "anchor_step": the_anchors_precision,
                 "fp16_networks": every_arm_trained, "gpu_jpeg": the_always_arm_profiled}

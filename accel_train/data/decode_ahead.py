@@ -92,7 +92,6 @@ def _ahead(pool: ThreadPoolExecutor, raw: Iterator[Raw], count: int,
             pending.exception()
 
 
-
 class SideStream:
     """Work queued on a CUDA stream of its own, from any thread; on other devices, in line.
 

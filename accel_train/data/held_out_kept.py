@@ -69,10 +69,6 @@ class KeptHeldOut:
         self.loader, self.pacer, self.after_first = loader, pacer, after_first
         self.kept: Optional[list] = None
 
-    @property
-    def dataset(self):
-        return self.loader.dataset
-
     def __iter__(self) -> Iterator:
         if self.kept is not None:
             # strict: the pacer ends with the kept batches, or the shards differ

@@ -44,9 +44,28 @@ def test_what_keeping_takes_and_when_it_is_kept_by_hand():
     assert keep_held_out("always", True, 91 * MB, 310 * MB, False, memory=4000 * MB) == (
         False, "from the loader at each evaluation (91.0 MB a process beside the training "
                "set's 0.31 GB is over 10% of the machine's 4.00 GB)")
+    assert keep_held_out("auto", True, 91 * MB, 310 * MB, True, memory=4000 * MB)[1].endswith(
+        "over 10% of the device's 4.00 GB)")
     # the training set not held there, or never: not a word
     assert keep_held_out("auto", False, 1, 0, True, memory=4000 * MB) == (False, "")
     assert keep_held_out("never", True, 1, 0, True, memory=4000 * MB) == (False, "")
+
+
+def test_a_pass_cut_short_keeps_nothing_and_a_pacer_of_another_length_is_an_error():
+    """Plain lists for the loader and the pacer: the first whole pass is kept, the one before
+    it, cut short (an error, a stop), is not; the pacer must end with the kept batches."""
+    ended = []
+    kept = KeptHeldOut(["a", "b"], [0, 1], lambda: ended.append(True))
+    passes = iter(kept)
+    assert next(passes) == "a"
+    passes.close()  # cut short
+    assert kept.kept is None and not ended
+    assert list(kept) == ["a", "b"] and ended == [True]
+    kept.loader = ["read again"]  # nothing is read from it now
+    assert list(kept) == ["a", "b"] and ended == [True]
+    kept.pacer = [0, 1, 2]  # another shard than the kept one's
+    with pytest.raises(ValueError):
+        list(kept)
 
 
 class CountedReads(HeldOutImages):

@@ -80,7 +80,8 @@ class CountedReads(HeldOutImages):
 
 @pytest.fixture(scope="module")
 def photos_with_validation(tmp_path_factory) -> Path:
-    """2 classes, 16 training and 13 validation JPEGs of 70-90 px (13: no whole batch of 4)."""
+    """2 classes, 16 training and 13 validation JPEGs of 70-90 px (13: no whole batch of 4), one
+    of the validation ones cut short."""
     root = tmp_path_factory.mktemp("kept")
     for split, counts in (("train", (8, 8)), ("val", (7, 6))):
         for (label, colour), count in zip((("a", (200, 40, 40)), ("b", (40, 40, 200))), counts):
@@ -89,6 +90,8 @@ def photos_with_validation(tmp_path_factory) -> Path:
                 image = Image.new("RGB", (70 + 3 * i, 90 - 2 * i), colour)
                 image.paste((i * 19 % 255, 128, 0), (5, 5, 30 + i, 40))
                 image.save(root / split / label / f"{i}.jpg")
+    cut = root / "val" / "a" / "6.jpg"  # one held-out file cut short: left out of the numbers
+    cut.write_bytes(cut.read_bytes()[:300])
     return root
 
 
@@ -106,7 +109,7 @@ def test_kept_batches_give_the_loaders_numbers_and_read_no_image_again(photos_wi
                           False, False)
         loader = accelerator.prepare(raw)
         expected = evaluate_classifier(accelerator, model, loader, 2, False, "none")
-        assert expected["count"] == len(data.held_out) == 13
+        assert (expected["count"], expected["left_out"], len(data.held_out)) == (12, 1, 13)
         ended = []
         kept = KeptHeldOut(loader, accelerator.prepare(pacer_for(raw)),
                            lambda: ended.append(True))
@@ -138,8 +141,9 @@ def test_two_processes_evaluate_kept_batches_as_eval_does_each_image_once(
         photos_with_validation, tmp_path):
     """A run on 2 processes (torchrun, gloo) holding its photos, 2 epochs: the second epoch's
     evaluation comes from kept batches (2 a process of 4: 16 images for 13, the last batch
-    evened out with repeats that Accelerate must drop): its numbers are those of `accel-train
-    eval` on the saved model, one process reading the files."""
+    evened out with repeats that Accelerate must drop; the cut file's substitute marked and
+    left out): its numbers are those of `accel-train eval` on the saved model, one process
+    reading the files."""
     out = tmp_path / "run"
     started = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                    "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
@@ -154,6 +158,8 @@ def test_two_processes_evaluate_kept_batches_as_eval_does_each_image_once(
     evaluated = run([sys.executable, "-m", "accel_train", "eval", str(out), "--json"],
                     timeout=300, check=True)
     oracle = json.loads(evaluated.stdout)
-    assert last["eval_count"] == oracle["count"] == 13, (last, oracle)
+    assert (last["eval_count"], last["eval_left_out"]) == (oracle["count"],
+                                                            oracle["left_out"]) == (12, 1), \
+        (last, oracle)
     assert last["eval_top1"] == oracle["top1"]
     assert last["eval_loss"] == pytest.approx(oracle["loss"], abs=1e-5)

@@ -16,7 +16,6 @@ on a GPU they are a small one, and the decoding the loader workers redo the larg
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +36,7 @@ def eval_times(root: Path, mode: str, args, out: Path) -> list[float]:
                   "--epochs", args.epochs, "--data-on-device", mode, "--in-memory", "never",
                   "--num-workers", args.workers, "--output-dir", out, "--progress", "log",
                   *benchlib.FIXED_COMPUTE], timeout=1800)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = benchlib.read_jsonl(out / "metrics.jsonl")
     return [r["eval_time"] for r in records if r.get("type") == "epoch" and "eval_time" in r]
 
 

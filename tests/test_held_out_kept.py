@@ -26,6 +26,7 @@ from accel_train.data.loading import build_loaders
 from accel_train.data.sources import load_data
 from accel_train.train.evaluate import evaluate_classifier
 from conftest import PINNED, clean_accelerate_state, free_port, run
+from faults import metrics
 from test_device_decode import _spec
 
 MB = 10**6
@@ -153,8 +154,7 @@ def test_two_processes_evaluate_kept_batches_as_eval_does_each_image_once(
                    "--in-memory", "never", "--output-dir", str(out), "--progress", "log",
                    *PINNED], timeout=300, check=True)
     assert "held-out batches: kept on the device after the first evaluation" in started.stdout
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    last = [r for r in records if r.get("type") == "epoch"][-1]
+    last = [r for r in metrics(out) if r.get("type") == "epoch"][-1]
     evaluated = run([sys.executable, "-m", "accel_train", "eval", str(out), "--json"],
                     timeout=300, check=True)
     oracle = json.loads(evaluated.stdout)

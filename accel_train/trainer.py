@@ -228,7 +228,8 @@ class Trainer:
         self.evaluator = HeldOutEvaluator(acc, self.held_out_loader, self.bad_images,
                                           net.spec.num_classes, self.speed.channels_last, config)
         if self.loaders.held_out_kept:
-            self.evaluator.keep_batches(acc.prepare(pacer_for(self.loaders.held_out)))
+            self.evaluator.keep_batches(acc.prepare(pacer_for(self.loaders.held_out)),
+                                        self.loaders.held_out_finish)
         self.test_split = maybe_test_split(acc, self.loaders.test, self.bad_images,
                                            net.spec.num_classes, self.speed.channels_last, config)
 

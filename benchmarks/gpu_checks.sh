@@ -88,7 +88,8 @@ echo "bench_fp16_networks exit $?"
 stamp the tests that need a GPU
 timeout 40 "$python" -m pytest -q -p no:cacheprovider -n 0 tests/test_decode_ahead.py \
     tests/test_device_decode.py tests/test_api.py tests/test_batched_resize.py \
-    tests/test_host_decode_share.py tests/test_photos_on_device.py -k "cuda or on_the_gpu" 2>&1 \
+    tests/test_host_decode_share.py tests/test_photos_on_device.py tests/test_held_out_kept.py \
+    -k "cuda or on_the_gpu" 2>&1 \
     | tail -15
 echo "tests exit ${PIPESTATUS[0]}"
 stamp done

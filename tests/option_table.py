@@ -164,8 +164,9 @@ ROWS: dict[str, Row] = {
         "erasing plans drawn by 2 loader workers; a second rank's are Accelerate's "
         "BatchSamplerShard's; a 2-step run's weights equal never's; photographs held decoded "
         "give --decode-on-device always's batches to the bit "
-        "(test_photos_on_device.py); the held-out batches kept after the first evaluation give "
-        "the loader's numbers, and on 2 processes accel-train eval's (test_held_out_kept.py)"),
+        "(test_photos_on_device.py); the held-out batches kept after the first evaluation "
+        "(uint8, normalized on the device to the loader's floats to the bit) give the loader's "
+        "numbers, and on 2 processes accel-train eval's (test_held_out_kept.py)"),
     "train --decode-on-device": effect(
         "test_device_decode.py::test_the_device_path_trains_the_workers_samples",
         "always: the same labels as the loader workers' path (timm's transform on PIL images) "

@@ -20,11 +20,12 @@ from PIL import Image
 from torch import nn
 
 from accel_train.config import TrainConfig
+from accel_train.data.badimages import BadImageLog
 from accel_train.data.held_out_kept import KeptHeldOut, keep_held_out, kept_bytes, pacer_for
 from accel_train.data.loaders import HeldOutImages, make_loader, run_transforms
 from accel_train.data.loading import build_loaders
 from accel_train.data.sources import load_data
-from accel_train.train.evaluate import evaluate_classifier
+from accel_train.train.evaluate import HeldOutEvaluator, evaluate_classifier
 from conftest import PINNED, clean_accelerate_state, free_port, run
 from faults import metrics
 from test_device_decode import _spec
@@ -34,10 +35,10 @@ MB = 10**6
 
 def test_what_keeping_takes_and_when_it_is_kept_by_hand():
     # 10 images in batches of 4 on 2 processes: 2 batches of 4 a process, 8 images, each
-    # 3 x 8 x 8 float32 pixels (768 bytes) and a label and a mark (16)
-    assert kept_bytes(10, 8, 4, 2) == 8 * (3 * 8 * 8 * 4 + 16)
-    assert kept_bytes(16, 8, 4, 2) == 8 * 784 and kept_bytes(17, 8, 4, 2) == 12 * 784
-    assert kept_bytes(10, 8, 4, 1) == 12 * 784
+    # 3 x 8 x 8 uint8 pixels (192 bytes) and a label and a mark (16)
+    assert kept_bytes(10, 8, 4, 2) == 8 * (3 * 8 * 8 + 16)
+    assert kept_bytes(16, 8, 4, 2) == 8 * 208 and kept_bytes(17, 8, 4, 2) == 12 * 208
+    assert kept_bytes(10, 8, 4, 1) == 12 * 208
     # a tenth of 4 GB: 310 MB of training images and 90 MB kept fit, 91 MB do not
     assert keep_held_out("auto", True, 90 * MB, 310 * MB, True, memory=4000 * MB) == (
         True, "kept on the device after the first evaluation (90.0 MB a process; "
@@ -47,6 +48,9 @@ def test_what_keeping_takes_and_when_it_is_kept_by_hand():
                "set's 0.31 GB is over 10% of the machine's 4.00 GB)")
     assert keep_held_out("auto", True, 91 * MB, 310 * MB, True, memory=4000 * MB)[1].endswith(
         "over 10% of the device's 4.00 GB)")
+    # small amounts in kB
+    assert keep_held_out("auto", True, 49_408, 0, True, memory=4000 * MB)[1] == \
+        "kept on the device after the first evaluation (49.4 kB a process; --data-on-device auto)"
     # the training set not held there, or never: not a word
     assert keep_held_out("auto", False, 1, 0, True, memory=4000 * MB) == (False, "")
     assert keep_held_out("never", True, 1, 0, True, memory=4000 * MB) == (False, "")
@@ -125,15 +129,54 @@ def test_kept_batches_give_the_loaders_numbers_and_read_no_image_again(photos_wi
         assert [b[0].data_ptr() for b in kept] == [b[0].data_ptr() for b in kept.kept]
 
 
+def test_the_run_keeps_uint8_pixels_and_normalizes_them_to_the_loaders_floats(
+        photos_with_validation, tmp_path):
+    """The run's way (build_loaders, HeldOutEvaluator.keep_batches): the held-out loader hands
+    uint8 pixels, which the evaluator normalizes on the device at every evaluation.  Oracle:
+    the loader's float batches of eval's path (normalized by the loader), evaluated as they
+    come: the same numbers to the bit, three times; what is kept is uint8 (3 bytes a pixel, 16
+    a label and mark, by hand)."""
+    config = TrainConfig(data_dir=str(photos_with_validation), in_memory="never",
+                         image_size=32, batch_size=4, num_workers=0, data_on_device="always")
+    data = load_data(config)
+    loaders = build_loaders(config, data, _spec(32), 1, 0, 1, False)
+    assert loaders.held_out_kept and loaders.held_out_finish is not None
+    transform = loaders.held_out.dataset.transform
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 2))
+    with clean_accelerate_state():
+        accelerator = Accelerator(cpu=True)
+        floats = accelerator.prepare(make_loader(
+            HeldOutImages(data.held_out, transform, mark_replaced=True), 4, 0, 2, False, False))
+        expected = evaluate_classifier(accelerator, model, floats, 2, False, "none")
+        evaluator = HeldOutEvaluator(accelerator, accelerator.prepare(loaders.held_out),
+                                     BadImageLog(tmp_path / "bad.txt", None, data, True), 2,
+                                     False, config)
+        evaluator.keep_batches(accelerator.prepare(pacer_for(loaders.held_out)),
+                               loaders.held_out_finish)
+        for step in range(3):
+            assert evaluator.evaluate(model, step) == expected
+        kept = evaluator.batches.kept
+        assert {batch[0].dtype for batch in kept} == {torch.uint8}
+        # (one process: the last batch stays short, 13 images; kept_bytes counts whole batches,
+        # as on several processes, where Accelerate evens the last one out)
+        assert sum(t.nbytes for batch in kept for t in batch) == 13 * (3 * 32 * 32 + 16) \
+            <= kept_bytes(13, 32, 4, 1)
+        # the floats they become are the loader's, to the bit
+        for batch, loaders_batch in zip(kept, floats):
+            assert torch.equal(loaders.held_out_finish(batch[0]), loaders_batch[0])
+
+
 def test_the_summary_says_whether_the_held_out_batches_are_kept(photos_with_validation):
-    for mode, said in (("always", "kept on the device after the first evaluation (0.2 MB a "
+    for mode, said in (("always", "kept on the device after the first evaluation (49.4 kB a "
                                   "process; --data-on-device always)"),
                        ("never", "")):
         config = TrainConfig(data_dir=str(photos_with_validation), in_memory="never",
                              image_size=32, batch_size=4, num_workers=0, data_on_device=mode)
         loaders = build_loaders(config, load_data(config), _spec(32), 1, 0, 1, False)
-        # 13 images: 4 batches of 4, each image 3 x 32 x 32 float32 + 16 bytes
-        assert kept_bytes(13, 32, 4, 1) == 16 * (3 * 32 * 32 * 4 + 16) == 196_864
+        # 13 images: 4 batches of 4, each image 3 x 32 x 32 uint8 + 16 bytes
+        assert kept_bytes(13, 32, 4, 1) == 16 * (3 * 32 * 32 + 16) == 49_408
         assert (loaders.held_out_kept, loaders.held_out_batches) == (bool(said), said)
 
 
@@ -163,3 +206,22 @@ def test_two_processes_evaluate_kept_batches_as_eval_does_each_image_once(
         (last, oracle)
     assert last["eval_top1"] == oracle["top1"]
     assert last["eval_loss"] == pytest.approx(oracle["loss"], abs=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_kept_pixels_normalize_to_the_loaders_floats(photos_with_validation):
+    """On CUDA the kept uint8 pixels, normalized there (the GPU's division, not the CPU's),
+    give the floats the loader's workers make on the host, to the bit: a run that keeps its
+    held-out batches evaluates the numbers `accel-train eval` does."""
+    config = TrainConfig(data_dir=str(photos_with_validation), in_memory="never",
+                         image_size=32, batch_size=4, num_workers=0, data_on_device="always")
+    data = load_data(config)
+    # (the loaders built as a CPU run's: the pixels then go to the GPU by hand)
+    loaders = build_loaders(config, data, _spec(32), 1, 0, 1, False)
+    assert loaders.held_out_kept
+    floats = HeldOutImages(data.held_out, loaders.held_out.dataset.transform, mark_replaced=True)
+    for (pixels, *_), (expected, *_) in zip(loaders.held_out, make_loader(floats, 4, 0, 2,
+                                                                          False, False)):
+        normalized = loaders.held_out_finish(pixels.cuda())
+        assert normalized.device.type == "cuda"
+        assert torch.equal(normalized.cpu(), expected)

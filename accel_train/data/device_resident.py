@@ -55,7 +55,10 @@ def device_memory() -> int:
 
 
 def gb(count: int) -> str:
-    return f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.1f} MB"
+    """Bytes in words: GB from a tenth of one, MB from a tenth of one, kB below."""
+    if count >= 1e8:
+        return f"{count / 1e9:.2f} GB"
+    return f"{count / 1e6:.1f} MB" if count >= 1e5 else f"{count / 1e3:.1f} kB"
 
 
 def small_in_memory(source: ImageSource) -> bool:

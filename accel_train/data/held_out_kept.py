@@ -7,9 +7,11 @@ evaluation, and photo data sets held there have validation splits as large as th
 splits (Oxford-IIIT Pets 3,669 test photos beside 3,680; Flowers-102 6,149 beside 1,020): an
 evaluation decoded by the workers could take longer than the epoch it follows, the GPU waiting.
 
-What is kept is what the prepared loader handed out (float32 on the device, Accelerate's shard
-of this process, its last batch evened out), batch by batch, so later evaluations compute the
-same numbers from the same tensors.  Accelerate's `gather_for_metrics` drops the samples its
+What is kept is what the prepared loader handed out (Accelerate's shard of this process, its
+last batch evened out), batch by batch: uint8 pixels at the model's size, which the evaluator
+normalizes on the device at every evaluation, the first included (`ImageTransform.finish`, as
+training's batches are), so later evaluations compute the same numbers from the same tensors in
+a quarter of float32's bytes.  Accelerate's `gather_for_metrics` drops the samples its
 sampler repeated to even out the last batch by asking the loader being iterated where it
 stands; a prepared loader over the indices alone (no pixels, no workers) is iterated beside the
 kept batches to tell it, with the same length and batch size, so the same shard and remainder.
@@ -25,15 +27,14 @@ from torch.utils.data import DataLoader
 
 from accel_train.data.device_resident import MEMORY_SHARE, device_memory, gb
 
-FLOAT_BYTES = 4  # the held-out transform's float32 pixels
-PER_SAMPLE_BYTES = 16  # its label and its mark (int64 each)
+PER_SAMPLE_BYTES = 16  # a kept image's label and mark (int64 each)
 
 
 def kept_bytes(samples: int, image_size: int, batch_size: int, processes: int) -> int:
     """What one process keeps: its shard of `samples` held-out images (whole batches of
-    `batch_size`, as Accelerate evens them out) as float32 [3, size, size], labels and marks."""
+    `batch_size`, as Accelerate evens them out) as uint8 [3, size, size], labels and marks."""
     per_process = math.ceil(samples / (batch_size * processes)) * batch_size
-    return per_process * (3 * image_size * image_size * FLOAT_BYTES + PER_SAMPLE_BYTES)
+    return per_process * (3 * image_size * image_size + PER_SAMPLE_BYTES)
 
 
 def machine_memory() -> int:

@@ -213,19 +213,27 @@ class TrainImages(Dataset):
 class HeldOutImages(Dataset):
     """Returns (image tensor, label), then with `first_key` the sample's key (`first_key` +
     its index: a position in the data evaluated, for naming each image afterwards), then with
-    `mark_replaced` the mark TrainImages' fourth element is."""
+    `mark_replaced` the mark TrainImages' fourth element is.  The image is normalized float; with
+    `normalized=False` its uint8 pixels, for the device to finish (`ImageTransform.finish`: a
+    quarter of the bytes to move and to keep there)."""
 
     def __init__(self, source: ImageSource, transform: ImageTransform,
-                 mark_replaced: bool = False, first_key: Optional[int] = None):
+                 mark_replaced: bool = False, first_key: Optional[int] = None,
+                 normalized: bool = True):
         self.source, self.transform, self.mark_replaced = source, transform, mark_replaced
-        self.first_key = first_key
+        self.first_key, self.normalized = first_key, normalized
 
     def __len__(self) -> int:
         return len(self.source)
 
+    def _finished(self, pixels: torch.Tensor) -> torch.Tensor:
+        """A uint8 [B, 3, S, S] batch as this data set hands it out."""
+        return self.transform.finish(pixels) if self.normalized else pixels
+
     def __getitem__(self, index: int):
         (image,), (used,) = read_samples(self.source, [index])
-        sample = self.transform(image), self.source.labels[used]
+        sample = self._finished(self.transform.pixels(image).unsqueeze(0))[0], \
+            self.source.labels[used]
         if self.first_key is not None:
             sample = (*sample, torch.tensor(self.first_key + index))
         return (*sample, index if used != index else -1) if self.mark_replaced else sample
@@ -238,16 +246,16 @@ class HeldOutImages(Dataset):
         if not isinstance(self.source, ArraySource):
             images, used = read_samples(self.source, indices.tolist())
             unseeded = [0] * len(images)  # nothing drawn held out: __call__'s (0, 0, 0)
-            batch = self.transform.finish(self.transform.pixel_list(images, 0, unseeded,
-                                                                    unseeded))
+            batch = self._finished(self.transform.pixel_list(images, 0, unseeded, unseeded))
             if marks is not None:
                 marks = replaced_marks(indices, used)
             return SampleBatch(batch, self.source.labels[used], keys=keys, replaced=marks)
         if marks is not None and self.source.bad_images:  # their slots hold substitutes
             bad = torch.tensor(sorted({bad.index for bad in self.source.bad_images}))
             marks = torch.where(torch.isin(indices, bad), indices, marks)
-        return SampleBatch(self.transform.batch(self.source.images.index_select(0, indices)),
-                           self.source.labels[indices], keys=keys, replaced=marks)
+        pixels = self.transform.pixel_batch(self.source.images.index_select(0, indices))
+        return SampleBatch(self._finished(pixels), self.source.labels[indices], keys=keys,
+                           replaced=marks)
 
 
 class EpochSampler(Sampler[int]):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Protocol
 
+import torch
 from torch.utils.data import DataLoader
 
 from accel_train.data.loaders import (Batch, EpochSampler, FinishOnDevice, HeldOutImages,
@@ -256,6 +257,8 @@ class Loaders:
     # and the summary's words for it ("" where the training set is not held there)
     held_out_kept: bool = False
     held_out_batches: str = ""
+    # where kept: the held-out loader hands uint8 pixels, and this normalizes them on the device
+    held_out_finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 def machine_workers_rate(images: TrainImages, workers: int, processes_per_machine: int) -> float:
@@ -402,22 +405,25 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
             workers = wanted_workers
         held_out_workers = wanted_workers
         steps = len(train) // config.accumulation_steps
-    held_out, test = (
-        make_loader(HeldOutImages(source, held_out_tf, mark_replaced=True), config.batch_size,
-                    held_out_workers, config.prefetch_factor,
-                    config.persistent_workers and held_out_workers > 0 and source is data.held_out,
-                    pin_memory, seed=config.seed, timeout=config.loader_timeout)
-        if source is not None else None
-        for source in (data.held_out, data.test))
     photos = not streaming_wanted(config) and not small_in_memory(data.train)
     keeps, kept_words = keep_held_out(
         config.data_on_device, on_device,
         kept_bytes(len(data.held_out), held_out_tf.image_size, config.batch_size,
                    num_processes),
         held_bytes(data.train, photos) if on_device else 0, cuda)
+    # kept batches are uint8 pixels, normalized on the device (Loaders.held_out_finish)
+    held_out, test = (
+        make_loader(HeldOutImages(source, held_out_tf, mark_replaced=True,
+                                  normalized=not (keeps and source is data.held_out)),
+                    config.batch_size, held_out_workers, config.prefetch_factor,
+                    config.persistent_workers and held_out_workers > 0 and source is data.held_out,
+                    pin_memory, seed=config.seed, timeout=config.loader_timeout)
+        if source is not None else None
+        for source in (data.held_out, data.test))
     return Loaders(train, held_out, workers, global_batch, steps, choice, test,
                    decoding=decoding.why, decoded_on_device=decoding.on_device,
                    host_decode_share=decoding.share if decoding.on_device else None,
                    photos_held=isinstance(train, DevicePhotosTrainLoader) if photos else None,
-                   held_out_kept=keeps, held_out_batches=kept_words)
+                   held_out_kept=keeps, held_out_batches=kept_words,
+                   held_out_finish=held_out_tf.finish if keeps else None)
 

@@ -8,7 +8,7 @@ and weights are the same numbers.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -128,11 +128,14 @@ def mean_class_top1(correct: list[int], total: list[int]) -> float:
 
 
 def batch_seconds(accelerator, model: nn.Module, dataset, batch_size: int,
-                  channels_last: bool, tta: str, repeats: int = 2) -> tuple[float, int]:
+                  channels_last: bool, tta: str, repeats: int = 2,
+                  finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                  ) -> tuple[float, int]:
     """(seconds, images): the time one held-out batch takes through the evaluation's path (its
     first `batch_size` images read and prepared as the loader's fetch does, moved to the device,
-    the model's logits with `tta` under the run's autocast, the loss and top-k), the fastest of
-    `repeats` (the first pays for new kernels; the held-out set's batches run warm).  Every
+    there normalized by `finish` where the loader hands uint8 pixels, the model's logits with
+    `tta` under the run's autocast, the loss and top-k), the fastest of `repeats` (the first
+    pays for new kernels; the held-out set's batches run warm).  Every
     module's train/eval flag is left as it was (a frozen backbone's BatchNorm stays in eval
     mode), and nothing is drawn from any random generator."""
 
@@ -146,6 +149,8 @@ def batch_seconds(accelerator, model: nn.Module, dataset, batch_size: int,
             began = time.perf_counter()
             samples = fetch(indices) if fetch else [dataset[i] for i in indices]
             images, labels = (t.to(accelerator.device) for t in collate_batch(samples)[:2])
+            if finish is not None:
+                images = finish(images)
             if channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             with torch.no_grad(), accelerator.autocast():
@@ -194,12 +199,15 @@ class HeldOutEvaluator:
         self.batch_size, self.loader_timeout = config.batch_size, config.loader_timeout
         self.eval_every = config.eval_every
         self.batches = loader  # what each evaluation iterates
+        self.finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
-    def keep_batches(self, pacer) -> None:
+    def keep_batches(self, pacer, finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Evaluations after the first take its batches, kept on the device (data/
-        held_out_kept.py; `pacer`: the loader's indices, prepared as the loader is); the
+        held_out_kept.py; `pacer`: the loader's indices, prepared as the loader is): uint8
+        pixels, each batch normalized by `finish` on the device as it is evaluated.  The
         loader's workers end once it has been read through."""
         self.batches = KeptHeldOut(self.loader, pacer, lambda: end_workers(self.loader))
+        self.finish = finish
 
     def due(self, epoch: int, last: bool) -> bool:
         """--eval-every N: the Nth epoch ends evaluate (`epoch` 0-based), and the `last` always
@@ -221,6 +229,8 @@ class HeldOutEvaluator:
                 dist.broadcast(buffer, src=0)
         batches = stop_when_stuck(self.batches, self.loader_timeout,
                                   f"evaluating after step {step}")
+        if self.finish is not None:
+            batches = ((self.finish(images), *rest) for images, *rest in batches)
         return evaluate_classifier(self.accelerator, model,
                                    self.bad_images.strip(batches, self.split),
                                    self.num_classes, self.channels_last, self.tta)
@@ -229,7 +239,8 @@ class HeldOutEvaluator:
         """(this rank's seconds for one held-out batch, the image passes that batch makes on
         all ranks together: images x TTA views x ranks)."""
         seconds, images = batch_seconds(self.accelerator, model, self.loader.dataset,
-                                        self.batch_size, self.channels_last, self.tta)
+                                        self.batch_size, self.channels_last, self.tta,
+                                        finish=self.finish)
         return seconds, images * TTA_PASSES[self.tta] * self.accelerator.num_processes
 
 

@@ -23,7 +23,7 @@ from torch.utils.data import BatchSampler
 
 from accel_train.base.errors import UsageError
 from accel_train.config import TrainConfig
-from accel_train.data.device_resident import MEMORY_SHARE, choose
+from accel_train.data.device_resident import MEMORY_SHARE, choose, gb
 from accel_train.data.loaders import EpochSampler, FinishOnDevice, TrainImages, run_transforms
 from accel_train.data.loading import (LOADER_STATE, DeviceResidentTrainLoader,
                                       IndexedTrainLoader, build_loaders)
@@ -262,6 +262,13 @@ def test_auto_always_and_never_choose_and_say_why():
     at_64 = ArraySource(torch.zeros(2, 3, 64, 64, dtype=torch.uint8), torch.zeros(2).long())
     assert choose("always", at_64, plain, False, False)[0]
     assert choose("auto", small, plain, True, False, memory=1_355_200)[0]
+
+
+def test_the_summarys_bytes_in_gb_mb_and_kb_by_hand():
+    # (values whose last digit a divisor 1 off, or a bound moved by 1, would change)
+    assert gb(115_000_000) == "0.12 GB" and gb(99_999_999) == "100.0 MB"
+    assert gb(1_050_000) == "1.1 MB" and gb(100_000) == "0.1 MB"
+    assert gb(99_999) == "100.0 kB" and gb(1_050) == "1.1 kB" and gb(49_408) == "49.4 kB"
 
 
 def test_the_summary_names_the_training_loader_and_why():

@@ -10,7 +10,9 @@ where the last batch was evened out with repeats); the bytes and the rule's word
 from __future__ import annotations
 
 import json
+import multiprocessing
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ from accel_train.data.loaders import HeldOutImages, make_loader, run_transforms
 from accel_train.data.loading import build_loaders
 from accel_train.data.sources import load_data
 from accel_train.train.evaluate import HeldOutEvaluator, evaluate_classifier
-from conftest import PINNED, clean_accelerate_state, free_port, run
+from conftest import PINNED, TINY_TRAIN, accel_train_here, clean_accelerate_state, free_port, run
 from faults import metrics
 from test_device_decode import _spec
 
@@ -180,6 +182,19 @@ def test_the_summary_says_whether_the_held_out_batches_are_kept(photos_with_vali
         assert (loaders.held_out_kept, loaders.held_out_batches) == (bool(said), said)
 
 
+def test_a_time_budget_times_its_evaluations_on_the_kept_pixels(tmp_path):
+    """A --time-budget run times one held-out batch at its start: where the batches are kept,
+    the loader hands uint8 pixels, and the timing normalizes them as an evaluation does (a
+    model handed the uint8 pixels would stop the run)."""
+    args = [arg for arg in TINY_TRAIN]
+    del args[args.index("--epochs"):args.index("--epochs") + 2]  # the budget sets the length
+    ran = accel_train_here(*args, "--time-budget", "1", "--data-on-device", "always",
+                           "--output-dir", str(tmp_path / "run"), check=True)
+    assert "held-out batches: kept on the device after the first evaluation" in ran.stdout
+    assert "time budget 1: " in ran.stdout
+    assert [r["eval_count"] for r in metrics(tmp_path / "run") if r["type"] == "epoch"][-1] == 64
+
+
 @pytest.mark.slow
 def test_two_processes_evaluate_kept_batches_as_eval_does_each_image_once(
         photos_with_validation, tmp_path):
@@ -206,6 +221,34 @@ def test_two_processes_evaluate_kept_batches_as_eval_does_each_image_once(
         (last, oracle)
     assert last["eval_top1"] == oracle["top1"]
     assert last["eval_loss"] == pytest.approx(oracle["loss"], abs=1e-5)
+
+
+@pytest.mark.slow  # a fork server's start: the seconds of a process's imports
+def test_the_held_out_loaders_workers_end_once_its_batches_are_kept(photos_with_validation,
+                                                                     tmp_path):
+    """With a loader worker (kept alive between epochs, --persistent-workers), the held-out
+    loader's worker ends once the first evaluation has kept the batches: nothing is read from
+    it again.  Oracle: multiprocessing's own list of this process's live children."""
+    config = TrainConfig(data_dir=str(photos_with_validation), in_memory="never",
+                         image_size=32, batch_size=4, num_workers=1, data_on_device="always")
+    data = load_data(config)
+    loaders = build_loaders(config, data, _spec(32), 1, 0, 1, False)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 2))
+    with clean_accelerate_state():
+        accelerator = Accelerator(cpu=True)
+        evaluator = HeldOutEvaluator(accelerator, accelerator.prepare(loaders.held_out),
+                                     BadImageLog(tmp_path / "bad.txt", None, data, True), 2,
+                                     False, config)
+        before = set(multiprocessing.active_children())
+        evaluator.keep_batches(accelerator.prepare(pacer_for(loaders.held_out)),
+                               loaders.held_out_finish)
+        first = evaluator.evaluate(model, 0)
+        deadline = time.monotonic() + 30
+        while set(multiprocessing.active_children()) - before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not set(multiprocessing.active_children()) - before
+        assert evaluator.evaluate(model, 1) == first
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

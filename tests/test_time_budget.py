@@ -60,7 +60,7 @@ PROBE_SECONDS, VIEWS = 0.5, {"none": 1, "flip": 2, "flip-translate": 6}
 def fake_probe(seconds: float, clock=None):
     """A stand-in for evaluate.batch_seconds: `seconds` per view of a batch of 16; with `clock`,
     the time it takes passes on it (two batches, as the real one times)."""
-    def probe(accelerator, model, dataset, batch_size, channels_last, tta):
+    def probe(accelerator, model, dataset, batch_size, channels_last, tta, finish=None):
         assert batch_size == 16, batch_size  # the tests' --batch-size: a held-out batch
         if clock is not None:
             clock.now += 2 * seconds * VIEWS[tta]
@@ -642,6 +642,24 @@ def test_the_probe_times_the_faster_of_two_held_out_batches_under_the_runs_autoc
     assert (model.training, model.norm.training) == (True, False)  # as they were
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(rng, torch.get_rng_state())  # nothing drawn
+
+
+def test_the_probe_normalizes_kept_uint8_pixels_before_the_model_sees_them(fresh_accelerate):
+    """Where the held-out batches are kept (uint8 pixels, normalized on the device at each
+    evaluation), the probe times that normalization too, before the memory format is set."""
+    from accel_train.train.evaluate import batch_seconds
+    model, held_out = _Recorder([0.0, 0.0]), _HeldOut(batched=True)
+    held_out.images = (held_out.images * 255).to(torch.uint8)
+    finished = []
+
+    def finish(pixels):
+        finished.append(pixels.dtype)
+        return pixels.float() / 255
+
+    batch_seconds(_accelerator("no"), model, held_out, 4, channels_last=True, tta="none",
+                  finish=finish)
+    assert finished == [torch.uint8] * 2
+    assert [(seen["images"], seen["channels_last"]) for seen in model.seen] == [(4, True)] * 2
 
 
 def test_the_probe_reads_a_held_out_set_smaller_than_a_batch_item_by_item(fresh_accelerate):

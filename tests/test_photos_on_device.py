@@ -277,7 +277,7 @@ def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_
     # arrays above 64 px (decoded in memory) are held as photographs: as they are stored
     assert choose("always", arrays, transform, False, False)[1] == (
         f"drawn on the device, the training photos decoded once and held there "
-        f"({(4 * 3 * 80 * 72 + 16 * 4) / 1e6:.1f} MB; --data-on-device always)")
+        f"({(4 * 3 * 80 * 72 + 16 * 4) / 1e3:.1f} kB; --data-on-device always)")
 
 
 def test_the_summary_says_the_photographs_are_held_and_who_draws_their_crops(photos):  # noqa: F811

@@ -135,9 +135,9 @@ def batch_seconds(accelerator, model: nn.Module, dataset, batch_size: int,
     first `batch_size` images read and prepared as the loader's fetch does, moved to the device,
     there normalized by `finish` where the loader hands uint8 pixels, the model's logits with
     `tta` under the run's autocast, the loss and top-k), the fastest of `repeats` (the first
-    pays for new kernels; the held-out set's batches run warm).  Every
-    module's train/eval flag is left as it was (a frozen backbone's BatchNorm stays in eval
-    mode), and nothing is drawn from any random generator."""
+    pays for new kernels; the held-out set's batches run warm).  Every module's train/eval flag
+    is left as it was (a frozen backbone's BatchNorm stays in eval mode), and nothing is drawn
+    from any random generator."""
 
     indices = list(range(min(batch_size, len(dataset))))
     fetch = getattr(dataset, "__getitems__", None)

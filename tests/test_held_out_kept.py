@@ -75,6 +75,24 @@ def test_a_pass_cut_short_keeps_nothing_and_a_pacer_of_another_length_is_an_erro
         list(kept)
 
 
+def _tiny_model() -> nn.Module:
+    """A 2-class network of a few parameters, the same weights each time."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, 2))
+
+
+def _kept_evaluator(accelerator, loaders, data, config, tmp_path) -> HeldOutEvaluator:
+    """The run's evaluator over `loaders`' held-out split, keeping its batches as the trainer
+    has it do (2 classes, NCHW)."""
+    evaluator = HeldOutEvaluator(accelerator, accelerator.prepare(loaders.held_out),
+                                 BadImageLog(tmp_path / "bad.txt", None, data, True), 2, False,
+                                 config)
+    evaluator.keep_batches(accelerator.prepare(pacer_for(loaders.held_out)),
+                           loaders.held_out_finish)
+    return evaluator
+
+
 class CountedReads(HeldOutImages):
     """Held-out images that count the batches read from their files."""
 
@@ -107,9 +125,7 @@ def test_kept_batches_give_the_loaders_numbers_and_read_no_image_again(photos_wi
                          image_size=32)
     data = load_data(config)
     transform = run_transforms(config, _spec(32))[1]
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(4, 2))
+    model = _tiny_model()
     with clean_accelerate_state():
         accelerator = Accelerator(cpu=True)
         raw = make_loader(CountedReads(data.held_out, transform, mark_replaced=True), 4, 0, 2,
@@ -144,19 +160,13 @@ def test_the_run_keeps_uint8_pixels_and_normalizes_them_to_the_loaders_floats(
     loaders = build_loaders(config, data, _spec(32), 1, 0, 1, False)
     assert loaders.held_out_kept and loaders.held_out_finish is not None
     transform = loaders.held_out.dataset.transform
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(4, 2))
+    model = _tiny_model()
     with clean_accelerate_state():
         accelerator = Accelerator(cpu=True)
         floats = accelerator.prepare(make_loader(
             HeldOutImages(data.held_out, transform, mark_replaced=True), 4, 0, 2, False, False))
         expected = evaluate_classifier(accelerator, model, floats, 2, False, "none")
-        evaluator = HeldOutEvaluator(accelerator, accelerator.prepare(loaders.held_out),
-                                     BadImageLog(tmp_path / "bad.txt", None, data, True), 2,
-                                     False, config)
-        evaluator.keep_batches(accelerator.prepare(pacer_for(loaders.held_out)),
-                               loaders.held_out_finish)
+        evaluator = _kept_evaluator(accelerator, loaders, data, config, tmp_path)
         for step in range(3):
             assert evaluator.evaluate(model, step) == expected
         kept = evaluator.batches.kept
@@ -236,16 +246,11 @@ def test_the_held_out_loaders_workers_end_once_its_batches_are_kept(photos_with_
                          image_size=32, batch_size=4, num_workers=1, data_on_device="always")
     data = load_data(config)
     loaders = build_loaders(config, data, _spec(32), 1, 0, 1, False)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(4, 2))
+    model = _tiny_model()
     with clean_accelerate_state():
         accelerator = Accelerator(cpu=True)
-        evaluator = HeldOutEvaluator(accelerator, accelerator.prepare(loaders.held_out),
-                                     BadImageLog(tmp_path / "bad.txt", None, data, True), 2,
-                                     False, config)
         before = set(multiprocessing.active_children())
-        evaluator.keep_batches(accelerator.prepare(pacer_for(loaders.held_out)),
-                               loaders.held_out_finish)
+        evaluator = _kept_evaluator(accelerator, loaders, data, config, tmp_path)
         first = evaluator.evaluate(model, 0)
         deadline = time.monotonic() + 30
         while set(multiprocessing.active_children()) - before and time.monotonic() < deadline:

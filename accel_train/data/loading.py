@@ -253,12 +253,15 @@ class Loaders:
     # photographs (not small in-memory images, not streamed) held on the device or not; None
     # for other data
     photos_held: Optional[bool] = None
-    # the held-out batches kept on the device after the first evaluation (held_out_kept.py),
-    # and the summary's words for it ("" where the training set is not held there)
-    held_out_kept: bool = False
+    # the summary's words on the held-out batches ("" where the training set is not held on the
+    # device); where they are kept there after the first evaluation (held_out_kept.py), the
+    # held-out loader hands uint8 pixels, and this normalizes them on the device
     held_out_batches: str = ""
-    # where kept: the held-out loader hands uint8 pixels, and this normalizes them on the device
     held_out_finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    @property
+    def held_out_kept(self) -> bool:
+        return self.held_out_finish is not None
 
 
 def machine_workers_rate(images: TrainImages, workers: int, processes_per_machine: int) -> float:
@@ -424,6 +427,6 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
                    decoding=decoding.why, decoded_on_device=decoding.on_device,
                    host_decode_share=decoding.share if decoding.on_device else None,
                    photos_held=isinstance(train, DevicePhotosTrainLoader) if photos else None,
-                   held_out_kept=keeps, held_out_batches=kept_words,
+                   held_out_batches=kept_words,
                    held_out_finish=held_out_tf.finish if keeps else None)
 

@@ -140,6 +140,7 @@ def test_eval_of_its_checkpoint_and_of_an_unfinished_run(run_dir, tmp_path, caps
     assert code == 2 and "is not usable" in err and "checksum" in err, err
 
 
+@pytest.mark.slow  # two evaluations and two predictions on photographs: 5 s on 2 cores
 def test_eval_of_one_class_and_of_imagenets_validation_layout(run_dir, image_folder, tmp_path,
                                                                 capsys):
     """New photographs of one class are data to evaluate on (training needs two classes, eval

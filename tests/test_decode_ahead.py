@@ -161,8 +161,9 @@ def test_accelerate_learns_of_the_epochs_end_at_its_last_batch(photos, tmp_path,
     assert watch.seen == per_epoch * 2, watch.seen
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="the GPU's side stream needs a GPU"))]
+DEVICES = [pytest.param("cpu", marks=pytest.mark.slow),  # 4-5 s on the slowest machine kind
+           pytest.param("cuda", marks=pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="the GPU's side stream needs a GPU"))]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -74,6 +74,7 @@ def test_either_feature_alone_is_native_bf16(monkeypatch, flag, other_check):
     assert cpu_has_native_bf16() == (flag in cpu_flags())
 
 
+@pytest.mark.slow  # a process of its own each (4 s of imports on the slowest machine kind)
 @pytest.mark.parametrize("first", ["no", "bf16"])
 def test_the_precision_a_process_holds_is_the_first_accelerators(first):
     """None until an Accelerator exists, then the precision it fixed for the process; read in

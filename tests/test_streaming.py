@@ -612,7 +612,9 @@ def _shards_with_broken_samples(root: Path, broken, label_of_no_class: bool = Fa
     return labels[:64]
 
 
-@pytest.mark.parametrize("bad", ["an image that does not decode", "a label of no class"])
+@pytest.mark.parametrize("bad", [
+    pytest.param("an image that does not decode", marks=pytest.mark.slow),  # 5-8 s on 2 cores
+    "a label of no class"])
 def test_a_broken_image_in_a_shard_is_replaced_and_named_once(tmp_path, bad):
     """--bad-images substitute (the default): the run goes on with the next good sample of the
     batch in its place and names it once; --bad-images error stops, naming it, exit 2.  A label

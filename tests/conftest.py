@@ -22,15 +22,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# pytest rewrites the asserts of each test module it imports, in every pytest process (each
-# xdist worker, and the suites some tests start), and caches the result beside the module as
-# Python caches bytecode.  An environment that turns that cache off (PYTHONDONTWRITEBYTECODE, set
-# in some containers) had every such process rewrite all 120-odd modules again: 10 of its 17 s
-# of collection, measured on a 2-core AMD EPYC.  The suite caches as a default Python does (in
-# the gitignored __pycache__ folders; sys.dont_write_bytecode is Python's documented switch),
-# and so do the processes it starts (test_env): each would compile accel_train's own modules.
-sys.dont_write_bytecode = False
-
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CIFAR10 = REPO.parent / "shared" / "data" / "cifar10"
 # Where the real CIFAR-10 is looked for (ACCEL_TRAIN_CIFAR10 overrides), and the switch that
@@ -82,6 +73,25 @@ def pytest_xdist_auto_num_workers(config):
     return cores if quick_tier else cores + 1
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Collection caches what it compiles, as a default Python does, where the environment
+    turned that off (PYTHONDONTWRITEBYTECODE, set in some containers; sys.dont_write_bytecode is
+    Python's documented switch): pytest rewrites the asserts of every test module in every
+    pytest process (each xdist worker, the suites tests start) and caches the result beside
+    the module as bytecode, and without the cache each process rewrote all 120-odd of them
+    again (about 10 of the 17 s one process took to collect the quick tier on a 2-core AMD EPYC
+    without AVX512); the processes tests start then read accel_train's modules from the same
+    cache.  Only during collection: a module a test writes and rewrites, within a second at
+    the same size, must not be read back from a stale cache."""
+    before = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+    try:
+        return (yield)
+    finally:
+        sys.dont_write_bytecode = before
+
+
 def pytest_collection_modifyitems(config, items):
     """Test files likely to take longest first: the most tests marked slow (each starts
     processes of its own, tens of seconds apiece: the benchmark scripts' smoke runs, split in
@@ -103,7 +113,6 @@ def pytest_collection_modifyitems(config, items):
 def test_env(**extra: str) -> dict:
     """Environment for child processes: offline, quiet, one thread each (2 cores, 2 ranks)."""
     env = dict(os.environ)
-    env.pop("PYTHONDONTWRITEBYTECODE", None)  # (the cache above)
     env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
     if "PYTHONPATH" in extra:  # before, not instead of, the clone scripts/with_env put first

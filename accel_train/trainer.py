@@ -226,12 +226,13 @@ class Trainer:
         self.train_loader.prepare(acc)
         self.train_loader.warn = self.report.warn  # a loader worker restarted, for one
         self.evaluator = HeldOutEvaluator(acc, self.held_out_loader, self.bad_images,
-                                          net.spec.num_classes, self.speed.channels_last, config)
+                                          net.spec.num_classes, self.speed.channels_last, config,
+                                          finish=self.loaders.held_out_finish)
         if self.loaders.held_out_kept:
-            self.evaluator.keep_batches(acc.prepare(pacer_for(self.loaders.held_out)),
-                                        self.loaders.held_out_finish)
+            self.evaluator.keep_batches(acc.prepare(pacer_for(self.loaders.held_out)))
         self.test_split = maybe_test_split(acc, self.loaders.test, self.bad_images,
-                                           net.spec.num_classes, self.speed.channels_last, config)
+                                           net.spec.num_classes, self.speed.channels_last, config,
+                                           finish=self.loaders.test_finish)
 
     def _training_rate(self) -> float:
         """Images a second a copy of the run's model trains at on its device, at the run's batch

@@ -10,7 +10,9 @@ where the last batch was evened out with repeats); the bytes and the rule's word
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -87,9 +89,8 @@ def _kept_evaluator(accelerator, loaders, data, config, tmp_path) -> HeldOutEval
     has it do (2 classes, NCHW)."""
     evaluator = HeldOutEvaluator(accelerator, accelerator.prepare(loaders.held_out),
                                  BadImageLog(tmp_path / "bad.txt", None, data, True), 2, False,
-                                 config)
-    evaluator.keep_batches(accelerator.prepare(pacer_for(loaders.held_out)),
-                           loaders.held_out_finish)
+                                 config, finish=loaders.held_out_finish)
+    evaluator.keep_batches(accelerator.prepare(pacer_for(loaders.held_out)))
     return evaluator
 
 
@@ -178,6 +179,48 @@ def test_the_run_keeps_uint8_pixels_and_normalizes_them_to_the_loaders_floats(
         # the floats they become are the loader's, to the bit
         for batch, loaders_batch in zip(kept, floats):
             assert torch.equal(loaders.held_out_finish(batch[0]), loaders_batch[0])
+
+
+@pytest.fixture(scope="module")
+def photos_with_three_splits(photos_with_validation, tmp_path_factory) -> Path:
+    """photos_with_validation and a test split beside it: 3 and 2 JPEGs of 60-70 px."""
+    root = tmp_path_factory.mktemp("three")
+    shutil.copytree(photos_with_validation, root, dirs_exist_ok=True)
+    for label, count in (("a", 3), ("b", 2)):
+        (root / "test" / label).mkdir(parents=True)
+        for i in range(count):
+            Image.new("RGB", (60 + 5 * i, 70), (30 * i, 200, 90)).save(
+                root / "test" / label / f"{i}.jpg")
+    return root
+
+
+# (cuda=True on a machine without one: the loaders' pinning is skipped, with torch's warning)
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
+@pytest.mark.parametrize("cuda", [True, False], ids=["a GPU run", "a CPU run"])
+def test_a_gpu_runs_evaluations_hand_uint8_that_normalize_to_the_loaders_floats(
+        photos_with_three_splits, cuda):
+    """Not kept (--data-on-device never), a GPU run's held-out and test loaders still hand
+    uint8 pixels, normalized on the device by the finish they come with (a quarter of the bytes
+    to pin and copy); a CPU run's workers hand the floats.  Oracle: eval's path, the loader of
+    normalized floats, to the bit."""
+    config = TrainConfig(data_dir=str(photos_with_three_splits), in_memory="never",
+                         image_size=32, batch_size=4, num_workers=0, data_on_device="never",
+                         decode_on_device="never")
+    data = load_data(config)
+    assert (len(data.held_out), len(data.test)) == (13, 5)
+    loaders = build_loaders(config, data, _spec(32), 1, 0, 1, cuda)
+    assert not loaders.held_out_kept
+    for loader, finish, source in ((loaders.held_out, loaders.held_out_finish, data.held_out),
+                                   (loaders.test, loaders.test_finish, data.test)):
+        floats = make_loader(HeldOutImages(source, loader.dataset.transform, mark_replaced=True),
+                             4, 0, 2, False, False)
+        batches = list(loader)
+        assert len(batches) == len(floats) == math.ceil(len(source) / 4)
+        assert {batch[0].dtype for batch in batches} == {torch.uint8 if cuda else torch.float32}
+        assert (finish is not None) == cuda
+        for (pixels, *rest), (expected, *expected_rest) in zip(batches, floats):
+            assert torch.equal(finish(pixels) if cuda else pixels, expected)
+            assert all(torch.equal(a, b) for a, b in zip(rest, expected_rest))
 
 
 def test_the_summary_says_whether_the_held_out_batches_are_kept(photos_with_validation):
@@ -276,3 +319,28 @@ def test_on_the_gpu_kept_pixels_normalize_to_the_loaders_floats(photos_with_vali
         normalized = loaders.held_out_finish(pixels.cuda())
         assert normalized.device.type == "cuda"
         assert torch.equal(normalized.cpu(), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_a_runs_evaluations_from_uint8_batches_are_evals(photos_with_three_splits,
+                                                                      tmp_path):
+    """A run on the GPU, its held-out batches not kept: every evaluation and the test split's
+    come from uint8 batches normalized on the GPU.  Oracle: `accel-train eval` on the saved
+    model (the loader's floats, the same GPU) for each split: the same images counted, the
+    same top-1, the loss within the GPU's reductions."""
+    out = tmp_path / "run"
+    accel_train_here("--data-dir", str(photos_with_three_splits), "--model", "test_resnet",
+                     "--image-size", "32", "--batch-size", "4", "--epochs", "1",
+                     "--data-on-device", "never", "--num-workers", "0", "--in-memory", "never",
+                     "--output-dir", str(out), "--progress", "log", "--no-plots", *PINNED,
+                     check=True)
+    records = metrics(out)
+    last = [r for r in records if r.get("type") == "epoch"][-1]
+    (tested,) = [r for r in records if r.get("type") == "test"]
+    for split, (count, top1, loss) in (
+            ("held-out", (last["eval_count"], last["eval_top1"], last["eval_loss"])),
+            ("test", (tested["images"], tested["top1"], tested["loss"]))):
+        oracle = json.loads(accel_train_here("eval", str(out), "--split", split, "--json",
+                                             check=True).stdout)
+        assert (count, top1) == (oracle["count"], oracle["top1"]), (split, oracle)
+        assert loss == pytest.approx(oracle["loss"], abs=1e-4), (split, oracle)

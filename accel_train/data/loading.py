@@ -254,14 +254,13 @@ class Loaders:
     # for other data
     photos_held: Optional[bool] = None
     # the summary's words on the held-out batches ("" where the training set is not held on the
-    # device); where they are kept there after the first evaluation (held_out_kept.py), the
-    # held-out loader hands uint8 pixels, and this normalizes them on the device
+    # device), and whether they are kept there after the first evaluation (held_out_kept.py)
     held_out_batches: str = ""
+    held_out_kept: bool = False
+    # where the held-out (and the test) loader hands uint8 pixels (`pixels_to_the_device`), what
+    # normalizes them on the device; None where its workers hand normalized floats
     held_out_finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-
-    @property
-    def held_out_kept(self) -> bool:
-        return self.held_out_finish is not None
+    test_finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 def machine_workers_rate(images: TrainImages, workers: int, processes_per_machine: int) -> float:
@@ -414,19 +413,32 @@ def build_loaders(config, data, spec, num_processes: int, rank: int, processes_p
         kept_bytes(len(data.held_out), held_out_tf.image_size, config.batch_size,
                    num_processes),
         held_bytes(data.train, photos) if on_device else 0, cuda)
-    # kept batches are uint8 pixels, normalized on the device (Loaders.held_out_finish)
+    pixels = {"held-out": pixels_to_the_device(keeps, cuda),
+              "test": pixels_to_the_device(False, cuda)}  # (evaluated once: never kept)
     held_out, test = (
         make_loader(HeldOutImages(source, held_out_tf, mark_replaced=True,
-                                  normalized=not (keeps and source is data.held_out)),
+                                  normalized=not pixels[split]),
                     config.batch_size, held_out_workers, config.prefetch_factor,
                     config.persistent_workers and held_out_workers > 0 and source is data.held_out,
                     pin_memory, seed=config.seed, timeout=config.loader_timeout)
         if source is not None else None
-        for source in (data.held_out, data.test))
+        for split, source in (("held-out", data.held_out), ("test", data.test)))
     return Loaders(train, held_out, workers, global_batch, steps, choice, test,
                    decoding=decoding.why, decoded_on_device=decoding.on_device,
                    host_decode_share=decoding.share if decoding.on_device else None,
                    photos_held=isinstance(train, DevicePhotosTrainLoader) if photos else None,
-                   held_out_batches=kept_words,
-                   held_out_finish=held_out_tf.finish if keeps else None)
+                   held_out_batches=kept_words, held_out_kept=keeps,
+                   held_out_finish=held_out_tf.finish if pixels["held-out"] else None,
+                   test_finish=held_out_tf.finish if pixels["test"] else None)
+
+
+def pixels_to_the_device(kept: bool, cuda: bool) -> bool:
+    """Whether an evaluation's loader hands uint8 pixels for the device to normalize
+    (`ImageTransform.finish`, as the training batches are; timm's prefetcher form) instead of
+    the normalized floats its workers make: where its batches are kept on the device
+    (held_out_kept.py: a quarter of float32's bytes held), and on a GPU at every evaluation (a
+    quarter of the bytes to pin and copy, none of the normalizing in the workers, which decode
+    the next batches meanwhile).  Not on a CPU otherwise: there the "device" is the training
+    process, and the normalizing would move from the workers onto the cores the step uses."""
+    return kept or cuda
 

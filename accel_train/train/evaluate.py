@@ -192,22 +192,24 @@ class HeldOutEvaluator:
     share, with rank 0's BatchNorm statistics), and one batch timed for the time budget."""
 
     def __init__(self, accelerator, loader, bad_images, num_classes: int, channels_last: bool,
-                 config, split: str = "held-out"):
+                 config, split: str = "held-out",
+                 finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+        """`finish`: where the loader hands uint8 pixels (loading.pixels_to_the_device), what
+        normalizes each batch on the device as it is evaluated."""
         self.accelerator, self.loader, self.bad_images = accelerator, loader, bad_images
         self.split = split  # the loader's: where bad_images looks up the images it marks
         self.num_classes, self.channels_last, self.tta = num_classes, channels_last, config.tta
         self.batch_size, self.loader_timeout = config.batch_size, config.loader_timeout
         self.eval_every = config.eval_every
         self.batches = loader  # what each evaluation iterates
-        self.finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self.finish = finish
 
-    def keep_batches(self, pacer, finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def keep_batches(self, pacer) -> None:
         """Evaluations after the first take its batches, kept on the device (data/
         held_out_kept.py; `pacer`: the loader's indices, prepared as the loader is): uint8
-        pixels, each batch normalized by `finish` on the device as it is evaluated.  The
-        loader's workers end once it has been read through."""
+        pixels, normalized by `finish` as they are evaluated.  The loader's workers end once
+        it has been read through."""
         self.batches = KeptHeldOut(self.loader, pacer, lambda: end_workers(self.loader))
-        self.finish = finish
 
     def due(self, epoch: int, last: bool) -> bool:
         """--eval-every N: the Nth epoch ends evaluate (`epoch` 0-based), and the `last` always
@@ -264,11 +266,12 @@ class TestSplit:
 
 
 def maybe_test_split(accelerator, loader, bad_images, num_classes: int, channels_last: bool,
-                     config):
+                     config, finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
     if loader is None:
         return NoTestSplit()
     return TestSplit(HeldOutEvaluator(accelerator, accelerator.prepare(loader), bad_images,
-                                      num_classes, channels_last, config, split="test"))
+                                      num_classes, channels_last, config, split="test",
+                                      finish=finish))
 
 
 def epoch_record(results: dict[str, dict]) -> dict:

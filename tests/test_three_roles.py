@@ -112,3 +112,30 @@ def test_the_test_split_decides_nothing(tmp_path):
               if r.get("type") == "test"]
     assert len(test_a) == len(test_b) == 1 and test_a[0]["images"] == 32
     assert test_a[0] != test_b[0]
+
+
+def test_a_broken_test_image_is_named_as_the_test_splits_and_left_out(tmp_path):
+    """A test-split photo that does not decode (decoded per step, so named from the batch's
+    mark at the end): bad_images.txt names that file, not the validation photo at the same
+    position (whole: the mark looked up in the wrong split names nothing), and the test
+    record counts the others."""
+    from PIL import Image
+
+    root = tmp_path / "photos"
+    for split, count in (("train", 4), ("val", 2), ("test", 2)):
+        for label, colour in (("a", (200, 40, 40)), ("b", (40, 40, 200))):
+            (root / split / label).mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (40 + 4 * i, 36), colour).save(root / split / label / f"{i}.jpg")
+    cut = root / "test" / "a" / "0.jpg"
+    cut.write_bytes(cut.read_bytes()[:200])
+    out = tmp_path / "run"
+    options = [opt for opt in TINY_TRAIN if opt not in ("--dataset", "synthetic")]
+    accel_train_here(*options, "--data-dir", str(root), "--in-memory", "never",
+                     "--num-workers", "0", "--image-size", "32", "--batch-size", "4",
+                     "--output-dir", str(out), check=True)
+    named = [line.split("\t")[0] for line in (out / "bad_images.txt").read_text().splitlines()]
+    assert named == [str(Path("test") / "a" / "0.jpg")], named
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (tested,) = [r for r in records if r.get("type") == "test"]
+    assert tested["images"] == 3, tested

@@ -331,9 +331,9 @@ def test_on_the_gpu_a_runs_evaluations_from_uint8_batches_are_evals(photos_with_
     out = tmp_path / "run"
     accel_train_here("--data-dir", str(photos_with_three_splits), "--model", "test_resnet",
                      "--image-size", "32", "--batch-size", "4", "--epochs", "1",
-                     "--data-on-device", "never", "--num-workers", "0", "--in-memory", "never",
-                     "--output-dir", str(out), "--progress", "log", "--no-plots", *PINNED,
-                     check=True)
+                     "--data-on-device", "never", "--decode-on-device", "never",
+                     "--num-workers", "0", "--in-memory", "never", "--output-dir", str(out),
+                     "--progress", "log", "--no-plots", *PINNED, check=True)
     records = metrics(out)
     last = [r for r in records if r.get("type") == "epoch"][-1]
     (tested,) = [r for r in records if r.get("type") == "test"]

@@ -83,14 +83,16 @@ timeout 35 "$python" benchmarks/bench_step_syncs.py --data-dir "$data_dir" --out
     --tmp "$work/step_syncs"
 echo "bench_step_syncs exit $?"
 stamp bench_fp16_networks
-timeout 100 "$python" benchmarks/bench_fp16_networks.py --data-dir "$data_dir" --out "$out" \
-    --arm-timeout 40 --total-timeout 95
+timeout 95 "$python" benchmarks/bench_fp16_networks.py --data-dir "$data_dir" --out "$out" \
+    --arm-timeout 40 --total-timeout 90
 echo "bench_fp16_networks exit $?"
 stamp the tests that need a GPU
-timeout 40 "$python" -m pytest -q -p no:cacheprovider -n 0 tests/test_decode_ahead.py \
+# (-v: each test's name and outcome as it ends, so that a step cut by its limit still says
+# which ran)
+timeout 45 "$python" -m pytest -v -p no:cacheprovider -n 0 tests/test_decode_ahead.py \
     tests/test_device_decode.py tests/test_api.py tests/test_batched_resize.py \
     tests/test_host_decode_share.py tests/test_photos_on_device.py tests/test_held_out_kept.py \
     -k "cuda or on_the_gpu" 2>&1 \
-    | tail -15
+    | grep -E "PASSED|FAILED|ERROR|SKIPPED|^E |passed|failed|skipped|error" | tail -60
 echo "tests exit ${PIPESTATUS[0]}"
 stamp done

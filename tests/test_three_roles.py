@@ -5,7 +5,6 @@ asks for the old use of the test split for selection."""
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_TRAIN, accel_train_here, write_cifar10_layout
+from faults import metrics
 from accel_train.config import TrainConfig
 from accel_train.data.sources import load_data
 
@@ -71,8 +71,7 @@ def test_only_a_training_split_has_no_test(tmp_path):
 
 
 def epoch_records(run: Path) -> list[dict]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("type") == "epoch"]
+    return [r for r in metrics(run) if r.get("type") == "epoch"]
 
 
 def untimed(record: dict) -> dict:
@@ -106,10 +105,8 @@ def test_the_test_split_decides_nothing(tmp_path):
     assert sorted(p.name for p in (a / "checkpoints").iterdir()) == \
         sorted(p.name for p in (b / "checkpoints").iterdir())
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
-    test_a = [r for r in map(json.loads, (a / "metrics.jsonl").read_text().splitlines())
-              if r.get("type") == "test"]
-    test_b = [r for r in map(json.loads, (b / "metrics.jsonl").read_text().splitlines())
-              if r.get("type") == "test"]
+    test_a = [r for r in metrics(a) if r.get("type") == "test"]
+    test_b = [r for r in metrics(b) if r.get("type") == "test"]
     assert len(test_a) == len(test_b) == 1 and test_a[0]["images"] == 32
     assert test_a[0] != test_b[0]
 
@@ -136,6 +133,5 @@ def test_a_broken_test_image_is_named_as_the_test_splits_and_left_out(tmp_path):
                      "--output-dir", str(out), check=True)
     named = [line.split("\t")[0] for line in (out / "bad_images.txt").read_text().splitlines()]
     assert named == [str(Path("test") / "a" / "0.jpg")], named
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    (tested,) = [r for r in records if r.get("type") == "test"]
+    (tested,) = [r for r in metrics(out) if r.get("type") == "test"]
     assert tested["images"] == 3, tested

@@ -420,6 +420,12 @@ class TrainConfig:
                                        flags=("--checkpoint-dir", "--checkpoint_dir"))
     checkpoint_every: int = option(0, "Also checkpoint every N optimizer steps (0: only at "
                                    "epoch ends).", "output")
+    checkpoint_minutes: float = option(0.0, "At epoch ends, checkpoint only where M minutes or "
+                                       "more have passed since the last checkpoint (0: at "
+                                       "every epoch end): short epochs on a fast GPU then "
+                                       "wait for no save at each end. The run's last step, a "
+                                       "stop signal, --checkpoint-every and a new best under "
+                                       "--keep-best still save.", "output")
     keep_checkpoints: int = option(3, "Keep the newest K checkpoints.", "output")
     keep_best: int = option(0, "Also keep the K checkpoints with the best held-out "
                             "--eval-metric (saved at epoch ends; with --model-ema the better of "
@@ -554,6 +560,10 @@ class TrainConfig:
         if self.momentum >= 1:  # a velocity that never decays: the steps grow without bound
             raise UsageError(f"--momentum is the share of the last step kept: in [0, 1) (got "
                              f"{self.momentum!r}); 0.9 is usual")
+        if not (isinstance(self.checkpoint_minutes, (int, float))
+                and math.isfinite(self.checkpoint_minutes) and self.checkpoint_minutes >= 0):
+            raise UsageError(f"--checkpoint-minutes must be a number of minutes >= 0 (got "
+                             f"{self.checkpoint_minutes!r}); 0 checkpoints at every epoch end")
         if not (isinstance(self.in_memory_limit_gb, (int, float))
                 and math.isfinite(self.in_memory_limit_gb) and self.in_memory_limit_gb > 0):
             raise UsageError(f"--in-memory-limit-gb must be a number of GiB > 0 (got "

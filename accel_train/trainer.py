@@ -47,6 +47,7 @@ from accel_train.model.outputs import LogitsHook, kept_auxiliary_logits, return_
 from accel_train.model.saved import is_import_path
 from accel_train.run import distributed
 from accel_train.run.checkpoint import AccelerateState, Checkpointer
+from accel_train.run.checkpoint_cadence import CheckpointCadence
 from accel_train.run.trainer_state import TrainerState
 from accel_train.run.collectives import CollectiveTimeouts, StepWatch, is_timeout, report_stall
 from accel_train.run.finish import (already_finished, maybe_plot, save_final_model, say_next,
@@ -281,6 +282,7 @@ class Trainer:
                    self.schedule, self.ema, self.lookahead, self.bad_images],
             is_main=acc.is_main_process, barrier=acc.wait_for_everyone,
             keep_best=config.keep_best)
+        self.cadence = CheckpointCadence(config.checkpoint_minutes)
 
     def _maybe_restore(self) -> Optional[tuple[float, float]]:
         """On resume, every checkpointed part from the plan's checkpoint; returns the change of
@@ -500,6 +502,7 @@ class Trainer:
         self.train_log.end_epoch()
         last = state.step >= self.total_steps
         evaluates = self.evaluator.due(state.epoch, last=last)
+        best_before = state.best_score
         with self.pacer.paused(evaluates):
             if last:  # what is finally evaluated and saved is the average
                 self.lookahead.at_training_end()
@@ -522,7 +525,8 @@ class Trainer:
             self.report.log(f"Epoch {state.epoch + 1}{timing}: {words}")
             if not mid_epoch:
                 self.next_epoch()
-            self.maybe_checkpoint("the last step, mid-epoch" if mid_epoch else "epoch end")
+            self.maybe_checkpoint("the last step, mid-epoch" if mid_epoch else "epoch end",
+                                  new_best=state.best_score != best_before)
 
     def _evaluate_into(self, record: dict) -> str:
         """The model's evaluation and the averages' beside it (--model-ema), into the state and
@@ -550,18 +554,23 @@ class Trainer:
         self.train_loader.set_epoch(self.state.epoch)
 
     # -- checkpoint -----------------------------------------------------------------------------
-    def maybe_checkpoint(self, event: str, process_ends: bool = False) -> Optional[Path]:
-        """The one place that decides when to save: at every epoch end (after evaluating, so
-        the checkpoint's best top-1 is current), on an agreed stop signal, and every
-        --checkpoint-every optimizer steps in between (not at an epoch's last step or the
-        run's last step: the epoch end saves those).  `process_ends`: nothing follows the
-        save but the process's exit, so it is sealed in line."""
+    def maybe_checkpoint(self, event: str, process_ends: bool = False,
+                         new_best: bool = False) -> Optional[Path]:
+        """The one place that decides when to save: at epoch ends (after evaluating, so the
+        checkpoint's best top-1 is current; with --checkpoint-minutes only where that long has
+        passed, or at the last step, or at a `new_best` --keep-best keeps), on an agreed stop
+        signal, and every --checkpoint-every optimizer steps in between (not at an epoch's
+        last step or the run's last step: the epoch end saves those).  `process_ends`:
+        nothing follows the save but the process's exit, so it is sealed in line."""
         state = self.state
         if event == "step":
             every = self.config.checkpoint_every
             if not every or state.step % every or self._epoch_used_up() \
                     or state.step >= self.total_steps:
                 return None
+        elif event == "epoch end" and not self.cadence.epoch_end_saves(
+                must=state.step >= self.total_steps or (new_best and self.config.keep_best > 0)):
+            return None
         with self.timeouts.relaxed():  # rank 0 writes; the others wait at its barrier
             # Sealed on a thread while training goes on (save_finishing.py).
             return self.save_checkpoint(event, background=not process_ends)
@@ -572,6 +581,7 @@ class Trainer:
         rename, pruning) on a thread of the main process; sealed in line all the same where a
         callback's on_checkpoint is to see it complete."""
         stop_if_diverged(self.bare_model(), self.state.step, f"the checkpoint ({why})")
+        self.cadence.saved()  # (from the save's start: its own seconds count as passed)
         path = self.checkpointer.save(
             background=background and not self.callbacks.watch_checkpoints,
             sealed=lambda path: self.report.log(f"saved checkpoint {path} ({why})"))

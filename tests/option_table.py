@@ -441,6 +441,10 @@ ROWS: dict[str, Row] = {
     "train --checkpoint-every": effect(
         f"{EFFECTS}::test_checkpoint_folder_keep_checkpoints_and_keep_best",
         "a checkpoint every step: the newest two are steps 11 and 12"),
+    "train --checkpoint-minutes": effect(
+        f"{EFFECTS}::test_checkpoint_minutes_skips_epoch_ends_but_the_last_the_steps_and_new_bests",
+        "an hour: the saves are --checkpoint-every's steps, the last step and the new bests of "
+        "metrics.jsonl's top-1; the final weights those of a run saving every epoch end"),
     "train --keep-checkpoints": effect(
         f"{EFFECTS}::test_checkpoint_folder_keep_checkpoints_and_keep_best",
         "2: steps 11 and 12 kept besides the best"),

@@ -108,6 +108,35 @@ def test_checkpoint_folder_keep_checkpoints_and_keep_best(tmp_path):
     assert all(top1[s] >= cutoff for s in best)
 
 
+def test_checkpoint_minutes_skips_epoch_ends_but_the_last_the_steps_and_new_bests(tmp_path):
+    """4 epochs of 4 steps, --checkpoint-minutes 60 (no epoch end is an hour after the last
+    save): with --checkpoint-every 3 the saves are its steps (3, 6, 9, 15: 12 is an epoch's
+    last) and the last step, no other epoch end, and the final weights equal those of a run
+    saving at every epoch end (saving draws nothing).  With --keep-best 1: the last step and
+    each epoch end whose held-out top-1 beat every one before it (metrics.jsonl's, ranked
+    here), on a run whose weights barely move (a learning rate of 1e-9, the backbone's
+    BatchNorm statistics frozen), so that the later evaluations tie the first and skip."""
+    short = [*TINY_TRAIN, "--synthetic-train-size", "64", "--epochs", "4",
+             "--keep-checkpoints", "20"]
+    runs = {"every": ["--checkpoint-every", "3", "--checkpoint-minutes", "60"], "default": [],
+            "best": ["--keep-best", "1", "--checkpoint-minutes", "60", "--learning-rate", "1e-9",
+                     "--freeze-backbone"]}
+    for name, extra in runs.items():
+        accel_train_here(*short, *extra, "--output-dir", str(tmp_path / name), check=True)
+    assert _steps(tmp_path / "every" / "checkpoints") == [3, 6, 9, 15, 16]
+    assert _steps(tmp_path / "default" / "checkpoints") == [4, 8, 12, 16]
+    every, default = (load_file(str(tmp_path / name / "model.safetensors"))
+                      for name in ("every", "default"))
+    assert all(torch.equal(every[k], default[k]) for k in default)
+    top1 = [(r["step"], r["eval_top1"]) for r in metrics(tmp_path / "best")
+            if r["type"] == "epoch"]
+    assert [step for step, _ in top1] == [4, 8, 12, 16]
+    new_bests = {step for i, (step, value) in enumerate(top1)
+                 if all(value > before for _, before in top1[:i])}
+    assert new_bests == {4}
+    assert _steps(tmp_path / "best" / "checkpoints") == [4, 16]
+
+
 def test_eval_metric_loss_picks_the_kept_checkpoint_the_weights_and_the_best(tmp_path):
     """--eval-metric loss with --model-ema: the checkpoint kept as the best is the epoch end
     whose lower loss (raw or EMA) is the lowest, model.safetensors holds the weights of the

@@ -1,4 +1,4 @@
-"""Bad values of the issue-12 options: one line naming the flag on stderr, exit 2, no traceback,
+"""Bad values of the training options: one line naming the flag on stderr, exit 2, no traceback,
 and nothing written (the --output-dir is never created).
 
 The values the configuration can judge alone fail before anything is imported (fast), each in a
@@ -30,6 +30,8 @@ CHEAP = [
     (["--model-ema", "--model-ema-decay", "1.0"], "--model-ema-decay"),
     (["--model-ema", "--model-ema-decay", "0"], "--model-ema-decay"),
     (["--model-ema", "--model-ema-decay", "-0.5"], "--model-ema-decay"),
+    (["--checkpoint-minutes", "-1"], "--checkpoint-minutes"),
+    (["--checkpoint-minutes", "inf"], "--checkpoint-minutes"),
     (["--time-budget", "abc"], "--time-budget"),
     (["--time-budget", "0"], "--time-budget"),
     (["--time-budget", "0m"], "--time-budget"),

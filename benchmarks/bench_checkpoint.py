@@ -22,6 +22,11 @@ Each arm alternates with the other, repeated; the table gives the loss in traini
 model (batch 64 on 32 px images, the same process) and as a share of an epoch of CIFAR-10 (781
 steps) with one checkpoint per epoch.
 
+A run of short epochs, two arms alternating: the whole training (`Trainer.train`: its epochs,
+their evaluations and saves, the end) of E epochs of 2 steps saving at every epoch end, against
+the same run with `--checkpoint-minutes 60`, which saves at its last step only: what the option
+gives back where epochs take seconds.
+
     python benchmarks/bench_checkpoint.py --quick
 """
 
@@ -77,13 +82,14 @@ def plain_io(folder: Path, size: int) -> tuple[float, float]:
     return write, read
 
 
-def make_trainer(model: str, out: Path):
+def make_trainer(model: str, out: Path, **options):
     from accel_train.config import TrainConfig
     from accel_train.trainer import Trainer
-    config = TrainConfig(dataset="synthetic", synthetic_train_size=128, max_eval_samples=64,
-                         model=model, batch_size=64, epochs=1000, progress="log", plots=False,
-                         output_dir=str(out), keep_checkpoints=2, log_every=1000,
-                         mixed_precision="no", channels_last=False)
+    config = TrainConfig(**{**dict(
+        dataset="synthetic", synthetic_train_size=128, max_eval_samples=64, model=model,
+        batch_size=64, epochs=1000, progress="log", plots=False, output_dir=str(out),
+        keep_checkpoints=2, log_every=1000, mixed_precision="no", channels_last=False),
+        **options})
     trainer = Trainer.from_config(config)
     trainer.progress.enabled = False  # quiet: the benchmark prints its own
     return trainer
@@ -115,6 +121,18 @@ def time_lost(trainer, background: bool, after: int) -> tuple[float, float]:
     trainer.checkpointer.wait()
     with_save += time.perf_counter() - started
     return with_save - without, stall
+
+
+def run_seconds(model: str, minutes: float, epochs: int, out: Path) -> float:
+    """Seconds of a whole run's training of `epochs` epochs of 2 steps, --checkpoint-minutes
+    `minutes`."""
+    trainer = make_trainer(model, out, epochs=epochs, checkpoint_minutes=minutes)
+    started = time.perf_counter()
+    code = trainer.train()
+    seconds = time.perf_counter() - started
+    trainer.close()
+    assert code == 0, code
+    return seconds
 
 
 def measure(model: str, args, work: Path) -> dict:
@@ -151,6 +169,11 @@ def measure(model: str, args, work: Path) -> dict:
     weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     plain = [plain_io(work, size) for _ in range(args.repeats)]
     trainer.close()
+    runs = {0: [], 60: []}
+    for repeat in range(args.repeats):
+        for minutes in runs:
+            runs[minutes].append(run_seconds(model, minutes, args.run_epochs,
+                                             work / f"{model}-run{repeat}-{minutes}"))
     return {"model": model, "bytes": size, "weight_bytes": weights,
             "save_s": benchlib.median(saves), "hash_s": benchlib.median(hashes),
             "verify_s": benchlib.median(verifies), "load_s": benchlib.median(loads),
@@ -158,7 +181,9 @@ def measure(model: str, args, work: Path) -> dict:
             "plain_read_s": benchlib.median([r for _, r in plain]), "step_s": step_seconds,
             "lost_in_line_s": benchlib.median([t for t, _ in lost[False]]),
             "lost_background_s": benchlib.median([t for t, _ in lost[True]]),
-            "stall_background_s": benchlib.median([w for _, w in lost[True]])}
+            "stall_background_s": benchlib.median([w for _, w in lost[True]]),
+            "run_every_end_s": benchlib.median(runs[0]),
+            "run_minutes_60_s": benchlib.median(runs[60])}
 
 
 def main() -> int:
@@ -168,6 +193,8 @@ def main() -> int:
     parser.add_argument("--step-repeats", type=int, default=None)
     parser.add_argument("--epochs-after", type=int, default=None, help="epochs trained after "
                         "each save of the time-lost arms (default 3; --quick 1)")
+    parser.add_argument("--run-epochs", type=int, default=None, help="epochs of the short "
+                        "runs' arms (default 6; --quick 3)")
     parser.add_argument("--tmp", default=None, help="folder on the disk to measure "
                         "(default: bench_out/, the repository's disk)")
     args = parser.parse_args()
@@ -176,6 +203,9 @@ def main() -> int:
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.step_repeats = args.step_repeats or (1 if args.quick else 3)
     args.epochs_after = args.epochs_after or (1 if args.quick else 3)
+    args.run_epochs = args.run_epochs or (3 if args.quick else 6)
+    if args.run_epochs < 2:
+        parser.error("--run-epochs: at least 2 (the arms differ in the saves before the last)")
     base = Path(args.tmp or args.out)
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=base))
@@ -216,6 +246,18 @@ def main() -> int:
                         "lost = save wait + the next epochs beyond the same epochs without a "
                         "save + any wait left; it can be below the wait alone where the epochs "
                         "after happened to run faster"])
+    rows = []
+    for r in results:
+        every, hourly = r["run_every_end_s"], r["run_minutes_60_s"]
+        rows.append([r["model"], every, hourly, every / hourly,
+                     (every - hourly) / (args.run_epochs - 1)])
+    report.table(f"A run of {args.run_epochs} epochs of 2 steps (median of {args.repeats}, the "
+                 f"arms alternating): saving at every epoch end against --checkpoint-minutes 60",
+                 ["model", "every epoch end s", "--checkpoint-minutes 60 s",
+                  "every end / --checkpoint-minutes 60", "s per save skipped"], rows,
+                 notes=["the whole Trainer.train: epochs, evaluations of 64 images, the saves "
+                        "(sealed in the background), the end; the hour saves at the last step "
+                        f"only, {args.run_epochs - 1} saves fewer"])
     report.data["result"] = results
     print(f"wrote {report.save()}")
     import shutil

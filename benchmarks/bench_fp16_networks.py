@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -116,6 +117,7 @@ def main() -> int:
                               "first_loss": r[3], "last_loss": r[4], "loss_scale": r[5]}
                              for r in rows]
     print(f"wrote {report.save()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # the arms' run folders: their last lines are kept
     return 0
 
 

@@ -101,6 +101,9 @@ OWN_DATA = {"jpeg_input", "gpu_jpeg", "crop_resize", "max_side", "held_out"}
 NO_TMP = {"comm", "gpu", "threads", "manual_ranks", "precision", "worker_start", "gpu_cifar",
           "device_resident", "jpeg_input", "gpu_jpeg", "fp16_networks", "crop_resize",
           "max_side", "held_out"}
+# The scripts that keep their runs' logs for the reader (in a temporary folder of the system's
+# unless given --work): here, in the test's own folder
+KEEP_WORK = {"gpu_cifar"}
 # benchmarks/anchors/airbench_cpu.py on generated data in the CIFAR-10 layout: 2 steps an epoch
 # for 4 epochs (the averaging syncs at steps 5 and the last, 8), one JSON line with the three
 # levels.  Batch
@@ -267,6 +270,8 @@ def run_script(name: str, cifar10_like: Path, tmp_path: Path) -> None:
     out = tmp_path / name
     out.mkdir()
     extra = [] if name in NO_TMP else ["--tmp", str(out)]
+    if name in KEEP_WORK:
+        extra = ["--work", str(out / "work")]
     data = [] if name in OWN_DATA else ["--data-dir", str(cifar10_like)]
     ran([sys.executable, str(SCRIPTS / f"bench_{name}.py"), *CASES[name], "--out", str(out),
          *extra, *data], name)

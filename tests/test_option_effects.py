@@ -110,19 +110,23 @@ def test_checkpoint_folder_keep_checkpoints_and_keep_best(tmp_path):
 
 def test_checkpoint_minutes_skips_epoch_ends_but_the_last_the_steps_and_new_bests(tmp_path):
     """4 epochs of 4 steps, --checkpoint-minutes 60 (no epoch end is an hour after the last
-    save): with --checkpoint-every 3 the saves are its steps (3, 6, 9, 15: 12 is an epoch's
-    last) and the last step, no other epoch end, and the final weights equal those of a run
-    saving at every epoch end (saving draws nothing).  With --keep-best 1: the last step and
-    each epoch end whose held-out top-1 beat every one before it (metrics.jsonl's, ranked
-    here), on a run whose weights barely move (a learning rate of 1e-9, the backbone's
-    BatchNorm statistics frozen), so that the later evaluations tie the first and skip."""
+    save), which the start's summary says: with --checkpoint-every 3 the saves are its steps
+    (3, 6, 9, 15: 12 is an epoch's last) and the last step, no other epoch end, and the final
+    weights equal those of a run saving at every epoch end (saving draws nothing).  With
+    --keep-best 1: the last step and each epoch end whose held-out top-1 beat every one before
+    it (metrics.jsonl's, ranked here), on a run whose weights barely move (a learning rate of
+    1e-9, the backbone's BatchNorm statistics frozen), so that the later evaluations tie the
+    first and skip."""
     short = [*TINY_TRAIN, "--synthetic-train-size", "64", "--epochs", "4",
              "--keep-checkpoints", "20"]
     runs = {"every": ["--checkpoint-every", "3", "--checkpoint-minutes", "60"], "default": [],
             "best": ["--keep-best", "1", "--checkpoint-minutes", "60", "--learning-rate", "1e-9",
                      "--freeze-backbone"]}
-    for name, extra in runs.items():
-        accel_train_here(*short, *extra, "--output-dir", str(tmp_path / name), check=True)
+    said = {name: accel_train_here(*short, *extra, "--output-dir", str(tmp_path / name),
+                                   check=True).stdout for name, extra in runs.items()}
+    assert "checkpoints; at an epoch end once 60 min have passed since the last, and at the " \
+        "end)" in said["every"]
+    assert "min have passed" not in said["default"]
     assert _steps(tmp_path / "every" / "checkpoints") == [3, 6, 9, 15, 16]
     assert _steps(tmp_path / "default" / "checkpoints") == [4, 8, 12, 16]
     every, default = (load_file(str(tmp_path / name / "model.safetensors"))

@@ -61,7 +61,8 @@ def resolved_facts(accelerator, config, plan, data, net, loaders, speed, precisi
             {"weights": [round(float(w), 6) for w in class_weights],
              "summary": describe_weights(class_weights, data.class_names)},
             "launcher": distributed.launcher_facts(),
-            "output_dir": str(plan.output_dir), "checkpoint_dir": str(plan.checkpoint_dir)}
+            "output_dir": str(plan.output_dir), "checkpoint_dir": str(plan.checkpoint_dir),
+            "checkpoint_minutes": config.checkpoint_minutes}
 
 
 def open_records(accelerator, plan, config, speed, state, metrics, report, paths, facts: dict,

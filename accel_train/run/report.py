@@ -103,8 +103,16 @@ def summary(facts: dict, data_description: str, accumulation_steps: int, backend
         f"process(es) x {accumulation_steps} accumulation step(s); "
         f"{facts['steps_per_epoch']} steps/epoch, "
         f"{_length_words(facts['total_steps'], facts.get('max_steps'))}\n"
-        f"  output: {facts['output_dir']} (checkpoints in {facts['checkpoint_dir']})\n"
+        f"  output: {facts['output_dir']} (checkpoints in {facts['checkpoint_dir']}"
+        + _cadence_words(facts.get("checkpoint_minutes")) + ")\n"
         f"  records: {records}" + _slurm_line(facts.get("launcher", {}).get("slurm")))
+
+
+def _cadence_words(minutes: Optional[float]) -> str:
+    """--checkpoint-minutes, where set: which epoch ends save."""
+    if not minutes:
+        return ""
+    return f"; at an epoch end once {minutes:g} min have passed since the last, and at the end"
 
 
 def _held_in(facts: dict) -> str:

@@ -13,7 +13,7 @@ from accel_train.cli import build_train_parser, config_from_args
 from accel_train.run.checkpoint_cadence import CheckpointCadence
 from accel_train.trainer import run_training
 from conftest import TINY_TRAIN, run
-from faults import torchrun_cmd
+from faults import checkpoint_steps, torchrun_cmd
 from test_loader_workers import StopAtStep  # SIGTERM at a step: a stop signal's save
 
 
@@ -87,8 +87,7 @@ def _train(tmp_path, callback: Callback, minutes: str = "1") -> tuple[int, list[
     config = config_from_args(build_train_parser().parse_args(
         [*argv, "--synthetic-train-size", "64", "--epochs", "4", "--checkpoint-minutes", minutes,
          "--keep-checkpoints", "10", "--output-dir", str(out)]), environ={})
-    code = run_training(config, [callback])
-    return code, sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
+    return run_training(config, [callback]), checkpoint_steps(out)
 
 
 @pytest.mark.slow
@@ -104,5 +103,4 @@ def test_two_ranks_skip_the_same_epoch_ends(tmp_path):
                      "--checkpoint-every", "3", "--checkpoint-minutes", "60",
                      "--keep-checkpoints", "20", "--output-dir", str(out)),
         timeout=240, check=True)
-    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == \
-        ["step_00000003", "step_00000008"]
+    assert checkpoint_steps(out) == [3, 8]

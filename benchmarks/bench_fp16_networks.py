@@ -20,8 +20,8 @@ its figures mean nothing.
 from __future__ import annotations
 
 import math
-import subprocess
 import shutil
+import subprocess
 import sys
 import tempfile
 import time

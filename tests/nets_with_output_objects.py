@@ -4,23 +4,29 @@ do; importable (PYTHONPATH=tests) so that `--model nets_with_output_objects:...`
 from __future__ import annotations
 
 from collections import namedtuple
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torchvision.models.inception import InceptionOutputs
-from transformers import (ResNetConfig, ResNetForImageClassification, ViTConfig,
-                          ViTForImageClassification)
+
+# transformers is imported by the two builders that need it: every test worker imports this
+# module when it collects the test files, and transformers' import is most of 2 s a worker.
+if TYPE_CHECKING:
+    from transformers import ResNetForImageClassification, ViTForImageClassification
 
 
-def tiny_hf_resnet(num_classes: int = 10) -> ResNetForImageClassification:
+def tiny_hf_resnet(num_classes: int = 10) -> "ResNetForImageClassification":
     """A Hugging Face transformers image classifier (returns an ImageClassifierOutput...)."""
+    from transformers import ResNetConfig, ResNetForImageClassification
     return ResNetForImageClassification(ResNetConfig(
         num_labels=num_classes, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1]))
 
 
 
-def tiny_hf_vit(num_classes: int = 10, image_size: int = 32) -> ViTForImageClassification:
+def tiny_hf_vit(num_classes: int = 10, image_size: int = 32) -> "ViTForImageClassification":
     """A transformers ViT, built for one input size (its config's image_size)."""
+    from transformers import ViTConfig, ViTForImageClassification
     return ViTForImageClassification(ViTConfig(
         num_labels=num_classes, image_size=image_size, patch_size=8, hidden_size=16,
         num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))

@@ -19,8 +19,6 @@ from safetensors.torch import load_file
 from torch import nn
 from torchvision.models.googlenet import GoogLeNetOutputs
 from torchvision.models.inception import InceptionOutputs
-from transformers import ResNetConfig, ViTConfig, ViTForImageClassification
-from transformers.modeling_outputs import ImageClassifierOutputWithNoAttention
 
 import accel_train
 import accel_train.callbacks
@@ -34,9 +32,12 @@ from nets_with_output_objects import AuxHeadNet, tiny_hf_resnet, tiny_hf_vit
 from test_api import Squares
 
 TESTS = str(REPO / "tests")
+# transformers is imported inside the tests that name its classes (nets_with_output_objects.py
+# says why)
 
 
 def test_the_logits_are_found_in_each_kind_of_output():
+    from transformers.modeling_outputs import ImageClassifierOutputWithNoAttention
     logits, aux = torch.randn(2, 3), torch.randn(2, 3)
     assert logits_from(logits) is logits
     assert logits_from(ImageClassifierOutputWithNoAttention(logits=logits)) is logits
@@ -70,6 +71,7 @@ def fit_on_squares(tmp_path, name, model, **options):
 
 
 def test_fit_trains_a_transformers_model_as_the_adapter_that_returns_its_logits(tmp_path):
+    from transformers.modeling_outputs import ImageClassifierOutputWithNoAttention
     torch.manual_seed(0)
     model = tiny_hf_resnet(num_classes=2)
     adapted = LogitsOf(copy.deepcopy(model))
@@ -106,6 +108,7 @@ def test_fit_trains_a_module_returning_a_dict_as_the_adapter_that_returns_its_lo
 
 
 def test_a_refused_fit_gives_the_module_back_as_it_was(tmp_path):
+    from transformers.modeling_outputs import ImageClassifierOutputWithNoAttention
     model = tiny_hf_resnet(num_classes=2)
     with pytest.raises(UsageError, match="layer_decay=0.7"):
         fit_on_squares(tmp_path, "refused", model, layer_decay=0.7)
@@ -114,6 +117,7 @@ def test_a_refused_fit_gives_the_module_back_as_it_was(tmp_path):
 
 def test_a_transformers_network_built_for_another_size_is_told_its_own():
     """The size to try is the one the network's config was built for, not timm's 224."""
+    from transformers import ViTConfig, ViTForImageClassification
     assert native_image_size(tiny_hf_vit(image_size=48)) == 48
     assert native_image_size(ViTForImageClassification(ViTConfig(image_size=(40, 40),
                                                                   hidden_size=8,
@@ -184,6 +188,7 @@ class ClassWithoutConfig(nn.Linear):
 
 
 def test_only_a_transformers_model_has_its_config_recorded_with_every_field():
+    from transformers import ResNetConfig
     recorded = transformers_config_of(tiny_hf_resnet(num_classes=3))
     assert (len(recorded["id2label"]), recorded["hidden_sizes"]) == (3, [8, 16])
     # fields left at their defaults too (a later transformers may change a default): the

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
@@ -28,6 +29,7 @@ from accel_train.data.badimages import BadImageLog
 from accel_train.data.held_out_kept import KeptHeldOut, keep_held_out, kept_bytes, pacer_for
 from accel_train.data.loaders import HeldOutImages, make_loader, run_transforms
 from accel_train.data.loading import build_loaders
+from accel_train.data.transforms import ImageTransform
 from accel_train.data.sources import load_data
 from accel_train.train.evaluate import HeldOutEvaluator, evaluate_classifier
 from conftest import PINNED, TINY_TRAIN, accel_train_here, clean_accelerate_state, free_port, run
@@ -300,6 +302,24 @@ def test_the_held_out_loaders_workers_end_once_its_batches_are_kept(photos_with_
             time.sleep(0.1)
         assert not set(multiprocessing.active_children()) - before
         assert evaluator.evaluate(model, 1) == first
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="needs a GPU"))])
+def test_every_pixel_level_normalizes_as_numpy_divides(device):
+    """Every uint8 level of every channel, normalized on `device`, is numpy's float32
+    (x / 255 - mean) / std to the bit.  On CUDA a division by a Python number is a product with
+    its float32 reciprocal, one bit off for about half the levels: the device's normalization
+    must not divide so (the loader workers' floats are the CPU's division)."""
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    levels = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).expand(2, 3, 16, 16)
+    normalized = ImageTransform(16, mean, std).finish(levels.contiguous().to(device))
+    assert normalized.device.type == device
+    expected = (levels.numpy().astype(np.float32) / np.float32(255)
+                - np.asarray(mean, np.float32).reshape(1, 3, 1, 1)) \
+        / np.asarray(std, np.float32).reshape(1, 3, 1, 1)
+    np.testing.assert_array_equal(normalized.cpu().numpy(), expected)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -95,11 +95,18 @@ def single_threaded(method):
 
 @functools.lru_cache(maxsize=None)
 def _channel_stats(mean: tuple, std: tuple,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """mean and std as [1, 3, 1, 1] float tensors on `device`, made once per device: made at
-    every step they would be a blocking host-to-device copy, which on a GPU waits for all the
-    work queued before it (a synchronization per micro-batch)."""
-    return (torch.tensor(mean, device=device).view(1, 3, 1, 1),
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """255 (a 0-dim tensor), mean and std ([1, 3, 1, 1]) as float tensors on `device`, made once
+    per device: made at every step they would be a blocking host-to-device copy, which on a GPU
+    waits for all the work queued before it (a synchronization per micro-batch).
+
+    Why 255 as a tensor on the device, not a Python number: CUDA divides a tensor by a number
+    as a product with the number's float32 reciprocal (aten's div_true_kernel_cuda: "may lose
+    one bit of precision"), one bit off x / 255 for about half the 256 levels; by a tensor on
+    the device it divides as the CPU does, so that uint8 pixels normalized on a GPU are the
+    loader workers' floats to the bit."""
+    return (torch.tensor(255.0, device=device),
+            torch.tensor(mean, device=device).view(1, 3, 1, 1),
             torch.tensor(std, device=device).view(1, 3, 1, 1))
 
 
@@ -283,8 +290,8 @@ class ImageTransform:
     # -- pieces ---------------------------------------------------------------------------------
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 [B, 3, S, S] on any device -> float, on that device."""
-        out = images.float().div_(255)  # a copy: the uint8 source is never written
-        mean, std = _channel_stats(self.mean, self.std, out.device)
+        scale, mean, std = _channel_stats(self.mean, self.std, images.device)
+        out = images.float().div_(scale)  # a copy: the uint8 source is never written
         return out.sub_(mean).div_(std)
 
     def _resize(self, images: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,8 @@
 #      the crops jittered on CUDA against torchvision's and pinned by the pin-memory thread,
 #      the crops' flips on CUDA against numpy's, photos held on the GPU against the device
 #      decode path's batches, a run's evaluations from uint8 batches normalized on the GPU
-#      against `accel-train eval`'s.
+#      against `accel-train eval`'s, every pixel level normalized on CUDA against numpy's
+#      division.
 # Left out to stay under 9 minutes, each measured before (BENCHMARKS.md, "GPU"):
 # a smoke run, bench_gpu_cifar.py (ResNet-9 to 94%, SIGTERM + resume), bench_gpu.py (the step
 # against a hand loop on in-memory images), the longer runs toward 94%, the side by side with

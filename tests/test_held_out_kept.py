@@ -29,8 +29,8 @@ from accel_train.data.badimages import BadImageLog
 from accel_train.data.held_out_kept import KeptHeldOut, keep_held_out, kept_bytes, pacer_for
 from accel_train.data.loaders import HeldOutImages, make_loader, run_transforms
 from accel_train.data.loading import build_loaders
-from accel_train.data.transforms import ImageTransform
 from accel_train.data.sources import load_data
+from accel_train.data.transforms import ImageTransform
 from accel_train.train.evaluate import HeldOutEvaluator, evaluate_classifier
 from conftest import PINNED, TINY_TRAIN, accel_train_here, clean_accelerate_state, free_port, run
 from faults import metrics

@@ -35,6 +35,7 @@ from accel_train.train.evaluate import HeldOutEvaluator, evaluate_classifier
 from conftest import PINNED, TINY_TRAIN, accel_train_here, clean_accelerate_state, free_port, run
 from faults import metrics
 from test_device_decode import _spec
+from test_device_input import MEAN, STD, _numpy_normalized
 
 MB = 10**6
 
@@ -312,14 +313,10 @@ def test_every_pixel_level_normalizes_as_numpy_divides(device):
     (x / 255 - mean) / std to the bit.  On CUDA a division by a Python number is a product with
     its float32 reciprocal, one bit off for about half the levels: the device's normalization
     must not divide so (the loader workers' floats are the CPU's division)."""
-    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
     levels = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).expand(2, 3, 16, 16)
-    normalized = ImageTransform(16, mean, std).finish(levels.contiguous().to(device))
+    normalized = ImageTransform(16, MEAN, STD).finish(levels.contiguous().to(device))
     assert normalized.device.type == device
-    expected = (levels.numpy().astype(np.float32) / np.float32(255)
-                - np.asarray(mean, np.float32).reshape(1, 3, 1, 1)) \
-        / np.asarray(std, np.float32).reshape(1, 3, 1, 1)
-    np.testing.assert_array_equal(normalized.cpu().numpy(), expected)
+    np.testing.assert_array_equal(normalized.cpu().numpy(), _numpy_normalized(levels))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

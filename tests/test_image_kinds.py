@@ -312,13 +312,9 @@ def _jpeg(width: int, height: int, seed: int) -> bytes:
 
 
 def _torchvision_pixels(blob: bytes) -> torch.Tensor:
-    import warnings
-
     from torchvision.io import ImageReadMode, decode_jpeg
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # in favour of TorchCodec
-        return decode_jpeg(torch.frombuffer(bytearray(blob), dtype=torch.uint8),
-                           mode=ImageReadMode.RGB)
+    return decode_jpeg(torch.frombuffer(bytearray(blob), dtype=torch.uint8),
+                       mode=ImageReadMode.RGB)
 
 
 def test_a_broken_jpeg_among_good_ones_costs_only_itself():

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import io
 import sys
+import threading
+import time
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +32,7 @@ from accel_train.data.decode import Unreadable, decode_many
 from accel_train.data.device_decode import DeviceDecoder, choose
 from accel_train.data.loaders import TrainImages, run_transforms
 from accel_train.data.sources import load_data
-from conftest import PINNED, accel_train_here
+from conftest import PINNED, accel_train_here, run
 
 CPU = torch.device("cpu")
 
@@ -309,3 +312,65 @@ def test_a_torchcodec_that_fails_to_load_is_named_with_its_error(environment):
         "this torchvision has no JPEG decoder (TorchCodec's replaces it) and TorchCodec did not "
         "load (OSError: libtorchcodec_core9.so: undefined symbol: _ZN3c10): pip install "
         "torchcodec")
+
+
+def test_decoding_on_a_second_thread_leaves_the_first_threads_warning_filters_alone(kinds):
+    """The device path decodes on a thread of its own (data/decode_ahead.py) while the training
+    thread runs.  Python keeps one list of warning filters for the process, and
+    `warnings.catch_warnings` saves and restores that list: a decode wrapped in one would, as
+    it ended, put back under the training thread the filters of the moment it began (the
+    training thread's own catch_warnings undone, or the decoder's "ignore" left in force).
+    Here the first thread sets a filter again and again while the second decodes."""
+    decoder = jpeg_decoders.jpeg_decoder()
+    blobs = _tensors(kinds.values())
+    before = list(warnings.filters)
+    stop, decoded = threading.Event(), []
+
+    def decode_until_stopped():
+        while not stop.is_set():
+            decoded.append(len(decoder.decode(blobs, CPU, None)))
+
+    thread = threading.Thread(target=decode_until_stopped)
+    thread.start()
+    undone = 0
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)
+                mine = warnings.filters[0]
+                time.sleep(0.0005)  # the decoding thread runs meanwhile
+                undone += warnings.filters[0] is not mine
+    finally:
+        stop.set()
+        thread.join()
+    assert len(decoded) >= 10 and set(decoded) == {len(blobs)}, decoded
+    assert undone == 0, f"the first thread's filter was undone {undone} times"
+    assert warnings.filters == before
+
+
+@pytest.mark.slow  # a new process
+def test_a_process_that_decodes_shows_nothing_of_torchvisions_deprecation(kinds, tmp_path):
+    """torchvision 0.29 warns at every decode that its decoders are deprecated: the product
+    filters that one message for its process, so even `python -W error::DeprecationWarning`
+    decodes, on the training thread and on a second one, as the device path does."""
+    (tmp_path / "photo.jpg").write_bytes(kinds["420"])
+    script = f"""
+import threading
+from pathlib import Path
+import torch
+from accel_train.data.jpeg_decoders import jpeg_decoder
+blob = torch.frombuffer(bytearray(Path({str(tmp_path / "photo.jpg")!r}).read_bytes()),
+                        dtype=torch.uint8)
+shapes = []
+def decode():
+    shapes.append(tuple(jpeg_decoder().decode([blob], torch.device("cpu"), None)[0].shape))
+decode()
+thread = threading.Thread(target=decode)
+thread.start()
+thread.join()
+print(shapes)
+"""
+    result = run([sys.executable, "-W", "error::DeprecationWarning", "-c", script], check=True)
+    assert result.stdout.strip() == "[(3, 48, 64), (3, 48, 64)]", result.stdout
+    assert "deprecated" not in result.stderr, result.stderr

@@ -31,6 +31,14 @@ from PIL import ExifTags, Image
 _ORIENTATION = ExifTags.Base.Orientation
 DECODE_ERRORS = (RuntimeError, ValueError)  # what both libraries raise for a file they refuse
 
+# torchvision's decoders warn at every call that they are deprecated for TorchCodec's (they
+# still work).  Only that message, once for the process, not a filter set around each call:
+# the device path decodes on a thread of its own (decode_ahead.py), and catch_warnings saves and
+# restores the process's one list of filters, which undid, under the training thread, whatever
+# that thread set meanwhile (tests/test_jpeg_decoders.py).
+warnings.filterwarnings("ignore", "The image decoding and encoding capabilities of TorchVision "
+                        "are deprecated", DeprecationWarning)
+
 
 @dataclass(frozen=True)
 class JpegDecoder:
@@ -68,24 +76,19 @@ def _found() -> tuple[Optional[JpegDecoder], str]:
 
 
 def _torchvision() -> Optional[JpegDecoder]:
-    with warnings.catch_warnings():  # deprecated for TorchCodec's, still working
-        warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            from torchvision.io import ImageReadMode, decode_jpeg
-        except ImportError:
-            return None
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except ImportError:
+        return None
 
     def decode(blobs: list[torch.Tensor], device: torch.device,
                orientations: Optional[list[int]]) -> list[torch.Tensor]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            if orientations is None and device.type == "cpu":
-                return list(decode_jpeg(blobs, mode=ImageReadMode.RGB,
-                                        apply_exif_orientation=True))
-            # Turned here where the caller has the orientations (the device path, on either
-            # device, the same code on a CPU as on a GPU) and on CUDA, whose call takes no
-            # apply_exif_orientation.
-            images = list(decode_jpeg(blobs, mode=ImageReadMode.RGB, device=device))
+        if orientations is None and device.type == "cpu":
+            return list(decode_jpeg(blobs, mode=ImageReadMode.RGB, apply_exif_orientation=True))
+        # Turned here where the caller has the orientations (the device path, on either
+        # device, the same code on a CPU as on a GPU) and on CUDA, whose call takes no
+        # apply_exif_orientation.
+        images = list(decode_jpeg(blobs, mode=ImageReadMode.RGB, device=device))
         if orientations is None:
             orientations = [exif_orientation(blob.numpy().tobytes()) for blob in blobs]
         return [orient(image, turn) for image, turn in zip(images, orientations)]

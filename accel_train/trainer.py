@@ -123,9 +123,9 @@ class Trainer:
         and the network a program brings instead of those the options name."""
         callbacks = CallbackList(callbacks)  # a wrong one refused before anything starts
         plan = plan_start(config, distributed.setup(config))
-        logits_hook = None
+        logits_hook, report = None, Reporter(plan.messages)
         try:
-            config, cuda, report = plan.config, torch.cuda.is_available(), Reporter(plan.messages)
+            config, cuda = plan.config, torch.cuda.is_available()
             keep_freed_host_memory(cuda, os.environ)  # before the probes time any step
             read = bring_data or (load_streaming if streaming_wanted(config) else load_data)
             data = distributed.main_first(lambda: read(config))
@@ -155,6 +155,7 @@ class Trainer:
             plan.release()
             if logits_hook is not None:
                 logits_hook.remove()
+            report.close_log()
             raise
 
     # -- prepare --------------------------------------------------------------------------------
@@ -638,6 +639,7 @@ class Trainer:
             self.plan.release()
             if self.logits_hook is not None:
                 self.logits_hook.remove()
+            self.report.close_log()
 
     def _last_checkpoint_sealed(self) -> None:
         """A checkpoint still being sealed when an error, a stall or a stop ends the run is

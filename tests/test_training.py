@@ -9,6 +9,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from accel_train.callbacks import Callback
 from accel_train.cli import main
 from accel_train.config import TrainConfig
 from accel_train.model.saved import ModelSpec
@@ -222,3 +223,37 @@ def test_gpus_that_torch_cannot_use_are_named_in_one_warning(tmp_path, monkeypat
     quiet = accel_train_here(*TINY_TRAIN, "--max-steps", "1", "--output-dir",
                              str(tmp_path / "run2"), check=True)
     assert "driver" not in quiet.stdout + quiet.stderr
+
+
+def _files_held_open_under(folder) -> list[str]:
+    """The files under `folder` this process holds open, as Linux lists them (/proc/self/fd)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # (the listing's own descriptor, closed by now)
+            continue
+        if target.startswith(f"{folder}{os.sep}"):
+            held.append(target)
+    return held
+
+
+class _FailsAtTheFirstStep(Callback):
+    def on_step_end(self, trainer, step: int) -> None:
+        raise RuntimeError("a program's callback failed")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads Linux's /proc/self/fd")
+def test_a_run_in_a_program_closes_its_log_whether_it_ends_or_fails(tmp_path):
+    """A program may train many runs in one process (a sweep): each run's logs/rank0.log is
+    closed at its end, and at an error, not held open until the next run replaces it."""
+    accel_train_here(*TINY_TRAIN, "--max-steps", "2", "--output-dir", str(tmp_path / "ends"),
+                     check=True)
+    assert (tmp_path / "ends" / "logs" / "rank0.log").stat().st_size > 0
+    assert _files_held_open_under(tmp_path) == []
+    with pytest.raises(RuntimeError, match="a program's callback failed"):
+        run_training(TrainConfig(**QUICK, max_steps=2, output_dir=str(tmp_path / "fails")),
+                     callbacks=[_FailsAtTheFirstStep()])
+    assert "the run stopped on an error" in \
+        (tmp_path / "fails" / "logs" / "rank0.log").read_text()
+    assert _files_held_open_under(tmp_path) == []

@@ -10,7 +10,7 @@ from typing import Optional
 
 from accel_train.base.ranks import print_once
 from accel_train.run.rundir import PLOTS_DIR, TRACKERS_DIR, RunPaths
-from accel_train.run.track import rank_logger
+from accel_train.run.track import close_handlers, rank_logger
 
 
 class Reporter:
@@ -30,6 +30,14 @@ class Reporter:
         for level, text in self._before_log:
             self._logger.log(level, text)
         self._before_log.clear()
+
+    def close_log(self) -> None:
+        """Closes this rank's log at the run's end: a program may train many runs in one
+        process, and each run's file is closed with it, not held open until the next replaces
+        it.  What is said after that goes to the console only."""
+        if self._logger is not None:
+            close_handlers(self._logger)
+            self._logger = None
 
     def _log(self, level: int, text: str) -> None:
         if self._logger is None:

@@ -107,12 +107,19 @@ def rank_logger(log_dir: Path, rank: int) -> logging.Logger:
     logger = logging.getLogger(f"accel_train.rank{rank}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
+    close_handlers(logger)  # an earlier run's in this process, had it not closed them
     handler = logging.FileHandler(log_dir / f"rank{rank}.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     logger.addHandler(handler)
     return logger
+
+
+def close_handlers(logger: logging.Logger) -> None:
+    """Removes `logger`'s handlers and closes them: removing alone leaves a file open until
+    the collector gets to it."""
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
 
 
 def _format_eta(seconds: float) -> str:

@@ -162,6 +162,12 @@ def test_files_the_device_decoder_does_not_take_are_held_as_the_workers_read_the
         assert held.held.labels[broken[-1]] != source.labels[broken[-1]]  # the cut file's
 
 
+def _size(file) -> tuple[int, int]:
+    """(width, height), as PIL reads the header."""
+    with Image.open(file) as image:
+        return image.size
+
+
 def _rates(host, shared, device, jitter, train, held):
     return lambda: {"host": host, "shared": shared, "device": device, "jitter": jitter,
                     "train": train, "held": held}
@@ -172,7 +178,7 @@ def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_
     config = _config(photos)
     files = load_data(config).train
     transform = run_transforms(config, _spec())[0]
-    shapes = [Image.open(file).size for file in photos.glob("train/*/*.jpg")]
+    shapes = [_size(file) for file in photos.glob("train/*/*.jpg")]
     pixels = sum(3 * width * height for width, height in shapes)  # by hand, from PIL
     found = held_photos.scan(files)
     assert found.pixel_bytes == pixels and found.jpegs == len(files) == 12
@@ -230,7 +236,7 @@ def test_what_holding_photos_takes_is_their_pixels_added_up_and_auto_decides_by_
     # far over by the probed images' sizes (those --image-size's default decoded): no header
     # is read
     fresh = load_data(config).train
-    probed = [Image.open(file).size for file in sorted(photos.glob("train/*/*.jpg"))]
+    probed = [_size(file) for file in sorted(photos.glob("train/*/*.jpg"))]
     assert sorted(fresh.probed_shapes) == sorted((h, w) for w, h in probed)  # all 12 probed
     guess = 12 * 3 * sum(w * h for w, h in probed) / 12  # the probed images' mean, 12 times
     scans = held_photos.scan.cache_info().misses

@@ -14,6 +14,7 @@ from accel_train.cli import main
 from accel_train.config import TrainConfig
 from accel_train.model.saved import ModelSpec
 from accel_train.model.build import build_from_spec, create_model
+from accel_train.run.report import Reporter
 from accel_train.run.track import read_metrics
 from accel_train.trainer import Trainer, run_training
 
@@ -256,4 +257,21 @@ def test_a_run_in_a_program_closes_its_log_whether_it_ends_or_fails(tmp_path):
                      callbacks=[_FailsAtTheFirstStep()])
     assert "the run stopped on an error" in \
         (tmp_path / "fails" / "logs" / "rank0.log").read_text()
+    assert _files_held_open_under(tmp_path) == []
+    # the first run's log holds nothing of the second's (its handler gone, not only closed:
+    # a closed FileHandler left on the logger opens its file again to write)
+    assert str(tmp_path / "fails") not in (tmp_path / "ends" / "logs" / "rank0.log").read_text()
+
+
+def test_what_is_said_after_the_log_closed_reaches_the_console_only(tmp_path, capsys):
+    report = Reporter()
+    report.open_log(tmp_path, 0, "the first line")
+    report.say("said while open")
+    report.close_log()
+    report.say("said after the end")
+    report.warn("warned after the end")
+    logged = (tmp_path / "rank0.log").read_text()
+    assert "said while open" in logged and "after the end" not in logged, logged
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "said after the end", "warning: warned after the end"]
     assert _files_held_open_under(tmp_path) == []

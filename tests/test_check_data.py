@@ -154,6 +154,9 @@ def test_parquet_rows_are_checked_and_named(tmp_path, capsys):
     (["--data-dir", "{tmp}/nothing"], "holds no image files"),
     (["--data-dir", "{tmp}/empty_class"], "class folder {tmp}/empty_class/dog holds no images"),
     ([], "check-data needs the data: pass --data-dir DIR"),
+    # the embedded set is not looked up on the hub (whose refusal named it as the way out)
+    (["--dataset", "synthetic"], "--dataset synthetic is the embedded set, drawn in memory: it "
+                                 "has no files to check; pass --data-dir DIR"),
     (["--data-dir", "{tmp}/nothing", "--workers", "0"], "--workers must be a whole number"),
     (["--data-dir", "{tmp}/nothing", "--read-timeout", "-1"],
      "--read-timeout must be seconds >= 0 (got -1); 0 waits for ever"),

@@ -60,9 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args):
-    from accel_train.config import TrainConfig
+    from accel_train.config import SYNTHETIC_DATASET, TrainConfig
     if args.data_dir is None and args.dataset is None:
         raise UsageError("check-data needs the data: pass --data-dir DIR (or --dataset NAME)")
+    if args.data_dir is None and args.dataset == SYNTHETIC_DATASET:  # not a hub id to look up
+        raise UsageError(f"--dataset {SYNTHETIC_DATASET} is the embedded set, drawn in memory: "
+                         f"it has no files to check; pass --data-dir DIR (or --dataset NAME, a "
+                         f"hub id)")
     if args.workers < 1:
         raise UsageError(f"--workers must be a whole number >= 1 (got {args.workers})")
     read_timeout_checked(args.read_timeout)

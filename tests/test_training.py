@@ -239,12 +239,17 @@ def _files_held_open_under(folder) -> list[str]:
     return held
 
 
+# the tests that list this process's open files (_files_held_open_under)
+reads_open_files = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"),
+                                      reason="reads Linux's /proc/self/fd")
+
+
 class _FailsAtTheFirstStep(Callback):
     def on_step_end(self, trainer, step: int) -> None:
         raise RuntimeError("a program's callback failed")
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads Linux's /proc/self/fd")
+@reads_open_files
 def test_a_run_in_a_program_closes_its_log_whether_it_ends_or_fails(tmp_path):
     """A program may train many runs in one process (a sweep): each run's logs/rank0.log is
     closed at its end, and at an error, not held open until the next run replaces it."""
@@ -263,6 +268,7 @@ def test_a_run_in_a_program_closes_its_log_whether_it_ends_or_fails(tmp_path):
     assert str(tmp_path / "fails") not in (tmp_path / "ends" / "logs" / "rank0.log").read_text()
 
 
+@reads_open_files
 def test_what_is_said_after_the_log_closed_reaches_the_console_only(tmp_path, capsys):
     report = Reporter()
     report.open_log(tmp_path, 0, "the first line")

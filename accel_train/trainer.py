@@ -155,7 +155,6 @@ class Trainer:
             plan.release()
             if logits_hook is not None:
                 logits_hook.remove()
-            report.close_log()
             raise
 
     # -- prepare --------------------------------------------------------------------------------
@@ -338,10 +337,16 @@ class Trainer:
                                self.host_memory,
                                self.network_choice, self.pacer.known_total(self.total_steps),
                                self.class_weights)
-        open_records(self.accelerator, self.plan, self.config, self.speed, self.state,
-                     self.metrics, self.report, self.paths, facts, self.data.description,
-                     self.learning_rate_change, warnings)
-        self.bad_images.collect()  # those met while decoding into memory
+        try:
+            open_records(self.accelerator, self.plan, self.config, self.speed, self.state,
+                         self.metrics, self.report, self.paths, facts, self.data.description,
+                         self.learning_rate_change, warnings)
+            self.bad_images.collect()  # those met while decoding into memory
+        except BaseException:
+            # The rank log opened in open_records: closed now, not left to the collector, for
+            # from_config's build and for a program that built this Trainer from its own parts.
+            self.report.close_log()
+            raise
 
     def _record_resolved(self, facts: dict):
         """Facts resolved while training (a time budget's fit) into this start's record."""

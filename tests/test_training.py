@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -14,6 +15,7 @@ from accel_train.cli import main
 from accel_train.config import TrainConfig
 from accel_train.model.saved import ModelSpec
 from accel_train.model.build import build_from_spec, create_model
+from accel_train.run import records as run_records
 from accel_train.run.report import Reporter
 from accel_train.run.track import read_metrics
 from accel_train.trainer import Trainer, run_training
@@ -266,6 +268,20 @@ def test_a_run_in_a_program_closes_its_log_whether_it_ends_or_fails(tmp_path):
     # the first run's log holds nothing of the second's (its handler gone, not only closed:
     # a closed FileHandler left on the logger opens its file again to write)
     assert str(tmp_path / "fails") not in (tmp_path / "ends" / "logs" / "rank0.log").read_text()
+
+
+@reads_open_files
+def test_a_start_that_fails_once_its_log_opened_closes_the_log(tmp_path, monkeypatch):
+    """The start opens the rank log and then records the run: a record that cannot be written
+    (a full disk, planted) ends the start with the log closed, not left to the collector."""
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_records, "write_run_config", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        run_training(TrainConfig(**QUICK, max_steps=2, output_dir=str(tmp_path / "full")))
+    assert (tmp_path / "full" / "logs" / "rank0.log").stat().st_size > 0  # it had opened
+    assert _files_held_open_under(tmp_path) == []
 
 
 @reads_open_files

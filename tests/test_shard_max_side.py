@@ -156,6 +156,7 @@ def test_a_side_too_small_is_refused_before_anything_is_written(folder, tmp_path
     ([(3024, 4032), (1536, 2048), (100, 2100)], 224, 512),  # the median longer side: 2100
     ([(2304, 3072)], 384, 768),                # 2 x 384 = 768; 4 x 768 = 3072
     ([(2304, 3072)], 300, 640),                # 600 rounded up to 64 px: 640; 4 x 640 < 3072
+    ([(2400, 2400)], 257, 576),                # 514 rounded up to 64 px: 576; 4 x 576 < 2400
 ])
 def test_photos_four_times_the_suggested_side_are_noted_with_the_shard_command(shapes,
                                                                               image_size, side):
@@ -163,6 +164,12 @@ def test_photos_four_times_the_suggested_side_are_noted_with_the_shard_command(s
     note = large_photo_note(shapes, image_size, "--data-dir photos")
     assert f"`accel-train shard --data-dir photos --output SHARDS --max-side {side}`" in note
     assert f"for {image_size} px crops" in note
+
+
+def test_the_note_names_a_photo_of_the_median_longer_side():
+    from accel_train.data.large_photos import large_photo_note
+    note = large_photo_note([(3024, 4032), (1536, 2048), (2100, 100)], 224, "--data-dir photos")
+    assert "a median longer side of 2100 px of 3 looked at, such as 100x2100)" in note, note
 
 
 @pytest.mark.parametrize("shapes, image_size", [

@@ -718,7 +718,7 @@ def test_the_probed_evaluation_sets_the_step_count(tmp_path, monkeypatch, clock,
     command = [*[a for a in TINY_TRAIN if a not in ("--epochs", "1")], "--time-budget", "40s",
                "--eval-every", "0", "--tta", tta, "--output-dir", str(out)]
     tick = ticking(clock)
-    accel_train_here(*command, check=True, callbacks=tick)
+    said = accel_train_here(*command, check=True, callbacks=tick).stdout
     fits = _budget_records(out)
     views = {"none": 1, "flip": 2}[tta]
     evaluation = 64 * views * probe / 16
@@ -729,6 +729,10 @@ def test_the_probed_evaluation_sets_the_step_count(tmp_path, monkeypatch, clock,
                                        eval_seconds=evaluation, eval_every=0)
     assert [fit["step_seconds"] for fit in fits] == [1.0] * len(fits)
     assert max(r["step"] for r in metrics(out) if r["type"] == "epoch") == total
+    # the first fit, said once: the steps, the epochs they make (16 steps each), the pace
+    assert said.count(f"time budget 40s: {total} steps, {total / 16:.1f} epochs at 1000 "
+                      f"ms/step (every evaluation included; fitted again as the run goes)") \
+        == 1, said
 
 
 def test_a_budget_spent_before_its_first_fit_ends_the_run_there_and_keeps_it(tmp_path, clock):

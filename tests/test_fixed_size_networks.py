@@ -128,6 +128,29 @@ def test_a_size_its_patches_do_not_divide_is_one_line(tmp_path):
     check_whole_patches(model, "at 96", 96)
 
 
+class _OwnPatches(torch.nn.Module):
+    """A network of one's own with a patch embedding of its own: a strided convolution whose
+    patch_size is a plain int, and no timm attribute such as dynamic_img_pad."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch_embed = torch.nn.Conv2d(3, 8, kernel_size=16, stride=16)
+        self.patch_embed.patch_size = 16
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, images):
+        return self.head(self.patch_embed(images).mean(dim=(2, 3)))
+
+
+def test_a_patch_embedding_of_ones_own_is_checked_as_timms():
+    from accel_train.base.errors import UsageError
+    from accel_train.model.input_size import check_whole_patches
+    with pytest.raises(UsageError, match="--image-size 100 is not a whole number of own's "
+                                         "16-pixel patches: .* use --image-size 96 or 112"):
+        check_whole_patches(_OwnPatches(), "own", 100)
+    check_whole_patches(_OwnPatches(), "own", 112)
+
+
 @pytest.mark.slow
 def test_model_args_edited_into_another_shape_are_one_line(tmp_path):
     """A run folder's config.json whose model_args is no longer a mapping: eval says so in one

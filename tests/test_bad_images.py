@@ -233,6 +233,18 @@ def test_eval_names_a_broken_held_out_image(tmp_path, broken_folder):
     assert [r for r in metrics(out) if r["type"] == "epoch"][-1]["eval_count"] == measured["count"]
 
 
+def test_the_classes_none_of_whose_images_decode_are_named_with_their_counts():
+    """Counted by hand: class 0 like any other, an unlabelled image (-1) in no class, one image
+    said in the singular; a class with one image that decodes is not named."""
+    import torch
+    from accel_train.data.labels import unreadable_classes_named
+    labels, names = torch.tensor([0, 0, 0, 1, 1, -1, 2]), ["a", "b", "c"]
+    assert unreadable_classes_named(labels, [0, 1, 2, 5], names) == "'a' (3 images)"
+    assert unreadable_classes_named(labels, [5, 3, 6, 4], names) == \
+        "'b' (2 images), 'c' (1 image)"
+    assert unreadable_classes_named(labels, [0, 1, 3], names) == ""
+
+
 @pytest.mark.slow
 def test_a_class_none_of_whose_training_images_decodes_is_refused_and_checked(tmp_path):
     """Class b's three files are all empty: decoded into memory, the run refuses in one line

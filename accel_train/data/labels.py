@@ -229,6 +229,6 @@ def unreadable_classes_named(labels: torch.Tensor, broken, class_names: list[str
     counts ("'b' (3 images)"); '' when there are none."""
     labels = torch.as_tensor(labels)
     lost = classes_left_unreadable(labels, broken, len(class_names))
-    counts = torch.bincount(labels[labels >= 0], minlength=len(class_names))
-    return first_few(f"{class_names[i]!r} ({int(counts[i])} images)" for i in lost) if lost \
-        else ""
+    counts = torch.bincount(labels[labels >= 0], minlength=len(class_names)).tolist()
+    return first_few(f"{class_names[i]!r} ({counts[i]} image{'' if counts[i] == 1 else 's'})"
+                     for i in lost) if lost else ""

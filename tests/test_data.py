@@ -199,6 +199,12 @@ def test_numeric_labels_with_gaps_warn_of_outputs_no_image_trains(tmp_path):
     _labelled_parquet(tmp_path / "sparse" / "train.parquet", [0, 20, 0, 20], "int64")
     (words,) = load_data(config(data_dir=str(tmp_path / "sparse"))).warnings
     assert "19 of those numbers (1, 2, 3, 4, 5, 6, 7, 8, ...) no row has" in words, words
+    # eight missing are all shown; nine end in "..." (the first eight shown)
+    for top, shown in ((9, "(1, 2, 3, 4, 5, 6, 7, 8) no row has"),
+                       (10, "(1, 2, 3, 4, 5, 6, 7, 8, ...) no row has")):
+        _labelled_parquet(tmp_path / f"to{top}" / "train.parquet", [0, top, 0, top], "int64")
+        (words,) = load_data(config(data_dir=str(tmp_path / f"to{top}"))).warnings
+        assert f"{top - 1} of those numbers {shown}" in words, words
     _labelled_parquet(tmp_path / "whole" / "train.parquet", [0, 1, 2, 0], "int64")
     _labelled_parquet(tmp_path / "whole" / "validation.parquet", [2], "int64")
     whole = load_data(config(data_dir=str(tmp_path / "whole"), in_memory="never"))
@@ -652,6 +658,18 @@ def test_float_pixel_values_are_refused_in_one_line_naming_what_to_pass(tmp_path
     trained = accel_train_here(*run, "--image-column", "image", "--output-dir",
                                str(tmp_path / "run"))
     assert trained.returncode == 0, trained.stderr[-2000:]
+
+
+def test_rows_without_a_label_are_counted_by_hand():
+    """Nulls, negative numbers and a float column's NaN each count, together: pandas' NaN is
+    stored as a null, but Arrow and datasets keep a NaN written as a value."""
+    from accel_train.data.labels import unlabelled_rows
+    nan = float("nan")
+    floats = datasets.Dataset.from_dict({"label": [0.0, nan, None, -1.0, 2.0, nan]})
+    assert unlabelled_rows(floats, "label") == 4   # nan, None, -1.0, nan
+    numbers = datasets.Dataset.from_dict({"label": [0, None, -1, 2, -1, None]})
+    assert unlabelled_rows(numbers, "label") == 4  # None, -1, -1, None
+    assert unlabelled_rows(datasets.Dataset.from_dict({"label": ["a", None, "b"]}), "label") == 1
 
 
 def _float_label_parquet(folder: Path, split: str, labels: list) -> None:

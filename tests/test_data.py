@@ -224,6 +224,24 @@ def _class_label_parquet(path: Path, labels: list, names: list[str], first: int 
     ).to_parquet(str(path))
 
 
+def test_a_training_split_without_labels_is_refused_and_every_split_is_checked(tmp_path):
+    """A training split of unlabelled rows only is refused, not left out as a test split of
+    them is; and a split left out does not end the check of those after it (the validation
+    split ahead of the test split, and behind it)."""
+    names = ["cat", "dog"]
+    _class_label_parquet(tmp_path / "a" / "train.parquet", [None] * 4, names)
+    _class_label_parquet(tmp_path / "a" / "test.parquet", ["cat", "dog"], names)
+    with pytest.raises(UsageError, match=r"4 of the 4 rows of the train split have no label"):
+        load_data(config(data_dir=str(tmp_path / "a")))
+    for unlabelled, partly in (("test", "validation"), ("validation", "test")):
+        folder = tmp_path / f"{unlabelled}_only"
+        _class_label_parquet(folder / "train.parquet", ["cat", "dog"] * 3, names)
+        _class_label_parquet(folder / f"{unlabelled}.parquet", [None] * 3, names, first=50)
+        _class_label_parquet(folder / f"{partly}.parquet", ["cat", None], names, first=100)
+        with pytest.raises(UsageError, match=rf"1 of the 2 rows of the {partly} split have no"):
+            load_data(config(data_dir=str(folder)))
+
+
 def test_an_unlabelled_test_split_is_left_out_and_unlabelled_rows_are_refused(tmp_path):
     """Hub data sets store -1 for rows without a label: a test split of only those is left out
     with a warning (it failed at the end of training); some such rows in a split, or a None

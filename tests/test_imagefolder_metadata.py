@@ -237,6 +237,110 @@ def test_a_metadata_csv_excel_saved_with_its_byte_order_mark_is_read(tmp_path):
                     for name, label in zip(expected["file_name"], expected["label"])}
 
 
+# captions as scraped text holds them: a line break pandas quotes in a CSV (an empty line and a
+# "#" inside the caption too), Unicode's line and paragraph separators, NEL and a form feed,
+# which str.splitlines breaks at but neither the csv module nor JSON Lines does (pandas writes
+# them raw in a CSV, and in JSON lines with force_ascii=False), a comma and quotes
+CAPTIONS = ["a photo\nover two lines", "one\n\n# not a comment", "line\u2028separator",
+            "paragraph\u2029separator", "next line\u0085mark", "form\x0cfeed",
+            'she said "hi", twice', "windows\r\nbreak"]
+
+
+@pytest.mark.parametrize("kind", ["csv", "jsonl"])
+def test_captions_over_several_lines_are_read_as_datasets_reads_them(tmp_path, kind):
+    """A caption column beside file_name and label, its captions over several lines or holding
+    a Unicode line break: every image labelled as datasets' imagefolder labels it."""
+    root = tmp_path / "hf"
+    rows = []
+    for i, caption in enumerate(CAPTIONS):
+        _image(root / "train" / f"{i}.png", 30 * i)
+        rows.append({"file_name": f"{i}.png", "label": ["cat", "dog", "owl"][i % 3],
+                     "caption": caption})
+    file = root / "train" / f"metadata.{kind}"
+    if kind == "csv":
+        pd.DataFrame(rows).to_csv(file, index=False)
+        assert file.read_text().count("\n") > len(rows) + 1  # captions over several lines
+    else:
+        pd.DataFrame(rows).to_json(file, orient="records", lines=True, force_ascii=False)
+        assert "\u2028" in file.read_text()  # written as it is, not escaped
+    theirs = _theirs(root)
+    assert len(theirs["train"]) == len(rows)
+    data = load_data(TrainConfig(data_dir=str(root), in_memory="never"))
+    assert _ours(data) == theirs["train"]
+    assert data.class_names == ["cat", "dog", "owl"]
+
+
+def test_a_semicolon_label_file_with_a_caption_over_lines_splits_at_semicolons(tmp_path):
+    """Excel's semicolon CSV (the comma its decimal mark): the header decides the file's
+    separator, not a line's decimal comma or a comma in a caption (pandas' read_csv with
+    sep=";" is the oracle for what the file says)."""
+    for i in range(4):
+        _image(tmp_path / "flat" / f"{i}.png", 50 * i)
+    file = tmp_path / "labels.csv"
+    file.write_text('file_name;label;caption\n0.png;cat;"first\nthen, a comma"\n1.png;dog;0,93\n'
+                    '2.png;cat;"a; b"\n3.png;dog;"2,5 cm\nlong"\n')
+    table = pd.read_csv(file, sep=";")
+    data = load_data(TrainConfig(data_dir=str(tmp_path / "flat"), train_labels=str(file),
+                                 in_memory="never", val_fraction=0.5))
+    found = {**_ours_held_out(data), **{
+        value["path"]: data.class_names[label] for value, label in
+        zip(data.train.column[:].column(0).to_pylist(), data.train.labels.tolist())}}
+    assert found == dict(zip(table["file_name"], table["label"]))
+
+
+def _quote_problem(tmp_path: Path, text: str) -> str:
+    """The one line training gives for a metadata.csv of `text` beside 0.png-5.png."""
+    folder = tmp_path / "hf" / "train"
+    for i in range(6):
+        _image(folder / f"{i}.png", 40 * i)
+    (folder / "metadata.csv").write_text(text)
+    ran = accel_train_here("--data-dir", str(tmp_path / "hf"), *PINNED, "--output-dir",
+                           str(tmp_path / "run"))
+    err = ran.stderr.strip().splitlines()
+    assert ran.returncode == 2 and len(err) == 1, ran.stderr
+    assert not (tmp_path / "run").exists()
+    return err[0]
+
+
+def test_a_quote_no_line_closes_is_one_line_naming_where_it_opens(tmp_path):
+    """`"cat` for cat on line 4: pandas' read_csv refuses the file (the oracle); so does the
+    run, naming line 4, where before the quote went unnoticed."""
+    text = 'file_name,label\n0.png,cat\n1.png,dog\n2.png,"cat\n3.png,dog\n4.png,cat\n5.png,dog\n'
+    folder = tmp_path / "hf" / "train"
+    line = _quote_problem(tmp_path, text)
+    with pytest.raises(pd.errors.ParserError, match="EOF inside string"):
+        pd.read_csv(folder / "metadata.csv")
+    assert line == (f"accel_train: error: {folder / 'metadata.csv'} line 4 opens a quoted "
+                    f"field (\") that no line after it closes; close the quote, or remove it")
+    # the quote on the file's last line, with and without its line's end
+    for end in ("\n", ""):
+        text = 'file_name,label\n0.png,cat\n1.png,dog\n2.png,cat\n3.png,dog\n4.png,cat\n5.png,"dog'
+        assert "line 7 opens a quoted field" in _quote_problem(tmp_path, text + end)
+
+
+def test_a_quote_a_later_line_closes_is_one_line_naming_the_class_it_made(tmp_path):
+    """`"cat` on line 4 and `dog"` on line 6: pandas reads lines 4 to 6 as one class over three
+    lines (the oracle); the run names it instead of training on it."""
+    text = 'file_name,label\n0.png,cat\n1.png,dog\n2.png,"cat\n3.png,dog\n4.png,cat"\n5.png,dog\n'
+    folder = tmp_path / "hf" / "train"
+    line = _quote_problem(tmp_path, text)
+    read = pd.read_csv(folder / "metadata.csv")
+    assert read["label"].tolist()[2] == "cat\n3.png,dog\n4.png,cat" and len(read) == 4
+    assert line == (f"accel_train: error: {folder / 'metadata.csv'} line 4 gives the class "
+                    f'"cat\\n3.png,dog\\n4.png,cat", over 3 lines: a quote (") opens it '
+                    f"that only a later line closes; close the quote on its line, or remove it")
+
+
+def test_a_line_after_a_caption_over_lines_is_named_by_its_own_number(tmp_path):
+    """Lines count as an editor counts them: the row after a two-line caption is line 4 (the
+    header line 1, the caption's record lines 2 and 3), not the third record."""
+    text = 'file_name,label,caption\n0.png,cat,"two\nlines"\n1.png,,missing class\n'
+    folder = tmp_path / "hf" / "train"
+    line = _quote_problem(tmp_path, text)
+    assert line.startswith(f"accel_train: error: {folder / 'metadata.csv'} line 4 gives "
+                           f"'1.png' no class"), line
+
+
 @pytest.mark.parametrize("other", ["jsonl", "parquet"])
 def test_metadata_files_of_both_kinds_in_one_folder_are_refused(tmp_path, other):
     """As datasets refuses them ("Found metadata files with different extensions")."""

@@ -284,9 +284,11 @@ def read_json_lines(path: Path, kind_name: str, warn: Callable[[str], None],
                     noun: str = "a record") -> list[dict]:
     """The records of a JSON-lines file.  A last line cut short (a process killed while writing
     it) is left out, with a warning; any other line that is not a JSON record (a mapping) is a
-    damaged file, named with its line."""
+    damaged file, named with its line.  Lines end at a newline alone, as JSON Lines defines
+    them (str.splitlines would also cut a record at a U+2028, which JSON allows inside a
+    string)."""
     text = read_text(path, kind_name, errors="replace")
-    lines = text.splitlines()
+    lines = text.split("\n")
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():

@@ -10,7 +10,8 @@ In both, IMAGE may be the path relative to the folder, the file name, or the fil
 its extension (Kaggle's ids), and every image needs a label and every label an image: anything
 else is one line naming the file's line (a parquet file's row).  Fields are separated by
 commas, else by semicolons (Excel's CSV where the comma is the decimal mark), else by
-whitespace.
+whitespace, as the file's first line separates them; a quoted field may go on over several
+lines (a caption, as pandas writes it).
 
 Hugging Face's imagefolder layout labels a folder with a metadata.csv (a header naming
 file_name and label among other columns), a metadata.jsonl (one JSON object a line with
@@ -85,10 +86,11 @@ def read_metadata(file: Path):
 
 
 def label_lines(file: Path, flag: Optional[str], text: Optional[str] = None
-                ) -> tuple[list[tuple[int, str]], str]:
-    """(line number, line) of each line of `file` that is not blank or a comment, and its
-    reader's kind (label_text).  `text`: an image folder's own metadata file's (flag None),
-    where read before (read_metadata)."""
+                ) -> tuple[list[tuple[int, str]], Optional[str], str]:
+    """(number of its first line, text) of each record of `file` that is not blank or a
+    comment (file_records), the file's field separator (file_separator; None for JSON lines)
+    and its reader's kind (label_text).  `text`: an image folder's own metadata file's (flag
+    None), where read before (read_metadata)."""
     where = where_of(file, flag)
     if text is not None:
         kind = "imagefolder_metadata"
@@ -97,11 +99,60 @@ def label_lines(file: Path, flag: Optional[str], text: Optional[str] = None
     else:
         text, kind = label_text(file, flag)
     text = text.removeprefix("\ufeff")  # the byte-order mark Excel starts a CSV with
-    lines = [(number, line) for number, line in enumerate(text.splitlines(), 1)
-             if line.strip() and not line.lstrip().startswith("#")]
-    if not lines:
+    lines = text_lines(text)
+    separator = None if file.suffix.lower() == ".jsonl" else file_separator(lines)
+    records = file_records(lines, separator, where)
+    if not records:
         raise UsageError(f"{where} holds no labels")
-    return lines, kind
+    return records, separator, kind
+
+
+def file_records(lines: list[str], separator: Optional[str], where: str
+                 ) -> list[tuple[int, str]]:
+    """(the number of its first line, its text) of each record of a label file's lines that is
+    not blank or a comment.  A record is a line, or (a CSV: `separator` not None) a line with
+    a quoted field that goes on past its end, as pandas writes a caption over several lines,
+    joined with the lines the csv module reads as the rest of it.  A quote that no later line
+    closes is one line naming where it opens (pandas' read_csv refuses such a file too), not
+    the rest of the file read as one field."""
+    records = []
+    start = 0
+    while start < len(lines):
+        line, taken = lines[start], 1
+        if not line.strip() or line.lstrip().startswith("#"):
+            start += 1
+            continue
+        if separator is not None and '"' in line:
+            # Where the csv module ends the record, reading on from this line; one empty line
+            # past the file's end tells a quote never closed (read through it) from one closed
+            # on the last line.  A generator, not a slice: a file quoting every line stays
+            # linear in its length.
+            rest = (lines[i] if i < len(lines) else "" for i in range(start, len(lines) + 1))
+            reader = csv.reader(rest, delimiter=separator)
+            next(reader)
+            taken = reader.line_num
+            if start + taken > len(lines):
+                raise UsageError(f"{where} line {start + 1} opens a quoted field (\") that no "
+                                 f"line after it closes; close the quote, or remove it")
+            line = "\n".join(lines[start:start + taken])
+        records.append((start + 1, line))
+        start += taken
+    return records
+
+
+def file_separator(lines: list[str]) -> Optional[str]:
+    """How a label file separates its fields: "," or ";", whichever its first line (not blank
+    or a comment) holds outside quoted fields, a comma before a semicolon; the second line's
+    where the first holds neither (a header of one field); else None, whitespace.  One for the
+    whole file, not each line's own: in Excel's semicolon CSV, where the comma is the decimal
+    mark, a line's 0,93 is one number."""
+    heads = [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    for line in heads[:2]:
+        unquoted = re.sub(r'"[^"]*"', "", line)
+        for separator in (",", ";"):
+            if separator in unquoted:
+                return separator
+    return None
 
 
 def label_rows(file: Path, flag: Optional[str], read=None
@@ -115,16 +166,29 @@ def label_rows(file: Path, flag: Optional[str], read=None
     where = where_of(file, flag)
     if file.suffix.lower() == ".parquet":
         return parquet_rows(file, flag, read), True
-    lines, kind = label_lines(file, flag, read)
+    lines, separator, kind = label_lines(file, flag, read)
     if file.suffix.lower() == ".jsonl":
         return [(f"line {number}", _json_fields(line, number, file, flag, kind))
                 for number, line in lines], True
-    rows = [(f"line {number}", line_fields(line)) for number, line in lines]
+    rows = [(f"line {number}", line_fields(line, separator)) for number, line in lines]
     named = metadata_columns(rows[0][1])
-    if named is None:
-        return rows, False
-    return [(place, _named_fields(fields, named, where, place))
-            for place, fields in rows[1:]], True
+    if named is not None:
+        rows = [(place, _named_fields(fields, named, where, place)) for place, fields in rows[1:]]
+    _refuse_names_over_lines(rows, where)
+    return rows, named is not None
+
+
+def _refuse_names_over_lines(rows: list[tuple[str, list[str]]], where: str) -> None:
+    """An image or class (a row's first two fields) over several lines is a quote meant as a
+    character (`"cat` for cat) that a quote on a later line closed, every line between read
+    into it: one line naming where it opens, not a class named after the lines it took."""
+    for place, fields in rows:
+        for what, field in zip(("image", "class"), fields[:2]):
+            lines = field.count("\n") + 1
+            if lines > 1:
+                raise UsageError(f"{where} {place} gives the {what} {json_text(field)}, over "
+                                 f"{lines} lines: a quote (\") opens it that only a later line "
+                                 f"closes; close the quote on its line, or remove it")
 
 
 def parquet_rows(file: Path, flag: Optional[str], footer=None) -> list[tuple[str, list[str]]]:
@@ -196,14 +260,14 @@ def metadata_header(file: Path, read=None) -> list[str]:
     if file.suffix.lower() == ".parquet":
         return read.schema.to_arrow_schema().names
     text = read.removeprefix("\ufeff")
-    first = next(((number, line) for number, line in enumerate(text.splitlines(), 1)
+    first = next(((number, line) for number, line in enumerate(text_lines(text), 1)
                   if line.strip()), None)
     if first is None:
         return []
     if file.suffix.lower() == ".jsonl":
         record = parse_json_line(first[1], first[0], file, "imagefolder_metadata")
         return list(record) if isinstance(record, dict) else []
-    return line_fields(first[1])
+    return line_fields(first[1], file_separator([first[1]]))
 
 
 def metadata_missing(file: Path) -> list[str]:
@@ -385,14 +449,21 @@ def whole_numbers_as_written(labels: list[str]) -> list[str]:
     return labels
 
 
-def line_fields(line: str) -> list[str]:
-    """A line's fields: comma-separated (CSV: quoted fields as the csv module reads them), else
-    semicolon-separated (Excel's CSV where the comma is the decimal mark), else separated by
-    whitespace."""
-    for separator in (",", ";"):
-        if separator in line:
-            return [field.strip() for field in next(csv.reader([line], delimiter=separator))]
+def line_fields(line: str, separator: Optional[str]) -> list[str]:
+    """A record's fields: separated by `separator` (file_separator; CSV, quoted fields as the
+    csv module reads them), or by whitespace where it is None."""
+    if separator is not None:
+        return [field.strip() for field in next(csv.reader([line], delimiter=separator))]
     return line.split()
+
+
+def text_lines(text: str) -> list[str]:
+    r"""A label file's lines, split where the csv module and JSON Lines split them: at "\n",
+    "\r\n" or "\r" only.  str.splitlines splits at U+2028, U+0085 and a form feed too,
+    which a caption column may hold as they are (pandas writes them unquoted in a CSV, and
+    unescaped in JSON lines with force_ascii=False; JSON allows them inside a string): its
+    line would be read as two."""
+    return re.split(r"\r\n|\r|\n", text)
 
 
 def refuse_unlabelled(where: str, folder: Path, images: list[str], labelled) -> None:

@@ -288,12 +288,12 @@ def test_a_semicolon_label_file_with_a_caption_over_lines_splits_at_semicolons(t
     assert found == dict(zip(table["file_name"], table["label"]))
 
 
-def _quote_problem(tmp_path: Path, text: str) -> str:
+def _quote_problem(tmp_path: Path, text: str | bytes) -> str:
     """The one line training gives for a metadata.csv of `text` beside 0.png-5.png."""
     folder = tmp_path / "hf" / "train"
     for i in range(6):
         _image(folder / f"{i}.png", 40 * i)
-    (folder / "metadata.csv").write_text(text)
+    (folder / "metadata.csv").write_bytes(text if isinstance(text, bytes) else text.encode())
     ran = accel_train_here("--data-dir", str(tmp_path / "hf"), *PINNED, "--output-dir",
                            str(tmp_path / "run"))
     err = ran.stderr.strip().splitlines()
@@ -329,6 +329,40 @@ def test_a_quote_a_later_line_closes_is_one_line_naming_the_class_it_made(tmp_pa
     assert line == (f"accel_train: error: {folder / 'metadata.csv'} line 4 gives the class "
                     f'"cat\\n3.png,dog\\n4.png,cat", over 3 lines: a quote (") opens it '
                     f"that only a later line closes; close the quote on its line, or remove it")
+
+
+def test_a_csv_in_the_windows_encoding_is_one_line_not_classes_named_with_u_fffd(tmp_path):
+    """Excel's "CSV (Comma delimited)" on Windows writes cp1252: café's é is a byte that is not
+    UTF-8.  pandas' read_csv refuses the file (the oracle); the run names the line and the
+    class, where it trained on "caf\ufffd" before.  A byte that is not UTF-8 in a column not
+    read (a caption) is left alone, as before: the line judges it."""
+    text = "file_name,label,caption\r\n" + "".join(
+        f"{i}.png,{'café' if i % 2 else 'tea'},photo {i}\r\n" for i in range(6))
+    folder = tmp_path / "hf" / "train"
+    folder.mkdir(parents=True)
+    (folder / "metadata.csv").write_bytes(text.encode("cp1252"))
+    with pytest.raises(UnicodeDecodeError):
+        pd.read_csv(folder / "metadata.csv")
+    line = _quote_problem(tmp_path, text.encode("cp1252"))
+    assert line == (f"accel_train: error: {folder / 'metadata.csv'} line 3 gives the class "
+                    f'"caf\\ufffd": the file is not UTF-8 text (a spreadsheet\'s CSV in the '
+                    f"Windows encoding); save it as UTF-8 (Excel: CSV UTF-8), or convert it "
+                    f"(iconv -f cp1252 -t utf-8)")
+    # the same in JSON lines, written with ensure_ascii=False and saved in cp1252
+    (folder / "metadata.csv").unlink()
+    (folder / "metadata.jsonl").write_bytes("".join(
+        json.dumps({"file_name": f"{i}.png", "label": "tea" if i % 2 else "bière"},
+                   ensure_ascii=False) + "\n" for i in range(6)).encode("cp1252"))
+    ran = accel_train_here("--data-dir", str(tmp_path / "hf"), *PINNED, "--output-dir",
+                           str(tmp_path / "run"))
+    assert ran.returncode == 2 and ran.stderr.startswith(
+        f"accel_train: error: {folder / 'metadata.jsonl'} line 1 gives the class "
+        f'"bi\\ufffdre": the file is not UTF-8 text'), ran.stderr
+    (folder / "metadata.jsonl").unlink()
+    captions = text.replace("café", "cafe").replace("photo 3", "photo é")
+    (folder / "metadata.csv").write_bytes(captions.encode("cp1252"))
+    data = load_data(TrainConfig(data_dir=str(tmp_path / "hf"), in_memory="never"))
+    assert data.class_names == ["cafe", "tea"]
 
 
 def test_a_line_after_a_caption_over_lines_is_named_by_its_own_number(tmp_path):

@@ -168,27 +168,41 @@ def label_rows(file: Path, flag: Optional[str], read=None
         return parquet_rows(file, flag, read), True
     lines, separator, kind = label_lines(file, flag, read)
     if file.suffix.lower() == ".jsonl":
-        return [(f"line {number}", _json_fields(line, number, file, flag, kind))
-                for number, line in lines], True
+        rows = [(f"line {number}", _json_fields(line, number, file, flag, kind))
+                for number, line in lines]
+        _refuse_unreadable_names(rows, where)
+        return rows, True
     rows = [(f"line {number}", line_fields(line, separator)) for number, line in lines]
     named = metadata_columns(rows[0][1])
     if named is not None:
         rows = [(place, _named_fields(fields, named, where, place)) for place, fields in rows[1:]]
-    _refuse_names_over_lines(rows, where)
+    _refuse_unreadable_names(rows, where)
     return rows, named is not None
 
 
-def _refuse_names_over_lines(rows: list[tuple[str, list[str]]], where: str) -> None:
-    """An image or class (a row's first two fields) over several lines is a quote meant as a
-    character (`"cat` for cat) that a quote on a later line closed, every line between read
-    into it: one line naming where it opens, not a class named after the lines it took."""
+def _refuse_unreadable_names(rows: list[tuple[str, list[str]]], where: str) -> None:
+    """An image or class (a row's first two fields; a one-field row's class) that no one meant:
+
+    - over several lines: a quote meant as a character (`"cat` for cat) that a quote on a later
+      line closed, every line between read into it;
+    - holding U+FFFD, which the file's bytes that are not UTF-8 became (label_text): a
+      spreadsheet's CSV in the Windows encoding, where café would train as a class "caf\ufffd"
+      (pandas' read_csv and datasets refuse such a file outright).
+
+    One line naming where, not a class named so."""
     for place, fields in rows:
-        for what, field in zip(("image", "class"), fields[:2]):
+        names = zip(("image", "class") if len(fields) > 1 else ("class",), fields[:2])
+        for what, field in names:
             lines = field.count("\n") + 1
             if lines > 1:
                 raise UsageError(f"{where} {place} gives the {what} {json_text(field)}, over "
                                  f"{lines} lines: a quote (\") opens it that only a later line "
                                  f"closes; close the quote on its line, or remove it")
+            if "\ufffd" in field:
+                raise UsageError(f"{where} {place} gives the {what} {json_text(field)}: the "
+                                 f"file is not UTF-8 text (a spreadsheet's CSV in the Windows "
+                                 f"encoding); save it as UTF-8 (Excel: CSV UTF-8), or convert "
+                                 f"it (iconv -f cp1252 -t utf-8)")
 
 
 def parquet_rows(file: Path, flag: Optional[str], footer=None) -> list[tuple[str, list[str]]]:

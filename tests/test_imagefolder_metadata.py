@@ -312,6 +312,12 @@ def test_a_quote_no_line_closes_is_one_line_naming_where_it_opens(tmp_path):
         pd.read_csv(folder / "metadata.csv")
     assert line == (f"accel_train: error: {folder / 'metadata.csv'} line 4 opens a quoted "
                     f"field (\") that no line after it closes; close the quote, or remove it")
+    # a long file after it: the csv module's field limit comes first, the same line's start
+    long = text.replace("3.png,dog\n", "".join(f"3.png,dog {i}\n" for i in range(20_000)))
+    assert _quote_problem(tmp_path, long) == (
+        f"accel_train: error: {folder / 'metadata.csv'} line 4: a quoted field (\") opened "
+        f"there goes on too far (field larger than field limit (131072)); close the quote, or "
+        f"remove it")
     # the quote on the file's last line, with and without its line's end
     for end in ("\n", ""):
         text = 'file_name,label\n0.png,cat\n1.png,dog\n2.png,cat\n3.png,dog\n4.png,cat\n5.png,"dog'

@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import csv
 import functools
+import itertools
 import json
 import os
 import re
@@ -34,7 +35,7 @@ import unicodedata
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple, Optional
 
-from accel_train.base.errors import UsageError, first_few
+from accel_train.base.errors import UsageError, first_few, first_line
 from accel_train.base.readers import (parquet_file, parse_json_line, read_parquet_table,
                                       read_text)
 
@@ -86,11 +87,10 @@ def read_metadata(file: Path):
 
 
 def label_lines(file: Path, flag: Optional[str], text: Optional[str] = None
-                ) -> tuple[list[tuple[int, str]], Optional[str], str]:
-    """(number of its first line, text) of each record of `file` that is not blank or a
-    comment (file_records), the file's field separator (file_separator; None for JSON lines)
-    and its reader's kind (label_text).  `text`: an image folder's own metadata file's (flag
-    None), where read before (read_metadata)."""
+                ) -> tuple[list[str], str]:
+    """The lines of `file` (text_lines), at least one not blank or a comment, and its reader's
+    kind (label_text).  `text`: an image folder's own metadata file's (flag None), where read
+    before (read_metadata)."""
     where = where_of(file, flag)
     if text is not None:
         kind = "imagefolder_metadata"
@@ -100,44 +100,80 @@ def label_lines(file: Path, flag: Optional[str], text: Optional[str] = None
         text, kind = label_text(file, flag)
     text = text.removeprefix("\ufeff")  # the byte-order mark Excel starts a CSV with
     lines = text_lines(text)
-    separator = None if file.suffix.lower() == ".jsonl" else file_separator(lines)
-    records = file_records(lines, separator, where)
-    if not records:
+    if not any(_holds_a_record(line) for line in lines):
         raise UsageError(f"{where} holds no labels")
-    return records, separator, kind
+    return lines, kind
 
 
-def file_records(lines: list[str], separator: Optional[str], where: str
-                 ) -> list[tuple[int, str]]:
-    """(the number of its first line, its text) of each record of a label file's lines that is
-    not blank or a comment.  A record is a line, or (a CSV: `separator` not None) a line with
-    a quoted field that goes on past its end, as pandas writes a caption over several lines,
-    joined with the lines the csv module reads as the rest of it.  A quote that no later line
-    closes is one line naming where it opens (pandas' read_csv refuses such a file too), not
-    the rest of the file read as one field."""
+def _holds_a_record(line: str) -> bool:
+    return bool(line.strip()) and not line.lstrip().startswith("#")
+
+
+def file_records(lines: list[str], separator: Optional[str], where: str,
+                 limit: Optional[int] = None) -> list[tuple[int, list[str]]]:
+    """(the number of its first line, its fields) of each record of a label file's lines that
+    is not blank or a comment: fields separated by `separator` (file_separator; CSV, quoted
+    fields as the csv module reads them), or by whitespace where it is None.  A record is a
+    line, or (CSV) a line with a quoted field that goes on past its end, as pandas writes a
+    caption over several lines, and the lines the csv module reads as the rest of it.  A quote
+    that no later line closes is one line naming where it opens (pandas' read_csv refuses
+    such a file too), not the rest of the file read as one field.  `limit`: the first records
+    only (a header)."""
+    if separator is None or not any('"' in line for line in lines):
+        # no quoted field: a record a line, its fields what the csv module would give, faster
+        records = ((number, line.split() if separator is None else
+                    [field.strip() for field in line.split(separator)])
+                   for number, line in enumerate(lines, 1)
+                   if line.strip() and not line.lstrip().startswith("#"))  # _holds_a_record
+        return list(itertools.islice(records, limit))
+    source = _RecordLines(lines)
+    reader = csv.reader(source, delimiter=separator)  # one for the file: its records, C-fast
     records = []
-    start = 0
-    while start < len(lines):
-        line, taken = lines[start], 1
-        if not line.strip() or line.lstrip().startswith("#"):
-            start += 1
-            continue
-        if separator is not None and '"' in line:
-            # Where the csv module ends the record, reading on from this line; one empty line
-            # past the file's end tells a quote never closed (read through it) from one closed
-            # on the last line.  A generator, not a slice: a file quoting every line stays
-            # linear in its length.
-            rest = (lines[i] if i < len(lines) else "" for i in range(start, len(lines) + 1))
-            reader = csv.reader(rest, delimiter=separator)
-            next(reader)
-            taken = reader.line_num
-            if start + taken > len(lines):
-                raise UsageError(f"{where} line {start + 1} opens a quoted field (\") that no "
-                                 f"line after it closes; close the quote, or remove it")
-            line = "\n".join(lines[start:start + taken])
-        records.append((start + 1, line))
-        start += taken
+    while limit is None or len(records) < limit:
+        source.record_starts = True
+        try:
+            fields = next(reader, None)
+        except csv.Error as err:  # a field past the csv module's limit: a quote left open
+            raise UsageError(f"{where} line {source.first + 1}: a quoted field (\") opened there "
+                             f"goes on too far ({first_line(err)}); close the quote, or remove "
+                             f"it") from None
+        if fields is None:
+            return records
+        if source.past_end:
+            raise UsageError(f"{where} line {source.first + 1} opens a quoted field (\") that no "
+                             f"line after it closes; close the quote, or remove it")
+        records.append((source.first + 1, [field.strip() for field in fields]))
     return records
+
+
+class _RecordLines:
+    """A label file's lines as the csv module reads them, a record at a time: blank lines and
+    comments skipped where a record starts (not inside a quoted field that goes on over lines),
+    `first` the index of the record's first line, and one empty line past the file's end, which
+    only a quote never closed reads (`past_end`)."""
+
+    def __init__(self, lines: list[str]):
+        self.lines = lines
+        self.at = 0
+        self.first = 0
+        self.record_starts = True
+        self.past_end = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        if self.record_starts:
+            while self.at < len(self.lines) and not _holds_a_record(self.lines[self.at]):
+                self.at += 1
+            self.record_starts, self.first = False, self.at
+        if self.at < len(self.lines):
+            self.at += 1
+            return self.lines[self.at - 1] + "\n"
+        if self.first == self.at or self.past_end:
+            raise StopIteration  # no record left, or the empty line past the end read
+        self.past_end = True
+        return ""
 
 
 def file_separator(lines: list[str]) -> Optional[str]:
@@ -146,8 +182,8 @@ def file_separator(lines: list[str]) -> Optional[str]:
     where the first holds neither (a header of one field); else None, whitespace.  One for the
     whole file, not each line's own: in Excel's semicolon CSV, where the comma is the decimal
     mark, a line's 0,93 is one number."""
-    heads = [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    for line in heads[:2]:
+    heads = (line for line in lines if line.strip() and not line.lstrip().startswith("#"))
+    for line in itertools.islice(heads, 2):
         unquoted = re.sub(r'"[^"]*"', "", line)
         for separator in (",", ";"):
             if separator in unquoted:
@@ -160,49 +196,46 @@ def label_rows(file: Path, flag: Optional[str], read=None
     """(where in the file, fields) of each line of a label file ("line 3"; a parquet file's
     "row 3"), and whether its columns are named: a metadata.jsonl, a parquet file, or a header
     naming file_name and label (Hugging Face's metadata.csv), whose rows are then [file_name,
-    label] each, the header not among them.  Otherwise every line's fields as line_fields
+    label] each, the header not among them.  Otherwise every line's fields as file_records
     splits them, a header line (if any) still first.  `read`: what read_metadata gave for the
     file, where it was read before."""
     where = where_of(file, flag)
     if file.suffix.lower() == ".parquet":
         return parquet_rows(file, flag, read), True
-    lines, separator, kind = label_lines(file, flag, read)
+    lines, kind = label_lines(file, flag, read)
     if file.suffix.lower() == ".jsonl":
-        rows = [(f"line {number}", _json_fields(line, number, file, flag, kind))
-                for number, line in lines]
-        _refuse_unreadable_names(rows, where)
-        return rows, True
-    rows = [(f"line {number}", line_fields(line, separator)) for number, line in lines]
+        return [(f"line {number}", _json_fields(line, number, file, flag, kind))
+                for number, line in enumerate(lines, 1) if _holds_a_record(line)], True
+    rows = [(f"line {number}", fields)
+            for number, fields in file_records(lines, file_separator(lines), where)]
     named = metadata_columns(rows[0][1])
     if named is not None:
         rows = [(place, _named_fields(fields, named, where, place)) for place, fields in rows[1:]]
-    _refuse_unreadable_names(rows, where)
     return rows, named is not None
 
 
-def _refuse_unreadable_names(rows: list[tuple[str, list[str]]], where: str) -> None:
-    """An image or class (a row's first two fields; a one-field row's class) that no one meant:
+def _refuse_unreadable_names(fields: list[str], where: str, place: str) -> None:
+    """An image or class name (labelled_images' [image, class]) that no one meant:
 
     - over several lines: a quote meant as a character (`"cat` for cat) that a quote on a later
       line closed, every line between read into it;
     - holding U+FFFD, which the file's bytes that are not UTF-8 became (label_text): a
       spreadsheet's CSV in the Windows encoding, where café would train as a class "caf\ufffd"
-      (pandas' read_csv and datasets refuse such a file outright).
+      (pandas' read_csv and datasets refuse such a file outright; here a bad byte in a header
+      or a column not read is left alone).
 
     One line naming where, not a class named so."""
-    for place, fields in rows:
-        names = zip(("image", "class") if len(fields) > 1 else ("class",), fields[:2])
-        for what, field in names:
-            lines = field.count("\n") + 1
-            if lines > 1:
-                raise UsageError(f"{where} {place} gives the {what} {json_text(field)}, over "
-                                 f"{lines} lines: a quote (\") opens it that only a later line "
-                                 f"closes; close the quote on its line, or remove it")
-            if "\ufffd" in field:
-                raise UsageError(f"{where} {place} gives the {what} {json_text(field)}: the "
-                                 f"file is not UTF-8 text (a spreadsheet's CSV in the Windows "
-                                 f"encoding); save it as UTF-8 (Excel: CSV UTF-8), or convert "
-                                 f"it (iconv -f cp1252 -t utf-8)")
+    for what, name in zip(("image", "class"), fields):
+        lines = name.count("\n") + 1
+        if lines > 1:
+            raise UsageError(f"{where} {place} gives the {what} {json_text(name)}, over {lines} "
+                             f"lines: a quote (\") opens it that only a later line closes; "
+                             f"close the quote on its line, or remove it")
+        if "\ufffd" in name:
+            raise UsageError(f"{where} {place} gives the {what} {json_text(name)}: the file is "
+                             f"not UTF-8 text (a spreadsheet's CSV in the Windows encoding); "
+                             f"save it as UTF-8 (Excel: CSV UTF-8), or convert it (iconv -f "
+                             f"cp1252 -t utf-8)")
 
 
 def parquet_rows(file: Path, flag: Optional[str], footer=None) -> list[tuple[str, list[str]]]:
@@ -273,15 +306,16 @@ def metadata_header(file: Path, read=None) -> list[str]:
     read = read_metadata(file) if read is None else read
     if file.suffix.lower() == ".parquet":
         return read.schema.to_arrow_schema().names
-    text = read.removeprefix("\ufeff")
-    first = next(((number, line) for number, line in enumerate(text_lines(text), 1)
-                  if line.strip()), None)
+    lines = text_lines(read.removeprefix("\ufeff"))
+    if file.suffix.lower() != ".jsonl":
+        header = file_records(lines, file_separator(lines), str(file), limit=1)
+        return header[0][1] if header else []
+    first = next(((number, line) for number, line in enumerate(lines, 1)
+                  if _holds_a_record(line)), None)
     if first is None:
         return []
-    if file.suffix.lower() == ".jsonl":
-        record = parse_json_line(first[1], first[0], file, "imagefolder_metadata")
-        return list(record) if isinstance(record, dict) else []
-    return line_fields(first[1], file_separator([first[1]]))
+    record = parse_json_line(first[1], first[0], file, "imagefolder_metadata")
+    return list(record) if isinstance(record, dict) else []
 
 
 def metadata_missing(file: Path) -> list[str]:
@@ -418,6 +452,8 @@ def labelled_images(rows: list[tuple[str, list[str]]], lookup: "ImageLookup",
                              f"IMAGE,CLASS on every line (a table of more columns, a fold "
                              f"number or one column per class, is not read: keep the image "
                              f"and class columns)")
+        if any("\n" in name or "\ufffd" in name for name in fields):  # (inline: a million rows)
+            _refuse_unreadable_names(fields, where, place)
         image = lookup.image(fields[0], where, place, folder)
         if not fields[1]:
             raise UsageError(f"{where} {place} gives {fields[0]!r} no class; write "
@@ -461,14 +497,6 @@ def whole_numbers_as_written(labels: list[str]) -> list[str]:
     if labels and all(re.fullmatch(r"-?[0-9]+(\.0*)?", label) for label in labels):
         return [re.sub(r"\.0*$", "", label) for label in labels]
     return labels
-
-
-def line_fields(line: str, separator: Optional[str]) -> list[str]:
-    """A record's fields: separated by `separator` (file_separator; CSV, quoted fields as the
-    csv module reads them), or by whitespace where it is None."""
-    if separator is not None:
-        return [field.strip() for field in next(csv.reader([line], delimiter=separator))]
-    return line.split()
 
 
 def text_lines(text: str) -> list[str]:

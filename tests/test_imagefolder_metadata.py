@@ -288,6 +288,51 @@ def test_a_semicolon_label_file_with_a_caption_over_lines_splits_at_semicolons(t
     assert found == dict(zip(table["file_name"], table["label"]))
 
 
+def test_a_tsv_as_pandas_writes_it_keeps_spaces_inside_its_fields(tmp_path):
+    """A tab-separated file (pandas' to_csv with sep="\\t", a spreadsheet's TSV): a class or
+    file name with a space in it is one field, a comma in a caption is no separator (pandas'
+    read_csv with sep="\\t" is the oracle).  Tabs that align columns, two in a row, are
+    whitespace as before."""
+    rows = []
+    for i in range(6):
+        _image(tmp_path / "flat" / f"photo {i}.png", 40 * i)
+        rows.append({"file_name": f"photo {i}.png", "label": ["golden retriever", "pug"][i % 2],
+                     "caption": f"a dog, number {i}"})
+    file = tmp_path / "labels.tsv"
+    pd.DataFrame(rows).to_csv(file, sep="\t", index=False)
+    table = pd.read_csv(file, sep="\t")
+
+    def labels(file: Path) -> dict[str, str]:
+        data = load_data(TrainConfig(data_dir=str(tmp_path / "flat"), train_labels=str(file),
+                                     in_memory="never", val_fraction=0.5))
+        return {**_ours_held_out(data), **{
+            value["path"]: data.class_names[label] for value, label in
+            zip(data.train.column[:].column(0).to_pylist(), data.train.labels.tolist())}}
+
+    assert labels(file) == dict(zip(table["file_name"], table["label"]))
+    for i in range(6):
+        (tmp_path / "flat" / f"photo {i}.png").rename(tmp_path / "flat" / f"p{i}.png")
+    aligned = tmp_path / "aligned.txt"
+    aligned.write_text("".join(f"p{i}.png\t\t{['cat', 'dog'][i % 2]}\n" for i in range(6)))
+    assert labels(aligned) == {f"p{i}.png": ["cat", "dog"][i % 2] for i in range(6)}
+
+
+def test_a_header_of_words_over_comma_separated_lines(tmp_path):
+    """A header written by hand with spaces ("image label") over IMAGE,CLASS lines: the lines'
+    commas separate, as each line's own did before a file had one separator."""
+    for i in range(4):
+        _image(tmp_path / "flat" / f"{i}.png", 50 * i)
+    file = tmp_path / "labels.csv"
+    file.write_text("image label\n" + "".join(f"{i}.png,{['cat', 'dog'][i % 2]}\n"
+                                               for i in range(4)))
+    data = load_data(TrainConfig(data_dir=str(tmp_path / "flat"), train_labels=str(file),
+                                 in_memory="never", val_fraction=0.5))
+    found = {**_ours_held_out(data), **{
+        value["path"]: data.class_names[label] for value, label in
+        zip(data.train.column[:].column(0).to_pylist(), data.train.labels.tolist())}}
+    assert found == {f"{i}.png": ["cat", "dog"][i % 2] for i in range(4)}
+
+
 def _quote_problem(tmp_path: Path, text: str | bytes) -> str:
     """The one line training gives for a metadata.csv of `text` beside 0.png-5.png."""
     folder = tmp_path / "hf" / "train"

@@ -9,9 +9,9 @@
 In both, IMAGE may be the path relative to the folder, the file name, or the file name without
 its extension (Kaggle's ids), and every image needs a label and every label an image: anything
 else is one line naming the file's line (a parquet file's row).  Fields are separated by
-commas, else by semicolons (Excel's CSV where the comma is the decimal mark), else by
-whitespace, as the file's first line separates them; a quoted field may go on over several
-lines (a caption, as pandas writes it).
+commas, else by semicolons (Excel's CSV where the comma is the decimal mark), else by tabs (a
+TSV), else by whitespace, as the file's first line separates them; a quoted field may go on
+over several lines (a caption, as pandas writes it).
 
 Hugging Face's imagefolder layout labels a folder with a metadata.csv (a header naming
 file_name and label among other columns), a metadata.jsonl (one JSON object a line with
@@ -177,17 +177,22 @@ class _RecordLines:
 
 
 def file_separator(lines: list[str]) -> Optional[str]:
-    """How a label file separates its fields: "," or ";", whichever its first line (not blank
-    or a comment) holds outside quoted fields, a comma before a semicolon; the second line's
-    where the first holds neither (a header of one field); else None, whitespace.  One for the
-    whole file, not each line's own: in Excel's semicolon CSV, where the comma is the decimal
-    mark, a line's 0,93 is one number."""
-    heads = (line for line in lines if line.strip() and not line.lstrip().startswith("#"))
-    for line in itertools.islice(heads, 2):
+    """How a label file separates its fields, from its first line (not blank or a comment):
+    "," or ";", whichever it holds outside quoted fields, a comma first; else a tab where it
+    holds one (a TSV, as pandas writes one with sep="\\t": "golden retriever" one class) and
+    no line holds two in a row (tabs that align columns, whitespace as before); else "," or ";"
+    as the second line holds them (under a header of words); else None, whitespace.  One for
+    the whole file, not each line's own: in Excel's semicolon CSV, where the comma is the
+    decimal mark, a line's 0,93 is one number."""
+    heads = list(itertools.islice(
+        (line for line in lines if line.strip() and not line.lstrip().startswith("#")), 2))
+    for number, line in enumerate(heads):
         unquoted = re.sub(r'"[^"]*"', "", line)
         for separator in (",", ";"):
             if separator in unquoted:
                 return separator
+        if number == 0 and "\t" in line and not any("\t\t" in line for line in lines):
+            return "\t"
     return None
 
 

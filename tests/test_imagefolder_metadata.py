@@ -333,6 +333,73 @@ def test_a_header_of_words_over_comma_separated_lines(tmp_path):
     assert found == {f"{i}.png": ["cat", "dog"][i % 2] for i in range(4)}
 
 
+def test_comments_and_blank_lines_between_quoted_records_are_skipped(tmp_path):
+    """Comment lines (indented too) and blank lines before the header and between records of a
+    quoted CSV are no records, as in an unquoted one; a "#" or a blank line inside a quoted
+    caption is the caption's.  A comment line's comma or tab decides nothing, nor does a
+    separator inside the first line's quotes (pandas' read_csv with comment="#" and
+    skip_blank_lines is the oracle for the records)."""
+    for i in range(4):
+        _image(tmp_path / "flat" / f"{i}.png", 50 * i)
+    for separator in (",", ";"):
+        other = ";" if separator == "," else ","
+        file = tmp_path / f"labels{len(separator)}.csv"
+        file.write_text("\n".join([
+            f"# written by hand{other} then saved", "", "  # an indented comment\t",
+            separator.join(["file_name", "label", f'"caption{other} here"']),
+            separator.join(["0.png", "cat", '"one\n\n# still the caption"']), "",
+            "   # between records", separator.join(["1.png", "dog", "plain"]),
+            separator.join(["2.png", '"cat"', '"two\nlines"']),
+            separator.join(["3.png", "dog", "x"])]) + "\n")
+        table = pd.read_csv(file, sep=separator, comment=None, skiprows=3)
+        data = load_data(TrainConfig(data_dir=str(tmp_path / "flat"), train_labels=str(file),
+                                     in_memory="never", val_fraction=0.5))
+        found = {**_ours_held_out(data), **{
+            value["path"]: data.class_names[label] for value, label in
+            zip(data.train.column[:].column(0).to_pylist(), data.train.labels.tolist())}}
+        expected = {name: label for name, label in zip(table["file_name"], table["label"])
+                    if isinstance(name, str) and not name.lstrip().startswith("#")}
+        assert found == expected == {"0.png": "cat", "1.png": "dog", "2.png": "cat",
+                                     "3.png": "dog"}, separator
+    # and in a file without a quote (read line by line)
+    file = tmp_path / "plain.csv"
+    file.write_text("# by hand, then saved\n  # indented\n\nfile_name,label\n0.png,cat\n"
+                    "  # between\n1.png,dog\n2.png,cat\n3.png,dog\n")
+    data = load_data(TrainConfig(data_dir=str(tmp_path / "flat"), train_labels=str(file),
+                                 in_memory="never", val_fraction=0.5))
+    assert sorted(data.class_names) == ["cat", "dog"] and len(data.train.labels) + \
+        len(data.held_out.labels) == 4
+
+
+@pytest.mark.parametrize("kind, text", [("csv", ""), ("csv", "# only a comment\n\n"),
+                                        ("jsonl", ""), ("jsonl", "\n# a comment\n")])
+def test_a_metadata_file_of_no_records_names_its_missing_columns(tmp_path, kind, text):
+    folder = tmp_path / "hf" / "train"
+    for i in range(4):
+        _image(folder / f"{i}.png", 50 * i)
+    (folder / f"metadata.{kind}").write_text(text)
+    ran = accel_train_here("--data-dir", str(tmp_path / "hf"), *PINNED, "--output-dir",
+                           str(tmp_path / "run"))
+    assert ran.returncode == 2 and ran.stderr.strip().splitlines() == [
+        f"accel_train: error: {folder / '0.png'} is not inside a class folder; put each "
+        f"class's images in a subfolder named after the class (the metadata.{kind} beside it, "
+        f"Hugging Face's imagefolder layout, has no file_name or label column to label the "
+        f"images by; add one naming each image's class)"]
+
+
+def test_an_image_name_over_lines_or_not_utf8_is_named_as_the_image(tmp_path):
+    """The image's field, not only the class's: a quote left open in a file name two lines long
+    (the shortest), and a file name in the Windows encoding."""
+    folder = tmp_path / "hf" / "train"
+    line = _quote_problem(tmp_path, 'file_name,label\n"0.png\n1.png",cat\n2.png,dog\n')
+    assert line == (f"accel_train: error: {folder / 'metadata.csv'} line 2 gives the image "
+                    f'"0.png\\n1.png", over 2 lines: a quote (") opens it that only a later '
+                    f"line closes; close the quote on its line, or remove it")
+    line = _quote_problem(tmp_path, "file_name,label\ncafé.png,cat\n".encode("cp1252"))
+    assert line.startswith(f"accel_train: error: {folder / 'metadata.csv'} line 2 gives the "
+                           f'image "caf\\ufffd.png": the file is not UTF-8 text'), line
+
+
 def _quote_problem(tmp_path: Path, text: str | bytes) -> str:
     """The one line training gives for a metadata.csv of `text` beside 0.png-5.png."""
     folder = tmp_path / "hf" / "train"

@@ -73,6 +73,9 @@ def test_a_shape_of_values_checks_every_value():
     assert shape.problem({"a.png": "cannot be decoded", "b.png": "truncated"}) is None
     assert shape.problem({"a.png": "x", "b.png": 3}) == "has 'b.png' = '3', not text"
     assert shape.problem({"a.png": False}) == "has 'a.png' = 'False', not text"
+    assert shape.problem({"a.png": 7 * 10 ** 50}) == f"has 'a.png' = '{'7' + '0' * 39}', not text"
+    assert Shape({"files": readers.MAPPING}).problem({"files": []}) == \
+        "has 'files' = '[]', not a mapping"
 
 
 # -- the line a bad file gives --------------------------------------------------------------------
@@ -202,6 +205,8 @@ def test_a_last_json_line_cut_short_is_left_out_with_a_warning(tmp_path):
     ('{"step": 1}\n{"step": 2, "lo\n', 2),                # the last line, but whole (its \n)
     ('{"step": 1}\n[1, 2]\n{"step": 3}\n', 2),            # JSON, not a record
     ('{"step": 1}\n\xff\xfe\n', 2),                       # bytes that are not UTF-8
+    ('{"step": 1}\n[1, 2]\n{"step": 3}', 2),              # the file's end cut, not this line
+    ('{"step": 1}\n"' + "a" * 70 + '"\n', 2),             # shown to 60 characters
 ])
 def test_any_other_json_line_that_is_not_a_record_is_a_damaged_file(tmp_path, text, line):
     path = tmp_path / "metrics.jsonl"
@@ -211,6 +216,7 @@ def test_any_other_json_line_that_is_not_a_record_is_a_damaged_file(tmp_path, te
     shown = repr(text.encode("latin-1").decode("utf-8", "replace").split("\n")[line - 1][:60])
     assert str(err.value) == (f"{path} line {line} is not a record ({shown}); the file is "
                               f"damaged: remove that line or restore the file")
+    assert err.value.problem == f"line {line} is not a record ({shown})"
 
 
 # -- YAML -----------------------------------------------------------------------------------------
@@ -335,6 +341,12 @@ def test_a_damaged_safetensors_file_quotes_the_library(tmp_path, damage):
     with pytest.raises(BadFile) as err:
         readers.read_safetensors(path, "pretrained", "--pretrained", fix="fetch it again")
     assert str(err.value) == f"--pretrained: {path} {problem}: fetch it again"
+    with pytest.raises(BadFile) as err:
+        readers.safetensors_shapes(path, "pretrained", fix="fetch it again")
+    assert str(err.value) == f"{path} {problem}: fetch it again" and err.value.problem == problem
+    with pytest.raises(BadFile) as err:  # the tensors checked against a model's
+        readers.check_fits(path, "checkpoint_weights", {"w": (64, 64)})
+    assert str(err.value) == f"{path}: {problem}; {readers.KINDS['checkpoint_weights'].fix}"
 
 
 def test_weights_of_another_model_say_what_differs(tmp_path):
@@ -348,6 +360,8 @@ def test_weights_of_another_model_say_what_differs(tmp_path):
         _weights(path, **shapes)
         with pytest.raises(BadFile) as err:
             readers.check_fits(path, "run_weights", expected)
+        assert str(err.value) == (f"{path}: {err.value.problem}; train again, or use another "
+                                  f"checkpoint or export of the run")
         return err.value.problem
 
     assert problem(**{"conv.weight": (8, 3, 3, 3), "fc.weight": (3, 8), "fc.bias": (3,)}) == (
@@ -464,3 +478,97 @@ def test_a_saved_split_without_rows_is_one_line(tmp_path):
         readers.load_saved_dataset(folder)
     assert err.value.problem == ("is not a file of a save_to_disk folder (--data-dir) (it lists "
                                  "'x.arrow' as a data file)")
+
+
+# -- every reader's line: the flag, then the file, then the problem and the kind's fix -------------
+READS = {  # the file's bytes (None: no file), its kind, the reader
+    "text not UTF-8": (b"a: 1\n\xff", "recipe", readers.read_text),
+    "JSON empty": (b" \n", "manifest", readers.read_json),
+    "JSON not JSON": (b'{"step": ', "manifest", readers.read_json),
+    "JSON of another shape": (b'{"files": {}, "step": "two"}', "manifest", readers.read_json),
+    "YAML not YAML": (b"a: [1\n", "recipe", readers.read_yaml),
+    "YAML empty": (b"\n", "recipe", readers.read_yaml),
+    "YAML of another shape": (b"- a\n", "recipe", readers.read_yaml),
+    "no such file": (None, "manifest", readers.read_bytes),
+    "not parquet": (b"PAR1 and no footer", "parquet", readers.parquet_file),
+}
+
+
+@pytest.mark.parametrize("label", ["", "--flag"])
+@pytest.mark.parametrize("case", list(READS))
+def test_each_line_names_the_flag_the_file_the_problem_and_the_fix(tmp_path, case, label):
+    content, kind, read = READS[case]
+    path = tmp_path / "file"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(BadFile) as err:
+        read(path, kind, label)
+    said = err.value
+    assert said.problem and str(said) == \
+        f"{label + ' ' if label else ''}{path}: {said.problem}; {readers.KINDS[kind].fix}"
+
+
+def test_a_parquet_file_whose_pages_are_damaged_quotes_pyarrow(tmp_path):
+    """The footer reads, a page does not (a copy damaged in its middle): the line quotes what
+    pyarrow says reading the column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = tmp_path / "train-00000.parquet"
+    pq.write_table(pa.table({"label": list(range(1000))}), path)
+    page = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
+    data = bytearray(path.read_bytes())
+    data[page:page + 40] = b"\xab" * 40  # the page's header
+    path.write_bytes(bytes(data))
+    with pytest.raises(OSError) as theirs:
+        pq.ParquetFile(path).read(columns=["label"])
+    said = str(theirs.value).strip().splitlines()[0][:120]
+    for handle in (None, readers.parquet_file(path, "parquet")):
+        with pytest.raises(BadFile) as err:
+            readers.read_parquet_table(path, "parquet", ["label"], "--data-dir", handle)
+        assert str(err.value) == (f"--data-dir {path}: is not a readable parquet file ({said}); "
+                                  f"{CUT}; copy it again")
+    with pytest.raises(BadFile, match=f"^{path}: is not a readable parquet file"):
+        readers.read_parquet_table(path, "parquet", ["label"])
+
+
+def test_a_saved_dataset_of_one_split_and_each_bad_json_file_named_with_the_flag(tmp_path):
+    import datasets
+    one = tmp_path / "one"
+    datasets.Dataset.from_dict({"label": [2, 0]}).save_to_disk(str(one))  # no dataset_dict.json
+    assert readers.load_saved_dataset(one)["label"] == [2, 0]
+    fix = readers.KINDS["saved_dataset"].fix
+    info = one / "dataset_info.json"
+    info.write_text("[]")
+    with pytest.raises(BadFile) as err:
+        readers.load_saved_dataset(one, "--data-dir")
+    assert str(err.value) == (f"--data-dir {info}: is not a file of a save_to_disk folder "
+                              f"(--data-dir) (it holds a list; expected a mapping); {fix}")
+    info.write_text("{}")
+    state = one / "state.json"
+    good = json.loads(state.read_text())
+    state.write_text(json.dumps({**good, "_data_files": "data.arrow"}))
+    with pytest.raises(BadFile) as err:
+        readers.load_saved_dataset(one, "--data-dir")
+    assert str(err.value) == (f"--data-dir {state}: is not a file of a save_to_disk folder "
+                              f"(--data-dir) (it has '_data_files' = 'data.arrow', not a list); "
+                              f"{fix}")
+    entry = {"file": "x" * 60}
+    state.write_text(json.dumps({**good, "_data_files": [entry]}))
+    with pytest.raises(BadFile) as err:
+        readers.load_saved_dataset(one, "--data-dir")
+    assert str(err.value) == (f"--data-dir {state}: is not a file of a save_to_disk folder "
+                              f"(--data-dir) (it lists {str(entry)[:40]!r} as a data file); {fix}")
+    state.write_text(json.dumps({**good, "_data_files": []}))
+    with pytest.raises(UsageError) as err:
+        readers.load_saved_dataset(one)
+    assert str(err.value) == ("its split 'one' holds no rows; save the data again without it, "
+                              "or with its images")
+    state.write_text(json.dumps({**good, "_data_files": [{"filename": "gone.arrow"}]}))
+    with pytest.raises(BadFile) as err:
+        readers.load_saved_dataset(one, "--data-dir")
+    assert str(err.value) == f"--data-dir {one / 'gone.arrow'}: no such file; {fix}"
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two" / "dataset_dict.json").write_text("{")
+    with pytest.raises(BadFile, match=rf"^--data-dir {tmp_path / 'two' / 'dataset_dict.json'}: "
+                                      rf"is not valid JSON"):
+        readers.load_saved_dataset(tmp_path / "two", "--data-dir")

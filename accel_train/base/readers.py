@@ -299,7 +299,7 @@ def read_json_lines(path: Path, kind_name: str, warn: Callable[[str], None],
             record = None
         if isinstance(record, dict):
             records.append(record)
-        elif number == len(lines) and not text.endswith("\n"):
+        elif number == len(lines):  # (a file ending in a newline ends in an empty line)
             warn(f"the last line of {path} is cut short (the run was stopped while writing "
                  f"it); read without it")
         else:

@@ -10,6 +10,7 @@ label file says; the folder trees and files written here for the rest."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import time
@@ -400,6 +401,37 @@ def test_an_image_name_over_lines_or_not_utf8_is_named_as_the_image(tmp_path):
                            f'image "caf\\ufffd.png": the file is not UTF-8 text'), line
 
 
+@pytest.mark.parametrize("flag", ["--train-labels", "--val-labels"])
+def test_a_flags_label_file_damaged_names_the_flag_and_its_fix(tmp_path, flag):
+    """A --train-labels or --val-labels file, a line of its JSON lines not JSON or its parquet
+    copy cut short: one line with the flag before the file and the flag's fix (not an image
+    folder's metadata file's), the decoder's own words inside."""
+    _imagenet_like(tmp_path / "d")
+    names = [f"t{i}.png" for i in range(4)] if flag == "--train-labels" else \
+        [f"v{i}.png" for i in range(4)]
+    data = tmp_path / ("d/train" if flag == "--train-labels" else "d")
+    file = tmp_path / "labels.jsonl"
+    bad = '{"file_name": "x", "label": cat}'
+    file.write_text(f'{{"file_name": "{names[0]}", "label": "cat"}}\n{bad}\n')
+    try:
+        json.loads(bad)
+    except json.JSONDecodeError as err:
+        decoder = f"{err.msg}, column {err.colno}"
+    ran = accel_train_here("--data-dir", str(data), flag, str(file), *PINNED, "--output-dir",
+                           str(tmp_path / "run"))
+    assert ran.returncode == 2 and ran.stderr.strip().splitlines() == [
+        f"accel_train: error: {flag} {file}: line 2 is not JSON ({decoder}); fix the line or "
+        f"pass another file"]
+    table = tmp_path / "labels.parquet"
+    pd.DataFrame({"file_name": names, "label": ["cat", "dog"] * 2}).to_parquet(table)
+    table.write_bytes(table.read_bytes()[:200])
+    ran = accel_train_here("--data-dir", str(data), flag, str(table), *PINNED, "--output-dir",
+                           str(tmp_path / "run"))
+    assert ran.returncode == 2 and ran.stderr.startswith(
+        f"accel_train: error: {flag} {table}: is not a readable parquet file ("), ran.stderr
+    assert ran.stderr.strip().endswith("; fix the line or pass another file")
+
+
 def _quote_problem(tmp_path: Path, text: str | bytes) -> str:
     """The one line training gives for a metadata.csv of `text` beside 0.png-5.png."""
     folder = tmp_path / "hf" / "train"
@@ -672,6 +704,14 @@ PARQUET_PROBLEMS = {
                  '{file} row 1 gives label {{"name": "cat"}}, neither text nor a number'),
     "true/false": (_cat_dog([True, False, True, False]),
                    "{file} row 1 gives label true, neither text nor a number"),
+    # a spreadsheet's date column taken for the label: no JSON value, written as Python writes it
+    "a date": (_cat_dog([datetime.date(2024, 5, d) for d in (1, 2, 3, 4)]),
+               '{file} row 1 gives label "2024-05-01", neither text nor a number'),
+    # shown whole up to 40 characters of JSON, cut to 37 and "..." past them
+    "a list of 40 characters": (_cat_dog([["a" * 36]] * 4),
+                                f'{{file}} row 1 gives label ["{"a" * 36}"], neither text'),
+    "a list of 41 characters": (_cat_dog([["a" * 37]] * 4),
+                                f'{{file}} row 1 gives label ["{"a" * 35}..., neither text'),
     "twice": (_cat_dog(["cat", "dog", "dog", "cat"], ["0.png", "0.png", "2.png", "3.png"]),
               "{file} row 2 labels 0.png again (row 1 did); one row per image"),
     "an image left out": (_cat_dog(["cat", "dog", "cat"], ["0.png", "2.png", "3.png"]),

@@ -68,6 +68,30 @@ def test_metadata_files_in_subfolders_label_their_own_images(tmp_path, kind):
     assert report["files_not_read"] == {}
 
 
+def test_sibling_folders_whose_names_share_a_start_keep_their_own_images(tmp_path):
+    """train/sub/, train/sub-x/, train/sub0/ and train/subA/ each labelled by their own
+    metadata file, the same file names in each: the images a file owns are its folder's, not a
+    sibling's whose name sorts next to it ("-" before "/", "0" and "A" after it).  datasets'
+    imagefolder is the oracle where rows give paths; a row that gives a file name alone (which
+    datasets does not take) finds its one image among its own folder's, not two."""
+    root = tmp_path / "hf"
+    subs = ("sub", "sub-x", "sub0", "subA")
+    for n, sub in enumerate(subs):
+        _labelled(root / "train" / sub, "csv", {"0.png": ["cat", "dog"][n % 2],
+                                                "1.png": ["dog", "cat"][n % 2]}, value=n)
+    data = load_data(TrainConfig(data_dir=str(root), in_memory="never", val_fraction=0.25))
+    theirs = _theirs(root)
+    assert len(theirs["train"]) == 8 and _ours(data) == theirs["train"]
+    by_name = tmp_path / "by_name"
+    for n, sub in enumerate(subs):
+        _labelled(by_name / "train" / sub, "csv", {"deep/2.png": ["owl", "bee"][n % 2]}, value=n)
+        _write_metadata(by_name / "train" / sub / "metadata.csv",
+                        [{"file_name": "2.png", "label": ["owl", "bee"][n % 2]}])
+    data = load_data(TrainConfig(data_dir=str(by_name), in_memory="never", val_fraction=0.25))
+    assert _ours(data) == {f"train/{sub}/deep/2.png": ["owl", "bee"][n % 2]
+                           for n, sub in enumerate(subs)}
+
+
 @pytest.mark.parametrize("split_folder", ["train/", ""], ids=["split folder", "no split"])
 def test_a_metadata_file_at_the_root_and_one_in_a_subfolder_label_together(tmp_path,
                                                                           split_folder):

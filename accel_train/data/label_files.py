@@ -356,7 +356,7 @@ def read_val_labels(file: Path, folder: Path, images: list[str], classes: set[st
     where = where_of(file, flag)
     rows, by_name = label_rows(file, flag)
     if by_name:
-        labels = labelled_images(rows, ImageLookup(images), images, where, folder, by_name)
+        labels = labelled_images(rows, ImageLookup(images), where, folder, by_name)
         refuse_unlabelled(where, folder, images, labels)
         return [_known_class(labels[image][0], classes, where, labels[image][1],
                              classes_from) for image in images]
@@ -397,7 +397,7 @@ def read_train_labels(file: Path, folder: Path, images: list[str],
     lookup = ImageLookup(images)
     if not by_name and not lookup.holders(rows[0][1][0]):
         rows = rows[1:]  # a header line
-    labels = labelled_images(rows, lookup, images, where, folder, by_name)
+    labels = labelled_images(rows, lookup, where, folder, by_name)
     refuse_unlabelled(where, folder, images, labels)
     return whole_numbers_as_written([labels[image][0] for image in images])
 
@@ -422,7 +422,7 @@ def read_metadata_labels(files: list[Path], folder: Path, images: list[str],
                      bisect.bisect_left(images, prefix[:-1] + "0")] if prefix else images
         own = [image[len(prefix):] for image in own]
         rows, _ = label_rows(file, None, (read or {}).get(file))
-        found = labelled_images(rows, ImageLookup(own), own, str(file), file.parent, True)
+        found = labelled_images(rows, ImageLookup(own), str(file), file.parent, True)
         for image, (label, place) in found.items():
             image = prefix + image
             if image in labels:
@@ -441,9 +441,8 @@ def read_metadata_labels(files: list[Path], folder: Path, images: list[str],
                          classes_from) for image in images]
 
 
-def labelled_images(rows: list[tuple[str, list[str]]], lookup: "ImageLookup",
-                    images: list[str], where: str, folder: Path,
-                    by_name: bool) -> dict[str, tuple[str, str]]:
+def labelled_images(rows: list[tuple[str, list[str]]], lookup: "ImageLookup", where: str,
+                    folder: Path, by_name: bool) -> dict[str, tuple[str, str]]:
     """{image: (its class, where the file gives it: "line 3", a parquet file's "row 3")} from
     IMAGE,CLASS rows (`by_name`: a metadata file's file_name and label), each image labelled
     at most once; a missing class, a missing value's mark (a CSV's NaN, a JSON null) or a

@@ -78,28 +78,28 @@ def label_text(file: Path, flag: Optional[str]) -> tuple[str, str]:
 
 def read_metadata(file: Path):
     """An image folder's metadata file read once, for its header (metadata_header) and then its
-    rows (label_rows): its text, or a parquet file's footer (a ParquetFile's `metadata`; the
-    file itself closed, not held open while a folder's many files are looked at)."""
+    rows (label_rows): its lines (file_lines, split once for both), or a parquet file's footer
+    (a ParquetFile's `metadata`; the file itself closed, not held open while a folder's many
+    files are looked at)."""
     if file.suffix.lower() == ".parquet":
         with parquet_file(file, "imagefolder_metadata_parquet") as handle:
             return handle.metadata
-    return label_text(file, None)[0]
+    return file_lines(label_text(file, None)[0])
 
 
-def label_lines(file: Path, flag: Optional[str], text: Optional[str] = None
+def label_lines(file: Path, flag: Optional[str], lines: Optional[list[str]] = None
                 ) -> tuple[list[str], str]:
-    """The lines of `file` (text_lines), at least one not blank or a comment, and its reader's
-    kind (label_text).  `text`: an image folder's own metadata file's (flag None), where read
+    """The lines of `file` (file_lines), at least one not blank or a comment, and its reader's
+    kind (label_text).  `lines`: an image folder's own metadata file's (flag None), where read
     before (read_metadata)."""
     where = where_of(file, flag)
-    if text is not None:
+    if lines is not None:
         kind = "imagefolder_metadata"
     elif not file.is_file():
         raise UsageError(f"{where}: no such file")
     else:
         text, kind = label_text(file, flag)
-    text = text.removeprefix("\ufeff")  # the byte-order mark Excel starts a CSV with
-    lines = text_lines(text)
+        lines = file_lines(text)
     if not any(_holds_a_record(line) for line in lines):
         raise UsageError(f"{where} holds no labels")
     return lines, kind
@@ -184,8 +184,7 @@ def file_separator(lines: list[str]) -> Optional[str]:
     as the second line holds them (under a header of words); else None, whitespace.  One for
     the whole file, not each line's own: in Excel's semicolon CSV, where the comma is the
     decimal mark, a line's 0,93 is one number."""
-    heads = list(itertools.islice(
-        (line for line in lines if line.strip() and not line.lstrip().startswith("#")), 2))
+    heads = list(itertools.islice(filter(_holds_a_record, lines), 2))
     for number, line in enumerate(heads):
         unquoted = re.sub(r'"[^"]*"', "", line)
         for separator in (",", ";"):
@@ -308,10 +307,9 @@ def metadata_header(file: Path, read=None) -> list[str]:
     """The columns an image folder's metadata file names, as it writes them: its CSV header,
     its first JSON object's keys, a parquet file's columns ([] for an empty file).  `read`:
     what read_metadata gave for the file, where it was read before."""
-    read = read_metadata(file) if read is None else read
+    lines = read_metadata(file) if read is None else read
     if file.suffix.lower() == ".parquet":
-        return read.schema.to_arrow_schema().names
-    lines = text_lines(read.removeprefix("\ufeff"))
+        return lines.schema.to_arrow_schema().names
     if file.suffix.lower() != ".jsonl":
         header = file_records(lines, file_separator(lines), str(file), limit=1)
         return header[0][1] if header else []
@@ -501,6 +499,12 @@ def whole_numbers_as_written(labels: list[str]) -> list[str]:
     if labels and all(re.fullmatch(r"-?[0-9]+(\.0*)?", label) for label in labels):
         return [re.sub(r"\.0*$", "", label) for label in labels]
     return labels
+
+
+def file_lines(text: str) -> list[str]:
+    """A label file's text as its lines (text_lines), less the byte-order mark Excel starts a
+    CSV with."""
+    return text_lines(text.removeprefix("\ufeff"))
 
 
 def text_lines(text: str) -> list[str]:

@@ -44,11 +44,13 @@ def _names(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
-def _write_lock(folder: Path, host: str, pid: int, started=None, job=None) -> Path:
+def _write_lock(folder: Path, host: str, pid: int, started=None, job=None, boot="this",
+                token="theirs") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "run.lock"
     path.write_text(json.dumps({"host": host, "pid": pid, "started": started,
-                                "boot_id": runlock.boot_id(), "job": job, "token": "theirs"}))
+                                "boot_id": runlock.boot_id() if boot == "this" else boot,
+                                "job": job, "token": token}))
     return path
 
 
@@ -226,3 +228,111 @@ def test_a_previous_round_of_the_same_elastic_job_on_another_machine_is_taken_ov
     lock, said = _take(path, job="torchelastic job r1")
     assert "a previous round of this elastic job" in said[0]
     lock.release()
+
+
+def test_a_lock_from_before_this_machine_restarted_is_taken_over(tmp_path, sleepers):
+    """The holder's pid runs again after a restart (a live process here, started when the lock
+    says): only the boot id, read from /proc, tells that the holder is gone."""
+    proc = _sleeper(sleepers)
+    path = _write_lock(tmp_path / "run", HOST, proc.pid, runlock.process_start_time(proc.pid),
+                       boot="0" * 8 + "-0000-0000-0000-" + "0" * 12)
+    lock, said = _take(path)
+    assert said == [f"took over {path} from a run that is gone (host {HOST}, pid {proc.pid}, "
+                    f"started {_local(runlock.process_start_time(proc.pid))}): this machine "
+                    f"has restarted since"]
+    lock.release()
+    assert not path.exists()
+
+
+def test_a_lock_with_no_boot_id_is_judged_by_its_pid(tmp_path, sleepers):
+    """A record without a boot id (written where /proc has none) is not taken for one of
+    another boot: its live holder is refused."""
+    proc = _sleeper(sleepers)
+    path = _write_lock(tmp_path / "run", HOST, proc.pid, runlock.process_start_time(proc.pid),
+                       boot=None)
+    with pytest.raises(UsageError, match=f"pid {proc.pid}"):
+        _take(path)
+
+
+def test_this_processs_own_lock_left_by_an_earlier_run_in_it_is_taken_over(tmp_path):
+    """A program that calls fit() again after a run that could not release its lock (its
+    folder's lock still names this process, which is alive)."""
+    path = _write_lock(tmp_path / "run", HOST, os.getpid(), runlock.process_start_time(
+        os.getpid()))
+    lock, said = _take(path)
+    assert said[0].endswith(": it is this process's own, left by an earlier run in it")
+    assert json.loads(path.read_text())["token"] == lock.me.token != "theirs"
+    lock.release()
+
+
+def test_a_holder_that_exited_but_was_not_reaped_is_gone(tmp_path):
+    """A zombie (its parent has not waited for it) still answers kill(pid, 0): /proc's state
+    "Z" says it has finished."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        wait_until(lambda: Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1]
+                   .split()[0] == "Z", "the child to exit")
+        os.kill(proc.pid, 0)  # the pid still exists
+        path = _write_lock(tmp_path / "run", HOST, proc.pid)
+        lock, said = _take(path)
+        assert said[0].endswith(f": process {proc.pid} has exited")
+        lock.release()
+    finally:
+        proc.wait()
+
+
+def test_the_holder_refreshes_its_lock_while_it_runs(tmp_path, monkeypatch):
+    """The heartbeat that tells another machine the holder lives: the lock file's mtime moves
+    on while the lock is held, and no more once it is released."""
+    monkeypatch.setattr(runlock, "HEARTBEAT_SECONDS", 0.05)
+    lock, _ = _take(tmp_path / "run" / "run.lock")
+    os.utime(lock.path, (1_000_000, 1_000_000))
+    wait_until(lambda: lock.path.stat().st_mtime > 1_000_000, "a heartbeat")
+    lock.release()
+    assert not lock.path.parent.exists()  # made for the lock, removed with it
+    lock.path.parent.mkdir()
+    lock.path.write_text("someone else's")
+    os.utime(lock.path, (1_000_000, 1_000_000))
+    time.sleep(0.3)
+    assert lock.path.stat().st_mtime == 1_000_000
+
+
+def test_a_lock_replaced_by_another_start_is_not_released(tmp_path):
+    """Release removes the lock only while it is this run's (its token): a lock another start
+    took over meanwhile, or a file damaged by hand, stays for its owner."""
+    lock, _ = _take(tmp_path / "run" / "run.lock")
+    _write_lock(tmp_path / "run", HOST, 4242, token="another start's")
+    lock.release()
+    assert json.loads(lock.path.read_text())["token"] == "another start's"
+    lock2, _ = _take(tmp_path / "other" / "run.lock")
+    lock2.path.write_text("not a record")
+    lock2.release()
+    assert lock2.path.read_text() == "not a record"
+
+
+def test_a_stale_lock_replaced_while_it_was_judged_is_put_back(tmp_path, sleepers, monkeypatch):
+    """Two starts find another machine's dead lock; the other start takes it over first, while
+    this one still watches the old record.  This start's take-over must not remove the new,
+    live lock: it puts it back, and stops naming its holder."""
+    monkeypatch.setattr(runlock, "WATCH_SECONDS", 0.5)
+    monkeypatch.setattr(runlock, "POLL_SECONDS", 0.1)
+    path = _write_lock(tmp_path / "run", "elsewhere.example", 4242)
+    first = path.stat().st_mtime
+    proc = _sleeper(sleepers)
+
+    def sleep_then_lose_the_race(seconds):
+        time.sleep(seconds)
+        if json.loads(path.read_text())["pid"] == 4242:  # the other start's take-over
+            _write_lock(tmp_path / "run", HOST, proc.pid, runlock.process_start_time(proc.pid),
+                        token="the other start's")
+            os.utime(path, (first, first))  # as the watch saw it: the judgement stands
+
+    said: list[str] = []
+    with pytest.raises(UsageError, match=f"host {HOST}, pid {proc.pid}"):
+        runlock.take(path, None, said.append, sleep_then_lose_the_race)
+    assert json.loads(path.read_text())["token"] == "the other start's"
+    assert [p.name for p in path.parent.iterdir()] == ["run.lock"]  # nothing set aside left
+
+
+def _local(started: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))

@@ -169,7 +169,8 @@ def test_a_reused_pid_is_not_mistaken_for_the_holder(tmp_path, sleepers):
     proc = _sleeper(sleepers)  # alive, but started long after the lock's holder did
     path = _write_lock(tmp_path / "run", HOST, proc.pid, started=1_000_000.0)
     lock, said = _take(path)
-    assert f"pid {proc.pid} now belongs to another process" in said[0]
+    assert said[0].endswith(f"(host {HOST}, pid {proc.pid}, started {_local(1_000_000.0)}): "
+                            f"pid {proc.pid} now belongs to another process")
     lock.release()
     assert not path.exists()
 
@@ -197,8 +198,10 @@ def test_another_machines_lock_that_is_refreshed_is_refused(tmp_path, monkeypatc
     beat = threading.Thread(target=heartbeat)
     beat.start()
     try:
-        with pytest.raises(UsageError, match="host elsewhere.example, pid 4242"):
+        with pytest.raises(UsageError, match="host elsewhere.example, pid 4242") as err:
             _take(path)
+        assert ("(its lock is refreshed every 10 s while it runs, and taken over by a start "
+                "that sees no refresh for 1 s; if it is gone, delete ") in str(err.value)
     finally:
         done.set()
         beat.join()
@@ -214,7 +217,7 @@ def test_the_same_jobs_previous_holder_is_waited_for(tmp_path, sleepers, monkeyp
     path = _write_lock(tmp_path / "run", HOST, proc.pid, runlock.process_start_time(proc.pid),
                        job="SLURM job 42")
     started = time.monotonic()
-    with pytest.raises(UsageError, match=f"pid {proc.pid}"):
+    with pytest.raises(UsageError, match=f"pid {proc.pid}, started .*, SLURM job 42\\)"):
         _take(path, job="SLURM job 43")
     assert time.monotonic() - started < 5
     threading.Timer(1.0, proc.kill).start()
@@ -226,7 +229,7 @@ def test_the_same_jobs_previous_holder_is_waited_for(tmp_path, sleepers, monkeyp
 def test_a_previous_round_of_the_same_elastic_job_on_another_machine_is_taken_over(tmp_path):
     path = _write_lock(tmp_path / "run", "elsewhere.example", 4242, job="torchelastic job r1")
     lock, said = _take(path, job="torchelastic job r1")
-    assert "a previous round of this elastic job" in said[0]
+    assert said[0].endswith(": a previous round of this elastic job, which its launcher ended")
     lock.release()
 
 
@@ -332,6 +335,26 @@ def test_a_stale_lock_replaced_while_it_was_judged_is_put_back(tmp_path, sleeper
         runlock.take(path, None, said.append, sleep_then_lose_the_race)
     assert json.loads(path.read_text())["token"] == "the other start's"
     assert [p.name for p in path.parent.iterdir()] == ["run.lock"]  # nothing set aside left
+
+
+def test_a_stale_lock_replaced_by_one_not_yet_written_is_put_back(tmp_path, monkeypatch):
+    """The other start has created its lock file and not yet written its record when this one
+    sets the stale lock aside: the empty file is the other start's lock, not the stale record
+    (which was read), and stays; this start stops, naming the file."""
+    monkeypatch.setattr(runlock, "WATCH_SECONDS", 0.5)
+    monkeypatch.setattr(runlock, "POLL_SECONDS", 0.1)
+    path = _write_lock(tmp_path / "run", "elsewhere.example", 4242)
+    first = path.stat().st_mtime
+
+    def sleep_then_lose_the_race(seconds):
+        time.sleep(seconds)
+        if path.read_text():
+            path.write_text("")  # created (O_EXCL), its record not written yet
+            os.utime(path, (first, first))
+
+    with pytest.raises(UsageError, match="cannot be read .*another start may be writing it"):
+        runlock.take(path, None, [].append, sleep_then_lose_the_race)
+    assert path.read_text() == "" and [p.name for p in path.parent.iterdir()] == ["run.lock"]
 
 
 def _local(started: float) -> str:

@@ -200,7 +200,9 @@ def _create(path: Path, me: Holder) -> bool:
 
 
 def _break(path: Path, stale: Holder) -> None:
-    """Remove the stale lock, unless another start replaced it meanwhile (then put that back)."""
+    """Remove the stale lock, unless another start replaced it meanwhile (then put that back).
+    A file that cannot be read is not the stale record, which was read: it is another start's
+    lock created and not yet written."""
     aside = path.with_name(f"{path.name}.stale-{uuid.uuid4().hex}")
     try:
         os.rename(path, aside)
@@ -210,7 +212,7 @@ def _break(path: Path, stale: Holder) -> None:
         taken = read_holder(aside)
     except UsageError:
         taken = None
-    if taken is not None and taken.token != stale.token:
+    if taken is None or taken.token != stale.token:
         try:
             os.link(aside, path)
         except FileExistsError:

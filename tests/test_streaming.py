@@ -4,9 +4,11 @@ real runs on 1 and 2 processes with exact resume."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
+import tarfile
 from collections import Counter
 from pathlib import Path
 
@@ -554,7 +556,17 @@ def test_bad_shard_folders_one_line_exit_2_nothing_written(synthetic_shards, tmp
     shutil.copytree(synthetic_shards, tmp_path / "unlisted")
     shutil.copy(tmp_path / "unlisted" / "train" / "000000.tar",
                 tmp_path / "unlisted" / "train" / "000099.tar")
-    cases = {"empty": "no shards match", "notar": "is not a tar or parquet file",
+    for name, cls in (("names", b"cat\n"), ("bytes", b"\xff\xfe")):
+        (tmp_path / name).mkdir()
+        with tarfile.open(tmp_path / name / "000000.tar", "w") as tar:  # webdataset's layout
+            for member, data in (("a.jpg", b"\xff\xd8"), ("a.cls", cls)):
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    cases = {"names": "000000.tar: a.cls holds 'cat', not a class number; write the class's "
+                      "index (0, 1, ...) there",
+             "bytes": "000000.tar: a.cls holds '\ufffd\ufffd', not a class number",
+             "empty": "no shards match", "notar": "is not a tar or parquet file",
              "disagree": "index disagrees with the shards",
              "missing": "index disagrees with the shards",
              "unlisted": "does not list train/000099.tar; the index disagrees with the shards"}

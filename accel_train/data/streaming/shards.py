@@ -82,13 +82,28 @@ def iter_tar(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
                     current, image, label = stem, None, None
                 data = tar.extractfile(member).read()
                 if ext.lower() == "cls":
-                    label = int(data.decode().strip())
+                    label = _class_number(data, path, member.name)
                 elif _image_member(base) and image is None:
                     image = data
+    except UsageError:
+        raise
     except (tarfile.TarError, ValueError) as err:
         raise UsageError(f"shard {path}: not a readable tar ({err})") from None
     if current is not None:
         yield image, label, current
+
+
+def _class_number(data: bytes, path: Path, member: str) -> int:
+    """A .cls member's class index, as webdataset decodes one (int of its text); text that is
+    no whole number (a class name) is one line naming the member, not an unreadable tar."""
+    try:
+        return int(data.decode().strip())
+    except ValueError:  # a UnicodeDecodeError too
+        shown = data[:40].decode(errors="replace").strip()
+        raise UsageError(f"shard {path}: {member} holds {shown!r}, not a class number; write "
+                         f"the class's index (0, 1, ...) there, as webdataset reads a .cls "
+                         f"(accel-train shard writes shards so, the class names in its "
+                         f"index.json)") from None
 
 
 def iter_parquet(path: Path, image_column: Optional[str] = None,

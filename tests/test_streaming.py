@@ -300,6 +300,46 @@ def test_shard_progress_off_a_terminal_is_whole_lines(tmp_path):
     assert lines[-1].startswith("shard: 6/6 images (100%)"), lines
 
 
+def _webdataset_tar(path: Path, samples: int) -> None:
+    """A WebDataset tar as webdataset's writers make one: KEY.png and KEY.cls a sample."""
+    from PIL import Image
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for i in range(samples):
+            png = io.BytesIO()
+            Image.new("RGB", (16, 16), (40 * i % 256, 90, 200)).save(png, "PNG")
+            for member, data in ((f"{path.stem}_{i:04d}.png", png.getvalue()),
+                                 (f"{path.stem}_{i:04d}.cls", str(i % 2).encode())):
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("names", [
+    # timm's ImageNet WebDataset copies on the hub, in one folder
+    ["imagenet1k-train-0000.tar", "imagenet1k-train-0001.tar", "imagenet1k-validation-00.tar"],
+    pytest.param(["train_000.tar", "val_000.tar"], marks=pytest.mark.slow),  # a run each
+    pytest.param(["train2017-000.tar", "test2017-000.tar"], marks=pytest.mark.slow),
+])
+def test_the_split_a_shards_file_name_holds_is_the_one_datasets_reads_there(tmp_path, names):
+    """Tars in one folder whose names hold their splits: the run trains on and holds out the
+    files datasets' own split inference (data_files.get_data_patterns) gives each split."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+    root = tmp_path / "shards"
+    for number, name in enumerate(names):
+        _webdataset_tar(root / name, 6 + 2 * number)
+    splits = DataFilesDict.from_patterns(get_data_patterns(str(root)), base_path=str(root))
+    counts = {str(split): [6 + 2 * names.index(Path(file).name) for file in files]
+              for split, files in splits.items()}
+    held_out = next(split for split in ("validation", "test") if split in counts)
+    result = accel_train_here("--data-dir", str(root), *PINNED, "--model", "test_resnet",
+                              "--batch-size", "2", "--epochs", "1", "--no-plots",
+                              "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (f"(streamed: {len(counts['train'])} train shards, {sum(counts['train'])} images / "
+            f"{held_out} {sum(counts[held_out])}") in result.stdout, result.stdout[-3000:]
+
+
 def test_shard_bad_input_one_line_nothing_written(tmp_path):
     out = tmp_path / "out"
     result = _shard_here("--data-dir", str(tmp_path / "missing"), "--output", str(out))

@@ -549,7 +549,8 @@ def _first_tar(folder: Path) -> Path:
     return sorted(folder.rglob("*.tar"))[0]
 
 
-SHARD_CASES = [("index.json", c) for c in JSON] + [("a tar shard", c) for c in COMMON]
+SHARD_CASES = [("index.json", c) for c in JSON] + [("a tar shard", c) for c in COMMON] + [
+    ("a tar shard without an index", c) for c in COMMON]  # every tar counted at the start
 
 
 @pytest.mark.parametrize("command", ["train", "check-data"])
@@ -559,6 +560,8 @@ def test_a_damaged_shard_folder(shards, tmp_path, file, corruption, command):
     naming it."""
     data = tmp_path / "shards"
     shutil.copytree(shards, data)
+    if file == "a tar shard without an index":
+        (data / "index.json").unlink()
     path = data / "index.json" if file == "index.json" else _first_tar(data)
     (JSON if file == "index.json" else COMMON)[corruption](path)
     before = _hashes(data)

@@ -74,9 +74,7 @@ def iter_tar(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
             for member in tar:
                 if not member.isfile():
                     continue
-                base = member.name.rsplit("/", 1)[-1]
-                stem, _, ext = base.partition(".")
-                stem = member.name[: len(member.name) - len(base)] + stem
+                stem, ext = _sample_key(member.name)
                 if stem != current:
                     if current is not None:
                         yield image, label, current
@@ -84,7 +82,7 @@ def iter_tar(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
                 data = tar.extractfile(member).read()
                 if ext.lower() == "cls":
                     label = _class_number(data, path, member.name)
-                elif _image_member(base) and image is None:
+                elif _image_member(member.name) and image is None:
                     image = data
     except UsageError:
         raise
@@ -92,6 +90,14 @@ def iter_tar(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
         raise UsageError(f"shard {path}: not a readable tar ({err})") from None
     if current is not None:
         yield image, label, current
+
+
+def _sample_key(name: str) -> tuple[str, str]:
+    """A tar member's sample key (its path up to its file name's first dot, webdataset's rule)
+    and the rest of its name (its extension: "cls", "jpg", "seg.png")."""
+    folder, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext
 
 
 def _class_number(data: bytes, path: Path, member: str) -> int:
@@ -164,11 +170,25 @@ def _count(path: Path) -> tuple[int, int]:
         handle = parquet_file(path, "shard", "shard")
         labels = [label for _, label, _ in iter_parquet(path)]
         return handle.metadata.num_rows, (max(labels) + 1 if labels else 0)
-    count, top = 0, 0
-    for _, label, _ in iter_tar(path):
-        count += 1
-        top = max(top, (label or 0) + 1)
-    return count, top
+    count, top, last = 0, 0, None
+    try:
+        # seekable: the images are skipped, only headers and .cls members read (a start reads
+        # every shard without an index; timm's ImageNet copy is some 150 GB)
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                stem, ext = _sample_key(member.name)
+                if stem != last:
+                    count, last = count + 1, stem
+                if ext.lower() == "cls":
+                    label = _class_number(tar.extractfile(member).read(), path, member.name)
+                    top = max(top, label + 1)
+    except UsageError:
+        raise
+    except (tarfile.TarError, ValueError) as err:
+        raise UsageError(f"shard {path}: not a readable tar ({err})") from None
+    return count, top  # (a tar cut short: tarfile's "unexpected end of data", as it seeks)
 
 
 def _count_fast(path: Path) -> int:
@@ -179,8 +199,7 @@ def _count_fast(path: Path) -> int:
         with tarfile.open(path, "r:") as tar:
             stems, last = 0, None
             for name in tar.getnames():
-                base = name.rsplit("/", 1)[-1]
-                stem = name[: len(name) - len(base)] + base.partition(".")[0]
+                stem = _sample_key(name)[0]
                 if stem != last:
                     stems, last = stems + 1, stem
             return stems

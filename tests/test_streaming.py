@@ -820,3 +820,34 @@ def test_eval_of_a_streamed_run_reads_its_held_out_shards(stream_reference):
 def metrics_of(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
+
+
+@pytest.mark.slow  # datasets' loader: about 5 s
+def test_a_tars_samples_are_those_datasets_webdataset_loader_reads(tmp_path):
+    """Member names as ImageNet's file names make them (upper-case extensions, a class field
+    named after its image): each sample's image and class as Hugging Face datasets' webdataset
+    loader decodes them (a field by its name's last part: .JPEG.cls a class)."""
+    import datasets
+    from PIL import Image
+
+    from accel_train.data.streaming import iter_tar
+    members = []
+    for i, key in enumerate(["n01440764_10026", "n01443537_2", "n01484850_3"]):
+        png = io.BytesIO()
+        Image.new("RGB", (8, 8), (60 * i, 0, 0)).save(png, "PNG")
+        members += [(f"{key}.JPEG", png.getvalue()), (f"{key}.JPEG.cls", str(i + 4).encode()),
+                    (f"{key}.json", b'{"w": 8}')]
+    path = tmp_path / "train-000000.tar"
+    with tarfile.open(path, "w") as tar:
+        for member, data in members:
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    rows = datasets.load_dataset("webdataset", data_files={"train": str(path)}, split="train",
+                                 cache_dir=str(tmp_path / "cache"))
+    expected = []
+    for row in rows:
+        expected.append((row["__key__"], row["JPEG.cls"], np.asarray(row["JPEG"]).tolist()))
+    ours = [(name, label, np.asarray(Image.open(io.BytesIO(data))).tolist())
+            for data, label, name in iter_tar(path)]
+    assert ours == expected and [label for _, label, _ in ours] == [4, 5, 6]

@@ -80,7 +80,7 @@ def iter_tar(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
                         yield image, label, current
                     current, image, label = stem, None, None
                 data = tar.extractfile(member).read()
-                if ext.lower() == "cls":
+                if _class_field(ext):
                     label = _class_number(data, path, member.name)
                 elif _image_member(member.name) and image is None:
                     image = data
@@ -98,6 +98,12 @@ def _sample_key(name: str) -> tuple[str, str]:
     folder, _, base = name.rpartition("/")
     stem, _, ext = base.partition(".")
     return (f"{folder}/{stem}" if folder else stem), ext
+
+
+def _class_field(ext: str) -> bool:
+    """A member holds the sample's class: its last extension is cls, as webdataset decodes a
+    field by its name's last part (n01440764_10026.JPEG.cls)."""
+    return ext.rsplit(".", 1)[-1].lower() == "cls"
 
 
 def _class_number(data: bytes, path: Path, member: str) -> int:
@@ -181,7 +187,7 @@ def _count(path: Path) -> tuple[int, int]:
                 stem, ext = _sample_key(member.name)
                 if stem != last:
                     count, last = count + 1, stem
-                if ext.lower() == "cls":
+                if _class_field(ext):
                     label = _class_number(tar.extractfile(member).read(), path, member.name)
                     top = max(top, label + 1)
     except UsageError:

@@ -171,7 +171,8 @@ def parquet_class_names(path: Path) -> Optional[list[str]]:
 
 
 def _count(path: Path) -> tuple[int, int]:
-    """(samples, largest label + 1) of one shard, by reading it."""
+    """(samples, largest label + 1) of one shard: a parquet file's labels read, a tar's headers
+    and class members (its images seeked over)."""
     if shard_kind(path) == "parquet":
         handle = parquet_file(path, "shard", "shard")
         labels = [label for _, label, _ in iter_parquet(path)]

@@ -301,15 +301,22 @@ def test_shard_progress_off_a_terminal_is_whole_lines(tmp_path):
 
 
 def _webdataset_tar(path: Path, samples: int) -> None:
-    """A WebDataset tar as webdataset's writers make one: KEY.png and KEY.cls a sample."""
+    """A WebDataset tar as `tar -cf` makes one of two folders: their entries, then KEY.png and
+    KEY.cls a sample, alternately in a/ and b/ under the same file names (a sample's key is its
+    path up to the first dot: a/s_0000 and b/s_0000 are two), classes 0, 1, 2 in turn."""
     from PIL import Image
     path.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(path, "w") as tar:
+        for folder in ("a", "b"):
+            info = tarfile.TarInfo(folder)
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
         for i in range(samples):
             png = io.BytesIO()
             Image.new("RGB", (16, 16), (40 * i % 256, 90, 200)).save(png, "PNG")
-            for member, data in ((f"{path.stem}_{i:04d}.png", png.getvalue()),
-                                 (f"{path.stem}_{i:04d}.cls", str(i % 2).encode())):
+            key = f"{'ab'[i % 2]}/{path.stem}_{i // 2:04d}"
+            for member, data in ((f"{key}.png", png.getvalue()),
+                                 (f"{key}.cls", str(i % 3).encode())):
                 info = tarfile.TarInfo(member)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
@@ -318,19 +325,21 @@ def _webdataset_tar(path: Path, samples: int) -> None:
 @pytest.mark.parametrize("names", [
     # timm's ImageNet WebDataset copies on the hub, in one folder
     ["imagenet1k-train-0000.tar", "imagenet1k-train-0001.tar", "imagenet1k-validation-00.tar"],
-    pytest.param(["train_000.tar", "val_000.tar"], marks=pytest.mark.slow),  # a run each
-    pytest.param(["train2017-000.tar", "test2017-000.tar"], marks=pytest.mark.slow),
+    ["train_000.tar", "val_000.tar"],
+    ["train2017-000.tar", "test2017-000.tar"],
+    ["train/shard-000.tar", "val/shard-000.tar"],
 ])
 def test_the_split_a_shards_file_name_holds_is_the_one_datasets_reads_there(tmp_path, names):
-    """Tars in one folder whose names hold their splits: the run trains on and holds out the
-    files datasets' own split inference (data_files.get_data_patterns) gives each split."""
+    """Tars whose names or folders hold their splits: the run trains on and holds out the
+    files datasets' own split inference (data_files.get_data_patterns) gives each split, each
+    tar's samples and classes counted as written (_webdataset_tar)."""
     from datasets.data_files import DataFilesDict, get_data_patterns
     root = tmp_path / "shards"
     for number, name in enumerate(names):
         _webdataset_tar(root / name, 6 + 2 * number)
     splits = DataFilesDict.from_patterns(get_data_patterns(str(root)), base_path=str(root))
-    counts = {str(split): [6 + 2 * names.index(Path(file).name) for file in files]
-              for split, files in splits.items()}
+    counts = {str(split): [6 + 2 * names.index(Path(file).relative_to(root).as_posix())
+                           for file in files] for split, files in splits.items()}
     held_out = next(split for split in ("validation", "test") if split in counts)
     result = accel_train_here("--data-dir", str(root), *PINNED, "--model", "test_resnet",
                               "--batch-size", "2", "--epochs", "1", "--no-plots",
@@ -338,6 +347,7 @@ def test_the_split_a_shards_file_name_holds_is_the_one_datasets_reads_there(tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     assert (f"(streamed: {len(counts['train'])} train shards, {sum(counts['train'])} images / "
             f"{held_out} {sum(counts[held_out])}") in result.stdout, result.stdout[-3000:]
+    assert ", 3 classes," in result.stdout
 
 
 def test_shard_bad_input_one_line_nothing_written(tmp_path):
@@ -822,7 +832,6 @@ def metrics_of(out: Path) -> list[dict]:
             if line.strip()]
 
 
-@pytest.mark.slow  # datasets' loader: about 5 s
 def test_a_tars_samples_are_those_datasets_webdataset_loader_reads(tmp_path):
     """Member names as ImageNet's file names make them (upper-case extensions, a class field
     named after its image): each sample's image and class as Hugging Face datasets' webdataset

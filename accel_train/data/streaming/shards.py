@@ -17,7 +17,7 @@ import numpy as np
 
 from accel_train.base.errors import UsageError
 from accel_train.base.readers import BadFile, Shape, bad, parquet_file, read_json
-from accel_train.data.imagefolder import split_in_name
+from accel_train.data.imagefolder import SPLIT_FOLDERS, split_in_name
 from accel_train.data.loader_watch import reading
 from accel_train.data.sources import (IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, TEST_SPLIT_NAMES,
                                       refuse_image_folder_options)
@@ -259,12 +259,11 @@ def _glob(root: Path, pattern: str) -> list[Path]:
 
 
 def _split_of(path: Path) -> str:
-    """A shard's split: its folder's name where that is a split's (train/, val/, ...), else the
-    one split its file's name holds, named as datasets names the split it finds in a data file's
-    name (imagefolder.split_in_name: timm's imagenet1k-validation-0003.tar, val_000.tar ->
-    validation; train2017-000.tar -> train), else train."""
-    folder = path.parent.name.lower()
-    return folder if folder in ("train", *EVAL_SPLITS) else split_in_name(path.stem) or "train"
+    """A shard's split, named as datasets names the split it finds in a data file's path
+    (imagefolder.SPLIT_FOLDERS, split_in_name): its folder's where that is a split's name (val/
+    -> validation), else the one its file's name holds (timm's imagenet1k-validation-0003.tar,
+    val_000.tar -> validation; train2017-000.tar -> train), else train."""
+    return SPLIT_FOLDERS.get(path.parent.name.lower()) or split_in_name(path.stem) or "train"
 
 
 def open_shards(config) -> ShardData:

@@ -180,7 +180,9 @@ def _count(path: Path) -> tuple[int, int]:
     count, top, last = 0, 0, None
     try:
         # seekable: the images are skipped, only headers and .cls members read (a start reads
-        # every shard without an index; timm's ImageNet copy is some 150 GB)
+        # every shard without an index; timm's ImageNet copy is some 150 GB).  Not iter_tar's
+        # loop: that one streams, and yields each sample before it reads the next one's data
+        # (a read that stalls then names the sample after which it stopped)
         with tarfile.open(path, "r:") as tar:
             for member in tar:
                 if not member.isfile():

@@ -307,9 +307,10 @@ def metadata_header(file: Path, read=None) -> list[str]:
     """The columns an image folder's metadata file names, as it writes them: its CSV header,
     its first JSON object's keys, a parquet file's columns ([] for an empty file).  `read`:
     what read_metadata gave for the file, where it was read before."""
-    lines = read_metadata(file) if read is None else read
+    read = read_metadata(file) if read is None else read
     if file.suffix.lower() == ".parquet":
-        return lines.schema.to_arrow_schema().names
+        return read.schema.to_arrow_schema().names  # a footer
+    lines = read
     if file.suffix.lower() != ".jsonl":
         header = file_records(lines, file_separator(lines), str(file), limit=1)
         return header[0][1] if header else []

@@ -301,12 +301,17 @@ def test_shard_progress_off_a_terminal_is_whole_lines(tmp_path):
 
 
 def _webdataset_tar(path: Path, samples: int) -> None:
-    """A WebDataset tar as `tar -cf` makes one of two folders: their entries, then KEY.png and
-    KEY.cls a sample, alternately in a/ and b/ under the same file names (a sample's key is its
-    path up to the first dot: a/s_0000 and b/s_0000 are two), classes 0, 1, 2 in turn."""
+    """A WebDataset tar as `tar -cf` makes one of two folders and a README: its README, the
+    folders' entries, then KEY.png and KEY.cls a sample, alternately in a/ and b/ under the same
+    file names (a sample's key is its path up to the first dot: a/s_0000 and b/s_0000 are two),
+    classes 0, 1, 2 in turn, and a/LICENSE half-way (no dot: of no sample, as the README)."""
     from PIL import Image
     path.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(path, "w") as tar:
+        readme = b"samples: KEY.png, KEY.cls\n"
+        info = tarfile.TarInfo("README")
+        info.size = len(readme)
+        tar.addfile(info, io.BytesIO(readme))
         for folder in ("a", "b"):
             info = tarfile.TarInfo(folder)
             info.type = tarfile.DIRTYPE
@@ -315,8 +320,10 @@ def _webdataset_tar(path: Path, samples: int) -> None:
             png = io.BytesIO()
             Image.new("RGB", (16, 16), (40 * i % 256, 90, 200)).save(png, "PNG")
             key = f"{'ab'[i % 2]}/{path.stem}_{i // 2:04d}"
-            for member, data in ((f"{key}.png", png.getvalue()),
-                                 (f"{key}.cls", str(i % 3).encode())):
+            members = [(f"{key}.png", png.getvalue()), (f"{key}.cls", str(i % 3).encode())]
+            if i == samples // 2:
+                members.append(("a/LICENSE", b"CC0\n"))
+            for member, data in members:
                 info = tarfile.TarInfo(member)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
@@ -348,6 +355,24 @@ def test_the_split_a_shards_file_name_holds_is_the_one_datasets_reads_there(tmp_
     assert (f"(streamed: {len(counts['train'])} train shards, {sum(counts['train'])} images / "
             f"{held_out} {sum(counts[held_out])}") in result.stdout, result.stdout[-3000:]
     assert ", 3 classes," in result.stdout
+
+
+def test_an_index_counts_a_tars_samples_as_they_are_read(tmp_path):
+    """An index.json beside tars with folder entries and files of no sample (_webdataset_tar):
+    the start checks the index's counts against the tars' member names and agrees with it."""
+    from accel_train.data.streaming.writer import write_index
+    root = tmp_path / "shards"
+    splits = {}
+    for split, samples in (("train", 9), ("validation", 5)):
+        _webdataset_tar(root / f"{split}-000.tar", samples)
+        splits[split] = [{"file": f"{split}-000.tar", "count": samples}]
+    write_index(root, splits, ["0", "1", "2"], "hand-written tars")
+    result = accel_train_here("--data-dir", str(root), *PINNED, "--model", "test_resnet",
+                              "--batch-size", "2", "--epochs", "1", "--no-plots",
+                              "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(streamed: 1 train shards, 9 images / validation 5" in result.stdout, \
+        result.stdout[-3000:]
 
 
 def test_shard_bad_input_one_line_nothing_written(tmp_path):
@@ -834,8 +859,9 @@ def metrics_of(out: Path) -> list[dict]:
 
 def test_a_tars_samples_are_those_datasets_webdataset_loader_reads(tmp_path):
     """Member names as ImageNet's file names make them (upper-case extensions, a class field
-    named after its image): each sample's image and class as Hugging Face datasets' webdataset
-    loader decodes them (a field by its name's last part: .JPEG.cls a class)."""
+    named after its image) and a LICENSE among them: each sample's image and class as Hugging
+    Face datasets' webdataset loader decodes them (a field by its name's last part: .JPEG.cls a
+    class; a name without a dot is no sample's)."""
     import datasets
     from PIL import Image
 
@@ -846,6 +872,7 @@ def test_a_tars_samples_are_those_datasets_webdataset_loader_reads(tmp_path):
         Image.new("RGB", (8, 8), (60 * i, 0, 0)).save(png, "PNG")
         members += [(f"{key}.JPEG", png.getvalue()), (f"{key}.JPEG.cls", str(i + 4).encode()),
                     (f"{key}.json", b'{"w": 8}')]
+    members.insert(3, ("LICENSE", b"CC0\n"))  # no dot, no key: of no sample
     path = tmp_path / "train-000000.tar"
     with tarfile.open(path, "w") as tar:
         for member, data in members:

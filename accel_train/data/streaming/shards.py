@@ -72,9 +72,10 @@ def iter_tar(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
     try:
         with tarfile.open(path, "r|") as tar:
             for member in tar:
-                if not member.isfile():
+                key = _sample_key(member)
+                if key is None:
                     continue
-                stem, ext = _sample_key(member.name)
+                stem, ext = key
                 if stem != current:
                     if current is not None:
                         yield image, label, current
@@ -92,10 +93,14 @@ def iter_tar(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
         yield image, label, current
 
 
-def _sample_key(name: str) -> tuple[str, str]:
+def _sample_key(member: tarfile.TarInfo) -> Optional[tuple[str, str]]:
     """A tar member's sample key (its path up to its file name's first dot, webdataset's rule)
-    and the rest of its name (its extension: "cls", "jpg", "seg.png")."""
-    folder, _, base = name.rpartition("/")
+    and the rest of its name (its extension: "cls", "jpg", "seg.png"); None for a member of no
+    sample: a folder's entry, or a file whose name has no dot (a README, a LICENSE), which
+    webdataset and datasets' webdataset loader skip for want of a key."""
+    folder, _, base = member.name.rpartition("/")
+    if not member.isfile() or "." not in base:
+        return None
     stem, _, ext = base.partition(".")
     return (f"{folder}/{stem}" if folder else stem), ext
 
@@ -185,9 +190,10 @@ def _count(path: Path) -> tuple[int, int]:
         # (a read that stalls then names the sample after which it stopped)
         with tarfile.open(path, "r:") as tar:
             for member in tar:
-                if not member.isfile():
+                key = _sample_key(member)
+                if key is None:
                     continue
-                stem, ext = _sample_key(member.name)
+                stem, ext = key
                 if stem != last:
                     count, last = count + 1, stem
                 if _class_field(ext):
@@ -201,14 +207,18 @@ def _count(path: Path) -> tuple[int, int]:
 
 
 def _count_fast(path: Path) -> int:
-    """Samples in one shard from its metadata: parquet row count, or tar member names."""
+    """Samples in one shard from its metadata: parquet row count, or tar member names (as
+    _count and iter_tar find them)."""
     if shard_kind(path) == "parquet":
         return parquet_file(path, "shard", "shard").metadata.num_rows
     try:
         with tarfile.open(path, "r:") as tar:
             stems, last = 0, None
-            for name in tar.getnames():
-                stem = _sample_key(name)[0]
+            for member in tar.getmembers():
+                key = _sample_key(member)
+                if key is None:
+                    continue
+                stem = key[0]
                 if stem != last:
                     stems, last = stems + 1, stem
             return stems

@@ -626,6 +626,49 @@ def test_a_damaged_image_folder_cache(tmp_path):
         assert cache.read_bytes() == good, corruption  # rebuilt
 
 
+def test_a_damaged_shard_counts_cache(tmp_path, monkeypatch):
+    """The cached sample counts of a folder of tars without an index (count_cache.py; what a
+    streamed run's start reads): damaged in any way it is not an error but counted again from
+    the tars and rewritten (the documented fallback), for each corruption."""
+    import io
+    import tarfile
+
+    from accel_train.data.streaming import count_cache, shards
+    monkeypatch.setenv("ACCEL_TRAIN_INDEX_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "tars"
+    root.mkdir()
+    with tarfile.open(root / "train-000.tar", "w") as tar:  # 3 samples of classes 0, 1, 4
+        for key, label in (("a", 0), ("b", 1), ("c", 4)):
+            for member, data in ((f"{key}.jpg", b"\xff\xd8"), (f"{key}.cls", b"%d" % label)):
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    old = time.time() - 3600  # older than the cache's "may still be being written" window
+    os.utime(root / "train-000.tar", (old, old))
+    tars, counted = [root / "train-000.tar"], []
+
+    def count(path):
+        counted.append(path)
+        return shards._count(path)
+
+    assert count_cache.counted_tars(root, tars, count) == {tars[0]: (3, 5)} and counted
+    cache = count_cache.cache_file(root)
+    good = cache.read_bytes()
+    def another_format(path):  # another version's cache, its entries as they were
+        path.write_bytes(good.replace(count_cache.CACHE_FORMAT.encode(), b"accel_train-x/0"))
+
+    def an_entry_damaged(path):  # the tar's count no longer a number
+        path.write_bytes(good.replace(b", 3, 5]", b', "3", 5]'))
+
+    for corruption, damage in {**COMMON, "another shape": _json_of_another_shape,
+                               "another format": another_format,
+                               "an entry damaged": an_entry_damaged}.items():
+        damage(cache)
+        counted.clear()
+        assert count_cache.counted_tars(root, tars, count) == {tars[0]: (3, 5)}, corruption
+        assert counted == tars and cache.read_bytes() == good, corruption  # rebuilt
+
+
 # -- kinds covered elsewhere, and the check that every kind has a row ----------------------------
 COVERED_ELSEWHERE = {
     "pretrained": "test_bad_files.py::test_pretrained_weights_damaged",
@@ -654,7 +697,8 @@ def test_a_damaged_elastic_job_marker(tmp_path):
 MATRIX_KINDS = {row.kind for row in ROWS} | {"manifest", "metrics", "recipe",
                                                "accelerate_config", "elastic_config", "parquet",
                                                "shard_index", "shard", "stream_state",
-                                               "imagefolder_cache", "saved_dataset"}
+                                               "imagefolder_cache", "shard_counts_cache",
+                                               "saved_dataset"}
 
 
 def _reader_kinds_named_in_the_product() -> set[str]:

@@ -272,7 +272,9 @@ def test_parquet_shards_keep_the_class_names_their_features_give(cifar10_layout,
     from accel_train.data.streaming import open_shards
     theirs = datasets.load_dataset("parquet", data_dir=str(cifar10_layout))["train"]
     config = TrainConfig(data_dir=str(cifar10_layout), streaming=True)
-    assert open_shards(config).class_names == theirs.features["label"].names
+    opened = open_shards(config)
+    assert opened.class_names == theirs.features["label"].names
+    assert len(opened.train) == theirs.num_rows  # counted from the label column
     for kind, metadata in (("plain", None), ("garbled", {"huggingface": "{not json"})):
         folder = tmp_path / kind
         folder.mkdir()
@@ -373,6 +375,56 @@ def test_an_index_counts_a_tars_samples_as_they_are_read(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(streamed: 1 train shards, 9 images / validation 5" in result.stdout, \
         result.stdout[-3000:]
+
+
+def test_a_tar_folders_counts_are_cached_until_a_tar_changes(tmp_path, monkeypatch):
+    """A folder of tars without an index is counted once (its counts cached in the cache
+    folder): a later start counts only the tars whose size or modification time changed, and
+    never caches a tar written in the last seconds (it may still be being written)."""
+    import os
+    import time
+
+    from accel_train.data.streaming import count_cache, shards
+    monkeypatch.setenv("ACCEL_TRAIN_INDEX_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "shards"
+    written = {"train-000.tar": 5, "train-001.tar": 7, "val/000.tar": 3}
+    for name, samples in written.items():
+        _webdataset_tar(root / name, samples)
+        os.utime(root / name, (time.time() - 3600, time.time() - 3600))
+    tars = [root / name for name in written]
+    counted = []
+
+    def count(path):
+        counted.append(Path(os.path.relpath(path, root)).as_posix())
+        return shards._count(path)
+
+    def counts():
+        counted.clear()
+        found = count_cache.counted_tars(root, tars, count)
+        return {p.relative_to(root).as_posix(): c for p, c in found.items()}
+
+    expected = {name: (samples, min(samples, 3)) for name, samples in written.items()}
+    assert counts() == expected and sorted(counted) == sorted(written)
+    assert counts() == expected and counted == []
+    os.utime(root / "train-001.tar", (time.time() - 60, time.time() - 60))  # touched
+    assert counts() == expected and counted == ["train-001.tar"]
+    _webdataset_tar(root / "val/000.tar", 4)  # written again just now: counted, not cached
+    expected["val/000.tar"] = (4, 3)
+    assert counts() == expected and counted == ["val/000.tar"]
+    assert counts() == expected and counted == ["val/000.tar"]
+    # another folder's tars of the same names are its own
+    shutil.copytree(root, tmp_path / "copy")
+    found = count_cache.counted_tars(tmp_path / "copy", [tmp_path / "copy" / "train-000.tar"],
+                                     count)
+    assert list(found.values()) == [(5, 3)] and counted[-1] == "../copy/train-000.tar"
+    # a start's own count goes through the cache
+    from accel_train.config import TrainConfig
+    count_cache.cache_file(root).unlink()
+    opened = shards.open_shards(TrainConfig(data_dir=str(root), streaming=True))
+    assert (len(opened.train), len(opened.held_out)) == (12, 4)
+    cached = json.loads(count_cache.cache_file(root).read_text())["tars"]
+    assert {name: tuple(entry[2:]) for name, entry in cached.items()} == \
+        {name: expected[name] for name in ("train-000.tar", "train-001.tar")}
 
 
 def test_shard_bad_input_one_line_nothing_written(tmp_path):
@@ -638,8 +690,16 @@ def test_bad_shard_folders_one_line_exit_2_nothing_written(synthetic_shards, tmp
                 info = tarfile.TarInfo(member)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    (tmp_path / "textlabels").mkdir()  # a class name where its index belongs
+    pq.write_table(pa.table({"image": [{"bytes": b"\xff\xd8", "path": None}] * 2,
+                             "label": ["cat", "dog"]}),
+                   tmp_path / "textlabels" / "train.parquet")
     cases = {"names": "000000.tar: a.cls holds 'cat', not a class number; write the class's "
                       "index (0, 1, ...) there",
+             "textlabels": "train.parquet: its label column 'label' holds string, not class "
+                           "numbers; write each class's index (0, 1, ...) there",
              "bytes": "000000.tar: a.cls holds '\ufffd\ufffd', not a class number",
              "empty": "no shards match", "notar": "is not a tar or parquet file",
              "disagree": "index disagrees with the shards",

@@ -159,6 +159,9 @@ _register("imagefolder_metadata_parquet", "an image folder's metadata.parquet",
           "images into class folders")
 _register("imagefolder_cache", "an image folder's cached index",
           "(not an error: a damaged cache is rebuilt by walking the folder)")
+_register("shard_counts_cache", "a shard folder's cached sample counts",
+          "(not an error: a damaged cache is counted again from the tars)",
+          Shape({"format": TEXT, "root": TEXT, "tars": MAPPING}))
 _register("shard_index", "a shard folder's index.json",
           "write the shards again with accel-train shard",
           Shape({"splits": MAPPING, "class_names": LIST}))

@@ -2,7 +2,8 @@
 
 A split is a ShardSet: files in order, each one's sample count, and so each sample's number in
 the split (its key).  The counts come from index.json, checked against the tars' member names
-(cheap: headers only); a folder without an index is read once to count and to find the classes.
+(cheap: headers only); a folder without an index is read once to count and to find the classes
+(its tars' counts then cached: count_cache.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Iterator, Optional
 import numpy as np
 
 from accel_train.base.errors import UsageError
-from accel_train.base.readers import BadFile, Shape, bad, parquet_file, read_json
+from accel_train.base.readers import (BadFile, Shape, bad, parquet_file, read_json,
+                                      read_parquet_table)
 from accel_train.data.imagefolder import SPLIT_FOLDERS, split_in_name
+from accel_train.data.streaming.count_cache import counted_tars
 from accel_train.data.loader_watch import reading
 from accel_train.data.sources import (IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, TEST_SPLIT_NAMES,
                                       refuse_image_folder_options)
@@ -124,15 +127,22 @@ def _class_number(data: bytes, path: Path, member: str) -> int:
                          f"index.json)") from None
 
 
-def iter_parquet(path: Path, image_column: Optional[str] = None,
-                 label_column: Optional[str] = None):
-    handle = parquet_file(path, "shard", "shard")
+def _parquet_columns(path: Path, handle, image_column: Optional[str] = None,
+                     label_column: Optional[str] = None) -> tuple[str, str]:
+    """(image column, label column) of a parquet shard: those named, else the usual names."""
     columns = handle.schema_arrow.names
     image = image_column or next((c for c in IMAGE_COLUMN_NAMES if c in columns), None)
     label = label_column or next((c for c in LABEL_COLUMN_NAMES if c in columns), None)
     if image is None or label is None:
         raise UsageError(f"shard {path}: cannot tell the image and label columns (columns: "
                          f"{', '.join(columns)}); name them with --image-column/--label-column")
+    return image, label
+
+
+def iter_parquet(path: Path, image_column: Optional[str] = None,
+                 label_column: Optional[str] = None):
+    handle = parquet_file(path, "shard", "shard")
+    image, label = _parquet_columns(path, handle, image_column, label_column)
     row = 0
     for batch in handle.iter_batches(batch_size=256, columns=[image, label]):
         for value, target in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
@@ -178,10 +188,18 @@ def parquet_class_names(path: Path) -> Optional[list[str]]:
 def _count(path: Path) -> tuple[int, int]:
     """(samples, largest label + 1) of one shard: a parquet file's labels read, a tar's headers
     and class members (its images seeked over)."""
-    if shard_kind(path) == "parquet":
+    if shard_kind(path) == "parquet":  # the label column only: its images are never read
+        import pyarrow.compute as pc
+        import pyarrow.types as pa_types
+
         handle = parquet_file(path, "shard", "shard")
-        labels = [label for _, label, _ in iter_parquet(path)]
-        return handle.metadata.num_rows, (max(labels) + 1 if labels else 0)
+        label = _parquet_columns(path, handle)[1]
+        labels = read_parquet_table(path, "shard", [label], "shard", handle).column(0)
+        if not pa_types.is_integer(labels.type):
+            raise UsageError(f"shard {path}: its label column {label!r} holds {labels.type}, "
+                             f"not class numbers; write each class's index (0, 1, ...) there")
+        top = pc.max(labels).as_py()  # (None: no labels, or all missing)
+        return handle.metadata.num_rows, (top + 1 if top is not None else 0)
     count, top, last = 0, 0, None
     try:
         # seekable: the images are skipped, only headers and .cls members read (a start reads
@@ -330,9 +348,10 @@ def open_shards(config) -> ShardData:
         groups: dict[str, list[Path]] = {}
         for path in files:
             groups.setdefault(_split_of(path), []).append(path)
+        tars = counted_tars(root, [path for path in files if path.suffix == ".tar"], _count)
         splits, top = {}, 0
         for name, paths in groups.items():
-            counted = [_count(path) for path in paths]
+            counted = [tars[path] if path in tars else _count(path) for path in paths]
             top = max([top] + [t for _, t in counted])
             splits[name] = ShardSet(paths, [c for c, _ in counted])
         class_names = [str(i) for i in range(top)]

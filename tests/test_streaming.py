@@ -398,9 +398,9 @@ def test_a_tar_folders_counts_are_cached_until_a_tar_changes(tmp_path, monkeypat
         counted.append(Path(os.path.relpath(path, root)).as_posix())
         return shards._count(path)
 
-    def counts():
+    def counts(counting=count, say=print):
         counted.clear()
-        found = count_cache.counted_tars(root, tars, count)
+        found = count_cache.counted_tars(root, tars, counting, say)
         return {p.relative_to(root).as_posix(): c for p, c in found.items()}
 
     expected = {name: (samples, min(samples, 3)) for name, samples in written.items()}
@@ -417,14 +417,28 @@ def test_a_tar_folders_counts_are_cached_until_a_tar_changes(tmp_path, monkeypat
     found = count_cache.counted_tars(tmp_path / "copy", [tmp_path / "copy" / "train-000.tar"],
                                      count)
     assert list(found.values()) == [(5, 3)] and counted[-1] == "../copy/train-000.tar"
+    # a count of more than a second says so: a line after the first second, one at its end
+    for name in written:  # each touched: counted again
+        os.utime(root / name, (time.time() - 60, time.time() - 60))
+    said = []
+
+    def slow_count(path):
+        time.sleep(0.6)
+        return shards._count(path)
+
+    assert counts(slow_count, said.append) == expected
+    assert said == [f"counting the samples of {root}'s tars (no index.json; counted once, cached "
+                    f"for later starts): 2 of 3 tars, 12 samples so far",
+                    said[-1]] and said[-1].startswith(f"counted 16 samples in 3 tars of {root} in ")
+    assert said[-1].endswith("s (cached: later starts read the counts)")
+    assert counts(count, said.append) == expected and len(said) == 2  # all cached: no line
     # a start's own count goes through the cache
     from accel_train.config import TrainConfig
     count_cache.cache_file(root).unlink()
     opened = shards.open_shards(TrainConfig(data_dir=str(root), streaming=True))
     assert (len(opened.train), len(opened.held_out)) == (12, 4)
     cached = json.loads(count_cache.cache_file(root).read_text())["tars"]
-    assert {name: tuple(entry[2:]) for name, entry in cached.items()} == \
-        {name: expected[name] for name in ("train-000.tar", "train-001.tar")}
+    assert {name: tuple(entry[2:]) for name, entry in cached.items()} == expected
 
 
 def test_shard_bad_input_one_line_nothing_written(tmp_path):

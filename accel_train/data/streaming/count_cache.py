@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 from accel_train.base.readers import BadFile, read_json
-from accel_train.data.imagefolder import RACY_SECONDS, default_cache_dir
+from accel_train.data.imagefolder import (PROGRESS_AFTER, PROGRESS_LOG_EVERY, RACY_SECONDS,
+                                         default_cache_dir)
 
 CACHE_FORMAT = "accel_train-shard-counts/1"
 
@@ -32,28 +33,59 @@ def cache_file(root: Path) -> Path:
     return default_cache_dir() / f"shards-{key}.json"
 
 
-def counted_tars(root: Path, tars: list[Path],
-                 count: Callable[[Path], Counted]) -> dict[Path, Counted]:
+def counted_tars(root: Path, tars: list[Path], count: Callable[[Path], Counted],
+                 say: Callable[[str], None] = print) -> dict[Path, Counted]:
     """Each tar's (samples, largest class + 1): from the cache where the tar is unchanged since
-    it was counted, else by `count`; the cache then rewritten."""
+    it was counted, else by `count`; the cache then rewritten.  `say` gets a line every 10 s
+    of counting after the first second, and one at its end (a first start on a large folder
+    is otherwise minutes of silence)."""
     path = cache_file(root)
     cached = _read(path, root)
-    found, entries, changed = {}, {}, False
-    for tar in tars:
-        name = tar.relative_to(root).as_posix()
-        stat = tar.stat()
-        entry = cached.get(name)
+    stats = {tar: tar.stat() for tar in tars}
+    found = {}
+    for tar, stat in stats.items():
+        entry = cached.get(tar.relative_to(root).as_posix())
         if entry is not None and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
             found[tar] = (entry[2], entry[3])
-        else:
-            found[tar], changed = count(tar), True
-        # a tar written in the last seconds may be written to again within its mtime's tick:
-        # counted, not cached
-        if stat.st_mtime_ns < time.time_ns() - RACY_SECONDS * 1e9:
-            entries[name] = [stat.st_size, stat.st_mtime_ns, *found[tar]]
+    changed = [tar for tar in tars if tar not in found]
+    progress = _Progress(root, len(changed), say)
+    for tar in changed:
+        found[tar] = count(tar)
+        progress.counted(found[tar][0])
+    # a tar written in the last seconds may be written to again within its mtime's tick:
+    # counted, not cached
+    recent = time.time_ns() - RACY_SECONDS * 1e9
+    entries = {tar.relative_to(root).as_posix(): [stat.st_size, stat.st_mtime_ns, *found[tar]]
+               for tar, stat in stats.items() if stat.st_mtime_ns < recent}
     if changed:
         _write(path, root, entries)
-    return found
+    progress.done()
+    return {tar: found[tar] for tar in tars}
+
+
+class _Progress:
+    """The counting's lines: none for a count within a second."""
+
+    def __init__(self, root: Path, tars: int, say: Callable[[str], None]):
+        self.root, self.tars, self.say = root, tars, say
+        self.started = self.last = time.monotonic()
+        self.shown, self.done_tars, self.samples = False, 0, 0
+
+    def counted(self, samples: int) -> None:
+        self.done_tars, self.samples = self.done_tars + 1, self.samples + samples
+        now = time.monotonic()
+        if now - self.started >= PROGRESS_AFTER and (
+                not self.shown or now - self.last >= PROGRESS_LOG_EVERY):
+            self.say(f"counting the samples of {self.root}'s tars (no index.json; counted "
+                     f"once, cached for later starts): {self.done_tars:,} of {self.tars:,} "
+                     f"tars, {self.samples:,} samples so far")
+            self.shown, self.last = True, now
+
+    def done(self) -> None:
+        if self.shown:
+            self.say(f"counted {self.samples:,} samples in {self.done_tars:,} tars of "
+                     f"{self.root} in {time.monotonic() - self.started:.1f}s (cached: later "
+                     f"starts read the counts)")
 
 
 def _read(path: Path, root: Path) -> dict[str, list[int]]:

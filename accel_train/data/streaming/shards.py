@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from accel_train.base.errors import UsageError
+from accel_train.base.ranks import print_once
 from accel_train.base.readers import (BadFile, Shape, bad, parquet_file, read_json,
                                       read_parquet_table)
 from accel_train.data.imagefolder import SPLIT_FOLDERS, split_in_name
@@ -348,7 +349,8 @@ def open_shards(config) -> ShardData:
         groups: dict[str, list[Path]] = {}
         for path in files:
             groups.setdefault(_split_of(path), []).append(path)
-        tars = counted_tars(root, [path for path in files if path.suffix == ".tar"], _count)
+        tars = counted_tars(root, [path for path in files if path.suffix == ".tar"], _count,
+                            print_once)
         splits, top = {}, 0
         for name, paths in groups.items():
             counted = [tars[path] if path in tars else _count(path) for path in paths]

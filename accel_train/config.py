@@ -163,7 +163,8 @@ class TrainConfig:
                                         "default: the folder that holds the image).", "data")
     streaming: bool = option(False, "Stream the training data from shards (WebDataset tars "
                              "or parquet files in --data-dir; implied by a folder written by "
-                             "accel-train shard or holding *.tar) instead of indexing it whole.",
+                             "accel-train shard or holding *.tar, *.tar.gz or *.tgz) instead of "
+                             "indexing it whole.",
                              "data")
     shuffle_buffer: int = option(1000, "Streaming: samples each loader worker holds to shuffle "
                                  "within (memory is bounded by it).", "data")

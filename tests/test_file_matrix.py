@@ -17,6 +17,7 @@ it (json, yaml, safetensors), SHA-256 hashes of every file, and the checkpoint's
 from __future__ import annotations
 
 import ast
+import gzip
 import hashlib
 import json
 import os
@@ -550,7 +551,8 @@ def _first_tar(folder: Path) -> Path:
 
 
 SHARD_CASES = [("index.json", c) for c in JSON] + [("a tar shard", c) for c in COMMON] + [
-    ("a tar shard without an index", c) for c in COMMON]  # every tar counted at the start
+    ("a tar shard without an index", c) for c in COMMON] + [  # every tar counted at the start
+    ("a gzipped tar shard without an index", c) for c in COMMON]
 
 
 @pytest.mark.parametrize("command", ["train", "check-data"])
@@ -560,9 +562,14 @@ def test_a_damaged_shard_folder(shards, tmp_path, file, corruption, command):
     naming it."""
     data = tmp_path / "shards"
     shutil.copytree(shards, data)
-    if file == "a tar shard without an index":
+    if file.endswith("without an index"):
         (data / "index.json").unlink()
     path = data / "index.json" if file == "index.json" else _first_tar(data)
+    if file.startswith("a gzipped"):  # as webdataset reads one: KEY.cls and KEY.png in a .tar.gz
+        gzipped = path.with_name(path.name + ".gz")
+        gzipped.write_bytes(gzip.compress(path.read_bytes()))
+        path.unlink()
+        path = gzipped
     (JSON if file == "index.json" else COMMON)[corruption](path)
     before = _hashes(data)
     out = tmp_path / "run"

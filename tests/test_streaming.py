@@ -4,6 +4,7 @@ real runs on 1 and 2 processes with exact resume."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import shutil
@@ -306,10 +307,11 @@ def _webdataset_tar(path: Path, samples: int) -> None:
     """A WebDataset tar as `tar -cf` makes one of two folders and a README: its README, the
     folders' entries, then KEY.png and KEY.cls a sample, alternately in a/ and b/ under the same
     file names (a sample's key is its path up to the first dot: a/s_0000 and b/s_0000 are two),
-    classes 0, 1, 2 in turn, and a/LICENSE half-way (no dot: of no sample, as the README)."""
+    classes 0, 1, 2 in turn, and a/LICENSE half-way (no dot: of no sample, as the README);
+    gzipped where the name ends in gz (.tar.gz, .tgz)."""
     from PIL import Image
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w") as tar:
+    with tarfile.open(path, "w:gz" if path.name.endswith("gz") else "w") as tar:
         readme = b"samples: KEY.png, KEY.cls\n"
         info = tarfile.TarInfo("README")
         info.size = len(readme)
@@ -321,7 +323,7 @@ def _webdataset_tar(path: Path, samples: int) -> None:
         for i in range(samples):
             png = io.BytesIO()
             Image.new("RGB", (16, 16), (40 * i % 256, 90, 200)).save(png, "PNG")
-            key = f"{'ab'[i % 2]}/{path.stem}_{i // 2:04d}"
+            key = f"{'ab'[i % 2]}/{path.name.split('.')[0]}_{i // 2:04d}"
             members = [(f"{key}.png", png.getvalue()), (f"{key}.cls", str(i % 3).encode())]
             if i == samples // 2:
                 members.append(("a/LICENSE", b"CC0\n"))
@@ -337,6 +339,7 @@ def _webdataset_tar(path: Path, samples: int) -> None:
     ["train_000.tar", "val_000.tar"],
     ["train2017-000.tar", "test2017-000.tar"],
     ["train/shard-000.tar", "val/shard-000.tar"],
+    ["train-000.tar.gz", "train-001.tgz", "validation-000.tar.gz"],  # gzipped, as webdataset's
 ])
 def test_the_split_a_shards_file_name_holds_is_the_one_datasets_reads_there(tmp_path, names):
     """Tars whose names or folders hold their splits: the run trains on and holds out the
@@ -387,7 +390,7 @@ def test_a_tar_folders_counts_are_cached_until_a_tar_changes(tmp_path, monkeypat
     from accel_train.data.streaming import count_cache, shards
     monkeypatch.setenv("ACCEL_TRAIN_INDEX_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "shards"
-    written = {"train-000.tar": 5, "train-001.tar": 7, "val/000.tar": 3}
+    written = {"train-000.tar": 5, "train-001.tar": 7, "val/000.tgz": 3}
     for name, samples in written.items():
         _webdataset_tar(root / name, samples)
         os.utime(root / name, (time.time() - 3600, time.time() - 3600))
@@ -408,10 +411,10 @@ def test_a_tar_folders_counts_are_cached_until_a_tar_changes(tmp_path, monkeypat
     assert counts() == expected and counted == []
     os.utime(root / "train-001.tar", (time.time() - 60, time.time() - 60))  # touched
     assert counts() == expected and counted == ["train-001.tar"]
-    _webdataset_tar(root / "val/000.tar", 4)  # written again just now: counted, not cached
-    expected["val/000.tar"] = (4, 3)
-    assert counts() == expected and counted == ["val/000.tar"]
-    assert counts() == expected and counted == ["val/000.tar"]
+    _webdataset_tar(root / "val/000.tgz", 4)  # written again just now: counted, not cached
+    expected["val/000.tgz"] = (4, 3)
+    assert counts() == expected and counted == ["val/000.tgz"]
+    assert counts() == expected and counted == ["val/000.tgz"]
     # another folder's tars of the same names are its own
     shutil.copytree(root, tmp_path / "copy")
     found = count_cache.counted_tars(tmp_path / "copy", [tmp_path / "copy" / "train-000.tar"],
@@ -961,3 +964,8 @@ def test_a_tars_samples_are_those_datasets_webdataset_loader_reads(tmp_path):
     ours = [(name, label, np.asarray(Image.open(io.BytesIO(data))).tolist())
             for data, label, name in iter_tar(path)]
     assert ours == expected and [label for _, label, _ in ours] == [4, 5, 6]
+    # the same tar gzipped, as webdataset reads a .tar.gz (datasets' loader reads no such file)
+    gzipped = tmp_path / "train-000000.tar.gz"
+    gzipped.write_bytes(gzip.compress(path.read_bytes()))
+    assert [(name, label, np.asarray(Image.open(io.BytesIO(data))).tolist())
+            for data, label, name in iter_tar(gzipped)] == expected

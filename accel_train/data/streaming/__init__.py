@@ -8,8 +8,9 @@ Layout written by `accel-train shard` (commands/shard.py) and read here:
     DIR/train/000000.tar      000000000.png + 000000000.cls, 000000001.png + ... (WebDataset)
     DIR/test/000000.tar
 
-A folder of `*.tar` without an index is read too (its shards are scanned once at start for their
-sample counts and labels), and so are parquet files with `--streaming`.
+A folder of `*.tar` (or gzipped `*.tar.gz`, `*.tgz`) without an index is read too (its shards
+are scanned once at start for their sample counts and labels, which are then cached), and so are
+parquet files with `--streaming`.
 
 How an epoch is cut (all of it a function of seed, epoch, the shard counts and the layout):
 

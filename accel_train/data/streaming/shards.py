@@ -8,8 +8,10 @@ the split (its key).  The counts come from index.json, checked against the tars'
 
 from __future__ import annotations
 
+import gzip
 import json
 import tarfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
@@ -30,6 +32,11 @@ INDEX_NAME = "index.json"
 INDEX_FORMAT = "accel_train-shards/1"
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "img")
 EVAL_SPLITS = ("validation", "val", "valid", "test", "eval", "evaluation")
+# a shard folder's tars, gzipped ones too (webdataset reads .tar.gz and .tgz shards)
+TAR_PATTERNS = ("*.tar", "*.tar.gz", "*.tgz")
+# what a damaged tar raises: tarfile's errors, and a gzipped one's (cut short: EOFError; not
+# gzip: OSError; a corrupt stream: zlib.error)
+TAR_ERRORS = (tarfile.TarError, ValueError, EOFError, OSError, zlib.error)
 
 
 @dataclass
@@ -59,6 +66,12 @@ def shard_kind(path: Path) -> str:
         raise UsageError(f"shard {path}: cannot be read ({err.strerror})") from None
     if head[:4] == b"PAR1":
         return "parquet"
+    if head[:2] == b"\x1f\x8b":  # gzip: a tar inside?
+        try:
+            with gzip.open(path) as inner:
+                head = inner.read(512)
+        except (OSError, EOFError, zlib.error):
+            head = b""
     if len(head) >= 262 and head[257:262] == b"ustar":
         return "tar"
     raise UsageError(f"shard {path} is not a tar or parquet file; shards are WebDataset tars "
@@ -74,7 +87,7 @@ def iter_tar(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
     A sample is the run of members sharing a name up to the first dot."""
     current, image, label = None, None, None
     try:
-        with tarfile.open(path, "r|") as tar:
+        with tarfile.open(path, "r|*") as tar:  # (* : a gzipped tar too)
             for member in tar:
                 key = _sample_key(member)
                 if key is None:
@@ -91,7 +104,7 @@ def iter_tar(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
                     image = data
     except UsageError:
         raise
-    except (tarfile.TarError, ValueError) as err:
+    except TAR_ERRORS as err:
         raise UsageError(f"shard {path}: not a readable tar ({err})") from None
     if current is not None:
         yield image, label, current
@@ -207,7 +220,7 @@ def _count(path: Path) -> tuple[int, int]:
         # every shard without an index; timm's ImageNet copy is some 150 GB).  Not iter_tar's
         # loop: that one streams, and yields each sample before it reads the next one's data
         # (a read that stalls then names the sample after which it stopped)
-        with tarfile.open(path, "r:") as tar:
+        with tarfile.open(path, "r:*") as tar:  # (a gzipped one is read whole: gzip cannot seek)
             for member in tar:
                 key = _sample_key(member)
                 if key is None:
@@ -220,7 +233,7 @@ def _count(path: Path) -> tuple[int, int]:
                     top = max(top, label + 1)
     except UsageError:
         raise
-    except (tarfile.TarError, ValueError) as err:
+    except TAR_ERRORS as err:
         raise UsageError(f"shard {path}: not a readable tar ({err})") from None
     return count, top  # (a tar cut short: tarfile's "unexpected end of data", as it seeks)
 
@@ -231,7 +244,7 @@ def _count_fast(path: Path) -> int:
     if shard_kind(path) == "parquet":
         return parquet_file(path, "shard", "shard").metadata.num_rows
     try:
-        with tarfile.open(path, "r:") as tar:
+        with tarfile.open(path, "r:*") as tar:
             stems, last = 0, None
             for member in tar.getmembers():
                 key = _sample_key(member)
@@ -241,7 +254,7 @@ def _count_fast(path: Path) -> int:
                 if stem != last:
                     stems, last = stems + 1, stem
             return stems
-    except (tarfile.TarError, ValueError) as err:
+    except TAR_ERRORS as err:
         raise UsageError(f"shard {path}: not a readable tar ({err})") from None
 
 
@@ -274,8 +287,9 @@ def is_shard_folder(data_dir: Optional[str]) -> bool:
         except BadFile:
             pass  # damaged: beside tars, open_shards names it; else the folder is not ours
     # Only the top and the split folders: an image folder's class folders are not listed.
-    return path.is_dir() and any(any(path.glob(pattern)) for pattern in (
-        "*.tar", *(f"{split}/*.tar" for split in ("train", *EVAL_SPLITS))))
+    folders = ("", *(f"{split}/" for split in ("train", *EVAL_SPLITS)))
+    return path.is_dir() and any(any(path.glob(f"{folder}{pattern}"))
+                                 for pattern in TAR_PATTERNS for folder in folders)
 
 
 def _glob(root: Path, pattern: str) -> list[Path]:
@@ -334,22 +348,24 @@ def open_shards(config) -> ShardData:
                                      f"samples but it holds {found}; the index disagrees with "
                                      f"the shards (write it again with accel-train shard)")
         listed = {p.resolve() for s in splits.values() for p in s.files}
-        unlisted = [p for p in sorted(root.rglob("*.tar")) + sorted(root.rglob("*.parquet"))
-                    if p.resolve() not in listed]
+        unlisted = [p for pattern in (*TAR_PATTERNS, "*.parquet")
+                    for p in sorted(root.rglob(pattern)) if p.resolve() not in listed]
         if unlisted:
             more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
             raise UsageError(f"{index_path} does not list {unlisted[0].relative_to(root)}{more}; "
                              f"the index disagrees with the shards")
     else:
-        files = sorted(root.glob("*.tar")) + sorted(root.glob("*/*.tar"))
+        files = [p for pattern in TAR_PATTERNS for p in sorted(root.glob(pattern))
+                 + sorted(root.glob(f"*/{pattern}"))]
         if getattr(config, "streaming", False):
             files += sorted(root.glob("*.parquet")) + sorted(root.glob("*/*.parquet"))
         if not files:
-            raise UsageError(f"--data-dir {config.data_dir}: no shards match *.tar or *.parquet")
+            raise UsageError(f"--data-dir {config.data_dir}: no shards match *.tar, *.tar.gz, "
+                             f"*.tgz or *.parquet")
         groups: dict[str, list[Path]] = {}
         for path in files:
             groups.setdefault(_split_of(path), []).append(path)
-        tars = counted_tars(root, [path for path in files if path.suffix == ".tar"], _count,
+        tars = counted_tars(root, [path for path in files if path.suffix != ".parquet"], _count,
                             print_once)
         splits, top = {}, 0
         for name, paths in groups.items():

@@ -388,7 +388,7 @@ def test_a_tar_folders_counts_are_cached_until_a_tar_changes(tmp_path, monkeypat
     import time
 
     from accel_train.data.streaming import count_cache, shards
-    monkeypatch.setenv("ACCEL_TRAIN_INDEX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("ACCEL_TRAIN_INDEX_CACHE", str(tmp_path / "home" / "cache"))  # made
     root = tmp_path / "shards"
     written = {"train-000.tar": 5, "train-001.tar": 7, "val/000.tgz": 3}
     for name, samples in written.items():
@@ -434,14 +434,17 @@ def test_a_tar_folders_counts_are_cached_until_a_tar_changes(tmp_path, monkeypat
                     f"for later starts): 2 of 3 tars, 12 samples so far",
                     said[-1]] and said[-1].startswith(f"counted 16 samples in 3 tars of {root} in ")
     assert said[-1].endswith("s (cached: later starts read the counts)")
+    seconds = float(said[-1].split(" in ")[-1].split("s ")[0])
+    assert 1.8 <= seconds < 60, said[-1]  # three counts of 0.6 s
     assert counts(count, said.append) == expected and len(said) == 2  # all cached: no line
     # a start's own count goes through the cache
     from accel_train.config import TrainConfig
     count_cache.cache_file(root).unlink()
     opened = shards.open_shards(TrainConfig(data_dir=str(root), streaming=True))
     assert (len(opened.train), len(opened.held_out)) == (12, 4)
-    cached = json.loads(count_cache.cache_file(root).read_text())["tars"]
-    assert {name: tuple(entry[2:]) for name, entry in cached.items()} == expected
+    cached = json.loads(count_cache.cache_file(root).read_text())
+    assert cached["root"] == str(root)  # (for a reader of the cache folder)
+    assert {name: tuple(entry[2:]) for name, entry in cached["tars"].items()} == expected
 
 
 def test_shard_bad_input_one_line_nothing_written(tmp_path):
@@ -713,10 +716,16 @@ def test_bad_shard_folders_one_line_exit_2_nothing_written(synthetic_shards, tmp
     pq.write_table(pa.table({"image": [{"bytes": b"\xff\xd8", "path": None}] * 2,
                              "label": ["cat", "dog"]}),
                    tmp_path / "textlabels" / "train.parquet")
+    (tmp_path / "nolabels").mkdir()  # images and captions: no column of classes
+    pq.write_table(pa.table({"image": [{"bytes": b"\xff\xd8", "path": None}] * 2,
+                             "caption": ["a cat", "a dog"]}),
+                   tmp_path / "nolabels" / "train.parquet")
     cases = {"names": "000000.tar: a.cls holds 'cat', not a class number; write the class's "
                       "index (0, 1, ...) there",
              "textlabels": "train.parquet: its label column 'label' holds string, not class "
                            "numbers; write each class's index (0, 1, ...) there",
+             "nolabels": "train.parquet: cannot tell the image and label columns (columns: "
+                         "image, caption); name them with --image-column/--label-column",
              "bytes": "000000.tar: a.cls holds '\ufffd\ufffd', not a class number",
              "empty": "no shards match", "notar": "is not a tar or parquet file",
              "disagree": "index disagrees with the shards",

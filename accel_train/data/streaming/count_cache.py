@@ -40,7 +40,7 @@ def counted_tars(root: Path, tars: list[Path], count: Callable[[Path], Counted],
     of counting after the first second, and one at its end (a first start on a large folder
     is otherwise minutes of silence)."""
     path = cache_file(root)
-    cached = _read(path, root)
+    cached = _read(path)
     stats = {tar: tar.stat() for tar in tars}
     found = {}
     for tar, stat in stats.items():
@@ -88,7 +88,7 @@ class _Progress:
                      f"starts read the counts)")
 
 
-def _read(path: Path, root: Path) -> dict[str, list[int]]:
+def _read(path: Path) -> dict[str, list[int]]:
     """The cache's entries ({tar relative to root: [size, mtime_ns, samples, classes]}), or {}
     where there is none or it cannot be used."""
     try:

@@ -363,14 +363,15 @@ def test_progress_bar_or_log_lines(tmp_path):
 @pytest.fixture(scope="module")
 def decoy_parquet(tmp_path_factory) -> tuple[Path, dict]:
     """train/test parquet files whose columns named like an image and a label are decoys (blank
-    images, all label 0); the real images are in `photo`, the real labels in `truth`."""
+    images, all label 0 of a class of their own); the real images are in `photo`, the real
+    labels in `truth`."""
     import datasets
     from PIL import Image as PILImage
 
     folder = tmp_path_factory.mktemp("decoy")
     features = datasets.Features({
         "image": datasets.Image(), "photo": datasets.Image(),
-        "label": datasets.ClassLabel(names=synthetic.CLASS_NAMES),
+        "label": datasets.ClassLabel(names=["decoy"]),
         "truth": datasets.ClassLabel(names=synthetic.CLASS_NAMES)})
     truth = {}
     for split, (images, labels) in synthetic.splits(64).items():
@@ -424,6 +425,36 @@ def test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard(decoy_p
     expected = torch.from_numpy(truth["train"][0]).permute(0, 3, 1, 2)
     assert labels == truth["train"][1].tolist()
     assert torch.equal(torch.stack(images), expected)
+
+    # streamed as they are (--streaming): the same columns read, the decoys passed over
+    streamed = tmp_path / "streamed"
+    accel_train_here("--data-dir", str(folder), "--streaming", *columns, "--model", "test_resnet",
+                     "--batch-size", "16", "--max-steps", "1", "--progress", "log", "--no-plots",
+                     "--mixed-precision", "no", "--no-channels-last", "--output-dir",
+                     str(streamed), check=True)
+    spec = model_spec_of(streamed)
+    assert spec["image_size"] == 32, "streamed the 20 px decoys"
+    # the truth column's classes as datasets' features name them (the decoys': "decoy")
+    assert spec["class_names"] == names
+    # and where the decoy images cannot be decoded and no features name the classes: the
+    # loader workers read the photos (--bad-images error stops at a broken one), the classes
+    # are counted from the truth column (the decoys' all-0 would be one class, refused)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    broken = tmp_path / "broken_decoys"
+    broken.mkdir()
+    for split in ("train", "test"):
+        table = pq.read_table(folder / f"{split}.parquet").replace_schema_metadata(None)
+        decoys = pa.array([{"bytes": b"not an image", "path": None}] * table.num_rows,
+                          table.schema.field("image").type)
+        pq.write_table(table.set_column(table.schema.get_field_index("image"), "image", decoys),
+                       broken / f"{split}.parquet")
+    accel_train_here("--data-dir", str(broken), "--streaming", *columns, "--bad-images", "error",
+                     "--model", "test_resnet", "--batch-size", "16", "--max-steps", "2",
+                     "--progress", "log", "--no-plots", "--mixed-precision", "no",
+                     "--output-dir", str(tmp_path / "streamed_broken"), check=True)
+    spec = model_spec_of(tmp_path / "streamed_broken")
+    assert spec["class_names"] == [str(c) for c in range(10)]
 
 
 # -- data options alike in training and check-data ------------------------------------------------

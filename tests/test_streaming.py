@@ -738,6 +738,12 @@ def test_bad_shard_folders_one_line_exit_2_nothing_written(synthetic_shards, tmp
         assert result.returncode == 2, (name, result.stderr[-2000:])
         assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, name
         assert not out.exists(), name
+    result = accel_train_here("--data-dir", str(tmp_path / "nolabels"), "--streaming",
+                              "--label-column", "labels", "--model", "test_resnet",
+                              "--output-dir", str(tmp_path / "o"))
+    assert result.returncode == 2 and result.stderr.strip().endswith(
+        "train.parquet has no column 'labels' (--label-column); its columns: image, caption"), \
+        result.stderr[-2000:]
     result = accel_train_here("--data-dir", str(synthetic_shards), "--eval-shards",
                               "nothing/*.tar", "--model", "test_resnet", "--output-dir",
                               str(tmp_path / "o"))

@@ -20,7 +20,8 @@ from typing import Optional
 import numpy as np
 
 
-def _check_shard(split: str, number: int, path: Path, num_classes: int) -> tuple:
+def _check_shard(split: str, number: int, path: Path, num_classes: int,
+                 columns: tuple = (None, None)) -> tuple:
     """(split, shard number, [(name, label or -1, width or None, height or reason, digest)]).
     Decoded one sample at a time: a shard may hold thousands of large photographs."""
     from accel_train.commands.check_data import one_read_done
@@ -28,7 +29,7 @@ def _check_shard(split: str, number: int, path: Path, num_classes: int) -> tuple
     from accel_train.data.streaming import iter_shard
     from accel_train.data.streaming.decoding import label_problem
     results = []
-    for image, label, name in iter_shard(path):  # (each sample's read noted)
+    for image, label, name in iter_shard(path, columns):  # (each sample's read noted)
         one_read_done()
         named = f"{path.name} {name}"
         digest = hashlib.blake2b(image, digest_size=16).digest() if image else None
@@ -61,7 +62,8 @@ def check_shards(config, workers: int, progress, read_timeout: float) -> dict:
     splits = {"train": data.train, data.eval_name: data.held_out,
               **({"test": data.test} if data.test is not None else {})}
     names, num_classes = data.class_names, len(data.class_names)
-    tasks = [(split, number, path, num_classes) for split, shards in splits.items()
+    tasks = [(split, number, path, num_classes, shards.columns)
+             for split, shards in splits.items()
              for number, path in enumerate(shards.files)]
     per_shard: dict[tuple[str, int], list] = {}
     bar = progress(sum(len(shards) for shards in splits.values()))

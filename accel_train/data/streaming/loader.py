@@ -45,7 +45,8 @@ class SlotReader:
             path, first = self.shards.files[s], int(self.shards.offsets[s])
             expected = self.shards.counts[s]
             n = 0
-            for n, (image, label, name) in enumerate(iter_shard(path), start=1):
+            for n, (image, label, name) in enumerate(iter_shard(path, self.shards.columns),
+                                                     start=1):
                 key = first + n - 1
                 if n > expected:
                     break

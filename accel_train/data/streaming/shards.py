@@ -41,10 +41,13 @@ TAR_ERRORS = (tarfile.TarError, ValueError, EOFError, OSError, zlib.error)
 
 @dataclass
 class ShardSet:
-    """The shards of one split: files, sample counts, and each shard's first sample number."""
+    """The shards of one split: files, sample counts, and each shard's first sample number;
+    `columns`: a parquet shard's image and label columns where the user named them
+    (--image-column, --label-column), else found by name."""
 
     files: list[Path]
     counts: list[int]
+    columns: tuple[Optional[str], Optional[str]] = (None, None)
     offsets: np.ndarray = field(init=False)
 
     def __post_init__(self):
@@ -145,6 +148,10 @@ def _parquet_columns(path: Path, handle, image_column: Optional[str] = None,
                      label_column: Optional[str] = None) -> tuple[str, str]:
     """(image column, label column) of a parquet shard: those named, else the usual names."""
     columns = handle.schema_arrow.names
+    for named, option in ((image_column, "--image-column"), (label_column, "--label-column")):
+        if named is not None and named not in columns:
+            raise UsageError(f"shard {path} has no column {named!r} ({option}); its columns: "
+                             f"{', '.join(columns)}")
     image = image_column or next((c for c in IMAGE_COLUMN_NAMES if c in columns), None)
     label = label_column or next((c for c in LABEL_COLUMN_NAMES if c in columns), None)
     if image is None or label is None:
@@ -165,13 +172,14 @@ def iter_parquet(path: Path, image_column: Optional[str] = None,
             row += 1
 
 
-def iter_shard(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
+def iter_shard(path: Path, columns: tuple[Optional[str], Optional[str]] = (None, None)
+               ) -> Iterator[tuple[bytes, Optional[int], str]]:
     """(image bytes, label or None, sample name) of each sample of a shard, each sample's read
     noted (loader_watch.reading): a shard on a mount that stops answering is named, and the
     sample after which it stopped, by a loader worker's watch or the command's own."""
     with reading(lambda: str(path)):
         kind = shard_kind(path)
-    samples = iter_tar(path) if kind == "tar" else iter_parquet(path)
+    samples = iter_tar(path) if kind == "tar" else iter_parquet(path, *columns)
     after = None
     while True:
         with reading(lambda previous=after: str(path) + (f" after sample {previous}"
@@ -183,12 +191,12 @@ def iter_shard(path: Path) -> Iterator[tuple[bytes, Optional[int], str]]:
         after = sample[2]
 
 
-def parquet_class_names(path: Path) -> Optional[list[str]]:
+def parquet_class_names(path: Path, label_column: Optional[str] = None) -> Optional[list[str]]:
     """The label column's class names where a parquet file carries them (Hugging Face
     `datasets` writes its features, a ClassLabel's names among them, into the schema's
     metadata, as in CIFAR-10's parquet files); None where it does not."""
     schema = parquet_file(path, "shard", "shard").schema_arrow
-    label = next((c for c in LABEL_COLUMN_NAMES if c in schema.names), None)
+    label = label_column or next((c for c in LABEL_COLUMN_NAMES if c in schema.names), None)
     try:
         feature = json.loads((schema.metadata or {})[b"huggingface"])["info"]["features"][label]
     except (KeyError, TypeError, ValueError):  # none, or not datasets' layout: numbers it is
@@ -199,7 +207,8 @@ def parquet_class_names(path: Path) -> Optional[list[str]]:
     return [str(name) for name in feature["names"]]
 
 
-def _count(path: Path) -> tuple[int, int]:
+def _count(path: Path, columns: tuple[Optional[str], Optional[str]] = (None, None)
+           ) -> tuple[int, int]:
     """(samples, largest label + 1) of one shard: a parquet file's labels read, a tar's headers
     and class members (its images seeked over)."""
     if shard_kind(path) == "parquet":  # the label column only: its images are never read
@@ -207,7 +216,7 @@ def _count(path: Path) -> tuple[int, int]:
         import pyarrow.types as pa_types
 
         handle = parquet_file(path, "shard", "shard")
-        label = _parquet_columns(path, handle)[1]
+        label = _parquet_columns(path, handle, *columns)[1]
         labels = read_parquet_table(path, "shard", [label], "shard", handle).column(0)
         if not pa_types.is_integer(labels.type):
             raise UsageError(f"shard {path}: its label column {label!r} holds {labels.type}, "
@@ -320,6 +329,7 @@ def open_shards(config) -> ShardData:
                                         "their samples' classes")
     index_path = root / INDEX_NAME
     eval_pattern = getattr(config, "eval_shards", None)
+    columns = (getattr(config, "image_column", None), getattr(config, "label_column", None))
     if index_path.is_file():
         index = read_json(index_path, "shard_index")  # readers.py: its shape checked
         splits = {}
@@ -331,7 +341,7 @@ def open_shards(config) -> ShardData:
                 raise bad(index_path, "shard_index", f"is not a shard index (split {name!r}: "
                                                       f"{problem})")
             splits[name] = ShardSet([root / entry["file"] for entry in entries],
-                                    [entry["count"] for entry in entries])
+                                    [entry["count"] for entry in entries], columns)
         class_names = [str(name) for name in index["class_names"]]
         for shards in splits.values():
             for path in shards.files:
@@ -369,12 +379,12 @@ def open_shards(config) -> ShardData:
                             print_once)
         splits, top = {}, 0
         for name, paths in groups.items():
-            counted = [tars[path] if path in tars else _count(path) for path in paths]
+            counted = [tars[path] if path in tars else _count(path, columns) for path in paths]
             top = max([top] + [t for _, t in counted])
-            splits[name] = ShardSet(paths, [c for c, _ in counted])
+            splits[name] = ShardSet(paths, [c for c, _ in counted], columns)
         class_names = [str(i) for i in range(top)]
         named = {tuple(names) for path in files if shard_kind(path) == "parquet"
-                 and (names := parquet_class_names(path)) is not None}
+                 and (names := parquet_class_names(path, columns[1])) is not None}
         if len(named) == 1 and len(next(iter(named))) >= top:  # every parquet file agrees
             class_names = list(named.pop())
     if eval_pattern:
@@ -384,9 +394,9 @@ def open_shards(config) -> ShardData:
         train = [(p, c) for p, c in zip(train_set.files, train_set.counts)
                  if p.resolve() not in held_set]
         counts = {p.resolve(): c for s in splits.values() for p, c in zip(s.files, s.counts)}
-        splits = {"train": ShardSet([p for p, _ in train], [c for _, c in train]),
-                  "eval": ShardSet(held, [counts.get(p.resolve()) or _count(p)[0]
-                                          for p in held])}
+        splits = {"train": ShardSet([p for p, _ in train], [c for _, c in train], columns),
+                  "eval": ShardSet(held, [counts.get(p.resolve()) or _count(p, columns)[0]
+                                          for p in held], columns)}
     if "train" not in splits or len(splits["train"]) == 0:
         raise UsageError(f"--data-dir {config.data_dir}: no training shards")
     eval_name = next((n for n in ("eval", *EVAL_SPLITS) if n in splits), None)
@@ -410,7 +420,7 @@ def read_split(shards: ShardSet, limit: Optional[int] = None,
     wanted = None if kept is None else set(kept.tolist())
     position = -1
     for s in shards:
-        for image, label, name in iter_shard(shards.files[s]):
+        for image, label, name in iter_shard(shards.files[s], shards.columns):
             position += 1
             if limit is not None and len(images) >= limit or \
                     wanted is not None and len(images) == len(wanted):

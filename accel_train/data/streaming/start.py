@@ -51,7 +51,8 @@ def load_streaming(config):
             """Sample `index` (its number in the split) as a BadImage, re-read from its shard,
             if it cannot be used (badimages.py names each once)."""
             s = int(np.searchsorted(self.shards.offsets, index, side="right")) - 1
-            for k, (image, label, name) in enumerate(iter_shard(self.shards.files[s])):
+            for k, (image, label, name) in enumerate(iter_shard(self.shards.files[s],
+                                                                self.shards.columns)):
                 if k == index - int(self.shards.offsets[s]):
                     decoded = decode_many([image if image is not None else b""])[0]
                     reason = sample_problem(decoded, label, num_classes)

@@ -109,10 +109,12 @@ ROWS: dict[str, Row] = {
         "rows, labels and classes equal datasets' own imagefolder loader"),
     "train --image-column": effect(
         f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
-        "decoy columns named image/label are passed over: trains on the photo column's size"),
+        "decoy columns named image/label are passed over: trains on the photo column's size, "
+        "streamed too (--streaming: undecodable decoys pass --bad-images error)"),
     "train --label-column": effect(
         f"{EFFECTS}::test_columns_chosen_by_flag_reach_training_check_data_eval_and_shard",
-        "class counts are those of the truth column, not the all-zero decoy"),
+        "class counts are those of the truth column, not the all-zero decoy; streamed, its "
+        "ClassLabel names, or 10 classes counted from it (the decoy's one is refused)"),
     "train --val-fraction": effect(
         "test_bad_images.py::test_parquet_rows_are_named_by_file_and_row_also_after_carving",
         "0.25 of 17 rows carves ceil(4.25) = 5 held-out rows"),

@@ -430,7 +430,7 @@ def test_a_damaged_yaml_we_are_handed(tmp_path, kind, corruption):
 
 
 # -- data: parquet, shards and their index, an image folder's cached index -----------------------
-@pytest.mark.parametrize("command", ["train", "check-data", "shard"])
+@pytest.mark.parametrize("command", ["train", "check-data", "shard", "train --streaming"])
 @pytest.mark.parametrize("corruption", list(COMMON))
 def test_a_damaged_parquet_file(cifar10_layout, tmp_path, command, corruption):
     data = tmp_path / "data"
@@ -440,9 +440,16 @@ def test_a_damaged_parquet_file(cifar10_layout, tmp_path, command, corruption):
     out = tmp_path / "out"
     args = {"train": [*TINY_TRAIN, "--data-dir", str(data), "--output-dir", str(out)],
             "check-data": ["check-data", "--data-dir", str(data)],
-            "shard": ["shard", "--no-progress", "--data-dir", str(data), "--output", str(out)]}
+            "shard": ["shard", "--no-progress", "--data-dir", str(data), "--output", str(out)],
+            "train --streaming": [*TINY_TRAIN, "--data-dir", str(data), "--streaming",
+                                  "--output-dir", str(out)]}
     line = _one_line(accel_train_here(*args[command]), data / "test.parquet")
-    assert "is not a readable parquet file" in line and "copy it again" in line
+    if command == "train --streaming" and corruption != "cut in half":  # no parquet header
+        assert f"shard {data / 'test.parquet'} is not a tar or parquet file" in line, line
+    elif command == "train --streaming":  # read as a shard
+        assert f"shard {data / 'test.parquet'}: is not a readable parquet file (" in line, line
+    else:
+        assert "is not a readable parquet file" in line and "copy it again" in line
     assert _hashes(data) == before and not out.exists()
 
 
